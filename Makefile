@@ -1,0 +1,40 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+# Both create (or reuse) the virtual environment in .venv.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: venv demo test lint typecheck unit bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel on disk (an unpinned torch pulls a CUDA build)
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: venv
+	$(VPY) -m hicache.demo
+
+lint: venv
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+unit: venv
+	$(VPY) -m pytest -q
+
+test: lint typecheck unit
+
+bench: venv
+	$(VPY) -m hicache.cli bench tree
+	$(VPY) -m hicache.cli bench transfer
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,253 @@
+"""Frozen, validated configuration.
+
+Every config is a keyword-only frozen dataclass validated in ``__post_init__``; a bad value
+raises :class:`ValueError` naming the field, the value and what is allowed. Derived sizes are
+properties. Names and defaults follow SGLang's ``--hicache-*`` flags where they exist.
+
+This module is pure: no torch, no threads, no IO.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class WritePolicy(str, enum.Enum):
+    """When a device (L1) node is copied to host (L2)."""
+
+    WRITE_THROUGH = "write_through"
+    """Back up on first insert."""
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    """Back up once a node has been hit ``write_through_threshold`` times."""
+    WRITE_BACK = "write_back"
+    """Back up only when the node is evicted from the device."""
+
+
+class IOBackend(str, enum.Enum):
+    """How pages move between L1 and L2."""
+
+    DIRECT = "direct"
+    """One copy per page (and per layer when loading layer by layer)."""
+    KERNEL = "kernel"
+    """Vectorized gather/scatter over all pages of an operation at once."""
+
+
+class MemLayout(str, enum.Enum):
+    """Host (L2) tensor layout; see DESIGN.md."""
+
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
+    PAGE_FIRST_DIRECT = "page_first_direct"
+
+
+class EvictionPolicy(str, enum.Enum):
+    """Order in which evictable leaves go first."""
+
+    LRU = "lru"
+    LFU = "lfu"
+    FIFO = "fifo"
+    PRIORITY = "priority"
+
+
+class AttentionKind(str, enum.Enum):
+    """Shape family of the KV cache."""
+
+    MHA = "mha"
+    """Separate K and V per layer, ``(tokens, kv_heads, head_dim)`` each (GQA/MQA included)."""
+    MLA = "mla"
+    """One latent per layer, ``(tokens, 1, kv_lora_rank + qk_rope_head_dim)``."""
+
+
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+_DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _enum_value(cls: type[enum.Enum], field: str, value: Any) -> Any:
+    """Coerce ``value`` (member or its string) to a member of ``cls`` or raise ValueError."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{field}={value!r} is not allowed; choose one of {allowed}") from None
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid; {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVSpec:
+    """Shape of one rank's KV cache per token.
+
+    For MHA a token holds K and V of ``num_layers x num_kv_heads x head_dim`` each; for MLA
+    a token holds one latent of ``num_layers x (kv_lora_rank + qk_rope_head_dim)``.
+    """
+
+    num_layers: int
+    attention: AttentionKind = AttentionKind.MHA
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "attention", _enum_value(AttentionKind, "attention", self.attention)
+        )
+        _require(
+            _is_int(self.num_layers) and self.num_layers >= 1,
+            "num_layers",
+            self.num_layers,
+            "must be an int >= 1",
+        )
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"choose one of {DTYPES}")
+        if self.attention is AttentionKind.MHA:
+            for name in ("num_kv_heads", "head_dim"):
+                v = getattr(self, name)
+                _require(_is_int(v) and v >= 1, name, v, "must be an int >= 1 for MHA")
+        else:
+            _require(
+                _is_int(self.kv_lora_rank) and self.kv_lora_rank >= 1,
+                "kv_lora_rank",
+                self.kv_lora_rank,
+                "must be an int >= 1 for MLA",
+            )
+            _require(
+                _is_int(self.qk_rope_head_dim) and self.qk_rope_head_dim >= 0,
+                "qk_rope_head_dim",
+                self.qk_rope_head_dim,
+                "must be an int >= 0 for MLA",
+            )
+
+    @property
+    def num_kv(self) -> int:
+        """Tensors per layer: 2 (K and V) for MHA, 1 (latent) for MLA."""
+        return 2 if self.attention is AttentionKind.MHA else 1
+
+    @property
+    def heads(self) -> int:
+        """Heads per stored tensor: ``num_kv_heads`` for MHA, 1 for MLA."""
+        return self.num_kv_heads if self.attention is AttentionKind.MHA else 1
+
+    @property
+    def dim(self) -> int:
+        """Last dimension of a stored tensor: ``head_dim`` (MHA) or latent width (MLA)."""
+        if self.attention is AttentionKind.MHA:
+            return self.head_dim
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def token_bytes_per_layer(self) -> int:
+        """Bytes one token occupies in one layer (K and V together for MHA)."""
+        return self.num_kv * self.heads * self.dim * self.dtype_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies across all layers."""
+        return self.token_bytes_per_layer * self.num_layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """How the hierarchical cache is shaped and how it behaves.
+
+    Sizes: the device (L1) pool holds ``device_tokens`` tokens. The host (L2) pool holds
+    ``hicache_size`` GB (10**9 bytes) per rank when that is set (> 0), else
+    ``hicache_ratio x device_tokens`` tokens. Both are rounded down to whole pages.
+    """
+
+    page_size: int = 64
+    device_tokens: int = 65536
+    enable_hierarchical_cache: bool = True
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_through_threshold: int = 2
+    io_backend: IOBackend = IOBackend.KERNEL
+    mem_layout: MemLayout = MemLayout.PAGE_FIRST
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    load_back_threshold: int = 10
+
+    def __post_init__(self) -> None:
+        for field, cls in (
+            ("write_policy", WritePolicy),
+            ("io_backend", IOBackend),
+            ("mem_layout", MemLayout),
+            ("eviction_policy", EvictionPolicy),
+        ):
+            object.__setattr__(self, field, _enum_value(cls, field, getattr(self, field)))
+        _require(
+            _is_int(self.page_size) and self.page_size >= 1,
+            "page_size",
+            self.page_size,
+            "must be an int >= 1 (64 is the default, 1 is allowed)",
+        )
+        _require(
+            _is_int(self.device_tokens) and self.device_tokens >= self.page_size,
+            "device_tokens",
+            self.device_tokens,
+            f"must be an int >= page_size ({self.page_size})",
+        )
+        _require(
+            isinstance(self.enable_hierarchical_cache, bool),
+            "enable_hierarchical_cache",
+            self.enable_hierarchical_cache,
+            "must be a bool",
+        )
+        _require(
+            _is_number(self.hicache_ratio) and self.hicache_ratio > 1.0,
+            "hicache_ratio",
+            self.hicache_ratio,
+            "must be a number > 1 (the host pool must be larger than the device pool)",
+        )
+        _require(
+            _is_number(self.hicache_size) and self.hicache_size >= 0,
+            "hicache_size",
+            self.hicache_size,
+            "must be a number of GB >= 0 (0 means: size by hicache_ratio)",
+        )
+        _require(
+            _is_int(self.write_through_threshold) and self.write_through_threshold >= 1,
+            "write_through_threshold",
+            self.write_through_threshold,
+            "must be an int >= 1",
+        )
+        _require(
+            _is_int(self.load_back_threshold) and self.load_back_threshold >= 0,
+            "load_back_threshold",
+            self.load_back_threshold,
+            "must be an int >= 0 (tokens)",
+        )
+
+    @property
+    def device_pages(self) -> int:
+        """Whole pages in the device pool."""
+        return self.device_tokens // self.page_size
+
+    def host_pages(self, spec: KVSpec) -> int:
+        """Whole pages in the host pool for a KV of shape ``spec``."""
+        if self.hicache_size > 0:
+            page_bytes = spec.token_bytes * self.page_size
+            return int(self.hicache_size * 1e9) // page_bytes
+        return int(self.device_pages * self.hicache_ratio)
+
+    def host_tokens(self, spec: KVSpec) -> int:
+        return self.host_pages(spec) * self.page_size
