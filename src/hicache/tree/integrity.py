@@ -1,0 +1,61 @@
+"""The tree's invariant checker, kept apart from the hot paths in :mod:`radix`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache.tree.node import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from hicache.tree.radix import HiRadixTree
+    from hicache.tree.results import TreeStats
+
+
+def check_tree(tree: HiRadixTree) -> TreeStats:
+    """Check every invariant of :mod:`hicache.tree.radix`; raise AssertionError on the first
+    violation, naming the node. Returns stats recomputed from scratch (equal to the
+    tree's incremental counters, which are checked too)."""
+    from hicache.tree.results import TreeStats
+
+    pb = tree.page_size * TOKEN_BYTES
+    root = tree.root
+    assert root.parent is None and not root.device and not root.host, "root corrupted"
+    device_seen: set[int] = set()
+    host_seen: set[int] = set()
+    nodes = device = host = protected = 0
+    for node in tree.iter_nodes():
+        nodes += 1
+        parent = node.parent
+        assert parent is not None, f"{node!r} has no parent"
+        n_pages = len(node.key) // pb
+        assert n_pages > 0 and len(node.key) % pb == 0, f"{node!r}: key is not whole pages"
+        assert parent.children.get(node.key[:pb]) is node, f"{node!r} not under its first page"
+        assert node.device is not None or node.host is not None, f"{node!r} is in no tier"
+        if node.device is not None:
+            assert len(node.device) == n_pages, f"{node!r}: {len(node.device)} device pages"
+            assert parent.device is not None, f"{node!r} in L1 under a parent that is not"
+            dup = device_seen.intersection(node.device)
+            assert not dup and len(set(node.device)) == n_pages, f"L1 pages {dup} owned twice"
+            device_seen.update(node.device)
+            device += n_pages
+            if node.lock_ref > 0:
+                protected += n_pages
+        if node.host is not None:
+            assert len(node.host) == n_pages, f"{node!r}: {len(node.host)} host pages"
+            assert parent.host is not None, f"{node!r} in L2 under a parent that is not"
+            dup = host_seen.intersection(node.host)
+            assert not dup and len(set(node.host)) == n_pages, f"L2 pages {dup} owned twice"
+            host_seen.update(node.host)
+            host += n_pages
+        assert node.lock_ref >= 0 and node.host_ref >= 0, f"{node!r}: negative pin"
+        kids = node.children.values()
+        assert node.lock_ref >= sum(c.lock_ref for c in kids), f"{node!r}: lock_ref below children"
+        assert node.host_ref >= sum(c.host_ref for c in kids), f"{node!r}: host_ref below children"
+        for comp in tree._extra:
+            if comp.name in node.extra:
+                comp.check(node.extra[comp.name], n_pages)
+    recomputed = TreeStats(
+        nodes=nodes, device_pages=device, host_pages=host, protected_device_pages=protected
+    )
+    assert recomputed == tree.stats(), f"counters {tree.stats()} != recomputed {recomputed}"
+    return recomputed

@@ -1,0 +1,168 @@
+"""Radix tree nodes and the token-key encoding.
+
+A node holds a span of whole pages of tokens. Its key is the span's token ids encoded as
+``uint32`` little-endian bytes, so comparing page slices is a ``memcmp`` and a child is
+found by the bytes of its first page. Pure Python: no torch, no threads, no IO.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+TOKEN_BYTES = 4
+"""Bytes per token id in a key (uint32 little-endian)."""
+
+_LITTLE_ENDIAN = array("I").itemsize == 4 and array("I", [1]).tobytes()[0] == 1
+
+TokenIds = Sequence[int] | bytes
+
+PageIds = array
+"""Page ids into a pool: ``array('q')`` (int64). Compact, not traversed by the garbage
+collector, and viewable without a copy by ``torch.frombuffer`` / ``numpy.frombuffer``."""
+
+
+def page_ids(pages: Sequence[int] | array = ()) -> PageIds:
+    """Page ids as an ``array('q')`` (a copy)."""
+    return array("q", pages)
+
+
+def as_page_ids(pages: Sequence[int] | array) -> PageIds:
+    """``pages`` itself when it already is an ``array('q')``, else a converted copy.
+
+    The result may alias the caller's array: slice it before storing it.
+    """
+    if isinstance(pages, array) and pages.typecode == "q":
+        return pages
+    return array("q", pages)
+
+
+def encode_tokens(tokens: TokenIds) -> bytes:
+    """Encode token ids as uint32 little-endian bytes.
+
+    ``bytes`` input is taken as already encoded (its length must be a multiple of 4).
+    Raises ValueError for ids outside ``[0, 2**32)``.
+    """
+    if isinstance(tokens, bytes):
+        if len(tokens) % TOKEN_BYTES:
+            raise ValueError(f"encoded token key has {len(tokens)} bytes, not a multiple of 4")
+        return tokens
+    if hasattr(tokens, "dtype") and hasattr(tokens, "astype"):  # numpy array
+        arr: Any = tokens
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+            raise ValueError("token ids must lie in [0, 2**32)")
+        data: bytes = arr.astype("<u4", copy=False).tobytes()
+        return data
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def decode_tokens(key: bytes) -> list[int]:
+    """Inverse of :func:`encode_tokens`."""
+    packed = array("I")
+    packed.frombytes(key)
+    if not _LITTLE_ENDIAN:  # pragma: no cover
+        packed.byteswap()
+    return packed.tolist()
+
+
+def common_prefix_bytes(a: bytes, b: bytes, unit: int) -> int:
+    """Length in bytes of the longest common prefix of ``a`` and ``b`` in whole ``unit``s.
+
+    Binary search over unit boundaries; each probe is one memcmp of a slice.
+    """
+    hi = min(len(a), len(b)) // unit
+    if a[: hi * unit] == b[: hi * unit]:
+        return hi * unit
+    lo = 0  # a[:lo*unit] == b[:lo*unit] holds; a[:hi*unit] != b[:hi*unit]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * unit] == b[: mid * unit]:
+            lo = mid
+        else:
+            hi = mid
+    return lo * unit
+
+
+class TreeNode:
+    """One span of whole pages in the radix tree.
+
+    Attributes:
+        id: unique, increasing in creation order (ties in eviction order break on it).
+        key: the span's token ids, uint32 LE bytes; ``len(key) == num_pages * page_size * 4``.
+        parent: ``None`` only for the root.
+        children: child nodes keyed by the bytes of their first page.
+        device: L1 page ids, one per page of the span, or ``None`` when evicted from L1.
+        host: L2 page ids, one per page of the span, or ``None`` when not backed up.
+        lock_ref: device pins on this node (path-wise: a lock on a node pins its ancestors).
+        host_ref: host pins, path-wise like ``lock_ref``.
+        hit_count: inserts that created or passed through this span.
+        last_access: logical clock of the last match or insert that touched it.
+        created: logical clock when the span was first inserted (kept by splits).
+        priority: caller-given priority (higher stays longer under the ``priority`` policy).
+        extra: per-component values of components other than full attention, by name.
+    """
+
+    __slots__ = (
+        "children",
+        "created",
+        "device",
+        "extra",
+        "hit_count",
+        "host",
+        "host_ref",
+        "id",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "priority",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        key: bytes,
+        parent: TreeNode | None,
+        *,
+        device: PageIds | None = None,
+        host: PageIds | None = None,
+        tick: int = 0,
+        priority: int = 0,
+    ) -> None:
+        self.id = node_id
+        self.key = key
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.device = device
+        self.host = host
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access = tick
+        self.created = tick
+        self.priority = priority
+        self.extra: dict[str, Any] = {}
+
+    @property
+    def evicted(self) -> bool:
+        """True when the span is not in L1."""
+        return self.device is None
+
+    @property
+    def backed_up(self) -> bool:
+        """True when the span has a copy in L2."""
+        return self.host is not None
+
+    def __repr__(self) -> str:
+        tiers = ("D" if self.device is not None else "") + ("H" if self.host is not None else "")
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key) // TOKEN_BYTES}, tiers={tiers or '-'},"
+            f" lock={self.lock_ref}, host_ref={self.host_ref})"
+        )

@@ -1,0 +1,450 @@
+"""HiRadixTree: one radix tree recording which tier (L1 device, L2 host) holds each page.
+
+The tree stores metadata only: page ids into the device and host pools, pins and access
+statistics. It never allocates, copies or frees memory; the owner (the cache facade) does,
+and tells the tree through the methods here. Pure Python: no torch, no threads, no IO.
+
+Invariants (checked by :meth:`HiRadixTree.check_integrity`):
+
+* every non-root node spans a whole, non-zero number of pages and sits in its parent's
+  ``children`` under the bytes of its first page;
+* every non-root node is held by at least one tier (``device`` or ``host`` is not None);
+* contiguity: a node has a device copy only if its parent has one, and a host copy only if
+  its parent has one; so along any root-to-leaf path the device-resident part is a prefix,
+  then comes a host-only part, then nothing;
+* ``lock_ref`` and ``host_ref`` are path-wise pins: a node's count is at least the sum of
+  its children's; every page id is owned by one node only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from hicache.config import EvictionPolicy
+from hicache.tree.components import FullAttention, TreeComponent
+from hicache.tree.eviction import eviction_key, eviction_order
+from hicache.tree.node import (
+    TOKEN_BYTES,
+    PageIds,
+    TokenIds,
+    TreeNode,
+    as_page_ids,
+    common_prefix_bytes,
+    encode_tokens,
+    page_ids,
+)
+from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
+
+
+class HiRadixTree:
+    """The radix tree over L1 and L2 page ids; see the module docstring for invariants.
+
+    Args:
+        page_size: tokens per page; keys are matched and stored in whole pages.
+        eviction_policy: order of :meth:`device_eviction_order` and
+            :meth:`host_eviction_order`.
+        components: extra per-node components (full attention is always present).
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
+        components: Sequence[TreeComponent] = (),
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size!r} is invalid; must be >= 1")
+        self.page_size = page_size
+        self.eviction_policy = EvictionPolicy(eviction_policy)
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._evict_key = eviction_key(self.eviction_policy)
+        self._full = FullAttention()
+        self._extra = tuple(components)
+        self.reset()
+
+    # ------------------------------------------------------------------ basics
+
+    def reset(self) -> None:
+        """Drop every node. The owner frees the pages it had handed to the tree."""
+        self._next_id = 0
+        self._tick = 0
+        self.root = self._new_node(b"", None, device=page_ids(), host=page_ids())
+        self._device_pages = 0
+        self._host_pages = 0
+        self._protected_pages = 0
+        self._num_nodes = 0
+
+    def _new_node(
+        self,
+        key: bytes,
+        parent: TreeNode | None,
+        *,
+        device: PageIds | None = None,
+        host: PageIds | None = None,
+        priority: int = 0,
+    ) -> TreeNode:
+        node = TreeNode(
+            self._next_id, key, parent, device=device, host=host, tick=self._tick, priority=priority
+        )
+        self._next_id += 1
+        return node
+
+    def num_pages(self, node: TreeNode) -> int:
+        return len(node.key) // self._page_bytes
+
+    def num_tokens(self, node: TreeNode) -> int:
+        return len(node.key) // TOKEN_BYTES
+
+    def _page_key(self, tokens: TokenIds) -> bytes:
+        key = encode_tokens(tokens)
+        return key[: len(key) - len(key) % self._page_bytes]
+
+    # ------------------------------------------------------------------ match / insert
+
+    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+        """Find the longest cached prefix of ``tokens`` in whole pages; copies no data.
+
+        Splits a node when the match ends inside it, so the result ends on a node boundary.
+        Marks every matched node as accessed (for LRU).
+        """
+        key = self._page_key(tokens)
+        pb = self._page_bytes
+        self._tick += 1
+        tick = self._tick
+        node = self.root
+        last_device = self.root
+        device_pages = page_ids()
+        host_bytes = 0
+        pos = 0
+        end = len(key)
+        stop = MatchStop.END_OF_KEY
+        while pos < end:
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                stop = MatchStop.NO_CHILD
+                break
+            klen = len(child.key)
+            diverged = False
+            if key[pos : pos + klen] != child.key:
+                klen = common_prefix_bytes(key[pos:], child.key, pb)
+                child = self._split(child, klen // pb)
+                diverged = pos + klen < end
+            child.last_access = tick
+            if child.device is not None:
+                device_pages += child.device
+                last_device = child
+            else:
+                host_bytes += klen
+            pos += klen
+            node = child
+            if diverged:
+                stop = MatchStop.DIVERGED
+                break
+        return MatchResult(
+            device_pages=device_pages,
+            last_device_node=last_device,
+            last_host_node=node,
+            device_tokens=len(device_pages) * self.page_size,
+            host_tokens=host_bytes // TOKEN_BYTES,
+            stop=stop,
+        )
+
+    def insert(
+        self, tokens: TokenIds, device_pages: Sequence[int] | PageIds, *, priority: int = 0
+    ) -> InsertResult:
+        """Record that ``tokens`` (whole pages; a partial tail is ignored) have KV in the
+        L1 pages ``device_pages`` (one per whole page).
+
+        Spans already in L1 keep their pages (the caller's different pages come back as
+        ``duplicate_pages``); spans held only in L2 adopt the caller's pages; the uncached
+        tail becomes a new leaf. Every existing node passed counts a hit; a new node starts
+        with one hit.
+        """
+        key = self._page_key(tokens)
+        pb = self._page_bytes
+        n_pages = len(key) // pb
+        pages = as_page_ids(device_pages)
+        if len(pages) != n_pages:
+            raise ValueError(
+                f"insert got {len(device_pages)} device pages for {n_pages} whole pages of tokens"
+            )
+        self._tick += 1
+        tick = self._tick
+        node = self.root
+        pos = 0
+        page = 0
+        cached_pages = 0
+        duplicates = page_ids()
+        adopted: list[TreeNode] = []
+        new_node: TreeNode | None = None
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                new_node = self._new_node(key[pos:], node, device=pages[page:], priority=priority)
+                new_node.hit_count = 1
+                node.children[key[pos : pos + pb]] = new_node
+                self._num_nodes += 1
+                self._device_pages += n_pages - page
+                node = new_node
+                break
+            klen = len(child.key)
+            if key[pos : pos + klen] != child.key:
+                klen = common_prefix_bytes(key[pos:], child.key, pb)
+                child = self._split(child, klen // pb)
+            k = klen // pb
+            chunk = pages[page : page + k]
+            child.hit_count += 1
+            child.last_access = tick
+            child.priority = max(child.priority, priority)
+            cached_pages += k
+            if child.device is None:
+                self.assign_device(child, chunk)
+                adopted.append(child)
+            elif child.device != chunk:
+                duplicates.extend(p for p, q in zip(chunk, child.device, strict=True) if p != q)
+            pos += klen
+            page += k
+            node = child
+        return InsertResult(
+            last_node=node,
+            cached_tokens=cached_pages * self.page_size,
+            duplicate_pages=duplicates,
+            adopted=adopted,
+            new_node=new_node,
+        )
+
+    def _split(self, child: TreeNode, at_page: int) -> TreeNode:
+        """Split ``child`` after ``at_page`` pages; return the new head (child's new parent)."""
+        parent = child.parent
+        assert parent is not None and 0 < at_page < self.num_pages(child)
+        n = self.num_pages(child)
+        cut = at_page * self._page_bytes
+        head = self._new_node(child.key[:cut], parent, priority=child.priority)
+        head.device, child.device = self._full.split(child.device, at_page, n)
+        head.host, child.host = self._full.split(child.host, at_page, n)
+        for comp in self._extra:
+            if comp.name in child.extra:
+                head.extra[comp.name], child.extra[comp.name] = comp.split(
+                    child.extra[comp.name], at_page, n
+                )
+        head.lock_ref = child.lock_ref
+        head.host_ref = child.host_ref
+        head.hit_count = child.hit_count
+        head.last_access = child.last_access
+        head.created = child.created
+        child.key = child.key[cut:]
+        child.parent = head
+        head.children[child.key[: self._page_bytes]] = child
+        parent.children[head.key[: self._page_bytes]] = head
+        self._num_nodes += 1
+        return head
+
+    # ------------------------------------------------------------------ pins
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors in L1 (they are not evicted while pinned)."""
+        while node is not self.root:
+            if node.lock_ref == 0 and node.device is not None:
+                self._protected_pages += len(node.device)
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock_ref` on ``node``. Raises before changing anything if a
+        count on the path would go negative."""
+        self._check_path_ref(node, "lock_ref")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0 and node.device is not None:
+                self._protected_pages -= len(node.device)
+            assert node.parent is not None
+            node = node.parent
+
+    def inc_host_ref(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors in L2."""
+        while node is not self.root:
+            node.host_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def dec_host_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_host_ref`; raises before changing anything on underflow."""
+        self._check_path_ref(node, "host_ref")
+        while node is not self.root:
+            node.host_ref -= 1
+            assert node.parent is not None
+            node = node.parent
+
+    def _check_path_ref(self, node: TreeNode, attr: str) -> None:
+        n = node
+        while n is not self.root:
+            if getattr(n, attr) <= 0:
+                raise RuntimeError(f"{attr} underflow at {n!r} (unpinning a node not pinned)")
+            assert n.parent is not None
+            n = n.parent
+
+    # ------------------------------------------------------------------ tier changes
+
+    def assign_device(self, node: TreeNode, pages: PageIds) -> None:
+        """Give an L1-evicted node its L1 pages (after a load back or a recompute)."""
+        if node.device is not None:
+            raise RuntimeError(f"{node!r} already has device pages")
+        if node.parent is None or node.parent.device is None:
+            raise RuntimeError(f"{node!r}: parent not in L1; load back top-down (contiguity)")
+        if len(pages) != self.num_pages(node):
+            raise ValueError(f"{node!r} needs {self.num_pages(node)} pages, got {len(pages)}")
+        node.device = pages
+        self._device_pages += len(pages)
+        if node.lock_ref > 0:
+            self._protected_pages += len(pages)
+
+    def assign_host(self, node: TreeNode, pages: PageIds) -> None:
+        """Give a node its L2 pages (a backup was issued for it)."""
+        if node.host is not None:
+            raise RuntimeError(f"{node!r} already has host pages")
+        if node.parent is None or node.parent.host is None:
+            raise RuntimeError(f"{node!r}: parent not in L2; back up top-down (contiguity)")
+        if len(pages) != self.num_pages(node):
+            raise ValueError(f"{node!r} needs {self.num_pages(node)} pages, got {len(pages)}")
+        node.host = pages
+        self._host_pages += len(pages)
+
+    def nodes_to_back_up(self, node: TreeNode, *, min_hits: int = 0) -> list[TreeNode]:
+        """Nodes on the path to ``node`` without an L2 copy, top-down, that may be backed up
+        now: the run just below the backed-up prefix whose hit counts reach ``min_hits``."""
+        path: list[TreeNode] = []
+        while node is not self.root and node.host is None:
+            path.append(node)
+            assert node.parent is not None
+            node = node.parent
+        path.reverse()
+        run: list[TreeNode] = []
+        for n in path:
+            if n.hit_count < min_hits:
+                break
+            run.append(n)
+        return run
+
+    def host_only_path(self, node: TreeNode) -> list[TreeNode]:
+        """The L1-evicted nodes on the path to ``node``, top-down (what a load back copies)."""
+        path: list[TreeNode] = []
+        while node is not self.root and node.device is None:
+            path.append(node)
+            assert node.parent is not None
+            node = node.parent
+        path.reverse()
+        return path
+
+    # ------------------------------------------------------------------ eviction
+
+    def _device_evictable(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root
+            and node.device is not None
+            and node.lock_ref == 0
+            and all(c.device is None for c in node.children.values())
+        )
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root
+            and node.device is None
+            and node.host is not None
+            and node.host_ref == 0
+            and node.lock_ref == 0
+            and not node.children
+        )
+
+    def device_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L1 leaves (no child in L1) in policy order, lazily.
+
+        The consumer evicts each yielded node with :meth:`evict_device` (or skips it)
+        before asking for the next; a parent that becomes a leaf joins the order.
+        """
+        return eviction_order(
+            self.iter_nodes(), self._evict_key, self._device_evictable, lambda n: n.device is None
+        )
+
+    def host_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L2-only leaves in policy order, lazily (see :meth:`device_eviction_order`)."""
+        return eviction_order(
+            self.iter_nodes(), self._evict_key, self._host_evictable, lambda n: n.host is None
+        )
+
+    def evict_device(self, node: TreeNode) -> PageIds:
+        """Drop ``node``'s L1 copy and return its L1 page ids for the owner to free.
+
+        A node backed up in L2 stays (host-only); one that is not is removed.
+        """
+        if not self._device_evictable(node):
+            raise RuntimeError(f"{node!r} is not an unpinned L1 leaf")
+        pages = node.device
+        assert pages is not None
+        node.device = None
+        self._device_pages -= len(pages)
+        if node.host is None:
+            self._remove(node)
+        return pages
+
+    def evict_host(self, node: TreeNode) -> PageIds:
+        """Remove an unpinned L2-only leaf and return its L2 page ids for the owner to free."""
+        if not self._host_evictable(node):
+            raise RuntimeError(f"{node!r} is not an unpinned L2-only leaf")
+        pages = node.host
+        assert pages is not None
+        node.host = None
+        self._host_pages -= len(pages)
+        self._remove(node)
+        return pages
+
+    def drop_host(self, node: TreeNode) -> PageIds:
+        """Forget ``node``'s L2 copy (a failed backup) while it stays in L1; return the pages."""
+        if node.host is None or node.device is None:
+            raise RuntimeError(f"{node!r} must be in L1 and L2 to drop its L2 copy")
+        if any(c.host is not None for c in node.children.values()):
+            raise RuntimeError(f"{node!r} has backed-up children (contiguity)")
+        pages = node.host
+        node.host = None
+        self._host_pages -= len(pages)
+        return pages
+
+    def _remove(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.key[: self._page_bytes]]
+        node.parent = None
+        self._num_nodes -= 1
+
+    # ------------------------------------------------------------------ inspection
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def stats(self) -> TreeStats:
+        return TreeStats(
+            nodes=self._num_nodes,
+            device_pages=self._device_pages,
+            host_pages=self._host_pages,
+            protected_device_pages=self._protected_pages,
+        )
+
+    def device_page_ids(self) -> list[int]:
+        """Every L1 page id the tree owns."""
+        return [p for n in self.iter_nodes() if n.device is not None for p in n.device]
+
+    def host_page_ids(self) -> list[int]:
+        """Every L2 page id the tree owns."""
+        return [p for n in self.iter_nodes() if n.host is not None for p in n.host]
+
+    def check_integrity(self) -> TreeStats:
+        """Verify every invariant of the module docstring; raise AssertionError naming the
+        first violation. Returns the recomputed stats."""
+        from hicache.tree.integrity import check_tree
+
+        return check_tree(self)
