@@ -1,0 +1,444 @@
+"""HiCache: the one facade a scheduler talks to.
+
+It owns the tree, the device (L1) and host (L2) pools and the controller, and keeps them in
+step. All methods run on the owner's thread; worker threads only copy bytes and post
+completions, which :meth:`HiCache.poll` applies.
+
+Request life cycle, as an engine drives it::
+
+    m = cache.match_prefix(tokens)        # tree walk only, no copy
+    lb = cache.load_back(m, query_tokens=len(tokens))  # L2 -> L1, layer by layer
+    cache.lock(lb.last_node)              # keep the prefix in L1 while the request runs
+    pages = cache.alloc_device(n)         # pages for the new tokens (evicts under pressure)
+    ... forward: layer i reads lb.device_pages after lb.progress.wait(i) ...
+    cache.insert(tokens, lb.device_pages + pages)   # write policy may back up to L2
+    cache.unlock(lb.last_node)
+    cache.poll()                          # apply finished copies (also done by the calls above)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from hicache.config import CacheConfig, KVSpec
+from hicache.controller import CacheController, write_rule
+from hicache.memory import DevicePool, HostPool
+from hicache.metrics import CacheCounters, CacheStats
+from hicache.transfer import Completion, LayerProgress
+from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
+from hicache.tree.node import PageIds, TokenIds, page_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBackResult:
+    """The L1 view of a matched prefix after :meth:`HiCache.load_back`.
+
+    ``device_pages`` cover the whole usable prefix (``device_tokens`` tokens): the part that
+    was already in L1 followed by ``loaded_tokens`` tokens being copied from L2. Read layer
+    ``i`` of them only after ``progress.wait(i)``. ``last_node`` is the deepest node of the
+    prefix: lock it for the request's lifetime.
+    """
+
+    device_pages: PageIds
+    device_tokens: int
+    loaded_tokens: int
+    last_node: TreeNode
+    progress: LayerProgress
+
+
+@dataclass(slots=True)
+class _PendingBackup:
+    nodes: list[TreeNode]
+    tokens: int
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    node: TreeNode
+    tokens: int
+
+
+class HiCache:
+    """Hierarchical KV cache over an L1 device pool and an L2 host pool.
+
+    With ``config.enable_hierarchical_cache`` false there is no host pool: the tree is a
+    plain radix cache over L1 and eviction drops nodes.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        spec: KVSpec,
+        device: torch.device | str = "cpu",
+        *,
+        layer_hook: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(device)
+        self.page_size = config.page_size
+        self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
+        self.host_pool: HostPool | None = None
+        self.controller: CacheController | None = None
+        if config.enable_hierarchical_cache:
+            self.host_pool = HostPool.for_config(spec, config, self.device)
+            self.controller = CacheController(
+                self.device_pool, self.host_pool, config.io_backend, layer_hook=layer_hook
+            )
+        self.tree = HiRadixTree(config.page_size, config.eviction_policy)
+        self.rule = write_rule(config)
+        self.counters = CacheCounters()
+        self._backups: dict[int, _PendingBackup] = {}
+        self._loads: dict[int, _PendingLoad] = {}
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> HiCache:
+        if self.controller is not None and not self._started:
+            self.controller.start()
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Finish in-flight copies, apply them, stop the worker. Idempotent."""
+        if self.controller is not None and self._started:
+            self.flush()
+            self.controller.close()
+        self._started = False
+
+    def __enter__(self) -> HiCache:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.host_pool is not None
+
+    # ------------------------------------------------------------------ prefix reuse
+
+    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+        """The cached prefix of ``tokens`` in L1 and L2 (whole pages); copies nothing.
+
+        Waits first for loads still in flight, so every returned L1 page holds its data.
+        """
+        if self._loads:
+            self._wait_all()
+        return self.tree.match_prefix(tokens)
+
+    def load_back(self, match: MatchResult, *, query_tokens: int = 0) -> LoadBackResult:
+        """Start copying the host-only part of ``match`` into L1, layer by layer.
+
+        All-or-nothing per chain: when the host-only part is shorter than
+        ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded and
+        the result covers the L1 part only. Call it once per request: it counts the
+        request's ``query_tokens`` (prompt length) and its hit tokens per tier.
+        """
+        self.poll()
+        self.counters.prefix_queries_total += 1
+        self.counters.query_tokens_total += query_tokens
+        self.counters.device_hit_tokens_total += match.device_tokens
+        nodes = self.tree.host_only_path(match.last_host_node)
+        host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
+        no_load = LoadBackResult(
+            device_pages=match.device_pages,
+            device_tokens=match.device_tokens,
+            loaded_tokens=0,
+            last_node=match.last_device_node,
+            progress=LayerProgress.completed(self.spec.num_layers),
+        )
+        if not nodes or self.controller is None:
+            return no_load
+        if host_tokens < self.config.load_back_threshold:
+            self.counters.load_skipped_tokens_total += host_tokens
+            return no_load
+        host_pages = page_ids()
+        for n in nodes:
+            assert n.host is not None
+            host_pages += n.host
+        last = match.last_host_node
+        # Pin the host copies and the L1 prefix while making room in L1.
+        self.tree.inc_host_ref(last)
+        self.tree.inc_lock_ref(match.last_device_node)
+        try:
+            device_pages = self.alloc_device(len(host_pages))
+        finally:
+            self.tree.dec_lock_ref(match.last_device_node)
+        if device_pages is None:
+            self.tree.dec_host_ref(last)
+            self.counters.load_skipped_tokens_total += host_tokens
+            return no_load
+        offset = 0
+        for n in nodes:
+            k = self.tree.num_pages(n)
+            self.tree.assign_device(n, device_pages[offset : offset + k])
+            offset += k
+        self.tree.inc_lock_ref(last)  # until the copy completes
+        op_id, progress = self.controller.load(host_pages, device_pages)
+        self._loads[op_id] = _PendingLoad(last, host_tokens)
+        self.counters.host_hit_tokens_total += host_tokens
+        return LoadBackResult(
+            device_pages=match.device_pages + device_pages,
+            device_tokens=match.device_tokens + host_tokens,
+            loaded_tokens=host_tokens,
+            last_node=last,
+            progress=progress,
+        )
+
+    def insert(
+        self, tokens: TokenIds, device_pages: Sequence[int] | PageIds, *, priority: int = 0
+    ) -> InsertResult:
+        """Hand the L1 pages of ``tokens`` (whole pages) to the tree; back up by policy.
+
+        Pages the tree already holds under other ids are freed here. The caller keeps
+        ownership of pages beyond the whole pages of ``tokens``.
+        """
+        self.poll()
+        result = self.tree.insert(tokens, device_pages, priority=priority)
+        if result.duplicate_pages:
+            self.device_pool.allocator.free(result.duplicate_pages)
+        if self.controller is not None and self.rule.backup_min_hits is not None:
+            self._back_up(result.last_node, self.rule.backup_min_hits, wait=False)
+        return result
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors in L1."""
+        self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.dec_lock_ref(node)
+
+    # ------------------------------------------------------------------ L1 pages
+
+    def alloc_device(self, num_pages: int) -> PageIds | None:
+        """``num_pages`` free L1 pages, evicting unpinned cached pages if needed; None when
+        even eviction cannot make room. The caller owns the pages until it inserts or frees
+        them."""
+        alloc = self.device_pool.allocator
+        if alloc.free_pages < num_pages:
+            self.evict_device(num_pages - alloc.free_pages)
+        pages = alloc.alloc(num_pages)
+        return None if pages is None else page_ids(pages)
+
+    def free_device(self, pages: Iterable[int]) -> None:
+        """Return caller-owned L1 pages (never pages the tree holds)."""
+        self.device_pool.allocator.free(pages)
+
+    def evict_device(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` L1 pages if possible; returns pages freed.
+
+        Backed-up leaves are demoted to L2-only; the others are dropped, except under
+        ``write_back``, which backs them up first.
+        """
+        freed = 0
+        for node in self.tree.device_eviction_order():
+            if freed >= num_pages:
+                break
+            if node.host is None and self.rule.backup_on_evict and self.controller is not None:
+                self._back_up(node, 0, wait=True)
+                if node.lock_ref > 0:  # still copying (timeout): try the next one
+                    continue
+            demoted = node.host is not None
+            pages = self.tree.evict_device(node)
+            self.device_pool.allocator.free(pages)
+            freed += len(pages)
+            tokens = len(pages) * self.page_size
+            if demoted:
+                self.counters.device_demoted_tokens_total += tokens
+            else:
+                self.counters.device_evicted_tokens_total += tokens
+        return freed
+
+    # ------------------------------------------------------------------ L2 pages
+
+    def _alloc_host(self, num_pages: int) -> PageIds | None:
+        assert self.host_pool is not None
+        alloc = self.host_pool.allocator
+        if alloc.free_pages < num_pages:
+            self.evict_host(num_pages - alloc.free_pages)
+        pages = alloc.alloc(num_pages)
+        return None if pages is None else page_ids(pages)
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop unpinned L2-only leaves until ``num_pages`` L2 pages are free; returns freed."""
+        if self.host_pool is None:
+            return 0
+        freed = 0
+        for node in self.tree.host_eviction_order():
+            if freed >= num_pages:
+                break
+            pages = self.tree.evict_host(node)
+            self.host_pool.allocator.free(pages)
+            freed += len(pages)
+            self.counters.host_evicted_tokens_total += len(pages) * self.page_size
+        return freed
+
+    def _back_up(self, node: TreeNode, min_hits: int, *, wait: bool) -> None:
+        """Back up the not-yet-backed-up run of the path to ``node`` (top-down)."""
+        assert self.controller is not None
+        nodes = self.tree.nodes_to_back_up(node, min_hits=min_hits)
+        if not nodes:
+            return
+        last = nodes[-1]
+        self.tree.inc_lock_ref(last)  # the L1 source must stay while it is copied
+        try:
+            num = sum(self.tree.num_pages(n) for n in nodes)
+            host_pages = self._alloc_host(num)
+        finally:
+            self.tree.dec_lock_ref(last)
+        if host_pages is None:
+            return  # L2 full of pinned data: the nodes stay L1-only
+        device_pages = page_ids()
+        offset = 0
+        for n in nodes:
+            k = self.tree.num_pages(n)
+            self.tree.assign_host(n, host_pages[offset : offset + k])
+            assert n.device is not None
+            device_pages += n.device
+            offset += k
+        self.tree.inc_lock_ref(last)
+        op_id = self.controller.backup(device_pages, host_pages)
+        self._backups[op_id] = _PendingBackup(nodes, num * self.page_size)
+        if wait:
+            self._wait_all()
+
+    # ------------------------------------------------------------------ completions
+
+    def poll(self) -> int:
+        """Apply finished copies (unpin their nodes); returns how many were applied."""
+        if self.controller is None:
+            return 0
+        done = self.controller.poll()
+        for c in done:
+            self._apply(c)
+        return len(done)
+
+    def _wait_all(self) -> None:
+        assert self.controller is not None
+        for c in self.controller.wait():
+            self._apply(c)
+
+    def _apply(self, c: Completion) -> None:
+        if c.op_id in self._backups:
+            b = self._backups.pop(c.op_id)
+            self.tree.dec_lock_ref(b.nodes[-1])
+            if c.ok:
+                self.counters.backup_ops_total += 1
+                self.counters.backup_tokens_total += b.tokens
+                self.counters.backup_bytes_total += c.nbytes
+            else:
+                log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
+                self.counters.backup_failures_total += 1
+                self._invalidate_host(b.nodes[0])
+        elif c.op_id in self._loads:
+            ld = self._loads.pop(c.op_id)
+            self.tree.dec_lock_ref(ld.node)
+            self.tree.dec_host_ref(ld.node)
+            if c.ok:
+                self.counters.load_ops_total += 1
+                self.counters.load_tokens_total += ld.tokens
+                self.counters.load_bytes_total += c.nbytes
+            else:
+                # Not recoverable in place: the L1 pages hold garbage. Fail loudly.
+                self.counters.load_failures_total += 1
+                raise RuntimeError(f"load back op {c.op_id} failed: {c.error}")
+        else:  # pragma: no cover - defensive
+            log.warning("completion for unknown op %d ignored", c.op_id)
+
+    def _invalidate_host(self, top: TreeNode) -> None:
+        """Drop the L2 copies of ``top``'s subtree (after a failed backup), bottom-up."""
+        assert self.host_pool is not None
+        order: list[TreeNode] = []
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(c for c in n.children.values() if c.host is not None)
+        for n in reversed(order):
+            if n.host is None:
+                continue
+            if n.device is not None:
+                pages = self.tree.drop_host(n)
+            elif n.host_ref == 0 and n.lock_ref == 0 and not n.children:
+                pages = self.tree.evict_host(n)
+            else:
+                log.error("cannot drop pinned L2 copy of %r", n)
+                continue
+            self.host_pool.allocator.free(pages)
+
+    def flush(self) -> None:
+        """Wait for every in-flight copy and apply it."""
+        if self.controller is not None and self._started:
+            self._wait_all()
+
+    # ------------------------------------------------------------------ whole cache
+
+    def reset(self) -> None:
+        """Empty L1 and L2 (``/flush_cache``). Refuses while any node is pinned."""
+        self.flush()
+        if any(n.lock_ref > 0 or n.host_ref > 0 for n in self.tree.iter_nodes()):
+            raise RuntimeError("cannot reset the cache while requests hold prefixes")
+        self.device_pool.allocator.free(self.tree.device_page_ids())
+        if self.host_pool is not None:
+            self.host_pool.allocator.free(self.tree.host_page_ids())
+        self.tree.reset()
+
+    def stats(self) -> CacheStats:
+        s = self.tree.stats()
+        ps = self.page_size
+        host_only = sum(
+            self.tree.num_pages(n) for n in self.tree.iter_nodes() if n.device is None
+        )
+        host_total = self.host_pool.num_pages if self.host_pool is not None else 0
+        host_free = self.host_pool.allocator.free_pages if self.host_pool is not None else 0
+        return CacheStats(
+            page_size=ps,
+            device_total_tokens=self.device_pool.num_pages * ps,
+            device_cached_tokens=s.device_pages * ps,
+            device_free_tokens=self.device_pool.allocator.free_pages * ps,
+            device_evictable_tokens=s.evictable_device_pages * ps,
+            host_total_tokens=host_total * ps,
+            host_cached_tokens=s.host_pages * ps,
+            host_free_tokens=host_free * ps,
+            host_only_tokens=host_only * ps,
+            nodes=s.nodes,
+            counters=self.counters.snapshot(),
+        )
+
+    def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
+        """Check tree and allocators agree: every used L1 page is owned by the tree or
+        listed in ``request_pages`` (pages callers hold), exactly once; every used L2
+        page is owned by the tree. Raises AssertionError."""
+        self.tree.check_integrity()
+        alloc = self.device_pool.allocator
+        alloc.check_integrity()
+        tree_dev = self.tree.device_page_ids()
+        req = list(request_pages)
+        owned = tree_dev + req
+        assert len(set(owned)) == len(owned), "an L1 page is owned twice (tree and a request)"
+        assert all(alloc.is_used(p) for p in owned), "the tree or a request owns a free L1 page"
+        assert len(owned) == alloc.used_pages, (
+            f"{alloc.used_pages} L1 pages used, {len(owned)} owned: leak"
+        )
+        if self.host_pool is not None:
+            halloc = self.host_pool.allocator
+            halloc.check_integrity()
+            tree_host = self.tree.host_page_ids()
+            assert all(halloc.is_used(p) for p in tree_host), "the tree owns a free L2 page"
+            assert len(tree_host) == halloc.used_pages, (
+                f"{halloc.used_pages} L2 pages used, {len(tree_host)} owned: leak"
+            )

@@ -1,0 +1,95 @@
+"""The cache controller: issues L1<->L2 copies and hands back their completions.
+
+It knows pools and page ids, never the tree: the owner (:class:`hicache.cache.HiCache`)
+decides what to copy, records what each op id stands for, and applies completions on its
+own thread when it calls :meth:`CacheController.poll`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from types import TracebackType
+
+import torch
+
+from hicache.config import IOBackend
+from hicache.memory import DevicePool, HostPool
+from hicache.transfer import Completion, LayerProgress, TransferEngine, make_copier
+from hicache.tree.node import PageIds
+
+
+def page_tensor(pages: PageIds) -> torch.Tensor:
+    """Page ids as a CPU int64 tensor; shares memory with ``pages`` when non-empty."""
+    if len(pages) == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(pages, dtype=torch.int64)
+
+
+class CacheController:
+    """Owns the transfer engine between one device pool and one host pool.
+
+    Lifecycle: ``start()`` starts the worker, ``close()`` drains and stops it (also as a
+    context manager). Op ids are unique and increasing.
+    """
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        io_backend: IOBackend,
+        *,
+        layer_hook: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self._engine = TransferEngine(
+            device_pool, host_pool, make_copier(io_backend), layer_hook=layer_hook
+        )
+        self._op_ids = itertools.count(1)
+
+    def start(self) -> None:
+        self._engine.start()
+
+    def close(self) -> None:
+        self._engine.close()
+
+    def __enter__(self) -> CacheController:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def backup(self, device_pages: PageIds, host_pages: PageIds) -> int:
+        """Copy L1 pages to L2 pages (all layers); returns the op id."""
+        op_id = next(self._op_ids)
+        self._engine.submit_backup(op_id, page_tensor(device_pages), page_tensor(host_pages))
+        return op_id
+
+    def load(self, host_pages: PageIds, device_pages: PageIds) -> tuple[int, LayerProgress]:
+        """Copy L2 pages to L1 pages layer by layer; returns the op id and its progress."""
+        op_id = next(self._op_ids)
+        progress = self._engine.submit_load(
+            op_id, page_tensor(host_pages), page_tensor(device_pages)
+        )
+        return op_id, progress
+
+    def poll(self) -> list[Completion]:
+        """Completions posted since the last call (non-blocking)."""
+        return self._engine.drain_completions()
+
+    def wait(self, timeout: float | None = None) -> list[Completion]:
+        """Wait until every submitted op has finished; return all pending completions."""
+        self._engine.wait_idle(timeout)
+        return self._engine.drain_completions()
+
+    @property
+    def pending(self) -> int:
+        """Ops submitted whose completion has not been posted yet."""
+        return self._engine.pending

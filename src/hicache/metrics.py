@@ -1,0 +1,57 @@
+"""Counters of the cache, kept by the facade and read as one frozen snapshot.
+
+Names follow Prometheus conventions (``*_total`` counters); the serving engine exports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """Monotonic counters (tokens and bytes), updated on the owner's thread only."""
+
+    prefix_queries_total: int = 0
+    query_tokens_total: int = 0
+    device_hit_tokens_total: int = 0
+    host_hit_tokens_total: int = 0
+    backup_ops_total: int = 0
+    backup_tokens_total: int = 0
+    backup_bytes_total: int = 0
+    backup_failures_total: int = 0
+    load_ops_total: int = 0
+    load_tokens_total: int = 0
+    load_bytes_total: int = 0
+    load_failures_total: int = 0
+    load_skipped_tokens_total: int = 0
+    device_evicted_tokens_total: int = 0
+    device_demoted_tokens_total: int = 0
+    host_evicted_tokens_total: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A point-in-time view: occupancy (tokens) and the counters."""
+
+    page_size: int
+    device_total_tokens: int
+    device_cached_tokens: int
+    device_free_tokens: int
+    device_evictable_tokens: int
+    host_total_tokens: int
+    host_cached_tokens: int
+    host_free_tokens: int
+    host_only_tokens: int
+    nodes: int
+    counters: dict[str, int]
+
+    @property
+    def hit_rate(self) -> float:
+        """Matched (L1 + L2) over queried tokens, 0 when nothing was queried."""
+        queried = self.counters["query_tokens_total"]
+        hits = self.counters["device_hit_tokens_total"] + self.counters["host_hit_tokens_total"]
+        return hits / queried if queried else 0.0

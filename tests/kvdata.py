@@ -1,0 +1,48 @@
+"""Test helpers: deterministic KV content per token prefix, written and read via pools."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from hicache.cache import HiCache
+from hicache.controller import page_tensor
+from hicache.tree.node import PageIds
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def token_kv(cache: HiCache, tokens: Sequence[int], position: int) -> torch.Tensor:
+    """The KV a model would compute for ``tokens[position]`` given its prefix.
+
+    Shape ``(num_kv, num_layers, heads, dim)``; values depend on the whole prefix, so a
+    page reused under another prefix would show as different bytes.
+    """
+    spec = cache.spec
+    digest = hashlib.sha256(repr(list(tokens[: position + 1])).encode()).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (spec.num_kv, spec.num_layers, spec.heads, spec.dim)
+    return torch.randn(shape, generator=gen).to(DTYPES[spec.dtype])
+
+
+def page_kv(cache: HiCache, tokens: Sequence[int], first_page: int, num_pages: int) -> torch.Tensor:
+    """Expected canonical page data ``(num_pages, K, L, page_size, H, D)``."""
+    ps = cache.page_size
+    out = []
+    for p in range(first_page, first_page + num_pages):
+        toks = [token_kv(cache, tokens, p * ps + i) for i in range(ps)]
+        out.append(torch.stack(toks, dim=2))  # (K, L, ps, H, D)
+    return torch.stack(out)
+
+
+def write_tokens(cache: HiCache, tokens: Sequence[int], pages: PageIds, first_page: int) -> None:
+    """Write the expected KV of pages ``first_page ..`` of ``tokens`` into L1 ``pages``."""
+    data = page_kv(cache, tokens, first_page, len(pages))
+    cache.device_pool.write_pages(page_tensor(pages), data)
+
+
+def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
+    return cache.device_pool.read_pages(page_tensor(pages))

@@ -1,0 +1,185 @@
+"""Exact-state tests of the HiCache facade on CPU: write policies, eviction, load back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVSpec, WritePolicy
+from tests.kvdata import page_kv, read_device, write_tokens
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+
+
+def make_cache(**overrides: object) -> HiCache:
+    cfg: dict[str, object] = dict(
+        page_size=2, device_tokens=8, hicache_ratio=2.0, load_back_threshold=0
+    )
+    cfg.update(overrides)
+    return HiCache(CacheConfig(**cfg), SPEC).start()  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cache() -> Iterator[HiCache]:
+    c = make_cache()
+    yield c
+    c.close()
+
+
+def run_request(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
+    """Drive one request as an engine would; returns (device hit, host hit) tokens."""
+    m = cache.match_prefix(tokens)
+    lb = cache.load_back(m, query_tokens=len(tokens))
+    lb.progress.wait_all()
+    cache.lock(lb.last_node)
+    n_total = len(tokens) // cache.page_size
+    n_new = n_total - len(lb.device_pages)
+    new = cache.alloc_device(n_new)
+    assert new is not None
+    write_tokens(cache, tokens, new, len(lb.device_pages))
+    cache.insert(tokens, lb.device_pages + new)
+    cache.unlock(lb.last_node)
+    return m.device_tokens, lb.loaded_tokens
+
+
+def test_write_through_backs_up_on_insert(cache: HiCache) -> None:
+    run_request(cache, [1, 2, 3, 4])
+    cache.flush()
+    (node,) = cache.tree.iter_nodes()
+    assert list(node.device) == [0, 1] and list(node.host) == [0, 1]
+    assert node.lock_ref == 0
+    c = cache.stats().counters
+    assert c["backup_tokens_total"] == 4 and c["backup_ops_total"] == 1
+    assert c["backup_bytes_total"] == 4 * SPEC.token_bytes
+    host = cache.host_pool
+    assert host is not None
+    assert torch.equal(host.read_pages(torch.tensor([0, 1])), page_kv(cache, [1, 2, 3, 4], 0, 2))
+    cache.check_integrity()
+
+
+def test_write_through_selective_waits_for_threshold() -> None:
+    with make_cache(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE) as cache:
+        run_request(cache, [1, 2, 3, 4])
+        cache.flush()
+        (node,) = cache.tree.iter_nodes()
+        assert node.host is None and node.hit_count == 1
+        run_request(cache, [1, 2, 3, 4])
+        cache.flush()
+        assert node.hit_count == 2 and list(node.host) == [0, 1]
+        cache.check_integrity()
+
+
+def test_write_back_backs_up_only_on_eviction() -> None:
+    with make_cache(write_policy="write_back") as cache:
+        run_request(cache, [1, 2, 3, 4])
+        cache.flush()
+        (node,) = cache.tree.iter_nodes()
+        assert node.host is None
+        assert cache.evict_device(2) == 2
+        assert node.device is None and list(node.host) == [0, 1]
+        c = cache.stats().counters
+        assert c["backup_tokens_total"] == 4 and c["device_demoted_tokens_total"] == 4
+        assert cache.host_pool is not None
+        assert torch.equal(
+            cache.host_pool.read_pages(torch.tensor([0, 1])), page_kv(cache, [1, 2, 3, 4], 0, 2)
+        )
+        cache.check_integrity()
+
+
+def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
+    tokens = [5, 6, 7, 8, 9, 10]
+    run_request(cache, tokens)
+    cache.flush()
+    assert cache.evict_device(4) == 3
+    m = cache.match_prefix(tokens + [11])
+    assert (m.device_tokens, m.host_tokens) == (0, 6)
+    lb = cache.load_back(m, query_tokens=7)
+    assert lb.loaded_tokens == 6 and lb.device_tokens == 6
+    lb.progress.wait_all()
+    assert torch.equal(read_device(cache, lb.device_pages), page_kv(cache, tokens, 0, 3))
+    cache.flush()
+    st = cache.stats()
+    assert st.counters["load_tokens_total"] == 6 and st.counters["host_hit_tokens_total"] == 6
+    assert st.device_cached_tokens == 6 and st.host_only_tokens == 0
+    assert st.hit_rate == pytest.approx(6 / 7)
+    cache.check_integrity()
+
+
+def test_load_back_threshold_and_all_or_nothing() -> None:
+    with make_cache(load_back_threshold=6) as cache:
+        run_request(cache, [1, 2, 3, 4])
+        cache.flush()
+        cache.evict_device(2)
+        m = cache.match_prefix([1, 2, 3, 4])
+        lb = cache.load_back(m)
+        assert lb.loaded_tokens == 0 and len(lb.device_pages) == 0  # 4 < 6 tokens
+        assert cache.stats().counters["load_skipped_tokens_total"] == 4
+        cache.check_integrity()
+    with make_cache() as cache:
+        run_request(cache, [1, 2, 3, 4, 5, 6])
+        cache.flush()
+        cache.evict_device(3)
+        pinned = cache.alloc_device(2)  # L1 has 4 pages: 2 left, the chain needs 3
+        assert pinned is not None
+        lb = cache.load_back(cache.match_prefix([1, 2, 3, 4, 5, 6]))
+        assert lb.loaded_tokens == 0 and len(lb.device_pages) == 0
+        (node,) = cache.tree.iter_nodes()
+        assert node.device is None and node.host_ref == 0 and node.lock_ref == 0
+        cache.check_integrity(request_pages=pinned)
+
+
+def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
+    with make_cache(hicache_ratio=1.5) as cache:  # L1: 4 pages, L2: 6 pages
+        run_request(cache, [1, 1, 1, 1])  # A: 2 pages
+        run_request(cache, [2, 2, 2, 2])  # B: 2 pages
+        cache.flush()
+        run_request(cache, [3, 3, 3, 3])  # C needs 2 pages: A (LRU) demoted
+        cache.flush()
+        tiers = {n.key[:4]: (n.device is not None, n.host is not None) for n in cache.tree.iter_nodes()}
+        assert tiers == {
+            bytes([1, 0, 0, 0]): (False, True),
+            bytes([2, 0, 0, 0]): (True, True),
+            bytes([3, 0, 0, 0]): (True, True),
+        }
+        run_request(cache, [4, 4, 4, 4])  # L1: B demoted; L2 full: A dropped from L2
+        cache.flush()
+        st = cache.stats()
+        assert st.counters["host_evicted_tokens_total"] == 4
+        assert cache.match_prefix([1, 1, 1, 1]).matched_tokens == 0
+        assert cache.match_prefix([2, 2, 2, 2]).host_tokens == 4
+        cache.check_integrity()
+
+
+def test_reset_empties_l1_and_l2(cache: HiCache) -> None:
+    run_request(cache, [1, 2, 3, 4])
+    node = cache.match_prefix([1, 2, 3, 4]).last_device_node
+    cache.lock(node)
+    with pytest.raises(RuntimeError, match="hold prefixes"):
+        cache.reset()
+    cache.unlock(node)
+    cache.reset()
+    st = cache.stats()
+    assert st.nodes == 0 and st.device_free_tokens == 8 and st.host_free_tokens == 16
+    cache.check_integrity()
+
+
+def test_plain_radix_cache_without_host_tier() -> None:
+    with make_cache(enable_hierarchical_cache=False) as cache:
+        assert cache.host_pool is None
+        run_request(cache, [1, 2, 3, 4])
+        assert cache.evict_device(2) == 2
+        assert cache.stats().counters["device_evicted_tokens_total"] == 4
+        assert cache.tree.stats().nodes == 0
+        cache.check_integrity()
+
+
+def test_integrity_detects_a_leak(cache: HiCache) -> None:
+    run_request(cache, [1, 2, 3, 4])
+    leaked = cache.alloc_device(1)
+    assert leaked is not None
+    with pytest.raises(AssertionError, match="leak"):
+        cache.check_integrity()
+    cache.check_integrity(request_pages=leaked)
