@@ -52,7 +52,7 @@ def check_tree(tree: HiRadixTree) -> TreeStats:
         assert node.lock_ref >= sum(c.lock_ref for c in kids), f"{node!r}: lock_ref below children"
         assert node.host_ref >= sum(c.host_ref for c in kids), f"{node!r}: host_ref below children"
         for comp in tree._extra:
-            if comp.name in node.extra:
+            if node.extra and comp.name in node.extra:
                 comp.check(node.extra[comp.name], n_pages)
     recomputed = TreeStats(
         nodes=nodes, device_pages=device, host_pages=host, protected_device_pages=protected

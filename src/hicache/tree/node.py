@@ -44,6 +44,8 @@ def encode_tokens(tokens: TokenIds) -> bytes:
     ``bytes`` input is taken as already encoded (its length must be a multiple of 4).
     Raises ValueError for ids outside ``[0, 2**32)``.
     """
+    if isinstance(tokens, array) and tokens.typecode == "I" and _LITTLE_ENDIAN:
+        return tokens.tobytes()
     if isinstance(tokens, bytes):
         if len(tokens) % TOKEN_BYTES:
             raise ValueError(f"encoded token key has {len(tokens)} bytes, not a multiple of 4")
@@ -54,8 +56,12 @@ def encode_tokens(tokens: TokenIds) -> bytes:
             raise ValueError("token ids must lie in [0, 2**32)")
         data: bytes = arr.astype("<u4", copy=False).tobytes()
         return data
+    packed = array("I")
     try:
-        packed = array("I", tokens)
+        if isinstance(tokens, list):
+            packed.fromlist(tokens)  # the fastest path from a list
+        else:
+            packed.extend(tokens)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
     if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
@@ -106,7 +112,8 @@ class TreeNode:
         last_access: logical clock of the last match or insert that touched it.
         created: logical clock when the span was first inserted (kept by splits).
         priority: caller-given priority (higher stays longer under the ``priority`` policy).
-        extra: per-component values of components other than full attention, by name.
+        extra: per-component values of components other than full attention, by name
+            (``None`` until a component stores one: fewer objects for the collector).
     """
 
     __slots__ = (
@@ -148,7 +155,7 @@ class TreeNode:
         self.last_access = tick
         self.created = tick
         self.priority = priority
-        self.extra: dict[str, Any] = {}
+        self.extra: dict[str, Any] | None = None
 
     @property
     def evicted(self) -> bool:

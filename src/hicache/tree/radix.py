@@ -222,11 +222,13 @@ class HiRadixTree:
         head = self._new_node(child.key[:cut], parent, priority=child.priority)
         head.device, child.device = self._full.split(child.device, at_page, n)
         head.host, child.host = self._full.split(child.host, at_page, n)
-        for comp in self._extra:
-            if comp.name in child.extra:
-                head.extra[comp.name], child.extra[comp.name] = comp.split(
-                    child.extra[comp.name], at_page, n
-                )
+        if child.extra:
+            head.extra = {}
+            for comp in self._extra:
+                if comp.name in child.extra:
+                    head.extra[comp.name], child.extra[comp.name] = comp.split(
+                        child.extra[comp.name], at_page, n
+                    )
         head.lock_ref = child.lock_ref
         head.host_ref = child.host_ref
         head.hit_count = child.hit_count
