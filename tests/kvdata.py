@@ -31,6 +31,10 @@ def token_kv(cache: HiCache, tokens: Sequence[int], position: int) -> torch.Tens
 def page_kv(cache: HiCache, tokens: Sequence[int], first_page: int, num_pages: int) -> torch.Tensor:
     """Expected canonical page data ``(num_pages, K, L, page_size, H, D)``."""
     ps = cache.page_size
+    spec = cache.spec
+    if num_pages == 0:
+        shape = (0, spec.num_kv, spec.num_layers, ps, spec.heads, spec.dim)
+        return torch.empty(shape, dtype=DTYPES[spec.dtype])
     out = []
     for p in range(first_page, first_page + num_pages):
         toks = [token_kv(cache, tokens, p * ps + i) for i in range(ps)]
@@ -40,6 +44,8 @@ def page_kv(cache: HiCache, tokens: Sequence[int], first_page: int, num_pages: i
 
 def write_tokens(cache: HiCache, tokens: Sequence[int], pages: PageIds, first_page: int) -> None:
     """Write the expected KV of pages ``first_page ..`` of ``tokens`` into L1 ``pages``."""
+    if len(pages) == 0:
+        return
     data = page_kv(cache, tokens, first_page, len(pages))
     cache.device_pool.write_pages(page_tensor(pages), data)
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec
@@ -31,13 +37,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.held: list[tuple[TreeNode, PageIds]] = []  # locked prefixes + caller pages
         self.known: list[list[int]] = []
 
-    @rule(
+    @initialize(
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         eviction=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
         io=st.sampled_from(["direct", "kernel"]),
         layout=st.sampled_from(["layer_first", "page_first", "page_first_direct"]),
     )
-    @precondition(lambda self: self.cache is None)
     def setup(self, policy: str, eviction: str, io: str, layout: str) -> None:
         cfg = CacheConfig(
             page_size=PAGE,
@@ -61,16 +66,15 @@ class CacheMachine(RuleBasedStateMachine):
         return self.cache
 
     @rule(tokens=sequences, hold=st.booleans(), priority=st.integers(0, 2))
-    @precondition(lambda self: self.cache is not None)
     def request(self, tokens: list[int], hold: bool, priority: int) -> None:
         """Match, load back, compute the rest, insert; optionally keep the prefix locked."""
         c = self.c
         m = c.match_prefix(tokens)
         lb = c.load_back(m, query_tokens=len(tokens))
         lb.progress.wait_all()
-        assert read_device(c, lb.device_pages).equal(
-            page_kv(c, tokens, 0, len(lb.device_pages))
-        ), "a cached prefix came back with other bytes"
+        assert read_device(c, lb.device_pages).equal(page_kv(c, tokens, 0, len(lb.device_pages))), (
+            "a cached prefix came back with other bytes"
+        )
         c.lock(lb.last_node)
         n_new = len(tokens) // PAGE - len(lb.device_pages)
         new = c.alloc_device(n_new)
@@ -97,22 +101,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.c.free_device(pages)
 
     @rule(n=st.integers(1, 8))
-    @precondition(lambda self: self.cache is not None)
     def evict_device(self, n: int) -> None:
         self.c.evict_device(n)
 
     @rule(n=st.integers(1, 8))
-    @precondition(lambda self: self.cache is not None)
     def evict_host(self, n: int) -> None:
         self.c.evict_host(n)
 
     @rule()
-    @precondition(lambda self: self.cache is not None)
     def flush(self) -> None:
         self.c.flush()
 
     @rule()
-    @precondition(lambda self: self.cache is not None and not self.held)
+    @precondition(lambda self: not self.held)
     def reset(self) -> None:
         self.c.reset()
 
@@ -136,7 +137,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

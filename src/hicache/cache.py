@@ -400,9 +400,7 @@ class HiCache:
     def stats(self) -> CacheStats:
         s = self.tree.stats()
         ps = self.page_size
-        host_only = sum(
-            self.tree.num_pages(n) for n in self.tree.iter_nodes() if n.device is None
-        )
+        host_only = sum(self.tree.num_pages(n) for n in self.tree.iter_nodes() if n.device is None)
         host_total = self.host_pool.num_pages if self.host_pool is not None else 0
         host_free = self.host_pool.allocator.free_pages if self.host_pool is not None else 0
         return CacheStats(

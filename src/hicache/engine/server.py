@@ -1,0 +1,179 @@
+"""The OpenAI-compatible HTTP server (FastAPI) over an :class:`Engine`.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream``),
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``POST /flush_cache``.
+Bad requests get a 400 whose message names the problem; the server keeps serving.
+A client that disconnects aborts its request, which frees everything it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hicache.engine.engine import Engine
+from hicache.engine.metrics import EngineMetrics
+from hicache.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    error_body,
+    new_id,
+)
+from hicache.engine.request import RequestOutput
+from hicache.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_TOKENS = 128
+
+
+def _bad_request(message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+def create_app(engine: Engine, model_name: str | None = None) -> FastAPI:
+    """The app serving ``engine``. The engine must be started (and is not closed here)."""
+    app = FastAPI(title="hicache", version="0.1.0")
+    name = model_name or engine.model.name
+    metrics = EngineMetrics(engine)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = f"{loc or 'body'}: {first.get('msg', 'invalid request')}"
+        return _bad_request(msg, param=loc or None)
+
+    async def _run(
+        prompt_ids: list[int], params: SamplingParams, salt: str, http: Request
+    ) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        rid = engine.submit(prompt_ids, params, on_output, cache_salt=salt)
+        finished = False
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(outputs.get(), timeout=0.5)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                finished = out.finished
+                yield out
+                if finished:
+                    metrics.observe(out)
+                    return
+        finally:
+            if not finished:
+                engine.abort(rid)
+
+    async def _serve(
+        http: Request,
+        prompt_ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        full: Callable[[str, str, RequestOutput], dict[str, Any]],
+        chunk: Callable[[str, str, RequestOutput, bool], dict[str, Any]],
+        prefix: str,
+    ) -> Response:
+        try:
+            params = body.sampling(DEFAULT_MAX_TOKENS)
+            engine.validate(prompt_ids, params)
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        rid = new_id(prefix)
+        outputs = _run(prompt_ids, params, body.cache_salt, http)
+        if not body.stream:
+            last: RequestOutput | None = None
+            async for out in outputs:
+                last = out
+            if last is None or not last.finished:
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+            if last.error:
+                return JSONResponse(error_body(last.error, kind="server_error"), status_code=500)
+            return JSONResponse(full(rid, name, last))
+
+        async def sse() -> AsyncIterator[str]:
+            first = True
+            async for out in outputs:
+                if out.delta_text or out.finished:
+                    yield f"data: {json.dumps(chunk(rid, name, out, first))}\n\n"
+                    first = False
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        if isinstance(body.prompt, str):
+            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=False))
+            if not ids:
+                return _bad_request("the prompt encodes to no tokens", param="prompt")
+        else:
+            ids = list(body.prompt)
+        return await _serve(
+            http, ids, body, completion_body, lambda r, m, o, _f: completion_chunk(r, m, o), "cmpl"
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: Request) -> Response:
+        try:
+            ids = engine.tokenizer.apply_chat_template(
+                [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:
+            return _bad_request(f"messages could not be rendered: {exc}", param="messages")
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return await _serve(
+            http,
+            list(ids),
+            body,
+            chat_body,
+            lambda r, m, o, f: chat_chunk(r, m, o, first=f),
+            "chatcmpl",
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "owned_by": "hicache", "created": 0}],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        await asyncio.to_thread(metrics.refresh)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        ok = await asyncio.to_thread(engine.flush_cache)
+        if not ok:
+            return JSONResponse(
+                error_body("requests are in flight; flush when idle", kind="conflict"),
+                status_code=409,
+            )
+        return JSONResponse({"status": "ok", "message": "L1 and L2 emptied (L3 untouched)"})
+
+    return app

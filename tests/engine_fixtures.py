@@ -1,0 +1,69 @@
+"""Shared helpers for engine tests: tiny models, their transformers twins, slot layouts.
+
+Models come from the hicache model cache (``$HICACHE_CACHE_DIR``, default
+``~/.cache/hicache``); the first use on a machine converts the bundled SmolLM2 GGUF (~20 s).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from hicache.engine import LoadedModel, ModelRunner, kv_spec_from_hf_config, load_model
+from hicache.memory import DevicePool
+
+TINY = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3")
+
+
+@cache
+def engine_model(name: str | None) -> LoadedModel:
+    """The engine's fp32 CPU copy of ``name`` (None = the default model), loaded once."""
+    return load_model(name, dtype="float32", device="cpu")
+
+
+@cache
+def hf_model(name: str | None) -> Any:
+    """transformers' ``AutoModelForCausalLM`` over the same directory, fp32, eval."""
+    from transformers import AutoModelForCausalLM
+
+    path = engine_model(name).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+def make_runner(name: str | None, num_pages: int = 32, page_size: int = 4) -> ModelRunner:
+    """A runner over a fresh fp32 CPU pool."""
+    lm = engine_model(name)
+    pool = DevicePool(kv_spec_from_hf_config(lm.hf_config, "float32"), num_pages, page_size)
+    return ModelRunner(lm.model, pool)
+
+
+def slots_for(pages: Sequence[int], page_size: int, num_tokens: int) -> torch.Tensor:
+    """Slots of tokens ``0 .. num_tokens-1`` laid over ``pages`` in order: ``(num_tokens,)``."""
+    t = torch.arange(num_tokens)
+    return torch.tensor(pages, dtype=torch.int64)[t // page_size] * page_size + t % page_size
+
+
+def prompt_ids(name: str | None, n: int) -> torch.Tensor:
+    """``n`` real token ids of an English prompt (int64 ``(n,)``)."""
+    text = (
+        "Hierarchical caches keep the key and value tensors of shared prefixes in GPU memory, "
+        "host memory and remote storage, so that a long conversation does not pay for its "
+        "prefill twice. " * 4
+    )
+    ids = engine_model(name).tokenizer(text)["input_ids"][:n]
+    assert len(ids) == n
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+@torch.no_grad()
+def hf_logits(name: str | None, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits for every position of ``ids (n,)``: ``(n, vocab)`` fp32."""
+    logits: torch.Tensor = hf_model(name)(ids[None]).logits[0]
+    return logits.float()
