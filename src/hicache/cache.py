@@ -231,6 +231,9 @@ class HiCache:
         alloc = self.device_pool.allocator
         if alloc.free_pages < num_pages:
             self.evict_device(num_pages - alloc.free_pages)
+        if alloc.free_pages < num_pages and self._backups:
+            self._wait_all()  # nodes being backed up are pinned until their copy lands
+            self.evict_device(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)
 
@@ -269,6 +272,9 @@ class HiCache:
         assert self.host_pool is not None
         alloc = self.host_pool.allocator
         if alloc.free_pages < num_pages:
+            self.evict_host(num_pages - alloc.free_pages)
+        if alloc.free_pages < num_pages and self._loads:
+            self._wait_all()  # host copies being loaded are pinned until the load lands
             self.evict_host(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)

@@ -1,0 +1,23 @@
+"""Page allocators, the device (L1) pool and the host (L2) pool with its layouts."""
+
+from hicache.memory.allocator import AllocatorError, PageAllocator
+from hicache.memory.base import KVPool, PageList, check_pages, row_words
+from hicache.memory.device_pool import DevicePool
+from hicache.memory.host_pool import HOST_RAM_FRACTION, HostPool, check_host_memory
+from hicache.memory.layout import buffer_shape, token_indices, torch_dtype
+
+__all__ = [
+    "HOST_RAM_FRACTION",
+    "AllocatorError",
+    "DevicePool",
+    "HostPool",
+    "KVPool",
+    "PageAllocator",
+    "PageList",
+    "buffer_shape",
+    "check_host_memory",
+    "check_pages",
+    "row_words",
+    "token_indices",
+    "torch_dtype",
+]

@@ -1,0 +1,62 @@
+"""The device (L1) KV pool: one ``layer_first`` tensor on the accelerator (or CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.config import AttentionKind, KVSpec, MemLayout
+from hicache.memory.base import KVPool
+from hicache.memory.layout import buffer_shape
+
+__all__ = ["DevicePool"]
+
+
+class DevicePool(KVPool):
+    """Paged KV cache on ``device``.
+
+    ``buffer`` has shape ``(K, L, S, H, D)`` (K = ``spec.num_kv``: 0 = K or latent, 1 = V;
+    L = layers; S = ``num_pages * page_size`` token slots; H = ``spec.heads``;
+    D = ``spec.dim``), dtype ``spec.dtype``, zero-filled at construction.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(spec, num_pages, page_size, MemLayout.LAYER_FIRST)
+        shape = buffer_shape(spec, num_pages, page_size, MemLayout.LAYER_FIRST)
+        self.buffer = torch.empty(shape, dtype=self.dtype, device=torch.device(device))
+        self.buffer.zero_()
+
+    def kv(self, kind: int, layer: int) -> torch.Tensor:
+        """View ``(size_tokens, H, D)`` of ``kind`` (0 = K or latent, 1 = V) in ``layer``."""
+        if not 0 <= kind < self.spec.num_kv:
+            raise IndexError(f"kind {kind} out of range [0, {self.spec.num_kv})")
+        if not 0 <= layer < self.spec.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.spec.num_layers})")
+        return self.buffer[kind, layer]
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """K of ``layer``, ``(size_tokens, H, D)`` (for MLA this is the latent)."""
+        return self.kv(0, layer)
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """V of ``layer``, ``(size_tokens, H, D)``; MHA only."""
+        if self.spec.attention is not AttentionKind.MHA:
+            raise ValueError("an MLA pool has no V buffer; use latent_buffer(layer)")
+        return self.kv(1, layer)
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        """MLA latent of ``layer``, ``(size_tokens, 1, kv_lora_rank + qk_rope_head_dim)``."""
+        if self.spec.attention is not AttentionKind.MLA:
+            raise ValueError("an MHA pool has no latent buffer; use k_buffer/v_buffer")
+        return self.kv(0, layer)
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePool(pages={self.num_pages}, page_size={self.page_size}, "
+            f"shape={tuple(self.buffer.shape)}, dtype={self.dtype}, device={self.device})"
+        )

@@ -1,0 +1,125 @@
+"""The host (L2) KV pool: one preallocated, touched (and, for CUDA, pinned) CPU tensor.
+
+Layouts (K = ``spec.num_kv``, L = layers, P = pages, ps = page size, S = P * ps,
+H = heads, D = dim):
+
+- ``layer_first``: ``(K, L, S, H, D)``; same as the device pool.
+- ``page_first``: ``(K, S, L, H, D)``; one kind of one page over all layers is one
+  contiguous ``(ps, L, H, D)`` slab.
+- ``page_first_direct``: ``(K, P, L, ps, H, D)``; one kind of one page is one contiguous
+  ``(L, ps, H, D)`` slab, and one (page, layer) is one contiguous ``(ps, H, D)`` block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import psutil
+import torch
+
+from hicache.config import CacheConfig, KVSpec, MemLayout
+from hicache.memory.base import KVPool
+from hicache.memory.layout import buffer_shape
+
+__all__ = ["HOST_RAM_FRACTION", "HostPool", "check_host_memory"]
+
+HOST_RAM_FRACTION = 0.9
+"""A host pool may take at most this fraction of the RAM available when it is created."""
+
+
+def check_host_memory(nbytes: int, what: str = "host KV pool") -> None:
+    """Raise ValueError if ``nbytes`` exceeds ``HOST_RAM_FRACTION`` of available RAM."""
+    available = psutil.virtual_memory().available
+    allowed = int(available * HOST_RAM_FRACTION)
+    if nbytes > allowed:
+        raise ValueError(
+            f"{what} needs {nbytes / 1e9:.2f} GB but only {available / 1e9:.2f} GB of RAM is "
+            f"available (at most {HOST_RAM_FRACTION:.0%} of it, {allowed / 1e9:.2f} GB, may be "
+            "used); lower hicache_ratio or hicache_size"
+        )
+
+
+class HostPool(KVPool):
+    """Paged KV cache in host RAM.
+
+    The buffer is allocated and zero-filled in the constructor, so every OS page is touched
+    once up front (first touch is slow; it must not happen on the transfer path). With
+    ``pin_memory`` the buffer is page-locked for asynchronous DMA; that needs a CUDA build
+    and device (torch raises otherwise), so prefer :meth:`create`, which pins only for CUDA.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        page_size: int,
+        layout: MemLayout | str,
+        *,
+        pin_memory: bool,
+    ) -> None:
+        super().__init__(spec, num_pages, page_size, MemLayout(layout))
+        shape = buffer_shape(spec, num_pages, page_size, self.layout)
+        check_host_memory(math.prod(shape) * spec.dtype_bytes)
+        self._pinned = bool(pin_memory)
+        self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self._pinned)
+        self.buffer.zero_()
+
+    @classmethod
+    def create(
+        cls,
+        spec: KVSpec,
+        num_pages: int,
+        page_size: int,
+        layout: MemLayout | str,
+        device: torch.device | str,
+    ) -> HostPool:
+        """A host pool backing a device pool on ``device``: pinned iff ``device`` is CUDA."""
+        pin = torch.device(device).type == "cuda"
+        return cls(spec, num_pages, page_size, layout, pin_memory=pin)
+
+    @classmethod
+    def for_config(cls, spec: KVSpec, config: CacheConfig, device: torch.device | str) -> HostPool:
+        """A host pool sized by ``config.host_pages(spec)`` with its page size and layout."""
+        num_pages = config.host_pages(spec)
+        if num_pages < 1:
+            raise ValueError(
+                f"the host pool would hold {num_pages} pages of {config.page_size * spec.token_bytes} "
+                "bytes; raise hicache_size or hicache_ratio"
+            )
+        return cls.create(spec, num_pages, config.page_size, config.mem_layout, device)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer is page-locked."""
+        return self._pinned
+
+    def page_view(self, page: int) -> tuple[torch.Tensor, ...]:
+        """Zero-copy views of one page over all layers: one contiguous view per kind.
+
+        ``page_first``: K views ``(ps, L, H, D)``; ``page_first_direct``: K views
+        ``(L, ps, H, D)``. Kind is the outermost buffer dim, so for MHA the K and V slabs
+        are not adjacent; a storage backend stores the views concatenated in kind order
+        (K then V). Their byte order is layout-specific (not the canonical order), so the
+        layout belongs in the L3 namespace. ``layer_first`` raises NotImplementedError.
+        """
+        if self.layout is MemLayout.LAYER_FIRST:
+            raise NotImplementedError(
+                "layer_first host pool: a page is spread over num_layers x num_kv separate "
+                "ranges, so there is no zero-copy page view; use read_pages (a copy) or a "
+                "page_first / page_first_direct layout"
+            )
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
+        ps = self.page_size
+        if self.layout is MemLayout.PAGE_FIRST:
+            return tuple(
+                self.buffer[k, page * ps : (page + 1) * ps] for k in range(self.spec.num_kv)
+            )
+        return tuple(self.buffer[k, page] for k in range(self.spec.num_kv))
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool(layout={self.layout.value}, pages={self.num_pages}, "
+            f"page_size={self.page_size}, shape={tuple(self.buffer.shape)}, dtype={self.dtype}, "
+            f"pinned={self._pinned})"
+        )

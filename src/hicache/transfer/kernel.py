@@ -1,0 +1,298 @@
+"""KernelCopier: vectorized copies over all pages of an op.
+
+CPU (device pool in RAM). Two strategies, picked per op by :meth:`KernelCopier.strategy`
+from the sizes involved (measured with ``python -m hicache.bench.transfer``):
+
+- ``slabs``: each run of pages consecutive on both sides becomes one strided view pair
+  (all layers and kinds of the run for a backup; one layer, all kinds, for a load), and
+  all of an op's views go to torch in one ``torch._foreach_copy_`` (no Python loop per
+  copy). Used when a view moves >= ``slab_min_bytes`` on average.
+- ``rows``: smaller views (loads at page size <= 8 here): one ``index_select`` + ``index_copy_``
+  over the buffers viewed as 2-D row matrices (see :mod:`hicache.transfer.rows`).
+
+What bounds the CPU path is copy granularity, not Python: one torch ``copy_`` per block
+reaches ~0.35x of a 256 MiB memcpy for 32 KiB blocks, ~0.5x for 128 KiB (one 64-token
+page of one layer of a 8 x 128 fp16 head) and ~0.9x for >= 2 MiB, whether the blocks are
+shuffled or in order. A page-64 backup moves whole pages (all layers) per view and gets
+~0.8x; a layer-wise load moves 128 KiB blocks and gets ~0.5x. Tried and dropped: libc
+``memmove`` of the blocks on two threads (``ctypes``, GIL released), torch or numpy copies
+on two Python threads, two-pass gathers through a cache-sized buffer; none beat the slab
+copies on an idle machine. (Transparent huge pages for the pool buffers gave +5-10% to
+both; not done, it needs ``madvise`` through ``ctypes``.)
+
+CUDA: no custom kernel (none could be tested here); torch indexing on the GPU does the
+gather/scatter and the host side moves in as few DMAs as the layout allows.
+
+- backup: gather the pages' rows on the GPU into a staging tensor in host-layout order,
+  then one async DMA per run of consecutive host pages (per kind; per kind and layer for
+  ``layer_first``). If those ranges are small (< ``dma_min_bytes``), the staging tensor
+  goes to a pinned buffer in one DMA, the stream is synchronized and the CPU scatters it.
+- load_layer: ``layer_first`` / ``page_first_direct`` with large blocks DMA each host block
+  into a device staging tensor; otherwise (``page_first``, whose per-layer host rows are
+  strided, or small blocks) the CPU gathers the layer into a pinned staging buffer sent in
+  one DMA. Then one GPU ``index_copy_`` scatters the staging rows into the device pool.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from hicache.config import MemLayout
+from hicache.memory.base import PageList, row_words
+from hicache.memory.device_pool import DevicePool
+from hicache.memory.host_pool import HostPool
+from hicache.transfer.base import PageCopier, check_layer
+from hicache.transfer.plan import OpPlan
+from hicache.transfer.rows import row_ids, rows, word_dtype
+
+__all__ = ["DMA_MIN_BYTES", "SLAB_MIN_BYTES", "KernelCopier", "Strategy"]
+
+Strategy = Literal["slabs", "rows", "device"]
+
+SLAB_MIN_BYTES = 64 * 1024
+"""CPU: slab views moving at least this many bytes on average; smaller ones use ``rows``.
+
+Measured crossover (8 x 128 fp16 heads, 32 layers): loads at page 8 (32 KiB views) are
+faster as rows (4.7 vs 3.3 GB/s), loads at page 64 (256 KiB) as slabs (12.9 vs 9.0); backup
+views cover all layers (>= 128 KiB even at page 1) and slabs win there by 3-10x.
+
+A backup slab is a run of pages over all layers and kinds; a load slab is a run of pages
+in one layer (all kinds)."""
+
+DMA_MIN_BYTES = 64 * 1024
+"""CUDA: per-block DMAs when the average host block has at least this many bytes."""
+
+
+def _ids(
+    pool: DevicePool | HostPool, k: torch.Tensor, layer: torch.Tensor, tok: torch.Tensor
+) -> torch.Tensor:
+    return row_ids(pool, k, layer, tok).reshape(-1)
+
+
+class KernelCopier(PageCopier):
+    """Vectorized page copies; byte-exact for every layout and dtype (copies integer words).
+
+    The ``*_min_bytes`` arguments override the module thresholds (0 forces slabs / DMAs, a
+    huge value forces rows / staging).
+    ``force_device_path`` runs the CUDA code path on any device (without pinning on CPU);
+    it exists so the CUDA index arithmetic is tested on CPU-only machines.
+    """
+
+    name = "kernel"
+
+    def __init__(
+        self,
+        *,
+        slab_min_bytes: int = SLAB_MIN_BYTES,
+        dma_min_bytes: int = DMA_MIN_BYTES,
+        force_device_path: bool = False,
+    ) -> None:
+        super().__init__()
+        self._slab_min = slab_min_bytes
+        self._dma_min = dma_min_bytes
+        self._force_device_path = force_device_path
+
+    def __repr__(self) -> str:
+        return (
+            f"KernelCopier(slab_min_bytes={self._slab_min}, dma_min_bytes={self._dma_min}"
+            f"{', force_device_path=True' if self._force_device_path else ''})"
+        )
+
+    def strategy(
+        self, device: DevicePool, host: HostPool, plan: OpPlan, *, backup: bool
+    ) -> Strategy:
+        """Which strategy an op uses (see the module docstring)."""
+        if self._force_device_path or device.device.type != "cpu":
+            return "device"
+        spec = device.spec
+        runs = max(1, len(plan.runs))
+        slab = plan.n * device.page_bytes // runs
+        if not backup:
+            slab //= spec.num_layers
+        return "slabs" if slab >= self._slab_min else "rows"
+
+    # -- D -> H --------------------------------------------------------------------------
+    def backup(
+        self,
+        device: DevicePool,
+        host: HostPool,
+        device_pages: PageList,
+        host_pages: PageList,
+    ) -> None:
+        plan = self.plan(device, host, device_pages, host_pages, "backup")
+        if plan.n == 0:
+            return
+        strategy = self.strategy(device, host, plan, backup=True)
+        if strategy == "device":
+            self._backup_device(device, host, plan)
+        elif strategy == "slabs":
+            self._backup_slabs(device, host, plan)
+        else:
+            src, dst = _backup_ids(device, host, plan, torch.device("cpu"))
+            assert dst is not None
+            rows(host).index_copy_(0, dst, rows(device).index_select(0, src))
+
+    def _backup_slabs(self, device: DevicePool, host: HostPool, plan: OpPlan) -> None:
+        dv = row_words(device.buffer)  # (K, L, S, E)
+        hv = row_words(host.buffer)
+        ps = plan.page_size
+        layout = host.layout
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for r in plan.runs:
+            src = dv[:, :, r.dev * ps : (r.dev + r.length) * ps]  # (K, L, r*ps, E)
+            if layout is MemLayout.LAYER_FIRST:
+                dst = hv[:, :, r.host * ps : (r.host + r.length) * ps]
+            elif layout is MemLayout.PAGE_FIRST:
+                dst = hv[:, r.host * ps : (r.host + r.length) * ps]  # (K, r*ps, L, E)
+                src = src.transpose(1, 2)
+            else:
+                dst = hv[:, r.host : r.host + r.length]  # (K, r, L, ps, E)
+                src = src.unflatten(2, (r.length, ps)).transpose(1, 2)
+            dsts.append(dst)
+            srcs.append(src)
+        torch._foreach_copy_(dsts, srcs)
+
+    def _backup_device(self, device: DevicePool, host: HostPool, plan: OpPlan) -> None:
+        on = device.device
+        spec = device.spec
+        kinds, layers, ps = spec.num_kv, spec.num_layers, plan.page_size
+        src_ids, _ = _backup_ids(device, host, plan, on, host_side=False)
+        word = word_dtype(device)
+        flat = rows(device, word).index_select(0, src_ids)  # rows ordered (k, l, i, j)
+        g = flat.view(kinds, layers, plan.n * ps, -1)
+        hv = row_words(host.buffer, word)
+        runs = plan.host_runs
+        row_bytes = g.shape[-1] * g.element_size()
+        per_block = plan.n * ps * row_bytes // len(runs)
+        if host.layout is not MemLayout.LAYER_FIRST:
+            per_block *= layers
+        if per_block < self._dma_min:
+            pinned = torch.empty(flat.shape, dtype=word, pin_memory=on.type == "cuda")
+            pinned.copy_(flat, non_blocking=True)
+            if on.type == "cuda":
+                torch.cuda.current_stream(on).synchronize()
+            _, dst_ids = _backup_ids(device, host, plan, torch.device("cpu"))
+            assert dst_ids is not None
+            rows(host, word).index_copy_(0, dst_ids, pinned)
+            return
+        if host.layout is MemLayout.LAYER_FIRST:
+            for r in runs:
+                lo, hi, at = r.host * ps, (r.host + r.length) * ps, r.pos * ps
+                for k in range(kinds):
+                    for layer in range(layers):
+                        hv[k, layer, lo:hi].copy_(g[k, layer, at : at + hi - lo], non_blocking=True)
+        elif host.layout is MemLayout.PAGE_FIRST:
+            stage = g.transpose(1, 2).contiguous()  # (K, n*ps, L, E)
+            for r in runs:
+                lo, hi, at = r.host * ps, (r.host + r.length) * ps, r.pos * ps
+                for k in range(kinds):
+                    hv[k, lo:hi].copy_(stage[k, at : at + hi - lo], non_blocking=True)
+        else:
+            stage = g.unflatten(2, (plan.n, ps)).transpose(1, 2).contiguous()  # (K, n, L, ps, E)
+            for r in runs:
+                for k in range(kinds):
+                    hv[k, r.host : r.host + r.length].copy_(
+                        stage[k, r.pos : r.pos + r.length], non_blocking=True
+                    )
+
+    # -- H -> D --------------------------------------------------------------------------
+    def load_layer(
+        self,
+        device: DevicePool,
+        host: HostPool,
+        host_pages: PageList,
+        device_pages: PageList,
+        layer: int,
+    ) -> None:
+        check_layer(device, layer)
+        plan = self.plan(device, host, device_pages, host_pages, "load")
+        if plan.n == 0:
+            return
+        strategy = self.strategy(device, host, plan, backup=False)
+        if strategy == "device":
+            self._load_layer_device(device, host, plan, layer)
+        elif strategy == "slabs":
+            self._load_layer_slabs(device, host, plan, layer)
+        else:
+            src, dst = _load_ids(device, host, plan, layer, torch.device("cpu"))
+            rows(device).index_copy_(0, dst, rows(host).index_select(0, src))
+
+    def _load_layer_slabs(
+        self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
+    ) -> None:
+        dl = row_words(device.buffer)[:, layer]  # (K, S, E)
+        hv = row_words(host.buffer)
+        hl = hv[:, layer] if host.layout is MemLayout.LAYER_FIRST else hv[:, :, layer]
+        ps = plan.page_size
+        direct = host.layout is MemLayout.PAGE_FIRST_DIRECT
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for r in plan.runs:
+            dst = dl[:, r.dev * ps : (r.dev + r.length) * ps]  # (K, r*ps, E)
+            if direct:
+                src = hl[:, r.host : r.host + r.length]  # (K, r, ps, E)
+                dst = dst.unflatten(1, (r.length, ps))
+            else:
+                src = hl[:, r.host * ps : (r.host + r.length) * ps]
+            dsts.append(dst)
+            srcs.append(src)
+        torch._foreach_copy_(dsts, srcs)
+
+    def _load_layer_device(
+        self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
+    ) -> None:
+        on = device.device
+        word = word_dtype(device)
+        hv = row_words(host.buffer, word)
+        hl = hv[:, layer] if host.layout is MemLayout.LAYER_FIRST else hv[:, :, layer]
+        ps = plan.page_size
+        kinds = device.spec.num_kv
+        width = hv.shape[-1]
+        layout = host.layout
+        blocks = plan.n if layout is MemLayout.PAGE_FIRST_DIRECT else len(plan.host_runs)
+        block_bytes = plan.n * ps * width * hv.element_size() // blocks
+        stage = torch.empty((kinds, plan.n * ps, width), dtype=word, device=on)
+        if layout is MemLayout.LAYER_FIRST and block_bytes >= self._dma_min:
+            for r in plan.host_runs:
+                lo, hi, at = r.host * ps, (r.host + r.length) * ps, r.pos * ps
+                for k in range(kinds):
+                    stage[k, at : at + hi - lo].copy_(hl[k, lo:hi], non_blocking=True)
+        elif layout is MemLayout.PAGE_FIRST_DIRECT and block_bytes >= self._dma_min:
+            for i, (_, h) in enumerate(plan.pairs):
+                for k in range(kinds):
+                    stage[k, i * ps : (i + 1) * ps].copy_(hl[k, h], non_blocking=True)
+        else:
+            src_ids, _ = _load_ids(device, host, plan, layer, torch.device("cpu"))
+            pinned = torch.empty(stage.shape, dtype=word, pin_memory=on.type == "cuda")
+            torch.index_select(rows(host, word), 0, src_ids, out=pinned.view(-1, width))
+            stage.copy_(pinned, non_blocking=True)
+        _, dst_ids = _load_ids(device, host, plan, layer, on)
+        rows(device, word).index_copy_(0, dst_ids, stage.view(-1, width))
+
+
+def _backup_ids(
+    device: DevicePool, host: HostPool, plan: OpPlan, on: torch.device, *, host_side: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(device row ids, host row ids or None) of a backup, rows ordered (kind, layer, token)."""
+    spec = device.spec
+    k = torch.arange(spec.num_kv, dtype=torch.int64, device=on).view(-1, 1, 1)
+    lay = torch.arange(spec.num_layers, dtype=torch.int64, device=on).view(1, -1, 1)
+    dtok = plan.index("dev_tokens", on).view(1, 1, -1)
+    if not host_side:
+        return _ids(device, k, lay, dtok), None
+    htok = plan.index("host_tokens", on).view(1, 1, -1)
+    return _ids(device, k, lay, dtok), _ids(host, k, lay, htok)
+
+
+def _load_ids(
+    device: DevicePool, host: HostPool, plan: OpPlan, layer: int, on: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host row ids, device row ids) of one layer of a load, rows ordered (kind, token)."""
+    k = torch.arange(device.spec.num_kv, dtype=torch.int64, device=on).view(-1, 1)
+    lay = torch.tensor(layer, dtype=torch.int64, device=on)
+    dtok = plan.index("dev_tokens", on).view(1, -1)
+    htok = plan.index("host_tokens", on).view(1, -1)
+    return _ids(host, k, lay, htok), _ids(device, k, lay, dtok)
