@@ -25,8 +25,11 @@ from types import TracebackType
 
 import torch
 
-from hicache.config import CacheConfig, KVSpec
+from hicache.cache_storage import L3Tier
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller import CacheController, write_rule
+from hicache.controller.storage_controller import StorageController
+from hicache.keys import Namespace
 from hicache.memory import DevicePool, HostPool
 from hicache.metrics import CacheCounters, CacheStats
 from hicache.transfer import Completion, LayerProgress
@@ -95,6 +98,7 @@ class HiCache:
         self.tree = HiRadixTree(config.page_size, config.eviction_policy)
         self.rule = write_rule(config)
         self.counters = CacheCounters()
+        self.l3: L3Tier | None = None
         self._backups: dict[int, _PendingBackup] = {}
         self._loads: dict[int, _PendingLoad] = {}
         self._started = False
@@ -108,11 +112,33 @@ class HiCache:
         return self
 
     def close(self) -> None:
-        """Finish in-flight copies, apply them, stop the worker. Idempotent."""
+        """Finish in-flight copies, apply them, stop the workers. Idempotent."""
         if self.controller is not None and self._started:
             self.flush()
+            self.detach_storage()
             self.controller.close()
         self._started = False
+
+    # ------------------------------------------------------------------ L3
+
+    def attach_storage(
+        self, controller: StorageController, namespace: Namespace, prefetch: PrefetchConfig
+    ) -> None:
+        """Add the L3 tier (starts its threads). Needs the L2 tier; one L3 at a time."""
+        if self.host_pool is None:
+            raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
+        if self.l3 is not None:
+            raise RuntimeError("a storage backend is attached already; detach it first")
+        controller.start()
+        self.l3 = L3Tier(self, controller, namespace, prefetch)
+
+    def detach_storage(self) -> None:
+        """Finish pending L3 writes, stop the L3 threads and close the backend."""
+        if self.l3 is None:
+            return
+        self.l3.flush()
+        self.l3.controller.close()
+        self.l3 = None
 
     def __enter__(self) -> HiCache:
         return self.start()
@@ -140,13 +166,16 @@ class HiCache:
             self._wait_all()
         return self.tree.match_prefix(tokens)
 
-    def load_back(self, match: MatchResult, *, query_tokens: int = 0) -> LoadBackResult:
+    def load_back(
+        self, match: MatchResult, *, query_tokens: int = 0, storage_tokens: int = 0
+    ) -> LoadBackResult:
         """Start copying the host-only part of ``match`` into L1, layer by layer.
 
         All-or-nothing per chain: when the host-only part is shorter than
         ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded and
         the result covers the L1 part only. Call it once per request: it counts the
-        request's ``query_tokens`` (prompt length) and its hit tokens per tier.
+        request's ``query_tokens`` (prompt length) and its hit tokens per tier; the
+        ``storage_tokens`` just prefetched from L3 count as L3 hits, not L2 hits.
         """
         self.poll()
         self.counters.prefix_queries_total += 1
@@ -190,7 +219,7 @@ class HiCache:
         self.tree.inc_lock_ref(last)  # until the copy completes
         op_id, progress = self.controller.load(host_pages, device_pages)
         self._loads[op_id] = _PendingLoad(last, host_tokens)
-        self.counters.host_hit_tokens_total += host_tokens
+        self.counters.host_hit_tokens_total += max(0, host_tokens - storage_tokens)
         return LoadBackResult(
             device_pages=match.device_pages + device_pages,
             device_tokens=match.device_tokens + host_tokens,
@@ -200,15 +229,21 @@ class HiCache:
         )
 
     def insert(
-        self, tokens: TokenIds, device_pages: Sequence[int] | PageIds, *, priority: int = 0
+        self,
+        tokens: TokenIds,
+        device_pages: Sequence[int] | PageIds,
+        *,
+        priority: int = 0,
+        private: bool = False,
     ) -> InsertResult:
         """Hand the L1 pages of ``tokens`` (whole pages) to the tree; back up by policy.
 
         Pages the tree already holds under other ids are freed here. The caller keeps
-        ownership of pages beyond the whole pages of ``tokens``.
+        ownership of pages beyond the whole pages of ``tokens``. ``private`` spans (a
+        request with a tenant salt) are never written to L3.
         """
         self.poll()
-        result = self.tree.insert(tokens, device_pages, priority=priority)
+        result = self.tree.insert(tokens, device_pages, priority=priority, private=private)
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
         if self.controller is not None and self.rule.backup_min_hits is not None:
@@ -268,7 +303,8 @@ class HiCache:
 
     # ------------------------------------------------------------------ L2 pages
 
-    def _alloc_host(self, num_pages: int) -> PageIds | None:
+    def alloc_host(self, num_pages: int) -> PageIds | None:
+        """``num_pages`` free L2 pages, evicting unpinned L2-only leaves if needed."""
         assert self.host_pool is not None
         alloc = self.host_pool.allocator
         if alloc.free_pages < num_pages:
@@ -303,7 +339,7 @@ class HiCache:
         self.tree.inc_lock_ref(last)  # the L1 source must stay while it is copied
         try:
             num = sum(self.tree.num_pages(n) for n in nodes)
-            host_pages = self._alloc_host(num)
+            host_pages = self.alloc_host(num)
         finally:
             self.tree.dec_lock_ref(last)
         if host_pages is None:
@@ -331,12 +367,16 @@ class HiCache:
         done = self.controller.poll()
         for c in done:
             self._apply(c)
+        if self.l3 is not None:
+            self.l3.poll()
         return len(done)
 
     def _wait_all(self) -> None:
         assert self.controller is not None
         for c in self.controller.wait():
             self._apply(c)
+        if self.l3 is not None:
+            self.l3.poll()
 
     def _apply(self, c: Completion) -> None:
         if c.op_id in self._backups:
@@ -346,6 +386,8 @@ class HiCache:
                 self.counters.backup_ops_total += 1
                 self.counters.backup_tokens_total += b.tokens
                 self.counters.backup_bytes_total += c.nbytes
+                if self.l3 is not None:
+                    self.l3.on_host_backup(b.nodes)
             else:
                 log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
                 self.counters.backup_failures_total += 1
@@ -387,9 +429,11 @@ class HiCache:
             self.host_pool.allocator.free(pages)
 
     def flush(self) -> None:
-        """Wait for every in-flight copy and apply it."""
+        """Wait for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
         if self.controller is not None and self._started:
             self._wait_all()
+            if self.l3 is not None:
+                self.l3.flush()
 
     # ------------------------------------------------------------------ whole cache
 
@@ -421,6 +465,7 @@ class HiCache:
             host_only_tokens=host_only * ps,
             nodes=s.nodes,
             counters=self.counters.snapshot(),
+            storage=self.l3.controller.storage.stats() if self.l3 is not None else None,
         )
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:

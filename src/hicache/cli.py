@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
     from hicache.engine.server import create_app
 
     with Engine(engine_config_from_args(args)) as engine:
-        app = create_app(engine, args.served_model_name)
+        app = create_app(engine, args.served_model_name, admin_api_key=args.admin_api_key)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -42,7 +42,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     with Engine(engine_config_from_args(args)) as engine:
         tok = engine.tokenizer
-        if args.chat:
+        if args.prompt_ids:
+            ids = [int(t) for t in args.prompt_ids.split(",")]
+        elif args.chat:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": args.prompt}],
                 add_generation_prompt=True,
@@ -72,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--admin-api-key", default=None, help="guards the admin endpoints")
     gen = sub.add_parser("generate", help="complete one prompt")
     add_engine_args(gen)
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", default="")
+    gen.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -51,6 +51,17 @@ class EvictionPolicy(str, enum.Enum):
     PRIORITY = "priority"
 
 
+class PrefetchPolicy(str, enum.Enum):
+    """When a prefetch from L3 stops (whatever was fetched by then is used)."""
+
+    BEST_EFFORT = "best_effort"
+    """Never wait: stop as soon as the request could run."""
+    WAIT_COMPLETE = "wait_complete"
+    """Wait until every hit page has arrived (or failed)."""
+    TIMEOUT = "timeout"
+    """Wait until done or ``min(max, base + per_ki_token * tokens / 1024)`` seconds."""
+
+
 class AttentionKind(str, enum.Enum):
     """Shape family of the KV cache."""
 
@@ -251,3 +262,57 @@ class CacheConfig:
 
     def host_tokens(self, spec: KVSpec) -> int:
         return self.host_pages(spec) * self.page_size
+
+
+PREFETCH_KEYS: tuple[str, ...] = (
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+)
+"""Keys of ``--hicache-storage-backend-extra-config`` that tune prefetch, not the backend."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig:
+    """How prefetch from L3 starts and stops.
+
+    A prefetch starts when the L3 hit beyond the local match is at least
+    ``prefetch_threshold`` tokens. Under the ``timeout`` policy it stops after
+    ``min(prefetch_timeout_max, prefetch_timeout_base + prefetch_timeout_per_ki_token *
+    tokens / 1024)`` seconds (defaults 30, 2, 0.1).
+    """
+
+    policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
+    prefetch_threshold: int = 256
+    prefetch_timeout_base: float = 2.0
+    prefetch_timeout_per_ki_token: float = 0.1
+    prefetch_timeout_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", _enum_value(PrefetchPolicy, "policy", self.policy))
+        _require(
+            _is_int(self.prefetch_threshold) and self.prefetch_threshold >= 0,
+            "prefetch_threshold",
+            self.prefetch_threshold,
+            "must be an int >= 0 (tokens)",
+        )
+        for name in (
+            "prefetch_timeout_base",
+            "prefetch_timeout_per_ki_token",
+            "prefetch_timeout_max",
+        ):
+            v = getattr(self, name)
+            _require(_is_number(v) and v >= 0, name, v, "must be a number of seconds >= 0")
+
+    @classmethod
+    def from_extra(cls, policy: PrefetchPolicy | str, extra: dict[str, Any]) -> PrefetchConfig:
+        """The prefetch keys of an extra-config dict (other keys are the backend's)."""
+        return cls(
+            policy=PrefetchPolicy(policy), **{k: extra[k] for k in PREFETCH_KEYS if k in extra}
+        )
+
+    def timeout_s(self, tokens: int) -> float:
+        """Seconds a ``timeout`` prefetch of ``tokens`` tokens may take."""
+        linear = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
+        return min(self.prefetch_timeout_max, linear)

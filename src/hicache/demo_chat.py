@@ -85,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         f"model {loaded.name} ({loaded.dtype}) loaded in {time.perf_counter() - t0:.1f} s"
     )
     sched = SchedulerConfig(max_running_requests=4, chunked_prefill_size=1024)
-    base = dict(page_size=16, load_back_threshold=16)
     off = EngineConfig(
         model_path=args.model_path,
-        cache=CacheConfig(device_tokens=8192, enable_hierarchical_cache=False, **base),
+        cache=CacheConfig(
+            page_size=16, device_tokens=8192, enable_hierarchical_cache=False
+        ),
         scheduler=SchedulerConfig(
             max_running_requests=4, chunked_prefill_size=1024, disable_radix_cache=True
         ),
@@ -96,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     on = EngineConfig(
         model_path=args.model_path,
         cache=CacheConfig(
-            device_tokens=args.l1_tokens, enable_hierarchical_cache=True, hicache_ratio=8.0, **base
+            page_size=16,
+            device_tokens=args.l1_tokens,
+            enable_hierarchical_cache=True,
+            hicache_ratio=8.0,
+            load_back_threshold=16,
         ),
         scheduler=sched,
     )

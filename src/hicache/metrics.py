@@ -6,6 +6,7 @@ Names follow Prometheus conventions (``*_total`` counters); the serving engine e
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,6 +29,10 @@ class CacheCounters:
     device_evicted_tokens_total: int = 0
     device_demoted_tokens_total: int = 0
     host_evicted_tokens_total: int = 0
+    storage_hit_tokens_total: int = 0
+    prefetch_tokens_total: int = 0
+    l3_backup_tokens_total: int = 0
+    l3_backup_failed_tokens_total: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -48,10 +53,17 @@ class CacheStats:
     host_only_tokens: int
     nodes: int
     counters: dict[str, int]
+    storage: Any = None
+    """The L3 backend's ``StorageStats`` snapshot, when one is attached."""
 
     @property
     def hit_rate(self) -> float:
-        """Matched (L1 + L2) over queried tokens, 0 when nothing was queried."""
+        """Tokens served from L1, L2 or L3 over queried tokens, 0 when nothing was queried."""
         queried = self.counters["query_tokens_total"]
-        hits = self.counters["device_hit_tokens_total"] + self.counters["host_hit_tokens_total"]
+        c = self.counters
+        hits = (
+            c["device_hit_tokens_total"]
+            + c["host_hit_tokens_total"]
+            + c["storage_hit_tokens_total"]
+        )
         return hits / queried if queried else 0.0

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from hicache.config import CacheConfig, EvictionPolicy, IOBackend, MemLayout, WritePolicy
+from hicache.config import (
+    CacheConfig,
+    EvictionPolicy,
+    IOBackend,
+    MemLayout,
+    PrefetchPolicy,
+    WritePolicy,
+)
 from hicache.engine.engine import EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.storage.registry import parse_extra_config
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +44,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--radix-eviction-policy", choices=[e.value for e in EvictionPolicy], default="lru"
     )
     c.add_argument("--hicache-load-back-threshold", type=int, default=10, help="tokens")
+    c.add_argument(
+        "--hicache-storage-backend", default=None, help="file | mooncake | redis | module:Class"
+    )
+    c.add_argument(
+        "--hicache-storage-prefetch-policy",
+        choices=[e.value for e in PrefetchPolicy],
+        default="timeout",
+    )
+    c.add_argument(
+        "--hicache-storage-backend-extra-config",
+        default=None,
+        help="JSON object or @file.json: backend keys plus prefetch_threshold, prefetch_timeout_*",
+    )
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--chunked-prefill-size", type=int, default=512)
@@ -68,5 +89,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         ),
         context_length=a.context_length,
         device_cache_gb=a.device_cache_size,
+        storage_backend=a.hicache_storage_backend,
+        storage_prefetch_policy=a.hicache_storage_prefetch_policy,
+        storage_extra_config=parse_extra_config(a.hicache_storage_backend_extra_config),
         **kwargs,
     )

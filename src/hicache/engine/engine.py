@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -21,13 +21,16 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig
+from hicache.config import PREFETCH_KEYS, CacheConfig, PrefetchConfig
+from hicache.controller.storage_controller import StorageController
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import OutputCallback, Request, RequestOutput
 from hicache.engine.runner import ModelRunner, kv_spec_from_hf_config
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.keys import Namespace
+from hicache.storage.registry import create_storage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +50,10 @@ class EngineConfig:
     context_length: int | None = None
     device_cache_gb: float | None = None
     """L1 size in GB (10**9 bytes); overrides ``cache.device_tokens`` when set."""
+    storage_backend: str | None = None
+    """L3 backend name (``file``, ``mooncake``, ``redis``, ``module:Class``), or None."""
+    storage_prefetch_policy: str = "timeout"
+    storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device_cache_gb is not None and not self.device_cache_gb > 0:
@@ -87,6 +94,14 @@ class Engine:
             tokens = int(cfg.device_cache_gb * 1e9) // spec.token_bytes
             cache_cfg = dataclasses.replace(cache_cfg, device_tokens=tokens)
         self.cache = HiCache(cache_cfg, spec, cfg.device).start()
+        if cfg.storage_backend is not None:
+            try:
+                self._attach(
+                    cfg.storage_backend, cfg.storage_extra_config, cfg.storage_prefetch_policy
+                )
+            except BaseException:
+                self.cache.close()
+                raise
         runner = ModelRunner(self.model.model, self.cache.device_pool)
         max_pos = int(getattr(self.model.hf_config, "max_position_embeddings", 2048))
         self.context_length = min(cfg.context_length or max_pos, max_pos)
@@ -194,6 +209,54 @@ class Engine:
 
         return self.call(flush).result(timeout=60)
 
+    # ------------------------------------------------------------------ L3
+
+    def _attach(self, backend: str, extra: Mapping[str, Any], policy: str) -> None:
+        extra = dict(extra)
+        prefetch = PrefetchConfig.from_extra(policy, extra)
+        backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_KEYS}
+        if self.cache.host_pool is None:
+            raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
+        namespace = Namespace.for_spec(
+            self.cache.spec,
+            model=self.model.name,
+            weights_fingerprint=self.model.fingerprint,
+            layout=self.cache.config.mem_layout,
+            page_size=self.cache.page_size,
+        )
+        storage = create_storage(backend, namespace=namespace, extra_config=backend_extra)
+        controller = StorageController(storage, self.cache.host_pool)
+        try:
+            self.cache.attach_storage(controller, namespace, prefetch)
+        except BaseException:
+            controller.close()
+            raise
+
+    def attach_storage(
+        self, backend: str, extra_config: Mapping[str, Any] | None = None, policy: str = "timeout"
+    ) -> None:
+        """Attach an L3 backend at runtime (when idle). Raises ValueError on a bad config,
+        RuntimeError when busy or already attached, StorageError when unreachable."""
+
+        def attach() -> None:
+            if not self.scheduler.idle:
+                raise RuntimeError("requests are in flight; attach storage when idle")
+            self._attach(backend, extra_config or {}, policy)
+
+        self.call(attach).result(timeout=120)
+
+    def detach_storage(self) -> bool:
+        """Detach the L3 backend (when idle); False when none was attached."""
+
+        def detach() -> bool:
+            if not self.scheduler.idle:
+                raise RuntimeError("requests are in flight; detach storage when idle")
+            had = self.cache.l3 is not None
+            self.cache.detach_storage()
+            return had
+
+        return self.call(detach).result(timeout=120)
+
     # ------------------------------------------------------------------ loop
 
     def _post(self, fn: Callable[[], None]) -> None:
@@ -221,8 +284,8 @@ class Engine:
                 log.exception("scheduler step failed; aborting in-flight requests")
                 busy = False
                 self._abort_all()
-            if not busy:
-                self._wake.wait(timeout=0.05)
+            if not busy:  # idle, or only waiting for L3 prefetches: poll those often
+                self._wake.wait(timeout=0.002 if self.scheduler.waiting else 0.05)
                 self._wake.clear()
 
 

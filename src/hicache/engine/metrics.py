@@ -64,12 +64,29 @@ class _CacheCollector(Collector):
         evicted.add_metric(["host"], c["host_evicted_tokens_total"])
         yield evicted
         for name, key, doc in (
+            ("hicache_prefetch_tokens", "prefetch_tokens_total", "Tokens prefetched L3 -> L2"),
+            ("hicache_l3_backup_tokens", "l3_backup_tokens_total", "Tokens written L2 -> L3"),
             ("hicache_load_back_tokens", "load_tokens_total", "Tokens loaded L2 -> L1"),
             ("hicache_load_back_bytes", "load_bytes_total", "Bytes loaded L2 -> L1"),
             ("hicache_backup_tokens", "backup_tokens_total", "Tokens backed up L1 -> L2"),
             ("hicache_backup_bytes", "backup_bytes_total", "Bytes backed up L1 -> L2"),
         ):
             yield CounterMetricFamily(name, doc, c[key])
+        st = s.storage
+        if st is not None:
+            yield CounterMetricFamily(
+                "hicache_l3_read_bytes", "Record bytes read from L3", st.bytes_read
+            )
+            yield CounterMetricFamily(
+                "hicache_l3_written_bytes", "Record bytes written to L3", st.bytes_written
+            )
+            misses = CounterMetricFamily(
+                "hicache_l3_misses", "L3 pages not used, by reason", labels=["reason"]
+            )
+            for reason, n in sorted(st.misses.items()):
+                misses.add_metric([reason], n)
+            yield misses
+            yield CounterMetricFamily("hicache_l3_errors", "L3 backend errors", st.errors)
 
 
 class EngineMetrics:

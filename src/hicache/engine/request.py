@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache.cache_storage import PrefetchHandle
 from hicache.engine.sampling import SamplingParams
 from hicache.transfer import LayerProgress
 from hicache.tree import TreeNode
@@ -93,6 +94,9 @@ class Request:
     progress: LayerProgress | None = None
     cached: CachedTokens = CachedTokens()
     retracted: int = 0
+    prefetch: PrefetchHandle | None = None
+    prefetch_done: bool = False
+    storage_tokens: int = 0
     generator: torch.Generator | None = None
     # timing
     arrival: float = field(default_factory=time.perf_counter)

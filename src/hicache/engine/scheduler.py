@@ -26,7 +26,7 @@ from hicache.engine.output import OutputProcessor
 from hicache.engine.request import CachedTokens, FinishReason, Request
 from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import make_generator, sample
-from hicache.tree.node import page_ids
+from hicache.tree.node import encode_tokens, page_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +86,13 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def step(self) -> bool:
-        """Admit, run one forward, emit outputs. Returns False when there was nothing to do."""
+        """Admit, run one forward, emit outputs. Returns False when no forward ran (nothing
+        to do, or only L3 prefetches to wait for)."""
         self.cache.poll()
         self._reap_aborted()
         self._admit()
         if not self.running:
-            return bool(self.waiting)
+            return False
         prefill = [r for r in self.running if r.seq_len - r.kv_len > 1]
         if prefill:
             self._run(self._prefill_chunks(prefill))
@@ -102,27 +103,33 @@ class Scheduler:
     def _reap_aborted(self) -> None:
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
+            if req.prefetch is not None and self.cache.l3 is not None:
+                self.cache.l3.finish(req.prefetch)
+                req.prefetch = None
             self._finish(req, FinishReason.ABORT)
         for req in [r for r in self.running if r.aborted]:
             self._finish(req, FinishReason.ABORT)
 
     def _admit(self) -> None:
         ps = self.page_size
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_running_requests:
+                return
+            if not self._prefetched(req):
+                continue  # its L3 prefetch is still running: let others go first
             ids = req.all_ids
             if self.config.disable_radix_cache:
                 match = self.cache.match_prefix([])
             else:
                 match = self.cache.match_prefix(ids[:-1])  # keep >= 1 token to compute
             query = 0 if req.retracted else len(req.prompt_ids)  # count each prompt once
-            lb = self.cache.load_back(match, query_tokens=query)
+            lb = self.cache.load_back(match, query_tokens=query, storage_tokens=req.storage_tokens)
             self.cache.lock(lb.last_node)
             new = self.cache.alloc_device(math.ceil(len(ids) / ps) - len(lb.device_pages))
             if new is None:
                 self.cache.unlock(lb.last_node)
                 if not self.running:  # nothing will ever free memory for it
-                    self.waiting.popleft()
+                    self.waiting.remove(req)
                     req.error = (
                         f"the request needs {math.ceil(len(ids) / ps)} KV pages but the device"
                         f" cache has {self.cache.device_pool.num_pages}"
@@ -130,15 +137,36 @@ class Scheduler:
                     self._finish(req, FinishReason.ABORT)
                     continue
                 return
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.pages = lb.device_pages + new
             req.prefix_pages = len(lb.device_pages)
             req.prefix_node = lb.last_node
             req.kv_len = lb.device_tokens
             req.progress = lb.progress if lb.loaded_tokens else None
             if not req.retracted:
-                req.cached = CachedTokens(device=match.device_tokens, host=lb.loaded_tokens)
+                storage = min(req.storage_tokens, lb.loaded_tokens)
+                req.cached = CachedTokens(
+                    device=match.device_tokens, host=lb.loaded_tokens - storage, storage=storage
+                )
             self.running.append(req)
+
+    def _prefetched(self, req: Request) -> bool:
+        """Start or check ``req``'s L3 prefetch; True once it may be admitted."""
+        l3 = self.cache.l3
+        if req.prefetch_done or l3 is None or self.config.disable_radix_cache or req.cache_salt:
+            return True
+        if req.prefetch is None:
+            key = encode_tokens(req.all_ids[:-1])
+            req.prefetch = l3.start_prefetch(key, self.cache.match_prefix(key))
+            if req.prefetch is None:
+                req.prefetch_done = True
+                return True
+        if not l3.ready(req.prefetch):
+            return False
+        req.storage_tokens = l3.finish(req.prefetch)
+        req.prefetch = None
+        req.prefetch_done = True
+        return True
 
     def _prefill_chunks(self, reqs: list[Request]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size
@@ -245,7 +273,7 @@ class Scheduler:
         if full <= req.prefix_pages:
             return
         tokens = req.all_ids[: full * ps]
-        self.cache.insert(tokens, req.pages[:full])
+        self.cache.insert(tokens, req.pages[:full], private=bool(req.cache_salt))
         match = self.cache.match_prefix(tokens)
         assert match.device_tokens == full * ps, "inserted prefix not resident"
         self.cache.lock(match.last_device_node)
@@ -262,7 +290,9 @@ class Scheduler:
         if keep_kv and not self.config.disable_radix_cache:
             full = req.kv_len // ps
             if full > req.prefix_pages:
-                self.cache.insert(req.all_ids[: full * ps], req.pages[:full])
+                self.cache.insert(
+                    req.all_ids[: full * ps], req.pages[:full], private=bool(req.cache_salt)
+                )
                 own_from = full
         if len(req.pages) > own_from:
             self.cache.free_device(req.pages[own_from:])

@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
 
 from hicache.engine.engine import Engine
 from hicache.engine.metrics import EngineMetrics
@@ -33,6 +35,7 @@ from hicache.engine.protocol import (
 )
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.storage.registry import parse_extra_config
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 128
@@ -42,8 +45,24 @@ def _bad_request(message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, param=param), status_code=400)
 
 
-def create_app(engine: Engine, model_name: str | None = None) -> FastAPI:
-    """The app serving ``engine``. The engine must be started (and is not closed here)."""
+class StorageBackendBody(BaseModel):
+    """``PUT /hicache/storage-backend``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str
+    extra_config: dict[str, Any] | str | None = None
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+
+
+def create_app(
+    engine: Engine, model_name: str | None = None, *, admin_api_key: str | None = None
+) -> FastAPI:
+    """The app serving ``engine``. The engine must be started (and is not closed here).
+
+    Admin endpoints (L3 attach/detach) need ``Authorization: Bearer <admin_api_key>``;
+    without a configured key they are refused.
+    """
     app = FastAPI(title="hicache", version="0.1.0")
     name = model_name or engine.model.name
     metrics = EngineMetrics(engine)
@@ -175,5 +194,42 @@ def create_app(engine: Engine, model_name: str | None = None) -> FastAPI:
                 status_code=409,
             )
         return JSONResponse({"status": "ok", "message": "L1 and L2 emptied (L3 untouched)"})
+
+    def _admin(http: Request) -> JSONResponse | None:
+        given = http.headers.get("authorization", "")
+        if admin_api_key is None or not secrets.compare_digest(given, f"Bearer {admin_api_key}"):
+            return JSONResponse(
+                error_body("admin API key missing or wrong", kind="unauthorized"), status_code=401
+            )
+        return None
+
+    @app.put("/hicache/storage-backend")
+    async def attach_storage(body: StorageBackendBody, http: Request) -> Response:
+        if (denied := _admin(http)) is not None:
+            return denied
+        try:
+            extra = (
+                parse_extra_config(body.extra_config)
+                if not isinstance(body.extra_config, dict)
+                else body.extra_config
+            )
+            await asyncio.to_thread(
+                engine.attach_storage, body.backend, extra, body.prefetch_policy
+            )
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        except RuntimeError as exc:  # busy, already attached, or unreachable backend
+            return JSONResponse(error_body(str(exc), kind="conflict"), status_code=409)
+        return JSONResponse({"status": "ok", "backend": body.backend})
+
+    @app.delete("/hicache/storage-backend")
+    async def detach_storage(http: Request) -> Response:
+        if (denied := _admin(http)) is not None:
+            return denied
+        try:
+            had = await asyncio.to_thread(engine.detach_storage)
+        except RuntimeError as exc:
+            return JSONResponse(error_body(str(exc), kind="conflict"), status_code=409)
+        return JSONResponse({"status": "ok", "detached": had})
 
     return app

@@ -112,6 +112,8 @@ class TreeNode:
         last_access: logical clock of the last match or insert that touched it.
         created: logical clock when the span was first inserted (kept by splits).
         priority: caller-given priority (higher stays longer under the ``priority`` policy).
+        private: True when a request with a tenant salt created the span (or an ancestor);
+            such spans never leave the instance (no L3 write).
         extra: per-component values of components other than full attention, by name
             (``None`` until a component stores one: fewer objects for the collector).
     """
@@ -130,6 +132,7 @@ class TreeNode:
         "lock_ref",
         "parent",
         "priority",
+        "private",
     )
 
     def __init__(
@@ -155,6 +158,7 @@ class TreeNode:
         self.last_access = tick
         self.created = tick
         self.priority = priority
+        self.private = False
         self.extra: dict[str, Any] | None = None
 
     @property

@@ -150,7 +150,12 @@ class HiRadixTree:
         )
 
     def insert(
-        self, tokens: TokenIds, device_pages: Sequence[int] | PageIds, *, priority: int = 0
+        self,
+        tokens: TokenIds,
+        device_pages: Sequence[int] | PageIds,
+        *,
+        priority: int = 0,
+        private: bool = False,
     ) -> InsertResult:
         """Record that ``tokens`` (whole pages; a partial tail is ignored) have KV in the
         L1 pages ``device_pages`` (one per whole page).
@@ -182,6 +187,7 @@ class HiRadixTree:
             if child is None:
                 new_node = self._new_node(key[pos:], node, device=pages[page:], priority=priority)
                 new_node.hit_count = 1
+                new_node.private = private or node.private
                 node.children[key[pos : pos + pb]] = new_node
                 self._num_nodes += 1
                 self._device_pages += n_pages - page
@@ -234,12 +240,72 @@ class HiRadixTree:
         head.hit_count = child.hit_count
         head.last_access = child.last_access
         head.created = child.created
+        head.private = child.private
         child.key = child.key[cut:]
         child.parent = head
         head.children[child.key[: self._page_bytes]] = child
         parent.children[head.key[: self._page_bytes]] = head
         self._num_nodes += 1
         return head
+
+    def insert_host(self, tokens: TokenIds, host_pages: PageIds, start_page: int) -> InsertResult:
+        """Record L2 copies (fetched from L3) of pages ``start_page ..`` of ``tokens``.
+
+        Pages before ``start_page`` must be cached already. Spans that are cached by now keep
+        their pages (the caller's come back in ``duplicate_pages``); the rest becomes one
+        L2-only leaf, only if its parent is in L2 (contiguity), else all are returned.
+        """
+        key = self._page_key(tokens)
+        pb = self._page_bytes
+        if len(key) // pb != start_page + len(host_pages):
+            raise ValueError(
+                f"insert_host got {len(host_pages)} pages from page {start_page} for"
+                f" {len(key) // pb} whole pages of tokens"
+            )
+        self._tick += 1
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                break
+            klen = len(child.key)
+            if key[pos : pos + klen] != child.key:
+                klen = common_prefix_bytes(key[pos:], child.key, pb)
+                child = self._split(child, klen // pb)
+            child.last_access = self._tick
+            pos += klen
+            node = child
+        page = pos // pb
+        if page < start_page:
+            raise ValueError(f"insert_host: pages before {start_page} are not cached")
+        new_node: TreeNode | None = None
+        taken = page - start_page
+        if pos < len(key) and node.host is not None:
+            new_node = self._new_node(key[pos:], node, host=host_pages[taken:])
+            new_node.private = node.private
+            node.children[key[pos : pos + pb]] = new_node
+            self._num_nodes += 1
+            self._host_pages += len(host_pages) - taken
+            node = new_node
+            dup = host_pages[:taken]
+        else:
+            dup = host_pages[:]
+        return InsertResult(
+            last_node=node,
+            cached_tokens=taken * self.page_size,
+            duplicate_pages=dup,
+            adopted=[],
+            new_node=new_node,
+        )
+
+    def path_key(self, node: TreeNode) -> bytes:
+        """The encoded tokens from the root to the end of ``node``."""
+        parts: list[bytes] = []
+        while node is not self.root:
+            parts.append(node.key)
+            assert node.parent is not None
+            node = node.parent
+        return b"".join(reversed(parts))
 
     # ------------------------------------------------------------------ pins
 

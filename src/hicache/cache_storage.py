@@ -1,0 +1,192 @@
+"""The L3 side of the facade: prefetch L3 -> L2 for a request, back up L2 -> L3.
+
+Owned by :class:`hicache.cache.HiCache` (``cache.l3``) and run on its thread. The flow:
+
+* :meth:`L3Tier.start_prefetch`: after the local match, look up the L3 keys of the rest of
+  the prompt; when at least ``prefetch_threshold`` tokens hit, allocate L2 pages and let
+  the prefetch thread read into them;
+* :meth:`L3Tier.ready` / :meth:`L3Tier.finish`: the policy (best_effort, wait_complete,
+  timeout) says when to stop; the pages that arrived by then join the tree as an L2-only
+  leaf, which the ordinary load back then brings to L1;
+* :meth:`L3Tier.on_host_backup`: every span that reaches L2 is written to L3 (spans of
+  requests with a tenant salt stay private and are not written).
+
+Pages of a stopped prefetch that may still be written by the thread are freed only once
+the thread reports it is done with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache.config import PrefetchConfig, PrefetchPolicy
+from hicache.controller.storage_controller import PrefetchOp, StorageController
+from hicache.keys import Namespace, PageKey, page_keys
+from hicache.tree import MatchResult, TreeNode
+from hicache.tree.node import PageIds
+
+if TYPE_CHECKING:
+    from hicache.cache import HiCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefetchHandle:
+    """One request's prefetch: pages ``start_page ..`` of ``key`` (encoded tokens)."""
+
+    op: PrefetchOp
+    key: bytes
+    start_page: int
+    attach: TreeNode
+    deadline: float
+
+
+class L3Tier:
+    """L3 prefetch and backup bookkeeping for one :class:`HiCache`."""
+
+    def __init__(
+        self,
+        cache: HiCache,
+        controller: StorageController,
+        namespace: Namespace,
+        prefetch: PrefetchConfig,
+    ) -> None:
+        self.cache = cache
+        self.controller = controller
+        self.namespace = namespace
+        self.prefetch = prefetch
+        self._ops = 0
+        self._backups: dict[int, tuple[TreeNode, int]] = {}
+        self._draining: list[tuple[PrefetchOp, PageIds]] = []
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    def keys(self, key: bytes) -> list[PageKey]:
+        """L3 keys of the whole pages of the encoded tokens ``key``."""
+        return page_keys(self.namespace, np.frombuffer(key, dtype="<u4"), self.page_size)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def start_prefetch(self, key: bytes, match: MatchResult) -> PrefetchHandle | None:
+        """Start fetching the L3 hit that follows ``match`` (a match of ``key``), or None
+        when there is none worth it (below the threshold, no room in L2, or the match ends
+        on a span that is not in L2, under which L2 pages cannot hang)."""
+        attach = match.last_host_node
+        if attach.host is None:
+            return None
+        start = match.matched_tokens // self.page_size
+        rest = self.keys(key)[start:]
+        if not rest:
+            return None
+        hit = self.controller.hit_pages(rest)
+        if hit == 0 or hit * self.page_size < self.prefetch.prefetch_threshold:
+            return None
+        self.cache.tree.inc_host_ref(attach)
+        try:
+            host_pages = self.cache.alloc_host(hit)
+        finally:
+            self.cache.tree.dec_host_ref(attach)
+        if host_pages is None:
+            return None
+        self.cache.tree.inc_host_ref(attach)  # the L2 span we hang the fetched pages under
+        self._ops += 1
+        op = PrefetchOp(self._ops, rest[:hit], host_pages)
+        self.controller.prefetch(op)
+        timeout = self.prefetch.timeout_s(hit * self.page_size)
+        return PrefetchHandle(op, key, start, attach, time.monotonic() + timeout)
+
+    def ready(self, handle: PrefetchHandle) -> bool:
+        """Whether the policy says to stop waiting now."""
+        policy = self.prefetch.policy
+        if policy is PrefetchPolicy.BEST_EFFORT or handle.op.finished.is_set():
+            return True
+        return policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= handle.deadline
+
+    def finish(self, handle: PrefetchHandle) -> int:
+        """Stop the prefetch; hang what arrived into the tree. Returns the tokens added."""
+        op = handle.op
+        op.stop.set()
+        done = self.controller.agreed_done(op)
+        tree = self.cache.tree
+        added = 0
+        pool = self.cache.host_pool
+        assert pool is not None
+        if done:
+            ps = self.page_size
+            key = handle.key[: (handle.start_page + done) * ps * 4]
+            result = tree.insert_host(key, op.host_pages[:done], handle.start_page)
+            if len(result.duplicate_pages):
+                pool.allocator.free(result.duplicate_pages)
+            added = (done - len(result.duplicate_pages)) * ps
+        tree.dec_host_ref(handle.attach)
+        self._draining.append((op, op.host_pages[done:]))
+        self._free_drained()
+        c = self.cache.counters
+        c.storage_hit_tokens_total += added
+        c.prefetch_tokens_total += done * self.page_size
+        return added
+
+    def _free_drained(self) -> None:
+        pool = self.cache.host_pool
+        assert pool is not None
+        keep = []
+        for op, pages in self._draining:
+            if op.finished.is_set():
+                if len(pages):
+                    pool.allocator.free(pages)
+            else:
+                keep.append((op, pages))
+        self._draining = keep
+
+    # ------------------------------------------------------------------ backup
+
+    def on_host_backup(self, nodes: list[TreeNode]) -> None:
+        """Write a run of spans that just landed in L2 (top-down, one path) to L3."""
+        last = nodes[-1]
+        if last.private:
+            return
+        n = sum(self.cache.tree.num_pages(x) for x in nodes)
+        keys = self.keys(self.cache.tree.path_key(last))[-n:]
+        host = PageIds("q")
+        for x in nodes:
+            assert x.host is not None
+            host += x.host
+        self.cache.tree.inc_host_ref(last)  # L2 source stays until written
+        self._ops += 1
+        self._backups[self._ops] = (last, n)
+        self.controller.backup(self._ops, keys, host)
+
+    # ------------------------------------------------------------------ completions
+
+    def poll(self) -> None:
+        for done in self.controller.drain_backups():
+            node, n = self._backups.pop(done.op_id)
+            self.cache.tree.dec_host_ref(node)
+            self.cache.counters.l3_backup_tokens_total += done.written * self.page_size
+            if done.written < n:
+                self.cache.counters.l3_backup_failed_tokens_total += (
+                    n - done.written
+                ) * self.page_size
+        self._free_drained()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every L3 backup has landed and every stopped prefetch has drained."""
+        end = time.monotonic() + timeout
+        while (self._backups or self._draining) and time.monotonic() < end:
+            self.poll()
+            if self._backups or self._draining:
+                time.sleep(0.001)
+        if self._backups or self._draining:
+            log.warning("L3 flush timed out with %d backups pending", len(self._backups))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._backups or self._draining)

@@ -1,0 +1,204 @@
+"""L3 through the engine: flush -> replay, restart and cross-process reuse, stop policies
+against a slow backend, and faults that must turn into misses, never wrong output.
+
+Greedy outputs are compared with a run that had no L3 at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache.config import CacheConfig
+from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.sampling import SamplingParams
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.storage.memory import MemoryFaults, MemoryStorage
+from hicache.storage.registry import create_storage
+from tests.engine_fixtures import engine_model
+
+MODEL = "tiny-random-llama"
+PAGE = 4
+PROMPT = [(7 * i + 11) % 4000 + 100 for i in range(81)]  # 81 tokens: 20 whole pages + 1
+FULL = 80  # prompt[:-1] is matched: 20 pages
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def make_engine(backend: str | None, extra: dict[str, object], policy: str = "timeout") -> Engine:
+    config = EngineConfig(
+        model_path=MODEL,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(
+            page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
+        ),
+        scheduler=SchedulerConfig(max_running_requests=4, chunked_prefill_size=64),
+        context_length=128,
+        storage_backend=backend,
+        storage_prefetch_policy=policy,
+        storage_extra_config={"prefetch_threshold": 8, **extra},
+    )
+    return Engine(config, loaded=engine_model(MODEL)).start()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    """The greedy output with no cache tier at all."""
+    with make_engine(None, {}) as engine:
+        return engine.generate(PROMPT, GREEDY, timeout=60).output_ids
+
+
+def settle(engine: Engine) -> None:
+    """Let every backup reach L3, then empty L1 and L2."""
+    engine.call(engine.cache.flush).result(timeout=60)
+    assert engine.flush_cache()
+
+
+def clean(engine: Engine) -> None:
+    def check() -> None:
+        engine.cache.flush()
+        engine.cache.check_integrity(request_pages=engine.scheduler.held_pages())
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+
+    engine.call(check).result(timeout=30)
+
+
+def test_flush_then_replay_is_served_from_file_storage(
+    tmp_path: Path, reference: list[int]
+) -> None:
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        first = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert first.output_ids == reference
+        settle(engine)
+        replay = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert replay.cached.storage == FULL and replay.cached.device == 0
+        assert replay.output_ids == reference
+        stats = engine.call(engine.cache.stats).result()
+        assert stats.counters["storage_hit_tokens_total"] == FULL
+        assert stats.storage.get_hits == FULL // PAGE
+        clean(engine)
+    assert len(list(tmp_path.rglob("*"))) > FULL // PAGE
+
+
+def test_file_storage_survives_restart_and_is_shared_across_processes(
+    tmp_path: Path, reference: list[int]
+) -> None:
+    extra = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 8})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable, "-m", "hicache.cli", "generate", "--model-path", MODEL, "--dtype",
+        "float32", "--device", "cpu", "--page-size", str(PAGE), "--max-total-tokens", "256",
+        "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+        "--hicache-storage-backend-extra-config", extra, "--max-tokens", "8",
+        "--context-length", "128", "--prompt-ids", ",".join(map(str, PROMPT)),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:  # another process
+        out = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert out.cached.storage == FULL and out.output_ids == reference
+        assert proc.stdout.strip().endswith(out.text.strip()) or out.text.strip() == ""
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:  # a restart
+        again = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert again.cached.storage == FULL and again.output_ids == reference
+
+
+def _slow_replay(
+    policy: str, delay: float, extra: dict[str, object]
+) -> tuple[float, int, list[int]]:
+    """Write the prompt to a memory store, then replay it with every L3 op slowed."""
+    store = f"slow-{policy}-{time.monotonic_ns()}"
+    with make_engine("memory", {"store": store, **extra}, policy) as engine:
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        settle(engine)
+        l3 = engine.cache.l3
+        assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
+        l3.controller.storage.set_faults(MemoryFaults(delay_s=delay))
+        t0 = time.monotonic()
+        out = engine.generate(PROMPT, GREEDY, timeout=120)
+        elapsed = time.monotonic() - t0
+        l3.controller.storage.set_faults(MemoryFaults())
+        clean(engine)
+        return elapsed, out.cached.storage, out.output_ids
+
+
+def test_stop_policies_against_a_slow_backend(reference: list[int]) -> None:
+    # 20 pages in chunks of 8 -> 3 reads; each op (exists included) takes 0.4 s.
+    small = {"max_batch_pages": 8}
+    t, storage, ids = _slow_replay("wait_complete", 0.4, small)
+    assert storage == FULL and ids == reference and t >= 4 * 0.4
+    t, storage, ids = _slow_replay("best_effort", 0.4, small)
+    assert storage == 0 and ids == reference and t < 4 * 0.4
+    timeout = {"prefetch_timeout_base": 0.5, "prefetch_timeout_per_ki_token": 0.0, **small}
+    t, storage, ids = _slow_replay("timeout", 0.4, timeout)
+    # exists (0.4 s) + stop after 0.5 s: the first chunk (8 pages) has arrived by then
+    assert storage == 8 * PAGE and ids == reference
+    assert t < 0.4 + 0.5 + 0.4 + 2.0  # one chunk may finish after the stop; compute margin
+
+
+def test_timeout_is_bounded_by_the_formula(reference: list[int]) -> None:
+    extra = {
+        "prefetch_timeout_base": 0.2,
+        "prefetch_timeout_per_ki_token": 0.0,
+        "prefetch_timeout_max": 0.3,
+        "timeout_s": 30.0,
+    }
+    t, storage, ids = _slow_replay("timeout", 3.0, extra)  # the get alone would take 3 s
+    assert ids == reference and storage == 0
+    assert t < 3.0 + 0.3 + 2.0  # exists (3 s) + at most the 0.3 s prefetch timeout
+
+
+def test_backend_failing_mid_run_gives_misses_not_errors(reference: list[int]) -> None:
+    store = f"fail-{time.monotonic_ns()}"
+    with make_engine("memory", {"store": store}) as engine:
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        settle(engine)
+        l3 = engine.cache.l3
+        assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
+        l3.controller.storage.set_faults(MemoryFaults(fail_after=0))
+        out = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert out.error is None and out.cached.storage == 0 and out.output_ids == reference
+        other = engine.generate(PROMPT[::-1], GREEDY, timeout=60)  # backups fail too
+        assert other.error is None
+        clean(engine)
+
+
+def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference: list[int]) -> None:
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        settle(engine)
+        l3 = engine.cache.l3
+        assert l3 is not None
+        storage = l3.controller.storage
+        keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        victim = storage.path_of(keys[5].key)  # type: ignore[attr-defined]
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0xFF  # a payload byte
+        victim.write_bytes(bytes(data))
+        out = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert out.cached.storage == 5 * PAGE and out.output_ids == reference
+        assert engine.call(engine.cache.stats).result().storage.miss("corrupt") >= 1
+        clean(engine)
+    # another model's records stored under the keys this one looks up
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        l3 = engine.cache.l3
+        assert l3 is not None and engine.cache.host_pool is not None
+        keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        for k in keys:
+            l3.controller.storage.path_of(k.key).unlink(missing_ok=True)  # type: ignore[attr-defined]
+        foreign = dataclasses.replace(l3.namespace, model="another-model")
+        with create_storage(
+            "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
+        ) as other:
+            assert all(other.batch_set(keys, engine.cache.host_pool, list(range(len(keys)))))
+        out = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert out.cached.storage == 0 and out.output_ids == reference
+        assert engine.call(engine.cache.stats).result().storage.miss("foreign") >= 1
+        clean(engine)
