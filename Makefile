@@ -31,6 +31,8 @@ typecheck: venv
 	$(VENV)/bin/mypy
 
 unit: venv
+	# system packages the L3 tests need (redis-server, libibverbs1), when root
+	bash scripts/install-test-deps.sh
 	$(VPY) -m pytest -q
 
 test: lint typecheck unit

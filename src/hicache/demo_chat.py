@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     sched = SchedulerConfig(max_running_requests=4, chunked_prefill_size=1024)
     off = EngineConfig(
         model_path=args.model_path,
-        cache=CacheConfig(
-            page_size=16, device_tokens=8192, enable_hierarchical_cache=False
-        ),
+        cache=CacheConfig(page_size=16, device_tokens=8192, enable_hierarchical_cache=False),
         scheduler=SchedulerConfig(
             max_running_requests=4, chunked_prefill_size=1024, disable_radix_cache=True
         ),

@@ -1,0 +1,288 @@
+"""The L3 page-key spec: chained SHA-256 over page tokens under a namespace digest.
+
+See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec version 1):
+
+- The :class:`Namespace` pins everything that changes a page's bytes or who may read it:
+  model name and weights fingerprint, KV dtype, host layout, page size, tensor-parallel size
+  and rank (rank omitted for MLA, where every rank holds the same latent), the cache
+  component, and a tenant salt. Its canonical encoding is compact, key-sorted ASCII JSON
+  that includes ``"spec": 1``; its *digest* is the SHA-256 of that encoding (32 bytes).
+- Page ``i`` (1-based) of a token sequence gets ``h_i = sha256(h_{i-1} || tokens_i)`` with
+  ``h_0`` = the namespace digest and ``tokens_i`` the page's ``page_size`` token ids as
+  unsigned 32-bit little-endian integers. The key string is ``"hc1-" + hex(h_i)``.
+- Only whole pages are keyed; a partial tail page never gets a key.
+- Each :class:`PageKey` also carries a *token fingerprint*, the first 8 bytes of
+  ``sha256(tokens_i)``, stored in the L3 record header to catch a record stored under the
+  wrong key.
+
+This module is pure: no torch, no threads, no IO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from hicache.config import DTYPES, AttentionKind, KVSpec, MemLayout, _enum_value
+
+__all__ = [
+    "DIGEST_BYTES",
+    "FINGERPRINT_BYTES",
+    "KEY_PREFIX",
+    "KEY_SPEC_VERSION",
+    "TOKEN_ID_LIMIT",
+    "Namespace",
+    "PageKey",
+    "page_keys",
+    "token_bytes",
+    "token_fingerprint",
+]
+
+KEY_SPEC_VERSION = 1
+"""Version of the key and namespace encoding; bumped on any change that alters a key."""
+
+KEY_PREFIX = f"hc{KEY_SPEC_VERSION}-"
+"""Readable prefix of every key string of this spec version."""
+
+TOKEN_ID_LIMIT = 2**32
+"""Token ids must lie in ``[0, TOKEN_ID_LIMIT)`` (they are encoded as u32 little-endian)."""
+
+DIGEST_BYTES = 32
+"""Bytes of a namespace digest and of a chained page hash (SHA-256)."""
+
+FINGERPRINT_BYTES = 8
+"""Bytes of a page's token fingerprint."""
+
+
+def _require(ok: bool, field_name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}={value!r} is invalid; {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Namespace:
+    """Everything that must match for an L3 page to be reusable.
+
+    Two engines share L3 pages exactly when their namespaces are equal. ``tp_rank`` is
+    ``None`` when every rank stores the same bytes (MLA); use :meth:`for_spec` to get that
+    right from a :class:`~hicache.config.KVSpec`. ``tenant_salt`` is the request's
+    ``cache_salt`` (``""`` for none): different salts never share pages.
+    """
+
+    model: str
+    weights_fingerprint: str
+    kv_dtype: str
+    layout: MemLayout
+    page_size: int
+    tp_size: int = 1
+    tp_rank: int | None = 0
+    component: str = "full"
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", _enum_value(MemLayout, "layout", self.layout))
+        for name in ("model", "weights_fingerprint", "component"):
+            v = getattr(self, name)
+            _require(isinstance(v, str) and v != "", name, v, "must be a non-empty str")
+        _require(
+            isinstance(self.tenant_salt, str), "tenant_salt", self.tenant_salt, "must be a str"
+        )
+        _require(self.kv_dtype in DTYPES, "kv_dtype", self.kv_dtype, f"choose one of {DTYPES}")
+        _require(
+            _is_int(self.page_size) and self.page_size >= 1,
+            "page_size",
+            self.page_size,
+            "must be an int >= 1",
+        )
+        _require(
+            _is_int(self.tp_size) and self.tp_size >= 1,
+            "tp_size",
+            self.tp_size,
+            "must be an int >= 1",
+        )
+        _require(
+            self.tp_rank is None or (_is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size),
+            "tp_rank",
+            self.tp_rank,
+            f"must be None (shared by all ranks, MLA) or an int in [0, {self.tp_size})",
+        )
+
+    @classmethod
+    def for_spec(
+        cls,
+        spec: KVSpec,
+        *,
+        model: str,
+        weights_fingerprint: str,
+        layout: MemLayout | str,
+        page_size: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        component: str = "full",
+        tenant_salt: str = "",
+    ) -> Namespace:
+        """The namespace of one rank's cache of shape ``spec``.
+
+        Takes the dtype from ``spec``; for MLA the rank is dropped (``tp_rank=None``) so all
+        ranks share one namespace (and only rank 0 should write L3).
+        """
+        _require(
+            _is_int(tp_rank) and _is_int(tp_size) and 0 <= tp_rank < tp_size,
+            "tp_rank",
+            tp_rank,
+            f"must be an int in [0, {tp_size})",
+        )
+        rank: int | None = None if spec.attention is AttentionKind.MLA else tp_rank
+        return cls(
+            model=model,
+            weights_fingerprint=weights_fingerprint,
+            kv_dtype=spec.dtype,
+            layout=MemLayout(layout),
+            page_size=page_size,
+            tp_size=tp_size,
+            tp_rank=rank,
+            component=component,
+            tenant_salt=tenant_salt,
+        )
+
+    def encode(self) -> bytes:
+        """Canonical encoding: compact, key-sorted, ASCII-only JSON of the fields and spec."""
+        doc = {
+            "spec": KEY_SPEC_VERSION,
+            "model": self.model,
+            "weights_fingerprint": self.weights_fingerprint,
+            "kv_dtype": self.kv_dtype,
+            "layout": self.layout.value,
+            "page_size": self.page_size,
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "component": self.component,
+            "tenant_salt": self.tenant_salt,
+        }
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return text.encode("ascii")
+
+    @cached_property
+    def digest(self) -> bytes:
+        """SHA-256 of :meth:`encode` (32 bytes); the chain's ``h_0``."""
+        return hashlib.sha256(self.encode()).digest()
+
+    def with_salt(self, tenant_salt: str) -> Namespace:
+        """The same namespace for another tenant."""
+        return Namespace(
+            model=self.model,
+            weights_fingerprint=self.weights_fingerprint,
+            kv_dtype=self.kv_dtype,
+            layout=self.layout,
+            page_size=self.page_size,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            component=self.component,
+            tenant_salt=tenant_salt,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PageKey:
+    """The L3 key of one whole page.
+
+    ``key`` is the string backends store under (``"hc1-"`` + 64 hex digits); ``digest`` is
+    the raw chained hash (32 bytes) from which the next page's key is chained;
+    ``fingerprint`` is the first 8 bytes of ``sha256`` of this page's tokens alone.
+    """
+
+    key: str
+    digest: bytes
+    fingerprint: bytes
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray | Any) -> bytes:
+    """Token ids as unsigned 32-bit little-endian bytes (4 bytes per id).
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer CPU tensor.
+    Raises ValueError naming the first id outside ``[0, 2**32)`` or a non-integer input.
+    """
+    return _as_u32(tokens).tobytes()
+
+
+def token_fingerprint(page_tokens: Sequence[int] | np.ndarray | Any) -> bytes:
+    """First 8 bytes of ``sha256`` of one page's tokens as u32 little-endian."""
+    return hashlib.sha256(token_bytes(page_tokens)).digest()[:FINGERPRINT_BYTES]
+
+
+def _bad_token(values: Sequence[Any]) -> ValueError:
+    for i, v in enumerate(values):
+        try:
+            iv = operator.index(v)
+        except TypeError:
+            return ValueError(f"token id at position {i} is {v!r}; token ids must be integers")
+        if not 0 <= iv < TOKEN_ID_LIMIT:
+            return ValueError(
+                f"token id at position {i} is {iv}; token ids must lie in [0, 2**32) "
+                "(they are encoded as u32 little-endian)"
+            )
+    return ValueError("token ids must be integers in [0, 2**32)")
+
+
+def _as_u32(tokens: Sequence[int] | np.ndarray | Any) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D; got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise _bad_token(arr.tolist())
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= TOKEN_ID_LIMIT:
+        raise _bad_token(arr.tolist())
+    return arr.astype("<u4", copy=False)
+
+
+def page_keys(
+    namespace: Namespace,
+    tokens: Sequence[int] | np.ndarray | Any,
+    page_size: int | None = None,
+    *,
+    prior: PageKey | None = None,
+) -> list[PageKey]:
+    """Keys of the whole pages of ``tokens``; a partial tail page gets no key.
+
+    ``page_size`` defaults to the namespace's and must equal it when given. ``prior`` is the
+    key of the page just before ``tokens`` (to continue a chain from a cached prefix); by
+    default the chain starts at the namespace digest. Returns ``len(tokens) // page_size``
+    keys in page order. Raises ValueError for token ids outside ``[0, 2**32)``.
+    """
+    if page_size is None:
+        page_size = namespace.page_size
+    if page_size != namespace.page_size:
+        raise ValueError(
+            f"page_size={page_size!r} is invalid; must equal the namespace's page_size "
+            f"({namespace.page_size})"
+        )
+    arr = _as_u32(tokens)
+    n = arr.size // page_size
+    raw = arr[: n * page_size].tobytes()
+    step = 4 * page_size
+    h = namespace.digest if prior is None else prior.digest
+    sha256 = hashlib.sha256
+    out: list[PageKey] = []
+    for i in range(n):
+        chunk = raw[i * step : (i + 1) * step]
+        h = sha256(h + chunk).digest()
+        fp = sha256(chunk).digest()[:FINGERPRINT_BYTES]
+        out.append(PageKey(KEY_PREFIX + h.hex(), h, fp))
+    return out

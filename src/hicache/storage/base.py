@@ -1,0 +1,303 @@
+"""The L3 storage contract: :class:`HiCacheStorage` and its options.
+
+A backend stores one record (:mod:`hicache.storage.record`) per page key
+(:class:`hicache.keys.PageKey`) and moves pages between itself and a host (L2) pool. All
+operations are batched and page-granular. The contract:
+
+- ``batch_exists(keys) -> int``: how many keys, from the first, are present in a row.
+- ``batch_get(keys, host, pages) -> list[bool]``: read the record of ``keys[i]`` into host
+  page ``pages[i]``; True only for a page whose record passed every check. A False page's
+  host content is unspecified (it may be partly overwritten) and must not be used.
+- ``batch_set(keys, host, pages) -> list[bool]``: write host page ``pages[i]`` under
+  ``keys[i]``; a key already present is skipped and counts as True.
+- Every operation has a deadline (``StorageOptions.timeout_s``). A backend failure or
+  timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
+  and a WARNING. Only misuse raises (unstarted backend, length mismatch, a host pool that
+  does not match the namespace, pages out of range).
+- Lifecycle: construction does no IO and starts no thread; :meth:`start` connects,
+  :meth:`close` releases (both idempotent); also a context manager. Thread-safe: the
+  controller's prefetch and backup threads call concurrently.
+
+Subclasses implement ``_start``/``_close`` and ``_exists``/``_get``/``_set``; the public
+methods here validate, time and wrap them so that no backend exception escapes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from hicache.keys import Namespace, PageKey
+from hicache.memory import HostPool
+from hicache.storage.pageio import HostPages
+from hicache.storage.record import HEADER_SIZE
+from hicache.storage.stats import MissReason, SetOutcome, StatsRecorder, StorageStats
+
+__all__ = ["Deadline", "HiCacheStorage", "StorageError", "StorageOptions"]
+
+
+class StorageError(RuntimeError):
+    """A backend could not be started (bad address, service down, missing package)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageOptions:
+    """Options common to all backends.
+
+    ``timeout_s``: deadline of one batch operation, seconds. ``connect_timeout_s``: deadline
+    of :meth:`HiCacheStorage.start`, seconds. ``max_batch_pages``: a backend splits larger
+    batches into chunks of this many pages (bounds staging memory and request sizes).
+    """
+
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 10.0
+    max_batch_pages: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s"):
+            v = getattr(self, name)
+            ok = (
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+                and v > 0
+            )
+            if not ok:
+                raise ValueError(f"{name}={v!r} is invalid; must be a finite number of seconds > 0")
+        v = self.max_batch_pages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"max_batch_pages={v!r} is invalid; must be an int >= 1")
+
+    KEYS: ClassVar[tuple[str, ...]] = ("timeout_s", "connect_timeout_s", "max_batch_pages")
+
+    @classmethod
+    def from_extra(
+        cls, extra: Mapping[str, Any], base: StorageOptions | None = None
+    ) -> StorageOptions:
+        """``base`` (or defaults) with any of :attr:`KEYS` present in ``extra`` overriding."""
+        base = base or cls()
+        kw = {k: extra.get(k, getattr(base, k)) for k in cls.KEYS}
+        return cls(**kw)
+
+
+class Deadline:
+    """A point in time ``timeout_s`` seconds from now (monotonic clock)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._end = time.monotonic() + timeout_s
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left (never negative)."""
+        return max(0.0, self._end - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self._end
+
+
+class HiCacheStorage(ABC):
+    """Base of every L3 backend (see the module docstring for the contract)."""
+
+    name: ClassVar[str] = "storage"
+    """Registry name; also used in logs and metrics."""
+
+    def __init__(self, namespace: Namespace, options: StorageOptions | None = None) -> None:
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        self._namespace = namespace
+        self._options = options or StorageOptions()
+        self._stats = StatsRecorder(self.name)
+        self._life = threading.Lock()
+        self._started = False
+        self._closed = False
+
+    @classmethod
+    def from_extra_config(
+        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
+    ) -> HiCacheStorage:
+        """Build from the engine's extra-config dict (``options`` keys already removed).
+
+        The default accepts no backend-specific keys; backends override this to parse theirs.
+        """
+        if extra_config:
+            raise ValueError(
+                f"{cls.name} backend takes no extra config; got keys {sorted(extra_config)}"
+            )
+        return cls(namespace, options)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def options(self) -> StorageOptions:
+        return self._options
+
+    @property
+    def started(self) -> bool:
+        return self._started and not self._closed
+
+    def start(self) -> None:
+        """Connect / open; raises :class:`StorageError` when the backend is unusable."""
+        with self._life:
+            if self._closed:
+                raise StorageError(f"{self.name} storage is closed; create a new one")
+            if self._started:
+                return
+            self._start()
+            self._started = True
+
+    def close(self) -> None:
+        """Release connections, threads and registrations (idempotent, never raises)."""
+        with self._life:
+            if self._closed:
+                return
+            self._closed = True
+            if self._started:
+                try:
+                    self._close()
+                except Exception as e:
+                    self._stats.error("close", repr(e))
+
+    def __enter__(self) -> HiCacheStorage:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> StorageStats:
+        """A frozen snapshot of this instance's counters."""
+        return self._stats.snapshot()
+
+    # -- public batched operations --------------------------------------------------------
+    def batch_exists(self, keys: Sequence[PageKey]) -> int:
+        """Number of consecutive keys, from the first, present in the backend (0 on failure)."""
+        self._require_started()
+        if not keys:
+            return 0
+        try:
+            hits = self._exists(keys, Deadline(self._options.timeout_s))
+        except Exception as e:
+            self._stats.error("exists", repr(e))
+            hits = 0
+        hits = max(0, min(hits, len(keys)))
+        self._stats.exists(len(keys), hits)
+        return hits
+
+    def batch_get(
+        self, keys: Sequence[PageKey], host: HostPool, pages: Sequence[int] | torch.Tensor
+    ) -> list[bool]:
+        """Read ``keys[i]`` into host page ``pages[i]``; True where the page is now valid."""
+        self._require_started()
+        self._check_host(host)
+        hp = HostPages(host, pages, for_get=True)
+        self._check_lengths(keys, hp)
+        if not keys:
+            return []
+        try:
+            reasons = self._get(keys, hp, Deadline(self._options.timeout_s))
+            if len(reasons) != len(keys):
+                raise RuntimeError(f"backend returned {len(reasons)} results for {len(keys)} keys")
+        except Exception as e:
+            self._stats.error("get", repr(e))
+            reasons = [MissReason.ERROR] * len(keys)
+        ok = [r is None for r in reasons]
+        try:
+            hp.commit(ok)
+        except Exception as e:  # staging scatter failed: nothing delivered
+            self._stats.error("get (commit)", repr(e))
+            reasons = [MissReason.ERROR] * len(keys)
+            ok = [False] * len(keys)
+        hits = sum(ok)
+        misses = [r for r in reasons if r is not None]
+        self._stats.log_misses("get", [k.key for k in keys], reasons)
+        self._stats.got([k.key for k in keys], hits, hits * (hp.payload_len + HEADER_SIZE), misses)
+        return ok
+
+    def batch_set(
+        self, keys: Sequence[PageKey], host: HostPool, pages: Sequence[int] | torch.Tensor
+    ) -> list[bool]:
+        """Write host page ``pages[i]`` under ``keys[i]``; present keys are skipped (True)."""
+        self._require_started()
+        self._check_host(host)
+        hp = HostPages(host, pages, for_get=False)
+        self._check_lengths(keys, hp)
+        if not keys:
+            return []
+        try:
+            outcome = self._set(keys, hp, Deadline(self._options.timeout_s))
+            if len(outcome) != len(keys):
+                raise RuntimeError(f"backend returned {len(outcome)} results for {len(keys)} keys")
+        except Exception as e:
+            self._stats.error("set", repr(e))
+            outcome = [SetOutcome.FAILED] * len(keys)
+        written = outcome.count(SetOutcome.WRITTEN)
+        skipped = outcome.count(SetOutcome.SKIPPED)
+        failed = len(keys) - written - skipped
+        self._stats.put(
+            len(keys), written, skipped, failed, written * (hp.payload_len + HEADER_SIZE)
+        )
+        return [o is not SetOutcome.FAILED for o in outcome]
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _require_started(self) -> None:
+        if not self.started:
+            state = "closed" if self._closed else "not started"
+            raise StorageError(f"{self.name} storage is {state}; call start() (or use `with`)")
+
+    def _check_host(self, host: HostPool) -> None:
+        ns = self._namespace
+        if (
+            host.layout is not ns.layout
+            or host.page_size != ns.page_size
+            or host.spec.dtype != ns.kv_dtype
+        ):
+            raise ValueError(
+                f"host pool (layout={host.layout.value}, page_size={host.page_size}, "
+                f"dtype={host.spec.dtype}) does not match the storage namespace "
+                f"(layout={ns.layout.value}, page_size={ns.page_size}, dtype={ns.kv_dtype})"
+            )
+
+    @staticmethod
+    def _check_lengths(keys: Sequence[PageKey], hp: HostPages) -> None:
+        if len(keys) != len(hp):
+            raise ValueError(f"{len(keys)} keys but {len(hp)} pages; they must pair up")
+
+    # -- backend hooks ------------------------------------------------------------------------
+    @abstractmethod
+    def _start(self) -> None:
+        """Open connections / directories; raise StorageError when unusable."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release everything :meth:`_start` acquired."""
+
+    @abstractmethod
+    def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
+        """Consecutive present keys from the first."""
+
+    @abstractmethod
+    def _get(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[MissReason | None]:
+        """Read each record into ``pages``; None where the page passed all checks.
+
+        Must call ``self._stats.error`` / ``self._stats.timeout`` for ERROR / TIMEOUT misses.
+        """
+
+    @abstractmethod
+    def _set(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[SetOutcome]:
+        """Write each page's record unless its key is present."""

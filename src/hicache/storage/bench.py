@@ -1,0 +1,374 @@
+"""L3 microbenchmark: each backend's batch put/get GB/s next to its raw client in the same run.
+
+For every backend the same pages (``--objects`` objects of ``--object-mib`` MiB, one page
+each, in a ``page_first`` host pool) go through the HiCache backend (``batch_set`` /
+``batch_get``: records with headers and checksums, zero-copy where the backend allows) and
+through the bare client it wraps:
+
+- ``file``: plain ``open/write/close`` and ``open/readinto`` of the page bytes, one file each;
+- ``redis``: a redis-py pipeline of ``SET`` / ``GET`` with the page bytes;
+- ``mooncake``: ``batch_put_from`` / ``batch_get_into`` from / into a registered buffer.
+
+Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
+``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
+figure is the median of ``--repeat`` runs. Usage::
+
+    python -m hicache.storage.bench --backends file,redis,mooncake --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache.config import KVSpec, MemLayout
+from hicache.keys import Namespace, PageKey, page_keys
+from hicache.memory import HostPool
+from hicache.storage.base import HiCacheStorage, StorageOptions
+from hicache.storage.pageio import byte_view
+from hicache.storage.registry import create_storage
+from hicache.storage.services import RedisServer, free_port
+
+__all__ = ["BenchResult", "main"]
+
+TOKEN_BYTES = 32 << 10
+"""Bytes per token of the benchmark's KV shape: 8 layers x K,V x 8 heads x 128 dims x bf16."""
+SPEC = KVSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+assert SPEC.token_bytes == TOKEN_BYTES
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Median GB/s of one backend and operation, HiCache next to the raw client."""
+
+    backend: str
+    op: str
+    hicache_gbps: float
+    raw_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.hicache_gbps / self.raw_gbps if self.raw_gbps else 0.0
+
+
+def _gbps(nbytes: int, fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
+class _Case:
+    """One backend: HiCache put/get and raw put/get over the same pages."""
+
+    def __init__(
+        self, name: str, st_factory: Callable[[Namespace], HiCacheStorage], raw: _Raw
+    ) -> None:
+        self.name = name
+        self.st_factory = st_factory
+        self.raw = raw
+
+
+class _Raw:
+    """A bare client: ``put(keys, bufs)`` and ``get(keys, bufs)`` of same-size byte buffers."""
+
+    def buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        """``n`` flat uint8 buffers of ``nbytes`` the client can move data from / into."""
+        return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(n)]
+
+    def put(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def get(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _RawFile(_Raw):
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def put(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        for k, b in zip(keys, bufs, strict=True):
+            with open(self.root / k, "wb") as f:
+                f.write(byte_view(b))
+
+    def get(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        for k, b in zip(keys, bufs, strict=True):
+            with open(self.root / k, "rb", buffering=0) as f:
+                f.readinto(byte_view(b))
+
+
+class _RawRedis(_Raw):
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+
+    def put(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k, b in zip(keys, bufs, strict=True):
+            pipe.set(k, byte_view(b))
+        pipe.execute()
+
+    def get(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        for v, b in zip(pipe.execute(), bufs, strict=True):
+            byte_view(b)[:] = v
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _RawMooncake(_Raw):
+    def __init__(self, master: str) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
+        if rc != 0:
+            raise RuntimeError(f"raw mooncake client setup returned {rc}")
+        self._areas: list[torch.Tensor] = []
+
+    def buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        area = torch.zeros(n * nbytes, dtype=torch.uint8)
+        if self.store.register_buffer(area.data_ptr(), area.numel()) != 0:
+            raise RuntimeError("raw mooncake client could not register its buffer")
+        self._areas.append(area)
+        return list(area.view(n, nbytes).unbind(0))
+
+    def put(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        codes = self.store.batch_put_from(
+            keys, [b.data_ptr() for b in bufs], [b.numel() for b in bufs]
+        )
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"raw mooncake put failed: {sorted(set(codes))}")
+
+    def get(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        codes = self.store.batch_get_into(
+            keys, [b.data_ptr() for b in bufs], [b.numel() for b in bufs]
+        )
+        if any(c < 0 for c in codes):
+            raise RuntimeError(f"raw mooncake get failed: {sorted(set(codes))}")
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@contextmanager
+def _mooncake_service() -> Iterator[str]:
+    port, metrics = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache.storage.mooncake_service", "--master-port", str(port),
+         "--metrics-port", str(metrics), "--segment-size", "2GiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("mooncake service failed to start")
+        yield str(json.loads(line)["master_server_address"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[BenchResult]:
+    n = src.num_pages
+    nbytes = n * src.page_bytes
+    pages = list(range(n))
+    put_h, get_h, put_r, get_r = [], [], [], []
+    src_bufs = case.raw.buffers(n, src.page_bytes)
+    dst_bufs = case.raw.buffers(n, src.page_bytes)
+    for p, buf in zip(pages, src_bufs, strict=True):
+        buf.copy_(torch.cat([v.reshape(-1).view(torch.uint8) for v in src.page_view(p)]))
+    for i in range(repeat):
+        ns = Namespace.for_spec(
+            SPEC,
+            model="bench",
+            weights_fingerprint=uuid.uuid4().hex,
+            layout=src.layout,
+            page_size=src.page_size,
+        )
+        keys = page_keys(ns, list(range(n * src.page_size)))
+        raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in pages]
+        with case.st_factory(ns) as st:
+
+            def hicache(st: HiCacheStorage = st, keys: list[PageKey] = keys) -> None:
+                put_h.append(_gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages), "put")))
+                get_h.append(_gbps(nbytes, lambda: _check(st.batch_get(keys, dst, pages), "get")))
+
+            def raw(raw_keys: list[str] = raw_keys) -> None:
+                put_r.append(_gbps(nbytes, lambda: case.raw.put(raw_keys, src_bufs)))
+                get_r.append(_gbps(nbytes, lambda: case.raw.get(raw_keys, dst_bufs)))
+
+            for step in (
+                (hicache, raw) if i % 2 == 0 else (raw, hicache)
+            ):  # alternate who goes first
+                step()
+    med = statistics.median
+    return [
+        BenchResult(case.name, "put", med(put_h), med(put_r)),
+        BenchResult(case.name, "get", med(get_h), med(get_r)),
+    ]
+
+
+def _check(ok: list[bool], op: str) -> None:
+    if not all(ok):
+        raise RuntimeError(f"{op}: {ok.count(False)} of {len(ok)} pages failed")
+
+
+def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"L3 storage: {objects} objects x {object_bytes / 2**20:g} MiB (GB/s, median)"
+    )
+    for col in ("backend", "op", "hicache GB/s", "raw GB/s", "hicache / raw"):
+        table.add_column(col, justify="left" if col in ("backend", "op") else "right")
+    for r in results:
+        table.add_row(
+            r.backend, r.op, f"{r.hicache_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}"
+        )
+    Console().print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns 0, or 2 for bad arguments, 1 when a backend fails."""
+    p = argparse.ArgumentParser(
+        prog="python -m hicache.storage.bench", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--backends", default="file,redis,mooncake", help="comma list of file, redis, mooncake"
+    )
+    p.add_argument(
+        "--object-mib", type=float, default=1.0, help="object (page) size in MiB (default 1)"
+    )
+    p.add_argument("--objects", type=int, default=64, help="objects per batch (default 64)")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="runs per figure; the median is shown (default 3)"
+    )
+    p.add_argument(
+        "--dir", default=None, help="file backend directory (default: a temp dir, removed)"
+    )
+    p.add_argument(
+        "--redis-url", default=None, help="use this Redis instead of starting redis-server"
+    )
+    p.add_argument(
+        "--mooncake-master", default=None, help="use this master instead of starting one"
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = sorted(set(backends) - {"file", "redis", "mooncake"})
+    object_bytes = int(args.object_mib * 2**20)
+    if (
+        bad
+        or object_bytes % TOKEN_BYTES
+        or object_bytes <= 0
+        or args.objects < 1
+        or args.repeat < 1
+    ):
+        print(
+            f"error: backends must be among file,redis,mooncake (got {bad or backends}); object size must "
+            f"be a positive multiple of {TOKEN_BYTES // 1024} KiB; objects and repeat >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    page_size = object_bytes // TOKEN_BYTES
+    src = HostPool(SPEC, args.objects, page_size, MemLayout.PAGE_FIRST, pin_memory=False)
+    dst = HostPool(SPEC, args.objects, page_size, MemLayout.PAGE_FIRST, pin_memory=False)
+    src.buffer.copy_(torch.randn(src.buffer.shape).to(src.dtype))
+    opts = StorageOptions(timeout_s=120.0, max_batch_pages=args.objects)
+    results: list[BenchResult] = []
+    with ExitStack() as stack:
+        scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hicache-bench-"))
+        if not args.dir:
+            stack.callback(shutil.rmtree, scratch, True)
+        for backend in backends:
+            try:
+                case = _make_case(backend, args, scratch, opts, stack)
+                results += _run_case(case, src, dst, args.repeat)
+            except Exception as e:  # report and go on with the other backends
+                print(f"{backend}: skipped: {e}", file=sys.stderr)
+    if not results:
+        return 1
+    _print_table(results, object_bytes, args.objects)
+    if args.json:
+        doc = {"object_bytes": object_bytes, "objects": args.objects, "repeat": args.repeat}
+        doc["results"] = [asdict(r) | {"ratio": r.ratio} for r in results]
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0 if len(results) == 2 * len(backends) else 1
+
+
+def _make_case(
+    backend: str, args: argparse.Namespace, scratch: Path, opts: StorageOptions, stack: ExitStack
+) -> _Case:
+    if backend == "file":
+        root = scratch / "hicache"
+        return _Case(
+            "file",
+            lambda ns: create_storage(
+                "file", namespace=ns, extra_config={"file_path": str(root)}, options=opts
+            ),
+            _RawFile(scratch / "raw"),
+        )
+    if backend == "redis":
+        url = args.redis_url
+        if url is None:
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise RuntimeError(
+                    "redis-server not found (apt-get install redis-server) and no --redis-url"
+                )
+            url = stack.enter_context(RedisServer(exe)).url
+        raw_redis = _RawRedis(url)
+        stack.callback(raw_redis.close)
+        return _Case(
+            "redis",
+            lambda ns: create_storage(
+                "redis", namespace=ns, extra_config={"url": url}, options=opts
+            ),
+            raw_redis,
+        )
+    master = args.mooncake_master or stack.enter_context(_mooncake_service())
+    raw_mc = _RawMooncake(master)
+    stack.callback(raw_mc.close)
+    return _Case(
+        "mooncake",
+        lambda ns: create_storage(
+            "mooncake", namespace=ns, extra_config={"master_server_address": master}, options=opts
+        ),
+        raw_mc,
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Deadlines for blocking backend calls: a small pool of daemon worker threads.
+
+A backend whose client library may block for long (a dead master, a stalled socket) runs
+each network call through :meth:`DeadlineRunner.call`, which waits at most ``timeout_s``
+and returns a :class:`CallResult` instead of raising. A call that overruns keeps running on
+its worker (Python cannot cancel it) and is counted in :attr:`DeadlineRunner.stuck` until it
+returns; backends refuse new calls while any is stuck, so workers do not pile up behind a
+dead server. Workers are daemon threads: a call stuck forever never blocks interpreter exit.
+
+Lifecycle: nothing runs until :meth:`start`; :meth:`close` stops idle workers (stuck ones are
+abandoned). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+__all__ = ["CallResult", "DeadlineRunner"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult(Generic[T]):
+    """Outcome of one call: ``value`` when it returned in time, else why not."""
+
+    value: T | None = None
+    error: BaseException | None = None
+    timed_out: bool = False
+    refused: bool = False
+    """True when the call was not started because an earlier call is still stuck."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out and not self.refused
+
+
+_Job = tuple[Callable[[], Any], "Future[Any]"]
+
+
+class DeadlineRunner:
+    """Runs callables on ``workers`` daemon threads with a per-call deadline."""
+
+    def __init__(self, name: str, workers: int = 4) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers!r} is invalid; must be an int >= 1")
+        self._name = name
+        self._workers = workers
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._stuck = 0
+        self._inflight = 0
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def stuck(self) -> int:
+        """Calls that overran their deadline and have not returned yet."""
+        with self._lock:
+            return self._stuck
+
+    @property
+    def inflight(self) -> int:
+        """Calls submitted and not returned yet (stuck ones included)."""
+        with self._lock:
+            return self._inflight
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every submitted call to return; True if none is left."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout=max(timeout_s, 0.0))
+
+    def start(self) -> None:
+        """Start the worker threads (idempotent)."""
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+            for i in range(self._workers):
+                t = threading.Thread(target=self._work, name=f"{self._name}-io-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def close(self, join_s: float = 1.0) -> None:
+        """Stop the workers; waits up to ``join_s`` seconds per idle worker (idempotent)."""
+        with self._lock:
+            if not self._running:
+                return
+            self._running = False
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for t in threads:
+            t.join(join_s)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, fut = job
+            try:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # report everything to the waiter
+                    fut.set_exception(e)
+            finally:
+                with self._idle:
+                    self._inflight -= 1
+                    self._idle.notify_all()
+
+    def call(
+        self, fn: Callable[[], T], timeout_s: float, *, refuse_if_stuck: bool = True
+    ) -> CallResult[T]:
+        """Run ``fn`` on a worker and wait at most ``timeout_s`` seconds for it.
+
+        Never raises for ``fn``'s failures: they come back as ``error``. With
+        ``refuse_if_stuck`` the call is refused while an earlier call is stuck.
+        """
+        if not self._running:
+            return CallResult(error=RuntimeError(f"{self._name}: runner is not started"))
+        if refuse_if_stuck and self.stuck:
+            return CallResult(refused=True)
+        fut: Future[T] = Future()
+        with self._lock:
+            self._inflight += 1
+        self._queue.put((fn, fut))
+        try:
+            return CallResult(value=fut.result(timeout=max(timeout_s, 0.0)))
+        except FutureTimeout:
+            if fut.cancel():  # never started: nothing left running
+                return CallResult(timed_out=True)
+            with self._lock:
+                self._stuck += 1
+            fut.add_done_callback(self._unstick)
+            return CallResult(timed_out=True)
+        except Exception as e:
+            return CallResult(error=e)
+
+    def _unstick(self, _fut: Future[Any]) -> None:
+        with self._lock:
+            self._stuck -= 1

@@ -1,0 +1,330 @@
+"""The ``file`` L3 backend: one record file per page key in a local (or shared) directory.
+
+Directory: extra-config ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR``, else
+``/tmp/hicache``; created with mode 0700. A key ``hc1-<hex>`` lives at
+``<dir>/<hex[:2]>/hc1-<hex>`` (256 fan-out folders keep directories small).
+
+- Writes are atomic: the record goes to a temp file in the same folder, optionally
+  fsync'ed (extra ``fsync``), then ``os.replace``'d into place, so a reader (or a restart
+  after a crash) never sees half a record. Temp files left by a crash are removed at start
+  once older than :data:`STALE_TMP_S`.
+- Reads go straight into the host pool's page views with ``preadv`` (zero-copy for
+  ``page_first*``) and are checked afterwards.
+- Size cap (extra ``max_bytes``, 0 = none): an in-process LRU index (built at start from
+  file modification times, which hits refresh) evicts least recently used records once the
+  total exceeds the cap. Several processes sharing a folder each enforce the cap over the
+  records they know (found at start plus their own reads and writes).
+- A full disk (ENOSPC / EDQUOT) fails the rest of the batch's writes (False, one error).
+- The deadline is checked between pages (local file IO is not interruptible).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hicache.keys import Namespace, PageKey
+from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
+from hicache.storage.pageio import HostPages
+from hicache.storage.record import HEADER_SIZE, check_record, encode_header, record_size
+from hicache.storage.stats import MissReason, SetOutcome
+
+__all__ = ["DEFAULT_DIR", "ENV_DIR", "STALE_TMP_S", "FileConfig", "FileStorage"]
+
+DEFAULT_DIR = "/tmp/hicache"
+ENV_DIR = "HICACHE_FILE_BACKEND_STORAGE_DIR"
+STALE_TMP_S = 600.0
+"""A temp file older than this (seconds) at start is a crash leftover and is removed."""
+_TMP_SUFFIX = ".tmp"
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileConfig:
+    """``path``: record directory; ``max_bytes``: size cap (0 = none); ``fsync``: durable writes."""
+
+    path: str
+    max_bytes: int = 0
+    fsync: bool = False
+
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ("file_path", "max_bytes", "fsync")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"file_path={self.path!r} is invalid; must be a non-empty path")
+        m = self.max_bytes
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"max_bytes={m!r} is invalid; must be an int >= 0 (0 = no cap)")
+        if not isinstance(self.fsync, bool):
+            raise ValueError(f"fsync={self.fsync!r} is invalid; must be a bool")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> FileConfig:
+        unknown = sorted(set(extra) - set(cls.EXTRA_KEYS))
+        if unknown:
+            raise ValueError(
+                f"file backend: unknown extra config keys {unknown}; allowed {cls.EXTRA_KEYS}"
+            )
+        path = extra.get("file_path") or os.environ.get(ENV_DIR) or DEFAULT_DIR
+        return cls(path=path, max_bytes=extra.get("max_bytes", 0), fsync=extra.get("fsync", False))
+
+
+class _LruIndex:
+    """Record sizes in least-recently-used-first order, with the running total."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._order: OrderedDict[str, int] = OrderedDict()
+        self.total = 0
+
+    def load(self, entries: Sequence[tuple[float, str, int]]) -> None:
+        """Seed with ``(mtime, key, size)`` entries, oldest first after sorting."""
+        with self._lock:
+            for _, key, size in sorted(entries):
+                self._order[key] = size
+                self.total += size
+
+    def touch(self, key: str, size: int) -> None:
+        """Mark ``key`` most recently used (adding it if unknown)."""
+        with self._lock:
+            old = self._order.pop(key, None)
+            self.total += size - (old or 0)
+            self._order[key] = size
+
+    def add(self, key: str, size: int) -> list[str]:
+        """Record a write; returns the keys to evict (oldest first, never ``key``)."""
+        self.touch(key, size)
+        return self.over_cap(protect=key)
+
+    def over_cap(self, protect: str | None = None) -> list[str]:
+        """Drop least recently used keys until the total fits the cap; returns them.
+
+        ``protect`` (the record just written) is never dropped, even if alone over the cap.
+        """
+        victims: list[str] = []
+        with self._lock:
+            while self.total > self.cap and self._order:
+                victim, vsize = next(iter(self._order.items()))
+                if victim == protect:
+                    break
+                del self._order[victim]
+                self.total -= vsize
+                victims.append(victim)
+        return victims
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            size = self._order.pop(key, None)
+            if size is not None:
+                self.total -= size
+
+
+def _write_all(fd: int, bufs: list[memoryview]) -> None:
+    """``writev`` every buffer completely (retrying after partial writes)."""
+    while bufs:
+        n = os.writev(fd, bufs)
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+class FileStorage(HiCacheStorage):
+    """Local-directory backend (registry name ``file``)."""
+
+    name: ClassVar[str] = "file"
+
+    def __init__(
+        self, namespace: Namespace, options: StorageOptions | None = None, *, config: FileConfig
+    ) -> None:
+        super().__init__(namespace, options)
+        self.config = config
+        self.root = Path(config.path)
+        self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
+
+    @classmethod
+    def from_extra_config(
+        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
+    ) -> FileStorage:
+        """Keys: ``file_path``, ``max_bytes``, ``fsync`` (see :class:`FileConfig`)."""
+        return cls(namespace, options, config=FileConfig.from_extra(extra_config))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _start(self) -> None:
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise StorageError(f"file backend: directory {self.root} is not writable")
+            self._scan()
+        except OSError as e:
+            raise StorageError(f"file backend: cannot use directory {self.root}: {e}") from e
+
+    def _close(self) -> None:
+        pass
+
+    def _scan(self) -> None:
+        """Remove stale temp files; seed the LRU index when a cap is set."""
+        now = time.time()
+        entries: list[tuple[float, str, int]] = []
+        with os.scandir(self.root) as top:
+            subdirs = [e.path for e in top if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        for sub in subdirs:
+            with os.scandir(sub) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if e.name.endswith(_TMP_SUFFIX):
+                        if now - st.st_mtime > STALE_TMP_S:
+                            self._unlink(Path(e.path))
+                    elif self._index is not None:
+                        entries.append((st.st_mtime, e.name, st.st_size))
+        if self._index is not None:
+            self._index.load(entries)
+            for victim in self._index.over_cap():
+                self._unlink(self.path_of(victim))
+
+    # -- paths -----------------------------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        """Where the record of ``key`` lives."""
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"unsafe key {key!r}")
+        tail = key.rsplit("-", 1)[-1]
+        return self.root / tail[:2] / key
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    # -- operations ------------------------------------------------------------------------
+    def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
+        n = 0
+        for k in keys:
+            if deadline.expired:
+                self._stats.timeout("exists", deadline.timeout_s)
+                break
+            if not self.path_of(k.key).is_file():
+                break
+            n += 1
+        return n
+
+    def _get(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[MissReason | None]:
+        out: list[MissReason | None] = []
+        first_error = ""
+        errors = 0
+        for i, k in enumerate(keys):
+            if deadline.expired:
+                self._stats.timeout("get", deadline.timeout_s)
+                out.extend([MissReason.TIMEOUT] * (len(keys) - i))
+                break
+            try:
+                out.append(self._read(k, pages, i))
+            except OSError as e:
+                errors += 1
+                first_error = first_error or f"{k.key}: {e!r}"
+                out.append(MissReason.ERROR)
+        if errors:
+            self._stats.error("get", f"{errors} page(s) failed; first {first_error}")
+        return out
+
+    def _read(self, key: PageKey, pages: HostPages, i: int) -> MissReason | None:
+        path = self.path_of(key.key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if self._index is not None:
+                self._index.discard(key.key)
+            return MissReason.ABSENT
+        want = record_size(pages.payload_len)
+        try:
+            size = os.fstat(fd).st_size
+            if size != want:
+                return MissReason.CORRUPT
+            header = bytearray(HEADER_SIZE)
+            parts = pages.parts(i)
+            if os.preadv(fd, [header, *parts], 0) != want:
+                return MissReason.CORRUPT
+        finally:
+            os.close(fd)
+        check = check_record(
+            header,
+            parts,
+            namespace_digest=self.namespace.digest,
+            fingerprint=key.fingerprint,
+            payload_len=pages.payload_len,
+        )
+        if check.ok and self._index is not None:
+            self._index.touch(key.key, size)
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
+        return check.reason
+
+    def _set(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[SetOutcome]:
+        out: list[SetOutcome] = []
+        errors = 0
+        first_error = ""
+        for i, k in enumerate(keys):
+            if deadline.expired:
+                self._stats.timeout("set", deadline.timeout_s)
+                out.extend([SetOutcome.FAILED] * (len(keys) - i))
+                break
+            try:
+                out.append(self._write(k, pages, i))
+            except OSError as e:
+                errors += 1
+                first_error = first_error or f"{k.key}: {e!r}"
+                out.append(SetOutcome.FAILED)
+                if e.errno in _FULL:  # the rest would fail the same way
+                    out.extend([SetOutcome.FAILED] * (len(keys) - i - 1))
+                    errors += len(keys) - i - 1
+                    break
+        if errors:
+            self._stats.error("set", f"{errors} page(s) not written; first {first_error}")
+        return out
+
+    def _write(self, key: PageKey, pages: HostPages, i: int) -> SetOutcome:
+        path = self.path_of(key.key)
+        if path.is_file():
+            return SetOutcome.SKIPPED
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        parts = pages.parts(i)
+        header = encode_header(self.namespace.digest, key.fingerprint, parts)
+        tmp = path.with_name(f".{key.key}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, [memoryview(header), *parts])
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+        if self.config.fsync:
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        if self._index is not None:
+            for victim in self._index.add(key.key, record_size(pages.payload_len)):
+                self._unlink(self.path_of(victim))
+        return SetOutcome.WRITTEN

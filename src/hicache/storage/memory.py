@@ -1,0 +1,216 @@
+"""A fake in-memory L3 backend with injectable latency and failures, for controller tests.
+
+Records live in a :class:`MemoryStore` (a dict behind a lock). Instances created through
+the registry with the same ``store`` name share one store (like engines sharing an L3);
+pass a :class:`MemoryStore` directly for a private one.
+
+Faults (:class:`MemoryFaults`, set at creation or with :meth:`MemoryStorage.set_faults`):
+
+- ``delay_s``: every batch operation sleeps this long first. When it is at least the
+  deadline (``StorageOptions.timeout_s``), the operation sleeps only until the deadline and
+  then fails as a timeout (misses ``timeout``; exists 0; set False).
+- ``fail_after``: after this many batch operations have run, every further one fails as a
+  backend error (misses ``error``). ``None`` never fails; ``0`` fails from the start.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hicache.keys import Namespace, PageKey
+from hicache.storage.base import Deadline, HiCacheStorage, StorageOptions
+from hicache.storage.blob import decode_page, encode_page
+from hicache.storage.pageio import HostPages
+from hicache.storage.stats import MissReason, SetOutcome
+
+__all__ = ["MemoryFaults", "MemoryStorage", "MemoryStore", "shared_store"]
+
+
+class MemoryStore:
+    """A thread-safe ``key -> record bytes`` map; what the fake backend stores into."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, bytes] = {}
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def put_if_absent(self, key: str, blob: bytes) -> bool:
+        """Store ``blob`` unless ``key`` is present; True when it was stored."""
+        with self._lock:
+            if key in self._data:
+                return False
+            self._data[key] = blob
+            return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def replace(self, key: str, blob: bytes) -> None:
+        """Overwrite ``key`` (tests use it to plant bad records)."""
+        with self._lock:
+            self._data[key] = blob
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+_SHARED: dict[str, MemoryStore] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_store(name: str) -> MemoryStore:
+    """The process-wide store called ``name`` (created on first use)."""
+    with _SHARED_LOCK:
+        return _SHARED.setdefault(name, MemoryStore())
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryFaults:
+    """Injected faults; see the module docstring."""
+
+    delay_s: float = 0.0
+    fail_after: int | None = None
+
+    def __post_init__(self) -> None:
+        d = self.delay_s
+        if not (
+            isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d) and d >= 0
+        ):
+            raise ValueError(f"delay_s={d!r} is invalid; must be a finite number of seconds >= 0")
+        f = self.fail_after
+        if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
+            raise ValueError(f"fail_after={f!r} is invalid; must be None or an int >= 0")
+
+
+class _Fault(Exception):
+    def __init__(self, reason: MissReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+class MemoryStorage(HiCacheStorage):
+    """In-memory backend (registry name ``memory``)."""
+
+    name: ClassVar[str] = "memory"
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ("store", "delay_s", "fail_after")
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        options: StorageOptions | None = None,
+        *,
+        store: MemoryStore | None = None,
+        faults: MemoryFaults | None = None,
+    ) -> None:
+        super().__init__(namespace, options)
+        self.store = store if store is not None else MemoryStore()
+        self._faults = faults or MemoryFaults()
+        self._ops = 0
+        self._ops_lock = threading.Lock()
+
+    @classmethod
+    def from_extra_config(
+        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
+    ) -> MemoryStorage:
+        """Keys: ``store`` (shared store name, default ``"default"``), ``delay_s``, ``fail_after``."""
+        unknown = sorted(set(extra_config) - set(cls.EXTRA_KEYS))
+        if unknown:
+            raise ValueError(
+                f"memory backend: unknown extra config keys {unknown}; allowed {cls.EXTRA_KEYS}"
+            )
+        name = extra_config.get("store", "default")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"store={name!r} is invalid; must be a non-empty str")
+        faults = MemoryFaults(
+            delay_s=extra_config.get("delay_s", 0.0), fail_after=extra_config.get("fail_after")
+        )
+        return cls(namespace, options, store=shared_store(name), faults=faults)
+
+    @property
+    def faults(self) -> MemoryFaults:
+        return self._faults
+
+    def set_faults(self, faults: MemoryFaults) -> None:
+        """Replace the injected faults (takes effect on the next operation)."""
+        self._faults = faults
+
+    def _start(self) -> None:
+        pass
+
+    def _close(self) -> None:
+        pass
+
+    def _inject(self, op: str, deadline: Deadline) -> None:
+        """Apply the faults to one operation; raises _Fault when it must fail."""
+        faults = self._faults
+        with self._ops_lock:
+            self._ops += 1
+            n = self._ops
+        if faults.fail_after is not None and n > faults.fail_after:
+            self._stats.error(
+                op, f"injected failure (operation {n} > fail_after={faults.fail_after})"
+            )
+            raise _Fault(MissReason.ERROR)
+        if faults.delay_s > 0:
+            if faults.delay_s >= deadline.timeout_s:
+                time.sleep(deadline.remaining)
+                self._stats.timeout(op, deadline.timeout_s)
+                raise _Fault(MissReason.TIMEOUT)
+            time.sleep(faults.delay_s)
+
+    def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
+        try:
+            self._inject("exists", deadline)
+        except _Fault:
+            return 0
+        n = 0
+        for k in keys:
+            if not self.store.contains(k.key):
+                break
+            n += 1
+        return n
+
+    def _get(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[MissReason | None]:
+        try:
+            self._inject("get", deadline)
+        except _Fault as f:
+            return [f.reason] * len(keys)
+        digest = self.namespace.digest
+        return [decode_page(self.store.get(k.key), digest, k, pages, i) for i, k in enumerate(keys)]
+
+    def _set(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[SetOutcome]:
+        try:
+            self._inject("set", deadline)
+        except _Fault:
+            return [SetOutcome.FAILED] * len(keys)
+        digest = self.namespace.digest
+        out: list[SetOutcome] = []
+        for i, k in enumerate(keys):
+            if self.store.contains(k.key):
+                out.append(SetOutcome.SKIPPED)
+                continue
+            stored = self.store.put_if_absent(k.key, encode_page(digest, k, pages, i))
+            out.append(SetOutcome.WRITTEN if stored else SetOutcome.SKIPPED)
+        return out

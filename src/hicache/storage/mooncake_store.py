@@ -1,0 +1,396 @@
+"""The ``mooncake`` L3 backend: Mooncake Store (``mooncake-transfer-engine-non-cuda``).
+
+One Mooncake object per page key holding the record (header + payload). The client
+registers the host pool's buffer, so puts and gets move payload bytes straight between the
+pool's page views and the store (``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers`` with ``[header slot, kind 0 view, kind 1 view]`` per key);
+headers go through a small registered arena. A ``layer_first`` pool (no page views), or
+``zero_copy: false``, stages whole records through a registered arena instead
+(``batch_put_from`` / ``batch_get_into``) and copies them into the pool after the checks.
+
+Objects live in the segments mounted by clients, and a client's segment goes away with it.
+By default this client mounts no segment (``global_segment_size`` 0), so objects land in
+the segment of a long-lived holder: run ``python -m hicache.storage.mooncake_service``,
+which starts ``mooncake_master`` and such a holder on 127.0.0.1.
+
+Deadlines: every call runs on a :class:`~hicache.storage.deadline.DeadlineRunner`. With a
+dead master the client retries RPCs for seconds (and ``setup`` for minutes); this backend
+returns misses / False at its deadline instead, and refuses further calls (as timeouts)
+until the stuck one returns. Caveat of zero-copy gets: a get that overran its deadline may
+still write its pages until it returns; pass ``zero_copy: false`` where that matters.
+
+Extra config: see :mod:`hicache.storage.mooncake_config`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from hicache.keys import Namespace, PageKey
+from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
+from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
+from hicache.storage.deadline import DeadlineRunner
+from hicache.storage.mooncake_config import MC_ERRORS, MooncakeConfig
+from hicache.storage.pageio import HostPages, byte_view
+from hicache.storage.record import HEADER_SIZE, check_blob, check_record, encode_header, record_size
+from hicache.storage.stats import MissReason, SetOutcome
+
+__all__ = ["MooncakeConfig", "MooncakeStorage"]
+
+T = TypeVar("T")
+
+_ABANDONED: list[Any] = []
+"""Clients whose close was skipped because a call was stuck in them (never destroyed)."""
+
+_NOT_FOUND = -704
+_EXISTS = -705
+_SIZE_MISMATCH = -600
+
+
+class MooncakeStorage(HiCacheStorage):
+    """Mooncake Store backend (registry name ``mooncake``)."""
+
+    name: ClassVar[str] = "mooncake"
+
+    def __init__(
+        self, namespace: Namespace, options: StorageOptions | None = None, *, config: MooncakeConfig
+    ) -> None:
+        super().__init__(namespace, options)
+        self.config = config
+        self._store: Any = None
+        self._runner = DeadlineRunner("mooncake")
+        self._buffers = BufferRegistry(self._register, self._unregister)
+        self._arenas = ArenaPool(self._buffers.ensure_tensor)
+
+    @classmethod
+    def from_extra_config(
+        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
+    ) -> MooncakeStorage:
+        """Keys: see :class:`MooncakeConfig` and the module docstring."""
+        return cls(namespace, options, config=MooncakeConfig.from_extra(extra_config))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _start(self) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise StorageError(
+                "mooncake backend needs 'mooncake-transfer-engine-non-cuda' (pip) and "
+                f"libibverbs1 (apt): {e}"
+            ) from e
+        c = self.config
+        self._probe_master()
+        store = MooncakeDistributedStore()
+        self._runner.start()
+        res = self._runner.call(
+            lambda: store.setup(
+                c.local_hostname,
+                c.metadata_server,
+                c.global_segment_size,
+                c.local_buffer_size,
+                c.protocol,
+                c.device_name,
+                c.master_server_address,
+            ),
+            self.options.connect_timeout_s,
+        )
+        if not res.ok or res.value != 0:
+            why = (
+                "timed out"
+                if res.timed_out
+                else repr(res.error)
+                if res.error
+                else f"setup returned {res.value}"
+            )
+            self._runner.close()
+            raise StorageError(
+                f"mooncake backend: cannot join the store at {c.master_server_address}: {why}"
+            )
+        self._store = store
+
+    def _probe_master(self) -> None:
+        """Fail fast when nothing listens at the master address.
+
+        ``setup`` holds the GIL while it retries an absent master (about 90 s in this
+        Mooncake version), which no thread-based deadline can cut short.
+        """
+        host, _, port = self.config.master_server_address.rpartition(":")
+        try:
+            with socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=self.options.connect_timeout_s
+            ):
+                pass
+        except (OSError, ValueError) as e:
+            raise StorageError(
+                f"mooncake backend: cannot reach the master at {self.config.master_server_address}: {e}"
+            ) from e
+
+    def _close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            # Closing a client while a call is still inside it crashes the process, so a
+            # client with a stuck call is abandoned (kept alive, never closed) instead.
+            if not self._runner.wait_idle(self.options.timeout_s):
+                _ABANDONED.append(store)
+                self._stats.error("close", "a call is still stuck; client abandoned unclosed")
+            else:
+                res = self._runner.call(lambda: self._teardown(store), self.options.timeout_s)
+                if not res.ok:
+                    _ABANDONED.append(store)
+                    self._stats.error("close", "timed out" if res.timed_out else repr(res.error))
+        self._runner.close()
+
+    def _teardown(self, store: Any) -> None:
+        for ptr in self._buffers.drain():
+            store.unregister_buffer(ptr)
+        store.close()
+
+    # -- registration ----------------------------------------------------------------------
+    def _register(self, ptr: int, nbytes: int) -> bool:
+        store = self._store
+        res = self._runner.call(lambda: store.register_buffer(ptr, nbytes), self.options.timeout_s)
+        if not res.ok or res.value != 0:
+            why = f"rc={res.value} error={res.error!r} timed_out={res.timed_out}"
+            self._stats.error("register_buffer", why)
+            return False
+        return True
+
+    def _unregister(self, ptr: int) -> None:
+        store = self._store
+        if store is not None and not self._runner.stuck:
+            try:
+                store.unregister_buffer(ptr)
+            except Exception as e:
+                self._stats.error("unregister_buffer", repr(e))
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _call(
+        self,
+        op: str,
+        fn: Callable[[], T],
+        deadline: Deadline,
+        arena: Arena | None = None,
+        keep: object = None,
+    ) -> T | MissReason:
+        """Run ``fn`` within ``deadline``; release ``arena``'s call reference when it ends.
+
+        ``keep`` (the host buffer of a zero-copy call) stays referenced until the call
+        returns, so memory a late call still writes is never freed under it.
+        """
+
+        def run() -> T:
+            try:
+                return fn()
+            finally:
+                if arena is not None:
+                    arena.release()
+                del keep_alive[:]
+
+        keep_alive = [keep]
+
+        res = self._runner.call(run, deadline.remaining)
+        if res.refused and arena is not None:
+            arena.release()  # never ran
+        if res.ok:
+            return res.value  # type: ignore[return-value]
+        if res.timed_out or res.refused:
+            self._stats.timeout(op, deadline.timeout_s)
+            return MissReason.TIMEOUT
+        self._stats.error(op, repr(res.error))
+        return MissReason.ERROR
+
+    def _zero_copy(self, pages: HostPages) -> bool:
+        return self.config.zero_copy and pages.zero_copy and self._buffers.ensure_pool(pages.host)
+
+    # -- operations ------------------------------------------------------------------------
+    def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
+        store = self._store
+        codes = self._call("exists", lambda: store.batch_is_exist([k.key for k in keys]), deadline)
+        if isinstance(codes, MissReason):
+            return 0
+        n = 0
+        for c in codes:
+            if c != 1:
+                if c < 0:
+                    self._stats.error("exists", f"code {c} {MC_ERRORS.get(c, '')}")
+                break
+            n += 1
+        return n
+
+    def _get(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[MissReason | None]:
+        out: list[MissReason | None] = []
+        step = self.options.max_batch_pages
+        for lo in range(0, len(keys), step):
+            idx = range(lo, min(lo + step, len(keys)))
+            out.extend(self._get_chunk(keys, pages, idx, deadline))
+        return out
+
+    def _get_chunk(
+        self, keys: Sequence[PageKey], pages: HostPages, idx: range, deadline: Deadline
+    ) -> list[MissReason | None]:
+        n = len(idx)
+        store = self._store
+        rec = record_size(pages.payload_len)
+        zero_copy = self._zero_copy(pages)
+        arena = self._arenas.take(n * (HEADER_SIZE if zero_copy else rec))
+        if arena is None:
+            return [MissReason.ERROR] * n
+        names = [keys[i].key for i in idx]
+        base = arena.addr
+        if zero_copy:
+            views = [pages.views(i) for i in idx]
+            ptrs = [
+                [base + j * HEADER_SIZE, *(int(v.data_ptr()) for v in vs)]
+                for j, vs in enumerate(views)
+            ]
+            sizes = [[HEADER_SIZE, *(v.numel() for v in vs)] for vs in views]
+            codes = self._call(
+                "get",
+                lambda: store.batch_get_into_multi_buffers(names, ptrs, sizes),
+                deadline,
+                arena,
+                keep=pages.host.buffer,
+            )
+        else:
+            flat_ptrs = [base + j * rec for j in range(n)]
+            codes = self._call(
+                "get", lambda: store.batch_get_into(names, flat_ptrs, [rec] * n), deadline, arena
+            )
+        try:
+            if isinstance(codes, MissReason):
+                return [codes] * n
+            return self._check_gets(keys, pages, idx, codes, arena, zero_copy)
+        finally:
+            arena.release()
+
+    def _check_gets(
+        self,
+        keys: Sequence[PageKey],
+        pages: HostPages,
+        idx: range,
+        codes: Sequence[int],
+        arena: Arena,
+        zero_copy: bool,
+    ) -> list[MissReason | None]:
+        rec = record_size(pages.payload_len)
+        raw = byte_view(arena.tensor)
+        digest = self.namespace.digest
+        out: list[MissReason | None] = []
+        errors: list[str] = []
+        for j, (i, code) in enumerate(zip(idx, codes, strict=True)):
+            key = keys[i]
+            if code == _NOT_FOUND:
+                out.append(MissReason.ABSENT)
+            elif code == _SIZE_MISMATCH or (code >= 0 and code != rec):
+                out.append(MissReason.CORRUPT)
+            elif code < 0:
+                errors.append(f"{key.key}: code {code} {MC_ERRORS.get(code, '')}")
+                out.append(MissReason.ERROR)
+            elif zero_copy:
+                header = raw[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]
+                check = check_record(
+                    header,
+                    pages.parts(i),
+                    namespace_digest=digest,
+                    fingerprint=key.fingerprint,
+                    payload_len=pages.payload_len,
+                )
+                out.append(check.reason)
+            else:
+                blob = raw[j * rec : (j + 1) * rec]
+                check = check_blob(
+                    blob,
+                    namespace_digest=digest,
+                    fingerprint=key.fingerprint,
+                    payload_len=pages.payload_len,
+                )
+                if check.ok:
+                    pages.fill(i, blob[HEADER_SIZE:])
+                out.append(check.reason)
+        if errors:
+            self._stats.error("get", f"{len(errors)} page(s) failed; first {errors[0]}")
+        return out
+
+    def _set(
+        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+    ) -> list[SetOutcome]:
+        out: list[SetOutcome] = []
+        step = self.options.max_batch_pages
+        for lo in range(0, len(keys), step):
+            idx = range(lo, min(lo + step, len(keys)))
+            out.extend(self._set_chunk(keys, pages, idx, deadline))
+        return out
+
+    def _set_chunk(
+        self, keys: Sequence[PageKey], pages: HostPages, idx: range, deadline: Deadline
+    ) -> list[SetOutcome]:
+        names = [keys[i].key for i in idx]
+        store = self._store
+        present = self._call("set (exists)", lambda: store.batch_is_exist(names), deadline)
+        if isinstance(present, MissReason):
+            return [SetOutcome.FAILED] * len(idx)
+        out = [SetOutcome.SKIPPED if c == 1 else SetOutcome.FAILED for c in present]
+        todo = [j for j, c in enumerate(present) if c != 1]
+        if not todo:
+            return out
+        rec = record_size(pages.payload_len)
+        zero_copy = self._zero_copy(pages)
+        arena = self._arenas.take(len(todo) * (HEADER_SIZE if zero_copy else rec))
+        if arena is None:
+            return out
+        raw = byte_view(arena.tensor)
+        digest = self.namespace.digest
+        base = arena.addr
+        todo_names = [names[j] for j in todo]
+        if zero_copy:
+            ptrs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for slot, j in enumerate(todo):
+                i = idx[j]
+                views = pages.views(i)
+                header = encode_header(digest, keys[i].fingerprint, pages.parts(i))
+                raw[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = header
+                ptrs.append([base + slot * HEADER_SIZE, *(int(v.data_ptr()) for v in views)])
+                sizes.append([HEADER_SIZE, *(v.numel() for v in views)])
+            codes = self._call(
+                "set",
+                lambda: store.batch_put_from_multi_buffers(todo_names, ptrs, sizes),
+                deadline,
+                arena,
+                keep=pages.host.buffer,
+            )
+        else:
+            for slot, j in enumerate(todo):
+                i = idx[j]
+                parts = pages.parts(i)
+                off = slot * rec
+                raw[off : off + HEADER_SIZE] = encode_header(digest, keys[i].fingerprint, parts)
+                off += HEADER_SIZE
+                for p in parts:
+                    raw[off : off + p.nbytes] = p
+                    off += p.nbytes
+            flat = [base + slot * rec for slot in range(len(todo))]
+            codes = self._call(
+                "set",
+                lambda: store.batch_put_from(todo_names, flat, [rec] * len(todo)),
+                deadline,
+                arena,
+            )
+        arena.release()
+        if isinstance(codes, MissReason):
+            return out
+        errors: list[str] = []
+        for j, code in zip(todo, codes, strict=True):
+            if code == 0:
+                out[j] = SetOutcome.WRITTEN
+            elif code == _EXISTS:
+                out[j] = SetOutcome.SKIPPED
+            else:
+                errors.append(f"{names[j]}: code {code} {MC_ERRORS.get(code, '')}")
+        if errors:
+            self._stats.error("set", f"{len(errors)} page(s) not written; first {errors[0]}")
+        return out

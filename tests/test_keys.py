@@ -1,0 +1,189 @@
+"""The L3 key spec: doc test vectors, an independent re-implementation, field sensitivity."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.config import KVSpec, MemLayout
+from hicache.keys import KEY_PREFIX, Namespace, PageKey, page_keys, token_fingerprint
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "l3-keys.md"
+
+
+def doc_vectors() -> list[dict[str, Any]]:
+    text = DOC.read_text(encoding="utf-8")
+    m = re.search(r"<!-- test-vectors -->\s*```json\n(.*?)\n```", text, re.S)
+    assert m, "docs/l3-keys.md lost its test-vector block"
+    vectors = json.loads(m.group(1))
+    assert len(vectors) >= 4
+    return list(vectors)
+
+
+def ns(**kw: Any) -> Namespace:
+    base: dict[str, Any] = dict(
+        model="m", weights_fingerprint="w", kv_dtype="float16", layout="page_first", page_size=2
+    )
+    base.update(kw)
+    return Namespace(**base)
+
+
+@pytest.mark.parametrize("vec", doc_vectors(), ids=lambda v: v["name"].split(":")[0])
+def test_doc_vectors(vec: dict[str, Any]) -> None:
+    n = Namespace(**vec["namespace"])
+    assert n.encode().decode("ascii") == vec["encoding"]
+    assert n.digest.hex() == vec["digest"]
+    keys = page_keys(n, vec["tokens"])
+    assert [k.key for k in keys] == vec["keys"]
+    assert [k.fingerprint.hex() for k in keys] == vec["fingerprints"]
+
+
+@pytest.mark.parametrize("vec", doc_vectors(), ids=lambda v: v["name"].split(":")[0])
+def test_doc_vectors_independently(vec: dict[str, Any]) -> None:
+    """Recompute the vectors from the spec text with hashlib/struct only."""
+    enc = json.dumps(
+        {**vec["namespace"], "spec": 1}, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+    ).encode()
+    assert enc.decode() == vec["encoding"]
+    h = hashlib.sha256(enc).digest()
+    assert h.hex() == vec["digest"]
+    p = vec["namespace"]["page_size"]
+    toks = vec["tokens"]
+    want = []
+    for i in range(len(toks) // p):
+        page = struct.pack(f"<{p}I", *toks[i * p : (i + 1) * p])
+        h = hashlib.sha256(h + page).digest()
+        want.append(("hc1-" + h.hex(), hashlib.sha256(page).digest()[:8].hex()))
+    assert [(k, f) for k, f in zip(vec["keys"], vec["fingerprints"], strict=True)] == want
+
+
+FIELD_VARIANTS: dict[str, Any] = {
+    "model": "m2",
+    "weights_fingerprint": "w2",
+    "kv_dtype": "bfloat16",
+    "layout": "page_first_direct",
+    "tp_size": 2,
+    "tp_rank": None,
+    "component": "swa",
+    "tenant_salt": "tenant",
+}
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_VARIANTS))
+def test_any_field_changes_every_key(field: str) -> None:
+    tokens = list(range(8))
+    a = page_keys(ns(), tokens)
+    b = page_keys(ns(**{field: FIELD_VARIANTS[field]}), tokens)
+    assert len(a) == len(b) == 4
+    assert all(x.key != y.key for x, y in zip(a, b, strict=True))
+    assert [x.fingerprint for x in a] == [y.fingerprint for y in b]
+
+
+def test_page_size_changes_keys() -> None:
+    tokens = list(range(8))
+    a = page_keys(ns(page_size=2), tokens)
+    b = page_keys(ns(page_size=4), tokens)
+    assert {k.key for k in a}.isdisjoint(k.key for k in b)
+
+
+def test_prefix_sharing_and_chain_continuation() -> None:
+    n = ns()
+    full = page_keys(n, [5, 6, 7, 8, 9, 10])
+    assert page_keys(n, [5, 6, 7, 8]) == full[:2]
+    assert page_keys(n, [9, 10], prior=full[1]) == full[2:]
+    other = page_keys(n, [5, 6, 0, 8, 9, 10])  # page 2 differs: pages 2.. all differ
+    assert other[0] == full[0]
+    assert other[1].key != full[1].key and other[2].key != full[2].key
+    assert other[2].fingerprint == full[2].fingerprint  # same tokens in page 3
+
+
+def test_tail_page_not_keyed() -> None:
+    n = ns(page_size=4)
+    assert page_keys(n, [1, 2, 3]) == []
+    assert len(page_keys(n, list(range(11)))) == 2
+    assert page_keys(n, list(range(11))) == page_keys(n, list(range(8)))
+    assert page_keys(n, []) == []
+
+
+def test_key_shape() -> None:
+    k = page_keys(ns(), [1, 2])[0]
+    assert isinstance(k, PageKey) and str(k) == k.key
+    assert k.key.startswith(KEY_PREFIX) and len(k.key) == 68
+    assert len(k.digest) == 32 and len(k.fingerprint) == 8
+    assert k.fingerprint == token_fingerprint([1, 2])
+
+
+@pytest.mark.parametrize(
+    "bad", [[1, 2**32], [-1, 0], [2**70, 1], [1.5, 2.0], ["a", "b"], [True, False]]
+)
+def test_out_of_range_or_non_integer_ids_rejected(bad: list[Any]) -> None:
+    with pytest.raises(ValueError, match="token id"):
+        page_keys(ns(), bad)
+
+
+def test_array_inputs_match_lists() -> None:
+    tokens = [0, 7, 2**32 - 1, 3]
+    want = page_keys(ns(), tokens)
+    assert page_keys(ns(), np.array(tokens, dtype=np.uint32)) == want
+    assert page_keys(ns(), np.array(tokens, dtype=np.int64)) == want
+    assert page_keys(ns(), torch.tensor(tokens, dtype=torch.int64)) == want
+    with pytest.raises(ValueError, match="1-D"):
+        page_keys(ns(), [[1, 2]])
+
+
+def test_page_size_must_match_namespace() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        page_keys(ns(page_size=2), [1, 2, 3, 4], 4)
+    assert page_keys(ns(page_size=2), [1, 2], 2) == page_keys(ns(page_size=2), [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", ""),
+        ("weights_fingerprint", ""),
+        ("kv_dtype", "int8"),
+        ("layout", "diagonal"),
+        ("page_size", 0),
+        ("tp_size", 0),
+        ("tp_rank", 2),
+        ("tp_rank", -1),
+        ("component", ""),
+        ("tenant_salt", None),
+    ],
+)
+def test_namespace_validation_names_field(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        ns(**{field: value, "tp_size": 2} if field == "tp_rank" else {field: value})
+
+
+def test_for_spec_drops_rank_for_mla() -> None:
+    mha = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4)
+    mla = KVSpec(num_layers=2, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4)
+    kw: dict[str, Any] = dict(
+        model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=4, tp_size=2
+    )
+    r0 = Namespace.for_spec(mla, tp_rank=0, **kw)
+    r1 = Namespace.for_spec(mla, tp_rank=1, **kw)
+    assert r0 == r1 and r0.tp_rank is None and r0.digest == r1.digest
+    m0 = Namespace.for_spec(mha, tp_rank=0, **kw)
+    m1 = Namespace.for_spec(mha, tp_rank=1, **kw)
+    assert m0.digest != m1.digest and m1.tp_rank == 1 and m0.kv_dtype == "float32"
+
+
+def test_namespace_is_frozen_and_salt_helper() -> None:
+    n = ns()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        n.model = "x"
+    s = n.with_salt("t1")
+    assert s.tenant_salt == "t1" and s.digest != n.digest
+    assert s.with_salt("") == n

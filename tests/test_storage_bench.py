@@ -1,0 +1,27 @@
+"""Smoke test of the L3 microbenchmark (file backend only, tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.storage.bench import main
+
+
+def test_bench_file_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--backends", "file", "--objects", "4", "--object-mib", "0.0625", "--repeat", "1"]
+    assert main([*argv, "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["object_bytes"] == 64 << 10 and doc["objects"] == 4
+    assert [(r["backend"], r["op"]) for r in doc["results"]] == [("file", "put"), ("file", "get")]
+    assert all(r["hicache_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["results"])
+    assert "hicache / raw" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--backends", "s3"]) == 2
+    assert main(["--object-mib", "0.001"]) == 2
+    assert "error:" in capsys.readouterr().err
