@@ -202,3 +202,41 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert out.cached.storage == 0 and out.output_ids == reference
         assert engine.call(engine.cache.stats).result().storage.miss("foreign") >= 1
         clean(engine)
+
+
+def _generate_in_subprocess(backend: str, extra: dict[str, object]) -> str:
+    """Run ``hicache generate`` in another process with the given L3; returns its stdout."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable, "-m", "hicache.cli", "generate", "--model-path", MODEL, "--dtype",
+        "float32", "--device", "cpu", "--page-size", str(PAGE), "--max-total-tokens", "256",
+        "--enable-hierarchical-cache", "--hicache-storage-backend", backend,
+        "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 8, **extra}),
+        "--max-tokens", "8", "--context-length", "128",
+        "--prompt-ids", ",".join(map(str, PROMPT)),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+def test_distributed_store_flush_replay_and_sharing(
+    backend: str, request: pytest.FixtureRequest, reference: list[int]
+) -> None:
+    """Process A writes through the shared store; this process (B) hits what A wrote, and
+    after /flush_cache replays from the store with the same greedy output."""
+    if backend == "redis":
+        server = request.getfixturevalue("redis_service")
+        extra: dict[str, object] = {"url": server.url, "key_prefix": f"t{time.monotonic_ns()}:"}
+    else:
+        svc = request.getfixturevalue("mooncake_service")
+        extra = dict(svc.extra_config)
+    _generate_in_subprocess(backend, extra)
+    with make_engine(backend, extra) as engine:
+        shared = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert shared.cached.storage == FULL and shared.output_ids == reference
+        settle(engine)
+        replay = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert replay.cached.storage == FULL and replay.output_ids == reference
+        clean(engine)

@@ -25,6 +25,7 @@ from types import TracebackType
 
 import torch
 
+from hicache.cache_inspect import cache_stats, check_cache_integrity
 from hicache.cache_storage import L3Tier
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller import CacheController, write_rule
@@ -448,46 +449,11 @@ class HiCache:
         self.tree.reset()
 
     def stats(self) -> CacheStats:
-        s = self.tree.stats()
-        ps = self.page_size
-        host_only = sum(self.tree.num_pages(n) for n in self.tree.iter_nodes() if n.device is None)
-        host_total = self.host_pool.num_pages if self.host_pool is not None else 0
-        host_free = self.host_pool.allocator.free_pages if self.host_pool is not None else 0
-        return CacheStats(
-            page_size=ps,
-            device_total_tokens=self.device_pool.num_pages * ps,
-            device_cached_tokens=s.device_pages * ps,
-            device_free_tokens=self.device_pool.allocator.free_pages * ps,
-            device_evictable_tokens=s.evictable_device_pages * ps,
-            host_total_tokens=host_total * ps,
-            host_cached_tokens=s.host_pages * ps,
-            host_free_tokens=host_free * ps,
-            host_only_tokens=host_only * ps,
-            nodes=s.nodes,
-            counters=self.counters.snapshot(),
-            storage=self.l3.controller.storage.stats() if self.l3 is not None else None,
-        )
+        """Occupancy per tier (tokens) and every counter, as one snapshot."""
+        return cache_stats(self)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
         """Check tree and allocators agree: every used L1 page is owned by the tree or
         listed in ``request_pages`` (pages callers hold), exactly once; every used L2
         page is owned by the tree. Raises AssertionError."""
-        self.tree.check_integrity()
-        alloc = self.device_pool.allocator
-        alloc.check_integrity()
-        tree_dev = self.tree.device_page_ids()
-        req = list(request_pages)
-        owned = tree_dev + req
-        assert len(set(owned)) == len(owned), "an L1 page is owned twice (tree and a request)"
-        assert all(alloc.is_used(p) for p in owned), "the tree or a request owns a free L1 page"
-        assert len(owned) == alloc.used_pages, (
-            f"{alloc.used_pages} L1 pages used, {len(owned)} owned: leak"
-        )
-        if self.host_pool is not None:
-            halloc = self.host_pool.allocator
-            halloc.check_integrity()
-            tree_host = self.tree.host_page_ids()
-            assert all(halloc.is_used(p) for p in tree_host), "the tree owns a free L2 page"
-            assert len(tree_host) == halloc.used_pages, (
-                f"{halloc.used_pages} L2 pages used, {len(tree_host)} owned: leak"
-            )
+        check_cache_integrity(self, request_pages)

@@ -3,7 +3,9 @@
 * ``hicache serve``: the OpenAI-compatible server (binds 127.0.0.1 unless told otherwise);
 * ``hicache generate``: one prompt, one completion, printed;
 * ``hicache bench NAME``: a benchmark (``tree``, ``transfer``; ``--help`` after the name);
-* ``hicache demo``: the scripted walk through the tiers.
+* ``hicache demo``: the scripted walk through the tiers;
+* ``hicache store mooncake``: ``mooncake_master`` plus a segment-holding client on
+  127.0.0.1, so that L3 outlives any one engine.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark (pass --help after its name)")
     bench.add_argument("name", choices=sorted(BENCHES))
     sub.add_parser("demo", help="a scripted walk through L1, L2 and load back")
+    store = sub.add_parser(
+        "store", help="run an L3 store service (pass --help after its name)", add_help=False
+    )
+    store.add_argument("name", choices=["mooncake"])
     return parser
 
 
@@ -97,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         module = importlib.import_module(BENCHES[args.name])
         return int(module.main(rest))
+    if args.command == "store":
+        from hicache.storage import mooncake_service
+
+        return int(mooncake_service.main(rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
