@@ -240,3 +240,26 @@ def test_distributed_store_flush_replay_and_sharing(
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert replay.cached.storage == FULL and replay.output_ids == reference
         clean(engine)
+
+
+def test_full_disk_gives_misses_and_identical_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: list[int]
+) -> None:
+    import errno
+
+    import hicache.storage.file as file_mod
+
+    def full(fd: int, bufs: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_mod.os, "writev", full)
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        first = engine.generate(PROMPT, GREEDY, timeout=60)
+        settle(engine)  # every L3 write failed
+        replay = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert first.output_ids == replay.output_ids == reference
+        assert replay.cached.storage == 0
+        stats = engine.call(engine.cache.stats).result()
+        assert stats.counters["l3_backup_failed_tokens_total"] >= FULL
+        assert stats.storage.set_failed >= FULL // PAGE
+        clean(engine)
