@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import torch
 
@@ -31,7 +30,8 @@ from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller import CacheController, write_rule
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
-from hicache.memory import DevicePool, HostPool
+from hicache.lifecycle import Lifecycle
+from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters, CacheStats
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
@@ -69,7 +69,7 @@ class _PendingLoad:
     tokens: int
 
 
-class HiCache:
+class HiCache(Lifecycle):
     """Hierarchical KV cache over an L1 device pool and an L2 host pool.
 
     With ``config.enable_hierarchical_cache`` false there is no host pool: the tree is a
@@ -140,17 +140,6 @@ class HiCache:
         self.l3.flush()
         self.l3.controller.close()
         self.l3 = None
-
-    def __enter__(self) -> HiCache:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def hierarchical(self) -> bool:
@@ -264,14 +253,10 @@ class HiCache:
         """``num_pages`` free L1 pages, evicting unpinned cached pages if needed; None when
         even eviction cannot make room. The caller owns the pages until it inserts or frees
         them."""
-        alloc = self.device_pool.allocator
-        if alloc.free_pages < num_pages:
-            self.evict_device(num_pages - alloc.free_pages)
-        if alloc.free_pages < num_pages and self._backups:
-            self._wait_all()  # nodes being backed up are pinned until their copy lands
-            self.evict_device(num_pages - alloc.free_pages)
-        pages = alloc.alloc(num_pages)
-        return None if pages is None else page_ids(pages)
+        # nodes being backed up stay pinned in L1 until their copy lands
+        return self._alloc(
+            self.device_pool.allocator, self.evict_device, bool(self._backups), num_pages
+        )
 
     def free_device(self, pages: Iterable[int]) -> None:
         """Return caller-owned L1 pages (never pages the tree holds)."""
@@ -307,13 +292,20 @@ class HiCache:
     def alloc_host(self, num_pages: int) -> PageIds | None:
         """``num_pages`` free L2 pages, evicting unpinned L2-only leaves if needed."""
         assert self.host_pool is not None
-        alloc = self.host_pool.allocator
-        if alloc.free_pages < num_pages:
-            self.evict_host(num_pages - alloc.free_pages)
-        if alloc.free_pages < num_pages and self._loads:
-            self._wait_all()  # host copies being loaded are pinned until the load lands
-            self.evict_host(num_pages - alloc.free_pages)
-        pages = alloc.alloc(num_pages)
+        # host copies being loaded stay pinned in L2 until the load lands
+        return self._alloc(self.host_pool.allocator, self.evict_host, bool(self._loads), num_pages)
+
+    def _alloc(
+        self, alloc: PageAllocator, evict: Callable[[int], int], in_flight: bool, num: int
+    ) -> PageIds | None:
+        """Allocate ``num`` pages, evicting first; if copies in flight pin what could go,
+        wait for them and evict again."""
+        if alloc.free_pages < num:
+            evict(num - alloc.free_pages)
+        if alloc.free_pages < num and in_flight:
+            self._wait_all()
+            evict(num - alloc.free_pages)
+        pages = alloc.alloc(num)
         return None if pages is None else page_ids(pages)
 
     def evict_host(self, num_pages: int) -> int:

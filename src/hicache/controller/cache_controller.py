@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from types import TracebackType
 
 import torch
 
 from hicache.config import IOBackend
+from hicache.lifecycle import Lifecycle
 from hicache.memory import DevicePool, HostPool
 from hicache.transfer import Completion, LayerProgress, TransferEngine, make_copier
 from hicache.tree.node import PageIds
@@ -26,7 +26,7 @@ def page_tensor(pages: PageIds) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=torch.int64)
 
 
-class CacheController:
+class CacheController(Lifecycle):
     """Owns the transfer engine between one device pool and one host pool.
 
     Lifecycle: ``start()`` starts the worker, ``close()`` drains and stops it (also as a
@@ -53,18 +53,6 @@ class CacheController:
 
     def close(self) -> None:
         self._engine.close()
-
-    def __enter__(self) -> CacheController:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def backup(self, device_pages: PageIds, host_pages: PageIds) -> int:
         """Copy L1 pages to L2 pages (all layers); returns the op id."""

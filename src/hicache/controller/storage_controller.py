@@ -12,10 +12,10 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import PageKey
+from hicache.lifecycle import Lifecycle
 from hicache.memory import HostPool
 from hicache.storage.base import HiCacheStorage
 from hicache.tree.node import PageIds
@@ -51,7 +51,7 @@ class L3BackupDone:
     written: int
 
 
-class StorageController:
+class StorageController(Lifecycle):
     """Owns the L3 backend and its two worker threads.
 
     Lifecycle: ``start()`` starts the backend and the threads; ``close()`` stops them
@@ -90,18 +90,6 @@ class StorageController:
             t.join()
         self._threads = []
         self.storage.close()
-
-    def __enter__(self) -> StorageController:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ owner side
 

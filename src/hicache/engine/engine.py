@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -30,6 +29,7 @@ from hicache.engine.runner import ModelRunner, kv_spec_from_hf_config
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
+from hicache.lifecycle import Lifecycle
 from hicache.storage.registry import create_storage
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EngineConfig:
             raise ValueError(f"context_length={self.context_length!r} is invalid; must be >= 2")
 
 
-class Engine:
+class Engine(Lifecycle):
     """Lifecycle: ``start()`` loads the model and starts the loop; ``close()`` stops it."""
 
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
@@ -123,17 +123,6 @@ class Engine:
         self._thread.join(timeout=30)
         self._thread = None
         self.cache.close()
-
-    def __enter__(self) -> Engine:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ API (any thread)
 
