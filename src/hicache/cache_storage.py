@@ -9,7 +9,8 @@ Owned by :class:`hicache.cache.HiCache` (``cache.l3``) and run on its thread. Th
   timeout) says when to stop; the pages that arrived by then join the tree as an L2-only
   leaf, which the ordinary load back then brings to L1;
 * :meth:`L3Tier.on_host_backup`: every span that reaches L2 is written to L3 (spans of
-  requests with a tenant salt stay private and are not written).
+  requests with a tenant salt stay private and are not written; for MLA models, whose
+  ranks all hold the same bytes under one namespace, only rank 0 writes).
 
 Pages of a stopped prefetch that may still be written by the thread are freed only once
 the thread reports it is done with them.
@@ -153,6 +154,8 @@ class L3Tier:
         last = nodes[-1]
         if last.private:
             return
+        if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
+            return  # MLA: every rank holds the same latent KV; rank 0 alone writes it
         n = sum(self.cache.tree.num_pages(x) for x in nodes)
         keys = self.keys(self.cache.tree.path_key(last))[-n:]
         host = PageIds("q")

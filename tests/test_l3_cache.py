@@ -1,0 +1,126 @@
+"""L3 at the facade: backup of every span reaching L2, prefetch into an L2-only leaf,
+private (salted) spans, MLA's rank-0 writer, and agreement across ranks."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hicache.cache import HiCache
+from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
+from hicache.controller.rank_group import RankGroup
+from hicache.controller.storage_controller import StorageController
+from hicache.keys import Namespace
+from hicache.storage.memory import MemoryStorage, MemoryStore
+from tests.kvdata import page_kv, read_device, write_tokens
+
+MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+MLA = KVSpec(num_layers=2, attention=AttentionKind.MLA, kv_lora_rank=4, qk_rope_head_dim=2)
+PAGE = 2
+
+
+class FakeRanks(RankGroup):
+    """A rank of a pretend group whose other ranks report ``others`` (min is taken)."""
+
+    def __init__(self, rank: int, others: int | None = None) -> None:
+        super().__init__()
+        self.rank = rank
+        self.others = others
+
+    def min(self, value: int) -> int:
+        return value if self.others is None else min(value, self.others)
+
+
+def make(spec: KVSpec, store: MemoryStore, ranks: RankGroup | None = None) -> HiCache:
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
+    cache = HiCache(cfg, spec).start()
+    ns = Namespace.for_spec(
+        spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
+    )
+    ctl = StorageController(MemoryStorage(ns, store=store), cache.host_pool, ranks)  # type: ignore[arg-type]
+    cache.attach_storage(ctl, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+    return cache
+
+
+def put(cache: HiCache, tokens: list[int], *, private: bool = False) -> None:
+    pages = cache.alloc_device(len(tokens) // PAGE)
+    assert pages is not None
+    write_tokens(cache, tokens, pages, 0)
+    cache.insert(tokens, pages, private=private)
+    cache.flush()
+
+
+def fetch(cache: HiCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    """Prefetch + load back ``tokens``; returns (tokens from L3, their L1 bytes)."""
+    assert cache.l3 is not None
+    from hicache.tree.node import encode_tokens
+
+    key = encode_tokens(tokens)
+    handle = cache.l3.start_prefetch(key, cache.match_prefix(key))
+    got = 0
+    if handle is not None:
+        while not cache.l3.ready(handle):
+            time.sleep(0.001)
+        got = cache.l3.finish(handle)
+    lb = cache.load_back(cache.match_prefix(tokens), storage_tokens=got)
+    lb.progress.wait_all()
+    data = read_device(cache, lb.device_pages)
+    cache.flush()
+    return got, data
+
+
+TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def test_backup_then_prefetch_into_a_fresh_cache_is_byte_exact() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+        assert len(store) == 4
+        assert a.stats().counters["l3_backup_tokens_total"] == 8
+    with make(MHA, store) as b:
+        got, data = fetch(b, [*TOKENS, 7])
+        assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
+        assert b.stats().counters["storage_hit_tokens_total"] == 8
+        b.check_integrity()
+        node = b.match_prefix(TOKENS).last_device_node
+        assert node.device is not None and node.host is not None
+
+
+def test_prefetch_only_fills_what_is_missing_locally() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        put(b, TOKENS[:4])  # first two pages local
+        got, data = fetch(b, TOKENS)
+        assert got == 4 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
+        b.check_integrity()
+
+
+def test_private_spans_never_reach_l3() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS, private=True)
+        put(a, [8, 8, 8, 8])
+        assert len(store) == 2  # only the public span's two pages
+
+
+def test_mla_only_rank_zero_writes() -> None:
+    s0, s1 = MemoryStore(), MemoryStore()
+    with make(MLA, s0, FakeRanks(0)) as r0, make(MLA, s1, FakeRanks(1)) as r1:
+        put(r0, TOKENS)
+        put(r1, TOKENS)
+        assert len(s0) == 4 and len(s1) == 0
+        assert r0.l3 is not None and r0.l3.namespace.tp_rank is None
+
+
+def test_ranks_agree_on_the_shorter_hit() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store, FakeRanks(0, others=2)) as b:  # another rank hit 2 pages only
+        got, data = fetch(b, TOKENS)
+        assert got == 4 and torch.equal(data, page_kv(b, TOKENS, 0, 2))
+        b.check_integrity()
