@@ -2,9 +2,9 @@
 
 Owned by :class:`hicache.cache.HiCache` (``cache.l3``) and run on its thread. The flow:
 
-* :meth:`L3Tier.start_prefetch`: after the local match, look up the L3 keys of the rest of
-  the prompt; when at least ``prefetch_threshold`` tokens hit, allocate L2 pages and let
-  the prefetch thread read into them;
+* :meth:`L3Tier.start_prefetch`: after the local match, the prefetch thread looks up the
+  L3 keys of the rest of the prompt; when at least ``prefetch_threshold`` tokens hit, L2
+  pages are allocated (on the owner's thread) and the thread reads into them;
 * :meth:`L3Tier.ready` / :meth:`L3Tier.finish`: the policy (best_effort, wait_complete,
   timeout) says when to stop; the pages that arrived by then join the tree as an L2-only
   leaf, which the ordinary load back then brings to L1;
@@ -28,6 +28,7 @@ import numpy as np
 from hicache.config import PrefetchConfig, PrefetchPolicy
 from hicache.controller.storage_controller import PrefetchOp, StorageController
 from hicache.keys import Namespace, PageKey, page_keys
+from hicache.memory import PageAllocator
 from hicache.tree import MatchResult, TreeNode
 from hicache.tree.node import PageIds
 
@@ -39,13 +40,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class PrefetchHandle:
-    """One request's prefetch: pages ``start_page ..`` of ``key`` (encoded tokens)."""
+    """One request's prefetch: pages ``start_page ..`` of ``key`` (encoded tokens).
+
+    ``reading`` turns True once the lookup found a hit worth reading and L2 pages were
+    allocated for it; ``deadline`` (monotonic seconds) is the ``timeout`` policy's: the
+    base timeout while looking up, then the full formula from the start of the read.
+    """
 
     op: PrefetchOp
     key: bytes
     start_page: int
     attach: TreeNode
     deadline: float
+    reading: bool = False
+    dropped: bool = False
 
 
 class L3Tier:
@@ -77,9 +85,9 @@ class L3Tier:
     # ------------------------------------------------------------------ prefetch
 
     def start_prefetch(self, key: bytes, match: MatchResult) -> PrefetchHandle | None:
-        """Start fetching the L3 hit that follows ``match`` (a match of ``key``), or None
-        when there is none worth it (below the threshold, no room in L2, or the match ends
-        on a span that is not in L2, under which L2 pages cannot hang)."""
+        """Start looking up the L3 pages that follow ``match`` (a match of ``key``) on the
+        prefetch thread; None when nothing can be fetched (no uncached whole page, or the
+        match ends on a span that is not in L2, under which L2 pages cannot hang)."""
         attach = match.last_host_node
         if attach.host is None:
             return None
@@ -87,27 +95,38 @@ class L3Tier:
         rest = self.keys(key)[start:]
         if not rest:
             return None
-        hit = self.controller.hit_pages(rest)
-        if hit == 0 or hit * self.page_size < self.prefetch.prefetch_threshold:
-            return None
-        self.cache.tree.inc_host_ref(attach)
-        try:
-            host_pages = self.cache.alloc_host(hit)
-        finally:
-            self.cache.tree.dec_host_ref(attach)
-        if host_pages is None:
-            return None
-        self.cache.tree.inc_host_ref(attach)  # the L2 span we hang the fetched pages under
+        self.cache.tree.inc_host_ref(attach)  # the L2 span we hang fetched pages under
         self._ops += 1
-        op = PrefetchOp(self._ops, rest[:hit], host_pages)
+        op = PrefetchOp(self._ops, rest)
         self.controller.prefetch(op)
-        timeout = self.prefetch.timeout_s(hit * self.page_size)
-        return PrefetchHandle(op, key, start, attach, time.monotonic() + timeout)
+        deadline = time.monotonic() + self.prefetch.timeout_s(0)
+        return PrefetchHandle(op, key, start, attach, deadline)
+
+    def _advance(self, handle: PrefetchHandle) -> None:
+        """Once the lookup is back: read the hit if it is worth it, else drop the op."""
+        op = handle.op
+        if handle.reading or handle.dropped or not op.looked_up.is_set():
+            return
+        hit = self.controller.agreed_hit(op)
+        host_pages = None
+        if hit and hit * self.page_size >= self.prefetch.prefetch_threshold:
+            host_pages = self.cache.alloc_host(hit)
+        if host_pages is None:
+            handle.dropped = True
+            return
+        op.keys = op.keys[:hit]
+        op.host_pages = host_pages
+        handle.reading = True
+        handle.deadline = time.monotonic() + self.prefetch.timeout_s(hit * self.page_size)
+        self.controller.prefetch(op)
 
     def ready(self, handle: PrefetchHandle) -> bool:
-        """Whether the policy says to stop waiting now."""
+        """Whether the policy says to stop waiting now (starts the read when it can)."""
+        self._advance(handle)
+        if handle.dropped or handle.op.finished.is_set():
+            return True
         policy = self.prefetch.policy
-        if policy is PrefetchPolicy.BEST_EFFORT or handle.op.finished.is_set():
+        if policy is PrefetchPolicy.BEST_EFFORT:
             return True
         return policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= handle.deadline
 
@@ -115,19 +134,20 @@ class L3Tier:
         """Stop the prefetch; hang what arrived into the tree. Returns the tokens added."""
         op = handle.op
         op.stop.set()
-        done = self.controller.agreed_done(op)
         tree = self.cache.tree
+        tree.dec_host_ref(handle.attach)
+        if not handle.reading:
+            return 0
+        assert op.host_pages is not None
+        done = self.controller.agreed_done(op)
         added = 0
-        pool = self.cache.host_pool
-        assert pool is not None
         if done:
             ps = self.page_size
             key = handle.key[: (handle.start_page + done) * ps * 4]
             result = tree.insert_host(key, op.host_pages[:done], handle.start_page)
             if len(result.duplicate_pages):
-                pool.allocator.free(result.duplicate_pages)
+                self._host_allocator().free(result.duplicate_pages)
             added = (done - len(result.duplicate_pages)) * ps
-        tree.dec_host_ref(handle.attach)
         self._draining.append((op, op.host_pages[done:]))
         self._free_drained()
         c = self.cache.counters
@@ -135,14 +155,16 @@ class L3Tier:
         c.prefetch_tokens_total += done * self.page_size
         return added
 
+    def _host_allocator(self) -> PageAllocator:
+        assert self.cache.host_pool is not None
+        return self.cache.host_pool.allocator
+
     def _free_drained(self) -> None:
-        pool = self.cache.host_pool
-        assert pool is not None
         keep = []
         for op, pages in self._draining:
             if op.finished.is_set():
                 if len(pages):
-                    pool.allocator.free(pages)
+                    self._host_allocator().free(pages)
             else:
                 keep.append((op, pages))
         self._draining = keep

@@ -25,19 +25,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class PrefetchOp:
-    """An L3 -> L2 read of ``keys`` into ``host_pages``, chunk by chunk.
+    """An L3 -> L2 prefetch, in two phases run by the prefetch thread.
 
-    ``done_pages`` (written by the prefetch thread, read by the owner) counts the leading
-    pages that have arrived intact; it only grows. ``stop`` asks the thread to end after
-    the chunk in flight; ``finished`` is set when the thread is done with the op, after
-    which no host page of it is written any more.
+    Lookup (``host_pages`` is None): ``batch_exists(keys)``; the thread stores the
+    consecutive hits in ``hit`` and sets ``looked_up``. Read (submitted again by the owner
+    once it has allocated ``host_pages`` and cut ``keys`` to the hit): chunk by chunk;
+    ``done_pages`` counts the leading pages that arrived intact and only grows. ``stop``
+    asks the thread to end after the chunk in flight; ``finished`` is set when the read
+    phase is over, after which no host page of the op is written any more.
     """
 
     op_id: int
     keys: Sequence[PageKey]
-    host_pages: PageIds
+    host_pages: PageIds | None = None
+    hit: int = 0
     done_pages: int = 0
     failed: bool = False
+    looked_up: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -93,13 +97,13 @@ class StorageController(Lifecycle):
 
     # ------------------------------------------------------------------ owner side
 
-    def hit_pages(self, keys: Sequence[PageKey]) -> int:
-        """Consecutive L3 hits from ``keys[0]``, agreed by all ranks (min). Bounded by the
-        backend deadline; a failure counts as no hit."""
-        return self.ranks.min(self.storage.batch_exists(keys) if keys else 0)
-
     def prefetch(self, op: PrefetchOp) -> None:
+        """Queue the next phase of ``op`` (lookup while ``host_pages`` is None, else read)."""
         self._prefetch_q.put(op)
+
+    def agreed_hit(self, op: PrefetchOp) -> int:
+        """Consecutive hits of a looked-up op that every rank has (all-reduce min)."""
+        return self.ranks.min(op.hit)
 
     def agreed_done(self, op: PrefetchOp) -> int:
         """Pages of ``op`` every rank has (all-reduce min of ``done_pages``)."""
@@ -122,6 +126,11 @@ class StorageController(Lifecycle):
     def _prefetch_loop(self) -> None:
         chunk = self.storage.options.max_batch_pages
         while (op := self._prefetch_q.get()) is not None:
+            if op.host_pages is None:  # lookup phase; a failure counts as no hit
+                if not op.stop.is_set():
+                    op.hit = self.storage.batch_exists(op.keys)
+                op.looked_up.set()
+                continue
             try:
                 for start in range(0, len(op.keys), chunk):
                     if op.stop.is_set():
