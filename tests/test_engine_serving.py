@@ -269,3 +269,28 @@ def test_metrics_and_flush(server: tuple[str, Engine]) -> None:
     )
     assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert_clean(engine)
+
+
+def test_cache_salt_isolates_tenants() -> None:
+    with make_engine() as engine:
+        done: list[object] = []
+
+        def run(salt: str):  # type: ignore[no-untyped-def]
+            from concurrent.futures import Future
+
+            fut: Future[object] = Future()
+            engine.submit(
+                PROMPT, GREEDY, lambda o: fut.set_result(o) if o.finished else None, cache_salt=salt
+            )
+            return fut.result(timeout=60)
+
+        public = run("")
+        acme = run("acme")
+        acme_again = run("acme")
+        public_again = run("")
+        done += [public, acme]
+        assert acme.cached.total == 0  # the public prefix is not acme's
+        assert acme_again.cached.device == 44  # acme's own prefix is
+        assert public_again.cached.device == 44
+        assert acme.output_ids == public.output_ids
+        assert_clean(engine)

@@ -43,11 +43,11 @@ def make(spec: KVSpec, store: MemoryStore, ranks: RankGroup | None = None) -> Hi
     return cache
 
 
-def put(cache: HiCache, tokens: list[int], *, private: bool = False) -> None:
+def put(cache: HiCache, tokens: list[int], *, tenant: str = "") -> None:
     pages = cache.alloc_device(len(tokens) // PAGE)
     assert pages is not None
     write_tokens(cache, tokens, pages, 0)
-    cache.insert(tokens, pages, private=private)
+    cache.insert(tokens, pages, tenant=tenant)
     cache.flush()
 
 
@@ -99,10 +99,10 @@ def test_prefetch_only_fills_what_is_missing_locally() -> None:
         b.check_integrity()
 
 
-def test_private_spans_never_reach_l3() -> None:
+def test_tenant_spans_never_reach_l3() -> None:
     store = MemoryStore()
     with make(MHA, store) as a:
-        put(a, TOKENS, private=True)
+        put(a, TOKENS, tenant="acme")
         put(a, [8, 8, 8, 8])
         assert len(store) == 2  # only the public span's two pages
 

@@ -183,3 +183,32 @@ def test_split_copies_pins_so_unlock_balances() -> None:
 
 def encode_pages(pages: list[int]) -> PageIds:
     return page_ids(pages)
+
+
+def test_tenants_never_match_each_others_spans() -> None:
+    t = HiRadixTree(page_size=1)
+    t.insert([1, 2, 3], [0, 1, 2])
+    t.insert([1, 2, 3], [3, 4, 5], tenant="acme")
+    assert list(t.match_prefix([1, 2, 3]).device_pages) == [0, 1, 2]
+    assert list(t.match_prefix([1, 2, 3], "acme").device_pages) == [3, 4, 5]
+    assert t.match_prefix([1, 2, 3], "globex").matched_tokens == 0
+    r = t.insert([1, 2, 9], [3, 4, 6], tenant="acme")  # shares acme's [1, 2] only
+    assert r.cached_tokens == 2 and r.last_node.tenant == "acme"
+    s = t.check_integrity()
+    assert (s.nodes, s.device_pages) == (4, 7)
+    order = []
+    for node in t.device_eviction_order():
+        order.append(node.tenant)
+        t.evict_device(node)
+    assert sorted(order) == ["", "acme", "acme", "acme"]
+    assert t.check_integrity().nodes == 0
+
+
+def test_parent_of_a_removed_leaf_joins_the_eviction_order() -> None:
+    t = HiRadixTree(page_size=1)
+    t.insert([1, 2], [0, 1])
+    t.insert([1, 3], [0, 2])  # [1] -> {[2], [3]}, nothing backed up: leaves are removed
+    freed = []
+    for node in t.device_eviction_order():
+        freed += ids(t.evict_device(node))
+    assert sorted(freed) == [0, 1, 2] and t.check_integrity().nodes == 0

@@ -147,14 +147,14 @@ class HiCache(Lifecycle):
 
     # ------------------------------------------------------------------ prefix reuse
 
-    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+    def match_prefix(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
         """The cached prefix of ``tokens`` in L1 and L2 (whole pages); copies nothing.
 
         Waits first for loads still in flight, so every returned L1 page holds its data.
         """
         if self._loads:
             self._wait_all()
-        return self.tree.match_prefix(tokens)
+        return self.tree.match_prefix(tokens, tenant)
 
     def load_back(
         self, match: MatchResult, *, query_tokens: int = 0, storage_tokens: int = 0
@@ -224,16 +224,17 @@ class HiCache(Lifecycle):
         device_pages: Sequence[int] | PageIds,
         *,
         priority: int = 0,
-        private: bool = False,
+        tenant: str = "",
     ) -> InsertResult:
         """Hand the L1 pages of ``tokens`` (whole pages) to the tree; back up by policy.
 
         Pages the tree already holds under other ids are freed here. The caller keeps
-        ownership of pages beyond the whole pages of ``tokens``. ``private`` spans (a
-        request with a tenant salt) are never written to L3.
+        ownership of pages beyond the whole pages of ``tokens``. Spans of a
+        ``tenant`` (a request's cache salt) match only that tenant's requests and are never
+        written to L3.
         """
         self.poll()
-        result = self.tree.insert(tokens, device_pages, priority=priority, private=private)
+        result = self.tree.insert(tokens, device_pages, priority=priority, tenant=tenant)
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
         if self.controller is not None and self.rule.backup_min_hits is not None:

@@ -174,8 +174,8 @@ class L3Tier:
     def on_host_backup(self, nodes: list[TreeNode]) -> None:
         """Write a run of spans that just landed in L2 (top-down, one path) to L3."""
         last = nodes[-1]
-        if last.private:
-            return
+        if last.tenant:
+            return  # a tenant's spans stay in this instance
         if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
             return  # MLA: every rank holds the same latent KV; rank 0 alone writes it
         n = sum(self.cache.tree.num_pages(x) for x in nodes)

@@ -121,7 +121,8 @@ class Scheduler:
             if self.config.disable_radix_cache:
                 match = self.cache.match_prefix([])
             else:
-                match = self.cache.match_prefix(ids[:-1])  # keep >= 1 token to compute
+                # keep >= 1 token to compute; a salted request sees only its tenant's spans
+                match = self.cache.match_prefix(ids[:-1], req.cache_salt)
             query = 0 if req.retracted else len(req.prompt_ids)  # count each prompt once
             lb = self.cache.load_back(match, query_tokens=query, storage_tokens=req.storage_tokens)
             self.cache.lock(lb.last_node)
@@ -273,8 +274,8 @@ class Scheduler:
         if full <= req.prefix_pages:
             return
         tokens = req.all_ids[: full * ps]
-        self.cache.insert(tokens, req.pages[:full], private=bool(req.cache_salt))
-        match = self.cache.match_prefix(tokens)
+        self.cache.insert(tokens, req.pages[:full], tenant=req.cache_salt)
+        match = self.cache.match_prefix(tokens, req.cache_salt)
         assert match.device_tokens == full * ps, "inserted prefix not resident"
         self.cache.lock(match.last_device_node)
         assert req.prefix_node is not None
@@ -290,9 +291,7 @@ class Scheduler:
         if keep_kv and not self.config.disable_radix_cache:
             full = req.kv_len // ps
             if full > req.prefix_pages:
-                self.cache.insert(
-                    req.all_ids[: full * ps], req.pages[:full], private=bool(req.cache_salt)
-                )
+                self.cache.insert(req.all_ids[: full * ps], req.pages[:full], tenant=req.cache_salt)
                 own_from = full
         if len(req.pages) > own_from:
             self.cache.free_device(req.pages[own_from:])

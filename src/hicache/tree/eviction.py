@@ -65,7 +65,7 @@ def eviction_order(
         _, _, node = heapq.heappop(heap)
         if not evictable(node):
             continue
+        parent = node.parent  # before the yield: removing the node unlinks it
         yield node
-        parent = node.parent
         if evicted(node) and parent is not None and evictable(parent):
             heapq.heappush(heap, (key(parent), parent.id, parent))

@@ -18,8 +18,8 @@ def check_tree(tree: HiRadixTree) -> TreeStats:
     from hicache.tree.results import TreeStats
 
     pb = tree.page_size * TOKEN_BYTES
-    root = tree.root
-    assert root.parent is None and not root.device and not root.host, "root corrupted"
+    for root in tree.roots:
+        assert root.parent is None and not root.device and not root.host, "root corrupted"
     device_seen: set[int] = set()
     host_seen: set[int] = set()
     nodes = device = host = protected = 0
@@ -30,6 +30,7 @@ def check_tree(tree: HiRadixTree) -> TreeStats:
         n_pages = len(node.key) // pb
         assert n_pages > 0 and len(node.key) % pb == 0, f"{node!r}: key is not whole pages"
         assert parent.children.get(node.key[:pb]) is node, f"{node!r} not under its first page"
+        assert node.tenant == parent.tenant, f"{node!r} is in another tenant's subtree"
         assert node.device is not None or node.host is not None, f"{node!r} is in no tier"
         if node.device is not None:
             assert len(node.device) == n_pages, f"{node!r}: {len(node.device)} device pages"

@@ -112,8 +112,8 @@ class TreeNode:
         last_access: logical clock of the last match or insert that touched it.
         created: logical clock when the span was first inserted (kept by splits).
         priority: caller-given priority (higher stays longer under the ``priority`` policy).
-        private: True when a request with a tenant salt created the span (or an ancestor);
-            such spans never leave the instance (no L3 write).
+        tenant: the tenant salt of the subtree the node lives in (``""``: shared). Each
+            tenant has its own root, so requests never match another tenant's spans.
         extra: per-component values of components other than full attention, by name
             (``None`` until a component stores one: fewer objects for the collector).
     """
@@ -132,7 +132,7 @@ class TreeNode:
         "lock_ref",
         "parent",
         "priority",
-        "private",
+        "tenant",
     )
 
     def __init__(
@@ -158,7 +158,7 @@ class TreeNode:
         self.last_access = tick
         self.created = tick
         self.priority = priority
-        self.private = False
+        self.tenant = ""
         self.extra: dict[str, Any] | None = None
 
     @property

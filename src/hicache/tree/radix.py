@@ -68,7 +68,8 @@ class HiRadixTree:
         """Drop every node. The owner frees the pages it had handed to the tree."""
         self._next_id = 0
         self._tick = 0
-        self.root = self._new_node(b"", None, device=page_ids(), host=page_ids())
+        self.root = self._new_root("")
+        self._tenant_roots: dict[str, TreeNode] = {}
         self._device_pages = 0
         self._host_pages = 0
         self._protected_pages = 0
@@ -89,6 +90,25 @@ class HiRadixTree:
         self._next_id += 1
         return node
 
+    def _new_root(self, tenant: str) -> TreeNode:
+        root = self._new_node(b"", None, device=page_ids(), host=page_ids())
+        root.tenant = tenant
+        return root
+
+    def root_of(self, tenant: str = "") -> TreeNode:
+        """The root of ``tenant``'s subtree (created on first use); ``""`` is the shared one."""
+        if not tenant:
+            return self.root
+        root = self._tenant_roots.get(tenant)
+        if root is None:
+            root = self._tenant_roots[tenant] = self._new_root(tenant)
+        return root
+
+    @property
+    def roots(self) -> list[TreeNode]:
+        """The shared root, then each tenant's."""
+        return [self.root, *self._tenant_roots.values()]
+
     def num_pages(self, node: TreeNode) -> int:
         return len(node.key) // self._page_bytes
 
@@ -101,18 +121,17 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ match / insert
 
-    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+    def match_prefix(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
         """Find the longest cached prefix of ``tokens`` in whole pages; copies no data.
 
         Splits a node when the match ends inside it, so the result ends on a node boundary.
-        Marks every matched node as accessed (for LRU).
+        Marks every matched node as accessed (for LRU). Only ``tenant``'s spans match.
         """
         key = self._page_key(tokens)
         pb = self._page_bytes
         self._tick += 1
         tick = self._tick
-        node = self.root
-        last_device = self.root
+        node = last_device = self.root_of(tenant)
         device_pages = page_ids()
         host_bytes = 0
         pos = 0
@@ -155,7 +174,7 @@ class HiRadixTree:
         device_pages: Sequence[int] | PageIds,
         *,
         priority: int = 0,
-        private: bool = False,
+        tenant: str = "",
     ) -> InsertResult:
         """Record that ``tokens`` (whole pages; a partial tail is ignored) have KV in the
         L1 pages ``device_pages`` (one per whole page).
@@ -175,7 +194,7 @@ class HiRadixTree:
             )
         self._tick += 1
         tick = self._tick
-        node = self.root
+        node = self.root_of(tenant)
         pos = 0
         page = 0
         cached_pages = 0
@@ -187,7 +206,7 @@ class HiRadixTree:
             if child is None:
                 new_node = self._new_node(key[pos:], node, device=pages[page:], priority=priority)
                 new_node.hit_count = 1
-                new_node.private = private or node.private
+                new_node.tenant = node.tenant
                 node.children[key[pos : pos + pb]] = new_node
                 self._num_nodes += 1
                 self._device_pages += n_pages - page
@@ -240,7 +259,7 @@ class HiRadixTree:
         head.hit_count = child.hit_count
         head.last_access = child.last_access
         head.created = child.created
-        head.private = child.private
+        head.tenant = child.tenant
         child.key = child.key[cut:]
         child.parent = head
         head.children[child.key[: self._page_bytes]] = child
@@ -248,7 +267,9 @@ class HiRadixTree:
         self._num_nodes += 1
         return head
 
-    def insert_host(self, tokens: TokenIds, host_pages: PageIds, start_page: int) -> InsertResult:
+    def insert_host(
+        self, tokens: TokenIds, host_pages: PageIds, start_page: int, tenant: str = ""
+    ) -> InsertResult:
         """Record L2 copies (fetched from L3) of pages ``start_page ..`` of ``tokens``.
 
         Pages before ``start_page`` must be cached already. Spans that are cached by now keep
@@ -263,7 +284,7 @@ class HiRadixTree:
                 f" {len(key) // pb} whole pages of tokens"
             )
         self._tick += 1
-        node, pos = self.root, 0
+        node, pos = self.root_of(tenant), 0
         while pos < len(key):
             child = node.children.get(key[pos : pos + pb])
             if child is None:
@@ -282,7 +303,7 @@ class HiRadixTree:
         taken = page - start_page
         if pos < len(key) and node.host is not None:
             new_node = self._new_node(key[pos:], node, host=host_pages[taken:])
-            new_node.private = node.private
+            new_node.tenant = node.tenant
             node.children[key[pos : pos + pb]] = new_node
             self._num_nodes += 1
             self._host_pages += len(host_pages) - taken
@@ -301,7 +322,7 @@ class HiRadixTree:
     def path_key(self, node: TreeNode) -> bytes:
         """The encoded tokens from the root to the end of ``node``."""
         parts: list[bytes] = []
-        while node is not self.root:
+        while node.parent is not None:
             parts.append(node.key)
             assert node.parent is not None
             node = node.parent
@@ -311,7 +332,7 @@ class HiRadixTree:
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors in L1 (they are not evicted while pinned)."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0 and node.device is not None:
                 self._protected_pages += len(node.device)
             node.lock_ref += 1
@@ -322,7 +343,7 @@ class HiRadixTree:
         """Undo one :meth:`inc_lock_ref` on ``node``. Raises before changing anything if a
         count on the path would go negative."""
         self._check_path_ref(node, "lock_ref")
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0 and node.device is not None:
                 self._protected_pages -= len(node.device)
@@ -331,7 +352,7 @@ class HiRadixTree:
 
     def inc_host_ref(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors in L2."""
-        while node is not self.root:
+        while node.parent is not None:
             node.host_ref += 1
             assert node.parent is not None
             node = node.parent
@@ -339,14 +360,14 @@ class HiRadixTree:
     def dec_host_ref(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_host_ref`; raises before changing anything on underflow."""
         self._check_path_ref(node, "host_ref")
-        while node is not self.root:
+        while node.parent is not None:
             node.host_ref -= 1
             assert node.parent is not None
             node = node.parent
 
     def _check_path_ref(self, node: TreeNode, attr: str) -> None:
         n = node
-        while n is not self.root:
+        while n.parent is not None:
             if getattr(n, attr) <= 0:
                 raise RuntimeError(f"{attr} underflow at {n!r} (unpinning a node not pinned)")
             assert n.parent is not None
@@ -382,7 +403,7 @@ class HiRadixTree:
         """Nodes on the path to ``node`` without an L2 copy, top-down, that may be backed up
         now: the run just below the backed-up prefix whose hit counts reach ``min_hits``."""
         path: list[TreeNode] = []
-        while node is not self.root and node.host is None:
+        while node.parent is not None and node.host is None:
             path.append(node)
             assert node.parent is not None
             node = node.parent
@@ -397,7 +418,7 @@ class HiRadixTree:
     def host_only_path(self, node: TreeNode) -> list[TreeNode]:
         """The L1-evicted nodes on the path to ``node``, top-down (what a load back copies)."""
         path: list[TreeNode] = []
-        while node is not self.root and node.device is None:
+        while node.parent is not None and node.device is None:
             path.append(node)
             assert node.parent is not None
             node = node.parent
@@ -408,7 +429,7 @@ class HiRadixTree:
 
     def _device_evictable(self, node: TreeNode) -> bool:
         return (
-            node is not self.root
+            node.parent is not None
             and node.device is not None
             and node.lock_ref == 0
             and all(c.device is None for c in node.children.values())
@@ -416,7 +437,7 @@ class HiRadixTree:
 
     def _host_evictable(self, node: TreeNode) -> bool:
         return (
-            node is not self.root
+            node.parent is not None
             and node.device is None
             and node.host is not None
             and node.host_ref == 0
@@ -488,7 +509,7 @@ class HiRadixTree:
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        stack = [c for r in self.roots for c in r.children.values()]
         while stack:
             node = stack.pop()
             yield node
