@@ -7,6 +7,8 @@ load back -> read L1) equals the KV written for those tokens.
 
 from __future__ import annotations
 
+import time
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -18,9 +20,12 @@ from hypothesis.stateful import (
 )
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.controller.storage_controller import StorageController
+from hicache.keys import Namespace
+from hicache.storage.memory import MemoryStorage, MemoryStore
 from hicache.tree import TreeNode
-from hicache.tree.node import PageIds
+from hicache.tree.node import PageIds, encode_tokens
 from tests.kvdata import page_kv, read_device, write_tokens
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -35,15 +40,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.policy = "write_through"
         self.cache: HiCache | None = None
         self.held: list[tuple[TreeNode, PageIds]] = []  # locked prefixes + caller pages
-        self.known: list[list[int]] = []
+        self.known: list[tuple[list[int], str]] = []
 
     @initialize(
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         eviction=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
         io=st.sampled_from(["direct", "kernel"]),
         layout=st.sampled_from(["layer_first", "page_first", "page_first_direct"]),
+        l3=st.booleans(),
     )
-    def setup(self, policy: str, eviction: str, io: str, layout: str) -> None:
+    def setup(self, policy: str, eviction: str, io: str, layout: str, l3: bool) -> None:
         cfg = CacheConfig(
             page_size=PAGE,
             device_tokens=8 * PAGE,
@@ -55,6 +61,14 @@ class CacheMachine(RuleBasedStateMachine):
             load_back_threshold=0,
         )
         self.cache = HiCache(cfg, SPEC).start()
+        if l3:  # a fresh in-memory L3 shared by nothing else
+            ns = Namespace.for_spec(
+                SPEC, model="m", weights_fingerprint="w", layout=layout, page_size=PAGE
+            )
+            assert self.cache.host_pool is not None
+            ctl = StorageController(MemoryStorage(ns, store=MemoryStore()), self.cache.host_pool)
+            prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+            self.cache.attach_storage(ctl, ns, prefetch)
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -65,11 +79,23 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache is not None
         return self.cache
 
-    @rule(tokens=sequences, hold=st.booleans(), priority=st.integers(0, 2))
-    def request(self, tokens: list[int], hold: bool, priority: int) -> None:
+    @rule(
+        tokens=sequences,
+        hold=st.booleans(),
+        priority=st.integers(0, 2),
+        tenant=st.sampled_from(["", "", "t1"]),
+    )
+    def request(self, tokens: list[int], hold: bool, priority: int, tenant: str) -> None:
         """Match, load back, compute the rest, insert; optionally keep the prefix locked."""
         c = self.c
-        m = c.match_prefix(tokens)
+        if c.l3 is not None and not tenant:  # what the scheduler does before admission
+            key = encode_tokens(tokens)
+            handle = c.l3.start_prefetch(key, c.match_prefix(key))
+            if handle is not None:
+                while not c.l3.ready(handle):
+                    time.sleep(0.0005)
+                c.l3.finish(handle)
+        m = c.match_prefix(tokens, tenant)
         lb = c.load_back(m, query_tokens=len(tokens))
         lb.progress.wait_all()
         assert read_device(c, lb.device_pages).equal(page_kv(c, tokens, 0, len(lb.device_pages))), (
@@ -82,9 +108,9 @@ class CacheMachine(RuleBasedStateMachine):
             c.unlock(lb.last_node)
             return
         write_tokens(c, tokens, new, len(lb.device_pages))
-        result = c.insert(tokens, lb.device_pages + new, priority=priority)
+        result = c.insert(tokens, lb.device_pages + new, priority=priority, tenant=tenant)
         c.unlock(lb.last_node)
-        self.known.append(tokens)
+        self.known.append((tokens, tenant))
         if hold:
             c.lock(result.last_node)
             extra = c.alloc_device(1)  # a decode page the request owns
@@ -121,9 +147,9 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.known))
     def read_back(self, i: int) -> None:
         """Read a previously inserted sequence back; whatever is cached must be exact."""
-        tokens = self.known[i % len(self.known)]
+        tokens, tenant = self.known[i % len(self.known)]
         c = self.c
-        lb = c.load_back(c.match_prefix(tokens))
+        lb = c.load_back(c.match_prefix(tokens, tenant))
         lb.progress.wait_all()
         assert read_device(c, lb.device_pages).equal(page_kv(c, tokens, 0, len(lb.device_pages)))
 
