@@ -124,3 +124,19 @@ def test_ranks_agree_on_the_shorter_hit() -> None:
         got, data = fetch(b, TOKENS)
         assert got == 4 and torch.equal(data, page_kv(b, TOKENS, 0, 2))
         b.check_integrity()
+
+
+def test_a_split_during_the_l2_backup_loses_nothing_on_the_way_to_l3() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        pages = a.alloc_device(4)
+        assert pages is not None
+        write_tokens(a, TOKENS, pages, 0)
+        a.insert(TOKENS, pages)  # backup L1 -> L2 in flight, applied at the next poll
+        a.tree.match_prefix([*TOKENS[:4], 0, 0])  # splits the node before that
+        a.flush()
+        assert len(store) == 4 and a.stats().counters["l3_backup_tokens_total"] == 8
+        a.check_integrity()
+    with make(MHA, store) as b:
+        got, data = fetch(b, TOKENS)
+        assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))

@@ -59,8 +59,11 @@ class LoadBackResult:
 
 @dataclass(slots=True)
 class _PendingBackup:
-    nodes: list[TreeNode]
-    tokens: int
+    """A run of spans being copied L1 -> L2: the last ``pages`` pages of the path to
+    ``last``. Nodes of the run may split while it is in flight; the run stays the same."""
+
+    last: TreeNode
+    pages: int
 
 
 @dataclass(slots=True)
@@ -348,7 +351,7 @@ class HiCache(Lifecycle):
             offset += k
         self.tree.inc_lock_ref(last)
         op_id = self.controller.backup(device_pages, host_pages)
-        self._backups[op_id] = _PendingBackup(nodes, num * self.page_size)
+        self._backups[op_id] = _PendingBackup(last, num)
         if wait:
             self._wait_all()
 
@@ -375,17 +378,18 @@ class HiCache(Lifecycle):
     def _apply(self, c: Completion) -> None:
         if c.op_id in self._backups:
             b = self._backups.pop(c.op_id)
-            self.tree.dec_lock_ref(b.nodes[-1])
+            self.tree.dec_lock_ref(b.last)
+            nodes = self.tree.path_tail(b.last, b.pages)
             if c.ok:
                 self.counters.backup_ops_total += 1
-                self.counters.backup_tokens_total += b.tokens
+                self.counters.backup_tokens_total += b.pages * self.page_size
                 self.counters.backup_bytes_total += c.nbytes
                 if self.l3 is not None:
-                    self.l3.on_host_backup(b.nodes)
+                    self.l3.on_host_backup(nodes)
             else:
                 log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
                 self.counters.backup_failures_total += 1
-                self._invalidate_host(b.nodes[0])
+                self._invalidate_host(nodes[0])
         elif c.op_id in self._loads:
             ld = self._loads.pop(c.op_id)
             self.tree.dec_lock_ref(ld.node)

@@ -18,6 +18,10 @@ import sys
 BENCHES = {
     "tree": "hicache.bench.tree",
     "transfer": "hicache.bench.transfer",
+    "multiturn": "hicache.bench.multiturn",
+    "long-context": "hicache.bench.long_context",
+    "full-hit": "hicache.bench.full_hit",
+    "storage": "hicache.storage.bench",
 }
 
 
@@ -85,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    bench = sub.add_parser("bench", help="run a benchmark (pass --help after its name)")
+    bench = sub.add_parser(
+        "bench", help="run a benchmark (pass --help after its name)", add_help=False
+    )
     bench.add_argument("name", choices=sorted(BENCHES))
     sub.add_parser("demo", help="a scripted walk through L1, L2 and load back")
     store = sub.add_parser(

@@ -319,6 +319,24 @@ class HiRadixTree:
             new_node=new_node,
         )
 
+    def path_tail(self, node: TreeNode, num_pages: int) -> list[TreeNode]:
+        """The nodes holding the last ``num_pages`` pages of the path to ``node``, top-down.
+
+        ``num_pages`` must end on a node boundary (true of any run recorded as nodes: splits
+        only add boundaries)."""
+        out: list[TreeNode] = []
+        left = num_pages
+        while left > 0:
+            if node.parent is None:
+                raise ValueError(f"the path has fewer than {num_pages} pages")
+            out.append(node)
+            left -= self.num_pages(node)
+            node = node.parent
+        if left < 0:
+            raise ValueError(f"{num_pages} pages do not end on a node boundary")
+        out.reverse()
+        return out
+
     def path_key(self, node: TreeNode) -> bytes:
         """The encoded tokens from the root to the end of ``node``."""
         parts: list[bytes] = []

@@ -1,0 +1,96 @@
+"""Smoke tests of the serving benchmarks on the tiny random model (CPU, small sizes).
+
+* ``multiturn``: 2 clients x 2 rounds against self-started servers of the ``no_cache`` and
+  ``l1_l2`` configs: the JSON has the documented shape and ``l1_l2`` hits L1 or L2;
+* ``full-hit``: a 64-token prompt through cold, L1, L2 and L3: every cached stage hits
+  its tier for every whole page but the last token's, and the figures are there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.bench import full_hit, multiturn
+from hicache.bench.serverproc import parse_configs, round_to_pages
+
+CONFIG_KEYS = {"ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "input_tok_s",
+               "output_tok_s", "hit_rate", "hit_tokens", "rounds"}  # fmt: skip
+
+
+def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
+    out = tmp_path / "mt.json"
+    argv = ["--num-clients", "2", "--num-rounds", "2", "--request-length", "64",
+            "--output-length", "4", "--configs", "no_cache,l1_l2", "--json", str(out)]  # fmt: skip
+    assert multiturn.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["configs"]) == {"no_cache", "l1_l2"}
+    for name, c in doc["configs"].items():
+        assert set(c) == CONFIG_KEYS, name
+        assert set(c["hit_tokens"]) == {"device", "host", "storage"}
+        assert all(isinstance(v, int) for v in c["hit_tokens"].values())
+        assert [r["round"] for r in c["rounds"]] == [1, 2]
+        assert all(r["requests"] == 2 for r in c["rounds"])
+        assert 0 < c["ttft_p50_s"] <= c["ttft_p99_s"]
+        assert c["input_tok_s"] > 0 and c["output_tok_s"] > 0
+    assert doc["configs"]["no_cache"]["hit_rate"] == 0
+    hits = doc["configs"]["l1_l2"]["hit_tokens"]
+    assert hits["device"] + hits["host"] > 0
+    # round 2 prompt = 64 user + 4 synthetic assistant + 64 user tokens; 2 clients
+    assert doc["configs"]["l1_l2"]["rounds"][1]["prompt_tokens"] == 2 * 132
+    assert doc["meta"]["l1_tokens"] % 16 == 0
+
+
+def test_full_hit_json_fields(tmp_path: Path) -> None:
+    out = tmp_path / "fh.json"
+    argv = ["--tokens", "64", "--repeat", "1", "--dir", str(tmp_path / "l3"), "--json", str(out)]
+    assert full_hit.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["hit_tokens"] == {"l1": 48, "l2": 48, "l3": 48}  # 63 matchable: 3 pages
+    for key in ("ttft_cold_s", "ttft_l1_s", "ttft_l2_s", "ttft_l3_s", "ideal_l2_s",
+                "ideal_l3_s", "ratio_l2", "ratio_l3", "copy_gbps", "file_read_gbps"):  # fmt: skip
+        assert doc[key] > 0, key
+    assert doc["kv_bytes_l2"] == 48 * doc["token_bytes"]
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from hicache.bench.plot import plot_configs
+
+    path = tmp_path / "p.png"
+    plot_configs(
+        str(path),
+        title="t",
+        x_label="round",
+        ttft_s={"l1": [0.1, 0.2], "l1_l2": [0.1, 0.05]},
+        input_tok_s={"l1": 100.0, "l1_l2": 250.0},
+    )
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_helpers() -> None:
+    assert multiturn.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert multiturn.percentile([5.0], 99) == 5.0
+    assert round_to_pages(17, 16) == 32 and round_to_pages(0, 16) == 16
+    assert parse_configs("l1, l1_l2") == ["l1", "l1_l2"]
+    with pytest.raises(ValueError, match="--configs"):
+        parse_configs("l1,l4")
+    conv = multiturn.Conversations.make(2, 3, 5, 2, seed=1)
+    assert len(conv.prompt(1, 2)) == 2 * 7 + 5
+    assert conv.prompt(1, 2)[:7] == conv.prompt(1, 1)[:7]  # the history is a prefix
+    assert conv.prompt(0, 0) != conv.prompt(1, 0)  # clients share nothing
+
+
+def test_mooncake_config_is_skipped_without_its_binary(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.bench import serverproc
+
+    monkeypatch.setattr(serverproc, "mooncake_master_path", lambda: None)
+    spec = serverproc.ServerSpec(model_path="tiny-random-llama", page_size=16, l1_tokens=256,
+                                 l2_ratio=2.0)  # fmt: skip
+    with (
+        pytest.raises(serverproc.ConfigSkippedError, match="mooncake_master"),
+        serverproc.config_server("l1_l2_l3_mooncake", spec),
+    ):
+        pass
