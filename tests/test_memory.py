@@ -383,3 +383,18 @@ def test_cuda_pools() -> None:
     data = _random_pages(2, MHA, 2)
     dev.write_pages(torch.tensor([3, 1]), data)
     assert dev.read_pages(torch.tensor([3, 1])).view(torch.uint8).equal(data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_page_bytes_views_are_the_page_view_bytes(layout: str) -> None:
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16")
+    host = HostPool.create(spec, 5, 2, layout, "cpu")
+    host.buffer.copy_(torch.randn(host.buffer.shape).to(torch.bfloat16))
+    for page in range(5):
+        views = host.page_bytes_views(page)
+        slabs = host.page_view(page)
+        assert [bytes(v) for v in views] == [
+            s.contiguous().view(torch.uint8).numpy().tobytes() for s in slabs
+        ]
+    host.page_bytes_views(3)[1][0:2] = b"\x01\x02"  # writable, into the pool itself
+    assert host.page_view(3)[1].reshape(-1).view(torch.uint8)[:2].tolist() == [1, 2]

@@ -63,6 +63,7 @@ class HostPool(KVPool):
         self._pinned = bool(pin_memory)
         self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self._pinned)
         self.buffer.zero_()
+        self._bytes = self.buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
     @classmethod
     def create(
@@ -116,6 +117,27 @@ class HostPool(KVPool):
                 self.buffer[k, page * ps : (page + 1) * ps] for k in range(self.spec.num_kv)
             )
         return tuple(self.buffer[k, page] for k in range(self.spec.num_kv))
+
+    def page_bytes_views(self, page: int) -> list[memoryview]:
+        """The bytes of :meth:`page_view`'s slabs as writable memoryviews (no tensor is
+        built: offsets are computed from the strides, which is what byte-level backends
+        need per page)."""
+        if self.layout is MemLayout.LAYER_FIRST:
+            raise NotImplementedError("layer_first host pool: no zero-copy page bytes")
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
+        item = self.buffer.element_size()
+        kind_stride, page_stride = self.buffer.stride(0), self.buffer.stride(1)
+        if self.layout is MemLayout.PAGE_FIRST:
+            start, length = page * self.page_size * page_stride, self.page_size * page_stride
+        else:
+            start, length = page * page_stride, page_stride
+        return [
+            self._bytes[
+                (k * kind_stride + start) * item : (k * kind_stride + start + length) * item
+            ]
+            for k in range(self.spec.num_kv)
+        ]
 
     def __repr__(self) -> str:
         return (

@@ -78,6 +78,8 @@ class HostPages:
 
     def parts(self, i: int) -> list[memoryview]:
         """Byte views of page ``i``'s payload parts, in record order (writable for a get)."""
+        if self.zero_copy:
+            return self.host.page_bytes_views(self.pages[i])
         return [byte_view(t) for t in self.tensors(i)]
 
     def fill(self, i: int, payload: memoryview) -> None:
