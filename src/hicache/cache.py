@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache.cache_completions import PendingBackup, PendingLoad, apply_completion
 from hicache.cache_inspect import cache_stats, check_cache_integrity
 from hicache.cache_storage import L3Tier
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
@@ -57,21 +58,6 @@ class LoadBackResult:
     progress: LayerProgress
 
 
-@dataclass(slots=True)
-class _PendingBackup:
-    """A run of spans being copied L1 -> L2: the last ``pages`` pages of the path to
-    ``last``. Nodes of the run may split while it is in flight; the run stays the same."""
-
-    last: TreeNode
-    pages: int
-
-
-@dataclass(slots=True)
-class _PendingLoad:
-    node: TreeNode
-    tokens: int
-
-
 class HiCache(Lifecycle):
     """Hierarchical KV cache over an L1 device pool and an L2 host pool.
 
@@ -103,8 +89,8 @@ class HiCache(Lifecycle):
         self.rule = write_rule(config)
         self.counters = CacheCounters()
         self.l3: L3Tier | None = None
-        self._backups: dict[int, _PendingBackup] = {}
-        self._loads: dict[int, _PendingLoad] = {}
+        self._backups: dict[int, PendingBackup] = {}
+        self._loads: dict[int, PendingLoad] = {}
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,7 +197,7 @@ class HiCache(Lifecycle):
             offset += k
         self.tree.inc_lock_ref(last)  # until the copy completes
         op_id, progress = self.controller.load(host_pages, device_pages)
-        self._loads[op_id] = _PendingLoad(last, host_tokens)
+        self._loads[op_id] = PendingLoad(last, host_tokens)
         self.counters.host_hit_tokens_total += max(0, host_tokens - storage_tokens)
         return LoadBackResult(
             device_pages=match.device_pages + device_pages,
@@ -351,7 +337,7 @@ class HiCache(Lifecycle):
             offset += k
         self.tree.inc_lock_ref(last)
         op_id = self.controller.backup(device_pages, host_pages)
-        self._backups[op_id] = _PendingBackup(last, num)
+        self._backups[op_id] = PendingBackup(last, num)
         if wait:
             self._wait_all()
 
@@ -376,55 +362,7 @@ class HiCache(Lifecycle):
             self.l3.poll()
 
     def _apply(self, c: Completion) -> None:
-        if c.op_id in self._backups:
-            b = self._backups.pop(c.op_id)
-            self.tree.dec_lock_ref(b.last)
-            nodes = self.tree.path_tail(b.last, b.pages)
-            if c.ok:
-                self.counters.backup_ops_total += 1
-                self.counters.backup_tokens_total += b.pages * self.page_size
-                self.counters.backup_bytes_total += c.nbytes
-                if self.l3 is not None:
-                    self.l3.on_host_backup(nodes)
-            else:
-                log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
-                self.counters.backup_failures_total += 1
-                self._invalidate_host(nodes[0])
-        elif c.op_id in self._loads:
-            ld = self._loads.pop(c.op_id)
-            self.tree.dec_lock_ref(ld.node)
-            self.tree.dec_host_ref(ld.node)
-            if c.ok:
-                self.counters.load_ops_total += 1
-                self.counters.load_tokens_total += ld.tokens
-                self.counters.load_bytes_total += c.nbytes
-            else:
-                # Not recoverable in place: the L1 pages hold garbage. Fail loudly.
-                self.counters.load_failures_total += 1
-                raise RuntimeError(f"load back op {c.op_id} failed: {c.error}")
-        else:  # pragma: no cover - defensive
-            log.warning("completion for unknown op %d ignored", c.op_id)
-
-    def _invalidate_host(self, top: TreeNode) -> None:
-        """Drop the L2 copies of ``top``'s subtree (after a failed backup), bottom-up."""
-        assert self.host_pool is not None
-        order: list[TreeNode] = []
-        stack = [top]
-        while stack:
-            n = stack.pop()
-            order.append(n)
-            stack.extend(c for c in n.children.values() if c.host is not None)
-        for n in reversed(order):
-            if n.host is None:
-                continue
-            if n.device is not None:
-                pages = self.tree.drop_host(n)
-            elif n.host_ref == 0 and n.lock_ref == 0 and not n.children:
-                pages = self.tree.evict_host(n)
-            else:
-                log.error("cannot drop pinned L2 copy of %r", n)
-                continue
-            self.host_pool.allocator.free(pages)
+        apply_completion(self, c)
 
     def flush(self) -> None:
         """Wait for every in-flight copy (L1<->L2, then L2->L3) and apply it."""

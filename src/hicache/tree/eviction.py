@@ -1,4 +1,4 @@
-"""Eviction order: which evictable leaf goes first under each policy.
+"""Eviction: which evictable leaf goes first under each policy, and the tree's eviction ops.
 
 A policy maps a node to a sort key; the smallest key is evicted first. Ties break on the
 node id (older node first), so eviction order is deterministic.
@@ -10,7 +10,7 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator
 
 from hicache.config import EvictionPolicy
-from hicache.tree.node import TreeNode
+from hicache.tree.node import PageIds, TreeNode
 
 EvictionKey = Callable[[TreeNode], tuple[int, ...]]
 NodePredicate = Callable[[TreeNode], bool]
@@ -69,3 +69,97 @@ def eviction_order(
         yield node
         if evicted(node) and parent is not None and evictable(parent):
             heapq.heappush(heap, (key(parent), parent.id, parent))
+
+
+class EvictionOps:
+    """Eviction of the tree's leaves (mixed into :class:`~hicache.tree.radix.HiRadixTree`).
+
+    Needs from the tree: its counters, its policy key, ``_page_bytes`` and ``iter_nodes``.
+    """
+
+    _page_bytes: int
+    _device_pages: int
+    _host_pages: int
+    _num_nodes: int
+    _evict_key: EvictionKey
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        raise NotImplementedError
+
+    def _device_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device is not None
+            and node.lock_ref == 0
+            and all(c.device is None for c in node.children.values())
+        )
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device is None
+            and node.host is not None
+            and node.host_ref == 0
+            and node.lock_ref == 0
+            and not node.children
+        )
+
+    def device_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L1 leaves (no child in L1) in policy order, lazily.
+
+        The consumer evicts each yielded node with :meth:`evict_device` (or skips it)
+        before asking for the next; a parent that becomes a leaf joins the order.
+        """
+        return eviction_order(
+            self.iter_nodes(), self._evict_key, self._device_evictable, lambda n: n.device is None
+        )
+
+    def host_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L2-only leaves in policy order, lazily (see :meth:`device_eviction_order`)."""
+        return eviction_order(
+            self.iter_nodes(), self._evict_key, self._host_evictable, lambda n: n.host is None
+        )
+
+    def evict_device(self, node: TreeNode) -> PageIds:
+        """Drop ``node``'s L1 copy and return its L1 page ids for the owner to free.
+
+        A node backed up in L2 stays (host-only); one that is not is removed.
+        """
+        if not self._device_evictable(node):
+            raise RuntimeError(f"{node!r} is not an unpinned L1 leaf")
+        pages = node.device
+        assert pages is not None
+        node.device = None
+        self._device_pages -= len(pages)
+        if node.host is None:
+            self._remove(node)
+        return pages
+
+    def evict_host(self, node: TreeNode) -> PageIds:
+        """Remove an unpinned L2-only leaf and return its L2 page ids for the owner to free."""
+        if not self._host_evictable(node):
+            raise RuntimeError(f"{node!r} is not an unpinned L2-only leaf")
+        pages = node.host
+        assert pages is not None
+        node.host = None
+        self._host_pages -= len(pages)
+        self._remove(node)
+        return pages
+
+    def drop_host(self, node: TreeNode) -> PageIds:
+        """Forget ``node``'s L2 copy (a failed backup) while it stays in L1; return the pages."""
+        if node.host is None or node.device is None:
+            raise RuntimeError(f"{node!r} must be in L1 and L2 to drop its L2 copy")
+        if any(c.host is not None for c in node.children.values()):
+            raise RuntimeError(f"{node!r} has backed-up children (contiguity)")
+        pages = node.host
+        node.host = None
+        self._host_pages -= len(pages)
+        return pages
+
+    def _remove(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.key[: self._page_bytes]]
+        node.parent = None
+        self._num_nodes -= 1

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 from hicache.config import EvictionPolicy
 from hicache.tree.components import FullAttention, TreeComponent
-from hicache.tree.eviction import eviction_key, eviction_order
+from hicache.tree.eviction import EvictionOps, eviction_key
 from hicache.tree.node import (
     TOKEN_BYTES,
     PageIds,
@@ -33,10 +33,11 @@ from hicache.tree.node import (
     encode_tokens,
     page_ids,
 )
+from hicache.tree.paths import PathQueries
 from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
 
 
-class HiRadixTree:
+class HiRadixTree(PathQueries, EvictionOps):
     """The radix tree over L1 and L2 page ids; see the module docstring for invariants.
 
     Args:
@@ -319,33 +320,6 @@ class HiRadixTree:
             new_node=new_node,
         )
 
-    def path_tail(self, node: TreeNode, num_pages: int) -> list[TreeNode]:
-        """The nodes holding the last ``num_pages`` pages of the path to ``node``, top-down.
-
-        ``num_pages`` must end on a node boundary (true of any run recorded as nodes: splits
-        only add boundaries)."""
-        out: list[TreeNode] = []
-        left = num_pages
-        while left > 0:
-            if node.parent is None:
-                raise ValueError(f"the path has fewer than {num_pages} pages")
-            out.append(node)
-            left -= self.num_pages(node)
-            node = node.parent
-        if left < 0:
-            raise ValueError(f"{num_pages} pages do not end on a node boundary")
-        out.reverse()
-        return out
-
-    def path_key(self, node: TreeNode) -> bytes:
-        """The encoded tokens from the root to the end of ``node``."""
-        parts: list[bytes] = []
-        while node.parent is not None:
-            parts.append(node.key)
-            assert node.parent is not None
-            node = node.parent
-        return b"".join(reversed(parts))
-
     # ------------------------------------------------------------------ pins
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -416,112 +390,6 @@ class HiRadixTree:
             raise ValueError(f"{node!r} needs {self.num_pages(node)} pages, got {len(pages)}")
         node.host = pages
         self._host_pages += len(pages)
-
-    def nodes_to_back_up(self, node: TreeNode, *, min_hits: int = 0) -> list[TreeNode]:
-        """Nodes on the path to ``node`` without an L2 copy, top-down, that may be backed up
-        now: the run just below the backed-up prefix whose hit counts reach ``min_hits``."""
-        path: list[TreeNode] = []
-        while node.parent is not None and node.host is None:
-            path.append(node)
-            assert node.parent is not None
-            node = node.parent
-        path.reverse()
-        run: list[TreeNode] = []
-        for n in path:
-            if n.hit_count < min_hits:
-                break
-            run.append(n)
-        return run
-
-    def host_only_path(self, node: TreeNode) -> list[TreeNode]:
-        """The L1-evicted nodes on the path to ``node``, top-down (what a load back copies)."""
-        path: list[TreeNode] = []
-        while node.parent is not None and node.device is None:
-            path.append(node)
-            assert node.parent is not None
-            node = node.parent
-        path.reverse()
-        return path
-
-    # ------------------------------------------------------------------ eviction
-
-    def _device_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.device is not None
-            and node.lock_ref == 0
-            and all(c.device is None for c in node.children.values())
-        )
-
-    def _host_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.device is None
-            and node.host is not None
-            and node.host_ref == 0
-            and node.lock_ref == 0
-            and not node.children
-        )
-
-    def device_eviction_order(self) -> Iterator[TreeNode]:
-        """Unpinned L1 leaves (no child in L1) in policy order, lazily.
-
-        The consumer evicts each yielded node with :meth:`evict_device` (or skips it)
-        before asking for the next; a parent that becomes a leaf joins the order.
-        """
-        return eviction_order(
-            self.iter_nodes(), self._evict_key, self._device_evictable, lambda n: n.device is None
-        )
-
-    def host_eviction_order(self) -> Iterator[TreeNode]:
-        """Unpinned L2-only leaves in policy order, lazily (see :meth:`device_eviction_order`)."""
-        return eviction_order(
-            self.iter_nodes(), self._evict_key, self._host_evictable, lambda n: n.host is None
-        )
-
-    def evict_device(self, node: TreeNode) -> PageIds:
-        """Drop ``node``'s L1 copy and return its L1 page ids for the owner to free.
-
-        A node backed up in L2 stays (host-only); one that is not is removed.
-        """
-        if not self._device_evictable(node):
-            raise RuntimeError(f"{node!r} is not an unpinned L1 leaf")
-        pages = node.device
-        assert pages is not None
-        node.device = None
-        self._device_pages -= len(pages)
-        if node.host is None:
-            self._remove(node)
-        return pages
-
-    def evict_host(self, node: TreeNode) -> PageIds:
-        """Remove an unpinned L2-only leaf and return its L2 page ids for the owner to free."""
-        if not self._host_evictable(node):
-            raise RuntimeError(f"{node!r} is not an unpinned L2-only leaf")
-        pages = node.host
-        assert pages is not None
-        node.host = None
-        self._host_pages -= len(pages)
-        self._remove(node)
-        return pages
-
-    def drop_host(self, node: TreeNode) -> PageIds:
-        """Forget ``node``'s L2 copy (a failed backup) while it stays in L1; return the pages."""
-        if node.host is None or node.device is None:
-            raise RuntimeError(f"{node!r} must be in L1 and L2 to drop its L2 copy")
-        if any(c.host is not None for c in node.children.values()):
-            raise RuntimeError(f"{node!r} has backed-up children (contiguity)")
-        pages = node.host
-        node.host = None
-        self._host_pages -= len(pages)
-        return pages
-
-    def _remove(self, node: TreeNode) -> None:
-        parent = node.parent
-        assert parent is not None and not node.children
-        del parent.children[node.key[: self._page_bytes]]
-        node.parent = None
-        self._num_nodes -= 1
 
     # ------------------------------------------------------------------ inspection
 
