@@ -18,7 +18,6 @@ Request life cycle, as an engine drives it::
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +36,6 @@ from hicache.metrics import CacheCounters, CacheStats
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
 from hicache.tree.node import PageIds, TokenIds, page_ids
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
