@@ -32,7 +32,8 @@ def cache() -> Iterator[HiCache]:
 def run_request(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
     """Drive one request as an engine would; returns (device hit, host hit) tokens."""
     m = cache.match_prefix(tokens)
-    lb = cache.load_back(m, query_tokens=len(tokens))
+    lb = cache.load_back(m)
+    cache.count_request(len(tokens), m, lb)
     lb.progress.wait_all()
     cache.lock(lb.last_node)
     n_total = len(tokens) // cache.page_size
@@ -96,7 +97,8 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     assert cache.evict_device(4) == 3
     m = cache.match_prefix([*tokens, 11])
     assert (m.device_tokens, m.host_tokens) == (0, 6)
-    lb = cache.load_back(m, query_tokens=7)
+    lb = cache.load_back(m)
+    cache.count_request(7, m, lb)
     assert lb.loaded_tokens == 6 and lb.device_tokens == 6
     lb.progress.wait_all()
     assert torch.equal(read_device(cache, lb.device_pages), page_kv(cache, tokens, 0, 3))

@@ -96,7 +96,8 @@ class CacheMachine(RuleBasedStateMachine):
                     time.sleep(0.0005)
                 c.l3.finish(handle)
         m = c.match_prefix(tokens, tenant)
-        lb = c.load_back(m, query_tokens=len(tokens))
+        lb = c.load_back(m)
+        c.count_request(len(tokens), m, lb)
         lb.progress.wait_all()
         assert read_device(c, lb.device_pages).equal(page_kv(c, tokens, 0, len(lb.device_pages))), (
             "a cached prefix came back with other bytes"

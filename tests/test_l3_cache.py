@@ -63,7 +63,9 @@ def fetch(cache: HiCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
         while not cache.l3.ready(handle):
             time.sleep(0.001)
         got = cache.l3.finish(handle)
-    lb = cache.load_back(cache.match_prefix(tokens), storage_tokens=got)
+    m = cache.match_prefix(tokens)
+    lb = cache.load_back(m)
+    cache.count_request(len(tokens), m, lb, got)
     lb.progress.wait_all()
     data = read_device(cache, lb.device_pages)
     cache.flush()

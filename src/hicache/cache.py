@@ -7,7 +7,8 @@ completions, which :meth:`HiCache.poll` applies.
 Request life cycle, as an engine drives it::
 
     m = cache.match_prefix(tokens)        # tree walk only, no copy
-    lb = cache.load_back(m, query_tokens=len(tokens))  # L2 -> L1, layer by layer
+    lb = cache.load_back(m)               # L2 -> L1, layer by layer
+    cache.count_request(len(tokens), m, lb)
     cache.lock(lb.last_node)              # keep the prefix in L1 while the request runs
     pages = cache.alloc_device(n)         # pages for the new tokens (evicts under pressure)
     ... forward: layer i reads lb.device_pages after lb.progress.wait(i) ...
@@ -142,21 +143,14 @@ class HiCache(Lifecycle):
             self._wait_all()
         return self.tree.match_prefix(tokens, tenant)
 
-    def load_back(
-        self, match: MatchResult, *, query_tokens: int = 0, storage_tokens: int = 0
-    ) -> LoadBackResult:
+    def load_back(self, match: MatchResult) -> LoadBackResult:
         """Start copying the host-only part of ``match`` into L1, layer by layer.
 
         All-or-nothing per chain: when the host-only part is shorter than
         ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded and
-        the result covers the L1 part only. Call it once per request: it counts the
-        request's ``query_tokens`` (prompt length) and its hit tokens per tier; the
-        ``storage_tokens`` just prefetched from L3 count as L3 hits, not L2 hits.
+        the result covers the L1 part only. Hits are counted by :meth:`count_request`.
         """
         self.poll()
-        self.counters.prefix_queries_total += 1
-        self.counters.query_tokens_total += query_tokens
-        self.counters.device_hit_tokens_total += match.device_tokens
         nodes = self.tree.host_only_path(match.last_host_node)
         host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
         no_load = LoadBackResult(
@@ -195,7 +189,6 @@ class HiCache(Lifecycle):
         self.tree.inc_lock_ref(last)  # until the copy completes
         op_id, progress = self.controller.load(host_pages, device_pages)
         self._loads[op_id] = PendingLoad(last, host_tokens)
-        self.counters.host_hit_tokens_total += max(0, host_tokens - storage_tokens)
         return LoadBackResult(
             device_pages=match.device_pages + device_pages,
             device_tokens=match.device_tokens + host_tokens,
@@ -203,6 +196,22 @@ class HiCache(Lifecycle):
             last_node=last,
             progress=progress,
         )
+
+    def count_request(
+        self, query_tokens: int, match: MatchResult, lb: LoadBackResult, storage_tokens: int = 0
+    ) -> None:
+        """Count one admitted request: its prompt length and the tokens each tier served.
+
+        ``storage_tokens`` were prefetched from L3 into L2 just before ``lb``; those that
+        ``lb`` loaded count as L3 hits, the rest of ``lb``'s load as L2 hits.
+        """
+        storage = min(storage_tokens, lb.loaded_tokens)
+        c = self.counters
+        c.prefix_queries_total += 1
+        c.query_tokens_total += query_tokens
+        c.device_hit_tokens_total += match.device_tokens
+        c.host_hit_tokens_total += lb.loaded_tokens - storage
+        c.storage_hit_tokens_total += storage
 
     def insert(
         self,

@@ -150,9 +150,7 @@ class L3Tier:
             added = (done - len(result.duplicate_pages)) * ps
         self._draining.append((op, op.host_pages[done:]))
         self._free_drained()
-        c = self.cache.counters
-        c.storage_hit_tokens_total += added
-        c.prefetch_tokens_total += done * self.page_size
+        self.cache.counters.prefetch_tokens_total += done * self.page_size
         return added
 
     def _host_allocator(self) -> PageAllocator:

@@ -55,7 +55,8 @@ def show(cache: HiCache, step: str) -> None:
 def prefill(cache: HiCache, tokens: list[int]) -> PageIds:
     """What an engine does for one prompt; returns the prompt's L1 pages."""
     m = cache.match_prefix(tokens)
-    lb = cache.load_back(m, query_tokens=len(tokens))
+    lb = cache.load_back(m)
+    cache.count_request(len(tokens), m, lb)
     lb.progress.wait_all()
     cache.lock(lb.last_node)
     n_new = len(tokens) // PAGE - len(lb.device_pages)
@@ -101,7 +102,8 @@ def main() -> int:
         console.print(f"prompt 0 again: {m.device_tokens} tokens in L1, {m.host_tokens} in L2 only")
         gate.set()
         t0 = time.perf_counter()
-        lb = cache.load_back(m, query_tokens=len(prompts[0]))
+        lb = cache.load_back(m)
+        cache.count_request(len(prompts[0]), m, lb)
         for layer in range(SPEC.num_layers):
             lb.progress.wait(layer)
             console.print(

@@ -123,8 +123,7 @@ class Scheduler:
             else:
                 # keep >= 1 token to compute; a salted request sees only its tenant's spans
                 match = self.cache.match_prefix(ids[:-1], req.cache_salt)
-            query = 0 if req.retracted else len(req.prompt_ids)  # count each prompt once
-            lb = self.cache.load_back(match, query_tokens=query, storage_tokens=req.storage_tokens)
+            lb = self.cache.load_back(match)
             self.cache.lock(lb.last_node)
             new = self.cache.alloc_device(math.ceil(len(ids) / ps) - len(lb.device_pages))
             if new is None:
@@ -144,7 +143,8 @@ class Scheduler:
             req.prefix_node = lb.last_node
             req.kv_len = lb.device_tokens
             req.progress = lb.progress if lb.loaded_tokens else None
-            if not req.retracted:
+            if not req.retracted:  # count each prompt once
+                self.cache.count_request(len(req.prompt_ids), match, lb, req.storage_tokens)
                 storage = min(req.storage_tokens, lb.loaded_tokens)
                 req.cached = CachedTokens(
                     device=match.device_tokens, host=lb.loaded_tokens - storage, storage=storage
