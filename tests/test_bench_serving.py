@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from hicache.bench import full_hit, multiturn
-from hicache.bench.serverproc import parse_configs, round_to_pages
+from hicache.bench.results import percentile
+from hicache.bench.runner import round_to_pages
+from hicache.bench.serverproc import parse_configs
 
 CONFIG_KEYS = {"ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "input_tok_s",
                "output_tok_s", "hit_rate", "hit_tokens", "rounds"}  # fmt: skip
@@ -71,8 +73,8 @@ def test_plot_writes_png(tmp_path: Path) -> None:
 
 
 def test_helpers() -> None:
-    assert multiturn.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert multiturn.percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
     assert round_to_pages(17, 16) == 32 and round_to_pages(0, 16) == 16
     assert parse_configs("l1, l1_l2") == ["l1", "l1_l2"]
     with pytest.raises(ValueError, match="--configs"):

@@ -44,9 +44,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hicache.bench.multiturn import TOKEN_HI, TOKEN_LO
 from hicache.bench.plot import print_table
-from hicache.bench.serverproc import round_to_pages
+from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput

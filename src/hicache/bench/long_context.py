@@ -25,22 +25,21 @@ import random
 import sys
 from typing import Any
 
-from hicache.bench.multiturn import (
+from hicache.bench.httpclient import RequestRecord, stream_completion
+from hicache.bench.results import report_runs
+from hicache.bench.runner import (
     TOKEN_HI,
     TOKEN_LO,
     Pacer,
     Session,
     Workload,
     add_common_args,
-    config_json,
-    meta_doc,
     parse_with_preset,
     run_configs,
     server_spec,
     tier_sizes,
 )
-from hicache.bench.plot import print_results, write_outputs
-from hicache.bench.serverproc import RequestRecord, parse_configs, stream_completion
+from hicache.bench.serverproc import parse_configs
 
 __all__ = ["PRESETS", "Questions", "main"]
 
@@ -163,18 +162,23 @@ def main(argv: list[str] | None = None) -> int:
         url=args.url,
         timeout_s=args.request_timeout,
     )
-    doc: dict[str, Any] = {"configs": {r.name: config_json(r, "phases") for r in runs}}
     keys = "num_docs questions_per_doc context_length question_length output_length order"
-    doc["meta"] = meta_doc(args, keys.split(), l1, ratio, working_set, runs, problems)
     title = (
         f"long-context: {args.num_docs} docs x {args.questions_per_doc} questions,"
         f" {args.context_length}+{args.question_length}+{args.output_length} tokens,"
         f" L1 {l1} tokens (phase 2 after /flush_cache)"
     )
-    if runs:
-        print_results(title, doc, "phases")
-    write_outputs(doc, "phases", title, args.json, args.plot)
-    return 1 if problems and any(v.startswith("failed") for v in problems.values()) else 0
+    return report_runs(
+        args,
+        runs,
+        problems,
+        group_key="phases",
+        workload_keys=keys.split(),
+        l1=l1,
+        ratio=ratio,
+        working_set=working_set,
+        title=title,
+    )
 
 
 if __name__ == "__main__":

@@ -39,33 +39,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
-import shlex
 import sys
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
-from tqdm import tqdm
-
-from hicache.bench.plot import print_results, write_outputs
-from hicache.bench.serverproc import (
-    CONFIG_NAMES,
-    TIERS,
-    ConfigSkippedError,
-    RequestRecord,
-    ServerError,
-    ServerSpec,
-    config_server,
-    flush_cache,
-    parse_configs,
-    round_to_pages,
-    server_ttft,
-    stream_completion,
+from hicache.bench.httpclient import RequestRecord, stream_completion
+from hicache.bench.results import report_runs, summarize
+from hicache.bench.runner import (
+    TOKEN_HI,
+    TOKEN_LO,
+    ConfigRun,
+    Pacer,
+    Session,
+    Workload,
+    add_common_args,
+    parse_with_preset,
+    run_configs,
+    server_spec,
+    tier_sizes,
 )
+from hicache.bench.serverproc import parse_configs
 
 __all__ = [
     "ConfigRun",
@@ -76,11 +70,6 @@ __all__ = [
     "stream_completion",
     "summarize",
 ]
-
-TOKEN_LO, TOKEN_HI = 1000, 30000
-"""Synthetic token ids are drawn from ``[TOKEN_LO, TOKEN_HI)``."""
-CONFIG_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "input_tok_s",
-               "output_tok_s", "hit_rate", "hit_tokens")  # fmt: skip
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -97,152 +86,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 """``--preset`` defaults (explicit flags win). ``tiny`` is the default."""
-
-
-# ---------------------------------------------------------------------------- statistics
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by linear interpolation between ranks (numpy's)."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> dict[str, Any]:
-    """TTFT stats (s), throughput (tokens/s over ``wall_s``, default first start to last
-    end) and hit tokens per tier of ``records``; ``hit_rate`` = cached / prompt tokens."""
-    if wall_s is None:
-        wall_s = max(r.end_s for r in records) - min(r.start_s for r in records)
-    ttfts = [r.ttft_s for r in records]
-    prompt = sum(r.prompt_tokens for r in records)
-    output = sum(r.output_tokens for r in records)
-    hits = {t: sum(r.cached[t] for r in records) for t in TIERS}
-    return {
-        "ttft_mean_s": sum(ttfts) / len(ttfts),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p90_s": percentile(ttfts, 90),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "input_tok_s": prompt / wall_s if wall_s > 0 else 0.0,
-        "output_tok_s": output / wall_s if wall_s > 0 else 0.0,
-        "hit_rate": sum(hits.values()) / prompt if prompt else 0.0,
-        "hit_tokens": hits,
-        "requests": len(records),
-        "prompt_tokens": prompt,
-        "output_tokens": output,
-        "wall_s": wall_s,
-    }
-
-
-# ---------------------------------------------------------------------------- configs
-
-
-@dataclass
-class Session:
-    """What a workload gets while one config runs: the server, a progress bar, a flush."""
-
-    client: httpx.AsyncClient
-    url: str
-    progress: tqdm
-    flush_s: float = 0.0
-    """Seconds spent in :meth:`flush` (left out of throughput wall time)."""
-
-    async def flush(self) -> None:
-        self.flush_s += await flush_cache(self.client, self.url)
-
-
-Workload = Callable[[Session], Awaitable[list[list[RequestRecord]]]]
-"""Runs the requests of one config; returns them grouped by round / phase."""
-
-
-@dataclass
-class ConfigRun:
-    """The requests of one config, grouped, with its wall time (s, flushes excluded)."""
-
-    name: str
-    groups: list[list[RequestRecord]]
-    wall_s: float
-    server_ttft_mean_s: float | None
-    flags: list[str] = field(default_factory=list)
-
-
-async def _run_session(
-    name: str, url: str, workload: Workload, total: int, parallel: int, timeout_s: float
-) -> ConfigRun:
-    limits = httpx.Limits(max_connections=parallel + 4, max_keepalive_connections=parallel + 4)
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        warm = random.Random(-1)  # one short unrelated request: first-call costs out of the way
-        ids = [warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)]
-        await stream_completion(client, url, ids, 2, group=-1, client_id=-1)
-        await flush_cache(client, url)
-        ttft0 = await server_ttft(client, url)
-        with tqdm(total=total, desc=name, unit="req", file=sys.stderr, leave=False) as bar:
-            session = Session(client, url, bar)
-            t0 = time.perf_counter()
-            groups = await workload(session)
-            wall = time.perf_counter() - t0 - session.flush_s
-        ttft1 = await server_ttft(client, url)
-    n = ttft1[1] - ttft0[1]
-    return ConfigRun(name, groups, wall, (ttft1[0] - ttft0[0]) / n if n else None)
-
-
-def run_configs(
-    configs: Sequence[str],
-    spec: ServerSpec,
-    workload: Workload,
-    *,
-    total_requests: int,
-    parallel: int,
-    url: str | None = None,
-    timeout_s: float = 600.0,
-) -> tuple[list[ConfigRun], dict[str, str]]:
-    """Run ``workload`` once per config, each on a fresh server (or once on ``url``).
-
-    Returns the runs and ``{config: reason}`` for configs skipped or failed (the reason
-    is printed, with the server's log tail on failure).
-    """
-    runs: list[ConfigRun] = []
-    problems: dict[str, str] = {}
-    for name in configs:
-        try:
-            if url is not None:
-                run = asyncio.run(
-                    _run_session(name, url, workload, total_requests, parallel, timeout_s)
-                )
-            else:
-                with config_server(name, spec) as server:
-                    run = asyncio.run(
-                        _run_session(
-                            name, server.url, workload, total_requests, parallel, timeout_s
-                        )
-                    )
-                    run.flags = list(server.flags)
-            runs.append(run)
-        except ConfigSkippedError as exc:
-            problems[name] = f"skipped: {exc}"
-            print(f"{name}: skipped: {exc}", file=sys.stderr)
-        except (ServerError, httpx.HTTPError) as exc:
-            problems[name] = f"failed: {type(exc).__name__}: {exc}"
-            print(f"{name}: failed: {exc}", file=sys.stderr)
-    return runs, problems
-
-
-def config_json(run: ConfigRun, group_key: str) -> dict[str, Any]:
-    """The per-config JSON entry: :data:`CONFIG_KEYS` over all requests plus one summary
-    per group (``group_key`` = ``"rounds"`` or ``"phases"``) with its index (from 1)."""
-    every = [r for g in run.groups for r in g]
-    whole = summarize(every, run.wall_s)
-    entry: dict[str, Any] = {k: whole[k] for k in CONFIG_KEYS}
-    index = group_key[:-1]  # "round" / "phase"
-    entry[group_key] = [{index: i + 1, **summarize(g)} for i, g in enumerate(run.groups) if g]
-    return entry
-
-
-# ---------------------------------------------------------------------------- workload
 
 
 @dataclass(frozen=True)
@@ -273,23 +116,6 @@ class Conversations:
         for i in range(rnd):
             out += self.user[client][i] + self.assistant[client][i]
         return out + self.user[client][rnd]
-
-
-class Pacer:
-    """Spaces request starts by exponential gaps of mean ``1 / rate`` s (inf: no wait)."""
-
-    def __init__(self, rate: float, seed: int) -> None:
-        self.rate = rate
-        self.rng = random.Random(seed)
-        self.next_t = 0.0
-
-    async def wait(self) -> None:
-        if math.isinf(self.rate):
-            return
-        now = time.perf_counter()
-        start = max(now, self.next_t)
-        self.next_t = start + self.rng.expovariate(self.rate)
-        await asyncio.sleep(start - now)
 
 
 def multiturn_workload(conv: Conversations, args: argparse.Namespace) -> Workload:
@@ -328,86 +154,6 @@ def multiturn_workload(conv: Conversations, args: argparse.Namespace) -> Workloa
     return run
 
 
-def tier_sizes(args: argparse.Namespace, working_set: int, min_l1: int) -> tuple[int, float]:
-    """(L1 tokens, L2 ratio): L1 ~ a quarter of ``working_set`` tokens (>= ``min_l1``),
-    L2 = 1.5 x the working set unless given."""
-    ps = args.page_size
-    l1 = args.l1_tokens or max(round_to_pages(working_set / 4, ps), round_to_pages(min_l1, ps))
-    ratio = args.hicache_ratio or max(2.0, float(math.ceil(1.5 * working_set / l1)))
-    return l1, ratio
-
-
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by the serving benchmarks (server, configs, pacing, outputs)."""
-    p.add_argument(
-        "--preset", choices=("tiny", "default-model", "gpu"), default="tiny", help="sizes, model"
-    )
-    p.add_argument("--model-path", help="model of the servers (preset default)")
-    p.add_argument("--configs", default=",".join(CONFIG_NAMES), help="comma list of configs")
-    p.add_argument("--url", default=None, help="use this running server (one config) instead")
-    p.add_argument("--output-length", type=int, help="max_tokens per request")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (Poisson)")
-    p.add_argument("--max-parallel", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--l1-tokens", type=int, default=None, help="L1 size (default: see doc)")
-    p.add_argument("--hicache-ratio", type=float, default=None, help="L2 = ratio x L1")
-    p.add_argument("--server-args", default="", help="more `hicache serve` flags, quoted")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="server start, s")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
-
-
-def parse_with_preset(
-    p: argparse.ArgumentParser,
-    argv: Sequence[str] | None,
-    presets: Mapping[str, Mapping[str, Any]] = PRESETS,
-) -> argparse.Namespace:
-    """Parse ``argv`` with the chosen preset's values (from ``presets``) as defaults."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", choices=sorted(presets), default="tiny")
-    known, _ = pre.parse_known_args(argv)
-    p.set_defaults(**presets[known.preset])
-    return p.parse_args(argv)
-
-
-def meta_doc(
-    args: argparse.Namespace,
-    workload_keys: Sequence[str],
-    l1: int,
-    ratio: float,
-    working_set: int,
-    runs: Sequence[ConfigRun],
-    problems: Mapping[str, str],
-) -> dict[str, Any]:
-    """The JSON ``meta`` entry: workload flags, tier sizes (tokens), and per config the
-    server-side TTFT mean (s), the wall time (s), the server flags and any problem."""
-    keys = [*workload_keys, "model_path", "max_parallel", "page_size", "seed"]
-    rate = None if math.isinf(args.request_rate) else args.request_rate
-    return {
-        "workload": {k: getattr(args, k) for k in keys} | {"request_rate": rate},
-        "l1_tokens": l1,
-        "l2_ratio": ratio,
-        "working_set_tokens": working_set,
-        "server_ttft_mean_s": {r.name: r.server_ttft_mean_s for r in runs},
-        "wall_s": {r.name: r.wall_s for r in runs},
-        "server_flags": {r.name: r.flags for r in runs},
-        "problems": dict(problems),
-    }
-
-
-def server_spec(args: argparse.Namespace, l1: int, ratio: float) -> ServerSpec:
-    return ServerSpec(
-        model_path=args.model_path,
-        page_size=args.page_size,
-        l1_tokens=l1,
-        l2_ratio=ratio,
-        extra_flags=tuple(shlex.split(args.server_args)),
-        startup_timeout_s=args.startup_timeout,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every config ran, 1 when one failed, 2 on bad flags."""
     p = argparse.ArgumentParser(
@@ -421,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-length", type=int, help="new user tokens per round")
     p.add_argument("--barrier", action="store_true", help="all clients finish a round first")
     p.add_argument("--flush-between-rounds", action="store_true", help="POST /flush_cache")
-    args = parse_with_preset(p, argv)
+    args = parse_with_preset(p, argv, PRESETS)
     try:
         configs = parse_configs(args.configs)
     except ValueError as exc:
@@ -452,17 +198,22 @@ def main(argv: list[str] | None = None) -> int:
         url=args.url,
         timeout_s=args.request_timeout,
     )
-    doc: dict[str, Any] = {"configs": {r.name: config_json(r, "rounds") for r in runs}}
     keys = "num_clients num_rounds request_length output_length barrier flush_between_rounds"
-    doc["meta"] = meta_doc(args, keys.split(), l1, ratio, working_set, runs, problems)
     title = (
         f"multiturn: {args.num_clients} clients x {args.num_rounds} rounds,"
         f" {args.request_length}+{args.output_length} tokens/round, L1 {l1} tokens"
     )
-    if runs:
-        print_results(title, doc, "rounds")
-    write_outputs(doc, "rounds", title, args.json, args.plot)
-    return 1 if problems and any(v.startswith("failed") for v in problems.values()) else 0
+    return report_runs(
+        args,
+        runs,
+        problems,
+        group_key="rounds",
+        workload_keys=keys.split(),
+        l1=l1,
+        ratio=ratio,
+        working_set=working_set,
+        title=title,
+    )
 
 
 if __name__ == "__main__":

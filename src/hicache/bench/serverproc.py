@@ -6,19 +6,17 @@
   (and which is kept then); on a clean stop the log is removed.
 * :class:`MooncakeProcess`: ``python -m hicache.storage.mooncake_service`` on free ports;
   its JSON ``ready`` line on stdout gives the ``master_server_address``.
-* :func:`config_server`: the server of one named config (:data:`CONFIG_NAMES`) with any
-  helper it needs (an L3 directory, a Mooncake service), torn down on exit.
-* :func:`stream_completion`: one streamed ``/v1/completions`` request, timed
-  (:class:`RequestRecord`); :func:`flush_cache`, :func:`server_ttft`: small HTTP helpers.
+* :func:`config_server`: the server of one named config (:data:`CONFIG_NAMES`, parsed
+  from ``--configs`` by :func:`parse_configs`) with any helper it needs (an L3 directory,
+  a Mooncake service), torn down on exit; :class:`ServerSpec` is what all configs share.
 
-Children get ``PR_SET_PDEATHSIG``, so they die with the benchmark if it is killed.
+Children get ``PR_SET_PDEATHSIG``, so they die with the benchmark if it is killed. The
+requests sent to these servers are in :mod:`hicache.bench.httpclient`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import math
 import select
 import shutil
 import subprocess
@@ -30,7 +28,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import httpx
 
@@ -46,16 +43,11 @@ __all__ = [
     "CONFIG_NAMES",
     "ConfigSkippedError",
     "MooncakeProcess",
-    "RequestRecord",
     "ServerError",
     "ServerProcess",
     "ServerSpec",
     "config_server",
-    "flush_cache",
     "parse_configs",
-    "round_to_pages",
-    "server_ttft",
-    "stream_completion",
 ]
 
 CONFIG_NAMES: tuple[str, ...] = (
@@ -66,8 +58,6 @@ CONFIG_NAMES: tuple[str, ...] = (
     "l1_l2_l3_mooncake",
 )
 """The cache configurations a serving benchmark can compare, from none to L1+L2+L3."""
-TIERS: tuple[str, ...] = ("device", "host", "storage")
-"""The tiers of ``usage.cached_tokens_details``."""
 
 
 class ServerError(RuntimeError):
@@ -76,11 +66,6 @@ class ServerError(RuntimeError):
 
 class ConfigSkippedError(RuntimeError):
     """A config cannot run on this machine (e.g. no ``mooncake_master`` binary)."""
-
-
-def round_to_pages(tokens: float, page_size: int) -> int:
-    """``tokens`` rounded up to a whole number of pages, in tokens (at least one page)."""
-    return max(1, math.ceil(tokens / page_size)) * page_size
 
 
 def parse_configs(text: str) -> list[str]:
@@ -311,102 +296,3 @@ def config_server(name: str, spec: ServerSpec) -> Iterator[ServerProcess]:
             flags += ["--hicache-storage-backend-extra-config", extra]
         server = stack.enter_context(ServerProcess(flags, startup_timeout_s=spec.startup_timeout_s))
         yield server
-
-
-async def flush_cache(client: httpx.AsyncClient, url: str, *, tries: int = 50) -> float:
-    """``POST /flush_cache`` (retried while the server says requests are in flight, 409).
-
-    Returns the seconds it took; ServerError if it never succeeds.
-    """
-    t = time.perf_counter()
-    for _ in range(tries):
-        r = await client.post(f"{url}/flush_cache")
-        if r.status_code == 200:
-            return time.perf_counter() - t
-        if r.status_code != 409:
-            raise ServerError(f"POST /flush_cache answered {r.status_code}: {r.text}")
-        await asyncio.sleep(0.1)
-    raise ServerError(f"POST /flush_cache kept answering 409 after {tries} tries")
-
-
-async def server_ttft(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
-    """The server's TTFT histogram totals from ``/metrics``: (sum in seconds, count)."""
-    text = (await client.get(f"{url}/metrics")).text
-    total, count = 0.0, 0
-    for line in text.splitlines():
-        if line.startswith("hicache_ttft_seconds_sum"):
-            total = float(line.split()[-1])
-        elif line.startswith("hicache_ttft_seconds_count"):
-            count = int(float(line.split()[-1]))
-    return total, count
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One finished request. Times in seconds (``perf_counter``), token counts in tokens."""
-
-    group: int
-    """Round (multiturn) or phase (long context) index, from 0."""
-    client: int
-    prompt_tokens: int
-    output_tokens: int
-    ttft_s: float
-    latency_s: float
-    start_s: float
-    end_s: float
-    cached: dict[str, int]
-    """Prompt tokens served from each tier: ``{"device", "host", "storage"}``."""
-
-
-async def stream_completion(
-    client: httpx.AsyncClient,
-    url: str,
-    prompt: list[int],
-    max_tokens: int,
-    *,
-    group: int,
-    client_id: int,
-) -> RequestRecord:
-    """Send one streamed, greedy ``/v1/completions`` request and time it.
-
-    TTFT = from sending to the first SSE ``data:`` event (the server sends one as soon as
-    a token adds text, or when the request ends). ServerError on a non-200 answer or a
-    stream without a final ``usage``.
-    """
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    start = time.perf_counter()
-    first: float | None = None
-    usage: dict[str, Any] | None = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            raise ServerError(f"/v1/completions answered {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter()
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ServerError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    end = time.perf_counter()
-    if usage is None or first is None:
-        raise ServerError("the stream ended without a final chunk carrying usage")
-    details = usage.get("cached_tokens_details") or {}
-    return RequestRecord(
-        group=group,
-        client=client_id,
-        prompt_tokens=int(usage["prompt_tokens"]),
-        output_tokens=int(usage["completion_tokens"]),
-        ttft_s=first - start,
-        latency_s=end - start,
-        start_s=start,
-        end_s=end,
-        cached={t: int(details.get(t, 0)) for t in TIERS},
-    )

@@ -1,0 +1,131 @@
+"""HTTP client side of the serving benchmarks: timed requests to a ``hicache serve``.
+
+* :func:`stream_completion`: one streamed, greedy ``/v1/completions`` request, timed
+  (:class:`RequestRecord`, with the prompt tokens each tier served, :data:`TIERS`);
+* :func:`flush_cache`: ``POST /flush_cache``, retried while requests are in flight;
+* :func:`server_ttft`: the server's own TTFT histogram totals from ``/metrics``.
+
+Failures raise :class:`hicache.bench.serverproc.ServerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from hicache.bench.serverproc import ServerError
+
+__all__ = [
+    "TIERS",
+    "RequestRecord",
+    "flush_cache",
+    "server_ttft",
+    "stream_completion",
+]
+
+TIERS: tuple[str, ...] = ("device", "host", "storage")
+"""The tiers of ``usage.cached_tokens_details``."""
+
+
+async def flush_cache(client: httpx.AsyncClient, url: str, *, tries: int = 50) -> float:
+    """``POST /flush_cache`` (retried while the server says requests are in flight, 409).
+
+    Returns the seconds it took; ServerError if it never succeeds.
+    """
+    t = time.perf_counter()
+    for _ in range(tries):
+        r = await client.post(f"{url}/flush_cache")
+        if r.status_code == 200:
+            return time.perf_counter() - t
+        if r.status_code != 409:
+            raise ServerError(f"POST /flush_cache answered {r.status_code}: {r.text}")
+        await asyncio.sleep(0.1)
+    raise ServerError(f"POST /flush_cache kept answering 409 after {tries} tries")
+
+
+async def server_ttft(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
+    """The server's TTFT histogram totals from ``/metrics``: (sum in seconds, count)."""
+    text = (await client.get(f"{url}/metrics")).text
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("hicache_ttft_seconds_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("hicache_ttft_seconds_count"):
+            count = int(float(line.split()[-1]))
+    return total, count
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request. Times in seconds (``perf_counter``), token counts in tokens."""
+
+    group: int
+    """Round (multiturn) or phase (long context) index, from 0."""
+    client: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+    start_s: float
+    end_s: float
+    cached: dict[str, int]
+    """Prompt tokens served from each tier: ``{"device", "host", "storage"}``."""
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    group: int,
+    client_id: int,
+) -> RequestRecord:
+    """Send one streamed, greedy ``/v1/completions`` request and time it.
+
+    TTFT = from sending to the first SSE ``data:`` event (the server sends one as soon as
+    a token adds text, or when the request ends). ServerError on a non-200 answer or a
+    stream without a final ``usage``.
+    """
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] | None = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            raise ServerError(f"/v1/completions answered {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            if first is None:
+                first = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise ServerError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    if usage is None or first is None:
+        raise ServerError("the stream ended without a final chunk carrying usage")
+    details = usage.get("cached_tokens_details") or {}
+    return RequestRecord(
+        group=group,
+        client=client_id,
+        prompt_tokens=int(usage["prompt_tokens"]),
+        output_tokens=int(usage["completion_tokens"]),
+        ttft_s=first - start,
+        latency_s=end - start,
+        start_s=start,
+        end_s=end,
+        cached={t: int(details.get(t, 0)) for t in TIERS},
+    )

@@ -1,0 +1,234 @@
+"""Per-config orchestration of the HTTP serving benchmarks (``multiturn``, ``long-context``).
+
+* :func:`run_configs`: one :data:`Workload` per config, each on a fresh server of
+  :func:`hicache.bench.serverproc.config_server` (or once on ``--url``), after a warm-up
+  request and a flush; it gets a :class:`Session` (client, URL, progress bar, timed
+  flushes) and its requests come back as a :class:`ConfigRun`;
+* :class:`Pacer`: Poisson spacing of request starts (``--request-rate``);
+* the flags both benchmarks share (:func:`add_common_args`, :func:`parse_with_preset`)
+  and the servers' sizes from them (:func:`tier_sizes`, :func:`round_to_pages`,
+  :func:`server_spec`);
+* :data:`TOKEN_LO`, :data:`TOKEN_HI`: the range of the synthetic token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import shlex
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from hicache.bench.httpclient import (
+    RequestRecord,
+    flush_cache,
+    server_ttft,
+    stream_completion,
+)
+from hicache.bench.serverproc import (
+    CONFIG_NAMES,
+    ConfigSkippedError,
+    ServerError,
+    ServerSpec,
+    config_server,
+)
+
+__all__ = [
+    "TOKEN_HI",
+    "TOKEN_LO",
+    "ConfigRun",
+    "Pacer",
+    "Session",
+    "Workload",
+    "add_common_args",
+    "parse_with_preset",
+    "round_to_pages",
+    "run_configs",
+    "server_spec",
+    "tier_sizes",
+]
+
+TOKEN_LO, TOKEN_HI = 1000, 30000
+"""Synthetic token ids are drawn from ``[TOKEN_LO, TOKEN_HI)``."""
+
+
+# ---------------------------------------------------------------------------- configs
+
+
+@dataclass
+class Session:
+    """What a workload gets while one config runs: the server, a progress bar, a flush."""
+
+    client: httpx.AsyncClient
+    url: str
+    progress: tqdm
+    flush_s: float = 0.0
+    """Seconds spent in :meth:`flush` (left out of throughput wall time)."""
+
+    async def flush(self) -> None:
+        self.flush_s += await flush_cache(self.client, self.url)
+
+
+Workload = Callable[[Session], Awaitable[list[list[RequestRecord]]]]
+"""Runs the requests of one config; returns them grouped by round / phase."""
+
+
+@dataclass
+class ConfigRun:
+    """The requests of one config, grouped, with its wall time (s, flushes excluded)."""
+
+    name: str
+    groups: list[list[RequestRecord]]
+    wall_s: float
+    server_ttft_mean_s: float | None
+    flags: list[str] = field(default_factory=list)
+
+
+async def _run_session(
+    name: str, url: str, workload: Workload, total: int, parallel: int, timeout_s: float
+) -> ConfigRun:
+    limits = httpx.Limits(max_connections=parallel + 4, max_keepalive_connections=parallel + 4)
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        warm = random.Random(-1)  # one short unrelated request: first-call costs out of the way
+        ids = [warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)]
+        await stream_completion(client, url, ids, 2, group=-1, client_id=-1)
+        await flush_cache(client, url)
+        ttft0 = await server_ttft(client, url)
+        with tqdm(total=total, desc=name, unit="req", file=sys.stderr, leave=False) as bar:
+            session = Session(client, url, bar)
+            t0 = time.perf_counter()
+            groups = await workload(session)
+            wall = time.perf_counter() - t0 - session.flush_s
+        ttft1 = await server_ttft(client, url)
+    n = ttft1[1] - ttft0[1]
+    return ConfigRun(name, groups, wall, (ttft1[0] - ttft0[0]) / n if n else None)
+
+
+def run_configs(
+    configs: Sequence[str],
+    spec: ServerSpec,
+    workload: Workload,
+    *,
+    total_requests: int,
+    parallel: int,
+    url: str | None = None,
+    timeout_s: float = 600.0,
+) -> tuple[list[ConfigRun], dict[str, str]]:
+    """Run ``workload`` once per config, each on a fresh server (or once on ``url``).
+
+    Returns the runs and ``{config: reason}`` for configs skipped or failed (the reason
+    is printed, with the server's log tail on failure).
+    """
+    runs: list[ConfigRun] = []
+    problems: dict[str, str] = {}
+    for name in configs:
+        try:
+            if url is not None:
+                run = asyncio.run(
+                    _run_session(name, url, workload, total_requests, parallel, timeout_s)
+                )
+            else:
+                with config_server(name, spec) as server:
+                    run = asyncio.run(
+                        _run_session(
+                            name, server.url, workload, total_requests, parallel, timeout_s
+                        )
+                    )
+                    run.flags = list(server.flags)
+            runs.append(run)
+        except ConfigSkippedError as exc:
+            problems[name] = f"skipped: {exc}"
+            print(f"{name}: skipped: {exc}", file=sys.stderr)
+        except (ServerError, httpx.HTTPError) as exc:
+            problems[name] = f"failed: {type(exc).__name__}: {exc}"
+            print(f"{name}: failed: {exc}", file=sys.stderr)
+    return runs, problems
+
+
+class Pacer:
+    """Spaces request starts by exponential gaps of mean ``1 / rate`` s (inf: no wait)."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.next_t = 0.0
+
+    async def wait(self) -> None:
+        if math.isinf(self.rate):
+            return
+        now = time.perf_counter()
+        start = max(now, self.next_t)
+        self.next_t = start + self.rng.expovariate(self.rate)
+        await asyncio.sleep(start - now)
+
+
+# ---------------------------------------------------------------------------- flags, sizes
+
+
+def round_to_pages(tokens: float, page_size: int) -> int:
+    """``tokens`` rounded up to a whole number of pages, in tokens (at least one page)."""
+    return max(1, math.ceil(tokens / page_size)) * page_size
+
+
+def tier_sizes(args: argparse.Namespace, working_set: int, min_l1: int) -> tuple[int, float]:
+    """(L1 tokens, L2 ratio): L1 ~ a quarter of ``working_set`` tokens (>= ``min_l1``),
+    L2 = 1.5 x the working set unless given."""
+    ps = args.page_size
+    l1 = args.l1_tokens or max(round_to_pages(working_set / 4, ps), round_to_pages(min_l1, ps))
+    ratio = args.hicache_ratio or max(2.0, float(math.ceil(1.5 * working_set / l1)))
+    return l1, ratio
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by the serving benchmarks (server, configs, pacing, outputs)."""
+    p.add_argument(
+        "--preset", choices=("tiny", "default-model", "gpu"), default="tiny", help="sizes, model"
+    )
+    p.add_argument("--model-path", help="model of the servers (preset default)")
+    p.add_argument("--configs", default=",".join(CONFIG_NAMES), help="comma list of configs")
+    p.add_argument("--url", default=None, help="use this running server (one config) instead")
+    p.add_argument("--output-length", type=int, help="max_tokens per request")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (Poisson)")
+    p.add_argument("--max-parallel", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--l1-tokens", type=int, default=None, help="L1 size (default: see doc)")
+    p.add_argument("--hicache-ratio", type=float, default=None, help="L2 = ratio x L1")
+    p.add_argument("--server-args", default="", help="more `hicache serve` flags, quoted")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="server start, s")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+
+
+def parse_with_preset(
+    p: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    presets: Mapping[str, Mapping[str, Any]],
+) -> argparse.Namespace:
+    """Parse ``argv`` with the chosen preset's values (from ``presets``) as defaults."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(presets), default="tiny")
+    known, _ = pre.parse_known_args(argv)
+    p.set_defaults(**presets[known.preset])
+    return p.parse_args(argv)
+
+
+def server_spec(args: argparse.Namespace, l1: int, ratio: float) -> ServerSpec:
+    return ServerSpec(
+        model_path=args.model_path,
+        page_size=args.page_size,
+        l1_tokens=l1,
+        l2_ratio=ratio,
+        extra_flags=tuple(shlex.split(args.server_args)),
+        startup_timeout_s=args.startup_timeout,
+    )
