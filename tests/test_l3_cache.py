@@ -51,19 +51,19 @@ def put(cache: HiCache, tokens: list[int], *, tenant: str = "") -> None:
     cache.flush()
 
 
-def fetch(cache: HiCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+def fetch(cache: HiCache, tokens: list[int], tenant: str = "") -> tuple[int, torch.Tensor]:
     """Prefetch + load back ``tokens``; returns (tokens from L3, their L1 bytes)."""
     assert cache.l3 is not None
     from hicache.tree.node import encode_tokens
 
     key = encode_tokens(tokens)
-    handle = cache.l3.start_prefetch(key, cache.match_prefix(key))
+    handle = cache.l3.start_prefetch(key, cache.match_prefix(key, tenant), tenant)
     got = 0
     if handle is not None:
         while not cache.l3.ready(handle):
             time.sleep(0.001)
         got = cache.l3.finish(handle)
-    m = cache.match_prefix(tokens)
+    m = cache.match_prefix(tokens, tenant)
     lb = cache.load_back(m)
     cache.count_request(len(tokens), m, lb, got)
     lb.progress.wait_all()
@@ -101,12 +101,17 @@ def test_prefetch_only_fills_what_is_missing_locally() -> None:
         b.check_integrity()
 
 
-def test_tenant_spans_never_reach_l3() -> None:
+def test_a_tenants_spans_reach_only_that_tenant_through_l3() -> None:
     store = MemoryStore()
     with make(MHA, store) as a:
         put(a, TOKENS, tenant="acme")
-        put(a, [8, 8, 8, 8])
-        assert len(store) == 2  # only the public span's two pages
+        assert len(store) == 4
+    with make(MHA, store) as b:
+        assert fetch(b, TOKENS)[0] == 0  # not under the shared namespace
+        assert fetch(b, TOKENS, tenant="globex")[0] == 0
+        got, data = fetch(b, TOKENS, tenant="acme")
+        assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
+        b.check_integrity()
 
 
 def test_mla_only_rank_zero_writes() -> None:

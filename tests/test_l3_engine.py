@@ -264,3 +264,25 @@ def test_full_disk_gives_misses_and_identical_output(
         assert stats.counters["l3_backup_failed_tokens_total"] >= FULL
         assert stats.storage.set_failed >= FULL // PAGE
         clean(engine)
+
+
+def test_cache_salt_isolates_tenants_in_l3(tmp_path: Path, reference: list[int]) -> None:
+    from concurrent.futures import Future
+
+    from hicache.engine.request import RequestOutput
+
+    def run(engine: Engine, salt: str) -> RequestOutput:
+        fut: Future[RequestOutput] = Future()
+        engine.submit(
+            PROMPT, GREEDY, lambda o: fut.set_result(o) if o.finished else None, cache_salt=salt
+        )
+        return fut.result(timeout=60)
+
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        assert run(engine, "acme").output_ids == reference
+        settle(engine)
+        assert run(engine, "").cached.storage == 0  # the shared namespace has none of it
+        assert run(engine, "globex").cached.storage == 0
+        own = run(engine, "acme")
+        assert own.cached.storage == FULL and own.output_ids == reference
+        clean(engine)

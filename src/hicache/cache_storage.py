@@ -8,9 +8,10 @@ Owned by :class:`hicache.cache.HiCache` (``cache.l3``) and run on its thread. Th
 * :meth:`L3Tier.ready` / :meth:`L3Tier.finish`: the policy (best_effort, wait_complete,
   timeout) says when to stop; the pages that arrived by then join the tree as an L2-only
   leaf, which the ordinary load back then brings to L1;
-* :meth:`L3Tier.on_host_backup`: every span that reaches L2 is written to L3 (spans of
-  requests with a tenant salt stay private and are not written; for MLA models, whose
-  ranks all hold the same bytes under one namespace, only rank 0 writes).
+* :meth:`L3Tier.on_host_backup`: every span that reaches L2 is written to L3 (a tenant's
+  spans under the namespace salted with its ``cache_salt``, so no other tenant can read
+  them; for MLA models, whose ranks all hold the same bytes under one namespace, only
+  rank 0 writes).
 
 Pages of a stopped prefetch that may still be written by the thread are freed only once
 the thread reports it is done with them.
@@ -52,6 +53,7 @@ class PrefetchHandle:
     start_page: int
     attach: TreeNode
     deadline: float
+    tenant: str = ""
     reading: bool = False
     dropped: bool = False
 
@@ -73,18 +75,26 @@ class L3Tier:
         self._ops = 0
         self._backups: dict[int, tuple[TreeNode, int]] = {}
         self._draining: list[tuple[PrefetchOp, PageIds]] = []
+        self._tenants: dict[str, Namespace] = {"": namespace}
 
     @property
     def page_size(self) -> int:
         return self.cache.page_size
 
-    def keys(self, key: bytes) -> list[PageKey]:
-        """L3 keys of the whole pages of the encoded tokens ``key``."""
-        return page_keys(self.namespace, np.frombuffer(key, dtype="<u4"), self.page_size)
+    def keys(self, key: bytes, tenant: str = "") -> list[PageKey]:
+        """L3 keys of the whole pages of the encoded tokens ``key``, under ``tenant``'s
+        namespace (the shared one salted with the tenant's ``cache_salt``)."""
+        ns = self._tenants.get(tenant)
+        if ns is None:
+            ns = self._tenants[tenant] = self.namespace.with_salt(tenant)
+            self.controller.storage.allow_tenant(tenant)
+        return page_keys(ns, np.frombuffer(key, dtype="<u4"), self.page_size)
 
     # ------------------------------------------------------------------ prefetch
 
-    def start_prefetch(self, key: bytes, match: MatchResult) -> PrefetchHandle | None:
+    def start_prefetch(
+        self, key: bytes, match: MatchResult, tenant: str = ""
+    ) -> PrefetchHandle | None:
         """Start looking up the L3 pages that follow ``match`` (a match of ``key``) on the
         prefetch thread; None when nothing can be fetched (no uncached whole page, or the
         match ends on a span that is not in L2, under which L2 pages cannot hang)."""
@@ -92,7 +102,7 @@ class L3Tier:
         if attach.host is None:
             return None
         start = match.matched_tokens // self.page_size
-        rest = self.keys(key)[start:]
+        rest = self.keys(key, tenant)[start:]
         if not rest:
             return None
         self.cache.tree.inc_host_ref(attach)  # the L2 span we hang fetched pages under
@@ -100,7 +110,7 @@ class L3Tier:
         op = PrefetchOp(self._ops, rest)
         self.controller.prefetch(op)
         deadline = time.monotonic() + self.prefetch.timeout_s(0)
-        return PrefetchHandle(op, key, start, attach, deadline)
+        return PrefetchHandle(op, key, start, attach, deadline, tenant)
 
     def _advance(self, handle: PrefetchHandle) -> None:
         """Once the lookup is back: read the hit if it is worth it, else drop the op."""
@@ -144,7 +154,7 @@ class L3Tier:
         if done:
             ps = self.page_size
             key = handle.key[: (handle.start_page + done) * ps * 4]
-            result = tree.insert_host(key, op.host_pages[:done], handle.start_page)
+            result = tree.insert_host(key, op.host_pages[:done], handle.start_page, handle.tenant)
             if len(result.duplicate_pages):
                 self._host_allocator().free(result.duplicate_pages)
             added = (done - len(result.duplicate_pages)) * ps
@@ -172,12 +182,10 @@ class L3Tier:
     def on_host_backup(self, nodes: list[TreeNode]) -> None:
         """Write a run of spans that just landed in L2 (top-down, one path) to L3."""
         last = nodes[-1]
-        if last.tenant:
-            return  # a tenant's spans stay in this instance
         if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
             return  # MLA: every rank holds the same latent KV; rank 0 alone writes it
         n = sum(self.cache.tree.num_pages(x) for x in nodes)
-        keys = self.keys(self.cache.tree.path_key(last))[-n:]
+        keys = self.keys(self.cache.tree.path_key(last), last.tenant)[-n:]
         host = PageIds("q")
         for x in nodes:
             assert x.host is not None

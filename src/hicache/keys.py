@@ -205,6 +205,9 @@ class PageKey:
     key: str
     digest: bytes
     fingerprint: bytes
+    namespace_digest: bytes = b""
+    """The digest of the namespace the key was chained under (what its record's header
+    must carry); empty means the storage instance's own namespace."""
 
     def __str__(self) -> str:
         return self.key
@@ -284,5 +287,5 @@ def page_keys(
         chunk = raw[i * step : (i + 1) * step]
         h = sha256(h + chunk).digest()
         fp = sha256(chunk).digest()[:FINGERPRINT_BYTES]
-        out.append(PageKey(KEY_PREFIX + h.hex(), h, fp))
+        out.append(PageKey(KEY_PREFIX + h.hex(), h, fp, namespace.digest))
     return out

@@ -154,11 +154,12 @@ class Scheduler:
     def _prefetched(self, req: Request) -> bool:
         """Start or check ``req``'s L3 prefetch; True once it may be admitted."""
         l3 = self.cache.l3
-        if req.prefetch_done or l3 is None or self.config.disable_radix_cache or req.cache_salt:
+        if req.prefetch_done or l3 is None or self.config.disable_radix_cache:
             return True
         if req.prefetch is None:
             key = encode_tokens(req.all_ids[:-1])
-            req.prefetch = l3.start_prefetch(key, self.cache.match_prefix(key))
+            match = self.cache.match_prefix(key, req.cache_salt)
+            req.prefetch = l3.start_prefetch(key, match, req.cache_salt)
             if req.prefetch is None:
                 req.prefetch_done = True
                 return True

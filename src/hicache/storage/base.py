@@ -115,6 +115,7 @@ class HiCacheStorage(ABC):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         self._namespace = namespace
         self._options = options or StorageOptions()
+        self._tenant_digests = {namespace.digest}
         self._stats = StatsRecorder(self.name)
         self._life = threading.Lock()
         self._started = False
@@ -251,6 +252,18 @@ class HiCacheStorage(ABC):
         return [o is not SetOutcome.FAILED for o in outcome]
 
     # -- helpers ----------------------------------------------------------------------------
+    def allow_tenant(self, tenant_salt: str) -> None:
+        """Also store and accept records of ``tenant_salt``'s namespace (this instance's
+        namespace with that salt), for keys chained under it."""
+        self._tenant_digests.add(self._namespace.with_salt(tenant_salt).digest)
+
+    def _digest_of(self, key: PageKey) -> bytes:
+        """The namespace digest ``key``'s record must carry: the key's own when it is this
+        instance's namespace or an allowed tenant's, else this instance's (so a record
+        written or read under any other namespace is foreign)."""
+        d = key.namespace_digest
+        return d if d in self._tenant_digests else self._namespace.digest
+
     def _require_started(self) -> None:
         if not self.started:
             state = "closed" if self._closed else "not started"

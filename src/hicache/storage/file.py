@@ -263,7 +263,7 @@ class FileStorage(HiCacheStorage):
         check = check_record(
             header,
             parts,
-            namespace_digest=self.namespace.digest,
+            namespace_digest=self._digest_of(key),
             fingerprint=key.fingerprint,
             payload_len=pages.payload_len,
         )
@@ -304,7 +304,7 @@ class FileStorage(HiCacheStorage):
             return SetOutcome.SKIPPED
         path.parent.mkdir(mode=0o700, exist_ok=True)
         parts = pages.parts(i)
-        header = encode_header(self.namespace.digest, key.fingerprint, parts)
+        header = encode_header(self._digest_of(key), key.fingerprint, parts)
         tmp = path.with_name(f".{key.key}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

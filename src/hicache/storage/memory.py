@@ -195,8 +195,10 @@ class MemoryStorage(HiCacheStorage):
             self._inject("get", deadline)
         except _Fault as f:
             return [f.reason] * len(keys)
-        digest = self.namespace.digest
-        return [decode_page(self.store.get(k.key), digest, k, pages, i) for i, k in enumerate(keys)]
+        return [
+            decode_page(self.store.get(k.key), self._digest_of(k), k, pages, i)
+            for i, k in enumerate(keys)
+        ]
 
     def _set(
         self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
@@ -205,12 +207,11 @@ class MemoryStorage(HiCacheStorage):
             self._inject("set", deadline)
         except _Fault:
             return [SetOutcome.FAILED] * len(keys)
-        digest = self.namespace.digest
         out: list[SetOutcome] = []
         for i, k in enumerate(keys):
             if self.store.contains(k.key):
                 out.append(SetOutcome.SKIPPED)
                 continue
-            stored = self.store.put_if_absent(k.key, encode_page(digest, k, pages, i))
+            stored = self.store.put_if_absent(k.key, encode_page(self._digest_of(k), k, pages, i))
             out.append(SetOutcome.WRITTEN if stored else SetOutcome.SKIPPED)
         return out

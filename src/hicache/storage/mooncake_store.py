@@ -278,7 +278,6 @@ class MooncakeStorage(HiCacheStorage):
     ) -> list[MissReason | None]:
         rec = record_size(pages.payload_len)
         raw = byte_view(arena.tensor)
-        digest = self.namespace.digest
         out: list[MissReason | None] = []
         errors: list[str] = []
         for j, (i, code) in enumerate(zip(idx, codes, strict=True)):
@@ -295,7 +294,7 @@ class MooncakeStorage(HiCacheStorage):
                 check = check_record(
                     header,
                     pages.parts(i),
-                    namespace_digest=digest,
+                    namespace_digest=self._digest_of(key),
                     fingerprint=key.fingerprint,
                     payload_len=pages.payload_len,
                 )
@@ -304,7 +303,7 @@ class MooncakeStorage(HiCacheStorage):
                 blob = raw[j * rec : (j + 1) * rec]
                 check = check_blob(
                     blob,
-                    namespace_digest=digest,
+                    namespace_digest=self._digest_of(key),
                     fingerprint=key.fingerprint,
                     payload_len=pages.payload_len,
                 )
@@ -343,7 +342,6 @@ class MooncakeStorage(HiCacheStorage):
         if arena is None:
             return out
         raw = byte_view(arena.tensor)
-        digest = self.namespace.digest
         base = arena.addr
         todo_names = [names[j] for j in todo]
         if zero_copy:
@@ -352,7 +350,9 @@ class MooncakeStorage(HiCacheStorage):
             for slot, j in enumerate(todo):
                 i = idx[j]
                 views = pages.views(i)
-                header = encode_header(digest, keys[i].fingerprint, pages.parts(i))
+                header = encode_header(
+                    self._digest_of(keys[i]), keys[i].fingerprint, pages.parts(i)
+                )
                 raw[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = header
                 ptrs.append([base + slot * HEADER_SIZE, *(int(v.data_ptr()) for v in views)])
                 sizes.append([HEADER_SIZE, *(v.numel() for v in views)])
@@ -368,7 +368,9 @@ class MooncakeStorage(HiCacheStorage):
                 i = idx[j]
                 parts = pages.parts(i)
                 off = slot * rec
-                raw[off : off + HEADER_SIZE] = encode_header(digest, keys[i].fingerprint, parts)
+                raw[off : off + HEADER_SIZE] = encode_header(
+                    self._digest_of(keys[i]), keys[i].fingerprint, parts
+                )
                 off += HEADER_SIZE
                 for p in parts:
                     raw[off : off + p.nbytes] = p

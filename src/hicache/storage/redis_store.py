@@ -187,9 +187,8 @@ class RedisStorage(HiCacheStorage):
         blobs = self._call("get", fetch, deadline)
         if isinstance(blobs, MissReason):
             return [blobs] * len(keys)
-        digest = self.namespace.digest
         return [
-            decode_page(b, digest, k, pages, i)
+            decode_page(b, self._digest_of(k), k, pages, i)
             for i, (k, b) in enumerate(zip(keys, blobs, strict=True))
         ]
 
@@ -203,8 +202,7 @@ class RedisStorage(HiCacheStorage):
         todo = [i for i, f in enumerate(flags) if not f]
         if not todo:
             return out
-        digest = self.namespace.digest
-        blobs = {i: encode_page(digest, keys[i], pages, i) for i in todo}
+        blobs = {i: encode_page(self._digest_of(keys[i]), keys[i], pages, i) for i in todo}
         ttl = self.config.ttl_s or None
         chunk = self.options.max_batch_pages
 
