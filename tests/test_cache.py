@@ -187,3 +187,23 @@ def test_integrity_detects_a_leak(cache: HiCache) -> None:
     with pytest.raises(AssertionError, match="leak"):
         cache.check_integrity()
     cache.check_integrity(request_pages=leaked)
+
+
+def test_full_l2_drops_copies_of_l1_resident_spans_for_new_backups() -> None:
+    # L1: 8 pages; L2: 6 pages (64 bytes each) - three 2-page prompts fill L2 with copies
+    page_gb = 2 * SPEC.token_bytes / 1e9
+    with make_cache(device_tokens=16, hicache_size=6 * page_gb) as cache:
+        assert cache.host_pool is not None and cache.host_pool.num_pages == 6
+        for first in (1, 2, 3):
+            run_request(cache, [first] * 4)
+            cache.flush()
+        assert cache.stats().host_free_tokens == 0
+        run_request(cache, [4] * 4)  # L1 has room; its backup needs L2 pages
+        cache.flush()
+        tiers = {
+            n.key[0]: (n.device is not None, n.host is not None) for n in cache.tree.iter_nodes()
+        }
+        # no L2-only leaf to evict: the LRU copy of a span still in L1 (prompt 1) went
+        assert tiers == {1: (True, False), 2: (True, True), 3: (True, True), 4: (True, True)}
+        assert cache.stats().counters["host_evicted_tokens_total"] == 4
+        cache.check_integrity()

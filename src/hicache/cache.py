@@ -305,17 +305,25 @@ class HiCache(Lifecycle):
         return None if pages is None else page_ids(pages)
 
     def evict_host(self, num_pages: int) -> int:
-        """Drop unpinned L2-only leaves until ``num_pages`` L2 pages are free; returns freed."""
+        """Free at least ``num_pages`` L2 pages if possible; returns pages freed.
+
+        Unpinned L2-only leaves go first (in policy order); then, if that is not enough,
+        the L2 copies of unpinned spans that are still in L1 (no data is lost that way).
+        """
         if self.host_pool is None:
             return 0
         freed = 0
-        for node in self.tree.host_eviction_order():
-            if freed >= num_pages:
-                break
-            pages = self.tree.evict_host(node)
-            self.host_pool.allocator.free(pages)
-            freed += len(pages)
-            self.counters.host_evicted_tokens_total += len(pages) * self.page_size
+        for order, take in (
+            (self.tree.host_eviction_order, self.tree.evict_host),
+            (self.tree.host_copy_eviction_order, self.tree.drop_host),
+        ):
+            for node in order():
+                if freed >= num_pages:
+                    return freed
+                pages = take(node)
+                self.host_pool.allocator.free(pages)
+                freed += len(pages)
+                self.counters.host_evicted_tokens_total += len(pages) * self.page_size
         return freed
 
     def _back_up(self, node: TreeNode, min_hits: int, *, wait: bool) -> None:

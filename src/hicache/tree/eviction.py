@@ -120,6 +120,23 @@ class EvictionOps:
             self.iter_nodes(), self._evict_key, self._host_evictable, lambda n: n.host is None
         )
 
+    def _host_copy_droppable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device is not None
+            and node.host is not None
+            and node.host_ref == 0
+            and node.lock_ref == 0
+            and all(c.host is None for c in node.children.values())
+        )
+
+    def host_copy_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned spans in L1 *and* L2 whose children have no L2 copy, in policy order,
+        lazily: their L2 copy can go (:meth:`drop_host`) without losing any data."""
+        return eviction_order(
+            self.iter_nodes(), self._evict_key, self._host_copy_droppable, lambda n: n.host is None
+        )
+
     def evict_device(self, node: TreeNode) -> PageIds:
         """Drop ``node``'s L1 copy and return its L1 page ids for the owner to free.
 
@@ -147,7 +164,8 @@ class EvictionOps:
         return pages
 
     def drop_host(self, node: TreeNode) -> PageIds:
-        """Forget ``node``'s L2 copy (a failed backup) while it stays in L1; return the pages."""
+        """Forget ``node``'s L2 copy while it stays in L1 (a failed backup, or room for new
+        backups); return the pages."""
         if node.host is None or node.device is None:
             raise RuntimeError(f"{node!r} must be in L1 and L2 to drop its L2 copy")
         if any(c.host is not None for c in node.children.values()):
