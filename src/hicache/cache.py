@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.cache_completions import PendingBackup, PendingLoad, apply_completion
+from hicache.cache_completions import PendingBackup, PendingLoad, apply_completion, back_up
 from hicache.cache_inspect import cache_stats, check_cache_integrity
 from hicache.cache_storage import L3Tier
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
@@ -233,7 +233,7 @@ class HiCache(Lifecycle):
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
         if self.controller is not None and self.rule.backup_min_hits is not None:
-            self._back_up(result.last_node, self.rule.backup_min_hits, wait=False)
+            back_up(self, result.last_node, self.rule.backup_min_hits, wait=False)
         return result
 
     def lock(self, node: TreeNode) -> None:
@@ -269,7 +269,7 @@ class HiCache(Lifecycle):
             if freed >= num_pages:
                 break
             if node.host is None and self.rule.backup_on_evict and self.controller is not None:
-                self._back_up(node, 0, wait=True)
+                back_up(self, node, 0, wait=True)
                 if node.lock_ref > 0:  # still copying (timeout): try the next one
                     continue
             demoted = node.host is not None
@@ -325,35 +325,6 @@ class HiCache(Lifecycle):
                 freed += len(pages)
                 self.counters.host_evicted_tokens_total += len(pages) * self.page_size
         return freed
-
-    def _back_up(self, node: TreeNode, min_hits: int, *, wait: bool) -> None:
-        """Back up the not-yet-backed-up run of the path to ``node`` (top-down)."""
-        assert self.controller is not None
-        nodes = self.tree.nodes_to_back_up(node, min_hits=min_hits)
-        if not nodes:
-            return
-        last = nodes[-1]
-        self.tree.inc_lock_ref(last)  # the L1 source must stay while it is copied
-        try:
-            num = sum(self.tree.num_pages(n) for n in nodes)
-            host_pages = self.alloc_host(num)
-        finally:
-            self.tree.dec_lock_ref(last)
-        if host_pages is None:
-            return  # L2 full of pinned data: the nodes stay L1-only
-        device_pages = page_ids()
-        offset = 0
-        for n in nodes:
-            k = self.tree.num_pages(n)
-            self.tree.assign_host(n, host_pages[offset : offset + k])
-            assert n.device is not None
-            device_pages += n.device
-            offset += k
-        self.tree.inc_lock_ref(last)
-        op_id = self.controller.backup(device_pages, host_pages)
-        self._backups[op_id] = PendingBackup(last, num)
-        if wait:
-            self._wait_all()
 
     # ------------------------------------------------------------------ completions
 

@@ -1,8 +1,8 @@
-"""Applying finished L1<->L2 copies to the tree, on the owner's thread.
+"""L1 -> L2 backups issued, and finished L1<->L2 copies applied, on the owner's thread.
 
-The cache records what each op id stands for (:class:`PendingBackup`, :class:`PendingLoad`);
-when the controller reports the op done, :func:`apply_completion` unpins its nodes, counts
-it, and passes a landed backup on to L3. A failed backup drops the L2 copies it was to
+:func:`back_up` issues a backup; the cache records what each op id stands for
+(:class:`PendingBackup`, :class:`PendingLoad`); when the controller reports the op done,
+:func:`apply_completion` unpins its nodes, counts it, and passes a landed backup on to L3. A failed backup drops the L2 copies it was to
 fill; a failed load cannot be repaired in place and raises.
 """
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from hicache.transfer import Completion
 from hicache.tree import TreeNode
+from hicache.tree.node import page_ids
 
 if TYPE_CHECKING:
     from hicache.cache import HiCache
@@ -90,3 +91,34 @@ def _invalidate_host(cache: HiCache, top: TreeNode) -> None:
             log.error("cannot drop pinned L2 copy of %r", n)
             continue
         cache.host_pool.allocator.free(pages)
+
+
+def back_up(cache: HiCache, node: TreeNode, min_hits: int, *, wait: bool) -> None:
+    """Back up the not-yet-backed-up run of the path to ``node`` (top-down): pin its L1
+    source, give it L2 pages, issue one copy; with ``wait``, apply it before returning."""
+    assert cache.controller is not None
+    nodes = cache.tree.nodes_to_back_up(node, min_hits=min_hits)
+    if not nodes:
+        return
+    last = nodes[-1]
+    cache.tree.inc_lock_ref(last)  # the L1 source must stay while it is copied
+    try:
+        num = sum(cache.tree.num_pages(n) for n in nodes)
+        host_pages = cache.alloc_host(num)
+    finally:
+        cache.tree.dec_lock_ref(last)
+    if host_pages is None:
+        return  # L2 full of pinned data: the nodes stay L1-only
+    device_pages = page_ids()
+    offset = 0
+    for n in nodes:
+        k = cache.tree.num_pages(n)
+        cache.tree.assign_host(n, host_pages[offset : offset + k])
+        assert n.device is not None
+        device_pages += n.device
+        offset += k
+    cache.tree.inc_lock_ref(last)
+    op_id = cache.controller.backup(device_pages, host_pages)
+    cache._backups[op_id] = PendingBackup(last, num)
+    if wait:
+        cache._wait_all()

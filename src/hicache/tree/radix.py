@@ -34,10 +34,11 @@ from hicache.tree.node import (
     page_ids,
 )
 from hicache.tree.paths import PathQueries
+from hicache.tree.pins import PathPins
 from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
 
 
-class HiRadixTree(PathQueries, EvictionOps):
+class HiRadixTree(PathQueries, PathPins, EvictionOps):
     """The radix tree over L1 and L2 page ids; see the module docstring for invariants.
 
     Args:
@@ -319,51 +320,6 @@ class HiRadixTree(PathQueries, EvictionOps):
             adopted=[],
             new_node=new_node,
         )
-
-    # ------------------------------------------------------------------ pins
-
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors in L1 (they are not evicted while pinned)."""
-        while node.parent is not None:
-            if node.lock_ref == 0 and node.device is not None:
-                self._protected_pages += len(node.device)
-            node.lock_ref += 1
-            assert node.parent is not None
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        """Undo one :meth:`inc_lock_ref` on ``node``. Raises before changing anything if a
-        count on the path would go negative."""
-        self._check_path_ref(node, "lock_ref")
-        while node.parent is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0 and node.device is not None:
-                self._protected_pages -= len(node.device)
-            assert node.parent is not None
-            node = node.parent
-
-    def inc_host_ref(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors in L2."""
-        while node.parent is not None:
-            node.host_ref += 1
-            assert node.parent is not None
-            node = node.parent
-
-    def dec_host_ref(self, node: TreeNode) -> None:
-        """Undo one :meth:`inc_host_ref`; raises before changing anything on underflow."""
-        self._check_path_ref(node, "host_ref")
-        while node.parent is not None:
-            node.host_ref -= 1
-            assert node.parent is not None
-            node = node.parent
-
-    def _check_path_ref(self, node: TreeNode, attr: str) -> None:
-        n = node
-        while n.parent is not None:
-            if getattr(n, attr) <= 0:
-                raise RuntimeError(f"{attr} underflow at {n!r} (unpinning a node not pinned)")
-            assert n.parent is not None
-            n = n.parent
 
     # ------------------------------------------------------------------ tier changes
 
