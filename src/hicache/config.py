@@ -13,6 +13,16 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.validate import (
+    enum_value,
+    int_at_least,
+    is_finite_number,
+    is_int,
+    is_number,
+    number_at_least,
+    require,
+)
+
 
 class WritePolicy(str, enum.Enum):
     """When a device (L1) node is copied to host (L2)."""
@@ -75,30 +85,6 @@ DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def _enum_value(cls: type[enum.Enum], field: str, value: Any) -> Any:
-    """Coerce ``value`` (member or its string) to a member of ``cls`` or raise ValueError."""
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{field}={value!r} is not allowed; choose one of {allowed}") from None
-
-
-def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}={value!r} is invalid; {allowed}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True, kw_only=True)
 class KVSpec:
     """Shape of one rank's KV cache per token.
@@ -117,32 +103,17 @@ class KVSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "attention", _enum_value(AttentionKind, "attention", self.attention)
+            self, "attention", enum_value(AttentionKind, "attention", self.attention)
         )
-        _require(
-            _is_int(self.num_layers) and self.num_layers >= 1,
-            "num_layers",
-            self.num_layers,
-            "must be an int >= 1",
-        )
-        _require(self.dtype in DTYPES, "dtype", self.dtype, f"choose one of {DTYPES}")
+        int_at_least("num_layers", self.num_layers, 1)
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"choose one of {DTYPES}")
         if self.attention is AttentionKind.MHA:
             for name in ("num_kv_heads", "head_dim"):
                 v = getattr(self, name)
-                _require(_is_int(v) and v >= 1, name, v, "must be an int >= 1 for MHA")
+                int_at_least(name, v, 1, "for MHA")
         else:
-            _require(
-                _is_int(self.kv_lora_rank) and self.kv_lora_rank >= 1,
-                "kv_lora_rank",
-                self.kv_lora_rank,
-                "must be an int >= 1 for MLA",
-            )
-            _require(
-                _is_int(self.qk_rope_head_dim) and self.qk_rope_head_dim >= 0,
-                "qk_rope_head_dim",
-                self.qk_rope_head_dim,
-                "must be an int >= 0 for MLA",
-            )
+            int_at_least("kv_lora_rank", self.kv_lora_rank, 1, "for MLA")
+            int_at_least("qk_rope_head_dim", self.qk_rope_head_dim, 0, "for MLA")
 
     @property
     def num_kv(self) -> int:
@@ -204,64 +175,58 @@ class CacheConfig:
             ("mem_layout", MemLayout),
             ("eviction_policy", EvictionPolicy),
         ):
-            object.__setattr__(self, field, _enum_value(cls, field, getattr(self, field)))
-        _require(
-            _is_int(self.page_size) and self.page_size >= 1,
-            "page_size",
-            self.page_size,
-            "must be an int >= 1 (64 is the default, 1 is allowed)",
-        )
-        _require(
-            _is_int(self.device_tokens) and self.device_tokens >= self.page_size,
+            object.__setattr__(self, field, enum_value(cls, field, getattr(self, field)))
+        int_at_least("page_size", self.page_size, 1, "(64 is the default, 1 is allowed)")
+        require(
+            is_int(self.device_tokens) and self.device_tokens >= self.page_size,
             "device_tokens",
             self.device_tokens,
             f"must be an int >= page_size ({self.page_size})",
         )
-        _require(
+        require(
             isinstance(self.enable_hierarchical_cache, bool),
             "enable_hierarchical_cache",
             self.enable_hierarchical_cache,
             "must be a bool",
         )
-        _require(
-            _is_number(self.hicache_ratio) and self.hicache_ratio > 1.0,
+        require(
+            is_finite_number(self.hicache_ratio) and self.hicache_ratio > 1.0,
             "hicache_ratio",
             self.hicache_ratio,
-            "must be a number > 1 (the host pool must be larger than the device pool)",
+            "must be a finite number > 1 (the host pool must be larger than the device pool)",
         )
-        _require(
-            _is_number(self.hicache_size) and self.hicache_size >= 0,
-            "hicache_size",
-            self.hicache_size,
-            "must be a number of GB >= 0 (0 means: size by hicache_ratio)",
-        )
-        _require(
-            _is_int(self.write_through_threshold) and self.write_through_threshold >= 1,
-            "write_through_threshold",
-            self.write_through_threshold,
-            "must be an int >= 1",
-        )
-        _require(
-            _is_int(self.load_back_threshold) and self.load_back_threshold >= 0,
-            "load_back_threshold",
-            self.load_back_threshold,
-            "must be an int >= 0 (tokens)",
-        )
+        number_at_least("hicache_size", self.hicache_size, 0, "of GB (0: size by hicache_ratio)")
+        int_at_least("write_through_threshold", self.write_through_threshold, 1)
+        int_at_least("load_back_threshold", self.load_back_threshold, 0, "(tokens)")
 
     @property
     def device_pages(self) -> int:
         """Whole pages in the device pool."""
         return self.device_tokens // self.page_size
 
+    def page_bytes(self, spec: KVSpec) -> int:
+        """Bytes of one page over all layers for a KV of shape ``spec``."""
+        return spec.token_bytes * self.page_size
+
+    def device_bytes(self, spec: KVSpec) -> int:
+        """Bytes of the device (L1) pool's buffer: ``device_pages`` whole pages."""
+        return self.device_pages * self.page_bytes(spec)
+
     def host_pages(self, spec: KVSpec) -> int:
         """Whole pages in the host pool for a KV of shape ``spec``."""
         if self.hicache_size > 0:
-            page_bytes = spec.token_bytes * self.page_size
-            return int(self.hicache_size * 1e9) // page_bytes
+            return int(self.hicache_size * 1e9) // self.page_bytes(spec)
         return int(self.device_pages * self.hicache_ratio)
 
     def host_tokens(self, spec: KVSpec) -> int:
+        """Token slots of the host pool: ``host_pages(spec) * page_size``."""
         return self.host_pages(spec) * self.page_size
+
+    def host_bytes(self, spec: KVSpec) -> int:
+        """Bytes of the host (L2) pool's buffer (0 without the hierarchical cache)."""
+        if not self.enable_hierarchical_cache:
+            return 0
+        return self.host_pages(spec) * self.page_bytes(spec)
 
 
 PREFETCH_KEYS: tuple[str, ...] = (
@@ -290,20 +255,15 @@ class PrefetchConfig:
     prefetch_timeout_max: float = 30.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", _enum_value(PrefetchPolicy, "policy", self.policy))
-        _require(
-            _is_int(self.prefetch_threshold) and self.prefetch_threshold >= 0,
-            "prefetch_threshold",
-            self.prefetch_threshold,
-            "must be an int >= 0 (tokens)",
-        )
+        object.__setattr__(self, "policy", enum_value(PrefetchPolicy, "policy", self.policy))
+        int_at_least("prefetch_threshold", self.prefetch_threshold, 0, "(tokens)")
         for name in (
             "prefetch_timeout_base",
             "prefetch_timeout_per_ki_token",
             "prefetch_timeout_max",
         ):
             v = getattr(self, name)
-            _require(_is_number(v) and v >= 0, name, v, "must be a number of seconds >= 0")
+            require(is_number(v) and v >= 0, name, v, "must be a number of seconds >= 0")
 
     @classmethod
     def from_extra(cls, policy: PrefetchPolicy | str, extra: dict[str, Any]) -> PrefetchConfig:

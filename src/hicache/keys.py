@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import numpy as np
-
-from hicache.config import DTYPES, AttentionKind, KVSpec, MemLayout, _enum_value
+from hicache.config import DTYPES, AttentionKind, KVSpec, MemLayout
+from hicache.tokens import TOKEN_BYTES, TOKEN_ID_LIMIT, TokenIds, encode_tokens
+from hicache.validate import enum_value, int_at_least, is_int, require
 
 __all__ = [
     "DIGEST_BYTES",
@@ -51,23 +49,11 @@ KEY_SPEC_VERSION = 1
 KEY_PREFIX = f"hc{KEY_SPEC_VERSION}-"
 """Readable prefix of every key string of this spec version."""
 
-TOKEN_ID_LIMIT = 2**32
-"""Token ids must lie in ``[0, TOKEN_ID_LIMIT)`` (they are encoded as u32 little-endian)."""
-
 DIGEST_BYTES = 32
 """Bytes of a namespace digest and of a chained page hash (SHA-256)."""
 
 FINGERPRINT_BYTES = 8
 """Bytes of a page's token fingerprint."""
-
-
-def _require(ok: bool, field_name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{field_name}={value!r} is invalid; {allowed}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,28 +77,16 @@ class Namespace:
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layout", _enum_value(MemLayout, "layout", self.layout))
+        object.__setattr__(self, "layout", enum_value(MemLayout, "layout", self.layout))
         for name in ("model", "weights_fingerprint", "component"):
             v = getattr(self, name)
-            _require(isinstance(v, str) and v != "", name, v, "must be a non-empty str")
-        _require(
-            isinstance(self.tenant_salt, str), "tenant_salt", self.tenant_salt, "must be a str"
-        )
-        _require(self.kv_dtype in DTYPES, "kv_dtype", self.kv_dtype, f"choose one of {DTYPES}")
-        _require(
-            _is_int(self.page_size) and self.page_size >= 1,
-            "page_size",
-            self.page_size,
-            "must be an int >= 1",
-        )
-        _require(
-            _is_int(self.tp_size) and self.tp_size >= 1,
-            "tp_size",
-            self.tp_size,
-            "must be an int >= 1",
-        )
-        _require(
-            self.tp_rank is None or (_is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size),
+            require(isinstance(v, str) and v != "", name, v, "must be a non-empty str")
+        require(isinstance(self.tenant_salt, str), "tenant_salt", self.tenant_salt, "must be a str")
+        require(self.kv_dtype in DTYPES, "kv_dtype", self.kv_dtype, f"choose one of {DTYPES}")
+        int_at_least("page_size", self.page_size, 1)
+        int_at_least("tp_size", self.tp_size, 1)
+        require(
+            self.tp_rank is None or (is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size),
             "tp_rank",
             self.tp_rank,
             f"must be None (shared by all ranks, MLA) or an int in [0, {self.tp_size})",
@@ -137,8 +111,8 @@ class Namespace:
         Takes the dtype from ``spec``; for MLA the rank is dropped (``tp_rank=None``) so all
         ranks share one namespace (and only rank 0 should write L3).
         """
-        _require(
-            _is_int(tp_rank) and _is_int(tp_size) and 0 <= tp_rank < tp_size,
+        require(
+            is_int(tp_rank) and is_int(tp_size) and 0 <= tp_rank < tp_size,
             "tp_rank",
             tp_rank,
             f"must be an int in [0, {tp_size})",
@@ -213,51 +187,14 @@ class PageKey:
         return self.key
 
 
-def token_bytes(tokens: Sequence[int] | np.ndarray | Any) -> bytes:
-    """Token ids as unsigned 32-bit little-endian bytes (4 bytes per id).
-
-    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer CPU tensor.
-    Raises ValueError naming the first id outside ``[0, 2**32)`` or a non-integer input.
-    """
-    return _as_u32(tokens).tobytes()
-
-
-def token_fingerprint(page_tokens: Sequence[int] | np.ndarray | Any) -> bytes:
+def token_fingerprint(page_tokens: TokenIds | Any) -> bytes:
     """First 8 bytes of ``sha256`` of one page's tokens as u32 little-endian."""
-    return hashlib.sha256(token_bytes(page_tokens)).digest()[:FINGERPRINT_BYTES]
-
-
-def _bad_token(values: Sequence[Any]) -> ValueError:
-    for i, v in enumerate(values):
-        try:
-            iv = operator.index(v)
-        except TypeError:
-            return ValueError(f"token id at position {i} is {v!r}; token ids must be integers")
-        if not 0 <= iv < TOKEN_ID_LIMIT:
-            return ValueError(
-                f"token id at position {i} is {iv}; token ids must lie in [0, 2**32) "
-                "(they are encoded as u32 little-endian)"
-            )
-    return ValueError("token ids must be integers in [0, 2**32)")
-
-
-def _as_u32(tokens: Sequence[int] | np.ndarray | Any) -> np.ndarray:
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be 1-D; got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype="<u4")
-    if arr.dtype.kind not in "iu":
-        raise _bad_token(arr.tolist())
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= TOKEN_ID_LIMIT:
-        raise _bad_token(arr.tolist())
-    return arr.astype("<u4", copy=False)
+    return hashlib.sha256(encode_tokens(page_tokens, strict=True)).digest()[:FINGERPRINT_BYTES]
 
 
 def page_keys(
     namespace: Namespace,
-    tokens: Sequence[int] | np.ndarray | Any,
+    tokens: TokenIds | Any,
     page_size: int | None = None,
     *,
     prior: PageKey | None = None,
@@ -267,7 +204,8 @@ def page_keys(
     ``page_size`` defaults to the namespace's and must equal it when given. ``prior`` is the
     key of the page just before ``tokens`` (to continue a chain from a cached prefix); by
     default the chain starts at the namespace digest. Returns ``len(tokens) // page_size``
-    keys in page order. Raises ValueError for token ids outside ``[0, 2**32)``.
+    keys in page order. ``tokens`` are ids or bytes already encoded by
+    :func:`hicache.tokens.encode_tokens`. Raises ValueError for ids outside ``[0, 2**32)``.
     """
     if page_size is None:
         page_size = namespace.page_size
@@ -276,10 +214,9 @@ def page_keys(
             f"page_size={page_size!r} is invalid; must equal the namespace's page_size "
             f"({namespace.page_size})"
         )
-    arr = _as_u32(tokens)
-    n = arr.size // page_size
-    raw = arr[: n * page_size].tobytes()
-    step = 4 * page_size
+    raw = encode_tokens(tokens, strict=True)
+    step = TOKEN_BYTES * page_size
+    n = len(raw) // step
     h = namespace.digest if prior is None else prior.digest
     sha256 = hashlib.sha256
     out: list[PageKey] = []
@@ -289,3 +226,9 @@ def page_keys(
         fp = sha256(chunk).digest()[:FINGERPRINT_BYTES]
         out.append(PageKey(KEY_PREFIX + h.hex(), h, fp, namespace.digest))
     return out
+
+
+def token_bytes(tokens: TokenIds | Any) -> bytes:
+    """Token ids as u32 little-endian bytes, strictly checked (no bools): the codec of
+    :func:`hicache.tokens.encode_tokens`, under the name this module always exported."""
+    return encode_tokens(tokens, strict=True)

@@ -1,6 +1,7 @@
 """The HiRadixTree: which tier holds each page of each cached prefix (pure Python)."""
 
-from hicache.tree.node import TreeNode, decode_tokens, encode_tokens
+from hicache.tokens import decode_tokens, encode_tokens
+from hicache.tree.node import TreeNode
 from hicache.tree.radix import HiRadixTree
 from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
 

@@ -1,8 +1,12 @@
-"""Radix tree nodes and the token-key encoding.
+"""Radix tree nodes and their page-id arrays.
 
-A node holds a span of whole pages of tokens. Its key is the span's token ids encoded as
-``uint32`` little-endian bytes, so comparing page slices is a ``memcmp`` and a child is
-found by the bytes of its first page. Pure Python: no torch, no threads, no IO.
+A node holds a span of whole pages of tokens. Its key is the span's token ids encoded by
+:mod:`hicache.tokens` (``uint32`` little-endian bytes), so comparing page slices is a
+``memcmp`` and a child is found by the bytes of its first page. Pure Python: no torch, no
+threads, no IO.
+
+``TOKEN_BYTES``, ``TokenIds``, ``encode_tokens`` and ``decode_tokens`` are re-exported from
+:mod:`hicache.tokens` for callers that import them from here.
 """
 
 from __future__ import annotations
@@ -11,12 +15,20 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-TOKEN_BYTES = 4
-"""Bytes per token id in a key (uint32 little-endian)."""
+from hicache.tokens import TOKEN_BYTES, TokenIds, decode_tokens, encode_tokens
 
-_LITTLE_ENDIAN = array("I").itemsize == 4 and array("I", [1]).tobytes()[0] == 1
+__all__ = [
+    "TOKEN_BYTES",
+    "PageIds",
+    "TokenIds",
+    "TreeNode",
+    "as_page_ids",
+    "common_prefix_bytes",
+    "decode_tokens",
+    "encode_tokens",
+    "page_ids",
+]
 
-TokenIds = Sequence[int] | bytes
 
 PageIds = array
 """Page ids into a pool: ``array('q')`` (int64). Compact, not traversed by the garbage
@@ -36,46 +48,6 @@ def as_page_ids(pages: Sequence[int] | array) -> PageIds:
     if isinstance(pages, array) and pages.typecode == "q":
         return pages
     return array("q", pages)
-
-
-def encode_tokens(tokens: TokenIds) -> bytes:
-    """Encode token ids as uint32 little-endian bytes.
-
-    ``bytes`` input is taken as already encoded (its length must be a multiple of 4).
-    Raises ValueError for ids outside ``[0, 2**32)``.
-    """
-    if isinstance(tokens, array) and tokens.typecode == "I" and _LITTLE_ENDIAN:
-        return tokens.tobytes()
-    if isinstance(tokens, bytes):
-        if len(tokens) % TOKEN_BYTES:
-            raise ValueError(f"encoded token key has {len(tokens)} bytes, not a multiple of 4")
-        return tokens
-    if hasattr(tokens, "dtype") and hasattr(tokens, "astype"):  # numpy array
-        arr: Any = tokens
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
-            raise ValueError("token ids must lie in [0, 2**32)")
-        data: bytes = arr.astype("<u4", copy=False).tobytes()
-        return data
-    packed = array("I")
-    try:
-        if isinstance(tokens, list):
-            packed.fromlist(tokens)  # the fastest path from a list
-        else:
-            packed.extend(tokens)
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
-    if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def decode_tokens(key: bytes) -> list[int]:
-    """Inverse of :func:`encode_tokens`."""
-    packed = array("I")
-    packed.frombytes(key)
-    if not _LITTLE_ENDIAN:  # pragma: no cover
-        packed.byteswap()
-    return packed.tolist()
 
 
 def common_prefix_bytes(a: bytes, b: bytes, unit: int) -> int:

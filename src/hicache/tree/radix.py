@@ -21,18 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from hicache.config import EvictionPolicy
+from hicache.tokens import TOKEN_BYTES, TokenIds, encode_tokens
 from hicache.tree.components import FullAttention, TreeComponent
 from hicache.tree.eviction import EvictionOps, eviction_key
-from hicache.tree.node import (
-    TOKEN_BYTES,
-    PageIds,
-    TokenIds,
-    TreeNode,
-    as_page_ids,
-    common_prefix_bytes,
-    encode_tokens,
-    page_ids,
-)
+from hicache.tree.node import PageIds, TreeNode, as_page_ids, common_prefix_bytes, page_ids
 from hicache.tree.paths import PathQueries
 from hicache.tree.pins import PathPins
 from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
