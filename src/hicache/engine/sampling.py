@@ -3,29 +3,64 @@
 Reproducibility: a request with a ``seed`` draws from its own ``torch.Generator`` seeded
 with it (:func:`make_generator`), so the same seed and the same logits give the same tokens
 whatever else shares the batch.
+
+Isolation: :func:`sample_rows` samples each row on its own terms. A row whose logits are
+not finite, whose filtered distribution is not a distribution, or whose draw raises is
+reported in :attr:`SampleResult.errors`; the other rows still get their tokens, drawn
+exactly as they would have been without the failing row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "make_generator", "sample"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "SEED_MAX",
+    "SEED_MIN",
+    "InvalidRequest",
+    "SampleResult",
+    "SamplingParams",
+    "make_generator",
+    "sample",
+    "sample_rows",
+]
+
+GREEDY_TEMPERATURE = 1e-6
+"""A temperature below this is greedy (argmax), as in SGLang: dividing logits by a smaller
+one overflows to inf and makes the distribution NaN."""
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+"""The seeds ``torch.Generator.manual_seed`` takes (a negative seed is used modulo 2**64)."""
+
+
+class InvalidRequest(ValueError):
+    """A request field with a value the engine does not serve; ``param`` names the field
+    (as the OpenAI error object's ``param``), None when no single field is at fault."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How one request picks its tokens.
 
-    ``temperature`` >= 0; 0 means greedy (argmax), and then top-k/top-p are ignored.
-    ``top_p`` in (0, 1]: keep the smallest set of most likely tokens whose probability
-    reaches ``top_p`` (1 = off). ``top_k`` >= -1: keep the ``top_k`` most likely tokens;
-    0 or -1 = off (both accepted, as OpenAI-style servers use either). ``max_tokens`` >= 1
-    new tokens at most. ``stop`` strings end generation (handled by the caller, not here); any sequence
-    of strings, stored as a tuple.
-    ``seed`` makes sampling reproducible per request.
+    ``temperature`` >= 0 and finite; below :data:`GREEDY_TEMPERATURE` (0 included) means
+    greedy (argmax), and then top-k/top-p are ignored. ``top_p`` in (0, 1]: keep the
+    smallest set of most likely tokens whose probability reaches ``top_p`` (1 = off).
+    ``top_k`` >= -1: keep the ``top_k`` most likely tokens; 0 or -1 = off (both accepted,
+    as OpenAI-style servers use either); a ``top_k`` at or above the vocabulary size keeps
+    every token (it is clamped to the vocabulary when sampling). ``max_tokens`` >= 1 new
+    tokens at most. ``stop`` strings end generation (handled by the caller, not here); any
+    sequence of strings, stored as a tuple. ``seed`` in [:data:`SEED_MIN`,
+    :data:`SEED_MAX`] makes sampling reproducible per request.
+
+    A bad value raises :class:`InvalidRequest` (a ValueError) whose ``param`` is the field.
     """
 
     temperature: float = 1.0
@@ -36,13 +71,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        def bad(field: str, allowed: str) -> ValueError:
-            return ValueError(f"{field}={getattr(self, field)!r} is invalid; {allowed}")
+        def bad(field: str, allowed: str) -> InvalidRequest:
+            return InvalidRequest(
+                f"{field}={getattr(self, field)!r} is invalid; {allowed}", param=field
+            )
 
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
             raise bad("temperature", "must be a number >= 0")
-        if not self.temperature >= 0:
-            raise bad("temperature", "must be >= 0")
+        if not 0 <= self.temperature < float("inf"):
+            raise bad("temperature", "must be a finite number >= 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
             raise bad("top_p", "must be a number in (0, 1]")
         if not 0 < self.top_p <= 1:
@@ -61,11 +98,14 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise bad("seed", "must be an int or None")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise bad("seed", f"must be in [{SEED_MIN}, {SEED_MAX}] (-2**63 .. 2**64-1)")
 
     @property
     def greedy(self) -> bool:
-        """Whether this request takes the argmax (temperature 0, or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """Whether this request takes the argmax (temperature below
+        :data:`GREEDY_TEMPERATURE`, or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -83,16 +123,39 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return gen
 
 
-def sample(
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """One sampling step of a batch.
+
+    ``tokens``: ``(B,)`` int64 on the logits' device, one token id per row. ``errors``:
+    row -> why that row could not be sampled. A failed row's entry in ``tokens`` is its
+    argmax only so that the tensor stays a valid batch of ids; it must not be used.
+    """
+
+    tokens: torch.Tensor
+    errors: Mapping[int, str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every row got a token."""
+        return not self.errors
+
+
+def sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """Pick one token per row of ``logits (B, V)``; returns ``(B,)`` int64 on its device.
+) -> SampleResult:
+    """Pick one token per row of ``logits (B, V)``, failing rows one by one.
 
     Greedy rows take the argmax. Other rows divide by the temperature, keep the top-k and
     then the top-p nucleus of the sorted distribution (the most likely token always stays)
     and draw from the renormalized probabilities with their generator (None: global RNG).
+    A row whose logits hold NaN or +inf or no finite value, whose filtered probabilities
+    are not finite or sum to zero, or whose computation raises, lands in ``errors``; no
+    generator of another row is advanced differently because of it.
+
+    Raises ValueError only when the arguments do not describe one batch (a caller bug).
     """
     if logits.dim() != 2 or len(params) != logits.shape[0] or len(generators) != len(params):
         raise ValueError(
@@ -100,22 +163,84 @@ def sample(
             f"{len(params)} and {len(generators)}"
         )
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    errors: dict[int, str] = {}
+    if logits.shape[0] == 0:
+        return SampleResult(tokens, errors)
+    # max propagates NaN; +inf and all -inf rows are not finite either
+    finite = torch.isfinite(logits.max(dim=-1).values).tolist()
+    for i, ok in enumerate(finite):
+        if not ok:
+            errors[i] = "the model's logits for this request hold NaN or inf"
+    rows: list[int] = []
+    for i, p in enumerate(params):
+        if i in errors:
+            continue
+        try:
+            if not p.greedy:
+                rows.append(i)
+        except Exception as exc:  # params that bypassed validation
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
     if not rows:
-        return tokens
+        return SampleResult(tokens, errors)
+    try:
+        groups = [(rows, *_filtered_probs(logits[rows], [params[i] for i in rows]))]
+    except Exception:  # find the row(s) at fault; the others are filtered on their own
+        groups = []
+        for i in rows:
+            try:
+                groups.append(([i], *_filtered_probs(logits[[i]], [params[i]])))
+            except Exception as exc:
+                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    for group, probs, order in groups:
+        valid = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
+        for j, i in enumerate(group):
+            if not valid[j]:
+                errors[i] = (
+                    f"sampling failed: temperature={params[i].temperature!r} gives no valid"
+                    " distribution over these logits"
+                )
+                continue
+            try:
+                pick = torch.multinomial(probs[j], 1, generator=generators[i])
+                tokens[i] = order[j, pick[0]]
+            except Exception as exc:
+                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    return SampleResult(tokens, errors)
+
+
+def _filtered_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k and top-p over ``logits (R, V)``: ``(probs, order)``, both
+    ``(R, V)``; ``probs`` are sorted descending and ``order`` maps them back to token ids."""
     device = logits.device
-    temps = torch.tensor([params[i].temperature for i in rows], device=device)
-    scaled = logits[rows].float() / temps[:, None]
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+    scaled = logits.float() / temps[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(scaled.shape[-1], device=device)[None, :]
-    top_k = torch.tensor([params[i].top_k for i in rows], device=device)
-    top_k = torch.where(top_k > 0, top_k, scaled.shape[-1])
+    rank = torch.arange(vocab, device=device)[None, :]
+    # clamp in Python: a top_k beyond int64 (or the vocabulary) keeps everything
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=probs.dtype)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill((mass_before >= top_p[:, None]) & (rank > 0), 0.0)
-    for j, i in enumerate(rows):
-        pick = torch.multinomial(probs[j], 1, generator=generators[i])
-        tokens[i] = order[j, pick[0]]
-    return tokens
+    return probs, order
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Pick one token per row of ``logits (B, V)``; returns ``(B,)`` int64 on its device.
+
+    The all-or-nothing form of :func:`sample_rows`: raises RuntimeError naming the failed
+    rows when any row fails. Prefer :func:`sample_rows`, which fails only those rows.
+    """
+    result = sample_rows(logits, params, generators)
+    if result.errors:
+        detail = "; ".join(f"row {i}: {msg}" for i, msg in sorted(result.errors.items()))
+        raise RuntimeError(f"sampling failed for {len(result.errors)} row(s): {detail}")
+    return result.tokens
