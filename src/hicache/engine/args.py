@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from hicache.config import (
     CacheConfig,
     EvictionPolicy,
@@ -14,6 +16,7 @@ from hicache.config import (
 )
 from hicache.engine.engine import EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.memory import PoolSizeError, check_fits
 from hicache.storage.registry import parse_extra_config
 
 
@@ -78,7 +81,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         load_back_threshold=a.hicache_load_back_threshold,
     )
     kwargs = {} if a.device is None else {"device": a.device}
-    return EngineConfig(
+    config = EngineConfig(
         model_path=a.model_path,
         dtype=a.dtype,
         cache=cache,
@@ -94,3 +97,34 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_extra_config=parse_extra_config(a.hicache_storage_backend_extra_config),
         **kwargs,
     )
+    check_sizes_in_gb(config)
+    return config
+
+
+def check_sizes_in_gb(config: EngineConfig) -> None:
+    """Refuse ``--hicache-size`` / ``--device-cache-size`` beyond the memory available, with
+    the numbers (:class:`~hicache.memory.PoolSizeError`), before the model is loaded.
+
+    Sizes given in tokens (``--max-total-tokens``, ``--hicache-ratio``) need the model's
+    bytes per token; the pools check them when they are built, before allocating.
+    """
+    host_bytes = 0
+    if config.cache.enable_hierarchical_cache and config.cache.hicache_size > 0:
+        host_bytes = int(config.cache.hicache_size * 1e9)
+        check_fits(host_bytes, "cpu", what="the host (L2) KV pool", flags="--hicache-size")
+    if config.device_cache_gb is None:
+        return
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return  # loading the model fails first, with its own message
+    device_bytes = int(config.device_cache_gb * 1e9)
+    memory = check_fits(
+        device_bytes, device, what="the device (L1) KV pool", flags="--device-cache-size"
+    )
+    if device.type != "cuda" and device_bytes + host_bytes > memory.allowed:
+        raise PoolSizeError(
+            "the device (L1) and host (L2) KV pools, both in RAM on a CPU-only host,",
+            device_bytes + host_bytes,
+            memory,
+            "--device-cache-size or --hicache-size",
+        )

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Iterable
 from itertools import islice
 
+from hicache.validate import int_at_least
+
 __all__ = ["AllocatorError", "PageAllocator"]
 
 
@@ -32,8 +34,7 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int) -> None:
-        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
-            raise ValueError(f"num_pages={num_pages!r} is invalid; must be an int >= 0")
+        int_at_least("num_pages", num_pages, 0)
         self._num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._used = bytearray(num_pages)

@@ -16,8 +16,9 @@ import torch
 from hicache.config import KVSpec, MemLayout
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.layout import gather_pages, scatter_pages, torch_dtype
+from hicache.validate import int_at_least
 
-__all__ = ["KVPool", "PageList", "check_pages", "row_words"]
+__all__ = ["KVPool", "PageList", "check_pages", "check_sizes", "row_words"]
 
 _SMALL = 256
 """Page lists up to this length are validated in Python rather than with torch ops."""
@@ -66,6 +67,12 @@ def check_pages(
     return t
 
 
+def check_sizes(num_pages: int, page_size: int) -> None:
+    """Require ``num_pages`` and ``page_size`` to be ints >= 1 (ValueError naming them)."""
+    int_at_least("num_pages", num_pages, 1)
+    int_at_least("page_size", page_size, 1)
+
+
 def row_words(t: torch.Tensor, word: torch.dtype = torch.int16) -> torch.Tensor:
     """Reinterpret the last two dims ``(H, D)`` of ``t`` as one row of integer words.
 
@@ -82,9 +89,7 @@ class KVPool(ABC):
     """A page pool: ``buffer`` + allocator. Subclasses fix the layout and device."""
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int, layout: MemLayout) -> None:
-        for name, v in (("num_pages", num_pages), ("page_size", page_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} is invalid; must be an int >= 1")
+        check_sizes(num_pages, page_size)
         self._spec = spec
         self._num_pages = num_pages
         self._page_size = page_size

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hicache.config import AttentionKind, KVSpec, MemLayout
-from hicache.memory.base import KVPool
+from hicache.memory.base import KVPool, check_sizes
+from hicache.memory.budget import DEVICE_FLAGS, check_fits, pool_bytes
 from hicache.memory.layout import buffer_shape
 
 __all__ = ["DevicePool"]
@@ -16,7 +19,9 @@ class DevicePool(KVPool):
 
     ``buffer`` has shape ``(K, L, S, H, D)`` (K = ``spec.num_kv``: 0 = K or latent, 1 = V;
     L = layers; S = ``num_pages * page_size`` token slots; H = ``spec.heads``;
-    D = ``spec.dim``), dtype ``spec.dtype``, zero-filled at construction.
+    D = ``spec.dim``), dtype ``spec.dtype``, zero-filled at construction. A buffer larger
+    than what ``device`` has free raises :class:`~hicache.memory.budget.PoolSizeError`
+    before anything is allocated.
     """
 
     def __init__(
@@ -26,9 +31,17 @@ class DevicePool(KVPool):
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__(spec, num_pages, page_size, MemLayout.LAYER_FIRST)
+        check_sizes(num_pages, page_size)
+        dev = torch.device(device)
         shape = buffer_shape(spec, num_pages, page_size, MemLayout.LAYER_FIRST)
-        self.buffer = torch.empty(shape, dtype=self.dtype, device=torch.device(device))
+        check_fits(
+            pool_bytes(math.prod(shape) * spec.dtype_bytes, num_pages),
+            dev,
+            what="the device (L1) KV pool",
+            flags=DEVICE_FLAGS,
+        )
+        super().__init__(spec, num_pages, page_size, MemLayout.LAYER_FIRST)
+        self.buffer = torch.empty(shape, dtype=self.dtype, device=dev)
         self.buffer.zero_()
 
     def kv(self, kind: int, layer: int) -> torch.Tensor:

@@ -14,36 +14,32 @@ from __future__ import annotations
 
 import math
 
-import psutil
 import torch
 
 from hicache.config import CacheConfig, KVSpec, MemLayout
-from hicache.memory.base import KVPool
+from hicache.memory.base import KVPool, check_sizes
+from hicache.memory.budget import HOST_FLAGS, MEMORY_FRACTION, check_fits, pool_bytes
 from hicache.memory.layout import buffer_shape
 
 __all__ = ["HOST_RAM_FRACTION", "HostPool", "check_host_memory"]
 
-HOST_RAM_FRACTION = 0.9
+HOST_RAM_FRACTION = MEMORY_FRACTION
 """A host pool may take at most this fraction of the RAM available when it is created."""
 
 
-def check_host_memory(nbytes: int, what: str = "host KV pool") -> None:
-    """Raise ValueError if ``nbytes`` exceeds ``HOST_RAM_FRACTION`` of available RAM."""
-    available = psutil.virtual_memory().available
-    allowed = int(available * HOST_RAM_FRACTION)
-    if nbytes > allowed:
-        raise ValueError(
-            f"{what} needs {nbytes / 1e9:.2f} GB but only {available / 1e9:.2f} GB of RAM is "
-            f"available (at most {HOST_RAM_FRACTION:.0%} of it, {allowed / 1e9:.2f} GB, may be "
-            "used); lower hicache_ratio or hicache_size"
-        )
+def check_host_memory(nbytes: int, what: str = "the host (L2) KV pool") -> None:
+    """Raise :class:`~hicache.memory.budget.PoolSizeError` (a ValueError) if ``nbytes``
+    exceed ``HOST_RAM_FRACTION`` of the RAM available now."""
+    check_fits(nbytes, "cpu", what=what, flags=HOST_FLAGS)
 
 
 class HostPool(KVPool):
     """Paged KV cache in host RAM.
 
     The buffer is allocated and zero-filled in the constructor, so every OS page is touched
-    once up front (first touch is slow; it must not happen on the transfer path). With
+    once up front (first touch is slow; it must not happen on the transfer path). A buffer
+    over ``HOST_RAM_FRACTION`` of the available RAM raises
+    :class:`~hicache.memory.budget.PoolSizeError` before anything is allocated. With
     ``pin_memory`` the buffer is page-locked for asynchronous DMA; that needs a CUDA build
     and device (torch raises otherwise), so prefer :meth:`create`, which pins only for CUDA.
     """
@@ -57,9 +53,10 @@ class HostPool(KVPool):
         *,
         pin_memory: bool,
     ) -> None:
+        check_sizes(num_pages, page_size)
+        shape = buffer_shape(spec, num_pages, page_size, MemLayout(layout))
+        check_host_memory(pool_bytes(math.prod(shape) * spec.dtype_bytes, num_pages))
         super().__init__(spec, num_pages, page_size, MemLayout(layout))
-        shape = buffer_shape(spec, num_pages, page_size, self.layout)
-        check_host_memory(math.prod(shape) * spec.dtype_bytes)
         self._pinned = bool(pin_memory)
         self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self._pinned)
         self.buffer.zero_()
