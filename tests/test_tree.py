@@ -51,7 +51,9 @@ def test_insert_returns_duplicates_and_keeps_tree_pages() -> None:
     assert r.cached_tokens == 3 and r.new_node is not None and ids(r.new_node.device) == [9]
     assert ids(t.match_prefix([1, 2, 3, 4]).device_pages) == [0, 1, 2, 9]
     assert r.last_node.hit_count == 1 and r.last_node.parent is not None
-    assert r.last_node.parent.hit_count == 2
+    assert r.last_node.parent.hit_count == 1  # insert counts no hit on a reused span
+    t.count_hit(r.last_node.parent)  # the request that reused it counts once
+    assert r.last_node.parent.hit_count == 2 and r.last_node.hit_count == 1
     t.check_integrity()
 
 
@@ -82,7 +84,7 @@ def _three_leaves(policy: EvictionPolicy) -> HiRadixTree:
     t.insert([1], [0])  # a: oldest
     t.insert([2], [1])  # b
     t.insert([3], [2], priority=5)  # c: newest, high priority
-    t.insert([2], [1])  # b: second hit
+    t.count_hit(t.insert([2], [1]).last_node)  # b: a second request reuses it
     t.match_prefix([1])  # a: most recently used
     return t
 
@@ -161,8 +163,10 @@ def test_insert_over_host_only_node_adopts_pages() -> None:
 def test_nodes_to_back_up_respects_hits_and_contiguity() -> None:
     t = HiRadixTree(page_size=1)
     t.insert([1, 2], [0, 1])
-    t.insert([1, 3], [0, 2])  # [1] has 2 hits, [2] and [3] one each
+    t.insert([1, 3], [0, 2])
     leaf = t.match_prefix([1, 3]).last_device_node
+    assert leaf.parent is not None
+    t.count_hit(leaf.parent)  # the second request reused [1]: 2 hits; [2] and [3] one each
     assert [decode_tokens(n.key) for n in t.nodes_to_back_up(leaf, min_hits=2)] == [[1]]
     assert [decode_tokens(n.key) for n in t.nodes_to_back_up(leaf)] == [[1], [3]]
 
@@ -212,3 +216,40 @@ def test_parent_of_a_removed_leaf_joins_the_eviction_order() -> None:
     for node in t.device_eviction_order():
         freed += ids(t.evict_device(node))
     assert sorted(freed) == [0, 1, 2] and t.check_integrity().nodes == 0
+
+
+def test_priority_eviction_lowest_first_ties_lru_and_max_of_requests() -> None:
+    t = HiRadixTree(page_size=1, eviction_policy=EvictionPolicy.PRIORITY)
+    a = t.insert([1, 1], [0, 1], priority=3).last_node
+    b = t.insert([2], [2], priority=1).last_node
+    c = t.insert([3], [3], priority=1).last_node
+    d = t.insert([4], [4], priority=0).last_node
+    t.insert([1, 1], [0, 1], priority=0)  # a reused by a lower-priority request: stays 3
+    t.insert([2], [2], priority=-5)
+    assert (a.priority, b.priority, c.priority, d.priority) == (3, 1, 1, 0)
+    t.match_prefix([2])  # b and c tie on priority 1: b is now the more recently used
+    e = t.insert([1, 5], [0, 5], priority=9).last_node  # splits a: [1] -> {[1], [5]}
+    head = e.parent
+    assert head is not None and decode_tokens(head.key) == [1]
+    assert head.priority == 9 and a.priority == 3  # max of the requests that passed
+    order = []
+    for node in t.device_eviction_order():
+        order.append(decode_tokens(node.key))
+        t.evict_device(node)
+    # d (0), then c before b (tie on 1, c least recently used), a (3), e (9), then the
+    # head (9) once both its children are gone
+    assert order == [[4], [3], [2], [1], [5], [1]]
+    assert t.check_integrity().nodes == 0
+    with pytest.raises(TypeError, match="priority"):
+        t.insert([7], [7], priority=1.5)  # type: ignore[arg-type]
+
+
+def test_split_gives_both_halves_the_priority() -> None:
+    t = HiRadixTree(page_size=1, eviction_policy="priority")
+    t.insert([1, 2, 3], [0, 1, 2], priority=4)
+    m = t.match_prefix([1, 2, 9])  # splits [1,2,3] into [1,2] -> [3]
+    (tail,) = m.last_device_node.children.values()
+    assert m.last_device_node.priority == tail.priority == 4
+    h = t.insert_host([6], page_ids([0]), 0, priority=2).new_node  # an L3 hit into L2
+    assert h is not None and h.priority == 2
+    t.check_integrity()

@@ -86,6 +86,9 @@ class EvictionOps:
     def iter_nodes(self) -> Iterator[TreeNode]:
         raise NotImplementedError
 
+    def _after_remove(self, parent: TreeNode) -> None:
+        """Called once ``parent`` has lost a child (the tree drops emptied tenant roots)."""
+
     def _device_evictable(self, node: TreeNode) -> bool:
         return (
             node.parent is not None
@@ -181,3 +184,4 @@ class EvictionOps:
         del parent.children[node.key[: self._page_bytes]]
         node.parent = None
         self._num_nodes -= 1
+        self._after_remove(parent)

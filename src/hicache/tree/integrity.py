@@ -1,29 +1,53 @@
-"""The tree's invariant checker, kept apart from the hot paths in :mod:`radix`."""
+"""The tree's invariant checker, kept apart from the hot paths in :mod:`radix`.
+
+It takes the tree's parts (its roots, page size, components and incremental counters), not
+the tree, so it does not import :mod:`radix` and :mod:`radix` imports it without a cycle.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
 
-from hicache.tree.node import TOKEN_BYTES
+from hicache.tokens import TOKEN_BYTES
+from hicache.tree.components import TreeComponent
+from hicache.tree.node import TreeNode
+from hicache.tree.results import TreeStats
 
-if TYPE_CHECKING:
-    from hicache.tree.radix import HiRadixTree
-    from hicache.tree.results import TreeStats
+
+def _descendants(roots: Sequence[TreeNode]) -> Iterator[TreeNode]:
+    stack = [c for r in roots for c in r.children.values()]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
 
 
-def check_tree(tree: HiRadixTree) -> TreeStats:
+def check_tree(
+    shared_root: TreeNode,
+    tenant_roots: Mapping[str, TreeNode],
+    page_size: int,
+    components: Sequence[TreeComponent],
+    counted: TreeStats,
+) -> TreeStats:
     """Check every invariant of :mod:`hicache.tree.radix`; raise AssertionError on the first
-    violation, naming the node. Returns stats recomputed from scratch (equal to the
-    tree's incremental counters, which are checked too)."""
-    from hicache.tree.results import TreeStats
+    violation, naming the node. ``counted`` are the tree's incremental counters; they must
+    equal the stats recomputed from scratch, which are returned.
 
-    pb = tree.page_size * TOKEN_BYTES
-    for root in tree.roots:
+    Besides the per-node invariants: the shared root has tenant ``""``; each tenant root is
+    registered under its own tenant and has at least one child (empty ones are pruned).
+    """
+    pb = page_size * TOKEN_BYTES
+    roots = [shared_root, *tenant_roots.values()]
+    for root in roots:
         assert root.parent is None and not root.device and not root.host, "root corrupted"
+    assert shared_root.tenant == "", f"the shared root has tenant {shared_root.tenant!r}"
+    for tenant, root in tenant_roots.items():
+        assert tenant and root.tenant == tenant, f"tenant {tenant!r} maps to {root.tenant!r}"
+        assert root.children, f"tenant {tenant!r} has an empty root (not pruned)"
     device_seen: set[int] = set()
     host_seen: set[int] = set()
     nodes = device = host = protected = 0
-    for node in tree.iter_nodes():
+    for node in _descendants(roots):
         nodes += 1
         parent = node.parent
         assert parent is not None, f"{node!r} has no parent"
@@ -52,11 +76,11 @@ def check_tree(tree: HiRadixTree) -> TreeStats:
         kids = node.children.values()
         assert node.lock_ref >= sum(c.lock_ref for c in kids), f"{node!r}: lock_ref below children"
         assert node.host_ref >= sum(c.host_ref for c in kids), f"{node!r}: host_ref below children"
-        for comp in tree._extra:
+        for comp in components:
             if node.extra and comp.name in node.extra:
                 comp.check(node.extra[comp.name], n_pages)
     recomputed = TreeStats(
         nodes=nodes, device_pages=device, host_pages=host, protected_device_pages=protected
     )
-    assert recomputed == tree.stats(), f"counters {tree.stats()} != recomputed {recomputed}"
+    assert recomputed == counted, f"counters {counted} != recomputed {recomputed}"
     return recomputed

@@ -80,10 +80,13 @@ class TreeNode:
         host: L2 page ids, one per page of the span, or ``None`` when not backed up.
         lock_ref: device pins on this node (path-wise: a lock on a node pins its ancestors).
         host_ref: host pins, path-wise like ``lock_ref``.
-        hit_count: inserts that created or passed through this span.
+        hit_count: requests that created or reused this span (one each).
         last_access: logical clock of the last match or insert that touched it.
         created: logical clock when the span was first inserted (kept by splits).
-        priority: caller-given priority (higher stays longer under the ``priority`` policy).
+        priority: the highest priority of the requests that inserted the span or passed
+            through it in an insert (``max``, never lowered; a split copies it to both
+            halves), so a node's priority is at least any descendant's. Under the
+            ``priority`` eviction policy the lowest goes first, ties least recently used.
         tenant: the tenant salt of the subtree the node lives in (``""``: shared). Each
             tenant has its own root, so requests never match another tenant's spans.
         extra: per-component values of components other than full attention, by name

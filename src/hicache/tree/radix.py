@@ -24,10 +24,18 @@ from hicache.config import EvictionPolicy
 from hicache.tokens import TOKEN_BYTES, TokenIds, encode_tokens
 from hicache.tree.components import FullAttention, TreeComponent
 from hicache.tree.eviction import EvictionOps, eviction_key
+from hicache.tree.integrity import check_tree
 from hicache.tree.node import PageIds, TreeNode, as_page_ids, common_prefix_bytes, page_ids
 from hicache.tree.paths import PathQueries
 from hicache.tree.pins import PathPins
 from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
+from hicache.validate import int_at_least, is_int
+
+
+def check_priority(priority: int) -> None:
+    """Require an int priority (TypeError otherwise; any sign is allowed)."""
+    if not is_int(priority):
+        raise TypeError(f"priority={priority!r} is invalid; must be an int")
 
 
 class HiRadixTree(PathQueries, PathPins, EvictionOps):
@@ -46,8 +54,7 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
         components: Sequence[TreeComponent] = (),
     ) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size={page_size!r} is invalid; must be >= 1")
+        int_at_least("page_size", page_size, 1)
         self.page_size = page_size
         self.eviction_policy = EvictionPolicy(eviction_policy)
         self._page_bytes = page_size * TOKEN_BYTES
@@ -90,7 +97,15 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         return root
 
     def root_of(self, tenant: str = "") -> TreeNode:
-        """The root of ``tenant``'s subtree (created on first use); ``""`` is the shared one."""
+        """The root of ``tenant``'s subtree (created on first use); ``""`` is the shared one.
+
+        A tenant's root lives only while it has children: the calls of this class that
+        may leave it empty (a match or an insert that stored nothing, the eviction of its
+        last node) drop it again, so the tree's state per tenant is bounded by what it
+        caches. Raises TypeError for a ``tenant`` that is not a ``str``.
+        """
+        if not isinstance(tenant, str):
+            raise TypeError(f"tenant={tenant!r} is invalid; must be a str (a cache salt)")
         if not tenant:
             return self.root
         root = self._tenant_roots.get(tenant)
@@ -100,8 +115,37 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
 
     @property
     def roots(self) -> list[TreeNode]:
-        """The shared root, then each tenant's."""
+        """The shared root, then each tenant's (every tenant root has children)."""
         return [self.root, *self._tenant_roots.values()]
+
+    @property
+    def tenants(self) -> list[str]:
+        """The tenants (cache salts) with something cached, in order of first use."""
+        return list(self._tenant_roots)
+
+    def has_tenant(self, tenant: str) -> bool:
+        """Whether ``tenant`` (``""``: shared, always true) has a root in the tree."""
+        return not tenant or tenant in self._tenant_roots
+
+    def prune_tenant(self, tenant: str) -> bool:
+        """Drop ``tenant``'s root if it has no children; return whether it is gone now.
+
+        Normally automatic (see :meth:`root_of`); the shared root is never dropped.
+        """
+        root = self._tenant_roots.get(tenant)
+        if root is not None:
+            self._after_remove(root)
+        return tenant not in self._tenant_roots
+
+    def _after_remove(self, parent: TreeNode) -> None:
+        """``parent`` may have lost its last child: drop it if it is an empty tenant root."""
+        tenant = parent.tenant
+        if (
+            parent.parent is None
+            and not parent.children
+            and self._tenant_roots.get(tenant) is parent
+        ):
+            del self._tenant_roots[tenant]
 
     def num_pages(self, node: TreeNode) -> int:
         return len(node.key) // self._page_bytes
@@ -153,6 +197,8 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             if diverged:
                 stop = MatchStop.DIVERGED
                 break
+        if node.parent is None:
+            self._after_remove(node)  # a miss must not keep a tenant root alive
         return MatchResult(
             device_pages=device_pages,
             last_device_node=last_device,
@@ -175,9 +221,14 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
 
         Spans already in L1 keep their pages (the caller's different pages come back as
         ``duplicate_pages``); spans held only in L2 adopt the caller's pages; the uncached
-        tail becomes a new leaf. Every existing node passed counts a hit; a new node starts
-        with one hit.
+        tail becomes a new leaf. A new node starts with one hit; existing nodes count no
+        hit here (a request reuses a span once, counted by :meth:`count_hit`).
+
+        ``priority`` (an int; higher stays longer under the ``priority`` eviction policy):
+        the new leaf gets it, and every existing span passed is raised to it if lower, so
+        a span's priority is the max over the requests that inserted or reused it.
         """
+        check_priority(priority)
         key = self._page_key(tokens)
         pb = self._page_bytes
         n_pages = len(key) // pb
@@ -212,7 +263,6 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
                 child = self._split(child, klen // pb)
             k = klen // pb
             chunk = pages[page : page + k]
-            child.hit_count += 1
             child.last_access = tick
             child.priority = max(child.priority, priority)
             cached_pages += k
@@ -224,6 +274,8 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             pos += klen
             page += k
             node = child
+        if node.parent is None:
+            self._after_remove(node)  # nothing stored (shorter than a page)
         return InsertResult(
             last_node=node,
             cached_tokens=cached_pages * self.page_size,
@@ -231,6 +283,13 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             adopted=adopted,
             new_node=new_node,
         )
+
+    def count_hit(self, node: TreeNode) -> None:
+        """One more request reused the path to ``node``: add a hit to it and each
+        ancestor (``write_through_selective`` and ``lfu`` read the counts)."""
+        while node.parent is not None:
+            node.hit_count += 1
+            node = node.parent
 
     def _split(self, child: TreeNode, at_page: int) -> TreeNode:
         """Split ``child`` after ``at_page`` pages; return the new head (child's new parent)."""
@@ -262,14 +321,22 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         return head
 
     def insert_host(
-        self, tokens: TokenIds, host_pages: PageIds, start_page: int, tenant: str = ""
+        self,
+        tokens: TokenIds,
+        host_pages: PageIds,
+        start_page: int,
+        tenant: str = "",
+        *,
+        priority: int = 0,
     ) -> InsertResult:
         """Record L2 copies (fetched from L3) of pages ``start_page ..`` of ``tokens``.
 
         Pages before ``start_page`` must be cached already. Spans that are cached by now keep
         their pages (the caller's come back in ``duplicate_pages``); the rest becomes one
         L2-only leaf, only if its parent is in L2 (contiguity), else all are returned.
+        ``priority`` is the new leaf's and raises the spans passed, as in :meth:`insert`.
         """
+        check_priority(priority)
         key = self._page_key(tokens)
         pb = self._page_bytes
         if len(key) // pb != start_page + len(host_pages):
@@ -288,6 +355,7 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
                 klen = common_prefix_bytes(key[pos:], child.key, pb)
                 child = self._split(child, klen // pb)
             child.last_access = self._tick
+            child.priority = max(child.priority, priority)
             pos += klen
             node = child
         page = pos // pb
@@ -296,7 +364,7 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         new_node: TreeNode | None = None
         taken = page - start_page
         if pos < len(key) and node.host is not None:
-            new_node = self._new_node(key[pos:], node, host=host_pages[taken:])
+            new_node = self._new_node(key[pos:], node, host=host_pages[taken:], priority=priority)
             new_node.tenant = node.tenant
             node.children[key[pos : pos + pb]] = new_node
             self._num_nodes += 1
@@ -305,6 +373,8 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             dup = host_pages[:taken]
         else:
             dup = host_pages[:]
+        if node.parent is None:
+            self._after_remove(node)  # nothing stored
         return InsertResult(
             last_node=node,
             cached_tokens=taken * self.page_size,
@@ -368,6 +438,4 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
     def check_integrity(self) -> TreeStats:
         """Verify every invariant of the module docstring; raise AssertionError naming the
         first violation. Returns the recomputed stats."""
-        from hicache.tree.integrity import check_tree
-
-        return check_tree(self)
+        return check_tree(self.root, self._tenant_roots, self.page_size, self._extra, self.stats())
