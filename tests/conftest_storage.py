@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.storage.services import RedisServer
-from tests.services import MooncakeProc, start_mooncake, start_redis, start_valkey
+from hicache.services.mooncake_process import MooncakeProcess
+from hicache.services.redis import RedisServer
+from tests.services import start_mooncake, start_redis, start_valkey
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +38,10 @@ def valkey_service() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def mooncake_service() -> Iterator[MooncakeProc]:
-    """``mooncake_master`` plus a segment holder (hicache.storage.mooncake_service)."""
+def mooncake_service() -> Iterator[MooncakeProcess]:
+    """``mooncake_master`` plus a segment holder (hicache.services.mooncake)."""
     svc = start_mooncake()
     try:
         yield svc
     finally:
-        svc.stop()
+        svc.close()

@@ -23,7 +23,7 @@ from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
-from hicache.storage.memory import MemoryStorage, MemoryStore
+from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, encode_tokens
 from tests.kvdata import page_kv, read_device, write_tokens

@@ -12,7 +12,7 @@ from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
-from hicache.storage.memory import MemoryStorage, MemoryStore
+from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.kvdata import page_kv, read_device, write_tokens
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")

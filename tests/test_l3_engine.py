@@ -20,7 +20,7 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.storage.memory import MemoryFaults, MemoryStorage
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from hicache.storage.registry import create_storage
 from tests.engine_fixtures import engine_model
 
@@ -248,7 +248,7 @@ def test_full_disk_gives_misses_and_identical_output(
 ) -> None:
     import errno
 
-    import hicache.storage.file as file_mod
+    import hicache.storage.backends.file as file_mod
 
     def full(fd: int, bufs: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -18,8 +18,8 @@ import torch
 from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.services import free_port
 from hicache.storage import HiCacheStorage, StorageError, StorageOptions, create_storage
-from hicache.storage.services import free_port
 from tests.services import start_mooncake, start_redis
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -98,6 +98,7 @@ def mooncake_private() -> Iterator[Any]:
         yield svc
     finally:
         svc.kill()
+        svc.close()
 
 
 @pytest.mark.parametrize("how", ["kill", "freeze"])
@@ -135,14 +136,12 @@ def test_mooncake_service_lost(mooncake_private: Any, how: str) -> None:
         if how == "kill":
             mooncake_private.kill()
         else:
-            for pid in (mooncake_private.master_pid, mooncake_private.proc.pid):
-                os.kill(pid, signal.SIGSTOP)
+            mooncake_private.freeze()
         try:
             assert_degrades(st, present, src, strict=False)  # see assert_degrades
         finally:
             if how == "freeze":
-                for pid in (mooncake_private.master_pid, mooncake_private.proc.pid):
-                    os.kill(pid, signal.SIGCONT)
+                mooncake_private.thaw()
     finally:
         _, dt = timed(st.close)
         assert dt < TIMEOUT_S + SLACK_S

@@ -17,8 +17,8 @@ from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.storage import StorageError, StorageOptions, create_storage
-from hicache.storage import file as file_mod
-from hicache.storage.file import FileStorage
+from hicache.storage.backends import file as file_mod
+from hicache.storage.backends.file import FileStorage
 from hicache.storage.record import HEADER_SIZE
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")

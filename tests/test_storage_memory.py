@@ -11,7 +11,7 @@ from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.storage import MemoryFaults, MemoryStorage, MemoryStore, StorageOptions, create_storage
-from hicache.storage.memory import shared_store
+from hicache.storage.backends.memory import shared_store
 from hicache.storage.record import encode_record
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4)

@@ -3,9 +3,10 @@
 * ``hicache serve``: the OpenAI-compatible server (binds 127.0.0.1 unless told otherwise);
 * ``hicache generate``: one prompt, one completion, printed;
 * ``hicache bench NAME``: a benchmark (``tree``, ``transfer``; ``--help`` after the name);
-* ``hicache demo``: the scripted walk through the tiers;
+* ``hicache demo-tiers``: the scripted walk through the tiers (``make demo`` chats);
 * ``hicache store mooncake``: ``mooncake_master`` plus a segment-holding client on
-  127.0.0.1, so that L3 outlives any one engine.
+  127.0.0.1, so that L3 outlives any one engine; ``hicache store redis``: a Redis/Valkey
+  server on 127.0.0.1 (both from :mod:`hicache.services`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ BENCHES = {
     "full-hit": "hicache.bench.full_hit",
     "storage": "hicache.storage.bench",
 }
+
+STORES = {
+    "mooncake": "hicache.services.mooncake",
+    "redis": "hicache.services.redis",
+}
+"""``hicache store NAME``: the service module whose ``main(argv)`` runs it (hicache.services)."""
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -93,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="run a benchmark (pass --help after its name)", add_help=False
     )
     bench.add_argument("name", choices=sorted(BENCHES))
-    sub.add_parser("demo", help="a scripted walk through L1, L2 and load back")
+    sub.add_parser("demo-tiers", help="a scripted walk through L1, L2 and load back")
     store = sub.add_parser(
         "store", help="run an L3 store service (pass --help after its name)", add_help=False
     )
-    store.add_argument("name", choices=["mooncake"])
+    store.add_argument("name", choices=sorted(STORES))
     return parser
 
 
@@ -110,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(BENCHES[args.name])
         return int(module.main(rest))
     if args.command == "store":
-        from hicache.storage import mooncake_service
-
-        return int(mooncake_service.main(rest))
+        module = importlib.import_module(STORES[args.name])
+        return int(module.main(rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
@@ -122,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
     except ValueError as exc:  # invalid configuration: say what, not a traceback
         parser.error(str(exc))
-    from hicache import demo
+    from hicache import demo_tiers
 
-    return demo.main()
+    return demo_tiers.main()
 
 
 if __name__ == "__main__":

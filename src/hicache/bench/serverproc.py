@@ -4,8 +4,8 @@
   waited for through ``GET /health``, stopped by PID (SIGTERM, then SIGKILL after a grace
   period). Its stdout and stderr go to a temp log file, whose tail is shown on failure
   (and which is kept then); on a clean stop the log is removed.
-* :class:`MooncakeProcess`: ``python -m hicache.storage.mooncake_service`` on free ports;
-  its JSON ``ready`` line on stdout gives the ``master_server_address``.
+* :func:`mooncake_service`: a fresh Mooncake service on free ports, launched by
+  :class:`hicache.services.mooncake_process.MooncakeProcess` (the one launcher).
 * :func:`config_server`: the server of one named config (:data:`CONFIG_NAMES`, parsed
   from ``--configs`` by :func:`parse_configs`) with any helper it needs (an L3 directory,
   a Mooncake service), torn down on exit; :class:`ServerSpec` is what all configs share.
@@ -17,7 +17,6 @@ requests sent to these servers are in :mod:`hicache.bench.httpclient`.
 from __future__ import annotations
 
 import json
-import select
 import shutil
 import subprocess
 import sys
@@ -31,22 +30,25 @@ from types import TracebackType
 
 import httpx
 
-from hicache.storage.services import (
+from hicache.services.mooncake import mooncake_master_path
+from hicache.services.mooncake_process import MooncakeProcess
+from hicache.services.process import (
     LOOPBACK,
+    ServiceError,
+    ServiceUnavailableError,
     die_with_parent,
     free_port,
-    mooncake_master_path,
     stop_process,
 )
 
 __all__ = [
     "CONFIG_NAMES",
     "ConfigSkippedError",
-    "MooncakeProcess",
     "ServerError",
     "ServerProcess",
     "ServerSpec",
     "config_server",
+    "mooncake_service",
     "parse_configs",
 ]
 
@@ -176,71 +178,26 @@ class ServerProcess:
         self.close(keep_log=failed)
 
 
-class MooncakeProcess:
-    """``python -m hicache.storage.mooncake_service`` on free ports (a ``with`` block).
-
-    ConfigSkippedError when the ``mooncake_master`` binary is missing; ServerError when
-    the service does not print its ready line within ``startup_timeout_s`` seconds.
-    """
-
-    def __init__(self, *, segment_size: str = "1GiB", startup_timeout_s: float = 60.0) -> None:
-        self.segment_size = segment_size
-        self.startup_timeout_s = startup_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.master_server_address = ""
-        self._log: Path | None = None
-
-    def start(self) -> MooncakeProcess:
-        if mooncake_master_path() is None:
-            raise ConfigSkippedError(
-                "mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)"
-            )
-        master, metrics = free_port(), free_port()
-        while metrics == master:
-            metrics = free_port()
-        fd, name = tempfile.mkstemp(prefix="hicache-bench-mooncake-", suffix=".log")
-        self._log = Path(name)
-        cmd = [sys.executable, "-m", "hicache.storage.mooncake_service",
-               "--master-port", str(master), "--metrics-port", str(metrics),
-               "--segment-size", self.segment_size]  # fmt: skip
-        with open(fd, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.startup_timeout_s)
-        line = self.proc.stdout.readline() if ready else b""
-        try:
-            doc = json.loads(line)
-            if doc.get("event") != "ready":
-                raise ValueError(doc)
-            self.master_server_address = str(doc["master_server_address"])
-        except (ValueError, KeyError, TypeError):
-            tail = self._log.read_text(errors="replace")[-4000:]
-            self.close()
-            raise ServerError(f"the Mooncake service did not become ready:\n{tail}") from None
-        return self
-
-    def close(self) -> None:
-        """Stop the service by PID (it stops its master) and remove its log."""
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=15.0)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-            self.proc = None
-        if self._log is not None:
-            self._log.unlink(missing_ok=True)
-            self._log = None
-
-    def __enter__(self) -> MooncakeProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+@contextmanager
+def mooncake_service(segment_size: str, startup_timeout_s: float = 60.0) -> Iterator[str]:
+    """A fresh Mooncake service (:class:`hicache.services.mooncake_process.MooncakeProcess`)
+    for one config; yields its ``master_server_address``. ConfigSkippedError when Mooncake
+    is not installed here; ServerError when it does not become ready."""
+    if mooncake_master_path() is None:
+        raise ConfigSkippedError(
+            "mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)"
+        )
+    mc = MooncakeProcess(segment_size=segment_size, startup_timeout_s=startup_timeout_s)
+    try:
+        mc.start()
+    except ServiceUnavailableError as e:
+        raise ConfigSkippedError(str(e)) from None
+    except ServiceError as e:
+        raise ServerError(str(e)) from None
+    try:
+        yield mc.master_server_address
+    finally:
+        mc.close()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,8 +247,8 @@ def config_server(name: str, spec: ServerSpec) -> Iterator[ServerProcess]:
             flags += ["--hicache-storage-backend", "file"]
             flags += ["--hicache-storage-backend-extra-config", extra]
         if name == "l1_l2_l3_mooncake":
-            mc = stack.enter_context(MooncakeProcess(segment_size=spec.mooncake_segment))
-            extra = json.dumps({"master_server_address": mc.master_server_address})
+            master = stack.enter_context(mooncake_service(spec.mooncake_segment))
+            extra = json.dumps({"master_server_address": master})
             flags += ["--hicache-storage-backend", "mooncake"]
             flags += ["--hicache-storage-backend-extra-config", extra]
         server = stack.enter_context(ServerProcess(flags, startup_timeout_s=spec.startup_timeout_s))

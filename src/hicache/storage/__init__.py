@@ -1,12 +1,13 @@
 """L3 storage: the :class:`HiCacheStorage` contract, page records, backends and registry.
 
-Backends: ``file`` (:mod:`.file`), ``memory`` (:mod:`.memory`, a fake for tests),
-``redis`` (:mod:`.redis_store`, Redis or Valkey), ``mooncake`` (:mod:`.mooncake_store`),
-or ``package.module:Class``. Build one with :func:`create_storage`.
+Backends (in :mod:`.backends`, one module each): ``file``, ``memory`` (a fake for tests),
+``redis`` (Redis or Valkey), ``mooncake``, or ``package.module:Class``. Build one with
+:func:`create_storage`. The store processes they talk to are launched by
+:mod:`hicache.services`.
 """
 
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
-from hicache.storage.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.record import HEADER_SIZE, RecordCheck, check_record, encode_header
 from hicache.storage.registry import (
     backend_names,

@@ -23,13 +23,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,11 @@ import torch
 from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.services.mooncake_process import MooncakeProcess
+from hicache.services.redis import RedisServer
 from hicache.storage.base import HiCacheStorage, StorageOptions
 from hicache.storage.pageio import byte_view
 from hicache.storage.registry import create_storage
-from hicache.storage.services import RedisServer, free_port
 
 __all__ = ["BenchResult", "main"]
 
@@ -172,30 +172,6 @@ class _RawMooncake(_Raw):
 
     def close(self) -> None:
         self.store.close()
-
-
-@contextmanager
-def _mooncake_service() -> Iterator[str]:
-    port, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache.storage.mooncake_service", "--master-port", str(port),
-         "--metrics-port", str(metrics), "--segment-size", "2GiB"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError("mooncake service failed to start")
-        yield str(json.loads(line)["master_server_address"])
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[BenchResult]:
@@ -357,7 +333,10 @@ def _make_case(
             ),
             raw_redis,
         )
-    master = args.mooncake_master or stack.enter_context(_mooncake_service())
+    master = (
+        args.mooncake_master
+        or stack.enter_context(MooncakeProcess(segment_size="2GiB")).master_server_address
+    )
     raw_mc = _RawMooncake(master)
     stack.callback(raw_mc.close)
     return _Case(

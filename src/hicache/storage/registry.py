@@ -35,10 +35,10 @@ StorageFactory = Callable[[Namespace, Mapping[str, Any], StorageOptions], HiCach
 """``factory(namespace, backend_extra_config, options) -> unstarted backend``."""
 
 BUILTIN_BACKENDS: dict[str, str] = {
-    "file": "hicache.storage.file:FileStorage",
-    "memory": "hicache.storage.memory:MemoryStorage",
-    "redis": "hicache.storage.redis_store:RedisStorage",
-    "mooncake": "hicache.storage.mooncake_store:MooncakeStorage",
+    "file": "hicache.storage.backends.file:FileStorage",
+    "memory": "hicache.storage.backends.memory:MemoryStorage",
+    "redis": "hicache.storage.backends.redis:RedisStorage",
+    "mooncake": "hicache.storage.backends.mooncake:MooncakeStorage",
 }
 
 _REGISTERED: dict[str, StorageFactory] = {}

@@ -10,7 +10,7 @@ headers go through a small registered arena. A ``layer_first`` pool (no page vie
 
 Objects live in the segments mounted by clients, and a client's segment goes away with it.
 By default this client mounts no segment (``global_segment_size`` 0), so objects land in
-the segment of a long-lived holder: run ``python -m hicache.storage.mooncake_service``,
+the segment of a long-lived holder: run ``hicache store mooncake`` (:mod:`hicache.services.mooncake`),
 which starts ``mooncake_master`` and such a holder on 127.0.0.1.
 
 Deadlines: every call runs on a :class:`~hicache.storage.deadline.DeadlineRunner`. With a
@@ -19,7 +19,7 @@ returns misses / False at its deadline instead, and refuses further calls (as ti
 until the stuck one returns. Caveat of zero-copy gets: a get that overran its deadline may
 still write its pages until it returns; pass ``zero_copy: false`` where that matters.
 
-Extra config: see :mod:`hicache.storage.mooncake_config`.
+Extra config: see :mod:`hicache.storage.backends.mooncake_config`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any, ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
+from hicache.storage.backends.mooncake_config import MC_ERRORS, MooncakeConfig
 from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.mooncake_config import MC_ERRORS, MooncakeConfig
 from hicache.storage.pageio import HostPages, byte_view
 from hicache.storage.record import HEADER_SIZE, check_blob, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
