@@ -21,7 +21,15 @@ import torch
 from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
-from hicache.storage import HiCacheStorage, MemoryStorage, MemoryStore, StorageStats, create_storage
+from hicache.storage import (
+    HiCacheStorage,
+    MemoryStorage,
+    MemoryStore,
+    SetOutcome,
+    SetResult,
+    StorageStats,
+    create_storage,
+)
 
 BACKENDS = ["memory", "file", "redis", "valkey", "mooncake", "mooncake-staged"]
 LAYOUTS = [MemLayout.PAGE_FIRST, MemLayout.PAGE_FIRST_DIRECT, MemLayout.LAYER_FIRST]
@@ -29,6 +37,7 @@ MHA = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 MLA = KVSpec(num_layers=2, attention="mla", kv_lora_rank=12, qk_rope_head_dim=4, dtype="float16")
 PAGE = 4
 PAGES = 8
+WRITTEN, SKIPPED, FAILED = SetOutcome.WRITTEN, SetOutcome.SKIPPED, SetOutcome.FAILED
 RUN = uuid.uuid4().hex[:8]  # keeps this run's keys apart from earlier runs on shared servers
 
 
@@ -129,7 +138,7 @@ def test_round_trip_into_another_pool(maker: Maker, layout: MemLayout, spec: KVS
     src, dst = pool(layout, spec, seed=1), pool(layout, spec, seed=2)
     keys = fresh_keys(ns, 5)
     before = st.stats()
-    assert st.batch_set(keys, src, [0, 1, 2, 3, 4]) == [True] * 5
+    assert st.batch_set(keys, src, [0, 1, 2, 3, 4]).ok == [True] * 5
     assert st.batch_exists(keys) == 5
     untouched = digest(dst, [0, 1, 2])
     assert st.batch_get(keys, dst, [7, 6, 5, 4, 3]) == [True] * 5
@@ -150,7 +159,7 @@ def test_exists_counts_consecutive_hits(maker: Maker, layout: MemLayout) -> None
     st = maker(ns)
     src = pool(layout)
     keys = fresh_keys(ns, 5)
-    assert st.batch_set([keys[0], keys[1], keys[3]], src, [0, 1, 3]) == [True] * 3
+    assert st.batch_set([keys[0], keys[1], keys[3]], src, [0, 1, 3]).ok == [True] * 3
     assert st.batch_exists(keys) == 2
     assert st.batch_exists(keys[3:]) == 1
     assert st.batch_exists(keys[2:]) == 0
@@ -165,9 +174,12 @@ def test_set_skips_present_keys(maker: Maker, layout: MemLayout) -> None:
     st = maker(ns)
     src, other, dst = pool(layout, seed=1), pool(layout, seed=3), pool(layout, seed=4)
     keys = fresh_keys(ns, 4)
-    assert st.batch_set(keys[:2], src, [0, 1]) == [True, True]
+    assert st.batch_set(keys[:2], src, [0, 1]).ok == [True, True]
     before = st.stats()
-    assert st.batch_set(keys, other, [0, 1, 2, 3]) == [True] * 4
+    result = st.batch_set(keys, other, [0, 1, 2, 3])
+    assert result == SetResult((SKIPPED, SKIPPED, WRITTEN, WRITTEN))
+    assert (result.written, result.present, result.failed) == (2, 2, 0)
+    assert result.ok == [True] * 4 and result.all_ok
     d = delta(st.stats(), before)
     assert d["set_skipped"] == 2 and d["set_written"] == 2 and d.get("set_failed", 0) == 0
     assert st.batch_get(keys, dst, [4, 5, 6, 7]) == [True] * 4
@@ -181,7 +193,7 @@ def test_absent_and_foreign_are_misses(maker: Maker, layout: MemLayout) -> None:
     st = maker(ns)
     src, dst = pool(layout, seed=1), pool(layout, seed=2)
     keys = fresh_keys(ns, 3)
-    assert st.batch_set(keys[:1], src, [0]) == [True]
+    assert st.batch_set(keys[:1], src, [0]).ok == [True]
     before = st.stats()
     assert st.batch_get(keys, dst, [0, 1, 2]) == [True, False, False]
     d = delta(st.stats(), before)
@@ -199,7 +211,7 @@ def test_data_outlives_the_writer(maker: Maker) -> None:
     src, dst = pool(MemLayout.PAGE_FIRST, seed=5), pool(MemLayout.PAGE_FIRST, seed=6)
     keys = fresh_keys(ns, 3)
     with maker.fresh(ns) as writer:
-        assert writer.batch_set(keys, src, [0, 1, 2]) == [True] * 3
+        assert writer.batch_set(keys, src, [0, 1, 2]).ok == [True] * 3
     with maker.fresh(ns) as reader:
         assert reader.batch_exists(keys) == 3
         assert reader.batch_get(keys, dst, [5, 6, 7]) == [True] * 3

@@ -65,7 +65,7 @@ def test_restart_hits(tmp_path: Path) -> None:
     src, dst = pool(1), pool(2)
     ks = keys(3)
     with storage(tmp_path) as st:
-        assert st.batch_set(ks, src, [0, 1, 2]) == [True] * 3
+        assert st.batch_set(ks, src, [0, 1, 2]).ok == [True] * 3
     with storage(tmp_path) as st2:
         assert st2.batch_exists(ks) == 3
         assert st2.batch_get(ks, dst, [3, 4, 5]) == [True] * 3
@@ -130,14 +130,14 @@ def test_full_disk_is_false_not_a_crash(tmp_path: Path, monkeypatch: pytest.Monk
     ks = keys(4)
     with storage(tmp_path) as st:
         monkeypatch.setattr(file_mod.os, "writev", full)
-        assert st.batch_set(ks, pool(1), [0, 1, 2, 3]) == [False] * 4
+        assert st.batch_set(ks, pool(1), [0, 1, 2, 3]).ok == [False] * 4
         assert calls["n"] == 1  # the rest of the batch is not attempted
         s = st.stats()
         assert s.set_failed == 4 and s.errors == 1
         assert not list(tmp_path.rglob("*.tmp"))  # no temp file left behind
         assert st.batch_exists(ks) == 0
         monkeypatch.setattr(file_mod.os, "writev", real_writev)
-        assert st.batch_set(ks, pool(1), [0, 1, 2, 3]) == [True] * 4
+        assert st.batch_set(ks, pool(1), [0, 1, 2, 3]).ok == [True] * 4
 
 
 def test_crash_before_rename_leaves_no_record(
@@ -149,7 +149,7 @@ def test_crash_before_rename_leaves_no_record(
     ks = keys(1)
     with storage(tmp_path) as st:
         monkeypatch.setattr(file_mod.os, "replace", crash)
-        assert st.batch_set(ks, pool(1), [0]) == [False]
+        assert st.batch_set(ks, pool(1), [0]).ok == [False]
         monkeypatch.undo()
         assert st.batch_exists(ks) == 0
         assert st.batch_get(ks, pool(2), [0]) == [False]
@@ -174,9 +174,9 @@ def test_size_cap_evicts_least_recently_used(tmp_path: Path) -> None:
     ks = keys(5)
     src = pool(1)
     with storage(tmp_path, max_bytes=3 * rec) as st:
-        assert st.batch_set(ks[:3], src, [0, 1, 2]) == [True] * 3
+        assert st.batch_set(ks[:3], src, [0, 1, 2]).ok == [True] * 3
         assert st.batch_get(ks[:1], pool(2), [0]) == [True]  # key 0 is now most recent
-        assert st.batch_set(ks[3:4], src, [3]) == [True]  # evicts key 1
+        assert st.batch_set(ks[3:4], src, [3]).ok == [True]  # evicts key 1
         present = [st.path_of(k.key).exists() for k in ks[:4]]
         assert present == [True, False, True, True]
     # A restart with a smaller cap trims the oldest records at start.

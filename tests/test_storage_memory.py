@@ -33,7 +33,7 @@ def keys(n: int = 2) -> list[PageKey]:
 def test_delay_below_deadline_only_slows() -> None:
     with MemoryStorage(NS, StorageOptions(timeout_s=1.0), faults=MemoryFaults(delay_s=0.05)) as st:
         t = time.monotonic()
-        assert st.batch_set(keys(), pool(), [0, 1]) == [True, True]
+        assert st.batch_set(keys(), pool(), [0, 1]).ok == [True, True]
         assert time.monotonic() - t >= 0.05
         assert st.batch_get(keys(), pool(), [2, 3]) == [True, True]
 
@@ -44,7 +44,8 @@ def test_delay_past_deadline_times_out_at_the_deadline() -> None:
         t = time.monotonic()
         assert st.batch_get(keys(), pool(), [0, 1]) == [False, False]
         assert st.batch_exists(keys()) == 0
-        assert st.batch_set(keys(), pool(), [0, 1]) == [False, False]
+        failed = st.batch_set(keys(), pool(), [0, 1])
+        assert (failed.written, failed.present, failed.failed) == (0, 0, 2)
         assert time.monotonic() - t < 1.0
         s = st.stats()
         assert s.miss("timeout") == 2 and s.timeouts == 3 and s.set_failed == 2
@@ -52,7 +53,7 @@ def test_delay_past_deadline_times_out_at_the_deadline() -> None:
 
 def test_fail_after_and_runtime_change() -> None:
     with MemoryStorage(NS, faults=MemoryFaults(fail_after=1)) as st:
-        assert st.batch_set(keys(), pool(), [0, 1]) == [True, True]  # operation 1
+        assert st.batch_set(keys(), pool(), [0, 1]).ok == [True, True]  # operation 1
         assert st.batch_get(keys(), pool(), [2, 3]) == [False, False]  # operation 2 fails
         assert st.stats().miss("error") == 2 and st.stats().errors == 1
         st.set_faults(MemoryFaults())
@@ -82,7 +83,7 @@ def test_registry_shares_named_stores_and_validates() -> None:
     a = create_storage("memory", namespace=NS, extra_config={"store": "t-shared"})
     b = create_storage("memory", namespace=NS, extra_config={"store": "t-shared", "delay_s": 0.0})
     with a, b:
-        assert a.batch_set(keys(), pool(), [0, 1]) == [True, True]
+        assert a.batch_set(keys(), pool(), [0, 1]).ok == [True, True]
         assert b.batch_exists(keys()) == 2
     with pytest.raises(ValueError, match="delay_s"):
         create_storage("memory", namespace=NS, extra_config={"delay_s": -1})

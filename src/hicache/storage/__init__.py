@@ -15,7 +15,7 @@ from hicache.storage.registry import (
     parse_extra_config,
     register_backend,
 )
-from hicache.storage.stats import MissReason, SetOutcome, StorageStats
+from hicache.storage.stats import MissReason, SetOutcome, SetResult, StorageStats
 
 __all__ = [
     "HEADER_SIZE",
@@ -27,6 +27,7 @@ __all__ = [
     "MissReason",
     "RecordCheck",
     "SetOutcome",
+    "SetResult",
     "StorageError",
     "StorageOptions",
     "StorageStats",

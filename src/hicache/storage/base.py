@@ -8,8 +8,9 @@ operations are batched and page-granular. The contract:
 - ``batch_get(keys, host, pages) -> list[bool]``: read the record of ``keys[i]`` into host
   page ``pages[i]``; True only for a page whose record passed every check. A False page's
   host content is unspecified (it may be partly overwritten) and must not be used.
-- ``batch_set(keys, host, pages) -> list[bool]``: write host page ``pages[i]`` under
-  ``keys[i]``; a key already present is skipped and counts as True.
+- ``batch_set(keys, host, pages) -> SetResult``: write host page ``pages[i]`` under
+  ``keys[i]``; a key already present is skipped (``SetOutcome.SKIPPED``, counted in
+  ``SetResult.present``, not in ``written``).
 - Every operation has a deadline (``StorageOptions.timeout_s``). A backend failure or
   timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
   and a WARNING. Only misuse raises (unstarted backend, length mismatch, a host pool that
@@ -38,7 +39,7 @@ from hicache.keys import Namespace, PageKey
 from hicache.memory import HostPool
 from hicache.storage.pageio import HostPages
 from hicache.storage.record import HEADER_SIZE
-from hicache.storage.stats import MissReason, SetOutcome, StatsRecorder, StorageStats
+from hicache.storage.stats import MissReason, SetOutcome, SetResult, StatsRecorder, StorageStats
 
 __all__ = ["Deadline", "HiCacheStorage", "StorageError", "StorageOptions"]
 
@@ -228,14 +229,17 @@ class HiCacheStorage(ABC):
 
     def batch_set(
         self, keys: Sequence[PageKey], host: HostPool, pages: Sequence[int] | torch.Tensor
-    ) -> list[bool]:
-        """Write host page ``pages[i]`` under ``keys[i]``; present keys are skipped (True)."""
+    ) -> SetResult:
+        """Write host page ``pages[i]`` under ``keys[i]``; present keys are skipped.
+
+        Returns one :class:`SetOutcome` per key: written now, already present, or failed.
+        """
         self._require_started()
         self._check_host(host)
         hp = HostPages(host, pages, for_get=False)
         self._check_lengths(keys, hp)
         if not keys:
-            return []
+            return SetResult(())
         try:
             outcome = self._set(keys, hp, Deadline(self._options.timeout_s))
             if len(outcome) != len(keys):
@@ -249,7 +253,7 @@ class HiCacheStorage(ABC):
         self._stats.put(
             len(keys), written, skipped, failed, written * (hp.payload_len + HEADER_SIZE)
         )
-        return [o is not SetOutcome.FAILED for o in outcome]
+        return SetResult.of(outcome)
 
     # -- helpers ----------------------------------------------------------------------------
     def allow_tenant(self, tenant_salt: str) -> None:

@@ -196,7 +196,9 @@ def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[Be
         with case.st_factory(ns) as st:
 
             def hicache(st: HiCacheStorage = st, keys: list[PageKey] = keys) -> None:
-                put_h.append(_gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages), "put")))
+                put_h.append(
+                    _gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages).ok, "put"))
+                )
                 get_h.append(_gbps(nbytes, lambda: _check(st.batch_get(keys, dst, pages), "get")))
 
             def raw(raw_keys: list[str] = raw_keys) -> None:

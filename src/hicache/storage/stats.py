@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["MissReason", "SetOutcome", "StatsRecorder", "StorageStats"]
+__all__ = ["MissReason", "SetOutcome", "SetResult", "StatsRecorder", "StorageStats"]
 
 log = logging.getLogger("hicache.storage")
 
@@ -41,9 +41,55 @@ class SetOutcome(enum.Enum):
     """What a set did with one page."""
 
     WRITTEN = "written"
+    """This call stored the page's record."""
     SKIPPED = "skipped"
-    """The key was already present; nothing written (counts as success)."""
+    """The key was already present (written earlier, by anyone); nothing written. The page
+    is backed up all the same."""
     FAILED = "failed"
+    """Not stored: backend error, timeout, full store."""
+
+
+@dataclass(frozen=True, slots=True)
+class SetResult:
+    """What one ``batch_set`` did: ``outcomes[i]`` is the fate of ``keys[i]``.
+
+    ``written + present + failed == len(outcomes)``. Count ``written`` pages (and their
+    bytes) as backed-up traffic; ``present`` pages were already in L3 and cost nothing.
+    """
+
+    outcomes: tuple[SetOutcome, ...]
+
+    @classmethod
+    def of(cls, outcomes: Sequence[SetOutcome]) -> SetResult:
+        return cls(tuple(outcomes))
+
+    def __len__(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def written(self) -> int:
+        """Pages whose record this call stored."""
+        return sum(o is SetOutcome.WRITTEN for o in self.outcomes)
+
+    @property
+    def present(self) -> int:
+        """Pages whose key was already present (nothing written)."""
+        return sum(o is SetOutcome.SKIPPED for o in self.outcomes)
+
+    @property
+    def failed(self) -> int:
+        """Pages not stored."""
+        return sum(o is SetOutcome.FAILED for o in self.outcomes)
+
+    @property
+    def ok(self) -> list[bool]:
+        """Per page: True when its record is in L3 now (written or present)."""
+        return [o is not SetOutcome.FAILED for o in self.outcomes]
+
+    @property
+    def all_ok(self) -> bool:
+        """Every page is in L3 now (True for an empty batch)."""
+        return SetOutcome.FAILED not in self.outcomes
 
 
 def _empty_misses() -> Mapping[str, int]:
