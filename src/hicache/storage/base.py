@@ -15,6 +15,11 @@ operations are batched and page-granular. The contract:
   timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
   and a WARNING. Only misuse raises (unstarted backend, length mismatch, a host pool that
   does not match the namespace, pages out of range).
+- ``host_writes_settled(timeout_s) -> bool``: True once no backend call that was handed
+  host pages to write is still running, so no byte of any earlier ``batch_get`` can land
+  in any host page any more. A get that overran its deadline (its pages reported False)
+  may go on writing its pages until then, so the caller must not give those pages to
+  anyone else before this says True (quarantine them, or read into staging).
 - Lifecycle: construction does no IO and starts no thread; :meth:`start` connects,
   :meth:`close` releases (both idempotent); also a context manager. Thread-safe: the
   controller's prefetch and backup threads call concurrently.
@@ -37,6 +42,7 @@ import torch
 
 from hicache.keys import Namespace, PageKey
 from hicache.memory import HostPool
+from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages
 from hicache.storage.record import HEADER_SIZE
 from hicache.storage.stats import MissReason, SetOutcome, SetResult, StatsRecorder, StorageStats
@@ -121,6 +127,9 @@ class HiCacheStorage(ABC):
         self._life = threading.Lock()
         self._started = False
         self._closed = False
+        self._host_io: DeadlineRunner | None = None
+        """The runner through which this backend makes calls that write host pages
+        (``writes_host=True``); None when it writes host pages only on the calling thread."""
 
     @classmethod
     def from_extra_config(
@@ -177,6 +186,34 @@ class HiCacheStorage(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def host_writes_settled(self, timeout_s: float) -> bool:
+        """True once no backend call that was handed host pages is still running.
+
+        Waits up to ``timeout_s`` seconds (0: just look). After True, no byte of any
+        ``batch_get`` that has returned can land in any host page any more; pages a get
+        reported False for (a timeout) may be reused from then on. False means some call
+        that overran its deadline may still write the pages it was handed: keep every page
+        of such gets away from other users and ask again later. Calls of a ``batch_get``
+        still in progress on another thread do not count (that get has not returned).
+
+        The default answers from :attr:`_host_io` (a backend that hands host pages to a
+        :class:`~hicache.storage.deadline.DeadlineRunner` with ``writes_host=True``); a
+        backend without one writes host pages only on the calling thread, before its
+        ``batch_get`` returns, and is settled always. Valid before :meth:`start` and after
+        :meth:`close` (a stuck call outlives the backend). Never raises but for a bad
+        ``timeout_s``.
+        """
+        ok = (
+            isinstance(timeout_s, (int, float))
+            and not isinstance(timeout_s, bool)
+            and math.isfinite(timeout_s)
+            and timeout_s >= 0
+        )
+        if not ok:
+            raise ValueError(f"timeout_s={timeout_s!r} is invalid; must be seconds >= 0")
+        runner = self._host_io
+        return True if runner is None else runner.wait_host_writes(timeout_s)
 
     def stats(self) -> StorageStats:
         """A frozen snapshot of this instance's counters."""

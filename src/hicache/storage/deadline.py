@@ -7,6 +7,12 @@ its worker (Python cannot cancel it) and is counted in :attr:`DeadlineRunner.stu
 returns; backends refuse new calls while any is stuck, so workers do not pile up behind a
 dead server. Workers are daemon threads: a call stuck forever never blocks interpreter exit.
 
+Late host writes: a call made with ``writes_host=True`` (one handed host-pool pages it
+writes into, like a zero-copy get) that overruns stays counted in
+:attr:`DeadlineRunner.stuck_host_writers` until it returns, i.e. until its last byte has
+landed; :meth:`DeadlineRunner.wait_host_writes` waits for that count to reach 0. This is
+what :meth:`hicache.storage.base.HiCacheStorage.host_writes_settled` reports.
+
 Lifecycle: nothing runs until :meth:`start`; :meth:`close` stops idle workers (stuck ones are
 abandoned). Thread-safe.
 """
@@ -57,6 +63,7 @@ class DeadlineRunner:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stuck = 0
+        self._stuck_host = 0
         self._inflight = 0
         self._running = False
 
@@ -69,6 +76,21 @@ class DeadlineRunner:
         """Calls that overran their deadline and have not returned yet."""
         with self._lock:
             return self._stuck
+
+    @property
+    def stuck_host_writers(self) -> int:
+        """Stuck calls made with ``writes_host=True``: each may still write host pages."""
+        with self._lock:
+            return self._stuck_host
+
+    def wait_host_writes(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until no ``writes_host`` call is stuck; True then.
+
+        A call's count is dropped only after it returned, so True means none of them can
+        write any more. Valid after :meth:`close` too (stuck calls run on regardless).
+        """
+        with self._idle:
+            return self._idle.wait_for(lambda: self._stuck_host == 0, timeout=max(timeout_s, 0.0))
 
     @property
     def inflight(self) -> int:
@@ -123,12 +145,19 @@ class DeadlineRunner:
                     self._idle.notify_all()
 
     def call(
-        self, fn: Callable[[], T], timeout_s: float, *, refuse_if_stuck: bool = True
+        self,
+        fn: Callable[[], T],
+        timeout_s: float,
+        *,
+        refuse_if_stuck: bool = True,
+        writes_host: bool = False,
     ) -> CallResult[T]:
         """Run ``fn`` on a worker and wait at most ``timeout_s`` seconds for it.
 
         Never raises for ``fn``'s failures: they come back as ``error``. With
         ``refuse_if_stuck`` the call is refused while an earlier call is stuck.
+        ``writes_host``: ``fn`` writes into host-pool pages, so if it overruns it is counted
+        in :attr:`stuck_host_writers` until it returns.
         """
         if not self._running:
             return CallResult(error=RuntimeError(f"{self._name}: runner is not started"))
@@ -145,11 +174,15 @@ class DeadlineRunner:
                 return CallResult(timed_out=True)
             with self._lock:
                 self._stuck += 1
-            fut.add_done_callback(self._unstick)
+                self._stuck_host += writes_host
+            fut.add_done_callback(lambda _f: self._unstick(writes_host))
             return CallResult(timed_out=True)
         except Exception as e:
             return CallResult(error=e)
 
-    def _unstick(self, _fut: Future[Any]) -> None:
-        with self._lock:
+    def _unstick(self, writes_host: bool) -> None:
+        """A stuck call returned (runs after ``fn`` returned, on its worker)."""
+        with self._idle:
             self._stuck -= 1
+            self._stuck_host -= writes_host
+            self._idle.notify_all()

@@ -11,6 +11,16 @@ Faults (:class:`MemoryFaults`, set at creation or with :meth:`MemoryStorage.set_
   then fails as a timeout (misses ``timeout``; exists 0; set False).
 - ``fail_after``: after this many batch operations have run, every further one fails as a
   backend error (misses ``error``). ``None`` never fails; ``0`` fails from the start.
+- ``get_delay_s``: a get's read runs on a worker thread (a
+  :class:`~hicache.storage.deadline.DeadlineRunner`, ``writes_host=True``) that sleeps this
+  long, then writes the records into the host pages it was handed, like a zero-copy
+  network get. Past the deadline the get returns its pages as ``timeout`` misses at the
+  deadline, and the read writes them LATE, after ``batch_get`` returned; until it has,
+  :meth:`~hicache.storage.base.HiCacheStorage.host_writes_settled` is False. This is the
+  fake of a late-writing backend for cache-level tests, e.g. extra config
+  ``{"get_delay_s": 1.0, "timeout_s": 0.2}``. The late write lands in the host pages with
+  ``page_first`` / ``page_first_direct`` pools (``layer_first`` gets are staged, so it lands
+  in the staging copy and never in the pool).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any, ClassVar
 from hicache.keys import Namespace, PageKey
 from hicache.storage.base import Deadline, HiCacheStorage, StorageOptions
 from hicache.storage.blob import decode_page, encode_page
+from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages
 from hicache.storage.stats import MissReason, SetOutcome
 
@@ -88,13 +99,20 @@ class MemoryFaults:
 
     delay_s: float = 0.0
     fail_after: int | None = None
+    get_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        d = self.delay_s
-        if not (
-            isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d) and d >= 0
-        ):
-            raise ValueError(f"delay_s={d!r} is invalid; must be a finite number of seconds >= 0")
+        for name in ("delay_s", "get_delay_s"):
+            d = getattr(self, name)
+            if not (
+                isinstance(d, (int, float))
+                and not isinstance(d, bool)
+                and math.isfinite(d)
+                and d >= 0
+            ):
+                raise ValueError(
+                    f"{name}={d!r} is invalid; must be a finite number of seconds >= 0"
+                )
         f = self.fail_after
         if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
             raise ValueError(f"fail_after={f!r} is invalid; must be None or an int >= 0")
@@ -110,7 +128,7 @@ class MemoryStorage(HiCacheStorage):
     """In-memory backend (registry name ``memory``)."""
 
     name: ClassVar[str] = "memory"
-    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ("store", "delay_s", "fail_after")
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ("store", "delay_s", "fail_after", "get_delay_s")
 
     def __init__(
         self,
@@ -125,12 +143,15 @@ class MemoryStorage(HiCacheStorage):
         self._faults = faults or MemoryFaults()
         self._ops = 0
         self._ops_lock = threading.Lock()
+        self._runner = DeadlineRunner("memory-late-get", workers=2)
+        self._host_io = self._runner
 
     @classmethod
     def from_extra_config(
         cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
     ) -> MemoryStorage:
-        """Keys: ``store`` (shared store name, default ``"default"``), ``delay_s``, ``fail_after``."""
+        """Keys: ``store`` (shared store name, default ``"default"``), ``delay_s``,
+        ``fail_after``, ``get_delay_s`` (see the module docstring)."""
         unknown = sorted(set(extra_config) - set(cls.EXTRA_KEYS))
         if unknown:
             raise ValueError(
@@ -140,7 +161,9 @@ class MemoryStorage(HiCacheStorage):
         if not isinstance(name, str) or not name:
             raise ValueError(f"store={name!r} is invalid; must be a non-empty str")
         faults = MemoryFaults(
-            delay_s=extra_config.get("delay_s", 0.0), fail_after=extra_config.get("fail_after")
+            delay_s=extra_config.get("delay_s", 0.0),
+            fail_after=extra_config.get("fail_after"),
+            get_delay_s=extra_config.get("get_delay_s", 0.0),
         )
         return cls(namespace, options, store=shared_store(name), faults=faults)
 
@@ -153,10 +176,10 @@ class MemoryStorage(HiCacheStorage):
         self._faults = faults
 
     def _start(self) -> None:
-        pass
+        self._runner.start()
 
     def _close(self) -> None:
-        pass
+        self._runner.close(join_s=0.1)  # a late get runs on; host_writes_settled tracks it
 
     def _inject(self, op: str, deadline: Deadline) -> None:
         """Apply the faults to one operation; raises _Fault when it must fail."""
@@ -195,6 +218,27 @@ class MemoryStorage(HiCacheStorage):
             self._inject("get", deadline)
         except _Fault as f:
             return [f.reason] * len(keys)
+        delay = self._faults.get_delay_s
+        if delay <= 0:
+            return self._read(keys, pages)
+
+        def late_read() -> list[MissReason | None]:
+            time.sleep(delay)
+            return self._read(keys, pages)
+
+        res = self._runner.call(
+            late_read, deadline.remaining, refuse_if_stuck=False, writes_host=True
+        )
+        if res.ok and res.value is not None:
+            return res.value
+        if res.timed_out:
+            self._stats.timeout("get", deadline.timeout_s)
+            return [MissReason.TIMEOUT] * len(keys)
+        self._stats.error("get", repr(res.error))
+        return [MissReason.ERROR] * len(keys)
+
+    def _read(self, keys: Sequence[PageKey], pages: HostPages) -> list[MissReason | None]:
+        """Check each record and write it into its host page (the caller's or a worker's)."""
         return [
             decode_page(self.store.get(k.key), self._digest_of(k), k, pages, i)
             for i, k in enumerate(keys)

@@ -16,8 +16,9 @@ which starts ``mooncake_master`` and such a holder on 127.0.0.1.
 Deadlines: every call runs on a :class:`~hicache.storage.deadline.DeadlineRunner`. With a
 dead master the client retries RPCs for seconds (and ``setup`` for minutes); this backend
 returns misses / False at its deadline instead, and refuses further calls (as timeouts)
-until the stuck one returns. Caveat of zero-copy gets: a get that overran its deadline may
-still write its pages until it returns; pass ``zero_copy: false`` where that matters.
+until the stuck one returns. A zero-copy get that overran its deadline may still write its
+pages until it returns: :meth:`~hicache.storage.base.HiCacheStorage.host_writes_settled`
+says False until then (staged gets, ``zero_copy: false``, only ever write the arena).
 
 Extra config: see :mod:`hicache.storage.backends.mooncake_config`.
 """
@@ -61,6 +62,7 @@ class MooncakeStorage(HiCacheStorage):
         self.config = config
         self._store: Any = None
         self._runner = DeadlineRunner("mooncake")
+        self._host_io = self._runner  # zero-copy gets write host pages on its workers
         self._buffers = BufferRegistry(self._register, self._unregister)
         self._arenas = ArenaPool(self._buffers.ensure_tensor)
 
@@ -173,11 +175,14 @@ class MooncakeStorage(HiCacheStorage):
         deadline: Deadline,
         arena: Arena | None = None,
         keep: object = None,
+        writes_host: bool = False,
     ) -> T | MissReason:
         """Run ``fn`` within ``deadline``; release ``arena``'s call reference when it ends.
 
         ``keep`` (the host buffer of a zero-copy call) stays referenced until the call
         returns, so memory a late call still writes is never freed under it.
+        ``writes_host``: ``fn`` writes host pages (a zero-copy get), see
+        :meth:`host_writes_settled`.
         """
 
         def run() -> T:
@@ -190,7 +195,7 @@ class MooncakeStorage(HiCacheStorage):
 
         keep_alive = [keep]
 
-        res = self._runner.call(run, deadline.remaining)
+        res = self._runner.call(run, deadline.remaining, writes_host=writes_host)
         if res.refused and arena is not None:
             arena.release()  # never ran
         if res.ok:
@@ -254,6 +259,7 @@ class MooncakeStorage(HiCacheStorage):
                 deadline,
                 arena,
                 keep=pages.host.buffer,
+                writes_host=True,
             )
         else:
             flat_ptrs = [base + j * rec for j in range(n)]
