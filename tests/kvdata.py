@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
 import torch
 
-from hicache.cache import HiCache
+from hicache.cache import CacheRequest, HiCache
 from hicache.controller import page_tensor
 from hicache.tree.node import PageIds
 
@@ -52,3 +53,41 @@ def write_tokens(cache: HiCache, tokens: Sequence[int], pages: PageIds, first_pa
 
 def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
     return cache.device_pool.read_pages(page_tensor(pages))
+
+
+def serve(
+    cache: HiCache,
+    tokens: Sequence[int],
+    *,
+    tenant: str = "",
+    priority: int = 0,
+    hold: bool = False,
+    timeout_s: float = 10.0,
+) -> CacheRequest | None:
+    """Drive one request through the verbs as an engine would: open (every whole page of
+    ``tokens`` may hit), wait for the prefetch policy, admit, check the cached prefix
+    byte for byte, "compute" the rest, commit.
+
+    Returns the handle (released unless ``hold``), or None when L1 had no room.
+    """
+    seq = list(tokens)
+    req = cache.open(seq, tenant=tenant, priority=priority, compute_last=False)
+    end = time.monotonic() + timeout_s
+    while not cache.ready(req):
+        assert time.monotonic() < end, "the prefetch policy never let the request in"
+        time.sleep(0.0005)
+    if not cache.admit(req, seq):
+        cache.release(req)
+        return None
+    for layer in range(cache.spec.num_layers):
+        assert req.wait_layer(layer, timeout_s), req.failed
+    prefix = req.pages[: req.prefix_pages]
+    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
+        "a cached prefix came back with other bytes"
+    )
+    full = len(tokens) // cache.page_size
+    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+    cache.commit(req, tokens)
+    if not hold:
+        cache.release(req)
+    return req

@@ -9,7 +9,7 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec, WritePolicy
-from tests.kvdata import page_kv, read_device, write_tokens
+from tests.kvdata import page_kv, read_device, serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 
@@ -31,19 +31,9 @@ def cache() -> Iterator[HiCache]:
 
 def run_request(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
     """Drive one request as an engine would; returns (device hit, host hit) tokens."""
-    m = cache.match_prefix(tokens)
-    lb = cache.load_back(m)
-    cache.count_request(len(tokens), m, lb)
-    lb.progress.wait_all()
-    cache.lock(lb.last_node)
-    n_total = len(tokens) // cache.page_size
-    n_new = n_total - len(lb.device_pages)
-    new = cache.alloc_device(n_new)
-    assert new is not None
-    write_tokens(cache, tokens, new, len(lb.device_pages))
-    cache.insert(tokens, lb.device_pages + new)
-    cache.unlock(lb.last_node)
-    return m.device_tokens, lb.loaded_tokens
+    req = serve(cache, tokens)
+    assert req is not None
+    return req.cached.device, req.cached.host
 
 
 def test_write_through_backs_up_on_insert(cache: HiCache) -> None:
@@ -97,11 +87,12 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     assert cache.evict_device(4) == 3
     m = cache.match_prefix([*tokens, 11])
     assert (m.device_tokens, m.host_tokens) == (0, 6)
-    lb = cache.load_back(m)
-    cache.count_request(7, m, lb)
-    assert lb.loaded_tokens == 6 and lb.device_tokens == 6
-    lb.progress.wait_all()
-    assert torch.equal(read_device(cache, lb.device_pages), page_kv(cache, tokens, 0, 3))
+    req = cache.open([*tokens, 11])
+    assert cache.admit(req, [*tokens, 11])
+    assert req.cached.host == 6 and req.prefix_tokens == 6 and len(req.pages) == 4
+    assert all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+    assert torch.equal(read_device(cache, req.pages[:3]), page_kv(cache, tokens, 0, 3))
+    cache.release(req)
     cache.flush()
     st = cache.stats()
     assert st.counters["load_tokens_total"] == 6 and st.counters["host_hit_tokens_total"] == 6
@@ -115,10 +106,11 @@ def test_load_back_threshold_and_all_or_nothing() -> None:
         run_request(cache, [1, 2, 3, 4])
         cache.flush()
         cache.evict_device(2)
-        m = cache.match_prefix([1, 2, 3, 4])
-        lb = cache.load_back(m)
-        assert lb.loaded_tokens == 0 and len(lb.device_pages) == 0  # 4 < 6 tokens
+        req = cache.open([1, 2, 3, 4], compute_last=False)
+        assert cache.admit(req, [1, 2, 3, 4])
+        assert req.cached.host == 0 and req.prefix_pages == 0  # 4 < 6 tokens: recompute
         assert cache.stats().counters["load_skipped_tokens_total"] == 4
+        cache.release(req)
         cache.check_integrity()
     with make_cache() as cache:
         run_request(cache, [1, 2, 3, 4, 5, 6])
@@ -126,8 +118,8 @@ def test_load_back_threshold_and_all_or_nothing() -> None:
         cache.evict_device(3)
         pinned = cache.alloc_device(2)  # L1 has 4 pages: 2 left, the chain needs 3
         assert pinned is not None
-        lb = cache.load_back(cache.match_prefix([1, 2, 3, 4, 5, 6]))
-        assert lb.loaded_tokens == 0 and len(lb.device_pages) == 0
+        req = cache.open([1, 2, 3, 4, 5, 6], compute_last=False)
+        assert not cache.admit(req, [1, 2, 3, 4, 5, 6])  # no room: nothing loaded or held
         (node,) = cache.tree.iter_nodes()
         assert node.device is None and node.host_ref == 0 and node.lock_ref == 0
         cache.check_integrity(request_pages=pinned)
@@ -159,11 +151,11 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
 
 def test_reset_empties_l1_and_l2(cache: HiCache) -> None:
     run_request(cache, [1, 2, 3, 4])
-    node = cache.match_prefix([1, 2, 3, 4]).last_device_node
-    cache.lock(node)
+    held = serve(cache, [1, 2, 3, 4], hold=True)
+    assert held is not None
     with pytest.raises(RuntimeError, match="hold prefixes"):
         cache.reset()
-    cache.unlock(node)
+    cache.release(held)
     cache.reset()
     st = cache.stats()
     assert st.nodes == 0 and st.device_free_tokens == 8 and st.host_free_tokens == 16

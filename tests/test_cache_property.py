@@ -1,13 +1,12 @@
 """Property test: random operation sequences keep every invariant and every byte.
 
-After each step the tree and allocators pass ``check_integrity`` (with the pages that
-in-flight requests hold), and every cached prefix read back through the facade (match ->
-load back -> read L1) equals the KV written for those tokens.
+Requests go through the facade's verbs (open -> ready -> admit -> commit -> release), some
+held across steps. After each step the tree and allocators pass ``check_integrity``
+(admitted requests' pages included), and every cached prefix read back through the verbs
+equals the KV written for those tokens.
 """
 
 from __future__ import annotations
-
-import time
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -19,14 +18,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hicache.cache import HiCache
+from hicache.cache import CacheRequest, HiCache
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
-from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
-from hicache.tree import TreeNode
-from hicache.tree.node import PageIds, encode_tokens
-from tests.kvdata import page_kv, read_device, write_tokens
+from tests.kvdata import serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -39,7 +35,7 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.policy = "write_through"
         self.cache: HiCache | None = None
-        self.held: list[tuple[TreeNode, PageIds]] = []  # locked prefixes + caller pages
+        self.held: list[CacheRequest] = []  # admitted requests kept across steps
         self.known: list[tuple[list[int], str]] = []
 
     @initialize(
@@ -65,10 +61,8 @@ class CacheMachine(RuleBasedStateMachine):
             ns = Namespace.for_spec(
                 SPEC, model="m", weights_fingerprint="w", layout=layout, page_size=PAGE
             )
-            assert self.cache.host_pool is not None
-            ctl = StorageController(MemoryStorage(ns, store=MemoryStore()), self.cache.host_pool)
             prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-            self.cache.attach_storage(ctl, ns, prefetch)
+            self.cache.attach_storage(MemoryStorage(ns, store=MemoryStore()), ns, prefetch)
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -86,46 +80,18 @@ class CacheMachine(RuleBasedStateMachine):
         tenant=st.sampled_from(["", "", "t1"]),
     )
     def request(self, tokens: list[int], hold: bool, priority: int, tenant: str) -> None:
-        """Match, load back, compute the rest, insert; optionally keep the prefix locked."""
-        c = self.c
-        if c.l3 is not None and not tenant:  # what the scheduler does before admission
-            key = encode_tokens(tokens)
-            handle = c.l3.start_prefetch(key, c.match_prefix(key))
-            if handle is not None:
-                while not c.l3.ready(handle):
-                    time.sleep(0.0005)
-                c.l3.finish(handle)
-        m = c.match_prefix(tokens, tenant)
-        lb = c.load_back(m)
-        c.count_request(len(tokens), m, lb)
-        lb.progress.wait_all()
-        assert read_device(c, lb.device_pages).equal(page_kv(c, tokens, 0, len(lb.device_pages))), (
-            "a cached prefix came back with other bytes"
-        )
-        c.lock(lb.last_node)
-        n_new = len(tokens) // PAGE - len(lb.device_pages)
-        new = c.alloc_device(n_new)
-        if new is None:
-            c.unlock(lb.last_node)
-            return
-        write_tokens(c, tokens, new, len(lb.device_pages))
-        result = c.insert(tokens, lb.device_pages + new, priority=priority, tenant=tenant)
-        c.unlock(lb.last_node)
+        """Admit (prefetch, match, load back), compute the rest, commit; maybe hold it."""
+        req = serve(self.c, tokens, tenant=tenant, priority=priority, hold=hold)
+        if req is None:
+            return  # L1 full of pinned pages: nothing held, nothing changed
         self.known.append((tokens, tenant))
         if hold:
-            c.lock(result.last_node)
-            extra = c.alloc_device(1)  # a decode page the request owns
-            if extra is None:
-                c.unlock(result.last_node)
-            else:
-                self.held.append((result.last_node, extra))
+            self.held.append(req)
 
     @rule()
     @precondition(lambda self: bool(self.held))
     def finish(self) -> None:
-        node, pages = self.held.pop(0)
-        self.c.unlock(node)
-        self.c.free_device(pages)
+        self.c.release(self.held.pop(0))
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n: int) -> None:
@@ -149,18 +115,14 @@ class CacheMachine(RuleBasedStateMachine):
     def read_back(self, i: int) -> None:
         """Read a previously inserted sequence back; whatever is cached must be exact."""
         tokens, tenant = self.known[i % len(self.known)]
-        c = self.c
-        lb = c.load_back(c.match_prefix(tokens, tenant))
-        lb.progress.wait_all()
-        assert read_device(c, lb.device_pages).equal(page_kv(c, tokens, 0, len(lb.device_pages)))
+        serve(self.c, tokens, tenant=tenant)  # checks the cached prefix byte for byte
 
     @invariant()
     def integrity(self) -> None:
         if self.cache is None:
             return
         self.cache.poll()
-        held = [p for _, pages in self.held for p in pages]
-        self.cache.check_integrity(request_pages=held)
+        self.cache.check_integrity()
 
 
 CacheMachine.TestCase.settings = settings(

@@ -52,7 +52,7 @@ def assert_clean(engine: Engine) -> None:
     def check() -> None:
         assert engine.scheduler.idle
         engine.cache.flush()
-        engine.cache.check_integrity(request_pages=engine.scheduler.held_pages())
+        engine.cache.check_integrity()
         assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
 
     engine.call(check).result(timeout=30)

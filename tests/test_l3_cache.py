@@ -3,17 +3,14 @@ private (salted) spans, MLA's rank-0 writer, and agreement across ranks."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from hicache.cache import HiCache
 from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
-from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
-from tests.kvdata import page_kv, read_device, write_tokens
+from tests.kvdata import page_kv, read_device, serve, write_tokens
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 MLA = KVSpec(num_layers=2, attention=AttentionKind.MLA, kv_lora_rank=4, qk_rope_head_dim=2)
@@ -38,8 +35,8 @@ def make(spec: KVSpec, store: MemoryStore, ranks: RankGroup | None = None) -> Hi
     ns = Namespace.for_spec(
         spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
     )
-    ctl = StorageController(MemoryStorage(ns, store=store), cache.host_pool, ranks)  # type: ignore[arg-type]
-    cache.attach_storage(ctl, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+    prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch, ranks)
     return cache
 
 
@@ -53,21 +50,11 @@ def put(cache: HiCache, tokens: list[int], *, tenant: str = "") -> None:
 
 def fetch(cache: HiCache, tokens: list[int], tenant: str = "") -> tuple[int, torch.Tensor]:
     """Prefetch + load back ``tokens``; returns (tokens from L3, their L1 bytes)."""
-    assert cache.l3 is not None
-    from hicache.tree.node import encode_tokens
-
-    key = encode_tokens(tokens)
-    handle = cache.l3.start_prefetch(key, cache.match_prefix(key, tenant), tenant)
-    got = 0
-    if handle is not None:
-        while not cache.l3.ready(handle):
-            time.sleep(0.001)
-        got = cache.l3.finish(handle)
-    m = cache.match_prefix(tokens, tenant)
-    lb = cache.load_back(m)
-    cache.count_request(len(tokens), m, lb, got)
-    lb.progress.wait_all()
-    data = read_device(cache, lb.device_pages)
+    req = serve(cache, tokens, tenant=tenant, hold=True)
+    assert req is not None
+    data = read_device(cache, req.pages[: req.prefix_pages])
+    got = req.cached.storage
+    cache.release(req)
     cache.flush()
     return got, data
 
@@ -120,7 +107,7 @@ def test_mla_only_rank_zero_writes() -> None:
         put(r0, TOKENS)
         put(r1, TOKENS)
         assert len(s0) == 4 and len(s1) == 0
-        assert r0.l3 is not None and r0.l3.namespace.tp_rank is None
+        assert r0.storage is not None and r0.storage.namespace.tp_rank is None
 
 
 def test_ranks_agree_on_the_shorter_hit() -> None:

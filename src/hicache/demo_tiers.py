@@ -1,4 +1,4 @@
-"""``make demo``: a scripted run on the HiCache facade.
+"""``hicache demo-tiers``: a scripted walk through the tiers on the HiCache facade.
 
 Writes a few prompts' KV into a small L1, shows them demoted to L2 when L1 runs out,
 then loads one back layer by layer (the consumer reads each layer as soon as it arrives)
@@ -17,7 +17,6 @@ from rich.table import Table
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller import page_tensor
-from hicache.tree.node import PageIds
 
 console = Console()
 SPEC = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")
@@ -52,21 +51,17 @@ def show(cache: HiCache, step: str) -> None:
     console.print(table)
 
 
-def prefill(cache: HiCache, tokens: list[int]) -> PageIds:
-    """What an engine does for one prompt; returns the prompt's L1 pages."""
-    m = cache.match_prefix(tokens)
-    lb = cache.load_back(m)
-    cache.count_request(len(tokens), m, lb)
-    lb.progress.wait_all()
-    cache.lock(lb.last_node)
-    n_new = len(tokens) // PAGE - len(lb.device_pages)
-    new = cache.alloc_device(n_new)
-    assert new is not None, "L1 too small for this prompt"
-    cache.device_pool.write_pages(page_tensor(new), fake_kv(tokens, len(lb.device_pages), n_new))
-    pages = lb.device_pages + new
-    cache.insert(tokens, pages)
-    cache.unlock(lb.last_node)
-    return pages
+def prefill(cache: HiCache, tokens: list[int]) -> None:
+    """What an engine does for one prompt, through the request verbs; the fake KV stands
+    in for the model's forward."""
+    req = cache.open(tokens)
+    assert cache.admit(req, tokens), "L1 too small for this prompt"
+    for layer in range(SPEC.num_layers):
+        req.wait_layer(layer, timeout_s=10)
+    own = req.pages[req.prefix_pages :]
+    kv = fake_kv(tokens, req.prefix_pages, len(own))
+    cache.device_pool.write_pages(page_tensor(own), kv)
+    cache.release(req, tokens)  # commit the computed pages, unpin
 
 
 def main() -> int:
@@ -102,18 +97,21 @@ def main() -> int:
         console.print(f"prompt 0 again: {m.device_tokens} tokens in L1, {m.host_tokens} in L2 only")
         gate.set()
         t0 = time.perf_counter()
-        lb = cache.load_back(m)
-        cache.count_request(len(prompts[0]), m, lb)
+        req = cache.open(prompts[0])
+        assert cache.admit(req, prompts[0])
         for layer in range(SPEC.num_layers):
-            lb.progress.wait(layer)
+            req.wait_layer(layer, timeout_s=10)
             console.print(
                 f"  layer {layer} readable after {1e3 * (time.perf_counter() - t0):5.1f} ms"
                 " (the next layers are still copying)"
             )
-        got = cache.device_pool.read_pages(page_tensor(lb.device_pages))
-        ok = torch.equal(got, fake_kv(prompts[0], 0, len(lb.device_pages)))
+        prefix = req.pages[: req.prefix_pages]
+        got = cache.device_pool.read_pages(page_tensor(prefix))
+        ok = torch.equal(got, fake_kv(prompts[0], 0, len(prefix)))
+        loaded = req.cached.host
+        cache.release(req)
         cache.flush()
-        show(cache, f"loaded back {lb.loaded_tokens} tokens; bytes equal to the original: {ok}")
+        show(cache, f"loaded back {loaded} tokens; bytes equal to the original: {ok}")
         c = cache.stats().counters
         console.print(
             f"backed up {c['backup_tokens_total']} tokens ({c['backup_bytes_total'] / 2**20:.1f} MiB),"

@@ -32,6 +32,8 @@ class CacheCounters:
     storage_hit_tokens_total: int = 0
     prefetch_tokens_total: int = 0
     l3_backup_tokens_total: int = 0
+    """Tokens written to L3 (records already there are counted apart)."""
+    l3_backup_present_tokens_total: int = 0
     l3_backup_failed_tokens_total: int = 0
 
     def snapshot(self) -> dict[str, int]:
@@ -46,6 +48,8 @@ class CacheStats:
     device_total_tokens: int
     device_cached_tokens: int
     device_free_tokens: int
+    device_request_tokens: int
+    """L1 token slots held by admitted requests (pages not handed to the tree yet)."""
     device_evictable_tokens: int
     host_total_tokens: int
     host_cached_tokens: int

@@ -1,65 +1,62 @@
-"""HiCache: the one facade a scheduler talks to.
+"""HiCache: the one facade a scheduler talks to, in requests.
 
-It owns the tree, the device (L1) and host (L2) pools and the controller, and keeps them in
-step. All methods run on the owner's thread; worker threads only copy bytes and post
-completions, which :meth:`HiCache.poll` applies.
+It owns the tree, the device (L1) pool, and two optional tier objects: the host tier
+(L2 pool, L1<->L2 copies) and the storage tier (L3 prefetch and writes). All methods run on
+the owner's thread; worker threads only move bytes and post records to one completion
+queue, which :meth:`HiCache.poll` applies.
 
 Request life cycle, as an engine drives it::
 
-    m = cache.match_prefix(tokens)        # tree walk only, no copy
-    lb = cache.load_back(m)               # L2 -> L1, layer by layer
-    cache.count_request(len(tokens), m, lb)
-    cache.lock(lb.last_node)              # keep the prefix in L1 while the request runs
-    pages = cache.alloc_device(n)         # pages for the new tokens (evicts under pressure)
-    ... forward: layer i reads lb.device_pages after lb.progress.wait(i) ...
-    cache.insert(tokens, lb.device_pages + pages)   # write policy may back up to L2
-    cache.unlock(lb.last_node)
-    cache.poll()                          # apply finished copies (also done by the calls above)
+    req = cache.open(prompt, tenant=salt)   # on arrival: the L3 prefetch starts now
+    while not cache.ready(req): ...         # the prefetch policy says when to admit
+    if cache.admit(req, prompt):            # match, take the prefetch, load back, pin, pages
+        # forward: positions [req.prefix_tokens, len(prompt)) into req.slots(...);
+        # before layer i reads the prefix: req.wait_layer(i, timeout)
+        cache.commit(req, computed_tokens)  # whole pages to the tree; write policy applied
+        cache.grow(req, n)                  # pages for positions [0, n) while decoding
+        cache.release(req, all_tokens)      # commit, free the rest, unpin
+
+Page-level methods (``match_prefix``, ``insert``, ``alloc_device``, ``evict_*``) stay
+public for tests and tools; a scheduler needs none of them.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from hicache.cache_completions import PendingBackup, PendingLoad, apply_completion, back_up
-from hicache.cache_inspect import cache_stats, check_cache_integrity
-from hicache.cache_storage import L3Tier
+from hicache.cache.host_tier import HostTier
+from hicache.cache.inspect import cache_stats, check_cache_integrity
+from hicache.cache.request import CachedTokens, CacheRequest, RequestState
+from hicache.cache.storage_tier import StorageTier
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
-from hicache.controller import CacheController, write_rule
+from hicache.controller import CompletionQueue, write_rule
+from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
-from hicache.memory import DevicePool, HostPool, PageAllocator
+from hicache.memory import DevicePool, HostPool
 from hicache.metrics import CacheCounters, CacheStats
+from hicache.storage.base import HiCacheStorage
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
-from hicache.tree.node import PageIds, TokenIds, page_ids
+from hicache.tree.node import PageIds, TokenIds, encode_tokens, page_ids
 
+log = logging.getLogger("hicache.cache")
 
-@dataclass(frozen=True, slots=True)
-class LoadBackResult:
-    """The L1 view of a matched prefix after :meth:`HiCache.load_back`.
-
-    ``device_pages`` cover the whole usable prefix (``device_tokens`` tokens): the part that
-    was already in L1 followed by ``loaded_tokens`` tokens being copied from L2. Read layer
-    ``i`` of them only after ``progress.wait(i)``. ``last_node`` is the deepest node of the
-    prefix: lock it for the request's lifetime.
-    """
-
-    device_pages: PageIds
-    device_tokens: int
-    loaded_tokens: int
-    last_node: TreeNode
-    progress: LayerProgress
+DEFAULT_WAIT_TIMEOUT_S = 60.0
+"""Longest the owner waits for copies in flight before giving up with TimeoutError."""
 
 
 class HiCache(Lifecycle):
-    """Hierarchical KV cache over an L1 device pool and an L2 host pool.
+    """Hierarchical KV cache over an L1 device pool, an optional L2 host tier and an
+    optional L3 storage tier.
 
-    With ``config.enable_hierarchical_cache`` false there is no host pool: the tree is a
+    With ``config.enable_hierarchical_cache`` false there is no host tier: the tree is a
     plain radix cache over L1 and eviction drops nodes.
     """
 
@@ -70,67 +67,305 @@ class HiCache(Lifecycle):
         device: torch.device | str = "cpu",
         *,
         layer_hook: Callable[[int, int], None] | None = None,
+        wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
     ) -> None:
         self.config = config
         self.spec = spec
         self.device = torch.device(device)
         self.page_size = config.page_size
+        self.wait_timeout_s = wait_timeout_s
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
-        self.host_pool: HostPool | None = None
-        self.controller: CacheController | None = None
-        if config.enable_hierarchical_cache:
-            self.host_pool = HostPool.for_config(spec, config, self.device)
-            self.controller = CacheController(
-                self.device_pool, self.host_pool, config.io_backend, layer_hook=layer_hook
-            )
         self.tree = HiRadixTree(config.page_size, config.eviction_policy)
         self.rule = write_rule(config)
         self.counters = CacheCounters()
-        self.l3: L3Tier | None = None
-        self._backups: dict[int, PendingBackup] = {}
-        self._loads: dict[int, PendingLoad] = {}
+        self._completions = CompletionQueue()
+        self._op_ids = itertools.count(1)
+        self.host: HostTier | None = None
+        if config.enable_hierarchical_cache:
+            self.host = HostTier(
+                tree=self.tree,
+                device_pool=self.device_pool,
+                config=config,
+                spec=spec,
+                device=self.device,
+                completions=self._completions,
+                counters=self.counters,
+                drain=self.poll,
+                wait_timeout_s=wait_timeout_s,
+                layer_hook=layer_hook,
+            )
+            self.host.on_backed_up = self._on_backed_up
+        self.storage: StorageTier | None = None
+        self._retired: list[tuple[HiCacheStorage, PageIds]] = []
+        self._requests: set[CacheRequest] = set()
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> HiCache:
-        if self.controller is not None and not self._started:
-            self.controller.start()
+        if self.host is not None and not self._started:
+            self.host.start()
         self._started = True
         return self
 
     def close(self) -> None:
-        """Finish in-flight copies, apply them, stop the workers. Idempotent."""
-        if self.controller is not None and self._started:
-            self.flush()
-            self.detach_storage()
-            self.controller.close()
+        """Finish in-flight copies, apply them, detach L3, stop the workers. Idempotent."""
+        if self.host is not None and self._started:
+            try:
+                self.flush()
+            finally:
+                self.detach_storage()
+                self.host.close()
         self._started = False
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.host is not None
+
+    @property
+    def device_pages(self) -> int:
+        """Pages of the L1 pool (the most one request can hold)."""
+        return self.device_pool.num_pages
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        """The L2 pool, when the hierarchical cache is on."""
+        return None if self.host is None else self.host.pool
 
     # ------------------------------------------------------------------ L3
 
     def attach_storage(
-        self, controller: StorageController, namespace: Namespace, prefetch: PrefetchConfig
+        self,
+        storage: HiCacheStorage,
+        namespace: Namespace,
+        prefetch: PrefetchConfig,
+        ranks: RankGroup | None = None,
     ) -> None:
-        """Add the L3 tier (starts its threads). Needs the L2 tier; one L3 at a time."""
-        if self.host_pool is None:
+        """Add the L3 tier over ``storage`` (starts it and its threads). Needs the L2
+        tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed."""
+        if self.host is None:
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
-        if self.l3 is not None:
+        if self.storage is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
-        controller.start()
-        self.l3 = L3Tier(self, controller, namespace, prefetch)
+        controller = StorageController(storage, self.host.pool, self._completions, ranks)
+        try:
+            controller.start()
+        except BaseException:
+            controller.close()
+            storage.close()
+            raise
+        self.storage = StorageTier(
+            controller=controller,
+            namespace=namespace,
+            prefetch=prefetch,
+            tree=self.tree,
+            host=self.host,
+            counters=self.counters,
+            op_ids=self._op_ids,
+            drain=self.poll,
+        )
 
-    def detach_storage(self) -> None:
-        """Finish pending L3 writes, stop the L3 threads and close the backend."""
-        if self.l3 is None:
-            return
-        self.l3.flush()
-        self.l3.controller.close()
-        self.l3 = None
+    def detach_storage(self, timeout_s: float | None = None) -> bool:
+        """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
+        the backend. Open prefetches are dropped; pages a late backend write may still
+        fill stay out of use until it settles. False when none was attached."""
+        tier = self.storage
+        if tier is None:
+            return False
+        tier.flush(self.wait_timeout_s if timeout_s is None else timeout_s)
+        for req in self._requests:
+            req.prefetch = None
+        tier.controller.close()
+        self.storage = None
+        held = tier.detach()
+        if len(held):
+            log.warning("%d L2 pages stay quarantined until the old backend settles", len(held))
+            self._retired.append((tier.controller.storage, held))
+        return True
 
     @property
-    def hierarchical(self) -> bool:
-        return self.host_pool is not None
+    def storage_attached(self) -> bool:
+        return self.storage is not None
+
+    def _on_backed_up(self, nodes: list[TreeNode]) -> None:
+        if self.storage is not None:
+            self.storage.on_host_backup(nodes)
+
+    # ------------------------------------------------------------------ request verbs
+
+    def open(
+        self,
+        tokens: TokenIds,
+        *,
+        tenant: str = "",
+        priority: int = 0,
+        cacheable: bool = True,
+        compute_last: bool = True,
+    ) -> CacheRequest:
+        """A handle for a request that just arrived with ``tokens``; starts its L3
+        prefetch (lookup, then read into L2) so it runs while the request waits.
+
+        ``tenant`` (a ``cache_salt``): the request matches and stores only its tenant's
+        spans. ``priority``: higher stays longer under the ``priority`` eviction policy.
+        ``cacheable`` False: no match, no prefetch, nothing kept (a disabled radix cache).
+        ``compute_last`` (default): the last token is always computed, so the forward
+        yields its logits; False lets every whole page of the sequence hit (a caller that
+        only wants the KV, such as a warm-up or a test).
+        """
+        if not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+        req = CacheRequest(
+            tenant=tenant, priority=int(priority), cacheable=cacheable, compute_last=compute_last
+        )
+        if cacheable and self.storage is not None and len(tokens) > int(compute_last):
+            key = encode_tokens(tokens[: len(tokens) - int(compute_last)])
+            match = self.tree.match_prefix(key, tenant)  # metadata only: no copy waited on
+            req.prefetch = self.storage.start(key, match, tenant)
+        return req
+
+    def ready(self, req: CacheRequest) -> bool:
+        """Whether ``req`` may be admitted now (its prefetch policy is satisfied)."""
+        self.poll()
+        if req.prefetch is None or self.storage is None:
+            return True
+        return self.storage.ready(req.prefetch)
+
+    def admit(self, req: CacheRequest, tokens: TokenIds) -> bool:
+        """Give ``req`` L1 pages for positions ``[0, len(tokens))``.
+
+        The longest cached prefix of ``tokens[:-1]`` (so at least one token is left to
+        compute; all of ``tokens`` when opened with ``compute_last=False``) comes from L1,
+        or is loaded back from L2 (with what the prefetch brought from L3) layer by layer;
+        fresh pages cover the rest. Hits are counted on the
+        first admission only. Returns False, holding nothing, when L1 cannot make room
+        now (``req`` stays waiting and may be admitted later).
+        """
+        if req.state is not RequestState.WAITING:
+            raise RuntimeError(f"admit of a request that is {req.state.value}")
+        if not tokens:
+            raise ValueError("admit needs at least one token")
+        self.poll()
+        if req.prefetch is not None:
+            if self.storage is not None:
+                req.storage_tokens += self.storage.take(req.prefetch)
+            req.prefetch = None
+        ps = self.page_size
+        if req.cacheable:
+            match = self.match_prefix(tokens[: len(tokens) - int(req.compute_last)], req.tenant)
+        else:
+            match = self.match_prefix((), req.tenant)
+        node, pages, loaded, progress = self._load_back(match, req)
+        self.tree.inc_lock_ref(node)
+        new = self.alloc_device(math.ceil(len(tokens) / ps) - len(pages))
+        if new is None:
+            self.tree.dec_lock_ref(node)
+            return False
+        req.state = RequestState.ADMITTED
+        req.node = node
+        req.pages = pages + new
+        req.prefix_pages = len(pages)
+        req._prefix_tokens = len(pages) * ps
+        req._progress = progress
+        req.failed = None
+        self._requests.add(req)
+        if not req._counted:
+            req._counted = True
+            self._count(req, len(tokens), match.device_tokens, loaded)
+            if node.parent is not None:
+                self.tree.count_hit(node)
+                if self.host is not None and self.rule.backup_min_hits is not None:
+                    self.host.back_up(node, self.rule.backup_min_hits, wait=False)
+        return True
+
+    def grow(self, req: CacheRequest, tokens: int) -> bool:
+        """Make ``req``'s pages cover positions ``[0, tokens)``, evicting cached pages if
+        needed; False (nothing changed) when L1 cannot make room."""
+        self._require_admitted(req)
+        need = math.ceil(tokens / self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        new = self.alloc_device(need)
+        if new is None:
+            return False
+        req.pages += new
+        return True
+
+    def commit(self, req: CacheRequest, tokens: TokenIds) -> None:
+        """``tokens`` (a prefix of the request's sequence) now have their KV in ``req``'s
+        pages: hand the whole pages to the tree so other requests share them (the write
+        policy may back them up). ``req`` keeps using the tree's copy of them."""
+        self._require_admitted(req)
+        ps = self.page_size
+        full = len(tokens) // ps
+        if not req.cacheable or req.failed is not None or full <= req.prefix_pages:
+            return
+        if full > len(req.pages):
+            raise ValueError(f"commit of {full} pages; the request holds {len(req.pages)}")
+        prefix = tokens[: full * ps]
+        result = self.insert(
+            prefix, req.pages[:full], priority=req.priority, tenant=req.tenant, back_up=False
+        )
+        match = self.tree.match_prefix(prefix, req.tenant)
+        if match.device_tokens != full * ps:  # pragma: no cover - a tree invariant
+            raise RuntimeError("committed prefix is not resident in L1")
+        self.tree.inc_lock_ref(match.last_device_node)
+        if req.node is not None:
+            self.tree.dec_lock_ref(req.node)
+        req.node = match.last_device_node
+        req.pages = match.device_pages + req.pages[full:]
+        req.prefix_pages = full
+        req._prefix_tokens = full * ps
+        if self.host is not None and self.rule.backup_min_hits is not None:
+            self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
+
+    def release(
+        self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
+    ) -> None:
+        """End ``req``: with ``keep`` (and a sequence ``tokens`` whose KV is computed),
+        commit its whole pages first; then free its own pages and unpin its prefix. A
+        waiting request gives up its prefetch. Idempotent."""
+        if req.state is RequestState.RELEASED:
+            return
+        if req.prefetch is not None:
+            if self.storage is not None:
+                self.storage.take(req.prefetch)
+            req.prefetch = None
+        if req.state is RequestState.ADMITTED:
+            if keep and tokens is not None:
+                self.commit(req, tokens)
+            if len(req.pages) > req.prefix_pages:
+                self.device_pool.allocator.free(req.pages[req.prefix_pages :])
+            if req.node is not None:
+                self.tree.dec_lock_ref(req.node)
+            self._requests.discard(req)
+        req.node = None
+        req.pages = page_ids()
+        req.prefix_pages = 0
+        req._prefix_tokens = 0
+        req._progress = None
+        req.state = RequestState.RELEASED
+
+    def requeue(self, req: CacheRequest, tokens: TokenIds) -> None:
+        """Preempt an admitted request: keep its computed KV (``tokens``) in the tree,
+        give back its pages, and make it wait for a new :meth:`admit` (which finds its
+        prefix cached and counts no hits again)."""
+        self._require_admitted(req)
+        self.release(req, tokens, keep=req.failed is None)
+        req.state = RequestState.WAITING
+
+    def _require_admitted(self, req: CacheRequest) -> None:
+        if req.state is not RequestState.ADMITTED:
+            raise RuntimeError(f"the request is {req.state.value}, not admitted")
+
+    def _count(self, req: CacheRequest, query: int, device: int, loaded: int) -> None:
+        storage = min(req.storage_tokens, loaded)
+        req.cached = CachedTokens(device=device, host=loaded - storage, storage=storage)
+        c = self.counters
+        c.prefix_queries_total += 1
+        c.query_tokens_total += query
+        c.device_hit_tokens_total += device
+        c.host_hit_tokens_total += loaded - storage
+        c.storage_hit_tokens_total += storage
 
     # ------------------------------------------------------------------ prefix reuse
 
@@ -139,79 +374,44 @@ class HiCache(Lifecycle):
 
         Waits first for loads still in flight, so every returned L1 page holds its data.
         """
-        if self._loads:
-            self._wait_all()
+        if self.host is not None and self.host.loads:
+            self.host.wait_idle()
         return self.tree.match_prefix(tokens, tenant)
 
-    def load_back(self, match: MatchResult) -> LoadBackResult:
-        """Start copying the host-only part of ``match`` into L1, layer by layer.
+    def _load_back(
+        self, match: MatchResult, req: CacheRequest | None
+    ) -> tuple[TreeNode, PageIds, int, LayerProgress | None]:
+        """Start copying the host-only part of ``match`` into L1, layer by layer; returns
+        the deepest L1 node, the prefix's L1 pages, the tokens being loaded and the load's
+        progress (None when nothing is loaded).
 
         All-or-nothing per chain: when the host-only part is shorter than
-        ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded and
-        the result covers the L1 part only. Hits are counted by :meth:`count_request`.
+        ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded.
         """
-        self.poll()
-        nodes = self.tree.host_only_path(match.last_host_node)
-        host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
-        no_load = LoadBackResult(
-            device_pages=match.device_pages,
-            device_tokens=match.device_tokens,
-            loaded_tokens=0,
-            last_node=match.last_device_node,
-            progress=LayerProgress.completed(self.spec.num_layers),
-        )
-        if not nodes or self.controller is None:
+        no_load = (match.last_device_node, match.device_pages, 0, None)
+        if self.host is None:
             return no_load
+        nodes = self.tree.host_only_path(match.last_host_node)
+        if not nodes:
+            return no_load
+        host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
         if host_tokens < self.config.load_back_threshold:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
-        host_pages = page_ids()
-        for n in nodes:
-            assert n.host is not None
-            host_pages += n.host
         last = match.last_host_node
         # Pin the host copies and the L1 prefix while making room in L1.
         self.tree.inc_host_ref(last)
         self.tree.inc_lock_ref(match.last_device_node)
         try:
-            device_pages = self.alloc_device(len(host_pages))
+            device_pages = self.alloc_device(sum(self.tree.num_pages(n) for n in nodes))
         finally:
             self.tree.dec_lock_ref(match.last_device_node)
-        if device_pages is None:
             self.tree.dec_host_ref(last)
+        if device_pages is None:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
-        offset = 0
-        for n in nodes:
-            k = self.tree.num_pages(n)
-            self.tree.assign_device(n, device_pages[offset : offset + k])
-            offset += k
-        self.tree.inc_lock_ref(last)  # until the copy completes
-        op_id, progress = self.controller.load(host_pages, device_pages)
-        self._loads[op_id] = PendingLoad(last, host_tokens)
-        return LoadBackResult(
-            device_pages=match.device_pages + device_pages,
-            device_tokens=match.device_tokens + host_tokens,
-            loaded_tokens=host_tokens,
-            last_node=last,
-            progress=progress,
-        )
-
-    def count_request(
-        self, query_tokens: int, match: MatchResult, lb: LoadBackResult, storage_tokens: int = 0
-    ) -> None:
-        """Count one admitted request: its prompt length and the tokens each tier served.
-
-        ``storage_tokens`` were prefetched from L3 into L2 just before ``lb``; those that
-        ``lb`` loaded count as L3 hits, the rest of ``lb``'s load as L2 hits.
-        """
-        storage = min(storage_tokens, lb.loaded_tokens)
-        c = self.counters
-        c.prefix_queries_total += 1
-        c.query_tokens_total += query_tokens
-        c.device_hit_tokens_total += match.device_tokens
-        c.host_hit_tokens_total += lb.loaded_tokens - storage
-        c.storage_hit_tokens_total += storage
+        progress = self.host.load(nodes, device_pages, req)
+        return last, match.device_pages + device_pages, host_tokens, progress
 
     def insert(
         self,
@@ -220,42 +420,40 @@ class HiCache(Lifecycle):
         *,
         priority: int = 0,
         tenant: str = "",
+        back_up: bool = True,
     ) -> InsertResult:
-        """Hand the L1 pages of ``tokens`` (whole pages) to the tree; back up by policy.
+        """Page level: hand the L1 pages of ``tokens`` (whole pages) to the tree; back
+        up by policy (unless ``back_up`` is False).
 
         Pages the tree already holds under other ids are freed here. The caller keeps
-        ownership of pages beyond the whole pages of ``tokens``. Spans of a
-        ``tenant`` (a request's cache salt) match only that tenant's requests and are never
-        written to L3.
+        ownership of pages beyond the whole pages of ``tokens``.
         """
         self.poll()
         result = self.tree.insert(tokens, device_pages, priority=priority, tenant=tenant)
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
-        if self.controller is not None and self.rule.backup_min_hits is not None:
-            back_up(self, result.last_node, self.rule.backup_min_hits, wait=False)
+        if back_up and self.host is not None and self.rule.backup_min_hits is not None:
+            self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         return result
-
-    def lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors in L1."""
-        self.tree.inc_lock_ref(node)
-
-    def unlock(self, node: TreeNode) -> None:
-        self.tree.dec_lock_ref(node)
 
     # ------------------------------------------------------------------ L1 pages
 
     def alloc_device(self, num_pages: int) -> PageIds | None:
-        """``num_pages`` free L1 pages, evicting unpinned cached pages if needed; None when
-        even eviction cannot make room. The caller owns the pages until it inserts or frees
-        them."""
+        """Page level: ``num_pages`` free L1 pages, evicting unpinned cached pages if
+        needed; None when even eviction cannot make room. The caller owns the pages until
+        it inserts or frees them."""
+        alloc = self.device_pool.allocator
+        if alloc.free_pages < num_pages:
+            self.evict_device(num_pages - alloc.free_pages)
         # nodes being backed up stay pinned in L1 until their copy lands
-        return self._alloc(
-            self.device_pool.allocator, self.evict_device, bool(self._backups), num_pages
-        )
+        if alloc.free_pages < num_pages and self.host is not None and self.host.busy:
+            self.host.wait_idle()
+            self.evict_device(num_pages - alloc.free_pages)
+        pages = alloc.alloc(num_pages)
+        return None if pages is None else page_ids(pages)
 
     def free_device(self, pages: Iterable[int]) -> None:
-        """Return caller-owned L1 pages (never pages the tree holds)."""
+        """Page level: return caller-owned L1 pages (never pages the tree holds)."""
         self.device_pool.allocator.free(pages)
 
     def evict_device(self, num_pages: int) -> int:
@@ -268,9 +466,9 @@ class HiCache(Lifecycle):
         for node in self.tree.device_eviction_order():
             if freed >= num_pages:
                 break
-            if node.host is None and self.rule.backup_on_evict and self.controller is not None:
-                back_up(self, node, 0, wait=True)
-                if node.lock_ref > 0:  # still copying (timeout): try the next one
+            if node.host is None and self.rule.backup_on_evict and self.host is not None:
+                self.host.back_up(node, 0, wait=True)
+                if node.lock_ref > 0:  # still copying, or its backup failed: next one
                     continue
             demoted = node.host is not None
             pages = self.tree.evict_device(node)
@@ -283,97 +481,90 @@ class HiCache(Lifecycle):
                 self.counters.device_evicted_tokens_total += tokens
         return freed
 
-    # ------------------------------------------------------------------ L2 pages
-
-    def alloc_host(self, num_pages: int) -> PageIds | None:
-        """``num_pages`` free L2 pages, evicting unpinned L2-only leaves if needed."""
-        assert self.host_pool is not None
-        # host copies being loaded stay pinned in L2 until the load lands
-        return self._alloc(self.host_pool.allocator, self.evict_host, bool(self._loads), num_pages)
-
-    def _alloc(
-        self, alloc: PageAllocator, evict: Callable[[int], int], in_flight: bool, num: int
-    ) -> PageIds | None:
-        """Allocate ``num`` pages, evicting first; if copies in flight pin what could go,
-        wait for them and evict again."""
-        if alloc.free_pages < num:
-            evict(num - alloc.free_pages)
-        if alloc.free_pages < num and in_flight:
-            self._wait_all()
-            evict(num - alloc.free_pages)
-        pages = alloc.alloc(num)
-        return None if pages is None else page_ids(pages)
-
     def evict_host(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` L2 pages if possible; returns pages freed.
-
-        Unpinned L2-only leaves go first (in policy order); then, if that is not enough,
-        the L2 copies of unpinned spans that are still in L1 (no data is lost that way).
-        """
-        if self.host_pool is None:
-            return 0
-        freed = 0
-        for order, take in (
-            (self.tree.host_eviction_order, self.tree.evict_host),
-            (self.tree.host_copy_eviction_order, self.tree.drop_host),
-        ):
-            for node in order():
-                if freed >= num_pages:
-                    return freed
-                pages = take(node)
-                self.host_pool.allocator.free(pages)
-                freed += len(pages)
-                self.counters.host_evicted_tokens_total += len(pages) * self.page_size
-        return freed
+        """Free at least ``num_pages`` L2 pages if possible; returns pages freed."""
+        return 0 if self.host is None else self.host.evict(num_pages)
 
     # ------------------------------------------------------------------ completions
 
     def poll(self) -> int:
-        """Apply finished copies (unpin their nodes); returns how many were applied."""
-        if self.controller is None:
-            return 0
-        done = self.controller.poll()
-        for c in done:
-            self._apply(c)
-        if self.l3 is not None:
-            self.l3.poll()
-        return len(done)
+        """Apply every record the workers posted; returns how many were applied."""
+        records = self._completions.drain()
+        for r in records:
+            if isinstance(r, Completion):
+                assert self.host is not None
+                self.host.apply(r)
+            elif self.storage is not None and self.storage.owns(r.op_id):
+                self.storage.apply(r)  # records of a detached tier's ops are dropped
+        if self.host is not None:
+            self.host.retry_invalidations()
+            if self._retired:
+                self._free_retired()
+        return len(records)
 
-    def _wait_all(self) -> None:
-        assert self.controller is not None
-        for c in self.controller.wait():
-            self._apply(c)
-        if self.l3 is not None:
-            self.l3.poll()
-
-    def _apply(self, c: Completion) -> None:
-        apply_completion(self, c)
+    def _free_retired(self) -> None:
+        assert self.host is not None
+        keep = []
+        for storage, pages in self._retired:
+            if storage.host_writes_settled(0.0):
+                self.host.allocator.free(pages)
+            else:
+                keep.append((storage, pages))
+        self._retired = keep
 
     def flush(self) -> None:
-        """Wait for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
-        if self.controller is not None and self._started:
-            self._wait_all()
-            if self.l3 is not None:
-                self.l3.flush()
+        """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
+        if self.host is not None and self._started:
+            self.host.wait_idle()
+            if self.storage is not None:
+                self.storage.flush(self.wait_timeout_s)
 
     # ------------------------------------------------------------------ whole cache
 
     def reset(self) -> None:
         """Empty L1 and L2 (``/flush_cache``). Refuses while any node is pinned."""
         self.flush()
-        if any(n.lock_ref > 0 or n.host_ref > 0 for n in self.tree.iter_nodes()):
+        if self._requests or any(n.lock_ref > 0 or n.host_ref > 0 for n in self.tree.iter_nodes()):
             raise RuntimeError("cannot reset the cache while requests hold prefixes")
         self.device_pool.allocator.free(self.tree.device_page_ids())
-        if self.host_pool is not None:
-            self.host_pool.allocator.free(self.tree.host_page_ids())
+        if self.host is not None:
+            self.host.allocator.free(self.tree.host_page_ids())
         self.tree.reset()
+
+    @property
+    def requests(self) -> int:
+        """Admitted requests holding pages."""
+        return len(self._requests)
+
+    def request_pages(self) -> list[int]:
+        """L1 pages admitted requests own (not the tree's)."""
+        return [p for r in self._requests for p in r.pages[r.prefix_pages :]]
 
     def stats(self) -> CacheStats:
         """Occupancy per tier (tokens) and every counter, as one snapshot."""
-        return cache_stats(self)
+        return cache_stats(
+            self.tree,
+            self.device_pool,
+            self.host_pool,
+            self.counters,
+            None if self.storage is None else self.storage.controller.storage,
+            held_device_pages=len(self.request_pages()),
+        )
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
-        """Check tree and allocators agree: every used L1 page is owned by the tree or
-        listed in ``request_pages`` (pages callers hold), exactly once; every used L2
-        page is owned by the tree. Raises AssertionError."""
-        check_cache_integrity(self, request_pages)
+        """Check tree and allocators agree: every used L1 page is owned by the tree, an
+        admitted request or ``request_pages`` (pages other callers hold), exactly once;
+        every used L2 page is owned by the tree or held by an L3 op. Raises
+        AssertionError."""
+        host_held: list[int] = []
+        if self.storage is not None:
+            host_held += self.storage.held_host_pages()
+        for _, pages in self._retired:
+            host_held += pages
+        check_cache_integrity(
+            self.tree,
+            self.device_pool,
+            self.host_pool,
+            [*self.request_pages(), *request_pages],
+            host_held,
+        )

@@ -1,28 +1,39 @@
-"""L1 -> L2 backups issued, and finished L1<->L2 copies applied, on the owner's thread.
+"""The L2 tier: the host pool, L1 <-> L2 copies in flight, and L2 eviction.
 
-:func:`back_up` issues a backup; the cache records what each op id stands for
-(:class:`PendingBackup`, :class:`PendingLoad`); when the controller reports the op done,
-:func:`apply_completion` unpins its nodes, counts it, and passes a landed backup on to L3. A failed backup drops the L2 copies it was to
-fill; a failed load cannot be repaired in place and raises.
+Owned by :class:`hicache.cache.HiCache` and run on its thread. It issues backups
+(L1 -> L2) and loads (L2 -> L1) through the :class:`CacheController`, records what each op
+id stands for (:class:`PendingBackup`, :class:`PendingLoad`) and applies the transfer
+worker's :class:`Completion` records:
+
+* a landed backup unpins its L1 source and is handed on to L3 (``on_backed_up``);
+* a failed backup leaves its run pinned in L1 and drops the run's L2 copies (and the
+  L2 copies below it, which contiguity no longer allows) as soon as no other op pins
+  them: pages another op pins are never freed under it;
+* a failed load fails the request that asked for it, drops the L1 pages it mapped (and
+  anything built on them) and releases every pin it held.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from hicache.transfer import Completion
-from hicache.tree import TreeNode
-from hicache.tree.node import page_ids
+import torch
 
-if TYPE_CHECKING:
-    from hicache.cache import HiCache
+from hicache.cache.request import CacheRequest
+from hicache.config import CacheConfig, KVSpec
+from hicache.controller import CacheController, CompletionQueue
+from hicache.memory import DevicePool, HostPool, PageAllocator
+from hicache.metrics import CacheCounters
+from hicache.transfer import Completion, LayerProgress
+from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree.node import PageIds, page_ids
 
 log = logging.getLogger("hicache.cache")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PendingBackup:
     """A run of spans being copied L1 -> L2: the last ``pages`` pages of the path to
     ``last``. Nodes of the run may split while it is in flight; the run stays the same."""
@@ -31,94 +42,245 @@ class PendingBackup:
     pages: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PendingLoad:
-    """A chain being copied L2 -> L1, pinned in both tiers through ``node``."""
+    """A chain being copied L2 -> L1: the last ``pages`` pages of the path to ``last``,
+    pinned in both tiers; ``request`` is the handle that asked for it."""
 
-    node: TreeNode
+    last: TreeNode
+    pages: int
     tokens: int
+    request: CacheRequest | None
 
 
-def apply_completion(cache: HiCache, c: Completion) -> None:
-    """Apply one finished copy on the owner's thread: unpin, count, hand on to L3."""
-    if c.op_id in cache._backups:
-        b = cache._backups.pop(c.op_id)
-        cache.tree.dec_lock_ref(b.last)
-        nodes = cache.tree.path_tail(b.last, b.pages)
-        if c.ok:
-            cache.counters.backup_ops_total += 1
-            cache.counters.backup_tokens_total += b.pages * cache.page_size
-            cache.counters.backup_bytes_total += c.nbytes
-            if cache.l3 is not None:
-                cache.l3.on_host_backup(nodes)
-        else:
-            log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
-            cache.counters.backup_failures_total += 1
-            _invalidate_host(cache, nodes[0])
-    elif c.op_id in cache._loads:
-        ld = cache._loads.pop(c.op_id)
-        cache.tree.dec_lock_ref(ld.node)
-        cache.tree.dec_host_ref(ld.node)
-        if c.ok:
-            cache.counters.load_ops_total += 1
-            cache.counters.load_tokens_total += ld.tokens
-            cache.counters.load_bytes_total += c.nbytes
-        else:
-            # Not recoverable in place: the L1 pages hold garbage. Fail loudly.
-            cache.counters.load_failures_total += 1
-            raise RuntimeError(f"load back op {c.op_id} failed: {c.error}")
-    else:  # pragma: no cover - defensive
-        log.warning("completion for unknown op %d ignored", c.op_id)
+class HostTier:
+    """L2 pages and the copies between L1 and L2 for one cache.
+
+    ``drain`` applies every record posted so far (the facade's ``poll``); the tier calls it
+    when it must wait for copies in flight. ``on_backed_up`` receives each run of nodes
+    whose backup landed (top-down, one path), for L3.
+    """
+
+    def __init__(
+        self,
+        *,
+        tree: HiRadixTree,
+        device_pool: DevicePool,
+        config: CacheConfig,
+        spec: KVSpec,
+        device: torch.device,
+        completions: CompletionQueue,
+        counters: CacheCounters,
+        drain: Callable[[], object],
+        wait_timeout_s: float,
+        layer_hook: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.tree = tree
+        self.device_allocator = device_pool.allocator
+        self.pool = HostPool.for_config(spec, config, device)
+        self.controller = CacheController(
+            device_pool, self.pool, config.io_backend, completions, layer_hook=layer_hook
+        )
+        self.counters = counters
+        self.page_size = config.page_size
+        self._drain = drain
+        self._wait_timeout_s = wait_timeout_s
+        self.on_backed_up: Callable[[list[TreeNode]], None] | None = None
+        self.backups: dict[int, PendingBackup] = {}
+        self.loads: dict[int, PendingLoad] = {}
+        self._bad: list[PendingBackup] = []
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.pool.allocator
+
+    def start(self) -> None:
+        self.controller.start()
+
+    def close(self) -> None:
+        self.controller.close()
+
+    @property
+    def busy(self) -> bool:
+        """Copies in flight, or failed backups whose L2 copies are still to be dropped."""
+        return bool(self.backups or self.loads or self._bad)
+
+    def wait_idle(self) -> None:
+        """Wait (bounded) for every copy in flight, then apply everything posted."""
+        self.controller.wait_idle(self._wait_timeout_s)
+        self._drain()
+
+    # ------------------------------------------------------------------ L2 pages
+
+    def alloc(self, num_pages: int) -> PageIds | None:
+        """``num_pages`` free L2 pages, evicting unpinned L2 copies if needed; None when
+        even that cannot make room. Loads in flight pin their sources: waits for them."""
+        alloc = self.allocator
+        if alloc.free_pages < num_pages:
+            self.evict(num_pages - alloc.free_pages)
+        if alloc.free_pages < num_pages and self.loads:
+            self.wait_idle()
+            self.evict(num_pages - alloc.free_pages)
+        pages = alloc.alloc(num_pages)
+        return None if pages is None else page_ids(pages)
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` L2 pages if possible; returns pages freed.
+
+        Unpinned L2-only leaves go first (in policy order); then, if that is not enough,
+        the L2 copies of unpinned spans that are still in L1 (no data is lost that way).
+        """
+        freed = 0
+        tree = self.tree
+        for order, take in (
+            (tree.host_eviction_order, tree.evict_host),
+            (tree.host_copy_eviction_order, tree.drop_host),
+        ):
+            for node in order():
+                if freed >= num_pages:
+                    return freed
+                pages = take(node)
+                self.allocator.free(pages)
+                freed += len(pages)
+                self.counters.host_evicted_tokens_total += len(pages) * self.page_size
+        return freed
+
+    # ------------------------------------------------------------------ copies
+
+    def back_up(self, node: TreeNode, min_hits: int, *, wait: bool) -> None:
+        """Back up the not-yet-backed-up run of the path to ``node`` (top-down): pin its
+        L1 source, give it L2 pages, issue one copy; with ``wait``, apply it first."""
+        tree = self.tree
+        nodes = tree.nodes_to_back_up(node, min_hits=min_hits)
+        if not nodes:
+            return
+        last = nodes[-1]
+        num = sum(tree.num_pages(n) for n in nodes)
+        tree.inc_lock_ref(last)  # the L1 source must stay while L2 makes room
+        try:
+            host_pages = self.alloc(num)
+        finally:
+            tree.dec_lock_ref(last)
+        if host_pages is None:
+            return  # L2 full of pinned data: the nodes stay L1-only
+        device_pages = page_ids()
+        offset = 0
+        for n in nodes:
+            k = tree.num_pages(n)
+            tree.assign_host(n, host_pages[offset : offset + k])
+            assert n.device is not None
+            device_pages += n.device
+            offset += k
+        tree.inc_lock_ref(last)  # until the copy lands
+        op_id = self.controller.backup(device_pages, host_pages)
+        self.backups[op_id] = PendingBackup(last, num)
+        if wait:
+            self.wait_idle()
+
+    def load(
+        self,
+        nodes: list[TreeNode],
+        device_pages: PageIds,
+        request: CacheRequest | None,
+    ) -> LayerProgress:
+        """Map the host-only chain ``nodes`` (top-down) to ``device_pages`` and start
+        copying it layer by layer; both tiers stay pinned until the copy lands."""
+        tree = self.tree
+        host_pages = page_ids()
+        offset = 0
+        for n in nodes:
+            assert n.host is not None
+            host_pages += n.host
+            k = tree.num_pages(n)
+            tree.assign_device(n, device_pages[offset : offset + k])
+            offset += k
+        last = nodes[-1]
+        tree.inc_lock_ref(last)
+        tree.inc_host_ref(last)
+        op_id, progress = self.controller.load(host_pages, device_pages)
+        tokens = len(device_pages) * self.page_size
+        self.loads[op_id] = PendingLoad(last, len(device_pages), tokens, request)
+        return progress
+
+    # ------------------------------------------------------------------ completions
+
+    def apply(self, c: Completion) -> None:
+        """Apply one finished copy on the owner's thread: unpin, count, hand on to L3."""
+        if c.op_id in self.backups:
+            b = self.backups.pop(c.op_id)
+            if c.ok:
+                self.tree.dec_lock_ref(b.last)
+                self.counters.backup_ops_total += 1
+                self.counters.backup_tokens_total += b.pages * self.page_size
+                self.counters.backup_bytes_total += c.nbytes
+                if self.on_backed_up is not None:
+                    self.on_backed_up(self.tree.path_tail(b.last, b.pages))
+            else:
+                log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
+                self.counters.backup_failures_total += 1
+                self._bad.append(b)  # stays pinned in L1 until its L2 copies are gone
+                self.retry_invalidations()
+        elif c.op_id in self.loads:
+            ld = self.loads.pop(c.op_id)
+            self.tree.dec_lock_ref(ld.last)
+            self.tree.dec_host_ref(ld.last)
+            if c.ok:
+                self.counters.load_ops_total += 1
+                self.counters.load_tokens_total += ld.tokens
+                self.counters.load_bytes_total += c.nbytes
+            else:
+                self._load_failed(ld, c)
+        else:  # pragma: no cover - defensive
+            log.warning("completion for unknown op %d ignored", c.op_id)
+
+    def _load_failed(self, ld: PendingLoad, c: Completion) -> None:
+        log.error("load back op %d failed: %s; dropping what it mapped", c.op_id, c.error)
+        self.counters.load_failures_total += 1
+        req = ld.request
+        if req is not None and req.node is not None:
+            if req.failed is None:
+                req.failed = f"loading the cached prefix failed: {c.error}"
+            self.tree.dec_lock_ref(req.node)
+            req.node = None
+        top = self.tree.path_tail(ld.last, ld.pages)[0]
+        for n in _post_order(top):
+            if n.device is None:
+                continue
+            if n.lock_ref > 0 or any(ch.device is not None for ch in n.children.values()):
+                log.error("cannot drop the L1 copy of pinned %r after a failed load", n)
+                continue
+            self.device_allocator.free(self.tree.evict_device(n))
+
+    def retry_invalidations(self) -> None:
+        """Drop the L2 copies of failed backups whose subtrees no op pins any more."""
+        keep: list[PendingBackup] = []
+        for b in self._bad:
+            top = self.tree.path_tail(b.last, b.pages)[0]
+            if self._drop_host_subtree(top):
+                self.tree.dec_lock_ref(b.last)
+            else:
+                keep.append(b)
+        self._bad = keep
+
+    def _drop_host_subtree(self, top: TreeNode) -> bool:
+        """Forget every L2 copy in ``top``'s subtree, bottom-up; False (nothing changed)
+        while any of them is pinned in L2."""
+        nodes = [n for n in _post_order(top) if n.host is not None]
+        if any(n.host_ref > 0 for n in nodes):
+            return False
+        for n in nodes:
+            drop = self.tree.drop_host if n.device is not None else self.tree.evict_host
+            self.allocator.free(drop(n))
+        return True
 
 
-def _invalidate_host(cache: HiCache, top: TreeNode) -> None:
-    """Drop the L2 copies of ``top``'s subtree (after a failed backup), bottom-up."""
-    assert cache.host_pool is not None
+def _post_order(top: TreeNode) -> list[TreeNode]:
+    """``top`` and its descendants, children before parents."""
     order: list[TreeNode] = []
     stack = [top]
     while stack:
         n = stack.pop()
         order.append(n)
-        stack.extend(c for c in n.children.values() if c.host is not None)
-    for n in reversed(order):
-        if n.host is None:
-            continue
-        if n.device is not None:
-            pages = cache.tree.drop_host(n)
-        elif n.host_ref == 0 and n.lock_ref == 0 and not n.children:
-            pages = cache.tree.evict_host(n)
-        else:
-            log.error("cannot drop pinned L2 copy of %r", n)
-            continue
-        cache.host_pool.allocator.free(pages)
-
-
-def back_up(cache: HiCache, node: TreeNode, min_hits: int, *, wait: bool) -> None:
-    """Back up the not-yet-backed-up run of the path to ``node`` (top-down): pin its L1
-    source, give it L2 pages, issue one copy; with ``wait``, apply it before returning."""
-    assert cache.controller is not None
-    nodes = cache.tree.nodes_to_back_up(node, min_hits=min_hits)
-    if not nodes:
-        return
-    last = nodes[-1]
-    cache.tree.inc_lock_ref(last)  # the L1 source must stay while it is copied
-    try:
-        num = sum(cache.tree.num_pages(n) for n in nodes)
-        host_pages = cache.alloc_host(num)
-    finally:
-        cache.tree.dec_lock_ref(last)
-    if host_pages is None:
-        return  # L2 full of pinned data: the nodes stay L1-only
-    device_pages = page_ids()
-    offset = 0
-    for n in nodes:
-        k = cache.tree.num_pages(n)
-        cache.tree.assign_host(n, host_pages[offset : offset + k])
-        assert n.device is not None
-        device_pages += n.device
-        offset += k
-    cache.tree.inc_lock_ref(last)
-    op_id = cache.controller.backup(device_pages, host_pages)
-    cache._backups[op_id] = PendingBackup(last, num)
-    if wait:
-        cache._wait_all()
+        stack.extend(n.children.values())
+    order.reverse()
+    return order

@@ -1,58 +1,70 @@
-"""Read-only views of a :class:`~hicache.cache.HiCache`: stats and the integrity check."""
+"""Read-only views of the cache's parts: the stats snapshot and the integrity check."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-from hicache.metrics import CacheStats
+from hicache.memory import DevicePool, HostPool
+from hicache.metrics import CacheCounters, CacheStats
+from hicache.storage.base import HiCacheStorage
+from hicache.tree import HiRadixTree
 
-if TYPE_CHECKING:
-    from hicache.cache import HiCache
 
-
-def cache_stats(cache: HiCache) -> CacheStats:
-    s = cache.tree.stats()
-    ps = cache.page_size
-    host_only = sum(cache.tree.num_pages(n) for n in cache.tree.iter_nodes() if n.device is None)
-    host_total = cache.host_pool.num_pages if cache.host_pool is not None else 0
-    host_free = cache.host_pool.allocator.free_pages if cache.host_pool is not None else 0
+def cache_stats(
+    tree: HiRadixTree,
+    device_pool: DevicePool,
+    host_pool: HostPool | None,
+    counters: CacheCounters,
+    storage: HiCacheStorage | None,
+    *,
+    held_device_pages: int,
+) -> CacheStats:
+    """Occupancy per tier in tokens; ``held_device_pages`` are L1 pages requests own."""
+    s = tree.stats()
+    ps = tree.page_size
+    host_only = sum(tree.num_pages(n) for n in tree.iter_nodes() if n.device is None)
     return CacheStats(
         page_size=ps,
-        device_total_tokens=cache.device_pool.num_pages * ps,
+        device_total_tokens=device_pool.num_pages * ps,
         device_cached_tokens=s.device_pages * ps,
-        device_free_tokens=cache.device_pool.allocator.free_pages * ps,
+        device_free_tokens=device_pool.allocator.free_pages * ps,
         device_evictable_tokens=s.evictable_device_pages * ps,
-        host_total_tokens=host_total * ps,
+        device_request_tokens=held_device_pages * ps,
+        host_total_tokens=0 if host_pool is None else host_pool.num_pages * ps,
         host_cached_tokens=s.host_pages * ps,
-        host_free_tokens=host_free * ps,
+        host_free_tokens=0 if host_pool is None else host_pool.allocator.free_pages * ps,
         host_only_tokens=host_only * ps,
         nodes=s.nodes,
-        counters=cache.counters.snapshot(),
-        storage=cache.l3.controller.storage.stats() if cache.l3 is not None else None,
+        counters=counters.snapshot(),
+        storage=None if storage is None else storage.stats(),
     )
 
 
-def check_cache_integrity(cache: HiCache, request_pages: Iterable[int] = ()) -> None:
-    """Check tree and allocators agree: every used L1 page is owned by the tree or
-    listed in ``request_pages`` (pages callers hold), exactly once; every used L2
-    page is owned by the tree. Raises AssertionError."""
-    cache.tree.check_integrity()
-    alloc = cache.device_pool.allocator
+def check_cache_integrity(
+    tree: HiRadixTree,
+    device_pool: DevicePool,
+    host_pool: HostPool | None,
+    request_pages: Sequence[int],
+    host_held: Sequence[int],
+) -> None:
+    """Check tree and allocators agree: every used L1 page is owned by the tree or listed
+    in ``request_pages``, exactly once; every used L2 page is owned by the tree or listed
+    in ``host_held`` (L3 ops), exactly once. Raises AssertionError."""
+    tree.check_integrity()
+    alloc = device_pool.allocator
     alloc.check_integrity()
-    tree_dev = cache.tree.device_page_ids()
-    req = list(request_pages)
-    owned = tree_dev + req
+    owned = tree.device_page_ids() + list(request_pages)
     assert len(set(owned)) == len(owned), "an L1 page is owned twice (tree and a request)"
     assert all(alloc.is_used(p) for p in owned), "the tree or a request owns a free L1 page"
     assert len(owned) == alloc.used_pages, (
         f"{alloc.used_pages} L1 pages used, {len(owned)} owned: leak"
     )
-    if cache.host_pool is not None:
-        halloc = cache.host_pool.allocator
+    if host_pool is not None:
+        halloc = host_pool.allocator
         halloc.check_integrity()
-        tree_host = cache.tree.host_page_ids()
-        assert all(halloc.is_used(p) for p in tree_host), "the tree owns a free L2 page"
-        assert len(tree_host) == halloc.used_pages, (
-            f"{halloc.used_pages} L2 pages used, {len(tree_host)} owned: leak"
+        howned = tree.host_page_ids() + list(host_held)
+        assert len(set(howned)) == len(howned), "an L2 page is owned twice"
+        assert all(halloc.is_used(p) for p in howned), "the tree or an L3 op owns a free L2 page"
+        assert len(howned) == halloc.used_pages, (
+            f"{halloc.used_pages} L2 pages used, {len(howned)} owned: leak"
         )

@@ -1,103 +1,106 @@
-"""The L3 side of the facade: prefetch L3 -> L2 for a request, back up L2 -> L3.
+"""The L3 tier: prefetch L3 -> L2 for waiting requests, write L2 -> L3 behind backups.
 
-Owned by :class:`hicache.cache.HiCache` (``cache.l3``) and run on its thread. The flow:
+Owned by :class:`hicache.cache.HiCache` and run on its thread; the L3 threads only post
+records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`), applied here. The flow:
 
-* :meth:`L3Tier.start_prefetch`: after the local match, the prefetch thread looks up the
-  L3 keys of the rest of the prompt; when at least ``prefetch_threshold`` tokens hit, L2
-  pages are allocated (on the owner's thread) and the thread reads into them;
-* :meth:`L3Tier.ready` / :meth:`L3Tier.finish`: the policy (best_effort, wait_complete,
-  timeout) says when to stop; the pages that arrived by then join the tree as an L2-only
-  leaf, which the ordinary load back then brings to L1;
-* :meth:`L3Tier.on_host_backup`: every span that reaches L2 is written to L3 (a tenant's
-  spans under the namespace salted with its ``cache_salt``, so no other tenant can read
-  them; for MLA models, whose ranks all hold the same bytes under one namespace, only
-  rank 0 writes).
-
-Pages of a stopped prefetch that may still be written by the thread are freed only once
-the thread reports it is done with them.
+* :meth:`StorageTier.start`: when a request arrives, the prefetch thread looks up the L3
+  keys of the prompt beyond the local match; a hit of at least ``prefetch_threshold``
+  tokens gets L2 pages and is read, chunk by chunk, while the request waits in the queue;
+* :meth:`StorageTier.ready`: the prefetch policy says whether the request may be admitted
+  now (``best_effort``: always; ``wait_complete``: once the read is over, capped by
+  ``prefetch_timeout_max``; ``timeout``: once over, or ``min(prefetch_timeout_max,
+  base + per_ki_token * tokens / 1024)`` seconds after arrival, the lookup included);
+* :meth:`StorageTier.take`: at admission, the pages that arrived join the tree as an
+  L2-only leaf, which the ordinary load back then brings to L1. Pages the thread may
+  still write (the read is not over, or a backend call overran its deadline) are
+  quarantined until the op's final record, then freed;
+* :meth:`StorageTier.on_host_backup`: every span that reaches L2 is written to L3 (a
+  tenant's spans under the namespace salted with its ``cache_salt``; for MLA models,
+  whose ranks all hold the same bytes under one namespace, only rank 0 writes).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
+from hicache.cache.host_tier import HostTier
+from hicache.cache.prefetch import Prefetch
 from hicache.config import PrefetchConfig, PrefetchPolicy
-from hicache.controller.storage_controller import PrefetchOp, StorageController
+from hicache.controller import L3Lookup, L3Read, L3Write
+from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace, PageKey, page_keys
-from hicache.memory import PageAllocator
-from hicache.tree import MatchResult, TreeNode
+from hicache.metrics import CacheCounters
+from hicache.tree import HiRadixTree, MatchResult, TreeNode
 from hicache.tree.node import PageIds
 
-if TYPE_CHECKING:
-    from hicache.cache import HiCache
+log = logging.getLogger("hicache.cache")
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class PrefetchHandle:
-    """One request's prefetch: pages ``start_page ..`` of ``key`` (encoded tokens).
-
-    ``reading`` turns True once the lookup found a hit worth reading and L2 pages were
-    allocated for it; ``deadline`` (monotonic seconds) is the ``timeout`` policy's: the
-    base timeout while looking up, then the full formula from the start of the read.
-    """
-
-    op: PrefetchOp
-    key: bytes
-    start_page: int
-    attach: TreeNode
-    deadline: float
-    tenant: str = ""
-    reading: bool = False
-    dropped: bool = False
+MAX_TENANT_NAMESPACES = 1024
+"""Salted namespaces kept ready (least recently used beyond this are rebuilt on demand)."""
 
 
-class L3Tier:
-    """L3 prefetch and backup bookkeeping for one :class:`HiCache`."""
+class StorageTier:
+    """L3 prefetch and backup bookkeeping for one cache."""
 
     def __init__(
         self,
-        cache: HiCache,
+        *,
         controller: StorageController,
         namespace: Namespace,
         prefetch: PrefetchConfig,
+        tree: HiRadixTree,
+        host: HostTier,
+        counters: CacheCounters,
+        op_ids: itertools.count[int],
+        drain: Callable[[], object],
     ) -> None:
-        self.cache = cache
         self.controller = controller
         self.namespace = namespace
         self.prefetch = prefetch
-        self._ops = 0
-        self._backups: dict[int, tuple[TreeNode, int]] = {}
-        self._draining: list[tuple[PrefetchOp, PageIds]] = []
-        self._tenants: dict[str, Namespace] = {"": namespace}
+        self.tree = tree
+        self.host = host
+        self.counters = counters
+        self.page_size = host.page_size
+        self._op_ids = op_ids
+        self._drain = drain
+        self._prefetches: dict[int, Prefetch] = {}
+        self._quarantine: dict[int, PageIds] = {}
+        self._writes: dict[int, tuple[TreeNode, int]] = {}
+        self._tenants: OrderedDict[str, Namespace] = OrderedDict()
 
-    @property
-    def page_size(self) -> int:
-        return self.cache.page_size
+    def owns(self, op_id: int) -> bool:
+        return op_id in self._prefetches or op_id in self._writes or op_id in self._quarantine
 
     def keys(self, key: bytes, tenant: str = "") -> list[PageKey]:
         """L3 keys of the whole pages of the encoded tokens ``key``, under ``tenant``'s
         namespace (the shared one salted with the tenant's ``cache_salt``)."""
-        ns = self._tenants.get(tenant)
-        if ns is None:
-            ns = self._tenants[tenant] = self.namespace.with_salt(tenant)
-            self.controller.storage.allow_tenant(tenant)
+        if not tenant:
+            ns = self.namespace
+        else:
+            found = self._tenants.get(tenant)
+            if found is None:
+                found = self.namespace.with_salt(tenant)
+                self.controller.storage.allow_tenant(tenant)
+                self._tenants[tenant] = found
+                if len(self._tenants) > MAX_TENANT_NAMESPACES:
+                    self._tenants.popitem(last=False)
+            else:
+                self._tenants.move_to_end(tenant)
+            ns = found
         return page_keys(ns, np.frombuffer(key, dtype="<u4"), self.page_size)
 
     # ------------------------------------------------------------------ prefetch
 
-    def start_prefetch(
-        self, key: bytes, match: MatchResult, tenant: str = ""
-    ) -> PrefetchHandle | None:
-        """Start looking up the L3 pages that follow ``match`` (a match of ``key``) on the
-        prefetch thread; None when nothing can be fetched (no uncached whole page, or the
-        match ends on a span that is not in L2, under which L2 pages cannot hang)."""
+    def start(self, key: bytes, match: MatchResult, tenant: str) -> Prefetch | None:
+        """Start looking up the L3 pages that follow ``match`` (a match of ``key``); None
+        when nothing can be fetched (no uncached whole page, or the match ends on a span
+        that is not in L2, under which fetched pages cannot hang)."""
         attach = match.last_host_node
         if attach.host is None:
             return None
@@ -105,77 +108,90 @@ class L3Tier:
         rest = self.keys(key, tenant)[start:]
         if not rest:
             return None
-        self.cache.tree.inc_host_ref(attach)  # the L2 span we hang fetched pages under
-        self._ops += 1
-        op = PrefetchOp(self._ops, rest)
-        self.controller.prefetch(op)
-        deadline = time.monotonic() + self.prefetch.timeout_s(0)
-        return PrefetchHandle(op, key, start, attach, deadline, tenant)
+        self.tree.inc_host_ref(attach)  # the L2 span fetched pages will hang under
+        op_id = next(self._op_ids)
+        now = time.monotonic()
+        deadline = now + self.prefetch.timeout_s(len(rest) * self.page_size)
+        p = Prefetch(op_id, key, rest, start, attach, tenant, now, deadline)
+        self._prefetches[op_id] = p
+        self.controller.lookup(op_id, rest)
+        return p
 
-    def _advance(self, handle: PrefetchHandle) -> None:
-        """Once the lookup is back: read the hit if it is worth it, else drop the op."""
-        op = handle.op
-        if handle.reading or handle.dropped or not op.looked_up.is_set():
-            return
-        hit = self.controller.agreed_hit(op)
-        host_pages = None
-        if hit and hit * self.page_size >= self.prefetch.prefetch_threshold:
-            host_pages = self.cache.alloc_host(hit)
-        if host_pages is None:
-            handle.dropped = True
-            return
-        op.keys = op.keys[:hit]
-        op.host_pages = host_pages
-        handle.reading = True
-        handle.deadline = time.monotonic() + self.prefetch.timeout_s(hit * self.page_size)
-        self.controller.prefetch(op)
-
-    def ready(self, handle: PrefetchHandle) -> bool:
-        """Whether the policy says to stop waiting now (starts the read when it can)."""
-        self._advance(handle)
-        if handle.dropped or handle.op.finished.is_set():
+    def ready(self, p: Prefetch) -> bool:
+        """Whether the policy lets the request be admitted now."""
+        if p.finished:
             return True
         policy = self.prefetch.policy
         if policy is PrefetchPolicy.BEST_EFFORT:
             return True
-        return policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= handle.deadline
+        now = time.monotonic()
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return now >= p.started + self.prefetch.prefetch_timeout_max
+        return now >= p.deadline
 
-    def finish(self, handle: PrefetchHandle) -> int:
-        """Stop the prefetch; hang what arrived into the tree. Returns the tokens added."""
-        op = handle.op
-        op.stop.set()
-        tree = self.cache.tree
-        tree.dec_host_ref(handle.attach)
-        if not handle.reading:
+    def take(self, p: Prefetch) -> int:
+        """End ``p`` for its request: hang what arrived into the tree (as L2-only pages)
+        and unpin. Returns the tokens added. Idempotent."""
+        if p.taken:
             return 0
-        assert op.host_pages is not None
-        done = self.controller.agreed_done(op)
+        p.taken = True
+        self.tree.dec_host_ref(p.attach)
+        if p.host_pages is None:
+            if p.finished:  # else the lookup still runs: dropped when its record arrives
+                self._prefetches.pop(p.op_id, None)
+            return 0
+        self.controller.cancel(p.op_id)
+        done = self.controller.ranks.min(p.done_pages)
         added = 0
+        ps = self.page_size
         if done:
-            ps = self.page_size
-            key = handle.key[: (handle.start_page + done) * ps * 4]
-            result = tree.insert_host(key, op.host_pages[:done], handle.start_page, handle.tenant)
+            key = p.key[: (p.start_page + done) * ps * 4]
+            result = self.tree.insert_host(key, p.host_pages[:done], p.start_page, p.tenant)
             if len(result.duplicate_pages):
-                self._host_allocator().free(result.duplicate_pages)
+                self.host.allocator.free(result.duplicate_pages)
             added = (done - len(result.duplicate_pages)) * ps
-        self._draining.append((op, op.host_pages[done:]))
-        self._free_drained()
-        self.cache.counters.prefetch_tokens_total += done * self.page_size
+        self.counters.prefetch_tokens_total += done * ps
+        rest = p.host_pages[done:]
+        self._prefetches.pop(p.op_id, None)
+        if not p.read_final:  # the thread may still write them: keep them until it ends
+            self._quarantine[p.op_id] = rest
+        elif len(rest):
+            self.host.allocator.free(rest)
         return added
 
-    def _host_allocator(self) -> PageAllocator:
-        assert self.cache.host_pool is not None
-        return self.cache.host_pool.allocator
+    def _on_lookup(self, r: L3Lookup) -> None:
+        p = self._prefetches.get(r.op_id)
+        if p is None:
+            return
+        hit = self.controller.ranks.min(r.hit_pages)
+        if p.taken:
+            self._prefetches.pop(r.op_id)
+            return
+        host_pages = None
+        if hit and hit * self.page_size >= self.prefetch.prefetch_threshold:
+            host_pages = self.host.alloc(hit)
+        if host_pages is None:
+            p.finished = True
+            return
+        p.host_pages = host_pages
+        p.deadline = p.started + self.prefetch.timeout_s(hit * self.page_size)
+        self.controller.read(p.op_id, p.keys[:hit], host_pages)
 
-    def _free_drained(self) -> None:
-        keep = []
-        for op, pages in self._draining:
-            if op.finished.is_set():
+    def _on_read(self, r: L3Read) -> None:
+        if r.op_id in self._quarantine:
+            if r.final:
+                pages = self._quarantine.pop(r.op_id)
+                self.controller.forget(r.op_id)
                 if len(pages):
-                    self._host_allocator().free(pages)
-            else:
-                keep.append((op, pages))
-        self._draining = keep
+                    self.host.allocator.free(pages)
+            return
+        p = self._prefetches.get(r.op_id)
+        if p is None:
+            return
+        p.done_pages = max(p.done_pages, r.done_pages)
+        if r.final:
+            p.finished = p.read_final = True
+            self.controller.forget(r.op_id)
 
     # ------------------------------------------------------------------ backup
 
@@ -184,40 +200,83 @@ class L3Tier:
         last = nodes[-1]
         if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
             return  # MLA: every rank holds the same latent KV; rank 0 alone writes it
-        n = sum(self.cache.tree.num_pages(x) for x in nodes)
-        keys = self.keys(self.cache.tree.path_key(last), last.tenant)[-n:]
+        n = sum(self.tree.num_pages(x) for x in nodes)
+        keys = self.keys(self.tree.path_key(last), last.tenant)[-n:]
         host = PageIds("q")
         for x in nodes:
             assert x.host is not None
             host += x.host
-        self.cache.tree.inc_host_ref(last)  # L2 source stays until written
-        self._ops += 1
-        self._backups[self._ops] = (last, n)
-        self.controller.backup(self._ops, keys, host)
+        self.tree.inc_host_ref(last)  # the L2 source stays until written
+        op_id = next(self._op_ids)
+        self._writes[op_id] = (last, n)
+        self.controller.write(op_id, keys, host)
 
-    # ------------------------------------------------------------------ completions
+    def _on_write(self, r: L3Write) -> None:
+        item = self._writes.pop(r.op_id, None)
+        if item is None:
+            return
+        node, _ = item
+        self.tree.dec_host_ref(node)
+        ps = self.page_size
+        self.counters.l3_backup_tokens_total += r.written * ps
+        self.counters.l3_backup_present_tokens_total += r.present * ps
+        self.counters.l3_backup_failed_tokens_total += r.failed * ps
 
-    def poll(self) -> None:
-        for done in self.controller.drain_backups():
-            node, n = self._backups.pop(done.op_id)
-            self.cache.tree.dec_host_ref(node)
-            self.cache.counters.l3_backup_tokens_total += done.written * self.page_size
-            if done.written < n:
-                self.cache.counters.l3_backup_failed_tokens_total += (
-                    n - done.written
-                ) * self.page_size
-        self._free_drained()
+    # ------------------------------------------------------------------ records
 
-    def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every L3 backup has landed and every stopped prefetch has drained."""
-        end = time.monotonic() + timeout
-        while (self._backups or self._draining) and time.monotonic() < end:
-            self.poll()
-            if self._backups or self._draining:
-                time.sleep(0.001)
-        if self._backups or self._draining:
-            log.warning("L3 flush timed out with %d backups pending", len(self._backups))
+    def apply(self, r: L3Lookup | L3Read | L3Write) -> None:
+        if isinstance(r, L3Lookup):
+            self._on_lookup(r)
+        elif isinstance(r, L3Read):
+            self._on_read(r)
+        else:
+            self._on_write(r)
+
+    def held_host_pages(self) -> list[int]:
+        """L2 pages held by L3 ops, not by the tree: reads not taken yet, quarantines."""
+        held = [p for q in self._quarantine.values() for p in q]
+        for p in self._prefetches.values():
+            if p.host_pages is not None:
+                held += p.host_pages
+        return held
 
     @property
     def busy(self) -> bool:
-        return bool(self._backups or self._draining)
+        """Writes in flight, or quarantined pages a late read may still fill."""
+        return bool(self._writes or self._quarantine)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every write has landed and every quarantine
+        is lifted; False on timeout."""
+        end = time.monotonic() + timeout_s
+        while self.busy and time.monotonic() < end:
+            self._drain()
+            if self.busy:
+                time.sleep(0.001)
+        if self.busy:
+            log.warning(
+                "L3 flush timed out: %d writes pending, %d reads quarantined",
+                len(self._writes),
+                len(self._quarantine),
+            )
+        return not self.busy
+
+    def detach(self) -> PageIds:
+        """Give up every prefetch and write still open (after the controller closed):
+        unpin what they pinned. Returns the L2 pages that must stay quarantined until
+        the backend's late writes settle (the caller frees them then)."""
+        for p in list(self._prefetches.values()):
+            if not p.taken:
+                p.taken = True
+                self.tree.dec_host_ref(p.attach)
+            if p.host_pages is not None:
+                self._quarantine[p.op_id] = p.host_pages
+        self._prefetches.clear()
+        for node, _ in self._writes.values():
+            self.tree.dec_host_ref(node)  # a late put reads stale bytes: its checksum fails
+        self._writes.clear()
+        held = PageIds("q")
+        for pages in self._quarantine.values():
+            held += pages
+        self._quarantine.clear()
+        return held

@@ -1,8 +1,9 @@
-"""The cache controller: issues L1<->L2 copies and hands back their completions.
+"""The cache controller: issues L1<->L2 copies; their completions go to the owner's queue.
 
-It knows pools and page ids, never the tree: the owner (:class:`hicache.cache.HiCache`)
-decides what to copy, records what each op id stands for, and applies completions on its
-own thread when it calls :meth:`CacheController.poll`.
+It knows pools and page ids, never the tree: the owner (the cache's host tier) decides what
+to copy and records what each op id stands for; the transfer worker posts one
+:class:`~hicache.transfer.Completion` per op to the :class:`CompletionQueue` the owner
+drains in its ``poll()``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Callable
 import torch
 
 from hicache.config import IOBackend
+from hicache.controller.completions import CompletionQueue
 from hicache.lifecycle import Lifecycle
 from hicache.memory import DevicePool, HostPool
-from hicache.transfer import Completion, LayerProgress, TransferEngine, make_copier
+from hicache.transfer import LayerProgress, TransferEngine, make_copier
 from hicache.tree.node import PageIds
 
 
@@ -38,13 +40,18 @@ class CacheController(Lifecycle):
         device_pool: DevicePool,
         host_pool: HostPool,
         io_backend: IOBackend,
+        completions: CompletionQueue,
         *,
         layer_hook: Callable[[int, int], None] | None = None,
     ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._engine = TransferEngine(
-            device_pool, host_pool, make_copier(io_backend), layer_hook=layer_hook
+            device_pool,
+            host_pool,
+            make_copier(io_backend),
+            layer_hook=layer_hook,
+            sink=completions.post,
         )
         self._op_ids = itertools.count(1)
 
@@ -68,14 +75,10 @@ class CacheController(Lifecycle):
         )
         return op_id, progress
 
-    def poll(self) -> list[Completion]:
-        """Completions posted since the last call (non-blocking)."""
-        return self._engine.drain_completions()
-
-    def wait(self, timeout: float | None = None) -> list[Completion]:
-        """Wait until every submitted op has finished; return all pending completions."""
-        self._engine.wait_idle(timeout)
-        return self._engine.drain_completions()
+    def wait_idle(self, timeout_s: float) -> None:
+        """Wait until every submitted op has posted its completion; TimeoutError after
+        ``timeout_s`` seconds."""
+        self._engine.wait_idle(timeout_s)
 
     @property
     def pending(self) -> int:

@@ -1,8 +1,16 @@
-"""L3 threads: prefetch (L3 -> L2) and backup (L2 -> L3).
+"""L3 threads: lookups and reads (L3 -> L2) on one thread, writes (L2 -> L3) on another.
 
-Like the L1<->L2 controller it knows page ids and keys, never the tree. The owner allocates
-host pages, submits ops, and applies what the threads report on its own thread. Every
-storage call is bounded by the backend's deadline; an error or timeout is a miss.
+Like the L1<->L2 controller it knows page ids and keys, never the tree. The owner (the
+cache's storage tier) allocates host pages and submits ops; the threads post immutable
+records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`) to the owner's
+:class:`CompletionQueue`. Every storage call is bounded by the backend's deadline; an
+error or timeout is a miss.
+
+Late writes: a backend call that overran its deadline may still be writing into the host
+pages it was handed (a zero-copy get cannot be cancelled). A read op therefore posts its
+``final`` record only once the backend says no such call is left
+(:meth:`HiCacheStorage.host_writes_settled`); until then the owner keeps the op's pages
+out of every allocation (they are quarantined, not freed).
 """
 
 from __future__ import annotations
@@ -11,8 +19,9 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from hicache.controller.completions import CompletionQueue, L3Lookup, L3Read, L3Write
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import PageKey
 from hicache.lifecycle import Lifecycle
@@ -22,55 +31,52 @@ from hicache.tree.node import PageIds
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(eq=False)
-class PrefetchOp:
-    """An L3 -> L2 prefetch, in two phases run by the prefetch thread.
-
-    Lookup (``host_pages`` is None): ``batch_exists(keys)``; the thread stores the
-    consecutive hits in ``hit`` and sets ``looked_up``. Read (submitted again by the owner
-    once it has allocated ``host_pages`` and cut ``keys`` to the hit): chunk by chunk;
-    ``done_pages`` counts the leading pages that arrived intact and only grows. ``stop``
-    asks the thread to end after the chunk in flight; ``finished`` is set when the read
-    phase is over, after which no host page of the op is written any more.
-    """
-
-    op_id: int
-    keys: Sequence[PageKey]
-    host_pages: PageIds | None = None
-    hit: int = 0
-    done_pages: int = 0
-    failed: bool = False
-    looked_up: threading.Event = field(default_factory=threading.Event)
-    stop: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
+_SETTLE_POLL_S = 0.02
+"""How often the prefetch thread asks a backend whether late writes have settled."""
 
 
 @dataclass(frozen=True, slots=True)
-class L3BackupDone:
-    """A finished L2 -> L3 write: ``written`` pages stored (or already present)."""
-
+class _Lookup:
     op_id: int
-    pages: int
-    written: int
+    keys: Sequence[PageKey]
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    op_id: int
+    keys: Sequence[PageKey]
+    host_pages: PageIds
+    cancel: threading.Event
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    op_id: int
+    keys: Sequence[PageKey]
+    host_pages: PageIds
 
 
 class StorageController(Lifecycle):
     """Owns the L3 backend and its two worker threads.
 
     Lifecycle: ``start()`` starts the backend and the threads; ``close()`` stops them
-    (pending backups are finished first, prefetches are stopped) and closes the backend.
+    (queued writes are finished first, reads are cancelled) and closes the backend.
     """
 
     def __init__(
-        self, storage: HiCacheStorage, host_pool: HostPool, ranks: RankGroup | None = None
+        self,
+        storage: HiCacheStorage,
+        host_pool: HostPool,
+        completions: CompletionQueue,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.storage = storage
         self.host_pool = host_pool
         self.ranks = ranks or RankGroup()
-        self._prefetch_q: queue.Queue[PrefetchOp | None] = queue.Queue()
-        self._backup_q: queue.Queue[tuple[int, Sequence[PageKey], PageIds] | None] = queue.Queue()
-        self._done: queue.Queue[L3BackupDone] = queue.Queue()
+        self._out = completions
+        self._prefetch_q: queue.Queue[_Lookup | _Read | None] = queue.Queue()
+        self._backup_q: queue.Queue[_Write | None] = queue.Queue()
+        self._cancels: dict[int, threading.Event] = {}
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -84,77 +90,119 @@ class StorageController(Lifecycle):
         for t in self._threads:
             t.start()
 
-    def close(self) -> None:
-        """Stop both threads (finishing queued backups) and close the backend. Idempotent."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Cancel reads, finish queued writes, stop both threads (each join bounded by
+        ``timeout_s``) and close the backend. Idempotent."""
         if not self._threads:
             return
+        for ev in self._cancels.values():
+            ev.set()
         self._prefetch_q.put(None)
         self._backup_q.put(None)
         for t in self._threads:
-            t.join()
+            t.join(timeout_s)
+            if t.is_alive():
+                log.error("%s did not stop within %.0f s; abandoning it", t.name, timeout_s)
         self._threads = []
         self.storage.close()
 
     # ------------------------------------------------------------------ owner side
 
-    def prefetch(self, op: PrefetchOp) -> None:
-        """Queue the next phase of ``op`` (lookup while ``host_pages`` is None, else read)."""
-        self._prefetch_q.put(op)
+    def lookup(self, op_id: int, keys: Sequence[PageKey]) -> None:
+        """Queue a lookup of ``keys``; an :class:`L3Lookup` follows."""
+        self._prefetch_q.put(_Lookup(op_id, keys))
 
-    def agreed_hit(self, op: PrefetchOp) -> int:
-        """Consecutive hits of a looked-up op that every rank has (all-reduce min)."""
-        return self.ranks.min(op.hit)
+    def read(self, op_id: int, keys: Sequence[PageKey], host_pages: PageIds) -> None:
+        """Queue a read of ``keys[i]`` into ``host_pages[i]``; :class:`L3Read` records
+        follow, the last one with ``final`` set."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"read of {len(keys)} keys into {len(host_pages)} host pages")
+        cancel = self._cancels[op_id] = threading.Event()
+        self._prefetch_q.put(_Read(op_id, keys, host_pages, cancel))
 
-    def agreed_done(self, op: PrefetchOp) -> int:
-        """Pages of ``op`` every rank has (all-reduce min of ``done_pages``)."""
-        return self.ranks.min(op.done_pages)
+    def cancel(self, op_id: int) -> None:
+        """Ask a read to stop after the chunk in flight (its final record still comes)."""
+        ev = self._cancels.pop(op_id, None)
+        if ev is not None:
+            ev.set()
 
-    def backup(self, op_id: int, keys: Sequence[PageKey], host_pages: PageIds) -> None:
-        """Write host pages to L3 (present keys are skipped by the backend)."""
-        self._backup_q.put((op_id, keys, host_pages))
+    def write(self, op_id: int, keys: Sequence[PageKey], host_pages: PageIds) -> None:
+        """Queue a write of host pages to L3 (present keys are skipped by the backend);
+        an :class:`L3Write` follows. The owner keeps the pages until it arrives."""
+        self._backup_q.put(_Write(op_id, keys, host_pages))
 
-    def drain_backups(self) -> list[L3BackupDone]:
-        out: list[L3BackupDone] = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+    def forget(self, op_id: int) -> None:
+        """The owner applied a read's final record: drop its cancel flag."""
+        self._cancels.pop(op_id, None)
 
     # ------------------------------------------------------------------ threads
 
     def _prefetch_loop(self) -> None:
-        chunk = self.storage.options.max_batch_pages
-        while (op := self._prefetch_q.get()) is not None:
-            if op.host_pages is None:  # lookup phase; a failure counts as no hit
-                if not op.stop.is_set():
-                    op.hit = self.storage.batch_exists(op.keys)
-                op.looked_up.set()
-                continue
+        settling: dict[int, int] = {}  # read op id -> its done pages, late writes pending
+        while True:
+            idle = False
             try:
-                for start in range(0, len(op.keys), chunk):
-                    if op.stop.is_set():
-                        break
-                    keys = op.keys[start : start + chunk]
-                    pages = list(op.host_pages[start : start + chunk])
-                    ok = self.storage.batch_get(keys, self.host_pool, pages)
-                    good = next((i for i, o in enumerate(ok) if not o), len(ok))
-                    op.done_pages = start + good
-                    if good < len(ok):
-                        break  # a miss ends the usable prefix
-            except Exception:  # backends fail soft already; this is a last guard
-                log.exception("prefetch op %d failed", op.op_id)
-                op.failed = True
-            finally:
-                op.finished.set()
+                item = self._prefetch_q.get(timeout=_SETTLE_POLL_S if settling else None)
+            except queue.Empty:
+                idle, item = True, None
+            if settling and self._settled():
+                for op_id, done in settling.items():
+                    self._out.post(L3Read(op_id, done, final=True))
+                settling.clear()
+            if idle:
+                continue
+            if item is None:
+                for op_id in settling:
+                    log.error("L3 read op %d still has a late write in flight at close", op_id)
+                return
+            if isinstance(item, _Lookup):
+                try:
+                    hit = self.storage.batch_exists(item.keys)  # a failure is no hit
+                except Exception:  # backends fail soft already; this is a last guard
+                    log.exception("L3 lookup op %d failed", item.op_id)
+                    hit = 0
+                self._out.post(L3Lookup(item.op_id, hit))
+                continue
+            done = self._read(item)
+            if not settling and self._settled():
+                self._out.post(L3Read(item.op_id, done, final=True))
+            else:
+                log.warning("L3 read op %d: a backend call may still write its pages", item.op_id)
+                settling[item.op_id] = done
+
+    def _settled(self) -> bool:
+        try:
+            return self.storage.host_writes_settled(0.0)
+        except Exception:  # cannot tell: keep the pages quarantined, ask again later
+            log.exception("host_writes_settled failed")
+            return False
+
+    def _read(self, op: _Read) -> int:
+        """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact."""
+        chunk = self.storage.options.max_batch_pages
+        done = 0
+        try:
+            for start in range(0, len(op.keys), chunk):
+                if op.cancel.is_set():
+                    break
+                keys = op.keys[start : start + chunk]
+                pages = list(op.host_pages[start : start + chunk])
+                ok = self.storage.batch_get(keys, self.host_pool, pages)
+                good = next((i for i, o in enumerate(ok) if not o), len(ok))
+                done = start + good
+                if good < len(ok):
+                    break  # a miss ends the usable prefix
+                self._out.post(L3Read(op.op_id, done, final=False))
+        except Exception:  # backends fail soft already; this is a last guard
+            log.exception("L3 read op %d failed", op.op_id)
+        return done
 
     def _backup_loop(self) -> None:
         while (item := self._backup_q.get()) is not None:
-            op_id, keys, pages = item
+            written = present = 0
             try:
-                ok = self.storage.batch_set(keys, self.host_pool, list(pages))
-                written = sum(ok)
+                result = self.storage.batch_set(item.keys, self.host_pool, list(item.host_pages))
+                written, present = result.written, result.present
             except Exception:
-                log.exception("L3 backup op %d failed", op_id)
-                written = 0
-            self._done.put(L3BackupDone(op_id, len(keys), written))
+                log.exception("L3 write op %d failed", item.op_id)
+            self._out.post(L3Write(item.op_id, len(item.keys), written, present))

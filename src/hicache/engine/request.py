@@ -1,9 +1,8 @@
 """One generation request and what it reports back.
 
-A request's KV lives in L1 pages: ``pages`` cover its first ``len(pages) * page_size``
-token positions, of which the first ``kv_len`` hold computed K/V. The first
-``prefix_pages`` of them belong to the tree (matched, locked through ``prefix_node``);
-the rest are the request's own until it inserts them.
+A request's KV lives in L1 pages that its cache handle (``cache``, an opaque
+:class:`~hicache.cache.CacheRequest`) holds; the first ``kv_len`` token positions hold
+computed K/V. The scheduler never sees nodes or page ids beyond the handle's slots.
 """
 
 from __future__ import annotations
@@ -16,11 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.cache_storage import PrefetchHandle
+from hicache.cache import CachedTokens, CacheRequest
 from hicache.engine.sampling import SamplingParams
-from hicache.transfer import LayerProgress
-from hicache.tree import TreeNode
-from hicache.tree.node import PageIds, page_ids
+
+__all__ = ["CachedTokens", "FinishReason", "OutputCallback", "Request", "RequestOutput"]
 
 _ids = itertools.count()
 
@@ -32,19 +30,6 @@ class FinishReason(str, enum.Enum):
     """``max_tokens`` reached, or the context is full."""
     ABORT = "abort"
     """Aborted (client gone, shutdown, or an error)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CachedTokens:
-    """Prompt tokens served from each tier instead of being prefilled."""
-
-    device: int = 0
-    host: int = 0
-    storage: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.device + self.host + self.storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,17 +71,12 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     aborted: bool = False
+    priority: int = 0
+    """Higher stays longer in the cache under the ``priority`` eviction policy."""
     # cache state
-    pages: PageIds = field(default_factory=page_ids)
-    prefix_pages: int = 0
-    prefix_node: TreeNode | None = None
+    cache: CacheRequest | None = None
     kv_len: int = 0
-    progress: LayerProgress | None = None
-    cached: CachedTokens = CachedTokens()
     retracted: int = 0
-    prefetch: PrefetchHandle | None = None
-    prefetch_done: bool = False
-    storage_tokens: int = 0
     generator: torch.Generator | None = None
     # timing
     arrival: float = field(default_factory=time.perf_counter)
@@ -119,10 +99,7 @@ class Request:
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
-    def slots(self, page_size: int, upto: int) -> torch.Tensor:
-        """Token slots of positions ``[0, upto)``: ``page * page_size + offset``, int64."""
-        pages = torch.frombuffer(self.pages, dtype=torch.int64) if len(self.pages) else None
-        if pages is None:
-            return torch.empty(0, dtype=torch.int64)
-        offsets = torch.arange(page_size, dtype=torch.int64)
-        return (pages[:, None] * page_size + offsets).reshape(-1)[:upto]
+    @property
+    def cached(self) -> CachedTokens:
+        """Prompt tokens each tier served (counted at the first admission)."""
+        return CachedTokens() if self.cache is None else self.cache.cached

@@ -1,12 +1,13 @@
 """Continuous batching over the hierarchical cache.
 
-Each :meth:`Scheduler.step` admits waiting requests (local match, load back from L2, L1
-pages for the rest of the prompt), then runs one forward: a prefill batch (chunked, at most
+Each :meth:`Scheduler.step` admits waiting requests through the cache's request verbs
+(``open`` on arrival starts the L3 prefetch; ``ready`` and ``admit`` match, load back and
+give L1 pages), then runs one forward: a prefill batch (chunked, at most
 ``chunked_prefill_size`` new tokens) when any request still has prompt to prefill, else a
-decode batch of every running request. Finished and freshly prefilled prefixes go into the
-tree (the write policy backs them up); a request that cannot get an L1 page for its next
-token is retracted: its KV goes into the tree and it waits to be re-admitted, which then
-finds its own prefix cached.
+decode batch of every running request. Freshly prefilled and finished prefixes are
+committed to the cache (its write policy backs them up); a request that cannot get an L1
+page for its next token is retracted (``requeue``): its KV stays cached and it waits to be
+re-admitted, which then finds its own prefix. The scheduler holds only opaque handles.
 
 Everything here runs on the engine's thread.
 """
@@ -23,10 +24,9 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
-from hicache.engine.request import CachedTokens, FinishReason, Request
+from hicache.engine.request import FinishReason, Request
 from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import make_generator, sample
-from hicache.tree.node import encode_tokens, page_ids
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class SchedulerConfig:
     max_running_requests: int = 32
     chunked_prefill_size: int = 512
     disable_radix_cache: bool = False
+    layer_wait_timeout_s: float = 60.0
+    """Longest a forward waits for one layer of a prefix being loaded back from L2."""
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size"):
@@ -67,7 +69,21 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
 
     def add(self, req: Request) -> None:
-        req.generator = make_generator(req.params, self.runner.device)
+        """Queue ``req``; its L3 prefetch starts now. A request that cannot even be set
+        up (say, a seed its generator refuses) fails alone."""
+        try:
+            req.generator = make_generator(req.params, self.runner.device)
+            req.cache = self.cache.open(
+                req.prompt_ids,
+                tenant=req.cache_salt,
+                priority=req.priority,
+                cacheable=not self.config.disable_radix_cache,
+            )
+        except Exception as exc:
+            log.exception("request %s could not be queued", req.rid)
+            req.error = f"{type(exc).__name__}: {exc}"
+            self._finish(req, FinishReason.ABORT)
+            return
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
@@ -78,10 +94,6 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
-
-    def held_pages(self) -> list[int]:
-        """L1 pages that running requests own (for the cache's leak check)."""
-        return [p for r in self.running for p in r.pages[r.prefix_pages :]]
 
     # ------------------------------------------------------------------ step
 
@@ -103,72 +115,33 @@ class Scheduler:
     def _reap_aborted(self) -> None:
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
-            if req.prefetch is not None and self.cache.l3 is not None:
-                self.cache.l3.finish(req.prefetch)
-                req.prefetch = None
             self._finish(req, FinishReason.ABORT)
         for req in [r for r in self.running if r.aborted]:
             self._finish(req, FinishReason.ABORT)
 
     def _admit(self) -> None:
-        ps = self.page_size
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_running_requests:
                 return
-            if not self._prefetched(req):
+            handle = req.cache
+            assert handle is not None
+            if not self.cache.ready(handle):
                 continue  # its L3 prefetch is still running: let others go first
             ids = req.all_ids
-            if self.config.disable_radix_cache:
-                match = self.cache.match_prefix([])
-            else:
-                # keep >= 1 token to compute; a salted request sees only its tenant's spans
-                match = self.cache.match_prefix(ids[:-1], req.cache_salt)
-            lb = self.cache.load_back(match)
-            self.cache.lock(lb.last_node)
-            new = self.cache.alloc_device(math.ceil(len(ids) / ps) - len(lb.device_pages))
-            if new is None:
-                self.cache.unlock(lb.last_node)
+            if not self.cache.admit(handle, ids):
                 if not self.running:  # nothing will ever free memory for it
                     self.waiting.remove(req)
+                    need = math.ceil(len(ids) / self.page_size)
                     req.error = (
-                        f"the request needs {math.ceil(len(ids) / ps)} KV pages but the device"
-                        f" cache has {self.cache.device_pool.num_pages}"
+                        f"the request needs {need} KV pages but the device cache has"
+                        f" {self.cache.device_pages}"
                     )
                     self._finish(req, FinishReason.ABORT)
                     continue
                 return
             self.waiting.remove(req)
-            req.pages = lb.device_pages + new
-            req.prefix_pages = len(lb.device_pages)
-            req.prefix_node = lb.last_node
-            req.kv_len = lb.device_tokens
-            req.progress = lb.progress if lb.loaded_tokens else None
-            if not req.retracted:  # count each prompt once
-                self.cache.count_request(len(req.prompt_ids), match, lb, req.storage_tokens)
-                storage = min(req.storage_tokens, lb.loaded_tokens)
-                req.cached = CachedTokens(
-                    device=match.device_tokens, host=lb.loaded_tokens - storage, storage=storage
-                )
+            req.kv_len = handle.prefix_tokens
             self.running.append(req)
-
-    def _prefetched(self, req: Request) -> bool:
-        """Start or check ``req``'s L3 prefetch; True once it may be admitted."""
-        l3 = self.cache.l3
-        if req.prefetch_done or l3 is None or self.config.disable_radix_cache:
-            return True
-        if req.prefetch is None:
-            key = encode_tokens(req.all_ids[:-1])
-            match = self.cache.match_prefix(key, req.cache_salt)
-            req.prefetch = l3.start_prefetch(key, match, req.cache_salt)
-            if req.prefetch is None:
-                req.prefetch_done = True
-                return True
-        if not l3.ready(req.prefetch):
-            return False
-        req.storage_tokens = l3.finish(req.prefetch)
-        req.prefetch = None
-        req.prefetch_done = True
-        return True
 
     def _prefill_chunks(self, reqs: list[Request]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size
@@ -189,12 +162,8 @@ class Scheduler:
 
     def _ensure_pages(self, req: Request, tokens: int) -> bool:
         """Give ``req`` pages for ``tokens`` positions, retracting others if L1 is full."""
-        need = math.ceil(tokens / self.page_size) - len(req.pages)
-        while need > 0:
-            new = self.cache.alloc_device(need)
-            if new is not None:
-                req.pages += new
-                return True
+        assert req.cache is not None
+        while not self.cache.grow(req.cache, tokens):
             victims = [r for r in self.running if r is not req]
             if not victims:
                 req.error = "the device cache cannot hold this request"
@@ -212,24 +181,26 @@ class Scheduler:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
-        progresses = []
+        loading = []
         for req, n in batch:
+            assert req.cache is not None
             ids += req.all_ids[req.kv_len : req.kv_len + n]
             positions += range(req.kv_len, req.kv_len + n)
-            slots.append(req.slots(ps, req.kv_len + n))
-            if req.progress is not None:
-                progresses.append(req.progress)
+            slots.append(req.cache.slots(ps, req.kv_len + n))
+            if req.cache.loading:
+                loading.append(req.cache)
+        timeout = self.config.layer_wait_timeout_s
 
         def layer_wait(layer: int) -> None:
-            for p in progresses:
-                p.wait(layer)
+            for handle in loading:
+                handle.wait_layer(layer, timeout)  # False: the request fails below
 
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             extend_lens=[n for _, n in batch],
             seq_slots=slots,
-            layer_wait=layer_wait if progresses else None,
+            layer_wait=layer_wait if loading else None,
         )
         try:
             logits = self.runner.forward(fb)
@@ -237,13 +208,17 @@ class Scheduler:
             log.exception("forward failed")
             for req, _ in batch:
                 req.error = f"forward failed: {type(exc).__name__}: {exc}"
-                req.kv_len = req.prefix_pages * ps  # own pages hold garbage: drop them
                 self._finish(req, FinishReason.ABORT, keep_kv=False)
             return
+        self.cache.poll()  # a failed load marks its requests failed
         rows: list[tuple[int, Request, bool]] = []  # (logits row, request, was a prefill)
         for i, (req, n) in enumerate(batch):
+            assert req.cache is not None
+            if req.cache.failed is not None:
+                req.error = req.cache.failed
+                self._finish(req, FinishReason.ABORT, keep_kv=False)
+                continue
             req.kv_len += n
-            req.progress = None
             if req.kv_len == req.seq_len:
                 rows.append((i, req, n > 1 or not req.output_ids))
         if not rows:
@@ -262,55 +237,20 @@ class Scheduler:
             if req.finished:
                 self._finish(req, req.finish_reason)
                 continue
-            if prefilled and not self.config.disable_radix_cache:
-                self._cache_prefix(req)
+            if prefilled:
+                assert req.cache is not None
+                self.cache.commit(req.cache, req.all_ids[: req.kv_len])
             self._emit(req)
 
     # ------------------------------------------------------------------ cache hand-off
 
-    def _cache_prefix(self, req: Request) -> None:
-        """Insert the computed whole pages of a running request so others can share them."""
-        ps = self.page_size
-        full = req.kv_len // ps
-        if full <= req.prefix_pages:
-            return
-        tokens = req.all_ids[: full * ps]
-        self.cache.insert(tokens, req.pages[:full], tenant=req.cache_salt)
-        match = self.cache.match_prefix(tokens, req.cache_salt)
-        assert match.device_tokens == full * ps, "inserted prefix not resident"
-        self.cache.lock(match.last_device_node)
-        assert req.prefix_node is not None
-        self.cache.unlock(req.prefix_node)
-        req.prefix_node = match.last_device_node
-        req.pages = match.device_pages + req.pages[full:]
-        req.prefix_pages = full
-
-    def _release(self, req: Request, *, keep_kv: bool) -> None:
-        """Hand ``req``'s pages back: computed whole pages to the tree, the rest freed."""
-        ps = self.page_size
-        own_from = req.prefix_pages
-        if keep_kv and not self.config.disable_radix_cache:
-            full = req.kv_len // ps
-            if full > req.prefix_pages:
-                self.cache.insert(req.all_ids[: full * ps], req.pages[:full], tenant=req.cache_salt)
-                own_from = full
-        if len(req.pages) > own_from:
-            self.cache.free_device(req.pages[own_from:])
-        if req.prefix_node is not None:
-            self.cache.unlock(req.prefix_node)
-        req.pages = page_ids()
-        req.prefix_pages = 0
-        req.prefix_node = None
-        req.kv_len = 0
-        req.progress = None
-
     def _retract(self, req: Request) -> None:
-        """Preempt a running request: keep its KV in the tree, re-queue it first."""
+        """Preempt a running request: keep its KV in the cache, re-queue it first."""
         log.info("retracting %s to free L1 pages", req.rid)
+        assert req.cache is not None
         self.running.remove(req)
-        if req.progress is not None:
-            req.progress.wait_all()
-        self._release(req, keep_kv=True)
+        self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
+        req.kv_len = 0
         req.retracted += 1
         self.waiting.appendleft(req)
 
@@ -318,9 +258,8 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-            if req.progress is not None:
-                req.progress.wait_all()
-            self._release(req, keep_kv=keep_kv)
+        if req.cache is not None:
+            self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
         self._emit(req)
 
     def _emit(self, req: Request) -> None:

@@ -1,7 +1,8 @@
 """TransferEngine: one worker thread that runs device <-> host page copies in FIFO order.
 
 The owner (the cache controller) submits ops and later drains :class:`Completion` records
-from its ``poll()``; the worker touches nothing but the two pools, the op's
+(from the engine's own queue, or from the ``sink`` it was given: the cache's one
+completion queue); the worker touches nothing but the two pools, the op's
 :class:`LayerProgress` and the completion queue. Page lists are snapshotted at submit time
 (copied to CPU int64), so the caller may reuse its tensors at once; the *pages* themselves
 must stay owned by the op (not freed or rewritten) until its completion is drained.
@@ -92,6 +93,7 @@ class TransferEngine:
         *,
         layer_hook: LayerHook | None = None,
         name: str = "hicache-transfer",
+        sink: Callable[[Completion], None] | None = None,
     ) -> None:
         check_compatible(device_pool, host_pool)
         self.device_pool = device_pool
@@ -103,6 +105,7 @@ class TransferEngine:
         self._cuda = self._device.type == "cuda"
         self._ops: queue.Queue[_Op | None] = queue.Queue()
         self._completions: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._post = sink if sink is not None else self._completions.put
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
@@ -192,7 +195,8 @@ class TransferEngine:
             return self._pending
 
     def drain_completions(self) -> list[Completion]:
-        """All completions posted so far, oldest first (non-blocking)."""
+        """All completions posted so far, oldest first (non-blocking); always empty when
+        the engine was given a ``sink`` (the completions went there)."""
         out: list[Completion] = []
         while True:
             try:
@@ -258,7 +262,7 @@ class TransferEngine:
         if not ok and op.progress is not None and not op.progress.failed:
             op.progress.fail(RuntimeError(error))
         nbytes = op.device_pages.numel() * self.device_pool.page_bytes
-        self._completions.put(Completion(op.op_id, op.kind, ok, error, nbytes, seconds))
+        self._post(Completion(op.op_id, op.kind, ok, error, nbytes, seconds))
         with self._idle:
             self._pending -= 1
             self._idle.notify_all()

@@ -1,0 +1,132 @@
+"""The handle a caller holds for one request, and what the cache tells it.
+
+A :class:`CacheRequest` is opaque to the scheduler: it reads the request's page table
+(``slots``), how much of the prompt the cache served (``cached``) and whether a copy it
+depends on failed (``failed``), and passes the handle back to the facade's verbs. Only
+:class:`hicache.cache.HiCache` changes it, on the owner's thread.
+
+Page table invariant: ``pages`` covers token positions ``[0, len(pages) * page_size)``.
+Its first ``prefix_pages`` pages belong to the tree and are pinned in L1 through
+``node`` (path-wise); the rest belong to the request until it commits or releases them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from hicache.cache.prefetch import Prefetch
+from hicache.transfer import LayerProgress, TransferError
+from hicache.tree import TreeNode
+from hicache.tree.node import PageIds, page_ids
+
+
+@dataclass(frozen=True, slots=True)
+class CachedTokens:
+    """Prompt tokens served from each tier instead of being prefilled."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.storage
+
+
+class RequestState(str, enum.Enum):
+    """Where a handle is in its life: opened, admitted (holds pages), released."""
+
+    WAITING = "waiting"
+    ADMITTED = "admitted"
+    RELEASED = "released"
+
+
+class CacheRequest:
+    """One request's cache state; create with :meth:`HiCache.open`.
+
+    Read-only for callers: ``pages``, ``prefix_pages``, ``cached``, ``failed``,
+    ``state``, ``tenant``, ``priority``; :meth:`slots` and :meth:`wait_layer` for the
+    forward.
+    """
+
+    __slots__ = (
+        "_counted",
+        "_prefix_tokens",
+        "_progress",
+        "cacheable",
+        "cached",
+        "compute_last",
+        "failed",
+        "node",
+        "pages",
+        "prefetch",
+        "prefix_pages",
+        "priority",
+        "state",
+        "storage_tokens",
+        "tenant",
+    )
+
+    def __init__(self, *, tenant: str, priority: int, cacheable: bool, compute_last: bool) -> None:
+        self.tenant = tenant
+        self.priority = priority
+        self.cacheable = cacheable
+        self.compute_last = compute_last
+        self.state = RequestState.WAITING
+        self.pages: PageIds = page_ids()
+        self.prefix_pages = 0
+        self._prefix_tokens = 0
+        self.node: TreeNode | None = None
+        self.cached = CachedTokens()
+        self.failed: str | None = None
+        """Why the request's KV cannot be trusted (a load it depends on failed); the
+        caller must fail the request and release it without keeping its KV."""
+        self.prefetch: Prefetch | None = None
+        self.storage_tokens = 0
+        """Prompt tokens the L3 prefetch brought into L2 for this request."""
+        self._progress: LayerProgress | None = None
+        self._counted = False
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Leading token positions whose KV the tree holds for the request (in L1, or
+        arriving layer by layer): the forward starts after them."""
+        return self._prefix_tokens
+
+    def slots(self, page_size: int, upto: int) -> torch.Tensor:
+        """Token slots of positions ``[0, upto)``: ``page * page_size + offset``, (upto,)
+        int64 on the CPU."""
+        if upto > len(self.pages) * page_size:
+            raise ValueError(f"slots up to {upto} but pages cover {len(self.pages) * page_size}")
+        if upto == 0:
+            return torch.empty(0, dtype=torch.int64)
+        pages = torch.frombuffer(self.pages, dtype=torch.int64)
+        offsets = torch.arange(page_size, dtype=torch.int64)
+        return (pages[:, None] * page_size + offsets).reshape(-1)[:upto]
+
+    @property
+    def loading(self) -> bool:
+        """Whether part of the prefix is still being copied L2 -> L1."""
+        return self._progress is not None and not self._progress.done
+
+    def wait_layer(self, layer: int, timeout_s: float) -> bool:
+        """Block until ``layer`` of the request's loaded prefix is in L1 (on CUDA: make
+        the current stream wait for it). False when the load failed (``failed`` is then
+        set); TimeoutError after ``timeout_s`` seconds."""
+        if self._progress is None:
+            return self.failed is None
+        try:
+            self._progress.wait(layer, timeout_s)
+        except TransferError as exc:
+            self.failed = f"loading the cached prefix failed: {exc}"
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"CacheRequest(state={self.state.value}, pages={len(self.pages)},"
+            f" prefix_pages={self.prefix_pages}, failed={self.failed is not None})"
+        )

@@ -1,0 +1,87 @@
+"""The one completion queue: every worker thread posts immutable records, the owner applies.
+
+Workers (the L1<->L2 transfer worker, the L3 prefetch and backup threads) never touch the
+tree or the owner's bookkeeping. Each finished piece of work becomes one frozen record put
+on a :class:`CompletionQueue`; the owner (:class:`hicache.cache.HiCache`) drains the queue
+in ``poll()`` on its own thread and applies the records in order.
+
+Records of the L1<->L2 copies are :class:`hicache.transfer.Completion`; the L3 records are
+defined here.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Union
+
+from hicache.transfer import Completion
+
+__all__ = ["CompletionQueue", "L3Lookup", "L3Read", "L3Write", "Record"]
+
+
+@dataclass(frozen=True, slots=True)
+class L3Lookup:
+    """An L3 lookup finished: the first ``hit_pages`` keys of op ``op_id`` are present
+    (0 after an error or a timeout)."""
+
+    op_id: int
+    hit_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class L3Read:
+    """Progress of an L3 -> L2 read: the first ``done_pages`` host pages of op ``op_id``
+    hold intact records. ``final`` is True on the op's last record, posted only once no
+    byte can land in any host page of the op any more (a backend call that overran its
+    deadline has returned); until then the owner must keep every page of the op."""
+
+    op_id: int
+    done_pages: int
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class L3Write:
+    """An L2 -> L3 write finished: of ``pages`` pages, ``written`` were stored now,
+    ``present`` were in L3 already, the rest failed."""
+
+    op_id: int
+    pages: int
+    written: int
+    present: int
+
+    @property
+    def failed(self) -> int:
+        return self.pages - self.written - self.present
+
+
+Record = Union[Completion, L3Lookup, L3Read, L3Write]  # noqa: UP007 - a runtime alias
+
+
+class CompletionQueue:
+    """A thread-safe FIFO of :data:`Record`; many producers, one consumer (the owner)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Record] = queue.SimpleQueue()
+
+    def post(self, record: Record) -> None:
+        """Producer side: any thread."""
+        self._q.put(record)
+
+    def drain(self) -> list[Record]:
+        """Consumer side: every record posted so far, oldest first (non-blocking)."""
+        out: list[Record] = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait(self, timeout_s: float) -> list[Record]:
+        """Consumer side: wait up to ``timeout_s`` for one record, then drain; [] if none."""
+        try:
+            first = self._q.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        return [first, *self.drain()]

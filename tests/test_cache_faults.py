@@ -1,0 +1,268 @@
+"""The facade under faults and its policies, through the request verbs, with exact state.
+
+Each test here failed on the code before the request-level API (issue 8): a failed L2->L1
+load raised out of ``poll`` and left unfilled L1 pages mapped, the selective write policy
+counted inserts instead of requests, and the timeout deadline restarted after the lookup.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from hicache.cache import HiCache, RequestState
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
+from hicache.keys import Namespace
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
+from hicache.storage.base import StorageOptions
+from tests.kvdata import page_kv, read_device, serve, write_tokens
+
+SPEC = KVSpec(num_layers=3, num_kv_heads=1, head_dim=2, dtype="float32")
+PAGE = 2
+TOKENS = [5, 6, 7, 8, 9, 10]
+
+
+def make_cache(**overrides: object) -> HiCache:
+    cfg: dict[str, object] = dict(
+        page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0
+    )
+    cfg.update(overrides)
+    return HiCache(CacheConfig(**cfg), SPEC).start()  # type: ignore[arg-type]
+
+
+class FailingLoads:
+    """A layer hook that fails every load after its first layer while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, op_id: int, layer: int) -> None:
+        if self.on and layer == 0:
+            raise RuntimeError("injected copy failure after layer 0")
+
+
+@pytest.fixture
+def failing() -> Iterator[tuple[HiCache, FailingLoads]]:
+    hook = FailingLoads()
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
+    cache = HiCache(cfg, SPEC, layer_hook=hook).start()
+    yield cache, hook
+    cache.close()
+
+
+def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
+    failing: tuple[HiCache, FailingLoads],
+) -> None:
+    cache, hook = failing
+    assert serve(cache, TOKENS) is not None
+    cache.flush()
+    assert cache.evict_device(8) == 3  # demoted: L2 only now
+    hook.on = True
+    req = cache.open(TOKENS, compute_last=False)
+    assert cache.admit(req, TOKENS)
+    assert req.prefix_pages == 3 and req.loading
+    assert req.wait_layer(0, 10)  # layer 0 arrived before the failure
+    assert not req.wait_layer(1, 10) and req.failed is not None
+    cache.poll()
+    (node,) = cache.tree.iter_nodes()
+    assert node.device is None and node.host is not None  # unmapped, L2 copy kept
+    assert node.lock_ref == 0 and node.host_ref == 0
+    assert cache.stats().counters["load_failures_total"] == 1
+    cache.commit(req, TOKENS)  # a failed request commits nothing
+    cache.release(req, TOKENS)
+    assert req.state is RequestState.RELEASED
+    cache.check_integrity()
+    assert cache.device_pool.allocator.used_pages == 0
+    cache.reset()  # nothing is left pinned
+    assert serve(cache, TOKENS) is not None  # works again, recomputed
+
+
+def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
+    failing: tuple[HiCache, FailingLoads],
+) -> None:
+    cache, hook = failing
+    serve(cache, TOKENS)
+    cache.flush()
+    cache.evict_device(8)
+    hook.on = True
+    req = cache.open(TOKENS, compute_last=False)
+    assert cache.admit(req, TOKENS)
+    assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+    cache.release(req, TOKENS, keep=False)
+    hook.on = False
+    again = serve(cache, TOKENS, hold=True)  # serve() checks the loaded bytes
+    assert again is not None and again.cached.host == len(TOKENS)
+    cache.release(again)
+    cache.check_integrity()
+
+
+def test_write_through_selective_counts_requests_not_inserts() -> None:
+    with make_cache(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE) as cache:
+        req = serve(cache, TOKENS, hold=True)
+        assert req is not None
+        longer = [*TOKENS, 11, 12, 13, 14]  # its output crosses two page boundaries
+        assert cache.grow(req, len(longer))
+        write_tokens(cache, longer, req.pages[3:5], 3)
+        cache.commit(req, longer)  # the prompt's node is passed again: no new hit
+        cache.release(req, longer)
+        cache.flush()
+        assert all(n.host is None for n in cache.tree.iter_nodes())
+        assert serve(cache, TOKENS) is not None  # the second request reusing it
+        cache.flush()
+        prompt = cache.match_prefix(TOKENS).last_device_node
+        assert prompt.hit_count == 2 and prompt.host is not None
+        cache.check_integrity()
+
+
+def test_hits_are_counted_once_per_request_even_when_requeued() -> None:
+    with make_cache() as cache:
+        serve(cache, TOKENS)
+        req = cache.open([*TOKENS, 1])
+        assert cache.admit(req, [*TOKENS, 1])
+        assert req.cached.device == 6
+        cache.requeue(req, [*TOKENS, 1])
+        assert req.state is RequestState.WAITING
+        assert cache.admit(req, [*TOKENS, 1])
+        c = cache.stats().counters
+        assert c["prefix_queries_total"] == 2 and c["device_hit_tokens_total"] == 6
+        cache.release(req)
+        cache.check_integrity()
+
+
+def test_priority_reaches_the_tree_through_open() -> None:
+    with make_cache(eviction_policy="priority") as cache:
+        serve(cache, [1, 1, 1, 1], priority=5)
+        serve(cache, [2, 2, 2, 2], priority=0)
+        cache.flush()
+        cache.evict_device(2)  # the low-priority span goes first, though it is newer
+        assert cache.match_prefix([1, 1, 1, 1]).device_tokens == 4
+        assert cache.match_prefix([2, 2, 2, 2]).device_tokens == 0
+
+
+def _l3(cache: HiCache, store: MemoryStore, prefetch: PrefetchConfig) -> None:
+    ns = Namespace.for_spec(
+        SPEC, model="m", weights_fingerprint="w", layout=cache.config.mem_layout, page_size=PAGE
+    )
+    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+
+
+@pytest.mark.parametrize(
+    ("base", "per_ki", "cap", "expected"),
+    [
+        (2.0, 0.0, 30.0, 2.0),  # the base term
+        (0.0, 1024.0, 30.0, 6.0),  # the per-token term: 6 tokens looked up
+        (2.0, 1024.0, 5.0, 5.0),  # the cap
+    ],
+)
+def test_timeout_deadline_counts_from_arrival_and_covers_the_lookup(
+    base: float, per_ki: float, cap: float, expected: float
+) -> None:
+    prefetch = PrefetchConfig(
+        policy="timeout",
+        prefetch_threshold=0,
+        prefetch_timeout_base=base,
+        prefetch_timeout_per_ki_token=per_ki,
+        prefetch_timeout_max=cap,
+    )
+    with make_cache() as cache:
+        _l3(cache, MemoryStore(), prefetch)
+        req = cache.open(TOKENS, compute_last=False)
+        p = req.prefetch
+        assert p is not None
+        assert p.deadline - p.started == pytest.approx(expected)
+        cache.release(req)
+        cache.flush()
+        cache.check_integrity()
+
+
+def test_l3_backup_counts_written_pages_not_present_ones() -> None:
+    store = MemoryStore()
+    prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+    with make_cache() as a:
+        _l3(a, store, prefetch)
+        serve(a, TOKENS)
+        a.flush()
+        assert a.stats().counters["l3_backup_tokens_total"] == 6
+    with make_cache() as b:  # the same pages again: all present already
+        _l3(b, store, prefetch)
+        pages = b.alloc_device(3)
+        assert pages is not None
+        write_tokens(b, TOKENS, pages, 0)
+        b.insert(TOKENS, pages)
+        b.flush()
+        c = b.stats().counters
+        assert c["l3_backup_tokens_total"] == 0 and c["l3_backup_present_tokens_total"] == 6
+
+
+def test_a_queued_request_takes_what_best_effort_prefetched() -> None:
+    store = MemoryStore()
+    with make_cache() as a:
+        _l3(a, store, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        serve(a, TOKENS)
+    with make_cache() as b:
+        _l3(b, store, PrefetchConfig(policy="best_effort", prefetch_threshold=0))
+        req = b.open(TOKENS, compute_last=False)  # arrives; the engine is busy elsewhere
+        p = req.prefetch
+        assert p is not None
+        for _ in range(2000):
+            b.poll()
+            if p.finished:
+                break
+            time.sleep(0.001)
+        assert b.ready(req) and b.admit(req, TOKENS)  # admitted later, from the queue
+        assert req.cached.storage == 6
+        assert all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+        assert read_device(b, req.pages[:3]).equal(page_kv(b, TOKENS, 0, 3))
+        b.release(req, TOKENS)
+        b.flush()
+        b.check_integrity()
+
+
+def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -> None:
+    """A get that overran its deadline writes its pages late: they stay quarantined until
+    it returns, so the L2 copies of other requests keep their bytes."""
+    store = MemoryStore()
+    with make_cache(mem_layout="page_first") as a:
+        _l3(a, store, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        serve(a, TOKENS)
+    prefetch = PrefetchConfig(
+        policy="timeout",
+        prefetch_threshold=0,
+        prefetch_timeout_base=0.3,
+        prefetch_timeout_per_ki_token=0.0,
+    )
+    with make_cache(mem_layout="page_first", hicache_ratio=1.5) as b:  # L1 8, L2 12 pages
+        ns = Namespace.for_spec(
+            SPEC, model="m", weights_fingerprint="w", layout=b.config.mem_layout, page_size=PAGE
+        )
+        slow = MemoryStorage(
+            ns,
+            StorageOptions(timeout_s=0.1),
+            store=store,
+            faults=MemoryFaults(get_delay_s=2.0),
+        )
+        b.attach_storage(slow, ns, prefetch)
+        req = b.open(TOKENS, compute_last=False)
+        start = time.monotonic()
+        while not b.ready(req):
+            time.sleep(0.005)
+        assert b.admit(req, TOKENS) and req.cached.storage == 0  # the get timed out
+        b.release(req, TOKENS)
+        b.check_integrity()  # the 3 read pages are held by the op, not free
+        assert b.storage is not None and len(b.storage.held_host_pages()) == 3
+        # other requests fill every other L2 page with their backups meanwhile
+        others = [[i] * 4 for i in range(20, 24)]
+        for toks in others:
+            serve(b, toks)
+        assert time.monotonic() - start < 2.0, "the late write landed before the check"
+        assert len(b.storage.held_host_pages()) == 3
+        b.flush()  # waits for the late write too: it lands in the quarantined pages only
+        assert b.storage.held_host_pages() == []
+        b.check_integrity()
+        b.evict_device(8)  # everything L2-only: load back checks every byte
+        for toks in others:
+            if b.match_prefix(toks).host_tokens:
+                assert serve(b, toks) is not None
+        b.check_integrity()

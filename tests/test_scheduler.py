@@ -1,0 +1,165 @@
+"""Scheduler unit tests: a real cache, a fake model runner, exact state.
+
+The fake runner answers each sequence's last token ``t`` with ``t + 1`` (mod the vocab),
+so every output is known in advance; it records each forward's ``extend_lens``. The cache
+is real (L1 + L2), so pages, pins and retraction are the real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVSpec
+from hicache.engine.output import OutputProcessor
+from hicache.engine.request import FinishReason, Request, RequestOutput
+from hicache.engine.runner import ForwardBatch
+from hicache.engine.sampling import SamplingParams
+from hicache.engine.scheduler import Scheduler, SchedulerConfig
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+PAGE = 4
+VOCAB = 100
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
+
+
+class NextTokenRunner:
+    """Stands in for the model: logits that pick ``last token + 1``."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.batches.append(list(batch.extend_lens))
+        if batch.layer_wait is not None:
+            for layer in range(SPEC.num_layers):
+                batch.layer_wait(layer)
+        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+        last = batch.input_ids[ends]
+        logits = torch.full((len(batch.extend_lens), VOCAB), -1e9)
+        logits[torch.arange(len(last)), (last + 1) % VOCAB] = 0.0
+        return logits
+
+
+class SpaceTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture
+def cache() -> Iterator[HiCache]:
+    cfg = CacheConfig(page_size=PAGE, device_tokens=8 * PAGE, hicache_ratio=2.0)
+    with HiCache(cfg, SPEC) as c:
+        yield c
+
+
+def make(cache: HiCache, **cfg: int) -> tuple[Scheduler, NextTokenRunner]:
+    runner = NextTokenRunner()
+    output = OutputProcessor(SpaceTokenizer(), eos_token_ids=[], context_length=64)
+    sched = Scheduler(cache, runner, output, SchedulerConfig(**cfg))  # type: ignore[arg-type]
+    return sched, runner
+
+
+def request(
+    prompt: list[int], params: SamplingParams = GREEDY
+) -> tuple[Request, list[RequestOutput]]:
+    outs: list[RequestOutput] = []
+    return Request(prompt, params, outs.append), outs
+
+
+def run(sched: Scheduler, steps: int = 100) -> None:
+    for _ in range(steps):
+        if sched.idle:
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:
+    sched, runner = make(cache, max_running_requests=2)
+    reqs = [request([10 * i + 1, 10 * i + 2, 10 * i + 3]) for i in range(3)]
+    for r, _ in reqs:
+        sched.add(r)
+    sched.step()
+    assert [r.rid for r in sched.running] == [reqs[0][0].rid, reqs[1][0].rid]
+    assert [r.rid for r in sched.waiting] == [reqs[2][0].rid]
+    assert runner.batches[0] == [3, 3]  # both prompts in one prefill
+    assert [len(r.cache.pages) for r in sched.running if r.cache] == [1, 1]
+    run(sched)
+    for (r, outs), first in zip(reqs, (4, 14, 24), strict=True):
+        assert outs[-1].finished and r.output_ids == [first, first + 1, first + 2]
+    assert cache.requests == 0
+    cache.check_integrity()
+
+
+def test_pages_grow_one_page_at_a_boundary(cache: HiCache) -> None:
+    sched, _ = make(cache)
+    r, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6))
+    sched.add(r)
+    sched.step()  # prefill: 3 tokens in 1 page, first output token sampled
+    assert r.cache is not None and len(r.cache.pages) == 1 and r.kv_len == 3
+    sched.step()  # decode position 3: still page 0
+    assert len(r.cache.pages) == 1
+    sched.step()  # decode position 4: a second page
+    assert len(r.cache.pages) == 2 and r.kv_len == 5
+    run(sched)
+    assert r.output_ids == [4, 5, 6, 7, 8, 9]
+
+
+def test_abort_frees_everything_of_waiting_and_running_requests(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=1)
+    a, a_outs = request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=20))
+    b, b_outs = request([7, 8, 9])
+    sched.add(a)
+    sched.add(b)
+    sched.step()
+    assert sched.running == [a] and list(sched.waiting) == [b]
+    sched.abort(a.rid)
+    sched.abort(b.rid)
+    sched.step()
+    assert sched.idle
+    assert a_outs[-1].finish_reason is FinishReason.ABORT
+    assert b_outs[-1].finish_reason is FinishReason.ABORT
+    assert cache.requests == 0 and cache.request_pages() == []
+    cache.flush()
+    cache.check_integrity()
+    st = cache.stats()
+    assert st.device_cached_tokens + st.device_free_tokens == st.device_total_tokens
+
+
+def test_retraction_keeps_kv_and_readmission_finds_it(cache: HiCache) -> None:
+    # L1: 8 pages. Two requests of 13 prompt tokens (4 pages each with the first output
+    # token) fill it; the next decode page of either forces a retraction.
+    sched, _ = make(cache)
+    long = SamplingParams(temperature=0.0, max_tokens=8)
+    a, a_outs = request(list(range(1, 14)), long)
+    b, b_outs = request(list(range(30, 43)), long)
+    sched.add(a)
+    sched.add(b)
+    run(sched, 200)
+    assert a.output_ids == list(range(14, 22)) and b.output_ids == list(range(43, 51))
+    assert a.retracted + b.retracted >= 1
+    retracted = a if a.retracted else b
+    assert retracted.cached.total == 0  # counted once, at the first admission
+    assert cache.stats().counters["prefix_queries_total"] == 2
+    assert a_outs[-1].finished and b_outs[-1].finished
+    cache.flush()
+    cache.check_integrity()
+
+
+def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
+    sched, _ = make(cache)
+    big, big_outs = request(list(range(1, 40)))  # 10 pages > 8
+    small, small_outs = request([1, 2, 3])
+    sched.add(big)
+    sched.add(small)
+    run(sched)
+    assert big_outs[-1].finish_reason is FinishReason.ABORT
+    assert "KV pages" in (big_outs[-1].error or "")
+    assert small_outs[-1].finished and small.output_ids == [4, 5, 6]
+    cache.check_integrity()
