@@ -163,3 +163,39 @@ def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
     assert "KV pages" in (big_outs[-1].error or "")
     assert small_outs[-1].finished and small.output_ids == [4, 5, 6]
     cache.check_integrity()
+
+
+def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
+    failing = {"on": False}
+
+    def hook(op_id: int, layer: int) -> None:
+        if failing["on"] and layer == 0:
+            raise RuntimeError("injected copy failure after layer 0")
+
+    cfg = CacheConfig(page_size=PAGE, device_tokens=8 * PAGE, hicache_ratio=2.0)
+    with HiCache(cfg, SPEC, layer_hook=hook) as cache:
+        sched, _ = make(cache, max_running_requests=4)
+        prompt = list(range(1, 14))
+        first, _ = request(prompt)
+        sched.add(first)
+        run(sched)
+        cache.flush()
+        cache.evict_device(8)  # the prompt's KV is in L2 only now
+        failing["on"] = True
+        again, again_outs = request(prompt)
+        other, other_outs = request([50, 51, 52])
+        sched.add(again)
+        sched.add(other)
+        run(sched)
+        assert again_outs[-1].finish_reason is FinishReason.ABORT
+        assert "loading the cached prefix failed" in (again_outs[-1].error or "")
+        assert other_outs[-1].finished and other.output_ids == [53, 54, 55]
+        cache.flush()
+        cache.check_integrity()
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+        cache.reset()  # /flush_cache works: nothing is left pinned
+        failing["on"] = False
+        third, _ = request(prompt)
+        sched.add(third)
+        run(sched)
+        assert third.output_ids == first.output_ids

@@ -26,7 +26,7 @@ from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.runner import ForwardBatch, ModelRunner
-from hicache.engine.sampling import make_generator, sample
+from hicache.engine.sampling import make_generator, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -223,13 +223,18 @@ class Scheduler:
                 rows.append((i, req, n > 1 or not req.output_ids))
         if not rows:
             return
-        tokens = sample(
+        picked = sample_rows(
             logits[[i for i, _, _ in rows]],
             [r.params for _, r, _ in rows],
             [r.generator for _, r, _ in rows],
-        ).tolist()
+        )
+        tokens = picked.tokens.tolist()
         now = time.perf_counter()
-        for (_, req, prefilled), token in zip(rows, tokens, strict=True):
+        for j, ((_, req, prefilled), token) in enumerate(zip(rows, tokens, strict=True)):
+            if j in picked.errors:  # this request alone fails; its computed KV is fine
+                req.error = f"sampling failed: {picked.errors[j]}"
+                self._finish(req, FinishReason.ABORT)
+                continue
             req.output_ids.append(int(token))
             if req.first_token_at is None:
                 req.first_token_at = now
