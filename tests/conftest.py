@@ -2,6 +2,19 @@
 
 import os
 
+import pytest
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.conftest_storage import mooncake_service, redis_service, valkey_service  # noqa: F401
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests (``@pytest.mark.gpu``) are gated here, once: skipped without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

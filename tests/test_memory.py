@@ -27,7 +27,7 @@ MLA = KVSpec(
     dtype="bfloat16",
 )
 LAYOUTS = list(MemLayout)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA by conftest.py
 
 
 def free_list(a: PageAllocator) -> list[int]:

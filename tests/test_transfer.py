@@ -29,7 +29,7 @@ from hicache.transfer import (
 LAYOUTS = list(MemLayout)
 DTYPES = ["float32", "float16", "bfloat16"]
 HUGE = 1 << 60
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA by conftest.py
 
 # name -> factory; the kernel variants force each of its strategies
 COPIERS: dict[str, Callable[[], PageCopier]] = {
