@@ -4,14 +4,22 @@ Other threads (the HTTP server, the CLI) talk to it through :meth:`Engine.submit
 :meth:`Engine.abort` and :meth:`Engine.call` (run a function on the engine thread, e.g. a
 cache flush); outputs come back through each request's callback, called on the engine
 thread.
+
+Robustness: an exception in one task of the loop (a queued call, adding a request, one
+scheduler step, an output callback) fails only the requests involved; the loop goes on.
+If the loop ends anyway, every request and call still queued or in flight is failed at
+once (no caller waits for ever), :attr:`Engine.alive` turns False and
+:meth:`Engine.health` says why. Every wait here has a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -24,9 +32,9 @@ from hicache.config import PREFETCH_KEYS, CacheConfig, PrefetchConfig
 from hicache.controller.storage_controller import StorageController
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.output import OutputProcessor
-from hicache.engine.request import OutputCallback, Request, RequestOutput
+from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
 from hicache.engine.runner import ModelRunner, kv_spec_from_hf_config
-from hicache.engine.sampling import SamplingParams
+from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
@@ -34,6 +42,46 @@ from hicache.storage.registry import create_storage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+MAX_CACHE_SALT_CHARS = 256
+"""Longest ``cache_salt`` accepted: each distinct salt is tenant state kept by the cache."""
+PRIORITY_MIN = -(2**63)
+PRIORITY_MAX = 2**63 - 1
+"""``priority`` is a signed 64-bit int (SGLang's field); larger = more important."""
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CLOSE_TIMEOUT_S = 60.0
+STALL_AFTER_S = 120.0
+""":meth:`Engine.health` reports a loop that has not gone round for this long as stalled."""
+_FAILED_STEPS_UNHEALTHY = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """What :meth:`Engine.health` found. ``healthy``: the loop runs and makes progress.
+
+    ``alive``: the engine thread is running its loop. ``reason``: why it is not healthy
+    (None when it is). ``last_loop_age_s``: seconds since the loop last went round (None
+    before it started). ``failed_steps``: scheduler steps that raised in a row.
+    """
+
+    healthy: bool
+    alive: bool
+    reason: str | None
+    last_loop_age_s: float | None
+    failed_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    """One item of the engine's inbox: ``run`` on the engine thread, or ``drop(why)``
+    (on whatever thread ends the loop) when the loop will never run it."""
+
+    run: Callable[[], None]
+    drop: Callable[[str], None]
+
+
+def _ignore(_: str) -> None:
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,10 +118,19 @@ class Engine(Lifecycle):
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self._loaded = loaded
-        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._inbox: queue.Queue[_Task] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # _gate orders posting against the loop's exit and the cache's close against it
+        self._gate = threading.Lock()
+        self._accepting = False  # new requests and calls are taken
+        self._exit_reason: str | None = None  # set once the loop has ended (or is ending)
+        self._loop_done = False  # the thread has finished every use of the cache
+        self._close_cache_on_exit = False  # close() gave up waiting: the thread closes it
+        self._cache_closed = False
+        self._last_loop: float | None = None  # time.monotonic() of the last round
+        self._failed_steps = 0
         self.model: LoadedModel
         self.cache: HiCache
         self.scheduler: Scheduler
@@ -109,20 +166,89 @@ class Engine(Lifecycle):
         eos = _eos_ids(self.model)
         output = OutputProcessor(tok, eos, self.context_length)
         self.scheduler = Scheduler(self.cache, runner, output, cfg.scheduler)
+        self._stop.clear()
+        self._exit_reason = None
+        self._loop_done = self._close_cache_on_exit = self._cache_closed = False
+        self._failed_steps = 0
+        self._last_loop = time.monotonic()
+        self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="hicache-engine", daemon=True)
         self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Abort what is left, stop the loop, close the cache. Idempotent."""
-        if self._thread is None:
+    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Stop the engine thread, then close the cache. Idempotent; waits ``timeout`` s at most.
+
+        In order: (1) new requests and calls are refused; (2) the loop is told to stop; at
+        the end of its round the engine thread fails what is queued and aborts what is in
+        flight (clients get ``finish_reason`` abort and an ``error``); (3) the thread is
+        joined; (4) only once it has finished with the cache is the cache closed,
+        since that thread is the only one using it. If the thread does not stop within the
+        deadline (stuck in a forward or a call), the cache is not closed under it: an error
+        is logged and the thread closes the cache itself when its loop ends.
+        """
+        thread = self._thread
+        if thread is None:
             return
-        self.call(self._abort_all).result(timeout=30)
-        self._stop.set()
+        deadline = time.monotonic() + timeout
+        self._accepting = False
+        self._stop.set()  # the loop ends its round, then fails what is queued or in flight
         self._wake.set()
-        self._thread.join(timeout=30)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._gate:
+            handed_over = not self._loop_done
+            if handed_over:
+                self._close_cache_on_exit = True
+        if handed_over:
+            log.error(
+                "the engine thread did not stop within %.1f s; the cache stays open until the"
+                " thread ends, and the thread closes it then",
+                timeout,
+            )
+            return
+        thread.join(timeout=max(1.0, deadline - time.monotonic()))  # past its last cache use
         self._thread = None
+        self._close_cache()
+
+    def _close_cache(self) -> None:
+        with self._gate:
+            if self._cache_closed:
+                return
+            self._cache_closed = True
         self.cache.close()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running its loop (started, not ended, not crashed)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and self._exit_reason is None
+
+    def health(self, stall_after_s: float = STALL_AFTER_S) -> EngineHealth:
+        """Is the loop running and going round? Cheap; callable from any thread.
+
+        Not healthy when the thread is not running (never started, closed or crashed), when
+        the loop has not gone round for ``stall_after_s`` seconds (stuck in a step or a
+        call), or when the last few scheduler steps all raised.
+        """
+        age = None if self._last_loop is None else time.monotonic() - self._last_loop
+        alive = self.alive
+        reason: str | None = None
+        if not alive:
+            if self._thread is None and self._exit_reason is None:
+                reason = "the engine is not started"
+            else:
+                reason = self._exit_reason or "the engine thread is not running"
+        elif age is not None and age > stall_after_s:
+            reason = f"the engine loop has not gone round for {age:.0f} s"
+        elif self._failed_steps >= _FAILED_STEPS_UNHEALTHY:
+            reason = f"the last {self._failed_steps} scheduler steps failed"
+        return EngineHealth(
+            healthy=reason is None,
+            alive=alive,
+            reason=reason,
+            last_loop_age_s=age,
+            failed_steps=self._failed_steps,
+        )
 
     # ------------------------------------------------------------------ API (any thread)
 
@@ -130,18 +256,48 @@ class Engine(Lifecycle):
     def tokenizer(self) -> Any:
         return self.model.tokenizer
 
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the problem when a request cannot be served."""
+    def validate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str = "",
+        priority: int = 0,
+    ) -> None:
+        """Raise :class:`InvalidRequest` (a ValueError) naming the problem and its field
+        (``prompt``, ``cache_salt``, ``priority``) when a request cannot be served."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", param="prompt")
         vocab = int(self.model.hf_config.vocab_size)
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequest(
+                f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
         if len(prompt_ids) >= self.context_length:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; the context length is"
-                f" {self.context_length} (at least one token must be generated)"
+                f" {self.context_length} (at least one token must be generated)",
+                param="prompt",
+            )
+        if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            shown = len(cache_salt) if isinstance(cache_salt, str) else type(cache_salt).__name__
+            raise InvalidRequest(
+                f"cache_salt ({shown}) is invalid; must be a string of at most"
+                f" {MAX_CACHE_SALT_CHARS} characters",
+                param="cache_salt",
+            )
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+        ):
+            raise InvalidRequest(
+                f"priority={priority!r} is invalid; must be an int in"
+                f" [{PRIORITY_MIN}, {PRIORITY_MAX}]",
+                param="priority",
             )
 
     def submit(
@@ -151,31 +307,57 @@ class Engine(Lifecycle):
         on_output: OutputCallback | None = None,
         *,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. ``on_output`` runs on the engine thread."""
-        self.validate(prompt_ids, params)
-        req = Request(list(prompt_ids), params, on_output, cache_salt=cache_salt)
-        self._post(lambda: self.scheduler.add(req))
+        """Queue a request; returns its id. ``on_output`` runs on the engine thread.
+
+        ``priority``: larger is more important (SGLang's field), kept on the request.
+        Raises :class:`InvalidRequest` for a request that cannot be served, RuntimeError
+        when the engine is not running. Once queued, the request always gets a final
+        output: finished normally, or aborted with ``error`` set when adding it failed or
+        the engine stopped first.
+        """
+        self.validate(prompt_ids, params, cache_salt=cache_salt, priority=priority)
+        req = Request(list(prompt_ids), params, on_output, cache_salt=cache_salt, priority=priority)
+        self._post(lambda: self._add(req), lambda why: self._fail(req, why))
         return req.rid
 
     def abort(self, rid: str) -> None:
         self._post(lambda: self.scheduler.abort(rid))
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        timeout: float = DEFAULT_GENERATE_TIMEOUT_S,
+        *,
+        cache_salt: str = "",
+        priority: int = 0,
     ) -> RequestOutput:
-        """Blocking helper: the final output of one request."""
+        """Blocking helper: the final output of one request.
+
+        Raises TimeoutError after ``timeout`` seconds, having aborted the request.
+        """
         done: Future[RequestOutput] = Future()
 
         def on_output(out: RequestOutput) -> None:
-            if out.finished:
+            if out.finished and not done.done():
                 done.set_result(out)
 
-        self.submit(prompt_ids, params, on_output)
-        return done.result(timeout=timeout)
+        rid = self.submit(prompt_ids, params, on_output, cache_salt=cache_salt, priority=priority)
+        try:
+            return done.result(timeout=timeout)
+        except TimeoutError:
+            with contextlib.suppress(RuntimeError):  # not running: nothing left to abort
+                self.abort(rid)
+            raise TimeoutError(f"request {rid} did not finish within {timeout} s") from None
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the engine thread between steps; its result comes in the future."""
+        """Run ``fn`` on the engine thread between steps; its result comes in the future.
+
+        The future fails with RuntimeError if the loop ends before running ``fn``; a
+        caller still bounds its wait (``.result(timeout=...)``) as ``fn`` may be slow.
+        """
         fut: Future[T] = Future()
 
         def run() -> None:
@@ -184,7 +366,11 @@ class Engine(Lifecycle):
             except BaseException as exc:
                 fut.set_exception(exc)
 
-        self._post(run)
+        def drop(why: str) -> None:
+            if not fut.done():
+                fut.set_exception(RuntimeError(why))
+
+        self._post(run, drop)
         return fut
 
     def flush_cache(self) -> bool:
@@ -248,34 +434,132 @@ class Engine(Lifecycle):
 
     # ------------------------------------------------------------------ loop
 
-    def _post(self, fn: Callable[[], None]) -> None:
-        if self._thread is None:
-            raise RuntimeError("the engine is not running")
-        self._inbox.put(fn)
+    def _post(self, fn: Callable[[], None], drop: Callable[[str], None] = _ignore) -> None:
+        """Queue ``fn`` for the loop; ``drop(why)`` runs instead if the loop ends first.
+
+        Raises RuntimeError when the engine is not running or is closing.
+        """
+        with self._gate:
+            if self._thread is None or self._exit_reason is not None:
+                raise RuntimeError(self._exit_reason or "the engine is not running")
+            if not self._accepting:
+                raise RuntimeError("the engine is closing")
+            self._inbox.put(_Task(fn, drop))
         self._wake.set()
 
-    def _abort_all(self) -> None:
-        for req in [*self.scheduler.waiting, *self.scheduler.running]:
+    def _add(self, req: Request) -> None:
+        """Hand ``req`` to the scheduler (engine thread); a failure fails ``req`` alone."""
+        try:
+            self.scheduler.add(req)
+        except Exception as exc:
+            log.exception("could not queue %s", req.rid)
+            self._fail(req, f"the request could not be queued: {type(exc).__name__}: {exc}")
+
+    def _held(self, req: Request) -> bool:
+        return any(r is req for r in (*self.scheduler.waiting, *self.scheduler.running))
+
+    def _fail(self, req: Request, why: str, *, direct: bool = False) -> None:
+        """End ``req`` with ``error`` = ``why``: through the scheduler when it holds it
+        (which then releases what it holds), else (or when ``direct``) by telling its
+        client directly."""
+        if req.finished:
+            return
+        req.error = req.error or why
+        if not direct and self._held(req):
             req.aborted = True
-        while not self.scheduler.idle:
-            self.scheduler.step()
+            return
+        req.finish_reason = FinishReason.ABORT
+        if req.on_output is None:
+            return
+        try:
+            req.on_output(self.scheduler.output.report(req))
+        except BaseException:  # a broken consumer must not stop the engine (or its cleanup)
+            log.exception("output callback of %s failed", req.rid)
+
+    def _abort_all(self, why: str, max_s: float = 10.0, max_failures: int = 3) -> None:
+        """Abort every request in flight and step until the scheduler has released them;
+        those it cannot release (``max_failures`` failed steps, or ``max_s`` seconds) are
+        failed directly, their pages left where they are."""
+        reqs = [*self.scheduler.waiting, *self.scheduler.running]
+        for req in reqs:
+            req.aborted = True
+            req.error = req.error or why
+        deadline = time.monotonic() + max_s
+        failures = 0
+        while not self.scheduler.idle and failures < max_failures:
+            if time.monotonic() > deadline:
+                break
+            try:
+                self.scheduler.step()
+            except Exception:
+                failures += 1
+                log.exception("aborting in-flight requests: a scheduler step failed")
+        for req in reqs:
+            self._fail(req, why, direct=True)
+
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                task = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                task.run()
+            except Exception:
+                log.exception("an engine task failed")
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            while True:
+        reason = "the engine was closed"
+        try:
+            while not self._stop.is_set():
+                self._last_loop = time.monotonic()
+                self._run_inbox()
                 try:
-                    self._inbox.get_nowait()()
-                except queue.Empty:
-                    break
+                    busy = self.scheduler.step()
+                    self._failed_steps = 0
+                except Exception as exc:
+                    log.exception("scheduler step failed; aborting in-flight requests")
+                    busy = False
+                    self._failed_steps += 1
+                    self._abort_all(f"scheduler step failed: {type(exc).__name__}: {exc}")
+                if not busy:  # idle, or only waiting for L3 prefetches: poll those often
+                    self._wake.wait(timeout=0.002 if self.scheduler.waiting else 0.05)
+                    self._wake.clear()
+        except BaseException as exc:
+            reason = f"the engine loop died: {type(exc).__name__}: {exc}"
+            log.critical("%s", reason, exc_info=True)
+        finally:
+            self._end_loop(reason)
+
+    def _end_loop(self, reason: str) -> None:
+        """The loop's last act: refuse new work, fail what is queued or in flight, and close
+        the cache if close() has handed that over."""
+        with self._gate:
+            self._exit_reason = reason
+        while True:
             try:
-                busy = self.scheduler.step()
-            except Exception:
-                log.exception("scheduler step failed; aborting in-flight requests")
-                busy = False
-                self._abort_all()
-            if not busy:  # idle, or only waiting for L3 prefetches: poll those often
-                self._wake.wait(timeout=0.002 if self.scheduler.waiting else 0.05)
-                self._wake.clear()
+                task = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                task.drop(reason)
+            except BaseException:
+                log.exception("failing a queued engine task")
+        try:
+            if not self.scheduler.idle:
+                self._abort_all(reason)
+        except BaseException:  # e.g. a callback raising SystemExit again: finish cleanup
+            log.exception("failing the requests in flight")
+            for req in [*self.scheduler.waiting, *self.scheduler.running]:
+                self._fail(req, reason, direct=True)
+        with self._gate:
+            self._loop_done = True
+            close_cache = self._close_cache_on_exit
+        if close_cache:
+            try:
+                self._close_cache()
+            except BaseException:
+                log.exception("closing the cache after the engine thread ended")
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

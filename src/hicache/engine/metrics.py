@@ -6,10 +6,11 @@ by a collector at scrape time; request latencies are observed by the server.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -19,6 +20,7 @@ from hicache.metrics import CacheStats
 if TYPE_CHECKING:
     from hicache.engine.engine import Engine
 
+log = logging.getLogger(__name__)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -112,10 +114,24 @@ class EngineMetrics:
         self.generation_tokens = Counter(
             "hicache_generation_tokens", "Generated tokens", registry=self.registry
         )
+        self.healthy = Gauge(
+            "hicache_engine_healthy",
+            "1 while the engine loop runs and goes round, else 0",
+            registry=self.registry,
+        )
 
-    def refresh(self) -> None:
-        """Read the cache's stats on the engine thread (blocking; call off the event loop)."""
-        self._cache.stats = self.engine.call(self.engine.cache.stats).result(timeout=30)
+    def refresh(self, timeout_s: float = 30.0) -> None:
+        """Read the cache's stats on the engine thread (blocking; call off the event loop).
+
+        When the engine does not answer within ``timeout_s`` seconds (or is not running),
+        the last stats read stay exported and ``hicache_engine_healthy`` says so.
+        """
+        self.healthy.set(1 if self.engine.health().healthy else 0)
+        try:
+            fut = self.engine.call(self.engine.cache.stats)
+            self._cache.stats = fut.result(timeout=timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            log.warning("cache stats not refreshed: %s", exc or type(exc).__name__)
 
     def observe(self, out: RequestOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason else "unknown"

@@ -26,7 +26,17 @@ class OutputProcessor:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def on_token(self, req: Request) -> None:
-        """Update ``req.text`` and maybe ``req.finish_reason`` after a token was appended."""
+        """Update ``req.text`` and maybe ``req.finish_reason`` after a token was appended.
+
+        A token the tokenizer cannot decode ends ``req`` alone (abort, ``error`` set).
+        """
+        try:
+            self._on_token(req)
+        except Exception as exc:
+            req.error = f"decoding the output failed: {type(exc).__name__}: {exc}"
+            req.finish_reason = FinishReason.ABORT
+
+    def _on_token(self, req: Request) -> None:
         params = req.params
         ids = req.output_ids
         if ids and ids[-1] in self.eos_token_ids:

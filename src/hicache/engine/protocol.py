@@ -1,7 +1,13 @@
 """OpenAI-compatible request bodies (validated) and response builders.
 
 Unknown fields are ignored, as clients send many optional ones; known fields with a wrong
-type or value are rejected with a 400 naming the field (see ``server.py``).
+type or value are rejected with a 400 naming the field (see ``server.py``): here by
+pydantic, in :class:`SamplingParams` (seed range, finite temperature) and in
+:meth:`Engine.validate` (prompt, cache_salt, priority), all with ``param`` set.
+
+Extensions to OpenAI's fields (SGLang's names): ``top_k``, ``cache_salt`` (at most
+:data:`MAX_CACHE_SALT_CHARS` characters) and ``priority`` (a signed 64-bit int; larger =
+more important, kept on the request for the ``priority`` eviction policy).
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.request import CachedTokens, RequestOutput
 from hicache.engine.sampling import SamplingParams
 
@@ -28,9 +35,16 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
-    cache_salt: str = ""
+    cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS)
+    priority: StrictInt | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+
+    @property
+    def request_priority(self) -> int:
+        """``priority``, 0 when not given."""
+        return 0 if self.priority is None else self.priority
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """The request's sampling parameters; raises ``InvalidRequest`` naming the field."""
         stop: list[str] = (
             [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         )

@@ -2,13 +2,17 @@
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream``),
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``POST /flush_cache``.
-Bad requests get a 400 whose message names the problem; the server keeps serving.
-A client that disconnects aborts its request, which frees everything it held.
+Bad requests get a 400 whose OpenAI error object names the problem and, in ``param``, the
+field; the server keeps serving. A client that disconnects aborts its request, which frees
+everything it held. A request that fails in the engine gets a 500 (a streamed one: an
+``error`` event before ``[DONE]``); when the engine is not running, requests get a 503 and
+``/health`` answers 503 with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -34,7 +38,7 @@ from hicache.engine.protocol import (
     new_id,
 )
 from hicache.engine.request import RequestOutput
-from hicache.engine.sampling import SamplingParams
+from hicache.engine.sampling import InvalidRequest
 from hicache.storage.registry import parse_extra_config
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,10 @@ DEFAULT_MAX_TOKENS = 128
 
 def _bad_request(message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+def _unavailable(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, kind="service_unavailable"), status_code=503)
 
 
 class StorageBackendBody(BaseModel):
@@ -75,16 +83,11 @@ def create_app(
         msg = f"{loc or 'body'}: {first.get('msg', 'invalid request')}"
         return _bad_request(msg, param=loc or None)
 
-    async def _run(
-        prompt_ids: list[int], params: SamplingParams, salt: str, http: Request
+    async def _outputs(
+        rid: str, outputs: asyncio.Queue[RequestOutput], http: Request
     ) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def on_output(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        rid = engine.submit(prompt_ids, params, on_output, cache_salt=salt)
+        """``rid``'s outputs up to its final one; ends early (without a finished output)
+        when the client goes away or the engine stops running."""
         finished = False
         try:
             while True:
@@ -92,6 +95,8 @@ def create_app(
                     out = await asyncio.wait_for(outputs.get(), timeout=0.5)
                 except TimeoutError:
                     if await http.is_disconnected():
+                        return
+                    if not engine.alive and outputs.empty():
                         return
                     continue
                 finished = out.finished
@@ -101,7 +106,8 @@ def create_app(
                     return
         finally:
             if not finished:
-                engine.abort(rid)
+                with contextlib.suppress(RuntimeError):  # not running: nothing to abort
+                    engine.abort(rid)
 
     async def _serve(
         http: Request,
@@ -110,19 +116,39 @@ def create_app(
         full: Callable[[str, str, RequestOutput], dict[str, Any]],
         chunk: Callable[[str, str, RequestOutput, bool], dict[str, Any]],
         prefix: str,
+        prompt_param: str,
     ) -> Response:
+        priority = body.request_priority
         try:
             params = body.sampling(DEFAULT_MAX_TOKENS)
-            engine.validate(prompt_ids, params)
+            engine.validate(prompt_ids, params, cache_salt=body.cache_salt, priority=priority)
+        except InvalidRequest as exc:
+            return _bad_request(
+                str(exc), param=prompt_param if exc.param == "prompt" else exc.param
+            )
         except ValueError as exc:
             return _bad_request(str(exc))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        try:
+            engine_rid = engine.submit(
+                prompt_ids, params, on_output, cache_salt=body.cache_salt, priority=priority
+            )
+        except RuntimeError as exc:  # not running, or closing
+            return _unavailable(f"the engine is not running: {exc}")
         rid = new_id(prefix)
-        outputs = _run(prompt_ids, params, body.cache_salt, http)
+        outputs = _outputs(engine_rid, queue, http)
         if not body.stream:
             last: RequestOutput | None = None
             async for out in outputs:
                 last = out
             if last is None or not last.finished:
+                if not engine.alive:
+                    return _unavailable(engine.health().reason or "the engine stopped")
                 return JSONResponse(error_body("client disconnected"), status_code=499)
             if last.error:
                 return JSONResponse(error_body(last.error, kind="server_error"), status_code=500)
@@ -130,10 +156,17 @@ def create_app(
 
         async def sse() -> AsyncIterator[str]:
             first = True
+            error: str | None = None
+            finished = False
             async for out in outputs:
                 if out.delta_text or out.finished:
                     yield f"data: {json.dumps(chunk(rid, name, out, first))}\n\n"
                     first = False
+                finished, error = out.finished, out.error
+            if not finished and not engine.alive:
+                error = engine.health().reason or "the engine stopped"
+            if error:
+                yield f"data: {json.dumps(error_body(error, kind='server_error'))}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
@@ -147,7 +180,13 @@ def create_app(
         else:
             ids = list(body.prompt)
         return await _serve(
-            http, ids, body, completion_body, lambda r, m, o, _f: completion_chunk(r, m, o), "cmpl"
+            http,
+            ids,
+            body,
+            completion_body,
+            lambda r, m, o, _f: completion_chunk(r, m, o),
+            "cmpl",
+            "prompt",
         )
 
     @app.post("/v1/chat/completions")
@@ -167,6 +206,7 @@ def create_app(
             chat_body,
             lambda r, m, o, f: chat_chunk(r, m, o, first=f),
             "chatcmpl",
+            "messages",
         )
 
     @app.get("/v1/models")
@@ -177,8 +217,14 @@ def create_app(
         }
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        """200 ``{"status": "ok"}`` while the engine loop runs and goes round; else 503
+        with ``status`` ``unavailable`` and an OpenAI error object saying why."""
+        state = engine.health()
+        if state.healthy:
+            return JSONResponse({"status": "ok"})
+        body = error_body(state.reason or "the engine is not healthy", kind="service_unavailable")
+        return JSONResponse({"status": "unavailable", **body}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -187,7 +233,10 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
-        ok = await asyncio.to_thread(engine.flush_cache)
+        try:
+            ok = await asyncio.to_thread(engine.flush_cache)
+        except (RuntimeError, TimeoutError) as exc:  # not running, or stuck
+            return _unavailable(f"the cache could not be flushed: {exc or type(exc).__name__}")
         if not ok:
             return JSONResponse(
                 error_body("requests are in flight; flush when idle", kind="conflict"),
