@@ -25,13 +25,14 @@ Extra config: see :mod:`hicache.storage.backends.mooncake_config`.
 
 from __future__ import annotations
 
-import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
 from hicache.storage.backends.mooncake_config import MC_ERRORS, MooncakeConfig
+from hicache.storage.backends.mooncake_net import probe_master
 from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages, byte_view
@@ -83,7 +84,9 @@ class MooncakeStorage(HiCacheStorage):
                 f"libibverbs1 (apt): {e}"
             ) from e
         c = self.config
-        self._probe_master()
+        timeout = self.options.connect_timeout_s
+        end = time.monotonic() + timeout
+        probe_master(c.master_server_address, timeout)
         store = MooncakeDistributedStore()
         self._runner.start()
         res = self._runner.call(
@@ -96,7 +99,7 @@ class MooncakeStorage(HiCacheStorage):
                 c.device_name,
                 c.master_server_address,
             ),
-            self.options.connect_timeout_s,
+            max(end - time.monotonic(), 0.0),
         )
         if not res.ok or res.value != 0:
             why = (
@@ -108,26 +111,10 @@ class MooncakeStorage(HiCacheStorage):
             )
             self._runner.close()
             raise StorageError(
-                f"mooncake backend: cannot join the store at {c.master_server_address}: {why}"
+                f"mooncake backend: cannot join the store at {c.master_server_address} "
+                f"within {timeout:g} s (connect_timeout_s): {why}"
             )
         self._store = store
-
-    def _probe_master(self) -> None:
-        """Fail fast when nothing listens at the master address.
-
-        ``setup`` holds the GIL while it retries an absent master (about 90 s in this
-        Mooncake version), which no thread-based deadline can cut short.
-        """
-        host, _, port = self.config.master_server_address.rpartition(":")
-        try:
-            with socket.create_connection(
-                (host.strip("[]"), int(port)), timeout=self.options.connect_timeout_s
-            ):
-                pass
-        except (OSError, ValueError) as e:
-            raise StorageError(
-                f"mooncake backend: cannot reach the master at {self.config.master_server_address}: {e}"
-            ) from e
 
     def _close(self) -> None:
         store, self._store = self._store, None
