@@ -1,0 +1,172 @@
+"""Per-request parameters at the OpenAI API: a bad value is a 400 whose error object names
+the field in ``param``, never a dead engine thread or a failed batch; values at the edge
+of what is allowed are served. ``priority`` reaches the request; ``cache_salt`` is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from hicache.config import CacheConfig
+from hicache.engine.engine import MAX_CACHE_SALT_CHARS, Engine, EngineConfig
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.server import create_app
+from tests.engine_fixtures import engine_model
+
+MODEL = "tiny-random-llama"
+PROMPT = list(range(300, 345))
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, Engine]]:
+    config = EngineConfig(
+        model_path=MODEL,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(page_size=4, device_tokens=512, hicache_ratio=2.0),
+        scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=32),
+        context_length=128,
+    )
+    engine = Engine(config, loaded=engine_model(MODEL)).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port)
+    uv.log_level = "warning"
+    srv = uvicorn.Server(uv)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield url, engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.close()
+
+
+def post(url: str, path: str, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=timeout)
+
+
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": 10**40}, "seed"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)}, "cache_salt"),
+    ({"cache_salt": "s" * 10**6}, "cache_salt"),
+    ({"priority": "high"}, "priority"),
+    ({"priority": True}, "priority"),
+    ({"priority": 1.5}, "priority"),
+    ({"priority": 2**63}, "priority"),
+    ({"priority": -(2**63) - 1}, "priority"),
+    ({"n": 2}, "n"),
+]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize(("extra", "param"), BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
+def test_bad_value_is_a_400_naming_the_field(
+    server: tuple[str, Engine], route: str, extra: dict[str, Any], param: str
+) -> None:
+    url, engine = server
+    if route == "completions":
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra}, 10)
+    else:
+        r = post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **extra}, 10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert engine.alive
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_non_finite_json_numbers_are_refused(server: tuple[str, Engine], field: str) -> None:
+    url, _ = server
+    for literal in ("Infinity", "NaN", "-Infinity"):
+        raw = f'{{"prompt": {json.dumps(PROMPT)}, "max_tokens": 2, "{field}": {literal}}}'
+        r = httpx.post(
+            f"{url}/v1/completions",
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+        assert r.status_code == 400, (literal, r.text)
+        assert r.json()["error"]["param"] == field
+
+
+def test_prompt_problems_name_prompt_or_messages(server: tuple[str, Engine]) -> None:
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": [1, 2, 10**9]}, 10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = post(url, "/v1/completions", {"prompt": list(range(300))}, 10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    long_chat = [{"role": "user", "content": "word " * 400}]
+    r = post(url, "/v1/chat/completions", {"messages": long_chat}, 10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "context length" in r.text
+
+
+def completion_text(url: str, **fields: Any) -> str:
+    r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **fields})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    return str(r.json()["choices"][0]["text"])
+
+
+def test_edge_values_are_served(server: tuple[str, Engine]) -> None:
+    """The values that used to kill the engine or its batch, and the bounds themselves."""
+    url, engine = server
+    greedy = completion_text(url, temperature=0)
+    assert completion_text(url, temperature=1e-40) == greedy  # below 1e-6: greedy
+    assert completion_text(url, temperature=1e-40, top_k=2**63) == greedy
+    sampled = completion_text(url, temperature=1.0, seed=5)
+    assert completion_text(url, temperature=1.0, seed=5, top_k=2**63) == sampled  # = off
+    assert completion_text(url, temperature=1.0, seed=5, top_k=10**30) == sampled
+    for seed in (2**64 - 1, -(2**63), -1, 0):
+        completion_text(url, temperature=0.7, seed=seed)
+    completion_text(url, cache_salt="s" * MAX_CACHE_SALT_CHARS)
+    for priority in (-(2**63), 0, 2**63 - 1):
+        completion_text(url, priority=priority)
+    r = post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "priority": 4})
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert engine.health().healthy
+
+
+def test_priority_reaches_the_request(server: tuple[str, Engine]) -> None:
+    url, engine = server
+    release = threading.Event()
+    engine.call(lambda: release.wait(10))  # hold the loop so the request stays queued
+    body = {"prompt": PROMPT[::-1], "max_tokens": 4, "temperature": 0, "priority": 7}
+    done: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: done.append(post(url, "/v1/completions", body)))
+    client.start()
+    time.sleep(0.5)  # the request reaches the engine's inbox, behind the held call
+    queued = engine.call(
+        lambda: [r.priority for r in [*engine.scheduler.waiting, *engine.scheduler.running]]
+    )
+    release.set()
+    assert queued.result(timeout=10) == [7]
+    client.join(30)
+    assert done and done[0].status_code == 200, done
