@@ -186,6 +186,8 @@ def test_dead_loop_shows_on_health_and_fails_fast() -> None:
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
             assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
             assert httpx.post(f"{url}/flush_cache", timeout=10).status_code == 503
+            metrics = httpx.get(f"{url}/metrics", timeout=10)
+            assert metrics.status_code == 200 and "hicache_engine_healthy 0.0" in metrics.text
     finally:
         started = time.monotonic()
         engine.close(timeout=10)
