@@ -57,7 +57,9 @@ class ArenaPool:
             for i, t in enumerate(self._free):
                 if t.numel() >= nbytes:
                     return Arena(self, self._free.pop(i))
-        t = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
+        # zeroed: registered memory is readable by transfer-engine peers, and recycled heap
+        # memory would show them whatever this process kept there before (log text, ...)
+        t = torch.zeros(max(nbytes, 4096), dtype=torch.uint8)
         if not self._register(t):
             return None
         with self._lock:
@@ -114,6 +116,11 @@ class BufferRegistry:
             known = self._ranges.pop(ptr, None) is not None
         if known:
             self._unregister(ptr)
+
+    def ranges(self) -> dict[int, int]:
+        """A copy of the registered ``ptr -> nbytes`` ranges."""
+        with self._lock:
+            return dict(self._ranges)
 
     def drain(self) -> list[int]:
         """Forget every range; returns their addresses (for unregistering at close)."""

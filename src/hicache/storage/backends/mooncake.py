@@ -25,6 +25,7 @@ Extra config: see :mod:`hicache.storage.backends.mooncake_config`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -32,7 +33,7 @@ from typing import Any, ClassVar, TypeVar
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
 from hicache.storage.backends.mooncake_config import MC_ERRORS, MooncakeConfig
-from hicache.storage.backends.mooncake_net import probe_master
+from hicache.storage.backends.mooncake_net import Listener, probe_master, tcp_listeners
 from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages, byte_view
@@ -42,6 +43,7 @@ from hicache.storage.stats import MissReason, SetOutcome
 __all__ = ["MooncakeConfig", "MooncakeStorage"]
 
 T = TypeVar("T")
+log = logging.getLogger("hicache.storage")
 
 _ABANDONED: list[Any] = []
 """Clients whose close was skipped because a call was stuck in them (never destroyed)."""
@@ -64,6 +66,7 @@ class MooncakeStorage(HiCacheStorage):
         self._store: Any = None
         self._runner = DeadlineRunner("mooncake")
         self._host_io = self._runner  # zero-copy gets write host pages on its workers
+        self._listeners: list[Listener] = []
         self._buffers = BufferRegistry(self._register, self._unregister)
         self._arenas = ArenaPool(self._buffers.ensure_tensor)
 
@@ -87,6 +90,7 @@ class MooncakeStorage(HiCacheStorage):
         timeout = self.options.connect_timeout_s
         end = time.monotonic() + timeout
         probe_master(c.master_server_address, timeout)
+        before = set(tcp_listeners())
         store = MooncakeDistributedStore()
         self._runner.start()
         res = self._runner.call(
@@ -115,6 +119,29 @@ class MooncakeStorage(HiCacheStorage):
                 f"within {timeout:g} s (connect_timeout_s): {why}"
             )
         self._store = store
+        self._listeners = [x for x in tcp_listeners() if x not in before]
+        exposed = [x for x in self._listeners if not x.loopback_only]
+        if exposed:
+            where = ", ".join(x.address for x in exposed)
+            log.warning(
+                "mooncake backend: the transfer engine listens on %s (this Mooncake version "
+                "ignores local_hostname=%s for its listeners); a peer that reaches them can "
+                "read and write this process's registered memory, which is only the L2 host "
+                "pool (unless zero_copy is false) and the backend's record staging; firewall "
+                "these ports (docs/security.md)",
+                where,
+                c.local_hostname,
+            )
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """TCP sockets the transfer engine opened in this process at :meth:`start`."""
+        return list(self._listeners)
+
+    def registered_ranges(self) -> dict[int, int]:
+        """``address -> bytes`` of every buffer this backend registered with the transfer
+        engine (what a peer can reach): host pool buffers and staging arenas only."""
+        return self._buffers.ranges()
 
     def _close(self) -> None:
         store, self._store = self._store, None

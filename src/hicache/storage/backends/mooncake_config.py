@@ -6,8 +6,11 @@ Keys of the engine's extra config, with environment fallbacks in brackets:
 ``protocol`` [``MOONCAKE_PROTOCOL``] default ``tcp``; ``device_name``
 [``MOONCAKE_DEVICE``] default ``""``; ``local_hostname`` default ``127.0.0.1``;
 ``global_segment_size`` [``MOONCAKE_GLOBAL_SEGMENT_SIZE``] bytes, default 0 (this client
-holds no objects; a service holds them); ``local_buffer_size`` bytes, default 16 MiB;
-``zero_copy`` default true. Extra-config values win over the environment.
+holds no objects; a service holds them); ``local_buffer_size`` bytes, default 0 (the
+library's own transfer buffer, which this backend does not use: every transfer goes
+through the host pool's buffer or the backend's staging arenas; any size given here is
+registered memory a transfer-engine peer can read, see docs/security.md); ``zero_copy``
+default true. Extra-config values win over the environment.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class MooncakeConfig:
     device_name: str = ""
     local_hostname: str = "127.0.0.1"
     global_segment_size: int = 0
-    local_buffer_size: int = 16 << 20
+    local_buffer_size: int = 0
     zero_copy: bool = True
 
     EXTRA_KEYS: ClassVar[tuple[str, ...]] = (

@@ -66,6 +66,11 @@ class Listener:
     port: int
 
     @property
+    def address(self) -> str:
+        """``host:port``, IPv6 hosts in brackets."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
     def loopback_only(self) -> bool:
         """True when only this host can connect (127.0.0.0/8 or ::1)."""
         return self.host.startswith("127.") or self.host == "::1"

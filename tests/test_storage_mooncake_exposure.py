@@ -1,0 +1,107 @@
+"""Where the Mooncake transfer engine inside a client listens, and what a peer can read.
+
+This Mooncake version (mooncake-transfer-engine-non-cuda 0.3.x) listens on all interfaces
+for its handshake and data ports whatever ``local_hostname`` says, so the backend registers
+nothing of the process but the L2 host pool and its own zeroed record staging, warns at
+start naming the ports, and a peer that reaches them can read only that (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hicache.config import KVSpec, MemLayout
+from hicache.keys import Namespace, page_keys
+from hicache.memory import HostPool
+from hicache.services.mooncake_process import MooncakeProcess
+from hicache.storage import StorageOptions, create_storage
+from hicache.storage.arena import ArenaPool
+from hicache.storage.backends.mooncake import MooncakeStorage
+from hicache.storage.backends.mooncake_net import tcp_listeners
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+NS = Namespace.for_spec(
+    SPEC, model="m", weights_fingerprint="exposure", layout="page_first", page_size=4
+)
+
+PEER = """
+import json, sys, torch
+from mooncake.engine import TransferEngine
+targets, reads = json.loads(sys.argv[1])
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = torch.zeros(4096, dtype=torch.uint8)
+assert te.register_memory(buf.data_ptr(), buf.numel()) == 0
+out = {}
+for name, addr, n in reads:
+    got = None
+    for target in targets:
+        buf.zero_()
+        if te.transfer_sync_read(target, buf.data_ptr(), addr, n) == 0:
+            got = buf[:n].tolist()
+            break
+    out[name] = got
+print(json.dumps(out))
+"""
+
+
+def test_arenas_are_zeroed_not_recycled_heap() -> None:
+    """Registered staging must not show a peer what the process kept there before."""
+    pool = ArenaPool(lambda t: True)
+    for _ in range(20):  # dirty the allocator's free lists with same-sized blocks
+        torch.full((4096,), 0xAB, dtype=torch.uint8)
+    arena = pool.take(100)
+    assert arena is not None
+    assert torch.count_nonzero(arena.tensor) == 0
+
+
+def test_listeners_are_reported_and_peers_read_only_registered_memory(
+    mooncake_service: MooncakeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    st = create_storage(
+        "mooncake",
+        namespace=NS,
+        extra_config=mooncake_service.extra_config,
+        options=StorageOptions(timeout_s=5.0),
+    )
+    assert isinstance(st, MooncakeStorage)
+    secret = torch.full((4096,), 0x5A, dtype=torch.uint8)  # never registered
+    src = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    src.buffer.view(torch.uint8).fill_(0x33)
+    with caplog.at_level(logging.WARNING, logger="hicache.storage"), st:
+        keys = page_keys(NS, list(range(8)))
+        assert st.batch_set(keys, src, [0, 1]).all_ok
+        listeners = st.listeners
+        assert listeners, "the transfer engine opened no listener?"
+        assert set(listeners) <= set(tcp_listeners())
+        exposed = [x for x in listeners if not x.loopback_only]
+        warned = [
+            r.getMessage() for r in caplog.records if "transfer engine listens" in r.getMessage()
+        ]
+        assert bool(warned) == bool(exposed)
+        for x in exposed:
+            assert x.address in warned[0]
+        # registered: the host pool's buffer and staging arenas, nothing else
+        ranges = st.registered_ranges()
+        pool_ptr = src.buffer.data_ptr()
+        assert ranges[pool_ptr] == src.buffer.numel() * src.buffer.element_size()
+        secret_ptr = secret.data_ptr()
+        assert not any(p <= secret_ptr < p + n for p, n in ranges.items())
+        targets = [f"127.0.0.1:{x.port}" for x in listeners]
+        reads = [["secret", secret_ptr, 64], ["pool", pool_ptr, 64]]
+        out = subprocess.run(
+            [sys.executable, "-c", PEER, json.dumps([targets, reads])],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["secret"] is None  # refused: not within any registered buffer
+    assert got["pool"] == [0x33] * 64  # the L2 pool is readable: documented
