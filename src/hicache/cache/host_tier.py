@@ -264,9 +264,12 @@ class HostTier:
 
     def _drop_host_subtree(self, top: TreeNode) -> bool:
         """Forget every L2 copy in ``top``'s subtree, bottom-up; False (nothing changed)
-        while any of them is pinned in L2."""
+        while any of them is pinned in L2 or is the target of a copy in flight."""
         nodes = [n for n in _post_order(top) if n.host is not None]
         if any(n.host_ref > 0 for n in nodes):
+            return False
+        busy = {id(n) for b in self.backups.values() for n in self.tree.path_tail(b.last, b.pages)}
+        if any(id(n) in busy for n in nodes):
             return False
         for n in nodes:
             drop = self.tree.drop_host if n.device is not None else self.tree.evict_host

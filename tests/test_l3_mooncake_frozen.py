@@ -1,0 +1,104 @@
+"""A real Mooncake store frozen (SIGSTOP) while a zero-copy get is in flight.
+
+The get overruns its deadline and lands only after SIGCONT. Its L2 pages must stay out of
+every allocation until then, so the L2 copies other requests made meanwhile keep their
+bytes (before the fix, the pages were freed at the deadline, handed to the next backups,
+and the late get overwrote them: a later load back served wrong KV).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.keys import Namespace
+from hicache.storage.base import StorageOptions
+from hicache.storage.registry import create_storage
+from tests.kvdata import serve
+from tests.services import start_mooncake
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+PAGE = 4
+TOKENS = list(range(100, 100 + 8 * PAGE))
+
+
+@pytest.fixture
+def mooncake() -> Iterator[Any]:
+    pytest.importorskip("mooncake.store")
+    svc = start_mooncake(segment_size="64MiB")
+    try:
+        yield svc
+    finally:
+        svc.thaw()
+        svc.kill()
+        svc.close()
+
+
+def make(svc: Any, prefetch: PrefetchConfig, **cfg: Any) -> HiCache:
+    config = CacheConfig(
+        page_size=PAGE,
+        device_tokens=16 * PAGE,
+        hicache_ratio=2.0,
+        load_back_threshold=0,
+        mem_layout="page_first",
+        **cfg,
+    )
+    cache = HiCache(config, SPEC).start()
+    ns = Namespace.for_spec(
+        SPEC, model="m", weights_fingerprint="w", layout=config.mem_layout, page_size=PAGE
+    )
+    storage = create_storage(
+        "mooncake",
+        namespace=ns,
+        extra_config=svc.extra_config,
+        options=StorageOptions(timeout_s=0.5, connect_timeout_s=10.0),
+    )
+    cache.attach_storage(storage, ns, prefetch)
+    return cache
+
+
+def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any) -> None:
+    with make(mooncake, PrefetchConfig(policy="wait_complete", prefetch_threshold=0)) as a:
+        assert serve(a, TOKENS) is not None
+        a.flush()
+    prefetch = PrefetchConfig(
+        policy="timeout",
+        prefetch_threshold=0,
+        prefetch_timeout_base=1.5,
+        prefetch_timeout_per_ki_token=0.0,
+    )
+    with make(mooncake, prefetch) as b:
+        req = b.open(TOKENS, compute_last=False)
+        # freeze the store as soon as the lookup answered, before the read is issued
+        end = time.monotonic() + 10
+        while b._completions._q.qsize() == 0:
+            assert time.monotonic() < end, "the lookup never answered"
+            time.sleep(0.001)
+        mooncake.freeze()
+        try:
+            while not b.ready(req):
+                time.sleep(0.005)
+            assert b.admit(req, TOKENS)
+            assert req.cached.storage == 0  # the get timed out: recomputed
+            b.release(req, TOKENS)
+            assert b.storage is not None and len(b.storage.held_host_pages()) > 0
+            others = [[i] * (4 * PAGE) for i in range(1, 6)]
+            for toks in others:  # their backups take every L2 page that is free
+                assert serve(b, toks) is not None
+            assert b.host is not None
+            b.host.wait_idle()
+            b.check_integrity()
+        finally:
+            mooncake.thaw()
+        b.flush()  # the late get lands, in the quarantined pages only; then they are freed
+        assert b.storage.held_host_pages() == []
+        b.evict_device(64)
+        for toks in others:  # every L2 copy still holds its own bytes (serve checks)
+            if b.match_prefix(toks).host_tokens:
+                assert serve(b, toks) is not None
+        b.check_integrity()
