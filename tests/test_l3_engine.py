@@ -12,12 +12,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
@@ -267,10 +270,6 @@ def test_full_disk_gives_misses_and_identical_output(
 
 
 def test_cache_salt_isolates_tenants_in_l3(tmp_path: Path, reference: list[int]) -> None:
-    from concurrent.futures import Future
-
-    from hicache.engine.request import RequestOutput
-
     def run(engine: Engine, salt: str) -> RequestOutput:
         fut: Future[RequestOutput] = Future()
         engine.submit(
@@ -285,4 +284,41 @@ def test_cache_salt_isolates_tenants_in_l3(tmp_path: Path, reference: list[int])
         assert run(engine, "globex").cached.storage == 0
         own = run(engine, "acme")
         assert own.cached.storage == FULL and own.output_ids == reference
+        clean(engine)
+
+
+def test_best_effort_gives_a_request_queued_behind_a_busy_engine_storage_hits(
+    reference: list[int],
+) -> None:
+    """The prefetch starts on arrival and runs while the request waits for a running
+    slot, so best_effort (never wait) still serves it from L3 on a busy engine."""
+    store = f"busy-{time.monotonic_ns()}"
+    config = EngineConfig(
+        model_path=MODEL,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(
+            page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
+        ),
+        scheduler=SchedulerConfig(max_running_requests=1, chunked_prefill_size=64),
+        context_length=128,
+        storage_backend="memory",
+        storage_prefetch_policy="best_effort",
+        storage_extra_config={"prefetch_threshold": 8, "store": store},
+    )
+    with Engine(config, loaded=engine_model(MODEL)).start() as engine:
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        settle(engine)
+        busy: Future[RequestOutput] = Future()
+        queued: Future[RequestOutput] = Future()
+        long = SamplingParams(temperature=0, max_tokens=40)
+
+        def done(fut: Future[RequestOutput]) -> Callable[[RequestOutput], None]:
+            return lambda out: fut.set_result(out) if out.finished else None
+
+        engine.submit(PROMPT[::-1][:40], long, done(busy))  # holds the only running slot
+        engine.submit(PROMPT, GREEDY, done(queued))
+        out = queued.result(timeout=120)
+        assert busy.result(timeout=120).finished
+        assert out.cached.storage == FULL and out.output_ids == reference
         clean(engine)
