@@ -213,5 +213,7 @@ def test_unusable_directory_fails_start(tmp_path: Path) -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         create_storage("file", namespace=NS, extra_config={"file_path": "/tmp/x", "max_bytes": -1})
-    with pytest.raises(ValueError, match="unknown extra config keys"):
+    with pytest.raises(
+        ValueError, match="'file_pth' \\(value '/tmp/x'\\) is unknown; accepted: backend keys"
+    ):
         create_storage("file", namespace=NS, extra_config={"file_pth": "/tmp/x"})

@@ -89,5 +89,5 @@ def test_registry_shares_named_stores_and_validates() -> None:
         create_storage("memory", namespace=NS, extra_config={"delay_s": -1})
     with pytest.raises(ValueError, match="fail_after"):
         create_storage("memory", namespace=NS, extra_config={"fail_after": 1.5})
-    with pytest.raises(ValueError, match="unknown extra config keys"):
+    with pytest.raises(ValueError, match="'latency' \\(value 1\\) is unknown"):
         create_storage("memory", namespace=NS, extra_config={"latency": 1})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,13 +13,17 @@ from hicache.keys import Namespace, PageKey
 from hicache.storage import (
     HiCacheStorage,
     MemoryStorage,
+    StorageConfig,
     StorageError,
     StorageOptions,
     backend_names,
     create_storage,
     parse_extra_config,
     register_backend,
+    storage_config_from_args,
 )
+from hicache.storage.backends.file import FileConfig, FileStorage
+from hicache.storage.backends.memory import MemorySettings
 from hicache.storage.base import Deadline
 from hicache.storage.pageio import HostPages
 from hicache.storage.stats import MissReason, SetOutcome
@@ -92,7 +98,7 @@ def test_custom_class_and_errors_do_not_escape() -> None:
         create_storage("no_such_module_xyz:Thing", namespace=NS)
     with pytest.raises(ValueError, match="has no attribute"):
         create_storage("tests.test_storage_registry:Missing", namespace=NS)
-    with pytest.raises(ValueError, match="takes no extra config"):
+    with pytest.raises(ValueError, match="'x' \\(value 1\\) is unknown; accepted: option keys"):
         create_storage(
             "tests.test_storage_registry:CustomStorage", namespace=NS, extra_config={"x": 1}
         )
@@ -138,3 +144,67 @@ def test_lifecycle_rules() -> None:
         st.batch_exists([])
     with pytest.raises(StorageError, match="closed"):
         st.start()
+
+
+class OneStepStorage(CustomStorage):
+    """A custom class on the older one-step protocol: only ``from_extra_config``."""
+
+    @classmethod
+    def from_extra_config(
+        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
+    ) -> HiCacheStorage:
+        if set(extra_config) - {"color"}:
+            raise ValueError(f"bad keys {sorted(extra_config)}")
+        return cls(namespace, options)
+
+
+def test_storage_config_parses_once_and_splits(tmp_path: Path) -> None:
+    text = json.dumps(
+        {"file_path": str(tmp_path), "max_bytes": 4096, "timeout_s": 2, "prefetch_threshold": 8}
+    )
+    cfg = StorageConfig.parse("file", text)
+    assert cfg.backend == "file"
+    assert cfg.options == StorageOptions(timeout_s=2)
+    assert cfg.settings == FileConfig(path=str(tmp_path), max_bytes=4096)
+    assert dict(cfg.prefetch_extra) == {"prefetch_threshold": 8}
+    assert cfg.prefetch_config("timeout").prefetch_threshold == 8
+    st = cfg.create(NS)
+    assert isinstance(st, FileStorage) and st.options.timeout_s == 2 and not st.started
+    assert StorageConfig.parse("memory").settings == MemorySettings()
+
+
+def test_storage_config_errors_name_key_value_and_accepted() -> None:
+    with pytest.raises(ValueError) as info:
+        StorageConfig.parse("redis", {"uri": "redis://x"})
+    msg = str(info.value)
+    assert "redis backend" in msg and "'uri'" in msg and "'redis://x'" in msg
+    assert "'url'" in msg and "'timeout_s'" in msg and "'prefetch_threshold'" in msg
+    with pytest.raises(ValueError, match=r"^file backend: max_bytes=-1 is invalid"):
+        StorageConfig.parse("file", {"max_bytes": -1})
+    with pytest.raises(ValueError, match=r"^memory backend: timeout_s=0 is invalid"):
+        StorageConfig.parse("memory", {"timeout_s": 0})
+    with pytest.raises(ValueError, match="unknown; choose one of"):
+        StorageConfig.parse("s3")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StorageConfig.parse("file", "{nope")
+
+
+def test_extra_config_without_a_backend_is_refused() -> None:
+    assert storage_config_from_args(None, None) is None
+    assert storage_config_from_args(None, "  ") is None
+    assert storage_config_from_args(None, {}) is None
+    with pytest.raises(ValueError, match=r"without --hicache-storage-backend.*'file_path'"):
+        storage_config_from_args(None, '{"file_path": "/tmp/x"}')
+    cfg = storage_config_from_args("memory", '{"store": "s"}')
+    assert cfg is not None and cfg.settings == MemorySettings(store="s")
+
+
+def test_factories_and_one_step_classes_validate_when_built() -> None:
+    register_backend("raw-for-test", lambda ns, extra, opts: MemoryStorage(ns, opts))
+    cfg = StorageConfig.parse("raw-for-test", {"anything": 1, "timeout_s": 0.5})
+    assert cfg.settings == {"anything": 1} and cfg.options.timeout_s == 0.5
+    one = StorageConfig.parse("tests.test_storage_registry:OneStepStorage", {"color": "red"})
+    assert isinstance(one.create(NS), OneStepStorage)
+    bad = StorageConfig.parse("tests.test_storage_registry:OneStepStorage", {"size": 1})
+    with pytest.raises(ValueError, match="bad keys"):
+        bad.create(NS)

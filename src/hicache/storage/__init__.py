@@ -10,10 +10,12 @@ from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryS
 from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
 from hicache.storage.record import HEADER_SIZE, RecordCheck, check_record, encode_header
 from hicache.storage.registry import (
+    StorageConfig,
     backend_names,
     create_storage,
     parse_extra_config,
     register_backend,
+    storage_config_from_args,
 )
 from hicache.storage.stats import MissReason, SetOutcome, SetResult, StorageStats
 
@@ -28,6 +30,7 @@ __all__ = [
     "RecordCheck",
     "SetOutcome",
     "SetResult",
+    "StorageConfig",
     "StorageError",
     "StorageOptions",
     "StorageStats",
@@ -37,4 +40,5 @@ __all__ = [
     "encode_header",
     "parse_extra_config",
     "register_backend",
+    "storage_config_from_args",
 ]

@@ -131,19 +131,33 @@ class HiCacheStorage(ABC):
         """The runner through which this backend makes calls that write host pages
         (``writes_host=True``); None when it writes host pages only on the calling thread."""
 
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ()
+    """The backend-specific extra-config keys this class accepts (besides the
+    :class:`StorageOptions` keys, which any backend takes)."""
+
+    @classmethod
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> Any:
+        """Validate this backend's extra-config keys, without IO; returns the settings
+        object :meth:`from_settings` takes. Raises ValueError naming the key, the value and
+        what is accepted. The default accepts no key and returns None."""
+        if extra:
+            raise ValueError(f"{cls.name} backend takes no extra config; got keys {sorted(extra)}")
+        return None
+
+    @classmethod
+    def from_settings(
+        cls, namespace: Namespace, options: StorageOptions, settings: Any
+    ) -> HiCacheStorage:
+        """An unstarted instance from :meth:`parse_extra_config`'s result."""
+        return cls(namespace, options)
+
     @classmethod
     def from_extra_config(
         cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
     ) -> HiCacheStorage:
-        """Build from the engine's extra-config dict (``options`` keys already removed).
-
-        The default accepts no backend-specific keys; backends override this to parse theirs.
-        """
-        if extra_config:
-            raise ValueError(
-                f"{cls.name} backend takes no extra config; got keys {sorted(extra_config)}"
-            )
-        return cls(namespace, options)
+        """Parse then build (``options`` keys already removed). A custom class may override
+        this instead of the two steps; its keys are then checked only when it is built."""
+        return cls.from_settings(namespace, options, cls.parse_extra_config(extra_config))
 
     # -- lifecycle -----------------------------------------------------------------------
     @property

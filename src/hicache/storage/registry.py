@@ -1,34 +1,52 @@
-"""Backend registry: name -> factory, plus ``module:Class`` for a custom backend.
+"""Backend registry and the one parse step of a backend's extra config.
 
-Built-in names: ``file`` (default), ``memory`` (fake, for tests), ``redis``, ``mooncake``.
-Their modules are imported only when used, so a missing optional client package only
-matters to the backend that needs it.
+Built-in names: ``file`` (default), ``memory`` (fake, for tests), ``redis``, ``mooncake``
+(modules under :mod:`hicache.storage.backends`). Their modules are imported only when
+used, so a missing optional client package only matters to the backend that needs it.
+A custom backend is ``package.module:Class`` (a :class:`HiCacheStorage` subclass) or a
+factory given to :func:`register_backend`.
 
-The engine's ``--hicache-storage-backend-extra-config`` is JSON text or ``@path/to.json``;
-:func:`parse_extra_config` turns it into a dict. Keys ``timeout_s``, ``connect_timeout_s``
-and ``max_batch_pages`` set :class:`~hicache.storage.base.StorageOptions` for any backend;
-the rest go to the backend, which rejects keys it does not know.
+The engine's ``--hicache-storage-backend-extra-config`` is JSON text or ``@path/to.json``
+(:func:`parse_extra_config`). :meth:`StorageConfig.parse` splits and validates it once:
+keys ``timeout_s``, ``connect_timeout_s`` and ``max_batch_pages`` set
+:class:`~hicache.storage.base.StorageOptions` for any backend; prefetch keys
+(``hicache.config.PREFETCH_KEYS``) are handed over untouched; the rest are the backend's,
+validated by its ``parse_extra_config`` (an unknown key is refused naming the key, its
+value and every accepted key). The engine calls::
+
+    storage = storage_config_from_args(args.hicache_storage_backend,
+                                       args.hicache_storage_backend_extra_config)
+    # None: no L3; ValueError: bad flags (extra config without a backend included)
+    ...
+    prefetch = storage.prefetch_config(args.hicache_storage_prefetch_policy)
+    backend = storage.create(namespace)  # unstarted
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+from hicache.config import PREFETCH_KEYS, PrefetchConfig, PrefetchPolicy
 from hicache.keys import Namespace
 from hicache.storage.base import HiCacheStorage, StorageOptions
 
 __all__ = [
     "BUILTIN_BACKENDS",
+    "BackendEntry",
+    "StorageConfig",
     "StorageFactory",
     "backend_names",
     "create_storage",
     "parse_extra_config",
     "register_backend",
     "resolve_backend",
+    "storage_config_from_args",
 ]
 
 StorageFactory = Callable[[Namespace, Mapping[str, Any], StorageOptions], HiCacheStorage]
@@ -79,18 +97,146 @@ def _load_class(spec: str) -> type[HiCacheStorage]:
     return obj
 
 
-def resolve_backend(name: str) -> StorageFactory:
-    """The factory for ``name``: registered, built-in, or ``module:Class``."""
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    """How to parse and build one backend.
+
+    ``keys``: the backend-specific extra-config keys it accepts, or None when only building
+    it can tell (a registered factory, a custom class that overrides ``from_extra_config``).
+    ``parse(extra) -> settings`` validates without IO; ``build(namespace, options,
+    settings)`` makes the unstarted backend.
+    """
+
+    name: str
+    keys: tuple[str, ...] | None
+    parse: Callable[[Mapping[str, Any]], Any]
+    build: Callable[[Namespace, StorageOptions, Any], HiCacheStorage]
+
+
+def _overrides(cls: type[HiCacheStorage], attr: str) -> bool:
+    """True when a subclass (not HiCacheStorage itself) defines ``attr``."""
+    owner = next(k for k in cls.__mro__ if attr in vars(k))
+    return owner is not HiCacheStorage
+
+
+def _class_entry(name: str, cls: type[HiCacheStorage]) -> BackendEntry:
+    if _overrides(cls, "from_extra_config") and not _overrides(
+        cls, "parse_extra_config"
+    ):  # the one-step protocol: validated when built
+        return BackendEntry(
+            name, None, dict, lambda ns, opts, extra: cls.from_extra_config(ns, extra, opts)
+        )
+    return BackendEntry(name, tuple(cls.EXTRA_KEYS), cls.parse_extra_config, cls.from_settings)
+
+
+def resolve_backend(name: str) -> BackendEntry:
+    """The entry for ``name``: registered, built-in, or ``module:Class`` (imported now)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"storage backend {name!r} is invalid; must be a non-empty str")
     if name in _REGISTERED:
-        return _REGISTERED[name]
+        factory = _REGISTERED[name]
+        return BackendEntry(name, None, dict, lambda ns, opts, extra: factory(ns, extra, opts))
     if name in BUILTIN_BACKENDS:
-        return _load_class(BUILTIN_BACKENDS[name]).from_extra_config
+        return _class_entry(name, _load_class(BUILTIN_BACKENDS[name]))
     if ":" in name:
-        return _load_class(name).from_extra_config
+        return _class_entry(name, _load_class(name))
     raise ValueError(
         f"storage backend {name!r} is unknown; choose one of {backend_names()} "
         "or give a custom class as 'package.module:ClassName'"
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageConfig:
+    """An L3 backend choice, parsed and validated once from the engine's extra config.
+
+    ``backend``: registry name or ``module:Class``. ``options``: the
+    :class:`StorageOptions` (extra keys ``timeout_s``, ``connect_timeout_s``,
+    ``max_batch_pages`` over the given base). ``settings``: the backend's validated
+    settings (its ``parse_extra_config`` result, e.g. a ``FileConfig``; for a registered
+    factory, the raw dict it will get). ``prefetch_extra``: the prefetch keys
+    (``hicache.config.PREFETCH_KEYS``) found, handed over untouched for
+    ``PrefetchConfig.from_extra`` (see :meth:`prefetch_config`).
+
+    Build one with :meth:`parse` (or :func:`storage_config_from_args` for command-line
+    flags), then :meth:`create` the backend once the namespace is known.
+    """
+
+    backend: str
+    options: StorageOptions = field(default_factory=StorageOptions)
+    settings: Any = None
+    prefetch_extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend={self.backend!r} is invalid; must be a non-empty str")
+        if not isinstance(self.options, StorageOptions):
+            raise ValueError(f"options={self.options!r} is invalid; must be StorageOptions")
+        object.__setattr__(self, "prefetch_extra", MappingProxyType(dict(self.prefetch_extra)))
+
+    @classmethod
+    def parse(
+        cls,
+        backend: str,
+        extra: Mapping[str, Any] | str | None = None,
+        *,
+        options: StorageOptions | None = None,
+        prefetch_keys: Sequence[str] = PREFETCH_KEYS,
+    ) -> StorageConfig:
+        """Validate ``backend`` and ``extra`` (a dict, or JSON text / ``@file.json`` as in
+        :func:`parse_extra_config`) without IO; ValueError naming the key, the value and
+        what is accepted. Imports the backend's module (not its client package)."""
+        raw = parse_extra_config(extra) if extra is None or isinstance(extra, str) else extra
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"extra config must be a JSON object, got {type(raw).__name__}")
+        entry = resolve_backend(backend)
+        opt_keys, pf_keys = StorageOptions.KEYS, tuple(prefetch_keys)
+        if entry.keys is not None:
+            for key, value in raw.items():
+                if key not in (*entry.keys, *opt_keys, *pf_keys):
+                    groups = [("backend", entry.keys), ("option", opt_keys), ("prefetch", pf_keys)]
+                    accepted = "; ".join(f"{g} keys {list(ks)}" for g, ks in groups if ks)
+                    raise ValueError(
+                        f"{backend} backend: extra config key {key!r} (value {value!r}) is "
+                        f"unknown; accepted: {accepted}"
+                    )
+        own = {k: v for k, v in raw.items() if k not in opt_keys and k not in pf_keys}
+        try:
+            opts = StorageOptions.from_extra(raw, options)
+            settings = entry.parse(own)
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(
+                msg if msg.startswith(f"{backend} backend") else f"{backend} backend: {msg}"
+            ) from None
+        prefetch = {k: v for k, v in raw.items() if k in pf_keys}
+        return cls(backend=backend, options=opts, settings=settings, prefetch_extra=prefetch)
+
+    def create(self, namespace: Namespace) -> HiCacheStorage:
+        """The unstarted backend for ``namespace``; call ``start()`` or use ``with``."""
+        return resolve_backend(self.backend).build(namespace, self.options, self.settings)
+
+    def prefetch_config(self, policy: PrefetchPolicy | str) -> PrefetchConfig:
+        """The prefetch settings under ``policy`` from :attr:`prefetch_extra`."""
+        return PrefetchConfig.from_extra(policy, dict(self.prefetch_extra))
+
+
+def storage_config_from_args(
+    backend: str | None, extra: Mapping[str, Any] | str | None
+) -> StorageConfig | None:
+    """``--hicache-storage-backend`` and ``--hicache-storage-backend-extra-config`` -> a
+    :class:`StorageConfig`, or None when neither is given (no L3). An extra config without
+    a backend is refused (ValueError): nothing would use it."""
+    if backend is None or backend == "":
+        raw = parse_extra_config(extra) if extra is None or isinstance(extra, str) else extra
+        if raw:
+            raise ValueError(
+                "--hicache-storage-backend-extra-config was given without "
+                f"--hicache-storage-backend, so nothing would use keys {sorted(raw)}; choose "
+                f"a backend ({', '.join(backend_names())} or package.module:Class)"
+            )
+        return None
+    return StorageConfig.parse(backend, extra)
 
 
 def create_storage(
@@ -103,13 +249,10 @@ def create_storage(
     """An unstarted backend ``name`` for ``namespace``; call ``start()`` or use ``with``.
 
     ``extra_config`` keys named in ``StorageOptions.KEYS`` override ``options``; the rest
-    are the backend's own.
+    are the backend's own (no prefetch keys: use :class:`StorageConfig` for those).
     """
-    extra = dict(extra_config or {})
-    opts = StorageOptions.from_extra(extra, options)
-    backend_extra = {k: v for k, v in extra.items() if k not in StorageOptions.KEYS}
-    factory = resolve_backend(name)
-    return factory(namespace, backend_extra, opts)
+    cfg = StorageConfig.parse(name, extra_config, options=options, prefetch_keys=())
+    return cfg.create(namespace)
 
 
 def parse_extra_config(text: str | None) -> dict[str, Any]:

@@ -152,12 +152,20 @@ class FileStorage(HiCacheStorage):
         self.root = Path(config.path)
         self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
 
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = FileConfig.EXTRA_KEYS
+
     @classmethod
-    def from_extra_config(
-        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
-    ) -> FileStorage:
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> FileConfig:
         """Keys: ``file_path``, ``max_bytes``, ``fsync`` (see :class:`FileConfig`)."""
-        return cls(namespace, options, config=FileConfig.from_extra(extra_config))
+        return FileConfig.from_extra(extra)
+
+    @classmethod
+    def from_settings(
+        cls, namespace: Namespace, options: StorageOptions, settings: Any
+    ) -> FileStorage:
+        if not isinstance(settings, FileConfig):
+            raise TypeError(f"file backend settings must be a FileConfig, got {settings!r}")
+        return cls(namespace, options, config=settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:

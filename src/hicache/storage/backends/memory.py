@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hicache.keys import Namespace, PageKey
@@ -39,7 +39,7 @@ from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages
 from hicache.storage.stats import MissReason, SetOutcome
 
-__all__ = ["MemoryFaults", "MemoryStorage", "MemoryStore", "shared_store"]
+__all__ = ["MemoryFaults", "MemorySettings", "MemoryStorage", "MemoryStore", "shared_store"]
 
 
 class MemoryStore:
@@ -118,6 +118,18 @@ class MemoryFaults:
             raise ValueError(f"fail_after={f!r} is invalid; must be None or an int >= 0")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """The ``memory`` backend's parsed extra config: the shared store's name and faults."""
+
+    store: str = "default"
+    faults: MemoryFaults = field(default_factory=MemoryFaults)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError(f"store={self.store!r} is invalid; must be a non-empty str")
+
+
 class _Fault(Exception):
     def __init__(self, reason: MissReason) -> None:
         super().__init__(reason.value)
@@ -147,25 +159,28 @@ class MemoryStorage(HiCacheStorage):
         self._host_io = self._runner
 
     @classmethod
-    def from_extra_config(
-        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
-    ) -> MemoryStorage:
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> MemorySettings:
         """Keys: ``store`` (shared store name, default ``"default"``), ``delay_s``,
         ``fail_after``, ``get_delay_s`` (see the module docstring)."""
-        unknown = sorted(set(extra_config) - set(cls.EXTRA_KEYS))
+        unknown = sorted(set(extra) - set(cls.EXTRA_KEYS))
         if unknown:
             raise ValueError(
                 f"memory backend: unknown extra config keys {unknown}; allowed {cls.EXTRA_KEYS}"
             )
-        name = extra_config.get("store", "default")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"store={name!r} is invalid; must be a non-empty str")
         faults = MemoryFaults(
-            delay_s=extra_config.get("delay_s", 0.0),
-            fail_after=extra_config.get("fail_after"),
-            get_delay_s=extra_config.get("get_delay_s", 0.0),
+            delay_s=extra.get("delay_s", 0.0),
+            fail_after=extra.get("fail_after"),
+            get_delay_s=extra.get("get_delay_s", 0.0),
         )
-        return cls(namespace, options, store=shared_store(name), faults=faults)
+        return MemorySettings(store=extra.get("store", "default"), faults=faults)
+
+    @classmethod
+    def from_settings(
+        cls, namespace: Namespace, options: StorageOptions, settings: Any
+    ) -> MemoryStorage:
+        if not isinstance(settings, MemorySettings):
+            raise TypeError(f"memory backend settings must be MemorySettings, got {settings!r}")
+        return cls(namespace, options, store=shared_store(settings.store), faults=settings.faults)
 
     @property
     def faults(self) -> MemoryFaults:

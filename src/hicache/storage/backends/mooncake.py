@@ -70,12 +70,20 @@ class MooncakeStorage(HiCacheStorage):
         self._buffers = BufferRegistry(self._register, self._unregister)
         self._arenas = ArenaPool(self._buffers.ensure_tensor)
 
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = MooncakeConfig.EXTRA_KEYS
+
     @classmethod
-    def from_extra_config(
-        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
-    ) -> MooncakeStorage:
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> MooncakeConfig:
         """Keys: see :class:`MooncakeConfig` and the module docstring."""
-        return cls(namespace, options, config=MooncakeConfig.from_extra(extra_config))
+        return MooncakeConfig.from_extra(extra)
+
+    @classmethod
+    def from_settings(
+        cls, namespace: Namespace, options: StorageOptions, settings: Any
+    ) -> MooncakeStorage:
+        if not isinstance(settings, MooncakeConfig):
+            raise TypeError(f"mooncake backend settings must be a MooncakeConfig, got {settings!r}")
+        return cls(namespace, options, config=settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:

@@ -92,12 +92,20 @@ class RedisStorage(HiCacheStorage):
         self._client: Any = None
         self._runner = DeadlineRunner("redis")
 
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = RedisConfig.EXTRA_KEYS
+
     @classmethod
-    def from_extra_config(
-        cls, namespace: Namespace, extra_config: Mapping[str, Any], options: StorageOptions
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> RedisConfig:
+        """Keys: ``url``, ``key_prefix``, ``ttl_s``, ``max_connections`` (:class:`RedisConfig`)."""
+        return RedisConfig.from_extra(extra)
+
+    @classmethod
+    def from_settings(
+        cls, namespace: Namespace, options: StorageOptions, settings: Any
     ) -> RedisStorage:
-        """Keys: ``url``, ``key_prefix``, ``ttl_s``, ``max_connections`` (see :class:`RedisConfig`)."""
-        return cls(namespace, options, config=RedisConfig.from_extra(extra_config))
+        if not isinstance(settings, RedisConfig):
+            raise TypeError(f"redis backend settings must be a RedisConfig, got {settings!r}")
+        return cls(namespace, options, config=settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
