@@ -52,7 +52,7 @@ def fetch(cache: HiCache, tokens: list[int], tenant: str = "") -> tuple[int, tor
     """Prefetch + load back ``tokens``; returns (tokens from L3, their L1 bytes)."""
     req = serve(cache, tokens, tenant=tenant, hold=True)
     assert req is not None
-    data = read_device(cache, req.pages[: req.prefix_pages])
+    data = read_device(cache, req.pages[: req.cached.total // PAGE])  # the cached prefix
     got = req.cached.storage
     cache.release(req)
     cache.flush()
