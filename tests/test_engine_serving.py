@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
@@ -294,3 +295,36 @@ def test_cache_salt_isolates_tenants() -> None:
         assert public_again.cached.device == 44
         assert acme.output_ids == public.output_ids
         assert_clean(engine)
+
+
+def test_metrics_values_match_the_cache(server: tuple[str, Engine]) -> None:
+    """The exported values, not just the names: /metrics agrees with the cache's own
+    counters after a cold and a warm request of the same prompt."""
+    url, engine = server
+    prompt = [(13 * i + 5) % 3000 + 200 for i in range(45)]
+    for _ in range(2):
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200
+    warm = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert warm == 44  # 11 whole pages of the 45-token prompt (the last token is computed)
+    engine.call(engine.cache.flush).result(timeout=60)
+    stats = engine.call(engine.cache.stats).result(timeout=60)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+
+    def value(name: str, **labels: str) -> float:
+        for s in families[name].samples:
+            if s.labels == labels and not s.name.endswith("_created"):
+                return s.value
+        raise AssertionError(f"no sample {name} {labels}")
+
+    c = stats.counters
+    assert value("hicache_query_tokens") == c["query_tokens_total"]
+    assert value("hicache_hit_tokens", tier="device") == c["device_hit_tokens_total"]
+    assert value("hicache_hit_tokens", tier="host") == c["host_hit_tokens_total"]
+    assert value("hicache_backup_tokens") == c["backup_tokens_total"]
+    assert value("hicache_cached_tokens", tier="device") == stats.device_cached_tokens
+    assert value("hicache_host_total_tokens") == stats.host_total_tokens
+    assert value("hicache_cache_hit_rate") == pytest.approx(stats.hit_rate)
+    assert c["device_hit_tokens_total"] >= warm
