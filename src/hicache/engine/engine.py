@@ -29,7 +29,6 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.config import PREFETCH_KEYS, CacheConfig, PrefetchConfig
-from hicache.controller.storage_controller import StorageController
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
@@ -390,7 +389,7 @@ class Engine(Lifecycle):
         extra = dict(extra)
         prefetch = PrefetchConfig.from_extra(policy, extra)
         backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_KEYS}
-        if self.cache.host_pool is None:
+        if not self.cache.hierarchical:
             raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
         namespace = Namespace.for_spec(
             self.cache.spec,
@@ -400,12 +399,7 @@ class Engine(Lifecycle):
             page_size=self.cache.page_size,
         )
         storage = create_storage(backend, namespace=namespace, extra_config=backend_extra)
-        controller = StorageController(storage, self.cache.host_pool)
-        try:
-            self.cache.attach_storage(controller, namespace, prefetch)
-        except BaseException:
-            controller.close()
-            raise
+        self.cache.attach_storage(storage, namespace, prefetch)
 
     def attach_storage(
         self, backend: str, extra_config: Mapping[str, Any] | None = None, policy: str = "timeout"
@@ -426,9 +420,7 @@ class Engine(Lifecycle):
         def detach() -> bool:
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; detach storage when idle")
-            had = self.cache.l3 is not None
-            self.cache.detach_storage()
-            return had
+            return self.cache.detach_storage()
 
         return self.call(detach).result(timeout=120)
 
