@@ -91,3 +91,15 @@ def serve(
     if not hold:
         cache.release(req)
     return req
+
+
+class FailingLoads:
+    """A cache ``layer_hook`` that fails every L2 -> L1 load after its first layer while
+    ``on`` (the layers before stay valid, as with a copier that breaks mid-op)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, op_id: int, layer: int) -> None:
+        if self.on and layer == 0:
+            raise RuntimeError("injected copy failure after layer 0")

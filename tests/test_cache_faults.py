@@ -17,7 +17,7 @@ from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import StorageOptions
-from tests.kvdata import page_kv, read_device, serve, write_tokens
+from tests.kvdata import FailingLoads, page_kv, read_device, serve, write_tokens
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -30,17 +30,6 @@ def make_cache(**overrides: object) -> HiCache:
     )
     cfg.update(overrides)
     return HiCache(CacheConfig(**cfg), SPEC).start()  # type: ignore[arg-type]
-
-
-class FailingLoads:
-    """A layer hook that fails every load after its first layer while ``on``."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def __call__(self, op_id: int, layer: int) -> None:
-        if self.on and layer == 0:
-            raise RuntimeError("injected copy failure after layer 0")
 
 
 @pytest.fixture

@@ -34,7 +34,13 @@ FULL = 80  # prompt[:-1] is matched: 20 pages
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-def make_engine(backend: str | None, extra: dict[str, object], policy: str = "timeout") -> Engine:
+def make_engine(
+    backend: str | None,
+    extra: dict[str, object],
+    policy: str = "timeout",
+    *,
+    max_running_requests: int = 4,
+) -> Engine:
     config = EngineConfig(
         model_path=MODEL,
         dtype="float32",
@@ -42,7 +48,9 @@ def make_engine(backend: str | None, extra: dict[str, object], policy: str = "ti
         cache=CacheConfig(
             page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
         ),
-        scheduler=SchedulerConfig(max_running_requests=4, chunked_prefill_size=64),
+        scheduler=SchedulerConfig(
+            max_running_requests=max_running_requests, chunked_prefill_size=64
+        ),
         context_length=128,
         storage_backend=backend,
         storage_prefetch_policy=policy,
@@ -293,20 +301,7 @@ def test_best_effort_gives_a_request_queued_behind_a_busy_engine_storage_hits(
     """The prefetch starts on arrival and runs while the request waits for a running
     slot, so best_effort (never wait) still serves it from L3 on a busy engine."""
     store = f"busy-{time.monotonic_ns()}"
-    config = EngineConfig(
-        model_path=MODEL,
-        dtype="float32",
-        device="cpu",
-        cache=CacheConfig(
-            page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
-        ),
-        scheduler=SchedulerConfig(max_running_requests=1, chunked_prefill_size=64),
-        context_length=128,
-        storage_backend="memory",
-        storage_prefetch_policy="best_effort",
-        storage_extra_config={"prefetch_threshold": 8, "store": store},
-    )
-    with Engine(config, loaded=engine_model(MODEL)).start() as engine:
+    with make_engine("memory", {"store": store}, "best_effort", max_running_requests=1) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         settle(engine)
         busy: Future[RequestOutput] = Future()

@@ -19,6 +19,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from tests.kvdata import FailingLoads
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -166,12 +167,7 @@ def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
 
 
 def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
-    failing = {"on": False}
-
-    def hook(op_id: int, layer: int) -> None:
-        if failing["on"] and layer == 0:
-            raise RuntimeError("injected copy failure after layer 0")
-
+    hook = FailingLoads()
     cfg = CacheConfig(page_size=PAGE, device_tokens=8 * PAGE, hicache_ratio=2.0)
     with HiCache(cfg, SPEC, layer_hook=hook) as cache:
         sched, _ = make(cache, max_running_requests=4)
@@ -181,7 +177,7 @@ def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
         run(sched)
         cache.flush()
         cache.evict_device(8)  # the prompt's KV is in L2 only now
-        failing["on"] = True
+        hook.on = True
         again, again_outs = request(prompt)
         other, other_outs = request([50, 51, 52])
         sched.add(again)
@@ -194,7 +190,7 @@ def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
         cache.check_integrity()
         assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
         cache.reset()  # /flush_cache works: nothing is left pinned
-        failing["on"] = False
+        hook.on = False
         third, _ = request(prompt)
         sched.add(third)
         run(sched)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hicache.memory import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters, CacheStats
 from hicache.storage.base import HiCacheStorage
 from hicache.tree import HiRadixTree
@@ -51,20 +51,16 @@ def check_cache_integrity(
     in ``request_pages``, exactly once; every used L2 page is owned by the tree or listed
     in ``host_held`` (L3 ops), exactly once. Raises AssertionError."""
     tree.check_integrity()
-    alloc = device_pool.allocator
-    alloc.check_integrity()
-    owned = tree.device_page_ids() + list(request_pages)
-    assert len(set(owned)) == len(owned), "an L1 page is owned twice (tree and a request)"
-    assert all(alloc.is_used(p) for p in owned), "the tree or a request owns a free L1 page"
-    assert len(owned) == alloc.used_pages, (
-        f"{alloc.used_pages} L1 pages used, {len(owned)} owned: leak"
-    )
+    _check_owned("L1", device_pool.allocator, tree.device_page_ids() + list(request_pages))
     if host_pool is not None:
-        halloc = host_pool.allocator
-        halloc.check_integrity()
-        howned = tree.host_page_ids() + list(host_held)
-        assert len(set(howned)) == len(howned), "an L2 page is owned twice"
-        assert all(halloc.is_used(p) for p in howned), "the tree or an L3 op owns a free L2 page"
-        assert len(howned) == halloc.used_pages, (
-            f"{halloc.used_pages} L2 pages used, {len(howned)} owned: leak"
-        )
+        _check_owned("L2", host_pool.allocator, tree.host_page_ids() + list(host_held))
+
+
+def _check_owned(tier: str, alloc: PageAllocator, owned: list[int]) -> None:
+    """Every used page of ``alloc`` is in ``owned`` exactly once, and nothing more."""
+    alloc.check_integrity()
+    assert len(set(owned)) == len(owned), f"an {tier} page is owned twice"
+    assert all(alloc.is_used(p) for p in owned), f"a free {tier} page is owned"
+    assert len(owned) == alloc.used_pages, (
+        f"{alloc.used_pages} {tier} pages used, {len(owned)} owned: leak"
+    )
