@@ -7,8 +7,10 @@ counted inserts instead of requests, and the timeout deadline restarted after th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -255,3 +257,82 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
             if b.match_prefix(toks).host_tokens:
                 assert serve(b, toks) is not None
         b.check_integrity()
+
+
+class GatedFailingBackup:
+    """Wraps a copier: the first backup waits for ``gate``, then fails."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.failed = False
+
+    def backup(self, *args: Any) -> None:
+        if not self.failed:
+            self.failed = True
+            assert self.gate.wait(10)
+            raise RuntimeError("injected backup failure")
+        self.inner.backup(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _namespace(cache: HiCache) -> Namespace:
+    return Namespace.for_spec(
+        SPEC, model="m", weights_fingerprint="w", layout=cache.config.mem_layout, page_size=PAGE
+    )
+
+
+def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
+    """The parent's backup fails while its child's backup (queued behind it) and then
+    the child's slow L3 write still use the child's L2 pages: those stay until both
+    are done, and only then are the L2 copies of the run (and below) dropped."""
+    with make_cache(hicache_ratio=4.0) as cache:
+        ns = _namespace(cache)
+        slow_writes = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=0.5))
+        cache.attach_storage(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
+        assert cache.host is not None
+        engine = cache.host.controller._engine
+        gated = GatedFailingBackup(engine.copier)
+        engine.copier = gated
+        parent, child = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]
+        p_pages = cache.alloc_device(2)
+        assert p_pages is not None
+        write_tokens(cache, parent, p_pages, 0)
+        cache.insert(parent, p_pages)  # backup op 1: will fail
+        c_pages = cache.alloc_device(2)
+        assert c_pages is not None
+        write_tokens(cache, child, c_pages, 2)
+        cache.insert(child, cache.match_prefix(parent).device_pages + c_pages)  # op 2
+        p_node = cache.match_prefix(parent).last_device_node
+        c_node = cache.match_prefix(child).last_device_node
+        assert p_node.host is not None and c_node.host is not None
+        c_host = list(c_node.host)
+        gated.gate.set()
+        cache.host.wait_idle()  # op 1 failed, op 2 landed: the child's L3 write is slow
+        assert c_node.host is not None and list(c_node.host) == c_host  # not freed
+        assert all(cache.host.allocator.is_used(p) for p in c_host)
+        assert p_node.lock_ref == 1  # the failed run stays pinned in L1 meanwhile
+        cache.flush()  # the L3 write lands; then the L2 copies are dropped
+        cache.poll()
+        assert p_node.host is None and c_node.host is None and p_node.lock_ref == 0
+        assert cache.stats().counters["backup_failures_total"] == 1
+        cache.check_integrity()
+        assert cache.host.allocator.used_pages == 0
+
+
+def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
+    with make_cache() as cache:
+        ns = _namespace(cache)
+        slow = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=1.0))
+        cache.attach_storage(slow, ns, PrefetchConfig(prefetch_threshold=0))
+        serve(cache, TOKENS)
+        assert cache.host is not None
+        cache.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
+        assert cache.detach_storage(timeout_s=0.1)  # the flush times out
+        assert not cache.storage_attached
+        assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.tree.iter_nodes())
+        cache.check_integrity()
+        cache.reset()  # /flush_cache is not refused: no pin is left behind
+        assert cache.host.allocator.used_pages == 0
