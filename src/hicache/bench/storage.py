@@ -13,7 +13,7 @@ Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
 ``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
 figure is the median of ``--repeat`` runs. Usage::
 
-    python -m hicache.storage.bench --backends file,redis,mooncake --json out.json
+    python -m hicache.bench.storage --backends file,redis,mooncake --json out.json
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, or 2 for bad arguments, 1 when a backend fails."""
     p = argparse.ArgumentParser(
-        prog="python -m hicache.storage.bench", description=__doc__.split("\n\n")[0]
+        prog="python -m hicache.bench.storage", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
         "--backends", default="file,redis,mooncake", help="comma list of file, redis, mooncake"
