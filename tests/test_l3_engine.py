@@ -54,7 +54,7 @@ def make_engine(
         context_length=128,
         storage_backend=backend,
         storage_prefetch_policy=policy,
-        storage_extra_config={"prefetch_threshold": 8, **extra},
+        storage_extra_config={"prefetch_threshold": 8, **extra} if backend else {},
     )
     return Engine(config, loaded=engine_model(MODEL)).start()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.storage.bench import main
+from hicache.bench.storage import main
 
 
 def test_bench_file_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

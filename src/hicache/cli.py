@@ -22,7 +22,7 @@ BENCHES = {
     "multiturn": "hicache.bench.multiturn",
     "long-context": "hicache.bench.long_context",
     "full-hit": "hicache.bench.full_hit",
-    "storage": "hicache.storage.bench",
+    "storage": "hicache.bench.storage",
 }
 
 STORES = {

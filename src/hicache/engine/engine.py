@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.cache import HiCache
-from hicache.config import PREFETCH_KEYS, CacheConfig, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
@@ -37,7 +37,7 @@ from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
-from hicache.storage.registry import create_storage
+from hicache.storage.registry import StorageConfig, storage_config_from_args
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,8 +101,17 @@ class EngineConfig:
     """L3 backend name (``file``, ``mooncake``, ``redis``, ``module:Class``), or None."""
     storage_prefetch_policy: str = "timeout"
     storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    storage: StorageConfig | None = field(init=False, default=None)
+    """``storage_backend`` and ``storage_extra_config`` parsed and validated once (None:
+    no L3). An extra config without a backend is refused."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "storage",
+            storage_config_from_args(self.storage_backend, self.storage_extra_config),
+        )
+        PrefetchPolicy(self.storage_prefetch_policy)  # ValueError naming the bad policy
         if self.device_cache_gb is not None and not self.device_cache_gb > 0:
             raise ValueError(f"device_cache_gb={self.device_cache_gb!r} is invalid; must be > 0")
         if self.context_length is not None and (
@@ -150,11 +159,9 @@ class Engine(Lifecycle):
             tokens = int(cfg.device_cache_gb * 1e9) // spec.token_bytes
             cache_cfg = dataclasses.replace(cache_cfg, device_tokens=tokens)
         self.cache = HiCache(cache_cfg, spec, cfg.device).start()
-        if cfg.storage_backend is not None:
+        if cfg.storage is not None:
             try:
-                self._attach(
-                    cfg.storage_backend, cfg.storage_extra_config, cfg.storage_prefetch_policy
-                )
+                self._attach(cfg.storage, cfg.storage_prefetch_policy)
             except BaseException:
                 self.cache.close()
                 raise
@@ -385,10 +392,8 @@ class Engine(Lifecycle):
 
     # ------------------------------------------------------------------ L3
 
-    def _attach(self, backend: str, extra: Mapping[str, Any], policy: str) -> None:
-        extra = dict(extra)
-        prefetch = PrefetchConfig.from_extra(policy, extra)
-        backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_KEYS}
+    def _attach(self, storage_config: StorageConfig, policy: str) -> None:
+        prefetch = storage_config.prefetch_config(policy)
         if not self.cache.hierarchical:
             raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
         namespace = Namespace.for_spec(
@@ -398,8 +403,7 @@ class Engine(Lifecycle):
             layout=self.cache.config.mem_layout,
             page_size=self.cache.page_size,
         )
-        storage = create_storage(backend, namespace=namespace, extra_config=backend_extra)
-        self.cache.attach_storage(storage, namespace, prefetch)
+        self.cache.attach_storage(storage_config.create(namespace), namespace, prefetch)
 
     def attach_storage(
         self, backend: str, extra_config: Mapping[str, Any] | None = None, policy: str = "timeout"
@@ -410,7 +414,7 @@ class Engine(Lifecycle):
         def attach() -> None:
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; attach storage when idle")
-            self._attach(backend, extra_config or {}, policy)
+            self._attach(StorageConfig.parse(backend, dict(extra_config or {})), policy)
 
         self.call(attach).result(timeout=120)
 
