@@ -79,7 +79,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"priority": 1.5}, "priority"),
     ({"priority": 2**63}, "priority"),
     ({"priority": -(2**63) - 1}, "priority"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 65}, "n"),
 ]
 
 

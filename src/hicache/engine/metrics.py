@@ -1,20 +1,24 @@
-"""Prometheus metrics of a serving engine: cache occupancy and traffic per tier, TTFT.
+"""Prometheus metrics of a serving engine: cache occupancy and traffic per tier, requests
+running and queued, TTFT, aborted requests.
 
-Cache figures are read on the engine thread (:meth:`EngineMetrics.refresh`) and exported
-by a collector at scrape time; request latencies are observed by the server.
+Cache and scheduler figures are read on the engine thread (:meth:`EngineMetrics.refresh`)
+and exported by a collector at scrape time; request latencies and aborts are observed by
+the server. Names follow SGLang's where SGLang has one (``sglang:num_running_reqs`` ->
+``hicache_num_running_reqs``), with the ``hicache_`` prefix.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.engine.request import RequestOutput
+from hicache.engine.request import FinishReason, RequestOutput
 from hicache.metrics import CacheStats
 
 if TYPE_CHECKING:
@@ -24,15 +28,54 @@ log = logging.getLogger(__name__)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What one refresh read on the engine thread: the cache's stats, requests in the
+    running batch and in the waiting queue, requests the cache has admitted."""
+
+    stats: CacheStats
+    running: int
+    waiting: int
+    admitted: int
+
+
 class _CacheCollector(Collector):
     def __init__(self) -> None:
-        self.stats: CacheStats | None = None
+        self.snapshot: EngineSnapshot | None = None
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
-        if s is None:
+        snap = self.snapshot
+        if snap is None:
             return
+        s = snap.stats
         c = s.counters
+        yield GaugeMetricFamily(
+            "hicache_num_running_reqs", "Requests in the running batch", snap.running
+        )
+        yield GaugeMetricFamily(
+            "hicache_num_queue_reqs", "Requests waiting to be admitted", snap.waiting
+        )
+        yield GaugeMetricFamily(
+            "hicache_num_admitted_reqs",
+            "Requests the cache has admitted (holding pages)",
+            snap.admitted,
+        )
+        holders = GaugeMetricFamily(
+            "hicache_device_tokens",
+            "L1 token slots by holder: requests (not yet in the tree), cache (the tree), free",
+            labels=["holder"],
+        )
+        holders.add_metric(["requests"], s.device_request_tokens)
+        holders.add_metric(["cache"], s.device_cached_tokens)
+        holders.add_metric(["free"], s.device_free_tokens)
+        yield holders
+        used = s.device_total_tokens - s.device_free_tokens
+        yield GaugeMetricFamily("hicache_num_used_tokens", "L1 token slots in use", used)
+        yield GaugeMetricFamily(
+            "hicache_token_usage",
+            "Fraction of L1 token slots in use",
+            used / s.device_total_tokens if s.device_total_tokens else 0.0,
+        )
         yield GaugeMetricFamily(
             "hicache_cache_hit_rate", "Prompt tokens served from a cache tier over all", s.hit_rate
         )
@@ -114,6 +157,13 @@ class EngineMetrics:
         self.generation_tokens = Counter(
             "hicache_generation_tokens", "Generated tokens", registry=self.registry
         )
+        self.aborted = Counter(
+            "hicache_aborted_requests",
+            "Requests aborted before finishing, by reason (client_disconnected, error,"
+            " engine_stopped)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.healthy = Gauge(
             "hicache_engine_healthy",
             "1 while the engine loop runs and goes round, else 0",
@@ -127,15 +177,26 @@ class EngineMetrics:
         the last stats read stay exported and ``hicache_engine_healthy`` says so.
         """
         self.healthy.set(1 if self.engine.health().healthy else 0)
+        engine = self.engine
+
+        def read() -> EngineSnapshot:
+            return EngineSnapshot(
+                stats=engine.cache.stats(),
+                running=len(engine.scheduler.running),
+                waiting=len(engine.scheduler.waiting),
+                admitted=engine.cache.requests,
+            )
+
         try:
-            fut = self.engine.call(self.engine.cache.stats)
-            self._cache.stats = fut.result(timeout=timeout_s)
+            self._cache.snapshot = engine.call(read).result(timeout=timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             log.warning("cache stats not refreshed: %s", exc or type(exc).__name__)
 
     def observe(self, out: RequestOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason else "unknown"
         self.requests.labels(finish_reason=reason).inc()
+        if out.finish_reason is FinishReason.ABORT:
+            self.aborted.labels(reason="error" if out.error else "aborted").inc()
         if out.ttft_s is not None:
             self.ttft.observe(out.ttft_s)
         self.prompt_tokens.inc(out.prompt_tokens)

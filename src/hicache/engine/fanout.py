@@ -1,0 +1,186 @@
+"""One HTTP request's engine requests: submit them, merge their outputs, watch the client.
+
+An HTTP request becomes one or more engine requests (``n`` choices, a batch of prompts).
+:class:`Fanout` submits them, yields every output as an :class:`Event` in arrival order,
+and ends with an :class:`Ending`: all finished, the client went away, or the engine
+stopped. Copies of one prompt (``n`` > 1) are submitted once the first copy has produced
+its first token, so that they find its prompt's KV in the prefix cache instead of
+computing it again.
+
+The client is watched concurrently with the engine's outputs (a poll every
+:data:`DISCONNECT_POLL_S`), for streaming and non-streaming requests alike: on a
+disconnect every unfinished engine request is aborted at once, so generation stops
+within about one engine step and everything it held is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request as HttpRequest
+
+from hicache.engine.engine import Engine
+from hicache.engine.request import RequestOutput
+from hicache.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.02
+"""How often the client connection is checked while its request runs."""
+_ENGINE_CHECK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One engine request of an HTTP request. ``after``: the index of the job whose first
+    output releases this one (None: submitted at once)."""
+
+    index: int
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """An output of job ``index``."""
+
+    index: int
+    output: RequestOutput
+
+
+class Ending(str, enum.Enum):
+    """How a :class:`Fanout` ended."""
+
+    DONE = "done"
+    """Every job finished (normally or with an error)."""
+    DISCONNECTED = "client_disconnected"
+    """The client went away; every unfinished job was aborted."""
+    ENGINE_STOPPED = "engine_stopped"
+    """The engine stopped running before every job finished."""
+    SUBMIT_FAILED = "submit_failed"
+    """A job could not be submitted (the engine is not running)."""
+
+
+class Fanout:
+    """Runs ``jobs`` for one HTTP request; iterate :meth:`events`, then read :attr:`ending`.
+
+    ``on_abort(reason)`` is called once per engine request this fanout aborts.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        jobs: Sequence[Job],
+        http: HttpRequest,
+        *,
+        cache_salt: str = "",
+        priority: int = 0,
+        on_abort: Callable[[str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.jobs = list(jobs)
+        self.http = http
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.on_abort = on_abort
+        self.ending: Ending | None = None
+        self.error: str | None = None
+        """Why a submit failed (with :attr:`Ending.SUBMIT_FAILED`)."""
+        self._rids: dict[int, str] = {}
+        self._finished: set[int] = set()
+        self._started: set[int] = set()
+        self._queue: asyncio.Queue[Event | Ending] = asyncio.Queue()
+
+    def _submit(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+
+        def on_output(out: RequestOutput) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, Event(job.index, out))
+
+        self._rids[job.index] = self.engine.submit(
+            job.prompt_ids,
+            job.params,
+            on_output,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+        )
+
+    def _release(self, index: int) -> None:
+        """Submit the jobs waiting for job ``index``'s first output."""
+        for job in self.jobs:
+            if job.after == index and job.index not in self._rids:
+                self._submit(job)
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every submitted, unfinished job (idempotent per job)."""
+        for index, rid in list(self._rids.items()):
+            if index in self._finished:
+                continue
+            self._finished.add(index)
+            with contextlib.suppress(RuntimeError):  # not running: nothing to abort
+                self.engine.abort(rid)
+            if self.on_abort is not None:
+                self.on_abort(reason)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await self.http.is_disconnected():
+                self.abort_all(Ending.DISCONNECTED.value)
+                self._queue.put_nowait(Ending.DISCONNECTED)
+                return
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every output of every job, until all finished or the run ends early."""
+        try:
+            for job in self.jobs:
+                if job.after is None:
+                    self._submit(job)
+        except RuntimeError as exc:  # not running, or closing
+            self.error = str(exc)
+            self.ending = Ending.SUBMIT_FAILED
+            self.abort_all("engine_stopped")
+            return
+        watcher = asyncio.create_task(self._watch())
+        try:
+            while len(self._finished) < len(self.jobs):
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), timeout=_ENGINE_CHECK_S)
+                except TimeoutError:
+                    if not self.engine.alive and self._queue.empty():
+                        self.ending = Ending.ENGINE_STOPPED
+                        return
+                    continue
+                if isinstance(item, Ending):
+                    self.ending = item
+                    return
+                if item.index in self._finished:
+                    continue
+                if item.index not in self._started:
+                    self._started.add(item.index)
+                    try:
+                        self._release(item.index)
+                    except RuntimeError as exc:
+                        self.error = str(exc)
+                        self.ending = Ending.SUBMIT_FAILED
+                        return
+                if item.output.finished:
+                    self._finished.add(item.index)
+                yield item
+            self.ending = Ending.DONE
+        finally:
+            watcher.cancel()
+            if self.ending is None:  # the consumer stopped iterating (client gone)
+                self.ending = Ending.DISCONNECTED
+            if self.ending is not Ending.DONE:
+                reason = (
+                    "engine_stopped" if self.ending is Ending.ENGINE_STOPPED else self.ending.value
+                )
+                self.abort_all(reason)

@@ -1,0 +1,226 @@
+"""SGLang's native API: the ``POST /generate`` body and its responses.
+
+A body carries ``text`` or ``input_ids`` (one prompt, or a batch), ``sampling_params``
+with SGLang's names, ``stream`` and ``return_logprob``; a response carries ``text``,
+``output_ids`` and ``meta_info`` with SGLang's cache report (``cached_tokens`` and
+``cached_tokens_details`` per tier). Parameters SGLang defines that this server does not
+serve are refused with a 400 naming them, as are keys SGLang does not know.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
+from hicache.engine.protocol import (
+    MAX_BATCH,
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingFields,
+    TokenLogprob,
+    tier_details,
+)
+from hicache.engine.request import FinishReason, RequestOutput
+from hicache.engine.sampling import InvalidRequest
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's default ``max_new_tokens`` for ``/generate``."""
+
+
+class NativeSamplingParams(BaseModel):
+    """``sampling_params`` of ``/generate`` (SGLang's names). Unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=0.0, description="only 0 is served")
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        for key in ("json_schema", "regex", "ebnf"):
+            if getattr(self, key) is not None:
+                raise InvalidRequest(
+                    f"sampling_params.{key} is not supported: constrained decoding is not"
+                    " implemented",
+                    param=f"sampling_params.{key}",
+                )
+        if not self.skip_special_tokens:
+            raise InvalidRequest(
+                "sampling_params.skip_special_tokens=false is not supported",
+                param="sampling_params.skip_special_tokens",
+            )
+        if self.no_stop_trim:
+            raise InvalidRequest(
+                "sampling_params.no_stop_trim=true is not supported",
+                param="sampling_params.no_stop_trim",
+            )
+
+    def as_openai(self, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingFields:
+        """The same request in the OpenAI model's terms (one conversion path)."""
+        body = _NativeAsOpenAI(
+            max_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop,
+            seed=self.sampling_seed,
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_new_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+        )
+        body.counts = (logprobs, prompt_logprobs)
+        return body
+
+
+class _NativeAsOpenAI(SamplingFields):
+    counts: tuple[int | None, int | None] = (None, None)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.counts
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    return_text_in_logprobs: bool = False
+    rid: str | None = None
+    lora_path: str | None = None
+    image_data: Any = None
+    return_hidden_states: bool = False
+    cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS)
+    priority: StrictInt | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """``(prompts, batched)``; raises :class:`InvalidRequest` naming the field."""
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequest("give exactly one of text and input_ids", param="text")
+        if self.lora_path:
+            raise InvalidRequest(
+                "lora_path is not supported: no LoRA adapters are loaded", param="lora_path"
+            )
+        if self.image_data:
+            raise InvalidRequest(
+                "image_data is not supported: text-only models", param="image_data"
+            )
+        if self.return_hidden_states:
+            raise InvalidRequest(
+                "return_hidden_states is not supported", param="return_hidden_states"
+            )
+        self.sampling_params.refuse_unsupported()
+        if self.text is not None:
+            if isinstance(self.text, str):
+                return [self.text], False
+            prompts: list[str | list[int]] = list(self.text)
+            batched = True
+        else:
+            ids = self.input_ids or []
+            if ids and all(isinstance(t, int) for t in ids):
+                return [list(ids)], False  # type: ignore[arg-type]
+            prompts = [list(p) if isinstance(p, list) else [p] for p in ids]
+            batched = True
+        if not prompts:
+            raise InvalidRequest("the batch is empty", param="text")
+        if len(prompts) > MAX_BATCH:
+            raise InvalidRequest(
+                f"the batch has {len(prompts)} prompts; at most {MAX_BATCH}", param="text"
+            )
+        return prompts, batched
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if not self.return_logprob:
+            return None, None
+        k = self.top_logprobs_num
+        return k, (k if self.logprob_start_len >= 0 else None)
+
+    @property
+    def request_priority(self) -> int:
+        return 0 if self.priority is None else self.priority
+
+
+def finish_reason(out: RequestOutput) -> dict[str, Any] | None:
+    """SGLang's ``meta_info.finish_reason`` object."""
+    if not out.finished or out.finish_reason is None:
+        return None
+    if out.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": out.completion_tokens}
+    if out.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": None}
+    return {"type": "abort", "message": out.error or "aborted"}
+
+
+def _logprob_list(
+    entries: list[TokenLogprob], text: Any
+) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+    chosen = [[e.logprob, e.token_id, text(e.token_id) if text else None] for e in entries]
+    top = [[[lp, tid, text(tid) if text else None] for tid, lp in e.top.items()] for e in entries]
+    return chosen, top  # type: ignore[return-value]
+
+
+def generate_body(
+    rid: str,
+    out: RequestOutput,
+    *,
+    e2e_latency: float,
+    output_entries: list[TokenLogprob] | None = None,
+    input_entries: list[TokenLogprob] | None = None,
+    text: Any = None,
+    index: int | None = None,
+) -> dict[str, Any]:
+    """One ``/generate`` result (or streamed chunk, cumulative as SGLang's are)."""
+    c = out.cached
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish_reason(out),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": c.total,
+        "cached_tokens_details": tier_details(c),
+        "e2e_latency": e2e_latency,
+    }
+    if out.ttft_s is not None:
+        meta["ttft"] = out.ttft_s
+    if output_entries is not None:
+        chosen, top = _logprob_list(output_entries, text)
+        meta["output_token_logprobs"] = chosen
+        meta["output_top_logprobs"] = top
+    if input_entries is not None:
+        chosen, top = _logprob_list(input_entries, text)
+        meta["input_token_logprobs"] = chosen
+        meta["input_top_logprobs"] = top
+    body: dict[str, Any] = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
+    if index is not None:
+        body["index"] = index
+    return body
