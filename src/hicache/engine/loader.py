@@ -20,6 +20,7 @@ from hicache.config import DTYPES
 from hicache.engine.checkpoints import offline, resolve_checkpoint
 from hicache.engine.models import DecoderConfig, DecoderLM, build_model
 from hicache.memory import torch_dtype
+from hicache.validate import require
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -117,8 +118,7 @@ def load_model(
     ``float32``/``float16``/``bfloat16``, default :func:`default_dtype`. Never downloads.
     """
     dtype = dtype or default_dtype(device)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid; choose one of {DTYPES}")
+    require(dtype in DTYPES, "dtype", dtype, f"choose one of {DTYPES}")
     ckpt = resolve_checkpoint(model_path)
     offline()
     from transformers import AutoConfig, AutoTokenizer
