@@ -39,12 +39,13 @@ from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
-from hicache.memory import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool, check_pool_sizes
 from hicache.metrics import CacheCounters, CacheStats
 from hicache.storage.base import HiCacheStorage
+from hicache.tokens import encode_tokens
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
-from hicache.tree.node import PageIds, TokenIds, encode_tokens, page_ids
+from hicache.tree.node import PageIds, TokenIds, page_ids
 
 log = logging.getLogger("hicache.cache")
 
@@ -74,6 +75,7 @@ class HiCache(Lifecycle):
         self.device = torch.device(device)
         self.page_size = config.page_size
         self.wait_timeout_s = wait_timeout_s
+        check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
         self.tree = HiRadixTree(config.page_size, config.eviction_policy)
         self.rule = write_rule(config)

@@ -27,8 +27,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import numpy as np
-
 from hicache.cache.host_tier import HostTier
 from hicache.cache.prefetch import Prefetch
 from hicache.config import PrefetchConfig, PrefetchPolicy
@@ -93,7 +91,7 @@ class StorageTier:
             else:
                 self._tenants.move_to_end(tenant)
             ns = found
-        return page_keys(ns, np.frombuffer(key, dtype="<u4"), self.page_size)
+        return page_keys(ns, key, self.page_size)
 
     # ------------------------------------------------------------------ prefetch
 
