@@ -15,6 +15,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import Any, NoReturn
 
 BENCHES = {
     "tree": "hicache.bench.tree",
@@ -32,28 +33,99 @@ STORES = {
 """``hicache store NAME``: the service module whose ``main(argv)`` runs it (hicache.services)."""
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+log = logging.getLogger("hicache")
+
+
+class StartupError(Exception):
+    """A start that cannot go on; its message is the one line printed (exit code 2)."""
+
+
+def _start_engine(args: argparse.Namespace) -> Any:
+    """The started engine, or :class:`StartupError` naming the flag at fault."""
+    from hicache.engine.args import FlagError, engine_config_from_args, flag_message
+    from hicache.engine.engine import Engine
+    from hicache.storage.base import StorageError
+
+    try:
+        config = engine_config_from_args(args)
+    except FlagError as exc:
+        raise StartupError(str(exc)) from exc
+    except ValueError as exc:
+        raise StartupError(flag_message(exc)) from exc
+    engine = Engine(config)
+    try:
+        return engine.start()
+    except StorageError as exc:
+        raise StartupError(
+            f"--hicache-storage-backend {args.hicache_storage_backend!r}: the backend could not"
+            f" be started: {exc}; check --hicache-storage-backend-extra-config"
+        ) from exc
+    except FileNotFoundError as exc:
+        raise StartupError(f"--model-path {args.model_path!r}: {exc}") from exc
+    except (ValueError, RuntimeError, OSError, ImportError) as exc:
+        raise StartupError(f"the engine could not start: {flag_message(exc)}") from exc
+
+
+def _describe(engine: Any, host: str, port: int) -> str:
+    """The one INFO line at start: model, dtype, device, tiers and sizes, address."""
+    stats = engine.call(engine.cache.stats).result(timeout=30)
+    spec = engine.cache.spec
+    gb = spec.token_bytes / 1e9
+    l2 = (
+        f"L2 {stats.host_total_tokens} tokens ({stats.host_total_tokens * gb:.2f} GB)"
+        if stats.host_total_tokens
+        else "L2 off"
+    )
+    l3 = engine.config.storage_backend or "off"
+    return (
+        f"serving {engine.model.name} ({engine.model.dtype}, {engine.config.device});"
+        f" L1 {stats.device_total_tokens} tokens ({stats.device_total_tokens * gb:.2f} GB),"
+        f" {l2}, L3 {l3}; page {stats.page_size} tokens, context {engine.context_length};"
+        f" listening on http://{host}:{port}"
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from hicache.engine.args import engine_config_from_args
-    from hicache.engine.engine import Engine
+    from hicache.engine.args import FlagError, check_bind, check_flags
     from hicache.engine.server import create_app
 
-    with Engine(engine_config_from_args(args)) as engine:
-        app = create_app(engine, args.served_model_name, admin_api_key=args.admin_api_key)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        check_flags(args)
+        check_bind(args.host, args.port)
+    except FlagError as exc:
+        raise StartupError(str(exc)) from exc
+    with _start_engine(args) as engine:
+        app = create_app(
+            engine,
+            args.served_model_name,
+            admin_api_key=args.admin_api_key,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+        )
+        log.info("%s", _describe(engine, args.host, args.port))
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.log_level == "debug",
+        )
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hicache.engine.args import engine_config_from_args
-    from hicache.engine.engine import Engine
     from hicache.engine.sampling import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
-    with Engine(engine_config_from_args(args)) as engine:
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        )
+    except ValueError as exc:
+        raise StartupError(f"--{str(exc).replace('_', '-')}") from exc
+    with _start_engine(args) as engine:
         tok = engine.tokenizer
         if args.prompt_ids:
             ids = [int(t) for t in args.prompt_ids.split(",")]
@@ -76,20 +148,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from hicache.engine.args import add_engine_args
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``prog: error: ...``), exit code 2."""
 
-    parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV cache")
-    parser.add_argument("--log-level", default="warning")
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _log_level_arg(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=default,
+        help="log verbosity (default info: one line at start; debug: one per request,"
+        " tracebacks on startup errors)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hicache.engine.args import add_engine_args, add_server_args
+
+    parser = _Parser(prog="hicache", description="hierarchical KV cache")
+    _log_level_arg(parser, "info")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--admin-api-key", default=None, help="guards the admin endpoints")
+    add_server_args(serve)
+    _log_level_arg(serve, argparse.SUPPRESS)
     gen = sub.add_parser("generate", help="complete one prompt")
     add_engine_args(gen)
+    _log_level_arg(gen, argparse.SUPPRESS)
     gen.add_argument("prompt", nargs="?", default="")
     gen.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -112,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=args.log_level.upper())
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.command == "bench":
         module = importlib.import_module(BENCHES[args.name])
         return int(module.main(rest))
@@ -126,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "generate":
             return _generate(args)
-    except ValueError as exc:  # invalid configuration: say what, not a traceback
-        parser.error(str(exc))
+    except StartupError as exc:  # say what is wrong in one line, not a traceback
+        if args.log_level == "debug":
+            log.error("startup failed", exc_info=exc.__cause__ or exc)
+        print(f"hicache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     from hicache import demo_tiers
 
     return demo_tiers.main()

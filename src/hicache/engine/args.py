@@ -1,8 +1,17 @@
-"""Command-line flags of the engine, with SGLang's names where they exist."""
+"""Command-line flags of the engine and the server, with SGLang's names where they exist.
+
+A bad flag is refused before anything is loaded, with one line naming the flag, the value
+and what is accepted (:class:`FlagError`); errors raised by the configs name their field,
+which :func:`flag_message` turns back into the flag.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import socket
+from pathlib import Path
 
 import torch
 
@@ -65,8 +74,149 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunked-prefill-size", type=int, default=512)
 
 
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+"""``--max-request-bytes`` default (8 MiB); the server's own default is the same."""
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the HTTP server (``hicache serve``)."""
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the inference endpoints (/v1/*, /generate)",
+    )
+    s.add_argument("--admin-api-key", default=None, help="guards the admin endpoints")
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; larger ones get a 413 (default 8 MiB)",
+    )
+
+
+class FlagError(ValueError):
+    """A command-line flag with a value that cannot be served: names the flag, the value
+    and what is accepted, in one line."""
+
+    def __init__(self, flag: str, value: object, allowed: str) -> None:
+        super().__init__(f"{flag} {value!r} is invalid; {allowed}")
+        self.flag = flag
+
+
+FIELD_FLAGS = {
+    "page_size": "--page-size",
+    "device_tokens": "--max-total-tokens",
+    "hicache_ratio": "--hicache-ratio",
+    "hicache_size": "--hicache-size",
+    "write_policy": "--hicache-write-policy",
+    "write_through_threshold": "--hicache-write-through-threshold",
+    "io_backend": "--hicache-io-backend",
+    "mem_layout": "--hicache-mem-layout",
+    "eviction_policy": "--radix-eviction-policy",
+    "load_back_threshold": "--hicache-load-back-threshold",
+    "max_running_requests": "--max-running-requests",
+    "chunked_prefill_size": "--chunked-prefill-size",
+    "context_length": "--context-length",
+    "device_cache_gb": "--device-cache-size",
+    "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
+    "prefetch_policy": "--hicache-storage-prefetch-policy",
+}
+"""Config field -> the flag that sets it, so an error names what the user typed."""
+
+
+def flag_message(exc: Exception) -> str:
+    """``exc``'s message with a leading ``field=value`` rewritten as the flag's name."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    m = re.match(r"(\w+)=", text)
+    if m and m.group(1) in FIELD_FLAGS:
+        return f"{FIELD_FLAGS[m.group(1)]} {text[m.end() :]}"
+    return text
+
+
+def _model_path_ok(path: str) -> bool:
+    from hicache.engine.checkpoints import DEFAULT_MODEL, TINY_MODELS
+
+    if path == DEFAULT_MODEL or path in TINY_MODELS:
+        return True
+    p = Path(path).expanduser()
+    return (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").is_file())
+
+
+def check_flags(a: argparse.Namespace) -> None:
+    """Refuse flag values that cannot work, before any model or pool is built
+    (:class:`FlagError`). Covers what the configs cannot see: the device, the model path,
+    the port, non-finite sizes, an extra config without a backend."""
+    if a.device is not None:
+        try:
+            dev = torch.device(a.device)
+        except (RuntimeError, ValueError):
+            raise FlagError("--device", a.device, "use cpu, cuda or cuda:N") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise FlagError("--device", a.device, "use cpu, cuda or cuda:N")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise FlagError("--device", a.device, "CUDA is not available here; use cpu")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise FlagError(
+                    "--device", a.device, f"this host has {torch.cuda.device_count()} CUDA devices"
+                )
+    if a.model_path is not None and not _model_path_ok(a.model_path):
+        from hicache.engine.checkpoints import DEFAULT_MODEL, TINY_MODELS
+
+        raise FlagError(
+            "--model-path",
+            a.model_path,
+            "give a Hugging Face directory with config.json, a .gguf file,"
+            f" {DEFAULT_MODEL} or one of {', '.join(TINY_MODELS)}",
+        )
+    for flag, value in (
+        ("--hicache-ratio", a.hicache_ratio),
+        ("--hicache-size", a.hicache_size),
+        ("--device-cache-size", a.device_cache_size),
+    ):
+        if value is not None and not math.isfinite(value):
+            raise FlagError(flag, value, "must be a finite number")
+    if a.hicache_storage_backend_extra_config and not a.hicache_storage_backend:
+        raise FlagError(
+            "--hicache-storage-backend-extra-config",
+            a.hicache_storage_backend_extra_config,
+            "it configures an L3 backend, so it needs --hicache-storage-backend"
+            " (file, mooncake, redis or module:Class)",
+        )
+    port = getattr(a, "port", None)
+    if port is not None:
+        if not 1 <= port <= 65535:
+            raise FlagError("--port", port, "must be in [1, 65535]")
+        max_bytes = a.max_request_bytes
+        if max_bytes < 1024:
+            raise FlagError("--max-request-bytes", max_bytes, "must be >= 1024")
+
+
+def check_bind(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (in use, or not local)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise FlagError("--host", host, f"cannot be resolved ({exc.strerror or exc})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise FlagError(
+                "--port", port, f"cannot listen on {host}:{port} ({exc.strerror or exc})"
+            ) from None
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """Build a validated config; a bad value raises ValueError naming the field."""
+    """Build a validated config; a bad value raises ValueError naming the field
+    (:class:`FlagError` naming the flag for what :func:`check_flags` sees)."""
+    check_flags(a)
     cache = CacheConfig(
         page_size=a.page_size,
         device_tokens=a.max_total_tokens,
@@ -94,7 +244,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         device_cache_gb=a.device_cache_size,
         storage_backend=a.hicache_storage_backend,
         storage_prefetch_policy=a.hicache_storage_prefetch_policy,
-        storage_extra_config=parse_extra_config(a.hicache_storage_backend_extra_config),
+        storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
         **kwargs,
     )
     check_sizes_in_gb(config)
@@ -128,3 +278,10 @@ def check_sizes_in_gb(config: EngineConfig) -> None:
             memory,
             "--device-cache-size or --hicache-size",
         )
+
+
+def _extra_config(text: str | None) -> dict[str, object]:
+    try:
+        return parse_extra_config(text)
+    except ValueError as exc:
+        raise FlagError("--hicache-storage-backend-extra-config", text, str(exc)) from None

@@ -164,6 +164,8 @@ class EngineMetrics:
             ["reason"],
             registry=self.registry,
         )
+        for reason in ("client_disconnected", "error", "engine_stopped"):
+            self.aborted.labels(reason=reason)
         self.healthy = Gauge(
             "hicache_engine_healthy",
             "1 while the engine loop runs and goes round, else 0",

@@ -18,8 +18,8 @@ from hicache.engine.protocol import (
     MAX_BATCH,
     MAX_LOGPROBS,
     MAX_N,
+    LogprobEntry,
     SamplingFields,
-    TokenLogprob,
     tier_details,
 )
 from hicache.engine.request import FinishReason, RequestOutput
@@ -182,7 +182,7 @@ def finish_reason(out: RequestOutput) -> dict[str, Any] | None:
 
 
 def _logprob_list(
-    entries: list[TokenLogprob], text: Any
+    entries: list[LogprobEntry], text: Any
 ) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
     chosen = [[e.logprob, e.token_id, text(e.token_id) if text else None] for e in entries]
     top = [[[lp, tid, text(tid) if text else None] for tid, lp in e.top.items()] for e in entries]
@@ -194,8 +194,8 @@ def generate_body(
     out: RequestOutput,
     *,
     e2e_latency: float,
-    output_entries: list[TokenLogprob] | None = None,
-    input_entries: list[TokenLogprob] | None = None,
+    output_entries: list[LogprobEntry] | None = None,
+    input_entries: list[LogprobEntry] | None = None,
     text: Any = None,
     index: int | None = None,
 ) -> dict[str, Any]:

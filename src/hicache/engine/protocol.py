@@ -275,8 +275,10 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """The message as the chat template expects it: absent content (an assistant turn
+        with only ``tool_calls``) as ``""``, which every template can render; the tool calls
+        are passed on for templates that render them."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
         for key in ("name", "tool_calls", "tool_call_id"):
             value = getattr(self, key)
             if value is not None:
@@ -339,7 +341,7 @@ class Choice:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class LogprobEntry:
     """A token's log probability and its most likely alternatives (id -> logprob)."""
 
     token_id: int
@@ -347,13 +349,13 @@ class TokenLogprob:
     top: Mapping[int, float]
 
 
-def _as_entry(raw: Any, token_id: int | None = None) -> TokenLogprob | None:
+def _as_entry(raw: Any, token_id: int | None = None) -> LogprobEntry | None:
     """Read one entry of the engine's ``logprobs`` / ``prompt_logprobs``: an object with
     ``token_id``/``logprob`` and ``top_logprobs``/``top`` (a mapping id -> logprob or a
     sequence of pairs), a ``(token_id, logprob)`` pair, or None."""
     if raw is None:
         return None
-    if isinstance(raw, TokenLogprob):
+    if isinstance(raw, LogprobEntry):
         return raw
     if isinstance(raw, tuple | list) and len(raw) >= 2 and not hasattr(raw, "token_id"):
         tid, lp = raw[0], raw[1]
@@ -371,10 +373,10 @@ def _as_entry(raw: Any, token_id: int | None = None) -> TokenLogprob | None:
                 top[int(item[0])] = float(item[1])
             else:
                 top[int(item.token_id)] = float(item.logprob)
-    return TokenLogprob(int(tid), None if lp is None else float(lp), top)
+    return LogprobEntry(int(tid), None if lp is None else float(lp), top)
 
 
-def output_logprobs(out: RequestOutput, start: int = 0) -> list[TokenLogprob]:
+def output_logprobs(out: RequestOutput, start: int = 0) -> list[LogprobEntry]:
     """The engine's logprobs of ``out``'s output tokens from ``start`` on."""
     raw = getattr(out, "logprobs", None)
     if raw is None:
@@ -386,7 +388,7 @@ def output_logprobs(out: RequestOutput, start: int = 0) -> list[TokenLogprob]:
     return [e for e in entries[start:] if e is not None]
 
 
-def prompt_logprobs(out: RequestOutput, prompt_ids: Sequence[int]) -> list[TokenLogprob]:
+def prompt_logprobs(out: RequestOutput, prompt_ids: Sequence[int]) -> list[LogprobEntry]:
     """One entry per prompt token (the first has ``logprob`` None)."""
     raw = list(getattr(out, "prompt_logprobs", None) or [])
     if len(raw) == len(prompt_ids) - 1:
@@ -394,7 +396,7 @@ def prompt_logprobs(out: RequestOutput, prompt_ids: Sequence[int]) -> list[Token
     result = []
     for i, tid in enumerate(prompt_ids):
         entry = _as_entry(raw[i], tid) if i < len(raw) else None
-        result.append(entry or TokenLogprob(int(tid), None, {}))
+        result.append(entry or LogprobEntry(int(tid), None, {}))
     return result
 
 
@@ -409,7 +411,7 @@ class Detokenizer:
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], token: Detokenizer, offset: int = 0
+    entries: Sequence[LogprobEntry], token: Detokenizer, offset: int = 0
 ) -> dict[str, Any]:
     """OpenAI's legacy completions ``logprobs`` object; ``offset``: text before them."""
     tokens = [token(e.token_id) for e in entries]
@@ -428,7 +430,7 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token: Detokenizer) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[LogprobEntry], token: Detokenizer) -> dict[str, Any]:
     """OpenAI's chat ``logprobs`` object: ``{"content": [...]}``."""
 
     def one(tid: int, lp: float | None) -> dict[str, Any]:

@@ -119,52 +119,45 @@ def _native_param(param: str | None) -> str | None:
 
 class BodyLimit:
     """ASGI middleware: a 413 (OpenAI error object) for a body over ``max_bytes``, by
-    ``Content-Length`` or as it streams in."""
+    ``Content-Length`` or as it streams in. The body is read here (it is small by then)
+    and replayed to the app; later ``receive`` calls (disconnect checks) pass through."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         for key, value in scope.get("headers", []):
             if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 await self._refuse(scope, receive, send)
                 return
+        buffered: list[Message] = []
         seen = 0
-        started = False
-
-        async def limited() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited, tracking_send)
-        except _TooLarge:
-            if not started:
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
                 await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = _error(
             413, f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
         )
         await response(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class StorageBackendBody(BaseModel):

@@ -1,0 +1,96 @@
+"""A live HTTP server over a tiny CPU engine, for the API tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+from hicache.config import CacheConfig
+from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.server import create_app
+from tests.engine_fixtures import engine_model
+
+MODEL = "tiny-random-llama"
+CONTEXT = 128
+
+
+def make_engine(context_length: int = CONTEXT, max_running: int = 8) -> Engine:
+    config = EngineConfig(
+        model_path=MODEL,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(page_size=4, device_tokens=1024, hicache_ratio=2.0),
+        scheduler=SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=32),
+        context_length=context_length,
+    )
+    return Engine(config, loaded=engine_model(MODEL)).start()
+
+
+@contextmanager
+def serve(engine: Engine, **app_kwargs: Any) -> Iterator[str]:
+    """Serve ``create_app(engine, "tiny", **app_kwargs)``; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Config(
+        create_app(engine, "tiny", **app_kwargs), host="127.0.0.1", port=port, log_level="warning"
+    )
+    srv = uvicorn.Server(uv)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
+    """Wait until the scheduler is idle and the cache holds no request."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        idle = engine.call(lambda: engine.scheduler.idle and engine.cache.requests == 0)
+        if idle.result(10):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+def assert_clean(engine: Engine) -> None:
+    """Idle, no request holds a page, and every structure passes its integrity check."""
+    wait_idle(engine)
+    engine.call(engine.cache.check_integrity).result(30)
+    assert engine.call(lambda: engine.cache.requests).result(10) == 0
+
+
+def post(
+    url: str, path: str, body: dict[str, Any], timeout: float = 60, **kw: Any
+) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=timeout, **kw)
+
+
+def sse(r: httpx.Response) -> list[Any]:
+    """The JSON payloads of a streamed response, ``"[DONE]"`` kept as a string."""
+    import json
+
+    out: list[Any] = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
