@@ -46,6 +46,7 @@ from hicache.tokens import encode_tokens
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
 from hicache.tree.node import PageIds, TokenIds, page_ids
+from hicache.validate import number_at_least
 
 log = logging.getLogger("hicache.cache")
 
@@ -74,6 +75,7 @@ class HiCache(Lifecycle):
         self.spec = spec
         self.device = torch.device(device)
         self.page_size = config.page_size
+        number_at_least("wait_timeout_s", wait_timeout_s, 0.001, "of seconds")
         self.wait_timeout_s = wait_timeout_s
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
