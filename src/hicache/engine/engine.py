@@ -282,6 +282,7 @@ class Engine(Lifecycle):
             raise InvalidRequest(
                 f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+        params.check_vocab(vocab)  # logit_bias and stop_token_ids
         if len(prompt_ids) >= self.context_length:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; the context length is"

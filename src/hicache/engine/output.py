@@ -28,6 +28,11 @@ class OutputProcessor:
     def on_token(self, req: Request) -> None:
         """Update ``req.text`` and maybe ``req.finish_reason`` after a token was appended.
 
+        The last token ends the request (``stop``) when it is one of ``stop_token_ids`` or
+        an end-of-sequence id (unless ``ignore_eos``); it is then left out of the text.
+        Before ``min_tokens`` tokens were generated nothing stops it (sampling masks the
+        stop ids then; a stop string found earlier stays in the text).
+
         A token the tokenizer cannot decode ends ``req`` alone (abort, ``error`` set).
         """
         try:
@@ -39,11 +44,19 @@ class OutputProcessor:
     def _on_token(self, req: Request) -> None:
         params = req.params
         ids = req.output_ids
-        if ids and ids[-1] in self.eos_token_ids:
+        may_stop = len(ids) >= params.min_tokens
+        if (
+            ids
+            and may_stop
+            and (
+                ids[-1] in params.stop_token_ids
+                or (ids[-1] in self.eos_token_ids and not params.ignore_eos)
+            )
+        ):
             req.finish_reason = FinishReason.STOP
             ids = ids[:-1]
         req.text = self.decode(ids)
-        if params.stop:
+        if params.stop and may_stop:
             start = max(0, req.sent_chars - max(len(s) for s in params.stop))
             hits = [(i, s) for s in params.stop if (i := req.text.find(s, start)) >= 0]
             if hits:
@@ -77,4 +90,6 @@ class OutputProcessor:
             cached=req.cached,
             ttft_s=req.ttft_s,
             error=req.error,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )

@@ -16,9 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.cache import CachedTokens, CacheRequest
+from hicache.engine.logits import TokenLogprob
 from hicache.engine.sampling import SamplingParams
 
-__all__ = ["CachedTokens", "FinishReason", "OutputCallback", "Request", "RequestOutput"]
+__all__ = [
+    "CachedTokens",
+    "FinishReason",
+    "OutputCallback",
+    "Request",
+    "RequestOutput",
+    "TokenLogprob",
+]
 
 _ids = itertools.count()
 
@@ -34,7 +42,14 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """A progress report: all tokens so far, the new text since the last report."""
+    """A progress report: all tokens so far, the new text since the last report.
+
+    ``logprobs`` (None unless the request asked for them): one :class:`TokenLogprob` per
+    entry of ``output_ids``, in order (a stop token or EOS included, as in ``output_ids``).
+    ``prompt_logprobs`` (None unless asked): one entry per prompt token, the first None
+    (nothing precedes it); complete in every report, since reports start after the prompt
+    was computed.
+    """
 
     rid: str
     output_ids: list[int]
@@ -46,6 +61,8 @@ class RequestOutput:
     cached: CachedTokens
     ttft_s: float | None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -78,9 +95,18 @@ class Request:
     kv_len: int = 0
     retracted: int = 0
     generator: torch.Generator | None = None
+    # log probabilities, when asked for (see RequestOutput)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # timing
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

@@ -7,7 +7,7 @@ the model writes the new tokens' K/V into the last ``extend_len`` of them and re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,16 +101,34 @@ class ModelRunner:
         return self.model.device
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        *,
+        all_logits: bool = False,
+        logit_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Logits in fp32: ``(num_seqs, vocab)`` of each sequence's last token, or
-        ``(T, vocab)`` for every new token when ``all_logits``."""
+        ``(T, vocab)`` for every new token when ``all_logits``, or ``(len(logit_rows),
+        vocab)`` for exactly the new tokens ``logit_rows`` (indices into the batch's ``T``
+        tokens, in the order given) — what prompt log probabilities need without paying
+        the vocabulary projection for every token. ``all_logits`` and ``logit_rows`` are
+        exclusive; a row outside ``[0, T)`` raises ValueError."""
+        if logit_rows is not None:
+            t = batch.input_ids.shape[0]
+            if all_logits:
+                raise ValueError("all_logits and logit_rows are exclusive")
+            if not all(0 <= r < t for r in logit_rows):
+                raise ValueError(f"logit_rows must lie in [0, {t}), got {list(logit_rows)}")
         ctx = AttentionContext.build(
             self.pool, batch.seq_slots, batch.extend_lens, batch.layer_wait
         )
         input_ids = batch.input_ids.to(self.device, torch.int64)
         positions = batch.positions.to(self.device, torch.int64)
         hidden = self.model(input_ids, positions, ctx)
-        if not all_logits:
+        if logit_rows is not None:
+            hidden = hidden[torch.tensor(list(logit_rows), device=self.device, dtype=torch.int64)]
+        elif not all_logits:
             last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
             hidden = hidden[last]
         return self.model.compute_logits(hidden)

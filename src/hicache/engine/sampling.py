@@ -1,5 +1,8 @@
 """Sampling parameters and next-token sampling (greedy, temperature, top-k, top-p).
 
+What happens to a step's logits before the draw (penalties, ``logit_bias``, ``min_tokens``)
+and the log probabilities reported back live in :mod:`hicache.engine.logits`.
+
 Reproducibility: a request with a ``seed`` draws from its own ``torch.Generator`` seeded
 with it (:func:`make_generator`), so the same seed and the same logits give the same tokens
 whatever else shares the batch.
@@ -12,13 +15,18 @@ exactly as they would have been without the failing row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "LOGIT_BIAS_MAX",
+    "MAX_LOGPROBS",
+    "PENALTY_MAX",
     "SEED_MAX",
     "SEED_MIN",
     "InvalidRequest",
@@ -35,6 +43,13 @@ one overflows to inf and makes the distribution NaN."""
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 """The seeds ``torch.Generator.manual_seed`` takes (a negative seed is used modulo 2**64)."""
+MAX_LOGPROBS = 20
+"""The most alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's
+``top_logprobs`` limit)."""
+PENALTY_MAX = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in [-PENALTY_MAX, PENALTY_MAX] (OpenAI)."""
+LOGIT_BIAS_MAX = 100.0
+"""A ``logit_bias`` value lies in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI)."""
 
 
 class InvalidRequest(ValueError):
@@ -60,6 +75,30 @@ class SamplingParams:
     sequence of strings, stored as a tuple. ``seed`` in [:data:`SEED_MIN`,
     :data:`SEED_MAX`] makes sampling reproducible per request.
 
+    Log probabilities (None = not returned) are those of the model's raw distribution,
+    ``log_softmax`` of its fp32 logits, before penalties, ``logit_bias``, ``min_tokens``
+    masking, temperature, top-k and top-p (OpenAI's and vLLM's default): they say what the
+    model thinks of a token, whatever picked it. ``logprobs`` = k in [0,
+    :data:`MAX_LOGPROBS`]: each generated token's logprob and the k most likely tokens.
+    ``prompt_logprobs`` = k: the same for every prompt token given the tokens before it
+    (the first prompt token has none); such a request computes its whole prompt (no prefix
+    cache match, and it adds nothing to the cache), so every position gets its logits.
+
+    Logit processing, applied in this order to each step's logits before the draw:
+    ``repetition_penalty`` > 0 (1 = off; HF/SGLang: every token in prompt or output has a
+    positive logit divided by it, a negative one multiplied), ``frequency_penalty`` and
+    ``presence_penalty`` in [-2, 2] (OpenAI: ``logit -= frequency * count + presence *
+    (count > 0)`` with ``count`` the token's occurrences in the output so far),
+    ``logit_bias`` (token id -> value in [-100, 100] added to its logit; keys may be ints
+    or decimal strings, as JSON sends them; ids are checked against the vocabulary by
+    :meth:`check_vocab`), then ``min_tokens`` >= 0 (<= ``max_tokens``): until that many
+    tokens were generated, the end-of-sequence ids (unless ``ignore_eos``) and
+    ``stop_token_ids`` get -inf, and no stop condition ends the request.
+
+    ``ignore_eos``: the model's end-of-sequence tokens do not end the request (it runs to
+    ``max_tokens`` or a stop). ``stop_token_ids``: generating one of these ends the
+    request (finish reason ``stop``); the id stays in ``output_ids`` but not in the text.
+
     A bad value raises :class:`InvalidRequest` (a ValueError) whose ``param`` is the field.
     """
 
@@ -69,6 +108,15 @@ class SamplingParams:
     max_tokens: int = 128
     stop: Sequence[str] = ()
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> InvalidRequest:
@@ -100,12 +148,90 @@ class SamplingParams:
             raise bad("seed", "must be an int or None")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise bad("seed", f"must be in [{SEED_MIN}, {SEED_MAX}] (-2**63 .. 2**64-1)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS
+            ):
+                raise bad(name, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(v := getattr(self, name)) or not -PENALTY_MAX <= v <= PENALTY_MAX:
+                raise bad(name, f"must be a number in [{-PENALTY_MAX}, {PENALTY_MAX}]")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp < float("inf"):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        mt = self.min_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 <= mt <= self.max_tokens:
+            raise bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        ids = self.stop_token_ids
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | frozenset | set):
+            raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
+        ids = tuple(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise :class:`InvalidRequest` when a token id in ``logit_bias`` or
+        ``stop_token_ids`` is not in ``[0, vocab_size)`` (the model's logits width); the
+        engine's ``validate`` calls it, so sampling never sees such an id."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                    param=name,
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any penalty, bias or ``min_tokens`` may change this request's logits."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
         """Whether this request takes the argmax (temperature below
         :data:`GREEDY_TEMPERATURE`, or top_k 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _is_number(v: object) -> bool:
+    """A real int or float that is finite (bools refused)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _logit_bias(raw: object) -> Mapping[int, float]:
+    """``raw`` checked and frozen: int keys >= 0 (decimal strings accepted, as JSON object
+    keys are strings), float values in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]."""
+
+    def bad(detail: str) -> InvalidRequest:
+        return InvalidRequest(f"logit_bias is invalid: {detail}", param="logit_bias")
+
+    if not isinstance(raw, Mapping):
+        raise bad(f"must be a mapping of token id to bias, got {type(raw).__name__}")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if isinstance(key, str) and key.isascii() and key.isdecimal():
+            tid = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            tid = key
+        else:
+            raise bad(f"key {key!r} is not a token id (an int >= 0)")
+        if tid < 0:
+            raise bad(f"key {key!r} is not a token id (an int >= 0)")
+        if not _is_number(value) or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+            raise bad(f"value {value!r} for token {tid} must be in [-100, 100]")
+        out[tid] = float(value)
+    return MappingProxyType(out)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

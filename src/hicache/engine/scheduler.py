@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from hicache.cache import HiCache
+from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import make_generator, sample_rows
+from hicache.validate import int_at_least, number_at_least, require
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +44,15 @@ class SchedulerConfig:
     """Longest a forward waits for one layer of a prefix being loaded back from L2."""
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "chunked_prefill_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} is invalid; must be an int >= 1")
+        int_at_least("max_running_requests", self.max_running_requests, 1)
+        int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1, "(tokens)")
+        require(
+            isinstance(self.disable_radix_cache, bool),
+            "disable_radix_cache",
+            self.disable_radix_cache,
+            "must be a bool",
+        )
+        number_at_least("layer_wait_timeout_s", self.layer_wait_timeout_s, 0.001, "of seconds")
 
 
 class Scheduler:
@@ -77,7 +84,9 @@ class Scheduler:
                 req.prompt_ids,
                 tenant=req.cache_salt,
                 priority=req.priority,
-                cacheable=not self.config.disable_radix_cache,
+                # prompt logprobs need every prompt position computed: no prefix match
+                cacheable=not self.config.disable_radix_cache
+                and req.params.prompt_logprobs is None,
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
@@ -175,6 +184,10 @@ class Scheduler:
     # ------------------------------------------------------------------ forward
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
+        """One forward over ``batch`` (request, new tokens), then, for each request whose
+        sequence is now fully computed, one new token: raw logits -> prompt / token log
+        probabilities (when asked), penalties and bias (:func:`adjust_logits`), draw
+        (:func:`sample_rows`). Any failure ends only the requests it concerns."""
         if not batch:
             return
         ps = self.page_size
@@ -202,8 +215,12 @@ class Scheduler:
             seq_slots=slots,
             layer_wait=layer_wait if loading else None,
         )
+        logit_rows, last_row, prompt_rows = self._logit_rows(batch)
         try:
-            logits = self.runner.forward(fb)
+            if prompt_rows:
+                logits = self.runner.forward(fb, logit_rows=logit_rows)
+            else:  # rows == each sequence's last token: the runner's default
+                logits = self.runner.forward(fb)
         except Exception as exc:  # a model error fails this batch, not the engine
             log.exception("forward failed")
             for req, _ in batch:
@@ -220,22 +237,40 @@ class Scheduler:
                 continue
             req.kv_len += n
             if req.kv_len == req.seq_len:
-                rows.append((i, req, n > 1 or not req.output_ids))
+                rows.append((last_row[i], req, n > 1 or not req.output_ids))
+        self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
+        rows = [row for row in rows if not row[1].finished]  # a failed prompt scoring ended it
         if not rows:
             return
-        picked = sample_rows(
-            logits[[i for i, _, _ in rows]],
-            [r.params for _, r, _ in rows],
-            [r.generator for _, r, _ in rows],
+        raw = logits[[i for i, _, _ in rows]]
+        reqs = [r for _, r, _ in rows]
+        adjusted = adjust_logits(
+            raw,
+            [r.params for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            self.output.eos_token_ids,
         )
+        picked = sample_rows(adjusted.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        errors = {j: f"sampling failed: {why}" for j, why in picked.errors.items()}
+        errors |= {j: f"logit processing failed: {why}" for j, why in adjusted.errors.items()}
         tokens = picked.tokens.tolist()
+        want = [j for j, r in enumerate(reqs) if r.logprobs is not None and j not in errors]
+        logprobs = _logprobs_by_row(
+            raw, want, [tokens[j] for j in want], [reqs[j].params.logprobs or 0 for j in want]
+        )
         now = time.perf_counter()
         for j, ((_, req, prefilled), token) in enumerate(zip(rows, tokens, strict=True)):
-            if j in picked.errors:  # this request alone fails; its computed KV is fine
-                req.error = f"sampling failed: {picked.errors[j]}"
+            lp = logprobs.get(j)
+            if isinstance(lp, str):
+                errors[j] = f"logprobs failed: {lp}"
+            if j in errors:  # this request alone fails; its computed KV is fine
+                req.error = errors[j]
                 self._finish(req, FinishReason.ABORT)
                 continue
             req.output_ids.append(int(token))
+            if req.logprobs is not None and isinstance(lp, TokenLogprob):
+                req.logprobs.append(lp)
             if req.first_token_at is None:
                 req.first_token_at = now
             self.output.on_token(req)
@@ -246,6 +281,59 @@ class Scheduler:
                 assert req.cache is not None
                 self.cache.commit(req.cache, req.all_ids[: req.kv_len])
             self._emit(req)
+
+    @staticmethod
+    def _logit_rows(
+        batch: list[tuple[Request, int]],
+    ) -> tuple[list[int], list[int], list[tuple[Request, int, int]]]:
+        """Which new tokens of ``batch`` need logits: ``(rows, last_row, prompt_rows)``.
+
+        ``rows``: indices into the batch's new tokens, each sequence's last one and, for a
+        request with ``prompt_logprobs``, every prompt position whose next prompt token's
+        logprob it still lacks (positions recomputed after a retraction are not repeated).
+        ``last_row[i]``: where sequence ``i``'s last token is in ``rows``. ``prompt_rows``:
+        ``(request, prompt position p >= 1 scored, index in rows of position p - 1)``.
+        Without ``prompt_rows``, ``rows`` is each sequence's last token, in order.
+        """
+        rows: list[int] = []
+        last_row: list[int] = []
+        prompt_rows: list[tuple[Request, int, int]] = []
+        offset = 0
+        for req, n in batch:
+            scored = req.prompt_logprobs
+            if scored is not None:
+                for pos in range(req.kv_len, min(req.kv_len + n, len(req.prompt_ids) - 1)):
+                    if scored[pos + 1] is None:
+                        prompt_rows.append((req, pos + 1, len(rows)))
+                        rows.append(offset + pos - req.kv_len)
+            if not rows or rows[-1] != offset + n - 1:
+                rows.append(offset + n - 1)
+            last_row.append(len(rows) - 1)
+            offset += n
+        return rows, last_row, prompt_rows
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, prompt_rows: list[tuple[Request, int, int]]
+    ) -> None:
+        """Store the prompt log probabilities ``prompt_rows`` (see :meth:`_logit_rows`)
+        asked for; a request whose computation fails is aborted alone."""
+        if not prompt_rows:
+            return
+        got = _logprobs_by_row(
+            logits,
+            [j for _, _, j in prompt_rows],
+            [r.prompt_ids[pos] for r, pos, _ in prompt_rows],
+            [r.params.prompt_logprobs or 0 for r, _, _ in prompt_rows],
+        )
+        for req, pos, j in prompt_rows:
+            lp = got[j]
+            if req.finished:
+                continue
+            if isinstance(lp, str):
+                req.error = f"prompt logprobs failed: {lp}"
+                self._finish(req, FinishReason.ABORT)
+            elif req.prompt_logprobs is not None:
+                req.prompt_logprobs[pos] = lp
 
     # ------------------------------------------------------------------ cache hand-off
 
@@ -274,3 +362,23 @@ class Scheduler:
             except Exception:  # a broken consumer must not stop the engine
                 log.exception("output callback of %s failed", req.rid)
                 req.aborted = True
+
+
+def _logprobs_by_row(
+    logits: torch.Tensor, rows: list[int], token_ids: list[int], top: list[int]
+) -> dict[int, TokenLogprob | str]:
+    """:func:`token_logprobs` of ``logits[rows]`` keyed by row; a row whose computation
+    fails (alone) maps to why."""
+    if not rows:
+        return {}
+    try:
+        lps = token_logprobs(logits[rows], token_ids, top)
+        return dict(zip(rows, lps, strict=True))
+    except Exception:
+        out: dict[int, TokenLogprob | str] = {}
+        for r, t, k in zip(rows, token_ids, top, strict=True):
+            try:
+                out[r] = token_logprobs(logits[[r]], [t], [k])[0]
+            except Exception as exc:
+                out[r] = f"{type(exc).__name__}: {exc}"
+        return out
