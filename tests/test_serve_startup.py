@@ -1,0 +1,163 @@
+"""``hicache serve`` start-up: a bad flag is one line naming the flag, the value and what is
+accepted, exit code 2, no traceback (unless ``--log-level debug``); a good start logs one
+INFO line with the model, dtype, device, tiers and address."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+HICACHE = [sys.executable, "-m", "hicache.cli"]
+TINY = ["--model-path", "tiny-random-llama", "--device", "cpu"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [*HICACHE, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CASES = [
+    (["serve", "--device", "foo"], "--device", "foo"),
+    (["serve", "--model-path", "/no/such/model"], "--model-path", "/no/such/model"),
+    (["serve", "--port", "70000"], "--port", "70000"),
+    (["serve", "--hicache-ratio", "inf"], "--hicache-ratio", "inf"),
+    (["serve", *TINY, "--hicache-ratio", "0.5"], "--hicache-ratio", "0.5"),
+    (
+        ["serve", "--hicache-storage-backend-extra-config", '{"a": 1}'],
+        "--hicache-storage-backend-extra-config",
+        "--hicache-storage-backend",
+    ),
+    (["serve", "--log-level", "loud"], "--log-level", "loud"),
+    (
+        [
+            "serve",
+            *TINY,
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "redis",
+            "--hicache-storage-backend-extra-config",
+            '{"url": "redis://127.0.0.1:1"}',
+        ],
+        "--hicache-storage-backend",
+        "redis",
+    ),
+    (
+        [
+            "serve",
+            *TINY,
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "file",
+            "--hicache-storage-backend-extra-config",
+            json.dumps({"file_path": "/proc/no/dir"}),
+        ],
+        "--hicache-storage-backend",
+        "/proc/no/dir",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "value"), CASES, ids=[c[1] + str(i) for i, c in enumerate(CASES)]
+)
+def test_bad_flag_is_one_line(argv: list[str], flag: str, value: str) -> None:
+    r = run(*argv)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error:" in ln]
+    assert len(errors) == 1, r.stderr
+    assert flag in errors[0] and value in errors[0], errors[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_cuda_without_cuda_is_refused() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    r = run("serve", "--device", "cuda")
+    assert r.returncode == 2 and "--device" in r.stderr and "CUDA" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_debug_shows_the_traceback() -> None:
+    r = run(
+        "--log-level",
+        "debug",
+        "serve",
+        *TINY,
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "redis",
+        "--hicache-storage-backend-extra-config",
+        '{"url": "redis://127.0.0.1:1"}',
+    )
+    assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_log_level_is_under_serve_help() -> None:
+    r = run("serve", "--help")
+    assert r.returncode == 0
+    for flag in ("--log-level", "--api-key", "--max-request-bytes", "--admin-api-key"):
+        assert flag in r.stdout, flag
+
+
+def test_start_logs_one_info_line() -> None:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [*HICACHE, "serve", *TINY, "--port", str(port), "--log-level", "info"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the server did not start")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    line = next(ln for ln in err.splitlines() if "serving" in ln)
+    for part in (
+        "INFO",
+        "tiny-random-llama",
+        "float32",
+        "cpu",
+        "L1",
+        "L2",
+        "L3",
+        f"127.0.0.1:{port}",
+    ):
+        assert part in line, (part, line)
+
+
+def test_port_in_use_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("serve", *TINY, "--port", str(port))
+    assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
