@@ -24,6 +24,7 @@ BENCHES = {
     "long-context": "hicache.bench.long_context",
     "full-hit": "hicache.bench.full_hit",
     "storage": "hicache.bench.storage",
+    "engine": "hicache.bench.engine",
 }
 
 STORES = {

@@ -1,0 +1,211 @@
+"""``hicache bench engine``: the engine's model runner next to transformers, in one run.
+
+Two measurements on the same checkpoint, dtype and device, each the best of ``--repeat``:
+
+* **prefill**: one forward of a ``--prefill-tokens`` prompt. Ours: :class:`ModelRunner` over
+  a fresh paged L1 pool (K/V written into pages, as a request's prefill). Theirs:
+  ``model(input_ids, use_cache=False)``.
+* **decode**: ``--decode-seqs`` sequences of ``--decode-context`` tokens, then
+  ``--decode-steps`` greedy steps of one token each. Ours: one runner forward per step
+  over the pool (the prefill is not timed). Theirs: ``generate`` with a static cache,
+  timed as ``generate(steps + 1) - generate(1)`` so its prefill cancels out.
+
+The ratio column is transformers' time over ours (> 1: the engine is faster). Figures are
+seconds and tokens/s; ``--json PATH`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from hicache.bench.report import print_table
+from hicache.engine.loader import LoadedModel, load_model
+from hicache.engine.runner import ForwardBatch, ModelRunner, kv_spec_from_hf_config
+from hicache.memory import DevicePool
+
+PAGE = 16
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One measurement: ours and transformers' seconds for the same work."""
+
+    name: str
+    tokens: int
+    ours_s: float
+    hf_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.hf_s / self.ours_s
+
+
+def _best(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _pool(lm: LoadedModel, tokens: int, device: str) -> DevicePool:
+    spec = kv_spec_from_hf_config(lm.hf_config, lm.dtype)
+    return DevicePool(spec, math.ceil(tokens / PAGE) + 1, PAGE, device)
+
+
+def _slots(seq: int, length: int, pages_per_seq: int) -> torch.Tensor:
+    t = torch.arange(length)
+    return (seq * pages_per_seq + t // PAGE) * PAGE + t % PAGE
+
+
+def prefill(lm: LoadedModel, hf: Any, n: int, repeat: int, sync: Callable[[], None]) -> EngineRun:
+    device = str(lm.model.device)
+    runner = ModelRunner(lm.model, _pool(lm, n, device))
+    ids = torch.randint(100, int(lm.hf_config.vocab_size), (n,))
+    batch = ForwardBatch(
+        input_ids=ids, positions=torch.arange(n), extend_lens=[n], seq_slots=[_slots(0, n, 0)]
+    )
+    ours = _best(lambda: runner.forward(batch), repeat, sync)
+    hf_ids = ids[None, :].to(device)
+    with torch.inference_mode():
+        theirs = _best(lambda: hf(hf_ids, use_cache=False), repeat, sync)
+    return EngineRun("prefill", n, ours, theirs)
+
+
+def decode(
+    lm: LoadedModel,
+    hf: Any,
+    seqs: int,
+    context: int,
+    steps: int,
+    repeat: int,
+    sync: Callable[[], None],
+) -> EngineRun:
+    device = str(lm.model.device)
+    per_seq = math.ceil((context + steps) / PAGE)
+    pool = _pool(lm, seqs * per_seq * PAGE, device)
+    runner = ModelRunner(lm.model, pool)
+    prompts = torch.randint(100, int(lm.hf_config.vocab_size), (seqs, context))
+
+    def ours() -> None:
+        batch = ForwardBatch(
+            input_ids=prompts.reshape(-1),
+            positions=torch.arange(context).repeat(seqs),
+            extend_lens=[context] * seqs,
+            seq_slots=[_slots(i, context, per_seq) for i in range(seqs)],
+        )
+        nxt = runner.forward(batch).argmax(-1).cpu()
+        sync()
+        t0 = time.perf_counter()
+        for step in range(steps):
+            pos = context + step
+            batch = ForwardBatch(
+                input_ids=nxt,
+                positions=torch.full((seqs,), pos),
+                extend_lens=[1] * seqs,
+                seq_slots=[_slots(i, pos + 1, per_seq) for i in range(seqs)],
+            )
+            nxt = runner.forward(batch).argmax(-1).cpu()
+        sync()
+        timed.append(time.perf_counter() - t0)
+
+    timed: list[float] = []
+    for _ in range(repeat):
+        ours()
+    hf_ids = prompts.to(device)
+
+    def generate(new: int) -> None:
+        hf.generate(
+            hf_ids,
+            attention_mask=torch.ones_like(hf_ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+        )
+
+    with torch.inference_mode():
+        generate(2)  # warm-up: builds the static cache
+        full = _best(lambda: generate(steps + 1), repeat, sync)
+        first = _best(lambda: generate(1), repeat, sync)
+    return EngineRun("decode", seqs * steps, min(timed), max(full - first, 1e-9))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache bench engine", description=__doc__)
+    parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--decode-seqs", type=int, default=8)
+    parser.add_argument("--decode-context", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of N runs")
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    lm = load_model(args.model_path, dtype=args.dtype, device=args.device)
+    hf = AutoModelForCausalLM.from_pretrained(
+        lm.path, dtype=getattr(torch, args.dtype), local_files_only=True
+    )
+    hf = hf.to(args.device).eval()
+    cuda = torch.device(args.device).type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    runs = [
+        prefill(lm, hf, args.prefill_tokens, args.repeat, sync),
+        decode(
+            lm,
+            hf,
+            args.decode_seqs,
+            args.decode_context,
+            args.decode_steps,
+            args.repeat,
+            sync,
+        ),
+    ]
+    print_table(
+        f"engine vs transformers: {lm.name}, {args.dtype}, {args.device} (best of {args.repeat})",
+        ["phase", "tokens", "ours s", "transformers s", "ours tok/s", "ratio (theirs/ours)"],
+        [
+            [
+                r.name,
+                str(r.tokens),
+                f"{r.ours_s:.4f}",
+                f"{r.hf_s:.4f}",
+                f"{r.tokens / r.ours_s:.0f}",
+                f"{r.ratio:.2f}x",
+            ]
+            for r in runs
+        ],
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"model": lm.name, "dtype": args.dtype, "device": args.device,
+                 "runs": [{**asdict(r), "ratio": r.ratio} for r in runs]},
+                f,
+                indent=2,
+            )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
