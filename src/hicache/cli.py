@@ -125,7 +125,8 @@ def _generate(args: argparse.Namespace) -> int:
             temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
         )
     except ValueError as exc:
-        raise StartupError(f"--{str(exc).replace('_', '-')}") from exc
+        field, _, rest = str(exc).partition("=")
+        raise StartupError(f"--{field.replace('_', '-')} {rest}") from exc
     with _start_engine(args) as engine:
         tok = engine.tokenizer
         if args.prompt_ids:
