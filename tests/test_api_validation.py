@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hicache.config import CacheConfig
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, Engine, EngineConfig
@@ -171,3 +173,82 @@ def test_priority_reaches_the_request(server: tuple[str, Engine]) -> None:
     assert queued.result(timeout=10) == [7]
     client.join(30)
     assert done and done[0].status_code == 200, done
+
+
+# ---------------------------------------------------------------------- fuzz (issue 9)
+
+_JSON_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+    st.sampled_from(["\ud800", "text", "json_object", "none", "required", ""]),
+)
+_JSON = st.recursive(
+    _JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "suffix",
+    "best_of",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "cache_salt",
+    "priority",
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]),
+    body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=5),
+)
+def test_fuzzed_bodies_never_500(
+    server: tuple[str, Engine], route: str, body: dict[str, Any]
+) -> None:
+    """Any mix of known fields with any JSON values: served or refused (4xx naming the
+    problem), never a 500, and the engine keeps serving."""
+    url, engine = server
+    base: dict[str, Any] = {
+        "/v1/completions": {"prompt": PROMPT[:8], "max_tokens": 2},
+        "/v1/chat/completions": {"messages": CHAT, "max_tokens": 2},
+        "/generate": {"input_ids": PROMPT[:8], "sampling_params": {"max_new_tokens": 2}},
+    }[route]
+    raw = json.dumps({**base, **body}).encode("utf-8", "surrogatepass")
+    r = httpx.post(
+        f"{url}{route}", content=raw, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert r.status_code in (200, 400, 413), r.text
+    if r.status_code != 200:
+        assert r.json()["error"]["message"]
+    assert engine.alive
