@@ -24,6 +24,7 @@ from hicache.config import (
     WritePolicy,
 )
 from hicache.engine.engine import EngineConfig
+from hicache.engine.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.storage.registry import parse_extra_config
@@ -72,10 +73,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--chunked-prefill-size", type=int, default=512)
-
-
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
-"""``--max-request-bytes`` default (8 MiB); the server's own default is the same."""
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -32,10 +32,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.engine.engine import Engine
 from hicache.engine.fanout import Ending, Event, Fanout, Job
+from hicache.engine.http_base import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodyLimit,
+    bad_request,
+    error_response,
+    native_param,
+    param_of,
+)
 from hicache.engine.metrics import EngineMetrics
 from hicache.engine.native import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, generate_body
 from hicache.engine.protocol import (
@@ -52,7 +59,6 @@ from hicache.engine.protocol import (
     completion_chunk,
     completion_logprobs,
     error_body,
-    kind_for_status,
     new_id,
     output_logprobs,
     prompt_logprobs,
@@ -65,99 +71,6 @@ from hicache.storage.registry import parse_extra_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
-"""Largest request body accepted by default (``--max-request-bytes``): 8 MiB."""
-_PYDANTIC_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        error_body(message, param=param, kind=kind_for_status(status), code=status),
-        status_code=status,
-    )
-
-
-def _bad_request(message: str, param: str | None = None) -> JSONResponse:
-    return _error(400, message, param)
-
-
-def _param_of(loc: Sequence[Any]) -> str | None:
-    """The field a pydantic error location names, without ``body`` and union tags:
-    ``("body", "prompt", "list[int]", 0)`` -> ``prompt``; ``messages[0].content``."""
-    out = ""
-    for part in loc:
-        if part == "body":
-            continue
-        if isinstance(part, int):
-            if out:
-                out += f"[{part}]"
-            continue
-        text = str(part)
-        if text in _PYDANTIC_TAGS or "[" in text or "-" in text:
-            if text.startswith("function-"):
-                continue
-            break  # a union member's tag: what follows is inside that member
-        out = f"{out}.{text}" if out else text
-    return out or None
-
-
-_NATIVE_NAMES = {
-    "max_tokens": "max_new_tokens",
-    "seed": "sampling_seed",
-    "min_tokens": "min_new_tokens",
-}
-_NATIVE_TOP = ("text", "input_ids", "lora_path", "image_data", "cache_salt", "priority")
-
-
-def _native_param(param: str | None) -> str | None:
-    """A sampling field's name as ``/generate`` spells it: ``sampling_params.<name>``."""
-    if param is None or param in _NATIVE_TOP or param.startswith("sampling_params"):
-        return param
-    return f"sampling_params.{_NATIVE_NAMES.get(param, param)}"
-
-
-class BodyLimit:
-    """ASGI middleware: a 413 (OpenAI error object) for a body over ``max_bytes``, by
-    ``Content-Length`` or as it streams in. The body is read here (it is small by then)
-    and replayed to the app; later ``receive`` calls (disconnect checks) pass through."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
-        for key, value in scope.get("headers", []):
-            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-        buffered: list[Message] = []
-        seen = 0
-        while True:
-            message = await receive()
-            buffered.append(message)
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> Message:
-            return buffered.pop(0) if buffered else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = _error(
-            413, f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
-        )
-        await response(scope, receive, send)
 
 
 class StorageBackendBody(BaseModel):
@@ -200,14 +113,14 @@ def create_app(
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return _bad_request(f"the body is not valid JSON: {first.get('msg', '')}")
-        param = _param_of(first.get("loc", ()))
+            return bad_request(f"the body is not valid JSON: {first.get('msg', '')}")
+        param = param_of(first.get("loc", ()))
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return _bad_request(f"{param or 'body'}: {msg}", param=param)
+        return bad_request(f"{param or 'body'}: {msg}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = _error(exc.status_code, str(exc.detail))
+    async def _httperror_response(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = error_response(exc.status_code, str(exc.detail))
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
@@ -218,7 +131,7 @@ def create_app(
         given = http.headers.get("authorization", "")
         if secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             return None
-        return _error(401, "API key missing or wrong (Authorization: Bearer <key>)")
+        return error_response(401, "API key missing or wrong (Authorization: Bearer <key>)")
 
     # ------------------------------------------------------------------ prompts
 
@@ -317,14 +230,14 @@ def create_app(
             if ev.output.finished:
                 _finished(ev.output, rid)
         if fan.ending is Ending.SUBMIT_FAILED:
-            return _error(503, f"the engine is not running: {fan.error}")
+            return error_response(503, f"the engine is not running: {fan.error}")
         if fan.ending is Ending.ENGINE_STOPPED:
-            return _error(503, engine.health().reason or "the engine stopped")
+            return error_response(503, engine.health().reason or "the engine stopped")
         if fan.ending is Ending.DISCONNECTED:
-            return _error(499, "client disconnected")
+            return error_response(499, "client disconnected")
         for out in last.values():
             if out.error:
-                return _error(500, out.error)
+                return error_response(500, out.error)
         return last
 
     def _stream_end(fan: Fanout, errors: list[str]) -> str | None:
@@ -360,9 +273,9 @@ def create_app(
             max_tokens = limit if chat else body.max_tokens
             jobs = _jobs(prompts, body, max_tokens, None, prompt_param)
         except InvalidRequest as exc:
-            return _bad_request(str(exc), param=exc.param)
+            return bad_request(str(exc), param=exc.param)
         except ValueError as exc:
-            return _bad_request(str(exc))
+            return bad_request(str(exc))
         rid = new_id("chatcmpl" if chat else "cmpl")
         fan = _fanout(http, jobs, body)
         want_logprobs = body.logprob_counts()[0] is not None
@@ -495,7 +408,7 @@ def create_app(
         if (denied := _authorized(http)) is not None:
             return denied
         if model_id != name:
-            return _error(
+            return error_response(
                 404, f"the model {model_id!r} does not exist; this server serves {name!r}"
             )
         return JSONResponse(_model_card())
@@ -517,9 +430,9 @@ def create_app(
             fields.priority = body.priority
             jobs = _jobs(prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param)
         except InvalidRequest as exc:
-            return _bad_request(str(exc), param=_native_param(exc.param))
+            return bad_request(str(exc), param=native_param(exc.param))
         except ValueError as exc:
-            return _bad_request(str(exc))
+            return bad_request(str(exc))
         rid = body.rid or new_id("gen")
         fan = _fanout(http, jobs, fields)
         start = time.perf_counter()
@@ -589,9 +502,11 @@ def create_app(
         try:
             ok = await asyncio.to_thread(engine.flush_cache)
         except (RuntimeError, TimeoutError) as exc:  # not running, or stuck
-            return _error(503, f"the cache could not be flushed: {exc or type(exc).__name__}")
+            return error_response(
+                503, f"the cache could not be flushed: {exc or type(exc).__name__}"
+            )
         if not ok:
-            return _error(409, "requests are in flight; flush when idle")
+            return error_response(409, "requests are in flight; flush when idle")
         return JSONResponse({"status": "ok", "message": "L1 and L2 emptied (L3 untouched)"})
 
     def _admin(http: Request) -> JSONResponse | None:
@@ -599,7 +514,7 @@ def create_app(
         if admin_api_key is None or not secrets.compare_digest(
             given.encode(), f"Bearer {admin_api_key}".encode()
         ):
-            return _error(401, "admin API key missing or wrong")
+            return error_response(401, "admin API key missing or wrong")
         return None
 
     @app.put("/hicache/storage-backend")
@@ -610,8 +525,8 @@ def create_app(
             body = StorageBackendBody.model_validate_json(await http.body())
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = _param_of(first.get("loc", ()))
-            return _bad_request(f"{param or 'body'}: {first.get('msg')}", param=param)
+            param = param_of(first.get("loc", ()))
+            return bad_request(f"{param or 'body'}: {first.get('msg')}", param=param)
         try:
             extra = (
                 parse_extra_config(body.extra_config)
@@ -622,9 +537,9 @@ def create_app(
                 engine.attach_storage, body.backend, extra, body.prefetch_policy
             )
         except ValueError as exc:
-            return _bad_request(str(exc))
+            return bad_request(str(exc))
         except RuntimeError as exc:  # busy, already attached, or unreachable backend
-            return _error(409, str(exc))
+            return error_response(409, str(exc))
         return JSONResponse({"status": "ok", "backend": body.backend})
 
     @app.delete("/hicache/storage-backend")
@@ -634,10 +549,10 @@ def create_app(
         try:
             had = await asyncio.to_thread(engine.detach_storage)
         except RuntimeError as exc:
-            return _error(409, str(exc))
+            return error_response(409, str(exc))
         return JSONResponse({"status": "ok", "detached": had})
 
     return app
 
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "StorageBackendBody", "create_app"]
+__all__ = ["StorageBackendBody", "create_app"]

@@ -1,0 +1,107 @@
+"""HTTP plumbing shared by the server's routes: OpenAI error responses for any status, the
+request body limit (a 413), and the ``param`` an error names (pydantic locations, SGLang's
+spelling of sampling fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hicache.engine.protocol import error_body, kind_for_status
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+"""Largest request body accepted by default (``--max-request-bytes``): 8 MiB."""
+_PYDANTIC_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, param=param, kind=kind_for_status(status), code=status),
+        status_code=status,
+    )
+
+
+def bad_request(message: str, param: str | None = None) -> JSONResponse:
+    return error_response(400, message, param)
+
+
+def param_of(loc: Sequence[Any]) -> str | None:
+    """The field a pydantic error location names, without ``body`` and union tags:
+    ``("body", "prompt", "list[int]", 0)`` -> ``prompt``; ``messages[0].content``."""
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            if out:
+                out += f"[{part}]"
+            continue
+        text = str(part)
+        if text in _PYDANTIC_TAGS or "[" in text or "-" in text:
+            if text.startswith("function-"):
+                continue
+            break  # a union member's tag: what follows is inside that member
+        out = f"{out}.{text}" if out else text
+    return out or None
+
+
+_NATIVE_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "seed": "sampling_seed",
+    "min_tokens": "min_new_tokens",
+}
+_NATIVE_TOP = ("text", "input_ids", "lora_path", "image_data", "cache_salt", "priority")
+
+
+def native_param(param: str | None) -> str | None:
+    """A sampling field's name as ``/generate`` spells it: ``sampling_params.<name>``."""
+    if param is None or param in _NATIVE_TOP or param.startswith("sampling_params"):
+        return param
+    return f"sampling_params.{_NATIVE_NAMES.get(param, param)}"
+
+
+class BodyLimit:
+    """ASGI middleware: a 413 (OpenAI error object) for a body over ``max_bytes``, by
+    ``Content-Length`` or as it streams in. The body is read here (it is small by then)
+    and replayed to the app; later ``receive`` calls (disconnect checks) pass through."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", []):
+            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        buffered: list[Message] = []
+        seen = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413, f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
+        )
+        await response(scope, receive, send)
