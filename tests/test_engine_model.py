@@ -330,3 +330,24 @@ def test_seeded_sampling_is_reproducible_and_filtered() -> None:
     allowed = logits.topk(2, dim=-1).indices
     assert all(int(t) in allowed[i].tolist() for row in top2 for i, t in enumerate(row))
     assert len(top2.unique()) > 3  # it does sample, not just take the argmax
+
+
+def test_mixed_batch_with_a_decode_group_matches_transformers() -> None:
+    """Two single-token sequences (one padded decode call) around an extend of a third,
+    in one forward: each row equals transformers' logits at its position."""
+    name = "tiny-random-llama"
+    runner = make_runner(name, num_pages=24, page_size=4)
+    a, b, c = prompt_ids(name, 10), prompt_ids(name, 7), prompt_ids(name, 9)
+    sa, sb, sc = slots_for([0, 3, 6], 4, 10), slots_for([9, 12], 4, 7), slots_for([1, 4, 7], 4, 9)
+    runner.forward(batch(a[:9], 0, sa[:9]))
+    runner.forward(batch(b[:6], 0, sb[:6]))
+    mixed = ForwardBatch(
+        input_ids=torch.cat([a[9:], c, b[6:]]),
+        positions=torch.cat([torch.tensor([9]), torch.arange(9), torch.tensor([6])]),
+        extend_lens=[1, 9, 1],
+        seq_slots=[sa, sc, sb],
+    )
+    out = runner.forward(mixed)
+    for row, (ids, pos) in enumerate(((a, 9), (c, 8), (b, 6))):
+        ref = hf_logits(name, ids)
+        assert (out[row] - ref[pos]).abs().max().item() <= TOL

@@ -507,11 +507,13 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
             (t, 0.0, ()) for t in range(25, 33)
         ]
         # prompt positions scored once, in the chunks that computed them (b's last token,
-        # then a's first two positions; then five and five); never again after retraction
+        # then a's first two positions; then b decodes beside four, four and three of a's,
+        # in mixed batches); never again after retraction
         assert [r for r in runner.logit_rows if r is not None] == [
             [2, 3, 4],
             [0, 1, 2, 3, 4],
             [0, 1, 2, 3, 4],
+            [0, 1, 2, 3],
         ]
         assert a.retracted and runner.logit_rows[-1] is None
         assert a.cached.total == 0

@@ -195,3 +195,33 @@ def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
         sched.add(third)
         run(sched)
         assert third.output_ids == first.output_ids
+
+
+def test_a_new_prompt_is_prefilled_alongside_running_decodes(cache: HiCache) -> None:
+    sched, runner = make(cache, chunked_prefill_size=6)
+    a, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
+    sched.add(a)
+    sched.step()  # a's prefill
+    b, _ = request(list(range(10, 20)))  # 10 tokens
+    sched.add(b)
+    sched.step()
+    sched.step()
+    # a decodes every step; b's prompt goes in chunks of the 5 tokens left of the budget
+    assert runner.batches[:3] == [[3], [1, 5], [1, 5]]
+    run(sched)
+    assert a.output_ids == [4, 5, 6, 7, 8] and b.output_ids == [20, 21, 22]
+
+
+def test_the_first_prefill_advances_even_when_decodes_fill_the_budget(cache: HiCache) -> None:
+    sched, runner = make(cache, chunked_prefill_size=2)
+    reqs = [request([i, i + 1], SamplingParams(temperature=0.0, max_tokens=4))[0] for i in (1, 11)]
+    for r in reqs:
+        sched.add(r)
+    sched.step()  # both prompts: 2 tokens each, budget 2 -> one, then the other
+    sched.step()
+    late, _ = request([40, 41, 42, 43, 44, 45, 46, 47, 48])
+    sched.add(late)
+    sched.step()
+    assert runner.batches[2][-1] == PAGE  # two decodes took the budget; a page anyway
+    run(sched)
+    assert late.output_ids == [49, 50, 51]

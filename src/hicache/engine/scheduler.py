@@ -2,9 +2,9 @@
 
 Each :meth:`Scheduler.step` admits waiting requests through the cache's request verbs
 (``open`` on arrival starts the L3 prefetch; ``ready`` and ``admit`` match, load back and
-give L1 pages), then runs one forward: a prefill batch (chunked, at most
-``chunked_prefill_size`` new tokens) when any request still has prompt to prefill, else a
-decode batch of every running request. Freshly prefilled and finished prefixes are
+give L1 pages), then runs one mixed forward: the next token of every decoding request
+plus prefill chunks of the others, ``chunked_prefill_size`` tokens in all, so a new
+prompt's prefill neither waits for the decodes nor stalls them. Freshly prefilled and finished prefixes are
 committed to the cache (its write policy backs them up); a request that cannot get an L1
 page for its next token is retracted (``requeue``): its KV stays cached and it waits to be
 re-admitted, which then finds its own prefix. The scheduler holds only opaque handles.
@@ -114,11 +114,7 @@ class Scheduler:
         self._admit()
         if not self.running:
             return False
-        prefill = [r for r in self.running if r.seq_len - r.kv_len > 1]
-        if prefill:
-            self._run(self._prefill_chunks(prefill))
-        else:
-            self._run(self._decode_batch())
+        self._run(self._mixed_batch())
         return True
 
     def _reap_aborted(self) -> None:
@@ -152,22 +148,30 @@ class Scheduler:
             req.kv_len = handle.prefix_tokens
             self.running.append(req)
 
-    def _prefill_chunks(self, reqs: list[Request]) -> list[tuple[Request, int]]:
-        budget = self.config.chunked_prefill_size
-        batch: list[tuple[Request, int]] = []
-        for req in reqs:
-            if budget <= 0:
-                break
-            n = min(req.seq_len - req.kv_len, budget)
-            batch.append((req, n))
-            budget -= n
-        return batch
-
-    def _decode_batch(self) -> list[tuple[Request, int]]:
-        for req in list(self.running):
+    def _mixed_batch(self) -> list[tuple[Request, int]]:
+        """One forward's work: the next token of every decoding request, then prefill
+        chunks of the others in admission order, ``chunked_prefill_size`` tokens in all
+        (decode tokens included). The first prefill always gets at least a page's worth,
+        so prompts advance however many requests decode."""
+        for req in [r for r in self.running if r.seq_len - r.kv_len == 1]:
             if req in self.running:  # not retracted by an earlier one
                 self._ensure_pages(req, req.kv_len + 1)
-        return [(req, 1) for req in self.running]
+        batch = [(r, 1) for r in self.running if r.seq_len - r.kv_len == 1]
+        budget = self.config.chunked_prefill_size - len(batch)
+        first = True
+        for req in self.running:
+            left = req.seq_len - req.kv_len
+            if left <= 1:
+                continue
+            n = min(left, budget) if budget > 0 else 0
+            if first:  # the first prefill advances by at least a page: never starved
+                n = max(n, min(left, self.page_size))
+            if n <= 0:
+                break
+            batch.append((req, n))
+            budget -= n
+            first = False
+        return batch
 
     def _ensure_pages(self, req: Request, tokens: int) -> bool:
         """Give ``req`` pages for ``tokens`` positions, retracting others if L1 is full."""

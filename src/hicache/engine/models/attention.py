@@ -27,12 +27,16 @@ __all__ = ["AttentionContext", "DecodeGather", "PagedAttention"]
 
 @dataclass(frozen=True)
 class DecodeGather:
-    """Padded gather for a batch where every sequence adds exactly one token.
+    """Padded gather for the sequences of a batch that add exactly one token.
 
-    ``index (B, Lmax)`` holds each sequence's slots, right-padded with its own last slot;
-    ``mask (B, 1, 1, Lmax)`` is True on real keys. Every row has at least one real key.
+    ``seqs`` are their positions in the batch and ``rows (B,)`` their tokens' rows among
+    the batch's ``T`` new tokens; ``index (B, Lmax)`` holds each one's slots, right-padded
+    with its own last slot; ``mask (B, 1, 1, Lmax)`` is True on real keys. Every row has at
+    least one real key.
     """
 
+    seqs: frozenset[int]
+    rows: torch.Tensor
     index: torch.Tensor
     mask: torch.Tensor
 
@@ -46,7 +50,8 @@ class AttentionContext:
     order. ``masks[i]`` is the ``(extend, prefix + extend)`` bool mask (True = attend), or
     None when no explicit mask is needed: a single query sees every key, and a prefill
     without prefix uses SDPA's ``is_causal`` (which keeps the flash kernels eligible).
-    ``decode`` is set when there are several sequences and all ``extend_lens`` are 1.
+    ``decode`` gathers the single-token sequences into one padded call when there are
+    several of them (a decode batch, or the decode part of a mixed batch).
     """
 
     pool: DevicePool
@@ -80,12 +85,23 @@ class AttentionContext:
             query_pos = torch.arange(prefix, prefix + n, device=device)
             masks.append(torch.arange(len(s), device=device)[None, :] <= query_pos[:, None])
         decode = None
-        if len(slots) > 1 and all(n == 1 for n in extend_lens):
-            width = max(lengths)
-            index = torch.stack([torch.cat((s, s[-1:].expand(width - len(s)))) for s in slots])
-            valid = torch.tensor(lengths).to(device)
+        singles = [i for i, n in enumerate(extend_lens) if n == 1]
+        if len(singles) > 1:
+            offsets = [0]
+            for n in extend_lens:
+                offsets.append(offsets[-1] + n)
+            width = max(lengths[i] for i in singles)
+            index = torch.stack(
+                [torch.cat((slots[i], slots[i][-1:].expand(width - lengths[i]))) for i in singles]
+            )
+            valid = torch.tensor([lengths[i] for i in singles]).to(device)
             mask = torch.arange(width, device=device)[None, :] < valid[:, None]
-            decode = DecodeGather(index=index, mask=mask[:, None, None, :])
+            decode = DecodeGather(
+                seqs=frozenset(singles),
+                rows=torch.tensor([offsets[i] for i in singles], device=device),
+                index=index,
+                mask=mask[:, None, None, :],
+            )
         return cls(
             pool=pool,
             seq_slots=slots,
@@ -137,10 +153,11 @@ class PagedAttention(nn.Module):
         if ctx.layer_wait is not None:
             ctx.layer_wait(self.layer_id)
 
+        out = self._attend_each(q, k_cache, v_cache, ctx)
         if ctx.decode is not None:
-            out = self._attend_decode(q, k_cache, v_cache, ctx.decode)
-        else:
-            out = self._attend_each(q, k_cache, v_cache, ctx)
+            out[ctx.decode.rows] = self._attend_decode(
+                q[ctx.decode.rows], k_cache, v_cache, ctx.decode
+            )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def _sdpa(
@@ -168,19 +185,26 @@ class PagedAttention(nn.Module):
     def _attend_each(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """One SDPA call per sequence; ``q (T, Hq, D)`` -> ``(T, Hq, D)``."""
-        outs = []
+        """One SDPA call per sequence not in ``ctx.decode``; ``q (T, Hq, D)`` -> ``(T, Hq,
+        D)`` (rows of the decode group are left for :meth:`_attend_decode`)."""
+        out = torch.empty_like(q)
+        skip = ctx.decode.seqs if ctx.decode is not None else frozenset()
         start = 0
-        for slots, n, mask in zip(ctx.seq_slots, ctx.extend_lens, ctx.masks, strict=True):
+        for i, (slots, n, mask) in enumerate(
+            zip(ctx.seq_slots, ctx.extend_lens, ctx.masks, strict=True)
+        ):
+            if i in skip:
+                start += n
+                continue
             # 4-D (1, H, L, D): only then does torch pick its fused CPU kernel (with GQA);
             # 3-D inputs fall back to the math path, ~6x slower for a 1k-token prefill
             q_i = q[start : start + n].transpose(0, 1)[None]
             k_i = k_cache[slots].transpose(0, 1)[None]
             v_i = v_cache[slots].transpose(0, 1)[None]
             causal = mask is None and n > 1  # a prefill without prefix: L == n
-            outs.append(self._sdpa(q_i, k_i, v_i, mask, causal)[0].transpose(0, 1))
+            out[start : start + n] = self._sdpa(q_i, k_i, v_i, mask, causal)[0].transpose(0, 1)
             start += n
-        return torch.cat(outs)
+        return out
 
     def _attend_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: DecodeGather
