@@ -148,6 +148,77 @@ class KVSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateTensor:
+    """One tensor of a recurrent layer's state, per layer and slot: ``shape``, ``dtype``.
+
+    E.g. Mamba2: ``conv`` ``(conv_dim, conv_kernel - 1)`` and ``ssm``
+    ``(heads, head_dim, state_size)``; Gated DeltaNet: ``conv`` and ``recurrent``
+    ``(heads, key_dim, value_dim)``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.name, str) and bool(self.name), "name", self.name, "a non-empty str"
+        )
+        require(
+            isinstance(self.shape, tuple)
+            and len(self.shape) >= 1
+            and all(is_int(d) and d >= 1 for d in self.shape),
+            "shape",
+            self.shape,
+            "must be a non-empty tuple of ints >= 1",
+        )
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"choose one of {DTYPES}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per layer and slot."""
+        return self.numel * _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSpec:
+    """Shape of one rank's recurrent state per slot: ``tensors`` in each of ``num_layers``
+    recurrent layers (one snapshot = one slot = every tensor of every such layer)."""
+
+    num_layers: int
+    tensors: tuple[StateTensor, ...]
+
+    def __post_init__(self) -> None:
+        int_at_least("num_layers", self.num_layers, 1)
+        require(
+            isinstance(self.tensors, tuple)
+            and len(self.tensors) >= 1
+            and all(isinstance(t, StateTensor) for t in self.tensors),
+            "tensors",
+            self.tensors,
+            "must be a non-empty tuple of StateTensor",
+        )
+        names = [t.name for t in self.tensors]
+        require(len(set(names)) == len(names), "tensors", names, "names must be unique")
+
+    @property
+    def slot_bytes_per_layer(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one snapshot over all layers and tensors."""
+        return self.slot_bytes_per_layer * self.num_layers
+
+
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """How the hierarchical cache is shaped and how it behaves.
 
@@ -167,6 +238,19 @@ class CacheConfig:
     mem_layout: MemLayout = MemLayout.PAGE_FIRST
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     load_back_threshold: int = 10
+    swa_full_tokens_ratio: float = 0.8
+    """Hybrid models with sliding-window layers: the SWA layers' L1 pool holds this ratio
+    of ``device_tokens`` (SGLang's ``--swa-full-tokens-ratio``)."""
+    max_mamba_cache_size: int = 0
+    """Hybrid models with recurrent layers: state slots in the L1 state pool (SGLang's
+    ``--max-mamba-cache-size``); 0 derives it from ``mamba_full_memory_ratio``."""
+    mamba_full_memory_ratio: float = 0.9
+    """L1 state-pool bytes per byte of the L1 full KV pool, when ``max_mamba_cache_size``
+    is 0 (SGLang's ``--mamba-full-memory-ratio``)."""
+    mamba_track_interval: int = 256
+    """Tokens between state snapshots taken during a prefill (SGLang's
+    ``--mamba-track-interval``); snapshots sit on page boundaries, every
+    :attr:`mamba_track_pages` pages."""
 
     def __post_init__(self) -> None:
         for field, cls in (
@@ -198,6 +282,20 @@ class CacheConfig:
         number_at_least("hicache_size", self.hicache_size, 0, "of GB (0: size by hicache_ratio)")
         int_at_least("write_through_threshold", self.write_through_threshold, 1)
         int_at_least("load_back_threshold", self.load_back_threshold, 0, "(tokens)")
+        require(
+            is_finite_number(self.swa_full_tokens_ratio) and self.swa_full_tokens_ratio > 0,
+            "swa_full_tokens_ratio",
+            self.swa_full_tokens_ratio,
+            "must be a finite number > 0",
+        )
+        int_at_least("max_mamba_cache_size", self.max_mamba_cache_size, 0, "(0: derive it)")
+        require(
+            is_finite_number(self.mamba_full_memory_ratio) and self.mamba_full_memory_ratio > 0,
+            "mamba_full_memory_ratio",
+            self.mamba_full_memory_ratio,
+            "must be a finite number > 0",
+        )
+        int_at_least("mamba_track_interval", self.mamba_track_interval, 1, "(tokens)")
 
     @property
     def device_pages(self) -> int:
@@ -227,6 +325,37 @@ class CacheConfig:
         if not self.enable_hierarchical_cache:
             return 0
         return self.host_pages(spec) * self.page_bytes(spec)
+
+    @property
+    def mamba_track_pages(self) -> int:
+        """Pages between prefill snapshots: ``mamba_track_interval // page_size``, >= 1."""
+        return max(1, self.mamba_track_interval // self.page_size)
+
+    def host_scale(self, spec: KVSpec) -> float:
+        """L2 size over L1 size of the full KV pools; the component pools' L2 sizes follow
+        it (so ``hicache_size`` and ``hicache_ratio`` size every component's L2)."""
+        return self.host_pages(spec) / self.device_pages
+
+    @property
+    def swa_device_pages(self) -> int:
+        """Pages of the sliding-window layers' L1 pool (at least 1)."""
+        return max(1, int(self.device_pages * self.swa_full_tokens_ratio))
+
+    def swa_host_pages(self, spec: KVSpec) -> int:
+        """Pages of the sliding-window layers' L2 pool (``spec``: the full KV's shape)."""
+        return max(1, int(self.swa_device_pages * self.host_scale(spec)))
+
+    def mamba_device_slots(self, spec: KVSpec, state: StateSpec) -> int:
+        """State slots of the L1 state pool: ``max_mamba_cache_size``, or as many as
+        ``mamba_full_memory_ratio`` x the L1 full KV pool's bytes hold (at least 1)."""
+        if self.max_mamba_cache_size > 0:
+            return self.max_mamba_cache_size
+        budget = self.mamba_full_memory_ratio * self.device_bytes(spec)
+        return max(1, int(budget // state.slot_bytes))
+
+    def mamba_host_slots(self, spec: KVSpec, state: StateSpec) -> int:
+        """State slots of the L2 state pool (scaled like the full KV's L2 pool)."""
+        return max(1, int(self.mamba_device_slots(spec, state) * self.host_scale(spec)))
 
 
 PREFETCH_KEYS: tuple[str, ...] = (

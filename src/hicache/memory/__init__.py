@@ -1,4 +1,4 @@
-"""Page allocators, the device (L1) pool and the host (L2) pool with its layouts."""
+"""Page allocators, the device (L1) pool and the host (L2) pool with its layouts, state pools."""
 
 from hicache.memory.allocator import AllocatorError, PageAllocator
 from hicache.memory.base import KVPool, PageList, check_pages, row_words
@@ -14,6 +14,7 @@ from hicache.memory.budget import (
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.host_pool import HOST_RAM_FRACTION, HostPool, check_host_memory
 from hicache.memory.layout import buffer_shape, token_indices, torch_dtype
+from hicache.memory.state_pool import StatePool, state_buffer_shape
 
 __all__ = [
     "HOST_RAM_FRACTION",
@@ -27,6 +28,7 @@ __all__ = [
     "PageList",
     "PoolSizeError",
     "PoolSizes",
+    "StatePool",
     "buffer_shape",
     "check_fits",
     "check_host_memory",
@@ -34,6 +36,7 @@ __all__ = [
     "check_pool_sizes",
     "memory_available",
     "row_words",
+    "state_buffer_shape",
     "token_indices",
     "torch_dtype",
 ]

@@ -10,7 +10,9 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator
 
 from hicache.config import EvictionPolicy
+from hicache.tree.components import Tier
 from hicache.tree.node import PageIds, TreeNode
+from hicache.tree.results import NodeEviction
 
 EvictionKey = Callable[[TreeNode], tuple[int, ...]]
 NodePredicate = Callable[[TreeNode], bool]
@@ -82,6 +84,8 @@ class EvictionOps:
     _host_pages: int
     _num_nodes: int
     _evict_key: EvictionKey
+    _cascade: Callable[[TreeNode, Tier], dict[str, PageIds]]
+    _extra_values: Callable[[TreeNode, Tier], list[str]]
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         raise NotImplementedError
@@ -143,40 +147,73 @@ class EvictionOps:
     def evict_device(self, node: TreeNode) -> PageIds:
         """Drop ``node``'s L1 copy and return its L1 page ids for the owner to free.
 
-        A node backed up in L2 stays (host-only); one that is not is removed.
+        A node backed up in L2 stays (host-only); one that is not is removed. Raises
+        RuntimeError if an extra component has an L1 value on the node (those ids would
+        be lost): use :meth:`evict_node_device`.
         """
+        self._no_extra_values(node, Tier.DEVICE, "evict_node_device")
+        return self.evict_node_device(node).full
+
+    def evict_node_device(self, node: TreeNode) -> NodeEviction:
+        """:meth:`evict_device` for every component: the node's full L1 pages and each
+        extra component's L1 value (cascade), all for the owner to free."""
         if not self._device_evictable(node):
             raise RuntimeError(f"{node!r} is not an unpinned L1 leaf")
         pages = node.device
         assert pages is not None
+        extra = self._cascade(node, Tier.DEVICE)
         node.device = None
         self._device_pages -= len(pages)
         if node.host is None:
             self._remove(node)
-        return pages
+        return NodeEviction(pages, extra)
 
     def evict_host(self, node: TreeNode) -> PageIds:
-        """Remove an unpinned L2-only leaf and return its L2 page ids for the owner to free."""
+        """Remove an unpinned L2-only leaf and return its L2 page ids for the owner to free.
+
+        Raises RuntimeError if an extra component has an L2 value on the node: use
+        :meth:`evict_node_host`."""
+        self._no_extra_values(node, Tier.HOST, "evict_node_host")
+        return self.evict_node_host(node).full
+
+    def evict_node_host(self, node: TreeNode) -> NodeEviction:
+        """:meth:`evict_host` for every component (the extras' L2 values cascade)."""
         if not self._host_evictable(node):
             raise RuntimeError(f"{node!r} is not an unpinned L2-only leaf")
         pages = node.host
         assert pages is not None
+        extra = self._cascade(node, Tier.HOST)
         node.host = None
         self._host_pages -= len(pages)
         self._remove(node)
-        return pages
+        return NodeEviction(pages, extra)
 
     def drop_host(self, node: TreeNode) -> PageIds:
         """Forget ``node``'s L2 copy while it stays in L1 (a failed backup, or room for new
-        backups); return the pages."""
+        backups); return the pages. Raises RuntimeError if an extra component has an L2
+        value on the node: use :meth:`drop_node_host`."""
+        self._no_extra_values(node, Tier.HOST, "drop_node_host")
+        return self.drop_node_host(node).full
+
+    def drop_node_host(self, node: TreeNode) -> NodeEviction:
+        """:meth:`drop_host` for every component (the extras' L2 values go too)."""
         if node.host is None or node.device is None:
             raise RuntimeError(f"{node!r} must be in L1 and L2 to drop its L2 copy")
         if any(c.host is not None for c in node.children.values()):
             raise RuntimeError(f"{node!r} has backed-up children (contiguity)")
         pages = node.host
+        extra = self._cascade(node, Tier.HOST)
         node.host = None
         self._host_pages -= len(pages)
-        return pages
+        return NodeEviction(pages, extra)
+
+    def _no_extra_values(self, node: TreeNode, tier: Tier, use: str) -> None:
+        names = self._extra_values(node, tier)
+        if names:
+            raise RuntimeError(
+                f"{node!r} has {', '.join(names)} values in {tier.value}; use {use}"
+                " to get their ids too"
+            )
 
     def _remove(self, node: TreeNode) -> None:
         parent = node.parent

@@ -35,6 +35,7 @@ def check_tree(
 
     Besides the per-node invariants: the shared root has tenant ``""``; each tenant root is
     registered under its own tenant and has at least one child (empty ones are pruned).
+    ``components`` check their own values on every node (:meth:`TreeComponent.check`).
     """
     pb = page_size * TOKEN_BYTES
     roots = [shared_root, *tenant_roots.values()]
@@ -77,8 +78,10 @@ def check_tree(
         assert node.lock_ref >= sum(c.lock_ref for c in kids), f"{node!r}: lock_ref below children"
         assert node.host_ref >= sum(c.host_ref for c in kids), f"{node!r}: host_ref below children"
         for comp in components:
-            if node.extra and comp.name in node.extra:
-                comp.check(node.extra[comp.name], n_pages)
+            comp.check(node, n_pages)
+        if node.extra:
+            known = {c.name for c in components}
+            assert known.issuperset(node.extra), f"{node!r}: values of unknown components"
     recomputed = TreeStats(
         nodes=nodes, device_pages=device, host_pages=host, protected_device_pages=protected
     )

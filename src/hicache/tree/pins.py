@@ -7,16 +7,26 @@ children's, and a split can copy the count to the new head. Mixed into
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from hicache.tree.components import Tier
 from hicache.tree.node import TreeNode
 
 
 class PathPins:
-    """Pin and unpin a node and its ancestors (needs the tree's protected-page counter)."""
+    """Pin and unpin a node and its ancestors (needs the tree's protected-page counter).
+
+    ``lock_ref`` / ``host_ref`` are the full component's pins; each pin also pins every
+    extra component's hit span at the node (``_pin_extras``), so an extra value a pinned
+    hit needs is never evicted on its own."""
 
     _protected_pages: int
+    _pin_extras: Callable[[TreeNode, Tier, int], None]
+    """Pin (``delta`` +1) or unpin (-1) every extra component's span (from the tree)."""
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors in L1 (they are not evicted while pinned)."""
+        self._pin_extras(node, Tier.DEVICE, 1)
         while node.parent is not None:
             if node.lock_ref == 0 and node.device is not None:
                 self._protected_pages += len(node.device)
@@ -28,6 +38,7 @@ class PathPins:
         """Undo one :meth:`inc_lock_ref` on ``node``. Raises before changing anything if a
         count on the path would go negative."""
         self._check_path_ref(node, "lock_ref")
+        self._pin_extras(node, Tier.DEVICE, -1)
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0 and node.device is not None:
@@ -37,6 +48,7 @@ class PathPins:
 
     def inc_host_ref(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors in L2."""
+        self._pin_extras(node, Tier.HOST, 1)
         while node.parent is not None:
             node.host_ref += 1
             assert node.parent is not None
@@ -45,6 +57,7 @@ class PathPins:
     def dec_host_ref(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_host_ref`; raises before changing anything on underflow."""
         self._check_path_ref(node, "host_ref")
+        self._pin_extras(node, Tier.HOST, -1)
         while node.parent is not None:
             node.host_ref -= 1
             assert node.parent is not None

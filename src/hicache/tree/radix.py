@@ -14,16 +14,26 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
   then comes a host-only part, then nothing;
 * ``lock_ref`` and ``host_ref`` are path-wise pins: a node's count is at least the sum of
   its children's; every page id is owned by one node only.
+
+Components (hybrid models): full-attention KV is the base component (``device`` /
+``host``); extra components (:mod:`hicache.tree.components`: sliding window, Mamba
+state) keep their values in ``node.extra`` and follow the contract there: a match ends
+only at a node every component's validator accepts, a split moves every component's
+values, pins pin every component's hit span, evicting a node's full KV from a tier drops
+its extra values in that tier (:meth:`HiRadixTree.evict_node_device`), and each extra
+component is evicted on its own under its own pool's budget
+(:meth:`~hicache.tree.hybrid.ComponentOps.component_eviction_order`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from hicache.config import EvictionPolicy
 from hicache.tokens import TOKEN_BYTES, TokenIds, encode_tokens
-from hicache.tree.components import FullAttention, TreeComponent
+from hicache.tree.components import ComponentValues, FullComponent, TreeComponent
 from hicache.tree.eviction import EvictionOps, eviction_key
+from hicache.tree.hybrid import ComponentOps
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import PageIds, TreeNode, as_page_ids, common_prefix_bytes, page_ids
 from hicache.tree.paths import PathQueries
@@ -38,14 +48,15 @@ def check_priority(priority: int) -> None:
         raise TypeError(f"priority={priority!r} is invalid; must be an int")
 
 
-class HiRadixTree(PathQueries, PathPins, EvictionOps):
+class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
     """The radix tree over L1 and L2 page ids; see the module docstring for invariants.
 
     Args:
         page_size: tokens per page; keys are matched and stored in whole pages.
         eviction_policy: order of :meth:`device_eviction_order` and
             :meth:`host_eviction_order`.
-        components: extra per-node components (full attention is always present).
+        components: extra per-node components (full attention is always present and
+            must not be listed); names must be unique.
     """
 
     def __init__(
@@ -59,9 +70,21 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         self.eviction_policy = EvictionPolicy(eviction_policy)
         self._page_bytes = page_size * TOKEN_BYTES
         self._evict_key = eviction_key(self.eviction_policy)
-        self._full = FullAttention()
+        self._full = FullComponent()
         self._extra = tuple(components)
+        names = [c.name for c in self._extra]
+        for c in self._extra:
+            if not isinstance(c, TreeComponent) or c.base:
+                raise ValueError(f"components: {c!r} is not an extra TreeComponent")
+        if len(set(names)) != len(names) or FullComponent.name in names:
+            raise ValueError(f"components: names {names} must be unique and not 'full'")
+        self._components: tuple[TreeComponent, ...] = (self._full, *self._extra)
         self.reset()
+
+    @property
+    def components(self) -> tuple[TreeComponent, ...]:
+        """Every component: the full one first, then the extras."""
+        return self._components
 
     # ------------------------------------------------------------------ basics
 
@@ -164,7 +187,11 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
 
         Splits a node when the match ends inside it, so the result ends on a node boundary.
         Marks every matched node as accessed (for LRU). Only ``tenant``'s spans match.
+        With extra components the match ends at the deepest node every component accepts
+        (in L1 or L2; the L1 part at the deepest node accepted with L1 values only).
         """
+        if self._extra:
+            return self._match_components(tokens, tenant)
         key = self._page_key(tokens)
         pb = self._page_bytes
         self._tick += 1
@@ -208,6 +235,67 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             stop=stop,
         )
 
+    def _match_components(self, tokens: TokenIds, tenant: str) -> MatchResult:
+        """:meth:`match_prefix` through every component's validators (same walk)."""
+        key = self._page_key(tokens)
+        pb = self._page_bytes
+        self._tick += 1
+        tick = self._tick
+        comps = self._components
+        any_ok = [c.validator(device_only=False) for c in comps]
+        dev_ok = [c.validator(device_only=True) for c in comps]
+        node = best_any = best_dev = self.root_of(tenant)
+        device_pages = page_ids()
+        n_dev = 0  # device pages up to best_dev
+        pos_any = 0  # bytes of key up to best_any
+        limited_by: str | None = None
+        pos = 0
+        end = len(key)
+        stop = MatchStop.END_OF_KEY
+        while pos < end:
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                stop = MatchStop.NO_CHILD
+                break
+            klen = len(child.key)
+            diverged = False
+            if key[pos : pos + klen] != child.key:
+                klen = common_prefix_bytes(key[pos:], child.key, pb)
+                child = self._split(child, klen // pb)
+                diverged = pos + klen < end
+            child.last_access = tick
+            if child.device is not None:
+                device_pages += child.device
+            pos += klen
+            node = child
+            oks = [v(child) for v in any_ok]  # every validator sees every node
+            devs = [v(child) for v in dev_ok]
+            if all(devs):
+                best_dev, n_dev = child, len(device_pages)
+            if all(oks):
+                best_any, pos_any, limited_by = child, pos, None
+            else:
+                limited_by = comps[oks.index(False)].name
+            if diverged:
+                stop = MatchStop.DIVERGED
+                break
+        for c in self._extra:
+            c.touch(self, best_any, tick)
+            if best_dev is not best_any:
+                c.touch(self, best_dev, tick)
+        if node.parent is None:
+            self._after_remove(node)  # a miss must not keep a tenant root alive
+        device_tokens = n_dev * self.page_size
+        return MatchResult(
+            device_pages=device_pages[:n_dev],
+            last_device_node=best_dev,
+            last_host_node=best_any,
+            device_tokens=device_tokens,
+            host_tokens=pos_any // TOKEN_BYTES - device_tokens,
+            stop=stop,
+            limited_by=limited_by,
+        )
+
     def insert(
         self,
         tokens: TokenIds,
@@ -215,9 +303,17 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         *,
         priority: int = 0,
         tenant: str = "",
+        components: Mapping[str, ComponentValues] | None = None,
     ) -> InsertResult:
         """Record that ``tokens`` (whole pages; a partial tail is ignored) have KV in the
         L1 pages ``device_pages`` (one per whole page).
+
+        ``components``: L1 ids of extra components by name (sliding window: the pages
+        the request still holds, from its first page in the window; Mamba: snapshot slots
+        by page count). Each value goes to the node its span covers (nodes are split so
+        spans start and end on boundaries); a node that has a value already keeps it and
+        the caller's differing ids come back in ``component_duplicates``; nodes outside
+        every span keep what they have (a sliding-window tombstone stays one).
 
         Spans already in L1 keep their pages (the caller's different pages come back as
         ``duplicate_pages``); spans held only in L2 adopt the caller's pages; the uncached
@@ -237,6 +333,8 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             raise ValueError(
                 f"insert got {len(device_pages)} device pages for {n_pages} whole pages of tokens"
             )
+        if components:
+            self._check_values(components, n_pages)
         self._tick += 1
         tick = self._tick
         node = self.root_of(tenant)
@@ -274,6 +372,7 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             pos += klen
             page += k
             node = child
+        comp_dups = self._insert_components(node, n_pages, components) if components else {}
         if node.parent is None:
             self._after_remove(node)  # nothing stored (shorter than a page)
         return InsertResult(
@@ -282,6 +381,7 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
             duplicate_pages=duplicates,
             adopted=adopted,
             new_node=new_node,
+            component_duplicates=comp_dups,
         )
 
     def count_hit(self, node: TreeNode) -> None:
@@ -298,15 +398,8 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
         n = self.num_pages(child)
         cut = at_page * self._page_bytes
         head = self._new_node(child.key[:cut], parent, priority=child.priority)
-        head.device, child.device = self._full.split(child.device, at_page, n)
-        head.host, child.host = self._full.split(child.host, at_page, n)
-        if child.extra:
-            head.extra = {}
-            for comp in self._extra:
-                if comp.name in child.extra:
-                    head.extra[comp.name], child.extra[comp.name] = comp.split(
-                        child.extra[comp.name], at_page, n
-                    )
+        for comp in self._components:
+            comp.split(head, child, at_page, n)
         head.lock_ref = child.lock_ref
         head.host_ref = child.host_ref
         head.hit_count = child.hit_count
@@ -438,4 +531,8 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps):
     def check_integrity(self) -> TreeStats:
         """Verify every invariant of the module docstring; raise AssertionError naming the
         first violation. Returns the recomputed stats."""
-        return check_tree(self.root, self._tenant_roots, self.page_size, self._extra, self.stats())
+        stats = check_tree(
+            self.root, self._tenant_roots, self.page_size, self._components, self.stats()
+        )
+        self._check_extras(self._extra)
+        return stats

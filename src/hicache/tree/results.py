@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.tree.node import PageIds, TreeNode
 
@@ -35,6 +35,10 @@ class MatchResult:
     device_tokens: int
     host_tokens: int
     stop: MatchStop
+    limited_by: str | None = None
+    """The component whose validator rejected the deepest node walked, when the match
+    ends above it (a hybrid tree: e.g. ``"swa"`` with no window there, ``"mamba"`` with
+    no snapshot); ``None`` when the match ends where the walk did."""
 
     @property
     def matched_tokens(self) -> int:
@@ -57,6 +61,9 @@ class InsertResult:
     duplicate_pages: PageIds
     adopted: list[TreeNode]
     new_node: TreeNode | None
+    component_duplicates: dict[str, PageIds] = field(default_factory=dict)
+    """Per extra component: the caller's L1 ids the tree did not take (it holds other
+    ids for those values); the caller frees them. Absent: nothing to free."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +78,26 @@ class TreeStats:
     @property
     def evictable_device_pages(self) -> int:
         return self.device_pages - self.protected_device_pages
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEviction:
+    """Ids freed by evicting one node's values from one tier: ``full`` pages and, per
+    extra component that had a value there, its ids (the cascade)."""
+
+    full: PageIds
+    components: dict[str, PageIds]
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentStats:
+    """One component's values over the whole tree, in ids (pages, or state slots).
+
+    ``protected_device`` are L1 ids pinned (``lock > 0``); ``tombstones`` are nodes whose
+    full KV is in L1 while this component's value is not."""
+
+    name: str
+    device_ids: int
+    host_ids: int
+    protected_device: int
+    tombstones: int

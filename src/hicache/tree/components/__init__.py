@@ -1,5 +1,30 @@
-"""Per-component node data (full attention now; sliding window, Mamba state, indexer later)."""
+"""Per-component node data and rules: full KV, sliding-window KV, Mamba / linear state."""
 
-from hicache.tree.components.base import FullAttention, TreeComponent
+from hicache.tree.components.base import (
+    ComponentData,
+    ComponentValues,
+    Granularity,
+    MatchValidator,
+    PathAccess,
+    Span,
+    Tier,
+    TreeComponent,
+)
+from hicache.tree.components.full import FullAttention, FullComponent
+from hicache.tree.components.mamba import MambaState
+from hicache.tree.components.swa import SlidingWindow
 
-__all__ = ["FullAttention", "TreeComponent"]
+__all__ = [
+    "ComponentData",
+    "ComponentValues",
+    "FullAttention",
+    "FullComponent",
+    "Granularity",
+    "MambaState",
+    "MatchValidator",
+    "PathAccess",
+    "SlidingWindow",
+    "Span",
+    "Tier",
+    "TreeComponent",
+]
