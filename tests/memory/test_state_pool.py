@@ -142,7 +142,7 @@ def test_swa_pool_pages_d_h_d_is_byte_exact(layout: str, io: str) -> None:
         page_size=2,
         device_tokens=16,
         swa_full_tokens_ratio=0.5,
-        mem_layout=layout,  # type: ignore[arg-type]
+        mem_layout=layout,
     )
     assert cfg.swa_device_pages == 4 and cfg.swa_host_pages(full) == 8
     dev = DevicePool(swa, cfg.swa_device_pages, 2)
@@ -173,7 +173,7 @@ def test_state_config_sizes() -> None:
         ("mamba_track_interval", 0),
     ):
         with pytest.raises(ValueError, match=field):
-            CacheConfig(**{field: value})  # type: ignore[arg-type]
+            CacheConfig(**{field: value})
     with pytest.raises(ValueError, match="shape"):
         StateTensor(name="x", shape=(0,))
     with pytest.raises(ValueError, match="unique"):
