@@ -29,6 +29,7 @@ from hicache.engine.models import (
     UnsupportedModelError,
     inverse_frequencies,
 )
+from hicache.engine.models.attention import AttentionContext
 from hicache.memory import DevicePool
 from tests.engine_fixtures import (
     TINY,
@@ -351,3 +352,29 @@ def test_mixed_batch_with_a_decode_group_matches_transformers() -> None:
     for row, (ids, pos) in enumerate(((a, 9), (c, 8), (b, 6))):
         ref = hf_logits(name, ids)
         assert (out[row] - ref[pos]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_decode_gathers_by_page_or_by_slot_alike(scattered: bool) -> None:
+    """Decode K/V are gathered a page at a time when the slots lie over whole pages, and
+    token by token otherwise (slots in any order): both give transformers' logits."""
+    name = "tiny-random-qwen2"
+    runner = make_runner(name, num_pages=16, page_size=4)
+    lens = (9, 6)
+    full = [prompt_ids(name, n + 1) for n in lens]
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(64, generator=gen) if scattered else torch.arange(64)
+    slots = [order[:10], order[32:39]]
+    for f, s, n in zip(full, slots, lens, strict=True):
+        runner.forward(batch(f[:n], 0, s[:n]))
+    decode = ForwardBatch(
+        input_ids=torch.stack([f[n] for f, n in zip(full, lens, strict=True)]),
+        positions=torch.tensor(lens),
+        extend_lens=[1, 1],
+        seq_slots=[s[: n + 1] for s, n in zip(slots, lens, strict=True)],
+    )
+    ctx = AttentionContext.build(runner.pool, decode.seq_slots, decode.extend_lens)
+    assert ctx.decode is not None and ctx.decode.by_page is not scattered
+    out = runner.forward(decode)
+    for i, (f, n) in enumerate(zip(full, lens, strict=True)):
+        assert (out[i] - hf_logits(name, f)[n]).abs().max().item() <= TOL

@@ -30,15 +30,19 @@ class DecodeGather:
     """Padded gather for the sequences of a batch that add exactly one token.
 
     ``seqs`` are their positions in the batch and ``rows (B,)`` their tokens' rows among
-    the batch's ``T`` new tokens; ``index (B, Lmax)`` holds each one's slots, right-padded
-    with its own last slot; ``mask (B, 1, 1, Lmax)`` is True on real keys. Every row has at
-    least one real key.
+    the batch's ``T`` new tokens. With ``by_page`` (every sequence's slots lie over whole
+    pages in order, as a request's do), ``index (B, Pmax)`` holds page ids, right-padded
+    with each one's last page, and K/V are gathered a page at a time (``Lmax = Pmax *
+    page_size``); else ``index (B, Lmax)`` holds slots, right-padded with the last slot.
+    ``mask (B, 1, 1, Lmax)`` is True on real keys; every row has at least one.
     """
 
     seqs: frozenset[int]
     rows: torch.Tensor
     index: torch.Tensor
     mask: torch.Tensor
+    by_page: bool = False
+    page_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,17 +94,11 @@ class AttentionContext:
             offsets = [0]
             for n in extend_lens:
                 offsets.append(offsets[-1] + n)
-            width = max(lengths[i] for i in singles)
-            index = torch.stack(
-                [torch.cat((slots[i], slots[i][-1:].expand(width - lengths[i]))) for i in singles]
-            )
-            valid = torch.tensor([lengths[i] for i in singles]).to(device)
-            mask = torch.arange(width, device=device)[None, :] < valid[:, None]
-            decode = DecodeGather(
-                seqs=frozenset(singles),
-                rows=torch.tensor([offsets[i] for i in singles], device=device),
-                index=index,
-                mask=mask[:, None, None, :],
+            decode = _decode_gather(
+                [slots[i] for i in singles],
+                frozenset(singles),
+                torch.tensor([offsets[i] for i in singles], device=device),
+                pool.page_size,
             )
         return cls(
             pool=pool,
@@ -111,6 +109,35 @@ class AttentionContext:
             decode=decode,
             layer_wait=layer_wait,
         )
+
+
+def _decode_gather(
+    slots: list[torch.Tensor], seqs: frozenset[int], rows: torch.Tensor, page_size: int
+) -> DecodeGather:
+    """The padded gather of single-token sequences; by page when their slots allow."""
+    device = rows.device
+    lengths = [int(s.shape[0]) for s in slots]
+    pages = [s[::page_size] // page_size for s in slots]
+    offsets = torch.arange(page_size, device=device)
+    by_page = all(
+        s[0] % page_size == 0
+        and torch.equal((p[:, None] * page_size + offsets).reshape(-1)[: len(s)], s)
+        for s, p in zip(slots, pages, strict=True)
+    )
+    rows_of = pages if by_page else slots
+    width = max(len(r) for r in rows_of)
+    index = torch.stack([torch.cat((r, r[-1:].expand(width - len(r)))) for r in rows_of])
+    keys = width * page_size if by_page else width
+    valid = torch.tensor(lengths).to(device)
+    mask = torch.arange(keys, device=device)[None, :] < valid[:, None]
+    return DecodeGather(
+        seqs=seqs,
+        rows=rows,
+        index=index,
+        mask=mask[:, None, None, :],
+        by_page=by_page,
+        page_size=page_size,
+    )
 
 
 class PagedAttention(nn.Module):
@@ -210,6 +237,11 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: DecodeGather
     ) -> torch.Tensor:
         """One padded SDPA call for B single-token queries; ``q (B, Hq, D)`` -> same."""
-        k = k_cache[gather.index].transpose(1, 2)  # (B, Hkv, Lmax, D)
-        v = v_cache[gather.index].transpose(1, 2)
+        if gather.by_page:  # page-sized blocks: far fewer, larger copies than per token
+            b, ps, tail = gather.index.shape[0], gather.page_size, k_cache.shape[1:]
+            k = k_cache.view(-1, ps, *tail)[gather.index].view(b, -1, *tail).transpose(1, 2)
+            v = v_cache.view(-1, ps, *tail)[gather.index].view(b, -1, *tail).transpose(1, 2)
+        else:
+            k = k_cache[gather.index].transpose(1, 2)  # (B, Hkv, Lmax, D)
+            v = v_cache[gather.index].transpose(1, 2)
         return self._sdpa(q[:, :, None, :], k, v, gather.mask)[:, :, 0, :]
