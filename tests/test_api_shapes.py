@@ -508,3 +508,30 @@ def test_gauges_show_running_and_queued_requests(server: tuple[str, Engine]) -> 
     stats = engine.call(engine.cache.stats).result(30)
     assert holders["requests"] == stats.device_request_tokens == 0
     assert holders["cache"] == stats.device_cached_tokens > 0
+
+
+def test_a_field_the_engine_lacks_is_refused_not_ignored(
+    server: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a sampling field is missing from SamplingParams (as before the engine grew
+    them), a request that sets it gets a 400 naming it, never a silent no-op."""
+    import hicache.engine.protocol as protocol
+
+    url, _ = server
+    for field in ("ignore_eos", "logprobs", "min_tokens"):
+        monkeypatch.setattr(protocol, "engine_supports", lambda name, f=field: name != f)
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "min_tokens": 1,
+        }
+        r = post(url, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    monkeypatch.setattr(protocol, "engine_supports", lambda name: name != "ignore_eos")
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"ignore_eos": True}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "sampling_params.ignore_eos"
+    # not set: served as before
+    assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
