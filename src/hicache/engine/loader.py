@@ -18,7 +18,14 @@ import torch
 
 from hicache.config import DTYPES
 from hicache.engine.checkpoints import offline, resolve_checkpoint
-from hicache.engine.models import DecoderConfig, DecoderLM, build_model
+from hicache.engine.models import DecoderConfig, DecoderLM, UnsupportedModelError, build_model
+from hicache.engine.models.hybrid import HybridLM
+from hicache.engine.models.registry import (
+    HYBRID_FAMILIES,
+    build_hybrid_model,
+    check_supported,
+    hybrid_config_from_hf,
+)
 from hicache.memory import torch_dtype
 from hicache.validate import require
 
@@ -27,8 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FULL_HASH_LIMIT_BYTES",
+    "LoadedHybridModel",
     "LoadedModel",
     "default_dtype",
+    "load_hybrid_model",
     "load_model",
     "weights_fingerprint",
 ]
@@ -46,6 +55,20 @@ class LoadedModel:
     name and ``fingerprint`` (see :func:`weights_fingerprint`)."""
 
     model: DecoderLM
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: Any
+    name: str
+    path: Path
+    dtype: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class LoadedHybridModel:
+    """Like :class:`LoadedModel`, for a hybrid-family checkpoint (``model`` a
+    :class:`~hicache.engine.models.hybrid.HybridLM`)."""
+
+    model: HybridLM
     tokenizer: PreTrainedTokenizerBase
     hf_config: Any
     name: str
@@ -104,6 +127,25 @@ def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str
                 yield name, st.get_tensor(name)
 
 
+def _open(
+    model_path: str | os.PathLike[str] | None, dtype: str | None, device: torch.device | str
+) -> tuple[Any, Any, Any, str, torch.device]:
+    """Resolve the checkpoint, read its config and tokenizer and check the architecture."""
+    dtype = dtype or default_dtype(device)
+    require(dtype in DTYPES, "dtype", dtype, f"choose one of {DTYPES}")
+    ckpt = resolve_checkpoint(model_path)
+    offline()
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    check_supported(hf_config)  # one clear error, before the tokenizer or any weight
+    tokenizer = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return ckpt, hf_config, tokenizer, dtype, dev
+
+
 def load_model(
     model_path: str | os.PathLike[str] | None = None,
     *,
@@ -116,23 +158,43 @@ def load_model(
     ``.gguf`` file or a Hugging Face directory (see
     :func:`hicache.engine.checkpoints.resolve_checkpoint`). ``dtype``: one of
     ``float32``/``float16``/``bfloat16``, default :func:`default_dtype`. Never downloads.
+    An unsupported architecture raises UnsupportedModelError listing the supported ones; a
+    hybrid family (see :func:`load_hybrid_model`) is refused with that hint, since the
+    engine's runner does not serve them yet.
     """
-    dtype = dtype or default_dtype(device)
-    require(dtype in DTYPES, "dtype", dtype, f"choose one of {DTYPES}")
-    ckpt = resolve_checkpoint(model_path)
-    offline()
-    from transformers import AutoConfig, AutoTokenizer
-
-    hf_config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
+    if hf_config.model_type in HYBRID_FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type={hf_config.model_type!r} is a hybrid model the engine cannot serve "
+            "yet; load it with hicache.engine.loader.load_hybrid_model"
+        )
     cfg = DecoderConfig.from_hf(hf_config)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
     model = build_model(cfg, dtype=torch_dtype(dtype), device=dev)
-    files = _safetensors_files(ckpt.path)
-    model.load_weights(_iter_tensors(files, dev))
+    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
     return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        name=ckpt.name,
+        path=ckpt.path,
+        dtype=dtype,
+        fingerprint=weights_fingerprint(ckpt.path),
+    )
+
+
+def load_hybrid_model(
+    model_path: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str | None = None,
+    device: torch.device | str = "cpu",
+) -> LoadedHybridModel:
+    """Load a Gemma 3 text / GPT-OSS / Qwen3-Next / Nemotron-H checkpoint (arguments as in
+    :func:`load_model`, e.g. a name in :data:`~hicache.engine.checkpoints.TINY_HYBRID_MODELS`)."""
+    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
+    cfg = hybrid_config_from_hf(hf_config)
+    model = build_hybrid_model(cfg, dtype=torch_dtype(dtype), device=dev)
+    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
+    return LoadedHybridModel(
         model=model,
         tokenizer=tokenizer,
         hf_config=hf_config,

@@ -1,4 +1,11 @@
-"""Decoder models (Llama, Qwen2, Qwen3 families) over the paged KV pool."""
+"""Decoder models over the paged KV pool.
+
+Llama / Qwen2 / Qwen3 (:class:`DecoderLM`, exported here) and the hybrid families in their
+own modules: :mod:`.gemma3`, :mod:`.gpt_oss`, :mod:`.qwen3_next`, :mod:`.nemotron_h` on the
+frame of :mod:`.hybrid`, with :mod:`.sliding` (window/sinks attention), :mod:`.moe`,
+:mod:`.gated_deltanet`, :mod:`.mamba2`, :mod:`.recurrent` (the state-carrying API) and
+:mod:`.registry` (supported architectures).
+"""
 
 from hicache.engine.models.attention import AttentionContext, DecodeGather, PagedAttention
 from hicache.engine.models.config import (

@@ -8,12 +8,14 @@ fields. Unsupported features raise :class:`UnsupportedModelError` naming what is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 __all__ = [
     "FAMILIES",
+    "HYBRID_ROPE_TYPES",
     "ROPE_TYPES",
     "DecoderConfig",
+    "HybridRopeConfig",
     "RopeConfig",
     "UnsupportedModelError",
 ]
@@ -22,7 +24,10 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 """Supported ``model_type`` values of a Hugging Face config."""
 
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
-"""Supported ``rope_type`` values of ``rope_parameters`` / ``rope_scaling``."""
+"""Supported ``rope_type`` values of ``rope_parameters`` / ``rope_scaling`` (Llama families)."""
+
+HYBRID_ROPE_TYPES: tuple[str, ...] = (*ROPE_TYPES, "yarn")
+"""What :class:`HybridRopeConfig` (the hybrid families) accepts."""
 
 
 class UnsupportedModelError(ValueError):
@@ -37,6 +42,9 @@ class RopeConfig:
     scales the frequencies for ``linear`` and ``llama3``; ``low_freq_factor``,
     ``high_freq_factor`` and ``original_max_position_embeddings`` shape ``llama3``'s smooth
     interpolation between scaled (long wavelengths) and unscaled (short) frequencies.
+    ``yarn`` blends interpolated and extrapolated frequencies over the dimension band set
+    by ``beta_fast``/``beta_slow`` rotations (floored/ceiled when ``truncate``) and scales
+    cos/sin by ``attention_factor`` (default ``0.1 ln(factor) + 1``).
     """
 
     theta: float = 10000.0
@@ -45,11 +53,20 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    def allowed_types(self) -> tuple[str, ...]:
+        """The ``rope_type`` values this config class accepts."""
+        return ROPE_TYPES
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
+        allowed = self.allowed_types()
+        if self.rope_type not in allowed:
             raise UnsupportedModelError(
-                f"rope_type={self.rope_type!r} is not supported; choose one of {ROPE_TYPES}"
+                f"rope_type={self.rope_type!r} is not supported; choose one of {allowed}"
             )
         if not self.theta > 0:
             raise ValueError(f"rope theta={self.theta!r} is invalid; must be > 0")
@@ -62,7 +79,7 @@ class RopeConfig:
             )
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> RopeConfig:
+    def from_hf(cls, hf_config: Any) -> Self:
         """Read ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
         params = dict(getattr(hf_config, "rope_parameters", None) or {})
         legacy = getattr(hf_config, "rope_scaling", None)
@@ -70,18 +87,39 @@ class RopeConfig:
             params = dict(legacy)
         if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
             params["rope_theta"] = hf_config.rope_theta
+        return cls.from_params(params, int(getattr(hf_config, "max_position_embeddings", 8192)))
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], max_position_embeddings: int) -> Self:
+        """Build from one ``rope_parameters`` dict (per layer type for Gemma 3)."""
         rope_type = params.get("rope_type", params.get("type", "default"))
-        original = params.get("original_max_position_embeddings", 0) or getattr(
-            hf_config, "max_position_embeddings", 8192
-        )
+        original = params.get("original_max_position_embeddings", 0) or max_position_embeddings
+        factor = params.get("factor")
+        if factor is None:
+            factor = max_position_embeddings / original if rope_type == "yarn" else 1.0
+        attention_factor = params.get("attention_factor")
+        if rope_type == "yarn" and attention_factor is None and params.get("mscale_all_dim"):
+            raise UnsupportedModelError("yarn rope with mscale/mscale_all_dim is not supported")
         return cls(
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=None if attention_factor is None else float(attention_factor),
             theta=float(params.get("rope_theta", 10000.0)),
             rope_type=str(rope_type),
-            factor=float(params.get("factor", 1.0)),
+            factor=float(factor),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(original),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridRopeConfig(RopeConfig):
+    """:class:`RopeConfig` of the hybrid families, which also accept ``yarn``."""
+
+    def allowed_types(self) -> tuple[str, ...]:
+        return HYBRID_ROPE_TYPES
 
 
 @dataclass(frozen=True, kw_only=True)

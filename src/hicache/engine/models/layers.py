@@ -1,12 +1,14 @@
-"""Small building blocks of the decoder: RMSNorm and the SwiGLU MLP."""
+"""Small building blocks of the decoders: RMSNorm, activations and the dense MLPs."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GatedMLP", "RMSNorm"]
+__all__ = ["ACTIVATIONS", "GatedMLP", "PlainMLP", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -28,15 +30,40 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
+}
+"""Activations by their Hugging Face ``hidden_act`` names."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with the default ``silu``)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, act: str = "silu"
+    ) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PlainMLP(nn.Module):
+    """Non-gated feed-forward (Nemotron-H): ``down(act(up(x)))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[act]
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (T, hidden)`` -> ``(T, hidden)``."""
+        return self.down_proj(self.act(self.up_proj(x)))

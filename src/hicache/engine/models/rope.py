@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE) with ``default``, ``linear`` and ``llama3`` scaling.
+"""Rotary position embeddings (RoPE) with ``default``, ``linear``, ``llama3`` and ``yarn``
+scaling.
 
 Head vectors are rotated in the "half split" convention of Hugging Face checkpoints: the
 pair for frequency ``i`` is ``(x[i], x[i + head_dim/2])``.
@@ -12,7 +13,7 @@ import torch
 
 from hicache.engine.models.config import RopeConfig
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "inverse_frequencies"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "attention_scaling", "inverse_frequencies"]
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -38,7 +39,40 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         )
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         return torch.where(~long_wave & ~short_wave, blended, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_frequencies(rope, head_dim, inv_freq)
     return inv_freq
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int, extrapolated: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequency ``i`` keeps its extrapolated value above the band of dimensions that
+    make ``beta_fast`` .. ``beta_slow`` full turns over the original context, takes the
+    interpolated one (divided by ``factor``) below it, and ramps linearly inside it."""
+
+    def band_edge(turns: float) -> float:
+        wavelength = rope.original_max_position_embeddings / (turns * 2 * math.pi)
+        return dim * math.log(wavelength) / (2 * math.log(rope.theta))
+
+    low, high = band_edge(rope.beta_fast), band_edge(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    keep = 1 - ramp  # weight of the extrapolated (unscaled) frequency
+    return extrapolated / rope.factor * (1 - keep) + extrapolated * keep
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """The factor YaRN applies to cos/sin (1 for every other type)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
 class RotaryEmbedding:
@@ -51,6 +85,7 @@ class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         self.head_dim = head_dim
         self._inv_freq = inverse_frequencies(rope, head_dim)
+        self._scale = attention_scaling(rope)
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def __call__(
@@ -66,6 +101,8 @@ class RotaryEmbedding:
             self._on_device[positions.device] = inv_freq
         angles = positions.float()[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
+        if self._scale != 1.0:
+            return (angles.cos() * self._scale).to(dtype), (angles.sin() * self._scale).to(dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
