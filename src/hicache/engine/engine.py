@@ -85,7 +85,9 @@ def _ignore(_: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """What to serve and how. ``model_path`` None = the default model (SmolLM2-135M)."""
+    """What to serve and how. ``model_path`` None = the default model (SmolLM2-135M);
+    any architecture :func:`~hicache.engine.loader.load_model` accepts (Llama / Qwen2 /
+    Qwen3, and the hybrids Gemma 3 text, GPT-OSS, Qwen3-Next, Nemotron-H)."""
 
     model_path: str | None = None
     dtype: str | None = None
@@ -166,6 +168,12 @@ class Engine(Lifecycle):
                 self.cache.close()
                 raise
         runner = ModelRunner(self.model.model, self.cache.device_pool)
+        if not runner.resumable_prefix:
+            log.info(
+                "%s has recurrent layers: prefix caching is off until the cache keeps their"
+                " state snapshots (every prompt is computed from position 0)",
+                self.model.name,
+            )
         max_pos = int(getattr(self.model.hf_config, "max_position_embeddings", 2048))
         self.context_length = min(cfg.context_length or max_pos, max_pos)
         tok = self.model.tokenizer
@@ -261,6 +269,15 @@ class Engine(Lifecycle):
     @property
     def tokenizer(self) -> Any:
         return self.model.tokenizer
+
+    @property
+    def resumable_prefix(self) -> bool:
+        """Whether requests reuse cached prefixes (L1/L2/L3 hits). False for a model with
+        recurrent layers (Qwen3-Next, Nemotron-H): the cache keeps no snapshot of their
+        state yet, so their requests still take pages from the cache but never match (see
+        :attr:`ModelRunner.resumable_prefix`). True for attention-only models, hybrids with
+        sliding-window layers included."""
+        return self.scheduler.resumable_prefix
 
     def validate(
         self,

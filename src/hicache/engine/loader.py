@@ -18,7 +18,7 @@ import torch
 
 from hicache.config import DTYPES
 from hicache.engine.checkpoints import offline, resolve_checkpoint
-from hicache.engine.models import DecoderConfig, DecoderLM, UnsupportedModelError, build_model
+from hicache.engine.models import DecoderConfig, DecoderLM, build_model
 from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.models.registry import (
     HYBRID_FAMILIES,
@@ -50,11 +50,12 @@ _SAMPLE_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A ready model: ``model`` (eval, on its device), its ``tokenizer``, the Hugging Face
+    """A ready model: ``model`` (eval, on its device; a Llama-style :class:`DecoderLM` or a
+    :class:`~hicache.engine.models.hybrid.HybridLM`), its ``tokenizer``, the Hugging Face
     ``hf_config``, a display ``name``, the local ``path`` it was read from, its ``dtype``
     name and ``fingerprint`` (see :func:`weights_fingerprint`)."""
 
-    model: DecoderLM
+    model: DecoderLM | HybridLM
     tokenizer: PreTrainedTokenizerBase
     hf_config: Any
     name: str
@@ -64,17 +65,11 @@ class LoadedModel:
 
 
 @dataclass(frozen=True)
-class LoadedHybridModel:
-    """Like :class:`LoadedModel`, for a hybrid-family checkpoint (``model`` a
+class LoadedHybridModel(LoadedModel):
+    """A :class:`LoadedModel` of a hybrid-family checkpoint (``model`` a
     :class:`~hicache.engine.models.hybrid.HybridLM`)."""
 
     model: HybridLM
-    tokenizer: PreTrainedTokenizerBase
-    hf_config: Any
-    name: str
-    path: Path
-    dtype: str
-    fingerprint: str
 
 
 def default_dtype(device: torch.device | str) -> str:
@@ -146,40 +141,46 @@ def _open(
     return ckpt, hf_config, tokenizer, dtype, dev
 
 
+def _load(
+    model_path: str | os.PathLike[str] | None,
+    dtype: str | None,
+    device: torch.device | str,
+    *,
+    hybrid_only: bool,
+) -> LoadedModel:
+    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
+    model: DecoderLM | HybridLM
+    if hybrid_only or hf_config.model_type in HYBRID_FAMILIES:
+        model = build_hybrid_model(
+            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev
+        )
+    else:
+        model = build_model(DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev)
+    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
+    rest = (tokenizer, hf_config, ckpt.name, ckpt.path, dtype, weights_fingerprint(ckpt.path))
+    if isinstance(model, HybridLM):
+        return LoadedHybridModel(model, *rest)
+    return LoadedModel(model, *rest)
+
+
 def load_model(
     model_path: str | os.PathLike[str] | None = None,
     *,
     dtype: str | None = None,
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Load a Llama / Qwen2 / Qwen3 checkpoint for the engine.
+    """Load a checkpoint of any supported architecture for the engine.
 
-    ``model_path``: None (the bundled SmolLM2-135M-Instruct), a tiny test model name, a
-    ``.gguf`` file or a Hugging Face directory (see
-    :func:`hicache.engine.checkpoints.resolve_checkpoint`). ``dtype``: one of
-    ``float32``/``float16``/``bfloat16``, default :func:`default_dtype`. Never downloads.
-    An unsupported architecture raises UnsupportedModelError listing the supported ones; a
-    hybrid family (see :func:`load_hybrid_model`) is refused with that hint, since the
-    engine's runner does not serve them yet.
+    ``model_path``: None (the bundled SmolLM2-135M-Instruct), a tiny test model name
+    (:data:`~hicache.engine.checkpoints.TINY_MODELS` or
+    :data:`~hicache.engine.checkpoints.TINY_HYBRID_MODELS`), a ``.gguf`` file or a Hugging
+    Face directory (see :func:`hicache.engine.checkpoints.resolve_checkpoint`). ``dtype``:
+    one of ``float32``/``float16``/``bfloat16``, default :func:`default_dtype`. Never
+    downloads. Llama / Qwen2 / Qwen3 load as a :class:`DecoderLM`; Gemma 3 text, GPT-OSS,
+    Qwen3-Next and Nemotron-H as a :class:`HybridLM` (a :class:`LoadedHybridModel`). An
+    unsupported architecture raises UnsupportedModelError listing the supported ones.
     """
-    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
-    if hf_config.model_type in HYBRID_FAMILIES:
-        raise UnsupportedModelError(
-            f"model_type={hf_config.model_type!r} is a hybrid model the engine cannot serve "
-            "yet; load it with hicache.engine.loader.load_hybrid_model"
-        )
-    cfg = DecoderConfig.from_hf(hf_config)
-    model = build_model(cfg, dtype=torch_dtype(dtype), device=dev)
-    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        hf_config=hf_config,
-        name=ckpt.name,
-        path=ckpt.path,
-        dtype=dtype,
-        fingerprint=weights_fingerprint(ckpt.path),
-    )
+    return _load(model_path, dtype, device, hybrid_only=False)
 
 
 def load_hybrid_model(
@@ -189,17 +190,7 @@ def load_hybrid_model(
     device: torch.device | str = "cpu",
 ) -> LoadedHybridModel:
     """Load a Gemma 3 text / GPT-OSS / Qwen3-Next / Nemotron-H checkpoint (arguments as in
-    :func:`load_model`, e.g. a name in :data:`~hicache.engine.checkpoints.TINY_HYBRID_MODELS`)."""
-    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
-    cfg = hybrid_config_from_hf(hf_config)
-    model = build_hybrid_model(cfg, dtype=torch_dtype(dtype), device=dev)
-    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
-    return LoadedHybridModel(
-        model=model,
-        tokenizer=tokenizer,
-        hf_config=hf_config,
-        name=ckpt.name,
-        path=ckpt.path,
-        dtype=dtype,
-        fingerprint=weights_fingerprint(ckpt.path),
-    )
+    :func:`load_model`); any other architecture raises UnsupportedModelError."""
+    loaded = _load(model_path, dtype, device, hybrid_only=True)
+    assert isinstance(loaded, LoadedHybridModel)
+    return loaded

@@ -3,6 +3,15 @@
 A batch mixes sequences at any stage: a cold prefill (no prefix), an extend on top of a
 cached prefix, or a single decode token. Each sequence brings the slots of *all* its tokens;
 the model writes the new tokens' K/V into the last ``extend_len`` of them and reads the rest.
+
+Models: a Llama-style :class:`DecoderLM`, or a :class:`HybridLM` (Gemma 3, GPT-OSS,
+Qwen3-Next, Nemotron-H) whose attention layers alone use the pool (one pool layer per
+attention layer, :meth:`HybridConfig.kv_spec`). A hybrid with recurrent layers (Mamba2,
+Gated DeltaNet) also carries a state per sequence from forward to forward; the runner keeps
+it (:class:`~hicache.engine.recurrent_states.RecurrentStates`, keyed by
+:attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. Such a model cannot
+resume from a prefix whose K/V the cache served (the cache keeps no state snapshot yet):
+:attr:`ModelRunner.resumable_prefix` is False and its caller must not match prefixes.
 """
 
 from __future__ import annotations
@@ -15,13 +24,19 @@ import torch
 
 from hicache.config import AttentionKind, KVSpec
 from hicache.engine.models import AttentionContext, DecoderConfig, DecoderLM
+from hicache.engine.models.hybrid import HybridLM
+from hicache.engine.models.registry import HYBRID_FAMILIES, hybrid_config_from_hf
+from hicache.engine.recurrent_states import RecurrentStates
 from hicache.memory import DevicePool
 
 __all__ = ["ForwardBatch", "ModelRunner", "kv_spec_from_hf_config"]
 
 
 def kv_spec_from_hf_config(hf_config: Any, dtype: str) -> KVSpec:
-    """The pool's per-token KV shape for a Hugging Face config (MHA/GQA families only)."""
+    """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
+    family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`)."""
+    if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
+        return hybrid_config_from_hf(hf_config).kv_spec(dtype)
     cfg = DecoderConfig.from_hf(hf_config)
     return KVSpec(
         num_layers=cfg.num_layers,
@@ -39,7 +54,10 @@ class ForwardBatch:
     ``input_ids``/``positions`` are ``(T,)`` int64 with ``T = sum(extend_lens)``;
     ``seq_slots[i]`` is a 1-D int64 tensor of sequence ``i``'s slots, prefix first, so its
     last ``extend_lens[i]`` entries receive the new K/V. ``layer_wait(layer)``, if given, is
-    called once per layer, in order, before that layer's prefix K/V is read from the pool.
+    called once per pool layer, in order, before that layer's prefix K/V is read from the
+    pool. ``seq_ids[i]`` names sequence ``i``'s recurrent state in the runner (the request
+    id; distinct within a batch); required by models with recurrent layers, unused by
+    others.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +65,7 @@ class ForwardBatch:
     extend_lens: list[int]
     seq_slots: list[torch.Tensor]
     layer_wait: Callable[[int], None] | None = None
+    seq_ids: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0] if self.input_ids.dim() == 1 else -1
@@ -69,22 +88,41 @@ class ForwardBatch:
                     f"sequence {i}: extend_len={n} must be in [1, len(seq_slots)="
                     f"{slots.shape[0] if slots.dim() == 1 else slots.shape}]"
                 )
+        if self.seq_ids is not None:
+            if len(self.seq_ids) != len(self.extend_lens):
+                raise ValueError(
+                    f"seq_ids has {len(self.seq_ids)} entries for {len(self.extend_lens)} sequences"
+                )
+            if len(set(self.seq_ids)) != len(self.seq_ids):
+                raise ValueError(f"seq_ids must be distinct, got {list(self.seq_ids)}")
 
     @property
     def num_seqs(self) -> int:
         return len(self.extend_lens)
 
+    @property
+    def prefix_lens(self) -> list[int]:
+        """Per sequence, the positions already computed before this batch's new tokens."""
+        return [s.shape[0] - n for s, n in zip(self.seq_slots, self.extend_lens, strict=True)]
+
 
 class ModelRunner:
-    """Runs a :class:`DecoderLM` whose KV cache is ``device_pool``.
+    """Runs a :class:`DecoderLM` or :class:`HybridLM` whose KV cache is ``device_pool``.
 
-    The pool's spec must match the model (layers, KV heads, head_dim); the model's dtype
-    may differ from the pool's (K/V are cast on write and read).
+    The pool's spec must match the model (layers, KV heads, head_dim; for a hybrid, its
+    attention layers); the model's dtype may differ from the pool's (K/V are cast on write
+    and read). ``states`` holds the running sequences' recurrent state (None for a model
+    without recurrent layers).
     """
 
-    def __init__(self, model: DecoderLM, device_pool: DevicePool) -> None:
-        cfg, spec = model.config, device_pool.spec
-        want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    def __init__(self, model: DecoderLM | HybridLM, device_pool: DevicePool) -> None:
+        spec = device_pool.spec
+        if isinstance(model, HybridLM):
+            kv = model.config.kv_spec(spec.dtype)
+            want = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        else:
+            cfg = model.config
+            want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         if spec.attention is not AttentionKind.MHA or want != have:
             raise ValueError(
@@ -95,10 +133,27 @@ class ModelRunner:
             raise ValueError(f"pool on {device_pool.device} but model on {model.device}")
         self.model = model
         self.pool = device_pool
+        specs = model.state_specs() if isinstance(model, HybridLM) else {}
+        self.states: RecurrentStates | None = (
+            RecurrentStates(specs, dtype=model.dtype, device=model.device) if specs else None
+        )
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def resumable_prefix(self) -> bool:
+        """Whether a sequence may start from a prefix whose K/V the cache served. False for
+        a model with recurrent layers: their state at the prefix's end is not cached yet,
+        so such a sequence is always computed from position 0 (the cache must not match)."""
+        return self.states is None
+
+    def drop_state(self, seq_id: str) -> None:
+        """Forget the recurrent state of ``seq_id`` (its request ended, or was retracted and
+        will start again from position 0). A no-op for models without recurrent layers."""
+        if self.states is not None:
+            self.states.drop(seq_id)
 
     @torch.inference_mode()
     def forward(
@@ -113,7 +168,12 @@ class ModelRunner:
         vocab)`` for exactly the new tokens ``logit_rows`` (indices into the batch's ``T``
         tokens, in the order given) — what prompt log probabilities need without paying
         the vocabulary projection for every token. ``all_logits`` and ``logit_rows`` are
-        exclusive; a row outside ``[0, T)`` raises ValueError."""
+        exclusive; a row outside ``[0, T)`` raises ValueError.
+
+        A model with recurrent layers resumes each sequence from its state in
+        :attr:`states` (zeros for a sequence starting at position 0) and keeps the state
+        after the new tokens there; a sequence starting anywhere else than 0 or where its
+        state ends raises ValueError before anything runs."""
         if logit_rows is not None:
             t = batch.input_ids.shape[0]
             if all_logits:
@@ -125,10 +185,33 @@ class ModelRunner:
         )
         input_ids = batch.input_ids.to(self.device, torch.int64)
         positions = batch.positions.to(self.device, torch.int64)
-        hidden = self.model(input_ids, positions, ctx)
+        if isinstance(self.model, HybridLM):
+            hidden = self._forward_hybrid(self.model, batch, input_ids, positions, ctx)
+        else:
+            hidden = self.model(input_ids, positions, ctx)
         if logit_rows is not None:
             hidden = hidden[torch.tensor(list(logit_rows), device=self.device, dtype=torch.int64)]
         elif not all_logits:
             last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
+
+    def _forward_hybrid(
+        self,
+        model: HybridLM,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """The hidden states ``(T, hidden)`` of a hybrid forward, carrying recurrent state."""
+        if self.states is None:
+            return model(input_ids, positions, ctx).hidden
+        if batch.seq_ids is None:
+            raise ValueError("a model with recurrent layers needs ForwardBatch.seq_ids")
+        prefix = batch.prefix_lens
+        states = self.states.gather(batch.seq_ids, prefix)
+        out = model(input_ids, positions, ctx, states)
+        ends = [p + n for p, n in zip(prefix, batch.extend_lens, strict=True)]
+        self.states.scatter(batch.seq_ids, ends, out.states)
+        return out.hidden

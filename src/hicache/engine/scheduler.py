@@ -9,6 +9,13 @@ committed to the cache (its write policy backs them up); a request that cannot g
 page for its next token is retracted (``requeue``): its KV stays cached and it waits to be
 re-admitted, which then finds its own prefix. The scheduler holds only opaque handles.
 
+Models with recurrent layers (Qwen3-Next, Nemotron-H: ``runner.resumable_prefix`` False)
+cannot start from a cached prefix until the cache keeps their state snapshots: their
+handles are opened uncacheable (pages are still allocated and released through the cache,
+nothing is matched or kept), each forward names its requests (``seq_ids``) so the runner
+carries their recurrent state, and a request's state is dropped when it ends or is
+retracted (a retracted request then recomputes its sequence from position 0).
+
 Everything here runs on the engine's thread.
 """
 
@@ -18,6 +25,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +80,10 @@ class Scheduler:
         self.page_size = cache.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # the runner's recurrent-state capability (test doubles of the runner may omit it:
+        # then it is a pure attention model)
+        self.resumable_prefix: bool = bool(getattr(runner, "resumable_prefix", True))
+        self._drop_state: Callable[[str], None] = getattr(runner, "drop_state", _keep_nothing)
 
     # ------------------------------------------------------------------ queue
 
@@ -84,9 +96,11 @@ class Scheduler:
                 req.prompt_ids,
                 tenant=req.cache_salt,
                 priority=req.priority,
-                # prompt logprobs need every prompt position computed: no prefix match
+                # prompt logprobs need every prompt position computed: no prefix match;
+                # a recurrent model cannot resume a cached prefix (no state snapshot)
                 cacheable=not self.config.disable_radix_cache
-                and req.params.prompt_logprobs is None,
+                and req.params.prompt_logprobs is None
+                and self.resumable_prefix,
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
@@ -218,6 +232,7 @@ class Scheduler:
             extend_lens=[n for _, n in batch],
             seq_slots=slots,
             layer_wait=layer_wait if loading else None,
+            seq_ids=[req.rid for req, _ in batch],
         )
         logit_rows, last_row, prompt_rows = self._logit_rows(batch)
         try:
@@ -347,6 +362,7 @@ class Scheduler:
         assert req.cache is not None
         self.running.remove(req)
         self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
+        self._drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
         req.kv_len = 0
         req.retracted += 1
         self.waiting.appendleft(req)
@@ -355,6 +371,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
+        self._drop_state(req.rid)
         if req.cache is not None:
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
         self._emit(req)
@@ -366,6 +383,10 @@ class Scheduler:
             except Exception:  # a broken consumer must not stop the engine
                 log.exception("output callback of %s failed", req.rid)
                 req.aborted = True
+
+
+def _keep_nothing(_: str) -> None:
+    return None
 
 
 def _logprobs_by_row(

@@ -13,6 +13,7 @@ import torch
 from hicache.engine.loader import load_hybrid_model, load_model
 from hicache.engine.models import UnsupportedModelError
 from hicache.engine.models.gated_deltanet import gated_delta_rule
+from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.models.mamba2 import ssd_scan
 from hicache.engine.models.moe import (
     ClampedSwigluExperts,
@@ -130,6 +131,5 @@ def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: P
         assert all(t in message for t in SUPPORTED_MODEL_TYPES)
 
 
-def test_load_model_points_hybrid_checkpoints_to_load_hybrid_model() -> None:
-    with pytest.raises(UnsupportedModelError, match="load_hybrid_model"):
-        load_model("tiny-random-gemma3")
+def test_load_model_loads_hybrid_checkpoints_too() -> None:
+    assert isinstance(load_model("tiny-random-gemma3").model, HybridLM)

@@ -1,0 +1,137 @@
+"""The live recurrent state of each running sequence, kept by the runner between forwards.
+
+Recurrent layers of hybrid models (Mamba2, Gated DeltaNet; see
+:mod:`hicache.engine.models.recurrent`) read no cache: each forward takes their state
+*before* the new tokens and returns it *after* them. Until the cache keeps state snapshots
+(issue 10's Mamba component), the runner keeps one state per running sequence here, keyed
+by the scheduler's request id:
+
+- created at the sequence's first forward, from zeros (that forward starts at position 0);
+- advanced after every forward that succeeds (prefill chunks and decode steps alike);
+- dropped when the request ends, is aborted or is retracted. A retracted request recomputes
+  its sequence from position 0, so its state restarts from zeros.
+
+Invariant: an entry covers exactly its sequence's first ``tokens`` positions, so a forward of
+that sequence must start at ``tokens`` (resume) or at 0 (restart). Any other start, such as
+a prefix served by the cache, which holds no state yet, is refused with ValueError: a
+recurrent model is never run from a state that does not belong to its prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hicache.engine.models.recurrent import RecurrentState, StateSpec
+
+__all__ = ["RecurrentStates"]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """``states[layer]`` (batch 1) after the sequence's first ``tokens`` positions."""
+
+    tokens: int
+    states: dict[int, RecurrentState]
+
+
+class RecurrentStates:
+    """Per-sequence recurrent state of a model whose recurrent layers are ``specs``
+    (``{layer_id: StateSpec}``, as :meth:`HybridLM.state_specs` returns); ``conv`` states
+    are ``dtype`` on ``device``, ``ssm`` states fp32 (see :class:`RecurrentState`)."""
+
+    def __init__(
+        self, specs: Mapping[int, StateSpec], *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if not specs:
+            raise ValueError("RecurrentStates needs at least one recurrent layer spec")
+        self.specs = dict(specs)
+        self.dtype = dtype
+        self.device = device
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def tokens(self, key: str) -> int | None:
+        """Positions the state of ``key`` covers, or None when it has none."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the states held (views of a shared batch tensor counted per row)."""
+        total = 0
+        for entry in self._entries.values():
+            for s in entry.states.values():
+                total += s.conv.numel() * s.conv.element_size()
+                total += s.ssm.numel() * s.ssm.element_size()
+        return total
+
+    def gather(
+        self, keys: Sequence[str], prefix_lens: Sequence[int]
+    ) -> dict[int, RecurrentState] | None:
+        """The input states of a batch: row ``i`` is sequence ``keys[i]``'s state after its
+        first ``prefix_lens[i]`` positions; zeros when ``prefix_lens[i] == 0``. None when
+        every sequence starts from zeros (the model's default). Raises ValueError, changing
+        nothing, when a sequence's prefix is not what its state covers."""
+        if len(keys) != len(prefix_lens):
+            raise ValueError(f"{len(keys)} keys but {len(prefix_lens)} prefix lengths")
+        rows: list[_Entry | None] = []
+        for key, prefix in zip(keys, prefix_lens, strict=True):
+            if prefix == 0:
+                rows.append(None)
+                continue
+            entry = self._entries.get(key)
+            if entry is None or entry.tokens != prefix:
+                have = "no state" if entry is None else f"a state of {entry.tokens} positions"
+                raise ValueError(
+                    f"sequence {key!r} resumes at position {prefix} but the runner holds {have}:"
+                    " a recurrent model can resume only its own running state (a cached"
+                    " prefix has no state snapshot yet)"
+                )
+            rows.append(entry)
+        if all(r is None for r in rows):
+            return None
+        out: dict[int, RecurrentState] = {}
+        for layer, spec in self.specs.items():
+            zero: RecurrentState | None = None
+            parts: list[RecurrentState] = []
+            for r in rows:
+                if r is not None:
+                    parts.append(r.states[layer])
+                    continue
+                if zero is None:
+                    zero = RecurrentState.zeros(spec, 1, dtype=self.dtype, device=self.device)
+                parts.append(zero)
+            out[layer] = RecurrentState.stack(parts)
+        return out
+
+    def scatter(
+        self, keys: Sequence[str], tokens: Sequence[int], states: Mapping[int, RecurrentState]
+    ) -> None:
+        """Keep row ``i`` of every layer of ``states`` (a forward's output, batch order) as
+        the state of ``keys[i]`` covering its first ``tokens[i]`` positions."""
+        if set(states) != set(self.specs):
+            raise ValueError(
+                f"states of layers {sorted(states)}; the model's recurrent layers are"
+                f" {sorted(self.specs)}"
+            )
+        for layer, s in states.items():
+            if s.batch != len(keys):
+                raise ValueError(f"layer {layer}: state batch {s.batch} != {len(keys)} sequences")
+        for i, (key, n) in enumerate(zip(keys, tokens, strict=True)):
+            rows = slice(i, i + 1)
+            self._entries[key] = _Entry(n, {layer: s.select(rows) for layer, s in states.items()})
+
+    def drop(self, key: str) -> bool:
+        """Forget the state of ``key``; False when it had none."""
+        return self._entries.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,221 @@
+"""The hybrid families served through :class:`Engine` (tiny random models, CPU, fp32).
+
+* Greedy generation equals transformers' greedy ``generate`` for Gemma 3, GPT-OSS,
+  Qwen3-Next and Nemotron-H.
+* Attention-only hybrids (Gemma 3, GPT-OSS: sliding-window and full layers over the one
+  full pool) reuse prefixes: the same prompt again hits L1, then L2 after forced eviction,
+  then a file L3 after ``flush_cache``, with identical tokens every time.
+* Models with recurrent layers (Qwen3-Next, Nemotron-H) never match a prefix (the cache
+  keeps no state snapshot yet); concurrent requests on a small L1, with retractions, still
+  give each prompt's exact output, and every recurrent state is dropped afterwards.
+* Every pool is back to idle afterwards (no request held, integrity clean).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.config import CacheConfig
+from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.loader import LoadedHybridModel, load_model
+from hicache.engine.models.config import UnsupportedModelError
+from hicache.engine.runner import ForwardBatch, ModelRunner
+from hicache.engine.sampling import SamplingParams
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.memory import DevicePool
+from tests.engine.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model, prompt
+
+PAGE = 4
+ATTENTION_ONLY = ("tiny-random-gemma3", "tiny-random-gpt-oss")
+RECURRENT = ("tiny-random-qwen3-next", "tiny-random-nemotron-h")
+PROMPT_LEN = 33  # prompt[:-1] is matched: 8 whole pages
+MATCHED = 32
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def make_engine(name: str, *, storage: Path | None = None, **cache_cfg: object) -> Engine:
+    cfg: dict[str, object] = dict(
+        page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
+    )
+    cfg.update(cache_cfg)
+    config = EngineConfig(
+        model_path=name,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(**cfg),  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=16),
+        context_length=128,
+        storage_backend="file" if storage is not None else None,
+        storage_extra_config=(
+            {"file_path": str(storage), "prefetch_threshold": 8} if storage is not None else {}
+        ),
+    )
+    return Engine(config, loaded=hybrid_model(name)).start()
+
+
+@cache
+def _hf_greedy(name: str, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
+    with torch.no_grad():
+        out = hf_twin(name).generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return tuple(out[0, len(ids) :].tolist())
+
+
+def hf_greedy(name: str, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """transformers' greedy continuation of ``ids`` (exactly ``n`` tokens, EOS ignored)."""
+    return list(_hf_greedy(name, tuple(ids), n))
+
+
+def assert_idle(engine: Engine) -> None:
+    """No request held, every recurrent state dropped, pins zero, integrity clean."""
+
+    def check() -> None:
+        assert engine.scheduler.idle
+        assert engine.cache.requests == 0
+        states = engine.scheduler.runner.states
+        assert states is None or len(states) == 0
+        engine.cache.flush()
+        engine.cache.check_integrity()
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+
+    engine.call(check).result(timeout=30)
+
+
+def run_all(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Submit every prompt at once; their output ids in prompt order."""
+    results: dict[int, list[int]] = {}
+    errors: list[str] = []
+    done = threading.Event()
+
+    def on(i: int) -> Callable[..., None]:
+        def cb(out) -> None:  # type: ignore[no-untyped-def]
+            if out.finished:
+                if out.error:
+                    errors.append(out.error)
+                results[i] = out.output_ids
+                if len(results) == len(prompts):
+                    done.set()
+
+        return cb
+
+    for i, p in enumerate(prompts):
+        engine.submit(p, GREEDY, on(i))
+    assert done.wait(120)
+    assert not errors
+    return [results[i] for i in range(len(prompts))]
+
+
+def test_load_model_serves_hybrid_checkpoints_and_refuses_llama_as_hybrid() -> None:
+    loaded = load_model("tiny-random-qwen3-next", dtype="float32")
+    assert isinstance(loaded, LoadedHybridModel)
+    assert loaded.model.state_specs()
+    from hicache.engine.loader import load_hybrid_model
+
+    with pytest.raises(UnsupportedModelError, match="not a hybrid family"):
+        load_hybrid_model("tiny-random-llama", dtype="float32")
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_greedy_through_engine_equals_transformers(name: str) -> None:
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name) as engine:
+        assert engine.resumable_prefix is (name in ATTENTION_ONLY)
+        pool_layers = engine.cache.spec.num_layers
+        assert pool_layers == len(hybrid_model(name).model.config.kv_layers)
+        out = engine.generate(ids, GREEDY, timeout=60)
+        assert out.error is None and out.output_ids == want
+        again = engine.generate(ids, GREEDY, timeout=60)
+        assert again.output_ids == want
+        if name in RECURRENT:  # never matched: the cache holds no state snapshot
+            assert again.cached.total == 0
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_attention_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name, storage=tmp_path) as engine:
+        cold = engine.generate(ids, GREEDY, timeout=60)
+        assert cold.cached.total == 0 and cold.output_ids == want
+        from_l1 = engine.generate(ids, GREEDY, timeout=60)
+        assert from_l1.cached.device == MATCHED and from_l1.output_ids == want
+
+        def demote_all() -> int:
+            engine.cache.flush()  # backups complete, nodes unpinned
+            return engine.cache.evict_device(10**6)
+
+        assert engine.call(demote_all).result(timeout=30) > 0
+        from_l2 = engine.generate(ids, GREEDY, timeout=60)
+        assert from_l2.cached.device == 0 and from_l2.cached.host == MATCHED
+        assert from_l2.output_ids == want
+        engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
+        assert engine.flush_cache()  # L1 and L2 emptied
+        from_l3 = engine.generate(ids, GREEDY, timeout=60)
+        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
+        assert from_l3.output_ids == want
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_concurrent_requests_with_retraction_stay_exact(name: str) -> None:
+    """Six requests on a 14-page L1 (each needs 6 pages for its prompt, 8 at the end)
+    retract one another; every output equals transformers' for its prompt."""
+    shared = prompt(name, 12).tolist()
+    prompts = [shared + prompt(name, 10, offset=20 + 7 * i).tolist() for i in range(6)]
+    want = [hf_greedy(name, p) for p in prompts]
+    with make_engine(name, device_tokens=14 * PAGE) as engine:
+        retracted: list[str] = []
+        retract = engine.scheduler._retract
+
+        def counting(req):  # type: ignore[no-untyped-def]
+            retracted.append(req.rid)
+            retract(req)
+
+        engine.scheduler._retract = counting  # type: ignore[method-assign]
+        assert run_all(engine, prompts) == want
+        assert retracted, "the small L1 should have forced a retraction"
+        assert_idle(engine)
+
+
+def test_runner_refuses_to_resume_a_recurrent_sequence_it_holds_no_state_for() -> None:
+    name = "tiny-random-nemotron-h"
+    model = hybrid_model(name).model
+    runner = ModelRunner(model, DevicePool(model.config.kv_spec("float32"), 8, PAGE))
+    assert not runner.resumable_prefix and runner.states is not None
+    ids = prompt(name, 9)
+    slots = torch.arange(9)
+
+    def batch(start: int, end: int, key: str) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=ids[start:end],
+            positions=torch.arange(start, end),
+            extend_lens=[end - start],
+            seq_slots=[slots[:end]],
+            seq_ids=[key],
+        )
+
+    with pytest.raises(ValueError, match="no state"):
+        runner.forward(batch(4, 9, "a"))  # a prefix the cache served: no state for it
+    with pytest.raises(ValueError, match="seq_ids"):
+        runner.forward(ForwardBatch(input_ids=ids, positions=torch.arange(9), extend_lens=[9],
+                                    seq_slots=[slots]))  # fmt: skip
+    full = runner.forward(batch(0, 9, "a"))
+    runner.drop_state("a")
+    runner.forward(batch(0, 4, "a"))
+    assert runner.states.tokens("a") == 4
+    with pytest.raises(ValueError, match="a state of 4 positions"):
+        runner.forward(batch(5, 9, "a"))
+    resumed = runner.forward(batch(4, 9, "a"))
+    assert torch.allclose(resumed, full, atol=1e-5)
+    runner.drop_state("a")
+    assert len(runner.states) == 0
