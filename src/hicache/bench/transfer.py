@@ -7,7 +7,8 @@ measures, as the transfer engine runs them:
 - backup: ``copier.backup`` (device -> host, all layers);
 - load: ``copier.load_layer`` for every layer (host -> device);
 - memcpy: a contiguous ``dst.copy_(src)`` of the same number of bytes, in the same run
-  (device -> pinned host on CUDA).
+  (device -> pinned host on CUDA; on CPU both buffers advised to use huge pages like the
+  pools, see :mod:`hicache.memory.hugepages`).
 
 Each figure is the median of ``--repeat`` timed runs after one warm-up; GB/s is 1e9 B/s.
 On a CPU-only host the "device" pool lives in RAM, so all three are RAM -> RAM copies.
@@ -26,6 +27,7 @@ import torch
 
 from hicache.config import IOBackend, KVSpec, MemLayout
 from hicache.memory import DevicePool, HostPool
+from hicache.memory.hugepages import advise_huge_pages
 from hicache.transfer import PageCopier, make_copier
 
 __all__ = ["BenchRun", "main", "run_one"]
@@ -83,10 +85,15 @@ def run_one(
     op_bytes = pages * device_pool.page_bytes
     dev = device_pool.device
     elems = op_bytes // device_pool.buffer.element_size()
-    src = torch.ones(elems, dtype=device_pool.dtype, device=dev)
     # the baseline crosses the same boundary as the copies: RAM -> RAM on CPU, D -> pinned H
-    # on CUDA
-    dst = torch.zeros(elems, dtype=device_pool.dtype, pin_memory=dev.type == "cuda")
+    # on CUDA; on CPU its buffers get the same huge-page advice as the pools, so the ratio
+    # measures the copier, not the page size
+    src = torch.empty(elems, dtype=device_pool.dtype, device=dev)
+    dst = torch.empty(elems, dtype=device_pool.dtype, pin_memory=dev.type == "cuda")
+    for t in (src, dst):
+        advise_huge_pages(t)
+    src.fill_(1)
+    dst.zero_()
     num_layers = device_pool.spec.num_layers
 
     def memcpy() -> None:

@@ -9,6 +9,7 @@ import torch
 from hicache.config import AttentionKind, KVSpec, MemLayout
 from hicache.memory.base import KVPool, check_sizes
 from hicache.memory.budget import DEVICE_FLAGS, check_fits, pool_bytes
+from hicache.memory.hugepages import advise_huge_pages
 from hicache.memory.layout import buffer_shape
 
 __all__ = ["DevicePool"]
@@ -19,7 +20,8 @@ class DevicePool(KVPool):
 
     ``buffer`` has shape ``(K, L, S, H, D)`` (K = ``spec.num_kv``: 0 = K or latent, 1 = V;
     L = layers; S = ``num_pages * page_size`` token slots; H = ``spec.heads``;
-    D = ``spec.dim``), dtype ``spec.dtype``, zero-filled at construction. A buffer larger
+    D = ``spec.dim``), dtype ``spec.dtype``, zero-filled at construction (on CPU, after
+    advising transparent huge pages: :mod:`hicache.memory.hugepages`). A buffer larger
     than what ``device`` has free raises :class:`~hicache.memory.budget.PoolSizeError`
     before anything is allocated.
     """
@@ -42,7 +44,14 @@ class DevicePool(KVPool):
         )
         super().__init__(spec, num_pages, page_size, MemLayout.LAYER_FIRST)
         self.buffer = torch.empty(shape, dtype=self.dtype, device=dev)
+        # on CPU, huge pages before the first touch (see hicache.memory.hugepages)
+        self._huge_pages = advise_huge_pages(self.buffer)
         self.buffer.zero_()
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the kernel accepted the transparent-huge-page advice (CPU buffers only)."""
+        return self._huge_pages
 
     def kv(self, kind: int, layer: int) -> torch.Tensor:
         """View ``(size_tokens, H, D)`` of ``kind`` (0 = K or latent, 1 = V) in ``layer``."""

@@ -19,6 +19,7 @@ import torch
 from hicache.config import CacheConfig, KVSpec, MemLayout
 from hicache.memory.base import KVPool, check_sizes
 from hicache.memory.budget import HOST_FLAGS, MEMORY_FRACTION, check_fits, pool_bytes
+from hicache.memory.hugepages import advise_huge_pages
 from hicache.memory.layout import buffer_shape
 
 __all__ = ["HOST_RAM_FRACTION", "HostPool", "check_host_memory"]
@@ -37,7 +38,9 @@ class HostPool(KVPool):
     """Paged KV cache in host RAM.
 
     The buffer is allocated and zero-filled in the constructor, so every OS page is touched
-    once up front (first touch is slow; it must not happen on the transfer path). A buffer
+    once up front (first touch is slow; it must not happen on the transfer path). An
+    unpinned buffer is first advised to use transparent huge pages
+    (:mod:`hicache.memory.hugepages`; fewer TLB misses in page copies). A buffer
     over ``HOST_RAM_FRACTION`` of the available RAM raises
     :class:`~hicache.memory.budget.PoolSizeError` before anything is allocated. With
     ``pin_memory`` the buffer is page-locked for asynchronous DMA; that needs a CUDA build
@@ -59,6 +62,7 @@ class HostPool(KVPool):
         super().__init__(spec, num_pages, page_size, MemLayout(layout))
         self._pinned = bool(pin_memory)
         self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self._pinned)
+        self._huge_pages = advise_huge_pages(self.buffer)  # before the first touch
         self.buffer.zero_()
         self._bytes = self.buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
@@ -85,6 +89,11 @@ class HostPool(KVPool):
                 "bytes; raise hicache_size or hicache_ratio"
             )
         return cls.create(spec, num_pages, config.page_size, config.mem_layout, device)
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the kernel accepted the transparent-huge-page advice for the buffer."""
+        return self._huge_pages
 
     @property
     def pinned(self) -> bool:

@@ -4,21 +4,24 @@ CPU (device pool in RAM). Two strategies, picked per op by :meth:`KernelCopier.s
 from the sizes involved (measured with ``python -m hicache.bench.transfer``):
 
 - ``slabs``: each run of pages consecutive on both sides becomes one strided view pair
-  (all layers and kinds of the run for a backup; one layer, all kinds, for a load), and
-  all of an op's views go to torch in one ``torch._foreach_copy_`` (no Python loop per
-  copy). Used when a view moves >= ``slab_min_bytes`` on average.
+  (all layers and kinds of the run for a backup), and all of an op's views go to torch in
+  one ``torch._foreach_copy_`` (no Python loop per copy). Loads: ``page_first`` likewise
+  (one layer, both kinds, per run); ``layer_first`` and ``page_first_direct``, whose
+  (page, layer, kind) blocks are contiguous on both sides, copy them by address with
+  ``memmove`` (:mod:`hicache.transfer.blocks`; offsets computed once per op, split over
+  ``torch.get_num_threads()`` threads). Used when a view moves >= ``slab_min_bytes`` on
+  average.
 - ``rows``: smaller views (loads at page size <= 8 here): one ``index_select`` + ``index_copy_``
   over the buffers viewed as 2-D row matrices (see :mod:`hicache.transfer.rows`).
 
 What bounds the CPU path is copy granularity, not Python: one torch ``copy_`` per block
 reaches ~0.35x of a 256 MiB memcpy for 32 KiB blocks, ~0.5x for 128 KiB (one 64-token
-page of one layer of a 8 x 128 fp16 head) and ~0.9x for >= 2 MiB, whether the blocks are
-shuffled or in order. A page-64 backup moves whole pages (all layers) per view and gets
-~0.8x; a layer-wise load moves 128 KiB blocks and gets ~0.5x. Tried and dropped: libc
-``memmove`` of the blocks on two threads (``ctypes``, GIL released), torch or numpy copies
-on two Python threads, two-pass gathers through a cache-sized buffer; none beat the slab
-copies on an idle machine. (Transparent huge pages for the pool buffers gave +5-10% to
-both; not done, it needs ``madvise`` through ``ctypes``.)
+page of one layer of a 8 x 128 fp16 head) and ~0.9x for >= 2 MiB. A page-64 backup moves
+whole pages (all layers) per view and gets ~0.8-0.9x; a layer-wise load moves 128 KiB
+blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.4-0.7x. The pools' huge
+pages (:mod:`hicache.memory.hugepages`) cut the TLB misses of both. Tried and dropped
+(docs/benchmarks.md has the figures): per-kind serial views, two-pass gathers through a
+staging buffer (whole layer or cache-sized chunks), numpy copies, ``memmove`` of backups.
 
 CUDA: no custom kernel (none could be tested here); torch indexing on the GPU does the
 gather/scatter and the host side moves in as few DMAs as the layout allows.
@@ -44,6 +47,7 @@ from hicache.memory.base import PageList, row_words
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.host_pool import HostPool
 from hicache.transfer.base import PageCopier, check_layer
+from hicache.transfer.blocks import BlockPlan, copy_blocks
 from hicache.transfer.plan import OpPlan
 from hicache.transfer.rows import row_ids, rows, word_dtype
 
@@ -223,22 +227,31 @@ class KernelCopier(PageCopier):
     def _load_layer_slabs(
         self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
     ) -> None:
+        if host.layout is MemLayout.PAGE_FIRST:
+            self._load_layer_strided(device, host, plan, layer)
+            return
+        blocks = plan.memo.get("load_blocks")
+        if not isinstance(blocks, BlockPlan):
+            blocks = _load_blocks(device, host, plan)
+            plan.memo["load_blocks"] = blocks
+        copy_blocks(device.buffer, host.buffer, blocks, layer)
+
+    def _load_layer_strided(
+        self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
+    ) -> None:
+        """``page_first``: the layer's host rows are strided (one row every L rows), so
+        each run is one strided view pair over both kinds, all in one ``_foreach_copy_``
+        (per-kind views, serial at page 64, measured slower on an idle host: 0.22 vs
+        0.40 of a contiguous copy)."""
         dl = row_words(device.buffer)[:, layer]  # (K, S, E)
-        hv = row_words(host.buffer)
-        hl = hv[:, layer] if host.layout is MemLayout.LAYER_FIRST else hv[:, :, layer]
+        hl = row_words(host.buffer)[:, :, layer]  # (K, S, E), token stride L * E
         ps = plan.page_size
-        direct = host.layout is MemLayout.PAGE_FIRST_DIRECT
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         for r in plan.runs:
-            dst = dl[:, r.dev * ps : (r.dev + r.length) * ps]  # (K, r*ps, E)
-            if direct:
-                src = hl[:, r.host : r.host + r.length]  # (K, r, ps, E)
-                dst = dst.unflatten(1, (r.length, ps))
-            else:
-                src = hl[:, r.host * ps : (r.host + r.length) * ps]
-            dsts.append(dst)
-            srcs.append(src)
+            d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
+            dsts.append(dl[:, d0 : d0 + n])
+            srcs.append(hl[:, h0 : h0 + n])
         torch._foreach_copy_(dsts, srcs)
 
     def _load_layer_device(
@@ -296,3 +309,36 @@ def _load_ids(
     dtok = plan.index("dev_tokens", on).view(1, -1)
     htok = plan.index("host_tokens", on).view(1, -1)
     return _ids(host, k, lay, htok), _ids(device, k, lay, dtok)
+
+
+def _load_blocks(device: DevicePool, host: HostPool, plan: OpPlan) -> BlockPlan:
+    """Byte offsets of a load's contiguous blocks (layer 0) for ``layer_first`` and
+    ``page_first_direct`` hosts; a layer adds one stride per side.
+
+    Device block of (kind k, run at token t): ``((k * L) * S_dev + t) * R``, layer stride
+    ``S_dev * R`` (R = bytes of one token's row). ``layer_first`` host: same form with
+    ``S_host``, whole runs of pages per block. ``page_first_direct`` host: one block per
+    page, ``((k * P_host + page) * L) * ps * R``, layer stride ``ps * R``.
+    """
+    spec = device.spec
+    kinds, layers, ps = spec.num_kv, spec.num_layers, plan.page_size
+    row = spec.heads * spec.dim * spec.dtype_bytes
+    s_dev, s_host = device.size_tokens, host.size_tokens
+    dst: list[int] = []
+    src: list[int] = []
+    nbytes: list[int] = []
+    if host.layout is MemLayout.LAYER_FIRST:
+        for r in plan.runs:
+            for k in range(kinds):
+                dst.append((k * layers * s_dev + r.dev * ps) * row)
+                src.append((k * layers * s_host + r.host * ps) * row)
+                nbytes.append(r.length * ps * row)
+        return BlockPlan.build(dst, src, nbytes, s_dev * row, s_host * row)
+    assert host.layout is MemLayout.PAGE_FIRST_DIRECT
+    block = ps * row
+    for d, h in plan.pairs:
+        for k in range(kinds):
+            dst.append((k * layers * s_dev + d * ps) * row)
+            src.append((k * host.num_pages + h) * layers * block)
+            nbytes.append(block)
+    return BlockPlan.build(dst, src, nbytes, s_dev * row, block)

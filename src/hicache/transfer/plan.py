@@ -115,6 +115,9 @@ class OpPlan:
         self.n = self.device_pages.numel()
         self.page_size = device.page_size
         self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.memo: dict[str, object] = {}
+        """Copier-specific data derived from the op (e.g. block offsets), kept with the plan
+        so that the ``num_layers`` calls of one load compute it once."""
 
     @cached_property
     def run_tensors(self) -> RunTensors:

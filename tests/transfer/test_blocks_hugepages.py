@@ -1,0 +1,94 @@
+"""Address-based block copies and the huge-page advice of the CPU pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.config import KVSpec, MemLayout
+from hicache.memory import DevicePool, HostPool
+from hicache.memory.hugepages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
+from hicache.transfer import KernelCopier
+from hicache.transfer.blocks import MIN_SPLIT_BYTES, BlockPlan, copy_blocks
+
+
+def test_copy_blocks_moves_exactly_the_listed_blocks() -> None:
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    plan = BlockPlan.build([0, 10], [4, 30], [3, 2], dst_layer_stride=20, src_layer_stride=1)
+    copy_blocks(dst, src, plan, layer=1)
+    want = torch.zeros(64, dtype=torch.uint8)
+    want[20:23] = src[5:8]
+    want[30:32] = src[31:33]
+    assert torch.equal(dst, want)
+
+
+def test_copy_blocks_refuses_out_of_bounds_before_copying() -> None:
+    src = torch.arange(16, dtype=torch.uint8)
+    dst = torch.zeros(16, dtype=torch.uint8)
+    plan = BlockPlan.build([0, 12], [0, 0], [4, 4], dst_layer_stride=4, src_layer_stride=0)
+    copy_blocks(dst, src, plan, layer=0)  # block 2 ends at 16: fits
+    dst.zero_()
+    with pytest.raises(IndexError, match="outside its buffer"):
+        copy_blocks(dst, src, plan, layer=1)  # block 2 would end at 20
+    assert not bool(dst.any())
+    with pytest.raises(ValueError, match="negative"):
+        BlockPlan.build([-1], [0], [1], 0, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_blocks(dst.view(4, 4).t(), src, plan, 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_blocks_split_over_threads_is_exact(threads: int) -> None:
+    """A copy over MIN_SPLIT_BYTES goes to helper threads; every byte lands once."""
+    block = 64 * 1024
+    n = 2 * MIN_SPLIT_BYTES // block + 3
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (n * block,), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    perm = torch.randperm(n, generator=g).tolist()
+    plan = BlockPlan.build(
+        [p * block for p in perm], [i * block for i in range(n)], [block] * n, 0, 0
+    )
+    copy_blocks(dst, src, plan, 0, threads=threads)
+    for i, p in enumerate(perm):
+        assert torch.equal(dst[p * block : (p + 1) * block], src[i * block : (i + 1) * block])
+
+
+def _with_run(perm: torch.Tensor, run: range, n: int) -> torch.Tensor:
+    """``n`` distinct pages: ``run`` first (consecutive), then ``perm`` without it."""
+    rest = [p for p in perm.tolist() if p not in run]
+    return torch.tensor([*run, *rest][:n])
+
+
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST_DIRECT])
+def test_kernel_load_by_blocks_matches_direct_reads(layout: MemLayout) -> None:
+    """The memmove load path against read_pages, on a pool big enough to split."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    device = DevicePool(spec, 80, 16)
+    host = HostPool(spec, 64, 16, layout, pin_memory=False)
+    g = torch.Generator().manual_seed(1)
+    raw = host.buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    hp = _with_run(torch.randperm(64, generator=g), range(10, 15), 40)
+    dp = _with_run(torch.randperm(80, generator=g), range(50, 55), 40)
+    KernelCopier(slab_min_bytes=0).load(device, host, hp, dp)
+    assert torch.equal(
+        device.read_pages(dp).view(torch.uint8), host.read_pages(hp).view(torch.uint8)
+    )
+
+
+def test_huge_page_advice() -> None:
+    small = torch.empty(1024)
+    assert not advise_huge_pages(small)
+    assert not advise_huge_pages(torch.empty(HUGE_PAGE_MIN_BYTES, dtype=torch.uint8)[::2])
+    spec = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16")
+    device = DevicePool(spec, 16, 64)  # 16 MiB
+    host = HostPool(spec, 16, 64, MemLayout.PAGE_FIRST, pin_memory=False)
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = "[never]" not in f.read()
+    except OSError:
+        thp = False
+    assert device.huge_pages == thp and host.huge_pages == thp
+    assert not bool(device.buffer.any()) and not bool(host.buffer.any())
