@@ -7,7 +7,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest_storage import mooncake_service, redis_service, valkey_service  # noqa: F401
+from tests.helpers.storage_fixtures import mooncake_service, redis_service, valkey_service  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

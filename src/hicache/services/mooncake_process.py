@@ -28,6 +28,7 @@ from hicache.services.process import (
     ServiceUnavailableError,
     die_with_parent,
     free_ports,
+    freeze_process,
     stop_process,
 )
 
@@ -124,9 +125,10 @@ class MooncakeProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def freeze(self) -> None:
-        """SIGSTOP the master and the holder (an unresponsive store)."""
+        """SIGSTOP the master and the holder (an unresponsive store); returns once every
+        thread of both has stopped."""
         for pid in self.pids:
-            os.kill(pid, signal.SIGSTOP)
+            freeze_process(pid)
 
     def thaw(self) -> None:
         """SIGCONT what :meth:`freeze` stopped."""

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 __all__ = [
     "LOOPBACK",
@@ -21,6 +22,7 @@ __all__ = [
     "die_with_parent",
     "free_port",
     "free_ports",
+    "freeze_process",
     "stop_process",
     "wait_for_port",
 ]
@@ -76,6 +78,25 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def freeze_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (a group stop is
+    asynchronous: a thread may run on for a moment, say to answer one more request).
+    ServiceError if it has not stopped within ``timeout_s`` seconds."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:  # "pid (comm) S ...": the state follows the last ')'
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.005)
+    raise ServiceError(f"process {pid} did not stop within {timeout_s:g} s of SIGSTOP")
 
 
 def stop_process(proc: subprocess.Popen[bytes] | int, grace_s: float = 5.0) -> None:

@@ -26,7 +26,7 @@ from hicache.storage import (
     create_storage,
 )
 from hicache.storage.deadline import DeadlineRunner
-from tests.services import start_mooncake
+from tests.helpers.services import start_mooncake
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 4

@@ -22,7 +22,7 @@ from hicache.cache import CacheRequest, HiCache
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
-from tests.kvdata import serve
+from tests.helpers.kvdata import serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2

@@ -25,7 +25,7 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from hicache.storage.registry import create_storage
-from tests.engine_fixtures import engine_model
+from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"
 PAGE = 4

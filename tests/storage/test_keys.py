@@ -17,7 +17,7 @@ import torch
 from hicache.config import KVSpec, MemLayout
 from hicache.keys import KEY_PREFIX, Namespace, PageKey, page_keys, token_fingerprint
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "l3-keys.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "l3-keys.md"
 
 
 def doc_vectors() -> list[dict[str, Any]]:

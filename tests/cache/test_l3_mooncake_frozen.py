@@ -19,8 +19,8 @@ from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.base import StorageOptions
 from hicache.storage.registry import create_storage
-from tests.kvdata import serve
-from tests.services import start_mooncake
+from tests.helpers.kvdata import serve
+from tests.helpers.services import start_mooncake
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
 PAGE = 4

@@ -11,7 +11,7 @@ import pytest
 
 from hicache.engine.engine import Engine
 from hicache.engine.protocol import engine_supports
-from tests.api_fixtures import CONTEXT, assert_clean, make_engine, serve
+from tests.helpers.api_fixtures import CONTEXT, assert_clean, make_engine, serve
 
 openai = pytest.importorskip("openai")
 

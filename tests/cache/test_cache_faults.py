@@ -19,7 +19,7 @@ from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import StorageOptions
-from tests.kvdata import FailingLoads, page_kv, read_device, serve, write_tokens
+from tests.helpers.kvdata import FailingLoads, page_kv, read_device, serve, write_tokens
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2

@@ -24,7 +24,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
-from tests.engine_fixtures import engine_model, hf_logits, prompt_ids
+from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
 
 V = 8
 TOL = 1e-4

@@ -9,7 +9,7 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec, WritePolicy
-from tests.kvdata import page_kv, read_device, serve
+from tests.helpers.kvdata import page_kv, read_device, serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 

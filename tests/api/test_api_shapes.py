@@ -16,7 +16,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.engine.engine import Engine
-from tests.api_fixtures import CONTEXT, assert_clean, make_engine, post, serve, sse, wait_idle
+from tests.helpers.api_fixtures import (
+    CONTEXT,
+    assert_clean,
+    make_engine,
+    post,
+    serve,
+    sse,
+    wait_idle,
+)
 
 PROMPT = list(range(300, 345))
 CHAT = [{"role": "user", "content": "Say something."}]

@@ -22,7 +22,7 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, Engine, EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.engine.server import create_app
-from tests.engine_fixtures import engine_model
+from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"
 PROMPT = list(range(300, 345))

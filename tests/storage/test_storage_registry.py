@@ -34,7 +34,7 @@ NS = Namespace(
 
 
 class CustomStorage(HiCacheStorage):
-    """A do-nothing custom backend loaded as 'tests.test_storage_registry:CustomStorage'."""
+    """A do-nothing custom backend loaded as 'tests.storage.test_storage_registry:CustomStorage'."""
 
     name = "custom"
 
@@ -87,20 +87,20 @@ def test_names_and_unknown_backend() -> None:
 
 
 def test_custom_class_and_errors_do_not_escape() -> None:
-    st = create_storage("tests.test_storage_registry:CustomStorage", namespace=NS)
+    st = create_storage("tests.storage.test_storage_registry:CustomStorage", namespace=NS)
     assert isinstance(st, CustomStorage)
     with st:
         assert st.batch_exists([PageKey("hc1-00", b"\0" * 32, b"\0" * 8)]) == 0
         assert st.stats().errors == 1
     with pytest.raises(ValueError, match="not a subclass of HiCacheStorage"):
-        create_storage("tests.test_storage_registry:NotStorage", namespace=NS)
+        create_storage("tests.storage.test_storage_registry:NotStorage", namespace=NS)
     with pytest.raises(ValueError, match="cannot import module"):
         create_storage("no_such_module_xyz:Thing", namespace=NS)
     with pytest.raises(ValueError, match="has no attribute"):
-        create_storage("tests.test_storage_registry:Missing", namespace=NS)
+        create_storage("tests.storage.test_storage_registry:Missing", namespace=NS)
     with pytest.raises(ValueError, match="'x' \\(value 1\\) is unknown; accepted: option keys"):
         create_storage(
-            "tests.test_storage_registry:CustomStorage", namespace=NS, extra_config={"x": 1}
+            "tests.storage.test_storage_registry:CustomStorage", namespace=NS, extra_config={"x": 1}
         )
 
 
@@ -203,8 +203,10 @@ def test_factories_and_one_step_classes_validate_when_built() -> None:
     register_backend("raw-for-test", lambda ns, extra, opts: MemoryStorage(ns, opts))
     cfg = StorageConfig.parse("raw-for-test", {"anything": 1, "timeout_s": 0.5})
     assert cfg.settings == {"anything": 1} and cfg.options.timeout_s == 0.5
-    one = StorageConfig.parse("tests.test_storage_registry:OneStepStorage", {"color": "red"})
+    one = StorageConfig.parse(
+        "tests.storage.test_storage_registry:OneStepStorage", {"color": "red"}
+    )
     assert isinstance(one.create(NS), OneStepStorage)
-    bad = StorageConfig.parse("tests.test_storage_registry:OneStepStorage", {"size": 1})
+    bad = StorageConfig.parse("tests.storage.test_storage_registry:OneStepStorage", {"size": 1})
     with pytest.raises(ValueError, match="bad keys"):
         bad.create(NS)

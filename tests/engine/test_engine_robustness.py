@@ -26,7 +26,7 @@ from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.engine.server import create_app
-from tests.engine_fixtures import engine_model
+from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"
 PROMPT = list(range(300, 345))

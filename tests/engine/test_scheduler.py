@@ -19,7 +19,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
-from tests.kvdata import FailingLoads
+from tests.helpers.kvdata import FailingLoads
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4

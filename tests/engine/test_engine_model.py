@@ -31,7 +31,7 @@ from hicache.engine.models import (
 )
 from hicache.engine.models.attention import AttentionContext
 from hicache.memory import DevicePool
-from tests.engine_fixtures import (
+from tests.helpers.engine_fixtures import (
     TINY,
     engine_model,
     hf_logits,

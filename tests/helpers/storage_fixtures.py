@@ -1,6 +1,6 @@
-"""Session-scoped L3 service fixtures; import them from tests/conftest.py.
+"""Session-scoped L3 service fixtures; tests/conftest.py imports them.
 
-    from tests.conftest_storage import mooncake_service, redis_service, valkey_service  # noqa: F401
+    from tests.helpers.storage_fixtures import mooncake_service, redis_service, valkey_service  # noqa: F401
 
 Each service starts on free 127.0.0.1 ports at first use and is stopped by PID at the end
 of the session. Missing binaries skip locally and fail under ``CI=true``.
@@ -14,7 +14,7 @@ import pytest
 
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
-from tests.services import start_mooncake, start_redis, start_valkey
+from tests.helpers.services import start_mooncake, start_redis, start_valkey
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
-from tests.kvdata import page_kv, read_device, serve, write_tokens
+from tests.helpers.kvdata import page_kv, read_device, serve, write_tokens
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 MLA = KVSpec(num_layers=2, attention=AttentionKind.MLA, kv_lora_rank=4, qk_rope_head_dim=2)
