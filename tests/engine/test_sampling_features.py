@@ -21,10 +21,10 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
-from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
+from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner
 
 V = 8
 TOL = 1e-4
@@ -437,27 +437,6 @@ def test_engine_refuses_ids_outside_the_vocabulary(engine: Engine) -> None:
 # ---------------------------------------------------------------- scheduler, retraction
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
-VOCAB = 100
-MISS = -1e9
-
-
-class NextTokenRunner:
-    """Stands in for the model: every token ``t`` gets logits that put all the mass on
-    ``t + 1``, so a log probability is exactly 0 (the next id) or -1e9 (any other)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.logit_rows: list[list[int] | None] = []
-
-    def forward(self, batch: ForwardBatch, *, logit_rows: list[int] | None = None) -> torch.Tensor:
-        self.logit_rows.append(None if logit_rows is None else list(logit_rows))
-        if logit_rows is None:
-            logit_rows = (torch.tensor(batch.extend_lens).cumsum(0) - 1).tolist()
-        picked = batch.input_ids[logit_rows]
-        logits = torch.full((len(logit_rows), VOCAB), MISS)
-        logits[torch.arange(len(logit_rows)), (picked + 1) % VOCAB] = 0.0
-        return logits
 
 
 class SpaceTokenizer:

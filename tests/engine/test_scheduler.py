@@ -10,41 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
-from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from tests.helpers.fake_runner import NextTokenRunner
 from tests.helpers.kvdata import FailingLoads
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
-VOCAB = 100
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
-
-
-class NextTokenRunner:
-    """Stands in for the model: logits that pick ``last token + 1``."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.batches: list[list[int]] = []
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self.batches.append(list(batch.extend_lens))
-        if batch.layer_wait is not None:
-            for layer in range(SPEC.num_layers):
-                batch.layer_wait(layer)
-        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-        last = batch.input_ids[ends]
-        logits = torch.full((len(batch.extend_lens), VOCAB), -1e9)
-        logits[torch.arange(len(last)), (last + 1) % VOCAB] = 0.0
-        return logits
 
 
 class SpaceTokenizer:

@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +79,7 @@ class Scheduler:
         self.page_size = cache.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # the runner's recurrent-state capability (test doubles of the runner may omit it:
-        # then it is a pure attention model)
-        self.resumable_prefix: bool = bool(getattr(runner, "resumable_prefix", True))
-        self._drop_state: Callable[[str], None] = getattr(runner, "drop_state", _keep_nothing)
+        self.resumable_prefix = runner.resumable_prefix
 
     # ------------------------------------------------------------------ queue
 
@@ -362,7 +358,7 @@ class Scheduler:
         assert req.cache is not None
         self.running.remove(req)
         self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
-        self._drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
+        self.runner.drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
         req.kv_len = 0
         req.retracted += 1
         self.waiting.appendleft(req)
@@ -371,7 +367,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-        self._drop_state(req.rid)
+        self.runner.drop_state(req.rid)
         if req.cache is not None:
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
         self._emit(req)
@@ -383,10 +379,6 @@ class Scheduler:
             except Exception:  # a broken consumer must not stop the engine
                 log.exception("output callback of %s failed", req.rid)
                 req.aborted = True
-
-
-def _keep_nothing(_: str) -> None:
-    return None
 
 
 def _logprobs_by_row(
