@@ -122,17 +122,12 @@ class Gemma3LM(HybridLM):
     def __init__(self, cfg: Gemma3Config) -> None:
         super().__init__(cfg)
         self.model = Gemma3Body(cfg)
-        self.lm_head: nn.Linear | None = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._build_head()
         self.rope_global = RotaryEmbedding(cfg.rope_global, cfg.head_dim)
         self.rope_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim)
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
-
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def run(
         self,

@@ -135,16 +135,11 @@ class GptOssLM(HybridLM):
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__(cfg)
         self.model = GptOssBody(cfg)
-        self.lm_head: nn.Linear | None = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
-
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def run(
         self,

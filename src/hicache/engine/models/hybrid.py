@@ -121,8 +121,18 @@ class HybridLM(nn.Module):
         raise NotImplementedError
 
     def output_weight(self) -> torch.Tensor:
-        """``(vocab, hidden)`` projection to logits."""
-        raise NotImplementedError
+        """``(vocab, hidden)`` projection to logits: ``lm_head``, or the input embeddings
+        when the config ties them."""
+        head = self.lm_head
+        return self.input_embeddings().weight if head is None else head.weight
+
+    def _build_head(self) -> None:
+        """The untied ``lm_head`` (``None`` when tied to the input embeddings); call from
+        ``__init__`` after the embeddings exist."""
+        cfg = self.config
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def state_specs(self) -> dict[int, StateSpec]:
         """Per recurrent layer id, its per-sequence state shapes (empty when none)."""

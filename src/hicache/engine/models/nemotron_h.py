@@ -171,15 +171,10 @@ class NemotronHLM(HybridLM):
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__(cfg)
         self.backbone = NemotronHBody(cfg)
-        self.lm_head: nn.Linear | None = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._build_head()
 
     def input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings
-
-    def output_weight(self) -> torch.Tensor:
-        return self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
     def state_specs(self) -> dict[int, StateSpec]:
         cfg = self.config
