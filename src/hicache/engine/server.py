@@ -47,14 +47,17 @@ from hicache.engine.metrics import EngineMetrics
 from hicache.engine.native import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, generate_body
 from hicache.engine.protocol import (
     ChatCompletionRequest,
-    Choice,
     CompletionRequest,
-    Detokenizer,
     SamplingFields,
+    check_text,
+)
+from hicache.engine.request import RequestOutput
+from hicache.engine.responses import (
+    Choice,
+    Detokenizer,
     chat_body,
     chat_chunk,
     chat_logprobs,
-    check_text,
     completion_body,
     completion_chunk,
     completion_logprobs,
@@ -65,7 +68,6 @@ from hicache.engine.protocol import (
     usage,
     usage_chunk,
 )
-from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.storage.registry import parse_extra_config
 
