@@ -1,42 +1,28 @@
 """L3 at the facade: backup of every span reaching L2, prefetch into an L2-only leaf,
-private (salted) spans, MLA's rank-0 writer, and agreement across ranks."""
+private (salted) spans (rank agreement with real processes: test_ranks.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from hicache.cache import HiCache
-from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
-from hicache.controller.rank_group import RankGroup
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.helpers.kvdata import page_kv, read_device, serve, write_tokens
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
-MLA = KVSpec(num_layers=2, attention=AttentionKind.MLA, kv_lora_rank=4, qk_rope_head_dim=2)
 PAGE = 2
 
 
-class FakeRanks(RankGroup):
-    """A rank of a pretend group whose other ranks report ``others`` (min is taken)."""
-
-    def __init__(self, rank: int, others: int | None = None) -> None:
-        super().__init__()
-        self.rank = rank
-        self.others = others
-
-    def min(self, value: int) -> int:
-        return value if self.others is None else min(value, self.others)
-
-
-def make(spec: KVSpec, store: MemoryStore, ranks: RankGroup | None = None) -> HiCache:
+def make(spec: KVSpec, store: MemoryStore) -> HiCache:
     cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
     cache = HiCache(cfg, spec).start()
     ns = Namespace.for_spec(
         spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
     )
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch, ranks)
+    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
     return cache
 
 
@@ -98,25 +84,6 @@ def test_a_tenants_spans_reach_only_that_tenant_through_l3() -> None:
         assert fetch(b, TOKENS, tenant="globex")[0] == 0
         got, data = fetch(b, TOKENS, tenant="acme")
         assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
-        b.check_integrity()
-
-
-def test_mla_only_rank_zero_writes() -> None:
-    s0, s1 = MemoryStore(), MemoryStore()
-    with make(MLA, s0, FakeRanks(0)) as r0, make(MLA, s1, FakeRanks(1)) as r1:
-        put(r0, TOKENS)
-        put(r1, TOKENS)
-        assert len(s0) == 4 and len(s1) == 0
-        assert r0.storage is not None and r0.storage.namespace.tp_rank is None
-
-
-def test_ranks_agree_on_the_shorter_hit() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
-    with make(MHA, store, FakeRanks(0, others=2)) as b:  # another rank hit 2 pages only
-        got, data = fetch(b, TOKENS)
-        assert got == 4 and torch.equal(data, page_kv(b, TOKENS, 0, 2))
         b.check_integrity()
 
 
