@@ -30,10 +30,11 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from hicache.cache.host_tier import HostTier
-from hicache.cache.inspect import cache_stats, check_cache_integrity
+from hicache.cache.inspect import cache_stats, check_cache_integrity, check_owned
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
+from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
 from hicache.cache.storage_tier import StorageTier
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig, StateSpec
 from hicache.controller import CompletionQueue, write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
@@ -45,7 +46,9 @@ from hicache.storage.base import HiCacheStorage
 from hicache.tokens import encode_tokens
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
+from hicache.tree.components import ComponentValues, MambaState, Tier, TreeComponent
 from hicache.tree.node import PageIds, TokenIds, page_ids
+from hicache.tree.results import NodeEviction
 from hicache.validate import number_at_least
 
 log = logging.getLogger("hicache.cache")
@@ -70,6 +73,7 @@ class HiCache(Lifecycle):
         *,
         layer_hook: Callable[[int, int], None] | None = None,
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+        state: StateSpec | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -79,11 +83,22 @@ class HiCache(Lifecycle):
         self.wait_timeout_s = wait_timeout_s
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
-        self.tree = HiRadixTree(config.page_size, config.eviction_policy)
+        components: list[TreeComponent] = [MambaState()] if state is not None else []
+        self.tree = HiRadixTree(config.page_size, config.eviction_policy, components)
         self.rule = write_rule(config)
         self.counters = CacheCounters()
         self._completions = CompletionQueue()
         self._op_ids = itertools.count(1)
+        self.snapshots: SnapshotTier | None = None
+        if state is not None:
+            self.snapshots = SnapshotTier(
+                tree=self.tree,
+                config=config,
+                kv=spec,
+                state=state,
+                device=self.device,
+                hierarchical=config.enable_hierarchical_cache,
+            )
         self.host: HostTier | None = None
         if config.enable_hierarchical_cache:
             self.host = HostTier(
@@ -99,6 +114,9 @@ class HiCache(Lifecycle):
                 layer_hook=layer_hook,
             )
             self.host.on_backed_up = self._on_backed_up
+            self.host.free_components = self._free_components
+            if self.snapshots is not None:
+                self.host.on_backup_issued = self.snapshots.back_up
         self.storage: StorageTier | None = None
         self._retired: list[tuple[HiCacheStorage, PageIds]] = []
         self._requests: set[CacheRequest] = set()
@@ -260,6 +278,12 @@ class HiCache(Lifecycle):
             match = self.match_prefix((), req.tenant)
         node, pages, loaded, progress = self._load_back(match, req)
         self.tree.inc_lock_ref(node)
+        state_slot = None
+        if self.snapshots is not None and node.parent is not None:
+            if not self.snapshots.load(node):  # every snapshot slot pinned: try later
+                self.tree.dec_lock_ref(node)
+                return False
+            state_slot = int(self.tree.hit_ids(SNAPSHOT, node)[0])
         new = self.alloc_device(math.ceil(len(tokens) / ps) - len(pages))
         if new is None:
             self.tree.dec_lock_ref(node)
@@ -270,6 +294,7 @@ class HiCache(Lifecycle):
         req.prefix_pages = len(pages)
         req._prefix_tokens = len(pages) * ps
         req._progress = progress
+        req.state_slot = state_slot
         req.failed = None
         self._requests.add(req)
         if not req._counted:
@@ -294,10 +319,16 @@ class HiCache(Lifecycle):
         req.pages += new
         return True
 
-    def commit(self, req: CacheRequest, tokens: TokenIds) -> None:
+    def commit(
+        self, req: CacheRequest, tokens: TokenIds, state: list[torch.Tensor] | None = None
+    ) -> None:
         """``tokens`` (a prefix of the request's sequence) now have their KV in ``req``'s
         pages: hand the whole pages to the tree so other requests share them (the write
-        policy may back them up). ``req`` keeps using the tree's copy of them."""
+        policy may back them up). ``req`` keeps using the tree's copy of them.
+
+        ``state``: the request's recurrent state after exactly ``tokens`` (canonical:
+        one ``(1, L, *shape)`` tensor per state tensor; page-aligned ``tokens`` only),
+        kept as the snapshot at that boundary so later requests can resume there."""
         self._require_admitted(req)
         ps = self.page_size
         full = len(tokens) // ps
@@ -306,17 +337,30 @@ class HiCache(Lifecycle):
         if full > len(req.pages):
             raise ValueError(f"commit of {full} pages; the request holds {len(req.pages)}")
         prefix = tokens[: full * ps]
+        components: dict[str, ComponentValues] = {}
+        if state is not None and self.snapshots is not None:
+            if len(tokens) != full * ps:
+                raise ValueError(f"a state snapshot needs whole pages; got {len(tokens)} tokens")
+            slot = self.snapshots.write(state)
+            if slot is not None:
+                components[SNAPSHOT] = ComponentValues.snapshots({full: slot})
         result = self.insert(
-            prefix, req.pages[:full], priority=req.priority, tenant=req.tenant, back_up=False
+            prefix,
+            req.pages[:full],
+            priority=req.priority,
+            tenant=req.tenant,
+            back_up=False,
+            components=components,
         )
-        match = self.tree.match_prefix(prefix, req.tenant)
-        if match.device_tokens != full * ps:  # pragma: no cover - a tree invariant
+        last = result.last_node
+        tree_pages = _path_device_pages(last)  # not a match: a boundary need not be valid
+        if len(tree_pages) != full:  # pragma: no cover - a tree invariant
             raise RuntimeError("committed prefix is not resident in L1")
-        self.tree.inc_lock_ref(match.last_device_node)
+        self.tree.inc_lock_ref(last)
         if req.node is not None:
             self.tree.dec_lock_ref(req.node)
-        req.node = match.last_device_node
-        req.pages = match.device_pages + req.pages[full:]
+        req.node = last
+        req.pages = tree_pages + req.pages[full:]
         req.prefix_pages = full
         req._prefix_tokens = full * ps
         if self.host is not None and self.rule.backup_min_hits is not None:
@@ -425,6 +469,7 @@ class HiCache(Lifecycle):
         priority: int = 0,
         tenant: str = "",
         back_up: bool = True,
+        components: dict[str, ComponentValues] | None = None,
     ) -> InsertResult:
         """Page level: hand the L1 pages of ``tokens`` (whole pages) to the tree; back
         up by policy (unless ``back_up`` is False).
@@ -433,9 +478,12 @@ class HiCache(Lifecycle):
         ownership of pages beyond the whole pages of ``tokens``.
         """
         self.poll()
-        result = self.tree.insert(tokens, device_pages, priority=priority, tenant=tenant)
+        result = self.tree.insert(
+            tokens, device_pages, priority=priority, tenant=tenant, components=components or None
+        )
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
+        self._free_components(Tier.DEVICE, result.component_duplicates)
         if back_up and self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         return result
@@ -475,8 +523,7 @@ class HiCache(Lifecycle):
                 if node.lock_ref > 0:  # still copying, or its backup failed: next one
                     continue
             demoted = node.host is not None
-            pages = self.tree.evict_device(node)
-            self.device_pool.allocator.free(pages)
+            pages = self._free_eviction(self.tree.evict_node_device(node))
             freed += len(pages)
             tokens = len(pages) * self.page_size
             if demoted:
@@ -488,6 +535,32 @@ class HiCache(Lifecycle):
     def evict_host(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L2 pages if possible; returns pages freed."""
         return 0 if self.host is None else self.host.evict(num_pages)
+
+    def _free_eviction(self, ev: NodeEviction) -> PageIds:
+        """Free what evicting one node from L1 released; returns its full pages."""
+        self.device_pool.allocator.free(ev.full)
+        self._free_components(Tier.DEVICE, ev.components)
+        return ev.full
+
+    def _free_components(self, tier: Tier, ids: dict[str, PageIds]) -> None:
+        """Return extra components' ids (released by the tree) to their pools."""
+        for name, got in ids.items():
+            if name == SNAPSHOT and self.snapshots is not None:
+                self.snapshots.free(tier, got)
+            elif len(got):  # pragma: no cover - every component has a pool above
+                raise RuntimeError(f"no pool for component {name!r}")
+
+    def read_state(self, req: CacheRequest) -> list[torch.Tensor] | None:
+        """The recurrent-state snapshot ``req`` resumes from (canonical tensors, copies),
+        or None when it starts from zero state."""
+        if req.state_slot is None or self.snapshots is None:
+            return None
+        return self.snapshots.read(req.state_slot)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a model with recurrent state can resume cached prefixes here."""
+        return self.snapshots is not None
 
     # ------------------------------------------------------------------ completions
 
@@ -533,6 +606,9 @@ class HiCache(Lifecycle):
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host is not None:
             self.host.allocator.free(self.tree.host_page_ids())
+        if self.snapshots is not None:
+            for tier in (Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())):
+                self.snapshots.free(tier, page_ids(self.snapshots.owned(tier)))
         self.tree.reset()
 
     @property
@@ -572,3 +648,22 @@ class HiCache(Lifecycle):
             [*self.request_pages(), *request_pages],
             host_held,
         )
+        if self.snapshots is not None:
+            sn = self.snapshots
+            check_owned("L1 snapshot", sn.device_pool.allocator, sn.owned(Tier.DEVICE))
+            if sn.host_pool is not None:
+                check_owned("L2 snapshot", sn.host_pool.allocator, sn.owned(Tier.HOST))
+
+
+def _path_device_pages(node: TreeNode) -> PageIds:
+    """The L1 pages of the path from the root to ``node``, in token order (all in L1)."""
+    parts: list[PageIds] = []
+    while node.parent is not None:
+        if node.device is None:  # pragma: no cover - contiguity
+            raise RuntimeError(f"{node!r} on a committed path is not in L1")
+        parts.append(node.device)
+        node = node.parent
+    out = page_ids()
+    for p in reversed(parts):
+        out += p
+    return out

@@ -28,7 +28,9 @@ from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree.components import Tier
 from hicache.tree.node import PageIds, page_ids
+from hicache.tree.results import NodeEviction
 
 log = logging.getLogger("hicache.cache")
 
@@ -86,6 +88,11 @@ class HostTier:
         self._drain = drain
         self._wait_timeout_s = wait_timeout_s
         self.on_backed_up: Callable[[list[TreeNode]], None] | None = None
+        self.on_backup_issued: Callable[[TreeNode], None] | None = None
+        """Called with the run's last node once its full L2 pages are assigned (extra
+        components back up what a hit there needs)."""
+        self.free_components: Callable[[Tier, dict[str, PageIds]], None] | None = None
+        """Returns extra components' ids the tree released to their pools."""
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
@@ -133,14 +140,13 @@ class HostTier:
         freed = 0
         tree = self.tree
         for order, take in (
-            (tree.host_eviction_order, tree.evict_host),
-            (tree.host_copy_eviction_order, tree.drop_host),
+            (tree.host_eviction_order, tree.evict_node_host),
+            (tree.host_copy_eviction_order, tree.drop_node_host),
         ):
             for node in order():
                 if freed >= num_pages:
                     return freed
-                pages = take(node)
-                self.allocator.free(pages)
+                pages = self._free_host(take(node))
                 freed += len(pages)
                 self.counters.host_evicted_tokens_total += len(pages) * self.page_size
         return freed
@@ -174,6 +180,8 @@ class HostTier:
         tree.inc_lock_ref(last)  # until the copy lands
         op_id = self.controller.backup(device_pages, host_pages)
         self.backups[op_id] = PendingBackup(last, num)
+        if self.on_backup_issued is not None:
+            self.on_backup_issued(last)
         if wait:
             self.wait_idle()
 
@@ -249,7 +257,10 @@ class HostTier:
             if n.lock_ref > 0 or any(ch.device is not None for ch in n.children.values()):
                 log.error("cannot drop the L1 copy of pinned %r after a failed load", n)
                 continue
-            self.device_allocator.free(self.tree.evict_device(n))
+            ev = self.tree.evict_node_device(n)
+            self.device_allocator.free(ev.full)
+            if self.free_components is not None:
+                self.free_components(Tier.DEVICE, ev.components)
 
     def retry_invalidations(self) -> None:
         """Drop the L2 copies of failed backups whose subtrees no op pins any more."""
@@ -272,9 +283,16 @@ class HostTier:
         if any(id(n) in busy for n in nodes):
             return False
         for n in nodes:
-            drop = self.tree.drop_host if n.device is not None else self.tree.evict_host
-            self.allocator.free(drop(n))
+            drop = self.tree.drop_node_host if n.device is not None else self.tree.evict_node_host
+            self._free_host(drop(n))
         return True
+
+    def _free_host(self, ev: NodeEviction) -> PageIds:
+        """Free what dropping one node's L2 copy released; returns its full pages."""
+        self.allocator.free(ev.full)
+        if self.free_components is not None:
+            self.free_components(Tier.HOST, ev.components)
+        return ev.full
 
 
 def _post_order(top: TreeNode) -> list[TreeNode]:

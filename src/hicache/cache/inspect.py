@@ -51,12 +51,12 @@ def check_cache_integrity(
     in ``request_pages``, exactly once; every used L2 page is owned by the tree or listed
     in ``host_held`` (L3 ops), exactly once. Raises AssertionError."""
     tree.check_integrity()
-    _check_owned("L1", device_pool.allocator, tree.device_page_ids() + list(request_pages))
+    check_owned("L1", device_pool.allocator, tree.device_page_ids() + list(request_pages))
     if host_pool is not None:
-        _check_owned("L2", host_pool.allocator, tree.host_page_ids() + list(host_held))
+        check_owned("L2", host_pool.allocator, tree.host_page_ids() + list(host_held))
 
 
-def _check_owned(tier: str, alloc: PageAllocator, owned: list[int]) -> None:
+def check_owned(tier: str, alloc: PageAllocator, owned: list[int]) -> None:
     """Every used page of ``alloc`` is in ``owned`` exactly once, and nothing more."""
     alloc.check_integrity()
     assert len(set(owned)) == len(owned), f"an {tier} page is owned twice"

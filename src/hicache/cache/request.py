@@ -66,6 +66,7 @@ class CacheRequest:
         "prefix_pages",
         "priority",
         "state",
+        "state_slot",
         "storage_tokens",
         "tenant",
     )
@@ -86,6 +87,9 @@ class CacheRequest:
         caller must fail the request and release it without keeping its KV."""
         self.prefetch: Prefetch | None = None
         self.storage_tokens = 0
+        self.state_slot: int | None = None
+        """L1 slot of the recurrent-state snapshot the request resumes from (models with
+        recurrent layers; None: zero state). Read it with ``HiCache.read_state``."""
         """Prompt tokens the L3 prefetch brought into L2 for this request."""
         self._progress: LayerProgress | None = None
         self._counted = False

@@ -1,0 +1,96 @@
+"""Recurrent-state snapshots through the request verbs: a match ends only where a snapshot
+is, the snapshot comes back byte for byte from L1 and, after demotion, from L2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hicache.cache import CacheRequest, HiCache
+from hicache.config import CacheConfig, KVSpec, StateSpec, StateTensor
+from tests.helpers.kvdata import page_kv, read_device, write_tokens
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+STATE = StateSpec(
+    num_layers=2,
+    tensors=(StateTensor(name="conv", shape=(3, 2)), StateTensor(name="ssm", shape=(2, 2, 2))),
+)
+PAGE = 2
+PROMPT = [5, 6, 7, 8, 9, 10, 11]  # 3 whole pages before the last token
+
+
+def snapshot(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, STATE.num_layers, *t.shape, generator=gen) for t in STATE.tensors]
+
+
+@pytest.fixture
+def cache() -> Iterator[HiCache]:
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0,
+        max_mamba_cache_size=4,
+    )  # fmt: skip
+    with HiCache(cfg, SPEC, state=STATE) as c:
+        yield c
+
+
+def run(cache: HiCache, prompt: list[int], state: list[torch.Tensor] | None) -> CacheRequest:
+    """Admit ``prompt``, compute it, commit its last whole page before the last token with
+    ``state`` as the snapshot there, release; returns the handle."""
+    req = cache.open(prompt)
+    assert cache.admit(req, prompt)
+    for layer in range(SPEC.num_layers):
+        assert req.wait_layer(layer, 10)
+    full = (len(prompt) - 1) // PAGE
+    assert read_device(cache, req.pages[: req.prefix_pages]).equal(
+        page_kv(cache, prompt, 0, req.prefix_pages)
+    )
+    write_tokens(cache, prompt, req.pages[req.prefix_pages : full], req.prefix_pages)
+    cache.commit(req, prompt[: full * PAGE], state=state)
+    cache.release(req)
+    cache.check_integrity()
+    return req
+
+
+def test_a_match_resumes_only_where_a_snapshot_is(cache: HiCache) -> None:
+    s = snapshot(1)
+    first = run(cache, PROMPT, s)
+    assert first.prefix_tokens == 0 and first.state_slot is None
+    again = cache.open(PROMPT)
+    assert cache.admit(again, PROMPT)
+    assert again.prefix_tokens == 6 and again.state_slot is not None
+    got = cache.read_state(again)
+    assert got is not None and all(a.equal(b) for a, b in zip(got, s, strict=True))
+    cache.release(again)
+    # a prompt committed without a snapshot is no boundary: nothing to resume from
+    other = [1, 2, 3, 4, 5]
+    run(cache, other, None)
+    third = cache.open(other)
+    assert cache.admit(third, other)
+    assert third.prefix_tokens == 0 and third.state_slot is None
+    cache.release(third)
+    cache.check_integrity()
+
+
+def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> None:
+    s = snapshot(2)
+    run(cache, PROMPT, s)
+    cache.flush()
+    cache.evict_device(8)  # full KV and snapshot: L2 only now
+    (node,) = [n for n in cache.tree.iter_nodes() if n.parent is not None]
+    assert node.device is None and node.host is not None
+    req = cache.open(PROMPT)
+    assert cache.admit(req, PROMPT)
+    assert req.prefix_tokens == 6 and req.cached.host == 6 and req.state_slot is not None
+    for layer in range(SPEC.num_layers):
+        assert req.wait_layer(layer, 10)
+    got = cache.read_state(req)
+    assert got is not None and all(a.equal(b) for a, b in zip(got, s, strict=True))
+    cache.release(req)
+    cache.flush()
+    cache.check_integrity()
+    cache.reset()
+    cache.check_integrity()
+    assert cache.snapshots is not None and cache.snapshots.device_pool.allocator.used_pages == 0
