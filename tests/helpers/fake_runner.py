@@ -22,6 +22,7 @@ class NextTokenRunner:
 
     device = torch.device("cpu")
     resumable_prefix = True
+    recurrent = False
 
     def __init__(self, num_layers: int = 2) -> None:
         self.num_layers = num_layers

@@ -30,7 +30,9 @@ import torch
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
+from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.output import OutputProcessor
+from hicache.engine.recurrent_states import cache_state_spec
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
 from hicache.engine.runner import ModelRunner, kv_spec_from_hf_config
 from hicache.engine.sampling import InvalidRequest, SamplingParams
@@ -160,7 +162,10 @@ class Engine(Lifecycle):
         if cfg.device_cache_gb is not None:
             tokens = int(cfg.device_cache_gb * 1e9) // spec.token_bytes
             cache_cfg = dataclasses.replace(cache_cfg, device_tokens=tokens)
-        self.cache = HiCache(cache_cfg, spec, cfg.device).start()
+        model = self.model.model
+        specs = model.state_specs() if isinstance(model, HybridLM) else {}
+        state = cache_state_spec(specs, model.dtype) if specs else None
+        self.cache = HiCache(cache_cfg, spec, cfg.device, state=state).start()
         if cfg.storage is not None:
             try:
                 self._attach(cfg.storage, cfg.storage_prefetch_policy)
@@ -168,10 +173,10 @@ class Engine(Lifecycle):
                 self.cache.close()
                 raise
         runner = ModelRunner(self.model.model, self.cache.device_pool)
-        if not runner.resumable_prefix:
+        if runner.recurrent:
             log.info(
-                "%s has recurrent layers: prefix caching is off until the cache keeps their"
-                " state snapshots (every prompt is computed from position 0)",
+                "%s has recurrent layers: cached prefixes resume from state snapshots taken"
+                " at the last page boundary of each prompt",
                 self.model.name,
             )
         max_pos = int(getattr(self.model.hf_config, "max_position_embeddings", 2048))
@@ -272,11 +277,9 @@ class Engine(Lifecycle):
 
     @property
     def resumable_prefix(self) -> bool:
-        """Whether requests reuse cached prefixes (L1/L2/L3 hits). False for a model with
-        recurrent layers (Qwen3-Next, Nemotron-H): the cache keeps no snapshot of their
-        state yet, so their requests still take pages from the cache but never match (see
-        :attr:`ModelRunner.resumable_prefix`). True for attention-only models, hybrids with
-        sliding-window layers included."""
+        """Whether requests reuse cached prefixes (L1/L2/L3 hits). For a model with
+        recurrent layers (Qwen3-Next, Nemotron-H) a hit resumes only at a boundary where the
+        cache holds a state snapshot (see :mod:`hicache.cache.snapshot_tier`)."""
         return self.scheduler.resumable_prefix
 
     def validate(

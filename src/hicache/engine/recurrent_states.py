@@ -6,15 +6,22 @@ Recurrent layers of hybrid models (Mamba2, Gated DeltaNet; see
 (issue 10's Mamba component), the runner keeps one state per running sequence here, keyed
 by the scheduler's request id:
 
-- created at the sequence's first forward, from zeros (that forward starts at position 0);
+- created at the sequence's first forward, from zeros (that forward starts at position 0),
+  or put there from a cached snapshot (:meth:`RecurrentStates.put`) when the cache served
+  a prefix that ends at a snapshot boundary;
 - advanced after every forward that succeeds (prefill chunks and decode steps alike);
 - dropped when the request ends, is aborted or is retracted. A retracted request recomputes
   its sequence from position 0, so its state restarts from zeros.
 
 Invariant: an entry covers exactly its sequence's first ``tokens`` positions, so a forward of
 that sequence must start at ``tokens`` (resume) or at 0 (restart). Any other start, such as
-a prefix served by the cache, which holds no state yet, is refused with ValueError: a
-recurrent model is never run from a state that does not belong to its prefix.
+a prefix served by the cache without its snapshot, is refused with ValueError: a recurrent
+model is never run from a state that does not belong to its prefix.
+
+Snapshots travel in the cache's canonical form (:meth:`RecurrentStates.export` /
+:meth:`RecurrentStates.put`): one tensor per state tensor of
+:func:`cache_state_spec`, ``conv (1, L, C, K-1)`` in the model dtype and ``ssm (1, L, ...)``
+in fp32, ``L`` = the recurrent layers in layer order.
 """
 
 from __future__ import annotations
@@ -24,9 +31,30 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache.config import StateSpec as CacheStateSpec
+from hicache.config import StateTensor
 from hicache.engine.models.recurrent import RecurrentState, StateSpec
 
-__all__ = ["RecurrentStates"]
+__all__ = ["RecurrentStates", "cache_state_spec"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> CacheStateSpec:
+    """The cache's per-slot shape of a model's recurrent state: every recurrent layer's
+    ``conv`` (in ``dtype``) and ``ssm`` (fp32). The layers must share their shapes (true of
+    every supported family); ValueError otherwise."""
+    shapes = {(s.conv, s.ssm) for s in specs.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"recurrent layers of different state shapes: {sorted(shapes)}")
+    ((conv, ssm),) = shapes
+    return CacheStateSpec(
+        num_layers=len(specs),
+        tensors=(
+            StateTensor(name="conv", shape=tuple(conv), dtype=_DTYPE_NAMES[dtype]),
+            StateTensor(name="ssm", shape=tuple(ssm), dtype="float32"),
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -128,6 +156,32 @@ class RecurrentStates:
         for i, (key, n) in enumerate(zip(keys, tokens, strict=True)):
             rows = slice(i, i + 1)
             self._entries[key] = _Entry(n, {layer: s.select(rows) for layer, s in states.items()})
+
+    def put(self, key: str, tokens: int, data: Sequence[torch.Tensor]) -> None:
+        """Set the state of ``key`` to a snapshot covering its first ``tokens`` positions
+        (canonical ``[conv (1, L, ...), ssm (1, L, ...)]``, see the module docstring)."""
+        conv, ssm = data
+        layers = sorted(self.specs)
+        if conv.shape[:2] != (1, len(layers)) or ssm.shape[:2] != (1, len(layers)):
+            raise ValueError(
+                f"a snapshot of {tuple(conv.shape)} / {tuple(ssm.shape)} does not fit"
+                f" {len(layers)} recurrent layers"
+            )
+        conv = conv.to(self.device, self.dtype)
+        ssm = ssm.to(self.device, torch.float32)
+        states = {
+            layer: RecurrentState(conv=conv[:, i].clone(), ssm=ssm[:, i].clone())
+            for i, layer in enumerate(layers)
+        }
+        self._entries[key] = _Entry(tokens, states)
+
+    def export(self, key: str) -> tuple[int, list[torch.Tensor]]:
+        """The positions the state of ``key`` covers and its canonical tensors (copies)."""
+        entry = self._entries[key]
+        layers = sorted(self.specs)
+        conv = torch.stack([entry.states[i].conv for i in layers], dim=1)
+        ssm = torch.stack([entry.states[i].ssm for i in layers], dim=1)
+        return entry.tokens, [conv.clone(), ssm.clone()]
 
     def drop(self, key: str) -> bool:
         """Forget the state of ``key``; False when it had none."""

@@ -144,10 +144,28 @@ class ModelRunner:
 
     @property
     def resumable_prefix(self) -> bool:
-        """Whether a sequence may start from a prefix whose K/V the cache served. False for
-        a model with recurrent layers: their state at the prefix's end is not cached yet,
-        so such a sequence is always computed from position 0 (the cache must not match)."""
+        """Whether a sequence may start from any prefix whose K/V the cache served. False
+        for a model with recurrent layers: it resumes only where the cache also holds a
+        state snapshot (a cache built with ``state=``), else from position 0."""
         return self.states is None
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model has recurrent layers (state carried between forwards)."""
+        return self.states is not None
+
+    def seed_state(self, seq_id: str, tokens: int, data: Sequence[torch.Tensor]) -> None:
+        """Start ``seq_id`` from a cached state snapshot covering its first ``tokens``
+        positions (the cache's canonical tensors, :mod:`hicache.engine.recurrent_states`)."""
+        if self.states is None:
+            raise ValueError("the model has no recurrent layers to seed")
+        self.states.put(seq_id, tokens, data)
+
+    def snapshot_state(self, seq_id: str) -> tuple[int, list[torch.Tensor]]:
+        """The positions ``seq_id``'s state covers and the state as canonical tensors."""
+        if self.states is None:
+            raise ValueError("the model has no recurrent layers to snapshot")
+        return self.states.export(seq_id)
 
     def drop_state(self, seq_id: str) -> None:
         """Forget the recurrent state of ``seq_id`` (its request ended, or was retracted and

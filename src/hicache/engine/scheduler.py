@@ -79,7 +79,9 @@ class Scheduler:
         self.page_size = cache.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.resumable_prefix = runner.resumable_prefix
+        # a recurrent model resumes a cached prefix only from the cache's state snapshots
+        self.resumable_prefix = runner.resumable_prefix or cache.resumable
+        self.recurrent = runner.recurrent
 
     # ------------------------------------------------------------------ queue
 
@@ -93,7 +95,7 @@ class Scheduler:
                 tenant=req.cache_salt,
                 priority=req.priority,
                 # prompt logprobs need every prompt position computed: no prefix match;
-                # a recurrent model cannot resume a cached prefix (no state snapshot)
+                # a recurrent model resumes a cached prefix only from a state snapshot
                 cacheable=not self.config.disable_radix_cache
                 and req.params.prompt_logprobs is None
                 and self.resumable_prefix,
@@ -156,6 +158,10 @@ class Scheduler:
                 return
             self.waiting.remove(req)
             req.kv_len = handle.prefix_tokens
+            if self.recurrent and req.kv_len > 0:  # resume from the prefix's snapshot
+                state = self.cache.read_state(handle)
+                if state is not None:
+                    self.runner.seed_state(req.rid, req.kv_len, state)
             self.running.append(req)
 
     def _mixed_batch(self) -> list[tuple[Request, int]]:
@@ -178,10 +184,32 @@ class Scheduler:
                 n = max(n, min(left, self.page_size))
             if n <= 0:
                 break
+            boundary = self._snapshot_boundary(req)
+            if boundary is not None and req.kv_len < boundary < req.kv_len + n:
+                n = boundary - req.kv_len  # end the chunk where a snapshot is to be taken
             batch.append((req, n))
             budget -= n
             first = False
         return batch
+
+    def _snapshot_boundary(self, req: Request) -> int | None:
+        """For a recurrent model whose cache keeps state snapshots: the page boundary at
+        which ``req``'s state is snapshotted (the last whole page before its prompt's last
+        token, where the same prompt's next request will resume), or None."""
+        if not self.recurrent or req.cache is None or not req.cache.cacheable:
+            return None
+        if not self.cache.resumable:
+            return None
+        boundary = (len(req.prompt_ids) - 1) // self.page_size * self.page_size
+        return boundary if boundary > req.cache.prefix_tokens else None
+
+    def _commit_snapshot(self, req: Request) -> None:
+        """Commit ``req``'s pages up to its snapshot boundary with its recurrent state."""
+        assert req.cache is not None
+        covered, state = self.runner.snapshot_state(req.rid)
+        if covered != req.kv_len:  # pragma: no cover - the runner's own invariant
+            raise RuntimeError(f"{req.rid}: state covers {covered} positions, not {req.kv_len}")
+        self.cache.commit(req.cache, req.all_ids[: req.kv_len], state=state)
 
     def _ensure_pages(self, req: Request, tokens: int) -> bool:
         """Give ``req`` pages for ``tokens`` positions, retracting others if L1 is full."""
@@ -251,6 +279,8 @@ class Scheduler:
                 self._finish(req, FinishReason.ABORT, keep_kv=False)
                 continue
             req.kv_len += n
+            if req.kv_len == self._snapshot_boundary(req):
+                self._commit_snapshot(req)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
         self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
