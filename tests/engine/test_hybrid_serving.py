@@ -261,3 +261,19 @@ def test_runner_refuses_to_resume_a_recurrent_sequence_it_holds_no_state_for() -
     assert torch.allclose(resumed, full, atol=1e-5)
     runner.drop_state("a")
     assert len(runner.states) == 0
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_shared_prefix_resumes_from_an_interval_snapshot(name: str) -> None:
+    """Snapshots every ``mamba_track_interval`` tokens: two prompts that share their first
+    16 tokens only (a system prompt), the second resumes at 16 from the first's snapshot
+    and still gives transformers' tokens."""
+    shared = prompt(name, 16).tolist()
+    first = shared + prompt(name, 9, offset=40).tolist()
+    second = shared + prompt(name, 9, offset=70).tolist()
+    with make_engine(name, mamba_track_interval=2 * PAGE) as engine:
+        a = engine.generate(first, GREEDY, timeout=60)
+        assert a.output_ids == hf_greedy(name, first)
+        b = engine.generate(second, GREEDY, timeout=60)
+        assert b.cached.device == 16 and b.output_ids == hf_greedy(name, second)
+        assert_idle(engine)

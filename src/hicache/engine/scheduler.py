@@ -193,15 +193,20 @@ class Scheduler:
         return batch
 
     def _snapshot_boundary(self, req: Request) -> int | None:
-        """For a recurrent model whose cache keeps state snapshots: the page boundary at
-        which ``req``'s state is snapshotted (the last whole page before its prompt's last
-        token, where the same prompt's next request will resume), or None."""
+        """For a recurrent model whose cache keeps state snapshots: the next position after
+        ``req.kv_len`` at which its state is snapshotted, or None. Boundaries fall every
+        ``mamba_track_interval`` tokens (whole pages: a shared system prompt gets its own)
+        and at the last page boundary before the prompt's last token (where the same prompt
+        resumes); never past it."""
         if not self.recurrent or req.cache is None or not req.cache.cacheable:
             return None
         if not self.cache.resumable:
             return None
-        boundary = (len(req.prompt_ids) - 1) // self.page_size * self.page_size
-        return boundary if boundary > req.cache.prefix_tokens else None
+        ps = self.page_size
+        last = (len(req.prompt_ids) - 1) // ps * ps
+        step = self.cache.config.mamba_track_pages * ps
+        nxt = min((req.kv_len // step + 1) * step, last)
+        return nxt if nxt > req.kv_len else None
 
     def _commit_snapshot(self, req: Request) -> None:
         """Commit ``req``'s pages up to its snapshot boundary with its recurrent state."""
@@ -278,8 +283,9 @@ class Scheduler:
                 req.error = req.cache.failed
                 self._finish(req, FinishReason.ABORT, keep_kv=False)
                 continue
+            boundary = self._snapshot_boundary(req)  # before this chunk
             req.kv_len += n
-            if req.kv_len == self._snapshot_boundary(req):
+            if req.kv_len == boundary:
                 self._commit_snapshot(req)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
