@@ -127,10 +127,19 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         field, _, rest = str(exc).partition("=")
         raise StartupError(f"--{field.replace('_', '-')} {rest}") from exc
+    given_ids: list[int] | None = None
+    if args.prompt_ids:
+        try:
+            given_ids = [int(t) for t in args.prompt_ids.split(",")]
+        except ValueError:
+            raise StartupError(
+                f"--prompt-ids {args.prompt_ids!r} is invalid; give comma-separated token ids"
+                " (the text goes in the positional prompt)"
+            ) from None
     with _start_engine(args) as engine:
         tok = engine.tokenizer
-        if args.prompt_ids:
-            ids = [int(t) for t in args.prompt_ids.split(",")]
+        if given_ids is not None:
+            ids = given_ids
         elif args.chat:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": args.prompt}],

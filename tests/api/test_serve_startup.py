@@ -43,6 +43,7 @@ CASES = [
         "--hicache-storage-backend",
     ),
     (["serve", "--log-level", "loud"], "--log-level", "loud"),
+    (["serve", "--mamba-track-interval", "0"], "--mamba-track-interval", "0"),
     (
         [
             "serve",
@@ -161,3 +162,16 @@ def test_port_in_use_is_one_line() -> None:
         port = s.getsockname()[1]
         r = run("serve", *TINY, "--port", str(port))
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_snapshot_flags_reach_the_cache_config() -> None:
+    from hicache.cli import build_parser
+    from hicache.engine.args import engine_config_from_args
+
+    args = build_parser().parse_args(
+        ["serve", "--max-mamba-cache-size", "3", "--mamba-full-memory-ratio", "0.5",
+         "--mamba-track-interval", "32"]
+    )  # fmt: skip
+    cache = engine_config_from_args(args).cache
+    assert (cache.max_mamba_cache_size, cache.mamba_full_memory_ratio) == (3, 0.5)
+    assert cache.mamba_track_interval == 32

@@ -70,6 +70,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON object or @file.json: backend keys plus prefetch_threshold, prefetch_timeout_*",
     )
+    h = p.add_argument_group("hybrid models (recurrent-state snapshots)")
+    h.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        default=0,
+        help="L1 state-snapshot slots (0: sized by --mamba-full-memory-ratio)",
+    )
+    h.add_argument(
+        "--mamba-full-memory-ratio",
+        type=float,
+        default=0.9,
+        help="L1 snapshot bytes per byte of the L1 KV pool, when the slot count is 0",
+    )
+    h.add_argument(
+        "--mamba-track-interval",
+        type=int,
+        default=256,
+        help="tokens between state snapshots during a prefill (whole pages)",
+    )
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--chunked-prefill-size", type=int, default=512)
@@ -121,6 +140,9 @@ FIELD_FLAGS = {
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
+    "max_mamba_cache_size": "--max-mamba-cache-size",
+    "mamba_full_memory_ratio": "--mamba-full-memory-ratio",
+    "mamba_track_interval": "--mamba-track-interval",
 }
 """Config field -> the flag that sets it, so an error names what the user typed."""
 
@@ -226,6 +248,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         mem_layout=a.hicache_mem_layout,
         eviction_policy=a.radix_eviction_policy,
         load_back_threshold=a.hicache_load_back_threshold,
+        max_mamba_cache_size=a.max_mamba_cache_size,
+        mamba_full_memory_ratio=a.mamba_full_memory_ratio,
+        mamba_track_interval=a.mamba_track_interval,
     )
     kwargs = {} if a.device is None else {"device": a.device}
     config = EngineConfig(
