@@ -47,7 +47,13 @@ from hicache.storage.pageio import HostPages
 from hicache.storage.record import HEADER_SIZE
 from hicache.storage.stats import MissReason, SetOutcome, SetResult, StatsRecorder, StorageStats
 
-__all__ = ["Deadline", "HiCacheStorage", "StorageError", "StorageOptions"]
+__all__ = [
+    "ConfiguredStorage",
+    "Deadline",
+    "HiCacheStorage",
+    "StorageError",
+    "StorageOptions",
+]
 
 
 class StorageError(RuntimeError):
@@ -369,3 +375,38 @@ class HiCacheStorage(ABC):
         self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
     ) -> list[SetOutcome]:
         """Write each page's record unless its key is present."""
+
+
+class ConfiguredStorage(HiCacheStorage):
+    """A backend whose extra config is one frozen settings class, ``SETTINGS`` (with its
+    ``EXTRA_KEYS`` and a ``from_extra(extra)`` validator), kept as ``self.config``: the
+    parse and build steps of :class:`HiCacheStorage` follow from it."""
+
+    SETTINGS: ClassVar[Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        settings = cls.__dict__.get("SETTINGS")
+        if settings is not None:
+            cls.EXTRA_KEYS = tuple(settings.EXTRA_KEYS)
+
+    def __init__(
+        self, namespace: Namespace, options: StorageOptions | None = None, *, config: Any
+    ) -> None:
+        super().__init__(namespace, options)
+        self.config = config
+
+    @classmethod
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> Any:
+        """The validated ``SETTINGS`` of ``extra`` (see that class for the keys)."""
+        return cls.SETTINGS.from_extra(extra)
+
+    @classmethod
+    def from_settings(
+        cls, namespace: Namespace, options: StorageOptions, settings: Any
+    ) -> HiCacheStorage:
+        if not isinstance(settings, cls.SETTINGS):
+            raise TypeError(
+                f"{cls.name} backend settings must be a {cls.SETTINGS.__name__}, got {settings!r}"
+            )
+        return cls(namespace, options, config=settings)

@@ -32,7 +32,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hicache.keys import Namespace, PageKey
-from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
+from hicache.storage.base import (
+    ConfiguredStorage,
+    Deadline,
+    StorageError,
+    StorageOptions,
+)
 from hicache.storage.pageio import HostPages
 from hicache.storage.record import HEADER_SIZE, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
@@ -139,33 +144,19 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             bufs[0] = bufs[0][n:]
 
 
-class FileStorage(HiCacheStorage):
+class FileStorage(ConfiguredStorage):
     """Local-directory backend (registry name ``file``)."""
 
     name: ClassVar[str] = "file"
+    SETTINGS: ClassVar[type[FileConfig]] = FileConfig
 
     def __init__(
         self, namespace: Namespace, options: StorageOptions | None = None, *, config: FileConfig
     ) -> None:
-        super().__init__(namespace, options)
-        self.config = config
+        super().__init__(namespace, options, config=config)
+        self.config: FileConfig = config
         self.root = Path(config.path)
         self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
-
-    EXTRA_KEYS: ClassVar[tuple[str, ...]] = FileConfig.EXTRA_KEYS
-
-    @classmethod
-    def parse_extra_config(cls, extra: Mapping[str, Any]) -> FileConfig:
-        """Keys: ``file_path``, ``max_bytes``, ``fsync`` (see :class:`FileConfig`)."""
-        return FileConfig.from_extra(extra)
-
-    @classmethod
-    def from_settings(
-        cls, namespace: Namespace, options: StorageOptions, settings: Any
-    ) -> FileStorage:
-        if not isinstance(settings, FileConfig):
-            raise TypeError(f"file backend settings must be a FileConfig, got {settings!r}")
-        return cls(namespace, options, config=settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:

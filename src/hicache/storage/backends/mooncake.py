@@ -27,14 +27,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
 from hicache.storage.backends.mooncake_config import MC_ERRORS, MooncakeConfig
 from hicache.storage.backends.mooncake_net import Listener, probe_master, tcp_listeners
-from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
+from hicache.storage.base import (
+    ConfiguredStorage,
+    Deadline,
+    StorageError,
+    StorageOptions,
+)
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages, byte_view
 from hicache.storage.record import HEADER_SIZE, check_blob, check_record, encode_header, record_size
@@ -53,37 +58,23 @@ _EXISTS = -705
 _SIZE_MISMATCH = -600
 
 
-class MooncakeStorage(HiCacheStorage):
+class MooncakeStorage(ConfiguredStorage):
     """Mooncake Store backend (registry name ``mooncake``)."""
 
     name: ClassVar[str] = "mooncake"
+    SETTINGS: ClassVar[type[MooncakeConfig]] = MooncakeConfig
 
     def __init__(
         self, namespace: Namespace, options: StorageOptions | None = None, *, config: MooncakeConfig
     ) -> None:
-        super().__init__(namespace, options)
-        self.config = config
+        super().__init__(namespace, options, config=config)
+        self.config: MooncakeConfig = config
         self._store: Any = None
         self._runner = DeadlineRunner("mooncake")
         self._host_io = self._runner  # zero-copy gets write host pages on its workers
         self._listeners: list[Listener] = []
         self._buffers = BufferRegistry(self._register, self._unregister)
         self._arenas = ArenaPool(self._buffers.ensure_tensor)
-
-    EXTRA_KEYS: ClassVar[tuple[str, ...]] = MooncakeConfig.EXTRA_KEYS
-
-    @classmethod
-    def parse_extra_config(cls, extra: Mapping[str, Any]) -> MooncakeConfig:
-        """Keys: see :class:`MooncakeConfig` and the module docstring."""
-        return MooncakeConfig.from_extra(extra)
-
-    @classmethod
-    def from_settings(
-        cls, namespace: Namespace, options: StorageOptions, settings: Any
-    ) -> MooncakeStorage:
-        if not isinstance(settings, MooncakeConfig):
-            raise TypeError(f"mooncake backend settings must be a MooncakeConfig, got {settings!r}")
-        return cls(namespace, options, config=settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:

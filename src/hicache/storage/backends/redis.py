@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
-from hicache.storage.base import Deadline, HiCacheStorage, StorageError, StorageOptions
+from hicache.storage.base import (
+    ConfiguredStorage,
+    Deadline,
+    StorageError,
+    StorageOptions,
+)
 from hicache.storage.blob import decode_page, encode_page
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.pageio import HostPages
@@ -79,33 +84,19 @@ def _chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-class RedisStorage(HiCacheStorage):
+class RedisStorage(ConfiguredStorage):
     """Redis / Valkey backend (registry name ``redis``)."""
 
     name: ClassVar[str] = "redis"
+    SETTINGS: ClassVar[type[RedisConfig]] = RedisConfig
 
     def __init__(
         self, namespace: Namespace, options: StorageOptions | None = None, *, config: RedisConfig
     ) -> None:
-        super().__init__(namespace, options)
-        self.config = config
+        super().__init__(namespace, options, config=config)
+        self.config: RedisConfig = config
         self._client: Any = None
         self._runner = DeadlineRunner("redis")
-
-    EXTRA_KEYS: ClassVar[tuple[str, ...]] = RedisConfig.EXTRA_KEYS
-
-    @classmethod
-    def parse_extra_config(cls, extra: Mapping[str, Any]) -> RedisConfig:
-        """Keys: ``url``, ``key_prefix``, ``ttl_s``, ``max_connections`` (:class:`RedisConfig`)."""
-        return RedisConfig.from_extra(extra)
-
-    @classmethod
-    def from_settings(
-        cls, namespace: Namespace, options: StorageOptions, settings: Any
-    ) -> RedisStorage:
-        if not isinstance(settings, RedisConfig):
-            raise TypeError(f"redis backend settings must be a RedisConfig, got {settings!r}")
-        return cls(namespace, options, config=settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
