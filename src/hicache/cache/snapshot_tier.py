@@ -8,9 +8,11 @@ hierarchical cache is on, backed up to L2 with the node's full KV. A match can e
 a node whose snapshot is in some tier (the component's validator); load back brings a
 host-only snapshot to L1.
 
-Slots are owned by the tree once inserted. Copies between the tiers are synchronous (a
-snapshot is small next to a node's KV); a snapshot pool that runs short evicts unpinned
-snapshots in their own LRU order, leaving the node and its full KV (a tombstone).
+Slots are owned by the tree once inserted. Copies between the tiers go through the state
+copier of the cache's io backend (:mod:`hicache.transfer.state`), issued on the owner's
+thread (a snapshot is small next to a node's KV; on CUDA they are stream-ordered before
+the forward that reads them); a snapshot pool that runs short evicts unpinned snapshots in
+their own LRU order, leaving the node and its full KV (a tombstone).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from hicache.config import CacheConfig, KVSpec, StateSpec
 from hicache.memory.state_pool import StatePool
+from hicache.transfer.state import make_state_copier
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.components import Tier
 from hicache.tree.node import PageIds, page_ids
@@ -45,6 +48,7 @@ class SnapshotTier:
         self.tree = tree
         self.spec = state
         self.device_pool = StatePool.device(state, config.mamba_device_slots(kv, state), device)
+        self.copier = make_state_copier(config.io_backend)
         self.host_pool: StatePool | None = None
         if hierarchical:
             self.host_pool = StatePool.host(
@@ -104,7 +108,7 @@ class SnapshotTier:
             slots = self.alloc(Tier.DEVICE, len(host))
             if slots is None:
                 return False
-            self.device_pool.write_slots(slots, self.host_pool.read_slots(host))
+            self.copier.load(self.device_pool, self.host_pool, host, slots)
             self.tree.assign_component(SNAPSHOT, n, Tier.DEVICE, slots)
         return True
 
@@ -119,7 +123,7 @@ class SnapshotTier:
             slots = self.alloc(Tier.HOST, len(dev))
             if slots is None:
                 return
-            self.host_pool.write_slots(slots, self.device_pool.read_slots(dev))
+            self.copier.backup(self.device_pool, self.host_pool, dev, slots)
             self.tree.assign_component(SNAPSHOT, n, Tier.HOST, slots)
 
     def owned(self, tier: Tier) -> list[int]:
