@@ -25,6 +25,7 @@ BENCHES = {
     "full-hit": "hicache.bench.full_hit",
     "storage": "hicache.bench.storage",
     "engine": "hicache.bench.engine",
+    "shared-prefix": "hicache.bench.shared_prefix",
 }
 
 STORES = {
