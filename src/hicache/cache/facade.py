@@ -299,7 +299,7 @@ class HiCache(Lifecycle):
         self._requests.add(req)
         if not req._counted:
             req._counted = True
-            self._count(req, len(tokens), match.device_tokens, loaded)
+            self._count(req, len(tokens), len(pages) * ps - loaded, loaded)
             if node.parent is not None:
                 self.tree.count_hit(node)
                 if self.host is not None and self.rule.backup_min_hits is not None:
@@ -430,8 +430,13 @@ class HiCache(Lifecycle):
         self, match: MatchResult, req: CacheRequest | None
     ) -> tuple[TreeNode, PageIds, int, LayerProgress | None]:
         """Start copying the host-only part of ``match`` into L1, layer by layer; returns
-        the deepest L1 node, the prefix's L1 pages, the tokens being loaded and the load's
-        progress (None when nothing is loaded).
+        the deepest usable node, the prefix's L1 pages, the tokens being loaded and the
+        load's progress (None when nothing is loaded).
+
+        With extra components the L1 part of a match may end above an L1-resident span
+        (say, a node whose snapshot is only in L2): the prefix then runs in L1 down to the
+        first host-only node (or to ``last_host_node`` when none is), and only the
+        host-only nodes are copied.
 
         All-or-nothing per chain: when the host-only part is shorter than
         ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded.
@@ -439,27 +444,33 @@ class HiCache(Lifecycle):
         no_load = (match.last_device_node, match.device_pages, 0, None)
         if self.host is None:
             return no_load
-        nodes = self.tree.host_only_path(match.last_host_node)
+        last = match.last_host_node
+        nodes = self.tree.host_only_path(last)
+        base = nodes[0].parent if nodes else last  # the deepest L1 node the load continues
+        assert base is not None
+        if base is match.last_device_node:
+            base_pages = match.device_pages
+        else:  # L1-resident below the L1-valid boundary: its other components come later
+            base_pages = _path_device_pages(base)
         if not nodes:
-            return no_load
+            return (base, base_pages, 0, None) if base is not match.last_device_node else no_load
         host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
         if host_tokens < self.config.load_back_threshold:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
-        last = match.last_host_node
         # Pin the host copies and the L1 prefix while making room in L1.
         self.tree.inc_host_ref(last)
-        self.tree.inc_lock_ref(match.last_device_node)
+        self.tree.inc_lock_ref(base)
         try:
             device_pages = self.alloc_device(sum(self.tree.num_pages(n) for n in nodes))
         finally:
-            self.tree.dec_lock_ref(match.last_device_node)
+            self.tree.dec_lock_ref(base)
             self.tree.dec_host_ref(last)
         if device_pages is None:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
         progress = self.host.load(nodes, device_pages, req)
-        return last, match.device_pages + device_pages, host_tokens, progress
+        return last, base_pages + device_pages, host_tokens, progress
 
     def insert(
         self,
