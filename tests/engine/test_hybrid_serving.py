@@ -7,8 +7,8 @@
   then a file L3 after ``flush_cache``, with identical tokens every time.
 * Models with recurrent layers (Qwen3-Next, Nemotron-H) resume a cached prefix only from a
   state snapshot the cache took at the prompt's last page boundary: the same prompt again
-  resumes there from L1, and from L2 after forced eviction, with identical tokens; a file
-  L3 holds no snapshots, so after ``flush_cache`` it is recomputed (no wrong reuse).
+  resumes there from L1, from L2 after forced eviction, and from a file L3 after
+  ``flush_cache`` (the snapshot is an L3 record too), with identical tokens.
   Concurrent requests on a small L1, with retractions, still give each prompt's exact
   output, and every recurrent state is dropped afterwards.
 * Every pool is back to idle afterwards (no request held, integrity clean).
@@ -163,10 +163,9 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
         engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
         assert engine.flush_cache()  # L1 and L2 emptied
         from_l3 = engine.generate(ids, GREEDY, timeout=60)
-        # L3 keeps no state snapshots yet: a recurrent model's pages come back without
-        # one, so no boundary is valid and the prompt is recomputed
-        expect = MATCHED if name in ATTENTION_ONLY else 0
-        assert from_l3.cached.storage == expect and from_l3.cached.device == 0
+        # a recurrent model's snapshot at the prompt's last page boundary came back from
+        # L3 with its pages (a "mamba" record): the prefill resumes there
+        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
         assert from_l3.output_ids == want
         assert_idle(engine)
 
