@@ -1,15 +1,19 @@
 """The L3 page-key spec: chained SHA-256 over page tokens under a namespace digest.
 
-See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec version 1):
+See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec version 2):
 
 - The :class:`Namespace` pins everything that changes a page's bytes or who may read it:
   model name and weights fingerprint, KV dtype, host layout, page size, tensor-parallel size
   and rank (rank omitted for MLA, where every rank holds the same latent), the cache
   component, and a tenant salt. Its canonical encoding is compact, key-sorted ASCII JSON
-  that includes ``"spec": 1``; its *digest* is the SHA-256 of that encoding (32 bytes).
+  that includes ``"spec": 2``; its *digest* is the SHA-256 of that encoding (32 bytes).
 - Page ``i`` (1-based) of a token sequence gets ``h_i = sha256(h_{i-1} || tokens_i)`` with
   ``h_0`` = the namespace digest and ``tokens_i`` the page's ``page_size`` token ids as
-  unsigned 32-bit little-endian integers. The key string is ``"hc1-" + hex(h_i)``.
+  unsigned 32-bit little-endian integers. The key string is ``"hc2-" + hex(h_i)``.
+- A component's record (a recurrent-state snapshot at the end of page ``i``, component
+  ``"mamba"``) is keyed like page ``i`` under the same namespace with that ``component``:
+  its chain starts at another digest, so it commits to the whole prefix too
+  (:meth:`Namespace.with_component`).
 - Only whole pages are keyed; a partial tail page never gets a key.
 - Each :class:`PageKey` also carries a *token fingerprint*, the first 8 bytes of
   ``sha256(tokens_i)``, stored in the L3 record header to catch a record stored under the
@@ -20,6 +24,7 @@ This module is pure: no torch, no threads, no IO.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ from hicache.validate import enum_value, int_at_least, is_int, require
 __all__ = [
     "DIGEST_BYTES",
     "FINGERPRINT_BYTES",
+    "FULL_COMPONENT",
     "KEY_PREFIX",
     "KEY_SPEC_VERSION",
     "TOKEN_ID_LIMIT",
@@ -43,8 +49,13 @@ __all__ = [
     "token_fingerprint",
 ]
 
-KEY_SPEC_VERSION = 1
-"""Version of the key and namespace encoding; bumped on any change that alters a key."""
+KEY_SPEC_VERSION = 2
+"""Version of the key and namespace encoding; bumped on any change that alters a key or a
+record (2: component records, such as recurrent-state snapshots, in their own namespace
+component; a version-1 record reads as a miss)."""
+
+FULL_COMPONENT = "full"
+"""The namespace component of full-attention KV pages."""
 
 KEY_PREFIX = f"hc{KEY_SPEC_VERSION}-"
 """Readable prefix of every key string of this spec version."""
@@ -73,7 +84,7 @@ class Namespace:
     page_size: int
     tp_size: int = 1
     tp_rank: int | None = 0
-    component: str = "full"
+    component: str = FULL_COMPONENT
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
@@ -103,7 +114,7 @@ class Namespace:
         page_size: int,
         tp_size: int = 1,
         tp_rank: int = 0,
-        component: str = "full",
+        component: str = FULL_COMPONENT,
         tenant_salt: str = "",
     ) -> Namespace:
         """The namespace of one rank's cache of shape ``spec``.
@@ -154,24 +165,19 @@ class Namespace:
 
     def with_salt(self, tenant_salt: str) -> Namespace:
         """The same namespace for another tenant."""
-        return Namespace(
-            model=self.model,
-            weights_fingerprint=self.weights_fingerprint,
-            kv_dtype=self.kv_dtype,
-            layout=self.layout,
-            page_size=self.page_size,
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            component=self.component,
-            tenant_salt=tenant_salt,
-        )
+        return dataclasses.replace(self, tenant_salt=tenant_salt)
+
+    def with_component(self, component: str) -> Namespace:
+        """The same namespace for another component's records (``"mamba"``: recurrent-state
+        snapshots; ``"full"``: full-attention KV pages)."""
+        return dataclasses.replace(self, component=component)
 
 
 @dataclass(frozen=True, slots=True)
 class PageKey:
     """The L3 key of one whole page.
 
-    ``key`` is the string backends store under (``"hc1-"`` + 64 hex digits); ``digest`` is
+    ``key`` is the string backends store under (``"hc2-"`` + 64 hex digits); ``digest`` is
     the raw chained hash (32 bytes) from which the next page's key is chained;
     ``fingerprint`` is the first 8 bytes of ``sha256`` of this page's tokens alone.
     """

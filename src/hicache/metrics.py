@@ -35,6 +35,9 @@ class CacheCounters:
     """Tokens written to L3 (records already there are counted apart)."""
     l3_backup_present_tokens_total: int = 0
     l3_backup_failed_tokens_total: int = 0
+    l3_backup_snapshots_total: int = 0
+    """Recurrent-state snapshots written to L3 (``"mamba"`` records)."""
+    l3_backup_snapshots_failed_total: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,10 +7,14 @@
   then a file L3 after ``flush_cache``, with identical tokens every time.
 * Models with recurrent layers (Qwen3-Next, Nemotron-H) resume a cached prefix only from a
   state snapshot the cache took at the prompt's last page boundary: the same prompt again
-  resumes there from L1, and from L2 after forced eviction, with identical tokens; a file
-  L3 holds no snapshots, so after ``flush_cache`` it is recomputed (no wrong reuse).
+  resumes there from L1, from L2 after forced eviction, and from a file L3 after
+  ``flush_cache`` (the snapshot is an L3 record too), with identical tokens.
   Concurrent requests on a small L1, with retractions, still give each prompt's exact
   output, and every recurrent state is dropped afterwards.
+* A request's end commits the state after the last page it computed (a follow-up turn
+  resumes there), and a second engine on the same file L3 resumes from the first one's
+  snapshot records.
+* An L1 state pool too small for ``max_running_requests`` is refused at start.
 * Every pool is back to idle afterwards (no request held, integrity clean).
 """
 
@@ -45,7 +49,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 def make_engine(name: str, *, storage: Path | None = None, **cache_cfg: object) -> Engine:
     cfg: dict[str, object] = dict(
-        page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
+        page_size=PAGE,
+        device_tokens=256,
+        hicache_ratio=4.0,
+        load_back_threshold=0,
+        max_mamba_cache_size=16,  # >= max_running_requests + 1 (the engine checks)
     )
     cfg.update(cache_cfg)
     config = EngineConfig(
@@ -163,10 +171,9 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
         engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
         assert engine.flush_cache()  # L1 and L2 emptied
         from_l3 = engine.generate(ids, GREEDY, timeout=60)
-        # L3 keeps no state snapshots yet: a recurrent model's pages come back without
-        # one, so no boundary is valid and the prompt is recomputed
-        expect = MATCHED if name in ATTENTION_ONLY else 0
-        assert from_l3.cached.storage == expect and from_l3.cached.device == 0
+        # a recurrent model's snapshot at the prompt's last page boundary came back from
+        # L3 with its pages (a "mamba" record): the prefill resumes there
+        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
         assert from_l3.output_ids == want
         assert_idle(engine)
 
@@ -277,3 +284,43 @@ def test_a_shared_prefix_resumes_from_an_interval_snapshot(name: str) -> None:
         b = engine.generate(second, GREEDY, timeout=60)
         assert b.cached.device == 16 and b.output_ids == hf_greedy(name, second)
         assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_follow_up_turn_resumes_from_the_request_end_snapshot(name: str) -> None:
+    """33 prompt tokens + 8 generated: the request computed 40 positions (its last token
+    is never run), a page boundary, so its end commits that state; the next turn
+    (prompt + output + more) resumes at 40, past the prompt's snapshot at 32."""
+    ids = prompt(name, PROMPT_LEN).tolist()
+    with make_engine(name) as engine:
+        first = engine.generate(ids, GREEDY, timeout=60)
+        assert first.output_ids == hf_greedy(name, ids)
+        turn = ids + first.output_ids + prompt(name, 6, offset=60).tolist()
+        second = engine.generate(turn, GREEDY, timeout=60)
+        assert second.cached.device == PROMPT_LEN + NEW_TOKENS - 1 == 40
+        assert second.output_ids == hf_greedy(name, turn)
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Path) -> None:
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name, storage=tmp_path) as engine:
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+        engine.call(engine.cache.flush).result(timeout=60)  # pages and snapshots in L3
+        written = engine.cache.stats().counters["l3_backup_snapshots_total"]
+        assert written >= 2  # the prompt's (32) and the request end's (40)
+    with make_engine(name, storage=tmp_path) as other:
+        out = other.generate(ids, GREEDY, timeout=60)
+        assert out.cached.storage == MATCHED and out.output_ids == want
+        assert_idle(other)
+
+
+def test_a_state_pool_too_small_for_the_running_requests_is_refused() -> None:
+    name = "tiny-random-qwen3-next"
+    with pytest.raises(ValueError, match=r"holds 4 snapshot slots.*--max-running-requests 8 "
+                       r"needs at least 9.*--max-mamba-cache-size >= 9"):  # fmt: skip
+        make_engine(name, max_mamba_cache_size=4)
+    with pytest.raises(ValueError, match=r"--mamba-full-memory-ratio 0.001 x the \d+ B L1"):
+        make_engine(name, max_mamba_cache_size=0, mamba_full_memory_ratio=0.001)

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from hicache.config import KVSpec, MemLayout
-from hicache.keys import KEY_PREFIX, Namespace, PageKey, page_keys, token_fingerprint
+from hicache.keys import (
+    KEY_PREFIX,
+    KEY_SPEC_VERSION,
+    Namespace,
+    PageKey,
+    page_keys,
+    token_fingerprint,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "l3-keys.md"
 
@@ -25,7 +32,7 @@ def doc_vectors() -> list[dict[str, Any]]:
     m = re.search(r"<!-- test-vectors -->\s*```json\n(.*?)\n```", text, re.S)
     assert m, "docs/l3-keys.md lost its test-vector block"
     vectors = json.loads(m.group(1))
-    assert len(vectors) >= 4
+    assert len(vectors) >= 5
     return list(vectors)
 
 
@@ -51,7 +58,7 @@ def test_doc_vectors(vec: dict[str, Any]) -> None:
 def test_doc_vectors_independently(vec: dict[str, Any]) -> None:
     """Recompute the vectors from the spec text with hashlib/struct only."""
     enc = json.dumps(
-        {**vec["namespace"], "spec": 1}, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        {**vec["namespace"], "spec": 2}, sort_keys=True, separators=(",", ":"), ensure_ascii=True
     ).encode()
     assert enc.decode() == vec["encoding"]
     h = hashlib.sha256(enc).digest()
@@ -62,7 +69,7 @@ def test_doc_vectors_independently(vec: dict[str, Any]) -> None:
     for i in range(len(toks) // p):
         page = struct.pack(f"<{p}I", *toks[i * p : (i + 1) * p])
         h = hashlib.sha256(h + page).digest()
-        want.append(("hc1-" + h.hex(), hashlib.sha256(page).digest()[:8].hex()))
+        want.append(("hc2-" + h.hex(), hashlib.sha256(page).digest()[:8].hex()))
     assert [(k, f) for k, f in zip(vec["keys"], vec["fingerprints"], strict=True)] == want
 
 
@@ -187,3 +194,17 @@ def test_namespace_is_frozen_and_salt_helper() -> None:
     s = n.with_salt("t1")
     assert s.tenant_salt == "t1" and s.digest != n.digest
     assert s.with_salt("") == n
+
+
+def test_spec_version_2_and_component_namespaces() -> None:
+    assert KEY_SPEC_VERSION == 2 and KEY_PREFIX == "hc2-"
+    assert b'"spec":2' in ns().encode()
+    full = ns()
+    mamba = full.with_component("mamba")
+    assert mamba.component == "mamba" and mamba.with_component("full") == full
+    tokens = list(range(8))
+    a, b = page_keys(full, tokens), page_keys(mamba, tokens)
+    assert {k.key for k in a}.isdisjoint(k.key for k in b)  # never collide
+    assert [k.fingerprint for k in a] == [k.fingerprint for k in b]
+    assert b[1].namespace_digest == mamba.digest
+    assert full.with_salt("t").with_component("mamba") == mamba.with_salt("t")

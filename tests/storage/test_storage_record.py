@@ -11,6 +11,7 @@ from hicache.keys import Namespace, page_keys
 from hicache.storage.record import (
     HEADER_SIZE,
     RECORD_MAGIC,
+    RECORD_VERSION,
     check_blob,
     check_record,
     encode_header,
@@ -90,17 +91,22 @@ def test_length_damage_is_corrupt() -> None:
 
 
 def test_forged_header_fields_with_valid_checksum() -> None:
-    """A well-formed header with wrong magic/version is corrupt even if its checksum fits."""
+    """A well-formed header with a wrong magic is corrupt even if its checksum fits; an
+    intact record of another spec version (1, or a future 3) is stale: never data."""
     import xxhash
 
-    for magic, version in ((b"XXXX", 1), (RECORD_MAGIC, 2)):
+    for magic, version, want in (
+        (b"XXXX", RECORD_VERSION, MissReason.CORRUPT),
+        (RECORD_MAGIC, 1, MissReason.STALE),
+        (RECORD_MAGIC, RECORD_VERSION + 1, MissReason.STALE),
+    ):
         head = struct.pack(
             "<4sHH32s8sQ", magic, version, HEADER_SIZE, NS.digest, KEY.fingerprint, len(PAYLOAD)
         )
         cs = xxhash.xxh3_64(head)
         cs.update(PAYLOAD)
         blob = head + struct.pack("<Q", cs.intdigest()) + PAYLOAD
-        assert check(blob) is MissReason.CORRUPT
+        assert check(blob) is want
 
 
 def test_other_namespace_is_foreign() -> None:

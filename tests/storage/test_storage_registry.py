@@ -25,7 +25,7 @@ from hicache.storage import (
 from hicache.storage.backends.file import FileConfig, FileStorage
 from hicache.storage.backends.memory import MemorySettings
 from hicache.storage.base import Deadline
-from hicache.storage.pageio import HostPages
+from hicache.storage.pageio import Payloads
 from hicache.storage.stats import MissReason, SetOutcome
 
 NS = Namespace(
@@ -48,12 +48,12 @@ class CustomStorage(HiCacheStorage):
         raise RuntimeError("backend bug")  # must not escape
 
     def _get(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[MissReason | None]:
         return [MissReason.ABSENT] * len(keys)
 
     def _set(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         return [SetOutcome.FAILED] * len(keys)
 

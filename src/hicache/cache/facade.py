@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from hicache.cache.component_records import SnapshotRecords
 from hicache.cache.host_tier import HostTier
 from hicache.cache.inspect import cache_stats, check_cache_integrity, check_owned
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
@@ -118,7 +119,8 @@ class HiCache(Lifecycle):
             if self.snapshots is not None:
                 self.host.on_backup_issued = self.snapshots.back_up
         self.storage: StorageTier | None = None
-        self._retired: list[tuple[HiCacheStorage, PageIds]] = []
+        self._retired: list[tuple[HiCacheStorage, PageIds, PageIds]] = []
+        """(old backend, L2 pages, L2 snapshot slots) a detached backend may still write."""
         self._requests: set[CacheRequest] = set()
         self._started = False
 
@@ -169,7 +171,11 @@ class HiCache(Lifecycle):
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
         if self.storage is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
-        controller = StorageController(storage, self.host.pool, self._completions, ranks)
+        sn = self.snapshots
+        state_pool = None if sn is None else sn.host_pool
+        controller = StorageController(
+            storage, self.host.pool, self._completions, ranks, state_pool=state_pool
+        )
         try:
             controller.start()
         except BaseException:
@@ -185,6 +191,7 @@ class HiCache(Lifecycle):
             counters=self.counters,
             op_ids=self._op_ids,
             drain=self.poll,
+            snapshots=None if sn is None else SnapshotRecords(self.tree, sn),
         )
 
     def detach_storage(self, timeout_s: float | None = None) -> bool:
@@ -199,10 +206,15 @@ class HiCache(Lifecycle):
             req.prefetch = None
         tier.controller.close()
         self.storage = None
-        held = tier.detach()
-        if len(held):
-            log.warning("%d L2 pages stay quarantined until the old backend settles", len(held))
-            self._retired.append((tier.controller.storage, held))
+        held, slots = tier.detach()
+        if len(held) or len(slots):
+            log.warning(
+                "%d L2 pages and %d L2 snapshot slots stay quarantined until the old backend"
+                " settles",
+                len(held),
+                len(slots),
+            )
+            self._retired.append((tier.controller.storage, held, slots))
         return True
 
     @property
@@ -365,6 +377,16 @@ class HiCache(Lifecycle):
         req._prefix_tokens = full * ps
         if self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
+        if components and last.host is not None:
+            self._back_up_snapshot(last)
+
+    def _back_up_snapshot(self, node: TreeNode) -> None:
+        """A snapshot was added at ``node``, whose KV was in L2 already (no backup was
+        issued with it): copy it to L2 and write it to L3 now."""
+        assert self.snapshots is not None
+        backed = self.snapshots.back_up(node)
+        if backed and self.storage is not None:
+            self.storage.write_states(backed)
 
     def release(
         self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
@@ -593,11 +615,13 @@ class HiCache(Lifecycle):
     def _free_retired(self) -> None:
         assert self.host is not None
         keep = []
-        for storage, pages in self._retired:
+        for storage, pages, slots in self._retired:
             if storage.host_writes_settled(0.0):
                 self.host.allocator.free(pages)
+                if self.snapshots is not None:
+                    self.snapshots.free(Tier.HOST, slots)
             else:
-                keep.append((storage, pages))
+                keep.append((storage, pages, slots))
         self._retired = keep
 
     def flush(self) -> None:
@@ -648,10 +672,13 @@ class HiCache(Lifecycle):
         every used L2 page is owned by the tree or held by an L3 op. Raises
         AssertionError."""
         host_held: list[int] = []
+        slots_held: list[int] = []
         if self.storage is not None:
             host_held += self.storage.held_host_pages()
-        for _, pages in self._retired:
+            slots_held += self.storage.held_state_slots()
+        for _, pages, slots in self._retired:
             host_held += pages
+            slots_held += slots
         check_cache_integrity(
             self.tree,
             self.device_pool,
@@ -663,7 +690,8 @@ class HiCache(Lifecycle):
             sn = self.snapshots
             check_owned("L1 snapshot", sn.device_pool.allocator, sn.owned(Tier.DEVICE))
             if sn.host_pool is not None:
-                check_owned("L2 snapshot", sn.host_pool.allocator, sn.owned(Tier.HOST))
+                owned = [*sn.owned(Tier.HOST), *slots_held]
+                check_owned("L2 snapshot", sn.host_pool.allocator, owned)
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

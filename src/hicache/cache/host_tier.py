@@ -88,7 +88,7 @@ class HostTier:
         self._drain = drain
         self._wait_timeout_s = wait_timeout_s
         self.on_backed_up: Callable[[list[TreeNode]], None] | None = None
-        self.on_backup_issued: Callable[[TreeNode], None] | None = None
+        self.on_backup_issued: Callable[[TreeNode], object] | None = None
         """Called with the run's last node once its full L2 pages are assigned (extra
         components back up what a hit there needs)."""
         self.free_components: Callable[[Tier, dict[str, PageIds]], None] | None = None

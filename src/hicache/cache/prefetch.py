@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.keys import PageKey
 from hicache.tree import TreeNode
@@ -16,6 +16,11 @@ class Prefetch:
     ``host_pages`` is set once the lookup found a hit worth reading; ``done_pages`` of
     them hold intact records (only grows); ``finished`` once no more will arrive;
     ``taken`` once the request took what arrived (or gave it up).
+
+    With recurrent-state snapshots, ``component_keys[i]`` keys the snapshot after page
+    ``start_page + i + 1``; ``state_slot`` is the L2 slot the snapshot after all
+    ``host_pages`` is read into (the usable hit ends at that snapshot, so
+    the read is usable only once ``done_pages == len(host_pages)``).
     """
 
     op_id: int
@@ -31,3 +36,5 @@ class Prefetch:
     finished: bool = False
     taken: bool = False
     read_final: bool = False
+    component_keys: list[PageKey] = field(default_factory=list)
+    state_slot: int | None = None

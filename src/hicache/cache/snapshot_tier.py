@@ -112,19 +112,31 @@ class SnapshotTier:
             self.tree.assign_component(SNAPSHOT, n, Tier.DEVICE, slots)
         return True
 
-    def back_up(self, last: TreeNode) -> None:
+    def back_up(self, last: TreeNode) -> list[TreeNode]:
         """Copy the snapshot a hit at ``last`` needs to L2 (once its full KV has L2 pages);
-        a full L2 snapshot pool leaves it L1-only (the node then is no L2 boundary)."""
+        a full L2 snapshot pool leaves it L1-only (the node then is no L2 boundary).
+        Returns the nodes that got an L2 snapshot."""
+        done: list[TreeNode] = []
         if self.host_pool is None:
-            return
+            return done
         for n in self.tree.component_backup_nodes(SNAPSHOT, last):
             dev = self.tree.component(SNAPSHOT).get(n, Tier.DEVICE)
             assert dev is not None
             slots = self.alloc(Tier.HOST, len(dev))
             if slots is None:
-                return
+                break
             self.copier.backup(self.device_pool, self.host_pool, dev, slots)
             self.tree.assign_component(SNAPSHOT, n, Tier.HOST, slots)
+            done.append(n)
+        return done
+
+    def host_ready(self) -> None:
+        """Wait until every L1 -> L2 slot copy issued so far has landed (they may still be
+        in flight on the current CUDA stream; on CPU they are done already). Call before
+        another thread reads L2 slots (an L3 write)."""
+        dev = self.device_pool.torch_device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     def owned(self, tier: Tier) -> list[int]:
         """Every slot of ``tier`` the tree owns (for the ownership check)."""

@@ -23,16 +23,20 @@ __all__ = ["CompletionQueue", "L3Lookup", "L3Read", "L3Write", "Record"]
 @dataclass(frozen=True, slots=True)
 class L3Lookup:
     """An L3 lookup finished: the first ``hit_pages`` keys of op ``op_id`` are present
-    (0 after an error or a timeout)."""
+    (0 after an error or a timeout). ``boundaries``: for a lookup with component keys
+    (recurrent-state snapshots), the page counts ``b`` in ``[1, hit_pages]``, ascending,
+    whose component record (the state after the op's first ``b`` pages) is present."""
 
     op_id: int
     hit_pages: int
+    boundaries: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class L3Read:
     """Progress of an L3 -> L2 read: the first ``done_pages`` host pages of op ``op_id``
-    hold intact records. ``final`` is True on the op's last record, posted only once no
+    hold intact records (and, for a read with a component record, so does its state slot;
+    a failed component read reports 0). ``final`` is True on the op's last record, posted only once no
     byte can land in any host page of the op any more (a backend call that overran its
     deadline has returned); until then the owner must keep every page of the op."""
 
@@ -43,8 +47,9 @@ class L3Read:
 
 @dataclass(frozen=True, slots=True)
 class L3Write:
-    """An L2 -> L3 write finished: of ``pages`` pages, ``written`` were stored now,
-    ``present`` were in L3 already, the rest failed."""
+    """An L2 -> L3 write finished: of ``pages`` records (pages, or state slots for a
+    component write), ``written`` were stored now, ``present`` were in L3 already, the
+    rest failed."""
 
     op_id: int
     pages: int

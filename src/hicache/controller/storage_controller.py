@@ -1,6 +1,10 @@
 """L3 threads: lookups and reads (L3 -> L2) on one thread, writes (L2 -> L3) on another.
 
-Like the L1<->L2 controller it knows page ids and keys, never the tree. The owner (the
+Like the L1<->L2 controller it knows page ids and keys, never the tree. Component records
+(recurrent-state snapshots, ``docs/l3-keys.md``) ride on the same ops: a lookup may carry
+the component keys of its pages (looked up one by one within the full-KV hit), a read one
+component record into an L2 state slot (read first: without it the pages are no hit), and
+a write may store L2 state slots instead of pages. The owner (the
 cache's storage tier) allocates host pages and submits ops; the threads post immutable
 records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`) to the owner's
 :class:`CompletionQueue`. Every storage call is bounded by the backend's deadline; an
@@ -26,6 +30,7 @@ from hicache.controller.rank_group import RankGroup
 from hicache.keys import PageKey
 from hicache.lifecycle import Lifecycle
 from hicache.memory import HostPool
+from hicache.memory.state_pool import StatePool
 from hicache.storage.base import HiCacheStorage
 from hicache.tree.node import PageIds
 
@@ -39,6 +44,7 @@ _SETTLE_POLL_S = 0.02
 class _Lookup:
     op_id: int
     keys: Sequence[PageKey]
+    component_keys: Sequence[PageKey]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,7 @@ class _Read:
     keys: Sequence[PageKey]
     host_pages: PageIds
     cancel: threading.Event
+    state: tuple[PageKey, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,7 @@ class _Write:
     op_id: int
     keys: Sequence[PageKey]
     host_pages: PageIds
+    states: bool
 
 
 class StorageController(Lifecycle):
@@ -69,9 +77,11 @@ class StorageController(Lifecycle):
         host_pool: HostPool,
         completions: CompletionQueue,
         ranks: RankGroup | None = None,
+        state_pool: StatePool | None = None,
     ) -> None:
         self.storage = storage
         self.host_pool = host_pool
+        self.state_pool = state_pool
         self.ranks = ranks or RankGroup()
         self._out = completions
         self._prefetch_q: queue.Queue[_Lookup | _Read | None] = queue.Queue()
@@ -108,17 +118,32 @@ class StorageController(Lifecycle):
 
     # ------------------------------------------------------------------ owner side
 
-    def lookup(self, op_id: int, keys: Sequence[PageKey]) -> None:
-        """Queue a lookup of ``keys``; an :class:`L3Lookup` follows."""
-        self._prefetch_q.put(_Lookup(op_id, keys))
+    def lookup(
+        self, op_id: int, keys: Sequence[PageKey], component_keys: Sequence[PageKey] = ()
+    ) -> None:
+        """Queue a lookup of ``keys`` (a run from the first) and, when given, of the
+        component records ``component_keys[i]`` (the state after page ``i``) within the
+        run found; an :class:`L3Lookup` follows."""
+        if component_keys and len(component_keys) != len(keys):
+            raise ValueError(f"{len(component_keys)} component keys for {len(keys)} keys")
+        self._prefetch_q.put(_Lookup(op_id, keys, component_keys))
 
-    def read(self, op_id: int, keys: Sequence[PageKey], host_pages: PageIds) -> None:
-        """Queue a read of ``keys[i]`` into ``host_pages[i]``; :class:`L3Read` records
-        follow, the last one with ``final`` set."""
+    def read(
+        self,
+        op_id: int,
+        keys: Sequence[PageKey],
+        host_pages: PageIds,
+        state: tuple[PageKey, int] | None = None,
+    ) -> None:
+        """Queue a read of ``keys[i]`` into ``host_pages[i]`` and, with ``state`` = (key,
+        slot), of that component record into the L2 state slot first; :class:`L3Read`
+        records follow, the last one with ``final`` set."""
         if len(keys) != len(host_pages):
             raise ValueError(f"read of {len(keys)} keys into {len(host_pages)} host pages")
+        if state is not None and self.state_pool is None:
+            raise ValueError("a state read needs the L2 state pool")
         cancel = self._cancels[op_id] = threading.Event()
-        self._prefetch_q.put(_Read(op_id, keys, host_pages, cancel))
+        self._prefetch_q.put(_Read(op_id, keys, host_pages, cancel, state))
 
     def cancel(self, op_id: int) -> None:
         """Ask a read to stop after the chunk in flight (its final record still comes)."""
@@ -129,7 +154,16 @@ class StorageController(Lifecycle):
     def write(self, op_id: int, keys: Sequence[PageKey], host_pages: PageIds) -> None:
         """Queue a write of host pages to L3 (present keys are skipped by the backend);
         an :class:`L3Write` follows. The owner keeps the pages until it arrives."""
-        self._backup_q.put(_Write(op_id, keys, host_pages))
+        self._backup_q.put(_Write(op_id, keys, host_pages, states=False))
+
+    def write_states(self, op_id: int, keys: Sequence[PageKey], slots: PageIds) -> None:
+        """Queue a write of L2 state slots as component records ``keys[i]``; an
+        :class:`L3Write` follows. The owner keeps the slots (pinned) until it arrives."""
+        if self.state_pool is None:
+            raise ValueError("a state write needs the L2 state pool")
+        if len(keys) != len(slots):
+            raise ValueError(f"write of {len(keys)} keys from {len(slots)} state slots")
+        self._backup_q.put(_Write(op_id, keys, slots, states=True))
 
     def forget(self, op_id: int) -> None:
         """The owner applied a read's final record: drop its cancel flag."""
@@ -156,12 +190,7 @@ class StorageController(Lifecycle):
                     log.error("L3 read op %d still has a late write in flight at close", op_id)
                 return
             if isinstance(item, _Lookup):
-                try:
-                    hit = self.storage.batch_exists(item.keys)  # a failure is no hit
-                except Exception:  # backends fail soft already; this is a last guard
-                    log.exception("L3 lookup op %d failed", item.op_id)
-                    hit = 0
-                self._out.post(L3Lookup(item.op_id, hit))
+                self._out.post(self._lookup(item))
                 continue
             done = self._read(item)
             if not settling and self._settled():
@@ -177,11 +206,29 @@ class StorageController(Lifecycle):
             log.exception("host_writes_settled failed")
             return False
 
+    def _lookup(self, op: _Lookup) -> L3Lookup:
+        hit = 0
+        bounds: tuple[int, ...] = ()
+        try:
+            hit = self.storage.batch_exists(op.keys)  # a failure is no hit
+            if hit and op.component_keys:
+                found = self.storage.batch_contains(op.component_keys[:hit])
+                bounds = tuple(i + 1 for i, f in enumerate(found) if f)
+        except Exception:  # backends fail soft already; this is a last guard
+            log.exception("L3 lookup op %d failed", op.op_id)
+        return L3Lookup(op.op_id, hit, bounds)
+
     def _read(self, op: _Read) -> int:
-        """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact."""
+        """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact
+        (0 when its component record could not be read)."""
         chunk = self.storage.options.max_batch_pages
         done = 0
         try:
+            if op.state is not None:
+                assert self.state_pool is not None
+                key, slot = op.state
+                if not self.storage.batch_get_state([key], self.state_pool, [slot])[0]:
+                    return 0
             for start in range(0, len(op.keys), chunk):
                 if op.cancel.is_set():
                     break
@@ -201,7 +248,15 @@ class StorageController(Lifecycle):
         while (item := self._backup_q.get()) is not None:
             written = present = 0
             try:
-                result = self.storage.batch_set(item.keys, self.host_pool, list(item.host_pages))
+                if item.states:
+                    assert self.state_pool is not None
+                    result = self.storage.batch_set_state(
+                        item.keys, self.state_pool, list(item.host_pages)
+                    )
+                else:
+                    result = self.storage.batch_set(
+                        item.keys, self.host_pool, list(item.host_pages)
+                    )
                 written, present = result.written, result.present
             except Exception:
                 log.exception("L3 write op %d failed", item.op_id)

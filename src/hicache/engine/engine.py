@@ -32,7 +32,7 @@ from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.output import OutputProcessor
-from hicache.engine.recurrent_states import cache_state_spec
+from hicache.engine.recurrent_states import cache_state_spec, check_snapshot_slots
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
 from hicache.engine.runner import ModelRunner, kv_spec_from_hf_config
 from hicache.engine.sampling import InvalidRequest, SamplingParams
@@ -165,6 +165,8 @@ class Engine(Lifecycle):
         model = self.model.model
         specs = model.state_specs() if isinstance(model, HybridLM) else {}
         state = cache_state_spec(specs, model.dtype) if specs else None
+        if state is not None:
+            check_snapshot_slots(cache_cfg, spec, state, cfg.scheduler.max_running_requests)
         self.cache = HiCache(cache_cfg, spec, cfg.device, state=state).start()
         if cfg.storage is not None:
             try:

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache.config import CacheConfig, KVSpec, StateTensor
 from hicache.config import StateSpec as CacheStateSpec
-from hicache.config import StateTensor
 from hicache.engine.models.recurrent import RecurrentState, StateSpec
 
-__all__ = ["RecurrentStates", "cache_state_spec"]
+__all__ = ["RecurrentStates", "cache_state_spec", "check_snapshot_slots"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -54,6 +54,37 @@ def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> Cach
             StateTensor(name="conv", shape=tuple(conv), dtype=_DTYPE_NAMES[dtype]),
             StateTensor(name="ssm", shape=tuple(ssm), dtype="float32"),
         ),
+    )
+
+
+def check_snapshot_slots(
+    config: CacheConfig, kv: KVSpec, state: CacheStateSpec, max_running_requests: int
+) -> None:
+    """Refuse (ValueError with the numbers and the flags) an L1 state pool too small for
+    ``max_running_requests`` recurrent requests: each running request pins the snapshot
+    it resumed from (or last committed), and taking a snapshot needs one more free slot,
+    so the pool needs ``max_running_requests + 1`` slots. With fewer, snapshots of
+    running requests are dropped and a request whose prefix needs its snapshot in L1
+    waits for a slot."""
+    slots = config.mamba_device_slots(kv, state)
+    need = max_running_requests + 1
+    if slots >= need:
+        return
+    kv_bytes = config.device_bytes(kv)
+    if config.max_mamba_cache_size > 0:
+        how = f"--max-mamba-cache-size {config.max_mamba_cache_size}"
+    else:
+        how = (
+            f"--mamba-full-memory-ratio {config.mamba_full_memory_ratio:g} x the"
+            f" {kv_bytes} B L1 KV pool"
+        )
+    ratio = need * state.slot_bytes / max(1, kv_bytes)
+    raise ValueError(
+        f"the L1 recurrent-state pool holds {slots} snapshot slots of {state.slot_bytes} B"
+        f" ({how}), but --max-running-requests {max_running_requests} needs at least"
+        f" {need} (one pinned snapshot per running request plus one being taken): set"
+        f" --max-mamba-cache-size >= {need} or --mamba-full-memory-ratio >= {ratio:.3g},"
+        f" or lower --max-running-requests"
     )
 
 

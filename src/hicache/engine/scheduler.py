@@ -10,11 +10,15 @@ page for its next token is retracted (``requeue``): its KV stays cached and it w
 re-admitted, which then finds its own prefix. The scheduler holds only opaque handles.
 
 Models with recurrent layers (Qwen3-Next, Nemotron-H: ``runner.resumable_prefix`` False)
-cannot start from a cached prefix until the cache keeps their state snapshots: their
-handles are opened uncacheable (pages are still allocated and released through the cache,
-nothing is matched or kept), each forward names its requests (``seq_ids``) so the runner
-carries their recurrent state, and a request's state is dropped when it ends or is
-retracted (a retracted request then recomputes its sequence from position 0).
+start from a cached prefix only at a boundary where the cache keeps a state snapshot:
+each forward names its requests (``seq_ids``) so the runner carries their recurrent
+state; a prefill commits snapshots every ``mamba_track_interval`` tokens and at the last
+page boundary before the prompt's last token; and at its end (or retraction) a request
+commits the state after the last page boundary it computed past that (kept when passed:
+the runner's state covers exactly the computed tokens, so a request that stops between
+boundaries leaves its tail to be recomputed). A request's live state is dropped when it
+ends or is retracted (a retracted request then resumes from its deepest snapshot).
+Without a snapshot-keeping cache their handles are opened uncacheable.
 
 Everything here runs on the engine's thread.
 """
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.cache import HiCache
+from hicache.cache import HiCache, RequestState
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
@@ -208,6 +212,29 @@ class Scheduler:
         nxt = min((req.kv_len // step + 1) * step, last)
         return nxt if nxt > req.kv_len else None
 
+    def _tracks_end_state(self, req: Request) -> bool:
+        """Whether ``req`` just computed a page boundary past its prompt's last snapshot
+        boundary, whose state it keeps for its end (see :meth:`_commit_end_state`)."""
+        ps = self.page_size
+        if req.kv_len % ps or self._snapshot_boundary(req) is not None:
+            return False
+        if not self.recurrent or req.cache is None or not req.cache.cacheable:
+            return False
+        return self.cache.resumable and req.kv_len > (len(req.prompt_ids) - 1) // ps * ps
+
+    def _commit_end_state(self, req: Request) -> None:
+        """At the end of ``req``: commit the state after the last whole page it computed
+        past its prompt (kept by :meth:`_tracks_end_state`) as a snapshot, so a follow-up
+        turn (prompt + output + more) resumes there. The runner's state covers exactly
+        the computed tokens, so the boundary is the last page boundary the request passed
+        (its end when it stops on one); tokens after it are recomputed by the next turn."""
+        if req.end_state is None or req.cache is None:
+            return
+        covered, state = req.end_state
+        req.end_state = None
+        if req.cache.state is RequestState.ADMITTED and covered <= req.kv_len:
+            self.cache.commit(req.cache, req.all_ids[:covered], state=state)
+
     def _commit_snapshot(self, req: Request) -> None:
         """Commit ``req``'s pages up to its snapshot boundary with its recurrent state."""
         assert req.cache is not None
@@ -287,6 +314,8 @@ class Scheduler:
             req.kv_len += n
             if req.kv_len == boundary:
                 self._commit_snapshot(req)
+            elif self._tracks_end_state(req):
+                req.end_state = self.runner.snapshot_state(req.rid)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
         self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
@@ -393,6 +422,7 @@ class Scheduler:
         log.info("retracting %s to free L1 pages", req.rid)
         assert req.cache is not None
         self.running.remove(req)
+        self._commit_end_state(req)
         self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
         self.runner.drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
         req.kv_len = 0
@@ -405,6 +435,9 @@ class Scheduler:
             self.running.remove(req)
         self.runner.drop_state(req.rid)
         if req.cache is not None:
+            if keep_kv:
+                self._commit_end_state(req)
+            req.end_state = None
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
         self._emit(req)
 

@@ -11,6 +11,11 @@ operations are batched and page-granular. The contract:
 - ``batch_set(keys, host, pages) -> SetResult``: write host page ``pages[i]`` under
   ``keys[i]``; a key already present is skipped (``SetOutcome.SKIPPED``, counted in
   ``SetResult.present``, not in ``written``).
+- Component records (``docs/l3-keys.md``; recurrent-state snapshots): ``batch_get_state``
+  / ``batch_set_state`` do the same over slots of a host
+  :class:`~hicache.memory.state_pool.StatePool` (their keys are chained under the
+  component's namespace, :meth:`allow_component`); ``batch_contains(keys) -> list[bool]``
+  looks keys up one by one (component records are sparse, not a run).
 - Every operation has a deadline (``StorageOptions.timeout_s``). A backend failure or
   timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
   and a WARNING. Only misuse raises (unstarted backend, length mismatch, a host pool that
@@ -42,9 +47,11 @@ import torch
 
 from hicache.keys import Namespace, PageKey
 from hicache.memory import HostPool
+from hicache.memory.state_pool import StatePool
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.pageio import HostPages
+from hicache.storage.pageio import HostPages, Payloads
 from hicache.storage.record import HEADER_SIZE
+from hicache.storage.slotio import StateSlots
 from hicache.storage.stats import MissReason, SetOutcome, SetResult, StatsRecorder, StorageStats
 
 __all__ = [
@@ -128,6 +135,8 @@ class HiCacheStorage(ABC):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         self._namespace = namespace
         self._options = options or StorageOptions()
+        self._salts: set[str] = {namespace.tenant_salt}
+        self._components: set[str] = {namespace.component}
         self._tenant_digests = {namespace.digest}
         self._stats = StatsRecorder(self.name)
         self._life = threading.Lock()
@@ -260,7 +269,32 @@ class HiCacheStorage(ABC):
         """Read ``keys[i]`` into host page ``pages[i]``; True where the page is now valid."""
         self._require_started()
         self._check_host(host)
-        hp = HostPages(host, pages, for_get=True)
+        return self._get_payloads(keys, HostPages(host, pages, for_get=True))
+
+    def batch_get_state(
+        self, keys: Sequence[PageKey], pool: StatePool, slots: Sequence[int] | torch.Tensor
+    ) -> list[bool]:
+        """Read the component record ``keys[i]`` into slot ``slots[i]`` of the host state
+        pool ``pool``; True where the slot now holds the snapshot."""
+        self._require_started()
+        return self._get_payloads(keys, StateSlots(pool, slots, for_get=True))
+
+    def batch_contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether each key is present, one by one (all False on failure)."""
+        self._require_started()
+        if not keys:
+            return []
+        try:
+            found = list(self._contains(keys, Deadline(self._options.timeout_s)))
+            if len(found) != len(keys):
+                raise RuntimeError(f"backend returned {len(found)} results for {len(keys)} keys")
+        except Exception as e:
+            self._stats.error("exists", repr(e))
+            found = [False] * len(keys)
+        self._stats.exists(len(keys), sum(found))
+        return found
+
+    def _get_payloads(self, keys: Sequence[PageKey], hp: Payloads) -> list[bool]:
         self._check_lengths(keys, hp)
         if not keys:
             return []
@@ -293,7 +327,17 @@ class HiCacheStorage(ABC):
         """
         self._require_started()
         self._check_host(host)
-        hp = HostPages(host, pages, for_get=False)
+        return self._set_payloads(keys, HostPages(host, pages, for_get=False))
+
+    def batch_set_state(
+        self, keys: Sequence[PageKey], pool: StatePool, slots: Sequence[int] | torch.Tensor
+    ) -> SetResult:
+        """Write slot ``slots[i]`` of the host state pool ``pool`` as the component record
+        ``keys[i]``; present keys are skipped (as :meth:`batch_set`)."""
+        self._require_started()
+        return self._set_payloads(keys, StateSlots(pool, slots, for_get=False))
+
+    def _set_payloads(self, keys: Sequence[PageKey], hp: Payloads) -> SetResult:
         self._check_lengths(keys, hp)
         if not keys:
             return SetResult(())
@@ -315,8 +359,22 @@ class HiCacheStorage(ABC):
     # -- helpers ----------------------------------------------------------------------------
     def allow_tenant(self, tenant_salt: str) -> None:
         """Also store and accept records of ``tenant_salt``'s namespace (this instance's
-        namespace with that salt), for keys chained under it."""
-        self._tenant_digests.add(self._namespace.with_salt(tenant_salt).digest)
+        namespace with that salt, for every allowed component), for keys chained under it."""
+        self._salts.add(tenant_salt)
+        self._allow()
+
+    def allow_component(self, component: str) -> None:
+        """Also store and accept records of ``component``'s namespace (this instance's
+        namespace with that component, for every allowed tenant): component records such
+        as recurrent-state snapshots (``"mamba"``)."""
+        self._components.add(component)
+        self._allow()
+
+    def _allow(self) -> None:
+        ns = self._namespace
+        self._tenant_digests.update(
+            ns.with_salt(s).with_component(c).digest for s in self._salts for c in self._components
+        )
 
     def _digest_of(self, key: PageKey) -> bytes:
         """The namespace digest ``key``'s record must carry: the key's own when it is this
@@ -344,7 +402,7 @@ class HiCacheStorage(ABC):
             )
 
     @staticmethod
-    def _check_lengths(keys: Sequence[PageKey], hp: HostPages) -> None:
+    def _check_lengths(keys: Sequence[PageKey], hp: Payloads) -> None:
         if len(keys) != len(hp):
             raise ValueError(f"{len(keys)} keys but {len(hp)} pages; they must pair up")
 
@@ -361,9 +419,20 @@ class HiCacheStorage(ABC):
     def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
         """Consecutive present keys from the first."""
 
+    def _contains(self, keys: Sequence[PageKey], deadline: Deadline) -> list[bool]:
+        """Presence of each key; the default asks :meth:`_exists` key by key (a backend
+        with a batched lookup may override)."""
+        out: list[bool] = []
+        for k in keys:
+            if deadline.expired:
+                self._stats.timeout("exists", deadline.timeout_s)
+                return out + [False] * (len(keys) - len(out))
+            out.append(self._exists([k], deadline) == 1)
+        return out
+
     @abstractmethod
     def _get(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[MissReason | None]:
         """Read each record into ``pages``; None where the page passed all checks.
 
@@ -372,7 +441,7 @@ class HiCacheStorage(ABC):
 
     @abstractmethod
     def _set(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         """Write each page's record unless its key is present."""
 

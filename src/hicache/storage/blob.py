@@ -7,14 +7,14 @@ never written into the host pool.
 from __future__ import annotations
 
 from hicache.keys import PageKey
-from hicache.storage.pageio import HostPages
+from hicache.storage.pageio import Payloads
 from hicache.storage.record import HEADER_SIZE, check_blob, encode_record
 from hicache.storage.stats import MissReason
 
 __all__ = ["decode_page", "encode_page"]
 
 
-def encode_page(namespace_digest: bytes, key: PageKey, pages: HostPages, i: int) -> bytes:
+def encode_page(namespace_digest: bytes, key: PageKey, pages: Payloads, i: int) -> bytes:
     """The record (header + payload) of page ``i`` of ``pages`` under ``key``."""
     return encode_record(namespace_digest, key.fingerprint, pages.parts(i))
 
@@ -23,7 +23,7 @@ def decode_page(
     blob: bytes | bytearray | memoryview | None,
     namespace_digest: bytes,
     key: PageKey,
-    pages: HostPages,
+    pages: Payloads,
     i: int,
 ) -> MissReason | None:
     """Check ``blob`` (None: absent) and, when good, copy its payload into page ``i``."""

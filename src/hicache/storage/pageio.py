@@ -1,5 +1,9 @@
 """Byte-level access to host (L2) pages in L3 payload order (see :mod:`hicache.storage.record`).
 
+:class:`Payloads` is what a backend's ``_get`` / ``_set`` move: one record payload per key.
+:class:`HostPages` serves full-KV pages of a :class:`~hicache.memory.HostPool`; component
+records (recurrent-state slots) have their own (:class:`hicache.storage.slotio.StateSlots`).
+
 For ``page_first`` and ``page_first_direct`` pools a page's payload is its
 ``HostPool.page_view`` slabs, one per kind: backends read and write them in place
 (zero-copy). A ``layer_first`` page is spread over ``K x L`` ranges, so it is staged: a set
@@ -9,6 +13,7 @@ staging buffer that :meth:`HostPages.commit` scatters into the pool, for the goo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +21,7 @@ import torch
 from hicache.config import MemLayout
 from hicache.memory import HostPool
 
-__all__ = ["HostPages", "byte_view", "uint8_view"]
+__all__ = ["HostPages", "Payloads", "byte_view", "uint8_view"]
 
 
 def uint8_view(t: torch.Tensor) -> torch.Tensor:
@@ -34,7 +39,38 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return uint8_view(t).numpy().data.cast("B")
 
 
-class HostPages:
+class Payloads(ABC):
+    """The payloads of one batch of records, item ``i`` for ``keys[i]``: each exactly
+    :attr:`payload_len` bytes, exposed as byte views (:meth:`parts`) that a get writes into
+    and a set reads from. After a get, :meth:`commit` delivers the items that passed their
+    checks (a staged implementation scatters them then). ``zero_copy`` is True only for
+    :class:`HostPages` whose :meth:`HostPages.views` lie in the pool's registered buffer."""
+
+    payload_len: int
+    zero_copy: bool
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def parts(self, i: int) -> list[memoryview]:
+        """Byte views of item ``i``'s payload, in record order (writable for a get)."""
+
+    def fill(self, i: int, payload: memoryview) -> None:
+        """Copy ``payload`` (exactly ``payload_len`` bytes) into item ``i``'s parts."""
+        off = 0
+        for part in self.parts(i):
+            n = part.nbytes
+            part[:] = payload[off : off + n]
+            off += n
+        if off != payload.nbytes:
+            raise ValueError(f"payload is {payload.nbytes} bytes, expected {off}")
+
+    def commit(self, ok: Sequence[bool]) -> None:  # noqa: B027 - a no-op by default
+        """After a get: deliver the items whose ``ok`` is True (no-op when in place)."""
+
+
+class HostPages(Payloads):
     """Payload access to ``pages`` of ``host``; item ``i`` belongs to ``pages[i]``.
 
     Validates the pages (in range; unique for a get, since one page receives one record).
@@ -81,16 +117,6 @@ class HostPages:
         if self.zero_copy:
             return self.host.page_bytes_views(self.pages[i])
         return [byte_view(t) for t in self.tensors(i)]
-
-    def fill(self, i: int, payload: memoryview) -> None:
-        """Copy ``payload`` (exactly ``payload_len`` bytes) into page ``i``'s parts."""
-        off = 0
-        for part in self.parts(i):
-            n = part.nbytes
-            part[:] = payload[off : off + n]
-            off += n
-        if off != payload.nbytes:
-            raise ValueError(f"payload is {payload.nbytes} bytes, expected {off}")
 
     def commit(self, ok: Sequence[bool]) -> None:
         """After a get: write staged pages whose ``ok`` is True into the pool (no-op if zero-copy)."""

@@ -4,7 +4,7 @@ Header (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
 
     offset size field
          0    4 magic             b"HCR1"
-         4    2 record version    RECORD_VERSION (1)
+         4    2 record version    RECORD_VERSION (2, the key spec version)
          6    2 header size       64
          8   32 namespace digest  Namespace.digest of the writer
         40    8 token fingerprint PageKey.fingerprint of the page
@@ -12,12 +12,14 @@ Header (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
         56    8 checksum          xxh3_64 of header[0:56] followed by the payload, u64
 
 The checksum covers the header fields too, so a flipped header bit reads as ``corrupt``;
-a record that passes the checksum but carries another namespace digest or token
-fingerprint is ``foreign``. Checks run in this order: total length, magic, version, header
-size, payload length, checksum, namespace digest, token fingerprint.
+a record that passes the checksum but is of another version is ``stale`` (a flipped
+version bit fails the checksum: ``corrupt``); one that passes but carries another
+namespace digest or token fingerprint is ``foreign``. Checks run in this order: total
+length, magic, header size, payload length, checksum, version, namespace digest, token
+fingerprint.
 
-Payload (``HostPool.page_bytes`` bytes): the page over all layers and kinds, in the host
-layout's own order, kind slabs concatenated (K then V for MHA):
+Payload of a full-KV record (``HostPool.page_bytes`` bytes): the page over all layers and
+kinds, in the host layout's own order, kind slabs concatenated (K then V for MHA):
 
 - ``page_first``: per kind ``(page_size, L, H, D)``, i.e. ``(K, page_size, L, H, D)``;
 - ``page_first_direct``: per kind ``(L, page_size, H, D)``, i.e. the canonical
@@ -27,6 +29,11 @@ layout's own order, kind slabs concatenated (K then V for MHA):
 So the payload is exactly ``HostPool.page_view(page)`` concatenated where a view exists
 (zero-copy), and the byte order depends on the layout; the namespace pins the layout, so a
 reader never meets another layout's payload.
+
+Payload of a component record (``"mamba"``: one recurrent-state snapshot,
+``StateSpec.slot_bytes`` bytes): per state tensor in spec order, the slot's ``(L, *shape)``
+values in the tensor's dtype, C order, whatever the host layout (see
+:mod:`hicache.storage.slotio`).
 
 Checksum choice: xxh3_64 runs at tens of GB/s on one core here, against about 6 GB/s for
 xxh64, 2.5 GB/s for CRC-32 and about 1 GB/s for SHA-256 or BLAKE2b (1 MiB buffers), so it
@@ -41,7 +48,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from hicache.keys import DIGEST_BYTES, FINGERPRINT_BYTES
+from hicache.keys import DIGEST_BYTES, FINGERPRINT_BYTES, KEY_SPEC_VERSION
 from hicache.storage.stats import MissReason
 
 __all__ = [
@@ -58,7 +65,9 @@ __all__ = [
 ]
 
 RECORD_MAGIC = b"HCR1"
-RECORD_VERSION = 1
+RECORD_VERSION = KEY_SPEC_VERSION
+"""The record version is the key spec's: a record of another spec version reads as
+``stale``."""
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<4sHH32s8sQQ")
 _CHECKED = 56  # header bytes covered by the checksum (all but the checksum itself)
@@ -127,8 +136,8 @@ def check_record(
     """Check a record read as ``header`` (64 bytes) plus ``payload`` parts.
 
     ``payload_len`` is the length the reader expects (its pool's ``page_bytes``); the parts
-    must add up to it. Returns :data:`GOOD` or a miss (``corrupt`` or ``foreign``) with a
-    human-readable detail.
+    must add up to it. Returns :data:`GOOD` or a miss (``corrupt``, ``stale`` or
+    ``foreign``) with a human-readable detail.
     """
     hv = memoryview(header).cast("B")
     if hv.nbytes != HEADER_SIZE:
@@ -138,10 +147,6 @@ def check_record(
     magic, version, hsize, digest, fp, length, checksum = _HEADER.unpack(hv)
     if magic != RECORD_MAGIC:
         return RecordCheck(MissReason.CORRUPT, f"bad magic {magic!r}")
-    if version != RECORD_VERSION:
-        return RecordCheck(
-            MissReason.CORRUPT, f"record version {version}, expected {RECORD_VERSION}"
-        )
     if hsize != HEADER_SIZE:
         return RecordCheck(MissReason.CORRUPT, f"header size {hsize}, expected {HEADER_SIZE}")
     if length != payload_len:
@@ -151,6 +156,8 @@ def check_record(
         return RecordCheck(MissReason.CORRUPT, f"read {got} payload bytes, expected {payload_len}")
     if payload_checksum(hv[:_CHECKED], payload) != checksum:
         return RecordCheck(MissReason.CORRUPT, "checksum mismatch")
+    if version != RECORD_VERSION:  # intact, of another spec: never data
+        return RecordCheck(MissReason.STALE, f"record version {version}, expected {RECORD_VERSION}")
     if digest != namespace_digest:
         return RecordCheck(MissReason.FOREIGN, "namespace digest differs")
     if fp != fingerprint:

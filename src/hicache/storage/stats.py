@@ -28,7 +28,10 @@ class MissReason(str, enum.Enum):
     ABSENT = "absent"
     """No record under the key (never written, evicted or removed)."""
     CORRUPT = "corrupt"
-    """A record is there but fails a check: magic, version, length or checksum."""
+    """A record is there but fails a check: magic, header size, length or checksum."""
+    STALE = "stale"
+    """An intact-looking record of another spec (record) version: written by an engine of
+    an older or newer key spec; never read as data."""
     FOREIGN = "foreign"
     """A valid record of another namespace or other tokens (digest or fingerprint differ)."""
     TIMEOUT = "timeout"
@@ -185,10 +188,10 @@ class StatsRecorder:
     ) -> None:
         """Log one WARNING summarising a batch's records that failed checks (if any).
 
-        Only ``corrupt`` and ``foreign`` are logged here; ``timeout`` and ``error`` are
+        Only ``corrupt``, ``stale`` and ``foreign`` are logged here; ``timeout`` and ``error`` are
         logged (with their cause) by :meth:`timeout` and :meth:`error`, ``absent`` not at all.
         """
-        logged = (MissReason.CORRUPT, MissReason.FOREIGN)
+        logged = (MissReason.CORRUPT, MissReason.STALE, MissReason.FOREIGN)
         bad = [(k, r) for k, r in zip(keys, reasons, strict=True) if r in logged]
         if not bad:
             return

@@ -1,8 +1,8 @@
 """The ``file`` L3 backend: one record file per page key in a local (or shared) directory.
 
 Directory: extra-config ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR``, else
-``/tmp/hicache``; created with mode 0700. A key ``hc1-<hex>`` lives at
-``<dir>/<hex[:2]>/hc1-<hex>`` (256 fan-out folders keep directories small).
+``/tmp/hicache``; created with mode 0700. A key ``hc2-<hex>`` lives at
+``<dir>/<hex[:2]>/hc2-<hex>`` (256 fan-out folders keep directories small).
 
 - Writes are atomic: the record goes to a temp file in the same folder, optionally
   fsync'ed (extra ``fsync``), then ``os.replace``'d into place, so a reader (or a restart
@@ -38,7 +38,7 @@ from hicache.storage.base import (
     StorageError,
     StorageOptions,
 )
-from hicache.storage.pageio import HostPages
+from hicache.storage.pageio import Payloads
 from hicache.storage.record import HEADER_SIZE, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
 
@@ -220,7 +220,7 @@ class FileStorage(ConfiguredStorage):
         return n
 
     def _get(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[MissReason | None]:
         out: list[MissReason | None] = []
         first_error = ""
@@ -240,7 +240,7 @@ class FileStorage(ConfiguredStorage):
             self._stats.error("get", f"{errors} page(s) failed; first {first_error}")
         return out
 
-    def _read(self, key: PageKey, pages: HostPages, i: int) -> MissReason | None:
+    def _read(self, key: PageKey, pages: Payloads, i: int) -> MissReason | None:
         path = self.path_of(key.key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -273,7 +273,7 @@ class FileStorage(ConfiguredStorage):
         return check.reason
 
     def _set(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         out: list[SetOutcome] = []
         errors = 0
@@ -297,7 +297,7 @@ class FileStorage(ConfiguredStorage):
             self._stats.error("set", f"{errors} page(s) not written; first {first_error}")
         return out
 
-    def _write(self, key: PageKey, pages: HostPages, i: int) -> SetOutcome:
+    def _write(self, key: PageKey, pages: Payloads, i: int) -> SetOutcome:
         path = self.path_of(key.key)
         if path.is_file():
             return SetOutcome.SKIPPED

@@ -36,7 +36,7 @@ from hicache.keys import Namespace, PageKey
 from hicache.storage.base import Deadline, HiCacheStorage, StorageOptions
 from hicache.storage.blob import decode_page, encode_page
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.pageio import HostPages
+from hicache.storage.pageio import Payloads
 from hicache.storage.stats import MissReason, SetOutcome
 
 __all__ = ["MemoryFaults", "MemorySettings", "MemoryStorage", "MemoryStore", "shared_store"]
@@ -227,7 +227,7 @@ class MemoryStorage(HiCacheStorage):
         return n
 
     def _get(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[MissReason | None]:
         try:
             self._inject("get", deadline)
@@ -252,7 +252,7 @@ class MemoryStorage(HiCacheStorage):
         self._stats.error("get", repr(res.error))
         return [MissReason.ERROR] * len(keys)
 
-    def _read(self, keys: Sequence[PageKey], pages: HostPages) -> list[MissReason | None]:
+    def _read(self, keys: Sequence[PageKey], pages: Payloads) -> list[MissReason | None]:
         """Check each record and write it into its host page (the caller's or a worker's)."""
         return [
             decode_page(self.store.get(k.key), self._digest_of(k), k, pages, i)
@@ -260,7 +260,7 @@ class MemoryStorage(HiCacheStorage):
         ]
 
     def _set(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         try:
             self._inject("set", deadline)

@@ -41,7 +41,7 @@ from hicache.storage.base import (
     StorageOptions,
 )
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.pageio import HostPages, byte_view
+from hicache.storage.pageio import HostPages, Payloads, byte_view
 from hicache.storage.record import HEADER_SIZE, check_blob, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
 
@@ -219,8 +219,10 @@ class MooncakeStorage(ConfiguredStorage):
         self._stats.error(op, repr(res.error))
         return MissReason.ERROR
 
-    def _zero_copy(self, pages: HostPages) -> bool:
-        return self.config.zero_copy and pages.zero_copy and self._buffers.ensure_pool(pages.host)
+    def _zero_copy(self, pages: Payloads) -> bool:
+        if not (self.config.zero_copy and isinstance(pages, HostPages) and pages.zero_copy):
+            return False  # state slots (component records) are staged
+        return self._buffers.ensure_pool(pages.host)
 
     # -- operations ------------------------------------------------------------------------
     def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
@@ -238,7 +240,7 @@ class MooncakeStorage(ConfiguredStorage):
         return n
 
     def _get(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[MissReason | None]:
         out: list[MissReason | None] = []
         step = self.options.max_batch_pages
@@ -248,7 +250,7 @@ class MooncakeStorage(ConfiguredStorage):
         return out
 
     def _get_chunk(
-        self, keys: Sequence[PageKey], pages: HostPages, idx: range, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, idx: range, deadline: Deadline
     ) -> list[MissReason | None]:
         n = len(idx)
         store = self._store
@@ -260,6 +262,7 @@ class MooncakeStorage(ConfiguredStorage):
         names = [keys[i].key for i in idx]
         base = arena.addr
         if zero_copy:
+            assert isinstance(pages, HostPages)
             views = [pages.views(i) for i in idx]
             ptrs = [
                 [base + j * HEADER_SIZE, *(int(v.data_ptr()) for v in vs)]
@@ -289,7 +292,7 @@ class MooncakeStorage(ConfiguredStorage):
     def _check_gets(
         self,
         keys: Sequence[PageKey],
-        pages: HostPages,
+        pages: Payloads,
         idx: range,
         codes: Sequence[int],
         arena: Arena,
@@ -334,7 +337,7 @@ class MooncakeStorage(ConfiguredStorage):
         return out
 
     def _set(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         out: list[SetOutcome] = []
         step = self.options.max_batch_pages
@@ -344,7 +347,7 @@ class MooncakeStorage(ConfiguredStorage):
         return out
 
     def _set_chunk(
-        self, keys: Sequence[PageKey], pages: HostPages, idx: range, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, idx: range, deadline: Deadline
     ) -> list[SetOutcome]:
         names = [keys[i].key for i in idx]
         store = self._store
@@ -364,6 +367,7 @@ class MooncakeStorage(ConfiguredStorage):
         base = arena.addr
         todo_names = [names[j] for j in todo]
         if zero_copy:
+            assert isinstance(pages, HostPages)
             ptrs: list[list[int]] = []
             sizes: list[list[int]] = []
             for slot, j in enumerate(todo):

@@ -35,7 +35,7 @@ from hicache.storage.base import (
 )
 from hicache.storage.blob import decode_page, encode_page
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.pageio import HostPages
+from hicache.storage.pageio import Payloads
 from hicache.storage.stats import MissReason, SetOutcome
 
 __all__ = ["DEFAULT_URL", "ENV_URL", "RedisConfig", "RedisStorage"]
@@ -170,7 +170,7 @@ class RedisStorage(ConfiguredStorage):
         return n
 
     def _get(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[MissReason | None]:
         chunk = self.options.max_batch_pages
 
@@ -192,7 +192,7 @@ class RedisStorage(ConfiguredStorage):
         ]
 
     def _set(
-        self, keys: Sequence[PageKey], pages: HostPages, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         flags = self._call("set (exists)", lambda: self._exists_flags(keys), deadline)
         if isinstance(flags, MissReason):

@@ -1,0 +1,168 @@
+"""Recurrent-state snapshots through L3 at the cache level (in-memory backend).
+
+* A span written to L3 carries its L2 snapshots as ``"mamba"`` records.
+* A prefetch reads only up to the deepest boundary whose snapshot L3 has: pages past it
+  are not read, the inserted span ends there with that snapshot in L2, and the storage
+  hit counted is that boundary; the snapshot's bytes come back exactly.
+* No snapshot in L3: nothing is fetched (no hit), never a match without one.
+* Ranks agree on the deepest boundary every rank has (all-reduce(min) only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from hicache.cache import HiCache
+from hicache.cache.component_records import agree_boundary
+from hicache.config import CacheConfig, MemLayout, PrefetchConfig
+from hicache.keys import Namespace
+from hicache.storage.backends.memory import MemoryStorage, MemoryStore
+from hicache.tree.components import Tier
+from tests.cache.test_snapshots import PAGE, SPEC, STATE, snapshot
+from tests.helpers.kvdata import page_kv, read_device, write_tokens
+
+PROMPT = list(range(40, 40 + 9))  # 4 whole pages before the last token
+
+
+def make_cache(store: MemoryStore) -> HiCache:
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
+        max_mamba_cache_size=4,
+    )  # fmt: skip
+    cache = HiCache(cfg, SPEC, state=STATE).start()
+    ns = Namespace.for_spec(
+        SPEC, model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=PAGE
+    )
+    policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+    cache.attach_storage(MemoryStorage(ns, store=store), ns, policy)
+    return cache
+
+
+@pytest.fixture
+def store() -> Iterator[MemoryStore]:
+    yield MemoryStore()
+
+
+def compute(cache: HiCache, prompt: list[int], snaps: dict[int, list[torch.Tensor]]) -> None:
+    """Admit ``prompt``, write its whole pages before the last token, commit them page by
+    page with ``snaps[pages]`` as the snapshot after that many pages; release."""
+    req = cache.open(prompt)
+    assert cache.admit(req, prompt)
+    full = (len(prompt) - 1) // PAGE
+    write_tokens(cache, prompt, req.pages[req.prefix_pages : full], req.prefix_pages)
+    for pages in range(1, full + 1):
+        cache.commit(req, prompt[: pages * PAGE], state=snaps.get(pages))
+    cache.release(req)
+    cache.flush()
+    cache.check_integrity()
+
+
+def fetch(cache: HiCache, prompt: list[int]) -> tuple[int, int, list[torch.Tensor] | None]:
+    """A fresh request for ``prompt`` after its prefetch: (storage hit, prefix, state)."""
+    req = cache.open(prompt)
+    for _ in range(2000):
+        if cache.ready(req):
+            break
+        threading.Event().wait(0.005)
+    assert cache.admit(req, prompt)
+    for layer in range(SPEC.num_layers):
+        assert req.wait_layer(layer, 10)
+    assert read_device(cache, req.pages[: req.prefix_pages]).equal(
+        page_kv(cache, prompt, 0, req.prefix_pages)
+    )
+    out = (req.cached.storage, req.prefix_tokens, cache.read_state(req))
+    cache.release(req)
+    cache.flush()
+    cache.check_integrity()
+    return out
+
+
+def test_prefetch_ends_at_the_deepest_snapshot_in_l3(store: MemoryStore) -> None:
+    s2 = snapshot(7)
+    with make_cache(store) as cache:
+        compute(cache, PROMPT, {2: s2})  # pages 1..4 in L3, a snapshot after page 2
+        assert cache.counters.l3_backup_snapshots_total == 1
+        assert cache.counters.l3_backup_tokens_total == 4 * PAGE
+    with make_cache(store) as cold:  # an empty L1/L2 on the same L3
+        hit, prefix, state = fetch(cold, PROMPT)
+        assert (hit, prefix) == (2 * PAGE, 2 * PAGE)  # the usable boundary only
+        assert state is not None and all(a.equal(b) for a, b in zip(state, s2, strict=True))
+        assert cold.tree.stats().host_pages == 2  # pages past the snapshot were not read
+        assert cold.counters.prefetch_tokens_total == 2 * PAGE
+        snaps = cold.snapshots
+        assert snaps is not None and len(snaps.owned(Tier.HOST)) == 1
+
+
+def test_no_snapshot_in_l3_is_no_hit(store: MemoryStore) -> None:
+    with make_cache(store) as cache:
+        compute(cache, PROMPT, {})
+        assert cache.counters.l3_backup_tokens_total == 4 * PAGE
+        assert cache.counters.l3_backup_snapshots_total == 0
+    with make_cache(store) as cold:
+        hit, prefix, state = fetch(cold, PROMPT)
+        assert (hit, prefix, state) == (0, 0, None)
+        assert cold.tree.stats().host_pages == 0
+
+
+def test_deeper_snapshot_wins_and_l1_snapshot_loads_back(store: MemoryStore) -> None:
+    s2, s4 = snapshot(1), snapshot(2)
+    with make_cache(store) as cache:
+        compute(cache, PROMPT, {2: s2, 4: s4})
+        assert cache.counters.l3_backup_snapshots_total == 2
+    with make_cache(store) as cold:
+        hit, prefix, state = fetch(cold, PROMPT)
+        assert (hit, prefix) == (4 * PAGE, 4 * PAGE)
+        assert state is not None and all(a.equal(b) for a, b in zip(state, s4, strict=True))
+
+
+class _Group:
+    """all-reduce(min) over threads, one per fake rank."""
+
+    def __init__(self, n: int) -> None:
+        self._barrier = threading.Barrier(n)
+        self._vals: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def min_for(self, rank: int) -> Callable[[int], int]:
+        def rank_min(v: int) -> int:
+            with self._lock:
+                self._vals[rank] = v
+            self._barrier.wait()
+            out = min(self._vals.values())
+            self._barrier.wait()
+            return out
+
+        return rank_min
+
+
+@pytest.mark.parametrize(
+    ("present", "limit", "want"),
+    [
+        (({2, 4, 6}, {2, 3, 6}), 5, 2),  # 4 and 3 are each one rank's only
+        (({2, 4, 6}, {2, 3, 6}), 8, 6),
+        (({2, 4}, {3}), 8, 0),
+        (({1}, {1}), 0, 0),
+    ],
+)
+def test_ranks_agree_on_a_boundary_every_rank_has(
+    present: tuple[set[int], set[int]], limit: int, want: int
+) -> None:
+    group = _Group(2)
+    got: dict[int, int] = {}
+
+    def rank(r: int) -> None:
+        got[r] = agree_boundary(group.min_for(r), present[r], limit)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == {0: want, 1: want}
+    assert agree_boundary(lambda v: v, present[0], limit) == max(
+        (b for b in present[0] if b <= limit), default=0
+    )
