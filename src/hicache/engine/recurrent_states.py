@@ -26,6 +26,7 @@ in fp32, ``L`` = the recurrent layers in layer order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,9 @@ from hicache.config import CacheConfig, KVSpec, StateTensor
 from hicache.config import StateSpec as CacheStateSpec
 from hicache.engine.models.recurrent import RecurrentState, StateSpec
 
-__all__ = ["RecurrentStates", "cache_state_spec", "check_snapshot_slots"]
+log = logging.getLogger("hicache.engine")
+
+__all__ = ["MIN_SNAPSHOT_SLOTS", "RecurrentStates", "cache_state_spec", "check_snapshot_slots"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -57,19 +60,22 @@ def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> Cach
     )
 
 
+MIN_SNAPSHOT_SLOTS = 2
+"""L1 state slots one recurrent request needs: the snapshot it resumes from (pinned while
+it runs) plus one free for the snapshot it takes."""
+
+
 def check_snapshot_slots(
     config: CacheConfig, kv: KVSpec, state: CacheStateSpec, max_running_requests: int
 ) -> None:
-    """Refuse (ValueError with the numbers and the flags) an L1 state pool too small for
-    ``max_running_requests`` recurrent requests: each running request pins the snapshot
-    it resumed from (or last committed), and taking a snapshot needs one more free slot,
-    so the pool needs ``max_running_requests + 1`` slots. With fewer, snapshots of
-    running requests are dropped and a request whose prefix needs its snapshot in L1
-    waits for a slot."""
+    """Refuse (ValueError with the numbers and the flags) an L1 state pool that cannot
+    serve even one recurrent request (:data:`MIN_SNAPSHOT_SLOTS`); warn when it is smaller
+    than ``max_running_requests + 1``: each running request pins the snapshot it resumed
+    from (or last committed) and taking one needs a free slot, so with fewer slots some
+    snapshots are dropped and a request whose prefix needs its snapshot in L1 waits for a
+    slot. Both degrade reuse, never correctness."""
     slots = config.mamba_device_slots(kv, state)
-    need = max_running_requests + 1
-    if slots >= need:
-        return
+    full = max_running_requests + 1
     kv_bytes = config.device_bytes(kv)
     if config.max_mamba_cache_size > 0:
         how = f"--max-mamba-cache-size {config.max_mamba_cache_size}"
@@ -78,14 +84,28 @@ def check_snapshot_slots(
             f"--mamba-full-memory-ratio {config.mamba_full_memory_ratio:g} x the"
             f" {kv_bytes} B L1 KV pool"
         )
-    ratio = need * state.slot_bytes / max(1, kv_bytes)
-    raise ValueError(
-        f"the L1 recurrent-state pool holds {slots} snapshot slots of {state.slot_bytes} B"
-        f" ({how}), but --max-running-requests {max_running_requests} needs at least"
-        f" {need} (one pinned snapshot per running request plus one being taken): set"
-        f" --max-mamba-cache-size >= {need} or --mamba-full-memory-ratio >= {ratio:.3g},"
-        f" or lower --max-running-requests"
-    )
+
+    def fix(need: int) -> str:
+        ratio = need * state.slot_bytes / max(1, kv_bytes)
+        return f"--max-mamba-cache-size >= {need} or --mamba-full-memory-ratio >= {ratio:.3g}"
+
+    if slots < MIN_SNAPSHOT_SLOTS:
+        raise ValueError(
+            f"the L1 recurrent-state pool holds {slots} snapshot slot(s) of"
+            f" {state.slot_bytes} B ({how}), but one request needs {MIN_SNAPSHOT_SLOTS} (the"
+            f" snapshot it resumes from plus the one it takes): set {fix(MIN_SNAPSHOT_SLOTS)}"
+        )
+    if slots < full:
+        log.warning(
+            "the L1 recurrent-state pool holds %d snapshot slots (%s), fewer than the %d that"
+            " --max-running-requests %d can pin at once: snapshots may be dropped and"
+            " requests wait for a slot; set %s for full reuse",
+            slots,
+            how,
+            full,
+            max_running_requests,
+            fix(full),
+        )
 
 
 @dataclass(frozen=True)
