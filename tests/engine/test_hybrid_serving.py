@@ -2,9 +2,12 @@
 
 * Greedy generation equals transformers' greedy ``generate`` for Gemma 3, GPT-OSS,
   Qwen3-Next and Nemotron-H.
-* Attention-only hybrids (Gemma 3, GPT-OSS: sliding-window and full layers over the one
-  full pool) reuse prefixes: the same prompt again hits L1, then L2 after forced eviction,
-  then a file L3 after ``flush_cache``, with identical tokens every time.
+* Attention-only hybrids (Gemma 3, GPT-OSS: global layers in the full pool, sliding-window
+  layers in the cache's SWA pools, which keep only each sequence's window) reuse
+  prefixes: the same prompt again hits L1, then L2 after forced eviction, with identical
+  tokens every time. A file L3 stores only the full pages for now (no SWA records yet),
+  so after ``flush_cache`` no boundary has its window and the prompt is recomputed
+  (0 storage hits, never a wrong token) until L3 records for the SWA component exist.
 * Models with recurrent layers (Qwen3-Next, Nemotron-H) resume a cached prefix only from a
   state snapshot the cache took at the prompt's last page boundary: the same prompt again
   resumes there from L1, and from L2 after forced eviction, with identical tokens; a file
@@ -132,8 +135,14 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
     want = hf_greedy(name, ids)
     with make_engine(name) as engine:
         assert engine.resumable_prefix
-        pool_layers = engine.cache.spec.num_layers
-        assert pool_layers == len(hybrid_model(name).model.config.kv_layers)
+        cfg = hybrid_model(name).model.config
+        if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
+            assert engine.cache.spec.num_layers == len(cfg.global_layers)
+            assert engine.cache.swa is not None
+            assert engine.cache.swa.spec.kv.num_layers == len(cfg.sliding_layers)
+        else:
+            assert engine.cache.spec.num_layers == len(cfg.kv_layers)
+            assert engine.cache.swa is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         again = engine.generate(ids, GREEDY, timeout=60)
@@ -163,10 +172,9 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
         engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
         assert engine.flush_cache()  # L1 and L2 emptied
         from_l3 = engine.generate(ids, GREEDY, timeout=60)
-        # L3 keeps no state snapshots yet: a recurrent model's pages come back without
-        # one, so no boundary is valid and the prompt is recomputed
-        expect = MATCHED if name in ATTENTION_ONLY else 0
-        assert from_l3.cached.storage == expect and from_l3.cached.device == 0
+        # L3 keeps neither state snapshots nor SWA pages yet: a hybrid's full pages come
+        # back without them, so no boundary is valid and the prompt is recomputed
+        assert from_l3.cached.storage == 0 and from_l3.cached.device == 0
         assert from_l3.output_ids == want
         assert_idle(engine)
 
@@ -174,11 +182,15 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", HYBRID)
 def test_concurrent_requests_stay_exact(name: str) -> None:
     """Six requests on a small L1 (each needs 6 pages for its prompt, 8 at the end); the
-    attention-only ones retract one another; every output equals transformers'."""
+    attention-only ones retract one another; every output equals transformers'. (Their
+    shared 12 tokens are no boundary: the sliding layers' pages of it fall out of the
+    window and are tombstoned.)"""
     shared = prompt(name, 12).tolist()
     prompts = [shared + prompt(name, 10, offset=20 + 7 * i).tolist() for i in range(6)]
     want = [hf_greedy(name, p) for p in prompts]
-    with make_engine(name, device_tokens=14 * PAGE) as engine:
+    # attention-only: a 7-page SWA pool, the least one request needs (window 2 pages, a
+    # 16-token chunk 4, one more), so sliding-window pages force the retractions
+    with make_engine(name, device_tokens=14 * PAGE, swa_full_tokens_ratio=0.5) as engine:
         retracted: list[str] = []
         retract = engine.scheduler._retract
 

@@ -22,6 +22,7 @@ public for tests and tools; a scheduler needs none of them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -30,23 +31,35 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from hicache.cache.host_tier import HostTier
-from hicache.cache.inspect import cache_stats, check_cache_integrity, check_owned
+from hicache.cache.inspect import (
+    cache_stats,
+    check_cache_integrity,
+    check_owned,
+    component_usage,
+)
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
 from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
 from hicache.cache.storage_tier import StorageTier
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig, StateSpec
+from hicache.cache.swa_tier import SWA, SwaTier
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig, SlidingWindowSpec, StateSpec
 from hicache.controller import CompletionQueue, write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.memory import DevicePool, HostPool, check_pool_sizes
-from hicache.metrics import CacheCounters, CacheStats
+from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.storage.base import HiCacheStorage
 from hicache.tokens import encode_tokens
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
-from hicache.tree.components import ComponentValues, MambaState, Tier, TreeComponent
+from hicache.tree.components import (
+    ComponentValues,
+    MambaState,
+    SlidingWindow,
+    Tier,
+    TreeComponent,
+)
 from hicache.tree.node import PageIds, TokenIds, page_ids
 from hicache.tree.results import NodeEviction
 from hicache.validate import number_at_least
@@ -63,6 +76,10 @@ class HiCache(Lifecycle):
 
     With ``config.enable_hierarchical_cache`` false there is no host tier: the tree is a
     plain radix cache over L1 and eviction drops nodes.
+
+    Hybrid models: ``state`` adds recurrent-state snapshots (:mod:`.snapshot_tier`);
+    ``swa`` gives the sliding-window layers their own pools (:mod:`.swa_tier`), ``spec``
+    then describing the global layers only.
     """
 
     def __init__(
@@ -74,6 +91,7 @@ class HiCache(Lifecycle):
         layer_hook: Callable[[int, int], None] | None = None,
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
         state: StateSpec | None = None,
+        swa: SlidingWindowSpec | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -84,6 +102,8 @@ class HiCache(Lifecycle):
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
         components: list[TreeComponent] = [MambaState()] if state is not None else []
+        if swa is not None:
+            components.append(SlidingWindow(swa.window))
         self.tree = HiRadixTree(config.page_size, config.eviction_policy, components)
         self.rule = write_rule(config)
         self.counters = CacheCounters()
@@ -96,6 +116,16 @@ class HiCache(Lifecycle):
                 config=config,
                 kv=spec,
                 state=state,
+                device=self.device,
+                hierarchical=config.enable_hierarchical_cache,
+            )
+        self.swa: SwaTier | None = None
+        if swa is not None:
+            self.swa = SwaTier(
+                tree=self.tree,
+                config=config,
+                full=spec,
+                spec=swa,
                 device=self.device,
                 hierarchical=config.enable_hierarchical_cache,
             )
@@ -115,8 +145,7 @@ class HiCache(Lifecycle):
             )
             self.host.on_backed_up = self._on_backed_up
             self.host.free_components = self._free_components
-            if self.snapshots is not None:
-                self.host.on_backup_issued = self.snapshots.back_up
+            self.host.on_backup_issued = self._back_up_components
         self.storage: StorageTier | None = None
         self._retired: list[tuple[HiCacheStorage, PageIds]] = []
         self._requests: set[CacheRequest] = set()
@@ -209,6 +238,14 @@ class HiCache(Lifecycle):
     def storage_attached(self) -> bool:
         return self.storage is not None
 
+    def _back_up_components(self, last: TreeNode) -> None:
+        """The full pages of a run ending at ``last`` got L2 pages: back up what a hit
+        there needs of each extra component."""
+        if self.snapshots is not None:
+            self.snapshots.back_up(last)
+        if self.swa is not None:
+            self.swa.back_up(last)
+
     def _on_backed_up(self, nodes: list[TreeNode]) -> None:
         if self.storage is not None:
             self.storage.on_host_backup(nodes)
@@ -288,6 +325,10 @@ class HiCache(Lifecycle):
         if new is None:
             self.tree.dec_lock_ref(node)
             return False
+        if self.swa is not None and not self.swa.admit(req, node, len(pages)):
+            self.device_pool.allocator.free(new)  # no L1 room for the hit's window: later
+            self.tree.dec_lock_ref(node)
+            return False
         req.state = RequestState.ADMITTED
         req.node = node
         req.pages = pages + new
@@ -306,10 +347,17 @@ class HiCache(Lifecycle):
                     self.host.back_up(node, self.rule.backup_min_hits, wait=False)
         return True
 
-    def grow(self, req: CacheRequest, tokens: int) -> bool:
+    def grow(self, req: CacheRequest, tokens: int, *, computed: int | None = None) -> bool:
         """Make ``req``'s pages cover positions ``[0, tokens)``, evicting cached pages if
-        needed; False (nothing changed) when L1 cannot make room."""
+        needed; False when L1 cannot make room (what was added stays with ``req``).
+
+        Sliding-window layers: ``computed`` (the first position of the next forward)
+        frees the request's SWA pages wholly before that forward's window first
+        (:mod:`.swa_tier`); SWA pages are added for positions up to ``tokens``. Call this
+        before every forward with its end and start."""
         self._require_admitted(req)
+        if self.swa is not None and not self.swa.grow(req, tokens, computed):
+            return False
         need = math.ceil(tokens / self.page_size) - len(req.pages)
         if need <= 0:
             return True
@@ -338,6 +386,11 @@ class HiCache(Lifecycle):
             raise ValueError(f"commit of {full} pages; the request holds {len(req.pages)}")
         prefix = tokens[: full * ps]
         components: dict[str, ComponentValues] = {}
+        if self.swa is not None:
+            self.swa.trim(req, len(tokens))  # the next forward starts at len(tokens) or later
+            window = self.swa.values(req, full)
+            if window is not None:
+                components[SWA] = window
         if state is not None and self.snapshots is not None:
             if len(tokens) != full * ps:
                 raise ValueError(f"a state snapshot needs whole pages; got {len(tokens)} tokens")
@@ -356,6 +409,8 @@ class HiCache(Lifecycle):
         tree_pages = _path_device_pages(last)  # not a match: a boundary need not be valid
         if len(tree_pages) != full:  # pragma: no cover - a tree invariant
             raise RuntimeError("committed prefix is not resident in L1")
+        if self.swa is not None:
+            self.swa.adopt(req, last, full)
         self.tree.inc_lock_ref(last)
         if req.node is not None:
             self.tree.dec_lock_ref(req.node)
@@ -383,6 +438,8 @@ class HiCache(Lifecycle):
                 self.commit(req, tokens)
             if len(req.pages) > req.prefix_pages:
                 self.device_pool.allocator.free(req.pages[req.prefix_pages :])
+            if self.swa is not None:
+                self.swa.release(req)
             if req.node is not None:
                 self.tree.dec_lock_ref(req.node)
             self._requests.discard(req)
@@ -439,27 +496,34 @@ class HiCache(Lifecycle):
         no_load = (match.last_device_node, match.device_pages, 0, None)
         if self.host is None:
             return no_load
-        nodes = self.tree.host_only_path(match.last_host_node)
+        last = match.last_host_node
+        nodes = self.tree.host_only_path(last)
         if not nodes:
-            return no_load
+            if last is match.last_device_node:
+                return no_load
+            # full KV all in L1; an extra component's values at the end come from L2
+            return last, _path_device_pages(last), match.host_tokens, None
         host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
         if host_tokens < self.config.load_back_threshold:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
-        last = match.last_host_node
+        # The L1 part above the chain: the match's L1 pages, and in a hybrid tree also
+        # L1 nodes below the last L1 boundary (where only a component came from L2).
+        top = nodes[0].parent
+        assert top is not None
         # Pin the host copies and the L1 prefix while making room in L1.
         self.tree.inc_host_ref(last)
-        self.tree.inc_lock_ref(match.last_device_node)
+        self.tree.inc_lock_ref(top)
         try:
             device_pages = self.alloc_device(sum(self.tree.num_pages(n) for n in nodes))
         finally:
-            self.tree.dec_lock_ref(match.last_device_node)
+            self.tree.dec_lock_ref(top)
             self.tree.dec_host_ref(last)
         if device_pages is None:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
         progress = self.host.load(nodes, device_pages, req)
-        return last, match.device_pages + device_pages, host_tokens, progress
+        return last, _path_device_pages(top) + device_pages, match.host_tokens, progress
 
     def insert(
         self,
@@ -547,6 +611,8 @@ class HiCache(Lifecycle):
         for name, got in ids.items():
             if name == SNAPSHOT and self.snapshots is not None:
                 self.snapshots.free(tier, got)
+            elif name == SWA and self.swa is not None:
+                self.swa.free(tier, got)
             elif len(got):  # pragma: no cover - every component has a pool above
                 raise RuntimeError(f"no pool for component {name!r}")
 
@@ -606,9 +672,11 @@ class HiCache(Lifecycle):
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host is not None:
             self.host.allocator.free(self.tree.host_page_ids())
-        if self.snapshots is not None:
-            for tier in (Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())):
+        for tier in (Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())):
+            if self.snapshots is not None:
                 self.snapshots.free(tier, page_ids(self.snapshots.owned(tier)))
+            if self.swa is not None:
+                self.swa.free(tier, page_ids(self.swa.owned(tier)))
         self.tree.reset()
 
     @property
@@ -622,7 +690,7 @@ class HiCache(Lifecycle):
 
     def stats(self) -> CacheStats:
         """Occupancy per tier (tokens) and every counter, as one snapshot."""
-        return cache_stats(
+        stats = cache_stats(
             self.tree,
             self.device_pool,
             self.host_pool,
@@ -630,6 +698,33 @@ class HiCache(Lifecycle):
             None if self.storage is None else self.storage.controller.storage,
             held_device_pages=len(self.request_pages()),
         )
+        return dataclasses.replace(stats, components=self._component_usage())
+
+    def _component_usage(self) -> tuple[ComponentUsage, ...]:
+        """Pool use and bytes per cached token of each component (full, swa, mamba)."""
+        ps = self.page_size
+        cached = self.device_pool.allocator.used_pages * ps
+        host = None if self.host is None else self.host.allocator
+        out = [
+            component_usage(
+                "full", self.device_pool.allocator, host, self.spec.token_bytes * ps, cached
+            )
+        ]
+        if self.swa is not None:
+            sw = self.swa
+            hp = None if sw.host_pool is None else sw.host_pool.allocator
+            out.append(
+                component_usage(
+                    SWA, sw.device_pool.allocator, hp, sw.spec.kv.token_bytes * ps, cached
+                )
+            )
+        if self.snapshots is not None:
+            sn = self.snapshots
+            hp = None if sn.host_pool is None else sn.host_pool.allocator
+            out.append(
+                component_usage(SNAPSHOT, sn.device_pool.allocator, hp, sn.spec.slot_bytes, cached)
+            )
+        return tuple(out)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
         """Check tree and allocators agree: every used L1 page is owned by the tree, an
@@ -653,6 +748,12 @@ class HiCache(Lifecycle):
             check_owned("L1 snapshot", sn.device_pool.allocator, sn.owned(Tier.DEVICE))
             if sn.host_pool is not None:
                 check_owned("L2 snapshot", sn.host_pool.allocator, sn.owned(Tier.HOST))
+        if self.swa is not None:
+            sw = self.swa
+            held = sw.request_pages(list(self._requests))
+            check_owned("L1 SWA", sw.device_pool.allocator, sw.owned(Tier.DEVICE) + held)
+            if sw.host_pool is not None:
+                check_owned("L2 SWA", sw.host_pool.allocator, sw.owned(Tier.HOST))
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

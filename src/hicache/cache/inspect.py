@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hicache.memory import DevicePool, HostPool, PageAllocator
-from hicache.metrics import CacheCounters, CacheStats
+from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.storage.base import HiCacheStorage
 from hicache.tree import HiRadixTree
 
@@ -37,6 +37,27 @@ def cache_stats(
         nodes=s.nodes,
         counters=counters.snapshot(),
         storage=None if storage is None else storage.stats(),
+    )
+
+
+def component_usage(
+    name: str,
+    device: PageAllocator,
+    host: PageAllocator | None,
+    unit_bytes: int,
+    cached_tokens: int,
+) -> ComponentUsage:
+    """:class:`ComponentUsage` of one component's pools; ``cached_tokens``: tokens whose
+    full KV is in L1."""
+    used = device.used_pages
+    return ComponentUsage(
+        name=name,
+        device_used=used,
+        device_total=device.num_pages,
+        host_used=0 if host is None else host.used_pages,
+        host_total=0 if host is None else host.num_pages,
+        unit_bytes=unit_bytes,
+        bytes_per_cached_token=used * unit_bytes / cached_tokens if cached_tokens else 0.0,
     )
 
 
