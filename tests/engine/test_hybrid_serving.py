@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from functools import cache
@@ -35,6 +36,7 @@ from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import DevicePool
+from hicache.tree.components import Tier
 from tests.engine.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model, prompt
 
 PAGE = 4
@@ -289,3 +291,71 @@ def test_a_shared_prefix_resumes_from_an_interval_snapshot(name: str) -> None:
         b = engine.generate(second, GREEDY, timeout=60)
         assert b.cached.device == 16 and b.output_ids == hf_greedy(name, second)
         assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str) -> None:
+    """A 33-token prompt and 40 new tokens: every forward, the request's SWA pages stay
+    within :func:`request_pages` while its full pages grow to the whole sequence; the
+    tokens are transformers'. The stats report the SWA bytes per cached token."""
+    from hicache.cache.swa_tier import request_pages
+
+    ids = prompt(name, PROMPT_LEN).tolist()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with make_engine(name) as engine:
+        swa = engine.cache.swa
+        assert swa is not None
+        bound = request_pages(swa.window, 16, PAGE)
+        seen: list[tuple[int, int]] = []
+        run = engine.scheduler._run
+
+        def recording(batch):  # type: ignore[no-untyped-def]
+            for req, _ in batch:
+                seen.append((len(req.cache.swa.pages), len(req.cache.pages)))
+            run(batch)
+
+        engine.scheduler._run = recording  # type: ignore[method-assign]
+        out = engine.generate(ids, params, timeout=60)
+        assert out.error is None and out.output_ids == hf_greedy(name, ids, 40)
+        assert max(s for s, _ in seen) <= bound < max(f for _, f in seen)
+        assert max(f for _, f in seen) == math.ceil((PROMPT_LEN + 39) / PAGE)
+
+        def usage() -> dict[str, float]:
+            return {c.name: c.bytes_per_cached_token for c in engine.cache.stats().components}
+
+        per_token = engine.call(usage).result(timeout=30)
+        assert per_token["full"] == engine.cache.spec.token_bytes
+        assert 0 < per_token["swa"] < swa.spec.kv.token_bytes / 2  # the windows only
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
+    """Evict only the SWA pages of the cached prompt from L1 (its full KV stays): the same
+    prompt loads the window back from L2 and gives transformers' tokens."""
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name) as engine:
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+
+        def evict_windows() -> int:
+            cache = engine.cache
+            cache.flush()
+            assert cache.swa is not None
+            freed = 0
+            for node in list(cache.tree.component_eviction_order("swa", Tier.DEVICE)):
+                ids_ = cache.tree.evict_component("swa", node, Tier.DEVICE)
+                cache.swa.free(Tier.DEVICE, ids_)
+                freed += len(ids_)
+            return freed
+
+        assert engine.call(evict_windows).result(timeout=30) > 0
+        again = engine.generate(ids, GREEDY, timeout=60)
+        assert again.cached.host == MATCHED and again.cached.device == 0
+        assert again.output_ids == want
+        assert_idle(engine)
+
+
+def test_an_swa_pool_too_small_for_one_window_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match=r"swa_full_tokens_ratio=0\.1.*needs 7"):
+        make_engine("tiny-random-gemma3", swa_full_tokens_ratio=0.1)
