@@ -35,7 +35,7 @@ from hicache.cache.inspect import (
     cache_stats,
     check_cache_integrity,
     check_owned,
-    component_usage,
+    component_usages,
 )
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
 from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
@@ -48,7 +48,7 @@ from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.memory import DevicePool, HostPool, check_pool_sizes
-from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
+from hicache.metrics import CacheCounters, CacheStats
 from hicache.storage.base import HiCacheStorage
 from hicache.tokens import encode_tokens
 from hicache.transfer import Completion, LayerProgress
@@ -146,6 +146,8 @@ class HiCache(Lifecycle):
             self.host.on_backed_up = self._on_backed_up
             self.host.free_components = self._free_components
             self.host.on_backup_issued = self._back_up_components
+            if self.swa is not None:
+                self.swa.wait_copies = self._wait_copies
         self.storage: StorageTier | None = None
         self._retired: list[tuple[HiCacheStorage, PageIds]] = []
         self._requests: set[CacheRequest] = set()
@@ -237,6 +239,13 @@ class HiCache(Lifecycle):
     @property
     def storage_attached(self) -> bool:
         return self.storage is not None
+
+    def _wait_copies(self) -> bool:
+        """Wait for the L1<->L2 copies in flight and apply them; False when none was."""
+        if self.host is None or not self.host.busy:
+            return False
+        self.host.wait_idle()
+        return True
 
     def _back_up_components(self, last: TreeNode) -> None:
         """The full pages of a run ending at ``last`` got L2 pages: back up what a hit
@@ -698,33 +707,8 @@ class HiCache(Lifecycle):
             None if self.storage is None else self.storage.controller.storage,
             held_device_pages=len(self.request_pages()),
         )
-        return dataclasses.replace(stats, components=self._component_usage())
-
-    def _component_usage(self) -> tuple[ComponentUsage, ...]:
-        """Pool use and bytes per cached token of each component (full, swa, mamba)."""
-        ps = self.page_size
-        cached = self.device_pool.allocator.used_pages * ps
-        host = None if self.host is None else self.host.allocator
-        out = [
-            component_usage(
-                "full", self.device_pool.allocator, host, self.spec.token_bytes * ps, cached
-            )
-        ]
-        if self.swa is not None:
-            sw = self.swa
-            hp = None if sw.host_pool is None else sw.host_pool.allocator
-            out.append(
-                component_usage(
-                    SWA, sw.device_pool.allocator, hp, sw.spec.kv.token_bytes * ps, cached
-                )
-            )
-        if self.snapshots is not None:
-            sn = self.snapshots
-            hp = None if sn.host_pool is None else sn.host_pool.allocator
-            out.append(
-                component_usage(SNAPSHOT, sn.device_pool.allocator, hp, sn.spec.slot_bytes, cached)
-            )
-        return tuple(out)
+        usage = component_usages(self.device_pool, self.host_pool, self.swa, self.snapshots)
+        return dataclasses.replace(stats, components=usage)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
         """Check tree and allocators agree: every used L1 page is owned by the tree, an

@@ -41,6 +41,7 @@ records of this component: which nodes' SWA values a hit at a node needs, and wh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,9 @@ class SwaTier:
         self.page_size = config.page_size
         self.device_pool = DevicePool(spec.kv, config.swa_device_pages, config.page_size, device)
         self.copier = make_copier(config.io_backend)
+        self.wait_copies: Callable[[], bool] | None = None
+        """Set by the owner: waits for L1<->L2 copies in flight (they pin the windows
+        they copy) and applies them; True when it waited for any."""
         self.host_pool: HostPool | None = None
         if hierarchical:
             self.host_pool = HostPool.create(
@@ -138,13 +142,21 @@ class SwaTier:
         (least recently needed by a hit first; nodes and their full KV stay); None if even
         that cannot make room."""
         alloc = self.pool(tier).allocator
-        if alloc.free_pages < n:
-            for node in self.tree.component_eviction_order(SWA, tier):
-                alloc.free(self.tree.evict_component(SWA, node, tier))
-                if alloc.free_pages >= n:
-                    break
+        self._evict(tier, n)
+        if alloc.free_pages < n and self.wait_copies is not None and self.wait_copies():
+            self._evict(tier, n)  # backups that landed unpinned their windows
         got = alloc.alloc(n)
         return None if got is None else page_ids(got)
+
+    def _evict(self, tier: Tier, n: int) -> None:
+        """Evict unpinned tree-owned values of ``tier`` until ``n`` pages are free."""
+        alloc = self.pool(tier).allocator
+        if alloc.free_pages >= n:
+            return
+        for node in self.tree.component_eviction_order(SWA, tier):
+            alloc.free(self.tree.evict_component(SWA, node, tier))
+            if alloc.free_pages >= n:
+                return
 
     def free(self, tier: Tier, ids: PageIds) -> None:
         if len(ids):
