@@ -219,6 +219,21 @@ class StateSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec:
+    """The sliding-window layers of a hybrid model: their per-token KV shape ``kv`` (one
+    pool layer per sliding layer) and the ``window`` in tokens (a query at position ``p``
+    attends to keys at ``p - window < q <= p``). These layers get their own L1/L2 pools;
+    the full pool (the cache's :class:`KVSpec`) then holds the global layers only."""
+
+    kv: KVSpec
+    window: int
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.kv, KVSpec), "kv", self.kv, "must be a KVSpec")
+        int_at_least("window", self.window, 1, "(tokens)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """How the hierarchical cache is shaped and how it behaves.
 

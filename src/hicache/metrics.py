@@ -44,6 +44,28 @@ class CacheCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class ComponentUsage:
+    """One component's pools at a point in time (hybrid models).
+
+    ``name``: ``"full"`` (full-attention KV pages), ``"swa"`` (sliding-window KV pages) or
+    ``"mamba"`` (recurrent-state slots). ``*_used`` / ``*_total``: pages (slots) in use
+    and in the pool, per tier (host 0/0 without L2). ``unit_bytes``: bytes of one page
+    (slot). ``bytes_per_cached_token``: the component's used L1 bytes over the tokens
+    whose full KV is in L1 (tree and requests), 0.0 when there are none: for full KV its
+    per-token bytes; for sliding-window layers far less once sequences are longer than
+    the window (only the last ``window`` tokens of each are held).
+    """
+
+    name: str
+    device_used: int
+    device_total: int
+    host_used: int
+    host_total: int
+    unit_bytes: int
+    bytes_per_cached_token: float
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """A point-in-time view: occupancy (tokens) and the counters."""
 
@@ -62,6 +84,9 @@ class CacheStats:
     counters: dict[str, int]
     storage: Any = None
     """The L3 backend's ``StorageStats`` snapshot, when one is attached."""
+    components: tuple[ComponentUsage, ...] = ()
+    """Per component (full first, then swa / mamba where present): pool use and bytes
+    per cached token."""
 
     @property
     def hit_rate(self) -> float:

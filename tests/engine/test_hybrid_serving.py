@@ -2,9 +2,12 @@
 
 * Greedy generation equals transformers' greedy ``generate`` for Gemma 3, GPT-OSS,
   Qwen3-Next and Nemotron-H.
-* Attention-only hybrids (Gemma 3, GPT-OSS: sliding-window and full layers over the one
-  full pool) reuse prefixes: the same prompt again hits L1, then L2 after forced eviction,
-  then a file L3 after ``flush_cache``, with identical tokens every time.
+* Attention-only hybrids (Gemma 3, GPT-OSS: global layers in the full pool, sliding-window
+  layers in the cache's SWA pools, which keep only each sequence's window) reuse
+  prefixes: the same prompt again hits L1, then L2 after forced eviction, with identical
+  tokens every time. A file L3 stores only the full pages for now (no SWA records yet),
+  so after ``flush_cache`` no boundary has its window and the prompt is recomputed
+  (0 storage hits, never a wrong token) until L3 records for the SWA component exist.
 * Models with recurrent layers (Qwen3-Next, Nemotron-H) resume a cached prefix only from a
   state snapshot the cache took at the prompt's last page boundary: the same prompt again
   resumes there from L1, from L2 after forced eviction, and from a file L3 after
@@ -20,6 +23,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from functools import cache
@@ -36,6 +40,7 @@ from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import DevicePool
+from hicache.tree.components import Tier
 from tests.engine.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model, prompt
 
 PAGE = 4
@@ -140,8 +145,14 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
     want = hf_greedy(name, ids)
     with make_engine(name) as engine:
         assert engine.resumable_prefix
-        pool_layers = engine.cache.spec.num_layers
-        assert pool_layers == len(hybrid_model(name).model.config.kv_layers)
+        cfg = hybrid_model(name).model.config
+        if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
+            assert engine.cache.spec.num_layers == len(cfg.global_layers)
+            assert engine.cache.swa is not None
+            assert engine.cache.swa.spec.kv.num_layers == len(cfg.sliding_layers)
+        else:
+            assert engine.cache.spec.num_layers == len(cfg.kv_layers)
+            assert engine.cache.swa is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         again = engine.generate(ids, GREEDY, timeout=60)
@@ -172,8 +183,11 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
         assert engine.flush_cache()  # L1 and L2 emptied
         from_l3 = engine.generate(ids, GREEDY, timeout=60)
         # a recurrent model's snapshot at the prompt's last page boundary came back from
-        # L3 with its pages (a "mamba" record): the prefill resumes there
-        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
+        # L3 with its pages (a "mamba" record): the prefill resumes there. L3 holds no
+        # SWA pages yet: an SWA model's pages come back without their window, so no
+        # boundary is valid and the prompt is recomputed
+        expect = 0 if name in ATTENTION_ONLY else MATCHED
+        assert from_l3.cached.storage == expect and from_l3.cached.device == 0
         assert from_l3.output_ids == want
         assert_idle(engine)
 
@@ -181,11 +195,15 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", HYBRID)
 def test_concurrent_requests_stay_exact(name: str) -> None:
     """Six requests on a small L1 (each needs 6 pages for its prompt, 8 at the end); the
-    attention-only ones retract one another; every output equals transformers'."""
+    attention-only ones retract one another; every output equals transformers'. (Their
+    shared 12 tokens are no boundary: the sliding layers' pages of it fall out of the
+    window and are tombstoned.)"""
     shared = prompt(name, 12).tolist()
     prompts = [shared + prompt(name, 10, offset=20 + 7 * i).tolist() for i in range(6)]
     want = [hf_greedy(name, p) for p in prompts]
-    with make_engine(name, device_tokens=14 * PAGE) as engine:
+    # attention-only: a 7-page SWA pool, the least one request needs (window 2 pages, a
+    # 16-token chunk 4, one more), so sliding-window pages force the retractions
+    with make_engine(name, device_tokens=14 * PAGE, swa_full_tokens_ratio=0.5) as engine:
         retracted: list[str] = []
         retract = engine.scheduler._retract
 
@@ -338,3 +356,76 @@ def test_a_state_pool_too_small_for_one_request_is_refused(
     assert (
         "--max-running-requests 8" in caplog.text and "--max-mamba-cache-size >= 9" in caplog.text
     )
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str) -> None:
+    """A 33-token prompt and 40 new tokens: every forward, the request's SWA pages stay
+    within :func:`request_pages` while its full pages grow to the whole sequence; the
+    tokens are transformers'. The stats report the SWA bytes per cached token."""
+    from hicache.cache.swa_tier import request_pages
+
+    ids = prompt(name, PROMPT_LEN).tolist()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with make_engine(name) as engine:
+        swa = engine.cache.swa
+        assert swa is not None
+        bound = request_pages(swa.window, 16, PAGE)
+        seen: list[tuple[int, int]] = []
+        run = engine.scheduler._run
+
+        def recording(batch):  # type: ignore[no-untyped-def]
+            for req, _ in batch:
+                seen.append((len(req.cache.swa.pages), len(req.cache.pages)))
+            run(batch)
+
+        engine.scheduler._run = recording  # type: ignore[method-assign]
+        out = engine.generate(ids, params, timeout=60)
+        assert out.error is None and out.output_ids == hf_greedy(name, ids, 40)
+        assert max(s for s, _ in seen) <= bound < max(f for _, f in seen)
+        assert max(f for _, f in seen) == math.ceil((PROMPT_LEN + 39) / PAGE)
+
+        def usage() -> dict[str, float]:
+            return {c.name: c.bytes_per_cached_token for c in engine.cache.stats().components}
+
+        per_token = engine.call(usage).result(timeout=30)
+        assert per_token["full"] == engine.cache.spec.token_bytes
+        assert 0 < per_token["swa"] < swa.spec.kv.token_bytes / 2  # the windows only
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
+    """Evict only the SWA pages of the cached prompt from L1 (its full KV stays): the same
+    prompt loads the window back from L2 and gives transformers' tokens."""
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name) as engine:
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+
+        def swa_in(tier: Tier) -> int:
+            return len(engine.cache.tree.component_ids("swa", tier))
+
+        def evict_windows() -> int:
+            cache = engine.cache
+            cache.flush()
+            assert cache.swa is not None
+            freed = 0
+            for node in list(cache.tree.component_eviction_order("swa", Tier.DEVICE)):
+                ids_ = cache.tree.evict_component("swa", node, Tier.DEVICE)
+                cache.swa.free(Tier.DEVICE, ids_)
+                freed += len(ids_)
+            return freed
+
+        assert engine.call(evict_windows).result(timeout=30) > 0
+        assert engine.call(lambda: swa_in(Tier.DEVICE)).result(timeout=30) == 0
+        again = engine.generate(ids, GREEDY, timeout=60)
+        # the full KV was in L1 (counted as L1 hits); only the window was copied back
+        assert again.cached.device == MATCHED and again.output_ids == want
+        assert engine.call(lambda: swa_in(Tier.DEVICE)).result(timeout=30) > 0
+        assert_idle(engine)
+
+
+def test_an_swa_pool_too_small_for_one_window_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match=r"swa_full_tokens_ratio=0\.1.*needs 7"):
+        make_engine("tiny-random-gemma3", swa_full_tokens_ratio=0.1)

@@ -22,6 +22,7 @@ public for tests and tools; a scheduler needs none of them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -31,11 +32,17 @@ import torch
 
 from hicache.cache.component_records import SnapshotRecords
 from hicache.cache.host_tier import HostTier
-from hicache.cache.inspect import cache_stats, check_cache_integrity, check_owned
+from hicache.cache.inspect import (
+    cache_stats,
+    check_cache_integrity,
+    check_owned,
+    component_usages,
+)
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
 from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
 from hicache.cache.storage_tier import StorageTier
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig, StateSpec
+from hicache.cache.swa_tier import SWA, SwaTier
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig, SlidingWindowSpec, StateSpec
 from hicache.controller import CompletionQueue, write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
@@ -47,7 +54,13 @@ from hicache.storage.base import HiCacheStorage
 from hicache.tokens import encode_tokens
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
-from hicache.tree.components import ComponentValues, MambaState, Tier, TreeComponent
+from hicache.tree.components import (
+    ComponentValues,
+    MambaState,
+    SlidingWindow,
+    Tier,
+    TreeComponent,
+)
 from hicache.tree.node import PageIds, TokenIds, page_ids
 from hicache.tree.results import NodeEviction
 from hicache.validate import number_at_least
@@ -64,6 +77,10 @@ class HiCache(Lifecycle):
 
     With ``config.enable_hierarchical_cache`` false there is no host tier: the tree is a
     plain radix cache over L1 and eviction drops nodes.
+
+    Hybrid models: ``state`` adds recurrent-state snapshots (:mod:`.snapshot_tier`);
+    ``swa`` gives the sliding-window layers their own pools (:mod:`.swa_tier`), ``spec``
+    then describing the global layers only.
     """
 
     def __init__(
@@ -75,6 +92,7 @@ class HiCache(Lifecycle):
         layer_hook: Callable[[int, int], None] | None = None,
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
         state: StateSpec | None = None,
+        swa: SlidingWindowSpec | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -85,6 +103,8 @@ class HiCache(Lifecycle):
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
         components: list[TreeComponent] = [MambaState()] if state is not None else []
+        if swa is not None:
+            components.append(SlidingWindow(swa.window))
         self.tree = HiRadixTree(config.page_size, config.eviction_policy, components)
         self.rule = write_rule(config)
         self.counters = CacheCounters()
@@ -97,6 +117,16 @@ class HiCache(Lifecycle):
                 config=config,
                 kv=spec,
                 state=state,
+                device=self.device,
+                hierarchical=config.enable_hierarchical_cache,
+            )
+        self.swa: SwaTier | None = None
+        if swa is not None:
+            self.swa = SwaTier(
+                tree=self.tree,
+                config=config,
+                full=spec,
+                spec=swa,
                 device=self.device,
                 hierarchical=config.enable_hierarchical_cache,
             )
@@ -116,8 +146,9 @@ class HiCache(Lifecycle):
             )
             self.host.on_backed_up = self._on_backed_up
             self.host.free_components = self._free_components
-            if self.snapshots is not None:
-                self.host.on_backup_issued = self.snapshots.back_up
+            self.host.on_backup_issued = self._back_up_components
+            if self.swa is not None:
+                self.swa.wait_copies = self._wait_copies
         self.storage: StorageTier | None = None
         self._retired: list[tuple[HiCacheStorage, PageIds, PageIds]] = []
         """(old backend, L2 pages, L2 snapshot slots) a detached backend may still write."""
@@ -221,6 +252,21 @@ class HiCache(Lifecycle):
     def storage_attached(self) -> bool:
         return self.storage is not None
 
+    def _wait_copies(self) -> bool:
+        """Wait for the L1<->L2 copies in flight and apply them; False when none was."""
+        if self.host is None or not self.host.busy:
+            return False
+        self.host.wait_idle()
+        return True
+
+    def _back_up_components(self, last: TreeNode) -> None:
+        """The full pages of a run ending at ``last`` got L2 pages: back up what a hit
+        there needs of each extra component."""
+        if self.snapshots is not None:
+            self.snapshots.back_up(last)
+        if self.swa is not None:
+            self.swa.back_up(last)
+
     def _on_backed_up(self, nodes: list[TreeNode]) -> None:
         if self.storage is not None:
             self.storage.on_host_backup(nodes)
@@ -300,6 +346,10 @@ class HiCache(Lifecycle):
         if new is None:
             self.tree.dec_lock_ref(node)
             return False
+        if self.swa is not None and not self.swa.admit(req, node, len(pages)):
+            self.device_pool.allocator.free(new)  # no L1 room for the hit's window: later
+            self.tree.dec_lock_ref(node)
+            return False
         req.state = RequestState.ADMITTED
         req.node = node
         req.pages = pages + new
@@ -318,10 +368,17 @@ class HiCache(Lifecycle):
                     self.host.back_up(node, self.rule.backup_min_hits, wait=False)
         return True
 
-    def grow(self, req: CacheRequest, tokens: int) -> bool:
+    def grow(self, req: CacheRequest, tokens: int, *, computed: int | None = None) -> bool:
         """Make ``req``'s pages cover positions ``[0, tokens)``, evicting cached pages if
-        needed; False (nothing changed) when L1 cannot make room."""
+        needed; False when L1 cannot make room (what was added stays with ``req``).
+
+        Sliding-window layers: ``computed`` (the first position of the next forward)
+        frees the request's SWA pages wholly before that forward's window first
+        (:mod:`.swa_tier`); SWA pages are added for positions up to ``tokens``. Call this
+        before every forward with its end and start."""
         self._require_admitted(req)
+        if self.swa is not None and not self.swa.grow(req, tokens, computed):
+            return False
         need = math.ceil(tokens / self.page_size) - len(req.pages)
         if need <= 0:
             return True
@@ -350,6 +407,11 @@ class HiCache(Lifecycle):
             raise ValueError(f"commit of {full} pages; the request holds {len(req.pages)}")
         prefix = tokens[: full * ps]
         components: dict[str, ComponentValues] = {}
+        if self.swa is not None:
+            self.swa.trim(req, len(tokens))  # the next forward starts at len(tokens) or later
+            window = self.swa.values(req, full)
+            if window is not None:
+                components[SWA] = window
         if state is not None and self.snapshots is not None:
             if len(tokens) != full * ps:
                 raise ValueError(f"a state snapshot needs whole pages; got {len(tokens)} tokens")
@@ -368,6 +430,8 @@ class HiCache(Lifecycle):
         tree_pages = _path_device_pages(last)  # not a match: a boundary need not be valid
         if len(tree_pages) != full:  # pragma: no cover - a tree invariant
             raise RuntimeError("committed prefix is not resident in L1")
+        if self.swa is not None:
+            self.swa.adopt(req, last, full)
         self.tree.inc_lock_ref(last)
         if req.node is not None:
             self.tree.dec_lock_ref(req.node)
@@ -378,15 +442,17 @@ class HiCache(Lifecycle):
         if self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         if components and last.host is not None:
-            self._back_up_snapshot(last)
+            self._back_up_added(last)
 
-    def _back_up_snapshot(self, node: TreeNode) -> None:
-        """A snapshot was added at ``node``, whose KV was in L2 already (no backup was
-        issued with it): copy it to L2 and write it to L3 now."""
-        assert self.snapshots is not None
-        backed = self.snapshots.back_up(node)
-        if backed and self.storage is not None:
-            self.storage.write_states(backed)
+    def _back_up_added(self, node: TreeNode) -> None:
+        """Component values were added at ``node``, whose KV was in L2 already (no backup
+        was issued with them): copy them to L2 now, and write new snapshots to L3."""
+        if self.snapshots is not None:
+            backed = self.snapshots.back_up(node)
+            if backed and self.storage is not None:
+                self.storage.write_states(backed)
+        if self.swa is not None:
+            self.swa.back_up(node)
 
     def release(
         self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
@@ -405,6 +471,8 @@ class HiCache(Lifecycle):
                 self.commit(req, tokens)
             if len(req.pages) > req.prefix_pages:
                 self.device_pool.allocator.free(req.pages[req.prefix_pages :])
+            if self.swa is not None:
+                self.swa.release(req)
             if req.node is not None:
                 self.tree.dec_lock_ref(req.node)
             self._requests.discard(req)
@@ -580,6 +648,8 @@ class HiCache(Lifecycle):
         for name, got in ids.items():
             if name == SNAPSHOT and self.snapshots is not None:
                 self.snapshots.free(tier, got)
+            elif name == SWA and self.swa is not None:
+                self.swa.free(tier, got)
             elif len(got):  # pragma: no cover - every component has a pool above
                 raise RuntimeError(f"no pool for component {name!r}")
 
@@ -641,9 +711,11 @@ class HiCache(Lifecycle):
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host is not None:
             self.host.allocator.free(self.tree.host_page_ids())
-        if self.snapshots is not None:
-            for tier in (Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())):
+        for tier in (Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())):
+            if self.snapshots is not None:
                 self.snapshots.free(tier, page_ids(self.snapshots.owned(tier)))
+            if self.swa is not None:
+                self.swa.free(tier, page_ids(self.swa.owned(tier)))
         self.tree.reset()
 
     @property
@@ -657,7 +729,7 @@ class HiCache(Lifecycle):
 
     def stats(self) -> CacheStats:
         """Occupancy per tier (tokens) and every counter, as one snapshot."""
-        return cache_stats(
+        stats = cache_stats(
             self.tree,
             self.device_pool,
             self.host_pool,
@@ -665,6 +737,8 @@ class HiCache(Lifecycle):
             None if self.storage is None else self.storage.controller.storage,
             held_device_pages=len(self.request_pages()),
         )
+        usage = component_usages(self.device_pool, self.host_pool, self.swa, self.snapshots)
+        return dataclasses.replace(stats, components=usage)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
         """Check tree and allocators agree: every used L1 page is owned by the tree, an
@@ -692,6 +766,12 @@ class HiCache(Lifecycle):
             if sn.host_pool is not None:
                 owned = [*sn.owned(Tier.HOST), *slots_held]
                 check_owned("L2 snapshot", sn.host_pool.allocator, owned)
+        if self.swa is not None:
+            sw = self.swa
+            held = sw.request_pages(list(self._requests))
+            check_owned("L1 SWA", sw.device_pool.allocator, sw.owned(Tier.DEVICE) + held)
+            if sw.host_pool is not None:
+                check_owned("L2 SWA", sw.host_pool.allocator, sw.owned(Tier.HOST))
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
+from hicache.cache.swa_tier import SWA, SwaTier
 from hicache.memory import DevicePool, HostPool, PageAllocator
-from hicache.metrics import CacheCounters, CacheStats
+from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.storage.base import HiCacheStorage
 from hicache.tree import HiRadixTree
 
@@ -38,6 +40,52 @@ def cache_stats(
         counters=counters.snapshot(),
         storage=None if storage is None else storage.stats(),
     )
+
+
+def component_usage(
+    name: str,
+    device: PageAllocator,
+    host: PageAllocator | None,
+    unit_bytes: int,
+    cached_tokens: int,
+) -> ComponentUsage:
+    """:class:`ComponentUsage` of one component's pools; ``cached_tokens``: tokens whose
+    full KV is in L1."""
+    used = device.used_pages
+    return ComponentUsage(
+        name=name,
+        device_used=used,
+        device_total=device.num_pages,
+        host_used=0 if host is None else host.used_pages,
+        host_total=0 if host is None else host.num_pages,
+        unit_bytes=unit_bytes,
+        bytes_per_cached_token=used * unit_bytes / cached_tokens if cached_tokens else 0.0,
+    )
+
+
+def component_usages(
+    device_pool: DevicePool,
+    host_pool: HostPool | None,
+    swa: SwaTier | None,
+    snapshots: SnapshotTier | None,
+) -> tuple[ComponentUsage, ...]:
+    """Pool use and L1 bytes per cached token of each component: full KV, then the
+    sliding-window pages and the state snapshots where the cache has them."""
+    ps = device_pool.page_size
+    cached = device_pool.allocator.used_pages * ps  # full KV in L1: tree and requests
+    host = None if host_pool is None else host_pool.allocator
+    page_bytes = device_pool.spec.token_bytes * ps
+    out = [component_usage("full", device_pool.allocator, host, page_bytes, cached)]
+    if swa is not None:
+        hp = None if swa.host_pool is None else swa.host_pool.allocator
+        swa_page = swa.spec.kv.token_bytes * ps
+        out.append(component_usage(SWA, swa.device_pool.allocator, hp, swa_page, cached))
+    if snapshots is not None:
+        sn = snapshots
+        hp = None if sn.host_pool is None else sn.host_pool.allocator
+        slot = sn.spec.slot_bytes
+        out.append(component_usage(SNAPSHOT, sn.device_pool.allocator, hp, slot, cached))
+    return tuple(out)
 
 
 def check_cache_integrity(

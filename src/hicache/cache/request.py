@@ -8,6 +8,9 @@ depends on failed (``failed``), and passes the handle back to the facade's verbs
 Page table invariant: ``pages`` covers token positions ``[0, len(pages) * page_size)``.
 Its first ``prefix_pages`` pages belong to the tree and are pinned in L1 through
 ``node`` (path-wise); the rest belong to the request until it commits or releases them.
+
+A model with sliding-window layers also has a :class:`SlidingTable` (``swa``): the SWA
+pool's pages of the sequence pages still in the window of the request's next forward.
 """
 
 from __future__ import annotations
@@ -21,6 +24,50 @@ from hicache.cache.prefetch import Prefetch
 from hicache.transfer import LayerProgress, TransferError
 from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, page_ids
+
+
+class SlidingTable:
+    """One request's sliding-window page table.
+
+    ``pages[i]`` is the SWA pool page of sequence page ``first + i``; sequence pages before
+    ``first`` have fallen out of the window (their SWA KV is not held: "none"), pages from
+    ``end`` on are not allocated yet. Of the held pages, those below the request's
+    ``prefix_pages`` belong to the tree (pinned through the request's node; never freed
+    by the request), the others to the request. Changed only by the cache's SWA tier.
+    """
+
+    __slots__ = ("first", "pages")
+
+    def __init__(self, first: int = 0, pages: PageIds | None = None) -> None:
+        self.first = first
+        self.pages: PageIds = page_ids() if pages is None else pages
+
+    @property
+    def end(self) -> int:
+        """One past the last sequence page held."""
+        return self.first + len(self.pages)
+
+    def slots(self, page_size: int, upto: int) -> torch.Tensor:
+        """SWA pool slots of positions ``[first * page_size, upto)`` (the held tail of the
+        first ``upto`` positions), ``(upto - first * page_size,)`` int64 on the CPU."""
+        lo = self.first * page_size
+        if not lo <= upto <= self.end * page_size:
+            raise ValueError(
+                f"SWA slots up to {upto}: the table holds positions [{lo}, {self.end * page_size})"
+            )
+        return _page_slots(self.pages, page_size, upto - lo)
+
+    def __repr__(self) -> str:
+        return f"SlidingTable(first={self.first}, pages={list(self.pages)})"
+
+
+def _page_slots(pages: PageIds, page_size: int, n: int) -> torch.Tensor:
+    """Slots ``page * page_size + offset`` of the first ``n`` positions laid over ``pages``."""
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    table = torch.frombuffer(pages, dtype=torch.int64)
+    offsets = torch.arange(page_size, dtype=torch.int64)
+    return (table[:, None] * page_size + offsets).reshape(-1)[:n]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +115,7 @@ class CacheRequest:
         "state",
         "state_slot",
         "storage_tokens",
+        "swa",
         "tenant",
     )
 
@@ -91,6 +139,8 @@ class CacheRequest:
         """L1 slot of the recurrent-state snapshot the request resumes from (models with
         recurrent layers; None: zero state). Read it with ``HiCache.read_state``."""
         """Prompt tokens the L3 prefetch brought into L2 for this request."""
+        self.swa: SlidingTable | None = None
+        """The sliding-window page table while admitted (caches with an SWA tier)."""
         self._progress: LayerProgress | None = None
         self._counted = False
 
@@ -105,11 +155,12 @@ class CacheRequest:
         int64 on the CPU."""
         if upto > len(self.pages) * page_size:
             raise ValueError(f"slots up to {upto} but pages cover {len(self.pages) * page_size}")
-        if upto == 0:
-            return torch.empty(0, dtype=torch.int64)
-        pages = torch.frombuffer(self.pages, dtype=torch.int64)
-        offsets = torch.arange(page_size, dtype=torch.int64)
-        return (pages[:, None] * page_size + offsets).reshape(-1)[:upto]
+        return _page_slots(self.pages, page_size, upto)
+
+    def swa_slots(self, page_size: int, upto: int) -> torch.Tensor | None:
+        """SWA pool slots of the held tail of positions ``[0, upto)`` (see
+        :meth:`SlidingTable.slots`), or None when the cache keeps no SWA pages."""
+        return None if self.swa is None else self.swa.slots(page_size, upto)
 
     @property
     def loading(self) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.cache import HiCache
+from hicache.cache.swa_tier import check_swa_pool
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.models.hybrid import HybridLM
@@ -157,24 +158,40 @@ class Engine(Lifecycle):
         cfg = self.config
         dtype = cfg.dtype or default_dtype(cfg.device)
         self.model = self._loaded or load_model(cfg.model_path, dtype=dtype, device=cfg.device)
-        spec = kv_spec_from_hf_config(self.model.hf_config, self.model.dtype)
+        model = self.model.model
+        # sliding-window layers get their own pools; the full pool keeps the global ones
+        swa = model.config.swa_spec(self.model.dtype) if isinstance(model, HybridLM) else None
+        if isinstance(model, HybridLM) and swa is not None:
+            spec = model.config.full_kv_spec(self.model.dtype)
+        else:
+            spec = kv_spec_from_hf_config(self.model.hf_config, self.model.dtype)
         cache_cfg = cfg.cache
         if cfg.device_cache_gb is not None:
-            tokens = int(cfg.device_cache_gb * 1e9) // spec.token_bytes
+            token_bytes: float = spec.token_bytes  # with SWA pools: theirs too, by ratio
+            if swa is not None:
+                token_bytes += cache_cfg.swa_full_tokens_ratio * swa.kv.token_bytes
+            tokens = int(int(cfg.device_cache_gb * 1e9) // token_bytes)
             cache_cfg = dataclasses.replace(cache_cfg, device_tokens=tokens)
-        model = self.model.model
+        if swa is not None:
+            chunk = max(cfg.scheduler.chunked_prefill_size, cache_cfg.page_size)
+            check_swa_pool(cache_cfg, swa.window, chunk)
         specs = model.state_specs() if isinstance(model, HybridLM) else {}
         state = cache_state_spec(specs, model.dtype) if specs else None
         if state is not None:
             check_snapshot_slots(cache_cfg, spec, state, cfg.scheduler.max_running_requests)
-        self.cache = HiCache(cache_cfg, spec, cfg.device, state=state).start()
+        self.cache = HiCache(cache_cfg, spec, cfg.device, state=state, swa=swa).start()
         if cfg.storage is not None:
             try:
                 self._attach(cfg.storage, cfg.storage_prefetch_policy)
             except BaseException:
                 self.cache.close()
                 raise
-        runner = ModelRunner(self.model.model, self.cache.device_pool)
+        swa_tier = self.cache.swa
+        runner = ModelRunner(
+            self.model.model,
+            self.cache.device_pool,
+            None if swa_tier is None else swa_tier.device_pool,
+        )
         if runner.recurrent:
             log.info(
                 "%s has recurrent layers: cached prefixes resume from state snapshots taken"

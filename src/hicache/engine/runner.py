@@ -6,7 +6,10 @@ the model writes the new tokens' K/V into the last ``extend_len`` of them and re
 
 Models: a Llama-style :class:`DecoderLM`, or a :class:`HybridLM` (Gemma 3, GPT-OSS,
 Qwen3-Next, Nemotron-H) whose attention layers alone use the pool (one pool layer per
-attention layer, :meth:`HybridConfig.kv_spec`). A hybrid with recurrent layers (Mamba2,
+attention layer, :meth:`HybridConfig.kv_spec`). Given an SWA pool (the cache's
+sliding-window tier), a hybrid's sliding layers use it and the full pool holds its global
+layers only (:meth:`HybridConfig.full_kv_spec`, :meth:`HybridConfig.swa_spec`); each
+sequence then also brings its SWA slots (:attr:`ForwardBatch.swa_slots`). A hybrid with recurrent layers (Mamba2,
 Gated DeltaNet) also carries a state per sequence from forward to forward; the runner keeps
 it (:class:`~hicache.engine.recurrent_states.RecurrentStates`, keyed by
 :attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. Such a model cannot
@@ -24,6 +27,7 @@ import torch
 
 from hicache.config import AttentionKind, KVSpec
 from hicache.engine.models import AttentionContext, DecoderConfig, DecoderLM
+from hicache.engine.models.attention import SlidingKV
 from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.models.registry import HYBRID_FAMILIES, hybrid_config_from_hf
 from hicache.engine.recurrent_states import RecurrentStates
@@ -57,7 +61,9 @@ class ForwardBatch:
     called once per pool layer, in order, before that layer's prefix K/V is read from the
     pool. ``seq_ids[i]`` names sequence ``i``'s recurrent state in the runner (the request
     id; distinct within a batch); required by models with recurrent layers, unused by
-    others.
+    others. ``swa_slots[i]`` (a runner with an SWA pool only): sequence ``i``'s slots in
+    the SWA pool for its *last* ``len(swa_slots[i])`` positions (at least its new tokens
+    and the window before them; earlier positions are absent).
     """
 
     input_ids: torch.Tensor
@@ -66,6 +72,7 @@ class ForwardBatch:
     seq_slots: list[torch.Tensor]
     layer_wait: Callable[[int], None] | None = None
     seq_ids: Sequence[str] | None = None
+    swa_slots: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0] if self.input_ids.dim() == 1 else -1
@@ -95,6 +102,20 @@ class ForwardBatch:
                 )
             if len(set(self.seq_ids)) != len(self.seq_ids):
                 raise ValueError(f"seq_ids must be distinct, got {list(self.seq_ids)}")
+        if self.swa_slots is not None:
+            if len(self.swa_slots) != len(self.extend_lens):
+                raise ValueError(
+                    f"swa_slots has {len(self.swa_slots)} entries for"
+                    f" {len(self.extend_lens)} sequences"
+                )
+            for i, (n, s, full) in enumerate(
+                zip(self.extend_lens, self.swa_slots, self.seq_slots, strict=True)
+            ):
+                if s.dim() != 1 or not n <= s.shape[0] <= full.shape[0]:
+                    raise ValueError(
+                        f"sequence {i}: swa_slots must cover its {n} new tokens and at most"
+                        f" its {full.shape[0]} positions, got {tuple(s.shape)}"
+                    )
 
     @property
     def num_seqs(self) -> int:
@@ -111,14 +132,24 @@ class ModelRunner:
 
     The pool's spec must match the model (layers, KV heads, head_dim; for a hybrid, its
     attention layers); the model's dtype may differ from the pool's (K/V are cast on write
-    and read). ``states`` holds the running sequences' recurrent state (None for a model
-    without recurrent layers).
+    and read). ``swa_pool``: the sliding layers' own pool (a hybrid with
+    :attr:`HybridConfig.swa_split` only); ``device_pool`` then holds the global layers.
+    ``states`` holds the running sequences' recurrent state (None for a model without
+    recurrent layers).
     """
 
-    def __init__(self, model: DecoderLM | HybridLM, device_pool: DevicePool) -> None:
+    def __init__(
+        self,
+        model: DecoderLM | HybridLM,
+        device_pool: DevicePool,
+        swa_pool: DevicePool | None = None,
+    ) -> None:
         spec = device_pool.spec
+        if swa_pool is not None:
+            _check_swa_pool(model, swa_pool, device_pool)
         if isinstance(model, HybridLM):
-            kv = model.config.kv_spec(spec.dtype)
+            full = model.config.full_kv_spec if swa_pool is not None else model.config.kv_spec
+            kv = full(spec.dtype)
             want = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
         else:
             cfg = model.config
@@ -133,6 +164,7 @@ class ModelRunner:
             raise ValueError(f"pool on {device_pool.device} but model on {model.device}")
         self.model = model
         self.pool = device_pool
+        self.swa_pool = swa_pool
         specs = model.state_specs() if isinstance(model, HybridLM) else {}
         self.states: RecurrentStates | None = (
             RecurrentStates(specs, dtype=model.dtype, device=model.device) if specs else None
@@ -198,8 +230,13 @@ class ModelRunner:
                 raise ValueError("all_logits and logit_rows are exclusive")
             if not all(0 <= r < t for r in logit_rows):
                 raise ValueError(f"logit_rows must lie in [0, {t}), got {list(logit_rows)}")
+        swa = None
+        if self.swa_pool is not None:
+            if batch.swa_slots is None:
+                raise ValueError("a runner with an SWA pool needs ForwardBatch.swa_slots")
+            swa = SlidingKV.build(self.swa_pool, batch.swa_slots, batch.extend_lens)
         ctx = AttentionContext.build(
-            self.pool, batch.seq_slots, batch.extend_lens, batch.layer_wait
+            self.pool, batch.seq_slots, batch.extend_lens, batch.layer_wait, swa
         )
         input_ids = batch.input_ids.to(self.device, torch.int64)
         positions = batch.positions.to(self.device, torch.int64)
@@ -233,3 +270,24 @@ class ModelRunner:
         ends = [p + n for p, n in zip(prefix, batch.extend_lens, strict=True)]
         self.states.scatter(batch.seq_ids, ends, out.states)
         return out.hidden
+
+
+def _check_swa_pool(model: DecoderLM | HybridLM, swa_pool: DevicePool, pool: DevicePool) -> None:
+    """Raise ValueError unless ``swa_pool`` fits the model's sliding layers."""
+    if not isinstance(model, HybridLM) or not model.config.swa_split:
+        raise ValueError("an SWA pool needs a hybrid model with sliding and global layers")
+    want = model.config.swa_spec(swa_pool.spec.dtype)
+    assert want is not None
+    have = swa_pool.spec
+    if (have.num_layers, have.num_kv_heads, have.head_dim) != (
+        want.kv.num_layers,
+        want.kv.num_kv_heads,
+        want.kv.head_dim,
+    ):
+        raise ValueError(
+            f"SWA pool (layers, kv_heads, head_dim)=({have.num_layers}, {have.num_kv_heads},"
+            f" {have.head_dim}) does not fit the model's sliding layers"
+            f" ({want.kv.num_layers}, {want.kv.num_kv_heads}, {want.kv.head_dim})"
+        )
+    if swa_pool.device != pool.device or swa_pool.page_size != pool.page_size:
+        raise ValueError("the SWA pool must share the full pool's device and page size")

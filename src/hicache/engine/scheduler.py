@@ -177,9 +177,12 @@ class Scheduler:
             if req in self.running:  # not retracted by an earlier one
                 self._ensure_pages(req, req.kv_len + 1)
         batch = [(r, 1) for r in self.running if r.seq_len - r.kv_len == 1]
+        chosen = {r.rid for r, _ in batch}
         budget = self.config.chunked_prefill_size - len(batch)
         first = True
-        for req in self.running:
+        for req in list(self.running):  # _ensure_pages may retract later arrivals
+            if req not in self.running:
+                continue
             left = req.seq_len - req.kv_len
             if left <= 1:
                 continue
@@ -191,7 +194,12 @@ class Scheduler:
             boundary = self._snapshot_boundary(req)
             if boundary is not None and req.kv_len < boundary < req.kv_len + n:
                 n = boundary - req.kv_len  # end the chunk where a snapshot is to be taken
+            # pages for the chunk (sliding-window pages come chunk by chunk); may retract
+            # a later arrival that is not in this batch
+            if not self._ensure_pages(req, req.kv_len + n, keep=chosen, abort=not batch):
+                break
             batch.append((req, n))
+            chosen.add(req.rid)
             budget -= n
             first = False
         return batch
@@ -243,14 +251,20 @@ class Scheduler:
             raise RuntimeError(f"{req.rid}: state covers {covered} positions, not {req.kv_len}")
         self.cache.commit(req.cache, req.all_ids[: req.kv_len], state=state)
 
-    def _ensure_pages(self, req: Request, tokens: int) -> bool:
-        """Give ``req`` pages for ``tokens`` positions, retracting others if L1 is full."""
+    def _ensure_pages(
+        self, req: Request, tokens: int, *, keep: set[str] | None = None, abort: bool = True
+    ) -> bool:
+        """Give ``req`` pages for positions up to ``tokens`` (its next forward starts at
+        ``req.kv_len``: sliding-window pages before that forward's window are freed),
+        retracting other running requests (not those in ``keep``) if L1 is full. When
+        none is left to retract: abort ``req`` (``abort``) or just return False."""
         assert req.cache is not None
-        while not self.cache.grow(req.cache, tokens):
-            victims = [r for r in self.running if r is not req]
+        while not self.cache.grow(req.cache, tokens, computed=req.kv_len):
+            victims = [r for r in self.running if r is not req and r.rid not in (keep or ())]
             if not victims:
-                req.error = "the device cache cannot hold this request"
-                self._finish(req, FinishReason.ABORT)
+                if abort:
+                    req.error = "the device cache cannot hold this request"
+                    self._finish(req, FinishReason.ABORT)
                 return False
             self._retract(max(victims, key=lambda r: r.arrival))
         return True
@@ -268,12 +282,16 @@ class Scheduler:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
+        swa_slots: list[torch.Tensor] = []  # requests of a cache with sliding-window pools
         loading = []
         for req, n in batch:
             assert req.cache is not None
             ids += req.all_ids[req.kv_len : req.kv_len + n]
             positions += range(req.kv_len, req.kv_len + n)
             slots.append(req.cache.slots(ps, req.kv_len + n))
+            swa = req.cache.swa_slots(ps, req.kv_len + n)
+            if swa is not None:
+                swa_slots.append(swa)
             if req.cache.loading:
                 loading.append(req.cache)
         timeout = self.config.layer_wait_timeout_s
@@ -289,6 +307,7 @@ class Scheduler:
             seq_slots=slots,
             layer_wait=layer_wait if loading else None,
             seq_ids=[req.rid for req, _ in batch],
+            swa_slots=swa_slots or None,
         )
         logit_rows, last_row, prompt_rows = self._logit_rows(batch)
         try:

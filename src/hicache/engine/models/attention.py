@@ -22,7 +22,7 @@ from hicache.engine.models.layers import RMSNorm
 from hicache.engine.models.rope import apply_rotary
 from hicache.memory import DevicePool
 
-__all__ = ["AttentionContext", "DecodeGather", "PagedAttention"]
+__all__ = ["AttentionContext", "DecodeGather", "PagedAttention", "SlidingKV"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,32 @@ class DecodeGather:
 
 
 @dataclass(frozen=True)
+class SlidingKV:
+    """The sliding-window layers' own pool for one forward (a cache with an SWA tier).
+
+    ``seq_slots[i]``: slots in ``pool`` of the *last* ``len(seq_slots[i])`` positions of
+    sequence ``i`` (its new tokens last); earlier positions are out of every window of
+    this forward and absent. ``write_slots (T,)``: the new tokens' slots in batch order.
+    Both on the pool's device.
+    """
+
+    pool: DevicePool
+    seq_slots: list[torch.Tensor]
+    write_slots: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, pool: DevicePool, seq_slots: Sequence[torch.Tensor], extend_lens: Sequence[int]
+    ) -> SlidingKV:
+        """Move the slots to the pool's device (one copy) and cut out the new ones."""
+        lengths = [int(s.shape[0]) for s in seq_slots]
+        flat = torch.cat([s.to(torch.int64) for s in seq_slots]).to(pool.device)
+        slots = list(flat.split(lengths))
+        write = torch.cat([s[len(s) - n :] for s, n in zip(slots, extend_lens, strict=True)])
+        return cls(pool=pool, seq_slots=slots, write_slots=write)
+
+
+@dataclass(frozen=True)
 class AttentionContext:
     """Per-forward attention inputs, shared by all layers (built once per batch).
 
@@ -55,7 +81,9 @@ class AttentionContext:
     None when no explicit mask is needed: a single query sees every key, and a prefill
     without prefix uses SDPA's ``is_causal`` (which keeps the flash kernels eligible).
     ``decode`` gathers the single-token sequences into one padded call when there are
-    several of them (a decode batch, or the decode part of a mixed batch).
+    several of them (a decode batch, or the decode part of a mixed batch). ``swa``: the
+    sliding layers' own pool (then ``pool`` holds the global layers only); None when
+    every attention layer lives in ``pool``.
     """
 
     pool: DevicePool
@@ -65,6 +93,7 @@ class AttentionContext:
     masks: list[torch.Tensor | None]
     decode: DecodeGather | None
     layer_wait: Callable[[int], None] | None = None
+    swa: SlidingKV | None = None
 
     @classmethod
     def build(
@@ -73,6 +102,7 @@ class AttentionContext:
         seq_slots: Sequence[torch.Tensor],
         extend_lens: Sequence[int],
         layer_wait: Callable[[int], None] | None = None,
+        swa: SlidingKV | None = None,
     ) -> AttentionContext:
         """Move slots to the pool's device and precompute masks (see the class doc)."""
         device = pool.device
@@ -108,6 +138,7 @@ class AttentionContext:
             masks=masks,
             decode=decode,
             layer_wait=layer_wait,
+            swa=swa,
         )
 
 

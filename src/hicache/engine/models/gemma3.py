@@ -38,6 +38,10 @@ class Gemma3Config(HybridConfig):
     rope_local: HybridRopeConfig
     final_logit_softcapping: float | None = None
 
+    @property
+    def window(self) -> int | None:
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, hf: Any) -> Gemma3Config:
         """Build from a transformers ``Gemma3TextConfig``."""
@@ -83,6 +87,7 @@ class Gemma3Layer(nn.Module):
                 num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim,
                 kv_layer=cfg.kv_index(layer_id),
+                split_layer=cfg.split_index(layer_id),
                 rms_norm_eps=eps,
                 rotary_dim=cfg.head_dim,
                 window=cfg.sliding_window if self.sliding else None,

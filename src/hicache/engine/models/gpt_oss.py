@@ -36,6 +36,10 @@ class GptOssConfig(HybridConfig):
     swiglu_limit: float
     attention_bias: bool = True
 
+    @property
+    def window(self) -> int | None:
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, hf: Any) -> GptOssConfig:
         """Build from a transformers ``GptOssConfig`` (unquantized weights only)."""
@@ -98,6 +102,7 @@ class GptOssLayer(nn.Module):
                 num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim,
                 kv_layer=cfg.kv_index(layer_id),
+                split_layer=cfg.split_index(layer_id),
                 rms_norm_eps=cfg.rms_norm_eps,
                 rotary_dim=cfg.head_dim,
                 window=cfg.sliding_window if sliding else None,

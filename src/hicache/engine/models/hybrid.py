@@ -2,7 +2,9 @@
 
 A :class:`HybridLM` is a stack of layers of several kinds (``HybridConfig.layer_kinds``):
 ``full_attention`` / ``sliding_attention`` layers keep K/V in the paged pool (pool layer =
-rank among attention layers, see :attr:`HybridConfig.kv_layers`), ``linear_attention``
+rank among attention layers, see :attr:`HybridConfig.kv_layers`; when the cache gives the
+sliding layers their own pool, :attr:`HybridConfig.swa_split`, each layer's pool layer is
+its rank among the layers of its kind, :meth:`HybridConfig.split_index`), ``linear_attention``
 layers (Mamba2, Gated DeltaNet) carry a :class:`~hicache.engine.models.recurrent.RecurrentState`
 from forward to forward, and ``mlp`` / ``moe`` layers (Nemotron-H) have no state at all.
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.config import AttentionKind, KVSpec
+from hicache.config import AttentionKind, KVSpec, SlidingWindowSpec
 from hicache.engine.models.attention import AttentionContext
 from hicache.engine.models.decoder import WeightLoadError
 from hicache.engine.models.recurrent import RecurrentContext, RecurrentState, StateSpec
@@ -77,15 +79,60 @@ class HybridConfig:
         """The pool layer of attention layer ``layer_id``."""
         return self.kv_layers.index(layer_id)
 
-    def kv_spec(self, dtype: str) -> KVSpec:
-        """The device pool's per-token shape: one pool layer per attention layer."""
+    @property
+    def window(self) -> int | None:
+        """Sliding window of the ``sliding_attention`` layers in tokens (None: none)."""
+        return None
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Model layer ids of the sliding-window attention layers."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "sliding_attention")
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Model layer ids of the full (global) attention layers."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full_attention")
+
+    @property
+    def swa_split(self) -> bool:
+        """Whether the cache keeps the sliding layers in their own (SWA) pools: the model
+        has a window, sliding layers and at least one global layer (whose pool is the
+        full one)."""
+        return self.window is not None and bool(self.sliding_layers) and bool(self.global_layers)
+
+    def split_index(self, layer_id: int) -> int:
+        """The pool layer of attention layer ``layer_id`` when :attr:`swa_split`: its rank
+        among the sliding layers (SWA pool) or among the global layers (full pool)."""
+        if layer_id in self.sliding_layers:
+            return self.sliding_layers.index(layer_id)
+        return self.global_layers.index(layer_id)
+
+    def _spec(self, layers: int, dtype: str) -> KVSpec:
         return KVSpec(
-            num_layers=len(self.kv_layers),
+            num_layers=layers,
             attention=AttentionKind.MHA,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=dtype,
         )
+
+    def kv_spec(self, dtype: str) -> KVSpec:
+        """The device pool's per-token shape: one pool layer per attention layer."""
+        return self._spec(len(self.kv_layers), dtype)
+
+    def full_kv_spec(self, dtype: str) -> KVSpec:
+        """The full pool's per-token shape as the cache builds it: the global layers only
+        when :attr:`swa_split`, else every attention layer (:meth:`kv_spec`)."""
+        if self.swa_split:
+            return self._spec(len(self.global_layers), dtype)
+        return self.kv_spec(dtype)
+
+    def swa_spec(self, dtype: str) -> SlidingWindowSpec | None:
+        """The SWA pools' shape and window when :attr:`swa_split`, else None."""
+        if not self.swa_split or self.window is None:
+            return None
+        return SlidingWindowSpec(kv=self._spec(len(self.sliding_layers), dtype), window=self.window)
 
 
 @dataclass(frozen=True)

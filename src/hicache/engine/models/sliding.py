@@ -8,10 +8,18 @@ addressed by slot exactly as in :mod:`hicache.engine.models.attention`, at pool 
 ``kv_layer`` (the layer's rank among the model's attention layers).
 
 Sliding window: query position ``p`` attends to key positions ``p - window < q <= p``
-(the last ``window`` tokens, itself included; Hugging Face's convention). A sequence's
-``seq_slots`` still list every position from 0, but a sliding layer reads only the slots of
-positions ``>= prefix + 1 - window`` (``prefix`` = tokens before this forward), so pages
-wholly before that may be freed or hold anything: nothing reads them.
+(the last ``window`` tokens, itself included; Hugging Face's convention). A sliding layer
+reads only the slots of positions ``>= prefix + 1 - window`` (``prefix`` = tokens before
+this forward). Two placements:
+
+* one pool (``ctx.swa`` None): every attention layer lives in ``ctx.pool`` at pool layer
+  ``kv_layer``; a sequence's ``seq_slots`` list every position from 0;
+* split (``ctx.swa`` set, the cache's SWA tier): sliding layers live in ``ctx.swa.pool``
+  and global layers in ``ctx.pool``, each at ``split_layer`` (its rank among the layers
+  of its kind); a sliding layer finds its keys in ``ctx.swa.seq_slots``, which hold only
+  a sequence's last positions (the window and the new tokens). Only global layers wait
+  for a layer-wise load (``layer_wait(split_layer)``): the SWA pages a hit needs are
+  copied before the forward.
 
 Sinks (GPT-OSS): each head has a learned logit that joins the softmax's denominator and
 contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
@@ -37,6 +45,8 @@ __all__ = ["AttentionSpec", "WindowedAttention", "window_start"]
 class AttentionSpec:
     """Shape and switches of one attention layer.
 
+    ``kv_layer``: pool layer with one pool for all attention layers; ``split_layer``: pool
+    layer in the layer's own pool when sliding layers have their own (None: ``kv_layer``).
     ``window``: sliding window in tokens, None = global. ``sinks``: per-head sink logits.
     ``qk_norm``: None, ``"rms"`` (weight) or ``"offset"`` (1 + weight) per-head norm before
     RoPE. ``output_gate``: q_proj also emits a per-head gate (``[q | gate]`` per head) and
@@ -50,6 +60,7 @@ class AttentionSpec:
     head_dim: int
     kv_layer: int
     rms_norm_eps: float
+    split_layer: int | None = None
     rotary_dim: int
     window: int | None = None
     sinks: bool = False
@@ -130,19 +141,37 @@ class WindowedAttention(nn.Module):
         if rope is not None and spec.rotary_dim:
             q, k = self._rotate(q, *rope), self._rotate(k, *rope)
 
-        k_cache = ctx.pool.k_buffer(spec.kv_layer)
-        v_cache = ctx.pool.v_buffer(spec.kv_layer)
-        k_cache[ctx.write_slots] = k.to(k_cache.dtype)
-        v_cache[ctx.write_slots] = v.to(v_cache.dtype)
-        if ctx.layer_wait is not None:
-            ctx.layer_wait(spec.kv_layer)
+        pool, layer, seq_slots, write = ctx.pool, spec.kv_layer, ctx.seq_slots, ctx.write_slots
+        wait = ctx.layer_wait
+        if ctx.swa is not None:
+            layer = spec.kv_layer if spec.split_layer is None else spec.split_layer
+            if spec.window is not None:  # SWA pages were copied before the forward
+                pool, seq_slots, write, wait = (
+                    ctx.swa.pool,
+                    ctx.swa.seq_slots,
+                    ctx.swa.write_slots,
+                    None,
+                )
+        k_cache = pool.k_buffer(layer)
+        v_cache = pool.v_buffer(layer)
+        k_cache[write] = k.to(k_cache.dtype)
+        v_cache[write] = v.to(v_cache.dtype)
+        if wait is not None:
+            wait(layer)
 
         outs = []
         start = 0
-        for slots, n in zip(ctx.seq_slots, ctx.extend_lens, strict=True):
-            total = int(slots.shape[0])
+        for i, n in enumerate(ctx.extend_lens):
+            total = int(ctx.seq_slots[i].shape[0])  # every position: the full pool's table
             first = window_start(total, n, spec.window)
-            keys = slots[first:]
+            slots = seq_slots[i]
+            held = total - int(slots.shape[0])  # positions before the slots listed
+            if first < held:
+                raise ValueError(
+                    f"sequence {i}: the sliding layer needs position {first} but its SWA"
+                    f" slots start at {held}"
+                )
+            keys = slots[first - held :]
             q_i = q[start : start + n].transpose(0, 1)  # (H, n, D)
             k_i = k_cache[keys].to(q.dtype).transpose(0, 1)
             v_i = v_cache[keys].to(q.dtype).transpose(0, 1)

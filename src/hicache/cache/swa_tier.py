@@ -1,0 +1,329 @@
+"""Sliding-window KV as a component of the one tree: its own L1/L2 pools and each
+request's window.
+
+A model with sliding-window layers (Gemma 3, GPT-OSS) needs, for those layers, only the
+K/V of the last ``window`` tokens before each query. This tier keeps those layers' K/V in
+their own pools (a :class:`~hicache.memory.DevicePool` L1 of
+``config.swa_device_pages`` pages and, with the hierarchical cache, a
+:class:`~hicache.memory.HostPool` L2 of ``config.swa_host_pages(full)`` pages), one SWA
+page per sequence page, under the tree's :class:`~hicache.tree.components.SlidingWindow`
+component (``"swa"``). The full pool then holds the global layers only.
+
+The window rule, with positions. A query at position ``p`` attends to keys at
+``p - window < q <= p``. A request whose next forward starts at position ``c`` (``c``
+positions computed) keeps the SWA pages of positions ``>= c - window`` (one token more
+than its queries read) and the ``ceil(window / page_size)`` pages before the last page
+boundary ``b <= c`` (:meth:`SwaTier.keep_from`), so that a commit of its whole pages
+hands the tree the window before ``b``, which is what a hit there needs
+(:meth:`~hicache.tree.components.SlidingWindow.hit_span`). Its own pages wholly before that are freed as it advances (on :meth:`grow`, which
+the scheduler calls before every forward with ``c``, and on commit); pages the tree owns
+are just dropped from its table. So a request holds at most :func:`request_pages` SWA
+pages however long it gets, while its full pages grow with it.
+
+Commit hands the tree the SWA pages the request still holds (``ComponentValues.pages``
+from its first held page); the nodes before them keep no SWA value (tombstones), and a
+match may end only where the window before the boundary is present in some tier (the
+component's validator). Tree-owned SWA pages are evicted under their own LRU when the SWA
+pool runs short (the node and its full KV stay); evicting a node's full KV drops its SWA
+values too (the tree cascades; the facade frees them here).
+
+Copies between the tiers (backup of a hit's window, load back of a host-only window) are
+issued on the owner's thread through the cache's page copier, synchronously on CPU and
+stream-ordered before the next forward on CUDA (the current stream). That is acceptable
+because a hit needs at most ``ceil(window / page_size)`` SWA pages, next to a full-KV load
+of the whole prefix that the controller's worker overlaps with the forward.
+
+L3 keeps only full pages for now: a hit whose window is in no tier is no boundary, so a
+prompt served from L3 alone is recomputed. :meth:`SwaTier.hit_needs` is the seam for L3
+records of this component: which nodes' SWA values a hit at a node needs, and where each is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hicache.cache.request import CacheRequest, SlidingTable
+from hicache.config import CacheConfig, KVSpec, SlidingWindowSpec
+from hicache.memory import DevicePool, HostPool
+from hicache.transfer import make_copier
+from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree.components import ComponentValues, Tier
+from hicache.tree.node import PageIds, page_ids
+
+__all__ = ["SWA", "HitNeed", "SwaTier", "check_swa_pool", "request_pages"]
+
+SWA = "swa"
+"""The tree component name of sliding-window KV."""
+
+
+def request_pages(window: int, chunk: int, page_size: int) -> int:
+    """Most SWA pages one request holds at once when a forward adds at most ``chunk``
+    positions: the window's pages before the page boundary at or below ``c`` (the
+    forward's start), then pages up to ``c + chunk`` (one more where they straddle)."""
+    return math.ceil(window / page_size) + math.ceil(chunk / page_size) + 1
+
+
+def check_swa_pool(config: CacheConfig, window: int, chunk: int) -> None:
+    """Refuse (ValueError naming ``swa_full_tokens_ratio`` and the numbers) an L1 SWA pool
+    that cannot hold one request's window and one chunk (:func:`request_pages`)."""
+    need = request_pages(window, chunk, config.page_size)
+    have = config.swa_device_pages
+    if have < need:
+        raise ValueError(
+            f"swa_full_tokens_ratio={config.swa_full_tokens_ratio} gives the sliding-window"
+            f" layers' L1 pool {have} pages of {config.page_size} tokens"
+            f" ({config.device_pages} device pages x the ratio), but one request needs"
+            f" {need}: its window of {window} tokens and a chunk of {chunk}; raise"
+            " swa_full_tokens_ratio or device_tokens"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HitNeed:
+    """One node whose SWA value a hit needs, and the ids it has per tier (None: absent)."""
+
+    node: TreeNode
+    device: PageIds | None
+    host: PageIds | None
+
+
+def _ids_tensor(ids: PageIds) -> torch.Tensor:
+    """Page ids as a 1-D int64 CPU tensor (the copiers' page lists)."""
+    return torch.tensor(list(ids), dtype=torch.int64)
+
+
+class SwaTier:
+    """L1 (and optional L2) pages of the sliding-window layers for one cache."""
+
+    def __init__(
+        self,
+        *,
+        tree: HiRadixTree,
+        config: CacheConfig,
+        full: KVSpec,
+        spec: SlidingWindowSpec,
+        device: torch.device,
+        hierarchical: bool,
+    ) -> None:
+        self.tree = tree
+        self.spec = spec
+        self.window = spec.window
+        self.page_size = config.page_size
+        self.device_pool = DevicePool(spec.kv, config.swa_device_pages, config.page_size, device)
+        self.copier = make_copier(config.io_backend)
+        self.wait_copies: Callable[[], bool] | None = None
+        """Set by the owner: waits for L1<->L2 copies in flight (they pin the windows
+        they copy) and applies them; True when it waited for any."""
+        self.host_pool: HostPool | None = None
+        if hierarchical:
+            self.host_pool = HostPool.create(
+                spec.kv,
+                config.swa_host_pages(full),
+                config.page_size,
+                config.mem_layout,
+                device,
+            )
+
+    def pool(self, tier: Tier) -> DevicePool | HostPool:
+        if tier is Tier.DEVICE:
+            return self.device_pool
+        if self.host_pool is None:
+            raise RuntimeError("no L2 SWA pool without the hierarchical cache")
+        return self.host_pool
+
+    # ------------------------------------------------------------------ pages
+
+    def alloc(self, tier: Tier, n: int) -> PageIds | None:
+        """``n`` free pages of ``tier``, evicting unpinned tree-owned SWA values first
+        (least recently needed by a hit first; nodes and their full KV stay); None if even
+        that cannot make room."""
+        alloc = self.pool(tier).allocator
+        self._evict(tier, n)
+        if alloc.free_pages < n and self.wait_copies is not None and self.wait_copies():
+            self._evict(tier, n)  # backups that landed unpinned their windows
+        got = alloc.alloc(n)
+        return None if got is None else page_ids(got)
+
+    def _evict(self, tier: Tier, n: int) -> None:
+        """Evict unpinned tree-owned values of ``tier`` until ``n`` pages are free."""
+        alloc = self.pool(tier).allocator
+        if alloc.free_pages >= n:
+            return
+        for node in self.tree.component_eviction_order(SWA, tier):
+            alloc.free(self.tree.evict_component(SWA, node, tier))
+            if alloc.free_pages >= n:
+                return
+
+    def free(self, tier: Tier, ids: PageIds) -> None:
+        if len(ids):
+            self.pool(tier).allocator.free(ids)
+
+    def owned(self, tier: Tier) -> list[int]:
+        """Every page of ``tier`` the tree owns (for the ownership check)."""
+        return self.tree.component_ids(SWA, tier)
+
+    # ------------------------------------------------------------------ tiers
+
+    def hit_needs(self, node: TreeNode) -> list[HitNeed]:
+        """The nodes whose SWA values a hit ending at ``node`` needs (top-down), with the
+        ids each has in L1 and L2: what an L3 record of this component would store for a
+        boundary at ``node``, and what a load must bring. May split a node."""
+        c = self.tree.component(SWA)
+        return [
+            HitNeed(n, c.get(n, Tier.DEVICE), c.get(n, Tier.HOST))
+            for n in self.tree.hit_nodes(SWA, node)
+        ]
+
+    def load(self, node: TreeNode) -> bool:
+        """Bring the window a hit at ``node`` needs to L1 (copies of its L2 pages); False
+        when the L1 SWA pool has no room (the caller must not use the hit). Call with the
+        hit pinned and its full KV assigned in L1."""
+        nodes = self.tree.component_load_nodes(SWA, node)
+        if not nodes:
+            return True
+        assert self.host_pool is not None
+        c = self.tree.component(SWA)
+        hosts = [c.get(n, Tier.HOST) for n in nodes]
+        total = sum(len(h) for h in hosts if h is not None)
+        got = self.alloc(Tier.DEVICE, total)
+        if got is None:
+            return False
+        src = page_ids()
+        for h in hosts:
+            assert h is not None
+            src += h
+        self.copier.load(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
+        at = 0
+        for n, h in zip(nodes, hosts, strict=True):
+            assert h is not None
+            self.tree.assign_component(SWA, n, Tier.DEVICE, got[at : at + len(h)])
+            at += len(h)
+        return True
+
+    def back_up(self, last: TreeNode) -> None:
+        """Copy the window a hit at ``last`` needs to L2 (nodes whose full KV has L2 pages
+        already) and no more; a full L2 SWA pool leaves it L1-only (``last`` then is no L2
+        boundary)."""
+        if self.host_pool is None:
+            return
+        nodes = self.tree.component_backup_nodes(SWA, last)
+        if not nodes:
+            return
+        c = self.tree.component(SWA)
+        devs = [c.get(n, Tier.DEVICE) for n in nodes]
+        src = page_ids()
+        for d in devs:
+            assert d is not None
+            src += d
+        self.tree.inc_lock_ref(last)  # the L1 window must stay while L2 makes room
+        try:
+            got = self.alloc(Tier.HOST, len(src))
+        finally:
+            self.tree.dec_lock_ref(last)
+        if got is None:
+            return
+        self.copier.backup(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
+        at = 0
+        for n, d in zip(nodes, devs, strict=True):
+            assert d is not None
+            self.tree.assign_component(SWA, n, Tier.HOST, got[at : at + len(d)])
+            at += len(d)
+
+    # ------------------------------------------------------------------ requests
+
+    def keep_from(self, computed: int) -> int:
+        """First sequence page a request keeps when ``computed`` positions are done (its
+        next forward starts there): the page of position ``computed - window``, or the
+        first of the window pages before page boundary ``computed // page_size`` if
+        lower (see the module doc)."""
+        ps = self.page_size
+        boundary_window = computed // ps - math.ceil(self.window / ps)
+        return max(0, min((computed - self.window) // ps, boundary_window))
+
+    def admit(self, req: CacheRequest, node: TreeNode, prefix_pages: int) -> bool:
+        """Give ``req`` its table for a hit of ``prefix_pages`` pages ending at ``node``
+        (pinned by the caller): the hit's window, loaded back to L1 if it is in L2 only.
+        False (``req`` unchanged) when the L1 SWA pool has no room for that load."""
+        if node.parent is not None and not self.load(node):
+            return False
+        ids = self.tree.hit_ids(SWA, node) if node.parent is not None else page_ids()
+        req.swa = SlidingTable(prefix_pages - len(ids), ids)
+        return True
+
+    def trim(self, req: CacheRequest, computed: int) -> None:
+        """Drop the table's pages before :meth:`keep_from` ``computed``; free the
+        request's own (pages the tree owns are only dropped)."""
+        table = req.swa
+        assert table is not None
+        keep = self.keep_from(computed)
+        if keep <= table.first:
+            return
+        cut = min(keep, table.end) - table.first  # pages dropped
+        own_from = max(0, req.prefix_pages - table.first)  # index of the first own page
+        if cut > own_from:
+            self.free(Tier.DEVICE, table.pages[own_from:cut])
+        table.pages = table.pages[cut:]
+        table.first = keep  # > end only for an empty table: nothing below keep is read
+
+    def grow(self, req: CacheRequest, tokens: int, computed: int | None) -> bool:
+        """Make the table cover positions up to ``tokens`` (trimmed to ``computed`` first,
+        when given); False when the L1 SWA pool cannot make room (trimmed, nothing added)."""
+        table = req.swa
+        assert table is not None
+        if computed is not None:
+            self.trim(req, computed)
+        need = math.ceil(tokens / self.page_size) - table.end
+        if need <= 0:
+            return True
+        got = self.alloc(Tier.DEVICE, need)  # the tree pages it reads are pinned via req.node
+        if got is None:
+            return False
+        table.pages = table.pages + got
+        return True
+
+    def values(self, req: CacheRequest, full: int) -> ComponentValues | None:
+        """The SWA values a commit of ``full`` pages hands the tree: the held pages below
+        ``full`` (None when none is held)."""
+        table = req.swa
+        assert table is not None
+        n = min(full, table.end) - table.first
+        return ComponentValues.pages(table.first, table.pages[:n]) if n > 0 else None
+
+    def adopt(self, req: CacheRequest, last: TreeNode, full: int) -> None:
+        """After a commit of ``full`` pages ending at ``last``: the table's pages below
+        ``full`` become the tree's ids (the tree may already have held other ids for some;
+        the caller freed the request's duplicates)."""
+        table = req.swa
+        assert table is not None
+        n = min(full, table.end) - table.first
+        if n <= 0:
+            return
+        c = self.tree.component(SWA)
+        tree_ids = page_ids()
+        for node in self.tree.path_tail(last, n):  # insert split at table.first
+            ids = c.get(node, Tier.DEVICE)
+            if ids is None:  # pragma: no cover - insert placed a value on each node
+                raise RuntimeError(f"committed window of {node!r} is not in L1")
+            tree_ids += ids
+        table.pages = tree_ids + table.pages[n:]
+
+    def release(self, req: CacheRequest) -> None:
+        """Free the request's own pages (the tree's stay); the request has no table."""
+        table = req.swa
+        if table is None:
+            return
+        own_from = max(0, req.prefix_pages - table.first)
+        self.free(Tier.DEVICE, table.pages[own_from:])
+        req.swa = None
+
+    def request_pages(self, requests: list[CacheRequest]) -> list[int]:
+        """SWA L1 pages ``requests`` own (not the tree's)."""
+        out: list[int] = []
+        for r in requests:
+            if r.swa is not None:
+                out += r.swa.pages[max(0, r.prefix_pages - r.swa.first) :]
+        return out

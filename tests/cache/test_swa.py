@@ -1,0 +1,251 @@
+"""Sliding-window KV through the request verbs (tiny sizes, exact state).
+
+Window 4 tokens, pages of 2: a request keeps the SWA pages from
+``min((c - 4) // 2, c // 2 - 2)`` on when ``c`` positions are computed; what it commits
+becomes the tree's SWA values, the rest are tombstones; a match ends only where the 2
+pages before the boundary hold SWA values in some tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from hicache.cache import CacheRequest, HiCache
+from hicache.cache.swa_tier import SWA, check_swa_pool, request_pages
+from hicache.config import CacheConfig, KVSpec, SlidingWindowSpec
+from hicache.tree.components import Tier
+
+FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
+SWA_SPEC = SlidingWindowSpec(kv=KVSpec(num_layers=2, num_kv_heads=1, head_dim=2), window=4)
+PAGE = 2
+PROMPT = list(range(100, 117))  # 17 tokens: 8 whole pages before the last token
+
+
+def config(**kw: object) -> CacheConfig:
+    args: dict[str, object] = dict(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
+        swa_full_tokens_ratio=0.5,
+    )  # fmt: skip
+    args.update(kw)
+    return CacheConfig(**args)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cache() -> Iterator[HiCache]:
+    with HiCache(config(), FULL, swa=SWA_SPEC) as c:
+        yield c
+
+
+def swa_value(tokens: list[int], pos: int) -> float:
+    """The SWA K/V a model would compute at ``pos``: depends on the whole prefix."""
+    return float(sum(tokens[: pos + 1]) + pos)
+
+
+def write_swa(cache: HiCache, req: CacheRequest, tokens: list[int], lo: int, hi: int) -> None:
+    """Write positions ``[lo, hi)`` of ``tokens`` into ``req``'s SWA slots (all layers)."""
+    assert cache.swa is not None and req.swa is not None
+    slots = req.swa.slots(PAGE, hi)
+    first = hi - len(slots)
+    buf = cache.swa.device_pool.buffer  # (K, L, S, H, D)
+    for pos in range(lo, hi):
+        buf[:, :, int(slots[pos - first])] = swa_value(tokens, pos)
+
+
+def read_swa(cache: HiCache, req: CacheRequest, tokens: list[int], lo: int, hi: int) -> bool:
+    """Whether ``req``'s SWA slots of positions ``[lo, hi)`` hold ``tokens``' values."""
+    assert cache.swa is not None and req.swa is not None
+    slots = req.swa.slots(PAGE, hi)
+    first = hi - len(slots)
+    buf = cache.swa.device_pool.buffer
+    return all(
+        bool((buf[:, :, int(slots[pos - first])] == swa_value(tokens, pos)).all())
+        for pos in range(lo, hi)
+    )
+
+
+def forward(cache: HiCache, req: CacheRequest, tokens: list[int], start: int, end: int) -> None:
+    """What the scheduler does for a forward of positions ``[start, end)``."""
+    assert cache.grow(req, end, computed=start)
+    assert req.swa is not None and req.swa.first == cache.swa.keep_from(start)  # type: ignore[union-attr]
+    write_swa(cache, req, tokens, start, end)
+
+
+def serve_in_chunks(cache: HiCache, tokens: list[int]) -> None:
+    """Compute ``tokens`` in chunks of 8, committing after each, then release."""
+    req = cache.open(tokens)
+    assert cache.admit(req, tokens)
+    pos = req.prefix_tokens
+    while pos < len(tokens):
+        end = min(pos + 8, len(tokens))
+        forward(cache, req, tokens, pos, end)
+        pos = end
+        cache.commit(req, tokens[:pos])
+        cache.check_integrity()
+    cache.release(req, tokens)
+    cache.flush()  # backups landed: their L1 sources are unpinned
+    cache.check_integrity()
+
+
+def swa_used(cache: HiCache, tier: Tier = Tier.DEVICE) -> int:
+    assert cache.swa is not None
+    return cache.swa.pool(tier).allocator.used_pages
+
+
+def test_a_long_sequence_keeps_only_its_window_in_the_swa_pool(cache: HiCache) -> None:
+    assert cache.swa is not None
+    tokens = list(range(1, 31))
+    req = cache.open(tokens, compute_last=True)
+    assert cache.admit(req, tokens[:2])
+    bound = request_pages(4, 1, PAGE)
+    assert bound == 4
+    for c in range(2, 30):
+        forward(cache, req, tokens, c - 1 if c > 2 else 0, c)
+        held = len(req.swa.pages)  # type: ignore[union-attr]
+        assert swa_used(cache) == held <= bound
+        assert len(req.pages) == (c + 1) // 2  # the full pool grows with the sequence
+        cache.check_integrity()
+    # at c = 28 the request keeps pages from min((28 - 4) // 2, 14 - 2) = 12 on
+    assert req.swa is not None and req.swa.first == 12 and len(req.swa.pages) == 3
+    assert read_swa(cache, req, tokens, 24, 29)
+    cache.release(req)
+    assert swa_used(cache) == 0
+    cache.check_integrity()
+
+
+def test_commits_keep_the_windows_before_their_boundaries_and_tombstone_the_rest(
+    cache: HiCache,
+) -> None:
+    serve_in_chunks(cache, PROMPT[:16])
+    tree = cache.tree
+    # commits at 8 and 16 tokens kept pages [2, 4) and [6, 8); 0, 1, 4, 5 are tombstones
+    m = tree.match_prefix(PROMPT[:16])
+    assert m.device_tokens == 16
+    assert list(tree.hit_ids(SWA, m.last_device_node)) != []
+    assert tree.component_stats(SWA).device_ids == 4
+    assert cache.match_prefix(PROMPT[:12]).device_tokens == 8  # 12 has no window: 8 has
+    m5 = cache.match_prefix(PROMPT[:5])
+    assert m5.device_tokens == 0 and m5.limited_by == SWA
+    assert cache.match_prefix(PROMPT[:10]).device_tokens == 8
+    cache.check_integrity()
+
+
+def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> None:
+    assert cache.swa is not None
+    serve_in_chunks(cache, PROMPT[:16])
+    cache.match_prefix(PROMPT[:16])  # the window before 16 is needed last: evicted last
+    # the SWA pool has 8 pages, the tree holds 4: asking for 6 evicts the least recently
+    # needed window (pages 2, 3 of the boundary at 8), not the one before 16
+    got = cache.swa.alloc(Tier.DEVICE, 6)
+    assert got is not None and swa_used(cache) == 8
+    assert cache.tree.component_stats(SWA).device_ids == 2
+    assert cache.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
+    m = cache.match_prefix(PROMPT[:12])
+    assert m.device_tokens == 0 and m.limited_by == SWA  # 8 lost its window
+    assert cache.tree.stats().device_pages == 8  # the full KV of every node stays
+    cache.swa.free(Tier.DEVICE, got)
+    # and evicting the window before 16 leaves no boundary at all
+    node = cache.match_prefix(PROMPT[:16]).last_device_node
+    for need in cache.swa.hit_needs(node):
+        ids = cache.tree.evict_component(SWA, need.node, Tier.DEVICE)
+        cache.swa.free(Tier.DEVICE, ids)
+    assert cache.match_prefix(PROMPT[:16]).matched_tokens == 16  # from L2 (backed up)
+    cache.check_integrity()
+
+
+def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -> None:
+    assert cache.swa is not None
+    serve_in_chunks(cache, PROMPT[:16])
+    cache.flush()
+    # write_through: each commit's boundary window went to L2 with its full pages
+    assert swa_used(cache, Tier.HOST) == 4
+    assert cache.evict_device(10**6) == 8
+    assert swa_used(cache) == 0  # the cascade freed the L1 windows
+    req = cache.open(PROMPT)
+    assert cache.admit(req, PROMPT)
+    assert req.prefix_tokens == 16 and req.cached.host == 16
+    # only the window before 16 came back: pages 6, 7
+    assert req.swa is not None and req.swa.first == 6 and len(req.swa.pages) == 2
+    assert swa_used(cache) == 2
+    assert read_swa(cache, req, PROMPT, 12, 16)
+    forward(cache, req, PROMPT, 16, 17)
+    cache.release(req, PROMPT)
+    cache.flush()
+    cache.check_integrity()
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+
+
+def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) -> None:
+    assert cache.swa is not None
+    serve_in_chunks(cache, PROMPT[:16])
+    cache.flush()
+    node = cache.match_prefix(PROMPT[:16]).last_device_node
+    for need in cache.swa.hit_needs(node):
+        cache.swa.free(Tier.DEVICE, cache.tree.evict_component(SWA, need.node, Tier.DEVICE))
+    m = cache.match_prefix(PROMPT[:16])
+    assert m.device_tokens == 8 and m.matched_tokens == 16  # full KV in L1, window in L2
+    req = cache.open(PROMPT)
+    assert cache.admit(req, PROMPT)
+    assert req.prefix_tokens == 16 and req.swa is not None and req.swa.first == 6
+    assert read_swa(cache, req, PROMPT, 12, 16)
+    assert len(req.pages) == 9
+    cache.release(req)
+    cache.check_integrity()
+
+
+def test_integrity_catches_a_leaked_or_doubly_owned_swa_page(cache: HiCache) -> None:
+    assert cache.swa is not None
+    serve_in_chunks(cache, PROMPT[:8])
+    leaked = cache.swa.alloc(Tier.DEVICE, 1)
+    assert leaked is not None
+    with pytest.raises(AssertionError, match="L1 SWA"):
+        cache.check_integrity()
+    cache.swa.free(Tier.DEVICE, leaked)
+    cache.check_integrity()
+    node = cache.match_prefix(PROMPT[:8]).last_device_node
+    owned = cache.tree.hit_ids(SWA, node)
+    req = cache.open(PROMPT[:9])
+    assert cache.admit(req, PROMPT[:9])
+    assert req.swa is not None
+    req.swa.pages = req.swa.pages + owned  # a tree page listed as the request's own
+    with pytest.raises(AssertionError, match="L1 SWA"):
+        cache.check_integrity()
+    req.swa.pages = req.swa.pages[: -len(owned)]
+    cache.release(req)
+    cache.check_integrity()
+
+
+def test_stats_report_bytes_per_cached_token_per_component(cache: HiCache) -> None:
+    serve_in_chunks(cache, PROMPT[:16])
+    comps = {c.name: c for c in cache.stats().components}
+    assert set(comps) == {"full", SWA}
+    full, swa = comps["full"], comps[SWA]
+    assert (full.device_used, full.device_total) == (8, 16)
+    assert (swa.device_used, swa.device_total) == (4, 8)
+    assert full.bytes_per_cached_token == FULL.token_bytes
+    # 4 SWA pages for 16 cached tokens: a quarter of the sliding layers' per-token bytes
+    assert swa.bytes_per_cached_token == SWA_SPEC.kv.token_bytes * 4 * PAGE / 16
+    assert swa.host_total == int(8 * 2.0)
+
+
+def test_reset_empties_the_swa_pools(cache: HiCache) -> None:
+    serve_in_chunks(cache, PROMPT[:16])
+    cache.reset()
+    assert swa_used(cache) == 0 and swa_used(cache, Tier.HOST) == 0
+    cache.check_integrity()
+
+
+def test_an_swa_pool_smaller_than_one_window_and_chunk_is_refused() -> None:
+    check_swa_pool(config(swa_full_tokens_ratio=0.5), window=4, chunk=8)  # 8 >= 2 + 4 + 1
+    with pytest.raises(ValueError, match=r"swa_full_tokens_ratio=0\.25.* 4 pages.* needs 7"):
+        check_swa_pool(config(swa_full_tokens_ratio=0.25), window=4, chunk=8)
+
+
+def test_a_cache_without_swa_keeps_no_table() -> None:
+    with HiCache(config(), FULL) as c:
+        req = c.open(PROMPT)
+        assert c.admit(req, PROMPT)
+        assert req.swa is None and req.swa_slots(PAGE, 17) is None
+        assert [x.name for x in c.stats().components] == ["full"]
+        c.release(req)
