@@ -44,6 +44,7 @@ CASES = [
     ),
     (["serve", "--log-level", "loud"], "--log-level", "loud"),
     (["serve", "--mamba-track-interval", "0"], "--mamba-track-interval", "0"),
+    (["serve", "--swa-full-tokens-ratio", "0"], "--swa-full-tokens-ratio", "0"),
     (
         [
             "serve",
@@ -164,14 +165,14 @@ def test_port_in_use_is_one_line() -> None:
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_snapshot_flags_reach_the_cache_config() -> None:
+def test_hybrid_flags_reach_the_cache_config() -> None:
     from hicache.cli import build_parser
     from hicache.engine.args import engine_config_from_args
 
     args = build_parser().parse_args(
         ["serve", "--max-mamba-cache-size", "3", "--mamba-full-memory-ratio", "0.5",
-         "--mamba-track-interval", "32"]
+         "--mamba-track-interval", "32", "--swa-full-tokens-ratio", "0.25"]
     )  # fmt: skip
     cache = engine_config_from_args(args).cache
     assert (cache.max_mamba_cache_size, cache.mamba_full_memory_ratio) == (3, 0.5)
-    assert cache.mamba_track_interval == 32
+    assert cache.mamba_track_interval == 32 and cache.swa_full_tokens_ratio == 0.25

@@ -70,7 +70,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON object or @file.json: backend keys plus prefetch_threshold, prefetch_timeout_*",
     )
-    h = p.add_argument_group("hybrid models (recurrent-state snapshots)")
+    h = p.add_argument_group("hybrid models (sliding-window pools, recurrent-state snapshots)")
+    h.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=0.8,
+        help="L1 pages of the sliding-window layers' own pool per L1 page of the full pool",
+    )
     h.add_argument(
         "--max-mamba-cache-size",
         type=int,
@@ -140,6 +146,7 @@ FIELD_FLAGS = {
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
+    "swa_full_tokens_ratio": "--swa-full-tokens-ratio",
     "max_mamba_cache_size": "--max-mamba-cache-size",
     "mamba_full_memory_ratio": "--mamba-full-memory-ratio",
     "mamba_track_interval": "--mamba-track-interval",
@@ -248,6 +255,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         mem_layout=a.hicache_mem_layout,
         eviction_policy=a.radix_eviction_policy,
         load_back_threshold=a.hicache_load_back_threshold,
+        swa_full_tokens_ratio=a.swa_full_tokens_ratio,
         max_mamba_cache_size=a.max_mamba_cache_size,
         mamba_full_memory_ratio=a.mamba_full_memory_ratio,
         mamba_track_interval=a.mamba_track_interval,
