@@ -1,14 +1,25 @@
-"""``hicache bench shared-prefix --quick`` on tiny Qwen3-Next: the JSON's rounds, exact
-hit tokens (whole system prompts) and snapshot resumes, the components' figures, the PNG."""
+"""``hicache bench shared-prefix --quick``: on tiny Qwen3-Next the JSON's rounds, exact
+hit tokens (whole system prompts) and snapshot resumes per tier, the components' figures,
+the PNG; on tiny Gemma 3 the SWA pools (held bytes per token far below nominal) and the
+SWA windows' hits per tier."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from hicache.bench.shared_prefix import QUICK, main, tier_sizes
+import pytest
+
+from hicache.bench.shared_prefix import (
+    QUICK,
+    SharedPrefixWorkload,
+    main,
+    swa_ratio,
+    tier_sizes,
+)
 
 MODEL = "tiny-random-qwen3-next"
+GEMMA = "tiny-random-gemma3"
 
 
 def test_quick_run_hits_whole_system_prompts_from_round_two(tmp_path: Path) -> None:
@@ -44,9 +55,66 @@ def test_quick_run_hits_whole_system_prompts_from_round_two(tmp_path: Path) -> N
     assert all(r["counters"]["device_evicted_tokens_total"] > 0 for r in per["l1"])
     # components: full KV and recurrent snapshots, with pools and bytes per token
     last = {c["component"]: c for c in per["l1_l2"][-1]["components"]}
-    assert set(last) == {"full_kv", "mamba"}
-    assert last["full_kv"]["bytes_per_token"] == last["full_kv"]["ideal_bytes_per_token"] > 0
+    assert set(last) == {"full", "mamba"}
+    full = last["full"]
+    assert full["bytes_per_token"] == full["nominal_bytes_per_token"] > 0
+    assert full["held_ratio"] == 1.0
     mamba = last["mamba"]
     assert mamba["l1"]["used"] >= 1 and mamba["l2"]["used"] >= w.groups
-    assert mamba["ideal_bytes_per_token"] > 0 and mamba["bytes_per_token"] > 0
+    assert mamba["nominal_bytes_per_token"] > 0 and mamba["bytes_per_token"] > 0
     assert per["l1"][-1]["components"][1]["l2"] is None  # no L2 without the hierarchy
+    # snapshot resumes per tier: one per resumed admission (no preemption here)
+    for r in per["l1_l2"]:
+        (hits,) = r["component_hits"]
+        assert hits["component"] == "mamba"
+        assert hits["l1"] + hits["l2"] == r["resumed_requests"]
+    assert per["l1_l2"][1]["component_hits"][0]["l2"] > 0  # round 2 resumes from L2
+
+
+def test_quick_gemma3_swa_pools_hold_only_the_window(tmp_path: Path) -> None:
+    out = tmp_path / "sp"
+    assert main(["--quick", "--model", GEMMA, "--configs", "l1_l2", "--out", str(out)]) == 0
+    doc = json.loads((out / "shared_prefix.json").read_text())
+    w = QUICK
+    rounds = doc["models"][GEMMA]["l1_l2"]
+    for r in rounds[1:]:
+        assert sum(r["hit_tokens"].values()) == w.groups * w.requests_per_group * w.system_tokens
+    last = {c["component"]: c for c in rounds[-1]["components"]}
+    assert set(last) == {"full", "swa"}
+    swa = last["swa"]
+    assert swa["l1"]["unit"] == "pages" and swa["l2"]["total"] > 0
+    # suffix 8 < one page: the window before each system prompt's end stays (see the xfail
+    # below); the sliding layers hold far less than every token's K/V (window 6)
+    assert swa["nominal_bytes_per_token"] > last["full"]["nominal_bytes_per_token"]
+    assert 0 < swa["held_ratio"] < 0.5
+    assert swa["bytes_per_token"] == pytest.approx(
+        swa["held_ratio"] * swa["nominal_bytes_per_token"]
+    )
+    for r in rounds:
+        (hits,) = r["component_hits"]
+        assert hits["component"] == "swa"
+        assert hits["l1"] + hits["l2"] == r["resumed_requests"]
+    assert rounds[1]["component_hits"][0]["l2"] > 0  # windows loaded back from L2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SWA windows are kept only before a request's last page boundary: the window"
+    " before the end of a shared system prompt is tombstoned once a suffix of a page or"
+    " more follows it, so the next request of the group cannot end its hit there",
+)
+def test_gemma3_reuses_system_prompts_followed_by_a_page_or_more(tmp_path: Path) -> None:
+    out = tmp_path / "sp"
+    args = ["--model", GEMMA, "--configs", "l1_l2", "--groups", "3", "--requests-per-group",
+            "2", "--system-tokens", "128", "--suffix-tokens", "24", "--output-tokens", "2",
+            "--max-parallel", "2", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rounds = json.loads((out / "shared_prefix.json").read_text())["models"][GEMMA]["l1_l2"]
+    assert all(r["hit_rate"] > 0.8 for r in rounds[1:])
+
+
+def test_swa_ratio_raised_only_where_the_default_cannot_run_max_parallel() -> None:
+    assert swa_ratio(QUICK, tier_sizes(QUICK, None, None), None) == 0.8  # no SWA layers
+    assert swa_ratio(QUICK, tier_sizes(QUICK, None, None), 6) > 0.8  # 19-page L1
+    default = tier_sizes(SharedPrefixWorkload(), None, None)
+    assert swa_ratio(SharedPrefixWorkload(), default, 6) == 0.8

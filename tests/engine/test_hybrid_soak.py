@@ -1,11 +1,12 @@
 """Soak: 512 prompts submitted at once to a tiny hybrid model whose every tier and
 component is too small for them (CPU, fp32).
 
-L1 and L2 hold a fraction of the prompts and the recurrent-state snapshot pools a few
-slots, so full KV pages are demoted and evicted in L1, evicted in L2, and snapshots are
-evicted in both tiers on their own (a sliding-window pool, once the cache has one, joins
-the list in :func:`evictions`). Prompts mix shared prefixes (8 "system prompts"),
-distinct prompts and exact duplicates.
+L1 and L2 hold a fraction of the prompts, the recurrent-state snapshot pools a few slots
+and the sliding-window pools (Gemma 3) one page more than the engine accepts (one
+request's window and prefill chunk), so full KV pages are demoted and evicted in L1,
+evicted in L2, and snapshots and SWA pages are evicted in both tiers on their own
+(counted at the tree, :func:`count_component_evictions`). Prompts mix shared prefixes
+(8 "system prompts"), distinct prompts and exact duplicates.
 
 Checked: every request finishes without error before a deadline (no hang, no OOM);
 duplicates give identical tokens; a sample equals transformers' greedy; and afterwards
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 
 from hicache.cache.snapshot_tier import SNAPSHOT
+from hicache.cache.swa_tier import SWA, request_pages
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
@@ -40,6 +42,12 @@ PROMPTS = 512
 NEW_TOKENS = 3
 DEADLINE_S = 180.0
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+L1_PAGES = 48
+CHUNK = 64
+WINDOW = 6
+"""Tiny Gemma 3's sliding window (tokens)."""
+SWA_L1_PAGES = request_pages(WINDOW, CHUNK, PAGE) + 1
+"""L1 SWA pages: one more than the engine accepts (20 of 4 tokens; L2: twice that)."""
 MODELS = ("tiny-random-qwen3-next", "tiny-random-gemma3")
 
 
@@ -65,18 +73,19 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 def make_engine(name: str) -> Engine:
     cache = CacheConfig(
         page_size=PAGE,
-        device_tokens=48 * PAGE,  # about 7 requests' worth; 16 may run at once
+        device_tokens=L1_PAGES * PAGE,  # about 7 requests' worth; 16 may run at once
         hicache_ratio=2.0,
         load_back_threshold=0,
         max_mamba_cache_size=6,  # L1 snapshot slots (L2: 12)
         mamba_track_interval=4 * PAGE,  # a snapshot at the end of each shared prefix
+        swa_full_tokens_ratio=(SWA_L1_PAGES + 0.5) / L1_PAGES,  # Gemma 3 only
     )
     config = EngineConfig(
         model_path=name,
         dtype="float32",
         device="cpu",
         cache=cache,
-        scheduler=SchedulerConfig(max_running_requests=16, chunked_prefill_size=64),
+        scheduler=SchedulerConfig(max_running_requests=16, chunked_prefill_size=CHUNK),
         context_length=64,
     )
     return Engine(config, loaded=hybrid_model(name)).start()
@@ -84,21 +93,25 @@ def make_engine(name: str) -> Engine:
 
 @dataclass
 class Evictions:
-    """Snapshots evicted on their own, per tier (slots), counted at the tree."""
+    """Snapshots (slots) and SWA pages evicted on their own (the node and its full KV
+    stay), per tier, counted at the tree."""
 
     snapshot: Counter[Tier]
+    swa: Counter[Tier]
 
 
 def count_component_evictions(engine: Engine) -> Evictions:
     """Wrap the tree's ``evict_component`` to count per component tier evictions."""
     tree = engine.cache.tree
-    seen = Evictions(Counter())
+    seen = Evictions(Counter(), Counter())
     inner = tree.evict_component
 
     def counting(name, node, tier):  # type: ignore[no-untyped-def]
         got = inner(name, node, tier)
         if name == SNAPSHOT:
             seen.snapshot[Tier(tier)] += len(got)
+        elif name == SWA:
+            seen.swa[Tier(tier)] += len(got)
         return got
 
     tree.evict_component = counting  # type: ignore[method-assign]
@@ -140,6 +153,11 @@ def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
         out.append(("L1 snapshots", sn.device_pool.allocator, sn.owned(Tier.DEVICE)))
         if sn.host_pool is not None:
             out.append(("L2 snapshots", sn.host_pool.allocator, sn.owned(Tier.HOST)))
+    swa = cache.swa
+    if swa is not None:
+        out.append(("L1 SWA", swa.device_pool.allocator, swa.owned(Tier.DEVICE)))
+        if swa.host_pool is not None:
+            out.append(("L2 SWA", swa.host_pool.allocator, swa.owned(Tier.HOST)))
     return out
 
 
@@ -147,6 +165,9 @@ def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
 def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name: str) -> None:
     prompts = make_prompts(int(hybrid_model(name).hf_config.vocab_size))
     with make_engine(name) as engine:
+        if engine.cache.swa is not None:  # the pool sizes the test means
+            assert engine.cache.swa.window == WINDOW
+            assert engine.cache.swa.device_pool.num_pages == SWA_L1_PAGES
         evicted = count_component_evictions(engine)
         t0 = time.perf_counter()
         outs = submit_all(engine, prompts)
@@ -167,6 +188,15 @@ def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name:
         if engine.cache.snapshots is not None:  # recurrent: snapshots in both tiers
             assert evicted.snapshot[Tier.DEVICE] > 0
             assert evicted.snapshot[Tier.HOST] > 0
+        if engine.cache.swa is not None:  # sliding window: SWA pages in both tiers
+            assert evicted.swa[Tier.DEVICE] > 0
+            assert evicted.swa[Tier.HOST] > 0
+        expected = (
+            {"L1 KV", "L2 KV"}
+            | ({"L1 snapshots", "L2 snapshots"} if engine.cache.snapshots is not None else set())
+            | ({"L1 SWA", "L2 SWA"} if engine.cache.swa is not None else set())
+        )
+        assert {n for n, _, _ in engine.call(lambda: pools(engine)).result(timeout=30)} == expected
 
         assert_idle(engine)  # idle, no request, no state, pins 0, integrity clean
 

@@ -1,19 +1,22 @@
-"""Per-component memory figures of a running engine's cache, for the benchmarks.
+"""Per-component memory and hit figures of a running engine's cache, for the benchmarks.
 
-A hybrid model's cache keeps one *component* per kind of layer state:
+A hybrid model's cache keeps one *component* per kind of layer state, named as the cache
+names them (:class:`~hicache.metrics.ComponentUsage`):
 
-* ``full_kv``: K/V of every cached token in the full-attention layers;
-* ``swa_kv``: K/V of the sliding-window layers; ideally only the last ``window`` tokens
-  of each live sequence (older pages tombstoned);
+* ``full``: K/V of every cached token in the full-attention (global) layers;
+* ``swa``: K/V of the sliding-window layers, in their own L1/L2 pools; only the window
+  before each cached boundary and each live sequence's last ``window`` tokens are held;
 * ``mamba``: one recurrent-state snapshot per cached boundary (Mamba2, Gated DeltaNet).
 
-:func:`component_figures` is the one place that reads them, so that a component or a
-pool the cache starts exposing (the separate SWA pool) is added here and every bench
-that reports components picks it up. A figure the cache does not expose yet is None
-(printed ``n/a``), never a guess.
+:func:`component_figures` is the one place that reads memory figures: it takes them from
+``HiCache.stats().components`` and adds each component's nominal size, so a component
+the cache starts exposing appears in every bench that reports components.
+:class:`ComponentHitProbe` counts, per admission that reused a prefix, whether the
+hit's SWA window / snapshot was in L1 already or had to be copied from L2.
 
-Units: bytes per cached token (B/token); pool usage in the pool's own unit (``pages`` of
-``page_size`` tokens for KV pools, ``slots`` of one snapshot for state pools).
+Units: bytes per cached token (B/token, over the tokens whose full KV is in L1); pool
+usage in the pool's own unit (``pages`` of ``page_size`` tokens for KV pools, ``slots`` of
+one snapshot for state pools); hits in admissions.
 """
 
 from __future__ import annotations
@@ -21,14 +24,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hicache.cache.snapshot_tier import SnapshotTier
-from hicache.config import KVSpec
-from hicache.engine.models.hybrid import HybridConfig, HybridLM
+from hicache.cache.snapshot_tier import SNAPSHOT
+from hicache.cache.swa_tier import SWA
+from hicache.metrics import ComponentUsage
 
 if TYPE_CHECKING:
+    from hicache.cache.facade import HiCache
+    from hicache.cache.request import CacheRequest
     from hicache.engine.engine import Engine
+    from hicache.tokens import TokenIds
+    from hicache.tree import TreeNode
 
-__all__ = ["ComponentFigures", "PoolUsage", "component_figures", "fmt_optional"]
+__all__ = [
+    "FULL",
+    "ComponentFigures",
+    "ComponentHitProbe",
+    "ComponentHits",
+    "PoolUsage",
+    "component_figures",
+    "fmt_optional",
+]
+
+FULL = "full"
+"""The cache's name of the full-attention KV component."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,24 +65,39 @@ class PoolUsage:
 class ComponentFigures:
     """Memory figures of one component of the cache at one moment.
 
-    ``bytes_per_token``: bytes the cache holds for this component per token cached in L1
-    (None when not measurable: nothing cached, or the component's pool is not exposed).
-    ``ideal_bytes_per_token``: what the component needs per cached token by design
-    (``full_kv``: its layers' K/V; ``swa_kv``: its layers' K/V x ``window / cached
-    tokens``; ``mamba``: one snapshot per ``mamba_track_interval`` tokens).
-    ``l1`` / ``l2``: pool usage per tier (None: no such pool, or not exposed).
-    ``shared_pool``: the component lives in another component's pool (its pages are
-    that pool's pages; its own usage is then not separable).
+    ``bytes_per_token``: L1 bytes the cache holds for this component per token whose full
+    KV is in L1 (the cache's ``bytes_per_cached_token``; None when no token is cached).
+    ``nominal_bytes_per_token``: what the component costs per cached token by its design
+    rule without any window: ``full`` and ``swa``: its layers' K/V of one token (what
+    keeping every token costs); ``mamba``: one snapshot per ``mamba_track_interval``
+    tokens. ``held_ratio``: ``bytes_per_token / nominal_bytes_per_token`` (for ``swa``
+    well below 1 once sequences are longer than the window). ``l1`` / ``l2``: pool usage
+    per tier (``l2`` None without L2).
     """
 
     component: str
     layers: int
     bytes_per_token: float | None
-    ideal_bytes_per_token: float | None
-    l1: PoolUsage | None
+    nominal_bytes_per_token: float
+    held_ratio: float | None
+    l1: PoolUsage
     l2: PoolUsage | None
-    shared_pool: str | None = None
     note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentHits:
+    """Admissions that reused a cached prefix, by where one component's part of the hit
+    was (``swa``: the window before the boundary; ``mamba``: the snapshot there).
+
+    ``l1``: already in L1. ``l2``: at least one page (slot) copied L2 -> L1 at admission
+    (what an L3 prefetch brought lands in L2 first, so it counts here). Admissions, not
+    requests: a request admitted again after preemption counts again.
+    """
+
+    component: str
+    l1: int
+    l2: int
 
 
 def fmt_optional(value: float | int | None, spec: str = ".1f") -> str:
@@ -72,103 +105,103 @@ def fmt_optional(value: float | int | None, spec: str = ".1f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _layer_kinds(engine: Engine) -> tuple[tuple[str, ...], int | None]:
-    """The pool layers' kinds (``full_attention`` / ``sliding_attention``, in pool order)
-    and the sliding window (tokens; None when the model has none)."""
-    model = engine.model.model
-    if not isinstance(model, HybridLM):
-        return ("full_attention",) * engine.cache.spec.num_layers, None
-    cfg: HybridConfig = model.config
-    kinds = tuple(cfg.layer_kinds[i] for i in cfg.kv_layers)
-    window = getattr(cfg, "sliding_window", None)
-    return kinds, None if window is None else int(window)
-
-
-def _swa_pool_usage(engine: Engine) -> tuple[PoolUsage | None, PoolUsage | None] | None:
-    """L1 and L2 usage of a separate sliding-window pool, or None while the cache keeps
-    SWA layers in the full pool (as it does today). Extend here when the SWA pool lands."""
-    return None
+def _pool(used: int, total: int, unit: str) -> PoolUsage | None:
+    return None if total == 0 else PoolUsage(used, total, unit)
 
 
 def component_figures(engine: Engine) -> list[ComponentFigures]:
-    """Every component of ``engine``'s cache, now. Call on the engine thread
-    (``engine.call(lambda: component_figures(engine))``): it reads the tree and pools."""
+    """Every component of ``engine``'s cache, now (``stats().components`` plus nominal
+    sizes). Call on the engine thread (``engine.call(lambda: component_figures(engine))``):
+    it reads the tree and pools."""
     cache = engine.cache
-    spec: KVSpec = cache.spec
-    ps = cache.page_size
-    kinds, window = _layer_kinds(engine)
-    full_layers = sum(k == "full_attention" for k in kinds)
-    swa_layers = len(kinds) - full_layers
-    tree = cache.tree.stats()
-    cached = tree.device_pages * ps  # tokens cached in L1
-    l1_full = PoolUsage(
-        cache.device_pool.allocator.used_pages, cache.device_pool.num_pages, "pages"
-    )
-    host = cache.host_pool
-    l2_full = (
-        None if host is None else PoolUsage(host.allocator.used_pages, host.num_pages, "pages")
-    )
-    out: list[ComponentFigures] = []
-    layer_bytes = spec.token_bytes_per_layer
-    if full_layers:
-        out.append(
-            ComponentFigures(
-                component="full_kv",
-                layers=full_layers,
-                bytes_per_token=float(layer_bytes * full_layers) if cached else None,
-                ideal_bytes_per_token=float(layer_bytes * full_layers),
-                l1=l1_full,
-                l2=l2_full,
-            )
-        )
-    if swa_layers:
-        per_token = layer_bytes * swa_layers
-        ideal = None if not cached or window is None else per_token * min(1.0, window / cached)
-        swa = _swa_pool_usage(engine)
-        if swa is None:  # in the full pool: every cached token keeps its SWA K/V
-            out.append(
-                ComponentFigures(
-                    component="swa_kv",
-                    layers=swa_layers,
-                    bytes_per_token=float(per_token) if cached else None,
-                    ideal_bytes_per_token=ideal,
-                    l1=None,
-                    l2=None,
-                    shared_pool="full_kv" if full_layers else None,
-                    note=f"window {window}; no separate SWA pool yet: all tokens kept",
-                )
-            )
-        else:
-            l1, l2 = swa
-            held = None if l1 is None or not cached else l1.used * ps * per_token / cached
-            out.append(
-                ComponentFigures(
-                    component="swa_kv",
-                    layers=swa_layers,
-                    bytes_per_token=held,
-                    ideal_bytes_per_token=ideal,
-                    l1=l1,
-                    l2=l2,
-                    note=f"window {window}",
-                )
-            )
-    if cache.snapshots is not None:
-        out.append(_mamba_figures(cache.snapshots, cached, cache.config.mamba_track_interval))
-    return out
+    return [_figures(cache, u) for u in cache.stats().components]
 
 
-def _mamba_figures(sn: SnapshotTier, cached: int, interval: int) -> ComponentFigures:
-    slot = sn.spec.slot_bytes
-    used = sn.device_pool.allocator.used_pages
-    l2 = None
-    if sn.host_pool is not None:
-        l2 = PoolUsage(sn.host_pool.allocator.used_pages, sn.host_pool.num_slots, "slots")
+def _figures(cache: HiCache, u: ComponentUsage) -> ComponentFigures:
+    """:class:`ComponentFigures` of one :class:`ComponentUsage` of ``cache``."""
+    cached = cache.device_pool.allocator.used_pages > 0  # the denominator is not 0
+    held = u.bytes_per_cached_token if cached else None
+    if u.name == FULL:
+        spec = cache.device_pool.spec
+        layers, nominal, unit = spec.num_layers, float(spec.token_bytes), "pages"
+        note = "global layers" if cache.swa is not None else ""
+    elif u.name == SWA and cache.swa is not None:
+        spec = cache.swa.spec.kv
+        layers, nominal, unit = spec.num_layers, float(spec.token_bytes), "pages"
+        note = f"window {cache.swa.window} tokens"
+    elif u.name == SNAPSHOT and cache.snapshots is not None:
+        sn = cache.snapshots.spec
+        interval = cache.config.mamba_track_interval
+        layers, nominal, unit = sn.num_layers, sn.slot_bytes / interval, "slots"
+        note = f"{sn.slot_bytes} B per snapshot, interval {interval} tokens"
+    else:  # pragma: no cover - a component this module does not know yet
+        raise ValueError(f"unknown cache component {u.name!r}")
     return ComponentFigures(
-        component="mamba",
-        layers=sn.spec.num_layers,
-        bytes_per_token=used * slot / cached if cached else None,
-        ideal_bytes_per_token=slot / interval,
-        l1=PoolUsage(used, sn.device_pool.num_slots, "slots"),
-        l2=l2,
-        note=f"{slot} B per snapshot, interval {interval} tokens",
+        component=u.name,
+        layers=layers,
+        bytes_per_token=held,
+        nominal_bytes_per_token=nominal,
+        held_ratio=None if held is None else held / nominal,
+        l1=PoolUsage(u.device_used, u.device_total, unit),
+        l2=_pool(u.host_used, u.host_total, unit),
+        note=note,
     )
+
+
+class ComponentHitProbe:
+    """Counts :class:`ComponentHits` of one cache, per admission that reused a prefix.
+
+    The cache keeps no such counter, so this wraps two of its public methods on the
+    instance (the cache's code is unchanged): ``HiCache.admit`` and the tree's
+    ``component_load_nodes``, which a hit's SWA window / snapshot load asks for the
+    nodes it must copy from L2. An admission is counted when it succeeds with a hit
+    (``prefix_pages > 0``); a copy made by an attempt that then failed (no L1 room yet)
+    is carried to the request's successful attempt. Attach and read on the engine thread.
+    """
+
+    def __init__(self, cache: HiCache) -> None:
+        self.components: tuple[str, ...] = tuple(
+            name
+            for name, tier in ((SWA, cache.swa), (SNAPSHOT, cache.snapshots))
+            if tier is not None
+        )
+        self._l1 = dict.fromkeys(self.components, 0)
+        self._l2 = dict.fromkeys(self.components, 0)
+        self._current: set[str] | None = None
+        self._pending: dict[int, set[str]] = {}
+        if not self.components:
+            return
+        admit = cache.admit
+        load_nodes = cache.tree.component_load_nodes
+
+        def counting_admit(req: CacheRequest, tokens: TokenIds) -> bool:
+            self._current = self._pending.pop(id(req), set())
+            try:
+                ok = admit(req, tokens)
+            finally:
+                loaded, self._current = self._current, None
+            if not ok:
+                if loaded:
+                    self._pending[id(req)] = loaded
+            elif req.prefix_pages > 0:
+                for name in self.components:
+                    counts = self._l2 if name in loaded else self._l1
+                    counts[name] += 1
+            return ok
+
+        def noting_load_nodes(name: str, node: TreeNode) -> list[TreeNode]:
+            nodes = load_nodes(name, node)
+            if nodes and self._current is not None:
+                self._current.add(name)
+            return nodes
+
+        cache.admit = counting_admit  # type: ignore[method-assign]
+        cache.tree.component_load_nodes = noting_load_nodes  # type: ignore[method-assign]
+
+    def take(self) -> list[ComponentHits]:
+        """The counts since the last :meth:`take` (or since attaching), one per component
+        the cache has besides full KV; resets them."""
+        out = [ComponentHits(n, self._l1[n], self._l2[n]) for n in self.components]
+        self._l1 = dict.fromkeys(self.components, 0)
+        self._l2 = dict.fromkeys(self.components, 0)
+        return out

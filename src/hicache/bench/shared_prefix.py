@@ -23,15 +23,19 @@ Configs (``--configs``; same L1 in all): ``l1`` (radix cache in L1 only), ``l1_l
 L1 holds about half the system prompts (``groups x system-tokens / 2``, whole pages), but
 at least ``--max-parallel`` whole requests plus a page; L2 holds them all with 50% to
 spare (``R = max(2, ceil(1.5 x groups x system-tokens / L1))``). ``--l1-tokens`` and
-``--hicache-ratio`` override.
+``--hicache-ratio`` override. Sliding-window layers (Gemma 3) get their own pools at the
+default ``swa_full_tokens_ratio`` (0.8 x L1's pages), raised where that cannot hold
+``--max-parallel`` requests' windows and prefill chunks (``--quick``).
 
 Per round: TTFT (the engine's: submitted -> first token, s) mean / p50 / p90 (and the
 means of the requests that hit and that missed), hit rate
 (cached prompt tokens / prompt tokens) per tier from each output's ``cached``
 (``device`` = L1, ``host`` = L2, ``storage`` = L3), admissions that resumed from a
-cached prefix (for a recurrent model: from a snapshot), the cache's eviction counters
-(tokens, this round), and per component at the round's end: pool usage per tier and
-bytes per cached token (see :mod:`hicache.bench.components`).
+cached prefix (for a recurrent model: from a snapshot), per component besides full KV
+the resumed admissions whose SWA window / snapshot was in L1 or came from L2, the
+cache's eviction counters (tokens, this round), and per component at the round's end:
+pool usage per tier, bytes per cached token and their ratio to the component's nominal
+per-token size (see :mod:`hicache.bench.components`).
 
 Outputs under ``--out`` (default ``bench-out/shared-prefix/``): ``shared_prefix.json``
 and ``shared_prefix.png`` (mean TTFT per round, one bar per config, one panel per model).
@@ -54,16 +58,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.bench.components import ComponentFigures, component_figures
+from hicache.bench.components import (
+    ComponentFigures,
+    ComponentHitProbe,
+    ComponentHits,
+    component_figures,
+)
 from hicache.bench.results import percentile
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
 from hicache.bench.shared_prefix_report import print_report, write_outputs
 from hicache.cache.request import CachedTokens
+from hicache.cache.swa_tier import request_pages
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.loader import LoadedModel, load_model
+from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.engine.scheduler import SchedulerConfig
 from hicache.validate import int_at_least, require
 
 __all__ = [
@@ -76,6 +88,7 @@ __all__ = [
     "Workload",
     "main",
     "run_config",
+    "swa_ratio",
     "tier_sizes",
 ]
 
@@ -181,13 +194,14 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class RoundResult:
-    """One round of one config: its requests, the counters' increase over it (tokens)
-    and the components' figures at its end."""
+    """One round of one config: its requests, the counters' increase over it (tokens),
+    the components' figures at its end and their hits over it (admissions)."""
 
     round: int
     requests: list[RequestResult]
     counters: dict[str, int]
     components: list[ComponentFigures]
+    component_hits: list[ComponentHits]
     wall_s: float
 
     def summary(self) -> dict[str, Any]:
@@ -216,6 +230,7 @@ class RoundResult:
             "resumed_requests": sum(r.cached.total > 0 for r in ok),
             "counters": self.counters,
             "components": [asdict(c) for c in self.components],
+            "component_hits": [asdict(h) for h in self.component_hits],
             "wall_s": self.wall_s,
         }
 
@@ -242,10 +257,29 @@ def tier_sizes(w: SharedPrefixWorkload, l1: int | None, ratio: float | None) -> 
     return Sizes(l1_tokens, r)
 
 
+def swa_ratio(w: SharedPrefixWorkload, sizes: Sizes, window: int | None) -> float:
+    """``swa_full_tokens_ratio`` of the run: the default, raised where the L1 SWA pool
+    would hold fewer than ``max_parallel`` requests' windows and prefill chunks
+    (:func:`~hicache.cache.swa_tier.request_pages`; small ``--quick`` L1s)."""
+    default = CacheConfig.swa_full_tokens_ratio
+    if window is None:
+        return default
+    chunk = max(SchedulerConfig.chunked_prefill_size, w.page_size)
+    need = w.max_parallel * request_pages(window, chunk, w.page_size)
+    l1_pages = sizes.l1_tokens // w.page_size
+    return max(default, math.ceil(need / l1_pages * 100) / 100)
+
+
 def engine_config(
-    model: str, config: str, w: SharedPrefixWorkload, sizes: Sizes, l3_dir: Path
+    model: str,
+    config: str,
+    w: SharedPrefixWorkload,
+    sizes: Sizes,
+    l3_dir: Path,
+    swa_window: int | None = None,
 ) -> EngineConfig:
-    """The engine of ``config`` (see :data:`CONFIGS`) on CPU, fp32."""
+    """The engine of ``config`` (see :data:`CONFIGS`) on CPU, fp32; ``swa_window``
+    (tokens): the model's sliding window, if it has one (sizes its SWA pools)."""
     if config not in CONFIGS:
         raise ValueError(f"config {config!r} is unknown; choose from {CONFIGS}")
     cache = CacheConfig(
@@ -254,6 +288,7 @@ def engine_config(
         enable_hierarchical_cache=config != "l1",
         hicache_ratio=sizes.hicache_ratio,
         mamba_track_interval=w.system_tokens,
+        swa_full_tokens_ratio=swa_ratio(w, sizes, swa_window),
     )
     l3 = config == "l1_l2_l3"
     return EngineConfig(
@@ -328,7 +363,11 @@ def run_config(
     params = SamplingParams(temperature=0.0, max_tokens=w.output_tokens, ignore_eos=True)
     l3_dir = Path(tempfile.mkdtemp(prefix="hicache-shared-prefix-"))
     try:
-        with Engine(engine_config(lm.name, config, w, sizes, l3_dir), loaded=lm) as engine:
+        model = lm.model
+        swa = model.config.swa_spec(lm.dtype) if isinstance(model, HybridLM) else None
+        window = None if swa is None else swa.window
+        ecfg = engine_config(lm.name, config, w, sizes, l3_dir, window)
+        with Engine(ecfg, loaded=lm) as engine:
             # warm-up: as many unrelated full-length requests as run at once, so first-call
             # costs (allocations at these sizes) stay out of round 1
             warm = random.Random(-1)
@@ -341,6 +380,7 @@ def run_config(
             engine.call(engine.cache.flush).result(timeout=120)
             if not engine.flush_cache():
                 raise RuntimeError("flush_cache refused after the warm-up")
+            probe = engine.call(lambda: ComponentHitProbe(engine.cache)).result(timeout=60)
             rounds: list[RoundResult] = []
             before = engine.call(engine.cache.stats).result(timeout=60).counters
             for rnd in range(w.rounds):
@@ -349,9 +389,10 @@ def run_config(
                 wall = time.perf_counter() - t0
                 stats = engine.call(engine.cache.stats).result(timeout=60)
                 comps = engine.call(lambda: component_figures(engine)).result(timeout=60)
+                hits = engine.call(probe.take).result(timeout=60)
                 delta = {k: stats.counters[k] - before[k] for k in COUNTERS}
                 before = stats.counters
-                rounds.append(RoundResult(rnd + 1, reqs, delta, comps, wall))
+                rounds.append(RoundResult(rnd + 1, reqs, delta, comps, hits, wall))
             return rounds
     finally:
         shutil.rmtree(l3_dir, ignore_errors=True)

@@ -37,39 +37,66 @@ def _pool(p: Mapping[str, Any] | None) -> str:
     return "n/a" if p is None else f"{p['used']}/{p['total']}"
 
 
+POOL_LABELS: dict[str, str] = {"full": "KV pages", "swa": "SWA pages", "mamba": "snapshots"}
+"""Column label of each component's pool (the cache's component names)."""
+HIT_LABELS: dict[str, str] = {"swa": "SWA window", "mamba": "snapshot"}
+"""Column label of each component's hits (where its part of a reused prefix was)."""
+
+
 def _component(rnd: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
     return next((c for c in rnd["components"] if c["component"] == name), None)
 
 
+def _hits(rnd: Mapping[str, Any], name: str) -> str:
+    h = next((h for h in rnd.get("component_hits", ()) if h["component"] == name), None)
+    return "n/a" if h is None else f"{h['l1']}/{h['l2']}"
+
+
+def _names(per: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """Component names of a model's runs, in the cache's order (full first)."""
+    names: list[str] = []
+    for rounds in per.values():
+        for c in rounds[0]["components"] if rounds else []:
+            if c["component"] not in names:
+                names.append(c["component"])
+    return names
+
+
 def print_report(doc: Mapping[str, Any]) -> None:
     """Per model: one row per config and round (TTFT, ratio to round 1, hit rates per
-    tier, resumed admissions, pools at the round's end); then the components' bytes per
-    cached token at the end of each config's last round."""
+    tier, resumed admissions, where each component's part of the hits was (L1/L2
+    admissions), pools at the round's end); then the components' bytes per cached token
+    at the end of each config's last round, against their nominal per-token size."""
     ms = 1e3
     for model, per in doc["models"].items():
+        names = _names(per)
+        extra = [n for n in names if n != "full"]
         rows = []
         for config, rounds in per.items():
             for r, ratio in zip(rounds, round_ratios(rounds), strict=True):
                 t = r["hit_rate_per_tier"]
-                full = _component(r, "full_kv")
-                mamba = _component(r, "mamba")
+                pools = []
+                for n in names:
+                    c = _component(r, n)
+                    pools += [_pool(c and c["l1"]), _pool(c and c["l2"])]
                 rows.append([
                     config, str(r["round"]), f"{r['ttft_mean_s'] * ms:.1f}",
                     f"{r['ttft_p50_s'] * ms:.1f}", _ms(r["ttft_hit_mean_s"]),
                     _ms(r["ttft_miss_mean_s"]), f"{ratio:.2f}", f"{r['hit_rate']:.1%}",
                     f"{t['device']:.1%}", f"{t['host']:.1%}", f"{t['storage']:.1%}",
                     f"{r['resumed_requests']}/{r['requests'] - r['errors']}",
-                    _pool(full and full["l1"]), _pool(full and full["l2"]),
-                    _pool(mamba and mamba["l1"]), _pool(mamba and mamba["l2"]),
+                    *[_hits(r, n) for n in extra], *pools,
                     str(r["counters"]["device_evicted_tokens_total"]
                         + r["counters"]["device_demoted_tokens_total"]),
                 ])  # fmt: skip
         print_table(
             f"shared prefix: {model}; L1 {doc['l1_tokens']} tokens, L2 {doc['hicache_ratio']:g}"
             f" x L1, system prompts {doc['working_set_tokens']} tokens",
-            ["config", "round", "TTFT mean ms", "p50 ms", "hit ms", "miss ms", "vs round 1", "hit rate", "L1 hit",
-             "L2 hit", "L3 hit", "resumed", "L1 KV pages", "L2 KV pages", "L1 snapshots",
-             "L2 snapshots", "L1 evicted tok"],
+            ["config", "round", "TTFT mean ms", "p50 ms", "hit ms", "miss ms", "vs round 1",
+             "hit rate", "L1 hit", "L2 hit", "L3 hit", "resumed",
+             *[f"{HIT_LABELS.get(n, n)} L1/L2" for n in extra],
+             *[f"{tier} {POOL_LABELS.get(n, n)}" for n in names for tier in ("L1", "L2")],
+             "L1 evicted tok"],
             rows,
         )  # fmt: skip
         comp_rows = []
@@ -77,13 +104,14 @@ def print_report(doc: Mapping[str, Any]) -> None:
             for c in rounds[-1]["components"] if rounds else []:
                 comp_rows.append([
                     config, c["component"], str(c["layers"]),
-                    fmt_optional(c["bytes_per_token"]), fmt_optional(c["ideal_bytes_per_token"]),
-                    _pool(c["l1"]), _pool(c["l2"]), c["shared_pool"] or "-", c["note"],
+                    fmt_optional(c["bytes_per_token"]), fmt_optional(c["nominal_bytes_per_token"]),
+                    fmt_optional(c["held_ratio"], ".4f"), _pool(c["l1"]), _pool(c["l2"]),
+                    c["note"],
                 ])  # fmt: skip
         print_table(
-            f"{model}: bytes per cached token per component (end of the last round)",
-            ["config", "component", "layers", "held B/token", "ideal B/token", "L1 pool",
-             "L2 pool", "in pool of", "note"],
+            f"{model}: L1 bytes per cached token per component (end of the last round)",
+            ["config", "component", "layers", "held B/token", "nominal B/token",
+             "held/nominal", "L1 pool", "L2 pool", "note"],
             comp_rows,
         )  # fmt: skip
 
