@@ -37,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--context-length", type=int, default=None)
+    m.add_argument(
+        "--attention-backend",
+        choices=["auto", "sdpa", "triton"],
+        default="auto",
+        help="decode attention: triton reads K/V in place (CUDA); sdpa gathers them; "
+        "auto picks triton on CUDA when installed",
+    )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     c.add_argument("--max-total-tokens", type=int, default=16384, help="L1 size in tokens")
@@ -143,6 +150,7 @@ FIELD_FLAGS = {
     "max_running_requests": "--max-running-requests",
     "chunked_prefill_size": "--chunked-prefill-size",
     "context_length": "--context-length",
+    "attention_backend": "--attention-backend",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -275,6 +283,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_backend=a.hicache_storage_backend,
         storage_prefetch_policy=a.hicache_storage_prefetch_policy,
         storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
+        attention_backend=a.attention_backend,
         **kwargs,
     )
     check_sizes_in_gb(config)

@@ -30,6 +30,7 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.swa_tier import check_swa_pool
 from hicache.config import CacheConfig, PrefetchPolicy
+from hicache.engine.kernels import AttentionBackend
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.output import OutputProcessor
@@ -109,6 +110,9 @@ class EngineConfig:
     storage: StorageConfig | None = field(init=False, default=None)
     """``storage_backend`` and ``storage_extra_config`` parsed and validated once (None:
     no L3). An extra config without a backend is refused."""
+    attention_backend: str = "auto"
+    """Decode attention: ``sdpa`` (gather + torch SDPA), ``triton`` (in place through the
+    page table), ``auto`` (``triton`` on CUDA when installed)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -117,6 +121,11 @@ class EngineConfig:
             storage_config_from_args(self.storage_backend, self.storage_extra_config),
         )
         PrefetchPolicy(self.storage_prefetch_policy)  # ValueError naming the bad policy
+        if self.attention_backend not in {b.value for b in AttentionBackend}:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is invalid; must be one of"
+                f" {', '.join(b.value for b in AttentionBackend)}"
+            )
         if self.device_cache_gb is not None and not self.device_cache_gb > 0:
             raise ValueError(f"device_cache_gb={self.device_cache_gb!r} is invalid; must be > 0")
         if self.context_length is not None and (
@@ -191,6 +200,7 @@ class Engine(Lifecycle):
             self.model.model,
             self.cache.device_pool,
             None if swa_tier is None else swa_tier.device_pool,
+            attention_backend=cfg.attention_backend,
         )
         if runner.recurrent:
             log.info(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from hicache.config import AttentionKind, KVSpec
+from hicache.engine.kernels import AttentionBackend, resolve_backend
 from hicache.engine.models import AttentionContext, DecoderConfig, DecoderLM
 from hicache.engine.models.attention import SlidingKV
 from hicache.engine.models.hybrid import HybridLM
@@ -143,6 +144,8 @@ class ModelRunner:
         model: DecoderLM | HybridLM,
         device_pool: DevicePool,
         swa_pool: DevicePool | None = None,
+        *,
+        attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
     ) -> None:
         spec = device_pool.spec
         if swa_pool is not None:
@@ -165,6 +168,8 @@ class ModelRunner:
         self.model = model
         self.pool = device_pool
         self.swa_pool = swa_pool
+        self.attention_backend = resolve_backend(attention_backend, device_pool.device)
+        """The concrete decode-attention backend (``sdpa`` or ``triton``)."""
         specs = model.state_specs() if isinstance(model, HybridLM) else {}
         self.states: RecurrentStates | None = (
             RecurrentStates(specs, dtype=model.dtype, device=model.device) if specs else None
@@ -236,7 +241,12 @@ class ModelRunner:
                 raise ValueError("a runner with an SWA pool needs ForwardBatch.swa_slots")
             swa = SlidingKV.build(self.swa_pool, batch.swa_slots, batch.extend_lens)
         ctx = AttentionContext.build(
-            self.pool, batch.seq_slots, batch.extend_lens, batch.layer_wait, swa
+            self.pool,
+            batch.seq_slots,
+            batch.extend_lens,
+            batch.layer_wait,
+            swa,
+            decode_kernel=self.attention_backend is AttentionBackend.TRITON,
         )
         input_ids = batch.input_ids.to(self.device, torch.int64)
         positions = batch.positions.to(self.device, torch.int64)

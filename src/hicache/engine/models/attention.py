@@ -34,15 +34,20 @@ class DecodeGather:
     pages in order, as a request's do), ``index (B, Pmax)`` holds page ids, right-padded
     with each one's last page, and K/V are gathered a page at a time (``Lmax = Pmax *
     page_size``); else ``index (B, Lmax)`` holds slots, right-padded with the last slot.
-    ``mask (B, 1, 1, Lmax)`` is True on real keys; every row has at least one.
+    ``mask (B, 1, 1, Lmax)`` is True on real keys; every row has at least one;
+    ``lengths (B,)`` counts them. ``kernel``: attend with the Triton kernel, which reads
+    K/V in place through ``index`` (:mod:`hicache.engine.kernels.decode_attention`),
+    instead of gathering them for SDPA.
     """
 
     seqs: frozenset[int]
     rows: torch.Tensor
     index: torch.Tensor
     mask: torch.Tensor
+    lengths: torch.Tensor
     by_page: bool = False
     page_size: int = 1
+    kernel: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ class AttentionContext:
     None when no explicit mask is needed: a single query sees every key, and a prefill
     without prefix uses SDPA's ``is_causal`` (which keeps the flash kernels eligible).
     ``decode`` gathers the single-token sequences into one padded call when there are
-    several of them (a decode batch, or the decode part of a mixed batch). ``swa``: the
+    several of them (a decode batch, or the decode part of a mixed batch), or attends
+    them all with the Triton kernel (``decode_kernel``, any number). ``swa``: the
     sliding layers' own pool (then ``pool`` holds the global layers only); None when
     every attention layer lives in ``pool``.
     """
@@ -103,6 +109,8 @@ class AttentionContext:
         extend_lens: Sequence[int],
         layer_wait: Callable[[int], None] | None = None,
         swa: SlidingKV | None = None,
+        *,
+        decode_kernel: bool = False,
     ) -> AttentionContext:
         """Move slots to the pool's device and precompute masks (see the class doc)."""
         device = pool.device
@@ -120,7 +128,7 @@ class AttentionContext:
             masks.append(torch.arange(len(s), device=device)[None, :] <= query_pos[:, None])
         decode = None
         singles = [i for i, n in enumerate(extend_lens) if n == 1]
-        if len(singles) > 1:
+        if len(singles) > 1 or (decode_kernel and singles):
             offsets = [0]
             for n in extend_lens:
                 offsets.append(offsets[-1] + n)
@@ -129,6 +137,7 @@ class AttentionContext:
                 frozenset(singles),
                 torch.tensor([offsets[i] for i in singles], device=device),
                 pool.page_size,
+                decode_kernel,
             )
         return cls(
             pool=pool,
@@ -143,7 +152,11 @@ class AttentionContext:
 
 
 def _decode_gather(
-    slots: list[torch.Tensor], seqs: frozenset[int], rows: torch.Tensor, page_size: int
+    slots: list[torch.Tensor],
+    seqs: frozenset[int],
+    rows: torch.Tensor,
+    page_size: int,
+    kernel: bool,
 ) -> DecodeGather:
     """The padded gather of single-token sequences; by page when their slots allow."""
     device = rows.device
@@ -166,8 +179,10 @@ def _decode_gather(
         rows=rows,
         index=index,
         mask=mask[:, None, None, :],
+        lengths=valid,
         by_page=by_page,
         page_size=page_size,
+        kernel=kernel,
     )
 
 
@@ -267,7 +282,20 @@ class PagedAttention(nn.Module):
     def _attend_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: DecodeGather
     ) -> torch.Tensor:
-        """One padded SDPA call for B single-token queries; ``q (B, Hq, D)`` -> same."""
+        """One padded SDPA call (or one kernel launch) for B single-token queries;
+        ``q (B, Hq, D)`` -> same."""
+        if gather.kernel:
+            from hicache.engine.kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                gather.index,
+                gather.lengths,
+                page_size=gather.page_size if gather.by_page else 1,
+                scale=self.scale,
+            )
         if gather.by_page:  # page-sized blocks: far fewer, larger copies than per token
             b, ps, tail = gather.index.shape[0], gather.page_size, k_cache.shape[1:]
             k = k_cache.view(-1, ps, *tail)[gather.index].view(b, -1, *tail).transpose(1, 2)
