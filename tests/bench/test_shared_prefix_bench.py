@@ -83,8 +83,8 @@ def test_quick_gemma3_swa_pools_hold_only_the_window(tmp_path: Path) -> None:
     assert set(last) == {"full", "swa"}
     swa = last["swa"]
     assert swa["l1"]["unit"] == "pages" and swa["l2"]["total"] > 0
-    # suffix 8 < one page: the window before each system prompt's end stays (see the xfail
-    # below); the sliding layers hold far less than every token's K/V (window 6)
+    # the sliding layers hold far less than every token's K/V (window 6): the decoded
+    # positions are tombstones
     assert swa["nominal_bytes_per_token"] > last["full"]["nominal_bytes_per_token"]
     assert 0 < swa["held_ratio"] < 0.5
     assert swa["bytes_per_token"] == pytest.approx(
@@ -97,13 +97,10 @@ def test_quick_gemma3_swa_pools_hold_only_the_window(tmp_path: Path) -> None:
     assert rounds[1]["component_hits"][0]["l2"] > 0  # windows loaded back from L2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SWA windows are kept only before a request's last page boundary: the window"
-    " before the end of a shared system prompt is tombstoned once a suffix of a page or"
-    " more follows it, so the next request of the group cannot end its hit there",
-)
 def test_gemma3_reuses_system_prompts_followed_by_a_page_or_more(tmp_path: Path) -> None:
+    """Each prefill chunk commits its SWA pages and a backup copies every SWA page of the
+    span, so the window before a system prompt's end survives the request moving on, in
+    L1 and in L2, and the group's next request (another suffix) ends its hit there."""
     out = tmp_path / "sp"
     args = ["--model", GEMMA, "--configs", "l1_l2", "--groups", "3", "--requests-per-group",
             "2", "--system-tokens", "128", "--suffix-tokens", "24", "--output-tokens", "2",

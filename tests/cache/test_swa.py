@@ -1,9 +1,11 @@
 """Sliding-window KV through the request verbs (tiny sizes, exact state).
 
 Window 4 tokens, pages of 2: a request keeps the SWA pages from
-``min((c - 4) // 2, c // 2 - 2)`` on when ``c`` positions are computed; what it commits
-becomes the tree's SWA values, the rest are tombstones; a match ends only where the 2
-pages before the boundary hold SWA values in some tier.
+``min((c - 4) // 2, c // 2 - 2)`` on when ``c`` positions are computed, freeing its own
+pages below; a commit hands the tree every SWA page the request still holds (the tree keeps
+them until the SWA pool's LRU needs room), so positions passed between commits (decode
+steps) are tombstones; a match ends only where the 2 pages before the boundary hold SWA
+values in some tier.
 """
 
 from __future__ import annotations
@@ -88,6 +90,18 @@ def serve_in_chunks(cache: HiCache, tokens: list[int]) -> None:
     cache.check_integrity()
 
 
+def serve_token_by_token(cache: HiCache, tokens: list[int]) -> None:
+    """Compute ``tokens`` one position at a time (as decode steps do), committing only at
+    the release."""
+    req = cache.open(tokens)
+    assert cache.admit(req, tokens[:1])
+    for c in range(1, len(tokens) + 1):
+        forward(cache, req, tokens, c - 1, c)
+    cache.release(req, tokens)
+    cache.flush()
+    cache.check_integrity()
+
+
 def swa_used(cache: HiCache, tier: Tier = Tier.DEVICE) -> int:
     assert cache.swa is not None
     return cache.swa.pool(tier).allocator.used_pages
@@ -114,35 +128,48 @@ def test_a_long_sequence_keeps_only_its_window_in_the_swa_pool(cache: HiCache) -
     cache.check_integrity()
 
 
-def test_commits_keep_the_windows_before_their_boundaries_and_tombstone_the_rest(
-    cache: HiCache,
-) -> None:
+def test_commits_hand_the_tree_every_swa_page_the_request_holds(cache: HiCache) -> None:
+    """Chunks of 8 with a commit after each (as prefill chunks are): the next chunk's trim
+    only drops the tree's pages from the table, so every boundary keeps its window."""
     serve_in_chunks(cache, PROMPT[:16])
     tree = cache.tree
-    # commits at 8 and 16 tokens kept pages [2, 4) and [6, 8); 0, 1, 4, 5 are tombstones
     m = tree.match_prefix(PROMPT[:16])
     assert m.device_tokens == 16
     assert list(tree.hit_ids(SWA, m.last_device_node)) != []
-    assert tree.component_stats(SWA).device_ids == 4
-    assert cache.match_prefix(PROMPT[:12]).device_tokens == 8  # 12 has no window: 8 has
-    m5 = cache.match_prefix(PROMPT[:5])
-    assert m5.device_tokens == 0 and m5.limited_by == SWA
-    assert cache.match_prefix(PROMPT[:10]).device_tokens == 8
+    assert tree.component_stats(SWA).device_ids == 8
+    for n in (4, 10, 12):  # e.g. where a shared system prompt ends
+        assert cache.match_prefix(PROMPT[: n + 1]).device_tokens == n
+    cache.check_integrity()
+
+
+def test_positions_passed_between_commits_are_tombstones(cache: HiCache) -> None:
+    """One position at a time, committed only at the release: the request freed its own
+    pages as its window moved, so the tree gets pages 5..7 only (the table at c = 15)."""
+    serve_token_by_token(cache, PROMPT[:16])
+    tree = cache.tree
+    assert tree.component_stats(SWA).device_ids == 3
+    assert swa_used(cache) == 3
+    assert cache.match_prefix(PROMPT[:16]).device_tokens == 16
+    assert cache.match_prefix(PROMPT[:15]).device_tokens == 14  # pages 5, 6
+    m = cache.match_prefix(PROMPT[:13])  # 12 needs pages 4, 5: page 4 is a tombstone
+    assert m.device_tokens == 0 and m.limited_by == SWA
+    assert tree.stats().device_pages == 8  # the full KV of every page stays
     cache.check_integrity()
 
 
 def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> None:
     assert cache.swa is not None
     serve_in_chunks(cache, PROMPT[:16])
-    cache.match_prefix(PROMPT[:16])  # the window before 16 is needed last: evicted last
-    # the SWA pool has 8 pages, the tree holds 4: asking for 6 evicts the least recently
-    # needed window (pages 2, 3 of the boundary at 8), not the one before 16
-    got = cache.swa.alloc(Tier.DEVICE, 6)
+    cache.match_prefix(PROMPT[:16])  # the node [8, 16) is needed last: evicted last
+    # the SWA pool has 8 pages, all the tree's: asking for 4 evicts the least recently
+    # needed node's (pages 0..3 of the node [0, 8)), not those of [8, 16)
+    got = cache.swa.alloc(Tier.DEVICE, 4)
     assert got is not None and swa_used(cache) == 8
-    assert cache.tree.component_stats(SWA).device_ids == 2
+    assert cache.tree.component_stats(SWA).device_ids == 4
     assert cache.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
-    m = cache.match_prefix(PROMPT[:12])
-    assert m.device_tokens == 0 and m.limited_by == SWA  # 8 lost its window
+    assert cache.match_prefix(PROMPT[:13]).device_tokens == 12  # pages 4, 5 are there
+    m = cache.match_prefix(PROMPT[:11])  # 10 needs page 3, 8 needs 2 and 3: evicted
+    assert m.device_tokens == 0 and m.host_tokens == 10  # from L1; L2 has a copy
     assert cache.tree.stats().device_pages == 8  # the full KV of every node stays
     cache.swa.free(Tier.DEVICE, got)
     # and evicting the window before 16 leaves no boundary at all
@@ -158,8 +185,8 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     assert cache.swa is not None
     serve_in_chunks(cache, PROMPT[:16])
     cache.flush()
-    # write_through: each commit's boundary window went to L2 with its full pages
-    assert swa_used(cache, Tier.HOST) == 4
+    # write_through: each commit's SWA pages went to L2 with their full pages
+    assert swa_used(cache, Tier.HOST) == 8
     assert cache.evict_device(10**6) == 8
     assert swa_used(cache) == 0  # the cascade freed the L1 windows
     req = cache.open(PROMPT)
@@ -184,7 +211,7 @@ def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) ->
     for need in cache.swa.hit_needs(node):
         cache.swa.free(Tier.DEVICE, cache.tree.evict_component(SWA, need.node, Tier.DEVICE))
     m = cache.match_prefix(PROMPT[:16])
-    assert m.device_tokens == 8 and m.matched_tokens == 16  # full KV in L1, window in L2
+    assert m.device_tokens == 12 and m.matched_tokens == 16  # full KV in L1, window in L2
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
     assert req.prefix_tokens == 16 and req.swa is not None and req.swa.first == 6
@@ -217,15 +244,15 @@ def test_integrity_catches_a_leaked_or_doubly_owned_swa_page(cache: HiCache) -> 
 
 
 def test_stats_report_bytes_per_cached_token_per_component(cache: HiCache) -> None:
-    serve_in_chunks(cache, PROMPT[:16])
+    serve_token_by_token(cache, PROMPT[:16])
     comps = {c.name: c for c in cache.stats().components}
     assert set(comps) == {"full", SWA}
     full, swa = comps["full"], comps[SWA]
     assert (full.device_used, full.device_total) == (8, 16)
-    assert (swa.device_used, swa.device_total) == (4, 8)
+    assert (swa.device_used, swa.device_total) == (3, 8)
     assert full.bytes_per_cached_token == FULL.token_bytes
-    # 4 SWA pages for 16 cached tokens: a quarter of the sliding layers' per-token bytes
-    assert swa.bytes_per_cached_token == SWA_SPEC.kv.token_bytes * 4 * PAGE / 16
+    # 3 SWA pages for 16 cached tokens: the sliding layers hold the final window only
+    assert swa.bytes_per_cached_token == SWA_SPEC.kv.token_bytes * 3 * PAGE / 16
     assert swa.host_total == int(8 * 2.0)
 
 

@@ -407,9 +407,8 @@ class HiCache(Lifecycle):
             raise ValueError(f"commit of {full} pages; the request holds {len(req.pages)}")
         prefix = tokens[: full * ps]
         components: dict[str, ComponentValues] = {}
-        if self.swa is not None:
-            self.swa.trim(req, len(tokens))  # the next forward starts at len(tokens) or later
-            window = self.swa.values(req, full)
+        if self.swa is not None:  # every SWA page still held, before trimming: the tree
+            window = self.swa.values(req, full)  # keeps them until its SWA LRU needs room
             if window is not None:
                 components[SWA] = window
         if state is not None and self.snapshots is not None:
@@ -439,6 +438,8 @@ class HiCache(Lifecycle):
         req.pages = tree_pages + req.pages[full:]
         req.prefix_pages = full
         req._prefix_tokens = full * ps
+        if self.swa is not None:  # drops the tree's pages from the table, frees none
+            self.swa.trim(req, len(tokens))  # the next forward starts at len(tokens) or later
         if self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         if components and last.host is not None:
@@ -535,26 +536,31 @@ class HiCache(Lifecycle):
         if self.host is None:
             return no_load
         last = match.last_host_node
-        nodes = self.tree.host_only_path(last)
-        base = nodes[0].parent if nodes else last  # the deepest L1 node the load continues
-        assert base is not None
-        if base is match.last_device_node:
-            base_pages = match.device_pages
-        else:  # L1-resident below the L1-valid boundary: its other components come later
-            base_pages = _path_device_pages(base)
-        if not nodes:
-            return (base, base_pages, 0, None) if base is not match.last_device_node else no_load
-        host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
-        if host_tokens < self.config.load_back_threshold:
-            self.counters.load_skipped_tokens_total += host_tokens
-            return no_load
-        # Pin the host copies and the L1 prefix while making room in L1.
+        # Pin the host copies first: pinning a hit's component span may split a node (so
+        # the span starts on a boundary), which would change the chain computed before.
         self.tree.inc_host_ref(last)
-        self.tree.inc_lock_ref(base)
         try:
-            device_pages = self.alloc_device(sum(self.tree.num_pages(n) for n in nodes))
+            nodes = self.tree.host_only_path(last)
+            base = nodes[0].parent if nodes else last  # the deepest L1 node the load continues
+            assert base is not None
+            if base is match.last_device_node:
+                base_pages = match.device_pages
+            else:  # L1-resident below the L1-valid boundary: its other components come later
+                base_pages = _path_device_pages(base)
+            if not nodes:
+                return (
+                    (base, base_pages, 0, None) if base is not match.last_device_node else no_load
+                )
+            host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
+            if host_tokens < self.config.load_back_threshold:
+                self.counters.load_skipped_tokens_total += host_tokens
+                return no_load
+            self.tree.inc_lock_ref(base)  # and the L1 prefix, while making room in L1
+            try:
+                device_pages = self.alloc_device(sum(self.tree.num_pages(n) for n in nodes))
+            finally:
+                self.tree.dec_lock_ref(base)
         finally:
-            self.tree.dec_lock_ref(base)
             self.tree.dec_host_ref(last)
         if device_pages is None:
             self.counters.load_skipped_tokens_total += host_tokens

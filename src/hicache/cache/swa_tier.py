@@ -205,33 +205,55 @@ class SwaTier:
         return True
 
     def back_up(self, last: TreeNode) -> None:
-        """Copy the window a hit at ``last`` needs to L2 (nodes whose full KV has L2 pages
-        already) and no more; a full L2 SWA pool leaves it L1-only (``last`` then is no L2
-        boundary)."""
+        """Copy to L2 the SWA pages of the path ending at ``last`` that have their full KV
+        in L2: first the window a hit at ``last`` needs, then (room permitting) every other
+        L1-only SWA value on the path, so boundaries inside the span (where later requests
+        may diverge, such as the end of a shared system prompt) stay valid from L2. A full
+        L2 SWA pool leaves the rest L1-only (such a boundary then is no L2 boundary)."""
         if self.host_pool is None:
             return
-        nodes = self.tree.component_backup_nodes(SWA, last)
+        if self._copy_to_host(last, self.tree.component_backup_nodes(SWA, last)):
+            self._copy_to_host(last, self._path_backup_nodes(last))
+
+    def _path_backup_nodes(self, last: TreeNode) -> list[TreeNode]:
+        """Nodes from the root to ``last`` (top-down) with full KV in L2 and an SWA value in
+        L1 only."""
+        c = self.tree.component(SWA)
+        out: list[TreeNode] = []
+        node: TreeNode | None = last
+        while node is not None and node.parent is not None and node.host is not None:
+            if c.get(node, Tier.DEVICE) is not None and c.get(node, Tier.HOST) is None:
+                out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def _copy_to_host(self, last: TreeNode, nodes: list[TreeNode]) -> bool:
+        """Copy the L1 SWA values of ``nodes`` to fresh L2 pages; False when L2 has no
+        room (nothing copied)."""
+        assert self.host_pool is not None
         if not nodes:
-            return
+            return True
         c = self.tree.component(SWA)
         devs = [c.get(n, Tier.DEVICE) for n in nodes]
         src = page_ids()
         for d in devs:
             assert d is not None
             src += d
-        self.tree.inc_lock_ref(last)  # the L1 window must stay while L2 makes room
+        self.tree.inc_lock_ref(last)  # the L1 values must stay while L2 makes room
         try:
             got = self.alloc(Tier.HOST, len(src))
         finally:
             self.tree.dec_lock_ref(last)
         if got is None:
-            return
+            return False
         self.copier.backup(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
         at = 0
         for n, d in zip(nodes, devs, strict=True):
             assert d is not None
             self.tree.assign_component(SWA, n, Tier.HOST, got[at : at + len(d)])
             at += len(d)
+        return True
 
     # ------------------------------------------------------------------ requests
 

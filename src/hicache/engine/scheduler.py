@@ -4,8 +4,10 @@ Each :meth:`Scheduler.step` admits waiting requests through the cache's request 
 (``open`` on arrival starts the L3 prefetch; ``ready`` and ``admit`` match, load back and
 give L1 pages), then runs one mixed forward: the next token of every decoding request
 plus prefill chunks of the others, ``chunked_prefill_size`` tokens in all, so a new
-prompt's prefill neither waits for the decodes nor stalls them. Freshly prefilled and finished prefixes are
-committed to the cache (its write policy backs them up); a request that cannot get an L1
+prompt's prefill neither waits for the decodes nor stalls them. Every prefill chunk and
+every finished prefix is committed to the cache (its write policy backs them up), so
+concurrent requests share a prefix as soon as it is computed and a sliding-window model's
+K/V reach the tree before the request's window moves past them; a request that cannot get an L1
 page for its next token is retracted (``requeue``): its KV stays cached and it waits to be
 re-admitted, which then finds its own prefix. The scheduler holds only opaque handles.
 
@@ -333,8 +335,12 @@ class Scheduler:
             req.kv_len += n
             if req.kv_len == boundary:
                 self._commit_snapshot(req)
-            elif self._tracks_end_state(req):
-                req.end_state = self.runner.snapshot_state(req.rid)
+            else:
+                if self._tracks_end_state(req):
+                    req.end_state = self.runner.snapshot_state(req.rid)
+                if req.kv_len < req.seq_len:  # a prefill chunk: its pages (and their
+                    # sliding-window K/V, before the next chunk trims the window) are shared now
+                    self.cache.commit(req.cache, req.all_ids[: req.kv_len])
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
         self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
