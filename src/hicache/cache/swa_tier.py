@@ -33,9 +33,11 @@ stream-ordered before the next forward on CUDA (the current stream). That is acc
 because a hit needs at most ``ceil(window / page_size)`` SWA pages, next to a full-KV load
 of the whole prefix that the controller's worker overlaps with the forward.
 
-L3 keeps only full pages for now: a hit whose window is in no tier is no boundary, so a
-prompt served from L3 alone is recomputed. :meth:`SwaTier.hit_needs` is the seam for L3
-records of this component: which nodes' SWA values a hit at a node needs, and where each is.
+L3 keeps the same window as records of the ``"swa"`` component, one per page
+(:class:`~hicache.cache.component_records.SwaRecords`): a span written to L3 carries the
+L2 SWA pages of the window a hit at its end needs, and a prefetch reads the window its
+usable boundary needs into this tier's L2 pool. :meth:`SwaTier.hit_needs` tells which
+nodes' SWA values a hit at a node needs, and where each is.
 """
 
 from __future__ import annotations
@@ -204,15 +206,15 @@ class SwaTier:
             at += len(h)
         return True
 
-    def back_up(self, last: TreeNode) -> None:
+    def back_up(self, last: TreeNode) -> list[TreeNode]:
         """Copy the window a hit at ``last`` needs to L2 (nodes whose full KV has L2 pages
         already) and no more; a full L2 SWA pool leaves it L1-only (``last`` then is no L2
-        boundary)."""
+        boundary). Returns the nodes that got L2 pages."""
         if self.host_pool is None:
-            return
+            return []
         nodes = self.tree.component_backup_nodes(SWA, last)
         if not nodes:
-            return
+            return []
         c = self.tree.component(SWA)
         devs = [c.get(n, Tier.DEVICE) for n in nodes]
         src = page_ids()
@@ -225,13 +227,22 @@ class SwaTier:
         finally:
             self.tree.dec_lock_ref(last)
         if got is None:
-            return
+            return []
         self.copier.backup(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
         at = 0
         for n, d in zip(nodes, devs, strict=True):
             assert d is not None
             self.tree.assign_component(SWA, n, Tier.HOST, got[at : at + len(d)])
             at += len(d)
+        return nodes
+
+    def host_ready(self) -> None:
+        """Wait until every L1 -> L2 page copy issued so far has landed (on CUDA they are
+        ordered on the current stream; on CPU they are done already). Call before another
+        thread reads L2 SWA pages (an L3 write)."""
+        dev = self.device_pool.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     # ------------------------------------------------------------------ requests
 
