@@ -11,7 +11,7 @@ See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec 
   ``h_0`` = the namespace digest and ``tokens_i`` the page's ``page_size`` token ids as
   unsigned 32-bit little-endian integers. The key string is ``"hc2-" + hex(h_i)``.
 - A component's record (a recurrent-state snapshot at the end of page ``i``, component
-  ``"mamba"``) is keyed like page ``i`` under the same namespace with that ``component``:
+  ``"mamba"``; page ``i``'s sliding-window KV, component ``"swa"``) is keyed like page ``i`` under the same namespace with that ``component``:
   its chain starts at another digest, so it commits to the whole prefix too
   (:meth:`Namespace.with_component`).
 - Only whole pages are keyed; a partial tail page never gets a key.
@@ -169,7 +169,8 @@ class Namespace:
 
     def with_component(self, component: str) -> Namespace:
         """The same namespace for another component's records (``"mamba"``: recurrent-state
-        snapshots; ``"full"``: full-attention KV pages)."""
+        snapshots; ``"swa"``: sliding-window KV pages; ``"full"``: full-attention KV
+        pages)."""
         return dataclasses.replace(self, component=component)
 
 

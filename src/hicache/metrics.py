@@ -38,6 +38,12 @@ class CacheCounters:
     l3_backup_snapshots_total: int = 0
     """Recurrent-state snapshots written to L3 (``"mamba"`` records)."""
     l3_backup_snapshots_failed_total: int = 0
+    l3_backup_swa_pages_total: int = 0
+    """Sliding-window KV pages written to L3 (``"swa"`` records)."""
+    l3_backup_swa_pages_failed_total: int = 0
+    prefetch_component_records_total: int = 0
+    """Component records (snapshots, SWA pages) read from L3 into L2 by prefetches whose
+    hit was taken."""
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -4,10 +4,10 @@
   Qwen3-Next and Nemotron-H.
 * Attention-only hybrids (Gemma 3, GPT-OSS: global layers in the full pool, sliding-window
   layers in the cache's SWA pools, which keep only each sequence's window) reuse
-  prefixes: the same prompt again hits L1, then L2 after forced eviction, with identical
-  tokens every time. A file L3 stores only the full pages for now (no SWA records yet),
-  so after ``flush_cache`` no boundary has its window and the prompt is recomputed
-  (0 storage hits, never a wrong token) until L3 records for the SWA component exist.
+  prefixes: the same prompt again hits L1, then L2 after forced eviction, then a file L3
+  after ``flush_cache`` (the window before the boundary comes back as ``"swa"`` records
+  with the full pages), with identical tokens every time; a second engine on the same
+  file L3 hits the first one's records.
 * Models with recurrent layers (Qwen3-Next, Nemotron-H) resume a cached prefix only from a
   state snapshot the cache took at the prompt's last page boundary: the same prompt again
   resumes there from L1, from L2 after forced eviction, and from a file L3 after
@@ -183,11 +183,9 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
         assert engine.flush_cache()  # L1 and L2 emptied
         from_l3 = engine.generate(ids, GREEDY, timeout=60)
         # a recurrent model's snapshot at the prompt's last page boundary came back from
-        # L3 with its pages (a "mamba" record): the prefill resumes there. L3 holds no
-        # SWA pages yet: an SWA model's pages come back without their window, so no
-        # boundary is valid and the prompt is recomputed
-        expect = 0 if name in ATTENTION_ONLY else MATCHED
-        assert from_l3.cached.storage == expect and from_l3.cached.device == 0
+        # L3 with its pages (a "mamba" record), an SWA model's window before it (its
+        # "swa" records): the prefill resumes there
+        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
         assert from_l3.output_ids == want
         assert_idle(engine)
 
@@ -332,6 +330,27 @@ def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Pa
     with make_engine(name, storage=tmp_path) as other:
         out = other.generate(ids, GREEDY, timeout=60)
         assert out.cached.storage == MATCHED and out.output_ids == want
+        assert_idle(other)
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_a_second_engine_hits_the_windows_in_the_shared_file_l3(name: str, tmp_path: Path) -> None:
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name, storage=tmp_path) as engine:
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+        engine.call(engine.cache.flush).result(timeout=60)  # pages and windows in L3
+        counters = engine.cache.stats().counters
+        assert counters["l3_backup_swa_pages_total"] > 0
+        assert counters["l3_backup_swa_pages_failed_total"] == 0
+    with make_engine(name, storage=tmp_path) as other:
+        out = other.generate(ids, GREEDY, timeout=60)
+        assert out.cached.storage == MATCHED and out.output_ids == want
+        swa = other.cache.swa
+        assert swa is not None
+        window = -(-swa.window // PAGE)
+        got = other.cache.stats().counters["prefetch_component_records_total"]
+        assert got == min(window, MATCHED // PAGE)  # the boundary's window, no more
         assert_idle(other)
 
 

@@ -1,37 +1,58 @@
-"""L3 records of a tree component other than full KV: what the storage tier writes and reads.
+"""L3 records of tree components other than full KV: one codec per component.
 
 The key spec (``docs/l3-keys.md``, version 2) stores a component's records under the same
 chained keys as full-KV pages, in the namespace with ``component`` set to the component's
 name: the record at page ``i`` commits to the whole prefix up to page ``i``. A component's
-*codec* says, for the storage tier:
+*codec* (:class:`ComponentRecords`) says, for the storage tier:
 
-* which records a hit needs (:meth:`ComponentRecords.needed`): for a match of ``d`` pages,
-  the 1-based page indices whose records must be present besides the full-KV pages;
-* which records to write when a run of nodes reaches L2 (:meth:`ComponentRecords.writes`);
-* where a record read from L3 goes (an L2 id of the component's pool) and how the tree
-  adopts it (:meth:`ComponentRecords.adopt`).
+* which records a boundary needs (:meth:`ComponentRecords.needed`): for a match of ``d``
+  pages, the 1-based page indices whose values must be present, besides the full-KV pages;
+  a needed page is satisfied by a value the tree holds (:meth:`ComponentRecords.local_pages`)
+  or by a record in L3; :attr:`ComponentRecords.reach` bounds how far before the first
+  page a prefetch fetches such a boundary's needs can reach;
+* which records to write when a run of nodes reaches L2 (:meth:`ComponentRecords.writes`)
+  and which nodes stay pinned in L2 meanwhile;
+* where a record read from L3 goes (an L2 id of the component's pool,
+  :attr:`ComponentRecords.pool`) and how the tree adopts it (:meth:`ComponentRecords.adopt`).
 
-Implemented for recurrent-state snapshots (:class:`SnapshotRecords`, component
-``"mamba"``): a hit of ``d`` pages needs the one snapshot after page ``d``; its payload
-is one L2 state slot. A sliding-window component would need the run of pages
-``d - ceil(window / page_size) + 1 .. d`` of its namespace, read into its own L2 page
-pool and adopted as the node path's SWA values, with the same prefetch flow.
+Implemented:
 
-:func:`agree_boundary` makes tensor-parallel ranks agree on the deepest boundary whose
-records every rank has, with all-reduce(min) calls only (the same sequence on every rank).
+* recurrent-state snapshots (:class:`SnapshotRecords`, component ``"mamba"``): a hit of
+  ``d`` pages needs the one snapshot after page ``d``; its payload is one L2 state slot;
+* sliding-window KV (:class:`SwaRecords`, component ``"swa"``): a hit of ``d`` pages needs
+  the SWA pages of the window before it, ``max(1, d - ceil(window / page_size) + 1) .. d``;
+  each record is one L2 SWA page.
+
+:func:`usable_boundaries` is the rule that combines them (a boundary is usable when every
+component's needs are met), and :func:`agree_boundary` makes tensor-parallel ranks agree on
+the deepest boundary every rank can use, with all-reduce(min) calls only (the same sequence
+on every rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
+from hicache.cache.swa_tier import SWA, SwaTier
+from hicache.memory import HostPool
+from hicache.memory.state_pool import StatePool
+from hicache.metrics import CacheCounters
 from hicache.tree import HiRadixTree, TreeNode
-from hicache.tree.components import Tier
-from hicache.tree.node import page_ids
+from hicache.tree.components import Granularity, Tier
+from hicache.tree.node import PageIds, page_ids
 
-__all__ = ["RecordWrite", "SnapshotRecords", "agree_boundary"]
+__all__ = [
+    "ComponentRecords",
+    "RecordWrites",
+    "SnapshotRecords",
+    "SwaRecords",
+    "agree_boundary",
+    "usable_boundaries",
+]
 
 
 def agree_boundary(rank_min: Callable[[int], int], present: Iterable[int], limit: int) -> int:
@@ -55,16 +76,116 @@ def agree_boundary(rank_min: Callable[[int], int], present: Iterable[int], limit
 
 
 @dataclass(frozen=True, slots=True)
-class RecordWrite:
-    """One component record to write: ``node``'s L2 ``slot``, the state after
-    ``depth_pages`` pages of its path."""
+class RecordWrites:
+    """One component's records to write for a run: record ``pages[i]`` (1-based page
+    index on the run's path; its key is that page's key in the component namespace) from
+    L2 id ``ids[i]``. ``pins``: the nodes to pin in L2 (``inc_host_ref``) until the write's
+    record arrives; that pin covers every id written (a node's pin covers what a hit there
+    needs)."""
 
-    node: TreeNode
-    depth_pages: int
-    slot: int
+    pins: tuple[TreeNode, ...]
+    pages: tuple[int, ...]
+    ids: PageIds
 
 
-class SnapshotRecords:
+class ComponentRecords(ABC):
+    """One component's L3 codec over one cache's tree (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, tree: HiRadixTree, reach: int) -> None:
+        self.tree = tree
+        self.reach = reach
+        """Pages before a boundary ``d`` that :meth:`needed` may name, less one: a fetch
+        past page ``s`` needs values of pages ``> s - reach`` only (0: the boundary's own
+        page, a snapshot; ``ceil(window / page_size) - 1`` for a sliding window)."""
+
+    @property
+    @abstractmethod
+    def pool(self) -> HostPool | StatePool:
+        """The component's L2 pool (records are read into and written from it)."""
+
+    @abstractmethod
+    def needed(self, depth_pages: int) -> range:
+        """Page indices (1-based) whose values a hit of ``depth_pages`` pages needs."""
+
+    @abstractmethod
+    def writes(self, nodes: Sequence[TreeNode]) -> RecordWrites | None:
+        """The records to write when the run ``nodes`` (one path, top-down, in L2) is
+        written to L3: the values this component holds in L2 that a hit needs there;
+        None when there is none."""
+
+    @abstractmethod
+    def alloc(self, n: int) -> PageIds | None:
+        """``n`` L2 ids to read records into (evicting unpinned L2 values); None when
+        they cannot be had."""
+
+    @abstractmethod
+    def free(self, ids: PageIds) -> None:
+        """Return L2 ids (read into, not adopted) to the pool."""
+
+    @abstractmethod
+    def adopt(
+        self, last: TreeNode, depth_pages: int, pages: Sequence[int], ids: PageIds
+    ) -> PageIds:
+        """Make ``ids`` (read from L3: the records of ``pages``) the L2 values of the nodes
+        that hold those pages on the path to ``last``, which must end after
+        ``depth_pages`` pages and be in L2. Returns the ids not adopted (the caller frees
+        them): a page whose node has an L2 value already, or no L2 full KV."""
+
+    @abstractmethod
+    def count_written(self, counters: CacheCounters, written: int, failed: int) -> None:
+        """Count a finished write of this component's records."""
+
+    def host_ready(self) -> None:  # noqa: B027 - nothing to wait for by default
+        """Wait until every L1 -> L2 copy of this component issued so far has landed
+        (before another thread reads its L2 ids)."""
+
+    def local_pages(self, node: TreeNode, depth_pages: int) -> frozenset[int]:
+        """The pages in ``(depth_pages - reach, depth_pages]`` of the path to ``node``
+        (which ends after ``depth_pages`` pages) whose value the tree holds in some tier
+        (a boundary component: the page a node's snapshot follows)."""
+        comp = self.tree.component(self.name)
+        lo = depth_pages - self.reach
+        out: set[int] = set()
+        end = depth_pages
+        n = node
+        while n.parent is not None and end > lo:
+            k = self.tree.num_pages(n)
+            if comp.present(n, device_only=False):
+                if comp.granularity is Granularity.PAGE:
+                    out.update(range(max(end - k, lo) + 1, end + 1))
+                else:
+                    out.add(end)
+            end -= k
+            n = n.parent
+        return frozenset(out)
+
+    def usable(self, depth_pages: int, local: Collection[int], found: Collection[int]) -> bool:
+        """Whether every value a hit of ``depth_pages`` pages needs is held or found."""
+        return all(j in local or j in found for j in self.needed(depth_pages))
+
+    def reads(self, depth_pages: int, local: Collection[int]) -> list[int]:
+        """The records to read for a hit of ``depth_pages`` pages (needed, not held)."""
+        return [j for j in self.needed(depth_pages) if j not in local]
+
+
+def usable_boundaries(
+    codecs: Sequence[ComponentRecords],
+    start: int,
+    end: int,
+    local: Mapping[str, Collection[int]],
+    found: Mapping[str, Collection[int]],
+) -> list[int]:
+    """The boundaries ``d`` in ``(start, end]`` every component can serve, ascending."""
+    return [
+        d
+        for d in range(start + 1, end + 1)
+        if all(c.usable(d, local.get(c.name, ()), found.get(c.name, ())) for c in codecs)
+    ]
+
+
+class SnapshotRecords(ComponentRecords):
     """The ``"mamba"`` component's L3 codec over one cache's snapshot tier."""
 
     name = SNAPSHOT
@@ -72,44 +193,141 @@ class SnapshotRecords:
     def __init__(self, tree: HiRadixTree, snapshots: SnapshotTier) -> None:
         if snapshots.host_pool is None:
             raise ValueError("L3 snapshot records need the L2 snapshot pool")
-        self.tree = tree
+        super().__init__(tree, reach=0)
         self.snapshots = snapshots
 
-    @staticmethod
-    def needed(depth_pages: int) -> range:
-        """Page indices (1-based) whose records a hit of ``depth_pages`` pages needs."""
+    @property
+    def pool(self) -> StatePool:
+        assert self.snapshots.host_pool is not None
+        return self.snapshots.host_pool
+
+    def needed(self, depth_pages: int) -> range:
         return range(depth_pages, depth_pages + 1)
 
-    def writes(self, nodes: Sequence[TreeNode]) -> list[RecordWrite]:
-        """The L2 snapshots held by ``nodes`` (one path, top-down), to write to L3."""
-        out: list[RecordWrite] = []
+    def writes(self, nodes: Sequence[TreeNode]) -> RecordWrites | None:
+        """The L2 snapshots held by ``nodes``; each node stays pinned (its own slot)."""
         comp = self.tree.component(SNAPSHOT)
+        pins: list[TreeNode] = []
+        pages: list[int] = []
+        slots: list[int] = []
         for n in nodes:
             slot = comp.get(n, Tier.HOST)
             if slot is not None:
-                out.append(RecordWrite(n, self.tree.depth_pages(n), int(slot[0])))
-        if out:
-            self.snapshots.host_ready()  # the L1 -> L2 slot copies have landed
-        return out
+                pins.append(n)
+                pages.append(self.tree.depth_pages(n))
+                slots.append(int(slot[0]))
+        return RecordWrites(tuple(pins), tuple(pages), page_ids(slots)) if pins else None
 
-    def alloc(self) -> int | None:
-        """An L2 slot to read one record into (evicting unpinned L2 snapshots); None when
-        none can be had."""
-        got = self.snapshots.alloc(Tier.HOST, 1)
-        return None if got is None else int(got[0])
+    def host_ready(self) -> None:
+        self.snapshots.host_ready()
 
-    def free(self, slot: int) -> None:
-        self.snapshots.free(Tier.HOST, page_ids([slot]))
+    def alloc(self, n: int) -> PageIds | None:
+        return self.snapshots.alloc(Tier.HOST, n)
 
-    def adopt(self, node: TreeNode, depth_pages: int, slot: int) -> bool:
-        """Make ``slot`` (read from L3) the L2 snapshot of ``node``, which must end after
-        ``depth_pages`` pages and be in L2; False (the caller frees the slot) when it does
-        not fit or the node has an L2 snapshot already."""
-        if node.parent is None or node.host is None:
-            return False
-        if self.tree.depth_pages(node) != depth_pages:
-            return False
-        if self.tree.component(SNAPSHOT).get(node, Tier.HOST) is not None:
-            return False
-        self.tree.assign_component(SNAPSHOT, node, Tier.HOST, page_ids([slot]))
-        return True
+    def free(self, ids: PageIds) -> None:
+        self.snapshots.free(Tier.HOST, ids)
+
+    def adopt(
+        self, last: TreeNode, depth_pages: int, pages: Sequence[int], ids: PageIds
+    ) -> PageIds:
+        """The one slot becomes ``last``'s L2 snapshot (``pages == [depth_pages]``)."""
+        if (
+            list(pages) != [depth_pages]
+            or last.parent is None
+            or last.host is None
+            or self.tree.depth_pages(last) != depth_pages
+            or self.tree.component(SNAPSHOT).get(last, Tier.HOST) is not None
+        ):
+            return ids
+        self.tree.assign_component(SNAPSHOT, last, Tier.HOST, ids)
+        return page_ids()
+
+    def count_written(self, counters: CacheCounters, written: int, failed: int) -> None:
+        counters.l3_backup_snapshots_total += written
+        counters.l3_backup_snapshots_failed_total += failed
+
+
+class SwaRecords(ComponentRecords):
+    """The ``"swa"`` component's L3 codec over one cache's sliding-window tier: one
+    record per SWA page; a read fetches the window a boundary needs and no more."""
+
+    name = SWA
+
+    def __init__(self, tree: HiRadixTree, swa: SwaTier) -> None:
+        if swa.host_pool is None:
+            raise ValueError("L3 sliding-window records need the L2 SWA pool")
+        self.window_pages = -(-swa.window // swa.page_size)
+        super().__init__(tree, reach=self.window_pages - 1)
+        self.swa = swa
+
+    @property
+    def pool(self) -> HostPool:
+        assert self.swa.host_pool is not None
+        return self.swa.host_pool
+
+    def needed(self, depth_pages: int) -> range:
+        return range(max(1, depth_pages - self.window_pages + 1), depth_pages + 1)
+
+    def writes(self, nodes: Sequence[TreeNode]) -> RecordWrites | None:
+        """Every L2 SWA page the run holds (tombstones are absent), and those of the window
+        a hit at its last node needs above it: a boundary inside the run (where later
+        requests diverge, as at a shared system prompt's end) is then an L3 boundary too,
+        like an L2 one (:meth:`SwaTier.back_up`). Each node with pages written stays pinned
+        (an SWA value is evicted per node, so a node's own pin covers all its pages)."""
+        comp = self.tree.component(SWA)
+        chosen = {id(n) for n in nodes} | {id(n) for n in self.tree.hit_nodes(SWA, nodes[-1])}
+        path: list[TreeNode] = []
+        node: TreeNode | None = nodes[-1]
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        pins: list[TreeNode] = []
+        pages: list[int] = []
+        ids = page_ids()
+        for n in reversed(path):
+            host = comp.get(n, Tier.HOST)
+            if id(n) not in chosen or host is None:
+                continue
+            first = self.tree.depth_pages(n) - self.tree.num_pages(n) + 1
+            pins.append(n)
+            pages.extend(range(first, first + len(host)))
+            ids += host
+        return RecordWrites(tuple(pins), tuple(pages), ids) if pages else None
+
+    def host_ready(self) -> None:
+        self.swa.host_ready()
+
+    def alloc(self, n: int) -> PageIds | None:
+        return self.swa.alloc(Tier.HOST, n)
+
+    def free(self, ids: PageIds) -> None:
+        self.swa.free(Tier.HOST, ids)
+
+    def adopt(
+        self, last: TreeNode, depth_pages: int, pages: Sequence[int], ids: PageIds
+    ) -> PageIds:
+        """Each window node whose pages were all read and that has L2 full KV and no L2
+        SWA value takes its pages' ids."""
+        if last.parent is None or self.tree.depth_pages(last) != depth_pages:
+            return ids
+        comp = self.tree.component(SWA)
+        where = {p: i for i, p in enumerate(pages)}
+        window = self.tree.hit_nodes(SWA, last)
+        at = depth_pages - sum(self.tree.num_pages(n) for n in window) + 1
+        used: set[int] = set()
+        for n in window:
+            k = self.tree.num_pages(n)
+            idx = [where.get(p) for p in range(at, at + k)]
+            at += k
+            if any(i is None for i in idx) or n.host is None:
+                continue
+            if comp.get(n, Tier.HOST) is not None:
+                continue
+            got = page_ids([int(ids[i]) for i in idx if i is not None])
+            self.tree.assign_component(SWA, n, Tier.HOST, got)
+            used.update(i for i in idx if i is not None)
+        return page_ids([int(x) for i, x in enumerate(ids) if i not in used])
+
+    def count_written(self, counters: CacheCounters, written: int, failed: int) -> None:
+        counters.l3_backup_swa_pages_total += written
+        counters.l3_backup_swa_pages_failed_total += failed

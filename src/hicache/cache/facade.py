@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from hicache.cache.component_records import SnapshotRecords
+from hicache.cache.component_records import ComponentRecords, SnapshotRecords, SwaRecords
 from hicache.cache.host_tier import HostTier
 from hicache.cache.inspect import (
     cache_stats,
@@ -150,8 +150,9 @@ class HiCache(Lifecycle):
             if self.swa is not None:
                 self.swa.wait_copies = self._wait_copies
         self.storage: StorageTier | None = None
-        self._retired: list[tuple[HiCacheStorage, PageIds, PageIds]] = []
-        """(old backend, L2 pages, L2 snapshot slots) a detached backend may still write."""
+        self._retired: list[tuple[HiCacheStorage, PageIds, dict[str, PageIds]]] = []
+        """(old backend, L2 pages, L2 ids per component) a detached backend may still
+        write."""
         self._requests: set[CacheRequest] = set()
         self._started = False
 
@@ -202,10 +203,17 @@ class HiCache(Lifecycle):
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
         if self.storage is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
-        sn = self.snapshots
-        state_pool = None if sn is None else sn.host_pool
+        codecs: list[ComponentRecords] = []
+        if self.snapshots is not None:
+            codecs.append(SnapshotRecords(self.tree, self.snapshots))
+        if self.swa is not None:
+            codecs.append(SwaRecords(self.tree, self.swa))
         controller = StorageController(
-            storage, self.host.pool, self._completions, ranks, state_pool=state_pool
+            storage,
+            self.host.pool,
+            self._completions,
+            ranks,
+            component_pools={c.name: c.pool for c in codecs},
         )
         try:
             controller.start()
@@ -222,7 +230,7 @@ class HiCache(Lifecycle):
             counters=self.counters,
             op_ids=self._op_ids,
             drain=self.poll,
-            snapshots=None if sn is None else SnapshotRecords(self.tree, sn),
+            components=codecs,
         )
 
     def detach_storage(self, timeout_s: float | None = None) -> bool:
@@ -237,15 +245,15 @@ class HiCache(Lifecycle):
             req.prefetch = None
         tier.controller.close()
         self.storage = None
-        held, slots = tier.detach()
-        if len(held) or len(slots):
+        held, ids = tier.detach()
+        if len(held) or any(len(v) for v in ids.values()):
             log.warning(
-                "%d L2 pages and %d L2 snapshot slots stay quarantined until the old backend"
+                "%d L2 pages and %s L2 component ids stay quarantined until the old backend"
                 " settles",
                 len(held),
-                len(slots),
+                {k: len(v) for k, v in ids.items()},
             )
-            self._retired.append((tier.controller.storage, held, slots))
+            self._retired.append((tier.controller.storage, held, ids))
         return True
 
     @property
@@ -299,8 +307,7 @@ class HiCache(Lifecycle):
         )
         if cacheable and self.storage is not None and len(tokens) > int(compute_last):
             key = encode_tokens(tokens[: len(tokens) - int(compute_last)])
-            match = self.tree.match_prefix(key, tenant)  # metadata only: no copy waited on
-            req.prefetch = self.storage.start(key, match, tenant)
+            req.prefetch = self.storage.start(key, tenant)  # metadata only: no copy waited on
         return req
 
     def ready(self, req: CacheRequest) -> bool:
@@ -447,13 +454,16 @@ class HiCache(Lifecycle):
 
     def _back_up_added(self, node: TreeNode) -> None:
         """Component values were added at ``node``, whose KV was in L2 already (no backup
-        was issued with them): copy them to L2 now, and write new snapshots to L3."""
+        was issued with them): copy them to L2 now, and write those copies to L3."""
+        backed: list[TreeNode] = []
         if self.snapshots is not None:
-            backed = self.snapshots.back_up(node)
-            if backed and self.storage is not None:
-                self.storage.write_states(backed)
+            backed += self.snapshots.back_up(node)
         if self.swa is not None:
-            self.swa.back_up(node)
+            backed += self.swa.back_up(node)
+        if backed and self.storage is not None:
+            chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
+            path = self.tree.path_tail(node, self.tree.depth_pages(node))
+            self.storage.write_components([n for n in path if id(n) in chosen])
 
     def release(
         self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
@@ -691,13 +701,12 @@ class HiCache(Lifecycle):
     def _free_retired(self) -> None:
         assert self.host is not None
         keep = []
-        for storage, pages, slots in self._retired:
+        for storage, pages, ids in self._retired:
             if storage.host_writes_settled(0.0):
                 self.host.allocator.free(pages)
-                if self.snapshots is not None:
-                    self.snapshots.free(Tier.HOST, slots)
+                self._free_components(Tier.HOST, ids)
             else:
-                keep.append((storage, pages, slots))
+                keep.append((storage, pages, ids))
         self._retired = keep
 
     def flush(self) -> None:
@@ -752,13 +761,15 @@ class HiCache(Lifecycle):
         every used L2 page is owned by the tree or held by an L3 op. Raises
         AssertionError."""
         host_held: list[int] = []
-        slots_held: list[int] = []
+        ids_held: dict[str, list[int]] = {SNAPSHOT: [], SWA: []}
         if self.storage is not None:
             host_held += self.storage.held_host_pages()
-            slots_held += self.storage.held_state_slots()
-        for _, pages, slots in self._retired:
+            for name, held in ids_held.items():
+                held += self.storage.held_component_ids(name)
+        for _, pages, ids in self._retired:
             host_held += pages
-            slots_held += slots
+            for name, got in ids.items():
+                ids_held[name] += got
         check_cache_integrity(
             self.tree,
             self.device_pool,
@@ -770,14 +781,15 @@ class HiCache(Lifecycle):
             sn = self.snapshots
             check_owned("L1 snapshot", sn.device_pool.allocator, sn.owned(Tier.DEVICE))
             if sn.host_pool is not None:
-                owned = [*sn.owned(Tier.HOST), *slots_held]
+                owned = [*sn.owned(Tier.HOST), *ids_held[SNAPSHOT]]
                 check_owned("L2 snapshot", sn.host_pool.allocator, owned)
         if self.swa is not None:
             sw = self.swa
             held = sw.request_pages(list(self._requests))
             check_owned("L1 SWA", sw.device_pool.allocator, sw.owned(Tier.DEVICE) + held)
             if sw.host_pool is not None:
-                check_owned("L2 SWA", sw.host_pool.allocator, sw.owned(Tier.HOST))
+                owned = [*sw.owned(Tier.HOST), *ids_held[SWA]]
+                check_owned("L2 SWA", sw.host_pool.allocator, owned)
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

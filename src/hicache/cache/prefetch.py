@@ -9,18 +9,31 @@ from hicache.tree import TreeNode
 from hicache.tree.node import PageIds
 
 
+@dataclass(frozen=True, slots=True)
+class ComponentFetch:
+    """Component records read from L3: component ``name``'s records of pages ``pages``
+    (1-based, on the prompt's path) into L2 ids ``ids`` (same order) of its pool."""
+
+    name: str
+    pages: tuple[int, ...]
+    ids: PageIds
+
+
 @dataclass(eq=False)
 class Prefetch:
     """One request's prefetch, owner-side: pages ``start_page ..`` of ``key``.
 
-    ``host_pages`` is set once the lookup found a hit worth reading; ``done_pages`` of
-    them hold intact records (only grows); ``finished`` once no more will arrive;
+    ``start_page`` is the full-KV prefix the tree held at the start (``attach`` ends it);
+    ``host_pages`` is set once the lookup found a usable hit worth reading; ``done_pages``
+    of them hold intact records (only grows); ``finished`` once no more will arrive;
     ``taken`` once the request took what arrived (or gave it up).
 
-    With recurrent-state snapshots, ``component_keys[i]`` keys the snapshot after page
-    ``start_page + i + 1``; ``state_slot`` is the L2 slot the snapshot after all
-    ``host_pages`` is read into (the usable hit ends at that snapshot, so
-    the read is usable only once ``done_pages == len(host_pages)``).
+    Hybrid models, per extra component ``name``: ``component_keys[name][j - 1]`` keys the
+    record of page ``j``; the lookup covered pages from ``component_first[name]`` on;
+    ``local[name]``: pages before the start whose value the tree held (no record needed).
+    ``reads``: the component records read with the pages (the boundary after all
+    ``host_pages`` needs them, so the read is usable only once ``done_pages ==
+    len(host_pages)``).
     """
 
     op_id: int
@@ -36,5 +49,7 @@ class Prefetch:
     finished: bool = False
     taken: bool = False
     read_final: bool = False
-    component_keys: list[PageKey] = field(default_factory=list)
-    state_slot: int | None = None
+    component_keys: dict[str, list[PageKey]] = field(default_factory=dict)
+    component_first: dict[str, int] = field(default_factory=dict)
+    local: dict[str, frozenset[int]] = field(default_factory=dict)
+    reads: list[ComponentFetch] = field(default_factory=list)

@@ -18,14 +18,19 @@ records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`), applied here. Th
   tenant's spans under the namespace salted with its ``cache_salt``; for MLA models,
   whose ranks all hold the same bytes under one namespace, only rank 0 writes).
 
-Models with recurrent layers (a :class:`~hicache.cache.component_records.SnapshotRecords`
-codec): the L2 snapshots of a span written to L3 are written too, as ``"mamba"`` records
-(their nodes stay pinned in L2 until the write's record arrives, so no slot is reused
-while the backend reads it). A prefetch looks up the snapshot records within the full-KV
-run found and reads only up to the deepest boundary whose snapshot every rank has (the
-*usable* hit, all that a match could use): its pages and that snapshot, into an L2 slot
-the inserted span's last node adopts. No snapshot, no read: pages past the last snapshot
-could never end a match. The storage hit counted is that usable length.
+Hybrid models (one :class:`~hicache.cache.component_records.ComponentRecords` codec per
+extra component: ``"mamba"`` snapshots, ``"swa"`` sliding-window pages): when a span is
+written to L3, the component values a hit at its end needs and that are in L2 are written
+too, as records of the component's namespace (their nodes stay pinned in L2 until the
+write's record arrives, so no L2 id is reused while the backend reads it). A prefetch
+starts from what the tree holds (the full-KV prefix in any tier, whatever the components'
+validators say, so it never fetches pages the tree has), looks up the full-KV run beyond it
+and each component's records within reach, and reads only up to the deepest boundary every
+component can serve on every rank (its needs held by the tree or found in L3; the *usable*
+hit, all that a match could use): the full pages up to it and the component records it
+needs that the tree does not hold (a snapshot there; the SWA pages of its window), into L2
+ids the inserted span and the nodes above it adopt. No usable boundary, no read: pages
+past the last one could never end a match. The storage hit counted is that usable length.
 """
 
 from __future__ import annotations
@@ -34,17 +39,26 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from hicache.cache.component_records import RecordWrite, SnapshotRecords, agree_boundary
+from hicache.cache.component_records import (
+    ComponentRecords,
+    RecordWrites,
+    agree_boundary,
+    usable_boundaries,
+)
 from hicache.cache.host_tier import HostTier
-from hicache.cache.prefetch import Prefetch
+from hicache.cache.prefetch import ComponentFetch, Prefetch
 from hicache.config import PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup, L3Read, L3Write
-from hicache.controller.storage_controller import StorageController
+from hicache.controller.storage_controller import (
+    ComponentLookup,
+    ComponentRead,
+    StorageController,
+)
 from hicache.keys import FULL_COMPONENT, Namespace, PageKey, page_keys
 from hicache.metrics import CacheCounters
-from hicache.tree import HiRadixTree, MatchResult, TreeNode
+from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import PageIds, page_ids
 
 log = logging.getLogger("hicache.cache")
@@ -67,7 +81,7 @@ class StorageTier:
         counters: CacheCounters,
         op_ids: itertools.count[int],
         drain: Callable[[], object],
-        snapshots: SnapshotRecords | None = None,
+        components: Sequence[ComponentRecords] = (),
     ) -> None:
         self.controller = controller
         self.namespace = namespace
@@ -80,19 +94,20 @@ class StorageTier:
         self._drain = drain
         self._prefetches: dict[int, Prefetch] = {}
         self._quarantine: dict[int, PageIds] = {}
-        self._quarantine_slots: dict[int, int] = {}
+        self._quarantine_ids: dict[int, list[ComponentFetch]] = {}
         self._writes: dict[int, tuple[TreeNode, int]] = {}
-        self._state_writes: dict[int, list[RecordWrite]] = {}
+        self._component_writes: dict[int, tuple[ComponentRecords, RecordWrites]] = {}
         self._tenants: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
-        self.snapshots = snapshots
-        if snapshots is not None:
-            controller.storage.allow_component(snapshots.name)
+        self.components = tuple(components)
+        self._codecs = {c.name: c for c in self.components}
+        for c in self.components:
+            controller.storage.allow_component(c.name)
 
     def owns(self, op_id: int) -> bool:
         return (
             op_id in self._prefetches
             or op_id in self._writes
-            or op_id in self._state_writes
+            or op_id in self._component_writes
             or op_id in self._quarantine
         )
 
@@ -118,14 +133,20 @@ class StorageTier:
 
     # ------------------------------------------------------------------ prefetch
 
-    def start(self, key: bytes, match: MatchResult, tenant: str) -> Prefetch | None:
-        """Start looking up the L3 pages that follow ``match`` (a match of ``key``); None
-        when nothing can be fetched (no uncached whole page, or the match ends on a span
-        that is not in L2, under which fetched pages cannot hang)."""
-        attach = match.last_host_node
-        if attach.host is None:
+    def start(self, key: bytes, tenant: str) -> Prefetch | None:
+        """Start looking up the L3 pages of ``key`` (encoded tokens) past what the tree
+        holds; None when nothing can be fetched (no uncached whole page, or the held
+        prefix ends on a span that is not in L2, under which fetched pages cannot hang).
+
+        The start is the full-KV prefix the tree holds in any tier, not the validated
+        match: pages there are never fetched again. A component's values that pages past
+        it need from before it (a sliding window reaching back) are taken from the tree
+        when it holds them, else looked up and read from L3 with the rest."""
+        held = self.tree.match_held(key, tenant)
+        attach = held.last_host_node
+        if attach.parent is not None and attach.host is None:
             return None
-        start = match.matched_tokens // self.page_size
+        start = held.matched_tokens // self.page_size
         rest = self.keys(key, tenant)[start:]
         if not rest:
             return None
@@ -134,10 +155,16 @@ class StorageTier:
         now = time.monotonic()
         deadline = now + self.prefetch.timeout_s(len(rest) * self.page_size)
         p = Prefetch(op_id, key, rest, start, attach, tenant, now, deadline)
-        if self.snapshots is not None:
-            p.component_keys = self.keys(key, tenant, self.snapshots.name)[start:]
+        lookups: list[ComponentLookup] = []
+        for c in self.components:
+            keys = self.keys(key, tenant, c.name)
+            first = max(1, start - c.reach + 1)  # records of pages first.. may be needed
+            p.component_keys[c.name] = keys
+            p.component_first[c.name] = first
+            p.local[c.name] = c.local_pages(attach, start)
+            lookups.append(ComponentLookup(c.name, tuple(keys[first - 1 :]), start - first + 1))
         self._prefetches[op_id] = p
-        self.controller.lookup(op_id, rest, p.component_keys)
+        self.controller.lookup(op_id, rest, lookups)
         return p
 
     def ready(self, p: Prefetch) -> bool:
@@ -153,8 +180,9 @@ class StorageTier:
         return now >= p.deadline
 
     def take(self, p: Prefetch) -> int:
-        """End ``p`` for its request: hang what arrived into the tree (as L2-only pages)
-        and unpin. Returns the tokens added. Idempotent."""
+        """End ``p`` for its request: hang what arrived into the tree (as L2-only pages,
+        with the component records read adopted) and unpin. Returns the tokens added.
+        Idempotent."""
         if p.taken:
             return 0
         p.taken = True
@@ -165,40 +193,34 @@ class StorageTier:
             return 0
         self.controller.cancel(p.op_id)
         done = self.controller.ranks.min(p.done_pages)
-        slot = p.state_slot
-        if slot is not None and done < len(p.host_pages):
-            done = 0  # the snapshot ends the usable hit: no use for pages short of it
+        if p.reads and done < len(p.host_pages):
+            done = 0  # the component records end the usable hit: no use for pages short of it
         added = 0
         ps = self.page_size
+        left = list(p.reads)  # component ids not adopted: freed (or quarantined) below
         if done:
             key = p.key[: (p.start_page + done) * ps * 4]
             result = self.tree.insert_host(key, p.host_pages[:done], p.start_page, p.tenant)
             if len(result.duplicate_pages):
                 self.host.allocator.free(result.duplicate_pages)
             added = (done - len(result.duplicate_pages)) * ps
-            sn = self.snapshots
-            if (
-                slot is not None
-                and sn is not None
-                and sn.adopt(result.last_node, p.start_page + done, slot)
-            ):
-                slot = None
+            depth = p.start_page + done
+            left = []
+            for r in p.reads:
+                rest = self._codecs[r.name].adopt(result.last_node, depth, r.pages, r.ids)
+                self.counters.prefetch_component_records_total += len(r.ids) - len(rest)
+                left.append(ComponentFetch(r.name, r.pages, rest))
         self.counters.prefetch_tokens_total += done * ps
-        rest = p.host_pages[done:]
+        rest_pages = p.host_pages[done:]
         self._prefetches.pop(p.op_id, None)
         if not p.read_final:  # the thread may still write them: keep them until it ends
-            self._quarantine[p.op_id] = rest
-            if slot is not None:
-                self._quarantine_slots[p.op_id] = slot
+            self._quarantine[p.op_id] = rest_pages
+            self._quarantine_ids[p.op_id] = left
         else:
-            if len(rest):
-                self.host.allocator.free(rest)
-            self._free_slot(slot)
+            if len(rest_pages):
+                self.host.allocator.free(rest_pages)
+            self._free_fetches(left)
         return added
-
-    def _free_slot(self, slot: int | None) -> None:
-        if slot is not None and self.snapshots is not None:
-            self.snapshots.free(slot)
 
     def _on_lookup(self, r: L3Lookup) -> None:
         p = self._prefetches.get(r.op_id)
@@ -206,29 +228,50 @@ class StorageTier:
             return
         ranks = self.controller.ranks
         hit = ranks.min(r.hit_pages)
-        if self.snapshots is not None:  # the usable hit ends at a snapshot on every rank
-            hit = agree_boundary(ranks.min, r.boundaries, hit)
+        start = p.start_page
+        if self.components:  # the usable hit ends at a boundary every component serves
+            found = {
+                f.name: {p.component_first[f.name] + i for i in f.present} for f in r.components
+            }
+            usable = usable_boundaries(self.components, start, start + hit, p.local, found)
+            hit = agree_boundary(ranks.min, [d - start for d in usable], hit)
         if p.taken:
             self._prefetches.pop(r.op_id)
             return
         host_pages = None
         if hit and hit * self.page_size >= self.prefetch.prefetch_threshold:
             host_pages = self.host.alloc(hit)
-        state: tuple[PageKey, int] | None = None
-        if host_pages is not None and self.snapshots is not None:
-            slot = self.snapshots.alloc()
-            if slot is None:  # no L2 slot for the snapshot: the pages are no use
+        reads: list[ComponentFetch] = []
+        for c in self.components if host_pages is not None else ():
+            pages = c.reads(start + hit, p.local.get(c.name, ()))
+            if not pages:
+                continue
+            ids = c.alloc(len(pages))
+            if ids is None:  # no L2 room for the records a boundary needs: no use
+                assert host_pages is not None
                 self.host.allocator.free(host_pages)
                 host_pages = None
-            else:
-                p.state_slot = slot
-                state = (p.component_keys[hit - 1], slot)
+                self._free_fetches(reads)
+                reads = []
+                break
+            reads.append(ComponentFetch(c.name, tuple(pages), ids))
         if host_pages is None:
             p.finished = True
             return
         p.host_pages = host_pages
+        p.reads = reads
         p.deadline = p.started + self.prefetch.timeout_s(hit * self.page_size)
-        self.controller.read(p.op_id, p.keys[:hit], host_pages, state)
+        component_reads = [
+            ComponentRead(f.name, tuple(p.component_keys[f.name][j - 1] for j in f.pages), f.ids)
+            for f in reads
+        ]
+        self.controller.read(p.op_id, p.keys[:hit], host_pages, component_reads)
+
+    def _free_fetches(self, fetches: list[ComponentFetch]) -> None:
+        """Return the L2 ids of component reads to their pools."""
+        for f in fetches:
+            if len(f.ids):
+                self._codecs[f.name].free(f.ids)
 
     def _on_read(self, r: L3Read) -> None:
         if r.op_id in self._quarantine:
@@ -237,7 +280,7 @@ class StorageTier:
                 self.controller.forget(r.op_id)
                 if len(pages):
                     self.host.allocator.free(pages)
-                self._free_slot(self._quarantine_slots.pop(r.op_id, None))
+                self._free_fetches(self._quarantine_ids.pop(r.op_id, []))
             return
         p = self._prefetches.get(r.op_id)
         if p is None:
@@ -264,36 +307,39 @@ class StorageTier:
         op_id = next(self._op_ids)
         self._writes[op_id] = (last, n)
         self.controller.write(op_id, keys, host)
-        self.write_states(nodes)
+        self.write_components(nodes)
 
-    def write_states(self, nodes: list[TreeNode]) -> None:
-        """Write the L2 snapshots ``nodes`` (one path, top-down, in L2) hold to L3, each
-        under the ``"mamba"`` key of its depth; each node stays pinned in L2 (with its
-        snapshot slot) until the write's record arrives."""
-        if self.snapshots is None or not nodes:
+    def write_components(self, nodes: list[TreeNode]) -> None:
+        """Write, for each component, the L2 values a hit at the end of ``nodes`` (one
+        path, top-down, in L2) needs (:meth:`ComponentRecords.writes`) to L3, each under
+        its page's key in the component namespace; the codec's pins hold them in L2 until
+        the write's record arrives."""
+        if not self.components or not nodes:
             return
         if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
             return
-        todo = self.snapshots.writes(nodes)
-        if not todo:
-            return
         last = nodes[-1]
-        keys = self.keys(self.tree.path_key(last), last.tenant, self.snapshots.name)
-        for w in todo:
-            self.tree.inc_host_ref(w.node)  # its L2 slot stays until written
-        op_id = next(self._op_ids)
-        self._state_writes[op_id] = todo
-        self.controller.write_states(
-            op_id, [keys[w.depth_pages - 1] for w in todo], page_ids([w.slot for w in todo])
-        )
+        for c in self.components:
+            todo = c.writes(nodes)
+            if todo is None:
+                continue
+            c.host_ready()  # the L1 -> L2 copies have landed
+            keys = self.keys(self.tree.path_key(last), last.tenant, c.name)
+            for n in todo.pins:
+                self.tree.inc_host_ref(n)  # its L2 ids stay until written
+            op_id = next(self._op_ids)
+            self._component_writes[op_id] = (c, todo)
+            self.controller.write_component(
+                op_id, c.name, [keys[j - 1] for j in todo.pages], todo.ids
+            )
 
     def _on_write(self, r: L3Write) -> None:
-        states = self._state_writes.pop(r.op_id, None)
-        if states is not None:
-            for w in states:
-                self.tree.dec_host_ref(w.node)
-            self.counters.l3_backup_snapshots_total += r.written
-            self.counters.l3_backup_snapshots_failed_total += r.failed
+        comp = self._component_writes.pop(r.op_id, None)
+        if comp is not None:
+            codec, todo = comp
+            for n in todo.pins:
+                self.tree.dec_host_ref(n)
+            codec.count_written(self.counters, r.written, r.failed)
             return
         item = self._writes.pop(r.op_id, None)
         if item is None:
@@ -323,16 +369,17 @@ class StorageTier:
                 held += p.host_pages
         return held
 
-    def held_state_slots(self) -> list[int]:
-        """L2 snapshot slots held by L3 reads, not by the tree (as :meth:`held_host_pages`)."""
-        held = list(self._quarantine_slots.values())
-        held += [p.state_slot for p in self._prefetches.values() if p.state_slot is not None]
-        return held
+    def held_component_ids(self, name: str) -> list[int]:
+        """L2 ids of component ``name`` held by L3 reads, not by the tree (as
+        :meth:`held_host_pages`)."""
+        fetches = [f for q in self._quarantine_ids.values() for f in q]
+        fetches += [f for p in self._prefetches.values() for f in p.reads]
+        return [int(i) for f in fetches if f.name == name for i in f.ids]
 
     @property
     def busy(self) -> bool:
         """Writes in flight, or quarantined pages a late read may still fill."""
-        return bool(self._writes or self._state_writes or self._quarantine)
+        return bool(self._writes or self._component_writes or self._quarantine)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every write has landed and every quarantine
@@ -350,30 +397,33 @@ class StorageTier:
             )
         return not self.busy
 
-    def detach(self) -> tuple[PageIds, PageIds]:
+    def detach(self) -> tuple[PageIds, dict[str, PageIds]]:
         """Give up every prefetch and write still open (after the controller closed):
-        unpin what they pinned. Returns the L2 pages and L2 snapshot slots that must stay
-        quarantined until the backend's late writes settle (the caller frees them then)."""
+        unpin what they pinned. Returns the L2 pages and, per component, the L2 ids that
+        must stay quarantined until the backend's late writes settle (the caller frees
+        them then)."""
         for p in list(self._prefetches.values()):
             if not p.taken:
                 p.taken = True
                 self.tree.dec_host_ref(p.attach)
             if p.host_pages is not None:
                 self._quarantine[p.op_id] = p.host_pages
-            if p.state_slot is not None:
-                self._quarantine_slots[p.op_id] = p.state_slot
+            self._quarantine_ids.setdefault(p.op_id, []).extend(p.reads)
         self._prefetches.clear()
         for node, _ in self._writes.values():
             self.tree.dec_host_ref(node)  # a late put reads stale bytes: its checksum fails
         self._writes.clear()
-        for writes in self._state_writes.values():
-            for w in writes:
-                self.tree.dec_host_ref(w.node)
-        self._state_writes.clear()
+        for _, todo in self._component_writes.values():
+            for n in todo.pins:
+                self.tree.dec_host_ref(n)
+        self._component_writes.clear()
         held = PageIds("q")
         for pages in self._quarantine.values():
             held += pages
         self._quarantine.clear()
-        slots = page_ids(list(self._quarantine_slots.values()))
-        self._quarantine_slots.clear()
-        return held, slots
+        ids: dict[str, PageIds] = {}
+        for fetches in self._quarantine_ids.values():
+            for f in fetches:
+                ids.setdefault(f.name, page_ids()).extend(f.ids)
+        self._quarantine_ids.clear()
+        return held, ids

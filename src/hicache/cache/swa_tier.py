@@ -15,27 +15,34 @@ positions computed) keeps the SWA pages of positions ``>= c - window`` (one toke
 than its queries read) and the ``ceil(window / page_size)`` pages before the last page
 boundary ``b <= c`` (:meth:`SwaTier.keep_from`), so that a commit of its whole pages
 hands the tree the window before ``b``, which is what a hit there needs
-(:meth:`~hicache.tree.components.SlidingWindow.hit_span`). Its own pages wholly before that are freed as it advances (on :meth:`grow`, which
-the scheduler calls before every forward with ``c``, and on commit); pages the tree owns
-are just dropped from its table. So a request holds at most :func:`request_pages` SWA
+(:meth:`~hicache.tree.components.SlidingWindow.hit_span`). Its own pages wholly before
+that are freed as it advances (on :meth:`grow`, which the scheduler calls before every
+forward with ``c``, and on commit); pages the tree owns are just dropped from its table. So a request holds at most :func:`request_pages` SWA
 pages however long it gets, while its full pages grow with it.
 
-Commit hands the tree the SWA pages the request still holds (``ComponentValues.pages``
-from its first held page); the nodes before them keep no SWA value (tombstones), and a
-match may end only where the window before the boundary is present in some tier (the
-component's validator). Tree-owned SWA pages are evicted under their own LRU when the SWA
-pool runs short (the node and its full KV stay); evicting a node's full KV drops its SWA
-values too (the tree cascades; the facade frees them here).
+Commit hands the tree every SWA page the request still holds (``ComponentValues.pages``
+from its first held page) before trimming its table; the scheduler commits every prefill
+chunk, so a prompt's SWA pages are all cached, while positions passed between commits
+(decode steps) are tombstones: their nodes keep full KV and no SWA value. A match may end
+only where the window before the boundary is present in some tier (the component's
+validator). Tree-owned SWA pages stay until the SWA pool runs short, then are evicted
+under their own LRU (the node and its full KV stay): which boundary later requests will
+diverge at (a shared system prompt's end) is unknown when a span is cached, so its window
+is kept while there is room. Evicting a node's full KV drops its SWA values too (the tree
+cascades; the facade frees them here).
 
-Copies between the tiers (backup of a hit's window, load back of a host-only window) are
-issued on the owner's thread through the cache's page copier, synchronously on CPU and
-stream-ordered before the next forward on CUDA (the current stream). That is acceptable
-because a hit needs at most ``ceil(window / page_size)`` SWA pages, next to a full-KV load
-of the whole prefix that the controller's worker overlaps with the forward.
+Copies between the tiers (backup of a span's SWA pages, load back of a hit's host-only
+window) are issued on the owner's thread through the cache's page copier, synchronously
+on CPU and stream-ordered before the next forward on CUDA (the current stream). A load
+moves at most ``ceil(window / page_size)`` pages, next to a full-KV load of the whole
+prefix that the controller's worker overlaps with the forward; a backup moves a span's
+SWA pages (as many as its full pages), off the forward's critical path.
 
-L3 keeps only full pages for now: a hit whose window is in no tier is no boundary, so a
-prompt served from L3 alone is recomputed. :meth:`SwaTier.hit_needs` is the seam for L3
-records of this component: which nodes' SWA values a hit at a node needs, and where each is.
+L3 keeps them as records of the ``"swa"`` component, one per page
+(:class:`~hicache.cache.component_records.SwaRecords`): a span written to L3 carries its
+L2 SWA pages, and a prefetch reads the window its usable boundary needs into this tier's
+L2 pool. :meth:`SwaTier.hit_needs` tells which nodes' SWA values a hit at a node needs,
+and where each is.
 """
 
 from __future__ import annotations
@@ -204,16 +211,33 @@ class SwaTier:
             at += len(h)
         return True
 
-    def back_up(self, last: TreeNode) -> None:
+    def back_up(self, last: TreeNode) -> list[TreeNode]:
         """Copy to L2 the SWA pages of the path ending at ``last`` that have their full KV
         in L2: first the window a hit at ``last`` needs, then (room permitting) every other
         L1-only SWA value on the path, so boundaries inside the span (where later requests
         may diverge, such as the end of a shared system prompt) stay valid from L2. A full
-        L2 SWA pool leaves the rest L1-only (such a boundary then is no L2 boundary)."""
+        L2 SWA pool leaves the rest L1-only (such a boundary then is no L2 boundary).
+        Returns the nodes that got L2 pages, top-down."""
         if self.host_pool is None:
-            return
-        if self._copy_to_host(last, self.tree.component_backup_nodes(SWA, last)):
-            self._copy_to_host(last, self._path_backup_nodes(last))
+            return []
+        window = self.tree.component_backup_nodes(SWA, last)
+        if not self._copy_to_host(last, window):
+            return []
+        rest = self._path_backup_nodes(last)
+        if not self._copy_to_host(last, rest):
+            return window
+        done = {id(n) for n in window + rest}
+        return [n for n in self._path_nodes(last) if id(n) in done]
+
+    def _path_nodes(self, last: TreeNode) -> list[TreeNode]:
+        """Nodes from the root (excluded) to ``last``, top-down."""
+        out: list[TreeNode] = []
+        node: TreeNode | None = last
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
 
     def _path_backup_nodes(self, last: TreeNode) -> list[TreeNode]:
         """Nodes from the root to ``last`` (top-down) with full KV in L2 and an SWA value in
@@ -254,6 +278,14 @@ class SwaTier:
             self.tree.assign_component(SWA, n, Tier.HOST, got[at : at + len(d)])
             at += len(d)
         return True
+
+    def host_ready(self) -> None:
+        """Wait until every L1 -> L2 page copy issued so far has landed (on CUDA they are
+        ordered on the current stream; on CPU they are done already). Call before another
+        thread reads L2 SWA pages (an L3 write)."""
+        dev = self.device_pool.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     # ------------------------------------------------------------------ requests
 

@@ -5,12 +5,20 @@ the workers post to the one :class:`CompletionQueue`.
 """
 
 from hicache.controller.cache_controller import CacheController, page_tensor
-from hicache.controller.completions import CompletionQueue, L3Lookup, L3Read, L3Write, Record
+from hicache.controller.completions import (
+    CompletionQueue,
+    ComponentFound,
+    L3Lookup,
+    L3Read,
+    L3Write,
+    Record,
+)
 from hicache.controller.policy import WriteRule, write_rule
 
 __all__ = [
     "CacheController",
     "CompletionQueue",
+    "ComponentFound",
     "L3Lookup",
     "L3Read",
     "L3Write",

@@ -17,26 +17,36 @@ from typing import Union
 
 from hicache.transfer import Completion
 
-__all__ = ["CompletionQueue", "L3Lookup", "L3Read", "L3Write", "Record"]
+__all__ = ["CompletionQueue", "ComponentFound", "L3Lookup", "L3Read", "L3Write", "Record"]
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentFound:
+    """Which of one component's looked-up records are present: indices ``i`` (ascending)
+    into the component keys the lookup was given (see
+    :class:`~hicache.controller.storage_controller.ComponentLookup`)."""
+
+    name: str
+    present: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class L3Lookup:
     """An L3 lookup finished: the first ``hit_pages`` keys of op ``op_id`` are present
-    (0 after an error or a timeout). ``boundaries``: for a lookup with component keys
-    (recurrent-state snapshots), the page counts ``b`` in ``[1, hit_pages]``, ascending,
-    whose component record (the state after the op's first ``b`` pages) is present."""
+    (0 after an error or a timeout). ``components``: for a lookup with component keys
+    (recurrent-state snapshots, sliding-window pages), which of them are present, per
+    component (only those within reach of the full-KV run found were looked up)."""
 
     op_id: int
     hit_pages: int
-    boundaries: tuple[int, ...] = ()
+    components: tuple[ComponentFound, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class L3Read:
     """Progress of an L3 -> L2 read: the first ``done_pages`` host pages of op ``op_id``
-    hold intact records (and, for a read with a component record, so does its state slot;
-    a failed component read reports 0). ``final`` is True on the op's last record, posted only once no
+    hold intact records (and, for a read with component records, so do their L2 ids; a
+    failed component read reports 0). ``final`` is True on the op's last record, posted only once no
     byte can land in any host page of the op any more (a backend call that overran its
     deadline has returned); until then the owner must keep every page of the op."""
 
@@ -47,8 +57,8 @@ class L3Read:
 
 @dataclass(frozen=True, slots=True)
 class L3Write:
-    """An L2 -> L3 write finished: of ``pages`` records (pages, or state slots for a
-    component write), ``written`` were stored now, ``present`` were in L3 already, the
+    """An L2 -> L3 write finished: of ``pages`` records (full-KV pages, or one
+    component's records), ``written`` were stored now, ``present`` were in L3 already, the
     rest failed."""
 
     op_id: int

@@ -1,12 +1,16 @@
 """L3 threads: lookups and reads (L3 -> L2) on one thread, writes (L2 -> L3) on another.
 
 Like the L1<->L2 controller it knows page ids and keys, never the tree. Component records
-(recurrent-state snapshots, ``docs/l3-keys.md``) ride on the same ops: a lookup may carry
-the component keys of its pages (looked up one by one within the full-KV hit), a read one
-component record into an L2 state slot (read first: without it the pages are no hit), and
-a write may store L2 state slots instead of pages. The owner (the
-cache's storage tier) allocates host pages and submits ops; the threads post immutable
-records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`) to the owner's
+(recurrent-state snapshots, sliding-window pages; ``docs/l3-keys.md``) ride on the same
+ops: a lookup may carry, per component, the keys of its records within reach of the run
+(:class:`ComponentLookup`, looked up one by one), a read the component records a hit needs
+into that component's L2 pool (:class:`ComponentRead`, read first: without them the pages
+are no hit), and a write may store one component's L2 ids instead of pages. Each
+component's L2 pool is named at construction (``component_pools``): a
+:class:`~hicache.memory.HostPool` (sliding-window pages) or a
+:class:`~hicache.memory.state_pool.StatePool` (state slots). The owner (the cache's
+storage tier) allocates L2 ids and submits ops; the threads post immutable records
+(:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`) to the owner's
 :class:`CompletionQueue`. Every storage call is bounded by the backend's deadline; an
 error or timeout is a miss.
 
@@ -14,7 +18,7 @@ Late writes: a backend call that overran its deadline may still be writing into 
 pages it was handed (a zero-copy get cannot be cancelled). A read op therefore posts its
 ``final`` record only once the backend says no such call is left
 (:meth:`HiCacheStorage.host_writes_settled`); until then the owner keeps the op's pages
-out of every allocation (they are quarantined, not freed).
+(and component ids) out of every allocation (they are quarantined, not freed).
 """
 
 from __future__ import annotations
@@ -22,17 +26,27 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
-from hicache.controller.completions import CompletionQueue, L3Lookup, L3Read, L3Write
+from hicache.controller.completions import (
+    CompletionQueue,
+    ComponentFound,
+    L3Lookup,
+    L3Read,
+    L3Write,
+)
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import PageKey
 from hicache.lifecycle import Lifecycle
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
 from hicache.storage.base import HiCacheStorage
+from hicache.storage.stats import SetResult
 from hicache.tree.node import PageIds
+
+__all__ = ["ComponentLookup", "ComponentPool", "ComponentRead", "StorageController"]
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +54,35 @@ _SETTLE_POLL_S = 0.02
 """How often the prefetch thread asks a backend whether late writes have settled."""
 
 
+ComponentPool: TypeAlias = HostPool | StatePool
+"""A component's L2 pool: pages (sliding-window KV) or state slots (snapshots)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentLookup:
+    """One component's records to look up with a run of full-KV keys: ``keys[i]`` for
+    ``i < lead + hit`` (``hit``: the full-KV keys found in a row), i.e. ``lead`` records
+    before the run's first page and one per page of the run found."""
+
+    name: str
+    keys: tuple[PageKey, ...]
+    lead: int
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentRead:
+    """Read one component's records ``keys[i]`` into L2 id ``ids[i]`` of its pool."""
+
+    name: str
+    keys: tuple[PageKey, ...]
+    ids: PageIds
+
+
 @dataclass(frozen=True, slots=True)
 class _Lookup:
     op_id: int
     keys: Sequence[PageKey]
-    component_keys: Sequence[PageKey]
+    components: tuple[ComponentLookup, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +91,7 @@ class _Read:
     keys: Sequence[PageKey]
     host_pages: PageIds
     cancel: threading.Event
-    state: tuple[PageKey, int] | None
+    components: tuple[ComponentRead, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +99,8 @@ class _Write:
     op_id: int
     keys: Sequence[PageKey]
     host_pages: PageIds
-    states: bool
+    component: str | None
+    """None: full-KV pages of the host pool; else that component's L2 ids."""
 
 
 class StorageController(Lifecycle):
@@ -77,11 +116,11 @@ class StorageController(Lifecycle):
         host_pool: HostPool,
         completions: CompletionQueue,
         ranks: RankGroup | None = None,
-        state_pool: StatePool | None = None,
+        component_pools: Mapping[str, ComponentPool] | None = None,
     ) -> None:
         self.storage = storage
         self.host_pool = host_pool
-        self.state_pool = state_pool
+        self.component_pools: dict[str, ComponentPool] = dict(component_pools or {})
         self.ranks = ranks or RankGroup()
         self._out = completions
         self._prefetch_q: queue.Queue[_Lookup | _Read | None] = queue.Queue()
@@ -119,31 +158,37 @@ class StorageController(Lifecycle):
     # ------------------------------------------------------------------ owner side
 
     def lookup(
-        self, op_id: int, keys: Sequence[PageKey], component_keys: Sequence[PageKey] = ()
+        self, op_id: int, keys: Sequence[PageKey], components: Sequence[ComponentLookup] = ()
     ) -> None:
-        """Queue a lookup of ``keys`` (a run from the first) and, when given, of the
-        component records ``component_keys[i]`` (the state after page ``i``) within the
-        run found; an :class:`L3Lookup` follows."""
-        if component_keys and len(component_keys) != len(keys):
-            raise ValueError(f"{len(component_keys)} component keys for {len(keys)} keys")
-        self._prefetch_q.put(_Lookup(op_id, keys, component_keys))
+        """Queue a lookup of ``keys`` (a run from the first) and, when given, of each
+        component's records within reach of the run found (:class:`ComponentLookup`); an
+        :class:`L3Lookup` follows."""
+        for c in components:
+            self._pool(c.name)
+            if not 0 <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
+                raise ValueError(
+                    f"{c.name}: {len(c.keys)} keys with lead {c.lead} for a run of {len(keys)}"
+                )
+        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components)))
 
     def read(
         self,
         op_id: int,
         keys: Sequence[PageKey],
         host_pages: PageIds,
-        state: tuple[PageKey, int] | None = None,
+        components: Sequence[ComponentRead] = (),
     ) -> None:
-        """Queue a read of ``keys[i]`` into ``host_pages[i]`` and, with ``state`` = (key,
-        slot), of that component record into the L2 state slot first; :class:`L3Read`
-        records follow, the last one with ``final`` set."""
+        """Queue a read of ``keys[i]`` into ``host_pages[i]``, after the component records
+        ``components`` (each into its L2 pool; a miss there makes the whole read a miss);
+        :class:`L3Read` records follow, the last one with ``final`` set."""
         if len(keys) != len(host_pages):
             raise ValueError(f"read of {len(keys)} keys into {len(host_pages)} host pages")
-        if state is not None and self.state_pool is None:
-            raise ValueError("a state read needs the L2 state pool")
+        for c in components:
+            self._pool(c.name)
+            if len(c.keys) != len(c.ids):
+                raise ValueError(f"{c.name}: read of {len(c.keys)} keys into {len(c.ids)} ids")
         cancel = self._cancels[op_id] = threading.Event()
-        self._prefetch_q.put(_Read(op_id, keys, host_pages, cancel, state))
+        self._prefetch_q.put(_Read(op_id, keys, host_pages, cancel, tuple(components)))
 
     def cancel(self, op_id: int) -> None:
         """Ask a read to stop after the chunk in flight (its final record still comes)."""
@@ -154,16 +199,35 @@ class StorageController(Lifecycle):
     def write(self, op_id: int, keys: Sequence[PageKey], host_pages: PageIds) -> None:
         """Queue a write of host pages to L3 (present keys are skipped by the backend);
         an :class:`L3Write` follows. The owner keeps the pages until it arrives."""
-        self._backup_q.put(_Write(op_id, keys, host_pages, states=False))
+        self._backup_q.put(_Write(op_id, keys, host_pages, component=None))
 
-    def write_states(self, op_id: int, keys: Sequence[PageKey], slots: PageIds) -> None:
-        """Queue a write of L2 state slots as component records ``keys[i]``; an
-        :class:`L3Write` follows. The owner keeps the slots (pinned) until it arrives."""
-        if self.state_pool is None:
-            raise ValueError("a state write needs the L2 state pool")
-        if len(keys) != len(slots):
-            raise ValueError(f"write of {len(keys)} keys from {len(slots)} state slots")
-        self._backup_q.put(_Write(op_id, keys, slots, states=True))
+    def write_component(self, op_id: int, name: str, keys: Sequence[PageKey], ids: PageIds) -> None:
+        """Queue a write of component ``name``'s L2 ids as its records ``keys[i]``; an
+        :class:`L3Write` follows. The owner keeps the ids (pinned) until it arrives."""
+        self._pool(name)
+        if len(keys) != len(ids):
+            raise ValueError(f"{name}: write of {len(keys)} keys from {len(ids)} ids")
+        self._backup_q.put(_Write(op_id, keys, ids, component=name))
+
+    def _pool(self, name: str) -> ComponentPool:
+        pool = self.component_pools.get(name)
+        if pool is None:
+            raise ValueError(
+                f"no L2 pool for component {name!r}; have {sorted(self.component_pools)}"
+            )
+        return pool
+
+    def _get_component(self, name: str, keys: Sequence[PageKey], ids: PageIds) -> list[bool]:
+        pool = self._pool(name)
+        if isinstance(pool, StatePool):
+            return self.storage.batch_get_state(keys, pool, list(ids))
+        return self.storage.batch_get(keys, pool, list(ids))
+
+    def _set_component(self, name: str, keys: Sequence[PageKey], ids: PageIds) -> SetResult:
+        pool = self._pool(name)
+        if isinstance(pool, StatePool):
+            return self.storage.batch_set_state(keys, pool, list(ids))
+        return self.storage.batch_set(keys, pool, list(ids))
 
     def forget(self, op_id: int) -> None:
         """The owner applied a read's final record: drop its cancel flag."""
@@ -208,26 +272,24 @@ class StorageController(Lifecycle):
 
     def _lookup(self, op: _Lookup) -> L3Lookup:
         hit = 0
-        bounds: tuple[int, ...] = ()
+        found: list[ComponentFound] = []
         try:
             hit = self.storage.batch_exists(op.keys)  # a failure is no hit
-            if hit and op.component_keys:
-                found = self.storage.batch_contains(op.component_keys[:hit])
-                bounds = tuple(i + 1 for i, f in enumerate(found) if f)
+            for c in op.components if hit else ():
+                flags = self.storage.batch_contains(c.keys[: c.lead + hit])
+                found.append(ComponentFound(c.name, tuple(i for i, f in enumerate(flags) if f)))
         except Exception:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
-        return L3Lookup(op.op_id, hit, bounds)
+        return L3Lookup(op.op_id, hit, tuple(found))
 
     def _read(self, op: _Read) -> int:
         """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact
-        (0 when its component record could not be read)."""
+        (0 when any of its component records could not be read)."""
         chunk = self.storage.options.max_batch_pages
         done = 0
         try:
-            if op.state is not None:
-                assert self.state_pool is not None
-                key, slot = op.state
-                if not self.storage.batch_get_state([key], self.state_pool, [slot])[0]:
+            for c in op.components:
+                if c.keys and not all(self._get_component(c.name, c.keys, c.ids)):
                     return 0
             for start in range(0, len(op.keys), chunk):
                 if op.cancel.is_set():
@@ -248,11 +310,8 @@ class StorageController(Lifecycle):
         while (item := self._backup_q.get()) is not None:
             written = present = 0
             try:
-                if item.states:
-                    assert self.state_pool is not None
-                    result = self.storage.batch_set_state(
-                        item.keys, self.state_pool, list(item.host_pages)
-                    )
+                if item.component is not None:
+                    result = self._set_component(item.component, item.keys, item.host_pages)
                 else:
                     result = self.storage.batch_set(
                         item.keys, self.host_pool, list(item.host_pages)

@@ -11,11 +11,13 @@ operations are batched and page-granular. The contract:
 - ``batch_set(keys, host, pages) -> SetResult``: write host page ``pages[i]`` under
   ``keys[i]``; a key already present is skipped (``SetOutcome.SKIPPED``, counted in
   ``SetResult.present``, not in ``written``).
-- Component records (``docs/l3-keys.md``; recurrent-state snapshots): ``batch_get_state``
-  / ``batch_set_state`` do the same over slots of a host
-  :class:`~hicache.memory.state_pool.StatePool` (their keys are chained under the
-  component's namespace, :meth:`allow_component`); ``batch_contains(keys) -> list[bool]``
-  looks keys up one by one (component records are sparse, not a run).
+- Component records (``docs/l3-keys.md``), keyed under the component's namespace
+  (:meth:`allow_component`): recurrent-state snapshots go through ``batch_get_state`` /
+  ``batch_set_state``, which do the same over slots of a host
+  :class:`~hicache.memory.state_pool.StatePool`; sliding-window KV pages through
+  ``batch_get`` / ``batch_set`` with the SWA layers' own host pool.
+  ``batch_contains(keys) -> list[bool]`` looks keys up one by one (component records are
+  sparse, not a run).
 - Every operation has a deadline (``StorageOptions.timeout_s``). A backend failure or
   timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
   and a WARNING. Only misuse raises (unstarted backend, length mismatch, a host pool that
@@ -366,7 +368,7 @@ class HiCacheStorage(ABC):
     def allow_component(self, component: str) -> None:
         """Also store and accept records of ``component``'s namespace (this instance's
         namespace with that component, for every allowed tenant): component records such
-        as recurrent-state snapshots (``"mamba"``)."""
+        as recurrent-state snapshots (``"mamba"``) or sliding-window pages (``"swa"``)."""
         self._components.add(component)
         self._allow()
 

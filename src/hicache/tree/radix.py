@@ -192,6 +192,17 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
         """
         if self._extra:
             return self._match_components(tokens, tenant)
+        return self._match_full(tokens, tenant)
+
+    def match_held(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
+        """The longest prefix of ``tokens`` whose full KV the tree holds, in any tier,
+        whatever the other components' validators say (so not necessarily a valid match
+        boundary): where an L3 fetch of the pages that follow starts. Splits and marks
+        like :meth:`match_prefix`; equal to it in a tree of full KV only."""
+        return self._match_full(tokens, tenant)
+
+    def _match_full(self, tokens: TokenIds, tenant: str) -> MatchResult:
+        """:meth:`match_prefix` over the full component alone."""
         key = self._page_key(tokens)
         pb = self._page_bytes
         self._tick += 1
