@@ -10,7 +10,8 @@
 #   2 make_random_model.py              1B Llama-shaped bf16 model on the GPU   (<= 45 s)
 #   3 engine_vs_hf.py                   9 chat prompts, fp32 + bf16, engine vs transformers (<= 90 s)
 #   4 hicache bench transfer            --device cuda --dtype bfloat16, page 64 (<= 45 s)
-#   5 hicache bench engine              --device cuda --dtype bfloat16, the 1B model (<= 60 s)
+#   5 hicache bench engine              --device cuda --dtype bfloat16, the 1B model; decode
+#                                       with the SDPA gather and the Triton kernel  (<= 60 s)
 #   6 hicache bench multiturn           1B model, 64 clients x 5 rounds x (512 + 32),
 #                                       --max-parallel 16, configs l1,l1_l2     (<= 180 s)
 # The limits add up to 8 minutes; the steps' own time is expected well under that.
@@ -66,7 +67,7 @@ if [ "$MODE" = gpu ]; then
   TOKDIR=$ROOT/.gpu/tokenizer
   MT_ARGS="--num-clients 64 --num-rounds 5 --request-length 512 --output-length 32 --max-parallel 16"
   TR_ARGS="--page-sizes 64 --repeat 5"
-  EN_ARGS="--prefill-tokens 2048 --decode-seqs 16 --decode-context 2048 --decode-steps 32"
+  EN_ARGS="--prefill-tokens 2048 --decode-seqs 16 --decode-context 2048 --decode-steps 32 --attention-backends sdpa,triton"
   T_TEST=60 T_MODEL=45 T_CMP=90 T_TR=45 T_EN=60 T_MT=180
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUTDIR/nvidia-smi.txt" 2>&1
 else

@@ -7,7 +7,7 @@ Two measurements on the same checkpoint, dtype and device, each the best of ``--
   ``model(input_ids, use_cache=False)``.
 * **decode**: ``--decode-seqs`` sequences of ``--decode-context`` tokens, then
   ``--decode-steps`` greedy steps of one token each. Ours: one runner forward per step
-  over the pool (the prefill is not timed). Theirs: ``generate`` with a static cache,
+  over the pool (the prefill is not timed), one row per ``--attention-backends`` entry. Theirs: ``generate`` with a static cache,
   timed as ``generate(steps + 1) - generate(1)`` so its prefill cancels out.
 
 The ratio column is transformers' time over ours (> 1: the engine is faster). Figures are
@@ -85,17 +85,19 @@ def prefill(lm: LoadedModel, hf: Any, n: int, repeat: int, sync: Callable[[], No
 
 def decode(
     lm: LoadedModel,
-    hf: Any,
     seqs: int,
     context: int,
     steps: int,
     repeat: int,
     sync: Callable[[], None],
-) -> EngineRun:
+    backend: str = "auto",
+) -> float:
+    """Seconds of ``steps`` decode forwards of ``seqs`` sequences of ``context`` tokens
+    (the prefill untimed), with the ``backend`` decode attention; best of ``repeat``."""
     device = str(lm.model.device)
     per_seq = math.ceil((context + steps) / PAGE)
     pool = _pool(lm, seqs * per_seq * PAGE, device)
-    runner = ModelRunner(lm.model, pool)
+    runner = ModelRunner(lm.model, pool, attention_backend=backend)
     prompts = torch.randint(100, int(lm.hf_config.vocab_size), (seqs, context))
 
     def ours() -> None:
@@ -123,7 +125,22 @@ def decode(
     timed: list[float] = []
     for _ in range(repeat):
         ours()
-    hf_ids = prompts.to(device)
+    return min(timed)
+
+
+def hf_decode(
+    lm: LoadedModel,
+    hf: Any,
+    seqs: int,
+    context: int,
+    steps: int,
+    repeat: int,
+    sync: Callable[[], None],
+) -> float:
+    """transformers' seconds for the same decode steps: ``generate`` with a static cache,
+    ``generate(steps + 1) - generate(1)`` so its prefill cancels out."""
+    device = str(lm.model.device)
+    hf_ids = torch.randint(100, int(lm.hf_config.vocab_size), (seqs, context)).to(device)
 
     def generate(new: int) -> None:
         hf.generate(
@@ -140,7 +157,7 @@ def decode(
         generate(2)  # warm-up: builds the static cache
         full = _best(lambda: generate(steps + 1), repeat, sync)
         first = _best(lambda: generate(1), repeat, sync)
-    return EngineRun("decode", seqs * steps, min(timed), max(full - first, 1e-9))
+    return max(full - first, 1e-9)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-context", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of N runs")
+    parser.add_argument(
+        "--attention-backends",
+        default="auto",
+        help="comma-separated decode attention backends, one decode row each (auto, sdpa, triton)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -169,18 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    runs = [
-        prefill(lm, hf, args.prefill_tokens, args.repeat, sync),
-        decode(
-            lm,
-            hf,
-            args.decode_seqs,
-            args.decode_context,
-            args.decode_steps,
-            args.repeat,
-            sync,
-        ),
-    ]
+    runs = [prefill(lm, hf, args.prefill_tokens, args.repeat, sync)]
+    shape = (args.decode_seqs, args.decode_context, args.decode_steps, args.repeat, sync)
+    theirs = hf_decode(lm, hf, *shape)
+    for backend in [b.strip() for b in args.attention_backends.split(",") if b.strip()]:
+        ours = decode(lm, *shape, backend=backend)
+        name = "decode" if backend == "auto" else f"decode ({backend})"
+        runs.append(EngineRun(name, args.decode_seqs * args.decode_steps, ours, theirs))
     print_table(
         f"engine vs transformers: {lm.name}, {args.dtype}, {args.device} (best of {args.repeat})",
         ["phase", "tokens", "ours s", "transformers s", "ours tok/s", "ratio (theirs/ours)"],
