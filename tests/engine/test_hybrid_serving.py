@@ -52,7 +52,9 @@ NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def make_engine(name: str, *, storage: Path | None = None, **cache_cfg: object) -> Engine:
+def make_engine(
+    name: str, *, storage: Path | None = None, chunked_prefill_size: int = 16, **cache_cfg: object
+) -> Engine:
     cfg: dict[str, object] = dict(
         page_size=PAGE,
         device_tokens=256,
@@ -66,7 +68,9 @@ def make_engine(name: str, *, storage: Path | None = None, **cache_cfg: object) 
         dtype="float32",
         device="cpu",
         cache=CacheConfig(**cfg),  # type: ignore[arg-type]
-        scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=16),
+        scheduler=SchedulerConfig(
+            max_running_requests=8, chunked_prefill_size=chunked_prefill_size
+        ),
         context_length=128,
         storage_backend="file" if storage is not None else None,
         storage_extra_config=(
@@ -453,3 +457,60 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
 def test_an_swa_pool_too_small_for_one_window_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match=r"swa_full_tokens_ratio=0\.1.*needs 7"):
         make_engine("tiny-random-gemma3", swa_full_tokens_ratio=0.1)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_mark_keeps_the_state_inside_a_forward(name: str) -> None:
+    """A forward of 9 tokens with a mark after 4 keeps the state a forward ending at 4
+    would leave (and the same logits as without the mark); it is taken once."""
+    model = hybrid_model(name).model
+    runner = ModelRunner(model, DevicePool(model.config.kv_spec("float32"), 8, PAGE))
+    ids, slots = prompt(name, 9), torch.arange(9)
+
+    def batch(end: int, key: str, marks: list[int | None] | None = None) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=ids[:end],
+            positions=torch.arange(end),
+            extend_lens=[end],
+            seq_slots=[slots[:end]],
+            seq_ids=[key],
+            state_marks=marks,
+        )
+
+    runner.forward(batch(4, "short"))
+    _, want = runner.snapshot_state("short")
+    plain = runner.forward(batch(9, "plain"))
+    marked = runner.forward(batch(9, "marked", [4]))
+    assert torch.allclose(marked, plain, atol=1e-4)  # chunking differs only in fp32 noise
+    got = runner.take_mark("marked")
+    assert got is not None and got[0] == 4
+    for a, b in zip(got[1], want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert runner.take_mark("marked") is None
+    with pytest.raises(ValueError, match=r"state_marks=9 must lie in \(0, 9\)"):
+        batch(9, "x", [9])
+    for key in ("short", "plain", "marked"):
+        runner.drop_state(key)
+    assert runner.states is not None and len(runner.states) == 0
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_prompt_is_one_forward_with_its_snapshot_taken_inside(name: str) -> None:
+    """A 33-token prompt (chunk 64): one prefill forward marks the snapshot at 32 instead of
+    two forwards split there; the same prompt again resumes at 32 with the same tokens."""
+    ids = prompt(name, PROMPT_LEN).tolist()
+    with make_engine(name, chunked_prefill_size=64) as engine:
+        prefills: list[list[int]] = []
+        forward = engine.scheduler.runner.forward
+
+        def counting(fb, **kw):  # type: ignore[no-untyped-def]
+            if any(n > 1 for n in fb.extend_lens):
+                prefills.append(list(fb.extend_lens))
+            return forward(fb, **kw)
+
+        engine.scheduler.runner.forward = counting  # type: ignore[method-assign]
+        first = engine.generate(ids, GREEDY, timeout=60)
+        assert prefills == [[PROMPT_LEN]] and first.output_ids == hf_greedy(name, ids)
+        again = engine.generate(ids, GREEDY, timeout=60)
+        assert again.cached.device == MATCHED and again.output_ids == first.output_ids
+        assert_idle(engine)

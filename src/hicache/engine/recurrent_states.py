@@ -130,9 +130,12 @@ class RecurrentStates:
         self.dtype = dtype
         self.device = device
         self._entries: dict[str, _Entry] = {}
+        self._marks: dict[str, _Entry] = {}
+        """States at a mark inside a sequence's last forward (see :meth:`keep_mark`)."""
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Sequences holding a state or a mark."""
+        return len(self._entries.keys() | self._marks.keys())
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -208,6 +211,19 @@ class RecurrentStates:
             rows = slice(i, i + 1)
             self._entries[key] = _Entry(n, {layer: s.select(rows) for layer, s in states.items()})
 
+    def keep_mark(self, key: str, tokens: int, states: Mapping[int, RecurrentState]) -> None:
+        """Keep ``states`` (batch 1, every recurrent layer) as ``key``'s state after its first
+        ``tokens`` positions, a point inside its last forward, until :meth:`take_mark`."""
+        if set(states) != set(self.specs):
+            raise ValueError(f"a mark of layers {sorted(states)}; expected {sorted(self.specs)}")
+        self._marks[key] = _Entry(tokens, dict(states))
+
+    def take_mark(self, key: str) -> tuple[int, list[torch.Tensor]] | None:
+        """The state kept at ``key``'s mark (positions covered, canonical tensors), once;
+        None when there is none."""
+        entry = self._marks.pop(key, None)
+        return None if entry is None else (entry.tokens, _canonical(self.specs, entry))
+
     def put(self, key: str, tokens: int, data: Sequence[torch.Tensor]) -> None:
         """Set the state of ``key`` to a snapshot covering its first ``tokens`` positions
         (canonical ``[conv (1, L, ...), ssm (1, L, ...)]``, see the module docstring)."""
@@ -229,14 +245,21 @@ class RecurrentStates:
     def export(self, key: str) -> tuple[int, list[torch.Tensor]]:
         """The positions the state of ``key`` covers and its canonical tensors (copies)."""
         entry = self._entries[key]
-        layers = sorted(self.specs)
-        conv = torch.stack([entry.states[i].conv for i in layers], dim=1)
-        ssm = torch.stack([entry.states[i].ssm for i in layers], dim=1)
-        return entry.tokens, [conv.clone(), ssm.clone()]
+        return entry.tokens, _canonical(self.specs, entry)
 
     def drop(self, key: str) -> bool:
-        """Forget the state of ``key``; False when it had none."""
+        """Forget the state of ``key`` (and any mark); False when it had none."""
+        self._marks.pop(key, None)
         return self._entries.pop(key, None) is not None
+
+
+def _canonical(specs: Mapping[int, StateSpec], entry: _Entry) -> list[torch.Tensor]:
+    """``entry``'s states as the canonical ``[conv (1, L, ...), ssm (1, L, ...)]`` (new
+    tensors), layers in id order."""
+    layers = sorted(specs)
+    conv = torch.stack([entry.states[i].conv for i in layers], dim=1)
+    ssm = torch.stack([entry.states[i].ssm for i in layers], dim=1)
+    return [conv, ssm]
 
     def clear(self) -> None:
         self._entries.clear()

@@ -64,7 +64,11 @@ class ForwardBatch:
     id; distinct within a batch); required by models with recurrent layers, unused by
     others. ``swa_slots[i]`` (a runner with an SWA pool only): sequence ``i``'s slots in
     the SWA pool for its *last* ``len(swa_slots[i])`` positions (at least its new tokens
-    and the window before them; earlier positions are absent).
+    and the window before them; earlier positions are absent). ``state_marks[i]`` (models
+    with recurrent layers): also keep sequence ``i``'s state after its first
+    ``state_marks[i]`` new tokens (``0 < mark < extend_lens[i]``; None: no mark), taken
+    once with :meth:`ModelRunner.take_mark`: a snapshot inside a prefill chunk without
+    ending the forward there.
     """
 
     input_ids: torch.Tensor
@@ -74,6 +78,7 @@ class ForwardBatch:
     layer_wait: Callable[[int], None] | None = None
     seq_ids: Sequence[str] | None = None
     swa_slots: list[torch.Tensor] | None = None
+    state_marks: Sequence[int | None] | None = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0] if self.input_ids.dim() == 1 else -1
@@ -90,6 +95,15 @@ class ForwardBatch:
             )
         if sum(self.extend_lens) != t:
             raise ValueError(f"sum(extend_lens)={sum(self.extend_lens)} != len(input_ids)={t}")
+        if self.state_marks is not None:
+            if len(self.state_marks) != len(self.extend_lens):
+                raise ValueError(
+                    f"state_marks has {len(self.state_marks)} entries for"
+                    f" {len(self.extend_lens)} sequences"
+                )
+            for i, (m, n) in enumerate(zip(self.state_marks, self.extend_lens, strict=True)):
+                if m is not None and not 0 < m < n:
+                    raise ValueError(f"sequence {i}: state_marks={m} must lie in (0, {n})")
         for i, (n, slots) in enumerate(zip(self.extend_lens, self.seq_slots, strict=True)):
             if slots.dim() != 1 or not 1 <= n <= slots.shape[0]:
                 raise ValueError(
@@ -204,6 +218,11 @@ class ModelRunner:
             raise ValueError("the model has no recurrent layers to snapshot")
         return self.states.export(seq_id)
 
+    def take_mark(self, seq_id: str) -> tuple[int, list[torch.Tensor]] | None:
+        """The state ``seq_id`` had at its mark in the last forward (positions covered,
+        canonical tensors), once; None when it was given none."""
+        return None if self.states is None else self.states.take_mark(seq_id)
+
     def drop_state(self, seq_id: str) -> None:
         """Forget the recurrent state of ``seq_id`` (its request ended, or was retracted and
         will start again from position 0). A no-op for models without recurrent layers."""
@@ -276,9 +295,14 @@ class ModelRunner:
             raise ValueError("a model with recurrent layers needs ForwardBatch.seq_ids")
         prefix = batch.prefix_lens
         states = self.states.gather(batch.seq_ids, prefix)
-        out = model(input_ids, positions, ctx, states)
+        marks = batch.state_marks or ()
+        out = model(input_ids, positions, ctx, states, marks)
         ends = [p + n for p, n in zip(prefix, batch.extend_lens, strict=True)]
         self.states.scatter(batch.seq_ids, ends, out.states)
+        for i, mark in enumerate(marks):
+            if mark is not None:
+                at = {layer: got[i] for layer, got in out.marked.items()}
+                self.states.keep_mark(batch.seq_ids[i], prefix[i] + mark, at)
         return out.hidden
 
 

@@ -15,7 +15,9 @@ Models with recurrent layers (Qwen3-Next, Nemotron-H: ``runner.resumable_prefix`
 start from a cached prefix only at a boundary where the cache keeps a state snapshot:
 each forward names its requests (``seq_ids``) so the runner carries their recurrent
 state; a prefill commits snapshots every ``mamba_track_interval`` tokens and at the last
-page boundary before the prompt's last token; and at its end (or retraction) a request
+page boundary before the prompt's last token (the first boundary inside a chunk is a
+*mark*: the runner keeps the state there without ending the forward; a second one ends
+the chunk); and at its end (or retraction) a request
 commits the state after the last page boundary it computed past that (kept when passed:
 the runner's state covers exactly the computed tokens, so a request that stops between
 boundaries leaves its tail to be recomputed). A request's live state is dropped when it
@@ -194,8 +196,12 @@ class Scheduler:
             if n <= 0:
                 break
             boundary = self._snapshot_boundary(req)
-            if boundary is not None and req.kv_len < boundary < req.kv_len + n:
-                n = boundary - req.kv_len  # end the chunk where a snapshot is to be taken
+            if boundary is not None and boundary < req.kv_len + n:
+                # the forward keeps the state at the first boundary inside the chunk (a
+                # mark) and ends at the second, if any: one snapshot each
+                later = self._snapshot_boundary(req, after=boundary)
+                if later is not None and later < req.kv_len + n:
+                    n = later - req.kv_len
             # pages for the chunk (sliding-window pages come chunk by chunk); may retract
             # a later arrival that is not in this batch
             if not self._ensure_pages(req, req.kv_len + n, keep=chosen, abort=not batch):
@@ -206,12 +212,12 @@ class Scheduler:
             first = False
         return batch
 
-    def _snapshot_boundary(self, req: Request) -> int | None:
+    def _snapshot_boundary(self, req: Request, after: int | None = None) -> int | None:
         """For a recurrent model whose cache keeps state snapshots: the next position after
-        ``req.kv_len`` at which its state is snapshotted, or None. Boundaries fall every
-        ``mamba_track_interval`` tokens (whole pages: a shared system prompt gets its own)
-        and at the last page boundary before the prompt's last token (where the same prompt
-        resumes); never past it."""
+        ``after`` (default ``req.kv_len``) at which its state is snapshotted, or None.
+        Boundaries fall every ``mamba_track_interval`` tokens (whole pages: a shared system
+        prompt gets its own) and at the last page boundary before the prompt's last token
+        (where the same prompt resumes); never past it."""
         if not self.recurrent or req.cache is None or not req.cache.cacheable:
             return None
         if not self.cache.resumable:
@@ -219,8 +225,15 @@ class Scheduler:
         ps = self.page_size
         last = (len(req.prompt_ids) - 1) // ps * ps
         step = self.cache.config.mamba_track_pages * ps
-        nxt = min((req.kv_len // step + 1) * step, last)
-        return nxt if nxt > req.kv_len else None
+        pos = req.kv_len if after is None else after
+        nxt = min((pos // step + 1) * step, last)
+        return nxt if nxt > pos else None
+
+    def _state_mark(self, req: Request, n: int) -> int | None:
+        """Where, among a chunk's ``n`` new tokens, ``req``'s forward keeps its state for
+        the snapshot boundary inside the chunk (None: none inside)."""
+        boundary = self._snapshot_boundary(req)
+        return None if boundary is None or boundary >= req.kv_len + n else boundary - req.kv_len
 
     def _tracks_end_state(self, req: Request) -> bool:
         """Whether ``req`` just computed a page boundary past its prompt's last snapshot
@@ -244,6 +257,16 @@ class Scheduler:
         req.end_state = None
         if req.cache.state is RequestState.ADMITTED and covered <= req.kv_len:
             self.cache.commit(req.cache, req.all_ids[:covered], state=state)
+
+    def _commit_mark(self, req: Request) -> None:
+        """Commit ``req``'s pages up to the boundary marked inside its last forward with
+        the state the runner kept there."""
+        assert req.cache is not None
+        got = self.runner.take_mark(req.rid)
+        if got is None:  # pragma: no cover - the batch gave this request a mark
+            raise RuntimeError(f"{req.rid}: the forward kept no state at its mark")
+        covered, state = got
+        self.cache.commit(req.cache, req.all_ids[:covered], state=state)
 
     def _commit_snapshot(self, req: Request) -> None:
         """Commit ``req``'s pages up to its snapshot boundary with its recurrent state."""
@@ -297,6 +320,7 @@ class Scheduler:
             if req.cache.loading:
                 loading.append(req.cache)
         timeout = self.config.layer_wait_timeout_s
+        marks = [self._state_mark(req, n) for req, n in batch]
 
         def layer_wait(layer: int) -> None:
             for handle in loading:
@@ -310,6 +334,7 @@ class Scheduler:
             layer_wait=layer_wait if loading else None,
             seq_ids=[req.rid for req, _ in batch],
             swa_slots=swa_slots or None,
+            state_marks=marks if any(m is not None for m in marks) else None,
         )
         logit_rows, last_row, prompt_rows = self._logit_rows(batch)
         try:
@@ -332,7 +357,13 @@ class Scheduler:
                 self._finish(req, FinishReason.ABORT, keep_kv=False)
                 continue
             boundary = self._snapshot_boundary(req)  # before this chunk
-            req.kv_len += n
+            if marks[i] is not None:  # the first boundary lay inside: its state was kept
+                assert boundary is not None
+                req.kv_len += n
+                self._commit_mark(req)
+                boundary = self._snapshot_boundary(req, after=boundary)
+            else:
+                req.kv_len += n
             if req.kv_len == boundary:
                 self._commit_snapshot(req)
             else:

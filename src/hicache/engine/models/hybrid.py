@@ -17,8 +17,8 @@ of the stacked ``...experts.{proj}`` parameter.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -138,10 +138,13 @@ class HybridConfig:
 @dataclass(frozen=True)
 class HybridOutput:
     """``hidden (T, hidden)`` final hidden states; ``states`` every recurrent layer's state
-    after the batch (``B = num_seqs`` rows, batch order), keyed by model layer id."""
+    after the batch (``B = num_seqs`` rows, batch order), keyed by model layer id;
+    ``marked[layer][i]`` sequence ``i``'s state at its mark (batch 1; see
+    :class:`RecurrentContext`), for the sequences given one."""
 
     hidden: torch.Tensor
     states: dict[int, RecurrentState]
+    marked: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
 
 
 class HybridLM(nn.Module):
@@ -206,17 +209,20 @@ class HybridLM(nn.Module):
         positions: torch.Tensor,
         ctx: AttentionContext,
         states: Mapping[int, RecurrentState] | None = None,
+        marks: Sequence[int | None] = (),
     ) -> HybridOutput:
-        """One forward over the batch described by ``ctx`` (see the module doc)."""
+        """One forward over the batch described by ``ctx`` (see the module doc); ``marks``:
+        see :class:`RecurrentContext`."""
         rctx = RecurrentContext(
             extend_lens=list(ctx.extend_lens),
             states=states or {},
             new_states={},
             dtype=self.dtype,
             device=self.device,
+            marks=marks,
         )
         hidden = self.run(input_ids, positions, ctx, rctx)
-        return HybridOutput(hidden=hidden, states=rctx.new_states)
+        return HybridOutput(hidden=hidden, states=rctx.new_states, marked=rctx.marked)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""

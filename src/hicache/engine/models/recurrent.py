@@ -34,7 +34,7 @@ memory. Sliding-window layers read only the slots of the last ``window`` positio
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,9 @@ class RecurrentContext:
     ``extend_lens[i]`` new tokens of sequence ``i`` (concatenated in order in ``x``);
     ``states`` the input per layer id (absent = zeros); ``new_states`` is filled by the
     layers as they run. ``dtype``/``device`` are the model's (for zero states).
+    ``marks[i]`` (optional, ``0 < marks[i] < extend_lens[i]``): also keep sequence ``i``'s
+    state after its first ``marks[i]`` new tokens, in ``marked[layer_id][i]`` (a snapshot
+    boundary inside a prefill chunk, taken without ending the forward there).
     """
 
     extend_lens: list[int]
@@ -128,6 +131,8 @@ class RecurrentContext:
     new_states: dict[int, RecurrentState]
     dtype: torch.dtype
     device: torch.device
+    marks: Sequence[int | None] = ()
+    marked: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
 
     def run(self, layer_id: int, spec: StateSpec, x: torch.Tensor, step: StepFn) -> torch.Tensor:
         """Apply ``step(x_b (B, n, ...), state_b) -> (y_b (B, n, ...), state_b')``.
@@ -149,7 +154,15 @@ class RecurrentContext:
         outs, news = [], []
         start = 0
         for i, n in enumerate(self.extend_lens):
-            y, new = step(x[None, start : start + n], state.select(slice(i, i + 1)))
+            xi, si = x[None, start : start + n], state.select(slice(i, i + 1))
+            mark = self.marks[i] if self.marks else None
+            if mark:  # two steps: the state between them is the mark's
+                head, mid = step(xi[:, :mark], si)
+                tail, new = step(xi[:, mark:], mid)
+                self.marked.setdefault(layer_id, {})[i] = mid
+                y = torch.cat((head, tail), dim=1)
+            else:
+                y, new = step(xi, si)
             outs.append(y[0])
             news.append(new)
             start += n
