@@ -23,7 +23,10 @@ pages (:mod:`hicache.memory.hugepages`) cut the TLB misses of both. Tried and dr
 (docs/benchmarks.md has the figures): per-kind serial views, two-pass gathers through a
 staging buffer (whole layer or cache-sized chunks), numpy copies, ``memmove`` of backups.
 
-CUDA: no custom kernel (none could be tested here); torch indexing on the GPU does the
+CUDA: with Triton installed and the host pool pinned, one launch per layer (load) or per
+op (backup) of :mod:`hicache.transfer.uva`'s kernel, which reads or writes the pinned host
+pages through their device-visible addresses (checked once per device by a probe copy;
+the DMA path below otherwise). The DMA path: torch indexing on the GPU does the
 gather/scatter and the host side moves in as few DMAs as the layout allows.
 
 - backup: gather the pages' rows on the GPU into a staging tensor in host-layout order,
@@ -50,6 +53,7 @@ from hicache.transfer.base import PageCopier, check_layer
 from hicache.transfer.blocks import BlockPlan, copy_blocks
 from hicache.transfer.plan import OpPlan
 from hicache.transfer.rows import row_ids, rows, word_dtype
+from hicache.transfer.uva import copy_pages, uva_usable
 
 __all__ = ["DMA_MIN_BYTES", "SLAB_MIN_BYTES", "KernelCopier", "Strategy"]
 
@@ -159,7 +163,28 @@ class KernelCopier(PageCopier):
             srcs.append(src)
         torch._foreach_copy_(dsts, srcs)
 
+    def _uva_pages(
+        self, device: DevicePool, host: HostPool, plan: OpPlan
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The op's (device, host) pages on the GPU when the one-launch UVA kernel
+        (:mod:`hicache.transfer.uva`) serves it: CUDA, a pinned host pool, the kernel's
+        probe passed; else None (the DMA path)."""
+        if self._force_device_path or not host.buffer.is_pinned():
+            return None
+        if not uva_usable(device.device):
+            return None
+        got = plan.memo.get("uva_pages")
+        if not isinstance(got, tuple):
+            on = device.device
+            got = (plan.device_pages.to(on), plan.host_pages.to(on))
+            plan.memo["uva_pages"] = got
+        return got
+
     def _backup_device(self, device: DevicePool, host: HostPool, plan: OpPlan) -> None:
+        uva = self._uva_pages(device, host, plan)
+        if uva is not None:  # one launch: every page, kind and layer straight to host
+            copy_pages(device, host, uva[0], uva[1], range(0, device.spec.num_layers))
+            return
         on = device.device
         spec = device.spec
         kinds, layers, ps = spec.num_kv, spec.num_layers, plan.page_size
@@ -257,6 +282,10 @@ class KernelCopier(PageCopier):
     def _load_layer_device(
         self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
     ) -> None:
+        uva = self._uva_pages(device, host, plan)
+        if uva is not None:  # one launch: every page and kind of the layer from host
+            copy_pages(host, device, uva[1], uva[0], range(layer, layer + 1))
+            return
         on = device.device
         word = word_dtype(device)
         hv = row_words(host.buffer, word)
