@@ -9,7 +9,7 @@ from hicache.config import KVSpec, MemLayout
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 from hicache.transfer import KernelCopier
-from hicache.transfer.blocks import MIN_SPLIT_BYTES, BlockPlan, copy_blocks
+from hicache.transfer.blocks import MIN_SPLIT_BYTES, BlockPlan, copy_blocks, copy_layers
 
 
 def test_copy_blocks_moves_exactly_the_listed_blocks() -> None:
@@ -55,16 +55,53 @@ def test_copy_blocks_split_over_threads_is_exact(threads: int) -> None:
         assert torch.equal(dst[p * block : (p + 1) * block], src[i * block : (i + 1) * block])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_layers_copies_every_layer_and_reports_them_in_order(threads: int) -> None:
+    """Five layers of 4 blocks (layer stride 4 blocks on both sides), up to ``threads`` at
+    once: every byte lands, and ``done`` sees 0..4 in order, each after its layer."""
+    block, layers = 4096, 5
+    g = torch.Generator().manual_seed(2)
+    src = torch.randint(0, 256, (layers * 4 * block,), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    perm = [2, 0, 3, 1]
+    plan = BlockPlan.build(
+        [p * block for p in perm], [i * block for i in range(4)], [block] * 4, 4 * block, 4 * block
+    )
+    seen: list[int] = []
+
+    def done(layer: int) -> None:
+        lo = layer * 4 * block
+        for i, p in enumerate(perm):  # this layer has landed
+            d, s = lo + p * block, lo + i * block
+            assert torch.equal(dst[d : d + block], src[s : s + block])
+        seen.append(layer)
+
+    copy_layers(dst, src, plan, layers, done, threads=threads)
+    assert seen == list(range(layers))
+
+
+def test_copy_layers_raises_after_its_copies_end() -> None:
+    """A layer out of bounds: the layers before it are reported, then the error."""
+    src = torch.zeros(3 * 1024, dtype=torch.uint8)
+    dst = torch.zeros(2 * 1024, dtype=torch.uint8)  # room for layers 0 and 1 only
+    plan = BlockPlan.build([0], [0], [1024], 1024, 1024)
+    seen: list[int] = []
+    with pytest.raises(IndexError, match="outside its buffer"):
+        copy_layers(dst, src, plan, 3, seen.append, threads=2)
+    assert seen == [0, 1]
+
+
 def _with_run(perm: torch.Tensor, run: range, n: int) -> torch.Tensor:
     """``n`` distinct pages: ``run`` first (consecutive), then ``perm`` without it."""
     rest = [p for p in perm.tolist() if p not in run]
     return torch.tensor([*run, *rest][:n])
 
 
-@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST_DIRECT])
+@pytest.mark.parametrize("layout", list(MemLayout))
 def test_kernel_load_by_blocks_matches_direct_reads(layout: MemLayout) -> None:
-    """The memmove load path against read_pages, on a pool big enough to split."""
-    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    """The slab load paths (memmove blocks, several layers at once; page_first's groups of
+    layers) against read_pages, on a pool big enough to split."""
+    spec = KVSpec(num_layers=5, num_kv_heads=2, head_dim=64, dtype="bfloat16")
     device = DevicePool(spec, 80, 16)
     host = HostPool(spec, 64, 16, layout, pin_memory=False)
     g = torch.Generator().manual_seed(1)

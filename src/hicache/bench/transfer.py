@@ -5,7 +5,8 @@ picks ``--pages`` SHUFFLED page ids on each side (fragmented, not one contiguous
 measures, as the transfer engine runs them:
 
 - backup: ``copier.backup`` (device -> host, all layers);
-- load: ``copier.load_layer`` for every layer (host -> device);
+- load: ``copier.load_layers`` (host -> device, every layer, as the transfer engine runs
+  it; a copier may copy several layers at once);
 - memcpy: a contiguous ``dst.copy_(src)`` of the same number of bytes, in the same run
   (device -> pinned host on CUDA; on CPU both buffers advised to use huge pages like the
   pools, see :mod:`hicache.memory.hugepages`).
@@ -94,7 +95,6 @@ def run_one(
         advise_huge_pages(t)
     src.fill_(1)
     dst.zero_()
-    num_layers = device_pool.spec.num_layers
 
     def memcpy() -> None:
         dst.copy_(src)
@@ -102,9 +102,8 @@ def run_one(
     def backup() -> None:
         copier.backup(device_pool, host_pool, dev_pages, host_pages)
 
-    def load() -> None:
-        for layer in range(num_layers):
-            copier.load_layer(device_pool, host_pool, host_pages, dev_pages, layer)
+    def load() -> None:  # as the transfer engine runs a load: every layer, in order
+        copier.load_layers(device_pool, host_pool, host_pages, dev_pages, lambda layer: None)
 
     times: dict[str, list[float]] = {"memcpy": [], "backup": [], "load": []}
     fns = {"memcpy": memcpy, "backup": backup, "load": load}

@@ -14,6 +14,7 @@ method returns (the host pool is pinned); the caller synchronizes (the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from hicache.memory.base import PageList
 from hicache.memory.device_pool import DevicePool
@@ -109,8 +110,24 @@ class PageCopier(ABC):
         device_pages: PageList,
     ) -> None:
         """Copy all layers of ``host_pages[i]`` into ``device_pages[i]`` (layer by layer)."""
+        self.load_layers(device, host, host_pages, device_pages, lambda layer: None)
+
+    def load_layers(
+        self,
+        device: DevicePool,
+        host: HostPool,
+        host_pages: PageList,
+        device_pages: PageList,
+        done: Callable[[int], None],
+    ) -> None:
+        """Copy every layer of ``host_pages[i]`` into ``device_pages[i]``, calling
+        ``done(layer)`` for ``0, 1, ...`` in order, each once its layer has landed (on CUDA:
+        has been enqueued on the current stream). A copier may copy several layers at once;
+        this default copies one at a time. On an error, raises after every copy it started
+        has ended; the layers reported done stay valid."""
         for layer in range(device.spec.num_layers):
             self.load_layer(device, host, host_pages, device_pages, layer)
+            done(layer)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["MIN_SPLIT_BYTES", "BlockPlan", "copy_blocks"]
+__all__ = ["MIN_SPLIT_BYTES", "BlockPlan", "copy_blocks", "copy_layers"]
 
 _memmove = ctypes.memmove
 
@@ -160,3 +161,51 @@ def _parts(plan: BlockPlan, threads: int | None) -> list[tuple[int, int]]:
             a = i + 1
     out.append((a, n))
     return out
+
+
+def copy_layers(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    plan: BlockPlan,
+    num_layers: int,
+    done: Callable[[int], None],
+    *,
+    threads: int | None = None,
+) -> None:
+    """Copy layers ``0 .. num_layers-1`` of ``plan`` (see :func:`copy_blocks`), up to
+    ``threads`` layers at once, each by one thread (default ``torch.get_num_threads()``;
+    the caller's thread takes every ``threads``-th layer, the shared helper pool the rest),
+    and call ``done(layer)`` on the caller's thread in layer order as each has landed.
+
+    Why whole layers per thread: a layer of a load is a few MiB (8 MiB for 32 pages of 8 x
+    128 fp16 heads at page 64), and splitting each one over the threads pays a hand-off
+    and a barrier per layer that cost as much as a good part of the copy; copying
+    different layers at once pays them once per op. On an error, raises once every copy
+    started has ended (later layers are not started; the ones reported done stay valid).
+    """
+    want = torch.get_num_threads() if threads is None else threads
+    want = max(1, min(want, num_layers))
+    helpers = _helpers(want - 1)
+    if helpers is None:
+        for layer in range(num_layers):
+            copy_blocks(dst, src, plan, layer, threads=1)
+            done(layer)
+        return
+    futures = {
+        layer: helpers.submit(copy_blocks, dst, src, plan, layer, threads=1)
+        for layer in range(num_layers)
+        if layer % want
+    }
+    try:
+        for layer in range(num_layers):
+            if layer % want == 0:
+                copy_blocks(dst, src, plan, layer, threads=1)
+            else:
+                futures[layer].result()
+            done(layer)
+    finally:
+        for f in futures.values():
+            f.cancel()
+        for f in futures.values():
+            if not f.cancelled():
+                f.exception()  # wait until it has ended; its error, if any, is raised above

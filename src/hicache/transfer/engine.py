@@ -245,18 +245,21 @@ class TransferEngine:
         self._finish(op, ok=True, error=None, seconds=time.perf_counter() - t0)
 
     def _load(self, op: _Op) -> None:
-        assert op.progress is not None
-        for layer in range(self.device_pool.spec.num_layers):
-            self.copier.load_layer(
-                self.device_pool, self.host_pool, op.host_pages, op.device_pages, layer
-            )
+        progress = op.progress
+        assert progress is not None
+
+        def done(layer: int) -> None:
             event = None
             if self._cuda:
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            op.progress.mark_layer_done(layer, event)
+            progress.mark_layer_done(layer, event)
             if self._hook is not None:
                 self._hook(op.op_id, layer)
+
+        self.copier.load_layers(
+            self.device_pool, self.host_pool, op.host_pages, op.device_pages, done
+        )
 
     def _finish(self, op: _Op, *, ok: bool, error: str | None, seconds: float) -> None:
         if not ok and op.progress is not None and not op.progress.failed:
