@@ -189,27 +189,7 @@ class SwaTier:
         """Bring the window a hit at ``node`` needs to L1 (copies of its L2 pages); False
         when the L1 SWA pool has no room (the caller must not use the hit). Call with the
         hit pinned and its full KV assigned in L1."""
-        nodes = self.tree.component_load_nodes(SWA, node)
-        if not nodes:
-            return True
-        assert self.host_pool is not None
-        c = self.tree.component(SWA)
-        hosts = [c.get(n, Tier.HOST) for n in nodes]
-        total = sum(len(h) for h in hosts if h is not None)
-        got = self.alloc(Tier.DEVICE, total)
-        if got is None:
-            return False
-        src = page_ids()
-        for h in hosts:
-            assert h is not None
-            src += h
-        self.copier.load(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
-        at = 0
-        for n, h in zip(nodes, hosts, strict=True):
-            assert h is not None
-            self.tree.assign_component(SWA, n, Tier.DEVICE, got[at : at + len(h)])
-            at += len(h)
-        return True
+        return self._copy(self.tree.component_load_nodes(SWA, node), Tier.DEVICE, None)
 
     def back_up(self, last: TreeNode) -> list[TreeNode]:
         """Copy to L2 the SWA pages of the path ending at ``last`` that have their full KV
@@ -253,30 +233,42 @@ class SwaTier:
         return out
 
     def _copy_to_host(self, last: TreeNode, nodes: list[TreeNode]) -> bool:
-        """Copy the L1 SWA values of ``nodes`` to fresh L2 pages; False when L2 has no
-        room (nothing copied)."""
-        assert self.host_pool is not None
+        """Copy the L1 SWA values of ``nodes`` to fresh L2 pages, with ``last`` pinned (the
+        L1 values must stay while L2 makes room); False when L2 has no room."""
+        return self._copy(nodes, Tier.HOST, last)
+
+    def _copy(self, nodes: list[TreeNode], to: Tier, pin: TreeNode | None) -> bool:
+        """Copy the SWA values of ``nodes`` from the other tier into fresh pages of ``to``
+        and assign them there (``pin`` locked while ``to`` makes room); False when ``to``
+        has no room (nothing copied)."""
         if not nodes:
             return True
+        assert self.host_pool is not None
         c = self.tree.component(SWA)
-        devs = [c.get(n, Tier.DEVICE) for n in nodes]
+        frm = Tier.HOST if to is Tier.DEVICE else Tier.DEVICE
+        values = [c.get(n, frm) for n in nodes]
         src = page_ids()
-        for d in devs:
-            assert d is not None
-            src += d
-        self.tree.inc_lock_ref(last)  # the L1 values must stay while L2 makes room
+        for v in values:
+            assert v is not None
+            src += v
+        if pin is not None:
+            self.tree.inc_lock_ref(pin)
         try:
-            got = self.alloc(Tier.HOST, len(src))
+            got = self.alloc(to, len(src))
         finally:
-            self.tree.dec_lock_ref(last)
+            if pin is not None:
+                self.tree.dec_lock_ref(pin)
         if got is None:
             return False
-        self.copier.backup(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
+        if to is Tier.DEVICE:
+            self.copier.load(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
+        else:
+            self.copier.backup(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
         at = 0
-        for n, d in zip(nodes, devs, strict=True):
-            assert d is not None
-            self.tree.assign_component(SWA, n, Tier.HOST, got[at : at + len(d)])
-            at += len(d)
+        for n, v in zip(nodes, values, strict=True):
+            assert v is not None
+            self.tree.assign_component(SWA, n, to, got[at : at + len(v)])
+            at += len(v)
         return True
 
     def host_ready(self) -> None:
