@@ -266,6 +266,7 @@ class ModelRunner:
             batch.layer_wait,
             swa,
             decode_kernel=self.attention_backend is AttentionBackend.TRITON,
+            extend_kernel=self.attention_backend is AttentionBackend.TRITON,
         )
         input_ids = batch.input_ids.to(self.device, torch.int64)
         positions = batch.positions.to(self.device, torch.int64)

@@ -17,9 +17,11 @@ __all__ = ["AttentionBackend", "resolve_backend", "triton_available"]
 
 
 class AttentionBackend(str, Enum):
-    """How decode attention reads the pool: ``sdpa`` gathers each sequence's K/V and calls
-    torch's SDPA (the reference); ``triton`` reads K/V in place through the page table;
-    ``auto`` picks ``triton`` on CUDA when Triton is installed, else ``sdpa``."""
+    """How attention reads the pool: ``sdpa`` gathers each sequence's K/V and calls torch's
+    SDPA (the reference); ``triton`` reads K/V in place through the page tables, with one
+    kernel for decode (:mod:`.decode_attention`) and one for extends, prefills included
+    (:mod:`.extend_attention`); ``auto`` picks ``triton`` on CUDA when Triton is installed,
+    else ``sdpa``. Sliding-window layers always use SDPA."""
 
     AUTO = "auto"
     SDPA = "sdpa"

@@ -5,7 +5,9 @@ layer, attention (1) writes the new tokens' K/V into their slots, (2) calls
 ``layer_wait(layer)`` so a layer-wise load from host memory can gate the read, (3) gathers
 each sequence's K/V (prefix, then new tokens) by slot and (4) computes causal attention for
 the new tokens: new token ``i`` of a sequence with ``prefix`` cached tokens attends to key
-positions ``0 .. prefix + i``.
+positions ``0 .. prefix + i``. With the Triton kernels (:mod:`hicache.engine.kernels`),
+steps (3) and (4) are one launch for the single-token sequences and one for the others,
+reading K/V in place through page tables (:class:`DecodeGather`, :class:`ExtendTable`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hicache.engine.models.layers import RMSNorm
 from hicache.engine.models.rope import apply_rotary
 from hicache.memory import DevicePool
 
-__all__ = ["AttentionContext", "DecodeGather", "PagedAttention", "SlidingKV"]
+__all__ = ["AttentionContext", "DecodeGather", "ExtendTable", "PagedAttention", "SlidingKV"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,30 @@ class DecodeGather:
     by_page: bool = False
     page_size: int = 1
     kernel: bool = False
+
+
+@dataclass(frozen=True)
+class ExtendTable:
+    """The sequences of a batch that add several tokens, for the Triton extend kernel
+    (:mod:`hicache.engine.kernels.extend_attention`), which reads their K/V in place.
+
+    ``seqs`` are their positions in the batch; for the ``B`` of them in batch order,
+    ``index (B, W)`` holds page ids right-padded with each one's last page when
+    ``page_size > 1`` (every sequence's slots lie over whole pages in order, as a
+    request's do), else slots right-padded with the last slot (``page_size == 1``, also
+    for a pool with larger pages whose slots do not allow pages). ``prefix_lens``,
+    ``extend_lens`` and ``q_starts (B,)`` int64: cached tokens, new tokens (>= 2) and the
+    first new token's row among the batch's ``T``; ``max_extend`` is the largest extend.
+    All tensors on the pool's device.
+    """
+
+    seqs: frozenset[int]
+    index: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    q_starts: torch.Tensor
+    max_extend: int
+    page_size: int
 
 
 @dataclass(frozen=True)
@@ -87,7 +113,9 @@ class AttentionContext:
     without prefix uses SDPA's ``is_causal`` (which keeps the flash kernels eligible).
     ``decode`` gathers the single-token sequences into one padded call when there are
     several of them (a decode batch, or the decode part of a mixed batch), or attends
-    them all with the Triton kernel (``decode_kernel``, any number). ``swa``: the
+    them all with the Triton kernel (``decode_kernel``, any number). ``extend``: the
+    sequences of several new tokens, attended in one launch of the Triton extend kernel
+    (``extend_kernel``; None without it or without such sequences). ``swa``: the
     sliding layers' own pool (then ``pool`` holds the global layers only); None when
     every attention layer lives in ``pool``.
     """
@@ -100,6 +128,7 @@ class AttentionContext:
     decode: DecodeGather | None
     layer_wait: Callable[[int], None] | None = None
     swa: SlidingKV | None = None
+    extend: ExtendTable | None = None
 
     @classmethod
     def build(
@@ -111,6 +140,7 @@ class AttentionContext:
         swa: SlidingKV | None = None,
         *,
         decode_kernel: bool = False,
+        extend_kernel: bool = False,
     ) -> AttentionContext:
         """Move slots to the pool's device and precompute masks (see the class doc)."""
         device = pool.device
@@ -126,18 +156,29 @@ class AttentionContext:
                 continue
             query_pos = torch.arange(prefix, prefix + n, device=device)
             masks.append(torch.arange(len(s), device=device)[None, :] <= query_pos[:, None])
+        offsets = [0]
+        for n in extend_lens:
+            offsets.append(offsets[-1] + n)
         decode = None
         singles = [i for i, n in enumerate(extend_lens) if n == 1]
         if len(singles) > 1 or (decode_kernel and singles):
-            offsets = [0]
-            for n in extend_lens:
-                offsets.append(offsets[-1] + n)
             decode = _decode_gather(
                 [slots[i] for i in singles],
                 frozenset(singles),
                 torch.tensor([offsets[i] for i in singles], device=device),
                 pool.page_size,
                 decode_kernel,
+            )
+        extend = None
+        multi = [i for i, n in enumerate(extend_lens) if n > 1]
+        if extend_kernel and multi:
+            extend = _extend_table(
+                [slots[i] for i in multi],
+                [extend_lens[i] for i in multi],
+                [offsets[i] for i in multi],
+                frozenset(multi),
+                pool.page_size,
+                device,
             )
         return cls(
             pool=pool,
@@ -148,7 +189,51 @@ class AttentionContext:
             decode=decode,
             layer_wait=layer_wait,
             swa=swa,
+            extend=extend,
         )
+
+
+def _page_table(slots: list[torch.Tensor], page_size: int) -> tuple[torch.Tensor, bool]:
+    """``(index, by_page)``: the sequences' page ids ``(B, Pmax)`` right-padded with each
+    one's last page when every sequence's slots lie over whole pages in order (``by_page``),
+    else their slots ``(B, Lmax)`` right-padded with each one's last slot."""
+    device = slots[0].device
+    pages = [s[::page_size] // page_size for s in slots]
+    offsets = torch.arange(page_size, device=device)
+    by_page = all(
+        s[0] % page_size == 0
+        and torch.equal((p[:, None] * page_size + offsets).reshape(-1)[: len(s)], s)
+        for s, p in zip(slots, pages, strict=True)
+    )
+    rows_of = pages if by_page else slots
+    width = max(len(r) for r in rows_of)
+    index = torch.stack([torch.cat((r, r[-1:].expand(width - len(r)))) for r in rows_of])
+    return index, by_page
+
+
+def _extend_table(
+    slots: list[torch.Tensor],
+    extend_lens: list[int],
+    q_starts: list[int],
+    seqs: frozenset[int],
+    page_size: int,
+    device: torch.device,
+) -> ExtendTable:
+    """The page (or slot) table and lengths of the multi-token sequences."""
+    index, by_page = _page_table(slots, page_size)
+    lens = torch.tensor(
+        [[len(s) - n for s, n in zip(slots, extend_lens, strict=True)], extend_lens, q_starts],
+        dtype=torch.int64,
+    ).to(device)  # one copy
+    return ExtendTable(
+        seqs=seqs,
+        index=index,
+        prefix_lens=lens[0],
+        extend_lens=lens[1],
+        q_starts=lens[2],
+        max_extend=max(extend_lens),
+        page_size=page_size if by_page else 1,
+    )
 
 
 def _decode_gather(
@@ -161,17 +246,8 @@ def _decode_gather(
     """The padded gather of single-token sequences; by page when their slots allow."""
     device = rows.device
     lengths = [int(s.shape[0]) for s in slots]
-    pages = [s[::page_size] // page_size for s in slots]
-    offsets = torch.arange(page_size, device=device)
-    by_page = all(
-        s[0] % page_size == 0
-        and torch.equal((p[:, None] * page_size + offsets).reshape(-1)[: len(s)], s)
-        for s, p in zip(slots, pages, strict=True)
-    )
-    rows_of = pages if by_page else slots
-    width = max(len(r) for r in rows_of)
-    index = torch.stack([torch.cat((r, r[-1:].expand(width - len(r)))) for r in rows_of])
-    keys = width * page_size if by_page else width
+    index, by_page = _page_table(slots, page_size)
+    keys = index.shape[1] * page_size if by_page else index.shape[1]
     valid = torch.tensor(lengths).to(device)
     mask = torch.arange(keys, device=device)[None, :] < valid[:, None]
     return DecodeGather(
@@ -258,10 +334,29 @@ class PagedAttention(nn.Module):
     def _attend_each(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """One SDPA call per sequence not in ``ctx.decode``; ``q (T, Hq, D)`` -> ``(T, Hq,
+        """One SDPA call per sequence in neither ``ctx.decode`` nor ``ctx.extend``, and one
+        extend-kernel launch for those in ``ctx.extend``; ``q (T, Hq, D)`` -> ``(T, Hq,
         D)`` (rows of the decode group are left for :meth:`_attend_decode`)."""
         out = torch.empty_like(q)
         skip = ctx.decode.seqs if ctx.decode is not None else frozenset()
+        if ctx.extend is not None:
+            from hicache.engine.kernels.extend_attention import paged_extend_attention
+
+            ext = ctx.extend
+            paged_extend_attention(
+                q if q.stride(-1) == 1 else q.contiguous(),
+                k_cache,
+                v_cache,
+                ext.index,
+                ext.prefix_lens,
+                ext.extend_lens,
+                page_size=ext.page_size,
+                scale=self.scale,
+                q_starts=ext.q_starts,
+                max_extend=ext.max_extend,
+                out=out,
+            )
+            skip = skip | ext.seqs
         start = 0
         for i, (slots, n, mask) in enumerate(
             zip(ctx.seq_slots, ctx.extend_lens, ctx.masks, strict=True)

@@ -1,0 +1,215 @@
+"""Extend attention read in place from the paged pool (Triton): no copy of any context.
+
+An *extend* adds ``extend`` new tokens to a sequence that already holds ``prefix`` tokens
+in the pool (``prefix == 0`` is a plain prefill). The new tokens' K/V are written to their
+slots before attention runs, so every key the new tokens see lies in the pool: new token
+``i`` (position ``prefix + i``) attends to keys ``0 .. prefix + i`` (the whole prefix,
+causal over the new part), and with a sliding ``window`` only to those after
+``prefix + i - window``. The SDPA reference
+(:meth:`~hicache.engine.models.attention.PagedAttention._attend_each`) gathers each
+sequence's K/V and calls SDPA with an explicit mask per sequence; this kernel reads each
+key where it lies, for all sequences of a batch in one launch.
+
+Work split: one program per (sequence, block of ``BLOCK_M`` new tokens, query head). It
+walks the keys ``BLOCK_N`` at a time through the sequence's page table (key ``n`` lies at
+slot ``table[n // PAGE] * PAGE + n % PAGE``; ``PAGE == 1`` makes ``table`` a slot table),
+from the first key the block's window can see up to the block's last query, and keeps an
+online softmax in fp32 (running max ``m``, normalizer ``l``, accumulator) per query row.
+A query head ``h`` reads KV head ``h // GROUP`` (GQA). Programs whose block starts past
+the sequence's ``extend`` return at once (the grid is sized by the longest extend).
+
+Numerics: as :mod:`hicache.engine.kernels.decode_attention`: ``q·k`` in the inputs' dtype
+with fp32 accumulation (``ieee`` precision for fp32 inputs, so fp32 matches SDPA to
+~1e-6), scores and softmax in fp32, ``p`` cast to V's dtype for ``p·v``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_extend_attention"]
+
+
+# Triton reads a kernel's annotations as specialization hints (tl.constexpr), so the
+# pointer and stride arguments stay unannotated; their types are the wrapper's.
+@triton.jit
+def _extend_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    prefix_ptr,
+    extend_ptr,
+    qstart_ptr,
+    out_ptr,
+    scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    mb = tl.program_id(1)
+    h = tl.program_id(2)
+    extend = tl.load(extend_ptr + b)
+    m_start = mb * BLOCK_M
+    if m_start >= extend:
+        return
+    prefix = tl.load(prefix_ptr + b)
+    q_row0 = tl.load(qstart_ptr + b).to(tl.int64)
+    kvh = h // GROUP
+
+    m = m_start + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_ok = m < extend
+    d_ok = d < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    rows = q_row0 + m
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask)
+    q_pos = prefix + m  # each query's position = the last key it sees
+
+    # keys of this block: up to its last valid query; from the first its window reaches
+    kv_end = prefix + tl.minimum(extend, m_start + BLOCK_M)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(prefix + m_start - window + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_begin, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        page = tl.load(table_ptr + b * stride_tb + n // PAGE, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + n % PAGE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no key yet keeps m == -inf; shift by 0 so exp gives 0, not nan
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_shift[:, None])
+        alpha = tl.exp(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    # every valid row sees its own key, so l > 0 there; padded rows are not stored
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    *,
+    page_size: int,
+    scale: float,
+    q_starts: torch.Tensor | None = None,
+    max_extend: int | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int = 32,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Causal attention of ``B`` sequences' new tokens over their keys in the pool.
+
+    ``q (T, Hq, D)``: the new tokens' queries; sequence ``b``'s ``extend_lens[b]`` rows
+    start at row ``q_starts[b]`` (default: the sequences' rows back to back, in order).
+    ``k_cache``/``v_cache (S, Hkv, D)``: one layer of the pool (token slots, last dim
+    contiguous), already holding the new tokens' K/V; ``Hq`` a multiple of ``Hkv``.
+    ``table (B, W)`` int: each sequence's page ids in order (``page_size`` > 1) or slots
+    (``page_size == 1``) covering its ``prefix_lens[b] + extend_lens[b]`` keys (at most
+    ``W * page_size``), right-padded with anything valid. ``prefix_lens``/``extend_lens
+    (B,)`` int: tokens already cached (>= 0) and new tokens (>= 1). New token ``i`` sees
+    keys ``0 .. prefix + i``, and with ``window`` (tokens, >= 1) only those later than
+    ``prefix + i - window``. ``max_extend``: ``max(extend_lens)`` if the caller knows it
+    (saves a device sync). ``out``: write into this ``(T, Hq, D)`` tensor (rows of no
+    sequence are left as they are) instead of a new one. Returns ``(T, Hq, D)`` in
+    ``q``'s dtype (new rows not covered by a sequence are uninitialized); all tensors on
+    one device.
+    """
+    t, hq, dim = q.shape
+    hkv = k_cache.shape[1]
+    bsz = table.shape[0]
+    if hq % hkv or k_cache.shape[2] != dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit k/v {tuple(k_cache.shape)} / "
+            f"{tuple(v_cache.shape)}: Hq must be a multiple of Hkv and D equal"
+        )
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
+    if prefix_lens.shape != (bsz,) or extend_lens.shape != (bsz,):
+        raise ValueError(
+            f"prefix_lens {tuple(prefix_lens.shape)} / extend_lens {tuple(extend_lens.shape)}"
+            f" for B={bsz}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1 or None")
+    if q_starts is None:
+        q_starts = torch.cumsum(extend_lens, 0) - extend_lens
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    if bsz == 0 or t == 0:
+        return out
+    if max_extend is None:
+        max_extend = int(extend_lens.max().item())
+    table = table.contiguous()
+    grid = (bsz, triton.cdiv(max_extend, block_m), hq)
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        table,
+        prefix_lens.contiguous(),
+        extend_lens.contiguous(),
+        q_starts.contiguous(),
+        out,
+        scale,
+        window if window is not None else 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // hkv,
+        PAGE=page_size,
+        HEAD_DIM=dim,
+        USE_WINDOW=window is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
