@@ -197,3 +197,11 @@ def test_compiled_kernel_equals_sdpa_on_cuda(dtype: torch.dtype) -> None:
     want = reference(q, k, v, slots, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol
+
+
+def test_the_probe_that_guards_auto_passes_under_the_interpreter() -> None:
+    """``auto`` on CUDA uses the kernels only when this probe (both kernels against SDPA)
+    passes on the device; here it runs in the interpreter on CPU."""
+    from hicache.engine.kernels.probe import kernels_agree
+
+    assert kernels_agree(torch.device("cpu"))

@@ -41,8 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=["auto", "sdpa", "triton"],
         default="auto",
-        help="decode attention: triton reads K/V in place (CUDA); sdpa gathers them; "
-        "auto picks triton on CUDA when installed",
+        help="attention over the pool: triton reads K/V in place (CUDA); sdpa gathers "
+        "them; auto picks triton on CUDA when installed and its probe against SDPA passes",
     )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=16, help="tokens per KV page")

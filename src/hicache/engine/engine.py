@@ -111,8 +111,10 @@ class EngineConfig:
     """``storage_backend`` and ``storage_extra_config`` parsed and validated once (None:
     no L3). An extra config without a backend is refused."""
     attention_backend: str = "auto"
-    """Decode attention: ``sdpa`` (gather + torch SDPA), ``triton`` (in place through the
-    page table), ``auto`` (``triton`` on CUDA when installed)."""
+    """Attention over the pool (decode and extend of full-attention layers): ``sdpa``
+    (gather + torch SDPA, the reference), ``triton`` (the kernels read K/V in place through
+    the page table), ``auto`` (``triton`` on CUDA when installed and its probe against SDPA
+    passes there, else ``sdpa``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

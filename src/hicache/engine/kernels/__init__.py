@@ -20,8 +20,9 @@ class AttentionBackend(str, Enum):
     """How attention reads the pool: ``sdpa`` gathers each sequence's K/V and calls torch's
     SDPA (the reference); ``triton`` reads K/V in place through the page tables, with one
     kernel for decode (:mod:`.decode_attention`) and one for extends, prefills included
-    (:mod:`.extend_attention`); ``auto`` picks ``triton`` on CUDA when Triton is installed,
-    else ``sdpa``. Sliding-window layers always use SDPA."""
+    (:mod:`.extend_attention`); ``auto`` picks ``triton`` on CUDA when Triton is installed
+    and the kernels pass a probe against SDPA there (:mod:`.probe`), else ``sdpa``.
+    Sliding-window layers always use SDPA."""
 
     AUTO = "auto"
     SDPA = "sdpa"
@@ -40,8 +41,11 @@ def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> At
     ValueError naming what is missing otherwise."""
     chosen = AttentionBackend(backend)
     if chosen is AttentionBackend.AUTO:
-        usable = device.type == "cuda" and triton_available()
-        return AttentionBackend.TRITON if usable else AttentionBackend.SDPA
+        if device.type != "cuda" or not triton_available():
+            return AttentionBackend.SDPA
+        from hicache.engine.kernels.probe import kernels_agree
+
+        return AttentionBackend.TRITON if kernels_agree(device) else AttentionBackend.SDPA
     if chosen is AttentionBackend.TRITON:
         if not triton_available():
             raise ValueError("attention_backend='triton' needs the triton package installed")

@@ -1,0 +1,79 @@
+"""A once-per-device check that the Triton attention kernels run and agree with SDPA.
+
+``attention_backend="auto"`` picks the kernels on CUDA only when this probe passes there:
+a compile error, a launch failure or a wrong result on some GPU, driver or Triton version
+then costs a logged warning and the SDPA path, never a failed or wrong forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["kernels_agree"]
+
+log = logging.getLogger("hicache.engine")
+
+_checked: dict[torch.device, bool] = {}
+
+TOLERANCE = 1e-3
+"""Largest difference from SDPA accepted in the probe (fp32 inputs of unit scale)."""
+
+
+def kernels_agree(device: torch.device) -> bool:
+    """Whether the decode and extend kernels run on ``device`` and match SDPA on a small
+    random case (GQA, pages in shuffled order, a prefix); checked once per device."""
+    if device in _checked:
+        return _checked[device]
+    ok = False
+    try:
+        ok = _probe(device)
+        if not ok:
+            log.warning("the Triton attention kernels disagree with SDPA on %s; using SDPA", device)
+    except Exception as exc:  # no Triton, a compile or launch error: SDPA stays
+        log.warning("the Triton attention kernels cannot run on %s (%s); using SDPA", device, exc)
+    _checked[device] = ok
+    return ok
+
+
+def _probe(device: torch.device) -> bool:
+    from hicache.engine.kernels.decode_attention import paged_decode_attention
+    from hicache.engine.kernels.extend_attention import paged_extend_attention
+
+    gen = torch.Generator().manual_seed(0)
+    page, hkv, group, dim = 4, 2, 2, 32
+    k = torch.randn(16 * page, hkv, dim, generator=gen).to(device)
+    v = torch.randn(16 * page, hkv, dim, generator=gen).to(device)
+    table = torch.tensor([[5, 2, 9, 0]], device=device)
+    slots = (table[0, :, None] * page + torch.arange(page, device=device)).reshape(-1)
+    prefix, new = 6, 5
+    q = torch.randn(new, hkv * group, dim, generator=gen).to(device)
+    scale = dim**-0.5
+    keys = slots[: prefix + new]
+    mask = (
+        torch.arange(prefix + new, device=device)[None, :]
+        <= (prefix + torch.arange(new, device=device))[:, None]
+    )
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k[keys].transpose(0, 1)[None],
+        v[keys].transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    lens = torch.tensor([prefix], device=device)
+    got = paged_extend_attention(
+        q, k, v, table, lens, torch.tensor([new], device=device), page_size=page, scale=scale
+    )
+    last = paged_decode_attention(
+        q[-1:].contiguous(), k, v, table, lens + new, page_size=page, scale=scale
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return bool(
+        (got - want).abs().max().item() < TOLERANCE
+        and (last[0] - want[-1]).abs().max().item() < TOLERANCE
+    )
