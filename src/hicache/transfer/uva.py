@@ -34,6 +34,7 @@ import os
 import torch
 
 from hicache.config import MemLayout
+from hicache.device_probe import DeviceProbe
 from hicache.memory.base import KVPool
 from hicache.transfer.rows import rows, word_dtype
 
@@ -43,8 +44,6 @@ log = logging.getLogger("hicache.transfer")
 
 _TILE_WORDS = 4096
 """Words one program moves per step (rows x words per row, rounded to powers of two)."""
-
-_checked: dict[torch.device, bool] = {}
 
 
 def row_strides(pool: KVPool) -> tuple[int, int, int, int]:
@@ -164,17 +163,7 @@ def uva_usable(device: torch.device) -> bool:
     per device, a failure logged once. Always False on CPU outside Triton's interpreter."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    if device in _checked:
-        return _checked[device]
-    ok = False
-    try:
-        ok = _probe(device)
-        if not ok:
-            log.warning("the UVA page-copy kernel gave wrong bytes on %s; using DMA copies", device)
-    except Exception as exc:  # no Triton, no UVA, a compile error: the DMA path stays
-        log.warning("the UVA page-copy kernel cannot run on %s (%s); using DMA copies", device, exc)
-    _checked[device] = ok
-    return ok
+    return _uva_probe(device)
 
 
 def _probe(device: torch.device) -> bool:
@@ -196,3 +185,6 @@ def _probe(device: torch.device) -> bool:
         torch.cuda.synchronize(dev.device)
     h = host.buffer.view(torch.int16)
     return bool(torch.equal(h[:, 1], h[:, 2]) and torch.equal(h[:, 3], h[:, 0]))
+
+
+_uva_probe = DeviceProbe("the UVA page-copy kernel", "DMA copies", _probe, log)

@@ -12,33 +12,18 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from hicache.device_probe import DeviceProbe
+
 __all__ = ["kernels_agree"]
 
 log = logging.getLogger("hicache.engine")
-
-_checked: dict[torch.device, bool] = {}
 
 TOLERANCE = 1e-3
 """Largest difference from SDPA accepted in the probe (fp32 inputs of unit scale)."""
 
 
-def kernels_agree(device: torch.device) -> bool:
-    """Whether the decode and extend kernels run on ``device`` and match SDPA on a small
-    random case (GQA, pages in shuffled order, a prefix); checked once per device."""
-    if device in _checked:
-        return _checked[device]
-    ok = False
-    try:
-        ok = _probe(device)
-        if not ok:
-            log.warning("the Triton attention kernels disagree with SDPA on %s; using SDPA", device)
-    except Exception as exc:  # no Triton, a compile or launch error: SDPA stays
-        log.warning("the Triton attention kernels cannot run on %s (%s); using SDPA", device, exc)
-    _checked[device] = ok
-    return ok
-
-
 def _probe(device: torch.device) -> bool:
+    """Both kernels on a small random case (GQA, shuffled pages, a prefix) against SDPA."""
     from hicache.engine.kernels.decode_attention import paged_decode_attention
     from hicache.engine.kernels.extend_attention import paged_extend_attention
 
@@ -77,3 +62,8 @@ def _probe(device: torch.device) -> bool:
         (got - want).abs().max().item() < TOLERANCE
         and (last[0] - want[-1]).abs().max().item() < TOLERANCE
     )
+
+
+kernels_agree = DeviceProbe("the Triton attention kernels", "SDPA", _probe, log)
+"""Whether the decode and extend kernels run on a device and match SDPA there (checked
+once per device)."""
