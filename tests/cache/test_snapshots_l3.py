@@ -6,12 +6,16 @@
   hit counted is that boundary; the snapshot's bytes come back exactly.
 * No snapshot in L3: nothing is fetched (no hit), never a match without one.
 * Ranks agree on the deepest boundary every rank has (all-reduce(min) only).
+* A snapshot evicted from L1 and L2 while its node's full KV stayed held is fetched alone
+  (one record, no page) and adopted by the held node when that node's full KV is in L2;
+  the storage hit counted is what it made usable beyond the local valid match, as far as
+  it is loaded from L2. A held node whose full KV is in L1 alone is skipped.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -19,8 +23,12 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.component_records import agree_boundary
 from hicache.config import CacheConfig, MemLayout, PrefetchConfig
-from hicache.keys import Namespace
+from hicache.keys import Namespace, PageKey, page_keys
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
+from hicache.storage.base import Deadline
+from hicache.storage.pageio import Payloads
+from hicache.storage.stats import MissReason
+from hicache.tree import TreeNode
 from hicache.tree.components import Tier
 from tests.cache.test_snapshots import PAGE, SPEC, STATE, snapshot
 from tests.helpers.kvdata import page_kv, read_device, write_tokens
@@ -28,17 +36,43 @@ from tests.helpers.kvdata import page_kv, read_device, write_tokens
 PROMPT = list(range(40, 40 + 9))  # 4 whole pages before the last token
 
 
-def make_cache(store: MemoryStore) -> HiCache:
+NS = Namespace.for_spec(
+    SPEC, model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=PAGE
+)
+SNAPSHOT_DIGEST = NS.with_component("mamba").digest
+
+
+class RecordingStorage(MemoryStorage):
+    """A memory backend that records the keys of every get (the prefetch thread's)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(NS, store=store)
+        self.gets: list[PageKey] = []
+        self._lock = threading.Lock()
+
+    def _get(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
+    ) -> list[MissReason | None]:
+        with self._lock:
+            self.gets.extend(keys)
+        return super()._get(keys, pages, deadline)
+
+    def read(self) -> tuple[int, int]:
+        """(full pages, snapshot records) read so far; resets."""
+        with self._lock:
+            got, self.gets = self.gets, []
+        snaps = sum(k.namespace_digest == SNAPSHOT_DIGEST for k in got)
+        return len(got) - snaps, snaps
+
+
+def make_cache(store: MemoryStore, storage: MemoryStorage | None = None) -> HiCache:
     cfg = CacheConfig(
         page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
         max_mamba_cache_size=4,
     )  # fmt: skip
     cache = HiCache(cfg, SPEC, state=STATE).start()
-    ns = Namespace.for_spec(
-        SPEC, model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=PAGE
-    )
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(MemoryStorage(ns, store=store), ns, policy)
+    cache.attach_storage(storage or MemoryStorage(NS, store=store), NS, policy)
     return cache
 
 
@@ -117,6 +151,81 @@ def test_deeper_snapshot_wins_and_l1_snapshot_loads_back(store: MemoryStore) -> 
         hit, prefix, state = fetch(cold, PROMPT)
         assert (hit, prefix) == (4 * PAGE, 4 * PAGE)
         assert state is not None and all(a.equal(b) for a, b in zip(state, s4, strict=True))
+
+
+def drop_snapshot(cache: HiCache, depth_pages: int) -> TreeNode:
+    """Evict the snapshot after ``depth_pages`` pages from L1 and L2 (its node and full KV
+    stay); returns its node."""
+    tree, snaps = cache.tree, cache.snapshots
+    assert snaps is not None
+    found = None
+    for tier in Tier:
+        for node in list(tree.component_eviction_order("mamba", tier)):
+            if tree.depth_pages(node) == depth_pages:
+                snaps.free(tier, tree.evict_component("mamba", node, tier))
+                found = node
+    assert found is not None
+    return found
+
+
+def computed_with_l3(store: MemoryStore) -> tuple[HiCache, RecordingStorage, list[torch.Tensor]]:
+    """A cache that computed ``PROMPT`` (snapshots after pages 2 and 4, all in L2 and L3)
+    and then lost the snapshot after page 4 in L1 and L2; pages 1..4 stay held."""
+    s2, s4 = snapshot(1), snapshot(2)
+    storage = RecordingStorage(store)
+    cache = make_cache(store, storage)
+    compute(cache, PROMPT, {2: s2, 4: s4})
+    assert cache.counters.l3_backup_snapshots_total == 2
+    node = drop_snapshot(cache, 4)
+    assert node.host is not None and node.device is not None
+    assert cache.match_prefix(PROMPT[:8]).matched_tokens == 2 * PAGE  # the valid match
+    assert cache.tree.match_held(PROMPT[:8]).matched_tokens == 4 * PAGE
+    storage.read()
+    return cache, storage, s4
+
+
+def test_a_held_boundary_fetches_its_snapshot_alone(store: MemoryStore) -> None:
+    cache, storage, s4 = computed_with_l3(store)
+    with cache:
+        assert cache.evict_device(100) == 4  # pages 1..4 in L2 only
+        hit, prefix, state = fetch(cache, PROMPT)
+        assert storage.read() == (0, 1)  # the snapshot after page 4, no page
+        assert (hit, prefix) == (2 * PAGE, 4 * PAGE)  # pages 3, 4: usable thanks to L3
+        assert state is not None and all(a.equal(b) for a, b in zip(state, s4, strict=True))
+        assert cache.counters.prefetch_component_records_total == 1
+        assert cache.counters.prefetch_tokens_total == 0
+        assert cache.match_prefix(PROMPT[:8]).matched_tokens == 4 * PAGE
+
+
+def test_a_held_boundary_in_l1_counts_no_storage_hit(store: MemoryStore) -> None:
+    cache, storage, s4 = computed_with_l3(store)
+    with cache:
+        hit, prefix, state = fetch(cache, PROMPT)  # full KV in L1 and L2
+        assert storage.read() == (0, 1)
+        assert (hit, prefix) == (0, 4 * PAGE)  # no page loaded from L2: device hits
+        assert state is not None and all(a.equal(b) for a, b in zip(state, s4, strict=True))
+        assert cache.counters.prefetch_component_records_total == 1
+
+
+def test_a_held_boundary_without_l2_full_kv_is_skipped(store: MemoryStore) -> None:
+    cache, storage, _ = computed_with_l3(store)
+    with cache:
+        node = cache.tree.match_held(PROMPT[:8]).last_host_node
+        assert cache.evict_host(1) == 1  # page 4's L2 copy: L1 alone holds it
+        assert node.host is None and node.device is not None
+        hit, prefix, _ = fetch(cache, PROMPT)
+        assert storage.read() == (0, 0)  # nothing read: no L2 node could adopt it
+        assert (hit, prefix) == (0, 2 * PAGE)
+        assert cache.counters.prefetch_component_records_total == 0
+
+
+def test_a_held_boundary_without_its_snapshot_in_l3_reads_nothing(store: MemoryStore) -> None:
+    cache, storage, _ = computed_with_l3(store)
+    with cache:
+        store.delete(page_keys(NS.with_component("mamba"), PROMPT[:8], PAGE)[3].key)
+        hit, prefix, _ = fetch(cache, PROMPT)
+        assert storage.read() == (0, 0)
+        assert (hit, prefix) == (0, 2 * PAGE)
 
 
 class _Group:

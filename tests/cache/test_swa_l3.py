@@ -154,3 +154,22 @@ def test_the_prefetch_starts_from_what_the_tree_holds(store: MemoryStore) -> Non
         # 10 pages, the window of 9 held now: only page 10 and its SWA page are read
         assert fetch(cache, LONG) == (1 * PAGE, 10 * PAGE)
         assert storage.read() == (1, 1)
+
+
+def test_a_held_boundary_fetches_its_window_alone(store: MemoryStore) -> None:
+    cache, storage = make_cache(store)
+    with cache:
+        assert fetch(cache, LONG[:17]) == (8 * PAGE, 8 * PAGE)
+        storage.read()
+        tree, swa = cache.tree, cache.swa
+        assert swa is not None
+        for tier in Tier:  # pages 1..8 stay held (L1 and L2), no SWA value is left
+            for node in list(tree.component_eviction_order("swa", tier)):
+                swa.free(tier, tree.evict_component("swa", node, tier))
+        assert cache.match_prefix(LONG[:16]).matched_tokens == 0
+        assert cache.evict_device(100) == 8  # pages 1..8 in L2 only
+        # the whole prompt is held: only the window of 8 (SWA pages 7, 8) is read
+        assert fetch(cache, LONG[:17]) == (8 * PAGE, 8 * PAGE)
+        assert storage.read() == (0, 2)
+        assert cache.counters.prefetch_component_records_total == 2 + 2
+        assert cache.match_prefix(LONG[:16]).matched_tokens == 8 * PAGE

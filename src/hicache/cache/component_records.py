@@ -141,12 +141,15 @@ class ComponentRecords(ABC):
         """Wait until every L1 -> L2 copy of this component issued so far has landed
         (before another thread reads its L2 ids)."""
 
-    def local_pages(self, node: TreeNode, depth_pages: int) -> frozenset[int]:
-        """The pages in ``(depth_pages - reach, depth_pages]`` of the path to ``node``
-        (which ends after ``depth_pages`` pages) whose value the tree holds in some tier
-        (a boundary component: the page a node's snapshot follows)."""
+    def local_pages(
+        self, node: TreeNode, depth_pages: int, first: int | None = None
+    ) -> frozenset[int]:
+        """The pages in ``[first, depth_pages]`` (default ``first``: ``depth_pages -
+        reach + 1``) of the path to ``node`` (which ends after ``depth_pages`` pages)
+        whose value the tree holds in some tier (a boundary component: the page a node's
+        snapshot follows)."""
         comp = self.tree.component(self.name)
-        lo = depth_pages - self.reach
+        lo = depth_pages - self.reach if first is None else first - 1
         out: set[int] = set()
         end = depth_pages
         n = node

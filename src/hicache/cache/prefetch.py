@@ -34,6 +34,18 @@ class Prefetch:
     ``reads``: the component records read with the pages (the boundary after all
     ``host_pages`` needs them, so the read is usable only once ``done_pages ==
     len(host_pages)``).
+
+    Boundaries inside the held prefix: ``valid_pages`` is the local valid match at the
+    start (what a match could use without L3); ``inner_to`` (0: none) the deepest held
+    page whose node has its full KV in L2, so boundaries in ``(valid_pages, inner_to]``
+    may be served by component records alone. ``boundary`` (pages; 0 until the lookup
+    agreed on one) is the usable boundary the read ends at: ``> start_page`` for a read
+    of pages (``start_page + len(host_pages)``), ``<= start_page`` for a read of
+    component records alone (``host_pages`` stays None, ``reads`` is not empty).
+    ``records_read`` turns True once every record of ``reads`` is in its L2 id.
+    ``attach`` is the node pinned in L2 (``inc_host_ref``) until the request takes the
+    prefetch: the held prefix's end, or, when that is not in L2, its deepest ancestor
+    that is (only records are read then).
     """
 
     op_id: int
@@ -53,3 +65,7 @@ class Prefetch:
     component_first: dict[str, int] = field(default_factory=dict)
     local: dict[str, frozenset[int]] = field(default_factory=dict)
     reads: list[ComponentFetch] = field(default_factory=list)
+    valid_pages: int = 0
+    inner_to: int = 0
+    boundary: int = 0
+    records_read: bool = False

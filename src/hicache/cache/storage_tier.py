@@ -31,6 +31,17 @@ hit, all that a match could use): the full pages up to it and the component reco
 needs that the tree does not hold (a snapshot there; the SWA pages of its window), into L2
 ids the inserted span and the nodes above it adopt. No usable boundary, no read: pages
 past the last one could never end a match. The storage hit counted is that usable length.
+
+A boundary inside the held prefix counts too (a snapshot, or a window page, evicted from
+L1 and L2 while the node's full KV stayed): the lookup also covers the boundaries between
+the local valid match and the held prefix's end whose nodes have their full KV in L2, and
+when the deepest usable boundary every rank agrees on is one of them, only its component
+records are read (no page), into L2 ids the held nodes adopt at admission (a held node
+whose full KV is in L1 alone is skipped: an L2 component value needs L2 full KV under it).
+The storage hit counted is then the tokens the records made usable beyond the local valid
+match, as far as the request loads them from L2 (the facade counts a prefix already in L1
+as a device hit). Every rank makes the same collective calls either way: the lookup's
+all-reduces, then one at admission for any read.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from hicache.controller.storage_controller import (
 )
 from hicache.keys import FULL_COMPONENT, Namespace, PageKey, page_keys
 from hicache.metrics import CacheCounters
+from hicache.tokens import TOKEN_BYTES
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import PageIds, page_ids
 
@@ -136,33 +148,63 @@ class StorageTier:
     def start(self, key: bytes, tenant: str) -> Prefetch | None:
         """Start looking up the L3 pages of ``key`` (encoded tokens) past what the tree
         holds; None when nothing can be fetched (no uncached whole page, or the held
-        prefix ends on a span that is not in L2, under which fetched pages cannot hang).
+        prefix ends on a span that is not in L2, under which fetched pages cannot hang;
+        and, with extra components, no held boundary past the valid match to serve).
 
         The start is the full-KV prefix the tree holds in any tier, not the validated
         match: pages there are never fetched again. A component's values that pages past
         it need from before it (a sliding window reaching back) are taken from the tree
-        when it holds them, else looked up and read from L3 with the rest."""
+        when it holds them, else looked up and read from L3 with the rest.
+
+        With extra components the lookup also covers the boundaries between the local
+        valid match and the held prefix's end whose nodes have their full KV in L2 (a
+        snapshot or window page evicted while the full KV stayed): when the deepest
+        usable boundary is one of them, only its component records are read, and the
+        held nodes adopt them (:meth:`take`). Held nodes whose full KV is in L1 alone are
+        skipped, not backed up first: an L2 component value needs L2 full KV under it,
+        and a speculative L1 -> L2 backup (L2 room, a copy) before L3 is known to hold the
+        records would override the backup policy that chose not to copy them."""
         held = self.tree.match_held(key, tenant)
         attach = held.last_host_node
-        if attach.parent is not None and attach.host is None:
-            return None
         start = held.matched_tokens // self.page_size
-        rest = self.keys(key, tenant)[start:]
-        if not rest:
+        in_l2 = attach.parent is None or attach.host is not None
+        if not in_l2 and not self.components:
             return None
-        self.tree.inc_host_ref(attach)  # the L2 span fetched pages will hang under
+        rest = self.keys(key, tenant)[start:] if in_l2 else []
+        valid = inner_to = 0
+        pin = attach
+        if self.components:
+            valid = self.tree.match_prefix(key, tenant).matched_tokens // self.page_size
+            depth = start
+            while pin.parent is not None and pin.host is None:  # L2 is a prefix of a path
+                depth -= self.tree.num_pages(pin)
+                pin = pin.parent
+            inner_to = depth if depth > valid else 0
+        if not rest and not inner_to:
+            return None
+        self.tree.inc_host_ref(pin)  # the L2 span fetched pages (or records) hang under
         op_id = next(self._op_ids)
         now = time.monotonic()
         deadline = now + self.prefetch.timeout_s(len(rest) * self.page_size)
-        p = Prefetch(op_id, key, rest, start, attach, tenant, now, deadline)
+        p = Prefetch(op_id, key, rest, start, pin, tenant, now, deadline)
+        p.valid_pages, p.inner_to = valid, inner_to
+        lo = valid if inner_to else start  # boundaries considered: (lo, start + hit]
         lookups: list[ComponentLookup] = []
         for c in self.components:
             keys = self.keys(key, tenant, c.name)
-            first = max(1, start - c.reach + 1)  # records of pages first.. may be needed
+            first = max(1, lo - c.reach + 1)  # records of pages first.. may be needed
             p.component_keys[c.name] = keys
             p.component_first[c.name] = first
-            p.local[c.name] = c.local_pages(attach, start)
-            lookups.append(ComponentLookup(c.name, tuple(keys[first - 1 :]), start - first + 1))
+            p.local[c.name] = c.local_pages(attach, start, first)
+            lead = start - first + 1
+            lookups.append(
+                ComponentLookup(
+                    c.name,
+                    tuple(keys[first - 1 : start + len(rest)]),
+                    lead,
+                    held=max(0, inner_to - first + 1) if inner_to else 0,
+                )
+            )
         self._prefetches[op_id] = p
         self.controller.lookup(op_id, rest, lookups)
         return p
@@ -187,11 +229,13 @@ class StorageTier:
             return 0
         p.taken = True
         self.tree.dec_host_ref(p.attach)
-        if p.host_pages is None:
+        if p.host_pages is None and not p.reads:
             if p.finished:  # else the lookup still runs: dropped when its record arrives
                 self._prefetches.pop(p.op_id, None)
             return 0
         self.controller.cancel(p.op_id)
+        if p.host_pages is None:
+            return self._take_records(p)
         done = self.controller.ranks.min(p.done_pages)
         if p.reads and done < len(p.host_pages):
             done = 0  # the component records end the usable hit: no use for pages short of it
@@ -199,7 +243,7 @@ class StorageTier:
         ps = self.page_size
         left = list(p.reads)  # component ids not adopted: freed (or quarantined) below
         if done:
-            key = p.key[: (p.start_page + done) * ps * 4]
+            key = p.key[: (p.start_page + done) * ps * TOKEN_BYTES]
             result = self.tree.insert_host(key, p.host_pages[:done], p.start_page, p.tenant)
             if len(result.duplicate_pages):
                 self.host.allocator.free(result.duplicate_pages)
@@ -211,16 +255,48 @@ class StorageTier:
                 self.counters.prefetch_component_records_total += len(r.ids) - len(rest)
                 left.append(ComponentFetch(r.name, r.pages, rest))
         self.counters.prefetch_tokens_total += done * ps
-        rest_pages = p.host_pages[done:]
+        self._end(p, p.host_pages[done:], left)
+        return added
+
+    def _take_records(self, p: Prefetch) -> int:
+        """:meth:`take` of a read of component records alone (a held boundary): the node
+        ending at ``p.boundary`` (split there if needed), still with its full KV in L2,
+        and the window nodes above it adopt the records. Returns the tokens this made
+        usable beyond the local valid match (``match_prefix`` before and after the
+        adoption; 0 when the read failed or was not over, or the match did not grow).
+        The caller counts them as storage hits only as far as they are loaded from L2 (a
+        held node whose full KV is in L1 too counts as a device hit)."""
+        ok = self.controller.ranks.min(int(p.records_read))  # one call, as a read of pages
+        left = list(p.reads)
+        gained = 0
+        if ok:
+            ps = self.page_size
+            d = p.boundary
+            held = self.tree.match_held(p.key[: d * ps * TOKEN_BYTES], p.tenant)
+            node = held.last_host_node
+            if held.matched_tokens == d * ps and node.parent is not None and node.host is not None:
+                before = self.tree.match_prefix(p.key, p.tenant).matched_tokens
+                left = []
+                for r in p.reads:
+                    rest = self._codecs[r.name].adopt(node, d, r.pages, r.ids)
+                    self.counters.prefetch_component_records_total += len(r.ids) - len(rest)
+                    left.append(ComponentFetch(r.name, r.pages, rest))
+                after = self.tree.match_prefix(p.key, p.tenant).matched_tokens
+                gained = max(0, after - before)
+        self._end(p, page_ids(), left)
+        return gained
+
+    def _end(self, p: Prefetch, pages: PageIds, left: list[ComponentFetch]) -> None:
+        """Drop taken ``p``: free its L2 ``pages`` and component ids ``left`` that were
+        not adopted, or quarantine them while the thread may still write them."""
         self._prefetches.pop(p.op_id, None)
         if not p.read_final:  # the thread may still write them: keep them until it ends
-            self._quarantine[p.op_id] = rest_pages
+            self._quarantine[p.op_id] = pages
             self._quarantine_ids[p.op_id] = left
         else:
-            if len(rest_pages):
-                self.host.allocator.free(rest_pages)
+            if len(pages):
+                self.host.allocator.free(pages)
             self._free_fetches(left)
-        return added
 
     def _on_lookup(self, r: L3Lookup) -> None:
         p = self._prefetches.get(r.op_id)
@@ -229,15 +305,26 @@ class StorageTier:
         ranks = self.controller.ranks
         hit = ranks.min(r.hit_pages)
         start = p.start_page
+        boundary = start + hit
         if self.components:  # the usable hit ends at a boundary every component serves
             found = {
                 f.name: {p.component_first[f.name] + i for i in f.present} for f in r.components
             }
-            usable = usable_boundaries(self.components, start, start + hit, p.local, found)
-            hit = agree_boundary(ranks.min, [d - start for d in usable], hit)
+            lo = p.valid_pages if p.inner_to else start
+            usable = [
+                d
+                for d in usable_boundaries(self.components, lo, start + hit, p.local, found)
+                if d > start or d <= p.inner_to  # held pages: only those with L2 full KV
+            ]
+            # absolute depths (a page of the prompt), the same calls on every rank
+            boundary = agree_boundary(ranks.min, usable, start + hit)
         if p.taken:
             self._prefetches.pop(r.op_id)
             return
+        if boundary <= start:
+            self._read_records(p, boundary)
+            return
+        hit = boundary - start
         host_pages = None
         if hit and hit * self.page_size >= self.prefetch.prefetch_threshold:
             host_pages = self.host.alloc(hit)
@@ -260,10 +347,47 @@ class StorageTier:
             return
         p.host_pages = host_pages
         p.reads = reads
+        p.boundary = boundary
         p.deadline = p.started + self.prefetch.timeout_s(hit * self.page_size)
+        self._submit(p, hit, host_pages)
+
+    def _read_records(self, p: Prefetch, boundary: int) -> None:
+        """Read only the component records that make the held boundary ``boundary``
+        (``valid_pages < boundary <= inner_to``; 0: none) usable, into L2 ids the held
+        nodes adopt at :meth:`take`. Worth it when the tokens it makes usable beyond the
+        local valid match reach ``prefetch_threshold``."""
+        gain = boundary - p.valid_pages
+        if (
+            not p.valid_pages < boundary <= p.inner_to
+            or gain * self.page_size < self.prefetch.prefetch_threshold
+        ):
+            p.finished = True
+            return
+        reads: list[ComponentFetch] = []
+        for c in self.components:
+            pages = c.reads(boundary, p.local.get(c.name, ()))
+            if not pages:
+                continue
+            ids = c.alloc(len(pages))
+            if ids is None:  # no L2 room for them: no use
+                self._free_fetches(reads)
+                p.finished = True
+                return
+            reads.append(ComponentFetch(c.name, tuple(pages), ids))
+        if not reads:  # pragma: no cover - a boundary past the valid match needs a record
+            p.finished = True
+            return
+        p.reads = reads
+        p.boundary = boundary
+        p.deadline = p.started + self.prefetch.timeout_s(0)
+        self._submit(p, 0, page_ids())
+
+    def _submit(self, p: Prefetch, hit: int, host_pages: PageIds) -> None:
+        """Queue the read of ``p``'s first ``hit`` pages into ``host_pages`` after its
+        component records ``p.reads``."""
         component_reads = [
             ComponentRead(f.name, tuple(p.component_keys[f.name][j - 1] for j in f.pages), f.ids)
-            for f in reads
+            for f in p.reads
         ]
         self.controller.read(p.op_id, p.keys[:hit], host_pages, component_reads)
 
@@ -286,6 +410,7 @@ class StorageTier:
         if p is None:
             return
         p.done_pages = max(p.done_pages, r.done_pages)
+        p.records_read = p.records_read or r.records
         if r.final:
             p.finished = p.read_final = True
             self.controller.forget(r.op_id)

@@ -48,11 +48,15 @@ class L3Read:
     hold intact records (and, for a read with component records, so do their L2 ids; a
     failed component read reports 0). ``final`` is True on the op's last record, posted only once no
     byte can land in any host page of the op any more (a backend call that overran its
-    deadline has returned); until then the owner must keep every page of the op."""
+    deadline has returned); until then the owner must keep every page of the op.
+    ``records``: True on the record posted once every component record of the op is in
+    its L2 id (before any page is read; a read of component records alone, with no
+    pages, says only so that it succeeded); False on every other record."""
 
     op_id: int
     done_pages: int
     final: bool
+    records: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ Like the L1<->L2 controller it knows page ids and keys, never the tree. Componen
 ops: a lookup may carry, per component, the keys of its records within reach of the run
 (:class:`ComponentLookup`, looked up one by one), a read the component records a hit needs
 into that component's L2 pool (:class:`ComponentRead`, read first: without them the pages
-are no hit), and a write may store one component's L2 ids instead of pages. Each
+are no hit; a read may have no pages at all, the records of a boundary inside the prefix
+the tree holds), and a write may store one component's L2 ids instead of pages. Each
 component's L2 pool is named at construction (``component_pools``): a
 :class:`~hicache.memory.HostPool` (sliding-window pages) or a
 :class:`~hicache.memory.state_pool.StatePool` (state slots). The owner (the cache's
@@ -62,11 +63,15 @@ ComponentPool: TypeAlias = HostPool | StatePool
 class ComponentLookup:
     """One component's records to look up with a run of full-KV keys: ``keys[i]`` for
     ``i < lead + hit`` (``hit``: the full-KV keys found in a row), i.e. ``lead`` records
-    before the run's first page and one per page of the run found."""
+    before the run's first page and one per page of the run found; when no full-KV key
+    is found, ``keys[i]`` for ``i < held`` (``0 <= held <= lead``: the records of
+    boundaries inside the prefix the tree holds, which a fetch of records alone may
+    serve)."""
 
     name: str
     keys: tuple[PageKey, ...]
     lead: int
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +170,10 @@ class StorageController(Lifecycle):
         :class:`L3Lookup` follows."""
         for c in components:
             self._pool(c.name)
-            if not 0 <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
+            if not 0 <= c.held <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
                 raise ValueError(
-                    f"{c.name}: {len(c.keys)} keys with lead {c.lead} for a run of {len(keys)}"
+                    f"{c.name}: {len(c.keys)} keys with lead {c.lead} (held {c.held}) "
+                    f"for a run of {len(keys)}"
                 )
         self._prefetch_q.put(_Lookup(op_id, keys, tuple(components)))
 
@@ -274,9 +280,12 @@ class StorageController(Lifecycle):
         hit = 0
         found: list[ComponentFound] = []
         try:
-            hit = self.storage.batch_exists(op.keys)  # a failure is no hit
-            for c in op.components if hit else ():
-                flags = self.storage.batch_contains(c.keys[: c.lead + hit])
+            hit = self.storage.batch_exists(op.keys) if op.keys else 0  # a failure is no hit
+            for c in op.components:
+                n = c.lead + hit if hit else c.held
+                if not n:
+                    continue
+                flags = self.storage.batch_contains(c.keys[:n])
                 found.append(ComponentFound(c.name, tuple(i for i, f in enumerate(flags) if f)))
         except Exception:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
@@ -291,6 +300,8 @@ class StorageController(Lifecycle):
             for c in op.components:
                 if c.keys and not all(self._get_component(c.name, c.keys, c.ids)):
                     return 0
+            if op.components:
+                self._out.post(L3Read(op.op_id, 0, final=False, records=True))
             for start in range(0, len(op.keys), chunk):
                 if op.cancel.is_set():
                     break
