@@ -1,6 +1,8 @@
 """Counters of the cache, kept by the facade and read as one frozen snapshot.
 
-Names follow Prometheus conventions (``*_total`` counters); the serving engine exports them.
+Names follow Prometheus conventions (``*_total`` counters); the serving engine exports
+every :class:`CacheCounters` field ``x_total`` as ``hicache_x_total``
+(:mod:`hicache.engine.metrics`), so a field added here is exported with no other change.
 """
 
 from __future__ import annotations

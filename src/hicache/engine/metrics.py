@@ -5,6 +5,11 @@ Cache and scheduler figures are read on the engine thread (:meth:`EngineMetrics.
 and exported by a collector at scrape time; request latencies and aborts are observed by
 the server. Names follow SGLang's where SGLang has one (``sglang:num_running_reqs`` ->
 ``hicache_num_running_reqs``), with the ``hicache_`` prefix.
+
+Every :class:`~hicache.metrics.CacheCounters` field ``x_total`` is exported as the counter
+``hicache_x_total`` (:func:`counter_metric_name`), generically, so a new field needs no
+change here; the per-tier families (``hicache_hit_tokens_total{tier}``, ...) and the
+SGLang-style names (``hicache_load_back_tokens_total``) are views of the same counters.
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ if TYPE_CHECKING:
     from hicache.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+
+def counter_metric_name(field: str) -> str:
+    """The Prometheus family of the :class:`~hicache.metrics.CacheCounters` field
+    ``field`` (``prefetch_component_records_total`` -> ``hicache_prefetch_component_records``;
+    the exposition adds ``_total``)."""
+    return "hicache_" + field.removesuffix("_total")
+
+
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -117,6 +131,17 @@ class _CacheCollector(Collector):
             ("hicache_backup_bytes", "backup_bytes_total", "Bytes backed up L1 -> L2"),
         ):
             yield CounterMetricFamily(name, doc, c[key])
+        curated = {
+            "hicache_prefetch_tokens",
+            "hicache_l3_backup_tokens",
+            "hicache_backup_tokens",
+            "hicache_backup_bytes",
+            "hicache_query_tokens",
+        }  # exported above under the generic name already
+        for key, value in c.items():
+            name = counter_metric_name(key)
+            if name not in curated:
+                yield CounterMetricFamily(name, f"Cache counter {key} (CacheCounters)", value)
         st = s.storage
         if st is not None:
             yield CounterMetricFamily(
