@@ -78,8 +78,14 @@ def run_one(
     pages: int,
     repeat: int,
     seed: int = 0,
+    *,
+    sequential: bool = False,
 ) -> BenchRun:
-    """Measure one configuration on existing pools (each must hold >= ``pages`` pages)."""
+    """Measure one configuration on existing pools (each must hold >= ``pages`` pages).
+
+    The ``repeat`` timed runs of memcpy, backup and load are interleaved (each op right
+    after the others, as in serving, where copies follow torch work), or with
+    ``sequential`` each op's runs come back to back (a load after loads)."""
     gen = torch.Generator().manual_seed(seed)
     dev_pages = torch.randperm(device_pool.num_pages, generator=gen)[:pages]
     host_pages = torch.randperm(host_pool.num_pages, generator=gen)[:pages]
@@ -109,9 +115,13 @@ def run_one(
     fns = {"memcpy": memcpy, "backup": backup, "load": load}
     for fn in fns.values():
         fn()  # warm-up
-    for _ in range(repeat):
+    if sequential:
         for name, fn in fns.items():
-            times[name].append(_timed(fn, dev))
+            times[name] = [_timed(fn, dev) for _ in range(repeat)]
+    else:
+        for _ in range(repeat):
+            for name, fn in fns.items():
+                times[name].append(_timed(fn, dev))
     gbps = {k: op_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
     return BenchRun(
         layout=host_pool.layout.value,
@@ -190,6 +200,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--io-backends", default=",".join(b.value for b in IOBackend))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time each op's runs back to back (default: memcpy, backup, load interleaved)",
+    )
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
@@ -219,7 +234,17 @@ def main(argv: list[str] | None = None) -> int:
             host_pool = HostPool.create(spec, 2 * pages, ps, layout, args.device)
             for backend in backends:
                 copier = make_copier(backend)
-                runs.append(run_one(device_pool, host_pool, copier, pages, args.repeat, args.seed))
+                runs.append(
+                    run_one(
+                        device_pool,
+                        host_pool,
+                        copier,
+                        pages,
+                        args.repeat,
+                        args.seed,
+                        sequential=args.sequential,
+                    )
+                )
             del host_pool
         del device_pool
     threads = torch.get_num_threads()
