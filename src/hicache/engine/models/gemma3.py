@@ -17,7 +17,7 @@ from torch import nn
 
 from hicache.engine.models.attention import AttentionContext
 from hicache.engine.models.config import HybridRopeConfig, UnsupportedModelError
-from hicache.engine.models.hybrid import HybridConfig, HybridLM
+from hicache.engine.models.hybrid import HybridBody, HybridConfig, HybridLM
 from hicache.engine.models.layers import GatedMLP
 from hicache.engine.models.norms import OffsetRMSNorm
 from hicache.engine.models.recurrent import RecurrentContext
@@ -109,16 +109,6 @@ class Gemma3Layer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Body(nn.Module):
-    """``model.*`` in checkpoints."""
-
-    def __init__(self, cfg: Gemma3Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Gemma3LM(HybridLM):
     """Gemma 3 text causal LM over the paged pool (no recurrent state)."""
 
@@ -126,7 +116,11 @@ class Gemma3LM(HybridLM):
 
     def __init__(self, cfg: Gemma3Config) -> None:
         super().__init__(cfg)
-        self.model = Gemma3Body(cfg)
+        self.model = HybridBody(
+            cfg,
+            (Gemma3Layer(cfg, i) for i in range(cfg.num_layers)),
+            OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self._build_head()
         self.rope_global = RotaryEmbedding(cfg.rope_global, cfg.head_dim)
         self.rope_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim)

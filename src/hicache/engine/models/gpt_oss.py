@@ -13,7 +13,7 @@ from torch import nn
 
 from hicache.engine.models.attention import AttentionContext
 from hicache.engine.models.config import HybridRopeConfig, UnsupportedModelError
-from hicache.engine.models.hybrid import HybridConfig, HybridLM
+from hicache.engine.models.hybrid import HybridBody, HybridConfig, HybridLM
 from hicache.engine.models.layers import RMSNorm
 from hicache.engine.models.moe import ClampedSwigluExperts, Router, RoutingConfig, RoutingMode
 from hicache.engine.models.recurrent import RecurrentContext
@@ -122,16 +122,6 @@ class GptOssLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssBody(nn.Module):
-    """``model.*`` in checkpoints."""
-
-    def __init__(self, cfg: GptOssConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GptOssLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class GptOssLM(HybridLM):
     """GPT-OSS causal LM over the paged pool (no recurrent state)."""
 
@@ -139,7 +129,11 @@ class GptOssLM(HybridLM):
 
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__(cfg)
-        self.model = GptOssBody(cfg)
+        self.model = HybridBody(
+            cfg,
+            (GptOssLayer(cfg, i) for i in range(cfg.num_layers)),
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 

@@ -29,7 +29,14 @@ from hicache.engine.models.attention import AttentionContext
 from hicache.engine.models.decoder import WeightLoadError
 from hicache.engine.models.recurrent import RecurrentContext, RecurrentState, StateSpec
 
-__all__ = ["ATTENTION_KINDS", "LAYER_KINDS", "HybridConfig", "HybridLM", "HybridOutput"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "LAYER_KINDS",
+    "HybridBody",
+    "HybridConfig",
+    "HybridLM",
+    "HybridOutput",
+]
 
 ATTENTION_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
 LAYER_KINDS: tuple[str, ...] = (*ATTENTION_KINDS, "linear_attention", "mlp", "moe")
@@ -147,6 +154,17 @@ class HybridOutput:
     marked: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
 
 
+class HybridBody(nn.Module):
+    """``model.*`` in the checkpoints of Gemma 3, GPT-OSS and Qwen3-Next: the token
+    embedding, the decoder layers (in order) and the final norm."""
+
+    def __init__(self, cfg: HybridConfig, layers: Iterable[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
 class HybridLM(nn.Module):
     """Base of the hybrid models: subclasses build the modules and implement :meth:`run`."""
 
@@ -184,14 +202,25 @@ class HybridLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def recurrent_state(self) -> StateSpec | None:
+        """The per-sequence state shapes of every ``linear_attention`` layer (Mamba2,
+        Gated DeltaNet); None for a model without recurrent layers."""
+        return None
+
     def state_specs(self) -> dict[int, StateSpec]:
         """Per recurrent layer id, its per-sequence state shapes (empty when none)."""
-        return {}
+        spec = self.recurrent_state()
+        if spec is None:
+            return {}
+        kinds = self.config.layer_kinds
+        return {i: spec for i, kind in enumerate(kinds) if kind == "linear_attention"}
 
     def skip_tensor(self, name: str) -> bool:
         """Checkpoint tensors that are not parameters (rotary caches, MTP heads ...)."""
-        return name.endswith("rotary_emb.inv_freq") or (
-            name == "lm_head.weight" and self.config.tie_word_embeddings
+        return (
+            name.endswith("rotary_emb.inv_freq")
+            or name.startswith("mtp.")
+            or (name == "lm_head.weight" and self.config.tie_word_embeddings)
         )
 
     # --- shared ---------------------------------------------------------------------

@@ -176,14 +176,8 @@ class NemotronHLM(HybridLM):
     def input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings
 
-    def state_specs(self) -> dict[int, StateSpec]:
-        cfg = self.config
-        return {
-            i: cfg.mamba.state for i, k in enumerate(cfg.layer_kinds) if k == "linear_attention"
-        }
-
-    def skip_tensor(self, name: str) -> bool:
-        return super().skip_tensor(name) or name.startswith("mtp.")
+    def recurrent_state(self) -> StateSpec:
+        return self.config.mamba.state
 
     def run(
         self,

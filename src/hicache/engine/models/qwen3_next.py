@@ -15,7 +15,7 @@ from torch import nn
 from hicache.engine.models.attention import AttentionContext
 from hicache.engine.models.config import HybridRopeConfig, UnsupportedModelError
 from hicache.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
-from hicache.engine.models.hybrid import HybridConfig, HybridLM
+from hicache.engine.models.hybrid import HybridBody, HybridConfig, HybridLM
 from hicache.engine.models.layers import GatedMLP
 from hicache.engine.models.moe import GatedExperts, Router, RoutingConfig, RoutingMode
 from hicache.engine.models.norms import OffsetRMSNorm
@@ -165,16 +165,6 @@ class Qwen3NextLayer(nn.Module):
         return x + out
 
 
-class Qwen3NextBody(nn.Module):
-    """``model.*`` in checkpoints."""
-
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen3NextLM(HybridLM):
     """Qwen3-Next causal LM: K/V of the attention layers in the pool, DeltaNet state carried."""
 
@@ -182,21 +172,19 @@ class Qwen3NextLM(HybridLM):
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__(cfg)
-        self.model = Qwen3NextBody(cfg)
+        self.model = HybridBody(
+            cfg,
+            (Qwen3NextLayer(cfg, i) for i in range(cfg.num_layers)),
+            OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def state_specs(self) -> dict[int, StateSpec]:
-        cfg = self.config
-        return {
-            i: cfg.linear.state for i, k in enumerate(cfg.layer_kinds) if k == "linear_attention"
-        }
-
-    def skip_tensor(self, name: str) -> bool:
-        return super().skip_tensor(name) or name.startswith("mtp.")
+    def recurrent_state(self) -> StateSpec:
+        return self.config.linear.state
 
     def run(
         self,
