@@ -30,12 +30,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from hicache.cache.component_records import ComponentRecords, SnapshotRecords, SwaRecords
+from hicache.cache.component_tiers import ComponentTiers, tree_components
 from hicache.cache.host_tier import HostTier
 from hicache.cache.inspect import (
     cache_stats,
     check_cache_integrity,
-    check_owned,
     component_usages,
 )
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
@@ -56,10 +55,7 @@ from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
 from hicache.tree.components import (
     ComponentValues,
-    MambaState,
-    SlidingWindow,
     Tier,
-    TreeComponent,
 )
 from hicache.tree.node import PageIds, TokenIds, page_ids
 from hicache.tree.results import NodeEviction
@@ -102,34 +98,18 @@ class HiCache(Lifecycle):
         self.wait_timeout_s = wait_timeout_s
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
-        components: list[TreeComponent] = [MambaState()] if state is not None else []
-        if swa is not None:
-            components.append(SlidingWindow(swa.window))
-        self.tree = HiRadixTree(config.page_size, config.eviction_policy, components)
+        self.tree = HiRadixTree(
+            config.page_size, config.eviction_policy, tree_components(state, swa)
+        )
         self.rule = write_rule(config)
         self.counters = CacheCounters()
         self._completions = CompletionQueue()
         self._op_ids = itertools.count(1)
-        self.snapshots: SnapshotTier | None = None
-        if state is not None:
-            self.snapshots = SnapshotTier(
-                tree=self.tree,
-                config=config,
-                kv=spec,
-                state=state,
-                device=self.device,
-                hierarchical=config.enable_hierarchical_cache,
-            )
-        self.swa: SwaTier | None = None
-        if swa is not None:
-            self.swa = SwaTier(
-                tree=self.tree,
-                config=config,
-                full=spec,
-                spec=swa,
-                device=self.device,
-                hierarchical=config.enable_hierarchical_cache,
-            )
+        self.components = ComponentTiers(
+            tree=self.tree, config=config, kv=spec, device=self.device, state=state, swa=swa
+        )
+        self.snapshots: SnapshotTier | None = self.components.snapshots
+        self.swa: SwaTier | None = self.components.swa
         self.host: HostTier | None = None
         if config.enable_hierarchical_cache:
             self.host = HostTier(
@@ -145,8 +125,8 @@ class HiCache(Lifecycle):
                 layer_hook=layer_hook,
             )
             self.host.on_backed_up = self._on_backed_up
-            self.host.free_components = self._free_components
-            self.host.on_backup_issued = self._back_up_components
+            self.host.free_components = self.components.free
+            self.host.on_backup_issued = self.components.back_up
             if self.swa is not None:
                 self.swa.wait_copies = self._wait_copies
         self.storage: StorageTier | None = None
@@ -203,11 +183,7 @@ class HiCache(Lifecycle):
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
         if self.storage is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
-        codecs: list[ComponentRecords] = []
-        if self.snapshots is not None:
-            codecs.append(SnapshotRecords(self.tree, self.snapshots))
-        if self.swa is not None:
-            codecs.append(SwaRecords(self.tree, self.swa))
+        codecs = self.components.records(self.tree)
         controller = StorageController(
             storage,
             self.host.pool,
@@ -266,14 +242,6 @@ class HiCache(Lifecycle):
             return False
         self.host.wait_idle()
         return True
-
-    def _back_up_components(self, last: TreeNode) -> None:
-        """The full pages of a run ending at ``last`` got L2 pages: back up what a hit
-        there needs of each extra component."""
-        if self.snapshots is not None:
-            self.snapshots.back_up(last)
-        if self.swa is not None:
-            self.swa.back_up(last)
 
     def _on_backed_up(self, nodes: list[TreeNode]) -> None:
         if self.storage is not None:
@@ -455,11 +423,7 @@ class HiCache(Lifecycle):
     def _back_up_added(self, node: TreeNode) -> None:
         """Component values were added at ``node``, whose KV was in L2 already (no backup
         was issued with them): copy them to L2 now, and write those copies to L3."""
-        backed: list[TreeNode] = []
-        if self.snapshots is not None:
-            backed += self.snapshots.back_up(node)
-        if self.swa is not None:
-            backed += self.swa.back_up(node)
+        backed = self.components.back_up(node)
         if backed and self.storage is not None:
             chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
             path = self.tree.path_tail(node, self.tree.depth_pages(node))
@@ -600,7 +564,7 @@ class HiCache(Lifecycle):
         )
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
-        self._free_components(Tier.DEVICE, result.component_duplicates)
+        self.components.free(Tier.DEVICE, result.component_duplicates)
         if back_up and self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         return result
@@ -656,18 +620,8 @@ class HiCache(Lifecycle):
     def _free_eviction(self, ev: NodeEviction) -> PageIds:
         """Free what evicting one node from L1 released; returns its full pages."""
         self.device_pool.allocator.free(ev.full)
-        self._free_components(Tier.DEVICE, ev.components)
+        self.components.free(Tier.DEVICE, ev.components)
         return ev.full
-
-    def _free_components(self, tier: Tier, ids: dict[str, PageIds]) -> None:
-        """Return extra components' ids (released by the tree) to their pools."""
-        for name, got in ids.items():
-            if name == SNAPSHOT and self.snapshots is not None:
-                self.snapshots.free(tier, got)
-            elif name == SWA and self.swa is not None:
-                self.swa.free(tier, got)
-            elif len(got):  # pragma: no cover - every component has a pool above
-                raise RuntimeError(f"no pool for component {name!r}")
 
     def read_state(self, req: CacheRequest) -> list[torch.Tensor] | None:
         """The recurrent-state snapshot ``req`` resumes from (canonical tensors, copies),
@@ -704,7 +658,7 @@ class HiCache(Lifecycle):
         for storage, pages, ids in self._retired:
             if storage.host_writes_settled(0.0):
                 self.host.allocator.free(pages)
-                self._free_components(Tier.HOST, ids)
+                self.components.free(Tier.HOST, ids)
             else:
                 keep.append((storage, pages, ids))
         self._retired = keep
@@ -726,11 +680,7 @@ class HiCache(Lifecycle):
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host is not None:
             self.host.allocator.free(self.tree.host_page_ids())
-        for tier in (Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())):
-            if self.snapshots is not None:
-                self.snapshots.free(tier, page_ids(self.snapshots.owned(tier)))
-            if self.swa is not None:
-                self.swa.free(tier, page_ids(self.swa.owned(tier)))
+        self.components.reset((Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())))
         self.tree.reset()
 
     @property
@@ -761,7 +711,7 @@ class HiCache(Lifecycle):
         every used L2 page is owned by the tree or held by an L3 op. Raises
         AssertionError."""
         host_held: list[int] = []
-        ids_held: dict[str, list[int]] = {SNAPSHOT: [], SWA: []}
+        ids_held: dict[str, list[int]] = {name: [] for name in self.components.names}
         if self.storage is not None:
             host_held += self.storage.held_host_pages()
             for name, held in ids_held.items():
@@ -769,7 +719,7 @@ class HiCache(Lifecycle):
         for _, pages, ids in self._retired:
             host_held += pages
             for name, got in ids.items():
-                ids_held[name] += got
+                ids_held.setdefault(name, []).extend(got)
         check_cache_integrity(
             self.tree,
             self.device_pool,
@@ -777,19 +727,7 @@ class HiCache(Lifecycle):
             [*self.request_pages(), *request_pages],
             host_held,
         )
-        if self.snapshots is not None:
-            sn = self.snapshots
-            check_owned("L1 snapshot", sn.device_pool.allocator, sn.owned(Tier.DEVICE))
-            if sn.host_pool is not None:
-                owned = [*sn.owned(Tier.HOST), *ids_held[SNAPSHOT]]
-                check_owned("L2 snapshot", sn.host_pool.allocator, owned)
-        if self.swa is not None:
-            sw = self.swa
-            held = sw.request_pages(list(self._requests))
-            check_owned("L1 SWA", sw.device_pool.allocator, sw.owned(Tier.DEVICE) + held)
-            if sw.host_pool is not None:
-                owned = [*sw.owned(Tier.HOST), *ids_held[SWA]]
-                check_owned("L2 SWA", sw.host_pool.allocator, owned)
+        self.components.check(list(self._requests), ids_held)
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:
