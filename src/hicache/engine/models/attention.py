@@ -145,7 +145,8 @@ class AttentionContext:
         """Move slots to the pool's device and precompute masks (see the class doc)."""
         device = pool.device
         lengths = [int(s.shape[0]) for s in seq_slots]
-        flat = torch.cat([s.to(torch.int64) for s in seq_slots]).to(device)  # one copy
+        host = [s.to("cpu", torch.int64) for s in seq_slots]  # page tables are built here
+        flat = torch.cat(host).to(device)  # one copy
         slots = list(flat.split(lengths))
         write = torch.cat([s[len(s) - n :] for s, n in zip(slots, extend_lens, strict=True)])
         masks: list[torch.Tensor | None] = []
@@ -163,7 +164,7 @@ class AttentionContext:
         singles = [i for i, n in enumerate(extend_lens) if n == 1]
         if len(singles) > 1 or (decode_kernel and singles):
             decode = _decode_gather(
-                [slots[i] for i in singles],
+                [host[i] for i in singles],
                 frozenset(singles),
                 torch.tensor([offsets[i] for i in singles], device=device),
                 pool.page_size,
@@ -173,7 +174,7 @@ class AttentionContext:
         multi = [i for i, n in enumerate(extend_lens) if n > 1]
         if extend_kernel and multi:
             extend = _extend_table(
-                [slots[i] for i in multi],
+                [host[i] for i in multi],
                 [extend_lens[i] for i in multi],
                 [offsets[i] for i in multi],
                 frozenset(multi),
@@ -193,13 +194,15 @@ class AttentionContext:
         )
 
 
-def _page_table(slots: list[torch.Tensor], page_size: int) -> tuple[torch.Tensor, bool]:
+def _page_table(
+    slots: list[torch.Tensor], page_size: int, device: torch.device
+) -> tuple[torch.Tensor, bool]:
     """``(index, by_page)``: the sequences' page ids ``(B, Pmax)`` right-padded with each
     one's last page when every sequence's slots lie over whole pages in order (``by_page``),
-    else their slots ``(B, Lmax)`` right-padded with each one's last slot."""
-    device = slots[0].device
+    else their slots ``(B, Lmax)`` right-padded with each one's last slot. ``slots`` are CPU
+    tensors (the checks cost no device sync); ``index`` is moved to ``device`` once."""
     pages = [s[::page_size] // page_size for s in slots]
-    offsets = torch.arange(page_size, device=device)
+    offsets = torch.arange(page_size)
     by_page = all(
         s[0] % page_size == 0
         and torch.equal((p[:, None] * page_size + offsets).reshape(-1)[: len(s)], s)
@@ -208,7 +211,7 @@ def _page_table(slots: list[torch.Tensor], page_size: int) -> tuple[torch.Tensor
     rows_of = pages if by_page else slots
     width = max(len(r) for r in rows_of)
     index = torch.stack([torch.cat((r, r[-1:].expand(width - len(r)))) for r in rows_of])
-    return index, by_page
+    return index.to(device), by_page
 
 
 def _extend_table(
@@ -219,8 +222,9 @@ def _extend_table(
     page_size: int,
     device: torch.device,
 ) -> ExtendTable:
-    """The page (or slot) table and lengths of the multi-token sequences."""
-    index, by_page = _page_table(slots, page_size)
+    """The page (or slot) table and lengths of the multi-token sequences (``slots`` on
+    CPU; the tables land on ``device``)."""
+    index, by_page = _page_table(slots, page_size, device)
     lens = torch.tensor(
         [[len(s) - n for s, n in zip(slots, extend_lens, strict=True)], extend_lens, q_starts],
         dtype=torch.int64,
@@ -243,10 +247,11 @@ def _decode_gather(
     page_size: int,
     kernel: bool,
 ) -> DecodeGather:
-    """The padded gather of single-token sequences; by page when their slots allow."""
+    """The padded gather of single-token sequences (``slots`` on CPU, the tables on
+    ``rows``' device); by page when their slots allow."""
     device = rows.device
     lengths = [int(s.shape[0]) for s in slots]
-    index, by_page = _page_table(slots, page_size)
+    index, by_page = _page_table(slots, page_size, device)
     keys = index.shape[1] * page_size if by_page else index.shape[1]
     valid = torch.tensor(lengths).to(device)
     mask = torch.arange(keys, device=device)[None, :] < valid[:, None]
