@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -23,15 +23,13 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.component_records import agree_boundary
 from hicache.config import CacheConfig, MemLayout, PrefetchConfig
-from hicache.keys import Namespace, PageKey, page_keys
+from hicache.keys import Namespace, page_keys
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
-from hicache.storage.base import Deadline
-from hicache.storage.pageio import Payloads
-from hicache.storage.stats import MissReason
 from hicache.tree import TreeNode
 from hicache.tree.components import Tier
 from tests.cache.test_snapshots import PAGE, SPEC, STATE, snapshot
 from tests.helpers.kvdata import page_kv, read_device, write_tokens
+from tests.helpers.recording_storage import RecordingStorage
 
 PROMPT = list(range(40, 40 + 9))  # 4 whole pages before the last token
 
@@ -39,30 +37,6 @@ PROMPT = list(range(40, 40 + 9))  # 4 whole pages before the last token
 NS = Namespace.for_spec(
     SPEC, model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=PAGE
 )
-SNAPSHOT_DIGEST = NS.with_component("mamba").digest
-
-
-class RecordingStorage(MemoryStorage):
-    """A memory backend that records the keys of every get (the prefetch thread's)."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        super().__init__(NS, store=store)
-        self.gets: list[PageKey] = []
-        self._lock = threading.Lock()
-
-    def _get(
-        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
-    ) -> list[MissReason | None]:
-        with self._lock:
-            self.gets.extend(keys)
-        return super()._get(keys, pages, deadline)
-
-    def read(self) -> tuple[int, int]:
-        """(full pages, snapshot records) read so far; resets."""
-        with self._lock:
-            got, self.gets = self.gets, []
-        snaps = sum(k.namespace_digest == SNAPSHOT_DIGEST for k in got)
-        return len(got) - snaps, snaps
 
 
 def make_cache(store: MemoryStore, storage: MemoryStorage | None = None) -> HiCache:
@@ -172,7 +146,7 @@ def computed_with_l3(store: MemoryStore) -> tuple[HiCache, RecordingStorage, lis
     """A cache that computed ``PROMPT`` (snapshots after pages 2 and 4, all in L2 and L3)
     and then lost the snapshot after page 4 in L1 and L2; pages 1..4 stay held."""
     s2, s4 = snapshot(1), snapshot(2)
-    storage = RecordingStorage(store)
+    storage = RecordingStorage(store, NS, "mamba")
     cache = make_cache(store, storage)
     compute(cache, PROMPT, {2: s2, 4: s4})
     assert cache.counters.l3_backup_snapshots_total == 2

@@ -17,48 +17,22 @@ Window 4 tokens, pages of 2 (a hit of ``d`` pages needs the SWA pages ``d - 1, d
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, MemLayout, PrefetchConfig
-from hicache.keys import Namespace, PageKey, page_keys
-from hicache.storage.backends.memory import MemoryStorage, MemoryStore
-from hicache.storage.base import Deadline
-from hicache.storage.pageio import Payloads
-from hicache.storage.stats import MissReason
+from hicache.keys import Namespace, page_keys
+from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from tests.cache.test_swa import FULL, PAGE, SWA_SPEC, read_swa, serve_in_chunks
+from tests.helpers.recording_storage import RecordingStorage
 
 LONG = list(range(100, 121))  # 21 tokens: 10 whole pages before the last token
 NS = Namespace.for_spec(
     FULL, model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=PAGE
 )
-SWA_DIGEST = NS.with_component("swa").digest
-
-
-class RecordingStorage(MemoryStorage):
-    """A memory backend that records the keys of every get (the prefetch thread's)."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        super().__init__(NS, store=store)
-        self.gets: list[PageKey] = []
-        self._lock = threading.Lock()
-
-    def _get(
-        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
-    ) -> list[MissReason | None]:
-        with self._lock:
-            self.gets.extend(keys)
-        return super()._get(keys, pages, deadline)
-
-    def read(self) -> tuple[int, int]:
-        """(full pages, SWA records) read so far; resets."""
-        with self._lock:
-            got, self.gets = self.gets, []
-        swa = sum(k.namespace_digest == SWA_DIGEST for k in got)
-        return len(got) - swa, swa
 
 
 def make_cache(store: MemoryStore) -> tuple[HiCache, RecordingStorage]:
@@ -67,7 +41,7 @@ def make_cache(store: MemoryStore) -> tuple[HiCache, RecordingStorage]:
         swa_full_tokens_ratio=0.5,
     )  # fmt: skip
     cache = HiCache(cfg, FULL, swa=SWA_SPEC).start()
-    storage = RecordingStorage(store)
+    storage = RecordingStorage(store, NS, "swa")
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
     cache.attach_storage(storage, NS, policy)
     return cache, storage
