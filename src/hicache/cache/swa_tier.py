@@ -203,21 +203,9 @@ class SwaTier:
         window = self.tree.component_backup_nodes(SWA, last)
         if not self._copy_to_host(last, window):
             return []
+        # the window's nodes end the path and now have L2 values: the rest lie above them
         rest = self._path_backup_nodes(last)
-        if not self._copy_to_host(last, rest):
-            return window
-        done = {id(n) for n in window + rest}
-        return [n for n in self._path_nodes(last) if id(n) in done]
-
-    def _path_nodes(self, last: TreeNode) -> list[TreeNode]:
-        """Nodes from the root (excluded) to ``last``, top-down."""
-        out: list[TreeNode] = []
-        node: TreeNode | None = last
-        while node is not None and node.parent is not None:
-            out.append(node)
-            node = node.parent
-        out.reverse()
-        return out
+        return rest + window if self._copy_to_host(last, rest) else window
 
     def _path_backup_nodes(self, last: TreeNode) -> list[TreeNode]:
         """Nodes from the root to ``last`` (top-down) with full KV in L2 and an SWA value in
