@@ -134,6 +134,8 @@ class HiCache(Lifecycle):
         """(old backend, L2 pages, L2 ids per component) a detached backend may still
         write."""
         self._requests: set[CacheRequest] = set()
+        self._reserved: list[int] = []
+        """L1 pages taken out of circulation (:meth:`reserve_device_pages`)."""
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -160,8 +162,8 @@ class HiCache(Lifecycle):
 
     @property
     def device_pages(self) -> int:
-        """Pages of the L1 pool (the most one request can hold)."""
-        return self.device_pool.num_pages
+        """Pages of the L1 pool less the reserved ones (the most one request can hold)."""
+        return self.device_pool.num_pages - len(self._reserved)
 
     @property
     def host_pool(self) -> HostPool | None:
@@ -589,6 +591,36 @@ class HiCache(Lifecycle):
         """Page level: return caller-owned L1 pages (never pages the tree holds)."""
         self.device_pool.allocator.free(pages)
 
+    def reserve_device_pages(self, num_pages: int) -> PageIds | None:
+        """Take ``num_pages`` L1 pages out of circulation for the caller's own writes (the
+        scratch page that padding rows of a CUDA-graph decode batch write their K/V to,
+        :mod:`hicache.engine.decode_graphs`) until :meth:`unreserve_device_pages`; None
+        when even eviction cannot free that many. No request and no tree node is ever
+        given a reserved page: the allocator counts it used, :meth:`reset` leaves it,
+        :meth:`check_integrity` and :meth:`stats` count it held, and
+        :attr:`device_pages` no longer counts it."""
+        pages = self.alloc_device(num_pages)
+        if pages is not None:
+            self._reserved.extend(pages)
+        return pages
+
+    def unreserve_device_pages(self, pages: Iterable[int]) -> None:
+        """Give reserved pages back to the allocator. ValueError for a page not reserved
+        (nothing freed then)."""
+        wanted = list(pages)
+        left = list(self._reserved)
+        for p in wanted:
+            if p not in left:
+                raise ValueError(f"L1 page {p} is not reserved (reserved: {self._reserved})")
+            left.remove(p)
+        self.device_pool.allocator.free(wanted)
+        self._reserved = left
+
+    @property
+    def reserved_device_pages(self) -> list[int]:
+        """The L1 pages :meth:`reserve_device_pages` took out of circulation."""
+        return list(self._reserved)
+
     def evict_device(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L1 pages if possible; returns pages freed.
 
@@ -700,14 +732,15 @@ class HiCache(Lifecycle):
             self.host_pool,
             self.counters,
             None if self.storage is None else self.storage.controller.storage,
-            held_device_pages=len(self.request_pages()),
+            held_device_pages=len(self.request_pages()) + len(self._reserved),
         )
         usage = component_usages(self.device_pool, self.host_pool, self.swa, self.snapshots)
         return dataclasses.replace(stats, components=usage)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
         """Check tree and allocators agree: every used L1 page is owned by the tree, an
-        admitted request or ``request_pages`` (pages other callers hold), exactly once;
+        admitted request, the reserved pages or ``request_pages`` (pages other callers
+        hold), exactly once;
         every used L2 page is owned by the tree or held by an L3 op. Raises
         AssertionError."""
         host_held: list[int] = []
@@ -724,7 +757,7 @@ class HiCache(Lifecycle):
             self.tree,
             self.device_pool,
             self.host_pool,
-            [*self.request_pages(), *request_pages],
+            [*self.request_pages(), *self._reserved, *request_pages],
             host_held,
         )
         self.components.check(list(self._requests), ids_held)

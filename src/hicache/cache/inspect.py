@@ -21,7 +21,8 @@ def cache_stats(
     *,
     held_device_pages: int,
 ) -> CacheStats:
-    """Occupancy per tier in tokens; ``held_device_pages`` are L1 pages requests own."""
+    """Occupancy per tier in tokens; ``held_device_pages`` are L1 pages requests own or
+    the cache reserved."""
     s = tree.stats()
     ps = tree.page_size
     host_only = sum(tree.num_pages(n) for n in tree.iter_nodes() if n.device is None)

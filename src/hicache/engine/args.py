@@ -44,6 +44,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="attention over the pool: triton reads K/V in place (CUDA); sdpa gathers "
         "them; auto picks triton on CUDA when installed and its probe against SDPA passes",
     )
+    m.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch replayed as a CUDA graph (captured at start; default:"
+        " --max-running-requests; 0: off); CUDA, triton attention, Llama/Qwen2/Qwen3 only",
+    )
+    m.add_argument(
+        "--disable-cuda-graph", action="store_true", help="decode eagerly (no CUDA graphs)"
+    )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     c.add_argument("--max-total-tokens", type=int, default=16384, help="L1 size in tokens")
@@ -151,6 +161,7 @@ FIELD_FLAGS = {
     "chunked_prefill_size": "--chunked-prefill-size",
     "context_length": "--context-length",
     "attention_backend": "--attention-backend",
+    "cuda_graph_max_bs": "--cuda-graph-max-bs",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -284,6 +295,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_prefetch_policy=a.hicache_storage_prefetch_policy,
         storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
         attention_backend=a.attention_backend,
+        cuda_graph_max_bs=0 if a.disable_cuda_graph else a.cuda_graph_max_bs,
         **kwargs,
     )
     check_sizes_in_gb(config)

@@ -30,6 +30,7 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.swa_tier import check_swa_pool
 from hicache.config import CacheConfig, PrefetchPolicy
+from hicache.engine.graph_setup import GraphSetup, enable_for_cache
 from hicache.engine.kernels import AttentionBackend
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.models.hybrid import HybridLM
@@ -42,6 +43,7 @@ from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.storage.registry import StorageConfig, storage_config_from_args
+from hicache.validate import int_at_least
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,6 +117,13 @@ class EngineConfig:
     (gather + torch SDPA, the reference), ``triton`` (the kernels read K/V in place through
     the page table), ``auto`` (``triton`` on CUDA when installed and its probe against SDPA
     passes there, else ``sdpa``)."""
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch served through CUDA graphs (:mod:`hicache.engine.decode_graphs`),
+    captured at start for buckets 1, 2, 4, 8, 12, 16, 24, ... up to it; None: the
+    scheduler's ``max_running_requests``; 0: off. Larger values are capped at
+    ``max_running_requests``. Used on CUDA with the Triton backend and a plain
+    Llama / Qwen2 / Qwen3 model, after a probe against the eager forward; else decode
+    runs eagerly (a warning says why when the capture or the probe failed)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -128,6 +137,8 @@ class EngineConfig:
                 f"attention_backend={self.attention_backend!r} is invalid; must be one of"
                 f" {', '.join(b.value for b in AttentionBackend)}"
             )
+        if self.cuda_graph_max_bs is not None:
+            int_at_least("cuda_graph_max_bs", self.cuda_graph_max_bs, 0, "(0: off)")
         if self.device_cache_gb is not None and not self.device_cache_gb > 0:
             raise ValueError(f"device_cache_gb={self.device_cache_gb!r} is invalid; must be > 0")
         if self.context_length is not None and (
@@ -159,6 +170,8 @@ class Engine(Lifecycle):
         self.cache: HiCache
         self.scheduler: Scheduler
         self.context_length = 0
+        self.decode_graphs: GraphSetup | None = None
+        """What turning CUDA graphs on did at start (None: not tried: off, or not CUDA)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,6 +225,7 @@ class Engine(Lifecycle):
             )
         max_pos = int(getattr(self.model.hf_config, "max_position_embeddings", 2048))
         self.context_length = min(cfg.context_length or max_pos, max_pos)
+        self.decode_graphs = self._enable_decode_graphs(runner)
         tok = self.model.tokenizer
         eos = _eos_ids(self.model)
         output = OutputProcessor(tok, eos, self.context_length)
@@ -225,6 +239,21 @@ class Engine(Lifecycle):
         self._thread = threading.Thread(target=self._loop, name="hicache-engine", daemon=True)
         self._thread.start()
         return self
+
+    def _enable_decode_graphs(self, runner: ModelRunner) -> GraphSetup | None:
+        """Capture decode CUDA graphs (``cuda_graph_max_bs``) on a CUDA device, before the
+        loop starts; None when off or not on CUDA. A failure leaves decode eager."""
+        cfg = self.config
+        max_running = cfg.scheduler.max_running_requests
+        max_bs = max_running if cfg.cuda_graph_max_bs is None else cfg.cuda_graph_max_bs
+        if max_bs == 0 or torch.device(cfg.device).type != "cuda":
+            return None
+        return enable_for_cache(
+            runner,
+            self.cache,
+            max_bs=min(max_bs, max_running),
+            context_length=self.context_length,
+        )
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Stop the engine thread, then close the cache. Idempotent; waits ``timeout`` s at most.

@@ -15,6 +15,11 @@ it (:class:`~hicache.engine.recurrent_states.RecurrentStates`, keyed by
 :attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. Such a model cannot
 resume from a prefix whose K/V the cache served (the cache keeps no state snapshot yet):
 :attr:`ModelRunner.resumable_prefix` is False and its caller must not match prefixes.
+
+Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
+(:class:`~hicache.engine.decode_graphs.DecodeGraphs`, attached with
+:meth:`ModelRunner.use_decode_graphs` once they passed their probe,
+:mod:`hicache.engine.graph_setup`); every other batch runs eagerly.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 
 from hicache.config import AttentionKind, KVSpec
+from hicache.engine.decode_graphs import DecodeGraphs
 from hicache.engine.kernels import AttentionBackend, resolve_backend
 from hicache.engine.models import AttentionContext, DecoderConfig, DecoderLM
 from hicache.engine.models.attention import SlidingKV
@@ -188,6 +194,25 @@ class ModelRunner:
         self.states: RecurrentStates | None = (
             RecurrentStates(specs, dtype=model.dtype, device=model.device) if specs else None
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        """Serves decode-only batches when set (:meth:`use_decode_graphs`)."""
+
+    def use_decode_graphs(self, graphs: DecodeGraphs | None) -> None:
+        """Serve decode-only batches through ``graphs`` (None: eagerly again): those without
+        ``layer_wait``, ``all_logits`` or ``logit_rows`` and of at most ``graphs.max_bs``
+        sequences, whose sequences fit its page table (:meth:`DecodeGraphs.run`). The
+        graphs must be built over this runner's model and pool, with the Triton backend
+        (the graphs' attention) and no SWA pool; ValueError otherwise."""
+        if graphs is not None:
+            if graphs.model is not self.model or graphs.pool is not self.pool:
+                raise ValueError("the decode graphs were built over another model or pool")
+            if self.attention_backend is not AttentionBackend.TRITON or self.swa_pool is not None:
+                raise ValueError(
+                    "decode graphs need attention_backend='triton' and no SWA pool, not"
+                    f" {self.attention_backend.value!r}"
+                    + (" with an SWA pool" if self.swa_pool is not None else "")
+                )
+        self.decode_graphs = graphs
 
     @property
     def device(self) -> torch.device:
@@ -247,7 +272,22 @@ class ModelRunner:
         A model with recurrent layers resumes each sequence from its state in
         :attr:`states` (zeros for a sequence starting at position 0) and keeps the state
         after the new tokens there; a sequence starting anywhere else than 0 or where its
-        state ends raises ValueError before anything runs."""
+        state ends raises ValueError before anything runs.
+
+        A decode-only batch runs through :attr:`decode_graphs` when they are set and the
+        batch fits them (see :meth:`use_decode_graphs`), with the same result."""
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and not all_logits
+            and logit_rows is None
+            and batch.layer_wait is None
+            and batch.input_ids.shape[0] == batch.num_seqs  # one new token each
+            and batch.num_seqs <= graphs.max_bs
+        ):
+            logits = graphs.run(batch.input_ids, batch.positions, batch.seq_slots)
+            if logits is not None:
+                return logits
         if logit_rows is not None:
             t = batch.input_ids.shape[0]
             if all_logits:

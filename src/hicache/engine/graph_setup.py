@@ -1,0 +1,228 @@
+"""Turning CUDA graphs for decode on: eligibility, scratch page, capture, probe, attach.
+
+:func:`enable_decode_graphs` attaches :class:`~hicache.engine.decode_graphs.DecodeGraphs`
+to a runner only when they can serve it (a plain :class:`DecoderLM`, the Triton attention
+backend, no SWA pool; CUDA to capture) and only after a **probe**: one padded bucket run
+on a real small batch must give the eager forward's logits (per row, relative L2 error
+within :func:`probe_tolerance` of the model's dtype). A capture that raises or a probe
+that disagrees logs one warning naming why and leaves the runner eager, the same spirit
+as the attention kernels' probe (:mod:`hicache.engine.kernels.probe`); the cost of a
+failure is never a failed or wrong forward.
+
+The probe batch: :data:`PROBE_PAGES` pages lent by the caller, filled with random K/V,
+carrying three sequences of 1 page, 2 pages and 3 pages in shuffled page order (their
+lengths end mid-page), each adding one token; the eager forward and the graph both
+write that token's K/V into the same (lent) slot. :func:`enable_for_cache` lends them
+from the cache's L1 allocator and reserves the scratch page there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hicache.cache import HiCache
+from hicache.engine.decode_graphs import DecodeGraphs, table_width_for
+from hicache.engine.kernels import AttentionBackend
+from hicache.engine.models.decoder import DecoderLM
+from hicache.engine.runner import ForwardBatch, ModelRunner
+
+__all__ = [
+    "PROBE_PAGES",
+    "GraphSetup",
+    "enable_decode_graphs",
+    "enable_for_cache",
+    "probe_tolerance",
+    "unsupported_reason",
+]
+
+log = logging.getLogger("hicache.engine")
+
+PROBE_PAGES = 6
+"""Pages the probe batch needs (sequences of 1, 2 and 3 pages)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSetup:
+    """What :func:`enable_decode_graphs` did. ``enabled``: the runner now serves decode
+    batches of up to ``buckets[-1]`` sequences through the graphs; else ``reason`` says
+    why not. ``captured``: CUDA graphs were recorded (False: the buckets run eagerly on
+    the static buffers, the CPU test mode). ``seconds``: capture and probe, wall time.
+    ``graph_bytes``: device memory the capture reserved (0 without capture).
+    ``probe_error``: the probe's largest per-row relative L2 error (None if not run)."""
+
+    enabled: bool
+    reason: str | None
+    buckets: tuple[int, ...] = ()
+    captured: bool = False
+    seconds: float = 0.0
+    graph_bytes: int = 0
+    probe_error: float | None = None
+
+
+def unsupported_reason(runner: ModelRunner, *, capture: bool) -> str | None:
+    """Why decode graphs cannot serve ``runner`` (None when they can)."""
+    if not isinstance(runner.model, DecoderLM):
+        return (
+            f"{type(runner.model).__name__} is a hybrid model (recurrent state or"
+            " sliding-window pools); graphs serve plain Llama / Qwen2 / Qwen3 decoders"
+        )
+    if runner.swa_pool is not None:
+        return "the runner has a sliding-window pool"
+    if runner.attention_backend is not AttentionBackend.TRITON:
+        return (
+            f"the attention backend is {runner.attention_backend.value!r}; graphs need the"
+            " Triton decode kernel (attention_backend 'triton', or 'auto' on CUDA)"
+        )
+    if capture and runner.device.type != "cuda":
+        return f"the device is {runner.device}, not CUDA"
+    return None
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """Largest per-row relative L2 error of the probe's logits against the eager forward:
+    the two differ only where a kernel's reduction order depends on the batch size
+    (the bucket pads it), so 1e-3 in fp32 and 5e-2 in 16-bit types; a wrong table, slot
+    or buffer gives errors of order 1."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+def _probe(runner: ModelRunner, graphs: DecodeGraphs, pages: Sequence[int]) -> float:
+    """The probe (module docstring): the largest per-row relative L2 error of the
+    graphs' logits against the eager forward's (inf when the graphs refuse the batch)."""
+    pool, ps = runner.pool, runner.pool.page_size
+    lengths = [1, ps + 1, 2 * ps + max(1, ps // 2)][: graphs.max_bs]
+    gen = torch.Generator().manual_seed(0)
+    order = [pages[i] for i in torch.randperm(len(pages), generator=gen).tolist()]
+    slots: list[torch.Tensor] = []
+    for n in lengths:
+        own = torch.tensor(order[: -(-n // ps)], dtype=torch.int64)
+        order = order[len(own) :]
+        t = torch.arange(n)
+        slots.append(own[t // ps] * ps + t % ps)
+    everything = torch.cat(slots).to(pool.device)
+    shape = (*pool.buffer.shape[:2], everything.shape[0], *pool.buffer.shape[3:])
+    with torch.inference_mode():  # random K/V for the lent pages (the caller's to write)
+        pool.buffer[:, :, everything] = torch.randn(shape, generator=gen).to(
+            pool.device, pool.dtype
+        )
+    vocab = runner.model.config.vocab_size
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, vocab, (len(lengths),), generator=gen),
+        positions=torch.tensor([n - 1 for n in lengths]),
+        extend_lens=[1] * len(lengths),
+        seq_slots=slots,
+    )
+    want = runner.forward(batch)  # the graphs are not attached yet: eager
+    got = graphs.run(batch.input_ids, batch.positions, batch.seq_slots)
+    if got is None:
+        return float("inf")
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    return float(err.max().item())
+
+
+def enable_decode_graphs(
+    runner: ModelRunner,
+    *,
+    scratch_page: int,
+    probe_pages: Sequence[int],
+    max_bs: int,
+    table_width: int,
+    capture: bool = True,
+) -> GraphSetup:
+    """Build decode graphs for ``runner`` up to ``max_bs`` sequences, capture them
+    (``capture``; CUDA only), probe them on ``probe_pages`` (:data:`PROBE_PAGES` pool
+    pages the caller lends for the call: their contents are overwritten) and attach them
+    (:meth:`ModelRunner.use_decode_graphs`). ``scratch_page``: a pool page reserved for
+    the graphs' padding rows for as long as the runner uses them (never a request's or
+    the tree's). Never raises for a capture or probe failure: the runner stays eager and
+    the returned :class:`GraphSetup` (and a logged warning) says why."""
+    reason = unsupported_reason(runner, capture=capture)
+    if reason is None and runner.decode_graphs is not None:
+        reason = "the runner already has decode graphs"
+    if reason is None and len(probe_pages) < PROBE_PAGES:
+        reason = f"the probe needs {PROBE_PAGES} free L1 pages, got {len(probe_pages)}"
+    if reason is not None:
+        return GraphSetup(enabled=False, reason=reason)
+    assert isinstance(runner.model, DecoderLM)
+    t0 = time.perf_counter()
+    error: float | None = None
+    try:
+        graphs = DecodeGraphs(
+            runner.model,
+            runner.pool,
+            scratch_page=scratch_page,
+            max_bs=max_bs,
+            table_width=table_width,
+        )
+        graph_bytes = graphs.capture() if capture else 0
+        error = _probe(runner, graphs, probe_pages)
+    except Exception as exc:  # a capture or kernel failure: eager decode
+        reason = f"{'capture' if capture else 'the static decode path'} failed: {exc!r}"
+    else:
+        tol = probe_tolerance(runner.model.dtype)
+        if not error <= tol:  # NaN fails too
+            reason = f"the probe's logits differ from the eager forward's ({error:.3g} > {tol:g})"
+    seconds = time.perf_counter() - t0
+    if reason is not None:
+        log.warning("CUDA graphs for decode are off: %s; decode runs eagerly", reason)
+        return GraphSetup(enabled=False, reason=reason, seconds=seconds, probe_error=error)
+    runner.use_decode_graphs(graphs)
+    log.info(
+        "decode %s for batch buckets %s (%.1f s, %.1f MiB, probe error %.2g)",
+        "CUDA graphs captured" if capture else "static buffers",
+        list(graphs.buckets),
+        seconds,
+        graph_bytes / 2**20,
+        error,
+    )
+    return GraphSetup(
+        enabled=True,
+        reason=None,
+        buckets=graphs.buckets,
+        captured=capture,
+        seconds=seconds,
+        graph_bytes=graph_bytes,
+        probe_error=error,
+    )
+
+
+def enable_for_cache(
+    runner: ModelRunner,
+    cache: HiCache,
+    *,
+    max_bs: int,
+    context_length: int,
+    capture: bool = True,
+) -> GraphSetup:
+    """:func:`enable_decode_graphs` for an engine: the scratch page is reserved in
+    ``cache`` (:meth:`HiCache.reserve_device_pages`; given back when the graphs are not
+    used), the probe's pages are lent by its L1 allocator and returned, and the page
+    table is as wide as ``context_length`` tokens. Call before any request is admitted."""
+    reason = unsupported_reason(runner, capture=capture)
+    if reason is not None:
+        log.info("CUDA graphs for decode are off: %s", reason)
+        return GraphSetup(enabled=False, reason=reason)
+    scratch = cache.reserve_device_pages(1)
+    if scratch is None:
+        return GraphSetup(enabled=False, reason="no L1 page left to reserve as scratch")
+    lent = cache.alloc_device(PROBE_PAGES)
+    try:
+        setup = enable_decode_graphs(
+            runner,
+            scratch_page=scratch[0],
+            probe_pages=[] if lent is None else list(lent),
+            max_bs=max_bs,
+            table_width=table_width_for(context_length, cache.page_size, cache.device_pages),
+            capture=capture,
+        )
+    finally:
+        if lent is not None:
+            cache.free_device(lent)
+    if not setup.enabled:
+        cache.unreserve_device_pages(scratch)
+    return setup
