@@ -9,12 +9,13 @@
 #   1 pytest -m gpu                     CUDA-gated tests (GPU mode only; the Triton
 #                                       attention and UVA copy kernels compiled) (<= 100 s)
 #   2 make_random_model.py              1B Llama-shaped bf16 model on the GPU   (<= 30 s)
-#   3 engine_vs_hf.py                   9 chat prompts, fp32 + bf16, engine vs transformers (<= 80 s)
-#   4 hicache bench transfer            --device cuda --dtype bfloat16, page 64 (<= 40 s)
+#   3 engine_vs_hf.py                   9 chat prompts, fp32 + bf16, engine vs transformers (<= 75 s)
+#   4 hicache bench transfer            --device cuda --dtype bfloat16, page 64 (<= 35 s)
 #   5 hicache bench engine              --device cuda --dtype bfloat16, the 1B model; decode
-#                                       with the SDPA gather and the Triton kernel  (<= 70 s)
+#                                       with the SDPA gather, the Triton kernel, and the
+#                                       Triton kernel replayed as CUDA graphs  (<= 90 s)
 #   6 hicache bench multiturn           1B model, 64 clients x 5 rounds x (512 + 32),
-#                                       --max-parallel 16, configs l1,l1_l2     (<= 160 s)
+#                                       --max-parallel 16, configs l1,l1_l2     (<= 150 s)
 # The limits add up to 8 minutes; the steps' own time is expected well under that.
 # Every step writes its JSON (and log) under OUTDIR; summary.json lists each step's exit
 # status and seconds. The GPU machine reaches no index: the SmolLM2 tokenizer travels in
@@ -68,9 +69,10 @@ if [ "$MODE" = gpu ]; then
   TOKDIR=$ROOT/.gpu/tokenizer
   MT_ARGS="--num-clients 64 --num-rounds 5 --request-length 512 --output-length 32 --max-parallel 16"
   TR_ARGS="--page-sizes 64 --repeat 5"
-  EN_ARGS="--prefill-tokens 2048 --decode-seqs 16 --decode-context 2048 --decode-steps 32 --attention-backends sdpa,triton"
-  # Triton compiles the attention and copy kernels in the first two steps
-  T_TEST=100 T_MODEL=30 T_CMP=80 T_TR=40 T_EN=70 T_MT=160
+  EN_ARGS="--prefill-tokens 2048 --decode-seqs 16 --decode-context 2048 --decode-steps 32 --attention-backends sdpa,triton --cuda-graphs"
+  # Triton compiles the attention and copy kernels in the first two steps; engines
+  # (steps 3 and 6) and --cuda-graphs capture decode graphs at start (a few seconds)
+  T_TEST=100 T_MODEL=30 T_CMP=75 T_TR=35 T_EN=90 T_MT=150
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUTDIR/nvidia-smi.txt" 2>&1
 else
   PY=${PY:-$ROOT/.venv/bin/python}
@@ -78,7 +80,7 @@ else
   TOKDIR=${TOKDIR:-$("$PY" -c 'from hicache.engine.checkpoints import resolve_checkpoint; print(resolve_checkpoint("tiny-random-llama").path)' 2>/dev/null)}
   MT_ARGS="--num-clients 4 --num-rounds 2 --request-length 64 --output-length 4 --max-parallel 2"
   TR_ARGS="--page-sizes 16 --pages 8 --layers 4 --repeat 1"
-  EN_ARGS="--prefill-tokens 64 --decode-seqs 2 --decode-context 32 --decode-steps 4 --repeat 1"
+  EN_ARGS="--prefill-tokens 64 --decode-seqs 2 --decode-context 32 --decode-steps 4 --repeat 1 --cuda-graphs"
   T_TEST=60 T_MODEL=30 T_CMP=40 T_TR=30 T_EN=40 T_MT=90
 fi
 MODEL=$WORK/model

@@ -8,10 +8,15 @@ Two measurements on the same checkpoint, dtype and device, each the best of ``--
 * **decode**: ``--decode-seqs`` sequences of ``--decode-context`` tokens, then
   ``--decode-steps`` greedy steps of one token each. Ours: one runner forward per step
   over the pool (the prefill is not timed), one row per ``--attention-backends`` entry. Theirs: ``generate`` with a static cache,
-  timed as ``generate(steps + 1) - generate(1)`` so its prefill cancels out.
+  timed as ``generate(steps + 1) - generate(1)`` so its prefill cancels out. With
+  ``--cuda-graphs``, each backend that resolves to ``triton`` gets a second decode row
+  whose steps replay CUDA graphs (:mod:`hicache.engine.decode_graphs`, captured for
+  buckets up to ``--decode-seqs`` before the timed runs, after their probe); where they
+  cannot be used (not CUDA, the probe failed), the reason is printed instead.
 
 The ratio column is transformers' time over ours (> 1: the engine is faster). Figures are
-seconds and tokens/s; ``--json PATH`` writes them.
+seconds, milliseconds per step (a decode step: one token of every sequence) and tokens/s;
+``--json PATH`` writes them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any
 import torch
 
 from hicache.bench.report import print_table
+from hicache.engine.graph_setup import PROBE_PAGES, GraphSetup, enable_decode_graphs
+from hicache.engine.kernels import AttentionBackend, resolve_backend
 from hicache.engine.loader import LoadedModel, load_model
 from hicache.engine.runner import ForwardBatch, ModelRunner, kv_spec_from_hf_config
 from hicache.memory import DevicePool
@@ -42,10 +49,25 @@ class EngineRun:
     tokens: int
     ours_s: float
     hf_s: float
+    steps: int = 1
+    """Forwards timed in ``ours_s`` (decode steps; 1 for the prefill)."""
 
     @property
     def ratio(self) -> float:
         return self.hf_s / self.ours_s
+
+    @property
+    def ms_per_step(self) -> float:
+        """Our milliseconds per forward."""
+        return self.ours_s * 1000 / self.steps
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """:func:`decode`'s seconds, and what turning CUDA graphs on did (None: not asked)."""
+
+    seconds: float
+    graphs: GraphSetup | None = None
 
 
 def _best(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> float:
@@ -91,13 +113,27 @@ def decode(
     repeat: int,
     sync: Callable[[], None],
     backend: str = "auto",
-) -> float:
+    cuda_graphs: bool = False,
+) -> DecodeTiming:
     """Seconds of ``steps`` decode forwards of ``seqs`` sequences of ``context`` tokens
-    (the prefill untimed), with the ``backend`` decode attention; best of ``repeat``."""
+    (the prefill untimed), with the ``backend`` decode attention; best of ``repeat``.
+    ``cuda_graphs``: the steps replay CUDA graphs when they can be used (captured and
+    probed first, untimed; the pool's last pages serve as their scratch and probe pages),
+    else run eagerly; :attr:`DecodeTiming.graphs` says which."""
     device = str(lm.model.device)
     per_seq = math.ceil((context + steps) / PAGE)
-    pool = _pool(lm, seqs * per_seq * PAGE, device)
+    used = seqs * per_seq
+    pool = _pool(lm, (used + 1 + PROBE_PAGES) * PAGE, device)
     runner = ModelRunner(lm.model, pool, attention_backend=backend)
+    setup = None
+    if cuda_graphs:
+        setup = enable_decode_graphs(
+            runner,
+            scratch_page=used,
+            probe_pages=list(range(used + 1, used + 1 + PROBE_PAGES)),
+            max_bs=seqs,
+            table_width=per_seq,
+        )
     prompts = torch.randint(100, int(lm.hf_config.vocab_size), (seqs, context))
 
     def ours() -> None:
@@ -125,7 +161,7 @@ def decode(
     timed: list[float] = []
     for _ in range(repeat):
         ours()
-    return min(timed)
+    return DecodeTiming(min(timed), setup)
 
 
 def hf_decode(
@@ -175,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="comma-separated decode attention backends, one decode row each (auto, sdpa, triton)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="add a decode row replaying CUDA graphs for each backend that resolves to triton",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -194,30 +235,50 @@ def main(argv: list[str] | None = None) -> int:
     runs = [prefill(lm, hf, args.prefill_tokens, args.repeat, sync)]
     shape = (args.decode_seqs, args.decode_context, args.decode_steps, args.repeat, sync)
     theirs = hf_decode(lm, hf, *shape)
+    tokens, steps = args.decode_seqs * args.decode_steps, args.decode_steps
+    graphs: dict[str, dict[str, Any]] = {}
     for backend in [b.strip() for b in args.attention_backends.split(",") if b.strip()]:
         ours = decode(lm, *shape, backend=backend)
         name = "decode" if backend == "auto" else f"decode ({backend})"
-        runs.append(EngineRun(name, args.decode_seqs * args.decode_steps, ours, theirs))
+        runs.append(EngineRun(name, tokens, ours.seconds, theirs, steps))
+        if not args.cuda_graphs:
+            continue
+        if resolve_backend(backend, lm.model.device) is not AttentionBackend.TRITON:
+            print(f"decode ({backend}) with CUDA graphs: not run (graphs need triton attention)")
+            continue
+        with_graphs = decode(lm, *shape, backend=backend, cuda_graphs=True)
+        setup = with_graphs.graphs
+        assert setup is not None
+        graphs[backend] = asdict(setup)
+        if not setup.enabled:
+            print(f"decode ({backend}) with CUDA graphs: not run ({setup.reason})")
+            continue
+        label = f"decode ({backend}, cuda graphs)"
+        runs.append(EngineRun(label, tokens, with_graphs.seconds, theirs, steps))
     print_table(
         f"engine vs transformers: {lm.name}, {args.dtype}, {args.device} (best of {args.repeat})",
-        ["phase", "tokens", "ours s", "transformers s", "ours tok/s", "ratio (theirs/ours)"],
+        ["phase", "tokens", "ours s", "ours ms/step", "transformers s", "ours tok/s",
+         "ratio (theirs/ours)"],
         [
             [
                 r.name,
                 str(r.tokens),
                 f"{r.ours_s:.4f}",
+                f"{r.ms_per_step:.2f}",
                 f"{r.hf_s:.4f}",
                 f"{r.tokens / r.ours_s:.0f}",
                 f"{r.ratio:.2f}x",
             ]
             for r in runs
         ],
-    )
+    )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {"model": lm.name, "dtype": args.dtype, "device": args.device,
-                 "runs": [{**asdict(r), "ratio": r.ratio} for r in runs]},
+                 "runs": [{**asdict(r), "ratio": r.ratio, "ms_per_step": r.ms_per_step}
+                          for r in runs],
+                 "cuda_graphs": graphs},
                 f,
                 indent=2,
             )  # fmt: skip
