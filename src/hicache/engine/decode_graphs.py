@@ -18,7 +18,8 @@ replays it with one launch. What makes the forward capturable:
   of the new K/V at ``write_slots``, the decode kernel and the LM head.
 
 A batch of ``B`` sequences runs as the smallest bucket ``bs >= B``: its inputs are staged
-on the CPU (padded to ``bs`` rows), copied into the buffers (two copies), the bucket's
+on the CPU (padded to ``bs`` rows), copied into the buffers (two blocking copies: the
+step starts after the last one's tokens were read back anyway), the bucket's
 graph is replayed (or, without capture, the same function runs eagerly on the buffers:
 what the CPU tests exercise), and the first ``B`` rows of ``logits`` are returned (a copy:
 the next replay overwrites the buffer).
@@ -289,7 +290,10 @@ class DecodeGraphs:
 
     def capture(self) -> int:
         """Capture every bucket's step as a CUDA graph, largest first, into one shared
-        memory pool, each after :data:`WARMUP_STEPS` eager runs on a side stream.
+        memory pool, each after :data:`WARMUP_STEPS` eager runs on a side stream (they
+        write K/V only to the scratch slot: every row is padding then). No tensor of the
+        pool outlives a replay (the logits land in :attr:`logits`, outside it), so the
+        buckets may replay in any order although they share the pool.
         Returns the bytes the capture reserved on the device (the graph pool and the
         warm-up's leftovers). Raises whatever capture raises (no graph kept then);
         a CPU pool raises ValueError."""

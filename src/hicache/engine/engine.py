@@ -248,12 +248,17 @@ class Engine(Lifecycle):
         max_bs = max_running if cfg.cuda_graph_max_bs is None else cfg.cuda_graph_max_bs
         if max_bs == 0 or torch.device(cfg.device).type != "cuda":
             return None
-        return enable_for_cache(
-            runner,
-            self.cache,
-            max_bs=min(max_bs, max_running),
-            context_length=self.context_length,
-        )
+        try:
+            return enable_for_cache(
+                runner,
+                self.cache,
+                max_bs=min(max_bs, max_running),
+                context_length=self.context_length,
+            )
+        except Exception as exc:  # capture and probe failures are handled inside; any other
+            log.warning("CUDA graphs for decode are off: %r; decode runs eagerly", exc)
+            runner.use_decode_graphs(None)
+            return GraphSetup(enabled=False, reason=f"set-up failed: {exc!r}")
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Stop the engine thread, then close the cache. Idempotent; waits ``timeout`` s at most.
