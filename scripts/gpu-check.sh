@@ -76,6 +76,7 @@ if [ "$MODE" = gpu ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUTDIR/nvidia-smi.txt" 2>&1
 else
   PY=${PY:-$ROOT/.venv/bin/python}
+  export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}  # this tree, not the venv's install
   DEVICE=cpu SHAPE=--tiny MODEL_DTYPE=float32
   TOKDIR=${TOKDIR:-$("$PY" -c 'from hicache.engine.checkpoints import resolve_checkpoint; print(resolve_checkpoint("tiny-random-llama").path)' 2>/dev/null)}
   MT_ARGS="--num-clients 4 --num-rounds 2 --request-length 64 --output-length 4 --max-parallel 2"
