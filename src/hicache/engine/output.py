@@ -1,71 +1,148 @@
 """Turning sampled tokens into text: end-of-sequence, stop strings, max_tokens, streaming.
 
-Text is re-decoded from all output ids at each step (cheap at these lengths and always
-right at multi-byte boundaries). While a request runs, the streamed text holds back what
-could still turn out to be the start of a stop string, and any trailing replacement
-character of an incomplete UTF-8 sequence.
+Two halves, so that the scheduler can run the second off the critical path (see
+:mod:`hicache.engine.scheduler`): :meth:`OutputProcessor.check_token` decides from the
+token alone (end-of-sequence, stop ids, ``max_tokens``, the context length) and touches
+no text; :meth:`OutputProcessor.update_text` brings ``req.text`` up to date and applies
+stop strings. :meth:`OutputProcessor.on_token` is both, in that order.
+
+``req.text`` is always ``tokenizer.decode(output ids, skip_special_tokens=True)`` (an
+ending stop id or end-of-sequence id left out), cut at the first stop string. It is
+decoded incrementally (:mod:`hicache.engine.detokenize`: a few ids per token, whatever
+the output's length) when the tokenizer passes :func:`decodes_incrementally`, else in
+full each time; every finished request's text is checked against a full decode, and a
+mismatch switches the processor to full decodes for good (logged). While a request runs,
+the streamed text holds back what could still turn out to be the start of a stop string,
+and any trailing replacement character of an incomplete UTF-8 sequence.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
+from hicache.engine.detokenize import IncrementalText, decode_function, decodes_incrementally
 from hicache.engine.request import FinishReason, Request, RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
-    """Checks finish conditions after each new token and builds the reports."""
+    """Checks finish conditions after each new token, keeps the text, builds the reports.
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], context_length: int) -> None:
+    ``incremental``: decode incrementally (True), in full (False), or as the tokenizer's
+    probe says (None, the default).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: Iterable[int],
+        context_length: int,
+        *,
+        incremental: bool | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
+        self._fast_decode = decode_function(tokenizer)
+        if incremental is None:
+            incremental = decodes_incrementally(tokenizer, self._fast_decode)
+            if not incremental:
+                log.info("the tokenizer does not decode incrementally: full decodes per token")
+        self.incremental = incremental
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def on_token(self, req: Request) -> None:
-        """Update ``req.text`` and maybe ``req.finish_reason`` after a token was appended.
+        """:meth:`check_token` then :meth:`update_text`: ``req``'s finish state and text
+        after a token was appended."""
+        self.check_token(req)
+        self.update_text(req)
 
-        The last token ends the request (``stop``) when it is one of ``stop_token_ids`` or
-        an end-of-sequence id (unless ``ignore_eos``); it is then left out of the text.
-        Before ``min_tokens`` tokens were generated nothing stops it (sampling masks the
-        stop ids then; a stop string found earlier stays in the text).
-
-        A token the tokenizer cannot decode ends ``req`` alone (abort, ``error`` set).
-        """
-        try:
-            self._on_token(req)
-        except Exception as exc:
-            req.error = f"decoding the output failed: {type(exc).__name__}: {exc}"
-            req.finish_reason = FinishReason.ABORT
-
-    def _on_token(self, req: Request) -> None:
+    def ends_on_token(self, req: Request) -> bool:
+        """Whether ``req``'s last token ends it by itself: one of ``stop_token_ids`` or an
+        end-of-sequence id (unless ``ignore_eos``), once ``min_tokens`` were generated.
+        Such a token stays in ``output_ids`` but not in the text."""
         params = req.params
         ids = req.output_ids
-        may_stop = len(ids) >= params.min_tokens
-        if (
+        return bool(
             ids
-            and may_stop
+            and len(ids) >= params.min_tokens
             and (
                 ids[-1] in params.stop_token_ids
                 or (ids[-1] in self.eos_token_ids and not params.ignore_eos)
             )
-        ):
+        )
+
+    def check_token(self, req: Request) -> None:
+        """The token-level finish checks after a token was appended (no text work): ``stop``
+        when :meth:`ends_on_token`, else ``length`` at ``max_tokens`` or the context length.
+        A stop string found by :meth:`update_text` for the same token wins over ``length``.
+        """
+        if self.ends_on_token(req):
             req.finish_reason = FinishReason.STOP
-            ids = ids[:-1]
-        req.text = self.decode(ids)
-        if params.stop and may_stop:
-            start = max(0, req.sent_chars - max(len(s) for s in params.stop))
-            hits = [(i, s) for s in params.stop if (i := req.text.find(s, start)) >= 0]
-            if hits:
-                req.text = req.text[: min(hits)[0]]
-                req.finish_reason = FinishReason.STOP
-        if req.finish_reason is None and (
-            len(req.output_ids) >= params.max_tokens or req.seq_len >= self.context_length
-        ):
+        elif len(req.output_ids) >= req.params.max_tokens or req.seq_len >= self.context_length:
             req.finish_reason = FinishReason.LENGTH
+
+    def update_text(self, req: Request) -> None:
+        """Bring ``req.text`` up to ``req.output_ids`` and apply stop strings: the text is cut
+        before the first stop string found (searched from a stop string's length before
+        what was reported) and ``req`` ends (``stop``). Before ``min_tokens`` tokens were
+        generated no stop string ends it (one found earlier stays in the text). Calling it
+        again for the same ids changes nothing.
+
+        A token the tokenizer cannot decode ends ``req`` alone (abort, ``error`` set).
+        """
+        try:
+            self._update_text(req)
+        except Exception as exc:
+            req.error = f"decoding the output failed: {type(exc).__name__}: {exc}"
+            req.finish_reason = FinishReason.ABORT
+
+    def _update_text(self, req: Request) -> None:
+        ids = req.output_ids
+        n = len(ids) - 1 if self.ends_on_token(req) else len(ids)
+        full = self._decoded(req, n)
+        text, stopped = self._cut(req, full)
+        if self.incremental and (stopped or req.finished):  # the last text: check it
+            reference = self.decode(ids[:n])
+            if reference != full:
+                log.warning(
+                    "incremental detokenization of %s gave %r, a full decode %r: decoding in"
+                    " full from now on",
+                    req.rid,
+                    full[-40:],
+                    reference[-40:],
+                )
+                self.incremental = False
+                text, stopped = self._cut(req, reference)
+        if stopped:
+            req.finish_reason = FinishReason.STOP
+        req.text = text
+
+    def _decoded(self, req: Request, n: int) -> str:
+        """The text of ``req.output_ids[:n]``."""
+        if not self.incremental:
+            return self.decode(req.output_ids[:n])
+        if req.detok is None:
+            req.detok = IncrementalText(self._fast_decode)
+        return req.detok.text(req.output_ids, n)
+
+    @staticmethod
+    def _cut(req: Request, text: str) -> tuple[str, bool]:
+        """``text`` cut before its first stop string (searched where :meth:`update_text`
+        says), and whether one was found."""
+        params = req.params
+        if not params.stop or len(req.output_ids) < params.min_tokens:
+            return text, False
+        start = max(0, req.sent_chars - max(len(s) for s in params.stop))
+        hits = [(i, s) for s in params.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return text, False
+        return text[: min(hits)[0]], True
 
     def report(self, req: Request) -> RequestOutput:
         """The next report of ``req``: new text since the last one (advances ``sent_chars``)."""

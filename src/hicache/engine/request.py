@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.cache import CachedTokens, CacheRequest
+from hicache.engine.detokenize import IncrementalText
 from hicache.engine.logits import TokenLogprob
 from hicache.engine.sampling import SamplingParams
 
@@ -84,6 +85,9 @@ class Request:
     # progress
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    """The output's text so far, cut at a stop string (see :mod:`hicache.engine.output`)."""
+    detok: IncrementalText | None = None
+    """The incremental decode of ``output_ids`` behind ``text``."""
     sent_chars: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
