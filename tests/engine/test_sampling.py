@@ -131,3 +131,28 @@ def test_every_row_failing_and_empty_batch() -> None:
     assert empty.ok and empty.tokens.shape == (0,)
     with pytest.raises(ValueError, match="one params"):
         sample_rows(logits, params[:1], [None])
+
+
+def test_sample_rows_reads_the_device_once_for_greedy_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One device -> host read gives the greedy ids and every row's checks (a sync on
+    CUDA); drawn rows add one read of their ids. A NaN row still fails alone."""
+    reads = 0
+    tolist = torch.Tensor.tolist
+
+    def counting(t: torch.Tensor) -> object:
+        nonlocal reads
+        reads += 1
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    logits = torch.randn(4, 16)
+    logits[2, 3] = float("nan")
+    greedy = SamplingParams(temperature=0)
+    got = sample_rows(logits, [greedy] * 4, [None] * 4)
+    assert reads == 1 and set(got.errors) == {2}
+    assert list(got.token_ids) == tolist(logits.argmax(-1))
+    reads = 0
+    hot = SamplingParams(temperature=1.0, seed=1)
+    got = sample_rows(logits, [greedy, hot, hot, greedy], [None, torch.Generator(), None, None])
+    assert reads == 2 and set(got.errors) == {2}  # the checks, then the drawn ids
+    assert list(got.token_ids) == tolist(got.tokens)

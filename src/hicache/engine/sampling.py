@@ -253,13 +253,16 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 class SampleResult:
     """One sampling step of a batch.
 
-    ``tokens``: ``(B,)`` int64 on the logits' device, one token id per row. ``errors``:
-    row -> why that row could not be sampled. A failed row's entry in ``tokens`` is its
-    argmax only so that the tensor stays a valid batch of ids; it must not be used.
+    ``tokens``: ``(B,)`` int64 on the logits' device, one token id per row; ``token_ids``
+    the same ids on the host (read once with the row checks: no further device sync).
+    ``errors``: row -> why that row could not be sampled. A failed row's entry in
+    ``tokens`` is its argmax only so that the tensor stays a valid batch of ids; it must
+    not be used.
     """
 
     tokens: torch.Tensor
     errors: Mapping[int, str]
+    token_ids: tuple[int, ...]
 
     @property
     def ok(self) -> bool:
@@ -290,37 +293,45 @@ def sample_rows(
         )
     tokens = logits.argmax(dim=-1)
     errors: dict[int, str] = {}
-    if logits.shape[0] == 0:
-        return SampleResult(tokens, errors)
+    batch = logits.shape[0]
+    if batch == 0:
+        return SampleResult(tokens, errors, ())
     # max propagates NaN; +inf and all -inf rows are not finite either
-    finite = torch.isfinite(logits.max(dim=-1).values).tolist()
-    for i, ok in enumerate(finite):
-        if not ok:
-            errors[i] = "the model's logits for this request hold NaN or inf"
+    finite = torch.isfinite(logits.max(dim=-1).values)
     rows: list[int] = []
     for i, p in enumerate(params):
-        if i in errors:
-            continue
         try:
             if not p.greedy:
                 rows.append(i)
         except Exception as exc:  # params that bypassed validation
             errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-    if not rows:
-        return SampleResult(tokens, errors)
-    try:
-        groups = [(rows, *_filtered_probs(logits[rows], [params[i] for i in rows]))]
-    except Exception:  # find the row(s) at fault; the others are filtered on their own
-        groups = []
-        for i in rows:
-            try:
-                groups.append(([i], *_filtered_probs(logits[[i]], [params[i]])))
-            except Exception as exc:
-                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    # a row with logits that are not finite gets garbage probabilities here, no exception,
+    # and never reaches the draw; the other rows' values do not depend on it
+    groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+    if rows:
+        try:
+            groups = [(rows, *_filtered_probs(logits[rows], [params[i] for i in rows]))]
+        except Exception:  # find the row(s) at fault; the others are filtered on their own
+            for i in rows:
+                try:
+                    groups.append(([i], *_filtered_probs(logits[[i]], [params[i]])))
+                except Exception as exc:
+                    errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    # one device -> host read: the argmax ids, the finite flags, each group's validity
+    valid = [torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0) for _, probs, _ in groups]
+    host = torch.cat([tokens, finite.to(tokens.dtype), *(v.to(tokens.dtype) for v in valid)])
+    read = host.tolist()
+    token_ids, flags, at = read[:batch], read[batch : 2 * batch], 2 * batch
+    for i, ok in enumerate(flags):
+        if not ok:
+            errors[i] = "the model's logits for this request hold NaN or inf"
+    drawn = False
     for group, probs, order in groups:
-        valid = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
+        group_valid, at = read[at : at + len(group)], at + len(group)
         for j, i in enumerate(group):
-            if not valid[j]:
+            if i in errors:
+                continue
+            if not group_valid[j]:
                 errors[i] = (
                     f"sampling failed: temperature={params[i].temperature!r} gives no valid"
                     " distribution over these logits"
@@ -329,9 +340,12 @@ def sample_rows(
             try:
                 pick = torch.multinomial(probs[j], 1, generator=generators[i])
                 tokens[i] = order[j, pick[0]]
+                drawn = True
             except Exception as exc:
                 errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-    return SampleResult(tokens, errors)
+    if drawn:  # the drawn ids are on the device: a second read
+        token_ids = tokens.tolist()
+    return SampleResult(tokens, errors, tuple(token_ids))
 
 
 def _filtered_probs(
