@@ -285,7 +285,9 @@ def test_reports_are_the_same_whichever_way_the_text_is_decoded(
         dataclasses.replace(o, rid="") for o in want
     ]
     assert inc.incremental  # no mismatch was found at the end
-    assert_stream_consistent(got)
+    if params.min_tokens <= 1:  # (a stop string streamed before min_tokens may be cut
+        assert_stream_consistent(got)  # later: the semantics as they were)
+    assert all(not o.finished for o in got[:-1])
     final = got[-1]
     if final.finished and final.finish_reason is not FinishReason.STOP:
         assert final.text == full(smollm2(), final.output_ids)
