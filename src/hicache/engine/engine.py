@@ -544,13 +544,14 @@ class Engine(Lifecycle):
         """End ``req`` with ``error`` = ``why``: through the scheduler when it holds it
         (which then releases what it holds), else (or when ``direct``) by telling its
         client directly."""
-        if req.finished:
+        if req.final_reported:
             return
         req.error = req.error or why
         if not direct and self._held(req):
             req.aborted = True
             return
         req.finish_reason = FinishReason.ABORT
+        req.final_reported = True
         if req.on_output is None:
             return
         try:
@@ -562,8 +563,10 @@ class Engine(Lifecycle):
         """Abort every request in flight and step until the scheduler has released them;
         those it cannot release (``max_failures`` failed steps, or ``max_s`` seconds) are
         failed directly, their pages left where they are."""
-        reqs = [*self.scheduler.waiting, *self.scheduler.running]
+        reqs = self.scheduler.in_flight  # with those ended whose final report is pending
         for req in reqs:
+            if req.finished:
+                continue
             req.aborted = True
             req.error = req.error or why
         deadline = time.monotonic() + max_s
@@ -632,7 +635,7 @@ class Engine(Lifecycle):
                 self._abort_all(reason)
         except BaseException:  # e.g. a callback raising SystemExit again: finish cleanup
             log.exception("failing the requests in flight")
-            for req in [*self.scheduler.waiting, *self.scheduler.running]:
+            for req in self.scheduler.in_flight:
                 self._fail(req, reason, direct=True)
         with self._gate:
             self._loop_done = True

@@ -90,6 +90,9 @@ class Request:
     """The incremental decode of ``output_ids`` behind ``text``."""
     sent_chars: int = 0
     finish_reason: FinishReason | None = None
+    final_reported: bool = False
+    """The final report (``finished``) was handed to ``on_output`` (or there is none):
+    nothing is reported after it."""
     error: str | None = None
     aborted: bool = False
     priority: int = 0

@@ -24,6 +24,20 @@ boundaries leaves its tail to be recomputed). A request's live state is dropped 
 ends or is retracted (a retracted request then resumes from its deepest snapshot).
 Without a snapshot-keeping cache their handles are opened uncacheable.
 
+Outputs off the critical path. A step's sampled tokens get the token-level checks
+(end-of-sequence, stop ids, ``max_tokens``, the context length) at once, so a request that
+must stop is released before the next step is built and never runs a step it must not.
+Their text work (detokenization, stop strings) and reports (``on_output``) are *pending*
+until the next step has launched its forward: on CUDA that forward runs while the CPU
+does them, before its tokens are read (``overlap_outputs``; without it, as on CPU where a
+forward is synchronous, they are done at the end of the step that sampled them). A stop
+string found then ends its request one step late: the token in flight is discarded
+(finished requests are not sampled), and the position that step computed is the stopping
+token's own, so the KV kept is right. Pending outputs are done, in order, at the latest at
+the end of the next step, also one that runs no forward; a request that ends otherwise
+(abort, failure) first has its pending output done and reported, so a request's final
+report always comes last, and comes exactly once.
+
 Everything here runs on the engine's thread.
 """
 
@@ -57,6 +71,10 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     layer_wait_timeout_s: float = 60.0
     """Longest a forward waits for one layer of a prefix being loaded back from L2."""
+    overlap_outputs: bool | None = None
+    """Do a step's text work and reports while the next step's forward runs (see the
+    module docstring); None: when the model runs on CUDA (a CPU forward is synchronous, so
+    there deferring them would only delay them)."""
 
     def __post_init__(self) -> None:
         int_at_least("max_running_requests", self.max_running_requests, 1)
@@ -68,6 +86,12 @@ class SchedulerConfig:
             "must be a bool",
         )
         number_at_least("layer_wait_timeout_s", self.layer_wait_timeout_s, 0.001, "of seconds")
+        require(
+            self.overlap_outputs is None or isinstance(self.overlap_outputs, bool),
+            "overlap_outputs",
+            self.overlap_outputs,
+            "must be a bool or None",
+        )
 
 
 class Scheduler:
@@ -90,6 +114,11 @@ class Scheduler:
         # a recurrent model resumes a cached prefix only from the cache's state snapshots
         self.resumable_prefix = runner.resumable_prefix or cache.resumable
         self.recurrent = runner.recurrent
+        overlap = config.overlap_outputs
+        self.overlap = torch.device(runner.device).type == "cuda" if overlap is None else overlap
+        self._pending: dict[Request, None] = {}
+        """Requests with a token whose text work and report are still to do, oldest first
+        (at most one token each); those already ended wait here for their final report."""
 
     # ------------------------------------------------------------------ queue
 
@@ -110,8 +139,7 @@ class Scheduler:
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
-            req.error = f"{type(exc).__name__}: {exc}"
-            self._finish(req, FinishReason.ABORT)
+            self._finish(req, FinishReason.ABORT, error=f"{type(exc).__name__}: {exc}")
             return
         self.waiting.append(req)
 
@@ -122,19 +150,32 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        """Nothing queued, running or waiting to be reported."""
+        return not self.waiting and not self.running and not self._pending
+
+    @property
+    def in_flight(self) -> list[Request]:
+        """Every request not yet given its final report: waiting, running, and ended
+        with that report pending."""
+        held = [*self.waiting, *self.running]
+        return held + [r for r in self._pending if r.finished and not r.final_reported]
 
     # ------------------------------------------------------------------ step
 
     def step(self) -> bool:
-        """Admit, run one forward, emit outputs. Returns False when no forward ran (nothing
-        to do, or only L3 prefetches to wait for)."""
+        """Admit, run one forward, emit outputs (the previous step's while this one's
+        forward runs, with ``overlap``; else this step's at its end). Returns False when no
+        forward ran (nothing to do, or only L3 prefetches to wait for); pending outputs
+        are emitted then too."""
         self.cache.poll()
         self._reap_aborted()
         self._admit()
         if not self.running:
+            self._flush_outputs()
             return False
         self._run(self._mixed_batch())
+        if not self.overlap:
+            self._flush_outputs()
         return True
 
     def _reap_aborted(self) -> None:
@@ -157,11 +198,12 @@ class Scheduler:
                 if not self.running:  # nothing will ever free memory for it
                     self.waiting.remove(req)
                     need = math.ceil(len(ids) / self.page_size)
-                    req.error = (
-                        f"the request needs {need} KV pages but the device cache has"
-                        f" {self.cache.device_pages}"
+                    self._finish(
+                        req,
+                        FinishReason.ABORT,
+                        error=f"the request needs {need} KV pages but the device cache has"
+                        f" {self.cache.device_pages}",
                     )
-                    self._finish(req, FinishReason.ABORT)
                     continue
                 return
             self.waiting.remove(req)
@@ -288,8 +330,8 @@ class Scheduler:
             victims = [r for r in self.running if r is not req and r.rid not in (keep or ())]
             if not victims:
                 if abort:
-                    req.error = "the device cache cannot hold this request"
-                    self._finish(req, FinishReason.ABORT)
+                    error = "the device cache cannot hold this request"
+                    self._finish(req, FinishReason.ABORT, error=error)
                 return False
             self._retract(max(victims, key=lambda r: r.arrival))
         return True
@@ -300,8 +342,12 @@ class Scheduler:
         """One forward over ``batch`` (request, new tokens), then, for each request whose
         sequence is now fully computed, one new token: raw logits -> prompt / token log
         probabilities (when asked), penalties and bias (:func:`adjust_logits`), draw
-        (:func:`sample_rows`). Any failure ends only the requests it concerns."""
+        (:func:`sample_rows`). Any failure ends only the requests it concerns.
+
+        Pending outputs (the previous step's) are done once the forward is launched and
+        the requests' positions advanced, before anything reads the forward's results."""
         if not batch:
+            self._flush_outputs()
             return
         ps = self.page_size
         ids: list[int] = []
@@ -345,16 +391,16 @@ class Scheduler:
         except Exception as exc:  # a model error fails this batch, not the engine
             log.exception("forward failed")
             for req, _ in batch:
-                req.error = f"forward failed: {type(exc).__name__}: {exc}"
-                self._finish(req, FinishReason.ABORT, keep_kv=False)
+                error = f"forward failed: {type(exc).__name__}: {exc}"
+                self._finish(req, FinishReason.ABORT, keep_kv=False, error=error)
+            self._flush_outputs()
             return
         self.cache.poll()  # a failed load marks its requests failed
         rows: list[tuple[int, Request, bool]] = []  # (logits row, request, was a prefill)
         for i, (req, n) in enumerate(batch):
             assert req.cache is not None
             if req.cache.failed is not None:
-                req.error = req.cache.failed
-                self._finish(req, FinishReason.ABORT, keep_kv=False)
+                self._finish(req, FinishReason.ABORT, keep_kv=False, error=req.cache.failed)
                 continue
             boundary = self._snapshot_boundary(req)  # before this chunk
             if marks[i] is not None:  # the first boundary lay inside: its state was kept
@@ -374,6 +420,9 @@ class Scheduler:
                     self.cache.commit(req.cache, req.all_ids[: req.kv_len])
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
+        # the previous step's text and reports while this forward runs (on CUDA); a stop
+        # string found now ends its request, whose token in flight is then not sampled
+        self._flush_outputs()
         self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
         rows = [row for row in rows if not row[1].finished]  # a failed prompt scoring ended it
         if not rows:
@@ -390,7 +439,7 @@ class Scheduler:
         picked = sample_rows(adjusted.logits, [r.params for r in reqs], [r.generator for r in reqs])
         errors = {j: f"sampling failed: {why}" for j, why in picked.errors.items()}
         errors |= {j: f"logit processing failed: {why}" for j, why in adjusted.errors.items()}
-        tokens = picked.tokens.tolist()
+        tokens = picked.token_ids
         want = [j for j, r in enumerate(reqs) if r.logprobs is not None and j not in errors]
         logprobs = _logprobs_by_row(
             raw, want, [tokens[j] for j in want], [reqs[j].params.logprobs or 0 for j in want]
@@ -401,22 +450,21 @@ class Scheduler:
             if isinstance(lp, str):
                 errors[j] = f"logprobs failed: {lp}"
             if j in errors:  # this request alone fails; its computed KV is fine
-                req.error = errors[j]
-                self._finish(req, FinishReason.ABORT)
+                self._finish(req, FinishReason.ABORT, error=errors[j])
                 continue
             req.output_ids.append(int(token))
             if req.logprobs is not None and isinstance(lp, TokenLogprob):
                 req.logprobs.append(lp)
             if req.first_token_at is None:
                 req.first_token_at = now
-            self.output.on_token(req)
+            self.output.check_token(req)  # the text work comes with the report, later
+            self._pending[req] = None
             if req.finished:
-                self._finish(req, req.finish_reason)
+                self._release(req)
                 continue
             if prefilled:
                 assert req.cache is not None
                 self.cache.commit(req.cache, req.all_ids[: req.kv_len])
-            self._emit(req)
 
     @staticmethod
     def _logit_rows(
@@ -466,8 +514,7 @@ class Scheduler:
             if req.finished:
                 continue
             if isinstance(lp, str):
-                req.error = f"prompt logprobs failed: {lp}"
-                self._finish(req, FinishReason.ABORT)
+                self._finish(req, FinishReason.ABORT, error=f"prompt logprobs failed: {lp}")
             elif req.prompt_logprobs is not None:
                 req.prompt_logprobs[pos] = lp
 
@@ -485,19 +532,66 @@ class Scheduler:
         req.retracted += 1
         self.waiting.appendleft(req)
 
-    def _finish(self, req: Request, reason: FinishReason | None, *, keep_kv: bool = True) -> None:
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason | None,
+        *,
+        keep_kv: bool = True,
+        error: str | None = None,
+    ) -> None:
+        """End ``req`` now (``error``: why, when set) and send its final report. Its pending
+        output goes first; if that ends it (a stop string), it ends so instead."""
+        if self._settle(req, keep_kv=keep_kv):
+            return
         req.finish_reason = reason
+        if error is not None:
+            req.error = error
+        self._release(req, keep_kv=keep_kv)
+        self._emit(req)
+
+    def _release(self, req: Request, *, keep_kv: bool = True) -> None:
+        """Take ``req`` out of the queues and give back what it holds (its computed KV
+        committed first, with ``keep_kv``). Idempotent."""
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
         self.runner.drop_state(req.rid)
         if req.cache is not None:
             if keep_kv:
                 self._commit_end_state(req)
             req.end_state = None
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
-        self._emit(req)
+
+    def _settle(self, req: Request, *, keep_kv: bool = True) -> bool:
+        """Do ``req``'s pending output, if any: its text, then its report. Returns whether
+        that ended it (a stop string, or a token that cannot be decoded): it is then
+        released here (its KV kept with ``keep_kv``), its token in flight (if any) never
+        to be sampled."""
+        if req not in self._pending:
+            return False
+        ended = False
+        if not req.final_reported:  # (the engine may have failed it directly)
+            was_finished = req.finished
+            self.output.update_text(req)
+            ended = req.finished and not was_finished
+            if ended:
+                self._release(req, keep_kv=keep_kv)
+            self._emit(req)
+        del self._pending[req]
+        return ended
+
+    def _flush_outputs(self) -> None:
+        """Do every pending output, oldest first."""
+        while self._pending:
+            self._settle(next(iter(self._pending)))
 
     def _emit(self, req: Request) -> None:
+        """Report ``req``'s progress; nothing after its final report."""
+        if req.final_reported:
+            return
+        req.final_reported = req.finished
         if req.on_output is not None:
             try:
                 req.on_output(self.output.report(req))
