@@ -26,6 +26,7 @@ BENCHES = {
     "storage": "hicache.bench.storage",
     "engine": "hicache.bench.engine",
     "shared-prefix": "hicache.bench.shared_prefix",
+    "detok": "hicache.bench.detok",
 }
 
 STORES = {
