@@ -308,17 +308,24 @@ class ModelRunner:
             decode_kernel=self.attention_backend is AttentionBackend.TRITON,
             extend_kernel=self.attention_backend is AttentionBackend.TRITON,
         )
-        input_ids = batch.input_ids.to(self.device, torch.int64)
-        positions = batch.positions.to(self.device, torch.int64)
+        # every host input in one copy, before the forward: a blocking copy after it would
+        # make the host wait for the whole forward on CUDA (no overlap of the CPU's work)
+        t = batch.input_ids.shape[0]
+        if logit_rows is not None:
+            rows = torch.tensor(list(logit_rows), dtype=torch.int64)
+        elif not all_logits:
+            rows = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        else:
+            rows = torch.empty(0, dtype=torch.int64)
+        host = torch.cat((batch.input_ids.to(torch.int64), batch.positions.to(torch.int64), rows))
+        inputs = host.to(self.device)
+        input_ids, positions, picked = inputs[:t], inputs[t : 2 * t], inputs[2 * t :]
         if isinstance(self.model, HybridLM):
             hidden = self._forward_hybrid(self.model, batch, input_ids, positions, ctx)
         else:
             hidden = self.model(input_ids, positions, ctx)
-        if logit_rows is not None:
-            hidden = hidden[torch.tensor(list(logit_rows), device=self.device, dtype=torch.int64)]
-        elif not all_logits:
-            last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-            hidden = hidden[last]
+        if not all_logits:
+            hidden = hidden[picked]
         return self.model.compute_logits(hidden)
 
     def _forward_hybrid(
