@@ -76,6 +76,23 @@ def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:
     cache.check_integrity()
 
 
+def test_queue_time_ends_at_the_first_admission_and_stays_within_ttft(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=1)
+    (first, first_outs), (second, second_outs) = request([1, 2, 3]), request([11, 12, 13])
+    sched.add(first)
+    sched.add(second)
+    sched.step()  # admits only the first: the second waits for room in the batch
+    assert first.admitted_at is not None and second.admitted_at is None
+    assert first_outs[0].queue_s == first.admitted_at - first.arrival
+    run(sched)
+    assert second.admitted_at is not None and second.admitted_at > first.admitted_at
+    for r, outs in ((first, first_outs), (second, second_outs)):
+        queue, ttft = outs[-1].queue_s, outs[-1].ttft_s
+        assert queue is not None and ttft is not None and 0 <= queue <= ttft
+    # the second waited for the whole first request (3 steps): its queue is most of its TTFT
+    assert second_outs[-1].queue_s > first_outs[-1].ttft_s - first_outs[-1].queue_s
+
+
 def test_pages_grow_one_page_at_a_boundary(cache: HiCache) -> None:
     sched, _ = make(cache)
     r, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6))

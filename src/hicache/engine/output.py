@@ -166,6 +166,7 @@ class OutputProcessor:
             prompt_tokens=len(req.prompt_ids),
             cached=req.cached,
             ttft_s=req.ttft_s,
+            queue_s=req.queue_s,
             error=req.error,
             logprobs=None if req.logprobs is None else list(req.logprobs),
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),

@@ -50,6 +50,11 @@ class RequestOutput:
     ``prompt_logprobs`` (None unless asked): one entry per prompt token, the first None
     (nothing precedes it); complete in every report, since reports start after the prompt
     was computed.
+
+    Timing, in seconds from the request's arrival at the engine: ``ttft_s`` to its first
+    token, ``queue_s`` to its first admission (cache matched, L1 pages given); None until
+    then. ``ttft_s - queue_s`` is the request's own prefill work, the part a cache hit
+    shortens; ``queue_s`` is the wait for the step in progress and for room in the batch.
     """
 
     rid: str
@@ -62,6 +67,7 @@ class RequestOutput:
     cached: CachedTokens
     ttft_s: float | None
     error: str | None = None
+    queue_s: float | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -111,6 +117,8 @@ class Request:
     # timing
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    admitted_at: float | None = None
+    """When the scheduler first admitted it (``time.perf_counter``; a retraction keeps it)."""
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
@@ -134,6 +142,11 @@ class Request:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds from arrival to the first admission (None before it)."""
+        return None if self.admitted_at is None else self.admitted_at - self.arrival
 
     @property
     def cached(self) -> CachedTokens:

@@ -207,6 +207,8 @@ class Scheduler:
                     continue
                 return
             self.waiting.remove(req)
+            if req.admitted_at is None:
+                req.admitted_at = time.perf_counter()
             req.kv_len = handle.prefix_tokens
             if self.recurrent and req.kv_len > 0:  # resume from the prefix's snapshot
                 state = self.cache.read_state(handle)
