@@ -307,11 +307,14 @@ class PagedAttention(nn.Module):
         if ctx.layer_wait is not None:
             ctx.layer_wait(self.layer_id)
 
-        out = self._attend_each(q, k_cache, v_cache, ctx)
-        if ctx.decode is not None:
-            out[ctx.decode.rows] = self._attend_decode(
-                q[ctx.decode.rows], k_cache, v_cache, ctx.decode
-            )
+        decode = ctx.decode
+        if decode is not None and len(decode.seqs) == len(ctx.extend_lens):
+            # a decode batch: its rows are every token, in order; no per-sequence pass
+            out = self._attend_decode(q, k_cache, v_cache, decode)
+        else:
+            out = self._attend_each(q, k_cache, v_cache, ctx)
+            if decode is not None:
+                out[decode.rows] = self._attend_decode(q[decode.rows], k_cache, v_cache, decode)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def _sdpa(
