@@ -261,8 +261,15 @@ def test_metrics_and_flush(server: tuple[str, Engine]) -> None:
         "hicache_load_back_tokens_total",
         "hicache_backup_bytes_total",
         "hicache_ttft_seconds_bucket",
+        "hicache_queue_time_seconds_bucket",
     ):
         assert name in text, name
+
+    def count(metric: str) -> float:
+        return float(next(ln for ln in text.splitlines() if ln.startswith(metric)).split()[-1])
+
+    # every request that got a first token was admitted before: it has a queue time too
+    assert count("hicache_queue_time_seconds_count") >= count("hicache_ttft_seconds_count") >= 1
     r = httpx.post(f"{url}/flush_cache")
     assert r.status_code == 200
     after = httpx.post(

@@ -86,7 +86,7 @@ def test_queue_time_ends_at_the_first_admission_and_stays_within_ttft(cache: HiC
     assert first_outs[0].queue_s == first.admitted_at - first.arrival
     run(sched)
     assert second.admitted_at is not None and second.admitted_at > first.admitted_at
-    for r, outs in ((first, first_outs), (second, second_outs)):
+    for outs in (first_outs, second_outs):
         queue, ttft = outs[-1].queue_s, outs[-1].ttft_s
         assert queue is not None and ttft is not None and 0 <= queue <= ttft
     # the second waited for the whole first request (3 steps): its queue is most of its TTFT

@@ -1,5 +1,5 @@
 """Prometheus metrics of a serving engine: cache occupancy and traffic per tier, requests
-running and queued, TTFT, aborted requests.
+running and queued, TTFT and its queue time, aborted requests.
 
 Cache and scheduler figures are read on the engine thread (:meth:`EngineMetrics.refresh`)
 and exported by a collector at scrape time; request latencies and aborts are observed by
@@ -176,6 +176,12 @@ class EngineMetrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
+        self.queue_time = Histogram(
+            "hicache_queue_time_seconds",
+            "Arrival to first admission (the part of TTFT a cache hit does not shorten)",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "hicache_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
         )
@@ -226,5 +232,7 @@ class EngineMetrics:
             self.aborted.labels(reason="error" if out.error else "aborted").inc()
         if out.ttft_s is not None:
             self.ttft.observe(out.ttft_s)
+        if out.queue_s is not None:
+            self.queue_time.observe(out.queue_s)
         self.prompt_tokens.inc(out.prompt_tokens)
         self.generation_tokens.inc(out.completion_tokens)
