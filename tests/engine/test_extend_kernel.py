@@ -2,13 +2,18 @@
 
 On a machine without CUDA the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``,
 set by ``tests/conftest.py`` before anything imports Triton), on CPU tensors; on CUDA the
-``gpu`` test runs it compiled, in fp32 and bf16.
+``gpu`` tests run it compiled, in fp32, bf16 and fp16. The interpreter cannot run a bf16
+``tl.dot`` (it multiplies the bit patterns, triton-lang/triton#11584), so on CPU the
+16-bit path is checked in fp16 and the bf16 cases skip.
 
-* Random pools, page tables in any order, several sequences in one launch with prefix 0
-  and prefix > 0, page sizes 1/4/16, GQA groups 1/3/4, head sizes 64 and 80, lengths that
-  end mid-page and mid-block: the kernel equals SDPA over the gathered keys with the
-  causal-after-prefix mask (fp32: 1e-5); also with a sliding window, and when writing
-  into given rows of a larger output.
+* Random pools, page tables in any order, several sequences in one launch with different
+  prefixes (0 and > 0) and extends (1 to 70), page sizes 1 (slot tables) / 4 / 16, GQA
+  groups 1/2/3/4/8 (one program serves a KV head's whole group), head sizes 48/64/80,
+  with and without a sliding window, lengths that end mid-page and mid-block: the kernel
+  equals SDPA over the gathered keys with the causal-after-prefix mask (fp32: 1e-5;
+  fp16/bf16 inputs: 1e-2 / 2e-2); also when writing into given rows of a larger output.
+* The launch: one program per (sequence, block of tokens, KV head), with a query tile of
+  16 to 128 rows (tokens x padded group) whatever the group and ``block_m``.
 * Through the runner: a mixed batch (an extend over a cached prefix, a prefill and a
   decode) with ``attention_backend="triton"`` gives the SDPA runner's logits.
 * Engine: greedy generations with chunked prefill over a cached prefix are the same with
@@ -17,6 +22,7 @@ set by ``tests/conftest.py`` before anything imports Triton), on CPU tensors; on
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -74,12 +80,13 @@ def random_case(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    hkv: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """q, k/v pool layer and page table over shuffled pages, plus each sequence's slots."""
     gen = torch.Generator().manual_seed(seed)
     totals = [p + n for p, n in zip(prefixes, extends, strict=True)]
     width = max(-(-n // page_size) for n in totals)
-    hkv, pages = 2, len(totals) * width + 3
+    pages = len(totals) * width + 3
     k = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
     v = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
     q = torch.randn(sum(extends), hkv * group, dim, generator=gen).to(device, dtype)
@@ -90,15 +97,24 @@ def random_case(
 
 
 @pytest.mark.parametrize(
-    ("page_size", "group", "dim", "prefixes", "extends"),
+    ("page_size", "group", "dim", "prefixes", "extends", "window"),
     [
-        (1, 1, 64, [0, 5], [7, 33]),  # slot table; a block of queries ends mid-block
-        (4, 3, 80, [0, 9, 16], [5, 17, 3]),  # head size not a power of two; mid-page
-        (16, 4, 64, [40, 0], [70, 16]),  # several key blocks; extend past one query block
+        (1, 1, 64, [0, 5], [7, 33], None),  # slot table; a block of queries ends mid-block
+        (4, 3, 80, [0, 9, 16], [5, 17, 3], None),  # group padded to 4; D not a power of 2
+        (16, 4, 64, [40, 0], [70, 16], None),  # several key blocks; extend past one block
+        (1, 2, 48, [3, 0, 20], [19, 6, 11], 5),  # slot table, window, D = 48
+        (4, 8, 80, [0, 12, 33], [9, 40, 2], None),  # group 8: 8 tokens x 8 heads (fp32)
+        (4, 8, 64, [7, 0], [25, 18], 6),  # group 8 with a window
+        (16, 2, 64, [50, 0, 17], [14, 37, 1], 20),  # window over pages; a 1-token extend
     ],
 )
 def test_kernel_equals_sdpa_over_gathered_keys(
-    page_size: int, group: int, dim: int, prefixes: list[int], extends: list[int]
+    page_size: int,
+    group: int,
+    dim: int,
+    prefixes: list[int],
+    extends: list[int],
+    window: int | None,
 ) -> None:
     q, k, v, table, slots = random_case(
         page_size=page_size,
@@ -108,6 +124,7 @@ def test_kernel_equals_sdpa_over_gathered_keys(
         extends=extends,
         dtype=torch.float32,
         device="cpu",
+        seed=group,
     )
     scale = dim**-0.5
     got = paged_extend_attention(
@@ -119,9 +136,122 @@ def test_kernel_equals_sdpa_over_gathered_keys(
         torch.tensor(extends),
         page_size=page_size,
         scale=scale,
+        window=window,
     )
-    want = reference(q, k, v, slots, prefixes, extends, scale)
+    want = reference(q, k, v, slots, prefixes, extends, scale, window)
     assert got.shape == q.shape and got.dtype == q.dtype
+    assert (got - want).abs().max().item() < 1e-5
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+BF16_IN_INTERPRETER = pytest.mark.skipif(
+    INTERPRETED,
+    reason="Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)",
+)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_IN_INTERPRETER)]
+)
+@pytest.mark.parametrize(("page_size", "group", "window"), [(1, 1, None), (4, 4, 9), (4, 8, None)])
+def test_16_bit_kernel_equals_sdpa(
+    dtype: torch.dtype, page_size: int, group: int, window: int | None
+) -> None:
+    """16-bit inputs: ``q·k`` in the input dtype, ``p`` cast to it for ``p·v``, stored in
+    it; within rounding of the fp32 SDPA over the same (rounded) inputs. Runs on CUDA when
+    there is one, else in the interpreter (fp16 only)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prefixes, extends = [0, 11, 30], [13, 35, 4]
+    q, k, v, table, slots = random_case(
+        page_size=page_size,
+        group=group,
+        dim=80,
+        prefixes=prefixes,
+        extends=extends,
+        dtype=dtype,
+        device=device,
+        seed=7,
+    )
+    scale = 80**-0.5
+    got = paged_extend_attention(
+        q,
+        k,
+        v,
+        table,
+        torch.tensor(prefixes, device=device),
+        torch.tensor(extends, device=device),
+        page_size=page_size,
+        scale=scale,
+        window=window,
+    )
+    want = reference(
+        q.cpu(), k.cpu(), v.cpu(), [s.cpu() for s in slots], prefixes, extends, scale, window
+    )
+    assert got.dtype == dtype
+    tol = 1e-2 if dtype == torch.float16 else 2e-2
+    assert (got.float().cpu() - want).abs().max().item() < tol
+
+
+@pytest.mark.parametrize(
+    ("block_m", "group", "dtype", "tile"),
+    [
+        (32, 1, torch.bfloat16, (32, 1, 32, 4)),
+        (32, 2, torch.bfloat16, (32, 2, 64, 4)),
+        (32, 3, torch.bfloat16, (32, 4, 128, 8)),  # the group padded to a power of two
+        (32, 4, torch.bfloat16, (32, 4, 128, 8)),
+        (32, 8, torch.bfloat16, (16, 8, 128, 8)),  # tokens halved: at most 128 rows
+        (32, 4, torch.float32, (16, 4, 64, 4)),  # fp32: at most 64 rows
+        (32, 8, torch.float32, (8, 8, 64, 4)),
+        (128, 1, torch.float16, (128, 1, 128, 8)),
+        (4, 1, torch.float16, (16, 1, 16, 4)),  # raised to tl.dot's 16 rows
+        (4, 2, torch.float32, (8, 2, 16, 4)),
+    ],
+)
+def test_tile_rows_stay_between_16_and_128(
+    block_m: int, group: int, dtype: torch.dtype, tile: tuple[int, int, int, int]
+) -> None:
+    assert tuple(extend_attention._tile(block_m, group, dtype)) == tile
+
+
+def test_one_program_per_kv_head_for_the_whole_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid is (sequences, token blocks, KV heads): each K/V block is read once per
+    GQA group. With ``block_m=4`` and a group of 4 the 16-row tile holds 4 tokens, so a
+    22-token extend spans 6 blocks, each still equal to SDPA."""
+    grids: list[tuple[int, ...]] = []
+    kernel = extend_attention._extend_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(extend_attention, "_extend_kernel", Spy())
+    prefixes, extends = [5, 0], [22, 3]
+    q, k, v, table, slots = random_case(
+        page_size=4,
+        group=4,
+        dim=64,
+        prefixes=prefixes,
+        extends=extends,
+        dtype=torch.float32,
+        device="cpu",
+        hkv=3,
+    )
+    got = paged_extend_attention(
+        q,
+        k,
+        v,
+        table,
+        torch.tensor(prefixes),
+        torch.tensor(extends),
+        page_size=4,
+        scale=0.125,
+        block_m=4,
+        block_n=16,
+    )
+    assert grids == [(2, 6, 3)]
+    want = reference(q, k, v, slots, prefixes, extends, 0.125)
     assert (got - want).abs().max().item() < 1e-5
 
 
@@ -178,6 +308,11 @@ def test_kernel_refuses_shapes_that_do_not_fit() -> None:
         paged_extend_attention(
             q, k, k, torch.zeros(2, 1), one, one, page_size=16, scale=1, window=0
         )
+    for bad in ({"block_m": 24}, {"block_n": 8}, {"block_m": 0}):
+        with pytest.raises(ValueError, match="power of two"):
+            paged_extend_attention(
+                q, k, k, torch.zeros(2, 1), one, one, page_size=16, scale=1, **bad
+            )
 
 
 def spy_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int]]]:
@@ -274,12 +409,17 @@ def test_engine_chunked_prefill_over_a_cached_prefix_with_the_kernels_equals_sdp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_kernel_equals_sdpa_on_cuda(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("group", "window"), [(1, None), (4, None), (8, None), (8, 700)])
+def test_compiled_kernel_equals_sdpa_on_cuda(
+    dtype: torch.dtype, group: int, window: int | None
+) -> None:
+    """Compiled, at serving sizes: head_dim 128, groups up to 8 (tiles of 128 rows for
+    16-bit inputs, 64 for fp32), long prefixes, a window shorter than them."""
     prefixes, extends = [0, 100, 1000, 4000], [1, 300, 77, 2048]
     q, k, v, table, slots = random_case(
         page_size=16,
-        group=4,
+        group=group,
         dim=128,
         prefixes=prefixes,
         extends=extends,
@@ -296,7 +436,8 @@ def test_compiled_kernel_equals_sdpa_on_cuda(dtype: torch.dtype) -> None:
         torch.tensor(extends, device="cuda"),
         page_size=16,
         scale=scale,
+        window=window,
     )
-    want = reference(q, k, v, slots, prefixes, extends, scale)
+    want = reference(q, k, v, slots, prefixes, extends, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol
