@@ -14,12 +14,11 @@ first and last 64 steps, best of ``--repeat``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hicache.bench.report import print_table
+from hicache.bench.report import print_table, write_json
 
 TEXT = (
     "Hierarchical caches keep the key and value tensors of shared prefixes in GPU memory, "
@@ -122,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": [asdict(r) for r in runs]}, f, indent=2)
+        write_json(args.json, {"runs": [asdict(r) for r in runs]})
     return 0
 
 

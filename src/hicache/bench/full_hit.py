@@ -29,7 +29,6 @@ the median over the repeats.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -45,6 +44,7 @@ import torch
 from tqdm import tqdm
 
 from hicache.bench.plot import print_table
+from hicache.bench.report import write_json
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     if args.plot:
         from hicache.bench.plot import plot_bars
 

@@ -19,7 +19,6 @@ figure is the median of ``--repeat`` runs. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hicache.bench.report import write_json
 from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
@@ -301,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         doc = {"object_bytes": object_bytes, "objects": args.objects, "repeat": args.repeat}
         doc["results"] = [asdict(r) | {"ratio": r.ratio} for r in results]
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     return 0 if len(results) == 2 * len(backends) else 1
 
 

@@ -18,7 +18,6 @@ On a CPU-only host the "device" pool lives in RAM, so all three are RAM -> RAM c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hicache.bench.report import write_json
 from hicache.config import IOBackend, KVSpec, MemLayout
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import advise_huge_pages
@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "runs": [{k: asdict(r)[k] for k in keys} for r in runs],
         }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+        write_json(args.json, payload)
     return 0
 
 

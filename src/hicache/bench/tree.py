@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 from dataclasses import asdict, dataclass
 
-from hicache.bench.report import print_table
+from hicache.bench.report import print_table, write_json
 from hicache.tree import HiRadixTree
 from hicache.tree.node import page_ids
 
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         [[r.workload, str(r.page_size), f"{r.insert_us:.2f}", f"{r.match_us:.2f}"] for r in runs],
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": [asdict(r) for r in runs]}, f, indent=2)
+        write_json(args.json, {"runs": [asdict(r) for r in runs]})
     return 0
 
 
