@@ -31,6 +31,7 @@ from hicache.engine.detokenize import IncrementalText, decode_function, decodes_
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
+from tests.helpers.fake_runner import SpaceTokenizer
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MULTILINGUAL = ["é", "ü", "世界", "日本語", "🙂", "👍🏽", "🇫🇷", "Ελλ", " naïve", "e\u0301", "—"]
@@ -202,11 +203,6 @@ def test_probe_accepts_the_tokenizers_the_engine_uses() -> None:
             path = resolve_checkpoint(name).path  # (tiny-random-llama built if need be)
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
             assert decodes_incrementally(tok), name
-
-
-class SpaceTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 class BrokenTokenizer:

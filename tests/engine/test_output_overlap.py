@@ -18,20 +18,14 @@ import pytest
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, prompt_ids
-from tests.helpers.fake_runner import NextTokenRunner
+from tests.helpers.fake_runner import NextTokenRunner, make_scheduler, run_until_idle
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
-
-
-class SpaceTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture
@@ -42,18 +36,11 @@ def cache() -> Iterator[HiCache]:
 
 
 def make(cache: HiCache, overlap: bool, **cfg: int) -> tuple[Scheduler, NextTokenRunner]:
-    runner = NextTokenRunner()
-    output = OutputProcessor(SpaceTokenizer(), eos_token_ids=[], context_length=64)
-    config = SchedulerConfig(overlap_outputs=overlap, **cfg)  # type: ignore[arg-type]
-    return Scheduler(cache, runner, output, config), runner  # type: ignore[arg-type]
+    return make_scheduler(cache, overlap_outputs=overlap, **cfg)
 
 
-def run(sched: Scheduler, steps: int = 200) -> None:
-    for _ in range(steps):
-        if sched.idle:
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
+def run(sched: Scheduler) -> None:
+    run_until_idle(sched, steps=200)
 
 
 def shown(outs: list[RequestOutput]) -> list[tuple[object, ...]]:
@@ -70,9 +57,7 @@ def assert_well_formed(outs: list[RequestOutput]) -> None:
 def test_the_default_overlaps_on_cuda_only(cache: HiCache) -> None:
     sched, _ = make(cache, overlap=True)
     assert sched.overlap
-    runner = NextTokenRunner()
-    output = OutputProcessor(SpaceTokenizer(), eos_token_ids=[], context_length=64)
-    assert not Scheduler(cache, runner, output, SchedulerConfig()).overlap  # type: ignore[arg-type]
+    assert not make_scheduler(cache)[0].overlap  # the runner is on the CPU
     with pytest.raises(ValueError, match="overlap_outputs"):
         SchedulerConfig(overlap_outputs="yes")  # type: ignore[arg-type]
 

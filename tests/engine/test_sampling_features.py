@@ -24,7 +24,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
-from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner
+from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer
 
 V = 8
 TOL = 1e-4
@@ -437,11 +437,6 @@ def test_engine_refuses_ids_outside_the_vocabulary(engine: Engine) -> None:
 # ---------------------------------------------------------------- scheduler, retraction
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
-
-
-class SpaceTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 def test_prompt_logprobs_survive_retraction_and_chunking() -> None:

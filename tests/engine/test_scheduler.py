@@ -13,21 +13,15 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVSpec
-from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import Scheduler, SchedulerConfig
-from tests.helpers.fake_runner import NextTokenRunner
+from tests.helpers.fake_runner import make_scheduler as make
+from tests.helpers.fake_runner import run_until_idle as run
 from tests.helpers.kvdata import FailingLoads
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
-
-
-class SpaceTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture
@@ -37,26 +31,11 @@ def cache() -> Iterator[HiCache]:
         yield c
 
 
-def make(cache: HiCache, **cfg: int) -> tuple[Scheduler, NextTokenRunner]:
-    runner = NextTokenRunner()
-    output = OutputProcessor(SpaceTokenizer(), eos_token_ids=[], context_length=64)
-    sched = Scheduler(cache, runner, output, SchedulerConfig(**cfg))  # type: ignore[arg-type]
-    return sched, runner
-
-
 def request(
     prompt: list[int], params: SamplingParams = GREEDY
 ) -> tuple[Request, list[RequestOutput]]:
     outs: list[RequestOutput] = []
     return Request(prompt, params, outs.append), outs
-
-
-def run(sched: Scheduler, steps: int = 100) -> None:
-    for _ in range(steps):
-        if sched.idle:
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
 
 
 def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:

@@ -1,4 +1,5 @@
-"""A stand-in for the model runner in scheduler tests: outputs known in advance.
+"""Stand-ins for scheduler tests: a model runner and a tokenizer whose outputs are known
+in advance, and a scheduler built on them over a real cache.
 
 Each sequence's last token ``t`` (or each row of ``logit_rows``) gets logits with all the
 mass on ``t + 1`` (mod :data:`VOCAB`): a greedy draw is ``t + 1`` and a log probability is
@@ -8,9 +9,14 @@ exactly 0 (that id) or :data:`MISS` (any other). Every forward's ``extend_lens``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from hicache.cache import HiCache
+from hicache.engine.output import OutputProcessor
 from hicache.engine.runner import ForwardBatch
+from hicache.engine.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 100
 MISS = -1e9
@@ -44,3 +50,28 @@ class NextTokenRunner:
 
     def drop_state(self, seq_id: str) -> None:
         """No recurrent layers: nothing to drop."""
+
+
+class SpaceTokenizer:
+    """Decodes ids as their decimal numbers joined by spaces: every text known in advance."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def make_scheduler(cache: HiCache, **config: Any) -> tuple[Scheduler, NextTokenRunner]:
+    """A scheduler over ``cache`` with a :class:`NextTokenRunner` and
+    :class:`SpaceTokenizer` outputs (no end-of-sequence id, context 64);
+    ``config``: :class:`SchedulerConfig` fields."""
+    runner = NextTokenRunner()
+    output = OutputProcessor(SpaceTokenizer(), eos_token_ids=[], context_length=64)
+    return Scheduler(cache, runner, output, SchedulerConfig(**config)), runner  # type: ignore[arg-type]
+
+
+def run_until_idle(sched: Scheduler, steps: int = 100) -> None:
+    """Step ``sched`` until it is idle; AssertionError after ``steps`` steps."""
+    for _ in range(steps):
+        if sched.idle:
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not finish")
