@@ -201,6 +201,24 @@ def test_padding_rows_do_not_change_real_rows() -> None:
     assert (run(eight, batch) - alone).abs().max().item() <= TOL
 
 
+def test_a_batch_runs_in_any_bucket_that_holds_it_and_no_other() -> None:
+    """The probe's forced buckets: the same logits in bucket 4 and in bucket 8; a bucket
+    that is not one, or too small, is refused before anything is written."""
+    runner = make_runner()
+    slots = prefilled(runner, [5, 12, 3])
+    batch = decode_batch(slots)
+    graphs = make_graphs(runner, max_bs=8, buckets=(2, 4, 8))
+    args = (batch.input_ids, batch.positions, batch.seq_slots)
+    small, large = graphs.run(*args, bucket=4), graphs.run(*args, bucket=8)
+    assert small is not None and large is not None
+    assert (small - large).abs().max().item() <= TOL
+    before = graphs.replays
+    for bad in (2, 3, 16):
+        with pytest.raises(ValueError, match=f"bucket={bad}"):
+            graphs.run(*args, bucket=bad)
+    assert graphs.replays == before
+
+
 def test_batches_the_graphs_cannot_serve_are_refused() -> None:
     runner = make_runner()
     graphs = make_graphs(runner, max_bs=2)

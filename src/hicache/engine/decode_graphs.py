@@ -265,15 +265,23 @@ class DecodeGraphs:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         seq_slots: Sequence[torch.Tensor],
+        *,
+        bucket: int | None = None,
     ) -> torch.Tensor | None:
         """Logits ``(B, vocab)`` fp32 of a decode-only batch of ``B = len(seq_slots)``
         sequences: ``input_ids``/``positions (B,)``, ``seq_slots[i]`` sequence ``i``'s
         slots (its new token's last), as in :class:`~hicache.engine.runner.ForwardBatch`.
         Writes each new token's K/V into its slot, as the eager forward does. None
         (nothing run or written) when the batch does not fit: more sequences than
-        ``max_bs``, a sequence longer than the table, slots not over whole pages."""
+        ``max_bs``, a sequence longer than the table, slots not over whole pages.
+        ``bucket``: run in this bucket instead of the smallest that holds the batch (the
+        probe checks more than one); ValueError when it is not a bucket or too small."""
         b = len(seq_slots)
         bs = self.bucket_for(b) if b else None
+        if bucket is not None:
+            if bucket not in self.buckets or bucket < b:
+                raise ValueError(f"bucket={bucket} is not one of {self.buckets} holding {b}")
+            bs = bucket
         if bs is None or input_ids.shape != (b,) or positions.shape != (b,):
             return None
         if not self._stage(input_ids, positions, seq_slots, bs):

@@ -2,14 +2,17 @@
 
 :func:`enable_decode_graphs` attaches :class:`~hicache.engine.decode_graphs.DecodeGraphs`
 to a runner only when they can serve it (a plain :class:`DecoderLM`, the Triton attention
-backend, no SWA pool; CUDA to capture) and only after a **probe**: one padded bucket run
-on a real small batch must give the eager forward's logits (per row, relative L2 error
-within :func:`probe_tolerance` of the model's dtype). A capture that raises or a probe
+backend, no SWA pool; CUDA to capture) and only after a **probe**: a real small batch,
+run padded in the smallest bucket that holds it and in the largest, must give the eager
+forward's logits (per row, relative L2 error within :func:`probe_tolerance` of the
+model's dtype). A capture that raises or a probe
 that disagrees logs one warning naming why and leaves the runner eager, the same spirit
 as the attention kernels' probe (:mod:`hicache.engine.kernels.probe`); the cost of a
 failure is never a failed or wrong forward.
 
-The probe batch: :data:`PROBE_PAGES` pages lent by the caller, filled with random K/V,
+The probe runs in two buckets: the smallest that holds its batch and the largest (the
+same forward captured at both ends of the range). The probe batch: :data:`PROBE_PAGES`
+pages lent by the caller, filled with random K/V,
 carrying three sequences of 1 page, 2 pages and 3 pages in shuffled page order (their
 lengths end mid-page), each adding one token; the eager forward and the graph both
 write that token's K/V into the same (lent) slot. :func:`enable_for_cache` lends them
@@ -118,11 +121,14 @@ def _probe(runner: ModelRunner, graphs: DecodeGraphs, pages: Sequence[int]) -> f
         seq_slots=slots,
     )
     want = runner.forward(batch)  # the graphs are not attached yet: eager
-    got = graphs.run(batch.input_ids, batch.positions, batch.seq_slots)
-    if got is None:
-        return float("inf")
-    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
-    return float(err.max().item())
+    worst = 0.0
+    for bucket in sorted({graphs.bucket_for(len(lengths)) or graphs.max_bs, graphs.max_bs}):
+        got = graphs.run(batch.input_ids, batch.positions, batch.seq_slots, bucket=bucket)
+        if got is None:
+            return float("inf")
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+        worst = max(worst, float(err.max().item()))
+    return worst
 
 
 def enable_decode_graphs(
