@@ -187,6 +187,25 @@ def test_a_pending_stop_string_wins_over_a_later_abort(cache: HiCache) -> None:
     assert sum(o.finished for o in outs) == 1 and sched.idle and cache.requests == 0
 
 
+def test_a_pending_stop_string_voids_the_reason_of_a_later_abort(cache: HiCache) -> None:
+    """As above, with the abort the engine makes when it stops (reason set with it): the
+    request had stopped, so its final report carries no error."""
+    sched, _ = make(cache, overlap=True)
+    outs: list[RequestOutput] = []
+    params = SamplingParams(temperature=0, max_tokens=10, stop="5")
+    req = Request([1, 2, 3], params, outs.append)
+    sched.add(req)
+    sched.step()
+    sched.step()
+    req.error, req.aborted = "the engine was closed", True  # what Engine._fail does
+    sched.step()
+    assert [(o.finished, o.finish_reason, o.error) for o in outs] == [
+        (False, None, None),
+        (True, FinishReason.STOP, None),
+    ]
+    assert sched.idle and cache.requests == 0
+
+
 def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> None:
     """A request retracted (L1 full) while its last token's text is pending, that text
     holding its stop string: it ends from the waiting queue, once, with nothing held."""

@@ -579,6 +579,10 @@ class Scheduler:
             self.output.update_text(req)
             ended = req.finished and not was_finished
             if ended:
+                if req.finish_reason is FinishReason.STOP:
+                    # it had stopped before any abort took effect: an abort's reason
+                    # (set with it, the only error a running request carries) is void
+                    req.error = None
                 self._release(req, keep_kv=keep_kv)
             self._emit(req)
         del self._pending[req]
