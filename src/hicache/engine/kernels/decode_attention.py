@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.engine.kernels.inputs import check_pool_inputs
+
 __all__ = ["paged_decode_attention"]
 
 
@@ -111,13 +113,7 @@ def paged_decode_attention(
     """
     bsz, hq, dim = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv or k_cache.shape[2] != dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not fit k/v {tuple(k_cache.shape)} / "
-            f"{tuple(v_cache.shape)}: Hq must be a multiple of Hkv and D equal"
-        )
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
+    check_pool_inputs(q, k_cache, v_cache)
     if table.shape[0] != bsz or lengths.shape != (bsz,):
         raise ValueError(f"table {tuple(table.shape)} / lengths {tuple(lengths.shape)} for B={bsz}")
     table = table.contiguous()
