@@ -24,7 +24,7 @@ from hicache.engine import ModelRunner, kv_spec_from_hf_config
 from hicache.engine.kernels import AttentionBackend, resolve_backend
 from hicache.engine.runner import ForwardBatch
 from hicache.memory import DevicePool
-from tests.helpers.engine_fixtures import engine_model, prompt_ids, slots_for
+from tests.helpers.engine_fixtures import engine_model, prompt_ids, random_pool
 
 pytest.importorskip("triton")
 
@@ -64,17 +64,19 @@ def random_case(
     seed: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """q, k/v pool layer, page table and lengths over shuffled pages, plus the slots."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // page_size) for n in lengths)
-    hkv, pages = 2, len(lengths) * width + 8
-    k = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
-    v = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
-    q = torch.randn(len(lengths), hkv * group, dim, generator=gen).to(device, dtype)
-    order = torch.randperm(pages, generator=gen)
-    table = torch.stack([order[i * width : (i + 1) * width] for i in range(len(lengths))])
-    slots = [slots_for(table[i].tolist(), page_size, n) for i, n in enumerate(lengths)]
-    lens = torch.tensor(lengths)
-    return q, k, v, table.to(device), lens.to(device), *[s.to(device) for s in slots]
+    pool = random_pool(
+        lengths,
+        queries=len(lengths),
+        page_size=page_size,
+        group=group,
+        dim=dim,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        spare_pages=8,
+    )
+    lens = torch.tensor(lengths).to(device)
+    return pool.q, pool.k, pool.v, pool.table, lens, *pool.slots
 
 
 @pytest.mark.parametrize(

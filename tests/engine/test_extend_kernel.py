@@ -33,7 +33,7 @@ from hicache.engine import ModelRunner, kv_spec_from_hf_config
 from hicache.engine.kernels import AttentionBackend
 from hicache.engine.runner import ForwardBatch
 from hicache.memory import DevicePool
-from tests.helpers.engine_fixtures import engine_model, prompt_ids, slots_for
+from tests.helpers.engine_fixtures import engine_model, prompt_ids, random_pool
 
 pytest.importorskip("triton")
 
@@ -83,17 +83,19 @@ def random_case(
     hkv: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """q, k/v pool layer and page table over shuffled pages, plus each sequence's slots."""
-    gen = torch.Generator().manual_seed(seed)
-    totals = [p + n for p, n in zip(prefixes, extends, strict=True)]
-    width = max(-(-n // page_size) for n in totals)
-    pages = len(totals) * width + 3
-    k = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
-    v = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
-    q = torch.randn(sum(extends), hkv * group, dim, generator=gen).to(device, dtype)
-    order = torch.randperm(pages, generator=gen)
-    table = torch.stack([order[i * width : (i + 1) * width] for i in range(len(totals))])
-    slots = [slots_for(table[i].tolist(), page_size, n).to(device) for i, n in enumerate(totals)]
-    return q, k, v, table.to(device), slots
+    pool = random_pool(
+        [p + n for p, n in zip(prefixes, extends, strict=True)],
+        queries=sum(extends),
+        page_size=page_size,
+        group=group,
+        dim=dim,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        hkv=hkv,
+        spare_pages=3,
+    )
+    return pool.q, pool.k, pool.v, pool.table, pool.slots
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -48,6 +49,47 @@ def slots_for(pages: Sequence[int], page_size: int, num_tokens: int) -> torch.Te
     """Slots of tokens ``0 .. num_tokens-1`` laid over ``pages`` in order: ``(num_tokens,)``."""
     t = torch.arange(num_tokens)
     return torch.tensor(pages, dtype=torch.int64)[t // page_size] * page_size + t % page_size
+
+
+@dataclass(frozen=True)
+class RandomPool:
+    """One random pool layer and queries for the attention kernel tests: ``q (rows, Hkv *
+    group, D)``, ``k``/``v (pages * page_size, Hkv, D)``, ``table (B, W)`` each sequence's
+    pages (shuffled over the pool), ``slots[i]`` sequence ``i``'s slots over them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    slots: list[torch.Tensor]
+
+
+def random_pool(
+    lengths: Sequence[int],
+    *,
+    queries: int,
+    page_size: int,
+    group: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    hkv: int = 2,
+    spare_pages: int = 0,
+) -> RandomPool:
+    """Sequences of ``lengths`` tokens on shuffled pages of a random pool (``spare_pages``
+    more than they need), and ``queries`` random query rows; drawn from one generator
+    seeded with ``seed`` (K, V, q, then the page order)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // page_size) for n in lengths)
+    pages = len(lengths) * width + spare_pages
+    k = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
+    v = torch.randn(pages * page_size, hkv, dim, generator=gen).to(device, dtype)
+    q = torch.randn(queries, hkv * group, dim, generator=gen).to(device, dtype)
+    order = torch.randperm(pages, generator=gen)
+    table = torch.stack([order[i * width : (i + 1) * width] for i in range(len(lengths))])
+    slots = [slots_for(table[i].tolist(), page_size, n).to(device) for i, n in enumerate(lengths)]
+    return RandomPool(q, k, v, table.to(device), slots)
 
 
 def prompt_ids(name: str | None, n: int) -> torch.Tensor:
