@@ -9,11 +9,16 @@ of the session. Missing binaries skip locally and fail under ``CI=true``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from hicache.keys import Namespace
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
+from hicache.storage.base import HiCacheStorage
+from hicache.storage.registry import create_storage
 from tests.helpers.services import start_mooncake, start_redis, start_valkey
 
 
@@ -45,3 +50,36 @@ def mooncake_service() -> Iterator[MooncakeProcess]:
         yield svc
     finally:
         svc.close()
+
+
+def backend_config(
+    backend: str, request: pytest.FixtureRequest, tmp_dir: Path
+) -> tuple[str, dict[str, Any]]:
+    """The registry name and extra config of test backend ``backend`` (``memory``, ``file``
+    under ``tmp_dir``, ``redis`` / ``valkey`` / ``mooncake`` / ``mooncake_copy`` through
+    the session's service fixtures)."""
+    if backend == "memory":
+        return "memory", {}
+    if backend == "file":
+        return "file", {"file_path": str(tmp_dir)}
+    if backend in ("redis", "valkey"):
+        server = request.getfixturevalue(f"{backend}_service")
+        return "redis", {"url": server.url}
+    svc = request.getfixturevalue("mooncake_service")
+    return "mooncake", {**svc.extra_config, "zero_copy": backend == "mooncake"}
+
+
+def open_component_storage(
+    backend: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    namespace: Namespace,
+    component: str,
+) -> HiCacheStorage:
+    """A started ``backend`` store (:func:`backend_config`) under ``namespace`` that also
+    takes ``component`` records."""
+    name, extra = backend_config(backend, request, tmp_path)
+    st = create_storage(name, namespace=namespace, extra_config=extra)
+    st.start()
+    st.allow_component(component)
+    return st

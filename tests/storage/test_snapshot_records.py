@@ -28,7 +28,7 @@ from hicache.storage.base import HiCacheStorage
 from hicache.storage.record import HEADER_SIZE, RECORD_MAGIC
 from hicache.storage.registry import create_storage
 from hicache.transfer.state import make_state_copier
-from tests.storage.test_storage_backends import backend_config
+from tests.helpers.storage_fixtures import open_component_storage
 
 STATE = StateSpec(
     num_layers=3,
@@ -94,7 +94,6 @@ def snapshot_keys(layout: MemLayout) -> list[PageKey]:
 def open_backend(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path, layout: MemLayout
 ) -> HiCacheStorage:
-    name, extra = backend_config(backend, request, tmp_path)
     # a fresh prefix per test: redis and mooncake are shared by the session
     base = Namespace(
         model=f"tiny-hybrid-{request.node.name}",
@@ -103,10 +102,7 @@ def open_backend(
         layout=layout,
         page_size=PAGE,
     )
-    st = create_storage(name, namespace=base, extra_config=extra)
-    st.start()
-    st.allow_component("mamba")
-    return st
+    return open_component_storage(backend, request, tmp_path, base, "mamba")
 
 
 @pytest.mark.parametrize("backend", ["memory", "file", "redis", "mooncake"])

@@ -12,7 +12,6 @@ import hashlib
 import random
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ from hicache.storage import (
     StorageStats,
     create_storage,
 )
+from tests.helpers.storage_fixtures import backend_config
 
 BACKENDS = ["memory", "file", "redis", "valkey", "mooncake", "mooncake-staged"]
 LAYOUTS = [MemLayout.PAGE_FIRST, MemLayout.PAGE_FIRST_DIRECT, MemLayout.LAYER_FIRST]
@@ -67,20 +67,6 @@ class Maker:
     def close(self) -> None:
         for st in self.made.values():
             st.close()
-
-
-def backend_config(
-    backend: str, request: pytest.FixtureRequest, tmp_dir: Path
-) -> tuple[str, dict[str, Any]]:
-    if backend == "memory":
-        return "memory", {}
-    if backend == "file":
-        return "file", {"file_path": str(tmp_dir)}
-    if backend in ("redis", "valkey"):
-        server = request.getfixturevalue(f"{backend}_service")
-        return "redis", {"url": server.url}
-    svc = request.getfixturevalue("mooncake_service")
-    return "mooncake", {**svc.extra_config, "zero_copy": backend == "mooncake"}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -23,9 +23,8 @@ from hicache.memory.base import KVPool
 from hicache.storage.backends.memory import MemoryStorage
 from hicache.storage.base import HiCacheStorage
 from hicache.storage.record import HEADER_SIZE
-from hicache.storage.registry import create_storage
 from hicache.transfer import make_copier
-from tests.storage.test_storage_backends import backend_config
+from tests.helpers.storage_fixtures import open_component_storage
 
 SWA_KV = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16")
 PAGES = 6
@@ -68,13 +67,9 @@ def test_device_host_device_is_byte_exact(layout: MemLayout, io: IOBackend) -> N
 def open_backend(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path, layout: MemLayout
 ) -> HiCacheStorage:
-    name, extra = backend_config(backend, request, tmp_path)
     # a fresh prefix per test: redis and mooncake are shared by the session
     base = ns(layout, model=f"tiny-swa-{request.node.name}")
-    st = create_storage(name, namespace=base, extra_config=extra)
-    st.start()
-    st.allow_component("swa")
-    return st
+    return open_component_storage(backend, request, tmp_path, base, "swa")
 
 
 @pytest.mark.parametrize("backend", ["memory", "file", "redis", "mooncake"])
