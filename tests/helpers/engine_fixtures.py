@@ -6,10 +6,14 @@ Models come from the hicache model cache (``$HICACHE_CACHE_DIR``, default
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -109,3 +113,32 @@ def hf_logits(name: str | None, ids: torch.Tensor) -> torch.Tensor:
     """transformers' logits for every position of ``ids (n,)``: ``(n, vocab)`` fp32."""
     logits: torch.Tensor = hf_model(name)(ids[None]).logits[0]
     return logits.float()
+
+
+def broken_kernel(module: ModuleType, old: str, new: str, directory: Path) -> ModuleType:
+    """A copy of the kernel module ``module`` (e.g. :mod:`hicache.engine.kernels.decode_attention`)
+    with the one occurrence of ``old`` in its source replaced by ``new``: the real kernel
+    and wrapper with one deliberate bug. Written to ``directory`` and imported from there
+    (Triton reads a kernel's source from its file). ValueError when ``old`` does not occur
+    exactly once (the kernel changed: the bug must be restated)."""
+    source = inspect.getsource(module)
+    if source.count(old) != 1:
+        raise ValueError(f"{old!r} occurs {source.count(old)} times in {module.__name__}")
+    name = f"broken_{module.__name__.rsplit('.', 1)[-1]}_{abs(hash((old, new))):x}"
+    path = directory / f"{name}.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    broken = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(broken)
+    return broken
+
+
+SKIPPED_RESCALE = ("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")
+"""A realistic online-softmax bug for :func:`broken_kernel` (the decode and extend kernels
+both hold the line once): the accumulator is not rescaled when a later key block raises
+the running max. Invisible while every sequence fits one key block (the first block's
+rescale multiplies a zero accumulator)."""
+
+SKIPPED_NORMALIZER_RESCALE = ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)")
+"""The same bug in the softmax's normalizer instead of its accumulator."""
