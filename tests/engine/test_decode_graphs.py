@@ -11,8 +11,11 @@ interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``). Checked here
 * the runner hands over exactly the batches the graphs may serve; a batch they cannot
   serve (slots not over whole pages, a sequence longer than the table) runs eagerly;
 * set-up: refusals name why; a probe that disagrees turns graphs off with a warning;
-  through the engine, greedy outputs are the eager ones and the scratch page is
-  reserved in the cache (never a request's);
+  the probe compares with the SDPA forward, so a decode kernel that skips the
+  cross-block rescale (the real kernel with that one line changed, called where the
+  attention layers call it) turns graphs off; the probe's batch fits the page table;
+  through the engine, greedy outputs are the eager ones, the scratch page is
+  reserved in the cache (never a request's) and the probe's pages only for the probe;
 * the flags and the config field;
 * on CUDA (``gpu``): capture, replay equal to eager, bounded graph memory, and the engine
   using graphs by default.
@@ -23,20 +26,22 @@ from __future__ import annotations
 import argparse
 import logging
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
-from hicache.engine import ModelRunner, kv_spec_from_hf_config
+from hicache.engine import ModelRunner, graph_setup, kv_spec_from_hf_config
 from hicache.engine.decode_graphs import DecodeGraphs, decode_buckets, table_width_for
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.graph_setup import (
-    PROBE_PAGES,
     GraphSetup,
     enable_decode_graphs,
     enable_for_cache,
+    probe_lengths,
+    probe_page_count,
     probe_tolerance,
 )
 from hicache.engine.loader import load_model
@@ -46,14 +51,24 @@ from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import DevicePool
-from tests.helpers.engine_fixtures import engine_model, prompt_ids, slots_for
+from tests.helpers.engine_fixtures import (
+    SKIPPED_RESCALE,
+    broken_kernel,
+    engine_model,
+    prompt_ids,
+    slots_for,
+)
 
 pytest.importorskip("triton")
 
 NAME = "tiny-random-llama"
 PAGE = 4
-PAGES = 40
+PAGES = 64
 SCRATCH = PAGES - 1
+WIDTH = 40
+"""Page-table columns of the set-up tests: 160 keys, the probe's longest sequence."""
+PROBE_PAGES = probe_page_count(PAGE, WIDTH)
+"""43: the probe's longest sequence crosses two key blocks (160 keys, 40 pages)."""
 TOL = 1e-5
 """fp32 logits of the same rows through a padded bucket and the eager forward."""
 
@@ -269,7 +284,7 @@ def test_the_runner_hands_over_only_decode_batches_the_graphs_fit() -> None:
 
 def test_setup_refuses_clearly_and_keeps_the_runner_eager() -> None:
     probe = list(range(PROBE_PAGES))
-    kw = dict(scratch_page=SCRATCH, probe_pages=probe, max_bs=4, table_width=8)
+    kw = dict(scratch_page=SCRATCH, probe_pages=probe, max_bs=4, table_width=WIDTH)
     sdpa = make_runner("sdpa")
     got = enable_decode_graphs(sdpa, capture=False, **kw)  # type: ignore[arg-type]
     assert not got.enabled and got.reason is not None and "'sdpa'" in got.reason
@@ -278,7 +293,7 @@ def test_setup_refuses_clearly_and_keeps_the_runner_eager() -> None:
     assert not got.enabled and got.reason == "the device is cpu, not CUDA"
     kw["probe_pages"] = probe[:2]
     got = enable_decode_graphs(cpu, capture=False, **kw)  # type: ignore[arg-type]
-    assert not got.enabled and got.reason is not None and "probe needs 6" in got.reason
+    assert not got.enabled and got.reason is not None and "probe needs 43" in got.reason
     assert sdpa.decode_graphs is None and cpu.decode_graphs is None
     hybrid = engine_model("tiny-random-gemma3")
     pool = DevicePool(kv_spec_from_hf_config(hybrid.hf_config, "float32"), PAGES, PAGE)
@@ -305,12 +320,57 @@ def test_a_probe_that_disagrees_turns_graphs_off_with_a_warning(
             scratch_page=SCRATCH,
             probe_pages=list(range(PROBE_PAGES)),
             max_bs=4,
-            table_width=8,
+            table_width=WIDTH,
             capture=False,
         )
     assert not got.enabled and runner.decode_graphs is None
     assert got.probe_error is not None and got.probe_error > probe_tolerance(torch.float32)
     assert "CUDA graphs for decode are off: the probe's logits differ" in caplog.text
+
+
+def test_the_probe_compares_with_sdpa_so_a_wrong_kernel_turns_graphs_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decode kernel without the cross-block rescale, where the attention layers call
+    it: the eager Triton forward runs it too and agrees with the replay, SDPA does not."""
+    from hicache.engine.kernels import decode_attention
+
+    broken = broken_kernel(decode_attention, *SKIPPED_RESCALE, tmp_path)
+    monkeypatch.setattr(decode_attention, "paged_decode_attention", broken.paged_decode_attention)
+    runner = make_runner()
+    with caplog.at_level(logging.WARNING, logger="hicache.engine"):
+        got = enable_decode_graphs(
+            runner,
+            scratch_page=SCRATCH,
+            probe_pages=list(range(PROBE_PAGES)),
+            max_bs=4,
+            table_width=WIDTH,
+            capture=False,
+        )
+    assert not got.enabled and runner.decode_graphs is None
+    assert got.probe_error is not None and 1e-2 < got.probe_error < float("inf")
+    assert "the probe's logits differ from the SDPA forward's" in caplog.text
+    monkeypatch.undo()  # the real kernel: the same probe passes
+    runner = make_runner()
+    got = enable_decode_graphs(
+        runner,
+        scratch_page=SCRATCH,
+        probe_pages=list(range(PROBE_PAGES)),
+        max_bs=4,
+        table_width=WIDTH,
+        capture=False,
+    )
+    assert got.enabled and got.probe_error is not None
+    assert got.probe_error <= probe_tolerance(torch.float32)
+
+
+def test_the_probe_batch_crosses_key_blocks_and_fits_the_table() -> None:
+    assert probe_lengths(4, WIDTH) == (160, 5, 1) and PROBE_PAGES == 43
+    assert probe_lengths(64, 100) == (160, 65, 1) and probe_page_count(64, 100) == 6
+    assert probe_lengths(1, 1000) == (160, 2, 1)
+    assert probe_lengths(128, 10) == (320, 129, 1)  # 2.5 pages
+    assert probe_lengths(4, 8) == (32, 5, 1)  # the longest a graph of 8 pages serves
+    assert probe_lengths(4, 1) == (4, 4, 1) and probe_page_count(4, 1) == 3
 
 
 def generate_together(
@@ -330,9 +390,20 @@ def generate_together(
     return [f.result(timeout=300) for f in done]
 
 
-def test_engine_greedy_through_static_decode_equals_eager() -> None:
+def test_engine_greedy_through_static_decode_equals_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The engine with the static decode path attached as it attaches graphs (scratch
-    page reserved in its cache, probe on lent pages) generates what it does without."""
+    page reserved in its cache, the probe on pages reserved there for its duration)
+    generates what it does without."""
+    seen: list[tuple[list[int], list[int]]] = []
+    probe = graph_setup._probe
+
+    def recorded(runner: ModelRunner, graphs: DecodeGraphs, pages: list[int]) -> float:
+        seen.append((list(pages), cache.reserved_device_pages))
+        return probe(runner, graphs, pages)
+
+    monkeypatch.setattr(graph_setup, "_probe", recorded)
     prompts = [prompt_ids(NAME, n).tolist() for n in (11, 20, 7)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     config = EngineConfig(
@@ -353,13 +424,17 @@ def test_engine_greedy_through_static_decode_equals_eager() -> None:
 
                 def attach(runner: ModelRunner = runner, cache: HiCache = cache) -> GraphSetup:
                     return enable_for_cache(
-                        runner, cache, max_bs=4, context_length=64, capture=False
+                        runner, cache, max_bs=4, context_length=256, capture=False
                     )
 
                 setup = engine.call(attach).result(timeout=120)
                 assert setup.enabled and setup.buckets == (1, 2, 4)
                 (scratch,) = cache.reserved_device_pages
-                assert cache.device_pool.allocator.used_pages == 1  # the probe's pages came back
+                # the probe ran on 43 pages reserved (with the scratch page) for its
+                # duration; they came back after it
+                ((pages, reserved),) = seen
+                assert len(pages) == 43 and sorted(reserved) == sorted([scratch, *pages])
+                assert cache.device_pool.allocator.used_pages == 1
             outputs.append(generate_together(engine, prompts, params))
             if static:
                 graphs = runner.decode_graphs
@@ -404,7 +479,7 @@ def test_captured_graphs_replay_the_eager_logits_in_bounded_memory() -> None:
         scratch_page=SCRATCH,
         probe_pages=list(range(PROBE_PAGES)),
         max_bs=8,
-        table_width=8,
+        table_width=WIDTH,
     )
     assert setup.enabled and setup.captured, setup.reason
     assert setup.graph_bytes < 256 * 2**20  # a 3-layer model: a few MiB of intermediates

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from hicache.bench.report import print_table
-from hicache.engine.graph_setup import PROBE_PAGES, GraphSetup, enable_decode_graphs
+from hicache.engine.graph_setup import GraphSetup, enable_decode_graphs, probe_page_count
 from hicache.engine.kernels import AttentionBackend, resolve_backend
 from hicache.engine.loader import LoadedModel, load_model
 from hicache.engine.runner import ForwardBatch, ModelRunner, kv_spec_from_hf_config
@@ -122,15 +122,15 @@ def decode(
     else run eagerly; :attr:`DecodeTiming.graphs` says which."""
     device = str(lm.model.device)
     per_seq = math.ceil((context + steps) / PAGE)
-    used = seqs * per_seq
-    pool = _pool(lm, (used + 1 + PROBE_PAGES) * PAGE, device)
+    used, probe = seqs * per_seq, probe_page_count(PAGE, per_seq)
+    pool = _pool(lm, (used + 1 + probe) * PAGE, device)
     runner = ModelRunner(lm.model, pool, attention_backend=backend)
     setup = None
     if cuda_graphs:
         setup = enable_decode_graphs(
             runner,
             scratch_page=used,
-            probe_pages=list(range(used + 1, used + 1 + PROBE_PAGES)),
+            probe_pages=list(range(used + 1, used + 1 + probe)),
             max_bs=seqs,
             table_width=per_seq,
         )

@@ -122,7 +122,7 @@ class EngineConfig:
     captured at start for buckets 1, 2, 4, 8, 12, 16, 24, ... up to it; None: the
     scheduler's ``max_running_requests``; 0: off. Larger values are capped at
     ``max_running_requests``. Used on CUDA with the Triton backend and a plain
-    Llama / Qwen2 / Qwen3 model, after a probe against the eager forward; else decode
+    Llama / Qwen2 / Qwen3 model, after a probe against the SDPA forward; else decode
     runs eagerly (a warning says why when the capture or the probe failed)."""
 
     def __post_init__(self) -> None:

@@ -3,20 +3,24 @@
 :func:`enable_decode_graphs` attaches :class:`~hicache.engine.decode_graphs.DecodeGraphs`
 to a runner only when they can serve it (a plain :class:`DecoderLM`, the Triton attention
 backend, no SWA pool; CUDA to capture) and only after a **probe**: a real small batch,
-run padded in the smallest bucket that holds it and in the largest, must give the eager
-forward's logits (per row, relative L2 error within :func:`probe_tolerance` of the
-model's dtype). A capture that raises or a probe
+run padded in the smallest bucket that holds it and in the largest, must give the logits
+of the eager forward with the **SDPA** attention backend (per row, relative L2 error
+within :func:`probe_tolerance` of the model's dtype). The reference is SDPA, not the
+eager Triton forward: that one runs the same decode kernel as the graphs, so a kernel
+that is wrong on the device would agree with itself. A capture that raises or a probe
 that disagrees logs one warning naming why and leaves the runner eager, the same spirit
 as the attention kernels' probe (:mod:`hicache.engine.kernels.probe`); the cost of a
 failure is never a failed or wrong forward.
 
 The probe runs in two buckets: the smallest that holds its batch and the largest (the
-same forward captured at both ends of the range). The probe batch: :data:`PROBE_PAGES`
-pages lent by the caller, filled with random K/V,
-carrying three sequences of 1 page, 2 pages and 3 pages in shuffled page order (their
-lengths end mid-page), each adding one token; the eager forward and the graph both
-write that token's K/V into the same (lent) slot. :func:`enable_for_cache` lends them
-from the cache's L1 allocator and reserves the scratch page there.
+same forward captured at both ends of the range). The probe batch: sequences of
+:func:`probe_lengths` keys (the longest crosses two key blocks of the decode kernel
+whatever the page size, where the page table is that wide; the others end one token
+into a page and at one key), on :func:`probe_page_count` pages lent by the caller in
+shuffled order and filled with random K/V, each adding one token; the reference forward
+and the graph both write that token's K/V into the same (lent) slot. :func:`enable_for_cache` reserves the probe's pages in
+the cache for the probe's duration, and the scratch page for as long as the graphs are
+used.
 """
 
 from __future__ import annotations
@@ -31,22 +35,43 @@ import torch
 from hicache.cache import HiCache
 from hicache.engine.decode_graphs import DecodeGraphs, table_width_for
 from hicache.engine.kernels import AttentionBackend
+from hicache.engine.kernels.probe import KEY_BLOCK
 from hicache.engine.models.decoder import DecoderLM
 from hicache.engine.runner import ForwardBatch, ModelRunner
 
 __all__ = [
-    "PROBE_PAGES",
+    "PROBE_KEYS",
     "GraphSetup",
     "enable_decode_graphs",
     "enable_for_cache",
+    "probe_lengths",
+    "probe_page_count",
     "probe_tolerance",
     "unsupported_reason",
 ]
 
 log = logging.getLogger("hicache.engine")
 
-PROBE_PAGES = 6
-"""Pages the probe batch needs (sequences of 1, 2 and 3 pages)."""
+PROBE_KEYS = 2 * KEY_BLOCK + KEY_BLOCK // 2
+"""Keys of the probe's longest sequence at least (160): two and a half key blocks of the
+decode kernel, so a replay whose kernel mishandles the blocks (a missing rescale, a block
+dropped or read twice) differs from SDPA."""
+
+
+def probe_lengths(page_size: int, table_width: int) -> tuple[int, int, int]:
+    """Keys of the probe's three sequences (new token included), longest first (a probe
+    with ``max_bs`` 1 keeps the longest): ``max(PROBE_KEYS, 2.5 pages)``, one page and
+    one token, and one key; each at most what a graph serves, ``table_width`` pages of
+    ``page_size`` tokens (a shorter table serves no sequence that crosses more blocks)."""
+    cap = table_width * page_size
+    longest = max(PROBE_KEYS, 2 * page_size + max(1, page_size // 2))
+    return (min(longest, cap), min(page_size + 1, cap), 1)
+
+
+def probe_page_count(page_size: int, table_width: int) -> int:
+    """Pool pages the probe batch needs (:func:`probe_lengths`' sequences' pages): 43 for
+    page 4 and 6 for page 64 with a table of 40 pages or more."""
+    return sum(-(-n // page_size) for n in probe_lengths(page_size, table_width))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +112,19 @@ def unsupported_reason(runner: ModelRunner, *, capture: bool) -> str | None:
 
 
 def probe_tolerance(dtype: torch.dtype) -> float:
-    """Largest per-row relative L2 error of the probe's logits against the eager forward:
-    the two differ only where a kernel's reduction order depends on the batch size
-    (the bucket pads it), so 1e-3 in fp32 and 5e-2 in 16-bit types; a wrong table, slot
-    or buffer gives errors of order 1."""
+    """Largest per-row relative L2 error of the probe's logits against the SDPA forward:
+    the two differ by rounding (the kernel's online softmax in fp32 against SDPA's, the
+    kernel's ``p`` rounded to the model's dtype), so 1e-3 in fp32 (measured ~1e-6 on the
+    tiny models) and 5e-2 in 16-bit types; a wrong kernel, table, slot or buffer gives
+    errors of order 0.1 to 1."""
     return 1e-3 if dtype == torch.float32 else 5e-2
 
 
 def _probe(runner: ModelRunner, graphs: DecodeGraphs, pages: Sequence[int]) -> float:
     """The probe (module docstring): the largest per-row relative L2 error of the
-    graphs' logits against the eager forward's (inf when the graphs refuse the batch)."""
+    graphs' logits against the SDPA forward's (inf when the graphs refuse the batch)."""
     pool, ps = runner.pool, runner.pool.page_size
-    lengths = [1, ps + 1, 2 * ps + max(1, ps // 2)][: graphs.max_bs]
+    lengths = probe_lengths(ps, graphs.table_width)[: graphs.max_bs]
     gen = torch.Generator().manual_seed(0)
     order = [pages[i] for i in torch.randperm(len(pages), generator=gen).tolist()]
     slots: list[torch.Tensor] = []
@@ -120,7 +146,8 @@ def _probe(runner: ModelRunner, graphs: DecodeGraphs, pages: Sequence[int]) -> f
         extend_lens=[1] * len(lengths),
         seq_slots=slots,
     )
-    want = runner.forward(batch)  # the graphs are not attached yet: eager
+    reference = ModelRunner(runner.model, pool, attention_backend=AttentionBackend.SDPA)
+    want = reference.forward(batch)
     worst = 0.0
     for bucket in sorted({graphs.bucket_for(len(lengths)) or graphs.max_bs, graphs.max_bs}):
         got = graphs.run(batch.input_ids, batch.positions, batch.seq_slots, bucket=bucket)
@@ -141,8 +168,9 @@ def enable_decode_graphs(
     capture: bool = True,
 ) -> GraphSetup:
     """Build decode graphs for ``runner`` up to ``max_bs`` sequences, capture them
-    (``capture``; CUDA only), probe them on ``probe_pages`` (:data:`PROBE_PAGES` pool
-    pages the caller lends for the call: their contents are overwritten) and attach them
+    (``capture``; CUDA only), probe them on ``probe_pages`` (at least
+    :func:`probe_page_count` pool pages the caller lends for the call: their contents are
+    overwritten) and attach them
     (:meth:`ModelRunner.use_decode_graphs`). ``scratch_page``: a pool page reserved for
     the graphs' padding rows for as long as the runner uses them (never a request's or
     the tree's). Never raises for a capture or probe failure: the runner stays eager and
@@ -150,8 +178,9 @@ def enable_decode_graphs(
     reason = unsupported_reason(runner, capture=capture)
     if reason is None and runner.decode_graphs is not None:
         reason = "the runner already has decode graphs"
-    if reason is None and len(probe_pages) < PROBE_PAGES:
-        reason = f"the probe needs {PROBE_PAGES} free L1 pages, got {len(probe_pages)}"
+    needed = probe_page_count(runner.pool.page_size, table_width)
+    if reason is None and len(probe_pages) < needed:
+        reason = f"the probe needs {needed} free L1 pages, got {len(probe_pages)}"
     if reason is not None:
         return GraphSetup(enabled=False, reason=reason)
     assert isinstance(runner.model, DecoderLM)
@@ -172,7 +201,7 @@ def enable_decode_graphs(
     else:
         tol = probe_tolerance(runner.model.dtype)
         if not error <= tol:  # NaN fails too
-            reason = f"the probe's logits differ from the eager forward's ({error:.3g} > {tol:g})"
+            reason = f"the probe's logits differ from the SDPA forward's ({error:.3g} > {tol:g})"
     seconds = time.perf_counter() - t0
     if reason is not None:
         log.warning("CUDA graphs for decode are off: %s; decode runs eagerly", reason)
@@ -207,8 +236,9 @@ def enable_for_cache(
 ) -> GraphSetup:
     """:func:`enable_decode_graphs` for an engine: the scratch page is reserved in
     ``cache`` (:meth:`HiCache.reserve_device_pages`; given back when the graphs are not
-    used), the probe's pages are lent by its L1 allocator and returned, and the page
-    table is as wide as ``context_length`` tokens. Call before any request is admitted."""
+    used), the probe's pages are reserved there for the call and given back
+    (:meth:`HiCache.unreserve_device_pages`), and the page table is as wide as
+    ``context_length`` tokens. Call before any request is admitted."""
     reason = unsupported_reason(runner, capture=capture)
     if reason is not None:
         log.info("CUDA graphs for decode are off: %s", reason)
@@ -216,19 +246,21 @@ def enable_for_cache(
     scratch = cache.reserve_device_pages(1)
     if scratch is None:
         return GraphSetup(enabled=False, reason="no L1 page left to reserve as scratch")
-    lent = cache.alloc_device(PROBE_PAGES)
+    # the width counts the pages a request may hold once the probe's are back
+    width = table_width_for(context_length, cache.page_size, cache.device_pages)
+    lent = cache.reserve_device_pages(probe_page_count(cache.page_size, width))
     try:
         setup = enable_decode_graphs(
             runner,
             scratch_page=scratch[0],
             probe_pages=[] if lent is None else list(lent),
             max_bs=max_bs,
-            table_width=table_width_for(context_length, cache.page_size, cache.device_pages),
+            table_width=width,
             capture=capture,
         )
     finally:
         if lent is not None:
-            cache.free_device(lent)
+            cache.unreserve_device_pages(lent)
     if not setup.enabled:
         cache.unreserve_device_pages(scratch)
     return setup
