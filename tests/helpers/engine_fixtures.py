@@ -1,4 +1,5 @@
-"""Shared helpers for engine tests: tiny models, their transformers twins, slot layouts.
+"""Shared helpers for engine tests: tiny models, their transformers twins, slot layouts,
+random pools, and the attention kernels with one deliberate bug (:func:`broken_kernel`).
 
 Models come from the hicache model cache (``$HICACHE_CACHE_DIR``, default
 ``~/.cache/hicache``); the first use on a machine converts the bundled SmolLM2 GGUF (~20 s).

@@ -87,7 +87,9 @@ class ProbeCase:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; must be >= 1")
         if self.keys <= 2 * KEY_BLOCK:
-            raise ValueError(f"keys={self.keys} is invalid; must exceed two key blocks (>128)")
+            raise ValueError(
+                f"keys={self.keys} is invalid; must exceed two key blocks (> {2 * KEY_BLOCK})"
+            )
 
     @property
     def tolerance(self) -> float:
