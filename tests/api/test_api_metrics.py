@@ -8,8 +8,8 @@ from dataclasses import fields
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.engine.metrics import counter_metric_name
 from hicache.metrics import CacheCounters
+from hicache.server.metrics import counter_metric_name
 from tests.helpers.api_fixtures import make_engine, post, serve, wait_idle
 
 PROMPT = list(range(300, 345))

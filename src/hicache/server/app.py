@@ -34,8 +34,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hicache.engine.engine import Engine
-from hicache.engine.fanout import Ending, Event, Fanout, Job
-from hicache.engine.http_base import (
+from hicache.engine.request import RequestOutput
+from hicache.engine.sampling import InvalidRequest
+from hicache.server.fanout import Ending, Event, Fanout, Job
+from hicache.server.http_base import (
     DEFAULT_MAX_REQUEST_BYTES,
     BodyLimit,
     bad_request,
@@ -43,16 +45,15 @@ from hicache.engine.http_base import (
     native_param,
     param_of,
 )
-from hicache.engine.metrics import EngineMetrics
-from hicache.engine.native import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, generate_body
-from hicache.engine.protocol import (
+from hicache.server.metrics import EngineMetrics
+from hicache.server.native import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, generate_body
+from hicache.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     check_text,
 )
-from hicache.engine.request import RequestOutput
-from hicache.engine.responses import (
+from hicache.server.responses import (
     Choice,
     Detokenizer,
     chat_body,
@@ -68,7 +69,6 @@ from hicache.engine.responses import (
     usage,
     usage_chunk,
 )
-from hicache.engine.sampling import InvalidRequest
 from hicache.storage.registry import parse_extra_config
 
 log = logging.getLogger(__name__)

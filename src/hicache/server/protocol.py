@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies, validated (responses: :mod:`hicache.engine.responses`).
+"""OpenAI-compatible request bodies, validated (responses: :mod:`hicache.server.responses`).
 
 Every field OpenAI defines is either served or refused with a 400 naming it (``param``);
 unknown fields are ignored, as clients send many optional ones. Known fields with a wrong

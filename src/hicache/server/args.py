@@ -24,9 +24,9 @@ from hicache.config import (
     WritePolicy,
 )
 from hicache.engine.engine import EngineConfig
-from hicache.engine.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
+from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.storage.registry import parse_extra_config
 
 
