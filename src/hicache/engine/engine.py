@@ -42,6 +42,7 @@ from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
+from hicache.metrics import CacheStats
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least
 
@@ -74,6 +75,18 @@ class EngineHealth:
     reason: str | None
     last_loop_age_s: float | None
     failed_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What :meth:`Engine.stats` read on the engine thread, at one point: the cache's stats,
+    requests in the running batch and in the waiting queue, and requests the cache has
+    admitted (holding pages)."""
+
+    cache: CacheStats
+    running: int
+    waiting: int
+    admitted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +477,21 @@ class Engine(Lifecycle):
 
         self._post(run, drop)
         return fut
+
+    def stats(self, timeout: float = 30.0) -> EngineStats:
+        """The cache's stats and the scheduler's queues, read on the engine thread between
+        steps (blocks; call off an event loop). RuntimeError when the engine is not
+        running, TimeoutError when it does not answer within ``timeout`` seconds."""
+
+        def read() -> EngineStats:
+            return EngineStats(
+                cache=self.cache.stats(),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                admitted=self.cache.requests,
+            )
+
+        return self.call(read).result(timeout=timeout)
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""

@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hicache.engine.engine import Engine, EngineStats
 from hicache.engine.request import FinishReason, RequestOutput
-from hicache.metrics import CacheStats
-
-if TYPE_CHECKING:
-    from hicache.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +37,15 @@ def counter_metric_name(field: str) -> str:
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What one refresh read on the engine thread: the cache's stats, requests in the
-    running batch and in the waiting queue, requests the cache has admitted."""
-
-    stats: CacheStats
-    running: int
-    waiting: int
-    admitted: int
-
-
 class _CacheCollector(Collector):
     def __init__(self) -> None:
-        self.snapshot: EngineSnapshot | None = None
+        self.snapshot: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
         if snap is None:
             return
-        s = snap.stats
+        s = snap.cache
         c = s.counters
         yield GaugeMetricFamily(
             "hicache_num_running_reqs", "Requests in the running batch", snap.running
@@ -210,18 +194,8 @@ class EngineMetrics:
         the last stats read stay exported and ``hicache_engine_healthy`` says so.
         """
         self.healthy.set(1 if self.engine.health().healthy else 0)
-        engine = self.engine
-
-        def read() -> EngineSnapshot:
-            return EngineSnapshot(
-                stats=engine.cache.stats(),
-                running=len(engine.scheduler.running),
-                waiting=len(engine.scheduler.waiting),
-                admitted=engine.cache.requests,
-            )
-
         try:
-            self._cache.snapshot = engine.call(read).result(timeout=timeout_s)
+            self._cache.snapshot = self.engine.stats(timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             log.warning("cache stats not refreshed: %s", exc or type(exc).__name__)
 
