@@ -38,6 +38,11 @@ CASES = [
     (["serve", "--hicache-ratio", "inf"], "--hicache-ratio", "inf"),
     (["serve", *TINY, "--hicache-ratio", "0.5"], "--hicache-ratio", "0.5"),
     (
+        ["serve", *TINY, "--unhealthy-after-failed-steps", "0"],
+        "--unhealthy-after-failed-steps",
+        "0",
+    ),
+    (
         ["serve", "--hicache-storage-backend-extra-config", '{"a": 1}'],
         "--hicache-storage-backend-extra-config",
         "--hicache-storage-backend",

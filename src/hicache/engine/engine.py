@@ -58,7 +58,6 @@ DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
 STALL_AFTER_S = 120.0
 """:meth:`Engine.health` reports a loop that has not gone round for this long as stalled."""
-_FAILED_STEPS_UNHEALTHY = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +67,8 @@ class EngineHealth:
     ``alive``: the engine thread is running its loop. ``reason``: why it is not healthy
     (None when it is). ``last_loop_age_s``: seconds since the loop last went round (None
     before it started). ``failed_steps``: scheduler steps that raised in a row.
+    ``failed_forwards``: forwards that raised in a row (each failed its batch's requests;
+    0 once one succeeds).
     """
 
     healthy: bool
@@ -75,6 +76,7 @@ class EngineHealth:
     reason: str | None
     last_loop_age_s: float | None
     failed_steps: int
+    failed_forwards: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +139,14 @@ class EngineConfig:
     ``max_running_requests``. Used on CUDA with the Triton backend and a plain
     Llama / Qwen2 / Qwen3 model, after a probe against the eager forward; else decode
     runs eagerly (a warning says why when the capture or the probe failed)."""
+    unhealthy_after_failed_steps: int = 3
+    """:meth:`Engine.health` (and ``/health``) reports the engine unhealthy once this many
+    steps in a row failed: a scheduler step that raised, or a forward that raised (which
+    fails its batch's requests, say a kernel that breaks in one dtype). Healthy again once
+    a step succeeds. At least 1."""
 
     def __post_init__(self) -> None:
+        int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
         object.__setattr__(
             self,
             "storage",
@@ -325,7 +333,8 @@ class Engine(Lifecycle):
 
         Not healthy when the thread is not running (never started, closed or crashed), when
         the loop has not gone round for ``stall_after_s`` seconds (stuck in a step or a
-        call), or when the last few scheduler steps all raised.
+        call), or when the last ``unhealthy_after_failed_steps`` scheduler steps, or
+        forwards, all raised (healthy again once one succeeds).
         """
         age = None if self._last_loop is None else time.monotonic() - self._last_loop
         alive = self.alive
@@ -337,14 +346,22 @@ class Engine(Lifecycle):
                 reason = self._exit_reason or "the engine thread is not running"
         elif age is not None and age > stall_after_s:
             reason = f"the engine loop has not gone round for {age:.0f} s"
-        elif self._failed_steps >= _FAILED_STEPS_UNHEALTHY:
+        failed_forwards = self.scheduler.failed_forwards if alive else 0
+        limit = self.config.unhealthy_after_failed_steps
+        if reason is None and self._failed_steps >= limit:
             reason = f"the last {self._failed_steps} scheduler steps failed"
+        elif reason is None and failed_forwards >= limit:
+            reason = (
+                f"the last {failed_forwards} forwards failed, each failing its requests"
+                f" (last: {self.scheduler.forward_error})"
+            )
         return EngineHealth(
             healthy=reason is None,
             alive=alive,
             reason=reason,
             last_loop_age_s=age,
             failed_steps=self._failed_steps,
+            failed_forwards=failed_forwards,
         )
 
     # ------------------------------------------------------------------ API (any thread)
