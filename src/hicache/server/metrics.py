@@ -8,8 +8,9 @@ the server. Names follow SGLang's where SGLang has one (``sglang:num_running_req
 
 Every :class:`~hicache.metrics.CacheCounters` field ``x_total`` is exported as the counter
 ``hicache_x_total`` (:func:`counter_metric_name`), generically, so a new field needs no
-change here; the per-tier families (``hicache_hit_tokens_total{tier}``, ...) and the
-SGLang-style names (``hicache_load_back_tokens_total``) are views of the same counters.
+change here. Each value has one name: no counter is exported again as a labelled view or
+under a second name, and no gauge repeats another's source (what a dashboard sums must
+not count twice).
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def counter_metric_name(field: str) -> str:
     return "hicache_" + field.removesuffix("_total")
 
 
+_COUNTER_HELP = {
+    "query_tokens_total": "Prompt tokens looked up",
+    "device_hit_tokens_total": "Prompt tokens served from L1",
+    "host_hit_tokens_total": "Prompt tokens served from L2 (loaded back to L1)",
+    "storage_hit_tokens_total": "Prompt tokens served from L3 (prefetched, loaded back)",
+    "load_tokens_total": "Tokens loaded L2 -> L1",
+    "load_bytes_total": "Bytes loaded L2 -> L1",
+    "backup_tokens_total": "Tokens backed up L1 -> L2",
+    "backup_bytes_total": "Bytes backed up L1 -> L2",
+    "prefetch_tokens_total": "Tokens prefetched L3 -> L2",
+    "l3_backup_tokens_total": "Tokens written L2 -> L3",
+    "device_evicted_tokens_total": "Tokens evicted from L1 and dropped (not in L2)",
+    "device_demoted_tokens_total": "Tokens evicted from L1 that stay in L2",
+    "host_evicted_tokens_total": "Tokens evicted from L2",
+}
+"""Help text of the counters that have more to say than their name (CacheCounters)."""
+
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -42,105 +60,73 @@ class _CacheCollector(Collector):
         self.snapshot: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        if snap is None:
-            return
-        s = snap.cache
-        c = s.counters
-        yield GaugeMetricFamily(
-            "hicache_num_running_reqs", "Requests in the running batch", snap.running
-        )
-        yield GaugeMetricFamily(
-            "hicache_num_queue_reqs", "Requests waiting to be admitted", snap.waiting
-        )
-        yield GaugeMetricFamily(
-            "hicache_num_admitted_reqs",
-            "Requests the cache has admitted (holding pages)",
-            snap.admitted,
-        )
-        holders = GaugeMetricFamily(
-            "hicache_device_tokens",
-            "L1 token slots by holder: requests (not yet in the tree), cache (the tree), free",
-            labels=["holder"],
-        )
-        holders.add_metric(["requests"], s.device_request_tokens)
-        holders.add_metric(["cache"], s.device_cached_tokens)
-        holders.add_metric(["free"], s.device_free_tokens)
-        yield holders
-        used = s.device_total_tokens - s.device_free_tokens
-        yield GaugeMetricFamily("hicache_num_used_tokens", "L1 token slots in use", used)
-        yield GaugeMetricFamily(
-            "hicache_token_usage",
-            "Fraction of L1 token slots in use",
-            used / s.device_total_tokens if s.device_total_tokens else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "hicache_cache_hit_rate", "Prompt tokens served from a cache tier over all", s.hit_rate
-        )
-        cached = GaugeMetricFamily(
-            "hicache_cached_tokens", "Tokens held by each tier now", labels=["tier"]
-        )
-        cached.add_metric(["device"], s.device_cached_tokens)
-        cached.add_metric(["host"], s.host_cached_tokens)
-        yield cached
-        yield GaugeMetricFamily("hicache_device_total_tokens", "L1 capacity", s.device_total_tokens)
-        yield GaugeMetricFamily(
-            "hicache_host_used_tokens", "L2 tokens in use", s.host_total_tokens - s.host_free_tokens
-        )
-        yield GaugeMetricFamily("hicache_host_total_tokens", "L2 capacity", s.host_total_tokens)
-        hits = CounterMetricFamily(
-            "hicache_hit_tokens", "Prompt tokens served from each tier", labels=["tier"]
-        )
-        hits.add_metric(["device"], c["device_hit_tokens_total"])
-        hits.add_metric(["host"], c["host_hit_tokens_total"])
-        hits.add_metric(["storage"], c.get("storage_hit_tokens_total", 0))
-        yield hits
+        if self.snapshot is not None:
+            yield from cache_families(self.snapshot)
+
+
+def cache_families(snap: EngineStats) -> Iterator[Metric]:
+    """The metric families of one engine snapshot: the queues, L1 and L2 occupancy, every
+    cache counter, and the L3 backend's figures. Each value under one name."""
+    s = snap.cache
+    yield GaugeMetricFamily(
+        "hicache_num_running_reqs", "Requests in the running batch", snap.running
+    )
+    yield GaugeMetricFamily(
+        "hicache_num_queue_reqs", "Requests waiting to be admitted", snap.waiting
+    )
+    yield GaugeMetricFamily(
+        "hicache_num_admitted_reqs",
+        "Requests the cache has admitted (holding pages)",
+        snap.admitted,
+    )
+    holders = GaugeMetricFamily(
+        "hicache_device_tokens",
+        "L1 token slots by holder: requests (not yet in the tree), cache (the tree), free",
+        labels=["holder"],
+    )
+    holders.add_metric(["requests"], s.device_request_tokens)
+    holders.add_metric(["cache"], s.device_cached_tokens)
+    holders.add_metric(["free"], s.device_free_tokens)
+    yield holders
+    used = s.device_total_tokens - s.device_free_tokens
+    yield GaugeMetricFamily("hicache_num_used_tokens", "L1 token slots in use", used)
+    yield GaugeMetricFamily(
+        "hicache_token_usage",
+        "Fraction of L1 token slots in use",
+        used / s.device_total_tokens if s.device_total_tokens else 0.0,
+    )
+    yield GaugeMetricFamily("hicache_device_total_tokens", "L1 capacity", s.device_total_tokens)
+    yield GaugeMetricFamily(
+        "hicache_cache_hit_rate", "Prompt tokens served from a cache tier over all", s.hit_rate
+    )
+    yield GaugeMetricFamily(
+        "hicache_host_cached_tokens", "L2 tokens held by the tree", s.host_cached_tokens
+    )
+    yield GaugeMetricFamily(
+        "hicache_host_used_tokens",
+        "L2 tokens in use (the tree's and those L3 transfers hold)",
+        s.host_total_tokens - s.host_free_tokens,
+    )
+    yield GaugeMetricFamily("hicache_host_total_tokens", "L2 capacity", s.host_total_tokens)
+    for key, value in s.counters.items():
         yield CounterMetricFamily(
-            "hicache_query_tokens", "Prompt tokens looked up", c["query_tokens_total"]
+            counter_metric_name(key), _COUNTER_HELP.get(key, f"Cache counter {key}"), value
         )
-        evicted = CounterMetricFamily(
-            "hicache_evicted_tokens", "Tokens evicted from each tier", labels=["tier"]
+    st = s.storage
+    if st is not None:
+        yield CounterMetricFamily(
+            "hicache_l3_read_bytes", "Record bytes read from L3", st.bytes_read
         )
-        evicted.add_metric(
-            ["device"], c["device_evicted_tokens_total"] + c["device_demoted_tokens_total"]
+        yield CounterMetricFamily(
+            "hicache_l3_written_bytes", "Record bytes written to L3", st.bytes_written
         )
-        evicted.add_metric(["host"], c["host_evicted_tokens_total"])
-        yield evicted
-        for name, key, doc in (
-            ("hicache_prefetch_tokens", "prefetch_tokens_total", "Tokens prefetched L3 -> L2"),
-            ("hicache_l3_backup_tokens", "l3_backup_tokens_total", "Tokens written L2 -> L3"),
-            ("hicache_load_back_tokens", "load_tokens_total", "Tokens loaded L2 -> L1"),
-            ("hicache_load_back_bytes", "load_bytes_total", "Bytes loaded L2 -> L1"),
-            ("hicache_backup_tokens", "backup_tokens_total", "Tokens backed up L1 -> L2"),
-            ("hicache_backup_bytes", "backup_bytes_total", "Bytes backed up L1 -> L2"),
-        ):
-            yield CounterMetricFamily(name, doc, c[key])
-        curated = {
-            "hicache_prefetch_tokens",
-            "hicache_l3_backup_tokens",
-            "hicache_backup_tokens",
-            "hicache_backup_bytes",
-            "hicache_query_tokens",
-        }  # exported above under the generic name already
-        for key, value in c.items():
-            name = counter_metric_name(key)
-            if name not in curated:
-                yield CounterMetricFamily(name, f"Cache counter {key} (CacheCounters)", value)
-        st = s.storage
-        if st is not None:
-            yield CounterMetricFamily(
-                "hicache_l3_read_bytes", "Record bytes read from L3", st.bytes_read
-            )
-            yield CounterMetricFamily(
-                "hicache_l3_written_bytes", "Record bytes written to L3", st.bytes_written
-            )
-            misses = CounterMetricFamily(
-                "hicache_l3_misses", "L3 pages not used, by reason", labels=["reason"]
-            )
-            for reason, n in sorted(st.misses.items()):
-                misses.add_metric([reason], n)
-            yield misses
-            yield CounterMetricFamily("hicache_l3_errors", "L3 backend errors", st.errors)
+        misses = CounterMetricFamily(
+            "hicache_l3_misses", "L3 pages not used, by reason", labels=["reason"]
+        )
+        for reason, n in sorted(st.misses.items()):
+            misses.add_metric([reason], n)
+        yield misses
+        yield CounterMetricFamily("hicache_l3_errors", "L3 backend errors", st.errors)
 
 
 class EngineMetrics:
