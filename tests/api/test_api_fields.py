@@ -48,6 +48,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"modalities": ["audio"]}, "modalities"),
+    ("chat", {"modalities": [{"type": "audio"}]}, "modalities"),
     ("chat", {"prediction": {"type": "content", "content": "Hello"}}, "prediction"),
     ("chat", {"tools": [TOOL], "parallel_tool_calls": True}, "tools"),
     ("completions", {"functions": [{"name": "f"}]}, "functions"),

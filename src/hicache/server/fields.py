@@ -43,7 +43,7 @@ def _empty(value: Any) -> bool:
 
 
 def _text_only(value: Any) -> bool:
-    return value is None or (isinstance(value, list) and set(value) <= {"text"})
+    return value is None or (isinstance(value, list) and all(m == "text" for m in value))
 
 
 _CONSTRAINED = "constrained decoding (regex, EBNF, JSON schema) is not implemented"
