@@ -46,8 +46,8 @@ class StartupError(Exception):
 
 def _start_engine(args: argparse.Namespace) -> Any:
     """The started engine, or :class:`StartupError` naming the flag at fault."""
-    from hicache.engine.args import FlagError, engine_config_from_args, flag_message
     from hicache.engine.engine import Engine
+    from hicache.server.args import FlagError, engine_config_from_args, flag_message
     from hicache.storage.base import StorageError
 
     try:
@@ -92,8 +92,8 @@ def _describe(engine: Any, host: str, port: int) -> str:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from hicache.engine.args import FlagError, check_bind, check_flags
-    from hicache.engine.server import create_app
+    from hicache.server.app import create_app
+    from hicache.server.args import FlagError, check_bind, check_flags
 
     try:
         check_flags(args)
@@ -180,7 +180,7 @@ def _log_level_arg(p: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hicache.engine.args import add_engine_args, add_server_args
+    from hicache.server.args import add_engine_args, add_server_args
 
     parser = _Parser(prog="hicache", description="hierarchical KV cache")
     _log_level_arg(parser, "info")

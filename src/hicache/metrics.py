@@ -2,7 +2,7 @@
 
 Names follow Prometheus conventions (``*_total`` counters); the serving engine exports
 every :class:`CacheCounters` field ``x_total`` as ``hicache_x_total``
-(:mod:`hicache.engine.metrics`), so a field added here is exported with no other change.
+(:mod:`hicache.server.metrics`), so a field added here is exported with no other change.
 """
 
 from __future__ import annotations

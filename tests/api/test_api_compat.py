@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hicache.engine.engine import Engine
-from hicache.engine.protocol import engine_supports
+from hicache.server.protocol import engine_supports
 from tests.helpers.api_fixtures import CONTEXT, assert_clean, make_engine, serve
 
 openai = pytest.importorskip("openai")

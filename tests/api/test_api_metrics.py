@@ -1,15 +1,19 @@
-"""``GET /metrics`` exports every cache counter: each :class:`CacheCounters` field
-``x_total`` as the counter ``hicache_x_total``, with the value the cache holds."""
+"""``GET /metrics``: every cache counter is exported, with the value the cache holds, and
+every value under one name only (a counter exported twice, under a generic and an
+SGLang-style name or as a labelled view, would be summed twice by a dashboard)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import fields
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.engine.metrics import counter_metric_name
-from hicache.metrics import CacheCounters
+from hicache.engine.engine import EngineStats
+from hicache.metrics import CacheCounters, CacheStats
+from hicache.server.metrics import cache_families, counter_metric_name
+from hicache.storage.stats import StorageStats
 from tests.helpers.api_fixtures import make_engine, post, serve, wait_idle
 
 PROMPT = list(range(300, 345))
@@ -37,3 +41,83 @@ def test_every_cache_counter_is_exported() -> None:
     # each family once (a generic name never repeats a curated one)
     exposed = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
     assert len(exposed) == len(set(exposed))
+
+
+def _values(text: str) -> Counter[float]:
+    """How many exported samples carry each value (``_created`` timestamps left out)."""
+    return Counter(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.name.endswith("_created")
+    )
+
+
+def test_each_cache_counter_is_exported_under_one_name() -> None:
+    """Each counter of the live cache set to a value of its own: the scrape carries each
+    value exactly once, under ``hicache_<field>``."""
+    engine = make_engine()
+    names = [f.name for f in fields(CacheCounters)]
+    injected = {name: 10**9 + 1009 * i for i, name in enumerate(names)}
+
+    def inject() -> None:
+        for name, value in injected.items():
+            setattr(engine.cache.counters, name, value)
+
+    with serve(engine) as url:
+        assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        wait_idle(engine)
+        engine.call(inject).result(30)
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    engine.close()
+    carried = _values(text)
+    twice = {name: carried[v] for name, v in injected.items() if carried[v] != 1}
+    assert not twice, f"counters exported under more (or fewer) than one name: {twice}"
+    by_value = {
+        s.value: s.name
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.name.endswith("_created")
+    }
+    for name, value in injected.items():
+        assert by_value[value] == "hicache_" + name, name
+
+
+def test_no_two_series_carry_the_same_value_source() -> None:
+    """Every source the exporter reads (each stat, each counter, each L3 figure, the
+    queues) set to its own power of 3 (so no difference, sum or ratio of two equals a
+    third): no two exported series carry the same value."""
+    powers = iter(3**k for k in range(1, 200))
+    counters = {f.name: next(powers) for f in fields(CacheCounters)}
+    storage = StorageStats(
+        bytes_read=next(powers),
+        bytes_written=next(powers),
+        errors=next(powers),
+        misses={"absent": next(powers), "corrupt": next(powers)},
+    )
+    stats = CacheStats(
+        page_size=4,
+        device_total_tokens=next(powers),
+        device_cached_tokens=next(powers),
+        device_free_tokens=next(powers),
+        device_request_tokens=next(powers),
+        device_evictable_tokens=next(powers),
+        host_total_tokens=next(powers),
+        host_cached_tokens=next(powers),
+        host_free_tokens=next(powers),
+        host_only_tokens=next(powers),
+        nodes=next(powers),
+        counters=counters,
+        storage=storage,
+    )
+    snapshot = EngineStats(
+        cache=stats, running=next(powers), waiting=next(powers), admitted=next(powers)
+    )
+    seen: dict[float, list[str]] = {}
+    for s in (s for f in cache_families(snapshot) for s in f.samples):
+        seen.setdefault(s.value, []).append(f"{s.name}{s.labels or ''}")
+    dupes = {v: names for v, names in seen.items() if len(names) > 1}
+    assert not dupes, f"one value under several names: {list(dupes.values())}"
+    for name, value in counters.items():
+        assert value in seen, f"{name} is not exported"
+    assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen

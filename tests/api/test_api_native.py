@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from hicache.engine.engine import Engine
-from hicache.engine.protocol import engine_supports
+from hicache.server.protocol import engine_supports
 from tests.helpers.api_fixtures import assert_clean, make_engine, post, serve, sse
 
 PROMPT = [(11 * i + 7) % 3000 + 200 for i in range(45)]

@@ -174,7 +174,7 @@ def test_max_tokens_against_the_context(server: tuple[str, Engine]) -> None:
 
 
 def _has(field: str) -> bool:
-    from hicache.engine.protocol import engine_supports
+    from hicache.server.protocol import engine_supports
 
     return engine_supports(field)
 
@@ -207,7 +207,7 @@ def test_n_copies_hit_the_first_copys_prefix(server: tuple[str, Engine]) -> None
     prompt = [(5 * i + 3) % 2000 + 100 for i in range(41)]
     seen: list[Any] = []
 
-    import hicache.engine.fanout as fanout
+    import hicache.server.fanout as fanout
 
     original = fanout.Fanout._submit
 
@@ -523,7 +523,7 @@ def test_a_field_the_engine_lacks_is_refused_not_ignored(
 ) -> None:
     """While a sampling field is missing from SamplingParams (as before the engine grew
     them), a request that sets it gets a 400 naming it, never a silent no-op."""
-    import hicache.engine.protocol as protocol
+    import hicache.server.protocol as protocol
 
     url, _ = server
     for field in ("ignore_eos", "logprobs", "min_tokens"):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hicache.config import CacheConfig
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, Engine, EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.engine.server import create_app
+from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"

@@ -38,6 +38,11 @@ CASES = [
     (["serve", "--hicache-ratio", "inf"], "--hicache-ratio", "inf"),
     (["serve", *TINY, "--hicache-ratio", "0.5"], "--hicache-ratio", "0.5"),
     (
+        ["serve", *TINY, "--unhealthy-after-failed-steps", "0"],
+        "--unhealthy-after-failed-steps",
+        "0",
+    ),
+    (
         ["serve", "--hicache-storage-backend-extra-config", '{"a": 1}'],
         "--hicache-storage-backend-extra-config",
         "--hicache-storage-backend",
@@ -167,7 +172,7 @@ def test_port_in_use_is_one_line() -> None:
 
 def test_hybrid_flags_reach_the_cache_config() -> None:
     from hicache.cli import build_parser
-    from hicache.engine.args import engine_config_from_args
+    from hicache.server.args import engine_config_from_args
 
     args = build_parser().parse_args(
         ["serve", "--max-mamba-cache-size", "3", "--mamba-full-memory-ratio", "0.5",

@@ -448,7 +448,7 @@ def test_engine_greedy_through_static_decode_equals_eager(
 
 
 def test_the_flag_and_the_config_field() -> None:
-    from hicache.engine.args import add_engine_args, engine_config_from_args, flag_message
+    from hicache.server.args import add_engine_args, engine_config_from_args, flag_message
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

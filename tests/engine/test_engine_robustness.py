@@ -25,7 +25,7 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.engine.server import create_app
+from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"

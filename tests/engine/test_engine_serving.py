@@ -24,7 +24,7 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.engine.server import create_app
+from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"
@@ -254,11 +254,11 @@ def test_metrics_and_flush(server: tuple[str, Engine]) -> None:
     text = httpx.get(f"{url}/metrics").text
     for name in (
         "hicache_cache_hit_rate",
-        'hicache_cached_tokens{tier="host"}',
+        "hicache_host_cached_tokens",
         "hicache_host_used_tokens",
         "hicache_host_total_tokens",
-        'hicache_evicted_tokens_total{tier="device"}',
-        "hicache_load_back_tokens_total",
+        "hicache_device_evicted_tokens_total",
+        "hicache_load_tokens_total",
         "hicache_backup_bytes_total",
         "hicache_ttft_seconds_bucket",
         "hicache_queue_time_seconds_bucket",
@@ -328,10 +328,11 @@ def test_metrics_values_match_the_cache(server: tuple[str, Engine]) -> None:
 
     c = stats.counters
     assert value("hicache_query_tokens") == c["query_tokens_total"]
-    assert value("hicache_hit_tokens", tier="device") == c["device_hit_tokens_total"]
-    assert value("hicache_hit_tokens", tier="host") == c["host_hit_tokens_total"]
+    assert value("hicache_device_hit_tokens") == c["device_hit_tokens_total"]
+    assert value("hicache_host_hit_tokens") == c["host_hit_tokens_total"]
     assert value("hicache_backup_tokens") == c["backup_tokens_total"]
-    assert value("hicache_cached_tokens", tier="device") == stats.device_cached_tokens
+    assert value("hicache_device_tokens", holder="cache") == stats.device_cached_tokens
+    assert value("hicache_host_cached_tokens") == stats.host_cached_tokens
     assert value("hicache_host_total_tokens") == stats.host_total_tokens
     assert value("hicache_cache_hit_rate") == pytest.approx(stats.hit_rate)
     assert c["device_hit_tokens_total"] >= warm

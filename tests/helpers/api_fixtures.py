@@ -15,7 +15,7 @@ import uvicorn
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.engine.server import create_app
+from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"

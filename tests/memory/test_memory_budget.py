@@ -120,7 +120,7 @@ def test_pools_that_fit_are_built() -> None:
 
 
 def test_engine_flags_in_gb_are_checked_before_the_model_loads(no_allocation: None) -> None:
-    from hicache.engine.args import add_engine_args, engine_config_from_args
+    from hicache.server.args import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

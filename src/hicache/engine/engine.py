@@ -42,6 +42,7 @@ from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
+from hicache.metrics import CacheStats
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least
 
@@ -57,7 +58,6 @@ DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
 STALL_AFTER_S = 120.0
 """:meth:`Engine.health` reports a loop that has not gone round for this long as stalled."""
-_FAILED_STEPS_UNHEALTHY = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,8 @@ class EngineHealth:
     ``alive``: the engine thread is running its loop. ``reason``: why it is not healthy
     (None when it is). ``last_loop_age_s``: seconds since the loop last went round (None
     before it started). ``failed_steps``: scheduler steps that raised in a row.
+    ``failed_forwards``: forwards that raised in a row (each failed its batch's requests;
+    0 once one succeeds).
     """
 
     healthy: bool
@@ -74,6 +76,19 @@ class EngineHealth:
     reason: str | None
     last_loop_age_s: float | None
     failed_steps: int
+    failed_forwards: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What :meth:`Engine.stats` read on the engine thread, at one point: the cache's stats,
+    requests in the running batch and in the waiting queue, and requests the cache has
+    admitted (holding pages)."""
+
+    cache: CacheStats
+    running: int
+    waiting: int
+    admitted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +139,14 @@ class EngineConfig:
     ``max_running_requests``. Used on CUDA with the Triton backend and a plain
     Llama / Qwen2 / Qwen3 model, after a probe against the SDPA forward; else decode
     runs eagerly (a warning says why when the capture or the probe failed)."""
+    unhealthy_after_failed_steps: int = 3
+    """:meth:`Engine.health` (and ``/health``) reports the engine unhealthy once this many
+    steps in a row failed: a scheduler step that raised, or a forward that raised (which
+    fails its batch's requests, say a kernel that breaks in one dtype). Healthy again once
+    a step succeeds. At least 1."""
 
     def __post_init__(self) -> None:
+        int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
         object.__setattr__(
             self,
             "storage",
@@ -312,7 +333,8 @@ class Engine(Lifecycle):
 
         Not healthy when the thread is not running (never started, closed or crashed), when
         the loop has not gone round for ``stall_after_s`` seconds (stuck in a step or a
-        call), or when the last few scheduler steps all raised.
+        call), or when the last ``unhealthy_after_failed_steps`` scheduler steps, or
+        forwards, all raised (healthy again once one succeeds).
         """
         age = None if self._last_loop is None else time.monotonic() - self._last_loop
         alive = self.alive
@@ -324,14 +346,22 @@ class Engine(Lifecycle):
                 reason = self._exit_reason or "the engine thread is not running"
         elif age is not None and age > stall_after_s:
             reason = f"the engine loop has not gone round for {age:.0f} s"
-        elif self._failed_steps >= _FAILED_STEPS_UNHEALTHY:
+        failed_forwards = self.scheduler.failed_forwards if alive else 0
+        limit = self.config.unhealthy_after_failed_steps
+        if reason is None and self._failed_steps >= limit:
             reason = f"the last {self._failed_steps} scheduler steps failed"
+        elif reason is None and failed_forwards >= limit:
+            reason = (
+                f"the last {failed_forwards} forwards failed, each failing its requests"
+                f" (last: {self.scheduler.forward_error})"
+            )
         return EngineHealth(
             healthy=reason is None,
             alive=alive,
             reason=reason,
             last_loop_age_s=age,
             failed_steps=self._failed_steps,
+            failed_forwards=failed_forwards,
         )
 
     # ------------------------------------------------------------------ API (any thread)
@@ -464,6 +494,21 @@ class Engine(Lifecycle):
 
         self._post(run, drop)
         return fut
+
+    def stats(self, timeout: float = 30.0) -> EngineStats:
+        """The cache's stats and the scheduler's queues, read on the engine thread between
+        steps (blocks; call off an event loop). RuntimeError when the engine is not
+        running, TimeoutError when it does not answer within ``timeout`` seconds."""
+
+        def read() -> EngineStats:
+            return EngineStats(
+                cache=self.cache.stats(),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                admitted=self.cache.requests,
+            )
+
+        return self.call(read).result(timeout=timeout)
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""

@@ -119,6 +119,10 @@ class Scheduler:
         self._pending: dict[Request, None] = {}
         """Requests with a token whose text work and report are still to do, oldest first
         (at most one token each); those already ended wait here for their final report."""
+        self.failed_forwards = 0
+        """Forwards that raised in a row (0 once one succeeds): the engine's health."""
+        self.forward_error: str | None = None
+        """Why the last forward that raised did."""
 
     # ------------------------------------------------------------------ queue
 
@@ -392,11 +396,14 @@ class Scheduler:
                 logits = self.runner.forward(fb)
         except Exception as exc:  # a model error fails this batch, not the engine
             log.exception("forward failed")
+            self.failed_forwards += 1
+            self.forward_error = f"{type(exc).__name__}: {exc}"
             for req, _ in batch:
                 error = f"forward failed: {type(exc).__name__}: {exc}"
                 self._finish(req, FinishReason.ABORT, keep_kv=False, error=error)
             self._flush_outputs()
             return
+        self.failed_forwards = 0
         self.cache.poll()  # a failed load marks its requests failed
         rows: list[tuple[int, Request, bool]] = []  # (logits row, request, was a prefill)
         for i, (req, n) in enumerate(batch):

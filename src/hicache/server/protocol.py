@@ -1,9 +1,12 @@
-"""OpenAI-compatible request bodies, validated (responses: :mod:`hicache.engine.responses`).
+"""OpenAI-compatible request bodies, validated (responses: :mod:`hicache.server.responses`).
 
-Every field OpenAI defines is either served or refused with a 400 naming it (``param``);
-unknown fields are ignored, as clients send many optional ones. Known fields with a wrong
-type or value are rejected by pydantic, by :class:`SamplingParams` and by
-:meth:`Engine.validate`, all with ``param`` set. What is refused and why: ``docs/api.md``.
+Every field OpenAI defines that changes the answer is either served or refused with a 400
+naming it (``param``); so are SGLang's. Fields the bodies do not declare go through
+:mod:`hicache.server.fields`: refused when they would change the answer, accepted when they
+change nothing (what routers add), and accepted but logged once when no schema knows them,
+as clients send many optional ones. Known fields with a wrong type or value are rejected by
+pydantic, by :class:`SamplingParams` and by :meth:`Engine.validate`, all with ``param``
+set. What is refused and why: ``docs/api.md``.
 
 Extensions to OpenAI's fields (SGLang's names): ``top_k``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (at most
@@ -22,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.sampling import SEED_MAX, InvalidRequest, SamplingParams
+from hicache.server.fields import check_extra_fields
 
 MAX_N = 64
 """Most choices (``n``) one request may ask for: each is one engine request."""
@@ -54,7 +58,10 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    """The fields both OpenAI routes share. Undeclared ones are kept (``model_extra``) for
+    :func:`~hicache.server.fields.check_extra_fields`."""
+
+    model_config = ConfigDict(extra="allow", strict=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -111,6 +118,7 @@ class SamplingFields(BaseModel):
                 f"tool_choice={self.tool_choice!r} is not supported; only 'none' is accepted",
                 param="tool_choice",
             )
+        check_extra_fields(self.model_extra)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed with stream=true", param="stream_options"

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hicache.engine.responses import error_body, kind_for_status
+from hicache.server.responses import error_body, kind_for_status
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 """Largest request body accepted by default (``--max-request-bytes``): 8 MiB."""

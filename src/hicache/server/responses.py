@@ -4,7 +4,7 @@ Every body carries SGLang's cache report besides OpenAI's fields:
 ``usage.prompt_tokens_details.cached_tokens`` and, per tier (device / host / storage),
 ``usage.cached_tokens_details`` and ``sglext.cached_tokens_details``. Errors, whatever the
 status, are OpenAI's error object (:func:`error_body`). The request side is
-:mod:`hicache.engine.protocol`.
+:mod:`hicache.server.protocol`.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
-from hicache.engine.protocol import MAX_BATCH, MAX_LOGPROBS, MAX_N, SamplingFields
 from hicache.engine.request import FinishReason, RequestOutput
-from hicache.engine.responses import LogprobEntry, tier_details
 from hicache.engine.sampling import InvalidRequest
+from hicache.server.protocol import MAX_BATCH, MAX_LOGPROBS, MAX_N, SamplingFields
+from hicache.server.responses import LogprobEntry, tier_details
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens`` for ``/generate``."""

@@ -24,9 +24,9 @@ from hicache.config import (
     WritePolicy,
 )
 from hicache.engine.engine import EngineConfig
-from hicache.engine.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
+from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.storage.registry import parse_extra_config
 
 
@@ -115,6 +115,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--chunked-prefill-size", type=int, default=512)
+    s.add_argument(
+        "--unhealthy-after-failed-steps",
+        type=int,
+        default=3,
+        help="/health answers 503 after this many steps in a row failed (a forward or a"
+        " scheduler step that raised); 200 again once one succeeds",
+    )
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +166,7 @@ FIELD_FLAGS = {
     "load_back_threshold": "--hicache-load-back-threshold",
     "max_running_requests": "--max-running-requests",
     "chunked_prefill_size": "--chunked-prefill-size",
+    "unhealthy_after_failed_steps": "--unhealthy-after-failed-steps",
     "context_length": "--context-length",
     "attention_backend": "--attention-backend",
     "cuda_graph_max_bs": "--cuda-graph-max-bs",
@@ -296,6 +304,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
         attention_backend=a.attention_backend,
         cuda_graph_max_bs=0 if a.disable_cuda_graph else a.cuda_graph_max_bs,
+        unhealthy_after_failed_steps=a.unhealthy_after_failed_steps,
         **kwargs,
     )
     check_sizes_in_gb(config)

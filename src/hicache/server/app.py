@@ -1,0 +1,88 @@
+"""The HTTP server (FastAPI) over an :class:`Engine`: OpenAI's API and SGLang's native one.
+
+:func:`create_app` assembles the app: the body limit, the error handlers, one
+:class:`~hicache.server.state.ServerState` and the routes, which live by endpoint family
+(all listed, with every parameter, in ``docs/api.md``):
+
+- :mod:`~hicache.server.openai_routes`: ``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/v1/models/{id}``;
+- :mod:`~hicache.server.native_routes`: SGLang's ``/generate``;
+- :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus),
+  ``POST /flush_cache`` and the admin ``/hicache/storage-backend``.
+
+Errors: every status (400, 401, 404, 405, 413, 500, 503 ...) answers OpenAI's error
+object; a 400 names the field in ``param``. A parameter the server cannot honour is
+refused, never ignored. With ``api_key`` set, the inference endpoints need
+``Authorization: Bearer <api_key>``; the admin endpoints need the separate admin key,
+checked before the body is read. Bodies beyond ``max_request_bytes`` get a 413. Prompts
+are tokenized off the event loop. A client that goes away (streaming or not) aborts its
+engine requests at once, which frees everything they held.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hicache.engine.engine import Engine
+from hicache.server.admin_routes import add_admin_routes
+from hicache.server.http_base import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodyLimit,
+    bad_request,
+    error_response,
+    param_of,
+)
+from hicache.server.native_routes import add_native_routes
+from hicache.server.openai_routes import add_openai_routes
+from hicache.server.state import ServerState
+
+
+def create_app(
+    engine: Engine,
+    model_name: str | None = None,
+    *,
+    admin_api_key: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The app serving ``engine``. The engine must be started (and is not closed here).
+
+    ``api_key``: when set, the inference endpoints (``/v1/*``, ``/generate``,
+    ``/flush_cache``) need ``Authorization: Bearer <api_key>``. Admin endpoints (L3
+    attach/detach) need ``Authorization: Bearer <admin_api_key>``; without a configured
+    admin key they are refused. ``max_request_bytes``: larger bodies get a 413.
+    """
+    app = FastAPI(title="hicache", version="0.1.0")
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    state = ServerState(
+        engine, model_name or engine.model.name, api_key=api_key, admin_api_key=admin_api_key
+    )
+    app.state.hicache = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return bad_request(f"the body is not valid JSON: {first.get('msg', '')}")
+        param = param_of(first.get("loc", ()))
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return bad_request(f"{param or 'body'}: {msg}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _httperror_response(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = error_response(exc.status_code, str(exc.detail))
+        for key, value in (exc.headers or {}).items():
+            response.headers[key] = value
+        return response
+
+    add_openai_routes(app, state)
+    add_native_routes(app, state)
+    add_admin_routes(app, state)
+    return app
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,215 @@
+"""What every route of one app shares (:class:`ServerState`): the engine, the served
+model name, the keys, the metrics, and the steps from a parsed body to engine requests
+and back: prompts tokenized off the event loop, ``n`` jobs per prompt validated by the
+engine, the fan-out that runs them, and the error response when they did not finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hicache.engine.engine import Engine
+from hicache.engine.request import RequestOutput
+from hicache.engine.sampling import InvalidRequest
+from hicache.server.fanout import Ending, Fanout, Job
+from hicache.server.http_base import error_response
+from hicache.server.metrics import EngineMetrics
+from hicache.server.protocol import SamplingFields, check_text
+from hicache.server.responses import Detokenizer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying ``data`` as JSON."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def stream(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream")
+
+
+class ServerState:
+    """One app's shared state (built by :func:`~hicache.server.app.create_app`).
+
+    ``api_key``: when set, the inference endpoints need ``Authorization: Bearer
+    <api_key>`` (:meth:`authorized`); ``admin_api_key``: the admin endpoints' key
+    (:meth:`admin`), without which they are refused.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        *,
+        api_key: str | None,
+        admin_api_key: str | None,
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.metrics = EngineMetrics(engine)
+        self.detok = Detokenizer(engine.tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hicache-tokenize"
+        )
+
+    # ------------------------------------------------------------------ keys
+
+    def authorized(self, http: Request) -> JSONResponse | None:
+        """None when ``http`` may use an inference endpoint, else the 401."""
+        if self.api_key is None:
+            return None
+        given = http.headers.get("authorization", "")
+        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            return None
+        return error_response(401, "API key missing or wrong (Authorization: Bearer <key>)")
+
+    def admin(self, http: Request) -> JSONResponse | None:
+        """None when ``http`` carries the admin key, else the 401 (always without one)."""
+        given = http.headers.get("authorization", "")
+        if self.admin_api_key is None or not secrets.compare_digest(
+            given.encode(), f"Bearer {self.admin_api_key}".encode()
+        ):
+            return error_response(401, "admin API key missing or wrong")
+        return None
+
+    # ------------------------------------------------------------------ prompts
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the tokenizer thread, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        check_text(text, param)
+        ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise InvalidRequest("the prompt encodes to no tokens", param=param)
+        return ids
+
+    async def prompt_ids(self, prompts: Sequence[str | list[int]], param: str) -> list[list[int]]:
+        """Token ids of each prompt (texts encoded off the loop); raises
+        :class:`InvalidRequest` naming ``param`` for an empty or invalid one."""
+        texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
+        out: list[list[int]] = [list(p) if not isinstance(p, str) else [] for p in prompts]
+        if texts:
+            encoded = await self.off_loop(lambda: [self._encode(p, param) for _, p in texts])
+            for (i, _), ids in zip(texts, encoded, strict=True):
+                out[i] = ids
+        for ids in out:
+            if not ids:
+                raise InvalidRequest("the prompt is empty", param=param)
+        return out
+
+    # ------------------------------------------------------------------ engine requests
+
+    def jobs(
+        self,
+        prompts: Sequence[list[int]],
+        body: SamplingFields,
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+        prompt_param: str,
+    ) -> list[Job]:
+        """``n`` jobs per prompt (prompt-major); copies wait for the first's first token.
+        Each is validated by the engine; an error names ``prompt_param`` for the prompt."""
+        ctx = self.engine.context_length
+        jobs = []
+        for p, ids in enumerate(prompts):
+            room = max(1, ctx - len(ids))
+            if max_tokens is not None:
+                limit = max_tokens
+            elif default_max_tokens is not None:
+                limit = min(default_max_tokens, room)
+            else:
+                limit = room  # SGLang's default: what remains of the context
+            for c in range(body.n):
+                params = body.sampling(limit, c)
+                try:
+                    self.engine.validate(
+                        ids, params, cache_salt=body.cache_salt, priority=body.request_priority
+                    )
+                except InvalidRequest as exc:
+                    param = prompt_param if exc.param == "prompt" else exc.param
+                    raise InvalidRequest(str(exc), param=param) from None
+                if max_tokens is not None and len(ids) + max_tokens > ctx:
+                    raise InvalidRequest(
+                        f"max_tokens={max_tokens} is too large: the prompt has {len(ids)}"
+                        f" tokens and the context length is {ctx}, so at most"
+                        f" {ctx - len(ids)} tokens can be generated",
+                        param="max_tokens",
+                    )
+                index = p * body.n + c
+                jobs.append(Job(index, ids, params, after=None if c == 0 else p * body.n))
+        return jobs
+
+    def fanout(self, http: Request, jobs: Sequence[Job], body: SamplingFields) -> Fanout:
+        """The fan-out running ``jobs`` for ``http``; its aborts are counted."""
+        return Fanout(
+            self.engine,
+            jobs,
+            http,
+            cache_salt=body.cache_salt,
+            priority=body.request_priority,
+            on_abort=self._count_abort,
+        )
+
+    def _count_abort(self, reason: str) -> None:
+        self.metrics.aborted.labels(reason=reason).inc()
+
+    def finished(self, out: RequestOutput, rid: str) -> None:
+        """Account a final output (metrics, one debug line)."""
+        self.metrics.observe(out)
+        log.debug(
+            "%s %s: %d prompt tokens (%d cached: %d device, %d host, %d storage), %d generated,"
+            " finish %s, TTFT %s",
+            rid,
+            out.rid,
+            out.prompt_tokens,
+            out.cached.total,
+            out.cached.device,
+            out.cached.host,
+            out.cached.storage,
+            out.completion_tokens,
+            out.finish_reason.value if out.finish_reason else None,
+            f"{out.ttft_s:.3f} s" if out.ttft_s is not None else "-",
+        )
+
+    async def collect(self, fan: Fanout, rid: str) -> dict[int, RequestOutput] | JSONResponse:
+        """The final output of every job, or the error response."""
+        last: dict[int, RequestOutput] = {}
+        async for ev in fan.events():
+            last[ev.index] = ev.output
+            if ev.output.finished:
+                self.finished(ev.output, rid)
+        if fan.ending is Ending.SUBMIT_FAILED:
+            return error_response(503, f"the engine is not running: {fan.error}")
+        if fan.ending is Ending.ENGINE_STOPPED:
+            return error_response(503, self.engine.health().reason or "the engine stopped")
+        if fan.ending is Ending.DISCONNECTED:
+            return error_response(499, "client disconnected")
+        for out in last.values():
+            if out.error:
+                return error_response(500, out.error)
+        return last
+
+    def stream_error(self, fan: Fanout, errors: list[str]) -> str | None:
+        """Why a finished stream failed (its first request error, or the engine's), or None."""
+        if errors:
+            return errors[0]
+        if fan.ending is Ending.SUBMIT_FAILED:
+            return f"the engine is not running: {fan.error}"
+        if fan.ending is Ending.ENGINE_STOPPED:
+            return self.engine.health().reason or "the engine stopped"
+        return None
