@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.bench.httpclient import RequestRecord, stream_completion
-from hicache.bench.results import report_runs, summarize
+from hicache.bench.results import pool_runs, repeats_doc, report_runs, summarize
 from hicache.bench.runner import (
     TOKEN_HI,
     TOKEN_LO,
@@ -56,6 +56,7 @@ from hicache.bench.runner import (
     add_common_args,
     parse_with_preset,
     run_configs,
+    run_repeated,
     server_spec,
     tier_sizes,
 )
@@ -99,9 +100,16 @@ class Conversations:
 
     @classmethod
     def make(
-        cls, clients: int, rounds: int, request_len: int, output_len: int, seed: int
+        cls,
+        clients: int,
+        rounds: int,
+        request_len: int,
+        output_len: int,
+        seed: int,
+        repetition: int = 0,
     ) -> Conversations:
-        rng = random.Random(seed)
+        """Deterministic in (``seed``, ``repetition``); two repetitions share no prefix."""
+        rng = random.Random(f"multiturn/{seed}/{repetition}")
 
         def ids(n: int) -> list[int]:
             return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
@@ -166,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-rounds", type=int, help="rounds per conversation")
     p.add_argument("--request-length", type=int, help="new user tokens per round")
     p.add_argument("--barrier", action="store_true", help="all clients finish a round first")
-    p.add_argument("--flush-between-rounds", action="store_true", help="POST /flush_cache")
+    p.add_argument(
+        "--flush-between-rounds", action="store_true", help="POST /flush_cache after each round"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="repetitions of the workload (>= 1)")
+    p.add_argument("--baseline", help="config the others are compared with (default l1)")
     args = parse_with_preset(p, argv, PRESETS)
     try:
         configs = parse_configs(args.configs)
@@ -174,45 +186,59 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if min(args.num_clients, args.num_rounds, args.request_length, args.output_length) < 1:
         p.error("--num-clients, --num-rounds, --request-length and --output-length must be >= 1")
+    if args.repeats < 1:
+        p.error(f"--repeats={args.repeats} must be >= 1")
+    if args.baseline is not None and args.baseline not in configs:
+        p.error(f"--baseline={args.baseline!r} is not one of --configs={','.join(configs)}")
     if args.url and len(configs) != 1:
         configs = ["external"]
+    baseline = args.baseline or ("l1" if "l1" in configs else configs[0])
+    args.baseline = baseline if len(configs) > 1 else None
     final_len = args.num_rounds * (args.request_length + args.output_length)
     working_set = args.num_clients * final_len
     l1, ratio = tier_sizes(args, working_set, final_len + args.page_size)
-    conv = Conversations.make(
-        args.num_clients, args.num_rounds, args.request_length, args.output_length, args.seed
-    )
     spec = server_spec(args, l1, ratio)
     print(
         f"multiturn: {args.num_clients} clients x {args.num_rounds} rounds, final conversation"
         f" {final_len} tokens, working set {working_set} tokens; L1 {l1} tokens, L2 = {ratio:g}"
-        f" x L1; model {args.model_path}",
+        f" x L1; model {args.model_path}; {args.repeats} repetitions",
         file=sys.stderr,
     )
-    runs, problems = run_configs(
+
+    def workload_for(rep: int) -> Workload:
+        conv = Conversations.make(args.num_clients, args.num_rounds, args.request_length,
+                                  args.output_length, args.seed, rep)  # fmt: skip
+        return multiturn_workload(conv, args)
+
+    rr = run_repeated(
         configs,
         spec,
-        multiturn_workload(conv, args),
+        workload_for,
+        repeats=args.repeats,
         total_requests=args.num_clients * args.num_rounds,
         parallel=args.max_parallel or args.num_clients,
         url=args.url,
         timeout_s=args.request_timeout,
     )
-    keys = "num_clients num_rounds request_length output_length barrier flush_between_rounds"
+    runs = [pool_runs(rr.of(n)) for n in configs if rr.of(n)]
+    keys = ("num_clients num_rounds request_length output_length barrier flush_between_rounds"
+            " repeats baseline")  # fmt: skip
     title = (
         f"multiturn: {args.num_clients} clients x {args.num_rounds} rounds,"
-        f" {args.request_length}+{args.output_length} tokens/round, L1 {l1} tokens"
+        f" {args.request_length}+{args.output_length} tokens/round, L1 {l1} tokens,"
+        f" {args.repeats} repetitions pooled"
     )
     return report_runs(
         args,
         runs,
-        problems,
+        rr.problems,
         group_key="rounds",
         workload_keys=keys.split(),
         l1=l1,
         ratio=ratio,
         working_set=working_set,
         title=title,
+        extra=repeats_doc(rr, args.baseline),
     )
 
 

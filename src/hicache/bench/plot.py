@@ -18,6 +18,7 @@ from hicache.bench.report import print_table as _rich_table
 __all__ = [
     "plot_bars",
     "plot_configs",
+    "print_repeats",
     "print_results",
     "print_table",
     "require_matplotlib",
@@ -70,6 +71,69 @@ def print_results(title: str, doc: Mapping[str, Any], group_key: str) -> None:
         per.append(row)
     print_table(
         f"TTFT mean ms (hit rate) per {index}", [index, *configs.keys()], per
+    )  # fmt: skip
+
+
+def _ratio_cells(s: Mapping[str, Any] | None, pct: bool) -> list[str]:
+    """Median, IQR (q25..q75) and min..max of a ratio spread; as a % change when ``pct``."""
+    if s is None:
+        return ["-", "-", "-"]
+
+    def f(x: float) -> str:
+        return f"{x - 1:+.0%}" if pct else f"{x:.2f}"
+
+    unit = "" if pct else "x"
+    return [f(s["median"]) + unit, f"{f(s['q25'])}..{f(s['q75'])}{unit}",
+            f"{f(s['min'])}..{f(s['max'])}{unit}"]  # fmt: skip
+
+
+def _pair_cell(f: Mapping[str, float] | None, b: Mapping[str, float] | None) -> str:
+    """One repetition's TTFT change and throughput ratio against the baseline's."""
+    if f is None or b is None or b["ttft_mean_s"] <= 0 or b["input_tok_s"] <= 0:
+        return "-"
+    ttft = f["ttft_mean_s"] / b["ttft_mean_s"] - 1
+    return f"{ttft:+.0%} / {f['input_tok_s'] / b['input_tok_s']:.2f}x"
+
+
+def print_repeats(doc: Mapping[str, Any]) -> None:
+    """Per repetition (in run order) each config's TTFT mean (ms) and input tokens/s, and
+    the pairwise ratios to the baseline: median, interquartile range and min..max."""
+    rep = doc["repeats"]
+    names = list(rep["per_config"])
+    base = rep["baseline"]
+    pairs: Mapping[str, Any] = doc["pairs"]
+    rows = []
+    for r, (order, figs) in enumerate(zip(rep["order"], rep["runs"], strict=True)):
+        row = [str(r + 1), " ".join(order)]
+        for n in names:
+            f = figs.get(n)
+            row.append(
+                "-" if f is None else f"{f['ttft_mean_s'] * 1e3:.1f} / {f['input_tok_s']:.0f}"
+            )
+        row += [_pair_cell(figs.get(n), figs.get(base)) for n in pairs]
+        rows.append(row)
+    print_table(
+        f"per repetition, in run order: TTFT mean ms / input tok/s; vs {base}: TTFT / tok/s",
+        ["rep", "order", *names, *(f"{n} vs {base}" for n in pairs)],
+        rows,
+    )
+    rows = []
+    for n in names:
+        pc = rep["per_config"][n]
+        t, i = pc["ttft_mean_s"], pc["input_tok_s"]
+        p = pairs.get(n, {})
+        rows.append([
+            n, f"{t['median'] * 1e3:.1f} ({t['min'] * 1e3:.1f}..{t['max'] * 1e3:.1f})",
+            f"{i['median']:.0f} ({i['min']:.0f}..{i['max']:.0f})",
+            *_ratio_cells(p.get("ttft_mean_ratio"), True),
+            *_ratio_cells(p.get("input_tok_s_ratio"), False),
+        ])  # fmt: skip
+    n_pairs = max((p["ttft_mean_ratio"]["n"] for p in pairs.values()), default=0)
+    print_table(
+        f"over {rep['count']} repetitions; pairwise against {base} ({n_pairs} pairs)",
+        ["config", "TTFT ms median (min..max)", "input tok/s median (min..max)",
+         "TTFT vs base median", "IQR", "min..max", "tok/s vs base median", "IQR", "min..max"],
+        rows,
     )  # fmt: skip
 
 
