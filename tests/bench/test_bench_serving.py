@@ -38,7 +38,7 @@ def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
     assert all(set(r) == {"no_cache", "l1_l2"} for r in rep["runs"])
     pair = doc["pairs"]["l1_l2"]
     assert set(doc["pairs"]) == {"l1_l2"} and pair["baseline"] == "no_cache"
-    for key in ("ttft_mean_ratio", "input_tok_s_ratio"):
+    for key in ("ttft_mean_ratio", "input_tok_s_ratio", "server_cpu_ratio"):
         s = pair[key]
         assert s["n"] == 2 and s["min"] <= s["q25"] <= s["median"] <= s["q75"] <= s["max"]
         assert s["min"] > 0

@@ -98,19 +98,21 @@ def _rec(group: int, start: float, end: float, ttft: float, prompt: int) -> Requ
                          cached={"device": 0, "host": prompt // 2, "storage": 0})  # fmt: skip
 
 
-def _run(name: str, ttft: float, offset: float) -> ConfigRun:
+def _run(name: str, ttft: float, offset: float, cpu: float | None = None) -> ConfigRun:
     """Two rounds of one request each: round 1 takes 1 s, round 2 takes 2 s."""
     groups = [
         [_rec(0, offset, offset + 1, ttft, 100)],
         [_rec(1, offset + 1, offset + 3, ttft, 200)],
     ]
-    return ConfigRun(name, groups, 3.0, ttft, flags=["--x"])
+    return ConfigRun(name, groups, 3.0, ttft, flags=["--x"], server_cpu_s=cpu, load_1m=1.5)
 
 
 def test_pool_runs_sums_walls_per_round() -> None:
     # the second repetition ran 1000 s later: the gap between them is not wall time
-    pooled = pool_runs([_run("l1", 0.1, 0.0), _run("l1", 0.3, 1000.0)])
+    pooled = pool_runs([_run("l1", 0.1, 0.0, 2.0), _run("l1", 0.3, 1000.0, 3.0)])
     assert pooled.name == "l1" and pooled.wall_s == 6.0 and pooled.flags == ["--x"]
+    assert pooled.server_cpu_s == 5.0
+    assert pool_runs([_run("l1", 0.1, 0.0, 2.0), _run("l1", 0.1, 9.0)]).server_cpu_s is None
     assert pooled.group_wall_s == [2.0, 4.0]
     assert pooled.server_ttft_mean_s == pytest.approx(0.2)
     entry = config_json(pooled, "rounds")
@@ -125,7 +127,8 @@ def test_pool_runs_sums_walls_per_round() -> None:
 def test_repeats_doc_pairs_each_repetition_with_the_baseline() -> None:
     order = alternating_order(["l1", "l1_l2"], 3)
     ttft = {"l1": [0.1, 0.2, 0.1], "l1_l2": [0.05, 0.15, 0.08]}
-    runs = [{n: _run(n, ttft[n][r], 10.0 * r) for n in order[r]} for r in range(3)]
+    cpu = {"l1": [2.0, 2.0, 2.0], "l1_l2": [1.0, 1.5, 1.0]}
+    runs = [{n: _run(n, ttft[n][r], 10.0 * r, cpu[n][r]) for n in order[r]} for r in range(3)]
     # the baseline ran first in repetitions 1 and 3, second in repetition 2
     assert list(runs[1]) == ["l1_l2", "l1"]
     del runs[2]["l1_l2"]  # l1_l2 failed in repetition 3
@@ -137,6 +140,9 @@ def test_repeats_doc_pairs_each_repetition_with_the_baseline() -> None:
     assert [sorted(r) for r in rep["runs"]] == [["l1", "l1_l2"], ["l1", "l1_l2"], ["l1"]]
     assert rep["runs"][0]["l1"]["input_tok_s"] == 300 / 3.0
     assert rep["runs"][1]["l1_l2"]["server_ttft_mean_s"] == 0.15
+    assert rep["runs"][1]["l1_l2"]["server_cpu_s"] == 1.5
+    assert rep["runs"][1]["l1_l2"]["load_1m"] == 1.5
+    assert rep["per_config"]["l1_l2"]["server_cpu_s"]["values"] == [1.0, 1.5]
     assert rep["per_config"]["l1"]["ttft_mean_s"]["values"] == [0.1, 0.2, 0.1]
     assert rep["per_config"]["l1_l2"]["ttft_mean_s"]["n"] == 2
     pair = doc["pairs"]["l1_l2"]
@@ -144,5 +150,11 @@ def test_repeats_doc_pairs_each_repetition_with_the_baseline() -> None:
     assert pair["ttft_mean_ratio"]["values"] == pytest.approx([0.5, 0.75])
     assert pair["ttft_mean_ratio"]["median"] == pytest.approx(0.625)
     assert pair["input_tok_s_ratio"]["values"] == [1.0, 1.0]  # same tokens, same walls
+    assert pair["server_cpu_ratio"]["values"] == [0.5, 0.75]
     assert set(doc["pairs"]) == {"l1_l2"}
     assert repeats_doc(rr, None)["pairs"] == {}
+    # without CPU times (--url): no CPU spread, no CPU ratio
+    bare = [{n: _run(n, 0.1, 0.0) for n in ("l1", "l1_l2")}]
+    doc = repeats_doc(RepeatedRuns(["l1", "l1_l2"], order[:1], bare, {}), "l1")
+    assert "server_cpu_s" not in doc["repeats"]["per_config"]["l1"]
+    assert set(doc["pairs"]["l1_l2"]) == {"baseline", "ttft_mean_ratio", "input_tok_s_ratio"}

@@ -33,6 +33,32 @@ Configs (``--configs``, each its own ``hicache serve`` subprocess, same L1 size)
 quarter of the working set: clients x final conversation length / 4, in whole pages, but
 at least one final conversation plus a page. L2 (``--hicache-ratio``) holds the whole
 working set with 50% to spare, so without flushes L3 is written but not read.
+
+**Repetitions** (this machine's speed drifts by up to 2x over minutes, so configs run
+minutes apart are not comparable): every config's server is started once, side by side
+(idle servers use next to no CPU), and warmed up; then the workload runs ``--repeats``
+times (default 5). In repetition r every config runs it in turn, one config under load at
+a time, in the order given in even repetitions and reversed in odd ones (A B, B A, A B,
+...: :func:`hicache.bench.pairs.alternating_order`). Each run starts and ends with ``POST
+/flush_cache`` (untimed; the second waits for the server's L2 / L3 writes to land, so no
+background work spills into the next config's run), so every run starts from empty L1
+and L2. Repetition r uses conversations of its own (drawn from ``--seed`` and r; all
+configs get the same ones in a repetition), so nothing in L3 from an earlier repetition
+can hit. ``--flush-between-rounds`` flushes inside each repetition as without repeats.
+
+For every repetition and config: TTFT mean, input throughput (over that run's wall
+time), the server process's CPU seconds during the run (``/proc``; far less sensitive to
+other jobs than wall times) and the machine's 1-minute load average at its end. For every
+config other than ``--baseline`` (default ``l1`` when it runs, else the first config):
+the ratio of its figure to the baseline's **in the same repetition**, and the median,
+interquartile range (q25..q75) and min..max of those ratios (TTFT and CPU ratio < 1:
+faster, TTFT shown as a change, -40% = 0.6x; throughput ratio > 1: faster). Drift slower
+than a repetition cancels inside each ratio; what remains shows as their spread. The
+config and per-round tables pool the repetitions (round r's throughput: its tokens over
+the sum of its wall times). JSON: ``configs`` and ``meta`` as before, plus ``repeats``
+(``order``, per-repetition ``runs``, ``per_config`` spreads) and ``pairs``
+(``pairs[config]["ttft_mean_ratio" | "input_tok_s_ratio" | "server_cpu_ratio"]``: ``n``,
+``median``, ``q25``, ``q75``, ``min``, ``max``, ``values`` in repetition order).
 """
 
 from __future__ import annotations

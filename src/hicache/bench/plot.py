@@ -28,7 +28,12 @@ __all__ = [
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """:func:`hicache.bench.report.print_table`, but 160 columns wide when the output is
-    not a terminal (rich would squeeze the tables into 80 columns in logs and files)."""
+    not a terminal (rich would squeeze the tables into 80 columns in logs and files).
+    Square brackets are shown as they are (not read as rich markup)."""
+    from rich.markup import escape
+
+    title, columns = escape(title), [escape(c) for c in columns]
+    rows = [[escape(c) for c in row] for row in rows]
     if sys.stdout.isatty():
         _rich_table(title, columns, rows)
         return
@@ -74,30 +79,42 @@ def print_results(title: str, doc: Mapping[str, Any], group_key: str) -> None:
     )  # fmt: skip
 
 
-def _ratio_cells(s: Mapping[str, Any] | None, pct: bool) -> list[str]:
-    """Median, IQR (q25..q75) and min..max of a ratio spread; as a % change when ``pct``."""
+def _ratio_cell(s: Mapping[str, Any] | None, pct: bool) -> str:
+    """``median [q25..q75] (min..max)`` of a ratio spread: as % changes when ``pct``
+    (``-47% [-50..-36] (-59..-32)``), else as factors (``1.39x [1.38..1.60] (...)``)."""
     if s is None:
-        return ["-", "-", "-"]
+        return "-"
 
     def f(x: float) -> str:
-        return f"{x - 1:+.0%}" if pct else f"{x:.2f}"
+        return f"{(x - 1) * 100:+.0f}" if pct else f"{x:.2f}"
 
-    unit = "" if pct else "x"
-    return [f(s["median"]) + unit, f"{f(s['q25'])}..{f(s['q75'])}{unit}",
-            f"{f(s['min'])}..{f(s['max'])}{unit}"]  # fmt: skip
+    unit = "%" if pct else "x"
+    q, r = f"{f(s['q25'])}..{f(s['q75'])}", f"{f(s['min'])}..{f(s['max'])}"
+    return f"{f(s['median'])}{unit} [{q}] ({r})"
 
 
-def _pair_cell(f: Mapping[str, float] | None, b: Mapping[str, float] | None) -> str:
-    """One repetition's TTFT change and throughput ratio against the baseline's."""
+def _value_cell(s: Mapping[str, Any] | None, scale: float, fmt: str) -> str:
+    """``median (min..max)`` of a spread, times ``scale``."""
+    if s is None:
+        return "-"
+    m, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
+    return f"{m:{fmt}} ({lo:{fmt}}..{hi:{fmt}})"
+
+
+def _pair_cell(f: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> str:
+    """One repetition's TTFT change, throughput and server CPU ratios to the baseline's."""
     if f is None or b is None or b["ttft_mean_s"] <= 0 or b["input_tok_s"] <= 0:
         return "-"
     ttft = f["ttft_mean_s"] / b["ttft_mean_s"] - 1
-    return f"{ttft:+.0%} / {f['input_tok_s'] / b['input_tok_s']:.2f}x"
+    cell = f"{ttft:+.0%} / {f['input_tok_s'] / b['input_tok_s']:.2f}x"
+    fc, bc = f.get("server_cpu_s"), b.get("server_cpu_s")
+    return cell + (f" / {fc / bc:.2f}x" if fc is not None and bc else "")
 
 
 def print_repeats(doc: Mapping[str, Any]) -> None:
-    """Per repetition (in run order) each config's TTFT mean (ms) and input tokens/s, and
-    the pairwise ratios to the baseline: median, interquartile range and min..max."""
+    """Per repetition (in run order) each config's TTFT mean (ms), input tokens/s and the
+    load average, and the ratios to the baseline; then per config the median and range
+    over the repetitions and the pairwise ratios: median [IQR] (min..max)."""
     rep = doc["repeats"]
     names = list(rep["per_config"])
     base = rep["baseline"]
@@ -111,30 +128,36 @@ def print_repeats(doc: Mapping[str, Any]) -> None:
                 "-" if f is None else f"{f['ttft_mean_s'] * 1e3:.1f} / {f['input_tok_s']:.0f}"
             )
         row += [_pair_cell(figs.get(n), figs.get(base)) for n in pairs]
+        loads = [f["load_1m"] for f in figs.values() if f.get("load_1m") is not None]
+        row.append(f"{max(loads):.1f}" if loads else "-")
         rows.append(row)
     print_table(
-        f"per repetition, in run order: TTFT mean ms / input tok/s; vs {base}: TTFT / tok/s",
-        ["rep", "order", *names, *(f"{n} vs {base}" for n in pairs)],
+        "per repetition, in run order: TTFT mean ms / input tok/s (vs baseline: TTFT /"
+        " tok/s / server CPU)",
+        ["rep", "order", *names, *(f"{n} vs {base}" for n in pairs), "load 1m"],
         rows,
     )
-    rows = []
-    for n in names:
-        pc = rep["per_config"][n]
-        t, i = pc["ttft_mean_s"], pc["input_tok_s"]
-        p = pairs.get(n, {})
-        rows.append([
-            n, f"{t['median'] * 1e3:.1f} ({t['min'] * 1e3:.1f}..{t['max'] * 1e3:.1f})",
-            f"{i['median']:.0f} ({i['min']:.0f}..{i['max']:.0f})",
-            *_ratio_cells(p.get("ttft_mean_ratio"), True),
-            *_ratio_cells(p.get("input_tok_s_ratio"), False),
-        ])  # fmt: skip
-    n_pairs = max((p["ttft_mean_ratio"]["n"] for p in pairs.values()), default=0)
+    rows = [[n, _value_cell(pc.get("ttft_mean_s"), 1e3, ".1f"),
+             _value_cell(pc.get("input_tok_s"), 1.0, ".0f"),
+             _value_cell(pc.get("server_cpu_s"), 1.0, ".1f")]
+            for n, pc in rep["per_config"].items()]  # fmt: skip
     print_table(
-        f"over {rep['count']} repetitions; pairwise against {base} ({n_pairs} pairs)",
-        ["config", "TTFT ms median (min..max)", "input tok/s median (min..max)",
-         "TTFT vs base median", "IQR", "min..max", "tok/s vs base median", "IQR", "min..max"],
+        f"median (min..max) over {rep['count']} repetitions",
+        ["config", "TTFT mean ms", "input tok/s", "server CPU s"],
         rows,
-    )  # fmt: skip
+    )
+    if not pairs:
+        return
+    rows = [[n, _ratio_cell(p.get("ttft_mean_ratio"), True),
+             _ratio_cell(p.get("input_tok_s_ratio"), False),
+             _ratio_cell(p.get("server_cpu_ratio"), False)]
+            for n, p in pairs.items()]  # fmt: skip
+    n_pairs = max(p["ttft_mean_ratio"]["n"] for p in pairs.values())
+    print_table(
+        f"pairwise against {base}, {n_pairs} pairs: median [q25..q75] (min..max)",
+        ["config", "TTFT mean", "input tok/s", "server CPU s"],
+        rows,
+    )
 
 
 def write_outputs(

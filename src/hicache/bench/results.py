@@ -98,20 +98,23 @@ def _span(records: Sequence[RequestRecord]) -> float:
 def pool_runs(runs: Sequence[ConfigRun]) -> ConfigRun:
     """The runs of one config (several repetitions) as one: group ``i`` holds every run's
     group ``i``, with the sum of their wall times (s) as its wall time, so its throughput
-    is tokens over time under load; ``wall_s`` is the sum of the runs'; the server's TTFT
-    mean is the mean of the runs' (they send as many requests each). ValueError on none."""
+    is tokens over time under load; ``wall_s`` and ``server_cpu_s`` are the sums of the
+    runs' (CPU None unless every run has it); the server's TTFT mean is the mean of the
+    runs' (they send as many requests each). ValueError on none."""
     if not runs:
         raise ValueError("pool_runs needs at least one run")
     n = max(len(r.groups) for r in runs)
     groups = [[rec for r in runs if i < len(r.groups) for rec in r.groups[i]] for i in range(n)]
     walls = [sum(_span(r.groups[i]) for r in runs if i < len(r.groups)) for i in range(n)]
     server = [r.server_ttft_mean_s for r in runs if r.server_ttft_mean_s is not None]
+    cpu = [r.server_cpu_s for r in runs if r.server_cpu_s is not None]
     return ConfigRun(
         runs[0].name,
         groups,
         sum(r.wall_s for r in runs),
         sum(server) / len(server) if server else None,
         flags=list(runs[0].flags),
+        server_cpu_s=sum(cpu) if len(cpu) == len(runs) else None,
         group_wall_s=walls,
     )
 
@@ -119,20 +122,24 @@ def pool_runs(runs: Sequence[ConfigRun]) -> ConfigRun:
 REPEAT_KEYS = ("ttft_mean_s", "ttft_p50_s", "input_tok_s", "output_tok_s", "hit_rate", "wall_s")
 """The figures kept per config per repetition (``repeats.runs`` in the JSON)."""
 
-PAIR_METRICS = {"ttft_mean_ratio": "ttft_mean_s", "input_tok_s_ratio": "input_tok_s"}
-"""The pairwise ratios reported (JSON key -> the per-repetition figure it divides)."""
+PAIR_METRICS = {"ttft_mean_ratio": "ttft_mean_s", "input_tok_s_ratio": "input_tok_s",
+                "server_cpu_ratio": "server_cpu_s"}  # fmt: skip
+"""The pairwise ratios reported (JSON key -> the per-repetition figure it divides). The
+server's CPU seconds for the same work depend far less on other jobs than wall times do
+(they still move with cache and frequency effects, and with spinning threads)."""
 
 
 def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
     """The JSON ``repeats`` and ``pairs`` entries of a repeated run.
 
     ``repeats``: ``count``, ``baseline``, ``order`` (configs per repetition, in run
-    order), ``runs`` (per repetition, per config: :data:`REPEAT_KEYS` and the server's
-    TTFT mean), ``per_config`` (per config, the :class:`hicache.bench.pairs.Spread` of
-    its TTFT mean (s) and input throughput (tokens/s) over the repetitions).
+    order), ``runs`` (per repetition, per config: :data:`REPEAT_KEYS`, the server's TTFT
+    mean (s), its CPU seconds and the 1-minute load average; None when unknown),
+    ``per_config`` (per config, the :class:`hicache.bench.pairs.Spread` of its TTFT mean
+    (s), input throughput (tokens/s) and server CPU seconds over the repetitions).
     ``pairs``: per config other than ``baseline``, the spread of its ratio to the
-    baseline in the same repetition for each of :data:`PAIR_METRICS` (TTFT: < 1 is
-    faster; throughput: > 1 is faster); empty without a baseline.
+    baseline in the same repetition for each of :data:`PAIR_METRICS` (TTFT and CPU: < 1
+    is faster; throughput: > 1 is faster); empty without a baseline.
     """
     per_rep: list[dict[str, dict[str, Any]]] = []
     for rep in rr.runs:
@@ -142,14 +149,17 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
                 run = rep[name]
                 whole = summarize([x for g in run.groups for x in g], run.wall_s)
                 figures[name] = {k: whole[k] for k in REPEAT_KEYS}
-                figures[name]["server_ttft_mean_s"] = run.server_ttft_mean_s
+                figures[name] |= {"server_ttft_mean_s": run.server_ttft_mean_s,
+                                  "server_cpu_s": run.server_cpu_s, "load_1m": run.load_1m}  # fmt: skip
         per_rep.append(figures)
     ran = [n for n in rr.configs if rr.of(n)]
-    per_config = {
-        n: {m: Spread.of([f[n][m] for f in per_rep if n in f]).to_json()
-            for m in ("ttft_mean_s", "input_tok_s")}
-        for n in ran
-    }  # fmt: skip
+    per_config: dict[str, dict[str, Any]] = {}
+    for n in ran:
+        per_config[n] = {}
+        for m in ("ttft_mean_s", "input_tok_s", "server_cpu_s"):
+            xs = [f[n][m] for f in per_rep if n in f and f[n][m] is not None]
+            if xs:
+                per_config[n][m] = Spread.of(xs).to_json()
     pairs: dict[str, Any] = {}
     if baseline is not None:
         ratios = compare_to_baseline(per_rep, ran, baseline, list(PAIR_METRICS.values()))
@@ -172,7 +182,8 @@ def meta_doc(
     problems: Mapping[str, str],
 ) -> dict[str, Any]:
     """The JSON ``meta`` entry: workload flags, tier sizes (tokens), and per config the
-    server-side TTFT mean (s), the wall time (s), the server flags and any problem."""
+    server-side TTFT mean (s), the wall time (s), the server's CPU time (s, None when
+    unknown), the server flags and any problem."""
     keys = [*workload_keys, "model_path", "max_parallel", "page_size", "seed"]
     rate = None if math.isinf(args.request_rate) else args.request_rate
     return {
@@ -182,6 +193,7 @@ def meta_doc(
         "working_set_tokens": working_set,
         "server_ttft_mean_s": {r.name: r.server_ttft_mean_s for r in runs},
         "wall_s": {r.name: r.wall_s for r in runs},
+        "server_cpu_s": {r.name: r.server_cpu_s for r in runs},
         "server_flags": {r.name: r.flags for r in runs},
         "problems": dict(problems),
     }

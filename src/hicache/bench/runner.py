@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import random
 import shlex
 import sys
@@ -98,6 +99,11 @@ class ConfigRun:
     wall_s: float
     server_ttft_mean_s: float | None
     flags: list[str] = field(default_factory=list)
+    server_cpu_s: float | None = None
+    """CPU time (s, user + system) the server process used during the run; None when
+    unknown (``--url``, no ``/proc``)."""
+    load_1m: float | None = None
+    """The machine's 1-minute load average when the run ended (other jobs show here)."""
     group_wall_s: list[float] | None = None
     """Wall time of each group (s), when the groups pool several runs (see
     :func:`hicache.bench.results.pool_runs`); None: each group's first start to last end."""
@@ -115,23 +121,50 @@ async def _warm_up(client: httpx.AsyncClient, url: str) -> None:
     await stream_completion(client, url, ids, 2, group=-1, client_id=-1)
 
 
+CpuClock = Callable[[], float | None]
+"""A server's CPU seconds so far (:meth:`hicache.bench.serverproc.ServerProcess.cpu_seconds`)."""
+
+
+def _no_cpu() -> float | None:
+    return None
+
+
+def _load_1m() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 async def _timed_run(
-    name: str, client: httpx.AsyncClient, url: str, workload: Workload, total: int, desc: str
+    name: str,
+    client: httpx.AsyncClient,
+    url: str,
+    workload: Workload,
+    total: int,
+    desc: str,
+    cpu: CpuClock = _no_cpu,
 ) -> ConfigRun:
     """``POST /flush_cache``, then ``workload`` timed; then another flush (untimed), which
     also waits for the server's L2 / L3 writes to land, so that none of this run's
-    background work overlaps what runs next."""
+    background work overlaps what runs next. The server's CPU time (``cpu``) is taken
+    from just before the workload to just after it."""
     await flush_cache(client, url)
     ttft0 = await server_ttft(client, url)
+    cpu0 = cpu()
     with tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False) as bar:
         session = Session(client, url, bar)
         t0 = time.perf_counter()
         groups = await workload(session)
         wall = time.perf_counter() - t0 - session.flush_s
+    cpu1 = cpu()
     ttft1 = await server_ttft(client, url)
     await flush_cache(client, url)
     n = ttft1[1] - ttft0[1]
-    return ConfigRun(name, groups, wall, (ttft1[0] - ttft0[0]) / n if n else None)
+    run = ConfigRun(name, groups, wall, (ttft1[0] - ttft0[0]) / n if n else None)
+    run.server_cpu_s = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    run.load_1m = _load_1m()
+    return run
 
 
 async def _run_session(
@@ -234,6 +267,7 @@ def run_repeated(
     with ExitStack() as stack:
         urls: dict[str, str] = {}
         flags: dict[str, list[str]] = {}
+        clocks: dict[str, CpuClock] = {}
         if url is not None:
             urls[configs[0]] = url
         for name in configs if url is None else ():
@@ -246,15 +280,23 @@ def run_repeated(
                 _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
                 continue
             urls[name], flags[name] = server.url, list(server.flags)
+            clocks[name] = server.cpu_seconds
+        servers = {n: _Server(u, flags.get(n, []), clocks.get(n, _no_cpu)) for n, u in urls.items()}
         runs = asyncio.run(
-            _repeat(urls, flags, order, workload_for, total_requests, parallel, timeout_s, problems)
+            _repeat(servers, order, workload_for, total_requests, parallel, timeout_s, problems)
         )
     return RepeatedRuns(list(configs), order, runs, problems)
 
 
+@dataclass(frozen=True)
+class _Server:
+    url: str
+    flags: list[str]
+    cpu: CpuClock
+
+
 async def _repeat(
-    urls: Mapping[str, str],
-    flags: Mapping[str, list[str]],
+    servers: Mapping[str, _Server],
     order: Sequence[tuple[str, ...]],
     workload_for: Callable[[int], Workload],
     total: int,
@@ -264,11 +306,13 @@ async def _repeat(
 ) -> list[dict[str, ConfigRun]]:
     runs: list[dict[str, ConfigRun]] = [{} for _ in order]
     async with AsyncExitStack() as stack:
-        clients = {n: await stack.enter_async_context(_client(parallel, timeout_s)) for n in urls}
+        clients = {
+            n: await stack.enter_async_context(_client(parallel, timeout_s)) for n in servers
+        }
         alive: list[str] = []
-        for name, url in urls.items():
+        for name, server in servers.items():
             try:
-                await _warm_up(clients[name], url)
+                await _warm_up(clients[name], server.url)
                 alive.append(name)
             except (ServerError, httpx.HTTPError) as exc:
                 _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
@@ -277,16 +321,17 @@ async def _repeat(
                 if name not in alive:
                     continue
                 desc = f"{name} {r + 1}/{len(order)}"
+                sv = servers[name]
                 try:
                     run = await _timed_run(
-                        name, clients[name], urls[name], workload_for(r), total, desc
+                        name, clients[name], sv.url, workload_for(r), total, desc, sv.cpu
                     )
                 except (ServerError, httpx.HTTPError) as exc:
                     why = f"failed in repetition {r + 1}: {type(exc).__name__}: {exc}"
                     _note(problems, name, why)
                     alive.remove(name)
                     continue
-                run.flags = list(flags.get(name, []))
+                run.flags = list(sv.flags)
                 runs[r][name] = run
     return runs
 
