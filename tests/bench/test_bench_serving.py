@@ -87,6 +87,17 @@ def test_plot_writes_png(tmp_path: Path) -> None:
         input_tok_s={"l1": 100.0, "l1_l2": 250.0},
     )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with_pairs = tmp_path / "pairs.png"
+    plot_configs(
+        str(with_pairs),
+        title="t",
+        x_label="round",
+        ttft_s={"l1": [0.1, 0.2], "l1_l2": [0.1, 0.05]},
+        input_tok_s={"l1": 100.0, "l1_l2": 250.0},
+        ttft_ratios={"l1_l2": [0.5, 0.6, 0.7]},
+        baseline="l1",
+    )
+    assert with_pairs.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_helpers() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.bench.pairs import quantile
 from hicache.bench.report import print_table as _rich_table
 
 __all__ = [
@@ -163,17 +164,21 @@ def print_repeats(doc: Mapping[str, Any]) -> None:
 def write_outputs(
     doc: dict[str, Any], group_key: str, title: str, json_path: str | None, plot_path: str | None
 ) -> None:
-    """Write ``--json`` and ``--plot`` (TTFT per group as lines, input tok/s as bars)."""
+    """Write ``--json`` and ``--plot`` (TTFT per group as lines, input tok/s as bars, and
+    with ``pairs`` in ``doc`` the TTFT ratio of every pair)."""
     if json_path:
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
     if plot_path and doc["configs"]:
         configs = doc["configs"]
+        pairs = doc.get("pairs") or {}
         plot_configs(
             plot_path,
             title=title,
             x_label=group_key[:-1],
             ttft_s={n: [g["ttft_mean_s"] for g in c[group_key]] for n, c in configs.items()},
             input_tok_s={n: c["input_tok_s"] for n, c in configs.items()},
+            ttft_ratios={n: p["ttft_mean_ratio"]["values"] for n, p in pairs.items()} or None,
+            baseline=(doc.get("repeats") or {}).get("baseline"),
         )
 
 
@@ -196,11 +201,17 @@ def plot_configs(
     x_label: str,
     ttft_s: Mapping[str, Sequence[float]],
     input_tok_s: Mapping[str, float],
+    ttft_ratios: Mapping[str, Sequence[float]] | None = None,
+    baseline: str | None = None,
 ) -> None:
-    """Left: mean TTFT (ms) per round/phase, one line per config. Right: input tokens/s
-    per config as bars. ``ttft_s`` in seconds, ``input_tok_s`` in tokens per second."""
+    """Left: mean TTFT (ms) per round/phase, one line per config. Middle: input tokens/s
+    per config as bars. ``ttft_s`` in seconds, ``input_tok_s`` in tokens per second.
+    Right, with ``ttft_ratios`` (config -> its TTFT ratio to ``baseline`` per pair): one
+    dot per pair and a bar at the median."""
     plt = require_matplotlib()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=80)
+    panels = 3 if ttft_ratios else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), dpi=80)
+    ax1, ax2 = axes[0], axes[1]
     for name, ys in ttft_s.items():
         ax1.plot(range(1, len(ys) + 1), [y * 1e3 for y in ys], marker="o", label=name)
     ax1.set_xlabel(x_label)
@@ -217,6 +228,17 @@ def plot_configs(
     ax2.bar_label(bars, fmt="%.0f", fontsize=8)
     ax2.set_ylabel("input throughput (tokens/s)")
     ax2.tick_params(axis="x", labelrotation=20, labelsize=8)
+    if ttft_ratios:
+        ax3 = axes[2]
+        for i, (name, rs) in enumerate(ttft_ratios.items()):
+            ax3.plot([i] * len(rs), rs, "o", color=f"C{names.index(name) if name in names else i}",
+                     alpha=0.7)  # fmt: skip
+            ax3.hlines(quantile(rs, 0.5), i - 0.3, i + 0.3, color="black")
+        ax3.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax3.set_xticks(range(len(ttft_ratios)), list(ttft_ratios))
+        ax3.set_xlim(-0.6, len(ttft_ratios) - 0.4)
+        ax3.set_ylabel(f"TTFT mean / {baseline or 'baseline'}'s, per pair")
+        ax3.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
