@@ -36,6 +36,8 @@ def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
     assert rep["count"] == 2 and rep["baseline"] == "no_cache"  # no l1: the first config
     assert rep["order"] == [["no_cache", "l1_l2"], ["l1_l2", "no_cache"]]
     assert all(set(r) == {"no_cache", "l1_l2"} for r in rep["runs"])
+    starts = sorted((f["start_s"], n) for r in rep["runs"] for n, f in r.items())
+    assert [n for _, n in starts] == ["no_cache", "l1_l2", "l1_l2", "no_cache"]  # A B B A
     pair = doc["pairs"]["l1_l2"]
     assert set(doc["pairs"]) == {"l1_l2"} and pair["baseline"] == "no_cache"
     for key in ("ttft_mean_ratio", "input_tok_s_ratio", "server_cpu_ratio"):

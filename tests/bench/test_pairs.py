@@ -142,6 +142,7 @@ def test_repeats_doc_pairs_each_repetition_with_the_baseline() -> None:
     assert rep["runs"][1]["l1_l2"]["server_ttft_mean_s"] == 0.15
     assert rep["runs"][1]["l1_l2"]["server_cpu_s"] == 1.5
     assert rep["runs"][1]["l1_l2"]["load_1m"] == 1.5
+    assert [r["l1"]["start_s"] for r in rep["runs"]] == [0.0, 10.0, 20.0]
     assert rep["per_config"]["l1_l2"]["server_cpu_s"]["values"] == [1.0, 1.5]
     assert rep["per_config"]["l1"]["ttft_mean_s"]["values"] == [0.1, 0.2, 0.1]
     assert rep["per_config"]["l1_l2"]["ttft_mean_s"]["n"] == 2

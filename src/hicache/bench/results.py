@@ -134,13 +134,20 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
 
     ``repeats``: ``count``, ``baseline``, ``order`` (configs per repetition, in run
     order), ``runs`` (per repetition, per config: :data:`REPEAT_KEYS`, the server's TTFT
-    mean (s), its CPU seconds and the 1-minute load average; None when unknown),
+    mean (s), its CPU seconds and the 1-minute load average (None when unknown), and
+    ``start_s``: when its first request was sent, in s after the first run's),
     ``per_config`` (per config, the :class:`hicache.bench.pairs.Spread` of its TTFT mean
     (s), input throughput (tokens/s) and server CPU seconds over the repetitions).
     ``pairs``: per config other than ``baseline``, the spread of its ratio to the
     baseline in the same repetition for each of :data:`PAIR_METRICS` (TTFT and CPU: < 1
     is faster; throughput: > 1 is faster); empty without a baseline.
     """
+
+    def first_start(run: ConfigRun) -> float | None:
+        return min((x.start_s for g in run.groups for x in g), default=None)
+
+    starts = [t for rep in rr.runs for run in rep.values() if (t := first_start(run)) is not None]
+    t0 = min(starts, default=0.0)
     per_rep: list[dict[str, dict[str, Any]]] = []
     for rep in rr.runs:
         figures: dict[str, dict[str, Any]] = {}
@@ -149,8 +156,10 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
                 run = rep[name]
                 whole = summarize([x for g in run.groups for x in g], run.wall_s)
                 figures[name] = {k: whole[k] for k in REPEAT_KEYS}
+                first = first_start(run)
                 figures[name] |= {"server_ttft_mean_s": run.server_ttft_mean_s,
-                                  "server_cpu_s": run.server_cpu_s, "load_1m": run.load_1m}  # fmt: skip
+                                  "server_cpu_s": run.server_cpu_s, "load_1m": run.load_1m,
+                                  "start_s": None if first is None else first - t0}  # fmt: skip
         per_rep.append(figures)
     ran = [n for n in rr.configs if rr.of(n)]
     per_config: dict[str, dict[str, Any]] = {}
