@@ -161,10 +161,14 @@ async def _timed_run(
     ttft1 = await server_ttft(client, url)
     await flush_cache(client, url)
     n = ttft1[1] - ttft0[1]
-    run = ConfigRun(name, groups, wall, (ttft1[0] - ttft0[0]) / n if n else None)
-    run.server_cpu_s = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-    run.load_1m = _load_1m()
-    return run
+    return ConfigRun(
+        name,
+        groups,
+        wall,
+        (ttft1[0] - ttft0[0]) / n if n else None,
+        server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+        load_1m=_load_1m(),
+    )
 
 
 async def _run_session(
@@ -265,23 +269,18 @@ def run_repeated(
     order = alternating_order(configs, repeats)
     problems: dict[str, str] = {}
     with ExitStack() as stack:
-        urls: dict[str, str] = {}
-        flags: dict[str, list[str]] = {}
-        clocks: dict[str, CpuClock] = {}
+        servers: dict[str, _Server] = {}
         if url is not None:
-            urls[configs[0]] = url
+            servers[configs[0]] = _Server(url, [], _no_cpu)
         for name in configs if url is None else ():
             try:
-                server = stack.enter_context(config_server(name, spec))
+                sp = stack.enter_context(config_server(name, spec))
             except ConfigSkippedError as exc:
                 _note(problems, name, f"skipped: {exc}")
-                continue
             except ServerError as exc:
                 _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
-                continue
-            urls[name], flags[name] = server.url, list(server.flags)
-            clocks[name] = server.cpu_seconds
-        servers = {n: _Server(u, flags.get(n, []), clocks.get(n, _no_cpu)) for n, u in urls.items()}
+            else:
+                servers[name] = _Server(sp.url, list(sp.flags), sp.cpu_seconds)
         runs = asyncio.run(
             _repeat(servers, order, workload_for, total_requests, parallel, timeout_s, problems)
         )
@@ -290,6 +289,8 @@ def run_repeated(
 
 @dataclass(frozen=True)
 class _Server:
+    """A started server as :func:`_repeat` uses it."""
+
     url: str
     flags: list[str]
     cpu: CpuClock
