@@ -15,7 +15,8 @@
 #                                       with the SDPA gather, the Triton kernel, and the
 #                                       Triton kernel replayed as CUDA graphs  (<= 90 s)
 #   6 hicache bench multiturn           1B model, 64 clients x 5 rounds x (512 + 32),
-#                                       --max-parallel 16, configs l1,l1_l2     (<= 150 s)
+#                                       --max-parallel 16, configs l1,l1_l2, 2
+#                                       alternating repetitions (A B, B A)      (<= 150 s)
 # The limits add up to 8 minutes; the steps' own time is expected well under that.
 # Every step writes its JSON (and log) under OUTDIR; summary.json lists each step's exit
 # status and seconds. The GPU machine reaches no index: the SmolLM2 tokenizer travels in
@@ -67,7 +68,7 @@ if [ "$MODE" = gpu ]; then
   export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
   DEVICE=cuda SHAPE="" MODEL_DTYPE=bfloat16
   TOKDIR=$ROOT/.gpu/tokenizer
-  MT_ARGS="--num-clients 64 --num-rounds 5 --request-length 512 --output-length 32 --max-parallel 16"
+  MT_ARGS="--num-clients 64 --num-rounds 5 --request-length 512 --output-length 32 --max-parallel 16 --repeats 2"
   TR_ARGS="--page-sizes 64 --repeat 5"
   EN_ARGS="--prefill-tokens 2048 --decode-seqs 16 --decode-context 2048 --decode-steps 32 --attention-backends sdpa,triton --cuda-graphs"
   # Triton compiles the attention and copy kernels in the first two steps; engines
@@ -79,7 +80,7 @@ else
   export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}  # this tree, not the venv's install
   DEVICE=cpu SHAPE=--tiny MODEL_DTYPE=float32
   TOKDIR=${TOKDIR:-$("$PY" -c 'from hicache.engine.checkpoints import resolve_checkpoint; print(resolve_checkpoint("tiny-random-llama").path)' 2>/dev/null)}
-  MT_ARGS="--num-clients 4 --num-rounds 2 --request-length 64 --output-length 4 --max-parallel 2"
+  MT_ARGS="--num-clients 4 --num-rounds 2 --request-length 64 --output-length 4 --max-parallel 2 --repeats 2"
   TR_ARGS="--page-sizes 16 --pages 8 --layers 4 --repeat 1"
   EN_ARGS="--prefill-tokens 64 --decode-seqs 2 --decode-context 32 --decode-steps 4 --repeat 1 --cuda-graphs"
   T_TEST=60 T_MODEL=30 T_CMP=40 T_TR=30 T_EN=40 T_MT=90

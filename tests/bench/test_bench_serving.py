@@ -1,7 +1,9 @@
 """Smoke tests of the serving benchmarks on the tiny random model (CPU, small sizes).
 
-* ``multiturn``: 2 clients x 2 rounds against self-started servers of the ``no_cache`` and
-  ``l1_l2`` configs: the JSON has the documented shape and ``l1_l2`` hits L1 or L2;
+* ``multiturn``: 2 clients x 2 rounds, 2 repetitions, against self-started servers of the
+  ``no_cache`` and ``l1_l2`` configs: the JSON has the documented shape (repetitions
+  pooled per config and round, the run order A B / B A, a pair per repetition) and
+  ``l1_l2`` hits L1 or L2;
 * ``full-hit``: a 64-token prompt through cold, L1, L2 and L3: every cached stage hits
   its tier for every whole page but the last token's, and the figures are there.
 """
@@ -25,23 +27,40 @@ CONFIG_KEYS = {"ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "input_t
 def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
     out = tmp_path / "mt.json"
     argv = ["--num-clients", "2", "--num-rounds", "2", "--request-length", "64",
-            "--output-length", "4", "--configs", "no_cache,l1_l2", "--json", str(out)]  # fmt: skip
+            "--output-length", "4", "--configs", "no_cache,l1_l2", "--repeats", "2",
+            "--json", str(out)]  # fmt: skip
     assert multiturn.main(argv) == 0
     doc = json.loads(out.read_text())
     assert set(doc["configs"]) == {"no_cache", "l1_l2"}
+    rep = doc["repeats"]
+    assert rep["count"] == 2 and rep["baseline"] == "no_cache"  # no l1: the first config
+    assert rep["order"] == [["no_cache", "l1_l2"], ["l1_l2", "no_cache"]]
+    assert all(set(r) == {"no_cache", "l1_l2"} for r in rep["runs"])
+    starts = sorted((f["start_s"], n) for r in rep["runs"] for n, f in r.items())
+    assert [n for _, n in starts] == ["no_cache", "l1_l2", "l1_l2", "no_cache"]  # A B B A
+    pair = doc["pairs"]["l1_l2"]
+    assert set(doc["pairs"]) == {"l1_l2"} and pair["baseline"] == "no_cache"
+    for key in ("ttft_mean_ratio", "input_tok_s_ratio", "server_cpu_ratio"):
+        s = pair[key]
+        assert s["n"] == 2 and s["min"] <= s["q25"] <= s["median"] <= s["q75"] <= s["max"]
+        assert s["min"] > 0
+    ratios = [r["l1_l2"]["ttft_mean_s"] / r["no_cache"]["ttft_mean_s"] for r in rep["runs"]]
+    assert pair["ttft_mean_ratio"]["values"] == ratios
     for name, c in doc["configs"].items():
         assert set(c) == CONFIG_KEYS, name
         assert set(c["hit_tokens"]) == {"device", "host", "storage"}
         assert all(isinstance(v, int) for v in c["hit_tokens"].values())
         assert [r["round"] for r in c["rounds"]] == [1, 2]
-        assert all(r["requests"] == 2 for r in c["rounds"])
+        assert all(r["requests"] == 2 * 2 for r in c["rounds"])  # 2 clients x 2 repetitions
         assert 0 < c["ttft_p50_s"] <= c["ttft_p99_s"]
         assert c["input_tok_s"] > 0 and c["output_tok_s"] > 0
     assert doc["configs"]["no_cache"]["hit_rate"] == 0
     hits = doc["configs"]["l1_l2"]["hit_tokens"]
     assert hits["device"] + hits["host"] > 0
-    # round 2 prompt = 64 user + 4 synthetic assistant + 64 user tokens; 2 clients
-    assert doc["configs"]["l1_l2"]["rounds"][1]["prompt_tokens"] == 2 * 132
+    # round 2 prompt = 64 user + 4 synthetic assistant + 64 user tokens; 2 clients, 2 reps
+    assert doc["configs"]["l1_l2"]["rounds"][1]["prompt_tokens"] == 2 * 2 * 132
+    # each repetition starts flushed, with conversations of its own: it hits the same
+    assert rep["runs"][0]["l1_l2"]["hit_rate"] == rep["runs"][1]["l1_l2"]["hit_rate"] > 0
     assert doc["meta"]["l1_tokens"] % 16 == 0
 
 
@@ -70,6 +89,17 @@ def test_plot_writes_png(tmp_path: Path) -> None:
         input_tok_s={"l1": 100.0, "l1_l2": 250.0},
     )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with_pairs = tmp_path / "pairs.png"
+    plot_configs(
+        str(with_pairs),
+        title="t",
+        x_label="round",
+        ttft_s={"l1": [0.1, 0.2], "l1_l2": [0.1, 0.05]},
+        input_tok_s={"l1": 100.0, "l1_l2": 250.0},
+        ttft_ratios={"l1_l2": [0.5, 0.6, 0.7]},
+        baseline="l1",
+    )
+    assert with_pairs.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_helpers() -> None:
@@ -83,6 +113,9 @@ def test_helpers() -> None:
     assert len(conv.prompt(1, 2)) == 2 * 7 + 5
     assert conv.prompt(1, 2)[:7] == conv.prompt(1, 1)[:7]  # the history is a prefix
     assert conv.prompt(0, 0) != conv.prompt(1, 0)  # clients share nothing
+    again = multiturn.Conversations.make(2, 3, 5, 2, seed=1)
+    other = multiturn.Conversations.make(2, 3, 5, 2, seed=1, repetition=1)
+    assert again == conv and other.prompt(0, 0)[:5] != conv.prompt(0, 0)[:5]
 
 
 def test_mooncake_config_is_skipped_without_its_binary(monkeypatch: pytest.MonkeyPatch) -> None:

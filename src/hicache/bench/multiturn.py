@@ -33,6 +33,32 @@ Configs (``--configs``, each its own ``hicache serve`` subprocess, same L1 size)
 quarter of the working set: clients x final conversation length / 4, in whole pages, but
 at least one final conversation plus a page. L2 (``--hicache-ratio``) holds the whole
 working set with 50% to spare, so without flushes L3 is written but not read.
+
+**Repetitions** (this machine's speed drifts by up to 2x over minutes, so configs run
+minutes apart are not comparable): every config's server is started once, side by side
+(idle servers use next to no CPU), and warmed up; then the workload runs ``--repeats``
+times (default 5). In repetition r every config runs it in turn, one config under load at
+a time, in the order given in even repetitions and reversed in odd ones (A B, B A, A B,
+...: :func:`hicache.bench.pairs.alternating_order`). Each run starts and ends with ``POST
+/flush_cache`` (untimed; the second waits for the server's L2 / L3 writes to land, so no
+background work spills into the next config's run), so every run starts from empty L1
+and L2. Repetition r uses conversations of its own (drawn from ``--seed`` and r; all
+configs get the same ones in a repetition), so nothing in L3 from an earlier repetition
+can hit. ``--flush-between-rounds`` flushes inside each repetition as without repeats.
+
+For every repetition and config: TTFT mean, input throughput (over that run's wall
+time), the server process's CPU seconds during the run (``/proc``; far less sensitive to
+other jobs than wall times) and the machine's 1-minute load average at its end. For every
+config other than ``--baseline`` (default ``l1`` when it runs, else the first config):
+the ratio of its figure to the baseline's **in the same repetition**, and the median,
+interquartile range (q25..q75) and min..max of those ratios (TTFT and CPU ratio < 1:
+faster, TTFT shown as a change, -40% = 0.6x; throughput ratio > 1: faster). Drift slower
+than a repetition cancels inside each ratio; what remains shows as their spread. The
+config and per-round tables pool the repetitions (round r's throughput: its tokens over
+the sum of its wall times). JSON: ``configs`` and ``meta`` as before, plus ``repeats``
+(``order``, per-repetition ``runs``, ``per_config`` spreads) and ``pairs``
+(``pairs[config]["ttft_mean_ratio" | "input_tok_s_ratio" | "server_cpu_ratio"]``: ``n``,
+``median``, ``q25``, ``q75``, ``min``, ``max``, ``values`` in repetition order).
 """
 
 from __future__ import annotations
@@ -45,7 +71,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.bench.httpclient import RequestRecord, stream_completion
-from hicache.bench.results import report_runs, summarize
+from hicache.bench.results import pool_runs, repeats_doc, report_runs, summarize
 from hicache.bench.runner import (
     TOKEN_HI,
     TOKEN_LO,
@@ -56,6 +82,7 @@ from hicache.bench.runner import (
     add_common_args,
     parse_with_preset,
     run_configs,
+    run_repeated,
     server_spec,
     tier_sizes,
 )
@@ -99,9 +126,16 @@ class Conversations:
 
     @classmethod
     def make(
-        cls, clients: int, rounds: int, request_len: int, output_len: int, seed: int
+        cls,
+        clients: int,
+        rounds: int,
+        request_len: int,
+        output_len: int,
+        seed: int,
+        repetition: int = 0,
     ) -> Conversations:
-        rng = random.Random(seed)
+        """Deterministic in (``seed``, ``repetition``); two repetitions share no prefix."""
+        rng = random.Random(f"multiturn/{seed}/{repetition}")
 
         def ids(n: int) -> list[int]:
             return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
@@ -166,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-rounds", type=int, help="rounds per conversation")
     p.add_argument("--request-length", type=int, help="new user tokens per round")
     p.add_argument("--barrier", action="store_true", help="all clients finish a round first")
-    p.add_argument("--flush-between-rounds", action="store_true", help="POST /flush_cache")
+    p.add_argument(
+        "--flush-between-rounds", action="store_true", help="POST /flush_cache after each round"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="repetitions of the workload (>= 1)")
+    p.add_argument("--baseline", help="config the others are compared with (default l1)")
     args = parse_with_preset(p, argv, PRESETS)
     try:
         configs = parse_configs(args.configs)
@@ -174,45 +212,59 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if min(args.num_clients, args.num_rounds, args.request_length, args.output_length) < 1:
         p.error("--num-clients, --num-rounds, --request-length and --output-length must be >= 1")
+    if args.repeats < 1:
+        p.error(f"--repeats={args.repeats} must be >= 1")
+    if args.baseline is not None and args.baseline not in configs:
+        p.error(f"--baseline={args.baseline!r} is not one of --configs={','.join(configs)}")
     if args.url and len(configs) != 1:
         configs = ["external"]
+    baseline = args.baseline or ("l1" if "l1" in configs else configs[0])
+    args.baseline = baseline if len(configs) > 1 else None
     final_len = args.num_rounds * (args.request_length + args.output_length)
     working_set = args.num_clients * final_len
     l1, ratio = tier_sizes(args, working_set, final_len + args.page_size)
-    conv = Conversations.make(
-        args.num_clients, args.num_rounds, args.request_length, args.output_length, args.seed
-    )
     spec = server_spec(args, l1, ratio)
     print(
         f"multiturn: {args.num_clients} clients x {args.num_rounds} rounds, final conversation"
         f" {final_len} tokens, working set {working_set} tokens; L1 {l1} tokens, L2 = {ratio:g}"
-        f" x L1; model {args.model_path}",
+        f" x L1; model {args.model_path}; {args.repeats} repetitions",
         file=sys.stderr,
     )
-    runs, problems = run_configs(
+
+    def workload_for(rep: int) -> Workload:
+        conv = Conversations.make(args.num_clients, args.num_rounds, args.request_length,
+                                  args.output_length, args.seed, rep)  # fmt: skip
+        return multiturn_workload(conv, args)
+
+    rr = run_repeated(
         configs,
         spec,
-        multiturn_workload(conv, args),
+        workload_for,
+        repeats=args.repeats,
         total_requests=args.num_clients * args.num_rounds,
         parallel=args.max_parallel or args.num_clients,
         url=args.url,
         timeout_s=args.request_timeout,
     )
-    keys = "num_clients num_rounds request_length output_length barrier flush_between_rounds"
+    runs = [pool_runs(rr.of(n)) for n in configs if rr.of(n)]
+    keys = ("num_clients num_rounds request_length output_length barrier flush_between_rounds"
+            " repeats baseline")  # fmt: skip
     title = (
         f"multiturn: {args.num_clients} clients x {args.num_rounds} rounds,"
-        f" {args.request_length}+{args.output_length} tokens/round, L1 {l1} tokens"
+        f" {args.request_length}+{args.output_length} tokens/round, L1 {l1} tokens,"
+        f" {args.repeats} repetitions pooled"
     )
     return report_runs(
         args,
         runs,
-        problems,
+        rr.problems,
         group_key="rounds",
         workload_keys=keys.split(),
         l1=l1,
         ratio=ratio,
         working_set=working_set,
         title=title,
+        extra=repeats_doc(rr, args.baseline),
     )
 
 

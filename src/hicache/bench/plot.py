@@ -13,11 +13,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.bench.pairs import quantile
 from hicache.bench.report import print_table as _rich_table
 
 __all__ = [
     "plot_bars",
     "plot_configs",
+    "print_repeats",
     "print_results",
     "print_table",
     "require_matplotlib",
@@ -27,7 +29,12 @@ __all__ = [
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """:func:`hicache.bench.report.print_table`, but 160 columns wide when the output is
-    not a terminal (rich would squeeze the tables into 80 columns in logs and files)."""
+    not a terminal (rich would squeeze the tables into 80 columns in logs and files).
+    Square brackets are shown as they are (not read as rich markup)."""
+    from rich.markup import escape
+
+    title, columns = escape(title), [escape(c) for c in columns]
+    rows = [[escape(c) for c in row] for row in rows]
     if sys.stdout.isatty():
         _rich_table(title, columns, rows)
         return
@@ -73,20 +80,105 @@ def print_results(title: str, doc: Mapping[str, Any], group_key: str) -> None:
     )  # fmt: skip
 
 
+def _ratio_cell(s: Mapping[str, Any] | None, pct: bool) -> str:
+    """``median [q25..q75] (min..max)`` of a ratio spread: as % changes when ``pct``
+    (``-47% [-50..-36] (-59..-32)``), else as factors (``1.39x [1.38..1.60] (...)``)."""
+    if s is None:
+        return "-"
+
+    def f(x: float) -> str:
+        return f"{(x - 1) * 100:+.0f}" if pct else f"{x:.2f}"
+
+    unit = "%" if pct else "x"
+    q, r = f"{f(s['q25'])}..{f(s['q75'])}", f"{f(s['min'])}..{f(s['max'])}"
+    return f"{f(s['median'])}{unit} [{q}] ({r})"
+
+
+def _value_cell(s: Mapping[str, Any] | None, scale: float, fmt: str) -> str:
+    """``median (min..max)`` of a spread, times ``scale``."""
+    if s is None:
+        return "-"
+    m, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
+    return f"{m:{fmt}} ({lo:{fmt}}..{hi:{fmt}})"
+
+
+def _pair_cell(f: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> str:
+    """One repetition's TTFT change, throughput and server CPU ratios to the baseline's."""
+    if f is None or b is None or b["ttft_mean_s"] <= 0 or b["input_tok_s"] <= 0:
+        return "-"
+    ttft = f["ttft_mean_s"] / b["ttft_mean_s"] - 1
+    cell = f"{ttft:+.0%} / {f['input_tok_s'] / b['input_tok_s']:.2f}x"
+    fc, bc = f.get("server_cpu_s"), b.get("server_cpu_s")
+    return cell + (f" / {fc / bc:.2f}x" if fc is not None and bc else "")
+
+
+def print_repeats(doc: Mapping[str, Any]) -> None:
+    """Per repetition (in run order) each config's TTFT mean (ms), input tokens/s and the
+    load average, and the ratios to the baseline; then per config the median and range
+    over the repetitions and the pairwise ratios: median [IQR] (min..max)."""
+    rep = doc["repeats"]
+    names = list(rep["per_config"])
+    base = rep["baseline"]
+    pairs: Mapping[str, Any] = doc["pairs"]
+    rows = []
+    for r, (order, figs) in enumerate(zip(rep["order"], rep["runs"], strict=True)):
+        row = [str(r + 1), " ".join(order)]
+        for n in names:
+            f = figs.get(n)
+            row.append(
+                "-" if f is None else f"{f['ttft_mean_s'] * 1e3:.1f} / {f['input_tok_s']:.0f}"
+            )
+        row += [_pair_cell(figs.get(n), figs.get(base)) for n in pairs]
+        loads = [f["load_1m"] for f in figs.values() if f.get("load_1m") is not None]
+        row.append(f"{max(loads):.1f}" if loads else "-")
+        rows.append(row)
+    print_table(
+        "per repetition, in run order: TTFT mean ms / input tok/s (vs baseline: TTFT /"
+        " tok/s / server CPU)",
+        ["rep", "order", *names, *(f"{n} vs {base}" for n in pairs), "load 1m"],
+        rows,
+    )
+    rows = [[n, _value_cell(pc.get("ttft_mean_s"), 1e3, ".1f"),
+             _value_cell(pc.get("input_tok_s"), 1.0, ".0f"),
+             _value_cell(pc.get("server_cpu_s"), 1.0, ".1f")]
+            for n, pc in rep["per_config"].items()]  # fmt: skip
+    print_table(
+        f"median (min..max) over {rep['count']} repetitions",
+        ["config", "TTFT mean ms", "input tok/s", "server CPU s"],
+        rows,
+    )
+    if not pairs:
+        return
+    rows = [[n, _ratio_cell(p.get("ttft_mean_ratio"), True),
+             _ratio_cell(p.get("input_tok_s_ratio"), False),
+             _ratio_cell(p.get("server_cpu_ratio"), False)]
+            for n, p in pairs.items()]  # fmt: skip
+    n_pairs = max(p["ttft_mean_ratio"]["n"] for p in pairs.values())
+    print_table(
+        f"pairwise against {base}, {n_pairs} pairs: median [q25..q75] (min..max)",
+        ["config", "TTFT mean", "input tok/s", "server CPU s"],
+        rows,
+    )
+
+
 def write_outputs(
     doc: dict[str, Any], group_key: str, title: str, json_path: str | None, plot_path: str | None
 ) -> None:
-    """Write ``--json`` and ``--plot`` (TTFT per group as lines, input tok/s as bars)."""
+    """Write ``--json`` and ``--plot`` (TTFT per group as lines, input tok/s as bars, and
+    with ``pairs`` in ``doc`` the TTFT ratio of every pair)."""
     if json_path:
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
     if plot_path and doc["configs"]:
         configs = doc["configs"]
+        pairs = doc.get("pairs") or {}
         plot_configs(
             plot_path,
             title=title,
             x_label=group_key[:-1],
             ttft_s={n: [g["ttft_mean_s"] for g in c[group_key]] for n, c in configs.items()},
             input_tok_s={n: c["input_tok_s"] for n, c in configs.items()},
+            ttft_ratios={n: p["ttft_mean_ratio"]["values"] for n, p in pairs.items()} or None,
+            baseline=(doc.get("repeats") or {}).get("baseline"),
         )
 
 
@@ -109,11 +201,17 @@ def plot_configs(
     x_label: str,
     ttft_s: Mapping[str, Sequence[float]],
     input_tok_s: Mapping[str, float],
+    ttft_ratios: Mapping[str, Sequence[float]] | None = None,
+    baseline: str | None = None,
 ) -> None:
-    """Left: mean TTFT (ms) per round/phase, one line per config. Right: input tokens/s
-    per config as bars. ``ttft_s`` in seconds, ``input_tok_s`` in tokens per second."""
+    """Left: mean TTFT (ms) per round/phase, one line per config. Middle: input tokens/s
+    per config as bars. ``ttft_s`` in seconds, ``input_tok_s`` in tokens per second.
+    Right, with ``ttft_ratios`` (config -> its TTFT ratio to ``baseline`` per pair): one
+    dot per pair and a bar at the median."""
     plt = require_matplotlib()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=80)
+    panels = 3 if ttft_ratios else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), dpi=80)
+    ax1, ax2 = axes[0], axes[1]
     for name, ys in ttft_s.items():
         ax1.plot(range(1, len(ys) + 1), [y * 1e3 for y in ys], marker="o", label=name)
     ax1.set_xlabel(x_label)
@@ -130,6 +228,17 @@ def plot_configs(
     ax2.bar_label(bars, fmt="%.0f", fontsize=8)
     ax2.set_ylabel("input throughput (tokens/s)")
     ax2.tick_params(axis="x", labelrotation=20, labelsize=8)
+    if ttft_ratios:
+        ax3 = axes[2]
+        for i, (name, rs) in enumerate(ttft_ratios.items()):
+            ax3.plot([i] * len(rs), rs, "o", color=f"C{names.index(name) if name in names else i}",
+                     alpha=0.7)  # fmt: skip
+            ax3.hlines(quantile(rs, 0.5), i - 0.3, i + 0.3, color="black")
+        ax3.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax3.set_xticks(range(len(ttft_ratios)), list(ttft_ratios))
+        ax3.set_xlim(-0.6, len(ttft_ratios) - 0.4)
+        ax3.set_ylabel(f"TTFT mean / {baseline or 'baseline'}'s, per pair")
+        ax3.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)

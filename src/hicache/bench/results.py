@@ -4,6 +4,9 @@
   :class:`hicache.bench.httpclient.RequestRecord`;
 * :func:`config_json` (one config: :data:`CONFIG_KEYS` plus one summary per round /
   phase) and :func:`meta_doc` (workload flags, tier sizes, per-config server figures);
+* :func:`pool_runs` (one config's repetitions as one run) and :func:`repeats_doc` (the
+  per-repetition figures and the pairwise ratios to the baseline,
+  :mod:`hicache.bench.pairs`);
 * :func:`report_runs`: the shared end of ``multiturn`` and ``long-context``: build the
   document, print the tables, write ``--json`` / ``--plot``, return the exit status.
 """
@@ -16,14 +19,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hicache.bench.httpclient import TIERS, RequestRecord
-from hicache.bench.plot import print_results, write_outputs
-from hicache.bench.runner import ConfigRun
+from hicache.bench.pairs import Spread, compare_to_baseline, quantile
+from hicache.bench.plot import print_repeats, print_results, write_outputs
+from hicache.bench.runner import ConfigRun, RepeatedRuns
 
 __all__ = [
     "CONFIG_KEYS",
+    "PAIR_METRICS",
+    "REPEAT_KEYS",
     "config_json",
     "meta_doc",
     "percentile",
+    "pool_runs",
+    "repeats_doc",
     "report_runs",
     "summarize",
 ]
@@ -37,12 +45,7 @@ CONFIG_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "input_t
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) by linear interpolation between ranks (numpy's)."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return quantile(values, q / 100.0) if values else float("nan")
 
 
 def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> dict[str, Any]:
@@ -80,8 +83,102 @@ def config_json(run: ConfigRun, group_key: str) -> dict[str, Any]:
     whole = summarize(every, run.wall_s)
     entry: dict[str, Any] = {k: whole[k] for k in CONFIG_KEYS}
     index = group_key[:-1]  # "round" / "phase"
-    entry[group_key] = [{index: i + 1, **summarize(g)} for i, g in enumerate(run.groups) if g]
+    walls: list[float | None] = [None] * len(run.groups)
+    if run.group_wall_s is not None:
+        walls = list(run.group_wall_s)
+    pairs = enumerate(zip(run.groups, walls, strict=True))
+    entry[group_key] = [{index: i + 1, **summarize(g, w)} for i, (g, w) in pairs if g]
     return entry
+
+
+def _span(records: Sequence[RequestRecord]) -> float:
+    return max(r.end_s for r in records) - min(r.start_s for r in records) if records else 0.0
+
+
+def pool_runs(runs: Sequence[ConfigRun]) -> ConfigRun:
+    """The runs of one config (several repetitions) as one: group ``i`` holds every run's
+    group ``i``, with the sum of their wall times (s) as its wall time, so its throughput
+    is tokens over time under load; ``wall_s`` and ``server_cpu_s`` are the sums of the
+    runs' (CPU None unless every run has it); the server's TTFT mean is the mean of the
+    runs' (they send as many requests each). ValueError on none."""
+    if not runs:
+        raise ValueError("pool_runs needs at least one run")
+    n = max(len(r.groups) for r in runs)
+    groups = [[rec for r in runs if i < len(r.groups) for rec in r.groups[i]] for i in range(n)]
+    walls = [sum(_span(r.groups[i]) for r in runs if i < len(r.groups)) for i in range(n)]
+    server = [r.server_ttft_mean_s for r in runs if r.server_ttft_mean_s is not None]
+    cpu = [r.server_cpu_s for r in runs if r.server_cpu_s is not None]
+    return ConfigRun(
+        runs[0].name,
+        groups,
+        sum(r.wall_s for r in runs),
+        sum(server) / len(server) if server else None,
+        flags=list(runs[0].flags),
+        server_cpu_s=sum(cpu) if len(cpu) == len(runs) else None,
+        group_wall_s=walls,
+    )
+
+
+REPEAT_KEYS = ("ttft_mean_s", "ttft_p50_s", "input_tok_s", "output_tok_s", "hit_rate", "wall_s")
+"""The figures kept per config per repetition (``repeats.runs`` in the JSON)."""
+
+PAIR_METRICS = {"ttft_mean_ratio": "ttft_mean_s", "input_tok_s_ratio": "input_tok_s",
+                "server_cpu_ratio": "server_cpu_s"}  # fmt: skip
+"""The pairwise ratios reported (JSON key -> the per-repetition figure it divides). The
+server's CPU seconds for the same work depend far less on other jobs than wall times do
+(they still move with cache and frequency effects, and with spinning threads)."""
+
+
+def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
+    """The JSON ``repeats`` and ``pairs`` entries of a repeated run.
+
+    ``repeats``: ``count``, ``baseline``, ``order`` (configs per repetition, in run
+    order), ``runs`` (per repetition, per config: :data:`REPEAT_KEYS`, the server's TTFT
+    mean (s), its CPU seconds and the 1-minute load average (None when unknown), and
+    ``start_s``: when its first request was sent, in s after the first run's),
+    ``per_config`` (per config, the :class:`hicache.bench.pairs.Spread` of its TTFT mean
+    (s), input throughput (tokens/s) and server CPU seconds over the repetitions).
+    ``pairs``: per config other than ``baseline``, the spread of its ratio to the
+    baseline in the same repetition for each of :data:`PAIR_METRICS` (TTFT and CPU: < 1
+    is faster; throughput: > 1 is faster); empty without a baseline.
+    """
+
+    def first_start(run: ConfigRun) -> float | None:
+        return min((x.start_s for g in run.groups for x in g), default=None)
+
+    starts = [t for rep in rr.runs for run in rep.values() if (t := first_start(run)) is not None]
+    t0 = min(starts, default=0.0)
+    per_rep: list[dict[str, dict[str, Any]]] = []
+    for rep in rr.runs:
+        figures: dict[str, dict[str, Any]] = {}
+        for name in rr.configs:
+            if name in rep:
+                run = rep[name]
+                whole = summarize([x for g in run.groups for x in g], run.wall_s)
+                figures[name] = {k: whole[k] for k in REPEAT_KEYS}
+                first = first_start(run)
+                figures[name] |= {"server_ttft_mean_s": run.server_ttft_mean_s,
+                                  "server_cpu_s": run.server_cpu_s, "load_1m": run.load_1m,
+                                  "start_s": None if first is None else first - t0}  # fmt: skip
+        per_rep.append(figures)
+    ran = [n for n in rr.configs if rr.of(n)]
+    per_config: dict[str, dict[str, Any]] = {}
+    for n in ran:
+        per_config[n] = {}
+        for m in ("ttft_mean_s", "input_tok_s", "server_cpu_s"):
+            xs = [f[n][m] for f in per_rep if n in f and f[n][m] is not None]
+            if xs:
+                per_config[n][m] = Spread.of(xs).to_json()
+    pairs: dict[str, Any] = {}
+    if baseline is not None:
+        ratios = compare_to_baseline(per_rep, ran, baseline, list(PAIR_METRICS.values()))
+        for name, by_metric in ratios.items():
+            pairs[name] = {"baseline": baseline} | {
+                key: by_metric[m].to_json() for key, m in PAIR_METRICS.items() if m in by_metric
+            }
+    repeats = {"count": len(rr.runs), "baseline": baseline,
+               "order": [list(o) for o in rr.order], "runs": per_rep, "per_config": per_config}  # fmt: skip
+    return {"repeats": repeats, "pairs": pairs}
 
 
 def meta_doc(
@@ -94,7 +191,8 @@ def meta_doc(
     problems: Mapping[str, str],
 ) -> dict[str, Any]:
     """The JSON ``meta`` entry: workload flags, tier sizes (tokens), and per config the
-    server-side TTFT mean (s), the wall time (s), the server flags and any problem."""
+    server-side TTFT mean (s), the wall time (s), the server's CPU time (s, None when
+    unknown), the server flags and any problem."""
     keys = [*workload_keys, "model_path", "max_parallel", "page_size", "seed"]
     rate = None if math.isinf(args.request_rate) else args.request_rate
     return {
@@ -104,6 +202,7 @@ def meta_doc(
         "working_set_tokens": working_set,
         "server_ttft_mean_s": {r.name: r.server_ttft_mean_s for r in runs},
         "wall_s": {r.name: r.wall_s for r in runs},
+        "server_cpu_s": {r.name: r.server_cpu_s for r in runs},
         "server_flags": {r.name: r.flags for r in runs},
         "problems": dict(problems),
     }
@@ -120,13 +219,17 @@ def report_runs(
     ratio: float,
     working_set: int,
     title: str,
+    extra: Mapping[str, Any] | None = None,
 ) -> int:
-    """Build the JSON document (``configs`` and ``meta``), print it as tables under
-    ``title`` (when any config ran), write ``--json`` / ``--plot``; 1 when a config
-    failed, else 0 (skipped configs do not count)."""
+    """Build the JSON document (``configs``, ``meta`` and the entries of ``extra``), print
+    it as tables under ``title`` (when any config ran), write ``--json`` / ``--plot``; 1
+    when a config failed, else 0 (skipped configs do not count)."""
     doc: dict[str, Any] = {"configs": {r.name: config_json(r, group_key) for r in runs}}
     doc["meta"] = meta_doc(args, workload_keys, l1, ratio, working_set, runs, problems)
+    doc |= dict(extra or {})
     if runs:
         print_results(title, doc, group_key)
+        if doc.get("repeats"):
+            print_repeats(doc)
     write_outputs(doc, group_key, title, args.json, args.plot)
     return 1 if problems and any(v.startswith("failed") for v in problems.values()) else 0

@@ -4,6 +4,9 @@
   :func:`hicache.bench.serverproc.config_server` (or once on ``--url``), after a warm-up
   request and a flush; it gets a :class:`Session` (client, URL, progress bar, timed
   flushes) and its requests come back as a :class:`ConfigRun`;
+* :func:`run_repeated`: every config's server started once, then ``R`` repetitions of
+  a workload, the configs in alternating order (:mod:`hicache.bench.pairs`), one under
+  load at a time, each run between two flushes (:class:`RepeatedRuns`);
 * :class:`Pacer`: Poisson spacing of request starts (``--request-rate``);
 * the flags both benchmarks share (:func:`add_common_args`, :func:`parse_with_preset`)
   and the servers' sizes from them (:func:`tier_sizes`, :func:`round_to_pages`,
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
+import os
 import random
 import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +39,7 @@ from hicache.bench.httpclient import (
     server_ttft,
     stream_completion,
 )
+from hicache.bench.pairs import alternating_order
 from hicache.bench.serverproc import (
     CONFIG_NAMES,
     ConfigSkippedError,
@@ -46,12 +53,14 @@ __all__ = [
     "TOKEN_LO",
     "ConfigRun",
     "Pacer",
+    "RepeatedRuns",
     "Session",
     "Workload",
     "add_common_args",
     "parse_with_preset",
     "round_to_pages",
     "run_configs",
+    "run_repeated",
     "server_spec",
     "tier_sizes",
 ]
@@ -90,27 +99,84 @@ class ConfigRun:
     wall_s: float
     server_ttft_mean_s: float | None
     flags: list[str] = field(default_factory=list)
+    server_cpu_s: float | None = None
+    """CPU time (s, user + system) the server process used during the run; None when
+    unknown (``--url``, no ``/proc``)."""
+    load_1m: float | None = None
+    """The machine's 1-minute load average when the run ended (other jobs show here)."""
+    group_wall_s: list[float] | None = None
+    """Wall time of each group (s), when the groups pool several runs (see
+    :func:`hicache.bench.results.pool_runs`); None: each group's first start to last end."""
+
+
+def _client(parallel: int, timeout_s: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=parallel + 4, max_keepalive_connections=parallel + 4)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+
+async def _warm_up(client: httpx.AsyncClient, url: str) -> None:
+    """One short unrelated request, so first-call costs are out of the way."""
+    warm = random.Random(-1)
+    ids = [warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)]
+    await stream_completion(client, url, ids, 2, group=-1, client_id=-1)
+
+
+CpuClock = Callable[[], float | None]
+"""A server's CPU seconds so far (:meth:`hicache.bench.serverproc.ServerProcess.cpu_seconds`)."""
+
+
+def _no_cpu() -> float | None:
+    return None
+
+
+def _load_1m() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+async def _timed_run(
+    name: str,
+    client: httpx.AsyncClient,
+    url: str,
+    workload: Workload,
+    total: int,
+    desc: str,
+    cpu: CpuClock = _no_cpu,
+) -> ConfigRun:
+    """``POST /flush_cache``, then ``workload`` timed; then another flush (untimed), which
+    also waits for the server's L2 / L3 writes to land, so that none of this run's
+    background work overlaps what runs next. The server's CPU time (``cpu``) is taken
+    from just before the workload to just after it."""
+    await flush_cache(client, url)
+    ttft0 = await server_ttft(client, url)
+    cpu0 = cpu()
+    with tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False) as bar:
+        session = Session(client, url, bar)
+        t0 = time.perf_counter()
+        groups = await workload(session)
+        wall = time.perf_counter() - t0 - session.flush_s
+    cpu1 = cpu()
+    ttft1 = await server_ttft(client, url)
+    await flush_cache(client, url)
+    n = ttft1[1] - ttft0[1]
+    return ConfigRun(
+        name,
+        groups,
+        wall,
+        (ttft1[0] - ttft0[0]) / n if n else None,
+        server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+        load_1m=_load_1m(),
+    )
 
 
 async def _run_session(
     name: str, url: str, workload: Workload, total: int, parallel: int, timeout_s: float
 ) -> ConfigRun:
-    limits = httpx.Limits(max_connections=parallel + 4, max_keepalive_connections=parallel + 4)
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        warm = random.Random(-1)  # one short unrelated request: first-call costs out of the way
-        ids = [warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)]
-        await stream_completion(client, url, ids, 2, group=-1, client_id=-1)
-        await flush_cache(client, url)
-        ttft0 = await server_ttft(client, url)
-        with tqdm(total=total, desc=name, unit="req", file=sys.stderr, leave=False) as bar:
-            session = Session(client, url, bar)
-            t0 = time.perf_counter()
-            groups = await workload(session)
-            wall = time.perf_counter() - t0 - session.flush_s
-        ttft1 = await server_ttft(client, url)
-    n = ttft1[1] - ttft0[1]
-    return ConfigRun(name, groups, wall, (ttft1[0] - ttft0[0]) / n if n else None)
+    async with _client(parallel, timeout_s) as client:
+        await _warm_up(client, url)
+        return await _timed_run(name, client, url, workload, total, name)
 
 
 def run_configs(
@@ -128,6 +194,7 @@ def run_configs(
     Returns the runs and ``{config: reason}`` for configs skipped or failed (the reason
     is printed, with the server's log tail on failure).
     """
+    _quiet_httpx()
     runs: list[ConfigRun] = []
     problems: dict[str, str] = {}
     for name in configs:
@@ -146,12 +213,128 @@ def run_configs(
                     run.flags = list(server.flags)
             runs.append(run)
         except ConfigSkippedError as exc:
-            problems[name] = f"skipped: {exc}"
-            print(f"{name}: skipped: {exc}", file=sys.stderr)
+            _note(problems, name, f"skipped: {exc}")
         except (ServerError, httpx.HTTPError) as exc:
-            problems[name] = f"failed: {type(exc).__name__}: {exc}"
-            print(f"{name}: failed: {exc}", file=sys.stderr)
+            _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
     return runs, problems
+
+
+def _quiet_httpx() -> None:
+    """httpx logs every request at INFO: thousands of lines (and client CPU) per run."""
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _note(problems: dict[str, str], name: str, why: str) -> None:
+    problems[name] = why
+    print(f"{name}: {why}", file=sys.stderr)
+
+
+@dataclass
+class RepeatedRuns:
+    """What :func:`run_repeated` measured: ``runs[r][config]`` is repetition ``r``'s run
+    of ``config`` (absent once the config failed or when it was skipped), ``order[r]``
+    the order the configs ran in during repetition ``r``."""
+
+    configs: list[str]
+    order: list[tuple[str, ...]]
+    runs: list[dict[str, ConfigRun]]
+    problems: dict[str, str]
+
+    def of(self, name: str) -> list[ConfigRun]:
+        """Every run of config ``name``, in repetition order."""
+        return [rep[name] for rep in self.runs if name in rep]
+
+
+def run_repeated(
+    configs: Sequence[str],
+    spec: ServerSpec,
+    workload_for: Callable[[int], Workload],
+    *,
+    repeats: int,
+    total_requests: int,
+    parallel: int,
+    url: str | None = None,
+    timeout_s: float = 600.0,
+) -> RepeatedRuns:
+    """Start every config's server once (side by side; or use ``url`` for the one config),
+    warm each up, then run ``repeats`` repetitions: in repetition ``r`` every config runs
+    ``workload_for(r)`` in turn, in :func:`hicache.bench.pairs.alternating_order`, one
+    config under load at a time, each run between two ``POST /flush_cache``
+    (:func:`_timed_run`). A config that fails to start, or fails in a repetition, is
+    reported in ``problems`` and left out from then on; the others go on.
+    """
+    if url is not None and len(configs) != 1:
+        raise ValueError(f"--url serves one config, not {list(configs)}")
+    _quiet_httpx()
+    order = alternating_order(configs, repeats)
+    problems: dict[str, str] = {}
+    with ExitStack() as stack:
+        servers: dict[str, _Server] = {}
+        if url is not None:
+            servers[configs[0]] = _Server(url, [], _no_cpu)
+        for name in configs if url is None else ():
+            try:
+                sp = stack.enter_context(config_server(name, spec))
+            except ConfigSkippedError as exc:
+                _note(problems, name, f"skipped: {exc}")
+            except ServerError as exc:
+                _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
+            else:
+                servers[name] = _Server(sp.url, list(sp.flags), sp.cpu_seconds)
+        runs = asyncio.run(
+            _repeat(servers, order, workload_for, total_requests, parallel, timeout_s, problems)
+        )
+    return RepeatedRuns(list(configs), order, runs, problems)
+
+
+@dataclass(frozen=True)
+class _Server:
+    """A started server as :func:`_repeat` uses it."""
+
+    url: str
+    flags: list[str]
+    cpu: CpuClock
+
+
+async def _repeat(
+    servers: Mapping[str, _Server],
+    order: Sequence[tuple[str, ...]],
+    workload_for: Callable[[int], Workload],
+    total: int,
+    parallel: int,
+    timeout_s: float,
+    problems: dict[str, str],
+) -> list[dict[str, ConfigRun]]:
+    runs: list[dict[str, ConfigRun]] = [{} for _ in order]
+    async with AsyncExitStack() as stack:
+        clients = {
+            n: await stack.enter_async_context(_client(parallel, timeout_s)) for n in servers
+        }
+        alive: list[str] = []
+        for name, server in servers.items():
+            try:
+                await _warm_up(clients[name], server.url)
+                alive.append(name)
+            except (ServerError, httpx.HTTPError) as exc:
+                _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
+        for r, names in enumerate(order):
+            for name in names:
+                if name not in alive:
+                    continue
+                desc = f"{name} {r + 1}/{len(order)}"
+                sv = servers[name]
+                try:
+                    run = await _timed_run(
+                        name, clients[name], sv.url, workload_for(r), total, desc, sv.cpu
+                    )
+                except (ServerError, httpx.HTTPError) as exc:
+                    why = f"failed in repetition {r + 1}: {type(exc).__name__}: {exc}"
+                    _note(problems, name, why)
+                    alive.remove(name)
+                    continue
+                run.flags = list(sv.flags)
+                runs[r][name] = run
+    return runs
 
 
 class Pacer:

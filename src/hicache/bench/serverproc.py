@@ -2,8 +2,9 @@
 
 * :class:`ServerProcess`: ``python -m hicache.cli serve ...`` on a free 127.0.0.1 port,
   waited for through ``GET /health``, stopped by PID (SIGTERM, then SIGKILL after a grace
-  period). Its stdout and stderr go to a temp log file, whose tail is shown on failure
-  (and which is kept then); on a clean stop the log is removed.
+  period); :meth:`ServerProcess.cpu_seconds` reads its CPU time. Its stdout and stderr
+  go to a temp log file, whose tail is shown on failure (and which is kept then); on a
+  clean stop the log is removed.
 * :func:`mooncake_service`: a fresh Mooncake service on free ports, launched by
   :class:`hicache.services.mooncake_process.MooncakeProcess` (the one launcher).
 * :func:`config_server`: the server of one named config (:data:`CONFIG_NAMES`, parsed
@@ -17,6 +18,7 @@ requests sent to these servers are in :mod:`hicache.bench.httpclient`.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -50,6 +52,7 @@ __all__ = [
     "config_server",
     "mooncake_service",
     "parse_configs",
+    "process_cpu_seconds",
 ]
 
 CONFIG_NAMES: tuple[str, ...] = (
@@ -139,6 +142,13 @@ class ServerProcess:
         self._fail(f"the server did not answer /health within {self.startup_timeout_s:g} s")
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, s, all threads) the server has used so far, from
+        ``/proc/PID/stat``; None when it is not running or ``/proc`` is not there."""
+        if self.proc is None:
+            return None
+        return process_cpu_seconds(self.proc.pid)
+
     def _fail(self, why: str) -> None:
         self.close(keep_log=True)
         raise ServerError(f"{why}\n{self.describe_log()}")
@@ -176,6 +186,15 @@ class ServerProcess:
         if failed and self.proc is not None:
             print(self.describe_log(), file=sys.stderr)
         self.close(keep_log=failed)
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``); None if unreadable."""
+    try:  # "pid (comm) S ppid ...": utime and stime are fields 14 and 15
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @contextmanager
