@@ -156,10 +156,10 @@ class HiCache(Lifecycle):
         self.page_size = config.page_size
         number_at_least("wait_timeout_s", wait_timeout_s, 0.001, "of seconds")
         self.wait_timeout_s = wait_timeout_s
-        check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
-        if limits is not None:
+        if limits is not None:  # every store can serve one request
             for c in self.cache_spec.components:
                 store_type(c, store_types).check_limits(config, spec, c, limits)
+        check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
         self.tree = HiRadixTree(
             config.page_size,

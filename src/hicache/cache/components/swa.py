@@ -373,7 +373,7 @@ class SwaStore(ComponentStore):
         if node.parent is not None:
             nodes = self.tree.component_load_nodes(SWA, node)
             if not self._copy(nodes, Tier.DEVICE, None):
-                return StoreAdmission(ok=False, loaded=False)
+                return StoreAdmission(ok=False, loaded=bool(nodes))
             loaded = bool(nodes)
         ids = self.tree.hit_ids(SWA, node) if node.parent is not None else page_ids()
         req.set_part(self.name, SlidingTable(prefix_pages - len(ids), ids))
