@@ -449,6 +449,8 @@ class HiCache(Lifecycle):
         self._commit(req, tokens, final=False)
 
     def _commit(self, req: CacheRequest, tokens: TokenIds, *, final: bool) -> None:
+        """:meth:`commit` without extras; ``final``: the request's last commit (at its
+        release), where stores also hand over what they keep for its end."""
         self._require_admitted(req)
         ps = self.page_size
         full = len(tokens) // ps

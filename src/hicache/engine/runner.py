@@ -417,11 +417,11 @@ class ModelRunner:
             kept: list[KeptState] = []
             mark = marks[i]
             if mark is not None:
-                at = {layer: got[i] for layer, got in out.marked.items()}
+                at = {layer: rows[i] for layer, rows in out.marked.items()}
                 self.states.keep_mark(key, prefix[i] + mark, at)
-                got = self.states.take_mark(key)
-                assert got is not None
-                kept.append(KeptState(got[0], tuple(got[1])))
+                marked = self.states.take_mark(key)
+                assert marked is not None
+                kept.append(KeptState(marked[0], tuple(marked[1])))
             if n in k:
                 tokens, tensors = self.states.export(key)
                 kept.append(KeptState(tokens, tuple(tensors)))
