@@ -10,8 +10,10 @@ import torch
 
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import SnapshotStore
+from hicache.cache.components.base import ChunkPlan
 from hicache.config import CacheConfig, CacheSpec, KVSpec, SnapshotSpec, StateTensor
 from hicache.extras import KeptState, SequenceExtras
+from hicache.tree.components import Tier
 from tests.helpers.kvdata import page_kv, read_device, write_tokens
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -113,3 +115,55 @@ def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> 
     cache.check_integrity()
     snaps = cache.store(SnapshotStore)
     assert snaps is not None and snaps.device_pool.allocator.used_pages == 0
+
+
+def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
+    """Boundaries every 4 tokens and at the prompt's last page boundary (10 of 11 tokens):
+    the first inside a forward is a mark, a second ends it; past the prompt, a forward
+    ending on a page boundary keeps the state for the request's end."""
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, max_mamba_cache_size=6,
+        mamba_track_interval=4,
+    )  # fmt: skip
+    prompt = list(range(20, 31))  # 11 tokens
+    with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,))) as cache:
+        req = cache.open(prompt)
+        assert cache.admit(req, prompt)
+        plan = cache.plan_chunk
+        assert plan(req, 0, 11) == ChunkPlan(8, (4, 8))  # mark at 4, ends at 8
+        assert plan(req, 0, 4) == ChunkPlan(4, (4,))
+        assert plan(req, 8, 3) == ChunkPlan(3, (2,))  # the prompt's last boundary: 10
+        assert plan(req, 11, 1) == ChunkPlan(1, (1,))  # 12: a page boundary past it
+        assert plan(req, 12, 1) == ChunkPlan(1)
+        blind = cache.open(prompt, cacheable=False)
+        assert cache.admit(blind, prompt)
+        assert plan(blind, 0, 11) == ChunkPlan(11)  # nothing kept for an uncacheable one
+        cache.release(blind)
+
+        s4, s8, s10, s12 = snapshot(4), snapshot(8), snapshot(10), snapshot(12)
+        both = SequenceExtras((KeptState(4, tuple(s4)), KeptState(8, tuple(s8))))
+        cache.commit(req, prompt[:8], extras=both)  # one forward: its mark and its end
+        cache.commit(req, prompt[:11], extras=kept(10, s10))
+        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 3
+        assert cache.grow(req, 12, computed=11)
+        cache.keep(req, kept(12, s12))  # a decode step: kept for the request's end
+        cache.release(req, [*prompt, 99])  # its last commit takes it
+        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        cache.check_integrity()
+
+        for tokens, want in (([*prompt, 99, 5, 6], s12), (prompt, s10), (prompt[:9], s8)):
+            again = cache.open(tokens)
+            assert cache.admit(again, tokens)
+            got = resume_state(again)
+            assert got is not None and all(a.equal(b) for a, b in zip(got, want, strict=True))
+            cache.release(again)
+
+        other = list(range(60, 71))  # a commit that is not the last leaves the end state
+        req = cache.open(other)
+        assert cache.admit(req, other)
+        assert cache.grow(req, 12, computed=0)
+        cache.keep(req, kept(12, snapshot(99)))
+        cache.commit(req, [*other, 98])
+        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        cache.release(req, None)
+        cache.check_integrity()
