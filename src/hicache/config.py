@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from hicache.validate import (
     enum_value,
@@ -188,9 +188,28 @@ class StateTensor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StateSpec:
+class ComponentSpec:
+    """What a cache component (a kind of per-token state besides the full KV) keeps, as
+    the model side describes it; one subclass per component. ``name`` is the tree
+    component's and the L3 namespace's name of it. The cache builds one store per spec
+    (:mod:`hicache.cache.components`)."""
+
+    name: ClassVar[str]
+
+    def device_token_bytes(self, config: CacheConfig) -> float:
+        """L1 bytes this component's pools take per token of the full KV's L1 pool (0 for
+        one sized as a share of that pool's bytes): what sizing L1 from a byte budget
+        counts besides the full KV."""
+        return 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotSpec(ComponentSpec):
     """Shape of one rank's recurrent state per slot: ``tensors`` in each of ``num_layers``
-    recurrent layers (one snapshot = one slot = every tensor of every such layer)."""
+    recurrent layers (one snapshot = one slot = every tensor of every such layer). The
+    component of recurrent-state snapshots (Mamba2, Gated DeltaNet), ``"mamba"``."""
+
+    name: ClassVar[str] = "mamba"
 
     num_layers: int
     tensors: tuple[StateTensor, ...]
@@ -219,18 +238,61 @@ class StateSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SlidingWindowSpec:
+class SlidingWindowSpec(ComponentSpec):
     """The sliding-window layers of a hybrid model: their per-token KV shape ``kv`` (one
     pool layer per sliding layer) and the ``window`` in tokens (a query at position ``p``
     attends to keys at ``p - window < q <= p``). These layers get their own L1/L2 pools;
-    the full pool (the cache's :class:`KVSpec`) then holds the global layers only."""
+    the full pool (the cache's :class:`KVSpec`) then holds the global layers only. The
+    component ``"swa"``."""
 
+    name: ClassVar[str] = "swa"
     kv: KVSpec
     window: int
 
     def __post_init__(self) -> None:
         require(isinstance(self.kv, KVSpec), "kv", self.kv, "must be a KVSpec")
         int_at_least("window", self.window, 1, "(tokens)")
+
+    def device_token_bytes(self, config: CacheConfig) -> float:
+        """The SWA L1 pool holds ``swa_full_tokens_ratio`` pages per full L1 page."""
+        return config.swa_full_tokens_ratio * self.kv.token_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    """Everything a model caches per token, as the model side describes it: the full KV
+    (``kv``: every layer of a plain model; the global layers of one whose sliding layers
+    have their own pools) and one :class:`ComponentSpec` per extra component, in the
+    order the cache keeps their stores. Names are unique."""
+
+    kv: KVSpec
+    components: tuple[ComponentSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.kv, KVSpec), "kv", self.kv, "must be a KVSpec")
+        require(
+            isinstance(self.components, tuple)
+            and all(isinstance(c, ComponentSpec) for c in self.components),
+            "components",
+            self.components,
+            "must be a tuple of ComponentSpec",
+        )
+        names = [c.name for c in self.components]
+        require(len(set(names)) == len(names), "components", names, "names must be unique")
+
+    @classmethod
+    def of(cls, spec: KVSpec | CacheSpec) -> CacheSpec:
+        """``spec`` itself, or a full-KV-only spec of a plain :class:`KVSpec`."""
+        return spec if isinstance(spec, CacheSpec) else cls(kv=spec)
+
+    def component(self, name: str) -> ComponentSpec | None:
+        """The spec of component ``name``, or None when the model has none."""
+        return next((c for c in self.components if c.name == name), None)
+
+    def device_token_bytes(self, config: CacheConfig) -> float:
+        """L1 bytes per token of the full KV's L1 pool, every component's pools included
+        (to size ``device_tokens`` from a byte budget)."""
+        return self.kv.token_bytes + sum(c.device_token_bytes(config) for c in self.components)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,7 +422,7 @@ class CacheConfig:
         """Pages of the sliding-window layers' L2 pool (``spec``: the full KV's shape)."""
         return max(1, int(self.swa_device_pages * self.host_scale(spec)))
 
-    def mamba_device_slots(self, spec: KVSpec, state: StateSpec) -> int:
+    def mamba_device_slots(self, spec: KVSpec, state: SnapshotSpec) -> int:
         """State slots of the L1 state pool: ``max_mamba_cache_size``, or as many as
         ``mamba_full_memory_ratio`` x the L1 full KV pool's bytes hold (at least 1)."""
         if self.max_mamba_cache_size > 0:
@@ -368,7 +430,7 @@ class CacheConfig:
         budget = self.mamba_full_memory_ratio * self.device_bytes(spec)
         return max(1, int(budget // state.slot_bytes))
 
-    def mamba_host_slots(self, spec: KVSpec, state: StateSpec) -> int:
+    def mamba_host_slots(self, spec: KVSpec, state: SnapshotSpec) -> int:
         """State slots of the L2 state pool (scaled like the full KV's L2 pool)."""
         return max(1, int(self.mamba_device_slots(spec, state) * self.host_scale(spec)))
 

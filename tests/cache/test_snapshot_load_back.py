@@ -6,9 +6,10 @@ pages and the tree's disagreed, and a page was freed twice)."""
 from __future__ import annotations
 
 from hicache.cache import HiCache
-from hicache.cache.snapshot_tier import SNAPSHOT
+from hicache.cache.components import SnapshotStore
+from hicache.cache.components.snapshots import SNAPSHOT
 from hicache.tree.components import Tier
-from tests.cache.test_snapshots import SPEC, cache, run, snapshot
+from tests.cache.test_snapshots import SPEC, cache, resume_state, run, snapshot
 from tests.helpers.kvdata import page_kv, read_device
 
 __all__ = ["cache"]  # the fixture, imported for pytest
@@ -26,8 +27,9 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     (x,) = [n for n in cache.tree.iter_nodes() if n.parent is cache.tree.root]
     (y,) = x.children.values()
     assert x.device is not None and y.device is None and y.host is not None
-    assert cache.snapshots is not None
-    cache.snapshots.free(Tier.DEVICE, cache.tree.evict_component(SNAPSHOT, x, Tier.DEVICE))
+    snaps = cache.store(SnapshotStore)
+    assert snaps is not None
+    snaps.free(Tier.DEVICE, cache.tree.evict_component(SNAPSHOT, x, Tier.DEVICE))
     cache.check_integrity()  # X: in L1 without its L1 snapshot (L2 has it)
 
     req = cache.open(LONG)
@@ -38,7 +40,7 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     for layer in range(SPEC.num_layers):
         assert req.wait_layer(layer, 10)
     assert read_device(cache, req.pages[:5]).equal(page_kv(cache, LONG, 0, 5))
-    got = cache.read_state(req)
+    got = resume_state(req)
     assert got is not None and all(a.equal(b) for a, b in zip(got, s2, strict=True))
     cache.release(req, LONG)
     cache.flush()

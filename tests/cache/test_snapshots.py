@@ -9,11 +9,15 @@ import pytest
 import torch
 
 from hicache.cache import CacheRequest, HiCache
-from hicache.config import CacheConfig, KVSpec, StateSpec, StateTensor
+from hicache.cache.components import SnapshotStore
+from hicache.cache.components.base import ChunkPlan
+from hicache.config import CacheConfig, CacheSpec, KVSpec, SnapshotSpec, StateTensor
+from hicache.extras import KeptState, SequenceExtras
+from hicache.tree.components import Tier
 from tests.helpers.kvdata import page_kv, read_device, write_tokens
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
-STATE = StateSpec(
+STATE = SnapshotSpec(
     num_layers=2,
     tensors=(StateTensor(name="conv", shape=(3, 2)), StateTensor(name="ssm", shape=(2, 2, 2))),
 )
@@ -26,13 +30,29 @@ def snapshot(seed: int) -> list[torch.Tensor]:
     return [torch.randn(1, STATE.num_layers, *t.shape, generator=gen) for t in STATE.tensors]
 
 
+def kept(tokens: int, state: list[torch.Tensor] | None) -> SequenceExtras | None:
+    """The runner's extras of a forward that kept ``state`` after ``tokens`` positions."""
+    return None if state is None else SequenceExtras((KeptState(tokens, tuple(state)),))
+
+
+def resume_state(req: CacheRequest) -> list[torch.Tensor] | None:
+    """The snapshot ``req`` resumes from (taken from the handle; it covers exactly its
+    prefix), or None."""
+    got = req.take_resume()
+    if got is None:
+        return None
+    (state,) = got.states
+    assert state.tokens == req.prefix_tokens
+    return list(state.tensors)
+
+
 @pytest.fixture
 def cache() -> Iterator[HiCache]:
     cfg = CacheConfig(
         page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0,
         max_mamba_cache_size=4,
     )  # fmt: skip
-    with HiCache(cfg, SPEC, state=STATE) as c:
+    with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,))) as c:
         yield c
 
 
@@ -48,7 +68,7 @@ def run(cache: HiCache, prompt: list[int], state: list[torch.Tensor] | None) -> 
         page_kv(cache, prompt, 0, req.prefix_pages)
     )
     write_tokens(cache, prompt, req.pages[req.prefix_pages : full], req.prefix_pages)
-    cache.commit(req, prompt[: full * PAGE], state=state)
+    cache.commit(req, prompt[: full * PAGE], extras=kept(full * PAGE, state))
     cache.release(req)
     cache.check_integrity()
     return req
@@ -57,11 +77,11 @@ def run(cache: HiCache, prompt: list[int], state: list[torch.Tensor] | None) -> 
 def test_a_match_resumes_only_where_a_snapshot_is(cache: HiCache) -> None:
     s = snapshot(1)
     first = run(cache, PROMPT, s)
-    assert first.prefix_tokens == 0 and first.state_slot is None
+    assert first.prefix_tokens == 0 and first.take_resume() is None
     again = cache.open(PROMPT)
     assert cache.admit(again, PROMPT)
-    assert again.prefix_tokens == 6 and again.state_slot is not None
-    got = cache.read_state(again)
+    assert again.prefix_tokens == 6
+    got = resume_state(again)
     assert got is not None and all(a.equal(b) for a, b in zip(got, s, strict=True))
     cache.release(again)
     # a prompt committed without a snapshot is no boundary: nothing to resume from
@@ -69,7 +89,7 @@ def test_a_match_resumes_only_where_a_snapshot_is(cache: HiCache) -> None:
     run(cache, other, None)
     third = cache.open(other)
     assert cache.admit(third, other)
-    assert third.prefix_tokens == 0 and third.state_slot is None
+    assert third.prefix_tokens == 0 and third.take_resume() is None
     cache.release(third)
     cache.check_integrity()
 
@@ -83,14 +103,67 @@ def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> 
     assert node.device is None and node.host is not None
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
-    assert req.prefix_tokens == 6 and req.cached.host == 6 and req.state_slot is not None
+    assert req.prefix_tokens == 6 and req.cached.host == 6
     for layer in range(SPEC.num_layers):
         assert req.wait_layer(layer, 10)
-    got = cache.read_state(req)
+    got = resume_state(req)
     assert got is not None and all(a.equal(b) for a, b in zip(got, s, strict=True))
     cache.release(req)
     cache.flush()
     cache.check_integrity()
     cache.reset()
     cache.check_integrity()
-    assert cache.snapshots is not None and cache.snapshots.device_pool.allocator.used_pages == 0
+    snaps = cache.store(SnapshotStore)
+    assert snaps is not None and snaps.device_pool.allocator.used_pages == 0
+
+
+def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
+    """Boundaries every 4 tokens and at the prompt's last page boundary (10 of 11 tokens):
+    the first inside a forward is a mark, a second ends it; past the prompt, a forward
+    ending on a page boundary keeps the state for the request's end."""
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, max_mamba_cache_size=6,
+        mamba_track_interval=4,
+    )  # fmt: skip
+    prompt = list(range(20, 31))  # 11 tokens
+    with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,))) as cache:
+        req = cache.open(prompt)
+        assert cache.admit(req, prompt)
+        plan = cache.plan_chunk
+        assert plan(req, 0, 11) == ChunkPlan(8, (4, 8))  # mark at 4, ends at 8
+        assert plan(req, 0, 4) == ChunkPlan(4, (4,))
+        assert plan(req, 8, 3) == ChunkPlan(3, (2,))  # the prompt's last boundary: 10
+        assert plan(req, 11, 1) == ChunkPlan(1, (1,))  # 12: a page boundary past it
+        assert plan(req, 12, 1) == ChunkPlan(1)
+        blind = cache.open(prompt, cacheable=False)
+        assert cache.admit(blind, prompt)
+        assert plan(blind, 0, 11) == ChunkPlan(11)  # nothing kept for an uncacheable one
+        cache.release(blind)
+
+        s4, s8, s10, s12 = snapshot(4), snapshot(8), snapshot(10), snapshot(12)
+        both = SequenceExtras((KeptState(4, tuple(s4)), KeptState(8, tuple(s8))))
+        cache.commit(req, prompt[:8], extras=both)  # one forward: its mark and its end
+        cache.commit(req, prompt[:11], extras=kept(10, s10))
+        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 3
+        assert cache.grow(req, 12, computed=11)
+        cache.keep(req, kept(12, s12))  # a decode step: kept for the request's end
+        cache.release(req, [*prompt, 99])  # its last commit takes it
+        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        cache.check_integrity()
+
+        for tokens, want in (([*prompt, 99, 5, 6], s12), (prompt, s10), (prompt[:9], s8)):
+            again = cache.open(tokens)
+            assert cache.admit(again, tokens)
+            got = resume_state(again)
+            assert got is not None and all(a.equal(b) for a, b in zip(got, want, strict=True))
+            cache.release(again)
+
+        other = list(range(60, 71))  # a commit that is not the last leaves the end state
+        req = cache.open(other)
+        assert cache.admit(req, other)
+        assert cache.grow(req, 12, computed=0)
+        cache.keep(req, kept(12, snapshot(99)))
+        cache.commit(req, [*other, 98])
+        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        cache.release(req, None)
+        cache.check_integrity()

@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from hicache.cache import HiCache
-from hicache.cache.component_records import agree_boundary
-from hicache.config import CacheConfig, MemLayout, PrefetchConfig
+from hicache.cache.components import SnapshotStore
+from hicache.cache.components.records import agree_boundary
+from hicache.config import CacheConfig, CacheSpec, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.tree import TreeNode
 from hicache.tree.components import Tier
-from tests.cache.test_snapshots import PAGE, SPEC, STATE, snapshot
+from tests.cache.test_snapshots import PAGE, SPEC, STATE, kept, resume_state, snapshot
 from tests.helpers.kvdata import page_kv, read_device, write_tokens
 from tests.helpers.recording_storage import RecordingStorage
 
@@ -44,7 +45,7 @@ def make_cache(store: MemoryStore, storage: MemoryStorage | None = None) -> HiCa
         page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
         max_mamba_cache_size=4,
     )  # fmt: skip
-    cache = HiCache(cfg, SPEC, state=STATE).start()
+    cache = HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,))).start()
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
     cache.attach_storage(storage or MemoryStorage(NS, store=store), NS, policy)
     return cache
@@ -63,7 +64,7 @@ def compute(cache: HiCache, prompt: list[int], snaps: dict[int, list[torch.Tenso
     full = (len(prompt) - 1) // PAGE
     write_tokens(cache, prompt, req.pages[req.prefix_pages : full], req.prefix_pages)
     for pages in range(1, full + 1):
-        cache.commit(req, prompt[: pages * PAGE], state=snaps.get(pages))
+        cache.commit(req, prompt[: pages * PAGE], extras=kept(pages * PAGE, snaps.get(pages)))
     cache.release(req)
     cache.flush()
     cache.check_integrity()
@@ -82,7 +83,7 @@ def fetch(cache: HiCache, prompt: list[int]) -> tuple[int, int, list[torch.Tenso
     assert read_device(cache, req.pages[: req.prefix_pages]).equal(
         page_kv(cache, prompt, 0, req.prefix_pages)
     )
-    out = (req.cached.storage, req.prefix_tokens, cache.read_state(req))
+    out = (req.cached.storage, req.prefix_tokens, resume_state(req))
     cache.release(req)
     cache.flush()
     cache.check_integrity()
@@ -101,7 +102,7 @@ def test_prefetch_ends_at_the_deepest_snapshot_in_l3(store: MemoryStore) -> None
         assert state is not None and all(a.equal(b) for a, b in zip(state, s2, strict=True))
         assert cold.tree.stats().host_pages == 2  # pages past the snapshot were not read
         assert cold.counters.prefetch_tokens_total == 2 * PAGE
-        snaps = cold.snapshots
+        snaps = cold.store(SnapshotStore)
         assert snaps is not None and len(snaps.owned(Tier.HOST)) == 1
 
 
@@ -130,7 +131,7 @@ def test_deeper_snapshot_wins_and_l1_snapshot_loads_back(store: MemoryStore) -> 
 def drop_snapshot(cache: HiCache, depth_pages: int) -> TreeNode:
     """Evict the snapshot after ``depth_pages`` pages from L1 and L2 (its node and full KV
     stay); returns its node."""
-    tree, snaps = cache.tree, cache.snapshots
+    tree, snaps = cache.tree, cache.store(SnapshotStore)
     assert snaps is not None
     found = None
     for tier in Tier:

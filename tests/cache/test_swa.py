@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.cache import CacheRequest, HiCache
-from hicache.cache.swa_tier import SWA, check_swa_pool, request_pages
-from hicache.config import CacheConfig, KVSpec, SlidingWindowSpec
+from hicache.cache.components import SwaStore
+from hicache.cache.components.swa import SWA, SlidingTable, check_swa_pool, request_pages
+from hicache.config import CacheConfig, CacheSpec, KVSpec, SlidingWindowSpec
 from hicache.tree.components import Tier
 
 FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -36,8 +37,20 @@ def config(**kw: object) -> CacheConfig:
 
 @pytest.fixture
 def cache() -> Iterator[HiCache]:
-    with HiCache(config(), FULL, swa=SWA_SPEC) as c:
+    with HiCache(config(), CacheSpec(kv=FULL, components=(SWA_SPEC,))) as c:
         yield c
+
+
+def swa_of(cache: HiCache) -> SwaStore:
+    """The cache's sliding-window store."""
+    store = cache.store(SwaStore)
+    assert store is not None
+    return store
+
+
+def table(cache: HiCache, req: CacheRequest) -> SlidingTable | None:
+    """``req``'s sliding-window page table (None: not admitted)."""
+    return swa_of(cache).table(req)
 
 
 def swa_value(tokens: list[int], pos: int) -> float:
@@ -47,20 +60,22 @@ def swa_value(tokens: list[int], pos: int) -> float:
 
 def write_swa(cache: HiCache, req: CacheRequest, tokens: list[int], lo: int, hi: int) -> None:
     """Write positions ``[lo, hi)`` of ``tokens`` into ``req``'s SWA slots (all layers)."""
-    assert cache.swa is not None and req.swa is not None
-    slots = req.swa.slots(PAGE, hi)
+    t = table(cache, req)
+    assert t is not None
+    slots = t.slots(PAGE, hi)
     first = hi - len(slots)
-    buf = cache.swa.device_pool.buffer  # (K, L, S, H, D)
+    buf = swa_of(cache).device_pool.buffer  # (K, L, S, H, D)
     for pos in range(lo, hi):
         buf[:, :, int(slots[pos - first])] = swa_value(tokens, pos)
 
 
 def read_swa(cache: HiCache, req: CacheRequest, tokens: list[int], lo: int, hi: int) -> bool:
     """Whether ``req``'s SWA slots of positions ``[lo, hi)`` hold ``tokens``' values."""
-    assert cache.swa is not None and req.swa is not None
-    slots = req.swa.slots(PAGE, hi)
+    t = table(cache, req)
+    assert t is not None
+    slots = t.slots(PAGE, hi)
     first = hi - len(slots)
-    buf = cache.swa.device_pool.buffer
+    buf = swa_of(cache).device_pool.buffer
     return all(
         bool((buf[:, :, int(slots[pos - first])] == swa_value(tokens, pos)).all())
         for pos in range(lo, hi)
@@ -70,7 +85,8 @@ def read_swa(cache: HiCache, req: CacheRequest, tokens: list[int], lo: int, hi: 
 def forward(cache: HiCache, req: CacheRequest, tokens: list[int], start: int, end: int) -> None:
     """What the scheduler does for a forward of positions ``[start, end)``."""
     assert cache.grow(req, end, computed=start)
-    assert req.swa is not None and req.swa.first == cache.swa.keep_from(start)  # type: ignore[union-attr]
+    t = table(cache, req)
+    assert t is not None and t.first == swa_of(cache).keep_from(start)
     write_swa(cache, req, tokens, start, end)
 
 
@@ -103,12 +119,10 @@ def serve_token_by_token(cache: HiCache, tokens: list[int]) -> None:
 
 
 def swa_used(cache: HiCache, tier: Tier = Tier.DEVICE) -> int:
-    assert cache.swa is not None
-    return cache.swa.pool(tier).allocator.used_pages
+    return swa_of(cache).pool(tier).allocator.used_pages
 
 
 def test_a_long_sequence_keeps_only_its_window_in_the_swa_pool(cache: HiCache) -> None:
-    assert cache.swa is not None
     tokens = list(range(1, 31))
     req = cache.open(tokens, compute_last=True)
     assert cache.admit(req, tokens[:2])
@@ -116,12 +130,13 @@ def test_a_long_sequence_keeps_only_its_window_in_the_swa_pool(cache: HiCache) -
     assert bound == 4
     for c in range(2, 30):
         forward(cache, req, tokens, c - 1 if c > 2 else 0, c)
-        held = len(req.swa.pages)  # type: ignore[union-attr]
+        held = len(table(cache, req).pages)  # type: ignore[union-attr]
         assert swa_used(cache) == held <= bound
         assert len(req.pages) == (c + 1) // 2  # the full pool grows with the sequence
         cache.check_integrity()
     # at c = 28 the request keeps pages from min((28 - 4) // 2, 14 - 2) = 12 on
-    assert req.swa is not None and req.swa.first == 12 and len(req.swa.pages) == 3
+    t = table(cache, req)
+    assert t is not None and t.first == 12 and len(t.pages) == 3
     assert read_swa(cache, req, tokens, 24, 29)
     cache.release(req)
     assert swa_used(cache) == 0
@@ -158,12 +173,11 @@ def test_positions_passed_between_commits_are_tombstones(cache: HiCache) -> None
 
 
 def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> None:
-    assert cache.swa is not None
     serve_in_chunks(cache, PROMPT[:16])
     cache.match_prefix(PROMPT[:16])  # the node [8, 16) is needed last: evicted last
     # the SWA pool has 8 pages, all the tree's: asking for 4 evicts the least recently
     # needed node's (pages 0..3 of the node [0, 8)), not those of [8, 16)
-    got = cache.swa.alloc(Tier.DEVICE, 4)
+    got = swa_of(cache).alloc(Tier.DEVICE, 4)
     assert got is not None and swa_used(cache) == 8
     assert cache.tree.component_stats(SWA).device_ids == 4
     assert cache.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
@@ -171,18 +185,17 @@ def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> 
     m = cache.match_prefix(PROMPT[:11])  # 10 needs page 3, 8 needs 2 and 3: evicted
     assert m.device_tokens == 0 and m.host_tokens == 10  # from L1; L2 has a copy
     assert cache.tree.stats().device_pages == 8  # the full KV of every node stays
-    cache.swa.free(Tier.DEVICE, got)
+    swa_of(cache).free(Tier.DEVICE, got)
     # and evicting the window before 16 leaves no boundary at all
     node = cache.match_prefix(PROMPT[:16]).last_device_node
-    for need in cache.swa.hit_needs(node):
+    for need in swa_of(cache).hit_needs(node):
         ids = cache.tree.evict_component(SWA, need.node, Tier.DEVICE)
-        cache.swa.free(Tier.DEVICE, ids)
+        swa_of(cache).free(Tier.DEVICE, ids)
     assert cache.match_prefix(PROMPT[:16]).matched_tokens == 16  # from L2 (backed up)
     cache.check_integrity()
 
 
 def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -> None:
-    assert cache.swa is not None
     serve_in_chunks(cache, PROMPT[:16])
     cache.flush()
     # write_through: each commit's SWA pages went to L2 with their full pages
@@ -193,7 +206,8 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     assert cache.admit(req, PROMPT)
     assert req.prefix_tokens == 16 and req.cached.host == 16
     # only the window before 16 came back: pages 6, 7
-    assert req.swa is not None and req.swa.first == 6 and len(req.swa.pages) == 2
+    t = table(cache, req)
+    assert t is not None and t.first == 6 and len(t.pages) == 2
     assert swa_used(cache) == 2
     assert read_swa(cache, req, PROMPT, 12, 16)
     forward(cache, req, PROMPT, 16, 17)
@@ -204,17 +218,17 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
 
 
 def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) -> None:
-    assert cache.swa is not None
     serve_in_chunks(cache, PROMPT[:16])
     cache.flush()
     node = cache.match_prefix(PROMPT[:16]).last_device_node
-    for need in cache.swa.hit_needs(node):
-        cache.swa.free(Tier.DEVICE, cache.tree.evict_component(SWA, need.node, Tier.DEVICE))
+    for need in swa_of(cache).hit_needs(node):
+        swa_of(cache).free(Tier.DEVICE, cache.tree.evict_component(SWA, need.node, Tier.DEVICE))
     m = cache.match_prefix(PROMPT[:16])
     assert m.device_tokens == 12 and m.matched_tokens == 16  # full KV in L1, window in L2
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
-    assert req.prefix_tokens == 16 and req.swa is not None and req.swa.first == 6
+    t = table(cache, req)
+    assert req.prefix_tokens == 16 and t is not None and t.first == 6
     assert read_swa(cache, req, PROMPT, 12, 16)
     assert len(req.pages) == 9
     cache.release(req)
@@ -222,23 +236,23 @@ def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) ->
 
 
 def test_integrity_catches_a_leaked_or_doubly_owned_swa_page(cache: HiCache) -> None:
-    assert cache.swa is not None
     serve_in_chunks(cache, PROMPT[:8])
-    leaked = cache.swa.alloc(Tier.DEVICE, 1)
+    leaked = swa_of(cache).alloc(Tier.DEVICE, 1)
     assert leaked is not None
     with pytest.raises(AssertionError, match="L1 SWA"):
         cache.check_integrity()
-    cache.swa.free(Tier.DEVICE, leaked)
+    swa_of(cache).free(Tier.DEVICE, leaked)
     cache.check_integrity()
     node = cache.match_prefix(PROMPT[:8]).last_device_node
     owned = cache.tree.hit_ids(SWA, node)
     req = cache.open(PROMPT[:9])
     assert cache.admit(req, PROMPT[:9])
-    assert req.swa is not None
-    req.swa.pages = req.swa.pages + owned  # a tree page listed as the request's own
+    t = table(cache, req)
+    assert t is not None
+    t.pages = t.pages + owned  # a tree page listed as the request's own
     with pytest.raises(AssertionError, match="L1 SWA"):
         cache.check_integrity()
-    req.swa.pages = req.swa.pages[: -len(owned)]
+    t.pages = t.pages[: -len(owned)]
     cache.release(req)
     cache.check_integrity()
 
@@ -273,6 +287,6 @@ def test_a_cache_without_swa_keeps_no_table() -> None:
     with HiCache(config(), FULL) as c:
         req = c.open(PROMPT)
         assert c.admit(req, PROMPT)
-        assert req.swa is None and req.swa_slots(PAGE, 17) is None
+        assert c.stores.names == [] and req.part(SWA) is None and req.pool_slots(PAGE, 17) == {}
         assert [x.name for x in c.stats().components] == ["full"]
         c.release(req)

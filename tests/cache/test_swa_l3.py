@@ -22,11 +22,11 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, MemLayout, PrefetchConfig
+from hicache.config import CacheConfig, CacheSpec, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
 from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
-from tests.cache.test_swa import FULL, PAGE, SWA_SPEC, read_swa, serve_in_chunks
+from tests.cache.test_swa import FULL, PAGE, SWA_SPEC, read_swa, serve_in_chunks, swa_of
 from tests.helpers.recording_storage import RecordingStorage
 
 LONG = list(range(100, 121))  # 21 tokens: 10 whole pages before the last token
@@ -40,7 +40,7 @@ def make_cache(store: MemoryStore) -> tuple[HiCache, RecordingStorage]:
         page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
         swa_full_tokens_ratio=0.5,
     )  # fmt: skip
-    cache = HiCache(cfg, FULL, swa=SWA_SPEC).start()
+    cache = HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,))).start()
     storage = RecordingStorage(store, NS, "swa")
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
     cache.attach_storage(storage, NS, policy)
@@ -96,7 +96,7 @@ def test_a_cold_prefetch_reads_the_boundarys_window_and_no_more(store: MemorySto
         assert fetch(cache, prompt) == (8 * PAGE, 8 * PAGE)
         assert storage.read() == (8, 2)  # full pages 1..8, SWA records 7 and 8 only
         assert cache.counters.prefetch_component_records_total == 2
-        assert cache.swa is not None and len(cache.swa.owned(Tier.HOST)) == 2
+        assert len(swa_of(cache).owned(Tier.HOST)) == 2
 
 
 def test_a_boundary_without_its_window_in_l3_is_not_read(store: MemoryStore) -> None:
@@ -115,7 +115,7 @@ def test_the_prefetch_starts_from_what_the_tree_holds(store: MemoryStore) -> Non
         storage.read()
         # drop every SWA value the tree has (both tiers): pages 1..8 stay held, but no
         # boundary is valid locally any more
-        tree, swa = cache.tree, cache.swa
+        tree, swa = cache.tree, swa_of(cache)
         assert swa is not None
         for tier in Tier:
             for node in list(tree.component_eviction_order("swa", tier)):
@@ -135,7 +135,7 @@ def test_a_held_boundary_fetches_its_window_alone(store: MemoryStore) -> None:
     with cache:
         assert fetch(cache, LONG[:17]) == (8 * PAGE, 8 * PAGE)
         storage.read()
-        tree, swa = cache.tree, cache.swa
+        tree, swa = cache.tree, swa_of(cache)
         assert swa is not None
         for tier in Tier:  # pages 1..8 stay held (L1 and L2), no SWA value is left
             for node in list(tree.component_eviction_order("swa", tier)):

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.cache.components import SwaStore
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.loader import LoadedHybridModel, load_model
@@ -152,11 +153,13 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
         cfg = hybrid_model(name).model.config
         if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
             assert engine.cache.spec.num_layers == len(cfg.global_layers)
-            assert engine.cache.swa is not None
-            assert engine.cache.swa.spec.kv.num_layers == len(cfg.sliding_layers)
+            swa = engine.cache.store(SwaStore)
+            assert swa is not None
+            assert swa.spec.kv.num_layers == len(cfg.sliding_layers)
+            assert engine.cache.stores.names == ["swa"]
         else:
             assert engine.cache.spec.num_layers == len(cfg.kv_layers)
-            assert engine.cache.swa is None
+            assert engine.cache.store(SwaStore) is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         again = engine.generate(ids, GREEDY, timeout=60)
@@ -350,7 +353,7 @@ def test_a_second_engine_hits_the_windows_in_the_shared_file_l3(name: str, tmp_p
     with make_engine(name, storage=tmp_path) as other:
         out = other.generate(ids, GREEDY, timeout=60)
         assert out.cached.storage == MATCHED and out.output_ids == want
-        swa = other.cache.swa
+        swa = other.cache.store(SwaStore)
         assert swa is not None
         window = -(-swa.window // PAGE)
         got = other.cache.stats().counters["prefetch_component_records_total"]
@@ -371,7 +374,7 @@ def test_a_state_pool_too_small_for_one_request_is_refused(
     with pytest.raises(ValueError, match=r"--mamba-full-memory-ratio 0.001 x the \d+ B L1"):
         make_engine(name, max_mamba_cache_size=0, mamba_full_memory_ratio=0.001)
     with (
-        caplog.at_level("WARNING", logger="hicache.engine"),
+        caplog.at_level("WARNING", logger="hicache.cache"),
         make_engine(name, max_mamba_cache_size=4) as engine,
     ):
         ids = prompt(name, PROMPT_LEN).tolist()
@@ -386,12 +389,12 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
     """A 33-token prompt and 40 new tokens: every forward, the request's SWA pages stay
     within :func:`request_pages` while its full pages grow to the whole sequence; the
     tokens are transformers'. The stats report the SWA bytes per cached token."""
-    from hicache.cache.swa_tier import request_pages
+    from hicache.cache.components.swa import request_pages
 
     ids = prompt(name, PROMPT_LEN).tolist()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with make_engine(name) as engine:
-        swa = engine.cache.swa
+        swa = engine.cache.store(SwaStore)
         assert swa is not None
         bound = request_pages(swa.window, 16, PAGE)
         seen: list[tuple[int, int]] = []
@@ -399,7 +402,9 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
 
         def recording(batch):  # type: ignore[no-untyped-def]
             for req, _ in batch:
-                seen.append((len(req.cache.swa.pages), len(req.cache.pages)))
+                table = swa.table(req.cache)
+                assert table is not None
+                seen.append((len(table.pages), len(req.cache.pages)))
             run(batch)
 
         engine.scheduler._run = recording  # type: ignore[method-assign]
@@ -437,11 +442,12 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
         def evict_windows() -> int:
             cache = engine.cache
             cache.flush()
-            assert cache.swa is not None
+            swa = cache.store(SwaStore)
+            assert swa is not None
             freed = 0
             for node in list(cache.tree.component_eviction_order("swa", Tier.DEVICE)):
                 ids_ = cache.tree.evict_component("swa", node, Tier.DEVICE)
-                cache.swa.free(Tier.DEVICE, ids_)
+                swa.free(Tier.DEVICE, ids_)
                 freed += len(ids_)
             return freed
 
@@ -467,28 +473,38 @@ def test_a_mark_keeps_the_state_inside_a_forward(name: str) -> None:
     runner = ModelRunner(model, DevicePool(model.config.kv_spec("float32"), 8, PAGE))
     ids, slots = prompt(name, 9), torch.arange(9)
 
-    def batch(end: int, key: str, marks: list[int | None] | None = None) -> ForwardBatch:
+    def batch(end: int, key: str, keep: list[tuple[int, ...]] | None = None) -> ForwardBatch:
         return ForwardBatch(
             input_ids=ids[:end],
             positions=torch.arange(end),
             extend_lens=[end],
             seq_slots=[slots[:end]],
             seq_ids=[key],
-            state_marks=marks,
+            keep=keep,
         )
 
-    runner.forward(batch(4, "short"))
-    _, want = runner.snapshot_state("short")
+    runner.forward(batch(4, "short", [(4,)]))  # the state after the forward
+    short = runner.take_extras("short")
+    assert short is not None and [s.tokens for s in short.states] == [4]
+    want = short.states[0].tensors
     plain = runner.forward(batch(9, "plain"))
-    marked = runner.forward(batch(9, "marked", [4]))
+    assert runner.take_extras("plain") is None  # nothing asked, nothing kept
+    marked = runner.forward(batch(9, "marked", [(4, 9)]))
     assert torch.allclose(marked, plain, atol=1e-4)  # chunking differs only in fp32 noise
-    got = runner.take_mark("marked")
-    assert got is not None and got[0] == 4
-    for a, b in zip(got[1], want, strict=True):
+    got = runner.take_extras("marked")
+    assert got is not None and [s.tokens for s in got.states] == [4, 9]
+    for a, b in zip(got.states[0].tensors, want, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
-    assert runner.take_mark("marked") is None
-    with pytest.raises(ValueError, match=r"state_marks=9 must lie in \(0, 9\)"):
-        batch(9, "x", [9])
+    assert runner.states is not None and runner.states.tokens("marked") == 9
+    for a, b in zip(got.states[1].tensors, runner.states.export("marked")[1], strict=True):
+        assert torch.equal(a, b)
+    assert runner.take_extras("marked") is None
+    with pytest.raises(
+        ValueError, match=r"keep=\(10,\) must be distinct ascending offsets in \[1, 9\]"
+    ):
+        batch(9, "x", [(10,)])
+    with pytest.raises(ValueError, match="one at most"):
+        runner.forward(batch(9, "x", [(2, 4)]))
     for key in ("short", "plain", "marked"):
         runner.drop_state(key)
     assert runner.states is not None and len(runner.states) == 0

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from hicache.cache.snapshot_tier import SNAPSHOT
-from hicache.cache.swa_tier import SWA, request_pages
+from hicache.cache.components import SnapshotStore, SwaStore
+from hicache.cache.components.snapshots import SNAPSHOT
+from hicache.cache.components.swa import SWA, request_pages
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
@@ -148,12 +149,12 @@ def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
     out = [("L1 KV", cache.device_pool.allocator, tree.device_page_ids())]
     if cache.host_pool is not None:
         out.append(("L2 KV", cache.host_pool.allocator, tree.host_page_ids()))
-    sn = cache.snapshots
+    sn = cache.store(SnapshotStore)
     if sn is not None:
         out.append(("L1 snapshots", sn.device_pool.allocator, sn.owned(Tier.DEVICE)))
         if sn.host_pool is not None:
             out.append(("L2 snapshots", sn.host_pool.allocator, sn.owned(Tier.HOST)))
-    swa = cache.swa
+    swa = cache.store(SwaStore)
     if swa is not None:
         out.append(("L1 SWA", swa.device_pool.allocator, swa.owned(Tier.DEVICE)))
         if swa.host_pool is not None:
@@ -165,9 +166,11 @@ def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
 def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name: str) -> None:
     prompts = make_prompts(int(hybrid_model(name).hf_config.vocab_size))
     with make_engine(name) as engine:
-        if engine.cache.swa is not None:  # the pool sizes the test means
-            assert engine.cache.swa.window == WINDOW
-            assert engine.cache.swa.device_pool.num_pages == SWA_L1_PAGES
+        swa = engine.cache.store(SwaStore)
+        snaps = engine.cache.store(SnapshotStore)
+        if swa is not None:  # the pool sizes the test means
+            assert swa.window == WINDOW
+            assert swa.device_pool.num_pages == SWA_L1_PAGES
         evicted = count_component_evictions(engine)
         t0 = time.perf_counter()
         outs = submit_all(engine, prompts)
@@ -185,16 +188,16 @@ def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name:
         assert c["device_demoted_tokens_total"] > 0  # L1 full KV: backed up, then dropped
         assert c["host_evicted_tokens_total"] > 0  # L2 full KV
         assert c["device_hit_tokens_total"] + c["host_hit_tokens_total"] > 0
-        if engine.cache.snapshots is not None:  # recurrent: snapshots in both tiers
+        if snaps is not None:  # recurrent: snapshots in both tiers
             assert evicted.snapshot[Tier.DEVICE] > 0
             assert evicted.snapshot[Tier.HOST] > 0
-        if engine.cache.swa is not None:  # sliding window: SWA pages in both tiers
+        if swa is not None:  # sliding window: SWA pages in both tiers
             assert evicted.swa[Tier.DEVICE] > 0
             assert evicted.swa[Tier.HOST] > 0
         expected = (
             {"L1 KV", "L2 KV"}
-            | ({"L1 snapshots", "L2 snapshots"} if engine.cache.snapshots is not None else set())
-            | ({"L1 SWA", "L2 SWA"} if engine.cache.swa is not None else set())
+            | ({"L1 snapshots", "L2 snapshots"} if snaps is not None else set())
+            | ({"L1 SWA", "L2 SWA"} if swa is not None else set())
         )
         assert {n for n, _, _ in engine.call(lambda: pools(engine)).result(timeout=30)} == expected
 

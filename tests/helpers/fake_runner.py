@@ -17,18 +17,19 @@ from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
 from hicache.engine.runner import ForwardBatch
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.extras import SequenceExtras
 
 VOCAB = 100
 MISS = -1e9
 
 
 class NextTokenRunner:
-    """What the scheduler needs of a runner: ``device``, ``forward``, the recurrent-state
-    capability (none here: a pure attention model) and ``drop_state``."""
+    """What the scheduler needs of a runner: ``device``, ``forward``, whether it resumes
+    any cached prefix (yes here: a pure attention model), ``take_extras`` (nothing kept),
+    ``resume`` and ``drop_state``."""
 
     device = torch.device("cpu")
     resumable_prefix = True
-    recurrent = False
 
     def __init__(self, num_layers: int = 2) -> None:
         self.num_layers = num_layers
@@ -48,8 +49,15 @@ class NextTokenRunner:
         logits[torch.arange(len(logit_rows)), (picked + 1) % VOCAB] = 0.0
         return logits
 
+    def take_extras(self, seq_id: str) -> SequenceExtras | None:
+        """No state carried: nothing kept."""
+        return None
+
+    def resume(self, seq_id: str, extras: SequenceExtras) -> None:
+        raise ValueError("a pure attention model resumes from no state")
+
     def drop_state(self, seq_id: str) -> None:
-        """No recurrent layers: nothing to drop."""
+        """No state carried: nothing to drop."""
 
 
 class SpaceTokenizer:

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from hicache.config import CacheConfig, KVSpec, MemLayout, StateSpec, StateTensor
+from hicache.config import CacheConfig, KVSpec, MemLayout, SnapshotSpec, StateTensor
 from hicache.memory import DevicePool, HostPool, StatePool
 from hicache.transfer import (
     DirectStateCopier,
@@ -16,7 +16,7 @@ from hicache.transfer import (
     make_state_copier,
 )
 
-SPEC = StateSpec(
+SPEC = SnapshotSpec(
     num_layers=3,
     tensors=(
         StateTensor(name="conv", shape=(4, 3), dtype="bfloat16"),
@@ -126,7 +126,7 @@ def test_bad_ops_copy_nothing(copier: DirectStateCopier | KernelStateCopier) -> 
     with pytest.raises(IndexError):
         copier.load_layer(dev, host, [0], [0], 3)
     assert all(int(b.count_nonzero()) == 0 for b in host.buffers)
-    one = StateSpec(num_layers=3, tensors=(StateTensor(name="conv", shape=(4, 3)),))
+    one = SnapshotSpec(num_layers=3, tensors=(StateTensor(name="conv", shape=(4, 3)),))
     other = StatePool.host(one, 2, "page_first", "cpu")
     with pytest.raises(ValueError, match="differ in spec"):
         copier.backup(dev, other, [0], [0])
@@ -177,4 +177,4 @@ def test_state_config_sizes() -> None:
     with pytest.raises(ValueError, match="shape"):
         StateTensor(name="x", shape=(0,))
     with pytest.raises(ValueError, match="unique"):
-        StateSpec(num_layers=1, tensors=(StateTensor(name="x", shape=(1,)),) * 2)
+        SnapshotSpec(num_layers=1, tensors=(StateTensor(name="x", shape=(1,)),) * 2)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import xxhash
 
-from hicache.config import IOBackend, MemLayout, StateSpec, StateTensor
+from hicache.config import IOBackend, MemLayout, SnapshotSpec, StateTensor
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory.state_pool import StatePool
 from hicache.storage import MissReason
@@ -30,7 +30,7 @@ from hicache.storage.registry import create_storage
 from hicache.transfer.state import make_state_copier
 from tests.helpers.storage_fixtures import open_component_storage
 
-STATE = StateSpec(
+STATE = SnapshotSpec(
     num_layers=3,
     tensors=(
         StateTensor(name="conv", shape=(4, 3), dtype="bfloat16"),

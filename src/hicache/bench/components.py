@@ -9,10 +9,11 @@ names them (:class:`~hicache.metrics.ComponentUsage`):
 * ``mamba``: one recurrent-state snapshot per cached boundary (Mamba2, Gated DeltaNet).
 
 :func:`component_figures` is the one place that reads memory figures: it takes them from
-``HiCache.stats().components`` and adds each component's nominal size, so a component
-the cache starts exposing appears in every bench that reports components.
-:class:`ComponentHitProbe` counts, per admission that reused a prefix, whether the
-hit's SWA window / snapshot was in L1 already or had to be copied from L2.
+``HiCache.stats().components`` and adds each component's nominal size (its store's
+``nominal()``), so a component the cache starts exposing appears in every bench that
+reports components. :class:`ComponentHitProbe` reads the cache's counts, per admission
+that reused a prefix, of whether the hit's values of each component (an SWA window, a
+snapshot) were in L1 already or had to be copied from L2 (``HiCache.component_hits``).
 
 Units: bytes per cached token (B/token, over the tokens whose full KV is in L1); pool
 usage in the pool's own unit (``pages`` of ``page_size`` tokens for KV pools, ``slots`` of
@@ -24,16 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hicache.cache.snapshot_tier import SNAPSHOT
-from hicache.cache.swa_tier import SWA
 from hicache.metrics import ComponentUsage
 
 if TYPE_CHECKING:
     from hicache.cache.facade import HiCache
-    from hicache.cache.request import CacheRequest
     from hicache.engine.engine import Engine
-    from hicache.tokens import TokenIds
-    from hicache.tree import TreeNode
 
 __all__ = [
     "FULL",
@@ -121,20 +117,16 @@ def _figures(cache: HiCache, u: ComponentUsage) -> ComponentFigures:
     """:class:`ComponentFigures` of one :class:`ComponentUsage` of ``cache``."""
     cached = cache.device_pool.allocator.used_pages > 0  # the denominator is not 0
     held = u.bytes_per_cached_token if cached else None
+    store = cache.stores.get(u.name)
     if u.name == FULL:
         spec = cache.device_pool.spec
         layers, nominal, unit = spec.num_layers, float(spec.token_bytes), "pages"
-        note = "global layers" if cache.swa is not None else ""
-    elif u.name == SWA and cache.swa is not None:
-        spec = cache.swa.spec.kv
-        layers, nominal, unit = spec.num_layers, float(spec.token_bytes), "pages"
-        note = f"window {cache.swa.window} tokens"
-    elif u.name == SNAPSHOT and cache.snapshots is not None:
-        sn = cache.snapshots.spec
-        interval = cache.config.mamba_track_interval
-        layers, nominal, unit = sn.num_layers, sn.slot_bytes / interval, "slots"
-        note = f"{sn.slot_bytes} B per snapshot, interval {interval} tokens"
-    else:  # pragma: no cover - a component this module does not know yet
+        # other pools taking some attention layers leave the full pool the global ones
+        note = "global layers" if cache.runner_pools() else ""
+    elif store is not None:
+        size = store.nominal()
+        layers, nominal, unit, note = size.layers, size.bytes_per_token, size.unit, size.note
+    else:  # pragma: no cover - the stats name only the cache's own components
         raise ValueError(f"unknown cache component {u.name!r}")
     return ComponentFigures(
         component=u.name,
@@ -149,59 +141,25 @@ def _figures(cache: HiCache, u: ComponentUsage) -> ComponentFigures:
 
 
 class ComponentHitProbe:
-    """Counts :class:`ComponentHits` of one cache, per admission that reused a prefix.
-
-    The cache keeps no such counter, so this wraps two of its public methods on the
-    instance (the cache's code is unchanged): ``HiCache.admit`` and the tree's
-    ``component_load_nodes``, which a hit's SWA window / snapshot load asks for the
-    nodes it must copy from L2. An admission is counted when it succeeds with a hit
-    (``prefix_pages > 0``); a copy made by an attempt that then failed (no L1 room yet)
-    is carried to the request's successful attempt. Attach and read on the engine thread.
+    """Counts :class:`ComponentHits` of one cache from when it is attached, per admission
+    that reused a prefix (the cache's own counts, ``HiCache.component_hits``: an admission
+    is counted when it succeeds with a hit; a copy made by an attempt that then failed (no
+    L1 room yet) is carried to the request's successful attempt). Attach and read on the
+    engine thread.
     """
 
     def __init__(self, cache: HiCache) -> None:
-        self.components: tuple[str, ...] = tuple(
-            name
-            for name, tier in ((SWA, cache.swa), (SNAPSHOT, cache.snapshots))
-            if tier is not None
-        )
-        self._l1 = dict.fromkeys(self.components, 0)
-        self._l2 = dict.fromkeys(self.components, 0)
-        self._current: set[str] | None = None
-        self._pending: dict[int, set[str]] = {}
-        if not self.components:
-            return
-        admit = cache.admit
-        load_nodes = cache.tree.component_load_nodes
-
-        def counting_admit(req: CacheRequest, tokens: TokenIds) -> bool:
-            self._current = self._pending.pop(id(req), set())
-            try:
-                ok = admit(req, tokens)
-            finally:
-                loaded, self._current = self._current, None
-            if not ok:
-                if loaded:
-                    self._pending[id(req)] = loaded
-            elif req.prefix_pages > 0:
-                for name in self.components:
-                    counts = self._l2 if name in loaded else self._l1
-                    counts[name] += 1
-            return ok
-
-        def noting_load_nodes(name: str, node: TreeNode) -> list[TreeNode]:
-            nodes = load_nodes(name, node)
-            if nodes and self._current is not None:
-                self._current.add(name)
-            return nodes
-
-        cache.admit = counting_admit  # type: ignore[method-assign]
-        cache.tree.component_load_nodes = noting_load_nodes  # type: ignore[method-assign]
+        self._cache = cache
+        self._base = {h.name: (h.l1, h.l2) for h in cache.component_hits()}
+        self.components: tuple[str, ...] = tuple(self._base)
 
     def take(self) -> list[ComponentHits]:
         """The counts since the last :meth:`take` (or since attaching), one per component
         the cache has besides full KV; resets them."""
-        out = [ComponentHits(n, self._l1[n], self._l2[n]) for n in self.components]
-        self._l1 = dict.fromkeys(self.components, 0)
-        self._l2 = dict.fromkeys(self.components, 0)
+        now = {h.name: (h.l1, h.l2) for h in self._cache.component_hits()}
+        out = [
+            ComponentHits(n, now[n][0] - self._base[n][0], now[n][1] - self._base[n][1])
+            for n in self.components
+        ]
+        self._base = now
         return out

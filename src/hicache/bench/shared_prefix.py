@@ -67,8 +67,8 @@ from hicache.bench.components import (
 from hicache.bench.results import percentile
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
 from hicache.bench.shared_prefix_report import print_report, write_outputs
+from hicache.cache.components.swa import request_pages
 from hicache.cache.request import CachedTokens
-from hicache.cache.swa_tier import request_pages
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.loader import LoadedModel, load_model
@@ -260,7 +260,7 @@ def tier_sizes(w: SharedPrefixWorkload, l1: int | None, ratio: float | None) -> 
 def swa_ratio(w: SharedPrefixWorkload, sizes: Sizes, window: int | None) -> float:
     """``swa_full_tokens_ratio`` of the run: the default, raised where the L1 SWA pool
     would hold fewer than ``max_parallel`` requests' windows and prefill chunks
-    (:func:`~hicache.cache.swa_tier.request_pages`; small ``--quick`` L1s)."""
+    (:func:`~hicache.cache.components.swa.request_pages`; small ``--quick`` L1s)."""
     default = CacheConfig.swa_full_tokens_ratio
     if window is None:
         return default

@@ -1,19 +1,24 @@
 """HiCache: the one facade a scheduler talks to, in requests.
 
-It owns the tree, the device (L1) pool, and two optional tier objects: the host tier
-(L2 pool, L1<->L2 copies) and the storage tier (L3 prefetch and writes). All methods run on
-the owner's thread; worker threads only move bytes and post records to one completion
-queue, which :meth:`HiCache.poll` applies.
+It owns the tree, the device (L1) pool of the full KV, the model's component stores (one per
+extra component of its :class:`~hicache.config.CacheSpec`:
+:mod:`hicache.cache.components`), and two optional tiers: the host tier (L2 pool, L1<->L2
+copies) and the storage tier (L3 prefetch and writes). All methods run on the owner's
+thread; worker threads only move bytes and post records to one completion queue, which
+:meth:`HiCache.poll` applies.
 
 Request life cycle, as an engine drives it::
 
     req = cache.open(prompt, tenant=salt)   # on arrival: the L3 prefetch starts now
     while not cache.ready(req): ...         # the prefetch policy says when to admit
     if cache.admit(req, prompt):            # match, take the prefetch, load back, pin, pages
-        # forward: positions [req.prefix_tokens, len(prompt)) into req.slots(...);
-        # before layer i reads the prefix: req.wait_layer(i, timeout)
-        cache.commit(req, computed_tokens)  # whole pages to the tree; write policy applied
-        cache.grow(req, n)                  # pages for positions [0, n) while decoding
+        resume = req.take_resume()          # what the runner resumes from (opaque)
+        plan = cache.plan_chunk(req, start, n)  # where the forward ends, what it keeps
+        cache.grow(req, start + plan.tokens, computed=start)
+        # forward: positions [start, start + plan.tokens) into req.slots(...) and
+        # req.pool_slots(...); before layer i reads the prefix: req.wait_layer(i, timeout)
+        cache.commit(req, computed_tokens, extras=runner_extras)  # whole pages to the tree
+        cache.keep(req, runner_extras)      # a forward that commits nothing (decode)
         cache.release(req, all_tokens)      # commit, free the rest, unpin
 
 Page-level methods (``match_prefix``, ``insert``, ``alloc_device``, ``evict_*``) stay
@@ -26,25 +31,34 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from hicache.cache.component_tiers import ComponentTiers, tree_components
+from hicache.cache.components import STORE_TYPES
+from hicache.cache.components.base import (
+    ChunkPlan,
+    ComponentStore,
+    ServingLimits,
+    StoreContext,
+)
+from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.host_tier import HostTier
 from hicache.cache.inspect import (
     cache_stats,
+    cached_tokens,
     check_cache_integrity,
-    component_usages,
+    full_usage,
 )
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
-from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
 from hicache.cache.storage_tier import StorageTier
-from hicache.cache.swa_tier import SWA, SwaTier
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig, SlidingWindowSpec, StateSpec
+from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.controller import CompletionQueue, write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
+from hicache.extras import SequenceExtras
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.memory import DevicePool, HostPool, check_pool_sizes
@@ -66,6 +80,47 @@ log = logging.getLogger("hicache.cache")
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 """Longest the owner waits for copies in flight before giving up with TimeoutError."""
 
+S = TypeVar("S", bound=ComponentStore)
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentHits:
+    """Admissions that reused a prefix, per component store: ``l1`` with the hit's values
+    of the component in L1 already, ``l2`` with them copied from L2 (counted at the
+    admission that succeeded, also when an earlier attempt did the copy)."""
+
+    name: str
+    l1: int
+    l2: int
+
+
+class _Events:
+    """The cache's :class:`~hicache.cache.events.TierEvents`, given to its host tier and
+    component stores at construction."""
+
+    def __init__(self, cache: HiCache) -> None:
+        self._cache = cache
+
+    def drain(self) -> object:
+        return self._cache.poll()
+
+    def backed_up(self, nodes: list[TreeNode]) -> None:
+        if self._cache.storage is not None:
+            self._cache.storage.on_host_backup(nodes)
+
+    def backup_issued(self, last: TreeNode) -> None:
+        self._cache.stores.back_up(last)
+
+    def free_components(self, tier: Tier, ids: Mapping[str, PageIds]) -> None:
+        self._cache.stores.free(tier, ids)
+
+    def wait_copies(self) -> bool:
+        host = self._cache.host
+        if host is None or not host.busy:
+            return False
+        host.wait_idle()
+        return True
+
 
 class HiCache(Lifecycle):
     """Hierarchical KV cache over an L1 device pool, an optional L2 host tier and an
@@ -74,43 +129,56 @@ class HiCache(Lifecycle):
     With ``config.enable_hierarchical_cache`` false there is no host tier: the tree is a
     plain radix cache over L1 and eviction drops nodes.
 
-    Hybrid models: ``state`` adds recurrent-state snapshots (:mod:`.snapshot_tier`);
-    ``swa`` gives the sliding-window layers their own pools (:mod:`.swa_tier`), ``spec``
-    then describing the global layers only.
+    ``spec``: what the model caches (:class:`~hicache.config.CacheSpec`, the model side
+    produces it), or a plain :class:`KVSpec` for a full-KV-only model. Each of its
+    components gets a store (:mod:`hicache.cache.components`) of the type in
+    ``store_types`` that takes its spec; :attr:`spec` is the full KV's shape (the global
+    layers only when sliding layers have their own store). ``limits``: refuse (ValueError)
+    stores too small to serve one request under them.
     """
 
     def __init__(
         self,
         config: CacheConfig,
-        spec: KVSpec,
+        spec: KVSpec | CacheSpec,
         device: torch.device | str = "cpu",
         *,
         layer_hook: Callable[[int, int], None] | None = None,
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
-        state: StateSpec | None = None,
-        swa: SlidingWindowSpec | None = None,
+        limits: ServingLimits | None = None,
+        store_types: Sequence[type[ComponentStore]] = STORE_TYPES,
     ) -> None:
         self.config = config
-        self.spec = spec
+        self.cache_spec = CacheSpec.of(spec)
+        self.spec: KVSpec = self.cache_spec.kv
+        spec = self.spec
         self.device = torch.device(device)
         self.page_size = config.page_size
         number_at_least("wait_timeout_s", wait_timeout_s, 0.001, "of seconds")
         self.wait_timeout_s = wait_timeout_s
+        if limits is not None:  # every store can serve one request
+            for c in self.cache_spec.components:
+                store_type(c, store_types).check_limits(config, spec, c, limits)
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
         self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
         self.tree = HiRadixTree(
-            config.page_size, config.eviction_policy, tree_components(state, swa)
+            config.page_size,
+            config.eviction_policy,
+            ComponentStores.tree_components(self.cache_spec, store_types),
         )
         self.rule = write_rule(config)
         self.counters = CacheCounters()
         self._completions = CompletionQueue()
         self._op_ids = itertools.count(1)
-        self.components = ComponentTiers(
-            tree=self.tree, config=config, kv=spec, device=self.device, state=state, swa=swa
-        )
-        self.snapshots: SnapshotTier | None = self.components.snapshots
-        self.swa: SwaTier | None = self.components.swa
         self.host: HostTier | None = None
+        self.storage: StorageTier | None = None
+        events = _Events(self)
+        ctx = StoreContext(
+            tree=self.tree, config=config, kv=spec, device=self.device, events=events
+        )
+        self.stores = ComponentStores.build(self.cache_spec, ctx, store_types)
+        """The model's component stores, in its spec's order (empty: full KV only)."""
+        self._hits = {name: [0, 0] for name in self.stores.names}
         if config.enable_hierarchical_cache:
             self.host = HostTier(
                 tree=self.tree,
@@ -120,16 +188,10 @@ class HiCache(Lifecycle):
                 device=self.device,
                 completions=self._completions,
                 counters=self.counters,
-                drain=self.poll,
+                events=events,
                 wait_timeout_s=wait_timeout_s,
                 layer_hook=layer_hook,
             )
-            self.host.on_backed_up = self._on_backed_up
-            self.host.free_components = self.components.free
-            self.host.on_backup_issued = self.components.back_up
-            if self.swa is not None:
-                self.swa.wait_copies = self._wait_copies
-        self.storage: StorageTier | None = None
         self._retired: list[tuple[HiCacheStorage, PageIds, dict[str, PageIds]]] = []
         """(old backend, L2 pages, L2 ids per component) a detached backend may still
         write."""
@@ -185,7 +247,7 @@ class HiCache(Lifecycle):
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
         if self.storage is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
-        codecs = self.components.records(self.tree)
+        codecs = self.stores.records()
         controller = StorageController(
             storage,
             self.host.pool,
@@ -238,17 +300,6 @@ class HiCache(Lifecycle):
     def storage_attached(self) -> bool:
         return self.storage is not None
 
-    def _wait_copies(self) -> bool:
-        """Wait for the L1<->L2 copies in flight and apply them; False when none was."""
-        if self.host is None or not self.host.busy:
-            return False
-        self.host.wait_idle()
-        return True
-
-    def _on_backed_up(self, nodes: list[TreeNode]) -> None:
-        if self.storage is not None:
-            self.storage.on_host_backup(nodes)
-
     # ------------------------------------------------------------------ request verbs
 
     def open(
@@ -273,7 +324,11 @@ class HiCache(Lifecycle):
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
         req = CacheRequest(
-            tenant=tenant, priority=int(priority), cacheable=cacheable, compute_last=compute_last
+            tenant=tenant,
+            priority=int(priority),
+            cacheable=cacheable,
+            compute_last=compute_last,
+            prompt_tokens=len(tokens),
         )
         if cacheable and self.storage is not None and len(tokens) > int(compute_last):
             key = encode_tokens(tokens[: len(tokens) - int(compute_last)])
@@ -313,29 +368,27 @@ class HiCache(Lifecycle):
             match = self.match_prefix((), req.tenant)
         node, pages, loaded, progress = self._load_back(match, req)
         self.tree.inc_lock_ref(node)
-        state_slot = None
-        if self.snapshots is not None and node.parent is not None:
-            if not self.snapshots.load(node):  # every snapshot slot pinned: try later
-                self.tree.dec_lock_ref(node)
-                return False
-            state_slot = int(self.tree.hit_ids(SNAPSHOT, node)[0])
         new = self.alloc_device(math.ceil(len(tokens) / ps) - len(pages))
         if new is None:
             self.tree.dec_lock_ref(node)
             return False
-        if self.swa is not None and not self.swa.admit(req, node, len(pages)):
-            self.device_pool.allocator.free(new)  # no L1 room for the hit's window: later
+        req.prefix_pages = len(pages)  # the stores tell the tree's ids from the request's
+        if not self.stores.admit(req, node, len(pages)):  # no room for a hit's values: later
+            req.prefix_pages = 0
+            self.device_pool.allocator.free(new)
             self.tree.dec_lock_ref(node)
             return False
         req.state = RequestState.ADMITTED
         req.node = node
         req.pages = pages + new
-        req.prefix_pages = len(pages)
         req._prefix_tokens = len(pages) * ps
         req._progress = progress
-        req.state_slot = state_slot
         req.failed = None
         self._requests.add(req)
+        if req.prefix_pages > 0:
+            for name, hits in self._hits.items():
+                hits[1 if name in req._loaded else 0] += 1
+        req._loaded.clear()
         if not req._counted:
             req._counted = True
             self._count(req, len(tokens), len(pages) * ps - loaded, loaded)
@@ -349,12 +402,12 @@ class HiCache(Lifecycle):
         """Make ``req``'s pages cover positions ``[0, tokens)``, evicting cached pages if
         needed; False when L1 cannot make room (what was added stays with ``req``).
 
-        Sliding-window layers: ``computed`` (the first position of the next forward)
-        frees the request's SWA pages wholly before that forward's window first
-        (:mod:`.swa_tier`); SWA pages are added for positions up to ``tokens``. Call this
-        before every forward with its end and start."""
+        Component stores grow too: ``computed`` (the first position of the next forward)
+        lets them drop what that forward no longer reads (a sliding window's pages before
+        it, :mod:`hicache.cache.components.swa`). Call this before every forward with its
+        end and start."""
         self._require_admitted(req)
-        if self.swa is not None and not self.swa.grow(req, tokens, computed):
+        if not self.stores.grow(req, tokens, computed):
             return False
         need = math.ceil(tokens / self.page_size) - len(req.pages)
         if need <= 0:
@@ -365,16 +418,39 @@ class HiCache(Lifecycle):
         req.pages += new
         return True
 
+    def plan_chunk(self, req: CacheRequest, start: int, tokens: int) -> ChunkPlan:
+        """Where a forward of ``req`` over ``[start, start + tokens)`` must end (``tokens``
+        or fewer) and after which of its new tokens the runner must keep the sequence's
+        extras (what the component stores take at the next commit: recurrent state at a
+        snapshot boundary). Pure: asking again gives the same plan."""
+        self._require_admitted(req)
+        if tokens < 1:
+            raise ValueError(f"plan_chunk of {tokens} tokens; a forward runs at least 1")
+        return self.stores.plan(req, start, tokens)
+
+    def keep(self, req: CacheRequest, extras: SequenceExtras | None) -> None:
+        """Hand the runner's ``extras`` of ``req``'s last forward to the component stores
+        (used by the next commit that covers them; None: nothing kept)."""
+        self._require_admitted(req)
+        if extras is not None:
+            self.stores.keep(req, extras)
+
     def commit(
-        self, req: CacheRequest, tokens: TokenIds, state: list[torch.Tensor] | None = None
+        self, req: CacheRequest, tokens: TokenIds, *, extras: SequenceExtras | None = None
     ) -> None:
         """``tokens`` (a prefix of the request's sequence) now have their KV in ``req``'s
         pages: hand the whole pages to the tree so other requests share them (the write
         policy may back them up). ``req`` keeps using the tree's copy of them.
 
-        ``state``: the request's recurrent state after exactly ``tokens`` (canonical:
-        one ``(1, L, *shape)`` tensor per state tensor; page-aligned ``tokens`` only),
-        kept as the snapshot at that boundary so later requests can resume there."""
+        ``extras``: the runner's extras of the forward that computed them (see
+        :meth:`keep`); the stores hand what they cover to the tree with the pages (a state
+        snapshot at a boundary, so later requests can resume there)."""
+        self.keep(req, extras)
+        self._commit(req, tokens, final=False)
+
+    def _commit(self, req: CacheRequest, tokens: TokenIds, *, final: bool) -> None:
+        """:meth:`commit` without extras; ``final``: the request's last commit (at its
+        release), where stores also hand over what they keep for its end."""
         self._require_admitted(req)
         ps = self.page_size
         full = len(tokens) // ps
@@ -383,17 +459,7 @@ class HiCache(Lifecycle):
         if full > len(req.pages):
             raise ValueError(f"commit of {full} pages; the request holds {len(req.pages)}")
         prefix = tokens[: full * ps]
-        components: dict[str, ComponentValues] = {}
-        if self.swa is not None:  # every SWA page still held, before trimming: the tree
-            window = self.swa.values(req, full)  # keeps them until its SWA LRU needs room
-            if window is not None:
-                components[SWA] = window
-        if state is not None and self.snapshots is not None:
-            if len(tokens) != full * ps:
-                raise ValueError(f"a state snapshot needs whole pages; got {len(tokens)} tokens")
-            slot = self.snapshots.write(state)
-            if slot is not None:
-                components[SNAPSHOT] = ComponentValues.snapshots({full: slot})
+        components = self.stores.values(req, full, final)
         result = self.insert(
             prefix,
             req.pages[:full],
@@ -406,8 +472,6 @@ class HiCache(Lifecycle):
         tree_pages = _path_device_pages(last)  # not a match: a boundary need not be valid
         if len(tree_pages) != full:  # pragma: no cover - a tree invariant
             raise RuntimeError("committed prefix is not resident in L1")
-        if self.swa is not None:
-            self.swa.adopt(req, last, full)
         self.tree.inc_lock_ref(last)
         if req.node is not None:
             self.tree.dec_lock_ref(req.node)
@@ -415,8 +479,7 @@ class HiCache(Lifecycle):
         req.pages = tree_pages + req.pages[full:]
         req.prefix_pages = full
         req._prefix_tokens = full * ps
-        if self.swa is not None:  # drops the tree's pages from the table, frees none
-            self.swa.trim(req, len(tokens))  # the next forward starts at len(tokens) or later
+        self.stores.committed(req, last, full, len(tokens))
         if self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         if components and last.host is not None:
@@ -425,7 +488,7 @@ class HiCache(Lifecycle):
     def _back_up_added(self, node: TreeNode) -> None:
         """Component values were added at ``node``, whose KV was in L2 already (no backup
         was issued with them): copy them to L2 now, and write those copies to L3."""
-        backed = self.components.back_up(node)
+        backed = self.stores.back_up(node)
         if backed and self.storage is not None:
             chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
             path = self.tree.path_tail(node, self.tree.depth_pages(node))
@@ -445,11 +508,10 @@ class HiCache(Lifecycle):
             req.prefetch = None
         if req.state is RequestState.ADMITTED:
             if keep and tokens is not None:
-                self.commit(req, tokens)
+                self._commit(req, tokens, final=True)
             if len(req.pages) > req.prefix_pages:
                 self.device_pool.allocator.free(req.pages[req.prefix_pages :])
-            if self.swa is not None:
-                self.swa.release(req)
+            self.stores.release(req)
             if req.node is not None:
                 self.tree.dec_lock_ref(req.node)
             self._requests.discard(req)
@@ -566,7 +628,7 @@ class HiCache(Lifecycle):
         )
         if result.duplicate_pages:
             self.device_pool.allocator.free(result.duplicate_pages)
-        self.components.free(Tier.DEVICE, result.component_duplicates)
+        self.stores.free(Tier.DEVICE, result.component_duplicates)
         if back_up and self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
         return result
@@ -652,20 +714,30 @@ class HiCache(Lifecycle):
     def _free_eviction(self, ev: NodeEviction) -> PageIds:
         """Free what evicting one node from L1 released; returns its full pages."""
         self.device_pool.allocator.free(ev.full)
-        self.components.free(Tier.DEVICE, ev.components)
+        self.stores.free(Tier.DEVICE, ev.components)
         return ev.full
 
-    def read_state(self, req: CacheRequest) -> list[torch.Tensor] | None:
-        """The recurrent-state snapshot ``req`` resumes from (canonical tensors, copies),
-        or None when it starts from zero state."""
-        if req.state_slot is None or self.snapshots is None:
-            return None
-        return self.snapshots.read(req.state_slot)
+    # ------------------------------------------------------------------ component stores
 
     @property
     def resumable(self) -> bool:
-        """Whether a model with recurrent state can resume cached prefixes here."""
-        return self.snapshots is not None
+        """Whether a model that carries state between forwards can resume cached prefixes
+        here (a store hands admitted requests a state to resume from)."""
+        return self.stores.resumes
+
+    def store(self, kind: type[S]) -> S | None:
+        """The component store of type ``kind``, or None when the model has none."""
+        return self.stores.of_type(kind)
+
+    def runner_pools(self) -> dict[str, DevicePool]:
+        """The component stores' L1 pools the model reads and writes in a forward, by
+        component name (the slots come from :meth:`CacheRequest.pool_slots`)."""
+        return self.stores.runner_pools()
+
+    def component_hits(self) -> tuple[ComponentHits, ...]:
+        """Admissions that reused a prefix, per component store, since the cache was
+        built (see :class:`ComponentHits`)."""
+        return tuple(ComponentHits(n, h[0], h[1]) for n, h in self._hits.items())
 
     # ------------------------------------------------------------------ completions
 
@@ -690,7 +762,7 @@ class HiCache(Lifecycle):
         for storage, pages, ids in self._retired:
             if storage.host_writes_settled(0.0):
                 self.host.allocator.free(pages)
-                self.components.free(Tier.HOST, ids)
+                self.stores.free(Tier.HOST, ids)
             else:
                 keep.append((storage, pages, ids))
         self._retired = keep
@@ -712,7 +784,7 @@ class HiCache(Lifecycle):
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host is not None:
             self.host.allocator.free(self.tree.host_page_ids())
-        self.components.reset((Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())))
+        self.stores.reset((Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())))
         self.tree.reset()
 
     @property
@@ -734,7 +806,8 @@ class HiCache(Lifecycle):
             None if self.storage is None else self.storage.controller.storage,
             held_device_pages=len(self.request_pages()) + len(self._reserved),
         )
-        usage = component_usages(self.device_pool, self.host_pool, self.swa, self.snapshots)
+        cached = cached_tokens(self.device_pool)
+        usage = (full_usage(self.device_pool, self.host_pool), *self.stores.usages(cached))
         return dataclasses.replace(stats, components=usage)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
@@ -744,7 +817,7 @@ class HiCache(Lifecycle):
         every used L2 page is owned by the tree or held by an L3 op. Raises
         AssertionError."""
         host_held: list[int] = []
-        ids_held: dict[str, list[int]] = {name: [] for name in self.components.names}
+        ids_held: dict[str, list[int]] = {name: [] for name in self.stores.names}
         if self.storage is not None:
             host_held += self.storage.held_host_pages()
             for name, held in ids_held.items():
@@ -760,7 +833,7 @@ class HiCache(Lifecycle):
             [*self.request_pages(), *self._reserved, *request_pages],
             host_held,
         )
-        self.components.check(list(self._requests), ids_held)
+        self.stores.check(list(self._requests), ids_held)
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

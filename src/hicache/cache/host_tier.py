@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache.cache.events import TierEvents
 from hicache.cache.request import CacheRequest
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller import CacheController, CompletionQueue
@@ -58,9 +59,11 @@ class PendingLoad:
 class HostTier:
     """L2 pages and the copies between L1 and L2 for one cache.
 
-    ``drain`` applies every record posted so far (the facade's ``poll``); the tier calls it
-    when it must wait for copies in flight. ``on_backed_up`` receives each run of nodes
-    whose backup landed (top-down, one path), for L3.
+    ``events`` (:class:`~hicache.cache.events.TierEvents`, the owner's): ``drain`` applies
+    every record posted so far (the tier calls it when it must wait for copies in flight);
+    ``backed_up`` receives each run of nodes whose backup landed (top-down, one path), for
+    L3; ``backup_issued`` each run whose full KV got L2 pages (the component stores back
+    up what a hit there needs); ``free_components`` the component ids the tree released.
     """
 
     def __init__(
@@ -73,7 +76,7 @@ class HostTier:
         device: torch.device,
         completions: CompletionQueue,
         counters: CacheCounters,
-        drain: Callable[[], object],
+        events: TierEvents,
         wait_timeout_s: float,
         layer_hook: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -85,13 +88,15 @@ class HostTier:
         )
         self.counters = counters
         self.page_size = config.page_size
-        self._drain = drain
+        self._drain: Callable[[], object] = events.drain
         self._wait_timeout_s = wait_timeout_s
-        self.on_backed_up: Callable[[list[TreeNode]], None] | None = None
-        self.on_backup_issued: Callable[[TreeNode], object] | None = None
+        self.on_backed_up: Callable[[list[TreeNode]], None] | None = events.backed_up
+        self.on_backup_issued: Callable[[TreeNode], object] | None = events.backup_issued
         """Called with the run's last node once its full L2 pages are assigned (extra
         components back up what a hit there needs)."""
-        self.free_components: Callable[[Tier, dict[str, PageIds]], None] | None = None
+        self.free_components: Callable[[Tier, dict[str, PageIds]], None] | None = (
+            events.free_components
+        )
         """Returns extra components' ids the tree released to their pools."""
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
-from hicache.cache.swa_tier import SWA, SwaTier
 from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.storage.base import HiCacheStorage
@@ -64,29 +62,21 @@ def component_usage(
     )
 
 
-def component_usages(
-    device_pool: DevicePool,
-    host_pool: HostPool | None,
-    swa: SwaTier | None,
-    snapshots: SnapshotTier | None,
-) -> tuple[ComponentUsage, ...]:
-    """Pool use and L1 bytes per cached token of each component: full KV, then the
-    sliding-window pages and the state snapshots where the cache has them."""
-    ps = device_pool.page_size
-    cached = device_pool.allocator.used_pages * ps  # full KV in L1: tree and requests
+def full_usage(device_pool: DevicePool, host_pool: HostPool | None) -> ComponentUsage:
+    """Pool use and L1 bytes per cached token of the full KV (``"full"``); the component
+    stores report their own (``ComponentStore.usage``) over the same cached tokens
+    (:func:`cached_tokens`)."""
     host = None if host_pool is None else host_pool.allocator
-    page_bytes = device_pool.spec.token_bytes * ps
-    out = [component_usage("full", device_pool.allocator, host, page_bytes, cached)]
-    if swa is not None:
-        hp = None if swa.host_pool is None else swa.host_pool.allocator
-        swa_page = swa.spec.kv.token_bytes * ps
-        out.append(component_usage(SWA, swa.device_pool.allocator, hp, swa_page, cached))
-    if snapshots is not None:
-        sn = snapshots
-        hp = None if sn.host_pool is None else sn.host_pool.allocator
-        slot = sn.spec.slot_bytes
-        out.append(component_usage(SNAPSHOT, sn.device_pool.allocator, hp, slot, cached))
-    return tuple(out)
+    page_bytes = device_pool.spec.token_bytes * device_pool.page_size
+    return component_usage(
+        "full", device_pool.allocator, host, page_bytes, cached_tokens(device_pool)
+    )
+
+
+def cached_tokens(device_pool: DevicePool) -> int:
+    """Tokens whose full KV is in L1 (the tree's and the requests'): the denominator of
+    every component's bytes per cached token."""
+    return device_pool.allocator.used_pages * device_pool.page_size
 
 
 def check_cache_integrity(

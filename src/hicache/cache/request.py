@@ -9,59 +9,41 @@ Page table invariant: ``pages`` covers token positions ``[0, len(pages) * page_s
 Its first ``prefix_pages`` pages belong to the tree and are pinned in L1 through
 ``node`` (path-wise); the rest belong to the request until it commits or releases them.
 
-A model with sliding-window layers also has a :class:`SlidingTable` (``swa``): the SWA
-pool's pages of the sequence pages still in the window of the request's next forward.
+Each component store of the cache keeps its own per-request data in the handle's *part*
+under its name (:meth:`CacheRequest.part`; the sliding-window page table, the recurrent
+state kept for the request's end). Parts that are slot tables (:class:`SlotTable`) give the forward
+its slots in their store's pool (:meth:`CacheRequest.pool_slots`); what the runner
+resumes the request from (a state snapshot) travels as an opaque record
+(:meth:`CacheRequest.take_resume`).
 """
 
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from hicache.cache.prefetch import Prefetch
+from hicache.extras import SequenceExtras
 from hicache.transfer import LayerProgress, TransferError
 from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, page_ids
 
 
-class SlidingTable:
-    """One request's sliding-window page table.
+class SlotTable(ABC):
+    """A request's part that maps its positions to slots of a component store's L1 pool
+    the model reads and writes (the sliding-window page table). Changed only by its
+    store."""
 
-    ``pages[i]`` is the SWA pool page of sequence page ``first + i``; sequence pages before
-    ``first`` have fallen out of the window (their SWA KV is not held: "none"), pages from
-    ``end`` on are not allocated yet. Of the held pages, those below the request's
-    ``prefix_pages`` belong to the tree (pinned through the request's node; never freed
-    by the request), the others to the request. Changed only by the cache's SWA tier.
-    """
-
-    __slots__ = ("first", "pages")
-
-    def __init__(self, first: int = 0, pages: PageIds | None = None) -> None:
-        self.first = first
-        self.pages: PageIds = page_ids() if pages is None else pages
-
-    @property
-    def end(self) -> int:
-        """One past the last sequence page held."""
-        return self.first + len(self.pages)
-
+    @abstractmethod
     def slots(self, page_size: int, upto: int) -> torch.Tensor:
-        """SWA pool slots of positions ``[first * page_size, upto)`` (the held tail of the
-        first ``upto`` positions), ``(upto - first * page_size,)`` int64 on the CPU."""
-        lo = self.first * page_size
-        if not lo <= upto <= self.end * page_size:
-            raise ValueError(
-                f"SWA slots up to {upto}: the table holds positions [{lo}, {self.end * page_size})"
-            )
-        return _page_slots(self.pages, page_size, upto - lo)
-
-    def __repr__(self) -> str:
-        return f"SlidingTable(first={self.first}, pages={list(self.pages)})"
+        """Pool slots of the positions the table holds of ``[0, upto)`` (its last ones),
+        1-D int64 on the CPU."""
 
 
-def _page_slots(pages: PageIds, page_size: int, n: int) -> torch.Tensor:
+def page_slots(pages: PageIds, page_size: int, n: int) -> torch.Tensor:
     """Slots ``page * page_size + offset`` of the first ``n`` positions laid over ``pages``."""
     if n == 0:
         return torch.empty(0, dtype=torch.int64)
@@ -101,8 +83,11 @@ class CacheRequest:
 
     __slots__ = (
         "_counted",
+        "_loaded",
+        "_parts",
         "_prefix_tokens",
         "_progress",
+        "_resume",
         "cacheable",
         "cached",
         "compute_last",
@@ -112,14 +97,21 @@ class CacheRequest:
         "prefetch",
         "prefix_pages",
         "priority",
+        "prompt_tokens",
         "state",
-        "state_slot",
         "storage_tokens",
-        "swa",
         "tenant",
     )
 
-    def __init__(self, *, tenant: str, priority: int, cacheable: bool, compute_last: bool) -> None:
+    def __init__(
+        self,
+        *,
+        tenant: str,
+        priority: int,
+        cacheable: bool,
+        compute_last: bool,
+        prompt_tokens: int = 0,
+    ) -> None:
         self.tenant = tenant
         self.priority = priority
         self.cacheable = cacheable
@@ -135,12 +127,15 @@ class CacheRequest:
         caller must fail the request and release it without keeping its KV."""
         self.prefetch: Prefetch | None = None
         self.storage_tokens = 0
-        self.state_slot: int | None = None
-        """L1 slot of the recurrent-state snapshot the request resumes from (models with
-        recurrent layers; None: zero state). Read it with ``HiCache.read_state``."""
         """Prompt tokens the L3 prefetch brought into L2 for this request."""
-        self.swa: SlidingTable | None = None
-        """The sliding-window page table while admitted (caches with an SWA tier)."""
+        self.prompt_tokens = prompt_tokens
+        """Length of the prompt the request was opened with (component stores place
+        their boundaries by it)."""
+        self._parts: dict[str, object] = {}
+        self._resume: SequenceExtras | None = None
+        self._loaded: set[str] = set()
+        """Stores that copied this request's hit from L2 in an admission not yet counted
+        (see ``HiCache.component_hits``)."""
         self._progress: LayerProgress | None = None
         self._counted = False
 
@@ -155,12 +150,40 @@ class CacheRequest:
         int64 on the CPU."""
         if upto > len(self.pages) * page_size:
             raise ValueError(f"slots up to {upto} but pages cover {len(self.pages) * page_size}")
-        return _page_slots(self.pages, page_size, upto)
+        return page_slots(self.pages, page_size, upto)
 
-    def swa_slots(self, page_size: int, upto: int) -> torch.Tensor | None:
-        """SWA pool slots of the held tail of positions ``[0, upto)`` (see
-        :meth:`SlidingTable.slots`), or None when the cache keeps no SWA pages."""
-        return None if self.swa is None else self.swa.slots(page_size, upto)
+    def pool_slots(self, page_size: int, upto: int) -> dict[str, torch.Tensor]:
+        """Per component store whose pool the model reads and writes, the slots there of
+        the positions it holds of ``[0, upto)`` (its last ones; see :class:`SlotTable`),
+        keyed by component name; empty for a full-KV-only cache."""
+        return {
+            name: part.slots(page_size, upto)
+            for name, part in self._parts.items()
+            if isinstance(part, SlotTable)
+        }
+
+    def take_resume(self) -> SequenceExtras | None:
+        """What the runner resumes this request from after its last admission (a state
+        snapshot at ``prefix_tokens``), once; None: it starts from zero state (or its
+        model carries none)."""
+        got, self._resume = self._resume, None
+        return got
+
+    def part(self, name: str) -> object | None:
+        """Component store ``name``'s data for this request (None: none); read and changed
+        by that store only."""
+        return self._parts.get(name)
+
+    def set_part(self, name: str, value: object | None) -> None:
+        """Set (None: drop) store ``name``'s data; for that store only."""
+        if value is None:
+            self._parts.pop(name, None)
+        else:
+            self._parts[name] = value
+
+    def set_resume(self, extras: SequenceExtras | None) -> None:
+        """Set what the runner resumes from (a component store, at admission)."""
+        self._resume = extras
 
     @property
     def loading(self) -> bool:

@@ -18,7 +18,7 @@ records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`), applied here. Th
   tenant's spans under the namespace salted with its ``cache_salt``; for MLA models,
   whose ranks all hold the same bytes under one namespace, only rank 0 writes).
 
-Hybrid models (one :class:`~hicache.cache.component_records.ComponentRecords` codec per
+Hybrid models (one :class:`~hicache.cache.components.records.ComponentRecords` codec per
 extra component: ``"mamba"`` snapshots, ``"swa"`` sliding-window pages): when a span is
 written to L3, the component values a hit at its end needs and that are in L2 are written
 too, as records of the component's namespace (their nodes stay pinned in L2 until the
@@ -52,7 +52,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from hicache.cache.component_records import (
+from hicache.cache.components.records import (
     ComponentRecords,
     RecordWrites,
     agree_boundary,

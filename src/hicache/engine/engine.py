@@ -28,16 +28,14 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.cache import HiCache
-from hicache.cache.swa_tier import check_swa_pool
+from hicache.cache.components.base import ServingLimits
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
 from hicache.engine.kernels import AttentionBackend
 from hicache.engine.loader import LoadedModel, default_dtype, load_model
-from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.output import OutputProcessor
-from hicache.engine.recurrent_states import cache_state_spec, check_snapshot_slots
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
-from hicache.engine.runner import ModelRunner, kv_spec_from_hf_config
+from hicache.engine.runner import ModelRunner, cache_spec_of
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
@@ -204,38 +202,28 @@ class Engine(Lifecycle):
         dtype = cfg.dtype or default_dtype(cfg.device)
         self.model = self._loaded or load_model(cfg.model_path, dtype=dtype, device=cfg.device)
         model = self.model.model
-        # sliding-window layers get their own pools; the full pool keeps the global ones
-        swa = model.config.swa_spec(self.model.dtype) if isinstance(model, HybridLM) else None
-        if isinstance(model, HybridLM) and swa is not None:
-            spec = model.config.full_kv_spec(self.model.dtype)
-        else:
-            spec = kv_spec_from_hf_config(self.model.hf_config, self.model.dtype)
+        # what the model caches: full KV and a spec per extra component, each its own store
+        spec = cache_spec_of(model, self.model.dtype)
         cache_cfg = cfg.cache
-        if cfg.device_cache_gb is not None:
-            token_bytes: float = spec.token_bytes  # with SWA pools: theirs too, by ratio
-            if swa is not None:
-                token_bytes += cache_cfg.swa_full_tokens_ratio * swa.kv.token_bytes
+        if cfg.device_cache_gb is not None:  # every component's L1 pool counted
+            token_bytes = spec.device_token_bytes(cache_cfg)
             tokens = int(int(cfg.device_cache_gb * 1e9) // token_bytes)
             cache_cfg = dataclasses.replace(cache_cfg, device_tokens=tokens)
-        if swa is not None:
-            chunk = max(cfg.scheduler.chunked_prefill_size, cache_cfg.page_size)
-            check_swa_pool(cache_cfg, swa.window, chunk)
-        specs = model.state_specs() if isinstance(model, HybridLM) else {}
-        state = cache_state_spec(specs, model.dtype) if specs else None
-        if state is not None:
-            check_snapshot_slots(cache_cfg, spec, state, cfg.scheduler.max_running_requests)
-        self.cache = HiCache(cache_cfg, spec, cfg.device, state=state, swa=swa).start()
+        limits = ServingLimits(
+            chunk_tokens=cfg.scheduler.chunked_prefill_size,
+            max_running=cfg.scheduler.max_running_requests,
+        )
+        self.cache = HiCache(cache_cfg, spec, cfg.device, limits=limits).start()
         if cfg.storage is not None:
             try:
                 self._attach(cfg.storage, cfg.storage_prefetch_policy)
             except BaseException:
                 self.cache.close()
                 raise
-        swa_tier = self.cache.swa
         runner = ModelRunner(
             self.model.model,
             self.cache.device_pool,
-            None if swa_tier is None else swa_tier.device_pool,
+            self.cache.runner_pools(),
             attention_backend=cfg.attention_backend,
         )
         if runner.recurrent:
@@ -374,7 +362,7 @@ class Engine(Lifecycle):
     def resumable_prefix(self) -> bool:
         """Whether requests reuse cached prefixes (L1/L2/L3 hits). For a model with
         recurrent layers (Qwen3-Next, Nemotron-H) a hit resumes only at a boundary where the
-        cache holds a state snapshot (see :mod:`hicache.cache.snapshot_tier`)."""
+        cache holds a state snapshot (see :mod:`hicache.cache.components.snapshots`)."""
         return self.scheduler.resumable_prefix
 
     def validate(

@@ -2,16 +2,16 @@
 
 Recurrent layers of hybrid models (Mamba2, Gated DeltaNet; see
 :mod:`hicache.engine.models.recurrent`) read no cache: each forward takes their state
-*before* the new tokens and returns it *after* them. Until the cache keeps state snapshots
-(issue 10's Mamba component), the runner keeps one state per running sequence here, keyed
-by the scheduler's request id:
+*before* the new tokens and returns it *after* them. The runner keeps one state per running
+sequence here, keyed by the scheduler's request id:
 
 - created at the sequence's first forward, from zeros (that forward starts at position 0),
   or put there from a cached snapshot (:meth:`RecurrentStates.put`) when the cache served
-  a prefix that ends at a snapshot boundary;
+  a prefix that ends at a snapshot boundary (the cache's snapshot store,
+  :mod:`hicache.cache.components.snapshots`, decides where those are);
 - advanced after every forward that succeeds (prefill chunks and decode steps alike);
-- dropped when the request ends, is aborted or is retracted. A retracted request recomputes
-  its sequence from position 0, so its state restarts from zeros.
+- dropped when the request ends, is aborted or is retracted. A retracted request restarts
+  from its deepest cached snapshot, or from position 0 and zeros.
 
 Invariant: an entry covers exactly its sequence's first ``tokens`` positions, so a forward of
 that sequence must start at ``tokens`` (resume) or at 0 (restart). Any other start, such as
@@ -19,31 +19,28 @@ a prefix served by the cache without its snapshot, is refused with ValueError: a
 model is never run from a state that does not belong to its prefix.
 
 Snapshots travel in the cache's canonical form (:meth:`RecurrentStates.export` /
-:meth:`RecurrentStates.put`): one tensor per state tensor of
-:func:`cache_state_spec`, ``conv (1, L, C, K-1)`` in the model dtype and ``ssm (1, L, ...)``
-in fp32, ``L`` = the recurrent layers in layer order.
+:meth:`RecurrentStates.put`, wrapped as :class:`~hicache.extras.KeptState` between runner
+and cache): one tensor per state tensor of :func:`cache_state_spec`, ``conv (1, L, C, K-1)``
+in the model dtype and ``ssm (1, L, ...)`` in fp32, ``L`` = the recurrent layers in layer
+order.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hicache.config import CacheConfig, KVSpec, StateTensor
-from hicache.config import StateSpec as CacheStateSpec
+from hicache.config import SnapshotSpec, StateTensor
 from hicache.engine.models.recurrent import RecurrentState, StateSpec
 
-log = logging.getLogger("hicache.engine")
-
-__all__ = ["MIN_SNAPSHOT_SLOTS", "RecurrentStates", "cache_state_spec", "check_snapshot_slots"]
+__all__ = ["RecurrentStates", "cache_state_spec"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> CacheStateSpec:
+def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> SnapshotSpec:
     """The cache's per-slot shape of a model's recurrent state: every recurrent layer's
     ``conv`` (in ``dtype``) and ``ssm`` (fp32). The layers must share their shapes (true of
     every supported family); ValueError otherwise."""
@@ -51,61 +48,13 @@ def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> Cach
     if len(shapes) != 1:
         raise ValueError(f"recurrent layers of different state shapes: {sorted(shapes)}")
     ((conv, ssm),) = shapes
-    return CacheStateSpec(
+    return SnapshotSpec(
         num_layers=len(specs),
         tensors=(
             StateTensor(name="conv", shape=tuple(conv), dtype=_DTYPE_NAMES[dtype]),
             StateTensor(name="ssm", shape=tuple(ssm), dtype="float32"),
         ),
     )
-
-
-MIN_SNAPSHOT_SLOTS = 2
-"""L1 state slots one recurrent request needs: the snapshot it resumes from (pinned while
-it runs) plus one free for the snapshot it takes."""
-
-
-def check_snapshot_slots(
-    config: CacheConfig, kv: KVSpec, state: CacheStateSpec, max_running_requests: int
-) -> None:
-    """Refuse (ValueError with the numbers and the flags) an L1 state pool that cannot
-    serve even one recurrent request (:data:`MIN_SNAPSHOT_SLOTS`); warn when it is smaller
-    than ``max_running_requests + 1``: each running request pins the snapshot it resumed
-    from (or last committed) and taking one needs a free slot, so with fewer slots some
-    snapshots are dropped and a request whose prefix needs its snapshot in L1 waits for a
-    slot. Both degrade reuse, never correctness."""
-    slots = config.mamba_device_slots(kv, state)
-    full = max_running_requests + 1
-    kv_bytes = config.device_bytes(kv)
-    if config.max_mamba_cache_size > 0:
-        how = f"--max-mamba-cache-size {config.max_mamba_cache_size}"
-    else:
-        how = (
-            f"--mamba-full-memory-ratio {config.mamba_full_memory_ratio:g} x the"
-            f" {kv_bytes} B L1 KV pool"
-        )
-
-    def fix(need: int) -> str:
-        ratio = need * state.slot_bytes / max(1, kv_bytes)
-        return f"--max-mamba-cache-size >= {need} or --mamba-full-memory-ratio >= {ratio:.3g}"
-
-    if slots < MIN_SNAPSHOT_SLOTS:
-        raise ValueError(
-            f"the L1 recurrent-state pool holds {slots} snapshot slot(s) of"
-            f" {state.slot_bytes} B ({how}), but one request needs {MIN_SNAPSHOT_SLOTS} (the"
-            f" snapshot it resumes from plus the one it takes): set {fix(MIN_SNAPSHOT_SLOTS)}"
-        )
-    if slots < full:
-        log.warning(
-            "the L1 recurrent-state pool holds %d snapshot slots (%s), fewer than the %d that"
-            " --max-running-requests %d can pin at once: snapshots may be dropped and"
-            " requests wait for a slot; set %s for full reuse",
-            slots,
-            how,
-            full,
-            max_running_requests,
-            fix(full),
-        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +123,8 @@ class RecurrentStates:
                 have = "no state" if entry is None else f"a state of {entry.tokens} positions"
                 raise ValueError(
                     f"sequence {key!r} resumes at position {prefix} but the runner holds {have}:"
-                    " a recurrent model can resume only its own running state (a cached"
-                    " prefix has no state snapshot yet)"
+                    " a recurrent model can resume only its own running state or a snapshot"
+                    " the cache handed it (ModelRunner.resume)"
                 )
             rows.append(entry)
         if all(r is None for r in rows):
@@ -260,6 +209,3 @@ def _canonical(specs: Mapping[int, StateSpec], entry: _Entry) -> list[torch.Tens
     conv = torch.stack([entry.states[i].conv for i in layers], dim=1)
     ssm = torch.stack([entry.states[i].ssm for i in layers], dim=1)
     return [conv, ssm]
-
-    def clear(self) -> None:
-        self._entries.clear()

@@ -108,9 +108,6 @@ class Request:
     kv_len: int = 0
     retracted: int = 0
     generator: torch.Generator | None = None
-    end_state: tuple[int, list[torch.Tensor]] | None = None
-    """Recurrent models: the state after the last page boundary the request computed past
-    its prompt's snapshot, ``(positions, canonical tensors)``; committed at its end."""
     # log probabilities, when asked for (see RequestOutput)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -6,15 +6,24 @@ the model writes the new tokens' K/V into the last ``extend_len`` of them and re
 
 Models: a Llama-style :class:`DecoderLM`, or a :class:`HybridLM` (Gemma 3, GPT-OSS,
 Qwen3-Next, Nemotron-H) whose attention layers alone use the pool (one pool layer per
-attention layer, :meth:`HybridConfig.kv_spec`). Given an SWA pool (the cache's
-sliding-window tier), a hybrid's sliding layers use it and the full pool holds its global
-layers only (:meth:`HybridConfig.full_kv_spec`, :meth:`HybridConfig.swa_spec`); each
-sequence then also brings its SWA slots (:attr:`ForwardBatch.swa_slots`). A hybrid with recurrent layers (Mamba2,
-Gated DeltaNet) also carries a state per sequence from forward to forward; the runner keeps
-it (:class:`~hicache.engine.recurrent_states.RecurrentStates`, keyed by
-:attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. Such a model cannot
-resume from a prefix whose K/V the cache served (the cache keeps no state snapshot yet):
-:attr:`ModelRunner.resumable_prefix` is False and its caller must not match prefixes.
+attention layer, :meth:`HybridConfig.kv_spec`). What the model caches is described to the
+cache by :func:`cache_spec_of` (the full KV and one spec per extra component).
+
+Per-pool slot tables: given the cache's component pools the model uses directly
+(``pools``, by component name: the sliding-window store's L1 pool), a hybrid's sliding
+layers use theirs and the full pool holds its global layers only
+(:meth:`HybridConfig.full_kv_spec`, :meth:`HybridConfig.swa_spec`); each sequence then
+also brings its slots there (:attr:`ForwardBatch.pool_slots`, from the cache handle).
+
+Per-sequence extras: a hybrid with recurrent layers (Mamba2, Gated DeltaNet) carries a
+state per sequence from forward to forward; the runner keeps it
+(:class:`~hicache.engine.recurrent_states.RecurrentStates`, keyed by
+:attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. It keeps a copy at the
+offsets the cache planned (:attr:`ForwardBatch.keep`) and hands them out, once, as an
+opaque :class:`~hicache.extras.SequenceExtras` (:meth:`ModelRunner.take_extras`) for the
+cache; a sequence whose cached prefix comes with a state is seeded from the cache's record
+(:meth:`ModelRunner.resume`). Such a model resumes only where the cache hands back a
+state: :attr:`ModelRunner.resumable_prefix` is False.
 
 Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
 (:class:`~hicache.engine.decode_graphs.DecodeGraphs`, attached with
@@ -24,23 +33,52 @@ Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hicache.config import AttentionKind, KVSpec
+from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
 from hicache.engine.decode_graphs import DecodeGraphs
 from hicache.engine.kernels import AttentionBackend, resolve_backend
 from hicache.engine.models import AttentionContext, DecoderConfig, DecoderLM
 from hicache.engine.models.attention import SlidingKV
 from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.models.registry import HYBRID_FAMILIES, hybrid_config_from_hf
-from hicache.engine.recurrent_states import RecurrentStates
+from hicache.engine.recurrent_states import RecurrentStates, cache_state_spec
+from hicache.extras import KeptState, SequenceExtras
 from hicache.memory import DevicePool
 
-__all__ = ["ForwardBatch", "ModelRunner", "kv_spec_from_hf_config"]
+__all__ = ["ForwardBatch", "ModelRunner", "cache_spec_of", "kv_spec_from_hf_config"]
+
+SLIDING = SlidingWindowSpec.name
+"""The component whose pool a hybrid's sliding layers use (``"swa"``)."""
+
+
+def cache_spec_of(model: DecoderLM | HybridLM, dtype: str) -> CacheSpec:
+    """What ``model`` caches per token, for the cache: the full KV (every layer of a
+    Llama-style model; a hybrid's attention layers, its global ones only when its sliding
+    layers get their own pools) and a spec per extra component (the sliding-window
+    layers' K/V, the recurrent layers' state snapshots). ``dtype``: the KV dtype."""
+    if not isinstance(model, HybridLM):
+        cfg = model.config
+        kv = KVSpec(
+            num_layers=cfg.num_layers,
+            attention=AttentionKind.MHA,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+        )
+        return CacheSpec(kv=kv)
+    components: list[ComponentSpec] = []
+    swa = model.config.swa_spec(dtype)
+    if swa is not None:
+        components.append(swa)
+    specs = model.state_specs()
+    if specs:
+        components.append(cache_state_spec(specs, model.dtype))
+    return CacheSpec(kv=model.config.full_kv_spec(dtype), components=tuple(components))
 
 
 def kv_spec_from_hf_config(hf_config: Any, dtype: str) -> KVSpec:
@@ -66,15 +104,15 @@ class ForwardBatch:
     ``seq_slots[i]`` is a 1-D int64 tensor of sequence ``i``'s slots, prefix first, so its
     last ``extend_lens[i]`` entries receive the new K/V. ``layer_wait(layer)``, if given, is
     called once per pool layer, in order, before that layer's prefix K/V is read from the
-    pool. ``seq_ids[i]`` names sequence ``i``'s recurrent state in the runner (the request
+    pool. ``seq_ids[i]`` names sequence ``i``'s carried state in the runner (the request
     id; distinct within a batch); required by models with recurrent layers, unused by
-    others. ``swa_slots[i]`` (a runner with an SWA pool only): sequence ``i``'s slots in
-    the SWA pool for its *last* ``len(swa_slots[i])`` positions (at least its new tokens
-    and the window before them; earlier positions are absent). ``state_marks[i]`` (models
-    with recurrent layers): also keep sequence ``i``'s state after its first
-    ``state_marks[i]`` new tokens (``0 < mark < extend_lens[i]``; None: no mark), taken
-    once with :meth:`ModelRunner.take_mark`: a snapshot inside a prefill chunk without
-    ending the forward there.
+    others. ``pool_slots[name][i]`` (a runner given pool ``name``): sequence ``i``'s slots
+    in that pool for its *last* ``len(pool_slots[name][i])`` positions (at least its new
+    tokens; for the sliding-window pool the window before them too; earlier positions are
+    absent). ``keep[i]`` (the cache's plan): offsets ``k`` (``1 <= k <= extend_lens[i]``,
+    ascending) after whose ``k``-th new token sequence ``i``'s extras are kept, taken once
+    with :meth:`ModelRunner.take_extras`; models with recurrent layers keep the state there
+    (one offset inside the forward at most, besides its end), others nothing.
     """
 
     input_ids: torch.Tensor
@@ -83,8 +121,8 @@ class ForwardBatch:
     seq_slots: list[torch.Tensor]
     layer_wait: Callable[[int], None] | None = None
     seq_ids: Sequence[str] | None = None
-    swa_slots: list[torch.Tensor] | None = None
-    state_marks: Sequence[int | None] | None = None
+    pool_slots: Mapping[str, list[torch.Tensor]] | None = None
+    keep: Sequence[tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0] if self.input_ids.dim() == 1 else -1
@@ -101,15 +139,17 @@ class ForwardBatch:
             )
         if sum(self.extend_lens) != t:
             raise ValueError(f"sum(extend_lens)={sum(self.extend_lens)} != len(input_ids)={t}")
-        if self.state_marks is not None:
-            if len(self.state_marks) != len(self.extend_lens):
+        if self.keep is not None:
+            if len(self.keep) != len(self.extend_lens):
                 raise ValueError(
-                    f"state_marks has {len(self.state_marks)} entries for"
-                    f" {len(self.extend_lens)} sequences"
+                    f"keep has {len(self.keep)} entries for {len(self.extend_lens)} sequences"
                 )
-            for i, (m, n) in enumerate(zip(self.state_marks, self.extend_lens, strict=True)):
-                if m is not None and not 0 < m < n:
-                    raise ValueError(f"sequence {i}: state_marks={m} must lie in (0, {n})")
+            for i, (k, n) in enumerate(zip(self.keep, self.extend_lens, strict=True)):
+                if list(k) != sorted(set(k)) or any(not 1 <= x <= n for x in k):
+                    raise ValueError(
+                        f"sequence {i}: keep={tuple(k)} must be distinct ascending offsets"
+                        f" in [1, {n}]"
+                    )
         for i, (n, slots) in enumerate(zip(self.extend_lens, self.seq_slots, strict=True)):
             if slots.dim() != 1 or not 1 <= n <= slots.shape[0]:
                 raise ValueError(
@@ -123,19 +163,19 @@ class ForwardBatch:
                 )
             if len(set(self.seq_ids)) != len(self.seq_ids):
                 raise ValueError(f"seq_ids must be distinct, got {list(self.seq_ids)}")
-        if self.swa_slots is not None:
-            if len(self.swa_slots) != len(self.extend_lens):
+        for name, table in (self.pool_slots or {}).items():
+            if len(table) != len(self.extend_lens):
                 raise ValueError(
-                    f"swa_slots has {len(self.swa_slots)} entries for"
+                    f"pool_slots[{name!r}] has {len(table)} entries for"
                     f" {len(self.extend_lens)} sequences"
                 )
             for i, (n, s, full) in enumerate(
-                zip(self.extend_lens, self.swa_slots, self.seq_slots, strict=True)
+                zip(self.extend_lens, table, self.seq_slots, strict=True)
             ):
                 if s.dim() != 1 or not n <= s.shape[0] <= full.shape[0]:
                     raise ValueError(
-                        f"sequence {i}: swa_slots must cover its {n} new tokens and at most"
-                        f" its {full.shape[0]} positions, got {tuple(s.shape)}"
+                        f"sequence {i}: pool_slots[{name!r}] must cover its {n} new tokens and"
+                        f" at most its {full.shape[0]} positions, got {tuple(s.shape)}"
                     )
 
     @property
@@ -153,21 +193,26 @@ class ModelRunner:
 
     The pool's spec must match the model (layers, KV heads, head_dim; for a hybrid, its
     attention layers); the model's dtype may differ from the pool's (K/V are cast on write
-    and read). ``swa_pool``: the sliding layers' own pool (a hybrid with
-    :attr:`HybridConfig.swa_split` only); ``device_pool`` then holds the global layers.
-    ``states`` holds the running sequences' recurrent state (None for a model without
-    recurrent layers).
+    and read). ``pools``: the cache's component pools the model reads and writes, by
+    component name (``HiCache.runner_pools``): ``"swa"``, the sliding layers' own pool (a
+    hybrid with :attr:`HybridConfig.swa_split` only); ``device_pool`` then holds the
+    global layers. ``states`` holds the running sequences' recurrent state (None for a
+    model without recurrent layers).
     """
 
     def __init__(
         self,
         model: DecoderLM | HybridLM,
         device_pool: DevicePool,
-        swa_pool: DevicePool | None = None,
+        pools: Mapping[str, DevicePool] | None = None,
         *,
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
     ) -> None:
         spec = device_pool.spec
+        unknown = sorted(set(pools or {}) - {SLIDING})
+        if unknown:
+            raise ValueError(f"the runner uses no pool of component(s) {unknown}")
+        swa_pool = (pools or {}).get(SLIDING)
         if swa_pool is not None:
             _check_swa_pool(model, swa_pool, device_pool)
         if isinstance(model, HybridLM):
@@ -187,7 +232,7 @@ class ModelRunner:
             raise ValueError(f"pool on {device_pool.device} but model on {model.device}")
         self.model = model
         self.pool = device_pool
-        self.swa_pool = swa_pool
+        self.pools: dict[str, DevicePool] = {} if swa_pool is None else {SLIDING: swa_pool}
         self.attention_backend = resolve_backend(attention_backend, device_pool.device)
         """The concrete decode-attention backend (``sdpa`` or ``triton``)."""
         specs = model.state_specs() if isinstance(model, HybridLM) else {}
@@ -196,6 +241,8 @@ class ModelRunner:
         )
         self.decode_graphs: DecodeGraphs | None = None
         """Serves decode-only batches when set (:meth:`use_decode_graphs`)."""
+        self._extras: dict[str, SequenceExtras] = {}
+        """What the last forwards kept per sequence, until :meth:`take_extras`."""
 
     def use_decode_graphs(self, graphs: DecodeGraphs | None) -> None:
         """Serve decode-only batches through ``graphs`` (None: eagerly again): those without
@@ -230,27 +277,33 @@ class ModelRunner:
         """Whether the model has recurrent layers (state carried between forwards)."""
         return self.states is not None
 
-    def seed_state(self, seq_id: str, tokens: int, data: Sequence[torch.Tensor]) -> None:
-        """Start ``seq_id`` from a cached state snapshot covering its first ``tokens``
-        positions (the cache's canonical tensors, :mod:`hicache.engine.recurrent_states`)."""
+    def resume(self, seq_id: str, extras: SequenceExtras) -> None:
+        """Start ``seq_id`` from what the cache handed its request at admission (the state
+        after its cached prefix, in the cache's canonical tensors,
+        :mod:`hicache.engine.recurrent_states`). ValueError for a model that carries no
+        state."""
         if self.states is None:
-            raise ValueError("the model has no recurrent layers to seed")
-        self.states.put(seq_id, tokens, data)
+            raise ValueError("the model has no recurrent layers to resume")
+        if not extras.states:
+            return
+        state = extras.states[-1]
+        self.states.put(seq_id, state.tokens, state.tensors)
 
-    def snapshot_state(self, seq_id: str) -> tuple[int, list[torch.Tensor]]:
-        """The positions ``seq_id``'s state covers and the state as canonical tensors."""
-        if self.states is None:
-            raise ValueError("the model has no recurrent layers to snapshot")
-        return self.states.export(seq_id)
+    def take_extras(self, seq_id: str) -> SequenceExtras | None:
+        """What the last forward kept of ``seq_id`` at its :attr:`ForwardBatch.keep`
+        offsets (for the cache, untouched by the caller), once; None when nothing was."""
+        return self._extras.pop(seq_id, None)
 
-    def take_mark(self, seq_id: str) -> tuple[int, list[torch.Tensor]] | None:
-        """The state ``seq_id`` had at its mark in the last forward (positions covered,
-        canonical tensors), once; None when it was given none."""
-        return None if self.states is None else self.states.take_mark(seq_id)
+    @property
+    def swa_pool(self) -> DevicePool | None:
+        """The sliding layers' own pool (None: every attention layer is in :attr:`pool`)."""
+        return self.pools.get(SLIDING)
 
     def drop_state(self, seq_id: str) -> None:
-        """Forget the recurrent state of ``seq_id`` (its request ended, or was retracted and
-        will start again from position 0). A no-op for models without recurrent layers."""
+        """Forget what is carried for ``seq_id`` (its request ended, or was retracted and
+        will start again from position 0 or a cached prefix): its recurrent state and any
+        extras not taken. A no-op for models without recurrent layers."""
+        self._extras.pop(seq_id, None)
         if self.states is not None:
             self.states.drop(seq_id)
 
@@ -295,10 +348,14 @@ class ModelRunner:
             if not all(0 <= r < t for r in logit_rows):
                 raise ValueError(f"logit_rows must lie in [0, {t}), got {list(logit_rows)}")
         swa = None
-        if self.swa_pool is not None:
-            if batch.swa_slots is None:
-                raise ValueError("a runner with an SWA pool needs ForwardBatch.swa_slots")
-            swa = SlidingKV.build(self.swa_pool, batch.swa_slots, batch.extend_lens)
+        swa_pool = self.swa_pool
+        if swa_pool is not None:
+            table = (batch.pool_slots or {}).get(SLIDING)
+            if table is None:
+                raise ValueError(
+                    f"a runner with an SWA pool needs ForwardBatch.pool_slots[{SLIDING!r}]"
+                )
+            swa = SlidingKV.build(swa_pool, table, batch.extend_lens)
         ctx = AttentionContext.build(
             self.pool,
             batch.seq_slots,
@@ -342,15 +399,34 @@ class ModelRunner:
         if batch.seq_ids is None:
             raise ValueError("a model with recurrent layers needs ForwardBatch.seq_ids")
         prefix = batch.prefix_lens
+        keep = batch.keep or [()] * batch.num_seqs
+        marks: list[int | None] = []
+        for i, (k, n) in enumerate(zip(keep, batch.extend_lens, strict=True)):
+            inside = [x for x in k if x < n]
+            if len(inside) > 1:
+                raise ValueError(
+                    f"sequence {i}: keep={tuple(k)} has {len(inside)} offsets inside the"
+                    " forward; the model keeps its state at one at most"
+                )
+            marks.append(inside[0] if inside else None)
         states = self.states.gather(batch.seq_ids, prefix)
-        marks = batch.state_marks or ()
-        out = model(input_ids, positions, ctx, states, marks)
+        out = model(input_ids, positions, ctx, states, marks if any(marks) else ())
         ends = [p + n for p, n in zip(prefix, batch.extend_lens, strict=True)]
         self.states.scatter(batch.seq_ids, ends, out.states)
-        for i, mark in enumerate(marks):
+        for i, (key, k, n) in enumerate(zip(batch.seq_ids, keep, batch.extend_lens, strict=True)):
+            kept: list[KeptState] = []
+            mark = marks[i]
             if mark is not None:
-                at = {layer: got[i] for layer, got in out.marked.items()}
-                self.states.keep_mark(batch.seq_ids[i], prefix[i] + mark, at)
+                at = {layer: rows[i] for layer, rows in out.marked.items()}
+                self.states.keep_mark(key, prefix[i] + mark, at)
+                marked = self.states.take_mark(key)
+                assert marked is not None
+                kept.append(KeptState(marked[0], tuple(marked[1])))
+            if n in k:
+                tokens, tensors = self.states.export(key)
+                kept.append(KeptState(tokens, tuple(tensors)))
+            if kept:
+                self._extras[key] = SequenceExtras(tuple(kept))
         return out.hidden
 
 

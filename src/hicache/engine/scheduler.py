@@ -6,23 +6,23 @@ give L1 pages), then runs one mixed forward: the next token of every decoding re
 plus prefill chunks of the others, ``chunked_prefill_size`` tokens in all, so a new
 prompt's prefill neither waits for the decodes nor stalls them. Every prefill chunk and
 every finished prefix is committed to the cache (its write policy backs them up), so
-concurrent requests share a prefix as soon as it is computed and a sliding-window model's
-K/V reach the tree before the request's window moves past them; a request that cannot get an L1
-page for its next token is retracted (``requeue``): its KV stays cached and it waits to be
-re-admitted, which then finds its own prefix. The scheduler holds only opaque handles.
+concurrent requests share a prefix as soon as it is computed and every component's values
+reach the tree before the request moves past them; a request that cannot get an L1 page
+for its next token is retracted (``requeue``): its KV stays cached and it waits to be
+re-admitted, which then finds its own prefix. The scheduler holds only opaque handles and
+names no cache component.
 
-Models with recurrent layers (Qwen3-Next, Nemotron-H: ``runner.resumable_prefix`` False)
-start from a cached prefix only at a boundary where the cache keeps a state snapshot:
-each forward names its requests (``seq_ids``) so the runner carries their recurrent
-state; a prefill commits snapshots every ``mamba_track_interval`` tokens and at the last
-page boundary before the prompt's last token (the first boundary inside a chunk is a
-*mark*: the runner keeps the state there without ending the forward; a second one ends
-the chunk); and at its end (or retraction) a request
-commits the state after the last page boundary it computed past that (kept when passed:
-the runner's state covers exactly the computed tokens, so a request that stops between
-boundaries leaves its tail to be recomputed). A request's live state is dropped when it
-ends or is retracted (a retracted request then resumes from its deepest snapshot).
-Without a snapshot-keeping cache their handles are opened uncacheable.
+What a model caches besides K/V stays between the cache and the runner: each forward asks
+the cache for its plan per request (``plan_chunk``: where the chunk must end, and after
+which tokens the runner keeps the sequence's extras); the batch carries the handle's
+per-pool slot tables (``pool_slots``) and the plan's offsets (``keep``); the runner's
+extras of each request go back to the cache untouched, with the chunk's commit or
+(``keep``) without one; and what a re-admitted request resumes from goes from its handle
+to the runner (``take_resume``). Each forward names its requests (``seq_ids``) so the
+runner can carry their state; a request's carried state is dropped when it ends or is
+retracted. A model whose runner carries state (``runner.resumable_prefix`` False) reuses
+cached prefixes only when the cache hands states back (``cache.resumable``); otherwise
+its handles are opened uncacheable.
 
 Outputs off the critical path. A step's sampled tokens get the token-level checks
 (end-of-sequence, stop ids, ``max_tokens``, the context length) at once, so a request that
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.cache import HiCache, RequestState
+from hicache.cache import HiCache
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
@@ -111,9 +111,9 @@ class Scheduler:
         self.page_size = cache.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # a recurrent model resumes a cached prefix only from the cache's state snapshots
+        # a model that carries state resumes a cached prefix only from a state the cache
+        # hands back
         self.resumable_prefix = runner.resumable_prefix or cache.resumable
-        self.recurrent = runner.recurrent
         overlap = config.overlap_outputs
         self.overlap = torch.device(runner.device).type == "cuda" if overlap is None else overlap
         self._pending: dict[Request, None] = {}
@@ -136,7 +136,7 @@ class Scheduler:
                 tenant=req.cache_salt,
                 priority=req.priority,
                 # prompt logprobs need every prompt position computed: no prefix match;
-                # a recurrent model resumes a cached prefix only from a state snapshot
+                # a model that carries state needs the cache to hand one back
                 cacheable=not self.config.disable_radix_cache
                 and req.params.prompt_logprobs is None
                 and self.resumable_prefix,
@@ -214,10 +214,9 @@ class Scheduler:
             if req.admitted_at is None:
                 req.admitted_at = time.perf_counter()
             req.kv_len = handle.prefix_tokens
-            if self.recurrent and req.kv_len > 0:  # resume from the prefix's snapshot
-                state = self.cache.read_state(handle)
-                if state is not None:
-                    self.runner.seed_state(req.rid, req.kv_len, state)
+            resume = handle.take_resume()  # what the runner resumes the prefix from
+            if resume is not None:
+                self.runner.resume(req.rid, resume)
             self.running.append(req)
 
     def _mixed_batch(self) -> list[tuple[Request, int]]:
@@ -243,15 +242,10 @@ class Scheduler:
                 n = max(n, min(left, self.page_size))
             if n <= 0:
                 break
-            boundary = self._snapshot_boundary(req)
-            if boundary is not None and boundary < req.kv_len + n:
-                # the forward keeps the state at the first boundary inside the chunk (a
-                # mark) and ends at the second, if any: one snapshot each
-                later = self._snapshot_boundary(req, after=boundary)
-                if later is not None and later < req.kv_len + n:
-                    n = later - req.kv_len
-            # pages for the chunk (sliding-window pages come chunk by chunk); may retract
-            # a later arrival that is not in this batch
+            assert req.cache is not None
+            n = self.cache.plan_chunk(req.cache, req.kv_len, n).tokens  # may end it earlier
+            # pages for the chunk (a component's pages may come chunk by chunk); may
+            # retract a later arrival that is not in this batch
             if not self._ensure_pages(req, req.kv_len + n, keep=chosen, abort=not batch):
                 break
             batch.append((req, n))
@@ -260,75 +254,11 @@ class Scheduler:
             first = False
         return batch
 
-    def _snapshot_boundary(self, req: Request, after: int | None = None) -> int | None:
-        """For a recurrent model whose cache keeps state snapshots: the next position after
-        ``after`` (default ``req.kv_len``) at which its state is snapshotted, or None.
-        Boundaries fall every ``mamba_track_interval`` tokens (whole pages: a shared system
-        prompt gets its own) and at the last page boundary before the prompt's last token
-        (where the same prompt resumes); never past it."""
-        if not self.recurrent or req.cache is None or not req.cache.cacheable:
-            return None
-        if not self.cache.resumable:
-            return None
-        ps = self.page_size
-        last = (len(req.prompt_ids) - 1) // ps * ps
-        step = self.cache.config.mamba_track_pages * ps
-        pos = req.kv_len if after is None else after
-        nxt = min((pos // step + 1) * step, last)
-        return nxt if nxt > pos else None
-
-    def _state_mark(self, req: Request, n: int) -> int | None:
-        """Where, among a chunk's ``n`` new tokens, ``req``'s forward keeps its state for
-        the snapshot boundary inside the chunk (None: none inside)."""
-        boundary = self._snapshot_boundary(req)
-        return None if boundary is None or boundary >= req.kv_len + n else boundary - req.kv_len
-
-    def _tracks_end_state(self, req: Request) -> bool:
-        """Whether ``req`` just computed a page boundary past its prompt's last snapshot
-        boundary, whose state it keeps for its end (see :meth:`_commit_end_state`)."""
-        ps = self.page_size
-        if req.kv_len % ps or self._snapshot_boundary(req) is not None:
-            return False
-        if not self.recurrent or req.cache is None or not req.cache.cacheable:
-            return False
-        return self.cache.resumable and req.kv_len > (len(req.prompt_ids) - 1) // ps * ps
-
-    def _commit_end_state(self, req: Request) -> None:
-        """At the end of ``req``: commit the state after the last whole page it computed
-        past its prompt (kept by :meth:`_tracks_end_state`) as a snapshot, so a follow-up
-        turn (prompt + output + more) resumes there. The runner's state covers exactly
-        the computed tokens, so the boundary is the last page boundary the request passed
-        (its end when it stops on one); tokens after it are recomputed by the next turn."""
-        if req.end_state is None or req.cache is None:
-            return
-        covered, state = req.end_state
-        req.end_state = None
-        if req.cache.state is RequestState.ADMITTED and covered <= req.kv_len:
-            self.cache.commit(req.cache, req.all_ids[:covered], state=state)
-
-    def _commit_mark(self, req: Request) -> None:
-        """Commit ``req``'s pages up to the boundary marked inside its last forward with
-        the state the runner kept there."""
-        assert req.cache is not None
-        got = self.runner.take_mark(req.rid)
-        if got is None:  # pragma: no cover - the batch gave this request a mark
-            raise RuntimeError(f"{req.rid}: the forward kept no state at its mark")
-        covered, state = got
-        self.cache.commit(req.cache, req.all_ids[:covered], state=state)
-
-    def _commit_snapshot(self, req: Request) -> None:
-        """Commit ``req``'s pages up to its snapshot boundary with its recurrent state."""
-        assert req.cache is not None
-        covered, state = self.runner.snapshot_state(req.rid)
-        if covered != req.kv_len:  # pragma: no cover - the runner's own invariant
-            raise RuntimeError(f"{req.rid}: state covers {covered} positions, not {req.kv_len}")
-        self.cache.commit(req.cache, req.all_ids[: req.kv_len], state=state)
-
     def _ensure_pages(
         self, req: Request, tokens: int, *, keep: set[str] | None = None, abort: bool = True
     ) -> bool:
         """Give ``req`` pages for positions up to ``tokens`` (its next forward starts at
-        ``req.kv_len``: sliding-window pages before that forward's window are freed),
+        ``req.kv_len``: the cache drops what that forward no longer reads),
         retracting other running requests (not those in ``keep``) if L1 is full. When
         none is left to retract: abort ``req`` (``abort``) or just return False."""
         assert req.cache is not None
@@ -359,20 +289,23 @@ class Scheduler:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
-        swa_slots: list[torch.Tensor] = []  # requests of a cache with sliding-window pools
+        pool_slots: dict[str, list[torch.Tensor]] = {}  # per component pool the model uses
+        keep: list[tuple[int, ...]] = []
         loading = []
         for req, n in batch:
             assert req.cache is not None
             ids += req.all_ids[req.kv_len : req.kv_len + n]
             positions += range(req.kv_len, req.kv_len + n)
             slots.append(req.cache.slots(ps, req.kv_len + n))
-            swa = req.cache.swa_slots(ps, req.kv_len + n)
-            if swa is not None:
-                swa_slots.append(swa)
+            for name, table in req.cache.pool_slots(ps, req.kv_len + n).items():
+                pool_slots.setdefault(name, []).append(table)
+            plan = self.cache.plan_chunk(req.cache, req.kv_len, n)
+            if plan.tokens != n:  # pragma: no cover - _mixed_batch asked the same plan
+                raise RuntimeError(f"{req.rid}: the cache plans {plan.tokens} tokens, not {n}")
+            keep.append(plan.keep)
             if req.cache.loading:
                 loading.append(req.cache)
         timeout = self.config.layer_wait_timeout_s
-        marks = [self._state_mark(req, n) for req, n in batch]
 
         def layer_wait(layer: int) -> None:
             for handle in loading:
@@ -385,8 +318,8 @@ class Scheduler:
             seq_slots=slots,
             layer_wait=layer_wait if loading else None,
             seq_ids=[req.rid for req, _ in batch],
-            swa_slots=swa_slots or None,
-            state_marks=marks if any(m is not None for m in marks) else None,
+            pool_slots=pool_slots or None,
+            keep=keep if any(keep) else None,
         )
         logit_rows, last_row, prompt_rows = self._logit_rows(batch)
         try:
@@ -411,22 +344,13 @@ class Scheduler:
             if req.cache.failed is not None:
                 self._finish(req, FinishReason.ABORT, keep_kv=False, error=req.cache.failed)
                 continue
-            boundary = self._snapshot_boundary(req)  # before this chunk
-            if marks[i] is not None:  # the first boundary lay inside: its state was kept
-                assert boundary is not None
-                req.kv_len += n
-                self._commit_mark(req)
-                boundary = self._snapshot_boundary(req, after=boundary)
-            else:
-                req.kv_len += n
-            if req.kv_len == boundary:
-                self._commit_snapshot(req)
-            else:
-                if self._tracks_end_state(req):
-                    req.end_state = self.runner.snapshot_state(req.rid)
-                if req.kv_len < req.seq_len:  # a prefill chunk: its pages (and their
-                    # sliding-window K/V, before the next chunk trims the window) are shared now
-                    self.cache.commit(req.cache, req.all_ids[: req.kv_len])
+            req.kv_len += n
+            extras = self.runner.take_extras(req.rid)  # for the cache, untouched
+            if req.kv_len < req.seq_len:  # a prefill chunk: its pages (and every
+                # component's values, before the next chunk moves past them) are shared now
+                self.cache.commit(req.cache, req.all_ids[: req.kv_len], extras=extras)
+            else:  # committed after sampling, or at its release
+                self.cache.keep(req.cache, extras)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
         # the previous step's text and reports while this forward runs (on CUDA); a stop
@@ -534,7 +458,6 @@ class Scheduler:
         log.info("retracting %s to free L1 pages", req.rid)
         assert req.cache is not None
         self.running.remove(req)
-        self._commit_end_state(req)
         self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
         self.runner.drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
         req.kv_len = 0
@@ -568,9 +491,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.runner.drop_state(req.rid)
         if req.cache is not None:
-            if keep_kv:
-                self._commit_end_state(req)
-            req.end_state = None
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
 
     def _settle(self, req: Request, *, keep_kv: bool = True) -> bool:

@@ -1,6 +1,6 @@
 """State pools: fixed-size slots of recurrent-layer state (Mamba2, Gated DeltaNet), L1 and L2.
 
-A slot holds one snapshot: every tensor of a :class:`~hicache.config.StateSpec` in every
+A slot holds one snapshot: every tensor of a :class:`~hicache.config.SnapshotSpec` in every
 recurrent layer. A pool has one preallocated buffer per state tensor and a
 :class:`~hicache.memory.allocator.PageAllocator` over its slots (slot ids are "pages" of
 one snapshot each).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.config import MemLayout, StateSpec
+from hicache.config import MemLayout, SnapshotSpec
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.base import PageList, check_pages
 from hicache.memory.budget import DEVICE_FLAGS, HOST_FLAGS, check_fits, pool_bytes
@@ -55,7 +55,7 @@ class StatePool:
 
     def __init__(
         self,
-        spec: StateSpec,
+        spec: SnapshotSpec,
         num_slots: int,
         *,
         layout: MemLayout | str = MemLayout.LAYER_FIRST,
@@ -83,7 +83,7 @@ class StatePool:
         self.allocator = PageAllocator(num_slots)
 
     @classmethod
-    def device(cls, spec: StateSpec, num_slots: int, device: torch.device | str) -> StatePool:
+    def device(cls, spec: SnapshotSpec, num_slots: int, device: torch.device | str) -> StatePool:
         """The L1 state pool on ``device`` (``layer_first``)."""
         return cls(
             spec,
@@ -96,7 +96,7 @@ class StatePool:
     @classmethod
     def host(
         cls,
-        spec: StateSpec,
+        spec: SnapshotSpec,
         num_slots: int,
         layout: MemLayout | str,
         device: torch.device | str,
@@ -114,7 +114,7 @@ class StatePool:
 
     # -- sizes ---------------------------------------------------------------------------
     @property
-    def spec(self) -> StateSpec:
+    def spec(self) -> SnapshotSpec:
         return self._spec
 
     @property

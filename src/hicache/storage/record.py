@@ -31,7 +31,7 @@ So the payload is exactly ``HostPool.page_view(page)`` concatenated where a view
 reader never meets another layout's payload.
 
 Payload of a component record (``"mamba"``: one recurrent-state snapshot,
-``StateSpec.slot_bytes`` bytes): per state tensor in spec order, the slot's ``(L, *shape)``
+``SnapshotSpec.slot_bytes`` bytes): per state tensor in spec order, the slot's ``(L, *shape)``
 values in the tensor's dtype, C order, whatever the host layout (see
 :mod:`hicache.storage.slotio`).
 

@@ -2,7 +2,7 @@
 
 A ``mamba`` component record (see ``docs/l3-keys.md``) holds one state slot: per state
 tensor in spec order, the slot's ``(L, *shape)`` values in the tensor's dtype, C order,
-concatenated (``StateSpec.slot_bytes`` bytes). The order is canonical, the same for every
+concatenated (``SnapshotSpec.slot_bytes`` bytes). The order is canonical, the same for every
 host layout:
 
 - ``page_first`` / ``page_first_direct`` pools (buffers ``(S, L, *shape)``): a slot of one

@@ -78,7 +78,7 @@ class ExtendTable:
 
 @dataclass(frozen=True)
 class SlidingKV:
-    """The sliding-window layers' own pool for one forward (a cache with an SWA tier).
+    """The sliding-window layers' own pool for one forward (a cache with a sliding-window store).
 
     ``seq_slots[i]``: slots in ``pool`` of the *last* ``len(seq_slots[i])`` positions of
     sequence ``i`` (its new tokens last); earlier positions are out of every window of

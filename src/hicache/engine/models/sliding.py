@@ -14,7 +14,7 @@ this forward). Two placements:
 
 * one pool (``ctx.swa`` None): every attention layer lives in ``ctx.pool`` at pool layer
   ``kv_layer``; a sequence's ``seq_slots`` list every position from 0;
-* split (``ctx.swa`` set, the cache's SWA tier): sliding layers live in ``ctx.swa.pool``
+* split (``ctx.swa`` set, the cache's sliding-window store): sliding layers live in ``ctx.swa.pool``
   and global layers in ``ctx.pool``, each at ``split_layer`` (its rank among the layers
   of its kind); a sliding layer finds its keys in ``ctx.swa.seq_slots``, which hold only
   a sequence's last positions (the window and the new tokens). Only global layers wait

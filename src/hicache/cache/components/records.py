@@ -15,13 +15,15 @@ name: the record at page ``i`` commits to the whole prefix up to page ``i``. A c
 * where a record read from L3 goes (an L2 id of the component's pool,
   :attr:`ComponentRecords.pool`) and how the tree adopts it (:meth:`ComponentRecords.adopt`).
 
-Implemented:
+Each component store gives its codec (``ComponentStore.records``), next to the store in
+its module:
 
-* recurrent-state snapshots (:class:`SnapshotRecords`, component ``"mamba"``): a hit of
-  ``d`` pages needs the one snapshot after page ``d``; its payload is one L2 state slot;
-* sliding-window KV (:class:`SwaRecords`, component ``"swa"``): a hit of ``d`` pages needs
-  the SWA pages of the window before it, ``max(1, d - ceil(window / page_size) + 1) .. d``;
-  each record is one L2 SWA page.
+* recurrent-state snapshots (``SnapshotRecords`` in
+  :mod:`hicache.cache.components.snapshots`, component ``"mamba"``): a hit of ``d`` pages
+  needs the one snapshot after page ``d``; its payload is one L2 state slot;
+* sliding-window KV (``SwaRecords`` in :mod:`hicache.cache.components.swa`, component
+  ``"swa"``): a hit of ``d`` pages needs the SWA pages of the window before it,
+  ``max(1, d - ceil(window / page_size) + 1) .. d``; each record is one L2 SWA page.
 
 :func:`usable_boundaries` is the rule that combines them (a boundary is usable when every
 component's needs are met), and :func:`agree_boundary` makes tensor-parallel ranks agree on
@@ -36,20 +38,16 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hicache.cache.snapshot_tier import SNAPSHOT, SnapshotTier
-from hicache.cache.swa_tier import SWA, SwaTier
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
 from hicache.metrics import CacheCounters
 from hicache.tree import HiRadixTree, TreeNode
-from hicache.tree.components import Granularity, Tier
-from hicache.tree.node import PageIds, page_ids
+from hicache.tree.components import Granularity
+from hicache.tree.node import PageIds
 
 __all__ = [
     "ComponentRecords",
     "RecordWrites",
-    "SnapshotRecords",
-    "SwaRecords",
     "agree_boundary",
     "usable_boundaries",
 ]
@@ -186,151 +184,3 @@ def usable_boundaries(
         for d in range(start + 1, end + 1)
         if all(c.usable(d, local.get(c.name, ()), found.get(c.name, ())) for c in codecs)
     ]
-
-
-class SnapshotRecords(ComponentRecords):
-    """The ``"mamba"`` component's L3 codec over one cache's snapshot tier."""
-
-    name = SNAPSHOT
-
-    def __init__(self, tree: HiRadixTree, snapshots: SnapshotTier) -> None:
-        if snapshots.host_pool is None:
-            raise ValueError("L3 snapshot records need the L2 snapshot pool")
-        super().__init__(tree, reach=0)
-        self.snapshots = snapshots
-
-    @property
-    def pool(self) -> StatePool:
-        assert self.snapshots.host_pool is not None
-        return self.snapshots.host_pool
-
-    def needed(self, depth_pages: int) -> range:
-        return range(depth_pages, depth_pages + 1)
-
-    def writes(self, nodes: Sequence[TreeNode]) -> RecordWrites | None:
-        """The L2 snapshots held by ``nodes``; each node stays pinned (its own slot)."""
-        comp = self.tree.component(SNAPSHOT)
-        pins: list[TreeNode] = []
-        pages: list[int] = []
-        slots: list[int] = []
-        for n in nodes:
-            slot = comp.get(n, Tier.HOST)
-            if slot is not None:
-                pins.append(n)
-                pages.append(self.tree.depth_pages(n))
-                slots.append(int(slot[0]))
-        return RecordWrites(tuple(pins), tuple(pages), page_ids(slots)) if pins else None
-
-    def host_ready(self) -> None:
-        self.snapshots.host_ready()
-
-    def alloc(self, n: int) -> PageIds | None:
-        return self.snapshots.alloc(Tier.HOST, n)
-
-    def free(self, ids: PageIds) -> None:
-        self.snapshots.free(Tier.HOST, ids)
-
-    def adopt(
-        self, last: TreeNode, depth_pages: int, pages: Sequence[int], ids: PageIds
-    ) -> PageIds:
-        """The one slot becomes ``last``'s L2 snapshot (``pages == [depth_pages]``)."""
-        if (
-            list(pages) != [depth_pages]
-            or last.parent is None
-            or last.host is None
-            or self.tree.depth_pages(last) != depth_pages
-            or self.tree.component(SNAPSHOT).get(last, Tier.HOST) is not None
-        ):
-            return ids
-        self.tree.assign_component(SNAPSHOT, last, Tier.HOST, ids)
-        return page_ids()
-
-    def count_written(self, counters: CacheCounters, written: int, failed: int) -> None:
-        counters.l3_backup_snapshots_total += written
-        counters.l3_backup_snapshots_failed_total += failed
-
-
-class SwaRecords(ComponentRecords):
-    """The ``"swa"`` component's L3 codec over one cache's sliding-window tier: one
-    record per SWA page; a read fetches the window a boundary needs and no more."""
-
-    name = SWA
-
-    def __init__(self, tree: HiRadixTree, swa: SwaTier) -> None:
-        if swa.host_pool is None:
-            raise ValueError("L3 sliding-window records need the L2 SWA pool")
-        self.window_pages = -(-swa.window // swa.page_size)
-        super().__init__(tree, reach=self.window_pages - 1)
-        self.swa = swa
-
-    @property
-    def pool(self) -> HostPool:
-        assert self.swa.host_pool is not None
-        return self.swa.host_pool
-
-    def needed(self, depth_pages: int) -> range:
-        return range(max(1, depth_pages - self.window_pages + 1), depth_pages + 1)
-
-    def writes(self, nodes: Sequence[TreeNode]) -> RecordWrites | None:
-        """Every L2 SWA page the run holds (tombstones are absent), and those of the window
-        a hit at its last node needs above it: a boundary inside the run (where later
-        requests diverge, as at a shared system prompt's end) is then an L3 boundary too,
-        like an L2 one (:meth:`SwaTier.back_up`). Each node with pages written stays pinned
-        (an SWA value is evicted per node, so a node's own pin covers all its pages)."""
-        comp = self.tree.component(SWA)
-        chosen = {id(n) for n in nodes} | {id(n) for n in self.tree.hit_nodes(SWA, nodes[-1])}
-        path: list[TreeNode] = []
-        node: TreeNode | None = nodes[-1]
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        pins: list[TreeNode] = []
-        pages: list[int] = []
-        ids = page_ids()
-        for n in reversed(path):
-            host = comp.get(n, Tier.HOST)
-            if id(n) not in chosen or host is None:
-                continue
-            first = self.tree.depth_pages(n) - self.tree.num_pages(n) + 1
-            pins.append(n)
-            pages.extend(range(first, first + len(host)))
-            ids += host
-        return RecordWrites(tuple(pins), tuple(pages), ids) if pages else None
-
-    def host_ready(self) -> None:
-        self.swa.host_ready()
-
-    def alloc(self, n: int) -> PageIds | None:
-        return self.swa.alloc(Tier.HOST, n)
-
-    def free(self, ids: PageIds) -> None:
-        self.swa.free(Tier.HOST, ids)
-
-    def adopt(
-        self, last: TreeNode, depth_pages: int, pages: Sequence[int], ids: PageIds
-    ) -> PageIds:
-        """Each window node whose pages were all read and that has L2 full KV and no L2
-        SWA value takes its pages' ids."""
-        if last.parent is None or self.tree.depth_pages(last) != depth_pages:
-            return ids
-        comp = self.tree.component(SWA)
-        where = {p: i for i, p in enumerate(pages)}
-        window = self.tree.hit_nodes(SWA, last)
-        at = depth_pages - sum(self.tree.num_pages(n) for n in window) + 1
-        used: set[int] = set()
-        for n in window:
-            k = self.tree.num_pages(n)
-            idx = [where.get(p) for p in range(at, at + k)]
-            at += k
-            if any(i is None for i in idx) or n.host is None:
-                continue
-            if comp.get(n, Tier.HOST) is not None:
-                continue
-            got = page_ids([int(ids[i]) for i in idx if i is not None])
-            self.tree.assign_component(SWA, n, Tier.HOST, got)
-            used.update(i for i in idx if i is not None)
-        return page_ids([int(x) for i, x in enumerate(ids) if i not in used])
-
-    def count_written(self, counters: CacheCounters, written: int, failed: int) -> None:
-        counters.l3_backup_swa_pages_total += written
-        counters.l3_backup_swa_pages_failed_total += failed

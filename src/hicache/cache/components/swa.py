@@ -1,8 +1,8 @@
-"""Sliding-window KV as a component of the one tree: its own L1/L2 pools and each
-request's window.
+"""Sliding-window KV as a component store of the one tree: its own L1/L2 pools, each
+request's window, and its L3 records.
 
 A model with sliding-window layers (Gemma 3, GPT-OSS) needs, for those layers, only the
-K/V of the last ``window`` tokens before each query. This tier keeps those layers' K/V in
+K/V of the last ``window`` tokens before each query. This store keeps those layers' K/V in
 their own pools (a :class:`~hicache.memory.DevicePool` L1 of
 ``config.swa_device_pages`` pages and, with the hierarchical cache, a
 :class:`~hicache.memory.HostPool` L2 of ``config.swa_host_pages(full)`` pages), one SWA
@@ -13,7 +13,7 @@ The window rule, with positions. A query at position ``p`` attends to keys at
 ``p - window < q <= p``. A request whose next forward starts at position ``c`` (``c``
 positions computed) keeps the SWA pages of positions ``>= c - window`` (one token more
 than its queries read) and the ``ceil(window / page_size)`` pages before the last page
-boundary ``b <= c`` (:meth:`SwaTier.keep_from`), so that a commit of its whole pages
+boundary ``b <= c`` (:meth:`SwaStore.keep_from`), so that a commit of its whole pages
 hands the tree the window before ``b``, which is what a hit there needs
 (:meth:`~hicache.tree.components.SlidingWindow.hit_span`). Its own pages wholly before
 that are freed as it advances (on :meth:`grow`, which the scheduler calls before every
@@ -38,33 +38,85 @@ moves at most ``ceil(window / page_size)`` pages, next to a full-KV load of the 
 prefix that the controller's worker overlaps with the forward; a backup moves a span's
 SWA pages (as many as its full pages), off the forward's critical path.
 
-L3 keeps them as records of the ``"swa"`` component, one per page
-(:class:`~hicache.cache.component_records.SwaRecords`): a span written to L3 carries its
-L2 SWA pages, and a prefetch reads the window its usable boundary needs into this tier's
-L2 pool. :meth:`SwaTier.hit_needs` tells which nodes' SWA values a hit at a node needs,
+L3 keeps them as records of the ``"swa"`` component, one per page (:class:`SwaRecords`):
+a span written to L3 carries its L2 SWA pages, and a prefetch reads the window its usable
+boundary needs into this store's L2 pool. :meth:`SwaStore.hit_needs` tells which nodes' SWA values a hit at a node needs,
 and where each is.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hicache.cache.request import CacheRequest, SlidingTable
-from hicache.config import CacheConfig, KVSpec, SlidingWindowSpec
+from hicache.cache.components.base import (
+    ComponentStore,
+    NominalSize,
+    ServingLimits,
+    StoreAdmission,
+    StoreContext,
+)
+from hicache.cache.components.records import ComponentRecords, RecordWrites
+from hicache.cache.request import CacheRequest, SlotTable, page_slots
+from hicache.config import CacheConfig, ComponentSpec, KVSpec, SlidingWindowSpec
 from hicache.memory import DevicePool, HostPool
+from hicache.memory.allocator import PageAllocator
+from hicache.metrics import CacheCounters, ComponentUsage
 from hicache.transfer import make_copier
-from hicache.tree import HiRadixTree, TreeNode
-from hicache.tree.components import ComponentValues, Tier
+from hicache.tree import TreeNode
+from hicache.tree.components import ComponentValues, SlidingWindow, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids
 
-__all__ = ["SWA", "HitNeed", "SwaTier", "check_swa_pool", "request_pages"]
+__all__ = [
+    "SWA",
+    "HitNeed",
+    "SlidingTable",
+    "SwaRecords",
+    "SwaStore",
+    "check_swa_pool",
+    "request_pages",
+]
 
-SWA = "swa"
-"""The tree component name of sliding-window KV."""
+SWA = SlidingWindowSpec.name
+"""The tree component name of sliding-window KV (``"swa"``)."""
+
+
+class SlidingTable(SlotTable):
+    """One request's sliding-window page table (its part of the SWA store).
+
+    ``pages[i]`` is the SWA pool page of sequence page ``first + i``; sequence pages before
+    ``first`` have fallen out of the window (their SWA KV is not held: "none"), pages from
+    ``end`` on are not allocated yet. Of the held pages, those below the request's
+    ``prefix_pages`` belong to the tree (pinned through the request's node; never freed
+    by the request), the others to the request. Changed only by :class:`SwaStore`.
+    """
+
+    __slots__ = ("first", "pages")
+
+    def __init__(self, first: int = 0, pages: PageIds | None = None) -> None:
+        self.first = first
+        self.pages: PageIds = page_ids() if pages is None else pages
+
+    @property
+    def end(self) -> int:
+        """One past the last sequence page held."""
+        return self.first + len(self.pages)
+
+    def slots(self, page_size: int, upto: int) -> torch.Tensor:
+        """SWA pool slots of positions ``[first * page_size, upto)`` (the held tail of the
+        first ``upto`` positions), ``(upto - first * page_size,)`` int64 on the CPU."""
+        lo = self.first * page_size
+        if not lo <= upto <= self.end * page_size:
+            raise ValueError(
+                f"SWA slots up to {upto}: the table holds positions [{lo}, {self.end * page_size})"
+            )
+        return page_slots(self.pages, page_size, upto - lo)
+
+    def __repr__(self) -> str:
+        return f"SlidingTable(first={self.first}, pages={list(self.pages)})"
 
 
 def request_pages(window: int, chunk: int, page_size: int) -> int:
@@ -103,44 +155,80 @@ def _ids_tensor(ids: PageIds) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.int64)
 
 
-class SwaTier:
+class SwaStore(ComponentStore):
     """L1 (and optional L2) pages of the sliding-window layers for one cache."""
 
-    def __init__(
-        self,
-        *,
-        tree: HiRadixTree,
-        config: CacheConfig,
-        full: KVSpec,
-        spec: SlidingWindowSpec,
-        device: torch.device,
-        hierarchical: bool,
-    ) -> None:
-        self.tree = tree
+    spec_type = SlidingWindowSpec
+    label = "SWA"
+
+    def __init__(self, spec: ComponentSpec, ctx: StoreContext) -> None:
+        super().__init__(spec, ctx)
+        assert isinstance(spec, SlidingWindowSpec)
+        config = ctx.config
         self.spec = spec
         self.window = spec.window
         self.page_size = config.page_size
-        self.device_pool = DevicePool(spec.kv, config.swa_device_pages, config.page_size, device)
+        self._device_pool = DevicePool(
+            spec.kv, config.swa_device_pages, config.page_size, ctx.device
+        )
         self.copier = make_copier(config.io_backend)
-        self.wait_copies: Callable[[], bool] | None = None
-        """Set by the owner: waits for L1<->L2 copies in flight (they pin the windows
-        they copy) and applies them; True when it waited for any."""
-        self.host_pool: HostPool | None = None
-        if hierarchical:
-            self.host_pool = HostPool.create(
+        self._host_pool: HostPool | None = None
+        if ctx.hierarchical:
+            self._host_pool = HostPool.create(
                 spec.kv,
-                config.swa_host_pages(full),
+                config.swa_host_pages(ctx.kv),
                 config.page_size,
                 config.mem_layout,
-                device,
+                ctx.device,
             )
+
+    @classmethod
+    def tree_component(cls, spec: ComponentSpec) -> TreeComponent:
+        assert isinstance(spec, SlidingWindowSpec)
+        return SlidingWindow(spec.window)
+
+    @classmethod
+    def check_limits(
+        cls, config: CacheConfig, kv: KVSpec, spec: ComponentSpec, limits: ServingLimits
+    ) -> None:
+        assert isinstance(spec, SlidingWindowSpec)
+        check_swa_pool(config, spec.window, max(limits.chunk_tokens, config.page_size))
+
+    @property
+    def device_pool(self) -> DevicePool:
+        return self._device_pool
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        return self._host_pool
+
+    @property
+    def runner_pool(self) -> DevicePool:
+        """The sliding layers read and write their K/V here."""
+        return self._device_pool
+
+    def allocator(self, tier: Tier) -> PageAllocator:
+        return self.pool(tier).allocator
 
     def pool(self, tier: Tier) -> DevicePool | HostPool:
         if tier is Tier.DEVICE:
-            return self.device_pool
-        if self.host_pool is None:
+            return self._device_pool
+        if self._host_pool is None:
             raise RuntimeError("no L2 SWA pool without the hierarchical cache")
-        return self.host_pool
+        return self._host_pool
+
+    def usage(self, cached_tokens: int) -> ComponentUsage:
+        return self._usage(self.spec.kv.token_bytes * self.page_size, cached_tokens)
+
+    def records(self) -> SwaRecords:
+        return SwaRecords(self)
+
+    def nominal(self) -> NominalSize:
+        """The sliding layers' K/V of one token (what keeping every token would cost)."""
+        kv = self.spec.kv
+        return NominalSize(
+            kv.num_layers, float(kv.token_bytes), "pages", f"window {self.window} tokens"
+        )
 
     # ------------------------------------------------------------------ pages
 
@@ -150,7 +238,7 @@ class SwaTier:
         that cannot make room."""
         alloc = self.pool(tier).allocator
         self._evict(tier, n)
-        if alloc.free_pages < n and self.wait_copies is not None and self.wait_copies():
+        if alloc.free_pages < n and self.events.wait_copies():
             self._evict(tier, n)  # backups that landed unpinned their windows
         got = alloc.alloc(n)
         return None if got is None else page_ids(got)
@@ -165,14 +253,6 @@ class SwaTier:
             if alloc.free_pages >= n:
                 return
 
-    def free(self, tier: Tier, ids: PageIds) -> None:
-        if len(ids):
-            self.pool(tier).allocator.free(ids)
-
-    def owned(self, tier: Tier) -> list[int]:
-        """Every page of ``tier`` the tree owns (for the ownership check)."""
-        return self.tree.component_ids(SWA, tier)
-
     # ------------------------------------------------------------------ tiers
 
     def hit_needs(self, node: TreeNode) -> list[HitNeed]:
@@ -185,12 +265,6 @@ class SwaTier:
             for n in self.tree.hit_nodes(SWA, node)
         ]
 
-    def load(self, node: TreeNode) -> bool:
-        """Bring the window a hit at ``node`` needs to L1 (copies of its L2 pages); False
-        when the L1 SWA pool has no room (the caller must not use the hit). Call with the
-        hit pinned and its full KV assigned in L1."""
-        return self._copy(self.tree.component_load_nodes(SWA, node), Tier.DEVICE, None)
-
     def back_up(self, last: TreeNode) -> list[TreeNode]:
         """Copy to L2 the SWA pages of the path ending at ``last`` that have their full KV
         in L2: first the window a hit at ``last`` needs, then (room permitting) every other
@@ -198,7 +272,7 @@ class SwaTier:
         may diverge, such as the end of a shared system prompt) stay valid from L2. A full
         L2 SWA pool leaves the rest L1-only (such a boundary then is no L2 boundary).
         Returns the nodes that got L2 pages, top-down."""
-        if self.host_pool is None:
+        if self._host_pool is None:
             return []
         window = self.tree.component_backup_nodes(SWA, last)
         if not self._copy_to_host(last, window):
@@ -231,7 +305,7 @@ class SwaTier:
         has no room (nothing copied)."""
         if not nodes:
             return True
-        assert self.host_pool is not None
+        assert self._host_pool is not None
         c = self.tree.component(SWA)
         frm = Tier.HOST if to is Tier.DEVICE else Tier.DEVICE
         values = [c.get(n, frm) for n in nodes]
@@ -249,9 +323,11 @@ class SwaTier:
         if got is None:
             return False
         if to is Tier.DEVICE:
-            self.copier.load(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
+            self.copier.load(self._device_pool, self._host_pool, _ids_tensor(src), _ids_tensor(got))
         else:
-            self.copier.backup(self.device_pool, self.host_pool, _ids_tensor(src), _ids_tensor(got))
+            self.copier.backup(
+                self._device_pool, self._host_pool, _ids_tensor(src), _ids_tensor(got)
+            )
         at = 0
         for n, v in zip(nodes, values, strict=True):
             assert v is not None
@@ -263,7 +339,7 @@ class SwaTier:
         """Wait until every L1 -> L2 page copy issued so far has landed (on CUDA they are
         ordered on the current stream; on CPU they are done already). Call before another
         thread reads L2 SWA pages (an L3 write)."""
-        dev = self.device_pool.device
+        dev = self._device_pool.device
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
 
@@ -278,21 +354,35 @@ class SwaTier:
         boundary_window = computed // ps - math.ceil(self.window / ps)
         return max(0, min((computed - self.window) // ps, boundary_window))
 
-    def admit(self, req: CacheRequest, node: TreeNode, prefix_pages: int) -> bool:
+    def table(self, req: CacheRequest) -> SlidingTable | None:
+        """``req``'s sliding-window page table while admitted (None otherwise)."""
+        part = req.part(self.name)
+        assert part is None or isinstance(part, SlidingTable)
+        return part
+
+    def _table(self, req: CacheRequest) -> SlidingTable:
+        table = self.table(req)
+        assert table is not None, "the request holds no SWA table"
+        return table
+
+    def admit(self, req: CacheRequest, node: TreeNode, prefix_pages: int) -> StoreAdmission:
         """Give ``req`` its table for a hit of ``prefix_pages`` pages ending at ``node``
         (pinned by the caller): the hit's window, loaded back to L1 if it is in L2 only.
-        False (``req`` unchanged) when the L1 SWA pool has no room for that load."""
-        if node.parent is not None and not self.load(node):
-            return False
+        Not ok (``req`` unchanged) when the L1 SWA pool has no room for that load."""
+        loaded = False
+        if node.parent is not None:
+            nodes = self.tree.component_load_nodes(SWA, node)
+            if not self._copy(nodes, Tier.DEVICE, None):
+                return StoreAdmission(ok=False, loaded=bool(nodes))
+            loaded = bool(nodes)
         ids = self.tree.hit_ids(SWA, node) if node.parent is not None else page_ids()
-        req.swa = SlidingTable(prefix_pages - len(ids), ids)
-        return True
+        req.set_part(self.name, SlidingTable(prefix_pages - len(ids), ids))
+        return StoreAdmission(ok=True, loaded=loaded)
 
     def trim(self, req: CacheRequest, computed: int) -> None:
         """Drop the table's pages before :meth:`keep_from` ``computed``; free the
         request's own (pages the tree owns are only dropped)."""
-        table = req.swa
-        assert table is not None
+        table = self._table(req)
         keep = self.keep_from(computed)
         if keep <= table.first:
             return
@@ -306,8 +396,7 @@ class SwaTier:
     def grow(self, req: CacheRequest, tokens: int, computed: int | None) -> bool:
         """Make the table cover positions up to ``tokens`` (trimmed to ``computed`` first,
         when given); False when the L1 SWA pool cannot make room (trimmed, nothing added)."""
-        table = req.swa
-        assert table is not None
+        table = self._table(req)
         if computed is not None:
             self.trim(req, computed)
         need = math.ceil(tokens / self.page_size) - table.end
@@ -319,11 +408,11 @@ class SwaTier:
         table.pages = table.pages + got
         return True
 
-    def values(self, req: CacheRequest, full: int) -> ComponentValues | None:
-        """The SWA values a commit of ``full`` pages hands the tree: the held pages below
-        ``full`` (None when none is held)."""
-        table = req.swa
-        assert table is not None
+    def values(self, req: CacheRequest, full: int, final: bool) -> ComponentValues | None:
+        """The SWA values a commit of ``full`` pages hands the tree: every page still held
+        below ``full``, before trimming (the tree keeps them until its SWA LRU needs room;
+        None when none is held)."""
+        table = self._table(req)
         n = min(full, table.end) - table.first
         return ComponentValues.pages(table.first, table.pages[:n]) if n > 0 else None
 
@@ -331,8 +420,7 @@ class SwaTier:
         """After a commit of ``full`` pages ending at ``last``: the table's pages below
         ``full`` become the tree's ids (the tree may already have held other ids for some;
         the caller freed the request's duplicates)."""
-        table = req.swa
-        assert table is not None
+        table = self._table(req)
         n = min(full, table.end) - table.first
         if n <= 0:
             return
@@ -345,19 +433,113 @@ class SwaTier:
             tree_ids += ids
         table.pages = tree_ids + table.pages[n:]
 
+    def committed(self, req: CacheRequest, last: TreeNode, full: int, computed: int) -> None:
+        """The table's committed pages become the tree's; then the tree's pages before the
+        next forward's window are dropped from it (none freed: the next forward starts at
+        ``computed`` or later)."""
+        self.adopt(req, last, full)
+        self.trim(req, computed)
+
     def release(self, req: CacheRequest) -> None:
         """Free the request's own pages (the tree's stay); the request has no table."""
-        table = req.swa
+        table = self.table(req)
         if table is None:
             return
         own_from = max(0, req.prefix_pages - table.first)
         self.free(Tier.DEVICE, table.pages[own_from:])
-        req.swa = None
+        req.set_part(self.name, None)
 
-    def request_pages(self, requests: list[CacheRequest]) -> list[int]:
+    def request_ids(self, requests: Sequence[CacheRequest]) -> list[int]:
         """SWA L1 pages ``requests`` own (not the tree's)."""
         out: list[int] = []
         for r in requests:
-            if r.swa is not None:
-                out += r.swa.pages[max(0, r.prefix_pages - r.swa.first) :]
+            table = self.table(r)
+            if table is not None:
+                out += table.pages[max(0, r.prefix_pages - table.first) :]
         return out
+
+
+class SwaRecords(ComponentRecords):
+    """The ``"swa"`` component's L3 codec over one cache's sliding-window store: one
+    record per SWA page; a read fetches the window a boundary needs and no more."""
+
+    name = SWA
+
+    def __init__(self, swa: SwaStore) -> None:
+        if swa.host_pool is None:
+            raise ValueError("L3 sliding-window records need the L2 SWA pool")
+        self.window_pages = -(-swa.window // swa.page_size)
+        super().__init__(swa.tree, reach=self.window_pages - 1)
+        self.swa = swa
+
+    @property
+    def pool(self) -> HostPool:
+        assert self.swa.host_pool is not None
+        return self.swa.host_pool
+
+    def needed(self, depth_pages: int) -> range:
+        return range(max(1, depth_pages - self.window_pages + 1), depth_pages + 1)
+
+    def writes(self, nodes: Sequence[TreeNode]) -> RecordWrites | None:
+        """Every L2 SWA page the run holds (tombstones are absent), and those of the window
+        a hit at its last node needs above it: a boundary inside the run (where later
+        requests diverge, as at a shared system prompt's end) is then an L3 boundary too,
+        like an L2 one (:meth:`SwaStore.back_up`). Each node with pages written stays pinned
+        (an SWA value is evicted per node, so a node's own pin covers all its pages)."""
+        comp = self.tree.component(SWA)
+        chosen = {id(n) for n in nodes} | {id(n) for n in self.tree.hit_nodes(SWA, nodes[-1])}
+        path: list[TreeNode] = []
+        node: TreeNode | None = nodes[-1]
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        pins: list[TreeNode] = []
+        pages: list[int] = []
+        ids = page_ids()
+        for n in reversed(path):
+            host = comp.get(n, Tier.HOST)
+            if id(n) not in chosen or host is None:
+                continue
+            first = self.tree.depth_pages(n) - self.tree.num_pages(n) + 1
+            pins.append(n)
+            pages.extend(range(first, first + len(host)))
+            ids += host
+        return RecordWrites(tuple(pins), tuple(pages), ids) if pages else None
+
+    def host_ready(self) -> None:
+        self.swa.host_ready()
+
+    def alloc(self, n: int) -> PageIds | None:
+        return self.swa.alloc(Tier.HOST, n)
+
+    def free(self, ids: PageIds) -> None:
+        self.swa.free(Tier.HOST, ids)
+
+    def adopt(
+        self, last: TreeNode, depth_pages: int, pages: Sequence[int], ids: PageIds
+    ) -> PageIds:
+        """Each window node whose pages were all read and that has L2 full KV and no L2
+        SWA value takes its pages' ids."""
+        if last.parent is None or self.tree.depth_pages(last) != depth_pages:
+            return ids
+        comp = self.tree.component(SWA)
+        where = {p: i for i, p in enumerate(pages)}
+        window = self.tree.hit_nodes(SWA, last)
+        at = depth_pages - sum(self.tree.num_pages(n) for n in window) + 1
+        used: set[int] = set()
+        for n in window:
+            k = self.tree.num_pages(n)
+            idx = [where.get(p) for p in range(at, at + k)]
+            at += k
+            if any(i is None for i in idx) or n.host is None:
+                continue
+            if comp.get(n, Tier.HOST) is not None:
+                continue
+            got = page_ids([int(ids[i]) for i in idx if i is not None])
+            self.tree.assign_component(SWA, n, Tier.HOST, got)
+            used.update(i for i in idx if i is not None)
+        return page_ids([int(x) for i, x in enumerate(ids) if i not in used])
+
+    def count_written(self, counters: CacheCounters, written: int, failed: int) -> None:
+        counters.l3_backup_swa_pages_total += written
+        counters.l3_backup_swa_pages_failed_total += failed

@@ -1,0 +1,281 @@
+"""The contract of a component store: one kind of cached state above the tree.
+
+The tree keeps, per node, one value per component (:mod:`hicache.tree.components`). Above
+it each extra component (besides the full KV) has a *store*: its own L1 (and, with the
+hierarchical cache, L2) pools, what it does at each request verb, what it does when the
+full KV moves between tiers, and its L3 record codec. The facade
+(:class:`hicache.cache.HiCache`) holds the model's list of stores
+(:class:`~hicache.cache.components.stores.ComponentStores`) and calls these hooks on each
+in turn; it never names one.
+
+Request hooks, in a request's life (all on the owner's thread):
+
+* :meth:`ComponentStore.plan`: where a forward over ``[start, start + n)`` must end and
+  at which positions the runner must keep extras (:class:`ChunkPlan`);
+* :meth:`ComponentStore.admit`: after the full KV's hit ending at ``node`` is pinned and
+  the request's L1 pages are allocated: load what the hit needs (from L2) and set up the
+  request's per-store part; may refuse (no room now: the request waits);
+* :meth:`ComponentStore.grow`: before every forward, with its end and start;
+* :meth:`ComponentStore.keep`: the runner's extras of the last forward;
+* :meth:`ComponentStore.values` then :meth:`ComponentStore.committed`: what a commit
+  hands the tree, and the request's part after the insert;
+* :meth:`ComponentStore.release`: give back the request's own ids.
+
+Tier hooks: :meth:`ComponentStore.back_up` (the full KV of a run reached L2),
+:meth:`ComponentStore.free` (ids the tree released), :meth:`ComponentStore.owned` and
+:meth:`ComponentStore.check` (ownership, integrity), :meth:`ComponentStore.usage`, and
+:meth:`ComponentStore.records` (the L3 codec).
+
+A store is built from its :class:`~hicache.config.ComponentSpec` subclass and a
+:class:`StoreContext`; :data:`hicache.cache.components.STORE_TYPES` lists the store types
+and picks one per spec by :attr:`ComponentStore.spec_type`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hicache.cache.components.records import ComponentRecords
+from hicache.cache.events import TierEvents
+from hicache.cache.inspect import check_owned, component_usage
+from hicache.cache.request import CacheRequest
+from hicache.config import CacheConfig, ComponentSpec, KVSpec
+from hicache.extras import SequenceExtras
+from hicache.memory import DevicePool
+from hicache.memory.allocator import PageAllocator
+from hicache.metrics import ComponentUsage
+from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree.components import ComponentValues, Tier, TreeComponent
+from hicache.tree.node import PageIds
+from hicache.validate import int_at_least
+
+__all__ = [
+    "ChunkPlan",
+    "ComponentStore",
+    "NominalSize",
+    "ServingLimits",
+    "StoreAdmission",
+    "StoreContext",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """Where one forward of a request must end, and what the runner keeps in it.
+
+    ``tokens``: the new tokens to run (``1 <= tokens``, at most what was asked);
+    ``keep``: offsets ``k`` (``1 <= k <= tokens``, ascending) after whose ``k``-th new token
+    the runner keeps the sequence's extras (``k == tokens``: after the forward)."""
+
+    tokens: int
+    keep: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        int_at_least("tokens", self.tokens, 1)
+        if list(self.keep) != sorted(set(self.keep)) or any(
+            not 1 <= k <= self.tokens for k in self.keep
+        ):
+            raise ValueError(
+                f"keep={self.keep} must be distinct ascending offsets in [1, {self.tokens}]"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class NominalSize:
+    """What a store costs by its design rule, for reports: its model ``layers``, bytes per
+    cached token without any window or eviction (``bytes_per_token``), the ``unit`` its
+    pools count in (``pages``, ``slots``) and a short ``note``."""
+
+    layers: int
+    bytes_per_token: float
+    unit: str
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAdmission:
+    """A store's answer to an admission: ``ok`` False when it has no room now (the
+    request must wait); ``loaded`` when it copied the hit's values from L2 to L1."""
+
+    ok: bool
+    loaded: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingLimits:
+    """What one forward and one batch may hold, for the stores' up-front checks: a
+    forward adds at most ``chunk_tokens`` positions per request; at most ``max_running``
+    requests are admitted at once."""
+
+    chunk_tokens: int
+    max_running: int
+
+    def __post_init__(self) -> None:
+        int_at_least("chunk_tokens", self.chunk_tokens, 1, "(tokens)")
+        int_at_least("max_running", self.max_running, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreContext:
+    """What every store is built with: the cache's tree, config, full KV shape, device,
+    whether L2 exists, and the owner's :class:`~hicache.cache.events.TierEvents`."""
+
+    tree: HiRadixTree
+    config: CacheConfig
+    kv: KVSpec
+    device: torch.device
+    events: TierEvents
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.config.enable_hierarchical_cache
+
+
+class ComponentStore(ABC):
+    """One extra component's pools and hooks for one cache (see the module docstring).
+
+    Subclasses set :attr:`spec_type` and implement the abstract hooks; the others default
+    to "nothing to do". ``name`` is the spec's component name. Per-request data lives in
+    the request's part (:meth:`CacheRequest.part`), under ``name``.
+    """
+
+    spec_type: ClassVar[type[ComponentSpec]]
+    label: ClassVar[str]
+    """How integrity errors name this store's pools (``"L1 <label>"``)."""
+    resumes: ClassVar[bool] = False
+    """Whether admission hands requests a state to resume from
+    (:meth:`CacheRequest.take_resume`): a model carrying state between forwards can
+    resume cached prefixes only with such a store."""
+
+    def __init__(self, spec: ComponentSpec, ctx: StoreContext) -> None:
+        if not isinstance(spec, self.spec_type):
+            raise TypeError(f"{type(self).__name__} needs a {self.spec_type.__name__}")
+        self.name = spec.name
+        self.tree = ctx.tree
+        self.events = ctx.events
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    @abstractmethod
+    def tree_component(cls, spec: ComponentSpec) -> TreeComponent:
+        """The tree's component for ``spec`` (its node values, validator, split)."""
+
+    @classmethod
+    def check_limits(
+        cls, config: CacheConfig, kv: KVSpec, spec: ComponentSpec, limits: ServingLimits
+    ) -> None:
+        """Refuse (ValueError naming the flags and numbers) pools too small to serve one
+        request under ``limits``; may warn when they degrade reuse."""
+        return None
+
+    # ------------------------------------------------------------------ pools
+
+    @property
+    @abstractmethod
+    def device_pool(self) -> object:
+        """The L1 pool."""
+
+    @property
+    @abstractmethod
+    def host_pool(self) -> object | None:
+        """The L2 pool (None without the hierarchical cache)."""
+
+    @abstractmethod
+    def allocator(self, tier: Tier) -> PageAllocator:
+        """The allocator of the ``tier`` pool (RuntimeError when it does not exist)."""
+
+    @property
+    def runner_pool(self) -> DevicePool | None:
+        """The L1 pool the model reads and writes during a forward (the request's part is
+        then a :class:`~hicache.cache.request.SlotTable` giving its slots there), or None when the model does not use this store's pool directly."""
+        return None
+
+    def free(self, tier: Tier, ids: PageIds) -> None:
+        """Return ``ids`` to the ``tier`` pool."""
+        if len(ids):
+            self.allocator(tier).free(ids)
+
+    def owned(self, tier: Tier) -> list[int]:
+        """Every id of ``tier`` the tree owns (for the ownership check)."""
+        return self.tree.component_ids(self.name, tier)
+
+    # ------------------------------------------------------------------ requests
+
+    def plan(self, req: CacheRequest, start: int, tokens: int) -> ChunkPlan:
+        """Where a forward of ``req`` over ``[start, start + tokens)`` ends and what it
+        keeps; default: all of it, nothing kept."""
+        return ChunkPlan(tokens)
+
+    @abstractmethod
+    def admit(self, req: CacheRequest, node: TreeNode, prefix_pages: int) -> StoreAdmission:
+        """Set ``req`` up for a hit of ``prefix_pages`` pages ending at ``node`` (pinned,
+        its full KV in L1 or arriving; the root: no hit)."""
+
+    def grow(self, req: CacheRequest, tokens: int, computed: int | None) -> bool:
+        """Cover positions up to ``tokens`` (the next forward starts at ``computed``);
+        False when there is no room (what was added stays)."""
+        return True
+
+    def keep(self, req: CacheRequest, extras: SequenceExtras) -> None:  # noqa: B027
+        """Take the runner's ``extras`` of ``req``'s last forward (used at commits)."""
+
+    def values(self, req: CacheRequest, full: int, final: bool) -> ComponentValues | None:
+        """What a commit of ``req``'s first ``full`` pages hands the tree (``final``: the
+        request's last commit, at its release); None: nothing."""
+        return None
+
+    def committed(  # noqa: B027 - nothing to update by default
+        self, req: CacheRequest, last: TreeNode, full: int, computed: int
+    ) -> None:
+        """After a commit of ``full`` pages ending at ``last`` (``req.prefix_pages`` is
+        ``full`` now; ``computed`` positions are done)."""
+
+    @abstractmethod
+    def release(self, req: CacheRequest) -> None:
+        """Give back what ``req`` holds of this store and drop its part. Idempotent."""
+
+    def request_ids(self, requests: Sequence[CacheRequest]) -> list[int]:
+        """L1 ids ``requests`` own (not the tree's), for the ownership check."""
+        return []
+
+    # ------------------------------------------------------------------ tiers
+
+    @abstractmethod
+    def back_up(self, last: TreeNode) -> list[TreeNode]:
+        """The full KV of the run ending at ``last`` got L2 pages: copy to L2 what a hit
+        there needs; returns the nodes that got L2 values."""
+
+    @abstractmethod
+    def records(self) -> ComponentRecords:
+        """The L3 codec of this store (the cache needs L2: ValueError without)."""
+
+    @abstractmethod
+    def nominal(self) -> NominalSize:
+        """This store's nominal size (see :class:`NominalSize`)."""
+
+    @abstractmethod
+    def usage(self, cached_tokens: int) -> ComponentUsage:
+        """Pool use of this store; ``cached_tokens``: tokens whose full KV is in L1."""
+
+    def _usage(self, unit_bytes: int, cached_tokens: int) -> ComponentUsage:
+        host = self.allocator(Tier.HOST) if self.host_pool is not None else None
+        return component_usage(
+            self.name, self.allocator(Tier.DEVICE), host, unit_bytes, cached_tokens
+        )
+
+    def check(self, requests: Sequence[CacheRequest], held: Mapping[str, list[int]]) -> None:
+        """Every used id of each pool is owned exactly once: by the tree, by an admitted
+        request (:meth:`request_ids`) or, in L2, by an L3 op (``held[name]``). Raises
+        AssertionError."""
+        label = self.label
+        mine = self.request_ids(requests)
+        check_owned(f"L1 {label}", self.allocator(Tier.DEVICE), self.owned(Tier.DEVICE) + mine)
+        if self.host_pool is not None:
+            owned = [*self.owned(Tier.HOST), *held.get(self.name, [])]
+            check_owned(f"L2 {label}", self.allocator(Tier.HOST), owned)
