@@ -40,14 +40,14 @@ class Inserter:
         self,
         tokens: TokenIds,
         device_pages: Sequence[int] | PageIds,
-        *,
         priority: int,
         tenant: str,
         components: Mapping[str, ComponentValues] | None,
     ) -> InsertResult:
         """:meth:`HiRadixTree.insert <hicache.tree.radix.HiRadixTree.insert>` (its
         docstring has the contract)."""
-        check_priority(priority)
+        if type(priority) is not int:  # a plain int passes without a call
+            check_priority(priority)
         store = self._store
         key = store.page_key(tokens)
         n_pages = len(key) // store.page_bytes
@@ -58,11 +58,9 @@ class Inserter:
             )
         if components:
             self._extras.check_values(components, n_pages)
-        tick = store.advance()
-        walk = self._matcher.descend(store.root_of(tenant), key, tick)
-        _raise_priority(walk.nodes, priority)
-        adopted = self._adopt(walk.nodes, pages)
-        duplicates = _duplicates(walk.nodes, pages)
+        walk = self._matcher.descend(store.root_of(tenant), key)
+        duplicates = page_ids()
+        adopted = self._reuse(walk.nodes, pages, priority, duplicates) if walk.nodes else []
         cached_pages = walk.end // store.page_bytes
         last, new_node = walk.last, None
         if walk.end < len(key):
@@ -70,7 +68,7 @@ class Inserter:
                 walk.last, key[walk.end :], device=pages[cached_pages:], priority=priority
             )
             new_node.hit_count = 1
-        comp_dups = self._extras.place(last, n_pages, components, tick) if components else {}
+        comp_dups = self._extras.place(last, n_pages, components, store.tick) if components else {}
         if last.parent is None:
             store.drop_if_empty_root(last)  # nothing stored (shorter than a page)
         return InsertResult(
@@ -87,7 +85,8 @@ class Inserter:
     ) -> InsertResult:
         """:meth:`HiRadixTree.insert_host <hicache.tree.radix.HiRadixTree.insert_host>`
         (its docstring has the contract)."""
-        check_priority(priority)
+        if type(priority) is not int:  # a plain int passes without a call
+            check_priority(priority)
         store = self._store
         key = store.page_key(tokens)
         n_pages = len(key) // store.page_bytes
@@ -96,7 +95,7 @@ class Inserter:
                 f"insert_host got {len(host_pages)} pages from page {start_page} for"
                 f" {n_pages} whole pages of tokens"
             )
-        walk = self._matcher.descend(store.root_of(tenant), key, store.advance())
+        walk = self._matcher.descend(store.root_of(tenant), key)
         _raise_priority(walk.nodes, priority)
         cached_pages = walk.end // store.page_bytes
         if cached_pages < start_page:
@@ -120,16 +119,30 @@ class Inserter:
             new_node=new_node,
         )
 
-    def _adopt(self, nodes: list[TreeNode], pages: PageIds) -> list[TreeNode]:
-        """Give each of ``nodes`` (a walk from the root) that is held in L2 only the
-        caller's ``pages`` for its span as its L1 copy; return those nodes."""
+    def _reuse(
+        self, nodes: list[TreeNode], pages: PageIds, priority: int, duplicates: PageIds
+    ) -> list[TreeNode]:
+        """Update the cached spans an insert passed: ``nodes``, top-down from the root,
+        with ``pages`` the caller's L1 pages from the root on.
+
+        Raises each span's priority to ``priority`` if lower; a span held in L2 only takes
+        the caller's pages for it as its L1 copy (those spans are returned, top-down); for
+        a span in L1, the caller's pages that differ from its own are appended to
+        ``duplicates`` (the caller frees them)."""
         adopted: list[TreeNode] = []
+        page_bytes = self._store.page_bytes
         at = 0
         for node in nodes:
-            k = len(node.key) // self._store.page_bytes
-            if node.device is None:
-                self._store.assign_device(node, pages[at : at + k])
+            if node.priority < priority:
+                node.priority = priority
+            k = len(node.key) // page_bytes
+            chunk = pages[at : at + k]
+            held = node.device
+            if held is None:
+                self._store.assign_device(node, chunk)
                 adopted.append(node)
+            elif held != chunk:
+                duplicates.extend(p for p, q in zip(chunk, held, strict=True) if p != q)
             at += k
         return adopted
 
@@ -140,19 +153,3 @@ def _raise_priority(nodes: list[TreeNode], priority: int) -> None:
     for node in nodes:
         if node.priority < priority:
             node.priority = priority
-
-
-def _duplicates(nodes: list[TreeNode], pages: PageIds) -> PageIds:
-    """The caller's ``pages`` (one per page of the walk down ``nodes``, then more) that
-    differ from the L1 pages ``nodes`` hold for the same tokens: the caller frees them."""
-    out = page_ids()
-    at = 0
-    for node in nodes:
-        held = node.device
-        assert held is not None  # every node walked is in L1 once adopted
-        k = len(held)
-        chunk = pages[at : at + k]
-        if held != chunk:
-            out.extend(p for p, q in zip(chunk, held, strict=True) if p != q)
-        at += k
-    return out

@@ -52,13 +52,17 @@ class Matcher:
         self._paths = paths
         self._page_bytes = store.page_bytes
 
-    def descend(self, root: TreeNode, key: bytes, tick: int) -> Descent:
+    def descend(self, root: TreeNode, key: bytes) -> Descent:
         """Walk from ``root`` along ``key`` (whole pages) as far as it is cached.
 
-        Splits the node in which ``key`` diverges or ends, so the walk ends on a node
-        boundary; sets ``last_access = tick`` on every node passed."""
+        One access: advances the store's clock and sets every passed node's
+        ``last_access`` to it. Splits the node in which ``key`` diverges or ends, so the
+        walk ends on a node boundary."""
         pb = self._page_bytes
-        split = self._store.split
+        store = self._store
+        store.tick += 1
+        tick = store.tick
+        split = store.split
         nodes: list[TreeNode] = []
         node = root
         pos = 0
@@ -92,41 +96,62 @@ class Matcher:
         what a hit at either end needs (:meth:`TreeComponent.touch`). A tenant root that
         the walk created for nothing is dropped again."""
         store = self._store
-        key = store.page_key(tokens)
-        tick = store.advance()
         root = store.root_of(tenant)
-        walk = self.descend(root, key, tick)
+        walk = self.descend(root, store.page_key(tokens))
+        if walk.last.parent is None:
+            store.drop_if_empty_root(walk.last)  # a miss must not keep a tenant root alive
+        if extras:
+            return self._validated(root, walk, extras)
+        # Full KV alone accepts every node walked (each is in some tier), and in L1 each
+        # node in L1: by contiguity a prefix of the walk.
+        device_pages = page_ids()
+        last_device = root
+        for node in walk.nodes:
+            if node.device is None:
+                break
+            device_pages += node.device
+            last_device = node
+        device_tokens = len(device_pages) * store.page_size
+        return MatchResult(
+            device_pages=device_pages,
+            last_device_node=last_device,
+            last_host_node=walk.last,
+            device_tokens=device_tokens,
+            host_tokens=walk.end // TOKEN_BYTES - device_tokens,
+            stop=walk.stop,
+        )
+
+    def _validated(
+        self, root: TreeNode, walk: Descent, extras: Sequence[TreeComponent]
+    ) -> MatchResult:
+        """:meth:`match` on ``walk`` from ``root`` with the ``extras``' validators: the
+        deepest node they all accept (in any tier; in L1 only for the L1 part)."""
         any_ok = [c.validator(device_only=False) for c in extras]
         dev_ok = [c.validator(device_only=True) for c in extras]
         best_any = best_dev = root
         device_pages = page_ids()
         n_dev = 0  # device pages up to best_dev
-        pos = pos_any = 0  # bytes of key up to the node / up to best_any
+        pos = pos_any = 0  # bytes of the key up to the node / up to best_any
         limited_by: str | None = None  # the first extra rejecting the node
         for node in walk.nodes:
             pos += len(node.key)
-            held = node.device
-            in_device = held is not None
-            if held is not None:
-                device_pages += held
-            if extras:
-                oks = [v(node) for v in any_ok]  # every validator sees every node
-                devs = [v(node) for v in dev_ok]
-                in_device = in_device and all(devs)
-                limited_by = None if all(oks) else extras[oks.index(False)].name
-            if in_device:
-                best_dev, n_dev = node, len(device_pages)
+            oks = [v(node) for v in any_ok]  # every validator sees every node
+            devs = [v(node) for v in dev_ok]
+            if node.device is not None:
+                device_pages += node.device
+                if all(devs):
+                    best_dev, n_dev = node, len(device_pages)
+            limited_by = None if all(oks) else extras[oks.index(False)].name
             if limited_by is None:
                 best_any, pos_any = node, pos
+        tick = self._store.tick  # the walk's
         for c in extras:
             c.touch(self._paths, best_any, tick)
             if best_dev is not best_any:
                 c.touch(self._paths, best_dev, tick)
-        if walk.last.parent is None:
-            store.drop_if_empty_root(walk.last)  # a miss must not keep a tenant root alive
-        device_tokens = n_dev * store.page_size
+        device_tokens = n_dev * self._store.page_size
         return MatchResult(
-            device_pages=device_pages if n_dev == len(device_pages) else device_pages[:n_dev],
+            device_pages=device_pages[:n_dev],
             last_device_node=best_dev,
             last_host_node=best_any,
             device_tokens=device_tokens,

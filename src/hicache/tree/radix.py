@@ -207,9 +207,7 @@ class HiRadixTree:
         the new leaf gets it, and every existing span passed is raised to it if lower, so
         a span's priority is the max over the requests that inserted or reused it.
         """
-        return self._inserter.insert(
-            tokens, device_pages, priority=priority, tenant=tenant, components=components
-        )
+        return self._inserter.insert(tokens, device_pages, priority, tenant, components)
 
     def insert_host(
         self,

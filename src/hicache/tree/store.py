@@ -32,8 +32,9 @@ class NodeStore:
         root: the shared root (tenant ``""``); never dropped.
         tenant_roots: each tenant's root by tenant, in order of first use. A tenant root
             lives only while it has children (see :meth:`drop_if_empty_root`).
-        tick: the logical clock, advanced once per match or insert (:meth:`advance`);
-            nodes record it as ``created`` / ``last_access``.
+        tick: the logical clock, advanced once per match or insert (by its walk,
+            :meth:`Matcher.descend <hicache.tree.match.Matcher.descend>`); nodes record
+            it as ``created`` / ``last_access``.
         device_pages: L1 pages over every node (``len(node.device)`` summed).
         host_pages: L2 pages over every node.
         protected_pages: L1 pages of nodes with ``lock_ref > 0`` (kept by the pins and by
@@ -57,11 +58,6 @@ class NodeStore:
         self.host_pages = 0
         self.protected_pages = 0
         self.num_nodes = 0
-
-    def advance(self) -> int:
-        """Advance the logical clock by one; return the new time."""
-        self.tick += 1
-        return self.tick
 
     # ------------------------------------------------------------------ geometry
 
@@ -115,7 +111,10 @@ class NodeStore:
         """Link a new leaf spanning ``key`` (whole pages, starting no child of ``parent``)
         under ``parent``, holding ``device`` / ``host`` pages (one per page, not aliased
         by the caller); counts its node and pages."""
-        node = self._new_node(key, parent, device=device, host=host, priority=priority)
+        node = TreeNode(
+            self._next_id, key, parent, device=device, host=host, tick=self.tick, priority=priority
+        )
+        self._next_id += 1
         node.tenant = parent.tenant
         parent.children[key[: self.page_bytes]] = node
         self.num_nodes += 1
