@@ -9,7 +9,10 @@ an insert (:mod:`~hicache.tree.insert`) runs it, then stores what follows. Pure 
 Where a match may end: the full component accepts any node (every node is held by some
 tier) and, for an L1 hit, a node whose full KV is in L1; each extra component's validator
 (:meth:`TreeComponent.validator`) must accept it too. Validators are stateful over one
-walk: each one sees every node walked, top-down.
+walk: each one sees every node walked, top-down. With no extra component to ask (a
+full-KV tree, or :meth:`~hicache.tree.radix.HiRadixTree.match_held`) the ends follow
+from the walk alone: its last node, and its last node in L1 (contiguity makes the L1
+nodes a prefix of the walk).
 """
 
 from __future__ import annotations
@@ -102,8 +105,7 @@ class Matcher:
             store.drop_if_empty_root(walk.last)  # a miss must not keep a tenant root alive
         if extras:
             return self._validated(root, walk, extras)
-        # Full KV alone accepts every node walked (each is in some tier), and in L1 each
-        # node in L1: by contiguity a prefix of the walk.
+        # full KV alone: the walk's last node, and its last in L1 (the L1 nodes lead)
         device_pages = page_ids()
         last_device = root
         for node in walk.nodes:

@@ -24,17 +24,18 @@ its extra values in that tier (:meth:`HiRadixTree.evict_node_device`), and each 
 component is evicted on its own under its own pool's budget
 (:meth:`HiRadixTree.component_eviction_order`).
 
-The class is a facade over one part per concept, each working on the same
-:class:`~hicache.tree.store.NodeStore` (the nodes, roots and counters):
+The class is a facade: each method hands over to the part that owns its concept, every
+part working on the same :class:`~hicache.tree.store.NodeStore` (nodes, tenant roots,
+clock, splits, page counters, full-KV tier changes):
 
-============================  ================================================
-:class:`~.paths.Paths`        path walks; boundaries (splits) on a path
-:class:`~.match.Matcher`      the one walk down a key; match boundaries
-:class:`~.insert.Inserter`    inserts of L1 and of L2 (fetched) pages
-:class:`~.pins.Pins`          ``lock_ref`` / ``host_ref`` along paths
-:class:`~.eviction.Eviction`  eviction orders and node evictions per tier
-:class:`~.extras.ExtraComponents`  extra components' values, hits, own eviction
-============================  ================================================
+* :class:`~hicache.tree.paths.Paths`: path walks, and boundaries (splits) on a path;
+* :class:`~hicache.tree.match.Matcher`: the one walk down a key (used by matches and
+  inserts alike) and where a match may end on it;
+* :class:`~hicache.tree.insert.Inserter`: inserts of L1 pages and of fetched L2 pages;
+* :class:`~hicache.tree.pins.Pins`: ``lock_ref`` / ``host_ref`` along paths;
+* :class:`~hicache.tree.eviction.Eviction`: eviction orders and node evictions per tier;
+* :class:`~hicache.tree.extras.ExtraComponents`: the extra components' values, hit
+  plans and own eviction.
 """
 
 from __future__ import annotations
