@@ -65,7 +65,6 @@ class Matcher:
         store = self._store
         store.tick += 1
         tick = store.tick
-        split = store.split
         nodes: list[TreeNode] = []
         node = root
         pos = 0
@@ -80,7 +79,7 @@ class Matcher:
             diverged = False
             if key[pos : pos + klen] != child.key:
                 klen = common_prefix_bytes(key[pos:], child.key, pb)
-                child = split(child, klen // pb)
+                child = store.split(child, klen // pb)
                 diverged = pos + klen < end
             child.last_access = tick
             nodes.append(child)
