@@ -48,6 +48,8 @@ class ArenaPool:
     def __init__(self, register: Callable[[torch.Tensor], bool]) -> None:
         self._register = register
         self._free: list[torch.Tensor] = []
+        # every buffer ever registered, held for the pool's life: registered memory must
+        # outlive its registration, even a buffer whose arena was dropped unreleased
         self._all: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -69,10 +71,6 @@ class ArenaPool:
     def give_back(self, t: torch.Tensor) -> None:
         with self._lock:
             self._free.append(t)
-
-    def all_buffers(self) -> list[torch.Tensor]:
-        with self._lock:
-            return list(self._all)
 
 
 class BufferRegistry:

@@ -92,12 +92,6 @@ class DeadlineRunner:
         with self._idle:
             return self._idle.wait_for(lambda: self._stuck_host == 0, timeout=max(timeout_s, 0.0))
 
-    @property
-    def inflight(self) -> int:
-        """Calls submitted and not returned yet (stuck ones included)."""
-        with self._lock:
-            return self._inflight
-
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every submitted call to return; True if none is left."""
         with self._idle:

@@ -1,18 +1,23 @@
-"""Eviction: which evictable leaf goes first under each policy, and the tree's eviction ops.
+"""Node eviction: which leaf goes first under each policy, and taking a node's pages back.
 
 A policy maps a node to a sort key; the smallest key is evicted first. Ties break on the
-node id (older node first), so eviction order is deterministic.
+node id (older node first), so eviction order is deterministic. Evicting a node's full KV
+from a tier drops every extra component's value in that tier with it (the cascade: a
+component value needs the full KV in its tier). Pure Python.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from hicache.config import EvictionPolicy
-from hicache.tree.components import Tier
+from hicache.tree.components import Tier, TreeComponent
 from hicache.tree.node import PageIds, TreeNode
 from hicache.tree.results import NodeEviction
+from hicache.tree.store import NodeStore
+
+__all__ = ["Eviction", "EvictionKey", "eviction_key", "eviction_order"]
 
 EvictionKey = Callable[[TreeNode], tuple[int, ...]]
 NodePredicate = Callable[[TreeNode], bool]
@@ -73,43 +78,16 @@ def eviction_order(
             heapq.heappush(heap, (key(parent), parent.id, parent))
 
 
-class EvictionOps:
-    """Eviction of the tree's leaves (mixed into :class:`~hicache.tree.radix.HiRadixTree`).
+class Eviction:
+    """Eviction of ``store``'s leaves in the order of ``key``; ``extras`` (the extra
+    components) cascade."""
 
-    Needs from the tree: its counters, its policy key, ``_page_bytes`` and ``iter_nodes``.
-    """
+    def __init__(self, store: NodeStore, extras: Sequence[TreeComponent], key: EvictionKey) -> None:
+        self._store = store
+        self._extras = tuple(extras)
+        self._key = key
 
-    _page_bytes: int
-    _device_pages: int
-    _host_pages: int
-    _num_nodes: int
-    _evict_key: EvictionKey
-    _cascade: Callable[[TreeNode, Tier], dict[str, PageIds]]
-    _extra_values: Callable[[TreeNode, Tier], list[str]]
-
-    def iter_nodes(self) -> Iterator[TreeNode]:
-        raise NotImplementedError
-
-    def _after_remove(self, parent: TreeNode) -> None:
-        """Called once ``parent`` has lost a child (the tree drops emptied tenant roots)."""
-
-    def _device_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.device is not None
-            and node.lock_ref == 0
-            and all(c.device is None for c in node.children.values())
-        )
-
-    def _host_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.device is None
-            and node.host is not None
-            and node.host_ref == 0
-            and node.lock_ref == 0
-            and not node.children
-        )
+    # ------------------------------------------------------------------ orders
 
     def device_eviction_order(self) -> Iterator[TreeNode]:
         """Unpinned L1 leaves (no child in L1) in policy order, lazily.
@@ -118,31 +96,23 @@ class EvictionOps:
         before asking for the next; a parent that becomes a leaf joins the order.
         """
         return eviction_order(
-            self.iter_nodes(), self._evict_key, self._device_evictable, lambda n: n.device is None
+            self._store.iter_nodes(), self._key, _device_evictable, lambda n: n.device is None
         )
 
     def host_eviction_order(self) -> Iterator[TreeNode]:
         """Unpinned L2-only leaves in policy order, lazily (see :meth:`device_eviction_order`)."""
         return eviction_order(
-            self.iter_nodes(), self._evict_key, self._host_evictable, lambda n: n.host is None
-        )
-
-    def _host_copy_droppable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.device is not None
-            and node.host is not None
-            and node.host_ref == 0
-            and node.lock_ref == 0
-            and all(c.host is None for c in node.children.values())
+            self._store.iter_nodes(), self._key, _host_evictable, lambda n: n.host is None
         )
 
     def host_copy_eviction_order(self) -> Iterator[TreeNode]:
         """Unpinned spans in L1 *and* L2 whose children have no L2 copy, in policy order,
-        lazily: their L2 copy can go (:meth:`drop_host`) without losing any data."""
+        lazily: their L2 copy can go (:meth:`drop_node_host`) without losing any data."""
         return eviction_order(
-            self.iter_nodes(), self._evict_key, self._host_copy_droppable, lambda n: n.host is None
+            self._store.iter_nodes(), self._key, _host_copy_droppable, lambda n: n.host is None
         )
+
+    # ------------------------------------------------------------------ evictions
 
     def evict_device(self, node: TreeNode) -> PageIds:
         """Drop ``node``'s L1 copy and return its L1 page ids for the owner to free.
@@ -157,15 +127,12 @@ class EvictionOps:
     def evict_node_device(self, node: TreeNode) -> NodeEviction:
         """:meth:`evict_device` for every component: the node's full L1 pages and each
         extra component's L1 value (cascade), all for the owner to free."""
-        if not self._device_evictable(node):
+        if not _device_evictable(node):
             raise RuntimeError(f"{node!r} is not an unpinned L1 leaf")
-        pages = node.device
-        assert pages is not None
         extra = self._cascade(node, Tier.DEVICE)
-        node.device = None
-        self._device_pages -= len(pages)
+        pages = self._store.take_device(node)
         if node.host is None:
-            self._remove(node)
+            self._store.remove_leaf(node)
         return NodeEviction(pages, extra)
 
     def evict_host(self, node: TreeNode) -> PageIds:
@@ -178,47 +145,70 @@ class EvictionOps:
 
     def evict_node_host(self, node: TreeNode) -> NodeEviction:
         """:meth:`evict_host` for every component (the extras' L2 values cascade)."""
-        if not self._host_evictable(node):
+        if not _host_evictable(node):
             raise RuntimeError(f"{node!r} is not an unpinned L2-only leaf")
-        pages = node.host
-        assert pages is not None
         extra = self._cascade(node, Tier.HOST)
-        node.host = None
-        self._host_pages -= len(pages)
-        self._remove(node)
+        pages = self._store.take_host(node)
+        self._store.remove_leaf(node)
         return NodeEviction(pages, extra)
 
-    def drop_host(self, node: TreeNode) -> PageIds:
-        """Forget ``node``'s L2 copy while it stays in L1 (a failed backup, or room for new
-        backups); return the pages. Raises RuntimeError if an extra component has an L2
-        value on the node: use :meth:`drop_node_host`."""
-        self._no_extra_values(node, Tier.HOST, "drop_node_host")
-        return self.drop_node_host(node).full
-
     def drop_node_host(self, node: TreeNode) -> NodeEviction:
-        """:meth:`drop_host` for every component (the extras' L2 values go too)."""
+        """Forget ``node``'s L2 copy while it stays in L1 (a failed backup, or room for new
+        backups): its full L2 pages and every extra component's L2 value, for the owner
+        to free."""
         if node.host is None or node.device is None:
             raise RuntimeError(f"{node!r} must be in L1 and L2 to drop its L2 copy")
         if any(c.host is not None for c in node.children.values()):
             raise RuntimeError(f"{node!r} has backed-up children (contiguity)")
-        pages = node.host
         extra = self._cascade(node, Tier.HOST)
-        node.host = None
-        self._host_pages -= len(pages)
-        return NodeEviction(pages, extra)
+        return NodeEviction(self._store.take_host(node), extra)
+
+    def _cascade(self, node: TreeNode, tier: Tier) -> dict[str, PageIds]:
+        """Drop every extra value of ``node`` in ``tier`` (its full KV leaves that tier)."""
+        out: dict[str, PageIds] = {}
+        for c in self._extras:
+            if c.get(node, tier) is not None:
+                out[c.name] = c.take(node, tier)
+        return out
 
     def _no_extra_values(self, node: TreeNode, tier: Tier, use: str) -> None:
-        names = self._extra_values(node, tier)
+        names = [c.name for c in self._extras if c.get(node, tier) is not None]
         if names:
             raise RuntimeError(
                 f"{node!r} has {', '.join(names)} values in {tier.value}; use {use}"
                 " to get their ids too"
             )
 
-    def _remove(self, node: TreeNode) -> None:
-        parent = node.parent
-        assert parent is not None and not node.children
-        del parent.children[node.key[: self._page_bytes]]
-        node.parent = None
-        self._num_nodes -= 1
-        self._after_remove(parent)
+
+def _device_evictable(node: TreeNode) -> bool:
+    """An unpinned node in L1 with no child in L1 (an L1 leaf)."""
+    return (
+        node.parent is not None
+        and node.device is not None
+        and node.lock_ref == 0
+        and all(c.device is None for c in node.children.values())
+    )
+
+
+def _host_evictable(node: TreeNode) -> bool:
+    """An unpinned childless node in L2 only."""
+    return (
+        node.parent is not None
+        and node.device is None
+        and node.host is not None
+        and node.host_ref == 0
+        and node.lock_ref == 0
+        and not node.children
+    )
+
+
+def _host_copy_droppable(node: TreeNode) -> bool:
+    """An unpinned node in L1 and L2 with no child in L2."""
+    return (
+        node.parent is not None
+        and node.device is not None
+        and node.host is not None
+        and node.host_ref == 0
+        and node.lock_ref == 0
+        and all(c.host is None for c in node.children.values())
+    )

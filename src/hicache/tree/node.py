@@ -136,16 +136,6 @@ class TreeNode:
         self.tenant = ""
         self.extra: dict[str, Any] | None = None
 
-    @property
-    def evicted(self) -> bool:
-        """True when the span is not in L1."""
-        return self.device is None
-
-    @property
-    def backed_up(self) -> bool:
-        """True when the span has a copy in L2."""
-        return self.host is not None
-
     def __repr__(self) -> str:
         tiers = ("D" if self.device is not None else "") + ("H" if self.host is not None else "")
         return (

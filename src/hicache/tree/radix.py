@@ -22,7 +22,20 @@ only at a node every component's validator accepts, a split moves every componen
 values, pins pin every component's hit span, evicting a node's full KV from a tier drops
 its extra values in that tier (:meth:`HiRadixTree.evict_node_device`), and each extra
 component is evicted on its own under its own pool's budget
-(:meth:`~hicache.tree.hybrid.ComponentOps.component_eviction_order`).
+(:meth:`HiRadixTree.component_eviction_order`).
+
+The class is a facade: each method hands over to the part that owns its concept, every
+part working on the same :class:`~hicache.tree.store.NodeStore` (nodes, tenant roots,
+clock, splits, page counters, full-KV tier changes):
+
+* :class:`~hicache.tree.paths.Paths`: path walks, and boundaries (splits) on a path;
+* :class:`~hicache.tree.match.Matcher`: the one walk down a key (used by matches and
+  inserts alike) and where a match may end on it;
+* :class:`~hicache.tree.insert.Inserter`: inserts of L1 pages and of fetched L2 pages;
+* :class:`~hicache.tree.pins.Pins`: ``lock_ref`` / ``host_ref`` along paths;
+* :class:`~hicache.tree.eviction.Eviction`: eviction orders and node evictions per tier;
+* :class:`~hicache.tree.extras.ExtraComponents`: the extra components' values, hit
+  plans and own eviction.
 """
 
 from __future__ import annotations
@@ -30,25 +43,37 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 from hicache.config import EvictionPolicy
-from hicache.tokens import TOKEN_BYTES, TokenIds, encode_tokens
-from hicache.tree.components import ComponentValues, FullComponent, TreeComponent
-from hicache.tree.eviction import EvictionOps, eviction_key
-from hicache.tree.hybrid import ComponentOps
+from hicache.tokens import TOKEN_BYTES, TokenIds
+from hicache.tree.components import ComponentValues, FullComponent, Tier, TreeComponent
+from hicache.tree.eviction import Eviction, eviction_key
+from hicache.tree.extras import ExtraComponents
+from hicache.tree.insert import Inserter
 from hicache.tree.integrity import check_tree
-from hicache.tree.node import PageIds, TreeNode, as_page_ids, common_prefix_bytes, page_ids
-from hicache.tree.paths import PathQueries
-from hicache.tree.pins import PathPins
-from hicache.tree.results import InsertResult, MatchResult, MatchStop, TreeStats
-from hicache.validate import int_at_least, is_int
+from hicache.tree.match import Matcher
+from hicache.tree.node import PageIds, TreeNode
+from hicache.tree.paths import Paths
+from hicache.tree.pins import Pins
+from hicache.tree.results import ComponentStats, InsertResult, MatchResult, NodeEviction, TreeStats
+from hicache.tree.store import NodeStore
+from hicache.validate import int_at_least
+
+__all__ = ["HiRadixTree"]
 
 
-def check_priority(priority: int) -> None:
-    """Require an int priority (TypeError otherwise; any sign is allowed)."""
-    if not is_int(priority):
-        raise TypeError(f"priority={priority!r} is invalid; must be an int")
+def _extra_components(components: Sequence[TreeComponent]) -> tuple[TreeComponent, ...]:
+    """``components`` as the tree's extras (ValueError unless each is an extra
+    :class:`TreeComponent` with a name of its own, not ``"full"``)."""
+    extras = tuple(components)
+    names = [c.name for c in extras]
+    for c in extras:
+        if not isinstance(c, TreeComponent) or c.base:
+            raise ValueError(f"components: {c!r} is not an extra TreeComponent")
+    if len(set(names)) != len(names) or FullComponent.name in names:
+        raise ValueError(f"components: names {names} must be unique and not 'full'")
+    return extras
 
 
-class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
+class HiRadixTree:
     """The radix tree over L1 and L2 page ids; see the module docstring for invariants.
 
     Args:
@@ -68,56 +93,31 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
         int_at_least("page_size", page_size, 1)
         self.page_size = page_size
         self.eviction_policy = EvictionPolicy(eviction_policy)
-        self._page_bytes = page_size * TOKEN_BYTES
-        self._evict_key = eviction_key(self.eviction_policy)
-        self._full = FullComponent()
-        self._extra = tuple(components)
-        names = [c.name for c in self._extra]
-        for c in self._extra:
-            if not isinstance(c, TreeComponent) or c.base:
-                raise ValueError(f"components: {c!r} is not an extra TreeComponent")
-        if len(set(names)) != len(names) or FullComponent.name in names:
-            raise ValueError(f"components: names {names} must be unique and not 'full'")
-        self._components: tuple[TreeComponent, ...] = (self._full, *self._extra)
-        self.reset()
+        self._extra = _extra_components(components)
+        self._components: tuple[TreeComponent, ...] = (FullComponent(), *self._extra)
+        store = self._store = NodeStore(page_size, self._components)
+        paths = self._paths = Paths(store)
+        self._matcher = Matcher(store, paths)
+        self._extras = ExtraComponents(store, paths, self._extra)
+        self._inserter = Inserter(store, self._matcher, self._extras)
+        self._pins = Pins(store, paths, self._extra)
+        self._eviction = Eviction(store, self._extra, eviction_key(self.eviction_policy))
 
     @property
     def components(self) -> tuple[TreeComponent, ...]:
         """Every component: the full one first, then the extras."""
         return self._components
 
-    # ------------------------------------------------------------------ basics
+    # ------------------------------------------------------------------ roots and tenants
 
     def reset(self) -> None:
         """Drop every node. The owner frees the pages it had handed to the tree."""
-        self._next_id = 0
-        self._tick = 0
-        self.root = self._new_root("")
-        self._tenant_roots: dict[str, TreeNode] = {}
-        self._device_pages = 0
-        self._host_pages = 0
-        self._protected_pages = 0
-        self._num_nodes = 0
+        self._store.reset()
 
-    def _new_node(
-        self,
-        key: bytes,
-        parent: TreeNode | None,
-        *,
-        device: PageIds | None = None,
-        host: PageIds | None = None,
-        priority: int = 0,
-    ) -> TreeNode:
-        node = TreeNode(
-            self._next_id, key, parent, device=device, host=host, tick=self._tick, priority=priority
-        )
-        self._next_id += 1
-        return node
-
-    def _new_root(self, tenant: str) -> TreeNode:
-        root = self._new_node(b"", None, device=page_ids(), host=page_ids())
-        root.tenant = tenant
-        return root
+    @property
+    def root(self) -> TreeNode:
+        """The shared root (tenant ``""``)."""
+        return self._store.root
 
     def root_of(self, tenant: str = "") -> TreeNode:
         """The root of ``tenant``'s subtree (created on first use); ``""`` is the shared one.
@@ -127,58 +127,39 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
         last node) drop it again, so the tree's state per tenant is bounded by what it
         caches. Raises TypeError for a ``tenant`` that is not a ``str``.
         """
-        if not isinstance(tenant, str):
-            raise TypeError(f"tenant={tenant!r} is invalid; must be a str (a cache salt)")
-        if not tenant:
-            return self.root
-        root = self._tenant_roots.get(tenant)
-        if root is None:
-            root = self._tenant_roots[tenant] = self._new_root(tenant)
-        return root
+        return self._store.root_of(tenant)
 
     @property
     def roots(self) -> list[TreeNode]:
         """The shared root, then each tenant's (every tenant root has children)."""
-        return [self.root, *self._tenant_roots.values()]
+        return self._store.roots
 
     @property
     def tenants(self) -> list[str]:
         """The tenants (cache salts) with something cached, in order of first use."""
-        return list(self._tenant_roots)
+        return list(self._store.tenant_roots)
 
     def has_tenant(self, tenant: str) -> bool:
         """Whether ``tenant`` (``""``: shared, always true) has a root in the tree."""
-        return not tenant or tenant in self._tenant_roots
+        return not tenant or tenant in self._store.tenant_roots
 
     def prune_tenant(self, tenant: str) -> bool:
         """Drop ``tenant``'s root if it has no children; return whether it is gone now.
 
         Normally automatic (see :meth:`root_of`); the shared root is never dropped.
         """
-        root = self._tenant_roots.get(tenant)
+        root = self._store.tenant_roots.get(tenant)
         if root is not None:
-            self._after_remove(root)
-        return tenant not in self._tenant_roots
-
-    def _after_remove(self, parent: TreeNode) -> None:
-        """``parent`` may have lost its last child: drop it if it is an empty tenant root."""
-        tenant = parent.tenant
-        if (
-            parent.parent is None
-            and not parent.children
-            and self._tenant_roots.get(tenant) is parent
-        ):
-            del self._tenant_roots[tenant]
+            self._store.drop_if_empty_root(root)
+        return tenant not in self._store.tenant_roots
 
     def num_pages(self, node: TreeNode) -> int:
-        return len(node.key) // self._page_bytes
+        """Pages of ``node``'s span (0 for a root)."""
+        return self._store.num_pages(node)
 
     def num_tokens(self, node: TreeNode) -> int:
+        """Tokens of ``node``'s span (0 for a root)."""
         return len(node.key) // TOKEN_BYTES
-
-    def _page_key(self, tokens: TokenIds) -> bytes:
-        key = encode_tokens(tokens)
-        return key[: len(key) - len(key) % self._page_bytes]
 
     # ------------------------------------------------------------------ match / insert
 
@@ -190,122 +171,14 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
         With extra components the match ends at the deepest node every component accepts
         (in L1 or L2; the L1 part at the deepest node accepted with L1 values only).
         """
-        if self._extra:
-            return self._match_components(tokens, tenant)
-        return self._match_full(tokens, tenant)
+        return self._matcher.match(tokens, tenant, self._extra)
 
     def match_held(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
         """The longest prefix of ``tokens`` whose full KV the tree holds, in any tier,
         whatever the other components' validators say (so not necessarily a valid match
         boundary): where an L3 fetch of the pages that follow starts. Splits and marks
         like :meth:`match_prefix`; equal to it in a tree of full KV only."""
-        return self._match_full(tokens, tenant)
-
-    def _match_full(self, tokens: TokenIds, tenant: str) -> MatchResult:
-        """:meth:`match_prefix` over the full component alone."""
-        key = self._page_key(tokens)
-        pb = self._page_bytes
-        self._tick += 1
-        tick = self._tick
-        node = last_device = self.root_of(tenant)
-        device_pages = page_ids()
-        host_bytes = 0
-        pos = 0
-        end = len(key)
-        stop = MatchStop.END_OF_KEY
-        while pos < end:
-            child = node.children.get(key[pos : pos + pb])
-            if child is None:
-                stop = MatchStop.NO_CHILD
-                break
-            klen = len(child.key)
-            diverged = False
-            if key[pos : pos + klen] != child.key:
-                klen = common_prefix_bytes(key[pos:], child.key, pb)
-                child = self._split(child, klen // pb)
-                diverged = pos + klen < end
-            child.last_access = tick
-            if child.device is not None:
-                device_pages += child.device
-                last_device = child
-            else:
-                host_bytes += klen
-            pos += klen
-            node = child
-            if diverged:
-                stop = MatchStop.DIVERGED
-                break
-        if node.parent is None:
-            self._after_remove(node)  # a miss must not keep a tenant root alive
-        return MatchResult(
-            device_pages=device_pages,
-            last_device_node=last_device,
-            last_host_node=node,
-            device_tokens=len(device_pages) * self.page_size,
-            host_tokens=host_bytes // TOKEN_BYTES,
-            stop=stop,
-        )
-
-    def _match_components(self, tokens: TokenIds, tenant: str) -> MatchResult:
-        """:meth:`match_prefix` through every component's validators (same walk)."""
-        key = self._page_key(tokens)
-        pb = self._page_bytes
-        self._tick += 1
-        tick = self._tick
-        comps = self._components
-        any_ok = [c.validator(device_only=False) for c in comps]
-        dev_ok = [c.validator(device_only=True) for c in comps]
-        node = best_any = best_dev = self.root_of(tenant)
-        device_pages = page_ids()
-        n_dev = 0  # device pages up to best_dev
-        pos_any = 0  # bytes of key up to best_any
-        limited_by: str | None = None
-        pos = 0
-        end = len(key)
-        stop = MatchStop.END_OF_KEY
-        while pos < end:
-            child = node.children.get(key[pos : pos + pb])
-            if child is None:
-                stop = MatchStop.NO_CHILD
-                break
-            klen = len(child.key)
-            diverged = False
-            if key[pos : pos + klen] != child.key:
-                klen = common_prefix_bytes(key[pos:], child.key, pb)
-                child = self._split(child, klen // pb)
-                diverged = pos + klen < end
-            child.last_access = tick
-            if child.device is not None:
-                device_pages += child.device
-            pos += klen
-            node = child
-            oks = [v(child) for v in any_ok]  # every validator sees every node
-            devs = [v(child) for v in dev_ok]
-            if all(devs):
-                best_dev, n_dev = child, len(device_pages)
-            if all(oks):
-                best_any, pos_any, limited_by = child, pos, None
-            else:
-                limited_by = comps[oks.index(False)].name
-            if diverged:
-                stop = MatchStop.DIVERGED
-                break
-        for c in self._extra:
-            c.touch(self, best_any, tick)
-            if best_dev is not best_any:
-                c.touch(self, best_dev, tick)
-        if node.parent is None:
-            self._after_remove(node)  # a miss must not keep a tenant root alive
-        device_tokens = n_dev * self.page_size
-        return MatchResult(
-            device_pages=device_pages[:n_dev],
-            last_device_node=best_dev,
-            last_host_node=best_any,
-            device_tokens=device_tokens,
-            host_tokens=pos_any // TOKEN_BYTES - device_tokens,
-            stop=stop,
-            limited_by=limited_by,
-        )
+        return self._matcher.match(tokens, tenant, ())
 
     def insert(
         self,
@@ -335,94 +208,7 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
         the new leaf gets it, and every existing span passed is raised to it if lower, so
         a span's priority is the max over the requests that inserted or reused it.
         """
-        check_priority(priority)
-        key = self._page_key(tokens)
-        pb = self._page_bytes
-        n_pages = len(key) // pb
-        pages = as_page_ids(device_pages)
-        if len(pages) != n_pages:
-            raise ValueError(
-                f"insert got {len(device_pages)} device pages for {n_pages} whole pages of tokens"
-            )
-        if components:
-            self._check_values(components, n_pages)
-        self._tick += 1
-        tick = self._tick
-        node = self.root_of(tenant)
-        pos = 0
-        page = 0
-        cached_pages = 0
-        duplicates = page_ids()
-        adopted: list[TreeNode] = []
-        new_node: TreeNode | None = None
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + pb])
-            if child is None:
-                new_node = self._new_node(key[pos:], node, device=pages[page:], priority=priority)
-                new_node.hit_count = 1
-                new_node.tenant = node.tenant
-                node.children[key[pos : pos + pb]] = new_node
-                self._num_nodes += 1
-                self._device_pages += n_pages - page
-                node = new_node
-                break
-            klen = len(child.key)
-            if key[pos : pos + klen] != child.key:
-                klen = common_prefix_bytes(key[pos:], child.key, pb)
-                child = self._split(child, klen // pb)
-            k = klen // pb
-            chunk = pages[page : page + k]
-            child.last_access = tick
-            child.priority = max(child.priority, priority)
-            cached_pages += k
-            if child.device is None:
-                self.assign_device(child, chunk)
-                adopted.append(child)
-            elif child.device != chunk:
-                duplicates.extend(p for p, q in zip(chunk, child.device, strict=True) if p != q)
-            pos += klen
-            page += k
-            node = child
-        comp_dups = self._insert_components(node, n_pages, components) if components else {}
-        if node.parent is None:
-            self._after_remove(node)  # nothing stored (shorter than a page)
-        return InsertResult(
-            last_node=node,
-            cached_tokens=cached_pages * self.page_size,
-            duplicate_pages=duplicates,
-            adopted=adopted,
-            new_node=new_node,
-            component_duplicates=comp_dups,
-        )
-
-    def count_hit(self, node: TreeNode) -> None:
-        """One more request reused the path to ``node``: add a hit to it and each
-        ancestor (``write_through_selective`` and ``lfu`` read the counts)."""
-        while node.parent is not None:
-            node.hit_count += 1
-            node = node.parent
-
-    def _split(self, child: TreeNode, at_page: int) -> TreeNode:
-        """Split ``child`` after ``at_page`` pages; return the new head (child's new parent)."""
-        parent = child.parent
-        assert parent is not None and 0 < at_page < self.num_pages(child)
-        n = self.num_pages(child)
-        cut = at_page * self._page_bytes
-        head = self._new_node(child.key[:cut], parent, priority=child.priority)
-        for comp in self._components:
-            comp.split(head, child, at_page, n)
-        head.lock_ref = child.lock_ref
-        head.host_ref = child.host_ref
-        head.hit_count = child.hit_count
-        head.last_access = child.last_access
-        head.created = child.created
-        head.tenant = child.tenant
-        child.key = child.key[cut:]
-        child.parent = head
-        head.children[child.key[: self._page_bytes]] = child
-        parent.children[head.key[: self._page_bytes]] = head
-        self._num_nodes += 1
-        return head
+        return self._inserter.insert(tokens, device_pages, priority, tenant, components)
 
     def insert_host(
         self,
@@ -440,96 +226,159 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
         L2-only leaf, only if its parent is in L2 (contiguity), else all are returned.
         ``priority`` is the new leaf's and raises the spans passed, as in :meth:`insert`.
         """
-        check_priority(priority)
-        key = self._page_key(tokens)
-        pb = self._page_bytes
-        if len(key) // pb != start_page + len(host_pages):
-            raise ValueError(
-                f"insert_host got {len(host_pages)} pages from page {start_page} for"
-                f" {len(key) // pb} whole pages of tokens"
-            )
-        self._tick += 1
-        node, pos = self.root_of(tenant), 0
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + pb])
-            if child is None:
-                break
-            klen = len(child.key)
-            if key[pos : pos + klen] != child.key:
-                klen = common_prefix_bytes(key[pos:], child.key, pb)
-                child = self._split(child, klen // pb)
-            child.last_access = self._tick
-            child.priority = max(child.priority, priority)
-            pos += klen
-            node = child
-        page = pos // pb
-        if page < start_page:
-            raise ValueError(f"insert_host: pages before {start_page} are not cached")
-        new_node: TreeNode | None = None
-        taken = page - start_page
-        if pos < len(key) and node.host is not None:
-            new_node = self._new_node(key[pos:], node, host=host_pages[taken:], priority=priority)
-            new_node.tenant = node.tenant
-            node.children[key[pos : pos + pb]] = new_node
-            self._num_nodes += 1
-            self._host_pages += len(host_pages) - taken
-            node = new_node
-            dup = host_pages[:taken]
-        else:
-            dup = host_pages[:]
-        if node.parent is None:
-            self._after_remove(node)  # nothing stored
-        return InsertResult(
-            last_node=node,
-            cached_tokens=taken * self.page_size,
-            duplicate_pages=dup,
-            adopted=[],
-            new_node=new_node,
-        )
+        return self._inserter.insert_host(tokens, host_pages, start_page, tenant, priority)
 
-    # ------------------------------------------------------------------ tier changes
+    def count_hit(self, node: TreeNode) -> None:
+        """One more request reused the path to ``node``: add a hit to it and each
+        ancestor (``write_through_selective`` and ``lfu`` read the counts)."""
+        self._paths.count_hit(node)
+
+    # ------------------------------------------------------------------ paths
+
+    def nodes_to_back_up(self, node: TreeNode, *, min_hits: int = 0) -> list[TreeNode]:
+        """Nodes on the path to ``node`` without an L2 copy, top-down, that may be backed up
+        now: the run just below the backed-up prefix whose hit counts reach ``min_hits``."""
+        return self._paths.nodes_to_back_up(node, min_hits=min_hits)
+
+    def host_only_path(self, node: TreeNode) -> list[TreeNode]:
+        """The L1-evicted nodes on the path to ``node``, top-down (what a load back copies)."""
+        return self._paths.host_only_path(node)
+
+    def path_tail(self, node: TreeNode, num_pages: int) -> list[TreeNode]:
+        """The nodes holding the last ``num_pages`` pages of the path to ``node``, top-down
+        (``num_pages`` must end on a node boundary)."""
+        return self._paths.path_tail(node, num_pages)
+
+    def path_key(self, node: TreeNode) -> bytes:
+        """The encoded tokens from the root to the end of ``node``."""
+        return self._paths.path_key(node)
+
+    def depth_pages(self, node: TreeNode) -> int:
+        """Pages from the root to the end of ``node`` (0 for a root)."""
+        return self._paths.depth_pages(node)
+
+    def ensure_boundary(self, node: TreeNode, pages_back: int) -> None:
+        """Split the path so that a node boundary lies ``pages_back`` pages above the end
+        of ``node`` (nothing to do on a boundary, at or beyond the root)."""
+        self._paths.ensure_boundary(node, pages_back)
+
+    # ------------------------------------------------------------------ pins
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors in L1 (and each extra component's hit span)."""
+        self._pins.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock_ref`; raises before changing anything on underflow."""
+        self._pins.dec_lock_ref(node)
+
+    def inc_host_ref(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors in L2 (and each extra component's hit span)."""
+        self._pins.inc_host_ref(node)
+
+    def dec_host_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_host_ref`; raises before changing anything on underflow."""
+        self._pins.dec_host_ref(node)
+
+    # ------------------------------------------------------------------ full-KV tiers
 
     def assign_device(self, node: TreeNode, pages: PageIds) -> None:
         """Give an L1-evicted node its L1 pages (after a load back or a recompute)."""
-        if node.device is not None:
-            raise RuntimeError(f"{node!r} already has device pages")
-        if node.parent is None or node.parent.device is None:
-            raise RuntimeError(f"{node!r}: parent not in L1; load back top-down (contiguity)")
-        if len(pages) != self.num_pages(node):
-            raise ValueError(f"{node!r} needs {self.num_pages(node)} pages, got {len(pages)}")
-        node.device = pages
-        self._device_pages += len(pages)
-        if node.lock_ref > 0:
-            self._protected_pages += len(pages)
+        self._store.assign_device(node, pages)
 
     def assign_host(self, node: TreeNode, pages: PageIds) -> None:
         """Give a node its L2 pages (a backup was issued for it)."""
-        if node.host is not None:
-            raise RuntimeError(f"{node!r} already has host pages")
-        if node.parent is None or node.parent.host is None:
-            raise RuntimeError(f"{node!r}: parent not in L2; back up top-down (contiguity)")
-        if len(pages) != self.num_pages(node):
-            raise ValueError(f"{node!r} needs {self.num_pages(node)} pages, got {len(pages)}")
-        node.host = pages
-        self._host_pages += len(pages)
+        self._store.assign_host(node, pages)
+
+    def device_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L1 leaves (no child in L1) in policy order, lazily; evict each yielded
+        node (or skip it) before asking for the next. See :class:`Eviction`."""
+        return self._eviction.device_eviction_order()
+
+    def host_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L2-only leaves in policy order, lazily."""
+        return self._eviction.host_eviction_order()
+
+    def host_copy_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned spans in L1 and L2 whose children have no L2 copy, in policy order,
+        lazily (their L2 copy can go: :meth:`drop_node_host`)."""
+        return self._eviction.host_copy_eviction_order()
+
+    def evict_device(self, node: TreeNode) -> PageIds:
+        """Drop ``node``'s L1 copy; return its L1 pages (RuntimeError if an extra component
+        has an L1 value there: use :meth:`evict_node_device`)."""
+        return self._eviction.evict_device(node)
+
+    def evict_node_device(self, node: TreeNode) -> NodeEviction:
+        """Drop ``node``'s L1 copy with every extra component's L1 value (cascade)."""
+        return self._eviction.evict_node_device(node)
+
+    def evict_host(self, node: TreeNode) -> PageIds:
+        """Remove an unpinned L2-only leaf; return its L2 pages (RuntimeError if an extra
+        component has an L2 value there: use :meth:`evict_node_host`)."""
+        return self._eviction.evict_host(node)
+
+    def evict_node_host(self, node: TreeNode) -> NodeEviction:
+        """Remove an unpinned L2-only leaf with every extra component's L2 value."""
+        return self._eviction.evict_node_host(node)
+
+    def drop_node_host(self, node: TreeNode) -> NodeEviction:
+        """Forget ``node``'s L2 copy (every component's) while it stays in L1."""
+        return self._eviction.drop_node_host(node)
+
+    # ------------------------------------------------------------------ extra components
+
+    def component(self, name: str) -> TreeComponent:
+        """The extra component called ``name`` (KeyError naming the known ones)."""
+        return self._extras.component(name)
+
+    def assign_component(self, name: str, node: TreeNode, tier: Tier, ids: PageIds) -> None:
+        """Give ``node`` its ``name`` value in ``tier`` (it must hold its full KV there)."""
+        self._extras.assign_component(name, node, tier, ids)
+
+    def hit_nodes(self, name: str, node: TreeNode) -> list[TreeNode]:
+        """The nodes whose ``name`` values a hit ending at ``node`` needs, top-down."""
+        return self._extras.hit_nodes(name, node)
+
+    def hit_ids(self, name: str, node: TreeNode, tier: Tier = Tier.DEVICE) -> PageIds:
+        """The ``tier`` ids of what a hit at ``node`` needs, in token order (LookupError
+        if one is not in that tier)."""
+        return self._extras.hit_ids(name, node, tier)
+
+    def component_load_nodes(self, name: str, node: TreeNode) -> list[TreeNode]:
+        """Nodes whose ``name`` value a hit at ``node`` needs from L2 (in L2, not in L1)."""
+        return self._extras.component_load_nodes(name, node)
+
+    def component_backup_nodes(self, name: str, node: TreeNode) -> list[TreeNode]:
+        """Nodes whose ``name`` value to copy L1 -> L2 so a hit at ``node`` works from L2."""
+        return self._extras.component_backup_nodes(name, node)
+
+    def component_eviction_order(self, name: str, tier: Tier) -> Iterator[TreeNode]:
+        """Nodes whose ``name`` value in ``tier`` may be evicted on its own, least recently
+        needed first, lazily."""
+        return self._extras.component_eviction_order(name, tier)
+
+    def evict_component(self, name: str, node: TreeNode, tier: Tier) -> PageIds:
+        """Drop ``node``'s ``name`` value in ``tier``; return its ids for the owner to free."""
+        return self._extras.evict_component(name, node, tier)
+
+    def component_ids(self, name: str, tier: Tier) -> list[int]:
+        """Every ``tier`` id of ``name`` the tree owns (for allocator ownership checks)."""
+        return self._extras.component_ids(name, tier)
+
+    def component_stats(self, name: str) -> ComponentStats:
+        """``name``'s ids per tier, pinned L1 ids and L1 tombstones over the tree."""
+        return self._extras.component_stats(name)
 
     # ------------------------------------------------------------------ inspection
 
     def iter_nodes(self) -> Iterator[TreeNode]:
-        """Every node but the root, parents before children."""
-        stack = [c for r in self.roots for c in r.children.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        """Every node but the roots, parents before children."""
+        return self._store.iter_nodes()
 
     def stats(self) -> TreeStats:
-        return TreeStats(
-            nodes=self._num_nodes,
-            device_pages=self._device_pages,
-            host_pages=self._host_pages,
-            protected_device_pages=self._protected_pages,
-        )
+        """Nodes and full-KV pages per tier, as counted incrementally."""
+        return self._store.stats()
 
     def device_page_ids(self) -> list[int]:
         """Every L1 page id the tree owns."""
@@ -542,8 +391,4 @@ class HiRadixTree(PathQueries, PathPins, EvictionOps, ComponentOps):
     def check_integrity(self) -> TreeStats:
         """Verify every invariant of the module docstring; raise AssertionError naming the
         first violation. Returns the recomputed stats."""
-        stats = check_tree(
-            self.root, self._tenant_roots, self.page_size, self._components, self.stats()
-        )
-        self._check_extras(self._extra)
-        return stats
+        return check_tree(self._store)

@@ -143,7 +143,8 @@ class ComponentValues:
 
 
 class PathAccess(Protocol):
-    """What a component may ask of the tree (implemented by the radix tree)."""
+    """What a component may ask of the tree (:class:`hicache.tree.paths.Paths` implements
+    it)."""
 
     page_size: int
 

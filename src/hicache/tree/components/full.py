@@ -2,10 +2,10 @@
 
 Its values are the node's fast-path fields ``node.device`` / ``node.host``; its pins are
 the node's path-wise ``lock_ref`` / ``host_ref``; its eviction is the node lifecycle
-(:meth:`~hicache.tree.radix.HiRadixTree.evict_device`, ``evict_host``, ``drop_host``),
-which the tree runs because the tree keeps the page counters. A hit needs every page of
-the path, so any node in the tree is a valid boundary in some tier, and a node whose full
-KV is in L1 is one for an L1 hit.
+(:meth:`~hicache.tree.radix.HiRadixTree.evict_node_device`, ``evict_node_host``,
+``drop_node_host``), which the tree runs because the tree keeps the page counters. A hit
+needs every page of the path, so any node in the tree is a valid boundary in some tier,
+and a node whose full KV is in L1 is one for an L1 hit.
 """
 
 from __future__ import annotations

@@ -1,98 +1,54 @@
-"""Per-component operations of the tree: assign, plan hits/backups/loads, evict on budget.
+"""The extra components' values in the tree: assign, place at insert, plan hits, evict.
 
-Mixed into :class:`~hicache.tree.radix.HiRadixTree`. Every method works the same way for
-every extra component (sliding window, Mamba state, ...) through the
-:class:`~hicache.tree.components.TreeComponent` contract; the full component's values
-change through the tree's own node methods (``assign_device``, ``evict_device``, ...),
-which keep the page counters. Pure Python, like the rest of the tree.
+:class:`ExtraComponents` works the same way for every extra component (sliding window,
+Mamba state, ...) through the :class:`~hicache.tree.components.TreeComponent` contract;
+the full component's values change through the node store (``assign_device``, the
+tree's ``evict_*``), which keeps the page counters. Pure Python, like the rest of the tree.
 
 What the owner does with these (the cache facade), per extra component ``c``:
 
 * after an L1 hit is admitted: pin (the tree's ``inc_lock_ref`` pins ``c``'s hit span);
-  :meth:`ComponentOps.hit_ids` gives the L1 ids the model reads;
+  :meth:`ExtraComponents.hit_ids` gives the L1 ids the model reads;
 * load back of a hit at ``b`` (after the full pages are assigned):
-  :meth:`component_load_nodes` lists the nodes whose ``c`` value must be copied L2 -> L1;
-  allocate, copy, :meth:`assign_component` on L1;
+  :meth:`~ExtraComponents.component_load_nodes` lists the nodes whose ``c`` value must be
+  copied L2 -> L1; allocate, copy, :meth:`~ExtraComponents.assign_component` on L1;
 * backup of a path ending at ``b`` (after the full host pages are assigned):
-  :meth:`component_backup_nodes` lists what to copy L1 -> L2; allocate, copy, assign;
-* ``c``'s pool is short: walk :meth:`component_eviction_order` and
-  :meth:`evict_component` until enough ids are free; the node (and its full KV) stays.
+  :meth:`~ExtraComponents.component_backup_nodes` lists what to copy L1 -> L2; allocate,
+  copy, assign;
+* ``c``'s pool is short: walk :meth:`~ExtraComponents.component_eviction_order` and
+  :meth:`~ExtraComponents.evict_component` until enough ids are free; the node (and its
+  full KV) stays.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-from hicache.tree.components import ComponentValues, Granularity, Tier, TreeComponent
+from hicache.tree.components import ComponentValues, Granularity, Span, Tier, TreeComponent
+from hicache.tree.eviction import eviction_order
 from hicache.tree.node import PageIds, TreeNode, as_page_ids, page_ids
+from hicache.tree.paths import Paths
 from hicache.tree.results import ComponentStats
+from hicache.tree.store import NodeStore
 
-__all__ = ["ComponentOps"]
+__all__ = ["ExtraComponents"]
 
 
-class ComponentOps:
-    """Component-generic tree operations (needs ``_extra``, ``_split``, path walks)."""
+class ExtraComponents:
+    """The ``extras`` of one tree (full attention is not one of them) over the nodes of
+    ``store``; ``paths`` is what their rules may ask of the tree."""
 
-    _extra: tuple[TreeComponent, ...]
-    _page_bytes: int
-    _tick: int
-    page_size: int
-
-    def iter_nodes(self) -> Iterator[TreeNode]:
-        raise NotImplementedError
-
-    def _split(self, child: TreeNode, at_page: int) -> TreeNode:
-        raise NotImplementedError
-
-    def num_pages(self, node: TreeNode) -> int:
-        return len(node.key) // self._page_bytes
-
-    path_tail: Callable[[TreeNode, int], list[TreeNode]]
-
-    # ------------------------------------------------------------------ basics
-
-    @property
-    def extra_components(self) -> tuple[TreeComponent, ...]:
-        """The extra components (full attention is always there and not listed)."""
-        return self._extra
+    def __init__(self, store: NodeStore, paths: Paths, extras: Sequence[TreeComponent]) -> None:
+        self._store = store
+        self._paths = paths
+        self._extras = tuple(extras)
 
     def component(self, name: str) -> TreeComponent:
         """The extra component called ``name`` (KeyError naming the known ones)."""
-        for c in self._extra:
+        for c in self._extras:
             if c.name == name:
                 return c
-        raise KeyError(f"no component {name!r}; this tree has {[c.name for c in self._extra]}")
-
-    def depth_pages(self, node: TreeNode) -> int:
-        """Pages from the root to the end of ``node`` (0 for a root)."""
-        pages = 0
-        while node.parent is not None:
-            pages += self.num_pages(node)
-            node = node.parent
-        return pages
-
-    def ensure_boundary(self, node: TreeNode, pages_back: int) -> None:
-        """Split the path so that a node boundary lies ``pages_back`` pages above the end
-        of ``node`` (nothing to do on a boundary, at or beyond the root)."""
-        left = pages_back
-        while left > 0 and node.parent is not None:
-            n = self.num_pages(node)
-            if n > left:
-                self._split(node, n - left)
-                return
-            left -= n
-            node = node.parent
-
-    def _node_at(self, last: TreeNode, pages_back: int) -> TreeNode:
-        """The node ending ``pages_back`` pages above the end of ``last`` (splits)."""
-        self.ensure_boundary(last, pages_back)
-        node = last
-        while pages_back > 0:
-            pages_back -= self.num_pages(node)
-            assert node.parent is not None and pages_back >= 0
-            node = node.parent
-        return node
+        raise KeyError(f"no component {name!r}; this tree has {[c.name for c in self._extras]}")
 
     # ------------------------------------------------------------------ values
 
@@ -108,12 +64,12 @@ class ComponentOps:
             raise RuntimeError(f"{node!r}: no full KV in {tier.value}; assign that first")
         if c.get(node, tier) is not None:
             raise RuntimeError(f"{node!r} already has a {name} value in {tier.value}")
-        want = c.ids_for(self.num_pages(node))
+        want = c.ids_for(self._paths.num_pages(node))
         if len(ids) != want:
             raise ValueError(f"{node!r} needs {want} {name} ids, got {len(ids)}")
         c.set(node, tier, as_page_ids(ids)[:])
 
-    def _check_values(self, values: Mapping[str, ComponentValues], n_pages: int) -> None:
+    def check_values(self, values: Mapping[str, ComponentValues], n_pages: int) -> None:
         """Raise (before the tree changes) unless every span fits an insert of ``n_pages``."""
         for name, vals in values.items():
             c = self.component(name)
@@ -129,45 +85,55 @@ class ComponentOps:
                         f" {n_pages} pages ({c.granularity.value} granularity)"
                     )
 
-    def _insert_components(
-        self, last: TreeNode, n_pages: int, values: Mapping[str, ComponentValues]
+    def place(
+        self, last: TreeNode, n_pages: int, values: Mapping[str, ComponentValues], tick: int
     ) -> dict[str, PageIds]:
-        """Place insert-time L1 ids on the path to ``last`` (which ends at ``n_pages``);
-        spans were checked by :meth:`_check_values`."""
+        """Place an insert's L1 ids on the path to ``last`` (which ends at page
+        ``n_pages``; spans were checked by :meth:`check_values`), splitting so each span
+        starts and ends on a node boundary. A node that has a value keeps it; return, per
+        component, the caller's ids that differ from the kept ones (the caller frees them).
+        Every node given or keeping a value is marked needed at ``tick``."""
         dups: dict[str, PageIds] = {}
         for name, vals in values.items():
             c = self.component(name)
             out = page_ids()
             for span in vals.spans:
-                s, e, ids = span.start_page, span.end_page, as_page_ids(span.ids)
-                end_node = self._node_at(last, n_pages - e)
-                if c.granularity is Granularity.BOUNDARY:
-                    nodes, chunks = [end_node], [ids[:]]
-                else:
-                    self.ensure_boundary(end_node, e - s)
-                    nodes = self.path_tail(end_node, e - s)
-                    chunks, at = [], 0
-                    for n in nodes:
-                        k = self.num_pages(n)
-                        chunks.append(ids[at : at + k])
-                        at += k
-                for n, chunk in zip(nodes, chunks, strict=True):
-                    have = c.get(n, Tier.DEVICE)
-                    c.data_for(n).last_access = self._tick  # the inserter's hit needs it
+                for node, chunk in self._span_nodes(c, last, n_pages, span):
+                    have = c.get(node, Tier.DEVICE)
+                    c.data_for(node).last_access = tick  # the inserter's hit needs it
                     if have is None:
-                        c.set(n, Tier.DEVICE, chunk)
+                        c.set(node, Tier.DEVICE, chunk)
                     elif have != chunk:
                         out.extend(p for p, q in zip(chunk, have, strict=True) if p != q)
             if out:
                 dups[name] = out
         return dups
 
+    def _span_nodes(
+        self, c: TreeComponent, last: TreeNode, n_pages: int, span: Span
+    ) -> list[tuple[TreeNode, PageIds]]:
+        """The nodes ``span`` of ``c`` covers on the path to ``last``, each with its ids
+        (splits so the span's ends are node boundaries)."""
+        ids = as_page_ids(span.ids)
+        end_node = self._paths.node_at(last, n_pages - span.end_page)
+        if c.granularity is Granularity.BOUNDARY:
+            return [(end_node, ids[:])]
+        pages = span.end_page - span.start_page
+        self._paths.ensure_boundary(end_node, pages)
+        out: list[tuple[TreeNode, PageIds]] = []
+        at = 0
+        for node in self._paths.path_tail(end_node, pages):
+            k = self._paths.num_pages(node)
+            out.append((node, ids[at : at + k]))
+            at += k
+        return out
+
     # ------------------------------------------------------------------ hits
 
     def hit_nodes(self, name: str, node: TreeNode) -> list[TreeNode]:
         """The nodes whose ``name`` values a hit ending at ``node`` needs, top-down (may
         split once so the span starts on a boundary)."""
-        return self.component(name).hit_nodes(self, node)
+        return self.component(name).hit_nodes(self._paths, node)
 
     def hit_ids(self, name: str, node: TreeNode, tier: Tier = Tier.DEVICE) -> PageIds:
         """The ``tier`` ids of what a hit at ``node`` needs, in token order (SWA: the
@@ -175,7 +141,7 @@ class ComponentOps:
         LookupError if a needed value is not in that tier."""
         c = self.component(name)
         out = page_ids()
-        for n in c.hit_nodes(self, node):
+        for n in c.hit_nodes(self._paths, node):
             ids = c.get(n, Tier(tier))
             if ids is None:
                 raise LookupError(f"{name} value of {n!r} is not in {Tier(tier).value}")
@@ -190,7 +156,7 @@ class ComponentOps:
         c = self.component(name)
         return [
             n
-            for n in c.hit_nodes(self, node)
+            for n in c.hit_nodes(self._paths, node)
             if c.get(n, Tier.DEVICE) is None and c.get(n, Tier.HOST) is not None
         ]
 
@@ -201,13 +167,13 @@ class ComponentOps:
         c = self.component(name)
         return [
             n
-            for n in c.hit_nodes(self, node)
+            for n in c.hit_nodes(self._paths, node)
             if n.host is not None
             and c.get(n, Tier.DEVICE) is not None
             and c.get(n, Tier.HOST) is None
         ]
 
-    # ------------------------------------------------------------------ eviction
+    # ------------------------------------------------------------------ own eviction
 
     def component_eviction_order(self, name: str, tier: Tier) -> Iterator[TreeNode]:
         """Nodes whose ``name`` value in ``tier`` may be evicted on its own (unpinned),
@@ -215,12 +181,12 @@ class ComponentOps:
         the node and its full KV (a tombstone in that tier)."""
         c = self.component(name)
         tier = Tier(tier)
-        heap = [(c.eviction_key(n), n) for n in self.iter_nodes() if c.evictable(n, tier)]
-        heapq.heapify(heap)
-        while heap:
-            _, node = heapq.heappop(heap)
-            if c.evictable(node, tier):
-                yield node
+        return eviction_order(
+            self._store.iter_nodes(),
+            c.eviction_key,
+            lambda n: c.evictable(n, tier),
+            lambda n: False,  # the node stays: its parent gains nothing to evict
+        )
 
     def evict_component(self, name: str, node: TreeNode, tier: Tier) -> PageIds:
         """Drop ``node``'s ``name`` value in ``tier``; return its ids for the owner to free."""
@@ -230,33 +196,23 @@ class ComponentOps:
             raise RuntimeError(f"{node!r}: its {name} {tier.value} value is absent or pinned")
         return c.take(node, tier)
 
-    def _cascade(self, node: TreeNode, tier: Tier) -> dict[str, PageIds]:
-        """Drop every extra value of ``node`` in ``tier`` (its full KV leaves that tier)."""
-        out: dict[str, PageIds] = {}
-        for c in self._extra:
-            if c.get(node, tier) is not None:
-                out[c.name] = c.take(node, tier)
-        return out
-
-    def _extra_values(self, node: TreeNode, tier: Tier) -> list[str]:
-        return [c.name for c in self._extra if c.get(node, tier) is not None]
-
     # ------------------------------------------------------------------ inspection
 
     def component_ids(self, name: str, tier: Tier) -> list[int]:
         """Every ``tier`` id of ``name`` the tree owns (for allocator ownership checks)."""
         c = self.component(name)
         out: list[int] = []
-        for n in self.iter_nodes():
+        for n in self._store.iter_nodes():
             ids = c.get(n, Tier(tier))
             if ids is not None:
                 out.extend(ids)
         return out
 
     def component_stats(self, name: str) -> ComponentStats:
+        """``name``'s ids per tier over the tree, its pinned L1 ids and its L1 tombstones."""
         c = self.component(name)
         dev = host = prot = tomb = 0
-        for n in self.iter_nodes():
+        for n in self._store.iter_nodes():
             d = c.get(n, Tier.DEVICE)
             h = c.get(n, Tier.HOST)
             if d is not None:
@@ -268,22 +224,3 @@ class ComponentOps:
             if h is not None:
                 host += len(h)
         return ComponentStats(name, dev, host, prot, tomb)
-
-    def _pin_extras(self, node: TreeNode, tier: Tier, delta: int) -> None:
-        for c in self._extra:
-            c.pin(self, node, tier, delta)
-
-    def _check_extras(self, components: Sequence[TreeComponent]) -> None:
-        """Per extra component and tier: every id owned by one node only."""
-        for c in components:
-            for tier in Tier:
-                seen: set[int] = set()
-                for n in self.iter_nodes():
-                    ids = c.get(n, tier)
-                    if ids is None:
-                        continue
-                    dup = seen.intersection(ids)
-                    assert not dup and len(set(ids)) == len(ids), (
-                        f"{c.name} {tier.value} ids {dup or list(ids)} owned twice"
-                    )
-                    seen.update(ids)
