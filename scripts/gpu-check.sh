@@ -35,7 +35,7 @@ if [ "$MODE" = prepare ]; then
   PY=${PY:-$ROOT/.venv/bin/python}
   mkdir -p .git/info .gpu/tokenizer
   for p in /.gpu/ /.whl/; do grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >>.git/info/exclude; done
-  TOK=$("$PY" -c 'from hicache.engine.checkpoints import resolve_checkpoint; print(resolve_checkpoint(None).path)')
+  TOK=$("$PY" -c 'from hicache.runner.checkpoints import resolve_checkpoint; print(resolve_checkpoint(None).path)')
   for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
     [ -f "$TOK/$f" ] && cp "$TOK/$f" .gpu/tokenizer/
   done
@@ -79,7 +79,7 @@ else
   PY=${PY:-$ROOT/.venv/bin/python}
   export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}  # this tree, not the venv's install
   DEVICE=cpu SHAPE=--tiny MODEL_DTYPE=float32
-  TOKDIR=${TOKDIR:-$("$PY" -c 'from hicache.engine.checkpoints import resolve_checkpoint; print(resolve_checkpoint("tiny-random-llama").path)' 2>/dev/null)}
+  TOKDIR=${TOKDIR:-$("$PY" -c 'from hicache.runner.checkpoints import resolve_checkpoint; print(resolve_checkpoint("tiny-random-llama").path)' 2>/dev/null)}
   MT_ARGS="--num-clients 4 --num-rounds 2 --request-length 64 --output-length 4 --max-parallel 2 --repeats 2"
   TR_ARGS="--page-sizes 16 --pages 8 --layers 4 --repeat 1"
   EN_ARGS="--prefill-tokens 64 --decode-seqs 2 --decode-context 32 --decode-steps 4 --repeat 1 --cuda-graphs"

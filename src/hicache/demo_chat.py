@@ -21,9 +21,9 @@ from rich.table import Table
 
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.loader import load_model
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.runner.loader import load_model
 
 console = Console()
 

@@ -21,7 +21,7 @@ __all__ = ["KeptState", "SequenceExtras"]
 class KeptState:
     """A sequence's carried state after its first ``tokens`` positions, in the canonical
     form of a cache state slot: one ``(1, L, *shape)`` tensor per state tensor, ``L`` the
-    stateful layers in layer order (:mod:`hicache.engine.recurrent_states`)."""
+    stateful layers in layer order (:mod:`hicache.runner.recurrent_states`)."""
 
     tokens: int
     tensors: tuple[torch.Tensor, ...]

@@ -37,11 +37,11 @@ from hicache.config import (
     StateTensor,
 )
 from hicache.engine.request import Request
-from hicache.engine.runner import ForwardBatch
 from hicache.engine.sampling import SamplingParams
 from hicache.extras import KeptState, SequenceExtras
 from hicache.memory.allocator import PageAllocator
 from hicache.metrics import ComponentUsage
+from hicache.runner.model_runner import ForwardBatch
 from hicache.tree import TreeNode
 from hicache.tree.components import (
     ComponentValues,

@@ -20,17 +20,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.engine.checkpoints import (
+from hicache.engine.detokenize import IncrementalText, decode_function, decodes_incrementally
+from hicache.engine.output import OutputProcessor
+from hicache.engine.request import FinishReason, Request, RequestOutput
+from hicache.engine.sampling import SamplingParams
+from hicache.runner.checkpoints import (
     DEFAULT_MODEL,
     TINY_HYBRID_MODELS,
     TINY_MODELS,
     models_dir,
     resolve_checkpoint,
 )
-from hicache.engine.detokenize import IncrementalText, decode_function, decodes_incrementally
-from hicache.engine.output import OutputProcessor
-from hicache.engine.request import FinishReason, Request, RequestOutput
-from hicache.engine.sampling import SamplingParams
 from tests.helpers.fake_runner import SpaceTokenizer
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

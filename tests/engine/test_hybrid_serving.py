@@ -35,14 +35,14 @@ import torch
 from hicache.cache.components import SwaStore
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.loader import LoadedHybridModel, load_model
-from hicache.engine.models.config import UnsupportedModelError
-from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory import DevicePool
+from hicache.runner.loader import LoadedHybridModel, load_model
+from hicache.runner.model_runner import ForwardBatch, ModelRunner
+from hicache.runner.models.config import UnsupportedModelError
 from hicache.tree.components import Tier
-from tests.engine.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model, prompt
+from tests.runner.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model, prompt
 
 PAGE = 4
 ATTENTION_ONLY = ("tiny-random-gemma3", "tiny-random-gpt-oss")
@@ -138,7 +138,7 @@ def test_load_model_serves_hybrid_checkpoints_and_refuses_llama_as_hybrid() -> N
     loaded = load_model("tiny-random-qwen3-next", dtype="float32")
     assert isinstance(loaded, LoadedHybridModel)
     assert loaded.model.state_specs()
-    from hicache.engine.loader import load_hybrid_model
+    from hicache.runner.loader import load_hybrid_model
 
     with pytest.raises(UnsupportedModelError, match="not a hybrid family"):
         load_hybrid_model("tiny-random-llama", dtype="float32")

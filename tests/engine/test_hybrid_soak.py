@@ -35,8 +35,8 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.components import Tier
-from tests.engine.models.hybrid_fixtures import hybrid_model
 from tests.engine.test_hybrid_serving import assert_idle, hf_greedy
+from tests.runner.models.hybrid_fixtures import hybrid_model
 
 PAGE = 4
 PROMPTS = 512

@@ -1,4 +1,4 @@
-"""The attention-kernel probe (:mod:`hicache.engine.kernels.probe`) catches realistic
+"""The attention-kernel probe (:mod:`hicache.runner.kernels.probe`) catches realistic
 kernel bugs.
 
 On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
@@ -37,8 +37,8 @@ from tests.helpers.engine_fixtures import (
 
 pytest.importorskip("triton")
 
-from hicache.engine.kernels import decode_attention, extend_attention
-from hicache.engine.kernels.probe import (
+from hicache.runner.kernels import decode_attention, extend_attention
+from hicache.runner.kernels.probe import (
     KEY_BLOCK,
     PROBE_CASES,
     TOLERANCES,

@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hicache.engine import LoadedModel, ModelRunner, kv_spec_from_hf_config, load_model
 from hicache.memory import DevicePool
+from hicache.runner import LoadedModel, ModelRunner, kv_spec_from_hf_config, load_model
 
 TINY = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3")
 
@@ -117,7 +117,7 @@ def hf_logits(name: str | None, ids: torch.Tensor) -> torch.Tensor:
 
 
 def broken_kernel(module: ModuleType, old: str, new: str, directory: Path) -> ModuleType:
-    """A copy of the kernel module ``module`` (e.g. :mod:`hicache.engine.kernels.decode_attention`)
+    """A copy of the kernel module ``module`` (e.g. :mod:`hicache.runner.kernels.decode_attention`)
     with the one occurrence of ``old`` in its source replaced by ``new``: the real kernel
     and wrapper with one deliberate bug. Written to ``directory`` and imported from there
     (Triton reads a kernel's source from its file). ValueError when ``old`` does not occur

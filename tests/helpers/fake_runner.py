@@ -15,9 +15,9 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
-from hicache.engine.runner import ForwardBatch
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.extras import SequenceExtras
+from hicache.runner.model_runner import ForwardBatch
 
 VOCAB = 100
 MISS = -1e9

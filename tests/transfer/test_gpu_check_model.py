@@ -9,7 +9,7 @@ from types import ModuleType
 
 import torch
 
-from hicache.engine.checkpoints import resolve_checkpoint
+from hicache.runner.checkpoints import resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

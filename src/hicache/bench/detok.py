@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from hicache.engine.checkpoints import resolve_checkpoint
+    from hicache.runner.checkpoints import resolve_checkpoint
 
     path = resolve_checkpoint(args.model).path
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

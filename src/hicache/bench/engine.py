@@ -10,7 +10,7 @@ Two measurements on the same checkpoint, dtype and device, each the best of ``--
   over the pool (the prefill is not timed), one row per ``--attention-backends`` entry. Theirs: ``generate`` with a static cache,
   timed as ``generate(steps + 1) - generate(1)`` so its prefill cancels out. With
   ``--cuda-graphs``, each backend that resolves to ``triton`` gets a second decode row
-  whose steps replay CUDA graphs (:mod:`hicache.engine.decode_graphs`, captured for
+  whose steps replay CUDA graphs (:mod:`hicache.runner.decode_graphs`, captured for
   buckets up to ``--decode-seqs`` before the timed runs, after their probe); where they
   cannot be used (not CUDA, the probe failed), the reason is printed instead.
 
@@ -33,10 +33,10 @@ import torch
 
 from hicache.bench.report import print_table
 from hicache.engine.graph_setup import GraphSetup, enable_decode_graphs, probe_page_count
-from hicache.engine.kernels import AttentionBackend, resolve_backend
-from hicache.engine.loader import LoadedModel, load_model
-from hicache.engine.runner import ForwardBatch, ModelRunner, kv_spec_from_hf_config
 from hicache.memory import DevicePool
+from hicache.runner.kernels import AttentionBackend, resolve_backend
+from hicache.runner.loader import LoadedModel, load_model
+from hicache.runner.model_runner import ForwardBatch, ModelRunner, kv_spec_from_hf_config
 
 PAGE = 16
 

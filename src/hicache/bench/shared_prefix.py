@@ -71,11 +71,11 @@ from hicache.cache.components.swa import request_pages
 from hicache.cache.request import CachedTokens
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.loader import LoadedModel, load_model
-from hicache.engine.models.hybrid import HybridLM
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.runner.loader import LoadedModel, load_model
+from hicache.runner.models.hybrid import HybridLM
 from hicache.validate import int_at_least, require
 
 __all__ = [

@@ -656,7 +656,7 @@ class HiCache(Lifecycle):
     def reserve_device_pages(self, num_pages: int) -> PageIds | None:
         """Take ``num_pages`` L1 pages out of circulation for the caller's own writes (the
         scratch page that padding rows of a CUDA-graph decode batch write their K/V to,
-        :mod:`hicache.engine.decode_graphs`) until :meth:`unreserve_device_pages`; None
+        :mod:`hicache.runner.decode_graphs`) until :meth:`unreserve_device_pages`; None
         when even eviction cannot free that many. No request and no tree node is ever
         given a reserved page: the allocator counts it used, :meth:`reset` leaves it,
         :meth:`check_integrity` and :meth:`stats` count it held, and

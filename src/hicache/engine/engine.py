@@ -31,16 +31,16 @@ from hicache.cache import HiCache
 from hicache.cache.components.base import ServingLimits
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
-from hicache.engine.kernels import AttentionBackend
-from hicache.engine.loader import LoadedModel, default_dtype, load_model
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
-from hicache.engine.runner import ModelRunner, cache_spec_of
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheStats
+from hicache.runner.kernels import AttentionBackend
+from hicache.runner.loader import LoadedModel, default_dtype, load_model
+from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least
 
@@ -105,7 +105,7 @@ def _ignore(_: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """What to serve and how. ``model_path`` None = the default model (SmolLM2-135M);
-    any architecture :func:`~hicache.engine.loader.load_model` accepts (Llama / Qwen2 /
+    any architecture :func:`~hicache.runner.loader.load_model` accepts (Llama / Qwen2 /
     Qwen3, and the hybrids Gemma 3 text, GPT-OSS, Qwen3-Next, Nemotron-H)."""
 
     model_path: str | None = None
@@ -131,7 +131,7 @@ class EngineConfig:
     the page table), ``auto`` (``triton`` on CUDA when installed and its probe against SDPA
     passes there, else ``sdpa``)."""
     cuda_graph_max_bs: int | None = None
-    """Largest decode batch served through CUDA graphs (:mod:`hicache.engine.decode_graphs`),
+    """Largest decode batch served through CUDA graphs (:mod:`hicache.runner.decode_graphs`),
     captured at start for buckets 1, 2, 4, 8, 12, 16, 24, ... up to it; None: the
     scheduler's ``max_running_requests``; 0: off. Larger values are capped at
     ``max_running_requests``. Used on CUDA with the Triton backend and a plain

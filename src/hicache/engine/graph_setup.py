@@ -1,6 +1,6 @@
 """Turning CUDA graphs for decode on: eligibility, scratch page, capture, probe, attach.
 
-:func:`enable_decode_graphs` attaches :class:`~hicache.engine.decode_graphs.DecodeGraphs`
+:func:`enable_decode_graphs` attaches :class:`~hicache.runner.decode_graphs.DecodeGraphs`
 to a runner only when they can serve it (a plain :class:`DecoderLM`, the Triton attention
 backend, no SWA pool; CUDA to capture) and only after a **probe**: a real small batch,
 run padded in the smallest bucket that holds it and in the largest, must give the logits
@@ -9,7 +9,7 @@ within :func:`probe_tolerance` of the model's dtype). The reference is SDPA, not
 eager Triton forward: that one runs the same decode kernel as the graphs, so a kernel
 that is wrong on the device would agree with itself. A capture that raises or a probe
 that disagrees logs one warning naming why and leaves the runner eager, the same spirit
-as the attention kernels' probe (:mod:`hicache.engine.kernels.probe`); the cost of a
+as the attention kernels' probe (:mod:`hicache.runner.kernels.probe`); the cost of a
 failure is never a failed or wrong forward.
 
 The probe runs in two buckets: the smallest that holds its batch and the largest (the
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from hicache.cache import HiCache
-from hicache.engine.decode_graphs import DecodeGraphs, table_width_for
-from hicache.engine.kernels import AttentionBackend
-from hicache.engine.kernels.probe import KEY_BLOCK
-from hicache.engine.models.decoder import DecoderLM
-from hicache.engine.runner import ForwardBatch, ModelRunner
+from hicache.runner.decode_graphs import DecodeGraphs, table_width_for
+from hicache.runner.kernels import AttentionBackend
+from hicache.runner.kernels.probe import KEY_BLOCK
+from hicache.runner.model_runner import ForwardBatch, ModelRunner
+from hicache.runner.models.decoder import DecoderLM
 
 __all__ = [
     "PROBE_KEYS",

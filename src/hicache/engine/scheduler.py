@@ -55,8 +55,8 @@ from hicache.cache import HiCache
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
-from hicache.engine.runner import ForwardBatch, ModelRunner
 from hicache.engine.sampling import make_generator, sample_rows
+from hicache.runner.model_runner import ForwardBatch, ModelRunner
 from hicache.validate import int_at_least, number_at_least, require
 
 log = logging.getLogger(__name__)

@@ -191,7 +191,7 @@ def flag_message(exc: Exception) -> str:
 
 
 def _model_path_ok(path: str) -> bool:
-    from hicache.engine.checkpoints import DEFAULT_MODEL, TINY_HYBRID_MODELS, TINY_MODELS
+    from hicache.runner.checkpoints import DEFAULT_MODEL, TINY_HYBRID_MODELS, TINY_MODELS
 
     if path == DEFAULT_MODEL or path in TINY_MODELS or path in TINY_HYBRID_MODELS:
         return True
@@ -218,7 +218,7 @@ def check_flags(a: argparse.Namespace) -> None:
                     "--device", a.device, f"this host has {torch.cuda.device_count()} CUDA devices"
                 )
     if a.model_path is not None and not _model_path_ok(a.model_path):
-        from hicache.engine.checkpoints import DEFAULT_MODEL, TINY_HYBRID_MODELS, TINY_MODELS
+        from hicache.runner.checkpoints import DEFAULT_MODEL, TINY_HYBRID_MODELS, TINY_MODELS
 
         raise FlagError(
             "--model-path",

@@ -1,0 +1,196 @@
+"""load_model: a checkpoint (see :mod:`hicache.runner.checkpoints`) -> model + tokenizer.
+
+Weights are read straight from the directory's ``*.safetensors`` files into a model built on
+the meta device, so loading costs one read of the file (about a second for 135M params).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hicache.config import DTYPES
+from hicache.memory import torch_dtype
+from hicache.runner.checkpoints import offline, resolve_checkpoint
+from hicache.runner.models import DecoderConfig, DecoderLM, build_model
+from hicache.runner.models.hybrid import HybridLM
+from hicache.runner.models.registry import (
+    HYBRID_FAMILIES,
+    build_hybrid_model,
+    check_supported,
+    hybrid_config_from_hf,
+)
+from hicache.validate import require
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "FULL_HASH_LIMIT_BYTES",
+    "LoadedHybridModel",
+    "LoadedModel",
+    "default_dtype",
+    "load_hybrid_model",
+    "load_model",
+    "weights_fingerprint",
+]
+
+FULL_HASH_LIMIT_BYTES = 1 << 30
+"""Checkpoints up to this size (1 GiB) are fingerprinted over every byte."""
+_SAMPLES_PER_FILE = 256
+_SAMPLE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A ready model: ``model`` (eval, on its device; a Llama-style :class:`DecoderLM` or a
+    :class:`~hicache.runner.models.hybrid.HybridLM`), its ``tokenizer``, the Hugging Face
+    ``hf_config``, a display ``name``, the local ``path`` it was read from, its ``dtype``
+    name and ``fingerprint`` (see :func:`weights_fingerprint`)."""
+
+    model: DecoderLM | HybridLM
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: Any
+    name: str
+    path: Path
+    dtype: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class LoadedHybridModel(LoadedModel):
+    """A :class:`LoadedModel` of a hybrid-family checkpoint (``model`` a
+    :class:`~hicache.runner.models.hybrid.HybridLM`)."""
+
+    model: HybridLM
+
+
+def default_dtype(device: torch.device | str) -> str:
+    """``bfloat16`` on CUDA, ``float32`` elsewhere."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def weights_fingerprint(path: Path) -> str:
+    """A stable identity of the weights in directory ``path`` (for L3 key namespaces).
+
+    SHA-256 over, per ``*.safetensors`` file in name order: its name and size, then either
+    all its bytes (total up to :data:`FULL_HASH_LIMIT_BYTES`: about 0.5 s for 135M fp32
+    params) or, above that, its header (tensor names, dtypes, shapes, offsets) plus 256
+    evenly spaced 64 KiB windows, which stays ~0.1 s for any size. Returned as
+    ``"sha256-full:<hex>"`` or ``"sha256-sampled:<hex>"``.
+    """
+    files = _safetensors_files(path)
+    full = sum(f.stat().st_size for f in files) <= FULL_HASH_LIMIT_BYTES
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            if full:
+                while chunk := fh.read(1 << 24):
+                    h.update(chunk)
+                continue
+            header_len = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(header_len))
+            span = max(size - _SAMPLE_BYTES, 0)
+            for i in range(_SAMPLES_PER_FILE):
+                fh.seek(span * i // (_SAMPLES_PER_FILE - 1))
+                h.update(fh.read(_SAMPLE_BYTES))
+    return f"sha256-{'full' if full else 'sampled'}:{h.hexdigest()}"
+
+
+def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, st.get_tensor(name)
+
+
+def _open(
+    model_path: str | os.PathLike[str] | None, dtype: str | None, device: torch.device | str
+) -> tuple[Any, Any, Any, str, torch.device]:
+    """Resolve the checkpoint, read its config and tokenizer and check the architecture."""
+    dtype = dtype or default_dtype(device)
+    require(dtype in DTYPES, "dtype", dtype, f"choose one of {DTYPES}")
+    ckpt = resolve_checkpoint(model_path)
+    offline()
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    check_supported(hf_config)  # one clear error, before the tokenizer or any weight
+    tokenizer = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return ckpt, hf_config, tokenizer, dtype, dev
+
+
+def _load(
+    model_path: str | os.PathLike[str] | None,
+    dtype: str | None,
+    device: torch.device | str,
+    *,
+    hybrid_only: bool,
+) -> LoadedModel:
+    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
+    model: DecoderLM | HybridLM
+    if hybrid_only or hf_config.model_type in HYBRID_FAMILIES:
+        model = build_hybrid_model(
+            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev
+        )
+    else:
+        model = build_model(DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev)
+    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
+    rest = (tokenizer, hf_config, ckpt.name, ckpt.path, dtype, weights_fingerprint(ckpt.path))
+    if isinstance(model, HybridLM):
+        return LoadedHybridModel(model, *rest)
+    return LoadedModel(model, *rest)
+
+
+def load_model(
+    model_path: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str | None = None,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Load a checkpoint of any supported architecture for the engine.
+
+    ``model_path``: None (the bundled SmolLM2-135M-Instruct), a tiny test model name
+    (:data:`~hicache.runner.checkpoints.TINY_MODELS` or
+    :data:`~hicache.runner.checkpoints.TINY_HYBRID_MODELS`), a ``.gguf`` file or a Hugging
+    Face directory (see :func:`hicache.runner.checkpoints.resolve_checkpoint`). ``dtype``:
+    one of ``float32``/``float16``/``bfloat16``, default :func:`default_dtype`. Never
+    downloads. Llama / Qwen2 / Qwen3 load as a :class:`DecoderLM`; Gemma 3 text, GPT-OSS,
+    Qwen3-Next and Nemotron-H as a :class:`HybridLM` (a :class:`LoadedHybridModel`). An
+    unsupported architecture raises UnsupportedModelError listing the supported ones.
+    """
+    return _load(model_path, dtype, device, hybrid_only=False)
+
+
+def load_hybrid_model(
+    model_path: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str | None = None,
+    device: torch.device | str = "cpu",
+) -> LoadedHybridModel:
+    """Load a Gemma 3 text / GPT-OSS / Qwen3-Next / Nemotron-H checkpoint (arguments as in
+    :func:`load_model`); any other architecture raises UnsupportedModelError."""
+    loaded = _load(model_path, dtype, device, hybrid_only=True)
+    assert isinstance(loaded, LoadedHybridModel)
+    return loaded

@@ -1,0 +1,307 @@
+"""The common frame of the hybrid families (Gemma 3, GPT-OSS, Qwen3-Next, Nemotron-H).
+
+A :class:`HybridLM` is a stack of layers of several kinds (``HybridConfig.layer_kinds``):
+``full_attention`` / ``sliding_attention`` layers keep K/V in the paged pool (pool layer =
+rank among attention layers, see :attr:`HybridConfig.kv_layers`; when the cache gives the
+sliding layers their own pool, :attr:`HybridConfig.swa_split`, each layer's pool layer is
+its rank among the layers of its kind, :meth:`HybridConfig.split_index`), ``linear_attention``
+layers (Mamba2, Gated DeltaNet) carry a :class:`~hicache.runner.models.recurrent.RecurrentState`
+from forward to forward, and ``mlp`` / ``moe`` layers (Nemotron-H) have no state at all.
+
+``forward(input_ids, positions, ctx, states)`` -> :class:`HybridOutput` (see
+:mod:`hicache.runner.models.recurrent` for the state API). Checkpoint tensors load by their
+Hugging Face names; per-expert tensors ``...experts.{e}.{proj}.weight`` load into row ``e``
+of the stacked ``...experts.{proj}`` parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.config import AttentionKind, KVSpec, SlidingWindowSpec
+from hicache.runner.models.attention import AttentionContext
+from hicache.runner.models.decoder import WeightLoadError
+from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "LAYER_KINDS",
+    "HybridBody",
+    "HybridConfig",
+    "HybridLM",
+    "HybridOutput",
+]
+
+ATTENTION_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
+LAYER_KINDS: tuple[str, ...] = (*ATTENTION_KINDS, "linear_attention", "mlp", "moe")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """What every hybrid family shares. ``layer_kinds[i]`` is one of :data:`LAYER_KINDS`;
+    attention layers have ``num_heads`` query and ``num_kv_heads`` K/V heads of ``head_dim``."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    layer_kinds: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid; must be an int >= 1")
+        bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if bad or not self.layer_kinds:
+            raise ValueError(f"layer_kinds has {bad or 'no layers'}; allowed: {LAYER_KINDS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid; must be > 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Model layer ids of the attention layers; pool layer ``j`` is ``kv_layers[j]``."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in ATTENTION_KINDS)
+
+    def kv_index(self, layer_id: int) -> int:
+        """The pool layer of attention layer ``layer_id``."""
+        return self.kv_layers.index(layer_id)
+
+    @property
+    def window(self) -> int | None:
+        """Sliding window of the ``sliding_attention`` layers in tokens (None: none)."""
+        return None
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Model layer ids of the sliding-window attention layers."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "sliding_attention")
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Model layer ids of the full (global) attention layers."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full_attention")
+
+    @property
+    def swa_split(self) -> bool:
+        """Whether the cache keeps the sliding layers in their own (SWA) pools: the model
+        has a window, sliding layers and at least one global layer (whose pool is the
+        full one)."""
+        return self.window is not None and bool(self.sliding_layers) and bool(self.global_layers)
+
+    def split_index(self, layer_id: int) -> int:
+        """The pool layer of attention layer ``layer_id`` when :attr:`swa_split`: its rank
+        among the sliding layers (SWA pool) or among the global layers (full pool)."""
+        if layer_id in self.sliding_layers:
+            return self.sliding_layers.index(layer_id)
+        return self.global_layers.index(layer_id)
+
+    def _spec(self, layers: int, dtype: str) -> KVSpec:
+        return KVSpec(
+            num_layers=layers,
+            attention=AttentionKind.MHA,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+
+    def kv_spec(self, dtype: str) -> KVSpec:
+        """The device pool's per-token shape: one pool layer per attention layer."""
+        return self._spec(len(self.kv_layers), dtype)
+
+    def full_kv_spec(self, dtype: str) -> KVSpec:
+        """The full pool's per-token shape as the cache builds it: the global layers only
+        when :attr:`swa_split`, else every attention layer (:meth:`kv_spec`)."""
+        if self.swa_split:
+            return self._spec(len(self.global_layers), dtype)
+        return self.kv_spec(dtype)
+
+    def swa_spec(self, dtype: str) -> SlidingWindowSpec | None:
+        """The SWA pools' shape and window when :attr:`swa_split`, else None."""
+        if not self.swa_split or self.window is None:
+            return None
+        return SlidingWindowSpec(kv=self._spec(len(self.sliding_layers), dtype), window=self.window)
+
+
+@dataclass(frozen=True)
+class HybridOutput:
+    """``hidden (T, hidden)`` final hidden states; ``states`` every recurrent layer's state
+    after the batch (``B = num_seqs`` rows, batch order), keyed by model layer id;
+    ``marked[layer][i]`` sequence ``i``'s state at its mark (batch 1; see
+    :class:`RecurrentContext`), for the sequences given one."""
+
+    hidden: torch.Tensor
+    states: dict[int, RecurrentState]
+    marked: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
+
+
+class HybridBody(nn.Module):
+    """``model.*`` in the checkpoints of Gemma 3, GPT-OSS and Qwen3-Next: the token
+    embedding, the decoder layers (in order) and the final norm."""
+
+    def __init__(self, cfg: HybridConfig, layers: Iterable[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class HybridLM(nn.Module):
+    """Base of the hybrid models: subclasses build the modules and implement :meth:`run`."""
+
+    config: HybridConfig
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.config = cfg
+
+    # --- subclass hooks -------------------------------------------------------------
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        rctx: RecurrentContext,
+    ) -> torch.Tensor:
+        """``input_ids``/``positions (T,)`` -> final hidden states ``(T, hidden)``."""
+        raise NotImplementedError
+
+    def input_embeddings(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    def output_weight(self) -> torch.Tensor:
+        """``(vocab, hidden)`` projection to logits: ``lm_head``, or the input embeddings
+        when the config ties them."""
+        head = self.lm_head
+        return self.input_embeddings().weight if head is None else head.weight
+
+    def _build_head(self) -> None:
+        """The untied ``lm_head`` (``None`` when tied to the input embeddings); call from
+        ``__init__`` after the embeddings exist."""
+        cfg = self.config
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def recurrent_state(self) -> StateSpec | None:
+        """The per-sequence state shapes of every ``linear_attention`` layer (Mamba2,
+        Gated DeltaNet); None for a model without recurrent layers."""
+        return None
+
+    def state_specs(self) -> dict[int, StateSpec]:
+        """Per recurrent layer id, its per-sequence state shapes (empty when none)."""
+        spec = self.recurrent_state()
+        if spec is None:
+            return {}
+        kinds = self.config.layer_kinds
+        return {i: spec for i, kind in enumerate(kinds) if kind == "linear_attention"}
+
+    def skip_tensor(self, name: str) -> bool:
+        """Checkpoint tensors that are not parameters (rotary caches, MTP heads ...)."""
+        return (
+            name.endswith("rotary_emb.inv_freq")
+            or name.startswith("mtp.")
+            or (name == "lm_head.weight" and self.config.tie_word_embeddings)
+        )
+
+    # --- shared ---------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_embeddings().weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        states: Mapping[int, RecurrentState] | None = None,
+        marks: Sequence[int | None] = (),
+    ) -> HybridOutput:
+        """One forward over the batch described by ``ctx`` (see the module doc); ``marks``:
+        see :class:`RecurrentContext`."""
+        rctx = RecurrentContext(
+            extend_lens=list(ctx.extend_lens),
+            states=states or {},
+            new_states={},
+            dtype=self.dtype,
+            device=self.device,
+            marks=marks,
+        )
+        hidden = self.run(input_ids, positions, ctx, rctx)
+        return HybridOutput(hidden=hidden, states=rctx.new_states, marked=rctx.marked)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""
+        return F.linear(hidden, self.output_weight()).float()
+
+    def zero_states(self, num_seqs: int) -> dict[int, RecurrentState]:
+        """States of ``num_seqs`` fresh sequences, for every recurrent layer."""
+        return {
+            i: RecurrentState.zeros(s, num_seqs, dtype=self.dtype, device=self.device)
+            for i, s in self.state_specs().items()
+        }
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters (casting dtype); every parameter (and
+        every expert row) must be covered. Raises :class:`WeightLoadError` otherwise."""
+        params = dict(self.named_parameters())
+        whole: set[str] = set()
+        rows: dict[str, set[int]] = {}
+        unexpected: list[str] = []
+        for name, tensor in tensors:
+            if self.skip_tensor(name):
+                continue
+            target, row = name, None
+            match = _EXPERT.match(name)
+            if match and name not in params:
+                target, row = f"{match.group(1)}.{match.group(3)}", int(match.group(2))
+            param = params.get(target)
+            if param is None or (row is not None and row >= param.shape[0]):
+                unexpected.append(name)
+                continue
+            dest = param if row is None else param[row]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise WeightLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                    f"{tuple(dest.shape)}"
+                )
+            with torch.no_grad():
+                dest.copy_(tensor)
+            if row is None:
+                whole.add(target)
+            else:
+                rows.setdefault(target, set()).add(row)
+        missing = sorted(
+            n
+            for n, p in params.items()
+            if n not in whole and len(rows.get(n, ())) < (p.shape[0] if n in rows else 1)
+        )
+        if unexpected or missing:
+            raise WeightLoadError(
+                f"checkpoint does not match the {self.config.family} model: "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )

@@ -1,0 +1,82 @@
+"""Which Hugging Face architectures the engine implements, and building the hybrid ones.
+
+:data:`SUPPORTED_MODEL_TYPES` lists every ``model_type`` accepted: the Llama-style
+:data:`~hicache.runner.models.config.FAMILIES` (served by :class:`DecoderLM`) and the
+:data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each).
+:func:`check_supported` refuses anything else with one error naming the list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hicache.runner.models.config import FAMILIES, UnsupportedModelError
+from hicache.runner.models.gemma3 import Gemma3Config, Gemma3LM
+from hicache.runner.models.gpt_oss import GptOssConfig, GptOssLM
+from hicache.runner.models.hybrid import HybridConfig, HybridLM
+from hicache.runner.models.nemotron_h import NemotronHConfig, NemotronHLM
+from hicache.runner.models.qwen3_next import Qwen3NextConfig, Qwen3NextLM
+
+__all__ = [
+    "HYBRID_FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "build_hybrid_model",
+    "check_supported",
+    "hybrid_config_from_hf",
+]
+
+HYBRID_FAMILIES: tuple[str, ...] = ("gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h")
+"""``model_type`` values of the hybrid families."""
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = FAMILIES + HYBRID_FAMILIES
+
+
+def check_supported(hf_config: Any) -> str:
+    """The config's ``model_type`` if supported; else UnsupportedModelError with the list."""
+    model_type = str(getattr(hf_config, "model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(getattr(hf_config, "architectures", None) or ()) or "unknown"
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} (architectures: {arch}) is not supported; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return model_type
+
+
+def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
+    """The engine config of a hybrid-family Hugging Face config."""
+    model_type = check_supported(hf_config)
+    if model_type == "gemma3_text":
+        return Gemma3Config.from_hf(hf_config)
+    if model_type == "gpt_oss":
+        return GptOssConfig.from_hf(hf_config)
+    if model_type == "qwen3_next":
+        return Qwen3NextConfig.from_hf(hf_config)
+    if model_type == "nemotron_h":
+        return NemotronHConfig.from_hf(hf_config)
+    raise UnsupportedModelError(
+        f"model_type={model_type!r} is not a hybrid family; hybrid ones: {HYBRID_FAMILIES}"
+    )
+
+
+def build_hybrid_model(
+    cfg: HybridConfig, *, dtype: torch.dtype, device: torch.device | str
+) -> HybridLM:
+    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next)."""
+    model: HybridLM
+    with torch.device("meta"):
+        if isinstance(cfg, Gemma3Config):
+            model = Gemma3LM(cfg)
+        elif isinstance(cfg, GptOssConfig):
+            model = GptOssLM(cfg)
+        elif isinstance(cfg, Qwen3NextConfig):
+            model = Qwen3NextLM(cfg)
+        elif isinstance(cfg, NemotronHConfig):
+            model = NemotronHLM(cfg)
+        else:
+            raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")
+    model = model.to_empty(device=torch.device(device)).to(dtype)
+    model.requires_grad_(False)
+    return model.eval()
