@@ -276,15 +276,33 @@ class Scheduler:
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
         """One forward over ``batch`` (request, new tokens), then, for each request whose
-        sequence is now fully computed, one new token: raw logits -> prompt / token log
-        probabilities (when asked), penalties and bias (:func:`adjust_logits`), draw
-        (:func:`sample_rows`). Any failure ends only the requests it concerns.
+        sequence is now fully computed, one new token (:meth:`_sample`). Any failure ends
+        only the requests it concerns.
 
         Pending outputs (the previous step's) are done once the forward is launched and
         the requests' positions advanced, before anything reads the forward's results."""
         if not batch:
             self._flush_outputs()
             return
+        logit_rows, last_row, prompt_rows = self._logit_rows(batch)
+        logits = self._forward(batch, logit_rows if prompt_rows else None)
+        if logits is None:
+            self._flush_outputs()
+            return
+        rows = self._advance(batch, last_row)
+        # the previous step's text and reports while this forward runs (on CUDA); a stop
+        # string found now ends its request, whose token in flight is then not sampled
+        self._flush_outputs()
+        self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
+        rows = [row for row in rows if not row[1].finished]  # a failed prompt scoring ended it
+        if rows:
+            self._sample(logits, rows)
+
+    def _forward_batch(self, batch: list[tuple[Request, int]]) -> ForwardBatch:
+        """The runner's inputs for ``batch``: new token ids and positions, each sequence's
+        L1 slots and its slots in every other pool the cache keeps for it, the positions
+        where the runner keeps per-request extras (the cache's chunk plan), and a layer
+        wait for the requests whose prefix is still being loaded back."""
         ps = self.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -309,9 +327,9 @@ class Scheduler:
 
         def layer_wait(layer: int) -> None:
             for handle in loading:
-                handle.wait_layer(layer, timeout)  # False: the request fails below
+                handle.wait_layer(layer, timeout)  # False: the request fails later
 
-        fb = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             extend_lens=[n for _, n in batch],
@@ -321,24 +339,41 @@ class Scheduler:
             pool_slots=pool_slots or None,
             keep=keep if any(keep) else None,
         )
-        logit_rows, last_row, prompt_rows = self._logit_rows(batch)
+
+    def _forward(
+        self, batch: list[tuple[Request, int]], logit_rows: list[int] | None
+    ) -> torch.Tensor | None:
+        """Run the forward of ``batch`` (logits of ``logit_rows``; None: each sequence's
+        last token, the runner's default). A model error fails this batch, not the
+        engine: its requests end, the failure is counted (``failed_forwards``, what
+        ``/health`` reads) and None is returned; a forward that succeeds resets the
+        count."""
+        fb = self._forward_batch(batch)
         try:
-            if prompt_rows:
+            if logit_rows is not None:
                 logits = self.runner.forward(fb, logit_rows=logit_rows)
-            else:  # rows == each sequence's last token: the runner's default
+            else:
                 logits = self.runner.forward(fb)
-        except Exception as exc:  # a model error fails this batch, not the engine
+        except Exception as exc:
             log.exception("forward failed")
             self.failed_forwards += 1
             self.forward_error = f"{type(exc).__name__}: {exc}"
             for req, _ in batch:
                 error = f"forward failed: {type(exc).__name__}: {exc}"
                 self._finish(req, FinishReason.ABORT, keep_kv=False, error=error)
-            self._flush_outputs()
-            return
+            return None
         self.failed_forwards = 0
+        return logits
+
+    def _advance(
+        self, batch: list[tuple[Request, int]], last_row: list[int]
+    ) -> list[tuple[int, Request, bool]]:
+        """After the forward: fail the requests whose prefix load failed, advance the
+        others' computed positions and hand the runner's extras to the cache untouched (a
+        prefill chunk's pages are committed now, so other requests share them); returns
+        ``(logits row, request, was a prefill)`` of each request to sample."""
         self.cache.poll()  # a failed load marks its requests failed
-        rows: list[tuple[int, Request, bool]] = []  # (logits row, request, was a prefill)
+        rows: list[tuple[int, Request, bool]] = []
         for i, (req, n) in enumerate(batch):
             assert req.cache is not None
             if req.cache.failed is not None:
@@ -353,13 +388,14 @@ class Scheduler:
                 self.cache.keep(req.cache, extras)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
-        # the previous step's text and reports while this forward runs (on CUDA); a stop
-        # string found now ends its request, whose token in flight is then not sampled
-        self._flush_outputs()
-        self._prompt_logprobs(logits, [(r, pos, j) for r, pos, j in prompt_rows if not r.finished])
-        rows = [row for row in rows if not row[1].finished]  # a failed prompt scoring ended it
-        if not rows:
-            return
+        return rows
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Request, bool]]) -> None:
+        """One new token for each of ``rows`` (logits row, request, was a prefill): raw
+        logits -> token log probabilities (when asked), penalties and bias
+        (:func:`adjust_logits`), draw (:func:`sample_rows`); then the token-level checks,
+        and the text work and report made pending. A request whose row fails ends alone
+        (its computed KV is fine)."""
         raw = logits[[i for i, _, _ in rows]]
         reqs = [r for _, r, _ in rows]
         adjusted = adjust_logits(
@@ -382,7 +418,7 @@ class Scheduler:
             lp = logprobs.get(j)
             if isinstance(lp, str):
                 errors[j] = f"logprobs failed: {lp}"
-            if j in errors:  # this request alone fails; its computed KV is fine
+            if j in errors:
                 self._finish(req, FinishReason.ABORT, error=errors[j])
                 continue
             req.output_ids.append(int(token))
