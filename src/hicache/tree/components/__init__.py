@@ -10,14 +10,13 @@ from hicache.tree.components.base import (
     Tier,
     TreeComponent,
 )
-from hicache.tree.components.full import FullAttention, FullComponent
+from hicache.tree.components.full import FullComponent
 from hicache.tree.components.mamba import MambaState
 from hicache.tree.components.swa import SlidingWindow
 
 __all__ = [
     "ComponentData",
     "ComponentValues",
-    "FullAttention",
     "FullComponent",
     "Granularity",
     "MambaState",

@@ -21,7 +21,7 @@ from hicache.tree.components.base import (
 )
 from hicache.tree.node import PageIds, TreeNode
 
-__all__ = ["FullAttention", "FullComponent"]
+__all__ = ["FullComponent"]
 
 
 class FullComponent(TreeComponent):
@@ -79,5 +79,4 @@ class FullComponent(TreeComponent):
                 )
 
 
-FullAttention = FullComponent
 """The former name of :class:`FullComponent`."""
