@@ -77,6 +77,3 @@ class FullComponent(TreeComponent):
                     f"full {tier.value} value of {node!r} has {len(ids)} pages, span has"
                     f" {num_pages}"
                 )
-
-
-"""The former name of :class:`FullComponent`."""
