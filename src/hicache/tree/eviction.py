@@ -82,6 +82,7 @@ class EvictionOps:
     _page_bytes: int
     _device_pages: int
     _host_pages: int
+    _protected_pages: int
     _num_nodes: int
     _evict_key: EvictionKey
     _cascade: Callable[[TreeNode, Tier], dict[str, PageIds]]
@@ -166,6 +167,24 @@ class EvictionOps:
         self._device_pages -= len(pages)
         if node.host is None:
             self._remove(node)
+        return NodeEviction(pages, extra)
+
+    def unmap_device(self, node: TreeNode) -> NodeEviction:
+        """Take ``node``'s L1 copy out of the tree even while it is pinned, because its
+        pages do not hold the span's KV (a load into them failed). The node must be in
+        L2 (it stays, L2-only; its pins count on as for any node) and its children out
+        of L1 (unmap bottom-up: contiguity). Returns the L1 pages and the extras' L1
+        values (cascade) for the owner to free once no copy in flight uses them."""
+        if node.parent is None or node.device is None or node.host is None:
+            raise RuntimeError(f"{node!r} must be in L1 and L2 to unmap its L1 copy")
+        if any(c.device is not None for c in node.children.values()):
+            raise RuntimeError(f"{node!r} has children in L1 (contiguity)")
+        pages = node.device
+        extra = self._cascade(node, Tier.DEVICE)
+        node.device = None
+        self._device_pages -= len(pages)
+        if node.lock_ref > 0:
+            self._protected_pages -= len(pages)
         return NodeEviction(pages, extra)
 
     def evict_host(self, node: TreeNode) -> PageIds:
