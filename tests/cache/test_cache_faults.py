@@ -563,3 +563,35 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
     assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
     cache.check_integrity()
     assert serve(cache, LONGER) is not None  # loads the right bytes now
+
+
+def test_a_commit_that_adopts_pages_still_loading_waits_for_them() -> None:
+    """The first request computed TOKENS itself (too short to load back); meanwhile a
+    second one loads LONGER, whose first pages are TOKENS. The first one's commit gives it
+    the tree's pages, which that load is still writing: its next forward must wait."""
+    gates = LoadGates()
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=8)
+    cache = HiCache(cfg, SPEC, layer_hook=gates, wait_timeout_s=2.0).start()
+    try:
+        _l2_only(cache, LONGER)
+        first = _admit(cache, TOKENS)
+        assert first.prefix_pages == 0 and not first.loading  # 6 tokens: not loaded back
+        write_tokens(cache, TOKENS, first.pages, 0)
+        gates.park(0)
+        second = _admit(cache, LONGER)  # 10 tokens: loaded back
+        assert gates.parked(0) and second.loading
+        cache.commit(first, TOKENS)  # its pages are duplicates of the loading ones
+        assert list(first.pages) == list(second.pages[:3])
+        assert first.loading
+        with pytest.raises(TimeoutError):
+            first.wait_layer(1, 0.05)
+        gates.release(0)
+        assert all(first.wait_layer(i, 10) for i in range(SPEC.num_layers))
+        assert read_device(cache, first.pages).equal(page_kv(cache, TOKENS, 0, 3))
+        cache.release(first)
+        assert finish(cache, second, LONGER)
+        cache.flush()
+        cache.check_integrity()
+    finally:
+        gates.release_all()
+        cache.close()

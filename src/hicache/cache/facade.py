@@ -416,6 +416,8 @@ class HiCache(Lifecycle):
         req.pages = tree_pages + req.pages[full:]
         req.prefix_pages = full
         req._prefix_tokens = full * ps
+        if self.host is not None:  # the tree's pages may be another request's load in flight
+            req._progress = _union(req._progress, self.host.loads_on(last))
         if self.swa is not None:  # drops the tree's pages from the table, frees none
             self.swa.trim(req, len(tokens))  # the next forward starts at len(tokens) or later
         if self.host is not None and self.rule.backup_min_hits is not None:
@@ -799,6 +801,11 @@ class HiCache(Lifecycle):
             host_held,
         )
         self.components.check(list(self._requests), ids_held)
+
+
+def _union(a: tuple[LayerProgress, ...], b: tuple[LayerProgress, ...]) -> tuple[LayerProgress, ...]:
+    """``a`` and the progresses of ``b`` not in it, in order."""
+    return a + tuple(p for p in b if all(p is not q for q in a))
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

@@ -18,7 +18,8 @@ worker's :class:`Completion` records:
   never inside a wait for copies (``wait_idle``, ``wait_backups``), whose caller may hold
   a pin on the very chain for a moment (an ``admit`` making room for the rest of its
   pages); until then the load keeps its pins and every request admitted over its pages
-  depends on its (failed) progress, so its ``wait_layer`` fails.
+  depends on its (failed) progress, so its ``wait_layer`` fails. A load that failed only
+  after its last layer arrived keeps its mapping: its pages hold the span's KV.
 
 Loads run concurrently with each other (the transfer engine starts a load while earlier
 loads of other pages are still copying); a request whose prefix runs through pages a
