@@ -371,7 +371,8 @@ class HostTier:
                 ev = self.tree.unmap_device(n)
                 self._free_device(page_ids(), ev.components)  # no copy writes those
                 self._quarantine.append(Quarantined(ev.full, in_flight))
-            else:  # pragma: no cover - every holder was failed above
+            else:  # pragma: no cover - pinned by a backup of it or by a caller outside
+                # the cache: nothing is computed on a chain whose layers did not arrive
                 log.error("cannot drop the L1 copy of pinned %r after a failed load", n)
 
     def _free_device(self, full: PageIds, components: dict[str, PageIds]) -> None:
