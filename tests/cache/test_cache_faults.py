@@ -14,12 +14,23 @@ from typing import Any
 
 import pytest
 
-from hicache.cache import HiCache, RequestState
+from hicache.cache import CacheRequest, HiCache, RequestState
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import StorageOptions
-from tests.helpers.kvdata import FailingLoads, page_kv, read_device, serve, write_tokens
+from tests.helpers.kvdata import (
+    FailingLoads,
+    LoadGates,
+    check_l1_hits,
+    fill_device,
+    finish,
+    free_device_pages,
+    page_kv,
+    read_device,
+    serve,
+    write_tokens,
+)
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -336,3 +347,251 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
         cache.check_integrity()
         cache.reset()  # /flush_cache is not refused: no pin is left behind
         assert cache.host.allocator.used_pages == 0
+
+
+# -- load back under concurrency and faults ---------------------------------------------
+
+LONGER = [*TOKENS, 11, 12, 13, 14]  # TOKENS and two more pages
+OTHER = [1, 2, 3, 4, 1, 2]  # shares no page with TOKENS
+
+
+def _l2_only(cache: HiCache, *seqs: list[int]) -> None:
+    """Serve each of ``seqs`` (computing it) and leave it cached in L2 only."""
+    for seq in seqs:
+        assert serve(cache, seq) is not None
+    cache.flush()
+    cache.evict_device(cache.device_pages)
+    assert cache.device_pool.allocator.used_pages == 0
+
+
+def _admit(cache: HiCache, tokens: list[int]) -> CacheRequest:
+    req = cache.open(tokens, compute_last=False)
+    assert cache.admit(req, tokens)
+    return req
+
+
+def _settled(cache: HiCache, ops: int = 0) -> None:
+    """Wait until at most ``ops`` L1<->L2 copies are in flight (others are parked)."""
+    assert cache.host is not None
+    end = time.monotonic() + 10
+    while cache.host.controller.pending > ops:
+        assert time.monotonic() < end, "copies never finished"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def gated() -> Iterator[tuple[HiCache, LoadGates]]:
+    gates = LoadGates()
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
+    cache = HiCache(cfg, SPEC, layer_hook=gates, wait_timeout_s=2.0).start()
+    try:
+        yield cache, gates
+    finally:
+        gates.release_all()
+        cache.close()
+
+
+def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pages(
+    failing: tuple[HiCache, FailingLoads],
+) -> None:
+    """L1 has exactly the load's pages free (another holder keeps the rest): the load is
+    issued, then the rest of the prompt finds no room. However that admission ends, the
+    failed load must leave no L1 page of TOKENS mapped that it never wrote."""
+    cache, hook = failing
+    _l2_only(cache, TOKENS)
+    held = cache.alloc_device(5)
+    assert held is not None
+    fill_device(cache, free_device_pages(cache), 7.0)  # what an unwritten page shows
+    hook.on = True
+    req = cache.open(LONGER, compute_last=False)
+    if cache.admit(req, LONGER):
+        assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+        cache.release(req, keep=False)
+    else:
+        cache.release(req)
+    cache.free_device(held)
+    cache.flush()  # the load has failed by now
+    hook.on = False
+    m = cache.match_prefix(TOKENS)
+    assert read_device(cache, m.device_pages).equal(
+        page_kv(cache, TOKENS, 0, m.device_tokens // PAGE)
+    )
+    assert (m.device_tokens, m.host_tokens) == (0, 6)  # the L2 copy stays, L1 has nothing
+    cache.check_integrity()
+    assert cache.device_pool.allocator.used_pages == 0
+    assert serve(cache, TOKENS) is not None  # loads the right bytes now
+
+
+class _BackupAfterFailedLoad:
+    """Wraps a copier: each backup first waits (at most 3 s) until ``hook`` has failed a
+    load and that load has posted its completion (this backup is the only copy left)."""
+
+    def __init__(self, inner: Any, cache: HiCache, hook: FailingLoads) -> None:
+        self.inner = inner
+        self.cache = cache
+        self.hook = hook
+
+    def backup(self, *args: Any) -> None:
+        assert self.cache.host is not None
+        end = time.monotonic() + 3
+        self.hook.fired.wait(3)
+        while self.cache.host.controller.pending > 1 and time.monotonic() < end:
+            time.sleep(0.001)
+        self.inner.backup(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
+    failing: tuple[HiCache, FailingLoads],
+) -> None:
+    """The issue's sequence: admit loads TOKENS, then waits for a backup in flight to make
+    room for the rest of its pages; the load fails meanwhile and its completion is
+    applied in that wait, while admit pins the chain. The request must fail and no later
+    match may return the chain's L1 pages."""
+    cache, hook = failing
+    _l2_only(cache, TOKENS)
+    assert cache.host is not None
+    engine = cache.host.controller._engine
+    engine.copier = _BackupAfterFailedLoad(engine.copier, cache, hook)  # type: ignore[assignment]
+    x = [3, 3, 3, 3]
+    x_pages = cache.alloc_device(2)
+    assert x_pages is not None
+    write_tokens(cache, x, x_pages, 0)
+    cache.insert(x, x_pages)  # write-through: its backup pins it in L1 until it lands
+    held = cache.alloc_device(3)  # another holder: 3 pages free, the load's size
+    assert held is not None
+    fill_device(cache, free_device_pages(cache), 7.0)
+    hook.on = True
+    req = _admit(cache, LONGER)  # room for the rest came from X, once backed up
+    assert req.prefix_pages == 3
+    assert not req.wait_layer(1, 10) and req.failed is not None
+    cache.poll()
+    m = cache.match_prefix(TOKENS)
+    assert (m.device_tokens, m.host_tokens) == (0, 6)
+    assert req.node is None  # failed and unpinned
+    cache.release(req, keep=False)
+    cache.free_device(held)
+    hook.on = False
+    cache.flush()
+    check_l1_hits(cache, [TOKENS, x])
+    cache.check_integrity()
+    assert serve(cache, TOKENS) is not None
+
+
+def test_two_l2_hits_admitted_in_one_step_load_concurrently(
+    gated: tuple[HiCache, LoadGates],
+) -> None:
+    """The first request's load is parked before its layer 1: the second request's
+    admission does not wait for it, and its own load runs to the end meanwhile."""
+    cache, gates = gated
+    _l2_only(cache, TOKENS, OTHER)
+    gates.park(0)
+    first = _admit(cache, TOKENS)
+    assert gates.parked(0)
+    second = _admit(cache, OTHER)  # before the fix: waited for the first load (timeout)
+    assert all(second.wait_layer(i, 10) for i in range(SPEC.num_layers))
+    assert first.loading and not second.loading
+    assert read_device(cache, second.pages[:3]).equal(page_kv(cache, OTHER, 0, 3))
+    with pytest.raises(TimeoutError):
+        first.wait_layer(1, 0.05)
+    gates.release(0)
+    assert finish(cache, first, TOKENS)  # checks its loaded bytes
+    assert finish(cache, second, OTHER)
+    cache.flush()
+    c = cache.stats().counters
+    assert c["load_ops_total"] == 2 and c["load_failures_total"] == 0
+    cache.check_integrity()
+
+
+def test_a_request_sharing_a_chain_still_loading_waits_for_its_layers(
+    gated: tuple[HiCache, LoadGates],
+) -> None:
+    """The second request's prefix is the first one's chain (still loading) plus two
+    pages of its own it loads itself: it depends on both loads and waits for each."""
+    cache, gates = gated
+    _l2_only(cache, LONGER)
+    gates.park(0)
+    first = _admit(cache, TOKENS)  # loads pages 0-2 (the cached span splits)
+    assert gates.parked(0)
+    second = _admit(cache, LONGER)  # pages 0-2 in L1 (loading), loads pages 3-4
+    assert second.prefix_pages == 5 and second.cached.host == 4
+    assert list(second.pages[:3]) == list(first.pages[:3])
+    assert second.loading
+    assert second.wait_layer(0, 10)  # layer 0 of both loads arrived
+    with pytest.raises(TimeoutError):
+        second.wait_layer(1, 0.05)  # layer 1 of the first load has not
+    _settled(cache, ops=1)  # its own load went on to the end meanwhile
+    gates.release(0)
+    assert finish(cache, second, LONGER)  # all five pages hold their bytes
+    assert finish(cache, first, TOKENS)
+    cache.flush()
+    check_l1_hits(cache, [TOKENS, LONGER])
+    cache.check_integrity()
+
+
+def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
+    gated: tuple[HiCache, LoadGates],
+) -> None:
+    """The first load fails while the second request pins its chain and its own load
+    of the pages below is still copying: both requests fail, neither chain stays in L1
+    (the one still copying leaves the tree at once, its pages are freed when its copy is
+    done), and the L2 copies stay."""
+    cache, gates = gated
+    _l2_only(cache, LONGER)
+    gates.park(0, fail=True)
+    gates.park(1)
+    first = _admit(cache, TOKENS)
+    assert gates.parked(0)
+    second = _admit(cache, LONGER)
+    assert gates.parked(1)
+    gates.release(0)
+    _settled(cache, ops=1)  # the first load failed and posted it; the second is parked
+    cache.poll()
+    assert first.failed is not None and second.failed is not None
+    assert first.node is None and second.node is None
+    m = cache.match_prefix(LONGER)
+    assert (m.device_tokens, m.host_tokens) == (0, 10)
+    cache.check_integrity()  # the parked load's pages are held, not free
+    assert not second.wait_layer(1, 10)
+    for req in (first, second):
+        cache.release(req, keep=False)
+    gates.release(1)
+    cache.flush()
+    assert cache.device_pool.allocator.used_pages == 0
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+    cache.check_integrity()
+    assert serve(cache, LONGER) is not None  # loads the right bytes now
+
+
+def test_a_commit_that_adopts_pages_still_loading_waits_for_them() -> None:
+    """The first request computed TOKENS itself (too short to load back); meanwhile a
+    second one loads LONGER, whose first pages are TOKENS. The first one's commit gives it
+    the tree's pages, which that load is still writing: its next forward must wait."""
+    gates = LoadGates()
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=8)
+    cache = HiCache(cfg, SPEC, layer_hook=gates, wait_timeout_s=2.0).start()
+    try:
+        _l2_only(cache, LONGER)
+        first = _admit(cache, TOKENS)
+        assert first.prefix_pages == 0 and not first.loading  # 6 tokens: not loaded back
+        write_tokens(cache, TOKENS, first.pages, 0)
+        gates.park(0)
+        second = _admit(cache, LONGER)  # 10 tokens: loaded back
+        assert gates.parked(0) and second.loading
+        cache.commit(first, TOKENS)  # its pages are duplicates of the loading ones
+        assert list(first.pages) == list(second.pages[:3])
+        assert first.loading
+        with pytest.raises(TimeoutError):
+            first.wait_layer(1, 0.05)
+        gates.release(0)
+        assert all(first.wait_layer(i, 10) for i in range(SPEC.num_layers))
+        assert read_device(cache, first.pages).equal(page_kv(cache, TOKENS, 0, 3))
+        cache.release(first)
+        assert finish(cache, second, LONGER)
+        cache.flush()
+        cache.check_integrity()
+    finally:
+        gates.release_all()
+        cache.close()

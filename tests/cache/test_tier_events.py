@@ -47,6 +47,9 @@ class Recorder:
     def free_components(self, tier: Tier, ids: Mapping[str, PageIds]) -> None:
         self.calls.append(("free_components", (tier, dict(ids))))
 
+    def fail_holders(self, top: TreeNode, reason: str) -> None:
+        self.calls.append(("fail_holders", (top.id, reason)))
+
     def wait_copies(self) -> bool:  # pragma: no cover - the host tier never asks
         raise AssertionError("the host tier waits for its own copies")
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from hicache.cache import CacheRequest, HiCache
 from hicache.controller import page_tensor
-from hicache.tree.node import PageIds
+from hicache.tree.node import PageIds, page_ids
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -93,13 +95,139 @@ def serve(
     return req
 
 
+def fill_device(cache: HiCache, pages: Sequence[int], value: float) -> None:
+    """Overwrite L1 ``pages`` with ``value`` everywhere, so stale bytes never pass for
+    KV a load or a forward should have written."""
+    if not pages:
+        return
+    pt = page_tensor(page_ids(pages))
+    cache.device_pool.write_pages(pt, torch.full_like(cache.device_pool.read_pages(pt), value))
+
+
+def free_device_pages(cache: HiCache) -> list[int]:
+    """The L1 pages nobody holds, ascending."""
+    alloc = cache.device_pool.allocator
+    return [p for p in range(cache.device_pool.num_pages) if not alloc.is_used(p)]
+
+
+def serve_or_fail(cache: HiCache, tokens: Sequence[int], *, timeout_s: float = 10.0) -> bool:
+    """:func:`serve` for a cache whose copies may fail: a request whose load failed is
+    released without keeping its KV (False); otherwise its cached prefix is checked byte
+    for byte, the rest "computed" and committed (True). False too when L1 had no room."""
+    seq = list(tokens)
+    req = cache.open(seq, compute_last=False)
+    if not cache.admit(req, seq):
+        cache.release(req)
+        return False
+    return finish(cache, req, seq, timeout_s=timeout_s)
+
+
+def finish(
+    cache: HiCache, req: CacheRequest, tokens: Sequence[int], *, timeout_s: float = 10.0
+) -> bool:
+    """Run the forward of an admitted ``req`` as an engine would: wait for each layer of
+    its prefix, then check the prefix byte for byte, write the rest and release it with
+    its KV kept (True); a failed wait releases it without keeping anything (False)."""
+    if not all(req.wait_layer(layer, timeout_s) for layer in range(cache.spec.num_layers)):
+        assert req.failed is not None
+        cache.release(req, keep=False)
+        return False
+    prefix = req.pages[: req.prefix_pages]
+    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
+        "a cached prefix came back with other bytes"
+    )
+    full = len(tokens) // cache.page_size
+    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+    cache.poll()  # as the engine does after a forward: a failure it applies fails req
+    if req.failed is not None:
+        cache.release(req, keep=False)
+        return False
+    cache.release(req, list(tokens))
+    return True
+
+
+def check_l1_hits(cache: HiCache, known: Sequence[Sequence[int]]) -> None:
+    """Every L1 page a match of a ``known`` sequence returns holds that sequence's KV.
+    Call with no copy in flight (after ``flush``)."""
+    for tokens in known:
+        m = cache.match_prefix(list(tokens))
+        n = len(m.device_pages)
+        assert read_device(cache, m.device_pages).equal(page_kv(cache, tokens, 0, n)), (
+            f"an L1 hit of {list(tokens)} holds other bytes"
+        )
+
+
 class FailingLoads:
     """A cache ``layer_hook`` that fails every L2 -> L1 load after its first layer while
-    ``on`` (the layers before stay valid, as with a copier that breaks mid-op)."""
+    ``on`` (the layers before stay valid, as with a copier that breaks mid-op).
+    ``fired`` is set each time it fails one."""
 
     def __init__(self) -> None:
         self.on = False
+        self.fired = threading.Event()
 
     def __call__(self, op_id: int, layer: int) -> None:
         if self.on and layer == 0:
+            self.fired.set()
             raise RuntimeError("injected copy failure after layer 0")
+
+
+class LoadGates:
+    """A cache ``layer_hook`` that parks chosen loads after their layer 0 (so layer 1
+    and on wait) until released, then lets them go on or fail.
+
+    ``park(n, fail=...)`` picks the ``n``-th load (0-based, in the order loads reach the
+    hook); ``parked(n)`` waits until it is parked; ``release(n)`` lets it continue.
+    """
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._order: list[int] = []  # op ids, in the order their layer 0 arrived
+        self._plans: dict[int, tuple[threading.Event, threading.Event, bool]] = {}
+
+    def park(self, n: int, *, fail: bool = False) -> None:
+        self._plans[n] = (threading.Event(), threading.Event(), fail)
+
+    def parked(self, n: int) -> bool:
+        return self._plans[n][0].wait(self._timeout_s)
+
+    def release(self, n: int) -> None:
+        self._plans[n][1].set()
+
+    def release_all(self) -> None:
+        for _, go, _ in self._plans.values():
+            go.set()
+
+    def __call__(self, op_id: int, layer: int) -> None:
+        if layer != 0:
+            return
+        with self._lock:
+            n = len(self._order)
+            self._order.append(op_id)
+        plan = self._plans.get(n)
+        if plan is None:
+            return
+        parked, go, fail = plan
+        parked.set()
+        if not go.wait(self._timeout_s):
+            raise RuntimeError(f"load {n} (op {op_id}) was never released")
+        if fail:
+            raise RuntimeError(f"injected failure of load {n} after layer 0")
+
+
+class FailingBackups:
+    """Wraps a :class:`~hicache.transfer.PageCopier`: every L1 -> L2 backup raises (and
+    copies nothing) while ``on``; loads pass through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.on = False
+
+    def backup(self, *args: Any) -> None:
+        if self.on:
+            raise RuntimeError("injected backup failure")
+        self.inner.backup(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -486,8 +486,8 @@ def test_engine_close_cancel_drops_queued_ops() -> None:
             held.set()
             release.wait(10)
 
-    engine = TransferEngine(device, host, KernelCopier(), layer_hook=hook)
-    engine.start()
+    engine = TransferEngine(device, host, KernelCopier(), layer_hook=hook, workers=1)
+    engine.start()  # one worker: ops 1 and 2 stay queued behind the parked op 0
     first = engine.submit_load(0, pages([0]), pages([1]))
     assert held.wait(10)
     queued = engine.submit_load(1, pages([0]), pages([2]))

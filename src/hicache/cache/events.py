@@ -3,7 +3,7 @@ construction.
 
 :class:`HostTier` (L1 <-> L2 copies) and the component stores run on the owner's thread
 and call back into it for a few things only: apply the records the workers posted (when
-they must wait for copies in flight), hand a run whose backup landed on to L3, let the
+they must wait for copies in flight), hand a run whose backup landed on to L3, fail the requests over a load that failed, let the
 component stores back up what a hit there needs, return ids the tree released to their
 stores' pools, and wait for copies in flight before evicting. :class:`TierEvents` is that
 contract; :class:`hicache.cache.HiCache` gives one object implementing it to each tier and
@@ -37,6 +37,10 @@ class TierEvents(Protocol):
 
     def free_components(self, tier: Tier, ids: Mapping[str, PageIds]) -> None:
         """Return ids the tree released, per component, to their stores' ``tier`` pools."""
+
+    def fail_holders(self, top: TreeNode, reason: str) -> None:
+        """A load into the chain under ``top`` failed (``reason``): fail and unpin every
+        admitted request whose prefix runs through ``top`` (its pages were never written)."""
 
     def wait_copies(self) -> bool:
         """Wait for the L1 <-> L2 copies in flight and apply them; False when none was."""

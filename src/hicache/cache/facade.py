@@ -114,6 +114,9 @@ class _Events:
     def free_components(self, tier: Tier, ids: Mapping[str, PageIds]) -> None:
         self._cache.stores.free(tier, ids)
 
+    def fail_holders(self, top: TreeNode, reason: str) -> None:
+        self._cache._fail_holders(top, reason)
+
     def wait_copies(self) -> bool:
         host = self._cache.host
         if host is None or not host.busy:
@@ -479,6 +482,8 @@ class HiCache(Lifecycle):
         req.pages = tree_pages + req.pages[full:]
         req.prefix_pages = full
         req._prefix_tokens = full * ps
+        if self.host is not None:  # the tree's pages may be another request's load in flight
+            req._progress = _union(req._progress, self.host.loads_on(last))
         self.stores.committed(req, last, full, len(tokens))
         if self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
@@ -519,7 +524,7 @@ class HiCache(Lifecycle):
         req.pages = page_ids()
         req.prefix_pages = 0
         req._prefix_tokens = 0
-        req._progress = None
+        req._progress = ()
         req.state = RequestState.RELEASED
 
     def requeue(self, req: CacheRequest, tokens: TokenIds) -> None:
@@ -549,18 +554,21 @@ class HiCache(Lifecycle):
     def match_prefix(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
         """The cached prefix of ``tokens`` in L1 and L2 (whole pages); copies nothing.
 
-        Waits first for loads still in flight, so every returned L1 page holds its data.
+        Applies what the workers posted first (so no L1 page of a failed load is
+        returned), but waits for no load: L1 pages a load in flight maps may still be
+        arriving (:meth:`HostTier.loads_on` names those loads; a request admitted over
+        them waits for their layers in ``wait_layer``).
         """
-        if self.host is not None and self.host.loads:
-            self.host.wait_idle()
+        self.poll()
         return self.tree.match_prefix(tokens, tenant)
 
     def _load_back(
         self, match: MatchResult, req: CacheRequest | None
-    ) -> tuple[TreeNode, PageIds, int, LayerProgress | None]:
+    ) -> tuple[TreeNode, PageIds, int, tuple[LayerProgress, ...]]:
         """Start copying the host-only part of ``match`` into L1, layer by layer; returns
         the deepest usable node, the prefix's L1 pages, the tokens being loaded and the
-        load's progress (None when nothing is loaded).
+        progress of every load the prefix depends on: its own (if any), and those still
+        in flight that other requests started for L1 pages of the prefix.
 
         With extra components the L1 part of a match may end above an L1-resident span
         (say, a node whose snapshot is only in L2): the prefix then runs in L1 down to the
@@ -570,9 +578,14 @@ class HiCache(Lifecycle):
         All-or-nothing per chain: when the host-only part is shorter than
         ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded.
         """
-        no_load = (match.last_device_node, match.device_pages, 0, None)
         if self.host is None:
-            return no_load
+            return (match.last_device_node, match.device_pages, 0, ())
+        no_load = (
+            match.last_device_node,
+            match.device_pages,
+            0,
+            self.host.loads_on(match.last_device_node),
+        )
         last = match.last_host_node
         # Pin the host copies first: pinning a hit's component span may split a node (so
         # the span starts on a boundary), which would change the chain computed before.
@@ -586,9 +599,9 @@ class HiCache(Lifecycle):
             else:  # L1-resident below the L1-valid boundary: its other components come later
                 base_pages = _path_device_pages(base)
             if not nodes:
-                return (
-                    (base, base_pages, 0, None) if base is not match.last_device_node else no_load
-                )
+                if base is match.last_device_node:
+                    return no_load
+                return (base, base_pages, 0, self.host.loads_on(base))
             host_tokens = sum(self.tree.num_tokens(n) for n in nodes)
             if host_tokens < self.config.load_back_threshold:
                 self.counters.load_skipped_tokens_total += host_tokens
@@ -603,8 +616,8 @@ class HiCache(Lifecycle):
         if device_pages is None:
             self.counters.load_skipped_tokens_total += host_tokens
             return no_load
-        progress = self.host.load(nodes, device_pages, req)
-        return last, base_pages + device_pages, host_tokens, progress
+        self.host.load(nodes, device_pages, req)
+        return last, base_pages + device_pages, host_tokens, self.host.loads_on(last)
 
     def insert(
         self,
@@ -638,13 +651,19 @@ class HiCache(Lifecycle):
     def alloc_device(self, num_pages: int) -> PageIds | None:
         """Page level: ``num_pages`` free L1 pages, evicting unpinned cached pages if
         needed; None when even eviction cannot make room. The caller owns the pages until
-        it inserts or frees them."""
+        it inserts or frees them.
+
+        Only when eviction cannot make room does it wait, and then only for the backups
+        in flight (they pin their L1 sources until they land), never for loads: a load's
+        chain stays pinned by its request when it lands, so waiting for it frees nothing,
+        and a load may take as long as its forward. Records posted meanwhile are applied,
+        failed loads excepted (the caller may be pinning their chain): :meth:`poll`
+        applies those."""
         alloc = self.device_pool.allocator
         if alloc.free_pages < num_pages:
             self.evict_device(num_pages - alloc.free_pages)
-        # nodes being backed up stay pinned in L1 until their copy lands
-        if alloc.free_pages < num_pages and self.host is not None and self.host.busy:
-            self.host.wait_idle()
+        if alloc.free_pages < num_pages and self.host is not None and self.host.backups:
+            self.host.wait_backups()
             self.evict_device(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)
@@ -752,9 +771,26 @@ class HiCache(Lifecycle):
                 self.storage.apply(r)  # records of a detached tier's ops are dropped
         if self.host is not None:
             self.host.retry_invalidations()
+            self.host.settle()
             if self._retired:
                 self._free_retired()
         return len(records)
+
+    def _fail_holders(self, top: TreeNode, reason: str) -> None:
+        """A load under ``top`` failed: every admitted request whose prefix runs through
+        ``top`` reads pages it never wrote. Fail it and unpin its prefix (it must be
+        released without keeping its KV)."""
+        for req in self._requests:
+            n = req.node
+            while n is not None and n is not top:
+                n = n.parent
+            if n is None:
+                continue
+            if req.failed is None:
+                req.failed = reason
+            assert req.node is not None
+            self.tree.dec_lock_ref(req.node)
+            req.node = None
 
     def _free_retired(self) -> None:
         assert self.host is not None
@@ -773,6 +809,7 @@ class HiCache(Lifecycle):
             self.host.wait_idle()
             if self.storage is not None:
                 self.storage.flush(self.wait_timeout_s)
+            self.poll()  # failed loads are applied here, outside the wait
 
     # ------------------------------------------------------------------ whole cache
 
@@ -830,10 +867,20 @@ class HiCache(Lifecycle):
             self.tree,
             self.device_pool,
             self.host_pool,
-            [*self.request_pages(), *self._reserved, *request_pages],
+            [
+                *self.request_pages(),
+                *self._reserved,
+                *request_pages,
+                *(self.host.quarantined_device_pages() if self.host is not None else ()),
+            ],
             host_held,
         )
         self.stores.check(list(self._requests), ids_held)
+
+
+def _union(a: tuple[LayerProgress, ...], b: tuple[LayerProgress, ...]) -> tuple[LayerProgress, ...]:
+    """``a`` and the progresses of ``b`` not in it, in order."""
+    return a + tuple(p for p in b if all(p is not q for q in a))
 
 
 def _path_device_pages(node: TreeNode) -> PageIds:

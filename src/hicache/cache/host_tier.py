@@ -9,8 +9,21 @@ worker's :class:`Completion` records:
 * a failed backup leaves its run pinned in L1 and drops the run's L2 copies (and the
   L2 copies below it, which contiguity no longer allows) as soon as no other op pins
   them: pages another op pins are never freed under it;
-* a failed load fails the request that asked for it, drops the L1 pages it mapped (and
-  anything built on them) and releases every pin it held.
+* a failed load (one whose layers did not all arrive) takes the L1 pages it mapped out of
+  the tree, and the L1 copies of everything below them (contiguity), whatever pins them:
+  every admitted request whose prefix runs through them is failed and unpinned
+  (``fail_holders``); a node another copy in flight still pins (a load of a chain
+  below) leaves the tree at once and its pages are freed once those copies are done.
+  The L2 copies stay. A failure is applied at the next ``settle`` (the facade's ``poll``),
+  never inside a wait for copies (``wait_idle``, ``wait_backups``), whose caller may hold
+  a pin on the very chain for a moment (an ``admit`` making room for the rest of its
+  pages); until then the load keeps its pins and every request admitted over its pages
+  depends on its (failed) progress, so its ``wait_layer`` fails. A load that failed only
+  after its last layer arrived keeps its mapping: its pages hold the span's KV.
+
+Loads run concurrently with each other (the transfer engine starts a load while earlier
+loads of other pages are still copying); a request whose prefix runs through pages a
+load still in flight maps depends on that load's progress (``loads_on``).
 """
 
 from __future__ import annotations
@@ -48,12 +61,24 @@ class PendingBackup:
 @dataclass(frozen=True, slots=True)
 class PendingLoad:
     """A chain being copied L2 -> L1: the last ``pages`` pages of the path to ``last``,
-    pinned in both tiers; ``request`` is the handle that asked for it."""
+    pinned in both tiers, mapped to ``device_pages`` (in path order); ``request`` is the
+    handle that asked for it, ``progress`` the layers that have arrived."""
 
     last: TreeNode
     pages: int
     tokens: int
     request: CacheRequest | None
+    progress: LayerProgress
+    device_pages: PageIds
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """L1 pages taken out of the tree (a failed load's chain) that copies in flight may
+    still use: freed once none of the ops ``ops`` is in flight any more."""
+
+    pages: PageIds
+    ops: frozenset[int]
 
 
 class HostTier:
@@ -98,9 +123,17 @@ class HostTier:
             events.free_components
         )
         """Returns extra components' ids the tree released to their pools."""
+        self.fail_holders: Callable[[TreeNode, str], None] = events.fail_holders
+        """Called with the top of a failed load's chain and the error: fail (and unpin)
+        every admitted request whose prefix runs through that node."""
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
+        self._failed: list[tuple[PendingLoad, str]] = []
+        """Failed loads not applied yet (still pinned): applied by :meth:`settle`."""
+        self._quarantine: list[Quarantined] = []
+        self._waiting = 0  # > 0 while a wait for copies runs (its caller may hold pins)
+        self._num_layers = spec.num_layers
 
     @property
     def allocator(self) -> PageAllocator:
@@ -118,9 +151,43 @@ class HostTier:
         return bool(self.backups or self.loads or self._bad)
 
     def wait_idle(self) -> None:
-        """Wait (bounded) for every copy in flight, then apply everything posted."""
-        self.controller.wait_idle(self._wait_timeout_s)
-        self._drain()
+        """Wait (bounded) for every copy in flight, then apply everything posted (failed
+        loads wait for :meth:`settle`)."""
+        self._waiting += 1
+        try:
+            self.controller.wait_idle(self._wait_timeout_s)
+            self._drain()
+        finally:
+            self._waiting -= 1
+
+    def wait_backups(self) -> None:
+        """Wait (bounded) for the backups in flight, not for loads (they share no page
+        with backups, so the engine never holds a backup behind a load), then apply
+        everything posted (failed loads wait for :meth:`settle`)."""
+        self._waiting += 1
+        try:
+            self.controller.wait_backups(self._wait_timeout_s)
+            self._drain()
+        finally:
+            self._waiting -= 1
+
+    def loads_on(self, node: TreeNode) -> tuple[LayerProgress, ...]:
+        """The progress of every load not yet applied (in flight, or failed and not yet
+        settled) whose pages the path to ``node`` runs through: a request whose prefix
+        ends at ``node`` reads them, so it must wait for their layers."""
+        if not self.loads and not self._failed:
+            return ()
+        on_path: set[int] = set()
+        n = node
+        while n.parent is not None:
+            on_path.add(id(n))
+            n = n.parent
+        out: list[LayerProgress] = []
+        for ld in [*self.loads.values(), *(f for f, _ in self._failed)]:
+            chain = self.tree.path_tail(ld.last, ld.pages)
+            if id(chain[0]) in on_path and _maps(chain, ld.device_pages):
+                out.append(ld.progress)
+        return tuple(out)
 
     # ------------------------------------------------------------------ L2 pages
 
@@ -188,7 +255,7 @@ class HostTier:
         if self.on_backup_issued is not None:
             self.on_backup_issued(last)
         if wait:
-            self.wait_idle()
+            self.wait_backups()
 
     def load(
         self,
@@ -212,7 +279,9 @@ class HostTier:
         tree.inc_host_ref(last)
         op_id, progress = self.controller.load(host_pages, device_pages)
         tokens = len(device_pages) * self.page_size
-        self.loads[op_id] = PendingLoad(last, len(device_pages), tokens, request)
+        self.loads[op_id] = PendingLoad(
+            last, len(device_pages), tokens, request, progress, device_pages[:]
+        )
         return progress
 
     # ------------------------------------------------------------------ completions
@@ -235,37 +304,85 @@ class HostTier:
                 self.retry_invalidations()
         elif c.op_id in self.loads:
             ld = self.loads.pop(c.op_id)
-            self.tree.dec_lock_ref(ld.last)
-            self.tree.dec_host_ref(ld.last)
             if c.ok:
+                self.tree.dec_lock_ref(ld.last)
+                self.tree.dec_host_ref(ld.last)
                 self.counters.load_ops_total += 1
                 self.counters.load_tokens_total += ld.tokens
                 self.counters.load_bytes_total += c.nbytes
             else:
-                self._load_failed(ld, c)
+                log.error("load back op %d failed: %s", c.op_id, c.error)
+                self.counters.load_failures_total += 1
+                self._failed.append((ld, c.error or "unknown error"))  # pinned until settled
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
 
-    def _load_failed(self, ld: PendingLoad, c: Completion) -> None:
-        log.error("load back op %d failed: %s; dropping what it mapped", c.op_id, c.error)
-        self.counters.load_failures_total += 1
-        req = ld.request
-        if req is not None and req.node is not None:
-            if req.failed is None:
-                req.failed = f"loading the cached prefix failed: {c.error}"
-            self.tree.dec_lock_ref(req.node)
-            req.node = None
-        top = self.tree.path_tail(ld.last, ld.pages)[0]
+    def settle(self) -> None:
+        """Apply the failed loads posted so far and free quarantined L1 pages no copy in
+        flight uses any more. A no-op inside a wait for copies (its caller may hold a pin
+        for a moment): the facade's ``poll`` calls it when no such wait runs."""
+        if self._waiting:
+            return
+        while self._failed:
+            ld, error = self._failed.pop(0)
+            self.tree.dec_lock_ref(ld.last)
+            self.tree.dec_host_ref(ld.last)
+            self._drop_failed_load(ld, error)
+        if self._quarantine:
+            in_flight = self.loads.keys() | self.backups.keys()
+            keep: list[Quarantined] = []
+            for q in self._quarantine:
+                if q.ops & in_flight:
+                    keep.append(q)
+                else:
+                    self.device_allocator.free(q.pages)
+            self._quarantine = keep
+
+    def quarantined_device_pages(self) -> list[int]:
+        """L1 pages a failed load mapped that copies in flight may still use (owned by the
+        tier until :meth:`settle` frees them)."""
+        return [p for q in self._quarantine for p in q.pages]
+
+    def _drop_failed_load(self, ld: PendingLoad, error: str) -> None:
+        """Take what a failed load mapped (and every L1 copy below it) out of L1."""
+        chain = self.tree.path_tail(ld.last, ld.pages)
+        if not _maps(chain, ld.device_pages):
+            return  # unmapped already: a load above it failed first
+        if ld.progress.layers_done == self._num_layers:
+            log.error("load back failed after its last layer arrived: its L1 pages stay")
+            return  # every layer landed: the pages hold the span's KV
+        top = chain[0]
+        reason = f"loading the cached prefix failed: {error}"
+        self.fail_holders(top, reason)
+        in_flight = frozenset(self.loads) | frozenset(self.backups)
+        backing_up = {
+            id(n)
+            for b in [*self.backups.values(), *self._bad]
+            for n in self.tree.path_tail(b.last, b.pages)
+        }
         for n in _post_order(top):
             if n.device is None:
                 continue
-            if n.lock_ref > 0 or any(ch.device is not None for ch in n.children.values()):
-                log.error("cannot drop the L1 copy of pinned %r after a failed load", n)
+            if any(ch.device is not None for ch in n.children.values()):
+                log.error("cannot drop the L1 copy of %r: a child stays in L1", n)
                 continue
-            ev = self.tree.evict_node_device(n)
-            self.device_allocator.free(ev.full)
-            if self.free_components is not None:
-                self.free_components(Tier.DEVICE, ev.components)
+            if n.lock_ref == 0:
+                ev = self.tree.evict_node_device(n)
+                self._free_device(ev.full, ev.components)
+            elif n.host is not None and id(n) not in backing_up:
+                # pinned by a copy in flight (a load of a chain below): out of the tree
+                # now, its pages free once the copies in flight are done
+                ev = self.tree.unmap_device(n)
+                self._free_device(page_ids(), ev.components)  # no copy writes those
+                self._quarantine.append(Quarantined(ev.full, in_flight))
+            else:  # pragma: no cover - pinned by a backup of it or by a caller outside
+                # the cache: nothing is computed on a chain whose layers did not arrive
+                log.error("cannot drop the L1 copy of pinned %r after a failed load", n)
+
+    def _free_device(self, full: PageIds, components: dict[str, PageIds]) -> None:
+        self.device_allocator.free(full)
+        if self.free_components is not None:
+            self.free_components(Tier.DEVICE, components)
 
     def retry_invalidations(self) -> None:
         """Drop the L2 copies of failed backups whose subtrees no op pins any more."""
@@ -298,6 +415,16 @@ class HostTier:
         if self.free_components is not None:
             self.free_components(Tier.HOST, ev.components)
         return ev.full
+
+
+def _maps(chain: list[TreeNode], device_pages: PageIds) -> bool:
+    """Whether ``chain`` (top-down) is in L1 on exactly ``device_pages``."""
+    got = page_ids()
+    for n in chain:
+        if n.device is None:
+            return False
+        got += n.device
+    return got == device_pages
 
 
 def _post_order(top: TreeNode) -> list[TreeNode]:

@@ -20,6 +20,7 @@ resumes the request from (a state snapshot) travels as an opaque record
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -136,7 +137,10 @@ class CacheRequest:
         self._loaded: set[str] = set()
         """Stores that copied this request's hit from L2 in an admission not yet counted
         (see ``HiCache.component_hits``)."""
-        self._progress: LayerProgress | None = None
+        self._progress: tuple[LayerProgress, ...] = ()
+        """The layer-wise loads the prefix's L1 pages depend on: the request's own load
+        back and the loads other requests started for pages it shares, still in flight
+        when it was admitted."""
         self._counted = False
 
     @property
@@ -187,20 +191,24 @@ class CacheRequest:
 
     @property
     def loading(self) -> bool:
-        """Whether part of the prefix is still being copied L2 -> L1."""
-        return self._progress is not None and not self._progress.done
+        """Whether part of the prefix is still being copied L2 -> L1 (by this request's
+        load back or by another request's load of pages the prefix shares)."""
+        return any(not p.done for p in self._progress)
 
     def wait_layer(self, layer: int, timeout_s: float) -> bool:
-        """Block until ``layer`` of the request's loaded prefix is in L1 (on CUDA: make
-        the current stream wait for it). False when the load failed (``failed`` is then
-        set); TimeoutError after ``timeout_s`` seconds."""
-        if self._progress is None:
-            return self.failed is None
-        try:
-            self._progress.wait(layer, timeout_s)
-        except TransferError as exc:
-            self.failed = f"loading the cached prefix failed: {exc}"
+        """Block until ``layer`` of the request's whole prefix is in L1 (on CUDA: make
+        the current stream wait for it): every load the prefix depends on, its own and
+        those of other requests whose pages it shares. False when one of them failed
+        (``failed`` is then set); TimeoutError after ``timeout_s`` seconds in all."""
+        if self.failed is not None:
             return False
+        deadline = time.monotonic() + timeout_s
+        for progress in self._progress:
+            try:
+                progress.wait(layer, max(0.0, deadline - time.monotonic()))
+            except TransferError as exc:
+                self.failed = f"loading the cached prefix failed: {exc}"
+                return False
         return True
 
     def __repr__(self) -> str:

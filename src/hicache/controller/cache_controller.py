@@ -80,6 +80,16 @@ class CacheController(Lifecycle):
         ``timeout_s`` seconds."""
         self._engine.wait_idle(timeout_s)
 
+    def wait_backups(self, timeout_s: float) -> None:
+        """Wait until every backup submitted so far has posted its completion (loads of
+        other pages may still run); TimeoutError after ``timeout_s`` seconds."""
+        self._engine.wait_backups(timeout_s)
+
+    @property
+    def pending_backups(self) -> int:
+        """Backups submitted whose completion has not been posted yet."""
+        return self._engine.pending_backups
+
     @property
     def pending(self) -> int:
         """Ops submitted whose completion has not been posted yet."""

@@ -1,14 +1,22 @@
-"""TransferEngine: one worker thread that runs device <-> host page copies in FIFO order.
+"""TransferEngine: a few worker threads that run device <-> host page copies.
 
 The owner (the cache controller) submits ops and later drains :class:`Completion` records
 (from the engine's own queue, or from the ``sink`` it was given: the cache's one
-completion queue); the worker touches nothing but the two pools, the op's
+completion queue); the workers touch nothing but the two pools, the op's
 :class:`LayerProgress` and the completion queue. Page lists are snapshotted at submit time
 (copied to CPU int64), so the caller may reuse its tensors at once; the *pages* themselves
 must stay owned by the op (not freed or rewritten) until its completion is drained.
 
-CUDA: copies run on a side stream owned by the engine. At submit time an event is recorded
-on the submitting thread's current stream and the side stream waits on it before the op
+Order: ops start in submission order, except that an op may start while earlier ops are
+still running (or queued) when it shares no page with any of them that either writes: a
+load (H -> D) writes its device pages and reads its host pages, a backup (D -> H) the other
+way round. So two loads into different device pages run at once (a second request's load
+is not held behind the first one's layers), and a load of host pages an earlier backup is
+still writing waits for that backup, as if the queue were FIFO. At most ``workers`` ops run
+at once (default 4); an op that must wait holds back nothing that does not depend on it.
+
+CUDA: each worker copies on its own side stream. At submit time an event is recorded on
+the submitting thread's current stream and the worker's stream waits on it before the op
 starts, so a backup reads device pages only after the kernels that wrote them, and a load
 writes device pages only after earlier work queued on that stream. A load records one
 event per layer (see :class:`LayerProgress`). An op's completion is posted only after its
@@ -58,7 +66,7 @@ class Completion:
     seconds: float
 
 
-@dataclass
+@dataclass(eq=False)
 class _Op:
     op_id: int
     kind: OpKind
@@ -66,6 +74,23 @@ class _Op:
     host_pages: torch.Tensor
     progress: LayerProgress | None
     ready: Any  # torch.cuda.Event recorded at submit time, or None
+    device_set: frozenset[int] = frozenset()
+    host_set: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.device_set = frozenset(self.device_pages.tolist())
+        self.host_set = frozenset(self.host_pages.tolist())
+
+
+def _conflict(earlier: _Op, later: _Op) -> bool:
+    """Whether ``later`` must wait for ``earlier``: they share a page one of them writes
+    (device pages unless both are backups, which only read them; host pages unless both
+    are loads)."""
+    if (earlier.kind == "load" or later.kind == "load") and earlier.device_set & later.device_set:
+        return True
+    return (earlier.kind == "backup" or later.kind == "backup") and bool(
+        earlier.host_set & later.host_set
+    )
 
 
 _NEW, _RUNNING, _CLOSED = "new", "running", "closed"
@@ -78,7 +103,8 @@ def _snapshot(pages: PageList) -> torch.Tensor:
 
 
 class TransferEngine:
-    """Runs :class:`PageCopier` ops between ``device_pool`` and ``host_pool`` on one thread.
+    """Runs :class:`PageCopier` ops between ``device_pool`` and ``host_pool`` on
+    ``workers`` threads (see the module docstring for the order).
 
     Lifecycle: construct, :meth:`start` (or ``with``), submit, :meth:`close`. Submitting
     before ``start`` or after ``close`` raises RuntimeError. A failing op posts a
@@ -94,7 +120,10 @@ class TransferEngine:
         layer_hook: LayerHook | None = None,
         name: str = "hicache-transfer",
         sink: Callable[[Completion], None] | None = None,
+        workers: int = 4,
     ) -> None:
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"workers={workers!r} is invalid; must be an int >= 1")
         check_compatible(device_pool, host_pool)
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -103,53 +132,54 @@ class TransferEngine:
         self._name = name
         self._device = device_pool.device
         self._cuda = self._device.type == "cuda"
-        self._ops: queue.Queue[_Op | None] = queue.Queue()
+        self._workers = workers
+        self._queued: list[_Op] = []  # submitted, not started; in submission order
+        self._running: list[_Op] = []
         self._completions: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._post = sink if sink is not None else self._completions.put
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)  # an op finished or was queued
         self._pending = 0
+        self._pending_backups = 0
         self._state = _NEW
-        self._thread: threading.Thread | None = None
-        self._stream: Any = None
+        self._threads: list[threading.Thread] = []
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker thread (and, on CUDA, create the copy stream)."""
+        """Start the worker threads (on CUDA each creates its copy stream)."""
         with self._lock:
             if self._state != _NEW:
                 raise RuntimeError(f"TransferEngine cannot start: it is {self._state}")
-            if self._cuda:
-                self._stream = torch.cuda.Stream(device=self._device)
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._threads = [
+                threading.Thread(target=self._run, name=f"{self._name}-{i}", daemon=True)
+                for i in range(self._workers)
+            ]
             self._state = _RUNNING
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting ops, finish (or with ``cancel``, drop) queued ones, join the worker.
+        """Stop accepting ops, finish (or with ``cancel``, drop) queued ones, join the workers.
 
-        Cancelled ops post ``ok=False`` completions with error ``"cancelled"``; the op in
-        progress always finishes. Idempotent; a never-started engine just becomes closed.
-        ``timeout`` bounds the join (seconds).
+        Cancelled ops post ``ok=False`` completions with error ``"cancelled"``; ops in
+        progress always finish. Idempotent; a never-started engine just becomes closed.
+        ``timeout`` bounds each join (seconds).
         """
         with self._lock:
             if self._state == _CLOSED:
                 return
             was_running = self._state == _RUNNING
             self._state = _CLOSED
+            dropped: list[_Op] = []
+            if cancel:
+                dropped, self._queued = self._queued, []
+            self._idle.notify_all()
         if not was_running:
             return
-        if cancel:
-            while True:
-                try:
-                    op = self._ops.get_nowait()
-                except queue.Empty:
-                    break
-                if op is not None:
-                    self._finish(op, ok=False, error="cancelled", seconds=0.0)
-        self._ops.put(None)
-        assert self._thread is not None
-        self._thread.join(timeout)
+        for op in dropped:
+            self._finish(op, ok=False, error="cancelled", seconds=0.0)
+        for t in self._threads:
+            t.join(timeout)
 
     def __enter__(self) -> TransferEngine:
         self.start()
@@ -185,7 +215,10 @@ class TransferEngine:
                 op.ready = torch.cuda.Event()
                 op.ready.record(torch.cuda.current_stream(self._device))
             self._pending += 1
-            self._ops.put(op)
+            if op.kind == "backup":
+                self._pending_backups += 1
+            self._queued.append(op)
+            self._idle.notify_all()
 
     # -- results -------------------------------------------------------------------------
     @property
@@ -204,37 +237,71 @@ class TransferEngine:
             except queue.Empty:
                 return out
 
+    @property
+    def pending_backups(self) -> int:
+        """Backups submitted whose completion has not been posted yet."""
+        with self._lock:
+            return self._pending_backups
+
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until every submitted op has posted its completion; TimeoutError otherwise."""
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0, timeout):
                 raise TimeoutError(f"{self._pending} transfer ops still pending after {timeout} s")
 
+    def wait_backups(self, timeout: float | None = None) -> None:
+        """Block until every backup submitted so far has posted its completion (loads may
+        still run); TimeoutError otherwise. A backup waits only for earlier ops sharing a
+        page with it, so this waits for no load that copies other pages."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending_backups == 0, timeout):
+                raise TimeoutError(
+                    f"{self._pending_backups} backups still pending after {timeout} s"
+                )
+
     # -- worker --------------------------------------------------------------------------
+    def _take(self) -> _Op | None:
+        """Under the lock: the first queued op that no earlier op (running or queued)
+        conflicts with, moved to running; None when there is none."""
+        for i, op in enumerate(self._queued):
+            earlier = self._running + self._queued[:i]
+            if not any(_conflict(e, op) for e in earlier):
+                del self._queued[i]
+                self._running.append(op)
+                return op
+        return None
+
     def _run(self) -> None:
         ctx = torch.cuda.device(self._device) if self._cuda else contextlib.nullcontext()
         with ctx:
+            stream = torch.cuda.Stream(device=self._device) if self._cuda else None
             while True:
-                op = self._ops.get()
-                if op is None:
-                    return
-                self._execute(op)
+                with self._idle:
+                    op = self._take()
+                    while op is None:
+                        if self._state == _CLOSED and not self._queued:
+                            return
+                        self._idle.wait()
+                        op = self._take()
+                self._execute(op, stream)
 
-    def _execute(self, op: _Op) -> None:
+    def _execute(self, op: _Op, stream: Any) -> None:
         t0 = time.perf_counter()
         try:
-            stream_ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+            stream_ctx = (
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            )
             with stream_ctx:
                 if op.ready is not None:
-                    self._stream.wait_event(op.ready)
+                    stream.wait_event(op.ready)
                 if op.kind == "backup":
                     self.copier.backup(
                         self.device_pool, self.host_pool, op.device_pages, op.host_pages
                     )
                 else:
-                    self._load(op)
-                if self._cuda:
-                    self._stream.synchronize()
+                    self._load(op, stream)
+                if stream is not None:
+                    stream.synchronize()
         except Exception as exc:
             if op.progress is not None:
                 op.progress.fail(exc)
@@ -244,15 +311,15 @@ class TransferEngine:
             return
         self._finish(op, ok=True, error=None, seconds=time.perf_counter() - t0)
 
-    def _load(self, op: _Op) -> None:
+    def _load(self, op: _Op, stream: Any) -> None:
         progress = op.progress
         assert progress is not None
 
         def done(layer: int) -> None:
             event = None
-            if self._cuda:
+            if stream is not None:
                 event = torch.cuda.Event()
-                event.record(self._stream)
+                event.record(stream)
             progress.mark_layer_done(layer, event)
             if self._hook is not None:
                 self._hook(op.op_id, layer)
@@ -267,7 +334,11 @@ class TransferEngine:
         nbytes = op.device_pages.numel() * self.device_pool.page_bytes
         self._post(Completion(op.op_id, op.kind, ok, error, nbytes, seconds))
         with self._idle:
+            if op in self._running:
+                self._running.remove(op)
             self._pending -= 1
+            if op.kind == "backup":
+                self._pending_backups -= 1
             self._idle.notify_all()
 
     def __repr__(self) -> str:

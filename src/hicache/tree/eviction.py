@@ -135,6 +135,19 @@ class Eviction:
             self._store.remove_leaf(node)
         return NodeEviction(pages, extra)
 
+    def unmap_device(self, node: TreeNode) -> NodeEviction:
+        """Take ``node``'s L1 copy out of the tree even while it is pinned, because its
+        pages do not hold the span's KV (a load into them failed). The node must be in
+        L2 (it stays, L2-only; its pins count on as for any node) and its children out
+        of L1 (unmap bottom-up: contiguity). Returns the L1 pages and the extras' L1
+        values (cascade) for the owner to free once no copy in flight uses them."""
+        if node.parent is None or node.device is None or node.host is None:
+            raise RuntimeError(f"{node!r} must be in L1 and L2 to unmap its L1 copy")
+        if any(c.device is not None for c in node.children.values()):
+            raise RuntimeError(f"{node!r} has children in L1 (contiguity)")
+        extra = self._cascade(node, Tier.DEVICE)
+        return NodeEviction(self._store.take_device(node), extra)
+
     def evict_host(self, node: TreeNode) -> PageIds:
         """Remove an unpinned L2-only leaf and return its L2 page ids for the owner to free.
 

@@ -313,6 +313,11 @@ class HiRadixTree:
         """Drop ``node``'s L1 copy with every extra component's L1 value (cascade)."""
         return self._eviction.evict_node_device(node)
 
+    def unmap_device(self, node: TreeNode) -> NodeEviction:
+        """Take ``node``'s L1 copy out of the tree even while pinned (a load into its pages
+        failed: they do not hold the span's KV); see :meth:`Eviction.unmap_device`."""
+        return self._eviction.unmap_device(node)
+
     def evict_host(self, node: TreeNode) -> PageIds:
         """Remove an unpinned L2-only leaf; return its L2 pages (RuntimeError if an extra
         component has an L2 value there: use :meth:`evict_node_host`)."""
