@@ -102,7 +102,7 @@ class Evictions:
 
 
 def count_component_evictions(engine: Engine) -> Evictions:
-    """Wrap the tree's ``evict_component`` to count per component tier evictions."""
+    """Wrap the tree's ``evict_component`` to count evictions per component and tier (L1, L2)."""
     tree = engine.cache.tree
     seen = Evictions(Counter(), Counter())
     inner = tree.evict_component
