@@ -167,3 +167,42 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
         cache.release(req, None)
         cache.check_integrity()
+
+
+def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
+    """One forward kept the state at a mark (4 tokens: the end of a shared system prompt)
+    and at its end (8): one commit inserts both. After the span is demoted to L2, a prompt
+    that shares only the first 4 tokens still resumes there: the backup copied the mark's
+    snapshot to L2 too, not only the one at the run's end."""
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
+        max_mamba_cache_size=6, mamba_track_interval=4,
+    )  # fmt: skip
+    prompt = list(range(20, 31))  # 11 tokens: boundaries at 4, 8 and 10
+    with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,))) as cache:
+        req = cache.open(prompt)
+        assert cache.admit(req, prompt)
+        s4, s8 = snapshot(4), snapshot(8)
+        write_tokens(cache, prompt, req.pages[:4], 0)
+        both = SequenceExtras((KeptState(4, tuple(s4)), KeptState(8, tuple(s8))))
+        cache.commit(req, prompt[:8], extras=both)
+        cache.release(req)
+        cache.flush()
+        snaps = cache.store(SnapshotStore)
+        assert snaps is not None
+        assert len(cache.tree.component_ids("mamba", Tier.HOST)) == 2  # both boundaries
+        cache.evict_device(16)  # full KV and snapshots: L2 only now
+        assert not cache.tree.component_ids("mamba", Tier.DEVICE)
+
+        other = [*prompt[:4], 90, 91, 92, 93, 94]  # shares the first 4 tokens only
+        again = cache.open(other)
+        assert cache.admit(again, other)
+        assert again.prefix_tokens == 4 and again.cached.host == 4
+        for layer in range(SPEC.num_layers):
+            assert again.wait_layer(layer, 10)
+        got = resume_state(again)
+        assert got is not None and all(a.equal(b) for a, b in zip(got, s4, strict=True))
+        assert read_device(cache, again.pages[:2]).equal(page_kv(cache, other, 0, 2))
+        cache.release(again)
+        cache.flush()
+        cache.check_integrity()

@@ -338,13 +338,39 @@ class SnapshotStore(ComponentStore):
         return True
 
     def back_up(self, last: TreeNode) -> list[TreeNode]:
-        """Copy the snapshot a hit at ``last`` needs to L2 (once its full KV has L2 pages);
-        a full L2 snapshot pool leaves it L1-only (the node then is no L2 boundary).
-        Returns the nodes that got an L2 snapshot."""
-        done: list[TreeNode] = []
+        """Copy to L2 the snapshots of the path ending at ``last`` whose full KV has L2
+        pages: first the one a hit at ``last`` needs, then every other L1-only one on the
+        path (boundaries inside the span, such as the end of a shared system prompt kept
+        at a mark of the same forward, stay resumable from L2). A full L2 snapshot pool
+        leaves the rest L1-only (such a node then is no L2 boundary). Returns the nodes
+        that got an L2 snapshot, top-down."""
         if self._host_pool is None:
+            return []
+        window = self.tree.component_backup_nodes(SNAPSHOT, last)
+        done = self._copy_to_host(window)
+        if len(done) < len(window):
             return done
-        for n in self.tree.component_backup_nodes(SNAPSHOT, last):
+        return self._copy_to_host(self._path_backup_nodes(last)) + done
+
+    def _path_backup_nodes(self, last: TreeNode) -> list[TreeNode]:
+        """Nodes from the root to ``last`` (top-down) with full KV in L2 and a snapshot in
+        L1 only."""
+        c = self.tree.component(SNAPSHOT)
+        out: list[TreeNode] = []
+        node: TreeNode | None = last
+        while node is not None and node.parent is not None and node.host is not None:
+            if c.get(node, Tier.DEVICE) is not None and c.get(node, Tier.HOST) is None:
+                out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def _copy_to_host(self, nodes: list[TreeNode]) -> list[TreeNode]:
+        """Copy the L1 snapshots of ``nodes`` to fresh L2 slots, in order, until L2 has no
+        room; returns the nodes copied."""
+        assert self._host_pool is not None
+        done: list[TreeNode] = []
+        for n in nodes:
             dev = self.tree.component(SNAPSHOT).get(n, Tier.DEVICE)
             assert dev is not None
             slots = self.alloc(Tier.HOST, len(dev))
