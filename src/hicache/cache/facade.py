@@ -122,11 +122,11 @@ class _Events:
     def fail_holders(self, top: TreeNode, reason: str) -> None:
         self._cache._fail_holders(top, reason)
 
-    def wait_copies(self) -> bool:
+    def wait_backups(self) -> bool:
         host = self._cache.host
-        if host is None or not host.busy:
+        if host is None or not host.backups:
             return False
-        host.wait_idle()
+        host.wait_backups()
         return True
 
 
