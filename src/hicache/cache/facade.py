@@ -131,8 +131,8 @@ class _Events:
 
 
 class HiCache(Lifecycle):
-    """Hierarchical KV cache over an L1 device pool, an optional L2 host tier and an
-    optional L3 storage tier.
+    """Hierarchical KV cache over an L1 device tier (:attr:`device_tier`), an optional L2
+    host tier (:attr:`host`) and an optional L3 storage tier (:attr:`storage`).
 
     With ``config.enable_hierarchical_cache`` false there is no host tier: the tree is a
     plain radix cache over L1 and eviction drops nodes.
@@ -787,8 +787,8 @@ class HiCache(Lifecycle):
         """Check tree and allocators agree: every used L1 page is owned by the tree, an
         admitted request, the reserved pages or ``request_pages`` (pages other callers
         hold), exactly once;
-        every used L2 page is owned by the tree or held by an L3 op. Raises
-        AssertionError."""
+        every used L2 page is owned by the tree or held by an L3 op (or by a detached
+        backend that may still write it). Raises AssertionError."""
         l3 = self._l3
         host_held = [] if l3 is None else l3.held_host_pages()
         ids_held = (
