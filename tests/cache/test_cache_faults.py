@@ -349,6 +349,47 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
         assert cache.host.allocator.used_pages == 0
 
 
+def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settles() -> None:
+    """A prefetch read overran its deadline (the backend writes its L2 pages late) when
+    the backend is detached: those pages stay used and counted held, and only once the
+    backend says its writes settled does a poll free them."""
+    with make_cache() as cache:
+        ns = _namespace(cache)
+        store = MemoryStore()
+        cache.attach_storage(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+        assert serve(cache, TOKENS) is not None
+        cache.flush()  # TOKENS' pages are in L3
+        assert cache.detach_storage()
+        cache.reset()
+        assert cache.host is not None and cache.host.allocator.used_pages == 0
+        late = MemoryStorage(
+            ns, StorageOptions(timeout_s=0.1), store=store, faults=MemoryFaults(get_delay_s=1.5)
+        )
+        cache.attach_storage(late, ns, PrefetchConfig(prefetch_threshold=0))
+        req = cache.open(TOKENS, compute_last=False)
+        end = time.monotonic() + 10
+        while cache.storage is not None and not cache.storage.held_host_pages():
+            assert time.monotonic() < end, "the prefetch read was never issued"
+            cache.poll()
+            time.sleep(0.001)
+        held = cache.storage.held_host_pages() if cache.storage is not None else []
+        assert len(held) == 3
+        assert cache.detach_storage()  # the read timed out; its bytes land later
+        assert not cache.storage_attached
+        cache.poll()
+        assert cache.host.allocator.used_pages == 3  # quarantined, not free
+        assert all(cache.host.allocator.is_used(p) for p in held)
+        cache.check_integrity()  # counted held by the detached backend
+        end = time.monotonic() + 10
+        while cache.host.allocator.used_pages:
+            assert time.monotonic() < end, "the retired backend's pages were never freed"
+            cache.poll()
+            time.sleep(0.01)
+        assert late.host_writes_settled(0.0)
+        cache.release(req)
+        cache.check_integrity()
+
+
 # -- load back under concurrency and faults ---------------------------------------------
 
 LONGER = [*TOKENS, 11, 12, 13, 14]  # TOKENS and two more pages

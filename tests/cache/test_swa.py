@@ -10,6 +10,7 @@ values in some tier.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,7 @@ from hicache.cache.components import SwaStore
 from hicache.cache.components.swa import SWA, SlidingTable, check_swa_pool, request_pages
 from hicache.config import CacheConfig, CacheSpec, KVSpec, SlidingWindowSpec
 from hicache.tree.components import Tier
+from tests.helpers.kvdata import LoadGates
 
 FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
 SWA_SPEC = SlidingWindowSpec(kv=KVSpec(num_layers=2, num_kv_heads=1, head_dim=2), window=4)
@@ -233,6 +235,50 @@ def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) ->
     assert len(req.pages) == 9
     cache.release(req)
     cache.check_integrity()
+
+
+def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> None:
+    """The SWA pool is short and only a backup in flight pins what could be evicted (C's
+    window): the allocation waits for that backup, never for A's load, which is parked
+    mid-way (a long layer-wise load must not hold another request's forward)."""
+    gates = LoadGates()
+    spec = CacheSpec(kv=KVSpec(num_layers=2, num_kv_heads=1, head_dim=2), components=(SWA_SPEC,))
+    cache = HiCache(config(), spec, layer_hook=gates, wait_timeout_s=1.0).start()
+    a, b, c = list(range(100, 109)), list(range(200, 209)), list(range(300, 308))
+    try:
+        serve_in_chunks(cache, a)
+        assert cache.evict_device(10**6) == 4 and swa_used(cache) == 0  # A: L2 only
+        gates.park(0)
+        req_a = cache.open(a)
+        assert cache.admit(req_a, a)  # its 4 pages load (parked after layer 0)
+        assert gates.parked(0) and req_a.loading and req_a.prefix_tokens == 8
+        assert swa_used(cache) == 2  # its window came back at once (the store's copy)
+        req_b = cache.open(b)
+        assert cache.admit(req_b, b)
+        req_c = cache.open(c, compute_last=False)
+        assert cache.admit(req_c, c)
+        forward(cache, req_c, c, 0, 8)
+        cache.release(req_c, c)  # its backup pins its window until it is applied
+        # the pin split C's span: the backup pins the window [4, 8) only, not [0, 4)
+        node_c = cache.tree.match_prefix(c).last_device_node  # the tree's: no poll
+        assert node_c.lock_ref == 1 and cache.tree.num_pages(node_c) == 2
+        assert swa_used(cache) == 6 and swa_of(cache).allocator(Tier.DEVICE).free_pages == 2
+        t0 = time.monotonic()
+        assert cache.grow(req_b, 9, computed=0)  # 5 SWA pages: C's whole span is evicted
+        assert time.monotonic() - t0 < 0.5
+        assert cache.tree.component(SWA).get(node_c, Tier.DEVICE) is None
+        assert swa_used(cache) == 7 and cache.tree.component_stats(SWA).device_ids == 2
+        assert node_c.lock_ref == 0 and req_a.loading  # the backup landed; A still parked
+        write_swa(cache, req_b, b, 0, 9)
+        gates.release(0)
+        assert all(req_a.wait_layer(i, 10) for i in range(2))
+        cache.release(req_a)
+        cache.release(req_b)
+        cache.flush()
+        cache.check_integrity()
+    finally:
+        gates.release_all()
+        cache.close()
 
 
 def test_integrity_catches_a_leaked_or_doubly_owned_swa_page(cache: HiCache) -> None:

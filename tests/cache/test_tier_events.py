@@ -50,7 +50,7 @@ class Recorder:
     def fail_holders(self, top: TreeNode, reason: str) -> None:
         self.calls.append(("fail_holders", (top.id, reason)))
 
-    def wait_copies(self) -> bool:  # pragma: no cover - the host tier never asks
+    def wait_backups(self) -> bool:  # pragma: no cover - the host tier never asks
         raise AssertionError("the host tier waits for its own copies")
 
 

@@ -1,11 +1,14 @@
 """The cache facade, its tiers and its component stores: ``HiCache`` speaks in requests
 (``CacheRequest``).
 
-* :mod:`~hicache.cache.facade`: :class:`HiCache`, the request verbs, L1 pages;
+* :mod:`~hicache.cache.facade`: :class:`HiCache`, the request verbs and the poll over
+  the tiers and stores;
 * :mod:`~hicache.cache.request`: the opaque per-request handle and ``CachedTokens``;
 * :mod:`~hicache.cache.events`: what the tiers and stores tell their owner;
+* :mod:`~hicache.cache.device_tier`: L1 pool, allocation with eviction, reserved pages;
 * :mod:`~hicache.cache.host_tier`: L2 pool, L1<->L2 copies, L2 eviction;
 * :mod:`~hicache.cache.storage_tier`: L3 prefetch, writes and quarantine;
+* :mod:`~hicache.cache.storage_slot`: L3 attach/detach, detached backends' quarantine;
 * :mod:`~hicache.cache.components`: the component stores (sliding window, state
   snapshots) behind one contract, and the list a cache holds;
 * :mod:`~hicache.cache.inspect`: stats snapshot and integrity check.

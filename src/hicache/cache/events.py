@@ -5,7 +5,7 @@ construction.
 and call back into it for a few things only: apply the records the workers posted (when
 they must wait for copies in flight), hand a run whose backup landed on to L3, fail the requests over a load that failed, let the
 component stores back up what a hit there needs, return ids the tree released to their
-stores' pools, and wait for copies in flight before evicting. :class:`TierEvents` is that
+stores' pools, and wait for backups in flight before evicting. :class:`TierEvents` is that
 contract; :class:`hicache.cache.HiCache` gives one object implementing it to each tier and
 store it builds, so nothing is patched in afterwards.
 """
@@ -42,5 +42,12 @@ class TierEvents(Protocol):
         """A load into the chain under ``top`` failed (``reason``): fail and unpin every
         admitted request whose prefix runs through ``top`` (its pages were never written)."""
 
-    def wait_copies(self) -> bool:
-        """Wait for the L1 <-> L2 copies in flight and apply them; False when none was."""
+    def wait_backups(self) -> bool:
+        """Wait for the L1 -> L2 backups in flight, then apply every record posted (failed
+        loads excepted: the owner's poll applies those); False when none was in flight.
+
+        Not for loads: a backup pins what it copies (and the component values a hit at
+        its run's end needs) until it is applied, so waiting for it may free values to
+        evict; a load pins its chain for its request, which keeps the chain pinned when
+        the load lands, so waiting for a load frees nothing and may take as long as that
+        request's forward."""

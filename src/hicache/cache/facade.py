@@ -1,11 +1,15 @@
 """HiCache: the one facade a scheduler talks to, in requests.
 
-It owns the tree, the device (L1) pool of the full KV, the model's component stores (one per
-extra component of its :class:`~hicache.config.CacheSpec`:
-:mod:`hicache.cache.components`), and two optional tiers: the host tier (L2 pool, L1<->L2
-copies) and the storage tier (L3 prefetch and writes). All methods run on the owner's
-thread; worker threads only move bytes and post records to one completion queue, which
-:meth:`HiCache.poll` applies.
+It holds the request verbs below and the owner's :meth:`HiCache.poll`, over the tree and
+three tier objects: the L1 :class:`~hicache.cache.device_tier.DeviceTier` (the device pool
+of the full KV, allocation with eviction, reserved pages), the optional L2
+:class:`~hicache.cache.host_tier.HostTier` (host pool, L1<->L2 copies, L2 eviction) and the
+optional L3 :class:`~hicache.cache.storage_tier.StorageTier` (prefetch and writes,
+attached and detached through a :class:`~hicache.cache.storage_slot.StorageSlot`); and the
+model's component stores (one per extra component of its
+:class:`~hicache.config.CacheSpec`: :mod:`hicache.cache.components`). All methods run on
+the owner's thread; worker threads only move bytes and post records to one completion
+queue, which :meth:`HiCache.poll` applies.
 
 Request life cycle, as an engine drives it::
 
@@ -21,8 +25,9 @@ Request life cycle, as an engine drives it::
         cache.keep(req, runner_extras)      # a forward that commits nothing (decode)
         cache.release(req, all_tokens)      # commit, free the rest, unpin
 
-Page-level methods (``match_prefix``, ``insert``, ``alloc_device``, ``evict_*``) stay
-public for tests and tools; a scheduler needs none of them.
+Page-level methods (``match_prefix``, ``insert``, ``alloc_device``, ``evict_*``, the
+reserved pages) stay public for tests and tools, the L1 ones delegating to the L1 tier; a
+scheduler needs none of them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from hicache.cache.components.base import (
     StoreContext,
 )
 from hicache.cache.components.stores import ComponentStores, store_type
+from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier
 from hicache.cache.inspect import (
     cache_stats,
@@ -53,11 +59,11 @@ from hicache.cache.inspect import (
     full_usage,
 )
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
+from hicache.cache.storage_slot import StorageSlot
 from hicache.cache.storage_tier import StorageTier
 from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.controller import CompletionQueue, write_rule
 from hicache.controller.rank_group import RankGroup
-from hicache.controller.storage_controller import StorageController
 from hicache.extras import SequenceExtras
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
@@ -72,7 +78,6 @@ from hicache.tree.components import (
     Tier,
 )
 from hicache.tree.node import PageIds, TokenIds, page_ids
-from hicache.tree.results import NodeEviction
 from hicache.validate import number_at_least
 
 log = logging.getLogger("hicache.cache")
@@ -117,17 +122,17 @@ class _Events:
     def fail_holders(self, top: TreeNode, reason: str) -> None:
         self._cache._fail_holders(top, reason)
 
-    def wait_copies(self) -> bool:
+    def wait_backups(self) -> bool:
         host = self._cache.host
-        if host is None or not host.busy:
+        if host is None or not host.backups:
             return False
-        host.wait_idle()
+        host.wait_backups()
         return True
 
 
 class HiCache(Lifecycle):
-    """Hierarchical KV cache over an L1 device pool, an optional L2 host tier and an
-    optional L3 storage tier.
+    """Hierarchical KV cache over an L1 device tier (:attr:`device_tier`), an optional L2
+    host tier (:attr:`host`) and an optional L3 storage tier (:attr:`storage`).
 
     With ``config.enable_hierarchical_cache`` false there is no host tier: the tree is a
     plain radix cache over L1 and eviction drops nodes.
@@ -163,7 +168,7 @@ class HiCache(Lifecycle):
             for c in self.cache_spec.components:
                 store_type(c, store_types).check_limits(config, spec, c, limits)
         check_pool_sizes(config, spec, self.device)  # both pools fit, before either exists
-        self.device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
+        device_pool = DevicePool(spec, config.device_pages, config.page_size, self.device)
         self.tree = HiRadixTree(
             config.page_size,
             config.eviction_policy,
@@ -174,7 +179,6 @@ class HiCache(Lifecycle):
         self._completions = CompletionQueue()
         self._op_ids = itertools.count(1)
         self.host: HostTier | None = None
-        self.storage: StorageTier | None = None
         events = _Events(self)
         ctx = StoreContext(
             tree=self.tree, config=config, kv=spec, device=self.device, events=events
@@ -185,7 +189,7 @@ class HiCache(Lifecycle):
         if config.enable_hierarchical_cache:
             self.host = HostTier(
                 tree=self.tree,
-                device_pool=self.device_pool,
+                device_pool=device_pool,
                 config=config,
                 spec=spec,
                 device=self.device,
@@ -195,12 +199,29 @@ class HiCache(Lifecycle):
                 wait_timeout_s=wait_timeout_s,
                 layer_hook=layer_hook,
             )
-        self._retired: list[tuple[HiCacheStorage, PageIds, dict[str, PageIds]]] = []
-        """(old backend, L2 pages, L2 ids per component) a detached backend may still
-        write."""
+        self.device_tier = DeviceTier(
+            tree=self.tree,
+            pool=device_pool,
+            rule=self.rule,
+            counters=self.counters,
+            host=self.host,
+            free_components=self.stores.free,
+        )
+        """The L1 tier: its pool, allocation with eviction, reserved pages."""
+        self._l3: StorageSlot | None = None
+        """Where the L3 tier attaches (only over the L2 tier)."""
+        if self.host is not None:
+            self._l3 = StorageSlot(
+                tree=self.tree,
+                host=self.host,
+                completions=self._completions,
+                counters=self.counters,
+                op_ids=self._op_ids,
+                drain=self.poll,
+                records=self.stores.records,
+                free_components=self.stores.free,
+            )
         self._requests: set[CacheRequest] = set()
-        self._reserved: list[int] = []
-        """L1 pages taken out of circulation (:meth:`reserve_device_pages`)."""
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -226,9 +247,14 @@ class HiCache(Lifecycle):
         return self.host is not None
 
     @property
+    def device_pool(self) -> DevicePool:
+        """The L1 pool of the full KV (:attr:`device_tier`'s)."""
+        return self.device_tier.pool
+
+    @property
     def device_pages(self) -> int:
         """Pages of the L1 pool less the reserved ones (the most one request can hold)."""
-        return self.device_pool.num_pages - len(self._reserved)
+        return self.device_tier.pages
 
     @property
     def host_pool(self) -> HostPool | None:
@@ -246,58 +272,24 @@ class HiCache(Lifecycle):
     ) -> None:
         """Add the L3 tier over ``storage`` (starts it and its threads). Needs the L2
         tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed."""
-        if self.host is None:
+        if self._l3 is None:
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
-        if self.storage is not None:
-            raise RuntimeError("a storage backend is attached already; detach it first")
-        codecs = self.stores.records()
-        controller = StorageController(
-            storage,
-            self.host.pool,
-            self._completions,
-            ranks,
-            component_pools={c.name: c.pool for c in codecs},
-        )
-        try:
-            controller.start()
-        except BaseException:
-            controller.close()
-            storage.close()
-            raise
-        self.storage = StorageTier(
-            controller=controller,
-            namespace=namespace,
-            prefetch=prefetch,
-            tree=self.tree,
-            host=self.host,
-            counters=self.counters,
-            op_ids=self._op_ids,
-            drain=self.poll,
-            components=codecs,
-        )
+        self._l3.attach(storage, namespace, prefetch, ranks)
 
     def detach_storage(self, timeout_s: float | None = None) -> bool:
         """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
         the backend. Open prefetches are dropped; pages a late backend write may still
         fill stay out of use until it settles. False when none was attached."""
-        tier = self.storage
-        if tier is None:
+        if self._l3 is None or self._l3.tier is None:
             return False
-        tier.flush(self.wait_timeout_s if timeout_s is None else timeout_s)
         for req in self._requests:
             req.prefetch = None
-        tier.controller.close()
-        self.storage = None
-        held, ids = tier.detach()
-        if len(held) or any(len(v) for v in ids.values()):
-            log.warning(
-                "%d L2 pages and %s L2 component ids stay quarantined until the old backend"
-                " settles",
-                len(held),
-                {k: len(v) for k, v in ids.items()},
-            )
-            self._retired.append((tier.controller.storage, held, ids))
-        return True
+        return self._l3.detach(self.wait_timeout_s if timeout_s is None else timeout_s)
+
+    @property
+    def storage(self) -> StorageTier | None:
+        """The L3 tier, while a backend is attached."""
+        return None if self._l3 is None else self._l3.tier
 
     @property
     def storage_attached(self) -> bool:
@@ -378,7 +370,7 @@ class HiCache(Lifecycle):
         req.prefix_pages = len(pages)  # the stores tell the tree's ids from the request's
         if not self.stores.admit(req, node, len(pages)):  # no room for a hit's values: later
             req.prefix_pages = 0
-            self.device_pool.allocator.free(new)
+            self.device_tier.free(new)
             self.tree.dec_lock_ref(node)
             return False
         req.state = RequestState.ADMITTED
@@ -515,7 +507,7 @@ class HiCache(Lifecycle):
             if keep and tokens is not None:
                 self._commit(req, tokens, final=True)
             if len(req.pages) > req.prefix_pages:
-                self.device_pool.allocator.free(req.pages[req.prefix_pages :])
+                self.device_tier.free(req.pages[req.prefix_pages :])
             self.stores.release(req)
             if req.node is not None:
                 self.tree.dec_lock_ref(req.node)
@@ -640,7 +632,7 @@ class HiCache(Lifecycle):
             tokens, device_pages, priority=priority, tenant=tenant, components=components or None
         )
         if result.duplicate_pages:
-            self.device_pool.allocator.free(result.duplicate_pages)
+            self.device_tier.free(result.duplicate_pages)
         self.stores.free(Tier.DEVICE, result.component_duplicates)
         if back_up and self.host is not None and self.rule.backup_min_hits is not None:
             self.host.back_up(result.last_node, self.rule.backup_min_hits, wait=False)
@@ -650,27 +642,14 @@ class HiCache(Lifecycle):
 
     def alloc_device(self, num_pages: int) -> PageIds | None:
         """Page level: ``num_pages`` free L1 pages, evicting unpinned cached pages if
-        needed; None when even eviction cannot make room. The caller owns the pages until
-        it inserts or frees them.
-
-        Only when eviction cannot make room does it wait, and then only for the backups
-        in flight (they pin their L1 sources until they land), never for loads: a load's
-        chain stays pinned by its request when it lands, so waiting for it frees nothing,
-        and a load may take as long as its forward. Records posted meanwhile are applied,
-        failed loads excepted (the caller may be pinning their chain): :meth:`poll`
-        applies those."""
-        alloc = self.device_pool.allocator
-        if alloc.free_pages < num_pages:
-            self.evict_device(num_pages - alloc.free_pages)
-        if alloc.free_pages < num_pages and self.host is not None and self.host.backups:
-            self.host.wait_backups()
-            self.evict_device(num_pages - alloc.free_pages)
-        pages = alloc.alloc(num_pages)
-        return None if pages is None else page_ids(pages)
+        needed (waiting for backups, never for loads: :meth:`DeviceTier.alloc`); None when
+        even eviction cannot make room. The caller owns the pages until it inserts or
+        frees them."""
+        return self.device_tier.alloc(num_pages)
 
     def free_device(self, pages: Iterable[int]) -> None:
         """Page level: return caller-owned L1 pages (never pages the tree holds)."""
-        self.device_pool.allocator.free(pages)
+        self.device_tier.free(pages)
 
     def reserve_device_pages(self, num_pages: int) -> PageIds | None:
         """Take ``num_pages`` L1 pages out of circulation for the caller's own writes (the
@@ -680,27 +659,17 @@ class HiCache(Lifecycle):
         given a reserved page: the allocator counts it used, :meth:`reset` leaves it,
         :meth:`check_integrity` and :meth:`stats` count it held, and
         :attr:`device_pages` no longer counts it."""
-        pages = self.alloc_device(num_pages)
-        if pages is not None:
-            self._reserved.extend(pages)
-        return pages
+        return self.device_tier.reserve(num_pages)
 
     def unreserve_device_pages(self, pages: Iterable[int]) -> None:
         """Give reserved pages back to the allocator. ValueError for a page not reserved
         (nothing freed then)."""
-        wanted = list(pages)
-        left = list(self._reserved)
-        for p in wanted:
-            if p not in left:
-                raise ValueError(f"L1 page {p} is not reserved (reserved: {self._reserved})")
-            left.remove(p)
-        self.device_pool.allocator.free(wanted)
-        self._reserved = left
+        self.device_tier.unreserve(pages)
 
     @property
     def reserved_device_pages(self) -> list[int]:
         """The L1 pages :meth:`reserve_device_pages` took out of circulation."""
-        return list(self._reserved)
+        return self.device_tier.reserved
 
     def evict_device(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L1 pages if possible; returns pages freed.
@@ -708,33 +677,11 @@ class HiCache(Lifecycle):
         Backed-up leaves are demoted to L2-only; the others are dropped, except under
         ``write_back``, which backs them up first.
         """
-        freed = 0
-        for node in self.tree.device_eviction_order():
-            if freed >= num_pages:
-                break
-            if node.host is None and self.rule.backup_on_evict and self.host is not None:
-                self.host.back_up(node, 0, wait=True)
-                if node.lock_ref > 0:  # still copying, or its backup failed: next one
-                    continue
-            demoted = node.host is not None
-            pages = self._free_eviction(self.tree.evict_node_device(node))
-            freed += len(pages)
-            tokens = len(pages) * self.page_size
-            if demoted:
-                self.counters.device_demoted_tokens_total += tokens
-            else:
-                self.counters.device_evicted_tokens_total += tokens
-        return freed
+        return self.device_tier.evict(num_pages)
 
     def evict_host(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L2 pages if possible; returns pages freed."""
         return 0 if self.host is None else self.host.evict(num_pages)
-
-    def _free_eviction(self, ev: NodeEviction) -> PageIds:
-        """Free what evicting one node from L1 released; returns its full pages."""
-        self.device_pool.allocator.free(ev.full)
-        self.stores.free(Tier.DEVICE, ev.components)
-        return ev.full
 
     # ------------------------------------------------------------------ component stores
 
@@ -772,8 +719,8 @@ class HiCache(Lifecycle):
         if self.host is not None:
             self.host.retry_invalidations()
             self.host.settle()
-            if self._retired:
-                self._free_retired()
+        if self._l3 is not None:
+            self._l3.settle()
         return len(records)
 
     def _fail_holders(self, top: TreeNode, reason: str) -> None:
@@ -792,17 +739,6 @@ class HiCache(Lifecycle):
             self.tree.dec_lock_ref(req.node)
             req.node = None
 
-    def _free_retired(self) -> None:
-        assert self.host is not None
-        keep = []
-        for storage, pages, ids in self._retired:
-            if storage.host_writes_settled(0.0):
-                self.host.allocator.free(pages)
-                self.stores.free(Tier.HOST, ids)
-            else:
-                keep.append((storage, pages, ids))
-        self._retired = keep
-
     def flush(self) -> None:
         """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
         if self.host is not None and self._started:
@@ -818,7 +754,7 @@ class HiCache(Lifecycle):
         self.flush()
         if self._requests or any(n.lock_ref > 0 or n.host_ref > 0 for n in self.tree.iter_nodes()):
             raise RuntimeError("cannot reset the cache while requests hold prefixes")
-        self.device_pool.allocator.free(self.tree.device_page_ids())
+        self.device_tier.free(self.tree.device_page_ids())
         if self.host is not None:
             self.host.allocator.free(self.tree.host_page_ids())
         self.stores.reset((Tier.DEVICE, *((Tier.HOST,) if self.host is not None else ())))
@@ -841,7 +777,7 @@ class HiCache(Lifecycle):
             self.host_pool,
             self.counters,
             None if self.storage is None else self.storage.controller.storage,
-            held_device_pages=len(self.request_pages()) + len(self._reserved),
+            held_device_pages=len(self.request_pages()) + len(self.device_tier.reserved),
         )
         cached = cached_tokens(self.device_pool)
         usage = (full_usage(self.device_pool, self.host_pool), *self.stores.usages(cached))
@@ -851,25 +787,22 @@ class HiCache(Lifecycle):
         """Check tree and allocators agree: every used L1 page is owned by the tree, an
         admitted request, the reserved pages or ``request_pages`` (pages other callers
         hold), exactly once;
-        every used L2 page is owned by the tree or held by an L3 op. Raises
-        AssertionError."""
-        host_held: list[int] = []
-        ids_held: dict[str, list[int]] = {name: [] for name in self.stores.names}
-        if self.storage is not None:
-            host_held += self.storage.held_host_pages()
-            for name, held in ids_held.items():
-                held += self.storage.held_component_ids(name)
-        for _, pages, ids in self._retired:
-            host_held += pages
-            for name, got in ids.items():
-                ids_held.setdefault(name, []).extend(got)
+        every used L2 page is owned by the tree or held by an L3 op (or by a detached
+        backend that may still write it). Raises AssertionError."""
+        l3 = self._l3
+        host_held = [] if l3 is None else l3.held_host_pages()
+        ids_held = (
+            {n: [] for n in self.stores.names}
+            if l3 is None
+            else l3.held_component_ids(self.stores.names)
+        )
         check_cache_integrity(
             self.tree,
             self.device_pool,
             self.host_pool,
             [
                 *self.request_pages(),
-                *self._reserved,
+                *self.device_tier.reserved,
                 *request_pages,
                 *(self.host.quarantined_device_pages() if self.host is not None else ()),
             ],

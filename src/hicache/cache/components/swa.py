@@ -235,10 +235,19 @@ class SwaStore(ComponentStore):
     def alloc(self, tier: Tier, n: int) -> PageIds | None:
         """``n`` free pages of ``tier``, evicting unpinned tree-owned SWA values first
         (least recently needed by a hit first; nodes and their full KV stay); None if even
-        that cannot make room."""
+        that cannot make room.
+
+        Only then does it wait, and only for the backups in flight: a backup pins the
+        window at its run's end in L1 (and so in L2) until it is applied. Never for loads
+        (another request's layer-wise load may last as long as its forward): a load pins
+        the window at its chain's end for its request, which pins that same window
+        itself once admitted, so its landing frees nothing (an admission that failed
+        after issuing its load leaves the window free once the load lands, for a later
+        allocation); and the SWA values a hit needs are copied here, synchronously, not
+        by the load."""
         alloc = self.pool(tier).allocator
         self._evict(tier, n)
-        if alloc.free_pages < n and self.events.wait_copies():
+        if alloc.free_pages < n and self.events.wait_backups():
             self._evict(tier, n)  # backups that landed unpinned their windows
         got = alloc.alloc(n)
         return None if got is None else page_ids(got)
