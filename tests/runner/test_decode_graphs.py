@@ -283,6 +283,20 @@ def test_the_runner_hands_over_only_decode_batches_the_graphs_fit() -> None:
 # ---------------------------------------------------------------- set-up and probe
 
 
+def probe_on_cpu(runner: ModelRunner) -> GraphSetup:
+    """:func:`enable_decode_graphs` in the CPU test mode (no capture; static buffers and
+    the probe against the SDPA forward), buckets up to 4, the probe on pages
+    ``[0, PROBE_PAGES)``."""
+    return enable_decode_graphs(
+        runner,
+        scratch_page=SCRATCH,
+        probe_pages=list(range(PROBE_PAGES)),
+        max_bs=4,
+        table_width=WIDTH,
+        capture=False,
+    )
+
+
 def test_setup_refuses_clearly_and_keeps_the_runner_eager() -> None:
     probe = list(range(PROBE_PAGES))
     kw = dict(scratch_page=SCRATCH, probe_pages=probe, max_bs=4, table_width=WIDTH)
@@ -316,14 +330,7 @@ def test_a_probe_that_disagrees_turns_graphs_off_with_a_warning(
     monkeypatch.setattr(DecodeGraphs, "_step", wrong)
     runner = make_runner()
     with caplog.at_level(logging.WARNING, logger="hicache.engine"):
-        got = enable_decode_graphs(
-            runner,
-            scratch_page=SCRATCH,
-            probe_pages=list(range(PROBE_PAGES)),
-            max_bs=4,
-            table_width=WIDTH,
-            capture=False,
-        )
+        got = probe_on_cpu(runner)
     assert not got.enabled and runner.decode_graphs is None
     assert got.probe_error is not None and got.probe_error > probe_tolerance(torch.float32)
     assert "CUDA graphs for decode are off: the probe's logits differ" in caplog.text
@@ -340,27 +347,13 @@ def test_the_probe_compares_with_sdpa_so_a_wrong_kernel_turns_graphs_off(
     monkeypatch.setattr(decode_attention, "paged_decode_attention", broken.paged_decode_attention)
     runner = make_runner()
     with caplog.at_level(logging.WARNING, logger="hicache.engine"):
-        got = enable_decode_graphs(
-            runner,
-            scratch_page=SCRATCH,
-            probe_pages=list(range(PROBE_PAGES)),
-            max_bs=4,
-            table_width=WIDTH,
-            capture=False,
-        )
+        got = probe_on_cpu(runner)
     assert not got.enabled and runner.decode_graphs is None
     assert got.probe_error is not None and 1e-2 < got.probe_error < float("inf")
     assert "the probe's logits differ from the SDPA forward's" in caplog.text
     monkeypatch.undo()  # the real kernel: the same probe passes
     runner = make_runner()
-    got = enable_decode_graphs(
-        runner,
-        scratch_page=SCRATCH,
-        probe_pages=list(range(PROBE_PAGES)),
-        max_bs=4,
-        table_width=WIDTH,
-        capture=False,
-    )
+    got = probe_on_cpu(runner)
     assert got.enabled and got.probe_error is not None
     assert got.probe_error <= probe_tolerance(torch.float32)
 
