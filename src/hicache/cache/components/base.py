@@ -205,6 +205,20 @@ class ComponentStore(ABC):
         """Every id of ``tier`` the tree owns (for the ownership check)."""
         return self.tree.component_ids(self.name, tier)
 
+    def l1_only_on_path(self, last: TreeNode) -> list[TreeNode]:
+        """Nodes from the root to ``last`` (top-down) whose full KV is in L2 and whose value
+        of this component is in L1 only: what a backup of the path still has to copy so
+        that boundaries inside it stay valid from L2."""
+        c = self.tree.component(self.name)
+        out: list[TreeNode] = []
+        node: TreeNode | None = last
+        while node is not None and node.parent is not None and node.host is not None:
+            if c.get(node, Tier.DEVICE) is not None and c.get(node, Tier.HOST) is None:
+                out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
     # ------------------------------------------------------------------ requests
 
     def plan(self, req: CacheRequest, start: int, tokens: int) -> ChunkPlan:

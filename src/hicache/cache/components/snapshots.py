@@ -350,20 +350,7 @@ class SnapshotStore(ComponentStore):
         done = self._copy_to_host(window)
         if len(done) < len(window):
             return done
-        return self._copy_to_host(self._path_backup_nodes(last)) + done
-
-    def _path_backup_nodes(self, last: TreeNode) -> list[TreeNode]:
-        """Nodes from the root to ``last`` (top-down) with full KV in L2 and a snapshot in
-        L1 only."""
-        c = self.tree.component(SNAPSHOT)
-        out: list[TreeNode] = []
-        node: TreeNode | None = last
-        while node is not None and node.parent is not None and node.host is not None:
-            if c.get(node, Tier.DEVICE) is not None and c.get(node, Tier.HOST) is None:
-                out.append(node)
-            node = node.parent
-        out.reverse()
-        return out
+        return self._copy_to_host(self.l1_only_on_path(last)) + done
 
     def _copy_to_host(self, nodes: list[TreeNode]) -> list[TreeNode]:
         """Copy the L1 snapshots of ``nodes`` to fresh L2 slots, in order, until L2 has no

@@ -287,21 +287,8 @@ class SwaStore(ComponentStore):
         if not self._copy_to_host(last, window):
             return []
         # the window's nodes end the path and now have L2 values: the rest lie above them
-        rest = self._path_backup_nodes(last)
+        rest = self.l1_only_on_path(last)
         return rest + window if self._copy_to_host(last, rest) else window
-
-    def _path_backup_nodes(self, last: TreeNode) -> list[TreeNode]:
-        """Nodes from the root to ``last`` (top-down) with full KV in L2 and an SWA value in
-        L1 only."""
-        c = self.tree.component(SWA)
-        out: list[TreeNode] = []
-        node: TreeNode | None = last
-        while node is not None and node.parent is not None and node.host is not None:
-            if c.get(node, Tier.DEVICE) is not None and c.get(node, Tier.HOST) is None:
-                out.append(node)
-            node = node.parent
-        out.reverse()
-        return out
 
     def _copy_to_host(self, last: TreeNode, nodes: list[TreeNode]) -> bool:
         """Copy the L1 SWA values of ``nodes`` to fresh L2 pages, with ``last`` pinned (the
