@@ -5,14 +5,14 @@ Owned by :class:`hicache.cache.HiCache` and run on its thread. It issues backups
 id stands for (:class:`PendingBackup`, :class:`PendingLoad`) and applies the transfer
 worker's :class:`Completion` records:
 
-* a landed backup unpins its L1 source and is handed on to L3 (``on_backed_up``);
+* a landed backup unpins its L1 source and is handed on to L3 (``events.backed_up``);
 * a failed backup leaves its run pinned in L1 and drops the run's L2 copies (and the
   L2 copies below it, which contiguity no longer allows) as soon as no other op pins
   them: pages another op pins are never freed under it;
 * a failed load (one whose layers did not all arrive) takes the L1 pages it mapped out of
   the tree, and the L1 copies of everything below them (contiguity), whatever pins them:
   every admitted request whose prefix runs through them is failed and unpinned
-  (``fail_holders``); a node another copy in flight still pins (a load of a chain
+  (``events.fail_holders``); a node another copy in flight still pins (a load of a chain
   below) leaves the tree at once and its pages are freed once those copies are done.
   The L2 copies stay. A failure is applied at the next ``settle`` (the facade's ``poll``),
   never inside a wait for copies (``wait_idle``, ``wait_backups``), whose caller may hold
@@ -113,19 +113,8 @@ class HostTier:
         )
         self.counters = counters
         self.page_size = config.page_size
-        self._drain: Callable[[], object] = events.drain
+        self._events = events
         self._wait_timeout_s = wait_timeout_s
-        self.on_backed_up: Callable[[list[TreeNode]], None] | None = events.backed_up
-        self.on_backup_issued: Callable[[TreeNode], object] | None = events.backup_issued
-        """Called with the run's last node once its full L2 pages are assigned (extra
-        components back up what a hit there needs)."""
-        self.free_components: Callable[[Tier, dict[str, PageIds]], None] | None = (
-            events.free_components
-        )
-        """Returns extra components' ids the tree released to their pools."""
-        self.fail_holders: Callable[[TreeNode, str], None] = events.fail_holders
-        """Called with the top of a failed load's chain and the error: fail (and unpin)
-        every admitted request whose prefix runs through that node."""
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
@@ -156,7 +145,7 @@ class HostTier:
         self._waiting += 1
         try:
             self.controller.wait_idle(self._wait_timeout_s)
-            self._drain()
+            self._events.drain()
         finally:
             self._waiting -= 1
 
@@ -167,7 +156,7 @@ class HostTier:
         self._waiting += 1
         try:
             self.controller.wait_backups(self._wait_timeout_s)
-            self._drain()
+            self._events.drain()
         finally:
             self._waiting -= 1
 
@@ -252,8 +241,7 @@ class HostTier:
         tree.inc_lock_ref(last)  # until the copy lands
         op_id = self.controller.backup(device_pages, host_pages)
         self.backups[op_id] = PendingBackup(last, num)
-        if self.on_backup_issued is not None:
-            self.on_backup_issued(last)
+        self._events.backup_issued(last)
         if wait:
             self.wait_backups()
 
@@ -295,8 +283,7 @@ class HostTier:
                 self.counters.backup_ops_total += 1
                 self.counters.backup_tokens_total += b.pages * self.page_size
                 self.counters.backup_bytes_total += c.nbytes
-                if self.on_backed_up is not None:
-                    self.on_backed_up(self.tree.path_tail(b.last, b.pages))
+                self._events.backed_up(self.tree.path_tail(b.last, b.pages))
             else:
                 log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
                 self.counters.backup_failures_total += 1
@@ -353,7 +340,7 @@ class HostTier:
             return  # every layer landed: the pages hold the span's KV
         top = chain[0]
         reason = f"loading the cached prefix failed: {error}"
-        self.fail_holders(top, reason)
+        self._events.fail_holders(top, reason)
         in_flight = frozenset(self.loads) | frozenset(self.backups)
         backing_up = {
             id(n)
@@ -381,8 +368,7 @@ class HostTier:
 
     def _free_device(self, full: PageIds, components: dict[str, PageIds]) -> None:
         self.device_allocator.free(full)
-        if self.free_components is not None:
-            self.free_components(Tier.DEVICE, components)
+        self._events.free_components(Tier.DEVICE, components)
 
     def retry_invalidations(self) -> None:
         """Drop the L2 copies of failed backups whose subtrees no op pins any more."""
@@ -412,8 +398,7 @@ class HostTier:
     def _free_host(self, ev: NodeEviction) -> PageIds:
         """Free what dropping one node's L2 copy released; returns its full pages."""
         self.allocator.free(ev.full)
-        if self.free_components is not None:
-            self.free_components(Tier.HOST, ev.components)
+        self._events.free_components(Tier.HOST, ev.components)
         return ev.full
 
 
