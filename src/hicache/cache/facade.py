@@ -357,10 +357,9 @@ class HiCache(Lifecycle):
                 req.storage_tokens += self.storage.take(req.prefetch)
             req.prefetch = None
         ps = self.page_size
-        if req.cacheable:
-            match = self.match_prefix(tokens[: len(tokens) - int(req.compute_last)], req.tenant)
-        else:
-            match = self.match_prefix((), req.tenant)
+        # polled above: the tree's match, without a second poll
+        wanted = tokens[: len(tokens) - int(req.compute_last)] if req.cacheable else ()
+        match = self.tree.match_prefix(wanted, req.tenant)
         node, pages, loaded, progress = self._load_back(match, req)
         self.tree.inc_lock_ref(node)
         new = self.alloc_device(math.ceil(len(tokens) / ps) - len(pages))
