@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hicache.engine.admission import AdmissionRefused
 from hicache.engine.engine import Engine
 from hicache.server.admin_routes import add_admin_routes
 from hicache.server.http_base import (
@@ -37,7 +38,7 @@ from hicache.server.http_base import (
 )
 from hicache.server.native_routes import add_native_routes
 from hicache.server.openai_routes import add_openai_routes
-from hicache.server.state import ServerState
+from hicache.server.state import ServerState, refusal_response
 
 
 def create_app(
@@ -78,6 +79,10 @@ def create_app(
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
+
+    @app.exception_handler(AdmissionRefused)
+    async def _refused(_: Request, exc: AdmissionRefused) -> JSONResponse:
+        return refusal_response(exc)  # the waiting queue is full: 429, or 503 if unhealthy
 
     add_openai_routes(app, state)
     add_native_routes(app, state)
