@@ -186,6 +186,9 @@ class Scheduler:
         """Forwards that raised in a row (0 once one succeeds): the engine's health."""
         self.forward_error: str | None = None
         """Why the last forward that raised did."""
+        self.forwards = 0
+        """Steps that ran a forward so far (a clock in steps: a request admitted at the
+        next step after it was added has its first token after one more)."""
 
     # ------------------------------------------------------------------ queue
 
@@ -240,6 +243,7 @@ class Scheduler:
         if not self.running:
             self._flush_outputs()
             return False
+        self.forwards += 1
         self._run(self._mixed_batch())
         if not self.overlap:
             self._flush_outputs()
