@@ -138,6 +138,9 @@ def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing_queued() ->
                     assert err["type"] == "rate_limit_error"
                     assert "6 sequences are queued, at most 6" in err["message"]
                     assert f"this request needs {n}" in err["message"]
+                native = post(url, "/generate", {"input_ids": [5, 6], "stream": True})
+                assert native.status_code == 429, native.text
+                assert native.headers["retry-after"] == "1"
                 too_many = completion(url, 7)  # could never fit: a client error
                 assert too_many.status_code == 400, too_many.text
                 assert too_many.json()["error"]["param"] == "n"
@@ -151,7 +154,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing_queued() ->
             assert '"finish_reason": "length"' in streamed.result(60).text
             assert_clean(engine)
             assert engine.queue.counts().queued == 0
-            assert engine.stats().refused == 3
+            assert engine.stats().refused == 4
             assert completion(url, 6).status_code == 200  # every place came back
     finally:
         pool.shutdown()

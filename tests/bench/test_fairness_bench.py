@@ -38,3 +38,13 @@ def test_fairness_bench_refuses_unknown_configs() -> None:
     assert exc.value.code == 2
     with pytest.raises(ValueError, match="'fastest' is unknown"):
         fairness.scheduler_fields("fastest")
+
+
+def test_multiturn_accepts_the_scheduler_configs() -> None:
+    from hicache.bench.serverproc import SCHEDULER_CONFIGS, parse_configs
+
+    got = parse_configs("l1_no_group_rule,l1,l1_lpm")
+    assert got == ["l1_no_group_rule", "l1", "l1_lpm"]
+    assert SCHEDULER_CONFIGS["l1_no_group_rule"][-2:] == ("--max-running-requests-per-group", "0")
+    with pytest.raises(ValueError, match="l1_no_group_rule,l1_lpm"):
+        parse_configs("l1_fair")

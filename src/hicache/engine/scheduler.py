@@ -262,9 +262,10 @@ class Scheduler:
         running slots, so a client request that already runs many sequences yields to
         others, round-robin; then the policy's order (``fcfs``: queue order, a retracted
         request at the front; ``lpm``: longest cached prefix first, up to
-        :data:`LPM_MAX_WAITING` waiting). Computed at the start of the step."""
-        fair = self.config.group_cap is not None
-        held = Counter(r.group for r in self.running) if fair else Counter[str]()
+        :data:`LPM_MAX_WAITING` waiting). Requests of a group at its cap are left out.
+        Computed at the start of the step."""
+        cap = self.config.group_cap
+        held = Counter(r.group for r in self.running) if cap is not None else Counter[str]()
         lpm = (
             self.config.schedule_policy == SchedulePolicy.LPM
             and len(self.waiting) <= LPM_MAX_WAITING
@@ -279,6 +280,7 @@ class Scheduler:
         keyed = [
             (-req.priority, held[req.group], -cached(req), i, req)
             for i, req in enumerate(self.waiting)
+            if cap is None or held[req.group] < cap
         ]
         keyed.sort(key=lambda k: k[:4])
         return [k[4] for k in keyed]
