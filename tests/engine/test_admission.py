@@ -175,6 +175,7 @@ def test_a_request_larger_than_the_queue_bound_is_a_client_error() -> None:
         ({"schedule_policy": "dfs-weight"}, "'dfs-weight' is not supported; supported: fcfs, lpm"),
         ({"schedule_policy": "lof"}, "not supported; supported: fcfs, lpm"),
         ({"schedule_policy": "fifo"}, "schedule_policy='fifo' is invalid; choose one of fcfs"),
+        ({"schedule_policy": ["lpm"]}, r"schedule_policy=\['lpm'\] is invalid"),
         ({"max_running_requests_per_group": -1}, "max_running_requests_per_group=-1"),
         ({"max_running_requests_per_group": 33}, r"\[1, max_running_requests=32\]"),
         ({"max_running_requests_per_group": True}, "max_running_requests_per_group=True"),

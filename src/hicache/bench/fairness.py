@@ -7,7 +7,7 @@ sequence ignored), sent as the server sends ``n`` copies: the first copy, then t
 once it has its first token, all in one group. Once the wide request runs, a stream of
 ``--num-small`` small requests (a ``--small-prompt``-token prompt of their own, 2 output
 tokens) arrives, one every ``--small-interval`` seconds, each its own group. When every
-small request has finished, the wide one is aborted and the cache flushed.
+small request and every wide copy has finished, the cache is flushed.
 
 Configs: ``off`` is the landed behaviour (``fcfs``, no group rule:
 ``max_running_requests_per_group=0``); ``on`` is the default (``fcfs``, a group may hold
@@ -20,9 +20,9 @@ pair ratios (each config against ``off`` in the same repetition).
 Figures per run: the small requests' TTFT p50 and p99 (seconds, the engine's: from
 arrival at the engine to the first token), their wait in **steps** (the engine's forwards
 from a small request's arrival to its first token, 1 at best: independent of the
-machine's speed), and the wide request's output throughput while
-the small ones ran (its tokens / the run's wall time: what the group rule costs the wide
-request). ``--json PATH`` writes every run and the pair ratios.
+machine's speed), and the wide request's output throughput from its first copy's arrival to its last copy's end (``--wide-n`` x ``--wide-tokens`` /
+that time: what the group rule costs the wide request, which then decodes at most half the
+slots' copies at a time). ``--json PATH`` writes every run and the pair ratios.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ TIMEOUT_S = 600.0
 class FairnessRun:
     """One run of the workload under ``config`` in repetition ``repeat``: the small
     requests' TTFTs (s) and waits (wide steps), in arrival order; the wide request's
-    tokens generated during the run and the run's wall time (s)."""
+    tokens and the seconds from its first copy's arrival to its last copy's end."""
 
     config: str
     repeat: int
@@ -112,7 +112,8 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
     small_params = SamplingParams(temperature=0.0, max_tokens=2)
     lock = threading.Lock()
     progress: dict[str, int] = {}  # wide rid -> tokens so far
-    wide_rids: list[str] = []
+    wide_done = threading.Event()
+    wide_end: list[float] = []
     wide_started = threading.Event()
     ttfts: dict[int, float] = {}
     waits: dict[int, int] = {}
@@ -127,12 +128,14 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
     def on_wide(out: RequestOutput) -> None:  # engine thread
         with lock:
             progress[out.rid] = len(out.output_ids)
+            if out.finished:
+                wide_end.append(time.perf_counter())
+                if len(wide_end) == args.wide_n:
+                    wide_done.set()
         if out.output_ids and not wide_started.is_set():
             wide_started.set()
             for _ in range(args.wide_n - 1):  # the copies, as the server's fan-out sends them
-                wide_rids.append(
-                    engine.submit(wide_prompt, wide_params, on_wide, group=f"wide-{repeat}")
-                )
+                engine.submit(wide_prompt, wide_params, on_wide, group=f"wide-{repeat}")
 
     def on_small(k: int) -> Any:
         def on(out: RequestOutput) -> None:  # engine thread
@@ -147,7 +150,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
         return on
 
     t0 = time.perf_counter()
-    wide_rids.append(engine.submit(wide_prompt, wide_params, on_wide, group=f"wide-{repeat}"))
+    engine.submit(wide_prompt, wide_params, on_wide, group=f"wide-{repeat}")
     if not wide_started.wait(TIMEOUT_S):
         raise TimeoutError("the wide request produced no token")
     for k in range(args.num_small):
@@ -161,11 +164,11 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
         time.sleep(args.small_interval)
     if not done.wait(TIMEOUT_S):
         raise TimeoutError("the small requests did not finish")
-    wall = time.perf_counter() - t0
+    if not wide_done.wait(TIMEOUT_S):
+        raise TimeoutError("the wide request did not finish")
     with lock:
         generated = sum(progress.values())
-    for rid in list(wide_rids):
-        engine.abort(rid)
+        wall = max(wide_end) - t0
     _wait_idle(engine)
     if not engine.flush_cache():
         raise RuntimeError("the engine did not go idle for the flush")

@@ -120,7 +120,7 @@ class SchedulerConfig:
                 f" {', '.join(p.value for p in SchedulePolicy)}"
             )
         require(
-            self.schedule_policy in {p.value for p in SchedulePolicy},
+            self.schedule_policy in tuple(p.value for p in SchedulePolicy),
             "schedule_policy",
             self.schedule_policy,
             f"choose one of {', '.join(p.value for p in SchedulePolicy)}",
@@ -187,8 +187,8 @@ class Scheduler:
         self.forward_error: str | None = None
         """Why the last forward that raised did."""
         self.forwards = 0
-        """Steps that ran a forward so far (a clock in steps: a request admitted at the
-        next step after it was added has its first token after one more)."""
+        """Steps that ran a forward so far: a clock in steps (a request added between two
+        steps and admitted at the next one has its first token when this has gone up by 1)."""
 
     # ------------------------------------------------------------------ queue
 
