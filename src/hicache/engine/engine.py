@@ -1,6 +1,7 @@
 """The engine: a model, the hierarchical cache and the scheduler, driven by one thread.
 
-Other threads (the HTTP server, the CLI) talk to it through :meth:`Engine.submit`,
+Other threads (the HTTP server, the CLI) talk to it through :meth:`Engine.reserve` (places
+in the bounded waiting queue for one client request's sequences), :meth:`Engine.submit`,
 :meth:`Engine.abort` and :meth:`Engine.call` (run a function on the engine thread, e.g. a
 cache flush); outputs come back through each request's callback, called on the engine
 thread.

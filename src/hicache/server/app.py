@@ -10,8 +10,9 @@
 - :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus),
   ``POST /flush_cache`` and the admin ``/hicache/storage-backend``.
 
-Errors: every status (400, 401, 404, 405, 413, 500, 503 ...) answers OpenAI's error
-object; a 400 names the field in ``param``. A parameter the server cannot honour is
+Errors: every status (400, 401, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's error
+object; a 400 names the field in ``param``. A request the engine's bounded waiting queue
+cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is unhealthy). A parameter the server cannot honour is
 refused, never ignored. With ``api_key`` set, the inference endpoints need
 ``Authorization: Bearer <api_key>``; the admin endpoints need the separate admin key,
 checked before the body is read. Bodies beyond ``max_request_bytes`` get a 413. Prompts
