@@ -45,6 +45,7 @@ from hicache.services.process import (
 
 __all__ = [
     "CONFIG_NAMES",
+    "SCHEDULER_CONFIGS",
     "ConfigSkippedError",
     "ServerError",
     "ServerProcess",
@@ -64,6 +65,14 @@ CONFIG_NAMES: tuple[str, ...] = (
 )
 """The cache configurations a serving benchmark can compare, from none to L1+L2+L3."""
 
+SCHEDULER_CONFIGS: dict[str, tuple[str, ...]] = {
+    "l1_no_group_rule": ("--schedule-policy", "fcfs", "--max-running-requests-per-group", "0"),
+    "l1_lpm": ("--schedule-policy", "lpm"),
+}
+"""``l1`` under other admission rules (``l1`` itself runs the defaults: ``fcfs`` and a
+group may hold half the running slots): what the scheduling policy costs or gains on a
+workload. Only when named in ``--configs``."""
+
 
 class ServerError(RuntimeError):
     """A server (or a service it needs) failed to start or to answer."""
@@ -76,9 +85,10 @@ class ConfigSkippedError(RuntimeError):
 def parse_configs(text: str) -> list[str]:
     """A comma list of config names -> list; ValueError naming the unknown ones."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in CONFIG_NAMES]
+    known = (*CONFIG_NAMES, *SCHEDULER_CONFIGS)
+    bad = [n for n in names if n not in known]
     if bad or not names:
-        raise ValueError(f"--configs={text!r} is invalid; choose from {','.join(CONFIG_NAMES)}")
+        raise ValueError(f"--configs={text!r} is invalid; choose from {','.join(known)}")
     return names
 
 
@@ -249,11 +259,14 @@ def config_server(name: str, spec: ServerSpec) -> Iterator[ServerProcess]:
     ``no_cache``: ``--disable-radix-cache``; ``l1``: the radix cache alone; ``l1_l2``:
     ``--enable-hierarchical-cache``; ``l1_l2_l3_file``: plus the file backend in a fresh
     temp dir (removed after); ``l1_l2_l3_mooncake``: plus Mooncake through a fresh local
-    service (ConfigSkippedError when its binary is missing).
+    service (ConfigSkippedError when its binary is missing). ``l1_no_group_rule`` and
+    ``l1_lpm``: ``l1`` with the flags of :data:`SCHEDULER_CONFIGS`.
     """
-    if name not in CONFIG_NAMES:
-        raise ValueError(f"config {name!r} is unknown; choose from {CONFIG_NAMES}")
-    flags = spec.base_flags()
+    if name not in CONFIG_NAMES and name not in SCHEDULER_CONFIGS:
+        raise ValueError(
+            f"config {name!r} is unknown; choose from {(*CONFIG_NAMES, *SCHEDULER_CONFIGS)}"
+        )
+    flags = spec.base_flags() + list(SCHEDULER_CONFIGS.get(name, ()))
     with ExitStack() as stack:
         if name == "no_cache":
             flags.append("--disable-radix-cache")

@@ -1,6 +1,7 @@
 """The engine: a model, the hierarchical cache and the scheduler, driven by one thread.
 
-Other threads (the HTTP server, the CLI) talk to it through :meth:`Engine.submit`,
+Other threads (the HTTP server, the CLI) talk to it through :meth:`Engine.reserve` (places
+in the bounded waiting queue for one client request's sequences), :meth:`Engine.submit`,
 :meth:`Engine.abort` and :meth:`Engine.call` (run a function on the engine thread, e.g. a
 cache flush); outputs come back through each request's callback, called on the engine
 thread.
@@ -30,6 +31,13 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.components.base import ServingLimits
 from hicache.config import CacheConfig, PrefetchPolicy
+from hicache.engine.admission import (
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    EngineUnhealthy,
+    QueueFull,
+    QueueGate,
+    Reservation,
+)
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
@@ -81,12 +89,16 @@ class EngineHealth:
 class EngineStats:
     """What :meth:`Engine.stats` read on the engine thread, at one point: the cache's stats,
     requests in the running batch and in the waiting queue, and requests the cache has
-    admitted (holding pages)."""
+    admitted (holding pages). ``queued``: sequences counted against
+    ``max_queued_requests`` (reserved or waiting, never yet admitted); ``refused``:
+    reservations refused so far (HTTP 429/503)."""
 
     cache: CacheStats
     running: int
     waiting: int
     admitted: int
+    queued: int = 0
+    refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +154,22 @@ class EngineConfig:
     steps in a row failed: a scheduler step that raised, or a forward that raised (which
     fails its batch's requests, say a kernel that breaks in one dtype). Healthy again once
     a step succeeds. At least 1."""
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
+    """Sequences (every ``n`` copy and batched prompt counted) that may wait for their first
+    admission at once; a client request whose sequences do not all fit is refused at once
+    (:meth:`Engine.reserve`: :class:`~hicache.engine.admission.QueueFull`, or
+    :class:`~hicache.engine.admission.EngineUnhealthy` when the engine is not healthy).
+    None: unbounded. At least 1."""
 
     def __post_init__(self) -> None:
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
+        if self.max_queued_requests is not None:
+            int_at_least(
+                "max_queued_requests",
+                self.max_queued_requests,
+                1,
+                "(unbounded: None; on the command line 0)",
+            )
         object.__setattr__(
             self,
             "storage",
@@ -185,6 +210,8 @@ class Engine(Lifecycle):
         self._cache_closed = False
         self._last_loop: float | None = None  # time.monotonic() of the last round
         self._failed_steps = 0
+        self.queue = QueueGate(config.max_queued_requests)
+        """Sequences queued against ``max_queued_requests`` (see :meth:`reserve`)."""
         self.model: LoadedModel
         self.cache: HiCache
         self.scheduler: Scheduler
@@ -410,6 +437,33 @@ class Engine(Lifecycle):
                 param="priority",
             )
 
+    def reserve(self, sequences: int) -> Reservation:
+        """Take ``sequences`` places in the bounded waiting queue at once, for one client
+        request's sequences (its prompts x ``n``), before any is submitted: each
+        :meth:`submit` with ``reservation`` then uses one, and ``close()`` gives back the
+        rest. Callable from any thread.
+
+        Raises :class:`~hicache.engine.admission.QueueFull` when they do not fit (retry
+        later), :class:`~hicache.engine.admission.EngineUnhealthy` instead when the engine
+        is not healthy (:meth:`health`), and :class:`InvalidRequest` (``n``) for more
+        sequences than ``max_queued_requests`` could ever hold.
+        """
+        try:
+            return self.queue.reserve(sequences)
+        except QueueFull as exc:
+            health = self.health()
+            if health.healthy:
+                raise
+            raise EngineUnhealthy(
+                f"{exc}; the engine is not healthy: {health.reason}",
+                requested=exc.requested,
+                queued=exc.queued,
+                limit=exc.limit,
+                reason=health.reason or "unknown",
+            ) from None
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="n") from None
+
     def submit(
         self,
         prompt_ids: Sequence[int],
@@ -418,18 +472,41 @@ class Engine(Lifecycle):
         *,
         cache_salt: str = "",
         priority: int = 0,
+        group: str = "",
+        reservation: Reservation | None = None,
     ) -> str:
         """Queue a request; returns its id. ``on_output`` runs on the engine thread.
 
-        ``priority``: larger is more important (SGLang's field), kept on the request.
+        ``priority``: larger is more important (SGLang's field): admitted first.
+        ``group``: the client request it belongs to (empty: its own); the scheduler's
+        per-group limits count a group's sequences together. ``reservation``: a place
+        taken by :meth:`reserve` (without one, a place is reserved here, which may raise
+        :class:`~hicache.engine.admission.QueueFull`).
         Raises :class:`InvalidRequest` for a request that cannot be served, RuntimeError
         when the engine is not running. Once queued, the request always gets a final
         output: finished normally, or aborted with ``error`` set when adding it failed or
         the engine stopped first.
         """
         self.validate(prompt_ids, params, cache_salt=cache_salt, priority=priority)
-        req = Request(list(prompt_ids), params, on_output, cache_salt=cache_salt, priority=priority)
-        self._post(lambda: self._add(req), lambda why: self._fail(req, why))
+        own = reservation is None
+        ticket = self.reserve(1) if reservation is None else reservation
+        req = Request(
+            list(prompt_ids),
+            params,
+            on_output,
+            cache_salt=cache_salt,
+            priority=priority,
+            group=group,
+            queue_slot=ticket.take(),
+        )
+        try:
+            self._post(lambda: self._add(req), lambda why: self._fail(req, why))
+        except BaseException:
+            req.leave_queue()
+            raise
+        finally:
+            if own:
+                ticket.close()
         return req.rid
 
     def abort(self, rid: str) -> None:
@@ -489,11 +566,14 @@ class Engine(Lifecycle):
         running, TimeoutError when it does not answer within ``timeout`` seconds."""
 
         def read() -> EngineStats:
+            counts = self.queue.counts()
             return EngineStats(
                 cache=self.cache.stats(),
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 admitted=self.cache.requests,
+                queued=counts.queued,
+                refused=counts.refused,
             )
 
         return self.call(read).result(timeout=timeout)
@@ -583,6 +663,7 @@ class Engine(Lifecycle):
         if not direct and self._held(req):
             req.aborted = True
             return
+        req.leave_queue()
         req.finish_reason = FinishReason.ABORT
         req.final_reported = True
         if req.on_output is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.cache import CachedTokens, CacheRequest
+from hicache.engine.admission import QueueSlot
 from hicache.engine.detokenize import IncrementalText
 from hicache.engine.logits import TokenLogprob
 from hicache.engine.sampling import SamplingParams
@@ -102,7 +103,15 @@ class Request:
     error: str | None = None
     aborted: bool = False
     priority: int = 0
-    """Higher stays longer in the cache under the ``priority`` eviction policy."""
+    """Higher is admitted first (before any other order the scheduler applies), and stays
+    longer in the cache under the ``priority`` eviction policy."""
+    group: str = ""
+    """The client request this sequence belongs to (every ``n`` copy and every prompt of
+    one HTTP request share it): the scheduler's per-group limits count its sequences
+    together. Empty: a group of its own (``rid``)."""
+    queue_slot: QueueSlot | None = None
+    """Its place in the bounded waiting queue, given back at the first admission or when
+    it ends (None: not counted)."""
     # cache state
     cache: CacheRequest | None = None
     kv_len: int = 0
@@ -118,10 +127,17 @@ class Request:
     """When the scheduler first admitted it (``time.perf_counter``; a retraction keeps it)."""
 
     def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.rid
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    def leave_queue(self) -> None:
+        """Give back its queue place, if it holds one (idempotent)."""
+        if self.queue_slot is not None:
+            self.queue_slot.release()
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,6 +12,15 @@ for its next token is retracted (``requeue``): its KV stays cached and it waits 
 re-admitted, which then finds its own prefix. The scheduler holds only opaque handles and
 names no cache component.
 
+Admission order (:meth:`Scheduler.admission_order`), so that one wide client request
+cannot lock out the others: higher ``priority`` first; then, with the group rule on
+(``max_running_requests_per_group``, default half the running slots), requests whose group
+(one client request: its ``n`` copies and batched prompts) holds fewer running slots, and
+no group holds more than its cap; then the policy's order (``fcfs``, or ``lpm``: longest
+cached prefix first, which asks the cache for each waiting request's match). A request
+whose L3 prefetch is still running is passed over; one that does not fit in L1 stops
+admission for the step (later ones do not overtake it for memory).
+
 What a model caches besides K/V stays between the cache and the runner: each forward asks
 the cache for its plan per request (``plan_chunk``: where the chunk must end, and after
 which tokens the runner keeps the sequence's extras); the batch carries the handle's
@@ -43,10 +52,11 @@ Everything here runs on the engine's thread.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +67,27 @@ from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.sampling import make_generator, sample_rows
 from hicache.runner.model_runner import ForwardBatch, ModelRunner
-from hicache.validate import int_at_least, number_at_least, require
+from hicache.validate import int_at_least, is_int, number_at_least, require
 
 log = logging.getLogger(__name__)
+
+LPM_MAX_WAITING = 128
+"""Above this many waiting requests ``lpm`` orders them as ``fcfs`` (as SGLang does): its
+key costs one prefix match per waiting request per step."""
+
+
+class SchedulePolicy(str, enum.Enum):
+    """The order waiting requests are admitted in, within one priority and fair-share
+    class (see :meth:`Scheduler.admission_order`)."""
+
+    FCFS = "fcfs"
+    """First come, first served (a retracted request first of all)."""
+    LPM = "lpm"
+    """Longest cached prefix first (L1 + L2, as the cache matches it now); ties first come."""
+
+
+_UNSUPPORTED_POLICIES = ("dfs-weight", "lof", "random")
+"""SGLang's other ``--schedule-policy`` names, refused with the supported ones."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,9 +103,36 @@ class SchedulerConfig:
     """Do a step's text work and reports while the next step's forward runs (see the
     module docstring); None: when the model runs on CUDA (a CPU forward is synchronous, so
     there deferring them would only delay them)."""
+    schedule_policy: str = SchedulePolicy.FCFS.value
+    """Admission order within a priority and fair-share class: ``fcfs`` or ``lpm``
+    (:class:`SchedulePolicy`)."""
+    max_running_requests_per_group: int | None = None
+    """Running slots one client request (a group: its ``n`` copies and batched prompts)
+    may hold at once; waiting requests of the group holding the fewest slots go first.
+    None: half of ``max_running_requests`` (at least 1); 0: no group rule at all (the
+    policy's order alone, as before groups existed)."""
 
     def __post_init__(self) -> None:
         int_at_least("max_running_requests", self.max_running_requests, 1)
+        if self.schedule_policy in _UNSUPPORTED_POLICIES:
+            raise ValueError(
+                f"schedule_policy={self.schedule_policy!r} is not supported; supported:"
+                f" {', '.join(p.value for p in SchedulePolicy)}"
+            )
+        require(
+            self.schedule_policy in tuple(p.value for p in SchedulePolicy),
+            "schedule_policy",
+            self.schedule_policy,
+            f"choose one of {', '.join(p.value for p in SchedulePolicy)}",
+        )
+        cap = self.max_running_requests_per_group
+        require(
+            cap is None or (is_int(cap) and 0 <= cap <= self.max_running_requests),
+            "max_running_requests_per_group",
+            cap,
+            f"must be None (half the running slots), 0 (no group rule) or an int in"
+            f" [1, max_running_requests={self.max_running_requests}]",
+        )
         int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1, "(tokens)")
         require(
             isinstance(self.disable_radix_cache, bool),
@@ -92,6 +147,14 @@ class SchedulerConfig:
             self.overlap_outputs,
             "must be a bool or None",
         )
+
+    @property
+    def group_cap(self) -> int | None:
+        """Running slots a group may hold (None: no group rule)."""
+        cap = self.max_running_requests_per_group
+        if cap is None:
+            return max(1, self.max_running_requests // 2)
+        return cap or None
 
 
 class Scheduler:
@@ -123,6 +186,9 @@ class Scheduler:
         """Forwards that raised in a row (0 once one succeeds): the engine's health."""
         self.forward_error: str | None = None
         """Why the last forward that raised did."""
+        self.forwards = 0
+        """Steps that ran a forward so far: a clock in steps (a request added between two
+        steps and admitted at the next one has its first token when this has gone up by 1)."""
 
     # ------------------------------------------------------------------ queue
 
@@ -177,6 +243,7 @@ class Scheduler:
         if not self.running:
             self._flush_outputs()
             return False
+        self.forwards += 1
         self._run(self._mixed_batch())
         if not self.overlap:
             self._flush_outputs()
@@ -189,10 +256,46 @@ class Scheduler:
         for req in [r for r in self.running if r.aborted]:
             self._finish(req, FinishReason.ABORT)
 
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order :meth:`step` tries to admit them: higher
+        ``priority`` first; then (with a group rule) requests of groups holding fewer
+        running slots, so a client request that already runs many sequences yields to
+        others, round-robin; then the policy's order (``fcfs``: queue order, a retracted
+        request at the front; ``lpm``: longest cached prefix first, up to
+        :data:`LPM_MAX_WAITING` waiting). Requests of a group at its cap are left out.
+        Computed at the start of the step."""
+        cap = self.config.group_cap
+        held = Counter(r.group for r in self.running) if cap is not None else Counter[str]()
+        lpm = (
+            self.config.schedule_policy == SchedulePolicy.LPM
+            and len(self.waiting) <= LPM_MAX_WAITING
+        )
+
+        def cached(req: Request) -> int:
+            handle = req.cache
+            if not lpm or handle is None or not handle.cacheable:
+                return 0
+            return self.cache.match_prefix(req.all_ids, req.cache_salt).matched_tokens
+
+        keyed = [
+            (-req.priority, held[req.group], -cached(req), i, req)
+            for i, req in enumerate(self.waiting)
+            if cap is None or held[req.group] < cap
+        ]
+        keyed.sort(key=lambda k: k[:4])
+        return [k[4] for k in keyed]
+
     def _admit(self) -> None:
-        for req in list(self.waiting):
-            if len(self.running) >= self.config.max_running_requests:
+        limit = self.config.max_running_requests
+        if not self.waiting or len(self.running) >= limit:
+            return
+        cap = self.config.group_cap
+        held = Counter(r.group for r in self.running)
+        for req in self.admission_order():
+            if len(self.running) >= limit:
                 return
+            if cap is not None and held[req.group] >= cap:
+                continue  # its client request holds its share: let others go first
             handle = req.cache
             assert handle is not None
             if not self.cache.ready(handle):
@@ -213,11 +316,13 @@ class Scheduler:
             self.waiting.remove(req)
             if req.admitted_at is None:
                 req.admitted_at = time.perf_counter()
+            req.leave_queue()
             req.kv_len = handle.prefix_tokens
             resume = handle.take_resume()  # what the runner resumes the prefix from
             if resume is not None:
                 self.runner.resume(req.rid, resume)
             self.running.append(req)
+            held[req.group] += 1
 
     def _mixed_batch(self) -> list[tuple[Request, int]]:
         """One forward's work: the next token of every decoding request, then prefill
@@ -525,6 +630,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        req.leave_queue()
         self.runner.drop_state(req.rid)
         if req.cache is not None:
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)

@@ -10,8 +10,9 @@
 - :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus),
   ``POST /flush_cache`` and the admin ``/hicache/storage-backend``.
 
-Errors: every status (400, 401, 404, 405, 413, 500, 503 ...) answers OpenAI's error
-object; a 400 names the field in ``param``. A parameter the server cannot honour is
+Errors: every status (400, 401, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's error
+object; a 400 names the field in ``param``. A request the engine's bounded waiting queue
+cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is unhealthy). A parameter the server cannot honour is
 refused, never ignored. With ``api_key`` set, the inference endpoints need
 ``Authorization: Bearer <api_key>``; the admin endpoints need the separate admin key,
 checked before the body is read. Bodies beyond ``max_request_bytes`` get a 413. Prompts
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hicache.engine.admission import AdmissionRefused
 from hicache.engine.engine import Engine
 from hicache.server.admin_routes import add_admin_routes
 from hicache.server.http_base import (
@@ -37,7 +39,7 @@ from hicache.server.http_base import (
 )
 from hicache.server.native_routes import add_native_routes
 from hicache.server.openai_routes import add_openai_routes
-from hicache.server.state import ServerState
+from hicache.server.state import ServerState, refusal_response
 
 
 def create_app(
@@ -78,6 +80,10 @@ def create_app(
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
+
+    @app.exception_handler(AdmissionRefused)
+    async def _refused(_: Request, exc: AdmissionRefused) -> JSONResponse:
+        return refusal_response(exc)  # the waiting queue is full: 429, or 503 if unhealthy
 
     add_openai_routes(app, state)
     add_native_routes(app, state)

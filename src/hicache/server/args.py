@@ -23,8 +23,9 @@ from hicache.config import (
     PrefetchPolicy,
     WritePolicy,
 )
+from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.engine import EngineConfig
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.scheduler import SchedulePolicy, SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.storage.registry import parse_extra_config
@@ -116,6 +117,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--chunked-prefill-size", type=int, default=512)
     s.add_argument(
+        "--schedule-policy",
+        default=SchedulePolicy.FCFS.value,
+        help="admission order within a priority and fair-share class: fcfs (first come,"
+        " first served) or lpm (longest cached prefix first)",
+    )
+    s.add_argument(
+        "--max-running-requests-per-group",
+        type=int,
+        default=None,
+        help="running slots one client request (its n copies and batched prompts) may hold;"
+        " the group holding fewest goes first (default: half of --max-running-requests;"
+        " 0: no group rule)",
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="sequences (n copies counted) waiting for admission at most; a request that"
+        f" does not fit gets a 429 with Retry-After, 503 when unhealthy (default"
+        f" {DEFAULT_MAX_QUEUED_REQUESTS}; 0: unbounded)",
+    )
+    s.add_argument(
         "--unhealthy-after-failed-steps",
         type=int,
         default=3,
@@ -166,6 +189,9 @@ FIELD_FLAGS = {
     "load_back_threshold": "--hicache-load-back-threshold",
     "max_running_requests": "--max-running-requests",
     "chunked_prefill_size": "--chunked-prefill-size",
+    "schedule_policy": "--schedule-policy",
+    "max_running_requests_per_group": "--max-running-requests-per-group",
+    "max_queued_requests": "--max-queued-requests",
     "unhealthy_after_failed_steps": "--unhealthy-after-failed-steps",
     "context_length": "--context-length",
     "attention_backend": "--attention-backend",
@@ -296,7 +322,10 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             max_running_requests=a.max_running_requests,
             chunked_prefill_size=a.chunked_prefill_size,
             disable_radix_cache=bool(a.disable_radix_cache),
+            schedule_policy=a.schedule_policy,
+            max_running_requests_per_group=a.max_running_requests_per_group,
         ),
+        max_queued_requests=a.max_queued_requests or None,
         context_length=a.context_length,
         device_cache_gb=a.device_cache_size,
         storage_backend=a.hicache_storage_backend,

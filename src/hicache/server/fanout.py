@@ -5,7 +5,11 @@ An HTTP request becomes one or more engine requests (``n`` choices, a batch of p
 and ends with an :class:`Ending`: all finished, the client went away, or the engine
 stopped. Copies of one prompt (``n`` > 1) are submitted once the first copy has produced
 its first token, so that they find its prompt's KV in the prefix cache instead of
-computing it again.
+computing it again. Every job is one sequence of the same engine *group* (the scheduler's
+per-group limits count them together), and all of them hold a place in the engine's
+bounded waiting queue from the start (a :class:`~hicache.engine.admission.Reservation`
+taken before the fan-out was built): a copy submitted later is never refused half-way.
+The places of jobs never submitted are given back when the fan-out ends.
 
 The client is watched concurrently with the engine's outputs (a poll every
 :data:`DISCONNECT_POLL_S`), for streaming and non-streaming requests alike: on a
@@ -18,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from starlette.requests import Request as HttpRequest
 
+from hicache.engine.admission import Reservation
 from hicache.engine.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
@@ -33,6 +40,7 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.02
 """How often the client connection is checked while its request runs."""
 _ENGINE_CHECK_S = 0.5
+_groups = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +79,8 @@ class Fanout:
     """Runs ``jobs`` for one HTTP request; iterate :meth:`events`, then read :attr:`ending`.
 
     ``on_abort(reason)`` is called once per engine request this fanout aborts.
+    ``reservation``: queue places for every job, taken with :meth:`Engine.reserve`
+    (None: each submit reserves its own, and may be refused); closed when the run ends.
     """
 
     def __init__(
@@ -82,9 +92,15 @@ class Fanout:
         cache_salt: str = "",
         priority: int = 0,
         on_abort: Callable[[str], None] | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         self.engine = engine
         self.jobs = list(jobs)
+        self.reservation = reservation
+        if reservation is not None:  # places given back even if events() never runs
+            weakref.finalize(self, reservation.close)
+        self.group = f"grp-{next(_groups)}"
+        """The engine group of every job (one client request)."""
         self.http = http
         self.cache_salt = cache_salt
         self.priority = priority
@@ -110,6 +126,8 @@ class Fanout:
             on_output,
             cache_salt=self.cache_salt,
             priority=self.priority,
+            group=self.group,
+            reservation=self.reservation,
         )
 
     def _release(self, index: int) -> None:
@@ -129,6 +147,11 @@ class Fanout:
             if self.on_abort is not None:
                 self.on_abort(reason)
 
+    def _close_reservation(self) -> None:
+        """Give back the queue places of jobs never submitted (idempotent)."""
+        if self.reservation is not None:
+            self.reservation.close()
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(DISCONNECT_POLL_S)
@@ -147,6 +170,7 @@ class Fanout:
             self.error = str(exc)
             self.ending = Ending.SUBMIT_FAILED
             self.abort_all("engine_stopped")
+            self._close_reservation()
             return
         watcher = asyncio.create_task(self._watch())
         try:
@@ -177,6 +201,7 @@ class Fanout:
             self.ending = Ending.DONE
         finally:
             watcher.cancel()
+            self._close_reservation()
             if self.ending is None:  # the consumer stopped iterating (client gone)
                 self.ending = Ending.DISCONNECTED
             if self.ending is not Ending.DONE:

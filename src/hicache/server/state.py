@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from hicache.engine.admission import AdmissionRefused, EngineUnhealthy
 from hicache.engine.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
@@ -123,7 +124,9 @@ class ServerState:
         prompt_param: str,
     ) -> list[Job]:
         """``n`` jobs per prompt (prompt-major); copies wait for the first's first token.
-        Each is validated by the engine; an error names ``prompt_param`` for the prompt."""
+        Each is validated by the engine; an error names ``prompt_param`` for the prompt,
+        and ``n`` when there are more jobs than the engine's waiting queue could ever hold
+        (``max_queued_requests``)."""
         ctx = self.engine.context_length
         jobs = []
         for p, ids in enumerate(prompts):
@@ -152,10 +155,23 @@ class ServerState:
                     )
                 index = p * body.n + c
                 jobs.append(Job(index, ids, params, after=None if c == 0 else p * body.n))
+        bound = self.engine.config.max_queued_requests
+        if bound is not None and len(jobs) > bound:
+            raise InvalidRequest(
+                f"the request has {len(jobs)} sequences ({len(prompts)} prompts x n={body.n})"
+                f" but at most {bound} can be queued (--max-queued-requests)",
+                param="n",
+            )
         return jobs
 
     def fanout(self, http: Request, jobs: Sequence[Job], body: SamplingFields) -> Fanout:
-        """The fan-out running ``jobs`` for ``http``; its aborts are counted."""
+        """The fan-out running ``jobs`` for ``http``, one engine group, with a place in
+        the engine's waiting queue reserved for every job first; its aborts are counted.
+
+        Raises :class:`~hicache.engine.admission.QueueFull` (or ``EngineUnhealthy``)
+        when the queue cannot take them all: the app answers :func:`refusal_response`.
+        """
+        reservation = self.engine.reserve(len(jobs))
         return Fanout(
             self.engine,
             jobs,
@@ -163,6 +179,7 @@ class ServerState:
             cache_salt=body.cache_salt,
             priority=body.request_priority,
             on_abort=self._count_abort,
+            reservation=reservation,
         )
 
     def _count_abort(self, reason: str) -> None:
@@ -213,3 +230,12 @@ class ServerState:
         if fan.ending is Ending.ENGINE_STOPPED:
             return self.engine.health().reason or "the engine stopped"
         return None
+
+
+def refusal_response(exc: AdmissionRefused) -> JSONResponse:
+    """The answer to a request the waiting queue refused: 429 with ``Retry-After`` (the
+    queue is full), or 503 with it when the engine is not healthy; OpenAI's error object."""
+    status = 503 if isinstance(exc, EngineUnhealthy) else 429
+    response = error_response(status, str(exc))
+    response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
