@@ -108,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             admin_api_key=args.admin_api_key,
             api_key=args.api_key,
             max_request_bytes=args.max_request_bytes,
+            metrics_require_api_key=args.metrics_require_api_key,
         )
         log.info("%s", _describe(engine, args.host, args.port))
         uvicorn.run(

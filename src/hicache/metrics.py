@@ -43,6 +43,11 @@ class CacheCounters:
     l3_backup_swa_pages_total: int = 0
     """Sliding-window KV pages written to L3 (``"swa"`` records)."""
     l3_backup_swa_pages_failed_total: int = 0
+    prefetch_timeouts_total: int = 0
+    """L3 prefetches whose request the policy let in at the prefetch's deadline with the
+    lookup or the read not over (``timeout``: its computed wait; ``wait_complete``:
+    ``prefetch_timeout_max``): each is a request that waited that long on L3 (a frozen
+    or slow backend), whatever the backend's own deadline did meanwhile."""
     prefetch_component_records_total: int = 0
     """Component records (snapshots, SWA pages) read from L3 into L2 by prefetches whose
     hit was taken."""
@@ -62,6 +67,12 @@ class ComponentUsage:
     whose full KV is in L1 (tree and requests), 0.0 when there are none: for full KV its
     per-token bytes; for sliding-window layers far less once sequences are longer than
     the window (only the last ``window`` tokens of each are held).
+
+    Holders (pages / slots): ``device_requests``: L1 ones admitted requests own (not yet
+    the tree's; for full KV also the pages the cache reserved); ``device_cached``: L1
+    ones the tree owns; ``host_cached``: L2 ones the tree owns. The rest of the used
+    ones are held by copies or L3 operations in flight: ``device_used - device_requests
+    - device_cached >= 0`` and ``host_used - host_cached >= 0``; 0 once idle.
     """
 
     name: str
@@ -71,6 +82,9 @@ class ComponentUsage:
     host_total: int
     unit_bytes: int
     bytes_per_cached_token: float
+    device_requests: int = 0
+    device_cached: int = 0
+    host_cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ SGLang-style name or as a labelled view, would be summed twice by a dashboard)."
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from dataclasses import fields
 
@@ -11,10 +13,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.engine.engine import EngineStats
-from hicache.metrics import CacheCounters, CacheStats
+from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.server.metrics import cache_families, counter_metric_name
-from hicache.storage.stats import StorageStats
-from tests.helpers.api_fixtures import make_engine, post, serve, wait_idle
+from hicache.storage.stats import LATENCY_BUCKETS_S, OPS, OpLatency, StorageStats
+from tests.helpers.api_fixtures import make_engine, post, scrape, serve, wait_idle
 
 PROMPT = list(range(300, 345))
 
@@ -25,7 +27,7 @@ def test_every_cache_counter_is_exported() -> None:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
         wait_idle(engine)
         stats = engine.call(engine.cache.stats).result(30)
-        text = httpx.get(f"{url}/metrics", timeout=30).text
+        text = scrape(url, engine)
     engine.close()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     names = [f.name for f in fields(CacheCounters)]
@@ -68,7 +70,7 @@ def test_each_cache_counter_is_exported_under_one_name() -> None:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
         wait_idle(engine)
         engine.call(inject).result(30)
-        text = httpx.get(f"{url}/metrics", timeout=30).text
+        text = scrape(url, engine)
     engine.close()
     carried = _values(text)
     twice = {name: carried[v] for name, v in injected.items() if carried[v] != 1}
@@ -86,15 +88,44 @@ def test_each_cache_counter_is_exported_under_one_name() -> None:
 def test_no_two_series_carry_the_same_value_source() -> None:
     """Every source the exporter reads (each stat, each counter, each L3 figure, the
     queues) set to its own power of 3 (so no difference, sum or ratio of two equals a
-    third): no two exported series carry the same value."""
-    powers = iter(3**k for k in range(1, 200))
+    third): no two exported series carry the same value. A histogram's buckets and count
+    are sums of its own counts by definition (its +Inf bucket is its count): only its
+    sum is compared."""
+    powers = iter(3**k for k in range(1, 400))
     counters = {f.name: next(powers) for f in fields(CacheCounters)}
+    nbuckets = len(LATENCY_BUCKETS_S) + 1
     storage = StorageStats(
         bytes_read=next(powers),
         bytes_written=next(powers),
         errors=next(powers),
         misses={"absent": next(powers), "corrupt": next(powers)},
+        backend="redis",
+        stall_s=float(next(powers)),
+        stalls={op: next(powers) for op in OPS},
+        op_timeouts={op: next(powers) for op in OPS},
+        latency={
+            op: OpLatency(tuple(next(powers) for _ in range(nbuckets)), float(next(powers)))
+            for op in OPS
+        },
     )
+
+    def usage(name: str) -> ComponentUsage:
+        requests, cached, inflight, free = (next(powers) for _ in range(4))
+        host_cached, host_inflight, host_free = (next(powers) for _ in range(3))
+        return ComponentUsage(
+            name=name,
+            device_used=requests + cached + inflight,
+            device_total=requests + cached + inflight + free,
+            host_used=host_cached + host_inflight,
+            host_total=host_cached + host_inflight + host_free,
+            unit_bytes=next(powers),
+            bytes_per_cached_token=0.5,
+            device_requests=requests,
+            device_cached=cached,
+            host_cached=host_cached,
+        )
+
+    components = (usage("swa"), usage("mamba"))
     stats = CacheStats(
         page_size=4,
         device_total_tokens=next(powers),
@@ -109,15 +140,52 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         nodes=next(powers),
         counters=counters,
         storage=storage,
+        components=components,
     )
     snapshot = EngineStats(
         cache=stats, running=next(powers), waiting=next(powers), admitted=next(powers)
     )
     seen: dict[float, list[str]] = {}
-    for s in (s for f in cache_families(snapshot) for s in f.samples):
-        seen.setdefault(s.value, []).append(f"{s.name}{s.labels or ''}")
+    for f in cache_families(snapshot):
+        for s in f.samples:
+            if f.type == "histogram" and not s.name.endswith("_sum"):
+                continue
+            seen.setdefault(s.value, []).append(f"{s.name}{s.labels or ''}")
     dupes = {v: names for v, names in seen.items() if len(names) > 1}
     assert not dupes, f"one value under several names: {list(dupes.values())}"
     for name, value in counters.items():
         assert value in seen, f"{name} is not exported"
     assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen
+    for op in OPS:
+        assert storage.stalls[op] in seen and storage.op_timeouts[op] in seen
+        assert storage.latency[op].sum_s in seen
+    for u in components:
+        assert u.device_requests in seen and u.device_cached in seen and u.host_cached in seen
+
+
+def test_a_scrape_never_waits_on_the_engine_thread() -> None:
+    """The engine thread is held in a call: a scrape answers at once, from the stats the
+    loop published before, and says how old they are (before, each scrape ran a call on
+    the engine thread and waited for it, up to 30 s)."""
+    engine = make_engine()
+    release = threading.Event()
+    with serve(engine) as url:
+        assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        wait_idle(engine)
+        scrape(url, engine)
+        held = engine.call(lambda: release.wait(20))
+        try:
+            time.sleep(0.6)  # the loop is stuck in the call: nothing new is published
+            t = time.monotonic()
+            r = httpx.get(f"{url}/metrics", timeout=5)
+            took = time.monotonic() - t
+        finally:
+            release.set()
+        held.result(30)
+    engine.close()
+    assert r.status_code == 200 and took < 2.0, took
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    age = families["hicache_stats_age_seconds"].samples[0].value
+    assert age >= 0.5, age
+    assert families["hicache_query_tokens"].samples[0].value > 0  # the request's lookup
+    assert families["hicache_num_running_reqs"].samples[0].value == 0

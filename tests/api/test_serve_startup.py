@@ -48,6 +48,7 @@ CASES = [
         "--hicache-storage-backend",
     ),
     (["serve", "--log-level", "loud"], "--log-level", "loud"),
+    (["serve", *TINY, "--metrics-require-api-key"], "--metrics-require-api-key", "--api-key"),
     (["serve", "--mamba-track-interval", "0"], "--mamba-track-interval", "0"),
     (["serve", "--swa-full-tokens-ratio", "0"], "--swa-full-tokens-ratio", "0"),
     (

@@ -71,12 +71,16 @@ class Collect:
             self.on_each(out)
 
 
+ADMIN_KEY = "sk-admin"
+
+
 @contextmanager
 def serving(engine: Engine) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port)
+    app = create_app(engine, "tiny", admin_api_key=ADMIN_KEY)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port)
     config.log_level = "warning"
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -185,7 +189,9 @@ def test_dead_loop_shows_on_health_and_fails_fast() -> None:
             body = {"prompt": PROMPT, "max_tokens": 4}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
             assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
-            assert httpx.post(f"{url}/flush_cache", timeout=10).status_code == 503
+            admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+            r = httpx.post(f"{url}/flush_cache", headers=admin, timeout=10)
+            assert r.status_code == 503
             metrics = httpx.get(f"{url}/metrics", timeout=10)
             assert metrics.status_code == 200 and "hicache_engine_healthy 0.0" in metrics.text
     finally:

@@ -25,6 +25,7 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.server.app import create_app
+from tests.helpers.api_fixtures import scrape
 from tests.helpers.engine_fixtures import engine_model
 
 MODEL = "tiny-random-llama"
@@ -112,6 +113,9 @@ def test_concurrent_requests_share_prefix_under_pressure() -> None:
         assert_clean(engine)
 
 
+ADMIN_KEY = "sk-admin"
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, Engine]]:
     engine = make_engine()
@@ -119,7 +123,10 @@ def server() -> Iterator[tuple[str, Engine]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = uvicorn.Config(
-        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning"
+        create_app(engine, "tiny", admin_api_key=ADMIN_KEY),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
     )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -270,7 +277,7 @@ def test_metrics_and_flush(server: tuple[str, Engine]) -> None:
 
     # every request that got a first token was admitted before: it has a queue time too
     assert count("hicache_queue_time_seconds_count") >= count("hicache_ttft_seconds_count") >= 1
-    r = httpx.post(f"{url}/flush_cache")
+    r = httpx.post(f"{url}/flush_cache", headers={"authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 200
     after = httpx.post(
         f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60
@@ -318,7 +325,7 @@ def test_metrics_values_match_the_cache(server: tuple[str, Engine]) -> None:
     assert warm == 44  # 11 whole pages of the 45-token prompt (the last token is computed)
     engine.call(engine.cache.flush).result(timeout=60)
     stats = engine.call(engine.cache.stats).result(timeout=60)
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    families = {f.name: f for f in text_string_to_metric_families(scrape(url, engine))}
 
     def value(name: str, **labels: str) -> float:
         for s in families[name].samples:

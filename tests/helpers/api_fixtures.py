@@ -94,3 +94,14 @@ def sse(r: httpx.Response) -> list[Any]:
             data = line[6:]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def scrape(url: str, engine: Engine, timeout: float = 30.0) -> str:
+    """``GET /metrics`` once the engine has published stats read after this call (a
+    scrape exports the last published ones, up to ``Engine.stats_interval_s`` old)."""
+    asked = time.monotonic()
+    end = asked + timeout
+    while (stats := engine.published_stats) is None or stats.at <= asked:
+        assert time.monotonic() < end, "the engine published no stats"
+        time.sleep(0.01)
+    return httpx.get(f"{url}/metrics", timeout=timeout).text

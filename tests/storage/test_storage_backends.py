@@ -110,7 +110,7 @@ def digest(p: HostPool, pages: list[int]) -> str:
 
 
 def delta(after: StorageStats, before: StorageStats) -> dict[str, int]:
-    keys = [f for f in StorageStats.__dataclass_fields__ if f != "misses"]
+    keys = [f for f in StorageStats.__dataclass_fields__ if type(getattr(after, f)) is int]
     d = {k: getattr(after, k) - getattr(before, k) for k in keys}
     d.update({f"miss_{r}": after.misses[r] - before.misses[r] for r in after.misses})
     return {k: v for k, v in d.items() if v}

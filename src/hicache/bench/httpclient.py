@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from hicache.bench.serverproc import ServerError
+from hicache.bench.serverproc import ADMIN_KEY, ServerError
 
 __all__ = [
     "TIERS",
@@ -39,7 +39,9 @@ async def flush_cache(client: httpx.AsyncClient, url: str, *, tries: int = 50) -
     """
     t = time.perf_counter()
     for _ in range(tries):
-        r = await client.post(f"{url}/flush_cache")
+        r = await client.post(
+            f"{url}/flush_cache", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        )
         if r.status_code == 200:
             return time.perf_counter() - t
         if r.status_code != 409:

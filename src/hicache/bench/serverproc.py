@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,13 @@ def parse_configs(text: str) -> list[str]:
     return names
 
 
+ADMIN_KEY_ENV = "HICACHE_ADMIN_API_KEY"
+ADMIN_KEY = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
+"""The admin key the benchmarks flush with (``/flush_cache`` needs ``--admin-api-key``):
+``$HICACHE_ADMIN_API_KEY`` (for a server of one's own, ``--url``), else one made for this
+process, which the servers the benchmarks start are given."""
+
+
 class ServerProcess:
     """One ``hicache serve`` subprocess; ``start()`` / ``close()`` or a ``with`` block.
 
@@ -124,12 +132,19 @@ class ServerProcess:
         """The command line that starts the server (for logs and docs)."""
         return [sys.executable, "-m", "hicache.cli", "serve", *self.flags]
 
+    def _admin_flags(self) -> list[str]:
+        """``--admin-api-key`` with the benchmarks' key (they flush between runs), unless
+        the flags set one."""
+        if any(f.startswith("--admin-api-key") for f in self.flags):
+            return []
+        return ["--admin-api-key", ADMIN_KEY]
+
     def start(self) -> ServerProcess:
         """Launch and wait until ``/health`` answers 200; ServerError (with the log) if not."""
         self.port = free_port(self.host)
         fd, name = tempfile.mkstemp(prefix="hicache-bench-server-", suffix=".log")
         self.log_path = Path(name)
-        cmd = [*self.command, "--host", self.host, "--port", str(self.port)]
+        cmd = [*self.command, *self._admin_flags(), "--host", self.host, "--port", str(self.port)]
         with open(fd, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd,

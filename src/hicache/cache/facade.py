@@ -779,7 +779,14 @@ class HiCache(Lifecycle):
             held_device_pages=len(self.request_pages()) + len(self.device_tier.reserved),
         )
         cached = cached_tokens(self.device_pool)
-        usage = (full_usage(self.device_pool, self.host_pool), *self.stores.usages(cached))
+        ps = self.page_size
+        full = dataclasses.replace(
+            full_usage(self.device_pool, self.host_pool),
+            device_requests=stats.device_request_tokens // ps,
+            device_cached=stats.device_cached_tokens // ps,
+            host_cached=stats.host_cached_tokens // ps,
+        )
+        usage = (full, *self.stores.usages(cached, list(self._requests)))
         return dataclasses.replace(stats, components=usage)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:

@@ -228,6 +228,9 @@ class StorageTier:
         if p.taken:
             return 0
         p.taken = True
+        waited = not p.finished and self.prefetch.policy is not PrefetchPolicy.BEST_EFFORT
+        if waited and self.ready(p):  # its deadline passed before L3 answered
+            self.counters.prefetch_timeouts_total += 1
         self.tree.dec_host_ref(p.attach)
         if p.host_pages is None and not p.reads:
             if p.finished:  # else the lookup still runs: dropped when its record arrives

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -64,6 +65,9 @@ DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
 STALL_AFTER_S = 120.0
 """:meth:`Engine.health` reports a loop that has not gone round for this long as stalled."""
+STATS_INTERVAL_S = 0.25
+"""The loop publishes an :class:`EngineStats` record at most this often (seconds; each
+read walks the tree), at the end of a round: :attr:`Engine.published_stats`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +91,12 @@ class EngineHealth:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """What :meth:`Engine.stats` read on the engine thread, at one point: the cache's stats,
-    requests in the running batch and in the waiting queue, and requests the cache has
-    admitted (holding pages). ``queued``: sequences counted against
-    ``max_queued_requests`` (reserved or waiting, never yet admitted); ``refused``:
-    reservations refused so far (HTTP 429/503)."""
+    """What the engine thread read at one point: the cache's stats, requests in the
+    running batch and in the waiting queue, and requests the cache has admitted (holding
+    pages). ``queued``: sequences counted against ``max_queued_requests`` (reserved or
+    waiting, never yet admitted); ``refused``: reservations refused so far (HTTP 429/503).
+    ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
+    (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 
     cache: CacheStats
     running: int
@@ -99,6 +104,7 @@ class EngineStats:
     admitted: int
     queued: int = 0
     refused: int = 0
+    at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +218,10 @@ class Engine(Lifecycle):
         self._failed_steps = 0
         self.queue = QueueGate(config.max_queued_requests)
         """Sequences queued against ``max_queued_requests`` (see :meth:`reserve`)."""
+        self._published: EngineStats | None = None  # replaced whole, never mutated
+        self._stats_tried = -math.inf  # time.monotonic() of the last read attempt
+        self.stats_interval_s = STATS_INTERVAL_S
+        """Seconds between two published stats records (see :attr:`published_stats`)."""
         self.model: LoadedModel
         self.cache: HiCache
         self.scheduler: Scheduler
@@ -562,21 +572,44 @@ class Engine(Lifecycle):
 
     def stats(self, timeout: float = 30.0) -> EngineStats:
         """The cache's stats and the scheduler's queues, read on the engine thread between
-        steps (blocks; call off an event loop). RuntimeError when the engine is not
-        running, TimeoutError when it does not answer within ``timeout`` seconds."""
+        steps now (blocks; call off an event loop). RuntimeError when the engine is not
+        running, TimeoutError when it does not answer within ``timeout`` seconds. A reader
+        that must not wait (a metrics scrape) takes :attr:`published_stats` instead."""
+        return self.call(self._read_stats).result(timeout=timeout)
 
-        def read() -> EngineStats:
-            counts = self.queue.counts()
-            return EngineStats(
-                cache=self.cache.stats(),
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting),
-                admitted=self.cache.requests,
-                queued=counts.queued,
-                refused=counts.refused,
-            )
+    @property
+    def published_stats(self) -> EngineStats | None:
+        """The last stats record the loop published (None before the first), without
+        waiting: the loop reads the cache (its owner's thread) at the end of a round, at
+        most every :attr:`stats_interval_s` seconds, and replaces this immutable record.
+        Fresh within ``stats_interval_s`` plus one round (a long forward delays it); its
+        ``at`` says when it was read, and it stays as it was once the loop has ended."""
+        return self._published
 
-        return self.call(read).result(timeout=timeout)
+    def _read_stats(self) -> EngineStats:
+        """The stats now (engine thread only)."""
+        counts = self.queue.counts()
+        return EngineStats(
+            cache=self.cache.stats(),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            admitted=self.cache.requests,
+            queued=counts.queued,
+            refused=counts.refused,
+            at=time.monotonic(),
+        )
+
+    def _publish_stats(self) -> None:
+        """Publish a new :class:`EngineStats` when the last is ``stats_interval_s`` old
+        (engine thread, end of a round). A failure keeps the last one (and is logged)."""
+        now = time.monotonic()
+        if now - self._stats_tried < self.stats_interval_s:
+            return
+        self._stats_tried = now
+        try:
+            self._published = self._read_stats()
+        except Exception:
+            log.exception("reading the engine's stats failed; the last ones stay published")
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""
@@ -721,6 +754,7 @@ class Engine(Lifecycle):
                     busy = False
                     self._failed_steps += 1
                     self._abort_all(f"scheduler step failed: {type(exc).__name__}: {exc}")
+                self._publish_stats()
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
                     self._wake.wait(timeout=0.002 if self.scheduler.waiting else 0.05)
                     self._wake.clear()

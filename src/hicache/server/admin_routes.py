@@ -1,6 +1,11 @@
-"""Operations endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``POST
-/flush_cache`` (inference key) and the admin ``PUT`` / ``DELETE /hicache/storage-backend``
-(admin key, checked before the body is read: nothing about it is told to a stranger).
+"""Operations endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), and the admin
+``POST /flush_cache`` and ``PUT`` / ``DELETE /hicache/storage-backend``.
+
+The keys are checked by :class:`~hicache.server.access.AccessGuard` from its table
+(:data:`~hicache.server.access.ROUTE_ACCESS`), before a route runs or its body is read:
+nothing about a body is told to a stranger. The admin routes need ``--admin-api-key``
+and are refused when none is configured; ``/metrics`` is open unless
+``--metrics-require-api-key``.
 """
 
 from __future__ import annotations
@@ -46,13 +51,13 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        await asyncio.to_thread(state.metrics.refresh)
+        """The engine's last published stats (never a call on the engine thread) and the
+        server's request metrics; ``hicache_stats_age_seconds`` says how old the former are."""
+        state.metrics.refresh()
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
-    async def flush_cache(http: Request) -> Response:
-        if (denied := state.authorized(http)) is not None:
-            return denied
+    async def flush_cache() -> Response:
         try:
             ok = await asyncio.to_thread(engine.flush_cache)
         except (RuntimeError, TimeoutError) as exc:  # not running, or stuck
@@ -65,8 +70,6 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.put("/hicache/storage-backend")
     async def attach_storage(http: Request) -> Response:
-        if (denied := state.admin(http)) is not None:
-            return denied  # the key first: nothing about the body is told to a stranger
         try:
             body = StorageBackendBody.model_validate_json(await http.body())
         except ValidationError as exc:
@@ -89,9 +92,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"status": "ok", "backend": body.backend})
 
     @app.delete("/hicache/storage-backend")
-    async def detach_storage(http: Request) -> Response:
-        if (denied := state.admin(http)) is not None:
-            return denied
+    async def detach_storage() -> Response:
         try:
             had = await asyncio.to_thread(engine.detach_storage)
         except RuntimeError as exc:

@@ -7,15 +7,16 @@
 - :mod:`~hicache.server.openai_routes`: ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/v1/models/{id}``;
 - :mod:`~hicache.server.native_routes`: SGLang's ``/generate``;
-- :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus),
-  ``POST /flush_cache`` and the admin ``/hicache/storage-backend``.
+- :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus), and the
+  admin ``POST /flush_cache`` and ``/hicache/storage-backend``.
 
-Errors: every status (400, 401, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's error
-object; a 400 names the field in ``param``. A request the engine's bounded waiting queue
-cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is unhealthy). A parameter the server cannot honour is
-refused, never ignored. With ``api_key`` set, the inference endpoints need
-``Authorization: Bearer <api_key>``; the admin endpoints need the separate admin key,
-checked before the body is read. Bodies beyond ``max_request_bytes`` get a 413. Prompts
+Errors: every status (400, 401, 403, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's
+error object; a 400 names the field in ``param``. A request the engine's bounded waiting
+queue cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is unhealthy). A
+parameter the server cannot honour is refused, never ignored. Keys: every route's is
+declared in :data:`~hicache.server.access.ROUTE_ACCESS` and checked by its guard before the
+body is read (listed in ``docs/security.md``). Bodies beyond ``max_request_bytes`` get a
+413. Prompts
 are tokenized off the event loop. A client that goes away (streaming or not) aborts its
 engine requests at once, which frees everything they held.
 """
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hicache.engine.admission import AdmissionRefused
 from hicache.engine.engine import Engine
+from hicache.server.access import AccessGuard
 from hicache.server.admin_routes import add_admin_routes
 from hicache.server.http_base import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -49,13 +51,16 @@ def create_app(
     admin_api_key: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics_require_api_key: bool = False,
 ) -> FastAPI:
     """The app serving ``engine``. The engine must be started (and is not closed here).
 
-    ``api_key``: when set, the inference endpoints (``/v1/*``, ``/generate``,
-    ``/flush_cache``) need ``Authorization: Bearer <api_key>``. Admin endpoints (L3
-    attach/detach) need ``Authorization: Bearer <admin_api_key>``; without a configured
-    admin key they are refused. ``max_request_bytes``: larger bodies get a 413.
+    ``api_key``: when set, the inference endpoints (``/v1/*``, ``/generate``) and the
+    documentation (``/docs``, ``/redoc``, ``/openapi.json``) need ``Authorization: Bearer
+    <api_key>``. Admin endpoints (``/flush_cache``, L3 attach/detach) need
+    ``Authorization: Bearer <admin_api_key>``; without a configured admin key they are
+    refused (403). ``metrics_require_api_key``: ``/metrics`` needs ``api_key`` too (it is
+    open by default). ``max_request_bytes``: larger bodies get a 413.
     """
     app = FastAPI(title="hicache", version="0.1.0")
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
@@ -63,6 +68,8 @@ def create_app(
         engine, model_name or engine.model.name, api_key=api_key, admin_api_key=admin_api_key
     )
     app.state.hicache = state
+    # added last, so it runs first: the key before the body limit reads any body
+    app.add_middleware(AccessGuard, state=state, metrics_require_api_key=metrics_require_api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -156,9 +156,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on the inference endpoints (/v1/*, /generate)",
+        help="require 'Authorization: Bearer KEY' on the inference endpoints (/v1/*,"
+        " /generate) and the docs (/docs, /redoc, /openapi.json)",
     )
-    s.add_argument("--admin-api-key", default=None, help="guards the admin endpoints")
+    s.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="required by the routes that change or discard cached state (/flush_cache,"
+        " /hicache/storage-backend); without it they are refused",
+    )
+    s.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="put /metrics behind --api-key (open by default, as in SGLang and vLLM)",
+    )
     s.add_argument(
         "--max-request-bytes",
         type=int,
@@ -259,6 +270,12 @@ def check_flags(a: argparse.Namespace) -> None:
     ):
         if value is not None and not math.isfinite(value):
             raise FlagError(flag, value, "must be a finite number")
+    if getattr(a, "metrics_require_api_key", False) and not getattr(a, "api_key", None):
+        raise FlagError(
+            "--metrics-require-api-key",
+            True,
+            "it puts /metrics behind --api-key, so it needs --api-key",
+        )
     if a.hicache_storage_backend_extra_config and not a.hicache_storage_backend:
         raise FlagError(
             "--hicache-storage-backend-extra-config",

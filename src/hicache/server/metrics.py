@@ -1,9 +1,14 @@
-"""Prometheus metrics of a serving engine: cache occupancy and traffic per tier, requests
-running and queued, TTFT and its queue time, aborted requests.
+"""Prometheus metrics of a serving engine: cache occupancy and traffic per tier, the pools
+of each extra component (sliding-window K/V, state snapshots), L3 waits (stalls, timeouts,
+latency per operation), requests running and queued, TTFT and its queue time, aborted
+requests.
 
-Cache and scheduler figures are read on the engine thread (:meth:`EngineMetrics.refresh`)
-and exported by a collector at scrape time; request latencies and aborts are observed by
-the server. Names follow SGLang's where SGLang has one (``sglang:num_running_reqs`` ->
+Cache and scheduler figures are the engine's last published
+:class:`~hicache.engine.engine.EngineStats` (:attr:`Engine.published_stats`, read on the
+engine thread, the cache's owner, at most every ``Engine.stats_interval_s``): a scrape
+never calls into the engine thread and never waits on it;
+``hicache_stats_age_seconds`` says how old the figures are (it grows while the loop is
+stuck). Request latencies and aborts are observed by the server. Names follow SGLang's where SGLang has one (``sglang:num_running_reqs`` ->
 ``hicache_num_running_reqs``), with the ``hicache_`` prefix.
 
 Every :class:`~hicache.metrics.CacheCounters` field ``x_total`` is exported as the counter
@@ -16,14 +21,22 @@ not count twice).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from hicache.engine.engine import Engine, EngineStats
 from hicache.engine.request import FinishReason, RequestOutput
+from hicache.metrics import ComponentUsage
+from hicache.storage.stats import OPS, StorageStats
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +73,14 @@ class _CacheCollector(Collector):
         self.snapshot: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
-        if self.snapshot is not None:
-            yield from cache_families(self.snapshot)
+        snap = self.snapshot
+        if snap is not None:
+            yield GaugeMetricFamily(
+                "hicache_stats_age_seconds",
+                "Seconds since the engine thread read the cache figures exported here",
+                max(0.0, time.monotonic() - snap.at),
+            )
+            yield from cache_families(snap)
 
 
 def cache_families(snap: EngineStats) -> Iterator[Metric]:
@@ -78,6 +97,17 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         "hicache_num_admitted_reqs",
         "Requests the cache has admitted (holding pages)",
         snap.admitted,
+    )
+    yield GaugeMetricFamily(
+        "hicache_num_queued_seqs",
+        "Sequences counted against --max-queued-requests (reserved or waiting, never yet"
+        " admitted)",
+        snap.queued,
+    )
+    yield CounterMetricFamily(
+        "hicache_refused_requests",
+        "HTTP requests refused by the bounded waiting queue (429, or 503 when unhealthy)",
+        snap.refused,
     )
     holders = GaugeMetricFamily(
         "hicache_device_tokens",
@@ -112,6 +142,7 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         yield CounterMetricFamily(
             counter_metric_name(key), _COUNTER_HELP.get(key, f"Cache counter {key}"), value
         )
+    yield from component_families(s.components)
     st = s.storage
     if st is not None:
         yield CounterMetricFamily(
@@ -127,6 +158,93 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
             misses.add_metric([reason], n)
         yield misses
         yield CounterMetricFamily("hicache_l3_errors", "L3 backend errors", st.errors)
+        yield from l3_wait_families(st)
+
+
+def l3_wait_families(st: StorageStats) -> Iterator[Metric]:
+    """What callers waited on L3, per backend and operation (``exists``, ``get``,
+    ``set``): stalls (batch calls of at least the stall threshold), timeouts (batch
+    calls a deadline ended) and the latency histogram."""
+    labels = ["backend", "op"]
+    stalls = CounterMetricFamily(
+        "hicache_l3_stalls",
+        "L3 batch operations that took at least the stall threshold (stall_s)",
+        labels=labels,
+    )
+    timeouts = CounterMetricFamily(
+        "hicache_l3_timeouts",
+        "L3 batch operations that overran their deadline (or were refused: server stuck)",
+        labels=labels,
+    )
+    latency = HistogramMetricFamily(
+        "hicache_l3_op_seconds", "Latency of L3 batch operations", labels=labels
+    )
+    for op in OPS:
+        key = [st.backend, op]
+        stalls.add_metric(key, st.stalls[op])
+        timeouts.add_metric(key, st.op_timeouts[op])
+        h = st.latency[op]
+        latency.add_metric(key, h.cumulative(), sum_value=h.sum_s)
+    yield stalls
+    yield timeouts
+    yield latency
+    threshold = GaugeMetricFamily(
+        "hicache_l3_stall_threshold_seconds",
+        "An L3 batch operation at least this long counts as a stall",
+        labels=["backend"],
+    )
+    threshold.add_metric([st.backend], st.stall_s)
+    yield threshold
+
+
+def component_families(usages: tuple[ComponentUsage, ...]) -> Iterator[Metric]:
+    """The pools of each extra component (``swa``: sliding-window K/V pages; ``mamba``:
+    state-snapshot slots), per tier (``device`` = L1, ``host`` = L2), with the same
+    figures as the full KV pool's: used, free and total, and the used ones by holder
+    (``requests``: admitted requests, L1 only; ``cache``: the tree; ``inflight``: copies
+    and L3 operations in flight, 0 when idle). ``free`` plus every holder equals the
+    total.
+    The full KV pool (``full``) is exported by the ``hicache_device_*`` / ``host_*``
+    gauges (in tokens), not again here."""
+    units = GaugeMetricFamily(
+        "hicache_component_units",
+        "Component pool units (pages or slots) by tier and holder: requests, cache, inflight, free",
+        labels=["component", "tier", "holder"],
+    )
+    used = GaugeMetricFamily(
+        "hicache_component_used_units",
+        "Component pool units in use",
+        labels=["component", "tier"],
+    )
+    total = GaugeMetricFamily(
+        "hicache_component_total_units",
+        "Component pool capacity (pages or slots)",
+        labels=["component", "tier"],
+    )
+    unit_bytes = GaugeMetricFamily(
+        "hicache_component_unit_bytes",
+        "Bytes of one unit (page or slot) of a component pool, per tier",
+        labels=["component"],
+    )
+    extra = [u for u in usages if u.name != "full"]
+    for u in extra:
+        tiers = [("device", u.device_used, u.device_total, u.device_requests, u.device_cached)]
+        if u.host_total:
+            tiers.append(("host", u.host_used, u.host_total, 0, u.host_cached))
+        for tier, n_used, n_total, requests, cached in tiers:
+            if tier == "device":  # requests hold no L2 ids
+                units.add_metric([u.name, tier, "requests"], requests)
+            units.add_metric([u.name, tier, "cache"], cached)
+            units.add_metric([u.name, tier, "inflight"], max(0, n_used - requests - cached))
+            units.add_metric([u.name, tier, "free"], n_total - n_used)
+            used.add_metric([u.name, tier], n_used)
+            total.add_metric([u.name, tier], n_total)
+        unit_bytes.add_metric([u.name], u.unit_bytes)
+    if extra:
+        yield units
+        yield used
+        yield total
+        yield unit_bytes
 
 
 class EngineMetrics:
@@ -173,17 +291,15 @@ class EngineMetrics:
             registry=self.registry,
         )
 
-    def refresh(self, timeout_s: float = 30.0) -> None:
-        """Read the cache's stats on the engine thread (blocking; call off the event loop).
-
-        When the engine does not answer within ``timeout_s`` seconds (or is not running),
-        the last stats read stay exported and ``hicache_engine_healthy`` says so.
-        """
+    def refresh(self) -> None:
+        """Take the engine's health and its last published stats (cheap, lock-free, never
+        waits on the engine thread: callable on the event loop). While the loop is stuck
+        or has ended, the last stats published stay exported, ``hicache_stats_age_seconds``
+        grows and ``hicache_engine_healthy`` says so."""
         self.healthy.set(1 if self.engine.health().healthy else 0)
-        try:
-            self._cache.snapshot = self.engine.stats(timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
-            log.warning("cache stats not refreshed: %s", exc or type(exc).__name__)
+        published = self.engine.published_stats
+        if published is not None:
+            self._cache.snapshot = published
 
     def observe(self, out: RequestOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason else "unknown"

@@ -45,7 +45,8 @@ class ServerState:
 
     ``api_key``: when set, the inference endpoints need ``Authorization: Bearer
     <api_key>`` (:meth:`authorized`); ``admin_api_key``: the admin endpoints' key
-    (:meth:`admin`), without which they are refused.
+    (:meth:`admin`), without which they are refused. Which route needs which key is
+    :data:`hicache.server.access.ROUTE_ACCESS`, enforced by its guard.
     """
 
     def __init__(
@@ -78,12 +79,19 @@ class ServerState:
         return error_response(401, "API key missing or wrong (Authorization: Bearer <key>)")
 
     def admin(self, http: Request) -> JSONResponse | None:
-        """None when ``http`` carries the admin key, else the 401 (always without one)."""
+        """None when ``http`` carries the admin key; else a 401 (key missing or wrong), or
+        a 403 when the server has no admin key (admin routes are then always refused)."""
+        if self.admin_api_key is None:
+            return error_response(
+                403,
+                "this route needs the admin key and none is configured"
+                " (start the server with --admin-api-key)",
+            )
         given = http.headers.get("authorization", "")
-        if self.admin_api_key is None or not secrets.compare_digest(
-            given.encode(), f"Bearer {self.admin_api_key}".encode()
-        ):
-            return error_response(401, "admin API key missing or wrong")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.admin_api_key}".encode()):
+            return error_response(
+                401, "admin API key missing or wrong (Authorization: Bearer <admin key>)"
+            )
         return None
 
     # ------------------------------------------------------------------ prompts

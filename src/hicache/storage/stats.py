@@ -5,19 +5,58 @@ Every page an L3 read does not deliver is a *miss* with one :class:`MissReason`.
 and logs at WARNING: records that fail checks once per batch (a count per reason and the
 first affected key, so a flood of bad records does not flood the log), and each backend
 error or timeout with its cause.
+
+Waits are counted per operation (:data:`OPS`: ``exists``, ``get``, ``set``): each public
+batch call is timed (:meth:`StatsRecorder.timed`) into a latency histogram
+(:class:`OpLatency`); a call that took at least the stall threshold is a *stall*, one
+during which the backend reported a deadline overrun (or refused to call a stuck server)
+a *timeout*. A frozen server shows as both: timeouts where the deadline ended the wait,
+stalls wherever a caller waited long.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import threading
+import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["MissReason", "SetOutcome", "SetResult", "StatsRecorder", "StorageStats"]
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "OPS",
+    "MissReason",
+    "OpLatency",
+    "SetOutcome",
+    "SetResult",
+    "StatsRecorder",
+    "StorageStats",
+]
+
+OPS: tuple[str, ...] = ("exists", "get", "set")
+"""The operations whose waits are counted: ``exists`` (``batch_exists``,
+``batch_contains``), ``get`` (``batch_get``, ``batch_get_state``), ``set``
+(``batch_set``, ``batch_set_state``)."""
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+"""Upper bounds (seconds) of the latency histogram buckets; a last one is unbounded."""
 
 log = logging.getLogger("hicache.storage")
 
@@ -99,6 +138,40 @@ def _empty_misses() -> Mapping[str, int]:
     return MappingProxyType({r.value: 0 for r in MissReason})
 
 
+def _per_op() -> Mapping[str, int]:
+    return MappingProxyType(dict.fromkeys(OPS, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class OpLatency:
+    """The latency histogram of one operation's batch calls.
+
+    ``counts[i]``: calls that took at most ``LATENCY_BUCKETS_S[i]`` seconds and more than
+    the bound before (not cumulative); ``counts[-1]``: those beyond the last bound, so
+    ``len(counts) == len(LATENCY_BUCKETS_S) + 1`` and ``sum(counts) == calls``.
+    ``sum_s``: their total seconds.
+    """
+
+    counts: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS_S) + 1)
+    sum_s: float = 0.0
+
+    @property
+    def calls(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus buckets: ``(le, calls at most le)``, ending with ``("+Inf", calls)``."""
+        out, run = [], 0
+        for bound, n in zip((*map(str, LATENCY_BUCKETS_S), "+Inf"), self.counts, strict=True):
+            run += n
+            out.append((bound, run))
+        return out
+
+
+def _empty_latency() -> Mapping[str, OpLatency]:
+    return MappingProxyType({op: OpLatency() for op in OPS})
+
+
 @dataclass(frozen=True, kw_only=True)
 class StorageStats:
     """A snapshot of one backend instance's counters since it was created.
@@ -109,6 +182,12 @@ class StorageStats:
     ``set_pages == set_written + set_skipped + set_failed``. ``errors`` counts backend
     failures (exceptions, error codes, failed writes) and ``timeouts`` deadline overruns,
     both per operation batch, not per page.
+
+    Per operation (every key of :data:`OPS`): ``stalls[op]``: batch calls that took at
+    least ``stall_s`` seconds (the backend's stall threshold); ``op_timeouts[op]``: batch
+    calls during which a deadline was overrun (or a call refused while an earlier one
+    was stuck), each counted once however many backend calls it made; ``latency[op]``:
+    their latency histogram.
     """
 
     exists_calls: int = 0
@@ -127,20 +206,78 @@ class StorageStats:
     errors: int = 0
     timeouts: int = 0
     misses: Mapping[str, int] = field(default_factory=_empty_misses)
+    backend: str = ""
+    """The backend's registry name (``file``, ``redis``, ...)."""
+    stall_s: float = 0.5
+    stalls: Mapping[str, int] = field(default_factory=_per_op)
+    op_timeouts: Mapping[str, int] = field(default_factory=_per_op)
+    latency: Mapping[str, OpLatency] = field(default_factory=_empty_latency)
 
     def miss(self, reason: MissReason | str) -> int:
         """Pages missed for ``reason``."""
         return self.misses[MissReason(reason).value]
 
 
-class StatsRecorder:
-    """Thread-safe mutable counters behind :class:`StorageStats`."""
+class _OpTimer:
+    """One batch call being timed (:meth:`StatsRecorder.timed`); ``timed_out`` is set when
+    a deadline was overrun during it."""
 
-    def __init__(self, backend: str) -> None:
+    __slots__ = ("op", "timed_out")
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.timed_out = False
+
+
+class StatsRecorder:
+    """Thread-safe mutable counters behind :class:`StorageStats`.
+
+    ``stall_s``: a batch call that takes at least this many seconds is a stall."""
+
+    def __init__(self, backend: str, stall_s: float = 0.5) -> None:
         self._backend = backend
+        self._stall_s = stall_s
         self._lock = threading.Lock()
         self._c: Counter[str] = Counter()
         self._misses: Counter[str] = Counter()
+        self._stalls: Counter[str] = Counter()
+        self._op_timeouts: Counter[str] = Counter()
+        self._latency = {op: [0] * (len(LATENCY_BUCKETS_S) + 1) for op in OPS}
+        self._latency_sum = dict.fromkeys(OPS, 0.0)
+        self._current = threading.local()  # this thread's _OpTimer, while one runs
+
+    @contextmanager
+    def timed(self, op: str) -> Iterator[_OpTimer]:
+        """Time one batch call of ``op`` (one of :data:`OPS`) on this thread: its latency,
+        a stall when it took ``stall_s`` or more, a timeout when :meth:`timeout` was
+        called meanwhile on this thread (or the caller set ``timed_out``)."""
+        if op not in OPS:
+            raise ValueError(f"op={op!r} is invalid; one of {OPS}")
+        timer = _OpTimer(op)
+        outer = getattr(self._current, "timer", None)
+        self._current.timer = timer
+        start = time.monotonic()
+        try:
+            yield timer
+        finally:
+            took = time.monotonic() - start
+            self._current.timer = outer
+            slot = bisect.bisect_left(LATENCY_BUCKETS_S, took)
+            with self._lock:
+                self._latency[op][slot] += 1
+                self._latency_sum[op] += took
+                if took >= self._stall_s:
+                    self._stalls[op] += 1
+                if timer.timed_out:
+                    self._op_timeouts[op] += 1
+            if took >= self._stall_s and not timer.timed_out:  # a timeout is logged already
+                log.warning(
+                    "L3 %s: %s stalled: %.3f s (stall threshold %.3f s)",
+                    self._backend,
+                    op,
+                    took,
+                    self._stall_s,
+                )
 
     def exists(self, keys: int, hits: int) -> None:
         """One batch_exists over ``keys`` keys that found ``hits`` consecutive hits."""
@@ -181,6 +318,9 @@ class StatsRecorder:
         """``op`` overran its deadline of ``timeout_s`` seconds; logged at WARNING."""
         with self._lock:
             self._c["timeouts"] += 1
+        timer = getattr(self._current, "timer", None)
+        if timer is not None:
+            timer.timed_out = True
         log.warning("L3 %s: %s timed out after %.3f s", self._backend, op, timeout_s)
 
     def log_misses(
@@ -212,4 +352,15 @@ class StatsRecorder:
         with self._lock:
             c = dict(self._c)
             misses = {r.value: self._misses.get(r.value, 0) for r in MissReason}
-        return StorageStats(misses=MappingProxyType(misses), **c)
+            stalls = {op: self._stalls.get(op, 0) for op in OPS}
+            op_timeouts = {op: self._op_timeouts.get(op, 0) for op in OPS}
+            latency = {op: OpLatency(tuple(self._latency[op]), self._latency_sum[op]) for op in OPS}
+        return StorageStats(
+            misses=MappingProxyType(misses),
+            backend=self._backend,
+            stall_s=self._stall_s,
+            stalls=MappingProxyType(stalls),
+            op_timeouts=MappingProxyType(op_timeouts),
+            latency=MappingProxyType(latency),
+            **c,
+        )

@@ -33,6 +33,7 @@ and picks one per spec by :attr:`ComponentStore.spec_type`.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -276,6 +277,19 @@ class ComponentStore(ABC):
     @abstractmethod
     def usage(self, cached_tokens: int) -> ComponentUsage:
         """Pool use of this store; ``cached_tokens``: tokens whose full KV is in L1."""
+
+    def usage_with_holders(
+        self, cached_tokens: int, requests: Sequence[CacheRequest]
+    ) -> ComponentUsage:
+        """:meth:`usage` with who holds the ids (the :class:`ComponentUsage` holder
+        fields): L1 ids the admitted ``requests`` own, L1 and L2 ids the tree owns."""
+        host = len(self.owned(Tier.HOST)) if self.host_pool is not None else 0
+        return dataclasses.replace(
+            self.usage(cached_tokens),
+            device_requests=len(self.request_ids(requests)),
+            device_cached=len(self.owned(Tier.DEVICE)),
+            host_cached=host,
+        )
 
     def _usage(self, unit_bytes: int, cached_tokens: int) -> ComponentUsage:
         host = self.allocator(Tier.HOST) if self.host_pool is not None else None

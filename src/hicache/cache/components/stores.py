@@ -178,5 +178,9 @@ class ComponentStores:
         for s in self._stores:
             s.check(requests, held)
 
-    def usages(self, cached_tokens: int) -> list[ComponentUsage]:
-        return [s.usage(cached_tokens) for s in self._stores]
+    def usages(
+        self, cached_tokens: int, requests: Sequence[CacheRequest] = ()
+    ) -> list[ComponentUsage]:
+        """Each store's pool use, with who holds its ids (``requests``: the admitted
+        ones)."""
+        return [s.usage_with_holders(cached_tokens, requests) for s in self._stores]

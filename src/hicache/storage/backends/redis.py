@@ -97,6 +97,7 @@ class RedisStorage(ConfiguredStorage):
         self.config: RedisConfig = config
         self._client: Any = None
         self._runner = DeadlineRunner("redis")
+        self._timeout_errors: tuple[type[BaseException], ...] = (TimeoutError,)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -107,6 +108,7 @@ class RedisStorage(ConfiguredStorage):
         except ImportError as e:
             raise StorageError("redis backend needs the 'redis' package (pip install redis)") from e
         opts = self.options
+        self._timeout_errors = (TimeoutError, redis.exceptions.TimeoutError)
         self._client = redis.Redis.from_url(
             self.config.url,
             socket_timeout=opts.timeout_s,
@@ -145,7 +147,8 @@ class RedisStorage(ConfiguredStorage):
         res = self._runner.call(fn, deadline.remaining)
         if res.ok:
             return res.value  # type: ignore[return-value]
-        if res.timed_out or res.refused:
+        if res.timed_out or res.refused or isinstance(res.error, self._timeout_errors):
+            # the client's socket timeout (the same as the deadline) is a timeout too
             self._stats.timeout(op, deadline.timeout_s)
             return MissReason.TIMEOUT
         self._stats.error(op, repr(res.error))
