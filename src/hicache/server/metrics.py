@@ -100,8 +100,7 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "hicache_num_queued_seqs",
-        "Sequences counted against --max-queued-requests (reserved or waiting, never yet"
-        " admitted)",
+        "Sequences queued against --max-queued-requests (never yet admitted)",
         snap.queued,
     )
     yield CounterMetricFamily(
