@@ -143,7 +143,12 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         components=components,
     )
     snapshot = EngineStats(
-        cache=stats, running=next(powers), waiting=next(powers), admitted=next(powers)
+        cache=stats,
+        running=next(powers),
+        waiting=next(powers),
+        admitted=next(powers),
+        queued=next(powers),
+        refused=next(powers),
     )
     seen: dict[float, list[str]] = {}
     for f in cache_families(snapshot):
@@ -156,6 +161,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
     for name, value in counters.items():
         assert value in seen, f"{name} is not exported"
     assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen
+    assert snapshot.queued in seen and snapshot.refused in seen
     for op in OPS:
         assert storage.stalls[op] in seen and storage.op_timeouts[op] in seen
         assert storage.latency[op].sum_s in seen
