@@ -108,7 +108,9 @@ class StorageStats:
     to the pages missed for it; ``get_pages == get_hits + sum(misses.values())``.
     ``set_pages == set_written + set_skipped + set_failed``. ``errors`` counts backend
     failures (exceptions, error codes, failed writes) and ``timeouts`` deadline overruns,
-    both per operation batch, not per page.
+    both per operation batch, not per page. ``repaired``: pages whose record a read
+    found ``corrupt`` or ``stale`` and a later write overwrote (:mod:`hicache.storage.heal`;
+    also counted in ``set_written``).
     """
 
     exists_calls: int = 0
@@ -126,6 +128,7 @@ class StorageStats:
     bytes_written: int = 0
     errors: int = 0
     timeouts: int = 0
+    repaired: int = 0
     misses: Mapping[str, int] = field(default_factory=_empty_misses)
 
     def miss(self, reason: MissReason | str) -> int:
@@ -170,6 +173,12 @@ class StatsRecorder:
             self._c["set_skipped"] += skipped
             self._c["set_failed"] += failed
             self._c["bytes_written"] += bytes_written
+
+    def repaired(self, pages: int) -> None:
+        """A write overwrote ``pages`` records its reads had found bad; logged at INFO."""
+        with self._lock:
+            self._c["repaired"] += pages
+        log.info("L3 %s: replaced %d bad record(s)", self._backend, pages)
 
     def error(self, op: str, detail: str) -> None:
         """A backend failure during ``op``; logged at WARNING."""
