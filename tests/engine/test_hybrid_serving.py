@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -567,4 +568,52 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
         after = engine.cache.stats().storage
         assert after.miss("corrupt") == mid.miss("corrupt")
         assert after.repaired == before.repaired + 1
+        assert_idle(engine)
+
+
+class FailingLoadCopies:
+    """Wraps the transfer engine's copier: every L2 -> L1 load raises before its first
+    layer is copied while ``on`` (a hybrid's full-KV pool may have a single layer, after
+    which a failure would change nothing); backups pass through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.on = False
+        self.fired = threading.Event()
+
+    def load_layers(self, *args: Any) -> None:
+        if self.on:
+            self.fired.set()
+            raise RuntimeError("injected copy failure before layer 0")
+        self.inner.load_layers(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_a_failed_load_back_recomputes_with_transformers_tokens(name: str) -> None:
+    """Every L2 -> L1 load of the full KV fails (the injected copy failure): a request
+    whose prefix is in L2 only recomputes it instead of failing, and gives transformers'
+    tokens; every pool is idle afterwards."""
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name) as engine:
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+
+        def demote_all() -> int:
+            engine.cache.flush()
+            return engine.cache.evict_device(10**6)
+
+        assert engine.call(demote_all).result(timeout=30) > 0
+        assert engine.cache.host is not None
+        transfer = engine.cache.host.controller._engine
+        copies = FailingLoadCopies(transfer.copier)
+        transfer.copier = copies  # type: ignore[assignment]
+        copies.on = True
+        out = engine.generate(ids, GREEDY, timeout=60)
+        assert copies.fired.is_set()
+        assert out.error is None and out.output_ids == want and out.cached.host == 0
+        assert engine.cache.stats().counters["load_fallbacks_total"] == 1
+        copies.on = False
         assert_idle(engine)
