@@ -28,6 +28,9 @@ class CacheCounters:
     load_bytes_total: int = 0
     load_failures_total: int = 0
     load_skipped_tokens_total: int = 0
+    load_fallbacks_total: int = 0
+    """Requests requeued after a load their prefix depended on failed: re-admitted with
+    no load from L2, they recompute what it could not bring (the request does not fail)."""
     device_evicted_tokens_total: int = 0
     device_demoted_tokens_total: int = 0
     host_evicted_tokens_total: int = 0

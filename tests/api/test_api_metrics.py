@@ -98,6 +98,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         bytes_read=next(powers),
         bytes_written=next(powers),
         errors=next(powers),
+        repaired=next(powers),
         misses={"absent": next(powers), "corrupt": next(powers)},
         backend="redis",
         stall_s=float(next(powers)),
@@ -162,6 +163,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         assert value in seen, f"{name} is not exported"
     assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen
     assert snapshot.queued in seen and snapshot.refused in seen
+    assert storage.repaired in seen
     for op in OPS:
         assert storage.stalls[op] in seen and storage.op_timeouts[op] in seen
         assert storage.latency[op].sum_s in seen

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hicache.cache import CacheRequest, HiCache, RequestState
+from hicache.cache.request import CachedTokens
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
@@ -79,6 +80,42 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
     assert cache.device_pool.allocator.used_pages == 0
     cache.reset()  # nothing is left pinned
     assert serve(cache, TOKENS) is not None  # works again, recomputed
+
+
+def test_a_failed_request_requeued_recomputes_what_its_load_could_not_bring(
+    failing: tuple[HiCache, FailingLoads],
+) -> None:
+    """The fallback: requeue of a failed handle keeps nothing, and its next admission loads
+    nothing from L2 (the load would fail again: every load does here), so its prefix is
+    the part L1 still holds and the rest is computed; once committed, the next request
+    hits all of it in L1."""
+    cache, hook = failing
+    serve(cache, TOKENS[:PAGE])  # page 0 is a node of its own
+    assert serve(cache, TOKENS) is not None
+    cache.flush()
+    assert cache.evict_device(2) == 2  # pages 1-2 are in L2 only, page 0 stays in L1
+    hook.on = True
+    req = cache.open(TOKENS, compute_last=False)
+    assert cache.admit(req, TOKENS) and req.prefix_pages == 3 and req.loading
+    assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+    cache.requeue(req, TOKENS)
+    assert req.state is RequestState.WAITING and req.failed is not None
+    cache.poll()  # the failed load applied: its chain is out of L1
+    loads = cache.stats().counters["load_failures_total"]
+    assert cache.admit(req, TOKENS)
+    assert req.failed is None and req.prefix_pages == 1 and not req.loading
+    assert req.cached == CachedTokens(device=PAGE)
+    assert read_device(cache, req.pages[:1]).equal(page_kv(cache, TOKENS, 0, 1))
+    assert cache.stats().counters["load_fallbacks_total"] == 1
+    write_tokens(cache, TOKENS, req.pages[1:3], 1)  # the recompute
+    cache.release(req, TOKENS)
+    cache.poll()
+    assert cache.stats().counters["load_failures_total"] == loads  # nothing loaded
+    hook.on = False
+    again = serve(cache, TOKENS, hold=True)  # serve() checks the cached bytes
+    assert again is not None and again.cached.device == len(TOKENS)
+    cache.release(again)
+    cache.check_integrity()
 
 
 def test_after_a_failed_load_the_next_request_loads_the_right_bytes(

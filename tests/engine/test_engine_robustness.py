@@ -27,6 +27,7 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
+from tests.helpers.kvdata import FailingLoads
 
 MODEL = "tiny-random-llama"
 PROMPT = list(range(300, 345))
@@ -273,3 +274,40 @@ def test_close_does_not_close_the_cache_under_a_stuck_thread() -> None:
     assert not engine.alive
     engine.close(timeout=5)
     assert len(calls) == 1
+
+
+def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
+    """Every L2 -> L1 load fails after its layer 0 (the injected copy failure). A request
+    whose prefix is in L2 only recomputes it: the same greedy tokens as a cold run, no
+    error to the client, one load fallback counted (it used to end with finish_reason
+    abort, "loading the cached prefix failed")."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with make_engine() as engine:
+        cold = engine.generate(PROMPT, params, timeout=60)
+        assert cold.cached.total == 0
+
+        def demote() -> None:
+            engine.cache.flush()
+            engine.cache.evict_device(10**6)  # the prompt's KV is in L2 only now
+
+        engine.call(demote).result(timeout=30)
+        hook = FailingLoads()
+        hook.on = True
+        assert engine.cache.host is not None
+        engine.cache.host.controller._engine._hook = hook  # the transfer worker's hook
+        out = engine.generate(PROMPT, params, timeout=60)
+        assert hook.fired.is_set()
+        assert out.error is None and out.finish_reason is FinishReason.LENGTH
+        assert out.output_ids == cold.output_ids and out.cached.host == 0
+        counters = engine.call(engine.cache.stats).result().counters
+        assert counters["load_fallbacks_total"] == 1 and counters["load_failures_total"] == 1
+        hook.on = False
+        again = engine.generate(PROMPT, params, timeout=60)  # the recompute was cached
+        assert again.output_ids == cold.output_ids and again.cached.device == 44
+
+        def check() -> None:
+            engine.cache.flush()
+            engine.cache.check_integrity()
+            assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+
+        engine.call(check).result(timeout=30)

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -529,4 +530,90 @@ def test_a_prompt_is_one_forward_with_its_snapshot_taken_inside(name: str) -> No
         assert prefills == [[PROMPT_LEN]] and first.output_ids == hf_greedy(name, ids)
         again = engine.generate(ids, GREEDY, timeout=60)
         assert again.cached.device == MATCHED and again.output_ids == first.output_ids
+        assert_idle(engine)
+
+
+def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) -> None:
+    """Qwen3-Next: the L3 state snapshot at the prompt's last page boundary (a ``mamba``
+    component record) has a flipped byte. The next request misses it (no usable L3 hit:
+    the boundary needs it) and recomputes; the backup of the recomputed snapshot replaces
+    the bad record (it used to be skipped as present), so the request after hits L3 for
+    the whole prefix and reads no bad record."""
+    name = "tiny-random-qwen3-next"
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name, storage=tmp_path) as engine:
+
+        def settle() -> None:
+            engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
+            assert engine.flush_cache()  # L1 and L2 emptied
+
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+        settle()
+        l3 = engine.cache.storage
+        assert l3 is not None
+        key = l3.keys(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
+        path = l3.controller.storage.path_of(key.key)  # type: ignore[attr-defined]
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+        before = engine.cache.stats().storage
+        missed = engine.generate(ids, GREEDY, timeout=60)
+        assert missed.cached.storage < MATCHED and missed.output_ids == want
+        settle()
+        mid = engine.cache.stats().storage
+        assert mid.miss("corrupt") == before.miss("corrupt") + 1
+        healed = engine.generate(ids, GREEDY, timeout=60)
+        assert healed.cached.storage == MATCHED and healed.output_ids == want
+        after = engine.cache.stats().storage
+        assert after.miss("corrupt") == mid.miss("corrupt")
+        assert after.repaired == before.repaired + 1
+        assert_idle(engine)
+
+
+class FailingLoadCopies:
+    """Wraps the transfer engine's copier: every L2 -> L1 load raises before its first
+    layer is copied while ``on`` (a hybrid's full-KV pool may have a single layer, after
+    which a failure would change nothing); backups pass through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.on = False
+        self.fired = threading.Event()
+
+    def load_layers(self, *args: Any) -> None:
+        if self.on:
+            self.fired.set()
+            raise RuntimeError("injected copy failure before layer 0")
+        self.inner.load_layers(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_a_failed_load_back_recomputes_with_transformers_tokens(name: str) -> None:
+    """Every L2 -> L1 load of the full KV fails (the injected copy failure): a request
+    whose prefix is in L2 only recomputes it instead of failing, and gives transformers'
+    tokens; every pool is idle afterwards."""
+    ids = prompt(name, PROMPT_LEN).tolist()
+    want = hf_greedy(name, ids)
+    with make_engine(name) as engine:
+        assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
+
+        def demote_all() -> int:
+            engine.cache.flush()
+            return engine.cache.evict_device(10**6)
+
+        assert engine.call(demote_all).result(timeout=30) > 0
+        assert engine.cache.host is not None
+        transfer = engine.cache.host.controller._engine
+        copies = FailingLoadCopies(transfer.copier)
+        transfer.copier = copies  # type: ignore[assignment]
+        copies.on = True
+        out = engine.generate(ids, GREEDY, timeout=60)
+        assert copies.fired.is_set()
+        assert out.error is None and out.output_ids == want and out.cached.host == 0
+        assert engine.cache.stats().counters["load_fallbacks_total"] == 1
+        copies.on = False
         assert_idle(engine)

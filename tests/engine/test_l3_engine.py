@@ -23,9 +23,15 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.keys import PageKey
+from hicache.storage.backends.file import FileStorage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
+from hicache.storage.backends.mooncake import MooncakeStorage
+from hicache.storage.backends.redis import RedisStorage
+from hicache.storage.record import record_size
 from hicache.storage.registry import create_storage
 from tests.helpers.engine_fixtures import engine_model
+from tests.helpers.storage_fixtures import backend_config
 
 MODEL = "tiny-random-llama"
 PAGE = 4
@@ -213,6 +219,68 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
         assert engine.call(engine.cache.stats).result().storage.miss("foreign") >= 1
+        clean(engine)
+
+
+def corrupt_record(engine: Engine, key: PageKey) -> None:
+    """Damage ``key``'s record in the engine's L3 store itself: flip a payload byte
+    (``file``, ``redis``), or plant zero bytes of the record's length (``mooncake``,
+    whose client cannot read a record back without a local buffer)."""
+    l3 = engine.cache.storage
+    assert l3 is not None
+    st = l3.controller.storage
+    if isinstance(st, FileStorage):
+        path = st.path_of(key.key)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif isinstance(st, RedisStorage):
+        client, rkey = st._client, st._rkey(key)
+        data = bytearray(client.get(rkey))
+        data[-3] ^= 0xFF
+        client.set(rkey, bytes(data))
+    else:
+        assert isinstance(st, MooncakeStorage)
+        store = st._store
+        assert store.remove(key.key, True) == 0
+        assert engine.cache.host_pool is not None
+        size = record_size(engine.cache.host_pool.page_bytes)
+        arena = st._arenas.take(size)
+        assert arena is not None
+        assert store.batch_put_from([key.key], [arena.addr], [size]) == [0]
+        arena.release()
+        arena.release()
+
+
+@pytest.mark.parametrize("backend", ["file", "redis", "mooncake"])
+def test_a_corrupt_record_is_healed_by_the_recompute(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path, reference: list[int]
+) -> None:
+    """The defect: after a corrupt read the recompute's backup found the key present and
+    skipped it, so the prefix stayed an L3 miss for good and every later request read the
+    bad record again (misses{corrupt} grew on each repeat). Now the backup replaces it:
+    the next request hits L3 for the whole prompt and reads no bad record."""
+    name, extra = backend_config(backend, request, tmp_path)
+    if name == "redis":
+        extra["key_prefix"] = f"heal{time.monotonic_ns()}:"
+    with make_engine(name, extra) as engine:
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        settle(engine)
+        l3 = engine.cache.storage
+        assert l3 is not None
+        keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        corrupt_record(engine, keys[5])
+        before = engine.call(engine.cache.stats).result().storage
+        out = engine.generate(PROMPT, GREEDY, timeout=60)  # pages 0-4 from L3, then compute
+        assert out.cached.storage == 5 * PAGE and out.output_ids == reference
+        settle(engine)  # the recompute's backup reaches L3
+        mid = engine.call(engine.cache.stats).result().storage
+        assert mid.miss("corrupt") == before.miss("corrupt") + 1
+        again = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert again.cached.storage == FULL and again.output_ids == reference
+        after = engine.call(engine.cache.stats).result().storage
+        assert after.miss("corrupt") == mid.miss("corrupt")  # the bad record is gone
+        assert after.repaired == before.repaired + 1
         clean(engine)
 
 

@@ -17,7 +17,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run
-from tests.helpers.kvdata import FailingLoads
+from tests.helpers.kvdata import FailingLoads, LoadGates
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -140,11 +140,15 @@ def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
     cache.check_integrity()
 
 
-def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
+def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -> None:
+    """Every L2 -> L1 load fails after its layer 0, while the forward waits for layer 1.
+    That forward's result for the request is discarded and the request is requeued; its
+    re-admission loads nothing and recomputes the prompt: same output as cold, no error
+    (it used to end with finish_reason abort, "loading the cached prefix failed")."""
     hook = FailingLoads()
     cfg = CacheConfig(page_size=PAGE, device_tokens=8 * PAGE, hicache_ratio=2.0)
     with HiCache(cfg, SPEC, layer_hook=hook) as cache:
-        sched, _ = make(cache, max_running_requests=4)
+        sched, runner = make(cache, max_running_requests=4)
         prompt = list(range(1, 14))
         first, _ = request(prompt)
         sched.add(first)
@@ -156,19 +160,60 @@ def test_a_failed_load_back_fails_only_its_request_and_pins_nothing() -> None:
         other, other_outs = request([50, 51, 52])
         sched.add(again)
         sched.add(other)
+        done = len(runner.batches)
         run(sched)
-        assert again_outs[-1].finish_reason is FinishReason.ABORT
-        assert "loading the cached prefix failed" in (again_outs[-1].error or "")
+        assert hook.fired.is_set()
+        assert again_outs[-1].finish_reason is FinishReason.LENGTH
+        assert again_outs[-1].error is None and again.output_ids == first.output_ids
         assert other_outs[-1].finished and other.output_ids == [53, 54, 55]
+        # the forward over the loaded prefix (12 tokens matched: 1 new), discarded; then
+        # the recompute of the whole prompt, with the other's decode
+        assert runner.batches[done][:2] == [1, 3] and runner.batches[done + 1][-1] == 13
+        assert again.cache is not None and again.cache.cached.host == 0
+        stats = cache.stats().counters
+        assert stats["load_fallbacks_total"] == 1 and stats["load_failures_total"] == 1
         cache.flush()
         cache.check_integrity()
         assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
-        cache.reset()  # /flush_cache works: nothing is left pinned
         hook.on = False
-        third, _ = request(prompt)
+        third, _ = request(prompt)  # the recomputed prefix is cached again: from L1
         sched.add(third)
         run(sched)
         assert third.output_ids == first.output_ids
+        assert third.cache is not None and third.cache.cached.device == 12
+
+
+def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() -> None:
+    """The load fails before the step's forward (its completion is applied by the step's
+    poll): the request is requeued and re-admitted in the same step with nothing loaded,
+    so no forward ever runs over the unloaded prefix."""
+    gates = LoadGates()
+    gates.park(0, fail=True)  # the first load: the request's own, below
+    cfg = CacheConfig(page_size=PAGE, device_tokens=8 * PAGE, hicache_ratio=2.0)
+    with HiCache(cfg, SPEC, layer_hook=gates) as cache:
+        sched, runner = make(cache)
+        prompt = list(range(1, 14))
+        first, _ = request(prompt)
+        sched.add(first)
+        run(sched)
+        cache.flush()
+        cache.evict_device(8)
+        again, outs = request(prompt)
+        sched.add(again)
+        sched._admit()  # admitted over its L2 prefix: the load starts, and fails
+        assert again in sched.running and again.kv_len == 12
+        assert gates.parked(0)
+        gates.release(0)
+        assert cache.host is not None
+        cache.host.controller.wait_idle(10)  # its failed completion is posted
+        done = len(runner.batches)
+        sched.step()
+        assert runner.batches[done:] == [[13]]  # only the recompute, from position 0
+        run(sched)
+        assert outs[-1].error is None and again.output_ids == first.output_ids
+        assert cache.stats().counters["load_fallbacks_total"] == 1
+        cache.flush()
+        cache.check_integrity()
 
 
 def test_a_new_prompt_is_prefilled_alongside_running_decodes(cache: HiCache) -> None:

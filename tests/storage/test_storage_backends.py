@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import random
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +29,9 @@ from hicache.storage import (
     StorageStats,
     create_storage,
 )
+from hicache.storage.blob import encode_page
+from hicache.storage.pageio import HostPages, byte_view
+from hicache.storage.record import payload_checksum
 from tests.helpers.storage_fixtures import backend_config
 
 BACKENDS = ["memory", "file", "redis", "valkey", "mooncake", "mooncake-staged"]
@@ -217,3 +220,118 @@ def test_misuse_raises(maker: Maker) -> None:
     with pytest.raises(ValueError, match="more than once"):
         st.batch_get(keys, pool(MemLayout.PAGE_FIRST), [1, 1])
     assert st.batch_get([], pool(MemLayout.PAGE_FIRST), []) == []
+
+
+# -- healing: a record read bad is replaced by the next write of its key ----------------
+
+
+Edit = Callable[[bytes], bytes]
+
+
+def plant_record(maker: Maker, st: HiCacheStorage, key: PageKey, blob: bytes) -> None:
+    """Store ``blob`` as ``key``'s record, in the store itself, whatever is there (as a
+    disk, a network or another writer might have)."""
+    if maker.name == "memory":
+        maker.store.replace(key.key, blob)
+    elif maker.name == "file":
+        st.path_of(key.key).write_bytes(blob)  # type: ignore[attr-defined]
+    elif maker.name == "redis":
+        st._client.set(st._rkey(key), blob)  # type: ignore[attr-defined]
+    else:  # a put from a registered buffer of the backend (the client has no local one)
+        store = st._store  # type: ignore[attr-defined]
+        assert store.remove(key.key, True) == 0
+        arena = st._arenas.take(len(blob))  # type: ignore[attr-defined]
+        byte_view(arena.tensor)[: len(blob)] = blob
+        assert store.batch_put_from([key.key], [arena.addr], [len(blob)]) == [0]
+        arena.release()
+        arena.release()
+
+
+def record_of(ns: Namespace, key: PageKey, src: HostPool, page: int) -> bytes:
+    """The good record of ``src``'s ``page`` under ``key``."""
+    return encode_page(ns.digest, key, HostPages(src, [page], for_get=False), 0)
+
+
+def flip_payload_byte(blob: bytes) -> bytes:
+    data = bytearray(blob)
+    data[-3] ^= 0xFF
+    return bytes(data)
+
+
+def as_version_1(blob: bytes) -> bytes:
+    """The same record, intact (checksum recomputed) but stamped spec version 1."""
+    data = bytearray(blob)
+    data[4:6] = (1).to_bytes(2, "little")
+    data[56:64] = payload_checksum(data[:56], [data[64:]]).to_bytes(8, "little")
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST], ids=lambda x: x.value
+)
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [(flip_payload_byte, "corrupt"), (as_version_1, "stale")],
+    ids=["flipped", "stale"],
+)
+def test_a_record_read_bad_is_replaced_by_the_next_write(
+    maker: Maker, layout: MemLayout, edit: Edit, reason: str
+) -> None:
+    """The defect: a corrupt record was a miss for good, since every backup of the page
+    found its key present and skipped it. Now the read marks it and the next write of
+    the page (the recompute's backup) replaces it; the next read hits."""
+    ns = namespace(layout)
+    st = maker(ns)
+    src, dst = pool(layout, seed=1), pool(layout, seed=2)
+    keys = fresh_keys(ns, 3)
+    assert st.batch_set(keys, src, [0, 1, 2]).all_ok
+    plant_record(maker, st, keys[1], edit(record_of(ns, keys[1], src, 1)))
+    before = st.stats()
+    assert st.batch_get(keys, dst, [3, 4, 5]) == [True, False, True]
+    assert st.batch_exists(keys) == 3  # the bad record is still there: nothing deleted
+    result = st.batch_set(keys, src, [0, 1, 2])  # the backup of the recomputed pages
+    assert result == SetResult((SKIPPED, WRITTEN, SKIPPED))
+    assert st.batch_get(keys, dst, [5, 4, 3]) == [True] * 3
+    assert digest(dst, [5, 4, 3]) == digest(src, [0, 1, 2])
+    d = delta(st.stats(), before)
+    assert d[f"miss_{reason}"] == 1 and d["repaired"] == 1
+    assert d["set_written"] == 1 and d["set_skipped"] == 2 and d["get_hits"] == 2 + 3
+    assert st.batch_set(keys[1:2], src, [1]) == SetResult((SKIPPED,))  # healed: unmarked
+    assert delta(st.stats(), before)["repaired"] == 1
+
+
+@pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST_DIRECT], ids=lambda x: x.value)
+def test_a_record_healed_elsewhere_is_not_written_again(maker: Maker, layout: MemLayout) -> None:
+    """Two instances read the same bad record; the first heals it. The second, reading it
+    good again, forgets its mark: its own backup then skips the key, as for any present
+    one (never replacing a good record it has seen)."""
+    ns = namespace(layout)
+    a, src, dst = maker(ns), pool(layout, seed=1), pool(layout, seed=2)
+    keys = fresh_keys(ns, 1)
+    assert a.batch_set(keys, src, [0]).all_ok
+    plant_record(maker, a, keys[0], flip_payload_byte(record_of(ns, keys[0], src, 0)))
+    with maker.fresh(ns) as b:
+        assert a.batch_get(keys, dst, [1]) == [False]
+        assert b.batch_get(keys, dst, [1]) == [False]
+        assert b.batch_set(keys, src, [0]) == SetResult((WRITTEN,))
+        assert b.stats().repaired == 1
+        assert a.batch_get(keys, dst, [2]) == [True]  # good again
+    before = a.stats()
+    assert a.batch_set(keys, pool(layout, seed=3), [0]) == SetResult((SKIPPED,))
+    assert "repaired" not in delta(a.stats(), before)
+    assert a.batch_get(keys, dst, [3]) == [True] and digest(dst, [3]) == digest(src, [0])
+
+
+def test_a_foreign_record_is_never_replaced(maker: Maker) -> None:
+    """A record under another tenant's namespace is a miss for a reader that does not
+    allow that tenant, but good data for its owner: the reader's write skips it."""
+    layout = MemLayout.PAGE_FIRST
+    ns = namespace(layout)
+    owner, src, dst = maker(ns), pool(layout, seed=1), pool(layout, seed=2)
+    keys = fresh_keys(ns, 2)
+    assert owner.batch_set(keys, src, [0, 1]).all_ok
+    reader = maker(namespace(layout, salt="heal-other-tenant"))
+    assert reader.batch_get(keys, dst, [2, 3]) == [False, False]
+    assert reader.batch_set(keys, pool(layout, seed=3), [0, 1]) == SetResult((SKIPPED, SKIPPED))
+    assert owner.batch_get(keys, dst, [4, 5]) == [True, True]
+    assert digest(dst, [4, 5]) == digest(src, [0, 1])

@@ -39,8 +39,9 @@ class TierEvents(Protocol):
         """Return ids the tree released, per component, to their stores' ``tier`` pools."""
 
     def fail_holders(self, top: TreeNode, reason: str) -> None:
-        """A load into the chain under ``top`` failed (``reason``): fail and unpin every
-        admitted request whose prefix runs through ``top`` (its pages were never written)."""
+        """A load into the chain under ``top`` failed (``reason``): mark failed and unpin
+        every admitted request whose prefix runs through ``top`` (its pages were never
+        written; the request's caller requeues it to recompute them)."""
 
     def wait_backups(self) -> bool:
         """Wait for the L1 -> L2 backups in flight, then apply every record posted (failed

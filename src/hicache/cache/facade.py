@@ -360,7 +360,7 @@ class HiCache(Lifecycle):
         # polled above: the tree's match, without a second poll
         wanted = tokens[: len(tokens) - int(req.compute_last)] if req.cacheable else ()
         match = self.tree.match_prefix(wanted, req.tenant)
-        node, pages, loaded, progress = self._load_back(match, req)
+        node, pages, loaded, progress = self._load_back(match, req, load=not req._no_load)
         self.tree.inc_lock_ref(node)
         new = self.alloc_device(math.ceil(len(tokens) / ps) - len(pages))
         if new is None:
@@ -378,6 +378,9 @@ class HiCache(Lifecycle):
         req._prefix_tokens = len(pages) * ps
         req._progress = progress
         req.failed = None
+        if req._no_load:  # the fallback of a failed load: it serves what L1 holds
+            req._no_load = False
+            req.cached = CachedTokens(device=min(req.cached.device, len(pages) * ps))
         self._requests.add(req)
         if req.prefix_pages > 0:
             for name, hits in self._hits.items():
@@ -521,8 +524,16 @@ class HiCache(Lifecycle):
     def requeue(self, req: CacheRequest, tokens: TokenIds) -> None:
         """Preempt an admitted request: keep its computed KV (``tokens``) in the tree,
         give back its pages, and make it wait for a new :meth:`admit` (which finds its
-        prefix cached and counts no hits again)."""
+        prefix cached and counts no hits again).
+
+        A request whose load failed (``failed`` set) keeps nothing, and its next
+        :meth:`admit` loads nothing from L2: its prefix is then what L1 holds (the failed
+        chain is out of L1) and the prefill recomputes the rest, instead of the request
+        failing (counted in ``load_fallbacks_total``)."""
         self._require_admitted(req)
+        if req.failed is not None:
+            req._no_load = True
+            self.counters.load_fallbacks_total += 1
         self.release(req, tokens, keep=req.failed is None)
         req.state = RequestState.WAITING
 
@@ -554,7 +565,7 @@ class HiCache(Lifecycle):
         return self.tree.match_prefix(tokens, tenant)
 
     def _load_back(
-        self, match: MatchResult, req: CacheRequest | None
+        self, match: MatchResult, req: CacheRequest | None, *, load: bool = True
     ) -> tuple[TreeNode, PageIds, int, tuple[LayerProgress, ...]]:
         """Start copying the host-only part of ``match`` into L1, layer by layer; returns
         the deepest usable node, the prefix's L1 pages, the tokens being loaded and the
@@ -567,7 +578,8 @@ class HiCache(Lifecycle):
         host-only nodes are copied.
 
         All-or-nothing per chain: when the host-only part is shorter than
-        ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded.
+        ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded;
+        nor when ``load`` is False (the fallback of a failed load: it is recomputed).
         """
         if self.host is None:
             return (match.last_device_node, match.device_pages, 0, ())
@@ -577,6 +589,8 @@ class HiCache(Lifecycle):
             0,
             self.host.loads_on(match.last_device_node),
         )
+        if not load:
+            return no_load
         last = match.last_host_node
         # Pin the host copies first: pinning a hit's component span may split a node (so
         # the span starts on a boundary), which would change the chain computed before.
@@ -724,8 +738,9 @@ class HiCache(Lifecycle):
 
     def _fail_holders(self, top: TreeNode, reason: str) -> None:
         """A load under ``top`` failed: every admitted request whose prefix runs through
-        ``top`` reads pages it never wrote. Fail it and unpin its prefix (it must be
-        released without keeping its KV)."""
+        ``top`` reads pages it never wrote. Mark it failed and unpin its prefix (its
+        caller requeues it, which recomputes what the load could not bring, or releases it
+        without keeping its KV)."""
         for req in self._requests:
             n = req.node
             while n is not None and n is not top:

@@ -11,8 +11,9 @@ worker's :class:`Completion` records:
   them: pages another op pins are never freed under it;
 * a failed load (one whose layers did not all arrive) takes the L1 pages it mapped out of
   the tree, and the L1 copies of everything below them (contiguity), whatever pins them:
-  every admitted request whose prefix runs through them is failed and unpinned
-  (``events.fail_holders``); a node another copy in flight still pins (a load of a chain
+  every admitted request whose prefix runs through them is marked failed and unpinned
+  (``events.fail_holders``; its caller requeues it, and it recomputes what it could not
+  load: ``HiCache.requeue``); a node another copy in flight still pins (a load of a chain
   below) leaves the tree at once and its pages are freed once those copies are done.
   The L2 copies stay. A failure is applied at the next ``settle`` (the facade's ``poll``),
   never inside a wait for copies (``wait_idle``, ``wait_backups``), whose caller may hold

@@ -5,6 +5,11 @@ A :class:`CacheRequest` is opaque to the scheduler: it reads the request's page 
 depends on failed (``failed``), and passes the handle back to the facade's verbs. Only
 :class:`hicache.cache.HiCache` changes it, on the owner's thread.
 
+A failed load is not a failed request: the caller gives up what it computed over the
+prefix (nothing of a forward that read it is kept) and requeues the handle
+(``HiCache.requeue``); its next admission loads nothing from L2, so the prefill recomputes
+what the load could not bring (``CacheCounters.load_fallbacks_total``).
+
 Page table invariant: ``pages`` covers token positions ``[0, len(pages) * page_size)``.
 Its first ``prefix_pages`` pages belong to the tree and are pinned in L1 through
 ``node`` (path-wise); the rest belong to the request until it commits or releases them.
@@ -85,6 +90,7 @@ class CacheRequest:
     __slots__ = (
         "_counted",
         "_loaded",
+        "_no_load",
         "_parts",
         "_prefix_tokens",
         "_progress",
@@ -125,7 +131,12 @@ class CacheRequest:
         self.cached = CachedTokens()
         self.failed: str | None = None
         """Why the request's KV cannot be trusted (a load it depends on failed); the
-        caller must fail the request and release it without keeping its KV."""
+        caller must drop what it computed over the prefix and requeue the handle (the
+        next admission recomputes what the load could not bring), or release it without
+        keeping its KV."""
+        self._no_load = False
+        """Requeued after a failed load: the next admission loads nothing from L2 (the
+        prefix is what L1 holds; the prefill computes the rest)."""
         self.prefetch: Prefetch | None = None
         self.storage_tokens = 0
         """Prompt tokens the L3 prefetch brought into L2 for this request."""

@@ -9,8 +9,11 @@ every finished prefix is committed to the cache (its write policy backs them up)
 concurrent requests share a prefix as soon as it is computed and every component's values
 reach the tree before the request moves past them; a request that cannot get an L1 page
 for its next token is retracted (``requeue``): its KV stays cached and it waits to be
-re-admitted, which then finds its own prefix. The scheduler holds only opaque handles and
-names no cache component.
+re-admitted, which then finds its own prefix. A request whose prefix load from L2 failed
+does not fail: seen at the step's poll or after the forward that waited on the load's
+layers, it is requeued with nothing of that forward kept (:meth:`Scheduler._fall_back`)
+and its re-admission recomputes what the load could not bring; only a failure of that
+recompute fails it. The scheduler holds only opaque handles and names no cache component.
 
 Admission order (:meth:`Scheduler.admission_order`), so that one wide client request
 cannot lock out the others: higher ``priority`` first; then, with the group rule on
@@ -239,6 +242,8 @@ class Scheduler:
         are emitted then too."""
         self.cache.poll()
         self._reap_aborted()
+        for req in [r for r in self.running if r.cache is not None and r.cache.failed is not None]:
+            self._fall_back(req)  # a load its prefix depends on failed: recompute it
         self._admit()
         if not self.running:
             self._flush_outputs()
@@ -473,7 +478,8 @@ class Scheduler:
     def _advance(
         self, batch: list[tuple[Request, int]], last_row: list[int]
     ) -> list[tuple[int, Request, bool]]:
-        """After the forward: fail the requests whose prefix load failed, advance the
+        """After the forward: requeue the requests whose prefix load failed (this
+        forward's results for them are discarded; they recompute), advance the
         others' computed positions and hand the runner's extras to the cache untouched (a
         prefill chunk's pages are committed now, so other requests share them); returns
         ``(logits row, request, was a prefill)`` of each request to sample."""
@@ -482,7 +488,7 @@ class Scheduler:
         for i, (req, n) in enumerate(batch):
             assert req.cache is not None
             if req.cache.failed is not None:
-                self._finish(req, FinishReason.ABORT, keep_kv=False, error=req.cache.failed)
+                self._fall_back(req)
                 continue
             req.kv_len += n
             extras = self.runner.take_extras(req.rid)  # for the cache, untouched
@@ -603,6 +609,19 @@ class Scheduler:
         self.runner.drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
         req.kv_len = 0
         req.retracted += 1
+        self.waiting.appendleft(req)
+
+    def _fall_back(self, req: Request) -> None:
+        """A load ``req``'s prefix depends on failed: keep nothing it computed since its
+        admission (a forward that read the prefix read pages never written), requeue it
+        first, and let its re-admission recompute what the load could not bring (the
+        cache loads nothing from L2 for it then)."""
+        assert req.cache is not None
+        log.warning("%s: %s; recomputing it", req.rid, req.cache.failed)
+        self.running.remove(req)
+        self.cache.requeue(req.cache, req.all_ids[: req.kv_len])  # failed: keeps nothing
+        self.runner.drop_state(req.rid)  # with this forward's extras
+        req.kv_len = 0
         self.waiting.appendleft(req)
 
     def _finish(

@@ -157,6 +157,11 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
             misses.add_metric([reason], n)
         yield misses
         yield CounterMetricFamily("hicache_l3_errors", "L3 backend errors", st.errors)
+        yield CounterMetricFamily(
+            "hicache_l3_records_repaired",
+            "L3 records read corrupt or stale and overwritten by a later write",
+            st.repaired,
+        )
         yield from l3_wait_families(st)
 
 

@@ -10,7 +10,14 @@ operations are batched and page-granular. The contract:
   host content is unspecified (it may be partly overwritten) and must not be used.
 - ``batch_set(keys, host, pages) -> SetResult``: write host page ``pages[i]`` under
   ``keys[i]``; a key already present is skipped (``SetOutcome.SKIPPED``, counted in
-  ``SetResult.present``, not in ``written``).
+  ``SetResult.present``, not in ``written``), unless a read of this instance found its
+  record bad (below).
+- Healing (:mod:`hicache.storage.heal`): a read that finds a ``corrupt`` or ``stale``
+  record marks its key; the next write of that key overwrites the record (atomically
+  where the backend can) instead of skipping it, and counts it in
+  ``StorageStats.repaired``; a later good read of the key unmarks it. ``foreign`` records
+  (good data of another namespace, maybe) are never replaced. Backends opt in by
+  overriding ``_overwrite``; one that does not skips such keys as before.
 - Component records (``docs/l3-keys.md``), keyed under the component's namespace
   (:meth:`allow_component`): recurrent-state snapshots go through ``batch_get_state`` /
   ``batch_set_state``, which do the same over slots of a host
@@ -53,6 +60,7 @@ from hicache.keys import Namespace, PageKey
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
 from hicache.storage.deadline import DeadlineRunner
+from hicache.storage.heal import BadRecords
 from hicache.storage.pageio import HostPages, Payloads
 from hicache.storage.record import HEADER_SIZE
 from hicache.storage.slotio import StateSlots
@@ -154,6 +162,8 @@ class HiCacheStorage(ABC):
         self._components: set[str] = {namespace.component}
         self._tenant_digests = {namespace.digest}
         self._stats = StatsRecorder(self.name, self._options.stall_s)
+        self._bad = BadRecords()
+        """Keys whose record a read found replaceable: the next write overwrites them."""
         self._life = threading.Lock()
         self._started = False
         self._closed = False
@@ -337,6 +347,7 @@ class HiCacheStorage(ABC):
             ok = [False] * len(keys)
         hits = sum(ok)
         misses = [r for r in reasons if r is not None]
+        self._bad.note([k.key for k in keys], reasons)
         self._stats.log_misses("get", [k.key for k in keys], reasons)
         self._stats.got([k.key for k in keys], hits, hits * (hp.payload_len + HEADER_SIZE), misses)
         return ok
@@ -365,8 +376,12 @@ class HiCacheStorage(ABC):
         if not keys:
             return SetResult(())
         with self._stats.timed("set"):
+            replace = self._bad.flags([k.key for k in keys])
             try:
-                outcome = self._set(keys, hp, Deadline(self._options.timeout_s))
+                deadline = Deadline(self._options.timeout_s)
+                outcome = self._overwrite(keys, hp, deadline, replace) if any(replace) else None
+                if outcome is None:
+                    outcome = self._set(keys, hp, deadline)
                 if len(outcome) != len(keys):
                     raise RuntimeError(
                         f"backend returned {len(outcome)} results for {len(keys)} keys"
@@ -374,6 +389,9 @@ class HiCacheStorage(ABC):
             except Exception as e:
                 self._stats.error("set", repr(e))
                 outcome = [SetOutcome.FAILED] * len(keys)
+            repaired = self._bad.written([k.key for k in keys], outcome, replace)
+            if repaired:
+                self._stats.repaired(repaired)
         written = outcome.count(SetOutcome.WRITTEN)
         skipped = outcome.count(SetOutcome.SKIPPED)
         failed = len(keys) - written - skipped
@@ -470,6 +488,17 @@ class HiCacheStorage(ABC):
         self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
         """Write each page's record unless its key is present."""
+
+    def _overwrite(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline, replace: Sequence[bool]
+    ) -> list[SetOutcome] | None:
+        """As :meth:`_set`, but write ``keys[i]``'s record even when the key is present
+        where ``replace[i]`` (a read found its record bad): ``WRITTEN`` when this call
+        stored it. Atomic where the backend can: a reader sees the old record or the new
+        one. Only ever called with a good page, so a record someone else rewrote in
+        between is replaced by an equally good one, never lost. None (the default): this
+        backend cannot overwrite; the base then calls :meth:`_set` (no healing)."""
+        return None
 
 
 class ConfiguredStorage(HiCacheStorage):

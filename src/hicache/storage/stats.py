@@ -187,7 +187,9 @@ class StorageStats:
     least ``stall_s`` seconds (the backend's stall threshold); ``op_timeouts[op]``: batch
     calls during which a deadline was overrun (or a call refused while an earlier one
     was stuck), each counted once however many backend calls it made; ``latency[op]``:
-    their latency histogram.
+    their latency histogram. ``repaired``: pages whose record a read found ``corrupt`` or
+    ``stale`` and a later write overwrote (:mod:`hicache.storage.heal`; also counted in
+    ``set_written``).
     """
 
     exists_calls: int = 0
@@ -205,6 +207,7 @@ class StorageStats:
     bytes_written: int = 0
     errors: int = 0
     timeouts: int = 0
+    repaired: int = 0
     misses: Mapping[str, int] = field(default_factory=_empty_misses)
     backend: str = ""
     """The backend's registry name (``file``, ``redis``, ...)."""
@@ -307,6 +310,12 @@ class StatsRecorder:
             self._c["set_skipped"] += skipped
             self._c["set_failed"] += failed
             self._c["bytes_written"] += bytes_written
+
+    def repaired(self, pages: int) -> None:
+        """A write overwrote ``pages`` records its reads had found bad; logged at INFO."""
+        with self._lock:
+            self._c["repaired"] += pages
+        log.info("L3 %s: replaced %d bad record(s)", self._backend, pages)
 
     def error(self, op: str, detail: str) -> None:
         """A backend failure during ``op``; logged at WARNING."""

@@ -14,6 +14,9 @@ Directory: extra-config ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR`
   file modification times, which hits refresh) evicts least recently used records once the
   total exceeds the cap. Several processes sharing a folder each enforce the cap over the
   records they know (found at start plus their own reads and writes).
+- A record a read found bad (``hicache.storage.heal``) is overwritten by the next write of
+  its key the same atomic way (temp file, then ``os.replace``): a reader holding the old
+  file keeps reading it, a new one opens the new record.
 - A full disk (ENOSPC / EDQUOT) fails the rest of the batch's writes (False, one error).
 - The deadline is checked between pages (local file IO is not interruptible).
 """
@@ -275,6 +278,11 @@ class FileStorage(ConfiguredStorage):
     def _set(
         self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
+        return self._overwrite(keys, pages, deadline, [False] * len(keys))
+
+    def _overwrite(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline, replace: Sequence[bool]
+    ) -> list[SetOutcome]:
         out: list[SetOutcome] = []
         errors = 0
         first_error = ""
@@ -284,7 +292,7 @@ class FileStorage(ConfiguredStorage):
                 out.extend([SetOutcome.FAILED] * (len(keys) - i))
                 break
             try:
-                out.append(self._write(k, pages, i))
+                out.append(self._write(k, pages, i, replace=replace[i]))
             except OSError as e:
                 errors += 1
                 first_error = first_error or f"{k.key}: {e!r}"
@@ -297,9 +305,9 @@ class FileStorage(ConfiguredStorage):
             self._stats.error("set", f"{errors} page(s) not written; first {first_error}")
         return out
 
-    def _write(self, key: PageKey, pages: Payloads, i: int) -> SetOutcome:
+    def _write(self, key: PageKey, pages: Payloads, i: int, *, replace: bool) -> SetOutcome:
         path = self.path_of(key.key)
-        if path.is_file():
+        if not replace and path.is_file():
             return SetOutcome.SKIPPED
         path.parent.mkdir(mode=0o700, exist_ok=True)
         parts = pages.parts(i)

@@ -66,7 +66,7 @@ class MemoryStore:
             return key in self._data
 
     def replace(self, key: str, blob: bytes) -> None:
-        """Overwrite ``key`` (tests use it to plant bad records)."""
+        """Overwrite ``key`` (a healing write; tests use it to plant bad records)."""
         with self._lock:
             self._data[key] = blob
 
@@ -262,12 +262,21 @@ class MemoryStorage(HiCacheStorage):
     def _set(
         self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
+        return self._overwrite(keys, pages, deadline, [False] * len(keys))
+
+    def _overwrite(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline, replace: Sequence[bool]
+    ) -> list[SetOutcome]:
         try:
             self._inject("set", deadline)
         except _Fault:
             return [SetOutcome.FAILED] * len(keys)
         out: list[SetOutcome] = []
         for i, k in enumerate(keys):
+            if replace[i]:
+                self.store.replace(k.key, encode_page(self._digest_of(k), k, pages, i))
+                out.append(SetOutcome.WRITTEN)
+                continue
             if self.store.contains(k.key):
                 out.append(SetOutcome.SKIPPED)
                 continue

@@ -20,6 +20,10 @@ until the stuck one returns. A zero-copy get that overran its deadline may still
 pages until it returns: :meth:`~hicache.storage.base.HiCacheStorage.host_writes_settled`
 says False until then (staged gets, ``zero_copy: false``, only ever write the arena).
 
+A record a read found bad (``hicache.storage.heal``) is replaced at the next write of its
+key with ``batch_upsert_from`` (staged through an arena; an object is replaced whole, so a
+reader gets the old record or the new one), not put: a put of a present key is refused.
+
 Extra config: see :mod:`hicache.storage.backends.mooncake_config`.
 """
 
@@ -339,15 +343,67 @@ class MooncakeStorage(ConfiguredStorage):
     def _set(
         self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
-        out: list[SetOutcome] = []
+        return self._overwrite(keys, pages, deadline, [False] * len(keys))
+
+    def _overwrite(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline, replace: Sequence[bool]
+    ) -> list[SetOutcome]:
+        out: list[SetOutcome] = [SetOutcome.FAILED] * len(keys)
         step = self.options.max_batch_pages
         for lo in range(0, len(keys), step):
             idx = range(lo, min(lo + step, len(keys)))
-            out.extend(self._set_chunk(keys, pages, idx, deadline))
+            put = [i for i in idx if not replace[i]]
+            upsert = [i for i in idx if replace[i]]
+            for group, run in ((put, self._set_chunk), (upsert, self._upsert_chunk)):
+                if group:
+                    for i, o in zip(group, run(keys, pages, group, deadline), strict=True):
+                        out[i] = o
+        return out
+
+    def _upsert_chunk(
+        self, keys: Sequence[PageKey], pages: Payloads, idx: Sequence[int], deadline: Deadline
+    ) -> list[SetOutcome]:
+        """Write the records of ``keys[i]`` for ``i`` in ``idx`` whether present or not
+        (staged; these are the few records reads found bad)."""
+        rec = record_size(pages.payload_len)
+        arena = self._arenas.take(len(idx) * rec)
+        if arena is None:
+            return [SetOutcome.FAILED] * len(idx)
+        raw = byte_view(arena.tensor)
+        for slot, i in enumerate(idx):
+            parts = pages.parts(i)
+            off = slot * rec
+            raw[off : off + HEADER_SIZE] = encode_header(
+                self._digest_of(keys[i]), keys[i].fingerprint, parts
+            )
+            off += HEADER_SIZE
+            for p in parts:
+                raw[off : off + p.nbytes] = p
+                off += p.nbytes
+        names = [keys[i].key for i in idx]
+        flat = [arena.addr + slot * rec for slot in range(len(idx))]
+        store = self._store
+        codes = self._call(
+            "set (replace)",
+            lambda: store.batch_upsert_from(names, flat, [rec] * len(idx)),
+            deadline,
+            arena,
+        )
+        arena.release()
+        if isinstance(codes, MissReason):
+            return [SetOutcome.FAILED] * len(idx)
+        out = [SetOutcome.WRITTEN if c == 0 else SetOutcome.FAILED for c in codes]
+        errors = [
+            f"{n}: code {c} {MC_ERRORS.get(c, '')}" for n, c in zip(names, codes, strict=True) if c
+        ]
+        if errors:
+            self._stats.error(
+                "set (replace)", f"{len(errors)} page(s) not written; first {errors[0]}"
+            )
         return out
 
     def _set_chunk(
-        self, keys: Sequence[PageKey], pages: Payloads, idx: range, deadline: Deadline
+        self, keys: Sequence[PageKey], pages: Payloads, idx: Sequence[int], deadline: Deadline
     ) -> list[SetOutcome]:
         names = [keys[i].key for i in idx]
         store = self._store

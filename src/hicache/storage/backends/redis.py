@@ -6,7 +6,9 @@ One record per key, stored as one string value (header + payload). Operations:
 - get: pipelines of ``GET`` (``max_batch_pages`` keys each); records are checked before
   their payload is copied into the host pool, so a bad record never touches the pool.
 - set: one ``EXISTS`` pipeline, then ``SET key record NX [EX ttl]`` pipelines for the
-  missing keys (a key that appears in between is skipped, not overwritten).
+  missing keys (a key that appears in between is skipped, not overwritten); a key whose
+  record a read found bad (``hicache.storage.heal``) gets a plain ``SET`` (an atomic
+  replace) instead.
 
 Network calls run on a :class:`~hicache.storage.deadline.DeadlineRunner` and the client has
 socket timeouts and no retries, so a dead or stalled server costs at most the deadline.
@@ -197,11 +199,16 @@ class RedisStorage(ConfiguredStorage):
     def _set(
         self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
     ) -> list[SetOutcome]:
+        return self._overwrite(keys, pages, deadline, [False] * len(keys))
+
+    def _overwrite(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline, replace: Sequence[bool]
+    ) -> list[SetOutcome]:
         flags = self._call("set (exists)", lambda: self._exists_flags(keys), deadline)
         if isinstance(flags, MissReason):
             return [SetOutcome.FAILED] * len(keys)
         out = [SetOutcome.SKIPPED if f else SetOutcome.FAILED for f in flags]
-        todo = [i for i, f in enumerate(flags) if not f]
+        todo = [i for i, f in enumerate(flags) if not f or replace[i]]
         if not todo:
             return out
         blobs = {i: encode_page(self._digest_of(keys[i]), keys[i], pages, i) for i in todo}
@@ -214,7 +221,7 @@ class RedisStorage(ConfiguredStorage):
                 pipe = self._client.pipeline(transaction=False)
                 for j in part:
                     i = todo[j]
-                    pipe.set(self._rkey(keys[i]), blobs[i], nx=True, ex=ttl)
+                    pipe.set(self._rkey(keys[i]), blobs[i], nx=not replace[i], ex=ttl)
                 answers.extend(pipe.execute())
             return answers
 
