@@ -31,6 +31,7 @@ from hicache.server.responses import (
     new_id,
     output_logprobs,
     prompt_logprobs,
+    usage,
     usage_chunk,
 )
 from hicache.server.state import ServerState, sse, stream
@@ -80,7 +81,9 @@ async def _openai(
         return JSONResponse(build(rid, name, choices, detok if want_logprobs else None))
 
     def chunk(data: dict[str, Any]) -> str:
-        if body.include_usage:  # OpenAI: null on every chunk but the last, usage-only one
+        """With include_usage, OpenAI's null usage on every chunk but the last, usage-only
+        one; without, each choice's final chunk carries that choice's usage."""
+        if body.include_usage:
             data["usage"] = None
         return sse(data)
 
@@ -122,6 +125,8 @@ async def _openai(
             if out.finished:
                 finals[i] = out
                 state.finished(out, rid)
+                if not body.include_usage:  # SGLang's bench_serving reads it there
+                    data["usage"] = usage([choice(i, out)])
                 if out.error:
                     errors.append(out.error)
             yield chunk(data)
