@@ -11,12 +11,16 @@
   ``POST /flush_cache`` and the admin ``/hicache/storage-backend``.
 
 Errors: every status (400, 401, 404, 405, 413, 500, 503 ...) answers OpenAI's error
-object; a 400 names the field in ``param``. A parameter the server cannot honour is
-refused, never ignored. With ``api_key`` set, the inference endpoints need
+object (``code`` a string or null); a 400 names the field in ``param``, and a body that
+cannot be read as JSON says why (not JSON, not UTF-8, nested too deeply, a number out of
+range). An unknown ``model`` is a 404 ``model_not_found``. A parameter the server cannot
+honour is refused, never ignored. With ``api_key`` set, the inference endpoints need
 ``Authorization: Bearer <api_key>``; the admin endpoints need the separate admin key,
 checked before the body is read. Bodies beyond ``max_request_bytes`` get a 413. Prompts
-are tokenized off the event loop. A client that goes away (streaming or not) aborts its
-engine requests at once, which frees everything they held.
+are tokenized off the event loop, on a pool, after a bound that refuses a text too long
+for the context without tokenizing it (:class:`~hicache.server.state.ServerState`). A
+client that goes away (streaming or not) aborts its engine requests at once, which frees
+everything they held.
 """
 
 from __future__ import annotations
