@@ -84,6 +84,10 @@ class ServerState:
         except NoBound as exc:
             self.token_bound = None
             log.info("prompts are tokenized before their length is checked: %s", exc)
+        # One encode here, before the pool's threads share the tokenizer: transformers
+        # resets a tokenizer's saved truncation/padding on its first encode, the only
+        # call that writes to it (concurrent with another encode, that write would fail)
+        engine.tokenizer.encode("a", add_special_tokens=False)
         self.before_encode: Callable[[str], None] | None = None
         """Called on the tokenizing thread with each text that passed the bound, just
         before it is encoded (tests hold a prompt there); None: nothing is called."""
