@@ -105,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         app = create_app(
             engine,
             args.served_model_name,
+            model_aliases=args.served_model_alias,
             admin_api_key=args.admin_api_key,
             api_key=args.api_key,
             max_request_bytes=args.max_request_bytes,

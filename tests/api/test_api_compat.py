@@ -301,3 +301,94 @@ def test_penalties(env: tuple[Any, Engine]) -> None:
     if _needs(client, "top_k", extra_body={"top_k": 1}):
         k1 = complete(client, temperature=1.5, seed=3, extra_body={"top_k": 1})
         assert k1.choices[0].text == complete(client).choices[0].text  # top_k 1 = greedy
+
+
+# ---------------------------------------------------------------------- OpenAI's shapes (issue 17)
+
+
+def _summed_usage(chunks: list[Any]) -> tuple[int, int]:
+    """What a client that adds up every chunk's usage counts: (prompt, completion)."""
+    used = [c.usage for c in chunks if c.usage is not None]
+    return sum(u.prompt_tokens for u in used), sum(u.completion_tokens for u in used)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_stream_usage_only_on_the_final_chunk(env: tuple[Any, Engine], n: int) -> None:
+    """With include_usage, usage rides only on the last, choice-less chunk (null on the
+    others), counting the prompt once for all n choices; a client summing usage over the
+    chunks gets the request's usage."""
+    client, _ = env
+    kw: dict[str, Any] = {"n": n, "temperature": 1.0, "seed": 4, "max_tokens": 8}
+    if engine_supports("ignore_eos"):
+        kw["extra_body"] = {"ignore_eos": True}
+    whole = complete(client, **kw)
+    chunks = list(complete(client, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1]) and all(c.choices for c in chunks[:-1])
+    assert chunks[-1].usage.prompt_tokens == len(PROMPT) == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert _summed_usage(chunks) == (len(PROMPT), whole.usage.completion_tokens)
+    chat = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MSGS,
+            max_tokens=4,
+            n=n,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chat[-1].choices == [] and all(c.usage is None for c in chat[:-1])
+    prompt, completion = _summed_usage(chat)
+    assert prompt == chat[-1].usage.prompt_tokens and completion <= 4 * n
+
+
+def test_unknown_model_is_model_not_found(env: tuple[Any, Engine]) -> None:
+    """A model the server does not serve is OpenAI's 404 model_not_found, on the
+    inference routes as on /v1/models/{id}; what is accepted is what /v1/models lists."""
+    client, _ = env
+    for call in (
+        lambda: complete(client, model="gpt-4o"),
+        lambda: client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=2),
+        lambda: client.models.retrieve("gpt-4o"),
+    ):
+        with pytest.raises(openai.NotFoundError) as exc:
+            call()
+        err = exc.value.body
+        assert exc.value.code == "model_not_found" and exc.value.param == "model", err
+        assert err["type"] == "invalid_request_error" and "'gpt-4o'" in err["message"]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert complete(client, model="tiny").model == "tiny"
+
+
+def test_model_aliases_are_listed_and_served() -> None:
+    engine = make_engine()
+    try:
+        with serve(engine, model_aliases=["smol", "tiny"]) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            assert [m.id for m in client.models.list().data] == ["tiny", "smol"]
+            assert client.models.retrieve("smol").root == "tiny"
+            r = complete(client, model="smol", max_tokens=2)
+            assert r.model == "tiny" and r.usage.completion_tokens == 2  # responses: the name
+            with pytest.raises(openai.NotFoundError):
+                complete(client, model="gpt-4o")
+    finally:
+        engine.close()
+
+
+def test_error_codes_are_strings_or_null(env: tuple[Any, Engine]) -> None:
+    """OpenAI types error.code as a string or null, never the HTTP status."""
+    client, _ = env
+    bad = openai.OpenAI(base_url=str(client.base_url), api_key="nope", max_retries=0)
+    errors: list[Any] = []
+    for call in (
+        lambda: bad.models.list(),
+        lambda: complete(client, max_tokens=CONTEXT),
+        lambda: complete(client, model="gpt-4o"),
+        lambda: complete(client, n=0),
+    ):
+        with pytest.raises(openai.APIStatusError) as exc:
+            call()
+        errors.append(exc.value)
+    assert [e.status_code for e in errors] == [401, 400, 404, 400]
+    assert all(e.code is None or isinstance(e.code, str) for e in errors), [e.code for e in errors]

@@ -350,7 +350,7 @@ def test_lone_surrogates_are_refused(server: tuple[str, Engine]) -> None:
 def test_body_limit_is_a_413(server: tuple[str, Engine]) -> None:
     url, engine = server
     r = post(url, "/v1/completions", {"prompt": "word " * 20000, "max_tokens": 2})
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert r.status_code == 413 and r.json()["error"]["code"] is None  # OpenAI: str or null
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams in
         yield b'{"prompt": "'

@@ -252,3 +252,101 @@ def test_fuzzed_bodies_never_500(
     if r.status_code != 200:
         assert r.json()["error"]["message"]
     assert engine.alive
+
+
+# ---------------------------------------------------------------------- named refusals (issue 17)
+
+
+def raw_post(url: str, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(
+        f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=30
+    )
+
+
+def refused(r: httpx.Response, param: str | None, *words: str) -> dict[str, Any]:
+    assert r.status_code == 400, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err["code"] is None or isinstance(err["code"], str), err
+    for word in words:
+        assert word in err["message"], (word, err["message"])
+    return err
+
+
+def test_at_most_four_stop_strings_on_the_openai_routes(server: tuple[str, Engine]) -> None:
+    url, _ = server
+    five = ["a1", "b2", "c3", "d4", "e5"]
+    r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stop": five})
+    refused(r, "stop", "5", "at most 4")
+    r = post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stop": five})
+    refused(r, "stop", "at most 4")
+    r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stop": five[:4]})
+    assert r.status_code == 200, r.text
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "stop": five * 2}}
+    assert post(url, "/generate", body).status_code == 200  # SGLang takes any number
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": [True, False], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": [[300, 301], [True]], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [True]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"true": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"1_0": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [False]}, "stop_token_ids"),
+        ("/generate", {"input_ids": [True, False]}, "input_ids"),
+        ("/generate", {"input_ids": [[300], [True]]}, "input_ids"),
+        (
+            "/generate",
+            {"input_ids": PROMPT, "sampling_params": {"stop_token_ids": [True]}},
+            "sampling_params.stop_token_ids",
+        ),
+    ],
+)
+def test_booleans_are_not_token_ids(
+    server: tuple[str, Engine], path: str, body: dict[str, Any], param: str
+) -> None:
+    url, engine = server
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] in (param, f"{param}[0]"), err  # the list, or its element
+    assert engine.alive
+
+
+def test_logprob_start_len_lies_within_the_prompt(server: tuple[str, Engine]) -> None:
+    """SGLang's -1 (the default: output tokens only) or 0 .. len(prompt) with
+    return_logprob; anything else is a 400 naming the field and the range."""
+    url, _ = server
+    base = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    for start in (10**6, len(PROMPT) + 1, -7, -2):
+        r = post(url, "/generate", {**base, "logprob_start_len": start})
+        refused(r, "logprob_start_len", str(start), f"0 to {len(PROMPT)}", "-1")
+    r = post(url, "/generate", {**base, "input_ids": [PROMPT, PROMPT[:5]], "logprob_start_len": 6})
+    refused(r, "logprob_start_len", "0 to 5", "shortest")
+    for start, entries in ((-1, None), (0, len(PROMPT)), (40, len(PROMPT) - 40), (45, 0)):
+        r = post(url, "/generate", {**base, "logprob_start_len": start})
+        assert r.status_code == 200, (start, r.text)
+        meta = r.json()["meta_info"]
+        got = len(meta["input_token_logprobs"]) if "input_token_logprobs" in meta else None
+        assert got == entries, (start, got)
+    r = post(url, "/generate", {**base, "return_logprob": False, "logprob_start_len": 10**6})
+    assert r.status_code == 200, r.text  # ignored without return_logprob, as SGLang's
+    r = post(url, "/generate", {**base, "return_logprob": False, "logprob_start_len": -7})
+    refused(r, "logprob_start_len")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_unparsable_bodies_say_why(server: tuple[str, Engine], path: str) -> None:
+    """Not UTF-8, nested too deeply, a number too long: a 400 saying which."""
+    url, engine = server
+    r = raw_post(url, path, b'{"prompt": "caf\xe9", "max_tokens": 2}')
+    refused(r, None, "not valid UTF-8", "0xe9", "position 15")
+    r = raw_post(url, path, b'{"prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}")
+    refused(r, None, "nested too deeply")
+    r = raw_post(url, path, b'{"max_tokens": ' + b"7" * 5000 + b"}")
+    refused(r, None, "number out of range", "4300 digits")
+    r = raw_post(url, path, b'{"max_tokens": 2,}')
+    refused(r, None, "not valid JSON", "position")
+    assert engine.alive

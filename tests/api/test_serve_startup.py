@@ -128,8 +128,10 @@ def test_log_level_is_under_serve_help() -> None:
 def test_start_logs_one_info_line() -> None:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    names = ["--served-model-name", "tiny", "--served-model-alias", "smol"]
+    names += ["--served-model-alias", "small"]
     proc = subprocess.Popen(
-        [*HICACHE, "serve", *TINY, "--port", str(port), "--log-level", "info"],
+        [*HICACHE, "serve", *TINY, "--port", str(port), "--log-level", "info", *names],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -145,6 +147,8 @@ def test_start_logs_one_info_line() -> None:
                 time.sleep(0.2)
         else:
             pytest.fail("the server did not start")
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny", "smol", "small"]
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)

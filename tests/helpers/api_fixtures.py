@@ -37,12 +37,17 @@ def make_engine(context_length: int = CONTEXT, max_running: int = 8) -> Engine:
 @contextmanager
 def serve(engine: Engine, **app_kwargs: Any) -> Iterator[str]:
     """Serve ``create_app(engine, "tiny", **app_kwargs)``; yields the base URL."""
+    with serve_app(create_app(engine, "tiny", **app_kwargs)) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Serve ``app`` (an ASGI app) on a free local port; yields the base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    uv = uvicorn.Config(
-        create_app(engine, "tiny", **app_kwargs), host="127.0.0.1", port=port, log_level="warning"
-    )
+    uv = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(uv)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

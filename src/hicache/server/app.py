@@ -11,17 +11,22 @@
   admin ``POST /flush_cache`` and ``/hicache/storage-backend``.
 
 Errors: every status (400, 401, 403, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's
-error object; a 400 names the field in ``param``. A request the engine's bounded waiting
-queue cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is unhealthy). A
-parameter the server cannot honour is refused, never ignored. Keys: every route's is
-declared in :data:`~hicache.server.access.ROUTE_ACCESS` and checked by its guard before the
-body is read (listed in ``docs/security.md``). Bodies beyond ``max_request_bytes`` get a
-413. Prompts
-are tokenized off the event loop. A client that goes away (streaming or not) aborts its
-engine requests at once, which frees everything they held.
+error object (``code`` a string or null); a 400 names the field in ``param``, and a body
+that cannot be read as JSON says why (not JSON, not UTF-8, nested too deeply, a number out
+of range). An unknown ``model`` is a 404 ``model_not_found``. A request the engine's
+bounded waiting queue cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is
+unhealthy). A parameter the server cannot honour is refused, never ignored. Keys: every
+route's is declared in :data:`~hicache.server.access.ROUTE_ACCESS` and checked by its guard
+before the body is read (listed in ``docs/security.md``). Bodies beyond
+``max_request_bytes`` get a 413. Prompts are tokenized off the event loop, on a pool, after
+a bound that refuses a text too long for the context without tokenizing it
+(:class:`~hicache.server.state.ServerState`). A client that goes away (streaming or not)
+aborts its engine requests at once, which frees everything they held.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +43,7 @@ from hicache.server.http_base import (
     bad_request,
     error_response,
     param_of,
+    unparsable_body,
 )
 from hicache.server.native_routes import add_native_routes
 from hicache.server.openai_routes import add_openai_routes
@@ -48,6 +54,7 @@ def create_app(
     engine: Engine,
     model_name: str | None = None,
     *,
+    model_aliases: Sequence[str] = (),
     admin_api_key: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -61,11 +68,17 @@ def create_app(
     ``Authorization: Bearer <admin_api_key>``; without a configured admin key they are
     refused (403). ``metrics_require_api_key``: ``/metrics`` needs ``api_key`` too (it is
     open by default). ``max_request_bytes``: larger bodies get a 413.
+    ``model_aliases``: names besides ``model_name`` that a body's ``model`` may give (all
+    listed by ``/v1/models``); any other gets a 404 ``model_not_found``.
     """
     app = FastAPI(title="hicache", version="0.1.0")
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     state = ServerState(
-        engine, model_name or engine.model.name, api_key=api_key, admin_api_key=admin_api_key
+        engine,
+        model_name or engine.model.name,
+        aliases=model_aliases,
+        api_key=api_key,
+        admin_api_key=admin_api_key,
     )
     app.state.hicache = state
     # added last, so it runs first: the key before the body limit reads any body
@@ -76,13 +89,18 @@ def create_app(
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return bad_request(f"the body is not valid JSON: {first.get('msg', '')}")
+            loc = first.get("loc", ())
+            where = f" at position {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+            why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+            return bad_request(f"the body is not valid JSON: {why}{where}")
         param = param_of(first.get("loc", ()))
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         return bad_request(f"{param or 'body'}: {msg}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _httperror_response(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's body parse
+            return bad_request(unparsable_body(exc.__cause__))
         response = error_response(exc.status_code, str(exc.detail))
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value

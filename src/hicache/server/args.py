@@ -154,6 +154,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument(
+        "--served-model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name a request's 'model' may give (repeatable; listed by /v1/models);"
+        " any name not served gets a 404 model_not_found",
+    )
+    s.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the inference endpoints (/v1/*,"

@@ -5,6 +5,7 @@ spelling of sampling fields).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,15 +19,48 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 _PYDANTIC_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    kind: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    """OpenAI's error object with HTTP ``status``: ``type`` is ``kind`` (by default the
+    status's, :func:`kind_for_status`) and ``code`` a string or null, as OpenAI types it
+    (``model_not_found``, ``invalid_api_key`` ...), never the status number."""
     return JSONResponse(
-        error_body(message, param=param, kind=kind_for_status(status), code=status),
+        error_body(message, param=param, kind=kind or kind_for_status(status), code=code),
         status_code=status,
     )
 
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:
     return error_response(400, message, param)
+
+
+def unparsable_body(cause: BaseException | None) -> str:
+    """Why a body could not be read as JSON, from the exception its parser raised:
+    not UTF-8, nested too deeply, or a number too long to convert."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the body is not valid UTF-8: byte {cause.object[cause.start]:#04x} at position"
+            f" {cause.start} ({cause.reason}); JSON bodies must be UTF-8 text"
+        )
+    if isinstance(cause, RecursionError):
+        return (
+            "the body is nested too deeply: its JSON arrays and objects nest deeper than the"
+            f" parser's limit (about {sys.getrecursionlimit()} levels)"
+        )
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (
+            "the body has a number out of range: an integer with more than"
+            f" {sys.get_int_max_str_digits()} digits"
+        )
+    if isinstance(cause, ValueError):
+        return f"the body is not valid JSON: {cause}"
+    return "the body could not be read as JSON"
 
 
 def param_of(loc: Sequence[Any]) -> str | None:
@@ -54,7 +88,17 @@ _NATIVE_NAMES = {
     "seed": "sampling_seed",
     "min_tokens": "min_new_tokens",
 }
-_NATIVE_TOP = ("text", "input_ids", "lora_path", "image_data", "cache_salt", "priority")
+_NATIVE_TOP = (
+    "text",
+    "input_ids",
+    "lora_path",
+    "image_data",
+    "cache_salt",
+    "priority",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+)
 
 
 def native_param(param: str | None) -> str | None:

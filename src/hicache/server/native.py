@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.sampling import InvalidRequest
-from hicache.server.protocol import MAX_BATCH, MAX_LOGPROBS, MAX_N, SamplingFields
+from hicache.server.protocol import MAX_BATCH, MAX_LOGPROBS, MAX_N, SamplingFields, TokenIds
 from hicache.server.responses import LogprobEntry, tier_details
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -35,7 +35,7 @@ class NativeSamplingParams(BaseModel):
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=0.0, description="only 0 is served")
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -103,7 +103,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False
@@ -152,6 +152,21 @@ class GenerateRequest(BaseModel):
                 f"the batch has {len(prompts)} prompts; at most {MAX_BATCH}", param="text"
             )
         return prompts, batched
+
+    def check_logprob_start(self, prompt_lens: list[int]) -> None:
+        """Refuse a ``logprob_start_len`` outside ``-1`` (SGLang's default: output tokens
+        only) and, with ``return_logprob``, ``0 .. len(prompt)`` (the prompt's positions;
+        its length: no prompt logprobs), for the shortest prompt of a batch."""
+        start = self.logprob_start_len
+        shortest = min(prompt_lens, default=0)
+        if start < -1 or (self.return_logprob and start > shortest):
+            raise InvalidRequest(
+                f"logprob_start_len={start} is invalid: -1 (the default: logprobs of the"
+                f" output tokens only) or a position in the prompt, 0 to {shortest} (the"
+                f" prompt{' (the shortest of the batch)' if len(prompt_lens) > 1 else ''} has"
+                f" {shortest} tokens)",
+                param="logprob_start_len",
+            )
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if not self.return_logprob:

@@ -35,6 +35,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             raw, batched = body.prompts()
             param = "text" if body.text is not None else "input_ids"
             prompts = await state.prompt_ids(raw, param)
+            body.check_logprob_start([len(p) for p in prompts])
             logprobs, prompt_lp = body.logprob_counts()
             fields = sp.as_openai(logprobs=logprobs, prompt_logprobs=prompt_lp)
             fields.cache_salt = body.cache_salt

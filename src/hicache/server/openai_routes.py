@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.server.fanout import Ending
-from hicache.server.http_base import bad_request, error_response
+from hicache.server.http_base import bad_request
 from hicache.server.protocol import ChatCompletionRequest, CompletionRequest, check_text
 from hicache.server.responses import (
     Choice,
@@ -50,6 +50,8 @@ async def _openai(
     """One completion or chat completion, streamed or not."""
     if (denied := state.authorized(http)) is not None:
         return denied
+    if (unknown := state.unknown_model(body.model)) is not None:
+        return unknown
     chat = isinstance(body, ChatCompletionRequest)
     name, detok = state.name, state.detok
     try:
@@ -78,6 +80,13 @@ async def _openai(
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, name, choices, detok if want_logprobs else None))
 
+    def chunk(data: dict[str, Any]) -> str:
+        """With include_usage, OpenAI's null usage on every chunk but the last, usage-only
+        one; without, each choice's final chunk carries that choice's usage."""
+        if body.include_usage:
+            data["usage"] = None
+        return sse(data)
+
     async def events() -> AsyncIterator[str]:
         sent_tokens: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
@@ -87,7 +96,9 @@ async def _openai(
             if i not in sent_tokens:  # first output of this choice
                 sent_tokens[i] = 0
                 if chat:
-                    yield sse(chat_chunk(rid, name, i, {"role": "assistant", "content": ""}, None))
+                    yield chunk(
+                        chat_chunk(rid, name, i, {"role": "assistant", "content": ""}, None)
+                    )
                 elif echo:
                     c = choice(i, out)
                     lp = (
@@ -95,7 +106,7 @@ async def _openai(
                         if want_logprobs
                         else None
                     )
-                    yield sse(completion_chunk(rid, name, i, c.echo_text, None, lp))
+                    yield chunk(completion_chunk(rid, name, i, c.echo_text, None, lp))
             if not (out.delta_text or out.finished):
                 continue
             logprobs = None
@@ -114,10 +125,11 @@ async def _openai(
             if out.finished:
                 finals[i] = out
                 state.finished(out, rid)
-                data["usage"] = usage([choice(i, out)])
+                if not body.include_usage:  # SGLang's bench_serving reads it there
+                    data["usage"] = usage([choice(i, out)])
                 if out.error:
                     errors.append(out.error)
-            yield sse(data)
+            yield chunk(data)
         error = state.stream_error(fan, errors)
         if error:
             yield sse(error_body(error, kind="server_error"))
@@ -158,25 +170,26 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                     check_text(text, f"messages[{i}].content")
             messages = [m.template_dict() for m in body.messages]
 
-            def render() -> list[int]:
-                ids = engine.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
-                )
-                return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            def render_and_encode() -> list[int]:
+                try:
+                    text = engine.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=False
+                    )
+                except Exception as exc:
+                    raise InvalidRequest(
+                        f"messages could not be rendered by the chat template: {exc}",
+                        param="messages",
+                    ) from None
+                # what apply_chat_template(tokenize=True) encodes, bounded first
+                return state.encode(str(text), "messages")
 
-            try:
-                return [await state.off_loop(render)], []
-            except Exception as exc:
-                raise InvalidRequest(
-                    f"messages could not be rendered by the chat template: {exc}",
-                    param="messages",
-                ) from None
+            return [await state.off_loop(render_and_encode)], []
 
         return await _openai(state, http, body, prepare, "messages")
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": state.name,
+            "id": name,
             "object": "model",
             "owned_by": "hicache",
             "created": 0,
@@ -188,14 +201,13 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def models(http: Request) -> Response:
         if (denied := state.authorized(http)) is not None:
             return denied
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        cards = [model_card(n) for n in state.model_names]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, http: Request) -> Response:
         if (denied := state.authorized(http)) is not None:
             return denied
-        if model_id != state.name:
-            return error_response(
-                404, f"the model {model_id!r} does not exist; this server serves {state.name!r}"
-            )
-        return JSONResponse(model_card())
+        if (unknown := state.unknown_model(model_id)) is not None:
+            return unknown
+        return JSONResponse(model_card(model_id))

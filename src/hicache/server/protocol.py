@@ -33,6 +33,12 @@ MAX_LOGPROBS = 20
 """Most alternatives per token (``logprobs`` / ``top_logprobs``), as OpenAI allows."""
 MAX_BATCH = 256
 """Most prompts in one batched ``/v1/completions`` request."""
+MAX_STOP = 4
+"""Most ``stop`` strings on the OpenAI routes, as OpenAI allows (``/generate`` takes more,
+as SGLang's does)."""
+
+TokenIds = list[StrictInt]
+"""A list of token ids: integers only (``true`` is not the token 1)."""
 
 
 def engine_supports(name: str) -> bool:
@@ -81,7 +87,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -119,6 +125,11 @@ class SamplingFields(BaseModel):
                 param="tool_choice",
             )
         check_extra_fields(self.model_extra)
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise InvalidRequest(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed",
+                param="stop",
+            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed with stream=true", param="stream_options"
@@ -136,12 +147,13 @@ class SamplingFields(BaseModel):
         if self.logit_bias:
             bias: dict[int, float] = {}
             for key, value in self.logit_bias.items():
-                try:
-                    token = int(key)
-                except ValueError:
+                if not (key.isascii() and key.isdigit()):
                     raise InvalidRequest(
-                        f"logit_bias key {key!r} is not a token id", param="logit_bias"
-                    ) from None
+                        f"logit_bias key {key!r} is not a token id (a non-negative integer"
+                        " in decimal digits)",
+                        param="logit_bias",
+                    )
+                token = int(key)
                 if not -100.0 <= value <= 100.0:
                     raise InvalidRequest(
                         f"logit_bias[{key}]={value!r} is invalid; must be in [-100, 100]",
@@ -194,7 +206,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None

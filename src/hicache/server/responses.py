@@ -305,6 +305,7 @@ def error_body(
     *,
     param: str | None = None,
     kind: str = "invalid_request_error",
-    code: int | str | None = None,
+    code: str | None = None,
 ) -> dict[str, Any]:
+    """OpenAI's error object: ``code`` is a string (``model_not_found`` ...) or null."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,7 +1,13 @@
 """What every route of one app shares (:class:`ServerState`): the engine, the served
-model name, the keys, the metrics, and the steps from a parsed body to engine requests
+model names, the keys, the metrics, and the steps from a parsed body to engine requests
 and back: prompts tokenized off the event loop, ``n`` jobs per prompt validated by the
 engine, the fan-out that runs them, and the error response when they did not finish.
+
+Tokenizing cannot stall other requests: a text whose lower bound on tokens
+(:mod:`~hicache.server.prompt_bound`) already reaches the context length is refused before
+any tokenizing, and the others are tokenized on a pool of :data:`TOKENIZE_THREADS` threads
+(Hugging Face fast tokenizers release the GIL while encoding), one task per HTTP request,
+so one large prompt holds one thread and the rest keep being served.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from hicache.engine.sampling import InvalidRequest
 from hicache.server.fanout import Ending, Fanout, Job
 from hicache.server.http_base import error_response
 from hicache.server.metrics import EngineMetrics
+from hicache.server.prompt_bound import NoBound, TokenBound, token_bound
 from hicache.server.protocol import SamplingFields, check_text
 from hicache.server.responses import Detokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+TOKENIZE_THREADS = 4
+"""Threads that tokenize prompts and render chat templates; each HTTP request's prompts
+are one task, so this many large prompts can be tokenized at once while requests with
+token ids (and ``/health``) never wait for them."""
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -43,10 +55,12 @@ def stream(gen: AsyncIterator[str]) -> StreamingResponse:
 class ServerState:
     """One app's shared state (built by :func:`~hicache.server.app.create_app`).
 
-    ``api_key``: when set, the inference endpoints need ``Authorization: Bearer
-    <api_key>`` (:meth:`authorized`); ``admin_api_key``: the admin endpoints' key
-    (:meth:`admin`), without which they are refused. Which route needs which key is
-    :data:`hicache.server.access.ROUTE_ACCESS`, enforced by its guard.
+    ``name``: the served model's name, the one responses carry; ``aliases``: other names
+    a body's ``model`` may give for it (:meth:`unknown_model`). ``api_key``: when set, the
+    inference endpoints need ``Authorization: Bearer <api_key>`` (:meth:`authorized`);
+    ``admin_api_key``: the admin endpoints' key (:meth:`admin`), without which they are
+    refused. Which route needs which key is :data:`hicache.server.access.ROUTE_ACCESS`,
+    enforced by its guard.
     """
 
     def __init__(
@@ -54,17 +68,38 @@ class ServerState:
         engine: Engine,
         name: str,
         *,
+        aliases: Sequence[str] = (),
         api_key: str | None,
         admin_api_key: str | None,
     ) -> None:
         self.engine = engine
         self.name = name
+        implicit = (engine.model.name, getattr(engine.config, "model_path", None))
+        self.model_names: tuple[str, ...] = tuple(
+            dict.fromkeys(n for n in (name, *aliases, *implicit) if n)
+        )
+        """Every name ``model`` may take, each once: ``name`` first, then the aliases, then
+        the model's own name and the path it was loaded from (SGLang's default served
+        name, which SGLang-style clients send)."""
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.metrics = EngineMetrics(engine)
         self.detok = Detokenizer(engine.tokenizer)
+        self.token_bound: TokenBound | None
+        try:
+            self.token_bound = token_bound(engine.tokenizer)
+        except NoBound as exc:
+            self.token_bound = None
+            log.info("prompts are tokenized before their length is checked: %s", exc)
+        # One encode here, before the pool's threads share the tokenizer: transformers
+        # resets a tokenizer's saved truncation/padding on its first encode, the only
+        # call that writes to it (concurrent with another encode, that write would fail)
+        engine.tokenizer.encode("a", add_special_tokens=False)
+        self.before_encode: Callable[[str], None] | None = None
+        """Called on the tokenizing thread with each text that passed the bound, just
+        before it is encoded (tests hold a prompt there); None: nothing is called."""
         self._tokenize_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="hicache-tokenize"
+            max_workers=TOKENIZE_THREADS, thread_name_prefix="hicache-tokenize"
         )
 
     # ------------------------------------------------------------------ keys
@@ -96,24 +131,65 @@ class ServerState:
 
     # ------------------------------------------------------------------ prompts
 
+    def unknown_model(self, model: str | None) -> JSONResponse | None:
+        """None when a body's ``model`` names the served model (or is absent), else
+        OpenAI's 404 ``model_not_found``."""
+        if model is None or model in self.model_names:
+            return None
+        served = ", ".join(repr(n) for n in self.model_names)
+        return error_response(
+            404,
+            f"the model {model!r} does not exist; this server serves {served} (GET /v1/models)",
+            param="model",
+            kind="invalid_request_error",
+            code="model_not_found",
+        )
+
+    # ------------------------------------------------------------------ prompts
+
     async def off_loop(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the tokenizer thread, not on the event loop."""
+        """``fn()`` on the tokenizing pool, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def check_length(self, text: str, param: str) -> None:
+        """Refuse ``text`` (:class:`InvalidRequest` naming ``param``) when its lower bound
+        on tokens already reaches the context length: no tokenizing needed to know."""
+        bound = self.token_bound
+        if bound is None:
+            return
+        ctx = self.engine.context_length
+        least = bound.min_tokens(text)
+        if least >= ctx:
+            raise InvalidRequest(
+                f"{param} is too long: its {len(text)} characters are at least {least} tokens"
+                f" (no token stands for more than {bound.chars_per_token} characters), and"
+                f" the context length is {ctx} (at least one token must be generated)",
+                param=param,
+            )
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added), after :meth:`check_length`;
+        run on the pool (:meth:`off_loop`). Raises :class:`InvalidRequest` naming ``param``
+        for invalid Unicode, a text too long by its bound, or no tokens."""
         check_text(text, param)
+        self.check_length(text, param)
+        if self.before_encode is not None:
+            self.before_encode(text)
         ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise InvalidRequest("the prompt encodes to no tokens", param=param)
         return ids
 
     async def prompt_ids(self, prompts: Sequence[str | list[int]], param: str) -> list[list[int]]:
-        """Token ids of each prompt (texts encoded off the loop); raises
-        :class:`InvalidRequest` naming ``param`` for an empty or invalid one."""
+        """Token ids of each prompt (texts encoded on the pool, one task for them all);
+        raises :class:`InvalidRequest` naming ``param`` for an empty or invalid one, and
+        for a text too long by its bound before any text is encoded."""
         texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
         out: list[list[int]] = [list(p) if not isinstance(p, str) else [] for p in prompts]
+        for _, text in texts:
+            self.check_length(text, param)
         if texts:
-            encoded = await self.off_loop(lambda: [self._encode(p, param) for _, p in texts])
+            encoded = await self.off_loop(lambda: [self.encode(p, param) for _, p in texts])
             for (i, _), ids in zip(texts, encoded, strict=True):
                 out[i] = ids
         for ids in out:
