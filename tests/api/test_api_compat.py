@@ -372,6 +372,12 @@ def test_model_aliases_are_listed_and_served() -> None:
             assert r.model == "tiny" and r.usage.completion_tokens == 2  # responses: the name
             with pytest.raises(openai.NotFoundError):
                 complete(client, model="gpt-4o")
+            # the model's own name is accepted (SGLang's default served name is the
+            # path), though not listed
+            own = engine.model.name
+            assert own not in ("tiny", "smol")
+            r = complete(client, model=own, max_tokens=2)
+            assert r.model == "tiny" and client.models.retrieve(own).root == "tiny"
     finally:
         engine.close()
 

@@ -74,13 +74,13 @@ class ServerState:
     ) -> None:
         self.engine = engine
         self.name = name
+        self.model_names: tuple[str, ...] = tuple(dict.fromkeys((name, *aliases)))
+        """The names ``/v1/models`` lists, each once: ``name`` first, then the aliases."""
         implicit = (engine.model.name, getattr(engine.config, "model_path", None))
-        self.model_names: tuple[str, ...] = tuple(
-            dict.fromkeys(n for n in (name, *aliases, *implicit) if n)
-        )
-        """Every name ``model`` may take, each once: ``name`` first, then the aliases, then
-        the model's own name and the path it was loaded from (SGLang's default served
-        name, which SGLang-style clients send)."""
+        self.accepted_models = frozenset((*self.model_names, *(n for n in implicit if n)))
+        """Every name a body's ``model`` may give: the listed ones, and also the model's
+        own name and the path it was loaded from (SGLang's default served name, which
+        SGLang-style clients send), accepted without being listed."""
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.metrics = EngineMetrics(engine)
@@ -134,7 +134,7 @@ class ServerState:
     def unknown_model(self, model: str | None) -> JSONResponse | None:
         """None when a body's ``model`` names the served model (or is absent), else
         OpenAI's 404 ``model_not_found``."""
-        if model is None or model in self.model_names:
+        if model is None or model in self.accepted_models:
             return None
         served = ", ".join(repr(n) for n in self.model_names)
         return error_response(
