@@ -31,6 +31,10 @@ def test_fairness_bench_writes_every_config_and_the_group_rule_shows(tmp_path: P
                 assert at + wait >= 15, r  # (the first copy's first token came at step 1)
         if r["config"] != "on":  # only a lending cap gives slots back (how many under
             assert r["reclaimed"] == 0, r  # "on" depends on when the small ones arrive)
+        if r["config"] == "strict":  # 96 tokens, at most 2 copies a step
+            assert r["wide_steps"] >= 48, r
+        else:  # idle slots lent: 4 copies a step once the small ones are done
+            assert r["wide_steps"] < 48, r
     assert set(doc["pairs"]["on"]) == {"ttft_p50_s", "ttft_p99_s", "wide_tok_s"}
     assert doc["pairs"]["on"]["ttft_p50_s"]["n"] == 2
 

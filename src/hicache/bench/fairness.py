@@ -25,7 +25,9 @@ from a small request's arrival to its first token, 1 at best: independent of the
 machine's speed), the wide request's output throughput from its first copy's arrival to
 its last copy's end (``--wide-n`` x ``--wide-tokens`` / that time: what the group rule
 costs the wide request; under ``strict`` it decodes at most half the slots' copies at a
-time), and the wide copies retracted to give a lent slot back (``Scheduler.reclaimed``).
+time), the same in **steps** (the engine's forwards from the wide request's arrival to its
+last copy's end: machine-independent, like the small requests' wait), and the wide copies
+retracted to give a lent slot back (``Scheduler.reclaimed``).
 ``--json PATH`` writes every run and the pair ratios.
 """
 
@@ -45,7 +47,7 @@ from hicache.bench.report import print_table, write_json
 
 CONFIGS = ("off", "on", "lpm", "strict")
 COLUMNS = ("config", "small TTFT p50 s", "p99 s", "wait p99 steps", "wide tok/s",
-           "reclaimed", "p50/off", "p99/off", "wide/off")  # fmt: skip
+           "wide steps", "reclaimed", "p50/off", "p99/off", "wide/off")  # fmt: skip
 TIMEOUT_S = 600.0
 
 
@@ -65,6 +67,8 @@ class FairnessRun:
     wall_s: float
     reclaimed: int = 0
     """Wide copies retracted to give a lent slot back during the run."""
+    wide_steps: int = 0
+    """The engine's forwards from the wide request's arrival to its last copy's end."""
 
     @property
     def ttft_p50(self) -> float:
@@ -88,6 +92,7 @@ class FairnessRun:
             "ttft_p99_s": self.ttft_p99,
             "wait_p99_steps": self.wait_p99,
             "wide_tok_s": self.wide_tok_s,
+            "wide_steps": float(self.wide_steps),
             "reclaimed": float(self.reclaimed),
         }
 
@@ -127,6 +132,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
     progress: dict[str, int] = {}  # wide rid -> tokens so far
     wide_done = threading.Event()
     wide_end: list[float] = []
+    wide_steps: list[int] = []
     wide_started = threading.Event()
     ttfts: dict[int, float] = {}
     waits: dict[int, int] = {}
@@ -145,6 +151,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
             if out.finished:
                 wide_end.append(time.perf_counter())
                 if len(wide_end) == args.wide_n:
+                    wide_steps.append(clock())
                     wide_done.set()
         if out.output_ids and not wide_started.is_set():
             wide_started.set()
@@ -196,6 +203,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
         wide_tokens=generated,
         wall_s=wall,
         reclaimed=int(reclaimed) - int(reclaimed_before),
+        wide_steps=wide_steps[0],
     )
 
 
@@ -312,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{per['ttft_p99_s']['median']:.3f}",
                 f"{per['wait_p99_steps']['median']:.0f}",
                 f"{per['wide_tok_s']['median']:.0f}",
+                f"{per['wide_steps']['median']:.0f}",
                 f"{per['reclaimed']['median']:.0f}",
                 ratio("ttft_p50_s"),
                 ratio("ttft_p99_s"),
