@@ -401,3 +401,26 @@ def test_retracted_lent_copies_generate_the_same_tokens_as_a_strict_cap(name: st
     assert all(len(o) == 8 for o in lent["wide"])
     if name == "tiny-random-llama":  # retracted with 12 of 13 tokens computed: 3 whole
         assert lent["prefixes"] == {2: 12, 3: 12}  # pages kept, found again
+
+
+def test_each_retraction_falls_on_a_copy_retracted_fewest_times(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=4)
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
+    for r in wide:
+        sched.add(r)
+    sched.step()
+    victims = []
+    for k in range(3):  # a small request, its two tokens, its lent slot back to the wide one
+        before = [r.retracted for r in wide]
+        sched.add(req(70 + 2 * k))
+        sched.step()
+        victims += [i for i, r in enumerate(wide) if r.retracted > before[i]]
+        sched.step()
+        sched.step()
+        assert [r.group for r in sched.running] == ["wide"] * 4
+    # least progressed alone would pick wide[3] every time (its retraction set it back)
+    assert victims == [3, 2, 1]
+    run(sched, 300)
+    for i, r in enumerate(wide):
+        assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
+    cache.check_integrity()

@@ -26,12 +26,11 @@ below its cap has a *claim*; one of a group at its cap is a *borrower*. Borrower
 admitted (fewest held first) only once no ready claimant is left waiting, so a lone wide
 request fills every idle slot. A ready claimant that finds no free slot, or not enough L1,
 takes a lent slot back: one sequence of a group holding more than its cap is retracted
-(:meth:`Scheduler._reclaim`: lowest priority first, then the group most over its cap, then
-its least progressed, most recently admitted sequence) through the same retraction as under
-memory pressure (its committed KV stays cached; re-admission finds it), one per claimant
-and never below the cap. A retracted sequence is a borrower again, so it returns only when
-no claimant waits: no thrash. Under memory pressure (:meth:`Scheduler._ensure_pages`) a lent
-slot is given back first, too.
+(:meth:`Scheduler._lent` says which) through the same retraction as under memory pressure
+(its committed KV stays cached; re-admission finds it), one per claimant and never below
+the cap. A retracted sequence is a borrower again, so it returns only when no claimant
+waits: no thrash. Under memory pressure (:meth:`Scheduler._ensure_pages`) a lent slot is
+given back first, too.
 
 What a model caches besides K/V stays between the cache and the runner: each forward asks
 the cache for its plan per request (``plan_chunk``: where the chunk must end, and after
@@ -391,10 +390,19 @@ class Scheduler:
         """The running sequence (of ``among``; default every running one) that gives a
         lent slot back first, or None when no group holds more than its cap (or the cap
         does not lend). Lowest ``priority`` first (what the rule protects last), then the
-        group most over its cap, then the sequence with the fewest output tokens, the most
-        recently admitted among equals: it holds the least KV of its own (its siblings'
-        shared prompt stays pinned), so its re-admission costs the least, and the copies
-        closest to their end keep running and free their slots soonest."""
+        group most over its cap; within it the sequence retracted the fewest times so far,
+        then the one with the fewest output tokens, the most recently admitted among
+        equals.
+
+        Why, in that order: a client request ends with its last copy, so each retraction
+        (a few steps' delay for the copy) should fall on a different copy: picking the
+        least progressed one alone would pick the same copy again and again (it is least
+        progressed *because* it was retracted), and that copy's delays add up (measured:
+        the ``n: 64`` request's 16 retractions cost it 31 more steps, 12%, that way; see
+        ``docs/benchmarks.md``). Among copies retracted equally often, the least
+        progressed holds the least KV of its own (its siblings' shared prompt stays pinned)
+        so its re-admission costs the least, and the copies closest to their end keep
+        running and free their slots soonest."""
         cap = self.config.group_cap
         if cap is None or not self.config.lend_idle_slots:
             return None
@@ -405,7 +413,13 @@ class Scheduler:
             return None
         return min(
             lent,
-            key=lambda r: (r.priority, -held[r.group], len(r.output_ids), -order[id(r)]),
+            key=lambda r: (
+                r.priority,
+                -held[r.group],
+                r.retracted,
+                len(r.output_ids),
+                -order[id(r)],
+            ),
         )
 
     def _reclaim(self, held: Counter[str]) -> bool:
