@@ -1,24 +1,35 @@
-"""Admission: priority, the per-group cap and fair share, ``lpm``, and the queue places.
+"""Admission: priority, the per-group cap and fair share, lending idle slots and taking
+them back, ``lpm``, and the queue places.
 
 A real cache and a :class:`~tests.helpers.fake_runner.NextTokenRunner` (outputs known in
-advance); every assertion is on the scheduler's exact state after a step.
+advance); every assertion is on the scheduler's exact state after a step. The lending tests
+on real tiny models (plain, sliding-window and recurrent) drive the engine's scheduler step
+by step on its own thread and compare every token with a run whose cap does not lend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.engine.admission import QueueFull, QueueGate
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.keys import Namespace, PageKey
+from hicache.storage.backends.memory import MemoryStorage, MemoryStore
+from hicache.storage.base import Deadline
+from hicache.storage.pageio import Payloads
+from hicache.storage.stats import MissReason
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run
+from tests.helpers.kvdata import serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -42,10 +53,10 @@ def rids(reqs: Any) -> list[str]:
     return [r.rid for r in reqs]
 
 
-def test_a_group_holds_at_most_its_cap_and_a_later_small_request_runs_at_once(
+def test_a_strict_cap_holds_a_group_to_its_cap_and_a_later_small_request_runs_at_once(
     cache: HiCache,
 ) -> None:
-    sched, runner = make(cache, max_running_requests=4)  # cap: half, 2
+    sched, runner = make(cache, max_running_requests=4, lend_idle_slots=False)  # cap: half, 2
     assert sched.config.group_cap == 2
     wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
     for r in wide:
@@ -193,3 +204,298 @@ def test_group_cap_defaults_to_half_the_slots() -> None:
     assert SchedulerConfig(max_running_requests=5).group_cap == 2
     assert SchedulerConfig(max_running_requests_per_group=32).group_cap == 32
     assert SchedulerConfig(max_running_requests_per_group=0).group_cap is None
+
+
+# ---------------------------------------------------------------- lending idle slots
+
+
+def test_a_lone_wide_group_borrows_every_slot_and_gives_one_back_per_small_request(
+    cache: HiCache,
+) -> None:
+    sched, runner = make(cache, max_running_requests=4)  # cap 2, lending
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
+    for r in wide:
+        sched.add(r)
+    sched.step()
+    assert rids(sched.running) == rids(wide[:4])  # nothing else waits: 2 slots lent
+    sched.step()
+    small = req(80)
+    sched.add(small)
+    sched.step()  # one lent slot back: the most recently admitted of equally advanced copies
+    assert rids(sched.running) == rids([*wide[:3], small])
+    assert rids(sched.waiting) == rids([wide[3], *wide[4:]])
+    assert (wide[3].retracted, sched.reclaimed) == (1, 1)
+    assert runner.batches[-1] == [1, 1, 1, 2]  # the small one's prefill at once
+    sched.step()
+    assert small.finished and small.output_ids == [82, 83]
+    assert rids(sched.running) == rids(wide[:3])
+    sched.step()  # the slot is lent again: the retracted copy comes back first
+    assert rids(sched.running) == rids(wide[:4])
+    assert runner.batches[-1] == [1, 1, 1, 4]  # its prompt and 2 tokens: no whole page kept
+    run(sched, 200)
+    for i, r in enumerate(wide):
+        assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
+    assert sched.reclaimed == 1 and sum(r.retracted for r in wide) == 1
+    assert cache.requests == 0
+    cache.check_integrity()
+
+
+def test_small_requests_cut_the_wide_group_to_its_cap_and_no_further(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=4)
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
+    for r in wide:
+        sched.add(r)
+    sched.step()
+    small = [req(70 + 2 * i) for i in range(3)]
+    for r in small:
+        sched.add(r)
+    sched.step()  # two lent slots back, then the third small one finds the wide one at its cap
+    assert rids(sched.running) == rids([*wide[:2], *small[:2]])
+    assert rids(sched.waiting) == rids([wide[2], wide[3], *wide[4:], small[2]])
+    assert sched.reclaimed == 2 and [r.retracted for r in wide] == [0, 0, 1, 1, 0, 0]
+    sched.step()  # the first two small ones end; a claimant waits, so nothing is lent
+    assert rids(sched.running) == rids(wide[:2])
+    assert small[2].admitted_at is None
+    sched.step()  # the claimant first, then one lent slot for the first retracted copy
+    assert rids(sched.running) == rids([*wide[:2], small[2], wide[2]])
+    run(sched, 200)
+    assert sched.reclaimed == 2
+    assert [r.output_ids for r in small] == [[72, 73], [74, 75], [76, 77]]
+    for i, r in enumerate(wide):
+        assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
+    cache.check_integrity()
+
+
+def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found_again() -> None:
+    # L1: 13 pages. Six wide copies of 7-token prompts hold 2 pages each (12); a small
+    # 7-token prompt needs 2 pages with 1 free: one lent copy (of 8 slots, cap 4) goes.
+    cfg = CacheConfig(page_size=PAGE, device_tokens=13 * PAGE, hicache_ratio=2.0)
+    with HiCache(cfg, SPEC) as cache:
+        sched, runner = make(cache, max_running_requests=8)
+        two = SamplingParams(temperature=0.0, max_tokens=2)
+        wide = [
+            Request(list(range(10 * i + 1, 10 * i + 8)), two, None, group="w") for i in range(6)
+        ]
+        for r in wide:
+            sched.add(r)
+        sched.step()
+        assert rids(sched.running) == rids(wide)
+        assert cache.stats().device_free_tokens == PAGE  # one page free
+        small = Request(list(range(80, 87)), two, None)
+        sched.add(small)
+        sched.step()  # a free slot but no L1: one lent copy's pages, no more
+        assert sched.reclaimed == 1 and [r.retracted for r in wide] == [0] * 5 + [1]
+        assert runner.batches[-1] == [1, 1, 1, 1, 1, 7]
+        assert all(r.finished for r in wide[:5]) and rids(sched.waiting) == rids(wide[5:])
+        sched.step()  # re-admitted from its committed page: 4 of its 8 tokens recomputed
+        assert runner.batches[-1] == [1, 4]
+        assert small.output_ids == [87, 88] and wide[5].output_ids == [58, 59]
+        assert sched.idle and cache.requests == 0
+        cache.check_integrity()
+
+
+def test_priority_first_among_claimants_for_a_lent_slot(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=4)
+    other = req(90, "x", LONG)
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
+    for r in (other, *wide):
+        sched.add(r)
+    sched.step()  # x, two wide copies at the cap, then the one idle slot lent to a third
+    assert rids(sched.running) == rids([other, *wide[:3]])
+    low, high = req(70, priority=0), req(80, priority=5)
+    sched.add(low)
+    sched.add(high)
+    # claimants by priority, then the borrowers (their group at its cap) in queue order
+    assert rids(sched.admission_order()) == rids([high, low, *wide[3:]])
+    sched.step()  # one lent slot: the higher priority takes it, the lower one waits
+    assert rids(sched.running) == rids([other, *wide[:2], high])
+    assert rids(sched.waiting) == rids([wide[2], *wide[3:], low])
+    assert sched.reclaimed == 1
+    run(sched, 300)
+    assert low.output_ids == [72, 73] and high.output_ids == [82, 83]
+    cache.check_integrity()
+
+
+def test_a_strict_cap_lists_no_borrower(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=4, lend_idle_slots=False)
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(4)]
+    for r in wide:
+        sched.add(r)
+    sched.step()
+    assert rids(sched.running) == rids(wide[:2])
+    assert sched.admission_order() == []
+    run(sched, 200)
+    assert sched.reclaimed == 0
+
+
+class GatedStorage(MemoryStorage):
+    """``MemoryStorage`` whose reads wait for ``gate``: an L3 prefetch that stays running."""
+
+    def __init__(self, namespace: Namespace, store: MemoryStore) -> None:
+        super().__init__(namespace, store=store)
+        self.gate = threading.Event()
+
+    def _get(
+        self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline
+    ) -> list[MissReason | None]:
+        assert self.gate.wait(30)
+        return super()._get(keys, pages, deadline)
+
+
+def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready() -> None:
+    prompt = list(range(40, 49))  # 9 tokens: its first 8 (2 pages) in L3
+    store = MemoryStore()
+    prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=64 * PAGE, hicache_ratio=2.0, load_back_threshold=0
+    )
+
+    def namespace(cache: HiCache) -> Namespace:
+        layout = cache.config.mem_layout
+        return Namespace.for_spec(SPEC, model="m", weights_fingerprint="w", layout=layout,
+                                  page_size=PAGE)  # fmt: skip
+
+    with HiCache(cfg, SPEC).start() as writer:
+        ns = namespace(writer)
+        writer.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+        serve(writer, prompt)
+        writer.flush()
+    with HiCache(cfg, SPEC).start() as cache:
+        ns = namespace(cache)
+        storage = GatedStorage(ns, store)
+        cache.attach_storage(storage, ns, prefetch)
+        sched, _ = make(cache, max_running_requests=4)
+        wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
+        for r in wide:
+            sched.add(r)
+        for _ in range(100):  # their lookups (nothing in L3) come back
+            if len(sched.running) == 4:
+                break
+            sched.step()
+            time.sleep(0.001)
+        assert rids(sched.running) == rids(wide[:4])
+        claimant = Request(prompt, SHORT, None)
+        sched.add(claimant)
+        for _ in range(3):  # its read waits: the lent slots stay lent
+            sched.step()
+            assert rids(sched.running) == rids(wide[:4]) and sched.reclaimed == 0
+        storage.gate.set()
+        assert claimant.cache is not None
+        for _ in range(1000):
+            if cache.ready(claimant.cache):
+                break
+            time.sleep(0.001)
+        sched.step()  # ready: it takes one lent slot back at once
+        assert rids(sched.running) == rids([*wide[:3], claimant])
+        assert sched.reclaimed == 1 and claimant.cached.storage == 8
+        run(sched, 200)
+        assert claimant.output_ids == [49, 50]
+        cache.flush()
+        cache.check_integrity()
+
+
+LENDING_MODELS = ("tiny-random-llama", "tiny-random-gemma3", "tiny-random-qwen3-next")
+
+
+def lending_run(name: str, lend: bool) -> dict[str, Any]:
+    """Six 10-token prompts of one group (8 greedy tokens each) on a real tiny model, 4
+    running slots (cap 2); after 3 steps two small requests arrive. The scheduler is
+    stepped on the engine's thread (the loop waits meanwhile): every output, the groups
+    running just after the small ones arrived, and what was retracted."""
+    from hicache.engine.engine import Engine, EngineConfig
+    from tests.helpers.engine_fixtures import TINY, engine_model
+    from tests.runner.models.hybrid_fixtures import hybrid_model
+
+    loaded = engine_model(name) if name in TINY else hybrid_model(name)
+    config = EngineConfig(
+        model_path=name,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(
+            page_size=PAGE, device_tokens=256, hicache_ratio=2.0, max_mamba_cache_size=16
+        ),
+        scheduler=SchedulerConfig(
+            max_running_requests=4, chunked_prefill_size=64, lend_idle_slots=lend
+        ),
+        context_length=128,
+    )
+    wide_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    small_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with Engine(config, loaded=loaded).start() as engine:
+
+        def drive() -> dict[str, Any]:
+            sched = engine.scheduler
+            wide = [
+                Request(list(range(11 + 13 * i, 21 + 13 * i)), wide_params, group="wide")
+                for i in range(6)
+            ]
+            small = [Request(list(range(200 + 5 * i, 205 + 5 * i)), small_params) for i in (0, 1)]
+            for r in wide:
+                sched.add(r)
+            for _ in range(3):
+                sched.step()
+            for r in small:
+                sched.add(r)
+            sched.step()
+            groups = [r.group for r in sched.running]
+            prefixes: dict[int, int] = {}
+            for _ in range(200):
+                if sched.idle:
+                    break
+                sched.step()
+                for i, r in enumerate(wide):  # what a retracted copy's re-admission found
+                    if r.retracted and i not in prefixes and r in sched.running:
+                        assert r.cache is not None
+                        prefixes[i] = r.cache.prefix_tokens
+            assert sched.idle and engine.cache.requests == 0
+            states = sched.runner.states
+            assert states is None or len(states) == 0
+            return {
+                "wide": [r.output_ids for r in wide],
+                "small": [r.output_ids for r in small],
+                "errors": [r.error for r in (*wide, *small) if r.error],
+                "groups": groups,
+                "retracted": [r.retracted for r in wide],
+                "prefixes": prefixes,
+            }
+
+        got: dict[str, Any] = engine.call(drive).result(timeout=120)
+        engine.call(engine.cache.check_integrity).result(timeout=30)
+        return got
+
+
+@pytest.mark.parametrize("name", LENDING_MODELS)
+def test_retracted_lent_copies_generate_the_same_tokens_as_a_strict_cap(name: str) -> None:
+    lent, strict = lending_run(name, True), lending_run(name, False)
+    assert lent["errors"] == strict["errors"] == []
+    # lending: every slot was the wide group's; the two small ones took two back at once
+    assert lent["groups"].count("wide") == 2 and len(lent["groups"]) == 4
+    assert lent["retracted"] == [0, 0, 1, 1, 0, 0] and strict["retracted"] == [0] * 6
+    assert lent["wide"] == strict["wide"] and lent["small"] == strict["small"]
+    assert all(len(o) == 8 for o in lent["wide"])
+    # retracted with 12 of 13 tokens computed: 3 whole pages kept (and the state after
+    # them, for the sliding-window and recurrent layers), found again at re-admission
+    assert lent["prefixes"] == {2: 12, 3: 12}
+
+
+def test_each_retraction_falls_on_a_copy_retracted_fewest_times(cache: HiCache) -> None:
+    sched, _ = make(cache, max_running_requests=4)
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
+    for r in wide:
+        sched.add(r)
+    sched.step()
+    victims = []
+    for k in range(3):  # a small request, its two tokens, its lent slot back to the wide one
+        before = [r.retracted for r in wide]
+        sched.add(req(70 + 2 * k))
+        sched.step()
+        victims += [i for i, r in enumerate(wide) if r.retracted > before[i]]
+        sched.step()
+        sched.step()
+        assert [r.group for r in sched.running] == ["wide"] * 4
+    # least progressed alone would pick wide[3] every time (its retraction set it back)
+    assert victims == [3, 2, 1]
+    run(sched, 300)
+    for i, r in enumerate(wide):
+        assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
+    cache.check_integrity()

@@ -9,10 +9,12 @@ once it has its first token, all in one group. Once the wide request runs, a str
 tokens) arrives, one every ``--small-interval`` seconds, each its own group. When every
 small request and every wide copy has finished, the cache is flushed.
 
-Configs: ``off`` is the landed behaviour (``fcfs``, no group rule:
-``max_running_requests_per_group=0``); ``on`` is the default (``fcfs``, a group may hold
-half the running slots, the group holding fewest goes first); ``lpm`` is ``on`` with
-``--schedule-policy lpm``. Each config's engine is built once; the workload runs
+Configs: ``off`` is the behaviour before fair admission (``fcfs``, no group rule:
+``max_running_requests_per_group=0``); ``on`` is the default (``fcfs``, a group's cap is
+half the running slots, the group holding fewest goes first, and idle slots are lent past
+the cap and taken back when another group's request waits); ``lpm`` is ``on`` with
+``--schedule-policy lpm``; ``strict`` is ``on`` with a cap that does not lend
+(``lend_idle_slots=False``: the first fair admission). Each config's engine is built once; the workload runs
 ``--repeats`` times per config, in alternating order (A B, B A, ...:
 :func:`hicache.bench.pairs.alternating_order`), so the machine's drift cancels in the
 pair ratios (each config against ``off`` in the same repetition).
@@ -20,9 +22,13 @@ pair ratios (each config against ``off`` in the same repetition).
 Figures per run: the small requests' TTFT p50 and p99 (seconds, the engine's: from
 arrival at the engine to the first token), their wait in **steps** (the engine's forwards
 from a small request's arrival to its first token, 1 at best: independent of the
-machine's speed), and the wide request's output throughput from its first copy's arrival to its last copy's end (``--wide-n`` x ``--wide-tokens`` /
-that time: what the group rule costs the wide request, which then decodes at most half the
-slots' copies at a time). ``--json PATH`` writes every run and the pair ratios.
+machine's speed), the wide request's output throughput from its first copy's arrival to
+its last copy's end (``--wide-n`` x ``--wide-tokens`` / that time: what the group rule
+costs the wide request; under ``strict`` it decodes at most half the slots' copies at a
+time), the same in **steps** (the engine's forwards from the wide request's arrival to its
+last copy's end: machine-independent, like the small requests' wait), and the wide copies
+retracted to give a lent slot back (``Scheduler.reclaimed``).
+``--json PATH`` writes every run and the pair ratios.
 """
 
 from __future__ import annotations
@@ -39,9 +45,9 @@ from typing import Any
 from hicache.bench.pairs import Spread, alternating_order, pair_ratios, quantile
 from hicache.bench.report import print_table, write_json
 
-CONFIGS = ("off", "on", "lpm")
+CONFIGS = ("off", "on", "lpm", "strict")
 COLUMNS = ("config", "small TTFT p50 s", "p99 s", "wait p99 steps", "wide tok/s",
-           "p50/off", "p99/off", "wide/off")  # fmt: skip
+           "wide steps", "reclaimed", "p50/off", "p99/off", "wide/off")  # fmt: skip
 TIMEOUT_S = 600.0
 
 
@@ -59,6 +65,10 @@ class FairnessRun:
     """The engine's forwards so far when each small request arrived (its first: 0)."""
     wide_tokens: int
     wall_s: float
+    reclaimed: int = 0
+    """Wide copies retracted to give a lent slot back during the run."""
+    wide_steps: int = 0
+    """The engine's forwards from the wide request's arrival to its last copy's end."""
 
     @property
     def ttft_p50(self) -> float:
@@ -82,6 +92,8 @@ class FairnessRun:
             "ttft_p99_s": self.ttft_p99,
             "wait_p99_steps": self.wait_p99,
             "wide_tok_s": self.wide_tok_s,
+            "wide_steps": float(self.wide_steps),
+            "reclaimed": float(self.reclaimed),
         }
 
 
@@ -93,6 +105,12 @@ def scheduler_fields(config: str) -> dict[str, Any]:
         return {"schedule_policy": "fcfs", "max_running_requests_per_group": None}
     if config == "lpm":
         return {"schedule_policy": "lpm", "max_running_requests_per_group": None}
+    if config == "strict":
+        return {
+            "schedule_policy": "fcfs",
+            "max_running_requests_per_group": None,
+            "lend_idle_slots": False,
+        }
     raise ValueError(f"config {config!r} is unknown; choose from {', '.join(CONFIGS)}")
 
 
@@ -114,6 +132,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
     progress: dict[str, int] = {}  # wide rid -> tokens so far
     wide_done = threading.Event()
     wide_end: list[float] = []
+    wide_steps: list[int] = []
     wide_started = threading.Event()
     ttfts: dict[int, float] = {}
     waits: dict[int, int] = {}
@@ -121,6 +140,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
     done = threading.Event()
 
     base = engine.scheduler.forwards
+    reclaimed_before = engine.scheduler.reclaimed
 
     def clock() -> int:  # engine thread
         return int(engine.scheduler.forwards) - base
@@ -131,6 +151,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
             if out.finished:
                 wide_end.append(time.perf_counter())
                 if len(wide_end) == args.wide_n:
+                    wide_steps.append(clock())
                     wide_done.set()
         if out.output_ids and not wide_started.is_set():
             wide_started.set()
@@ -170,6 +191,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
         generated = sum(progress.values())
         wall = max(wide_end) - t0
     _wait_idle(engine)
+    reclaimed = engine.call(lambda: engine.scheduler.reclaimed).result(TIMEOUT_S)
     if not engine.flush_cache():
         raise RuntimeError("the engine did not go idle for the flush")
     return FairnessRun(
@@ -180,6 +202,8 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
         small_arrival_steps=tuple(arrived_at[k] for k in range(args.num_small)),
         wide_tokens=generated,
         wall_s=wall,
+        reclaimed=int(reclaimed) - int(reclaimed_before),
+        wide_steps=wide_steps[0],
     )
 
 
@@ -296,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{per['ttft_p99_s']['median']:.3f}",
                 f"{per['wait_p99_steps']['median']:.0f}",
                 f"{per['wide_tok_s']['median']:.0f}",
+                f"{per['wide_steps']['median']:.0f}",
+                f"{per['reclaimed']['median']:.0f}",
                 ratio("ttft_p50_s"),
                 ratio("ttft_p99_s"),
                 ratio("wide_tok_s"),

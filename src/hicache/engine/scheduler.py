@@ -18,11 +18,22 @@ recompute fails it. The scheduler holds only opaque handles and names no cache c
 Admission order (:meth:`Scheduler.admission_order`), so that one wide client request
 cannot lock out the others: higher ``priority`` first; then, with the group rule on
 (``max_running_requests_per_group``, default half the running slots), requests whose group
-(one client request: its ``n`` copies and batched prompts) holds fewer running slots, and
-no group holds more than its cap; then the policy's order (``fcfs``, or ``lpm``: longest
-cached prefix first, which asks the cache for each waiting request's match). A request
-whose L3 prefetch is still running is passed over; one that does not fit in L1 stops
-admission for the step (later ones do not overtake it for memory).
+(one client request: its ``n`` copies and batched prompts) holds fewer running slots; then
+the policy's order (``fcfs``, or ``lpm``: longest cached prefix first, which asks the cache
+for each waiting request's match). A request whose L3 prefetch is still running is passed
+over; one that does not fit in L1 stops admission for the step (later ones do not overtake
+it for memory).
+
+The cap is work-conserving (``lend_idle_slots``, the default): a waiting request of a group
+below its cap has a *claim*; one of a group at its cap is a *borrower*. Borrowers are
+admitted (fewest held first) only once no ready claimant is left waiting, so a lone wide
+request fills every idle slot. A ready claimant that finds no free slot, or not enough L1,
+takes a lent slot back: one sequence of a group holding more than its cap is retracted
+(:meth:`Scheduler._lent` says which) through the same retraction as under memory pressure
+(its committed KV stays cached; re-admission finds it), one per claimant and never below
+the cap. A retracted sequence is a borrower again, so it returns only when no claimant
+waits: no thrash. Under memory pressure (:meth:`Scheduler._ensure_pages`) a lent slot is
+given back first, too.
 
 What a model caches besides K/V stays between the cache and the runner: each forward asks
 the cache for its plan per request (``plan_chunk``: where the chunk must end, and after
@@ -114,6 +125,11 @@ class SchedulerConfig:
     may hold at once; waiting requests of the group holding the fewest slots go first.
     None: half of ``max_running_requests`` (at least 1); 0: no group rule at all (the
     policy's order alone, as before groups existed)."""
+    lend_idle_slots: bool = True
+    """With a group rule: a group may run past its cap while no request of a group below
+    its cap waits ready, and gives the lent slots back (its sequences past the cap are
+    retracted, their KV kept cached) when one does (see the module docstring). False: the
+    cap is strict, slots stay idle rather than lent."""
 
     def __post_init__(self) -> None:
         int_at_least("max_running_requests", self.max_running_requests, 1)
@@ -135,6 +151,12 @@ class SchedulerConfig:
             cap,
             f"must be None (half the running slots), 0 (no group rule) or an int in"
             f" [1, max_running_requests={self.max_running_requests}]",
+        )
+        require(
+            isinstance(self.lend_idle_slots, bool),
+            "lend_idle_slots",
+            self.lend_idle_slots,
+            "must be a bool",
         )
         int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1, "(tokens)")
         require(
@@ -192,6 +214,8 @@ class Scheduler:
         self.forwards = 0
         """Steps that ran a forward so far: a clock in steps (a request added between two
         steps and admitted at the next one has its first token when this has gone up by 1)."""
+        self.reclaimed = 0
+        """Sequences retracted so far to give a lent slot back (:meth:`_reclaim`)."""
 
     # ------------------------------------------------------------------ queue
 
@@ -267,10 +291,13 @@ class Scheduler:
         running slots, so a client request that already runs many sequences yields to
         others, round-robin; then the policy's order (``fcfs``: queue order, a retracted
         request at the front; ``lpm``: longest cached prefix first, up to
-        :data:`LPM_MAX_WAITING` waiting). Requests of a group at its cap are left out.
-        Computed at the start of the step."""
+        :data:`LPM_MAX_WAITING` waiting). Requests of a group at its cap come after all
+        the others (borrowers, admitted only while no claimant waits ready: see the module
+        docstring); with ``lend_idle_slots`` False they are left out. Computed at the start
+        of the step."""
         cap = self.config.group_cap
         held = Counter(r.group for r in self.running) if cap is not None else Counter[str]()
+        lend = self.config.lend_idle_slots
         lpm = (
             self.config.schedule_policy == SchedulePolicy.LPM
             and len(self.waiting) <= LPM_MAX_WAITING
@@ -282,52 +309,143 @@ class Scheduler:
                 return 0
             return self.cache.match_prefix(req.all_ids, req.cache_salt).matched_tokens
 
+        def at_cap(req: Request) -> bool:
+            return cap is not None and held[req.group] >= cap
+
+        # no borrower is admitted while every slot is taken: no prefix match for them then
+        full = len(self.running) >= self.config.max_running_requests
         keyed = [
-            (-req.priority, held[req.group], -cached(req), i, req)
+            (
+                at_cap(req),
+                -req.priority,
+                held[req.group],
+                0 if full and at_cap(req) else -cached(req),
+                i,
+                req,
+            )
             for i, req in enumerate(self.waiting)
-            if cap is None or held[req.group] < cap
+            if lend or not at_cap(req)
         ]
-        keyed.sort(key=lambda k: k[:4])
-        return [k[4] for k in keyed]
+        keyed.sort(key=lambda k: k[:5])
+        return [k[5] for k in keyed]
 
     def _admit(self) -> None:
+        """Fill free running slots in :meth:`admission_order`: claimants first (taking
+        lent slots back when they find none, :meth:`_reclaim`), then, when no ready
+        claimant is left waiting, borrowers (fewest held first, re-counted after each)."""
         limit = self.config.max_running_requests
-        if not self.waiting or len(self.running) >= limit:
-            return
         cap = self.config.group_cap
+        if not self.waiting:
+            return
+        if len(self.running) >= limit and not (cap is not None and self._lent()):
+            return
         held = Counter(r.group for r in self.running)
+        borrowers: list[Request] = []
         for req in self.admission_order():
-            if len(self.running) >= limit:
-                return
             if cap is not None and held[req.group] >= cap:
-                continue  # its client request holds its share: let others go first
+                borrowers.append(req)  # its client request holds its share: others first
+                continue
             handle = req.cache
             assert handle is not None
             if not self.cache.ready(handle):
                 continue  # its L3 prefetch is still running: let others go first
-            ids = req.all_ids
-            if not self.cache.admit(handle, ids):
-                if not self.running:  # nothing will ever free memory for it
-                    self.waiting.remove(req)
-                    need = math.ceil(len(ids) / self.page_size)
-                    self._finish(
-                        req,
-                        FinishReason.ABORT,
-                        error=f"the request needs {need} KV pages but the device cache has"
-                        f" {self.cache.device_pages}",
-                    )
-                    continue
+            if len(self.running) >= limit and not self._reclaim(held):
+                return  # no free slot and none lent: nothing more comes in this step
+            admitted = self.cache.admit(handle, req.all_ids)
+            while not admitted and self._reclaim(held):  # its pages are evictable now
+                admitted = self.cache.admit(handle, req.all_ids)
+            if admitted:
+                self._start(req, held)
+            elif not self.running:  # nothing will ever free memory for it
+                self._refuse(req)
+            else:
+                return  # a ready claimant waits for L1: no borrower overtakes it
+        if not self.config.lend_idle_slots:
+            return  # a strict cap: idle slots stay idle
+        # every ready claimant is running now: idle slots are lent, fewest held first
+        while borrowers and len(self.running) < limit:
+            req = min(borrowers, key=lambda r: (-r.priority, held[r.group]))  # stable
+            borrowers.remove(req)
+            handle = req.cache
+            assert handle is not None
+            if not self.cache.ready(handle):
+                continue
+            if not self.cache.admit(handle, req.all_ids):
                 return
-            self.waiting.remove(req)
-            if req.admitted_at is None:
-                req.admitted_at = time.perf_counter()
-            req.leave_queue()
-            req.kv_len = handle.prefix_tokens
-            resume = handle.take_resume()  # what the runner resumes the prefix from
-            if resume is not None:
-                self.runner.resume(req.rid, resume)
-            self.running.append(req)
-            held[req.group] += 1
+            self._start(req, held)
+
+    def _start(self, req: Request, held: Counter[str]) -> None:
+        """Move ``req`` (just admitted by the cache) from the queue to the running batch."""
+        handle = req.cache
+        assert handle is not None
+        self.waiting.remove(req)
+        if req.admitted_at is None:
+            req.admitted_at = time.perf_counter()
+        req.leave_queue()
+        req.kv_len = handle.prefix_tokens
+        resume = handle.take_resume()  # what the runner resumes the prefix from
+        if resume is not None:
+            self.runner.resume(req.rid, resume)
+        self.running.append(req)
+        held[req.group] += 1
+
+    def _refuse(self, req: Request) -> None:
+        """End ``req``, which does not fit in an empty L1."""
+        self.waiting.remove(req)
+        need = math.ceil(len(req.all_ids) / self.page_size)
+        self._finish(
+            req,
+            FinishReason.ABORT,
+            error=f"the request needs {need} KV pages but the device cache has"
+            f" {self.cache.device_pages}",
+        )
+
+    def _lent(self, among: list[Request] | None = None) -> Request | None:
+        """The running sequence (of ``among``; default every running one) that gives a
+        lent slot back first, or None when no group holds more than its cap (or the cap
+        does not lend). Lowest ``priority`` first (what the rule protects last), then the
+        group most over its cap; within it the sequence retracted the fewest times so far,
+        then the one with the fewest output tokens, the most recently admitted among
+        equals.
+
+        Why, in that order: a client request ends with its last copy, so each retraction
+        (a few steps' delay for the copy) should fall on a different copy: picking the
+        least progressed one alone would pick the same copy again and again (it is least
+        progressed *because* it was retracted), and that copy's delays add up (measured:
+        the fairness bench's ``n: 64`` request took 288 steps that way against 257 without
+        a rule, 259 with this order; see ``docs/benchmarks.md``). Among copies retracted equally often, the least
+        progressed holds the least KV of its own (its siblings' shared prompt stays pinned)
+        so its re-admission costs the least, and the copies closest to their end keep
+        running and free their slots soonest."""
+        cap = self.config.group_cap
+        if cap is None or not self.config.lend_idle_slots:
+            return None
+        held = Counter(r.group for r in self.running)
+        order = {id(r): i for i, r in enumerate(self.running)}
+        lent = [r for r in (self.running if among is None else among) if held[r.group] > cap]
+        if not lent:
+            return None
+        return min(
+            lent,
+            key=lambda r: (
+                r.priority,
+                -held[r.group],
+                r.retracted,
+                len(r.output_ids),
+                -order[id(r)],
+            ),
+        )
+
+    def _reclaim(self, held: Counter[str]) -> bool:
+        """Retract one sequence holding a lent slot (:meth:`_lent`) so a claimant can take
+        it; ``held`` is kept counting. False when no slot is lent."""
+        victim = self._lent()
+        if victim is None:
+            return False
+        self._retract(victim, why="to give a lent slot back")
+        held[victim.group] -= 1
+        self.reclaimed += 1
+        return True
 
     def _mixed_batch(self) -> list[tuple[Request, int]]:
         """One forward's work: the next token of every decoding request, then prefill
@@ -379,7 +497,9 @@ class Scheduler:
                     error = "the device cache cannot hold this request"
                     self._finish(req, FinishReason.ABORT, error=error)
                 return False
-            self._retract(max(victims, key=lambda r: r.arrival))
+            # a lent slot first (see _lent), else the latest arrival
+            victim = self._lent(victims) or max(victims, key=lambda r: r.arrival)
+            self._retract(victim)
         return True
 
     # ------------------------------------------------------------------ forward
@@ -600,9 +720,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ cache hand-off
 
-    def _retract(self, req: Request) -> None:
+    def _retract(self, req: Request, *, why: str = "to free L1 pages") -> None:
         """Preempt a running request: keep its KV in the cache, re-queue it first."""
-        log.info("retracting %s to free L1 pages", req.rid)
+        log.info("retracting %s %s", req.rid, why)
         assert req.cache is not None
         self.running.remove(req)
         self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
