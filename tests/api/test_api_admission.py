@@ -240,11 +240,13 @@ def test_admission_flags_reach_the_configs() -> None:
     default = engine_config_from_args(p.parse_args(["--device", "cpu"]))
     assert default.max_queued_requests == 1024
     assert default.scheduler.schedule_policy == "fcfs"
-    assert default.scheduler.group_cap == 16
+    assert default.scheduler.group_cap == 16 and default.scheduler.lend_idle_slots
     flags = ["--device", "cpu", "--schedule-policy", "lpm", "--max-queued-requests", "0"]
     flags += ["--max-running-requests-per-group", "0"]
     got = engine_config_from_args(p.parse_args(flags))
     assert got.max_queued_requests is None and got.scheduler.schedule_policy == "lpm"
     assert got.scheduler.group_cap is None
+    strict = engine_config_from_args(p.parse_args(["--device", "cpu", "--strict-group-cap"]))
+    assert strict.scheduler.group_cap == 16 and not strict.scheduler.lend_idle_slots
     with pytest.raises(ValueError, match="max_queued_requests=0 is invalid"):
         EngineConfig(max_queued_requests=0)

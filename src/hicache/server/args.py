@@ -131,6 +131,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         " 0: no group rule)",
     )
     s.add_argument(
+        "--strict-group-cap",
+        action="store_true",
+        help="a group never holds more than its cap, even of idle slots (default: idle"
+        " slots are lent past the cap and taken back when another request waits)",
+    )
+    s.add_argument(
         "--max-queued-requests",
         type=int,
         default=DEFAULT_MAX_QUEUED_REQUESTS,
@@ -349,6 +355,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             disable_radix_cache=bool(a.disable_radix_cache),
             schedule_policy=a.schedule_policy,
             max_running_requests_per_group=a.max_running_requests_per_group,
+            lend_idle_slots=not a.strict_group_cap,
         ),
         max_queued_requests=a.max_queued_requests or None,
         context_length=a.context_length,
