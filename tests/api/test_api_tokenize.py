@@ -44,7 +44,19 @@ _ADVERSARIAL = [
     "😀" * 700,
     "<|im_start|>" * 200,
     "hello world " * 400,
+    "\x16" * 500,  # a byte SmolLM2's vocabulary lacks: dropped without a token
+    "a\x16\x04" * 300,
 ]
+
+
+def test_bytes_the_vocabulary_lacks_are_not_counted() -> None:
+    """SmolLM2's byte-level BPE has no byte fallback and no unknown token, and its
+    vocabulary lacks six ASCII control bytes: they encode to nothing (hypothesis found
+    ``"\x16"`` -> 0 tokens against a bound of 1), so the bound leaves them out."""
+    assert {"\x16", "\x04"} <= BOUND.dropped
+    assert TOKENIZER.encode("\x16" * 100, add_special_tokens=False) == []
+    assert BOUND.min_tokens("\x16" * 100) == 0
+    assert BOUND.min_tokens("a" * 100 + "\x16") == BOUND.min_tokens("a" * 100)
 
 
 @pytest.mark.parametrize("text", _ADVERSARIAL, ids=range(len(_ADVERSARIAL)))
@@ -119,6 +131,28 @@ def test_wordpiece_and_fused_unknowns_have_no_bound() -> None:
         token_bound(_Wrapped(fused))
     with pytest.raises(NoBound, match="fast tokenizer"):
         token_bound(object())
+
+
+def test_a_bpe_that_drops_unknown_characters_has_no_bound_unless_they_are_bytes() -> None:
+    """No byte fallback and no unknown token: a character missing from the vocabulary
+    encodes to nothing. Behind ByteLevel only single bytes can vanish (counted out); a
+    lead byte and a continuation byte both missing could drop whole characters."""
+    dropping = Tokenizer(models.BPE({"a": 0, "b": 1}, []))
+    assert dropping.encode("c").ids == []
+    with pytest.raises(NoBound, match="drops characters"):
+        token_bound(_Wrapped(dropping))
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    full = {c: i for i, c in enumerate(sorted(alphabet))}
+    byte_level = Tokenizer(models.BPE(dict(full), []))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert token_bound(_Wrapped(byte_level)).dropped == frozenset()
+    lead, cont = "\u00c3", "\u00a9"  # the symbols of bytes 0xC3 and 0xA9 ("é" is C3 A9)
+    kept = sorted(alphabet - {lead, cont})
+    holes = Tokenizer(models.BPE({c: i for i, c in enumerate(kept)}, []))
+    holes.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert holes.encode("é").ids == []
+    with pytest.raises(NoBound, match="multi-byte"):
+        token_bound(_Wrapped(holes))
 
 
 # ---------------------------------------------------------------------- the server

@@ -20,7 +20,13 @@ pipeline and gives a bound only when every step is one it can vouch for:
   ``Split`` and ``Punctuation`` unless their behaviour is ``Removed``, sequences of these);
 - a BPE model (a run of unknown characters is fused into one token only with
   ``fuse_unk`` and no byte fallback: then there is no bound), and added tokens that do not
-  swallow the whitespace around them (``lstrip`` / ``rstrip``).
+  swallow the whitespace around them (``lstrip`` / ``rstrip``);
+- a BPE model without byte fallback and without an unknown token *drops* a symbol its
+  vocabulary lacks. Behind ``ByteLevel`` the symbols are bytes: an ASCII character whose
+  byte is missing vanishes (SmolLM2's vocabulary lacks six control characters, among them
+  ``\x16``), and such characters are not counted (:attr:`TokenBound.dropped`); a
+  multi-byte character vanishes only if every byte of it may be missing, which rules the
+  bound out. Without ``ByteLevel`` any character may be missing: no bound.
 
 Anything else (WordPiece, whose unknown words of any length are one token; whitespace
 splitting, which drops spaces; stripping normalizers ...) gives no bound, and every text
@@ -48,13 +54,16 @@ class NoBound(Exception):
 
 @dataclass(frozen=True, slots=True)
 class TokenBound:
-    """``min_tokens(text) = ceil(len(text) / (max_token_chars * shrink))``, a lower bound
-    on the number of tokens ``text`` encodes to (without special tokens added)."""
+    """``min_tokens(text) = ceil(kept / (max_token_chars * shrink))`` where ``kept`` is
+    ``len(text)`` less its characters in :attr:`dropped`: a lower bound on the number of
+    tokens ``text`` encodes to (without special tokens added)."""
 
     max_token_chars: int
     """The longest vocabulary entry, in characters (>= 1)."""
     shrink: int = 1
     """How many times shorter the normalizer may make a text (>= 1)."""
+    dropped: frozenset[str] = frozenset()
+    """Characters the model may drop without a token (bytes its vocabulary lacks)."""
 
     def __post_init__(self) -> None:
         if self.max_token_chars < 1 or self.shrink < 1:
@@ -69,7 +78,8 @@ class TokenBound:
 
     def min_tokens(self, text: str) -> int:
         """The fewest tokens ``text`` can encode to."""
-        return -(-len(text) // self.chars_per_token)
+        kept = len(text) - sum(text.count(c) for c in self.dropped)
+        return -(-kept // self.chars_per_token)
 
 
 def token_bound(tokenizer: Any) -> TokenBound:
@@ -86,6 +96,9 @@ def token_bound(tokenizer: Any) -> TokenBound:
         raise NoBound(f"the {kind} model may encode a long unknown word as one token")
     if model.fuse_unk and not model.byte_fallback and model.unk_token:
         raise NoBound("the BPE model fuses runs of unknown characters into one token")
+    dropped: frozenset[str] = frozenset()
+    if not model.byte_fallback and not model.unk_token:
+        dropped = _dropped_chars(_spec(backend.pre_tokenizer), tokenizer.get_vocab())
     added = list(backend.get_added_tokens_decoder().values())
     for token in added:
         if token.lstrip or token.rstrip:
@@ -94,7 +107,40 @@ def token_bound(tokenizer: Any) -> TokenBound:
     longest = max((len(s) for s in strings), default=0)
     if longest < 1:
         raise NoBound("the vocabulary is empty")
-    return TokenBound(max_token_chars=longest, shrink=shrink)
+    return TokenBound(max_token_chars=longest, shrink=shrink, dropped=dropped)
+
+
+def _byte_chars() -> dict[int, str]:
+    """``ByteLevel``'s byte -> character map (printable bytes stand for themselves, the
+    others for U+0100 on, in byte order)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {
+        **{b: chr(b) for b in printable},
+        **{b: chr(0x100 + i) for i, b in enumerate(rest)},
+    }
+
+
+def _dropped_chars(pre: Mapping[str, Any] | None, vocab: Mapping[str, int]) -> frozenset[str]:
+    """The characters a BPE model without byte fallback or unknown token may drop whole:
+    behind ``ByteLevel``, the ASCII characters whose byte symbol the vocabulary lacks.
+    :class:`NoBound` when a multi-byte character could vanish too, or when the symbols are
+    not bytes (any character may be missing from the vocabulary)."""
+    if not _has_byte_level(pre):
+        raise NoBound("the BPE model drops characters its vocabulary lacks (no byte fallback)")
+    missing = {b for b, c in _byte_chars().items() if c not in vocab}
+    leads = {b for b in missing if 0xC2 <= b <= 0xF4}  # bytes that start a UTF-8 character
+    if leads and any(0x80 <= b <= 0xBF for b in missing):
+        raise NoBound("the BPE model may drop whole multi-byte characters (bytes missing)")
+    return frozenset(chr(b) for b in missing if b < 0x80)
+
+
+def _has_byte_level(spec: Mapping[str, Any] | None) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_byte_level(step) for step in spec.get("pretokenizers") or [])
+    return spec.get("type") == "ByteLevel"
 
 
 def _spec(component: Any) -> dict[str, Any] | None:
