@@ -9,13 +9,16 @@ import argparse
 import gc
 import threading
 import time
+import tracemalloc
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.logits import TokenLogprob, token_logprobs
 from hicache.engine.memory_trim import IdleTrimmer, TrimRecord, malloc_trim, trim_supported
 from hicache.engine.request import Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
@@ -261,3 +264,31 @@ def test_engine_trims_once_after_a_busy_period(engine: Engine) -> None:
     assert record.released is (None if not trim_supported() else record.released)
     time.sleep(1.3)
     assert engine.call(lambda: trimmer.trims).result(10) == start + 1
+
+
+# ---------------------------------------------------------------- logprob records
+
+
+def test_logprob_records_are_packed() -> None:
+    """A ``logprobs: 20`` record holds its alternatives packed: about 330 bytes each
+    (2.5 kB as a tuple of 20 (int, float) pairs), exactly the fp32 values."""
+    logits = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    tracemalloc.start()
+    try:
+        records = token_logprobs(logits, list(range(64)), [20] * 64)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held / len(records) < 500
+    values, ids = torch.log_softmax(logits, dim=-1).topk(20, dim=-1)
+    for r, v, i in zip(records, values.tolist(), ids.tolist(), strict=True):
+        assert r.k == 20
+        assert r.top == tuple(zip(i, v, strict=True))  # fp32 values, bit for bit
+
+
+def test_logprob_record_from_pairs_and_bad_packing() -> None:
+    rec = TokenLogprob.of(5, -0.5, ((1, -0.25), (2, -1.5)))
+    assert (rec.token_id, rec.logprob, rec.k, rec.top) == (5, -0.5, 2, ((1, -0.25), (2, -1.5)))
+    assert TokenLogprob(7, -1.0).top == ()
+    with pytest.raises(ValueError, match="top_id_bytes"):
+        TokenLogprob(7, -1.0, b"\x00" * 8, b"\x00" * 4)
