@@ -27,6 +27,7 @@ BENCHES = {
     "engine": "hicache.bench.engine",
     "shared-prefix": "hicache.bench.shared_prefix",
     "detok": "hicache.bench.detok",
+    "memory": "hicache.bench.memory",
 }
 
 STORES = {
