@@ -64,7 +64,7 @@ def rounds(t: IdleTrimmer, clock: FakeClock, pattern: str, step_s: float = 0.5) 
     return out
 
 
-def test_trims_once_after_settling_idle_past_busy() -> None:
+def test_trims_after_settling_idle_past_busy_then_once_more_an_interval_later() -> None:
     t, clock, trims = trimmer(interval_s=10.0, settle_s=1.0)
     assert rounds(t, clock, "....") == "----"  # idle since start: nothing was freed
     # busy at 102.5 and 103.0; idle rounds at 103.5 (0.5 s), 104.0 (1.0 s: trims), then none
@@ -72,6 +72,10 @@ def test_trims_once_after_settling_idle_past_busy() -> None:
     assert trims.calls == [104.0]
     assert t.trims == 1
     assert t.last == TrimRecord(at=104.0, released=True, took_s=0.0)
+    # the follow-up, 10 s after (what the server freed late), then nothing while idle
+    assert rounds(t, clock, "." * 16) == "-" * 15 + "T"
+    assert rounds(t, clock, "." * 40) == "-" * 40
+    assert trims.calls == [104.0, 114.0]
 
 
 def test_rate_limited_trim_waits_for_the_interval_then_runs_if_still_idle() -> None:
@@ -88,7 +92,8 @@ def test_rate_limited_trim_waits_for_the_interval_then_runs_if_still_idle() -> N
 def test_busy_again_before_settling_postpones_the_trim() -> None:
     t, clock, trims = trimmer(interval_s=1.0, settle_s=1.0)
     assert rounds(t, clock, "b.b.b.b...") == "--------T-"  # 1 s after the last busy
-    assert trims.calls == [104.5]
+    assert rounds(t, clock, "...") == "T--"  # the follow-up, 1 s after it
+    assert trims.calls == [104.5, 105.5]
 
 
 def test_interval_zero_never_trims() -> None:

@@ -6,9 +6,11 @@ resident set (``VmRSS`` of ``/proc/PID/status``): *post-start*. Then, ``--rounds
 a burst of ``--concurrency`` requests at once, each ``/v1/completions`` with ``n``,
 ``logprobs`` and ``max_tokens`` (half of them streamed, half not, as clients do), while a
 sampler reads the RSS every :data:`SAMPLE_S`; once every response is in, the server is
-left alone for ``--idle-wait`` seconds and its RSS read again: *idle-after*. The round's
-*peak* is the highest sample. Figures are MiB (2**20 bytes); *kept* is idle-after minus
-post-start, what the peak left behind.
+left alone and its RSS read ``--idle-wait`` seconds later (*idle-after*: past the engine's
+first trim, a second after it went idle) and ``--late-read`` seconds later (*late*: past
+its follow-up trim, ``--memory-trim-interval`` after the first). The round's *peak* is the
+highest sample. Figures are MiB (2**20 bytes); *kept* is late minus post-start, what the
+peak left behind.
 
 Linux only (``/proc``). To compare two builds, run the same command under each (say, a
 worktree of the base commit on ``PYTHONPATH``): the server is a subprocess of the same
@@ -86,12 +88,13 @@ class Round:
     post_start_mib: float
     peak_mib: float
     idle_after_mib: float
+    late_mib: float
     burst_s: float
     completion_tokens: int
 
     @property
     def kept_mib(self) -> float:
-        return self.idle_after_mib - self.post_start_mib
+        return self.late_mib - self.post_start_mib
 
 
 def _one(client: httpx.Client, url: str, body: dict[str, object], stream: bool) -> int:
@@ -122,6 +125,7 @@ def run(
     logprobs: int,
     max_tokens: int,
     idle_wait_s: float,
+    late_read_s: float,
 ) -> list[Round]:
     body: dict[str, object] = {
         "prompt": PROMPT,
@@ -150,7 +154,9 @@ def run(
             burst = time.perf_counter() - t0
             time.sleep(idle_wait_s)
             peak = sampler.stop()
-            out.append(Round(i + 1, post_start, peak, rss_mib(pid), burst, tokens))
+            idle_after = rss_mib(pid)
+            time.sleep(max(0.0, late_read_s - idle_wait_s))
+            out.append(Round(i + 1, post_start, peak, idle_after, rss_mib(pid), burst, tokens))
     return out
 
 
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=64, help="choices per request")
     parser.add_argument("--logprobs", type=int, default=20, help="top logprobs per token")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--idle-wait", type=float, default=5.0, help="seconds idle before a read")
+    parser.add_argument("--idle-wait", type=float, default=3.0, help="seconds idle, first read")
+    parser.add_argument("--late-read", type=float, default=14.0, help="seconds idle, last read")
     parser.add_argument(
         "--serve-flag",
         action="append",
@@ -180,17 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         logprobs=args.logprobs,
         max_tokens=args.max_tokens,
         idle_wait_s=args.idle_wait,
+        late_read_s=args.late_read,
     )
     print_table(
         f"Server RSS (MiB), bursts of {args.concurrency} x (n={args.n}, logprobs={args.logprobs},"
-        f" max_tokens={args.max_tokens}), read after {args.idle_wait:g} s idle",
-        ["round", "post-start", "peak", "idle-after", "kept", "burst s", "tokens"],
+        f" max_tokens={args.max_tokens}); reads {args.idle_wait:g} s and {args.late_read:g} s after",
+        ["round", "post-start", "peak", "idle-after", "late", "kept", "burst s", "tokens"],
         [
             [
                 str(r.round),
                 f"{r.post_start_mib:.0f}",
                 f"{r.peak_mib:.0f}",
                 f"{r.idle_after_mib:.0f}",
+                f"{r.late_mib:.0f}",
                 f"{r.kept_mib:+.0f}",
                 f"{r.burst_s:.1f}",
                 str(r.completion_tokens),

@@ -9,9 +9,10 @@ back to the OS (``madvise``), which brings the resident set near its level befor
 burst (see ``docs/benchmarks.md``, "Memory after a peak").
 
 :class:`IdleTrimmer` decides when: once the loop has been idle for :data:`SETTLE_S`
-after at least one busy round (so that the server has also built and sent the last
-responses), and at most once per ``interval_s`` seconds. :func:`malloc_trim` is the call
-itself, a no-op (None) where there is no glibc.
+after at least one busy round, once more ``interval_s`` later if it is still idle (what
+the server freed after the engine went idle, building and sending the last responses,
+goes back too), and never more often than once per ``interval_s`` seconds.
+:func:`malloc_trim` is the call itself, a no-op (None) where there is no glibc.
 """
 
 from __future__ import annotations
@@ -78,13 +79,17 @@ class TrimRecord:
 
 class IdleTrimmer:
     """Calls ``trim`` when the engine loop has been idle for ``settle_s`` seconds after
-    being busy, at most once per ``interval_s`` seconds (``interval_s`` 0: never).
+    being busy, and once more ``interval_s`` later if it is still idle; never twice within
+    ``interval_s`` seconds (``interval_s`` 0: never at all).
 
     The loop calls :meth:`after_round` once per round, saying whether the round did work.
     A busy round marks memory as possibly freed; the first idle round at least
     ``settle_s`` after the last busy one, and at least ``interval_s`` after the last trim,
-    trims and clears the mark. A trim that is due but rate-limited happens later, as soon
-    as the interval has passed, if the loop is still idle then. Runs on the engine thread.
+    trims, clears the mark and arms the follow-up: the first idle round ``interval_s``
+    after that trim trims again (unless the loop was busy meanwhile: then the mark rules
+    again). A trim that is due but rate-limited happens as soon as the interval has passed,
+    if the loop is still idle then. After the follow-up, nothing until the next busy round.
+    Runs on the engine thread.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class IdleTrimmer:
         self._trim = trim
         self._clock = clock
         self._busy_at: float | None = None  # last busy round since the last trim
+        self._follow_up = False  # one more trim is due interval_s after the last one
         self._last: TrimRecord | None = None
         self.trims = 0
         """Trims done so far."""
@@ -128,10 +134,14 @@ class IdleTrimmer:
         if busy:
             self._busy_at = now
             return None
-        if self._busy_at is None or now - self._busy_at < self.settle_s:
+        if self._busy_at is not None:
+            if now - self._busy_at < self.settle_s:
+                return None
+        elif not self._follow_up:
             return None
         if self._last is not None and now - self._last.at < self.interval_s:
             return None
+        self._follow_up = self._busy_at is not None  # this one ends a busy period
         self._busy_at = None
         try:
             released = self._trim()
