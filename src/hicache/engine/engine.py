@@ -145,7 +145,8 @@ class EngineConfig:
     a step succeeds. At least 1."""
     memory_trim_interval_s: float = DEFAULT_TRIM_INTERVAL_S
     """Give freed heap memory back to the OS (glibc ``malloc_trim``) once the loop has been
-    idle for a second after being busy, at most once per this many seconds; 0: never (see
+    idle for a second after being busy, and once more this many seconds later if it is
+    still idle; never twice within this many seconds; 0: never (see
     :mod:`hicache.engine.memory_trim`). A no-op where there is no glibc."""
 
     def __post_init__(self) -> None:

@@ -118,7 +118,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TRIM_INTERVAL_S,
         help="seconds: give freed memory back to the OS (glibc malloc_trim) once the engine"
-        " has been idle for 1 s after being busy, at most this often; 0: never",
+        " has been idle for 1 s after being busy, and once more this long after; at most"
+        " this often; 0: never",
     )
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=32)
