@@ -28,6 +28,7 @@ BENCHES = {
     "shared-prefix": "hicache.bench.shared_prefix",
     "detok": "hicache.bench.detok",
     "fairness": "hicache.bench.fairness",
+    "memory": "hicache.bench.memory",
 }
 
 STORES = {

@@ -40,6 +40,7 @@ from hicache.engine.admission import (
     Reservation,
 )
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
+from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S, IdleTrimmer
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
@@ -166,9 +167,23 @@ class EngineConfig:
     (:meth:`Engine.reserve`: :class:`~hicache.engine.admission.QueueFull`, or
     :class:`~hicache.engine.admission.EngineUnhealthy` when the engine is not healthy).
     None: unbounded. At least 1."""
+    memory_trim_interval_s: float = DEFAULT_TRIM_INTERVAL_S
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``) once the loop has been
+    idle for a second after being busy, and once more this many seconds later if it is
+    still idle; never twice within this many seconds; 0: never (see
+    :mod:`hicache.engine.memory_trim`). A no-op where there is no glibc."""
 
     def __post_init__(self) -> None:
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
+        if not (
+            isinstance(self.memory_trim_interval_s, int | float)
+            and not isinstance(self.memory_trim_interval_s, bool)
+            and 0 <= self.memory_trim_interval_s < float("inf")
+        ):
+            raise ValueError(
+                f"memory_trim_interval_s={self.memory_trim_interval_s!r} is invalid; must be"
+                " a finite number of seconds >= 0 (0: off)"
+            )
         if self.max_queued_requests is not None:
             int_at_least(
                 "max_queued_requests",
@@ -228,6 +243,8 @@ class Engine(Lifecycle):
         self.context_length = 0
         self.decode_graphs: GraphSetup | None = None
         """What turning CUDA graphs on did at start (None: not tried: off, or not CUDA)."""
+        self.memory_trimmer = IdleTrimmer(config.memory_trim_interval_s)
+        """Gives freed memory back to the OS after busy periods (engine thread only)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -755,6 +772,7 @@ class Engine(Lifecycle):
                     self._failed_steps += 1
                     self._abort_all(f"scheduler step failed: {type(exc).__name__}: {exc}")
                 self._publish_stats()
+                self.memory_trimmer.after_round(busy or not self.scheduler.idle)
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
                     self._wake.wait(timeout=0.002 if self.scheduler.waiting else 0.05)
                     self._wake.clear()

@@ -25,6 +25,7 @@ from hicache.config import (
 )
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.engine import EngineConfig
+from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.scheduler import SchedulePolicy, SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
@@ -112,6 +113,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="tokens between state snapshots during a prefill (whole pages)",
+    )
+    p.add_argument_group("host memory").add_argument(
+        "--memory-trim-interval",
+        type=float,
+        default=DEFAULT_TRIM_INTERVAL_S,
+        help="seconds: give freed memory back to the OS (glibc malloc_trim) once the engine"
+        " has been idle for 1 s after being busy, and once more this long after; at most"
+        " this often; 0: never",
     )
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=32)
@@ -221,6 +230,7 @@ FIELD_FLAGS = {
     "context_length": "--context-length",
     "attention_backend": "--attention-backend",
     "cuda_graph_max_bs": "--cuda-graph-max-bs",
+    "memory_trim_interval_s": "--memory-trim-interval",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -366,6 +376,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         attention_backend=a.attention_backend,
         cuda_graph_max_bs=0 if a.disable_cuda_graph else a.cuda_graph_max_bs,
         unhealthy_after_failed_steps=a.unhealthy_after_failed_steps,
+        memory_trim_interval_s=a.memory_trim_interval,
         **kwargs,
     )
     check_sizes_in_gb(config)

@@ -75,11 +75,11 @@ def output_logprobs(out: RequestOutput, start: int = 0) -> list[LogprobEntry]:
     raw = getattr(out, "logprobs", None)
     if raw is None:
         return []
-    entries = [
-        _as_entry(r, out.output_ids[i] if i < len(out.output_ids) else None)
-        for i, r in enumerate(raw)
-    ]
-    return [e for e in entries[start:] if e is not None]
+    ids = out.output_ids
+    entries = (
+        _as_entry(raw[i], ids[i] if i < len(ids) else None) for i in range(start, len(raw))
+    )  # only those asked for: a stream reads each token's once, not all so far per chunk
+    return [e for e in entries if e is not None]
 
 
 def prompt_logprobs(out: RequestOutput, prompt_ids: Sequence[int]) -> list[LogprobEntry]:
