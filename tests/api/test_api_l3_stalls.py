@@ -14,11 +14,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.config import CacheConfig
@@ -26,19 +24,8 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
 from tests.helpers.api_fixtures import MODEL, scrape, serve
 from tests.helpers.engine_fixtures import engine_model
-from tests.helpers.services import start_redis
 
 PROMPT = list(range(300, 345))
-
-
-@pytest.fixture
-def redis_private() -> Iterator[Any]:
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.close()
 
 
 def value(text: str, name: str, **labels: str) -> float:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +26,6 @@ from hicache.storage import StorageOptions, create_storage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.stats import LATENCY_BUCKETS_S, OPS
 from tests.helpers.kvdata import serve
-from tests.helpers.services import start_redis
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 PAGE = 4
@@ -92,16 +90,6 @@ def test_slow_calls_are_stalls_and_overruns_timeouts() -> None:
 
 
 # ---------------------------------------------------------------------- a frozen Redis
-
-
-@pytest.fixture
-def redis_private() -> Iterator[Any]:
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.close()
 
 
 def test_a_frozen_redis_shows_in_the_counters(redis_private: Any) -> None:
