@@ -88,6 +88,17 @@ def test_a_small_request_beside_a_wide_one_starts_within_two_steps(per_group: in
         engine.close()
 
 
+def try_later(r: httpx.Response, status: int, err_type: str, *words: str) -> None:
+    """``r`` is a ``status`` refusal of type ``err_type`` that asks the client to retry in
+    1 s, its message naming every one of ``words``."""
+    assert r.status_code == status, r.text
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["type"] == err_type, err
+    for word in words:
+        assert word in err["message"], (word, err["message"])
+
+
 def completion(url: str, n: int, max_tokens: int = 8, **kw: Any) -> httpx.Response:
     body = {"prompt": [5, 6, 7, 8], "n": n, "max_tokens": max_tokens, "ignore_eos": True}
     return post(url, "/v1/completions", body | kw)
@@ -112,12 +123,13 @@ def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing_queued() ->
                 wait_queued(engine, 6)
                 for n, stream in ((1, False), (1, True), (3, False)):
                     r = completion(url, n, stream=stream)
-                    assert r.status_code == 429, r.text
-                    assert r.headers["retry-after"] == "1"
-                    err = r.json()["error"]
-                    assert err["type"] == "rate_limit_error"
-                    assert "6 sequences are queued, at most 6" in err["message"]
-                    assert f"this request needs {n}" in err["message"]
+                    try_later(
+                        r,
+                        429,
+                        "rate_limit_error",
+                        "6 sequences are queued, at most 6",
+                        f"this request needs {n}",
+                    )
                 native = post(url, "/generate", {"input_ids": [5, 6], "stream": True})
                 assert native.status_code == 429, native.text
                 assert native.headers["retry-after"] == "1"
@@ -156,12 +168,13 @@ def test_a_full_queue_of_an_unhealthy_engine_answers_503() -> None:
                 queued = pool.submit(completion, url, 2)
                 wait_queued(engine, 2)
                 r = completion(url, 1)
-                assert r.status_code == 503, r.text
-                assert r.headers["retry-after"] == "1"
-                err = r.json()["error"]
-                assert err["type"] == "service_unavailable"
-                assert "the engine is not healthy" in err["message"]
-                assert f"the last {limit} forwards failed" in err["message"]
+                try_later(
+                    r,
+                    503,
+                    "service_unavailable",
+                    "the engine is not healthy",
+                    f"the last {limit} forwards failed",
+                )
                 hook.armed = False
                 release.set()
             assert queued.result(60).status_code == 200  # healthy again: served
