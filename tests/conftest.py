@@ -9,7 +9,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers.storage_fixtures import mooncake_service, redis_service, valkey_service  # noqa: F401
+from tests.helpers.storage_fixtures import (  # noqa: F401
+    mooncake_service,
+    redis_private,
+    redis_service,
+    valkey_service,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

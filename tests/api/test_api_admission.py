@@ -23,34 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
 from hicache.server.args import add_engine_args, engine_config_from_args, flag_message
 from tests.api.test_api_health import FailingForward
-from tests.helpers.api_fixtures import MODEL, assert_clean, post, serve
-from tests.helpers.engine_fixtures import engine_model
+from tests.helpers.api_fixtures import assert_clean, make_engine, post, serve
 
 WIDE_TOKENS = 40
-
-
-def engine_with(max_running: int = 8, per_group: int | None = None, **kw: Any) -> Engine:
-    config = EngineConfig(
-        model_path=MODEL,
-        dtype="float32",
-        device="cpu",
-        cache=CacheConfig(page_size=4, device_tokens=1024, hicache_ratio=2.0),
-        scheduler=SchedulerConfig(
-            max_running_requests=max_running,
-            chunked_prefill_size=32,
-            max_running_requests_per_group=per_group,
-        ),
-        context_length=128,
-        **kw,
-    )
-    return Engine(config, loaded=engine_model(MODEL)).start()
 
 
 @contextmanager
@@ -74,7 +54,7 @@ def held(engine: Engine) -> Iterator[threading.Event]:
 
 @pytest.mark.parametrize("per_group", [None, 0])
 def test_a_small_request_beside_a_wide_one_starts_within_two_steps(per_group: int | None) -> None:
-    engine = engine_with(max_running=8, per_group=per_group)
+    engine = make_engine(max_running=8, per_group=per_group)
     wide_params = SamplingParams(temperature=0.0, max_tokens=WIDE_TOKENS, ignore_eos=True)
     wide_outs: list[RequestOutput] = []
     at_arrival: Future[int] = Future()  # the engine's forwards so far, at each point
@@ -108,6 +88,17 @@ def test_a_small_request_beside_a_wide_one_starts_within_two_steps(per_group: in
         engine.close()
 
 
+def try_later(r: httpx.Response, status: int, err_type: str, *words: str) -> None:
+    """``r`` is a ``status`` refusal of type ``err_type`` that asks the client to retry in
+    1 s, its message naming every one of ``words``."""
+    assert r.status_code == status, r.text
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["type"] == err_type, err
+    for word in words:
+        assert word in err["message"], (word, err["message"])
+
+
 def completion(url: str, n: int, max_tokens: int = 8, **kw: Any) -> httpx.Response:
     body = {"prompt": [5, 6, 7, 8], "n": n, "max_tokens": max_tokens, "ignore_eos": True}
     return post(url, "/v1/completions", body | kw)
@@ -122,7 +113,7 @@ def wait_queued(engine: Engine, n: int) -> None:
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing_queued() -> None:
-    engine = engine_with(max_running=2, max_queued_requests=6)
+    engine = make_engine(max_running=2, max_queued_requests=6)
     pool = ThreadPoolExecutor(2)
     try:
         with serve(engine) as url:
@@ -132,12 +123,13 @@ def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing_queued() ->
                 wait_queued(engine, 6)
                 for n, stream in ((1, False), (1, True), (3, False)):
                     r = completion(url, n, stream=stream)
-                    assert r.status_code == 429, r.text
-                    assert r.headers["retry-after"] == "1"
-                    err = r.json()["error"]
-                    assert err["type"] == "rate_limit_error"
-                    assert "6 sequences are queued, at most 6" in err["message"]
-                    assert f"this request needs {n}" in err["message"]
+                    try_later(
+                        r,
+                        429,
+                        "rate_limit_error",
+                        "6 sequences are queued, at most 6",
+                        f"this request needs {n}",
+                    )
                 native = post(url, "/generate", {"input_ids": [5, 6], "stream": True})
                 assert native.status_code == 429, native.text
                 assert native.headers["retry-after"] == "1"
@@ -162,7 +154,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing_queued() ->
 
 
 def test_a_full_queue_of_an_unhealthy_engine_answers_503() -> None:
-    engine = engine_with(max_running=2, max_queued_requests=2)
+    engine = make_engine(max_running=2, max_queued_requests=2)
     limit = engine.config.unhealthy_after_failed_steps
     hook = FailingForward()
     handle = engine.model.model.register_forward_pre_hook(hook)
@@ -176,12 +168,13 @@ def test_a_full_queue_of_an_unhealthy_engine_answers_503() -> None:
                 queued = pool.submit(completion, url, 2)
                 wait_queued(engine, 2)
                 r = completion(url, 1)
-                assert r.status_code == 503, r.text
-                assert r.headers["retry-after"] == "1"
-                err = r.json()["error"]
-                assert err["type"] == "service_unavailable"
-                assert "the engine is not healthy" in err["message"]
-                assert f"the last {limit} forwards failed" in err["message"]
+                try_later(
+                    r,
+                    503,
+                    "service_unavailable",
+                    "the engine is not healthy",
+                    f"the last {limit} forwards failed",
+                )
                 hook.armed = False
                 release.set()
             assert queued.result(60).status_code == 200  # healthy again: served
@@ -195,7 +188,7 @@ def test_a_full_queue_of_an_unhealthy_engine_answers_503() -> None:
 
 
 def test_a_client_that_goes_away_gives_its_places_back() -> None:
-    engine = engine_with(max_running=1, max_queued_requests=8)
+    engine = make_engine(max_running=1, max_queued_requests=8)
     try:
         with serve(engine) as url:
             with httpx.stream(

@@ -14,31 +14,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.scheduler import SchedulerConfig
-from tests.helpers.api_fixtures import MODEL, scrape, serve
-from tests.helpers.engine_fixtures import engine_model
-from tests.helpers.services import start_redis
+from tests.helpers.api_fixtures import make_engine, scrape, serve
 
 PROMPT = list(range(300, 345))
-
-
-@pytest.fixture
-def redis_private() -> Iterator[Any]:
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.close()
 
 
 def value(text: str, name: str, **labels: str) -> float:
@@ -50,13 +33,7 @@ def value(text: str, name: str, **labels: str) -> float:
 
 
 def test_a_frozen_redis_shows_on_metrics(redis_private: Any) -> None:
-    config = EngineConfig(
-        model_path=MODEL,
-        dtype="float32",
-        device="cpu",
-        cache=CacheConfig(page_size=4, device_tokens=1024, hicache_ratio=2.0),
-        scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=32),
-        context_length=128,
+    engine = make_engine(
         storage_backend="redis",
         storage_extra_config={
             "url": redis_private.url,
@@ -67,7 +44,6 @@ def test_a_frozen_redis_shows_on_metrics(redis_private: Any) -> None:
             "prefetch_timeout_per_ki_token": 0.0,
         },
     )
-    engine = Engine(config, loaded=engine_model(MODEL)).start()
     try:
         with serve(engine) as url:
             body = {"prompt": PROMPT, "max_tokens": 2}

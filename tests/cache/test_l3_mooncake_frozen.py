@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
-from hicache.keys import Namespace
+from hicache.config import KVSpec, PrefetchConfig
 from hicache.storage.base import StorageOptions
-from hicache.storage.registry import create_storage
 from tests.helpers.kvdata import serve
+from tests.helpers.l3_cache import cache_over_l3
 from tests.helpers.services import start_mooncake
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
@@ -40,26 +39,8 @@ def mooncake() -> Iterator[Any]:
 
 
 def make(svc: Any, prefetch: PrefetchConfig, **cfg: Any) -> HiCache:
-    config = CacheConfig(
-        page_size=PAGE,
-        device_tokens=16 * PAGE,
-        hicache_ratio=2.0,
-        load_back_threshold=0,
-        mem_layout="page_first",
-        **cfg,
-    )
-    cache = HiCache(config, SPEC).start()
-    ns = Namespace.for_spec(
-        SPEC, model="m", weights_fingerprint="w", layout=config.mem_layout, page_size=PAGE
-    )
-    storage = create_storage(
-        "mooncake",
-        namespace=ns,
-        extra_config=svc.extra_config,
-        options=StorageOptions(timeout_s=0.5, connect_timeout_s=10.0),
-    )
-    cache.attach_storage(storage, ns, prefetch)
-    return cache
+    options = StorageOptions(timeout_s=0.5, connect_timeout_s=10.0)
+    return cache_over_l3(SPEC, "mooncake", svc.extra_config, options, prefetch, **cfg)
 
 
 def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any) -> None:

@@ -21,7 +21,7 @@ from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.engine.admission import QueueFull, QueueGate
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace, PageKey
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.storage.base import Deadline
@@ -49,6 +49,16 @@ def req(first: int, group: str = "", params: SamplingParams = SHORT, **kw: Any) 
     return Request([first, first + 1], params, None, group=group, **kw)
 
 
+def add_wide(sched: Scheduler, n: int = 6) -> list[Request]:
+    """``n`` greedy 20-token requests of group ``"wide"`` (prompts ``[10 + 2i, 11 + 2i]``),
+    added to ``sched`` and stepped once."""
+    wide = [req(10 + 2 * i, "wide", LONG) for i in range(n)]
+    for r in wide:
+        sched.add(r)
+    sched.step()
+    return wide
+
+
 def rids(reqs: Any) -> list[str]:
     return [r.rid for r in reqs]
 
@@ -58,10 +68,7 @@ def test_a_strict_cap_holds_a_group_to_its_cap_and_a_later_small_request_runs_at
 ) -> None:
     sched, runner = make(cache, max_running_requests=4, lend_idle_slots=False)  # cap: half, 2
     assert sched.config.group_cap == 2
-    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
-    for r in wide:
-        sched.add(r)
-    sched.step()
+    wide = add_wide(sched)
     assert rids(sched.running) == rids(wide[:2])  # 2 free slots stay free for others
     small = req(80)
     sched.add(small)
@@ -81,10 +88,7 @@ def test_a_strict_cap_holds_a_group_to_its_cap_and_a_later_small_request_runs_at
 def test_without_a_group_rule_the_wide_request_takes_every_slot(cache: HiCache) -> None:
     sched, _ = make(cache, max_running_requests=4, max_running_requests_per_group=0)
     assert sched.config.group_cap is None
-    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
-    for r in wide:
-        sched.add(r)
-    sched.step()
+    add_wide(sched)
     small = req(80)
     sched.add(small)
     for _ in range(19):  # the small one waits until a wide copy has finished
@@ -213,10 +217,7 @@ def test_a_lone_wide_group_borrows_every_slot_and_gives_one_back_per_small_reque
     cache: HiCache,
 ) -> None:
     sched, runner = make(cache, max_running_requests=4)  # cap 2, lending
-    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
-    for r in wide:
-        sched.add(r)
-    sched.step()
+    wide = add_wide(sched)
     assert rids(sched.running) == rids(wide[:4])  # nothing else waits: 2 slots lent
     sched.step()
     small = req(80)
@@ -242,10 +243,7 @@ def test_a_lone_wide_group_borrows_every_slot_and_gives_one_back_per_small_reque
 
 def test_small_requests_cut_the_wide_group_to_its_cap_and_no_further(cache: HiCache) -> None:
     sched, _ = make(cache, max_running_requests=4)
-    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
-    for r in wide:
-        sched.add(r)
-    sched.step()
+    wide = add_wide(sched)
     small = [req(70 + 2 * i) for i in range(3)]
     for r in small:
         sched.add(r)
@@ -318,10 +316,7 @@ def test_priority_first_among_claimants_for_a_lent_slot(cache: HiCache) -> None:
 
 def test_a_strict_cap_lists_no_borrower(cache: HiCache) -> None:
     sched, _ = make(cache, max_running_requests=4, lend_idle_slots=False)
-    wide = [req(10 + 2 * i, "wide", LONG) for i in range(4)]
-    for r in wide:
-        sched.add(r)
-    sched.step()
+    wide = add_wide(sched, 4)
     assert rids(sched.running) == rids(wide[:2])
     assert sched.admission_order() == []
     run(sched, 200)
@@ -480,10 +475,7 @@ def test_retracted_lent_copies_generate_the_same_tokens_as_a_strict_cap(name: st
 
 def test_each_retraction_falls_on_a_copy_retracted_fewest_times(cache: HiCache) -> None:
     sched, _ = make(cache, max_running_requests=4)
-    wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
-    for r in wide:
-        sched.add(r)
-    sched.step()
+    wide = add_wide(sched)
     victims = []
     for k in range(3):  # a small request, its two tokens, its lent slot back to the wide one
         before = [r.retracted for r in wide]

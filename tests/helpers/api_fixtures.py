@@ -22,14 +22,28 @@ MODEL = "tiny-random-llama"
 CONTEXT = 128
 
 
-def make_engine(context_length: int = CONTEXT, max_running: int = 8) -> Engine:
+def make_engine(
+    context_length: int = CONTEXT,
+    max_running: int = 8,
+    per_group: int | None = None,
+    **fields: Any,
+) -> Engine:
+    """A started engine over :data:`MODEL` (CPU, float32, 4-token pages, 1024 device
+    tokens, 32-token prefill chunks): ``max_running`` slots, at most ``per_group`` of
+    them per group (None: the scheduler's default), other :class:`EngineConfig`
+    ``fields`` as given (an L3 backend, queue bound, ...)."""
     config = EngineConfig(
         model_path=MODEL,
         dtype="float32",
         device="cpu",
         cache=CacheConfig(page_size=4, device_tokens=1024, hicache_ratio=2.0),
-        scheduler=SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=32),
+        scheduler=SchedulerConfig(
+            max_running_requests=max_running,
+            chunked_prefill_size=32,
+            max_running_requests_per_group=per_group,
+        ),
         context_length=context_length,
+        **fields,
     )
     return Engine(config, loaded=engine_model(MODEL)).start()
 

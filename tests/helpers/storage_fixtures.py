@@ -2,12 +2,15 @@
 
     from tests.helpers.storage_fixtures import mooncake_service, redis_service, valkey_service  # noqa: F401
 
-Each service starts on free 127.0.0.1 ports at first use and is stopped by PID at the end
+``redis_private`` is a function-scoped server of the test's own, for tests that freeze
+(SIGSTOP) or kill it. Each service starts on free 127.0.0.1 ports at first use and is stopped by PID at the end
 of the session. Missing binaries skip locally and fail under ``CI=true``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,19 @@ def valkey_service() -> Iterator[RedisServer]:
     try:
         yield server
     finally:
+        server.close()
+
+
+@pytest.fixture
+def redis_private() -> Iterator[RedisServer]:
+    """A ``redis-server`` of this test alone, which it may freeze (SIGSTOP) or kill: at the
+    end it is resumed (SIGCONT) if still running, then stopped."""
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)
         server.close()
 
 

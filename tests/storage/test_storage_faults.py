@@ -20,7 +20,7 @@ from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.services import free_port
 from hicache.storage import HiCacheStorage, StorageError, StorageOptions, create_storage
-from tests.helpers.services import start_mooncake, start_redis
+from tests.helpers.services import start_mooncake
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 4
@@ -80,15 +80,6 @@ def assert_degrades(
 
 def opts() -> StorageOptions:
     return StorageOptions(timeout_s=TIMEOUT_S, connect_timeout_s=5.0)
-
-
-@pytest.fixture
-def redis_private() -> Iterator[Any]:
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

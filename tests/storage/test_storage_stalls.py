@@ -13,21 +13,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec, MemLayout, PrefetchConfig
+from hicache.config import KVSpec, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
 from hicache.memory import HostPool
-from hicache.storage import StorageOptions, create_storage
+from hicache.storage import StorageOptions
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.stats import LATENCY_BUCKETS_S, OPS
 from tests.helpers.kvdata import serve
-from tests.helpers.services import start_redis
+from tests.helpers.l3_cache import cache_over_l3
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 PAGE = 4
@@ -94,44 +92,19 @@ def test_slow_calls_are_stalls_and_overruns_timeouts() -> None:
 # ---------------------------------------------------------------------- a frozen Redis
 
 
-@pytest.fixture
-def redis_private() -> Iterator[Any]:
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.close()
-
-
 def test_a_frozen_redis_shows_in_the_counters(redis_private: Any) -> None:
     """Requests wait the prefetch policy's deadline while the lookup hangs on a frozen
     Redis: each such prefetch is counted, and the hung lookups are stalls and timeouts
     of ``exists`` (before, every exported counter stayed 0)."""
-    config = CacheConfig(
-        page_size=PAGE,
-        device_tokens=32 * PAGE,
-        hicache_ratio=2.0,
-        load_back_threshold=0,
-        mem_layout="page_first",
-    )
     prefetch = PrefetchConfig(
         policy="timeout",
         prefetch_threshold=0,
         prefetch_timeout_base=0.4,
         prefetch_timeout_per_ki_token=0.0,
     )
-    with HiCache(config, SPEC).start() as cache:
-        ns = Namespace.for_spec(
-            SPEC, model="m", weights_fingerprint="w", layout=config.mem_layout, page_size=PAGE
-        )
-        storage = create_storage(
-            "redis",
-            namespace=ns,
-            extra_config={"url": redis_private.url},
-            options=StorageOptions(timeout_s=1.0, connect_timeout_s=5.0, stall_s=0.2),
-        )
-        cache.attach_storage(storage, ns, prefetch)
+    options = StorageOptions(timeout_s=1.0, connect_timeout_s=5.0, stall_s=0.2)
+    extra = {"url": redis_private.url}
+    with cache_over_l3(SPEC, "redis", extra, options, prefetch, device_pages=32) as cache:
         assert serve(cache, list(range(100, 100 + 4 * PAGE))) is not None
         cache.flush()
         os.kill(redis_private.pid, signal.SIGSTOP)

@@ -50,9 +50,9 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -65,6 +65,8 @@ from hicache.storage.pageio import HostPages, Payloads
 from hicache.storage.record import HEADER_SIZE
 from hicache.storage.slotio import StateSlots
 from hicache.storage.stats import MissReason, SetOutcome, SetResult, StatsRecorder, StorageStats
+
+_R = TypeVar("_R")
 
 __all__ = [
     "ConfiguredStorage",
@@ -311,15 +313,12 @@ class HiCacheStorage(ABC):
         if not keys:
             return []
         with self._stats.timed("exists"):
-            try:
-                found = list(self._contains(keys, Deadline(self._options.timeout_s)))
-                if len(found) != len(keys):
-                    raise RuntimeError(
-                        f"backend returned {len(found)} results for {len(keys)} keys"
-                    )
-            except Exception as e:
-                self._stats.error("exists", repr(e))
-                found = [False] * len(keys)
+            found = self._guarded(
+                "exists",
+                len(keys),
+                lambda: self._contains(keys, Deadline(self._options.timeout_s)),
+                False,
+            )
         self._stats.exists(len(keys), sum(found))
         return found
 
@@ -328,15 +327,12 @@ class HiCacheStorage(ABC):
         if not keys:
             return []
         with self._stats.timed("get") as timer:
-            try:
-                reasons = self._get(keys, hp, Deadline(self._options.timeout_s))
-                if len(reasons) != len(keys):
-                    raise RuntimeError(
-                        f"backend returned {len(reasons)} results for {len(keys)} keys"
-                    )
-            except Exception as e:
-                self._stats.error("get", repr(e))
-                reasons = [MissReason.ERROR] * len(keys)
+            reasons: list[MissReason | None] = self._guarded(
+                "get",
+                len(keys),
+                lambda: self._get(keys, hp, Deadline(self._options.timeout_s)),
+                MissReason.ERROR,
+            )
             timer.timed_out = timer.timed_out or MissReason.TIMEOUT in reasons
         ok = [r is None for r in reasons]
         try:
@@ -377,18 +373,13 @@ class HiCacheStorage(ABC):
             return SetResult(())
         with self._stats.timed("set"):
             replace = self._bad.flags([k.key for k in keys])
-            try:
+
+            def write() -> Sequence[SetOutcome]:
                 deadline = Deadline(self._options.timeout_s)
                 outcome = self._overwrite(keys, hp, deadline, replace) if any(replace) else None
-                if outcome is None:
-                    outcome = self._set(keys, hp, deadline)
-                if len(outcome) != len(keys):
-                    raise RuntimeError(
-                        f"backend returned {len(outcome)} results for {len(keys)} keys"
-                    )
-            except Exception as e:
-                self._stats.error("set", repr(e))
-                outcome = [SetOutcome.FAILED] * len(keys)
+                return self._set(keys, hp, deadline) if outcome is None else outcome
+
+            outcome = self._guarded("set", len(keys), write, SetOutcome.FAILED)
             repaired = self._bad.written([k.key for k in keys], outcome, replace)
             if repaired:
                 self._stats.repaired(repaired)
@@ -401,6 +392,19 @@ class HiCacheStorage(ABC):
         return SetResult.of(outcome)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _guarded(self, op: str, n: int, call: Callable[[], Sequence[_R]], failed: _R) -> list[_R]:
+        """The ``n`` per-key results of backend ``call``; where it raises or returns other
+        than ``n`` results, the error is recorded under ``op`` and every key gets
+        ``failed`` (a backend failure never raises out of a batch call)."""
+        try:
+            out = list(call())
+            if len(out) != n:
+                raise RuntimeError(f"backend returned {len(out)} results for {n} keys")
+        except Exception as e:
+            self._stats.error(op, repr(e))
+            out = [failed] * n
+        return out
+
     def allow_tenant(self, tenant_salt: str) -> None:
         """Also store and accept records of ``tenant_salt``'s namespace (this instance's
         namespace with that salt, for every allowed component), for keys chained under it."""

@@ -369,17 +369,7 @@ class MooncakeStorage(ConfiguredStorage):
         arena = self._arenas.take(len(idx) * rec)
         if arena is None:
             return [SetOutcome.FAILED] * len(idx)
-        raw = byte_view(arena.tensor)
-        for slot, i in enumerate(idx):
-            parts = pages.parts(i)
-            off = slot * rec
-            raw[off : off + HEADER_SIZE] = encode_header(
-                self._digest_of(keys[i]), keys[i].fingerprint, parts
-            )
-            off += HEADER_SIZE
-            for p in parts:
-                raw[off : off + p.nbytes] = p
-                off += p.nbytes
+        self._pack(byte_view(arena.tensor), keys, pages, idx, rec)
         names = [keys[i].key for i in idx]
         flat = [arena.addr + slot * rec for slot in range(len(idx))]
         store = self._store
@@ -401,6 +391,28 @@ class MooncakeStorage(ConfiguredStorage):
                 "set (replace)", f"{len(errors)} page(s) not written; first {errors[0]}"
             )
         return out
+
+    def _pack(
+        self,
+        raw: memoryview,
+        keys: Sequence[PageKey],
+        pages: Payloads,
+        idx: Sequence[int],
+        rec: int,
+    ) -> None:
+        """Write the whole record (header, then payload parts) of ``keys[i]`` for the
+        ``slot``-th ``i`` of ``idx`` at byte ``slot * rec`` of ``raw`` (``rec`` bytes
+        each, ``raw`` at least ``len(idx) * rec`` bytes)."""
+        for slot, i in enumerate(idx):
+            parts = pages.parts(i)
+            off = slot * rec
+            raw[off : off + HEADER_SIZE] = encode_header(
+                self._digest_of(keys[i]), keys[i].fingerprint, parts
+            )
+            off += HEADER_SIZE
+            for p in parts:
+                raw[off : off + p.nbytes] = p
+                off += p.nbytes
 
     def _set_chunk(
         self, keys: Sequence[PageKey], pages: Payloads, idx: Sequence[int], deadline: Deadline
@@ -443,17 +455,7 @@ class MooncakeStorage(ConfiguredStorage):
                 keep=pages.host.buffer,
             )
         else:
-            for slot, j in enumerate(todo):
-                i = idx[j]
-                parts = pages.parts(i)
-                off = slot * rec
-                raw[off : off + HEADER_SIZE] = encode_header(
-                    self._digest_of(keys[i]), keys[i].fingerprint, parts
-                )
-                off += HEADER_SIZE
-                for p in parts:
-                    raw[off : off + p.nbytes] = p
-                    off += p.nbytes
+            self._pack(raw, keys, pages, [idx[j] for j in todo], rec)
             flat = [base + slot * rec for slot in range(len(todo))]
             codes = self._call(
                 "set",

@@ -1,0 +1,49 @@
+"""A started tiny :class:`HiCache` with an L3 backend attached, for the tests that freeze,
+slow or kill the store under a cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.keys import Namespace
+from hicache.storage.base import StorageOptions
+from hicache.storage.registry import create_storage
+
+
+def cache_over_l3(
+    spec: KVSpec,
+    backend: str,
+    extra_config: Mapping[str, Any],
+    options: StorageOptions,
+    prefetch: PrefetchConfig,
+    *,
+    page_size: int = 4,
+    device_pages: int = 16,
+    **cache_fields: Any,
+) -> HiCache:
+    """A started cache of ``device_pages`` device pages of ``page_size`` tokens (page-first
+    layout, host pool twice the device, every L2 hit loaded back) over registry backend
+    ``backend`` (``extra_config``, ``options``), keyed under model ``"m"``, weights ``"w"``;
+    other :class:`CacheConfig` ``cache_fields`` as given. The caller closes it."""
+    config = CacheConfig(
+        page_size=page_size,
+        device_tokens=device_pages * page_size,
+        hicache_ratio=2.0,
+        load_back_threshold=0,
+        mem_layout="page_first",
+        **cache_fields,
+    )
+    cache = HiCache(config, spec).start()
+    try:
+        ns = Namespace.for_spec(
+            spec, model="m", weights_fingerprint="w", layout=config.mem_layout, page_size=page_size
+        )
+        storage = create_storage(backend, namespace=ns, extra_config=extra_config, options=options)
+        cache.attach_storage(storage, ns, prefetch)
+    except BaseException:
+        cache.close()
+        raise
+    return cache
