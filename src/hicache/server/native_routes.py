@@ -28,8 +28,6 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: Request) -> Response:
-        if (denied := state.authorized(http)) is not None:
-            return denied
         sp = body.sampling_params
         try:
             raw, batched = body.prompts()

@@ -48,8 +48,6 @@ async def _openai(
     prompt_param: str,
 ) -> Response:
     """One completion or chat completion, streamed or not."""
-    if (denied := state.authorized(http)) is not None:
-        return denied
     if (unknown := state.unknown_model(body.model)) is not None:
         return unknown
     chat = isinstance(body, ChatCompletionRequest)
@@ -198,16 +196,12 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         }
 
     @app.get("/v1/models")
-    async def models(http: Request) -> Response:
-        if (denied := state.authorized(http)) is not None:
-            return denied
+    async def models() -> Response:
         cards = [model_card(n) for n in state.model_names]
         return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, http: Request) -> Response:
-        if (denied := state.authorized(http)) is not None:
-            return denied
+    async def model(model_id: str) -> Response:
         if (unknown := state.unknown_model(model_id)) is not None:
             return unknown
         return JSONResponse(model_card(model_id))
