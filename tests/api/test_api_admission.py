@@ -84,6 +84,9 @@ def test_a_small_request_beside_a_wide_one_starts_within_two_steps(per_group: in
             assert arrived + waited > WIDE_TOKENS, (arrived, waited)
         assert_clean(engine)
         assert engine.queue.counts().queued == 0
+        # the default rule lent the wide request all 8 slots and took one back for the
+        # small one (its KV kept); exported as hicache_reclaimed_slots_total
+        assert engine.stats().reclaimed == (1 if per_group is None else 0)
     finally:
         engine.close()
 

@@ -150,6 +150,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         admitted=next(powers),
         queued=next(powers),
         refused=next(powers),
+        reclaimed=next(powers),
     )
     seen: dict[float, list[str]] = {}
     for f in cache_families(snapshot):
@@ -163,6 +164,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         assert value in seen, f"{name} is not exported"
     assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen
     assert snapshot.queued in seen and snapshot.refused in seen
+    assert snapshot.reclaimed in seen
     assert storage.repaired in seen
     for op in OPS:
         assert storage.stalls[op] in seen and storage.op_timeouts[op] in seen

@@ -95,7 +95,9 @@ class EngineStats:
     """What the engine thread read at one point: the cache's stats, requests in the
     running batch and in the waiting queue, and requests the cache has admitted (holding
     pages). ``queued``: sequences counted against ``max_queued_requests`` (reserved or
-    waiting, never yet admitted); ``refused``: reservations refused so far (HTTP 429/503).
+    waiting, never yet admitted); ``refused``: reservations refused so far (HTTP 429/503);
+    ``reclaimed``: running sequences retracted so far to give a lent slot back (the group
+    cap, see :mod:`hicache.engine.scheduler`).
     ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
     (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 
@@ -105,6 +107,7 @@ class EngineStats:
     admitted: int
     queued: int = 0
     refused: int = 0
+    reclaimed: int = 0
     at: float = 0.0
 
 
@@ -613,6 +616,7 @@ class Engine(Lifecycle):
             admitted=self.cache.requests,
             queued=counts.queued,
             refused=counts.refused,
+            reclaimed=self.scheduler.reclaimed,
             at=time.monotonic(),
         )
 

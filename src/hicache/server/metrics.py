@@ -108,6 +108,11 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         "HTTP requests refused by the bounded waiting queue (429, or 503 when unhealthy)",
         snap.refused,
     )
+    yield CounterMetricFamily(
+        "hicache_reclaimed_slots",
+        "Running sequences retracted to give a lent slot back to a waiting request",
+        snap.reclaimed,
+    )
     holders = GaugeMetricFamily(
         "hicache_device_tokens",
         "L1 token slots by holder: requests (not yet in the tree), cache (the tree), free",
