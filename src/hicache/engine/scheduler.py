@@ -80,6 +80,7 @@ from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.sampling import make_generator, sample_rows
+from hicache.engine.slots import admission_order, held_slots, lent_slot
 from hicache.runner.model_runner import ForwardBatch, ModelRunner
 from hicache.validate import int_at_least, is_int, number_at_least, require
 
@@ -286,18 +287,11 @@ class Scheduler:
             self._finish(req, FinishReason.ABORT)
 
     def admission_order(self) -> list[Request]:
-        """The waiting requests in the order :meth:`step` tries to admit them: higher
-        ``priority`` first; then (with a group rule) requests of groups holding fewer
-        running slots, so a client request that already runs many sequences yields to
-        others, round-robin; then the policy's order (``fcfs``: queue order, a retracted
-        request at the front; ``lpm``: longest cached prefix first, up to
-        :data:`LPM_MAX_WAITING` waiting). Requests of a group at its cap come after all
-        the others (borrowers, admitted only while no claimant waits ready: see the module
-        docstring); with ``lend_idle_slots`` False they are left out. Computed at the start
-        of the step."""
-        cap = self.config.group_cap
-        held = Counter(r.group for r in self.running) if cap is not None else Counter[str]()
-        lend = self.config.lend_idle_slots
+        """The waiting requests in the order :meth:`step` tries to admit them
+        (:func:`~hicache.engine.slots.admission_order`: claimants, then borrowers; priority;
+        fewest held; under ``lpm`` the longest cached prefix, up to
+        :data:`LPM_MAX_WAITING` waiting; queue order, a retracted request at the front).
+        Computed at the start of the step."""
         lpm = (
             self.config.schedule_policy == SchedulePolicy.LPM
             and len(self.waiting) <= LPM_MAX_WAITING
@@ -305,29 +299,18 @@ class Scheduler:
 
         def cached(req: Request) -> int:
             handle = req.cache
-            if not lpm or handle is None or not handle.cacheable:
+            if handle is None or not handle.cacheable:
                 return 0
             return self.cache.match_prefix(req.all_ids, req.cache_salt).matched_tokens
 
-        def at_cap(req: Request) -> bool:
-            return cap is not None and held[req.group] >= cap
-
-        # no borrower is admitted while every slot is taken: no prefix match for them then
-        full = len(self.running) >= self.config.max_running_requests
-        keyed = [
-            (
-                at_cap(req),
-                -req.priority,
-                held[req.group],
-                0 if full and at_cap(req) else -cached(req),
-                i,
-                req,
-            )
-            for i, req in enumerate(self.waiting)
-            if lend or not at_cap(req)
-        ]
-        keyed.sort(key=lambda k: k[:5])
-        return [k[5] for k in keyed]
+        return admission_order(
+            self.waiting,
+            self.running,
+            cap=self.config.group_cap,
+            lend=self.config.lend_idle_slots,
+            full=len(self.running) >= self.config.max_running_requests,
+            cached=cached if lpm else None,
+        )
 
     def _admit(self) -> None:
         """Fill free running slots in :meth:`admission_order`: claimants first (taking
@@ -339,7 +322,7 @@ class Scheduler:
             return
         if len(self.running) >= limit and not (cap is not None and self._lent()):
             return
-        held = Counter(r.group for r in self.running)
+        held = held_slots(self.running)
         borrowers: list[Request] = []
         for req in self.admission_order():
             if cap is not None and held[req.group] >= cap:
@@ -401,40 +384,13 @@ class Scheduler:
         )
 
     def _lent(self, among: list[Request] | None = None) -> Request | None:
-        """The running sequence (of ``among``; default every running one) that gives a
-        lent slot back first, or None when no group holds more than its cap (or the cap
-        does not lend). Lowest ``priority`` first (what the rule protects last), then the
-        group most over its cap; within it the sequence retracted the fewest times so far,
-        then the one with the fewest output tokens, the most recently admitted among
-        equals.
-
-        Why, in that order: a client request ends with its last copy, so each retraction
-        (a few steps' delay for the copy) should fall on a different copy: picking the
-        least progressed one alone would pick the same copy again and again (it is least
-        progressed *because* it was retracted), and that copy's delays add up (measured:
-        the fairness bench's ``n: 64`` request took 288 steps that way against 257 without
-        a rule, 259 with this order; see ``docs/benchmarks.md``). Among copies retracted equally often, the least
-        progressed holds the least KV of its own (its siblings' shared prompt stays pinned)
-        so its re-admission costs the least, and the copies closest to their end keep
-        running and free their slots soonest."""
+        """The running sequence (of ``among``) that gives a lent slot back first
+        (:func:`~hicache.engine.slots.lent_slot`), or None when none is lent (or the cap
+        does not lend)."""
         cap = self.config.group_cap
         if cap is None or not self.config.lend_idle_slots:
             return None
-        held = Counter(r.group for r in self.running)
-        order = {id(r): i for i, r in enumerate(self.running)}
-        lent = [r for r in (self.running if among is None else among) if held[r.group] > cap]
-        if not lent:
-            return None
-        return min(
-            lent,
-            key=lambda r: (
-                r.priority,
-                -held[r.group],
-                r.retracted,
-                len(r.output_ids),
-                -order[id(r)],
-            ),
-        )
+        return lent_slot(self.running, cap, among)
 
     def _reclaim(self, held: Counter[str]) -> bool:
         """Retract one sequence holding a lent slot (:meth:`_lent`) so a claimant can take
