@@ -52,7 +52,7 @@ from hicache.runner.kernels import AttentionBackend
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.storage.registry import StorageConfig, storage_config_from_args
-from hicache.validate import int_at_least
+from hicache.validate import int_at_least, is_finite_number, require
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,15 +178,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
-        if not (
-            isinstance(self.memory_trim_interval_s, int | float)
-            and not isinstance(self.memory_trim_interval_s, bool)
-            and 0 <= self.memory_trim_interval_s < float("inf")
-        ):
-            raise ValueError(
-                f"memory_trim_interval_s={self.memory_trim_interval_s!r} is invalid; must be"
-                " a finite number of seconds >= 0 (0: off)"
-            )
+        trim = self.memory_trim_interval_s
+        require(
+            is_finite_number(trim) and trim >= 0,
+            "memory_trim_interval_s",
+            trim,
+            "must be a finite number of seconds >= 0 (0: off)",
+        )
         if self.max_queued_requests is not None:
             int_at_least(
                 "max_queued_requests",
