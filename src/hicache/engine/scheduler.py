@@ -679,13 +679,8 @@ class Scheduler:
     def _retract(self, req: Request, *, why: str = "to free L1 pages") -> None:
         """Preempt a running request: keep its KV in the cache, re-queue it first."""
         log.info("retracting %s %s", req.rid, why)
-        assert req.cache is not None
-        self.running.remove(req)
-        self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
-        self.runner.drop_state(req.rid)  # it restarts from position 0 (or a cached prefix)
-        req.kv_len = 0
+        self._requeue(req)
         req.retracted += 1
-        self.waiting.appendleft(req)
 
     def _fall_back(self, req: Request) -> None:
         """A load ``req``'s prefix depends on failed: keep nothing it computed since its
@@ -694,9 +689,16 @@ class Scheduler:
         cache loads nothing from L2 for it then)."""
         assert req.cache is not None
         log.warning("%s: %s; recomputing it", req.rid, req.cache.failed)
+        self._requeue(req)  # a failed handle keeps nothing; the extras go with the state
+
+    def _requeue(self, req: Request) -> None:
+        """Move running ``req`` to the front of the queue: the cache keeps what it computed
+        (``requeue``; nothing for a failed handle), the runner drops its carried state, and
+        it restarts from position 0 (or from the prefix its re-admission finds)."""
+        assert req.cache is not None
         self.running.remove(req)
-        self.cache.requeue(req.cache, req.all_ids[: req.kv_len])  # failed: keeps nothing
-        self.runner.drop_state(req.rid)  # with this forward's extras
+        self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
+        self.runner.drop_state(req.rid)
         req.kv_len = 0
         self.waiting.appendleft(req)
 
