@@ -336,9 +336,9 @@ class StorageTier:
             pages = c.reads(start + hit, p.local.get(c.name, ()))
             if not pages:
                 continue
-            ids = c.alloc(len(pages))
+            assert host_pages is not None
+            ids = c.alloc_read(pages, start, host_pages)
             if ids is None:  # no L2 room for the records a boundary needs: no use
-                assert host_pages is not None
                 self.host.allocator.free(host_pages)
                 host_pages = None
                 self._free_fetches(reads)
@@ -371,7 +371,7 @@ class StorageTier:
             pages = c.reads(boundary, p.local.get(c.name, ()))
             if not pages:
                 continue
-            ids = c.alloc(len(pages))
+            ids = c.alloc_read(pages, p.start_page, page_ids())
             if ids is None:  # no L2 room for them: no use
                 self._free_fetches(reads)
                 p.finished = True
