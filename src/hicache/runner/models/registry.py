@@ -3,7 +3,8 @@
 :data:`SUPPORTED_MODEL_TYPES` lists every ``model_type`` accepted: the Llama-style
 :data:`~hicache.runner.models.config.FAMILIES` (served by :class:`DecoderLM`) and the
 :data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each).
-:func:`check_supported` refuses anything else with one error naming the list.
+:func:`check_supported` refuses anything else with one error naming the list;
+:func:`check_tensor_parallel` refuses a tensor-parallel size a family cannot be split over.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hicache.runner.models.config import FAMILIES, UnsupportedModelError
+from hicache.runner.models.config import FAMILIES, DecoderConfig, UnsupportedModelError
 from hicache.runner.models.gemma3 import Gemma3Config, Gemma3LM
 from hicache.runner.models.gpt_oss import GptOssConfig, GptOssLM
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
@@ -24,6 +25,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "build_hybrid_model",
     "check_supported",
+    "check_tensor_parallel",
     "hybrid_config_from_hf",
 ]
 
@@ -43,6 +45,24 @@ def check_supported(hf_config: Any) -> str:
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return model_type
+
+
+def check_tensor_parallel(hf_config: Any, size: int) -> None:
+    """Refuse, before any weight is read, to split the config's model over ``size`` ranks
+    when it cannot be: UnsupportedModelError for a hybrid family (no sharded hybrid model
+    exists) and ValueError naming the numbers when ``size`` does not divide a Llama-style
+    model's heads, K/V heads or intermediate size. ``size == 1`` always passes."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor-parallel size={size!r} is invalid; must be an int >= 1")
+    model_type = check_supported(hf_config)
+    if size == 1:
+        return
+    if model_type in HYBRID_FAMILIES:
+        raise UnsupportedModelError(
+            f"tensor parallelism is not supported for model_type={model_type!r}"
+            f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
+        )
+    DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
 
 
 def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
