@@ -2,7 +2,9 @@
 
 :data:`SUPPORTED_MODEL_TYPES` lists every ``model_type`` accepted: the Llama-style
 :data:`~hicache.runner.models.config.FAMILIES` (served by :class:`DecoderLM`) and the
-:data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each).
+:data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each; DeepSeek-V2/V3,
+:data:`~hicache.runner.models.deepseek.DEEPSEEK_FAMILIES`, are among them: their MLA
+decoder is built on the hybrid frame, with the MLA pool).
 :func:`check_supported` refuses anything else with one error naming the list.
 """
 
@@ -13,11 +15,13 @@ from typing import Any
 import torch
 
 from hicache.runner.models.config import FAMILIES, UnsupportedModelError
+from hicache.runner.models.deepseek import DEEPSEEK_FAMILIES, DeepseekConfig, DeepseekLM
 from hicache.runner.models.gemma3 import Gemma3Config, Gemma3LM
 from hicache.runner.models.gpt_oss import GptOssConfig, GptOssLM
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.nemotron_h import NemotronHConfig, NemotronHLM
 from hicache.runner.models.qwen3_next import Qwen3NextConfig, Qwen3NextLM
+from hicache.runner.parallel import TPGroup
 
 __all__ = [
     "HYBRID_FAMILIES",
@@ -27,7 +31,13 @@ __all__ = [
     "hybrid_config_from_hf",
 ]
 
-HYBRID_FAMILIES: tuple[str, ...] = ("gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h")
+HYBRID_FAMILIES: tuple[str, ...] = (
+    "gemma3_text",
+    "gpt_oss",
+    "qwen3_next",
+    "nemotron_h",
+    *DEEPSEEK_FAMILIES,
+)
 """``model_type`` values of the hybrid families."""
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = FAMILIES + HYBRID_FAMILIES
@@ -56,18 +66,32 @@ def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
         return Qwen3NextConfig.from_hf(hf_config)
     if model_type == "nemotron_h":
         return NemotronHConfig.from_hf(hf_config)
+    if model_type in DEEPSEEK_FAMILIES:
+        return DeepseekConfig.from_hf(hf_config)
     raise UnsupportedModelError(
         f"model_type={model_type!r} is not a hybrid family; hybrid ones: {HYBRID_FAMILIES}"
     )
 
 
 def build_hybrid_model(
-    cfg: HybridConfig, *, dtype: torch.dtype, device: torch.device | str
+    cfg: HybridConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup | None = None,
 ) -> HybridLM:
-    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next)."""
+    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next).
+    ``tp``: this rank's tensor-parallel group (DeepSeek only; the other hybrid families
+    refuse a group of more than one rank)."""
     model: HybridLM
+    if tp is not None and tp.size > 1 and not isinstance(cfg, DeepseekConfig):
+        raise UnsupportedModelError(
+            f"tensor parallelism is not supported for model_type={cfg.family!r}"
+        )
     with torch.device("meta"):
-        if isinstance(cfg, Gemma3Config):
+        if isinstance(cfg, DeepseekConfig):
+            model = DeepseekLM(cfg, tp)
+        elif isinstance(cfg, Gemma3Config):
             model = Gemma3LM(cfg)
         elif isinstance(cfg, GptOssConfig):
             model = GptOssLM(cfg)
