@@ -160,7 +160,7 @@ def _load(
     model: DecoderLM | HybridLM
     if hybrid_only or hf_config.model_type in HYBRID_FAMILIES:
         model = build_hybrid_model(
-            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev
+            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
         )
     else:
         model = build_model(
@@ -193,11 +193,12 @@ def load_model(
     unsupported architecture raises UnsupportedModelError listing the supported ones.
 
     ``tp`` (default: one rank): a Llama / Qwen2 / Qwen3 model is split over its ranks (see
-    :mod:`hicache.runner.models.decoder`); each rank reads the full checkpoint tensors and
+    :mod:`hicache.runner.models.decoder`), a DeepSeek-V2/V3 one by heads and MLP/expert
+    columns (:mod:`hicache.runner.models.deepseek`); each rank reads the full checkpoint tensors and
     keeps its slice, and its KV spec (:func:`~hicache.runner.model_runner.cache_spec_of`)
     has its own K/V heads. The fingerprint is the checkpoint's, the same on every rank. A
     size that does not divide the heads, K/V heads or intermediate size raises ValueError
-    naming them, a hybrid family with ``size > 1`` UnsupportedModelError, both before any
+    naming them, another hybrid family with ``size > 1`` UnsupportedModelError, both before any
     weight is read.
     """
     return _load(model_path, dtype, device, hybrid_only=False, tp=tp or TPGroup.single())

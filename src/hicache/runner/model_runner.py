@@ -226,18 +226,20 @@ class ModelRunner:
         swa_pool = (pools or {}).get(SLIDING)
         if swa_pool is not None:
             _check_swa_pool(model, swa_pool, device_pool)
+        kind = AttentionKind.MHA
         if isinstance(model, HybridLM):
             full = model.config.full_kv_spec if swa_pool is not None else model.config.kv_spec
             kv = full(spec.dtype)
-            want = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            kind = kv.attention
+            want = (kv.num_layers, kv.heads, kv.dim)
         else:
             cfg = model.config
             want = (cfg.num_layers, model.num_kv_heads, cfg.head_dim)
-        have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        if spec.attention is not AttentionKind.MHA or want != have:
+        have = (spec.num_layers, spec.heads, spec.dim)
+        if spec.attention is not kind or want != have:
             raise ValueError(
-                f"device pool (layers, kv_heads, head_dim)={have} ({spec.attention.value}) "
-                f"does not fit the model's {want} (mha)"
+                f"device pool (layers, heads, dim)={have} ({spec.attention.value}) "
+                f"does not fit the model's {want} ({kind.value})"
             )
         if device_pool.device != model.device:
             raise ValueError(f"pool on {device_pool.device} but model on {model.device}")
