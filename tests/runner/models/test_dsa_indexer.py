@@ -37,7 +37,9 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (  # noqa: E4
     DeepseekV32RotaryEmbedding,
 )
 
-HIDDEN, Q_LORA, HEADS, DIM, ROPE, TOPK = 32, 24, 4, 16, 8, 5
+HIDDEN, Q_LORA, HEADS, DIM, ROPE, TOPK = 32, 24, 16, 16, 8, 5
+# 16 heads: a score is exactly 0 (every head's relu 0) almost never, so no two tokens tie
+# at the top-k boundary, where transformers' torch.topk would break the tie arbitrarily
 T = 13  # prompt length: more tokens than TOPK, so later queries really select
 PAGE = 2
 
@@ -149,6 +151,19 @@ def test_chunks_through_the_paged_pool_select_the_same(
             start = end
     assert torch.allclose(read_keys(pool, 1, slots), ref_keys, atol=1e-6)
     assert not pool.latent_buffer(0).any()  # another layer's keys are untouched
+
+
+def test_ties_go_to_the_earlier_token_whatever_the_rows_length(
+    pair: tuple[DeepseekV32Indexer, DsaIndexer, DeepseekV32Config],
+) -> None:
+    _, ours, _ = pair
+    scores = torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    pos = torch.tensor([8, 10])
+    got = ours.select(scores, pos)  # TOPK = 5: 3.0, 1.0, then the first three zeros
+    assert got[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert got[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    short = ours.select(scores[:1, :9], pos[:1])  # the same query over a shorter context
+    assert torch.equal(short[0], got[0, :9])
 
 
 def test_bad_shapes_are_refused() -> None:

@@ -15,7 +15,11 @@ attention then attends to those tokens only (and never past the query: causality
   ``sum_h w[s, h] * relu(q[s, h] . k[t] / sqrt(D))``, in fp32;
 * the selection: the ``min(topk, context)`` highest scores of each query's row over the
   whole context, causally masked (``-inf`` after the query's position) before the top-k,
-  so a query selects every earlier token while there are at most ``topk`` of them.
+  so a query selects every earlier token while there are at most ``topk`` of them. Equal
+  scores (``relu`` makes exact zeros common with few heads) go to the earlier token, so
+  the selection does not depend on the row's length (a chunk's context, a decode step's):
+  the reference's ``torch.topk`` breaks such ties arbitrarily, and only there may the
+  two differ.
 
 RoPE here is the half-split kind (:func:`~hicache.runner.models.rope.apply_rotary`) on
 the first ``rope_dim`` (``qk_rope_head_dim``) values of each head, unlike the MLA's
@@ -112,11 +116,15 @@ class DsaIndexer(nn.Module):
     def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The attention mask of the selection: bool ``(n, T)``, True where query ``i`` (at
         ``positions[i]``, int64 ``(n,)``) attends to context token ``t``: among the
-        ``min(topk, T)`` best of its causally masked row, and ``t <= positions[i]``."""
+        ``min(topk, T)`` best of its causally masked row (of equal scores, the earlier
+        tokens), and ``t <= positions[i]``."""
         n, t = scores.shape
         causal = torch.arange(t, device=scores.device)[None, :] <= positions[:, None]
         masked = scores.masked_fill(~causal, float("-inf"))
-        top = masked.topk(min(self.shape.topk, t), dim=-1).indices
+        # a stable sort: equal scores (relu makes exact zeros common) go to the earlier
+        # token, whatever the row's length; torch.topk breaks such ties arbitrarily
+        order = masked.sort(dim=-1, descending=True, stable=True).indices
+        top = order[:, : min(self.shape.topk, t)]
         chosen = torch.zeros((n, t), dtype=torch.bool, device=scores.device)
         chosen.scatter_(-1, top, True)
         return chosen & causal
