@@ -6,6 +6,11 @@ caches indexer keys on the full KV's page ids. Every request writes the keys of 
 positions it computes beside their KV; after each step the cache passes
 ``check_integrity`` (the indexer's ids in each tier are the full KV's there), and every
 cached prefix comes back with the exact KV and the exact keys of its tokens.
+
+And the load-fault machine of ``test_load_faults_property`` (loads and backups failing at
+random under L1 pressure, requests sharing pages still loading) over the same model: after
+every step the indexer's ids still are the full KV's in each tier (a failed load takes the
+keys out of L1 with the KV, a failed backup drops their L2 copies with the KV's).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from hicache.config import CacheConfig, CacheSpec, IndexerSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.cache.test_cache_property import PAGE, SPEC, CacheMachine, sequences
-from tests.helpers.kvdata import page_kv, read_device, write_tokens
+from tests.cache.test_load_faults_property import LoadFaultMachine
+from tests.helpers.kvdata import FailingBackups, page_kv, read_device, write_tokens
 
 KEYS = IndexerSpec(num_layers=2, index_head_dim=3)
 
@@ -133,3 +139,37 @@ IndexerCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestIndexerCacheMachine = IndexerCacheMachine.TestCase
+
+
+class IndexerLoadFaultMachine(LoadFaultMachine):
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        io=st.sampled_from(["direct", "kernel"]),
+        first=st.lists(sequences, min_size=1, max_size=3),
+    )
+    def setup(self, policy: str, io: str, first: list[list[int]]) -> None:
+        cfg = CacheConfig(
+            page_size=PAGE,
+            device_tokens=8 * PAGE,
+            hicache_ratio=2.0,
+            write_policy=policy,  # type: ignore[arg-type]
+            io_backend=io,  # type: ignore[arg-type]
+            load_back_threshold=0,
+        )
+        spec = CacheSpec(kv=SPEC, components=(KEYS,))
+        self.cache = HiCache(cfg, spec, layer_hook=self.loads, wait_timeout_s=10.0).start()
+        assert self.cache.host is not None
+        engine = self.cache.host.controller._engine
+        self.backups = FailingBackups(engine.copier)
+        engine.copier = self.backups  # type: ignore[assignment]
+        for tokens in first:
+            self.request(tokens)
+
+
+IndexerLoadFaultMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestIndexerLoadFaultMachine = IndexerLoadFaultMachine.TestCase
