@@ -27,7 +27,8 @@ interleaved one. DeepSeek's kernels apply a Hadamard rotation to ``q`` and ``k``
 score in fp8; the rotation preserves dot products and fp8 is a precision trade-off, so
 this module scores in fp32 from keys in the model dtype, as the transformers reference
 (``DeepseekV32Indexer``) does. Parameter names follow its checkpoint: ``wq_b``, ``wk``,
-``k_norm``, ``weights_proj``.
+``k_norm``, ``weights_proj``; every one is in the model's dtype (transformers lists
+``weights_proj`` to keep in fp32, which its loader applies under fp16 only).
 """
 
 from __future__ import annotations
