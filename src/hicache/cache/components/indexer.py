@@ -68,7 +68,9 @@ INDEXER = IndexerSpec.name
 
 ALL_PAGES_REACH = 1 << 40
 """:attr:`ComponentRecords.reach` of ALL_PAGES: a hit needs the records of every page
-from the first, however far before a fetch's first page."""
+from the first, however far before a fetch's first page. So a prefetch also checks the
+presence of the records of the prefix the tree holds (one presence check per held page,
+on the prefetch thread), though it reads none of those: the tree holds their keys."""
 
 
 def _ids_tensor(ids: PageIds) -> torch.Tensor:
