@@ -3,7 +3,8 @@
 Each rank loads its shard (``load_model(..., tp=)``), builds a :class:`HiCache` from the
 model's own cache spec (its K/V heads only) and runs, through the model runner over the
 cache's L1 pool, a batch of two prefills, three decode steps and a mixed step (an extend
-on a cached prefix beside a decode). The same script runs in this process on one rank; the
+on a cached prefix beside a decode), then the first decode step again through the
+decode graphs' static buffers (eager on CPU, the Triton kernel interpreted). The same script runs in this process on one rank; the
 logits of every step must equal transformers' (and the two ranks' must be identical).
 The refusals (a size that does not split the model, a hybrid family) are checked without
 a process group: they happen before any weight is read.
@@ -30,6 +31,7 @@ from hicache.runner import (
     resolve_checkpoint,
 )
 from hicache.runner import loader as loader_mod
+from hicache.runner.decode_graphs import DecodeGraphs
 from hicache.runner.model_runner import cache_spec_of
 from hicache.runner.models import (
     DecoderConfig,
@@ -48,6 +50,8 @@ A_LEN, B_LEN, DECODES, A_EXTEND = 13, 7, 3, 3
 sequence B: 7-token prefill, 3 decodes, then one more decode beside A's extend."""
 A_TOTAL, B_TOTAL = A_LEN + DECODES + A_EXTEND, B_LEN + DECODES + 1
 B_OFFSET = 20
+GRAPH_MODEL = "tiny-random-qwen2"
+"""The model whose decode also runs through the decode graphs' buffers."""
 """B's tokens are the prompt's tokens from here on (another text than A's)."""
 
 
@@ -59,6 +63,9 @@ class Steps:
 
     a: torch.Tensor
     b: torch.Tensor
+    graph: torch.Tensor | None
+    """``(2, vocab)``: A's and B's first decode step through :class:`DecodeGraphs`
+    (:data:`GRAPH_MODEL` only; None for the others)."""
 
 
 def _sequences(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +84,7 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
     try:
         runner = ModelRunner(lm.model, cache.device_pool)
         a, b = _sequences(name)
-        pages = cache.device_pool.allocator.alloc(8)
+        pages = cache.device_pool.allocator.alloc(9)  # the last: the graphs' scratch page
         assert pages is not None
         sa = slots_for([pages[i] for i in (4, 0, 2, 6, 7)], PAGE, A_TOTAL)
         sb = slots_for([pages[i] for i in (5, 1, 3)], PAGE, B_TOTAL)
@@ -116,6 +123,20 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
         )
         rows_a.append(mixed[:A_EXTEND])
         rows_b.append(mixed[A_EXTEND:])
+        # the first decode step again, through the decode graphs' static buffers (what a
+        # CUDA graph replays; eager here) sized for this rank's heads: same K/V rewritten.
+        # One model only (the tied one): the interpreted kernel costs seconds per layer
+        graph = None
+        if name == GRAPH_MODEL:
+            graphs = DecodeGraphs(
+                lm.model, cache.device_pool, scratch_page=pages[8], max_bs=2, table_width=8
+            )
+            graph = graphs.run(
+                torch.stack([a[A_LEN], b[B_LEN]]),
+                torch.tensor([A_LEN, B_LEN]),
+                [sa[: A_LEN + 1], sb[: B_LEN + 1]],
+            )
+            assert graph is not None
         cache.device_pool.allocator.free(pages)
     finally:
         cache.close()
@@ -124,7 +145,7 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
         "heads": lm.model.model.layers[0].self_attn.num_heads,
         "fingerprint": lm.fingerprint,
     }
-    return Steps(torch.cat(rows_a), torch.cat(rows_b)), seen
+    return Steps(torch.cat(rows_a), torch.cat(rows_b), graph), seen
 
 
 def _rank(rank: int, n: int, out: str) -> dict[str, Any]:
@@ -133,7 +154,9 @@ def _rank(rank: int, n: int, out: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for name in TINY:
         steps, seen[name] = _script(name, tp)
-        torch.save({"a": steps.a, "b": steps.b}, Path(out, f"rank{rank}-{name}.pt"))
+        torch.save(
+            {"a": steps.a, "b": steps.b, "graph": steps.graph}, Path(out, f"rank{rank}-{name}.pt")
+        )
     return seen
 
 
@@ -154,13 +177,14 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPRun]:
     logits = {}
     for name in TINY:
         parts = [torch.load(out / f"rank{r}-{name}.pt") for r in range(2)]
-        logits[name] = [Steps(p["a"], p["b"]) for p in parts]
+        logits[name] = [Steps(p["a"], p["b"], p["graph"]) for p in parts]
     yield TPRun(logits, seen)
 
 
 def _reference(name: str) -> Steps:
     a, b = _sequences(name)
-    return Steps(hf_logits(name, a), hf_logits(name, b))
+    ra, rb = hf_logits(name, a), hf_logits(name, b)
+    return Steps(ra, rb, torch.stack([ra[A_LEN], rb[B_LEN]]))
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -178,6 +202,14 @@ def test_two_ranks_equal_one_rank_and_transformers(name: str, tp2: TPRun) -> Non
     assert (r0.b - one.b).abs().max().item() <= TOL
     assert (r0.a - ref.a).abs().max().item() <= TOL
     assert (r0.b - ref.b).abs().max().item() <= TOL
+    if name == GRAPH_MODEL:
+        assert one.graph is not None and r0.graph is not None and r1.graph is not None
+        assert ref.graph is not None and torch.equal(r0.graph, r1.graph)
+        assert (one.graph - ref.graph).abs().max().item() <= TOL
+        assert (r0.graph - one.graph).abs().max().item() <= TOL
+        assert (r0.graph - ref.graph).abs().max().item() <= TOL
+    else:
+        assert one.graph is None and r0.graph is None
     for seen in tp2.seen:  # each rank caches its own K/V head of the two, and 2 of 4 q heads
         assert seen[name]["kv_heads"] == 1 and seen[name]["heads"] == 2
         assert seen[name]["fingerprint"] == seen_one["fingerprint"]
