@@ -39,7 +39,7 @@ from hicache.runner.models import (
     UnsupportedModelError,
     WeightLoadError,
 )
-from hicache.runner.parallel import TPGroup
+from hicache.runner.parallel import TPGroup, shard_dims
 from tests.helpers.engine_fixtures import TINY, engine_model, hf_logits, prompt_ids, slots_for
 from tests.helpers.ranks import run_ranks
 
@@ -226,6 +226,7 @@ def no_weight_read(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a weight was read before the refusal")
 
     monkeypatch.setattr(loader_mod, "_iter_tensors", read)
+    monkeypatch.setattr(loader_mod, "_iter_unread", read)
 
 
 @pytest.mark.usefixtures("no_weight_read")
@@ -316,3 +317,41 @@ def test_checkpoint_of_another_shape_is_refused_on_a_rank() -> None:
     wrong = torch.zeros(cfg.vocab_size + 2, cfg.hidden_size)
     with pytest.raises(WeightLoadError, match=r"model.embed_tokens.weight: checkpoint shape"):
         model.load_weights([("model.embed_tokens.weight", wrong)])
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_each_rank_loads_its_slices_of_the_checkpoint(name: str) -> None:
+    """Loading needs no collective: both ranks of two load here, in one process, and each
+    parameter is the rank's slice of the one-rank model's (read lazily, slice by slice)."""
+    whole = dict(engine_model(name).model.named_parameters())
+    for rank in range(2):
+        tp = TPGroup(rank=rank, size=2)
+        lm = load_model(name, dtype="float32", tp=tp)
+        assert isinstance(lm.model, DecoderLM)
+        dims = shard_dims(lm.model)
+        assert "model.layers.0.self_attn.q_proj.weight" in dims
+        params = dict(lm.model.named_parameters())
+        assert params.keys() == whole.keys()
+        for key, p in params.items():
+            want = whole[key] if key not in dims else tp.shard(whole[key], *dims[key])
+            assert torch.equal(p, want), key
+
+
+def test_unread_checkpoint_tensor_pads_the_last_rank(tmp_path: Path) -> None:
+    """A vocabulary of 5 rows over 2 ranks is padded to 6: rank 1 reads rows 3 and 4 of
+    the file and gets one zero row, as from the tensor in memory; a column split reads
+    the rank's columns."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    full = torch.arange(20, dtype=torch.float32).reshape(5, 4) + 1
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt", device="cpu") as st:
+        unread = loader_mod._UnreadTensor(st.get_slice("w"))
+        assert unread.shape == full.shape
+        for rank in range(2):
+            tp = TPGroup(rank=rank, size=2)
+            assert torch.equal(tp.shard(unread, 0, 6), tp.shard(full, 0, 6))
+            assert torch.equal(tp.shard(unread, 1), full[:, 2 * rank : 2 * rank + 2])
+        last = TPGroup(rank=1, size=2).shard(unread, 0, 6)
+        assert torch.equal(last, torch.cat([full[3:], torch.zeros(1, 4)]))
