@@ -39,6 +39,7 @@ from hicache.runner.models import (
     UnsupportedModelError,
     WeightLoadError,
 )
+from hicache.runner.models.registry import check_tensor_parallel
 from hicache.runner.parallel import TPGroup, shard_dims
 from tests.helpers.engine_fixtures import TINY, engine_model, hf_logits, prompt_ids, slots_for
 from tests.helpers.ranks import run_ranks
@@ -355,3 +356,10 @@ def test_unread_checkpoint_tensor_pads_the_last_rank(tmp_path: Path) -> None:
             assert torch.equal(tp.shard(unread, 1), full[:, 2 * rank : 2 * rank + 2])
         last = TPGroup(rank=1, size=2).shard(unread, 0, 6)
         assert torch.equal(last, torch.cat([full[3:], torch.zeros(1, 4)]))
+
+
+@pytest.mark.parametrize("size", [0, -2, True, 2.0])
+def test_invalid_size_is_refused_by_name(size: Any) -> None:
+    hf = engine_model("tiny-random-llama").hf_config
+    with pytest.raises(ValueError, match=f"tensor-parallel size={size!r} is invalid"):
+        check_tensor_parallel(hf, size)
