@@ -228,8 +228,8 @@ def load_model(
 
     ``tp`` (default: one rank): a Llama / Qwen2 / Qwen3 model is split over its ranks (see
     :mod:`hicache.runner.models.decoder`); each rank reads only its slice of each split
-    tensor (and the whole ones whole), no collective runs, and its KV spec (:func:`~hicache.runner.model_runner.cache_spec_of`)
-    has its own K/V heads. The fingerprint is the checkpoint's, the same on every rank. A
+    tensor (and the whole ones whole), no collective runs, and its KV spec
+    (:func:`~hicache.runner.model_runner.cache_spec_of`) has its own K/V heads. The fingerprint is the checkpoint's, the same on every rank. A
     size that does not divide the heads, K/V heads or intermediate size raises ValueError
     naming them, a hybrid family with ``size > 1`` UnsupportedModelError, both before any
     weight is read.
