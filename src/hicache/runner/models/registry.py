@@ -61,7 +61,9 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Refuse, before any weight is read, to split the config's model over ``size`` ranks
     when it cannot be: UnsupportedModelError for a hybrid family (no sharded hybrid model
     exists) and ValueError naming the numbers when ``size`` does not divide a Llama-style
-    model's heads, K/V heads or intermediate size. ``size == 1`` always passes."""
+    model's heads, K/V heads or intermediate size
+    (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`). ``size ==
+    1`` always passes; an unsupported ``model_type`` raises as :func:`check_supported`."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor-parallel size={size!r} is invalid; must be an int >= 1")
     model_type = check_supported(hf_config)
@@ -75,7 +77,9 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"tensor parallelism is not supported for model_type={model_type!r}"
             f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
         )
-    DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
+    if model_type in FAMILIES:
+        DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
+    # any other family checks its own split where its model is built
 
 
 def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
