@@ -195,3 +195,22 @@ def test_tensor_parallel_sizes_are_checked() -> None:
     )
     with pytest.raises(UnsupportedModelError, match="model_type='gpt_oss'"):
         build_hybrid_model(other, dtype=torch.float32, device="cpu", tp=TPGroup(rank=0, size=2))
+
+
+def test_bfloat16_keeps_the_routers_in_fp32() -> None:
+    """As transformers does (``_keep_in_fp32_modules_strict``): a bf16 score-correction
+    bias would round away the differences that pick the experts."""
+    from hicache.runner.loader import load_model
+    from tests.runner.models.deepseek_fixtures import checkpoint
+
+    model = load_model(str(checkpoint("v3")), dtype="bfloat16").model
+    gates = {n: p.dtype for n, p in model.named_parameters() if ".mlp.gate." in n}
+    assert len(gates) == 4  # layers 1 and 2: weight and bias
+    assert set(gates.values()) == {torch.float32}
+    assert model.dtype == torch.bfloat16
+    runner = ModelRunner(model, DevicePool(cache_spec_of(model, "bfloat16").kv, 16, PAGE))
+    ids = prompt("v3", 15)
+    got = runner.forward(batch([ids], [0], [A_PAGES]), all_logits=True)
+    ref = hf_logits("v3", ids)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0.15)

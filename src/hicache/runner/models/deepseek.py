@@ -265,6 +265,14 @@ class DeepseekLM(HybridLM):
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
+    def keep_routers_fp32(self) -> None:
+        """Turn the routers' parameters (weights, V3's score-correction bias) back to fp32
+        after the model was cast to a lower dtype: the reference keeps them in fp32, and a
+        bf16 bias would round away the small differences that decide the experts."""
+        for m in self.modules():
+            if isinstance(m, DeepseekMoE):
+                m.gate.float()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype

@@ -102,5 +102,7 @@ def build_hybrid_model(
         else:
             raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")
     model = model.to_empty(device=torch.device(device)).to(dtype)
+    if isinstance(model, DeepseekLM):
+        model.keep_routers_fp32()
     model.requires_grad_(False)
     return model.eval()
