@@ -36,6 +36,7 @@ __all__ = [
     "RowParallelLinear",
     "TPGroup",
     "VocabParallelEmbedding",
+    "gather_logits",
     "shard_dims",
 ]
 
@@ -156,6 +157,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nn.Linear's one fused call: TP 1 is bit-identical to it
+            return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -204,8 +207,19 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``weight``: a tied embedding's rows instead of this head's own."""
         w = self.weight if weight is None else weight
-        logits = self.tp.all_gather(F.linear(hidden, w).float(), dim=-1)
-        return logits[..., : self.vocab_size]
+        return gather_logits(hidden, w, self.vocab_size, self.tp)
+
+
+def gather_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup
+) -> torch.Tensor:
+    """The full fp32 logits ``(N, vocab_size)`` on every rank from this rank's vocabulary
+    rows ``weight (padded / size, dim)`` (a :class:`ParallelLMHead`'s, or a tied
+    :class:`VocabParallelEmbedding`'s): ``hidden (N, dim)`` projected onto them, the
+    ranks' slices gathered in rank order and the padding rows cut off. With one rank:
+    ``F.linear(hidden, weight).float()``."""
+    logits = tp.all_gather(F.linear(hidden, weight).float(), dim=-1)
+    return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
 
 
 def shard_dims(model: nn.Module) -> dict[str, tuple[int, int | None]]:

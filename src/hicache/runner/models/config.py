@@ -185,6 +185,24 @@ class DecoderConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid; must be > 0")
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming the numbers unless ``size`` tensor-parallel ranks can split this
+        model: ``size`` must divide the query heads, the K/V heads (each rank holds whole
+        heads; none is replicated) and the MLP's intermediate size. Nothing to check for
+        the vocabulary, which is padded to a multiple of ``size``."""
+        sizes = (
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("intermediate_size", self.intermediate_size),
+        )
+        bad = [f"{name}={v}" for name, v in sizes if v % size]
+        if bad:
+            every = ", ".join(f"{name}={v}" for name, v in sizes)
+            raise ValueError(
+                f"tensor-parallel size {size} does not divide {', '.join(bad)} of the"
+                f" {self.family} model; choose a size that divides each of {every}"
+            )
+
     @classmethod
     def from_hf(cls, hf_config: Any) -> DecoderConfig:
         """Build from a transformers ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config``."""
