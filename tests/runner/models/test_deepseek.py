@@ -133,6 +133,50 @@ def test_yarn_mscale_matches_transformers() -> None:
     assert softmax_scale_factor(deepseek_model("v3").model.config.rope) == 1.0  # no yarn
 
 
+def test_a_deepseek_v2_lite_rope_config_matches_transformers() -> None:
+    """DeepSeek-V2-Lite's legacy ``rope_scaling`` (YaRN, factor 40, mscale = mscale_all_dim
+    = 0.707, a 4k original context) and a dense-only stack (no MoE fields needed)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+
+    hf = DeepseekV2Config.from_dict(
+        dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_hidden_layers=2,
+            first_k_dense_replace=2,
+            max_position_embeddings=163840,
+            rope_theta=10000,
+            rope_scaling={
+                "type": "yarn",
+                "factor": 40,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        )
+    )
+    cfg = hybrid_config_from_hf(hf)
+    assert isinstance(cfg, DeepseekConfig) and cfg.moe is None
+    rotary = v2.DeepseekV2RotaryEmbedding(hf)
+    torch.testing.assert_close(inverse_frequencies(cfg.rope, 8), rotary.inv_freq.float())
+    assert attention_scaling(cfg.rope) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert cfg.softmax_scale == pytest.approx(v2.DeepseekV2Attention(hf, 0).scaling, rel=1e-12)
+    assert cfg.softmax_scale != pytest.approx(16**-0.5)
+    moe_layers = DeepseekV2Config.from_dict({**hf.to_dict(), "first_k_dense_replace": 1})
+    with pytest.raises(
+        UnsupportedModelError, match=r"has MoE layers .* but no num_experts_per_tok"
+    ):
+        hybrid_config_from_hf(moe_layers)
+
+
 def test_key_masks_restrict_the_keys() -> None:
     variant = "v3"
     runner = new_runner(variant)
