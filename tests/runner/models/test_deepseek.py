@@ -21,7 +21,12 @@ import torch
 
 from hicache.config import AttentionKind
 from hicache.memory import DevicePool
-from hicache.runner.model_runner import ForwardBatch, ModelRunner, cache_spec_of
+from hicache.runner.model_runner import (
+    ForwardBatch,
+    ModelRunner,
+    cache_spec_of,
+    kv_spec_from_hf_config,
+)
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.config import UnsupportedModelError
 from hicache.runner.models.deepseek import DeepseekConfig, DeepseekLM
@@ -97,6 +102,9 @@ def test_the_pool_holds_the_latent(variant: str) -> None:
     cfg = deepseek_model(variant).model.config
     spec = cache_spec_of(runner.model, "float32").kv
     assert spec.attention is AttentionKind.MLA and spec.dim == cfg.kv_lora_rank + 8
+    hf_config = hf_twin(variant).config  # the same latent whatever the TP size
+    assert kv_spec_from_hf_config(hf_config, "float32") == spec
+    assert kv_spec_from_hf_config(hf_config, "float32", tp_size=2) == spec
     ids = prompt(variant, 10)
     runner.forward(batch([ids], [0], [A_PAGES]))
     stored = runner.pool.latent_buffer(0)[slots_for(A_PAGES, 10), 0]
