@@ -87,7 +87,7 @@ def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
     (each rank decompresses the latent into its own heads), its dense MLP's and its
     experts' intermediate sizes. The latent itself is whole on every rank."""
     sizes = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
-    if cfg.num_layers > cfg.first_k_dense_replace:
+    if cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
     bad = [f"{name}={v}" for name, v in sizes if v % size]
     if bad:
@@ -145,5 +145,7 @@ def build_hybrid_model(
         else:
             raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")
     model = model.to_empty(device=torch.device(device)).to(dtype)
+    if isinstance(model, DeepseekLM):
+        model.keep_routers_fp32()
     model.requires_grad_(False)
     return model.eval()
