@@ -25,10 +25,18 @@ worker's :class:`Completion` records:
 Loads run concurrently with each other (the transfer engine starts a load while earlier
 loads of other pages are still copying); a request whose prefix runs through pages a
 load still in flight maps depends on that load's progress (``loads_on``).
+
+Tensor-parallel ranks (``ranks`` with more than one rank): a completion is applied only
+once every rank has it, with the agreed ok flag (:meth:`votes`, :meth:`apply_agreed`,
+driven by the owner's ``sync``); the waits for copies loop on the owner's agreed wait
+(``wait_until``), so every rank gives up together; and an L2 allocation agrees first on
+how many pages to evict (the largest shortfall of any rank: every rank evicts the same
+nodes) and then on whether every rank got its pages (else every rank frees them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +47,8 @@ from hicache.cache.events import TierEvents
 from hicache.cache.request import CacheRequest
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller import CacheController, CompletionQueue
+from hicache.controller.agreement import LocalRecords, Verdict, Vote
+from hicache.controller.rank_group import RankGroup
 from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters
 from hicache.transfer import Completion, LayerProgress
@@ -105,6 +115,8 @@ class HostTier:
         events: TierEvents,
         wait_timeout_s: float,
         layer_hook: Callable[[int, int], None] | None = None,
+        ranks: RankGroup | None = None,
+        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
     ) -> None:
         self.tree = tree
         self.device_allocator = device_pool.allocator
@@ -124,6 +136,11 @@ class HostTier:
         self._quarantine: list[Quarantined] = []
         self._waiting = 0  # > 0 while a wait for copies runs (its caller may hold pins)
         self._num_layers = spec.num_layers
+        self.ranks = ranks or RankGroup.single()
+        """The tensor-parallel ranks (one: no agreement)."""
+        self._wait_until = wait_until if self.ranks.multi else None
+        """The owner's agreed wait (``wait_until(done, timeout_s)``: True once ``done()``,
+        False when the ranks gave up together); None with one rank."""
 
     @property
     def allocator(self) -> PageAllocator:
@@ -145,6 +162,14 @@ class HostTier:
         loads wait for :meth:`settle`)."""
         self._waiting += 1
         try:
+            if self._wait_until is not None:
+                if not self._wait_until(
+                    lambda: not self.backups and not self.loads, self._wait_timeout_s
+                ):
+                    raise TimeoutError(
+                        f"copies still in flight on some rank after {self._wait_timeout_s} s"
+                    )
+                return
             self.controller.wait_idle(self._wait_timeout_s)
             self._events.drain()
         finally:
@@ -156,6 +181,12 @@ class HostTier:
         everything posted (failed loads wait for :meth:`settle`)."""
         self._waiting += 1
         try:
+            if self._wait_until is not None:
+                if not self._wait_until(lambda: not self.backups, self._wait_timeout_s):
+                    raise TimeoutError(
+                        f"backups still in flight on some rank after {self._wait_timeout_s} s"
+                    )
+                return
             self.controller.wait_backups(self._wait_timeout_s)
             self._events.drain()
         finally:
@@ -183,7 +214,12 @@ class HostTier:
 
     def alloc(self, num_pages: int) -> PageIds | None:
         """``num_pages`` free L2 pages, evicting unpinned L2 copies if needed; None when
-        even that cannot make room. Loads in flight pin their sources: waits for them."""
+        even that cannot make room. Loads in flight pin their sources: waits for them.
+
+        With several ranks every decision is agreed (see the module docstring): every
+        rank evicts the same nodes and either every rank gets its pages or none does."""
+        if self.ranks.multi:
+            return self._alloc_agreed(num_pages)
         alloc = self.allocator
         if alloc.free_pages < num_pages:
             self.evict(num_pages - alloc.free_pages)
@@ -192,6 +228,27 @@ class HostTier:
             self.evict(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)
+
+    def _alloc_agreed(self, num_pages: int) -> PageIds | None:
+        """:meth:`alloc` over several ranks: reserve, all-reduce(min), commit or abort.
+        The collectives made depend on agreed values only (2 to 5 of them)."""
+        alloc, ranks = self.allocator, self.ranks
+        short = ranks.max(num_pages - alloc.free_pages)
+        if short > 0:
+            self.evict(short)
+            short = ranks.max(num_pages - alloc.free_pages)
+            if short > 0 and self.loads and self._wait_until is not None:
+                self._wait_until(lambda: not self.loads, self._wait_timeout_s)
+                short = ranks.max(num_pages - alloc.free_pages)
+                if short > 0:
+                    self.evict(short)
+        pages = alloc.alloc(num_pages) if alloc.free_pages >= num_pages else None
+        if ranks.min(int(pages is not None)) == 0:
+            if pages is not None:
+                alloc.free(pages)
+            return None
+        assert pages is not None
+        return page_ids(pages)
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L2 pages if possible; returns pages freed.
@@ -304,6 +361,26 @@ class HostTier:
                 self._failed.append((ld, c.error or "unknown error"))  # pinned until settled
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
+
+    def votes(self, got: LocalRecords) -> list[Vote]:
+        """This rank's vote on every copy in flight, in op-id order: whether its
+        completion is here (``got``) and its ok flag."""
+        out: list[Vote] = []
+        for op_id in sorted(self.backups.keys() | self.loads.keys()):
+            c = got.completions.get(op_id)
+            out.append(Vote(op_id, arrived=c is not None, value=int(c is not None and c.ok)))
+        return out
+
+    def apply_agreed(self, v: Verdict, got: LocalRecords) -> bool:
+        """Apply copy ``v.op_id``'s completion once every rank has it, ok only when ok on
+        every rank (a copy failed on another rank fails here too); False: not yet."""
+        if not v.arrived or v.op_id not in got.completions:
+            return False
+        c = got.completions.pop(v.op_id)
+        if c.ok and not v.value:
+            c = dataclasses.replace(c, ok=False, error="the copy failed on another rank")
+        self.apply(c)
+        return True
 
     def settle(self) -> None:
         """Apply the failed loads posted so far and free quarantined L1 pages no copy in
