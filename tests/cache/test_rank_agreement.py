@@ -145,7 +145,7 @@ def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
         drive(cache, prompts)
         cache.flush()
         cache.reset()
-        _backend(cache).set_faults(MemoryFaults(delay_s=0.004 * rank))
+        _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
         hits = drive(cache, prompts, open_per_step=2, hold_steps=4, max_running=2, step_s=0.005)
         cache.flush()
         cache.check_integrity()
