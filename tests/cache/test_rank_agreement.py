@@ -55,7 +55,7 @@ def _cache(
         tp_rank=rank,
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
-    base = 0.2 if extra.get("timeout_s") else 3.0  # read_timeout: the policy gives up first
+    base = 0.1 if extra.get("timeout_s") else 3.0  # read_timeout: the policy gives up first
     prefetch = PrefetchConfig(
         policy=policy,
         prefetch_threshold=0,
@@ -78,7 +78,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
     """Serve PROMPTS once (write-through to L3), empty L1 and L2, fault rank 1, serve
     them again from L3; what each rank saw."""
     faulty = rank == 1
-    extra: dict[str, Any] = {"timeout_s": 0.4} if faulty and fault == "read_timeout" else {}
+    extra: dict[str, Any] = {"timeout_s": 0.25} if faulty and fault == "read_timeout" else {}
     with _cache(rank, f"{policy}-{fault}-{rank}", policy, extra=extra) as cache:
         drive(cache, PROMPTS)
         cache.flush()
@@ -86,11 +86,11 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         backed_before = cache.counters.backup_tokens_total
         held = None
         if faulty and fault == "slow":
-            _backend(cache).set_faults(MemoryFaults(delay_s=0.3))
+            _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
         elif faulty and fault == "lookup_fail":
             _backend(cache).set_faults(MemoryFaults(fail_after=0))
         elif faulty and fault == "read_timeout":
-            _backend(cache).set_faults(MemoryFaults(get_delay_s=0.8))
+            _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
         elif faulty and fault == "l2_full":
             assert cache.host is not None
             held = cache.host.allocator.alloc(cache.host.allocator.free_pages)

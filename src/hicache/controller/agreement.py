@@ -140,19 +140,19 @@ class Agreement:
             [(Stream.L3, v) for v in _ordered("l3", l3)],
             self.capacity,
         )
-        t = torch.zeros((1 + self.capacity, FIELDS), dtype=torch.int64)
-        t[0, 0], t[0, 1], t[0, 2] = len(rows), -len(rows), -int(give_up)
-        for i, (stream, v) in enumerate(rows, start=1):
+        data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
+        for stream, v in rows:
             if v.value < 0:
                 raise ValueError(f"op {v.op_id}: a vote's value must be >= 0, got {v.value}")
             key = int(stream) << _STREAM_SHIFT | v.op_id
-            t[i] = torch.tensor(
-                [key, -key, int(v.arrived), v.value, int(v.final), int(v.flag), -int(v.ready)],
-                dtype=torch.int64,
+            data.append(
+                [key, -key, int(v.arrived), v.value, int(v.final), int(v.flag), -int(v.ready)]
             )
+        t = torch.zeros((1 + self.capacity, FIELDS), dtype=torch.int64)  # padding: neutral
+        t[: len(data)] = torch.tensor(data, dtype=torch.int64)
         self.ranks.all_reduce_min(t)
         self.steps += 1
-        got = t.tolist()
+        got = t[: len(data)].tolist()
         if got[0][0] != -got[0][1]:
             raise RanksDiverged(
                 f"step {self.steps}: ranks agree on {got[0][0]} to {-got[0][1]} in-flight ops"
