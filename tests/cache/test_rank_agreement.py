@@ -3,8 +3,8 @@
 Two real rank processes (gloo) each run the same cache steps (:func:`drive`: one
 ``sync()`` per step) over their own L3 shard (the ``memory`` backend, one private store
 per rank and scenario). Rank 1 alone gets a fault: its backend slow, its lookups failing,
-its reads timing out (past the backend's deadline, and past the ``timeout`` policy's), or
-its L2 full of pages an outside holder pinned. For each prefetch policy both ranks must
+its reads timing out (past the backend's deadline, and past the ``timeout`` policy's),
+its L2 full of pages an outside holder pinned, or its L2 -> L1 loads failing. For each prefetch policy both ranks must
 report equal hit lengths for every request, end with equal tree digests, and not hang (a
 collective blocked past ``COLLECTIVE_TIMEOUT_S`` fails the rank, and with it the test).
 """
@@ -23,6 +23,7 @@ from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from hicache.storage.registry import create_storage
+from tests.helpers.kvdata import FailingLoads
 from tests.helpers.rank_cache import drive
 from tests.helpers.ranks import run_ranks
 
@@ -30,12 +31,18 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
 A = [1, 2, 3, 4, 5, 6, 7, 8]
 PROMPTS = [A, [*A[:4], 20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37]]
-FAULTS = ("none", "slow", "lookup_fail", "read_timeout", "l2_full")
+FAULTS = ("none", "slow", "lookup_fail", "read_timeout", "l2_full", "load_fail")
 POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def _cache(
-    rank: int, store: str, policy: str, *, device_tokens: int = 32, extra: dict[str, Any]
+    rank: int,
+    store: str,
+    policy: str,
+    *,
+    device_tokens: int = 32,
+    extra: dict[str, Any],
+    hook: FailingLoads | None = None,
 ) -> HiCache:
     cfg = CacheConfig(
         page_size=PAGE,
@@ -44,7 +51,7 @@ def _cache(
         load_back_threshold=0,
         write_policy="write_through",
     )
-    cache = HiCache(cfg, SPEC, ranks=RankGroup()).start()
+    cache = HiCache(cfg, SPEC, ranks=RankGroup(), layer_hook=hook).start()
     ns = Namespace.for_spec(
         SPEC,
         model="m",
@@ -79,7 +86,8 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
     them again from L3; what each rank saw."""
     faulty = rank == 1
     extra: dict[str, Any] = {"timeout_s": 0.25} if faulty and fault == "read_timeout" else {}
-    with _cache(rank, f"{policy}-{fault}-{rank}", policy, extra=extra) as cache:
+    hook = FailingLoads()
+    with _cache(rank, f"{policy}-{fault}-{rank}", policy, extra=extra, hook=hook) as cache:
         drive(cache, PROMPTS)
         cache.flush()
         cache.reset()
@@ -94,7 +102,10 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         elif faulty and fault == "l2_full":
             assert cache.host is not None
             held = cache.host.allocator.alloc(cache.host.allocator.free_pages)
+        elif faulty and fault == "load_fail":
+            hook.on = True
         hits = drive(cache, PROMPTS)
+        hook.on = False
         cache.flush()
         digest = cache.tree_digest()
         if held is not None:
@@ -107,6 +118,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
             "digest": digest,
             "timeouts": cache.counters.prefetch_timeouts_total,
             "backed_up": cache.counters.backup_tokens_total - backed_before,
+            "fallbacks": cache.counters.load_fallbacks_total,
         }
 
 
@@ -123,11 +135,14 @@ def test_one_faulty_rank_neither_blocks_nor_splits_the_group(tmp_path: Path, pol
         assert a["digest"] == b["digest"], fault
         assert a["timeouts"] == b["timeouts"], fault
         assert a["backed_up"] == b["backed_up"], fault
+        assert a["fallbacks"] == b["fallbacks"], fault
     storage = {fault: [h[2] for h in r0[fault]["hits"]] for fault in FAULTS}
     # what rank 1 cannot serve, no rank reads: the shorter (here: no) hit bounds both
     assert storage["lookup_fail"] == storage["read_timeout"] == storage["l2_full"] == [0, 0, 0]
     if policy != "best_effort":  # the policy waits for L3 (for the slow rank too)
         assert storage["none"] == storage["slow"] == [8, 4, 8]
+        # what L3 brought could not be loaded on rank 1: every rank recomputes it
+        assert storage["load_fail"] == [0, 0, 0] and r0["load_fail"]["fallbacks"] > 0
     # rank 1's L2 had no room: no rank backed anything up, so both trees hold L1 only
     # (with lookups failing, the prompts are computed again and backed up)
     assert r0["l2_full"]["backed_up"] == 0 < r0["lookup_fail"]["backed_up"]

@@ -34,7 +34,8 @@ def drive(
     admitted ``hold_steps`` steps ago with their KV kept, and admit each waiting request
     the policy lets in (in prompt order, while fewer than ``max_running`` run; one L1
     cannot take stays waiting), checking its cached prefix byte for byte and "computing"
-    the rest. Returns each request's hit, in
+    the rest. An admitted request waits for the loads it needs (an agreed wait); one whose
+    load failed on some rank fails on every rank and is requeued, to recompute. Returns each request's hit, in
     prompt order."""
     n = len(prompts)
     batch = n if open_per_step is None else open_per_step
@@ -55,6 +56,13 @@ def drive(
             req, tokens = reqs[i], list(prompts[i])
             full_batch = max_running is not None and len(running) >= max_running
             if full_batch or not (cache.ready(req) and cache.admit(req, tokens)):
+                still.append(i)
+                continue
+            if cache.host is not None:  # the loads it needs landed or failed on every rank
+                cache.host.wait_idle()
+                cache.sync()  # a failed load fails its requests here, on every rank alike
+            if req.failed is not None:  # recomputed from what L1 holds, later
+                cache.requeue(req, tokens)
                 still.append(i)
                 continue
             for layer in range(cache.spec.num_layers):

@@ -59,6 +59,11 @@ from hicache.tree.results import NodeEviction
 
 log = logging.getLogger("hicache.cache")
 
+COPY_OK = 2
+"""A copy's vote value (:meth:`HostTier.votes`): it succeeded on this rank."""
+COPY_FAILED_LANDED = 1
+"""A copy's vote value: a load that failed after every layer had landed (its pages stay)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PendingBackup:
@@ -131,8 +136,9 @@ class HostTier:
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
-        self._failed: list[tuple[PendingLoad, str]] = []
-        """Failed loads not applied yet (still pinned): applied by :meth:`settle`."""
+        self._failed: list[tuple[PendingLoad, str, bool]] = []
+        """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
+        whether every layer had landed (on every rank) all the same."""
         self._quarantine: list[Quarantined] = []
         self._waiting = 0  # > 0 while a wait for copies runs (its caller may hold pins)
         self._num_layers = spec.num_layers
@@ -204,7 +210,7 @@ class HostTier:
             on_path.add(id(n))
             n = n.parent
         out: list[LayerProgress] = []
-        for ld in [*self.loads.values(), *(f for f, _ in self._failed)]:
+        for ld in [*self.loads.values(), *(f for f, _, _ in self._failed)]:
             chain = self.tree.path_tail(ld.last, ld.pages)
             if id(chain[0]) in on_path and _maps(chain, ld.device_pages):
                 out.append(ld.progress)
@@ -238,7 +244,11 @@ class HostTier:
             self.evict(short)
             short = ranks.max(num_pages - alloc.free_pages)
             if short > 0 and self.loads and self._wait_until is not None:
-                self._wait_until(lambda: not self.loads, self._wait_timeout_s)
+                self._waiting += 1  # the caller may hold pins: failed loads wait for settle
+                try:
+                    self._wait_until(lambda: not self.loads, self._wait_timeout_s)
+                finally:
+                    self._waiting -= 1
                 short = ranks.max(num_pages - alloc.free_pages)
                 if short > 0:
                     self.evict(short)
@@ -332,8 +342,10 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
 
-    def apply(self, c: Completion) -> None:
-        """Apply one finished copy on the owner's thread: unpin, count, hand on to L3."""
+    def apply(self, c: Completion, *, landed: bool | None = None) -> None:
+        """Apply one finished copy on the owner's thread: unpin, count, hand on to L3.
+        ``landed``: for a failed load, whether every layer had landed anyway (None: as
+        its progress says; several ranks pass what they agreed)."""
         if c.op_id in self.backups:
             b = self.backups.pop(c.op_id)
             if c.ok:
@@ -358,17 +370,29 @@ class HostTier:
             else:
                 log.error("load back op %d failed: %s", c.op_id, c.error)
                 self.counters.load_failures_total += 1
-                self._failed.append((ld, c.error or "unknown error"))  # pinned until settled
+                if landed is None:
+                    landed = ld.progress.layers_done == self._num_layers
+                self._failed.append(
+                    (ld, c.error or "unknown error", landed)
+                )  # pinned until settled
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
 
     def votes(self, got: LocalRecords) -> list[Vote]:
         """This rank's vote on every copy in flight, in op-id order: whether its
-        completion is here (``got``) and its ok flag."""
+        completion is here (``got``) and how it went (:data:`COPY_OK`, else
+        :data:`COPY_FAILED_LANDED` for a failed load whose every layer landed anyway, else
+        0), so the minimum over ranks says how it went everywhere."""
         out: list[Vote] = []
         for op_id in sorted(self.backups.keys() | self.loads.keys()):
             c = got.completions.get(op_id)
-            out.append(Vote(op_id, arrived=c is not None, value=int(c is not None and c.ok)))
+            value = 0
+            if c is not None and c.ok:
+                value = COPY_OK
+            elif c is not None and op_id in self.loads:
+                done = self.loads[op_id].progress.layers_done == self._num_layers
+                value = COPY_FAILED_LANDED if done else 0
+            out.append(Vote(op_id, arrived=c is not None, value=value))
         return out
 
     def apply_agreed(self, v: Verdict, got: LocalRecords) -> bool:
@@ -377,9 +401,9 @@ class HostTier:
         if not v.arrived or v.op_id not in got.completions:
             return False
         c = got.completions.pop(v.op_id)
-        if c.ok and not v.value:
+        if c.ok and v.value != COPY_OK:
             c = dataclasses.replace(c, ok=False, error="the copy failed on another rank")
-        self.apply(c)
+        self.apply(c, landed=v.value == COPY_FAILED_LANDED)
         return True
 
     def settle(self) -> None:
@@ -389,10 +413,10 @@ class HostTier:
         if self._waiting:
             return
         while self._failed:
-            ld, error = self._failed.pop(0)
+            ld, error, landed = self._failed.pop(0)
             self.tree.dec_lock_ref(ld.last)
             self.tree.dec_host_ref(ld.last)
-            self._drop_failed_load(ld, error)
+            self._drop_failed_load(ld, error, landed)
         if self._quarantine:
             in_flight = self.loads.keys() | self.backups.keys()
             keep: list[Quarantined] = []
@@ -408,12 +432,13 @@ class HostTier:
         tier until :meth:`settle` frees them)."""
         return [p for q in self._quarantine for p in q.pages]
 
-    def _drop_failed_load(self, ld: PendingLoad, error: str) -> None:
-        """Take what a failed load mapped (and every L1 copy below it) out of L1."""
+    def _drop_failed_load(self, ld: PendingLoad, error: str, landed: bool) -> None:
+        """Take what a failed load mapped (and every L1 copy below it) out of L1, unless
+        every layer had ``landed``."""
         chain = self.tree.path_tail(ld.last, ld.pages)
         if not _maps(chain, ld.device_pages):
             return  # unmapped already: a load above it failed first
-        if ld.progress.layers_done == self._num_layers:
+        if landed:
             log.error("load back failed after its last layer arrived: its L1 pages stay")
             return  # every layer landed: the pages hold the span's KV
         top = chain[0]
