@@ -130,8 +130,8 @@ class _Events:
 
     def wait_backups(self) -> bool:
         host = self._cache.host
-        if host is None or not host.backups:
-            return False
+        if host is None or not host.backups or self._cache._applying:
+            return False  # (no wait while an agreed record is applied: every rank alike)
         host.wait_backups()
         return True
 
