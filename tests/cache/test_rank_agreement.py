@@ -172,7 +172,8 @@ def test_racing_prefetches_pair_correctly(tmp_path: Path, policy: str) -> None:
     r0, r1 = run_ranks(_race_main, 2, tmp_path, policy)
     assert r0["hits"] == r1["hits"]
     assert r0["digest"] == r1["digest"]
-    assert sum(h[2] for h in r0["hits"]) > 0  # some requests did read L3
+    if policy != "best_effort":  # best_effort never waits: on a loaded machine no read may land
+        assert sum(h[2] for h in r0["hits"]) > 0  # some requests did read L3
 
 
 if __name__ == "__main__":  # pragma: no cover - spawn children import this module
