@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,25 @@ from torch import nn
 
 __all__ = [
     "ColumnParallelLinear",
+    "Narrowable",
     "ParallelLMHead",
     "RowParallelLinear",
     "TPGroup",
     "VocabParallelEmbedding",
+    "gather_logits",
     "shard_dims",
 ]
+
+
+class Narrowable(Protocol):
+    """What :meth:`TPGroup.shard` reads: a full ``shape`` and ``narrow(dim, start,
+    length)``, the rows ``[start, start + length)`` along ``dim`` as a tensor. A
+    ``torch.Tensor`` is one; so is a lazily read checkpoint tensor (its slice read alone)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,21 +95,22 @@ class TPGroup:
             )
         return total // self.size
 
-    def shard(self, tensor: torch.Tensor, dim: int, padded: int | None = None) -> torch.Tensor:
+    def shard(self, tensor: Narrowable, dim: int, padded: int | None = None) -> torch.Tensor:
         """This rank's slice of the full ``tensor`` along ``dim``: rows ``[rank * k,
         (rank + 1) * k)`` with ``k = (padded or tensor.shape[dim]) / size``; rows past the
-        tensor's end (padding up to ``padded``) are zeros."""
+        tensor's end (padding up to ``padded``) are zeros. ``tensor``: a tensor, or a
+        checkpoint tensor not read yet (:class:`Narrowable`), of which only the slice is
+        read."""
         full = tensor.shape[dim]
         length = padded or full
         k = self.part(length, f"rows of dim {dim}")
-        start = self.rank * k
-        end = min(start + k, full)
-        piece = tensor.narrow(dim, start, max(0, end - start))
+        start = min(self.rank * k, full)
+        piece = tensor.narrow(dim, start, max(0, min(start + k, full) - start))
         if piece.shape[dim] == k:
             return piece
-        shape = list(tensor.shape)
+        shape = list(piece.shape)
         shape[dim] = k - piece.shape[dim]
-        return torch.cat([piece, tensor.new_zeros(shape)], dim=dim)
+        return torch.cat([piece, piece.new_zeros(shape)], dim=dim)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
@@ -156,6 +171,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nn.Linear's one fused call: TP 1 is bit-identical to it
+            return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -204,8 +221,19 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``weight``: a tied embedding's rows instead of this head's own."""
         w = self.weight if weight is None else weight
-        logits = self.tp.all_gather(F.linear(hidden, w).float(), dim=-1)
-        return logits[..., : self.vocab_size]
+        return gather_logits(hidden, w, self.vocab_size, self.tp)
+
+
+def gather_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup
+) -> torch.Tensor:
+    """The full fp32 logits ``(N, vocab_size)`` on every rank from this rank's vocabulary
+    rows ``weight (padded / size, dim)`` (a :class:`ParallelLMHead`'s, or a tied
+    :class:`VocabParallelEmbedding`'s): ``hidden (N, dim)`` projected onto them, the
+    ranks' slices gathered in rank order and the padding rows cut off. With one rank:
+    ``F.linear(hidden, weight).float()``."""
+    logits = tp.all_gather(F.linear(hidden, weight).float(), dim=-1)
+    return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
 
 
 def shard_dims(model: nn.Module) -> dict[str, tuple[int, int | None]]:

@@ -1,0 +1,166 @@
+"""DeepSeek-V2/V3 (MLA) served through :class:`Engine` (tiny random models, CPU, fp32).
+
+* The cache is built from the model's MLA spec: one latent of ``kv_lora_rank +
+  qk_rope_head_dim`` per token and layer, no other component.
+* Greedy generation equals transformers' greedy ``generate`` for every variant (V2
+  with/without q LoRA, greedy and group-limited routers; V3 with the sigmoid router, and
+  with YaRN + mscale).
+* The same prompt again gives identical tokens from L1, from L2 after forced eviction
+  and from a file L3 after ``flush_cache`` (the latent pages went through the host pool
+  and the L3 records, in each host layout); a second engine on the same L3 hits the first
+  one's records.
+* Six concurrent requests on a small L1 (evictions, retractions, decode batches) each
+  give transformers' tokens.
+* Every pool is back to idle afterwards (no request held, integrity clean).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hicache.config import AttentionKind, CacheConfig, MemLayout
+from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.request import RequestOutput
+from hicache.engine.sampling import SamplingParams
+from hicache.engine.scheduler import SchedulerConfig
+from tests.runner.models.deepseek_fixtures import VARIANTS, deepseek_model, hf_greedy, prompt
+
+PAGE = 4
+PROMPT_LEN = 33  # prompt[:-1] is matched: 8 whole pages
+MATCHED = 32
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def make_engine(
+    variant: str,
+    *,
+    storage: Path | None = None,
+    layout: MemLayout = MemLayout.PAGE_FIRST,
+    device_tokens: int = 256,
+) -> Engine:
+    config = EngineConfig(
+        model_path=str(deepseek_model(variant).path),
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(
+            page_size=PAGE,
+            device_tokens=device_tokens,
+            hicache_ratio=4.0,
+            load_back_threshold=0,
+            mem_layout=layout,
+        ),
+        scheduler=SchedulerConfig(max_running_requests=4, chunked_prefill_size=16),
+        context_length=128,
+        storage_backend="file" if storage is not None else None,
+        storage_extra_config=(
+            {"file_path": str(storage), "prefetch_threshold": 8} if storage is not None else {}
+        ),
+    )
+    return Engine(config, loaded=deepseek_model(variant)).start()
+
+
+def assert_idle(engine: Engine) -> None:
+    def check() -> None:
+        assert engine.scheduler.idle
+        assert engine.cache.requests == 0
+        engine.cache.flush()
+        engine.cache.check_integrity()
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+
+    engine.call(check).result(timeout=30)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_through_engine_equals_transformers(variant: str) -> None:
+    ids = prompt(variant, PROMPT_LEN)
+    want = hf_greedy(variant, ids, NEW_TOKENS)
+    cfg = deepseek_model(variant).model.config
+    with make_engine(variant) as engine:
+        spec = engine.cache.spec
+        assert spec.attention is AttentionKind.MLA and spec.num_layers == cfg.num_layers
+        assert (spec.heads, spec.dim) == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        assert engine.cache.stores.names == []
+        out = engine.generate(ids, GREEDY, timeout=60)
+        assert out.error is None and out.output_ids == want
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("variant", "layout"),
+    [
+        ("v2-qlora-grouped", MemLayout.PAGE_FIRST),
+        ("v3", MemLayout.LAYER_FIRST),
+        ("v3", MemLayout.PAGE_FIRST_DIRECT),
+    ],
+)
+def test_mla_hits_l1_l2_and_file_l3(variant: str, layout: MemLayout, tmp_path: Path) -> None:
+    """The latent pages go L1 -> L2 -> L3 and back through every host layout."""
+    ids = prompt(variant, PROMPT_LEN)
+    want = hf_greedy(variant, ids, NEW_TOKENS)
+    with make_engine(variant, storage=tmp_path, layout=layout) as engine:
+        cold = engine.generate(ids, GREEDY, timeout=60)
+        assert cold.cached.total == 0 and cold.output_ids == want
+        from_l1 = engine.generate(ids, GREEDY, timeout=60)
+        assert from_l1.cached.device == MATCHED and from_l1.output_ids == want
+
+        def demote_all() -> int:
+            engine.cache.flush()  # backups complete, nodes unpinned
+            return engine.cache.evict_device(10**6)
+
+        assert engine.call(demote_all).result(timeout=30) > 0
+        from_l2 = engine.generate(ids, GREEDY, timeout=60)
+        assert from_l2.cached.device == 0 and from_l2.cached.host == MATCHED
+        assert from_l2.output_ids == want
+        engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
+        assert engine.flush_cache()  # L1 and L2 emptied
+        from_l3 = engine.generate(ids, GREEDY, timeout=60)
+        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
+        assert from_l3.output_ids == want
+        assert_idle(engine)
+    with make_engine(variant, storage=tmp_path, layout=layout) as second:  # the first's records
+        again = second.generate(ids, GREEDY, timeout=60)
+        assert again.cached.storage == MATCHED and again.output_ids == want
+        assert_idle(second)
+
+
+def test_concurrent_requests_on_a_small_l1_stay_exact() -> None:
+    """Six requests sharing a 12-token prefix on an L1 of 14 pages (each needs 6 for its
+    prompt, 8 at the end): decode batches over the padded latent gather, evictions and
+    retractions, and every output equals transformers'."""
+    variant = "v3"
+    shared = prompt(variant, 12)
+    prompts = [shared + prompt(variant, 10, offset=20 + 7 * i) for i in range(6)]
+    want = [hf_greedy(variant, p, NEW_TOKENS) for p in prompts]
+    with make_engine(variant, device_tokens=14 * PAGE) as engine:
+        retracted: list[str] = []
+        retract = engine.scheduler._retract
+
+        def counting(req):  # type: ignore[no-untyped-def]
+            retracted.append(req.rid)
+            retract(req)
+
+        engine.scheduler._retract = counting  # type: ignore[method-assign]
+        results: dict[int, list[int]] = {}
+        done = threading.Event()
+
+        def on(i: int) -> Callable[[RequestOutput], None]:
+            def cb(out: RequestOutput) -> None:
+                if out.finished:
+                    assert out.error is None
+                    results[i] = out.output_ids
+                    if len(results) == len(prompts):
+                        done.set()
+
+            return cb
+
+        for i, p in enumerate(prompts):
+            engine.submit(p, GREEDY, on(i))
+        assert done.wait(120)
+        assert [results[i] for i in range(len(prompts))] == want
+        assert retracted, "the small L1 should have forced a retraction"
+        assert_idle(engine)
