@@ -162,7 +162,7 @@ def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
         cache.flush()
         cache.reset()
         _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
-        hits = drive(cache, prompts, open_per_step=2, hold_steps=4, max_running=2, step_s=0.005)
+        hits = drive(cache, prompts, open_per_step=2, hold_steps=8, max_running=2, step_s=0.01)
         cache.flush()
         cache.check_integrity()
         return {"hits": hits, "digest": cache.tree_digest()}
