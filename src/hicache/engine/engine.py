@@ -44,6 +44,7 @@ from hicache.engine.admission import (
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S, IdleTrimmer
 from hicache.engine.output import OutputProcessor
+from hicache.engine.rank_digest import rank_state_digest
 from hicache.engine.ranks import (
     DEFAULT_DIST_INIT_TIMEOUT_S,
     RankProcesses,
@@ -63,6 +64,7 @@ from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
     DetachStorage,
+    Digest,
     FlushCache,
     NewRequest,
     StepInput,
@@ -800,6 +802,14 @@ class Engine(Lifecycle):
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""
         return bool(self._command(FlushCache()).result(timeout=60))
 
+    def rank_digests(self, timeout: float = 60.0) -> list[str]:
+        """Each rank's digest of its scheduling and cache state, by rank, taken at the same
+        step on every rank (:mod:`hicache.engine.rank_digest`): all equal while the ranks
+        agree. One entry with one rank."""
+        got = self._command(Digest()).result(timeout=timeout)
+        assert isinstance(got, list)
+        return [str(d) for d in got]
+
     def _command(self, record: StepInput) -> Future[object]:
         """Post the control ``record`` (applied by every rank at the next step); rank 0's
         result, or its exception, comes in the future."""
@@ -855,6 +865,10 @@ class Engine(Lifecycle):
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; detach storage when idle")
             return self.cache.detach_storage()
+        if isinstance(item, Digest):
+            sched = self.scheduler
+            mine = rank_state_digest(self.cache, sched.waiting, sched.running)
+            return [mine] if self._channel is None else self._channel.gather(mine)
         return None  # Stop: handled by the loops
 
     # ------------------------------------------------------------------ L3

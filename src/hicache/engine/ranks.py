@@ -172,6 +172,12 @@ class StepChannel:
             raise RuntimeError(f"rank {self.rank} received {type(got).__name__}, not StepInputs")
         return got
 
+    def gather(self, value: str) -> list[str]:
+        """Every rank's ``value``, by rank (on every rank)."""
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return [str(v) for v in out]
+
     def agree_tokens(
         self, token_ids: Sequence[int], failed: Sequence[int]
     ) -> tuple[list[int], set[int]]:
@@ -256,6 +262,11 @@ class RankProcesses:
         """Spawn the followers and join the group as rank 0; returns rank 0's channel.
         :class:`RankStartError` (one line naming the rank) when a rank does not join within
         ``init_timeout_s`` or dies first; the followers are stopped then."""
+        if dist.is_initialized():  # the default group is per process
+            raise RankStartError(
+                "this process is in a process group already: one engine with tp_size > 1"
+                " per process"
+            )
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
@@ -273,14 +284,37 @@ class RankProcesses:
                 self._procs[rank] = proc
                 self._conns[rank] = ours
                 self._said[rank] = []
-            try:
-                self.channel = join_group(self._setup(0, init_method))
-            except Exception as exc:
-                raise RankStartError(self._join_failure(exc)) from None
+            self.channel = self._join(self._setup(0, init_method))
         except BaseException:
-            self.close(timeout=5.0)
+            self.close(timeout=1.0, broken=True)
             raise
         return self.channel
+
+    def _join(self, setup: RankSetup) -> StepChannel:
+        """Join as rank 0 (on a thread, so that a follower dying before it joins fails the
+        start at once rather than at the join's timeout)."""
+        got: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                got["channel"] = join_group(setup)
+            except BaseException as exc:
+                got["error"] = exc
+
+        thread = threading.Thread(target=join, name="hicache-rank-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+            for rank in self._procs:
+                self._read(rank)
+                if self._said_kind(rank, "joined") is None:
+                    problem = self._rank_problem(rank, "before joining the process group")
+                    if problem is not None:
+                        raise RankStartError(problem)
+        if "error" in got:
+            raise RankStartError(self._join_failure(got["error"]))
+        channel: StepChannel = got["channel"]
+        return channel
 
     def _setup(self, rank: int, init_method: str) -> RankSetup:
         return RankSetup(
@@ -316,7 +350,7 @@ class RankProcesses:
             return f"rank {rank} (pid {self._procs[rank].pid}) exited with code {code} {doing}"
         return None
 
-    def _join_failure(self, exc: Exception) -> str:
+    def _join_failure(self, exc: BaseException) -> str:
         """The one line for a join that failed on rank 0 with ``exc``."""
         for rank in self._procs:
             problem = self._rank_problem(rank, "before joining the process group")

@@ -110,13 +110,19 @@ class DetachStorage:
 
 
 @dataclass(frozen=True, slots=True)
+class Digest:
+    """Every rank digests its scheduling and cache state now
+    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """The engine stops: every rank fails what is in flight and ends its loop."""
 
     reason: str
 
 
-StepInput = NewRequest | Abort | FlushCache | AttachStorage | DetachStorage | Stop
+StepInput = NewRequest | Abort | FlushCache | AttachStorage | DetachStorage | Digest | Stop
 """One input of a step; the records above."""
 
 
@@ -138,6 +144,7 @@ __all__ = [
     "Abort",
     "AttachStorage",
     "DetachStorage",
+    "Digest",
     "FlushCache",
     "NewRequest",
     "StepInput",
