@@ -25,8 +25,10 @@ from hicache.runner.models.registry import (
     HYBRID_FAMILIES,
     build_hybrid_model,
     check_supported,
+    check_tensor_parallel,
     hybrid_config_from_hf,
 )
+from hicache.runner.parallel import TPGroup
 from hicache.validate import require
 
 if TYPE_CHECKING:
@@ -123,9 +125,13 @@ def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str
 
 
 def _open(
-    model_path: str | os.PathLike[str] | None, dtype: str | None, device: torch.device | str
+    model_path: str | os.PathLike[str] | None,
+    dtype: str | None,
+    device: torch.device | str,
+    tp: TPGroup,
 ) -> tuple[Any, Any, Any, str, torch.device]:
-    """Resolve the checkpoint, read its config and tokenizer and check the architecture."""
+    """Resolve the checkpoint, read its config and tokenizer and check the architecture
+    and that it splits over ``tp``'s ranks."""
     dtype = dtype or default_dtype(device)
     require(dtype in DTYPES, "dtype", dtype, f"choose one of {DTYPES}")
     ckpt = resolve_checkpoint(model_path)
@@ -134,6 +140,7 @@ def _open(
 
     hf_config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
     check_supported(hf_config)  # one clear error, before the tokenizer or any weight
+    check_tensor_parallel(hf_config, tp.size)
     tokenizer = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -147,15 +154,18 @@ def _load(
     device: torch.device | str,
     *,
     hybrid_only: bool,
+    tp: TPGroup,
 ) -> LoadedModel:
-    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device)
+    ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device, tp)
     model: DecoderLM | HybridLM
     if hybrid_only or hf_config.model_type in HYBRID_FAMILIES:
         model = build_hybrid_model(
-            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev
+            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
         )
     else:
-        model = build_model(DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev)
+        model = build_model(
+            DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
+        )
     model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
     rest = (tokenizer, hf_config, ckpt.name, ckpt.path, dtype, weights_fingerprint(ckpt.path))
     if isinstance(model, HybridLM):
@@ -168,8 +178,10 @@ def load_model(
     *,
     dtype: str | None = None,
     device: torch.device | str = "cpu",
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
-    """Load a checkpoint of any supported architecture for the engine.
+    """Load a checkpoint of any supported architecture for the engine (on a rank of a
+    tensor-parallel group ``tp``: this rank's shard of it).
 
     ``model_path``: None (the bundled SmolLM2-135M-Instruct), a tiny test model name
     (:data:`~hicache.runner.checkpoints.TINY_MODELS` or
@@ -179,8 +191,17 @@ def load_model(
     downloads. Llama / Qwen2 / Qwen3 load as a :class:`DecoderLM`; Gemma 3 text, GPT-OSS,
     Qwen3-Next and Nemotron-H as a :class:`HybridLM` (a :class:`LoadedHybridModel`). An
     unsupported architecture raises UnsupportedModelError listing the supported ones.
+
+    ``tp`` (default: one rank): a Llama / Qwen2 / Qwen3 model is split over its ranks (see
+    :mod:`hicache.runner.models.decoder`), a DeepSeek-V2/V3 one by heads and MLP/expert
+    columns (:mod:`hicache.runner.models.deepseek`); each rank reads the full checkpoint tensors and
+    keeps its slice, and its KV spec (:func:`~hicache.runner.model_runner.cache_spec_of`)
+    has its own K/V heads. The fingerprint is the checkpoint's, the same on every rank. A
+    size that does not divide the heads, K/V heads or intermediate size raises ValueError
+    naming them, another hybrid family with ``size > 1`` UnsupportedModelError, both before any
+    weight is read.
     """
-    return _load(model_path, dtype, device, hybrid_only=False)
+    return _load(model_path, dtype, device, hybrid_only=False, tp=tp or TPGroup.single())
 
 
 def load_hybrid_model(
@@ -191,6 +212,6 @@ def load_hybrid_model(
 ) -> LoadedHybridModel:
     """Load a Gemma 3 text / GPT-OSS / Qwen3-Next / Nemotron-H checkpoint (arguments as in
     :func:`load_model`); any other architecture raises UnsupportedModelError."""
-    loaded = _load(model_path, dtype, device, hybrid_only=True)
+    loaded = _load(model_path, dtype, device, hybrid_only=True, tp=TPGroup.single())
     assert isinstance(loaded, LoadedHybridModel)
     return loaded

@@ -47,7 +47,11 @@ from hicache.runner.kernels import AttentionBackend, resolve_backend
 from hicache.runner.models import AttentionContext, DecoderConfig, DecoderLM
 from hicache.runner.models.attention import SlidingKV
 from hicache.runner.models.hybrid import HybridLM
-from hicache.runner.models.registry import HYBRID_FAMILIES, hybrid_config_from_hf
+from hicache.runner.models.registry import (
+    HYBRID_FAMILIES,
+    check_tensor_parallel,
+    hybrid_config_from_hf,
+)
 from hicache.runner.recurrent_states import RecurrentStates, cache_state_spec
 
 __all__ = ["ForwardBatch", "ModelRunner", "cache_spec_of", "kv_spec_from_hf_config"]
@@ -60,13 +64,15 @@ def cache_spec_of(model: DecoderLM | HybridLM, dtype: str) -> CacheSpec:
     """What ``model`` caches per token, for the cache: the full KV (every layer of a
     Llama-style model; a hybrid's attention layers, its global ones only when its sliding
     layers get their own pools) and a spec per extra component (the sliding-window
-    layers' K/V, the recurrent layers' state snapshots). ``dtype``: the KV dtype."""
+    layers' K/V, the recurrent layers' state snapshots). ``dtype``: the KV dtype. A
+    tensor-parallel rank's model caches its own K/V heads only
+    (:attr:`DecoderLM.num_kv_heads`): its pools hold those."""
     if not isinstance(model, HybridLM):
         cfg = model.config
         kv = KVSpec(
             num_layers=cfg.num_layers,
             attention=AttentionKind.MHA,
-            num_kv_heads=cfg.num_kv_heads,
+            num_kv_heads=model.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=dtype,
         )
@@ -81,16 +87,21 @@ def cache_spec_of(model: DecoderLM | HybridLM, dtype: str) -> CacheSpec:
     return CacheSpec(kv=model.config.full_kv_spec(dtype), components=tuple(components))
 
 
-def kv_spec_from_hf_config(hf_config: Any, dtype: str) -> KVSpec:
+def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSpec:
     """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
-    family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`)."""
+    family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`).
+    ``tp_size``: the tensor-parallel ranks; each rank's pool holds ``num_kv_heads /
+    tp_size`` heads (refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
+    refuses it)."""
+    if tp_size != 1:
+        check_tensor_parallel(hf_config, tp_size)
     if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
         return hybrid_config_from_hf(hf_config).kv_spec(dtype)
     cfg = DecoderConfig.from_hf(hf_config)
     return KVSpec(
         num_layers=cfg.num_layers,
         attention=AttentionKind.MHA,
-        num_kv_heads=cfg.num_kv_heads,
+        num_kv_heads=cfg.num_kv_heads // tp_size,
         head_dim=cfg.head_dim,
         dtype=dtype,
     )
@@ -215,18 +226,20 @@ class ModelRunner:
         swa_pool = (pools or {}).get(SLIDING)
         if swa_pool is not None:
             _check_swa_pool(model, swa_pool, device_pool)
+        kind = AttentionKind.MHA
         if isinstance(model, HybridLM):
             full = model.config.full_kv_spec if swa_pool is not None else model.config.kv_spec
             kv = full(spec.dtype)
-            want = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            kind = kv.attention
+            want = (kv.num_layers, kv.heads, kv.dim)
         else:
             cfg = model.config
-            want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        if spec.attention is not AttentionKind.MHA or want != have:
+            want = (cfg.num_layers, model.num_kv_heads, cfg.head_dim)
+        have = (spec.num_layers, spec.heads, spec.dim)
+        if spec.attention is not kind or want != have:
             raise ValueError(
-                f"device pool (layers, kv_heads, head_dim)={have} ({spec.attention.value}) "
-                f"does not fit the model's {want} (mha)"
+                f"device pool (layers, heads, dim)={have} ({spec.attention.value}) "
+                f"does not fit the model's {want} ({kind.value})"
             )
         if device_pool.device != model.device:
             raise ValueError(f"pool on {device_pool.device} but model on {model.device}")

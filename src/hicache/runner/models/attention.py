@@ -23,6 +23,7 @@ from hicache.memory import DevicePool
 from hicache.runner.models.config import DecoderConfig
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.rope import apply_rotary
+from hicache.runner.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 
 __all__ = ["AttentionContext", "DecodeGather", "ExtendTable", "PagedAttention", "SlidingKV"]
 
@@ -268,20 +269,31 @@ def _decode_gather(
 
 
 class PagedAttention(nn.Module):
-    """Multi-head (GQA) self-attention of one layer over the paged pool."""
+    """Multi-head (GQA) self-attention of one layer over the paged pool.
 
-    def __init__(self, cfg: DecoderConfig, layer_id: int) -> None:
+    Over a tensor-parallel group ``tp`` (default: one rank) the heads are split: this rank
+    holds query heads ``[rank * Hq / size, ...)`` and K/V heads ``[rank * Hkv / size,
+    ...)`` (``q/k/v_proj`` column-parallel, so each rank's rows are whole heads, and
+    ``o_proj`` row-parallel over them), which keeps GQA's grouping local: local query head
+    ``j`` reads local K/V head ``j // (Hq / Hkv)``. :attr:`num_heads` and
+    :attr:`num_kv_heads` are the *local* counts, and the pool holds this rank's K/V heads
+    only. Qwen3's per-head q/k norms are whole on every rank (one weight for all heads).
+    """
+
+    def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = tp.part(cfg.num_heads, "attention heads")
+        self.num_kv_heads = tp.part(cfg.num_kv_heads, "key/value heads")
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.o_bias)
+        h, qkv_bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = ColumnParallelLinear(h, q_width, bias=qkv_bias, tp=tp)
+        self.k_proj = ColumnParallelLinear(h, kv_width, bias=qkv_bias, tp=tp)
+        self.v_proj = ColumnParallelLinear(h, kv_width, bias=qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(q_width, h, bias=cfg.o_bias, tp=tp)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:

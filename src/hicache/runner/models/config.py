@@ -44,7 +44,11 @@ class RopeConfig:
     interpolation between scaled (long wavelengths) and unscaled (short) frequencies.
     ``yarn`` blends interpolated and extrapolated frequencies over the dimension band set
     by ``beta_fast``/``beta_slow`` rotations (floored/ceiled when ``truncate``) and scales
-    cos/sin by ``attention_factor`` (default ``0.1 ln(factor) + 1``).
+    cos/sin by ``attention_factor`` (default ``0.1 ln(factor) + 1``; with DeepSeek's
+    ``mscale`` and ``mscale_all_dim`` both set, ``m(mscale) / m(mscale_all_dim)`` where
+    ``m(s) = 0.1 s ln(factor) + 1``). ``mscale_all_dim`` also corrects the softmax scale of
+    DeepSeek's attention by ``m(mscale_all_dim) ** 2`` for any scaled rope type
+    (:func:`~hicache.runner.models.rope.softmax_scale_factor`).
     """
 
     theta: float = 10000.0
@@ -57,6 +61,8 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def allowed_types(self) -> tuple[str, ...]:
         """The ``rope_type`` values this config class accepts."""
@@ -72,6 +78,10 @@ class RopeConfig:
             raise ValueError(f"rope theta={self.theta!r} is invalid; must be > 0")
         if not self.factor > 0:
             raise ValueError(f"rope factor={self.factor!r} is invalid; must be > 0")
+        for name in ("mscale", "mscale_all_dim"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ValueError(f"rope {name}={v!r} is invalid; must be >= 0")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 f"llama3 rope high_freq_factor={self.high_freq_factor!r} must exceed "
@@ -98,9 +108,10 @@ class RopeConfig:
         if factor is None:
             factor = max_position_embeddings / original if rope_type == "yarn" else 1.0
         attention_factor = params.get("attention_factor")
-        if rope_type == "yarn" and attention_factor is None and params.get("mscale_all_dim"):
-            raise UnsupportedModelError("yarn rope with mscale/mscale_all_dim is not supported")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
         return cls(
+            mscale=None if mscale is None else float(mscale),
+            mscale_all_dim=None if mscale_all_dim is None else float(mscale_all_dim),
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
             truncate=bool(params.get("truncate", True)),
@@ -173,6 +184,24 @@ class DecoderConfig:
             raise ValueError(f"head_dim={self.head_dim} is invalid; RoPE needs it even")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid; must be > 0")
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming the numbers unless ``size`` tensor-parallel ranks can split this
+        model: ``size`` must divide the query heads, the K/V heads (each rank holds whole
+        heads; none is replicated) and the MLP's intermediate size. Nothing to check for
+        the vocabulary, which is padded to a multiple of ``size``."""
+        sizes = (
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("intermediate_size", self.intermediate_size),
+        )
+        bad = [f"{name}={v}" for name, v in sizes if v % size]
+        if bad:
+            every = ", ".join(f"{name}={v}" for name, v in sizes)
+            raise ValueError(
+                f"tensor-parallel size {size} does not divide {', '.join(bad)} of the"
+                f" {self.family} model; choose a size that divides each of {every}"
+            )
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> DecoderConfig:

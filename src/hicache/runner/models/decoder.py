@@ -3,6 +3,14 @@
 Module names mirror Hugging Face checkpoints (``model.layers.N.self_attn.q_proj`` ...), so
 a checkpoint's tensors load by name. The model never owns a KV cache: attention reads and
 writes the pool given in :class:`AttentionContext`.
+
+Tensor parallelism: over a group of ``size`` ranks (:class:`~hicache.runner.parallel.TPGroup`)
+each rank holds ``1 / size`` of the attention heads (q/k/v column-parallel, ``o_proj``
+row-parallel), of the MLP's intermediate columns (gate/up column-, down row-parallel) and of
+the vocabulary rows (embedding and LM head; a tied model projects with the embedding's
+rows). One forward runs two all-reduces per layer (``o_proj``, ``down_proj``), one for the
+embedding and one all-gather of the logits, so every rank ends with the same full logits.
+:meth:`DecoderLM.load_weights` cuts each rank's slice out of the full checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -10,13 +18,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hicache.runner.models.attention import AttentionContext, PagedAttention
 from hicache.runner.models.config import DecoderConfig
 from hicache.runner.models.layers import GatedMLP, RMSNorm
 from hicache.runner.models.rope import RotaryEmbedding
+from hicache.runner.parallel import (
+    ParallelLMHead,
+    TPGroup,
+    VocabParallelEmbedding,
+    gather_logits,
+    shard_dims,
+)
 
 __all__ = ["DecoderLM", "WeightLoadError", "build_model"]
 
@@ -28,12 +42,12 @@ class WeightLoadError(ValueError):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
-    def __init__(self, cfg: DecoderConfig, layer_id: int) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = PagedAttention(cfg, layer_id)
+        self.self_attn = PagedAttention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp=tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -46,28 +60,40 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     """Embeddings, the layer stack and the final norm (``model.*`` in checkpoints)."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):
-    """A causal language model over a paged KV pool.
+    """A causal language model over a paged KV pool, on one rank of ``tp`` (default: the
+    single rank; see the module docstring).
 
     ``lm_head`` exists only when embeddings are untied; tied models project with
-    ``model.embed_tokens.weight``.
+    ``model.embed_tokens.weight`` (this rank's vocabulary rows of it). ``size`` must divide
+    the heads, K/V heads and intermediate size (ValueError naming them, before any module
+    is built).
     """
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
+        cfg.check_tensor_parallel(tp.size)
         self.config = cfg
-        self.model = DecoderBody(cfg)
-        self.lm_head: nn.Linear | None = None
+        self.tp = tp
+        self.model = DecoderBody(cfg, tp)
+        self.lm_head: ParallelLMHead | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The K/V heads this rank computes and caches (``num_kv_heads / size``): the
+        head count of its pools."""
+        return self.config.num_kv_heads // self.tp.size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,17 +115,25 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return gather_logits(
+            hidden, self.model.embed_tokens.weight, self.config.vocab_size, self.tp
+        )
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters, casting dtype.
+        """Copy checkpoint tensors (Hugging Face names, full size) into the parameters,
+        casting dtype; on a rank of a group of ``size > 1``, its slice of each split tensor
+        (:func:`~hicache.runner.parallel.shard_dims`: heads, intermediate columns,
+        vocabulary rows padded to a multiple of ``size``).
 
         Every parameter must be covered exactly once; a tied model ignores ``lm_head.weight``
         and non-parameter tensors such as ``rotary_emb.inv_freq``. Raises
-        :class:`WeightLoadError` naming the offending tensors.
+        :class:`WeightLoadError` naming the offending tensors (a shape mismatch names the
+        full shape the checkpoint should have).
         """
         params = dict(self.named_parameters())
+        dims = shard_dims(self) if self.tp.size > 1 else {}
         seen: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in tensors:
@@ -111,11 +145,19 @@ class DecoderLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise WeightLoadError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                    f"{tuple(param.shape)}"
+            want = list(param.shape)
+            split = dims.get(name)
+            if split is not None:  # the full tensor's shape, before this rank's slice
+                dim, padded = split
+                want[dim] = (
+                    self.config.vocab_size if padded is not None else want[dim] * self.tp.size
                 )
+            if list(tensor.shape) != want:
+                raise WeightLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(want)}"
+                )
+            if split is not None:
+                tensor = self.tp.shard(tensor, *split)
             with torch.no_grad():
                 param.copy_(tensor)
             seen.add(name)
@@ -128,14 +170,21 @@ class DecoderLM(nn.Module):
             )
 
 
-def build_model(cfg: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str) -> DecoderLM:
-    """An eval-mode :class:`DecoderLM` with *uninitialized* weights on ``device``.
+def build_model(
+    cfg: DecoderConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup | None = None,
+) -> DecoderLM:
+    """An eval-mode :class:`DecoderLM` (this rank's shard of it over ``tp``, default one
+    rank) with *uninitialized* weights on ``device``.
 
     It is built on the meta device and materialized empty, so nothing is initialized twice;
     call :meth:`DecoderLM.load_weights` next.
     """
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg, tp)
     model = model.to_empty(device=torch.device(device)).to(dtype)
     model.requires_grad_(False)
     return model.eval()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.runner.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+
 __all__ = ["ACTIVATIONS", "GatedMLP", "PlainMLP", "RMSNorm"]
 
 
@@ -39,16 +41,28 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
-    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with the default ``silu``)."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with the default ``silu``).
+
+    Over a tensor-parallel group ``tp`` (default: one rank) each rank holds
+    ``intermediate_size / size`` columns: ``gate``/``up`` are column-parallel (their rows of
+    the weight), ``down`` row-parallel (its columns), so the one all-reduce is ``down``'s.
+    """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, act: str = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act: str = "silu",
+        *,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.act = ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, tp=tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""

@@ -2,8 +2,11 @@
 
 :data:`SUPPORTED_MODEL_TYPES` lists every ``model_type`` accepted: the Llama-style
 :data:`~hicache.runner.models.config.FAMILIES` (served by :class:`DecoderLM`) and the
-:data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each).
-:func:`check_supported` refuses anything else with one error naming the list.
+:data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each; DeepSeek-V2/V3,
+:data:`~hicache.runner.models.deepseek.DEEPSEEK_FAMILIES`, are among them: their MLA
+decoder is built on the hybrid frame, with the MLA pool).
+:func:`check_supported` refuses anything else with one error naming the list;
+:func:`check_tensor_parallel` refuses a tensor-parallel size a family cannot be split over.
 """
 
 from __future__ import annotations
@@ -12,22 +15,31 @@ from typing import Any
 
 import torch
 
-from hicache.runner.models.config import FAMILIES, UnsupportedModelError
+from hicache.runner.models.config import FAMILIES, DecoderConfig, UnsupportedModelError
+from hicache.runner.models.deepseek import DEEPSEEK_FAMILIES, DeepseekConfig, DeepseekLM
 from hicache.runner.models.gemma3 import Gemma3Config, Gemma3LM
 from hicache.runner.models.gpt_oss import GptOssConfig, GptOssLM
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.nemotron_h import NemotronHConfig, NemotronHLM
 from hicache.runner.models.qwen3_next import Qwen3NextConfig, Qwen3NextLM
+from hicache.runner.parallel import TPGroup
 
 __all__ = [
     "HYBRID_FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "build_hybrid_model",
     "check_supported",
+    "check_tensor_parallel",
     "hybrid_config_from_hf",
 ]
 
-HYBRID_FAMILIES: tuple[str, ...] = ("gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h")
+HYBRID_FAMILIES: tuple[str, ...] = (
+    "gemma3_text",
+    "gpt_oss",
+    "qwen3_next",
+    "nemotron_h",
+    *DEEPSEEK_FAMILIES,
+)
 """``model_type`` values of the hybrid families."""
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = FAMILIES + HYBRID_FAMILIES
@@ -45,6 +57,43 @@ def check_supported(hf_config: Any) -> str:
     return model_type
 
 
+def check_tensor_parallel(hf_config: Any, size: int) -> None:
+    """Refuse, before any weight is read, to split the config's model over ``size`` ranks
+    when it cannot be: UnsupportedModelError for a hybrid family (no sharded hybrid model
+    exists) and ValueError naming the numbers when ``size`` does not divide a Llama-style
+    model's heads, K/V heads or intermediate size. ``size == 1`` always passes."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor-parallel size={size!r} is invalid; must be an int >= 1")
+    model_type = check_supported(hf_config)
+    if size == 1:
+        return
+    if model_type in DEEPSEEK_FAMILIES:
+        _check_deepseek_split(DeepseekConfig.from_hf(hf_config), size)
+        return
+    if model_type in HYBRID_FAMILIES:
+        raise UnsupportedModelError(
+            f"tensor parallelism is not supported for model_type={model_type!r}"
+            f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
+        )
+    DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
+
+
+def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
+    """ValueError naming the numbers unless ``size`` divides a DeepSeek model's query heads
+    (each rank decompresses the latent into its own heads), its dense MLP's and its
+    experts' intermediate sizes. The latent itself is whole on every rank."""
+    sizes = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
+    if cfg.num_layers > cfg.first_k_dense_replace:
+        sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
+    bad = [f"{name}={v}" for name, v in sizes if v % size]
+    if bad:
+        every = ", ".join(f"{name}={v}" for name, v in sizes)
+        raise ValueError(
+            f"tensor-parallel size {size} does not divide {', '.join(bad)} of the"
+            f" {cfg.family} model; choose a size that divides each of {every}"
+        )
+
+
 def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
     """The engine config of a hybrid-family Hugging Face config."""
     model_type = check_supported(hf_config)
@@ -56,18 +105,32 @@ def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
         return Qwen3NextConfig.from_hf(hf_config)
     if model_type == "nemotron_h":
         return NemotronHConfig.from_hf(hf_config)
+    if model_type in DEEPSEEK_FAMILIES:
+        return DeepseekConfig.from_hf(hf_config)
     raise UnsupportedModelError(
         f"model_type={model_type!r} is not a hybrid family; hybrid ones: {HYBRID_FAMILIES}"
     )
 
 
 def build_hybrid_model(
-    cfg: HybridConfig, *, dtype: torch.dtype, device: torch.device | str
+    cfg: HybridConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup | None = None,
 ) -> HybridLM:
-    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next)."""
+    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next).
+    ``tp``: this rank's tensor-parallel group (DeepSeek only; the other hybrid families
+    refuse a group of more than one rank)."""
     model: HybridLM
+    if tp is not None and tp.size > 1 and not isinstance(cfg, DeepseekConfig):
+        raise UnsupportedModelError(
+            f"tensor parallelism is not supported for model_type={cfg.family!r}"
+        )
     with torch.device("meta"):
-        if isinstance(cfg, Gemma3Config):
+        if isinstance(cfg, DeepseekConfig):
+            model = DeepseekLM(cfg, tp)
+        elif isinstance(cfg, Gemma3Config):
             model = Gemma3LM(cfg)
         elif isinstance(cfg, GptOssConfig):
             model = GptOssLM(cfg)

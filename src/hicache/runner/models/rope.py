@@ -2,7 +2,9 @@
 scaling.
 
 Head vectors are rotated in the "half split" convention of Hugging Face checkpoints: the
-pair for frequency ``i`` is ``(x[i], x[i + head_dim/2])``.
+pair for frequency ``i`` is ``(x[i], x[i + head_dim/2])`` (:func:`apply_rotary`). DeepSeek
+lays its rotary dims out in interleaved pairs ``(x[2i], x[2i + 1])``
+(:func:`apply_interleaved_rotary`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import torch
 
 from hicache.runner.models.config import RopeConfig
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "attention_scaling", "inverse_frequencies"]
+__all__ = [
+    "RotaryEmbedding",
+    "apply_interleaved_rotary",
+    "apply_rotary",
+    "attention_scaling",
+    "inverse_frequencies",
+    "softmax_scale_factor",
+]
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -66,13 +75,31 @@ def _yarn_frequencies(rope: RopeConfig, dim: int, extrapolated: torch.Tensor) ->
     return extrapolated / rope.factor * (1 - keep) + extrapolated * keep
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 mscale ln(factor) + 1`` (1 when not scaled up)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def attention_scaling(rope: RopeConfig) -> float:
-    """The factor YaRN applies to cos/sin (1 for every other type)."""
+    """The factor YaRN applies to cos/sin (1 for every other type): ``attention_factor``,
+    else ``m(mscale) / m(mscale_all_dim)`` when both are set (DeepSeek), else ``m(1)``."""
     if rope.rope_type != "yarn":
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
-    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(
+            rope.factor, rope.mscale_all_dim
+        )
+    return _yarn_mscale(rope.factor)
+
+
+def softmax_scale_factor(rope: RopeConfig) -> float:
+    """What DeepSeek multiplies its softmax scale ``qk_head_dim ** -0.5`` by:
+    ``m(mscale_all_dim) ** 2`` for a scaled rope type with ``mscale_all_dim`` set, else 1."""
+    if rope.rope_type == "default" or not rope.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
 
 
 class RotaryEmbedding:
@@ -111,3 +138,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (T, heads, dim)`` whose pair for frequency ``i`` is ``(x[2i], x[2i + 1])``
+    by ``cos``/``sin (T, dim)`` (as :class:`RotaryEmbedding` makes them: the angles twice).
+
+    The result is de-interleaved: first the pairs' rotated first elements, then their
+    second ones. That permutes the dims the same way for queries and keys, so their dot
+    products equal those of the interleaved rotation.
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,338 @@
+"""DeepSeek-V2 and V3 (``model_type: deepseek_v2 / deepseek_v3``): the MLA decoder.
+
+Every layer is multi-head latent attention (:mod:`.deepseek_mla`: one latent of
+``kv_lora_rank + qk_rope_head_dim`` per token and layer in the MLA pool, decoupled RoPE,
+queries with or without a low-rank ``q_lora_rank`` projection) followed by a dense SwiGLU
+MLP for the first ``first_k_dense_replace`` layers and a mixture of experts after them
+(:mod:`.deepseek_moe`: V2's softmax router, greedy or group-limited; V3's sigmoid router
+with a score-correction bias and group top-k; shared experts; ``routed_scaling_factor``).
+RoPE may be YaRN with DeepSeek's ``mscale`` / ``mscale_all_dim``; the latter also scales
+the softmax (:func:`~hicache.runner.models.rope.softmax_scale_factor`).
+
+The model is a :class:`~hicache.runner.models.hybrid.HybridLM` whose layers are all
+``full_attention`` ones and whose pool is the MLA pool (:meth:`DeepseekConfig.kv_spec`).
+It is built on a :class:`~hicache.runner.parallel.TPGroup` (single by default): heads,
+expert and MLP columns split over the ranks, the latent projections replicated, the
+embedding and LM head vocab-parallel. Checkpoint tensors are full-size and load by their
+Hugging Face names; :meth:`DeepseekLM.load_weights` cuts each rank's slice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.config import AttentionKind, KVSpec
+from hicache.runner.models.attention import AttentionContext
+from hicache.runner.models.config import HybridRopeConfig, UnsupportedModelError
+from hicache.runner.models.deepseek_mla import MlaAttention, MlaSpec
+from hicache.runner.models.deepseek_moe import (
+    DeepseekMLP,
+    DeepseekMoE,
+    MoEConfig,
+    RouterKind,
+    expert_shard_dims,
+)
+from hicache.runner.models.hybrid import HybridConfig, HybridLM
+from hicache.runner.models.layers import RMSNorm
+from hicache.runner.models.recurrent import RecurrentContext
+from hicache.runner.models.rope import RotaryEmbedding, softmax_scale_factor
+from hicache.runner.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding, shard_dims
+
+__all__ = ["DEEPSEEK_FAMILIES", "DeepseekConfig", "DeepseekLM"]
+
+DEEPSEEK_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
+"""``model_type`` values served by :class:`DeepseekLM`."""
+
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.\d+\.(\w+)\.weight$")
+"""A per-expert checkpoint tensor: ``<moe>.experts.<e>.<proj>.weight``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekConfig(HybridConfig):
+    """DeepSeek-V2/V3 sizes (see the module doc). ``num_heads`` query heads, each with a
+    ``qk_nope_head_dim + qk_rope_head_dim`` (= ``head_dim``) query/key; ``num_kv_heads``
+    equals ``num_heads`` (the latent decompresses into one K/V per head) but the pool keeps
+    the latent only (:meth:`kv_spec`)."""
+
+    intermediate_size: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    first_k_dense_replace: int
+    moe: MoEConfig
+    rope: HybridRopeConfig
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("intermediate_size", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid; must be an int >= 1")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank={self.q_lora_rank!r} is invalid; None or >= 1")
+        if self.qk_nope_head_dim < 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0 and qk_rope_head_dim="
+                f"{self.qk_rope_head_dim} even (RoPE rotates pairs)"
+            )
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim ="
+                f" {self.qk_nope_head_dim + self.qk_rope_head_dim}"
+            )
+
+    def is_moe(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` has the MoE (else the dense MLP)."""
+        return layer_id >= self.first_k_dense_replace
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim ** -0.5``, times the YaRN ``mscale_all_dim`` correction."""
+        return float(self.head_dim**-0.5 * softmax_scale_factor(self.rope))
+
+    def kv_spec(self, dtype: str) -> KVSpec:
+        """The MLA pool: one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer."""
+        return KVSpec(
+            num_layers=self.num_layers,
+            attention=AttentionKind.MLA,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            dtype=dtype,
+        )
+
+    def full_kv_spec(self, dtype: str) -> KVSpec:
+        return self.kv_spec(dtype)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> DeepseekConfig:
+        """Build from a transformers ``DeepseekV2Config`` / ``DeepseekV3Config``;
+        UnsupportedModelError names a feature this engine does not implement."""
+        family = str(getattr(hf, "model_type", ""))
+        if family not in DEEPSEEK_FAMILIES:
+            raise UnsupportedModelError(
+                f"model_type={family!r} is not a DeepSeek MLA family; choose one of"
+                f" {DEEPSEEK_FAMILIES}"
+            )
+        if getattr(hf, "quantization_config", None):
+            raise UnsupportedModelError(f"{family} quantized (FP8) checkpoints are not supported")
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(
+                f"{family} hidden_act={act!r} is not supported; only 'silu'"
+            )
+        if int(getattr(hf, "moe_layer_freq", 1) or 1) != 1:
+            raise UnsupportedModelError(
+                f"{family} moe_layer_freq={hf.moe_layer_freq} is not supported; only 1"
+            )
+        if bool(getattr(hf, "mlp_bias", False)):
+            raise UnsupportedModelError(f"{family} mlp_bias=True is not supported")
+        heads = int(hf.num_attention_heads)
+        kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+        if kv_heads != heads:
+            raise UnsupportedModelError(
+                f"{family} num_key_value_heads={kv_heads} != num_attention_heads={heads} is"
+                " not supported (MLA decompresses one K/V per query head)"
+            )
+        v3 = family == "deepseek_v3"
+        if v3:
+            router = RouterKind.NOAUX_TC
+        else:
+            method = str(getattr(hf, "topk_method", None) or "greedy")
+            kinds = {k.value: k for k in (RouterKind.GREEDY, RouterKind.GROUP_LIMITED_GREEDY)}
+            if method not in kinds:
+                raise UnsupportedModelError(
+                    f"deepseek_v2 topk_method={method!r} is not supported; choose one of"
+                    f" {sorted(kinds)}"
+                )
+            router = kinds[method]
+        experts = int(hf.n_routed_experts)
+        moe = MoEConfig(
+            router=router,
+            num_experts=experts,
+            top_k=int(hf.num_experts_per_tok),
+            intermediate_size=int(hf.moe_intermediate_size),
+            num_shared=int(getattr(hf, "n_shared_experts", None) or 0),
+            num_groups=int(getattr(hf, "n_group", None) or 1),
+            topk_groups=int(getattr(hf, "topk_group", None) or 1),
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)) if v3 else False,
+            scaling=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
+        )
+        if not v3 and bool(getattr(hf, "norm_topk_prob", False)):
+            raise UnsupportedModelError(
+                "deepseek_v2 norm_topk_prob=True is not supported (the reference ignores it)"
+            )
+        nope, rope_dim = int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim)
+        q_lora = getattr(hf, "q_lora_rank", None)
+        layers = int(hf.num_hidden_layers)
+        return cls(
+            family=family,
+            vocab_size=int(hf.vocab_size),
+            hidden_size=int(hf.hidden_size),
+            layer_kinds=("full_attention",) * layers,
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=nope + rope_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            intermediate_size=int(hf.intermediate_size),
+            kv_lora_rank=int(hf.kv_lora_rank),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=int(hf.v_head_dim),
+            first_k_dense_replace=int(getattr(hf, "first_k_dense_replace", 0) or 0),
+            moe=moe,
+            rope=HybridRopeConfig.from_hf(hf),
+            # V2's reference always rotates interleaved pairs; V3 follows its flag
+            rope_interleave=bool(getattr(hf, "rope_interleave", True)) if v3 else True,
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+        )
+
+
+class DeepseekLayer(nn.Module):
+    """Pre-norm block: MLA, then the dense MLP or the MoE."""
+
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MlaAttention(
+            MlaSpec(
+                hidden_size=cfg.hidden_size,
+                num_heads=cfg.num_heads,
+                q_lora_rank=cfg.q_lora_rank,
+                kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim,
+                attention_bias=cfg.attention_bias,
+                rope_interleave=cfg.rope_interleave,
+                scale=cfg.softmax_scale,
+                kv_layer=cfg.kv_index(layer_id),
+                rms_norm_eps=1e-6,  # the reference's q_a/kv_a norms keep their default eps
+            ),
+            tp,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: DeepseekMLP | DeepseekMoE = (
+            DeepseekMoE(cfg.hidden_size, cfg.moe, tp)
+            if cfg.is_moe(layer_id)
+            else DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        )
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """``x (T, hidden)`` -> ``(T, hidden)``."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekBody(nn.Module):
+    """``model.*``: the vocab-parallel embedding, the layers and the final norm."""
+
+    def __init__(self, cfg: DeepseekConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekLM(HybridLM):
+    """DeepSeek-V2/V3 causal LM over the MLA pool (no recurrent state), on ``tp``."""
+
+    config: DeepseekConfig
+    lm_head: ParallelLMHead | None  # type: ignore[assignment]
+
+    def __init__(self, cfg: DeepseekConfig, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg)
+        self.tp = tp or TPGroup.single()
+        self.model = DeepseekBody(cfg, self.tp)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
+        )
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def output_weight(self) -> torch.Tensor:
+        """This rank's ``(padded vocab / size, hidden)`` rows of the output projection."""
+        head = self.lm_head
+        return self.model.embed_tokens.weight if head is None else head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden (N, hidden)`` -> the full logits ``(N, vocab)`` in fp32 on every rank."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        logits = self.tp.all_gather(F.linear(hidden, self.model.embed_tokens.weight).float())
+        return logits[..., : self.config.vocab_size]
+
+    def skip_tensor(self, name: str) -> bool:
+        """Also the multi-token-prediction layers DeepSeek-V3 stores past the last layer."""
+        if super().skip_tensor(name):
+            return True
+        parts = name.split(".")
+        return (
+            len(parts) > 2
+            and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit()
+            and int(parts[2]) >= self.config.num_layers
+        )
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        rctx: RecurrentContext,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, ctx)
+        return self.model.norm(x)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full-size checkpoint tensors, each cut to this rank's slice first (see
+        :func:`~hicache.runner.parallel.shard_dims` and
+        :func:`~hicache.runner.models.deepseek_moe.expert_shard_dims`)."""
+        super().load_weights(self._sharded(tensors))
+
+    def _sharded(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        tp = self.tp
+        if tp.size == 1:
+            yield from tensors
+            return
+        dims = shard_dims(self)
+        experts = expert_shard_dims(self)
+        for name, tensor in tensors:
+            split = dims.get(name)
+            if split is not None:
+                yield name, tp.shard(tensor, split[0], split[1])
+                continue
+            match = _EXPERT_TENSOR.match(name)
+            stacked = f"{match.group(1)}.{match.group(2)}" if match else None
+            if stacked is not None and stacked in experts:
+                yield name, tp.shard(tensor, experts[stacked])
+                continue
+            yield name, tensor

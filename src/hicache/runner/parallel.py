@@ -1,0 +1,241 @@
+"""Tensor parallelism inside a model: the rank group and the sharded layers.
+
+A tensor-parallel group of ``size`` ranks splits each layer's weights so every rank computes
+a slice, and one collective puts the slices together:
+
+* :class:`ColumnParallelLinear` keeps output rows ``[rank * out / size, ...)`` of the
+  weight: each rank gets its slice of the output (its attention heads, its MLP columns);
+* :class:`RowParallelLinear` keeps input columns of the weight: each rank multiplies its
+  slice of the input and the partial outputs are summed (all-reduce), the bias added once;
+* :class:`VocabParallelEmbedding` keeps a range of vocabulary rows: a rank looks up the
+  ids in its range, zeros the others, and the embeddings are summed;
+* :class:`ParallelLMHead` projects onto the rank's vocabulary rows and gathers the logits
+  of every rank, so each rank holds the full ``(N, vocab)`` logits.
+
+The vocabulary is padded to a multiple of ``size`` (padding rows are zero and their logits
+are cut off); every other split must be exact, or :meth:`TPGroup.part` refuses it naming
+the numbers. With one rank every layer is a plain ``nn.Linear`` / ``nn.Embedding`` and no
+collective runs.
+
+Checkpoint tensors are full-size: :func:`shard_dims` tells a loader which of a model's
+parameters are split along which dimension, and :meth:`TPGroup.shard` cuts a rank's slice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "TPGroup",
+    "VocabParallelEmbedding",
+    "gather_logits",
+    "shard_dims",
+]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TPGroup:
+    """A tensor-parallel group as one rank sees it: ``rank`` in ``[0, size)`` and the
+    ``torch.distributed`` process group its collectives run on (None: the default group,
+    or no group at all when ``size == 1``)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"tensor-parallel size={self.size!r} is invalid; must be >= 1")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank={self.rank!r} must be in [0, {self.size})")
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        """The group of one rank: no collective ever runs."""
+        return cls()
+
+    @classmethod
+    def of(cls, group: object | None = None) -> TPGroup:
+        """This process's place in ``group`` (default: the world) of an initialized
+        ``torch.distributed``; the single group when it is not initialized."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls.single()
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)  # type: ignore[arg-type]
+
+    def part(self, total: int, what: str) -> int:
+        """``total / size``: this rank's share of ``total`` ``what`` (heads, columns);
+        ValueError naming both numbers when ``size`` does not divide it."""
+        if total % self.size:
+            raise ValueError(
+                f"tensor-parallel size {self.size} does not divide the {total} {what}; "
+                f"choose a size that divides it"
+            )
+        return total // self.size
+
+    def shard(self, tensor: torch.Tensor, dim: int, padded: int | None = None) -> torch.Tensor:
+        """This rank's slice of the full ``tensor`` along ``dim``: rows ``[rank * k,
+        (rank + 1) * k)`` with ``k = (padded or tensor.shape[dim]) / size``; rows past the
+        tensor's end (padding up to ``padded``) are zeros."""
+        full = tensor.shape[dim]
+        length = padded or full
+        k = self.part(length, f"rows of dim {dim}")
+        start = self.rank * k
+        end = min(start + k, full)
+        piece = tensor.narrow(dim, start, max(0, end - start))
+        if piece.shape[dim] == k:
+            return piece
+        shape = list(tensor.shape)
+        shape[dim] = k - piece.shape[dim]
+        return torch.cat([piece, tensor.new_zeros(shape)], dim=dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' ``x`` (same shape everywhere) concatenated along ``dim``, in rank order."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, in place; returns ``x``."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src, group=self.group)  # type: ignore[arg-type]
+        return x
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with this rank's ``out_features / size`` output rows of ``W``
+    (and of ``b``): ``x (T, in)`` -> ``(T, out / size)``, no collective."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        local = tp.part(out_features, "output features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with this rank's ``in_features / size`` input columns of ``W``:
+    ``x (T, in / size)`` -> ``(T, out)``, the partial products summed over the ranks and
+    ``b`` (kept whole) added once after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        local = tp.part(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nn.Linear's one fused call: TP 1 is bit-identical to it
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def padded_vocab(vocab_size: int, tp: TPGroup) -> int:
+    """``vocab_size`` rounded up to a multiple of the group's size."""
+    return math.ceil(vocab_size / tp.size) * tp.size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows: this rank holds ids ``[start, start +
+    rows)`` of the padded vocabulary. ``ids (T,)`` -> ``(T, dim)``: looked up where in range,
+    zero elsewhere, summed over the ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, *, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.padded = padded_vocab(vocab_size, tp)
+        self.rows = self.padded // tp.size
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(nn.Module):
+    """The output projection split by vocabulary rows (as :class:`VocabParallelEmbedding`,
+    whose weight it may share): ``hidden (N, dim)`` -> fp32 logits ``(N, vocab_size)`` on
+    every rank (the ranks' slices gathered, the padding cut off)."""
+
+    def __init__(self, vocab_size: int, dim: int, *, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.padded = padded_vocab(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.padded // tp.size, dim))
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight``: a tied embedding's rows instead of this head's own."""
+        w = self.weight if weight is None else weight
+        return gather_logits(hidden, w, self.vocab_size, self.tp)
+
+
+def gather_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup
+) -> torch.Tensor:
+    """The full fp32 logits ``(N, vocab_size)`` on every rank from this rank's vocabulary
+    rows ``weight (padded / size, dim)`` (a :class:`ParallelLMHead`'s, or a tied
+    :class:`VocabParallelEmbedding`'s): ``hidden (N, dim)`` projected onto them, the
+    ranks' slices gathered in rank order and the padding rows cut off. With one rank:
+    ``F.linear(hidden, weight).float()``."""
+    logits = tp.all_gather(F.linear(hidden, weight).float(), dim=-1)
+    return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
+
+
+def shard_dims(model: nn.Module) -> dict[str, tuple[int, int | None]]:
+    """For every parameter of ``model`` that the parallel layers split: its name (as in
+    ``named_parameters``) -> (the dimension it is split along, the padded full length of
+    that dimension or None when it is the checkpoint's). Parameters not listed are whole
+    on every rank."""
+    out: dict[str, tuple[int, int | None]] = {}
+    for prefix, m in model.named_modules():
+        base = f"{prefix}." if prefix else ""
+        if isinstance(m, ColumnParallelLinear):
+            out[base + "weight"] = (0, None)
+            if m.bias is not None:
+                out[base + "bias"] = (0, None)
+        elif isinstance(m, RowParallelLinear):
+            out[base + "weight"] = (1, None)
+        elif isinstance(m, VocabParallelEmbedding | ParallelLMHead):
+            out[base + "weight"] = (0, m.padded)
+    return out

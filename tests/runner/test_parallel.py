@@ -1,0 +1,98 @@
+"""The tensor-parallel layers on two real gloo ranks equal the unsharded layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hicache.runner.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    shard_dims,
+)
+from tests.helpers.ranks import run_ranks
+
+VOCAB, DIM, HIDDEN = 11, 6, 8  # 11 is odd: the vocabulary is padded to 12 over 2 ranks
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "emb": torch.randn(VOCAB, DIM, generator=g),
+        "up": torch.randn(HIDDEN, DIM, generator=g),
+        "up_b": torch.randn(HIDDEN, generator=g),
+        "down": torch.randn(DIM, HIDDEN, generator=g),
+        "down_b": torch.randn(DIM, generator=g),
+    }
+
+
+def _reference() -> torch.Tensor:
+    w = _full()
+    ids = torch.tensor([0, 5, 10, 3])
+    x = F.embedding(ids, w["emb"])
+    h = F.silu(F.linear(x, w["up"], w["up_b"]))
+    y = F.linear(h, w["down"], w["down_b"])
+    return F.linear(y, w["emb"])
+
+
+def _rank(rank: int, n: int, out: str) -> list[list[float]]:
+    tp = TPGroup.of()
+    assert (tp.rank, tp.size) == (rank, n)
+    w = _full()
+    emb = VocabParallelEmbedding(VOCAB, DIM, tp=tp)
+    up = ColumnParallelLinear(DIM, HIDDEN, bias=True, tp=tp)
+    down = RowParallelLinear(HIDDEN, DIM, bias=True, tp=tp)
+    head = ParallelLMHead(VOCAB, DIM, tp=tp)
+    module = torch.nn.ModuleDict({"emb": emb, "up": up, "down": down, "head": head})
+    dims = shard_dims(module)
+    padded = 12 if n == 2 else VOCAB
+    assert dims == {
+        "emb.weight": (0, padded),
+        "up.weight": (0, None),
+        "up.bias": (0, None),
+        "down.weight": (1, None),
+        "head.weight": (0, padded),
+    }
+    full = {
+        "emb.weight": w["emb"],
+        "up.weight": w["up"],
+        "up.bias": w["up_b"],
+        "down.weight": w["down"],
+        "down.bias": w["down_b"],
+        "head.weight": w["emb"],
+    }
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            dim, rows = dims.get(name, (None, None))
+            t = full[name] if dim is None else tp.shard(full[name], dim, rows)
+            p.copy_(t)
+    ids = torch.tensor([0, 5, 10, 3])
+    logits = head(down(F.silu(up(emb(ids)))))
+    return logits.tolist()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sharded_layers_equal_the_full_ones(tmp_path: Path, ranks: int) -> None:
+    results = run_ranks(_rank, ranks, tmp_path)
+    ref = _reference()
+    for r in results:
+        got = torch.tensor(r)
+        assert got.shape == (4, VOCAB)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_pads_and_part_refuses_with_the_numbers() -> None:
+    tp = TPGroup(rank=1, size=2)
+    t = torch.arange(5.0).reshape(5, 1)
+    assert tp.shard(t, 0, padded=6).flatten().tolist() == [3.0, 4.0, 0.0]
+    assert TPGroup(rank=0, size=2).shard(t, 0, padded=6).flatten().tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="size 2 does not divide the 5 heads"):
+        tp.part(5, "heads")
+    with pytest.raises(ValueError, match="rank=2 must be in"):
+        TPGroup(rank=2, size=2)

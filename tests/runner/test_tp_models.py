@@ -1,0 +1,286 @@
+"""Llama / Qwen2 / Qwen3 split over two real gloo ranks equal one rank and transformers.
+
+Each rank loads its shard (``load_model(..., tp=)``), builds a :class:`HiCache` from the
+model's own cache spec (its K/V heads only) and runs, through the model runner over the
+cache's L1 pool, a batch of two prefills, three decode steps and a mixed step (an extend
+on a cached prefix beside a decode). The same script runs in this process on one rank; the
+logits of every step must equal transformers' (and the two ranks' must be identical).
+The refusals (a size that does not split the model, a hybrid family) are checked without
+a process group: they happen before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig
+from hicache.runner import (
+    ForwardBatch,
+    ModelRunner,
+    kv_spec_from_hf_config,
+    load_model,
+    resolve_checkpoint,
+)
+from hicache.runner import loader as loader_mod
+from hicache.runner.model_runner import cache_spec_of
+from hicache.runner.models import (
+    DecoderConfig,
+    DecoderLM,
+    UnsupportedModelError,
+    WeightLoadError,
+)
+from hicache.runner.parallel import TPGroup
+from tests.helpers.engine_fixtures import TINY, engine_model, hf_logits, prompt_ids, slots_for
+from tests.helpers.ranks import run_ranks
+
+TOL = 1e-4
+PAGE = 4
+A_LEN, B_LEN, DECODES, A_EXTEND = 13, 7, 3, 3
+"""Sequence A: 13-token prefill, 3 decodes, then a 3-token extend on its cached prefix;
+sequence B: 7-token prefill, 3 decodes, then one more decode beside A's extend."""
+A_TOTAL, B_TOTAL = A_LEN + DECODES + A_EXTEND, B_LEN + DECODES + 1
+B_OFFSET = 20
+"""B's tokens are the prompt's tokens from here on (another text than A's)."""
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Per sequence, its logits at each of its positions the script computed: A's rows
+    are positions ``0 .. A_TOTAL - 1`` and B's ``0 .. B_TOTAL - 1``, except the prefill's
+    rows, which are every prompt token's."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _sequences(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = prompt_ids(name, B_OFFSET + B_TOTAL)
+    return ids[:A_TOTAL], ids[B_OFFSET:]
+
+
+def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
+    """Load ``name`` on this rank of ``tp`` and run the steps; the logits and what the
+    rank saw (the K/V heads of its cache spec, its query heads, the fingerprint)."""
+    lm = load_model(name, dtype="float32", device="cpu", tp=tp)
+    assert isinstance(lm.model, DecoderLM)
+    spec = cache_spec_of(lm.model, "float32")
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16 * PAGE, hicache_ratio=2.0)
+    cache = HiCache(cfg, spec).start()
+    try:
+        runner = ModelRunner(lm.model, cache.device_pool)
+        a, b = _sequences(name)
+        pages = cache.device_pool.allocator.alloc(8)
+        assert pages is not None
+        sa = slots_for([pages[i] for i in (4, 0, 2, 6, 7)], PAGE, A_TOTAL)
+        sb = slots_for([pages[i] for i in (5, 1, 3)], PAGE, B_TOTAL)
+        run = runner.forward
+        prefill = run(
+            ForwardBatch(
+                input_ids=torch.cat([a[:A_LEN], b[:B_LEN]]),
+                positions=torch.cat([torch.arange(A_LEN), torch.arange(B_LEN)]),
+                extend_lens=[A_LEN, B_LEN],
+                seq_slots=[sa[:A_LEN], sb[:B_LEN]],
+            ),
+            all_logits=True,
+        )
+        rows_a, rows_b = [prefill[:A_LEN]], [prefill[A_LEN:]]
+        for step in range(DECODES):
+            pa, pb = A_LEN + step, B_LEN + step
+            out = run(
+                ForwardBatch(
+                    input_ids=torch.stack([a[pa], b[pb]]),
+                    positions=torch.tensor([pa, pb]),
+                    extend_lens=[1, 1],
+                    seq_slots=[sa[: pa + 1], sb[: pb + 1]],
+                )
+            )
+            rows_a.append(out[:1])
+            rows_b.append(out[1:])
+        pa, pb = A_LEN + DECODES, B_LEN + DECODES
+        mixed = run(
+            ForwardBatch(
+                input_ids=torch.cat([a[pa:], b[pb:]]),
+                positions=torch.cat([torch.arange(pa, A_TOTAL), torch.tensor([pb])]),
+                extend_lens=[A_EXTEND, 1],
+                seq_slots=[sa, sb],
+            ),
+            all_logits=True,
+        )
+        rows_a.append(mixed[:A_EXTEND])
+        rows_b.append(mixed[A_EXTEND:])
+        cache.device_pool.allocator.free(pages)
+    finally:
+        cache.close()
+    seen = {
+        "kv_heads": spec.kv.num_kv_heads,
+        "heads": lm.model.model.layers[0].self_attn.num_heads,
+        "fingerprint": lm.fingerprint,
+    }
+    return Steps(torch.cat(rows_a), torch.cat(rows_b)), seen
+
+
+def _rank(rank: int, n: int, out: str) -> dict[str, Any]:
+    tp = TPGroup.of()
+    assert (tp.rank, tp.size) == (rank, n)
+    seen: dict[str, Any] = {}
+    for name in TINY:
+        steps, seen[name] = _script(name, tp)
+        torch.save({"a": steps.a, "b": steps.b}, Path(out, f"rank{rank}-{name}.pt"))
+    return seen
+
+
+@dataclass(frozen=True)
+class TPRun:
+    """The two ranks' logits per model and what each rank reported."""
+
+    logits: dict[str, list[Steps]]
+    seen: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPRun]:
+    for name in TINY:
+        engine_model(name)  # materialize the checkpoints once, before the ranks race to
+    out = tmp_path_factory.mktemp("tp2")
+    seen = run_ranks(_rank, 2, out)
+    logits = {}
+    for name in TINY:
+        parts = [torch.load(out / f"rank{r}-{name}.pt") for r in range(2)]
+        logits[name] = [Steps(p["a"], p["b"]) for p in parts]
+    yield TPRun(logits, seen)
+
+
+def _reference(name: str) -> Steps:
+    a, b = _sequences(name)
+    return Steps(hf_logits(name, a), hf_logits(name, b))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_two_ranks_equal_one_rank_and_transformers(name: str, tp2: TPRun) -> None:
+    one, seen_one = _script(name, TPGroup.single())
+    ref = _reference(name)
+    assert seen_one["kv_heads"] == 2 and seen_one["heads"] == 4
+    assert (one.a - ref.a).abs().max().item() <= TOL
+    assert (one.b - ref.b).abs().max().item() <= TOL
+    r0, r1 = tp2.logits[name]
+    # all-reduce and all-gather hand every rank the same sums: identical logits
+    assert torch.equal(r0.a, r1.a) and torch.equal(r0.b, r1.b)
+    assert r0.a.shape == ref.a.shape and r0.b.shape == ref.b.shape
+    assert (r0.a - one.a).abs().max().item() <= TOL
+    assert (r0.b - one.b).abs().max().item() <= TOL
+    assert (r0.a - ref.a).abs().max().item() <= TOL
+    assert (r0.b - ref.b).abs().max().item() <= TOL
+    for seen in tp2.seen:  # each rank caches its own K/V head of the two, and 2 of 4 q heads
+        assert seen[name]["kv_heads"] == 1 and seen[name]["heads"] == 2
+        assert seen[name]["fingerprint"] == seen_one["fingerprint"]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading any checkpoint tensor fails the test: a refusal must come before."""
+
+    def read(*args: object, **kwargs: object) -> Iterator[tuple[str, torch.Tensor]]:
+        raise AssertionError("a weight was read before the refusal")
+
+    monkeypatch.setattr(loader_mod, "_iter_tensors", read)
+
+
+@pytest.mark.usefixtures("no_weight_read")
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (3, "tensor-parallel size 3 does not divide num_attention_heads=4, num_key_value_heads=2"),
+        (4, "tensor-parallel size 4 does not divide num_key_value_heads=2 of the llama model"),
+    ],
+)
+def test_size_not_dividing_the_heads_is_refused(size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_model("tiny-random-llama", dtype="float32", tp=TPGroup(rank=0, size=size))
+
+
+@pytest.mark.usefixtures("no_weight_read")
+def test_size_not_dividing_the_intermediate_size_is_refused(tmp_path: Path) -> None:
+    src = resolve_checkpoint("tiny-random-qwen3").path
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").unlink()
+    config = json.loads((src / "config.json").read_text())
+    config["intermediate_size"] = 129
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"does not divide intermediate_size=129 of the qwen3"):
+        load_model(tmp_path, dtype="float32", tp=TPGroup(rank=1, size=2))
+    with pytest.raises(ValueError, match="intermediate_size=129"):
+        kv_spec_from_hf_config(_hf_config(tmp_path), "float32", tp_size=2)
+
+
+def _hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+@pytest.mark.usefixtures("no_weight_read")
+@pytest.mark.parametrize(
+    ("name", "model_type"),
+    [
+        ("tiny-random-gemma3", "gemma3_text"),
+        ("tiny-random-gpt-oss", "gpt_oss"),
+        ("tiny-random-qwen3-next", "qwen3_next"),
+        ("tiny-random-nemotron-h", "nemotron_h"),
+    ],
+)
+def test_hybrid_families_refuse_tensor_parallelism(name: str, model_type: str) -> None:
+    with pytest.raises(
+        UnsupportedModelError,
+        match=f"tensor parallelism is not supported for model_type='{model_type}'",
+    ):
+        load_model(name, dtype="float32", tp=TPGroup(rank=0, size=2))
+
+
+def test_module_refuses_a_size_not_dividing_the_heads() -> None:
+    cfg = DecoderConfig.from_hf(engine_model("tiny-random-llama").hf_config)
+    with torch.device("meta"), pytest.raises(ValueError, match="size 3 does not divide"):
+        DecoderLM(cfg, TPGroup(rank=2, size=3))
+
+
+def test_rank_spec_and_shapes_without_a_group() -> None:
+    """A rank's shard on the meta device: its K/V heads, projections and vocabulary rows
+    (the vocabulary padded to a multiple of the size), without running anything."""
+    hf = engine_model("tiny-random-qwen2").hf_config
+    cfg = DecoderConfig.from_hf(hf)
+    assert kv_spec_from_hf_config(hf, "float32", tp_size=2).num_kv_heads == 1
+    with torch.device("meta"):
+        model = DecoderLM(cfg, TPGroup(rank=1, size=2))
+    assert model.num_kv_heads == 1 and model.lm_head is None  # tied: the embedding's rows
+    attn = model.model.layers[0].self_attn
+    assert tuple(attn.q_proj.weight.shape) == (2 * cfg.head_dim, cfg.hidden_size)
+    assert tuple(attn.k_proj.weight.shape) == (cfg.head_dim, cfg.hidden_size)
+    assert tuple(attn.o_proj.weight.shape) == (cfg.hidden_size, 2 * cfg.head_dim)
+    mlp = model.model.layers[0].mlp
+    assert tuple(mlp.down_proj.weight.shape) == (cfg.hidden_size, cfg.intermediate_size // 2)
+    rows = -(-cfg.vocab_size // 2)
+    assert tuple(model.model.embed_tokens.weight.shape) == (rows, cfg.hidden_size)
+    assert cache_spec_of(model, "float32").kv.num_kv_heads == 1
+
+
+def test_checkpoint_of_another_shape_is_refused_on_a_rank() -> None:
+    """The full tensor's shape is checked before this rank's slice is cut: a checkpoint
+    with extra vocabulary rows does not load silently on a rank."""
+    cfg = DecoderConfig.from_hf(engine_model("tiny-random-llama").hf_config)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, TPGroup(rank=0, size=2))
+    model = model.to_empty(device="cpu")
+    wrong = torch.zeros(cfg.vocab_size + 2, cfg.hidden_size)
+    with pytest.raises(WeightLoadError, match=r"model.embed_tokens.weight: checkpoint shape"):
+        model.load_weights([("model.embed_tokens.weight", wrong)])
