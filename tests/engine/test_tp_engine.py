@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import cache
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ import torch
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.ranks import RankProcesses, RankStartError, check_tp_model
-from hicache.engine.request import RequestOutput
+from hicache.engine.request import OutputCallback, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.engine.step_inputs import NewRequest
@@ -51,7 +50,7 @@ def config(name: str, tp: int, **kw: object) -> EngineConfig:
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=32),
         context_length=128,
         tp_size=tp,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 
@@ -86,7 +85,7 @@ def run_batch(engine: Engine, batch: list[list[int]], params: SamplingParams) ->
     done = [threading.Event() for _ in batch]
     outs: list[RequestOutput | None] = [None] * len(batch)
 
-    def on_output(i: int) -> object:
+    def on_output(i: int) -> OutputCallback:
         def record(out: RequestOutput) -> None:
             if out.finished:
                 outs[i] = out
@@ -95,7 +94,7 @@ def run_batch(engine: Engine, batch: list[list[int]], params: SamplingParams) ->
         return record
 
     for i, ids in enumerate(batch):
-        engine.submit(ids, params, on_output(i))  # type: ignore[arg-type]
+        engine.submit(ids, params, on_output(i))
     for ev in done:
         assert ev.wait(120), "a request did not finish"
     got = []
@@ -115,6 +114,9 @@ def tp2(request: pytest.FixtureRequest) -> Iterator[tuple[str, Engine]]:
 def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None:
     name, engine = tp2
     assert engine.ranks is not None and sorted(engine.ranks.pids) == [1]
+    model = engine.model.model  # rank 0's shard: half the K/V heads (2 of the model's 4 or 2)
+    assert model.tp.size == 2 and model.tp.rank == 0
+    assert model.num_kv_heads == model.config.num_kv_heads // 2
     batch = prompts(name)
     want = [hf_greedy(name, tuple(ids)) for ids in batch]
     with Engine(config(name, 1), loaded=engine_model(name)) as tp1:
@@ -209,15 +211,18 @@ def rank_killed(name: str, engine: Engine) -> None:
 
 
 def test_bad_tp_size_is_refused_with_the_numbers() -> None:
-    llama = engine_model("tiny-random-llama").hf_config  # 4 attention heads, 2 KV heads
-    with pytest.raises(ValueError, match=r"tp_size=3 .*attention heads \(4\).*KV heads \(2\)"):
-        check_tp_model(llama, 3, "tiny-random-llama")
-    with pytest.raises(ValueError, match=r"KV heads \(2\); 2 % 4 = 2"):
-        check_tp_model(llama, 4, "tiny-random-llama")
-    check_tp_model(llama, 2, "tiny-random-llama")  # fits
-    hybrid = SimpleNamespace(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ValueError, match="not supported"):
-        check_tp_model(hybrid, 2)
+    # tiny-random-llama: 4 attention heads, 2 KV heads
+    with pytest.raises(
+        ValueError, match=r"^tp_size=3 is invalid for tiny-random-llama: .*num_attention_heads=4"
+    ):
+        check_tp_model("tiny-random-llama", 3)
+    with pytest.raises(ValueError, match=r"^tp_size=4 .*does not divide num_key_value_heads=2"):
+        check_tp_model("tiny-random-llama", 4)
+    check_tp_model("tiny-random-llama", 2)  # fits
+    with pytest.raises(ValueError, match=r"^tp_size=2 .*not supported for model_type='gemma3"):
+        check_tp_model("tiny-random-gemma3", 2)
+    with pytest.raises(ValueError, match="every rank loads its own shard"):
+        Engine(config("tiny-random-llama", 2), loaded=engine_model("tiny-random-llama")).start()
     cores = os.cpu_count() or 1
     with pytest.raises(ValueError, match=rf"tp_size={cores + 1} .* has {cores}"):
         config("tiny-random-llama", cores + 1)

@@ -77,6 +77,7 @@ from hicache.metrics import CacheStats
 from hicache.runner.kernels import AttentionBackend
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
+from hicache.runner.parallel import TPGroup
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least, is_finite_number, require
 
@@ -323,8 +324,12 @@ class Engine(Lifecycle):
             return self
         cfg = self.config
         if cfg.tp_size > 1 and self._channel is None:
-            self._load_model()
-            check_tp_model(self.model.hf_config, cfg.tp_size, self.model.name)
+            if self._loaded is not None:
+                raise ValueError(
+                    f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
+                    " start the engine without a loaded model"
+                )
+            check_tp_model(cfg.model_path, cfg.tp_size)  # before any process starts
             torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
             backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
             self.ranks = RankProcesses(
@@ -362,7 +367,12 @@ class Engine(Lifecycle):
             return
         cfg = self.config
         dtype = cfg.dtype or default_dtype(cfg.device)
-        self.model = self._loaded or load_model(cfg.model_path, dtype=dtype, device=cfg.device)
+        if self._loaded is not None:
+            self.model = self._loaded
+            return
+        # this rank's shard (the whole model with one rank), over the default group
+        tp = TPGroup.single() if self._channel is None else TPGroup(self.rank, cfg.tp_size)
+        self.model = load_model(cfg.model_path, dtype=dtype, device=cfg.device, tp=tp)
 
     def _build(self) -> None:
         """The model, the cache (with L3 when configured), the runner and the scheduler:

@@ -93,10 +93,6 @@ def cpu_threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-"""The model families served with ``tp_size`` > 1 (``model_type`` of their config)."""
-
-
 def check_tp_fits(tp_size: object, device: str) -> None:
     """Refuse a ``tp_size`` that is not an int >= 1, or more ranks than the machine holds:
     on CPU one rank per core (``os.cpu_count()``: more would only share cores and time
@@ -123,28 +119,25 @@ def check_tp_fits(tp_size: object, device: str) -> None:
         )
 
 
-def check_tp_model(hf_config: Any, tp_size: int, name: str = "the model") -> None:
-    """Refuse ``tp_size`` > 1 for a model it cannot shard: a family outside
-    :data:`TP_MODEL_TYPES` (the hybrids), or attention / KV heads it does not divide.
-    ValueError with the numbers."""
+def check_tp_model(model_path: str | None, tp_size: int) -> None:
+    """Refuse ``tp_size`` > 1 for the checkpoint at ``model_path`` when its model cannot be
+    split over that many ranks (its config only is read, before any process starts): a
+    family without a sharded model (the hybrids), or heads, K/V heads or MLP sizes the
+    size does not divide (:func:`~hicache.runner.models.registry.check_tensor_parallel`).
+    ValueError ``tp_size=N is invalid for MODEL: ...`` with the numbers."""
     if tp_size == 1:
         return
-    kind = str(getattr(hf_config, "model_type", "?"))
-    if kind not in TP_MODEL_TYPES:
-        raise ValueError(
-            f"tp_size={tp_size} is not supported for {name} ({kind}); tensor parallelism"
-            f" serves {', '.join(TP_MODEL_TYPES)} models (use tp_size 1)"
-        )
-    heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    if heads % tp_size or kv_heads % tp_size:
-        raise ValueError(
-            f"tp_size={tp_size} is invalid for {name}: it must divide the attention heads"
-            f" ({heads}) and the KV heads ({kv_heads}); "
-            + (f"{heads} % {tp_size} = {heads % tp_size}" if heads % tp_size else "")
-            + (", " if heads % tp_size and kv_heads % tp_size else "")
-            + (f"{kv_heads} % {tp_size} = {kv_heads % tp_size}" if kv_heads % tp_size else "")
-        )
+    from transformers import AutoConfig
+
+    from hicache.runner.checkpoints import resolve_checkpoint
+    from hicache.runner.models.registry import check_tensor_parallel
+
+    ckpt = resolve_checkpoint(model_path)
+    hf_config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    try:
+        check_tensor_parallel(hf_config, tp_size)
+    except ValueError as exc:
+        raise ValueError(f"tp_size={tp_size} is invalid for {ckpt.name}: {exc}") from None
 
 
 class StepChannel:
@@ -463,7 +456,6 @@ __all__ = [
     "CLOSE_TIMEOUT_S",
     "COLLECTIVE_TIMEOUT_S",
     "DEFAULT_DIST_INIT_TIMEOUT_S",
-    "TP_MODEL_TYPES",
     "RankProcesses",
     "RankSetup",
     "RankStartError",

@@ -552,6 +552,8 @@ class Scheduler:
             else:
                 logits = self.runner.forward(fb)
         except Exception as exc:
+            if self.tokens is not None:  # a rank must not fail a batch alone: the ranks stop
+                raise
             log.exception("forward failed")
             self.failed_forwards += 1
             self.forward_error = f"{type(exc).__name__}: {exc}"
