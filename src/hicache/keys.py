@@ -72,8 +72,9 @@ class Namespace:
     """Everything that must match for an L3 page to be reusable.
 
     Two engines share L3 pages exactly when their namespaces are equal. ``tp_rank`` is
-    ``None`` when every rank stores the same bytes (MLA); use :meth:`for_spec` to get that
-    right from a :class:`~hicache.config.KVSpec`. ``tenant_salt`` is the request's
+    ``None`` when every rank stores the same bytes (MLA), and then ``tp_size`` is 1: such
+    bytes do not depend on the tensor-parallel size, so servers of any size share them;
+    use :meth:`for_spec` to get that right from a :class:`~hicache.config.KVSpec`. ``tenant_salt`` is the request's
     ``cache_salt`` (``""`` for none): different salts never share pages.
     """
 
@@ -102,6 +103,12 @@ class Namespace:
             self.tp_rank,
             f"must be None (shared by all ranks, MLA) or an int in [0, {self.tp_size})",
         )
+        require(
+            self.tp_rank is not None or self.tp_size == 1,
+            "tp_size",
+            self.tp_size,
+            "must be 1 when tp_rank is None (bytes every rank holds do not depend on TP)",
+        )
 
     @classmethod
     def for_spec(
@@ -119,8 +126,10 @@ class Namespace:
     ) -> Namespace:
         """The namespace of one rank's cache of shape ``spec``.
 
-        Takes the dtype from ``spec``; for MLA the rank is dropped (``tp_rank=None``) so all
-        ranks share one namespace (and only rank 0 should write L3).
+        Takes the dtype from ``spec``; for MLA the rank and the size are dropped
+        (``tp_rank=None``, ``tp_size=1``): the latent KV does not depend on tensor
+        parallelism, so every rank of every TP size shares one namespace (and only rank 0
+        of a group writes L3).
         """
         require(
             is_int(tp_rank) and is_int(tp_size) and 0 <= tp_rank < tp_size,
@@ -128,14 +137,15 @@ class Namespace:
             tp_rank,
             f"must be an int in [0, {tp_size})",
         )
-        rank: int | None = None if spec.attention is AttentionKind.MLA else tp_rank
+        shared = spec.attention is AttentionKind.MLA
+        rank: int | None = None if shared else tp_rank
         return cls(
             model=model,
             weights_fingerprint=weights_fingerprint,
             kv_dtype=spec.dtype,
             layout=MemLayout(layout),
             page_size=page_size,
-            tp_size=tp_size,
+            tp_size=1 if shared else tp_size,
             tp_rank=rank,
             component=component,
             tenant_salt=tenant_salt,

@@ -7,18 +7,24 @@
   with YaRN + mscale).
 * The same prompt again gives identical tokens from L1, from L2 after forced eviction
   and from a file L3 after ``flush_cache`` (the latent pages went through the host pool
-  and the L3 records); a second engine on the same L3 hits the first one's records.
+  and the L3 records, in each host layout); a second engine on the same L3 hits the first
+  one's records.
+* Six concurrent requests on a small L1 (evictions, retractions, decode batches) each
+  give transformers' tokens.
 * Every pool is back to idle afterwards (no request held, integrity clean).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from hicache.config import AttentionKind, CacheConfig
+from hicache.config import AttentionKind, CacheConfig, MemLayout
 from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from tests.runner.models.deepseek_fixtures import VARIANTS, deepseek_model, hf_greedy, prompt
@@ -30,13 +36,23 @@ NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def make_engine(variant: str, *, storage: Path | None = None) -> Engine:
+def make_engine(
+    variant: str,
+    *,
+    storage: Path | None = None,
+    layout: MemLayout = MemLayout.PAGE_FIRST,
+    device_tokens: int = 256,
+) -> Engine:
     config = EngineConfig(
         model_path=str(deepseek_model(variant).path),
         dtype="float32",
         device="cpu",
         cache=CacheConfig(
-            page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
+            page_size=PAGE,
+            device_tokens=device_tokens,
+            hicache_ratio=4.0,
+            load_back_threshold=0,
+            mem_layout=layout,
         ),
         scheduler=SchedulerConfig(max_running_requests=4, chunked_prefill_size=16),
         context_length=128,
@@ -74,11 +90,19 @@ def test_greedy_through_engine_equals_transformers(variant: str) -> None:
         assert_idle(engine)
 
 
-@pytest.mark.parametrize("variant", ["v2-qlora-grouped", "v3"])
-def test_mla_hits_l1_l2_and_file_l3(variant: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("variant", "layout"),
+    [
+        ("v2-qlora-grouped", MemLayout.PAGE_FIRST),
+        ("v3", MemLayout.LAYER_FIRST),
+        ("v3", MemLayout.PAGE_FIRST_DIRECT),
+    ],
+)
+def test_mla_hits_l1_l2_and_file_l3(variant: str, layout: MemLayout, tmp_path: Path) -> None:
+    """The latent pages go L1 -> L2 -> L3 and back through every host layout."""
     ids = prompt(variant, PROMPT_LEN)
     want = hf_greedy(variant, ids, NEW_TOKENS)
-    with make_engine(variant, storage=tmp_path) as engine:
+    with make_engine(variant, storage=tmp_path, layout=layout) as engine:
         cold = engine.generate(ids, GREEDY, timeout=60)
         assert cold.cached.total == 0 and cold.output_ids == want
         from_l1 = engine.generate(ids, GREEDY, timeout=60)
@@ -98,7 +122,45 @@ def test_mla_hits_l1_l2_and_file_l3(variant: str, tmp_path: Path) -> None:
         assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
         assert from_l3.output_ids == want
         assert_idle(engine)
-    with make_engine(variant, storage=tmp_path) as second:  # the first engine's records
+    with make_engine(variant, storage=tmp_path, layout=layout) as second:  # the first's records
         again = second.generate(ids, GREEDY, timeout=60)
         assert again.cached.storage == MATCHED and again.output_ids == want
         assert_idle(second)
+
+
+def test_concurrent_requests_on_a_small_l1_stay_exact() -> None:
+    """Six requests sharing a 12-token prefix on an L1 of 14 pages (each needs 6 for its
+    prompt, 8 at the end): decode batches over the padded latent gather, evictions and
+    retractions, and every output equals transformers'."""
+    variant = "v3"
+    shared = prompt(variant, 12)
+    prompts = [shared + prompt(variant, 10, offset=20 + 7 * i) for i in range(6)]
+    want = [hf_greedy(variant, p, NEW_TOKENS) for p in prompts]
+    with make_engine(variant, device_tokens=14 * PAGE) as engine:
+        retracted: list[str] = []
+        retract = engine.scheduler._retract
+
+        def counting(req):  # type: ignore[no-untyped-def]
+            retracted.append(req.rid)
+            retract(req)
+
+        engine.scheduler._retract = counting  # type: ignore[method-assign]
+        results: dict[int, list[int]] = {}
+        done = threading.Event()
+
+        def on(i: int) -> Callable[[RequestOutput], None]:
+            def cb(out: RequestOutput) -> None:
+                if out.finished:
+                    assert out.error is None
+                    results[i] = out.output_ids
+                    if len(results) == len(prompts):
+                        done.set()
+
+            return cb
+
+        for i, p in enumerate(prompts):
+            engine.submit(p, GREEDY, on(i))
+        assert done.wait(120)
+        assert [results[i] for i in range(len(prompts))] == want
+        assert retracted, "the small L1 should have forced a retraction"
+        assert_idle(engine)

@@ -3,7 +3,8 @@
 Each rank loads its shard (``load_model(..., tp=)``), builds a :class:`HiCache` from the
 model's own cache spec (its K/V heads only) and runs, through the model runner over the
 cache's L1 pool, a batch of two prefills, three decode steps and a mixed step (an extend
-on a cached prefix beside a decode). The same script runs in this process on one rank; the
+on a cached prefix beside a decode), then the first decode step again through the
+decode graphs' static buffers (eager on CPU, the Triton kernel interpreted). The same script runs in this process on one rank; the
 logits of every step must equal transformers' (and the two ranks' must be identical).
 The refusals (a size that does not split the model, a hybrid family) are checked without
 a process group: they happen before any weight is read.
@@ -30,6 +31,7 @@ from hicache.runner import (
     resolve_checkpoint,
 )
 from hicache.runner import loader as loader_mod
+from hicache.runner.decode_graphs import DecodeGraphs
 from hicache.runner.model_runner import cache_spec_of
 from hicache.runner.models import (
     DecoderConfig,
@@ -37,7 +39,8 @@ from hicache.runner.models import (
     UnsupportedModelError,
     WeightLoadError,
 )
-from hicache.runner.parallel import TPGroup
+from hicache.runner.models.registry import check_tensor_parallel
+from hicache.runner.parallel import TPGroup, shard_dims
 from tests.helpers.engine_fixtures import TINY, engine_model, hf_logits, prompt_ids, slots_for
 from tests.helpers.ranks import run_ranks
 
@@ -48,6 +51,8 @@ A_LEN, B_LEN, DECODES, A_EXTEND = 13, 7, 3, 3
 sequence B: 7-token prefill, 3 decodes, then one more decode beside A's extend."""
 A_TOTAL, B_TOTAL = A_LEN + DECODES + A_EXTEND, B_LEN + DECODES + 1
 B_OFFSET = 20
+GRAPH_MODEL = "tiny-random-qwen2"
+"""The model whose decode also runs through the decode graphs' buffers."""
 """B's tokens are the prompt's tokens from here on (another text than A's)."""
 
 
@@ -59,6 +64,9 @@ class Steps:
 
     a: torch.Tensor
     b: torch.Tensor
+    graph: torch.Tensor | None
+    """``(2, vocab)``: A's and B's first decode step through :class:`DecodeGraphs`
+    (:data:`GRAPH_MODEL` only; None for the others)."""
 
 
 def _sequences(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +85,7 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
     try:
         runner = ModelRunner(lm.model, cache.device_pool)
         a, b = _sequences(name)
-        pages = cache.device_pool.allocator.alloc(8)
+        pages = cache.device_pool.allocator.alloc(9)  # the last: the graphs' scratch page
         assert pages is not None
         sa = slots_for([pages[i] for i in (4, 0, 2, 6, 7)], PAGE, A_TOTAL)
         sb = slots_for([pages[i] for i in (5, 1, 3)], PAGE, B_TOTAL)
@@ -116,6 +124,20 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
         )
         rows_a.append(mixed[:A_EXTEND])
         rows_b.append(mixed[A_EXTEND:])
+        # the first decode step again, through the decode graphs' static buffers (what a
+        # CUDA graph replays; eager here) sized for this rank's heads: same K/V rewritten.
+        # One model only (the tied one): the interpreted kernel costs seconds per layer
+        graph = None
+        if name == GRAPH_MODEL:
+            graphs = DecodeGraphs(
+                lm.model, cache.device_pool, scratch_page=pages[8], max_bs=2, table_width=8
+            )
+            graph = graphs.run(
+                torch.stack([a[A_LEN], b[B_LEN]]),
+                torch.tensor([A_LEN, B_LEN]),
+                [sa[: A_LEN + 1], sb[: B_LEN + 1]],
+            )
+            assert graph is not None
         cache.device_pool.allocator.free(pages)
     finally:
         cache.close()
@@ -124,7 +146,7 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
         "heads": lm.model.model.layers[0].self_attn.num_heads,
         "fingerprint": lm.fingerprint,
     }
-    return Steps(torch.cat(rows_a), torch.cat(rows_b)), seen
+    return Steps(torch.cat(rows_a), torch.cat(rows_b), graph), seen
 
 
 def _rank(rank: int, n: int, out: str) -> dict[str, Any]:
@@ -133,7 +155,9 @@ def _rank(rank: int, n: int, out: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for name in TINY:
         steps, seen[name] = _script(name, tp)
-        torch.save({"a": steps.a, "b": steps.b}, Path(out, f"rank{rank}-{name}.pt"))
+        torch.save(
+            {"a": steps.a, "b": steps.b, "graph": steps.graph}, Path(out, f"rank{rank}-{name}.pt")
+        )
     return seen
 
 
@@ -154,13 +178,14 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPRun]:
     logits = {}
     for name in TINY:
         parts = [torch.load(out / f"rank{r}-{name}.pt") for r in range(2)]
-        logits[name] = [Steps(p["a"], p["b"]) for p in parts]
+        logits[name] = [Steps(p["a"], p["b"], p["graph"]) for p in parts]
     yield TPRun(logits, seen)
 
 
 def _reference(name: str) -> Steps:
     a, b = _sequences(name)
-    return Steps(hf_logits(name, a), hf_logits(name, b))
+    ra, rb = hf_logits(name, a), hf_logits(name, b)
+    return Steps(ra, rb, torch.stack([ra[A_LEN], rb[B_LEN]]))
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -178,6 +203,14 @@ def test_two_ranks_equal_one_rank_and_transformers(name: str, tp2: TPRun) -> Non
     assert (r0.b - one.b).abs().max().item() <= TOL
     assert (r0.a - ref.a).abs().max().item() <= TOL
     assert (r0.b - ref.b).abs().max().item() <= TOL
+    if name == GRAPH_MODEL:
+        assert one.graph is not None and r0.graph is not None and r1.graph is not None
+        assert ref.graph is not None and torch.equal(r0.graph, r1.graph)
+        assert (one.graph - ref.graph).abs().max().item() <= TOL
+        assert (r0.graph - one.graph).abs().max().item() <= TOL
+        assert (r0.graph - ref.graph).abs().max().item() <= TOL
+    else:
+        assert one.graph is None and r0.graph is None
     for seen in tp2.seen:  # each rank caches its own K/V head of the two, and 2 of 4 q heads
         assert seen[name]["kv_heads"] == 1 and seen[name]["heads"] == 2
         assert seen[name]["fingerprint"] == seen_one["fingerprint"]
@@ -194,6 +227,7 @@ def no_weight_read(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a weight was read before the refusal")
 
     monkeypatch.setattr(loader_mod, "_iter_tensors", read)
+    monkeypatch.setattr(loader_mod, "_iter_unread", read)
 
 
 @pytest.mark.usefixtures("no_weight_read")
@@ -284,3 +318,48 @@ def test_checkpoint_of_another_shape_is_refused_on_a_rank() -> None:
     wrong = torch.zeros(cfg.vocab_size + 2, cfg.hidden_size)
     with pytest.raises(WeightLoadError, match=r"model.embed_tokens.weight: checkpoint shape"):
         model.load_weights([("model.embed_tokens.weight", wrong)])
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_each_rank_loads_its_slices_of_the_checkpoint(name: str) -> None:
+    """Loading needs no collective: both ranks of two load here, in one process, and each
+    parameter is the rank's slice of the one-rank model's (read lazily, slice by slice)."""
+    whole = dict(engine_model(name).model.named_parameters())
+    for rank in range(2):
+        tp = TPGroup(rank=rank, size=2)
+        lm = load_model(name, dtype="float32", tp=tp)
+        assert isinstance(lm.model, DecoderLM)
+        dims = shard_dims(lm.model)
+        assert "model.layers.0.self_attn.q_proj.weight" in dims
+        params = dict(lm.model.named_parameters())
+        assert params.keys() == whole.keys()
+        for key, p in params.items():
+            want = whole[key] if key not in dims else tp.shard(whole[key], *dims[key])
+            assert torch.equal(p, want), key
+
+
+def test_unread_checkpoint_tensor_pads_the_last_rank(tmp_path: Path) -> None:
+    """A vocabulary of 5 rows over 2 ranks is padded to 6: rank 1 reads rows 3 and 4 of
+    the file and gets one zero row, as from the tensor in memory; a column split reads
+    the rank's columns."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    full = torch.arange(20, dtype=torch.float32).reshape(5, 4) + 1
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt", device="cpu") as st:
+        unread = loader_mod._UnreadTensor(st.get_slice("w"))
+        assert unread.shape == full.shape
+        for rank in range(2):
+            tp = TPGroup(rank=rank, size=2)
+            assert torch.equal(tp.shard(unread, 0, 6), tp.shard(full, 0, 6))
+            assert torch.equal(tp.shard(unread, 1), full[:, 2 * rank : 2 * rank + 2])
+        last = TPGroup(rank=1, size=2).shard(unread, 0, 6)
+        assert torch.equal(last, torch.cat([full[3:], torch.zeros(1, 4)]))
+
+
+@pytest.mark.parametrize("size", [0, -2, True, 2.0])
+def test_invalid_size_is_refused_by_name(size: Any) -> None:
+    hf = engine_model("tiny-random-llama").hf_config
+    with pytest.raises(ValueError, match=f"tensor-parallel size={size!r} is invalid"):
+        check_tensor_parallel(hf, size)

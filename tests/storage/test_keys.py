@@ -173,6 +173,11 @@ def test_namespace_validation_names_field(field: str, value: Any) -> None:
         ns(**{field: value, "tp_size": 2} if field == "tp_rank" else {field: value})
 
 
+def test_shared_namespace_has_no_tp_size() -> None:
+    with pytest.raises(ValueError, match="tp_size"):
+        ns(tp_size=2, tp_rank=None)
+
+
 def test_for_spec_drops_rank_for_mla() -> None:
     mha = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4)
     mla = KVSpec(num_layers=2, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4)
@@ -182,6 +187,9 @@ def test_for_spec_drops_rank_for_mla() -> None:
     r0 = Namespace.for_spec(mla, tp_rank=0, **kw)
     r1 = Namespace.for_spec(mla, tp_rank=1, **kw)
     assert r0 == r1 and r0.tp_rank is None and r0.digest == r1.digest
+    # latent KV does not depend on TP: an MLA server of another TP size shares the keys
+    solo = Namespace.for_spec(mla, tp_rank=0, **{**kw, "tp_size": 1})
+    assert solo == r0 and solo.tp_size == r0.tp_size == 1
     m0 = Namespace.for_spec(mha, tp_rank=0, **kw)
     m1 = Namespace.for_spec(mha, tp_rank=1, **kw)
     assert m0.digest != m1.digest and m1.tp_rank == 1 and m0.kv_dtype == "float32"

@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -57,12 +58,14 @@ from hicache.cache.inspect import (
     cached_tokens,
     check_cache_integrity,
     full_usage,
+    tree_digest,
 )
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
 from hicache.cache.storage_slot import StorageSlot
 from hicache.cache.storage_tier import StorageTier
 from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.controller import CompletionQueue, write_rule
+from hicache.controller.agreement import Agreement, LocalRecords
 from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
 from hicache.keys import Namespace
@@ -84,6 +87,9 @@ log = logging.getLogger("hicache.cache")
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 """Longest the owner waits for copies in flight before giving up with TimeoutError."""
+
+_WAIT_POLL_S = 0.0005
+"""Pause between two agreed syncs of a wait in which nothing was applied (seconds)."""
 
 S = TypeVar("S", bound=ComponentStore)
 
@@ -124,8 +130,8 @@ class _Events:
 
     def wait_backups(self) -> bool:
         host = self._cache.host
-        if host is None or not host.backups:
-            return False
+        if host is None or not host.backups or self._cache._applying:
+            return False  # (no wait while an agreed record is applied: every rank alike)
         host.wait_backups()
         return True
 
@@ -143,6 +149,13 @@ class HiCache(Lifecycle):
     ``store_types`` that takes its spec; :attr:`spec` is the full KV's shape (the global
     layers only when sliding layers have their own store). ``limits``: refuse (ValueError)
     stores too small to serve one request under them.
+
+    ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank). With
+    more than one rank no worker record is applied on one rank alone: :meth:`poll` only
+    buffers what the workers posted, and :meth:`sync` (every rank calls it once per
+    engine step, and every wait of the cache loops on it) agrees on every op in flight
+    in one all-reduce and applies what every rank has, with the agreed values
+    (:mod:`hicache.controller.agreement`), so every rank's tree stays the same.
     """
 
     def __init__(
@@ -155,6 +168,7 @@ class HiCache(Lifecycle):
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
         limits: ServingLimits | None = None,
         store_types: Sequence[type[ComponentStore]] = STORE_TYPES,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.config = config
         self.cache_spec = CacheSpec.of(spec)
@@ -178,6 +192,12 @@ class HiCache(Lifecycle):
         self.counters = CacheCounters()
         self._completions = CompletionQueue()
         self._op_ids = itertools.count(1)
+        self.ranks = ranks or RankGroup.single()
+        """The tensor-parallel ranks this cache agrees with (one: no agreement)."""
+        self._agreement = Agreement(self.ranks) if self.ranks.multi else None
+        self._got = LocalRecords()
+        """Worker records polled, not applied yet (several ranks only)."""
+        self._applying = False
         self.host: HostTier | None = None
         events = _Events(self)
         ctx = StoreContext(
@@ -198,6 +218,8 @@ class HiCache(Lifecycle):
                 events=events,
                 wait_timeout_s=wait_timeout_s,
                 layer_hook=layer_hook,
+                ranks=self.ranks,
+                wait_until=self._wait_until,
             )
         self.device_tier = DeviceTier(
             tree=self.tree,
@@ -220,6 +242,8 @@ class HiCache(Lifecycle):
                 drain=self.poll,
                 records=self.stores.records,
                 free_components=self.stores.free,
+                ranks=self.ranks,
+                wait_until=self._wait_until,
             )
         self._requests: set[CacheRequest] = set()
         self._started = False
@@ -271,10 +295,20 @@ class HiCache(Lifecycle):
         ranks: RankGroup | None = None,
     ) -> None:
         """Add the L3 tier over ``storage`` (starts it and its threads). Needs the L2
-        tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed."""
+        tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed.
+
+        The tier agrees over the cache's :attr:`ranks`; ``ranks``, when given, must be
+        that group (a group of several ranks needs ``HiCache(..., ranks=...)``: the
+        L1<->L2 completions must be agreed too)."""
         if self._l3 is None:
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
-        self._l3.attach(storage, namespace, prefetch, ranks)
+        if ranks is not None and (ranks.size, ranks.rank) != (self.ranks.size, self.ranks.rank):
+            storage.close()
+            raise ValueError(
+                f"attach_storage with rank {ranks.rank} of {ranks.size}, but the cache is rank"
+                f" {self.ranks.rank} of {self.ranks.size}: build it with HiCache(..., ranks=)"
+            )
+        self._l3.attach(storage, namespace, prefetch)
 
     def detach_storage(self, timeout_s: float | None = None) -> bool:
         """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
@@ -284,7 +318,9 @@ class HiCache(Lifecycle):
             return False
         for req in self._requests:
             req.prefetch = None
-        return self._l3.detach(self.wait_timeout_s if timeout_s is None else timeout_s)
+        detached = self._l3.detach(self.wait_timeout_s if timeout_s is None else timeout_s)
+        self._got.drop_l3()  # records of the detached tier's ops are dropped
+        return detached
 
     @property
     def storage(self) -> StorageTier | None:
@@ -331,7 +367,8 @@ class HiCache(Lifecycle):
         return req
 
     def ready(self, req: CacheRequest) -> bool:
-        """Whether ``req`` may be admitted now (its prefetch policy is satisfied)."""
+        """Whether ``req`` may be admitted now (its prefetch policy is satisfied; with
+        several ranks, as agreed at the last :meth:`sync`: the same answer on every rank)."""
         self.poll()
         if req.prefetch is None or self.storage is None:
             return True
@@ -721,7 +758,13 @@ class HiCache(Lifecycle):
     # ------------------------------------------------------------------ completions
 
     def poll(self) -> int:
-        """Apply every record the workers posted; returns how many were applied."""
+        """Apply every record the workers posted; returns how many were applied.
+
+        With several ranks it only buffers them (returns 0): :meth:`sync` applies them
+        once every rank has them."""
+        if self._agreement is not None:
+            self._buffer()
+            return 0
         records = self._completions.drain()
         for r in records:
             if isinstance(r, Completion):
@@ -735,6 +778,79 @@ class HiCache(Lifecycle):
         if self._l3 is not None:
             self._l3.settle()
         return len(records)
+
+    def _buffer(self) -> None:
+        """Keep every record posted for an op in flight (several ranks)."""
+        host, storage = self.host, self.storage
+        for r in self._completions.drain():
+            if isinstance(r, Completion):
+                if host is not None and (r.op_id in host.backups or r.op_id in host.loads):
+                    self._got.put(r)
+            elif storage is not None and storage.owns(r.op_id):
+                self._got.put(r)  # records of a detached tier's ops are dropped
+
+    def sync(self) -> int:
+        """Agree with the other ranks on every op in flight and apply, in op order, what
+        every rank has, with the agreed values; returns how many records were applied.
+
+        Every rank must call it at the same point of its step (the engine: once per
+        step); it makes one all-reduce whatever this rank's state, plus, while an agreed
+        lookup is applied, the few whose count depends on agreed values alone. With one
+        rank it is :meth:`poll`."""
+        if self._agreement is None:
+            return self.poll()
+        return self._sync(give_up=False)[0]
+
+    def _sync(self, *, give_up: bool) -> tuple[int, bool]:
+        """One agreement (``give_up``: this rank's wait is past its deadline); returns
+        the records applied and whether some rank gave up (all give up together). A
+        no-op inside the application of an agreed record (every rank is in the same one)."""
+        agreement = self._agreement
+        assert agreement is not None
+        if self._applying:
+            return 0, False
+        self._buffer()
+        host, storage, got = self.host, self.storage, self._got
+        step = agreement.agree(
+            [] if host is None else host.votes(got),
+            [] if storage is None else storage.votes(got),
+            give_up=give_up,
+        )
+        applied = 0
+        self._applying = True
+        try:
+            for v in step.transfer:
+                assert host is not None
+                applied += host.apply_agreed(v, got)
+            for v in step.l3:
+                assert storage is not None
+                applied += storage.apply_agreed(v, got)
+        finally:
+            self._applying = False
+        if host is not None:
+            host.retry_invalidations()
+            host.settle()
+        if self._l3 is not None:
+            self._l3.settle()
+        return applied, step.gave_up
+
+    def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Sync until ``done()`` (a test of agreed state: the same on every rank); False
+        when some rank's ``timeout_s`` passed first (every rank gives up in the same sync).
+        Inside the application of an agreed record it does not wait: ``done()`` now."""
+        if done():
+            return True
+        if self._agreement is None or self._applying:
+            return False
+        end = time.monotonic() + timeout_s
+        while True:
+            applied, gave_up = self._sync(give_up=time.monotonic() >= end)
+            if done():
+                return True
+            if gave_up:
+                return False
+            if not applied:
+                time.sleep(_WAIT_POLL_S)
 
     def _fail_holders(self, top: TreeNode, reason: str) -> None:
         """A load under ``top`` failed: every admitted request whose prefix runs through
@@ -759,7 +875,7 @@ class HiCache(Lifecycle):
             self.host.wait_idle()
             if self.storage is not None:
                 self.storage.flush(self.wait_timeout_s)
-            self.poll()  # failed loads are applied here, outside the wait
+            self.sync()  # failed loads are applied here, outside the wait
 
     # ------------------------------------------------------------------ whole cache
 
@@ -803,6 +919,11 @@ class HiCache(Lifecycle):
         )
         usage = (full, *self.stores.usages(cached, list(self._requests)))
         return dataclasses.replace(stats, components=usage)
+
+    def tree_digest(self) -> str:
+        """SHA-256 (hex) of the tree's structure (:func:`~hicache.cache.inspect.tree_digest`):
+        tensor-parallel ranks whose trees stayed identical have equal digests."""
+        return tree_digest(self.tree)
 
     def check_integrity(self, request_pages: Iterable[int] = ()) -> None:
         """Check tree and allocators agree: every used L1 page is owned by the tree, an

@@ -25,10 +25,18 @@ worker's :class:`Completion` records:
 Loads run concurrently with each other (the transfer engine starts a load while earlier
 loads of other pages are still copying); a request whose prefix runs through pages a
 load still in flight maps depends on that load's progress (``loads_on``).
+
+Tensor-parallel ranks (``ranks`` with more than one rank): a completion is applied only
+once every rank has it, with the agreed ok flag (:meth:`votes`, :meth:`apply_agreed`,
+driven by the owner's ``sync``); the waits for copies loop on the owner's agreed wait
+(``wait_until``), so every rank gives up together; and an L2 allocation agrees first on
+how many pages to evict (the largest shortfall of any rank: every rank evicts the same
+nodes) and then on whether every rank got its pages (else every rank frees them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +47,8 @@ from hicache.cache.events import TierEvents
 from hicache.cache.request import CacheRequest
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller import CacheController, CompletionQueue
+from hicache.controller.agreement import LocalRecords, Verdict, Vote
+from hicache.controller.rank_group import RankGroup
 from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters
 from hicache.transfer import Completion, LayerProgress
@@ -48,6 +58,11 @@ from hicache.tree.node import PageIds, page_ids
 from hicache.tree.results import NodeEviction
 
 log = logging.getLogger("hicache.cache")
+
+COPY_OK = 2
+"""A copy's vote value (:meth:`HostTier.votes`): it succeeded on this rank."""
+COPY_FAILED_LANDED = 1
+"""A copy's vote value: a load that failed after every layer had landed (its pages stay)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +120,8 @@ class HostTier:
         events: TierEvents,
         wait_timeout_s: float,
         layer_hook: Callable[[int, int], None] | None = None,
+        ranks: RankGroup | None = None,
+        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
     ) -> None:
         self.tree = tree
         self.device_allocator = device_pool.allocator
@@ -119,11 +136,17 @@ class HostTier:
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
-        self._failed: list[tuple[PendingLoad, str]] = []
-        """Failed loads not applied yet (still pinned): applied by :meth:`settle`."""
+        self._failed: list[tuple[PendingLoad, str, bool]] = []
+        """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
+        whether every layer had landed (on every rank) all the same."""
         self._quarantine: list[Quarantined] = []
         self._waiting = 0  # > 0 while a wait for copies runs (its caller may hold pins)
         self._num_layers = spec.num_layers
+        self.ranks = ranks or RankGroup.single()
+        """The tensor-parallel ranks (one: no agreement)."""
+        self._wait_until = wait_until if self.ranks.multi else None
+        """The owner's agreed wait (``wait_until(done, timeout_s)``: True once ``done()``,
+        False when the ranks gave up together); None with one rank."""
 
     @property
     def allocator(self) -> PageAllocator:
@@ -145,6 +168,14 @@ class HostTier:
         loads wait for :meth:`settle`)."""
         self._waiting += 1
         try:
+            if self._wait_until is not None:
+                if not self._wait_until(
+                    lambda: not self.backups and not self.loads, self._wait_timeout_s
+                ):
+                    raise TimeoutError(
+                        f"copies still in flight on some rank after {self._wait_timeout_s} s"
+                    )
+                return
             self.controller.wait_idle(self._wait_timeout_s)
             self._events.drain()
         finally:
@@ -156,6 +187,12 @@ class HostTier:
         everything posted (failed loads wait for :meth:`settle`)."""
         self._waiting += 1
         try:
+            if self._wait_until is not None:
+                if not self._wait_until(lambda: not self.backups, self._wait_timeout_s):
+                    raise TimeoutError(
+                        f"backups still in flight on some rank after {self._wait_timeout_s} s"
+                    )
+                return
             self.controller.wait_backups(self._wait_timeout_s)
             self._events.drain()
         finally:
@@ -173,7 +210,7 @@ class HostTier:
             on_path.add(id(n))
             n = n.parent
         out: list[LayerProgress] = []
-        for ld in [*self.loads.values(), *(f for f, _ in self._failed)]:
+        for ld in [*self.loads.values(), *(f for f, _, _ in self._failed)]:
             chain = self.tree.path_tail(ld.last, ld.pages)
             if id(chain[0]) in on_path and _maps(chain, ld.device_pages):
                 out.append(ld.progress)
@@ -183,7 +220,12 @@ class HostTier:
 
     def alloc(self, num_pages: int) -> PageIds | None:
         """``num_pages`` free L2 pages, evicting unpinned L2 copies if needed; None when
-        even that cannot make room. Loads in flight pin their sources: waits for them."""
+        even that cannot make room. Loads in flight pin their sources: waits for them.
+
+        With several ranks every decision is agreed (see the module docstring): every
+        rank evicts the same nodes and either every rank gets its pages or none does."""
+        if self.ranks.multi:
+            return self._alloc_agreed(num_pages)
         alloc = self.allocator
         if alloc.free_pages < num_pages:
             self.evict(num_pages - alloc.free_pages)
@@ -192,6 +234,31 @@ class HostTier:
             self.evict(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)
+
+    def _alloc_agreed(self, num_pages: int) -> PageIds | None:
+        """:meth:`alloc` over several ranks: reserve, all-reduce(min), commit or abort.
+        The collectives made depend on agreed values only (2 to 5 of them)."""
+        alloc, ranks = self.allocator, self.ranks
+        short = ranks.max(num_pages - alloc.free_pages)
+        if short > 0:
+            self.evict(short)
+            short = ranks.max(num_pages - alloc.free_pages)
+            if short > 0 and self.loads and self._wait_until is not None:
+                self._waiting += 1  # the caller may hold pins: failed loads wait for settle
+                try:
+                    self._wait_until(lambda: not self.loads, self._wait_timeout_s)
+                finally:
+                    self._waiting -= 1
+                short = ranks.max(num_pages - alloc.free_pages)
+                if short > 0:
+                    self.evict(short)
+        pages = alloc.alloc(num_pages) if alloc.free_pages >= num_pages else None
+        if ranks.min(int(pages is not None)) == 0:
+            if pages is not None:
+                alloc.free(pages)
+            return None
+        assert pages is not None
+        return page_ids(pages)
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L2 pages if possible; returns pages freed.
@@ -275,8 +342,10 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
 
-    def apply(self, c: Completion) -> None:
-        """Apply one finished copy on the owner's thread: unpin, count, hand on to L3."""
+    def apply(self, c: Completion, *, landed: bool | None = None) -> None:
+        """Apply one finished copy on the owner's thread: unpin, count, hand on to L3.
+        ``landed``: for a failed load, whether every layer had landed anyway (None: as
+        its progress says; several ranks pass what they agreed)."""
         if c.op_id in self.backups:
             b = self.backups.pop(c.op_id)
             if c.ok:
@@ -301,9 +370,41 @@ class HostTier:
             else:
                 log.error("load back op %d failed: %s", c.op_id, c.error)
                 self.counters.load_failures_total += 1
-                self._failed.append((ld, c.error or "unknown error"))  # pinned until settled
+                if landed is None:
+                    landed = ld.progress.layers_done == self._num_layers
+                self._failed.append(
+                    (ld, c.error or "unknown error", landed)
+                )  # pinned until settled
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
+
+    def votes(self, got: LocalRecords) -> list[Vote]:
+        """This rank's vote on every copy in flight, in op-id order: whether its
+        completion is here (``got``) and how it went (:data:`COPY_OK`, else
+        :data:`COPY_FAILED_LANDED` for a failed load whose every layer landed anyway, else
+        0), so the minimum over ranks says how it went everywhere."""
+        out: list[Vote] = []
+        for op_id in sorted(self.backups.keys() | self.loads.keys()):
+            c = got.completions.get(op_id)
+            value = 0
+            if c is not None and c.ok:
+                value = COPY_OK
+            elif c is not None and op_id in self.loads:
+                done = self.loads[op_id].progress.layers_done == self._num_layers
+                value = COPY_FAILED_LANDED if done else 0
+            out.append(Vote(op_id, arrived=c is not None, value=value))
+        return out
+
+    def apply_agreed(self, v: Verdict, got: LocalRecords) -> bool:
+        """Apply copy ``v.op_id``'s completion once every rank has it, ok only when ok on
+        every rank (a copy failed on another rank fails here too); False: not yet."""
+        if not v.arrived or v.op_id not in got.completions:
+            return False
+        c = got.completions.pop(v.op_id)
+        if c.ok and v.value != COPY_OK:
+            c = dataclasses.replace(c, ok=False, error="the copy failed on another rank")
+        self.apply(c, landed=v.value == COPY_FAILED_LANDED)
+        return True
 
     def settle(self) -> None:
         """Apply the failed loads posted so far and free quarantined L1 pages no copy in
@@ -312,10 +413,10 @@ class HostTier:
         if self._waiting:
             return
         while self._failed:
-            ld, error = self._failed.pop(0)
+            ld, error, landed = self._failed.pop(0)
             self.tree.dec_lock_ref(ld.last)
             self.tree.dec_host_ref(ld.last)
-            self._drop_failed_load(ld, error)
+            self._drop_failed_load(ld, error, landed)
         if self._quarantine:
             in_flight = self.loads.keys() | self.backups.keys()
             keep: list[Quarantined] = []
@@ -331,12 +432,13 @@ class HostTier:
         tier until :meth:`settle` frees them)."""
         return [p for q in self._quarantine for p in q.pages]
 
-    def _drop_failed_load(self, ld: PendingLoad, error: str) -> None:
-        """Take what a failed load mapped (and every L1 copy below it) out of L1."""
+    def _drop_failed_load(self, ld: PendingLoad, error: str, landed: bool) -> None:
+        """Take what a failed load mapped (and every L1 copy below it) out of L1, unless
+        every layer had ``landed``."""
         chain = self.tree.path_tail(ld.last, ld.pages)
         if not _maps(chain, ld.device_pages):
             return  # unmapped already: a load above it failed first
-        if ld.progress.layers_done == self._num_layers:
+        if landed:
             log.error("load back failed after its last layer arrived: its L1 pages stay")
             return  # every layer landed: the pages hold the span's KV
         top = chain[0]

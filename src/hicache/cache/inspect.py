@@ -1,7 +1,9 @@
-"""Read-only views of the cache's parts: the stats snapshot and the integrity check."""
+"""Read-only views of the cache's parts: the stats snapshot, the integrity check and the
+tree digest that tensor-parallel ranks compare."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from hicache.memory import DevicePool, HostPool, PageAllocator
@@ -103,3 +105,27 @@ def check_owned(tier: str, alloc: PageAllocator, owned: list[int]) -> None:
     assert len(owned) == alloc.used_pages, (
         f"{alloc.used_pages} {tier} pages used, {len(owned)} owned: leak"
     )
+
+
+def tree_digest(tree: HiRadixTree) -> str:
+    """SHA-256 (hex) of the tree's structure, equal on ranks whose trees are the same.
+
+    Covers every node (in a canonical order: tenant, then the path's tokens): its tenant,
+    its path's tokens, which tiers hold its full KV (L1, L2), its pins (``lock_ref``,
+    ``host_ref``), its ``hit_count`` and the names of the components with a value there.
+    Not page ids (a rank whose pool some outside holder uses has other ids for the same
+    tree), nor clocks.
+    """
+    rows: list[tuple[str, bytes, str]] = []
+    for n in tree.iter_nodes():
+        tiers = ("D" if n.device is not None else "-") + ("H" if n.host is not None else "-")
+        extra = ",".join(sorted(n.extra or ()))
+        rows.append(
+            (n.tenant, tree.path_key(n), f"{tiers}|{n.lock_ref}|{n.host_ref}|{n.hit_count}|{extra}")
+        )
+    h = hashlib.sha256()
+    for tenant, key, state in sorted(rows):
+        for part in (tenant.encode(), key, state.encode()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()

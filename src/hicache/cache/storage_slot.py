@@ -53,7 +53,8 @@ class StorageSlot:
     ``records``: builds the component stores' L3 codecs for a tier being attached.
     ``drain``: the owner's poll (a tier waiting for its writes applies records with it).
     ``free_components``: returns L2 component ids to their stores once a retired backend
-    settled.
+    settled. ``ranks``: the cache's tensor-parallel ranks, ``wait_until``: its agreed wait
+    (both handed to every tier attached).
     """
 
     def __init__(
@@ -67,6 +68,8 @@ class StorageSlot:
         drain: Callable[[], object],
         records: Callable[[], Sequence[ComponentRecords]],
         free_components: Callable[[Tier, Mapping[str, PageIds]], None],
+        ranks: RankGroup | None = None,
+        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
     ) -> None:
         self._tree = tree
         self._host = host
@@ -76,6 +79,8 @@ class StorageSlot:
         self._drain = drain
         self._records = records
         self._free_components = free_components
+        self._ranks = ranks or RankGroup.single()
+        self._wait_until = wait_until
         self.tier: StorageTier | None = None
         """The attached L3 tier (None: none attached)."""
         self._retired: list[Retired] = []
@@ -85,10 +90,10 @@ class StorageSlot:
         storage: HiCacheStorage,
         namespace: Namespace,
         prefetch: PrefetchConfig,
-        ranks: RankGroup | None = None,
     ) -> StorageTier:
-        """Start an L3 tier over ``storage`` (and its threads). One at a time
-        (RuntimeError); on failure nothing is attached and ``storage`` is closed."""
+        """Start an L3 tier over ``storage`` (and its threads), agreeing over the cache's
+        ranks. One at a time (RuntimeError); on failure nothing is attached and
+        ``storage`` is closed."""
         if self.tier is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
         codecs = list(self._records())
@@ -96,7 +101,7 @@ class StorageSlot:
             storage,
             self._host.pool,
             self._completions,
-            ranks,
+            self._ranks,
             component_pools={c.name: c.pool for c in codecs},
         )
         try:
@@ -115,6 +120,7 @@ class StorageSlot:
             op_ids=self._op_ids,
             drain=self._drain,
             components=codecs,
+            wait_until=self._wait_until,
         )
         return self.tier
 

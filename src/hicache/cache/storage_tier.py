@@ -40,8 +40,23 @@ records are read (no page), into L2 ids the held nodes adopt at admission (a hel
 whose full KV is in L1 alone is skipped: an L2 component value needs L2 full KV under it).
 The storage hit counted is then the tokens the records made usable beyond the local valid
 match, as far as the request loads them from L2 (the facade counts a prefix already in L1
-as a device hit). Every rank makes the same collective calls either way: the lookup's
-all-reduces, then one at admission for any read.
+as a device hit).
+
+Tensor-parallel ranks (a multi-rank ``ranks`` group): nothing here applies a record on one
+rank alone. The owner's ``sync`` collects this tier's votes (:meth:`StorageTier.votes`: for
+every op in flight, whether its record is here and its value, and each waiting prefetch's
+local policy verdict), agrees on them in one all-reduce, and hands back the verdicts
+(:meth:`StorageTier.apply_agreed`): a lookup is applied with the minimum hit of every rank,
+a read's progress is the minimum done pages, final only once final everywhere, a write is
+applied once it landed everywhere, and a prefetch is ready once any rank's policy lets it
+in (a rank whose deadline passed gives up for all). Applying an agreed lookup makes further
+all-reduces whose count depends on agreed values alone: the component boundary
+(:func:`agree_boundary`), then reserve -> all-reduce(min) -> commit or abort of the L2
+pages and component ids. :meth:`StorageTier.take` makes no collective (what it uses is
+agreed already), so no rank can skip one. For MLA only rank 0 writes, but every rank pins
+and tracks each write alike (a write rank 0 alone tracked would unpin its L2 source on
+rank 0 alone and change its eviction choices), and it is released once rank 0's write
+landed.
 """
 
 from __future__ import annotations
@@ -62,6 +77,7 @@ from hicache.cache.host_tier import HostTier
 from hicache.cache.prefetch import ComponentFetch, Prefetch
 from hicache.config import PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup, L3Read, L3Write
+from hicache.controller.agreement import LocalRecords, ReadProgress, Verdict, Vote
 from hicache.controller.storage_controller import (
     ComponentLookup,
     ComponentRead,
@@ -94,6 +110,7 @@ class StorageTier:
         op_ids: itertools.count[int],
         drain: Callable[[], object],
         components: Sequence[ComponentRecords] = (),
+        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
     ) -> None:
         self.controller = controller
         self.namespace = namespace
@@ -110,6 +127,18 @@ class StorageTier:
         self._writes: dict[int, tuple[TreeNode, int]] = {}
         self._component_writes: dict[int, tuple[ComponentRecords, RecordWrites]] = {}
         self._tenants: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
+        self.ranks = controller.ranks
+        self._wait_until = wait_until if self.ranks.multi else None
+        """The owner's agreed wait (several ranks); None: wait on this rank's records."""
+        self._looking: set[int] = set()
+        """Prefetches whose lookup result is not applied yet."""
+        self._agreed_ready: set[int] = set()
+        """Prefetches some rank's policy let in (several ranks: :meth:`ready` says so)."""
+        self._unsent: set[int] = set()
+        """Writes tracked but not sent on this rank (MLA: only rank 0 writes)."""
+        self.writer = namespace.tp_rank is not None or self.ranks.rank == 0
+        """Whether this rank writes L3 (MHA: every rank its shard; MLA: rank 0 alone, whose
+        writes every rank's lookups see: all ranks read one namespace)."""
         self.components = tuple(components)
         self._codecs = {c.name: c for c in self.components}
         for c in self.components:
@@ -206,11 +235,21 @@ class StorageTier:
                 )
             )
         self._prefetches[op_id] = p
+        self._looking.add(op_id)
         self.controller.lookup(op_id, rest, lookups)
         return p
 
     def ready(self, p: Prefetch) -> bool:
-        """Whether the policy lets the request be admitted now."""
+        """Whether the policy lets the request be admitted now (with several ranks: as
+        agreed at the last sync, the same answer on every rank)."""
+        if p.finished or self.prefetch.policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if self.ranks.multi:
+            return p.op_id in self._agreed_ready
+        return self._policy_ready(p)
+
+    def _policy_ready(self, p: Prefetch) -> bool:
+        """This rank's verdict of the prefetch policy, by its clock."""
         if p.finished:
             return True
         policy = self.prefetch.policy
@@ -228,6 +267,7 @@ class StorageTier:
         if p.taken:
             return 0
         p.taken = True
+        self._agreed_ready.discard(p.op_id)
         waited = not p.finished and self.prefetch.policy is not PrefetchPolicy.BEST_EFFORT
         if waited and self.ready(p):  # its deadline passed before L3 answered
             self.counters.prefetch_timeouts_total += 1
@@ -239,7 +279,7 @@ class StorageTier:
         self.controller.cancel(p.op_id)
         if p.host_pages is None:
             return self._take_records(p)
-        done = self.controller.ranks.min(p.done_pages)
+        done = p.done_pages  # agreed already with several ranks: no collective here
         if p.reads and done < len(p.host_pages):
             done = 0  # the component records end the usable hit: no use for pages short of it
         added = 0
@@ -269,7 +309,7 @@ class StorageTier:
         adoption; 0 when the read failed or was not over, or the match did not grow).
         The caller counts them as storage hits only as far as they are loaded from L2 (a
         held node whose full KV is in L1 too counts as a device hit)."""
-        ok = self.controller.ranks.min(int(p.records_read))  # one call, as a read of pages
+        ok = p.records_read  # agreed already with several ranks: no collective here
         left = list(p.reads)
         gained = 0
         if ok:
@@ -301,12 +341,16 @@ class StorageTier:
                 self.host.allocator.free(pages)
             self._free_fetches(left)
 
-    def _on_lookup(self, r: L3Lookup) -> None:
+    def _on_lookup(self, r: L3Lookup, hit: int) -> None:
+        """Apply lookup ``r`` with ``hit`` pages (agreed: the minimum over ranks)."""
+        self._looking.discard(r.op_id)
         p = self._prefetches.get(r.op_id)
         if p is None:
             return
-        ranks = self.controller.ranks
-        hit = ranks.min(r.hit_pages)
+        if p.taken:  # agreed state: every rank drops it here, without a collective
+            self._prefetches.pop(r.op_id)
+            return
+        ranks = self.ranks
         start = p.start_page
         boundary = start + hit
         if self.components:  # the usable hit ends at a boundary every component serves
@@ -321,30 +365,29 @@ class StorageTier:
             ]
             # absolute depths (a page of the prompt), the same calls on every rank
             boundary = agree_boundary(ranks.min, usable, start + hit)
-        if p.taken:
-            self._prefetches.pop(r.op_id)
-            return
         if boundary <= start:
             self._read_records(p, boundary)
             return
         hit = boundary - start
         host_pages = None
         if hit and hit * self.page_size >= self.prefetch.prefetch_threshold:
-            host_pages = self.host.alloc(hit)
+            host_pages = self.host.alloc(hit)  # agreed by every rank (HostTier.alloc)
         reads: list[ComponentFetch] = []
+        got_all = True
         for c in self.components if host_pages is not None else ():
             pages = c.reads(start + hit, p.local.get(c.name, ()))
             if not pages:
                 continue
             ids = c.alloc(len(pages))
             if ids is None:  # no L2 room for the records a boundary needs: no use
-                assert host_pages is not None
-                self.host.allocator.free(host_pages)
-                host_pages = None
-                self._free_fetches(reads)
-                reads = []
+                got_all = False
                 break
             reads.append(ComponentFetch(c.name, tuple(pages), ids))
+        if host_pages is not None and self.components and ranks.min(int(got_all)) == 0:
+            self.host.allocator.free(host_pages)  # abort on every rank together
+            host_pages = None
+            self._free_fetches(reads)
+            reads = []
         if host_pages is None:
             p.finished = True
             return
@@ -367,16 +410,20 @@ class StorageTier:
             p.finished = True
             return
         reads: list[ComponentFetch] = []
+        got_all = True
         for c in self.components:
             pages = c.reads(boundary, p.local.get(c.name, ()))
             if not pages:
                 continue
             ids = c.alloc(len(pages))
             if ids is None:  # no L2 room for them: no use
-                self._free_fetches(reads)
-                p.finished = True
-                return
+                got_all = False
+                break
             reads.append(ComponentFetch(c.name, tuple(pages), ids))
+        if self.ranks.min(int(got_all)) == 0:  # reserve -> agree -> commit or abort
+            self._free_fetches(reads)
+            p.finished = True
+            return
         if not reads:  # pragma: no cover - a boundary past the valid match needs a record
             p.finished = True
             return
@@ -423,18 +470,19 @@ class StorageTier:
     def on_host_backup(self, nodes: list[TreeNode]) -> None:
         """Write a run of spans that just landed in L2 (top-down, one path) to L3."""
         last = nodes[-1]
-        if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
-            return  # MLA: every rank holds the same latent KV; rank 0 alone writes it
         n = sum(self.tree.num_pages(x) for x in nodes)
         keys = self.keys(self.tree.path_key(last), last.tenant)[-n:]
         host = PageIds("q")
         for x in nodes:
             assert x.host is not None
             host += x.host
-        self.tree.inc_host_ref(last)  # the L2 source stays until written
+        self.tree.inc_host_ref(last)  # the L2 source stays until written (on every rank)
         op_id = next(self._op_ids)
         self._writes[op_id] = (last, n)
-        self.controller.write(op_id, keys, host)
+        if self.writer:
+            self.controller.write(op_id, keys, host)
+        else:  # MLA: rank 0 alone writes the latent KV every rank holds
+            self._unsent.add(op_id)
         self.write_components(nodes)
 
     def write_components(self, nodes: list[TreeNode]) -> None:
@@ -443,8 +491,6 @@ class StorageTier:
         its page's key in the component namespace; the codec's pins hold them in L2 until
         the write's record arrives."""
         if not self.components or not nodes:
-            return
-        if self.namespace.tp_rank is None and self.controller.ranks.rank != 0:
             return
         last = nodes[-1]
         for c in self.components:
@@ -457,11 +503,15 @@ class StorageTier:
                 self.tree.inc_host_ref(n)  # its L2 ids stay until written
             op_id = next(self._op_ids)
             self._component_writes[op_id] = (c, todo)
+            if not self.writer:  # tracked and pinned alike on every rank, sent by rank 0
+                self._unsent.add(op_id)
+                continue
             self.controller.write_component(
                 op_id, c.name, [keys[j - 1] for j in todo.pages], todo.ids
             )
 
     def _on_write(self, r: L3Write) -> None:
+        self._unsent.discard(r.op_id)
         comp = self._component_writes.pop(r.op_id, None)
         if comp is not None:
             codec, todo = comp
@@ -482,12 +532,78 @@ class StorageTier:
     # ------------------------------------------------------------------ records
 
     def apply(self, r: L3Lookup | L3Read | L3Write) -> None:
+        """Apply one record as it arrives (one rank only; several agree first:
+        :meth:`votes`, :meth:`apply_agreed`)."""
         if isinstance(r, L3Lookup):
-            self._on_lookup(r)
+            self._on_lookup(r, r.hit_pages)
         elif isinstance(r, L3Read):
             self._on_read(r)
         else:
             self._on_write(r)
+
+    def votes(self, got: LocalRecords) -> list[Vote]:
+        """This rank's vote on every L3 op in flight, in op-id order (the same ops on
+        every rank): a lookup's result, a read's progress, a write's landing, a
+        quarantined read's end; a waiting prefetch adds its policy's verdict by this
+        rank's clock."""
+        out: list[Vote] = []
+        ops = sorted({*self._prefetches, *self._writes, *self._component_writes, *self._quarantine})
+        for op_id in ops:
+            p = self._prefetches.get(op_id)
+            if p is not None:
+                ready = not p.taken and self._policy_ready(p)
+                if op_id in self._looking:
+                    r = got.lookups.get(op_id)
+                    hit = 0 if r is None else r.hit_pages
+                    out.append(Vote(op_id, arrived=r is not None, value=hit, ready=ready))
+                elif not p.read_final and (p.host_pages is not None or p.reads):
+                    g = got.reads.get(op_id, ReadProgress())
+                    out.append(
+                        Vote(op_id, True, g.done, final=g.final, flag=g.records, ready=ready)
+                    )
+                elif not p.finished and not p.taken:  # pragma: no cover - no such state
+                    out.append(Vote(op_id, arrived=True, ready=ready))
+            elif op_id in self._quarantine:
+                g = got.reads.get(op_id, ReadProgress())
+                out.append(Vote(op_id, arrived=True, final=g.final))
+            else:
+                landed = op_id in got.writes or op_id in self._unsent
+                out.append(Vote(op_id, arrived=landed))
+        return out
+
+    def apply_agreed(self, v: Verdict, got: LocalRecords) -> bool:
+        """Apply what every rank agreed on op ``v.op_id`` (see :meth:`votes`); returns
+        whether a record was applied."""
+        op_id = v.op_id
+        p = self._prefetches.get(op_id)
+        if p is not None:
+            if v.ready and not p.taken:
+                self._agreed_ready.add(op_id)
+            if op_id in self._looking:
+                if not v.arrived:
+                    return False
+                self._on_lookup(got.lookups.pop(op_id), v.value)
+                return True
+            if p.read_final:
+                return False
+            changed = v.value > p.done_pages or (v.flag and not p.records_read) or v.final
+            p.done_pages = max(p.done_pages, v.value)
+            p.records_read = p.records_read or v.flag
+            if v.final:
+                got.reads.pop(op_id, None)
+                p.finished = p.read_final = True
+                self.controller.forget(op_id)
+            return changed
+        if op_id in self._quarantine:
+            if not v.final:
+                return False
+            got.reads.pop(op_id, None)
+            self._on_read(L3Read(op_id, 0, final=True))
+            return True
+        if not v.arrived or (op_id not in self._writes and op_id not in self._component_writes):
+            return False
+        self._on_write(got.writes.pop(op_id) if op_id in got.writes else L3Write(op_id, 0, 0, 0))
+        return True
 
     def held_host_pages(self) -> list[int]:
         """L2 pages held by L3 ops, not by the tree: reads not taken yet, quarantines."""
@@ -512,6 +628,14 @@ class StorageTier:
     def flush(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every write has landed and every quarantine
         is lifted; False on timeout."""
+        if self._wait_until is not None:  # several ranks: all give up together
+            if not self._wait_until(lambda: not self.busy, timeout_s):
+                log.warning(
+                    "L3 flush timed out on some rank: %d writes pending, %d reads quarantined",
+                    len(self._writes),
+                    len(self._quarantine),
+                )
+            return not self.busy
         end = time.monotonic() + timeout_s
         while self.busy and time.monotonic() < end:
             self._drain()
@@ -538,6 +662,9 @@ class StorageTier:
                 self._quarantine[p.op_id] = p.host_pages
             self._quarantine_ids.setdefault(p.op_id, []).extend(p.reads)
         self._prefetches.clear()
+        self._looking.clear()
+        self._agreed_ready.clear()
+        self._unsent.clear()
         for node, _ in self._writes.values():
             self.tree.dec_host_ref(node)  # a late put reads stale bytes: its checksum fails
         self._writes.clear()

@@ -42,6 +42,15 @@ at most the pages one sequence can hold. A batch with a longer sequence, or whos
 whole pages in order (a request's always do), is refused (:meth:`DecodeGraphs.run`
 returns None) and runs eagerly.
 
+**Tensor parallelism.** On a rank of a group, the model is the rank's shard: the step
+runs its query and K/V heads over its own pool (the kernel reads the head counts from the
+tensors), and its all-reduces and the logits' all-gather are part of the recorded
+forward, so ``logits`` holds the full vocabulary on every rank. The collectives make the
+graphs a group affair: every rank must capture the same buckets in the same order and
+replay the same bucket at each step (the ranks run the same steps with the same batches,
+so :meth:`run` picks the same bucket everywhere; a batch it refuses is refused on every
+rank). Captured only with NCCL; gloo (CPU) never captures.
+
 **Memory.** Buffers: ``max_bs * (table_width + 4) * 8`` bytes plus ``max_bs * vocab * 4``
 for the logits (16 MiB for 32 rows of a 128k vocabulary). Graphs: the buckets are captured
 largest first into one shared memory pool, so their intermediates overlap; the pool holds

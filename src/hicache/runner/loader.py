@@ -28,7 +28,7 @@ from hicache.runner.models.registry import (
     check_tensor_parallel,
     hybrid_config_from_hf,
 )
-from hicache.runner.parallel import TPGroup
+from hicache.runner.parallel import Narrowable, TPGroup
 from hicache.validate import require
 
 if TYPE_CHECKING:
@@ -124,6 +124,36 @@ def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str
                 yield name, st.get_tensor(name)
 
 
+class _UnreadTensor:
+    """A checkpoint tensor of an open safetensors file, not read yet: its full ``shape``,
+    and :meth:`narrow` reads only the rows asked for (a tensor-parallel rank's slice).
+    Valid while its file is open (:func:`_iter_unread` closes it after the last name)."""
+
+    def __init__(self, piece: Any) -> None:
+        self._piece = piece
+        self._shape = torch.Size(piece.get_shape())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self._shape)
+        index[dim] = slice(start, start + length)
+        out: torch.Tensor = self._piece[tuple(index)]
+        return out
+
+
+def _iter_unread(files: list[Path], device: torch.device) -> Iterator[tuple[str, Narrowable]]:
+    """The checkpoint's tensors unread, each to be consumed before the next is taken."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, _UnreadTensor(st.get_slice(name))
+
+
 def _open(
     model_path: str | os.PathLike[str] | None,
     dtype: str | None,
@@ -166,7 +196,11 @@ def _load(
         model = build_model(
             DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
         )
-    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
+    files = _safetensors_files(ckpt.path)
+    if isinstance(model, DecoderLM) and tp.size > 1:  # each rank reads its slices only
+        model.load_weights(_iter_unread(files, dev))
+    else:
+        model.load_weights(_iter_tensors(files, dev))
     rest = (tokenizer, hf_config, ckpt.name, ckpt.path, dtype, weights_fingerprint(ckpt.path))
     if isinstance(model, HybridLM):
         return LoadedHybridModel(model, *rest)
@@ -194,9 +228,10 @@ def load_model(
 
     ``tp`` (default: one rank): a Llama / Qwen2 / Qwen3 model is split over its ranks (see
     :mod:`hicache.runner.models.decoder`), a DeepSeek-V2/V3 one by heads and MLP/expert
-    columns (:mod:`hicache.runner.models.deepseek`); each rank reads the full checkpoint tensors and
-    keeps its slice, and its KV spec (:func:`~hicache.runner.model_runner.cache_spec_of`)
-    has its own K/V heads. The fingerprint is the checkpoint's, the same on every rank. A
+    columns (:mod:`hicache.runner.models.deepseek`); each rank reads only its slice of each
+    split tensor (and the whole ones whole), no collective runs, and its KV spec
+    (:func:`~hicache.runner.model_runner.cache_spec_of`) has its own K/V heads. The
+    fingerprint is the checkpoint's, the same on every rank. A
     size that does not divide the heads, K/V heads or intermediate size raises ValueError
     naming them, another hybrid family with ``size > 1`` UnsupportedModelError, both before any
     weight is read.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch import nn
 
 __all__ = [
     "ColumnParallelLinear",
+    "Narrowable",
     "ParallelLMHead",
     "RowParallelLinear",
     "TPGroup",
@@ -39,6 +41,17 @@ __all__ = [
     "gather_logits",
     "shard_dims",
 ]
+
+
+class Narrowable(Protocol):
+    """What :meth:`TPGroup.shard` reads: a full ``shape`` and ``narrow(dim, start,
+    length)``, the rows ``[start, start + length)`` along ``dim`` as a tensor. A
+    ``torch.Tensor`` is one; so is a lazily read checkpoint tensor (its slice read alone)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -82,21 +95,22 @@ class TPGroup:
             )
         return total // self.size
 
-    def shard(self, tensor: torch.Tensor, dim: int, padded: int | None = None) -> torch.Tensor:
+    def shard(self, tensor: Narrowable, dim: int, padded: int | None = None) -> torch.Tensor:
         """This rank's slice of the full ``tensor`` along ``dim``: rows ``[rank * k,
         (rank + 1) * k)`` with ``k = (padded or tensor.shape[dim]) / size``; rows past the
-        tensor's end (padding up to ``padded``) are zeros."""
+        tensor's end (padding up to ``padded``) are zeros. ``tensor``: a tensor, or a
+        checkpoint tensor not read yet (:class:`Narrowable`), of which only the slice is
+        read."""
         full = tensor.shape[dim]
         length = padded or full
         k = self.part(length, f"rows of dim {dim}")
-        start = self.rank * k
-        end = min(start + k, full)
-        piece = tensor.narrow(dim, start, max(0, end - start))
+        start = min(self.rank * k, full)
+        piece = tensor.narrow(dim, start, max(0, min(start + k, full) - start))
         if piece.shape[dim] == k:
             return piece
-        shape = list(tensor.shape)
+        shape = list(piece.shape)
         shape[dim] = k - piece.shape[dim]
-        return torch.cat([piece, tensor.new_zeros(shape)], dim=dim)
+        return torch.cat([piece, piece.new_zeros(shape)], dim=dim)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""

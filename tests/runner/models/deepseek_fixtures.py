@@ -5,7 +5,7 @@ Each variant switches on the features under test at sizes where a forward takes
 milliseconds: V2 with and without q LoRA, greedy and group-limited greedy routing; V3
 with its sigmoid router (random score-correction bias, groups), YaRN RoPE with
 ``mscale``/``mscale_all_dim``, and the non-interleaved rope layout. Norm weights and
-the router bias are randomized (transformers initializes them to 1 and 0) so a test
+the biases are randomized (transformers initializes them to 1 and 0) so a test
 comparing logits notices when one is ignored. The tokenizer is the tiny Llama's (the
 bundled SmolLM2 one).
 """
@@ -25,13 +25,14 @@ from hicache.runner.checkpoints import materialize, models_dir, resolve_checkpoi
 from hicache.runner.loader import LoadedHybridModel, load_model
 
 SEED = 4321
-VERSION = 1
+VERSION = 2
 
 VARIANTS: tuple[str, ...] = ("v2-lite", "v2-qlora-grouped", "v3", "v3-yarn")
 """``v2-lite``: no q LoRA, greedy softmax router (DeepSeek-V2-Lite's shape);
 ``v2-qlora-grouped``: q LoRA, group-limited greedy, tied embeddings; ``v3``: q LoRA,
 sigmoid router with bias and group top-k, ``norm_topk_prob``, interleaved RoPE;
-``v3-yarn``: no q LoRA, YaRN with mscale, rope not interleaved, one group."""
+``v3-yarn``: no q LoRA, YaRN with mscale, rope not interleaved, one group, attention
+biases."""
 
 
 def _config(variant: str, vocab_size: int) -> Any:
@@ -94,6 +95,7 @@ def _config(variant: str, vocab_size: int) -> Any:
             norm_topk_prob=False,
             routed_scaling_factor=1.0,
             rope_interleave=False,
+            attention_bias=True,
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,
@@ -123,6 +125,8 @@ def _write(variant: str, tmp: Path) -> None:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(1.0, 0.2)
+                elif name.endswith(".bias"):
+                    p.normal_(0.0, 0.2)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.normal_(0.0, 0.2)

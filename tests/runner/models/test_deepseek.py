@@ -21,7 +21,12 @@ import torch
 
 from hicache.config import AttentionKind
 from hicache.memory import DevicePool
-from hicache.runner.model_runner import ForwardBatch, ModelRunner, cache_spec_of
+from hicache.runner.model_runner import (
+    ForwardBatch,
+    ModelRunner,
+    cache_spec_of,
+    kv_spec_from_hf_config,
+)
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.config import UnsupportedModelError
 from hicache.runner.models.deepseek import DeepseekConfig, DeepseekLM
@@ -97,6 +102,9 @@ def test_the_pool_holds_the_latent(variant: str) -> None:
     cfg = deepseek_model(variant).model.config
     spec = cache_spec_of(runner.model, "float32").kv
     assert spec.attention is AttentionKind.MLA and spec.dim == cfg.kv_lora_rank + 8
+    hf_config = hf_twin(variant).config  # the same latent whatever the TP size
+    assert kv_spec_from_hf_config(hf_config, "float32") == spec
+    assert kv_spec_from_hf_config(hf_config, "float32", tp_size=2) == spec
     ids = prompt(variant, 10)
     runner.forward(batch([ids], [0], [A_PAGES]))
     stored = runner.pool.latent_buffer(0)[slots_for(A_PAGES, 10), 0]
@@ -131,6 +139,50 @@ def test_yarn_mscale_matches_transformers() -> None:
     assert softmax_scale_factor(cfg.rope) > 1
     assert cfg.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
     assert softmax_scale_factor(deepseek_model("v3").model.config.rope) == 1.0  # no yarn
+
+
+def test_a_deepseek_v2_lite_rope_config_matches_transformers() -> None:
+    """DeepSeek-V2-Lite's legacy ``rope_scaling`` (YaRN, factor 40, mscale = mscale_all_dim
+    = 0.707, a 4k original context) and a dense-only stack (no MoE fields needed)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+
+    hf = DeepseekV2Config.from_dict(
+        dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_hidden_layers=2,
+            first_k_dense_replace=2,
+            max_position_embeddings=163840,
+            rope_theta=10000,
+            rope_scaling={
+                "type": "yarn",
+                "factor": 40,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        )
+    )
+    cfg = hybrid_config_from_hf(hf)
+    assert isinstance(cfg, DeepseekConfig) and cfg.moe is None
+    rotary = v2.DeepseekV2RotaryEmbedding(hf)
+    torch.testing.assert_close(inverse_frequencies(cfg.rope, 8), rotary.inv_freq.float())
+    assert attention_scaling(cfg.rope) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert cfg.softmax_scale == pytest.approx(v2.DeepseekV2Attention(hf, 0).scaling, rel=1e-12)
+    assert cfg.softmax_scale != pytest.approx(16**-0.5)
+    moe_layers = DeepseekV2Config.from_dict({**hf.to_dict(), "first_k_dense_replace": 1})
+    with pytest.raises(
+        UnsupportedModelError, match=r"has MoE layers .* but no num_experts_per_tok"
+    ):
+        hybrid_config_from_hf(moe_layers)
 
 
 def test_key_masks_restrict_the_keys() -> None:
@@ -195,3 +247,22 @@ def test_tensor_parallel_sizes_are_checked() -> None:
     )
     with pytest.raises(UnsupportedModelError, match="model_type='gpt_oss'"):
         build_hybrid_model(other, dtype=torch.float32, device="cpu", tp=TPGroup(rank=0, size=2))
+
+
+def test_bfloat16_keeps_the_routers_in_fp32() -> None:
+    """As transformers does (``_keep_in_fp32_modules_strict``): a bf16 score-correction
+    bias would round away the differences that pick the experts."""
+    from hicache.runner.loader import load_model
+    from tests.runner.models.deepseek_fixtures import checkpoint
+
+    model = load_model(str(checkpoint("v3")), dtype="bfloat16").model
+    gates = {n: p.dtype for n, p in model.named_parameters() if ".mlp.gate." in n}
+    assert len(gates) == 4  # layers 1 and 2: weight and bias
+    assert set(gates.values()) == {torch.float32}
+    assert model.dtype == torch.bfloat16
+    runner = ModelRunner(model, DevicePool(cache_spec_of(model, "bfloat16").kv, 16, PAGE))
+    ids = prompt("v3", 15)
+    got = runner.forward(batch([ids], [0], [A_PAGES]), all_logits=True)
+    ref = hf_logits("v3", ids)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0.15)

@@ -25,6 +25,7 @@ from hicache.runner.models.config import DecoderConfig
 from hicache.runner.models.layers import GatedMLP, RMSNorm
 from hicache.runner.models.rope import RotaryEmbedding
 from hicache.runner.parallel import (
+    Narrowable,
     ParallelLMHead,
     TPGroup,
     VocabParallelEmbedding,
@@ -121,11 +122,13 @@ class DecoderLM(nn.Module):
             hidden, self.model.embed_tokens.weight, self.config.vocab_size, self.tp
         )
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, Narrowable]]) -> None:
         """Copy checkpoint tensors (Hugging Face names, full size) into the parameters,
         casting dtype; on a rank of a group of ``size > 1``, its slice of each split tensor
         (:func:`~hicache.runner.parallel.shard_dims`: heads, intermediate columns,
-        vocabulary rows padded to a multiple of ``size``).
+        vocabulary rows padded to a multiple of ``size``). A tensor may be given unread
+        (a :class:`~hicache.runner.parallel.Narrowable`: only the rank's slice is read),
+        consumed before the next one is taken.
 
         Every parameter must be covered exactly once; a tied model ignores ``lm_head.weight``
         and non-parameter tensors such as ``rotary_emb.inv_freq``. Raises
@@ -157,9 +160,13 @@ class DecoderLM(nn.Module):
                     f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(want)}"
                 )
             if split is not None:
-                tensor = self.tp.shard(tensor, *split)
+                value = self.tp.shard(tensor, *split)
+            elif isinstance(tensor, torch.Tensor):
+                value = tensor
+            else:  # read it whole
+                value = tensor.narrow(0, 0, tensor.shape[0])
             with torch.no_grad():
-                param.copy_(tensor)
+                param.copy_(value)
             seen.add(name)
         missing = sorted(set(params) - seen)
         if unexpected or missing:

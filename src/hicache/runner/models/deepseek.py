@@ -68,7 +68,7 @@ class DeepseekConfig(HybridConfig):
     qk_rope_head_dim: int
     v_head_dim: int
     first_k_dense_replace: int
-    moe: MoEConfig
+    moe: MoEConfig | None
     rope: HybridRopeConfig
     rope_interleave: bool = True
     attention_bias: bool = False
@@ -86,6 +86,11 @@ class DeepseekConfig(HybridConfig):
                 f"qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0 and qk_rope_head_dim="
                 f"{self.qk_rope_head_dim} even (RoPE rotates pairs)"
             )
+        if (self.moe is None) != (self.first_k_dense_replace >= self.num_layers):
+            raise ValueError(
+                f"moe must be given exactly when some layer has it (first_k_dense_replace="
+                f"{self.first_k_dense_replace} < num_layers={self.num_layers})"
+            )
         if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise ValueError(
                 f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim ="
@@ -95,6 +100,10 @@ class DeepseekConfig(HybridConfig):
     def is_moe(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` has the MoE (else the dense MLP)."""
         return layer_id >= self.first_k_dense_replace
+
+    def moe_of(self, layer_id: int) -> MoEConfig | None:
+        """Layer ``layer_id``'s MoE config; None for a dense layer."""
+        return self.moe if self.is_moe(layer_id) else None
 
     @property
     def softmax_scale(self) -> float:
@@ -156,25 +165,37 @@ class DeepseekConfig(HybridConfig):
                     f" {sorted(kinds)}"
                 )
             router = kinds[method]
-        experts = int(hf.n_routed_experts)
-        moe = MoEConfig(
-            router=router,
-            num_experts=experts,
-            top_k=int(hf.num_experts_per_tok),
-            intermediate_size=int(hf.moe_intermediate_size),
-            num_shared=int(getattr(hf, "n_shared_experts", None) or 0),
-            num_groups=int(getattr(hf, "n_group", None) or 1),
-            topk_groups=int(getattr(hf, "topk_group", None) or 1),
-            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)) if v3 else False,
-            scaling=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
-        )
+        layers = int(hf.num_hidden_layers)
+        first_dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+        moe = None
+        if layers > first_dense:  # some layers have the MoE: every field it needs is set
+            missing = [
+                name
+                for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+                if getattr(hf, name, None) is None
+            ]
+            if missing:
+                raise UnsupportedModelError(
+                    f"{family} has MoE layers (num_hidden_layers={layers} >"
+                    f" first_k_dense_replace={first_dense}) but no {', '.join(missing)}"
+                )
+            moe = MoEConfig(
+                router=router,
+                num_experts=int(hf.n_routed_experts),
+                top_k=int(hf.num_experts_per_tok),
+                intermediate_size=int(hf.moe_intermediate_size),
+                num_shared=int(getattr(hf, "n_shared_experts", None) or 0),
+                num_groups=int(getattr(hf, "n_group", None) or 1),
+                topk_groups=int(getattr(hf, "topk_group", None) or 1),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)) if v3 else False,
+                scaling=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
+            )
         if not v3 and bool(getattr(hf, "norm_topk_prob", False)):
             raise UnsupportedModelError(
                 "deepseek_v2 norm_topk_prob=True is not supported (the reference ignores it)"
             )
         nope, rope_dim = int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim)
         q_lora = getattr(hf, "q_lora_rank", None)
-        layers = int(hf.num_hidden_layers)
         return cls(
             family=family,
             vocab_size=int(hf.vocab_size),
@@ -191,7 +212,7 @@ class DeepseekConfig(HybridConfig):
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
             v_head_dim=int(hf.v_head_dim),
-            first_k_dense_replace=int(getattr(hf, "first_k_dense_replace", 0) or 0),
+            first_k_dense_replace=first_dense,
             moe=moe,
             rope=HybridRopeConfig.from_hf(hf),
             # V2's reference always rotates interleaved pairs; V3 follows its flag
@@ -224,10 +245,11 @@ class DeepseekLayer(nn.Module):
             tp,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.moe_of(layer_id)
         self.mlp: DeepseekMLP | DeepseekMoE = (
-            DeepseekMoE(cfg.hidden_size, cfg.moe, tp)
-            if cfg.is_moe(layer_id)
-            else DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+            DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+            if moe is None
+            else DeepseekMoE(cfg.hidden_size, moe, tp)
         )
 
     def forward(
@@ -264,6 +286,14 @@ class DeepseekLM(HybridLM):
             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+
+    def keep_routers_fp32(self) -> None:
+        """Turn the routers' parameters (weights, V3's score-correction bias) back to fp32
+        after the model was cast to a lower dtype: the reference keeps them in fp32, and a
+        bf16 bias would round away the small differences that decide the experts."""
+        for m in self.modules():
+            if isinstance(m, DeepseekMoE):
+                m.gate.float()
 
     @property
     def dtype(self) -> torch.dtype:

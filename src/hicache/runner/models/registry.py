@@ -61,7 +61,9 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Refuse, before any weight is read, to split the config's model over ``size`` ranks
     when it cannot be: UnsupportedModelError for a hybrid family (no sharded hybrid model
     exists) and ValueError naming the numbers when ``size`` does not divide a Llama-style
-    model's heads, K/V heads or intermediate size. ``size == 1`` always passes."""
+    model's heads, K/V heads or intermediate size
+    (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`). ``size ==
+    1`` always passes; an unsupported ``model_type`` raises as :func:`check_supported`."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor-parallel size={size!r} is invalid; must be an int >= 1")
     model_type = check_supported(hf_config)
@@ -75,7 +77,9 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"tensor parallelism is not supported for model_type={model_type!r}"
             f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
         )
-    DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
+    if model_type in FAMILIES:
+        DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
+    # any other family checks its own split where its model is built
 
 
 def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
@@ -83,7 +87,7 @@ def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
     (each rank decompresses the latent into its own heads), its dense MLP's and its
     experts' intermediate sizes. The latent itself is whole on every rank."""
     sizes = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
-    if cfg.num_layers > cfg.first_k_dense_replace:
+    if cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
     bad = [f"{name}={v}" for name, v in sizes if v % size]
     if bad:
@@ -141,5 +145,7 @@ def build_hybrid_model(
         else:
             raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")
     model = model.to_empty(device=torch.device(device)).to(dtype)
+    if isinstance(model, DeepseekLM):
+        model.keep_routers_fp32()
     model.requires_grad_(False)
     return model.eval()

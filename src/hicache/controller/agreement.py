@@ -1,0 +1,262 @@
+"""The per-step agreement of tensor-parallel ranks on the cache's asynchronous inputs.
+
+Every rank runs the same cache over its own shard, so the ranks' trees stay identical only
+if every input that could differ between them is agreed before it is applied. Two kinds
+of input differ: worker records (an L1<->L2 copy landed, an L3 lookup found ``n`` pages, a
+read brought ``d`` pages, a write landed), which arrive at different times on different
+ranks and may carry different values; and time (a prefetch's deadline on the local clock).
+
+The owner (the cache) keeps what its workers posted in a :class:`LocalRecords` buffer and
+applies nothing on its own. Once per step it hands :meth:`Agreement.agree` its in-flight
+ops, per :class:`Stream` in op-id order (identical on every rank: op ids come from
+deterministic counters), each with this rank's :class:`Vote`; the agreement makes ONE
+all-reduce(min) of a fixed-shape int64 tensor (``1 + capacity`` rows of :data:`FIELDS`
+columns) and returns one :class:`Verdict` per op: arrived on every rank, the minimum value,
+final everywhere, the flag everywhere, ready on some rank. The owner applies only what
+arrived everywhere, with the agreed values. Every rank calls :meth:`Agreement.agree` the
+same number of times whatever its local state, so no rank can block in a collective the
+others skipped, or pair one op's values with another's.
+
+Ops beyond ``capacity`` wait for a later step, the oldest of each stream first (the two
+streams take turns). Each row carries the op's key twice (``k`` and ``-k``): after the
+reduction they differ only when the ranks listed different ops, which raises
+:class:`RanksDiverged` on every rank alike (a bug, never a silent mispairing).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from hicache.controller.completions import L3Lookup, L3Read, L3Write, Record
+from hicache.controller.rank_group import RankGroup
+from hicache.transfer import Completion
+
+__all__ = [
+    "CAPACITY",
+    "FIELDS",
+    "Agreement",
+    "LocalRecords",
+    "RanksDiverged",
+    "ReadProgress",
+    "Step",
+    "Stream",
+    "Verdict",
+    "Vote",
+]
+
+CAPACITY = 256
+"""In-flight ops agreed per step (rows of the tensor below its header row)."""
+
+FIELDS = 7
+"""int64 columns per row: key, -key, arrived, value, final, flag, -ready."""
+
+_KEY, _NEG_KEY, _ARRIVED, _VALUE, _FINAL, _FLAG, _NEG_READY = range(FIELDS)
+_STREAM_SHIFT = 48  # key = stream << 48 | op_id
+
+
+class Stream(enum.IntEnum):
+    """The op-id counters of one cache: each numbers its ops from 1 on its own."""
+
+    TRANSFER = 1
+    """L1<->L2 copies (the cache controller's op ids)."""
+    L3 = 2
+    """L3 prefetches (lookup, then read), writes and quarantined reads (the cache's)."""
+
+
+class RanksDiverged(RuntimeError):
+    """The ranks listed different in-flight ops: their caches no longer run in step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Vote:
+    """This rank's local state of one in-flight op.
+
+    ``arrived``: the op's record is here (a copy's completion, a lookup's result, a
+    write's outcome; always True for a read in progress, whose value is its progress).
+    ``value``: the record's value (a copy's ok flag, a lookup's hit pages, a read's done
+    pages), ``>= 0``. ``final``: a read's last record is here. ``flag``: a read's
+    component records are in L2. ``ready``: the prefetch policy would admit the
+    request now, by this rank's clock.
+    """
+
+    op_id: int
+    arrived: bool
+    value: int = 0
+    final: bool = False
+    flag: bool = False
+    ready: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The agreed state of one op: ``arrived``, ``final`` and ``flag`` on every rank,
+    ``value`` the minimum over ranks (meaningful when ``arrived``), ``ready`` on at least
+    one rank (a rank whose deadline passed gives up for all)."""
+
+    op_id: int
+    arrived: bool
+    value: int
+    final: bool
+    flag: bool
+    ready: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One agreement: the verdicts per stream (in the order of the votes, the first ones;
+    ``deferred`` ops did not fit and wait for a later step) and ``gave_up``: some rank
+    voted to give up the wait it is in (its deadline passed), so all give up together."""
+
+    transfer: tuple[Verdict, ...]
+    l3: tuple[Verdict, ...]
+    gave_up: bool
+    deferred: int
+
+
+class Agreement:
+    """The per-step all-reduce over ``ranks`` (see the module docstring).
+
+    Pure bookkeeping around one collective; ``capacity`` rows per step (>= 1).
+    """
+
+    def __init__(self, ranks: RankGroup, capacity: int = CAPACITY) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        self.ranks = ranks
+        self.capacity = capacity
+        self.steps = 0
+        """Agreements made so far (equal on every rank)."""
+
+    def agree(self, transfer: Sequence[Vote], l3: Sequence[Vote], *, give_up: bool = False) -> Step:
+        """Agree on the votes of both streams (each in increasing op-id order) and on
+        ``give_up``; one all-reduce(min) of a ``(1 + capacity, FIELDS)`` tensor."""
+        rows = _interleave(
+            [(Stream.TRANSFER, v) for v in _ordered("transfer", transfer)],
+            [(Stream.L3, v) for v in _ordered("l3", l3)],
+            self.capacity,
+        )
+        data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
+        for stream, v in rows:
+            if v.value < 0:
+                raise ValueError(f"op {v.op_id}: a vote's value must be >= 0, got {v.value}")
+            key = int(stream) << _STREAM_SHIFT | v.op_id
+            data.append(
+                [key, -key, int(v.arrived), v.value, int(v.final), int(v.flag), -int(v.ready)]
+            )
+        t = torch.zeros((1 + self.capacity, FIELDS), dtype=torch.int64)  # padding: neutral
+        t[: len(data)] = torch.tensor(data, dtype=torch.int64)
+        self.ranks.all_reduce_min(t)
+        self.steps += 1
+        got = t[: len(data)].tolist()
+        if got[0][0] != -got[0][1]:
+            raise RanksDiverged(
+                f"step {self.steps}: ranks agree on {got[0][0]} to {-got[0][1]} in-flight ops"
+            )
+        out: dict[Stream, list[Verdict]] = {Stream.TRANSFER: [], Stream.L3: []}
+        for i, (stream, v) in enumerate(rows, start=1):
+            r = got[i]
+            if r[_KEY] != -r[_NEG_KEY]:
+                raise RanksDiverged(
+                    f"step {self.steps}: row {i} holds op keys {r[_KEY]:#x} to {-r[_NEG_KEY]:#x}"
+                    f" on different ranks (this rank: {stream.name} op {v.op_id})"
+                )
+            out[stream].append(
+                Verdict(
+                    op_id=v.op_id,
+                    arrived=bool(r[_ARRIVED]),
+                    value=int(r[_VALUE]),
+                    final=bool(r[_FINAL]),
+                    flag=bool(r[_FLAG]),
+                    ready=bool(-r[_NEG_READY]),
+                )
+            )
+        return Step(
+            transfer=tuple(out[Stream.TRANSFER]),
+            l3=tuple(out[Stream.L3]),
+            gave_up=bool(-got[0][2]),
+            deferred=len(transfer) + len(l3) - len(rows),
+        )
+
+
+def _ordered(name: str, votes: Sequence[Vote]) -> Sequence[Vote]:
+    for a, b in itertools.pairwise(votes):
+        if b.op_id <= a.op_id:
+            raise ValueError(
+                f"{name} votes must be in increasing op-id order: {a.op_id}, {b.op_id}"
+            )
+    if votes and not 0 < votes[0].op_id < 1 << _STREAM_SHIFT:
+        raise ValueError(f"{name} op id {votes[0].op_id} out of range")
+    return votes
+
+
+def _interleave(
+    a: list[tuple[Stream, Vote]], b: list[tuple[Stream, Vote]], capacity: int
+) -> list[tuple[Stream, Vote]]:
+    """The first ``capacity`` of ``a`` and ``b`` taking turns (oldest of each first)."""
+    out: list[tuple[Stream, Vote]] = []
+    i = j = 0
+    while len(out) < capacity and (i < len(a) or j < len(b)):
+        if i < len(a):
+            out.append(a[i])
+            i += 1
+        if j < len(b) and len(out) < capacity:
+            out.append(b[j])
+            j += 1
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReadProgress:
+    """What this rank's L3 read records of one op said so far: ``done`` pages intact (the
+    largest reported), ``final`` seen, component ``records`` in L2."""
+
+    done: int = 0
+    final: bool = False
+    records: bool = False
+
+
+class LocalRecords:
+    """The worker records this rank received and did not apply yet, by op.
+
+    The owner's ``poll`` puts every record here (with more than one rank nothing is
+    applied on one rank alone); the owner's votes read it and, once an op's record is
+    applied with the agreed values, the owner pops it. A read's records fold into one
+    :class:`ReadProgress`.
+    """
+
+    def __init__(self) -> None:
+        self.completions: dict[int, Completion] = {}
+        self.lookups: dict[int, L3Lookup] = {}
+        self.reads: dict[int, ReadProgress] = {}
+        self.writes: dict[int, L3Write] = {}
+
+    def put(self, r: Record) -> None:
+        """Keep worker record ``r`` (a copy's :class:`Completion` or an L3 record)."""
+        if isinstance(r, Completion):
+            self.completions.setdefault(r.op_id, r)
+        elif isinstance(r, L3Lookup):
+            self.lookups.setdefault(r.op_id, r)
+        elif isinstance(r, L3Read):
+            got = self.reads.get(r.op_id, ReadProgress())
+            self.reads[r.op_id] = replace(
+                got,
+                done=max(got.done, r.done_pages),
+                final=got.final or r.final,
+                records=got.records or r.records,
+            )
+        else:
+            self.writes.setdefault(r.op_id, r)
+
+    def drop_l3(self) -> None:
+        """Forget every L3 record (the L3 tier they belong to was detached)."""
+        self.lookups.clear()
+        self.reads.clear()
+        self.writes.clear()
+
+    def __len__(self) -> int:
+        return len(self.completions) + len(self.lookups) + len(self.reads) + len(self.writes)

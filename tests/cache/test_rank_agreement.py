@@ -1,0 +1,179 @@
+"""Tensor-parallel ranks agree on every asynchronous input, whatever one rank's faults.
+
+Two real rank processes (gloo) each run the same cache steps (:func:`drive`: one
+``sync()`` per step) over their own L3 shard (the ``memory`` backend, one private store
+per rank and scenario). Rank 1 alone gets a fault: its backend slow, its lookups failing,
+its reads timing out (past the backend's deadline, and past the ``timeout`` policy's),
+its L2 full of pages an outside holder pinned, or its L2 -> L1 loads failing. For each prefetch policy both ranks must
+report equal hit lengths for every request, end with equal tree digests, and not hang (a
+collective blocked past ``COLLECTIVE_TIMEOUT_S`` fails the rank, and with it the test).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.controller.rank_group import RankGroup
+from hicache.keys import Namespace
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
+from hicache.storage.registry import create_storage
+from tests.helpers.kvdata import FailingLoads
+from tests.helpers.rank_cache import drive
+from tests.helpers.ranks import run_ranks
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+PAGE = 2
+A = [1, 2, 3, 4, 5, 6, 7, 8]
+PROMPTS = [A, [*A[:4], 20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37]]
+FAULTS = ("none", "slow", "lookup_fail", "read_timeout", "l2_full", "load_fail")
+POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def _cache(
+    rank: int,
+    store: str,
+    policy: str,
+    *,
+    device_tokens: int = 32,
+    extra: dict[str, Any],
+    hook: FailingLoads | None = None,
+) -> HiCache:
+    cfg = CacheConfig(
+        page_size=PAGE,
+        device_tokens=device_tokens,
+        hicache_ratio=4.0,
+        load_back_threshold=0,
+        write_policy="write_through",
+    )
+    cache = HiCache(cfg, SPEC, ranks=RankGroup(), layer_hook=hook).start()
+    ns = Namespace.for_spec(
+        SPEC,
+        model="m",
+        weights_fingerprint="w",
+        layout=cfg.mem_layout,
+        page_size=PAGE,
+        tp_size=2,
+        tp_rank=rank,
+    )
+    storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
+    base = 0.1 if extra.get("timeout_s") else 3.0  # read_timeout: the policy gives up first
+    prefetch = PrefetchConfig(
+        policy=policy,
+        prefetch_threshold=0,
+        prefetch_timeout_base=base,
+        prefetch_timeout_per_ki_token=0.0,
+        prefetch_timeout_max=5.0,
+    )
+    cache.attach_storage(storage, ns, prefetch)
+    return cache
+
+
+def _backend(cache: HiCache) -> MemoryStorage:
+    assert cache.storage is not None
+    storage = cache.storage.controller.storage
+    assert isinstance(storage, MemoryStorage)
+    return storage
+
+
+def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
+    """Serve PROMPTS once (write-through to L3), empty L1 and L2, fault rank 1, serve
+    them again from L3; what each rank saw."""
+    faulty = rank == 1
+    extra: dict[str, Any] = {"timeout_s": 0.25} if faulty and fault == "read_timeout" else {}
+    hook = FailingLoads()
+    with _cache(rank, f"{policy}-{fault}-{rank}", policy, extra=extra, hook=hook) as cache:
+        drive(cache, PROMPTS)
+        cache.flush()
+        cache.reset()
+        backed_before = cache.counters.backup_tokens_total
+        held = None
+        if faulty and fault == "slow":
+            _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
+        elif faulty and fault == "lookup_fail":
+            _backend(cache).set_faults(MemoryFaults(fail_after=0))
+        elif faulty and fault == "read_timeout":
+            _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
+        elif faulty and fault == "l2_full":
+            assert cache.host is not None
+            held = cache.host.allocator.alloc(cache.host.allocator.free_pages)
+        elif faulty and fault == "load_fail":
+            hook.on = True
+        hits = drive(cache, PROMPTS)
+        hook.on = False
+        cache.flush()
+        digest = cache.tree_digest()
+        if held is not None:
+            assert cache.host is not None
+            cache.host.allocator.free(held)
+        _backend(cache).set_faults(MemoryFaults())
+        cache.check_integrity()
+        return {
+            "hits": hits,
+            "digest": digest,
+            "timeouts": cache.counters.prefetch_timeouts_total,
+            "backed_up": cache.counters.backup_tokens_total - backed_before,
+            "fallbacks": cache.counters.load_fallbacks_total,
+        }
+
+
+def _policy_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
+    return {fault: _fault_scenario(rank, policy, fault) for fault in FAULTS}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_faulty_rank_neither_blocks_nor_splits_the_group(tmp_path: Path, policy: str) -> None:
+    r0, r1 = run_ranks(_policy_main, 2, tmp_path, policy)
+    for fault in FAULTS:
+        a, b = r0[fault], r1[fault]
+        assert a["hits"] == b["hits"], (fault, a["hits"], b["hits"])
+        assert a["digest"] == b["digest"], fault
+        assert a["timeouts"] == b["timeouts"], fault
+        assert a["backed_up"] == b["backed_up"], fault
+        assert a["fallbacks"] == b["fallbacks"], fault
+    storage = {fault: [h[2] for h in r0[fault]["hits"]] for fault in FAULTS}
+    # what rank 1 cannot serve, no rank reads: the shorter (here: no) hit bounds both
+    assert storage["lookup_fail"] == storage["read_timeout"] == storage["l2_full"] == [0, 0, 0]
+    if policy != "best_effort":  # the policy waits for L3 (for the slow rank too)
+        assert storage["none"] == storage["slow"] == [8, 4, 8]
+        # what L3 brought could not be loaded on rank 1: every rank recomputes it
+        assert storage["load_fail"] == [0, 0, 0] and r0["load_fail"]["fallbacks"] > 0
+    # rank 1's L2 had no room: no rank backed anything up, so both trees hold L1 only
+    # (with lookups failing, the prompts are computed again and backed up)
+    assert r0["l2_full"]["backed_up"] == 0 < r0["lookup_fail"]["backed_up"]
+
+
+def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
+    """Many requests arriving over several steps, each rank's lookups and reads landing at
+    other times (rank 1's backend slower), two running at a time."""
+    prompts = [
+        [g * 100 + j for j in range(4)] + [k * 10 + j for j in range(4)]
+        for g in range(3)
+        for k in range(4)
+    ]
+    with _cache(rank, f"race-{policy}-{rank}", policy, extra={}) as cache:
+        drive(cache, prompts)
+        cache.flush()
+        cache.reset()
+        _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
+        hits = drive(cache, prompts, open_per_step=2, hold_steps=4, max_running=2, step_s=0.005)
+        cache.flush()
+        cache.check_integrity()
+        return {"hits": hits, "digest": cache.tree_digest()}
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_racing_prefetches_pair_correctly(tmp_path: Path, policy: str) -> None:
+    r0, r1 = run_ranks(_race_main, 2, tmp_path, policy)
+    assert r0["hits"] == r1["hits"]
+    assert r0["digest"] == r1["digest"]
+    assert sum(h[2] for h in r0["hits"]) > 0  # some requests did read L3
+
+
+if __name__ == "__main__":  # pragma: no cover - spawn children import this module
+    sys.exit(0)
