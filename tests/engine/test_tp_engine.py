@@ -43,10 +43,9 @@ def config(name: str, tp: int, **kw: object) -> EngineConfig:
         model_path=name,
         dtype="float32",
         device="cpu",
-        # L1 of 16 pages: the concurrent batch (6 x 5-6 pages) retracts and evicts. L1 only:
-        # L1 -> L2 copies complete on each rank in its own time, and until the cache agrees
-        # on their completions per step (HiCache.sync) the ranks' pins may differ a while
-        cache=CacheConfig(page_size=PAGE, device_tokens=64, enable_hierarchical_cache=False),
+        # L1 of 16 pages: the concurrent batch (6 x 5-6 pages) retracts and evicts to L2
+        # (whose copies complete on each rank in its own time: the cache agrees on them)
+        cache=CacheConfig(page_size=PAGE, device_tokens=64, hicache_ratio=4.0),
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=32),
         context_length=128,
         tp_size=tp,

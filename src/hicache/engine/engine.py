@@ -391,7 +391,9 @@ class Engine(Lifecycle):
             chunk_tokens=cfg.scheduler.chunked_prefill_size,
             max_running=cfg.scheduler.max_running_requests,
         )
-        self.cache = HiCache(cache_cfg, spec, cfg.device, limits=limits).start()
+        channel = self._channel  # with several ranks, the cache agrees over its gloo group
+        ranks = None if channel is None else RankGroup(channel.group)
+        self.cache = HiCache(cache_cfg, spec, cfg.device, limits=limits, ranks=ranks).start()
         if cfg.storage is not None:
             try:
                 self._attach(cfg.storage, cfg.storage_prefetch_policy)
@@ -416,7 +418,6 @@ class Engine(Lifecycle):
         tok = self.model.tokenizer
         eos = _eos_ids(self.model)
         output = OutputProcessor(tok, eos, self.context_length)
-        channel = self._channel
         self.scheduler = Scheduler(
             self.cache,
             runner,
@@ -479,8 +480,10 @@ class Engine(Lifecycle):
             return
         thread.join(timeout=max(1.0, deadline - time.monotonic()))  # past its last cache use
         self._thread = None
-        self._close_cache()
-        self._close_ranks(deadline)
+        try:
+            self._close_cache()
+        finally:
+            self._close_ranks(deadline)
 
     def _close_ranks(self, deadline: float) -> None:
         """Join the followers (told to stop by the loop's last broadcast), kill stragglers."""
@@ -522,7 +525,19 @@ class Engine(Lifecycle):
             if self._cache_closed:
                 return
             self._cache_closed = True
-        self.cache.close()
+        if self._channel is None:
+            self.cache.close()
+            return
+        try:  # its last flush agrees with the other ranks: with one gone, it fails
+            self.cache.close()
+        except Exception as exc:
+            log.error(
+                "rank %d: closing the cache did not finish its agreed flush (%s: %s); its"
+                " workers are stopped",
+                self.rank,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
 
     @property
     def alive(self) -> bool:
@@ -896,9 +911,7 @@ class Engine(Lifecycle):
             tp_size=self.config.tp_size,
             tp_rank=self.rank,
         )
-        channel = self._channel
-        ranks = None if channel is None else RankGroup(channel.group)
-        self.cache.attach_storage(storage_config.create(namespace), namespace, prefetch, ranks)
+        self.cache.attach_storage(storage_config.create(namespace), namespace, prefetch)
 
     def attach_storage(
         self, backend: str, extra_config: Mapping[str, Any] | None = None, policy: str = "timeout"
@@ -1031,9 +1044,10 @@ class Engine(Lifecycle):
                 log.exception("an engine task failed")
 
     def _sync_cache(self) -> None:
-        """Bring the cache's asynchronous completions in, once per step on every rank (the
-        step's agreement across ranks, see :mod:`hicache.engine.ranks`)."""
-        self.cache.poll()
+        """Bring the cache's asynchronous completions in, once per step on every rank: with
+        several ranks, what they all have, agreed in one collective (:meth:`HiCache.sync`;
+        with one rank it is ``poll``)."""
+        self.cache.sync()
 
     def _loop(self) -> None:
         reason = "the engine was closed"
