@@ -49,6 +49,7 @@ class StartupError(Exception):
 def _start_engine(args: argparse.Namespace) -> Any:
     """The started engine, or :class:`StartupError` naming the flag at fault."""
     from hicache.engine.engine import Engine
+    from hicache.engine.ranks import RankStartError
     from hicache.server.args import FlagError, engine_config_from_args, flag_message
     from hicache.storage.base import StorageError
 
@@ -68,6 +69,8 @@ def _start_engine(args: argparse.Namespace) -> Any:
         ) from exc
     except FileNotFoundError as exc:
         raise StartupError(f"--model-path {args.model_path!r}: {exc}") from exc
+    except RankStartError as exc:  # one line naming the rank
+        raise StartupError(f"--tp-size {args.tp_size}: {exc}") from exc
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         raise StartupError(f"the engine could not start: {flag_message(exc)}") from exc
 
@@ -83,8 +86,9 @@ def _describe(engine: Any, host: str, port: int) -> str:
         else "L2 off"
     )
     l3 = engine.config.storage_backend or "off"
+    tp = f", {engine.config.tp_size} ranks" if engine.config.tp_size > 1 else ""
     return (
-        f"serving {engine.model.name} ({engine.model.dtype}, {engine.config.device});"
+        f"serving {engine.model.name} ({engine.model.dtype}, {engine.config.device}{tp});"
         f" L1 {stats.device_total_tokens} tokens ({stats.device_total_tokens * gb:.2f} GB),"
         f" {l2}, L3 {l3}; page {stats.page_size} tokens, context {engine.context_length};"
         f" listening on http://{host}:{port}"
@@ -113,13 +117,24 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_require_api_key=args.metrics_require_api_key,
         )
         log.info("%s", _describe(engine, args.host, args.port))
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            access_log=args.log_level == "debug",
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                access_log=args.log_level == "debug",
+            )
         )
+
+        def rank_died(why: str) -> None:  # the engine has stopped: so does the server
+            server.should_exit = True
+
+        engine.on_rank_failure(rank_died)
+        server.run()
+        if engine.rank_failure is not None:
+            print(f"hicache serve: error: {engine.rank_failure}", file=sys.stderr)
+            return 1
     return 0
 
 

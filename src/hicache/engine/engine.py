@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.components.base import ServingLimits
 from hicache.config import CacheConfig, PrefetchPolicy
+from hicache.controller.rank_group import RankGroup
 from hicache.engine.admission import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     EngineUnhealthy,
@@ -42,15 +44,40 @@ from hicache.engine.admission import (
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S, IdleTrimmer
 from hicache.engine.output import OutputProcessor
+from hicache.engine.rank_digest import rank_state_digest
+from hicache.engine.ranks import (
+    DEFAULT_DIST_INIT_TIMEOUT_S,
+    RankProcesses,
+    RankSetup,
+    StepChannel,
+    check_tp_fits,
+    check_tp_model,
+    cpu_threads_per_rank,
+    join_group,
+    leave_group,
+    rank_device,
+)
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.step_inputs import (
+    Abort,
+    AttachStorage,
+    DetachStorage,
+    Digest,
+    FlushCache,
+    NewRequest,
+    StepInput,
+    StepInputs,
+    Stop,
+)
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheStats
 from hicache.runner.kernels import AttentionBackend
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
+from hicache.runner.parallel import TPGroup
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least, is_finite_number, require
 
@@ -114,10 +141,13 @@ class EngineStats:
 @dataclass(frozen=True, slots=True)
 class _Task:
     """One item of the engine's inbox: ``run`` on the engine thread, or ``drop(why)``
-    (on whatever thread ends the loop) when the loop will never run it."""
+    (on whatever thread ends the loop) when the loop will never run it. ``record``: the
+    step input ``run`` applies (:meth:`Engine._apply`), which every rank applies under
+    tensor parallelism; None for what concerns rank 0 alone (a stats read, a call)."""
 
-    run: Callable[[], None]
+    run: Callable[[], object]
     drop: Callable[[str], None]
+    record: StepInput | None = None
 
 
 def _ignore(_: str) -> None:
@@ -175,8 +205,24 @@ class EngineConfig:
     idle for a second after being busy, and once more this many seconds later if it is
     still idle; never twice within this many seconds; 0: never (see
     :mod:`hicache.engine.memory_trim`). A no-op where there is no glibc."""
+    tp_size: int = 1
+    """Tensor-parallel ranks, each a process with its own model shard, cache and scheduler
+    (see :mod:`hicache.engine.ranks`); 1: this process alone. At most one rank per CPU
+    core on CPU, one per CUDA device (from ``device``'s index on) on CUDA; the model's
+    attention and KV heads must divide by it (checked at start)."""
+    dist_init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S
+    """Seconds every rank has to join the process group, and then to build its engine;
+    a rank that does not fails the start, named."""
 
     def __post_init__(self) -> None:
+        check_tp_fits(self.tp_size, self.device)
+        dit = self.dist_init_timeout_s
+        require(
+            is_finite_number(dit) and dit > 0,
+            "dist_init_timeout_s",
+            dit,
+            "must be a finite number of seconds > 0",
+        )
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
         trim = self.memory_trim_interval_s
         require(
@@ -216,9 +262,26 @@ class EngineConfig:
 class Engine(Lifecycle):
     """Lifecycle: ``start()`` loads the model and starts the loop; ``close()`` stops it."""
 
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        channel: StepChannel | None = None,
+    ) -> None:
+        """``channel``: a follower rank's end of the step exchange (given by
+        :func:`run_follower`); rank 0 makes its own at :meth:`start` when ``tp_size`` > 1."""
         self.config = config
         self._loaded = loaded
+        self._channel = channel
+        self.rank = 0 if channel is None else channel.rank
+        """This engine's rank (0: the server's; followers have 1 .. tp_size-1)."""
+        self.ranks: RankProcesses | None = None
+        """Rank 0's handle on the follower processes (None with one rank, or on a follower)."""
+        self._channel_ok = True  # no collective of the step exchange has failed
+        self._rank_failure: str | None = None  # a follower died: why (naming it)
+        self._rank_failure_listeners: list[Callable[[str], None]] = []
+        self._step_no = 0
         self._inbox: queue.Queue[_Task] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -250,12 +313,72 @@ class Engine(Lifecycle):
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Engine:
-        """Load the model, build the cache and start the loop. Idempotent."""
+        """Load the model, build the cache and start the loop. Idempotent.
+
+        With ``tp_size`` > 1 this is rank 0: the model is checked for the split, the
+        follower ranks are spawned and joined (:class:`~hicache.engine.ranks.RankProcesses`),
+        and the loop starts once every rank has built its engine; a rank that fails or
+        does not make it within ``dist_init_timeout_s`` fails the start
+        (:class:`~hicache.engine.ranks.RankStartError`, naming it)."""
         if self._thread is not None:
             return self
         cfg = self.config
+        if cfg.tp_size > 1 and self._channel is None:
+            if self._loaded is not None:
+                raise ValueError(
+                    f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
+                    " start the engine without a loaded model"
+                )
+            check_tp_model(cfg.model_path, cfg.tp_size)  # before any process starts
+            torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
+            backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
+            self.ranks = RankProcesses(
+                cfg.tp_size,
+                run_follower,
+                cfg,
+                backend=backend,
+                init_timeout_s=cfg.dist_init_timeout_s,
+            )
+            self._channel = self.ranks.start()
+            try:
+                self._build()
+                self.ranks.wait_ready()
+            except BaseException:
+                self.ranks.close(timeout=5.0, broken=True)
+                self.ranks = None
+                self._channel = None
+                raise
+            self.ranks.watch(self._on_rank_failure)
+        else:
+            self._build()
+        self._stop.clear()
+        self._exit_reason = None
+        self._loop_done = self._close_cache_on_exit = self._cache_closed = False
+        self._failed_steps = 0
+        self._last_loop = time.monotonic()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._loop, name="hicache-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _load_model(self) -> None:
+        """Load the model (or take the one given), once."""
+        if hasattr(self, "model"):
+            return
+        cfg = self.config
         dtype = cfg.dtype or default_dtype(cfg.device)
-        self.model = self._loaded or load_model(cfg.model_path, dtype=dtype, device=cfg.device)
+        if self._loaded is not None:
+            self.model = self._loaded
+            return
+        # this rank's shard (the whole model with one rank), over the default group
+        tp = TPGroup.single() if self._channel is None else TPGroup(self.rank, cfg.tp_size)
+        self.model = load_model(cfg.model_path, dtype=dtype, device=cfg.device, tp=tp)
+
+    def _build(self) -> None:
+        """The model, the cache (with L3 when configured), the runner and the scheduler:
+        what every rank builds alike."""
+        cfg = self.config
+        self._load_model()
         model = self.model.model
         # what the model caches: full KV and a spec per extra component, each its own store
         spec = cache_spec_of(model, self.model.dtype)
@@ -268,7 +391,9 @@ class Engine(Lifecycle):
             chunk_tokens=cfg.scheduler.chunked_prefill_size,
             max_running=cfg.scheduler.max_running_requests,
         )
-        self.cache = HiCache(cache_cfg, spec, cfg.device, limits=limits).start()
+        channel = self._channel  # with several ranks, the cache agrees over its gloo group
+        ranks = None if channel is None else RankGroup(channel.group)
+        self.cache = HiCache(cache_cfg, spec, cfg.device, limits=limits, ranks=ranks).start()
         if cfg.storage is not None:
             try:
                 self._attach(cfg.storage, cfg.storage_prefetch_policy)
@@ -293,16 +418,14 @@ class Engine(Lifecycle):
         tok = self.model.tokenizer
         eos = _eos_ids(self.model)
         output = OutputProcessor(tok, eos, self.context_length)
-        self.scheduler = Scheduler(self.cache, runner, output, cfg.scheduler)
-        self._stop.clear()
-        self._exit_reason = None
-        self._loop_done = self._close_cache_on_exit = self._cache_closed = False
-        self._failed_steps = 0
-        self._last_loop = time.monotonic()
-        self._accepting = True
-        self._thread = threading.Thread(target=self._loop, name="hicache-engine", daemon=True)
-        self._thread.start()
-        return self
+        self.scheduler = Scheduler(
+            self.cache,
+            runner,
+            output,
+            cfg.scheduler,
+            tokens=channel,
+            abort_later=None if channel is None else self._abort_later,
+        )
 
     def _enable_decode_graphs(self, runner: ModelRunner) -> GraphSetup | None:
         """Capture decode CUDA graphs (``cuda_graph_max_bs``) on a CUDA device, before the
@@ -353,17 +476,68 @@ class Engine(Lifecycle):
                 " thread ends, and the thread closes it then",
                 timeout,
             )
+            self._close_ranks(deadline)
             return
         thread.join(timeout=max(1.0, deadline - time.monotonic()))  # past its last cache use
         self._thread = None
-        self._close_cache()
+        try:
+            self._close_cache()
+        finally:
+            self._close_ranks(deadline)
+
+    def _close_ranks(self, deadline: float) -> None:
+        """Join the followers (told to stop by the loop's last broadcast), kill stragglers."""
+        ranks = self.ranks
+        if ranks is None:
+            return
+        self.ranks = None
+        ranks.close(
+            timeout=max(5.0, deadline - time.monotonic()),
+            broken=not self._channel_ok or self._rank_failure is not None,
+        )
+
+    @property
+    def rank_failure(self) -> str | None:
+        """Why a follower rank died (naming it), once one has; None while all live (and
+        with one rank)."""
+        return self._rank_failure
+
+    def on_rank_failure(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(why)`` (on a watcher thread) when a follower rank dies; the
+        engine has stopped then (the server exits)."""
+        self._rank_failure_listeners.append(listener)
+        if self._rank_failure is not None:
+            listener(self._rank_failure)
+
+    def _on_rank_failure(self, why: str) -> None:
+        """A follower died (the watcher's thread): stop the loop, tell the listeners."""
+        self._rank_failure = why
+        self._stop.set()
+        self._wake.set()
+        for listener in list(self._rank_failure_listeners):
+            try:
+                listener(why)
+            except Exception:
+                log.exception("a rank failure listener failed")
 
     def _close_cache(self) -> None:
         with self._gate:
             if self._cache_closed:
                 return
             self._cache_closed = True
-        self.cache.close()
+        if self._channel is None:
+            self.cache.close()
+            return
+        try:  # its last flush agrees with the other ranks: with one gone, it fails
+            self.cache.close()
+        except Exception as exc:
+            log.error(
+                "rank %d: closing the cache did not finish its agreed flush (%s: %s); its"
+                " workers are stopped",
+                self.rank,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
 
     @property
     def alive(self) -> bool:
@@ -382,12 +556,14 @@ class Engine(Lifecycle):
         age = None if self._last_loop is None else time.monotonic() - self._last_loop
         alive = self.alive
         reason: str | None = None
-        if not alive:
+        if self._rank_failure is not None:
+            reason = f"{self._rank_failure}; the engine stopped"
+        elif not alive:
             if self._thread is None and self._exit_reason is None:
                 reason = "the engine is not started"
             else:
                 reason = self._exit_reason or "the engine thread is not running"
-        elif age is not None and age > stall_after_s:
+        elif alive and age is not None and age > stall_after_s:
             reason = f"the engine loop has not gone round for {age:.0f} s"
         failed_forwards = self.scheduler.failed_forwards if alive else 0
         limit = self.config.unhealthy_after_failed_steps
@@ -527,8 +703,17 @@ class Engine(Lifecycle):
             group=group,
             queue_slot=ticket.take(),
         )
+        record = NewRequest.of(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            params=params,
+            cache_salt=cache_salt,
+            priority=priority,
+            group=req.group,
+            arrival=req.arrival,
+        )
         try:
-            self._post(lambda: self._add(req), lambda why: self._fail(req, why))
+            self._post(lambda: self._apply(record, req), lambda why: self._fail(req, why), record)
         except BaseException:
             req.leave_queue()
             raise
@@ -538,7 +723,15 @@ class Engine(Lifecycle):
         return req.rid
 
     def abort(self, rid: str) -> None:
-        self._post(lambda: self.scheduler.abort(rid))
+        """Abort request ``rid`` at the next step (nothing when it has ended)."""
+        record = Abort(rid)
+        self._post(lambda: self._apply(record), record=record)
+
+    def _abort_later(self, rid: str) -> None:
+        """Abort ``rid`` at the next step on every rank (the engine thread, when rank 0's
+        report of it failed: a rank must not end a request on its own)."""
+        with contextlib.suppress(RuntimeError):  # closing: everything ends anyway
+            self.abort(rid)
 
     def generate(
         self,
@@ -632,14 +825,76 @@ class Engine(Lifecycle):
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""
+        return bool(self._command(FlushCache()).result(timeout=60))
 
-        def flush() -> bool:
+    def rank_digests(self, timeout: float = 60.0) -> list[str]:
+        """Each rank's digest of its scheduling and cache state, by rank, taken at the same
+        step on every rank (:mod:`hicache.engine.rank_digest`): all equal while the ranks
+        agree. One entry with one rank."""
+        got = self._command(Digest()).result(timeout=timeout)
+        assert isinstance(got, list)
+        return [str(d) for d in got]
+
+    def _command(self, record: StepInput) -> Future[object]:
+        """Post the control ``record`` (applied by every rank at the next step); rank 0's
+        result, or its exception, comes in the future."""
+        fut: Future[object] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._apply(record))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        def drop(why: str) -> None:
+            if not fut.done():
+                fut.set_exception(RuntimeError(why))
+
+        self._post(run, drop, record)
+        return fut
+
+    def _apply(self, item: StepInput, local: Request | None = None) -> object:
+        """Apply one step input on this rank (the engine thread; every rank applies the
+        same records in the same order). ``local``: rank 0's own request for a
+        :class:`NewRequest` (with its client's callback); a follower builds one without."""
+        if isinstance(item, NewRequest):
+            req = local
+            if req is None:
+                req = Request(
+                    list(item.prompt_ids),
+                    item.sampling,
+                    None,  # outputs are reported by rank 0 alone
+                    rid=item.rid,
+                    cache_salt=item.cache_salt,
+                    priority=item.priority,
+                    group=item.group,
+                    arrival=item.arrival,
+                )
+            self._add(req)
+            return None
+        if isinstance(item, Abort):
+            self.scheduler.abort(item.rid)
+            return None
+        if isinstance(item, FlushCache):
             if not self.scheduler.idle:
                 return False
             self.cache.reset()
             return True
-
-        return self.call(flush).result(timeout=60)
+        if isinstance(item, AttachStorage):
+            if not self.scheduler.idle:
+                raise RuntimeError("requests are in flight; attach storage when idle")
+            config = StorageConfig.parse(item.backend, dict(item.extra_config))
+            self._attach(config, item.policy)
+            return None
+        if isinstance(item, DetachStorage):
+            if not self.scheduler.idle:
+                raise RuntimeError("requests are in flight; detach storage when idle")
+            return self.cache.detach_storage()
+        if isinstance(item, Digest):
+            sched = self.scheduler
+            mine = rank_state_digest(self.cache, sched.waiting, sched.running)
+            return [mine] if self._channel is None else self._channel.gather(mine)
+        return None  # Stop: handled by the loops
 
     # ------------------------------------------------------------------ L3
 
@@ -653,6 +908,8 @@ class Engine(Lifecycle):
             weights_fingerprint=self.model.fingerprint,
             layout=self.cache.config.mem_layout,
             page_size=self.cache.page_size,
+            tp_size=self.config.tp_size,
+            tp_rank=self.rank,
         )
         self.cache.attach_storage(storage_config.create(namespace), namespace, prefetch)
 
@@ -662,27 +919,26 @@ class Engine(Lifecycle):
         """Attach an L3 backend at runtime (when idle). Raises ValueError on a bad config,
         RuntimeError when busy or already attached, StorageError when unreachable."""
 
-        def attach() -> None:
-            if not self.scheduler.idle:
-                raise RuntimeError("requests are in flight; attach storage when idle")
-            self._attach(StorageConfig.parse(backend, dict(extra_config or {})), policy)
-
-        self.call(attach).result(timeout=120)
+        extra = dict(extra_config or {})
+        StorageConfig.parse(backend, extra)  # a bad config is refused here, on every rank alike
+        record = AttachStorage(backend=backend, extra_config=tuple(extra.items()), policy=policy)
+        self._command(record).result(timeout=120)
 
     def detach_storage(self) -> bool:
         """Detach the L3 backend (when idle); False when none was attached."""
 
-        def detach() -> bool:
-            if not self.scheduler.idle:
-                raise RuntimeError("requests are in flight; detach storage when idle")
-            return self.cache.detach_storage()
-
-        return self.call(detach).result(timeout=120)
+        return bool(self._command(DetachStorage()).result(timeout=120))
 
     # ------------------------------------------------------------------ loop
 
-    def _post(self, fn: Callable[[], None], drop: Callable[[str], None] = _ignore) -> None:
+    def _post(
+        self,
+        fn: Callable[[], object],
+        drop: Callable[[str], None] = _ignore,
+        record: StepInput | None = None,
+    ) -> None:
         """Queue ``fn`` for the loop; ``drop(why)`` runs instead if the loop ends first.
+        ``record``: the step input ``fn`` applies (broadcast to every rank before it runs).
 
         Raises RuntimeError when the engine is not running or is closing.
         """
@@ -691,7 +947,7 @@ class Engine(Lifecycle):
                 raise RuntimeError(self._exit_reason or "the engine is not running")
             if not self._accepting:
                 raise RuntimeError("the engine is closing")
-            self._inbox.put(_Task(fn, drop))
+            self._inbox.put(_Task(fn, drop, record))
         self._wake.set()
 
     def _add(self, req: Request) -> None:
@@ -759,30 +1015,139 @@ class Engine(Lifecycle):
             except Exception:
                 log.exception("an engine task failed")
 
+    def _exchange_inputs(self, channel: StepChannel) -> None:
+        """Rank 0 under tensor parallelism: take the inbox, broadcast its records as this
+        step's :class:`StepInputs` (always, also when empty), then run its tasks in order
+        (each record's task applies the record, as every follower does)."""
+        tasks: list[_Task] = []
+        while True:
+            try:
+                tasks.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        records = tuple(t.record for t in tasks if t.record is not None)
+        try:
+            channel.inputs(StepInputs(self._step_no, records))
+        except BaseException as exc:
+            self._channel_ok = False
+            why = f"the ranks could not exchange a step's inputs: {type(exc).__name__}: {exc}"
+            for task in tasks:
+                try:
+                    task.drop(why)
+                except Exception:
+                    log.exception("failing an engine task")
+            raise
+        for task in tasks:
+            try:
+                task.run()
+            except Exception:
+                log.exception("an engine task failed")
+
+    def _sync_cache(self) -> None:
+        """Bring the cache's asynchronous completions in, once per step on every rank: with
+        several ranks, what they all have, agreed in one collective (:meth:`HiCache.sync`;
+        with one rank it is ``poll``)."""
+        self.cache.sync()
+
     def _loop(self) -> None:
         reason = "the engine was closed"
+        channel = self._channel
         try:
             while not self._stop.is_set():
                 self._last_loop = time.monotonic()
-                self._run_inbox()
+                if channel is None:
+                    self._run_inbox()
+                else:
+                    self._exchange_inputs(channel)
+                self._sync_cache()
                 try:
                     busy = self.scheduler.step()
                     self._failed_steps = 0
                 except Exception as exc:
+                    if channel is not None:  # no rank may recover alone: the ranks stop
+                        self._channel_ok = False
+                        raise
                     log.exception("scheduler step failed; aborting in-flight requests")
                     busy = False
                     self._failed_steps += 1
                     self._abort_all(f"scheduler step failed: {type(exc).__name__}: {exc}")
+                self._step_no += 1
                 self._publish_stats()
                 self.memory_trimmer.after_round(busy or not self.scheduler.idle)
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
+                    # (at most 50 ms: the followers wait in the next broadcast meanwhile)
                     self._wake.wait(timeout=0.002 if self.scheduler.waiting else 0.05)
                     self._wake.clear()
+            if channel is not None:
+                reason = self._stop_ranks(channel, reason)
         except BaseException as exc:
             reason = f"the engine loop died: {type(exc).__name__}: {exc}"
-            log.critical("%s", reason, exc_info=True)
+            failure = self._failed_rank()
+            if failure is not None:
+                reason = f"{failure}; the engine stopped"
+            log.critical("%s", reason, exc_info=failure is None)
         finally:
             self._end_loop(reason)
+
+    def _failed_rank(self) -> str | None:
+        """Why a follower died, if one did (waiting a moment for its exit to be seen)."""
+        if self._rank_failure is not None:
+            return self._rank_failure
+        return None if self.ranks is None else self.ranks.dead_rank(wait_s=1.0)
+
+    def _stop_ranks(self, channel: StepChannel, reason: str) -> str:
+        """The loop was told to stop: broadcast a :class:`Stop` (unless a follower died,
+        which is then the reason returned)."""
+        if self._rank_failure is not None:
+            return f"{self._rank_failure}; the engine stopped"
+        try:
+            channel.inputs(StepInputs(self._step_no, (Stop(reason),)))
+        except Exception as exc:
+            self._channel_ok = False
+            log.error("telling the ranks to stop failed: %s: %s", type(exc).__name__, exc)
+        return reason
+
+    def follow(self) -> int:
+        """A follower rank's loop (its main thread, after :meth:`_build`): each step, the
+        inputs rank 0 broadcast, applied in order; the cache's completions; the scheduler's
+        step. Ends at a :class:`Stop` (returns 0) or when a step fails here, or an exchange
+        with rank 0 fails or times out (rank 0 gone; returns 1). Outputs are rank 0's:
+        this rank's requests have no callbacks."""
+        channel = self._channel
+        if channel is None:
+            raise RuntimeError("follow() runs on a follower rank (an engine given a channel)")
+        code = 0
+        reason = "rank 0 stopped the engine"
+        try:
+            while True:
+                self._last_loop = time.monotonic()
+                inputs = channel.inputs(None)
+                stop = inputs.stop
+                for item in inputs.items:
+                    if item is stop:
+                        continue
+                    try:
+                        self._apply(item)
+                    except Exception:  # rank 0 reports it to its caller
+                        log.exception("rank %d: applying %s failed", self.rank, type(item).__name__)
+                if stop is not None:
+                    reason = stop.reason
+                    break
+                self._sync_cache()
+                busy = self.scheduler.step()
+                self._step_no += 1
+                self.memory_trimmer.after_round(busy or not self.scheduler.idle)
+        except BaseException as exc:
+            code = 1
+            reason = f"rank {self.rank} stopped: {type(exc).__name__}: {exc}"
+            log.error("%s", reason)
+        try:
+            if not self.scheduler.idle:
+                self._abort_all(reason)
+        except BaseException:
+            log.exception("rank %d: releasing the requests in flight", self.rank)
+        self._close_cache()
+        return code
 
     def _end_loop(self, reason: str) -> None:
         """The loop's last act: refuse new work, fail what is queued or in flight, and close
@@ -813,6 +1178,46 @@ class Engine(Lifecycle):
                 self._close_cache()
             except BaseException:
                 log.exception("closing the cache after the engine thread ended")
+
+
+def run_follower(setup: RankSetup, config: EngineConfig, conn: Any) -> None:
+    """The main of follower rank ``setup.rank`` (a spawned process): join the group, build
+    the engine on this rank's device, say so on ``conn`` (``("joined",)``, ``("ready",)``, or
+    ``("error", line)`` before exiting 1), then :meth:`Engine.follow` until told to stop."""
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {setup.rank}: %(message)s"
+    )
+    if torch.device(config.device).type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(setup.size))
+    code = 1
+    try:
+        try:
+            channel = join_group(setup)
+        except BaseException as exc:
+            conn.send(("error", f"could not join the process group: {_line(exc)}"))
+            return
+        conn.send(("joined",))
+        device = rank_device(config.device, setup.rank)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        engine = Engine(dataclasses.replace(config, device=device), channel=channel)
+        try:
+            engine._build()
+        except BaseException as exc:
+            conn.send(("error", _line(exc)))
+            return
+        conn.send(("ready",))
+        code = engine.follow()
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
+        leave_group()
+        os._exit(code)  # no interpreter teardown that could wait on a broken group
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

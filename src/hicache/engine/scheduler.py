@@ -71,6 +71,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,7 @@ import torch
 from hicache.cache import HiCache
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.output import OutputProcessor
+from hicache.engine.ranks import StepChannel
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.sampling import make_generator, sample_rows
 from hicache.engine.slots import admission_order, held_slots, lent_slot
@@ -192,7 +194,14 @@ class Scheduler:
         runner: ModelRunner,
         output: OutputProcessor,
         config: SchedulerConfig,
+        *,
+        tokens: StepChannel | None = None,
+        abort_later: Callable[[str], None] | None = None,
     ) -> None:
+        """``tokens``: under tensor parallelism, this rank's channel: every sampled token
+        (and which rows failed) is rank 0's (:meth:`_sample`). ``abort_later(rid)``: how a
+        request whose report failed is aborted (through the next step's inputs, so on
+        every rank); None: at once, here."""
         self.cache = cache
         self.runner = runner
         self.output = output
@@ -217,6 +226,8 @@ class Scheduler:
         steps and admitted at the next one has its first token when this has gone up by 1)."""
         self.reclaimed = 0
         """Sequences retracted so far to give a lent slot back (:meth:`_reclaim`)."""
+        self.tokens = tokens
+        self.abort_later = abort_later
 
     # ------------------------------------------------------------------ queue
 
@@ -541,6 +552,8 @@ class Scheduler:
             else:
                 logits = self.runner.forward(fb)
         except Exception as exc:
+            if self.tokens is not None:  # a rank must not fail a batch alone: the ranks stop
+                raise
             log.exception("forward failed")
             self.failed_forwards += 1
             self.forward_error = f"{type(exc).__name__}: {exc}"
@@ -595,16 +608,20 @@ class Scheduler:
         picked = sample_rows(adjusted.logits, [r.params for r in reqs], [r.generator for r in reqs])
         errors = {j: f"sampling failed: {why}" for j, why in picked.errors.items()}
         errors |= {j: f"logit processing failed: {why}" for j, why in adjusted.errors.items()}
-        tokens = picked.token_ids
+        tokens: list[int] | tuple[int, ...] = picked.token_ids
         want = [j for j, r in enumerate(reqs) if r.logprobs is not None and j not in errors]
         logprobs = _logprobs_by_row(
             raw, want, [tokens[j] for j in want], [reqs[j].params.logprobs or 0 for j in want]
         )
+        for j, got in logprobs.items():
+            if isinstance(got, str):
+                errors[j] = f"logprobs failed: {got}"
+        if self.tokens is not None:  # every rank takes rank 0's tokens and failed rows
+            tokens, failed = self.tokens.agree_tokens(tokens, sorted(errors))
+            errors = {j: errors.get(j, "sampling failed on rank 0") for j in failed}
         now = time.perf_counter()
         for j, ((_, req, prefilled), token) in enumerate(zip(rows, tokens, strict=True)):
             lp = logprobs.get(j)
-            if isinstance(lp, str):
-                errors[j] = f"logprobs failed: {lp}"
             if j in errors:
                 self._finish(req, FinishReason.ABORT, error=errors[j])
                 continue
@@ -769,7 +786,10 @@ class Scheduler:
                 req.on_output(self.output.report(req))
             except Exception:  # a broken consumer must not stop the engine
                 log.exception("output callback of %s failed", req.rid)
-                req.aborted = True
+                if self.abort_later is not None:
+                    self.abort_later(req.rid)
+                else:
+                    req.aborted = True
 
 
 def _logprobs_by_row(

@@ -26,6 +26,7 @@ from hicache.config import (
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.engine import EngineConfig
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
+from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.scheduler import SchedulePolicy, SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
@@ -55,6 +56,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--disable-cuda-graph", action="store_true", help="decode eagerly (no CUDA graphs)"
+    )
+    t = p.add_argument_group("tensor parallelism")
+    t.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, one process each (rank 0 is this one); must divide the"
+        " model's attention and KV heads; at most one per CPU core, or one per CUDA device",
+    )
+    t.add_argument(
+        "--dist-init-timeout",
+        type=float,
+        default=DEFAULT_DIST_INIT_TIMEOUT_S,
+        help="seconds every rank has to join the process group, and then to load its"
+        " model; a rank that does not fails the start",
     )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -231,6 +247,8 @@ FIELD_FLAGS = {
     "attention_backend": "--attention-backend",
     "cuda_graph_max_bs": "--cuda-graph-max-bs",
     "memory_trim_interval_s": "--memory-trim-interval",
+    "tp_size": "--tp-size",
+    "dist_init_timeout_s": "--dist-init-timeout",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -377,6 +395,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=0 if a.disable_cuda_graph else a.cuda_graph_max_bs,
         unhealthy_after_failed_steps=a.unhealthy_after_failed_steps,
         memory_trim_interval_s=a.memory_trim_interval,
+        tp_size=a.tp_size,
+        dist_init_timeout_s=a.dist_init_timeout,
         **kwargs,
     )
     check_sizes_in_gb(config)

@@ -1,0 +1,470 @@
+"""The engine's rank processes under tensor parallelism (``tp_size`` > 1).
+
+Rank 0 is the server's process and its engine; ranks 1 .. N-1 are processes spawned here
+(``torch.multiprocessing``, start method ``spawn``) that run the same engine machinery
+(model shard, cache, scheduler) in a follower loop, without HTTP. They are joined by
+``torch.distributed``: a gloo group on CPU; on CUDA the default group is NCCL (for the
+model) and a gloo group carries what the engine and the cache agree on.
+
+What crosses processes, every step, on every rank and in the same order
+(:class:`StepChannel`): rank 0's step inputs (:class:`~hicache.engine.step_inputs.StepInputs`,
+one broadcast per step, also when empty), then whatever the cache agrees on, then, after
+each forward that samples, rank 0's sampled tokens (:meth:`StepChannel.agree_tokens`).
+Every collective has a timeout (the process group's), so no rank waits for ever.
+
+Start (:class:`RankProcesses`): the followers are spawned, every rank joins the group
+within ``dist_init_timeout_s`` (a rank that does not fails the start with one line naming
+it), each follower builds its engine and says so; rank 0 waits for all of them within the
+same timeout. Then rank 0 watches the followers' process sentinels on a thread: a follower
+that dies is reported once, naming the rank and its exit code
+(:attr:`RankProcesses.failure`, and the ``on_failure`` callback), and the engine stops.
+A follower ends when rank 0 broadcasts a stop, or when a collective with rank 0 fails
+(rank 0 gone) or times out. :meth:`RankProcesses.close` joins the followers within a
+timeout and kills the stragglers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hicache.engine.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIST_INIT_TIMEOUT_S = 120.0
+"""Seconds every rank has to join the process group, and then to build its engine."""
+COLLECTIVE_TIMEOUT_S = 600.0
+"""Longest one collective waits for the other ranks (a forward of the longest prefill
+included): a rank that stalls past it makes the others fail, not hang."""
+CLOSE_TIMEOUT_S = 30.0
+"""Longest :meth:`RankProcesses.close` waits for the followers before killing them."""
+
+
+class RankStartError(RuntimeError):
+    """The ranks could not start; the message is one line naming the rank at fault."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSetup:
+    """How rank ``rank`` of ``size`` joins the group: ``init_method``
+    (``tcp://127.0.0.1:PORT``), the default group's ``backend`` (``gloo``, or ``nccl`` on
+    CUDA), the join timeout ``init_timeout_s`` and every collective's ``collective_timeout_s``."""
+
+    rank: int
+    size: int
+    init_method: str
+    backend: str
+    init_timeout_s: float
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of rank ``rank`` when rank 0 runs on ``device``: ``cpu`` for every rank;
+    ``cuda:(k + rank)`` for ``cuda:k`` (``cuda`` = ``cuda:0``)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return device
+    return f"cuda:{(dev.index or 0) + rank}"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """Torch threads each of ``size`` CPU ranks uses: the cores shared out, at least 1."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def check_tp_fits(tp_size: object, device: str) -> None:
+    """Refuse a ``tp_size`` that is not an int >= 1, or more ranks than the machine holds:
+    on CPU one rank per core (``os.cpu_count()``: more would only share cores and time
+    out), on CUDA one per device from ``device``'s index on. ValueError with the numbers."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size={tp_size!r} is invalid; must be an int >= 1")
+    if tp_size == 1:
+        return
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        first = dev.index or 0
+        count = torch.cuda.device_count()
+        if first + tp_size > count:
+            raise ValueError(
+                f"tp_size={tp_size} is invalid; one rank per CUDA device from {dev} on needs"
+                f" {first + tp_size} devices, this host has {count}"
+            )
+        return
+    cores = os.cpu_count() or 1
+    if tp_size > cores:
+        raise ValueError(
+            f"tp_size={tp_size} is invalid; on CPU each rank needs a core of its own and"
+            f" this host has {cores}"
+        )
+
+
+def check_tp_model(model_path: str | None, tp_size: int) -> None:
+    """Refuse ``tp_size`` > 1 for the checkpoint at ``model_path`` when its model cannot be
+    split over that many ranks (its config only is read, before any process starts): a
+    family without a sharded model (the hybrids), or heads, K/V heads or MLP sizes the
+    size does not divide (:func:`~hicache.runner.models.registry.check_tensor_parallel`).
+    ValueError ``tp_size=N is invalid for MODEL: ...`` with the numbers."""
+    if tp_size == 1:
+        return
+    from transformers import AutoConfig
+
+    from hicache.runner.checkpoints import resolve_checkpoint
+    from hicache.runner.models.registry import check_tensor_parallel
+
+    ckpt = resolve_checkpoint(model_path)
+    hf_config = AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+    try:
+        check_tensor_parallel(hf_config, tp_size)
+    except ValueError as exc:
+        raise ValueError(f"tp_size={tp_size} is invalid for {ckpt.name}: {exc}") from None
+
+
+class StepChannel:
+    """One rank's end of what the ranks exchange each step, over a gloo group.
+
+    Every method is a collective: every rank calls it the same number of times in the
+    same order; rank 0's values win."""
+
+    def __init__(self, rank: int, size: int, group: Any) -> None:
+        self.rank = rank
+        self.size = size
+        self.group = group
+        """The gloo group (the default group on CPU); also the cache's agreement group."""
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def inputs(self, inputs: StepInputs | None) -> StepInputs:
+        """Rank 0's ``inputs`` on every rank (a follower passes None)."""
+        box: list[Any] = [inputs]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        got = box[0]
+        if not isinstance(got, StepInputs):
+            raise RuntimeError(f"rank {self.rank} received {type(got).__name__}, not StepInputs")
+        return got
+
+    def gather(self, value: str) -> list[str]:
+        """Every rank's ``value``, by rank (on every rank)."""
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return [str(v) for v in out]
+
+    def agree_tokens(
+        self, token_ids: Sequence[int], failed: Sequence[int]
+    ) -> tuple[list[int], set[int]]:
+        """Rank 0's sampled ``token_ids`` (one per sampled row) and its ``failed`` rows (those
+        it could not sample) on every rank. Every rank passes as many token ids (the same
+        rows); a follower's own values are ignored."""
+        n = len(token_ids)
+        t = torch.zeros(2, n, dtype=torch.int64)
+        if self.leader:
+            t[0] = torch.tensor(list(token_ids), dtype=torch.int64)
+            for j in failed:
+                t[1, j] = 1
+        dist.broadcast(t, src=0, group=self.group)
+        return t[0].tolist(), {j for j in range(n) if t[1, j]}
+
+
+def join_group(setup: RankSetup) -> StepChannel:
+    """Join the process group as ``setup.rank`` (blocks until every rank has joined, at most
+    ``init_timeout_s``) and return this rank's :class:`StepChannel`."""
+    dist.init_process_group(
+        setup.backend,
+        init_method=setup.init_method,
+        rank=setup.rank,
+        world_size=setup.size,
+        timeout=timedelta(seconds=setup.init_timeout_s),
+    )
+    # the engine's and the cache's agreement: a gloo group of its own, with the collective
+    # timeout (on CUDA the default group is NCCL, the model's)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup.collective_timeout_s))
+    return StepChannel(setup.rank, setup.size, group)
+
+
+def leave_group() -> None:
+    """Destroy this process's group (idempotent; errors of a broken group are ignored)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+FollowerTarget = Callable[[RankSetup, Any, Any], None]
+"""A follower process's main: ``(setup, payload, conn)``; it sends ``("joined",)`` on
+``conn`` once in the group, ``("ready",)`` once its engine is built, or ``("error", line)``
+before it exits on a failure."""
+
+
+class RankProcesses:
+    """Rank 0's handle on ranks 1 .. size-1 (see the module docstring).
+
+    ``target`` runs in each follower with ``(RankSetup, payload, conn)``; ``payload`` is
+    pickled to it (the engine's config)."""
+
+    def __init__(
+        self,
+        size: int,
+        target: FollowerTarget,
+        payload: Any,
+        *,
+        backend: str = "gloo",
+        init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    ) -> None:
+        if size < 2:
+            raise ValueError(f"RankProcesses needs at least 2 ranks, got {size}")
+        self.size = size
+        self._target = target
+        self._payload = payload
+        self.backend = backend
+        self.init_timeout_s = init_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self._procs: dict[int, Any] = {}  # rank -> mp process
+        self._conns: dict[int, Any] = {}  # rank -> rank 0's end of its pipe
+        self._said: dict[int, list[tuple[Any, ...]]] = {}  # rank -> messages received
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.failure: str | None = None
+        """Why a follower died (naming the rank), once one has; None while all live."""
+        self.channel: StepChannel | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> StepChannel:
+        """Spawn the followers and join the group as rank 0; returns rank 0's channel.
+        :class:`RankStartError` (one line naming the rank) when a rank does not join within
+        ``init_timeout_s`` or dies first; the followers are stopped then."""
+        if dist.is_initialized():  # the default group is per process
+            raise RankStartError(
+                "this process is in a process group already: one engine with tp_size > 1"
+                " per process"
+            )
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            for rank in range(1, self.size):
+                setup = self._setup(rank, init_method)
+                ours, theirs = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=self._target,
+                    args=(setup, self._payload, theirs),
+                    name=f"hicache-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()
+                self._procs[rank] = proc
+                self._conns[rank] = ours
+                self._said[rank] = []
+            self.channel = self._join(self._setup(0, init_method))
+        except BaseException:
+            self.close(timeout=1.0, broken=True)
+            raise
+        return self.channel
+
+    def _join(self, setup: RankSetup) -> StepChannel:
+        """Join as rank 0 (on a thread, so that a follower dying before it joins fails the
+        start at once rather than at the join's timeout)."""
+        got: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                got["channel"] = join_group(setup)
+            except BaseException as exc:
+                got["error"] = exc
+
+        thread = threading.Thread(target=join, name="hicache-rank-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+            for rank in self._procs:
+                self._read(rank)
+                if self._said_kind(rank, "joined") is None:
+                    problem = self._rank_problem(rank, "before joining the process group")
+                    if problem is not None:
+                        raise RankStartError(problem)
+        if "error" in got:
+            raise RankStartError(self._join_failure(got["error"]))
+        channel: StepChannel = got["channel"]
+        return channel
+
+    def _setup(self, rank: int, init_method: str) -> RankSetup:
+        return RankSetup(
+            rank=rank,
+            size=self.size,
+            init_method=init_method,
+            backend=self.backend,
+            init_timeout_s=self.init_timeout_s,
+            collective_timeout_s=self.collective_timeout_s,
+        )
+
+    def _read(self, rank: int, wait_s: float = 0.0) -> None:
+        """Collect what ``rank`` has sent (waiting up to ``wait_s`` for something)."""
+        conn = self._conns[rank]
+        with contextlib.suppress(EOFError, OSError):
+            if conn.poll(wait_s):
+                while True:
+                    self._said[rank].append(tuple(conn.recv()))
+                    if not conn.poll(0):
+                        break
+
+    def _said_kind(self, rank: int, kind: str) -> tuple[Any, ...] | None:
+        return next((m for m in self._said[rank] if m and m[0] == kind), None)
+
+    def _rank_problem(self, rank: int, doing: str) -> str | None:
+        """Why ``rank`` failed (its error line or its exit code), None while it lives."""
+        self._read(rank)
+        error = self._said_kind(rank, "error")
+        if error is not None:
+            return f"rank {rank} failed {doing}: {error[1]}"
+        code = self._procs[rank].exitcode
+        if code is not None:
+            return f"rank {rank} (pid {self._procs[rank].pid}) exited with code {code} {doing}"
+        return None
+
+    def _join_failure(self, exc: BaseException) -> str:
+        """The one line for a join that failed on rank 0 with ``exc``."""
+        for rank in self._procs:
+            problem = self._rank_problem(rank, "before joining the process group")
+            if problem is not None:
+                return problem
+        missing = [r for r in self._procs if self._said_kind(r, "joined") is None]
+        if missing:
+            who = ", ".join(str(r) for r in missing)
+            return (
+                f"rank {who} did not join the process group within"
+                f" {self.init_timeout_s:g} s (--dist-init-timeout)"
+            )
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"rank 0 could not join the process group: {first}"
+
+    def wait_ready(self) -> None:
+        """Wait until every follower has built its engine (within ``init_timeout_s``);
+        :class:`RankStartError` naming the first rank that failed or did not make it."""
+        deadline = time.monotonic() + self.init_timeout_s
+        for rank in self._procs:
+            while self._said_kind(rank, "ready") is None:
+                problem = self._rank_problem(rank, "while building its engine")
+                if problem is not None:
+                    raise RankStartError(problem)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RankStartError(
+                        f"rank {rank} did not build its engine within {self.init_timeout_s:g}"
+                        " s (--dist-init-timeout)"
+                    )
+                self._read(rank, min(left, 0.2))
+
+    # ------------------------------------------------------------------ watch
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Start the thread that watches the followers: the first one to die while not
+        closing sets :attr:`failure` and calls ``on_failure(failure)`` (once)."""
+        if self._watcher is not None:
+            return
+
+        def run() -> None:
+            sentinels = {self._procs[r].sentinel: r for r in self._procs}
+            while not self._closing.is_set():
+                ready = multiprocessing.connection.wait(list(sentinels), timeout=0.2)
+                if not ready or self._closing.is_set():
+                    continue
+                rank = sentinels[ready[0]]
+                proc = self._procs[rank]
+                proc.join(timeout=1.0)
+                self.failure = (
+                    self._rank_problem(rank, "while serving")
+                    or f"rank {rank} (pid {proc.pid}) stopped"
+                )
+                log.critical("%s; the engine stops", self.failure)
+                try:
+                    on_failure(self.failure)
+                except Exception:
+                    log.exception("reporting the death of rank %d failed", rank)
+                return
+
+        self._watcher = threading.Thread(target=run, name="hicache-rank-watch", daemon=True)
+        self._watcher.start()
+
+    def dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """:attr:`failure`, or why a follower has died, waiting up to ``wait_s`` for one
+        to be seen dead (a collective that failed on rank 0 may precede the exit)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.failure is not None:
+                return self.failure
+            for rank in self._procs:
+                problem = self._rank_problem(rank, "while serving")
+                if problem is not None:
+                    return problem
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """rank -> pid of each follower."""
+        return {r: int(p.pid) for r, p in self._procs.items() if p.pid is not None}
+
+    # ------------------------------------------------------------------ close
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S, *, broken: bool = False) -> None:
+        """Join the followers within ``timeout`` seconds, kill those still running, and
+        leave the group. Idempotent. (The engine broadcasts a stop before this.) ``broken``:
+        the group failed (or never finished starting): leave it first, so that a follower
+        waiting in a collective fails at once instead of at its timeout."""
+        self._closing.set()
+        if broken:
+            leave_group()
+        deadline = time.monotonic() + timeout
+        for rank, proc in self._procs.items():
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.error("rank %d did not stop within %.0f s; killing it", rank, timeout)
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self._conns.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+        leave_group()
+
+
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "COLLECTIVE_TIMEOUT_S",
+    "DEFAULT_DIST_INIT_TIMEOUT_S",
+    "RankProcesses",
+    "RankSetup",
+    "RankStartError",
+    "StepChannel",
+    "check_tp_fits",
+    "check_tp_model",
+    "cpu_threads_per_rank",
+    "free_port",
+    "join_group",
+    "leave_group",
+    "rank_device",
+]

@@ -1,0 +1,153 @@
+"""What one engine step takes in: immutable, picklable records that rank 0 broadcasts.
+
+Under tensor parallelism (``tp_size`` > 1) every rank runs the same scheduler over the same
+cache, so every input that changes them must reach every rank, in the same order, before
+the step that uses it: new requests, aborts and control commands. The closures the server
+threads post to rank 0's inbox cannot cross processes, so each one is described by a
+record here; rank 0 broadcasts a step's records (:class:`StepInputs`, one per step, empty
+when idle) and every rank, rank 0 included, applies the same records in order
+(:meth:`hicache.engine.engine.Engine._apply`). With one rank nothing is broadcast and the
+records are applied where they were posted.
+
+A record carries values only (no callbacks, no locks, no tensors): a follower rebuilds
+from it what rank 0 built from the client's call. :class:`NewRequest` carries the
+request's ``arrival`` (``time.perf_counter()``, a system-wide monotonic clock on Linux)
+because the scheduler orders retractions by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.engine.sampling import SamplingParams
+
+
+def _params_fields(params: SamplingParams) -> tuple[tuple[str, Any], ...]:
+    """``params`` as plain ``(field, value)`` pairs (the frozen ``logit_bias`` proxy as a
+    dict), which pickle and rebuild the same :class:`SamplingParams`."""
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, Mapping):
+            value = dict(value)
+        out.append((f.name, value))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRequest:
+    """A request to queue: everything the scheduler reads of it, nothing of its client.
+
+    ``rid``: its id, the same on every rank (aborts and the runner's per-request state go by
+    it). ``prompt_ids``: the prompt's token ids. ``arrival``: ``time.perf_counter()`` when
+    rank 0 took it (the scheduler's retraction order). ``params``: rebuilt by
+    :attr:`sampling`."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: tuple[tuple[str, Any], ...]
+    cache_salt: str = ""
+    priority: int = 0
+    group: str = ""
+    arrival: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        rid: str,
+        prompt_ids: list[int] | tuple[int, ...],
+        params: SamplingParams,
+        cache_salt: str,
+        priority: int,
+        group: str,
+        arrival: float,
+    ) -> NewRequest:
+        return cls(
+            rid=rid,
+            prompt_ids=tuple(prompt_ids),
+            params=_params_fields(params),
+            cache_salt=cache_salt,
+            priority=priority,
+            group=group,
+            arrival=arrival,
+        )
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The request's :class:`SamplingParams`, equal to the one it was made from."""
+        return SamplingParams(**dict(self.params))
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort the request ``rid`` (wherever it is; nothing when it has ended)."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCache:
+    """Empty L1 and L2 when no request is in flight (rank 0 reports whether it did)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttachStorage:
+    """Attach the L3 backend ``backend`` with ``extra_config`` (``(key, value)`` pairs,
+    JSON values) and the prefetch ``policy``, when idle."""
+
+    backend: str
+    extra_config: tuple[tuple[str, Any], ...] = ()
+    policy: str = "timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class DetachStorage:
+    """Detach the L3 backend, when idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """Every rank digests its scheduling and cache state now
+    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The engine stops: every rank fails what is in flight and ends its loop."""
+
+    reason: str
+
+
+StepInput = NewRequest | Abort | FlushCache | AttachStorage | DetachStorage | Digest | Stop
+"""One input of a step; the records above."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """Everything step ``step`` takes in, in the order rank 0 received it (``items``; empty
+    on an idle step). Every rank applies ``items`` in order, then runs the step."""
+
+    step: int
+    items: tuple[StepInput, ...] = ()
+
+    @property
+    def stop(self) -> Stop | None:
+        """The :class:`Stop` record among ``items``, if any."""
+        return next((i for i in self.items if isinstance(i, Stop)), None)
+
+
+__all__ = [
+    "Abort",
+    "AttachStorage",
+    "DetachStorage",
+    "Digest",
+    "FlushCache",
+    "NewRequest",
+    "StepInput",
+    "StepInputs",
+    "Stop",
+]

@@ -1,0 +1,267 @@
+"""The engine as N rank processes (``tp_size`` 2, gloo, CPU), on tiny random models.
+
+* greedy generation at TP 2 equals TP 1 and transformers' (Llama, Qwen3), also for a batch
+  of concurrent requests sharing prefixes, and seeded sampling is rank 0's on every rank;
+* a rank killed while serving makes the engine unhealthy with the rank named, the request
+  in flight ends with that error, and nothing hangs (close returns);
+* a bad ``tp_size`` is refused with the numbers; a rank that does not join in time, or
+  dies first, fails the start with one line naming it.
+
+Each test starts real processes (a TP 2 start is ~15 s on 2 cores): few of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from functools import cache
+
+import pytest
+import torch
+
+from hicache.config import CacheConfig
+from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.ranks import RankProcesses, RankStartError, check_tp_model
+from hicache.engine.request import OutputCallback, RequestOutput
+from hicache.engine.sampling import SamplingParams
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step_inputs import NewRequest
+from tests.helpers import rank_targets
+from tests.helpers.engine_fixtures import engine_model, hf_model
+
+NEW = 6
+PAGE = 4
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 needs 2 CPU cores")
+
+
+def config(name: str, tp: int, **kw: object) -> EngineConfig:
+    kw.setdefault("dist_init_timeout_s", 120.0)
+    return EngineConfig(
+        model_path=name,
+        dtype="float32",
+        device="cpu",
+        # L1 of 16 pages: the concurrent batch (6 x 5-6 pages) retracts and evicts to L2
+        # (whose copies complete on each rank in its own time: the cache agrees on them)
+        cache=CacheConfig(page_size=PAGE, device_tokens=64, hicache_ratio=4.0),
+        scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=32),
+        context_length=128,
+        tp_size=tp,
+        **kw,
+    )
+
+
+def greedy(n: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@cache
+def hf_greedy(name: str, ids: tuple[int, ...], n: int = NEW) -> list[int]:
+    with torch.no_grad():
+        out = hf_model(name).generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return list(out[0, len(ids) :].tolist())
+
+
+def prompts(name: str) -> list[list[int]]:
+    """Prompts sharing prefixes: two families of three (a common 13-token start each)."""
+    vocab = int(engine_model(name).hf_config.vocab_size)
+    gen = torch.Generator().manual_seed(7)
+    heads = [torch.randint(0, vocab, (13,), generator=gen).tolist() for _ in range(2)]
+    tails = [torch.randint(0, vocab, (3 + i,), generator=gen).tolist() for i in range(3)]
+    return [h + t for h in heads for t in tails]
+
+
+def run_batch(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Submit every prompt at once; their final token ids, in order."""
+    done = [threading.Event() for _ in batch]
+    outs: list[RequestOutput | None] = [None] * len(batch)
+
+    def on_output(i: int) -> OutputCallback:
+        def record(out: RequestOutput) -> None:
+            if out.finished:
+                outs[i] = out
+                done[i].set()
+
+        return record
+
+    for i, ids in enumerate(batch):
+        engine.submit(ids, params, on_output(i))
+    for ev in done:
+        assert ev.wait(120), "a request did not finish"
+    got = []
+    for out in outs:
+        assert out is not None and out.error is None, out
+        got.append(out.output_ids)
+    return got
+
+
+@pytest.fixture(scope="module", params=["tiny-random-llama", "tiny-random-qwen3"])
+def tp2(request: pytest.FixtureRequest) -> Iterator[tuple[str, Engine]]:
+    name = str(request.param)
+    with Engine(config(name, 2)) as engine:
+        yield name, engine
+
+
+def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None:
+    name, engine = tp2
+    assert engine.ranks is not None and sorted(engine.ranks.pids) == [1]
+    model = engine.model.model  # rank 0's shard: half the K/V heads (2 of the model's 4 or 2)
+    assert model.tp.size == 2 and model.tp.rank == 0
+    assert model.num_kv_heads == model.config.num_kv_heads // 2
+    batch = prompts(name)
+    want = [hf_greedy(name, tuple(ids)) for ids in batch]
+    with Engine(config(name, 1), loaded=engine_model(name)) as tp1:
+        one_by_one = [tp1.generate(ids, greedy()).output_ids for ids in batch]
+    assert one_by_one == want
+    assert [engine.generate(ids, greedy()).output_ids for ids in batch] == want
+    # concurrent, sharing prefixes (now cached from the runs above, and cold after a flush)
+    assert run_batch(engine, batch, greedy()) == want
+    assert engine.flush_cache()
+    assert run_batch(engine, batch, greedy()) == want
+    digests = engine.rank_digests()
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert engine.health().healthy
+
+
+def test_tp2_sampling_follows_rank_0(tp2: tuple[str, Engine]) -> None:
+    """Seeded sampling: every rank takes rank 0's tokens, so the sequence is TP 1's."""
+    name, engine = tp2
+    ids = prompts(name)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=NEW, seed=11, ignore_eos=True)
+    with Engine(config(name, 1), loaded=engine_model(name)) as tp1:
+        want = tp1.generate(ids, params).output_ids
+    assert engine.generate(ids, params).output_ids == want
+    # the process group is per process: a second TP engine here is refused, this one goes on
+    with pytest.raises(RankStartError, match="one engine with tp_size > 1 per process"):
+        Engine(config(name, 2)).start()
+    assert engine.generate(ids, params).output_ids == want
+    # unseeded: each rank's generator differs, so only rank 0's tokens keep the ranks equal
+    # (the tree and every request's tokens, compared by digest after each batch)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    for _ in range(2):
+        run_batch(engine, prompts(name), unseeded)
+        digests = engine.rank_digests()
+        assert digests[0] == digests[1]
+    assert engine.health().healthy
+
+
+def test_the_ranks_end_on_close_or_on_a_death(tp2: tuple[str, Engine]) -> None:
+    """The last test of each TP 2 engine (pytest runs a module fixture's tests in file
+    order): the Llama engine is closed (every follower stops on the broadcast stop, exit
+    code 0), the Qwen3 engine loses rank 1 to a kill while a request runs
+    (:func:`rank_killed`)."""
+    name, engine = tp2
+    if name == "tiny-random-qwen3":
+        rank_killed(name, engine)
+        return
+    assert engine.ranks is not None
+    procs = list(engine.ranks._procs.values())
+    started = time.monotonic()
+    engine.close(timeout=20)
+    assert time.monotonic() - started < 10
+    assert [p.exitcode for p in procs] == [0]
+    assert engine.rank_failure is None
+
+
+def rank_killed(name: str, engine: Engine) -> None:
+    """Kill rank 1 mid-request: the engine turns unhealthy naming the rank (and its pid),
+    the request ends with that error, new requests are refused, close returns."""
+    try:
+        assert engine.ranks is not None
+        pid = engine.ranks.pids[1]
+        first = threading.Event()
+        final: list[RequestOutput] = []
+
+        def on_output(out: RequestOutput) -> None:
+            first.set()
+            if out.finished:
+                final.append(out)
+
+        ids = prompts(name)[0]
+        engine.submit(
+            ids, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), on_output
+        )
+        assert first.wait(60)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while engine.health().healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = engine.health()
+        assert not health.healthy and health.reason is not None
+        assert "rank 1" in health.reason and str(pid) in health.reason, health.reason
+        assert engine.rank_failure is not None and "rank 1" in engine.rank_failure
+        while not final and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert final and final[0].error is not None and "rank 1" in final[0].error, final
+        with pytest.raises(RuntimeError, match="rank 1"):
+            engine.submit(ids, greedy())
+    finally:
+        started = time.monotonic()
+        engine.close(timeout=20)
+        assert time.monotonic() - started < 20
+
+
+def test_bad_tp_size_is_refused_with_the_numbers() -> None:
+    # tiny-random-llama: 4 attention heads, 2 KV heads
+    with pytest.raises(
+        ValueError, match=r"^tp_size=3 is invalid for tiny-random-llama: .*num_attention_heads=4"
+    ):
+        check_tp_model("tiny-random-llama", 3)
+    with pytest.raises(ValueError, match=r"^tp_size=4 .*does not divide num_key_value_heads=2"):
+        check_tp_model("tiny-random-llama", 4)
+    check_tp_model("tiny-random-llama", 2)  # fits
+    with pytest.raises(ValueError, match=r"^tp_size=2 .*not supported for model_type='gemma3"):
+        check_tp_model("tiny-random-gemma3", 2)
+    with pytest.raises(ValueError, match="every rank loads its own shard"):
+        Engine(config("tiny-random-llama", 2), loaded=engine_model("tiny-random-llama")).start()
+    cores = os.cpu_count() or 1
+    with pytest.raises(ValueError, match=rf"tp_size={cores + 1} .* has {cores}"):
+        config("tiny-random-llama", cores + 1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tp_size"):
+            config("tiny-random-llama", bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dist_init_timeout_s"):
+        config("tiny-random-llama", 1, dist_init_timeout_s=0)
+
+
+def test_a_rank_that_does_not_join_fails_the_start_naming_it() -> None:
+    ranks = RankProcesses(2, rank_targets.never_joins, None, init_timeout_s=3.0)
+    started = time.monotonic()
+    with pytest.raises(RankStartError) as err:
+        ranks.start()
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("rank 1 did not join the process group within 3 s"), message
+    assert time.monotonic() - started < 60
+    assert all(not p.is_alive() for p in ranks._procs.values())
+
+
+def test_a_rank_that_dies_before_joining_is_named() -> None:
+    ranks = RankProcesses(2, rank_targets.exits_at_once, None, init_timeout_s=30.0)
+    with pytest.raises(RankStartError, match=r"^rank 1 \(pid \d+\) exited with code 3 before"):
+        ranks.start()
+
+
+def test_step_records_pickle_and_rebuild_the_params() -> None:
+    import pickle
+
+    params = SamplingParams(temperature=0.7, top_k=5, logit_bias={"3": 1.5}, stop=["x"], seed=9)
+    rec = NewRequest.of(
+        rid="r",
+        prompt_ids=[1, 2],
+        params=params,
+        cache_salt="s",
+        priority=2,
+        group="g",
+        arrival=1.0,
+    )
+    back = pickle.loads(pickle.dumps(rec))
+    assert back == rec and back.sampling == params and back.prompt_ids == (1, 2)
