@@ -18,9 +18,10 @@ At the end, before the engine closes:
   none failed;
 * **no OOM**: the peak RSS (``VmHWM`` of ``/proc/<pid>/status``; psutil's current RSS
   where there is no ``/proc``) of every rank process, MiB;
-* **idle**: after the cache's in-flight work is drained (``HiCache.flush``), rank 0's
-  pools hold no request pages and nothing in flight, only cached pages, and no request
-  is admitted, running or waiting;
+* **idle**: once the cache's copies and L3 operations in flight have landed (the ranks
+  agree on them step by step; up to a minute is waited), rank 0's pools hold no request
+  pages and nothing in flight, only cached pages, and no request is admitted, running
+  or waiting;
 * **equal**: every rank's digest of its tree and scheduler (``Engine.rank_digests``) is
   rank 0's: with identical trees (page ids and pins included) the followers' pools hold
   what rank 0's hold.
@@ -306,6 +307,19 @@ def _agreement_us(engine: Engine) -> float | None:
     return float(seconds) / int(steps) * 1e6
 
 
+def _settle(engine: Engine, deadline: float, settle_s: float = 60.0) -> EngineStats:
+    """The engine's stats once the cache's copies and L3 operations in flight have landed
+    (the loop agrees on them step by step), or the last stats read after ``settle_s``
+    seconds (or at ``deadline``). Under TP nothing may drain the cache on rank 0 alone
+    (``HiCache.flush`` would make collectives the followers do not): this only waits."""
+    end = min(deadline, time.monotonic() + settle_s)
+    while True:
+        stats = engine.stats(timeout=max(1.0, deadline - time.monotonic()))
+        if not check_idle(stats) or time.monotonic() >= end:
+            return stats
+        time.sleep(0.1)
+
+
 def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
     started = time.monotonic()
     deadline = started + cfg.timeout_s
@@ -315,10 +329,8 @@ def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
         t0 = time.monotonic()
         hung, finals = _drive(engine, prompts, cfg, deadline)
         wall = time.monotonic() - t0
+        stats = _settle(engine, deadline)
         left = max(1.0, deadline - time.monotonic())
-        if not hung:  # let backups and prefetches in flight finish, then read the pools
-            engine.call(engine.cache.flush).result(timeout=left)
-        stats = engine.stats(timeout=left)
         digests = engine.rank_digests(timeout=left)
         pids = {0: os.getpid(), **(engine.ranks.pids if engine.ranks is not None else {})}
         rss = [peak_rss_mib(pids[r]) for r in sorted(pids)]
