@@ -59,7 +59,7 @@ def _cache(
         weights_fingerprint="w",
         layout=cfg.mem_layout,
         page_size=PAGE,
-        tp_size=2,
+        tp_size=cache.ranks.size,
         tp_rank=rank,
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
