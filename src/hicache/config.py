@@ -259,6 +259,45 @@ class SlidingWindowSpec(ComponentSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class IndexerSpec(ComponentSpec):
+    """The DSA indexer's key cache of a DeepSeek sparse-attention model (DeepSeek-V3.2):
+    one key of ``index_head_dim`` values per token in each of ``num_layers`` layers, in
+    ``dtype``. The component ``"indexer"``: its L1 and L2 pools have as many pages as the
+    full KV's and are indexed by the same page ids (a page of full KV at L1 page ``p`` has
+    its keys at indexer L1 page ``p``; likewise in L2), so it allocates nothing of its own.
+
+    DeepSeek's own kernels keep these keys in fp8 with one scale per 128 values; this cache
+    keeps them in the model's ``dtype`` (the reference the transformers model computes in),
+    ``index_head_dim * dtype bytes`` per token and layer."""
+
+    name: ClassVar[str] = "indexer"
+    num_layers: int
+    index_head_dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        int_at_least("num_layers", self.num_layers, 1)
+        int_at_least("index_head_dim", self.index_head_dim, 1)
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"choose one of {DTYPES}")
+
+    @property
+    def kv(self) -> KVSpec:
+        """The pools' shape: one tensor per layer of ``(tokens, 1, index_head_dim)`` (the
+        MLA pool layout with a latent of ``index_head_dim``), in every host layout."""
+        return KVSpec(
+            num_layers=self.num_layers,
+            attention=AttentionKind.MLA,
+            kv_lora_rank=self.index_head_dim,
+            qk_rope_head_dim=0,
+            dtype=self.dtype,
+        )
+
+    def device_token_bytes(self, config: CacheConfig) -> float:
+        """One key per layer for every token of the full KV's L1 pool."""
+        return float(self.kv.token_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """Everything a model caches per token, as the model side describes it: the full KV
     (``kv``: every layer of a plain model; the global layers of one whose sliding layers

@@ -46,6 +46,9 @@ class CacheCounters:
     l3_backup_swa_pages_total: int = 0
     """Sliding-window KV pages written to L3 (``"swa"`` records)."""
     l3_backup_swa_pages_failed_total: int = 0
+    l3_backup_indexer_pages_total: int = 0
+    """DSA indexer key pages written to L3 (``"indexer"`` records)."""
+    l3_backup_indexer_pages_failed_total: int = 0
     prefetch_timeouts_total: int = 0
     """L3 prefetches whose request the policy let in at the prefetch's deadline with the
     lookup or the read not over (``timeout``: its computed wait; ``wait_complete``:
@@ -63,8 +66,9 @@ class CacheCounters:
 class ComponentUsage:
     """One component's pools at a point in time (hybrid models).
 
-    ``name``: ``"full"`` (full-attention KV pages), ``"swa"`` (sliding-window KV pages) or
-    ``"mamba"`` (recurrent-state slots). ``*_used`` / ``*_total``: pages (slots) in use
+    ``name``: ``"full"`` (full-attention KV pages), ``"swa"`` (sliding-window KV pages),
+    ``"mamba"`` (recurrent-state slots) or ``"indexer"`` (DSA indexer key pages, on the full
+    KV's page ids: its L1 use is the full KV's). ``*_used`` / ``*_total``: pages (slots) in use
     and in the pool, per tier (host 0/0 without L2). ``unit_bytes``: bytes of one page
     (slot). ``bytes_per_cached_token``: the component's used L1 bytes over the tokens
     whose full KV is in L1 (tree and requests), 0.0 when there are none: for full KV its

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller.agreement import (
     Agreement,
     LocalRecords,
@@ -21,6 +23,8 @@ from hicache.controller.agreement import (
 )
 from hicache.controller.completions import L3Read
 from hicache.controller.rank_group import RankGroup
+from hicache.keys import Namespace
+from hicache.storage.registry import create_storage
 
 
 class _Capture(RankGroup):
@@ -129,3 +133,25 @@ def test_rank_group_reduces_int64_on_cpu_only() -> None:
     assert g.min(5) == 5 and g.max(5) == 5 and not g.multi
     with pytest.raises(ValueError, match="int64"):
         g.all_reduce_min(torch.zeros(2, dtype=torch.int32))
+
+
+def test_attach_storage_refuses_a_group_the_cache_was_not_built_with() -> None:
+    class _Two(RankGroup):
+        def __init__(self) -> None:
+            super().__init__()
+            self.size, self.rank = 2, 1
+
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
+    cfg = CacheConfig(page_size=2, device_tokens=8, hicache_ratio=2.0)
+    ns = Namespace.for_spec(
+        spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=2
+    )
+    with HiCache(cfg, spec).start() as cache:
+        storage = create_storage("memory", namespace=ns)
+        with pytest.raises(ValueError, match=r"rank 1 of 2, but the cache is rank 0 of 1"):
+            cache.attach_storage(storage, ns, PrefetchConfig(), _Two())
+        assert not cache.storage_attached
+        cache.attach_storage(
+            create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.ranks
+        )
+        assert cache.storage_attached and cache.sync() == 0  # one rank: sync is poll

@@ -12,16 +12,17 @@ collective blocked past ``COLLECTIVE_TIMEOUT_S`` fails the rank, and with it the
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
-from hicache.keys import Namespace
-from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
+from hicache.keys import Namespace, page_keys
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, shared_store
 from hicache.storage.registry import create_storage
 from tests.helpers.kvdata import FailingLoads
 from tests.helpers.rank_cache import drive
@@ -58,7 +59,7 @@ def _cache(
         weights_fingerprint="w",
         layout=cfg.mem_layout,
         page_size=PAGE,
-        tp_size=2,
+        tp_size=cache.ranks.size,
         tp_rank=rank,
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
@@ -161,7 +162,7 @@ def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
         cache.flush()
         cache.reset()
         _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
-        hits = drive(cache, prompts, open_per_step=2, hold_steps=4, max_running=2, step_s=0.005)
+        hits = drive(cache, prompts, open_per_step=2, hold_steps=8, max_running=2, step_s=0.01)
         cache.flush()
         cache.check_integrity()
         return {"hits": hits, "digest": cache.tree_digest()}
@@ -172,7 +173,99 @@ def test_racing_prefetches_pair_correctly(tmp_path: Path, policy: str) -> None:
     r0, r1 = run_ranks(_race_main, 2, tmp_path, policy)
     assert r0["hits"] == r1["hits"]
     assert r0["digest"] == r1["digest"]
-    assert sum(h[2] for h in r0["hits"]) > 0  # some requests did read L3
+    if policy != "best_effort":  # best_effort never waits: on a loaded machine no read may land
+        assert sum(h[2] for h in r0["hits"]) > 0  # some requests did read L3
+
+
+def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
+    """Detach while rank 1's read is late (its backend still writes the L2 pages): every
+    rank keeps the detached backend's pages until it settled on every rank, so their L2
+    pools keep the same free pages at every step."""
+    with _cache(rank, f"retired-{rank}", "wait_complete", extra={}) as cache:
+        assert cache.host is not None
+        drive(cache, [A])
+        cache.flush()
+        ns = cache.storage.namespace if cache.storage is not None else None
+        assert ns is not None and cache.detach_storage()
+        cache.reset()
+        late = create_storage(
+            "memory",
+            namespace=ns,
+            extra_config={"store": f"retired-{rank}", "timeout_s": 0.1,
+                          "get_delay_s": 1.0 if rank == 1 else 0.0},
+        )  # fmt: skip
+        cache.attach_storage(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        req = cache.open(A, compute_last=False)
+        while cache.storage is not None and not cache.storage.held_host_pages():
+            cache.sync()  # the lookup applied on every rank: the read is issued
+            time.sleep(0.002)
+        time.sleep(0.3)  # rank 0's read is over, rank 1's still writes late
+        assert cache.detach_storage()
+        steps = 0
+        while True:
+            cache.sync()
+            free = cache.host.allocator.free_pages
+            assert cache.ranks.min(free) == cache.ranks.max(free), "L2 pools drifted apart"
+            if not cache.host.allocator.used_pages:
+                break
+            steps += 1
+            assert steps < 2000, "the retired backend's pages were never freed"
+            time.sleep(0.005)
+        cache.release(req)
+        cache.check_integrity()
+        return {"steps": steps}
+
+
+def test_a_late_read_on_one_rank_holds_every_ranks_pages_until_it_settles(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(_retired_main, 2, tmp_path)
+    assert r0["steps"] == r1["steps"] > 0  # freed in the same step, once rank 1 settled
+
+
+def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:
+    """A hybrid model (sliding window 4, pages of 2): rank 1's L3 lost the SWA record of
+    page 5, so its deepest usable boundary of 6 pages is 4; both ranks must read 4."""
+    from tests.cache.test_swa import FULL, SWA_SPEC, read_swa, serve_in_chunks
+
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
+        swa_full_tokens_ratio=0.5,
+    )  # fmt: skip
+    tokens = list(range(100, 121))
+    ns = Namespace.for_spec(
+        FULL, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE,
+        tp_size=2, tp_rank=rank,
+    )  # fmt: skip
+    store = f"swa-{rank}"
+    policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+    with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,)), ranks=RankGroup()) as cache:
+        cache.attach_storage(
+            create_storage("memory", namespace=ns, extra_config={"store": store}), ns, policy
+        )
+        serve_in_chunks(cache, tokens)
+        cache.reset()
+        if rank == 1:
+            shared_store(store).delete(page_keys(ns.with_component("swa"), tokens, PAGE)[4].key)
+        prompt = tokens[:13]  # 6 whole pages before the last token
+        req = cache.open(prompt)
+        for _ in range(2000):
+            cache.sync()
+            if cache.ready(req):
+                break
+            time.sleep(0.002)
+        assert cache.admit(req, prompt)
+        prefix = req.prefix_tokens
+        assert read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
+        hit = (req.cached.storage, prefix)
+        cache.release(req)
+        cache.flush()
+        cache.check_integrity()
+        return {"hit": hit, "digest": cache.tree_digest()}
+
+
+def test_ranks_agree_on_a_hybrid_models_deepest_common_boundary(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(_swa_main, 2, tmp_path)
+    assert r0["hit"] == r1["hit"] == [4 * PAGE, 4 * PAGE]  # rank 0 alone could serve 6
+    assert r0["digest"] == r1["digest"]
 
 
 if __name__ == "__main__":  # pragma: no cover - spawn children import this module

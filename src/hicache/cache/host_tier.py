@@ -29,9 +29,9 @@ load still in flight maps depends on that load's progress (``loads_on``).
 Tensor-parallel ranks (``ranks`` with more than one rank): a completion is applied only
 once every rank has it, with the agreed ok flag (:meth:`votes`, :meth:`apply_agreed`,
 driven by the owner's ``sync``); the waits for copies loop on the owner's agreed wait
-(``wait_until``), so every rank gives up together; and an L2 allocation agrees first on
-how many pages to evict (the largest shortfall of any rank: every rank evicts the same
-nodes) and then on whether every rank got its pages (else every rank frees them).
+(``wait_until``), so every rank gives up together; and an L2 allocation agrees on how
+many pages to evict (the largest shortfall of any rank: every rank evicts the same nodes)
+and allocates only when no rank falls short (every rank gets its pages or none does).
 """
 
 from __future__ import annotations
@@ -236,28 +236,28 @@ class HostTier:
         return None if pages is None else page_ids(pages)
 
     def _alloc_agreed(self, num_pages: int) -> PageIds | None:
-        """:meth:`alloc` over several ranks: reserve, all-reduce(min), commit or abort.
-        The collectives made depend on agreed values only (2 to 5 of them)."""
+        """:meth:`alloc` over several ranks: the ranks agree on the largest shortfall of
+        free pages (one all-reduce when every rank has room), evict that many (the same
+        nodes on every rank: their trees are the same), agree again, and allocate only
+        when no rank falls short, so every rank gets its pages or none does. The
+        collectives made depend on agreed values only."""
         alloc, ranks = self.allocator, self.ranks
         short = ranks.max(num_pages - alloc.free_pages)
         if short > 0:
             self.evict(short)
             short = ranks.max(num_pages - alloc.free_pages)
-            if short > 0 and self.loads and self._wait_until is not None:
-                self._waiting += 1  # the caller may hold pins: failed loads wait for settle
-                try:
-                    self._wait_until(lambda: not self.loads, self._wait_timeout_s)
-                finally:
-                    self._waiting -= 1
-                short = ranks.max(num_pages - alloc.free_pages)
-                if short > 0:
-                    self.evict(short)
-        pages = alloc.alloc(num_pages) if alloc.free_pages >= num_pages else None
-        if ranks.min(int(pages is not None)) == 0:
-            if pages is not None:
-                alloc.free(pages)
-            return None
-        assert pages is not None
+        if short > 0 and self.loads and self._wait_until is not None:
+            self._waiting += 1  # the caller may hold pins: failed loads wait for settle
+            try:
+                self._wait_until(lambda: not self.loads, self._wait_timeout_s)
+            finally:
+                self._waiting -= 1
+            self.evict(ranks.max(num_pages - alloc.free_pages))
+            short = ranks.max(num_pages - alloc.free_pages)
+        if short > 0:
+            return None  # some rank cannot make room: none allocates
+        pages = alloc.alloc(num_pages)
+        assert pages is not None  # every rank has num_pages free
         return page_ids(pages)
 
     def evict(self, num_pages: int) -> int:

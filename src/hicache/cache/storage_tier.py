@@ -378,7 +378,8 @@ class StorageTier:
             pages = c.reads(start + hit, p.local.get(c.name, ()))
             if not pages:
                 continue
-            ids = c.alloc(len(pages))
+            assert host_pages is not None
+            ids = c.alloc_read(pages, start, host_pages)
             if ids is None:  # no L2 room for the records a boundary needs: no use
                 got_all = False
                 break
@@ -415,7 +416,7 @@ class StorageTier:
             pages = c.reads(boundary, p.local.get(c.name, ()))
             if not pages:
                 continue
-            ids = c.alloc(len(pages))
+            ids = c.alloc_read(pages, p.start_page, page_ids())
             if ids is None:  # no L2 room for them: no use
                 got_all = False
                 break

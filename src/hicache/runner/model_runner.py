@@ -39,13 +39,21 @@ from typing import Any
 
 import torch
 
-from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
+from hicache.config import (
+    AttentionKind,
+    CacheSpec,
+    ComponentSpec,
+    IndexerSpec,
+    KVSpec,
+    SlidingWindowSpec,
+)
 from hicache.extras import KeptState, SequenceExtras
 from hicache.memory import DevicePool
 from hicache.runner.decode_graphs import DecodeGraphs
 from hicache.runner.kernels import AttentionBackend, resolve_backend
 from hicache.runner.models import AttentionContext, DecoderConfig, DecoderLM
 from hicache.runner.models.attention import SlidingKV
+from hicache.runner.models.deepseek_v32 import DeepseekV32Config, DeepseekV32LM
 from hicache.runner.models.hybrid import HybridLM
 from hicache.runner.models.registry import (
     HYBRID_FAMILIES,
@@ -58,6 +66,8 @@ __all__ = ["ForwardBatch", "ModelRunner", "cache_spec_of", "kv_spec_from_hf_conf
 
 SLIDING = SlidingWindowSpec.name
 """The component whose pool a hybrid's sliding layers use (``"swa"``)."""
+INDEXER = IndexerSpec.name
+"""The component whose pool DeepSeek-V3.2's indexer keys live in (``"indexer"``)."""
 
 
 def cache_spec_of(model: DecoderLM | HybridLM, dtype: str) -> CacheSpec:
@@ -84,6 +94,8 @@ def cache_spec_of(model: DecoderLM | HybridLM, dtype: str) -> CacheSpec:
     specs = model.state_specs()
     if specs:
         components.append(cache_state_spec(specs, model.dtype))
+    if isinstance(model.config, DeepseekV32Config):  # the DSA indexer's keys
+        components.append(model.config.indexer_spec(dtype))
     return CacheSpec(kv=model.config.full_kv_spec(dtype), components=tuple(components))
 
 
@@ -220,7 +232,7 @@ class ModelRunner:
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
     ) -> None:
         spec = device_pool.spec
-        unknown = sorted(set(pools or {}) - {SLIDING})
+        unknown = sorted(set(pools or {}) - {SLIDING, INDEXER})
         if unknown:
             raise ValueError(f"the runner uses no pool of component(s) {unknown}")
         swa_pool = (pools or {}).get(SLIDING)
@@ -246,6 +258,14 @@ class ModelRunner:
         self.model = model
         self.pool = device_pool
         self.pools: dict[str, DevicePool] = {} if swa_pool is None else {SLIDING: swa_pool}
+        indexer_pool = (pools or {}).get(INDEXER)
+        if indexer_pool is not None:  # DeepSeek-V3.2: its indexer keys, on the full slots
+            if not isinstance(model, DeepseekV32LM):
+                raise ValueError("the runner got an indexer pool, but the model has no indexer")
+            model.use_indexer_pool(indexer_pool)
+            self.pools[INDEXER] = indexer_pool
+        elif isinstance(model, DeepseekV32LM):
+            raise ValueError("a DeepSeek-V3.2 runner needs the indexer pool (pools['indexer'])")
         self.attention_backend = resolve_backend(attention_backend, device_pool.device)
         """The concrete decode-attention backend (``sdpa`` or ``triton``)."""
         specs = model.state_specs() if isinstance(model, HybridLM) else {}

@@ -118,6 +118,16 @@ class ComponentRecords(ABC):
         """``n`` L2 ids to read records into (evicting unpinned L2 values); None when
         they cannot be had."""
 
+    def alloc_read(
+        self, pages: Sequence[int], start_page: int, host_pages: PageIds
+    ) -> PageIds | None:
+        """L2 ids to read the records of ``pages`` into, for a prefetch that reads the
+        full KV of pages ``start_page + 1 ..`` into the L2 pages ``host_pages`` (empty: a
+        read of records alone); None when they cannot be had. Default: ``len(pages)``
+        fresh ids (:meth:`alloc`); a component on the full KV's page ids (the DSA indexer)
+        takes those pages."""
+        return self.alloc(len(pages))
+
     @abstractmethod
     def free(self, ids: PageIds) -> None:
         """Return L2 ids (read into, not adopted) to the pool."""

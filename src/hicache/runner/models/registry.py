@@ -4,7 +4,8 @@
 :data:`~hicache.runner.models.config.FAMILIES` (served by :class:`DecoderLM`) and the
 :data:`HYBRID_FAMILIES` (a :class:`~hicache.runner.models.hybrid.HybridLM` each; DeepSeek-V2/V3,
 :data:`~hicache.runner.models.deepseek.DEEPSEEK_FAMILIES`, are among them: their MLA
-decoder is built on the hybrid frame, with the MLA pool).
+decoder is built on the hybrid frame, with the MLA pool; DeepSeek-V3.2,
+:data:`~hicache.runner.models.deepseek_v32.DSA_FAMILY`, adds the DSA indexer).
 :func:`check_supported` refuses anything else with one error naming the list;
 :func:`check_tensor_parallel` refuses a tensor-parallel size a family cannot be split over.
 """
@@ -17,6 +18,7 @@ import torch
 
 from hicache.runner.models.config import FAMILIES, DecoderConfig, UnsupportedModelError
 from hicache.runner.models.deepseek import DEEPSEEK_FAMILIES, DeepseekConfig, DeepseekLM
+from hicache.runner.models.deepseek_v32 import DSA_FAMILY, DeepseekV32Config, DeepseekV32LM
 from hicache.runner.models.gemma3 import Gemma3Config, Gemma3LM
 from hicache.runner.models.gpt_oss import GptOssConfig, GptOssLM
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
@@ -39,6 +41,7 @@ HYBRID_FAMILIES: tuple[str, ...] = (
     "qwen3_next",
     "nemotron_h",
     *DEEPSEEK_FAMILIES,
+    DSA_FAMILY,
 )
 """``model_type`` values of the hybrid families."""
 
@@ -71,6 +74,9 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
         return
     if model_type in DEEPSEEK_FAMILIES:
         _check_deepseek_split(DeepseekConfig.from_hf(hf_config), size)
+        return
+    if model_type == DSA_FAMILY:  # the indexer is replicated: the MLA and MoE split
+        _check_deepseek_split(DeepseekV32Config.from_hf(hf_config), size)
         return
     if model_type in HYBRID_FAMILIES:
         raise UnsupportedModelError(
@@ -111,6 +117,8 @@ def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
         return NemotronHConfig.from_hf(hf_config)
     if model_type in DEEPSEEK_FAMILIES:
         return DeepseekConfig.from_hf(hf_config)
+    if model_type == DSA_FAMILY:
+        return DeepseekV32Config.from_hf(hf_config)
     raise UnsupportedModelError(
         f"model_type={model_type!r} is not a hybrid family; hybrid ones: {HYBRID_FAMILIES}"
     )
@@ -132,7 +140,9 @@ def build_hybrid_model(
             f"tensor parallelism is not supported for model_type={cfg.family!r}"
         )
     with torch.device("meta"):
-        if isinstance(cfg, DeepseekConfig):
+        if isinstance(cfg, DeepseekV32Config):
+            model = DeepseekV32LM(cfg, tp)
+        elif isinstance(cfg, DeepseekConfig):
             model = DeepseekLM(cfg, tp)
         elif isinstance(cfg, Gemma3Config):
             model = Gemma3LM(cfg)

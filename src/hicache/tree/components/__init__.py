@@ -1,4 +1,5 @@
-"""Per-component node data and rules: full KV, sliding-window KV, Mamba / linear state."""
+"""Per-component node data and rules: full KV, sliding-window KV, Mamba / linear state,
+the DSA indexer's keys."""
 
 from hicache.tree.components.base import (
     ComponentData,
@@ -11,6 +12,7 @@ from hicache.tree.components.base import (
     TreeComponent,
 )
 from hicache.tree.components.full import FullComponent
+from hicache.tree.components.indexer import IndexerKeys
 from hicache.tree.components.mamba import MambaState
 from hicache.tree.components.swa import SlidingWindow
 
@@ -19,6 +21,7 @@ __all__ = [
     "ComponentValues",
     "FullComponent",
     "Granularity",
+    "IndexerKeys",
     "MambaState",
     "MatchValidator",
     "PathAccess",
