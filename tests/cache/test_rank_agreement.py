@@ -59,7 +59,7 @@ def _cache(
         weights_fingerprint="w",
         layout=cfg.mem_layout,
         page_size=PAGE,
-        tp_size=2,
+        tp_size=cache.ranks.size,
         tp_rank=rank,
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
@@ -175,6 +175,50 @@ def test_racing_prefetches_pair_correctly(tmp_path: Path, policy: str) -> None:
     assert r0["digest"] == r1["digest"]
     if policy != "best_effort":  # best_effort never waits: on a loaded machine no read may land
         assert sum(h[2] for h in r0["hits"]) > 0  # some requests did read L3
+
+
+def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
+    """Detach while rank 1's read is late (its backend still writes the L2 pages): every
+    rank keeps the detached backend's pages until it settled on every rank, so their L2
+    pools keep the same free pages at every step."""
+    with _cache(rank, f"retired-{rank}", "wait_complete", extra={}) as cache:
+        assert cache.host is not None
+        drive(cache, [A])
+        cache.flush()
+        ns = cache.storage.namespace if cache.storage is not None else None
+        assert ns is not None and cache.detach_storage()
+        cache.reset()
+        late = create_storage(
+            "memory",
+            namespace=ns,
+            extra_config={"store": f"retired-{rank}", "timeout_s": 0.1,
+                          "get_delay_s": 1.0 if rank == 1 else 0.0},
+        )  # fmt: skip
+        cache.attach_storage(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        req = cache.open(A, compute_last=False)
+        while cache.storage is not None and not cache.storage.held_host_pages():
+            cache.sync()  # the lookup applied on every rank: the read is issued
+            time.sleep(0.002)
+        time.sleep(0.3)  # rank 0's read is over, rank 1's still writes late
+        assert cache.detach_storage()
+        steps = 0
+        while True:
+            cache.sync()
+            free = cache.host.allocator.free_pages
+            assert cache.ranks.min(free) == cache.ranks.max(free), "L2 pools drifted apart"
+            if not cache.host.allocator.used_pages:
+                break
+            steps += 1
+            assert steps < 2000, "the retired backend's pages were never freed"
+            time.sleep(0.005)
+        cache.release(req)
+        cache.check_integrity()
+        return {"steps": steps}
+
+
+def test_a_late_read_on_one_rank_holds_every_ranks_pages_until_it_settles(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(_retired_main, 2, tmp_path)
+    assert r0["steps"] == r1["steps"] > 0  # freed in the same step, once rank 1 settled
 
 
 def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:

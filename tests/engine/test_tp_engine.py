@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +266,31 @@ def test_step_records_pickle_and_rebuild_the_params() -> None:
     )
     back = pickle.loads(pickle.dumps(rec))
     assert back == rec and back.sampling == params and back.prompt_ids == (1, 2)
+
+
+def test_tp2_l3_per_rank_shards_and_runtime_attach(tmp_path: Path) -> None:
+    """File L3 at TP 2: each rank writes its own shard under its own namespace; after
+    ``flush_cache`` the replay is served from L3 with transformers' output; a detach and
+    a runtime attach (step-input records, applied by every rank) serve it again."""
+    name = "tiny-random-llama"
+    extra = {"file_path": str(tmp_path), "prefetch_threshold": 8}
+    ids = prompts(name)[0] * 3  # 48 tokens: 12 pages; 47 matched
+    want = hf_greedy(name, tuple(ids))
+    with Engine(config(name, 2, storage_backend="file", storage_extra_config=extra)) as engine:
+        assert engine.generate(ids, greedy()).output_ids == want
+        assert engine.flush_cache()
+        replay = engine.generate(ids, greedy())
+        assert replay.output_ids == want
+        assert replay.cached.storage == 44 and replay.cached.device == 0
+        assert engine.detach_storage()
+        engine.attach_storage("file", extra)
+        assert engine.flush_cache()
+        again = engine.generate(ids, greedy())
+        assert again.output_ids == want and again.cached.storage == 44
+        digests = engine.rank_digests()
+        assert digests[0] == digests[1]
+        with pytest.raises(RuntimeError, match="attached"):
+            engine.attach_storage("file", extra)  # refused on rank 0 and on rank 1 alike
+        assert engine.generate(ids, greedy()).output_ids == want
+    namespaces = {p.parent for p in tmp_path.rglob("*") if p.is_file()}
+    assert len(namespaces) >= 2, sorted(str(p) for p in tmp_path.rglob("*"))

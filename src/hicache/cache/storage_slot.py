@@ -146,12 +146,14 @@ class StorageSlot:
         return True
 
     def settle(self) -> None:
-        """Free what each retired backend whose host writes have settled held."""
+        """Free what each retired backend whose host writes have settled held (with
+        several ranks: settled on every rank, so every rank's pools keep the same free
+        pages; one all-reduce per retired backend, the same list on every rank)."""
         if not self._retired:
             return
         keep: list[Retired] = []
         for r in self._retired:
-            if r.storage.host_writes_settled(0.0):
+            if self._ranks.min(int(r.storage.host_writes_settled(0.0))):
                 self._host.allocator.free(r.pages)
                 self._free_components(Tier.HOST, r.ids)
             else:

@@ -335,7 +335,7 @@ class Engine(Lifecycle):
             self.ranks = RankProcesses(
                 cfg.tp_size,
                 run_follower,
-                cfg,
+                _config_fields(cfg),
                 backend=backend,
                 init_timeout_s=cfg.dist_init_timeout_s,
             )
@@ -1180,10 +1180,29 @@ class Engine(Lifecycle):
                 log.exception("closing the cache after the engine thread ended")
 
 
-def run_follower(setup: RankSetup, config: EngineConfig, conn: Any) -> None:
+def _plain(value: Any) -> Any:
+    """``value`` with every mapping (a frozen ``mappingproxy`` included) a plain dict, so
+    that it pickles."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _config_fields(config: EngineConfig) -> dict[str, Any]:
+    """``config``'s init fields as a picklable dict (``EngineConfig(**fields)`` rebuilds
+    and revalidates it in a follower)."""
+    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+
+
+def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
     """The main of follower rank ``setup.rank`` (a spawned process): join the group, build
-    the engine on this rank's device, say so on ``conn`` (``("joined",)``, ``("ready",)``, or
-    ``("error", line)`` before exiting 1), then :meth:`Engine.follow` until told to stop."""
+    the engine (``EngineConfig(**fields)``, see :func:`_config_fields`) on this rank's
+    device, say so on ``conn`` (``("joining",)``, ``("joined",)``, ``("ready",)``, or
+    ``("error", line)``
+    before exiting 1), then :meth:`Engine.follow` until told to stop."""
+    config = EngineConfig(**fields)
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {setup.rank}: %(message)s"
     )
@@ -1192,6 +1211,7 @@ def run_follower(setup: RankSetup, config: EngineConfig, conn: Any) -> None:
     code = 1
     try:
         try:
+            conn.send(("joining",))
             channel = join_group(setup)
         except BaseException as exc:
             conn.send(("error", f"could not join the process group: {_line(exc)}"))

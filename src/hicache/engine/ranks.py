@@ -211,8 +211,9 @@ def leave_group() -> None:
 
 
 FollowerTarget = Callable[[RankSetup, Any, Any], None]
-"""A follower process's main: ``(setup, payload, conn)``; it sends ``("joined",)`` on
-``conn`` once in the group, ``("ready",)`` once its engine is built, or ``("error", line)``
+"""A follower process's main: ``(setup, payload, conn)``; it sends ``("joining",)`` on
+``conn`` right before it joins the group (rank 0 joins only once every follower has),
+``("joined",)`` once in the group, ``("ready",)`` once its engine is built, or ``("error", line)``
 before it exits on a failure."""
 
 
@@ -284,30 +285,35 @@ class RankProcesses:
         return self.channel
 
     def _join(self, setup: RankSetup) -> StepChannel:
-        """Join as rank 0 (on a thread, so that a follower dying before it joins fails the
-        start at once rather than at the join's timeout)."""
-        got: dict[str, Any] = {}
+        """Join as rank 0 once every follower is about to (it said ``joining``): a follower
+        that dies first fails the start at once, one that never gets there at the timeout,
+        and rank 0 never waits in a rendezvous it could not leave."""
+        deadline = time.monotonic() + self.init_timeout_s
+        self._wait_for(
+            "joining",
+            "before joining the process group",
+            deadline,
+            f"did not join the process group within {self.init_timeout_s:g} s"
+            " (--dist-init-timeout)",
+        )
+        try:
+            return join_group(setup)
+        except Exception as exc:
+            raise RankStartError(self._join_failure(exc)) from None
 
-        def join() -> None:
-            try:
-                got["channel"] = join_group(setup)
-            except BaseException as exc:
-                got["error"] = exc
-
-        thread = threading.Thread(target=join, name="hicache-rank-join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(timeout=0.2)
-            for rank in self._procs:
-                self._read(rank)
-                if self._said_kind(rank, "joined") is None:
-                    problem = self._rank_problem(rank, "before joining the process group")
-                    if problem is not None:
-                        raise RankStartError(problem)
-        if "error" in got:
-            raise RankStartError(self._join_failure(got["error"]))
-        channel: StepChannel = got["channel"]
-        return channel
+    def _wait_for(self, kind: str, doing: str, deadline: float, missing: str) -> None:
+        """Wait until every follower has sent a ``kind`` message (by ``deadline``,
+        ``time.monotonic()``); :class:`RankStartError` for the first that failed (``doing``
+        what) or has not (``rank N missing``)."""
+        for rank in self._procs:
+            while self._said_kind(rank, kind) is None:
+                problem = self._rank_problem(rank, doing)
+                if problem is not None:
+                    raise RankStartError(problem)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RankStartError(f"rank {rank} {missing}")
+                self._read(rank, min(left, 0.2))
 
     def _setup(self, rank: int, init_method: str) -> RankSetup:
         return RankSetup(
@@ -362,19 +368,12 @@ class RankProcesses:
     def wait_ready(self) -> None:
         """Wait until every follower has built its engine (within ``init_timeout_s``);
         :class:`RankStartError` naming the first rank that failed or did not make it."""
-        deadline = time.monotonic() + self.init_timeout_s
-        for rank in self._procs:
-            while self._said_kind(rank, "ready") is None:
-                problem = self._rank_problem(rank, "while building its engine")
-                if problem is not None:
-                    raise RankStartError(problem)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RankStartError(
-                        f"rank {rank} did not build its engine within {self.init_timeout_s:g}"
-                        " s (--dist-init-timeout)"
-                    )
-                self._read(rank, min(left, 0.2))
+        self._wait_for(
+            "ready",
+            "while building its engine",
+            time.monotonic() + self.init_timeout_s,
+            f"did not build its engine within {self.init_timeout_s:g} s (--dist-init-timeout)",
+        )
 
     # ------------------------------------------------------------------ watch
 
