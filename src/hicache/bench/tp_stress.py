@@ -61,7 +61,15 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.validate import int_at_least, require
 
-__all__ = ["StressConfig", "StressResult", "check_idle", "main", "peak_rss_mib", "run_stress"]
+__all__ = [
+    "StressConfig",
+    "StressResult",
+    "check_idle",
+    "main",
+    "peak_rss_mib",
+    "run_stress",
+    "settle",
+]
 
 DEFAULT_MODELS = ("tiny-random-deepseek-v32", "tiny-random-llama")
 """MLA latent + the DSA indexer, and MHA (the tiny Llama's 2 K/V heads split over 2 ranks
@@ -303,15 +311,13 @@ def run_stress(cfg: StressConfig) -> StressResult:
             tmp.cleanup()
 
 
-def _agreement_us(engine: Engine) -> float | None:
-    seconds = getattr(engine, "agreement_seconds_total", None)
-    steps = getattr(engine, "agreement_steps_total", None)
-    if seconds is None or not steps:
-        return None
-    return float(seconds) / int(steps) * 1e6
+def agreement_us(engine: Engine) -> float | None:
+    """The engine's mean agreement overhead per step so far (µs); None at TP 1."""
+    steps = engine.agreement_steps_total
+    return engine.agreement_seconds_total / steps * 1e6 if steps else None
 
 
-def _settle(engine: Engine, deadline: float, settle_s: float = 60.0) -> EngineStats:
+def settle(engine: Engine, deadline: float, settle_s: float = 60.0) -> EngineStats:
     """The engine's stats once the cache's copies and L3 operations in flight have landed
     (the loop agrees on them step by step), or the last stats read after ``settle_s``
     seconds (or at ``deadline``). Under TP nothing may drain the cache on rank 0 alone
@@ -333,12 +339,12 @@ def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
         t0 = time.monotonic()
         hung, finals = _drive(engine, prompts, cfg, deadline)
         wall = time.monotonic() - t0
-        stats = _settle(engine, deadline)
+        stats = settle(engine, deadline)
         left = max(1.0, deadline - time.monotonic())
         digests = engine.rank_digests(timeout=left)
         pids = {0: os.getpid(), **(engine.ranks.pids if engine.ranks is not None else {})}
         rss = [peak_rss_mib(pids[r]) for r in sorted(pids)]
-        agreement = _agreement_us(engine)
+        agreement = agreement_us(engine)
     c = stats.cache.counters
     return StressResult(
         model=cfg.model,
