@@ -11,6 +11,14 @@ scheduler step, an output callback) fails only the requests involved; the loop g
 If the loop ends anyway, every request and call still queued or in flight is failed at
 once (no caller waits for ever), :attr:`Engine.alive` turns False and
 :meth:`Engine.health` says why. Every wait here has a deadline.
+
+Tensor parallelism (``tp_size`` > 1, :mod:`hicache.engine.ranks`): this engine is rank 0;
+each follower process runs an engine of its own in :meth:`Engine.follow`. What the API
+posts becomes a step-input record (:mod:`hicache.engine.step_inputs`) that every rank
+applies at the same step; :meth:`Engine.call` runs on rank 0 alone, so its function must
+only read (it must not change the cache or wait on it: a cache wait agrees with the other
+ranks). No rank recovers alone: a scheduler step or a forward that raises on any rank,
+or a rank that dies, stops every rank (``health`` names a dead rank).
 """
 
 from __future__ import annotations
@@ -765,6 +773,8 @@ class Engine(Lifecycle):
 
         The future fails with RuntimeError if the loop ends before running ``fn``; a
         caller still bounds its wait (``.result(timeout=...)``) as ``fn`` may be slow.
+        With ``tp_size`` > 1 ``fn`` runs on rank 0 alone: it may read, not change the cache
+        or wait on it (flush, attach and detach have their own methods, run on every rank).
         """
         fut: Future[T] = Future()
 
