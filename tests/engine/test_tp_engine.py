@@ -140,6 +140,23 @@ def test_tp2_sampling_follows_rank_0(tp2: tuple[str, Engine]) -> None:
     with Engine(config(name, 1), loaded=engine_model(name)) as tp1:
         want = tp1.generate(ids, params).output_ids
     assert engine.generate(ids, params).output_ids == want
+    # a client whose callback raises: rank 0 aborts its request through the next step's
+    # inputs, so every rank ends it at the same step
+    seen: list[RequestOutput] = []
+    ended = threading.Event()
+
+    def broken(out: RequestOutput) -> None:
+        seen.append(out)
+        if out.finished:
+            ended.set()
+        raise RuntimeError("the client is gone")
+
+    engine.submit(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), broken)
+    assert ended.wait(60)
+    assert seen[-1].finish_reason is not None and seen[-1].finish_reason.value == "abort"
+    assert len(seen[-1].output_ids) < 50
+    digests = engine.rank_digests()
+    assert digests[0] == digests[1]
     # the process group is per process: a second TP engine here is refused, this one goes on
     with pytest.raises(RankStartError, match="one engine with tp_size > 1 per process"):
         Engine(config(name, 2)).start()
