@@ -287,7 +287,7 @@ class Engine(Lifecycle):
         self.ranks: RankProcesses | None = None
         """Rank 0's handle on the follower processes (None with one rank, or on a follower)."""
         self._channel_ok = True  # no collective of the step exchange has failed
-        self._rank_failure: str | None = None  # a follower died: why (naming it)
+        self._rank_failure: str | None = None  # why the ranks stopped (naming the rank)
         self._rank_failure_listeners: list[Callable[[str], None]] = []
         self._step_no = 0
         self._inbox: queue.Queue[_Task] = queue.Queue()
@@ -506,13 +506,15 @@ class Engine(Lifecycle):
 
     @property
     def rank_failure(self) -> str | None:
-        """Why a follower rank died (naming it), once one has; None while all live (and
-        with one rank)."""
+        """Why the ranks stopped on their own, naming the rank: a follower that died, or
+        rank 0's loop that failed (which then made every follower leave); None while they
+        run (and with one rank)."""
         return self._rank_failure
 
     def on_rank_failure(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(why)`` (on a watcher thread) when a follower rank dies; the
-        engine has stopped then (the server exits)."""
+        """Call ``listener(why)`` (on a watcher thread, or the engine thread) when the
+        ranks stop on their own (:attr:`rank_failure`); the engine has stopped then (the
+        server exits)."""
         self._rank_failure_listeners.append(listener)
         if self._rank_failure is not None:
             listener(self._rank_failure)
@@ -1096,8 +1098,23 @@ class Engine(Lifecycle):
             if failure is not None:
                 reason = f"{failure}; the engine stopped"
             log.critical("%s", reason, exc_info=failure is None)
+            if failure is None and channel is not None:
+                why = f"rank 0 stopped: {type(exc).__name__}: {exc}"
+                self._break_ranks(why)
+                reason = f"{why}; the engine stopped"
         finally:
             self._end_loop(reason)
+
+    def _break_ranks(self, why: str) -> None:
+        """Rank 0's loop failed on its own (a step or a forward that raised here): stop
+        every follower now (one waiting in a collective with rank 0 would wait for its
+        timeout), leave the group, and stop as for a dead rank (``why`` is
+        :attr:`rank_failure`; the server exits)."""
+        self._channel_ok = False
+        if self.ranks is not None:
+            self.ranks.terminate()
+        leave_group()
+        self._on_rank_failure(why)
 
     def _failed_rank(self) -> str | None:
         """Why a follower died, if one did (waiting a moment for its exit to be seen)."""
