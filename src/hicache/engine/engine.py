@@ -338,8 +338,10 @@ class Engine(Lifecycle):
                     " start the engine without a loaded model"
                 )
             check_tp_model(cfg.model_path, cfg.tp_size)  # before any process starts
-            torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
-            backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
+            on_cuda = torch.device(cfg.device).type == "cuda"
+            if not on_cuda:  # the cores shared out between the ranks
+                torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
+            backend = "nccl" if on_cuda else "gloo"
             self.ranks = RankProcesses(
                 cfg.tp_size,
                 run_follower,
@@ -347,7 +349,11 @@ class Engine(Lifecycle):
                 backend=backend,
                 init_timeout_s=cfg.dist_init_timeout_s,
             )
-            self._channel = self.ranks.start()
+            try:
+                self._channel = self.ranks.start()  # stops what it started when it fails
+            except BaseException:
+                self.ranks = None
+                raise
             try:
                 self._build()
                 self.ranks.wait_ready()
