@@ -76,7 +76,9 @@ def llama_greedy(ids: list[int]) -> list[int]:
     return list(out[0, len(ids) :].tolist())
 
 
-MODELS: dict[str, tuple[Callable[[], str], Callable[[int], list[int]], Callable[[list[int]], list[int]]]] = {
+MODELS: dict[
+    str, tuple[Callable[[], str], Callable[[int], list[int]], Callable[[list[int]], list[int]]]
+] = {
     "deepseek-v2": (
         lambda: str(v2.checkpoint("v2-lite")),
         lambda k: v2.prompt("v2-lite", PROMPT_LEN, offset=k * 40),
