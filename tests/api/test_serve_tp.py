@@ -51,6 +51,15 @@ def rank_pids(server_pid: int) -> list[int]:
     return out
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_serve_tp2_answers_and_a_dead_rank_stops_it() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -129,3 +138,38 @@ def test_bad_tp_flags_are_one_line(argv: list[str], needle: str) -> None:
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and needle in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_followers_exit_when_rank_0_dies() -> None:
+    """SIGKILL the server (rank 0): its follower's next exchange fails and it exits."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*HICACHE, "serve", *TINY, "--tp-size", "2", "--port", str(port)],
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=ENV,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("the server did not start")
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 1, ranks
+        proc.kill()
+        proc.wait(timeout=30)
+        gone = time.monotonic() + 30
+        while running(ranks[0]) and time.monotonic() < gone:
+            time.sleep(0.1)
+        if running(ranks[0]):
+            os.kill(ranks[0], signal.SIGKILL)
+            pytest.fail("rank 1 did not exit within 30 s of rank 0's death")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

@@ -140,6 +140,23 @@ def test_tp2_sampling_follows_rank_0(tp2: tuple[str, Engine]) -> None:
     with Engine(config(name, 1), loaded=engine_model(name)) as tp1:
         want = tp1.generate(ids, params).output_ids
     assert engine.generate(ids, params).output_ids == want
+    # a client whose callback raises: rank 0 aborts its request through the next step's
+    # inputs, so every rank ends it at the same step
+    seen: list[RequestOutput] = []
+    ended = threading.Event()
+
+    def broken(out: RequestOutput) -> None:
+        seen.append(out)
+        if out.finished:
+            ended.set()
+        raise RuntimeError("the client is gone")
+
+    engine.submit(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), broken)
+    assert ended.wait(60)
+    assert seen[-1].finish_reason is not None and seen[-1].finish_reason.value == "abort"
+    assert len(seen[-1].output_ids) < 50
+    digests = engine.rank_digests()
+    assert digests[0] == digests[1]
     # the process group is per process: a second TP engine here is refused, this one goes on
     with pytest.raises(RankStartError, match="one engine with tp_size > 1 per process"):
         Engine(config(name, 2)).start()
@@ -156,20 +173,42 @@ def test_tp2_sampling_follows_rank_0(tp2: tuple[str, Engine]) -> None:
 
 def test_the_ranks_end_on_close_or_on_a_death(tp2: tuple[str, Engine]) -> None:
     """The last test of each TP 2 engine (pytest runs a module fixture's tests in file
-    order): the Llama engine is closed (every follower stops on the broadcast stop, exit
-    code 0), the Qwen3 engine loses rank 1 to a kill while a request runs
-    (:func:`rank_killed`)."""
+    order): the Llama engine's rank 0 fails a step on its own (:func:`rank_0_fails`), the
+    Qwen3 engine loses rank 1 to a kill while a request runs (:func:`rank_killed`)."""
     name, engine = tp2
     if name == "tiny-random-qwen3":
         rank_killed(name, engine)
-        return
+    else:
+        rank_0_fails(name, engine)
+
+
+def rank_0_fails(name: str, engine: Engine) -> None:
+    """A scheduler step that raises on rank 0 alone: no rank may go on alone, so rank 0
+    stops its follower at once (not at the collective timeout) and leaves the group, the
+    engine is unhealthy naming rank 0, and close returns."""
     assert engine.ranks is not None
     procs = list(engine.ranks._procs.values())
+
+    def boom() -> bool:
+        raise RuntimeError("a bug on rank 0")
+
     started = time.monotonic()
-    engine.close(timeout=20)
-    assert time.monotonic() - started < 10
-    assert [p.exitcode for p in procs] == [0]
-    assert engine.rank_failure is None
+    try:
+        engine.call(lambda: setattr(engine.scheduler, "step", boom)).result(timeout=30)
+        while engine.health().healthy and time.monotonic() - started < 30:
+            time.sleep(0.05)
+        reason = engine.health().reason
+        assert reason is not None and "rank 0 stopped: RuntimeError: a bug on rank 0" in reason
+        assert engine.rank_failure is not None and engine.rank_failure.startswith("rank 0")
+        for proc in procs:
+            proc.join(timeout=30)
+        assert [p.exitcode for p in procs] == [-signal.SIGTERM]  # stopped by rank 0
+        assert time.monotonic() - started < 30
+        with pytest.raises(RuntimeError, match="rank 0 stopped"):
+            engine.submit(prompts(name)[0], greedy())
+    finally:
+        engine.close(timeout=20)
+        assert time.monotonic() - started < 40
 
 
 def rank_killed(name: str, engine: Engine) -> None:
@@ -292,5 +331,12 @@ def test_tp2_l3_per_rank_shards_and_runtime_attach(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="attached"):
             engine.attach_storage("file", extra)  # refused on rank 0 and on rank 1 alike
         assert engine.generate(ids, greedy()).output_ids == want
+        assert engine.ranks is not None
+        procs = list(engine.ranks._procs.values())
+        closing = time.monotonic()
+    # close: every follower stops on the broadcast stop, exit code 0, at once
+    assert time.monotonic() - closing < 15
+    assert [p.exitcode for p in procs] == [0]
+    assert engine.rank_failure is None
     namespaces = {p.parent for p in tmp_path.rglob("*") if p.is_file()}
     assert len(namespaces) >= 2, sorted(str(p) for p in tmp_path.rglob("*"))

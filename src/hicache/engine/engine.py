@@ -11,6 +11,14 @@ scheduler step, an output callback) fails only the requests involved; the loop g
 If the loop ends anyway, every request and call still queued or in flight is failed at
 once (no caller waits for ever), :attr:`Engine.alive` turns False and
 :meth:`Engine.health` says why. Every wait here has a deadline.
+
+Tensor parallelism (``tp_size`` > 1, :mod:`hicache.engine.ranks`): this engine is rank 0;
+each follower process runs an engine of its own in :meth:`Engine.follow`. What the API
+posts becomes a step-input record (:mod:`hicache.engine.step_inputs`) that every rank
+applies at the same step; :meth:`Engine.call` runs on rank 0 alone, so its function must
+only read (it must not change the cache or wait on it: a cache wait agrees with the other
+ranks). No rank recovers alone: a scheduler step or a forward that raises on any rank,
+or a rank that dies, stops every rank (``health`` names a dead rank).
 """
 
 from __future__ import annotations
@@ -279,7 +287,7 @@ class Engine(Lifecycle):
         self.ranks: RankProcesses | None = None
         """Rank 0's handle on the follower processes (None with one rank, or on a follower)."""
         self._channel_ok = True  # no collective of the step exchange has failed
-        self._rank_failure: str | None = None  # a follower died: why (naming it)
+        self._rank_failure: str | None = None  # why the ranks stopped (naming the rank)
         self._rank_failure_listeners: list[Callable[[str], None]] = []
         self._step_no = 0
         self._sync_s = 0.0  # seconds in cache.sync() under tensor parallelism
@@ -333,8 +341,10 @@ class Engine(Lifecycle):
                     " start the engine without a loaded model"
                 )
             check_tp_model(cfg.model_path, cfg.tp_size)  # before any process starts
-            torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
-            backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
+            on_cuda = torch.device(cfg.device).type == "cuda"
+            if not on_cuda:  # the cores shared out between the ranks
+                torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
+            backend = "nccl" if on_cuda else "gloo"
             self.ranks = RankProcesses(
                 cfg.tp_size,
                 run_follower,
@@ -342,7 +352,11 @@ class Engine(Lifecycle):
                 backend=backend,
                 init_timeout_s=cfg.dist_init_timeout_s,
             )
-            self._channel = self.ranks.start()
+            try:
+                self._channel = self.ranks.start()  # stops what it started when it fails
+            except BaseException:
+                self.ranks = None
+                raise
             try:
                 self._build()
                 self.ranks.wait_ready()
@@ -501,13 +515,15 @@ class Engine(Lifecycle):
 
     @property
     def rank_failure(self) -> str | None:
-        """Why a follower rank died (naming it), once one has; None while all live (and
-        with one rank)."""
+        """Why the ranks stopped on their own, naming the rank: a follower that died, or
+        rank 0's loop that failed (which then made every follower leave); None while they
+        run (and with one rank)."""
         return self._rank_failure
 
     def on_rank_failure(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(why)`` (on a watcher thread) when a follower rank dies; the
-        engine has stopped then (the server exits)."""
+        """Call ``listener(why)`` (on a watcher thread, or the engine thread) when the
+        ranks stop on their own (:attr:`rank_failure`); the engine has stopped then (the
+        server exits)."""
         self._rank_failure_listeners.append(listener)
         if self._rank_failure is not None:
             listener(self._rank_failure)
@@ -768,6 +784,8 @@ class Engine(Lifecycle):
 
         The future fails with RuntimeError if the loop ends before running ``fn``; a
         caller still bounds its wait (``.result(timeout=...)``) as ``fn`` may be slow.
+        With ``tp_size`` > 1 ``fn`` runs on rank 0 alone: it may read, not change the cache
+        or wait on it (flush, attach and detach have their own methods, run on every rank).
         """
         fut: Future[T] = Future()
 
@@ -1104,8 +1122,23 @@ class Engine(Lifecycle):
             if failure is not None:
                 reason = f"{failure}; the engine stopped"
             log.critical("%s", reason, exc_info=failure is None)
+            if failure is None and channel is not None:
+                why = f"rank 0 stopped: {type(exc).__name__}: {exc}"
+                self._break_ranks(why)
+                reason = f"{why}; the engine stopped"
         finally:
             self._end_loop(reason)
+
+    def _break_ranks(self, why: str) -> None:
+        """Rank 0's loop failed on its own (a step or a forward that raised here): stop
+        every follower now (one waiting in a collective with rank 0 would wait for its
+        timeout), leave the group, and stop as for a dead rank (``why`` is
+        :attr:`rank_failure`; the server exits)."""
+        self._channel_ok = False
+        if self.ranks is not None:
+            self.ranks.terminate()
+        leave_group()
+        self._on_rank_failure(why)
 
     def _failed_rank(self) -> str | None:
         """Why a follower died, if one did (waiting a moment for its exit to be seen)."""

@@ -413,6 +413,22 @@ class RankProcesses:
         self._watcher = threading.Thread(target=run, name="hicache-rank-watch", daemon=True)
         self._watcher.start()
 
+    def terminate(self, grace_s: float = 2.0) -> None:
+        """Stop every follower now (SIGTERM, then SIGKILL after ``grace_s`` seconds) without
+        reporting it as a failure: rank 0 failed on its own, and a follower waiting in a
+        collective would otherwise wait for its timeout (leaving the group does not close
+        the connections of a group still referenced)."""
+        self._closing.set()
+        for proc in self._procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs.values():
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+
     def dead_rank(self, wait_s: float = 0.0) -> str | None:
         """:attr:`failure`, or why a follower has died, waiting up to ``wait_s`` for one
         to be seen dead (a collective that failed on rank 0 may precede the exit)."""
