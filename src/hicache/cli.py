@@ -26,6 +26,7 @@ BENCHES = {
     "storage": "hicache.bench.storage",
     "engine": "hicache.bench.engine",
     "shared-prefix": "hicache.bench.shared_prefix",
+    "tp-stress": "hicache.bench.tp_stress",
     "detok": "hicache.bench.detok",
     "fairness": "hicache.bench.fairness",
     "memory": "hicache.bench.memory",

@@ -18,10 +18,11 @@ import pytest
 from hicache.bench import full_hit, multiturn
 from hicache.bench.results import percentile
 from hicache.bench.runner import round_to_pages
-from hicache.bench.serverproc import parse_configs
+from hicache.bench.serverproc import parse_configs, parse_tp_sizes, split_tp, with_tp
 
 CONFIG_KEYS = {"ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "input_tok_s",
-               "output_tok_s", "hit_rate", "hit_tokens", "rounds"}  # fmt: skip
+               "output_tok_s", "hit_rate", "hit_tokens", "rounds", "tp",
+               "agreement_us_per_step", "agreement_steps"}  # fmt: skip
 
 
 def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
@@ -62,6 +63,25 @@ def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
     # each repetition starts flushed, with conversations of its own: it hits the same
     assert rep["runs"][0]["l1_l2"]["hit_rate"] == rep["runs"][1]["l1_l2"]["hit_rate"] > 0
     assert doc["meta"]["l1_tokens"] % 16 == 0
+
+
+def test_multiturn_at_tp_1_and_2(tmp_path: Path) -> None:
+    """``--tp-size 1,2``: each config runs on a server of each size; the same workload hits
+    the same tokens in every tier at both (the ranks run TP 1's scheduler and cache), and
+    only TP 2 reports an agreement overhead per step (from the server's /metrics)."""
+    out = tmp_path / "tp.json"
+    argv = ["--num-clients", "2", "--num-rounds", "2", "--request-length", "32",
+            "--output-length", "3", "--configs", "l1_l2", "--tp-size", "1,2", "--repeats", "1",
+            "--json", str(out)]  # fmt: skip
+    assert multiturn.main(argv) == 0
+    doc = json.loads(out.read_text())
+    one, two = doc["configs"]["l1_l2@tp1"], doc["configs"]["l1_l2@tp2"]
+    assert (one["tp"], two["tp"]) == (1, 2)
+    assert one["agreement_us_per_step"] is None and one["agreement_steps"] == 0
+    assert two["agreement_steps"] > 0 and two["agreement_us_per_step"] > 0
+    assert one["hit_tokens"] == two["hit_tokens"] and one["hit_rate"] > 0
+    assert "--tp-size" in doc["meta"]["server_flags"]["l1_l2@tp2"]
+    assert "--tp-size" not in doc["meta"]["server_flags"]["l1_l2@tp1"]
 
 
 def test_full_hit_json_fields(tmp_path: Path) -> None:
@@ -109,6 +129,15 @@ def test_helpers() -> None:
     assert parse_configs("l1, l1_l2") == ["l1", "l1_l2"]
     with pytest.raises(ValueError, match="--configs"):
         parse_configs("l1,l4")
+    assert parse_tp_sizes("1, 2") == [1, 2]
+    for bad in ("0", "1,1", "two", ""):
+        with pytest.raises(ValueError, match="--tp-size"):
+            parse_tp_sizes(bad)
+    assert with_tp(["l1", "l1_l2"], [1]) == ["l1", "l1_l2"]
+    assert with_tp(["l1", "l1_l2"], [1, 2]) == ["l1@tp1", "l1@tp2", "l1_l2@tp1", "l1_l2@tp2"]
+    assert split_tp("l1_l2@tp2") == ("l1_l2", 2) and split_tp("l1") == ("l1", 1)
+    with pytest.raises(ValueError, match="l1@tpx"):
+        split_tp("l1@tpx")
     conv = multiturn.Conversations.make(2, 3, 5, 2, seed=1)
     assert len(conv.prompt(1, 2)) == 2 * 7 + 5
     assert conv.prompt(1, 2)[:7] == conv.prompt(1, 1)[:7]  # the history is a prefix

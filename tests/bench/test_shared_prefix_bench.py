@@ -115,3 +115,22 @@ def test_swa_ratio_raised_only_where_the_default_cannot_run_max_parallel() -> No
     assert swa_ratio(QUICK, tier_sizes(QUICK, None, None), 6) > 0.8  # 19-page L1
     default = tier_sizes(SharedPrefixWorkload(), None, None)
     assert swa_ratio(SharedPrefixWorkload(), default, 6) == 0.8
+
+
+def test_quick_run_at_tp_1_and_2(tmp_path: Path) -> None:
+    """``--tp-size 1,2`` on the tiny Llama (the hybrids do not split): each config runs at
+    both sizes, every request succeeds, TP 2's rounds report an agreement overhead per
+    step and TP 1's none, and both hit the same share of the prompts from round two (the
+    whole system prompts: L1 or L2 hold them at either size)."""
+    out = tmp_path / "sp"
+    argv = ["--quick", "--model", "tiny-random-llama", "--configs", "l1_l2", "--tp-size", "1,2",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    per = json.loads((out / "shared_prefix.json").read_text())["models"]["tiny-random-llama"]
+    assert set(per) == {"l1_l2@tp1", "l1_l2@tp2"}
+    one, two = per["l1_l2@tp1"], per["l1_l2@tp2"]
+    assert all(r["tp"] == 1 and r["agreement_us_per_step"] is None for r in one)
+    assert all(r["tp"] == 2 and r["agreement_us_per_step"] > 0 for r in two)
+    assert all(r["errors"] == 0 for r in one + two)
+    assert [r["hit_rate"] for r in one[1:]] == [r["hit_rate"] for r in two[1:]]
+    assert one[1]["hit_rate"] > 0

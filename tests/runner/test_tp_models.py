@@ -363,3 +363,28 @@ def test_invalid_size_is_refused_by_name(size: Any) -> None:
     hf = engine_model("tiny-random-llama").hf_config
     with pytest.raises(ValueError, match=f"tensor-parallel size={size!r} is invalid"):
         check_tensor_parallel(hf, size)
+
+
+@pytest.mark.parametrize("name", ["tiny-random-deepseek-v2", "tiny-random-deepseek-v3",
+                                  "tiny-random-deepseek-v32"])  # fmt: skip
+def test_named_deepseek_checkpoints_split_over_1_2_and_4_ranks(name: str) -> None:
+    """The tiny DeepSeek checkpoints the CLI and the benches name: their model type, the
+    features they carry (q LoRA and the sigmoid router from V3 on, V3.2's indexer), and
+    every split the stress bench uses (1, 2, 4 ranks) passes the start-up check, while 3
+    is refused naming the heads."""
+    from transformers import AutoConfig
+
+    from hicache.runner.checkpoints import ALL_TINY_MODELS, resolve_checkpoint
+    from hicache.server.args import _model_path_ok
+
+    assert name in ALL_TINY_MODELS and _model_path_ok(name)
+    hf = AutoConfig.from_pretrained(resolve_checkpoint(name).path, local_files_only=True)
+    want = {"tiny-random-deepseek-v2": "deepseek_v2", "tiny-random-deepseek-v3": "deepseek_v3",
+            "tiny-random-deepseek-v32": "deepseek_v32"}[name]  # fmt: skip
+    assert hf.model_type == want
+    assert (hf.q_lora_rank is None) == (name == "tiny-random-deepseek-v2")
+    assert (getattr(hf, "index_topk", None) is not None) == (name == "tiny-random-deepseek-v32")
+    for size in (1, 2, 4):
+        check_tensor_parallel(hf, size)
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        check_tensor_parallel(hf, 3)

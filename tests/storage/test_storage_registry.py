@@ -210,3 +210,23 @@ def test_factories_and_one_step_classes_validate_when_built() -> None:
     bad = StorageConfig.parse("tests.storage.test_storage_registry:OneStepStorage", {"size": 1})
     with pytest.raises(ValueError, match="bad keys"):
         bad.create(NS)
+
+
+def test_storage_config_pickles_for_the_rank_processes() -> None:
+    """An engine config with an L3 backend goes to every tensor-parallel rank process
+    (spawn pickles it): the parsed storage config, its mapping proxy included, round-trips."""
+    import pickle
+
+    from hicache.engine.engine import EngineConfig
+
+    cfg = EngineConfig(
+        model_path="tiny-random-llama",
+        device="cpu",
+        storage_backend="file",
+        storage_extra_config={"file_path": "/tmp/l3", "prefetch_threshold": 8},
+    )
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back.storage == cfg.storage and back.storage is not None
+    assert dict(back.storage.prefetch_extra) == {"prefetch_threshold": 8}
+    with pytest.raises(TypeError):
+        back.storage.prefetch_extra["x"] = 1  # type: ignore[index]

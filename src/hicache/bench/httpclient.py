@@ -3,7 +3,8 @@
 * :func:`stream_completion`: one streamed, greedy ``/v1/completions`` request, timed
   (:class:`RequestRecord`, with the prompt tokens each tier served, :data:`TIERS`);
 * :func:`flush_cache`: ``POST /flush_cache``, retried while requests are in flight;
-* :func:`server_ttft`: the server's own TTFT histogram totals from ``/metrics``.
+* :func:`server_ttft`: the server's own TTFT histogram totals from ``/metrics``;
+  :func:`server_agreement`: its tensor-parallel agreement counters.
 
 Failures raise :class:`hicache.bench.serverproc.ServerError`.
 """
@@ -24,6 +25,7 @@ __all__ = [
     "TIERS",
     "RequestRecord",
     "flush_cache",
+    "server_agreement",
     "server_ttft",
     "stream_completion",
 ]
@@ -60,6 +62,20 @@ async def server_ttft(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
         elif line.startswith("hicache_ttft_seconds_count"):
             count = int(float(line.split()[-1]))
     return total, count
+
+
+async def server_agreement(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
+    """The server's tensor-parallel agreement counters from ``/metrics``: (seconds rank 0
+    spent in the step's agreement collectives, steps); (0.0, 0) with one rank or from a
+    server that does not export them."""
+    text = (await client.get(f"{url}/metrics")).text
+    seconds, steps = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("hicache_tp_agreement_seconds_total"):
+            seconds = float(line.split()[-1])
+        elif line.startswith("hicache_tp_steps_total"):
+            steps = int(float(line.split()[-1]))
+    return seconds, steps
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,13 @@ done, flushes excluded; tokens/s) and the cache hit rate per tier (``usage
 
 Configs (``--configs``, each its own ``hicache serve`` subprocess, same L1 size):
 ``no_cache``, ``l1``, ``l1_l2``, ``l1_l2_l3_file``, ``l1_l2_l3_mooncake`` (see
-:func:`hicache.bench.serverproc.config_server`). L1 (``--max-total-tokens``) holds about a
+:func:`hicache.bench.serverproc.config_server`). ``--tp-size 1,2`` runs every config at
+each tensor-parallel size (config ``NAME@tpN``, its server started with ``--tp-size N``;
+``--baseline`` then names one of those, default the first); the report's ``tp`` column
+says which, and ``agree µs/step`` is the server's agreement overhead per engine step
+under TP (rank 0's time in the step-input broadcast, ``cache.sync()`` and the
+sampled-token broadcast, from ``hicache_tp_agreement_seconds_total`` /
+``hicache_tp_steps_total``). L1 (``--max-total-tokens``) holds about a
 quarter of the working set: clients x final conversation length / 4, in whole pages, but
 at least one final conversation plus a page. L2 (``--hicache-ratio``) holds the whole
 working set with 50% to spare, so without flushes L3 is written but not read.
@@ -86,7 +92,7 @@ from hicache.bench.runner import (
     server_spec,
     tier_sizes,
 )
-from hicache.bench.serverproc import parse_configs
+from hicache.bench.serverproc import parse_configs, parse_tp_sizes, with_tp
 
 __all__ = [
     "ConfigRun",
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="config the others are compared with (default l1)")
     args = parse_with_preset(p, argv, PRESETS)
     try:
-        configs = parse_configs(args.configs)
+        configs = with_tp(parse_configs(args.configs), parse_tp_sizes(args.tp_size))
     except ValueError as exc:
         p.error(str(exc))
     if min(args.num_clients, args.num_rounds, args.request_length, args.output_length) < 1:

@@ -55,14 +55,16 @@ def print_results(title: str, doc: Mapping[str, Any], group_key: str) -> None:
     rows = []
     for name, c in configs.items():
         h = c["hit_tokens"]
-        rows.append([name, f"{c['ttft_mean_s'] * 1e3:.1f}", f"{c['ttft_p50_s'] * 1e3:.1f}",
+        agree = c.get("agreement_us_per_step")
+        rows.append([name, str(c.get("tp", 1)), "-" if agree is None else f"{agree:.0f}",
+                     f"{c['ttft_mean_s'] * 1e3:.1f}", f"{c['ttft_p50_s'] * 1e3:.1f}",
                      f"{c['ttft_p90_s'] * 1e3:.1f}", f"{c['ttft_p99_s'] * 1e3:.1f}",
                      f"{c['input_tok_s']:.0f}", f"{c['output_tok_s']:.1f}",
                      f"{c['hit_rate']:.1%}", str(h["device"]), str(h["host"]),
                      str(h["storage"])])  # fmt: skip
     print_table(
         title,
-        ["config", "TTFT mean ms", "p50 ms", "p90 ms", "p99 ms", "input tok/s",
+        ["config", "tp", "agree µs/step", "TTFT mean ms", "p50 ms", "p90 ms", "p99 ms", "input tok/s",
          "output tok/s", "hit rate", "L1 hit tok", "L2 hit tok", "L3 hit tok"],
         rows,
     )  # fmt: skip

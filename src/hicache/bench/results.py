@@ -22,6 +22,7 @@ from hicache.bench.httpclient import TIERS, RequestRecord
 from hicache.bench.pairs import Spread, compare_to_baseline, quantile
 from hicache.bench.plot import print_repeats, print_results, write_outputs
 from hicache.bench.runner import ConfigRun, RepeatedRuns
+from hicache.bench.serverproc import split_tp
 
 __all__ = [
     "CONFIG_KEYS",
@@ -77,11 +78,16 @@ def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> 
 
 
 def config_json(run: ConfigRun, group_key: str) -> dict[str, Any]:
-    """The per-config JSON entry: :data:`CONFIG_KEYS` over all requests plus one summary
-    per group (``group_key`` = ``"rounds"`` or ``"phases"``) with its index (from 1)."""
+    """The per-config JSON entry: :data:`CONFIG_KEYS` over all requests, ``tp`` (the
+    server's tensor-parallel size), ``agreement_us_per_step`` (rank 0's mean time per
+    engine step in the ranks' agreement collectives, µs; None at TP 1) and
+    ``agreement_steps``, plus one summary per group (``group_key`` = ``"rounds"`` or ``"phases"``) with its index (from 1)."""
     every = [r for g in run.groups for r in g]
     whole = summarize(every, run.wall_s)
     entry: dict[str, Any] = {k: whole[k] for k in CONFIG_KEYS}
+    entry["tp"] = split_tp(run.name)[1]
+    entry["agreement_us_per_step"] = run.agreement_us_per_step
+    entry["agreement_steps"] = run.agreement_steps
     index = group_key[:-1]  # "round" / "phase"
     walls: list[float | None] = [None] * len(run.groups)
     if run.group_wall_s is not None:
@@ -116,6 +122,8 @@ def pool_runs(runs: Sequence[ConfigRun]) -> ConfigRun:
         flags=list(runs[0].flags),
         server_cpu_s=sum(cpu) if len(cpu) == len(runs) else None,
         group_wall_s=walls,
+        agreement_s=sum(r.agreement_s for r in runs),
+        agreement_steps=sum(r.agreement_steps for r in runs),
     )
 
 

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from hicache.bench.httpclient import (
     RequestRecord,
     flush_cache,
+    server_agreement,
     server_ttft,
     stream_completion,
 )
@@ -107,6 +108,16 @@ class ConfigRun:
     group_wall_s: list[float] | None = None
     """Wall time of each group (s), when the groups pool several runs (see
     :func:`hicache.bench.results.pool_runs`); None: each group's first start to last end."""
+    agreement_s: float = 0.0
+    """Seconds the server's rank 0 spent in the agreement collectives during the run
+    (``hicache_tp_agreement_seconds_total``; 0.0 with one rank)."""
+    agreement_steps: int = 0
+    """Engine steps under tensor parallelism during the run (``hicache_tp_steps_total``)."""
+
+    @property
+    def agreement_us_per_step(self) -> float | None:
+        """Mean agreement overhead per engine step (µs); None without TP steps."""
+        return self.agreement_s / self.agreement_steps * 1e6 if self.agreement_steps else None
 
 
 def _client(parallel: int, timeout_s: float) -> httpx.AsyncClient:
@@ -151,6 +162,7 @@ async def _timed_run(
     from just before the workload to just after it."""
     await flush_cache(client, url)
     ttft0 = await server_ttft(client, url)
+    agree0 = await server_agreement(client, url)
     cpu0 = cpu()
     with tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False) as bar:
         session = Session(client, url, bar)
@@ -159,6 +171,7 @@ async def _timed_run(
         wall = time.perf_counter() - t0 - session.flush_s
     cpu1 = cpu()
     ttft1 = await server_ttft(client, url)
+    agree1 = await server_agreement(client, url)
     await flush_cache(client, url)
     n = ttft1[1] - ttft0[1]
     return ConfigRun(
@@ -168,6 +181,8 @@ async def _timed_run(
         (ttft1[0] - ttft0[0]) / n if n else None,
         server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
         load_1m=_load_1m(),
+        agreement_s=agree1[0] - agree0[0],
+        agreement_steps=agree1[1] - agree0[1],
     )
 
 
@@ -385,6 +400,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--l1-tokens", type=int, default=None, help="L1 size (default: see doc)")
     p.add_argument("--hicache-ratio", type=float, default=None, help="L2 = ratio x L1")
+    p.add_argument(
+        "--tp-size",
+        default="1",
+        help="comma list of tensor-parallel sizes (e.g. 1,2): every config runs at each",
+    )
     p.add_argument("--server-args", default="", help="more `hicache serve` flags, quoted")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="server start, s")
     p.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")

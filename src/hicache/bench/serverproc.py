@@ -47,6 +47,7 @@ from hicache.services.process import (
 __all__ = [
     "CONFIG_NAMES",
     "SCHEDULER_CONFIGS",
+    "TP_SUFFIX",
     "ConfigSkippedError",
     "ServerError",
     "ServerProcess",
@@ -54,7 +55,10 @@ __all__ = [
     "config_server",
     "mooncake_service",
     "parse_configs",
+    "parse_tp_sizes",
     "process_cpu_seconds",
+    "split_tp",
+    "with_tp",
 ]
 
 CONFIG_NAMES: tuple[str, ...] = (
@@ -267,6 +271,43 @@ class ServerSpec:
         return [*flags, *self.extra_flags]
 
 
+TP_SUFFIX = "@tp"
+"""A config name ``NAME@tpN`` is config ``NAME`` on a server with ``--tp-size N``
+(:func:`with_tp`, :func:`split_tp`)."""
+
+
+def split_tp(name: str) -> tuple[str, int]:
+    """``"l1_l2@tp2"`` -> ``("l1_l2", 2)``; a name without the suffix has TP size 1.
+    ValueError naming the name when the size is not an int >= 1."""
+    base, sep, size = name.partition(TP_SUFFIX)
+    if not sep:
+        return name, 1
+    if not size.isdigit() or int(size) < 1:
+        raise ValueError(
+            f"config {name!r}: the tensor-parallel size after {TP_SUFFIX} must be an int >= 1"
+        )
+    return base, int(size)
+
+
+def parse_tp_sizes(text: str) -> list[int]:
+    """``--tp-size`` as a comma list (``"1,2"``) of distinct ints >= 1; ValueError naming it."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--tp-size={text!r} is invalid; give distinct ints >= 1, e.g. 1,2")
+    return sizes
+
+
+def with_tp(configs: Sequence[str], sizes: Sequence[int]) -> list[str]:
+    """Every config at every size: the names unchanged for ``[1]``, else ``NAME@tpN`` for
+    each config, then each size (``l1@tp1, l1@tp2, l1_l2@tp1, ...``)."""
+    if list(sizes) == [1]:
+        return list(configs)
+    return [f"{c}{TP_SUFFIX}{t}" for c in configs for t in sizes]
+
+
 @contextmanager
 def config_server(name: str, spec: ServerSpec) -> Iterator[ServerProcess]:
     """Start the server of config ``name`` (and its L3 helpers); stop all on exit.
@@ -275,13 +316,17 @@ def config_server(name: str, spec: ServerSpec) -> Iterator[ServerProcess]:
     ``--enable-hierarchical-cache``; ``l1_l2_l3_file``: plus the file backend in a fresh
     temp dir (removed after); ``l1_l2_l3_mooncake``: plus Mooncake through a fresh local
     service (ConfigSkippedError when its binary is missing). ``l1_no_group_rule`` and
-    ``l1_lpm``: ``l1`` with the flags of :data:`SCHEDULER_CONFIGS`.
+    ``l1_lpm``: ``l1`` with the flags of :data:`SCHEDULER_CONFIGS`. ``NAME@tpN``: config
+    ``NAME`` with ``--tp-size N`` (:func:`split_tp`).
     """
+    name, tp = split_tp(name)
     if name not in CONFIG_NAMES and name not in SCHEDULER_CONFIGS:
         raise ValueError(
             f"config {name!r} is unknown; choose from {(*CONFIG_NAMES, *SCHEDULER_CONFIGS)}"
         )
     flags = spec.base_flags() + list(SCHEDULER_CONFIGS.get(name, ()))
+    if tp > 1:
+        flags += ["--tp-size", str(tp)]
     with ExitStack() as stack:
         if name == "no_cache":
             flags.append("--disable-radix-cache")

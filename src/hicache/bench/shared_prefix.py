@@ -40,6 +40,12 @@ per-token size (see :mod:`hicache.bench.components`).
 Outputs under ``--out`` (default ``bench-out/shared-prefix/``): ``shared_prefix.json``
 and ``shared_prefix.png`` (mean TTFT per round, one bar per config, one panel per model).
 ``--quick``: a small workload for tests (seconds per config).
+
+``--tp-size 1,2``: every config at each tensor-parallel size (``CONFIG@tpN``; a model
+that cannot be split, such as the hybrids, is refused at TP > 1 with the numbers: pass
+``--model tiny-random-llama`` or a tiny DeepSeek); each round then reports its ``tp``
+and ``agreement_us_per_step``, rank 0's mean time per engine step in the ranks'
+agreement collectives (step-input broadcast, ``cache.sync()``, sampled-token broadcast).
 """
 
 from __future__ import annotations
@@ -66,7 +72,9 @@ from hicache.bench.components import (
 )
 from hicache.bench.results import percentile
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
+from hicache.bench.serverproc import TP_SUFFIX, parse_tp_sizes
 from hicache.bench.shared_prefix_report import print_report, write_outputs
+from hicache.bench.tp_stress import settle
 from hicache.cache.components.swa import request_pages
 from hicache.cache.request import CachedTokens
 from hicache.config import CacheConfig
@@ -205,6 +213,11 @@ class RoundResult:
     components: list[ComponentFigures]
     component_hits: list[ComponentHits]
     wall_s: float
+    tp: int = 1
+    """The engine's tensor-parallel size."""
+    agreement_us_per_step: float | None = None
+    """Rank 0's mean time per engine step in the ranks' agreement collectives over the
+    round (µs; None at TP 1)."""
 
     def summary(self) -> dict[str, Any]:
         """TTFT stats (s), hit rate in total and per tier, resumed admissions."""
@@ -234,6 +247,8 @@ class RoundResult:
             "components": [asdict(c) for c in self.components],
             "component_hits": [asdict(h) for h in self.component_hits],
             "wall_s": self.wall_s,
+            "tp": self.tp,
+            "agreement_us_per_step": self.agreement_us_per_step,
         }
 
 
@@ -279,6 +294,7 @@ def engine_config(
     sizes: Sizes,
     l3_dir: Path,
     swa_window: int | None = None,
+    tp_size: int = 1,
 ) -> EngineConfig:
     """The engine of ``config`` (see :data:`CONFIGS`) on CPU, fp32; ``swa_window``
     (tokens): the model's sliding window, if it has one (sizes its SWA pools)."""
@@ -303,6 +319,7 @@ def engine_config(
         storage_extra_config=(
             {"file_path": str(l3_dir), "prefetch_threshold": w.page_size} if l3 else {}
         ),
+        tp_size=tp_size,
     )
 
 
@@ -356,11 +373,24 @@ def _run_round(
     ]
 
 
+def _drain(engine: Engine) -> None:
+    """Let the cache's copies and L3 writes in flight land. With one rank the cache is
+    flushed on the engine thread; under TP nothing may touch the cache on rank 0 alone
+    (its collectives would not be the followers'), so this waits for the ranks to agree
+    on them step by step."""
+    if engine.config.tp_size == 1:
+        engine.call(engine.cache.flush).result(timeout=120)
+    else:
+        settle(engine, time.monotonic() + 120)
+
+
 def run_config(
-    lm: LoadedModel, config: str, w: SharedPrefixWorkload, sizes: Sizes
+    lm: LoadedModel, config: str, w: SharedPrefixWorkload, sizes: Sizes, tp_size: int = 1
 ) -> list[RoundResult]:
     """Every round of ``config`` on a fresh engine over ``lm`` (after one warm-up request
-    and an emptied cache)."""
+    and an emptied cache). With ``tp_size`` > 1 every rank loads its own shard (``lm``
+    is then only rank 0's reference for sizes); each round's ``agreement_us_per_step``
+    is the engine's agreement overhead per step over that round."""
     wl = Workload.make(w, int(lm.hf_config.vocab_size))
     params = SamplingParams(temperature=0.0, max_tokens=w.output_tokens, ignore_eos=True)
     l3_dir = Path(tempfile.mkdtemp(prefix="hicache-shared-prefix-"))
@@ -368,8 +398,8 @@ def run_config(
         model = lm.model
         swa = model.config.swa_spec(lm.dtype) if isinstance(model, HybridLM) else None
         window = None if swa is None else swa.window
-        ecfg = engine_config(lm.name, config, w, sizes, l3_dir, window)
-        with Engine(ecfg, loaded=lm) as engine:
+        ecfg = engine_config(lm.name, config, w, sizes, l3_dir, window, tp_size)
+        with Engine(ecfg, loaded=lm if tp_size == 1 else None) as engine:
             # warm-up: as many unrelated full-length requests as run at once, so first-call
             # costs (allocations at these sizes) stay out of round 1
             warm = random.Random(-1)
@@ -379,22 +409,31 @@ def run_config(
                 [warm.randrange(TOKEN_LO, hi) for _ in range(n)] for _ in range(w.max_parallel)
             ]
             _send_all(engine, prompts, params, w.max_parallel)
-            engine.call(engine.cache.flush).result(timeout=120)
+            _drain(engine)
             if not engine.flush_cache():
                 raise RuntimeError("flush_cache refused after the warm-up")
             probe = engine.call(lambda: ComponentHitProbe(engine.cache)).result(timeout=60)
             rounds: list[RoundResult] = []
             before = engine.call(engine.cache.stats).result(timeout=60).counters
             for rnd in range(w.rounds):
+                agree0 = (engine.agreement_seconds_total, engine.agreement_steps_total)
                 t0 = time.perf_counter()
                 reqs = _run_round(engine, wl, rnd, params, w.max_parallel)
                 wall = time.perf_counter() - t0
+                steps = engine.agreement_steps_total - agree0[1]
+                agree_s = engine.agreement_seconds_total - agree0[0]
                 stats = engine.call(engine.cache.stats).result(timeout=60)
                 comps = engine.call(lambda: component_figures(engine)).result(timeout=60)
                 hits = engine.call(probe.take).result(timeout=60)
                 delta = {k: stats.counters[k] - before[k] for k in COUNTERS}
                 before = stats.counters
-                rounds.append(RoundResult(rnd + 1, reqs, delta, comps, hits, wall))
+                rounds.append(
+                    RoundResult(
+                        rnd + 1, reqs, delta, comps, hits, wall,
+                        tp=tp_size,
+                        agreement_us_per_step=agree_s / steps * 1e6 if steps else None,
+                    )
+                )  # fmt: skip
             return rounds
     finally:
         shutil.rmtree(l3_dir, ignore_errors=True)
@@ -422,7 +461,14 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, SharedPrefixWork
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default="bench-out/shared-prefix", help="JSON and PNG go here")
     p.add_argument("--quick", action="store_true", help="a small workload (for tests)")
+    p.add_argument(
+        "--tp-size", default="1", help="comma list of tensor-parallel sizes (each config at each)"
+    )
     args = p.parse_args(argv)
+    try:
+        args.tp_sizes = parse_tp_sizes(args.tp_size)
+    except ValueError as exc:
+        p.error(str(exc))
     bad = sorted(set(args.configs.split(",")) - set(CONFIGS))
     if bad:
         p.error(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
@@ -463,8 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         lm = load_model(model, dtype="float32", device="cpu")
         results[model] = {}
         for config in configs:
-            print(f"{model} / {config} ...", file=sys.stderr)
-            results[model][config] = run_config(lm, config, w, sizes)
+            for tp in args.tp_sizes:
+                label = config if args.tp_sizes == [1] else f"{config}{TP_SUFFIX}{tp}"
+                print(f"{model} / {label} ...", file=sys.stderr)
+                results[model][label] = run_config(lm, config, w, sizes, tp)
     doc: dict[str, Any] = {
         "workload": asdict(w),
         "l1_tokens": sizes.l1_tokens,

@@ -79,8 +79,10 @@ def print_report(doc: Mapping[str, Any]) -> None:
                 for n in names:
                     c = _component(r, n)
                     pools += [_pool(c and c["l1"]), _pool(c and c["l2"])]
+                agree = r.get("agreement_us_per_step")
                 rows.append([
-                    config, str(r["round"]), f"{r['ttft_mean_s'] * ms:.1f}",
+                    config, str(r.get("tp", 1)), "-" if agree is None else f"{agree:.0f}",
+                    str(r["round"]), f"{r['ttft_mean_s'] * ms:.1f}",
                     f"{r['ttft_p50_s'] * ms:.1f}", _ms(r["ttft_hit_mean_s"]),
                     _ms(r["ttft_miss_mean_s"]), f"{ratio:.2f}", f"{r['hit_rate']:.1%}",
                     f"{t['device']:.1%}", f"{t['host']:.1%}", f"{t['storage']:.1%}",
@@ -92,7 +94,7 @@ def print_report(doc: Mapping[str, Any]) -> None:
         print_table(
             f"shared prefix: {model}; L1 {doc['l1_tokens']} tokens, L2 {doc['hicache_ratio']:g}"
             f" x L1, system prompts {doc['working_set_tokens']} tokens",
-            ["config", "round", "TTFT mean ms", "p50 ms", "hit ms", "miss ms", "vs round 1",
+            ["config", "tp", "agree µs/step", "round", "TTFT mean ms", "p50 ms", "hit ms", "miss ms", "vs round 1",
              "hit rate", "L1 hit", "L2 hit", "L3 hit", "resumed",
              *[f"{HIT_LABELS.get(n, n)} L1/L2" for n in extra],
              *[f"{tier} {POOL_LABELS.get(n, n)}" for n in names for tier in ("L1", "L2")],

@@ -290,6 +290,9 @@ class Engine(Lifecycle):
         self._rank_failure: str | None = None  # why the ranks stopped (naming the rank)
         self._rank_failure_listeners: list[Callable[[str], None]] = []
         self._step_no = 0
+        self._sync_s = 0.0  # seconds in cache.sync() under tensor parallelism
+        self.agreement_steps_total = 0
+        """Steps whose agreement :attr:`agreement_seconds_total` counts (0 with one rank)."""
         self._inbox: queue.Queue[_Task] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -1065,7 +1068,22 @@ class Engine(Lifecycle):
         """Bring the cache's asynchronous completions in, once per step on every rank: with
         several ranks, what they all have, agreed in one collective (:meth:`HiCache.sync`;
         with one rank it is ``poll``)."""
+        if self._channel is None:
+            self.cache.sync()
+            return
+        began = time.perf_counter()
         self.cache.sync()
+        self._sync_s += time.perf_counter() - began
+        self.agreement_steps_total += 1
+
+    @property
+    def agreement_seconds_total(self) -> float:
+        """Under tensor parallelism, this rank's seconds so far in the step's collectives
+        that are not the model's: the step-input broadcast, ``cache.sync()`` (its one
+        all-reduce and applying what was agreed) and the sampled-token broadcast; over
+        :attr:`agreement_steps_total` the mean per step. 0.0 with one rank."""
+        channel = self._channel
+        return 0.0 if channel is None else self._sync_s + channel.seconds
 
     def _loop(self) -> None:
         reason = "the engine was closed"

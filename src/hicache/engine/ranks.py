@@ -151,6 +151,9 @@ class StepChannel:
         self.size = size
         self.group = group
         """The gloo group (the default group on CPU); also the cache's agreement group."""
+        self.seconds = 0.0
+        """Seconds spent so far in :meth:`inputs` and :meth:`agree_tokens` (the engine's
+        agreement overhead, with ``cache.sync()``: ``Engine.agreement_seconds_total``)."""
 
     @property
     def leader(self) -> bool:
@@ -159,7 +162,9 @@ class StepChannel:
     def inputs(self, inputs: StepInputs | None) -> StepInputs:
         """Rank 0's ``inputs`` on every rank (a follower passes None)."""
         box: list[Any] = [inputs]
+        began = time.perf_counter()
         dist.broadcast_object_list(box, src=0, group=self.group)
+        self.seconds += time.perf_counter() - began
         got = box[0]
         if not isinstance(got, StepInputs):
             raise RuntimeError(f"rank {self.rank} received {type(got).__name__}, not StepInputs")
@@ -183,7 +188,9 @@ class StepChannel:
             t[0] = torch.tensor(list(token_ids), dtype=torch.int64)
             for j in failed:
                 t[1, j] = 1
+        began = time.perf_counter()
         dist.broadcast(t, src=0, group=self.group)
+        self.seconds += time.perf_counter() - began
         return t[0].tolist(), {j for j in range(n) if t[1, j]}
 
 

@@ -10,7 +10,8 @@ downloaded: transformers is used with ``local_files_only=True`` and ``HF_HUB_OFF
 - ``*.gguf``: converted once, cached under a name derived from the file's path, size and mtime.
 - :data:`TINY_MODELS`: small seeded random Llama / Qwen2 / Qwen3 models with the default
   model's (real) tokenizer, for tests; :data:`TINY_HYBRID_MODELS` likewise for Gemma 3,
-  GPT-OSS, Qwen3-Next and Nemotron-H.
+  GPT-OSS, Qwen3-Next and Nemotron-H; :data:`TINY_DEEPSEEK_MODELS` for DeepSeek-V2, V3
+  and V3.2 (MLA, MoE, the DSA indexer), sized so that 1, 2 and 4 ranks divide every split.
 - any other path: an existing Hugging Face directory, used in place.
 """
 
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ALL_TINY_MODELS",
     "DEFAULT_MODEL",
+    "TINY_DEEPSEEK_MODELS",
     "TINY_HYBRID_MODELS",
     "TINY_MODELS",
     "Checkpoint",
@@ -49,6 +52,16 @@ TINY_HYBRID_MODELS: tuple[str, ...] = (
     "tiny-random-nemotron-h",
 )
 """Tiny random hybrid models (sliding window, MoE, linear attention, Mamba2), for tests."""
+TINY_DEEPSEEK_MODELS: tuple[str, ...] = (
+    "tiny-random-deepseek-v2",
+    "tiny-random-deepseek-v3",
+    "tiny-random-deepseek-v32",
+)
+"""Tiny random DeepSeek models (MLA latent KV, MoE; V3's sigmoid router; V3.2's DSA
+indexer), with 4 query heads, a dense MLP of 64 and experts of 16: TP 1, 2 and 4 split
+them. Tests, benches (``hicache bench tp-stress``) and the CLI name them."""
+ALL_TINY_MODELS: tuple[str, ...] = TINY_MODELS + TINY_HYBRID_MODELS + TINY_DEEPSEEK_MODELS
+"""Every name :func:`resolve_checkpoint` makes a tiny random model for."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +319,60 @@ def _tiny_hybrid_config(name: str, tokenizer: Any) -> Any:
     raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_HYBRID_MODELS}")
 
 
+def _tiny_deepseek_config(name: str, tokenizer: Any) -> Any:
+    """A transformers config for one of :data:`TINY_DEEPSEEK_MODELS` (3 layers, the first
+    dense, then MoE with one shared expert; a latent of 16 + 8 values per token)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config
+
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 48,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.1,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if name == "tiny-random-deepseek-v2":  # DeepSeek-V2-Lite's shape: no q LoRA, greedy
+        return DeepseekV2Config(
+            q_lora_rank=None, n_routed_experts=4, topk_method="greedy", **common
+        )
+    v3: dict[str, Any] = {
+        "q_lora_rank": 24,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    }
+    if name == "tiny-random-deepseek-v3":  # sigmoid router with bias, group top-k
+        return DeepseekV3Config(rope_interleave=True, **v3, **common)
+    if name == "tiny-random-deepseek-v32":  # V3 + the DSA indexer keeping 6 tokens a query
+        return DeepseekV32Config(index_n_heads=16, index_head_dim=16, index_topk=6, **v3, **common)
+    raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_DEEPSEEK_MODELS}")
+
+
+def _tiny_config_for(name: str, tokenizer: Any) -> Any:
+    if name in TINY_HYBRID_MODELS:
+        return _tiny_hybrid_config(name, tokenizer)
+    if name in TINY_DEEPSEEK_MODELS:
+        return _tiny_deepseek_config(name, tokenizer)
+    return _tiny_config(name, tokenizer)
+
+
 def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Write a seeded random model plus the real tokenizer from ``tokenizer_dir``.
 
@@ -318,7 +385,7 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         hybrid = name in TINY_HYBRID_MODELS
-        config = (_tiny_hybrid_config if hybrid else _tiny_config)(name, tokenizer)
+        config = _tiny_config_for(name, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -330,6 +397,8 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
                         p.normal_(0.0, 0.2)
                     elif hybrid and pname.endswith(("sinks", ".D")):
                         p.normal_(0.0, 1.0)
+                    elif ".indexer." in pname:  # scores spread wide enough to rank tokens
+                        p.normal_(0.0, 0.3)
                 for bname, b in model.named_buffers():
                     if bname.endswith("e_score_correction_bias"):
                         b.normal_(0.0, 0.2)
@@ -349,14 +418,14 @@ def resolve_checkpoint(model_path: str | os.PathLike[str] | None) -> Checkpoint:
     """Turn ``model_path`` into a local Hugging Face directory, converting/creating it once.
 
     ``None`` or :data:`DEFAULT_MODEL` -> the bundled SmolLM2; a name in :data:`TINY_MODELS`
-    (or :data:`TINY_HYBRID_MODELS`) -> a tiny random model; a ``.gguf`` file -> its converted copy; a directory with a
+    (or :data:`TINY_HYBRID_MODELS`, :data:`TINY_DEEPSEEK_MODELS`) -> a tiny random model; a ``.gguf`` file -> its converted copy; a directory with a
     ``config.json`` -> itself. Anything else raises FileNotFoundError.
     """
     if model_path is None or str(model_path) == DEFAULT_MODEL:
         out = models_dir() / DEFAULT_MODEL
         return Checkpoint(DEFAULT_MODEL, convert_gguf(bundled_gguf(), out))
     name = str(model_path)
-    if name in TINY_MODELS or name in TINY_HYBRID_MODELS:
+    if name in ALL_TINY_MODELS:
         tokenizer_dir = resolve_checkpoint(None).path
         return Checkpoint(name, _make_tiny(name, tokenizer_dir, models_dir() / name))
     path = Path(name).expanduser()
@@ -367,5 +436,5 @@ def resolve_checkpoint(model_path: str | os.PathLike[str] | None) -> Checkpoint:
         return Checkpoint(path.resolve().name, path)
     raise FileNotFoundError(
         f"model {name!r} is not a Hugging Face directory (with config.json), a .gguf file, "
-        f"{DEFAULT_MODEL!r} or one of {TINY_MODELS + TINY_HYBRID_MODELS}"
+        f"{DEFAULT_MODEL!r} or one of {ALL_TINY_MODELS}"
     )

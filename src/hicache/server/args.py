@@ -270,9 +270,9 @@ def flag_message(exc: Exception) -> str:
 
 
 def _model_path_ok(path: str) -> bool:
-    from hicache.runner.checkpoints import DEFAULT_MODEL, TINY_HYBRID_MODELS, TINY_MODELS
+    from hicache.runner.checkpoints import ALL_TINY_MODELS, DEFAULT_MODEL
 
-    if path == DEFAULT_MODEL or path in TINY_MODELS or path in TINY_HYBRID_MODELS:
+    if path == DEFAULT_MODEL or path in ALL_TINY_MODELS:
         return True
     p = Path(path).expanduser()
     return (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").is_file())
@@ -297,13 +297,13 @@ def check_flags(a: argparse.Namespace) -> None:
                     "--device", a.device, f"this host has {torch.cuda.device_count()} CUDA devices"
                 )
     if a.model_path is not None and not _model_path_ok(a.model_path):
-        from hicache.runner.checkpoints import DEFAULT_MODEL, TINY_HYBRID_MODELS, TINY_MODELS
+        from hicache.runner.checkpoints import ALL_TINY_MODELS, DEFAULT_MODEL
 
         raise FlagError(
             "--model-path",
             a.model_path,
             "give a Hugging Face directory with config.json, a .gguf file,"
-            f" {DEFAULT_MODEL} or one of {', '.join(TINY_MODELS + TINY_HYBRID_MODELS)}",
+            f" {DEFAULT_MODEL} or one of {', '.join(ALL_TINY_MODELS)}",
         )
     for flag, value in (
         ("--hicache-ratio", a.hicache_ratio),

@@ -83,6 +83,27 @@ class _CacheCollector(Collector):
             yield from cache_families(snap)
 
 
+class _AgreementCollector(Collector):
+    """The engine's tensor-parallel agreement counters, read at each scrape (two numbers
+    the engine thread adds to; a scrape may see one step's figures half added)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "hicache_tp_agreement_seconds",
+            "Seconds rank 0 spent in the step's agreement collectives (step-input broadcast,"
+            " cache sync, sampled-token broadcast); 0 with one rank",
+            float(self.engine.agreement_seconds_total),
+        )
+        yield CounterMetricFamily(
+            "hicache_tp_steps",
+            "Engine steps under tensor parallelism (the agreement's steps); 0 with one rank",
+            int(self.engine.agreement_steps_total),
+        )
+
+
 def cache_families(snap: EngineStats) -> Iterator[Metric]:
     """The metric families of one engine snapshot: the queues, L1 and L2 occupancy, every
     cache counter, and the L3 backend's figures. Each value under one name."""
@@ -264,6 +285,7 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self._cache = _CacheCollector()
         self.registry.register(self._cache)
+        self.registry.register(_AgreementCollector(engine))
         self.requests = Counter(
             "hicache_requests", "Finished requests", ["finish_reason"], registry=self.registry
         )

@@ -24,6 +24,7 @@ value and every accepted key). The engine calls::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -173,6 +174,18 @@ class StorageConfig:
         if not isinstance(self.options, StorageOptions):
             raise ValueError(f"options={self.options!r} is invalid; must be StorageOptions")
         object.__setattr__(self, "prefetch_extra", MappingProxyType(dict(self.prefetch_extra)))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Picklable (a mapping proxy is not): the engine's config, this included, goes to
+        every tensor-parallel rank process."""
+        rebuild = functools.partial(
+            type(self),
+            backend=self.backend,
+            options=self.options,
+            settings=self.settings,
+            prefetch_extra=dict(self.prefetch_extra),
+        )
+        return (rebuild, ())
 
     @classmethod
     def parse(

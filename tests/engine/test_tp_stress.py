@@ -1,0 +1,57 @@
+"""The TP stress bench's code path, small (``hicache bench tp-stress``, issue 18 item 6):
+2 ranks through a shared-prefix workload with L1 and L2 far smaller than it and a file L3.
+
+Asserted at the end: every request finished (none failed) within the wall-clock bound,
+rank 0's pools hold only cached pages (nothing held by a request or in flight), every
+rank's digest of its tree and scheduler is rank 0's, and L1 and L2 really evicted (so the
+agreement ran over evictions, L2 copies and L3 traffic). One run on the tiny Llama
+(MHA, a shard of the K/V heads per rank, L3 a shard per rank) and one on the tiny
+DeepSeek-V3.2 (MLA latent, whole on every rank, plus the DSA indexer component).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hicache.bench.tp_stress import StressConfig, run_stress
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 needs 2 CPU cores")
+
+BOUND_S = 120.0
+
+
+@pytest.mark.parametrize(
+    ("model", "prompts"), [("tiny-random-llama", 48), ("tiny-random-deepseek-v32", 48)]
+)
+def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) -> None:
+    cfg = StressConfig(
+        model=model,
+        ranks=2,
+        prompts=prompts,
+        systems=3,
+        rounds=2,
+        system_tokens=24,
+        output_tokens=3,
+        parallel=8,
+        max_running=4,
+        l1_tokens=128,
+        hicache_ratio=1.5,
+        timeout_s=BOUND_S,
+        l3_dir=str(tmp_path),
+    )
+    r = run_stress(cfg)
+    assert not r.hung and r.failed == 0
+    assert r.wall_s < BOUND_S
+    assert r.idle_problems == []
+    assert len(r.digests) == 2 and r.digests[0] == r.digests[1]
+    assert r.output_tokens == prompts * 3
+    assert r.l1_evicted_tokens > 0 and r.l2_evicted_tokens > 0
+    assert r.l3_backup_tokens > 0
+    assert len(r.peak_rss_mib) == 2 and all(m > 0 for m in r.peak_rss_mib)
+    assert r.agreement_us_per_step is not None and r.agreement_us_per_step > 0
+    if model == "tiny-random-deepseek-v32":
+        assert "indexer" in r.components and r.l3_backup_indexer_pages > 0
+    assert any(Path(tmp_path).rglob("*")), "nothing was written to L3"
