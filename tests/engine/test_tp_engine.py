@@ -25,7 +25,13 @@ import torch
 
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.ranks import RankProcesses, RankStartError, check_tp_model
+from hicache.engine.ranks import (
+    RANK_PROCESS_BYTES,
+    RankProcesses,
+    RankStartError,
+    check_cpu_ranks_fit,
+    check_tp_model,
+)
 from hicache.engine.request import OutputCallback, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
@@ -262,9 +268,14 @@ def test_bad_tp_size_is_refused_with_the_numbers() -> None:
         check_tp_model("tiny-random-gemma3", 2)
     with pytest.raises(ValueError, match="every rank loads its own shard"):
         Engine(config("tiny-random-llama", 2), loaded=engine_model("tiny-random-llama")).start()
-    cores = os.cpu_count() or 1
-    with pytest.raises(ValueError, match=rf"tp_size={cores + 1} .* has {cores}"):
-        config("tiny-random-llama", cores + 1)
+    mib = 1 << 20  # CPU ranks may share cores; memory bounds them
+    check_cpu_ranks_fit(4, 10 * mib, 4 * RANK_PROCESS_BYTES + 10 * mib, "m")
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size=4 is invalid for m: 4 CPU ranks need about 2058 MiB .* has 2057 MiB",
+    ):
+        check_cpu_ranks_fit(4, 10 * mib, 4 * RANK_PROCESS_BYTES + 9 * mib, "m")
+    check_cpu_ranks_fit(64, 10 * mib, None, "m")  # unknown memory: not checked
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="tp_size"):
             config("tiny-random-llama", bad)  # type: ignore[arg-type]

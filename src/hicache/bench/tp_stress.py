@@ -30,10 +30,8 @@ Printed as one table (model, ranks, prompts, wall seconds, tokens/s = (prompt + 
 tokens) / wall, peak RSS per rank, digests equal, idle, L3 hit tokens, evicted L1 / L2
 tokens); ``--json PATH`` writes every figure. Exit status 1 when a check failed.
 
-Ranks on CPU: the engine allows one rank per core (``os.cpu_count()``).
-``--oversubscribe`` lets a config ask for more ranks than the host has cores (each rank
-then gets one torch thread and shares a core): a stress of the agreement's timing on a
-small host, not a throughput figure.
+Ranks on CPU may share cores (each then runs one torch thread): 4 ranks on a 2-core host
+stress the agreement's timing, they give no throughput figure.
 """
 
 from __future__ import annotations
@@ -413,11 +411,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hicache-ratio", type=float, default=2.0)
     p.add_argument("--prefetch-policy", default="timeout")
     p.add_argument("--timeout-s", type=float, default=1800.0)
-    p.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        help="allow more CPU ranks than cores (one torch thread each)",
-    )
     p.add_argument("--json", default=None, help="write every figure to this path")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run
     return p  # fmt: skip
@@ -440,34 +433,8 @@ def _config(a: argparse.Namespace, model: str, ranks: int) -> StressConfig:
     )
 
 
-OVERSUBSCRIBE_ENV = "HICACHE_BENCH_CPU_COUNT"
-"""Set by ``--oversubscribe`` in a child run: the core count this module makes
-``os.cpu_count()`` report, in that process and in its spawned followers (which import
-this module as their ``__main__``), so the engine's one-rank-per-core check lets the
-ranks share cores. Only the bench does this."""
-
-
-def _report_cores(count: int) -> None:
-    real = os.cpu_count
-    if (real() or 1) < count:
-        os.cpu_count = lambda: count
-
-
-if os.environ.get(OVERSUBSCRIBE_ENV, "").isdigit():
-    _report_cores(int(os.environ[OVERSUBSCRIBE_ENV]))
-
-
-def _allow_oversubscribe(ranks: int) -> None:
-    """Let this process's engine start ``ranks`` CPU ranks on fewer cores (see
-    :data:`OVERSUBSCRIBE_ENV`; each follower takes one torch thread)."""
-    os.environ[OVERSUBSCRIBE_ENV] = str(ranks)
-    _report_cores(ranks)
-
-
 def _child(a: argparse.Namespace) -> int:
     model, ranks = a.models, int(a.ranks)
-    if a.oversubscribe:
-        _allow_oversubscribe(ranks)
     result = run_stress(_config(a, model, ranks))
     write_json(a.json, result.to_json())
     return 0
@@ -494,7 +461,6 @@ def main(argv: list[str] | None = None) -> int:
                     "--output-tokens", str(a.output_tokens), "--parallel", str(a.parallel),
                     "--l1-tokens", str(a.l1_tokens), "--hicache-ratio", str(a.hicache_ratio),
                     "--prefetch-policy", a.prefetch_policy, "--timeout-s", str(a.timeout_s),
-                    *(["--oversubscribe"] if a.oversubscribe else []),
                 ]  # fmt: skip
                 print(f"tp-stress: {model} at {ranks} ranks ...", flush=True)
                 proc = subprocess.run(argv_child, check=False)

@@ -340,7 +340,7 @@ class Engine(Lifecycle):
                     f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
                     " start the engine without a loaded model"
                 )
-            check_tp_model(cfg.model_path, cfg.tp_size)  # before any process starts
+            check_tp_model(cfg.model_path, cfg.tp_size, cfg.device)  # before any process starts
             on_cuda = torch.device(cfg.device).type == "cuda"
             if not on_cuda:  # the cores shared out between the ranks
                 torch.set_num_threads(cpu_threads_per_rank(cfg.tp_size))
