@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hicache.config import CacheConfig
+from hicache.controller.rank_group import LocalOnlyError
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.ranks import (
     RANK_PROCESS_BYTES,
@@ -135,6 +136,12 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None
     assert run_batch(engine, batch, greedy()) == want
     digests = engine.rank_digests()
     assert len(digests) == 2 and digests[0] == digests[1]
+    # a cache call that needs the ranks to agree, run on rank 0 alone, fails at once
+    # (it used to block rank 0 in a collective no follower joins, for its full timeout)
+    with pytest.raises(LocalOnlyError, match=r"inside Engine\.call"):
+        engine.call(engine.cache.flush).result(timeout=30)
+    assert engine.call(engine.cache.stats).result(timeout=30).device_total_tokens > 0  # reads
+    assert engine.rank_digests() == digests
     assert engine.health().healthy
 
 

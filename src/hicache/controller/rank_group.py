@@ -10,9 +10,17 @@ every call is a no-op.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+
+class LocalOnlyError(RuntimeError):
+    """A collective was asked for where one rank runs alone (say a function the engine
+    runs on rank 0 only): the other ranks would never join it, so it is refused at once
+    instead of blocking until the collective's timeout."""
 
 
 class RankGroup:
@@ -31,13 +39,24 @@ class RankGroup:
         """Ranks in the group (1: no group)."""
         self.rank: int = self._dist.get_rank(group) if self._dist is not None else 0
         """This process's rank in the group, ``0 <= rank < size``."""
+        self._local: str | None = None  # why collectives are refused now (local_only)
 
     @classmethod
     def single(cls) -> RankGroup:
         """One rank, whatever process group is initialized (every call a no-op)."""
         g = cls.__new__(cls)
-        g._dist, g._group, g.size, g.rank = None, None, 1, 0
+        g._dist, g._group, g.size, g.rank, g._local = None, None, 1, 0, None
         return g
+
+    @contextlib.contextmanager
+    def local_only(self, why: str) -> Iterator[None]:
+        """While inside, every collective raises :class:`LocalOnlyError` naming ``why``
+        (this rank runs code the others do not). Not reentrant."""
+        self._local = why
+        try:
+            yield
+        finally:
+            self._local = None
 
     @property
     def multi(self) -> bool:
@@ -50,6 +69,11 @@ class RankGroup:
         if t.dtype != torch.int64 or t.device.type != "cpu":
             raise ValueError(f"all_reduce_min needs a CPU int64 tensor, got {t.dtype} {t.device}")
         if self.multi:
+            if self._local is not None:
+                raise LocalOnlyError(
+                    f"rank {self.rank} of {self.size} asked the ranks to agree {self._local},"
+                    " where the others never would: do it in a step every rank runs"
+                )
             self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
         return t
 

@@ -785,13 +785,17 @@ class Engine(Lifecycle):
         The future fails with RuntimeError if the loop ends before running ``fn``; a
         caller still bounds its wait (``.result(timeout=...)``) as ``fn`` may be slow.
         With ``tp_size`` > 1 ``fn`` runs on rank 0 alone: it may read, not change the cache
-        or wait on it (flush, attach and detach have their own methods, run on every rank).
+        or wait on it (flush, attach and detach have their own methods, run on every rank);
+        a cache call that would need the ranks to agree (a flush, a wait for copies) fails
+        the future with :class:`~hicache.controller.rank_group.LocalOnlyError` at once
+        instead of blocking rank 0 in a collective no other rank joins.
         """
         fut: Future[T] = Future()
 
         def run() -> None:
             try:
-                fut.set_result(fn())
+                with self.cache.ranks.local_only("inside Engine.call (run on rank 0 alone)"):
+                    fut.set_result(fn())
             except BaseException as exc:
                 fut.set_exception(exc)
 
