@@ -33,32 +33,29 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from hicache.cache import HiCache
 from hicache.cache.components.base import ServingLimits
-from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.controller.rank_group import RankGroup
 from hicache.engine.admission import (
-    DEFAULT_MAX_QUEUED_REQUESTS,
     EngineUnhealthy,
     QueueFull,
     QueueGate,
     Reservation,
 )
+from hicache.engine.config import EngineConfig, config_fields
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
-from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S, IdleTrimmer
+from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.output import OutputProcessor
 from hicache.engine.rank_digest import rank_state_digest
 from hicache.engine.ranks import (
-    DEFAULT_DIST_INIT_TIMEOUT_S,
     RankProcesses,
     RankSetup,
     StepChannel,
-    check_tp_fits,
     check_tp_model,
     cpu_threads_per_rank,
     join_group,
@@ -67,7 +64,7 @@ from hicache.engine.ranks import (
 )
 from hicache.engine.request import FinishReason, OutputCallback, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
-from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
@@ -82,12 +79,10 @@ from hicache.engine.step_inputs import (
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheStats
-from hicache.runner.kernels import AttentionBackend
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.runner.parallel import TPGroup
-from hicache.storage.registry import StorageConfig, storage_config_from_args
-from hicache.validate import int_at_least, is_finite_number, require
+from hicache.storage.registry import StorageConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,111 +155,6 @@ class _Task:
 
 def _ignore(_: str) -> None:
     return None
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """What to serve and how. ``model_path`` None = the default model (SmolLM2-135M);
-    any architecture :func:`~hicache.runner.loader.load_model` accepts (Llama / Qwen2 /
-    Qwen3, and the hybrids Gemma 3 text, GPT-OSS, Qwen3-Next, Nemotron-H)."""
-
-    model_path: str | None = None
-    dtype: str | None = None
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    cache: CacheConfig = field(
-        default_factory=lambda: CacheConfig(page_size=16, device_tokens=16384)
-    )
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    context_length: int | None = None
-    device_cache_gb: float | None = None
-    """L1 size in GB (10**9 bytes); overrides ``cache.device_tokens`` when set."""
-    storage_backend: str | None = None
-    """L3 backend name (``file``, ``mooncake``, ``redis``, ``module:Class``), or None."""
-    storage_prefetch_policy: str = "timeout"
-    storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
-    storage: StorageConfig | None = field(init=False, default=None)
-    """``storage_backend`` and ``storage_extra_config`` parsed and validated once (None:
-    no L3). An extra config without a backend is refused."""
-    attention_backend: str = "auto"
-    """Attention over the pool (decode and extend of full-attention layers): ``sdpa``
-    (gather + torch SDPA, the reference), ``triton`` (the kernels read K/V in place through
-    the page table), ``auto`` (``triton`` on CUDA when installed and its probe against SDPA
-    passes there, else ``sdpa``)."""
-    cuda_graph_max_bs: int | None = None
-    """Largest decode batch served through CUDA graphs (:mod:`hicache.runner.decode_graphs`),
-    captured at start for buckets 1, 2, 4, 8, 12, 16, 24, ... up to it; None: the
-    scheduler's ``max_running_requests``; 0: off. Larger values are capped at
-    ``max_running_requests``. Used on CUDA with the Triton backend and a plain
-    Llama / Qwen2 / Qwen3 model, after a probe against the SDPA forward; else decode
-    runs eagerly (a warning says why when the capture or the probe failed)."""
-    unhealthy_after_failed_steps: int = 3
-    """:meth:`Engine.health` (and ``/health``) reports the engine unhealthy once this many
-    steps in a row failed: a scheduler step that raised, or a forward that raised (which
-    fails its batch's requests, say a kernel that breaks in one dtype). Healthy again once
-    a step succeeds. At least 1."""
-    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
-    """Sequences (every ``n`` copy and batched prompt counted) that may wait for their first
-    admission at once; a client request whose sequences do not all fit is refused at once
-    (:meth:`Engine.reserve`: :class:`~hicache.engine.admission.QueueFull`, or
-    :class:`~hicache.engine.admission.EngineUnhealthy` when the engine is not healthy).
-    None: unbounded. At least 1."""
-    memory_trim_interval_s: float = DEFAULT_TRIM_INTERVAL_S
-    """Give freed heap memory back to the OS (glibc ``malloc_trim``) once the loop has been
-    idle for a second after being busy, and once more this many seconds later if it is
-    still idle; never twice within this many seconds; 0: never (see
-    :mod:`hicache.engine.memory_trim`). A no-op where there is no glibc."""
-    tp_size: int = 1
-    """Tensor-parallel ranks, each a process with its own model shard, cache and scheduler
-    (see :mod:`hicache.engine.ranks`); 1: this process alone. At most one rank per CPU
-    core on CPU, one per CUDA device (from ``device``'s index on) on CUDA; the model's
-    attention and KV heads must divide by it (checked at start)."""
-    dist_init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S
-    """Seconds every rank has to join the process group, and then to build its engine;
-    a rank that does not fails the start, named."""
-
-    def __post_init__(self) -> None:
-        check_tp_fits(self.tp_size, self.device)
-        dit = self.dist_init_timeout_s
-        require(
-            is_finite_number(dit) and dit > 0,
-            "dist_init_timeout_s",
-            dit,
-            "must be a finite number of seconds > 0",
-        )
-        int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
-        trim = self.memory_trim_interval_s
-        require(
-            is_finite_number(trim) and trim >= 0,
-            "memory_trim_interval_s",
-            trim,
-            "must be a finite number of seconds >= 0 (0: off)",
-        )
-        if self.max_queued_requests is not None:
-            int_at_least(
-                "max_queued_requests",
-                self.max_queued_requests,
-                1,
-                "(unbounded: None; on the command line 0)",
-            )
-        object.__setattr__(
-            self,
-            "storage",
-            storage_config_from_args(self.storage_backend, self.storage_extra_config),
-        )
-        PrefetchPolicy(self.storage_prefetch_policy)  # ValueError naming the bad policy
-        if self.attention_backend not in {b.value for b in AttentionBackend}:
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r} is invalid; must be one of"
-                f" {', '.join(b.value for b in AttentionBackend)}"
-            )
-        if self.cuda_graph_max_bs is not None:
-            int_at_least("cuda_graph_max_bs", self.cuda_graph_max_bs, 0, "(0: off)")
-        if self.device_cache_gb is not None and not self.device_cache_gb > 0:
-            raise ValueError(f"device_cache_gb={self.device_cache_gb!r} is invalid; must be > 0")
-        if self.context_length is not None and (
-            not isinstance(self.context_length, int) or self.context_length < 2
-        ):
-            raise ValueError(f"context_length={self.context_length!r} is invalid; must be >= 2")
 
 
 class Engine(Lifecycle):
@@ -348,7 +238,7 @@ class Engine(Lifecycle):
             self.ranks = RankProcesses(
                 cfg.tp_size,
                 run_follower,
-                _config_fields(cfg),
+                config_fields(cfg),
                 backend=backend,
                 init_timeout_s=cfg.dist_init_timeout_s,
             )
@@ -1233,22 +1123,6 @@ class Engine(Lifecycle):
                 self._close_cache()
             except BaseException:
                 log.exception("closing the cache after the engine thread ended")
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with every mapping (a frozen ``mappingproxy`` included) a plain dict, so
-    that it pickles."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-def _config_fields(config: EngineConfig) -> dict[str, Any]:
-    """``config``'s init fields as a picklable dict (``EngineConfig(**fields)`` rebuilds
-    and revalidates it in a follower)."""
-    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
 
 
 def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
