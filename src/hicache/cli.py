@@ -27,6 +27,7 @@ BENCHES = {
     "engine": "hicache.bench.engine",
     "shared-prefix": "hicache.bench.shared_prefix",
     "tp-stress": "hicache.bench.tp_stress",
+    "agreement": "hicache.bench.agreement",
     "detok": "hicache.bench.detok",
     "fairness": "hicache.bench.fairness",
     "memory": "hicache.bench.memory",
