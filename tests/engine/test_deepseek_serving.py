@@ -24,7 +24,13 @@ from hicache.config import AttentionKind, CacheConfig, MemLayout
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from tests.helpers.tier_walk import assert_hits_storage, assert_idle, run_all, walk_tiers
+from tests.helpers.tier_walk import (
+    assert_hits_storage,
+    assert_idle,
+    count_retractions,
+    run_all,
+    walk_tiers,
+)
 from tests.runner.models.deepseek_fixtures import VARIANTS, deepseek_model, hf_greedy, prompt
 
 PAGE = 4
@@ -104,14 +110,7 @@ def test_concurrent_requests_on_a_small_l1_stay_exact() -> None:
     prompts = [shared + prompt(variant, 10, offset=20 + 7 * i) for i in range(6)]
     want = [hf_greedy(variant, p, NEW_TOKENS) for p in prompts]
     with make_engine(variant, device_tokens=14 * PAGE) as engine:
-        retracted: list[str] = []
-        retract = engine.scheduler._retract
-
-        def counting(req):  # type: ignore[no-untyped-def]
-            retracted.append(req.rid)
-            retract(req)
-
-        engine.scheduler._retract = counting  # type: ignore[method-assign]
+        retracted = count_retractions(engine)
         assert run_all(engine, prompts, GREEDY) == want
         assert retracted, "the small L1 should have forced a retraction"
         assert_idle(engine)

@@ -45,6 +45,7 @@ from hicache.tree.components import Tier
 from tests.helpers.tier_walk import (
     assert_hits_storage,
     assert_idle,
+    count_retractions,
     demote_all,
     run_all,
     walk_tiers,
@@ -159,14 +160,7 @@ def test_concurrent_requests_stay_exact(name: str) -> None:
     # attention-only: a 7-page SWA pool, the least one request needs (window 2 pages, a
     # 16-token chunk 4, one more), so sliding-window pages force the retractions
     with make_engine(name, device_tokens=14 * PAGE, swa_full_tokens_ratio=0.5) as engine:
-        retracted: list[str] = []
-        retract = engine.scheduler._retract
-
-        def counting(req):  # type: ignore[no-untyped-def]
-            retracted.append(req.rid)
-            retract(req)
-
-        engine.scheduler._retract = counting  # type: ignore[method-assign]
+        retracted = count_retractions(engine)
         assert run_all(engine, prompts, GREEDY) == want
         if name in ATTENTION_ONLY:
             assert retracted, "the small L1 should have forced a retraction"

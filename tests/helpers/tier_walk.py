@@ -1,6 +1,7 @@
 """Shared steps of the engine serving tests: the walk of one prompt through every tier
 (cold, L1, L2 after forced eviction, a file L3 after ``flush_cache``), a batch of
-concurrent requests, and the idle check that closes every test.
+concurrent requests (and the retractions they force), and the idle check that closes
+every test.
 
 Every step asserts exact results: the output ids equal the reference continuation
 ``want`` each time, and the cached counts name the tier the prefix came from.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hicache.engine.engine import Engine
 from hicache.engine.request import RequestOutput
@@ -42,6 +44,20 @@ def demote_all(engine: Engine) -> int:
         return engine.cache.evict_device(10**6)
 
     return engine.call(demote).result(timeout=30)
+
+
+def count_retractions(engine: Engine) -> list[str]:
+    """From now on, the id of every request ``engine``'s scheduler retracts, appended to
+    the returned list as it happens (the retraction itself unchanged)."""
+    retracted: list[str] = []
+    retract = engine.scheduler._retract
+
+    def counting(req: Any, **kw: Any) -> None:
+        retracted.append(req.rid)
+        retract(req, **kw)
+
+    engine.scheduler._retract = counting
+    return retracted
 
 
 @dataclass(frozen=True)
