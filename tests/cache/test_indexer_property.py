@@ -15,8 +15,6 @@ keys out of L1 with the KV, a failed backup drops their L2 copies with the KV's)
 
 from __future__ import annotations
 
-import time
-
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -26,7 +24,7 @@ from hicache.config import CacheSpec, IndexerSpec
 from tests.cache.test_cache_property import PAGE, SPEC, CacheMachine
 from tests.cache.test_load_faults_property import LoadFaultMachine
 from tests.helpers.indexer_keys import keys_buffer, token_key
-from tests.helpers.kvdata import page_kv, read_device, write_tokens
+from tests.helpers.kvdata import page_kv, read_device, wait_ready, write_tokens
 
 KEYS = IndexerSpec(num_layers=2, index_head_dim=3)
 
@@ -37,10 +35,7 @@ def serve_with_keys(
     """``tests.helpers.kvdata.serve`` with the indexer's keys: check the cached prefix's KV
     and keys, write both for the rest, commit."""
     req = cache.open(tokens, tenant=tenant, priority=priority, compute_last=False)
-    end = time.monotonic() + 10.0
-    while not cache.ready(req):
-        assert time.monotonic() < end, "the prefetch policy never let the request in"
-        time.sleep(0.0005)
+    wait_ready(cache, req)
     if not cache.admit(req, tokens):
         cache.release(req)
         return None

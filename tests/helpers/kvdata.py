@@ -57,6 +57,15 @@ def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
     return cache.device_pool.read_pages(page_tensor(pages))
 
 
+def wait_ready(cache: HiCache, req: CacheRequest, timeout_s: float = 10.0) -> None:
+    """Wait until the prefetch policy lets ``req`` be admitted (``cache.ready``);
+    AssertionError after ``timeout_s`` seconds."""
+    end = time.monotonic() + timeout_s
+    while not cache.ready(req):
+        assert time.monotonic() < end, "the prefetch policy never let the request in"
+        time.sleep(0.0005)
+
+
 def serve(
     cache: HiCache,
     tokens: Sequence[int],
@@ -74,10 +83,7 @@ def serve(
     """
     seq = list(tokens)
     req = cache.open(seq, tenant=tenant, priority=priority, compute_last=False)
-    end = time.monotonic() + timeout_s
-    while not cache.ready(req):
-        assert time.monotonic() < end, "the prefetch policy never let the request in"
-        time.sleep(0.0005)
+    wait_ready(cache, req, timeout_s)
     if not cache.admit(req, seq):
         cache.release(req)
         return None
