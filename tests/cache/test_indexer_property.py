@@ -24,7 +24,7 @@ from hicache.config import CacheSpec, IndexerSpec
 from tests.cache.test_cache_property import PAGE, SPEC, CacheMachine
 from tests.cache.test_load_faults_property import LoadFaultMachine
 from tests.helpers.indexer_keys import keys_buffer, token_key
-from tests.helpers.kvdata import page_kv, read_device, wait_ready, write_tokens
+from tests.helpers.kvdata import compute, wait_ready
 
 KEYS = IndexerSpec(num_layers=2, index_head_dim=3)
 
@@ -39,10 +39,7 @@ def serve_with_keys(
     if not cache.admit(req, tokens):
         cache.release(req)
         return None
-    for layer in range(cache.spec.num_layers):
-        assert req.wait_layer(layer, 10.0), req.failed
-    prefix = req.pages[: req.prefix_pages]
-    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix)))
+    compute(cache, req, tokens)  # the KV: the prefix checked, the rest written
     buf = keys_buffer(cache)
     slots = req.pool_slots(PAGE, len(req.pages) * PAGE)[INDEXER]
     for pos in range(req.prefix_tokens):
@@ -50,7 +47,6 @@ def serve_with_keys(
             f"the indexer keys of cached position {pos} came back with other bytes"
         )
     full = len(tokens) // cache.page_size
-    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
     for pos in range(req.prefix_tokens, full * PAGE):
         buf[:, int(slots[pos])] = token_key(KEYS, tokens, pos)
     cache.commit(req, tokens)

@@ -66,6 +66,22 @@ def wait_ready(cache: HiCache, req: CacheRequest, timeout_s: float = 10.0) -> No
         time.sleep(0.0005)
 
 
+def compute(
+    cache: HiCache, req: CacheRequest, tokens: Sequence[int], timeout_s: float = 10.0
+) -> None:
+    """An admitted request's forward, as the tests play it: wait for every layer's load,
+    check the cached prefix's L1 KV byte for byte (:func:`page_kv`), then write the KV of
+    its other whole pages (:func:`write_tokens`)."""
+    for layer in range(cache.spec.num_layers):
+        assert req.wait_layer(layer, timeout_s), req.failed
+    prefix = req.pages[: req.prefix_pages]
+    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
+        "a cached prefix came back with other bytes"
+    )
+    full = len(tokens) // cache.page_size
+    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+
+
 def serve(
     cache: HiCache,
     tokens: Sequence[int],
@@ -87,14 +103,7 @@ def serve(
     if not cache.admit(req, seq):
         cache.release(req)
         return None
-    for layer in range(cache.spec.num_layers):
-        assert req.wait_layer(layer, timeout_s), req.failed
-    prefix = req.pages[: req.prefix_pages]
-    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
-        "a cached prefix came back with other bytes"
-    )
-    full = len(tokens) // cache.page_size
-    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+    compute(cache, req, tokens, timeout_s)
     cache.commit(req, tokens)
     if not hold:
         cache.release(req)
