@@ -118,6 +118,20 @@ def random_pool(
     return RandomPool(q, k, v, table.to(device), slots)
 
 
+def hf_greedy_ids(name: str | None, ids: Sequence[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by :func:`hf_model` ``(name)``:
+    exactly ``n`` new token ids (EOS does not stop it)."""
+    with torch.no_grad():
+        out = hf_model(name).generate(
+            torch.tensor([list(ids)]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return list(out[0, len(ids) :].tolist())
+
+
 def prompt_ids(name: str | None, n: int) -> torch.Tensor:
     """``n`` real token ids of an English prompt (int64 ``(n,)``)."""
     text = (
