@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,11 +67,16 @@ def wait_ready(cache: HiCache, req: CacheRequest, timeout_s: float = 10.0) -> No
 
 
 def compute(
-    cache: HiCache, req: CacheRequest, tokens: Sequence[int], timeout_s: float = 10.0
+    cache: HiCache,
+    req: CacheRequest,
+    tokens: Sequence[int],
+    timeout_s: float = 10.0,
+    write: Callable[[HiCache, Sequence[int], PageIds, int], None] = write_tokens,
 ) -> None:
     """An admitted request's forward, as the tests play it: wait for every layer's load,
-    check the cached prefix's L1 KV byte for byte (:func:`page_kv`), then write the KV of
-    its other whole pages (:func:`write_tokens`)."""
+    check the cached prefix's L1 KV byte for byte (:func:`page_kv`), then ``write`` the
+    KV of its other whole pages (default :func:`write_tokens`; a test writing more beside
+    the KV passes its own)."""
     for layer in range(cache.spec.num_layers):
         assert req.wait_layer(layer, timeout_s), req.failed
     prefix = req.pages[: req.prefix_pages]
@@ -79,7 +84,7 @@ def compute(
         "a cached prefix came back with other bytes"
     )
     full = len(tokens) // cache.page_size
-    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+    write(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
 
 
 def serve(
