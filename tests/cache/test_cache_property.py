@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from hicache.cache import CacheRequest, HiCache
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.helpers.kvdata import serve
@@ -56,7 +56,7 @@ class CacheMachine(RuleBasedStateMachine):
             mem_layout=layout,  # type: ignore[arg-type]
             load_back_threshold=0,
         )
-        self.cache = HiCache(cfg, SPEC).start()
+        self.cache = HiCache(cfg, self.cache_spec()).start()
         if l3:  # a fresh in-memory L3 shared by nothing else
             ns = Namespace.for_spec(
                 SPEC, model="m", weights_fingerprint="w", layout=layout, page_size=PAGE
@@ -73,6 +73,17 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache is not None
         return self.cache
 
+    def cache_spec(self) -> KVSpec | CacheSpec:
+        """What the cache stores (a subclass adds components)."""
+        return SPEC
+
+    def serve(
+        self, tokens: list[int], *, tenant: str = "", priority: int = 0, hold: bool = False
+    ) -> CacheRequest | None:
+        """:func:`tests.helpers.kvdata.serve` on the cache (a subclass checks and writes
+        its components' data too)."""
+        return serve(self.c, tokens, tenant=tenant, priority=priority, hold=hold)
+
     @rule(
         tokens=sequences,
         hold=st.booleans(),
@@ -81,7 +92,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def request(self, tokens: list[int], hold: bool, priority: int, tenant: str) -> None:
         """Admit (prefetch, match, load back), compute the rest, commit; maybe hold it."""
-        req = serve(self.c, tokens, tenant=tenant, priority=priority, hold=hold)
+        req = self.serve(tokens, tenant=tenant, priority=priority, hold=hold)
         if req is None:
             return  # L1 full of pinned pages: nothing held, nothing changed
         self.known.append((tokens, tenant))
@@ -115,7 +126,7 @@ class CacheMachine(RuleBasedStateMachine):
     def read_back(self, i: int) -> None:
         """Read a previously inserted sequence back; whatever is cached must be exact."""
         tokens, tenant = self.known[i % len(self.known)]
-        serve(self.c, tokens, tenant=tenant)  # checks the cached prefix byte for byte
+        self.serve(tokens, tenant=tenant)  # checks the cached prefix byte for byte
 
     @invariant()
     def integrity(self) -> None:

@@ -10,7 +10,6 @@ match ends before the first node without its keys (ALL_PAGES).
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +24,7 @@ from hicache.memory.layout import gather_pages
 from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from hicache.tree.node import TreeNode
+from tests.helpers.kvdata import wait_ready
 from tests.helpers.recording_storage import RecordingStorage
 
 FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -105,10 +105,7 @@ def serve_in_chunks(cache: HiCache, tokens: list[int], chunk: int = 8) -> None:
 def admit_and_check(cache: HiCache, tokens: list[int]) -> int:
     """Admit ``tokens``, check the prefix's keys in L1, release; returns the prefix."""
     req = cache.open(tokens)
-    for _ in range(2000):
-        if cache.ready(req):
-            break
-        threading.Event().wait(0.005)
+    wait_ready(cache, req)
     assert cache.admit(req, tokens)
     prefix = req.prefix_tokens
     assert keys_ok(cache, req, tokens, prefix)
@@ -312,10 +309,7 @@ def test_keys_survive_host_l3_host(layout: MemLayout) -> None:
     with make(mem_layout=layout) as cold:  # a second server over the same L3
         storage = attach(cold, store, layout)
         req = cold.open(PROMPT)
-        for _ in range(2000):
-            if cold.ready(req):
-                break
-            threading.Event().wait(0.005)
+        wait_ready(cold, req)
         s2 = store_of(cold)
         assert cold.admit(req, PROMPT)
         assert req.cached.storage == 16

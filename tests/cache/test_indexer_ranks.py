@@ -11,7 +11,6 @@ with equal tree digests, and each cached prefix's keys come back byte for byte; 
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +21,6 @@ import torch
 
 import tests.helpers.rank_cache as rank_cache
 from hicache.cache import HiCache
-from hicache.cache.components import IndexerStore
 from hicache.config import (
     AttentionKind,
     CacheConfig,
@@ -35,6 +33,7 @@ from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
 from hicache.storage.registry import create_storage
 from hicache.tree.node import PageIds
+from tests.helpers.indexer_keys import keys_buffer, token_key
 from tests.helpers.ranks import run_ranks
 
 MLA = KVSpec(num_layers=2, attention=AttentionKind.MLA, kv_lora_rank=4, qk_rope_head_dim=2)
@@ -45,19 +44,6 @@ PROMPTS = [A, [*A[:4], 20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37]]
 FAULTS = ("none", "slow", "lookup_fail")
 
 
-def token_key(tokens: Sequence[int], pos: int) -> torch.Tensor:
-    """The keys ``(layers, 1, index_head_dim)`` of ``tokens[pos]`` given its prefix."""
-    digest = hashlib.sha256(repr(["indexer", *tokens[: pos + 1]]).encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-    return torch.randn((KEYS.num_layers, 1, KEYS.index_head_dim), generator=gen)
-
-
-def keys_buffer(cache: HiCache) -> torch.Tensor:
-    store = cache.store(IndexerStore)
-    assert store is not None
-    return store.device_pool.buffer[0]  # (L, S, 1, D)
-
-
 def _write_with_keys(
     cache: HiCache, tokens: Sequence[int], pages: PageIds, first_page: int
 ) -> None:
@@ -66,7 +52,7 @@ def _write_with_keys(
     buf = keys_buffer(cache)
     for i, page in enumerate(pages):
         for off in range(PAGE):
-            buf[:, page * PAGE + off] = token_key(tokens, (first_page + i) * PAGE + off)
+            buf[:, page * PAGE + off] = token_key(KEYS, tokens, (first_page + i) * PAGE + off)
 
 
 _write_tokens = rank_cache.write_tokens
@@ -82,7 +68,7 @@ def _check_keys(cache: HiCache, prompts: Sequence[Sequence[int]]) -> list[int]:
         assert cache.admit(req, list(tokens))
         slots = req.pool_slots(PAGE, req.prefix_tokens)["indexer"]
         for pos in range(req.prefix_tokens):
-            assert torch.equal(buf[:, int(slots[pos])], token_key(tokens, pos)), pos
+            assert torch.equal(buf[:, int(slots[pos])], token_key(KEYS, tokens, pos)), pos
         out.append(req.prefix_tokens)
         cache.release(req)
     return out

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hicache.cache import CacheRequest, HiCache
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig, CacheSpec, KVSpec
 from hicache.tree.node import PageIds
 from tests.helpers.kvdata import (
     FailingBackups,
@@ -59,7 +59,8 @@ class LoadFaultMachine(RuleBasedStateMachine):
             io_backend=io,  # type: ignore[arg-type]
             load_back_threshold=0,
         )
-        self.cache = HiCache(cfg, SPEC, layer_hook=self.loads, wait_timeout_s=10.0).start()
+        spec = self.cache_spec()
+        self.cache = HiCache(cfg, spec, layer_hook=self.loads, wait_timeout_s=10.0).start()
         assert self.cache.host is not None
         engine = self.cache.host.controller._engine
         self.backups = FailingBackups(engine.copier)
@@ -77,6 +78,10 @@ class LoadFaultMachine(RuleBasedStateMachine):
     def c(self) -> HiCache:
         assert self.cache is not None
         return self.cache
+
+    def cache_spec(self) -> KVSpec | CacheSpec:
+        """What the cache stores (a subclass adds components)."""
+        return SPEC
 
     @rule(tokens=sequences)
     def request(self, tokens: list[int]) -> None:

@@ -29,7 +29,7 @@ from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.tree import TreeNode
 from hicache.tree.components import Tier
 from tests.cache.test_snapshots import PAGE, SPEC, STATE, kept, resume_state, snapshot
-from tests.helpers.kvdata import page_kv, read_device, write_tokens
+from tests.helpers.kvdata import page_kv, read_device, wait_ready, write_tokens
 from tests.helpers.recording_storage import RecordingStorage
 
 PROMPT = list(range(40, 40 + 9))  # 4 whole pages before the last token
@@ -73,10 +73,7 @@ def compute(cache: HiCache, prompt: list[int], snaps: dict[int, list[torch.Tenso
 def fetch(cache: HiCache, prompt: list[int]) -> tuple[int, int, list[torch.Tensor] | None]:
     """A fresh request for ``prompt`` after its prefetch: (storage hit, prefix, state)."""
     req = cache.open(prompt)
-    for _ in range(2000):
-        if cache.ready(req):
-            break
-        threading.Event().wait(0.005)
+    wait_ready(cache, req)
     assert cache.admit(req, prompt)
     for layer in range(SPEC.num_layers):
         assert req.wait_layer(layer, 10)

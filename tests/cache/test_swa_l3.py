@@ -16,7 +16,6 @@ Window 4 tokens, pages of 2 (a hit of ``d`` pages needs the SWA pages ``d - 1, d
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +26,7 @@ from hicache.keys import Namespace, page_keys
 from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from tests.cache.test_swa import FULL, PAGE, SWA_SPEC, read_swa, serve_in_chunks, swa_of
+from tests.helpers.kvdata import wait_ready
 from tests.helpers.recording_storage import RecordingStorage
 
 LONG = list(range(100, 121))  # 21 tokens: 10 whole pages before the last token
@@ -71,10 +71,7 @@ def fetch(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
     """A request for ``tokens`` after its prefetch, admitted: (storage hit, prefix); the
     window before the prefix holds ``tokens``' SWA values; released after."""
     req = cache.open(tokens)
-    for _ in range(2000):
-        if cache.ready(req):
-            break
-        threading.Event().wait(0.005)
+    wait_ready(cache, req)
     assert cache.admit(req, tokens)
     prefix = req.prefix_tokens
     assert read_swa(cache, req, tokens, max(0, prefix - SWA_SPEC.window), prefix)

@@ -16,17 +16,21 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from hicache.config import AttentionKind, CacheConfig, MemLayout
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from tests.helpers.tier_walk import (
+    assert_hits_storage,
+    assert_idle,
+    count_retractions,
+    run_all,
+    walk_tiers,
+)
 from tests.runner.models.deepseek_fixtures import VARIANTS, deepseek_model, hf_greedy, prompt
 
 PAGE = 4
@@ -64,17 +68,6 @@ def make_engine(
     return Engine(config, loaded=deepseek_model(variant)).start()
 
 
-def assert_idle(engine: Engine) -> None:
-    def check() -> None:
-        assert engine.scheduler.idle
-        assert engine.cache.requests == 0
-        engine.cache.flush()
-        engine.cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
-
-    engine.call(check).result(timeout=30)
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_through_engine_equals_transformers(variant: str) -> None:
     ids = prompt(variant, PROMPT_LEN)
@@ -103,29 +96,9 @@ def test_mla_hits_l1_l2_and_file_l3(variant: str, layout: MemLayout, tmp_path: P
     ids = prompt(variant, PROMPT_LEN)
     want = hf_greedy(variant, ids, NEW_TOKENS)
     with make_engine(variant, storage=tmp_path, layout=layout) as engine:
-        cold = engine.generate(ids, GREEDY, timeout=60)
-        assert cold.cached.total == 0 and cold.output_ids == want
-        from_l1 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l1.cached.device == MATCHED and from_l1.output_ids == want
-
-        def demote_all() -> int:
-            engine.cache.flush()  # backups complete, nodes unpinned
-            return engine.cache.evict_device(10**6)
-
-        assert engine.call(demote_all).result(timeout=30) > 0
-        from_l2 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l2.cached.device == 0 and from_l2.cached.host == MATCHED
-        assert from_l2.output_ids == want
-        engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
-        assert engine.flush_cache()  # L1 and L2 emptied
-        from_l3 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
-        assert from_l3.output_ids == want
-        assert_idle(engine)
+        walk_tiers(engine, ids, GREEDY, want, MATCHED)
     with make_engine(variant, storage=tmp_path, layout=layout) as second:  # the first's records
-        again = second.generate(ids, GREEDY, timeout=60)
-        assert again.cached.storage == MATCHED and again.output_ids == want
-        assert_idle(second)
+        assert_hits_storage(second, ids, GREEDY, want, MATCHED)
 
 
 def test_concurrent_requests_on_a_small_l1_stay_exact() -> None:
@@ -137,30 +110,7 @@ def test_concurrent_requests_on_a_small_l1_stay_exact() -> None:
     prompts = [shared + prompt(variant, 10, offset=20 + 7 * i) for i in range(6)]
     want = [hf_greedy(variant, p, NEW_TOKENS) for p in prompts]
     with make_engine(variant, device_tokens=14 * PAGE) as engine:
-        retracted: list[str] = []
-        retract = engine.scheduler._retract
-
-        def counting(req):  # type: ignore[no-untyped-def]
-            retracted.append(req.rid)
-            retract(req)
-
-        engine.scheduler._retract = counting  # type: ignore[method-assign]
-        results: dict[int, list[int]] = {}
-        done = threading.Event()
-
-        def on(i: int) -> Callable[[RequestOutput], None]:
-            def cb(out: RequestOutput) -> None:
-                if out.finished:
-                    assert out.error is None
-                    results[i] = out.output_ids
-                    if len(results) == len(prompts):
-                        done.set()
-
-            return cb
-
-        for i, p in enumerate(prompts):
-            engine.submit(p, GREEDY, on(i))
-        assert done.wait(120)
-        assert [results[i] for i in range(len(prompts))] == want
+        retracted = count_retractions(engine)
+        assert run_all(engine, prompts, GREEDY) == want
         assert retracted, "the small L1 should have forced a retraction"
         assert_idle(engine)

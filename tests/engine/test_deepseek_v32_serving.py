@@ -21,6 +21,7 @@ from hicache.config import AttentionKind, CacheConfig, IndexerSpec
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from tests.helpers.tier_walk import assert_hits_storage, assert_idle, walk_tiers
 from tests.runner.models.deepseek_v32_fixtures import hf_greedy, prompt, v32_model
 
 PAGE = 4
@@ -48,17 +49,6 @@ def make_engine(*, storage: Path | None = None) -> Engine:
     return Engine(config, loaded=v32_model()).start()
 
 
-def assert_idle(engine: Engine) -> None:
-    def check() -> None:
-        assert engine.scheduler.idle
-        assert engine.cache.requests == 0
-        engine.cache.flush()
-        engine.cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
-
-    engine.call(check).result(timeout=30)
-
-
 def test_greedy_through_engine_equals_transformers() -> None:
     ids = prompt(PROMPT_LEN)
     want = hf_greedy(ids, NEW_TOKENS)
@@ -79,30 +69,13 @@ def test_hits_from_l1_l2_and_file_l3(tmp_path: Path) -> None:
     ids = prompt(PROMPT_LEN)
     want = hf_greedy(ids, NEW_TOKENS)
     with make_engine(storage=tmp_path) as engine:
-        cold = engine.generate(ids, GREEDY, timeout=60)
-        assert cold.cached.total == 0 and cold.output_ids == want
-        from_l1 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l1.cached.device == MATCHED and from_l1.output_ids == want
 
-        def demote_all() -> int:
-            engine.cache.flush()  # backups complete, nodes unpinned
-            return engine.cache.evict_device(10**6)
+        def indexer_keys_backed_up() -> None:
+            written = engine.cache.counters.l3_backup_indexer_pages_total
+            assert written >= MATCHED // PAGE
+            assert engine.cache.counters.l3_backup_indexer_pages_failed_total == 0
 
-        assert engine.call(demote_all).result(timeout=30) > 0
-        from_l2 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l2.cached.device == 0 and from_l2.cached.host == MATCHED
-        assert from_l2.output_ids == want
-        engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
-        written = engine.cache.counters.l3_backup_indexer_pages_total
-        assert written >= MATCHED // PAGE
-        assert engine.cache.counters.l3_backup_indexer_pages_failed_total == 0
-        assert engine.flush_cache()  # L1 and L2 emptied
-        from_l3 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
-        assert from_l3.output_ids == want
+        walk_tiers(engine, ids, GREEDY, want, MATCHED, after_l3_backup=indexer_keys_backed_up)
         assert engine.cache.counters.prefetch_component_records_total == MATCHED // PAGE
-        assert_idle(engine)
     with make_engine(storage=tmp_path) as second:  # the first engine's records
-        again = second.generate(ids, GREEDY, timeout=60)
-        assert again.cached.storage == MATCHED and again.output_ids == want
-        assert_idle(second)
+        assert_hits_storage(second, ids, GREEDY, want, MATCHED)

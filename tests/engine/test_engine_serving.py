@@ -27,6 +27,7 @@ from hicache.engine.scheduler import SchedulerConfig
 from hicache.server.app import create_app
 from tests.helpers.api_fixtures import scrape
 from tests.helpers.engine_fixtures import engine_model
+from tests.helpers.tier_walk import demote_all, run_all
 
 MODEL = "tiny-random-llama"
 PAGE = 4
@@ -70,12 +71,7 @@ def test_greedy_identical_across_tiers() -> None:
         assert cold.cached.total == 0 and len(cold.output_ids) == 12
         from_l1 = engine.generate(PROMPT, GREEDY, timeout=60)
         assert from_l1.cached.device == 44 and from_l1.cached.host == 0
-
-        def demote_all() -> int:
-            engine.cache.flush()  # backups complete, nodes unpinned
-            return engine.cache.evict_device(10**6)
-
-        assert engine.call(demote_all).result(timeout=30) > 0
+        assert demote_all(engine) > 0
         from_l2 = engine.generate(PROMPT, GREEDY, timeout=60)
         assert from_l2.cached.device == 0 and from_l2.cached.host == 44
         assert engine.flush_cache()
@@ -94,22 +90,7 @@ def test_concurrent_requests_share_prefix_under_pressure() -> None:
         prompts = [PROMPT[:20] + [500 + i] * 9 for i in range(6)]
         solo = [engine.generate(p, GREEDY, timeout=60).output_ids for p in prompts]
         assert engine.flush_cache()
-        results: dict[int, list[int]] = {}
-        done = threading.Event()
-
-        def on(i: int):  # type: ignore[no-untyped-def]
-            def cb(out):  # type: ignore[no-untyped-def]
-                if out.finished:
-                    results[i] = out.output_ids
-                    if len(results) == len(prompts):
-                        done.set()
-
-            return cb
-
-        for i, p in enumerate(prompts):
-            engine.submit(p, GREEDY, on(i))
-        assert done.wait(120)
-        assert [results[i] for i in range(len(prompts))] == solo
+        assert run_all(engine, prompts, GREEDY) == solo
         assert_clean(engine)
 
 

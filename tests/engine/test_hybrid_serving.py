@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,14 @@ from hicache.runner.loader import LoadedHybridModel, load_model
 from hicache.runner.model_runner import ForwardBatch, ModelRunner
 from hicache.runner.models.config import UnsupportedModelError
 from hicache.tree.components import Tier
+from tests.helpers.tier_walk import (
+    assert_hits_storage,
+    assert_idle,
+    count_retractions,
+    demote_all,
+    run_all,
+    walk_tiers,
+)
 from tests.runner.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model, prompt
 
 PAGE = 4
@@ -96,45 +103,6 @@ def hf_greedy(name: str, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     return list(_hf_greedy(name, tuple(ids), n))
 
 
-def assert_idle(engine: Engine) -> None:
-    """No request held, every recurrent state dropped, pins zero, integrity clean."""
-
-    def check() -> None:
-        assert engine.scheduler.idle
-        assert engine.cache.requests == 0
-        states = engine.scheduler.runner.states
-        assert states is None or len(states) == 0
-        engine.cache.flush()
-        engine.cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
-
-    engine.call(check).result(timeout=30)
-
-
-def run_all(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Submit every prompt at once; their output ids in prompt order."""
-    results: dict[int, list[int]] = {}
-    errors: list[str] = []
-    done = threading.Event()
-
-    def on(i: int) -> Callable[..., None]:
-        def cb(out) -> None:  # type: ignore[no-untyped-def]
-            if out.finished:
-                if out.error:
-                    errors.append(out.error)
-                results[i] = out.output_ids
-                if len(results) == len(prompts):
-                    done.set()
-
-        return cb
-
-    for i, p in enumerate(prompts):
-        engine.submit(p, GREEDY, on(i))
-    assert done.wait(120)
-    assert not errors
-    return [results[i] for i in range(len(prompts))]
-
-
 def test_load_model_serves_hybrid_checkpoints_and_refuses_llama_as_hybrid() -> None:
     loaded = load_model("tiny-random-qwen3-next", dtype="float32")
     assert isinstance(loaded, LoadedHybridModel)
@@ -174,28 +142,10 @@ def test_hybrid_hits_l1_l2_and_file_l3(name: str, tmp_path: Path) -> None:
     ids = prompt(name, PROMPT_LEN).tolist()
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
-        cold = engine.generate(ids, GREEDY, timeout=60)
-        assert cold.cached.total == 0 and cold.output_ids == want
-        from_l1 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l1.cached.device == MATCHED and from_l1.output_ids == want
-
-        def demote_all() -> int:
-            engine.cache.flush()  # backups complete, nodes unpinned
-            return engine.cache.evict_device(10**6)
-
-        assert engine.call(demote_all).result(timeout=30) > 0
-        from_l2 = engine.generate(ids, GREEDY, timeout=60)
-        assert from_l2.cached.device == 0 and from_l2.cached.host == MATCHED
-        assert from_l2.output_ids == want
-        engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
-        assert engine.flush_cache()  # L1 and L2 emptied
-        from_l3 = engine.generate(ids, GREEDY, timeout=60)
-        # a recurrent model's snapshot at the prompt's last page boundary came back from
-        # L3 with its pages (a "mamba" record), an SWA model's window before it (its
+        # from L3: a recurrent model's snapshot at the prompt's last page boundary comes
+        # back with its pages (a "mamba" record), an SWA model's window before it (its
         # "swa" records): the prefill resumes there
-        assert from_l3.cached.storage == MATCHED and from_l3.cached.device == 0
-        assert from_l3.output_ids == want
-        assert_idle(engine)
+        walk_tiers(engine, ids, GREEDY, want, MATCHED)
 
 
 @pytest.mark.parametrize("name", HYBRID)
@@ -210,15 +160,8 @@ def test_concurrent_requests_stay_exact(name: str) -> None:
     # attention-only: a 7-page SWA pool, the least one request needs (window 2 pages, a
     # 16-token chunk 4, one more), so sliding-window pages force the retractions
     with make_engine(name, device_tokens=14 * PAGE, swa_full_tokens_ratio=0.5) as engine:
-        retracted: list[str] = []
-        retract = engine.scheduler._retract
-
-        def counting(req):  # type: ignore[no-untyped-def]
-            retracted.append(req.rid)
-            retract(req)
-
-        engine.scheduler._retract = counting  # type: ignore[method-assign]
-        assert run_all(engine, prompts) == want
+        retracted = count_retractions(engine)
+        assert run_all(engine, prompts, GREEDY) == want
         if name in ATTENTION_ONLY:
             assert retracted, "the small L1 should have forced a retraction"
         assert_idle(engine)
@@ -336,9 +279,7 @@ def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Pa
         written = engine.cache.stats().counters["l3_backup_snapshots_total"]
         assert written >= 2  # the prompt's (32) and the request end's (40)
     with make_engine(name, storage=tmp_path) as other:
-        out = other.generate(ids, GREEDY, timeout=60)
-        assert out.cached.storage == MATCHED and out.output_ids == want
-        assert_idle(other)
+        assert_hits_storage(other, ids, GREEDY, want, MATCHED)
 
 
 @pytest.mark.parametrize("name", ATTENTION_ONLY)
@@ -600,12 +541,7 @@ def test_a_failed_load_back_recomputes_with_transformers_tokens(name: str) -> No
     want = hf_greedy(name, ids)
     with make_engine(name) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-
-        def demote_all() -> int:
-            engine.cache.flush()
-            return engine.cache.evict_device(10**6)
-
-        assert engine.call(demote_all).result(timeout=30) > 0
+        assert demote_all(engine) > 0
         assert engine.cache.host is not None
         transfer = engine.cache.host.controller._engine
         copies = FailingLoadCopies(transfer.copier)

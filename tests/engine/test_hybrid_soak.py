@@ -35,7 +35,8 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.components import Tier
-from tests.engine.test_hybrid_serving import assert_idle, hf_greedy
+from tests.engine.test_hybrid_serving import hf_greedy
+from tests.helpers.tier_walk import assert_idle
 from tests.runner.models.hybrid_fixtures import hybrid_model
 
 PAGE = 4

@@ -38,7 +38,7 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.engine.step_inputs import NewRequest
 from tests.helpers import rank_targets
-from tests.helpers.engine_fixtures import engine_model, hf_model
+from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 
 NEW = 6
 PAGE = 4
@@ -67,15 +67,7 @@ def greedy(n: int = NEW) -> SamplingParams:
 
 @cache
 def hf_greedy(name: str, ids: tuple[int, ...], n: int = NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf_model(name).generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-    return list(out[0, len(ids) :].tolist())
+    return hf_greedy_ids(name, ids, n)
 
 
 def prompts(name: str) -> list[list[int]]:

@@ -23,7 +23,7 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from tests.helpers.engine_fixtures import engine_model, hf_model
+from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 from tests.runner.models import deepseek_fixtures as v2
 from tests.runner.models import deepseek_v32_fixtures as v32
 
@@ -65,15 +65,7 @@ def llama_prompt(n: int, seed: int) -> list[int]:
 
 
 def llama_greedy(ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf_model("tiny-random-llama").generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            do_sample=False,
-        )
-    return list(out[0, len(ids) :].tolist())
+    return hf_greedy_ids("tiny-random-llama", ids, NEW)
 
 
 MODELS: dict[

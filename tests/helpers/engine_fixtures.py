@@ -23,6 +23,7 @@ import torch
 
 from hicache.memory import DevicePool
 from hicache.runner import LoadedModel, ModelRunner, kv_spec_from_hf_config, load_model
+from hicache.runner.model_runner import ForwardBatch
 
 TINY = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3")
 
@@ -54,6 +55,26 @@ def slots_for(pages: Sequence[int], page_size: int, num_tokens: int) -> torch.Te
     """Slots of tokens ``0 .. num_tokens-1`` laid over ``pages`` in order: ``(num_tokens,)``."""
     t = torch.arange(num_tokens)
     return torch.tensor(pages, dtype=torch.int64)[t // page_size] * page_size + t % page_size
+
+
+def paged_batch(
+    ids: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    pages: Sequence[Sequence[int]],
+    page_size: int,
+) -> ForwardBatch:
+    """One forward batch of ``len(ids)`` sequences: sequence ``i`` computes tokens
+    ``ids[i]`` at positions ``starts[i] ..``, its slots laid over ``pages[i]`` (its cached
+    ``starts[i]`` tokens before them, see :func:`slots_for`)."""
+    lens = [len(t) for t in ids]
+    return ForwardBatch(
+        input_ids=torch.tensor([i for t in ids for i in t]),
+        positions=torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens, strict=True)]),
+        extend_lens=lens,
+        seq_slots=[
+            slots_for(p, page_size, a + n) for p, a, n in zip(pages, starts, lens, strict=True)
+        ],
+    )
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,20 @@ def random_pool(
     table = torch.stack([order[i * width : (i + 1) * width] for i in range(len(lengths))])
     slots = [slots_for(table[i].tolist(), page_size, n).to(device) for i, n in enumerate(lengths)]
     return RandomPool(q, k, v, table.to(device), slots)
+
+
+def hf_greedy_ids(name: str | None, ids: Sequence[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by :func:`hf_model` ``(name)``:
+    exactly ``n`` new token ids (EOS does not stop it)."""
+    with torch.no_grad():
+        out = hf_model(name).generate(
+            torch.tensor([list(ids)]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return list(out[0, len(ids) :].tolist())
 
 
 def prompt_ids(name: str | None, n: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,36 @@ def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
     return cache.device_pool.read_pages(page_tensor(pages))
 
 
+def wait_ready(cache: HiCache, req: CacheRequest, timeout_s: float = 10.0) -> None:
+    """Wait until the prefetch policy lets ``req`` be admitted (``cache.ready``);
+    AssertionError after ``timeout_s`` seconds."""
+    end = time.monotonic() + timeout_s
+    while not cache.ready(req):
+        assert time.monotonic() < end, "the prefetch policy never let the request in"
+        time.sleep(0.0005)
+
+
+def compute(
+    cache: HiCache,
+    req: CacheRequest,
+    tokens: Sequence[int],
+    timeout_s: float = 10.0,
+    write: Callable[[HiCache, Sequence[int], PageIds, int], None] = write_tokens,
+) -> None:
+    """An admitted request's forward, as the tests play it: wait for every layer's load,
+    check the cached prefix's L1 KV byte for byte (:func:`page_kv`), then ``write`` the
+    KV of its other whole pages (default :func:`write_tokens`; a test writing more beside
+    the KV passes its own)."""
+    for layer in range(cache.spec.num_layers):
+        assert req.wait_layer(layer, timeout_s), req.failed
+    prefix = req.pages[: req.prefix_pages]
+    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
+        "a cached prefix came back with other bytes"
+    )
+    full = len(tokens) // cache.page_size
+    write(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+
+
 def serve(
     cache: HiCache,
     tokens: Sequence[int],
@@ -74,21 +104,11 @@ def serve(
     """
     seq = list(tokens)
     req = cache.open(seq, tenant=tenant, priority=priority, compute_last=False)
-    end = time.monotonic() + timeout_s
-    while not cache.ready(req):
-        assert time.monotonic() < end, "the prefetch policy never let the request in"
-        time.sleep(0.0005)
+    wait_ready(cache, req, timeout_s)
     if not cache.admit(req, seq):
         cache.release(req)
         return None
-    for layer in range(cache.spec.num_layers):
-        assert req.wait_layer(layer, timeout_s), req.failed
-    prefix = req.pages[: req.prefix_pages]
-    assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
-        "a cached prefix came back with other bytes"
-    )
-    full = len(tokens) // cache.page_size
-    write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
+    compute(cache, req, tokens, timeout_s)
     cache.commit(req, tokens)
     if not hold:
         cache.release(req)

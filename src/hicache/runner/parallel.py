@@ -139,36 +139,42 @@ class TPGroup:
         return x
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with this rank's ``out_features / size`` output rows of ``W``
-    (and of ``b``): ``x (T, in)`` -> ``(T, out / size)``, no collective."""
+class _ShardedLinear(nn.Module):
+    """What the column- and row-parallel linears hold: the full ``in_features`` and
+    ``out_features``, this rank's ``weight (rows, cols)`` slice and, with ``bias``, a
+    ``bias (rows,)``; uninitialized (the checkpoint loads them)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, rows: int, cols: int, *, bias: bool, tp: TPGroup
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(rows, cols))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with this rank's ``out_features / size`` output rows of ``W``
+    (and of ``b``): ``x (T, in)`` -> ``(T, out / size)``, no collective."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
         local = tp.part(out_features, "output features")
-        self.weight = nn.Parameter(torch.empty(local, in_features))
-        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+        super().__init__(in_features, out_features, local, in_features, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``y = x W^T + b`` with this rank's ``in_features / size`` input columns of ``W``:
     ``x (T, in / size)`` -> ``(T, out)``, the partial products summed over the ranks and
     ``b`` (kept whole) added once after the sum."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        self.in_features = in_features
-        self.out_features = out_features
         local = tp.part(in_features, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, local))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        super().__init__(in_features, out_features, out_features, local, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # nn.Linear's one fused call: TP 1 is bit-identical to it

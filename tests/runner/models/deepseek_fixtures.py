@@ -13,6 +13,7 @@ bundled SmolLM2 one).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -111,27 +112,45 @@ def _config(variant: str, vocab_size: int) -> Any:
     raise ValueError(f"unknown DeepSeek variant {variant!r}; choose one of {VARIANTS}")
 
 
-def _write(variant: str, tmp: Path) -> None:
+def write_seeded(
+    tmp: Path,
+    config_of: Callable[[int], Any],
+    seed: int,
+    init: Callable[[str, torch.nn.Parameter], None],
+) -> None:
+    """Write into ``tmp`` a random DeepSeek checkpoint of ``config_of(vocab size)`` with
+    tiny-random-llama's tokenizer: transformers' init under ``seed``, then ``init(name,
+    parameter)`` on every parameter and the routers' score-correction bias drawn from
+    ``N(0, 0.2)`` (transformers zeroes it), all inside a forked RNG."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         resolve_checkpoint("tiny-random-llama").path, local_files_only=True
     )
-    config = _config(variant, len(tokenizer))
+    config = config_of(len(tokenizer))
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
+        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(1.0, 0.2)
-                elif name.endswith(".bias"):
-                    p.normal_(0.0, 0.2)
+                init(name, p)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.normal_(0.0, 0.2)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+
+
+def _init(name: str, p: torch.nn.Parameter) -> None:
+    """Norm weights ``N(1, 0.2)``, biases ``N(0, 0.2)`` (transformers makes them 1 and 0)."""
+    if name.endswith("norm.weight"):
+        p.normal_(1.0, 0.2)
+    elif name.endswith(".bias"):
+        p.normal_(0.0, 0.2)
+
+
+def _write(variant: str, tmp: Path) -> None:
+    write_seeded(tmp, lambda vocab: _config(variant, vocab), SEED, _init)
 
 
 @cache

@@ -21,8 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hicache.runner.checkpoints import materialize, models_dir, resolve_checkpoint
+from hicache.runner.checkpoints import materialize, models_dir
 from hicache.runner.loader import LoadedHybridModel, load_model
+from tests.runner.models.deepseek_fixtures import write_seeded
 
 SEED = 8642
 VERSION = 2
@@ -44,29 +45,19 @@ def _config(vocab_size: int) -> Any:
     )  # fmt: skip
 
 
-def _write(tmp: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _init(name: str, p: torch.nn.Parameter) -> None:
+    """Norm weights ``N(1, 0.2)`` and biases ``N(0, 0.2)``; the indexer's other weights
+    ``N(0, 0.3)``, scores spread wide enough to rank tokens."""
+    if name.endswith("norm.weight"):
+        p.normal_(1.0, 0.2)
+    elif name.endswith("norm.bias"):
+        p.normal_(0.0, 0.2)
+    elif ".indexer." in name:
+        p.normal_(0.0, 0.3)
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolve_checkpoint("tiny-random-llama").path, local_files_only=True
-    )
-    config = _config(len(tokenizer))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(1.0, 0.2)
-                elif name.endswith("norm.bias"):
-                    p.normal_(0.0, 0.2)
-                elif ".indexer." in name:
-                    p.normal_(0.0, 0.3)  # scores spread wide enough to rank tokens
-            for name, b in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.normal_(0.0, 0.2)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+
+def _write(tmp: Path) -> None:
+    write_seeded(tmp, _config, SEED, _init)
 
 
 @cache

@@ -38,6 +38,7 @@ from hicache.runner.models.rope import (
     softmax_scale_factor,
 )
 from hicache.runner.parallel import TPGroup
+from tests.helpers.engine_fixtures import paged_batch, slots_for
 from tests.runner.models.deepseek_fixtures import (
     VARIANTS,
     deepseek_model,
@@ -51,24 +52,13 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 A_PAGES, B_PAGES = [5, 2, 7, 0, 9], [1, 3, 4, 6, 8, 10]
 
 
-def slots_for(pages: list[int], n: int) -> torch.Tensor:
-    t = torch.arange(n)
-    return torch.tensor(pages, dtype=torch.int64)[t // PAGE] * PAGE + t % PAGE
-
-
 def new_runner(variant: str) -> ModelRunner:
     model = deepseek_model(variant).model
     return ModelRunner(model, DevicePool(cache_spec_of(model, "float32").kv, 16, PAGE))
 
 
 def batch(ids: list[list[int]], starts: list[int], pages: list[list[int]]) -> ForwardBatch:
-    lens = [len(t) for t in ids]
-    return ForwardBatch(
-        input_ids=torch.tensor([i for t in ids for i in t]),
-        positions=torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens, strict=True)]),
-        extend_lens=lens,
-        seq_slots=[slots_for(p, a + n) for p, a, n in zip(pages, starts, lens, strict=True)],
-    )
+    return paged_batch(ids, starts, pages, PAGE)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -107,7 +97,7 @@ def test_the_pool_holds_the_latent(variant: str) -> None:
     assert kv_spec_from_hf_config(hf_config, "float32", tp_size=2) == spec
     ids = prompt(variant, 10)
     runner.forward(batch([ids], [0], [A_PAGES]))
-    stored = runner.pool.latent_buffer(0)[slots_for(A_PAGES, 10), 0]
+    stored = runner.pool.latent_buffer(0)[slots_for(A_PAGES, PAGE, 10), 0]
     hf = hf_twin(variant)
     layer = hf.model.layers[0]
     with torch.no_grad():
@@ -191,7 +181,7 @@ def test_key_masks_restrict_the_keys() -> None:
     model = runner.model
     assert isinstance(model, DeepseekLM)
     ids = torch.tensor(prompt(variant, 8))
-    slots = slots_for(A_PAGES, 8)
+    slots = slots_for(A_PAGES, PAGE, 8)
     attn = model.model.layers[0].self_attn
     x = model.model.embed_tokens(ids)
     rope = model.rotary(torch.arange(8), x.dtype)

@@ -20,16 +20,12 @@ from hicache.config import IndexerSpec
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import ForwardBatch, ModelRunner, cache_spec_of
 from hicache.runner.models.deepseek_v32 import DeepseekV32Config, DeepseekV32LM, DsaAttention
+from tests.helpers.engine_fixtures import paged_batch, slots_for
 from tests.runner.models.deepseek_v32_fixtures import TOPK, hf_logits, hf_twin, prompt, v32_model
 
 PAGE = 4
 TOL = dict(rtol=1e-4, atol=1e-4)
 A_PAGES, B_PAGES = [5, 2, 7, 0, 9, 12, 14], [1, 3, 4, 6, 8, 10, 11, 13]
-
-
-def slots_for(pages: list[int], n: int) -> torch.Tensor:
-    t = torch.arange(n)
-    return torch.tensor(pages, dtype=torch.int64)[t // PAGE] * PAGE + t % PAGE
 
 
 def new_runner() -> ModelRunner:
@@ -42,13 +38,7 @@ def new_runner() -> ModelRunner:
 
 
 def batch(ids: list[list[int]], starts: list[int], pages: list[list[int]]) -> ForwardBatch:
-    lens = [len(t) for t in ids]
-    return ForwardBatch(
-        input_ids=torch.tensor([i for t in ids for i in t]),
-        positions=torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens, strict=True)]),
-        extend_lens=lens,
-        seq_slots=[slots_for(p, a + n) for p, a, n in zip(pages, starts, lens, strict=True)],
-    )
+    return paged_batch(ids, starts, pages, PAGE)
 
 
 def test_the_checkpoint_loads_with_its_indexer() -> None:
@@ -111,7 +101,7 @@ def test_the_indexer_pool_holds_transformers_keys() -> None:
     with torch.no_grad():
         hf(torch.tensor([ids]), cache=cache, use_cache=True)
     for layer in range(3):
-        stored = pool.latent_buffer(layer)[slots_for(A_PAGES, 10), 0]
+        stored = pool.latent_buffer(layer)[slots_for(A_PAGES, PAGE, 10), 0]
         want = cache.layers[layer].indexer_keys[0]
         torch.testing.assert_close(stored, want, rtol=1e-6, atol=1e-6)
 

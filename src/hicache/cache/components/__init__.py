@@ -1,6 +1,7 @@
 """Component stores: the cached state of a model besides its full KV, one store per kind.
 
-:mod:`.base` holds the contract (:class:`ComponentStore`), one module per implementation:
+:mod:`.base` holds the contract (:class:`ComponentStore`), :mod:`.paged` the base of the
+stores over their own page pools, one module per implementation:
 :mod:`.swa` (sliding-window KV), :mod:`.snapshots` (recurrent-state snapshots),
 :mod:`.indexer` (the DSA indexer's keys, on the full KV's page ids);
 :mod:`.records` the L3 codec contract; :mod:`.stores` the list a cache holds.

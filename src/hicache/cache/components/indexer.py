@@ -45,18 +45,17 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from hicache.cache.components.base import (
-    ComponentStore,
     NominalSize,
     StoreAdmission,
     StoreContext,
 )
+from hicache.cache.components.paged import PagedStore, ids_tensor
 from hicache.cache.components.records import ComponentRecords, RecordWrites
 from hicache.cache.request import CacheRequest, SlotTable
 from hicache.config import ComponentSpec, IndexerSpec
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.allocator import PageAllocator
 from hicache.metrics import CacheCounters, ComponentUsage
-from hicache.transfer import make_copier
 from hicache.tree import TreeNode
 from hicache.tree.components import IndexerKeys, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids
@@ -71,11 +70,6 @@ ALL_PAGES_REACH = 1 << 40
 from the first, however far before a fetch's first page. So a prefetch also checks the
 presence of the records of the prefix the tree holds (one presence check per held page,
 on the prefetch thread), though it reads none of those: the tree holds their keys."""
-
-
-def _ids_tensor(ids: PageIds) -> torch.Tensor:
-    """Page ids as a 1-D int64 CPU tensor (the copiers' page lists)."""
-    return torch.tensor(list(ids), dtype=torch.int64)
 
 
 class IndexerSlots(SlotTable):
@@ -97,7 +91,7 @@ class IndexerSlots(SlotTable):
         return f"IndexerSlots(pages={len(self.request.pages)})"
 
 
-class IndexerStore(ComponentStore):
+class IndexerStore(PagedStore):
     """The indexer's keys of one cache, on the full KV's page ids (see the module doc)."""
 
     spec_type = IndexerSpec
@@ -108,18 +102,8 @@ class IndexerStore(ComponentStore):
         assert isinstance(spec, IndexerSpec)
         config = ctx.config
         self.spec = spec
-        self.page_size = config.page_size
-        self._device_pool = DevicePool(spec.kv, config.device_pages, config.page_size, ctx.device)
-        self.copier = make_copier(config.io_backend)
-        self._host_pool: HostPool | None = None
-        if ctx.hierarchical:
-            self._host_pool = HostPool.create(
-                spec.kv,
-                config.host_pages(ctx.kv),  # as many pages as the full KV's L2 pool
-                config.page_size,
-                config.mem_layout,
-                ctx.device,
-            )
+        # as many pages as the full KV's pools (the same page ids)
+        self._build_pools(spec.kv, ctx, config.device_pages, config.host_pages(ctx.kv))
 
     @classmethod
     def tree_component(cls, spec: ComponentSpec) -> TreeComponent:
@@ -127,14 +111,6 @@ class IndexerStore(ComponentStore):
         return IndexerKeys()
 
     # ------------------------------------------------------------------ pools
-
-    @property
-    def device_pool(self) -> DevicePool:
-        return self._device_pool
-
-    @property
-    def host_pool(self) -> HostPool | None:
-        return self._host_pool
 
     @property
     def runner_pool(self) -> DevicePool:
@@ -148,13 +124,6 @@ class IndexerStore(ComponentStore):
 
     def free(self, tier: Tier, ids: PageIds) -> None:
         """Nothing to free: the full KV's allocators own these page ids."""
-
-    def pool(self, tier: Tier) -> DevicePool | HostPool:
-        if tier is Tier.DEVICE:
-            return self._device_pool
-        if self._host_pool is None:
-            raise RuntimeError("no L2 indexer pool without the hierarchical cache")
-        return self._host_pool
 
     def usage(self, cached_tokens: int) -> ComponentUsage:
         """The full KV's L1 pages are this pool's used pages (``cached_tokens`` of them,
@@ -196,11 +165,11 @@ class IndexerStore(ComponentStore):
             device += n.device
         if to is Tier.DEVICE:
             self.copier.load(
-                self._device_pool, self._host_pool, _ids_tensor(host), _ids_tensor(device)
+                self._device_pool, self._host_pool, ids_tensor(host), ids_tensor(device)
             )
         else:
             self.copier.backup(
-                self._device_pool, self._host_pool, _ids_tensor(device), _ids_tensor(host)
+                self._device_pool, self._host_pool, ids_tensor(device), ids_tensor(host)
             )
         for n in nodes:
             ids = n.device if to is Tier.DEVICE else n.host
@@ -216,13 +185,6 @@ class IndexerStore(ComponentStore):
         nodes = self.l1_only_on_path(last)
         self._copy(nodes, Tier.HOST)
         return nodes
-
-    def host_ready(self) -> None:
-        """Wait until every L1 -> L2 copy issued so far has landed (CUDA: the current
-        stream; CPU: done already). Call before another thread reads L2 keys."""
-        dev = self._device_pool.device
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
 
     # ------------------------------------------------------------------ requests
 

@@ -53,19 +53,18 @@ from dataclasses import dataclass
 import torch
 
 from hicache.cache.components.base import (
-    ComponentStore,
     NominalSize,
     ServingLimits,
     StoreAdmission,
     StoreContext,
 )
+from hicache.cache.components.paged import PagedStore, ids_tensor
 from hicache.cache.components.records import ComponentRecords, RecordWrites
 from hicache.cache.request import CacheRequest, SlotTable, page_slots
 from hicache.config import CacheConfig, ComponentSpec, KVSpec, SlidingWindowSpec
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.allocator import PageAllocator
 from hicache.metrics import CacheCounters, ComponentUsage
-from hicache.transfer import make_copier
 from hicache.tree import TreeNode
 from hicache.tree.components import ComponentValues, SlidingWindow, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids
@@ -150,12 +149,7 @@ class HitNeed:
     host: PageIds | None
 
 
-def _ids_tensor(ids: PageIds) -> torch.Tensor:
-    """Page ids as a 1-D int64 CPU tensor (the copiers' page lists)."""
-    return torch.tensor(list(ids), dtype=torch.int64)
-
-
-class SwaStore(ComponentStore):
+class SwaStore(PagedStore):
     """L1 (and optional L2) pages of the sliding-window layers for one cache."""
 
     spec_type = SlidingWindowSpec
@@ -167,20 +161,7 @@ class SwaStore(ComponentStore):
         config = ctx.config
         self.spec = spec
         self.window = spec.window
-        self.page_size = config.page_size
-        self._device_pool = DevicePool(
-            spec.kv, config.swa_device_pages, config.page_size, ctx.device
-        )
-        self.copier = make_copier(config.io_backend)
-        self._host_pool: HostPool | None = None
-        if ctx.hierarchical:
-            self._host_pool = HostPool.create(
-                spec.kv,
-                config.swa_host_pages(ctx.kv),
-                config.page_size,
-                config.mem_layout,
-                ctx.device,
-            )
+        self._build_pools(spec.kv, ctx, config.swa_device_pages, config.swa_host_pages(ctx.kv))
 
     @classmethod
     def tree_component(cls, spec: ComponentSpec) -> TreeComponent:
@@ -195,27 +176,12 @@ class SwaStore(ComponentStore):
         check_swa_pool(config, spec.window, max(limits.chunk_tokens, config.page_size))
 
     @property
-    def device_pool(self) -> DevicePool:
-        return self._device_pool
-
-    @property
-    def host_pool(self) -> HostPool | None:
-        return self._host_pool
-
-    @property
     def runner_pool(self) -> DevicePool:
         """The sliding layers read and write their K/V here."""
         return self._device_pool
 
     def allocator(self, tier: Tier) -> PageAllocator:
         return self.pool(tier).allocator
-
-    def pool(self, tier: Tier) -> DevicePool | HostPool:
-        if tier is Tier.DEVICE:
-            return self._device_pool
-        if self._host_pool is None:
-            raise RuntimeError("no L2 SWA pool without the hierarchical cache")
-        return self._host_pool
 
     def usage(self, cached_tokens: int) -> ComponentUsage:
         return self._usage(self.spec.kv.token_bytes * self.page_size, cached_tokens)
@@ -319,25 +285,15 @@ class SwaStore(ComponentStore):
         if got is None:
             return False
         if to is Tier.DEVICE:
-            self.copier.load(self._device_pool, self._host_pool, _ids_tensor(src), _ids_tensor(got))
+            self.copier.load(self._device_pool, self._host_pool, ids_tensor(src), ids_tensor(got))
         else:
-            self.copier.backup(
-                self._device_pool, self._host_pool, _ids_tensor(src), _ids_tensor(got)
-            )
+            self.copier.backup(self._device_pool, self._host_pool, ids_tensor(src), ids_tensor(got))
         at = 0
         for n, v in zip(nodes, values, strict=True):
             assert v is not None
             self.tree.assign_component(SWA, n, to, got[at : at + len(v)])
             at += len(v)
         return True
-
-    def host_ready(self) -> None:
-        """Wait until every L1 -> L2 page copy issued so far has landed (on CUDA they are
-        ordered on the current stream; on CPU they are done already). Call before another
-        thread reads L2 SWA pages (an L3 write)."""
-        dev = self._device_pool.device
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
 
     # ------------------------------------------------------------------ requests
 

@@ -7,6 +7,7 @@ fields. Unsupported features raise :class:`UnsupportedModelError` naming what is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -18,6 +19,7 @@ __all__ = [
     "HybridRopeConfig",
     "RopeConfig",
     "UnsupportedModelError",
+    "check_split",
 ]
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -32,6 +34,19 @@ HYBRID_ROPE_TYPES: tuple[str, ...] = (*ROPE_TYPES, "yarn")
 
 class UnsupportedModelError(ValueError):
     """The checkpoint uses an architecture or feature this engine does not implement."""
+
+
+def check_split(size: int, sizes: Sequence[tuple[str, int]], family: str) -> None:
+    """ValueError naming the numbers unless ``size`` tensor-parallel ranks divide every
+    ``(config field, value)`` of ``sizes`` (each rank holds a whole ``value / size``) of a
+    ``family`` model."""
+    bad = [f"{name}={v}" for name, v in sizes if v % size]
+    if bad:
+        every = ", ".join(f"{name}={v}" for name, v in sizes)
+        raise ValueError(
+            f"tensor-parallel size {size} does not divide {', '.join(bad)} of the"
+            f" {family} model; choose a size that divides each of {every}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,13 +210,7 @@ class DecoderConfig:
             ("num_key_value_heads", self.num_kv_heads),
             ("intermediate_size", self.intermediate_size),
         )
-        bad = [f"{name}={v}" for name, v in sizes if v % size]
-        if bad:
-            every = ", ".join(f"{name}={v}" for name, v in sizes)
-            raise ValueError(
-                f"tensor-parallel size {size} does not divide {', '.join(bad)} of the"
-                f" {self.family} model; choose a size that divides each of {every}"
-            )
+        check_split(size, sizes, self.family)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> DecoderConfig:

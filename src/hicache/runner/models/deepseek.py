@@ -295,18 +295,8 @@ class DeepseekLM(HybridLM):
             if isinstance(m, DeepseekMoE):
                 m.gate.float()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    def output_weight(self) -> torch.Tensor:
-        """This rank's ``(padded vocab / size, hidden)`` rows of the output projection."""
-        head = self.lm_head
-        return self.model.embed_tokens.weight if head is None else head.weight
+    def input_embeddings(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> the full logits ``(N, vocab)`` in fp32 on every rank."""

@@ -28,6 +28,7 @@ from hicache.config import AttentionKind, KVSpec, SlidingWindowSpec
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.decoder import WeightLoadError
 from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec
+from hicache.runner.parallel import VocabParallelEmbedding
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -185,12 +186,14 @@ class HybridLM(nn.Module):
         """``input_ids``/``positions (T,)`` -> final hidden states ``(T, hidden)``."""
         raise NotImplementedError
 
-    def input_embeddings(self) -> nn.Embedding:
+    def input_embeddings(self) -> nn.Embedding | VocabParallelEmbedding:
+        """The token embedding: ``weight (vocab, hidden)``, or this rank's ``(padded vocab
+        / size, hidden)`` rows of it under tensor parallelism."""
         raise NotImplementedError
 
     def output_weight(self) -> torch.Tensor:
-        """``(vocab, hidden)`` projection to logits: ``lm_head``, or the input embeddings
-        when the config ties them."""
+        """``(vocab, hidden)`` projection to logits (this rank's rows under tensor
+        parallelism): ``lm_head``, or the input embeddings when the config ties them."""
         head = self.lm_head
         return self.input_embeddings().weight if head is None else head.weight
 

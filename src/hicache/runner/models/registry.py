@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from hicache.runner.models.config import FAMILIES, DecoderConfig, UnsupportedModelError
+from hicache.runner.models.config import (
+    FAMILIES,
+    DecoderConfig,
+    UnsupportedModelError,
+    check_split,
+)
 from hicache.runner.models.deepseek import DEEPSEEK_FAMILIES, DeepseekConfig, DeepseekLM
 from hicache.runner.models.deepseek_v32 import DSA_FAMILY, DeepseekV32Config, DeepseekV32LM
 from hicache.runner.models.gemma3 import Gemma3Config, Gemma3LM
@@ -95,13 +100,7 @@ def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
     sizes = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
     if cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
-    bad = [f"{name}={v}" for name, v in sizes if v % size]
-    if bad:
-        every = ", ".join(f"{name}={v}" for name, v in sizes)
-        raise ValueError(
-            f"tensor-parallel size {size} does not divide {', '.join(bad)} of the"
-            f" {cfg.family} model; choose a size that divides each of {every}"
-        )
+    check_split(size, sizes, cfg.family)
 
 
 def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
