@@ -31,19 +31,12 @@ import torch.multiprocessing as mp
 
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig, PrefetchPolicy
 from hicache.keys import Namespace
+from hicache.services.process import free_port
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
 LOOKUP_DELAY_S = 120.0
 """How long each L3 lookup of the slow store takes: the ops stay in flight while timed."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _time_us(fn: Any, iters: int) -> float:
@@ -109,7 +102,7 @@ def run(ranks: int, ops: list[int], iters: int) -> list[dict[str, Any]]:
     """Rank 0's rows (one per ``ops``), each with every rank's sync median."""
     with tempfile.TemporaryDirectory(prefix="hicache-agreement-bench-") as out:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_rank, args=(r, ranks, port, out, ops, iters)) for r in range(ranks)
         ]

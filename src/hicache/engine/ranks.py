@@ -29,7 +29,6 @@ import contextlib
 import logging
 import multiprocessing.connection
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hicache.engine.step_inputs import StepInputs
+from hicache.services.process import free_port
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,6 @@ def rank_device(device: str, rank: int) -> str:
     if dev.type != "cuda":
         return device
     return f"cuda:{(dev.index or 0) + rank}"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the group's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_threads_per_rank(size: int) -> int:
@@ -527,7 +520,6 @@ __all__ = [
     "check_tp_fits",
     "check_tp_model",
     "cpu_threads_per_rank",
-    "free_port",
     "join_group",
     "leave_group",
     "rank_device",
