@@ -4,7 +4,7 @@ tree digest that tensor-parallel ranks compare."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
@@ -107,25 +107,32 @@ def check_owned(tier: str, alloc: PageAllocator, owned: list[int]) -> None:
     )
 
 
-def tree_digest(tree: HiRadixTree) -> str:
+def tree_digest(tree: HiRadixTree, *, exact: bool = False) -> str:
     """SHA-256 (hex) of the tree's structure, equal on ranks whose trees are the same.
 
     Covers every node (in a canonical order: tenant, then the path's tokens): its tenant,
     its path's tokens, which tiers hold its full KV (L1, L2), its pins (``lock_ref``,
     ``host_ref``), its ``hit_count`` and the names of the components with a value there.
-    Not page ids (a rank whose pool some outside holder uses has other ids for the same
-    tree), nor clocks.
+    With ``exact``, also its L1 and L2 page ids, its logical access clock and its
+    priority (what decides the ranks' next allocations and evictions, when no outside
+    holder uses a pool: the engine's rank digest); without, a rank whose pool some outside
+    holder uses (other ids for the same tree) still digests alike.
     """
     rows: list[tuple[str, bytes, str]] = []
     for n in tree.iter_nodes():
         tiers = ("D" if n.device is not None else "-") + ("H" if n.host is not None else "-")
         extra = ",".join(sorted(n.extra or ()))
-        rows.append(
-            (n.tenant, tree.path_key(n), f"{tiers}|{n.lock_ref}|{n.host_ref}|{n.hit_count}|{extra}")
-        )
+        state = f"{tiers}|{n.lock_ref}|{n.host_ref}|{n.hit_count}|{extra}"
+        if exact:
+            state += f"|{_ids(n.device)}|{_ids(n.host)}|{n.last_access}|{n.priority}"
+        rows.append((n.tenant, tree.path_key(n), state))
     h = hashlib.sha256()
     for tenant, key, state in sorted(rows):
         for part in (tenant.encode(), key, state.encode()):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
     return h.hexdigest()
+
+
+def _ids(ids: Iterable[int] | None) -> str:
+    return "-" if ids is None else ",".join(str(int(i)) for i in ids)

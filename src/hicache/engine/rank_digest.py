@@ -15,40 +15,22 @@ import hashlib
 from collections.abc import Iterable
 
 from hicache.cache import HiCache
+from hicache.cache.inspect import tree_digest
 from hicache.engine.request import Request
-
-
-def _ids(ids: Iterable[int] | None) -> str:
-    return "-" if ids is None else ",".join(str(int(i)) for i in ids)
 
 
 def rank_state_digest(
     cache: HiCache, waiting: Iterable[Request], running: Iterable[Request]
 ) -> str:
-    """SHA-256 (hex) of the tree of ``cache`` and the requests ``waiting`` and ``running``
+    """SHA-256 (hex) of the tree of ``cache`` (:func:`~hicache.cache.inspect.tree_digest`,
+    exact: page ids and clocks included) and the requests ``waiting`` and ``running``
     (each in order): equal on two ranks exactly when they hold the same state."""
-    h = hashlib.sha256()
-    paths: dict[int, bytes] = {}
-    lines: list[bytes] = []
-    for node in cache.tree.iter_nodes():  # parents before children
-        parent = node.parent
-        above = paths.get(parent.id, b"") if parent is not None else b""
-        path = hashlib.sha256(above + node.key).digest()
-        paths[node.id] = path
-        lines.append(
-            path
-            + (
-                f"|{_ids(node.device)}|{_ids(node.host)}|{node.lock_ref}|{node.host_ref}"
-                f"|{node.hit_count}|{node.last_access}|{node.priority}|{node.tenant}"
-            ).encode()
-        )
-    for line in sorted(lines):  # the order children are stored in is not state
-        h.update(line)
+    h = hashlib.sha256(tree_digest(cache.tree, exact=True).encode())
     for kind, reqs in (("W", waiting), ("R", running)):
         for req in reqs:
+            out = ",".join(str(int(i)) for i in req.output_ids)
             h.update(
-                f"{kind}|{req.rid}|{req.kv_len}|{_ids(req.output_ids)}|{req.finish_reason}"
-                f"|{req.aborted}".encode()
+                f"{kind}|{req.rid}|{req.kv_len}|{out}|{req.finish_reason}|{req.aborted}".encode()
             )
     return h.hexdigest()
 
