@@ -772,12 +772,17 @@ class HiCache(Lifecycle):
                 self.host.apply(r)
             elif self.storage is not None and self.storage.owns(r.op_id):
                 self.storage.apply(r)  # records of a detached tier's ops are dropped
+        self._settle_tiers()
+        return len(records)
+
+    def _settle_tiers(self) -> None:
+        """After records were applied: retry the L2 invalidations that waited, apply
+        failed loads, lift the quarantines no copy or backend write holds any more."""
         if self.host is not None:
             self.host.retry_invalidations()
             self.host.settle()
         if self._l3 is not None:
             self._l3.settle()
-        return len(records)
 
     def _buffer(self) -> None:
         """Keep every record posted for an op in flight (several ranks)."""
@@ -827,11 +832,7 @@ class HiCache(Lifecycle):
                 applied += storage.apply_agreed(v, got)
         finally:
             self._applying = False
-        if host is not None:
-            host.retry_invalidations()
-            host.settle()
-        if self._l3 is not None:
-            self._l3.settle()
+        self._settle_tiers()
         return applied, step.gave_up
 
     def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:

@@ -919,27 +919,32 @@ class Engine(Lifecycle):
         for req in reqs:
             self._fail(req, why, direct=True)
 
-    def _run_inbox(self) -> None:
-        while True:
-            try:
-                task = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                task.run()
-            except Exception:
-                log.exception("an engine task failed")
-
-    def _exchange_inputs(self, channel: StepChannel) -> None:
-        """Rank 0 under tensor parallelism: take the inbox, broadcast its records as this
-        step's :class:`StepInputs` (always, also when empty), then run its tasks in order
-        (each record's task applies the record, as every follower does)."""
+    def _take_inbox(self) -> list[_Task]:
+        """Every task posted so far, oldest first (the inbox left empty)."""
         tasks: list[_Task] = []
         while True:
             try:
                 tasks.append(self._inbox.get_nowait())
             except queue.Empty:
-                break
+                return tasks
+
+    @staticmethod
+    def _run_tasks(tasks: list[_Task]) -> None:
+        """Run ``tasks`` in order; one that raises is logged and the rest still run."""
+        for task in tasks:
+            try:
+                task.run()
+            except Exception:
+                log.exception("an engine task failed")
+
+    def _run_inbox(self) -> None:
+        self._run_tasks(self._take_inbox())
+
+    def _exchange_inputs(self, channel: StepChannel) -> None:
+        """Rank 0 under tensor parallelism: take the inbox, broadcast its records as this
+        step's :class:`StepInputs` (always, also when empty), then run its tasks in order
+        (each record's task applies the record, as every follower does)."""
+        tasks = self._take_inbox()
         records = tuple(t.record for t in tasks if t.record is not None)
         try:
             channel.inputs(StepInputs(self._step_no, records))
@@ -952,11 +957,7 @@ class Engine(Lifecycle):
                 except Exception:
                     log.exception("failing an engine task")
             raise
-        for task in tasks:
-            try:
-                task.run()
-            except Exception:
-                log.exception("an engine task failed")
+        self._run_tasks(tasks)
 
     def _sync_cache(self) -> None:
         """Bring the cache's asynchronous completions in, once per step on every rank: with
@@ -1099,11 +1100,7 @@ class Engine(Lifecycle):
         the cache if close() has handed that over."""
         with self._gate:
             self._exit_reason = reason
-        while True:
-            try:
-                task = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for task in self._take_inbox():
             try:
                 task.drop(reason)
             except BaseException:
@@ -1127,7 +1124,7 @@ class Engine(Lifecycle):
 
 def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
     """The main of follower rank ``setup.rank`` (a spawned process): join the group, build
-    the engine (``EngineConfig(**fields)``, see :func:`_config_fields`) on this rank's
+    the engine (``EngineConfig(**fields)``, see :func:`~hicache.engine.config.config_fields`) on this rank's
     device, say so on ``conn`` (``("joining",)``, ``("joined",)``, ``("ready",)``, or
     ``("error", line)``
     before exiting 1), then :meth:`Engine.follow` until told to stop."""
