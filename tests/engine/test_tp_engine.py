@@ -26,17 +26,12 @@ import torch
 from hicache.config import CacheConfig
 from hicache.controller.rank_group import LocalOnlyError
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.ranks import (
-    RANK_PROCESS_BYTES,
-    RankProcesses,
-    RankStartError,
-    check_cpu_ranks_fit,
-    check_tp_model,
-)
+from hicache.engine.ranks import RankProcesses, RankStartError
 from hicache.engine.request import OutputCallback, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.engine.step_inputs import NewRequest
+from hicache.engine.tp_fit import RANK_PROCESS_BYTES, check_cpu_ranks_fit, check_tp_model
 from tests.helpers import rank_targets
 from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 

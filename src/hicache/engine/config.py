@@ -16,8 +16,9 @@ import torch
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
-from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S, check_tp_fits
+from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.tp_fit import check_tp_fits
 from hicache.runner.kernels import AttentionBackend
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least, is_finite_number, require

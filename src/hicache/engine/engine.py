@@ -56,7 +56,6 @@ from hicache.engine.ranks import (
     RankProcesses,
     RankSetup,
     StepChannel,
-    check_tp_model,
     cpu_threads_per_rank,
     join_group,
     leave_group,
@@ -76,6 +75,7 @@ from hicache.engine.step_inputs import (
     StepInputs,
     Stop,
 )
+from hicache.engine.tp_fit import check_tp_model
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheStats
