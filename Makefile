@@ -3,13 +3,13 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements/*.txt | cksum | cut -d' ' -f1)
 
 .PHONY: venv demo test lint typecheck unit bench clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel on disk (an unpinned torch pulls a CUDA build)

@@ -1,0 +1,10 @@
+"""hicache's L3 inside other serving engines and caches.
+
+Each submodule adapts one outside interface and imports that project's package only when
+it is itself imported, so hicache runs without any of them installed:
+
+- :mod:`hicache.integrations.sglang`: an SGLang ``HiCacheStorage`` backend over hicache's
+  L3 backends (``--hicache-storage-backend dynamic``).
+
+See ``docs/integrations.md``.
+"""
