@@ -24,6 +24,14 @@ retried at most every :data:`RETRY_START_S` seconds; calls until then are misses
 ``is_storage_writer`` False (MLA ranks other than the writer) this instance never
 writes: set calls report success (the writer rank stores the page, as SGLang's hf3fs
 backend does) without touching the store.
+
+Late writes: SGLang frees and reuses the host pages of a read that failed at once (it has
+no quarantine like hicache's ``host_writes_settled``), so a get must never write a page
+after it returned. The file and Redis backends read on the calling thread; Mooncake
+stages these payloads (:class:`~hicache.integrations.sglang.pages.ByteParts` is not a
+zero-copy ``HostPages``), so a transfer that overran its deadline only writes hicache's
+arena. A custom backend must do the same (hicache's ``memory`` backend in its late-read
+test mode does not).
 """
 
 from __future__ import annotations
