@@ -167,3 +167,30 @@ def test_store_down_gives_misses_not_errors() -> None:
     assert be.batch_exists(KEYS) == 0 and be.exists(KEYS[0]) is False
     assert be.batch_get(KEYS[:1], [pool.get_dummy_flat_data_page()]) == [None]
     assert be.batch_set(KEYS[:1], [pool.get_data_page(0, flat=True)]) is False
+
+
+def test_a_store_down_at_registration_is_retried(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis frozen when SGLang registers the pool: the start fails (logged), calls miss;
+    once it answers again, the next call past the retry interval starts the backend."""
+    import os
+    import signal
+
+    from hicache.integrations.sglang import backend as backend_module
+
+    server = request.getfixturevalue("redis_private")
+    pool = host_pool("mha", "page_first")
+    fill(pool, seed=9)
+    extra = {"hicache_backend": "redis", "url": server.url, "timeout_s": 0.5}
+    extra["connect_timeout_s"] = 0.5
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        be = attach(pool, extra)
+        assert be.store is not None and not be.store.started
+        assert be.batch_set_v1(KEYS[:1], indices([1])) == [False]  # within the interval
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    monkeypatch.setattr(backend_module, "RETRY_START_S", 0.0)
+    assert be.batch_set_v1(KEYS[:1], indices([1])) == [True]
+    assert be.batch_exists(KEYS[:1]) == 1
