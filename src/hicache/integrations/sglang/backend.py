@@ -138,29 +138,28 @@ class HiCacheL3(SGLangStorage):
         """Check the KV host pool, build the namespace and the hicache backend, start it.
 
         ValueError (naming it) for a layout or dtype hicache cannot store."""
-        geometry = KVPoolGeometry.of(mem_pool_host, mla=self.shard.rank_replicated)
         unified = getattr(mem_pool_host, "page_unified_layout", None)
         version = ""
         if unified is not None:
             from sglang.srt.mem_cache.pool_host.page_unified import PAGE_UNIFIED_OBJECT_LAYOUT
 
             version = PAGE_UNIFIED_OBJECT_LAYOUT
-        namespace = sglang_namespace(
+        namespace = sglang_namespace(  # refuses a layout or dtype first, naming it
             self.shard,
             weights_fingerprint=self.settings.weights_fingerprint,
             dtype=mem_pool_host.dtype,
-            layout=geometry.layout,
-            page_size=geometry.page_size,
+            layout=str(mem_pool_host.layout),
+            page_size=int(mem_pool_host.page_size),
             unified_groups=int(getattr(unified, "head_group_num", 1)),
             unified_version=version,
         )
+        geometry = KVPoolGeometry.of(mem_pool_host, mla=self.shard.rank_replicated)
         super().register_mem_pool_host(mem_pool_host)
         old, self.store = self.store, self.settings.storage.create(namespace)
         if old is not None:
             old.close()
         self.geometry, self.namespace = geometry, namespace
-        for side in self.sides.values():
-            self._allow_side(side)
+        self.sides = {name: self._side(side.pool, name) for name, side in self.sides.items()}
         self._last_start = -math.inf
         self._ready()
 
@@ -178,21 +177,19 @@ class HiCacheL3(SGLangStorage):
                     f"SGLang side pool {name!r} ({type(host_pool).__name__}) has no {attr}; "
                     "hicache cannot store it"
                 )
+        self.sides[name] = self._side(host_pool, name)
+
+    def _side(self, pool: Any, name: str) -> _SidePool:
+        assert self.namespace is not None
         ns = side_namespace(
             self.namespace,
             self.shard,
             pool_name=name,
-            pool_class=type(host_pool).__name__,
-            pool_layout=str(getattr(host_pool, "layout", "")),
-            dtype=getattr(host_pool, "dtype", ""),
+            pool_class=type(pool).__name__,
+            pool_layout=str(getattr(pool, "layout", "")),
+            dtype=getattr(pool, "dtype", ""),
         )
-        side = _SidePool(host_pool, ns)
-        self.sides[name] = side
-        self._allow_side(side)
-
-    def _allow_side(self, side: _SidePool) -> None:
-        if self.store is not None:
-            self.store.allow_component(side.namespace.component)
+        return _SidePool(pool, ns)
 
     # -- plumbing --------------------------------------------------------------------------
     def _ready(self) -> HiCacheStorage | None:
