@@ -88,3 +88,33 @@ def test_side_pools_pin_their_pool_and_mamba_its_rank() -> None:
     assert (mamba.component, mamba.tp_rank, mamba.tp_size) == ("mamba", 3, 8)
     assert mamba.engine_layout.endswith(";pool=M/layer_first/float32")
     assert sglang_page_key(kv, "x").key != sglang_page_key(swa, "x").key
+
+
+def test_importing_hicache_and_the_pure_modules_does_not_import_sglang() -> None:
+    """With SGLang importable, ``import hicache`` and the integration's package and pure
+    modules leave it unimported (only ``HiCacheL3``'s first access imports it)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.integrations.sglang.sglang_path import ROOT, sglang_dir
+
+    code = (
+        "import sys, hicache, hicache.integrations.sglang as p\n"
+        "import hicache.integrations.sglang.settings, hicache.integrations.sglang.namespace\n"
+        "import hicache.integrations.sglang.pages, hicache.bench.storage\n"
+        "assert 'sglang' not in sys.modules, 'imported sglang'\n"
+        "from tests.integrations.sglang import sglang_path\n"
+        "assert sglang_path.enable()\n"
+        "p.HiCacheL3\n"
+        "assert 'sglang' in sys.modules\n"
+    )
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(sglang_dir())])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
