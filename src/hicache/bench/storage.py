@@ -239,6 +239,11 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, or 2 for bad arguments, 1 when a backend fails."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--sglang" in argv:  # the SGLang path has its own module and flags
+        from hicache.bench.storage_sglang import main as sglang_main
+
+        return sglang_main([a for a in argv if a != "--sglang"])
     p = argparse.ArgumentParser(
         prog="python -m hicache.bench.storage", description=__doc__.split("\n\n")[0]
     )
@@ -262,6 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--mooncake-master", default=None, help="use this master instead of starting one"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--sglang",
+        action="store_true",
+        help="instead: HiCacheL3 beside SGLang's own backends on an SGLang host pool "
+        "(hicache.bench.storage_sglang; --sglang --help for its flags)",
+    )
     args = p.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = sorted(set(backends) - {"file", "redis", "mooncake"})

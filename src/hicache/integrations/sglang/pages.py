@@ -1,0 +1,222 @@
+"""Record payloads over SGLang host-pool pages (:class:`~hicache.storage.pageio.Payloads`).
+
+The payload of an SGLang KV page is exactly the bytes of SGLang's
+``host_pool.get_data_page(i, flat=True)`` for the pool's layout (``page_unified``,
+which has no flat page: its page block): per kind (K then V; MLA's one latent) the
+page in the layout's own order. So the zero-copy calls (``batch_get_v1`` /
+``batch_set_v1``) and the legacy copying calls (``get`` / ``set`` of flat pages) read and
+write the same records.
+
+- :class:`KVPoolGeometry` is checked once, when SGLang registers the pool: a
+  contiguous CPU ``kv_buffer``, a layout this integration knows, one page's parts from
+  SGLang's own ``get_page_buffer_meta`` inside the buffer and adding up to a page.
+- :meth:`KVPoolGeometry.page_parts` turns a call's ``host_indices`` into ``(offset,
+  nbytes)`` ranges of the buffer per page, from the pointers and sizes SGLang's
+  ``get_page_buffer_meta`` gives (offsets into the buffer's storage; ``layer_first`` MHA
+  reordered from (layer, kind) to (kind, layer)); :class:`ByteParts` exposes them as
+  zero-copy byte views into the pool.
+- :class:`FlatPages` serves v2 side pools (Mamba state, SWA, indexer) through the
+  pool's ``get_data_page`` / ``set_from_flat_data_page``: a set copies each page out, a
+  get fills a staging buffer and :meth:`FlatPages.commit` writes the good pages in.
+
+No sglang import: pools are duck-typed (the attributes named here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.storage.pageio import Payloads, byte_view, uint8_view
+
+__all__ = ["ByteParts", "FlatPages", "KVPoolGeometry", "page_starts"]
+
+Range = tuple[int, int]
+"""``(offset, nbytes)`` into a pool buffer's bytes."""
+
+
+def page_starts(host_indices: torch.Tensor | Sequence[int], page_size: int, n: int) -> list[int]:
+    """The first host token index of each of ``n`` pages in ``host_indices`` (``n *
+    page_size`` token indices, SGLang's convention). ValueError when the count is off."""
+    idx = host_indices.tolist() if isinstance(host_indices, torch.Tensor) else list(host_indices)
+    if len(idx) != n * page_size:
+        raise ValueError(
+            f"{len(idx)} host indices for {n} pages of {page_size} tokens; expected {n * page_size}"
+        )
+    return [int(i) for i in idx[::page_size]]
+
+
+@dataclass(frozen=True)
+class KVPoolGeometry:
+    """Where an SGLang KV host pool's pages lie in its ``kv_buffer``.
+
+    ``buffer``: the buffer's bytes, flat ``uint8`` (shares its memory). ``page_bytes``:
+    one page's payload. ``parts_per_page``: ranges per page in SGLang's meta (1 for
+    ``page_unified``). ``reorder``: MHA ``layer_first``, whose meta alternates K and V per
+    layer, is read kinds-first.
+    """
+
+    pool: Any
+    layout: str
+    page_size: int
+    page_bytes: int
+    parts_per_page: int
+    buffer: torch.Tensor
+    base_ptr: int
+    reorder: bool
+    unified_page_bytes: int
+
+    @classmethod
+    def of(cls, pool: Any, *, mla: bool) -> KVPoolGeometry:
+        """Check ``pool`` and measure one page; ValueError naming what cannot be stored."""
+        layout = getattr(pool, "layout", None)
+        buf = getattr(pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(
+                f"SGLang host pool {type(pool).__name__} (layout {layout!r}) has no single "
+                "kv_buffer tensor; hicache stores pools whose pages lie in one buffer"
+            )
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError(
+                f"SGLang host pool layout {layout!r}: kv_buffer must be a contiguous CPU "
+                f"tensor (device {buf.device}, contiguous {buf.is_contiguous()})"
+            )
+        page_size = int(pool.page_size)
+        flat = uint8_view(buf)
+        expected = int(pool.get_size_per_token()) * page_size
+        unified = 0
+        if layout == "page_unified":
+            unified = int(pool.page_unified_layout.bytes_per_page)
+            parts: list[Range] = [(0, unified)]
+        else:
+            ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+            parts = [(int(p) - buf.data_ptr(), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
+        geo = cls(
+            pool=pool,
+            layout=str(layout),
+            page_size=page_size,
+            page_bytes=sum(n for _, n in parts),
+            parts_per_page=len(parts),
+            buffer=flat,
+            base_ptr=buf.data_ptr(),
+            reorder=layout == "layer_first" and not mla,
+            unified_page_bytes=unified,
+        )
+        if geo.page_bytes != expected:
+            raise ValueError(
+                f"SGLang host pool layout {layout!r}: a page's buffer parts add up to "
+                f"{geo.page_bytes} bytes, but a page holds {expected}; cannot store it"
+            )
+        geo._check(parts)
+        return geo
+
+    def _check(self, parts: Sequence[Range]) -> None:
+        total = self.buffer.numel()
+        for off, n in parts:
+            if off < 0 or n <= 0 or off + n > total:
+                raise ValueError(
+                    f"SGLang host pool layout {self.layout!r}: page range ({off}, {n}) lies "
+                    f"outside its kv_buffer ({total} bytes)"
+                )
+
+    def page_parts(self, host_indices: torch.Tensor, n: int) -> list[list[Range]]:
+        """Per page of the call (``n`` pages), its payload ranges in record order."""
+        starts = page_starts(host_indices, self.page_size, n)
+        m = self.parts_per_page
+        if self.layout == "page_unified":
+            out = []
+            for s in starts:
+                if s % self.page_size:
+                    raise ValueError(f"host index {s} is not at a page boundary")
+                p = s // self.page_size
+                out.append([(p * self.unified_page_bytes, self.unified_page_bytes)])
+        else:
+            ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+            if len(ptrs) != n * m or len(sizes) != n * m:
+                raise ValueError(f"pool meta has {len(ptrs)} parts for {n} pages of {m}")
+            flat = [(int(p) - self.base_ptr, int(s)) for p, s in zip(ptrs, sizes, strict=True)]
+            out = [flat[i * m : (i + 1) * m] for i in range(n)]
+            if self.reorder:  # (layer, kind) -> (kind, layer): the flat page's order
+                out = [page[0::2] + page[1::2] for page in out]
+        for page in out:
+            self._check(page)
+        return out
+
+
+class ByteParts(Payloads):
+    """Payloads whose item ``i`` is the byte views ``views[i]`` (zero-copy: a get writes
+    the pool's pages, or the caller's tensors, in place). Build with :meth:`over` or
+    :meth:`of_tensors`."""
+
+    def __init__(self, views: Sequence[Sequence[memoryview]], payload_len: int) -> None:
+        self.payload_len = payload_len
+        self.zero_copy = False  # not a hicache HostPool's registered buffer
+        self._views = [list(v) for v in views]
+        for i, v in enumerate(self._views):
+            got = sum(m.nbytes for m in v)
+            if got != payload_len:
+                raise ValueError(f"page {i} covers {got} bytes, expected {payload_len}")
+
+    @classmethod
+    def over(
+        cls, buffer: torch.Tensor, ranges: Sequence[Sequence[Range]], payload_len: int
+    ) -> ByteParts:
+        """Item ``i``: the ranges ``ranges[i]`` of ``buffer`` (a contiguous CPU tensor)."""
+        mv = byte_view(buffer)
+        return cls([[mv[off : off + n] for off, n in r] for r in ranges], payload_len)
+
+    @classmethod
+    def of_tensors(cls, tensors: Sequence[torch.Tensor], payload_len: int) -> ByteParts:
+        """Item ``i``: all of contiguous CPU tensor ``tensors[i]`` (a legacy flat page)."""
+        return cls([[byte_view(t)] for t in tensors], payload_len)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def parts(self, i: int) -> list[memoryview]:
+        return self._views[i]
+
+
+class FlatPages(Payloads):
+    """Side-pool pages through the pool's flat-page copies; item ``i`` is the page at
+    host index ``starts[i]`` (staged both ways)."""
+
+    def __init__(self, pool: Any, starts: Sequence[int], *, for_get: bool) -> None:
+        self.pool = pool
+        self.starts = list(starts)
+        self.zero_copy = False
+        dummy = pool.get_dummy_flat_data_page()
+        self._dtype = dummy.dtype
+        self.payload_len = dummy.numel() * dummy.element_size()
+        self._for_get = for_get
+        if for_get:
+            self._stage = torch.empty((len(self.starts), self.payload_len), dtype=torch.uint8)
+            self._rows = [self._stage[i] for i in range(len(self.starts))]
+        else:
+            rows = []
+            for s in self.starts:
+                page = pool.get_data_page(s, flat=True).contiguous()
+                row = uint8_view(page)
+                if row.numel() != self.payload_len:
+                    raise ValueError(
+                        f"flat page is {row.numel()} bytes, expected {self.payload_len}"
+                    )
+                rows.append(row)
+            self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def parts(self, i: int) -> list[memoryview]:
+        return [byte_view(self._rows[i])]
+
+    def commit(self, ok: Sequence[bool]) -> None:
+        """After a get: write the good staged pages into the pool."""
+        if not self._for_get:
+            return
+        for i, flag in enumerate(ok):
+            if flag:
+                self.pool.set_from_flat_data_page(self.starts[i], self._rows[i].view(self._dtype))

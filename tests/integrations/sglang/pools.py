@@ -1,0 +1,128 @@
+"""SGLang's own device and host pools on CPU, built the way SGLang builds them
+(``MHATokenToKVPool`` / ``MLATokenToKVPool`` on ``"cpu"``, then the host pool from the
+device pool's buffer info, unpinned), and the backend through SGLang's factory.
+
+Import only after :func:`tests.integrations.sglang.sglang_path.enable` (the conftest does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+PAGE = 4
+LAYERS = 2
+HEADS = 2
+DIM = 8
+TOKENS = 64  # device tokens; the host pool holds twice as many
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")
+DYNAMIC = {
+    "backend_name": "hicache",
+    "module_path": "hicache.integrations.sglang",
+    "class_name": "HiCacheL3",
+    "interface_v1": 1,
+}
+
+
+def mha_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
+    dev = MHATokenToKVPool(
+        TOKENS, page, dtype, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+    )
+    return MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        page,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev.size,
+        start_layer=dev.start_layer,
+        end_layer=dev.end_layer,
+    )
+
+
+def mla_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
+    dev = MLATokenToKVPool(
+        TOKENS, page, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+    )
+    return MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        page,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev.size,
+        start_layer=dev.start_layer,
+        end_layer=dev.end_layer,
+        target_layer_num=dev.layer_num,
+        override_kv_cache_dim=dev.kv_cache_dim,
+    )
+
+
+def host_pool(kind: str, layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    return (mla_host if kind == "mla" else mha_host)(layout, dtype)
+
+
+def storage_config(
+    extra: dict[str, Any],
+    *,
+    mla: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    model: str | None = "test/model",
+) -> HiCacheStorageConfig:
+    """What SGLang's cache controller passes (``_generate_storage_config``), one rank."""
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=model,
+        extra_config={**DYNAMIC, **extra},
+    )
+
+
+def attach(pool: Any, extra: dict[str, Any], **cfg: Any) -> Any:
+    """SGLang's attach: ``create_backend("dynamic", ...)`` then ``register_mem_pool_host``
+    (the result may be SGLang's fault injector around :class:`HiCacheL3`)."""
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra, mla=cfg.pop("mla", False), **cfg), pool
+    )
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def fill(pool: Any, seed: int) -> None:
+    """Random bytes in the whole host buffer (NaN patterns included: compare bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
+
+
+def indices(pages: list[int], page: int = PAGE) -> torch.Tensor:
+    """Host token indices of whole pages (SGLang's host_indices for those pages)."""
+    return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages]).to(torch.int64)
+
+
+def page_bytes(pool: Any, p: int) -> bytes:
+    """Host page ``p``'s bytes, by SGLang's own accessors (the page block for
+    ``page_unified``, which has no flat page)."""
+    if pool.layout == "page_unified":
+        return pool.kv_buffer[p].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    page = pool.get_data_page(p * pool.page_size, flat=True).contiguous()
+    return page.view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,27 @@
+"""Smoke test of ``hicache bench storage --sglang`` (file stores only, tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.bench.storage import main
+
+
+def test_sglang_bench_file_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--sglang", "--backends", "file", "--objects", "8", "--object-mib", "0.03125"]
+    assert main([*argv, "--repeat", "1", "--layout", "page_head", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["objects"], doc["layout"], doc["object_bytes"]) == (8, "page_head", 32 << 10)
+    assert [(r["store"], r["op"]) for r in doc["results"]] == [("file", "put"), ("file", "get")]
+    assert all(r["hicache_gbps"] > 0 and r["sglang_gbps"] > 0 for r in doc["results"])
+    assert "HiCacheL3 / SGLang" in capsys.readouterr().out
+
+
+def test_sglang_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--sglang", "--backends", "redis"]) == 2
+    assert main(["--sglang", "--object-mib", "0.001"]) == 2
+    assert "error:" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""The test vectors of docs/l3-keys.md, "Keys for SGLang pages" (pure: no sglang)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.config import MemLayout
+from hicache.integrations.sglang.namespace import (
+    ShardIdentity,
+    sglang_namespace,
+    sglang_page_key,
+    side_namespace,
+)
+from hicache.keys import Namespace
+
+MHA = ShardIdentity(model="Qwen/Qwen3-8B", tp_rank=1, tp_size=2, rank_replicated=False)
+MLA = ShardIdentity(
+    model="deepseek-ai/DeepSeek-V3",
+    tp_rank=3,
+    tp_size=8,
+    rank_replicated=True,
+    pp_rank=1,
+    pp_size=2,
+)
+
+
+def test_mha_page_head_vector() -> None:
+    ns = sglang_namespace(
+        MHA, weights_fingerprint="unset", dtype=torch.bfloat16, layout="page_head", page_size=64
+    )
+    assert ns.encode() == (
+        b'{"component":"full","engine_layout":"sglang:page_head","kv_dtype":"bfloat16",'
+        b'"layout":"page_first_direct","model":"Qwen/Qwen3-8B","page_size":64,"spec":2,'
+        b'"tenant_salt":"","tp_rank":1,"tp_size":2,"weights_fingerprint":"unset"}'
+    )
+    assert ns.digest.hex() == "4fc480598e53121c9e49ad3ce2527bd298c4bc0d04dad62c511cd9b3eba6e894"
+    key = sglang_page_key(ns, "a" * 64)
+    assert key.key == "hc2-7cac27e771780db1531bbb3b184ad3ed4ad26ef986aa6f7096a18243ad420e47"
+    assert key.fingerprint.hex() == "ffe054fe7ae0cb6d"
+    assert key.namespace_digest == ns.digest
+
+
+def test_mla_page_unified_vector() -> None:
+    ns = sglang_namespace(
+        MLA,
+        weights_fingerprint="rev-1",
+        dtype=torch.bfloat16,
+        layout="page_unified",
+        page_size=64,
+        unified_groups=1,
+        unified_version="page-unified-v1",
+    )
+    assert ns.engine_layout == "sglang:page_unified;pp=1/2;groups=1;v=page-unified-v1"
+    assert (ns.tp_rank, ns.tp_size) == (None, 1)  # every MLA rank, every TP size
+    assert ns.digest.hex() == "87004580dd84bb228f7d1d4751d53ff1d531804c8867211bd91cf7605d536129"
+    key = sglang_page_key(ns, "a" * 64)
+    assert key.key == "hc2-93cfeb97978f87c0a43d47ddaf293a0f7201118b00e493b4390844fbcc674e39"
+
+
+def test_engine_layout_is_encoded_only_when_set() -> None:
+    plain = Namespace(
+        model="m", weights_fingerprint="w", kv_dtype="float16", layout="page_first", page_size=4
+    )
+    assert b"engine_layout" not in plain.encode()
+    with pytest.raises(ValueError, match="engine_layout"):
+        Namespace(
+            model="m",
+            weights_fingerprint="w",
+            kv_dtype="float16",
+            layout=MemLayout.PAGE_FIRST,
+            page_size=4,
+            engine_layout="page_head",
+        )
+
+
+def test_side_pools_pin_their_pool_and_mamba_its_rank() -> None:
+    kv = sglang_namespace(
+        MLA, weights_fingerprint="w", dtype=torch.bfloat16, layout="page_first", page_size=64
+    )
+    swa = side_namespace(
+        kv, MLA, pool_name="indexer", pool_class="C", pool_layout="page_first", dtype="bfloat16"
+    )
+    mamba = side_namespace(
+        kv, MLA, pool_name="mamba", pool_class="M", pool_layout="layer_first", dtype=torch.float32
+    )
+    assert (swa.component, swa.tp_rank) == ("indexer", None)
+    assert (mamba.component, mamba.tp_rank, mamba.tp_size) == ("mamba", 3, 8)
+    assert mamba.engine_layout.endswith(";pool=M/layer_first/float32")
+    assert sglang_page_key(kv, "x").key != sglang_page_key(swa, "x").key
+
+
+def test_importing_hicache_and_the_pure_modules_does_not_import_sglang() -> None:
+    """With SGLang importable, ``import hicache`` and the integration's package and pure
+    modules leave it unimported (only ``HiCacheL3``'s first access imports it)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.integrations.sglang.sglang_path import ROOT, sglang_dir
+
+    code = (
+        "import sys, hicache, hicache.integrations.sglang as p\n"
+        "import hicache.integrations.sglang.settings, hicache.integrations.sglang.namespace\n"
+        "import hicache.integrations.sglang.pages, hicache.bench.storage\n"
+        "assert 'sglang' not in sys.modules, 'imported sglang'\n"
+        "from tests.integrations.sglang import sglang_path\n"
+        "assert sglang_path.enable()\n"
+        "p.HiCacheL3\n"
+        "assert 'sglang' in sys.modules\n"
+    )
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(sglang_dir())])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
