@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,35 @@ def test_one_store_opened_with_other_settings_is_refused(tmp_path: Path) -> None
         assert a.batch_set(keys(1, seed=7), pool(1), [0]).all_ok
         with pytest.raises(StorageError, match="open in this process with other settings"):
             store("ROCKSDB", tmp_path, op_batch=4).start()
+
+
+def test_a_stalled_store_costs_the_deadline_and_gives_misses(tmp_path: Path) -> None:
+    """AIBrix's calls block; one that stalls (here: its acquire held for 1.5 s, a slow
+    disk) ends the batch at hicache's deadline with timeout misses, and the late call's
+    page writes are reported unsettled until it returns."""
+    src, dst = pool(1), pool(2)
+    ks = keys(2, seed=8)
+    with store("SHFS", tmp_path, timeout_s=0.3) as st:
+        assert st.batch_set(ks, src, [0, 1]).all_ok
+        (manager,) = st._managers.values()  # type: ignore[attr-defined]
+        aibrix = manager._shared.manager
+        real = aibrix.acquire
+        release = threading.Event()
+
+        def stalled(*args: object, **kwargs: object) -> object:
+            release.wait(1.5)
+            return real(*args, **kwargs)
+
+        aibrix.acquire = stalled
+        try:
+            t = time.monotonic()
+            assert st.batch_get(ks, dst, [2, 3]) == [False, False]
+            assert time.monotonic() - t < 1.0
+            assert st.stats().misses["timeout"] == 2
+            assert not st.host_writes_settled(0)
+            release.set()
+            assert st.host_writes_settled(5.0)
+        finally:
+            aibrix.acquire = real
+        assert st.batch_get(ks, dst, [2, 3]) == [True, True]
+        assert digest(dst, [2, 3]) == digest(src, [0, 1])

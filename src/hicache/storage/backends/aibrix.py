@@ -33,8 +33,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import ClassVar, TypeVar
 
-import torch
-
 from hicache.keys import Namespace, PageKey
 from hicache.storage.backends.aibrix_client import (
     AibrixManager,
@@ -46,10 +44,10 @@ from hicache.storage.backends.aibrix_client import (
 )
 from hicache.storage.backends.aibrix_config import AibrixConfig
 from hicache.storage.base import ConfiguredStorage, Deadline, StorageError, StorageOptions
-from hicache.storage.blob import decode_page, encode_page
+from hicache.storage.blob import decode_page
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.pageio import Payloads, byte_view
-from hicache.storage.record import HEADER_SIZE
+from hicache.storage.pageio import Payloads
+from hicache.storage.record import HEADER_SIZE, encode_header
 from hicache.storage.stats import MissReason, SetOutcome
 
 __all__ = ["AibrixStorage"]
@@ -79,6 +77,7 @@ class AibrixStorage(ConfiguredStorage):
         super().__init__(namespace, options, config=config)
         self.config: AibrixConfig = config
         self._runner = DeadlineRunner("aibrix", workers=_WORKERS)
+        self._host_io = self._runner  # gets check and copy records into pages on it
         self._managers: dict[int, AibrixManager] = {}
         self._mlock = threading.Lock()
 
@@ -125,10 +124,13 @@ class AibrixStorage(ConfiguredStorage):
         return [self._manager(b) for b in stored_block_sizes(self.config)]
 
     # -- plumbing --------------------------------------------------------------------------
-    def _call(self, op: str, fn: Callable[[], T], deadline: Deadline) -> T:
+    def _call(
+        self, op: str, fn: Callable[[], T], deadline: Deadline, *, writes_host: bool = False
+    ) -> T:
         """``fn()`` on the runner within ``deadline``; raises :class:`_CallFailed` (counted
-        and logged) when it times out, is refused behind a stuck call, or raises."""
-        res = self._runner.call(fn, deadline.remaining)
+        and logged) when it times out, is refused behind a stuck call, or raises.
+        ``writes_host``: ``fn`` writes host pages (see ``host_writes_settled``)."""
+        res = self._runner.call(fn, deadline.remaining, writes_host=writes_host)
         if res.ok:
             return res.value  # type: ignore[return-value]
         if res.timed_out or res.refused:
@@ -186,33 +188,37 @@ class AibrixStorage(ConfiguredStorage):
         record_len = HEADER_SIZE + pages.payload_len
         out: list[MissReason | None] = [MissReason.ERROR] * len(keys)
         try:
-            m = self._call("get", lambda: self._manager(block_bytes_for(record_len)), deadline)
+            m = self._call("get", partial(self._manager, block_bytes_for(record_len)), deadline)
         except _CallFailed as e:
             return [e.reason] * len(keys)
         names = [k.key for k in keys]
-        for part in self._chunks(len(keys)):
-            stage = torch.empty((len(part), record_len), dtype=torch.uint8)
-            rows = [byte_view(stage[j]) for j in range(len(part))]
-            j = 0
-            while j < len(part):
-                lo = part.start + j
-                try:
-                    run: GetRun = self._call(
-                        "get",
-                        partial(m.get_into, names[lo : part.stop], rows[j:]),
-                        deadline,
-                    )
-                except _CallFailed as e:
-                    for i in range(lo, len(keys)):
-                        out[i] = e.reason
-                    return out
-                for r in range(j, j + run.fetched):
-                    i = part.start + r
-                    out[i] = decode_page(rows[r], self._digest_of(keys[i]), keys[i], pages, i)
-                j += run.fetched
-                if j < len(part) and run.why is not None:
-                    out[part.start + j] = self._miss(run.why, deadline)
-                    j += 1
+
+        def sink(got: list[MissReason | None], base: int, j: int, block: memoryview) -> None:
+            # on the runner: each record is checked in AIBrix's buffer before its payload
+            # is copied into its page (the call is made with writes_host); the verdicts go
+            # to this call's own list, used only if the call returns in time
+            i = base + j
+            got.append(decode_page(block[:record_len], self._digest_of(keys[i]), keys[i], pages, i))
+
+        lo = 0
+        while lo < len(keys):
+            hi = min(lo + self.options.max_batch_pages, len(keys))
+            got: list[MissReason | None] = []
+            try:
+                run: GetRun = self._call(
+                    "get",
+                    partial(m.get_into, names[lo:hi], partial(sink, got, lo)),
+                    deadline,
+                    writes_host=True,
+                )
+            except _CallFailed as e:
+                out[lo:] = [e.reason] * (len(keys) - lo)
+                return out
+            out[lo : lo + run.fetched] = got[: run.fetched]
+            lo += run.fetched
+            if lo < hi and run.why is not None:
+                out[lo] = self._miss(run.why, deadline)
+                lo += 1
         return out
 
     def _miss(self, code: str, deadline: Deadline) -> MissReason:
@@ -237,7 +243,7 @@ class AibrixStorage(ConfiguredStorage):
         out = [SetOutcome.FAILED] * len(keys)
         names = [k.key for k in keys]
         try:
-            m = self._call("set", lambda: self._manager(block_bytes_for(record_len)), deadline)
+            m = self._call("set", partial(self._manager, block_bytes_for(record_len)), deadline)
             for part in self._chunks(len(keys)):
                 present = self._present(m, names[part.start : part.stop], deadline)
                 todo = []
@@ -248,9 +254,20 @@ class AibrixStorage(ConfiguredStorage):
                         todo.append(i)
                 if not todo:
                     continue
-                blobs = [encode_page(self._digest_of(keys[i]), keys[i], pages, i) for i in todo]
-                todo_names = [names[i] for i in todo]
-                done = self._call("set", partial(m.put_from, todo_names, blobs), deadline)
+                # AIBrix's buffers are taken and filled here, on the caller's thread (no IO
+                # for these connectors): a put that overruns never reads a host page late
+                blocks = m.allocate([names[i] for i in todo])
+                try:
+                    for j, i in enumerate(todo):
+                        payload = pages.parts(i)
+                        header = encode_header(
+                            self._digest_of(keys[i]), keys[i].fingerprint, payload
+                        )
+                        blocks.fill(j, [header, *payload])
+                except BaseException:
+                    blocks.release()
+                    raise
+                done = self._call("set", partial(m.put, blocks), deadline)
                 for i in todo[:done]:
                     out[i] = SetOutcome.WRITTEN
                 if done < len(todo):

@@ -51,7 +51,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,7 @@ from hicache.storage.pageio import byte_view
 __all__ = [
     "AibrixCallError",
     "AibrixManager",
+    "Blocks",
     "GetRun",
     "StoreKey",
     "block_bytes_for",
@@ -121,6 +122,39 @@ def stored_block_sizes(config: AibrixConfig) -> list[int]:
     except OSError:
         return []
     return sorted({int(m.group(1)) for n in names if (m := pat.match(n))})
+
+
+class Blocks:
+    """Allocated AIBrix blocks, ``views[i]`` (writable, ``block_bytes`` each) for the
+    ``i``-th key: filled by the caller, then given to :meth:`AibrixManager.put` (which
+    releases them) or :meth:`release`-d."""
+
+    def __init__(self, hashes: Any, handle: Any) -> None:
+        self.hashes = hashes
+        self._handle: Any = handle
+        self.views: list[memoryview] = [byte_view(t.reshape(-1)) for t in handle.to_tensors()]
+
+    def fill(self, i: int, parts: Sequence[bytes | memoryview]) -> None:
+        """Write ``parts`` one after another into block ``i``; the rest is zeroed."""
+        view, off = self.views[i], 0
+        for part in parts:
+            n = memoryview(part).nbytes
+            view[off : off + n] = part
+            off += n
+        view[off:] = bytes(view.nbytes - off)
+
+    def take(self) -> Any:
+        """The AIBrix handle, handed over (this object no longer owns it)."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            raise RuntimeError("these AIBrix blocks were already put or released")
+        self.views = []
+        return handle
+
+    def release(self) -> None:
+        """Give the buffers back without storing them (idempotent)."""
+        if self._handle is not None:
+            self.take().release()
 
 
 class _Shared:
@@ -267,50 +301,53 @@ class AibrixManager:
             return 0
         raise AibrixCallError("exists", st.error_code.name, str(st.value or ""))
 
-    def get_into(self, keys: Sequence[str], rows: Sequence[memoryview]) -> GetRun:
-        """Read the blocks of ``keys`` (a leading run of them) into ``rows[i]`` (writable
-        byte views of at most :attr:`block_bytes` each: the first ``len(rows[i])`` bytes of
-        the block land there)."""
-        if len(keys) != len(rows):
-            raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+    def get_into(self, keys: Sequence[str], sink: Callable[[int, memoryview], None]) -> GetRun:
+        """Read the blocks of ``keys`` (a leading run of them) and hand block ``i``'s bytes
+        (a read-only view of :attr:`block_bytes`, valid during the call only) to
+        ``sink(i, view)``, in order, before AIBrix's buffers are released."""
         st = self._shared.manager.acquire(None, self._hashes(keys))
         if not st.is_ok():
             return GetRun(0, st.error_code.name)
         n, handle = st.value
         try:
             for i, t in enumerate(handle.to_tensors()[:n]):
-                row = rows[i]
-                row[:] = byte_view(t.reshape(-1))[: row.nbytes]
+                sink(i, byte_view(t.reshape(-1)).toreadonly())
         finally:
             handle.release()
         return GetRun(int(n))
 
-    def put_from(self, keys: Sequence[str], rows: Sequence[bytes | memoryview]) -> int:
-        """Store ``rows[i]`` (at most :attr:`block_bytes` bytes, zero-padded) as the block
-        of ``keys[i]``, replacing what is there; returns how many, from the first, AIBrix
-        reports stored."""
-        if len(keys) != len(rows):
-            raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+    def allocate(self, keys: Sequence[str]) -> Blocks:
+        """AIBrix buffers for the blocks of ``keys``, to fill and then :meth:`put`. For the
+        SHFS and ROCKSDB connectors this takes memory from AIBrix's allocator and does no
+        IO, so the caller may run it (and fill the blocks) on its own thread."""
         if not keys:
-            return 0
+            raise ValueError("allocate needs at least one key")
         hashes = self._hashes(keys)
         st = self._shared.manager.allocate_for(None, hashes)
         if not st.is_ok():
             raise AibrixCallError("allocate", st.error_code.name, str(st.value or ""))
-        handle = st.value
-        try:
-            for t, row in zip(handle.to_tensors(), rows, strict=True):
-                view = byte_view(t.reshape(-1))
-                n = len(row)
-                view[:n] = row
-                view[n:] = bytes(len(view) - n)
-        except BaseException:
-            handle.release()
-            raise
-        st = self._shared.manager.put(None, hashes, handle)  # releases the handle
+        return Blocks(hashes, st.value)
+
+    def put(self, blocks: Blocks) -> int:
+        """Store ``blocks`` (replacing what is there; they are released either way);
+        returns how many, from the first, AIBrix reports stored."""
+        st = self._shared.manager.put(None, blocks.hashes, blocks.take())
         if not st.is_ok():
             raise AibrixCallError("put", st.error_code.name, str(st.value or ""))
         return int(st.value)
+
+    def put_from(self, keys: Sequence[str], rows: Sequence[bytes | memoryview]) -> int:
+        """:meth:`allocate`, fill block ``i`` with ``rows[i]`` (zero-padded), :meth:`put`."""
+        if len(keys) != len(rows):
+            raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+        blocks = self.allocate(keys)
+        try:
+            for i, row in enumerate(rows):
+                blocks.fill(i, [row])
+        except BaseException:
+            blocks.release()
+            raise
+        return self.put(blocks)
 
     def delete(self, keys: Sequence[str]) -> None:
         """Drop the blocks of ``keys`` (absent ones are ignored)."""
