@@ -144,14 +144,14 @@ class AibrixStorage(ConfiguredStorage):
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
     def _present(self, m: AibrixManager, names: Sequence[str], deadline: Deadline) -> list[bool]:
-        """Whether each key is in store ``m``: leading runs, asked again past each miss."""
-        out: list[bool] = []
-        while len(out) < len(names):
-            rest = names[len(out) :]
-            hits = self._call("exists", partial(m.exists, rest), deadline)
-            out += [True] * hits
-            if len(out) < len(names):
-                out.append(False)
+        """Whether each key is in store ``m``: one lookup of the leading run, then one per
+        key past it. (AIBrix looks up a whole ``op_batch`` of keys at once even when the
+        first is missing, so asking again past each miss would cost up to ``op_batch``
+        lookups per key of a new batch, the usual case of a backup.)"""
+        hits = self._call("exists", partial(m.exists, names), deadline)
+        out = [True] * hits + [False] * (len(names) > hits)
+        for name in names[len(out) :]:
+            out.append(self._call("exists", partial(m.exists, [name]), deadline) == 1)
         return out
 
     # -- operations ------------------------------------------------------------------------
