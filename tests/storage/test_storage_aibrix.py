@@ -287,3 +287,41 @@ def test_a_stalled_store_costs_the_deadline_and_gives_misses(tmp_path: Path) -> 
             aibrix.acquire = real
         assert st.batch_get(ks, dst, [2, 3]) == [True, True]
         assert digest(dst, [2, 3]) == digest(src, [0, 1])
+
+
+def test_a_store_that_appears_after_start_is_found(tmp_path: Path) -> None:
+    """Stores are per record size; a reader started before any was written finds the one a
+    writer makes later (a lookup that hits nothing looks under ``root`` again)."""
+    src, dst = pool(1), pool(2)
+    ks = keys(2, seed=9)
+    with store("SHFS", tmp_path) as reader:
+        assert reader.batch_exists(ks) == 0
+        with store("SHFS", tmp_path) as writer:
+            assert writer.batch_set(ks, src, [0, 1]).all_ok
+        assert reader.batch_exists(ks) == 2
+        assert reader.batch_get(ks, dst, [2, 3]) == [True, True]
+    assert digest(dst, [2, 3]) == digest(src, [0, 1])
+
+
+def test_a_new_root_is_private(tmp_path: Path) -> None:
+    root = tmp_path / "new" / "kv"
+    with store("SHFS", root) as st:
+        assert st.batch_set(keys(1, seed=10), pool(1), [0]).all_ok
+    assert root.stat().st_mode & 0o777 == 0o700
+
+
+def test_without_the_package_start_names_the_requirements(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['aibrix_kvcache'] = None\n"
+        "from tests.storage.test_storage_aibrix import store\n"
+        "from hicache.storage.base import StorageError\n"
+        "try:\n"
+        f"    store('SHFS', {str(tmp_path)!r}).start()\n"
+        "except StorageError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "pip install --no-deps -r requirements/aibrix.txt" in proc.stdout, proc.stderr

@@ -214,6 +214,10 @@ def _build(key: StoreKey, config: AibrixConfig, timeout_s: float, concurrency: i
     ``max_num_batched_tokens``, rounded up to whole 1 GiB slabs)."""
     env = config.environment(block_bytes=key.block_bytes, timeout_s=timeout_s)
     env["AIBRIX_KV_CACHE_OL_TOKEN_VALIDATION_ENABLED"] = "0"
+    try:  # AIBrix makes what is under root with the umask: root itself keeps others out
+        os.makedirs(config.root, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"aibrix backend: cannot create root {config.root!r}: {e}") from e
     with _ENV_LOCK:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
