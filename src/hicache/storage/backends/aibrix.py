@@ -35,6 +35,7 @@ from typing import ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.backends.aibrix_client import (
+    AibrixCallError,
     AibrixManager,
     GetRun,
     block_bytes_for,
@@ -87,7 +88,7 @@ class AibrixStorage(ConfiguredStorage):
         opts = self.options
         # open the stores already under root now, so that a broken store (a RocksDB held
         # by another process, a missing package) is refused at start, not met as misses
-        res = self._runner.call(self._open_stored, opts.connect_timeout_s)
+        res = self._runner.call(self._open_all, opts.connect_timeout_s)
         if not res.ok:
             why = "timed out" if res.timed_out else str(res.error)
             self._close()
@@ -117,10 +118,13 @@ class AibrixStorage(ConfiguredStorage):
                 self._managers[block_bytes] = m
             return m
 
-    def _open_stored(self) -> list[AibrixManager]:
-        """References to every store found under ``root`` (opening the new ones); imports
-        AIBrix even when there is none yet, so that a missing package fails at start."""
+    def _open_all(self) -> list[AibrixManager]:
+        """Import AIBrix (a missing package fails here, at start), then :meth:`_open_stored`."""
         require_aibrix()
+        return self._open_stored()
+
+    def _open_stored(self) -> list[AibrixManager]:
+        """References to every store found under ``root`` (opening the new ones)."""
         return [self._manager(b) for b in stored_block_sizes(self.config)]
 
     # -- plumbing --------------------------------------------------------------------------
@@ -216,19 +220,20 @@ class AibrixStorage(ConfiguredStorage):
                 return out
             out[lo : lo + run.fetched] = got[: run.fetched]
             lo += run.fetched
-            if lo < hi and run.why is not None:
+            if lo < hi and (run.why is not None or not run.fetched):
                 out[lo] = self._miss(run.why, deadline)
                 lo += 1
         return out
 
-    def _miss(self, code: str, deadline: Deadline) -> MissReason:
-        """The miss reason of an AIBrix status name (counted unless the key is absent)."""
+    def _miss(self, code: str | None, deadline: Deadline) -> MissReason:
+        """The miss reason of an AIBrix status name (counted unless the key is absent;
+        None: AIBrix reported success without a block)."""
         if code == "NOT_FOUND":
             return MissReason.ABSENT
         if code in ("TIMEOUT", "CANCELLED"):
             self._stats.timeout("get", deadline.timeout_s)
             return MissReason.TIMEOUT
-        self._stats.error("get", f"aibrix status {code}")
+        self._stats.error("get", f"aibrix status {code or 'OK without a block'}")
         return MissReason.ERROR
 
     def _set(
@@ -256,7 +261,11 @@ class AibrixStorage(ConfiguredStorage):
                     continue
                 # AIBrix's buffers are taken and filled here, on the caller's thread (no IO
                 # for these connectors): a put that overruns never reads a host page late
-                blocks = m.allocate([names[i] for i in todo])
+                try:
+                    blocks = m.allocate([names[i] for i in todo])
+                except AibrixCallError as e:  # out of AIBrix's buffers: nothing taken
+                    self._stats.error("set", str(e))
+                    return out
                 try:
                     for j, i in enumerate(todo):
                         payload = pages.parts(i)
