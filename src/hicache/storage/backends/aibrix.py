@@ -147,17 +147,6 @@ class AibrixStorage(ConfiguredStorage):
         size = self.options.max_batch_pages
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
-    def _present(self, m: AibrixManager, names: Sequence[str], deadline: Deadline) -> list[bool]:
-        """Whether each key is in store ``m``: one lookup of the leading run, then one per
-        key past it. (AIBrix looks up a whole ``op_batch`` of keys at once even when the
-        first is missing, so asking again past each miss would cost up to ``op_batch``
-        lookups per key of a new batch, the usual case of a backup.)"""
-        hits = self._call("exists", partial(m.exists, names), deadline)
-        out = [True] * hits + [False] * (len(names) > hits)
-        for name in names[len(out) :]:
-            out.append(self._call("exists", partial(m.exists, [name]), deadline) == 1)
-        return out
-
     # -- operations ------------------------------------------------------------------------
     def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
         names = [k.key for k in keys]
@@ -250,7 +239,9 @@ class AibrixStorage(ConfiguredStorage):
         try:
             m = self._call("set", partial(self._manager, block_bytes_for(record_len)), deadline)
             for part in self._chunks(len(keys)):
-                present = self._present(m, names[part.start : part.stop], deadline)
+                present = self._call(
+                    "set (exists)", partial(m.present, names[part.start : part.stop]), deadline
+                )
                 todo = []
                 for j, i in enumerate(part):
                     if present[j] and not replace[i]:
