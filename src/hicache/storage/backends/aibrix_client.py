@@ -73,6 +73,9 @@ __all__ = [
     "stored_block_sizes",
 ]
 
+CLOSE_WAIT_S = 10.0
+"""How long closing a manager may hold up :meth:`AibrixManager.close` (seconds)."""
+
 _ENV_LOCK = threading.Lock()
 _POOL_LOCK = threading.Lock()
 
@@ -381,6 +384,13 @@ class AibrixManager:
                 return
             if _POOL.get(self.key) is self._shared:
                 del _POOL[self.key]
-            # closed under the lock: a RocksDB store must be shut before it is reopened
-            with contextlib.suppress(Exception):
-                self._shared.manager.close()
+            # closed under the lock (a RocksDB store must be shut before it is reopened),
+            # on a daemon thread waited for at most CLOSE_WAIT_S: AIBrix's close joins its
+            # connector threads, which a hung disk can hold forever
+            closer = threading.Thread(target=self._close_manager, name="aibrix-close", daemon=True)
+            closer.start()
+            closer.join(CLOSE_WAIT_S)
+
+    def _close_manager(self) -> None:
+        with contextlib.suppress(Exception):
+            self._shared.manager.close()
