@@ -14,11 +14,14 @@ early is asked again from the key after the one it stopped at):
 
 - exists: AIBrix ``exists`` on the stores of every block size found under ``root`` (one per
   record length: KV pages, component records); the longest leading run counts.
-- get: AIBrix ``acquire`` of the batch into a staging buffer (never into host pages: a late
-  call cannot touch them); each record is checked before its payload is copied into the
-  host pool, so a corrupt, stale or foreign record is a miss and never data.
-- set: the present keys are looked up first and skipped (first writer wins), then AIBrix
-  ``allocate_for`` + ``put`` of the encoded records. AIBrix's put replaces a block (SHFS
+- get: AIBrix ``acquire`` of the batch; on the runner, each record is checked in AIBrix's
+  buffer and only a good payload is copied into its host page (so a corrupt, stale or
+  foreign record is a miss and never data). These calls are made with ``writes_host``: a
+  get that overran its deadline is reported by ``host_writes_settled`` until it returns.
+- set: the keys are looked up first (one call) and present ones skipped (first writer
+  wins); AIBrix's buffers are taken (``allocate_for``, no IO for these connectors) and
+  filled with the records on the caller's thread, so a late ``put`` never reads a host
+  page; then ``put``. AIBrix's put replaces a block (SHFS
   writes a temporary file and renames it; RocksDB's put is atomic), so a key whose record a
   read found bad is overwritten in place (healing). Two writers of one new key may both
   write it: equal records, so no reader can tell.

@@ -18,8 +18,9 @@ uses as the L2 key as it stands (UTF-8 bytes; SHFS files are named by their hex)
 hashing token ids itself. No prefix is ever passed: the chain is inside each key.
 
 **Sharing.** A RocksDB database can be opened once per process, and one manager costs an
-event-loop thread, a connector thread pool and a 1 GiB slab (AIBrix's smallest allocation;
-virtual memory until touched, but pinned when CUDA is present). So managers are pooled per
+event-loop thread, a connector thread pool and its buffers (room for ``concurrency``
+blocks, in whole 1 GiB slabs, AIBrix's unit; virtual memory until touched, but pinned when
+CUDA is present). So managers are pooled per
 :class:`StoreKey` (connector, root, AIBrix namespace, block size) and reference-counted:
 every hicache instance of the process on the same store shares one. The folder of a store
 is ``root/<aibrix_namespace>-r<block_bytes>_<AIBrix's partition and signatures>``, so each
@@ -39,8 +40,9 @@ if some other code imported it with validation on, opening fails with a StorageE
 (hicache checks its records itself and relies on AIBrix's compact block layout).
 
 Calls block (AIBrix waits on its event loop); the backend runs them on its
-:class:`~hicache.storage.deadline.DeadlineRunner`. They raise :class:`AibrixCallError` on
-any status other than OK and NOT_FOUND.
+:class:`~hicache.storage.deadline.DeadlineRunner`. Lookups, allocations and puts raise
+:class:`AibrixCallError` on a status other than OK (and NOT_FOUND for lookups); a get says
+why its run stopped in :class:`GetRun`.
 """
 
 from __future__ import annotations
