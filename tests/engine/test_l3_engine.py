@@ -24,11 +24,12 @@ from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.keys import PageKey
+from hicache.storage.backends.aibrix import AibrixStorage
 from hicache.storage.backends.file import FileStorage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from hicache.storage.backends.mooncake import MooncakeStorage
 from hicache.storage.backends.redis import RedisStorage
-from hicache.storage.record import record_size
+from hicache.storage.record import HEADER_SIZE, record_size
 from hicache.storage.registry import create_storage
 from tests.helpers.engine_fixtures import engine_model
 from tests.helpers.storage_fixtures import backend_config
@@ -224,7 +225,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
 
 def corrupt_record(engine: Engine, key: PageKey) -> None:
     """Damage ``key``'s record in the engine's L3 store itself: flip a payload byte
-    (``file``, ``redis``), or plant zero bytes of the record's length (``mooncake``,
+    (``file``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
     whose client cannot read a record back without a local buffer)."""
     l3 = engine.cache.storage
     assert l3 is not None
@@ -233,6 +234,12 @@ def corrupt_record(engine: Engine, key: PageKey) -> None:
         path = st.path_of(key.key)
         data = bytearray(path.read_bytes())
         data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif isinstance(st, AibrixStorage):  # SHFS: one file per record, named by the key's hex
+        name = key.key.encode().hex()
+        (path,) = Path(st.config.root).glob(f"*/{name[:2]}/{name[2:4]}/{name}")
+        data = bytearray(path.read_bytes())
+        data[HEADER_SIZE + 3] ^= 0xFF
         path.write_bytes(bytes(data))
     elif isinstance(st, RedisStorage):
         client, rkey = st._client, st._rkey(key)
@@ -252,7 +259,7 @@ def corrupt_record(engine: Engine, key: PageKey) -> None:
         arena.release()
 
 
-@pytest.mark.parametrize("backend", ["file", "redis", "mooncake"])
+@pytest.mark.parametrize("backend", ["file", "redis", "mooncake", "aibrix-shfs"])
 def test_a_corrupt_record_is_healed_by_the_recompute(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path, reference: list[int]
 ) -> None:
@@ -300,20 +307,23 @@ def _generate_in_subprocess(backend: str, extra: dict[str, object]) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+@pytest.mark.parametrize("backend", ["redis", "mooncake", "aibrix-shfs"])
 def test_distributed_store_flush_replay_and_sharing(
     backend: str, request: pytest.FixtureRequest, reference: list[int]
 ) -> None:
     """Process A writes through the shared store; this process (B) hits what A wrote, and
     after /flush_cache replays from the store with the same greedy output."""
+    name = backend
     if backend == "redis":
         server = request.getfixturevalue("redis_service")
         extra: dict[str, object] = {"url": server.url, "key_prefix": f"t{time.monotonic_ns()}:"}
-    else:
+    elif backend == "mooncake":
         svc = request.getfixturevalue("mooncake_service")
         extra = dict(svc.extra_config)
-    _generate_in_subprocess(backend, extra)
-    with make_engine(backend, extra) as engine:
+    else:  # a directory both processes share
+        name, extra = backend_config(backend, request, request.getfixturevalue("tmp_path"))
+    _generate_in_subprocess(name, extra)
+    with make_engine(name, extra) as engine:
         shared = engine.generate(PROMPT, GREEDY, timeout=60)
         assert shared.cached.storage == FULL and shared.output_ids == reference
         settle(engine)

@@ -22,7 +22,18 @@ from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
 from hicache.storage.base import HiCacheStorage
 from hicache.storage.registry import create_storage
-from tests.helpers.services import start_mooncake, start_redis, start_valkey
+from tests.helpers.services import missing, start_mooncake, start_redis, start_valkey
+
+
+def require_aibrix() -> None:
+    """Skip (fail under CI) unless ``aibrix_kvcache`` and the modules it needs import."""
+    from hicache.storage.backends.aibrix_client import require_aibrix as probe
+    from hicache.storage.base import StorageError
+
+    try:
+        probe()
+    except StorageError as e:
+        missing("aibrix-kvcache", f"`make venv` installs requirements/aibrix.txt: {e}")
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +84,12 @@ def backend_config(
 ) -> tuple[str, dict[str, Any]]:
     """The registry name and extra config of test backend ``backend`` (``memory``, ``file``
     under ``tmp_dir``, ``redis`` / ``valkey`` / ``mooncake`` / ``mooncake_copy`` through
-    the session's service fixtures)."""
+    the session's service fixtures, ``aibrix-shfs`` / ``aibrix-rocksdb``: AIBrix KVCache
+    with that L2 connector under ``tmp_dir``)."""
+    if backend.startswith("aibrix-"):
+        require_aibrix()
+        connector = backend.removeprefix("aibrix-")
+        return "aibrix", {"connector": connector, "root": str(tmp_dir / connector)}
     if backend == "memory":
         return "memory", {}
     if backend == "file":

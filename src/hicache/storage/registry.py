@@ -1,7 +1,7 @@
 """Backend registry and the one parse step of a backend's extra config.
 
-Built-in names: ``file`` (default), ``memory`` (fake, for tests), ``redis``, ``mooncake``
-(modules under :mod:`hicache.storage.backends`). Their modules are imported only when
+Built-in names: ``file`` (default), ``memory`` (fake, for tests), ``redis``, ``mooncake``,
+``aibrix`` (AIBrix KVCache; modules under :mod:`hicache.storage.backends`). Their modules are imported only when
 used, so a missing optional client package only matters to the backend that needs it.
 A custom backend is ``package.module:Class`` (a :class:`HiCacheStorage` subclass) or a
 factory given to :func:`register_backend`.
@@ -58,6 +58,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "memory": "hicache.storage.backends.memory:MemoryStorage",
     "redis": "hicache.storage.backends.redis:RedisStorage",
     "mooncake": "hicache.storage.backends.mooncake:MooncakeStorage",
+    "aibrix": "hicache.storage.backends.aibrix:AibrixStorage",
 }
 
 _REGISTERED: dict[str, StorageFactory] = {}
