@@ -87,6 +87,12 @@ class Namespace:
     tp_rank: int | None = 0
     component: str = FULL_COMPONENT
     tenant_salt: str = ""
+    engine_layout: str = ""
+    """Another engine's host layout whose byte order the payloads have, as
+    ``"<engine>:<layout>[;<shard>...]"`` (e.g. ``"sglang:page_head"``); ``""`` (the
+    default) for hicache's own pools, whose ``layout`` says it all. Encoded only when
+    set, so every hicache namespace's encoding and digest is unchanged by it. See
+    docs/l3-keys.md, "Keys for SGLang pages"."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", enum_value(MemLayout, "layout", self.layout))
@@ -94,6 +100,13 @@ class Namespace:
             v = getattr(self, name)
             require(isinstance(v, str) and v != "", name, v, "must be a non-empty str")
         require(isinstance(self.tenant_salt, str), "tenant_salt", self.tenant_salt, "must be a str")
+        require(
+            isinstance(self.engine_layout, str)
+            and (self.engine_layout == "" or ":" in self.engine_layout),
+            "engine_layout",
+            self.engine_layout,
+            'must be "" or "<engine>:<layout>"',
+        )
         require(self.kv_dtype in DTYPES, "kv_dtype", self.kv_dtype, f"choose one of {DTYPES}")
         int_at_least("page_size", self.page_size, 1)
         int_at_least("tp_size", self.tp_size, 1)
@@ -152,8 +165,9 @@ class Namespace:
         )
 
     def encode(self) -> bytes:
-        """Canonical encoding: compact, key-sorted, ASCII-only JSON of the fields and spec."""
-        doc = {
+        """Canonical encoding: compact, key-sorted, ASCII-only JSON of the fields and spec
+        (``engine_layout`` only when set)."""
+        doc: dict[str, Any] = {
             "spec": KEY_SPEC_VERSION,
             "model": self.model,
             "weights_fingerprint": self.weights_fingerprint,
@@ -165,6 +179,8 @@ class Namespace:
             "component": self.component,
             "tenant_salt": self.tenant_salt,
         }
+        if self.engine_layout:
+            doc["engine_layout"] = self.engine_layout
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return text.encode("ascii")
 

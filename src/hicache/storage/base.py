@@ -322,6 +322,20 @@ class HiCacheStorage(ABC):
         self._stats.exists(len(keys), sum(found))
         return found
 
+    def batch_get_payloads(self, keys: Sequence[PageKey], payloads: Payloads) -> list[bool]:
+        """Read ``keys[i]``'s record into item ``i`` of ``payloads``, any
+        :class:`~hicache.storage.pageio.Payloads` (an engine integration's pages, say);
+        True where the item passed every check and was delivered (``payloads.commit``).
+        The same checks, deadline, counters and healing as :meth:`batch_get`."""
+        self._require_started()
+        return self._get_payloads(keys, payloads)
+
+    def batch_set_payloads(self, keys: Sequence[PageKey], payloads: Payloads) -> SetResult:
+        """Write item ``i`` of ``payloads`` as the record of ``keys[i]`` (present keys are
+        skipped), as :meth:`batch_set` does for host pool pages."""
+        self._require_started()
+        return self._set_payloads(keys, payloads)
+
     def _get_payloads(self, keys: Sequence[PageKey], hp: Payloads) -> list[bool]:
         self._check_lengths(keys, hp)
         if not keys:
