@@ -37,7 +37,7 @@ def fill(eng: Engine, ids: list[int]) -> None:
 def test_chunks_round_trip_byte_exact_through_a_restart(tmp_path: Path) -> None:
     with Engine({"file_path": str(tmp_path)}) as a:
         fill(a, [0, 1, 2])
-        st = a.tier._transfers.storage.stats()
+        st = a.tier.storage.stats()
         assert (st.set_written, st.set_failed) == (3, 0)
         assert record_path(a, tmp_path, key(1)).stat().st_size == HEADER_SIZE + ROW_BYTES
     with Engine({"file_path": str(tmp_path)}) as b:  # a fresh engine: empty primary tier
@@ -46,12 +46,12 @@ def test_chunks_round_trip_byte_exact_through_a_restart(tmp_path: Path) -> None:
         assert b.load(ctx, [key(0), key(1), key(2)]) == [pattern(0), pattern(1), pattern(2)]
         b.finish(ctx)
         b.settle()
-        st = b.tier._transfers.storage.stats()
+        st = b.tier.storage.stats()
         assert (st.get_pages, st.get_hits, st.bytes_read) == (3, 3, 3 * (HEADER_SIZE + ROW_BYTES))
     with Engine({"file_path": str(tmp_path)}) as c:
         # vLLM cascades every chunk it stores to every tier; present records are skipped
         fill(c, [2, 3])
-        st = c.tier._transfers.storage.stats()
+        st = c.tier.storage.stats()
         assert (st.set_written, st.set_skipped) == (1, 1)
 
 
@@ -71,12 +71,12 @@ def test_a_flipped_byte_is_a_miss_the_rest_loads_and_the_next_store_heals_it(
         assert b.load(ctx, [key(0), key(2)]) == [pattern(0), pattern(2)]
         with b.manager.lock:
             assert b.manager.primary_tier.lookup(key(1), ctx) is MISS
-        st = b.tier._transfers.storage.stats()
+        st = b.tier.storage.stats()
         assert (st.get_pages, st.get_hits, st.misses["corrupt"]) == (3, 2, 1)
         b.finish(ctx)
         b.settle()
         fill(b, [1])  # vLLM recomputes chunk 1; its store replaces the bad record
-        assert b.tier._transfers.storage.stats().repaired == 1
+        assert b.tier.storage.stats().repaired == 1
     with Engine({"file_path": str(tmp_path)}) as c:
         ctx = c.request()
         assert c.lookup(ctx, [key(1)]) == [HIT]
@@ -93,7 +93,7 @@ def test_a_record_under_another_key_or_of_another_namespace_is_a_miss(tmp_path: 
     with Engine({"file_path": str(tmp_path)}) as b:
         ctx = b.request()
         assert b.lookup(ctx, [key(5)]) == [MISS]
-        assert b.tier._transfers.storage.stats().misses["foreign"] == 1
+        assert b.tier.storage.stats().misses["foreign"] == 1
         b.finish(ctx)
     for other in ({"model": "other/model"}, {"dtype": "float16"}, {"tp_size": 2}):
         with Engine({"file_path": str(tmp_path)}, **other) as c:  # type: ignore[arg-type]
@@ -124,7 +124,7 @@ def test_a_store_that_is_down_gives_misses_not_errors() -> None:
         ctx = eng.request()
         eng.store(ctx, [key(0)], [pattern(0)])  # the cascade job fails, quietly
         eng.settle()
-        assert not eng.tier._transfers.ready()
+        assert not eng.tier.storage.started
         assert eng.lookup(ctx, [key(0), key(1)]) == [HIT, MISS]  # chunk 0 is in the primary
         eng.finish(ctx)
         eng.settle()
@@ -138,9 +138,9 @@ def test_a_late_get_lands_in_staging_never_in_vllms_rows() -> None:
     with Engine(slow) as b:
         ctx = b.request()
         assert b.lookup(ctx, [key(0)]) == [MISS]  # the get overran its deadline
-        st = b.tier._transfers.storage.stats()
+        st = b.tier.storage.stats()
         assert (st.get_hits, st.misses["timeout"]) == (0, 1)
-        assert b.tier._transfers.storage.host_writes_settled(5.0)  # the late write is done
+        assert b.tier.storage.host_writes_settled(5.0)  # the late write is done
         assert bytes(b.view) == bytes(len(b.view))  # and no byte of it reached a row
         b.finish(ctx)
 
@@ -160,6 +160,6 @@ def test_tier_calls_return_at_once_while_the_backend_is_slow() -> None:
         with eng.manager.lock:
             eng.manager.reset_cache()
             eng.manager.on_reset_flushed()
-        assert eng.tier._transfers.storage.stats().set_written == 2
+        assert eng.tier.storage.stats().set_written == 2
         eng.finish(ctx)
         eng.settle()

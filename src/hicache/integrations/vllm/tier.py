@@ -60,6 +60,7 @@ from hicache.integrations.vllm.rows import flat_rows
 from hicache.integrations.vllm.settings import VllmTierSettings
 from hicache.integrations.vllm.transfers import Direction, TierTransfers, Transfer
 from hicache.keys import Namespace
+from hicache.storage.base import HiCacheStorage
 
 __all__ = ["HiCacheTier"]
 
@@ -121,6 +122,11 @@ class HiCacheTier(SecondaryTierManager):
         self._lookups = _Lookups(tier_type, self._transfers, self.namespace)
         self._shut = False
 
+    @property
+    def storage(self) -> HiCacheStorage:
+        """The hicache backend (its :meth:`~HiCacheStorage.stats` count every record)."""
+        return self._transfers.storage
+
     # -- vLLM's tier interface ---------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -155,6 +161,7 @@ class HiCacheTier(SecondaryTierManager):
         return results
 
     def has_pending_work(self) -> bool:
+        """True while a job runs or its result waits for :meth:`get_finished_jobs`."""
         return self._transfers.busy
 
     def drain_jobs(self) -> None:

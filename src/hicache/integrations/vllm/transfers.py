@@ -164,9 +164,9 @@ class TierTransfers:
 
     @property
     def busy(self) -> bool:
-        """True while a submitted job has not posted its :class:`Finished` yet."""
+        """True while a submitted job's :class:`Finished` has not been taken yet."""
         with self._idle:
-            return self._in_flight > 0
+            return self._in_flight > 0 or not self._done.empty()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted job has posted its :class:`Finished` (True), or
