@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +90,13 @@ def test_bad_input_is_refused_naming_it() -> None:
         vllm_page_key(ns, b"\x00\x01")
     with pytest.raises(ValueError, match="row_bytes=0"):
         dataclasses.replace(layout(), row_bytes=0)
+
+
+def test_the_pure_submodules_import_without_vllm() -> None:
+    code = (
+        "import sys, hicache.integrations.vllm as p\n"
+        "import hicache.integrations.vllm.namespace, hicache.integrations.vllm.settings\n"
+        "import hicache.integrations.vllm.rows, hicache.integrations.vllm.transfers\n"
+        "assert 'vllm' not in sys.modules, 'vllm was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -2,8 +2,9 @@
 
 vLLM loads it from ``"secondary_tiers": [{"type": "HiCacheTier", "module_path":
 "hicache.integrations.vllm", "hicache_backend": ..., ...}]`` in the ``TieringOffloadingSpec``
-extra config (see docs/integrations.md). Importing this package imports vllm; ``import
-hicache`` does not.
+extra config (see docs/integrations.md). ``HiCacheTier`` is imported on first access
+(vLLM's factory does ``getattr(module, "HiCacheTier")``), which imports vllm; the
+submodules below but ``tier`` do not, and neither does ``import hicache``.
 
 - :mod:`~hicache.integrations.vllm.settings`: a tier config -> hicache's backend choice;
 - :mod:`~hicache.integrations.vllm.namespace`: the namespace of vLLM's chunks, offload
@@ -13,6 +14,19 @@ hicache`` does not.
 - :mod:`~hicache.integrations.vllm.tier`: the tier class.
 """
 
-from hicache.integrations.vllm.tier import HiCacheTier
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache.integrations.vllm.tier import HiCacheTier
 
 __all__ = ["HiCacheTier"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HiCacheTier":
+        from hicache.integrations.vllm.tier import HiCacheTier
+
+        return HiCacheTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
