@@ -9,10 +9,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from hicache.integrations.vllm.namespace import vllm_page_key
+from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.process import free_port
 from hicache.services.redis import RedisServer
 from hicache.storage.record import HEADER_SIZE
@@ -102,8 +105,16 @@ def test_a_record_under_another_key_or_of_another_namespace_is_a_miss(tmp_path: 
             c.finish(ctx)
 
 
-def test_two_engines_share_chunks_through_redis(redis_service: RedisServer) -> None:
-    tier = {"hicache_backend": "redis", "url": redis_service.url, "key_prefix": uuid.uuid4().hex}
+@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+def test_two_engines_share_chunks_through(backend: str, request: pytest.FixtureRequest) -> None:
+    if backend == "redis":
+        server: RedisServer = request.getfixturevalue("redis_service")
+        extra: dict[str, Any] = {"url": server.url}
+    else:
+        svc: MooncakeProcess = request.getfixturevalue("mooncake_service")
+        extra = dict(svc.extra_config)
+    # a namespace of this test's own, so records of earlier runs do not count
+    tier = {"hicache_backend": backend, "hicache_model": f"m-{uuid.uuid4().hex}", **extra}
     with Engine(tier) as a, Engine(tier) as b:
         fill(a, [0, 1])
         ctx = b.request()
