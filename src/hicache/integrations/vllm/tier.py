@@ -104,8 +104,7 @@ class HiCacheTier(SecondaryTierManager):
             backpressure_detector=backpressure_detector,
         )
         self.settings = VllmTierSettings.from_params(params)
-        flat, _, row_bytes = flat_rows(primary_kv_view)
-        self.chunk_layout = ChunkLayout.from_config(offloading_spec.config, row_bytes)
+        self.chunk_layout = ChunkLayout.from_config(offloading_spec.config, self.block_size_bytes)
         self.namespace = vllm_namespace(
             self.chunk_layout,
             weights_fingerprint=self.settings.weights_fingerprint,
@@ -113,11 +112,12 @@ class HiCacheTier(SecondaryTierManager):
         )
         if self.settings.locality is not None:
             self.locality = Locality(self.settings.locality)
+        storage = self.settings.storage.create(self.namespace)
+        # the last step that can fail: a view left exported would keep vLLM's region mapped
+        flat, _, row_bytes = flat_rows(primary_kv_view)
         self._row_bytes = row_bytes
         self._flat = flat
-        self._transfers = TierTransfers(
-            self.settings.storage.create(self.namespace), flat, row_bytes
-        )
+        self._transfers = TierTransfers(storage, flat, row_bytes)
         self._transfers.start()
         self._lookups = _Lookups(tier_type, self._transfers, self.namespace)
         self._shut = False
