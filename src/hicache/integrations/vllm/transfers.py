@@ -28,7 +28,7 @@ from enum import Enum
 
 from hicache.integrations.vllm.rows import Rows
 from hicache.keys import PageKey
-from hicache.storage.base import HiCacheStorage, StorageError
+from hicache.storage.base import HiCacheStorage
 from hicache.storage.stats import SetOutcome
 
 __all__ = ["RETRY_START_S", "Direction", "Finished", "TierTransfers", "Transfer"]
@@ -213,7 +213,7 @@ class TierTransfers:
         self._next_start = now + RETRY_START_S
         try:
             st.start()
-        except StorageError as e:
+        except Exception as e:  # StorageError, or any failure of a custom backend
             log.warning(
                 "hicache %s backend for the vLLM tier did not start (%s); its chunks are "
                 "misses until it does (next try in %.0f s)",
