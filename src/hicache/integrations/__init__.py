@@ -5,6 +5,8 @@ it is itself imported, so hicache runs without any of them installed:
 
 - :mod:`hicache.integrations.sglang`: an SGLang ``HiCacheStorage`` backend over hicache's
   L3 backends (``--hicache-storage-backend dynamic``).
+- :mod:`hicache.integrations.vllm`: a secondary tier of vLLM's offloading connector
+  (``TieringOffloadingSpec``) over hicache's L3 backends.
 
 See ``docs/integrations.md``.
 """
