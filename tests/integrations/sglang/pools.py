@@ -2,7 +2,7 @@
 (``MHATokenToKVPool`` / ``MLATokenToKVPool`` on ``"cpu"``, then the host pool from the
 device pool's buffer info, unpinned), and the backend through SGLang's factory.
 
-Import only after :func:`tests.integrations.sglang.sglang_path.enable` (the conftest does).
+Import only after :func:`hicache.integrations.pinned.enable` (the conftest does).
 """
 
 from __future__ import annotations

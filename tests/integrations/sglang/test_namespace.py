@@ -96,20 +96,23 @@ def test_importing_hicache_and_the_pure_modules_does_not_import_sglang() -> None
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    from tests.integrations.sglang.sglang_path import ROOT, sglang_dir
+    from hicache.integrations.pinned import pinned_dir
+
+    root = Path(__file__).resolve().parents[3]
 
     code = (
         "import sys, hicache, hicache.integrations.sglang as p\n"
         "import hicache.integrations.sglang.settings, hicache.integrations.sglang.namespace\n"
         "import hicache.integrations.sglang.pages, hicache.bench.storage\n"
         "assert 'sglang' not in sys.modules, 'imported sglang'\n"
-        "from tests.integrations.sglang import sglang_path\n"
-        "assert sglang_path.enable()\n"
+        "from hicache.integrations import pinned\n"
+        "assert pinned.enable('sglang')\n"
         "p.HiCacheL3\n"
         "assert 'sglang' in sys.modules\n"
     )
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(sglang_dir())])
+    path = os.pathsep.join([str(root / "src"), str(root), str(pinned_dir("sglang"))])
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": path},

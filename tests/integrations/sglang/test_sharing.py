@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from tests.integrations.sglang.pools import attach, fill, host_pool, indices, page_bytes
-from tests.integrations.sglang.sglang_path import ROOT
+
+ROOT = Path(__file__).resolve().parents[3]
 
 KEYS = [f"{i:064x}" for i in range(3)]
 

@@ -1,4 +1,4 @@
-"""vLLM tests: the pinned package on ``sys.path`` (see :mod:`.vllm_path`); not collected
+"""vLLM tests: the pinned package on ``sys.path`` (see :mod:`hicache.integrations.pinned`); not collected
 when it is not installed (an error under ``CI=true``)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import os
 
-from tests.integrations.vllm import vllm_path
+from hicache.integrations import pinned
 
 collect_ignore_glob: list[str] = []
-if not vllm_path.enable():
+if not pinned.enable("vllm"):
     if os.environ.get("CI") == "true":
         raise RuntimeError("vLLM is not installed: run `make venv` (requirements/vllm.txt)")
     collect_ignore_glob = ["test_*.py"]
