@@ -80,6 +80,7 @@ def storage_config(
     tp_rank: int = 0,
     tp_size: int = 1,
     model: str | None = "test/model",
+    metrics: bool = False,
 ) -> HiCacheStorageConfig:
     """What SGLang's cache controller passes (``_generate_storage_config``), one rank."""
     return HiCacheStorageConfig(
@@ -90,7 +91,7 @@ def storage_config(
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
-        enable_storage_metrics=False,
+        enable_storage_metrics=metrics,
         is_page_first_layout=False,
         model_name=model,
         extra_config={**DYNAMIC, **extra},

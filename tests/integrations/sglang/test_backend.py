@@ -194,3 +194,28 @@ def test_a_store_down_at_registration_is_retried(
     monkeypatch.setattr(backend_module, "RETRY_START_S", 0.0)
     assert be.batch_set_v1(KEYS[:1], indices([1])) == [True]
     assert be.batch_exists(KEYS[:1]) == 1
+
+
+def test_get_stats_reports_each_transfer_to_sglangs_metrics(tmp_path: Path) -> None:
+    """With SGLang's storage metrics on, get_stats() is SGLang's StorageMetrics of the KV
+    page gets and sets since the last call (pages counted hit or not, as SGLang's Mooncake
+    backend does), which SGLang's own collector accepts; off, it is None."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    extra = {"hicache_backend": "file", "file_path": str(tmp_path)}
+    pool = host_pool("mha", "page_first")
+    fill(pool, seed=3)
+    quiet = attach(pool, extra)
+    assert quiet.get_stats() is None
+    quiet.close()
+    be = attach(pool, extra, metrics=True)
+    assert be.batch_set_v1(KEYS, indices([1, 2, 3])) == [True] * 3
+    assert be.batch_get_v1([*KEYS[:2], "d" * 64], indices([4, 5, 6])) == [True, True, False]
+    got = be.get_stats()
+    assert isinstance(got, StorageMetrics)
+    assert (got.backup_pgs, got.prefetch_pgs) == ([3], [3])
+    assert len(got.backup_bandwidth) == len(got.prefetch_bandwidth) == 1
+    assert got.backup_bandwidth[0] > 0 and got.prefetch_bandwidth[0] > 0
+    again = be.get_stats()
+    assert (again.backup_pgs, again.prefetch_pgs, again.prefetch_bandwidth) == ([], [], [])
+    be.close()

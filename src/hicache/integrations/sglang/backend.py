@@ -56,6 +56,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hicache.integrations.sglang.metrics import IoWindow
 from hicache.integrations.sglang.namespace import (
     ShardIdentity,
     sglang_namespace,
@@ -129,6 +130,11 @@ class HiCacheL3(SGLangStorage):
         self.geometry: KVPoolGeometry | None = None
         self.namespace: Namespace | None = None
         self.sides: dict[str, _SidePool] = {}
+        self.io_window: IoWindow | None = (
+            IoWindow() if storage_config.enable_storage_metrics else None
+        )
+        """Each get's and set's pages and GB/s for SGLang's metrics (:meth:`get_stats`);
+        None when SGLang's storage metrics are off."""
         self._start_lock = threading.Lock()
         self._last_start = -math.inf
         self._warned: set[str] = set()
@@ -213,13 +219,28 @@ class HiCacheL3(SGLangStorage):
                 return None
         return store
 
-    def _guard(self, op: str, fallback: _T, call: Callable[[HiCacheStorage], _T]) -> _T:
-        """``call(store)``, or ``fallback`` when the store is not ready or anything raises."""
+    def _guard(
+        self,
+        op: str,
+        fallback: _T,
+        call: Callable[[HiCacheStorage], _T],
+        io: tuple[str, int] | None = None,
+    ) -> _T:
+        """``call(store)``, or ``fallback`` when the store is not ready or anything raises.
+        ``io``: (``"get"`` / ``"set"``, pages) of a KV page transfer, timed into
+        :attr:`io_window` when SGLang's storage metrics are on."""
         store = self._ready()
         if store is None or self.geometry is None:
             return fallback
         try:
-            return call(store)
+            if io is None or self.io_window is None:
+                return call(store)
+            start = time.perf_counter()
+            out = call(store)
+            self.io_window.record(
+                io[0], io[1], self.geometry.page_bytes, time.perf_counter() - start
+            )
+            return out
         except Exception as e:  # a miss, never an exception into SGLang
             if op not in self._warned:
                 self._warned.add(op)
@@ -259,6 +280,7 @@ class HiCacheL3(SGLangStorage):
             lambda st: st.batch_get_payloads(
                 [self.page_key(k) for k in keys], self._kv_pages(host_indices, len(keys))
             ),
+            ("get", len(keys)),
         )
 
     def batch_set_v1(
@@ -280,7 +302,7 @@ class HiCacheL3(SGLangStorage):
             )
             return [o is not SetOutcome.FAILED for o in res.outcomes]
 
-        return self._guard("batch_set_v1", [False] * len(keys), put)
+        return self._guard("batch_set_v1", [False] * len(keys), put, ("set", len(keys)))
 
     # -- copying calls (legacy) ------------------------------------------------------------
     def batch_get(
@@ -303,7 +325,7 @@ class HiCacheL3(SGLangStorage):
             ok = st.batch_get_payloads([self.page_key(k) for k in keys], pages)
             return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
-        return self._guard("batch_get", [None] * len(keys), get)
+        return self._guard("batch_get", [None] * len(keys), get, ("get", len(keys)))
 
     def get(
         self, key: str, target_location: Any = None, target_sizes: Any = None
@@ -335,7 +357,7 @@ class HiCacheL3(SGLangStorage):
             res = st.batch_set_payloads([self.page_key(k) for k in keys], pages)
             return res.failed == 0
 
-        return self._guard("batch_set", False, put)
+        return self._guard("batch_set", False, put, ("set", len(keys)))
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
@@ -462,10 +484,22 @@ class HiCacheL3(SGLangStorage):
         eviction (a no-op here, logged once)."""
         self._warn_once("clear", "is not supported (L3 is shared); nothing deleted")
 
-    def get_stats(self) -> None:
-        """None: SGLang's metrics want its own ``StorageMetrics`` (page counts and
-        bandwidths it measures itself); hicache's counters are :attr:`stats`."""
-        return None
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the KV page gets and sets since the last call
+        (:mod:`~hicache.integrations.sglang.metrics`), or None when SGLang's storage
+        metrics are off. hicache's own counters (misses by reason, latency, stalls) are
+        :attr:`stats`."""
+        if self.io_window is None:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        got = self.io_window.drain()
+        return StorageMetrics(
+            prefetch_pgs=list(got.prefetch_pgs),
+            backup_pgs=list(got.backup_pgs),
+            prefetch_bandwidth=list(got.prefetch_bandwidth),
+            backup_bandwidth=list(got.backup_bandwidth),
+        )
 
     def close(self) -> None:
         """Close the hicache backend (idempotent)."""
