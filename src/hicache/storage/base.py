@@ -36,6 +36,12 @@ operations are batched and page-granular. The contract:
   in any host page any more. A get that overran its deadline (its pages reported False)
   may go on writing its pages until then, so the caller must not give those pages to
   anyone else before this says True (quarantine them, or read into staging).
+- A set reads its pages while it runs. Only a zero-copy put that overran its deadline
+  (Mooncake) may still read them after ``batch_set`` returned; its record's header, checksum
+  included, was computed from the pages before the transfer, so a page changed meanwhile
+  leaves a record that reads ``corrupt`` (a miss, healed by the next write), never another
+  page's bytes under this key. A backend must keep that property: checksum and payload
+  from one read of the page, or the checksum first and the payload read later.
 - Lifecycle: construction does no IO and starts no thread; :meth:`start` connects,
   :meth:`close` releases (both idempotent); also a context manager. Thread-safe: the
   controller's prefetch and backup threads call concurrently.
