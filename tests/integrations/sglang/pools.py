@@ -31,42 +31,46 @@ DYNAMIC = {
 }
 
 
-def mha_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
-    dev = MHATokenToKVPool(
+def device_pool(kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
+    """SGLang's device (L1) pool on ``"cpu"``: ``MHATokenToKVPool`` or, for ``"mla"``,
+    ``MLATokenToKVPool`` (kv_lora_rank 16, rope dim 8)."""
+    if kind == "mla":
+        return MLATokenToKVPool(
+            TOKENS, page, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+        )
+    return MHATokenToKVPool(
         TOKENS, page, dtype, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
     )
-    return MHATokenToKVPoolHost(
+
+
+def host_of(dev: Any, layout: str) -> Any:
+    """The unpinned host (L2) pool of device pool ``dev``, twice its size, in ``layout``."""
+    kwargs: dict[str, Any] = {}
+    cls: Any = MHATokenToKVPoolHost
+    if isinstance(dev, MLATokenToKVPool):
+        cls = MLATokenToKVPoolHost
+        kwargs = {"target_layer_num": dev.layer_num, "override_kv_cache_dim": dev.kv_cache_dim}
+    return cls(
         dev.get_device_pool_infos()[0].buffer_info,
         2.0,
         0,
-        page,
+        dev.page_size,
         layout,
         pin_memory=False,
         device="cpu",
         device_capacity_tokens=dev.size,
         start_layer=dev.start_layer,
         end_layer=dev.end_layer,
+        **kwargs,
     )
+
+
+def mha_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
+    return host_of(device_pool("mha", dtype, page), layout)
 
 
 def mla_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
-    dev = MLATokenToKVPool(
-        TOKENS, page, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
-    )
-    return MLATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        page,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer,
-        end_layer=dev.end_layer,
-        target_layer_num=dev.layer_num,
-        override_kv_cache_dim=dev.kv_cache_dim,
-    )
+    return host_of(device_pool("mla", dtype, page), layout)
 
 
 def host_pool(kind: str, layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
