@@ -87,35 +87,13 @@ class _Pools:
     """One SGLang host pool (over a device pool) and a copy of its random pages."""
 
     def __init__(self, objects: int, page_size: int, layout: str) -> None:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from hicache.integrations.sglang.cpu_pools import device_pool, host_of
 
-        tokens = objects * page_size
-        dev = MHATokenToKVPool(
-            tokens,
-            page_size,
-            torch.bfloat16,
-            HEADS,
-            DIM,
-            LAYERS,
-            "cpu",
-            False,
-            start_layer=0,
-            end_layer=LAYERS,
-        )
-
-        self.pool = MHATokenToKVPoolHost(
-            dev.get_device_pool_infos()[0].buffer_info,
-            1.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=dev.size,
-            start_layer=0,
-            end_layer=LAYERS,
-        )
+        dev = device_pool(
+            "mha", tokens=objects * page_size, page_size=page_size, layers=LAYERS,
+            heads=HEADS, head_dim=DIM,
+        )  # fmt: skip
+        self.pool = host_of(dev, layout, ratio=1.0)
         flat = self.pool.kv_buffer.view(-1)
         flat.copy_(torch.randn(flat.shape).to(flat.dtype))
         self.page_size = page_size

@@ -1,6 +1,5 @@
-"""SGLang's own device and host pools on CPU, built the way SGLang builds them
-(``MHATokenToKVPool`` / ``MLATokenToKVPool`` on ``"cpu"``, then the host pool from the
-device pool's buffer info, unpinned), and the backend through SGLang's factory.
+"""SGLang's own device and host pools on CPU of the tests' size
+(:mod:`hicache.integrations.sglang.cpu_pools`), and the backend through SGLang's factory.
 
 Import only after :func:`hicache.integrations.pinned.enable` (the conftest does).
 """
@@ -11,10 +10,9 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from hicache.integrations.sglang import cpu_pools
 
 PAGE = 4
 LAYERS = 2
@@ -32,37 +30,16 @@ DYNAMIC = {
 
 
 def device_pool(kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
-    """SGLang's device (L1) pool on ``"cpu"``: ``MHATokenToKVPool`` or, for ``"mla"``,
-    ``MLATokenToKVPool`` (kv_lora_rank 16, rope dim 8)."""
-    if kind == "mla":
-        return MLATokenToKVPool(
-            TOKENS, page, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
-        )
-    return MHATokenToKVPool(
-        TOKENS, page, dtype, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
-    )
+    """SGLang's device (L1) pool on ``"cpu"`` of the tests' size: ``MHATokenToKVPool`` or,
+    for ``"mla"``, ``MLATokenToKVPool`` (kv_lora_rank 16, rope dim 8)."""
+    return cpu_pools.device_pool(
+        kind, tokens=TOKENS, page_size=page, layers=LAYERS, dtype=dtype, heads=HEADS,
+        head_dim=DIM,
+    )  # fmt: skip
 
 
-def host_of(dev: Any, layout: str) -> Any:
-    """The unpinned host (L2) pool of device pool ``dev``, twice its size, in ``layout``."""
-    kwargs: dict[str, Any] = {}
-    cls: Any = MHATokenToKVPoolHost
-    if isinstance(dev, MLATokenToKVPool):
-        cls = MLATokenToKVPoolHost
-        kwargs = {"target_layer_num": dev.layer_num, "override_kv_cache_dim": dev.kv_cache_dim}
-    return cls(
-        dev.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        dev.page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer,
-        end_layer=dev.end_layer,
-        **kwargs,
-    )
+host_of = cpu_pools.host_of
+"""The unpinned host (L2) pool of a device pool, twice its size, in a layout."""
 
 
 def mha_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
