@@ -63,7 +63,13 @@ from hicache.integrations.sglang.namespace import (
     sglang_page_key,
     side_namespace,
 )
-from hicache.integrations.sglang.pages import ByteParts, FlatPages, KVPoolGeometry, page_starts
+from hicache.integrations.sglang.pages import (
+    ByteParts,
+    FlatFormat,
+    FlatPages,
+    KVPoolGeometry,
+    page_starts,
+)
 from hicache.integrations.sglang.settings import SGLangL3Settings
 from hicache.keys import Namespace, PageKey
 from hicache.storage.base import HiCacheStorage, StorageError
@@ -80,11 +86,12 @@ _T = TypeVar("_T")
 
 
 class _SidePool:
-    """A v2 side pool: its host pool and namespace."""
+    """A v2 side pool: its host pool, namespace and flat page format."""
 
-    def __init__(self, pool: Any, namespace: Namespace) -> None:
+    def __init__(self, pool: Any, namespace: Namespace, fmt: FlatFormat) -> None:
         self.pool = pool
         self.namespace = namespace
+        self.fmt = fmt
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
 
     def key(self, sglang_key: str) -> PageKey:
@@ -195,7 +202,7 @@ class HiCacheL3(SGLangStorage):
             pool_layout=str(getattr(pool, "layout", "")),
             dtype=getattr(pool, "dtype", ""),
         )
-        return _SidePool(pool, ns)
+        return _SidePool(pool, ns, FlatFormat.of(pool))
 
     # -- plumbing --------------------------------------------------------------------------
     def _ready(self) -> HiCacheStorage | None:
@@ -242,9 +249,7 @@ class HiCacheL3(SGLangStorage):
             )
             return out
         except Exception as e:  # a miss, never an exception into SGLang
-            if op not in self._warned:
-                self._warned.add(op)
-                log.warning("hicache SGLang backend: %s failed (a miss): %r", op, e)
+            self._warn_once(op, f"failed (a miss): {e!r}")
             return fallback
 
     def page_key(self, sglang_key: str) -> PageKey:
@@ -464,7 +469,7 @@ class HiCacheL3(SGLangStorage):
 
         def io(st: HiCacheStorage) -> list[bool]:
             starts = page_starts(indices, side.page_size, len(keys))
-            pages = FlatPages(side.pool, starts, for_get=get)
+            pages = FlatPages(side.pool, side.fmt, starts, for_get=get)
             pk = [side.key(k) for k in keys]
             if get:
                 return st.batch_get_payloads(pk, pages)

@@ -32,20 +32,24 @@ import torch
 
 from hicache.storage.pageio import Payloads, byte_view, uint8_view
 
-__all__ = ["ByteParts", "FlatPages", "KVPoolGeometry", "page_starts"]
+__all__ = ["ByteParts", "FlatFormat", "FlatPages", "KVPoolGeometry", "page_starts"]
 
 Range = tuple[int, int]
 """``(offset, nbytes)`` into a pool buffer's bytes."""
+
+
+def _check_count(count: int, page_size: int, n: int) -> None:
+    if count != n * page_size:
+        raise ValueError(
+            f"{count} host indices for {n} pages of {page_size} tokens; expected {n * page_size}"
+        )
 
 
 def page_starts(host_indices: torch.Tensor | Sequence[int], page_size: int, n: int) -> list[int]:
     """The first host token index of each of ``n`` pages in ``host_indices`` (``n *
     page_size`` token indices, SGLang's convention). ValueError when the count is off."""
     idx = host_indices.tolist() if isinstance(host_indices, torch.Tensor) else list(host_indices)
-    if len(idx) != n * page_size:
-        raise ValueError(
-            f"{len(idx)} host indices for {n} pages of {page_size} tokens; expected {n * page_size}"
-        )
+    _check_count(len(idx), page_size, n)
     return [int(i) for i in idx[::page_size]]
 
 
@@ -124,16 +128,16 @@ class KVPoolGeometry:
 
     def page_parts(self, host_indices: torch.Tensor, n: int) -> list[list[Range]]:
         """Per page of the call (``n`` pages), its payload ranges in record order."""
-        starts = page_starts(host_indices, self.page_size, n)
         m = self.parts_per_page
         if self.layout == "page_unified":
             out = []
-            for s in starts:
+            for s in page_starts(host_indices, self.page_size, n):
                 if s % self.page_size:
                     raise ValueError(f"host index {s} is not at a page boundary")
                 p = s // self.page_size
                 out.append([(p * self.unified_page_bytes, self.unified_page_bytes)])
-        else:
+        else:  # SGLang's meta reads the indices itself: only their count is checked here
+            _check_count(len(host_indices), self.page_size, n)
             ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
             if len(ptrs) != n * m or len(sizes) != n * m:
                 raise ValueError(f"pool meta has {len(ptrs)} parts for {n} pages of {m}")
@@ -180,17 +184,30 @@ class ByteParts(Payloads):
         return self._views[i]
 
 
+@dataclass(frozen=True)
+class FlatFormat:
+    """A side pool's flat page: its ``dtype`` and ``nbytes``, measured once from the
+    pool's ``get_dummy_flat_data_page()`` (:meth:`of`)."""
+
+    dtype: torch.dtype
+    nbytes: int
+
+    @classmethod
+    def of(cls, pool: Any) -> FlatFormat:
+        dummy = pool.get_dummy_flat_data_page()
+        return cls(dummy.dtype, dummy.numel() * dummy.element_size())
+
+
 class FlatPages(Payloads):
     """Side-pool pages through the pool's flat-page copies; item ``i`` is the page at
-    host index ``starts[i]`` (staged both ways)."""
+    host index ``starts[i]``, of format ``fmt`` (staged both ways)."""
 
-    def __init__(self, pool: Any, starts: Sequence[int], *, for_get: bool) -> None:
+    def __init__(self, pool: Any, fmt: FlatFormat, starts: Sequence[int], *, for_get: bool) -> None:
         self.pool = pool
         self.starts = list(starts)
         self.zero_copy = False
-        dummy = pool.get_dummy_flat_data_page()
-        self._dtype = dummy.dtype
-        self.payload_len = dummy.numel() * dummy.element_size()
+        self._dtype = fmt.dtype
+        self.payload_len = fmt.nbytes
         self._for_get = for_get
         if for_get:
             self._stage = torch.empty((len(self.starts), self.payload_len), dtype=torch.uint8)
