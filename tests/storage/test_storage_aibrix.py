@@ -25,7 +25,7 @@ from hicache.config import KVSpec, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.storage import HiCacheStorage, StorageConfig, create_storage
-from hicache.storage.backends.aibrix_client import block_bytes_for
+from hicache.storage.backends.aibrix_client import block_bytes_for, root_listing_version
 from hicache.storage.backends.aibrix_config import AibrixConfig
 from hicache.storage.base import StorageError
 from hicache.storage.record import HEADER_SIZE
@@ -325,3 +325,18 @@ def test_without_the_package_start_names_the_requirements(tmp_path: Path) -> Non
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     assert "pip install --no-deps -r requirements/aibrix.txt" in proc.stdout, proc.stderr
+
+
+def test_the_root_listing_is_trusted_only_once_its_timestamp_settled(tmp_path: Path) -> None:
+    """A lookup that misses lists ``root`` again only when its version changed; a root
+    changed within the settling time (a coarse timestamp could hide a second change) has
+    no version, so it is always listed again; a missing root has none either."""
+    cfg = AibrixConfig.from_extra({"root": str(tmp_path / "kv")})
+    assert root_listing_version(cfg) is None  # missing
+    (tmp_path / "kv").mkdir()
+    mtime = os.stat(tmp_path / "kv").st_mtime_ns
+    assert root_listing_version(cfg, now=mtime / 1e9 + 0.5) is None  # just changed
+    assert root_listing_version(cfg, now=mtime / 1e9 + 3.0) == mtime
+    (tmp_path / "kv" / "hicache-r64_x").mkdir()
+    after = os.stat(tmp_path / "kv").st_mtime_ns
+    assert root_listing_version(cfg, now=after / 1e9 + 3.0) == after  # the new listing's

@@ -44,6 +44,7 @@ from hicache.storage.backends.aibrix_client import (
     block_bytes_for,
     open_manager,
     require_aibrix,
+    root_listing_version,
     stored_block_sizes,
 )
 from hicache.storage.backends.aibrix_config import AibrixConfig
@@ -84,6 +85,8 @@ class AibrixStorage(ConfiguredStorage):
         self._host_io = self._runner  # gets check and copy records into pages on it
         self._managers: dict[int, AibrixManager] = {}
         self._mlock = threading.Lock()
+        self._listed: int | None = None
+        """The root's listing version when :meth:`_open_stored` last read it."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -127,8 +130,19 @@ class AibrixStorage(ConfiguredStorage):
         return self._open_stored()
 
     def _open_stored(self) -> list[AibrixManager]:
-        """References to every store found under ``root`` (opening the new ones)."""
-        return [self._manager(b) for b in stored_block_sizes(self.config)]
+        """References to every store found under ``root`` (opening the new ones). The
+        listing is read again only when ``root`` may have changed since the last one
+        (:func:`~hicache.storage.backends.aibrix_client.root_listing_version`): a lookup
+        that misses asks for it, so a steady stream of misses costs one ``stat``, not a
+        directory listing each."""
+        version = root_listing_version(self.config)
+        with self._mlock:
+            if version is not None and version == self._listed:
+                return list(self._managers.values())
+        managers = [self._manager(b) for b in stored_block_sizes(self.config)]
+        with self._mlock:
+            self._listed = version
+        return managers
 
     # -- plumbing --------------------------------------------------------------------------
     def _call(

@@ -53,6 +53,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,7 @@ __all__ = [
     "block_bytes_for",
     "open_manager",
     "require_aibrix",
+    "root_listing_version",
     "stored_block_sizes",
 ]
 
@@ -116,6 +118,25 @@ class GetRun:
 
     fetched: int
     why: str | None = None
+
+
+ROOT_SETTLED_S = 2.0
+"""Seconds after which a ``root`` whose modification time is unchanged is taken to hold the
+same stores (coarser than any file system's timestamp granularity, FAT's 2 s included)."""
+
+
+def root_listing_version(config: AibrixConfig, now: float | None = None) -> int | None:
+    """A version of ``config.root``'s listing: its modification time (ns), which a new
+    store's folder changes; None when the root is missing or changed within
+    :data:`ROOT_SETTLED_S` of ``now`` (wall clock), so that a listing read then is never
+    trusted past a change a coarse timestamp could hide."""
+    try:
+        mtime = os.stat(config.root).st_mtime_ns
+    except OSError:
+        return None
+    if (time.time() if now is None else now) - mtime / 1e9 < ROOT_SETTLED_S:
+        return None
+    return mtime
 
 
 def stored_block_sizes(config: AibrixConfig) -> list[int]:
