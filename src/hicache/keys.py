@@ -44,6 +44,7 @@ __all__ = [
     "TOKEN_ID_LIMIT",
     "Namespace",
     "PageKey",
+    "engine_page_key",
     "page_keys",
     "token_bytes",
     "token_fingerprint",
@@ -259,6 +260,19 @@ def page_keys(
         fp = sha256(chunk).digest()[:FINGERPRINT_BYTES]
         out.append(PageKey(KEY_PREFIX + h.hex(), h, fp, namespace.digest))
     return out
+
+
+def engine_page_key(namespace: Namespace, engine_key: bytes) -> PageKey:
+    """The key of a page another engine names by a hash of its own (``engine_key``: SGLang's
+    page hash as UTF-8, vLLM's offload key), under ``namespace`` (whose ``engine_layout``
+    names that engine's page format): ``h = sha256(namespace digest || engine_key)``, key
+    ``"hc2-" + hex(h)``, fingerprint the first 8 bytes of ``sha256(engine_key)`` (such an
+    engine gives no tokens; its hash already commits to the prefix). See
+    ``docs/l3-keys.md``, "Keys for SGLang pages"."""
+    digest = namespace.digest
+    h = hashlib.sha256(digest + engine_key).digest()
+    fp = hashlib.sha256(engine_key).digest()[:FINGERPRINT_BYTES]
+    return PageKey(KEY_PREFIX + h.hex(), h, fp, digest)
 
 
 def token_bytes(tokens: TokenIds | Any) -> bytes:

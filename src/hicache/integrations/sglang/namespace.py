@@ -24,11 +24,10 @@ Pure: no sglang import, no IO.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 
 from hicache.config import DTYPES, MemLayout
-from hicache.keys import FINGERPRINT_BYTES, KEY_PREFIX, Namespace, PageKey
+from hicache.keys import Namespace, PageKey, engine_page_key
 
 __all__ = [
     "LAYOUT_FAMILY",
@@ -177,8 +176,4 @@ def sglang_page_key(namespace: Namespace, sglang_key: str) -> PageKey:
     """The hicache key of SGLang page hash ``sglang_key`` under ``namespace``."""
     if not isinstance(sglang_key, str) or not sglang_key:
         raise ValueError(f"SGLang page key {sglang_key!r} is invalid; must be a non-empty str")
-    raw = sglang_key.encode("utf-8")
-    digest = namespace.digest
-    h = hashlib.sha256(digest + raw).digest()
-    fp = hashlib.sha256(raw).digest()[:FINGERPRINT_BYTES]
-    return PageKey(KEY_PREFIX + h.hex(), h, fp, digest)
+    return engine_page_key(namespace, sglang_key.encode("utf-8"))

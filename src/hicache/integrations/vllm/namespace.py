@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.config import DTYPES, MemLayout
-from hicache.keys import FINGERPRINT_BYTES, KEY_PREFIX, Namespace, PageKey
+from hicache.keys import Namespace, PageKey, engine_page_key
 
 __all__ = [
     "ENGINE",
@@ -204,10 +204,7 @@ def vllm_page_key(namespace: Namespace, offload_key: bytes) -> PageKey:
             f"vLLM offload key {offload_key!r} is invalid; must be bytes (a block hash "
             "followed by a 4-byte group index)"
         )
-    digest = namespace.digest
-    h = hashlib.sha256(digest + offload_key).digest()
-    fp = hashlib.sha256(offload_key).digest()[:FINGERPRINT_BYTES]
-    return PageKey(KEY_PREFIX + h.hex(), h, fp, digest)
+    return engine_page_key(namespace, offload_key)
 
 
 def page_keys_of(namespace: Namespace, offload_keys: Sequence[bytes]) -> list[PageKey]:

@@ -115,7 +115,6 @@ class HiCacheTier(SecondaryTierManager):
         storage = self.settings.storage.create(self.namespace)
         # the last step that can fail: a view left exported would keep vLLM's region mapped
         flat, _, row_bytes = flat_rows(primary_kv_view)
-        self._row_bytes = row_bytes
         self._flat = flat
         self._transfers = TierTransfers(storage, flat, row_bytes)
         self._transfers.start()
