@@ -8,8 +8,12 @@ its rank among the layers of its kind, :meth:`HybridConfig.split_index`), ``line
 layers (Mamba2, Gated DeltaNet) carry a :class:`~hicache.runner.models.recurrent.RecurrentState`
 from forward to forward, and ``mlp`` / ``moe`` layers (Nemotron-H) have no state at all.
 
-``forward(input_ids, positions, ctx, states)`` -> :class:`HybridOutput` (see
-:mod:`hicache.runner.models.recurrent` for the state API). Checkpoint tensors load by their
+``forward(input_ids, positions, ctx, states)`` -> :class:`~hicache.runner.models.cached.ModelOutput`
+(see :mod:`hicache.runner.models.recurrent` for the state API). What a hybrid caches
+(:meth:`HybridLM.cache_spec`): the full KV of its attention layers (its global ones only
+when the sliding layers get their own pool, :attr:`HybridConfig.swa_split`), the sliding
+layers' K/V (``"swa"``) and its recurrent layers' state snapshots (``"mamba"``), each when
+it has them. Checkpoint tensors load by their
 Hugging Face names; per-expert tensors ``...experts.{e}.{proj}.weight`` load into row ``e``
 of the stacked ``...experts.{proj}`` parameter.
 """
@@ -18,16 +22,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.config import AttentionKind, KVSpec, SlidingWindowSpec
+from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
+from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
+from hicache.runner.models.cached import (
+    BoundPools,
+    CachedModel,
+    ModelOutput,
+    check_kv_pool,
+    refuse_unused_pools,
+)
 from hicache.runner.models.decoder import WeightLoadError
-from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec
+from hicache.runner.models.recurrent import (
+    RecurrentContext,
+    RecurrentState,
+    StateSpec,
+    cache_state_spec,
+)
 from hicache.runner.parallel import VocabParallelEmbedding
 
 __all__ = [
@@ -36,7 +53,6 @@ __all__ = [
     "HybridBody",
     "HybridConfig",
     "HybridLM",
-    "HybridOutput",
 ]
 
 ATTENTION_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -143,18 +159,6 @@ class HybridConfig:
         return SlidingWindowSpec(kv=self._spec(len(self.sliding_layers), dtype), window=self.window)
 
 
-@dataclass(frozen=True)
-class HybridOutput:
-    """``hidden (T, hidden)`` final hidden states; ``states`` every recurrent layer's state
-    after the batch (``B = num_seqs`` rows, batch order), keyed by model layer id;
-    ``marked[layer][i]`` sequence ``i``'s state at its mark (batch 1; see
-    :class:`RecurrentContext`), for the sequences given one."""
-
-    hidden: torch.Tensor
-    states: dict[int, RecurrentState]
-    marked: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
-
-
 class HybridBody(nn.Module):
     """``model.*`` in the checkpoints of Gemma 3, GPT-OSS and Qwen3-Next: the token
     embedding, the decoder layers (in order) and the final norm."""
@@ -166,7 +170,11 @@ class HybridBody(nn.Module):
         self.norm = norm
 
 
-class HybridLM(nn.Module):
+SWA = SlidingWindowSpec.name
+"""The component of the sliding layers' own pool (``"swa"``)."""
+
+
+class HybridLM(nn.Module, CachedModel):
     """Base of the hybrid models: subclasses build the modules and implement :meth:`run`."""
 
     config: HybridConfig
@@ -242,7 +250,7 @@ class HybridLM(nn.Module):
         ctx: AttentionContext,
         states: Mapping[int, RecurrentState] | None = None,
         marks: Sequence[int | None] = (),
-    ) -> HybridOutput:
+    ) -> ModelOutput:
         """One forward over the batch described by ``ctx`` (see the module doc); ``marks``:
         see :class:`RecurrentContext`."""
         rctx = RecurrentContext(
@@ -254,7 +262,72 @@ class HybridLM(nn.Module):
             marks=marks,
         )
         hidden = self.run(input_ids, positions, ctx, rctx)
-        return HybridOutput(hidden=hidden, states=rctx.new_states, marked=rctx.marked)
+        return ModelOutput(hidden=hidden, states=rctx.new_states, marked=rctx.marked)
+
+    def forward_batch(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        states: Mapping[int, RecurrentState] | None = None,
+        marks: Sequence[int | None] = (),
+    ) -> ModelOutput:
+        out: ModelOutput = self(input_ids, positions, ctx, states, marks)
+        return out
+
+    # --- what it caches, and its pools ----------------------------------------------
+    def cache_spec(self, dtype: str) -> CacheSpec:
+        """The full KV (:meth:`HybridConfig.full_kv_spec`), then the sliding layers' spec
+        (:meth:`HybridConfig.swa_spec`) and the recurrent layers' snapshots
+        (:func:`~hicache.runner.models.recurrent.cache_state_spec`, in the model dtype),
+        each when the model has them."""
+        components: list[ComponentSpec] = []
+        swa = self.config.swa_spec(dtype)
+        if swa is not None:
+            components.append(swa)
+        specs = self.state_specs()
+        if specs:
+            components.append(cache_state_spec(specs, self.dtype))
+        return CacheSpec(kv=self.config.full_kv_spec(dtype), components=tuple(components))
+
+    def pool_components(self) -> tuple[str, ...]:
+        """The components whose L1 pools the model reads and writes itself: the sliding
+        layers' (``"swa"``, optional: without it they stay in the full pool) when
+        :attr:`HybridConfig.swa_split`."""
+        return (SWA,) if self.config.swa_split else ()
+
+    def bind_pools(self, kv_pool: DevicePool, pools: Mapping[str, DevicePool]) -> BoundPools:
+        """``kv_pool`` holds every attention layer (:meth:`HybridConfig.kv_spec`), or the
+        global layers only (:meth:`HybridConfig.full_kv_spec`) when ``pools`` has the
+        sliding layers' own pool (``"swa"``: same device and page size, one pool layer per
+        sliding layer)."""
+        refuse_unused_pools(type(self).__name__, pools, self.pool_components())
+        window = pools.get(SWA)
+        if window is not None:
+            self._check_window_pool(window, kv_pool)
+        full = self.config.full_kv_spec if window is not None else self.config.kv_spec
+        check_kv_pool(kv_pool, full(kv_pool.spec.dtype), self.device)
+        if window is None:
+            return BoundPools(kv_pool)
+        return BoundPools(kv_pool, {SWA: window}, SWA)
+
+    def _check_window_pool(self, window: DevicePool, kv_pool: DevicePool) -> None:
+        """Raise ValueError unless ``window`` fits the model's sliding layers."""
+        want = self.config.swa_spec(window.spec.dtype)
+        assert want is not None  # pool_components() offered it
+        have = window.spec
+        if (have.num_layers, have.num_kv_heads, have.head_dim) != (
+            want.kv.num_layers,
+            want.kv.num_kv_heads,
+            want.kv.head_dim,
+        ):
+            raise ValueError(
+                f"SWA pool (layers, kv_heads, head_dim)=({have.num_layers}, {have.num_kv_heads},"
+                f" {have.head_dim}) does not fit the model's sliding layers"
+                f" ({want.kv.num_layers}, {want.kv.num_kv_heads}, {want.kv.head_dim})"
+            )
+        if window.device != kv_pool.device or window.page_size != kv_pool.page_size:
+            raise ValueError("the SWA pool must share the full pool's device and page size")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""
