@@ -8,6 +8,12 @@ its rank among the layers of its kind, :meth:`HybridConfig.split_index`), ``line
 layers (Mamba2, Gated DeltaNet) carry a :class:`~hicache.runner.models.recurrent.RecurrentState`
 from forward to forward, and ``mlp`` / ``moe`` layers (Nemotron-H) have no state at all.
 
+The frame every family shares (:meth:`HybridLM.run`): embed the tokens
+(:meth:`HybridLM.embed`), compute the position encoding once (:meth:`HybridLM.rope`), run
+each layer as ``layer(x, rope, ctx, rctx)``, apply the final norm; the modules are the
+family's, in a body of ``embed_tokens`` / ``layers`` / ``norm`` (:class:`HybridBody`, or
+the family's own where its checkpoint names differ, :meth:`HybridLM.body`).
+
 ``forward(input_ids, positions, ctx, states)`` -> :class:`~hicache.runner.models.cached.ModelOutput`
 (see :mod:`hicache.runner.models.recurrent` for the state API). What a hybrid caches
 (:meth:`HybridLM.cache_spec`): the full KV of its attention layers (its global ones only
@@ -23,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +52,7 @@ from hicache.runner.models.recurrent import (
     StateSpec,
     cache_state_spec,
 )
+from hicache.runner.models.rope import RotaryEmbedding
 from hicache.runner.parallel import VocabParallelEmbedding
 
 __all__ = [
@@ -53,6 +61,7 @@ __all__ = [
     "HybridBody",
     "HybridConfig",
     "HybridLM",
+    "LayerStack",
 ]
 
 ATTENTION_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -159,13 +168,36 @@ class HybridConfig:
         return SlidingWindowSpec(kv=self._spec(len(self.sliding_layers), dtype), window=self.window)
 
 
-class HybridBody(nn.Module):
-    """``model.*`` in the checkpoints of Gemma 3, GPT-OSS and Qwen3-Next: the token
-    embedding, the decoder layers (in order) and the final norm."""
+class LayerStack(Protocol):
+    """A hybrid's body as :meth:`HybridLM.run` uses it: the token embedding, the decoder
+    layers (in order) and the final norm."""
 
-    def __init__(self, cfg: HybridConfig, layers: Iterable[nn.Module], norm: nn.Module) -> None:
+    @property
+    def embed_tokens(self) -> nn.Embedding | VocabParallelEmbedding: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def norm(self) -> nn.Module: ...
+
+
+class HybridBody(nn.Module):
+    """``model.*`` in the checkpoints of Gemma 3, GPT-OSS, Qwen3-Next and DeepSeek: the
+    token embedding (``embed``; default a plain ``nn.Embedding``, DeepSeek's is
+    vocab-parallel), the decoder layers (in order) and the final norm."""
+
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        layers: Iterable[nn.Module],
+        norm: nn.Module,
+        embed: nn.Embedding | VocabParallelEmbedding | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed is None else embed
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
@@ -175,15 +207,19 @@ SWA = SlidingWindowSpec.name
 
 
 class HybridLM(nn.Module, CachedModel):
-    """Base of the hybrid models: subclasses build the modules and implement :meth:`run`."""
+    """Base of the hybrid models: subclasses build the modules (the body in ``model``, a
+    :class:`HybridBody`, unless they override :meth:`body`; ``rotary`` unless they
+    override :meth:`rope`) and the frame runs them (:meth:`run`)."""
 
     config: HybridConfig
+    model: HybridBody
+    rotary: RotaryEmbedding
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.config = cfg
 
-    # --- subclass hooks -------------------------------------------------------------
+    # --- the frame and its hooks ----------------------------------------------------
     def run(
         self,
         input_ids: torch.Tensor,
@@ -191,13 +227,36 @@ class HybridLM(nn.Module, CachedModel):
         ctx: AttentionContext,
         rctx: RecurrentContext,
     ) -> torch.Tensor:
-        """``input_ids``/``positions (T,)`` -> final hidden states ``(T, hidden)``."""
-        raise NotImplementedError
+        """``input_ids``/``positions (T,)`` -> final hidden states ``(T, hidden)``: the
+        embeddings, then every layer ``layer(x, rope, ctx, rctx)`` with the position
+        encoding computed once, then the final norm."""
+        body = self.body()
+        x = self.embed(input_ids)
+        rope = self.rope(positions, x.dtype)
+        for layer in body.layers:
+            x = layer(x, rope, ctx, rctx)
+        out: torch.Tensor = body.norm(x)
+        return out
+
+    def body(self) -> LayerStack:
+        """The embedding, the layers and the final norm (``model``)."""
+        return self.model
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids (T,)`` -> the first layer's input ``(T, hidden)``."""
+        x: torch.Tensor = self.input_embeddings()(input_ids)
+        return x
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> object:
+        """The position encoding every layer gets, computed once per forward: the rotary
+        ``(cos, sin)`` of ``positions`` in ``dtype`` (a family may give its layers
+        something else, or None)."""
+        return self.rotary(positions, dtype)
 
     def input_embeddings(self) -> nn.Embedding | VocabParallelEmbedding:
         """The token embedding: ``weight (vocab, hidden)``, or this rank's ``(padded vocab
         / size, hidden)`` rows of it under tensor parallelism."""
-        raise NotImplementedError
+        return self.body().embed_tokens
 
     def output_weight(self) -> torch.Tensor:
         """``(vocab, hidden)`` projection to logits (this rank's rows under tensor
