@@ -269,6 +269,7 @@ class DeepseekLM(HybridLM):
 
     config: DeepseekConfig
     lm_head: ParallelLMHead | None  # type: ignore[assignment]
+    tensor_parallel = True
 
     def __init__(self, cfg: DeepseekConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg)
@@ -285,6 +286,15 @@ class DeepseekLM(HybridLM):
             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+
+    @classmethod
+    def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> DeepseekLM:
+        assert isinstance(cfg, DeepseekConfig)
+        return cls(cfg, tp)
+
+    def after_cast(self) -> None:
+        """The routers back in fp32 (:meth:`keep_routers_fp32`)."""
+        self.keep_routers_fp32()
 
     def keep_routers_fp32(self) -> None:
         """Turn the routers' parameters (weights, V3's score-correction bias) back to fp32

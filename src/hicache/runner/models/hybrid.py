@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from hicache.runner.models.cached import (
     check_kv_pool,
     refuse_unused_pools,
 )
+from hicache.runner.models.config import UnsupportedModelError
 from hicache.runner.models.decoder import WeightLoadError
 from hicache.runner.models.recurrent import (
     RecurrentContext,
@@ -53,7 +54,7 @@ from hicache.runner.models.recurrent import (
     cache_state_spec,
 )
 from hicache.runner.models.rope import RotaryEmbedding
-from hicache.runner.parallel import VocabParallelEmbedding
+from hicache.runner.parallel import TPGroup, VocabParallelEmbedding
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -215,9 +216,28 @@ class HybridLM(nn.Module, CachedModel):
     model: HybridBody
     rotary: RotaryEmbedding
 
+    tensor_parallel: ClassVar[bool] = False
+    """Whether the family splits over tensor-parallel ranks (:meth:`build` takes a group
+    of more than one rank)."""
+
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.config = cfg
+
+    @classmethod
+    def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> HybridLM:
+        """The model of ``cfg`` on this rank of ``tp`` (default one rank; a family without
+        :attr:`tensor_parallel` refuses more with UnsupportedModelError naming its
+        ``model_type``)."""
+        if tp is not None and tp.size > 1 and not cls.tensor_parallel:
+            raise UnsupportedModelError(
+                f"tensor parallelism is not supported for model_type={cfg.family!r}"
+            )
+        return cls(cfg)
+
+    def after_cast(self) -> None:
+        """Put back what the reference keeps in another dtype than the model's, after the
+        model was cast to its dtype (nothing by default)."""
 
     # --- the frame and its hooks ----------------------------------------------------
     def run(
