@@ -236,6 +236,26 @@ class SnapshotSpec(ComponentSpec):
         """Bytes of one snapshot over all layers and tensors."""
         return self.slot_bytes_per_layer * self.num_layers
 
+    def device_slots(self, config: CacheConfig, kv: KVSpec) -> int:
+        """Slots of the L1 state pool: ``config.max_mamba_cache_size``, or as many as
+        ``config.mamba_full_memory_ratio`` x the L1 full KV pool's bytes hold (``kv``: the
+        full KV's shape; at least 1)."""
+        if config.max_mamba_cache_size > 0:
+            return config.max_mamba_cache_size
+        budget = config.mamba_full_memory_ratio * config.device_bytes(kv)
+        return max(1, int(budget // self.slot_bytes))
+
+    def host_slots(self, config: CacheConfig, kv: KVSpec) -> int:
+        """Slots of the L2 state pool: the L1 slots scaled like the full KV's L2 pool
+        (:meth:`CacheConfig.host_scale`; at least 1)."""
+        return max(1, int(self.device_slots(config, kv) * config.host_scale(kv)))
+
+    @staticmethod
+    def track_pages(config: CacheConfig) -> int:
+        """Pages between the snapshots taken during a prefill:
+        ``config.mamba_track_interval // page_size``, at least 1."""
+        return max(1, config.mamba_track_interval // config.page_size)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(ComponentSpec):
@@ -256,6 +276,19 @@ class SlidingWindowSpec(ComponentSpec):
     def device_token_bytes(self, config: CacheConfig) -> float:
         """The SWA L1 pool holds ``swa_full_tokens_ratio`` pages per full L1 page."""
         return config.swa_full_tokens_ratio * self.kv.token_bytes
+
+    @staticmethod
+    def device_pages(config: CacheConfig) -> int:
+        """Pages of the sliding layers' L1 pool: ``config.swa_full_tokens_ratio`` x the
+        full KV's L1 pages (at least 1). It depends on the config alone (a page holds
+        ``page_size`` tokens of the sliding layers whatever their shape)."""
+        return max(1, int(config.device_pages * config.swa_full_tokens_ratio))
+
+    @classmethod
+    def host_pages(cls, config: CacheConfig, kv: KVSpec) -> int:
+        """Pages of the sliding layers' L2 pool: the L1 pages scaled like the full KV's
+        L2 pool (``kv``: the full KV's shape, :meth:`CacheConfig.host_scale`)."""
+        return max(1, int(cls.device_pages(config) * config.host_scale(kv)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,17 +389,19 @@ class CacheConfig:
     load_back_threshold: int = 10
     swa_full_tokens_ratio: float = 0.8
     """Hybrid models with sliding-window layers: the SWA layers' L1 pool holds this ratio
-    of ``device_tokens`` (SGLang's ``--swa-full-tokens-ratio``)."""
+    of ``device_tokens`` (SGLang's ``--swa-full-tokens-ratio``;
+    :meth:`SlidingWindowSpec.device_pages`)."""
     max_mamba_cache_size: int = 0
     """Hybrid models with recurrent layers: state slots in the L1 state pool (SGLang's
-    ``--max-mamba-cache-size``); 0 derives it from ``mamba_full_memory_ratio``."""
+    ``--max-mamba-cache-size``); 0 derives it from ``mamba_full_memory_ratio``
+    (:meth:`SnapshotSpec.device_slots`)."""
     mamba_full_memory_ratio: float = 0.9
     """L1 state-pool bytes per byte of the L1 full KV pool, when ``max_mamba_cache_size``
     is 0 (SGLang's ``--mamba-full-memory-ratio``)."""
     mamba_track_interval: int = 256
     """Tokens between state snapshots taken during a prefill (SGLang's
     ``--mamba-track-interval``); snapshots sit on page boundaries, every
-    :attr:`mamba_track_pages` pages."""
+    :meth:`SnapshotSpec.track_pages` pages."""
 
     def __post_init__(self) -> None:
         for field, cls in (
@@ -442,36 +477,10 @@ class CacheConfig:
             return 0
         return self.host_pages(spec) * self.page_bytes(spec)
 
-    @property
-    def mamba_track_pages(self) -> int:
-        """Pages between prefill snapshots: ``mamba_track_interval // page_size``, >= 1."""
-        return max(1, self.mamba_track_interval // self.page_size)
-
     def host_scale(self, spec: KVSpec) -> float:
         """L2 size over L1 size of the full KV pools; the component pools' L2 sizes follow
         it (so ``hicache_size`` and ``hicache_ratio`` size every component's L2)."""
         return self.host_pages(spec) / self.device_pages
-
-    @property
-    def swa_device_pages(self) -> int:
-        """Pages of the sliding-window layers' L1 pool (at least 1)."""
-        return max(1, int(self.device_pages * self.swa_full_tokens_ratio))
-
-    def swa_host_pages(self, spec: KVSpec) -> int:
-        """Pages of the sliding-window layers' L2 pool (``spec``: the full KV's shape)."""
-        return max(1, int(self.swa_device_pages * self.host_scale(spec)))
-
-    def mamba_device_slots(self, spec: KVSpec, state: SnapshotSpec) -> int:
-        """State slots of the L1 state pool: ``max_mamba_cache_size``, or as many as
-        ``mamba_full_memory_ratio`` x the L1 full KV pool's bytes hold (at least 1)."""
-        if self.max_mamba_cache_size > 0:
-            return self.max_mamba_cache_size
-        budget = self.mamba_full_memory_ratio * self.device_bytes(spec)
-        return max(1, int(budget // state.slot_bytes))
-
-    def mamba_host_slots(self, spec: KVSpec, state: SnapshotSpec) -> int:
-        """State slots of the L2 state pool (scaled like the full KV's L2 pool)."""
-        return max(1, int(self.mamba_device_slots(spec, state) * self.host_scale(spec)))
 
 
 PREFETCH_KEYS: tuple[str, ...] = (

@@ -7,7 +7,14 @@ import hashlib
 import pytest
 import torch
 
-from hicache.config import CacheConfig, KVSpec, MemLayout, SnapshotSpec, StateTensor
+from hicache.config import (
+    CacheConfig,
+    KVSpec,
+    MemLayout,
+    SlidingWindowSpec,
+    SnapshotSpec,
+    StateTensor,
+)
 from hicache.memory import DevicePool, HostPool, StatePool
 from hicache.transfer import (
     DirectStateCopier,
@@ -144,15 +151,16 @@ def test_swa_pool_pages_d_h_d_is_byte_exact(layout: str, io: str) -> None:
         swa_full_tokens_ratio=0.5,
         mem_layout=layout,
     )
-    assert cfg.swa_device_pages == 4 and cfg.swa_host_pages(full) == 8
-    dev = DevicePool(swa, cfg.swa_device_pages, 2)
-    host = HostPool(swa, cfg.swa_host_pages(full), 2, layout, pin_memory=False)
+    sizes = SlidingWindowSpec(kv=swa, window=2)
+    assert sizes.device_pages(cfg) == 4 and sizes.host_pages(cfg, full) == 8
+    dev = DevicePool(swa, sizes.device_pages(cfg), 2)
+    host = HostPool(swa, sizes.host_pages(cfg, full), 2, layout, pin_memory=False)
     g = torch.Generator().manual_seed(4)
     data = torch.randn((3, 2, 2, 2, 2, 4), generator=g).to(torch.bfloat16)
     dev.write_pages([3, 0, 1], data)
     copier = make_copier(io)
     copier.backup(dev, host, torch.tensor([3, 0, 1]), torch.tensor([7, 2, 5]))
-    fresh = DevicePool(swa, cfg.swa_device_pages, 2)
+    fresh = DevicePool(swa, sizes.device_pages(cfg), 2)
     copier.load(fresh, host, torch.tensor([7, 2, 5]), torch.tensor([0, 2, 3]))
     assert digest([fresh.read_pages([0, 2, 3])]) == digest([data])
 
@@ -162,10 +170,10 @@ def test_state_config_sizes() -> None:
     cfg = CacheConfig(page_size=4, device_tokens=64, hicache_ratio=3.0)
     # L1 KV: 16 pages x 4 tokens x 64 bytes = 4096 bytes; 0.9 of it in 432-byte slots
     assert SPEC.slot_bytes == 432
-    assert cfg.mamba_device_slots(kv, SPEC) == int(0.9 * 4096 // 432) == 8
-    assert cfg.mamba_host_slots(kv, SPEC) == 24
+    assert SPEC.device_slots(cfg, kv) == int(0.9 * 4096 // 432) == 8
+    assert SPEC.host_slots(cfg, kv) == 24
     fixed = CacheConfig(page_size=4, device_tokens=64, max_mamba_cache_size=5)
-    assert fixed.mamba_device_slots(kv, SPEC) == 5 and fixed.mamba_track_pages == 64
+    assert SPEC.device_slots(fixed, kv) == 5 and SPEC.track_pages(fixed) == 64
     for field, value in (
         ("swa_full_tokens_ratio", 0),
         ("max_mamba_cache_size", -1),

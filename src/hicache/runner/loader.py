@@ -183,28 +183,30 @@ def _load(
     dtype: str | None,
     device: torch.device | str,
     *,
-    hybrid_only: bool,
     tp: TPGroup,
 ) -> LoadedModel:
     ckpt, hf_config, tokenizer, dtype, dev = _open(model_path, dtype, device, tp)
-    model: DecoderLM | HybridLM
-    if hybrid_only or hf_config.model_type in HYBRID_FAMILIES:
-        model = build_hybrid_model(
-            hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
-        )
-    else:
-        model = build_model(
-            DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
-        )
+    if hf_config.model_type in HYBRID_FAMILIES:
+        return _load_hybrid(ckpt, hf_config, tokenizer, dtype, dev, tp)
+    model = build_model(
+        DecoderConfig.from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
+    )
     files = _safetensors_files(ckpt.path)
-    if isinstance(model, DecoderLM) and tp.size > 1:  # each rank reads its slices only
-        model.load_weights(_iter_unread(files, dev))
-    else:
-        model.load_weights(_iter_tensors(files, dev))
-    rest = (tokenizer, hf_config, ckpt.name, ckpt.path, dtype, weights_fingerprint(ckpt.path))
-    if isinstance(model, HybridLM):
-        return LoadedHybridModel(model, *rest)
-    return LoadedModel(model, *rest)
+    # on several ranks, each reads its slices only
+    model.load_weights(_iter_unread(files, dev) if tp.size > 1 else _iter_tensors(files, dev))
+    fingerprint = weights_fingerprint(ckpt.path)
+    return LoadedModel(model, tokenizer, hf_config, ckpt.name, ckpt.path, dtype, fingerprint)
+
+
+def _load_hybrid(
+    ckpt: Any, hf_config: Any, tokenizer: Any, dtype: str, dev: torch.device, tp: TPGroup
+) -> LoadedHybridModel:
+    model = build_hybrid_model(
+        hybrid_config_from_hf(hf_config), dtype=torch_dtype(dtype), device=dev, tp=tp
+    )
+    model.load_weights(_iter_tensors(_safetensors_files(ckpt.path), dev))
+    fingerprint = weights_fingerprint(ckpt.path)
+    return LoadedHybridModel(model, tokenizer, hf_config, ckpt.name, ckpt.path, dtype, fingerprint)
 
 
 def load_model(
@@ -236,7 +238,7 @@ def load_model(
     naming them, another hybrid family with ``size > 1`` UnsupportedModelError, both before any
     weight is read.
     """
-    return _load(model_path, dtype, device, hybrid_only=False, tp=tp or TPGroup.single())
+    return _load(model_path, dtype, device, tp=tp or TPGroup.single())
 
 
 def load_hybrid_model(
@@ -247,6 +249,5 @@ def load_hybrid_model(
 ) -> LoadedHybridModel:
     """Load a Gemma 3 text / GPT-OSS / Qwen3-Next / Nemotron-H checkpoint (arguments as in
     :func:`load_model`); any other architecture raises UnsupportedModelError."""
-    loaded = _load(model_path, dtype, device, hybrid_only=True, tp=TPGroup.single())
-    assert isinstance(loaded, LoadedHybridModel)
-    return loaded
+    tp = TPGroup.single()
+    return _load_hybrid(*_open(model_path, dtype, device, tp), tp)

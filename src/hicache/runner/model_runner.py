@@ -4,20 +4,22 @@ A batch mixes sequences at any stage: a cold prefill (no prefix), an extend on t
 cached prefix, or a single decode token. Each sequence brings the slots of *all* its tokens;
 the model writes the new tokens' K/V into the last ``extend_len`` of them and reads the rest.
 
-Models: a Llama-style :class:`DecoderLM`, or a :class:`HybridLM` (Gemma 3, GPT-OSS,
-Qwen3-Next, Nemotron-H) whose attention layers alone use the pool (one pool layer per
-attention layer, :meth:`HybridConfig.kv_spec`). What the model caches is described to the
-cache by :func:`cache_spec_of` (the full KV and one spec per extra component).
+Models: any :class:`~hicache.runner.models.cached.CachedModel` (a Llama-style
+:class:`DecoderLM`, a hybrid such as Gemma 3, GPT-OSS, Qwen3-Next or Nemotron-H, DeepSeek
+MLA models). The model declares what it caches (:meth:`CachedModel.cache_spec`, handed to
+the cache by :func:`cache_spec_of`: the full KV and one spec per extra component) and binds
+the pools the runner is given (:meth:`CachedModel.bind_pools`); the runner names no model
+family and no component.
 
 Per-pool slot tables: given the cache's component pools the model uses directly
-(``pools``, by component name: the sliding-window store's L1 pool), a hybrid's sliding
-layers use theirs and the full pool holds its global layers only
-(:meth:`HybridConfig.full_kv_spec`, :meth:`HybridConfig.swa_spec`); each sequence then
-also brings its slots there (:attr:`ForwardBatch.pool_slots`, from the cache handle).
+(``pools``, by component name: e.g. the sliding-window store's L1 pool), the model's bound
+pools say which of them its sliding layers read (:attr:`BoundPools.window`; the full pool
+then holds its global layers only); each sequence then also brings its slots there
+(:attr:`ForwardBatch.pool_slots`, from the cache handle).
 
-Per-sequence extras: a hybrid with recurrent layers (Mamba2, Gated DeltaNet) carries a
-state per sequence from forward to forward; the runner keeps it
-(:class:`~hicache.runner.recurrent_states.RecurrentStates`, keyed by
+Per-sequence extras: a model with recurrent layers (Mamba2, Gated DeltaNet;
+:meth:`CachedModel.state_specs`) carries a state per sequence from forward to forward; the
+runner keeps it (:class:`~hicache.runner.recurrent_states.RecurrentStates`, keyed by
 :attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. It keeps a copy at the
 offsets the cache planned (:attr:`ForwardBatch.keep`) and hands them out, once, as an
 opaque :class:`~hicache.extras.SequenceExtras` (:meth:`ModelRunner.take_extras`) for the
@@ -39,64 +41,32 @@ from typing import Any
 
 import torch
 
-from hicache.config import (
-    AttentionKind,
-    CacheSpec,
-    ComponentSpec,
-    IndexerSpec,
-    KVSpec,
-    SlidingWindowSpec,
-)
+from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.extras import KeptState, SequenceExtras
 from hicache.memory import DevicePool
 from hicache.runner.decode_graphs import DecodeGraphs
 from hicache.runner.kernels import AttentionBackend, resolve_backend
-from hicache.runner.models import AttentionContext, DecoderConfig, DecoderLM
-from hicache.runner.models.attention import SlidingKV
-from hicache.runner.models.deepseek_v32 import DeepseekV32Config, DeepseekV32LM
-from hicache.runner.models.hybrid import HybridLM
+from hicache.runner.models import DecoderConfig
+from hicache.runner.models.attention import AttentionContext
+from hicache.runner.models.cached import BoundPools, CachedModel
 from hicache.runner.models.registry import (
     HYBRID_FAMILIES,
     check_tensor_parallel,
     hybrid_config_from_hf,
 )
-from hicache.runner.recurrent_states import RecurrentStates, cache_state_spec
+from hicache.runner.recurrent_states import RecurrentStates
 
 __all__ = ["ForwardBatch", "ModelRunner", "cache_spec_of", "kv_spec_from_hf_config"]
 
-SLIDING = SlidingWindowSpec.name
-"""The component whose pool a hybrid's sliding layers use (``"swa"``)."""
-INDEXER = IndexerSpec.name
-"""The component whose pool DeepSeek-V3.2's indexer keys live in (``"indexer"``)."""
 
-
-def cache_spec_of(model: DecoderLM | HybridLM, dtype: str) -> CacheSpec:
-    """What ``model`` caches per token, for the cache: the full KV (every layer of a
-    Llama-style model; a hybrid's attention layers, its global ones only when its sliding
-    layers get their own pools) and a spec per extra component (the sliding-window
-    layers' K/V, the recurrent layers' state snapshots). ``dtype``: the KV dtype. A
-    tensor-parallel rank's model caches its own K/V heads only
-    (:attr:`DecoderLM.num_kv_heads`): its pools hold those."""
-    if not isinstance(model, HybridLM):
-        cfg = model.config
-        kv = KVSpec(
-            num_layers=cfg.num_layers,
-            attention=AttentionKind.MHA,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=dtype,
-        )
-        return CacheSpec(kv=kv)
-    components: list[ComponentSpec] = []
-    swa = model.config.swa_spec(dtype)
-    if swa is not None:
-        components.append(swa)
-    specs = model.state_specs()
-    if specs:
-        components.append(cache_state_spec(specs, model.dtype))
-    if isinstance(model.config, DeepseekV32Config):  # the DSA indexer's keys
-        components.append(model.config.indexer_spec(dtype))
-    return CacheSpec(kv=model.config.full_kv_spec(dtype), components=tuple(components))
+def cache_spec_of(model: CachedModel, dtype: str) -> CacheSpec:
+    """What ``model`` caches per token, for the cache (:meth:`CachedModel.cache_spec`):
+    the full KV (every layer of a Llama-style model; a hybrid's attention layers, its
+    global ones only when its sliding layers get their own pools) and a spec per extra
+    component (the sliding-window layers' K/V, the recurrent layers' state snapshots,
+    DeepSeek-V3.2's indexer keys). ``dtype``: the KV dtype. A tensor-parallel rank's model
+    caches its own K/V heads only (:attr:`DecoderLM.num_kv_heads`): its pools hold those."""
+    return model.cache_spec(dtype)
 
 
 def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSpec:
@@ -212,63 +182,36 @@ class ForwardBatch:
 
 
 class ModelRunner:
-    """Runs a :class:`DecoderLM` or :class:`HybridLM` whose KV cache is ``device_pool``.
+    """Runs a :class:`~hicache.runner.models.cached.CachedModel` whose full KV cache is
+    ``device_pool``.
 
-    The pool's spec must match the model (layers, KV heads, head_dim; for a hybrid, its
-    attention layers); the model's dtype may differ from the pool's (K/V are cast on write
-    and read). ``pools``: the cache's component pools the model reads and writes, by
-    component name (``HiCache.runner_pools``): ``"swa"``, the sliding layers' own pool (a
-    hybrid with :attr:`HybridConfig.swa_split` only); ``device_pool`` then holds the
-    global layers. ``states`` holds the running sequences' recurrent state (None for a
-    model without recurrent layers).
+    The model checks the pools (:meth:`CachedModel.bind_pools`): the pool's spec must
+    match its full KV (layers, KV heads, head_dim; for a hybrid, its attention layers, or
+    its global ones when it is given its sliding layers' pool); the model's dtype may
+    differ from the pool's (K/V are cast on write and read). ``pools``: the cache's
+    component pools the model reads and writes, by component name
+    (``HiCache.runner_pools``); a pool the model has no use for is refused. ``states``
+    holds the running sequences' recurrent state (None for a model without recurrent
+    layers).
     """
 
     def __init__(
         self,
-        model: DecoderLM | HybridLM,
+        model: CachedModel,
         device_pool: DevicePool,
         pools: Mapping[str, DevicePool] | None = None,
         *,
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
     ) -> None:
-        spec = device_pool.spec
-        unknown = sorted(set(pools or {}) - {SLIDING, INDEXER})
-        if unknown:
-            raise ValueError(f"the runner uses no pool of component(s) {unknown}")
-        swa_pool = (pools or {}).get(SLIDING)
-        if swa_pool is not None:
-            _check_swa_pool(model, swa_pool, device_pool)
-        kind = AttentionKind.MHA
-        if isinstance(model, HybridLM):
-            full = model.config.full_kv_spec if swa_pool is not None else model.config.kv_spec
-            kv = full(spec.dtype)
-            kind = kv.attention
-            want = (kv.num_layers, kv.heads, kv.dim)
-        else:
-            cfg = model.config
-            want = (cfg.num_layers, model.num_kv_heads, cfg.head_dim)
-        have = (spec.num_layers, spec.heads, spec.dim)
-        if spec.attention is not kind or want != have:
-            raise ValueError(
-                f"device pool (layers, heads, dim)={have} ({spec.attention.value}) "
-                f"does not fit the model's {want} ({kind.value})"
-            )
-        if device_pool.device != model.device:
-            raise ValueError(f"pool on {device_pool.device} but model on {model.device}")
+        self.bound: BoundPools = model.bind_pools(device_pool, dict(pools or {}))
+        """The pools the model was bound to (its forwards' attention inputs come from it)."""
         self.model = model
         self.pool = device_pool
-        self.pools: dict[str, DevicePool] = {} if swa_pool is None else {SLIDING: swa_pool}
-        indexer_pool = (pools or {}).get(INDEXER)
-        if indexer_pool is not None:  # DeepSeek-V3.2: its indexer keys, on the full slots
-            if not isinstance(model, DeepseekV32LM):
-                raise ValueError("the runner got an indexer pool, but the model has no indexer")
-            model.use_indexer_pool(indexer_pool)
-            self.pools[INDEXER] = indexer_pool
-        elif isinstance(model, DeepseekV32LM):
-            raise ValueError("a DeepSeek-V3.2 runner needs the indexer pool (pools['indexer'])")
+        self.pools: dict[str, DevicePool] = dict(self.bound.components)
+        """The component pools the model reads and writes, by component name."""
         self.attention_backend = resolve_backend(attention_backend, device_pool.device)
         """The concrete decode-attention backend (``sdpa`` or ``triton``)."""
-        specs = model.state_specs() if isinstance(model, HybridLM) else {}
+        specs = model.state_specs()
         self.states: RecurrentStates | None = (
             RecurrentStates(specs, dtype=model.dtype, device=model.device) if specs else None
         )
@@ -330,7 +273,7 @@ class ModelRunner:
     @property
     def swa_pool(self) -> DevicePool | None:
         """The sliding layers' own pool (None: every attention layer is in :attr:`pool`)."""
-        return self.pools.get(SLIDING)
+        return self.bound.window_pool
 
     def drop_state(self, seq_id: str) -> None:
         """Forget what is carried for ``seq_id`` (its request ended, or was retracted and
@@ -380,23 +323,12 @@ class ModelRunner:
                 raise ValueError("all_logits and logit_rows are exclusive")
             if not all(0 <= r < t for r in logit_rows):
                 raise ValueError(f"logit_rows must lie in [0, {t}), got {list(logit_rows)}")
-        swa = None
-        swa_pool = self.swa_pool
-        if swa_pool is not None:
-            table = (batch.pool_slots or {}).get(SLIDING)
-            if table is None:
-                raise ValueError(
-                    f"a runner with an SWA pool needs ForwardBatch.pool_slots[{SLIDING!r}]"
-                )
-            swa = SlidingKV.build(swa_pool, table, batch.extend_lens)
-        ctx = AttentionContext.build(
-            self.pool,
+        ctx = self.bound.attention_context(
             batch.seq_slots,
             batch.extend_lens,
             batch.layer_wait,
-            swa,
-            decode_kernel=self.attention_backend is AttentionBackend.TRITON,
-            extend_kernel=self.attention_backend is AttentionBackend.TRITON,
+            batch.pool_slots,
+            kernels=self.attention_backend is AttentionBackend.TRITON,
         )
         # every host input in one copy, before the forward: a blocking copy after it would
         # make the host wait for the whole forward on CUDA (no overlap of the CPU's work)
@@ -410,25 +342,23 @@ class ModelRunner:
         host = torch.cat((batch.input_ids.to(torch.int64), batch.positions.to(torch.int64), rows))
         inputs = host.to(self.device)
         input_ids, positions, picked = inputs[:t], inputs[t : 2 * t], inputs[2 * t :]
-        if isinstance(self.model, HybridLM):
-            hidden = self._forward_hybrid(self.model, batch, input_ids, positions, ctx)
+        if self.states is None:
+            hidden = self.model.forward_batch(input_ids, positions, ctx).hidden
         else:
-            hidden = self.model(input_ids, positions, ctx)
+            hidden = self._forward_recurrent(self.states, batch, input_ids, positions, ctx)
         if not all_logits:
             hidden = hidden[picked]
         return self.model.compute_logits(hidden)
 
-    def _forward_hybrid(
+    def _forward_recurrent(
         self,
-        model: HybridLM,
+        carried: RecurrentStates,
         batch: ForwardBatch,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        """The hidden states ``(T, hidden)`` of a hybrid forward, carrying recurrent state."""
-        if self.states is None:
-            return model(input_ids, positions, ctx).hidden
+        """The hidden states ``(T, hidden)`` of a forward carrying recurrent state."""
         if batch.seq_ids is None:
             raise ValueError("a model with recurrent layers needs ForwardBatch.seq_ids")
         prefix = batch.prefix_lens
@@ -442,43 +372,24 @@ class ModelRunner:
                     " forward; the model keeps its state at one at most"
                 )
             marks.append(inside[0] if inside else None)
-        states = self.states.gather(batch.seq_ids, prefix)
-        out = model(input_ids, positions, ctx, states, marks if any(marks) else ())
+        states = carried.gather(batch.seq_ids, prefix)
+        out = self.model.forward_batch(
+            input_ids, positions, ctx, states, marks if any(marks) else ()
+        )
         ends = [p + n for p, n in zip(prefix, batch.extend_lens, strict=True)]
-        self.states.scatter(batch.seq_ids, ends, out.states)
+        carried.scatter(batch.seq_ids, ends, out.states)
         for i, (key, k, n) in enumerate(zip(batch.seq_ids, keep, batch.extend_lens, strict=True)):
             kept: list[KeptState] = []
             mark = marks[i]
             if mark is not None:
                 at = {layer: rows[i] for layer, rows in out.marked.items()}
-                self.states.keep_mark(key, prefix[i] + mark, at)
-                marked = self.states.take_mark(key)
+                carried.keep_mark(key, prefix[i] + mark, at)
+                marked = carried.take_mark(key)
                 assert marked is not None
                 kept.append(KeptState(marked[0], tuple(marked[1])))
             if n in k:
-                tokens, tensors = self.states.export(key)
+                tokens, tensors = carried.export(key)
                 kept.append(KeptState(tokens, tuple(tensors)))
             if kept:
                 self._extras[key] = SequenceExtras(tuple(kept))
         return out.hidden
-
-
-def _check_swa_pool(model: DecoderLM | HybridLM, swa_pool: DevicePool, pool: DevicePool) -> None:
-    """Raise ValueError unless ``swa_pool`` fits the model's sliding layers."""
-    if not isinstance(model, HybridLM) or not model.config.swa_split:
-        raise ValueError("an SWA pool needs a hybrid model with sliding and global layers")
-    want = model.config.swa_spec(swa_pool.spec.dtype)
-    assert want is not None
-    have = swa_pool.spec
-    if (have.num_layers, have.num_kv_heads, have.head_dim) != (
-        want.kv.num_layers,
-        want.kv.num_kv_heads,
-        want.kv.head_dim,
-    ):
-        raise ValueError(
-            f"SWA pool (layers, kv_heads, head_dim)=({have.num_layers}, {have.num_kv_heads},"
-            f" {have.head_dim}) does not fit the model's sliding layers"
-            f" ({want.kv.num_layers}, {want.kv.num_kv_heads}, {want.kv.head_dim})"
-        )
-    if swa_pool.device != pool.device or swa_pool.page_size != pool.page_size:
-        raise ValueError("the SWA pool must share the full pool's device and page size")

@@ -20,9 +20,9 @@ model is never run from a state that does not belong to its prefix.
 
 Snapshots travel in the cache's canonical form (:meth:`RecurrentStates.export` /
 :meth:`RecurrentStates.put`, wrapped as :class:`~hicache.extras.KeptState` between runner
-and cache): one tensor per state tensor of :func:`cache_state_spec`, ``conv (1, L, C, K-1)``
-in the model dtype and ``ssm (1, L, ...)`` in fp32, ``L`` = the recurrent layers in layer
-order.
+and cache): one tensor per state tensor of
+:func:`~hicache.runner.models.recurrent.cache_state_spec`, ``conv (1, L, C, K-1)`` in the
+model dtype and ``ssm (1, L, ...)`` in fp32, ``L`` = the recurrent layers in layer order.
 """
 
 from __future__ import annotations
@@ -32,29 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.config import SnapshotSpec, StateTensor
 from hicache.runner.models.recurrent import RecurrentState, StateSpec
 
-__all__ = ["RecurrentStates", "cache_state_spec"]
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> SnapshotSpec:
-    """The cache's per-slot shape of a model's recurrent state: every recurrent layer's
-    ``conv`` (in ``dtype``) and ``ssm`` (fp32). The layers must share their shapes (true of
-    every supported family); ValueError otherwise."""
-    shapes = {(s.conv, s.ssm) for s in specs.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"recurrent layers of different state shapes: {sorted(shapes)}")
-    ((conv, ssm),) = shapes
-    return SnapshotSpec(
-        num_layers=len(specs),
-        tensors=(
-            StateTensor(name="conv", shape=tuple(conv), dtype=_DTYPE_NAMES[dtype]),
-            StateTensor(name="ssm", shape=tuple(ssm), dtype="float32"),
-        ),
-    )
+__all__ = ["RecurrentStates"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +47,7 @@ class _Entry:
 
 class RecurrentStates:
     """Per-sequence recurrent state of a model whose recurrent layers are ``specs``
-    (``{layer_id: StateSpec}``, as :meth:`HybridLM.state_specs` returns); ``conv`` states
+    (``{layer_id: StateSpec}``, as :meth:`CachedModel.state_specs` returns); ``conv`` states
     are ``dtype`` on ``device``, ``ssm`` states fp32 (see :class:`RecurrentState`)."""
 
     def __init__(

@@ -15,7 +15,7 @@ from hicache.memory import DevicePool
 from hicache.runner.checkpoints import TINY_HYBRID_MODELS
 from hicache.runner.loader import LoadedHybridModel, load_hybrid_model
 from hicache.runner.models import AttentionContext
-from hicache.runner.models.hybrid import HybridOutput
+from hicache.runner.models.cached import ModelOutput
 from hicache.runner.models.recurrent import RecurrentState
 
 HYBRID = TINY_HYBRID_MODELS
@@ -81,7 +81,7 @@ def step(
     starts: list[int],
     slots: list[torch.Tensor],
     states: Mapping[int, RecurrentState] | None,
-) -> tuple[torch.Tensor, HybridOutput]:
+) -> tuple[torch.Tensor, ModelOutput]:
     """One forward of several sequences: sequence ``i`` adds ``ids[i]`` at ``starts[i]``;
     ``slots[i]`` covers its positions ``0 .. starts[i] + len(ids[i]) - 1``. Returns the
     logits of every new token ``(T, vocab)`` and the output."""

@@ -82,7 +82,7 @@ def check_snapshot_slots(
     from (or last committed) and taking one needs a free slot, so with fewer slots some
     snapshots are dropped and a request whose prefix needs its snapshot in L1 waits for a
     slot. Both degrade reuse, never correctness."""
-    slots = config.mamba_device_slots(kv, state)
+    slots = state.device_slots(config, kv)
     full = max_running_requests + 1
     kv_bytes = config.device_bytes(kv)
     if config.max_mamba_cache_size > 0:
@@ -140,16 +140,14 @@ class SnapshotStore(ComponentStore):
         config = ctx.config
         self.spec = spec
         self.page_size = config.page_size
-        self.track_pages = config.mamba_track_pages
+        self.track_pages = spec.track_pages(config)
         self.track_interval = config.mamba_track_interval
-        self._device_pool = StatePool.device(
-            spec, config.mamba_device_slots(ctx.kv, spec), ctx.device
-        )
+        self._device_pool = StatePool.device(spec, spec.device_slots(config, ctx.kv), ctx.device)
         self.copier = make_state_copier(config.io_backend)
         self._host_pool: StatePool | None = None
         if ctx.hierarchical:
             self._host_pool = StatePool.host(
-                spec, config.mamba_host_slots(ctx.kv, spec), config.mem_layout, ctx.device
+                spec, spec.host_slots(config, ctx.kv), config.mem_layout, ctx.device
             )
 
     @classmethod

@@ -4,10 +4,11 @@ request's window, and its L3 records.
 A model with sliding-window layers (Gemma 3, GPT-OSS) needs, for those layers, only the
 K/V of the last ``window`` tokens before each query. This store keeps those layers' K/V in
 their own pools (a :class:`~hicache.memory.DevicePool` L1 of
-``config.swa_device_pages`` pages and, with the hierarchical cache, a
-:class:`~hicache.memory.HostPool` L2 of ``config.swa_host_pages(full)`` pages), one SWA
-page per sequence page, under the tree's :class:`~hicache.tree.components.SlidingWindow`
-component (``"swa"``). The full pool then holds the global layers only.
+``SlidingWindowSpec.device_pages(config)`` pages and, with the hierarchical cache, a
+:class:`~hicache.memory.HostPool` L2 of ``SlidingWindowSpec.host_pages(config, full)``
+pages), one SWA page per sequence page, under the tree's
+:class:`~hicache.tree.components.SlidingWindow` component (``"swa"``). The full pool then
+holds the global layers only.
 
 The window rule, with positions. A query at position ``p`` attends to keys at
 ``p - window < q <= p``. A request whose next forward starts at position ``c`` (``c``
@@ -129,7 +130,7 @@ def check_swa_pool(config: CacheConfig, window: int, chunk: int) -> None:
     """Refuse (ValueError naming ``swa_full_tokens_ratio`` and the numbers) an L1 SWA pool
     that cannot hold one request's window and one chunk (:func:`request_pages`)."""
     need = request_pages(window, chunk, config.page_size)
-    have = config.swa_device_pages
+    have = SlidingWindowSpec.device_pages(config)
     if have < need:
         raise ValueError(
             f"swa_full_tokens_ratio={config.swa_full_tokens_ratio} gives the sliding-window"
@@ -161,7 +162,7 @@ class SwaStore(PagedStore):
         config = ctx.config
         self.spec = spec
         self.window = spec.window
-        self._build_pools(spec.kv, ctx, config.swa_device_pages, config.swa_host_pages(ctx.kv))
+        self._build_pools(spec.kv, ctx, spec.device_pages(config), spec.host_pages(config, ctx.kv))
 
     @classmethod
     def tree_component(cls, spec: ComponentSpec) -> TreeComponent:

@@ -1,5 +1,7 @@
 """Decoder models over the paged KV pool.
 
+Every family implements :class:`~hicache.runner.models.cached.CachedModel`: it declares
+what it caches and binds the pools it is given (:mod:`.cached`), so the runner names none.
 Llama / Qwen2 / Qwen3 (:class:`DecoderLM`, exported here) and the hybrid families in their
 own modules: :mod:`.gemma3`, :mod:`.gpt_oss`, :mod:`.qwen3_next`, :mod:`.nemotron_h` on the
 frame of :mod:`.hybrid`, with :mod:`.sliding` (window/sinks attention), :mod:`.moe`,

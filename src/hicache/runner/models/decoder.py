@@ -15,14 +15,24 @@ embedding and one all-gather of the logits, so every rank ends with the same ful
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from hicache.config import AttentionKind, CacheSpec, KVSpec
+from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, PagedAttention
+from hicache.runner.models.cached import (
+    BoundPools,
+    CachedModel,
+    ModelOutput,
+    check_kv_pool,
+    refuse_unused_pools,
+)
 from hicache.runner.models.config import DecoderConfig
 from hicache.runner.models.layers import GatedMLP, RMSNorm
+from hicache.runner.models.recurrent import RecurrentState
 from hicache.runner.models.rope import RotaryEmbedding
 from hicache.runner.parallel import (
     Narrowable,
@@ -68,15 +78,18 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(nn.Module, CachedModel):
     """A causal language model over a paged KV pool, on one rank of ``tp`` (default: the
     single rank; see the module docstring).
 
     ``lm_head`` exists only when embeddings are untied; tied models project with
     ``model.embed_tokens.weight`` (this rank's vocabulary rows of it). ``size`` must divide
     the heads, K/V heads and intermediate size (ValueError naming them, before any module
-    is built).
+    is built). It caches the full KV of every layer and nothing else
+    (:meth:`cache_spec`), and reads no component pool.
     """
+
+    config: DecoderConfig
 
     def __init__(self, cfg: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -113,6 +126,36 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
+
+    def cache_spec(self, dtype: str) -> CacheSpec:
+        """The full KV of every layer: this rank's :attr:`num_kv_heads` heads."""
+        cfg = self.config
+        kv = KVSpec(
+            num_layers=cfg.num_layers,
+            attention=AttentionKind.MHA,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+        )
+        return CacheSpec(kv=kv)
+
+    def bind_pools(self, kv_pool: DevicePool, pools: Mapping[str, DevicePool]) -> BoundPools:
+        """Every layer reads and writes ``kv_pool``; any component pool is refused."""
+        refuse_unused_pools(type(self).__name__, pools, ())
+        check_kv_pool(kv_pool, self.cache_spec(kv_pool.spec.dtype).kv, self.device)
+        return BoundPools(kv_pool)
+
+    def forward_batch(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        states: Mapping[int, RecurrentState] | None = None,
+        marks: Sequence[int | None] = (),
+    ) -> ModelOutput:
+        """:meth:`forward`'s hidden states (the model has no recurrent layers: ``states``
+        and ``marks`` are unused)."""
+        return ModelOutput(hidden=self(input_ids, positions, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""

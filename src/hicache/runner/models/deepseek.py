@@ -39,7 +39,7 @@ from hicache.runner.models.deepseek_moe import (
     RouterKind,
     expert_shard_dims,
 )
-from hicache.runner.models.hybrid import HybridConfig, HybridLM
+from hicache.runner.models.hybrid import HybridBody, HybridConfig, HybridLM
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.recurrent import RecurrentContext
 from hicache.runner.models.rope import RotaryEmbedding, softmax_scale_factor
@@ -253,21 +253,15 @@ class DeepseekLayer(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: AttentionContext,
+        rctx: RecurrentContext,
     ) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekBody(nn.Module):
-    """``model.*``: the vocab-parallel embedding, the layers and the final norm."""
-
-    def __init__(self, cfg: DeepseekConfig, tp: TPGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekLM(HybridLM):
@@ -275,17 +269,32 @@ class DeepseekLM(HybridLM):
 
     config: DeepseekConfig
     lm_head: ParallelLMHead | None  # type: ignore[assignment]
+    tensor_parallel = True
 
     def __init__(self, cfg: DeepseekConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg)
         self.tp = tp or TPGroup.single()
-        self.model = DeepseekBody(cfg, self.tp)
+        self.model = HybridBody(  # the vocab-parallel embedding, the layers, the final norm
+            cfg,
+            (DeepseekLayer(cfg, i, self.tp) for i in range(cfg.num_layers)),
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=self.tp),
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
         )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+
+    @classmethod
+    def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> DeepseekLM:
+        assert isinstance(cfg, DeepseekConfig)
+        return cls(cfg, tp)
+
+    def after_cast(self) -> None:
+        """The routers back in fp32 (:meth:`keep_routers_fp32`)."""
+        self.keep_routers_fp32()
 
     def keep_routers_fp32(self) -> None:
         """Turn the routers' parameters (weights, V3's score-correction bias) back to fp32
@@ -294,9 +303,6 @@ class DeepseekLM(HybridLM):
         for m in self.modules():
             if isinstance(m, DeepseekMoE):
                 m.gate.float()
-
-    def input_embeddings(self) -> VocabParallelEmbedding:
-        return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> the full logits ``(N, vocab)`` in fp32 on every rank."""
@@ -316,19 +322,6 @@ class DeepseekLM(HybridLM):
             and parts[2].isdigit()
             and int(parts[2]) >= self.config.num_layers
         )
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: AttentionContext,
-        rctx: RecurrentContext,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, ctx)
-        return self.model.norm(x)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full-size checkpoint tensors, each cut to this rank's slice first (see

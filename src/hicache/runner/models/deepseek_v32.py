@@ -10,23 +10,24 @@ the MLA to the ``index_topk`` tokens it selects (``MlaAttention``'s ``key_masks`
 
 The indexer is replicated on every tensor-parallel rank (its projections are small and
 its keys must be the same everywhere, like the latent), so each rank selects the same
-tokens for its heads. The cache spec (``runner.model_runner.cache_spec_of``) adds the
-indexer's :class:`~hicache.config.IndexerSpec`; the runner hands the model the
-indexer's L1 pool (:meth:`DeepseekV32LM.use_indexer_pool`).
+tokens for its heads. Its cache spec (:meth:`DeepseekV32LM.cache_spec`) adds the
+indexer's :class:`~hicache.config.IndexerSpec`; the model needs the indexer's L1 pool
+among those it is bound to (:meth:`DeepseekV32LM.bind_pools`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hicache.config import IndexerSpec
+from hicache.config import CacheSpec, IndexerSpec
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
+from hicache.runner.models.cached import BoundPools
 from hicache.runner.models.config import UnsupportedModelError
 from hicache.runner.models.deepseek import DeepseekConfig, DeepseekLayer, DeepseekLM
 from hicache.runner.models.deepseek_mla import MlaAttention, MlaSpec
@@ -37,6 +38,9 @@ __all__ = ["DSA_FAMILY", "DeepseekV32Config", "DeepseekV32LM", "DsaAttention"]
 
 DSA_FAMILY = "deepseek_v32"
 """The ``model_type`` served by :class:`DeepseekV32LM`."""
+
+INDEXER = IndexerSpec.name
+"""The component of the indexer's keys (``"indexer"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +180,24 @@ class DeepseekV32LM(DeepseekLM):
             assert isinstance(layer, DeepseekLayer)
             old = layer.self_attn
             layer.self_attn = DsaAttention(old.spec, shape, self.tp)
+
+    def cache_spec(self, dtype: str) -> CacheSpec:
+        """DeepSeek-V3's (the MLA pool), plus the indexer's keys."""
+        spec = super().cache_spec(dtype)
+        return CacheSpec(kv=spec.kv, components=(*spec.components, self.config.indexer_spec(dtype)))
+
+    def pool_components(self) -> tuple[str, ...]:
+        return (*super().pool_components(), INDEXER)
+
+    def bind_pools(self, kv_pool: DevicePool, pools: Mapping[str, DevicePool]) -> BoundPools:
+        """DeepSeek-V3's MLA pool, and the indexer's (``pools["indexer"]``, required; the
+        model reads and writes its keys there from now on, :meth:`use_indexer_pool`)."""
+        bound = super().bind_pools(kv_pool, pools)
+        indexer = pools.get(INDEXER)
+        if indexer is None:
+            raise ValueError(f"a DeepSeek-V3.2 runner needs the indexer pool (pools[{INDEXER!r}])")
+        self.use_indexer_pool(indexer)
+        return BoundPools(kv_pool, {**bound.components, INDEXER: indexer}, bound.window)
 
     def use_indexer_pool(self, pool: DevicePool) -> None:
         """Read and write the indexer's keys in ``pool`` (the cache's ``"indexer"`` L1

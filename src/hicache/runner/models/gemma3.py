@@ -102,9 +102,15 @@ class Gemma3Layer(nn.Module):
         self.post_feedforward_layernorm = OffsetRMSNorm(h, eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+        self,
+        x: torch.Tensor,
+        ropes: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        ctx: AttentionContext,
+        rctx: RecurrentContext,
     ) -> torch.Tensor:
-        """``x (T, hidden)`` -> ``(T, hidden)``."""
+        """``x (T, hidden)`` -> ``(T, hidden)``; ``ropes``: the global layers' and the
+        sliding layers' ``(cos, sin)``."""
+        rope = ropes[1] if self.sliding else ropes[0]
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -125,23 +131,16 @@ class Gemma3LM(HybridLM):
         self.rope_global = RotaryEmbedding(cfg.rope_global, cfg.head_dim)
         self.rope_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim)
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings scaled by ``sqrt(hidden)`` (in the model dtype)."""
+        x = super().embed(input_ids)
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: AttentionContext,
-        rctx: RecurrentContext,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        global_rope = self.rope_global(positions, x.dtype)
-        local_rope = self.rope_local(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, local_rope if layer.sliding else global_rope, ctx)
-        return self.model.norm(x)
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The global and the local (sliding) RoPE; each layer takes its own."""
+        return self.rope_global(positions, dtype), self.rope_local(positions, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -115,7 +115,11 @@ class GptOssLayer(nn.Module):
         self.mlp = GptOssMoE(cfg)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: AttentionContext,
+        rctx: RecurrentContext,
     ) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
@@ -136,19 +140,3 @@ class GptOssLM(HybridLM):
         )
         self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: AttentionContext,
-        rctx: RecurrentContext,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, ctx)
-        return self.model.norm(x)

@@ -8,8 +8,18 @@ its rank among the layers of its kind, :meth:`HybridConfig.split_index`), ``line
 layers (Mamba2, Gated DeltaNet) carry a :class:`~hicache.runner.models.recurrent.RecurrentState`
 from forward to forward, and ``mlp`` / ``moe`` layers (Nemotron-H) have no state at all.
 
-``forward(input_ids, positions, ctx, states)`` -> :class:`HybridOutput` (see
-:mod:`hicache.runner.models.recurrent` for the state API). Checkpoint tensors load by their
+The frame every family shares (:meth:`HybridLM.run`): embed the tokens
+(:meth:`HybridLM.embed`), compute the position encoding once (:meth:`HybridLM.rope`), run
+each layer as ``layer(x, rope, ctx, rctx)``, apply the final norm; the modules are the
+family's, in a body of ``embed_tokens`` / ``layers`` / ``norm`` (:class:`HybridBody`, or
+the family's own where its checkpoint names differ, :meth:`HybridLM.body`).
+
+``forward(input_ids, positions, ctx, states)`` -> :class:`~hicache.runner.models.cached.ModelOutput`
+(see :mod:`hicache.runner.models.recurrent` for the state API). What a hybrid caches
+(:meth:`HybridLM.cache_spec`): the full KV of its attention layers (its global ones only
+when the sliding layers get their own pool, :attr:`HybridConfig.swa_split`), the sliding
+layers' K/V (``"swa"``) and its recurrent layers' state snapshots (``"mamba"``), each when
+it has them. Checkpoint tensors load by their
 Hugging Face names; per-expert tensors ``...experts.{e}.{proj}.weight`` load into row ``e``
 of the stacked ``...experts.{proj}`` parameter.
 """
@@ -18,17 +28,33 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.config import AttentionKind, KVSpec, SlidingWindowSpec
+from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
+from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
+from hicache.runner.models.cached import (
+    BoundPools,
+    CachedModel,
+    ModelOutput,
+    check_kv_pool,
+    refuse_unused_pools,
+)
+from hicache.runner.models.config import UnsupportedModelError
 from hicache.runner.models.decoder import WeightLoadError
-from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec
-from hicache.runner.parallel import VocabParallelEmbedding
+from hicache.runner.models.recurrent import (
+    RecurrentContext,
+    RecurrentState,
+    StateSpec,
+    cache_state_spec,
+)
+from hicache.runner.models.rope import RotaryEmbedding
+from hicache.runner.parallel import TPGroup, VocabParallelEmbedding
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -36,7 +62,7 @@ __all__ = [
     "HybridBody",
     "HybridConfig",
     "HybridLM",
-    "HybridOutput",
+    "LayerStack",
 ]
 
 ATTENTION_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -143,39 +169,77 @@ class HybridConfig:
         return SlidingWindowSpec(kv=self._spec(len(self.sliding_layers), dtype), window=self.window)
 
 
-@dataclass(frozen=True)
-class HybridOutput:
-    """``hidden (T, hidden)`` final hidden states; ``states`` every recurrent layer's state
-    after the batch (``B = num_seqs`` rows, batch order), keyed by model layer id;
-    ``marked[layer][i]`` sequence ``i``'s state at its mark (batch 1; see
-    :class:`RecurrentContext`), for the sequences given one."""
+class LayerStack(Protocol):
+    """A hybrid's body as :meth:`HybridLM.run` uses it: the token embedding, the decoder
+    layers (in order) and the final norm."""
 
-    hidden: torch.Tensor
-    states: dict[int, RecurrentState]
-    marked: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
+    @property
+    def embed_tokens(self) -> nn.Embedding | VocabParallelEmbedding: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def norm(self) -> nn.Module: ...
 
 
 class HybridBody(nn.Module):
-    """``model.*`` in the checkpoints of Gemma 3, GPT-OSS and Qwen3-Next: the token
-    embedding, the decoder layers (in order) and the final norm."""
+    """``model.*`` in the checkpoints of Gemma 3, GPT-OSS, Qwen3-Next and DeepSeek: the
+    token embedding (``embed``; default a plain ``nn.Embedding``, DeepSeek's is
+    vocab-parallel), the decoder layers (in order) and the final norm."""
 
-    def __init__(self, cfg: HybridConfig, layers: Iterable[nn.Module], norm: nn.Module) -> None:
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        layers: Iterable[nn.Module],
+        norm: nn.Module,
+        embed: nn.Embedding | VocabParallelEmbedding | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed is None else embed
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
 
-class HybridLM(nn.Module):
-    """Base of the hybrid models: subclasses build the modules and implement :meth:`run`."""
+SWA = SlidingWindowSpec.name
+"""The component of the sliding layers' own pool (``"swa"``)."""
+
+
+class HybridLM(nn.Module, CachedModel):
+    """Base of the hybrid models: subclasses build the modules (the body in ``model``, a
+    :class:`HybridBody`, unless they override :meth:`body`; ``rotary`` unless they
+    override :meth:`rope`) and the frame runs them (:meth:`run`)."""
 
     config: HybridConfig
+    model: HybridBody
+    rotary: RotaryEmbedding
+
+    tensor_parallel: ClassVar[bool] = False
+    """Whether the family splits over tensor-parallel ranks (:meth:`build` takes a group
+    of more than one rank)."""
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.config = cfg
 
-    # --- subclass hooks -------------------------------------------------------------
+    @classmethod
+    def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> HybridLM:
+        """The model of ``cfg`` on this rank of ``tp`` (default one rank; a family without
+        :attr:`tensor_parallel` refuses more with UnsupportedModelError naming its
+        ``model_type``)."""
+        if tp is not None and tp.size > 1 and not cls.tensor_parallel:
+            raise UnsupportedModelError(
+                f"tensor parallelism is not supported for model_type={cfg.family!r}"
+            )
+        return cls(cfg)
+
+    def after_cast(self) -> None:
+        """Put back what the reference keeps in another dtype than the model's, after the
+        model was cast to its dtype (nothing by default)."""
+
+    # --- the frame and its hooks ----------------------------------------------------
     def run(
         self,
         input_ids: torch.Tensor,
@@ -183,13 +247,36 @@ class HybridLM(nn.Module):
         ctx: AttentionContext,
         rctx: RecurrentContext,
     ) -> torch.Tensor:
-        """``input_ids``/``positions (T,)`` -> final hidden states ``(T, hidden)``."""
-        raise NotImplementedError
+        """``input_ids``/``positions (T,)`` -> final hidden states ``(T, hidden)``: the
+        embeddings, then every layer ``layer(x, rope, ctx, rctx)`` with the position
+        encoding computed once, then the final norm."""
+        body = self.body()
+        x = self.embed(input_ids)
+        rope = self.rope(positions, x.dtype)
+        for layer in body.layers:
+            x = layer(x, rope, ctx, rctx)
+        out: torch.Tensor = body.norm(x)
+        return out
+
+    def body(self) -> LayerStack:
+        """The embedding, the layers and the final norm (``model``)."""
+        return self.model
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids (T,)`` -> the first layer's input ``(T, hidden)``."""
+        x: torch.Tensor = self.input_embeddings()(input_ids)
+        return x
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> object:
+        """The position encoding every layer gets, computed once per forward: the rotary
+        ``(cos, sin)`` of ``positions`` in ``dtype`` (a family may give its layers
+        something else, or None)."""
+        return self.rotary(positions, dtype)
 
     def input_embeddings(self) -> nn.Embedding | VocabParallelEmbedding:
         """The token embedding: ``weight (vocab, hidden)``, or this rank's ``(padded vocab
         / size, hidden)`` rows of it under tensor parallelism."""
-        raise NotImplementedError
+        return self.body().embed_tokens
 
     def output_weight(self) -> torch.Tensor:
         """``(vocab, hidden)`` projection to logits (this rank's rows under tensor
@@ -242,7 +329,7 @@ class HybridLM(nn.Module):
         ctx: AttentionContext,
         states: Mapping[int, RecurrentState] | None = None,
         marks: Sequence[int | None] = (),
-    ) -> HybridOutput:
+    ) -> ModelOutput:
         """One forward over the batch described by ``ctx`` (see the module doc); ``marks``:
         see :class:`RecurrentContext`."""
         rctx = RecurrentContext(
@@ -254,7 +341,72 @@ class HybridLM(nn.Module):
             marks=marks,
         )
         hidden = self.run(input_ids, positions, ctx, rctx)
-        return HybridOutput(hidden=hidden, states=rctx.new_states, marked=rctx.marked)
+        return ModelOutput(hidden=hidden, states=rctx.new_states, marked=rctx.marked)
+
+    def forward_batch(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        states: Mapping[int, RecurrentState] | None = None,
+        marks: Sequence[int | None] = (),
+    ) -> ModelOutput:
+        out: ModelOutput = self(input_ids, positions, ctx, states, marks)
+        return out
+
+    # --- what it caches, and its pools ----------------------------------------------
+    def cache_spec(self, dtype: str) -> CacheSpec:
+        """The full KV (:meth:`HybridConfig.full_kv_spec`), then the sliding layers' spec
+        (:meth:`HybridConfig.swa_spec`) and the recurrent layers' snapshots
+        (:func:`~hicache.runner.models.recurrent.cache_state_spec`, in the model dtype),
+        each when the model has them."""
+        components: list[ComponentSpec] = []
+        swa = self.config.swa_spec(dtype)
+        if swa is not None:
+            components.append(swa)
+        specs = self.state_specs()
+        if specs:
+            components.append(cache_state_spec(specs, self.dtype))
+        return CacheSpec(kv=self.config.full_kv_spec(dtype), components=tuple(components))
+
+    def pool_components(self) -> tuple[str, ...]:
+        """The components whose L1 pools the model reads and writes itself: the sliding
+        layers' (``"swa"``, optional: without it they stay in the full pool) when
+        :attr:`HybridConfig.swa_split`."""
+        return (SWA,) if self.config.swa_split else ()
+
+    def bind_pools(self, kv_pool: DevicePool, pools: Mapping[str, DevicePool]) -> BoundPools:
+        """``kv_pool`` holds every attention layer (:meth:`HybridConfig.kv_spec`), or the
+        global layers only (:meth:`HybridConfig.full_kv_spec`) when ``pools`` has the
+        sliding layers' own pool (``"swa"``: same device and page size, one pool layer per
+        sliding layer)."""
+        refuse_unused_pools(type(self).__name__, pools, self.pool_components())
+        window = pools.get(SWA)
+        if window is not None:
+            self._check_window_pool(window, kv_pool)
+        full = self.config.full_kv_spec if window is not None else self.config.kv_spec
+        check_kv_pool(kv_pool, full(kv_pool.spec.dtype), self.device)
+        if window is None:
+            return BoundPools(kv_pool)
+        return BoundPools(kv_pool, {SWA: window}, SWA)
+
+    def _check_window_pool(self, window: DevicePool, kv_pool: DevicePool) -> None:
+        """Raise ValueError unless ``window`` fits the model's sliding layers."""
+        want = self.config.swa_spec(window.spec.dtype)
+        assert want is not None  # pool_components() offered it
+        have = window.spec
+        if (have.num_layers, have.num_kv_heads, have.head_dim) != (
+            want.kv.num_layers,
+            want.kv.num_kv_heads,
+            want.kv.head_dim,
+        ):
+            raise ValueError(
+                f"SWA pool (layers, kv_heads, head_dim)=({have.num_layers}, {have.num_kv_heads},"
+                f" {have.head_dim}) does not fit the model's sliding layers"
+                f" ({want.kv.num_layers}, {want.kv.num_kv_heads}, {want.kv.head_dim})"
+            )
+        if window.device != kv_pool.device or window.page_size != kv_pool.page_size:
+            raise ValueError("the SWA pool must share the full pool's device and page size")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""

@@ -139,9 +139,9 @@ class NemotronHBlock(nn.Module):
             self.mixer = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_act)
 
     def forward(
-        self, x: torch.Tensor, ctx: AttentionContext, rctx: RecurrentContext
+        self, x: torch.Tensor, rope: None, ctx: AttentionContext, rctx: RecurrentContext
     ) -> torch.Tensor:
-        """``x (T, hidden)`` -> ``(T, hidden)``."""
+        """``x (T, hidden)`` -> ``(T, hidden)`` (no position encoding: ``rope`` is None)."""
         normed = self.norm(x)
         out: torch.Tensor
         if self.kind == "linear_attention":
@@ -154,13 +154,22 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHBody(nn.Module):
-    """``backbone.*`` in checkpoints."""
+    """``backbone.*`` in checkpoints: ``embeddings``, ``layers``, ``norm_f`` (also read as
+    the frame's ``embed_tokens`` and ``norm``)."""
 
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.embeddings
+
+    @property
+    def norm(self) -> RMSNorm:
+        return self.norm_f
 
 
 class NemotronHLM(HybridLM):
@@ -173,20 +182,12 @@ class NemotronHLM(HybridLM):
         self.backbone = NemotronHBody(cfg)
         self._build_head()
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.backbone.embeddings
+    def body(self) -> NemotronHBody:
+        return self.backbone
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """None: Nemotron-H's attention has no position encoding."""
+        return None
 
     def recurrent_state(self) -> StateSpec:
         return self.config.mamba.state
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: AttentionContext,
-        rctx: RecurrentContext,
-    ) -> torch.Tensor:
-        x = self.backbone.embeddings(input_ids)
-        for layer in self.backbone.layers:
-            x = layer(x, ctx, rctx)
-        return self.backbone.norm_f(x)

@@ -180,21 +180,5 @@ class Qwen3NextLM(HybridLM):
         self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
     def recurrent_state(self) -> StateSpec:
         return self.config.linear.state
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: AttentionContext,
-        rctx: RecurrentContext,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, ctx, rctx)
-        return self.model.norm(x)

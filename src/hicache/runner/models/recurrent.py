@@ -21,7 +21,7 @@ returns the state *after* them:
   it later (pass the snapshot back in).
 - The model's ``forward(input_ids, positions, ctx, states)`` takes ``states:
   Mapping[layer_id, RecurrentState]`` (absent layers start from zeros) and returns
-  :class:`~hicache.runner.models.hybrid.HybridOutput` with ``hidden`` and ``states``
+  :class:`~hicache.runner.models.cached.ModelOutput` with ``hidden`` and ``states``
   (every recurrent layer, ``B`` rows each). Inputs are never modified in place.
 
 Attention layers of hybrid models keep reading K/V through the slot tensors of
@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RecurrentContext", "RecurrentState", "StateSpec", "causal_conv"]
+from hicache.config import SnapshotSpec, StateTensor
+
+__all__ = [
+    "RecurrentContext",
+    "RecurrentState",
+    "StateSpec",
+    "cache_state_spec",
+    "causal_conv",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,26 @@ class StateSpec:
         """Bytes one sequence's state takes (ssm in fp32)."""
         conv = self.conv[0] * self.conv[1] * torch.empty((), dtype=conv_dtype).element_size()
         return conv + self.ssm[0] * self.ssm[1] * self.ssm[2] * 4
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cache_state_spec(specs: Mapping[int, StateSpec], dtype: torch.dtype) -> SnapshotSpec:
+    """The cache's per-slot shape of a model's recurrent state: every recurrent layer's
+    ``conv`` (in ``dtype``) and ``ssm`` (fp32). The layers must share their shapes (true of
+    every supported family); ValueError otherwise."""
+    shapes = {(s.conv, s.ssm) for s in specs.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"recurrent layers of different state shapes: {sorted(shapes)}")
+    ((conv, ssm),) = shapes
+    return SnapshotSpec(
+        num_layers=len(specs),
+        tensors=(
+            StateTensor(name="conv", shape=tuple(conv), dtype=_DTYPE_NAMES[dtype]),
+            StateTensor(name="ssm", shape=tuple(ssm), dtype="float32"),
+        ),
+    )
 
 
 @dataclass(frozen=True)

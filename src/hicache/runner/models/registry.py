@@ -12,6 +12,8 @@ decoder is built on the hybrid frame, with the MLA pool; DeepSeek-V3.2,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,14 +42,26 @@ __all__ = [
     "hybrid_config_from_hf",
 ]
 
-HYBRID_FAMILIES: tuple[str, ...] = (
-    "gemma3_text",
-    "gpt_oss",
-    "qwen3_next",
-    "nemotron_h",
-    *DEEPSEEK_FAMILIES,
-    DSA_FAMILY,
-)
+
+@dataclass(frozen=True)
+class _Hybrid:
+    """A hybrid family: its config from a Hugging Face config, and its model class."""
+
+    config: Callable[[Any], HybridConfig]
+    model: type[HybridLM]
+
+
+_HYBRIDS: dict[str, _Hybrid] = {
+    "gemma3_text": _Hybrid(Gemma3Config.from_hf, Gemma3LM),
+    "gpt_oss": _Hybrid(GptOssConfig.from_hf, GptOssLM),
+    "qwen3_next": _Hybrid(Qwen3NextConfig.from_hf, Qwen3NextLM),
+    "nemotron_h": _Hybrid(NemotronHConfig.from_hf, NemotronHLM),
+    **{family: _Hybrid(DeepseekConfig.from_hf, DeepseekLM) for family in DEEPSEEK_FAMILIES},
+    DSA_FAMILY: _Hybrid(DeepseekV32Config.from_hf, DeepseekV32LM),
+}
+"""Every hybrid family by ``model_type`` (a config's ``family``)."""
+
+HYBRID_FAMILIES: tuple[str, ...] = tuple(_HYBRIDS)
 """``model_type`` values of the hybrid families."""
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = FAMILIES + HYBRID_FAMILIES
@@ -106,21 +120,12 @@ def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
 def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
     """The engine config of a hybrid-family Hugging Face config."""
     model_type = check_supported(hf_config)
-    if model_type == "gemma3_text":
-        return Gemma3Config.from_hf(hf_config)
-    if model_type == "gpt_oss":
-        return GptOssConfig.from_hf(hf_config)
-    if model_type == "qwen3_next":
-        return Qwen3NextConfig.from_hf(hf_config)
-    if model_type == "nemotron_h":
-        return NemotronHConfig.from_hf(hf_config)
-    if model_type in DEEPSEEK_FAMILIES:
-        return DeepseekConfig.from_hf(hf_config)
-    if model_type == DSA_FAMILY:
-        return DeepseekV32Config.from_hf(hf_config)
-    raise UnsupportedModelError(
-        f"model_type={model_type!r} is not a hybrid family; hybrid ones: {HYBRID_FAMILIES}"
-    )
+    family = _HYBRIDS.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} is not a hybrid family; hybrid ones: {HYBRID_FAMILIES}"
+        )
+    return family.config(hf_config)
 
 
 def build_hybrid_model(
@@ -130,31 +135,16 @@ def build_hybrid_model(
     device: torch.device | str,
     tp: TPGroup | None = None,
 ) -> HybridLM:
-    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next).
-    ``tp``: this rank's tensor-parallel group (DeepSeek only; the other hybrid families
-    refuse a group of more than one rank)."""
-    model: HybridLM
-    if tp is not None and tp.size > 1 and not isinstance(cfg, DeepseekConfig):
-        raise UnsupportedModelError(
-            f"tensor parallelism is not supported for model_type={cfg.family!r}"
-        )
+    """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next):
+    the model class of ``cfg.family`` (:meth:`HybridLM.build`). ``tp``: this rank's
+    tensor-parallel group (DeepSeek only, :attr:`HybridLM.tensor_parallel`; the other
+    hybrid families refuse a group of more than one rank)."""
+    family = _HYBRIDS.get(cfg.family)
+    if family is None:
+        raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")
     with torch.device("meta"):
-        if isinstance(cfg, DeepseekV32Config):
-            model = DeepseekV32LM(cfg, tp)
-        elif isinstance(cfg, DeepseekConfig):
-            model = DeepseekLM(cfg, tp)
-        elif isinstance(cfg, Gemma3Config):
-            model = Gemma3LM(cfg)
-        elif isinstance(cfg, GptOssConfig):
-            model = GptOssLM(cfg)
-        elif isinstance(cfg, Qwen3NextConfig):
-            model = Qwen3NextLM(cfg)
-        elif isinstance(cfg, NemotronHConfig):
-            model = NemotronHLM(cfg)
-        else:
-            raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")
+        model = family.model.build(cfg, tp)
     model = model.to_empty(device=torch.device(device)).to(dtype)
-    if isinstance(model, DeepseekLM):
-        model.keep_routers_fp32()
+    model.after_cast()
     model.requires_grad_(False)
     return model.eval()
