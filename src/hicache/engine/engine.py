@@ -67,6 +67,7 @@ from hicache.engine.validation import (
     MAX_CACHE_SALT_CHARS,
     PRIORITY_MAX,
     PRIORITY_MIN,
+    ValidRequest,
     validate_request,
 )
 from hicache.lifecycle import Lifecycle
@@ -271,10 +272,11 @@ class Engine(Lifecycle):
         *,
         cache_salt: str = "",
         priority: int = 0,
-    ) -> None:
-        """Raise :class:`InvalidRequest` (a ValueError) naming the problem and its field
-        (``prompt``, ``cache_salt``, ``priority``) when a request cannot be served."""
-        validate_request(
+    ) -> ValidRequest:
+        """The request as :meth:`submit_valid` takes it; raises :class:`InvalidRequest` (a
+        ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
+        ``priority``) when it cannot be served."""
+        return validate_request(
             prompt_ids,
             params,
             vocab=int(self.model.hf_config.vocab_size),
@@ -321,34 +323,45 @@ class Engine(Lifecycle):
         group: str = "",
         reservation: Reservation | None = None,
     ) -> str:
-        """Queue a request; returns its id. ``on_output`` runs on the engine thread.
+        """:meth:`validate`, then :meth:`submit_valid`: raises :class:`InvalidRequest` for
+        a request that cannot be served."""
+        valid = self.validate(prompt_ids, params, cache_salt=cache_salt, priority=priority)
+        return self.submit_valid(valid, on_output, group=group, reservation=reservation)
 
-        ``priority``: larger is more important (SGLang's field): admitted first.
+    def submit_valid(
+        self,
+        request: ValidRequest,
+        on_output: OutputCallback | None = None,
+        *,
+        group: str = "",
+        reservation: Reservation | None = None,
+    ) -> str:
+        """Queue ``request`` (made by :meth:`validate`, not checked again); returns its id.
+        ``on_output`` runs on the engine thread.
+
+        ``request.priority``: larger is more important (SGLang's field): admitted first.
         ``group``: the client request it belongs to (empty: its own); the scheduler's
         per-group limits count a group's sequences together. ``reservation``: a place
         taken by :meth:`reserve` (without one, a place is reserved here, which may raise
-        :class:`~hicache.engine.admission.QueueFull`).
-        Raises :class:`InvalidRequest` for a request that cannot be served, RuntimeError
-        when the engine is not running. Once queued, the request always gets a final
-        output: finished normally, or aborted with ``error`` set when adding it failed or
-        the engine stopped first.
+        :class:`~hicache.engine.admission.QueueFull`). RuntimeError when the engine is not
+        running. Once queued, the request always gets a final output: finished normally,
+        or aborted with ``error`` set when adding it failed or the engine stopped first.
         """
-        self.validate(prompt_ids, params, cache_salt=cache_salt, priority=priority)
         own = reservation is None
         ticket = self.reserve(1) if reservation is None else reservation
         slot = ticket.take()
         rid = new_rid()
         record = NewRequest.of(
             rid=rid,
-            prompt_ids=prompt_ids,
-            params=params,
-            cache_salt=cache_salt,
-            priority=priority,
+            prompt_ids=request.prompt_ids,
+            params=request.params,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
             group=group or rid,
             arrival=time.perf_counter(),
         )
         try:
-            self._running().post_request(record, Client(on_output, slot, params))
+            self._running().post_request(record, Client(on_output, slot, request.params))
         except BaseException:
             slot.release()
             raise
@@ -486,4 +499,5 @@ __all__ = [
     "EngineConfig",
     "EngineHealth",
     "EngineStats",
+    "ValidRequest",
 ]

@@ -185,6 +185,17 @@ class SchedulerConfig:
         return cap or None
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One request's part of a forward: ``tokens`` new positions from ``req.kv_len``, and
+    after which of them the runner keeps the sequence's extras (``keep``: the cache's
+    chunk plan, asked once when the batch is built)."""
+
+    req: Request
+    tokens: int
+    keep: tuple[int, ...] = ()
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch; see the module docstring."""
 
@@ -414,16 +425,17 @@ class Scheduler:
         self.reclaimed += 1
         return True
 
-    def _mixed_batch(self) -> list[tuple[Request, int]]:
+    def _mixed_batch(self) -> list[Chunk]:
         """One forward's work: the next token of every decoding request, then prefill
         chunks of the others in admission order, ``chunked_prefill_size`` tokens in all
         (decode tokens included). The first prefill always gets at least a page's worth,
-        so prompts advance however many requests decode."""
+        so prompts advance however many requests decode. Each chunk is the cache's plan
+        (``plan_chunk``, asked once per request: it may end a chunk earlier)."""
         for req in [r for r in self.running if r.seq_len - r.kv_len == 1]:
             if req in self.running:  # not retracted by an earlier one
                 self._ensure_pages(req, req.kv_len + 1)
-        batch = [(r, 1) for r in self.running if r.seq_len - r.kv_len == 1]
-        chosen = {r.rid for r, _ in batch}
+        batch = [self._plan(r, 1) for r in self.running if r.seq_len - r.kv_len == 1]
+        chosen = {c.req.rid for c in batch}
         budget = self.config.chunked_prefill_size - len(batch)
         first = True
         for req in list(self.running):  # _ensure_pages may retract later arrivals
@@ -437,17 +449,22 @@ class Scheduler:
                 n = max(n, min(left, self.page_size))
             if n <= 0:
                 break
-            assert req.cache is not None
-            n = self.cache.plan_chunk(req.cache, req.kv_len, n).tokens  # may end it earlier
+            chunk = self._plan(req, n)  # may end it earlier
             # pages for the chunk (a component's pages may come chunk by chunk); may
             # retract a later arrival that is not in this batch
-            if not self._ensure_pages(req, req.kv_len + n, keep=chosen, abort=not batch):
+            if not self._ensure_pages(req, req.kv_len + chunk.tokens, keep=chosen, abort=not batch):
                 break
-            batch.append((req, n))
+            batch.append(chunk)
             chosen.add(req.rid)
-            budget -= n
+            budget -= chunk.tokens
             first = False
         return batch
+
+    def _plan(self, req: Request, tokens: int) -> Chunk:
+        """The cache's plan for a forward of ``req`` over ``tokens`` new positions."""
+        assert req.cache is not None
+        plan = self.cache.plan_chunk(req.cache, req.kv_len, tokens)
+        return Chunk(req, plan.tokens, plan.keep)
 
     def _ensure_pages(
         self, req: Request, tokens: int, *, keep: set[str] | None = None, abort: bool = True
@@ -471,8 +488,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ forward
 
-    def _run(self, batch: list[tuple[Request, int]]) -> None:
-        """One forward over ``batch`` (request, new tokens), then, for each request whose
+    def _run(self, batch: list[Chunk]) -> None:
+        """One forward over ``batch``, then, for each request whose
         sequence is now fully computed, one new token (:meth:`_sample`). Any failure ends
         only the requests it concerns.
 
@@ -495,29 +512,25 @@ class Scheduler:
         if rows:
             self._sample(logits, rows)
 
-    def _forward_batch(self, batch: list[tuple[Request, int]]) -> ForwardBatch:
+    def _forward_batch(self, batch: list[Chunk]) -> ForwardBatch:
         """The runner's inputs for ``batch``: new token ids and positions, each sequence's
         L1 slots and its slots in every other pool the cache keeps for it, the positions
-        where the runner keeps per-request extras (the cache's chunk plan), and a layer
+        where the runner keeps per-request extras (each chunk's plan), and a layer
         wait for the requests whose prefix is still being loaded back."""
         ps = self.page_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
         pool_slots: dict[str, list[torch.Tensor]] = {}  # per component pool the model uses
-        keep: list[tuple[int, ...]] = []
         loading = []
-        for req, n in batch:
+        for chunk in batch:
+            req, n = chunk.req, chunk.tokens
             assert req.cache is not None
             ids += req.all_ids[req.kv_len : req.kv_len + n]
             positions += range(req.kv_len, req.kv_len + n)
             slots.append(req.cache.slots(ps, req.kv_len + n))
             for name, table in req.cache.pool_slots(ps, req.kv_len + n).items():
                 pool_slots.setdefault(name, []).append(table)
-            plan = self.cache.plan_chunk(req.cache, req.kv_len, n)
-            if plan.tokens != n:  # pragma: no cover - _mixed_batch asked the same plan
-                raise RuntimeError(f"{req.rid}: the cache plans {plan.tokens} tokens, not {n}")
-            keep.append(plan.keep)
             if req.cache.loading:
                 loading.append(req.cache)
         timeout = self.config.layer_wait_timeout_s
@@ -526,20 +539,19 @@ class Scheduler:
             for handle in loading:
                 handle.wait_layer(layer, timeout)  # False: the request fails later
 
+        keep = [chunk.keep for chunk in batch]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            extend_lens=[n for _, n in batch],
+            extend_lens=[chunk.tokens for chunk in batch],
             seq_slots=slots,
             layer_wait=layer_wait if loading else None,
-            seq_ids=[req.rid for req, _ in batch],
+            seq_ids=[chunk.req.rid for chunk in batch],
             pool_slots=pool_slots or None,
             keep=keep if any(keep) else None,
         )
 
-    def _forward(
-        self, batch: list[tuple[Request, int]], logit_rows: list[int] | None
-    ) -> torch.Tensor | None:
+    def _forward(self, batch: list[Chunk], logit_rows: list[int] | None) -> torch.Tensor | None:
         """Run the forward of ``batch`` (logits of ``logit_rows``; None: each sequence's
         last token, the runner's default). A model error fails this batch, not the
         engine: its requests end, the failure is counted (``failed_forwards``, what
@@ -557,16 +569,14 @@ class Scheduler:
             log.exception("forward failed")
             self.failed_forwards += 1
             self.forward_error = f"{type(exc).__name__}: {exc}"
-            for req, _ in batch:
+            for chunk in batch:
                 error = f"forward failed: {type(exc).__name__}: {exc}"
-                self._finish(req, FinishReason.ABORT, keep_kv=False, error=error)
+                self._finish(chunk.req, FinishReason.ABORT, keep_kv=False, error=error)
             return None
         self.failed_forwards = 0
         return logits
 
-    def _advance(
-        self, batch: list[tuple[Request, int]], last_row: list[int]
-    ) -> list[tuple[int, Request, bool]]:
+    def _advance(self, batch: list[Chunk], last_row: list[int]) -> list[tuple[int, Request, bool]]:
         """After the forward: requeue the requests whose prefix load failed (this
         forward's results for them are discarded; they recompute), advance the
         others' computed positions and hand the runner's extras to the cache untouched (a
@@ -574,7 +584,8 @@ class Scheduler:
         ``(logits row, request, was a prefill)`` of each request to sample."""
         self.cache.poll()  # a failed load marks its requests failed
         rows: list[tuple[int, Request, bool]] = []
-        for i, (req, n) in enumerate(batch):
+        for i, chunk in enumerate(batch):
+            req, n = chunk.req, chunk.tokens
             assert req.cache is not None
             if req.cache.failed is not None:
                 self._fall_back(req)
@@ -584,7 +595,7 @@ class Scheduler:
             if req.kv_len < req.seq_len:  # a prefill chunk: its pages (and every
                 # component's values, before the next chunk moves past them) are shared now
                 self.cache.commit(req.cache, req.all_ids[: req.kv_len], extras=extras)
-            else:  # committed after sampling, or at its release
+            elif extras is not None:  # committed after sampling, or at its release
                 self.cache.keep(req.cache, extras)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
@@ -641,7 +652,7 @@ class Scheduler:
 
     @staticmethod
     def _logit_rows(
-        batch: list[tuple[Request, int]],
+        batch: list[Chunk],
     ) -> tuple[list[int], list[int], list[tuple[Request, int, int]]]:
         """Which new tokens of ``batch`` need logits: ``(rows, last_row, prompt_rows)``.
 
@@ -656,7 +667,8 @@ class Scheduler:
         last_row: list[int] = []
         prompt_rows: list[tuple[Request, int, int]] = []
         offset = 0
-        for req, n in batch:
+        for chunk in batch:
+            req, n = chunk.req, chunk.tokens
             scored = req.prompt_logprobs
             if scored is not None:
                 for pos in range(req.kv_len, min(req.kv_len + n, len(req.prompt_ids) - 1)):

@@ -1,8 +1,12 @@
-"""Whether a request can be served, checked once: :func:`validate_request`."""
+"""Whether a request can be served, checked once: :func:`validate_request` makes the
+:class:`ValidRequest` that :meth:`Engine.submit_valid
+<hicache.engine.engine.Engine.submit_valid>` takes as it is (the server validates each of
+an HTTP request's sequences before it reserves queue places, then submits the records)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 
@@ -13,6 +17,19 @@ PRIORITY_MAX = 2**63 - 1
 """``priority`` is a signed 64-bit int (SGLang's field); larger = more important."""
 
 
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request :func:`validate_request` found servable: the prompt's token ids, its
+    sampling parameters, its ``cache_salt`` (tenant) and ``priority``. Made only there
+    (through :meth:`Engine.validate <hicache.engine.engine.Engine.validate>`); submitted
+    as it is, never checked again."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str = ""
+    priority: int = 0
+
+
 def validate_request(
     prompt_ids: Sequence[int],
     params: SamplingParams,
@@ -21,10 +38,11 @@ def validate_request(
     context_length: int,
     cache_salt: str = "",
     priority: int = 0,
-) -> None:
-    """Raise :class:`InvalidRequest` (a ValueError) naming the problem and its field
-    (``prompt``, ``cache_salt``, ``priority``) when a request cannot be served by a model
-    of ``vocab`` token ids and ``context_length`` positions."""
+) -> ValidRequest:
+    """The :class:`ValidRequest` of these fields; raises :class:`InvalidRequest` (a
+    ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
+    ``priority``) when the request cannot be served by a model of ``vocab`` token ids and
+    ``context_length`` positions."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
     if not prompt_ids:
@@ -57,6 +75,13 @@ def validate_request(
             f"priority={priority!r} is invalid; must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}]",
             param="priority",
         )
+    return ValidRequest(tuple(prompt_ids), params, cache_salt, priority)
 
 
-__all__ = ["MAX_CACHE_SALT_CHARS", "PRIORITY_MAX", "PRIORITY_MIN", "validate_request"]
+__all__ = [
+    "MAX_CACHE_SALT_CHARS",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "ValidRequest",
+    "validate_request",
+]
