@@ -9,7 +9,7 @@ A step (:meth:`EngineCore.step`) is the same on every rank and for every driver:
 3. one scheduler step (admit, one mixed forward, sample, outputs).
 
 What differs between ranks is data, not code: rank 0 keeps the ``rid -> client`` map
-(:attr:`EngineCore.clients`: each request's output callback and queue place, taken when its
+(:attr:`EngineCore.clients`: each request with its output callback and queue place, taken when its
 :class:`~hicache.engine.step_inputs.NewRequest` is applied), followers have none, so their
 requests report nothing; under tensor parallelism a follower's scheduler takes rank 0's
 sampled tokens instead of sampling. What differs between drivers is the error policy
@@ -28,14 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache.cache import HiCache
-from hicache.engine.admission import QueueSlot
 from hicache.engine.config import EngineConfig
 from hicache.engine.graph_setup import GraphSetup
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.rank_digest import rank_state_digest
 from hicache.engine.ranks import StepChannel
-from hicache.engine.request import FinishReason, OutputCallback, Request
-from hicache.engine.sampling import SamplingParams
+from hicache.engine.request import Request
 from hicache.engine.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
@@ -53,18 +51,6 @@ from hicache.runner.loader import LoadedModel
 from hicache.storage.registry import StorageConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Client:
-    """What rank 0 keeps of one request's client until its :class:`NewRequest` is applied:
-    the output callback (run on the engine thread), its place in the bounded waiting
-    queue, and the :class:`SamplingParams` it was validated with (the record carries
-    their fields; rank 0 keeps the object itself)."""
-
-    on_output: OutputCallback | None
-    queue_slot: QueueSlot | None
-    params: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +96,10 @@ class EngineCore:
         """What turning CUDA graphs on did at start (None: not tried: off, or not CUDA)."""
         self.channel = channel
         self.rank = 0 if channel is None else channel.rank
-        self.clients: dict[str, Client] = {}
-        """Rank 0: ``rid -> Client`` of each request posted and not yet applied (written by
-        the posting thread before the post, taken by :meth:`apply`); empty on followers."""
+        self.clients: dict[str, Request] = {}
+        """Rank 0: ``rid ->`` the request built for its caller (its output callback and
+        queue place) of each record posted and not yet applied (put by the posting thread
+        before the post, taken by :meth:`apply`); empty on followers."""
         self.step_no = 0
         self.sync_s = 0.0
         """Seconds in ``cache.sync()`` so far under tensor parallelism."""
@@ -132,8 +119,10 @@ class EngineCore:
         without it a failure is logged and the step goes on. At a :class:`Stop` the inputs
         are applied and nothing else is done (False). Raises :class:`StepFailed` when the
         scheduler step raises."""
+        stop = False
         for i, item in enumerate(inputs.items):
             if isinstance(item, Stop):
+                stop = True
                 continue
             try:
                 outcome = Applied(value=self.apply(item))
@@ -143,7 +132,7 @@ class EngineCore:
                 outcome = Applied(error=exc)
             if applied is not None:
                 applied(i, outcome)
-        if inputs.stop is not None:
+        if stop:
             return False
         self.sync_cache()
         try:
@@ -185,19 +174,21 @@ class EngineCore:
         return None  # Stop: the drivers end there
 
     def request_of(self, item: NewRequest) -> Request:
-        """The request ``item`` describes, with its client when this rank holds one (rank
-        0; taken out of :attr:`clients`)."""
-        client = self.clients.pop(item.rid, None)
+        """The request ``item`` describes: rank 0's own (with its client's callback and
+        queue place, taken out of :attr:`clients`), or, on a follower, one built from the
+        record (no client: it reports nothing)."""
+        req = self.clients.pop(item.rid, None)
+        if req is not None:
+            return req
         return Request(
             list(item.prompt_ids),
-            item.sampling if client is None else client.params,
-            None if client is None else client.on_output,
+            item.sampling,
+            None,  # outputs are reported by rank 0 alone
             rid=item.rid,
             cache_salt=item.cache_salt,
             priority=item.priority,
             group=item.group,
             arrival=item.arrival,
-            queue_slot=None if client is None else client.queue_slot,
         )
 
     def add(self, req: Request) -> None:
@@ -228,28 +219,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ ending requests
 
-    def _held(self, req: Request) -> bool:
-        return any(r is req for r in (*self.scheduler.waiting, *self.scheduler.running))
-
     def fail(self, req: Request, why: str, *, direct: bool = False) -> None:
-        """End ``req`` with ``error`` = ``why``: through the scheduler when it holds it
-        (which then releases what it holds), else (or when ``direct``) by telling its
-        client directly."""
-        if req.final_reported:
-            return
-        req.error = req.error or why
-        if not direct and self._held(req):
-            req.aborted = True
-            return
-        req.leave_queue()
-        req.finish_reason = FinishReason.ABORT
-        req.final_reported = True
-        if req.on_output is None:
-            return
-        try:
-            req.on_output(self.scheduler.output.report(req))
-        except BaseException:  # a broken consumer must not stop the engine (or its cleanup)
-            log.exception("output callback of %s failed", req.rid)
+        """End ``req`` with ``error`` = ``why`` (:meth:`RequestEnds.fail
+        <hicache.engine.ends.RequestEnds.fail>`)."""
+        self.scheduler.ends.fail(req, why, direct=direct)
 
     def abort_all(self, why: str, max_s: float = 10.0, max_failures: int = 3) -> None:
         """Abort every request in flight and step until the scheduler has released them;
@@ -335,4 +308,4 @@ def attach_l3(
     cache.attach_storage(storage_config.create(namespace), namespace, prefetch)
 
 
-__all__ = ["Applied", "Client", "EngineCore", "StepFailed", "attach_l3"]
+__all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3"]

@@ -10,12 +10,10 @@ called on the engine thread. What the API posts becomes a step input
 (:mod:`hicache.engine.leader`) and, under tensor parallelism (``tp_size`` > 1,
 :mod:`hicache.engine.ranks`), by every follower process (:mod:`hicache.engine.follower`).
 
-Robustness: an exception in one task of the loop (a queued call, adding a request, one
-scheduler step, an output callback) fails only the requests involved; the loop goes on.
-If the loop ends anyway, every request and call still queued or in flight is failed at
-once (no caller waits for ever), :attr:`Engine.alive` turns False and
-:meth:`Engine.health` says why. Every wait here has a deadline. The lifecycle is one
-state (:class:`~hicache.engine.run_state.EngineState`).
+Robustness: an exception in one task of the loop fails only the requests involved; if
+the loop ends anyway, everything queued or in flight is failed at once,
+:attr:`Engine.alive` turns False and :meth:`Engine.health` says why. Every wait here has a
+deadline. The lifecycle is one state (:class:`~hicache.engine.run_state.EngineState`).
 
 :meth:`Engine.call` runs on rank 0 alone, so under tensor parallelism its function must
 only read (it must not change the cache or wait on it: a cache wait agrees with the other
@@ -34,13 +32,14 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from hicache.cache import HiCache
-from hicache.engine.admission import EngineUnhealthy, QueueFull, QueueGate, Reservation
+from hicache.engine.admission import QueueGate, Reservation, reserve_places
 from hicache.engine.build import build_core
 from hicache.engine.config import EngineConfig
-from hicache.engine.core import Client, EngineCore
+from hicache.engine.core import EngineCore
 from hicache.engine.graph_setup import GraphSetup
 from hicache.engine.health import (
     STALL_AFTER_S,
+    STATS_INTERVAL_S,
     EngineHealth,
     EngineStats,
     StatsPublisher,
@@ -50,9 +49,9 @@ from hicache.engine.health import (
 from hicache.engine.leader import Leader, RankFailure, Task, start_ranks
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.ranks import RankProcesses
-from hicache.engine.request import OutputCallback, RequestOutput, new_rid
+from hicache.engine.request import OutputCallback, Request, RequestOutput
 from hicache.engine.run_state import EngineState, RunState
-from hicache.engine.sampling import InvalidRequest, SamplingParams
+from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
@@ -60,7 +59,6 @@ from hicache.engine.step_inputs import (
     DetachStorage,
     Digest,
     FlushCache,
-    NewRequest,
     StepInput,
 )
 from hicache.engine.validation import (
@@ -89,7 +87,6 @@ class Engine(Lifecycle):
         self._loaded = loaded  # given by the caller (one rank only)
         self._core: EngineCore | None = None
         self._leader: Leader | None = None
-        self._thread: threading.Thread | None = None
         self._state = RunState()
         self._failure = RankFailure()
         self.ranks: RankProcesses | None = None
@@ -97,6 +94,8 @@ class Engine(Lifecycle):
         self.queue = QueueGate(config.max_queued_requests)
         """Sequences queued against ``max_queued_requests`` (see :meth:`reserve`)."""
         self._stats = StatsPublisher()
+        self.stats_interval_s = STATS_INTERVAL_S
+        """Seconds between two published stats records (see :attr:`published_stats`)."""
         self.memory_trimmer = IdleTrimmer(config.memory_trim_interval_s)
         """Gives freed memory back to the OS after busy periods (engine thread only)."""
         # rank 0's core's parts, set by start(): the cache, the scheduler, the model, ...
@@ -164,8 +163,6 @@ class Engine(Lifecycle):
                     " start the engine without a loaded model"
                 )
             self.ranks, core = start_ranks(cfg)
-            # a report that fails on rank 0 aborts its request on every rank, next step
-            core.scheduler.abort_later = self._abort_later
         else:
             core = build_core(cfg, loaded=loaded)
         core.memory_trimmer = self.memory_trimmer
@@ -175,9 +172,10 @@ class Engine(Lifecycle):
         self._leader = Leader(
             core, self._state, ranks=self.ranks, failure=self._failure, publish=self._publish
         )
+        if self.ranks is not None:  # a report failing on rank 0 aborts on every rank
+            core.scheduler.ends.abort_later = self._leader.abort_later
         self._state.started()
-        self._thread = threading.Thread(target=self._leader.run, name="hicache-engine", daemon=True)
-        self._thread.start()
+        self._leader.start()
         return self
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
@@ -191,36 +189,21 @@ class Engine(Lifecycle):
         deadline (stuck in a forward or a call), the cache is not closed under it: an error
         is logged and the thread closes the cache itself when its loop ends.
         """
-        thread, leader = self._thread, self._leader
-        if thread is None or leader is None or self._state.state is EngineState.CLOSED:
+        leader = self._leader
+        if leader is None or self._state.state in (EngineState.NEW, EngineState.CLOSED):
             return
         deadline = time.monotonic() + timeout
-        self._state.stop()  # the loop ends its round, then fails what is queued or in flight
-        leader.wake()
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if not self._state.hand_over():
-            log.error(
-                "the engine thread did not stop within %.1f s; the cache stays open until the"
-                " thread ends, and the thread closes it then",
-                timeout,
-            )
-            self._close_ranks(deadline)
-            return
-        thread.join(timeout=max(1.0, deadline - time.monotonic()))  # past its last cache use
-        self._thread = None
         try:
-            self.core.close_cache()
+            if leader.stop(deadline):  # the thread is done with the cache: close it here
+                self.core.close_cache()
         finally:
-            self._close_ranks(deadline)
+            leader.close_ranks(deadline)
+            self.ranks = None
 
-    def _close_ranks(self, deadline: float) -> None:
-        """Join the followers (told to stop by the loop's last broadcast), kill stragglers."""
-        ranks, leader = self.ranks, self._leader
-        if ranks is None:
-            return
-        self.ranks = None
-        broken = self._failure.why is not None or (leader is not None and leader.ranks_broken)
-        ranks.close(timeout=max(5.0, deadline - time.monotonic()), broken=broken)
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The engine thread (rank 0's driver's), once started."""
+        return None if self._leader is None else self._leader.thread
 
     @property
     def rank_failure(self) -> str | None:
@@ -249,16 +232,10 @@ class Engine(Lifecycle):
         call), or when the last ``unhealthy_after_failed_steps`` scheduler steps, or
         forwards, all raised (healthy again once one succeeds).
         """
-        leader = self._leader
-        alive = self.alive
         return health_of(
-            alive=alive,
-            started=self._state.state is not EngineState.NEW or self._thread is not None,
-            exit_reason=self._state.exit_reason,
-            rank_failure=self._failure.why,
-            last_loop=None if leader is None else leader.last_loop,
-            failed_steps=0 if leader is None else leader.failed_steps,
-            scheduler=self.scheduler if alive else None,
+            self._leader,
+            self._state,
+            self._failure.why,
             limit=self.config.unhealthy_after_failed_steps,
             stall_after_s=stall_after_s,
         )
@@ -296,21 +273,11 @@ class Engine(Lifecycle):
         is not healthy (:meth:`health`), and :class:`InvalidRequest` (``n``) for more
         sequences than ``max_queued_requests`` could ever hold.
         """
-        try:
-            return self.queue.reserve(sequences)
-        except QueueFull as exc:
-            health = self.health()
-            if health.healthy:
-                raise
-            raise EngineUnhealthy(
-                f"{exc}; the engine is not healthy: {health.reason}",
-                requested=exc.requested,
-                queued=exc.queued,
-                limit=exc.limit,
-                reason=health.reason or "unknown",
-            ) from None
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="n") from None
+        return reserve_places(self.queue, sequences, self._unhealthy)
+
+    def _unhealthy(self) -> str | None:
+        health = self.health()
+        return None if health.healthy else health.reason or "unknown"
 
     def submit(
         self,
@@ -337,48 +304,38 @@ class Engine(Lifecycle):
         reservation: Reservation | None = None,
     ) -> str:
         """Queue ``request`` (made by :meth:`validate`, not checked again); returns its id.
-        ``on_output`` runs on the engine thread.
-
-        ``request.priority``: larger is more important (SGLang's field): admitted first.
-        ``group``: the client request it belongs to (empty: its own); the scheduler's
-        per-group limits count a group's sequences together. ``reservation``: a place
-        taken by :meth:`reserve` (without one, a place is reserved here, which may raise
-        :class:`~hicache.engine.admission.QueueFull`). RuntimeError when the engine is not
-        running. Once queued, the request always gets a final output: finished normally,
-        or aborted with ``error`` set when adding it failed or the engine stopped first.
-        """
+        ``on_output`` runs on the engine thread. ``group``: the client request it belongs
+        to (empty: its own; the scheduler's per-group limits count a group's sequences
+        together). ``reservation``: a place taken by :meth:`reserve` (without one, one is
+        reserved here, which may raise :class:`~hicache.engine.admission.QueueFull`).
+        RuntimeError when the engine is not running. Once queued, the request always gets
+        a final output: finished, or aborted with ``error`` set (adding it failed, or the
+        engine stopped first). A larger ``request.priority`` is admitted first."""
         own = reservation is None
         ticket = self.reserve(1) if reservation is None else reservation
         slot = ticket.take()
-        rid = new_rid()
-        record = NewRequest.of(
-            rid=rid,
-            prompt_ids=request.prompt_ids,
-            params=request.params,
+        req = Request(
+            list(request.prompt_ids),
+            request.params,
+            on_output,
             cache_salt=request.cache_salt,
             priority=request.priority,
-            group=group or rid,
-            arrival=time.perf_counter(),
+            group=group,
+            queue_slot=slot,
         )
         try:
-            self._running().post_request(record, Client(on_output, slot, request.params))
+            self._running().post_request(req)
         except BaseException:
             slot.release()
             raise
         finally:
             if own:
                 ticket.close()
-        return rid
+        return req.rid
 
     def abort(self, rid: str) -> None:
         """Abort request ``rid`` at the next step (nothing when it has ended)."""
         self._running().post(Task(record=Abort(rid)))
-
-    def _abort_later(self, rid: str) -> None:
-        """Abort ``rid`` at the next step on every rank (the engine thread, when rank 0's
-        report of it failed: a rank must not end a request on its own)."""
-        with contextlib.suppress(RuntimeError):  # closing: everything ends anyway
-            self.abort(rid)
 
     def generate(
         self,
@@ -437,21 +394,12 @@ class Engine(Lifecycle):
         ``at`` says when it was read, and it stays as it was once the loop has ended."""
         return self._stats.published
 
-    @property
-    def stats_interval_s(self) -> float:
-        """Seconds between two published stats records (see :attr:`published_stats`)."""
-        return self._stats.interval_s
-
-    @stats_interval_s.setter
-    def stats_interval_s(self, seconds: float) -> None:
-        self._stats.interval_s = seconds
-
     def _read_stats(self) -> EngineStats:
         """The stats now (engine thread only)."""
         return read_stats(self.cache, self.scheduler, self.queue)
 
     def _publish(self) -> None:
-        self._stats.publish(self.cache, self.scheduler, self.queue)
+        self._stats.publish(self.cache, self.scheduler, self.queue, self.stats_interval_s)
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from hicache.cache import HiCache
 from hicache.engine.admission import QueueGate
+from hicache.engine.leader import Leader
+from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.scheduler import Scheduler
 from hicache.metrics import CacheStats
 
@@ -64,32 +66,32 @@ class EngineStats:
 
 
 def health_of(
-    *,
-    alive: bool,
-    started: bool,
-    exit_reason: str | None,
+    leader: Leader | None,
+    state: RunState,
     rank_failure: str | None,
-    last_loop: float | None,
-    failed_steps: int,
-    scheduler: Scheduler | None,
+    *,
     limit: int,
     stall_after_s: float,
 ) -> EngineHealth:
-    """The health these readings make (see :meth:`Engine.health`): ``alive``, the engine
-    thread runs its loop; ``started``, it was ever started; ``last_loop``, the
-    ``time.monotonic()`` of its last round; ``scheduler``, read for its failed forwards
-    while alive; ``limit``, failed steps or forwards in a row that make it unhealthy."""
+    """The health of the engine whose rank 0 driver is ``leader`` (None: never started)
+    and whose lifecycle is ``state`` (see :meth:`Engine.health`); ``limit``: failed steps
+    or forwards in a row that make it unhealthy."""
+    thread = None if leader is None else leader.thread
+    alive = thread is not None and thread.is_alive() and not state.loop_ended
+    last_loop = None if leader is None else leader.last_loop
+    failed_steps = 0 if leader is None else leader.failed_steps
     age = None if last_loop is None else time.monotonic() - last_loop
     reason: str | None = None
     if rank_failure is not None:
         reason = f"{rank_failure}; the engine stopped"
     elif not alive:
-        if not started and exit_reason is None:
+        if state.state is EngineState.NEW and state.exit_reason is None:
             reason = "the engine is not started"
         else:
-            reason = exit_reason or "the engine thread is not running"
+            reason = state.exit_reason or "the engine thread is not running"
     elif age is not None and age > stall_after_s:
         reason = f"the engine loop has not gone round for {age:.0f} s"
+    scheduler = leader.core.scheduler if alive and leader is not None else None
     failed_forwards = scheduler.failed_forwards if scheduler is not None else 0
     if reason is None and failed_steps >= limit:
         reason = f"the last {failed_steps} scheduler steps failed"
@@ -126,19 +128,19 @@ def read_stats(cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> Engine
 
 class StatsPublisher:
     """The last :class:`EngineStats` read (:attr:`published`, replaced whole, read by any
-    thread without a lock), refreshed by :meth:`publish` at the end of a round when it is
-    :attr:`interval_s` old."""
+    thread without a lock), refreshed by :meth:`publish` at the end of a round."""
 
-    def __init__(self, interval_s: float = STATS_INTERVAL_S) -> None:
-        self.interval_s = interval_s
+    def __init__(self) -> None:
         self.published: EngineStats | None = None
         self._tried = -math.inf  # time.monotonic() of the last read attempt
 
-    def publish(self, cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> None:
-        """Read and publish when due (the engine thread). A failure keeps the last record
-        (and is logged)."""
+    def publish(
+        self, cache: HiCache, scheduler: Scheduler, queue: QueueGate, interval_s: float
+    ) -> None:
+        """Read and publish when the last read is ``interval_s`` old (the engine thread).
+        A failure keeps the last record (and is logged)."""
         now = time.monotonic()
-        if now - self._tried < self.interval_s:
+        if now - self._tried < interval_s:
             return
         self._tried = now
         try:

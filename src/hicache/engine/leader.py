@@ -19,6 +19,7 @@ at once, leaves the group). A loop told to stop *stops* the ranks (broadcasts a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -33,11 +34,12 @@ import torch
 
 from hicache.engine.build import build_core
 from hicache.engine.config import EngineConfig, config_fields
-from hicache.engine.core import Applied, Client, EngineCore, StepFailed
+from hicache.engine.core import Applied, EngineCore, StepFailed
 from hicache.engine.follower import run_follower
 from hicache.engine.ranks import RankProcesses, StepChannel, cpu_threads_per_rank, leave_group
+from hicache.engine.request import Request
 from hicache.engine.run_state import RunState
-from hicache.engine.step_inputs import NewRequest, StepInput, StepInputs, Stop
+from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
 from hicache.engine.tp_fit import check_tp_model
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class Task:
     runs instead (on whatever thread ends the loop) when the loop will never run it."""
 
     record: StepInput | None = None
-    done: Callable[[Applied], None] = _ignore
+    done: Callable[[Applied], None] | None = None
     run: Callable[[], object] | None = None
     drop: Callable[[str], None] = _ignore
 
@@ -115,8 +117,43 @@ class Leader:
         self.ranks_broken = False
         """A collective of the step exchange failed, or rank 0 stopped on its own: the
         followers are closed as broken."""
+        self.thread: threading.Thread | None = None
+        """The engine thread, once started."""
         if ranks is not None:
             ranks.watch(self.ranks_failed)
+
+    def start(self) -> None:
+        """Start the engine thread (:meth:`run`)."""
+        self.thread = threading.Thread(target=self.run, name="hicache-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self, deadline: float) -> bool:
+        """Tell the loop to stop and wait for the engine thread until ``deadline``
+        (``time.monotonic()``); returns whether the caller now closes the cache (the
+        thread is done with it). When the thread has not stopped by then (stuck in a
+        forward or a call), it keeps the cache and closes it itself when its loop ends."""
+        thread = self.thread
+        self.state.stop()  # the loop ends its round, then fails what is queued or in flight
+        self._wake.set()
+        if thread is not None:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if not self.state.hand_over():
+            log.error(
+                "the engine thread did not stop in time; the cache stays open until the"
+                " thread ends, and the thread closes it then"
+            )
+            return False
+        if thread is not None:
+            thread.join(timeout=max(1.0, deadline - time.monotonic()))  # past its last use
+        return True
+
+    def close_ranks(self, deadline: float) -> None:
+        """Join the followers (told to stop by the loop's last broadcast), kill stragglers
+        (closed as broken when the ranks failed or an exchange did)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            broken = self.failure.why is not None or self.ranks_broken
+            ranks.close(timeout=max(5.0, deadline - time.monotonic()), broken=broken)
 
     def ranks_failed(self, why: str) -> None:
         """The ranks stopped (a watcher's thread, or the engine thread): stop the loop,
@@ -137,17 +174,25 @@ class Leader:
     def wake(self) -> None:
         self._wake.set()
 
-    def post_request(self, record: NewRequest, client: Client) -> None:
-        """Post ``record`` with rank 0's ``client`` of it (kept in the core's map until the
-        record is applied); when the loop ends first, the client is told directly.
-        RuntimeError (why) when refused: nothing is kept then."""
+    def post_request(self, req: Request) -> None:
+        """Post the :class:`NewRequest` of rank 0's request ``req`` (its client's callback
+        and queue place; ``req`` is kept in the core's map until the record is applied);
+        when the loop ends first, the client is told directly. RuntimeError (why) when
+        refused: nothing is kept then."""
         core = self.core
-        core.clients[record.rid] = client
+        core.clients[req.rid] = req
         try:
-            self.post(Task(record=record, drop=lambda why: core.fail(core.request_of(record), why)))
+            record = NewRequest.of_request(req)
+            self.post(Task(record=record, drop=lambda why: core.fail(req, why)))
         except BaseException:
-            core.clients.pop(record.rid, None)
+            core.clients.pop(req.rid, None)
             raise
+
+    def abort_later(self, rid: str) -> None:
+        """Abort ``rid`` at the next step on every rank (a report that failed on rank 0:
+        no rank ends a request alone); nothing once new work is refused (all ends then)."""
+        with contextlib.suppress(RuntimeError):
+            self.post(Task(record=Abort(rid)))
 
     def command(self, record: StepInput) -> Future[object]:
         """Post the control ``record`` (applied by every rank); rank 0's result, or its
@@ -221,14 +266,18 @@ class Leader:
         if channel is not None:
             self._broadcast(channel, inputs, tasks)
         calls = _calls_after(tasks, len(records))  # each runs where it was posted
-        _run_calls(calls[0])
+        if calls[0]:
+            _run_calls(calls[0])
 
         def applied(i: int, outcome: Applied) -> None:
-            try:
-                records[i].done(outcome)
-            except Exception:
-                log.exception("answering an engine task failed")
-            _run_calls(calls[i + 1])
+            done = records[i].done
+            if done is not None:
+                try:
+                    done(outcome)
+                except Exception:
+                    log.exception("answering an engine task failed")
+            if calls[i + 1]:
+                _run_calls(calls[i + 1])
 
         try:
             busy = self.core.step(inputs, applied)

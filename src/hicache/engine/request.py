@@ -28,15 +28,9 @@ __all__ = [
     "Request",
     "RequestOutput",
     "TokenLogprob",
-    "new_rid",
 ]
 
 _ids = itertools.count()
-
-
-def new_rid() -> str:
-    """A new request id, unique in this process (``req-<n>``)."""
-    return f"req-{next(_ids)}"
 
 
 class FinishReason(str, enum.Enum):
@@ -93,7 +87,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     on_output: OutputCallback | None = None
-    rid: str = field(default_factory=new_rid)
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
     cache_salt: str = ""
     # progress
     output_ids: list[int] = field(default_factory=list)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
 
 
@@ -74,6 +75,19 @@ class NewRequest:
             priority=priority,
             group=group,
             arrival=arrival,
+        )
+
+    @classmethod
+    def of_request(cls, req: Request) -> NewRequest:
+        """The record of rank 0's request ``req``."""
+        return cls.of(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            params=req.params,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            group=req.group,
+            arrival=req.arrival,
         )
 
     @property
