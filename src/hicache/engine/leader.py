@@ -259,6 +259,8 @@ class Leader:
         """One round: this step's inputs from the inbox, the step; returns whether a
         forward ran. A failed step ends the requests in flight (one rank)."""
         tasks = self._take_inbox()
+        if not tasks and channel is None:  # nothing to apply (most rounds): the step alone
+            return self._step(StepInputs(self.core.step_no), None, channel)
         records = [t for t in tasks if t.record is not None]
         inputs = StepInputs(
             self.core.step_no, tuple(t.record for t in records if t.record is not None)
@@ -279,6 +281,15 @@ class Leader:
             if calls[i + 1]:
                 _run_calls(calls[i + 1])
 
+        return self._step(inputs, applied, channel)
+
+    def _step(
+        self,
+        inputs: StepInputs,
+        applied: Callable[[int, Applied], None] | None,
+        channel: StepChannel | None,
+    ) -> bool:
+        """The step over ``inputs``, with rank 0's error policy (see the module docstring)."""
         try:
             busy = self.core.step(inputs, applied)
             self.failed_steps = 0
