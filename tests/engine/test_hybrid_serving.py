@@ -343,7 +343,7 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
         run = engine.scheduler._run
 
         def recording(batch):  # type: ignore[no-untyped-def]
-            for req, _ in batch:
+            for req in (chunk.req for chunk in batch):
                 table = swa.table(req.cache)
                 assert table is not None
                 seen.append((len(table.pages), len(req.cache.pages)))

@@ -217,7 +217,7 @@ def test_finished_requests_and_their_buffers_are_freed_without_the_gc(engine: En
             return (
                 len(s.waiting),
                 len(s.running),
-                len(s._pending),
+                len(s.ends.pending),
                 len(s.runner._extras),
                 engine.cache.requests,
             )

@@ -388,7 +388,7 @@ def test_engine_failing_flush_fails_pending_finals_directly(
         def broken() -> None:
             raise RuntimeError("flush broken")
 
-        monkeypatch.setattr(sched, "_flush_outputs", broken)
+        monkeypatch.setattr(sched.ends, "flush", broken)
         gate.set()
         for _ in range(600):
             if all(s and s[-1].finished for s in streams):

@@ -19,7 +19,10 @@ the engine.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from hicache.engine.sampling import InvalidRequest
 
 __all__ = [
     "DEFAULT_MAX_QUEUED_REQUESTS",
@@ -30,6 +33,7 @@ __all__ = [
     "QueueGate",
     "QueueSlot",
     "Reservation",
+    "reserve_places",
 ]
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -180,3 +184,27 @@ class QueueGate:
         with self._lock:
             self._queued -= n
             assert self._queued >= 0, "more queue places given back than taken"
+
+
+def reserve_places(
+    gate: QueueGate, sequences: int, unhealthy: Callable[[], str | None]
+) -> Reservation:
+    """``gate.reserve(sequences)`` as the engine answers it: :class:`QueueFull` when they
+    do not fit, :class:`EngineUnhealthy` instead when ``unhealthy()`` says why the engine
+    is not healthy (None: it is), and :class:`~hicache.engine.sampling.InvalidRequest`
+    (``n``) for more sequences than the bound could ever hold."""
+    try:
+        return gate.reserve(sequences)
+    except QueueFull as exc:
+        reason = unhealthy()
+        if reason is None:
+            raise
+        raise EngineUnhealthy(
+            f"{exc}; the engine is not healthy: {reason}",
+            requested=exc.requested,
+            queued=exc.queued,
+            limit=exc.limit,
+            reason=reason,
+        ) from None
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="n") from None

@@ -17,7 +17,7 @@ from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.schedule_config import SchedulerConfig
 from hicache.engine.tp_fit import check_tp_fits
 from hicache.runner.kernels import AttentionBackend
 from hicache.storage.registry import StorageConfig, storage_config_from_args

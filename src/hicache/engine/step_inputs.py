@@ -6,7 +6,7 @@ the step that uses it: new requests, aborts and control commands. The closures t
 threads post to rank 0's inbox cannot cross processes, so each one is described by a
 record here; rank 0 broadcasts a step's records (:class:`StepInputs`, one per step, empty
 when idle) and every rank, rank 0 included, applies the same records in order
-(:meth:`hicache.engine.engine.Engine._apply`). With one rank nothing is broadcast and the
+(:meth:`hicache.engine.core.EngineCore.apply`). With one rank nothing is broadcast and the
 records are applied where they were posted.
 
 A record carries values only (no callbacks, no locks, no tensors): a follower rebuilds
@@ -18,10 +18,11 @@ because the scheduler orders retractions by it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
 
 
@@ -59,7 +60,7 @@ class NewRequest:
         cls,
         *,
         rid: str,
-        prompt_ids: list[int] | tuple[int, ...],
+        prompt_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str,
         priority: int,
@@ -74,6 +75,19 @@ class NewRequest:
             priority=priority,
             group=group,
             arrival=arrival,
+        )
+
+    @classmethod
+    def of_request(cls, req: Request) -> NewRequest:
+        """The record of rank 0's request ``req``."""
+        return cls.of(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            params=req.params,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            group=req.group,
+            arrival=req.arrival,
         )
 
     @property

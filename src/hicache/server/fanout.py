@@ -33,7 +33,7 @@ from starlette.requests import Request as HttpRequest
 from hicache.engine.admission import Reservation
 from hicache.engine.engine import Engine
 from hicache.engine.request import RequestOutput
-from hicache.engine.sampling import SamplingParams
+from hicache.engine.validation import ValidRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ _groups = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One engine request of an HTTP request. ``after``: the index of the job whose first
-    output releases this one (None: submitted at once)."""
+    """One engine request of an HTTP request, validated (:meth:`Engine.validate`: it is
+    submitted as it is). ``after``: the index of the job whose first output releases this
+    one (None: submitted at once)."""
 
     index: int
-    prompt_ids: Sequence[int]
-    params: SamplingParams
+    request: ValidRequest
     after: int | None = None
 
 
@@ -89,8 +89,6 @@ class Fanout:
         jobs: Sequence[Job],
         http: HttpRequest,
         *,
-        cache_salt: str = "",
-        priority: int = 0,
         on_abort: Callable[[str], None] | None = None,
         reservation: Reservation | None = None,
     ) -> None:
@@ -102,8 +100,6 @@ class Fanout:
         self.group = f"grp-{next(_groups)}"
         """The engine group of every job (one client request)."""
         self.http = http
-        self.cache_salt = cache_salt
-        self.priority = priority
         self.on_abort = on_abort
         self.ending: Ending | None = None
         self.error: str | None = None
@@ -120,12 +116,9 @@ class Fanout:
         def on_output(out: RequestOutput) -> None:  # on the engine thread
             loop.call_soon_threadsafe(queue.put_nowait, Event(job.index, out))
 
-        self._rids[job.index] = self.engine.submit(
-            job.prompt_ids,
-            job.params,
+        self._rids[job.index] = self.engine.submit_valid(
+            job.request,
             on_output,
-            cache_salt=self.cache_salt,
-            priority=self.priority,
             group=self.group,
             reservation=self.reservation,
         )

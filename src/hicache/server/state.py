@@ -173,6 +173,16 @@ class ServerState:
         for invalid Unicode, a text too long by its bound, or no tokens."""
         check_text(text, param)
         self.check_length(text, param)
+        return self._tokenize(text, param)
+
+    def _checked(self, text: str, param: str) -> list[int]:
+        """:meth:`encode` of a text whose bound :meth:`check_length` has passed already
+        (checked once)."""
+        check_text(text, param)
+        return self._tokenize(text, param)
+
+    def _tokenize(self, text: str, param: str) -> list[int]:
+        """The token ids of a checked text (no special tokens added); none is invalid."""
         if self.before_encode is not None:
             self.before_encode(text)
         ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
@@ -186,10 +196,10 @@ class ServerState:
         for a text too long by its bound before any text is encoded."""
         texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
         out: list[list[int]] = [list(p) if not isinstance(p, str) else [] for p in prompts]
-        for _, text in texts:
+        for _, text in texts:  # every text's bound before any is encoded
             self.check_length(text, param)
         if texts:
-            encoded = await self.off_loop(lambda: [self.encode(p, param) for _, p in texts])
+            encoded = await self.off_loop(lambda: [self._checked(p, param) for _, p in texts])
             for (i, _), ids in zip(texts, encoded, strict=True):
                 out[i] = ids
         for ids in out:
@@ -224,7 +234,7 @@ class ServerState:
             for c in range(body.n):
                 params = body.sampling(limit, c)
                 try:
-                    self.engine.validate(
+                    valid = self.engine.validate(
                         ids, params, cache_salt=body.cache_salt, priority=body.request_priority
                     )
                 except InvalidRequest as exc:
@@ -238,7 +248,7 @@ class ServerState:
                         param="max_tokens",
                     )
                 index = p * body.n + c
-                jobs.append(Job(index, ids, params, after=None if c == 0 else p * body.n))
+                jobs.append(Job(index, valid, after=None if c == 0 else p * body.n))
         bound = self.engine.config.max_queued_requests
         if bound is not None and len(jobs) > bound:
             raise InvalidRequest(
@@ -260,8 +270,6 @@ class ServerState:
             self.engine,
             jobs,
             http,
-            cache_salt=body.cache_salt,
-            priority=body.request_priority,
             on_abort=self._count_abort,
             reservation=reservation,
         )

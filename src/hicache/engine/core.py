@@ -1,0 +1,311 @@
+"""The one step body every rank runs: :class:`EngineCore`.
+
+A step (:meth:`EngineCore.step`) is the same on every rank and for every driver:
+
+1. apply the step's inputs (:class:`~hicache.engine.step_inputs.StepInputs`), in order:
+   new requests, aborts, control commands (:meth:`EngineCore.apply`);
+2. bring the cache's asynchronous completions in (``cache.sync()``: with several ranks
+   agreed in one collective);
+3. one scheduler step (admit, one mixed forward, sample, outputs).
+
+What differs between ranks is data, not code: rank 0 keeps the ``rid -> client`` map
+(:attr:`EngineCore.clients`: each request with its output callback and queue place, taken when its
+:class:`~hicache.engine.step_inputs.NewRequest` is applied), followers have none, so their
+requests report nothing; under tensor parallelism a follower's scheduler takes rank 0's
+sampled tokens instead of sampling. What differs between drivers is the error policy
+around the step (:mod:`hicache.engine.leader` for rank 0's thread,
+:mod:`hicache.engine.follower` for the other ranks): a scheduler step that raises comes
+out as :class:`StepFailed`, and each driver decides what that ends.
+
+Everything here runs on the thread that drives the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.cache import HiCache
+from hicache.engine.config import EngineConfig
+from hicache.engine.graph_setup import GraphSetup
+from hicache.engine.memory_trim import IdleTrimmer
+from hicache.engine.rank_digest import rank_state_digest
+from hicache.engine.ranks import StepChannel
+from hicache.engine.request import Request
+from hicache.engine.scheduler import Scheduler
+from hicache.engine.step_inputs import (
+    Abort,
+    AttachStorage,
+    DetachStorage,
+    Digest,
+    FlushCache,
+    NewRequest,
+    StepInput,
+    StepInputs,
+    Stop,
+)
+from hicache.keys import Namespace
+from hicache.runner.loader import LoadedModel
+from hicache.storage.registry import StorageConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What applying one step input gave: its ``value``, or the ``error`` it raised."""
+
+    value: object = None
+    error: Exception | None = None
+
+
+class StepFailed(Exception):
+    """The scheduler step of :meth:`EngineCore.step` raised ``error`` (the driver decides
+    what that ends: with one rank the requests in flight, with several every rank)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+class EngineCore:
+    """The model, the cache and the scheduler of one rank, and the step they take.
+
+    ``channel``: this rank's end of the step exchange (None with one rank). Built by
+    :func:`~hicache.engine.build.build_core`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LoadedModel,
+        cache: HiCache,
+        scheduler: Scheduler,
+        *,
+        context_length: int,
+        decode_graphs: GraphSetup | None,
+        channel: StepChannel | None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.cache = cache
+        self.scheduler = scheduler
+        self.context_length = context_length
+        self.decode_graphs = decode_graphs
+        """What turning CUDA graphs on did at start (None: not tried: off, or not CUDA)."""
+        self.channel = channel
+        self.rank = 0 if channel is None else channel.rank
+        self.clients: dict[str, Request] = {}
+        """Rank 0: ``rid ->`` the request built for its caller (its output callback and
+        queue place) of each record posted and not yet applied (put by the posting thread
+        before the post, taken by :meth:`apply`); empty on followers."""
+        self.step_no = 0
+        self.sync_s = 0.0
+        """Seconds in ``cache.sync()`` so far under tensor parallelism."""
+        self.agreement_steps_total = 0
+        """Steps whose agreement :attr:`agreement_seconds_total` counts (0 with one rank)."""
+        self.memory_trimmer = IdleTrimmer(config.memory_trim_interval_s)
+        """Gives freed memory back to the OS after busy periods (engine thread only)."""
+
+    # ------------------------------------------------------------------ the step
+
+    def step(
+        self, inputs: StepInputs, applied: Callable[[int, Applied], None] | None = None
+    ) -> bool:
+        """Apply ``inputs`` in order, sync the cache, run one scheduler step; returns
+        whether a forward ran. ``applied(i, outcome)`` is told the outcome of
+        ``inputs.items[i]`` right after it is applied (rank 0 answers its callers there);
+        without it a failure is logged and the step goes on. At a :class:`Stop` the inputs
+        are applied and nothing else is done (False). Raises :class:`StepFailed` when the
+        scheduler step raises."""
+        stop = False
+        for i, item in enumerate(inputs.items):
+            if isinstance(item, Stop):
+                stop = True
+                continue
+            try:
+                outcome = Applied(value=self.apply(item))
+            except Exception as exc:
+                if applied is None:  # rank 0 reports it to its caller
+                    log.exception("rank %d: applying %s failed", self.rank, type(item).__name__)
+                outcome = Applied(error=exc)
+            if applied is not None:
+                applied(i, outcome)
+        if stop:
+            return False
+        self.sync_cache()
+        try:
+            busy = self.scheduler.step()
+        except Exception as exc:
+            raise StepFailed(exc) from exc
+        finally:
+            self.step_no += 1
+        self.memory_trimmer.after_round(busy or not self.scheduler.idle)
+        return busy
+
+    def apply(self, item: StepInput) -> object:
+        """Apply one step input on this rank (every rank applies the same records in the
+        same order); returns what rank 0 answers its caller (a flush's success, a digest)."""
+        if isinstance(item, NewRequest):
+            self.add(self.request_of(item))
+            return None
+        if isinstance(item, Abort):
+            self.scheduler.abort(item.rid)
+            return None
+        if isinstance(item, FlushCache):
+            if not self.scheduler.idle:
+                return False
+            self.cache.reset()
+            return True
+        if isinstance(item, AttachStorage):
+            if not self.scheduler.idle:
+                raise RuntimeError("requests are in flight; attach storage when idle")
+            self.attach(StorageConfig.parse(item.backend, dict(item.extra_config)), item.policy)
+            return None
+        if isinstance(item, DetachStorage):
+            if not self.scheduler.idle:
+                raise RuntimeError("requests are in flight; detach storage when idle")
+            return self.cache.detach_storage()
+        if isinstance(item, Digest):
+            sched = self.scheduler
+            mine = rank_state_digest(self.cache, sched.waiting, sched.running)
+            return [mine] if self.channel is None else self.channel.gather(mine)
+        return None  # Stop: the drivers end there
+
+    def request_of(self, item: NewRequest) -> Request:
+        """The request ``item`` describes: rank 0's own (with its client's callback and
+        queue place, taken out of :attr:`clients`), or, on a follower, one built from the
+        record (no client: it reports nothing)."""
+        req = self.clients.pop(item.rid, None)
+        if req is not None:
+            return req
+        return Request(
+            list(item.prompt_ids),
+            item.sampling,
+            None,  # outputs are reported by rank 0 alone
+            rid=item.rid,
+            cache_salt=item.cache_salt,
+            priority=item.priority,
+            group=item.group,
+            arrival=item.arrival,
+        )
+
+    def add(self, req: Request) -> None:
+        """Hand ``req`` to the scheduler; a failure fails ``req`` alone."""
+        try:
+            self.scheduler.add(req)
+        except Exception as exc:
+            log.exception("could not queue %s", req.rid)
+            self.fail(req, f"the request could not be queued: {type(exc).__name__}: {exc}")
+
+    def sync_cache(self) -> None:
+        """Bring the cache's asynchronous completions in, once per step on every rank:
+        with several ranks, what they all have, agreed in one collective."""
+        if self.channel is None:
+            self.cache.sync()
+            return
+        began = time.perf_counter()
+        self.cache.sync()
+        self.sync_s += time.perf_counter() - began
+        self.agreement_steps_total += 1
+
+    @property
+    def agreement_seconds_total(self) -> float:
+        """Under tensor parallelism, this rank's seconds so far in the step's collectives
+        that are not the model's: the step-input broadcast, ``cache.sync()`` and the
+        sampled-token broadcast. 0.0 with one rank."""
+        return 0.0 if self.channel is None else self.sync_s + self.channel.seconds
+
+    # ------------------------------------------------------------------ ending requests
+
+    def fail(self, req: Request, why: str, *, direct: bool = False) -> None:
+        """End ``req`` with ``error`` = ``why`` (:meth:`RequestEnds.fail
+        <hicache.engine.ends.RequestEnds.fail>`)."""
+        self.scheduler.ends.fail(req, why, direct=direct)
+
+    def abort_all(self, why: str, max_s: float = 10.0, max_failures: int = 3) -> None:
+        """Abort every request in flight and step until the scheduler has released them;
+        those it cannot release (``max_failures`` failed steps, or ``max_s`` seconds) are
+        failed directly, their pages left where they are."""
+        reqs = self.scheduler.in_flight  # with those ended whose final report is pending
+        for req in reqs:
+            if req.finished:
+                continue
+            req.aborted = True
+            req.error = req.error or why
+        deadline = time.monotonic() + max_s
+        failures = 0
+        while not self.scheduler.idle and failures < max_failures:
+            if time.monotonic() > deadline:
+                break
+            try:
+                self.scheduler.step()
+            except Exception:
+                failures += 1
+                log.exception("aborting in-flight requests: a scheduler step failed")
+        for req in reqs:
+            self.fail(req, why, direct=True)
+
+    def fail_in_flight(self, why: str) -> None:
+        """The last act of a driver: end every request in flight (:meth:`abort_all`), or,
+        when even that raises, tell each client directly."""
+        try:
+            if not self.scheduler.idle:
+                self.abort_all(why)
+        except BaseException:  # e.g. a callback raising SystemExit again: finish cleanup
+            log.exception("rank %d: failing the requests in flight", self.rank)
+            for req in self.scheduler.in_flight:
+                self.fail(req, why, direct=True)
+
+    # ------------------------------------------------------------------ cache
+
+    def attach(self, storage_config: StorageConfig, policy: str) -> None:
+        """Attach the L3 backend ``storage_config`` under this rank's namespace."""
+        attach_l3(self.cache, self.model, self.config, self.rank, storage_config, policy)
+
+    def close_cache(self) -> None:
+        """Close the cache (once: the caller decides who, see
+        :class:`~hicache.engine.run_state.RunState`). With several ranks its last flush
+        agrees with the others: with one of them gone it fails, and is logged."""
+        if self.channel is None:
+            self.cache.close()
+            return
+        try:
+            self.cache.close()
+        except Exception as exc:
+            log.error(
+                "rank %d: closing the cache did not finish its agreed flush (%s: %s); its"
+                " workers are stopped",
+                self.rank,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+
+
+def attach_l3(
+    cache: HiCache,
+    model: LoadedModel,
+    config: EngineConfig,
+    rank: int,
+    storage_config: StorageConfig,
+    policy: str,
+) -> None:
+    """Attach the L3 backend ``storage_config`` to ``cache`` under rank ``rank``'s
+    namespace (model identity, layout, page size, TP size and rank)."""
+    prefetch = storage_config.prefetch_config(policy)
+    if not cache.hierarchical:
+        raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
+    namespace = Namespace.for_spec(
+        cache.spec,
+        model=model.name,
+        weights_fingerprint=model.fingerprint,
+        layout=cache.config.mem_layout,
+        page_size=cache.page_size,
+        tp_size=config.tp_size,
+        tp_rank=rank,
+    )
+    cache.attach_storage(storage_config.create(namespace), namespace, prefetch)
+
+
+__all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3"]

@@ -1,0 +1,169 @@
+"""How a request ends, in one place: :class:`RequestEnds`.
+
+A request ends by finishing (end-of-sequence, a stop id or string, ``max_tokens``, the
+context length), by an abort (its client, the engine stopping), or by a failure of its own
+(a forward, a sampled row, its report). Whatever the way, ending it is the same few acts,
+all here: its pending output is done first (:meth:`RequestEnds.settle`), it leaves the
+scheduler's queues and gives back what it holds (:meth:`RequestEnds.release`: its computed
+KV committed first unless it must not be kept, its queue place, the runner's carried state,
+its cache handle), and it gets its final report, exactly once and last
+(:meth:`RequestEnds.emit`).
+
+Outputs off the critical path: a step's sampled tokens get the token-level checks at once,
+but their text work (detokenization, stop strings) and reports are *pending*
+(:meth:`RequestEnds.took_token`) until the next step has launched its forward (see
+:mod:`hicache.engine.scheduler`); they are done in order by :meth:`RequestEnds.flush`. A
+stop string found then ends its request one step late; its token in flight is discarded.
+
+Everything here runs on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from hicache.cache import HiCache
+from hicache.engine.output import OutputProcessor
+from hicache.engine.request import FinishReason, Request
+from hicache.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class RequestEnds:
+    """Ends requests; see the module docstring. ``waiting`` and ``running``: the
+    scheduler's queues, which a request leaves here (never elsewhere, but for a
+    retraction, which moves it from one to the other). ``abort_later(rid)``: how a request
+    whose report failed is aborted (through the next step's inputs, so on every rank);
+    None: at once, here."""
+
+    def __init__(
+        self,
+        cache: HiCache,
+        runner: ModelRunner,
+        output: OutputProcessor,
+        waiting: deque[Request],
+        running: list[Request],
+        *,
+        abort_later: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.runner = runner
+        self.output = output
+        self.waiting = waiting
+        self.running = running
+        self.abort_later = abort_later
+        self.pending: dict[Request, None] = {}
+        """Requests with a token whose text work and report are still to do, oldest first
+        (at most one token each); those already ended wait here for their final report."""
+
+    @property
+    def in_flight(self) -> list[Request]:
+        """Every request not yet given its final report: waiting, running, and ended
+        with that report pending."""
+        held = [*self.waiting, *self.running]
+        return held + [r for r in self.pending if r.finished and not r.final_reported]
+
+    def finish(
+        self,
+        req: Request,
+        reason: FinishReason | None,
+        *,
+        keep_kv: bool = True,
+        error: str | None = None,
+    ) -> None:
+        """End ``req`` now (``error``: why, when set) and send its final report. Its pending
+        output goes first; if that ends it (a stop string), it ends so instead."""
+        if self.settle(req, keep_kv=keep_kv):
+            return
+        req.finish_reason = reason
+        if error is not None:
+            req.error = error
+        self.release(req, keep_kv=keep_kv)
+        self.emit(req)
+
+    def fail(self, req: Request, why: str, *, direct: bool = False) -> None:
+        """End ``req`` with ``error`` = ``why``: through the scheduler when it holds it
+        (its next step aborts it and releases what it holds), else (or when ``direct``,
+        its pages then left where they are) by telling its client directly."""
+        if req.final_reported:
+            return
+        req.error = req.error or why
+        if not direct and any(r is req for r in (*self.waiting, *self.running)):
+            req.aborted = True
+            return
+        req.leave_queue()
+        req.finish_reason = FinishReason.ABORT
+        req.final_reported = True
+        if req.on_output is None:
+            return
+        try:
+            req.on_output(self.output.report(req))
+        except BaseException:  # a broken consumer must not stop the engine (or its cleanup)
+            log.exception("output callback of %s failed", req.rid)
+
+    def took_token(self, req: Request) -> None:
+        """``req`` took a token (checked already): its text work and report are pending;
+        when the token ended it, it is released now (before the next step is built)."""
+        self.pending[req] = None
+        if req.finished:
+            self.release(req)
+
+    def release(self, req: Request, *, keep_kv: bool = True) -> None:
+        """Take ``req`` out of the queues and give back what it holds (its computed KV
+        committed first, with ``keep_kv``). Idempotent."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.leave_queue()
+        self.runner.drop_state(req.rid)
+        if req.cache is not None:
+            self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
+
+    def settle(self, req: Request, *, keep_kv: bool = True) -> bool:
+        """Do ``req``'s pending output, if any: its text, then its report. Returns whether
+        that ended it (a stop string, or a token that cannot be decoded): it is then
+        released here (its KV kept with ``keep_kv``), its token in flight (if any) never
+        to be sampled."""
+        if req not in self.pending:
+            return False
+        ended = False
+        if not req.final_reported:  # (the engine may have failed it directly)
+            was_finished = req.finished
+            self.output.update_text(req)
+            ended = req.finished and not was_finished
+            if ended:
+                if req.finish_reason is FinishReason.STOP:
+                    # it had stopped before any abort took effect: an abort's reason
+                    # (set with it, the only error a running request carries) is void
+                    req.error = None
+                self.release(req, keep_kv=keep_kv)
+            self.emit(req)
+        del self.pending[req]
+        return ended
+
+    def flush(self) -> None:
+        """Do every pending output, oldest first."""
+        while self.pending:
+            self.settle(next(iter(self.pending)))
+
+    def emit(self, req: Request) -> None:
+        """Report ``req``'s progress; nothing after its final report."""
+        if req.final_reported:
+            return
+        req.final_reported = req.finished
+        if req.on_output is not None:
+            try:
+                req.on_output(self.output.report(req))
+            except Exception:  # a broken consumer must not stop the engine
+                log.exception("output callback of %s failed", req.rid)
+                if self.abort_later is not None:
+                    self.abort_later(req.rid)
+                else:
+                    req.aborted = True
+
+
+__all__ = ["RequestEnds"]

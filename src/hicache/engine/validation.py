@@ -1,0 +1,87 @@
+"""Whether a request can be served, checked once: :func:`validate_request` makes the
+:class:`ValidRequest` that :meth:`Engine.submit_valid
+<hicache.engine.engine.Engine.submit_valid>` takes as it is (the server validates each of
+an HTTP request's sequences before it reserves queue places, then submits the records)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hicache.engine.sampling import InvalidRequest, SamplingParams
+
+MAX_CACHE_SALT_CHARS = 256
+"""Longest ``cache_salt`` accepted: each distinct salt is tenant state kept by the cache."""
+PRIORITY_MIN = -(2**63)
+PRIORITY_MAX = 2**63 - 1
+"""``priority`` is a signed 64-bit int (SGLang's field); larger = more important."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request :func:`validate_request` found servable: the prompt's token ids, its
+    sampling parameters, its ``cache_salt`` (tenant) and ``priority``. Made only there
+    (through :meth:`Engine.validate <hicache.engine.engine.Engine.validate>`); submitted
+    as it is, never checked again."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str = ""
+    priority: int = 0
+
+
+def validate_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab: int,
+    context_length: int,
+    cache_salt: str = "",
+    priority: int = 0,
+) -> ValidRequest:
+    """The :class:`ValidRequest` of these fields; raises :class:`InvalidRequest` (a
+    ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
+    ``priority``) when the request cannot be served by a model of ``vocab`` token ids and
+    ``context_length`` positions."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(
+            f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
+        )
+    params.check_vocab(vocab)  # logit_bias and stop_token_ids
+    if len(prompt_ids) >= context_length:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_ids)} tokens; the context length is"
+            f" {context_length} (at least one token must be generated)",
+            param="prompt",
+        )
+    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        shown = len(cache_salt) if isinstance(cache_salt, str) else type(cache_salt).__name__
+        raise InvalidRequest(
+            f"cache_salt ({shown}) is invalid; must be a string of at most"
+            f" {MAX_CACHE_SALT_CHARS} characters",
+            param="cache_salt",
+        )
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
+        raise InvalidRequest(
+            f"priority={priority!r} is invalid; must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}]",
+            param="priority",
+        )
+    return ValidRequest(tuple(prompt_ids), params, cache_salt, priority)
+
+
+__all__ = [
+    "MAX_CACHE_SALT_CHARS",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "ValidRequest",
+    "validate_request",
+]
