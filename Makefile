@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements/*.txt | cksum | cut -d' ' -f1)
 
-.PHONY: venv demo test lint typecheck unit bench clean
+.PHONY: venv demo test lint typecheck unit bench clean test-dispatch
 
 venv: $(STAMP)
 
@@ -45,6 +45,32 @@ unit: venv
 	$(VPY) -m pytest -q tests/integrations
 
 test: lint typecheck unit
+
+# The tests that compare numerics against an independent implementation (transformers,
+# SDPA, float64 and per-token references), once per x86 kernel dispatch this CPU can run:
+# each setting pins ATen's vector kernels and the GEMMs of MKL and oneDNN to one ISA, so
+# this machine adds in the orders a CPU of that generation would (docs/architecture.md,
+# "Numerics on every x86 dispatch"). One setting by hand: make test-dispatch-avx2.
+# Not part of `make test`: three runs would not fit CI's budget.
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+has_flags = $(if $(filter-out $(CPU_FLAGS),$(1)),,yes)
+DISPATCHES := default $(if $(call has_flags,avx2 fma),avx2) \
+	$(if $(call has_flags,avx512f avx512bw avx512vl avx512dq fma),avx512)
+DISPATCH_ENV_default := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
+DISPATCH_ENV_avx2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+DISPATCH_ENV_avx512 := ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=ALL
+NUMERICS_TESTS := tests/runner $(addprefix tests/engine/,test_sampling_features.py \
+	test_hybrid_serving.py test_hybrid_soak.py test_deepseek_serving.py \
+	test_deepseek_v32_serving.py test_tp_engine.py test_tp_l3.py)
+
+test-dispatch: $(addprefix test-dispatch-,$(DISPATCHES))
+
+test-dispatch-%: venv
+	@test -n "$(DISPATCH_ENV_$*)" || { echo "unknown dispatch '$*' (default, avx2, avx512)"; exit 2; }
+	@# ATen silently falls back to the best capability when asked for one the CPU lacks
+	$(DISPATCH_ENV_$*) $(VPY) -c "import sys, torch; got = torch.backends.cpu.get_cpu_capability(); \
+	sys.exit(None if got == '$*'.upper() else f'ATEN_CPU_CAPABILITY=$* runs as {got} here')"
+	$(DISPATCH_ENV_$*) $(VPY) -m pytest -q $(NUMERICS_TESTS)
 
 bench: venv
 	$(VPY) -m hicache.cli bench tree

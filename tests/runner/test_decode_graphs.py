@@ -70,8 +70,12 @@ WIDTH = 40
 """Page-table columns of the set-up tests: 160 keys, the probe's longest sequence."""
 PROBE_PAGES = probe_page_count(PAGE, WIDTH)
 """43: the probe's longest sequence crosses two key blocks (160 keys, 40 pages)."""
-TOL = 1e-5
-"""fp32 logits of the same rows through a padded bucket and the eager forward."""
+TOL = 1e-4
+"""fp32 logits of the same rows through a padded bucket and the eager forward: the GEMMs
+run on another number of rows, for which MKL may pick another kernel and summation order,
+so test_engine_model's bound on the tiny models' logits holds (``order_bound(128, 8.3)`` =
+1.3e-4). Measured up to 7.2e-6 with MKL pinned to SSE4.2 or AVX2, where 1e-5 left a
+margin of 1.4."""
 
 
 def make_runner(backend: str = "triton", device: str = "cpu") -> ModelRunner:
@@ -195,6 +199,7 @@ def test_padding_writes_only_the_scratch_page_and_real_slots_get_the_eager_kv() 
     # byte for byte: nothing outside the batch's new slots and the scratch page moved
     assert torch.equal(after_static[:, :, elsewhere], before[:, :, elsewhere])
     assert torch.equal(after_eager[:, :, elsewhere], before[:, :, elsewhere])
+    # the new K/V rows: the same GEMMs on another row count, as the logits (measured 2.7e-6)
     assert (after_static[:, :, new] - after_eager[:, :, new]).abs().max().item() <= TOL
     # the stale fourth row was reset to padding: one key at the scratch slot
     assert graphs.write_slots[3].item() == graphs.scratch_slot == SCRATCH * PAGE

@@ -31,7 +31,13 @@ pytest.importorskip("triton")
 from hicache.runner.kernels.decode_attention import paged_decode_attention
 
 TOL = 1e-4
-"""Logits against transformers, as in test_engine_model."""
+"""Logits of the kernel runner against the SDPA runner: test_engine_model's bound on fp32
+logits (``order_bound(128, 8.3)`` = 1.3e-4). Measured at most 4.3e-6."""
+ATTN_TOL = 1e-5
+"""fp32 attention against SDPA: each output is ``sum_j p_j v_j`` over n <= 129 keys
+(``p >= 0``, ``sum p = 1``, ``|v| <= 4.5`` from N(0, 1)), summed by blocks in the kernel:
+about sqrt(n) eps |v| = 6e-6 typically, ``order_bound(129, 4.5)`` = 7e-5 at worst; measured
+at most 4.8e-7 on every dispatch."""
 
 
 def reference(
@@ -102,7 +108,7 @@ def test_kernel_equals_sdpa_over_gathered_keys(
     got = paged_decode_attention(q, k, v, table, lens, page_size=page_size, scale=scale)
     want = reference(q, k, v, slots, scale)
     assert got.shape == q.shape and got.dtype == q.dtype
-    assert (got - want).abs().max().item() < 1e-5
+    assert (got - want).abs().max().item() < ATTN_TOL
 
 
 def test_kernel_refuses_shapes_that_do_not_fit() -> None:

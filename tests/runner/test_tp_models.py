@@ -45,6 +45,9 @@ from tests.helpers.engine_fixtures import TINY, engine_model, hf_logits, prompt_
 from tests.helpers.ranks import run_ranks
 
 TOL = 1e-4
+"""fp32 logits of one rank, two ranks and transformers, pairwise: test_engine_model's bound
+(``order_bound(128, 8.3)`` = 1.3e-4 over the tiny models' longest reduction and logits'
+scale; two ranks add each sharded sum in two halves). Measured at most 1.4e-5."""
 PAGE = 4
 A_LEN, B_LEN, DECODES, A_EXTEND = 13, 7, 3, 3
 """Sequence A: 13-token prefill, 3 decodes, then a 3-token extend on its cached prefix;

@@ -26,6 +26,7 @@ from hicache.runner.models.dsa_indexer import (
     sparse_mask,
 )
 from hicache.runner.models.rope import RotaryEmbedding
+from tests.helpers.numerics import order_bound
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -39,7 +40,10 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (  # noqa: E4
 
 HIDDEN, Q_LORA, HEADS, DIM, ROPE, TOPK = 32, 24, 16, 16, 8, 5
 # 16 heads: a score is exactly 0 (every head's relu 0) almost never, so no two tokens tie
-# at the top-k boundary, where transformers' torch.topk would break the tie arbitrarily
+# at the top-k boundary, where transformers' torch.topk would break the tie arbitrarily.
+# The selections are compared exactly: on these inputs the k-th and (k+1)-th scores of a
+# row are at least 0.015 apart (1.4e4 eps max|score|), while two orders of the 16-term
+# dot products move a score by order_bound(16, 16 * |q||k|) ~ 1e-4 at most.
 T = 13  # prompt length: more tokens than TOPK, so later queries really select
 PAGE = 2
 
@@ -104,6 +108,7 @@ def test_ropes_agree(pair: tuple[DeepseekV32Indexer, DsaIndexer, DeepseekV32Conf
         torch.arange(T), torch.float32
     )
     ref_cos, ref_sin = hf_rope(cfg, T)
+    # cos and sin of the same fp32 angles (|x| <= 1): a few ulps, measured equal
     assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
 
 
@@ -117,6 +122,8 @@ def test_a_whole_prompt_selects_what_transformers_selects(
     cos, sin = hf_rope(cfg, T)
     with torch.no_grad():
         keys = ours.keys(hidden, cos, sin)
+        # the same Linear, LayerNorm and RoPE on the same inputs (measured equal); allclose
+        # also allows rtol 1e-5 |k|, 84 eps, over the RoPE's 2-term sums (2 eps (|x|+|y|))
         assert torch.allclose(keys, ref_keys, atol=1e-6)
         scores = ours.scores(ours.queries(q_resid, cos, sin), ours.head_weights(hidden), keys)
         got = ours.select(scores, torch.arange(T))
@@ -149,7 +156,12 @@ def test_chunks_through_the_paged_pool_select_the_same(
             )  # fmt: skip
             assert torch.equal(got, want[start:end, :end]), f"chunk [{start}, {end})"
             start = end
-    assert torch.allclose(read_keys(pool, 1, slots), ref_keys, atol=1e-6)
+    # chunk by chunk the key GEMM runs on fewer rows, which MKL may sum in another order:
+    # one 32-term reduction per value, then a LayerNorm, so the error is absolute at the
+    # keys' scale K: order_bound(32, K) = 8e-6 at K = 2.1 (measured 4.8e-7 with SSE4.2
+    # GEMMs, 3e-7 with AVX2 / AVX-512; 1e-6 + 1e-5 |k| held a key near 0 to 1e-6)
+    bound = order_bound(32, ref_keys.abs().max().item())
+    torch.testing.assert_close(read_keys(pool, 1, slots), ref_keys, rtol=0, atol=bound)
     assert not pool.latent_buffer(0).any()  # another layer's keys are untouched
 
 

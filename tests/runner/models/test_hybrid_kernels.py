@@ -46,6 +46,9 @@ def test_gated_delta_rule_chunks_equal_the_recurrence() -> None:
         s = s + k[:, i, :, :, None] * u[:, :, None, :]
         outs.append((s * q[:, i, :, :, None]).sum(-2))
     ref = torch.stack(outs, dim=1)
+    # fp32 chunks reassociate the recurrence's sums: up to t * dk = 44 products of N(0, 1)
+    # values (sum|terms| of a few tens): order_bound(44, 20) = 1e-4 at worst; measured
+    # 4.8e-7 on every dispatch
     for chunk in (1, 3, 64):
         out, state = gated_delta_rule(q, k, v, g, beta, s0, chunk=chunk)
         assert (out - ref).abs().max() < 1e-4 and (state - s).abs().max() < 1e-4
@@ -65,6 +68,7 @@ def test_ssd_scan_chunks_equal_the_recurrence() -> None:
         s = decay * s + (dt[:, i, :, None] * x[:, i])[..., None] * bm[:, i, :, None, :]
         outs.append((s * cm[:, i, :, None, :]).sum(-1))
     ref = torch.stack(outs, dim=1)
+    # as the delta rule's: t * n = 65 products per value at worst, measured 3e-7
     for chunk in (1, 4, 64):
         out, state = ssd_scan(x, dt, a, bm, cm, s0, chunk=chunk)
         assert (out - ref).abs().max() < 1e-4 and (state - s).abs().max() < 1e-4
@@ -101,6 +105,7 @@ def test_moe_dispatch_equals_a_per_token_loop(mode: RoutingMode, extra: dict[str
     assert (routing.index.sort(-1).values.diff(dim=-1) > 0).all()  # distinct experts
     if mode is RoutingMode.SIGMOID_GROUPED:  # one group of four experts per token
         assert ((routing.index // 4) == (routing.index[:, :1] // 4)).all()
+        # three fp32 weights renormalized and scaled by 2: a few ulps (measured 2.4e-7)
         assert torch.allclose(routing.weight.sum(-1), torch.full((t,), 2.0))
     for bank in banks:
         got = bank(x, routing)
@@ -109,6 +114,9 @@ def test_moe_dispatch_equals_a_per_token_loop(mode: RoutingMode, extra: dict[str
             for j in range(3):
                 expert = bank.expert(int(routing.index[i, j]), x[i : i + 1])[0]
                 want[i] += routing.weight[i, j] * expert
+        # batched GEMMs (another row count, another MKL order) against one token at a time:
+        # reductions of 16 and 12 terms, relative to the outputs' scale: 1e-5 = 84 eps,
+        # above order_bound(16, 1) = 1.9e-6 of it (measured 2.8e-7 of it)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
