@@ -68,7 +68,7 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
     assert req.prefix_pages == 3 and req.loading
     assert req.wait_layer(0, 10)  # layer 0 arrived before the failure
     assert not req.wait_layer(1, 10) and req.failed is not None
-    cache.poll()
+    cache.sync()
     (node,) = cache.tree.iter_nodes()
     assert node.device is None and node.host is not None  # unmapped, L2 copy kept
     assert node.lock_ref == 0 and node.host_ref == 0
@@ -100,7 +100,7 @@ def test_a_failed_request_requeued_recomputes_what_its_load_could_not_bring(
     assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
     cache.requeue(req, TOKENS)
     assert req.state is RequestState.WAITING and req.failed is not None
-    cache.poll()  # the failed load applied: its chain is out of L1
+    cache.sync()  # the failed load applied: its chain is out of L1
     loads = cache.stats().counters["load_failures_total"]
     assert cache.admit(req, TOKENS)
     assert req.failed is None and req.prefix_pages == 1 and not req.loading
@@ -109,7 +109,7 @@ def test_a_failed_request_requeued_recomputes_what_its_load_could_not_bring(
     assert cache.stats().counters["load_fallbacks_total"] == 1
     write_tokens(cache, TOKENS, req.pages[1:3], 1)  # the recompute
     cache.release(req, TOKENS)
-    cache.poll()
+    cache.sync()
     assert cache.stats().counters["load_failures_total"] == loads  # nothing loaded
     hook.on = False
     again = serve(cache, TOKENS, hold=True)  # serve() checks the cached bytes
@@ -246,7 +246,7 @@ def test_a_queued_request_takes_what_best_effort_prefetched() -> None:
         p = req.prefetch
         assert p is not None
         for _ in range(2000):
-            b.poll()
+            b.sync()
             if p.finished:
                 break
             time.sleep(0.001)
@@ -285,8 +285,9 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         b.attach_storage(slow, ns, prefetch)
         req = b.open(TOKENS, compute_last=False)
         start = time.monotonic()
-        while not b.ready(req):
+        while not b.ready(req):  # as agreed at the last sync
             time.sleep(0.005)
+            b.sync()
         assert b.admit(req, TOKENS) and req.cached.storage == 0  # the get timed out
         b.release(req, TOKENS)
         b.check_integrity()  # the 3 read pages are held by the op, not free
@@ -363,7 +364,7 @@ def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
         assert all(cache.host.allocator.is_used(p) for p in c_host)
         assert p_node.lock_ref == 1  # the failed run stays pinned in L1 meanwhile
         cache.flush()  # the L3 write lands; then the L2 copies are dropped
-        cache.poll()
+        cache.sync()
         assert p_node.host is None and c_node.host is None and p_node.lock_ref == 0
         assert cache.stats().counters["backup_failures_total"] == 1
         cache.check_integrity()
@@ -407,20 +408,20 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         end = time.monotonic() + 10
         while cache.storage is not None and not cache.storage.held_host_pages():
             assert time.monotonic() < end, "the prefetch read was never issued"
-            cache.poll()
+            cache.sync()
             time.sleep(0.001)
         held = cache.storage.held_host_pages() if cache.storage is not None else []
         assert len(held) == 3
         assert cache.detach_storage()  # the read timed out; its bytes land later
         assert not cache.storage_attached
-        cache.poll()
+        cache.sync()
         assert cache.host.allocator.used_pages == 3  # quarantined, not free
         assert all(cache.host.allocator.is_used(p) for p in held)
         cache.check_integrity()  # counted held by the detached backend
         end = time.monotonic() + 10
         while cache.host.allocator.used_pages:
             assert time.monotonic() < end, "the retired backend's pages were never freed"
-            cache.poll()
+            cache.sync()
             time.sleep(0.01)
         assert late.host_writes_settled(0.0)
         cache.release(req)
@@ -545,7 +546,7 @@ def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
     req = _admit(cache, LONGER)  # room for the rest came from X, once backed up
     assert req.prefix_pages == 3
     assert not req.wait_layer(1, 10) and req.failed is not None
-    cache.poll()
+    cache.sync()
     m = cache.match_prefix(TOKENS)
     assert (m.device_tokens, m.host_tokens) == (0, 6)
     assert req.node is None  # failed and unpinned
@@ -626,7 +627,7 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
     assert gates.parked(1)
     gates.release(0)
     _settled(cache, ops=1)  # the first load failed and posted it; the second is parked
-    cache.poll()
+    cache.sync()
     assert first.failed is not None and second.failed is not None
     assert first.node is None and second.node is None
     m = cache.match_prefix(LONGER)

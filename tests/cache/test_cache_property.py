@@ -132,7 +132,7 @@ class CacheMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         if self.cache is None:
             return
-        self.cache.poll()
+        self.cache.sync()
         self.cache.check_integrity()
 
 

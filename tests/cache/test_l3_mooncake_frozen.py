@@ -62,8 +62,9 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
             time.sleep(0.001)
         mooncake.freeze()
         try:
-            while not b.ready(req):
+            while not b.ready(req):  # as agreed at the last sync
                 time.sleep(0.005)
+                b.sync()
             assert b.admit(req, TOKENS)
             assert req.cached.storage == 0  # the get timed out: recomputed
             b.release(req, TOKENS)

@@ -197,7 +197,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         if self.cache is None:
             return
-        self.cache.poll()
+        self.cache.sync()
         self.cache.check_integrity([p for pages in self.private for p in pages])
 
 

@@ -22,7 +22,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, prompt_ids
-from tests.helpers.fake_runner import NextTokenRunner, make_scheduler, run_until_idle
+from tests.helpers.fake_runner import NextTokenRunner, make_scheduler, run_until_idle, step
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -139,10 +139,10 @@ def test_outputs_wait_for_the_next_forward_or_an_idle_step(cache: HiCache) -> No
     outs: list[RequestOutput] = []
     req = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1), outs.append)
     sched.add(req)
-    assert sched.step()  # prefill; token 4 read, the request ends (max_tokens) and is released
+    assert step(sched)  # prefill; token 4 read, the request ends (max_tokens) and is released
     assert req.finished and outs == [] and cache.requests == 0
     assert not sched.idle and sched.in_flight == [req]
-    assert not sched.step()  # no forward: the pending final report goes out
+    assert not step(sched)  # no forward: the pending final report goes out
     assert shown(outs) == [([4], "4", "4", True, FinishReason.LENGTH)]
     assert sched.idle and sched.in_flight == [] and len(runner.batches) == 1
 
@@ -153,11 +153,11 @@ def test_abort_while_an_output_is_pending(cache: HiCache) -> None:
     outs: list[RequestOutput] = []
     req = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10), outs.append)
     sched.add(req)
-    sched.step()
-    sched.step()  # token 4 reported while token 5's forward ran; token 5 pending
+    step(sched)
+    step(sched)  # token 4 reported while token 5's forward ran; token 5 pending
     assert shown(outs) == [([4], "4", "4", False, None)]
     sched.abort(req.rid)
-    assert not sched.step()
+    assert not step(sched)
     assert shown(outs) == [
         ([4], "4", "4", False, None),
         ([4, 5], " 5", "4 5", False, None),
@@ -176,10 +176,10 @@ def test_a_pending_stop_string_wins_over_a_later_abort(cache: HiCache) -> None:
     params = SamplingParams(temperature=0, max_tokens=10, stop="5")
     req = Request([1, 2, 3], params, outs.append)
     sched.add(req)
-    sched.step()
-    sched.step()
+    step(sched)
+    step(sched)
     sched.abort(req.rid)
-    sched.step()
+    step(sched)
     assert shown(outs) == [
         ([4], "4", "4", False, None),
         ([4, 5], " ", "4 ", True, FinishReason.STOP),
@@ -195,10 +195,10 @@ def test_a_pending_stop_string_voids_the_reason_of_a_later_abort(cache: HiCache)
     params = SamplingParams(temperature=0, max_tokens=10, stop="5")
     req = Request([1, 2, 3], params, outs.append)
     sched.add(req)
-    sched.step()
-    sched.step()
+    step(sched)
+    step(sched)
     req.error, req.aborted = "the engine was closed", True  # what Engine._fail does
-    sched.step()
+    step(sched)
     assert [(o.finished, o.finish_reason, o.error) for o in outs] == [
         (False, None, None),
         (True, FinishReason.STOP, None),
@@ -225,7 +225,7 @@ def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> No
     pending_token = None
     for _ in range(100):
         before = [(r.retracted, r.output_ids[-1] if r.output_ids else None) for r, _ in made]
-        sched.step()
+        step(sched)
         hit = [b[1] for (r, _), b in zip(made, before, strict=True) if r.retracted > b[0]]
         if hit:
             pending_token = hit[0]

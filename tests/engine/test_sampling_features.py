@@ -24,7 +24,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
-from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer
+from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer, step
 
 V = 8
 TOL = 1e-4
@@ -465,7 +465,7 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
         for _ in range(200):
             if sched.idle:
                 break
-            sched.step()
+            step(sched)
         assert sched.idle and a.retracted >= 1
         assert a.output_ids == list(range(25, 33)) and b.output_ids == list(range(43, 51))
         plp = a_outs[-1].prompt_logprobs
@@ -530,7 +530,7 @@ def test_a_failing_row_ends_only_its_request() -> None:
         for _ in range(50):
             if sched.idle:
                 break
-            sched.step()
+            step(sched)
         assert sched.idle
         good = outs[0][-1]
         assert good.output_ids == [6, 7, 8] and good.finish_reason is FinishReason.LENGTH

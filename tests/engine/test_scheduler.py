@@ -17,6 +17,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run
+from tests.helpers.fake_runner import step
 from tests.helpers.kvdata import FailingLoads, LoadGates
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -43,7 +44,7 @@ def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:
     reqs = [request([10 * i + 1, 10 * i + 2, 10 * i + 3]) for i in range(3)]
     for r, _ in reqs:
         sched.add(r)
-    sched.step()
+    step(sched)
     assert [r.rid for r in sched.running] == [reqs[0][0].rid, reqs[1][0].rid]
     assert [r.rid for r in sched.waiting] == [reqs[2][0].rid]
     assert runner.batches[0] == [3, 3]  # both prompts in one prefill
@@ -60,7 +61,7 @@ def test_queue_time_ends_at_the_first_admission_and_stays_within_ttft(cache: HiC
     (first, first_outs), (second, second_outs) = request([1, 2, 3]), request([11, 12, 13])
     sched.add(first)
     sched.add(second)
-    sched.step()  # admits only the first: the second waits for room in the batch
+    step(sched)  # admits only the first: the second waits for room in the batch
     assert first.admitted_at is not None and second.admitted_at is None
     assert first_outs[0].queue_s == first.admitted_at - first.arrival
     run(sched)
@@ -76,11 +77,11 @@ def test_pages_grow_one_page_at_a_boundary(cache: HiCache) -> None:
     sched, _ = make(cache)
     r, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6))
     sched.add(r)
-    sched.step()  # prefill: 3 tokens in 1 page, first output token sampled
+    step(sched)  # prefill: 3 tokens in 1 page, first output token sampled
     assert r.cache is not None and len(r.cache.pages) == 1 and r.kv_len == 3
-    sched.step()  # decode position 3: still page 0
+    step(sched)  # decode position 3: still page 0
     assert len(r.cache.pages) == 1
-    sched.step()  # decode position 4: a second page
+    step(sched)  # decode position 4: a second page
     assert len(r.cache.pages) == 2 and r.kv_len == 5
     run(sched)
     assert r.output_ids == [4, 5, 6, 7, 8, 9]
@@ -92,11 +93,11 @@ def test_abort_frees_everything_of_waiting_and_running_requests(cache: HiCache) 
     b, b_outs = request([7, 8, 9])
     sched.add(a)
     sched.add(b)
-    sched.step()
+    step(sched)
     assert sched.running == [a] and list(sched.waiting) == [b]
     sched.abort(a.rid)
     sched.abort(b.rid)
-    sched.step()
+    step(sched)
     assert sched.idle
     assert a_outs[-1].finish_reason is FinishReason.ABORT
     assert b_outs[-1].finish_reason is FinishReason.ABORT
@@ -207,7 +208,7 @@ def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() ->
         assert cache.host is not None
         cache.host.controller.wait_idle(10)  # its failed completion is posted
         done = len(runner.batches)
-        sched.step()
+        step(sched)
         assert runner.batches[done:] == [[13]]  # only the recompute, from position 0
         run(sched)
         assert outs[-1].error is None and again.output_ids == first.output_ids
@@ -220,11 +221,11 @@ def test_a_new_prompt_is_prefilled_alongside_running_decodes(cache: HiCache) -> 
     sched, runner = make(cache, chunked_prefill_size=6)
     a, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
     sched.add(a)
-    sched.step()  # a's prefill
+    step(sched)  # a's prefill
     b, _ = request(list(range(10, 20)))  # 10 tokens
     sched.add(b)
-    sched.step()
-    sched.step()
+    step(sched)
+    step(sched)
     # a decodes every step; b's prompt goes in chunks of the 5 tokens left of the budget
     assert runner.batches[:3] == [[3], [1, 5], [1, 5]]
     run(sched)
@@ -236,11 +237,11 @@ def test_the_first_prefill_advances_even_when_decodes_fill_the_budget(cache: HiC
     reqs = [request([i, i + 1], SamplingParams(temperature=0.0, max_tokens=4))[0] for i in (1, 11)]
     for r in reqs:
         sched.add(r)
-    sched.step()  # both prompts: 2 tokens each, budget 2 -> one, then the other
-    sched.step()
+    step(sched)  # both prompts: 2 tokens each, budget 2 -> one, then the other
+    step(sched)
     late, _ = request([40, 41, 42, 43, 44, 45, 46, 47, 48])
     sched.add(late)
-    sched.step()
+    step(sched)
     assert runner.batches[2][-1] == PAGE  # two decodes took the budget; a page anyway
     run(sched)
     assert late.output_ids == [49, 50, 51]

@@ -1,7 +1,7 @@
 """HiCache: the one facade a scheduler talks to, in requests.
 
-It holds the request verbs below and the owner's :meth:`HiCache.poll`, over the tree and
-three tier objects: the L1 :class:`~hicache.cache.device_tier.DeviceTier` (the device pool
+It holds the request verbs below and :meth:`HiCache.sync`, over the tree and three tier
+objects: the L1 :class:`~hicache.cache.device_tier.DeviceTier` (the device pool
 of the full KV, allocation with eviction, reserved pages), the optional L2
 :class:`~hicache.cache.host_tier.HostTier` (host pool, L1<->L2 copies, L2 eviction) and the
 optional L3 :class:`~hicache.cache.storage_tier.StorageTier` (prefetch and writes,
@@ -9,12 +9,15 @@ attached and detached through a :class:`~hicache.cache.storage_slot.StorageSlot`
 model's component stores (one per extra component of its
 :class:`~hicache.config.CacheSpec`: :mod:`hicache.cache.components`). All methods run on
 the owner's thread; worker threads only move bytes and post records to one completion
-queue, which :meth:`HiCache.poll` applies.
+queue, owned by the cache's :class:`~hicache.cache.sync.CacheSync`, which applies them at
+:meth:`HiCache.sync` (the engine calls it once per step, whatever the rank count) and
+inside explicit waits; no verb applies a record.
 
 Request life cycle, as an engine drives it::
 
+    cache.sync()                            # once per step: apply what the workers posted
     req = cache.open(prompt, tenant=salt)   # on arrival: the L3 prefetch starts now
-    while not cache.ready(req): ...         # the prefetch policy says when to admit
+    while not cache.ready(req): ...         # the policy, as agreed at the last sync
     if cache.admit(req, prompt):            # match, take the prefetch, load back, pin, pages
         resume = req.take_resume()          # what the runner resumes from (opaque)
         plan = cache.plan_chunk(req, start, n)  # where the forward ends, what it keeps
@@ -33,11 +36,9 @@ scheduler needs none of them.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -63,9 +64,9 @@ from hicache.cache.inspect import (
 from hicache.cache.request import CachedTokens, CacheRequest, RequestState
 from hicache.cache.storage_slot import StorageSlot
 from hicache.cache.storage_tier import StorageTier
+from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
 from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
-from hicache.controller import CompletionQueue, write_rule
-from hicache.controller.agreement import Agreement, LocalRecords
+from hicache.controller import write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
 from hicache.keys import Namespace
@@ -74,7 +75,7 @@ from hicache.memory import DevicePool, HostPool, check_pool_sizes
 from hicache.metrics import CacheCounters, CacheStats
 from hicache.storage.base import HiCacheStorage
 from hicache.tokens import encode_tokens
-from hicache.transfer import Completion, LayerProgress
+from hicache.transfer import LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
 from hicache.tree.components import (
     ComponentValues,
@@ -85,11 +86,7 @@ from hicache.validate import number_at_least
 
 log = logging.getLogger("hicache.cache")
 
-DEFAULT_WAIT_TIMEOUT_S = 60.0
-"""Longest the owner waits for copies in flight before giving up with TimeoutError."""
-
-_WAIT_POLL_S = 0.0005
-"""Pause between two agreed syncs of a wait in which nothing was applied (seconds)."""
+__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "ComponentHits", "HiCache"]
 
 S = TypeVar("S", bound=ComponentStore)
 
@@ -103,37 +100,6 @@ class ComponentHits:
     name: str
     l1: int
     l2: int
-
-
-class _Events:
-    """The cache's :class:`~hicache.cache.events.TierEvents`, given to its host tier and
-    component stores at construction."""
-
-    def __init__(self, cache: HiCache) -> None:
-        self._cache = cache
-
-    def drain(self) -> object:
-        return self._cache.poll()
-
-    def backed_up(self, nodes: list[TreeNode]) -> None:
-        if self._cache.storage is not None:
-            self._cache.storage.on_host_backup(nodes)
-
-    def backup_issued(self, last: TreeNode) -> None:
-        self._cache.stores.back_up(last)
-
-    def free_components(self, tier: Tier, ids: Mapping[str, PageIds]) -> None:
-        self._cache.stores.free(tier, ids)
-
-    def fail_holders(self, top: TreeNode, reason: str) -> None:
-        self._cache._fail_holders(top, reason)
-
-    def wait_backups(self) -> bool:
-        host = self._cache.host
-        if host is None or not host.backups or self._cache._applying:
-            return False  # (no wait while an agreed record is applied: every rank alike)
-        host.wait_backups()
-        return True
 
 
 class HiCache(Lifecycle):
@@ -150,12 +116,12 @@ class HiCache(Lifecycle):
     layers only when sliding layers have their own store). ``limits``: refuse (ValueError)
     stores too small to serve one request under them.
 
-    ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank). With
-    more than one rank no worker record is applied on one rank alone: :meth:`poll` only
-    buffers what the workers posted, and :meth:`sync` (every rank calls it once per
-    engine step, and every wait of the cache loops on it) agrees on every op in flight
-    in one all-reduce and applies what every rank has, with the agreed values
-    (:mod:`hicache.controller.agreement`), so every rank's tree stays the same.
+    ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank). No
+    worker record is applied on one rank alone, nor anywhere but in :meth:`sync` (every
+    rank calls it once per engine step) and inside the cache's waits: the cache's
+    :class:`~hicache.cache.sync.CacheSync` agrees on every op in flight (one all-reduce;
+    none with one rank, whose verdict is its vote) and applies what every rank has, with
+    the agreed values, so every rank's tree stays the same.
     """
 
     def __init__(
@@ -190,18 +156,13 @@ class HiCache(Lifecycle):
         )
         self.rule = write_rule(config)
         self.counters = CacheCounters()
-        self._completions = CompletionQueue()
-        self._op_ids = itertools.count(1)
-        self.ranks = ranks or RankGroup.single()
-        """The tensor-parallel ranks this cache agrees with (one: no agreement)."""
-        self._agreement = Agreement(self.ranks) if self.ranks.multi else None
-        self._got = LocalRecords()
-        """Worker records polled, not applied yet (several ranks only)."""
-        self._applying = False
+        self._sync = CacheSync(tree=self.tree, ranks=ranks, wait_timeout_s=wait_timeout_s)
+        self.ranks = self._sync.ranks
+        """The tensor-parallel ranks this cache agrees with (one: its verdict is its vote)."""
+        self._requests = self._sync.holders
         self.host: HostTier | None = None
-        events = _Events(self)
         ctx = StoreContext(
-            tree=self.tree, config=config, kv=spec, device=self.device, events=events
+            tree=self.tree, config=config, kv=spec, device=self.device, sync=self._sync
         )
         self.stores = ComponentStores.build(self.cache_spec, ctx, store_types)
         """The model's component stores, in its spec's order (empty: full KV only)."""
@@ -213,13 +174,10 @@ class HiCache(Lifecycle):
                 config=config,
                 spec=spec,
                 device=self.device,
-                completions=self._completions,
+                sync=self._sync,
+                stores=self.stores,
                 counters=self.counters,
-                events=events,
-                wait_timeout_s=wait_timeout_s,
                 layer_hook=layer_hook,
-                ranks=self.ranks,
-                wait_until=self._wait_until,
             )
         self.device_tier = DeviceTier(
             tree=self.tree,
@@ -227,7 +185,7 @@ class HiCache(Lifecycle):
             rule=self.rule,
             counters=self.counters,
             host=self.host,
-            free_components=self.stores.free,
+            stores=self.stores,
         )
         """The L1 tier: its pool, allocation with eviction, reserved pages."""
         self._l3: StorageSlot | None = None
@@ -236,16 +194,10 @@ class HiCache(Lifecycle):
             self._l3 = StorageSlot(
                 tree=self.tree,
                 host=self.host,
-                completions=self._completions,
                 counters=self.counters,
-                op_ids=self._op_ids,
-                drain=self.poll,
-                records=self.stores.records,
-                free_components=self.stores.free,
-                ranks=self.ranks,
-                wait_until=self._wait_until,
+                sync=self._sync,
+                stores=self.stores,
             )
-        self._requests: set[CacheRequest] = set()
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -318,9 +270,7 @@ class HiCache(Lifecycle):
             return False
         for req in self._requests:
             req.prefetch = None
-        detached = self._l3.detach(self.wait_timeout_s if timeout_s is None else timeout_s)
-        self._got.drop_l3()  # records of the detached tier's ops are dropped
-        return detached
+        return self._l3.detach(self.wait_timeout_s if timeout_s is None else timeout_s)
 
     @property
     def storage(self) -> StorageTier | None:
@@ -367,9 +317,8 @@ class HiCache(Lifecycle):
         return req
 
     def ready(self, req: CacheRequest) -> bool:
-        """Whether ``req`` may be admitted now (its prefetch policy is satisfied; with
-        several ranks, as agreed at the last :meth:`sync`: the same answer on every rank)."""
-        self.poll()
+        """Whether ``req`` may be admitted now: its prefetch policy is satisfied, as agreed
+        at the last :meth:`sync` (the same answer on every rank)."""
         if req.prefetch is None or self.storage is None:
             return True
         return self.storage.ready(req.prefetch)
@@ -388,13 +337,11 @@ class HiCache(Lifecycle):
             raise RuntimeError(f"admit of a request that is {req.state.value}")
         if not tokens:
             raise ValueError("admit needs at least one token")
-        self.poll()
         if req.prefetch is not None:
             if self.storage is not None:
                 req.storage_tokens += self.storage.take(req.prefetch)
             req.prefetch = None
         ps = self.page_size
-        # polled above: the tree's match, without a second poll
         wanted = tokens[: len(tokens) - int(req.compute_last)] if req.cacheable else ()
         match = self.tree.match_prefix(wanted, req.tenant)
         node, pages, loaded, progress = self._load_back(match, req, load=not req._no_load)
@@ -591,14 +538,13 @@ class HiCache(Lifecycle):
     # ------------------------------------------------------------------ prefix reuse
 
     def match_prefix(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
-        """The cached prefix of ``tokens`` in L1 and L2 (whole pages); copies nothing.
-
-        Applies what the workers posted first (so no L1 page of a failed load is
-        returned), but waits for no load: L1 pages a load in flight maps may still be
-        arriving (:meth:`HostTier.loads_on` names those loads; a request admitted over
-        them waits for their layers in ``wait_layer``).
+        """The cached prefix of ``tokens`` in L1 and L2 (whole pages); copies nothing and
+        applies nothing (the tree as of the last :meth:`sync`). Waits for no load: L1
+        pages a load in flight maps may still be arriving (:meth:`HostTier.loads_on`
+        names those loads; a request admitted over them waits for their layers in
+        ``wait_layer``), and those of a load that failed since leave the tree at the next
+        sync.
         """
-        self.poll()
         return self.tree.match_prefix(tokens, tenant)
 
     def _load_back(
@@ -677,7 +623,6 @@ class HiCache(Lifecycle):
         Pages the tree already holds under other ids are freed here. The caller keeps
         ownership of pages beyond the whole pages of ``tokens``.
         """
-        self.poll()
         result = self.tree.insert(
             tokens, device_pages, priority=priority, tenant=tenant, components=components or None
         )
@@ -757,118 +702,13 @@ class HiCache(Lifecycle):
 
     # ------------------------------------------------------------------ completions
 
-    def poll(self) -> int:
-        """Apply every record the workers posted; returns how many were applied.
-
-        With several ranks it only buffers them (returns 0): :meth:`sync` applies them
-        once every rank has them."""
-        if self._agreement is not None:
-            self._buffer()
-            return 0
-        records = self._completions.drain()
-        for r in records:
-            if isinstance(r, Completion):
-                assert self.host is not None
-                self.host.apply(r)
-            elif self.storage is not None and self.storage.owns(r.op_id):
-                self.storage.apply(r)  # records of a detached tier's ops are dropped
-        self._settle_tiers()
-        return len(records)
-
-    def _settle_tiers(self) -> None:
-        """After records were applied: retry the L2 invalidations that waited, apply
-        failed loads, lift the quarantines no copy or backend write holds any more."""
-        if self.host is not None:
-            self.host.retry_invalidations()
-            self.host.settle()
-        if self._l3 is not None:
-            self._l3.settle()
-
-    def _buffer(self) -> None:
-        """Keep every record posted for an op in flight (several ranks)."""
-        host, storage = self.host, self.storage
-        for r in self._completions.drain():
-            if isinstance(r, Completion):
-                if host is not None and (r.op_id in host.backups or r.op_id in host.loads):
-                    self._got.put(r)
-            elif storage is not None and storage.owns(r.op_id):
-                self._got.put(r)  # records of a detached tier's ops are dropped
-
     def sync(self) -> int:
-        """Agree with the other ranks on every op in flight and apply, in op order, what
-        every rank has, with the agreed values; returns how many records were applied.
-
-        Every rank must call it at the same point of its step (the engine: once per
-        step); it makes one all-reduce whatever this rank's state, plus, while an agreed
-        lookup is applied, the few whose count depends on agreed values alone. With one
-        rank it is :meth:`poll`."""
-        if self._agreement is None:
-            return self.poll()
-        return self._sync(give_up=False)[0]
-
-    def _sync(self, *, give_up: bool) -> tuple[int, bool]:
-        """One agreement (``give_up``: this rank's wait is past its deadline); returns
-        the records applied and whether some rank gave up (all give up together). A
-        no-op inside the application of an agreed record (every rank is in the same one)."""
-        agreement = self._agreement
-        assert agreement is not None
-        if self._applying:
-            return 0, False
-        self._buffer()
-        host, storage, got = self.host, self.storage, self._got
-        step = agreement.agree(
-            [] if host is None else host.votes(got),
-            [] if storage is None else storage.votes(got),
-            give_up=give_up,
-        )
-        applied = 0
-        self._applying = True
-        try:
-            for v in step.transfer:
-                assert host is not None
-                applied += host.apply_agreed(v, got)
-            for v in step.l3:
-                assert storage is not None
-                applied += storage.apply_agreed(v, got)
-        finally:
-            self._applying = False
-        self._settle_tiers()
-        return applied, step.gave_up
-
-    def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
-        """Sync until ``done()`` (a test of agreed state: the same on every rank); False
-        when some rank's ``timeout_s`` passed first (every rank gives up in the same sync).
-        Inside the application of an agreed record it does not wait: ``done()`` now."""
-        if done():
-            return True
-        if self._agreement is None or self._applying:
-            return False
-        end = time.monotonic() + timeout_s
-        while True:
-            applied, gave_up = self._sync(give_up=time.monotonic() >= end)
-            if done():
-                return True
-            if gave_up:
-                return False
-            if not applied:
-                time.sleep(_WAIT_POLL_S)
-
-    def _fail_holders(self, top: TreeNode, reason: str) -> None:
-        """A load under ``top`` failed: every admitted request whose prefix runs through
-        ``top`` reads pages it never wrote. Mark it failed and unpin its prefix (its
-        caller requeues it, which recomputes what the load could not bring, or releases it
-        without keeping its KV)."""
-        for req in self._requests:
-            n = req.node
-            while n is not None and n is not top:
-                n = n.parent
-            if n is None:
-                continue
-            if req.failed is None:
-                req.failed = reason
-            assert req.node is not None
-            self.tree.dec_lock_ref(req.node)
-            req.node = None
+        """Apply what the workers posted, agreed with the other ranks: every op in flight,
+        in op order, with the agreed values (:meth:`CacheSync.sync`); returns how many
+        records were applied. The one point per step where records are applied (besides
+        the cache's waits), the same with one rank or many: every rank calls it at the
+        same point of its step (the engine: once per step)."""
+        return self._sync.sync()
 
     def flush(self) -> None:
         """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""

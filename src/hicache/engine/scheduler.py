@@ -276,7 +276,6 @@ class Scheduler:
         forward runs, with ``overlap``; else this step's at its end). Returns False when no
         forward ran (nothing to do, or only L3 prefetches to wait for); pending outputs
         are emitted then too."""
-        self.cache.poll()
         self._reap_aborted()
         for req in [r for r in self.running if r.cache is not None and r.cache.failed is not None]:
             self._fall_back(req)  # a load its prefix depends on failed: recompute it
@@ -572,7 +571,6 @@ class Scheduler:
         others' computed positions and hand the runner's extras to the cache untouched (a
         prefill chunk's pages are committed now, so other requests share them); returns
         ``(logits row, request, was a prefill)`` of each request to sample."""
-        self.cache.poll()  # a failed load marks its requests failed
         rows: list[tuple[int, Request, bool]] = []
         for i, (req, n) in enumerate(batch):
             assert req.cache is not None
