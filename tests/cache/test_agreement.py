@@ -159,8 +159,8 @@ def test_attach_storage_refuses_a_group_the_cache_was_not_built_with() -> None:
         storage = create_storage("memory", namespace=ns)
         with pytest.raises(ValueError, match=r"rank 1 of 2, but the cache is rank 0 of 1"):
             cache.attach_storage(storage, ns, PrefetchConfig(), _Two())
-        assert not cache.storage_attached
+        assert not (cache.storage is not None)
         cache.attach_storage(
             create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.ranks
         )
-        assert cache.storage_attached and cache.sync() == 0  # nothing in flight
+        assert (cache.storage is not None) and cache.sync() == 0  # nothing in flight

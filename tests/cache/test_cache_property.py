@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 )
 
 from hicache.cache import CacheRequest, HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
@@ -106,11 +107,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n: int) -> None:
-        self.c.evict_device(n)
+        self.c.full.evict_device(n)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n: int) -> None:
-        self.c.evict_host(n)
+        self.c.full.evict_host(n)
 
     @rule()
     def flush(self) -> None:
@@ -133,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         self.cache.sync()
-        self.cache.check_integrity()
+        check_integrity(self.cache)
 
 
 CacheMachine.TestCase.settings = settings(

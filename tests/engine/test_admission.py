@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.engine.admission import QueueFull, QueueGate
 from hicache.engine.request import Request
@@ -82,8 +83,8 @@ def test_a_strict_cap_holds_a_group_to_its_cap_and_a_later_small_request_runs_at
     assert rids(sched.waiting) == rids(wide[2:])
     run(sched, 200)
     assert all(len(r.output_ids) == 20 for r in wide)
-    assert cache.requests == 0
-    cache.check_integrity()
+    assert len(cache.admitted) == 0
+    check_integrity(cache)
 
 
 def test_without_a_group_rule_the_wide_request_takes_every_slot(cache: HiCache) -> None:
@@ -112,7 +113,7 @@ def test_fair_share_picks_the_new_group_and_fcfs_without_a_rule(cache: HiCache) 
         assert [r.group for r in sched.running] == ["a", "a", expected], cap
         assert [r.group for r in sched.waiting] == ["b" if expected == "a" else "a"]
         run(sched, 200)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_higher_priority_is_admitted_first(cache: HiCache) -> None:
@@ -147,7 +148,7 @@ def test_lpm_admits_the_longest_cached_prefix_first(cache: HiCache, policy: str)
     assert rids(sched.running) == rids(order[:1])
     run(sched)
     assert (warm.cached.device, half.cached.device, cold.cached.device) == (12, 4, 0)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_queue_places_are_given_back_at_admission_and_on_abort(cache: HiCache) -> None:
@@ -238,8 +239,8 @@ def test_a_lone_wide_group_borrows_every_slot_and_gives_one_back_per_small_reque
     for i, r in enumerate(wide):
         assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
     assert sched.reclaimed == 1 and sum(r.retracted for r in wide) == 1
-    assert cache.requests == 0
-    cache.check_integrity()
+    assert len(cache.admitted) == 0
+    check_integrity(cache)
 
 
 def test_small_requests_cut_the_wide_group_to_its_cap_and_no_further(cache: HiCache) -> None:
@@ -262,7 +263,7 @@ def test_small_requests_cut_the_wide_group_to_its_cap_and_no_further(cache: HiCa
     assert [r.output_ids for r in small] == [[72, 73], [74, 75], [76, 77]]
     for i, r in enumerate(wide):
         assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found_again() -> None:
@@ -279,7 +280,7 @@ def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found
             sched.add(r)
         step(sched)
         assert rids(sched.running) == rids(wide)
-        assert cache.stats().device_free_tokens == PAGE  # one page free
+        assert cache_stats(cache).device_free_tokens == PAGE  # one page free
         small = Request(list(range(80, 87)), two, None)
         sched.add(small)
         step(sched)  # a free slot but no L1: one lent copy's pages, no more
@@ -289,8 +290,8 @@ def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found
         step(sched)  # re-admitted from its committed page: 4 of its 8 tokens recomputed
         assert runner.batches[-1] == [1, 4]
         assert small.output_ids == [87, 88] and wide[5].output_ids == [58, 59]
-        assert sched.idle and cache.requests == 0
-        cache.check_integrity()
+        assert sched.idle and len(cache.admitted) == 0
+        check_integrity(cache)
 
 
 def test_priority_first_among_claimants_for_a_lent_slot(cache: HiCache) -> None:
@@ -312,7 +313,7 @@ def test_priority_first_among_claimants_for_a_lent_slot(cache: HiCache) -> None:
     assert sched.reclaimed == 1
     run(sched, 300)
     assert low.output_ids == [72, 73] and high.output_ids == [82, 83]
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_strict_cap_lists_no_borrower(cache: HiCache) -> None:
@@ -387,7 +388,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
         run(sched, 200)
         assert claimant.output_ids == [49, 50]
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 LENDING_MODELS = ("tiny-random-llama", "tiny-random-gemma3", "tiny-random-qwen3-next")
@@ -443,7 +444,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
                     if r.retracted and i not in prefixes and r in sched.running:
                         assert r.cache is not None
                         prefixes[i] = r.cache.prefix_tokens
-            assert sched.idle and engine.cache.requests == 0
+            assert sched.idle and len(engine.cache.admitted) == 0
             states = sched.runner.states
             assert states is None or len(states) == 0
             return {
@@ -456,7 +457,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
             }
 
         got: dict[str, Any] = engine.call(drive).result(timeout=120)
-        engine.call(engine.cache.check_integrity).result(timeout=30)
+        engine.call(lambda: check_integrity(engine.cache)).result(timeout=30)
         return got
 
 
@@ -491,4 +492,4 @@ def test_each_retraction_falls_on_a_copy_retracted_fewest_times(cache: HiCache) 
     run(sched, 300)
     for i, r in enumerate(wide):
         assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
-    cache.check_integrity()
+    check_integrity(cache)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
@@ -492,7 +493,7 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
         assert a.retracted and runner.logit_rows[-1] is None
         assert a.cached.total == 0
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_a_failing_row_ends_only_its_request() -> None:
@@ -540,6 +541,6 @@ def test_a_failing_row_ends_only_its_request() -> None:
         assert errors[0].startswith("prompt logprobs failed")
         assert errors[1].startswith("logprobs failed")
         assert errors[2].startswith("logit processing failed") and "outside" in errors[2]
-        assert cache.requests == 0
+        assert len(cache.admitted) == 0
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
@@ -52,8 +53,8 @@ def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:
     run(sched)
     for (r, outs), first in zip(reqs, (4, 14, 24), strict=True):
         assert outs[-1].finished and r.output_ids == [first, first + 1, first + 2]
-    assert cache.requests == 0
-    cache.check_integrity()
+    assert len(cache.admitted) == 0
+    check_integrity(cache)
 
 
 def test_queue_time_ends_at_the_first_admission_and_stays_within_ttft(cache: HiCache) -> None:
@@ -101,10 +102,10 @@ def test_abort_frees_everything_of_waiting_and_running_requests(cache: HiCache) 
     assert sched.idle
     assert a_outs[-1].finish_reason is FinishReason.ABORT
     assert b_outs[-1].finish_reason is FinishReason.ABORT
-    assert cache.requests == 0 and cache.request_pages() == []
+    assert len(cache.admitted) == 0 and cache.full.request_pages(cache.admitted) == []
     cache.flush()
-    cache.check_integrity()
-    st = cache.stats()
+    check_integrity(cache)
+    st = cache_stats(cache)
     assert st.device_cached_tokens + st.device_free_tokens == st.device_total_tokens
 
 
@@ -122,10 +123,10 @@ def test_retraction_keeps_kv_and_readmission_finds_it(cache: HiCache) -> None:
     assert a.retracted + b.retracted >= 1
     retracted = a if a.retracted else b
     assert retracted.cached.total == 0  # counted once, at the first admission
-    assert cache.stats().counters["prefix_queries_total"] == 2
+    assert cache_stats(cache).counters["prefix_queries_total"] == 2
     assert a_outs[-1].finished and b_outs[-1].finished
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
@@ -138,7 +139,7 @@ def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
     assert big_outs[-1].finish_reason is FinishReason.ABORT
     assert "KV pages" in (big_outs[-1].error or "")
     assert small_outs[-1].finished and small.output_ids == [4, 5, 6]
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -> None:
@@ -155,7 +156,7 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         sched.add(first)
         run(sched)
         cache.flush()
-        cache.evict_device(8)  # the prompt's KV is in L2 only now
+        cache.full.evict_device(8)  # the prompt's KV is in L2 only now
         hook.on = True
         again, again_outs = request(prompt)
         other, other_outs = request([50, 51, 52])
@@ -171,11 +172,11 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         # the recompute of the whole prompt, with the other's decode
         assert runner.batches[done][:2] == [1, 3] and runner.batches[done + 1][-1] == 13
         assert again.cache is not None and again.cache.cached.host == 0
-        stats = cache.stats().counters
+        stats = cache_stats(cache).counters
         assert stats["load_fallbacks_total"] == 1 and stats["load_failures_total"] == 1
         cache.flush()
-        cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+        check_integrity(cache)
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
         hook.on = False
         third, _ = request(prompt)  # the recomputed prefix is cached again: from L1
         sched.add(third)
@@ -198,23 +199,23 @@ def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() ->
         sched.add(first)
         run(sched)
         cache.flush()
-        cache.evict_device(8)
+        cache.full.evict_device(8)
         again, outs = request(prompt)
         sched.add(again)
         sched._admit()  # admitted over its L2 prefix: the load starts, and fails
         assert again in sched.running and again.kv_len == 12
         assert gates.parked(0)
         gates.release(0)
-        assert cache.host is not None
-        cache.host.controller.wait_idle(10)  # its failed completion is posted
+        assert cache.full.host is not None
+        cache.full.host.controller.wait_idle(10)  # its failed completion is posted
         done = len(runner.batches)
         step(sched)
         assert runner.batches[done:] == [[13]]  # only the recompute, from position 0
         run(sched)
         assert outs[-1].error is None and again.output_ids == first.output_ids
-        assert cache.stats().counters["load_fallbacks_total"] == 1
+        assert cache_stats(cache).counters["load_fallbacks_total"] == 1
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_a_new_prompt_is_prefilled_alongside_running_decodes(cache: HiCache) -> None:

@@ -1,6 +1,6 @@
 """The L1 tier: the device pool of the full KV, allocation with eviction, reserved pages.
 
-Owned by :class:`hicache.cache.HiCache` and run on its thread. Every L1 page of the full
+The L1 half of the :class:`~hicache.cache.full_kv.FullKVStore`, run on the cache's thread. Every L1 page of the full
 KV is, at any time, exactly one of: free; the tree's (a node's ``device`` pages); a
 caller's (pages :meth:`DeviceTier.alloc` gave it, until it inserts or frees them: an
 admitted request's own pages); reserved (:meth:`DeviceTier.reserve`, out of circulation

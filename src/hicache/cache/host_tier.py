@@ -1,6 +1,7 @@
 """The L2 tier: the host pool, L1 <-> L2 copies in flight, and L2 eviction.
 
-Run on the cache's thread. It issues backups (L1 -> L2) and loads (L2 -> L1) through the
+The L2 half of the :class:`~hicache.cache.full_kv.FullKVStore`, run on the cache's
+thread. It issues backups (L1 -> L2) and loads (L2 -> L1) through the
 :class:`CacheController`, records what each op id stands for (:class:`PendingBackup`,
 :class:`PendingLoad`) and applies the transfer worker's :class:`Completion` records when
 the cache's :class:`~hicache.cache.sync.CacheSync` hands them over, agreed (it registers

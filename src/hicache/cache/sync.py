@@ -248,4 +248,4 @@ class CacheSync:
                 req.failed = reason
             assert req.node is not None
             self.tree.dec_lock_ref(req.node)
-            req.node = None
+            req.full.node = None

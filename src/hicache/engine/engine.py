@@ -40,6 +40,7 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.components.base import ServingLimits
+from hicache.cache.report import cache_stats
 from hicache.controller.rank_group import RankGroup
 from hicache.engine.admission import (
     EngineUnhealthy,
@@ -309,8 +310,8 @@ class Engine(Lifecycle):
                 raise
         runner = ModelRunner(
             self.model.model,
-            self.cache.device_pool,
-            self.cache.runner_pools(),
+            self.cache.full.device_pool,
+            self.cache.stores.runner_pools(),
             attention_backend=cfg.attention_backend,
         )
         if runner.recurrent:
@@ -716,10 +717,10 @@ class Engine(Lifecycle):
         """The stats now (engine thread only)."""
         counts = self.queue.counts()
         return EngineStats(
-            cache=self.cache.stats(),
+            cache=cache_stats(self.cache),
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            admitted=self.cache.requests,
+            admitted=len(self.cache.admitted),
             queued=counts.queued,
             refused=counts.refused,
             reclaimed=self.scheduler.reclaimed,
@@ -815,7 +816,7 @@ class Engine(Lifecycle):
 
     def _attach(self, storage_config: StorageConfig, policy: str) -> None:
         prefetch = storage_config.prefetch_config(policy)
-        if not self.cache.hierarchical:
+        if self.cache.full.host is None:
             raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
         namespace = Namespace.for_spec(
             self.cache.spec,

@@ -44,7 +44,7 @@ extras of each request go back to the cache untouched, with the chunk's commit o
 to the runner (``take_resume``). Each forward names its requests (``seq_ids``) so the
 runner can carry their state; a request's carried state is dropped when it ends or is
 retracted. A model whose runner carries state (``runner.resumable_prefix`` False) reuses
-cached prefixes only when the cache hands states back (``cache.resumable``); otherwise
+cached prefixes only when the cache hands states back (``cache.stores.resumes``); otherwise
 its handles are opened uncacheable.
 
 Outputs off the critical path. A step's sampled tokens get the token-level checks
@@ -211,7 +211,7 @@ class Scheduler:
         self.running: list[Request] = []
         # a model that carries state resumes a cached prefix only from a state the cache
         # hands back
-        self.resumable_prefix = runner.resumable_prefix or cache.resumable
+        self.resumable_prefix = runner.resumable_prefix or cache.stores.resumes
         overlap = config.overlap_outputs
         self.overlap = torch.device(runner.device).type == "cuda" if overlap is None else overlap
         self._pending: dict[Request, None] = {}
@@ -311,7 +311,7 @@ class Scheduler:
             handle = req.cache
             if handle is None or not handle.cacheable:
                 return 0
-            return self.cache.match_prefix(req.all_ids, req.cache_salt).matched_tokens
+            return self.cache.cached_prefix(req.all_ids, req.cache_salt)
 
         return admission_order(
             self.waiting,
@@ -390,7 +390,7 @@ class Scheduler:
             req,
             FinishReason.ABORT,
             error=f"the request needs {need} KV pages but the device cache has"
-            f" {self.cache.device_pages}",
+            f" {self.cache.full.pages}",
         )
 
     def _lent(self, among: list[Request] | None = None) -> Request | None:

@@ -1,7 +1,9 @@
 """The contract of a component store: one kind of cached state above the tree.
 
 The tree keeps, per node, one value per component (:mod:`hicache.tree.components`). Above
-it each extra component (besides the full KV) has a *store*: its own L1 (and, with the
+it each extra component (besides the full KV, whose store,
+:class:`~hicache.cache.full_kv.FullKVStore`, is the first of a cache's stores and the
+tree's spine) has a *store*: its own L1 (and, with the
 hierarchical cache, L2) pools, what it does at each request verb, what it does when the
 full KV moves between tiers, and its L3 record codec. The facade
 (:class:`hicache.cache.HiCache`) holds the model's list of stores
