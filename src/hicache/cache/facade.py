@@ -58,7 +58,6 @@ from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
 from hicache.storage.base import HiCacheStorage
-from hicache.tokens import encode_tokens
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
@@ -139,15 +138,9 @@ class HiCache(Lifecycle):
             layer_hook=layer_hook,
         )
         """The full KV: the first store, the tree's spine (and the page-level API)."""
-        self._l3: StorageSlot | None = None
-        if self.full.host is not None:  # L3 attaches over L2 only
-            self._l3 = StorageSlot(
-                tree=tree,
-                host=self.full.host,
-                counters=counters,
-                sync=self._sync,
-                stores=self.stores,
-            )
+        self._l3 = StorageSlot(
+            tree=tree, host=self.full.host, counters=counters, sync=self._sync, stores=self.stores
+        )
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -183,21 +176,13 @@ class HiCache(Lifecycle):
         The tier agrees over the cache's :attr:`ranks`; ``ranks``, when given, must be
         that group (a group of several ranks needs ``HiCache(..., ranks=...)``: the
         L1<->L2 completions must be agreed too)."""
-        if self._l3 is None:
-            raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
-        if ranks is not None and (ranks.size, ranks.rank) != (self.ranks.size, self.ranks.rank):
-            storage.close()
-            raise ValueError(
-                f"attach_storage with rank {ranks.rank} of {ranks.size}, but the cache is rank"
-                f" {self.ranks.rank} of {self.ranks.size}: build it with HiCache(..., ranks=)"
-            )
-        self._l3.attach(storage, namespace, prefetch)
+        self._l3.attach(storage, namespace, prefetch, ranks)
 
     def detach_storage(self, timeout_s: float | None = None) -> bool:
         """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
         the backend. Open prefetches are dropped; pages a late backend write may still
         fill stay out of use until it settles. False when none was attached."""
-        if self._l3 is None or self._l3.tier is None:
+        if self._l3.tier is None:
             return False
         for req in self._requests:
             req.prefetch = None
@@ -206,7 +191,7 @@ class HiCache(Lifecycle):
     @property
     def storage(self) -> StorageTier | None:
         """The L3 tier, while a backend is attached."""
-        return None if self._l3 is None else self._l3.tier
+        return self._l3.tier
 
     # ------------------------------------------------------------------ request verbs
 
@@ -239,17 +224,14 @@ class HiCache(Lifecycle):
             prompt_tokens=len(tokens),
             page_size=self.page_size,
         )
-        if cacheable and self.storage is not None and len(tokens) > int(compute_last):
-            key = encode_tokens(tokens[: len(tokens) - int(compute_last)])
-            req.prefetch = self.storage.start(key, tenant)  # metadata only: no copy waited on
+        if cacheable:
+            req.prefetch = self._l3.prefetch(tokens, tenant, compute_last)
         return req
 
     def ready(self, req: CacheRequest) -> bool:
         """Whether ``req`` may be admitted now: its prefetch policy is satisfied, as agreed
         at the last :meth:`sync` (the same answer on every rank)."""
-        if req.prefetch is None or self.storage is None:
-            return True
-        return self.storage.ready(req.prefetch)
+        return req.prefetch is None or self._l3.ready(req.prefetch)
 
     def admit(self, req: CacheRequest, tokens: TokenIds) -> bool:
         """Give ``req`` L1 pages for positions ``[0, len(tokens))``.
@@ -266,13 +248,13 @@ class HiCache(Lifecycle):
         if not tokens:
             raise ValueError("admit needs at least one token")
         if req.prefetch is not None:
-            if self.storage is not None:
-                req.storage_tokens += self.storage.take(req.prefetch)
+            req.storage_tokens += self._l3.take(req.prefetch)
             req.prefetch = None
         wanted = tokens[: len(tokens) - int(req.compute_last)] if req.cacheable else ()
         got = self.full.admit(req, wanted, len(tokens))
-        if got is None:
+        if not got.ok:
             return False
+        assert got.node is not None
         if not self.stores.admit(req, got.node, got.prefix_pages):  # no room for a hit's
             self.full.release(req)  # values now: later
             return False
@@ -351,10 +333,10 @@ class HiCache(Lifecycle):
         """Component values were added at ``node``, whose KV was in L2 already (no backup
         was issued with them): copy them to L2 now, and write those copies to L3."""
         backed = self.stores.back_up(node)
-        if backed and self.storage is not None:
+        if backed:
             chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
             path = self._tree.path_tail(node, self._tree.depth_pages(node))
-            self.storage.write_components([n for n in path if id(n) in chosen])
+            self._l3.write_components([n for n in path if id(n) in chosen])
 
     def release(
         self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
@@ -365,8 +347,7 @@ class HiCache(Lifecycle):
         if req.state is RequestState.RELEASED:
             return
         if req.prefetch is not None:
-            if self.storage is not None:
-                self.storage.take(req.prefetch)
+            self._l3.take(req.prefetch)
             req.prefetch = None
         if req.state is RequestState.ADMITTED:
             if keep and tokens is not None:
@@ -412,8 +393,6 @@ class HiCache(Lifecycle):
         applies nothing: a scheduling policy's question (``lpm``)."""
         return self._tree.match_prefix(tokens, tenant).matched_tokens
 
-    # ------------------------------------------------------------------ component stores
-
     # ------------------------------------------------------------------ completions
 
     def sync(self) -> int:
@@ -428,8 +407,7 @@ class HiCache(Lifecycle):
         """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
         if self._started:
             self.full.wait_idle()
-            if self.storage is not None:
-                self.storage.flush(self._wait_timeout_s)
+            self._l3.flush(self._wait_timeout_s)
             self.sync()  # failed loads are applied here, outside the wait
 
     # ------------------------------------------------------------------ whole cache
@@ -450,6 +428,6 @@ class HiCache(Lifecycle):
         return tuple(self._requests)
 
     @property
-    def l3(self) -> StorageSlot | None:
-        """Where the L3 tier attaches (None without L2), for reports and checks."""
+    def l3(self) -> StorageSlot:
+        """Where the L3 tier attaches (its quarantines, for reports and checks)."""
         return self._l3

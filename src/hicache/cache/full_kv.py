@@ -14,7 +14,7 @@ The page-level API lives here too, for tests and tools (a scheduler needs none o
 :meth:`~FullKVStore.evict_host`, the pools.
 
 Request life cycle (the facade calls, in a request's life): :meth:`FullKVStore.admit`
-(match, load back, pin, allocate: a :class:`FullAdmission`, or None when L1 has no room),
+(match, load back, pin, allocate: a :class:`FullAdmission`, not ok when L1 has no room),
 then :meth:`~FullKVStore.refuse` if another store refused, :meth:`~FullKVStore.grow`,
 :meth:`~FullKVStore.commit` (whole pages to the tree), :meth:`~FullKVStore.release`.
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache.cache.components.base import StoreAdmission
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier
@@ -61,15 +62,18 @@ class LoadBack:
 
 
 @dataclass(frozen=True, slots=True)
-class FullAdmission:
-    """The full store's admission: the hit ends at ``node`` (pinned), its first
+class FullAdmission(StoreAdmission):
+    """The full store's answer to an admission, as every store's (:class:`StoreAdmission`:
+    ``ok`` False when L1 has no room now, holding nothing; ``loaded`` when part of the hit
+    is copied from L2), with the hit: it ends at ``node`` (pinned), its first
     ``prefix_pages`` pages are the tree's, ``loaded_tokens`` of them come from L2 layer by
-    layer (``loading``: some load the prefix depends on is still in flight)."""
+    layer, and ``progress`` is every load the prefix depends on (the request's own and
+    those of other requests over pages it shares)."""
 
-    node: TreeNode
-    prefix_pages: int
-    loaded_tokens: int
-    loading: bool
+    node: TreeNode | None = None
+    prefix_pages: int = 0
+    loaded_tokens: int = 0
+    progress: tuple[LayerProgress, ...] = ()
 
 
 class FullKVStore:
@@ -240,10 +244,10 @@ class FullKVStore:
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, req: CacheRequest, wanted: TokenIds, tokens: int) -> FullAdmission | None:
+    def admit(self, req: CacheRequest, wanted: TokenIds, tokens: int) -> FullAdmission:
         """Give ``req`` L1 pages for positions ``[0, tokens)``: the longest cached prefix
         of ``wanted`` from L1, or loaded back from L2 layer by layer (nothing from L2
-        after a failed load), pinned; fresh pages for the rest. None, holding nothing,
+        after a failed load), pinned; fresh pages for the rest. Not ok, holding nothing,
         when L1 cannot make room now."""
         part = req.full
         hit = self.load_back(self.tree.match_prefix(wanted, req.tenant), req, not part.no_load)
@@ -251,13 +255,18 @@ class FullKVStore:
         new = self.alloc(math.ceil(tokens / self.page_size) - len(hit.pages))
         if new is None:
             self.tree.dec_lock_ref(hit.node)
-            return None
+            return FullAdmission(ok=False)
         part.node = hit.node
         part.pages = hit.pages + new
         part.prefix_pages = len(hit.pages)
         part.progress = hit.progress
         return FullAdmission(
-            hit.node, len(hit.pages), hit.loaded_tokens, any(not p.done for p in hit.progress)
+            ok=True,
+            loaded=hit.loaded_tokens > 0,
+            node=hit.node,
+            prefix_pages=len(hit.pages),
+            loaded_tokens=hit.loaded_tokens,
+            progress=hit.progress,
         )
 
     def admitted(self, req: CacheRequest) -> bool:

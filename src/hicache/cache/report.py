@@ -50,8 +50,8 @@ def check_integrity(cache: HiCache, request_pages: Iterable[int] = ()) -> None:
     it); every component store's ids likewise. Raises AssertionError."""
     full, l3, names = cache.full, cache.l3, cache.stores.names
     requests = cache.admitted
-    host_held = [] if l3 is None else l3.held_host_pages()
-    ids_held = {n: [] for n in names} if l3 is None else l3.held_component_ids(names)
+    host_held = l3.held_host_pages()
+    ids_held = l3.held_component_ids(names)
     inspect.check_cache_integrity(
         cache.full.tree,
         full.device_pool,

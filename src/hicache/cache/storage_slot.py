@@ -23,19 +23,22 @@ from dataclasses import dataclass
 
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.host_tier import HostTier
+from hicache.cache.prefetch import Prefetch
 from hicache.cache.storage_tier import StorageTier
 from hicache.cache.sync import CacheSync
 from hicache.config import PrefetchConfig
 from hicache.controller import Record
 from hicache.controller.agreement import LocalRecords, Verdict, Vote
+from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.metrics import CacheCounters
 from hicache.storage.base import HiCacheStorage
+from hicache.tokens import encode_tokens
 from hicache.transfer import Completion
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.components import Tier
-from hicache.tree.node import PageIds
+from hicache.tree.node import PageIds, TokenIds
 
 __all__ = ["Retired", "StorageSlot"]
 
@@ -53,7 +56,8 @@ class Retired:
 
 
 class StorageSlot:
-    """The L3 attachment of one cache (over its L2 tier ``host``).
+    """The L3 attachment of one cache (over its L2 tier ``host``; None without L2: then
+    nothing attaches, and every request-level call below is a no-op).
 
     ``sync``: the cache's owner of asynchronous results (the slot registers as its L3
     party; every tier attached posts to its queue, numbers its ops from it and waits
@@ -65,7 +69,7 @@ class StorageSlot:
         self,
         *,
         tree: HiRadixTree,
-        host: HostTier,
+        host: HostTier | None,
         counters: CacheCounters,
         sync: CacheSync,
         stores: ComponentStores,
@@ -86,10 +90,21 @@ class StorageSlot:
         storage: HiCacheStorage,
         namespace: Namespace,
         prefetch: PrefetchConfig,
+        ranks: RankGroup | None = None,
     ) -> StorageTier:
         """Start an L3 tier over ``storage`` (and its threads), agreeing over the cache's
-        ranks. One at a time (RuntimeError); on failure nothing is attached and
+        ranks (``ranks``, when given, must be that group: ValueError). Needs L2
+        (ValueError); one at a time (RuntimeError); on failure nothing is attached and
         ``storage`` is closed."""
+        if self._host is None:
+            raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
+        mine = self._ranks
+        if ranks is not None and (ranks.size, ranks.rank) != (mine.size, mine.rank):
+            storage.close()
+            raise ValueError(
+                f"attach_storage with rank {ranks.rank} of {ranks.size}, but the cache is rank"
+                f" {mine.rank} of {mine.size}: build it with HiCache(..., ranks=)"
+            )
         if self.tier is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
         codecs = self._stores.records()
@@ -149,11 +164,43 @@ class StorageSlot:
         keep: list[Retired] = []
         for r in self._retired:
             if self._ranks.min(int(r.storage.host_writes_settled(0.0))):
+                assert self._host is not None  # a backend attached: over L2
                 self._host.allocator.free(r.pages)
                 self._stores.free(Tier.HOST, r.ids)
             else:
                 keep.append(r)
         self._retired = keep
+
+    # ------------------------------------------------------------------ requests
+
+    def prefetch(self, tokens: TokenIds, tenant: str, compute_last: bool) -> Prefetch | None:
+        """Start the L3 prefetch of a request that just arrived with ``tokens`` (the last
+        one excluded with ``compute_last``); None when no tier is attached or nothing
+        can be fetched."""
+        if self.tier is None or len(tokens) <= int(compute_last):
+            return None
+        key = encode_tokens(tokens[: len(tokens) - int(compute_last)])
+        return self.tier.start(key, tenant)  # metadata only: no copy waited on
+
+    def ready(self, p: Prefetch) -> bool:
+        """Whether the prefetch policy lets ``p``'s request in (as agreed at the last
+        sync); True once the tier is detached (its prefetch was dropped)."""
+        return self.tier is None or self.tier.ready(p)
+
+    def take(self, p: Prefetch) -> int:
+        """End ``p`` for its request (:meth:`StorageTier.take`); the tokens it added to
+        the tree (0 once the tier is detached)."""
+        return 0 if self.tier is None else self.tier.take(p)
+
+    def write_components(self, nodes: list[TreeNode]) -> None:
+        """Write the component values of ``nodes`` (one path) that a hit needs to L3."""
+        if self.tier is not None:
+            self.tier.write_components(nodes)
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``, agreed) for the attached tier's writes."""
+        if self.tier is not None:
+            self.tier.flush(timeout_s)
 
     # ------------------------------------------------------------------ the sync's party
 

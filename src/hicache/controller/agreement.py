@@ -142,10 +142,18 @@ class Agreement:
             [(Stream.L3, v) for v in _ordered("l3", l3)],
             self.capacity,
         )
-        data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
-        for stream, v in rows:
+        for _, v in rows:
             if v.value < 0:
                 raise ValueError(f"op {v.op_id}: a vote's value must be >= 0, got {v.value}")
+        deferred = len(transfer) + len(l3) - len(rows)
+        if not self.ranks.multi:  # one rank: its verdict is its vote, no collective
+            self.steps += 1
+            own: dict[Stream, list[Verdict]] = {Stream.TRANSFER: [], Stream.L3: []}
+            for stream, v in rows:
+                own[stream].append(Verdict(v.op_id, v.arrived, v.value, v.final, v.flag, v.ready))
+            return Step(tuple(own[Stream.TRANSFER]), tuple(own[Stream.L3]), give_up, deferred)
+        data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
+        for stream, v in rows:
             key = int(stream) << _STREAM_SHIFT | v.op_id
             data.append(
                 [key, -key, int(v.arrived), v.value, int(v.final), int(v.flag), -int(v.ready)]
@@ -178,14 +186,12 @@ class Agreement:
             transfer=tuple(out[Stream.TRANSFER]),
             l3=tuple(out[Stream.L3]),
             gave_up=bool(-got[0][2]),
-            deferred=len(transfer) + len(l3) - len(rows),
+            deferred=deferred,
         )
 
     def _reduce(self, data: list[list[int]]) -> list[list[int]]:
         """The elementwise minimum of ``data`` over the ranks: one all-reduce(min) of the
-        fixed-shape tensor. A group of one rank makes none: its rows are the minimum."""
-        if not self.ranks.multi:
-            return data
+        fixed-shape tensor."""
         t = torch.zeros((1 + self.capacity, FIELDS), dtype=torch.int64)  # padding: neutral
         t[: len(data)] = torch.tensor(data, dtype=torch.int64)
         self.ranks.all_reduce_min(t)

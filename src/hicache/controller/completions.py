@@ -91,11 +91,10 @@ class CompletionQueue:
     def drain(self) -> list[Record]:
         """Consumer side: every record posted so far, oldest first (non-blocking)."""
         out: list[Record] = []
-        while True:
-            try:
-                out.append(self._q.get_nowait())
-            except queue.Empty:
-                return out
+        q = self._q
+        while not q.empty():  # one consumer: what it saw stays there
+            out.append(q.get_nowait())
+        return out
 
     def wait(self, timeout_s: float) -> list[Record]:
         """Consumer side: wait up to ``timeout_s`` for one record, then drain; [] if none."""
