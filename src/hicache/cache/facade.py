@@ -32,7 +32,6 @@ Stats, the integrity check and the rank digest are functions beside the facade
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,7 +45,7 @@ from hicache.cache.components.base import (
 )
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
-from hicache.cache.request import CachedTokens, CacheRequest, RequestState
+from hicache.cache.request import CacheRequest, RequestState
 from hicache.cache.storage_slot import StorageSlot
 from hicache.cache.storage_tier import StorageTier
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
@@ -58,11 +57,9 @@ from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
 from hicache.storage.base import HiCacheStorage
-from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
-
-log = logging.getLogger("hicache.cache")
 
 __all__ = ["DEFAULT_WAIT_TIMEOUT_S", "HiCache"]
 
@@ -81,12 +78,9 @@ class HiCache(Lifecycle):
     layers only when sliding layers have their own store). ``limits``: refuse (ValueError)
     stores too small to serve one request under them.
 
-    ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank). No
-    worker record is applied on one rank alone, nor anywhere but in :meth:`sync` (every
-    rank calls it once per engine step) and inside the cache's waits: the cache's
-    :class:`~hicache.cache.sync.CacheSync` agrees on every op in flight (one all-reduce;
-    none with one rank, whose verdict is its vote) and applies what every rank has, with
-    the agreed values, so every rank's tree stays the same.
+    ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank);
+    records are applied as every rank agreed (see :meth:`sync`), so every rank's tree
+    stays the same.
     """
 
     def __init__(
@@ -260,18 +254,11 @@ class HiCache(Lifecycle):
             return False
         req.state = RequestState.ADMITTED
         req.failed = None
-        prefix = got.prefix_pages * self.page_size
-        if self.full.admitted(req):  # the fallback of a failed load: it serves what L1 holds
-            req.cached = CachedTokens(device=min(req.cached.device, prefix))
         self._requests.add(req)
         loaded = req.take_loaded()
         if got.prefix_pages > 0:
             self.stores.count_hit(loaded)
-        if req.count_once():
-            self._count(req, len(tokens), prefix - got.loaded_tokens, got.loaded_tokens)
-            if got.node.parent is not None:
-                self._tree.count_hit(got.node)
-                self.full.back_up(got.node)
+        self.full.admitted(req, got, len(tokens))  # hits counted at the first admission
         return True
 
     def grow(self, req: CacheRequest, tokens: int, *, computed: int | None = None) -> bool:
@@ -326,17 +313,8 @@ class HiCache(Lifecycle):
         components = self.stores.values(req, full, final)
         last = self.full.commit(req, tokens[: full * ps], components)
         self.stores.committed(req, last, full, len(tokens))
-        if components and last.host is not None:
-            self._back_up_added(last)
-
-    def _back_up_added(self, node: TreeNode) -> None:
-        """Component values were added at ``node``, whose KV was in L2 already (no backup
-        was issued with them): copy them to L2 now, and write those copies to L3."""
-        backed = self.stores.back_up(node)
-        if backed:
-            chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
-            path = self._tree.path_tail(node, self._tree.depth_pages(node))
-            self._l3.write_components([n for n in path if id(n) in chosen])
+        if components and last.host is not None:  # no backup was issued with them
+            self._l3.back_up_added(last)
 
     def release(
         self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
@@ -369,23 +347,12 @@ class HiCache(Lifecycle):
         self._require_admitted(req)
         if req.failed is not None:
             self.full.fail_over(req)
-            self.full.counters.load_fallbacks_total += 1
         self.release(req, tokens, keep=req.failed is None)
         req.state = RequestState.WAITING
 
     def _require_admitted(self, req: CacheRequest) -> None:
         if req.state is not RequestState.ADMITTED:
             raise RuntimeError(f"the request is {req.state.value}, not admitted")
-
-    def _count(self, req: CacheRequest, query: int, device: int, loaded: int) -> None:
-        storage = min(req.storage_tokens, loaded)
-        req.cached = CachedTokens(device=device, host=loaded - storage, storage=storage)
-        c = self.full.counters
-        c.prefix_queries_total += 1
-        c.query_tokens_total += query
-        c.device_hit_tokens_total += device
-        c.host_hit_tokens_total += loaded - storage
-        c.storage_hit_tokens_total += storage
 
     def cached_prefix(self, tokens: TokenIds, tenant: str = "") -> int:
         """Tokens of ``tokens``' prefix the cache holds for ``tenant`` in L1 and L2 (whole

@@ -31,7 +31,7 @@ from hicache.cache.components.base import StoreAdmission
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier
-from hicache.cache.request import CacheRequest
+from hicache.cache.request import CachedTokens, CacheRequest
 from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller.policy import WriteRule
@@ -269,17 +269,36 @@ class FullKVStore:
             progress=hit.progress,
         )
 
-    def admitted(self, req: CacheRequest) -> bool:
-        """Every store took ``req``: end its fallback after a failed load, if it was one
-        (returned True: its next admission may load from L2 again)."""
-        part = req.full
-        fallback, part.no_load = part.no_load, False
-        return fallback
+    def admitted(self, req: CacheRequest, got: FullAdmission, query: int) -> None:
+        """Every store took ``req`` (admitted with ``got`` for ``query`` tokens): end its
+        fallback after a failed load, if it was one (it serves what L1 holds); at its
+        first admission count its hit per tier (``req.cached``, the counters), count the
+        hit on the node and back the path up by policy."""
+        prefix = got.prefix_pages * self.page_size
+        if req.full.no_load:
+            req.full.no_load = False
+            req.cached = CachedTokens(device=min(req.cached.device, prefix))
+        if not req.count_once():
+            return
+        loaded = got.loaded_tokens
+        storage = min(req.storage_tokens, loaded)
+        req.cached = CachedTokens(device=prefix - loaded, host=loaded - storage, storage=storage)
+        c = self.counters
+        c.prefix_queries_total += 1
+        c.query_tokens_total += query
+        c.device_hit_tokens_total += prefix - loaded
+        c.host_hit_tokens_total += loaded - storage
+        c.storage_hit_tokens_total += storage
+        if got.node is not None and got.node.parent is not None:
+            self.tree.count_hit(got.node)
+            self.back_up(got.node)
 
     def fail_over(self, req: CacheRequest) -> None:
         """``req`` is requeued after a failed load: its next admission loads nothing from
-        L2 (the prefill recomputes what the load could not bring)."""
+        L2 (the prefill recomputes what the load could not bring; counted in
+        ``load_fallbacks_total``)."""
         req.full.no_load = True
+        self.counters.load_fallbacks_total += 1
 
     def grow(self, req: CacheRequest, tokens: int) -> bool:
         """Make ``req``'s pages cover positions ``[0, tokens)``; False when L1 cannot make

@@ -197,6 +197,16 @@ class StorageSlot:
         if self.tier is not None:
             self.tier.write_components(nodes)
 
+    def back_up_added(self, node: TreeNode) -> None:
+        """Component values were added at ``node``, whose full KV was in L2 already (no
+        backup was issued with them): the stores copy them to L2 now, and the attached
+        tier writes those copies to L3."""
+        backed = self._stores.back_up(node)
+        if backed:
+            chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
+            path = self._tree.path_tail(node, self._tree.depth_pages(node))
+            self.write_components([n for n in path if id(n) in chosen])
+
     def flush(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``, agreed) for the attached tier's writes."""
         if self.tier is not None:
