@@ -1,4 +1,4 @@
-"""Reserved L1 pages (``HiCache.reserve_device_pages``): out of circulation until given back.
+"""Reserved L1 pages (``cache.full.reserve``): out of circulation until given back.
 
 The decode CUDA graphs write their padding rows' K/V into such a page, so no request and
 no tree node may ever be handed one, whatever eviction, reset or admission does.

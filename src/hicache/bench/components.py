@@ -9,7 +9,7 @@ names them (:class:`~hicache.metrics.ComponentUsage`):
 * ``mamba``: one recurrent-state snapshot per cached boundary (Mamba2, Gated DeltaNet).
 
 :func:`component_figures` is the one place that reads memory figures: it takes them from
-``HiCache.stats().components`` and adds each component's nominal size (its store's
+``cache_stats(cache).components`` (:mod:`hicache.cache.report`) and adds each component's nominal size (its store's
 ``nominal()``), so a component the cache starts exposing appears in every bench that
 reports components. :class:`ComponentHitProbe` reads the cache's counts, per admission
 that reused a prefix, of whether the hit's values of each component (an SWA window, a
