@@ -137,6 +137,9 @@ class Agreement:
         """Agree on the votes of both streams (each in increasing op-id order) and on
         ``give_up``; one all-reduce(min) of a ``(1 + capacity, FIELDS)`` tensor (none
         with one rank: its verdicts are its votes, through the same rows)."""
+        if not transfer and not l3 and not self.ranks.multi:  # one rank, nothing in flight
+            self.steps += 1
+            return Step((), (), give_up, 0)
         rows = _interleave(
             [(Stream.TRANSFER, v) for v in _ordered("transfer", transfer)],
             [(Stream.L3, v) for v in _ordered("l3", l3)],
