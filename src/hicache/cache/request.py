@@ -79,8 +79,8 @@ class FullPart:
     owns (``prefix_pages``, pinned through ``node``), the layer-wise loads that prefix
     depends on (``progress``), and whether its next admission may load from L2
     (``no_load``: not after a failed load). Changed only by the full KV store and, when a
-    load under its prefix failed, by the sync's failing of holders (which unpins
-    ``node``)."""
+    load under its prefix failed, through :meth:`drop_pin` by the sync's failing of
+    holders."""
 
     __slots__ = ("no_load", "node", "pages", "prefix_pages", "progress")
 
@@ -95,6 +95,14 @@ class FullPart:
         self.no_load = False
         """Requeued after a failed load: the next admission loads nothing from L2 (the
         prefix is what L1 holds; the prefill computes the rest)."""
+
+    def drop_pin(self) -> TreeNode:
+        """Forget the node the prefix is pinned through (a load under it failed; the
+        caller unpins it); returns it."""
+        node, self.node = self.node, None
+        if node is None:
+            raise RuntimeError("the request holds no pinned prefix")
+        return node
 
     def clear(self) -> None:
         """Hold nothing (the caller freed the pages and unpinned the node)."""

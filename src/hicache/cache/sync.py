@@ -246,6 +246,4 @@ class CacheSync:
                 continue
             if req.failed is None:
                 req.failed = reason
-            assert req.node is not None
-            self.tree.dec_lock_ref(req.node)
-            req.full.node = None
+            self.tree.dec_lock_ref(req.full.drop_pin())
