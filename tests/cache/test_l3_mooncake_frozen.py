@@ -58,7 +58,7 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
         req = b.open(TOKENS, compute_last=False)
         # freeze the store as soon as the lookup answered, before the read is issued
         end = time.monotonic() + 10
-        while b._completions._q.qsize() == 0:
+        while b._sync.completions._q.qsize() == 0:
             assert time.monotonic() < end, "the lookup never answered"
             time.sleep(0.001)
         mooncake.freeze()

@@ -379,6 +379,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
         storage.gate.set()
         assert claimant.cache is not None
         for _ in range(1000):
+            cache.sync()  # as the engine's steps do: the read's records are applied here
             if cache.ready(claimant.cache):
                 break
             time.sleep(0.001)
