@@ -290,6 +290,7 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
             time.sleep(0.005)
             b.sync()
         assert b.admit(req, TOKENS) and req.cached.storage == 0  # the get timed out
+        assert cache_stats(b).counters["prefetch_timeouts_total"] == 1  # admitted unfinished
         b.release(req, TOKENS)
         check_integrity(b)  # the 3 read pages are held by the op, not free
         assert b.storage is not None and len(b.storage.held_host_pages()) == 3

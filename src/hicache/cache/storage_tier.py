@@ -263,10 +263,10 @@ class StorageTier:
         if p.taken:
             return 0
         p.taken = True
-        self._agreed_ready.discard(p.op_id)
         waited = not p.finished and self.prefetch.policy is not PrefetchPolicy.BEST_EFFORT
-        if waited and self.ready(p):  # its deadline passed before L3 answered
+        if waited and self.ready(p):  # its deadline passed before L3 answered (as agreed)
             self.counters.prefetch_timeouts_total += 1
+        self._agreed_ready.discard(p.op_id)
         self.tree.dec_host_ref(p.attach)
         if p.host_pages is None and not p.reads:
             if p.finished:  # else the lookup still runs: dropped when its record arrives
