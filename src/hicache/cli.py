@@ -79,7 +79,9 @@ def _start_engine(args: argparse.Namespace) -> Any:
 
 def _describe(engine: Any, host: str, port: int) -> str:
     """The one INFO line at start: model, dtype, device, tiers and sizes, address."""
-    stats = engine.call(engine.cache.stats).result(timeout=30)
+    from hicache.cache.report import cache_stats
+
+    stats = engine.call(lambda: cache_stats(engine.cache)).result(timeout=30)
     spec = engine.cache.spec
     gb = spec.token_bytes / 1e9
     l2 = (

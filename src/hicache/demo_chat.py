@@ -19,6 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         cold = run(engine, "1. radix cache off: every turn prefills everything")
     with Engine(on, loaded=loaded) as engine:
         hot = run(engine, f"2. HiCache on: L1 = {args.l1_tokens} tokens, L2 = 8 x L1")
-        stats = engine.call(engine.cache.stats).result()
+        stats = engine.call(lambda: cache_stats(engine.cache)).result()
     later = [i for i, r in enumerate(cold) if r[0] > 1]
     mean_cold = sum(cold[i][3] for i in later) / len(later)
     mean_hot = sum(hot[i][3] for i in later) / len(later)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller import page_tensor
 
@@ -31,7 +32,7 @@ def fake_kv(tokens: list[int], first_page: int, num_pages: int) -> torch.Tensor:
 
 
 def show(cache: HiCache, step: str) -> None:
-    s = cache.stats()
+    s = cache_stats(cache)
     table = Table(title=step, title_justify="left", show_edge=False)
     for col in ("L1 cached", "L1 free", "L2 cached", "L2 only", "L2 free", "nodes"):
         table.add_column(col, justify="right")
@@ -60,7 +61,7 @@ def prefill(cache: HiCache, tokens: list[int]) -> None:
         req.wait_layer(layer, timeout_s=10)
     own = req.pages[req.prefix_pages :]
     kv = fake_kv(tokens, req.prefix_pages, len(own))
-    cache.device_pool.write_pages(page_tensor(own), kv)
+    cache.full.device_pool.write_pages(page_tensor(own), kv)
     cache.release(req, tokens)  # commit the computed pages, unpin
 
 
@@ -86,14 +87,14 @@ def main() -> int:
         for i, p in enumerate(prompts):
             prefill(cache, p)
             cache.flush()
-            demoted = cache.stats().counters["device_demoted_tokens_total"]
+            demoted = cache_stats(cache).counters["device_demoted_tokens_total"]
             what = (
                 f"L1 full: {demoted} tokens demoted to L2 so far (LRU first)"
                 if demoted
                 else "backed up to L2 (write_through)"
             )
             show(cache, f"prompt {i} ({len(p)} tokens, 64 shared) prefilled; {what}")
-        m = cache.match_prefix(prompts[0])
+        m = cache.full.match_prefix(prompts[0])
         console.print(f"prompt 0 again: {m.device_tokens} tokens in L1, {m.host_tokens} in L2 only")
         gate.set()
         t0 = time.perf_counter()
@@ -106,18 +107,18 @@ def main() -> int:
                 " (the next layers are still copying)"
             )
         prefix = req.pages[: req.prefix_pages]
-        got = cache.device_pool.read_pages(page_tensor(prefix))
+        got = cache.full.device_pool.read_pages(page_tensor(prefix))
         ok = torch.equal(got, fake_kv(prompts[0], 0, len(prefix)))
         loaded = req.cached.host
         cache.release(req)
         cache.flush()
         show(cache, f"loaded back {loaded} tokens; bytes equal to the original: {ok}")
-        c = cache.stats().counters
+        c = cache_stats(cache).counters
         console.print(
             f"backed up {c['backup_tokens_total']} tokens ({c['backup_bytes_total'] / 2**20:.1f} MiB),"
             f" loaded back {c['load_tokens_total']} tokens, demoted {c['device_demoted_tokens_total']}"
         )
-        cache.check_integrity()
+        check_integrity(cache)
         return 0 if ok else 1
 
 

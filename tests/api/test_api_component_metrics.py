@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
@@ -80,7 +81,7 @@ def check_adds_up(p: Pools) -> None:
 
 
 def usage(engine: Engine, component: str) -> ComponentUsage:
-    stats = engine.call(engine.cache.stats).result(30)
+    stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
     return next(u for u in stats.components if u.name == component)
 
 

@@ -12,6 +12,7 @@ from dataclasses import fields
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.cache.report import cache_stats
 from hicache.engine.engine import EngineStats
 from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.server.metrics import cache_families, counter_metric_name
@@ -26,7 +27,7 @@ def test_every_cache_counter_is_exported() -> None:
     with serve(engine) as url:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
         wait_idle(engine)
-        stats = engine.call(engine.cache.stats).result(30)
+        stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
         text = scrape(url, engine)
     engine.close()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -64,7 +65,7 @@ def test_each_cache_counter_is_exported_under_one_name() -> None:
 
     def inject() -> None:
         for name, value in injected.items():
-            setattr(engine.cache.counters, name, value)
+            setattr(engine.cache.full.counters, name, value)
 
     with serve(engine) as url:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.cache.report import cache_stats
 from hicache.engine.engine import Engine
 from tests.helpers.api_fixtures import (
     CONTEXT,
@@ -223,7 +224,7 @@ def test_n_copies_hit_the_first_copys_prefix(server: tuple[str, Engine]) -> None
         fanout.Fanout._submit = original  # type: ignore[method-assign]
     assert r.status_code == 200
     assert seen[0] == 0 and sorted(seen) == [0, 1, 2]
-    stats = engine.call(engine.cache.stats).result(30)
+    stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
     # copies 1 and 2 found the first copy's 40 whole-page tokens in L1
     assert stats.counters["device_hit_tokens_total"] >= 2 * 40
     assert_clean(engine)
@@ -455,7 +456,7 @@ def test_dropped_non_streaming_requests_stop_and_free_everything() -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert time.monotonic() - t0 < 10
         wait_idle(engine, timeout=10)
-        stats = engine.call(engine.cache.stats).result(30)
+        stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
         assert stats.device_request_tokens == 0
         generated = stats.counters.get("query_tokens_total", 0)
         assert generated >= 0
@@ -513,7 +514,7 @@ def test_gauges_show_running_and_queued_requests(server: tuple[str, Engine]) -> 
     ):
         assert name in families, name
     holders = {s.labels["holder"]: s.value for s in families["hicache_device_tokens"].samples}
-    stats = engine.call(engine.cache.stats).result(30)
+    stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
     assert holders["requests"] == stats.device_request_tokens == 0
     assert holders["cache"] == stats.device_cached_tokens > 0
 

@@ -28,11 +28,16 @@ from hicache.storage.registry import create_storage
 
 
 class _Capture(RankGroup):
-    """One rank that keeps the tensor it was asked to reduce."""
+    """One rank of a group that keeps the tensor it was asked to reduce (a group of
+    several ranks, as far as the agreement sees: it makes its collective)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sent: torch.Tensor | None = None
+
+    @property
+    def multi(self) -> bool:
+        return True
 
     def all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
         self.sent = t.clone()
@@ -45,6 +50,10 @@ class _Paired(RankGroup):
     def __init__(self, other: torch.Tensor) -> None:
         super().__init__()
         self.size, self.other = 2, other
+
+    @property
+    def multi(self) -> bool:
+        return True
 
     def all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
         torch.minimum(t, self.other, out=t)
@@ -150,8 +159,8 @@ def test_attach_storage_refuses_a_group_the_cache_was_not_built_with() -> None:
         storage = create_storage("memory", namespace=ns)
         with pytest.raises(ValueError, match=r"rank 1 of 2, but the cache is rank 0 of 1"):
             cache.attach_storage(storage, ns, PrefetchConfig(), _Two())
-        assert not cache.storage_attached
+        assert not (cache.storage is not None)
         cache.attach_storage(
             create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.ranks
         )
-        assert cache.storage_attached and cache.sync() == 0  # one rank: sync is poll
+        assert (cache.storage is not None) and cache.sync() == 0  # nothing in flight

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec, WritePolicy
 from tests.helpers.kvdata import page_kv, read_device, serve
 
@@ -39,53 +40,54 @@ def run_request(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
 def test_write_through_backs_up_on_insert(cache: HiCache) -> None:
     run_request(cache, [1, 2, 3, 4])
     cache.flush()
-    (node,) = cache.tree.iter_nodes()
+    (node,) = cache.full.tree.iter_nodes()
     assert list(node.device) == [0, 1] and list(node.host) == [0, 1]
     assert node.lock_ref == 0
-    c = cache.stats().counters
+    c = cache_stats(cache).counters
     assert c["backup_tokens_total"] == 4 and c["backup_ops_total"] == 1
     assert c["backup_bytes_total"] == 4 * SPEC.token_bytes
-    host = cache.host_pool
+    host = cache.full.host_pool
     assert host is not None
     assert torch.equal(host.read_pages(torch.tensor([0, 1])), page_kv(cache, [1, 2, 3, 4], 0, 2))
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_write_through_selective_waits_for_threshold() -> None:
     with make_cache(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE) as cache:
         run_request(cache, [1, 2, 3, 4])
         cache.flush()
-        (node,) = cache.tree.iter_nodes()
+        (node,) = cache.full.tree.iter_nodes()
         assert node.host is None and node.hit_count == 1
         run_request(cache, [1, 2, 3, 4])
         cache.flush()
         assert node.hit_count == 2 and list(node.host) == [0, 1]
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_write_back_backs_up_only_on_eviction() -> None:
     with make_cache(write_policy="write_back") as cache:
         run_request(cache, [1, 2, 3, 4])
         cache.flush()
-        (node,) = cache.tree.iter_nodes()
+        (node,) = cache.full.tree.iter_nodes()
         assert node.host is None
-        assert cache.evict_device(2) == 2
+        assert cache.full.evict_device(2) == 2
         assert node.device is None and list(node.host) == [0, 1]
-        c = cache.stats().counters
+        c = cache_stats(cache).counters
         assert c["backup_tokens_total"] == 4 and c["device_demoted_tokens_total"] == 4
-        assert cache.host_pool is not None
+        assert cache.full.host_pool is not None
         assert torch.equal(
-            cache.host_pool.read_pages(torch.tensor([0, 1])), page_kv(cache, [1, 2, 3, 4], 0, 2)
+            cache.full.host_pool.read_pages(torch.tensor([0, 1])),
+            page_kv(cache, [1, 2, 3, 4], 0, 2),
         )
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     tokens = [5, 6, 7, 8, 9, 10]
     run_request(cache, tokens)
     cache.flush()
-    assert cache.evict_device(4) == 3
-    m = cache.match_prefix([*tokens, 11])
+    assert cache.full.evict_device(4) == 3
+    m = cache.full.match_prefix([*tokens, 11])
     assert (m.device_tokens, m.host_tokens) == (0, 6)
     req = cache.open([*tokens, 11])
     assert cache.admit(req, [*tokens, 11])
@@ -94,35 +96,35 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     assert torch.equal(read_device(cache, req.pages[:3]), page_kv(cache, tokens, 0, 3))
     cache.release(req)
     cache.flush()
-    st = cache.stats()
+    st = cache_stats(cache)
     assert st.counters["load_tokens_total"] == 6 and st.counters["host_hit_tokens_total"] == 6
     assert st.device_cached_tokens == 6 and st.host_only_tokens == 0
     assert st.hit_rate == pytest.approx(6 / 13)  # the first request queried 6, hit 0
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_load_back_threshold_and_all_or_nothing() -> None:
     with make_cache(load_back_threshold=6) as cache:
         run_request(cache, [1, 2, 3, 4])
         cache.flush()
-        cache.evict_device(2)
+        cache.full.evict_device(2)
         req = cache.open([1, 2, 3, 4], compute_last=False)
         assert cache.admit(req, [1, 2, 3, 4])
         assert req.cached.host == 0 and req.prefix_pages == 0  # 4 < 6 tokens: recompute
-        assert cache.stats().counters["load_skipped_tokens_total"] == 4
+        assert cache_stats(cache).counters["load_skipped_tokens_total"] == 4
         cache.release(req)
-        cache.check_integrity()
+        check_integrity(cache)
     with make_cache() as cache:
         run_request(cache, [1, 2, 3, 4, 5, 6])
         cache.flush()
-        cache.evict_device(3)
-        pinned = cache.alloc_device(2)  # L1 has 4 pages: 2 left, the chain needs 3
+        cache.full.evict_device(3)
+        pinned = cache.full.alloc(2)  # L1 has 4 pages: 2 left, the chain needs 3
         assert pinned is not None
         req = cache.open([1, 2, 3, 4, 5, 6], compute_last=False)
         assert not cache.admit(req, [1, 2, 3, 4, 5, 6])  # no room: nothing loaded or held
-        (node,) = cache.tree.iter_nodes()
+        (node,) = cache.full.tree.iter_nodes()
         assert node.device is None and node.host_ref == 0 and node.lock_ref == 0
-        cache.check_integrity(request_pages=pinned)
+        check_integrity(cache, request_pages=pinned)
 
 
 def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
@@ -133,7 +135,8 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
         run_request(cache, [3, 3, 3, 3])  # C needs 2 pages: A (LRU) demoted
         cache.flush()
         tiers = {
-            n.key[:4]: (n.device is not None, n.host is not None) for n in cache.tree.iter_nodes()
+            n.key[:4]: (n.device is not None, n.host is not None)
+            for n in cache.full.tree.iter_nodes()
         }
         assert tiers == {
             bytes([1, 0, 0, 0]): (False, True),
@@ -142,11 +145,11 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
         }
         run_request(cache, [4, 4, 4, 4])  # L1: B demoted; L2 full: A dropped from L2
         cache.flush()
-        st = cache.stats()
+        st = cache_stats(cache)
         assert st.counters["host_evicted_tokens_total"] == 4
-        assert cache.match_prefix([1, 1, 1, 1]).matched_tokens == 0
-        assert cache.match_prefix([2, 2, 2, 2]).host_tokens == 4
-        cache.check_integrity()
+        assert cache.full.match_prefix([1, 1, 1, 1]).matched_tokens == 0
+        assert cache.full.match_prefix([2, 2, 2, 2]).host_tokens == 4
+        check_integrity(cache)
 
 
 def test_reset_empties_l1_and_l2(cache: HiCache) -> None:
@@ -157,45 +160,46 @@ def test_reset_empties_l1_and_l2(cache: HiCache) -> None:
         cache.reset()
     cache.release(held)
     cache.reset()
-    st = cache.stats()
+    st = cache_stats(cache)
     assert st.nodes == 0 and st.device_free_tokens == 8 and st.host_free_tokens == 16
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_plain_radix_cache_without_host_tier() -> None:
     with make_cache(enable_hierarchical_cache=False) as cache:
-        assert cache.host_pool is None
+        assert cache.full.host_pool is None
         run_request(cache, [1, 2, 3, 4])
-        assert cache.evict_device(2) == 2
-        assert cache.stats().counters["device_evicted_tokens_total"] == 4
-        assert cache.tree.stats().nodes == 0
-        cache.check_integrity()
+        assert cache.full.evict_device(2) == 2
+        assert cache_stats(cache).counters["device_evicted_tokens_total"] == 4
+        assert cache.full.tree.stats().nodes == 0
+        check_integrity(cache)
 
 
 def test_integrity_detects_a_leak(cache: HiCache) -> None:
     run_request(cache, [1, 2, 3, 4])
-    leaked = cache.alloc_device(1)
+    leaked = cache.full.alloc(1)
     assert leaked is not None
     with pytest.raises(AssertionError, match="leak"):
-        cache.check_integrity()
-    cache.check_integrity(request_pages=leaked)
+        check_integrity(cache)
+    check_integrity(cache, request_pages=leaked)
 
 
 def test_full_l2_drops_copies_of_l1_resident_spans_for_new_backups() -> None:
     # L1: 8 pages; L2: 6 pages (64 bytes each) - three 2-page prompts fill L2 with copies
     page_gb = 2 * SPEC.token_bytes / 1e9
     with make_cache(device_tokens=16, hicache_size=6 * page_gb) as cache:
-        assert cache.host_pool is not None and cache.host_pool.num_pages == 6
+        assert cache.full.host_pool is not None and cache.full.host_pool.num_pages == 6
         for first in (1, 2, 3):
             run_request(cache, [first] * 4)
             cache.flush()
-        assert cache.stats().host_free_tokens == 0
+        assert cache_stats(cache).host_free_tokens == 0
         run_request(cache, [4] * 4)  # L1 has room; its backup needs L2 pages
         cache.flush()
         tiers = {
-            n.key[0]: (n.device is not None, n.host is not None) for n in cache.tree.iter_nodes()
+            n.key[0]: (n.device is not None, n.host is not None)
+            for n in cache.full.tree.iter_nodes()
         }
         # no L2-only leaf to evict: the LRU copy of a span still in L1 (prompt 1) went
         assert tiers == {1: (True, False), 2: (True, True), 3: (True, True), 4: (True, True)}
-        assert cache.stats().counters["host_evicted_tokens_total"] == 4
-        cache.check_integrity()
+        assert cache_stats(cache).counters["host_evicted_tokens_total"] == 4
+        check_integrity(cache)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hicache.cache import CacheRequest, HiCache, RequestState
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.cache.request import CachedTokens
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
 from hicache.keys import Namespace
@@ -61,23 +62,23 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
     cache, hook = failing
     assert serve(cache, TOKENS) is not None
     cache.flush()
-    assert cache.evict_device(8) == 3  # demoted: L2 only now
+    assert cache.full.evict_device(8) == 3  # demoted: L2 only now
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS)
     assert req.prefix_pages == 3 and req.loading
     assert req.wait_layer(0, 10)  # layer 0 arrived before the failure
     assert not req.wait_layer(1, 10) and req.failed is not None
-    cache.poll()
-    (node,) = cache.tree.iter_nodes()
+    cache.sync()
+    (node,) = cache.full.tree.iter_nodes()
     assert node.device is None and node.host is not None  # unmapped, L2 copy kept
     assert node.lock_ref == 0 and node.host_ref == 0
-    assert cache.stats().counters["load_failures_total"] == 1
+    assert cache_stats(cache).counters["load_failures_total"] == 1
     cache.commit(req, TOKENS)  # a failed request commits nothing
     cache.release(req, TOKENS)
     assert req.state is RequestState.RELEASED
-    cache.check_integrity()
-    assert cache.device_pool.allocator.used_pages == 0
+    check_integrity(cache)
+    assert cache.full.device_pool.allocator.used_pages == 0
     cache.reset()  # nothing is left pinned
     assert serve(cache, TOKENS) is not None  # works again, recomputed
 
@@ -93,29 +94,29 @@ def test_a_failed_request_requeued_recomputes_what_its_load_could_not_bring(
     serve(cache, TOKENS[:PAGE])  # page 0 is a node of its own
     assert serve(cache, TOKENS) is not None
     cache.flush()
-    assert cache.evict_device(2) == 2  # pages 1-2 are in L2 only, page 0 stays in L1
+    assert cache.full.evict_device(2) == 2  # pages 1-2 are in L2 only, page 0 stays in L1
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS) and req.prefix_pages == 3 and req.loading
     assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
     cache.requeue(req, TOKENS)
     assert req.state is RequestState.WAITING and req.failed is not None
-    cache.poll()  # the failed load applied: its chain is out of L1
-    loads = cache.stats().counters["load_failures_total"]
+    cache.sync()  # the failed load applied: its chain is out of L1
+    loads = cache_stats(cache).counters["load_failures_total"]
     assert cache.admit(req, TOKENS)
     assert req.failed is None and req.prefix_pages == 1 and not req.loading
     assert req.cached == CachedTokens(device=PAGE)
     assert read_device(cache, req.pages[:1]).equal(page_kv(cache, TOKENS, 0, 1))
-    assert cache.stats().counters["load_fallbacks_total"] == 1
+    assert cache_stats(cache).counters["load_fallbacks_total"] == 1
     write_tokens(cache, TOKENS, req.pages[1:3], 1)  # the recompute
     cache.release(req, TOKENS)
-    cache.poll()
-    assert cache.stats().counters["load_failures_total"] == loads  # nothing loaded
+    cache.sync()
+    assert cache_stats(cache).counters["load_failures_total"] == loads  # nothing loaded
     hook.on = False
     again = serve(cache, TOKENS, hold=True)  # serve() checks the cached bytes
     assert again is not None and again.cached.device == len(TOKENS)
     cache.release(again)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
@@ -124,7 +125,7 @@ def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
     cache, hook = failing
     serve(cache, TOKENS)
     cache.flush()
-    cache.evict_device(8)
+    cache.full.evict_device(8)
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS)
@@ -134,7 +135,7 @@ def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
     again = serve(cache, TOKENS, hold=True)  # serve() checks the loaded bytes
     assert again is not None and again.cached.host == len(TOKENS)
     cache.release(again)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_write_through_selective_counts_requests_not_inserts() -> None:
@@ -147,12 +148,12 @@ def test_write_through_selective_counts_requests_not_inserts() -> None:
         cache.commit(req, longer)  # the prompt's node is passed again: no new hit
         cache.release(req, longer)
         cache.flush()
-        assert all(n.host is None for n in cache.tree.iter_nodes())
+        assert all(n.host is None for n in cache.full.tree.iter_nodes())
         assert serve(cache, TOKENS) is not None  # the second request reusing it
         cache.flush()
-        prompt = cache.match_prefix(TOKENS).last_device_node
+        prompt = cache.full.match_prefix(TOKENS).last_device_node
         assert prompt.hit_count == 2 and prompt.host is not None
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_hits_are_counted_once_per_request_even_when_requeued() -> None:
@@ -164,10 +165,10 @@ def test_hits_are_counted_once_per_request_even_when_requeued() -> None:
         cache.requeue(req, [*TOKENS, 1])
         assert req.state is RequestState.WAITING
         assert cache.admit(req, [*TOKENS, 1])
-        c = cache.stats().counters
+        c = cache_stats(cache).counters
         assert c["prefix_queries_total"] == 2 and c["device_hit_tokens_total"] == 6
         cache.release(req)
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_priority_reaches_the_tree_through_open() -> None:
@@ -175,9 +176,9 @@ def test_priority_reaches_the_tree_through_open() -> None:
         serve(cache, [1, 1, 1, 1], priority=5)
         serve(cache, [2, 2, 2, 2], priority=0)
         cache.flush()
-        cache.evict_device(2)  # the low-priority span goes first, though it is newer
-        assert cache.match_prefix([1, 1, 1, 1]).device_tokens == 4
-        assert cache.match_prefix([2, 2, 2, 2]).device_tokens == 0
+        cache.full.evict_device(2)  # the low-priority span goes first, though it is newer
+        assert cache.full.match_prefix([1, 1, 1, 1]).device_tokens == 4
+        assert cache.full.match_prefix([2, 2, 2, 2]).device_tokens == 0
 
 
 def _l3(cache: HiCache, store: MemoryStore, prefetch: PrefetchConfig) -> None:
@@ -213,7 +214,7 @@ def test_timeout_deadline_counts_from_arrival_and_covers_the_lookup(
         assert p.deadline - p.started == pytest.approx(expected)
         cache.release(req)
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_l3_backup_counts_written_pages_not_present_ones() -> None:
@@ -223,15 +224,15 @@ def test_l3_backup_counts_written_pages_not_present_ones() -> None:
         _l3(a, store, prefetch)
         serve(a, TOKENS)
         a.flush()
-        assert a.stats().counters["l3_backup_tokens_total"] == 6
+        assert cache_stats(a).counters["l3_backup_tokens_total"] == 6
     with make_cache() as b:  # the same pages again: all present already
         _l3(b, store, prefetch)
-        pages = b.alloc_device(3)
+        pages = b.full.alloc(3)
         assert pages is not None
         write_tokens(b, TOKENS, pages, 0)
-        b.insert(TOKENS, pages)
+        b.full.insert(TOKENS, pages)
         b.flush()
-        c = b.stats().counters
+        c = cache_stats(b).counters
         assert c["l3_backup_tokens_total"] == 0 and c["l3_backup_present_tokens_total"] == 6
 
 
@@ -246,7 +247,7 @@ def test_a_queued_request_takes_what_best_effort_prefetched() -> None:
         p = req.prefetch
         assert p is not None
         for _ in range(2000):
-            b.poll()
+            b.sync()
             if p.finished:
                 break
             time.sleep(0.001)
@@ -256,7 +257,7 @@ def test_a_queued_request_takes_what_best_effort_prefetched() -> None:
         assert read_device(b, req.pages[:3]).equal(page_kv(b, TOKENS, 0, 3))
         b.release(req, TOKENS)
         b.flush()
-        b.check_integrity()
+        check_integrity(b)
 
 
 def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -> None:
@@ -285,11 +286,13 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         b.attach_storage(slow, ns, prefetch)
         req = b.open(TOKENS, compute_last=False)
         start = time.monotonic()
-        while not b.ready(req):
+        while not b.ready(req):  # as agreed at the last sync
             time.sleep(0.005)
+            b.sync()
         assert b.admit(req, TOKENS) and req.cached.storage == 0  # the get timed out
+        assert cache_stats(b).counters["prefetch_timeouts_total"] == 1  # admitted unfinished
         b.release(req, TOKENS)
-        b.check_integrity()  # the 3 read pages are held by the op, not free
+        check_integrity(b)  # the 3 read pages are held by the op, not free
         assert b.storage is not None and len(b.storage.held_host_pages()) == 3
         # other requests fill every other L2 page with their backups meanwhile
         others = [[i] * 4 for i in range(20, 24)]
@@ -299,12 +302,12 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         assert len(b.storage.held_host_pages()) == 3
         b.flush()  # waits for the late write too: it lands in the quarantined pages only
         assert b.storage.held_host_pages() == []
-        b.check_integrity()
-        b.evict_device(8)  # everything L2-only: load back checks every byte
+        check_integrity(b)
+        b.full.evict_device(8)  # everything L2-only: load back checks every byte
         for toks in others:
-            if b.match_prefix(toks).host_tokens:
+            if b.full.match_prefix(toks).host_tokens:
                 assert serve(b, toks) is not None
-        b.check_integrity()
+        check_integrity(b)
 
 
 class GatedFailingBackup:
@@ -340,34 +343,34 @@ def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
         ns = _namespace(cache)
         slow_writes = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=0.5))
         cache.attach_storage(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
-        assert cache.host is not None
-        engine = cache.host.controller._engine
+        assert cache.full.host is not None
+        engine = cache.full.host.controller._engine
         gated = GatedFailingBackup(engine.copier)
         engine.copier = gated
         parent, child = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]
-        p_pages = cache.alloc_device(2)
+        p_pages = cache.full.alloc(2)
         assert p_pages is not None
         write_tokens(cache, parent, p_pages, 0)
-        cache.insert(parent, p_pages)  # backup op 1: will fail
-        c_pages = cache.alloc_device(2)
+        cache.full.insert(parent, p_pages)  # backup op 1: will fail
+        c_pages = cache.full.alloc(2)
         assert c_pages is not None
         write_tokens(cache, child, c_pages, 2)
-        cache.insert(child, cache.match_prefix(parent).device_pages + c_pages)  # op 2
-        p_node = cache.match_prefix(parent).last_device_node
-        c_node = cache.match_prefix(child).last_device_node
+        cache.full.insert(child, cache.full.match_prefix(parent).device_pages + c_pages)  # op 2
+        p_node = cache.full.match_prefix(parent).last_device_node
+        c_node = cache.full.match_prefix(child).last_device_node
         assert p_node.host is not None and c_node.host is not None
         c_host = list(c_node.host)
         gated.gate.set()
-        cache.host.wait_idle()  # op 1 failed, op 2 landed: the child's L3 write is slow
+        cache.full.host.wait_idle()  # op 1 failed, op 2 landed: the child's L3 write is slow
         assert c_node.host is not None and list(c_node.host) == c_host  # not freed
-        assert all(cache.host.allocator.is_used(p) for p in c_host)
+        assert all(cache.full.host.allocator.is_used(p) for p in c_host)
         assert p_node.lock_ref == 1  # the failed run stays pinned in L1 meanwhile
         cache.flush()  # the L3 write lands; then the L2 copies are dropped
-        cache.poll()
+        cache.sync()
         assert p_node.host is None and c_node.host is None and p_node.lock_ref == 0
-        assert cache.stats().counters["backup_failures_total"] == 1
-        cache.check_integrity()
-        assert cache.host.allocator.used_pages == 0
+        assert cache_stats(cache).counters["backup_failures_total"] == 1
+        check_integrity(cache)
+        assert cache.full.host.allocator.used_pages == 0
 
 
 def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
@@ -376,14 +379,14 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
         slow = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=1.0))
         cache.attach_storage(slow, ns, PrefetchConfig(prefetch_threshold=0))
         serve(cache, TOKENS)
-        assert cache.host is not None
-        cache.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
+        assert cache.full.host is not None
+        cache.full.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
         assert cache.detach_storage(timeout_s=0.1)  # the flush times out
-        assert not cache.storage_attached
-        assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.tree.iter_nodes())
-        cache.check_integrity()
+        assert not (cache.storage is not None)
+        assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.full.tree.iter_nodes())
+        check_integrity(cache)
         cache.reset()  # /flush_cache is not refused: no pin is left behind
-        assert cache.host.allocator.used_pages == 0
+        assert cache.full.host.allocator.used_pages == 0
 
 
 def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settles() -> None:
@@ -398,7 +401,7 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         cache.flush()  # TOKENS' pages are in L3
         assert cache.detach_storage()
         cache.reset()
-        assert cache.host is not None and cache.host.allocator.used_pages == 0
+        assert cache.full.host is not None and cache.full.host.allocator.used_pages == 0
         late = MemoryStorage(
             ns, StorageOptions(timeout_s=0.1), store=store, faults=MemoryFaults(get_delay_s=1.5)
         )
@@ -407,24 +410,24 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         end = time.monotonic() + 10
         while cache.storage is not None and not cache.storage.held_host_pages():
             assert time.monotonic() < end, "the prefetch read was never issued"
-            cache.poll()
+            cache.sync()
             time.sleep(0.001)
         held = cache.storage.held_host_pages() if cache.storage is not None else []
         assert len(held) == 3
         assert cache.detach_storage()  # the read timed out; its bytes land later
-        assert not cache.storage_attached
-        cache.poll()
-        assert cache.host.allocator.used_pages == 3  # quarantined, not free
-        assert all(cache.host.allocator.is_used(p) for p in held)
-        cache.check_integrity()  # counted held by the detached backend
+        assert not (cache.storage is not None)
+        cache.sync()
+        assert cache.full.host.allocator.used_pages == 3  # quarantined, not free
+        assert all(cache.full.host.allocator.is_used(p) for p in held)
+        check_integrity(cache)  # counted held by the detached backend
         end = time.monotonic() + 10
-        while cache.host.allocator.used_pages:
+        while cache.full.host.allocator.used_pages:
             assert time.monotonic() < end, "the retired backend's pages were never freed"
-            cache.poll()
+            cache.sync()
             time.sleep(0.01)
         assert late.host_writes_settled(0.0)
         cache.release(req)
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 # -- load back under concurrency and faults ---------------------------------------------
@@ -438,8 +441,8 @@ def _l2_only(cache: HiCache, *seqs: list[int]) -> None:
     for seq in seqs:
         assert serve(cache, seq) is not None
     cache.flush()
-    cache.evict_device(cache.device_pages)
-    assert cache.device_pool.allocator.used_pages == 0
+    cache.full.evict_device(cache.full.pages)
+    assert cache.full.device_pool.allocator.used_pages == 0
 
 
 def _admit(cache: HiCache, tokens: list[int]) -> CacheRequest:
@@ -450,9 +453,9 @@ def _admit(cache: HiCache, tokens: list[int]) -> CacheRequest:
 
 def _settled(cache: HiCache, ops: int = 0) -> None:
     """Wait until at most ``ops`` L1<->L2 copies are in flight (others are parked)."""
-    assert cache.host is not None
+    assert cache.full.host is not None
     end = time.monotonic() + 10
-    while cache.host.controller.pending > ops:
+    while cache.full.host.controller.pending > ops:
         assert time.monotonic() < end, "copies never finished"
         time.sleep(0.001)
 
@@ -477,7 +480,7 @@ def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pag
     failed load must leave no L1 page of TOKENS mapped that it never wrote."""
     cache, hook = failing
     _l2_only(cache, TOKENS)
-    held = cache.alloc_device(5)
+    held = cache.full.alloc(5)
     assert held is not None
     fill_device(cache, free_device_pages(cache), 7.0)  # what an unwritten page shows
     hook.on = True
@@ -487,16 +490,16 @@ def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pag
         cache.release(req, keep=False)
     else:
         cache.release(req)
-    cache.free_device(held)
+    cache.full.free(held)
     cache.flush()  # the load has failed by now
     hook.on = False
-    m = cache.match_prefix(TOKENS)
+    m = cache.full.match_prefix(TOKENS)
     assert read_device(cache, m.device_pages).equal(
         page_kv(cache, TOKENS, 0, m.device_tokens // PAGE)
     )
     assert (m.device_tokens, m.host_tokens) == (0, 6)  # the L2 copy stays, L1 has nothing
-    cache.check_integrity()
-    assert cache.device_pool.allocator.used_pages == 0
+    check_integrity(cache)
+    assert cache.full.device_pool.allocator.used_pages == 0
     assert serve(cache, TOKENS) is not None  # loads the right bytes now
 
 
@@ -510,10 +513,10 @@ class _BackupAfterFailedLoad:
         self.hook = hook
 
     def backup(self, *args: Any) -> None:
-        assert self.cache.host is not None
+        assert self.cache.full.host is not None
         end = time.monotonic() + 3
         self.hook.fired.wait(3)
-        while self.cache.host.controller.pending > 1 and time.monotonic() < end:
+        while self.cache.full.host.controller.pending > 1 and time.monotonic() < end:
             time.sleep(0.001)
         self.inner.backup(*args)
 
@@ -530,31 +533,31 @@ def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
     match may return the chain's L1 pages."""
     cache, hook = failing
     _l2_only(cache, TOKENS)
-    assert cache.host is not None
-    engine = cache.host.controller._engine
+    assert cache.full.host is not None
+    engine = cache.full.host.controller._engine
     engine.copier = _BackupAfterFailedLoad(engine.copier, cache, hook)  # type: ignore[assignment]
     x = [3, 3, 3, 3]
-    x_pages = cache.alloc_device(2)
+    x_pages = cache.full.alloc(2)
     assert x_pages is not None
     write_tokens(cache, x, x_pages, 0)
-    cache.insert(x, x_pages)  # write-through: its backup pins it in L1 until it lands
-    held = cache.alloc_device(3)  # another holder: 3 pages free, the load's size
+    cache.full.insert(x, x_pages)  # write-through: its backup pins it in L1 until it lands
+    held = cache.full.alloc(3)  # another holder: 3 pages free, the load's size
     assert held is not None
     fill_device(cache, free_device_pages(cache), 7.0)
     hook.on = True
     req = _admit(cache, LONGER)  # room for the rest came from X, once backed up
     assert req.prefix_pages == 3
     assert not req.wait_layer(1, 10) and req.failed is not None
-    cache.poll()
-    m = cache.match_prefix(TOKENS)
+    cache.sync()
+    m = cache.full.match_prefix(TOKENS)
     assert (m.device_tokens, m.host_tokens) == (0, 6)
     assert req.node is None  # failed and unpinned
     cache.release(req, keep=False)
-    cache.free_device(held)
+    cache.full.free(held)
     hook.on = False
     cache.flush()
     check_l1_hits(cache, [TOKENS, x])
-    cache.check_integrity()
+    check_integrity(cache)
     assert serve(cache, TOKENS) is not None
 
 
@@ -578,9 +581,9 @@ def test_two_l2_hits_admitted_in_one_step_load_concurrently(
     assert finish(cache, first, TOKENS)  # checks its loaded bytes
     assert finish(cache, second, OTHER)
     cache.flush()
-    c = cache.stats().counters
+    c = cache_stats(cache).counters
     assert c["load_ops_total"] == 2 and c["load_failures_total"] == 0
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_request_sharing_a_chain_still_loading_waits_for_its_layers(
@@ -606,7 +609,7 @@ def test_a_request_sharing_a_chain_still_loading_waits_for_its_layers(
     assert finish(cache, first, TOKENS)
     cache.flush()
     check_l1_hits(cache, [TOKENS, LONGER])
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
@@ -626,20 +629,20 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
     assert gates.parked(1)
     gates.release(0)
     _settled(cache, ops=1)  # the first load failed and posted it; the second is parked
-    cache.poll()
+    cache.sync()
     assert first.failed is not None and second.failed is not None
     assert first.node is None and second.node is None
-    m = cache.match_prefix(LONGER)
+    m = cache.full.match_prefix(LONGER)
     assert (m.device_tokens, m.host_tokens) == (0, 10)
-    cache.check_integrity()  # the parked load's pages are held, not free
+    check_integrity(cache)  # the parked load's pages are held, not free
     assert not second.wait_layer(1, 10)
     for req in (first, second):
         cache.release(req, keep=False)
     gates.release(1)
     cache.flush()
-    assert cache.device_pool.allocator.used_pages == 0
-    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
-    cache.check_integrity()
+    assert cache.full.device_pool.allocator.used_pages == 0
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
+    check_integrity(cache)
     assert serve(cache, LONGER) is not None  # loads the right bytes now
 
 
@@ -669,7 +672,7 @@ def test_a_commit_that_adopts_pages_still_loading_waits_for_them() -> None:
         cache.release(first)
         assert finish(cache, second, LONGER)
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
     finally:
         gates.release_all()
         cache.close()

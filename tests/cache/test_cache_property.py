@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 )
 
 from hicache.cache import CacheRequest, HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
@@ -106,11 +107,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n: int) -> None:
-        self.c.evict_device(n)
+        self.c.full.evict_device(n)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n: int) -> None:
-        self.c.evict_host(n)
+        self.c.full.evict_host(n)
 
     @rule()
     def flush(self) -> None:
@@ -132,8 +133,8 @@ class CacheMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         if self.cache is None:
             return
-        self.cache.poll()
-        self.cache.check_integrity()
+        self.cache.sync()
+        check_integrity(self.cache)
 
 
 CacheMachine.TestCase.settings = settings(

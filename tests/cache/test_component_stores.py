@@ -27,6 +27,7 @@ from hicache.cache.components.base import (
     StoreContext,
 )
 from hicache.cache.components.records import ComponentRecords
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import (
     CacheConfig,
     CacheSpec,
@@ -180,12 +181,12 @@ def cache() -> Iterator[HiCache]:
 
 
 def test_a_store_in_the_list_is_built_from_its_spec(cache: HiCache) -> None:
-    store = cache.store(TagStore)
+    store = cache.stores.of_type(TagStore)
     assert store is not None and cache.stores.names == ["tag"] and list(cache.stores) == [store]
-    assert cache.store(SwaStore) is None and cache.store(SnapshotStore) is None
-    assert isinstance(cache.tree.component("tag"), TagComponent)
-    assert cache.resumable  # the store hands requests a state to resume from
-    assert [u.name for u in cache.stats().components] == ["full", "tag"]
+    assert cache.stores.of_type(SwaStore) is None and cache.stores.of_type(SnapshotStore) is None
+    assert isinstance(cache.full.tree.component("tag"), TagComponent)
+    assert cache.stores.resumes  # the store hands requests a state to resume from
+    assert [u.name for u in cache_stats(cache).components] == ["full", "tag"]
     with pytest.raises(ValueError, match="no component store takes a TagSpec"):
         HiCache(CONFIG, CacheSpec(kv=SPEC, components=(TagSpec(every=4),)))
 
@@ -202,8 +203,8 @@ def test_the_tree_matches_only_where_the_store_tagged(cache: HiCache) -> None:
     cache.commit(req, prompt[:6])  # 3 pages: no tag after them
     cache.keep(req, tagged(8, 222))  # a forward that commits nothing
     cache.release(req, prompt[:8])
-    cache.check_integrity()
-    store = cache.store(TagStore)
+    check_integrity(cache)
+    store = cache.stores.of_type(TagStore)
     assert store is not None and store.alloc.used_pages == 2
 
     again = cache.open(prompt)
@@ -219,22 +220,22 @@ def test_the_tree_matches_only_where_the_store_tagged(cache: HiCache) -> None:
     got = third.take_resume()
     assert third.prefix_tokens == 4 and got is not None and int(got.states[0].tensors[0][0]) == 111
     cache.release(third)
-    cache.check_integrity()
-    assert {u.name: u.device_used for u in cache.stats().components}["tag"] == 2
+    check_integrity(cache)
+    assert {u.name: u.device_used for u in cache_stats(cache).components}["tag"] == 2
     cache.reset()
     assert store.alloc.used_pages == 0
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_the_ownership_check_covers_the_store(cache: HiCache) -> None:
-    store = cache.store(TagStore)
+    store = cache.stores.of_type(TagStore)
     assert store is not None
     leaked = store.alloc.alloc(1)
     assert leaked is not None
     with pytest.raises(AssertionError, match="L1 tag"):
-        cache.check_integrity()
+        check_integrity(cache)
     store.free(Tier.DEVICE, page_ids(leaked))
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 class TaggingRunner(NextTokenRunner):
@@ -274,7 +275,7 @@ def test_the_scheduler_carries_a_new_stores_plan_and_extras_untouched(cache: HiC
     run(sched)
     assert [sum(1 for k in keep if k) for keep in runner.keeps] == [1, 1, 0]
     assert runner.keeps[:2] == [[(4,)], [(4,)]]  # chunks end at each tag: 4, 8, then 3
-    store = cache.store(TagStore)
+    store = cache.stores.of_type(TagStore)
     assert store is not None and sorted(int(store.tags[s]) for s in store.owned(Tier.DEVICE)) == [
         4,
         8,
@@ -283,12 +284,12 @@ def test_the_scheduler_carries_a_new_stores_plan_and_extras_untouched(cache: HiC
     sched.add(follow)
     run(sched)
     assert runner.resumed == [(follow.rid, 8, 8)]  # the cache's record reached the runner
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_full_kv_cache_has_no_store_and_plans_whole_chunks() -> None:
     with HiCache(CONFIG, SPEC) as c:
-        assert c.stores.names == [] and not c.resumable and c.runner_pools() == {}
+        assert c.stores.names == [] and not c.stores.resumes and c.stores.runner_pools() == {}
         req = c.open([1, 2, 3, 4, 5])
         assert c.admit(req, [1, 2, 3, 4, 5])
         assert c.plan_chunk(req, 0, 5) == ChunkPlan(5)

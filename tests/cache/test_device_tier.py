@@ -1,5 +1,5 @@
 """The L1 tier on its own: built with what it needs (no host tier here), it evicts in
-policy order, returns the component values a node held to ``free_components``, counts
+policy order, returns the component values a node held to the component stores, counts
 what it dropped, and keeps reserved pages out of circulation."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import pytest
 
+from hicache.cache.components.stores import ComponentStores
 from hicache.cache.device_tier import DeviceTier
 from hicache.config import CacheConfig, KVSpec
 from hicache.controller import write_rule
@@ -21,23 +22,30 @@ SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
 
 
+class FreedStores(ComponentStores):
+    """An empty store list that records the component ids handed back to it."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.freed: list[tuple[Tier, dict[str, list[int]]]] = []
+
+    def free(self, tier: Tier, ids: Mapping[str, PageIds]) -> None:
+        self.freed.append((tier, {k: list(v) for k, v in ids.items() if len(v)}))
+
+
 def make_tier() -> tuple[DeviceTier, list[tuple[Tier, dict[str, list[int]]]]]:
     cfg = CacheConfig(page_size=PAGE, device_tokens=8, enable_hierarchical_cache=False)
     tree = HiRadixTree(PAGE, cfg.eviction_policy, [SlidingWindow(2)])
-    freed: list[tuple[Tier, dict[str, list[int]]]] = []
-
-    def free_components(tier: Tier, ids: Mapping[str, PageIds]) -> None:
-        freed.append((tier, {k: list(v) for k, v in ids.items() if len(v)}))
-
+    stores = FreedStores()
     tier = DeviceTier(
         tree=tree,
         pool=DevicePool(SPEC, cfg.device_pages, PAGE),
         rule=write_rule(cfg),
         counters=CacheCounters(),
         host=None,
-        free_components=free_components,
+        stores=stores,
     )
-    return tier, freed
+    return tier, stores.freed
 
 
 def test_allocation_evicts_cached_pages_and_returns_their_component_values() -> None:

@@ -18,6 +18,7 @@ import torch
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import IndexerStore
 from hicache.cache.components.indexer import INDEXER
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, CacheSpec, IndexerSpec, KVSpec, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
 from hicache.memory.layout import gather_pages
@@ -52,7 +53,7 @@ def cache() -> Iterator[HiCache]:
 
 
 def store_of(cache: HiCache) -> IndexerStore:
-    s = cache.store(IndexerStore)
+    s = cache.stores.of_type(IndexerStore)
     assert s is not None
     return s
 
@@ -96,10 +97,10 @@ def serve_in_chunks(cache: HiCache, tokens: list[int], chunk: int = 8) -> None:
         write_keys(cache, req, tokens, pos, end)
         pos = end
         cache.commit(req, tokens[:pos])
-        cache.check_integrity()
+        check_integrity(cache)
     cache.release(req, tokens)
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def admit_and_check(cache: HiCache, tokens: list[int]) -> int:
@@ -111,19 +112,19 @@ def admit_and_check(cache: HiCache, tokens: list[int]) -> int:
     assert keys_ok(cache, req, tokens, prefix)
     cache.release(req)
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
     return prefix
 
 
 def path(cache: HiCache, tokens: list[int]) -> list[TreeNode]:
     """The nodes the tree holds for ``tokens`` (any tier), top-down."""
-    last = cache.tree.match_held(tokens).last_host_node
-    return cache.tree.path_tail(last, cache.tree.depth_pages(last))
+    last = cache.full.tree.match_held(tokens).last_host_node
+    return cache.full.tree.path_tail(last, cache.full.tree.depth_pages(last))
 
 
 def drop_keys(cache: HiCache, node: TreeNode, tier: Tier) -> None:
     """Forget ``node``'s keys in ``tier`` (what a lost copy or record leaves)."""
-    cache.tree.component(INDEXER).set(node, tier, None)
+    cache.full.tree.component(INDEXER).set(node, tier, None)
 
 
 # ---------------------------------------------------------------------- the spec
@@ -143,15 +144,15 @@ def test_the_spec_is_validated_and_sized() -> None:
 
 def test_pools_share_the_full_kvs_page_ids(cache: HiCache) -> None:
     s = store_of(cache)
-    assert s.device_pool.num_pages == cache.device_pool.num_pages == 16
-    assert s.host_pool is not None and cache.host_pool is not None
-    assert s.host_pool.num_pages == cache.host_pool.num_pages == 32
+    assert s.device_pool.num_pages == cache.full.device_pool.num_pages == 16
+    assert s.host_pool is not None and cache.full.host_pool is not None
+    assert s.host_pool.num_pages == cache.full.host_pool.num_pages == 32
     serve_in_chunks(cache, PROMPT)
     for n in path(cache, PROMPT):
-        assert cache.tree.component(INDEXER).get(n, Tier.DEVICE) == n.device
-        assert cache.tree.component(INDEXER).get(n, Tier.HOST) == n.host
-    assert cache.tree.component_ids(INDEXER, Tier.DEVICE) == cache.tree.device_page_ids()
-    full, keys = cache.stats().components
+        assert cache.full.tree.component(INDEXER).get(n, Tier.DEVICE) == n.device
+        assert cache.full.tree.component(INDEXER).get(n, Tier.HOST) == n.host
+    assert cache.full.tree.component_ids(INDEXER, Tier.DEVICE) == cache.full.tree.device_page_ids()
+    full, keys = cache_stats(cache).components
     assert (keys.name, keys.device_used, keys.device_cached) == (INDEXER, 8, 8)
     assert (full.device_used, full.device_cached) == (8, 8)
     assert (keys.host_used, keys.host_cached) == (full.host_used, full.host_cached) == (8, 8)
@@ -162,7 +163,7 @@ def test_pools_share_the_full_kvs_page_ids(cache: HiCache) -> None:
 def test_a_request_reuses_the_keys_from_l1(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT)
     assert admit_and_check(cache, PROMPT) == 16
-    assert cache.component_hits()[0].l1 == 1
+    assert cache.stores.component_hits()[0].l1 == 1
 
 
 # ---------------------------------------------------------------------- ALL_PAGES
@@ -171,18 +172,18 @@ def test_a_request_reuses_the_keys_from_l1(cache: HiCache) -> None:
 def test_the_match_stops_before_the_first_node_without_its_keys(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT)  # nodes of pages [0, 4), [4, 8)
     top, second = path(cache, PROMPT)
-    assert cache.tree.match_prefix(PROMPT).device_tokens == 16
+    assert cache.full.tree.match_prefix(PROMPT).device_tokens == 16
     drop_keys(cache, second, Tier.DEVICE)  # its L2 keys stay: an L2 hit
-    m = cache.tree.match_prefix(PROMPT)
+    m = cache.full.tree.match_prefix(PROMPT)
     assert (m.device_tokens, m.host_tokens) == (8, 8)
     drop_keys(cache, second, Tier.HOST)  # in no tier now: the match ends above it
-    m = cache.tree.match_prefix(PROMPT)
+    m = cache.full.tree.match_prefix(PROMPT)
     assert (m.device_tokens, m.host_tokens, m.limited_by) == (8, 0, INDEXER)
     drop_keys(cache, top, Tier.HOST)  # L1 only at the top: a hit anywhere still
-    assert cache.tree.match_prefix(PROMPT).device_tokens == 8
+    assert cache.full.tree.match_prefix(PROMPT).device_tokens == 8
     drop_keys(cache, top, Tier.DEVICE)
-    assert cache.tree.match_prefix(PROMPT).matched_tokens == 0
-    cache.check_integrity()
+    assert cache.full.tree.match_prefix(PROMPT).matched_tokens == 0
+    check_integrity(cache)
 
 
 def test_keys_in_l2_only_are_loaded_with_the_hit(cache: HiCache) -> None:
@@ -190,8 +191,8 @@ def test_keys_in_l2_only_are_loaded_with_the_hit(cache: HiCache) -> None:
     _, second = path(cache, PROMPT)
     drop_keys(cache, second, Tier.DEVICE)
     assert admit_and_check(cache, PROMPT) == 16  # the keys of [4, 8) came from L2
-    assert cache.tree.component(INDEXER).get(second, Tier.DEVICE) == second.device
-    assert cache.component_hits()[0].l2 == 1
+    assert cache.full.tree.component(INDEXER).get(second, Tier.DEVICE) == second.device
+    assert cache.stores.component_hits()[0].l2 == 1
 
 
 def test_a_commit_marks_no_keys_on_nodes_whose_pages_are_not_the_requests(
@@ -207,10 +208,10 @@ def test_a_commit_marks_no_keys_on_nodes_whose_pages_are_not_the_requests(
     own = req.pages[:4]
     cache.commit(req, PROMPT)
     assert top.device is not None and top.device != own  # the tree kept its pages
-    assert cache.tree.component(INDEXER).get(top, Tier.DEVICE) is None  # so no keys there
+    assert cache.full.tree.component(INDEXER).get(top, Tier.DEVICE) is None  # so no keys there
     cache.release(req, PROMPT)
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 # ---------------------------------------------------------------------- eviction
@@ -221,19 +222,19 @@ def test_eviction_drops_keys_with_their_full_kv_and_keeps_the_invariant() -> Non
         prompts = [[p * 50 + i for i in range(9)] for p in range(6)]  # 4 pages each
         for p in prompts:
             serve_in_chunks(cache, p)
-        comp = cache.tree.component(INDEXER)
-        for n in cache.tree.iter_nodes():
+        comp = cache.full.tree.component(INDEXER)
+        for n in cache.full.tree.iter_nodes():
             if n.parent is None:
                 continue
             assert comp.get(n, Tier.DEVICE) == n.device
             assert comp.get(n, Tier.HOST) == n.host
-        assert cache.counters.device_demoted_tokens_total == 32  # 16 pages left L1
-        assert cache.counters.host_evicted_tokens_total == 24  # 12 pages left L2
+        assert cache.full.counters.device_demoted_tokens_total == 32  # 16 pages left L1
+        assert cache.full.counters.host_evicted_tokens_total == 24  # 12 pages left L2
         assert admit_and_check(cache, prompts[-1]) == 8
-        cache.evict_device(cache.device_pool.num_pages)
-        assert cache.tree.component_ids(INDEXER, Tier.DEVICE) == []
+        cache.full.evict_device(cache.full.device_pool.num_pages)
+        assert cache.full.tree.component_ids(INDEXER, Tier.DEVICE) == []
         assert admit_and_check(cache, prompts[-1]) == 8  # from L2, keys and all
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 # ---------------------------------------------------------------------- byte equality
@@ -249,7 +250,7 @@ def digest(pool_buffer: torch.Tensor, layout: MemLayout, pages: list[int]) -> st
 def prefix_pages(cache: HiCache, tokens: list[int], tier: Tier) -> list[int]:
     out: list[int] = []
     for n in path(cache, tokens):
-        ids = cache.tree.component(INDEXER).get(n, tier)
+        ids = cache.full.tree.component(INDEXER).get(n, tier)
         assert ids is not None
         out += ids
     return out
@@ -269,7 +270,7 @@ def test_keys_survive_device_host_device(layout: MemLayout) -> None:
         assert s.host_pool is not None
         host = digest(s.host_pool.buffer, layout, prefix_pages(cache, PROMPT, Tier.HOST))
         assert host == before
-        cache.evict_device(cache.device_pool.num_pages)  # L2 only now
+        cache.full.evict_device(cache.full.device_pool.num_pages)  # L2 only now
         s.device_pool.buffer.zero_()  # nothing left in L1 to be read by mistake
         assert admit_and_check(cache, PROMPT) == 16
         after = digest(
@@ -302,8 +303,8 @@ def test_keys_survive_host_l3_host(layout: MemLayout) -> None:
         assert s.host_pool is not None
         before = digest(s.host_pool.buffer, layout, prefix_pages(cache, PROMPT, Tier.HOST))
         cache.flush()
-        assert cache.counters.l3_backup_indexer_pages_total == 8
-        assert cache.counters.l3_backup_indexer_pages_failed_total == 0
+        assert cache.full.counters.l3_backup_indexer_pages_total == 8
+        assert cache.full.counters.l3_backup_indexer_pages_failed_total == 0
     keys = page_keys(namespace(layout).with_component(INDEXER), PROMPT, PAGE)
     assert [store.contains(k.key) for k in keys] == [True] * 8
     with make(mem_layout=layout) as cold:  # a second server over the same L3
@@ -320,7 +321,7 @@ def test_keys_survive_host_l3_host(layout: MemLayout) -> None:
         assert after == before
         cold.release(req)
         cold.flush()
-        cold.check_integrity()
+        check_integrity(cold)
 
 
 def test_a_prefetch_stops_at_the_first_page_without_its_record() -> None:
@@ -335,5 +336,5 @@ def test_a_prefetch_stops_at_the_first_page_without_its_record() -> None:
         storage = attach(cold, store, layout)
         assert admit_and_check(cold, PROMPT) == 10  # pages 1..5
         assert storage.read() == (5, 5)  # pages past 5 are not read
-        assert cold.counters.prefetch_tokens_total == 10
-        assert cold.counters.prefetch_component_records_total == 5
+        assert cold.full.counters.prefetch_tokens_total == 10
+        assert cold.full.counters.prefetch_component_records_total == 5

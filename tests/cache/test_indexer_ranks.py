@@ -21,6 +21,7 @@ import torch
 
 import tests.helpers.rank_cache as rank_cache
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity, tree_digest
 from hicache.config import (
     AttentionKind,
     CacheConfig,
@@ -108,12 +109,12 @@ def _scenario(rank: int, root: str, fault: str) -> dict[str, Any]:
         hits = rank_cache.drive(cache, PROMPTS)
         cache.flush()
         prefixes = _check_keys(cache, PROMPTS)
-        cache.check_integrity()
+        check_integrity(cache)
         return {
             "hits": hits,
-            "digest": cache.tree_digest(),
+            "digest": tree_digest(cache),
             "prefixes": prefixes,
-            "indexer_written": cache.counters.l3_backup_indexer_pages_total,
+            "indexer_written": cache.full.counters.l3_backup_indexer_pages_total,
         }
 
 

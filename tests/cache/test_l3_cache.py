@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
@@ -27,10 +28,10 @@ def make(spec: KVSpec, store: MemoryStore) -> HiCache:
 
 
 def put(cache: HiCache, tokens: list[int], *, tenant: str = "") -> None:
-    pages = cache.alloc_device(len(tokens) // PAGE)
+    pages = cache.full.alloc(len(tokens) // PAGE)
     assert pages is not None
     write_tokens(cache, tokens, pages, 0)
-    cache.insert(tokens, pages, tenant=tenant)
+    cache.full.insert(tokens, pages, tenant=tenant)
     cache.flush()
 
 
@@ -53,13 +54,13 @@ def test_backup_then_prefetch_into_a_fresh_cache_is_byte_exact() -> None:
     with make(MHA, store) as a:
         put(a, TOKENS)
         assert len(store) == 4
-        assert a.stats().counters["l3_backup_tokens_total"] == 8
+        assert cache_stats(a).counters["l3_backup_tokens_total"] == 8
     with make(MHA, store) as b:
         got, data = fetch(b, [*TOKENS, 7])
         assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
-        assert b.stats().counters["storage_hit_tokens_total"] == 8
-        b.check_integrity()
-        node = b.match_prefix(TOKENS).last_device_node
+        assert cache_stats(b).counters["storage_hit_tokens_total"] == 8
+        check_integrity(b)
+        node = b.full.match_prefix(TOKENS).last_device_node
         assert node.device is not None and node.host is not None
 
 
@@ -71,7 +72,7 @@ def test_prefetch_only_fills_what_is_missing_locally() -> None:
         put(b, TOKENS[:4])  # first two pages local
         got, data = fetch(b, TOKENS)
         assert got == 4 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
-        b.check_integrity()
+        check_integrity(b)
 
 
 def test_a_tenants_spans_reach_only_that_tenant_through_l3() -> None:
@@ -84,20 +85,20 @@ def test_a_tenants_spans_reach_only_that_tenant_through_l3() -> None:
         assert fetch(b, TOKENS, tenant="globex")[0] == 0
         got, data = fetch(b, TOKENS, tenant="acme")
         assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
-        b.check_integrity()
+        check_integrity(b)
 
 
 def test_a_split_during_the_l2_backup_loses_nothing_on_the_way_to_l3() -> None:
     store = MemoryStore()
     with make(MHA, store) as a:
-        pages = a.alloc_device(4)
+        pages = a.full.alloc(4)
         assert pages is not None
         write_tokens(a, TOKENS, pages, 0)
-        a.insert(TOKENS, pages)  # backup L1 -> L2 in flight, applied at the next poll
-        a.tree.match_prefix([*TOKENS[:4], 0, 0])  # splits the node before that
+        a.full.insert(TOKENS, pages)  # backup L1 -> L2 in flight, applied at the next poll
+        a.full.tree.match_prefix([*TOKENS[:4], 0, 0])  # splits the node before that
         a.flush()
-        assert len(store) == 4 and a.stats().counters["l3_backup_tokens_total"] == 8
-        a.check_integrity()
+        assert len(store) == 4 and cache_stats(a).counters["l3_backup_tokens_total"] == 8
+        check_integrity(a)
     with make(MHA, store) as b:
         got, data = fetch(b, TOKENS)
         assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import KVSpec, PrefetchConfig
 from hicache.storage.base import StorageOptions
 from tests.helpers.kvdata import serve
@@ -57,13 +58,14 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
         req = b.open(TOKENS, compute_last=False)
         # freeze the store as soon as the lookup answered, before the read is issued
         end = time.monotonic() + 10
-        while b._completions._q.qsize() == 0:
+        while b._sync.completions._q.qsize() == 0:
             assert time.monotonic() < end, "the lookup never answered"
             time.sleep(0.001)
         mooncake.freeze()
         try:
-            while not b.ready(req):
+            while not b.ready(req):  # as agreed at the last sync
                 time.sleep(0.005)
+                b.sync()
             assert b.admit(req, TOKENS)
             assert req.cached.storage == 0  # the get timed out: recomputed
             b.release(req, TOKENS)
@@ -71,15 +73,15 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
             others = [[i] * (4 * PAGE) for i in range(1, 6)]
             for toks in others:  # their backups take every L2 page that is free
                 assert serve(b, toks) is not None
-            assert b.host is not None
-            b.host.wait_idle()
-            b.check_integrity()
+            assert b.full.host is not None
+            b.full.host.wait_idle()
+            check_integrity(b)
         finally:
             mooncake.thaw()
         b.flush()  # the late get lands, in the quarantined pages only; then they are freed
         assert b.storage.held_host_pages() == []
-        b.evict_device(64)
+        b.full.evict_device(64)
         for toks in others:  # every L2 copy still holds its own bytes (serve checks)
-            if b.match_prefix(toks).host_tokens:
+            if b.full.match_prefix(toks).host_tokens:
                 assert serve(b, toks) is not None
-        b.check_integrity()
+        check_integrity(b)

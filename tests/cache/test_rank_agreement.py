@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity, tree_digest
 from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace, page_keys
@@ -92,7 +93,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         drive(cache, PROMPTS)
         cache.flush()
         cache.reset()
-        backed_before = cache.counters.backup_tokens_total
+        backed_before = cache.full.counters.backup_tokens_total
         held = None
         if faulty and fault == "slow":
             _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
@@ -101,25 +102,25 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         elif faulty and fault == "read_timeout":
             _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
         elif faulty and fault == "l2_full":
-            assert cache.host is not None
-            held = cache.host.allocator.alloc(cache.host.allocator.free_pages)
+            assert cache.full.host is not None
+            held = cache.full.host.allocator.alloc(cache.full.host.allocator.free_pages)
         elif faulty and fault == "load_fail":
             hook.on = True
         hits = drive(cache, PROMPTS)
         hook.on = False
         cache.flush()
-        digest = cache.tree_digest()
+        digest = tree_digest(cache)
         if held is not None:
-            assert cache.host is not None
-            cache.host.allocator.free(held)
+            assert cache.full.host is not None
+            cache.full.host.allocator.free(held)
         _backend(cache).set_faults(MemoryFaults())
-        cache.check_integrity()
+        check_integrity(cache)
         return {
             "hits": hits,
             "digest": digest,
-            "timeouts": cache.counters.prefetch_timeouts_total,
-            "backed_up": cache.counters.backup_tokens_total - backed_before,
-            "fallbacks": cache.counters.load_fallbacks_total,
+            "timeouts": cache.full.counters.prefetch_timeouts_total,
+            "backed_up": cache.full.counters.backup_tokens_total - backed_before,
+            "fallbacks": cache.full.counters.load_fallbacks_total,
         }
 
 
@@ -164,8 +165,8 @@ def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
         _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
         hits = drive(cache, prompts, open_per_step=2, hold_steps=8, max_running=2, step_s=0.01)
         cache.flush()
-        cache.check_integrity()
-        return {"hits": hits, "digest": cache.tree_digest()}
+        check_integrity(cache)
+        return {"hits": hits, "digest": tree_digest(cache)}
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
@@ -182,7 +183,7 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
     rank keeps the detached backend's pages until it settled on every rank, so their L2
     pools keep the same free pages at every step."""
     with _cache(rank, f"retired-{rank}", "wait_complete", extra={}) as cache:
-        assert cache.host is not None
+        assert cache.full.host is not None
         drive(cache, [A])
         cache.flush()
         ns = cache.storage.namespace if cache.storage is not None else None
@@ -204,15 +205,15 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
         steps = 0
         while True:
             cache.sync()
-            free = cache.host.allocator.free_pages
+            free = cache.full.host.allocator.free_pages
             assert cache.ranks.min(free) == cache.ranks.max(free), "L2 pools drifted apart"
-            if not cache.host.allocator.used_pages:
+            if not cache.full.host.allocator.used_pages:
                 break
             steps += 1
             assert steps < 2000, "the retired backend's pages were never freed"
             time.sleep(0.005)
         cache.release(req)
-        cache.check_integrity()
+        check_integrity(cache)
         return {"steps": steps}
 
 
@@ -258,8 +259,8 @@ def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:
         hit = (req.cached.storage, prefix)
         cache.release(req)
         cache.flush()
-        cache.check_integrity()
-        return {"hit": hit, "digest": cache.tree_digest()}
+        check_integrity(cache)
+        return {"hit": hit, "digest": tree_digest(cache)}
 
 
 def test_ranks_agree_on_a_hybrid_models_deepest_common_boundary(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity, tree_digest
 from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
@@ -58,7 +59,7 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
         dist.barrier()
         files = sorted(p for p in root.rglob("*") if p.is_file())
         result["files"] = len(files)
-        result["written"] = cache.counters.l3_backup_tokens_total
+        result["written"] = cache.full.counters.l3_backup_tokens_total
         if spec_name == "mha" and rank == 1:  # this rank's store loses its last two pages
             assert cache.storage is not None
             for key in cache.storage.keys(encode_tokens(TOKENS))[2:]:
@@ -68,8 +69,8 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
         [(_, _, storage_tokens)] = drive(cache, [TOKENS])
         result["storage_tokens"] = storage_tokens
         cache.flush()
-        result["digest"] = cache.tree_digest()
-        cache.check_integrity()
+        result["digest"] = tree_digest(cache)
+        check_integrity(cache)
     return result
 
 

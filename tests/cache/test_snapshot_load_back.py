@@ -8,6 +8,7 @@ from __future__ import annotations
 from hicache.cache import HiCache
 from hicache.cache.components import SnapshotStore
 from hicache.cache.components.snapshots import SNAPSHOT
+from hicache.cache.report import check_integrity
 from hicache.tree.components import Tier
 from tests.cache.test_snapshots import SPEC, cache, resume_state, run, snapshot
 from tests.helpers.kvdata import page_kv, read_device
@@ -23,14 +24,14 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     s2 = snapshot(2)
     run(cache, LONG, s2)  # node Y = page 4 under X, snapshot at 10 tokens
     cache.flush()  # both backed up to L2 with their snapshots
-    assert cache.evict_device(1) == 1  # Y (the leaf) is L2-only now
-    (x,) = [n for n in cache.tree.iter_nodes() if n.parent is cache.tree.root]
+    assert cache.full.evict_device(1) == 1  # Y (the leaf) is L2-only now
+    (x,) = [n for n in cache.full.tree.iter_nodes() if n.parent is cache.full.tree.root]
     (y,) = x.children.values()
     assert x.device is not None and y.device is None and y.host is not None
-    snaps = cache.store(SnapshotStore)
+    snaps = cache.stores.of_type(SnapshotStore)
     assert snaps is not None
-    snaps.free(Tier.DEVICE, cache.tree.evict_component(SNAPSHOT, x, Tier.DEVICE))
-    cache.check_integrity()  # X: in L1 without its L1 snapshot (L2 has it)
+    snaps.free(Tier.DEVICE, cache.full.tree.evict_component(SNAPSHOT, x, Tier.DEVICE))
+    check_integrity(cache)  # X: in L1 without its L1 snapshot (L2 has it)
 
     req = cache.open(LONG)
     assert cache.admit(req, LONG)
@@ -44,5 +45,5 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     assert got is not None and all(a.equal(b) for a, b in zip(got, s2, strict=True))
     cache.release(req, LONG)
     cache.flush()
-    cache.check_integrity()
-    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+    check_integrity(cache)
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())

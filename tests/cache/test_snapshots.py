@@ -11,6 +11,7 @@ import torch
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import SnapshotStore
 from hicache.cache.components.base import ChunkPlan
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, CacheSpec, KVSpec, SnapshotSpec, StateTensor
 from hicache.extras import KeptState, SequenceExtras
 from hicache.tree.components import Tier
@@ -70,7 +71,7 @@ def run(cache: HiCache, prompt: list[int], state: list[torch.Tensor] | None) -> 
     write_tokens(cache, prompt, req.pages[req.prefix_pages : full], req.prefix_pages)
     cache.commit(req, prompt[: full * PAGE], extras=kept(full * PAGE, state))
     cache.release(req)
-    cache.check_integrity()
+    check_integrity(cache)
     return req
 
 
@@ -91,15 +92,15 @@ def test_a_match_resumes_only_where_a_snapshot_is(cache: HiCache) -> None:
     assert cache.admit(third, other)
     assert third.prefix_tokens == 0 and third.take_resume() is None
     cache.release(third)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> None:
     s = snapshot(2)
     run(cache, PROMPT, s)
     cache.flush()
-    cache.evict_device(8)  # full KV and snapshot: L2 only now
-    (node,) = [n for n in cache.tree.iter_nodes() if n.parent is not None]
+    cache.full.evict_device(8)  # full KV and snapshot: L2 only now
+    (node,) = [n for n in cache.full.tree.iter_nodes() if n.parent is not None]
     assert node.device is None and node.host is not None
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
@@ -110,10 +111,10 @@ def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> 
     assert got is not None and all(a.equal(b) for a, b in zip(got, s, strict=True))
     cache.release(req)
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
     cache.reset()
-    cache.check_integrity()
-    snaps = cache.store(SnapshotStore)
+    check_integrity(cache)
+    snaps = cache.stores.of_type(SnapshotStore)
     assert snaps is not None and snaps.device_pool.allocator.used_pages == 0
 
 
@@ -144,12 +145,12 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         both = SequenceExtras((KeptState(4, tuple(s4)), KeptState(8, tuple(s8))))
         cache.commit(req, prompt[:8], extras=both)  # one forward: its mark and its end
         cache.commit(req, prompt[:11], extras=kept(10, s10))
-        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 3
+        assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 3
         assert cache.grow(req, 12, computed=11)
         cache.keep(req, kept(12, s12))  # a decode step: kept for the request's end
         cache.release(req, [*prompt, 99])  # its last commit takes it
-        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
-        cache.check_integrity()
+        assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        check_integrity(cache)
 
         for tokens, want in (([*prompt, 99, 5, 6], s12), (prompt, s10), (prompt[:9], s8)):
             again = cache.open(tokens)
@@ -164,9 +165,9 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         assert cache.grow(req, 12, computed=0)
         cache.keep(req, kept(12, snapshot(99)))
         cache.commit(req, [*other, 98])
-        assert len(cache.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 4
         cache.release(req, None)
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
@@ -188,11 +189,11 @@ def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
         cache.commit(req, prompt[:8], extras=both)
         cache.release(req)
         cache.flush()
-        snaps = cache.store(SnapshotStore)
+        snaps = cache.stores.of_type(SnapshotStore)
         assert snaps is not None
-        assert len(cache.tree.component_ids("mamba", Tier.HOST)) == 2  # both boundaries
-        cache.evict_device(16)  # full KV and snapshots: L2 only now
-        assert not cache.tree.component_ids("mamba", Tier.DEVICE)
+        assert len(cache.full.tree.component_ids("mamba", Tier.HOST)) == 2  # both boundaries
+        cache.full.evict_device(16)  # full KV and snapshots: L2 only now
+        assert not cache.full.tree.component_ids("mamba", Tier.DEVICE)
 
         other = [*prompt[:4], 90, 91, 92, 93, 94]  # shares the first 4 tokens only
         again = cache.open(other)
@@ -205,4 +206,4 @@ def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
         assert read_device(cache, again.pages[:2]).equal(page_kv(cache, other, 0, 2))
         cache.release(again)
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)

@@ -18,6 +18,7 @@ import pytest
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import SwaStore
 from hicache.cache.components.swa import SWA, SlidingTable, check_swa_pool, request_pages
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, CacheSpec, KVSpec, SlidingWindowSpec
 from hicache.tree.components import Tier
 from tests.helpers.kvdata import LoadGates
@@ -45,7 +46,7 @@ def cache() -> Iterator[HiCache]:
 
 def swa_of(cache: HiCache) -> SwaStore:
     """The cache's sliding-window store."""
-    store = cache.store(SwaStore)
+    store = cache.stores.of_type(SwaStore)
     assert store is not None
     return store
 
@@ -102,10 +103,10 @@ def serve_in_chunks(cache: HiCache, tokens: list[int]) -> None:
         forward(cache, req, tokens, pos, end)
         pos = end
         cache.commit(req, tokens[:pos])
-        cache.check_integrity()
+        check_integrity(cache)
     cache.release(req, tokens)
     cache.flush()  # backups landed: their L1 sources are unpinned
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def serve_token_by_token(cache: HiCache, tokens: list[int]) -> None:
@@ -117,7 +118,7 @@ def serve_token_by_token(cache: HiCache, tokens: list[int]) -> None:
         forward(cache, req, tokens, c - 1, c)
     cache.release(req, tokens)
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def swa_used(cache: HiCache, tier: Tier = Tier.DEVICE) -> int:
@@ -135,66 +136,66 @@ def test_a_long_sequence_keeps_only_its_window_in_the_swa_pool(cache: HiCache) -
         held = len(table(cache, req).pages)  # type: ignore[union-attr]
         assert swa_used(cache) == held <= bound
         assert len(req.pages) == (c + 1) // 2  # the full pool grows with the sequence
-        cache.check_integrity()
+        check_integrity(cache)
     # at c = 28 the request keeps pages from min((28 - 4) // 2, 14 - 2) = 12 on
     t = table(cache, req)
     assert t is not None and t.first == 12 and len(t.pages) == 3
     assert read_swa(cache, req, tokens, 24, 29)
     cache.release(req)
     assert swa_used(cache) == 0
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_commits_hand_the_tree_every_swa_page_the_request_holds(cache: HiCache) -> None:
     """Chunks of 8 with a commit after each (as prefill chunks are): the next chunk's trim
     only drops the tree's pages from the table, so every boundary keeps its window."""
     serve_in_chunks(cache, PROMPT[:16])
-    tree = cache.tree
+    tree = cache.full.tree
     m = tree.match_prefix(PROMPT[:16])
     assert m.device_tokens == 16
     assert list(tree.hit_ids(SWA, m.last_device_node)) != []
     assert tree.component_stats(SWA).device_ids == 8
     for n in (4, 10, 12):  # e.g. where a shared system prompt ends
-        assert cache.match_prefix(PROMPT[: n + 1]).device_tokens == n
-    cache.check_integrity()
+        assert cache.full.match_prefix(PROMPT[: n + 1]).device_tokens == n
+    check_integrity(cache)
 
 
 def test_positions_passed_between_commits_are_tombstones(cache: HiCache) -> None:
     """One position at a time, committed only at the release: the request freed its own
     pages as its window moved, so the tree gets pages 5..7 only (the table at c = 15)."""
     serve_token_by_token(cache, PROMPT[:16])
-    tree = cache.tree
+    tree = cache.full.tree
     assert tree.component_stats(SWA).device_ids == 3
     assert swa_used(cache) == 3
-    assert cache.match_prefix(PROMPT[:16]).device_tokens == 16
-    assert cache.match_prefix(PROMPT[:15]).device_tokens == 14  # pages 5, 6
-    m = cache.match_prefix(PROMPT[:13])  # 12 needs pages 4, 5: page 4 is a tombstone
+    assert cache.full.match_prefix(PROMPT[:16]).device_tokens == 16
+    assert cache.full.match_prefix(PROMPT[:15]).device_tokens == 14  # pages 5, 6
+    m = cache.full.match_prefix(PROMPT[:13])  # 12 needs pages 4, 5: page 4 is a tombstone
     assert m.device_tokens == 0 and m.limited_by == SWA
     assert tree.stats().device_pages == 8  # the full KV of every page stays
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
-    cache.match_prefix(PROMPT[:16])  # the node [8, 16) is needed last: evicted last
+    cache.full.match_prefix(PROMPT[:16])  # the node [8, 16) is needed last: evicted last
     # the SWA pool has 8 pages, all the tree's: asking for 4 evicts the least recently
     # needed node's (pages 0..3 of the node [0, 8)), not those of [8, 16)
     got = swa_of(cache).alloc(Tier.DEVICE, 4)
     assert got is not None and swa_used(cache) == 8
-    assert cache.tree.component_stats(SWA).device_ids == 4
-    assert cache.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
-    assert cache.match_prefix(PROMPT[:13]).device_tokens == 12  # pages 4, 5 are there
-    m = cache.match_prefix(PROMPT[:11])  # 10 needs page 3, 8 needs 2 and 3: evicted
+    assert cache.full.tree.component_stats(SWA).device_ids == 4
+    assert cache.full.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
+    assert cache.full.match_prefix(PROMPT[:13]).device_tokens == 12  # pages 4, 5 are there
+    m = cache.full.match_prefix(PROMPT[:11])  # 10 needs page 3, 8 needs 2 and 3: evicted
     assert m.device_tokens == 0 and m.host_tokens == 10  # from L1; L2 has a copy
-    assert cache.tree.stats().device_pages == 8  # the full KV of every node stays
+    assert cache.full.tree.stats().device_pages == 8  # the full KV of every node stays
     swa_of(cache).free(Tier.DEVICE, got)
     # and evicting the window before 16 leaves no boundary at all
-    node = cache.match_prefix(PROMPT[:16]).last_device_node
+    node = cache.full.match_prefix(PROMPT[:16]).last_device_node
     for need in swa_of(cache).hit_needs(node):
-        ids = cache.tree.evict_component(SWA, need.node, Tier.DEVICE)
+        ids = cache.full.tree.evict_component(SWA, need.node, Tier.DEVICE)
         swa_of(cache).free(Tier.DEVICE, ids)
-    assert cache.match_prefix(PROMPT[:16]).matched_tokens == 16  # from L2 (backed up)
-    cache.check_integrity()
+    assert cache.full.match_prefix(PROMPT[:16]).matched_tokens == 16  # from L2 (backed up)
+    check_integrity(cache)
 
 
 def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -> None:
@@ -202,7 +203,7 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     cache.flush()
     # write_through: each commit's SWA pages went to L2 with their full pages
     assert swa_used(cache, Tier.HOST) == 8
-    assert cache.evict_device(10**6) == 8
+    assert cache.full.evict_device(10**6) == 8
     assert swa_used(cache) == 0  # the cascade freed the L1 windows
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
@@ -215,17 +216,19 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     forward(cache, req, PROMPT, 16, 17)
     cache.release(req, PROMPT)
     cache.flush()
-    cache.check_integrity()
-    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+    check_integrity(cache)
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
 
 
 def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
     cache.flush()
-    node = cache.match_prefix(PROMPT[:16]).last_device_node
+    node = cache.full.match_prefix(PROMPT[:16]).last_device_node
     for need in swa_of(cache).hit_needs(node):
-        swa_of(cache).free(Tier.DEVICE, cache.tree.evict_component(SWA, need.node, Tier.DEVICE))
-    m = cache.match_prefix(PROMPT[:16])
+        swa_of(cache).free(
+            Tier.DEVICE, cache.full.tree.evict_component(SWA, need.node, Tier.DEVICE)
+        )
+    m = cache.full.match_prefix(PROMPT[:16])
     assert m.device_tokens == 12 and m.matched_tokens == 16  # full KV in L1, window in L2
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
@@ -234,7 +237,7 @@ def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) ->
     assert read_swa(cache, req, PROMPT, 12, 16)
     assert len(req.pages) == 9
     cache.release(req)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> None:
@@ -247,7 +250,7 @@ def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> 
     a, b, c = list(range(100, 109)), list(range(200, 209)), list(range(300, 308))
     try:
         serve_in_chunks(cache, a)
-        assert cache.evict_device(10**6) == 4 and swa_used(cache) == 0  # A: L2 only
+        assert cache.full.evict_device(10**6) == 4 and swa_used(cache) == 0  # A: L2 only
         gates.park(0)
         req_a = cache.open(a)
         assert cache.admit(req_a, a)  # its 4 pages load (parked after layer 0)
@@ -260,14 +263,14 @@ def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> 
         forward(cache, req_c, c, 0, 8)
         cache.release(req_c, c)  # its backup pins its window until it is applied
         # the pin split C's span: the backup pins the window [4, 8) only, not [0, 4)
-        node_c = cache.tree.match_prefix(c).last_device_node  # the tree's: no poll
-        assert node_c.lock_ref == 1 and cache.tree.num_pages(node_c) == 2
+        node_c = cache.full.tree.match_prefix(c).last_device_node  # the tree's: no poll
+        assert node_c.lock_ref == 1 and cache.full.tree.num_pages(node_c) == 2
         assert swa_used(cache) == 6 and swa_of(cache).allocator(Tier.DEVICE).free_pages == 2
         t0 = time.monotonic()
         assert cache.grow(req_b, 9, computed=0)  # 5 SWA pages: C's whole span is evicted
         assert time.monotonic() - t0 < 0.5
-        assert cache.tree.component(SWA).get(node_c, Tier.DEVICE) is None
-        assert swa_used(cache) == 7 and cache.tree.component_stats(SWA).device_ids == 2
+        assert cache.full.tree.component(SWA).get(node_c, Tier.DEVICE) is None
+        assert swa_used(cache) == 7 and cache.full.tree.component_stats(SWA).device_ids == 2
         assert node_c.lock_ref == 0 and req_a.loading  # the backup landed; A still parked
         write_swa(cache, req_b, b, 0, 9)
         gates.release(0)
@@ -275,7 +278,7 @@ def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> 
         cache.release(req_a)
         cache.release(req_b)
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
     finally:
         gates.release_all()
         cache.close()
@@ -286,26 +289,26 @@ def test_integrity_catches_a_leaked_or_doubly_owned_swa_page(cache: HiCache) -> 
     leaked = swa_of(cache).alloc(Tier.DEVICE, 1)
     assert leaked is not None
     with pytest.raises(AssertionError, match="L1 SWA"):
-        cache.check_integrity()
+        check_integrity(cache)
     swa_of(cache).free(Tier.DEVICE, leaked)
-    cache.check_integrity()
-    node = cache.match_prefix(PROMPT[:8]).last_device_node
-    owned = cache.tree.hit_ids(SWA, node)
+    check_integrity(cache)
+    node = cache.full.match_prefix(PROMPT[:8]).last_device_node
+    owned = cache.full.tree.hit_ids(SWA, node)
     req = cache.open(PROMPT[:9])
     assert cache.admit(req, PROMPT[:9])
     t = table(cache, req)
     assert t is not None
     t.pages = t.pages + owned  # a tree page listed as the request's own
     with pytest.raises(AssertionError, match="L1 SWA"):
-        cache.check_integrity()
+        check_integrity(cache)
     t.pages = t.pages[: -len(owned)]
     cache.release(req)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_stats_report_bytes_per_cached_token_per_component(cache: HiCache) -> None:
     serve_token_by_token(cache, PROMPT[:16])
-    comps = {c.name: c for c in cache.stats().components}
+    comps = {c.name: c for c in cache_stats(cache).components}
     assert set(comps) == {"full", SWA}
     full, swa = comps["full"], comps[SWA]
     assert (full.device_used, full.device_total) == (8, 16)
@@ -320,7 +323,7 @@ def test_reset_empties_the_swa_pools(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
     cache.reset()
     assert swa_used(cache) == 0 and swa_used(cache, Tier.HOST) == 0
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_an_swa_pool_smaller_than_one_window_and_chunk_is_refused() -> None:
@@ -334,5 +337,5 @@ def test_a_cache_without_swa_keeps_no_table() -> None:
         req = c.open(PROMPT)
         assert c.admit(req, PROMPT)
         assert c.stores.names == [] and req.part(SWA) is None and req.pool_slots(PAGE, 17) == {}
-        assert [x.name for x in c.stats().components] == ["full"]
+        assert [x.name for x in cache_stats(c).components] == ["full"]
         c.release(req)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.engine.admission import QueueFull, QueueGate
 from hicache.engine.request import Request
@@ -29,6 +30,7 @@ from hicache.storage.pageio import Payloads
 from hicache.storage.stats import MissReason
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run
+from tests.helpers.fake_runner import step
 from tests.helpers.kvdata import serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -55,7 +57,7 @@ def add_wide(sched: Scheduler, n: int = 6) -> list[Request]:
     wide = [req(10 + 2 * i, "wide", LONG) for i in range(n)]
     for r in wide:
         sched.add(r)
-    sched.step()
+    step(sched)
     return wide
 
 
@@ -72,17 +74,17 @@ def test_a_strict_cap_holds_a_group_to_its_cap_and_a_later_small_request_runs_at
     assert rids(sched.running) == rids(wide[:2])  # 2 free slots stay free for others
     small = req(80)
     sched.add(small)
-    sched.step()
+    step(sched)
     assert rids(sched.running) == rids([*wide[:2], small])
     assert runner.batches[-1] == [1, 1, 2]  # two decodes and the small one's prefill
-    sched.step()  # its second and last token
+    step(sched)  # its second and last token
     assert small.finished and small.output_ids == [82, 83]
     assert rids(sched.running) == rids(wide[:2])
     assert rids(sched.waiting) == rids(wide[2:])
     run(sched, 200)
     assert all(len(r.output_ids) == 20 for r in wide)
-    assert cache.requests == 0
-    cache.check_integrity()
+    assert len(cache.admitted) == 0
+    check_integrity(cache)
 
 
 def test_without_a_group_rule_the_wide_request_takes_every_slot(cache: HiCache) -> None:
@@ -92,9 +94,9 @@ def test_without_a_group_rule_the_wide_request_takes_every_slot(cache: HiCache) 
     small = req(80)
     sched.add(small)
     for _ in range(19):  # the small one waits until a wide copy has finished
-        sched.step()
+        step(sched)
         assert small.admitted_at is None
-    sched.step()
+    step(sched)
     assert small.admitted_at is not None
     run(sched, 200)
 
@@ -104,14 +106,14 @@ def test_fair_share_picks_the_new_group_and_fcfs_without_a_rule(cache: HiCache) 
         sched, _ = make(cache, max_running_requests=3, max_running_requests_per_group=cap)
         for first in (10, 12):
             sched.add(req(first, "a", LONG))
-        sched.step()
+        step(sched)
         sched.add(req(14, "a", LONG))
         sched.add(req(16, "b", LONG))
-        sched.step()
+        step(sched)
         assert [r.group for r in sched.running] == ["a", "a", expected], cap
         assert [r.group for r in sched.waiting] == ["b" if expected == "a" else "a"]
         run(sched, 200)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_higher_priority_is_admitted_first(cache: HiCache) -> None:
@@ -120,7 +122,7 @@ def test_higher_priority_is_admitted_first(cache: HiCache) -> None:
     sched.add(low)
     sched.add(high)
     assert rids(sched.admission_order()) == rids([high, low])
-    sched.step()
+    step(sched)
     assert rids(sched.running) == rids([high])
     run(sched)
     assert low.output_ids == [12, 13] and high.output_ids == [22, 23]
@@ -142,11 +144,11 @@ def test_lpm_admits_the_longest_cached_prefix_first(cache: HiCache, policy: str)
         assert rids(order) == rids([warm, half, cold])
     else:
         assert rids(order) == rids([cold, half, warm])
-    sched.step()
+    step(sched)
     assert rids(sched.running) == rids(order[:1])
     run(sched)
     assert (warm.cached.device, half.cached.device, cold.cached.device) == (12, 4, 0)
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_queue_places_are_given_back_at_admission_and_on_abort(cache: HiCache) -> None:
@@ -161,10 +163,10 @@ def test_queue_places_are_given_back_at_admission_and_on_abort(cache: HiCache) -
     sched.add(a)
     sched.add(b)
     assert gate.counts().queued == 3  # two waiting, one reserved for a later copy
-    sched.step()  # a admitted: its place is free
+    step(sched)  # a admitted: its place is free
     assert rids(sched.running) == rids([a]) and gate.counts().queued == 2
     sched.abort(b.rid)
-    sched.step()  # b ends unadmitted: its place is free too
+    step(sched)  # b ends unadmitted: its place is free too
     assert gate.counts().queued == 1
     ticket.close()  # the copy never submitted
     assert gate.counts().queued == 0 and gate.counts().refused == 1
@@ -219,26 +221,26 @@ def test_a_lone_wide_group_borrows_every_slot_and_gives_one_back_per_small_reque
     sched, runner = make(cache, max_running_requests=4)  # cap 2, lending
     wide = add_wide(sched)
     assert rids(sched.running) == rids(wide[:4])  # nothing else waits: 2 slots lent
-    sched.step()
+    step(sched)
     small = req(80)
     sched.add(small)
-    sched.step()  # one lent slot back: the most recently admitted of equally advanced copies
+    step(sched)  # one lent slot back: the most recently admitted of equally advanced copies
     assert rids(sched.running) == rids([*wide[:3], small])
     assert rids(sched.waiting) == rids([wide[3], *wide[4:]])
     assert (wide[3].retracted, sched.reclaimed) == (1, 1)
     assert runner.batches[-1] == [1, 1, 1, 2]  # the small one's prefill at once
-    sched.step()
+    step(sched)
     assert small.finished and small.output_ids == [82, 83]
     assert rids(sched.running) == rids(wide[:3])
-    sched.step()  # the slot is lent again: the retracted copy comes back first
+    step(sched)  # the slot is lent again: the retracted copy comes back first
     assert rids(sched.running) == rids(wide[:4])
     assert runner.batches[-1] == [1, 1, 1, 4]  # its prompt and 2 tokens: no whole page kept
     run(sched, 200)
     for i, r in enumerate(wide):
         assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
     assert sched.reclaimed == 1 and sum(r.retracted for r in wide) == 1
-    assert cache.requests == 0
-    cache.check_integrity()
+    assert len(cache.admitted) == 0
+    check_integrity(cache)
 
 
 def test_small_requests_cut_the_wide_group_to_its_cap_and_no_further(cache: HiCache) -> None:
@@ -247,21 +249,21 @@ def test_small_requests_cut_the_wide_group_to_its_cap_and_no_further(cache: HiCa
     small = [req(70 + 2 * i) for i in range(3)]
     for r in small:
         sched.add(r)
-    sched.step()  # two lent slots back, then the third small one finds the wide one at its cap
+    step(sched)  # two lent slots back, then the third small one finds the wide one at its cap
     assert rids(sched.running) == rids([*wide[:2], *small[:2]])
     assert rids(sched.waiting) == rids([wide[2], wide[3], *wide[4:], small[2]])
     assert sched.reclaimed == 2 and [r.retracted for r in wide] == [0, 0, 1, 1, 0, 0]
-    sched.step()  # the first two small ones end; a claimant waits, so nothing is lent
+    step(sched)  # the first two small ones end; a claimant waits, so nothing is lent
     assert rids(sched.running) == rids(wide[:2])
     assert small[2].admitted_at is None
-    sched.step()  # the claimant first, then one lent slot for the first retracted copy
+    step(sched)  # the claimant first, then one lent slot for the first retracted copy
     assert rids(sched.running) == rids([*wide[:2], small[2], wide[2]])
     run(sched, 200)
     assert sched.reclaimed == 2
     assert [r.output_ids for r in small] == [[72, 73], [74, 75], [76, 77]]
     for i, r in enumerate(wide):
         assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found_again() -> None:
@@ -276,20 +278,20 @@ def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found
         ]
         for r in wide:
             sched.add(r)
-        sched.step()
+        step(sched)
         assert rids(sched.running) == rids(wide)
-        assert cache.stats().device_free_tokens == PAGE  # one page free
+        assert cache_stats(cache).device_free_tokens == PAGE  # one page free
         small = Request(list(range(80, 87)), two, None)
         sched.add(small)
-        sched.step()  # a free slot but no L1: one lent copy's pages, no more
+        step(sched)  # a free slot but no L1: one lent copy's pages, no more
         assert sched.reclaimed == 1 and [r.retracted for r in wide] == [0] * 5 + [1]
         assert runner.batches[-1] == [1, 1, 1, 1, 1, 7]
         assert all(r.finished for r in wide[:5]) and rids(sched.waiting) == rids(wide[5:])
-        sched.step()  # re-admitted from its committed page: 4 of its 8 tokens recomputed
+        step(sched)  # re-admitted from its committed page: 4 of its 8 tokens recomputed
         assert runner.batches[-1] == [1, 4]
         assert small.output_ids == [87, 88] and wide[5].output_ids == [58, 59]
-        assert sched.idle and cache.requests == 0
-        cache.check_integrity()
+        assert sched.idle and len(cache.admitted) == 0
+        check_integrity(cache)
 
 
 def test_priority_first_among_claimants_for_a_lent_slot(cache: HiCache) -> None:
@@ -298,20 +300,20 @@ def test_priority_first_among_claimants_for_a_lent_slot(cache: HiCache) -> None:
     wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
     for r in (other, *wide):
         sched.add(r)
-    sched.step()  # x, two wide copies at the cap, then the one idle slot lent to a third
+    step(sched)  # x, two wide copies at the cap, then the one idle slot lent to a third
     assert rids(sched.running) == rids([other, *wide[:3]])
     low, high = req(70, priority=0), req(80, priority=5)
     sched.add(low)
     sched.add(high)
     # claimants by priority, then the borrowers (their group at its cap) in queue order
     assert rids(sched.admission_order()) == rids([high, low, *wide[3:]])
-    sched.step()  # one lent slot: the higher priority takes it, the lower one waits
+    step(sched)  # one lent slot: the higher priority takes it, the lower one waits
     assert rids(sched.running) == rids([other, *wide[:2], high])
     assert rids(sched.waiting) == rids([wide[2], *wide[3:], low])
     assert sched.reclaimed == 1
     run(sched, 300)
     assert low.output_ids == [72, 73] and high.output_ids == [82, 83]
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_strict_cap_lists_no_borrower(cache: HiCache) -> None:
@@ -366,27 +368,28 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
         for _ in range(100):  # their lookups (nothing in L3) come back
             if len(sched.running) == 4:
                 break
-            sched.step()
+            step(sched)
             time.sleep(0.001)
         assert rids(sched.running) == rids(wide[:4])
         claimant = Request(prompt, SHORT, None)
         sched.add(claimant)
         for _ in range(3):  # its read waits: the lent slots stay lent
-            sched.step()
+            step(sched)
             assert rids(sched.running) == rids(wide[:4]) and sched.reclaimed == 0
         storage.gate.set()
         assert claimant.cache is not None
         for _ in range(1000):
+            cache.sync()  # as the engine's steps do: the read's records are applied here
             if cache.ready(claimant.cache):
                 break
             time.sleep(0.001)
-        sched.step()  # ready: it takes one lent slot back at once
+        step(sched)  # ready: it takes one lent slot back at once
         assert rids(sched.running) == rids([*wide[:3], claimant])
         assert sched.reclaimed == 1 and claimant.cached.storage == 8
         run(sched, 200)
         assert claimant.output_ids == [49, 50]
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 LENDING_MODELS = ("tiny-random-llama", "tiny-random-gemma3", "tiny-random-qwen3-next")
@@ -428,21 +431,21 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
             for r in wide:
                 sched.add(r)
             for _ in range(3):
-                sched.step()
+                step(sched)
             for r in small:
                 sched.add(r)
-            sched.step()
+            step(sched)
             groups = [r.group for r in sched.running]
             prefixes: dict[int, int] = {}
             for _ in range(200):
                 if sched.idle:
                     break
-                sched.step()
+                step(sched)
                 for i, r in enumerate(wide):  # what a retracted copy's re-admission found
                     if r.retracted and i not in prefixes and r in sched.running:
                         assert r.cache is not None
                         prefixes[i] = r.cache.prefix_tokens
-            assert sched.idle and engine.cache.requests == 0
+            assert sched.idle and len(engine.cache.admitted) == 0
             states = sched.runner.states
             assert states is None or len(states) == 0
             return {
@@ -455,7 +458,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
             }
 
         got: dict[str, Any] = engine.call(drive).result(timeout=120)
-        engine.call(engine.cache.check_integrity).result(timeout=30)
+        engine.call(lambda: check_integrity(engine.cache)).result(timeout=30)
         return got
 
 
@@ -480,14 +483,14 @@ def test_each_retraction_falls_on_a_copy_retracted_fewest_times(cache: HiCache) 
     for k in range(3):  # a small request, its two tokens, its lent slot back to the wide one
         before = [r.retracted for r in wide]
         sched.add(req(70 + 2 * k))
-        sched.step()
+        step(sched)
         victims += [i for i, r in enumerate(wide) if r.retracted > before[i]]
-        sched.step()
-        sched.step()
+        step(sched)
+        step(sched)
         assert [r.group for r in sched.running] == ["wide"] * 4
     # least progressed alone would pick wide[3] every time (its retraction set it back)
     assert victims == [3, 2, 1]
     run(sched, 300)
     for i, r in enumerate(wide):
         assert r.output_ids == list(range(12 + 2 * i, 32 + 2 * i))
-    cache.check_integrity()
+    check_integrity(cache)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import FinishReason, RequestOutput
@@ -288,18 +289,18 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
 
         def demote() -> None:
             engine.cache.flush()
-            engine.cache.evict_device(10**6)  # the prompt's KV is in L2 only now
+            engine.cache.full.evict_device(10**6)  # the prompt's KV is in L2 only now
 
         engine.call(demote).result(timeout=30)
         hook = FailingLoads()
         hook.on = True
-        assert engine.cache.host is not None
-        engine.cache.host.controller._engine._hook = hook  # the transfer worker's hook
+        assert engine.cache.full.host is not None
+        engine.cache.full.host.controller._engine._hook = hook  # the transfer worker's hook
         out = engine.generate(PROMPT, params, timeout=60)
         assert hook.fired.is_set()
         assert out.error is None and out.finish_reason is FinishReason.LENGTH
         assert out.output_ids == cold.output_ids and out.cached.host == 0
-        counters = engine.call(engine.cache.stats).result().counters
+        counters = engine.call(lambda: cache_stats(engine.cache)).result().counters
         assert counters["load_fallbacks_total"] == 1 and counters["load_failures_total"] == 1
         hook.on = False
         again = engine.generate(PROMPT, params, timeout=60)  # the recompute was cached
@@ -307,7 +308,9 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
 
         def check() -> None:
             engine.cache.flush()
-            engine.cache.check_integrity()
-            assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+            check_integrity(engine.cache)
+            assert all(
+                n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes()
+            )
 
         engine.call(check).result(timeout=30)

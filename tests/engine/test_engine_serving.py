@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
@@ -55,8 +56,8 @@ def assert_clean(engine: Engine) -> None:
     def check() -> None:
         assert engine.scheduler.idle
         engine.cache.flush()
-        engine.cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+        check_integrity(engine.cache)
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes())
 
     engine.call(check).result(timeout=30)
 
@@ -305,7 +306,7 @@ def test_metrics_values_match_the_cache(server: tuple[str, Engine]) -> None:
     warm = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert warm == 44  # 11 whole pages of the 45-token prompt (the last token is computed)
     engine.call(engine.cache.flush).result(timeout=60)
-    stats = engine.call(engine.cache.stats).result(timeout=60)
+    stats = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60)
     families = {f.name: f for f in text_string_to_metric_families(scrape(url, engine))}
 
     def value(name: str, **labels: str) -> float:

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from hicache.cache.components import SwaStore
+from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
@@ -123,13 +124,13 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
         cfg = hybrid_model(name).model.config
         if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
             assert engine.cache.spec.num_layers == len(cfg.global_layers)
-            swa = engine.cache.store(SwaStore)
+            swa = engine.cache.stores.of_type(SwaStore)
             assert swa is not None
             assert swa.spec.kv.num_layers == len(cfg.sliding_layers)
             assert engine.cache.stores.names == ["swa"]
         else:
             assert engine.cache.spec.num_layers == len(cfg.kv_layers)
-            assert engine.cache.store(SwaStore) is None
+            assert engine.cache.stores.of_type(SwaStore) is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         again = engine.generate(ids, GREEDY, timeout=60)
@@ -279,7 +280,7 @@ def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Pa
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         engine.call(engine.cache.flush).result(timeout=60)  # pages and snapshots in L3
-        written = engine.cache.stats().counters["l3_backup_snapshots_total"]
+        written = cache_stats(engine.cache).counters["l3_backup_snapshots_total"]
         assert written >= 2  # the prompt's (32) and the request end's (40)
     with make_engine(name, storage=tmp_path) as other:
         assert_hits_storage(other, ids, GREEDY, want, MATCHED)
@@ -292,16 +293,16 @@ def test_a_second_engine_hits_the_windows_in_the_shared_file_l3(name: str, tmp_p
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         engine.call(engine.cache.flush).result(timeout=60)  # pages and windows in L3
-        counters = engine.cache.stats().counters
+        counters = cache_stats(engine.cache).counters
         assert counters["l3_backup_swa_pages_total"] > 0
         assert counters["l3_backup_swa_pages_failed_total"] == 0
     with make_engine(name, storage=tmp_path) as other:
         out = other.generate(ids, GREEDY, timeout=60)
         assert out.cached.storage == MATCHED and out.output_ids == want
-        swa = other.cache.store(SwaStore)
+        swa = other.cache.stores.of_type(SwaStore)
         assert swa is not None
         window = -(-swa.window // PAGE)
-        got = other.cache.stats().counters["prefetch_component_records_total"]
+        got = cache_stats(other.cache).counters["prefetch_component_records_total"]
         assert got == min(window, MATCHED // PAGE)  # the boundary's window, no more
         assert_idle(other)
 
@@ -339,7 +340,7 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
     ids = prompt(name, PROMPT_LEN).tolist()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with make_engine(name) as engine:
-        swa = engine.cache.store(SwaStore)
+        swa = engine.cache.stores.of_type(SwaStore)
         assert swa is not None
         bound = request_pages(swa.window, 16, PAGE)
         seen: list[tuple[int, int]] = []
@@ -359,14 +360,14 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
         assert max(f for _, f in seen) == math.ceil((PROMPT_LEN + 39) / PAGE)
 
         def usage() -> dict[str, float]:
-            return {c.name: c.bytes_per_cached_token for c in engine.cache.stats().components}
+            return {c.name: c.bytes_per_cached_token for c in cache_stats(engine.cache).components}
 
         per_token = engine.call(usage).result(timeout=30)
         assert per_token["full"] == engine.cache.spec.token_bytes
         # the prompt's pages (committed with each prefill chunk) and the final window; the
         # decoded positions between are tombstones
         assert 0 < per_token["swa"] < swa.spec.kv.token_bytes
-        assert engine.call(lambda: engine.cache.tree.component_stats("swa").tombstones).result(
+        assert engine.call(lambda: engine.cache.full.tree.component_stats("swa").tombstones).result(
             timeout=30
         )
         assert_idle(engine)
@@ -382,16 +383,16 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
 
         def swa_in(tier: Tier) -> int:
-            return len(engine.cache.tree.component_ids("swa", tier))
+            return len(engine.cache.full.tree.component_ids("swa", tier))
 
         def evict_windows() -> int:
             cache = engine.cache
             cache.flush()
-            swa = cache.store(SwaStore)
+            swa = cache.stores.of_type(SwaStore)
             assert swa is not None
             freed = 0
-            for node in list(cache.tree.component_eviction_order("swa", Tier.DEVICE)):
-                ids_ = cache.tree.evict_component("swa", node, Tier.DEVICE)
+            for node in list(cache.full.tree.component_eviction_order("swa", Tier.DEVICE)):
+                ids_ = cache.full.tree.evict_component("swa", node, Tier.DEVICE)
                 swa.free(Tier.DEVICE, ids_)
                 freed += len(ids_)
             return freed
@@ -505,15 +506,15 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
         data = bytearray(path.read_bytes())
         data[-3] ^= 0xFF
         path.write_bytes(bytes(data))
-        before = engine.cache.stats().storage
+        before = cache_stats(engine.cache).storage
         missed = engine.generate(ids, GREEDY, timeout=60)
         assert missed.cached.storage < MATCHED and missed.output_ids == want
         settle()
-        mid = engine.cache.stats().storage
+        mid = cache_stats(engine.cache).storage
         assert mid.miss("corrupt") == before.miss("corrupt") + 1
         healed = engine.generate(ids, GREEDY, timeout=60)
         assert healed.cached.storage == MATCHED and healed.output_ids == want
-        after = engine.cache.stats().storage
+        after = cache_stats(engine.cache).storage
         assert after.miss("corrupt") == mid.miss("corrupt")
         assert after.repaired == before.repaired + 1
         assert_idle(engine)
@@ -549,14 +550,14 @@ def test_a_failed_load_back_recomputes_with_transformers_tokens(name: str) -> No
     with make_engine(name) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         assert demote_all(engine) > 0
-        assert engine.cache.host is not None
-        transfer = engine.cache.host.controller._engine
+        assert engine.cache.full.host is not None
+        transfer = engine.cache.full.host.controller._engine
         copies = FailingLoadCopies(transfer.copier)
         transfer.copier = copies  # type: ignore[assignment]
         copies.on = True
         out = engine.generate(ids, GREEDY, timeout=60)
         assert copies.fired.is_set()
         assert out.error is None and out.output_ids == want and out.cached.host == 0
-        assert engine.cache.stats().counters["load_fallbacks_total"] == 1
+        assert cache_stats(engine.cache).counters["load_fallbacks_total"] == 1
         copies.on = False
         assert_idle(engine)

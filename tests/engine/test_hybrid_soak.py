@@ -28,6 +28,7 @@ import pytest
 from hicache.cache.components import SnapshotStore, SwaStore
 from hicache.cache.components.snapshots import SNAPSHOT
 from hicache.cache.components.swa import SWA, request_pages
+from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
@@ -104,7 +105,7 @@ class Evictions:
 
 def count_component_evictions(engine: Engine) -> Evictions:
     """Wrap the tree's ``evict_component`` to count evictions per component and tier (L1, L2)."""
-    tree = engine.cache.tree
+    tree = engine.cache.full.tree
     seen = Evictions(Counter(), Counter())
     inner = tree.evict_component
 
@@ -146,16 +147,16 @@ def submit_all(engine: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
 def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
     """(name, allocator, ids the tree owns) of every pool of the cache."""
     cache = engine.cache
-    tree = cache.tree
-    out = [("L1 KV", cache.device_pool.allocator, tree.device_page_ids())]
-    if cache.host_pool is not None:
-        out.append(("L2 KV", cache.host_pool.allocator, tree.host_page_ids()))
-    sn = cache.store(SnapshotStore)
+    tree = cache.full.tree
+    out = [("L1 KV", cache.full.device_pool.allocator, tree.device_page_ids())]
+    if cache.full.host_pool is not None:
+        out.append(("L2 KV", cache.full.host_pool.allocator, tree.host_page_ids()))
+    sn = cache.stores.of_type(SnapshotStore)
     if sn is not None:
         out.append(("L1 snapshots", sn.device_pool.allocator, sn.owned(Tier.DEVICE)))
         if sn.host_pool is not None:
             out.append(("L2 snapshots", sn.host_pool.allocator, sn.owned(Tier.HOST)))
-    swa = cache.store(SwaStore)
+    swa = cache.stores.of_type(SwaStore)
     if swa is not None:
         out.append(("L1 SWA", swa.device_pool.allocator, swa.owned(Tier.DEVICE)))
         if swa.host_pool is not None:
@@ -167,8 +168,8 @@ def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
 def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name: str) -> None:
     prompts = make_prompts(int(hybrid_model(name).hf_config.vocab_size))
     with make_engine(name) as engine:
-        swa = engine.cache.store(SwaStore)
-        snaps = engine.cache.store(SnapshotStore)
+        swa = engine.cache.stores.of_type(SwaStore)
+        snaps = engine.cache.stores.of_type(SnapshotStore)
         if swa is not None:  # the pool sizes the test means
             assert swa.window == WINDOW
             assert swa.device_pool.num_pages == SWA_L1_PAGES
@@ -185,7 +186,7 @@ def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name:
         for p in prompts[:: len(prompts) // 6][:6]:  # a sample against transformers
             assert by_prompt[tuple(p)] == hf_greedy(name, p, NEW_TOKENS)
 
-        c = engine.call(engine.cache.stats).result(timeout=30).counters
+        c = engine.call(lambda: cache_stats(engine.cache)).result(timeout=30).counters
         assert c["device_demoted_tokens_total"] > 0  # L1 full KV: backed up, then dropped
         assert c["host_evicted_tokens_total"] > 0  # L2 full KV
         assert c["device_hit_tokens_total"] + c["host_hit_tokens_total"] > 0

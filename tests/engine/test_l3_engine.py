@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
@@ -82,8 +83,8 @@ def settle(engine: Engine) -> None:
 def clean(engine: Engine) -> None:
     def check() -> None:
         engine.cache.flush()
-        engine.cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+        check_integrity(engine.cache)
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes())
 
     engine.call(check).result(timeout=30)
 
@@ -98,7 +99,7 @@ def test_flush_then_replay_is_served_from_file_storage(
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert replay.cached.storage == FULL and replay.cached.device == 0
         assert replay.output_ids == reference
-        stats = engine.call(engine.cache.stats).result()
+        stats = engine.call(lambda: cache_stats(engine.cache)).result()
         assert stats.counters["storage_hit_tokens_total"] == FULL
         assert stats.storage.get_hits == FULL // PAGE
         clean(engine)
@@ -203,12 +204,12 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         victim.write_bytes(bytes(data))
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 5 * PAGE and out.output_ids == reference
-        assert engine.call(engine.cache.stats).result().storage.miss("corrupt") >= 1
+        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.miss("corrupt") >= 1
         clean(engine)
     # another model's records stored under the keys this one looks up
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         l3 = engine.cache.storage
-        assert l3 is not None and engine.cache.host_pool is not None
+        assert l3 is not None and engine.cache.full.host_pool is not None
         keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
             l3.controller.storage.path_of(k.key).unlink(missing_ok=True)  # type: ignore[attr-defined]
@@ -216,10 +217,10 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         with create_storage(
             "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
         ) as other:
-            assert other.batch_set(keys, engine.cache.host_pool, list(range(len(keys)))).all_ok
+            assert other.batch_set(keys, engine.cache.full.host_pool, list(range(len(keys)))).all_ok
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
-        assert engine.call(engine.cache.stats).result().storage.miss("foreign") >= 1
+        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.miss("foreign") >= 1
         clean(engine)
 
 
@@ -250,8 +251,8 @@ def corrupt_record(engine: Engine, key: PageKey) -> None:
         assert isinstance(st, MooncakeStorage)
         store = st._store
         assert store.remove(key.key, True) == 0
-        assert engine.cache.host_pool is not None
-        size = record_size(engine.cache.host_pool.page_bytes)
+        assert engine.cache.full.host_pool is not None
+        size = record_size(engine.cache.full.host_pool.page_bytes)
         arena = st._arenas.take(size)
         assert arena is not None
         assert store.batch_put_from([key.key], [arena.addr], [size]) == [0]
@@ -277,15 +278,15 @@ def test_a_corrupt_record_is_healed_by_the_recompute(
         assert l3 is not None
         keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         corrupt_record(engine, keys[5])
-        before = engine.call(engine.cache.stats).result().storage
+        before = engine.call(lambda: cache_stats(engine.cache)).result().storage
         out = engine.generate(PROMPT, GREEDY, timeout=60)  # pages 0-4 from L3, then compute
         assert out.cached.storage == 5 * PAGE and out.output_ids == reference
         settle(engine)  # the recompute's backup reaches L3
-        mid = engine.call(engine.cache.stats).result().storage
+        mid = engine.call(lambda: cache_stats(engine.cache)).result().storage
         assert mid.miss("corrupt") == before.miss("corrupt") + 1
         again = engine.generate(PROMPT, GREEDY, timeout=60)
         assert again.cached.storage == FULL and again.output_ids == reference
-        after = engine.call(engine.cache.stats).result().storage
+        after = engine.call(lambda: cache_stats(engine.cache)).result().storage
         assert after.miss("corrupt") == mid.miss("corrupt")  # the bad record is gone
         assert after.repaired == before.repaired + 1
         clean(engine)
@@ -349,7 +350,7 @@ def test_full_disk_gives_misses_and_identical_output(
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert first.output_ids == replay.output_ids == reference
         assert replay.cached.storage == 0
-        stats = engine.call(engine.cache.stats).result()
+        stats = engine.call(lambda: cache_stats(engine.cache)).result()
         assert stats.counters["l3_backup_failed_tokens_total"] >= FULL
         assert stats.storage.set_failed >= FULL // PAGE
         clean(engine)

@@ -219,7 +219,7 @@ def test_finished_requests_and_their_buffers_are_freed_without_the_gc(engine: En
                 len(s.running),
                 len(s.ends.pending),
                 len(s.runner._extras),
-                engine.cache.requests,
+                len(engine.cache.admitted),
             )
 
         assert engine.call(held).result(10) == (0, 0, 0, 0, 0)

@@ -16,13 +16,14 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, prompt_ids
-from tests.helpers.fake_runner import NextTokenRunner, make_scheduler, run_until_idle
+from tests.helpers.fake_runner import NextTokenRunner, make_scheduler, run_until_idle, step
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -82,12 +83,12 @@ def test_a_stop_string_found_one_step_late(cache: HiCache) -> None:
         assert len(runner.batches) == (6 if overlap else 5)  # one forward more, discarded
         assert_well_formed(outs)
         results[overlap] = shown(outs)
-        assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 99]).device_tokens == (
+        assert cache.full.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 99]).device_tokens == (
             8 if overlap else 4
         )
         cache.flush()
-        cache.check_integrity()
-        assert cache.requests == 0
+        check_integrity(cache)
+        assert len(cache.admitted) == 0
     assert results[True] == results[False]
 
 
@@ -121,8 +122,8 @@ def test_reports_are_those_of_the_synchronous_order(cache: HiCache) -> None:
             assert_well_formed(outs)
         results[overlap] = [shown(outs) for _, outs in made]
         cache.flush()
-        cache.check_integrity()
-        assert cache.requests == 0
+        check_integrity(cache)
+        assert len(cache.admitted) == 0
     assert results[True] == results[False]
     finals = [outs[-1] for outs in results[True]]
     assert [f[4] for f in finals] == [
@@ -139,10 +140,10 @@ def test_outputs_wait_for_the_next_forward_or_an_idle_step(cache: HiCache) -> No
     outs: list[RequestOutput] = []
     req = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1), outs.append)
     sched.add(req)
-    assert sched.step()  # prefill; token 4 read, the request ends (max_tokens) and is released
-    assert req.finished and outs == [] and cache.requests == 0
+    assert step(sched)  # prefill; token 4 read, the request ends (max_tokens) and is released
+    assert req.finished and outs == [] and len(cache.admitted) == 0
     assert not sched.idle and sched.in_flight == [req]
-    assert not sched.step()  # no forward: the pending final report goes out
+    assert not step(sched)  # no forward: the pending final report goes out
     assert shown(outs) == [([4], "4", "4", True, FinishReason.LENGTH)]
     assert sched.idle and sched.in_flight == [] and len(runner.batches) == 1
 
@@ -153,19 +154,19 @@ def test_abort_while_an_output_is_pending(cache: HiCache) -> None:
     outs: list[RequestOutput] = []
     req = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10), outs.append)
     sched.add(req)
-    sched.step()
-    sched.step()  # token 4 reported while token 5's forward ran; token 5 pending
+    step(sched)
+    step(sched)  # token 4 reported while token 5's forward ran; token 5 pending
     assert shown(outs) == [([4], "4", "4", False, None)]
     sched.abort(req.rid)
-    assert not sched.step()
+    assert not step(sched)
     assert shown(outs) == [
         ([4], "4", "4", False, None),
         ([4, 5], " 5", "4 5", False, None),
         ([4, 5], "", "4 5", True, FinishReason.ABORT),
     ]
-    assert sched.idle and cache.requests == 0
+    assert sched.idle and len(cache.admitted) == 0
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_pending_stop_string_wins_over_a_later_abort(cache: HiCache) -> None:
@@ -176,15 +177,15 @@ def test_a_pending_stop_string_wins_over_a_later_abort(cache: HiCache) -> None:
     params = SamplingParams(temperature=0, max_tokens=10, stop="5")
     req = Request([1, 2, 3], params, outs.append)
     sched.add(req)
-    sched.step()
-    sched.step()
+    step(sched)
+    step(sched)
     sched.abort(req.rid)
-    sched.step()
+    step(sched)
     assert shown(outs) == [
         ([4], "4", "4", False, None),
         ([4, 5], " ", "4 ", True, FinishReason.STOP),
     ]
-    assert sum(o.finished for o in outs) == 1 and sched.idle and cache.requests == 0
+    assert sum(o.finished for o in outs) == 1 and sched.idle and len(cache.admitted) == 0
 
 
 def test_a_pending_stop_string_voids_the_reason_of_a_later_abort(cache: HiCache) -> None:
@@ -195,15 +196,15 @@ def test_a_pending_stop_string_voids_the_reason_of_a_later_abort(cache: HiCache)
     params = SamplingParams(temperature=0, max_tokens=10, stop="5")
     req = Request([1, 2, 3], params, outs.append)
     sched.add(req)
-    sched.step()
-    sched.step()
+    step(sched)
+    step(sched)
     req.error, req.aborted = "the engine was closed", True  # what Engine._fail does
-    sched.step()
+    step(sched)
     assert [(o.finished, o.finish_reason, o.error) for o in outs] == [
         (False, None, None),
         (True, FinishReason.STOP, None),
     ]
-    assert sched.idle and cache.requests == 0
+    assert sched.idle and len(cache.admitted) == 0
 
 
 def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> None:
@@ -225,7 +226,7 @@ def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> No
     pending_token = None
     for _ in range(100):
         before = [(r.retracted, r.output_ids[-1] if r.output_ids else None) for r, _ in made]
-        sched.step()
+        step(sched)
         hit = [b[1] for (r, _), b in zip(made, before, strict=True) if r.retracted > b[0]]
         if hit:
             pending_token = hit[0]
@@ -242,9 +243,9 @@ def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> No
     assert req not in sched.waiting and req not in sched.running
     for _, other in made:
         assert_well_formed(other)
-    assert cache.requests == 0
+    assert len(cache.admitted) == 0
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 # ---------------------------------------------------------------- engine

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
@@ -24,7 +25,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
-from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer
+from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer, step
 
 V = 8
 TOL = 1e-4
@@ -469,7 +470,7 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
         for _ in range(200):
             if sched.idle:
                 break
-            sched.step()
+            step(sched)
         assert sched.idle and a.retracted >= 1
         assert a.output_ids == list(range(25, 33)) and b.output_ids == list(range(43, 51))
         plp = a_outs[-1].prompt_logprobs
@@ -496,7 +497,7 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
         assert a.retracted and runner.logit_rows[-1] is None
         assert a.cached.total == 0
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_a_failing_row_ends_only_its_request() -> None:
@@ -534,7 +535,7 @@ def test_a_failing_row_ends_only_its_request() -> None:
         for _ in range(50):
             if sched.idle:
                 break
-            sched.step()
+            step(sched)
         assert sched.idle
         good = outs[0][-1]
         assert good.output_ids == [6, 7, 8] and good.finish_reason is FinishReason.LENGTH
@@ -544,6 +545,6 @@ def test_a_failing_row_ends_only_its_request() -> None:
         assert errors[0].startswith("prompt logprobs failed")
         assert errors[1].startswith("logprobs failed")
         assert errors[2].startswith("logit processing failed") and "outside" in errors[2]
-        assert cache.requests == 0
+        assert len(cache.admitted) == 0
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)

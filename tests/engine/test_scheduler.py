@@ -12,11 +12,13 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run
+from tests.helpers.fake_runner import step
 from tests.helpers.kvdata import FailingLoads, LoadGates
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -43,7 +45,7 @@ def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:
     reqs = [request([10 * i + 1, 10 * i + 2, 10 * i + 3]) for i in range(3)]
     for r, _ in reqs:
         sched.add(r)
-    sched.step()
+    step(sched)
     assert [r.rid for r in sched.running] == [reqs[0][0].rid, reqs[1][0].rid]
     assert [r.rid for r in sched.waiting] == [reqs[2][0].rid]
     assert runner.batches[0] == [3, 3]  # both prompts in one prefill
@@ -51,8 +53,8 @@ def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:
     run(sched)
     for (r, outs), first in zip(reqs, (4, 14, 24), strict=True):
         assert outs[-1].finished and r.output_ids == [first, first + 1, first + 2]
-    assert cache.requests == 0
-    cache.check_integrity()
+    assert len(cache.admitted) == 0
+    check_integrity(cache)
 
 
 def test_queue_time_ends_at_the_first_admission_and_stays_within_ttft(cache: HiCache) -> None:
@@ -60,7 +62,7 @@ def test_queue_time_ends_at_the_first_admission_and_stays_within_ttft(cache: HiC
     (first, first_outs), (second, second_outs) = request([1, 2, 3]), request([11, 12, 13])
     sched.add(first)
     sched.add(second)
-    sched.step()  # admits only the first: the second waits for room in the batch
+    step(sched)  # admits only the first: the second waits for room in the batch
     assert first.admitted_at is not None and second.admitted_at is None
     assert first_outs[0].queue_s == first.admitted_at - first.arrival
     run(sched)
@@ -76,11 +78,11 @@ def test_pages_grow_one_page_at_a_boundary(cache: HiCache) -> None:
     sched, _ = make(cache)
     r, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6))
     sched.add(r)
-    sched.step()  # prefill: 3 tokens in 1 page, first output token sampled
+    step(sched)  # prefill: 3 tokens in 1 page, first output token sampled
     assert r.cache is not None and len(r.cache.pages) == 1 and r.kv_len == 3
-    sched.step()  # decode position 3: still page 0
+    step(sched)  # decode position 3: still page 0
     assert len(r.cache.pages) == 1
-    sched.step()  # decode position 4: a second page
+    step(sched)  # decode position 4: a second page
     assert len(r.cache.pages) == 2 and r.kv_len == 5
     run(sched)
     assert r.output_ids == [4, 5, 6, 7, 8, 9]
@@ -92,18 +94,18 @@ def test_abort_frees_everything_of_waiting_and_running_requests(cache: HiCache) 
     b, b_outs = request([7, 8, 9])
     sched.add(a)
     sched.add(b)
-    sched.step()
+    step(sched)
     assert sched.running == [a] and list(sched.waiting) == [b]
     sched.abort(a.rid)
     sched.abort(b.rid)
-    sched.step()
+    step(sched)
     assert sched.idle
     assert a_outs[-1].finish_reason is FinishReason.ABORT
     assert b_outs[-1].finish_reason is FinishReason.ABORT
-    assert cache.requests == 0 and cache.request_pages() == []
+    assert len(cache.admitted) == 0 and cache.full.request_pages(cache.admitted) == []
     cache.flush()
-    cache.check_integrity()
-    st = cache.stats()
+    check_integrity(cache)
+    st = cache_stats(cache)
     assert st.device_cached_tokens + st.device_free_tokens == st.device_total_tokens
 
 
@@ -121,10 +123,10 @@ def test_retraction_keeps_kv_and_readmission_finds_it(cache: HiCache) -> None:
     assert a.retracted + b.retracted >= 1
     retracted = a if a.retracted else b
     assert retracted.cached.total == 0  # counted once, at the first admission
-    assert cache.stats().counters["prefix_queries_total"] == 2
+    assert cache_stats(cache).counters["prefix_queries_total"] == 2
     assert a_outs[-1].finished and b_outs[-1].finished
     cache.flush()
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
@@ -137,7 +139,7 @@ def test_a_request_too_large_for_l1_fails_alone(cache: HiCache) -> None:
     assert big_outs[-1].finish_reason is FinishReason.ABORT
     assert "KV pages" in (big_outs[-1].error or "")
     assert small_outs[-1].finished and small.output_ids == [4, 5, 6]
-    cache.check_integrity()
+    check_integrity(cache)
 
 
 def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -> None:
@@ -154,7 +156,7 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         sched.add(first)
         run(sched)
         cache.flush()
-        cache.evict_device(8)  # the prompt's KV is in L2 only now
+        cache.full.evict_device(8)  # the prompt's KV is in L2 only now
         hook.on = True
         again, again_outs = request(prompt)
         other, other_outs = request([50, 51, 52])
@@ -170,11 +172,11 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         # the recompute of the whole prompt, with the other's decode
         assert runner.batches[done][:2] == [1, 3] and runner.batches[done + 1][-1] == 13
         assert again.cache is not None and again.cache.cached.host == 0
-        stats = cache.stats().counters
+        stats = cache_stats(cache).counters
         assert stats["load_fallbacks_total"] == 1 and stats["load_failures_total"] == 1
         cache.flush()
-        cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.tree.iter_nodes())
+        check_integrity(cache)
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
         hook.on = False
         third, _ = request(prompt)  # the recomputed prefix is cached again: from L1
         sched.add(third)
@@ -197,34 +199,34 @@ def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() ->
         sched.add(first)
         run(sched)
         cache.flush()
-        cache.evict_device(8)
+        cache.full.evict_device(8)
         again, outs = request(prompt)
         sched.add(again)
         sched._admit()  # admitted over its L2 prefix: the load starts, and fails
         assert again in sched.running and again.kv_len == 12
         assert gates.parked(0)
         gates.release(0)
-        assert cache.host is not None
-        cache.host.controller.wait_idle(10)  # its failed completion is posted
+        assert cache.full.host is not None
+        cache.full.host.controller.wait_idle(10)  # its failed completion is posted
         done = len(runner.batches)
-        sched.step()
+        step(sched)
         assert runner.batches[done:] == [[13]]  # only the recompute, from position 0
         run(sched)
         assert outs[-1].error is None and again.output_ids == first.output_ids
-        assert cache.stats().counters["load_fallbacks_total"] == 1
+        assert cache_stats(cache).counters["load_fallbacks_total"] == 1
         cache.flush()
-        cache.check_integrity()
+        check_integrity(cache)
 
 
 def test_a_new_prompt_is_prefilled_alongside_running_decodes(cache: HiCache) -> None:
     sched, runner = make(cache, chunked_prefill_size=6)
     a, _ = request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
     sched.add(a)
-    sched.step()  # a's prefill
+    step(sched)  # a's prefill
     b, _ = request(list(range(10, 20)))  # 10 tokens
     sched.add(b)
-    sched.step()
-    sched.step()
+    step(sched)
+    step(sched)
     # a decodes every step; b's prompt goes in chunks of the 5 tokens left of the budget
     assert runner.batches[:3] == [[3], [1, 5], [1, 5]]
     run(sched)
@@ -236,11 +238,11 @@ def test_the_first_prefill_advances_even_when_decodes_fill_the_budget(cache: HiC
     reqs = [request([i, i + 1], SamplingParams(temperature=0.0, max_tokens=4))[0] for i in (1, 11)]
     for r in reqs:
         sched.add(r)
-    sched.step()  # both prompts: 2 tokens each, budget 2 -> one, then the other
-    sched.step()
+    step(sched)  # both prompts: 2 tokens each, budget 2 -> one, then the other
+    step(sched)
     late, _ = request([40, 41, 42, 43, 44, 45, 46, 47, 48])
     sched.add(late)
-    sched.step()
+    step(sched)
     assert runner.batches[2][-1] == PAGE  # two decodes took the budget; a page anyway
     run(sched)
     assert late.output_ids == [49, 50, 51]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.controller.rank_group import LocalOnlyError
 from hicache.engine.engine import Engine, EngineConfig
@@ -103,9 +104,9 @@ def settled_digests(engine: Engine, timeout_s: float = 60.0) -> list[str]:
     a batch leaves behind complete (and change the tree alike on every rank) over the
     next steps, so only a settled digest can show that a later call changed nothing."""
     deadline = time.monotonic() + timeout_s
-    while engine.call(lambda: engine.cache.host is not None and engine.cache.host.busy).result(
-        timeout=30
-    ):
+    while engine.call(
+        lambda: engine.cache.full.host is not None and engine.cache.full.host.busy
+    ).result(timeout=30):
         assert time.monotonic() < deadline, f"copies still in flight after {timeout_s} s"
         time.sleep(0.02)
     return engine.rank_digests()
@@ -140,7 +141,9 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None
     # (it used to block rank 0 in a collective no follower joins, for its full timeout)
     with pytest.raises(LocalOnlyError, match=r"inside Engine\.call"):
         engine.call(engine.cache.flush).result(timeout=30)
-    assert engine.call(engine.cache.stats).result(timeout=30).device_total_tokens > 0  # reads
+    assert (
+        engine.call(lambda: cache_stats(engine.cache)).result(timeout=30).device_total_tokens > 0
+    )  # reads
     assert engine.rank_digests() == digests
     assert engine.health().healthy
 

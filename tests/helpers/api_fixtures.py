@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.scheduler import SchedulerConfig
@@ -83,7 +84,7 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
     """Wait until the scheduler is idle and the cache holds no request."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        idle = engine.call(lambda: engine.scheduler.idle and engine.cache.requests == 0)
+        idle = engine.call(lambda: engine.scheduler.idle and len(engine.cache.admitted) == 0)
         if idle.result(10):
             return
         time.sleep(0.02)
@@ -93,8 +94,8 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
 def assert_clean(engine: Engine) -> None:
     """Idle, no request holds a page, and every structure passes its integrity check."""
     wait_idle(engine)
-    engine.call(engine.cache.check_integrity).result(30)
-    assert engine.call(lambda: engine.cache.requests).result(10) == 0
+    engine.call(lambda: check_integrity(engine.cache)).result(30)
+    assert engine.call(lambda: len(engine.cache.admitted)).result(10) == 0
 
 
 def post(

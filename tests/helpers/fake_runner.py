@@ -76,10 +76,18 @@ def make_scheduler(cache: HiCache, **config: Any) -> tuple[Scheduler, NextTokenR
     return Scheduler(cache, runner, output, SchedulerConfig(**config)), runner  # type: ignore[arg-type]
 
 
+def step(sched: Scheduler) -> bool:
+    """One engine step of ``sched``, as the engine runs it: the cache's ``sync()`` (the one
+    point per step where worker records are applied), then the scheduler's step."""
+    sched.cache.sync()
+    return sched.step()
+
+
 def run_until_idle(sched: Scheduler, steps: int = 100) -> None:
-    """Step ``sched`` until it is idle; AssertionError after ``steps`` steps."""
+    """Step ``sched`` (:func:`step`) until it is idle; AssertionError after ``steps``
+    steps."""
     for _ in range(steps):
         if sched.idle:
             return
-        sched.step()
+        step(sched)
     raise AssertionError("the scheduler did not finish")

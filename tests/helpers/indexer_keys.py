@@ -26,6 +26,6 @@ def token_key(spec: IndexerSpec, tokens: Sequence[int], pos: int) -> torch.Tenso
 def keys_buffer(cache: HiCache) -> torch.Tensor:
     """The indexer's L1 buffer ``(layers, slots, 1, index_head_dim)`` (the cache must
     have the indexer component)."""
-    store = cache.store(IndexerStore)
+    store = cache.stores.of_type(IndexerStore)
     assert store is not None, "the cache has no indexer component"
     return store.device_pool.buffer[0]

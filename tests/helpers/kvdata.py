@@ -50,20 +50,22 @@ def write_tokens(cache: HiCache, tokens: Sequence[int], pages: PageIds, first_pa
     if len(pages) == 0:
         return
     data = page_kv(cache, tokens, first_page, len(pages))
-    cache.device_pool.write_pages(page_tensor(pages), data)
+    cache.full.device_pool.write_pages(page_tensor(pages), data)
 
 
 def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
-    return cache.device_pool.read_pages(page_tensor(pages))
+    return cache.full.device_pool.read_pages(page_tensor(pages))
 
 
 def wait_ready(cache: HiCache, req: CacheRequest, timeout_s: float = 10.0) -> None:
-    """Wait until the prefetch policy lets ``req`` be admitted (``cache.ready``);
+    """Wait until the prefetch policy lets ``req`` be admitted (``cache.ready``, as agreed
+    at the last sync: one ``cache.sync()`` per round, as an engine's steps);
     AssertionError after ``timeout_s`` seconds."""
     end = time.monotonic() + timeout_s
     while not cache.ready(req):
         assert time.monotonic() < end, "the prefetch policy never let the request in"
         time.sleep(0.0005)
+        cache.sync()
 
 
 def compute(
@@ -96,12 +98,13 @@ def serve(
     hold: bool = False,
     timeout_s: float = 10.0,
 ) -> CacheRequest | None:
-    """Drive one request through the verbs as an engine would: open (every whole page of
-    ``tokens`` may hit), wait for the prefetch policy, admit, check the cached prefix
-    byte for byte, "compute" the rest, commit.
+    """Drive one request through the verbs as an engine would: sync (the start of a step),
+    open (every whole page of ``tokens`` may hit), wait for the prefetch policy, admit,
+    check the cached prefix byte for byte, "compute" the rest, commit.
 
     Returns the handle (released unless ``hold``), or None when L1 had no room.
     """
+    cache.sync()
     seq = list(tokens)
     req = cache.open(seq, tenant=tenant, priority=priority, compute_last=False)
     wait_ready(cache, req, timeout_s)
@@ -121,19 +124,22 @@ def fill_device(cache: HiCache, pages: Sequence[int], value: float) -> None:
     if not pages:
         return
     pt = page_tensor(page_ids(pages))
-    cache.device_pool.write_pages(pt, torch.full_like(cache.device_pool.read_pages(pt), value))
+    cache.full.device_pool.write_pages(
+        pt, torch.full_like(cache.full.device_pool.read_pages(pt), value)
+    )
 
 
 def free_device_pages(cache: HiCache) -> list[int]:
     """The L1 pages nobody holds, ascending."""
-    alloc = cache.device_pool.allocator
-    return [p for p in range(cache.device_pool.num_pages) if not alloc.is_used(p)]
+    alloc = cache.full.device_pool.allocator
+    return [p for p in range(cache.full.device_pool.num_pages) if not alloc.is_used(p)]
 
 
 def serve_or_fail(cache: HiCache, tokens: Sequence[int], *, timeout_s: float = 10.0) -> bool:
     """:func:`serve` for a cache whose copies may fail: a request whose load failed is
     released without keeping its KV (False); otherwise its cached prefix is checked byte
     for byte, the rest "computed" and committed (True). False too when L1 had no room."""
+    cache.sync()  # the start of a step
     seq = list(tokens)
     req = cache.open(seq, compute_last=False)
     if not cache.admit(req, seq):
@@ -158,7 +164,7 @@ def finish(
     )
     full = len(tokens) // cache.page_size
     write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
-    cache.poll()  # as the engine does after a forward: a failure it applies fails req
+    cache.sync()  # as the engine's next step does: a failure it applies fails req
     if req.failed is not None:
         cache.release(req, keep=False)
         return False
@@ -170,7 +176,7 @@ def check_l1_hits(cache: HiCache, known: Sequence[Sequence[int]]) -> None:
     """Every L1 page a match of a ``known`` sequence returns holds that sequence's KV.
     Call with no copy in flight (after ``flush``)."""
     for tokens in known:
-        m = cache.match_prefix(list(tokens))
+        m = cache.full.match_prefix(list(tokens))
         n = len(m.device_pages)
         assert read_device(cache, m.device_pages).equal(page_kv(cache, tokens, 0, n)), (
             f"an L1 hit of {list(tokens)} holds other bytes"

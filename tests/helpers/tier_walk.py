@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.cache.report import check_integrity
 from hicache.engine.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
@@ -25,12 +26,12 @@ def assert_idle(engine: Engine) -> None:
 
     def check() -> None:
         assert engine.scheduler.idle
-        assert engine.cache.requests == 0
+        assert len(engine.cache.admitted) == 0
         states = engine.scheduler.runner.states
         assert states is None or len(states) == 0
         engine.cache.flush()
-        engine.cache.check_integrity()
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.tree.iter_nodes())
+        check_integrity(engine.cache)
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes())
 
     engine.call(check).result(timeout=30)
 
@@ -41,7 +42,7 @@ def demote_all(engine: Engine) -> int:
 
     def demote() -> int:
         engine.cache.flush()
-        return engine.cache.evict_device(10**6)
+        return engine.cache.full.evict_device(10**6)
 
     return engine.call(demote).result(timeout=30)
 

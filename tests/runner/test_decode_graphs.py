@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from hicache.cache import HiCache
+from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.engine import graph_setup
 from hicache.engine.engine import Engine, EngineConfig
@@ -399,7 +400,7 @@ def test_engine_greedy_through_static_decode_equals_eager(
     probe = graph_setup._probe
 
     def recorded(runner: ModelRunner, graphs: DecodeGraphs, pages: list[int]) -> float:
-        seen.append((list(pages), cache.reserved_device_pages))
+        seen.append((list(pages), cache.full.reserved))
         return probe(runner, graphs, pages)
 
     monkeypatch.setattr(graph_setup, "_probe", recorded)
@@ -428,18 +429,20 @@ def test_engine_greedy_through_static_decode_equals_eager(
 
                 setup = engine.call(attach).result(timeout=120)
                 assert setup.enabled and setup.buckets == (1, 2, 4)
-                (scratch,) = cache.reserved_device_pages
+                (scratch,) = cache.full.reserved
                 # the probe ran on 43 pages reserved (with the scratch page) for its
                 # duration; they came back after it
                 ((pages, reserved),) = seen
                 assert len(pages) == 43 and sorted(reserved) == sorted([scratch, *pages])
-                assert cache.device_pool.allocator.used_pages == 1
+                assert cache.full.device_pool.allocator.used_pages == 1
             outputs.append(generate_together(engine, prompts, params))
             if static:
                 graphs = runner.decode_graphs
                 assert graphs is not None and graphs.replays >= 3
-                assert scratch not in engine.call(cache.tree.device_page_ids).result(timeout=30)
-                engine.call(cache.check_integrity).result(timeout=30)
+                assert scratch not in engine.call(cache.full.tree.device_page_ids).result(
+                    timeout=30
+                )
+                engine.call(lambda c=cache: check_integrity(c)).result(timeout=30)
     assert outputs[0] == outputs[1]
 
 

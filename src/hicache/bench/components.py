@@ -9,11 +9,11 @@ names them (:class:`~hicache.metrics.ComponentUsage`):
 * ``mamba``: one recurrent-state snapshot per cached boundary (Mamba2, Gated DeltaNet).
 
 :func:`component_figures` is the one place that reads memory figures: it takes them from
-``HiCache.stats().components`` and adds each component's nominal size (its store's
+``cache_stats(cache).components`` (:mod:`hicache.cache.report`) and adds each component's nominal size (its store's
 ``nominal()``), so a component the cache starts exposing appears in every bench that
 reports components. :class:`ComponentHitProbe` reads the cache's counts, per admission
 that reused a prefix, of whether the hit's values of each component (an SWA window, a
-snapshot) were in L1 already or had to be copied from L2 (``HiCache.component_hits``).
+snapshot) were in L1 already or had to be copied from L2 (``ComponentStores.component_hits``).
 
 Units: bytes per cached token (B/token, over the tokens whose full KV is in L1); pool
 usage in the pool's own unit (``pages`` of ``page_size`` tokens for KV pools, ``slots`` of
@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hicache.cache.report import cache_stats
 from hicache.metrics import ComponentUsage
 
 if TYPE_CHECKING:
@@ -110,19 +111,19 @@ def component_figures(engine: Engine) -> list[ComponentFigures]:
     sizes). Call on the engine thread (``engine.call(lambda: component_figures(engine))``):
     it reads the tree and pools."""
     cache = engine.cache
-    return [_figures(cache, u) for u in cache.stats().components]
+    return [_figures(cache, u) for u in cache_stats(cache).components]
 
 
 def _figures(cache: HiCache, u: ComponentUsage) -> ComponentFigures:
     """:class:`ComponentFigures` of one :class:`ComponentUsage` of ``cache``."""
-    cached = cache.device_pool.allocator.used_pages > 0  # the denominator is not 0
+    cached = cache.full.device_pool.allocator.used_pages > 0  # the denominator is not 0
     held = u.bytes_per_cached_token if cached else None
     store = cache.stores.get(u.name)
     if u.name == FULL:
-        spec = cache.device_pool.spec
+        spec = cache.full.device_pool.spec
         layers, nominal, unit = spec.num_layers, float(spec.token_bytes), "pages"
         # other pools taking some attention layers leave the full pool the global ones
-        note = "global layers" if cache.runner_pools() else ""
+        note = "global layers" if cache.stores.runner_pools() else ""
     elif store is not None:
         size = store.nominal()
         layers, nominal, unit, note = size.layers, size.bytes_per_token, size.unit, size.note
@@ -142,7 +143,7 @@ def _figures(cache: HiCache, u: ComponentUsage) -> ComponentFigures:
 
 class ComponentHitProbe:
     """Counts :class:`ComponentHits` of one cache from when it is attached, per admission
-    that reused a prefix (the cache's own counts, ``HiCache.component_hits``: an admission
+    that reused a prefix (the cache's own counts, ``ComponentStores.component_hits``: an admission
     is counted when it succeeds with a hit; a copy made by an attempt that then failed (no
     L1 room yet) is carried to the request's successful attempt). Attach and read on the
     engine thread.
@@ -150,13 +151,13 @@ class ComponentHitProbe:
 
     def __init__(self, cache: HiCache) -> None:
         self._cache = cache
-        self._base = {h.name: (h.l1, h.l2) for h in cache.component_hits()}
+        self._base = {h.name: (h.l1, h.l2) for h in cache.stores.component_hits()}
         self.components: tuple[str, ...] = tuple(self._base)
 
     def take(self) -> list[ComponentHits]:
         """The counts since the last :meth:`take` (or since attaching), one per component
         the cache has besides full KV; resets them."""
-        now = {h.name: (h.l1, h.l2) for h in self._cache.component_hits()}
+        now = {h.name: (h.l1, h.l2) for h in self._cache.stores.component_hits()}
         out = [
             ComponentHits(n, now[n][0] - self._base[n][0], now[n][1] - self._base[n][1])
             for n in self.components

@@ -7,7 +7,7 @@ In process (no server): one :class:`~hicache.engine.engine.Engine` with L1, L2 a
 1. **cold**: nothing cached;
 2. **L1 hit**: the same prompt again right away (prefix in L1);
 3. **L2 hit**: wait for copies, evict all of L1 (``cache.flush()``,
-   ``cache.evict_device(10**9)`` on the engine thread), the same prompt again;
+   ``cache.full.evict_device(10**9)`` on the engine thread), the same prompt again;
 4. **L3 hit**: wait for copies (L2 -> L3 written), ``flush_cache()`` (L1 and L2 emptied),
    the same prompt again.
 
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
         def demote_all() -> int:
             """Wait for the copies, then evict every L1 page (backed-up ones stay in L2)."""
             engine.cache.flush()
-            return engine.cache.evict_device(10**9)
+            return engine.cache.full.evict_device(10**9)
 
         gen([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)], "cold")  # warm-up
         res.ttft_s["cold"].clear()

@@ -76,6 +76,7 @@ from hicache.bench.serverproc import TP_SUFFIX, parse_tp_sizes
 from hicache.bench.shared_prefix_report import print_report, write_outputs
 from hicache.bench.tp_stress import settle
 from hicache.cache.components.swa import request_pages
+from hicache.cache.report import cache_stats
 from hicache.cache.request import CachedTokens
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
@@ -414,7 +415,7 @@ def run_config(
                 raise RuntimeError("flush_cache refused after the warm-up")
             probe = engine.call(lambda: ComponentHitProbe(engine.cache)).result(timeout=60)
             rounds: list[RoundResult] = []
-            before = engine.call(engine.cache.stats).result(timeout=60).counters
+            before = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60).counters
             for rnd in range(w.rounds):
                 agree0 = (engine.agreement_seconds_total, engine.agreement_steps_total)
                 t0 = time.perf_counter()
@@ -422,7 +423,7 @@ def run_config(
                 wall = time.perf_counter() - t0
                 steps = engine.agreement_steps_total - agree0[1]
                 agree_s = engine.agreement_seconds_total - agree0[0]
-                stats = engine.call(engine.cache.stats).result(timeout=60)
+                stats = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60)
                 comps = engine.call(lambda: component_figures(engine)).result(timeout=60)
                 hits = engine.call(probe.take).result(timeout=60)
                 delta = {k: stats.counters[k] - before[k] for k in COUNTERS}

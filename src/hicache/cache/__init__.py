@@ -1,10 +1,11 @@
 """The cache facade, its tiers and its component stores: ``HiCache`` speaks in requests
 (``CacheRequest``).
 
-* :mod:`~hicache.cache.facade`: :class:`HiCache`, the request verbs and the poll over
-  the tiers and stores;
+* :mod:`~hicache.cache.facade`: :class:`HiCache`, the request verbs and ``sync``;
 * :mod:`~hicache.cache.request`: the opaque per-request handle and ``CachedTokens``;
-* :mod:`~hicache.cache.events`: what the tiers and stores tell their owner;
+* :mod:`~hicache.cache.sync`: :class:`~hicache.cache.sync.CacheSync`, the one owner of
+  asynchronous results (completions, rank agreement, waits, failing holders) and the
+  one re-entrancy rule; the tiers and stores report to it, never to the facade;
 * :mod:`~hicache.cache.device_tier`: L1 pool, allocation with eviction, reserved pages;
 * :mod:`~hicache.cache.host_tier`: L2 pool, L1<->L2 copies, L2 eviction;
 * :mod:`~hicache.cache.storage_tier`: L3 prefetch, writes and quarantine;

@@ -1,6 +1,6 @@
 """The L1 tier: the device pool of the full KV, allocation with eviction, reserved pages.
 
-Owned by :class:`hicache.cache.HiCache` and run on its thread. Every L1 page of the full
+The L1 half of the :class:`~hicache.cache.full_kv.FullKVStore`, run on the cache's thread. Every L1 page of the full
 KV is, at any time, exactly one of: free; the tree's (a node's ``device`` pages); a
 caller's (pages :meth:`DeviceTier.alloc` gave it, until it inserts or frees them: an
 admitted request's own pages); reserved (:meth:`DeviceTier.reserve`, out of circulation
@@ -10,14 +10,15 @@ pages a copy in flight may still use).
 Eviction (:meth:`DeviceTier.evict`) walks the tree's L1 eviction order (unpinned leaves,
 by policy): a node backed up in L2 is demoted to L2-only, the others are dropped, except
 under ``write_back``, which backs a node up through the host tier just before evicting it.
-The component values the tree releases with a node go back to their stores
-(``free_components``).
+The component values the tree releases with a node go back to their stores (the
+component stores' list, a peer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 
+from hicache.cache.components.stores import ComponentStores
 from hicache.cache.host_tier import HostTier
 from hicache.controller.policy import WriteRule
 from hicache.memory import DevicePool, PageAllocator
@@ -36,7 +37,8 @@ class DeviceTier:
     ``pool``: the L1 pool (the host tier copies to and from it too). ``host``: the L2 tier,
     None without the hierarchical cache; allocation waits for its backups (they pin their
     L1 sources) and ``write_back`` backs nodes up through it on eviction.
-    ``free_components``: returns the component ids the tree released to their stores.
+    ``stores``: the component stores, which take back the component ids the tree
+    releases.
     """
 
     def __init__(
@@ -47,7 +49,7 @@ class DeviceTier:
         rule: WriteRule,
         counters: CacheCounters,
         host: HostTier | None,
-        free_components: Callable[[Tier, Mapping[str, PageIds]], None],
+        stores: ComponentStores,
     ) -> None:
         self.tree = tree
         self.pool = pool
@@ -55,7 +57,7 @@ class DeviceTier:
         self.counters = counters
         self._host = host
         self._backup_on_evict = rule.backup_on_evict and host is not None
-        self._free_components = free_components
+        self._stores = stores
         self._reserved: list[int] = []
         """L1 pages taken out of circulation (:meth:`reserve`)."""
 
@@ -79,14 +81,13 @@ class DeviceTier:
         in flight (they pin their L1 sources until they land), never for loads: a load's
         chain stays pinned by its request when it lands, so waiting for it frees nothing,
         and a load may take as long as its forward. Records posted meanwhile are applied,
-        failed loads excepted (the caller may be pinning their chain): the owner's poll
-        applies those."""
+        failed loads excepted (the caller may be pinning their chain: the sync's
+        re-entrancy rule settles them at its next sync)."""
         alloc = self.pool.allocator
         if alloc.free_pages < num_pages:
             self.evict(num_pages - alloc.free_pages)
         host = self._host
-        if alloc.free_pages < num_pages and host is not None and host.backups:
-            host.wait_backups()
+        if alloc.free_pages < num_pages and host is not None and host.wait_backups():
             self.evict(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)
@@ -154,5 +155,5 @@ class DeviceTier:
     def _free_eviction(self, ev: NodeEviction) -> PageIds:
         """Free what evicting one node from L1 released; returns its full pages."""
         self.pool.allocator.free(ev.full)
-        self._free_components(Tier.DEVICE, ev.components)
+        self._stores.free(Tier.DEVICE, ev.components)
         return ev.full

@@ -1,35 +1,38 @@
 """The L2 tier: the host pool, L1 <-> L2 copies in flight, and L2 eviction.
 
-Owned by :class:`hicache.cache.HiCache` and run on its thread. It issues backups
-(L1 -> L2) and loads (L2 -> L1) through the :class:`CacheController`, records what each op
-id stands for (:class:`PendingBackup`, :class:`PendingLoad`) and applies the transfer
-worker's :class:`Completion` records:
+The L2 half of the :class:`~hicache.cache.full_kv.FullKVStore`, run on the cache's
+thread. It issues backups (L1 -> L2) and loads (L2 -> L1) through the
+:class:`CacheController`, records what each op id stands for (:class:`PendingBackup`,
+:class:`PendingLoad`) and applies the transfer worker's :class:`Completion` records when
+the cache's :class:`~hicache.cache.sync.CacheSync` hands them over, agreed (it registers
+with the sync as its transfer party, and reports to it and to the component stores, its
+peers; nothing here calls up into the facade):
 
-* a landed backup unpins its L1 source and is handed on to L3 (``events.backed_up``);
+* a landed backup unpins its L1 source and is handed on to L3 (``sync.backup_landed``);
 * a failed backup leaves its run pinned in L1 and drops the run's L2 copies (and the
   L2 copies below it, which contiguity no longer allows) as soon as no other op pins
   them: pages another op pins are never freed under it;
 * a failed load (one whose layers did not all arrive) takes the L1 pages it mapped out of
   the tree, and the L1 copies of everything below them (contiguity), whatever pins them:
   every admitted request whose prefix runs through them is marked failed and unpinned
-  (``events.fail_holders``; its caller requeues it, and it recomputes what it could not
+  (``sync.fail_holders``; its caller requeues it, and it recomputes what it could not
   load: ``HiCache.requeue``); a node another copy in flight still pins (a load of a chain
   below) leaves the tree at once and its pages are freed once those copies are done.
-  The L2 copies stay. A failure is applied at the next ``settle`` (the facade's ``poll``),
-  never inside a wait for copies (``wait_idle``, ``wait_backups``), whose caller may hold
-  a pin on the very chain for a moment (an ``admit`` making room for the rest of its
-  pages); until then the load keeps its pins and every request admitted over its pages
-  depends on its (failed) progress, so its ``wait_layer`` fails. A load that failed only
-  after its last layer arrived keeps its mapping: its pages hold the span's KV.
+  The L2 copies stay. A failure is applied at the next ``settle`` (the end of the sync's
+  ``sync``), never inside a wait for copies (the sync's re-entrancy rule), whose caller
+  may hold a pin on the very chain for a moment (an ``admit`` making room for the rest of
+  its pages); until then the load keeps its pins and every request admitted over its
+  pages depends on its (failed) progress, so its ``wait_layer`` fails. A load that failed
+  only after its last layer arrived keeps its mapping: its pages hold the span's KV.
 
 Loads run concurrently with each other (the transfer engine starts a load while earlier
 loads of other pages are still copying); a request whose prefix runs through pages a
 load still in flight maps depends on that load's progress (``loads_on``).
 
-Tensor-parallel ranks (``ranks`` with more than one rank): a completion is applied only
-once every rank has it, with the agreed ok flag (:meth:`votes`, :meth:`apply_agreed`,
-driven by the owner's ``sync``); the waits for copies loop on the owner's agreed wait
-(``wait_until``), so every rank gives up together; and an L2 allocation agrees on how
+Tensor-parallel ranks (the sync's ``ranks``; one rank runs the same code): a completion
+is applied only once every rank has it, with the agreed ok flag (:meth:`votes`,
+:meth:`apply_agreed`, driven by the sync); the waits for copies loop on the sync's agreed
+wait (``wait_until``), so every rank gives up together; and an L2 allocation agrees on how
 many pages to evict (the largest shortfall of any rank: every rank evicts the same nodes)
 and allocates only when no rank falls short (every rank gets its pages or none does).
 """
@@ -43,12 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.cache.events import TierEvents
+from hicache.cache.components.stores import ComponentStores
 from hicache.cache.request import CacheRequest
+from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig, KVSpec
-from hicache.controller import CacheController, CompletionQueue
+from hicache.controller import CacheController, Record
 from hicache.controller.agreement import LocalRecords, Verdict, Vote
-from hicache.controller.rank_group import RankGroup
 from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters
 from hicache.transfer import Completion, LayerProgress
@@ -100,11 +103,11 @@ class Quarantined:
 class HostTier:
     """L2 pages and the copies between L1 and L2 for one cache.
 
-    ``events`` (:class:`~hicache.cache.events.TierEvents`, the owner's): ``drain`` applies
-    every record posted so far (the tier calls it when it must wait for copies in flight);
-    ``backed_up`` receives each run of nodes whose backup landed (top-down, one path), for
-    L3; ``backup_issued`` each run whose full KV got L2 pages (the component stores back
-    up what a hit there needs); ``free_components`` the component ids the tree released.
+    ``sync``: the cache's owner of asynchronous results (the tier registers with it, posts
+    its worker's records to its queue, waits through it, and reports landed backups and
+    failed loads to it). ``stores``: the component stores, peers: each run whose full KV
+    got L2 pages is handed to them (they back up what a hit there needs), and the
+    component ids the tree releases go back to them.
     """
 
     def __init__(
@@ -115,24 +118,22 @@ class HostTier:
         config: CacheConfig,
         spec: KVSpec,
         device: torch.device,
-        completions: CompletionQueue,
+        sync: CacheSync,
+        stores: ComponentStores,
         counters: CacheCounters,
-        events: TierEvents,
-        wait_timeout_s: float,
         layer_hook: Callable[[int, int], None] | None = None,
-        ranks: RankGroup | None = None,
-        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
     ) -> None:
         self.tree = tree
         self.device_allocator = device_pool.allocator
         self.pool = HostPool.for_config(spec, config, device)
         self.controller = CacheController(
-            device_pool, self.pool, config.io_backend, completions, layer_hook=layer_hook
+            device_pool, self.pool, config.io_backend, sync.completions, layer_hook=layer_hook
         )
         self.counters = counters
         self.page_size = config.page_size
-        self._events = events
-        self._wait_timeout_s = wait_timeout_s
+        self._sync = sync
+        self._stores = stores
+        self._wait_timeout_s = sync.wait_timeout_s
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
@@ -140,13 +141,10 @@ class HostTier:
         """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
         whether every layer had landed (on every rank) all the same."""
         self._quarantine: list[Quarantined] = []
-        self._waiting = 0  # > 0 while a wait for copies runs (its caller may hold pins)
         self._num_layers = spec.num_layers
-        self.ranks = ranks or RankGroup.single()
-        """The tensor-parallel ranks (one: no agreement)."""
-        self._wait_until = wait_until if self.ranks.multi else None
-        """The owner's agreed wait (``wait_until(done, timeout_s)``: True once ``done()``,
-        False when the ranks gave up together); None with one rank."""
+        self.ranks = sync.ranks
+        """The tensor-parallel ranks (one: every agreement is this rank's own vote)."""
+        sync.serve_transfers(self)
 
     @property
     def allocator(self) -> PageAllocator:
@@ -164,39 +162,34 @@ class HostTier:
         return bool(self.backups or self.loads or self._bad)
 
     def wait_idle(self) -> None:
-        """Wait (bounded) for every copy in flight, then apply everything posted (failed
-        loads wait for :meth:`settle`)."""
-        self._waiting += 1
-        try:
-            if self._wait_until is not None:
-                if not self._wait_until(
-                    lambda: not self.backups and not self.loads, self._wait_timeout_s
-                ):
-                    raise TimeoutError(
-                        f"copies still in flight on some rank after {self._wait_timeout_s} s"
-                    )
-                return
-            self.controller.wait_idle(self._wait_timeout_s)
-            self._events.drain()
-        finally:
-            self._waiting -= 1
+        """Wait (bounded, agreed: :meth:`CacheSync.wait_until`) until every copy in flight
+        is applied (failed loads wait for :meth:`settle`). TimeoutError when some rank
+        gave up; inside (the sync's rule) it only checks."""
+        if self._sync.inside:
+            return
+        if not self._sync.wait_until(lambda: not self.backups and not self.loads):
+            raise TimeoutError(
+                f"copies still in flight on some rank after {self._wait_timeout_s} s"
+            )
 
-    def wait_backups(self) -> None:
-        """Wait (bounded) for the backups in flight, not for loads (they share no page
-        with backups, so the engine never holds a backup behind a load), then apply
-        everything posted (failed loads wait for :meth:`settle`)."""
-        self._waiting += 1
-        try:
-            if self._wait_until is not None:
-                if not self._wait_until(lambda: not self.backups, self._wait_timeout_s):
-                    raise TimeoutError(
-                        f"backups still in flight on some rank after {self._wait_timeout_s} s"
-                    )
-                return
-            self.controller.wait_backups(self._wait_timeout_s)
-            self._events.drain()
-        finally:
-            self._waiting -= 1
+    def wait_backups(self) -> bool:
+        """Wait (bounded, agreed) until the backups in flight are applied, not loads (they
+        share no page with backups, so the engine never holds a backup behind a load);
+        failed loads wait for :meth:`settle`. False when none was in flight or the cache
+        is inside (the sync's rule: no wait there); TimeoutError when some rank gave up.
+
+        A backup pins what it copies (and the component values a hit at its run's end
+        needs) until it is applied, so waiting for it may free values to evict; a load
+        pins its chain for its request, which keeps the chain pinned when the load lands,
+        so waiting for a load frees nothing and may take as long as that request's
+        forward."""
+        if not self.backups or self._sync.inside:
+            return False
+        if not self._sync.wait_until(lambda: not self.backups):
+            raise TimeoutError(
+                f"backups still in flight on some rank after {self._wait_timeout_s} s"
+            )
+        return True
 
     def loads_on(self, node: TreeNode) -> tuple[LayerProgress, ...]:
         """The progress of every load not yet applied (in flight, or failed and not yet
@@ -222,36 +215,18 @@ class HostTier:
         """``num_pages`` free L2 pages, evicting unpinned L2 copies if needed; None when
         even that cannot make room. Loads in flight pin their sources: waits for them.
 
-        With several ranks every decision is agreed (see the module docstring): every
-        rank evicts the same nodes and either every rank gets its pages or none does."""
-        if self.ranks.multi:
-            return self._alloc_agreed(num_pages)
-        alloc = self.allocator
-        if alloc.free_pages < num_pages:
-            self.evict(num_pages - alloc.free_pages)
-        if alloc.free_pages < num_pages and self.loads:
-            self.wait_idle()
-            self.evict(num_pages - alloc.free_pages)
-        pages = alloc.alloc(num_pages)
-        return None if pages is None else page_ids(pages)
-
-    def _alloc_agreed(self, num_pages: int) -> PageIds | None:
-        """:meth:`alloc` over several ranks: the ranks agree on the largest shortfall of
-        free pages (one all-reduce when every rank has room), evict that many (the same
-        nodes on every rank: their trees are the same), agree again, and allocate only
-        when no rank falls short, so every rank gets its pages or none does. The
-        collectives made depend on agreed values only."""
+        Every decision is agreed (see the module docstring; one rank agrees with itself,
+        no collective): the ranks agree on the largest shortfall of free pages, evict that
+        many (the same nodes on every rank: their trees are the same), agree again, and
+        allocate only when no rank falls short, so every rank gets its pages or none
+        does. The collectives made depend on agreed values only."""
         alloc, ranks = self.allocator, self.ranks
         short = ranks.max(num_pages - alloc.free_pages)
         if short > 0:
             self.evict(short)
             short = ranks.max(num_pages - alloc.free_pages)
-        if short > 0 and self.loads and self._wait_until is not None:
-            self._waiting += 1  # the caller may hold pins: failed loads wait for settle
-            try:
-                self._wait_until(lambda: not self.loads, self._wait_timeout_s)
-            finally:
-                self._waiting -= 1
+        if short > 0 and self.loads:
+            self._sync.wait_until(lambda: not self.loads)  # inside: only checks
             self.evict(ranks.max(num_pages - alloc.free_pages))
             short = ranks.max(num_pages - alloc.free_pages)
         if short > 0:
@@ -309,7 +284,7 @@ class HostTier:
         tree.inc_lock_ref(last)  # until the copy lands
         op_id = self.controller.backup(device_pages, host_pages)
         self.backups[op_id] = PendingBackup(last, num)
-        self._events.backup_issued(last)
+        self._stores.back_up(last)  # what a hit at ``last`` needs of each component
         if wait:
             self.wait_backups()
 
@@ -342,10 +317,16 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
 
+    def keeps(self, record: Record) -> bool:
+        """Whether ``record`` is the completion of a copy in flight here."""
+        return isinstance(record, Completion) and (
+            record.op_id in self.backups or record.op_id in self.loads
+        )
+
     def apply(self, c: Completion, *, landed: bool | None = None) -> None:
-        """Apply one finished copy on the owner's thread: unpin, count, hand on to L3.
-        ``landed``: for a failed load, whether every layer had landed anyway (None: as
-        its progress says; several ranks pass what they agreed)."""
+        """Apply one finished copy (agreed: :meth:`apply_agreed`): unpin, count, hand on
+        to L3. ``landed``: for a failed load, whether every layer had landed anyway
+        (None: as its progress says; :meth:`apply_agreed` passes what the ranks agreed)."""
         if c.op_id in self.backups:
             b = self.backups.pop(c.op_id)
             if c.ok:
@@ -353,7 +334,7 @@ class HostTier:
                 self.counters.backup_ops_total += 1
                 self.counters.backup_tokens_total += b.pages * self.page_size
                 self.counters.backup_bytes_total += c.nbytes
-                self._events.backed_up(self.tree.path_tail(b.last, b.pages))
+                self._sync.backup_landed(self.tree.path_tail(b.last, b.pages))
             else:
                 log.error("backup op %d failed: %s; dropping its L2 copies", c.op_id, c.error)
                 self.counters.backup_failures_total += 1
@@ -407,11 +388,11 @@ class HostTier:
         return True
 
     def settle(self) -> None:
-        """Apply the failed loads posted so far and free quarantined L1 pages no copy in
-        flight uses any more. A no-op inside a wait for copies (its caller may hold a pin
-        for a moment): the facade's ``poll`` calls it when no such wait runs."""
-        if self._waiting:
-            return
+        """Apply the failed loads agreed so far, retry the L2 invalidations that waited,
+        and free quarantined L1 pages no copy in flight uses any more. Called by the sync
+        at the end of a sync made outside (its re-entrancy rule), never inside a wait
+        (whose caller may hold a pin for a moment)."""
+        self.retry_invalidations()
         while self._failed:
             ld, error, landed = self._failed.pop(0)
             self.tree.dec_lock_ref(ld.last)
@@ -443,7 +424,7 @@ class HostTier:
             return  # every layer landed: the pages hold the span's KV
         top = chain[0]
         reason = f"loading the cached prefix failed: {error}"
-        self._events.fail_holders(top, reason)
+        self._sync.fail_holders(top, reason)
         in_flight = frozenset(self.loads) | frozenset(self.backups)
         backing_up = {
             id(n)
@@ -471,7 +452,7 @@ class HostTier:
 
     def _free_device(self, full: PageIds, components: dict[str, PageIds]) -> None:
         self.device_allocator.free(full)
-        self._events.free_components(Tier.DEVICE, components)
+        self._stores.free(Tier.DEVICE, components)
 
     def retry_invalidations(self) -> None:
         """Drop the L2 copies of failed backups whose subtrees no op pins any more."""
@@ -501,7 +482,7 @@ class HostTier:
     def _free_host(self, ev: NodeEviction) -> PageIds:
         """Free what dropping one node's L2 copy released; returns its full pages."""
         self.allocator.free(ev.full)
-        self._events.free_components(Tier.HOST, ev.components)
+        self._stores.free(Tier.HOST, ev.components)
         return ev.full
 
 

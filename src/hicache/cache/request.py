@@ -2,17 +2,20 @@
 
 A :class:`CacheRequest` is opaque to the scheduler: it reads the request's page table
 (``slots``), how much of the prompt the cache served (``cached``) and whether a copy it
-depends on failed (``failed``), and passes the handle back to the facade's verbs. Only
-:class:`hicache.cache.HiCache` changes it, on the owner's thread.
+depends on failed (``failed``), and passes the handle back to the facade's verbs. Its
+parts are owned by their stores: the full KV's (:class:`FullPart`, changed by
+:class:`~hicache.cache.full_kv.FullKVStore` only) and each component store's
+(:meth:`CacheRequest.part`); the facade sets its life-cycle fields, on the owner's thread.
 
 A failed load is not a failed request: the caller gives up what it computed over the
 prefix (nothing of a forward that read it is kept) and requeues the handle
 (``HiCache.requeue``); its next admission loads nothing from L2, so the prefill recomputes
 what the load could not bring (``CacheCounters.load_fallbacks_total``).
 
-Page table invariant: ``pages`` covers token positions ``[0, len(pages) * page_size)``.
-Its first ``prefix_pages`` pages belong to the tree and are pinned in L1 through
-``node`` (path-wise); the rest belong to the request until it commits or releases them.
+Page table invariant (the full part's, read through ``pages``, ``prefix_pages`` and
+``node``): ``pages`` covers token positions ``[0, len(pages) * page_size)``. Its first
+``prefix_pages`` pages belong to the tree and are pinned in L1 through ``node``
+(path-wise); the rest belong to the request until it commits or releases them.
 
 Each component store of the cache keeps its own per-request data in the handle's *part*
 under its name (:meth:`CacheRequest.part`; the sliding-window page table, the recurrent
@@ -71,6 +74,44 @@ class CachedTokens:
         return self.device + self.host + self.storage
 
 
+class FullPart:
+    """A request's part of the full KV store: its L1 page table, how much of it the tree
+    owns (``prefix_pages``, pinned through ``node``), the layer-wise loads that prefix
+    depends on (``progress``), and whether its next admission may load from L2
+    (``no_load``: not after a failed load). Changed only by the full KV store and, when a
+    load under its prefix failed, through :meth:`drop_pin` by the sync's failing of
+    holders."""
+
+    __slots__ = ("no_load", "node", "pages", "prefix_pages", "progress")
+
+    def __init__(self) -> None:
+        self.pages: PageIds = page_ids()
+        self.prefix_pages = 0
+        self.node: TreeNode | None = None
+        self.progress: tuple[LayerProgress, ...] = ()
+        """The layer-wise loads the prefix's L1 pages depend on: the request's own load
+        back and the loads other requests started for pages it shares, still in flight
+        when it was admitted (or committed over them)."""
+        self.no_load = False
+        """Requeued after a failed load: the next admission loads nothing from L2 (the
+        prefix is what L1 holds; the prefill computes the rest)."""
+
+    def drop_pin(self) -> TreeNode:
+        """Forget the node the prefix is pinned through (a load under it failed; the
+        caller unpins it); returns it."""
+        node, self.node = self.node, None
+        if node is None:
+            raise RuntimeError("the request holds no pinned prefix")
+        return node
+
+    def clear(self) -> None:
+        """Hold nothing (the caller freed the pages and unpinned the node)."""
+        self.pages = page_ids()
+        self.prefix_pages = 0
+        self.node = None
+        self.progress = ()
+
+
 class RequestState(str, enum.Enum):
     """Where a handle is in its life: opened, admitted (holds pages), released."""
 
@@ -82,27 +123,23 @@ class RequestState(str, enum.Enum):
 class CacheRequest:
     """One request's cache state; create with :meth:`HiCache.open`.
 
-    Read-only for callers: ``pages``, ``prefix_pages``, ``cached``, ``failed``,
-    ``state``, ``tenant``, ``priority``; :meth:`slots` and :meth:`wait_layer` for the
-    forward.
+    Read-only for callers: ``pages``, ``prefix_pages``, ``prefix_tokens``, ``cached``,
+    ``failed``, ``state``, ``tenant``, ``priority``; :meth:`slots` and :meth:`wait_layer`
+    for the forward.
     """
 
     __slots__ = (
         "_counted",
         "_loaded",
-        "_no_load",
+        "_page_size",
         "_parts",
-        "_prefix_tokens",
-        "_progress",
         "_resume",
         "cacheable",
         "cached",
         "compute_last",
         "failed",
-        "node",
-        "pages",
+        "full",
         "prefetch",
-        "prefix_pages",
         "priority",
         "prompt_tokens",
         "state",
@@ -118,25 +155,23 @@ class CacheRequest:
         cacheable: bool,
         compute_last: bool,
         prompt_tokens: int = 0,
+        page_size: int = 1,
     ) -> None:
         self.tenant = tenant
         self.priority = priority
         self.cacheable = cacheable
         self.compute_last = compute_last
         self.state = RequestState.WAITING
-        self.pages: PageIds = page_ids()
-        self.prefix_pages = 0
-        self._prefix_tokens = 0
-        self.node: TreeNode | None = None
+        self._page_size = page_size
+        self.full = FullPart()
+        """The full KV store's part (its page table); read it through :attr:`pages`,
+        :attr:`prefix_pages`, :attr:`node`."""
         self.cached = CachedTokens()
         self.failed: str | None = None
         """Why the request's KV cannot be trusted (a load it depends on failed); the
         caller must drop what it computed over the prefix and requeue the handle (the
         next admission recomputes what the load could not bring), or release it without
         keeping its KV."""
-        self._no_load = False
-        """Requeued after a failed load: the next admission loads nothing from L2 (the
-        prefix is what L1 holds; the prefill computes the rest)."""
         self.prefetch: Prefetch | None = None
         self.storage_tokens = 0
         """Prompt tokens the L3 prefetch brought into L2 for this request."""
@@ -147,18 +182,45 @@ class CacheRequest:
         self._resume: SequenceExtras | None = None
         self._loaded: set[str] = set()
         """Stores that copied this request's hit from L2 in an admission not yet counted
-        (see ``HiCache.component_hits``)."""
-        self._progress: tuple[LayerProgress, ...] = ()
-        """The layer-wise loads the prefix's L1 pages depend on: the request's own load
-        back and the loads other requests started for pages it shares, still in flight
-        when it was admitted."""
+        (see ``ComponentStores.component_hits``)."""
         self._counted = False
+
+    @property
+    def pages(self) -> PageIds:
+        """The request's L1 page table (the full part's; see the module docstring)."""
+        return self.full.pages
+
+    @property
+    def prefix_pages(self) -> int:
+        """Leading pages of :attr:`pages` the tree owns (pinned through :attr:`node`)."""
+        return self.full.prefix_pages
+
+    @property
+    def node(self) -> TreeNode | None:
+        """The tree node the prefix ends at, pinned while the request holds it."""
+        return self.full.node
 
     @property
     def prefix_tokens(self) -> int:
         """Leading token positions whose KV the tree holds for the request (in L1, or
         arriving layer by layer): the forward starts after them."""
-        return self._prefix_tokens
+        return self.full.prefix_pages * self._page_size
+
+    def note_loaded(self, store: str) -> None:
+        """Component store ``store`` copied this request's hit from L2 (counted at the
+        admission that succeeds, ``ComponentStores.component_hits``)."""
+        self._loaded.add(store)
+
+    def take_loaded(self) -> set[str]:
+        """The stores noted by :meth:`note_loaded` since the last call (then none)."""
+        got, self._loaded = self._loaded, set()
+        return got
+
+    def count_once(self) -> bool:
+        """True the first time only: the request's hits are counted at its first
+        admission."""
+        first, self._counted = not self._counted, True
+        return first
 
     def slots(self, page_size: int, upto: int) -> torch.Tensor:
         """Token slots of positions ``[0, upto)``: ``page * page_size + offset``, (upto,)
@@ -204,7 +266,7 @@ class CacheRequest:
     def loading(self) -> bool:
         """Whether part of the prefix is still being copied L2 -> L1 (by this request's
         load back or by another request's load of pages the prefix shares)."""
-        return any(not p.done for p in self._progress)
+        return any(not p.done for p in self.full.progress)
 
     def wait_layer(self, layer: int, timeout_s: float) -> bool:
         """Block until ``layer`` of the request's whole prefix is in L1 (on CUDA: make
@@ -214,7 +276,7 @@ class CacheRequest:
         if self.failed is not None:
             return False
         deadline = time.monotonic() + timeout_s
-        for progress in self._progress:
+        for progress in self.full.progress:
             try:
                 progress.wait(layer, max(0.0, deadline - time.monotonic()))
             except TransferError as exc:

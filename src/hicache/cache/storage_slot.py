@@ -1,36 +1,44 @@
 """Where a cache's L3 tier attaches: one :class:`StorageTier` at a time, and the
 quarantine of backends detached while they may still write.
 
-Owned by :class:`hicache.cache.HiCache` (only with its L2 tier: L3 reads and writes go
-through L2) and run on its thread. :meth:`StorageSlot.attach` starts a
+Built with the cache's L2 tier (L3 reads and writes go through L2) and run on the
+cache's thread. :meth:`StorageSlot.attach` starts a
 :class:`~hicache.controller.storage_controller.StorageController` over a backend and
 builds the tier over it; :meth:`StorageSlot.detach` finishes the tier's writes (bounded),
 stops its threads and gives up its open ops. The L2 pages and component ids a detached
 backend may still fill (a read whose call overran its deadline) stay out of use, held by
 a :class:`Retired` entry, until that backend says its host writes have settled
-(:meth:`StorageSlot.settle`, at every poll of the owner).
+(:meth:`StorageSlot.settle`, at every sync).
+
+The slot is the L3 party of the cache's :class:`~hicache.cache.sync.CacheSync` (it
+registers when built): it hands the attached tier's votes, agreed records and landed
+backups on, and drops the records of a detached tier's ops.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hicache.cache.components.records import ComponentRecords
+from hicache.cache.components.stores import ComponentStores
 from hicache.cache.host_tier import HostTier
+from hicache.cache.prefetch import Prefetch
 from hicache.cache.storage_tier import StorageTier
+from hicache.cache.sync import CacheSync
 from hicache.config import PrefetchConfig
-from hicache.controller import CompletionQueue
+from hicache.controller import Record
+from hicache.controller.agreement import LocalRecords, Verdict, Vote
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.metrics import CacheCounters
 from hicache.storage.base import HiCacheStorage
-from hicache.tree import HiRadixTree
+from hicache.tokens import encode_tokens
+from hicache.transfer import Completion
+from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.components import Tier
-from hicache.tree.node import PageIds
+from hicache.tree.node import PageIds, TokenIds
 
 __all__ = ["Retired", "StorageSlot"]
 
@@ -48,59 +56,62 @@ class Retired:
 
 
 class StorageSlot:
-    """The L3 attachment of one cache (over its L2 tier ``host``).
+    """The L3 attachment of one cache (over its L2 tier ``host``; None without L2: then
+    nothing attaches, and every request-level call below is a no-op).
 
-    ``records``: builds the component stores' L3 codecs for a tier being attached.
-    ``drain``: the owner's poll (a tier waiting for its writes applies records with it).
-    ``free_components``: returns L2 component ids to their stores once a retired backend
-    settled. ``ranks``: the cache's tensor-parallel ranks, ``wait_until``: its agreed wait
-    (both handed to every tier attached).
+    ``sync``: the cache's owner of asynchronous results (the slot registers as its L3
+    party; every tier attached posts to its queue, numbers its ops from it and waits
+    through it). ``stores``: the component stores, peers (their L3 codecs for a tier
+    being attached; the L2 component ids a retired backend held go back to them).
     """
 
     def __init__(
         self,
         *,
         tree: HiRadixTree,
-        host: HostTier,
-        completions: CompletionQueue,
+        host: HostTier | None,
         counters: CacheCounters,
-        op_ids: itertools.count[int],
-        drain: Callable[[], object],
-        records: Callable[[], Sequence[ComponentRecords]],
-        free_components: Callable[[Tier, Mapping[str, PageIds]], None],
-        ranks: RankGroup | None = None,
-        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
+        sync: CacheSync,
+        stores: ComponentStores,
     ) -> None:
         self._tree = tree
         self._host = host
-        self._completions = completions
         self._counters = counters
-        self._op_ids = op_ids
-        self._drain = drain
-        self._records = records
-        self._free_components = free_components
-        self._ranks = ranks or RankGroup.single()
-        self._wait_until = wait_until
+        self._sync = sync
+        self._stores = stores
+        self._ranks = sync.ranks
         self.tier: StorageTier | None = None
         """The attached L3 tier (None: none attached)."""
         self._retired: list[Retired] = []
+        sync.serve_l3(self)
 
     def attach(
         self,
         storage: HiCacheStorage,
         namespace: Namespace,
         prefetch: PrefetchConfig,
+        ranks: RankGroup | None = None,
     ) -> StorageTier:
         """Start an L3 tier over ``storage`` (and its threads), agreeing over the cache's
-        ranks. One at a time (RuntimeError); on failure nothing is attached and
+        ranks (``ranks``, when given, must be that group: ValueError). Needs L2
+        (ValueError); one at a time (RuntimeError); on failure nothing is attached and
         ``storage`` is closed."""
+        if self._host is None:
+            raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
+        mine = self._ranks
+        if ranks is not None and (ranks.size, ranks.rank) != (mine.size, mine.rank):
+            storage.close()
+            raise ValueError(
+                f"attach_storage with rank {ranks.rank} of {ranks.size}, but the cache is rank"
+                f" {mine.rank} of {mine.size}: build it with HiCache(..., ranks=)"
+            )
         if self.tier is not None:
             raise RuntimeError("a storage backend is attached already; detach it first")
-        codecs = list(self._records())
+        codecs = self._stores.records()
         controller = StorageController(
             storage,
             self._host.pool,
-            self._completions,
+            self._sync.completions,
             self._ranks,
             component_pools={c.name: c.pool for c in codecs},
         )
@@ -117,10 +128,8 @@ class StorageSlot:
             tree=self._tree,
             host=self._host,
             counters=self._counters,
-            op_ids=self._op_ids,
-            drain=self._drain,
+            sync=self._sync,
             components=codecs,
-            wait_until=self._wait_until,
         )
         return self.tier
 
@@ -134,6 +143,7 @@ class StorageSlot:
         tier.flush(timeout_s)
         tier.controller.close()
         self.tier = None
+        self._sync.drop_l3()  # records of the detached tier's ops are dropped
         held, ids = tier.detach()
         if len(held) or any(len(v) for v in ids.values()):
             log.warning(
@@ -154,11 +164,72 @@ class StorageSlot:
         keep: list[Retired] = []
         for r in self._retired:
             if self._ranks.min(int(r.storage.host_writes_settled(0.0))):
+                assert self._host is not None  # a backend attached: over L2
                 self._host.allocator.free(r.pages)
-                self._free_components(Tier.HOST, r.ids)
+                self._stores.free(Tier.HOST, r.ids)
             else:
                 keep.append(r)
         self._retired = keep
+
+    # ------------------------------------------------------------------ requests
+
+    def prefetch(self, tokens: TokenIds, tenant: str, compute_last: bool) -> Prefetch | None:
+        """Start the L3 prefetch of a request that just arrived with ``tokens`` (the last
+        one excluded with ``compute_last``); None when no tier is attached or nothing
+        can be fetched."""
+        if self.tier is None or len(tokens) <= int(compute_last):
+            return None
+        key = encode_tokens(tokens[: len(tokens) - int(compute_last)])
+        return self.tier.start(key, tenant)  # metadata only: no copy waited on
+
+    def ready(self, p: Prefetch) -> bool:
+        """Whether the prefetch policy lets ``p``'s request in (as agreed at the last
+        sync); True once the tier is detached (its prefetch was dropped)."""
+        return self.tier is None or self.tier.ready(p)
+
+    def take(self, p: Prefetch) -> int:
+        """End ``p`` for its request (:meth:`StorageTier.take`); the tokens it added to
+        the tree (0 once the tier is detached)."""
+        return 0 if self.tier is None else self.tier.take(p)
+
+    def write_components(self, nodes: list[TreeNode]) -> None:
+        """Write the component values of ``nodes`` (one path) that a hit needs to L3."""
+        if self.tier is not None:
+            self.tier.write_components(nodes)
+
+    def back_up_added(self, node: TreeNode) -> None:
+        """Component values were added at ``node``, whose full KV was in L2 already (no
+        backup was issued with them): the stores copy them to L2 now, and the attached
+        tier writes those copies to L3."""
+        backed = self._stores.back_up(node)
+        if backed:
+            chosen = {id(n) for n in backed} | {id(node)}  # nodes of one path, ``node`` last
+            path = self._tree.path_tail(node, self._tree.depth_pages(node))
+            self.write_components([n for n in path if id(n) in chosen])
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``, agreed) for the attached tier's writes."""
+        if self.tier is not None:
+            self.tier.flush(timeout_s)
+
+    # ------------------------------------------------------------------ the sync's party
+
+    def keeps(self, record: Record) -> bool:
+        """Whether ``record`` is of an op of the attached tier (a detached one's are not)."""
+        tier = self.tier
+        return not isinstance(record, Completion) and tier is not None and tier.owns(record.op_id)
+
+    def votes(self, got: LocalRecords) -> list[Vote]:
+        return [] if self.tier is None else self.tier.votes(got)
+
+    def apply_agreed(self, verdict: Verdict, got: LocalRecords) -> bool:
+        assert self.tier is not None  # a vote of it was agreed in this round
+        return self.tier.apply_agreed(verdict, got)
+
+    def on_host_backup(self, nodes: list[TreeNode]) -> None:
+        """A run landed in L2: the attached tier writes it to L3."""
+        if self.tier is not None:
+            self.tier.on_host_backup(nodes)
 
     def held_host_pages(self) -> list[int]:
         """L2 pages held by L3 ops and retired backends, not by the tree."""

@@ -1,7 +1,9 @@
 """The L3 tier: prefetch L3 -> L2 for waiting requests, write L2 -> L3 behind backups.
 
-Owned by :class:`hicache.cache.HiCache` and run on its thread; the L3 threads only post
-records (:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`), applied here. The flow:
+Attached through the cache's :class:`~hicache.cache.storage_slot.StorageSlot` and run on
+the cache's thread; the L3 threads only post records (:class:`L3Lookup`, :class:`L3Read`,
+:class:`L3Write`) to the queue of the cache's :class:`~hicache.cache.sync.CacheSync`,
+which hands them here once agreed. The flow:
 
 * :meth:`StorageTier.start`: when a request arrives, the prefetch thread looks up the L3
   keys of the prompt beyond the local match; a hit of at least ``prefetch_threshold``
@@ -42,8 +44,8 @@ The storage hit counted is then the tokens the records made usable beyond the lo
 match, as far as the request loads them from L2 (the facade counts a prefix already in L1
 as a device hit).
 
-Tensor-parallel ranks (a multi-rank ``ranks`` group): nothing here applies a record on one
-rank alone. The owner's ``sync`` collects this tier's votes (:meth:`StorageTier.votes`: for
+Tensor-parallel ranks (one rank runs the same code, agreeing with itself): nothing here
+applies a record on one rank alone. The sync collects this tier's votes (:meth:`StorageTier.votes`: for
 every op in flight, whether its record is here and its value, and each waiting prefetch's
 local policy verdict), agrees on them in one all-reduce, and hands back the verdicts
 (:meth:`StorageTier.apply_agreed`): a lookup is applied with the minimum hit of every rank,
@@ -61,11 +63,10 @@ landed.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from hicache.cache.components.records import (
     ComponentRecords,
@@ -75,6 +76,7 @@ from hicache.cache.components.records import (
 )
 from hicache.cache.host_tier import HostTier
 from hicache.cache.prefetch import ComponentFetch, Prefetch
+from hicache.cache.sync import CacheSync
 from hicache.config import PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup, L3Read, L3Write
 from hicache.controller.agreement import LocalRecords, ReadProgress, Verdict, Vote
@@ -107,10 +109,8 @@ class StorageTier:
         tree: HiRadixTree,
         host: HostTier,
         counters: CacheCounters,
-        op_ids: itertools.count[int],
-        drain: Callable[[], object],
+        sync: CacheSync,
         components: Sequence[ComponentRecords] = (),
-        wait_until: Callable[[Callable[[], bool], float], bool] | None = None,
     ) -> None:
         self.controller = controller
         self.namespace = namespace
@@ -119,8 +119,8 @@ class StorageTier:
         self.host = host
         self.counters = counters
         self.page_size = host.page_size
-        self._op_ids = op_ids
-        self._drain = drain
+        self._op_ids = sync.op_ids
+        self._sync = sync
         self._prefetches: dict[int, Prefetch] = {}
         self._quarantine: dict[int, PageIds] = {}
         self._quarantine_ids: dict[int, list[ComponentFetch]] = {}
@@ -128,12 +128,10 @@ class StorageTier:
         self._component_writes: dict[int, tuple[ComponentRecords, RecordWrites]] = {}
         self._tenants: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
         self.ranks = controller.ranks
-        self._wait_until = wait_until if self.ranks.multi else None
-        """The owner's agreed wait (several ranks); None: wait on this rank's records."""
         self._looking: set[int] = set()
         """Prefetches whose lookup result is not applied yet."""
         self._agreed_ready: set[int] = set()
-        """Prefetches some rank's policy let in (several ranks: :meth:`ready` says so)."""
+        """Prefetches some rank's policy let in, as agreed (:meth:`ready` says so)."""
         self._unsent: set[int] = set()
         """Writes tracked but not sent on this rank (MLA: only rank 0 writes)."""
         self.writer = namespace.tp_rank is not None or self.ranks.rank == 0
@@ -240,13 +238,11 @@ class StorageTier:
         return p
 
     def ready(self, p: Prefetch) -> bool:
-        """Whether the policy lets the request be admitted now (with several ranks: as
-        agreed at the last sync, the same answer on every rank)."""
+        """Whether the policy lets the request be admitted now: as agreed at the last sync
+        (the same answer on every rank; one rank agrees with its own clock)."""
         if p.finished or self.prefetch.policy is PrefetchPolicy.BEST_EFFORT:
             return True
-        if self.ranks.multi:
-            return p.op_id in self._agreed_ready
-        return self._policy_ready(p)
+        return p.op_id in self._agreed_ready
 
     def _policy_ready(self, p: Prefetch) -> bool:
         """This rank's verdict of the prefetch policy, by its clock."""
@@ -267,10 +263,10 @@ class StorageTier:
         if p.taken:
             return 0
         p.taken = True
-        self._agreed_ready.discard(p.op_id)
         waited = not p.finished and self.prefetch.policy is not PrefetchPolicy.BEST_EFFORT
-        if waited and self.ready(p):  # its deadline passed before L3 answered
+        if waited and self.ready(p):  # its deadline passed before L3 answered (as agreed)
             self.counters.prefetch_timeouts_total += 1
+        self._agreed_ready.discard(p.op_id)
         self.tree.dec_host_ref(p.attach)
         if p.host_pages is None and not p.reads:
             if p.finished:  # else the lookup still runs: dropped when its record arrives
@@ -532,16 +528,6 @@ class StorageTier:
 
     # ------------------------------------------------------------------ records
 
-    def apply(self, r: L3Lookup | L3Read | L3Write) -> None:
-        """Apply one record as it arrives (one rank only; several agree first:
-        :meth:`votes`, :meth:`apply_agreed`)."""
-        if isinstance(r, L3Lookup):
-            self._on_lookup(r, r.hit_pages)
-        elif isinstance(r, L3Read):
-            self._on_read(r)
-        else:
-            self._on_write(r)
-
     def votes(self, got: LocalRecords) -> list[Vote]:
         """This rank's vote on every L3 op in flight, in op-id order (the same ops on
         every rank): a lookup's result, a read's progress, a write's landing, a
@@ -627,24 +613,11 @@ class StorageTier:
         return bool(self._writes or self._component_writes or self._quarantine)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until every write has landed and every quarantine
-        is lifted; False on timeout."""
-        if self._wait_until is not None:  # several ranks: all give up together
-            if not self._wait_until(lambda: not self.busy, timeout_s):
-                log.warning(
-                    "L3 flush timed out on some rank: %d writes pending, %d reads quarantined",
-                    len(self._writes),
-                    len(self._quarantine),
-                )
-            return not self.busy
-        end = time.monotonic() + timeout_s
-        while self.busy and time.monotonic() < end:
-            self._drain()
-            if self.busy:
-                time.sleep(0.001)
-        if self.busy:
+        """Wait (at most ``timeout_s``, agreed: every rank gives up together) until every
+        write has landed and every quarantine is lifted; False on timeout."""
+        if not self._sync.wait_until(lambda: not self.busy, timeout_s):
             log.warning(
-                "L3 flush timed out: %d writes pending, %d reads quarantined",
+                "L3 flush timed out on some rank: %d writes pending, %d reads quarantined",
                 len(self._writes),
                 len(self._quarantine),
             )

@@ -6,8 +6,9 @@ of input differ: worker records (an L1<->L2 copy landed, an L3 lookup found ``n`
 read brought ``d`` pages, a write landed), which arrive at different times on different
 ranks and may carry different values; and time (a prefetch's deadline on the local clock).
 
-The owner (the cache) keeps what its workers posted in a :class:`LocalRecords` buffer and
-applies nothing on its own. Once per step it hands :meth:`Agreement.agree` its in-flight
+The owner (the cache's :class:`~hicache.cache.sync.CacheSync`) keeps what its workers
+posted in a :class:`LocalRecords` buffer and applies nothing on its own, whatever the
+rank count (with one rank the agreement makes no collective: the verdict is the vote). Once per step it hands :meth:`Agreement.agree` its in-flight
 ops, per :class:`Stream` in op-id order (identical on every rank: op ids come from
 deterministic counters), each with this rank's :class:`Vote`; the agreement makes ONE
 all-reduce(min) of a fixed-shape int64 tensor (``1 + capacity`` rows of :data:`FIELDS`
@@ -134,25 +135,34 @@ class Agreement:
 
     def agree(self, transfer: Sequence[Vote], l3: Sequence[Vote], *, give_up: bool = False) -> Step:
         """Agree on the votes of both streams (each in increasing op-id order) and on
-        ``give_up``; one all-reduce(min) of a ``(1 + capacity, FIELDS)`` tensor."""
+        ``give_up``; one all-reduce(min) of a ``(1 + capacity, FIELDS)`` tensor (none
+        with one rank: its verdicts are its votes, through the same rows)."""
+        if not transfer and not l3 and not self.ranks.multi:  # one rank, nothing in flight
+            self.steps += 1
+            return Step((), (), give_up, 0)
         rows = _interleave(
             [(Stream.TRANSFER, v) for v in _ordered("transfer", transfer)],
             [(Stream.L3, v) for v in _ordered("l3", l3)],
             self.capacity,
         )
-        data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
-        for stream, v in rows:
+        for _, v in rows:
             if v.value < 0:
                 raise ValueError(f"op {v.op_id}: a vote's value must be >= 0, got {v.value}")
+        deferred = len(transfer) + len(l3) - len(rows)
+        if not self.ranks.multi:  # one rank: its verdict is its vote, no collective
+            self.steps += 1
+            own: dict[Stream, list[Verdict]] = {Stream.TRANSFER: [], Stream.L3: []}
+            for stream, v in rows:
+                own[stream].append(Verdict(v.op_id, v.arrived, v.value, v.final, v.flag, v.ready))
+            return Step(tuple(own[Stream.TRANSFER]), tuple(own[Stream.L3]), give_up, deferred)
+        data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
+        for stream, v in rows:
             key = int(stream) << _STREAM_SHIFT | v.op_id
             data.append(
                 [key, -key, int(v.arrived), v.value, int(v.final), int(v.flag), -int(v.ready)]
             )
-        t = torch.zeros((1 + self.capacity, FIELDS), dtype=torch.int64)  # padding: neutral
-        t[: len(data)] = torch.tensor(data, dtype=torch.int64)
-        self.ranks.all_reduce_min(t)
         self.steps += 1
-        got = t[: len(data)].tolist()
+        got = self._reduce(data)
         if got[0][0] != -got[0][1]:
             raise RanksDiverged(
                 f"step {self.steps}: ranks agree on {got[0][0]} to {-got[0][1]} in-flight ops"
@@ -179,8 +189,16 @@ class Agreement:
             transfer=tuple(out[Stream.TRANSFER]),
             l3=tuple(out[Stream.L3]),
             gave_up=bool(-got[0][2]),
-            deferred=len(transfer) + len(l3) - len(rows),
+            deferred=deferred,
         )
+
+    def _reduce(self, data: list[list[int]]) -> list[list[int]]:
+        """The elementwise minimum of ``data`` over the ranks: one all-reduce(min) of the
+        fixed-shape tensor."""
+        t = torch.zeros((1 + self.capacity, FIELDS), dtype=torch.int64)  # padding: neutral
+        t[: len(data)] = torch.tensor(data, dtype=torch.int64)
+        self.ranks.all_reduce_min(t)
+        return t[: len(data)].tolist()
 
 
 def _ordered(name: str, votes: Sequence[Vote]) -> Sequence[Vote]:
@@ -223,8 +241,8 @@ class ReadProgress:
 class LocalRecords:
     """The worker records this rank received and did not apply yet, by op.
 
-    The owner's ``poll`` puts every record here (with more than one rank nothing is
-    applied on one rank alone); the owner's votes read it and, once an op's record is
+    The owner's ``sync`` puts every record of an op in flight here (nothing is applied
+    before the ranks agreed, with one rank as with several); the owner's votes read it and, once an op's record is
     applied with the agreed values, the owner pops it. A read's records fold into one
     :class:`ReadProgress`.
     """

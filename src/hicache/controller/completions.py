@@ -2,8 +2,8 @@
 
 Workers (the L1<->L2 transfer worker, the L3 prefetch and backup threads) never touch the
 tree or the owner's bookkeeping. Each finished piece of work becomes one frozen record put
-on a :class:`CompletionQueue`; the owner (:class:`hicache.cache.HiCache`) drains the queue
-in ``poll()`` on its own thread and applies the records in order.
+on a :class:`CompletionQueue`; the owner (:class:`hicache.cache.sync.CacheSync`) drains the
+queue on its own thread and applies the records once the ranks agreed on them.
 
 Records of the L1<->L2 copies are :class:`hicache.transfer.Completion`; the L3 records are
 defined here.
@@ -91,11 +91,10 @@ class CompletionQueue:
     def drain(self) -> list[Record]:
         """Consumer side: every record posted so far, oldest first (non-blocking)."""
         out: list[Record] = []
-        while True:
-            try:
-                out.append(self._q.get_nowait())
-            except queue.Empty:
-                return out
+        q = self._q
+        while not q.empty():  # one consumer: what it saw stays there
+            out.append(q.get_nowait())
+        return out
 
     def wait(self, timeout_s: float) -> list[Record]:
         """Consumer side: wait up to ``timeout_s`` for one record, then drain; [] if none."""

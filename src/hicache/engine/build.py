@@ -69,8 +69,8 @@ def _assemble(
 ) -> EngineCore:
     runner = ModelRunner(
         model.model,
-        cache.device_pool,
-        cache.runner_pools(),
+        cache.full.device_pool,
+        cache.stores.runner_pools(),
         attention_backend=config.attention_backend,
     )
     if runner.recurrent:

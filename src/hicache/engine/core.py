@@ -294,7 +294,7 @@ def attach_l3(
     """Attach the L3 backend ``storage_config`` to ``cache`` under rank ``rank``'s
     namespace (model identity, layout, page size, TP size and rank)."""
     prefetch = storage_config.prefetch_config(policy)
-    if not cache.hierarchical:
+    if cache.full.host is None:
         raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
     namespace = Namespace.for_spec(
         cache.spec,

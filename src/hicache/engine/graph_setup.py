@@ -243,12 +243,12 @@ def enable_for_cache(
     if reason is not None:
         log.info("CUDA graphs for decode are off: %s", reason)
         return GraphSetup(enabled=False, reason=reason)
-    scratch = cache.reserve_device_pages(1)
+    scratch = cache.full.reserve(1)
     if scratch is None:
         return GraphSetup(enabled=False, reason="no L1 page left to reserve as scratch")
     # the width counts the pages a request may hold once the probe's are back
-    width = table_width_for(context_length, cache.page_size, cache.device_pages)
-    lent = cache.reserve_device_pages(probe_page_count(cache.page_size, width))
+    width = table_width_for(context_length, cache.page_size, cache.full.pages)
+    lent = cache.full.reserve(probe_page_count(cache.page_size, width))
     try:
         setup = enable_decode_graphs(
             runner,
@@ -260,7 +260,7 @@ def enable_for_cache(
         )
     finally:
         if lent is not None:
-            cache.unreserve_device_pages(lent)
+            cache.full.unreserve(lent)
     if not setup.enabled:
-        cache.unreserve_device_pages(scratch)
+        cache.full.unreserve(scratch)
     return setup

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from hicache.cache import HiCache
+from hicache.cache.report import cache_stats
 from hicache.engine.admission import QueueGate
 from hicache.engine.leader import Leader
 from hicache.engine.run_state import EngineState, RunState
@@ -115,10 +116,10 @@ def read_stats(cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> Engine
     """The stats now (the engine thread: it reads the cache)."""
     counts = queue.counts()
     return EngineStats(
-        cache=cache.stats(),
+        cache=cache_stats(cache),
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        admitted=cache.requests,
+        admitted=len(cache.admitted),
         queued=counts.queued,
         refused=counts.refused,
         reclaimed=scheduler.reclaimed,

@@ -25,7 +25,7 @@ def rank_state_digest(
     """SHA-256 (hex) of the tree of ``cache`` (:func:`~hicache.cache.inspect.tree_digest`,
     exact: page ids and clocks included) and the requests ``waiting`` and ``running``
     (each in order): equal on two ranks exactly when they hold the same state."""
-    h = hashlib.sha256(tree_digest(cache.tree, exact=True).encode())
+    h = hashlib.sha256(tree_digest(cache.full.tree, exact=True).encode())
     for kind, reqs in (("W", waiting), ("R", running)):
         for req in reqs:
             out = ",".join(str(int(i)) for i in req.output_ids)

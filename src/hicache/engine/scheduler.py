@@ -10,7 +10,7 @@ concurrent requests share a prefix as soon as it is computed and every component
 reach the tree before the request moves past them; a request that cannot get an L1 page
 for its next token is retracted (``requeue``): its KV stays cached and it waits to be
 re-admitted, which then finds its own prefix. A request whose prefix load from L2 failed
-does not fail: seen at the step's poll or after the forward that waited on the load's
+does not fail: seen at the step's sync or after the forward that waited on the load's
 layers, it is requeued with nothing of that forward kept (:meth:`Scheduler._fall_back`)
 and its re-admission recomputes what the load could not bring; only a failure of that
 recompute fails it. The scheduler holds only opaque handles and names no cache component.
@@ -39,7 +39,7 @@ per-pool slot tables; the runner's extras go back to the cache untouched, with t
 commit or (``keep``) without one; what a re-admitted request resumes from goes from its
 handle to the runner (``take_resume``). A request's carried state is dropped when it ends
 or is retracted. A model whose runner carries state (``runner.resumable_prefix`` False)
-reuses cached prefixes only when the cache hands states back (``cache.resumable``);
+reuses cached prefixes only when the cache hands states back (``cache.stores.resumes``);
 otherwise its handles are opened uncacheable.
 
 Beside it: :class:`~hicache.engine.batch_sampling.BatchSampler` turns logits into tokens
@@ -101,7 +101,7 @@ class Scheduler:
         self.running: list[Request] = []
         # a model that carries state resumes a cached prefix only from a state the cache
         # hands back
-        self.resumable_prefix = runner.resumable_prefix or cache.resumable
+        self.resumable_prefix = runner.resumable_prefix or cache.stores.resumes
         overlap = config.overlap_outputs
         self.overlap = torch.device(runner.device).type == "cuda" if overlap is None else overlap
         self.failed_forwards = 0
@@ -164,7 +164,6 @@ class Scheduler:
         forward runs, with ``overlap``; else this step's at its end). Returns False when no
         forward ran (nothing to do, or only L3 prefetches to wait for); pending outputs
         are emitted then too."""
-        self.cache.poll()
         self._reap_aborted()
         for req in [r for r in self.running if r.cache is not None and r.cache.failed is not None]:
             self._fall_back(req)  # a load its prefix depends on failed: recompute it
@@ -200,7 +199,7 @@ class Scheduler:
             handle = req.cache
             if handle is None or not handle.cacheable:
                 return 0
-            return self.cache.match_prefix(req.all_ids, req.cache_salt).matched_tokens
+            return self.cache.cached_prefix(req.all_ids, req.cache_salt)
 
         return admission_order(
             self.waiting,
@@ -279,7 +278,7 @@ class Scheduler:
             req,
             FinishReason.ABORT,
             error=f"the request needs {need} KV pages but the device cache has"
-            f" {self.cache.device_pages}",
+            f" {self.cache.full.pages}",
         )
 
     def _lent(self, among: list[Request] | None = None) -> Request | None:
@@ -421,7 +420,6 @@ class Scheduler:
         others' computed positions and hand the runner's extras to the cache untouched (a
         prefill chunk's pages are committed now, so other requests share them); returns
         ``(logits row, request, was a prefill)`` of each request to sample."""
-        self.cache.poll()  # a failed load marks its requests failed
         rows: list[tuple[int, Request, bool]] = []
         for i, chunk in enumerate(batch):
             req, n = chunk.req, chunk.tokens

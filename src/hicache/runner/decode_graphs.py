@@ -27,7 +27,7 @@ the next replay overwrites the buffer).
 **Padding is provably harmless.** A padding row has token 0 at position 0, writes its K/V
 to slot ``scratch_page * page_size``, and attends to that one key (``length`` 1, page
 table row ``[scratch_page]``). ``scratch_page`` is an L1 page reserved for this object
-(:meth:`hicache.cache.HiCache.reserve_device_pages`): the allocator never hands it to a
+(:meth:`hicache.cache.full_kv.FullKVStore.reserve`): the allocator never hands it to a
 request or the tree, so no padding row writes into a page anyone else owns. Every row
 is rewritten at every step (real rows with the batch, the rest with padding), so stale
 values of an earlier, larger batch never write anywhere. A row reads only the first

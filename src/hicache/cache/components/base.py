@@ -1,7 +1,9 @@
 """The contract of a component store: one kind of cached state above the tree.
 
 The tree keeps, per node, one value per component (:mod:`hicache.tree.components`). Above
-it each extra component (besides the full KV) has a *store*: its own L1 (and, with the
+it each extra component (besides the full KV, whose store,
+:class:`~hicache.cache.full_kv.FullKVStore`, is the first of a cache's stores and the
+tree's spine) has a *store*: its own L1 (and, with the
 hierarchical cache, L2) pools, what it does at each request verb, what it does when the
 full KV moves between tiers, and its L3 record codec. The facade
 (:class:`hicache.cache.HiCache`) holds the model's list of stores
@@ -42,9 +44,9 @@ from typing import ClassVar
 import torch
 
 from hicache.cache.components.records import ComponentRecords
-from hicache.cache.events import TierEvents
 from hicache.cache.inspect import check_owned, component_usage
 from hicache.cache.request import CacheRequest
+from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig, ComponentSpec, KVSpec
 from hicache.extras import SequenceExtras
 from hicache.memory import DevicePool
@@ -124,13 +126,14 @@ class ServingLimits:
 @dataclass(frozen=True, slots=True)
 class StoreContext:
     """What every store is built with: the cache's tree, config, full KV shape, device,
-    whether L2 exists, and the owner's :class:`~hicache.cache.events.TierEvents`."""
+    whether L2 exists, and the cache's :class:`~hicache.cache.sync.CacheSync` (the owner
+    of asynchronous results: a store that must wait for backups in flight asks it)."""
 
     tree: HiRadixTree
     config: CacheConfig
     kv: KVSpec
     device: torch.device
-    events: TierEvents
+    sync: CacheSync
 
     @property
     def hierarchical(self) -> bool:
@@ -158,7 +161,7 @@ class ComponentStore(ABC):
             raise TypeError(f"{type(self).__name__} needs a {self.spec_type.__name__}")
         self.name = spec.name
         self.tree = ctx.tree
-        self.events = ctx.events
+        self.sync = ctx.sync
 
     # ------------------------------------------------------------------ building
 

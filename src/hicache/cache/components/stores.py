@@ -11,6 +11,7 @@ model's cache simply has an empty list.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from hicache.cache.components.base import ChunkPlan, ComponentStore, StoreContext
@@ -24,7 +25,7 @@ from hicache.tree import TreeNode
 from hicache.tree.components import ComponentValues, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids
 
-__all__ = ["ComponentStores", "store_type"]
+__all__ = ["ComponentHits", "ComponentStores", "store_type"]
 
 S = TypeVar("S", bound=ComponentStore)
 
@@ -38,12 +39,24 @@ def store_type(spec: ComponentSpec, types: Sequence[type[ComponentStore]]) -> ty
     raise ValueError(f"no component store takes a {type(spec).__name__} (stores take: {known})")
 
 
+@dataclass(frozen=True, slots=True)
+class ComponentHits:
+    """Admissions that reused a prefix, per component store: ``l1`` with the hit's values
+    of the component in L1 already, ``l2`` with them copied from L2 (counted at the
+    admission that succeeded, also when an earlier attempt did the copy)."""
+
+    name: str
+    l1: int
+    l2: int
+
+
 class ComponentStores:
     """The stores of one cache, in the spec's order; every method loops over them."""
 
     def __init__(self, stores: Sequence[ComponentStore]) -> None:
         self._stores = tuple(stores)
         self._by_name = {s.name: s for s in self._stores}
+        self._hits = {s.name: [0, 0] for s in self._stores}
 
     @staticmethod
     def tree_components(
@@ -112,13 +125,24 @@ class ComponentStores:
         for s in self._stores:
             got = s.admit(req, node, prefix_pages)
             if got.loaded:
-                req._loaded.add(s.name)
+                req.note_loaded(s.name)
             if not got.ok:
                 for d in reversed(done):
                     d.release(req)
                 return False
             done.append(s)
         return True
+
+    def count_hit(self, loaded: set[str]) -> None:
+        """An admission reused a prefix; the stores in ``loaded`` copied its values from
+        L2 (the others had them in L1)."""
+        for name, hits in self._hits.items():
+            hits[1 if name in loaded else 0] += 1
+
+    def component_hits(self) -> tuple[ComponentHits, ...]:
+        """Admissions that reused a prefix, per store, since the cache was built (see
+        :class:`ComponentHits`)."""
+        return tuple(ComponentHits(n, h[0], h[1]) for n, h in self._hits.items())
 
     def grow(self, req: CacheRequest, tokens: int, computed: int | None) -> bool:
         return all(s.grow(req, tokens, computed) for s in self._stores)

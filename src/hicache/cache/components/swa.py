@@ -214,7 +214,7 @@ class SwaStore(PagedStore):
         by the load."""
         alloc = self.pool(tier).allocator
         self._evict(tier, n)
-        if alloc.free_pages < n and self.events.wait_backups():
+        if alloc.free_pages < n and self.sync.wait_backups():
             self._evict(tier, n)  # backups that landed unpinned their windows
         got = alloc.alloc(n)
         return None if got is None else page_ids(got)

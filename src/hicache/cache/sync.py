@@ -1,0 +1,249 @@
+"""The one owner of a cache's asynchronous results: :class:`CacheSync`.
+
+Worker threads (the L1<->L2 transfer worker, the L3 prefetch and backup threads) only
+move bytes and post immutable records to one :class:`~hicache.controller.CompletionQueue`.
+:class:`CacheSync` owns that queue and everything that turns records into changes of the
+cache, below the facade and beside the tiers and stores (which get it at construction
+and report to it; nothing calls up into the facade):
+
+* the records received and not applied yet (:class:`~hicache.controller.agreement.LocalRecords`);
+* the agreement of the tensor-parallel ranks (:class:`~hicache.controller.agreement.Agreement`):
+  a group of one rank is the same code, its verdict is its vote (no collective);
+* the two parties whose ops are in flight, each registering itself when built: the L2
+  tier's copies (:class:`Party` ``transfers``) and the L3 attachment (``l3``);
+* the waits (:meth:`CacheSync.wait_until`), agreed on every rank, so all give up together;
+* the admitted requests (:attr:`CacheSync.holders`) and the failing of those whose prefix
+  runs through a failed load (:meth:`CacheSync.fail_holders`).
+
+Records are applied at one point per step, :meth:`CacheSync.sync` (the engine calls the
+facade's ``sync`` once per step on every rank), and inside explicit waits; whatever the
+rank count, in op order, with the agreed values. Nothing else applies a record.
+
+**The re-entrancy rule** (one rule, here only). While records are being applied or a
+wait runs, the cache is *inside* (:attr:`CacheSync.inside`): whatever runs then (a
+record's application that allocates and evicts; an allocation that waits for backups,
+holding pins for a moment) runs inside. Inside, nothing syncs or waits: :meth:`sync` is
+a no-op, :meth:`wait_until` tests its condition once and returns, :meth:`wait_backups`
+returns False; and nothing is *settled* (failed loads applied, failed backups' L2 copies
+dropped, quarantines lifted, retired backends freed): settling happens only at the end
+of a :meth:`sync` made outside, after everything it applied, where no caller holds a pin
+for a moment. Every rank runs the same syncs and waits in the same places, so every
+rank is inside at the same points and makes the same collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from hicache.cache.request import CacheRequest
+from hicache.controller import CompletionQueue
+from hicache.controller.agreement import Agreement, LocalRecords, Verdict, Vote
+from hicache.controller.completions import Record
+from hicache.controller.rank_group import RankGroup
+from hicache.tree import HiRadixTree, TreeNode
+
+__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "CacheSync", "L3Party", "Party", "TransferParty"]
+
+DEFAULT_WAIT_TIMEOUT_S = 60.0
+"""Longest the owner waits for copies in flight before giving up with TimeoutError."""
+
+_WAIT_POLL_S = 0.0005
+"""Longest pause of a wait between two rounds in which nothing was applied (seconds); a
+record posted on this rank ends the pause at once."""
+
+
+class Party(Protocol):
+    """A tier whose ops are in flight (the L2 copies, the L3 ops): it votes on them and
+    applies what the ranks agreed."""
+
+    def keeps(self, record: Record) -> bool:
+        """Whether ``record`` is of an op in flight here (others are dropped: a detached
+        tier's)."""
+
+    def votes(self, got: LocalRecords) -> list[Vote]:
+        """This rank's vote on every op in flight here, in op-id order."""
+
+    def apply_agreed(self, verdict: Verdict, got: LocalRecords) -> bool:
+        """Apply what every rank agreed on one op; whether a record was applied."""
+
+    def settle(self) -> None:
+        """Apply what waits for a settle (see the module docstring's rule)."""
+
+
+class TransferParty(Party, Protocol):
+    """The L2 tier's side: backups it can be asked to wait for."""
+
+    def wait_backups(self) -> bool:
+        """Wait for the backups in flight; False when none was (or waiting is not allowed
+        now)."""
+
+
+class L3Party(Party, Protocol):
+    """The L3 attachment's side: runs whose L1 -> L2 backup landed are written to L3."""
+
+    def on_host_backup(self, nodes: list[TreeNode]) -> None:
+        """``nodes`` (one path, top-down) landed in L2."""
+
+
+class CacheSync:
+    """The owner of one cache's asynchronous results (see the module docstring).
+
+    ``tree``: the cache's tree (a failed load's holders are unpinned there). ``ranks``:
+    the tensor-parallel group (None: one rank). ``wait_timeout_s``: the waits' bound.
+    """
+
+    def __init__(
+        self,
+        *,
+        tree: HiRadixTree,
+        ranks: RankGroup | None = None,
+        wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> None:
+        self.tree = tree
+        self.ranks = ranks or RankGroup.single()
+        """The tensor-parallel ranks this cache agrees with (one: its verdict is its vote)."""
+        self.wait_timeout_s = wait_timeout_s
+        self.completions = CompletionQueue()
+        """Where every worker thread posts its records."""
+        self.op_ids = itertools.count(1)
+        """The L3 ops' ids (the same sequence on every rank)."""
+        self.holders: set[CacheRequest] = set()
+        """Admitted requests holding pages (a failed load fails those over it)."""
+        self._agreement = Agreement(self.ranks)
+        self._got = LocalRecords()
+        self._transfers: TransferParty | None = None
+        self._l3: L3Party | None = None
+        self._inside = 0
+
+    # ------------------------------------------------------------------ parties
+
+    def serve_transfers(self, party: TransferParty) -> None:
+        """Register the L2 tier (once, when it is built)."""
+        if self._transfers is not None:
+            raise RuntimeError("the cache has an L2 tier already")
+        self._transfers = party
+
+    def serve_l3(self, party: L3Party) -> None:
+        """Register the L3 attachment (once, when it is built)."""
+        if self._l3 is not None:
+            raise RuntimeError("the cache has an L3 attachment already")
+        self._l3 = party
+
+    def drop_l3(self) -> None:
+        """Forget the L3 records received (their tier was detached)."""
+        self._got.drop_l3()
+
+    # ------------------------------------------------------------------ applying
+
+    @property
+    def inside(self) -> bool:
+        """Whether records are being applied or a wait runs (the re-entrancy rule)."""
+        return self._inside > 0
+
+    def sync(self) -> int:
+        """Agree with the other ranks on every op in flight, apply in op order what every
+        rank has (with the agreed values), then settle; returns the records applied.
+
+        Every rank calls it at the same point of its step (the engine: once per step);
+        it makes one all-reduce whatever this rank's state (none with one rank), plus,
+        while an agreed lookup is applied, the few whose count depends on agreed values
+        alone. A no-op inside (the module docstring's rule)."""
+        if self._inside:
+            return 0
+        applied, _ = self._round(give_up=False)
+        self._settle()
+        return applied
+
+    def _round(self, *, give_up: bool) -> tuple[int, bool]:
+        """One agreement (``give_up``: this rank's wait is past its deadline) and its
+        application; returns the records applied and whether some rank gave up."""
+        self._keep(self.completions.drain())
+        got, host, l3 = self._got, self._transfers, self._l3
+        step = self._agreement.agree(
+            [] if host is None else host.votes(got),
+            [] if l3 is None else l3.votes(got),
+            give_up=give_up,
+        )
+        applied = 0
+        self._inside += 1
+        try:
+            for v in step.transfer:
+                assert host is not None
+                applied += host.apply_agreed(v, got)
+            for v in step.l3:
+                assert l3 is not None
+                applied += l3.apply_agreed(v, got)
+        finally:
+            self._inside -= 1
+        return applied, step.gave_up
+
+    def _keep(self, records: list[Record]) -> None:
+        """Buffer the records of ops in flight (a detached tier's are dropped)."""
+        for r in records:
+            for party in (self._transfers, self._l3):
+                if party is not None and party.keeps(r):
+                    self._got.put(r)
+                    break
+
+    def _settle(self) -> None:
+        for party in (self._transfers, self._l3):
+            if party is not None:
+                party.settle()
+
+    # ------------------------------------------------------------------ waits
+
+    def wait_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> bool:
+        """Apply agreed records until ``done()`` (a test of agreed state: the same on every
+        rank); False when some rank's ``timeout_s`` (default: the cache's) passed first
+        (every rank gives up in the same round). Inside, it tests ``done()`` once. Settles
+        nothing (the caller may hold pins)."""
+        if done():
+            return True
+        if self._inside:
+            return False
+        end = time.monotonic() + (self.wait_timeout_s if timeout_s is None else timeout_s)
+        self._inside += 1
+        try:
+            while True:
+                applied, gave_up = self._round(give_up=time.monotonic() >= end)
+                if done():
+                    return True
+                if gave_up:
+                    return False
+                if not applied:  # pause until a record arrives here (or a moment passes)
+                    self._keep(self.completions.wait(_WAIT_POLL_S))
+        finally:
+            self._inside -= 1
+
+    def wait_backups(self) -> bool:
+        """Wait for the L1 -> L2 backups in flight (not loads, see
+        :meth:`HostTier.wait_backups`); False when there is no L2 tier, none is in flight,
+        or the cache is inside."""
+        if self._transfers is None or self._inside:
+            return False
+        return self._transfers.wait_backups()
+
+    def backup_landed(self, nodes: list[TreeNode]) -> None:
+        """The L1 -> L2 copy of ``nodes`` (one path, top-down) landed: hand them to L3."""
+        if self._l3 is not None:
+            self._l3.on_host_backup(nodes)
+
+    # ------------------------------------------------------------------ holders
+
+    def fail_holders(self, top: TreeNode, reason: str) -> None:
+        """A load under ``top`` failed: every admitted request whose prefix runs through
+        ``top`` reads pages it never wrote. Mark it failed and unpin its prefix (its
+        caller requeues it, which recomputes what the load could not bring, or releases it
+        without keeping its KV)."""
+        for req in self.holders:
+            n = req.node
+            while n is not None and n is not top:
+                n = n.parent
+            if n is None:
+                continue
+            if req.failed is None:
+                req.failed = reason
+            self.tree.dec_lock_ref(req.full.drop_pin())
