@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.cache.components.base import StoreAdmission
+from hicache.cache.components.base import HeldPages, StoreAdmission
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier
@@ -358,6 +358,14 @@ class FullKVStore:
         if part.node is not None:
             self.tree.dec_lock_ref(part.node)
         part.clear()
+
+    def held(self, req: CacheRequest) -> HeldPages | None:
+        """Every page of ``req``'s page table (the tree's prefix, then its own), or None
+        when it holds none (not admitted)."""
+        pages = req.full.pages
+        if not len(pages):
+            return None
+        return HeldPages("full", self.device_pool, 0, pages[:])
 
     def request_pages(self, requests: Iterable[CacheRequest]) -> list[int]:
         """L1 pages ``requests`` own (not the tree's)."""

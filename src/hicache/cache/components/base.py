@@ -60,6 +60,7 @@ from hicache.validate import int_at_least
 __all__ = [
     "ChunkPlan",
     "ComponentStore",
+    "HeldPages",
     "NominalSize",
     "ServingLimits",
     "StoreAdmission",
@@ -86,6 +87,31 @@ class ChunkPlan:
             raise ValueError(
                 f"keep={self.keep} must be distinct ascending offsets in [1, {self.tokens}]"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class HeldPages:
+    """The L1 pages of one store's pool that a request's positions occupy: ``pages[i]``
+    holds sequence page ``first + i`` (pages before ``first`` are not held: a sliding
+    window's fallen-out pages). What a transfer of the request's KV to another instance
+    reads here and writes into the pages the other side allocated, per store.
+
+    ``name``: the store (``"full"`` for the full KV, else the component's name);
+    ``pool``: its L1 pool, whose :meth:`~hicache.memory.base.KVPool.read_pages` and
+    ``write_pages`` move the pages' bytes (canonical ``(n, K, L, page, H, D)``)."""
+
+    name: str
+    pool: DevicePool
+    first: int
+    pages: PageIds
+
+    def read(self) -> torch.Tensor:
+        """A CPU copy of the held pages, ``(len(pages), K, L, page_size, H, D)``."""
+        return self.pool.read_pages(self.pages)
+
+    def write(self, data: torch.Tensor) -> None:
+        """Write ``data`` (as :meth:`read` returns it) into the held pages."""
+        self.pool.write_pages(self.pages, data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +287,12 @@ class ComponentStore(ABC):
     def request_ids(self, requests: Sequence[CacheRequest]) -> list[int]:
         """L1 ids ``requests`` own (not the tree's), for the ownership check."""
         return []
+
+    def held(self, req: CacheRequest) -> HeldPages | None:
+        """The L1 pages of this store's pool that admitted ``req``'s positions occupy
+        (the tree's and its own), or None when the store holds none per position (a
+        state store: the live state is the runner's and travels with its extras)."""
+        return None
 
     # ------------------------------------------------------------------ tiers
 

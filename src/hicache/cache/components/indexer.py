@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from hicache.cache.components.base import (
+    HeldPages,
     NominalSize,
     StoreAdmission,
     StoreContext,
@@ -233,6 +234,12 @@ class IndexerStore(PagedStore):
 
     def release(self, req: CacheRequest) -> None:
         req.set_part(self.name, None)
+
+    def held(self, req: CacheRequest) -> HeldPages | None:
+        """The keys' pages: the full KV's page ids of every position."""
+        if self.part_of(req) is None:
+            return None
+        return HeldPages(self.name, self.device_pool, 0, req.pages[:])
 
     def request_ids(self, requests: Sequence[CacheRequest]) -> list[int]:
         """The L1 pages ``requests`` own (their full-KV pages beyond the tree's): their keys

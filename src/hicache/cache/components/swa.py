@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.cache.components.base import (
+    HeldPages,
     NominalSize,
     ServingLimits,
     StoreAdmission,
@@ -401,6 +402,13 @@ class SwaStore(PagedStore):
         own_from = max(0, req.prefix_pages - table.first)
         self.free(Tier.DEVICE, table.pages[own_from:])
         req.set_part(self.name, None)
+
+    def held(self, req: CacheRequest) -> HeldPages | None:
+        """The window's pages: sequence pages from the table's ``first`` on."""
+        table = self.table(req)
+        if table is None:
+            return None
+        return HeldPages(self.name, self.device_pool, table.first, table.pages[:])
 
     def request_ids(self, requests: Sequence[CacheRequest]) -> list[int]:
         """SWA L1 pages ``requests`` own (not the tree's)."""
