@@ -104,7 +104,7 @@ class CacheStats:
     device_free_tokens: int
     device_request_tokens: int
     """L1 token slots held by admitted requests (pages not handed to the tree yet) and by
-    reserved pages (:meth:`~hicache.cache.HiCache.reserve_device_pages`)."""
+    reserved pages (:meth:`~hicache.cache.full_kv.FullKVStore.reserve`)."""
     device_evictable_tokens: int
     host_total_tokens: int
     host_cached_tokens: int

@@ -6,13 +6,18 @@
 * :mod:`~hicache.cache.sync`: :class:`~hicache.cache.sync.CacheSync`, the one owner of
   asynchronous results (completions, rank agreement, waits, failing holders) and the
   one re-entrancy rule; the tiers and stores report to it, never to the facade;
-* :mod:`~hicache.cache.device_tier`: L1 pool, allocation with eviction, reserved pages;
-* :mod:`~hicache.cache.host_tier`: L2 pool, L1<->L2 copies, L2 eviction;
+* :mod:`~hicache.cache.full_kv`: :class:`~hicache.cache.full_kv.FullKVStore`, the full KV,
+  the first store (the tree's spine): its L1 tier (:mod:`~hicache.cache.device_tier`:
+  allocation with eviction, reserved pages), its L2 tier (:mod:`~hicache.cache.host_tier`:
+  L1<->L2 copies, L2 eviction), the layer-wise load back and the page-level API;
 * :mod:`~hicache.cache.storage_tier`: L3 prefetch, writes and quarantine;
 * :mod:`~hicache.cache.storage_slot`: L3 attach/detach, detached backends' quarantine;
 * :mod:`~hicache.cache.components`: the component stores (sliding window, state
-  snapshots) behind one contract, and the list a cache holds;
-* :mod:`~hicache.cache.inspect`: stats snapshot and integrity check.
+  snapshots, the DSA indexer) behind one contract, and the list a cache holds;
+* :mod:`~hicache.cache.report`: stats, integrity check and digest of a whole cache
+  (:mod:`~hicache.cache.inspect` holds their per-part pieces);
+* :mod:`~hicache.cache.held`: the L1 pages a request holds in each store (a transfer's
+  seam).
 
 "Tier" means L1 / L2 / L3 only; a component's pools and hooks are its *store*.
 """

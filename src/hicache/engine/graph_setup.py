@@ -234,11 +234,11 @@ def enable_for_cache(
     context_length: int,
     capture: bool = True,
 ) -> GraphSetup:
-    """:func:`enable_decode_graphs` for an engine: the scratch page is reserved in
-    ``cache`` (:meth:`HiCache.reserve_device_pages`; given back when the graphs are not
+    """:func:`enable_decode_graphs` for an engine: the scratch page is reserved in the
+    cache's full KV store (``cache.full.reserve``; given back when the graphs are not
     used), the probe's pages are reserved there for the call and given back
-    (:meth:`HiCache.unreserve_device_pages`), and the page table is as wide as
-    ``context_length`` tokens. Call before any request is admitted."""
+    (``cache.full.unreserve``), and the page table is as wide as ``context_length``
+    tokens. Call before any request is admitted."""
     reason = unsupported_reason(runner, capture=capture)
     if reason is not None:
         log.info("CUDA graphs for decode are off: %s", reason)

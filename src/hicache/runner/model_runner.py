@@ -190,7 +190,7 @@ class ModelRunner:
     its global ones when it is given its sliding layers' pool); the model's dtype may
     differ from the pool's (K/V are cast on write and read). ``pools``: the cache's
     component pools the model reads and writes, by component name
-    (``HiCache.runner_pools``); a pool the model has no use for is refused. ``states``
+    (``cache.stores.runner_pools()``); a pool the model has no use for is refused. ``states``
     holds the running sequences' recurrent state (None for a model without recurrent
     layers).
     """
