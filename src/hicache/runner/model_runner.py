@@ -203,12 +203,10 @@ class ModelRunner:
         *,
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
     ) -> None:
-        self.bound: BoundPools = model.bind_pools(device_pool, dict(pools or {}))
+        self.bound: BoundPools = model.bind_pools(device_pool, pools or {})
         """The pools the model was bound to (its forwards' attention inputs come from it)."""
         self.model = model
         self.pool = device_pool
-        self.pools: dict[str, DevicePool] = dict(self.bound.components)
-        """The component pools the model reads and writes, by component name."""
         self.attention_backend = resolve_backend(attention_backend, device_pool.device)
         """The concrete decode-attention backend (``sdpa`` or ``triton``)."""
         specs = model.state_specs()
@@ -269,6 +267,11 @@ class ModelRunner:
         """What the last forward kept of ``seq_id`` at its :attr:`ForwardBatch.keep`
         offsets (for the cache, untouched by the caller), once; None when nothing was."""
         return self._extras.pop(seq_id, None)
+
+    @property
+    def pools(self) -> Mapping[str, DevicePool]:
+        """The component pools the model reads and writes, by component name."""
+        return self.bound.components
 
     @property
     def swa_pool(self) -> DevicePool | None:

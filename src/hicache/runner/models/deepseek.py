@@ -269,7 +269,6 @@ class DeepseekLM(HybridLM):
 
     config: DeepseekConfig
     lm_head: ParallelLMHead | None  # type: ignore[assignment]
-    tensor_parallel = True
 
     def __init__(self, cfg: DeepseekConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg)
@@ -289,14 +288,11 @@ class DeepseekLM(HybridLM):
 
     @classmethod
     def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> DeepseekLM:
+        """The model of ``cfg`` on this rank of ``tp``: DeepSeek splits over ranks."""
         assert isinstance(cfg, DeepseekConfig)
         return cls(cfg, tp)
 
     def after_cast(self) -> None:
-        """The routers back in fp32 (:meth:`keep_routers_fp32`)."""
-        self.keep_routers_fp32()
-
-    def keep_routers_fp32(self) -> None:
         """Turn the routers' parameters (weights, V3's score-correction bias) back to fp32
         after the model was cast to a lower dtype: the reference keeps them in fp32, and a
         bf16 bias would round away the small differences that decide the experts."""

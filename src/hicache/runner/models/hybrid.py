@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -216,20 +216,16 @@ class HybridLM(nn.Module, CachedModel):
     model: HybridBody
     rotary: RotaryEmbedding
 
-    tensor_parallel: ClassVar[bool] = False
-    """Whether the family splits over tensor-parallel ranks (:meth:`build` takes a group
-    of more than one rank)."""
-
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.config = cfg
 
     @classmethod
     def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> HybridLM:
-        """The model of ``cfg`` on this rank of ``tp`` (default one rank; a family without
-        :attr:`tensor_parallel` refuses more with UnsupportedModelError naming its
-        ``model_type``)."""
-        if tp is not None and tp.size > 1 and not cls.tensor_parallel:
+        """The model of ``cfg`` on this rank of ``tp`` (default one rank). A family that
+        splits over tensor-parallel ranks overrides this; the others refuse more than one
+        rank with UnsupportedModelError naming their ``model_type``."""
+        if tp is not None and tp.size > 1:
             raise UnsupportedModelError(
                 f"tensor parallelism is not supported for model_type={cfg.family!r}"
             )

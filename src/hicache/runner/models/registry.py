@@ -137,7 +137,7 @@ def build_hybrid_model(
 ) -> HybridLM:
     """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next):
     the model class of ``cfg.family`` (:meth:`HybridLM.build`). ``tp``: this rank's
-    tensor-parallel group (DeepSeek only, :attr:`HybridLM.tensor_parallel`; the other
+    tensor-parallel group (DeepSeek only, its :meth:`~HybridLM.build`; the other
     hybrid families refuse a group of more than one rank)."""
     family = _HYBRIDS.get(cfg.family)
     if family is None:
