@@ -180,10 +180,14 @@ class Leader:
         when the loop ends first, the client is told directly. RuntimeError (why) when
         refused: nothing is kept then."""
         core = self.core
+
+        def drop(why: str) -> None:  # the record never reaches the core: forget it
+            core.clients.pop(req.rid, None)
+            core.fail(req, why)
+
         core.clients[req.rid] = req
         try:
-            record = NewRequest.of_request(req)
-            self.post(Task(record=record, drop=lambda why: core.fail(req, why)))
+            self.post(Task(record=NewRequest.of_request(req), drop=drop))
         except BaseException:
             core.clients.pop(req.rid, None)
             raise

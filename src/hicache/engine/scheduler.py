@@ -56,7 +56,6 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 
 import torch
 
@@ -87,11 +86,10 @@ class Scheduler:
         config: SchedulerConfig,
         *,
         tokens: StepChannel | None = None,
-        abort_later: Callable[[str], None] | None = None,
     ) -> None:
         """``tokens``: under tensor parallelism, this rank's channel: every sampled token
-        (and which rows failed) is rank 0's (:class:`BatchSampler`). ``abort_later``: see
-        :class:`RequestEnds`."""
+        (and which rows failed) is rank 0's (:class:`BatchSampler`). Rank 0's driver sets
+        ``ends.abort_later`` (see :class:`RequestEnds`)."""
         self.cache = cache
         self.runner = runner
         self.output = output
@@ -115,9 +113,7 @@ class Scheduler:
         """Sequences retracted so far to give a lent slot back (:meth:`_reclaim`)."""
         self.tokens = tokens
         self.sampler = BatchSampler(output.eos_token_ids, tokens)
-        self.ends = RequestEnds(
-            cache, runner, output, self.waiting, self.running, abort_later=abort_later
-        )
+        self.ends = RequestEnds(cache, runner, output, self.waiting, self.running)
 
     # ------------------------------------------------------------------ queue
 
