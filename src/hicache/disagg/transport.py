@@ -1,0 +1,80 @@
+"""Moving bytes between two instances' registered memory: :class:`Transport`.
+
+A prefill instance writes a request's KV pages straight into the L1 pages a decode
+instance allocated for it: both register their L1 pools' buffers once, at start
+(:meth:`Transport.register`), the decode side tells the prefill side its
+:attr:`Transport.endpoint` and the addresses of its pages, and the prefill side writes
+(:meth:`Transport.write`) a list of :class:`Span` s, each a contiguous copy from one of
+its own registered addresses to one of the peer's. No tensor is serialised; on the wire
+go the bytes of the pages alone.
+
+Implementations (one module each): Mooncake's transfer engine
+(:mod:`hicache.disagg.mooncake_transport`) and NIXL (:mod:`hicache.disagg.nixl_transport`);
+:func:`make_transport` picks one by :class:`~hicache.disagg.config.TransferBackend`.
+
+Thread safety: :meth:`write` may be called from one transfer thread while the owner's
+thread does nothing else with the transport; :meth:`register` and :meth:`close` are the
+owner's, before and after every write.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Region", "Span", "Transport", "TransferFailed"]
+
+
+class TransferFailed(RuntimeError):
+    """A write did not complete: the peer is gone, refused it, or the deadline passed.
+    What landed at the peer is undefined; the peer must not use those pages."""
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A buffer to register: ``addr`` (its first byte), ``nbytes``, and where it lives
+    (``cuda``: device memory of CUDA device ``device``; else host RAM)."""
+
+    addr: int
+    nbytes: int
+    cuda: bool = False
+    device: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One contiguous copy: ``nbytes`` from local address ``src`` to the peer's ``dst``
+    (both inside registered regions)."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+class Transport(ABC):
+    """One instance's end of the page transfers; see the module docstring."""
+
+    name: str
+    """The backend's name (``mooncake``, ``nixl``)."""
+
+    @abstractmethod
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register ``regions`` for transfers (peers may then write into them, and this
+        instance may write from them). Called once, before any write."""
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """How a peer reaches this instance: an opaque ASCII string it passes to
+        :meth:`write`."""
+
+    @abstractmethod
+    def write(self, peer: str, spans: Sequence[Span], timeout_s: float) -> None:
+        """Copy every span to ``peer`` (another instance's :attr:`endpoint`); returns once
+        every byte has landed there. :class:`TransferFailed` when it cannot be done within
+        ``timeout_s`` seconds (a peer that is gone fails, never hangs)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Deregister everything and stop; idempotent."""
