@@ -10,7 +10,7 @@ go the bytes of the pages alone.
 
 Implementations (one module each): Mooncake's transfer engine
 (:mod:`hicache.disagg.mooncake_transport`) and NIXL (:mod:`hicache.disagg.nixl_transport`);
-:func:`make_transport` picks one by :class:`~hicache.disagg.config.TransferBackend`.
+:func:`hicache.disagg.backends.make_transport` picks one by :class:`~hicache.disagg.config.TransferBackend`.
 
 Thread safety: :meth:`write` may be called from one transfer thread while the owner's
 thread does nothing else with the transport; :meth:`register` and :meth:`close` are the
@@ -23,7 +23,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Region", "Span", "Transport", "TransferFailed"]
+__all__ = ["Region", "Span", "Transport", "TransferFailed", "TransportUnavailable"]
+
+
+class TransportUnavailable(RuntimeError):
+    """The backend's package cannot be imported or its engine cannot start; the message
+    says what to install or what failed."""
 
 
 class TransferFailed(RuntimeError):
@@ -78,3 +83,4 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Deregister everything and stop; idempotent."""
+

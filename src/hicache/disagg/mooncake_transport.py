@@ -1,0 +1,191 @@
+"""A :class:`~hicache.disagg.transport.Transport` over Mooncake's transfer engine:
+:class:`MooncakeTransport`.
+
+The engine runs peer to peer, without a metadata server (``P2PHANDSHAKE``): a peer's
+:attr:`~MooncakeTransport.endpoint` is ``"host:rpc_port"``, where ``rpc_port`` is the
+port of the engine's handshake server. The first write to a peer asks it (at that port)
+for the description of its registered memory; from then on the data moves over the
+engine's TCP transport (``protocol="tcp"``, the one this host has; RDMA where NICs have
+it).
+
+What it listens on (measured with ``ss -ltn`` on mooncake-transfer-engine-non-cuda
+0.3.13.post1): **two TCP ports on every interface**, whatever ``host`` is — the handshake
+server (``0.0.0.0:rpc_port``, a random free port) and the TCP transport's data listener
+(``*:port``, IPv4 and IPv6, another random port). ``host`` is only the address the
+engine tells peers; ``MC_TCP_BIND_ADDRESS`` does not change the listeners. Anyone who can
+reach the host can therefore ask for the registered regions' addresses and write into
+them: run it on a trusted network or firewall those ports.
+
+A write submits one transfer per span (``transfer_submit_write``) and polls each
+(``transfer_check_status``) until all are done, one fails, or the deadline passes, so a
+peer that is gone fails within ``timeout_s`` rather than after the engine's own timeout
+(``MC_TRANSFER_TIMEOUT``, 30 s by default). The engine frees a transfer's record when it
+reports it done or failed; the records of transfers still running when a write gives up
+are left to the engine (a few bytes each), never polled again (their ids may be reused).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hicache.disagg.transport import Region, Span, TransferFailed, Transport, TransportUnavailable
+
+__all__ = ["MooncakeTransport", "parse_endpoint"]
+
+_BAD_IDS = (0, -1, 2**64 - 1)
+"""What ``transfer_submit_write`` returns when it could not submit (the binding's
+``batch_id_t`` is unsigned: -1 comes back as 2**64 - 1, and 0 is never a live batch)."""
+_DONE, _PENDING, _FAILED, _TIMEOUT = 1, 0, -1, -2
+"""``transfer_check_status`` answers."""
+_POLL_MAX_S = 0.001
+"""The longest sleep between two polls of a write's pending transfers."""
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"a.b.c.d:port"`` as ``(address, port)``; ValueError saying what is wrong."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not 'IPv4address:port'")
+    try:
+        addr = ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"endpoint {endpoint!r}: {host!r} is not an IPv4 address") from None
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"endpoint {endpoint!r}: port {port} is out of [1, 65535]")
+    return str(addr), int(port)
+
+
+class MooncakeTransport(Transport):
+    """Mooncake's transfer engine, told to peers as ``host`` (an IPv4 address).
+
+    Starts the engine at construction (:class:`TransportUnavailable` when the package is
+    missing or the engine does not start); see the module docstring for what it listens
+    on and how a write is bounded.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, host: str, *, protocol: str = "tcp") -> None:
+        try:
+            addr = ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"host={host!r} is invalid; must be an IPv4 address") from None
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise TransportUnavailable(
+                "the mooncake transfer backend needs Mooncake's transfer engine: "
+                "pip install mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine "
+                f"on CUDA hosts), and apt-get install libibverbs1 ({e})"
+            ) from e
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(str(addr), "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise TransportUnavailable(
+                f"Mooncake's transfer engine did not start at {addr} "
+                f"(protocol {protocol!r}, peer-to-peer handshake): initialize returned {rc}"
+            )
+        self._endpoint = f"{addr}:{self._engine.get_rpc_port()}"
+        self._starts: list[int] = []  # registered regions, sorted by address
+        self._ends: list[int] = []
+        self._registered: list[int] = []
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        """``"host:rpc_port"``: the engine's handshake server."""
+        return self._endpoint
+
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register each region with the engine (host RAM as ``*``, device memory as
+        ``cuda:N``); RuntimeError naming the region the engine refused."""
+        self._check_open()
+        for r in regions:
+            if r.nbytes <= 0:
+                raise ValueError(f"{r}: nbytes must be > 0")
+            location = f"cuda:{r.device}" if r.cuda else "*"
+            rc = self._engine.register_memory(r.addr, r.nbytes, location)
+            if rc != 0:
+                raise RuntimeError(f"Mooncake refused to register {r} (returned {rc})")
+            self._registered.append(r.addr)
+            i = bisect.bisect(self._starts, r.addr)
+            self._starts.insert(i, r.addr)
+            self._ends.insert(i, r.addr + r.nbytes)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the mooncake transport is closed")
+
+    def _check_local(self, span: Span) -> None:
+        i = bisect.bisect(self._starts, span.src) - 1
+        if span.nbytes <= 0 or i < 0 or span.src + span.nbytes > self._ends[i]:
+            raise ValueError(f"{span}: the source is not inside one registered region")
+
+    def write(self, peer: str, spans: Sequence[Span], timeout_s: float) -> None:
+        """Write every span to ``peer`` (a :attr:`endpoint`); see the module docstring.
+
+        :class:`TransferFailed` for a malformed ``peer``, a peer that cannot be reached or
+        refuses a transfer, or the deadline passing; ValueError for a span whose source is
+        not in a registered region."""
+        self._check_open()
+        try:
+            parse_endpoint(peer)
+        except ValueError as e:
+            raise TransferFailed(f"mooncake: bad peer {e}") from None
+        for s in spans:
+            self._check_local(s)
+        if not spans:
+            return
+        deadline = time.monotonic() + timeout_s
+        total = sum(s.nbytes for s in spans)
+        what = f"mooncake: writing {len(spans)} spans ({total} bytes) to {peer}"
+        pending: list[int] = []
+        for s in spans:
+            bid = self._engine.transfer_submit_write(peer, s.src, s.dst, s.nbytes)
+            if bid in _BAD_IDS:
+                raise TransferFailed(
+                    f"{what}: the engine could not submit {s} (peer unreachable, or the "
+                    "destination is not in its registered memory)"
+                )
+            pending.append(bid)
+        pause = 0.0
+        while pending:
+            still: list[int] = []
+            for bid in pending:
+                st = self._engine.transfer_check_status(bid)
+                if st == _PENDING:
+                    still.append(bid)
+                elif st != _DONE:
+                    why = "timed out in the engine" if st == _TIMEOUT else "failed"
+                    raise TransferFailed(f"{what}: a transfer {why} (peer gone or refused it)")
+            pending = still
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferFailed(
+                    f"{what}: {len(pending)} of {len(spans)} transfers still running after "
+                    f"{timeout_s:g} s"
+                )
+            pause = min(_POLL_MAX_S, pause * 2 or 0.00005, deadline - now)
+            time.sleep(pause)
+
+    def close(self) -> None:
+        """Unregister every region and stop the engine (its listeners close); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for addr in self._registered:
+            self._engine.unregister_memory(addr)
+        self._registered.clear()
+        self._starts.clear()
+        self._ends.clear()
+        self._engine = None  # the binding's destructor stops the engine
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._registered)} regions"
+        return f"MooncakeTransport(endpoint={self._endpoint!r}, {state})"
