@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 from hicache.validate import enum_value, int_at_least, number_at_least
 
-__all__ = ["DEFAULT_BOOTSTRAP_PORT", "DisaggConfig", "DisaggMode", "TransferBackend"]
+__all__ = [
+    "DEFAULT_BOOTSTRAP_PORT",
+    "NO_TRANSFER_HOST",
+    "Bootstrap",
+    "DisaggConfig",
+    "DisaggMode",
+    "TransferBackend",
+]
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 """SGLang's default ``--disaggregation-bootstrap-port``."""
@@ -40,7 +47,8 @@ class DisaggConfig:
     """The disaggregation role and its bounds.
 
     ``mode``: the role (:class:`DisaggMode`); ``transfer_backend``: what moves the pages;
-    ``bootstrap_port``: where a prefill instance's bootstrap server listens (a decode
+    ``host``: the address the bootstrap server and the transport listen on (the
+    server's ``--host``); ``bootstrap_port``: where a prefill instance's bootstrap server listens (a decode
     instance uses it for a room whose ``bootstrap_port`` is null); ``decode_offload``: a
     decode instance writes each finished conversation (prompt and output, whole pages)
     to L3. Bounds, in seconds: ``room_timeout_s``, how long either side waits for the
@@ -53,6 +61,7 @@ class DisaggConfig:
 
     mode: DisaggMode = DisaggMode.NULL
     transfer_backend: TransferBackend = TransferBackend.MOONCAKE
+    host: str = "127.0.0.1"
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     decode_offload: bool = False
     room_timeout_s: float = 60.0
@@ -96,3 +105,36 @@ class DisaggConfig:
         """Seconds after which a decode instance fails the rooms of a prefill instance it
         cannot reach."""
         return self.health_interval_s * self.health_failures
+
+
+NO_TRANSFER_HOST = "2.2.2.2"
+"""The ``bootstrap_host`` the router sends in health checks and warm-ups: no transfer
+(the instance serves the request alone, as a plain one would)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """A request's bootstrap fields: the prefill instance's bootstrap server
+    (``host``, ``port``) and the ``room`` that pairs the request's two halves (a 63-bit
+    integer the router draws)."""
+
+    host: str
+    port: int
+    room: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(
+                f"bootstrap_host={self.host!r} is invalid; must be a host name or address"
+            )
+        int_at_least("bootstrap_port", self.port, 1)
+        if self.port > 65535:
+            raise ValueError(f"bootstrap_port={self.port!r} is invalid; must be <= 65535")
+        int_at_least("bootstrap_room", self.room, 0)
+        if self.room >= 1 << 63:
+            raise ValueError(f"bootstrap_room={self.room!r} is invalid; must be < 2**63")
+
+    @property
+    def transfers(self) -> bool:
+        """False for the router's no-transfer host (:data:`NO_TRANSFER_HOST`)."""
+        return self.host != NO_TRANSFER_HOST

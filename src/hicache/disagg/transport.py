@@ -83,4 +83,3 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Deregister everything and stop; idempotent."""
-

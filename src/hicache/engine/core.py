@@ -42,6 +42,8 @@ from hicache.engine.step_inputs import (
     Digest,
     FlushCache,
     NewRequest,
+    PagesArrived,
+    RoomEnded,
     StepInput,
     StepInputs,
     Stop,
@@ -167,6 +169,12 @@ class EngineCore:
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; detach storage when idle")
             return self.cache.detach_storage()
+        if isinstance(item, PagesArrived):
+            self.scheduler.pages_arrived(item)
+            return None
+        if isinstance(item, RoomEnded):
+            self.scheduler.room_ended(item)
+            return None
         if isinstance(item, Digest):
             sched = self.scheduler
             mine = rank_state_digest(self.cache, sched.waiting, sched.running)
@@ -189,6 +197,7 @@ class EngineCore:
             priority=item.priority,
             group=item.group,
             arrival=item.arrival,
+            bootstrap=item.bootstrap,
         )
 
     def add(self, req: Request) -> None:
@@ -229,6 +238,7 @@ class EngineCore:
         those it cannot release (``max_failures`` failed steps, or ``max_s`` seconds) are
         failed directly, their pages left where they are."""
         reqs = self.scheduler.in_flight  # with those ended whose final report is pending
+        self.scheduler.drop_parked(why)  # the other instance's side is not waited for
         for req in reqs:
             if req.finished:
                 continue

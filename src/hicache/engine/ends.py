@@ -27,6 +27,7 @@ from collections.abc import Callable
 from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request
+from hicache.engine.role import Role
 from hicache.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,17 @@ class RequestEnds:
         self.pending: dict[Request, None] = {}
         """Requests with a token whose text work and report are still to do, oldest first
         (at most one token each); those already ended wait here for their final report."""
+        self.parked: dict[str, Request] = {}
+        """``rid ->`` each request parked by the instance's role (see the module
+        docstring), in the order parked."""
+        self.role = Role()
+        """The instance's prefill/decode role (the driver sets it; plain: no parking)."""
 
     @property
     def in_flight(self) -> list[Request]:
-        """Every request not yet given its final report: waiting, running, and ended
-        with that report pending."""
-        held = [*self.waiting, *self.running]
+        """Every request not yet given its final report: waiting, running, parked, and
+        ended with that report pending."""
+        held = [*self.waiting, *self.running, *self.parked.values()]
         return held + [r for r in self.pending if r.finished and not r.final_reported]
 
     def finish(
@@ -94,6 +100,7 @@ class RequestEnds:
         if not direct and any(r is req for r in (*self.waiting, *self.running)):
             req.aborted = True
             return
+        self.parked.pop(req.rid, None)
         req.leave_queue()
         req.finish_reason = FinishReason.ABORT
         req.final_reported = True
@@ -106,10 +113,38 @@ class RequestEnds:
 
     def took_token(self, req: Request) -> None:
         """``req`` took a token (checked already): its text work and report are pending;
-        when the token ended it, it is released now (before the next step is built)."""
+        when the token ended it, it is released now (before the next step is built), or,
+        when the role hands its pages elsewhere first, parked until that ends
+        (:meth:`end_parked`)."""
+        if req.finished and self.role.hand_off(req):
+            self.park(req)
+            return
         self.pending[req] = None
         if req.finished:
             self.release(req)
+
+    def park(self, req: Request) -> None:
+        """Take ``req`` out of the queues, holding its pages (its carried state dropped)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.runner.drop_state(req.rid)
+        self.parked[req.rid] = req
+
+    def end_parked(self, rid: str, error: str | None) -> None:
+        """Parked ``rid``, which had finished before it was parked (a prefill whose
+        pages were being sent), ends now: with ``error`` (its report says why) or
+        without; released, its KV kept, then its final report."""
+        req = self.parked.get(rid)
+        if req is None:
+            return
+        if error is not None:
+            req.error = error
+            req.finish_reason = FinishReason.ABORT
+        self.output.update_text(req)
+        self.release(req)
+        self.emit(req)
 
     def release(self, req: Request, *, keep_kv: bool = True) -> None:
         """Take ``req`` out of the queues and give back what it holds (its computed KV
@@ -118,10 +153,12 @@ class RequestEnds:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.parked.pop(req.rid, None)
         req.leave_queue()
         self.runner.drop_state(req.rid)
         if req.cache is not None:
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
+        self.role.ended(req)
 
     def settle(self, req: Request, *, keep_kv: bool = True) -> bool:
         """Do ``req``'s pending output, if any: its text, then its report. Returns whether

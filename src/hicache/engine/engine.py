@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from hicache.cache import HiCache
+from hicache.disagg.config import Bootstrap
 from hicache.engine.admission import QueueGate, Reservation, reserve_places
 from hicache.engine.build import build_core
 from hicache.engine.config import EngineConfig
@@ -50,8 +51,10 @@ from hicache.engine.leader import Leader, RankFailure, Task, start_ranks
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.ranks import RankProcesses
 from hicache.engine.request import OutputCallback, Request, RequestOutput
+from hicache.engine.role import Role
+from hicache.engine.role_setup import start_role
 from hicache.engine.run_state import EngineState, RunState
-from hicache.engine.sampling import SamplingParams
+from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
@@ -91,6 +94,8 @@ class Engine(Lifecycle):
         self._failure = RankFailure()
         self.ranks: RankProcesses | None = None
         """Rank 0's handle on the follower processes (None with one rank)."""
+        self.role = Role()
+        """The prefill/decode role (:mod:`hicache.engine.role`; set by :meth:`start`)."""
         self.queue = QueueGate(config.max_queued_requests)
         """Sequences queued against ``max_queued_requests`` (see :meth:`reserve`)."""
         self._stats = StatsPublisher()
@@ -174,9 +179,24 @@ class Engine(Lifecycle):
         )
         if self.ranks is not None:  # a report failing on rank 0 aborts on every rank
             core.scheduler.ends.abort_later = self._leader.abort_later
+        try:
+            self.role = start_role(cfg.disagg, core, cfg.tp_size, self._post_input)
+        except BaseException:
+            self._leader = None
+            core.close_cache()
+            raise
+        core.scheduler.role = self.role
         self._state.started()
         self._leader.start()
         return self
+
+    def _post_input(self, record: StepInput) -> None:
+        """Post ``record`` for the next step (the role's threads); dropped once the engine
+        refuses new work (it is ending: every request ends then)."""
+        leader = self._leader
+        if leader is not None:
+            with contextlib.suppress(RuntimeError):
+                leader.post(Task(record=record))
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Stop the engine thread, then close the cache. Idempotent; waits ``timeout`` s at most.
@@ -194,7 +214,9 @@ class Engine(Lifecycle):
             return
         deadline = time.monotonic() + timeout
         try:
-            if leader.stop(deadline):  # the thread is done with the cache: close it here
+            stopped = leader.stop(deadline)
+            self.role.close()  # its threads read and write the pools: before the cache
+            if stopped:  # the thread is done with the cache: close it here
                 self.core.close_cache()
         finally:
             leader.close_ranks(deadline)
@@ -249,18 +271,27 @@ class Engine(Lifecycle):
         *,
         cache_salt: str = "",
         priority: int = 0,
+        bootstrap: Bootstrap | None = None,
     ) -> ValidRequest:
         """The request as :meth:`submit_valid` takes it; raises :class:`InvalidRequest` (a
         ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
-        ``priority``) when it cannot be served."""
-        return validate_request(
+        ``priority``, ``bootstrap_room``) when it cannot be served. ``bootstrap``: its
+        room, needed on a prefill or decode instance (ignored on a plain one)."""
+        valid = validate_request(
             prompt_ids,
             params,
             vocab=int(self.model.hf_config.vocab_size),
             context_length=self.context_length,
             cache_salt=cache_salt,
             priority=priority,
+            role=self.config.disagg.mode,
+            bootstrap=bootstrap,
         )
+        if valid.bootstrap is not None:  # a prefill instance takes the room now
+            why = self.role.claim(valid.bootstrap)
+            if why is not None:
+                raise InvalidRequest(why, param="bootstrap_room")
+        return valid
 
     def reserve(self, sequences: int) -> Reservation:
         """Take ``sequences`` places in the bounded waiting queue at once, for one client
@@ -289,10 +320,13 @@ class Engine(Lifecycle):
         priority: int = 0,
         group: str = "",
         reservation: Reservation | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> str:
         """:meth:`validate`, then :meth:`submit_valid`: raises :class:`InvalidRequest` for
         a request that cannot be served."""
-        valid = self.validate(prompt_ids, params, cache_salt=cache_salt, priority=priority)
+        valid = self.validate(
+            prompt_ids, params, cache_salt=cache_salt, priority=priority, bootstrap=bootstrap
+        )
         return self.submit_valid(valid, on_output, group=group, reservation=reservation)
 
     def submit_valid(
@@ -322,6 +356,7 @@ class Engine(Lifecycle):
             priority=request.priority,
             group=group,
             queue_slot=slot,
+            bootstrap=request.bootstrap,
         )
         try:
             self._running().post_request(req)
@@ -345,8 +380,10 @@ class Engine(Lifecycle):
         *,
         cache_salt: str = "",
         priority: int = 0,
+        bootstrap: Bootstrap | None = None,
     ) -> RequestOutput:
-        """Blocking helper: the final output of one request.
+        """Blocking helper: the final output of one request (``bootstrap``: its room, on a
+        prefill or decode instance).
 
         Raises TimeoutError after ``timeout`` seconds, having aborted the request.
         """
@@ -356,7 +393,14 @@ class Engine(Lifecycle):
             if out.finished and not done.done():
                 done.set_result(out)
 
-        rid = self.submit(prompt_ids, params, on_output, cache_salt=cache_salt, priority=priority)
+        rid = self.submit(
+            prompt_ids,
+            params,
+            on_output,
+            cache_salt=cache_salt,
+            priority=priority,
+            bootstrap=bootstrap,
+        )
         try:
             return done.result(timeout=timeout)
         except TimeoutError:

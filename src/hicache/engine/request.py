@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.cache import CachedTokens, CacheRequest
+from hicache.disagg.config import Bootstrap
 from hicache.engine.admission import QueueSlot
 from hicache.engine.detokenize import IncrementalText
 from hicache.engine.logits import TokenLogprob
@@ -125,6 +126,12 @@ class Request:
     first_token_at: float | None = None
     admitted_at: float | None = None
     """When the scheduler first admitted it (``time.perf_counter``; a retraction keeps it)."""
+    # prefill/decode disaggregation
+    bootstrap: Bootstrap | None = None
+    """Its room and the prefill instance's bootstrap server, on a PD instance (None: a
+    plain request)."""
+    remote_cached: CachedTokens | None = None
+    """On a decode instance: the prompt tokens the prefill instance's cache served."""
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -163,5 +170,8 @@ class Request:
 
     @property
     def cached(self) -> CachedTokens:
-        """Prompt tokens each tier served (counted at the first admission)."""
+        """Prompt tokens each tier served (counted at the first admission; on a decode
+        instance, the prefill instance's)."""
+        if self.remote_cached is not None:
+            return self.remote_cached
         return CachedTokens() if self.cache is None else self.cache.cached

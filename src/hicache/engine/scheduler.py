@@ -59,7 +59,7 @@ from collections import Counter, deque
 
 import torch
 
-from hicache.cache import HiCache
+from hicache.cache import CachedTokens, HiCache
 from hicache.engine.batch import Chunk, forward_batch
 from hicache.engine.batch_sampling import BatchSampler, PromptRow
 from hicache.engine.ends import RequestEnds
@@ -67,9 +67,11 @@ from hicache.engine.logits import TokenLogprob
 from hicache.engine.output import OutputProcessor
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import FinishReason, Request
+from hicache.engine.role import Role
 from hicache.engine.sampling import make_generator
 from hicache.engine.schedule_config import LPM_MAX_WAITING, SchedulePolicy, SchedulerConfig
 from hicache.engine.slots import admission_order, held_slots, lent_slot
+from hicache.engine.step_inputs import PagesArrived, RoomEnded
 from hicache.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -139,14 +141,29 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        for req in [*self.waiting, *self.running]:
+        for req in [*self.waiting, *self.running, *self.ends.parked.values()]:
             if req.rid == rid:
                 req.aborted = True
 
     @property
+    def role(self) -> Role:
+        """The instance's prefill/decode role (:mod:`hicache.engine.role`)."""
+        return self.ends.role
+
+    @role.setter
+    def role(self, role: Role) -> None:
+        self.ends.role = role
+
+    @property
     def idle(self) -> bool:
-        """Nothing queued, running or waiting to be reported."""
-        return not self.waiting and not self.running and not self.ends.pending
+        """Nothing queued, running, parked or waiting to be reported."""
+        ends = self.ends
+        return not self.waiting and not self.running and not ends.parked and not ends.pending
+
+    @property
+    def occupied(self) -> int:
+        """Running slots in use: the running requests and the parked ones."""
+        return len(self.running) + len(self.ends.parked)
 
     @property
     def in_flight(self) -> list[Request]:
@@ -163,6 +180,8 @@ class Scheduler:
         self._reap_aborted()
         for req in [r for r in self.running if r.cache is not None and r.cache.failed is not None]:
             self._fall_back(req)  # a load its prefix depends on failed: recompute it
+        for req in self.role.register(list(self.ends.parked.values())):
+            self._unpark(req)  # its prefix load failed before anything was promised
         self._admit()
         if not self.running:
             self.ends.flush()
@@ -179,6 +198,63 @@ class Scheduler:
             self.ends.finish(req, FinishReason.ABORT)
         for req in [r for r in self.running if r.aborted]:
             self.ends.finish(req, FinishReason.ABORT)
+        for req in [r for r in self.ends.parked.values() if r.aborted]:
+            # the other side is told; the request ends once its room has (RoomEnded)
+            if self.role.abort(req, req.error or "aborted"):
+                self.ends.finish(req, FinishReason.ABORT, keep_kv=False)
+
+    def drop_parked(self, why: str) -> None:
+        """End every parked request now, without waiting for the other side (the engine
+        stops): the other side is told, best effort."""
+        for req in list(self.ends.parked.values()):
+            self.role.abort(req, why)
+            self.ends.finish(req, FinishReason.ABORT, keep_kv=False, error=why)
+
+    # ------------------------------------------------------------------ PD inputs
+
+    def pages_arrived(self, item: PagesArrived) -> None:
+        """Parked ``item.rid``'s prompt KV has landed in its pages, and the prefill
+        instance's first token with it: commit the prompt, take the token (reported, and
+        checked: it may end the request), and run it from here like any request whose
+        prompt is computed."""
+        req = self.ends.parked.get(item.rid)
+        if req is None:
+            return  # ended meanwhile
+        if req.aborted:
+            self.ends.finish(req, FinishReason.ABORT, keep_kv=False)
+            return
+        assert req.cache is not None
+        del self.ends.parked[req.rid]
+        self.running.append(req)
+        req.kv_len = len(req.prompt_ids)
+        self.cache.commit(req.cache, req.prompt_ids)
+        req.remote_cached = CachedTokens(*item.cached)
+        req.output_ids.append(item.first_token)
+        req.first_token_at = time.perf_counter()
+        self.output.check_token(req)
+        self.ends.took_token(req)
+
+    def room_ended(self, item: RoomEnded) -> None:
+        """Parked ``item.rid``'s room has ended: a prefill's request is released and
+        reported (with ``item.error`` when its pages could not be sent); a decode's ends
+        with that error, its pages freed (nothing it was promised can land any more)."""
+        req = self.ends.parked.get(item.rid)
+        if req is None:
+            return
+        if req.finished:  # a prefill's, parked after its last token
+            self.ends.end_parked(item.rid, item.error)
+            return
+        error = item.error or "the room ended without pages"
+        self.ends.finish(req, FinishReason.ABORT, keep_kv=False, error=req.error or error)
+
+    def _unpark(self, req: Request) -> None:
+        """Parked ``req`` (nothing promised yet) goes back to the front of the queue; its
+        cache handle keeps nothing (its failed load is not trusted)."""
+        assert req.cache is not None
+        del self.ends.parked[req.rid]
+        self.cache.requeue(req.cache, [])
+        req.kv_len = 0
+        self.waiting.appendleft(req)
 
     def admission_order(self) -> list[Request]:
         """The waiting requests in the order :meth:`step` tries to admit them
@@ -214,7 +290,7 @@ class Scheduler:
         cap = self.config.group_cap
         if not self.waiting:
             return
-        if len(self.running) >= limit and not (cap is not None and self._lent()):
+        if self.occupied >= limit and not (cap is not None and self._lent()):
             return
         held = held_slots(self.running)
         borrowers: list[Request] = []
@@ -226,13 +302,14 @@ class Scheduler:
             assert handle is not None
             if not self.cache.ready(handle):
                 continue  # its L3 prefetch is still running: let others go first
-            if len(self.running) >= limit and not self._reclaim(held):
+            if self.occupied >= limit and not self._reclaim(held):
                 return  # no free slot and none lent: nothing more comes in this step
             admitted = self.cache.admit(handle, req.all_ids)
             while not admitted and self._reclaim(held):  # its pages are evictable now
                 admitted = self.cache.admit(handle, req.all_ids)
             if admitted:
-                self._start(req, held)
+                if not self._start(req, held):
+                    return
             elif not self.running:  # nothing will ever free memory for it
                 self._refuse(req)
             else:
@@ -240,21 +317,40 @@ class Scheduler:
         if not self.config.lend_idle_slots:
             return  # a strict cap: idle slots stay idle
         # every ready claimant is running now: idle slots are lent, fewest held first
-        while borrowers and len(self.running) < limit:
+        while borrowers and self.occupied < limit:
             req = min(borrowers, key=lambda r: (-r.priority, held[r.group]))  # stable
             borrowers.remove(req)
             handle = req.cache
             assert handle is not None
             if not self.cache.ready(handle):
                 continue
-            if not self.cache.admit(handle, req.all_ids):
+            if not self.cache.admit(handle, req.all_ids) or not self._start(req, held):
                 return
-            self._start(req, held)
 
-    def _start(self, req: Request, held: Counter[str]) -> None:
-        """Move ``req`` (just admitted by the cache) from the queue to the running batch."""
+    def _start(self, req: Request, held: Counter[str]) -> bool:
+        """Move ``req`` (just admitted by the cache) from the queue to the running batch,
+        or, when the role parks it (a decode instance's request, its prompt's pages given
+        now), to the parked ones. False when no L1 is left for those pages: it stays
+        queued, holding nothing."""
         handle = req.cache
         assert handle is not None
+        if self.role.parks_admitted(req):
+            # the prompt's pages; its next forward starts past the prompt (a sliding
+            # window keeps only what that reads, which is what the prefill side holds)
+            n = len(req.prompt_ids)
+            if not self.cache.grow(handle, n, computed=n):
+                self.cache.requeue(handle, [])
+                if not self.running and not self.ends.parked:  # nothing will free memory
+                    self._refuse(req)
+                return False
+            self.waiting.remove(req)
+            if req.admitted_at is None:
+                req.admitted_at = time.perf_counter()
+            req.leave_queue()
+            req.kv_len = handle.prefix_tokens
+            self.ends.parked[req.rid] = req
+            held[req.group] += 1
+            return True
         self.waiting.remove(req)
         if req.admitted_at is None:
             req.admitted_at = time.perf_counter()
@@ -265,6 +361,7 @@ class Scheduler:
             self.runner.resume(req.rid, resume)
         self.running.append(req)
         held[req.group] += 1
+        return True
 
     def _refuse(self, req: Request) -> None:
         """End ``req``, which does not fit in an empty L1."""

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.disagg.config import Bootstrap
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
 
@@ -54,6 +55,7 @@ class NewRequest:
     priority: int = 0
     group: str = ""
     arrival: float = 0.0
+    bootstrap: Bootstrap | None = None
 
     @classmethod
     def of(
@@ -66,6 +68,7 @@ class NewRequest:
         priority: int,
         group: str,
         arrival: float,
+        bootstrap: Bootstrap | None = None,
     ) -> NewRequest:
         return cls(
             rid=rid,
@@ -75,6 +78,7 @@ class NewRequest:
             priority=priority,
             group=group,
             arrival=arrival,
+            bootstrap=bootstrap,
         )
 
     @classmethod
@@ -88,6 +92,7 @@ class NewRequest:
             priority=req.priority,
             group=req.group,
             arrival=req.arrival,
+            bootstrap=req.bootstrap,
         )
 
     @property
@@ -129,6 +134,28 @@ class Digest:
     (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagesArrived:
+    """Decode instance: the prefill instance has written every page of request ``rid``'s
+    prompt into the pages it was given (posted by the receiver's thread once the room
+    closed ``SUCCESS``), and sampled ``first_token``; its cache served ``cached`` prompt
+    tokens (device, host, storage)."""
+
+    rid: str
+    first_token: int
+    cached: tuple[int, int, int] = (0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomEnded:
+    """Request ``rid``'s room ended without pages to take: on a prefill instance its
+    transfer is over (``error`` None: the pages were sent), on a decode instance it
+    failed or was aborted (``error`` says why; no write can land in its pages any more)."""
+
+    rid: str
+    error: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class Stop:
     """The engine stops: every rank fails what is in flight and ends its loop."""
@@ -136,7 +163,17 @@ class Stop:
     reason: str
 
 
-StepInput = NewRequest | Abort | FlushCache | AttachStorage | DetachStorage | Digest | Stop
+StepInput = (
+    NewRequest
+    | Abort
+    | FlushCache
+    | AttachStorage
+    | DetachStorage
+    | Digest
+    | PagesArrived
+    | RoomEnded
+    | Stop
+)
 """One input of a step; the records above."""
 
 
@@ -161,6 +198,8 @@ __all__ = [
     "Digest",
     "FlushCache",
     "NewRequest",
+    "PagesArrived",
+    "RoomEnded",
     "StepInput",
     "StepInputs",
     "Stop",

@@ -5,9 +5,11 @@ an HTTP request's sequences before it reserves queue places, then submits the re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hicache.disagg.config import Bootstrap, DisaggMode
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 
 MAX_CACHE_SALT_CHARS = 256
@@ -20,14 +22,16 @@ PRIORITY_MAX = 2**63 - 1
 @dataclass(frozen=True, slots=True)
 class ValidRequest:
     """A request :func:`validate_request` found servable: the prompt's token ids, its
-    sampling parameters, its ``cache_salt`` (tenant) and ``priority``. Made only there
-    (through :meth:`Engine.validate <hicache.engine.engine.Engine.validate>`); submitted
-    as it is, never checked again."""
+    sampling parameters, its ``cache_salt`` (tenant) and ``priority``, and on a
+    prefill/decode instance its ``bootstrap`` room. Made only there (through
+    :meth:`Engine.validate <hicache.engine.engine.Engine.validate>`); submitted as it is,
+    never checked again."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str = ""
     priority: int = 0
+    bootstrap: Bootstrap | None = None
 
 
 def validate_request(
@@ -38,11 +42,16 @@ def validate_request(
     context_length: int,
     cache_salt: str = "",
     priority: int = 0,
+    role: DisaggMode = DisaggMode.NULL,
+    bootstrap: Bootstrap | None = None,
 ) -> ValidRequest:
     """The :class:`ValidRequest` of these fields; raises :class:`InvalidRequest` (a
     ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
-    ``priority``) when the request cannot be served by a model of ``vocab`` token ids and
-    ``context_length`` positions."""
+    ``priority``, ``bootstrap_room``, ``logprobs``) when the request cannot be served by a
+    model of ``vocab`` token ids and ``context_length`` positions, on an instance of
+    ``role``. A prefill instance's request needs a ``bootstrap`` room, and generates one
+    token there (the decode instance the room names generates the rest); so does a
+    decode instance's; a plain instance ignores one."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
     if not prompt_ids:
@@ -75,7 +84,30 @@ def validate_request(
             f"priority={priority!r} is invalid; must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}]",
             param="priority",
         )
-    return ValidRequest(tuple(prompt_ids), params, cache_salt, priority)
+    if role is DisaggMode.NULL:
+        bootstrap = None
+    else:
+        params = _pd_params(params, role, bootstrap)
+    return ValidRequest(tuple(prompt_ids), params, cache_salt, priority, bootstrap)
+
+
+def _pd_params(
+    params: SamplingParams, role: DisaggMode, bootstrap: Bootstrap | None
+) -> SamplingParams:
+    """``params`` as a ``role`` instance serves them (one token on a prefill instance);
+    InvalidRequest without a room, or for what a pair does not serve."""
+    if bootstrap is None:
+        raise InvalidRequest(
+            f"a {role.value} instance serves a request only with bootstrap_host,"
+            " bootstrap_port and bootstrap_room (send it through the router, which adds them)",
+            param="bootstrap_room",
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None and bootstrap.transfers:
+            raise InvalidRequest(f"{name} are not served by a prefill/decode pair yet", param=name)
+    if role is DisaggMode.PREFILL and bootstrap.transfers:
+        return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    return params
 
 
 __all__ = [

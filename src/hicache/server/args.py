@@ -456,6 +456,7 @@ def _disagg_config(a: argparse.Namespace) -> DisaggConfig:
     return DisaggConfig(
         mode=mode,
         transfer_backend=a.disaggregation_transfer_backend,
+        host=a.host,
         bootstrap_port=a.disaggregation_bootstrap_port,
         decode_offload=bool(a.disaggregation_decode_enable_offload_kvcache),
     )

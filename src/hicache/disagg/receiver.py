@@ -1,0 +1,248 @@
+"""The decode side's receiver: registers each request's pages with its prefill instance
+and follows the room until the pages have landed (:class:`DecodeReceiver`).
+
+One thread per prefill instance (:class:`_Link`, keyed by its bootstrap address) does,
+in a loop: the registrations and aborts the engine asked for, then one long poll of the
+statuses of its rooms (``/status``, which answers as soon as one closes). A closed room
+becomes one call: ``arrived(rid, result)`` when the prefill side reports ``SUCCESS``
+(every byte has landed: the sender closes the room after its last write), else
+``ended(rid, error)``; the engine applies them as step inputs. The long poll is also the
+health check: when the prefill instance has not answered for ``health_bound_s``, every
+room of it ends with an error.
+
+An abort (:meth:`DecodeReceiver.abort`) is drained: the room is given up at the prefill
+side, and ``ended`` comes only once the prefill side has closed it (no write can follow),
+or after ``drain_timeout_s``; until then the request keeps its pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.disagg.bootstrap import BootstrapClient, BootstrapUnreachable
+from hicache.disagg.layout import Registration
+from hicache.disagg.rooms import RoomResult, RoomState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DecodeReceiver"]
+
+POLL_WAIT_S = 0.02
+"""How long one status poll waits for a room to close (new registrations and aborts wait
+at most this long for the link's thread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Expect:
+    rid: str
+    registration: Registration
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    rid: str
+    why: str
+
+
+@dataclass(slots=True)
+class _Room:
+    rid: str
+    room: int
+    registered: bool = False
+    drain_until: float | None = None
+    """Set once aborted: ``ended`` is called when the prefill side has closed the room or
+    at this ``time.monotonic()``."""
+    why: str = ""
+
+
+class DecodeReceiver:
+    """Follows the rooms of a decode instance; see the module docstring. ``arrived`` and
+    ``ended`` are called on the links' threads, once per expected request."""
+
+    def __init__(
+        self,
+        arrived: Callable[[str, RoomResult], None],
+        ended: Callable[[str, str], None],
+        *,
+        health_bound_s: float,
+        drain_timeout_s: float,
+    ) -> None:
+        self._arrived = arrived
+        self._ended = ended
+        self._health_bound_s = health_bound_s
+        self._drain_timeout_s = drain_timeout_s
+        self._links: dict[str, _Link] = {}
+        self._where: dict[str, str] = {}
+        """rid -> the address of its link (engine thread only)."""
+        self._closed = False
+
+    def expect(self, rid: str, host: str, port: int, registration: Registration) -> None:
+        """Register ``registration`` (request ``rid``'s pages) with the prefill instance
+        whose bootstrap server is ``host:port`` and follow its room (engine thread)."""
+        address = f"{host}:{port}"
+        link = self._links.get(address)
+        if link is None or not link.alive:
+            link = self._links[address] = _Link(self, host, port)
+            link.start()
+        self._where[rid] = address
+        link.post(_Expect(rid, registration))
+
+    def abort(self, rid: str, why: str) -> None:
+        """Give request ``rid``'s room up (drained: see the module docstring)."""
+        address = self._where.get(rid)
+        if address is not None and address in self._links:
+            self._links[address].post(_Abort(rid, why))
+
+    def forget(self, rid: str) -> None:
+        """Request ``rid`` has ended (engine thread)."""
+        self._where.pop(rid, None)
+
+    def close(self) -> None:
+        """Stop every link; rooms still followed end with an error."""
+        self._closed = True
+        for link in self._links.values():
+            link.stop()
+        for link in self._links.values():
+            link.join()
+
+    # called on the links' threads
+    def _call_arrived(self, rid: str, result: RoomResult) -> None:
+        try:
+            self._arrived(rid, result)
+        except Exception:
+            log.exception("reporting the pages of %s failed", rid)
+
+    def _call_ended(self, rid: str, why: str) -> None:
+        try:
+            self._ended(rid, why)
+        except Exception:
+            log.exception("reporting the end of %s failed", rid)
+
+
+class _Link:
+    """The thread that follows one prefill instance's rooms."""
+
+    def __init__(self, owner: DecodeReceiver, host: str, port: int) -> None:
+        self.owner = owner
+        self.client = BootstrapClient(host, port)
+        self.inbox: queue.Queue[_Expect | _Abort] = queue.Queue()
+        self.rooms: dict[str, _Room] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._unreachable_since: float | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"hicache-pd-link-{host}:{port}", daemon=True
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def post(self, item: _Expect | _Abort) -> None:
+        self.inbox.put(item)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def join(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_inbox()
+                if not self.rooms:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._poll()
+        except Exception:
+            log.exception("the PD link to %s failed", self.client.address)
+        finally:
+            for r in list(self.rooms.values()):
+                self._end(r, "the decode instance is stopping")
+            while not self.inbox.empty():
+                item = self.inbox.get_nowait()
+                if isinstance(item, _Expect):
+                    self.owner._call_ended(item.rid, "the decode instance is stopping")
+            self.client.close()
+
+    def _take_inbox(self) -> None:
+        while not self.inbox.empty():
+            item = self.inbox.get_nowait()
+            if isinstance(item, _Expect):
+                self._register(item)
+            else:
+                self._abort(item)
+
+    def _register(self, item: _Expect) -> None:
+        room = _Room(item.rid, item.registration.room)
+        try:
+            refused = self.client.register(item.registration)
+        except BootstrapUnreachable as exc:
+            self.owner._call_ended(item.rid, str(exc))
+            return
+        if refused is not None:
+            self.owner._call_ended(item.rid, f"the prefill instance refused the room: {refused}")
+            return
+        room.registered = True
+        self.rooms[item.rid] = room
+
+    def _abort(self, item: _Abort) -> None:
+        room = self.rooms.get(item.rid)
+        if room is None:  # not registered (refused or ended): nothing can be written
+            return
+        room.why = item.why
+        if room.drain_until is None:
+            room.drain_until = time.monotonic() + self.owner._drain_timeout_s
+        try:
+            closed = self.client.abort(room.room, item.why)
+        except BootstrapUnreachable:
+            closed = False  # the drain bound (or the health bound) ends it
+        if closed:
+            self._end(room, item.why)
+
+    def _poll(self) -> None:
+        rooms = list(self.rooms.values())
+        try:
+            got = self.client.status([r.room for r in rooms], POLL_WAIT_S)
+        except BootstrapUnreachable as exc:
+            now = time.monotonic()
+            since = self._unreachable_since = self._unreachable_since or now
+            if now - since >= self.owner._health_bound_s:
+                for r in rooms:
+                    self._end(r, f"{exc}; for {now - since:.1f} s, so its rooms failed")
+                self._unreachable_since = None
+            else:
+                self._stop.wait(min(0.2, self.owner._health_bound_s / 4))
+            return
+        self._unreachable_since = None
+        now = time.monotonic()
+        for r, status in zip(rooms, got, strict=True):
+            if status is not None and status.state.closed:
+                if (
+                    status.state is RoomState.SUCCESS
+                    and status.result is not None
+                    and r.drain_until is None
+                ):
+                    del self.rooms[r.rid]
+                    self.owner._call_arrived(r.rid, status.result)
+                else:
+                    self._end(r, r.why or status.error or f"room {r.room} {status.state.value}")
+            elif r.drain_until is not None and now >= r.drain_until:
+                self._end(r, f"{r.why} (the prefill side did not acknowledge the abort)")
+
+    def _end(self, r: _Room, why: str) -> None:
+        self.rooms.pop(r.rid, None)
+        self.owner._call_ended(r.rid, why)

@@ -1,0 +1,102 @@
+"""A decode instance's role: :class:`DecodeRole`.
+
+Each request comes with a room. Admitted like any request (its own L1/L2/L3 prefix
+matched), it is parked with pages for its whole prompt (:meth:`DecodeRole.parks_admitted`).
+Once the prefix it matched is in L1 (an L2 or L3 hit loads first: only pages already
+here are promised), its pages are registered with the prefill instance
+(:meth:`DecodeRole.register`): the prefill side then writes every page past that prefix.
+The receiver (:mod:`hicache.disagg.receiver`) turns the room's end into a step input:
+:class:`~hicache.engine.step_inputs.PagesArrived` (the scheduler commits the prompt and
+decodes from the first token on) or :class:`~hicache.engine.step_inputs.RoomEnded`
+(the request fails, its pages freed). An aborted parked request is drained
+(:meth:`DecodeRole.abort`): it keeps its pages until the prefill side has stopped.
+
+Its receiver and transport are built by :mod:`hicache.engine.role_setup`.
+"""
+
+from __future__ import annotations
+
+from hicache.cache import HiCache
+from hicache.cache.held import held_pages
+from hicache.disagg.config import DisaggMode
+from hicache.disagg.layout import InstanceLayout, Registration, StoreTarget, prompt_hash
+from hicache.disagg.pages import PoolGeometry
+from hicache.disagg.receiver import DecodeReceiver
+from hicache.disagg.transport import Transport
+from hicache.engine.request import Request
+from hicache.engine.role import Role
+
+__all__ = ["DecodeRole"]
+
+
+class DecodeRole(Role):
+    """See the module docstring. ``layout``: this instance's, sent with each
+    registration; ``geometry``: each store's L1 pool (by store name)."""
+
+    mode = DisaggMode.DECODE
+
+    def __init__(
+        self,
+        cache: HiCache,
+        receiver: DecodeReceiver,
+        transport: Transport,
+        layout: InstanceLayout,
+        geometry: dict[str, PoolGeometry],
+    ) -> None:
+        self.cache = cache
+        self.receiver = receiver
+        self.transport = transport
+        self.layout = layout
+        self.geometry = geometry
+        self._unregistered: set[str] = set()
+        """Parked requests whose pages are not registered yet (nothing promised)."""
+
+    def parks_admitted(self, req: Request) -> bool:
+        if req.bootstrap is None or not req.bootstrap.transfers:
+            return False
+        self._unregistered.add(req.rid)
+        return True
+
+    def register(self, parked: list[Request]) -> list[Request]:
+        failed: list[Request] = []
+        for req in parked:
+            if req.rid not in self._unregistered:
+                continue
+            handle = req.cache
+            assert handle is not None and req.bootstrap is not None
+            if handle.failed is not None:
+                self._unregistered.discard(req.rid)
+                failed.append(req)  # admitted again: nothing of the load is promised
+                continue
+            if handle.loading:
+                continue  # its L2 hit is still coming into L1
+            targets = tuple(
+                StoreTarget(h.name, self.geometry[h.name].to_dict(), h.first, tuple(h.pages))
+                for h in held_pages(self.cache, handle)
+            )
+            registration = Registration(
+                room=req.bootstrap.room,
+                layout=self.layout,
+                endpoint=self.transport.endpoint,
+                prompt_len=len(req.prompt_ids),
+                prompt_hash=prompt_hash(req.prompt_ids),
+                skip_pages=handle.prefix_pages,
+                targets=targets,
+            )
+            self._unregistered.discard(req.rid)
+            self.receiver.expect(req.rid, req.bootstrap.host, req.bootstrap.port, registration)
+        return failed
+
+    def abort(self, req: Request, why: str) -> bool:
+        if req.rid in self._unregistered:
+            return True  # nothing promised: it ends now
+        self.receiver.abort(req.rid, why)
+        return False
+
+    def ended(self, req: Request) -> None:
+        self._unregistered.discard(req.rid)
+        self.receiver.forget(req.rid)
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.transport.close()

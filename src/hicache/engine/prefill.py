@@ -1,0 +1,113 @@
+"""A prefill instance's role: :class:`PrefillRole`.
+
+Each request comes with a room (checked when it is validated: :meth:`PrefillRole.claim`)
+and generates one token here. When that token is sampled the request is parked
+(:meth:`PrefillRole.hand_off`): its pages of every store (:func:`~hicache.cache.held.held_pages`)
+go to the sender as a :class:`~hicache.disagg.sender.SendJob`, and the request is released,
+its KV committed to this instance's cache by its write policy, once the sender reports
+(a :class:`~hicache.engine.step_inputs.RoomEnded` input, whose error, if any, its client
+gets). A request that ends before its hand-off (aborted, failed) closes its room with the
+reason, which the decode side then reads.
+
+Its bootstrap server, rooms and sender are built by :mod:`hicache.engine.role_setup`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.cache import HiCache
+from hicache.cache.held import held_pages
+from hicache.disagg.bootstrap import BootstrapServer, PrefillRooms
+from hicache.disagg.config import Bootstrap, DisaggMode
+from hicache.disagg.layout import prompt_hash
+from hicache.disagg.pages import PoolGeometry
+from hicache.disagg.rooms import RoomResult
+from hicache.disagg.sender import PrefillSender, SendJob, SourcePages
+from hicache.disagg.transport import Transport
+from hicache.engine.request import Request
+from hicache.engine.role import Role
+
+__all__ = ["PrefillRole"]
+
+
+class PrefillRole(Role):
+    """See the module docstring. ``geometry``: each store's L1 pool as the sender
+    describes it (by store name)."""
+
+    mode = DisaggMode.PREFILL
+
+    def __init__(
+        self,
+        cache: HiCache,
+        rooms: PrefillRooms,
+        server: BootstrapServer,
+        sender: PrefillSender,
+        transport: Transport,
+        geometry: dict[str, PoolGeometry],
+    ) -> None:
+        self.cache = cache
+        self.rooms = rooms
+        self.server = server
+        self.sender = sender
+        self.transport = transport
+        self.geometry = geometry
+        self._handed: set[str] = set()
+        """Requests whose job the sender has (their room is the sender's to close)."""
+
+    def claim(self, bootstrap: Bootstrap) -> str | None:
+        """A request of ``bootstrap``'s room arrived (any thread); None, or why it is
+        refused (the room is in use, or was used)."""
+        if not bootstrap.transfers:
+            return None
+        return self.rooms.claim(bootstrap.room)
+
+    def hand_off(self, req: Request) -> bool:
+        if req.bootstrap is None or not req.bootstrap.transfers or req.error is not None:
+            return False
+        if req.finish_reason is None or not req.output_ids or req.cache is None:
+            return False
+        if req.cache.failed is not None:
+            return False  # its KV cannot be trusted: ended() fails the room
+        if torch.device(self.cache.full.device_pool.device).type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the pages are written
+        sources = tuple(
+            SourcePages(h.name, self.geometry[h.name], h.first, tuple(h.pages))
+            for h in held_pages(self.cache, req.cache)
+        )
+        cached = req.cached
+        job = SendJob(
+            rid=req.rid,
+            room=req.bootstrap.room,
+            prompt_len=len(req.prompt_ids),
+            prompt_hash=prompt_hash(req.prompt_ids),
+            sources=sources,
+            result=RoomResult(
+                first_token=req.output_ids[0],
+                cached_device=cached.device,
+                cached_host=cached.host,
+                cached_storage=cached.storage,
+            ),
+        )
+        self._handed.add(req.rid)
+        self.sender.submit(job)
+        return True
+
+    def abort(self, req: Request, why: str) -> bool:
+        if req.rid in self._handed and req.bootstrap is not None:
+            self.sender.cancel(req.bootstrap.room, why)
+            return False  # the sender reports (RoomEnded)
+        return True
+
+    def ended(self, req: Request) -> None:
+        if req.rid in self._handed:
+            self._handed.discard(req.rid)
+            return
+        if req.bootstrap is not None and req.bootstrap.transfers:
+            why = req.error or "the prefill request ended before its pages were sent"
+            self.rooms.close(req.bootstrap.room, error=f"the prefill side failed: {why}")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.server.close()
+        self.transport.close()

@@ -1,0 +1,65 @@
+"""What an instance's prefill/decode role changes in how its requests go: :class:`Role`.
+
+A plain instance's requests run from admission to their last token and are released.
+On a PD instance some requests are *parked* between the two
+(:attr:`RequestEnds.parked <hicache.engine.ends.RequestEnds.parked>`): they hold their L1
+pages but run no forward, while the other instance of their room does its half:
+
+- a prefill instance (:class:`~hicache.engine.prefill.PrefillRole`) parks a request once
+  its first token is sampled, hands its pages to the sender, and releases it when the
+  sender reports (a :class:`~hicache.engine.step_inputs.RoomEnded` input);
+- a decode instance (:class:`~hicache.engine.decode.DecodeRole`) parks a request once
+  admitted (its pages allocated for the whole prompt), registers them with the prefill
+  instance once its own prefix hit is in L1, and runs it from
+  :class:`~hicache.engine.step_inputs.PagesArrived` on, like any request whose prompt is
+  computed.
+
+The scheduler and :class:`~hicache.engine.ends.RequestEnds` call the hooks below at those
+points; this base class is the plain instance (every hook does nothing). Everything runs
+on the engine's thread.
+"""
+
+from __future__ import annotations
+
+from hicache.disagg.config import Bootstrap, DisaggMode
+from hicache.engine.request import Request
+
+__all__ = ["Role"]
+
+
+class Role:
+    """A plain instance's role: no request is parked; see the module docstring."""
+
+    mode = DisaggMode.NULL
+
+    def claim(self, bootstrap: Bootstrap) -> str | None:
+        """A request of ``bootstrap``'s room is validated (any thread); None, or why its
+        room is refused (a prefill instance's rooms are single-use)."""
+        return None
+
+    def parks_admitted(self, req: Request) -> bool:
+        """Whether admitted ``req`` waits, parked, for its pages from elsewhere (decode)."""
+        return False
+
+    def hand_off(self, req: Request) -> bool:
+        """``req`` took its last token: True when its pages must go elsewhere first
+        (prefill); it is parked then, and released when the transfer ends."""
+        return False
+
+    def register(self, parked: list[Request]) -> list[Request]:
+        """Once per step: do what parked requests wait for on this side (decode: register
+        those whose prefix is in L1); returns those that must be admitted again (their
+        prefix load failed)."""
+        return []
+
+    def abort(self, req: Request, why: str) -> bool:
+        """Parked ``req`` is aborted: tell the other side. Returns whether it ends now
+        (nothing was promised to the other side); else it stays parked until its room ends
+        (a :class:`~hicache.engine.step_inputs.RoomEnded` input)."""
+        return True
+
+    def ended(self, req: Request) -> None:
+        """``req`` has ended (released, whatever the way)."""
+
+    def close(self) -> None:
+        """Stop the role's threads and servers (after the engine loop has ended)."""
