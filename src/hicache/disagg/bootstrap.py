@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -183,6 +184,12 @@ def _handler(rooms: PrefillRooms, stopped: threading.Event) -> type[BaseHTTPRequ
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            super().setup()
+            # headers and body go out as two writes: without this, Nagle's algorithm holds
+            # the body until the client's delayed ACK of the headers (~40 ms a reply)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("bootstrap: " + format, *args)
 
@@ -256,7 +263,12 @@ class BootstrapClient:
     def __init__(self, host: str, port: int, timeout_s: float = 5.0) -> None:
         self.address = f"{host}:{port}"
         self._timeout_s = timeout_s
-        self._http = httpx.Client(base_url=f"http://{self.address}", timeout=timeout_s)
+        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # a body follows its headers
+        self._http = httpx.Client(
+            base_url=f"http://{self.address}",
+            timeout=timeout_s,
+            transport=httpx.HTTPTransport(socket_options=nodelay),
+        )
 
     def _post(self, path: str, body: object, extra_s: float = 0.0) -> httpx.Response:
         try:

@@ -16,6 +16,8 @@ Its receiver and transport are built by :mod:`hicache.engine.role_setup`.
 
 from __future__ import annotations
 
+import logging
+
 from hicache.cache import HiCache
 from hicache.cache.held import held_pages
 from hicache.disagg.config import DisaggMode
@@ -27,6 +29,8 @@ from hicache.engine.request import Request
 from hicache.engine.role import Role
 
 __all__ = ["DecodeRole"]
+
+log = logging.getLogger(__name__)
 
 
 class DecodeRole(Role):
@@ -50,6 +54,10 @@ class DecodeRole(Role):
         self.geometry = geometry
         self._unregistered: set[str] = set()
         """Parked requests whose pages are not registered yet (nothing promised)."""
+
+    @property
+    def polling(self) -> bool:
+        return bool(self._unregistered)
 
     def parks_admitted(self, req: Request) -> bool:
         if req.bootstrap is None or not req.bootstrap.transfers:
@@ -83,8 +91,14 @@ class DecodeRole(Role):
                 skip_pages=handle.prefix_pages,
                 targets=targets,
             )
+            try:
+                self.receiver.expect(req.rid, req.bootstrap.host, req.bootstrap.port, registration)
+            except Exception as exc:  # nothing was promised: it ends at the next step
+                log.exception("registering %s failed", req.rid)
+                req.error = f"its pages could not be registered: {type(exc).__name__}: {exc}"
+                req.aborted = True
+                continue
             self._unregistered.discard(req.rid)
-            self.receiver.expect(req.rid, req.bootstrap.host, req.bootstrap.port, registration)
         return failed
 
     def abort(self, req: Request, why: str) -> bool:

@@ -241,7 +241,7 @@ class Leader:
                 self._publish()
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
                     # (at most 50 ms: the followers wait in the next broadcast meanwhile)
-                    self._wake.wait(timeout=0.002 if self.core.scheduler.waiting else 0.05)
+                    self._wake.wait(timeout=0.002 if self.core.scheduler.polling else 0.05)
                     self._wake.clear()
             if channel is not None:
                 reason = self._stop_ranks(channel, reason)

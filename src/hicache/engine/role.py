@@ -37,6 +37,12 @@ class Role:
         room is refused (a prefill instance's rooms are single-use)."""
         return None
 
+    @property
+    def polling(self) -> bool:
+        """Whether parked requests wait on this side (not on the other instance): the
+        engine then steps again soon, without an input."""
+        return False
+
     def parks_admitted(self, req: Request) -> bool:
         """Whether admitted ``req`` waits, parked, for its pages from elsewhere (decode)."""
         return False

@@ -161,6 +161,13 @@ class Scheduler:
         return not self.waiting and not self.running and not ends.parked and not ends.pending
 
     @property
+    def polling(self) -> bool:
+        """Whether the next step may have work without any input: requests waiting for
+        admission (an L3 prefetch to land) or parked ones the role still has to act on
+        (a prefix load to finish before their pages are registered)."""
+        return bool(self.waiting) or self.role.polling
+
+    @property
     def occupied(self) -> int:
         """Running slots in use: the running requests and the parked ones."""
         return len(self.running) + len(self.ends.parked)
@@ -180,9 +187,9 @@ class Scheduler:
         self._reap_aborted()
         for req in [r for r in self.running if r.cache is not None and r.cache.failed is not None]:
             self._fall_back(req)  # a load its prefix depends on failed: recompute it
+        self._admit()
         for req in self.role.register(list(self.ends.parked.values())):
             self._unpark(req)  # its prefix load failed before anything was promised
-        self._admit()
         if not self.running:
             self.ends.flush()
             return False

@@ -361,7 +361,9 @@ def check_flags(a: argparse.Namespace) -> None:
     for flag, key in (("--api-key", "api_key"), ("--admin-api-key", "admin_api_key")):
         if getattr(a, key, None) == "":
             raise FlagError(
-                flag, "", "an empty key would refuse every request; give a key or leave the flag out"
+                flag,
+                "",
+                "an empty key would refuse every request; give a key or leave the flag out",
             )
     port = getattr(a, "port", None)
     if port is not None:
@@ -454,8 +456,8 @@ def _disagg_config(a: argparse.Namespace) -> DisaggConfig:
             )
         return DisaggConfig()
     return DisaggConfig(
-        mode=mode,
-        transfer_backend=a.disaggregation_transfer_backend,
+        mode=DisaggMode(mode),
+        transfer_backend=TransferBackend(a.disaggregation_transfer_backend),
         host=a.host,
         bootstrap_port=a.disaggregation_bootstrap_port,
         decode_offload=bool(a.disaggregation_decode_enable_offload_kvcache),

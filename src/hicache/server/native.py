@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.sampling import InvalidRequest
+from hicache.server.bootstrap_fields import BootstrapFields
 from hicache.server.protocol import MAX_BATCH, MAX_LOGPROBS, MAX_N, SamplingFields, TokenIds
 from hicache.server.responses import LogprobEntry, tier_details
 
@@ -97,7 +98,7 @@ class _NativeAsOpenAI(SamplingFields):
         return self.counts
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(BootstrapFields):
     """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
 
     model_config = ConfigDict(extra="ignore")

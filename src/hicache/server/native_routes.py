@@ -38,7 +38,9 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             fields = sp.as_openai(logprobs=logprobs, prompt_logprobs=prompt_lp)
             fields.cache_salt = body.cache_salt
             fields.priority = body.priority
-            jobs = state.jobs(prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param)
+            jobs = state.jobs(
+                prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param, rooms=body
+            )
         except InvalidRequest as exc:
             return bad_request(str(exc), param=native_param(exc.param))
         except ValueError as exc:
@@ -63,7 +65,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
                 index=index if many else None,
             )
 
-        if not body.stream:
+        if not body.stream or state.json_only:
             collected = await state.collect(fan, rid)
             if isinstance(collected, JSONResponse):
                 return collected

@@ -70,7 +70,7 @@ async def _openai(
         p = index // body.n
         return Choice(index, out, p, prompts[p], echo[p] if echo else "")
 
-    if not body.stream:
+    if not body.stream or state.json_only:
         result = await state.collect(fan, rid)
         if isinstance(result, JSONResponse):
             return result

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.sampling import SEED_MAX, InvalidRequest, SamplingParams
+from hicache.server.bootstrap_fields import BootstrapFields
 from hicache.server.fields import check_extra_fields
 
 MAX_N = 64
@@ -63,7 +64,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(BootstrapFields):
     """The fields both OpenAI routes share. Undeclared ones are kept (``model_extra``) for
     :func:`~hicache.server.fields.check_extra_fields`."""
 

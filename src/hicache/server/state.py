@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from hicache.disagg.config import DisaggMode
 from hicache.engine.admission import AdmissionRefused, EngineUnhealthy
 from hicache.engine.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
+from hicache.server.bootstrap_fields import BootstrapFields, bootstraps
 from hicache.server.fanout import Ending, Fanout, Job
 from hicache.server.http_base import error_response
 from hicache.server.metrics import EngineMetrics
@@ -83,6 +85,9 @@ class ServerState:
         SGLang-style clients send), accepted without being listed."""
         self.api_key = api_key
         self.admin_api_key = admin_api_key
+        self.json_only = engine.config.disagg.mode is DisaggMode.PREFILL
+        """A prefill instance answers with one JSON body even when a stream is asked for
+        (the router reads it whole; the decode instance streams)."""
         self.metrics = EngineMetrics(engine)
         self.detok = Detokenizer(engine.tokenizer)
         self.token_bound: TokenBound | None
@@ -216,13 +221,18 @@ class ServerState:
         max_tokens: int | None,
         default_max_tokens: int | None,
         prompt_param: str,
+        rooms: BootstrapFields | None = None,
     ) -> list[Job]:
         """``n`` jobs per prompt (prompt-major); copies wait for the first's first token.
         Each is validated by the engine; an error names ``prompt_param`` for the prompt,
         and ``n`` when there are more jobs than the engine's waiting queue could ever hold
-        (``max_queued_requests``)."""
+        (``max_queued_requests``). ``rooms``: the body's bootstrap fields (``body``'s own
+        when None), one room per prompt on a prefill or decode instance."""
         ctx = self.engine.context_length
         jobs = []
+        per_prompt = bootstraps(
+            body if rooms is None else rooms, len(prompts), body.n, self.engine.config.disagg
+        )
         for p, ids in enumerate(prompts):
             room = max(1, ctx - len(ids))
             if max_tokens is not None:
@@ -235,7 +245,11 @@ class ServerState:
                 params = body.sampling(limit, c)
                 try:
                     valid = self.engine.validate(
-                        ids, params, cache_salt=body.cache_salt, priority=body.request_priority
+                        ids,
+                        params,
+                        cache_salt=body.cache_salt,
+                        priority=body.request_priority,
+                        bootstrap=per_prompt[p],
                     )
                 except InvalidRequest as exc:
                     param = prompt_param if exc.param == "prompt" else exc.param
