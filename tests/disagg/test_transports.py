@@ -171,3 +171,22 @@ def test_a_source_outside_the_registered_memory_is_refused(backend: TransferBack
         with pytest.raises(ValueError, match="not inside one registered region"):
             t.write(t.endpoint, spans, TIMEOUT_S)
     t.close()  # idempotent
+
+
+def test_nixl_first_contact_with_a_frozen_peer_fails_at_the_deadline() -> None:
+    """UCX cannot finish connecting to a frozen peer: the first write fails at the
+    deadline, and one after the peer wakes up goes through (the peer is loaded anew)."""
+    backend = TransferBackend.NIXL
+    with _peer(backend) as (proc, conn, endpoint, geo), _sender(backend) as (t, pool):
+        spans = page_spans(PoolGeometry.of(pool), SRC_PAGES, geo, DST_PAGES)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferFailed, match="still running after"):
+                t.write(endpoint, spans, TIMEOUT_S)
+            assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + MARGIN_S
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        t.write(endpoint, spans, TIMEOUT_S)
+        conn.send(("check", DST_PAGES, pool.read_pages(SRC_PAGES)))
+        assert conn.recv() == {"written": True, "untouched": True}
