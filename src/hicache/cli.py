@@ -31,6 +31,7 @@ BENCHES = {
     "detok": "hicache.bench.detok",
     "fairness": "hicache.bench.fairness",
     "memory": "hicache.bench.memory",
+    "pd-transfer": "hicache.bench.pd_transfer",
 }
 
 STORES = {

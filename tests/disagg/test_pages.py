@@ -5,29 +5,34 @@ from __future__ import annotations
 
 import ctypes
 import json
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.config import KVSpec
+from hicache.config import AttentionKind, KVSpec
 from hicache.disagg.pages import PoolGeometry, page_spans
 from hicache.disagg.transport import Region, Span
 from hicache.memory.device_pool import DevicePool
 
 MHA = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")  # row 32 bytes
 MLA = KVSpec(
-    num_layers=3, attention="mla", kv_lora_rank=4, qk_rope_head_dim=2, dtype="bfloat16"
+    num_layers=3,
+    attention=AttentionKind.MLA,
+    kv_lora_rank=4,
+    qk_rope_head_dim=2,
+    dtype="bfloat16",
 )  # row 12 bytes
 
 
-def geo(addr: int, slots: int = 16, **kw: object) -> PoolGeometry:
+def geo(addr: int, slots: int = 16, **kw: Any) -> PoolGeometry:
     """2 kinds x 2 layers x ``slots`` slots of 32 bytes, pages of 2 slots (64 bytes)."""
-    base: dict[str, object] = dict(
+    base: dict[str, Any] = dict(
         addr=addr, num_kv=2, layers=2, slots=slots, row_bytes=32, page_size=2, dtype="float32"
     )
-    return PoolGeometry(**{**base, **kw})  # type: ignore[arg-type]
+    return PoolGeometry(**{**base, **kw})
 
 
 def test_geometry_of_a_pool() -> None:
@@ -115,7 +120,7 @@ def test_empty_lists_give_no_span() -> None:
         ("dtype", "bfloat16", "src dtype='float32', dst dtype='bfloat16'"),
     ],
 )
-def test_pools_that_differ_are_refused(field: str, value: object, message: str) -> None:
+def test_pools_that_differ_are_refused(field: str, value: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         page_spans(geo(0), [0], geo(0, **{field: value}), [0])
 
@@ -129,7 +134,7 @@ def test_bad_page_lists_are_refused() -> None:
         page_spans(geo(0), [0], geo(0, slots=32), [-1])
     with pytest.raises(ValueError, match="dst_pages: a page appears more than once"):
         page_spans(geo(0), [0, 1], geo(0), [2, 2])
-    with pytest.raises(ValueError, match="src_pages: page 1.0 is not an int"):
+    with pytest.raises(ValueError, match=r"src_pages: page 1\.0 is not an int"):
         page_spans(geo(0), [1.0], geo(0), [2])  # type: ignore[list-item]
 
 

@@ -8,7 +8,11 @@ Modules, one concept each:
 - :mod:`~hicache.disagg.config`: the role, the transfer backend and the bounds
   (:class:`DisaggConfig`, frozen);
 - :mod:`~hicache.disagg.transport`: moving bytes between two instances' registered L1
-  pools (:class:`Transport`; Mooncake's transfer engine and NIXL implement it);
+  pools (:class:`Transport`; Mooncake's transfer engine and NIXL implement it, in
+  :mod:`~hicache.disagg.mooncake_transport` and :mod:`~hicache.disagg.nixl_transport`;
+  :mod:`~hicache.disagg.backends` picks one by :class:`TransferBackend`);
+- :mod:`~hicache.disagg.pages`: a pool's geometry as told to a peer, and the spans that
+  copy pages of one pool into pages of another (pure);
 """
 
 from hicache.disagg.config import DisaggConfig, DisaggMode, TransferBackend

@@ -22,12 +22,22 @@ peer that is gone fails within ``timeout_s`` rather than after the engine's own 
 (``MC_TRANSFER_TIMEOUT``, 30 s by default). The engine frees a transfer's record when it
 reports it done or failed; the records of transfers still running when a write gives up
 are left to the engine (a few bytes each), never polled again (their ids may be reused).
+
+The first write to a peer makes the engine fetch the peer's description (a handshake whose
+socket reads the engine bounds at about 60 s, while it holds a lock every other write
+needs). So before it, this transport probes the peer (``send_probe``, which takes no such
+lock) on a helper thread and waits for the answer no longer than the write's deadline: a
+peer that is frozen, or an address where nothing answers, fails the write at its deadline;
+later writes to that peer wait on the same probe (one thread per peer at most) and pass
+once it answers. A peer that freezes between its answer and the handshake can still hold
+the first write up to the engine's bound.
 """
 
 from __future__ import annotations
 
 import bisect
 import ipaddress
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +53,32 @@ _DONE, _PENDING, _FAILED, _TIMEOUT = 1, 0, -1, -2
 """``transfer_check_status`` answers."""
 _POLL_MAX_S = 0.001
 """The longest sleep between two polls of a write's pending transfers."""
+
+
+class _Probe:
+    """``engine.send_probe(peer)`` on a daemon thread: :meth:`wait` for its return code.
+
+    The thread holds a reference to the engine, so the engine outlives a probe that is
+    still blocked when the transport closes."""
+
+    def __init__(self, engine: Any, peer: str) -> None:
+        self._done = threading.Event()
+        self.rc: int | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, peer), name=f"mooncake-probe-{peer}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, engine: Any, peer: str) -> None:
+        try:
+            self.rc = int(engine.send_probe(peer))
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The probe's return code (0: the peer answered), or None if it is still waiting."""
+        self._done.wait(max(0.0, timeout_s))
+        return self.rc if self._done.is_set() else None
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -93,6 +129,8 @@ class MooncakeTransport(Transport):
         self._starts: list[int] = []  # registered regions, sorted by address
         self._ends: list[int] = []
         self._registered: list[int] = []
+        self._reached: set[str] = set()  # peers that answered a probe
+        self._probes: dict[str, _Probe] = {}  # probes still out
         self._closed = False
 
     @property
@@ -143,6 +181,8 @@ class MooncakeTransport(Transport):
         deadline = time.monotonic() + timeout_s
         total = sum(s.nbytes for s in spans)
         what = f"mooncake: writing {len(spans)} spans ({total} bytes) to {peer}"
+        if peer not in self._reached:
+            self._reach(peer, deadline, what, timeout_s)
         pending: list[int] = []
         for s in spans:
             bid = self._engine.transfer_submit_write(peer, s.src, s.dst, s.nbytes)
@@ -174,6 +214,22 @@ class MooncakeTransport(Transport):
             pause = min(_POLL_MAX_S, pause * 2 or 0.00005, deadline - now)
             time.sleep(pause)
 
+    def _reach(self, peer: str, deadline: float, what: str, timeout_s: float) -> None:
+        """Probe ``peer`` (or wait on the probe already out) until ``deadline``."""
+        probe = self._probes.get(peer)
+        if probe is None:
+            probe = self._probes[peer] = _Probe(self._engine, peer)
+        rc = probe.wait(deadline - time.monotonic())
+        if rc is None:
+            raise TransferFailed(f"{what}: the peer did not answer a probe within {timeout_s:g} s")
+        del self._probes[peer]
+        if rc != 0:
+            raise TransferFailed(
+                f"{what}: the peer does not answer (probe returned {rc}: nothing listens "
+                "there, or it is not a Mooncake transfer engine)"
+            )
+        self._reached.add(peer)
+
     def close(self) -> None:
         """Unregister every region and stop the engine (its listeners close); idempotent."""
         if self._closed:
@@ -182,6 +238,7 @@ class MooncakeTransport(Transport):
         for addr in self._registered:
             self._engine.unregister_memory(addr)
         self._registered.clear()
+        self._probes.clear()  # a probe still out keeps the engine alive until it returns
         self._starts.clear()
         self._ends.clear()
         self._engine = None  # the binding's destructor stops the engine

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -177,10 +178,8 @@ class NixlTransport(Transport):
         """Unload a peer after a failure, so that a later write loads it anew."""
         peer = self._peers.pop(endpoint, None)
         if peer is not None and peer.name not in {p.name for p in self._peers.values()}:
-            try:
+            with contextlib.suppress(Exception):  # already gone, or NIXL refuses: no more to do
                 self._agent.remove_remote_agent(peer.name)
-            except Exception:  # already gone, or NIXL refuses: nothing more to do
-                pass
 
     def write(self, peer: str, spans: Sequence[Span], timeout_s: float) -> None:
         """Write every span to ``peer`` (a :attr:`endpoint`); see the module docstring.
@@ -246,10 +245,9 @@ class NixlTransport(Transport):
 
     def _release(self, handles: list[Any]) -> None:
         for h in handles:
-            try:
+            # one it could not cancel: NIXL keeps it and frees it with the agent
+            with contextlib.suppress(Exception):
                 self._agent.release_xfer_handle(h)
-            except Exception:  # could not cancel: NIXL keeps it and frees it with the agent
-                pass
 
     def close(self) -> None:
         """Deregister the memory, unload the peers and stop the agent; idempotent."""
@@ -257,10 +255,8 @@ class NixlTransport(Transport):
             return
         self._closed = True
         for name in {p.name for p in self._peers.values()}:
-            try:
+            with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(name)
-            except Exception:
-                pass
         self._peers.clear()
         for descs in self._reg_descs:
             self._agent.deregister_memory(descs, backends=["UCX"])

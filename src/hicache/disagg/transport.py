@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Region", "Span", "Transport", "TransferFailed", "TransportUnavailable"]
+__all__ = ["Region", "Span", "TransferFailed", "Transport", "TransportUnavailable"]
 
 
 class TransportUnavailable(RuntimeError):

@@ -1,0 +1,79 @@
+"""A receiving (decode-side) peer for the transport tests and the pd-transfer bench: a
+process of its own with a CPU DevicePool of random contents, registered with a transport.
+
+:func:`receiver` runs in a child process (``multiprocessing`` spawn context) and speaks
+over one pipe end:
+
+1. sends ``(endpoint, geometry dict)`` once its pool is registered (or ``("error", msg)``
+   when the transport does not start);
+2. then answers commands: ``("check", pages, expected, untouched)`` -> a dict
+   ``{"written": bool, "untouched": bool}`` (``expected``: the bytes those pages must
+   hold, in ``read_pages`` order; every page not in ``pages`` must still hold what it
+   held at start); ``("stop",)`` -> closes the transport and returns.
+"""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+
+import torch
+
+from hicache.config import KVSpec
+from hicache.memory.device_pool import DevicePool
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+"""2 layers x K and V x 2 heads x 4 floats: rows of 32 bytes."""
+NUM_PAGES = 12
+PAGE_SIZE = 2
+
+
+def random_pool(seed: int, spec: KVSpec = SPEC, num_pages: int = NUM_PAGES) -> DevicePool:
+    """A CPU pool whose bytes are random (seeded)."""
+    pool = DevicePool(spec, num_pages, PAGE_SIZE)
+    g = torch.Generator().manual_seed(seed)
+    b = pool.buffer.view(torch.uint8)
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+    return pool
+
+
+def receiver(conn: Connection, backend: str, seed: int) -> None:
+    from hicache.disagg.backends import make_transport
+    from hicache.disagg.pages import PoolGeometry
+
+    pool = random_pool(seed)
+    start = pool.buffer.clone()
+    try:
+        t = make_transport(backend, "127.0.0.1", f"decode-{seed}")
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        geo = PoolGeometry.of(pool)
+        t.register([geo.region()])
+        conn.send((t.endpoint, geo.to_dict()))
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            _, pages, expected = cmd
+            got = pool.read_pages(pages)
+            others = [p for p in range(NUM_PAGES) if p not in pages]
+            conn.send(
+                {
+                    "written": bool(torch.equal(got.view(torch.uint8), expected.view(torch.uint8))),
+                    "untouched": bool(
+                        torch.equal(
+                            pool.buffer[:, :, _slots(others)].view(torch.uint8),
+                            start[:, :, _slots(others)].view(torch.uint8),
+                        )
+                    ),
+                }
+            )
+    finally:
+        t.close()
+
+
+def _slots(pages: list[int]) -> torch.Tensor:
+    return torch.tensor(
+        [p * PAGE_SIZE + i for p in pages for i in range(PAGE_SIZE)], dtype=torch.int64
+    )
