@@ -83,7 +83,7 @@ class ServerState:
         SGLang-style clients send), accepted without being listed."""
         self.api_key = api_key
         self.admin_api_key = admin_api_key
-        self.metrics = EngineMetrics(engine)
+        self.metrics = EngineMetrics(engine, name)
         self.detok = Detokenizer(engine.tokenizer)
         self.token_bound: TokenBound | None
         try:
