@@ -10,6 +10,7 @@ worker that dies is taken out by smg's health checks while the survivor answers.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,25 @@ def chat(url: str, content: str) -> dict[str, Any]:
     r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=ADMIN, timeout=60)
     assert r.status_code == 200, r.text
     return dict(r.json())
+
+
+def streamed_text(url: str, prompt: str) -> str:
+    """The text of a streamed greedy ``/v1/completions`` answer, its deltas joined."""
+    body = {
+        "model": "tiny-random-llama",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
+    parts = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=ADMIN, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                parts.extend(c["text"] for c in event["choices"])
+    return "".join(parts)
 
 
 def flush(server: ServerProcess) -> None:
@@ -98,6 +118,9 @@ def test_smg_registers_an_sglang_worker_and_routes_to_it(
         assert (
             routed_chat["usage"]["completion_tokens"] == direct_chat["usage"]["completion_tokens"]
         )
+
+        # streamed too: the events' text adds up to the worker's own answer
+        assert streamed_text(smg.url, PROMPT) == streamed_text(worker.url, PROMPT) != ""
 
         # smg's flush reaches the worker: the prompt it had cached is gone
         assert generate(worker.url, PROMPT)["meta_info"]["cached_tokens"] > 0
