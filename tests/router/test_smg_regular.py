@@ -53,7 +53,7 @@ def streamed_text(url: str, prompt: str) -> str:
         "temperature": 0,
         "stream": True,
     }
-    parts = []
+    parts: list[str] = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=ADMIN, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
