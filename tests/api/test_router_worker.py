@@ -5,8 +5,10 @@ names), ``/v1/loads`` and its sections, ``/get_load``, ``/health_generate``, the
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -14,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.engine.engine import Engine, EngineStats
+from hicache.server.router_routes import one_token
 from tests.helpers.api_fixtures import assert_clean, make_engine, post, serve, wait_idle
 
 PROMPT = list(range(300, 345))  # 45 tokens: 11 full 4-token pages
@@ -158,8 +161,6 @@ def test_loads_are_the_published_stats_under_sglang_names(engine: Engine, url: s
         "avg_utilization": 0.0,
     }
     # the timestamp is when the engine read them: an ISO time within the last minute
-    from datetime import datetime
-
     read_at = datetime.fromisoformat(body["timestamp"]).timestamp()
     assert time.time() - 60 < read_at <= time.time()
 
@@ -283,3 +284,11 @@ def test_a_router_flag_set_true_is_refused_naming_it(url: str, path: str, field:
     error = r.json()["error"]
     assert error["param"] == field
     assert f"{field}=" in error["message"] and "not supported" in error["message"]
+
+
+def test_health_generate_past_its_bound_aborts_its_request(engine: Engine) -> None:
+    """A bound shorter than any step: the answer says so, and the request is aborted
+    (the engine ends idle, holding nothing)."""
+    wait_idle(engine)
+    assert asyncio.run(one_token(engine, 1e-6)) == "no token within 1e-06 s"
+    assert_clean(engine)
