@@ -11,9 +11,11 @@ writes it; the test checks that the doc lists exactly these rows).
 Policy: inference and the documentation need ``--api-key`` when one is set; routes that
 change or discard cached state (flushes, attaching or detaching L3) need
 ``--admin-api-key`` and are refused (403) when none is configured; ``/health`` stays open
-(probes and routers read it); ``/metrics`` is open by default, as in SGLang and vLLM
-(scrapers and routers read it), and behind ``--api-key`` with
-``--metrics-require-api-key``.
+(probes and routers read it); ``/metrics`` and the loads (``/v1/loads``, ``/get_load``)
+are open by default, as in SGLang and vLLM (scrapers and routers read them), and behind
+``--api-key`` with ``--metrics-require-api-key``; what the model and server are
+(``/server_info``, ``/model_info``) is the inference key's, as ``/v1/models`` is, and so
+is ``/health_generate``, which runs the model.
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ ROUTE_ACCESS: Mapping[tuple[str, str], Access] = MappingProxyType(
         ("POST", "/flush_cache"): Access.ADMIN,
         ("PUT", "/hicache/storage-backend"): Access.ADMIN,
         ("DELETE", "/hicache/storage-backend"): Access.ADMIN,
+        ("GET", "/server_info"): Access.INFERENCE,
+        ("GET", "/get_server_info"): Access.INFERENCE,
+        ("GET", "/model_info"): Access.INFERENCE,
+        ("GET", "/get_model_info"): Access.INFERENCE,
+        ("GET", "/v1/loads"): Access.METRICS,
+        ("GET", "/get_load"): Access.METRICS,
+        ("GET", "/health_generate"): Access.INFERENCE,
         ("GET", "/openapi.json"): Access.INFERENCE,
         ("GET", "/docs"): Access.INFERENCE,
         ("GET", "/docs/oauth2-redirect"): Access.INFERENCE,
@@ -84,6 +93,13 @@ _WHAT = {
     ("POST", "/flush_cache"): "empties L1 and L2 (every tenant's)",
     ("PUT", "/hicache/storage-backend"): "attaches an L3 backend",
     ("DELETE", "/hicache/storage-backend"): "detaches the L3 backend",
+    ("GET", "/server_info"): "serving arguments under SGLang's names (what a router reads)",
+    ("GET", "/get_server_info"): "`/server_info` under SGLang's older name",
+    ("GET", "/model_info"): "the model: path, tokenizer, type, architectures",
+    ("GET", "/get_model_info"): "`/model_info` under SGLang's older name",
+    ("GET", "/v1/loads"): "load under SGLang's names (the engine's published stats)",
+    ("GET", "/get_load"): "load, SGLang's older form",
+    ("GET", "/health_generate"): "one greedy token through the engine: 200, else 503 and why",
     ("GET", "/openapi.json"): "the OpenAPI schema",
     ("GET", "/docs"): "Swagger UI",
     ("GET", "/docs/oauth2-redirect"): "Swagger UI's OAuth2 redirect",

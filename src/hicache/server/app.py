@@ -8,7 +8,10 @@
   ``/v1/models``, ``/v1/models/{id}``;
 - :mod:`~hicache.server.native_routes`: SGLang's ``/generate``;
 - :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus), and the
-  admin ``POST /flush_cache`` and ``/hicache/storage-backend``.
+  admin ``POST /flush_cache`` and ``/hicache/storage-backend``;
+- :mod:`~hicache.server.router_routes`: what SGLang's router reads from a worker:
+  ``/server_info``, ``/model_info`` (and ``/get_*``), ``/v1/loads``, ``/get_load``,
+  ``/health_generate``.
 
 Errors: every status (400, 401, 403, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's
 error object (``code`` a string or null); a 400 names the field in ``param``, and a body
@@ -47,6 +50,7 @@ from hicache.server.http_base import (
 )
 from hicache.server.native_routes import add_native_routes
 from hicache.server.openai_routes import add_openai_routes
+from hicache.server.router_routes import add_router_routes
 from hicache.server.state import ServerState, refusal_response
 
 
@@ -113,6 +117,7 @@ def create_app(
     add_openai_routes(app, state)
     add_native_routes(app, state)
     add_admin_routes(app, state)
+    add_router_routes(app, state)
     return app
 
 

@@ -42,6 +42,10 @@ def _empty(value: Any) -> bool:
     return not value
 
 
+def _false(value: Any) -> bool:
+    return value is None or value is False
+
+
 def _text_only(value: Any) -> bool:
     return value is None or (isinstance(value, list) and all(m == "text" for m in value))
 
@@ -79,6 +83,12 @@ REFUSED: Mapping[str, Refused] = {
     ),
     "return_hidden_states": Refused(_empty, "hidden states are not returned"),
     "custom_logit_processor": Refused(_absent, "custom logit processors are not supported"),
+    # what SGLang's router (smg) may add, false on every request it forwards
+    "return_entropy": Refused(_false, "per-token entropy is not computed"),
+    "return_bytes": Refused(_false, "token bytes are not returned"),
+    "background": Refused(
+        _false, "background requests are not supported; the answer comes in the response"
+    ),
 }
 """Fields refused unless their value changes nothing, with why."""
 
@@ -101,6 +111,7 @@ KNOWN_NO_OPS: frozenset[str] = frozenset(
         "bootstrap_pair_key",
         "return_text_in_logprobs",
         "log_metrics",
+        "no_logs",
         "separate_reasoning",
         "stream_reasoning",
         "session_params",

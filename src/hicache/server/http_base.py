@@ -97,6 +97,9 @@ _NATIVE_TOP = (
     "priority",
     "return_logprob",
     "logprob_start_len",
+    "background",
+    "return_bytes",
+    "return_entropy",
     "top_logprobs_num",
 )
 

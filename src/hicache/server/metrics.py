@@ -11,11 +11,19 @@ never calls into the engine thread and never waits on it;
 stuck). Request latencies and aborts are observed by the server. Names follow SGLang's where SGLang has one (``sglang:num_running_reqs`` ->
 ``hicache_num_running_reqs``), with the ``hicache_`` prefix.
 
+Beside them, a few of the same gauges under SGLang's own names (:func:`sglang_families`:
+``sglang:token_usage``, ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:cache_hit_rate``,
+labelled ``model_name`` as SGLang's are), for routers and dashboards that read SGLang's
+names (smg's load fallback reads them). They are a second view of those values under
+another prefix: a dashboard sums one prefix or the other, never both.
+
 Every :class:`~hicache.metrics.CacheCounters` field ``x_total`` is exported as the counter
 ``hicache_x_total`` (:func:`counter_metric_name`), generically, so a new field needs no
-change here. Each value has one name: no counter is exported again as a labelled view or
-under a second name, and no gauge repeats another's source (what a dashboard sums must
-not count twice).
+change here. Under the ``hicache_`` prefix each value has one name: no counter is
+exported again as a labelled view or under a second name, and no gauge repeats another's
+source (what a dashboard sums must not count twice); the ``sglang:`` view above is the
+one, deliberate, exception.
 """
 
 from __future__ import annotations
@@ -69,8 +77,9 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 
 
 class _CacheCollector(Collector):
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.snapshot: EngineStats | None = None
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
@@ -81,6 +90,7 @@ class _CacheCollector(Collector):
                 max(0.0, time.monotonic() - snap.at),
             )
             yield from cache_families(snap)
+            yield from sglang_families(snap, self.model_name)
 
 
 class _AgreementCollector(Collector):
@@ -191,6 +201,31 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         yield from l3_wait_families(st)
 
 
+def sglang_families(snap: EngineStats, model_name: str) -> Iterator[Metric]:
+    """SGLang's names for the scheduler and L1 gauges of one snapshot (the same values as
+    ``hicache_num_running_reqs``, ``hicache_num_queue_reqs``, ``hicache_num_used_tokens``,
+    ``hicache_token_usage``, ``hicache_device_total_tokens`` and
+    ``hicache_cache_hit_rate``), each labelled ``model_name``."""
+    s = snap.cache
+    used = s.device_total_tokens - s.device_free_tokens
+    values = (
+        ("num_running_reqs", "Requests in the running batch", snap.running),
+        ("num_queue_reqs", "Requests waiting to be admitted", snap.waiting),
+        ("num_used_tokens", "L1 token slots in use", used),
+        ("max_total_num_tokens", "L1 capacity in tokens", s.device_total_tokens),
+        (
+            "token_usage",
+            "Fraction of L1 token slots in use",
+            used / s.device_total_tokens if s.device_total_tokens else 0.0,
+        ),
+        ("cache_hit_rate", "Prompt tokens served from a cache tier over all", s.hit_rate),
+    )
+    for name, help_text, value in values:
+        family = GaugeMetricFamily(f"sglang:{name}", help_text, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+
+
 def l3_wait_families(st: StorageStats) -> Iterator[Metric]:
     """What callers waited on L3, per backend and operation (``exists``, ``get``,
     ``set``): stalls (batch calls of at least the stall threshold), timeouts (batch
@@ -278,12 +313,14 @@ def component_families(usages: tuple[ComponentUsage, ...]) -> Iterator[Metric]:
 
 
 class EngineMetrics:
-    """A registry of its own (so several engines in one process do not clash)."""
+    """A registry of its own (so several engines in one process do not clash);
+    ``model_name``: the ``model_name`` label of the ``sglang:`` gauges (default: the
+    model's name)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, model_name: str | None = None) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
-        self._cache = _CacheCollector()
+        self._cache = _CacheCollector(model_name or engine.model.name)
         self.registry.register(self._cache)
         self.registry.register(_AgreementCollector(engine))
         self.requests = Counter(

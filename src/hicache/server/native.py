@@ -117,6 +117,33 @@ class GenerateRequest(BootstrapFields):
     return_hidden_states: bool = False
     cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS)
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    # what SGLang's router (smg) adds to every body it forwards
+    model: str | None = None
+    """Not checked: ``/generate`` serves the one model whatever this names, as SGLang's
+    does (smg sends ``"unknown"`` when its client gave none)."""
+    log_metrics: bool = True
+    """Changes nothing: every request is counted in ``/metrics``."""
+    no_logs: bool = False
+    """Changes nothing: requests are not logged above debug level."""
+    background: bool = False
+    """Only false: the answer comes in the response."""
+    return_bytes: bool = False
+    """Only false: token bytes are not returned."""
+    return_entropy: bool = False
+    """Only false: per-token entropy is not computed."""
+
+    def refuse_router_flags(self) -> None:
+        """Refuse ``background``, ``return_bytes`` or ``return_entropy`` set true
+        (:class:`InvalidRequest` naming it): their false values, which smg sends on every
+        request, change nothing."""
+        why = {
+            "background": "background requests are not supported; the answer comes in the response",
+            "return_bytes": "token bytes are not returned",
+            "return_entropy": "per-token entropy is not computed",
+        }
+        for key, reason in why.items():
+            if getattr(self, key):
+                raise InvalidRequest(f"{key}=true is not supported: {reason}", param=key)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """``(prompts, batched)``; raises :class:`InvalidRequest` naming the field."""
@@ -134,6 +161,7 @@ class GenerateRequest(BootstrapFields):
             raise InvalidRequest(
                 "return_hidden_states is not supported", param="return_hidden_states"
             )
+        self.refuse_router_flags()
         self.sampling_params.refuse_unsupported()
         if self.text is not None:
             if isinstance(self.text, str):

@@ -88,7 +88,7 @@ class ServerState:
         self.json_only = engine.config.disagg.mode is DisaggMode.PREFILL
         """A prefill instance answers with one JSON body even when a stream is asked for
         (the router reads it whole; the decode instance streams)."""
-        self.metrics = EngineMetrics(engine)
+        self.metrics = EngineMetrics(engine, name)
         self.detok = Detokenizer(engine.tokenizer)
         self.token_bound: TokenBound | None
         try:
