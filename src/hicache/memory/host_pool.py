@@ -124,6 +124,26 @@ class HostPool(KVPool):
             )
         return tuple(self.buffer[k, page] for k in range(self.spec.num_kv))
 
+    def page_ranges(self, page: int) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each of :meth:`page_view`'s slabs, in kind order: where an
+        address-based mover (NIXL, a transfer engine) finds the page's bytes, no tensor
+        built. Valid while the pool's buffer lives."""
+        if self.layout is MemLayout.LAYER_FIRST:
+            raise NotImplementedError("layer_first host pool: no zero-copy page ranges")
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
+        item = self.buffer.element_size()
+        kind_stride, page_stride = self.buffer.stride(0), self.buffer.stride(1)
+        if self.layout is MemLayout.PAGE_FIRST:
+            start, length = page * self.page_size * page_stride, self.page_size * page_stride
+        else:
+            start, length = page * page_stride, page_stride
+        base = self.buffer.data_ptr()
+        return [
+            (base + (k * kind_stride + start) * item, length * item)
+            for k in range(self.spec.num_kv)
+        ]
+
     def page_bytes_views(self, page: int) -> list[memoryview]:
         """The bytes of :meth:`page_view`'s slabs as writable memoryviews (no tensor is
         built: offsets are computed from the strides, which is what byte-level backends

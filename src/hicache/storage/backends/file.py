@@ -161,6 +161,7 @@ class FileStorage(ConfiguredStorage):
         super().__init__(namespace, options, config=config)
         self.config: FileConfig = config
         self.root = Path(config.path)
+        self._root_str = str(self.root)
         self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -202,10 +203,14 @@ class FileStorage(ConfiguredStorage):
     # -- paths -----------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
         """Where the record of ``key`` lives."""
+        return Path(self.path_str(key))
+
+    def path_str(self, key: str) -> str:
+        """:meth:`path_of` as a ``str`` (no ``Path`` built: cheaper per page)."""
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"unsafe key {key!r}")
         tail = key.rsplit("-", 1)[-1]
-        return self.root / tail[:2] / key
+        return os.path.join(self._root_str, tail[:2], key)
 
     @staticmethod
     def _unlink(path: Path) -> None:

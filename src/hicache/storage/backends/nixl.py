@@ -45,7 +45,6 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
@@ -205,7 +204,7 @@ class NixlStorage(FileStorage):
             return [MissReason.ERROR] * len(idx)
         try:
             ranges = self._ranges(pages, idx, arena, zero_copy, rec)
-            paths = [self.path_of(keys[i].key) for i in idx]
+            paths = [self.path_str(keys[i].key) for i in idx]
             agent = self._agent
             assert agent is not None
             found, errors = self._call(
@@ -245,11 +244,9 @@ class NixlStorage(FileStorage):
         if not zero_copy:
             return [[(base + j * rec, rec)] for j in range(len(idx))]
         assert isinstance(pages, HostPages)
+        host, page = pages.host, pages.pages
         return [
-            [
-                (base + j * HEADER_SIZE, HEADER_SIZE),
-                *((v.data_ptr(), v.numel()) for v in pages.views(i)),
-            ]
+            [(base + j * HEADER_SIZE, HEADER_SIZE), *host.page_ranges(page[i])]
             for j, i in enumerate(idx)
         ]
 
@@ -309,7 +306,7 @@ class NixlStorage(FileStorage):
         replace: Sequence[bool],
     ) -> list[SetOutcome]:
         out = {i: SetOutcome.SKIPPED for i in idx}
-        todo = [i for i in idx if replace[i] or not self.path_of(keys[i].key).is_file()]
+        todo = [i for i in idx if replace[i] or not os.path.isfile(self.path_str(keys[i].key))]
         if not todo:
             return [out[i] for i in idx]
         rec = record_size(pages.payload_len)
@@ -332,7 +329,7 @@ class NixlStorage(FileStorage):
                         raw[off : off + p.nbytes] = p
                         off += p.nbytes
             ranges = self._ranges(pages, todo, arena, zero_copy, rec)
-            paths = [self.path_of(keys[i].key) for i in todo]
+            paths = [self.path_str(keys[i].key) for i in todo]
             agent = self._agent
             assert agent is not None
             late = threading.Event()
@@ -365,7 +362,7 @@ class NixlStorage(FileStorage):
 
 
 def _read_records(
-    agent: PosixAgent, paths: Sequence[Path], ranges: Sequence[Ranges], rec: int
+    agent: PosixAgent, paths: Sequence[str], ranges: Sequence[Ranges], rec: int
 ) -> tuple[list[MissReason | None], list[str]]:
     """Open each record file, check its size, and read the good-sized ones into their
     host ranges in one transfer. Returns per file None (read; its record still to be
@@ -382,7 +379,7 @@ def _read_records(
                 found.append(MissReason.ABSENT)
                 continue
             except OSError as e:
-                errors.append(f"{path.name}: {e!r}")
+                errors.append(f"{os.path.basename(path)}: {e!r}")
                 found.append(MissReason.ERROR)
                 continue
             opened.append(fd)
@@ -408,7 +405,7 @@ def _read_records(
 
 def _write_records(
     agent: PosixAgent,
-    paths: Sequence[Path],
+    paths: Sequence[str],
     ranges: Sequence[Ranges],
     fsync: bool,
     late: threading.Event,
@@ -418,17 +415,19 @@ def _write_records(
     Returns per record whether it is in place, and the error messages."""
     written = [False] * len(paths)
     errors: list[str] = []
-    tmps: dict[int, Path] = {}
+    tmps: dict[int, str] = {}
     fds: dict[int, int] = {}
     try:
         for j, path in enumerate(paths):
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+            folder, name = os.path.split(path)
+            tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
             try:
-                path.parent.mkdir(mode=0o700, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder, 0o700)
                 fds[j] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 tmps[j] = tmp
             except OSError as e:
-                errors.append(f"{path.name}: {e!r}")
+                errors.append(f"{name}: {e!r}")
                 if e.errno in _FULL:  # the rest would fail the same way
                     break
         todo = list(fds.items())
@@ -452,9 +451,9 @@ def _write_records(
                 os.replace(tmps.pop(j), paths[j])
                 written[j] = True
             except OSError as e:
-                errors.append(f"{paths[j].name}: {e!r}")
+                errors.append(f"{os.path.basename(paths[j])}: {e!r}")
         if fsync:
-            for parent in {paths[j].parent for j, ok in enumerate(written) if ok}:
+            for parent in {os.path.dirname(paths[j]) for j, ok in enumerate(written) if ok}:
                 dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     os.fsync(dfd)
@@ -465,7 +464,7 @@ def _write_records(
             os.close(fd)
         for tmp in tmps.values():
             with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+                os.unlink(tmp)
     return written, errors
 
 
