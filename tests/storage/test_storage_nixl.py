@@ -256,3 +256,14 @@ def test_unusable_directory_fails_start(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(StorageError, match="cannot use directory"):
         storage(tmp_path / "f" / "sub").start()
+
+
+def test_no_socket_is_opened(tmp_path: Path) -> None:
+    """The agent is made without NIXL's listener thread and with the POSIX plugin alone:
+    nothing listens (docs/security.md)."""
+    from hicache.storage.backends.mooncake_net import tcp_listeners
+
+    before = set(tcp_listeners())
+    with storage(tmp_path) as st:
+        assert st.batch_set(keys(1, first=800), pool(1), [0]).all_ok
+        assert set(tcp_listeners()) <= before
