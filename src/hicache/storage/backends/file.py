@@ -224,7 +224,7 @@ class FileStorage(ConfiguredStorage):
             if deadline.expired:
                 self._stats.timeout("exists", deadline.timeout_s)
                 break
-            if not self.path_of(k.key).is_file():
+            if not os.path.isfile(self.path_str(k.key)):
                 break
             n += 1
         return n

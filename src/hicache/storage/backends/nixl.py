@@ -154,11 +154,18 @@ class NixlStorage(FileStorage):
     ) -> T:
         """``fn()`` on the runner within ``deadline``; the call releases its reference to
         ``arena`` when it ends, and keeps ``keep`` (a host buffer it moves bytes of)
-        referenced until then. Raises :class:`_Timeout` (counted) past the deadline or
-        behind a stuck call; ``fn``'s own exception propagates."""
+        referenced until then. A call still queued at the deadline never runs. Raises
+        :class:`_Timeout` (counted) past the deadline or behind a stuck call; ``fn``'s own
+        exception propagates."""
         keep_alive = [keep]
+        gate = threading.Lock()
+        state = {"started": False, "dropped": False}
 
-        def run() -> T:
+        def run() -> T | None:
+            with gate:
+                if state["dropped"]:
+                    return None
+                state["started"] = True
             try:
                 return fn()
             finally:
@@ -166,8 +173,12 @@ class NixlStorage(FileStorage):
                 keep_alive.clear()
 
         res = self._runner.call(run, deadline.remaining, writes_host=writes_host)
-        if res.refused:
-            arena.release()  # never ran
+        if not res.ok:
+            with gate:
+                if not state["started"]:  # never ran, and now never will
+                    state["dropped"] = True
+                    arena.release()
+                    keep_alive.clear()
         if res.timed_out or res.refused:
             self._stats.timeout(op, deadline.timeout_s)
             raise _Timeout(op)
