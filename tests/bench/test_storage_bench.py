@@ -42,3 +42,19 @@ def test_bench_aibrix_runs_beside_raw_aibrix(tmp_path: Path) -> None:
         ("aibrix-rocksdb", "get"),
     ]
     assert all(r["hicache_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["results"])
+
+
+def test_bench_nixl_runs_beside_raw_nixl(tmp_path: Path) -> None:
+    from tests.helpers.storage_fixtures import require_nixl
+
+    require_nixl()
+    out = tmp_path / "bench.json"
+    argv = ["--backends", "nixl", "--objects", "4", "--object-mib", "0.0625", "--repeat", "1"]
+    assert main([*argv, "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["backend"], r["op"]) for r in doc["results"]] == [("nixl", "put"), ("nixl", "get")]
+    assert all(r["hicache_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["results"])
+    raw = sorted(p.stat().st_size for p in (tmp_path / "d" / "raw-nixl").iterdir())
+    assert raw == [64 << 10] * 4  # the page bytes alone, one file each
+    records = [p for p in (tmp_path / "d" / "hicache-nixl").rglob("hc*") if p.is_file()]
+    assert sorted(p.stat().st_size for p in records) == [(64 << 10) + 64] * 4

@@ -226,7 +226,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
 
 def corrupt_record(engine: Engine, key: PageKey) -> None:
     """Damage ``key``'s record in the engine's L3 store itself: flip a payload byte
-    (``file``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
+    (``file`` and ``nixl``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
     whose client cannot read a record back without a local buffer)."""
     l3 = engine.cache.storage
     assert l3 is not None
@@ -260,7 +260,7 @@ def corrupt_record(engine: Engine, key: PageKey) -> None:
         arena.release()
 
 
-@pytest.mark.parametrize("backend", ["file", "redis", "mooncake", "aibrix-shfs"])
+@pytest.mark.parametrize("backend", ["file", "redis", "mooncake", "aibrix-shfs", "nixl"])
 def test_a_corrupt_record_is_healed_by_the_recompute(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path, reference: list[int]
 ) -> None:
@@ -308,7 +308,7 @@ def _generate_in_subprocess(backend: str, extra: dict[str, object]) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("backend", ["redis", "mooncake", "aibrix-shfs"])
+@pytest.mark.parametrize("backend", ["redis", "mooncake", "aibrix-shfs", "nixl"])
 def test_distributed_store_flush_replay_and_sharing(
     backend: str, request: pytest.FixtureRequest, reference: list[int]
 ) -> None:

@@ -36,6 +36,17 @@ def require_aibrix() -> None:
         missing("aibrix-kvcache", f"`make venv` installs requirements/aibrix.txt: {e}")
 
 
+def require_nixl() -> None:
+    """Skip (fail under CI) unless NIXL imports (``requirements/nixl.txt``)."""
+    from hicache.storage.backends.nixl_client import require_nixl as probe
+    from hicache.storage.base import StorageError
+
+    try:
+        probe()
+    except StorageError as e:
+        missing("nixl", f"`make venv` installs requirements/nixl.txt: {e}")
+
+
 @pytest.fixture(scope="session")
 def redis_service() -> Iterator[RedisServer]:
     """A ``redis-server`` for the whole session (tests share it; keys are namespaced)."""
@@ -85,7 +96,8 @@ def backend_config(
     """The registry name and extra config of test backend ``backend`` (``memory``, ``file``
     under ``tmp_dir``, ``redis`` / ``valkey`` / ``mooncake`` / ``mooncake_copy`` through
     the session's service fixtures, ``aibrix-shfs`` / ``aibrix-rocksdb``: AIBrix KVCache
-    with that L2 connector under ``tmp_dir``)."""
+    with that L2 connector under ``tmp_dir``, ``nixl``: NIXL's POSIX plugin under
+    ``tmp_dir``)."""
     if backend.startswith("aibrix-"):
         require_aibrix()
         connector = backend.removeprefix("aibrix-")
@@ -94,6 +106,9 @@ def backend_config(
         return "memory", {}
     if backend == "file":
         return "file", {"file_path": str(tmp_dir)}
+    if backend == "nixl":
+        require_nixl()
+        return "nixl", {"file_path": str(tmp_dir)}
     if backend in ("redis", "valkey"):
         server = request.getfixturevalue(f"{backend}_service")
         return "redis", {"url": server.url}

@@ -400,3 +400,18 @@ def test_page_bytes_views_are_the_page_view_bytes(layout: str) -> None:
         ]
     host.page_bytes_views(3)[1][0:2] = b"\x01\x02"  # writable, into the pool itself
     assert host.page_view(3)[1].reshape(-1).view(torch.uint8)[:2].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_page_ranges_are_the_page_view_slabs(layout: str) -> None:
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16")
+    host = HostPool.create(spec, 5, 2, layout, "cpu")
+    for page in range(5):
+        slabs = host.page_view(page)
+        assert host.page_ranges(page) == [
+            (s.data_ptr(), s.numel() * s.element_size()) for s in slabs
+        ]
+    with pytest.raises(IndexError):
+        host.page_ranges(5)
+    with pytest.raises(NotImplementedError):
+        HostPool.create(spec, 5, 2, "layer_first", "cpu").page_ranges(0)

@@ -105,7 +105,7 @@ def open_backend(
     return open_component_storage(backend, request, tmp_path, base, "mamba")
 
 
-@pytest.mark.parametrize("backend", ["memory", "file", "redis", "mooncake", "aibrix-shfs"])
+@pytest.mark.parametrize("backend", ["memory", "file", "redis", "mooncake", "aibrix-shfs", "nixl"])
 @pytest.mark.parametrize("layout", list(MemLayout))
 def test_host_l3_host_is_byte_exact(
     backend: str, layout: MemLayout, request: pytest.FixtureRequest, tmp_path: Path

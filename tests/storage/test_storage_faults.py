@@ -1,4 +1,5 @@
-"""Network backends under failure: a killed or frozen server means misses within the deadline.
+"""Backends under failure: a killed or frozen server (redis, mooncake), a lost directory or a
+hung file (nixl) means misses within the deadline.
 
 Each test runs its own private server (it gets killed), so the session services are not
 disturbed. "Within the deadline" allows generous slack over ``timeout_s`` for slow CI.
@@ -7,9 +8,11 @@ disturbed. "Within the deadline" allows generous slack over ``timeout_s`` for sl
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from hicache.memory import HostPool
 from hicache.services import free_port
 from hicache.storage import HiCacheStorage, StorageError, StorageOptions, create_storage
 from tests.helpers.services import start_mooncake
+from tests.helpers.storage_fixtures import require_nixl
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 4
@@ -156,3 +160,58 @@ def test_start_without_a_server_fails_fast(backend: str) -> None:
         st.start()
     assert time.monotonic() - t < 2.0 + SLACK_S
     st.close()
+
+
+# -- nixl: local files, so the faults are the directory's and a file system that hangs --
+
+
+def test_nixl_directory_lost(tmp_path: Path) -> None:
+    """The record directory removed under a running nixl backend: reads are absent, writes
+    fail (counted), nothing raises; once it is back, writes land again."""
+    require_nixl()
+    root = tmp_path / "l3"
+    st = create_storage("nixl", namespace=NS, extra_config={"file_path": str(root)}, options=opts())
+    src = pool()
+    with st:
+        present = keys(0, 2)
+        assert st.batch_set(present, src, [0, 1]).all_ok
+        shutil.rmtree(root)
+        for op in (
+            lambda: st.batch_exists(present),
+            lambda: st.batch_get(present, pool(), [4, 5]),
+            lambda: st.batch_set(keys(9000, 2), src, [2, 3]).ok,
+        ):
+            out, dt = timed(op)
+            assert out in (0, [False, False]), out
+            assert dt < TIMEOUT_S + SLACK_S
+        s = st.stats()
+        assert s.miss("absent") == 2 and s.set_failed == 2 and s.errors == 1
+        root.mkdir()
+        assert st.batch_set(present, src, [0, 1]).all_ok
+        assert st.batch_get(present, pool(), [4, 5]) == [True, True]
+
+
+def test_nixl_close_with_a_stuck_read_returns(tmp_path: Path) -> None:
+    """A read stuck in a hung file (a FIFO without a writer): close waits at most the
+    deadline, then leaves the NIXL agent to the stuck call instead of tearing it down."""
+    require_nixl()
+    st = create_storage(
+        "nixl", namespace=NS, extra_config={"file_path": str(tmp_path)}, options=opts()
+    )
+    src = pool()
+    ks = keys(0, 1)
+    st.start()
+    fifo = st.path_of(ks[0].key)  # type: ignore[attr-defined]
+    try:
+        assert st.batch_set(ks, src, [0]).all_ok
+        fifo.unlink()
+        os.mkfifo(fifo)
+        assert st.batch_get(ks, pool(), [4]) == [False]
+        _, dt = timed(st.close)
+        assert dt < TIMEOUT_S + SLACK_S
+        assert st.stats().errors == 1  # the close that left the agent
+        assert not st.host_writes_settled(0)
+    finally:
+        os.close(os.open(fifo, os.O_WRONLY))
+        st.close()
+    assert st.host_writes_settled(5.0)

@@ -3,11 +3,12 @@
 The fake backend's ``get_delay_s`` makes a get's read land after ``batch_get`` returned
 (like a zero-copy Mooncake get behind a frozen store); ``host_writes_settled`` must say
 False exactly until those bytes have landed. Under CI the same is checked against a real,
-frozen Mooncake store.
+frozen Mooncake store, and a nixl get behind a record file that stalls.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from hicache.storage import (
 )
 from hicache.storage.deadline import DeadlineRunner
 from tests.helpers.services import start_mooncake
+from tests.helpers.storage_fixtures import require_nixl
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 4
@@ -162,3 +164,47 @@ def test_mooncake_zero_copy_get_behind_a_frozen_store() -> None:
     finally:
         svc.kill()
         svc.close()
+
+
+def test_nixl_get_behind_a_stalled_record_file(tmp_path: Path) -> None:
+    """A nixl get whose record file stalls (a FIFO whose open blocks until a writer comes,
+    as a hung file system would): the batch ends at its deadline with timeout misses,
+    the stuck call is reported unsettled, and calls behind it are refused as timeouts
+    until it returns; then the backend works again."""
+    require_nixl()
+    st = create_storage(
+        "nixl",
+        namespace=NS,
+        extra_config={"file_path": str(tmp_path)},
+        options=StorageOptions(timeout_s=0.3, stall_s=0.2),
+    )
+    src, dst = pool(1.0), pool(0.0)
+    ks = keys(400, 2)
+    with st:
+        assert st.batch_set(ks, src, [0, 1]).all_ok
+        fifo = st.path_of(ks[1].key)  # type: ignore[attr-defined]
+        fifo.unlink()
+        os.mkfifo(fifo)
+        unblocked = False
+        try:
+            t = time.monotonic()
+            assert st.batch_get(ks, dst, [2, 3]) == [False, False]
+            assert time.monotonic() - t < 0.3 + 0.5
+            assert not st.host_writes_settled(0)
+            assert st.batch_get(ks[:1], dst, [4]) == [False]  # refused behind the stuck call
+            assert st.batch_set(keys(500, 1), src, [2]).failed == 1
+            s = st.stats()
+            assert s.miss("timeout") == 3 and s.set_failed == 1
+            assert dict(s.op_timeouts) == {"exists": 0, "get": 2, "set": 1}
+            assert s.stalls["get"] == 1  # the one that waited its deadline
+            os.close(os.open(fifo, os.O_WRONLY))  # a writer comes: the open returns
+            unblocked = True
+            assert st.host_writes_settled(5.0)
+        finally:
+            if not unblocked:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        fifo.unlink()
+        assert st.batch_get(ks, dst, [2, 3]) == [True, False]  # absent now
+        assert st.batch_set(ks, src, [0, 1]).outcomes[1].value == "written"
+        assert st.batch_get(ks, dst, [2, 3]) == [True, True]
+    assert torch.equal(dst.read_pages([2, 3]), src.read_pages([0, 1]))

@@ -10,7 +10,11 @@ through the bare client it wraps:
 - ``mooncake``: ``batch_put_from`` / ``batch_get_into`` from / into a registered buffer;
 - ``aibrix-shfs`` / ``aibrix-rocksdb``: AIBrix KVCache's own ``allocate_for`` + ``put`` and
   ``acquire`` of the page bytes (one block each, keyed by ``BlockHashes``), on a store of
-  their own beside the backend's (same connector, same root).
+  their own beside the backend's (same connector, same root);
+- ``nixl``: NIXL's POSIX plugin straight from its API, on an agent of its own: the page
+  bytes (one file each, opened and registered as ``FILE``) written from / read into a
+  registered buffer in one transfer per batch, polled to its end; no record header, no
+  checksum, no temp file and rename, no size check, no worker thread.
 
 Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
 ``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
@@ -50,7 +54,7 @@ from hicache.storage.registry import create_storage
 
 __all__ = ["BACKENDS", "BenchResult", "main"]
 
-BACKENDS = ("file", "redis", "mooncake", "aibrix-shfs", "aibrix-rocksdb")
+BACKENDS = ("file", "redis", "mooncake", "aibrix-shfs", "aibrix-rocksdb", "nixl")
 """What ``--backends`` accepts."""
 
 TOKEN_BYTES = 32 << 10
@@ -208,6 +212,67 @@ class _RawAibrix(_Raw):
 
     def close(self) -> None:
         self.manager.close()
+
+
+class _RawNixl(_Raw):
+    """NIXL's POSIX plugin without hicache's records: the page bytes, one file each."""
+
+    def __init__(self, root: Path) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        from hicache.storage.backends.nixl_client import require_nixl
+
+        require_nixl()  # quiets NIXL's INFO lines on stdout
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.agent = nixl_agent(
+            f"raw-{uuid.uuid4().hex[:8]}",
+            nixl_agent_config(enable_prog_thread=False, backends=[]),
+        )
+        self.agent.create_backend("POSIX", {})
+        self._regs: list[Any] = []
+
+    def buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        area = torch.zeros(n * nbytes, dtype=torch.uint8)
+        self._regs.append(
+            self.agent.register_memory([(area.data_ptr(), area.numel(), 0, "")], "DRAM")
+        )
+        self._regs.append(area)  # registered memory must outlive its registration
+        return list(area.view(n, nbytes).unbind(0))
+
+    def _move(self, op: str, keys: list[str], bufs: list[torch.Tensor], flags: int) -> None:
+        agent = self.agent
+        fds = [os.open(self.root / k, flags, 0o600) for k in keys]
+        try:
+            files = agent.register_memory(
+                [(0, b.numel(), fd, "") for fd, b in zip(fds, bufs, strict=True)], "FILE"
+            )
+            local = agent.get_xfer_descs([(b.data_ptr(), b.numel(), 0) for b in bufs], "DRAM")
+            remote = agent.get_xfer_descs(
+                [(0, b.numel(), fd) for fd, b in zip(fds, bufs, strict=True)], "FILE"
+            )
+            handle = agent.initialize_xfer(op, local, remote, agent.name)
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            handle.release()
+            agent.deregister_memory(files)
+            if state != "DONE":
+                raise RuntimeError(f"raw nixl {op} ended {state}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def put(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        self._move("WRITE", keys, bufs, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+    def get(self, keys: list[str], bufs: list[torch.Tensor]) -> None:
+        self._move("READ", keys, bufs, os.O_RDONLY)
+
+    def close(self) -> None:
+        for reg in self._regs:
+            if not isinstance(reg, torch.Tensor):
+                self.agent.deregister_memory(reg)
 
 
 def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[BenchResult]:
@@ -370,6 +435,17 @@ def _make_case(
             backend,
             lambda ns: create_storage("aibrix", namespace=ns, extra_config=extra, options=opts),
             raw_ab,
+        )
+    if backend == "nixl":
+        nixl_root = scratch / "hicache-nixl"
+        raw_nixl = _RawNixl(scratch / "raw-nixl")
+        stack.callback(raw_nixl.close)
+        return _Case(
+            "nixl",
+            lambda ns: create_storage(
+                "nixl", namespace=ns, extra_config={"file_path": str(nixl_root)}, options=opts
+            ),
+            raw_nixl,
         )
     if backend == "file":
         root = scratch / "hicache"

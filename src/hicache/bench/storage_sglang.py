@@ -6,12 +6,14 @@ token; ``--object-mib`` MiB pages, ``--objects`` of them, layout ``--layout``), 
 pages are written and read back through:
 
 - ``hicache`` (``HiCacheL3``, ``interface_v1``: ``batch_set_v1`` / ``batch_get_v1``, records
-  with checksums) over hicache's ``file`` and ``mooncake`` backends;
+  with checksums) over hicache's ``file``, ``mooncake`` and ``nixl`` backends;
 - SGLang's own ``file`` (``HiCacheFile``: SGLang's copying path, ``get_data_page`` /
   ``batch_set`` and ``batch_get`` into dummy flat pages then ``set_from_flat_data_page``,
-  which is what its cache controller runs for it) and ``mooncake`` (``MooncakeStore``,
-  zero-copy ``batch_set_v1`` / ``batch_get_v1``), each built by SGLang's
-  ``StorageBackendFactory`` as SGLang builds it.
+  which is what its cache controller runs for it), ``mooncake`` (``MooncakeStore``,
+  zero-copy ``batch_set_v1`` / ``batch_get_v1``) and ``nixl`` (``HiCacheNixl`` with NIXL's
+  POSIX plugin, ``batch_set_v1`` / ``batch_get_v1``; its directory from
+  ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``, set to a folder of ``--dir`` while it is
+  built), each built by SGLang's ``StorageBackendFactory`` as SGLang builds it.
 
 GB/s counts page bytes (10**9 B/s), the median of ``--repeat`` runs (fresh keys each run,
 who goes first alternating). A Mooncake master (and segment holder) is started locally
@@ -48,7 +50,7 @@ __all__ = ["SGLangBenchResult", "main"]
 LAYERS, HEADS, DIM = 8, 8, 128
 TOKEN_BYTES = 2 * LAYERS * HEADS * DIM * 2
 """Bytes per token of the pool: 8 layers x K,V x 8 heads x 128 dims x bfloat16 (32 KiB)."""
-BACKENDS = ("file", "mooncake")
+BACKENDS = ("file", "mooncake", "nixl")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 
@@ -147,10 +149,30 @@ def _attach(name: str, extra: dict[str, Any], pool: Any) -> Any:
     return backend
 
 
+def _attach_sglang(store: str, extra: dict[str, Any], pool: Any, root: Path) -> Any:
+    """SGLang's own ``store`` backend; its ``nixl`` (``HiCacheNixl``, the POSIX plugin)
+    takes its directory from ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR`` only, set for its
+    construction to a folder of ``root``."""
+    if store != "nixl":
+        return _attach(store, extra, pool)
+    var = "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"
+    folder = root / "sglang-nixl"
+    folder.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get(var)
+    os.environ[var] = str(folder)
+    try:
+        return _attach(store, extra, pool)
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+
+
 def _hicache_extra(store: str, root: Path, master: str) -> dict[str, Any]:
     own = (
-        {"file_path": str(root / "hicache")}
-        if store == "file"
+        {"file_path": str(root / f"hicache-{store}")}
+        if store in ("file", "nixl")
         else {"master_server_address": master}
     )
     return {
@@ -168,6 +190,8 @@ def _hicache_extra(store: str, root: Path, master: str) -> dict[str, Any]:
 def _sglang_extra(store: str, root: Path, master: str) -> dict[str, Any]:
     if store == "file":
         return {"file_storage_path": str(root / "sglang")}
+    if store == "nixl":  # its directory comes from the environment (_attach_sglang)
+        return {}
     return {
         "master_server_address": master,
         "metadata_server": "P2PHANDSHAKE",
@@ -217,7 +241,7 @@ def _run_store(
     theirs: Any = None
     note = ""
     try:
-        theirs = _attach(store, _sglang_extra(store, root, master), p.pool)
+        theirs = _attach_sglang(store, _sglang_extra(store, root, master), p.pool, root)
     except Exception as e:  # SGLang's backend may not run here: say why
         note = f"SGLang's {store} backend could not start: {e!r}"[:200]
     sg_put, sg_get = (_copy_put, _copy_get) if store == "file" else (_v1_put, _v1_get)
@@ -285,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hicache bench storage --sglang", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--backends", default="file,mooncake", help="comma list of file, mooncake")
+    p.add_argument("--backends", default="file,mooncake", help="comma list of file, mooncake, nixl")
     p.add_argument("--object-mib", type=float, default=1.0, help="page size in MiB (default 1)")
     p.add_argument("--objects", type=int, default=64, help="pages per batch (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure (median; default 3)")

@@ -5,7 +5,7 @@ secondary tier its entry's keys. Either way the keys fall in three groups:
 
 - the engine's own (``engine_keys``, read by the engine itself), ignored here;
 - this integration's (:data:`OWN_KEYS`): ``hicache_backend`` (a registry name such as
-  ``file`` (default), ``redis``, ``mooncake``, ``aibrix``, or ``package.module:Class``),
+  ``file`` (default), ``redis``, ``mooncake``, ``aibrix``, ``nixl``, or ``package.module:Class``),
   ``hicache_model`` (the namespace's model name instead of the engine's) and
   ``hicache_weights_fingerprint`` (checkpoint revision or hash, default ``"unset"``);
 - every other key goes to hicache's registry (:meth:`StorageConfig.parse`) as that backend's

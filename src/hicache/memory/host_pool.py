@@ -65,6 +65,8 @@ class HostPool(KVPool):
         self._huge_pages = advise_huge_pages(self.buffer)  # before the first touch
         self.buffer.zero_()
         self._bytes = self.buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        self._geometry: tuple[int, int, int] | None = None
+        """:meth:`page_ranges`' byte geometry of the buffer, once computed."""
 
     @classmethod
     def create(
@@ -123,6 +125,25 @@ class HostPool(KVPool):
                 self.buffer[k, page * ps : (page + 1) * ps] for k in range(self.spec.num_kv)
             )
         return tuple(self.buffer[k, page] for k in range(self.spec.num_kv))
+
+    def page_ranges(self, page: int) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each of :meth:`page_view`'s slabs, in kind order: where an
+        address-based mover (NIXL, a transfer engine) finds the page's bytes, no tensor
+        built. Valid while the pool's buffer lives."""
+        if self.layout is MemLayout.LAYER_FIRST:
+            raise NotImplementedError("layer_first host pool: no zero-copy page ranges")
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
+        geometry = self._geometry
+        if geometry is None:  # bytes: buffer address, kind stride, page stride, page length
+            item = self.buffer.element_size()
+            kind_stride, page_stride = self.buffer.stride(0), self.buffer.stride(1)
+            per_page = page_stride * (self.page_size if self.layout is MemLayout.PAGE_FIRST else 1)
+            geometry = (self.buffer.data_ptr(), kind_stride * item, per_page * item)
+            self._geometry = geometry
+        base, kind_bytes, page_bytes = geometry
+        start = base + page * page_bytes
+        return [(start + k * kind_bytes, page_bytes) for k in range(self.spec.num_kv)]
 
     def page_bytes_views(self, page: int) -> list[memoryview]:
         """The bytes of :meth:`page_view`'s slabs as writable memoryviews (no tensor is

@@ -94,7 +94,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--hicache-load-back-threshold", type=int, default=10, help="tokens")
     c.add_argument(
-        "--hicache-storage-backend", default=None, help="file | mooncake | redis | module:Class"
+        "--hicache-storage-backend",
+        default=None,
+        help="file | mooncake | redis | aibrix | nixl | module:Class",
     )
     c.add_argument(
         "--hicache-storage-prefetch-policy",
@@ -356,7 +358,7 @@ def check_flags(a: argparse.Namespace) -> None:
             "--hicache-storage-backend-extra-config",
             a.hicache_storage_backend_extra_config,
             "it configures an L3 backend, so it needs --hicache-storage-backend"
-            " (file, mooncake, redis or module:Class)",
+            " (file, mooncake, redis, aibrix, nixl or module:Class)",
         )
     for flag, key in (("--api-key", "api_key"), ("--admin-api-key", "admin_api_key")):
         if getattr(a, key, None) == "":

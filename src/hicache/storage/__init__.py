@@ -1,8 +1,8 @@
 """L3 storage: the :class:`HiCacheStorage` contract, page records, backends and registry.
 
 Backends (in :mod:`.backends`, one module each): ``file``, ``memory`` (a fake for tests),
-``redis`` (Redis or Valkey), ``mooncake``, or ``package.module:Class``. Build one with
-:func:`create_storage`. The store processes they talk to are launched by
+``redis`` (Redis or Valkey), ``mooncake``, ``aibrix``, ``nixl``, or ``package.module:Class``.
+Build one with :func:`create_storage`. The store processes they talk to are launched by
 :mod:`hicache.services`.
 """
 

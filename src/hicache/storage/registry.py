@@ -1,7 +1,8 @@
 """Backend registry and the one parse step of a backend's extra config.
 
 Built-in names: ``file`` (default), ``memory`` (fake, for tests), ``redis``, ``mooncake``,
-``aibrix`` (AIBrix KVCache; modules under :mod:`hicache.storage.backends`). Their modules are imported only when
+``aibrix`` (AIBrix KVCache), ``nixl`` (NIXL's POSIX plugin over record files; modules
+under :mod:`hicache.storage.backends`). Their modules are imported only when
 used, so a missing optional client package only matters to the backend that needs it.
 A custom backend is ``package.module:Class`` (a :class:`HiCacheStorage` subclass) or a
 factory given to :func:`register_backend`.
@@ -59,6 +60,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "redis": "hicache.storage.backends.redis:RedisStorage",
     "mooncake": "hicache.storage.backends.mooncake:MooncakeStorage",
     "aibrix": "hicache.storage.backends.aibrix:AibrixStorage",
+    "nixl": "hicache.storage.backends.nixl:NixlStorage",
 }
 
 _REGISTERED: dict[str, StorageFactory] = {}

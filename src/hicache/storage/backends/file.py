@@ -45,13 +45,15 @@ from hicache.storage.pageio import Payloads
 from hicache.storage.record import HEADER_SIZE, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
 
-__all__ = ["DEFAULT_DIR", "ENV_DIR", "STALE_TMP_S", "FileConfig", "FileStorage"]
+__all__ = ["DEFAULT_DIR", "ENV_DIR", "STALE_TMP_S", "TMP_SUFFIX", "FileConfig", "FileStorage"]
 
 DEFAULT_DIR = "/tmp/hicache"
 ENV_DIR = "HICACHE_FILE_BACKEND_STORAGE_DIR"
 STALE_TMP_S = 600.0
 """A temp file older than this (seconds) at start is a crash leftover and is removed."""
-_TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = ".tmp"
+"""Suffix of a record being written (renamed into place when complete); the start-up sweep
+removes such files older than :data:`STALE_TMP_S`."""
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -159,6 +161,7 @@ class FileStorage(ConfiguredStorage):
         super().__init__(namespace, options, config=config)
         self.config: FileConfig = config
         self.root = Path(config.path)
+        self._root_str = str(self.root)
         self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -187,7 +190,7 @@ class FileStorage(ConfiguredStorage):
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if e.name.endswith(_TMP_SUFFIX):
+                    if e.name.endswith(TMP_SUFFIX):
                         if now - st.st_mtime > STALE_TMP_S:
                             self._unlink(Path(e.path))
                     elif self._index is not None:
@@ -200,10 +203,14 @@ class FileStorage(ConfiguredStorage):
     # -- paths -----------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
         """Where the record of ``key`` lives."""
+        return Path(self.path_str(key))
+
+    def path_str(self, key: str) -> str:
+        """:meth:`path_of` as a ``str`` (no ``Path`` built: cheaper per page)."""
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"unsafe key {key!r}")
         tail = key.rsplit("-", 1)[-1]
-        return self.root / tail[:2] / key
+        return os.path.join(self._root_str, tail[:2], key)
 
     @staticmethod
     def _unlink(path: Path) -> None:
@@ -217,7 +224,7 @@ class FileStorage(ConfiguredStorage):
             if deadline.expired:
                 self._stats.timeout("exists", deadline.timeout_s)
                 break
-            if not self.path_of(k.key).is_file():
+            if not os.path.isfile(self.path_str(k.key)):
                 break
             n += 1
         return n
@@ -312,7 +319,7 @@ class FileStorage(ConfiguredStorage):
         path.parent.mkdir(mode=0o700, exist_ok=True)
         parts = pages.parts(i)
         header = encode_header(self._digest_of(key), key.fingerprint, parts)
-        tmp = path.with_name(f".{key.key}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}")
+        tmp = path.with_name(f".{key.key}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
