@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from hicache.config import CacheConfig, PrefetchPolicy
-from hicache.disagg.config import DisaggConfig
+from hicache.config import CacheConfig, PrefetchPolicy, WritePolicy
+from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
@@ -95,6 +95,22 @@ class EngineConfig:
             raise ValueError(
                 f"tp_size={self.tp_size!r} is invalid; a {self.disagg.mode.value} instance"
                 " of prefill/decode disaggregation runs at tp_size 1 for now"
+            )
+        if (
+            self.disagg.mode is DisaggMode.DECODE
+            and self.storage_backend is not None
+            and not self.disagg.decode_offload
+        ):
+            raise ValueError(
+                "decode_offload=False is invalid with an L3 backend on a decode instance: it"
+                " writes L3 only with decode offload (each finished conversation, whole); add"
+                " it, or leave the L3 backend out"
+            )
+        if self.disagg.decode_offload and self.cache.write_policy is not WritePolicy.WRITE_THROUGH:
+            raise ValueError(
+                f"write_policy={self.cache.write_policy.value!r} is invalid with decode_offload:"
+                " a decode instance writes each finished conversation to L3 at once, so its"
+                " write policy must be write_through"
             )
         if self.disagg.decode_offload and self.storage_backend is None:
             raise ValueError(

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hicache.disagg.config import NO_TRANSFER_HOST, Bootstrap
 from hicache.engine.admission import AdmissionRefused
 from hicache.engine.engine import PRIORITY_MAX, Engine, EngineStats
 from hicache.engine.request import RequestOutput
@@ -246,9 +247,16 @@ async def one_token(engine: Engine, timeout_s: float) -> str | None:
     token = engine.tokenizer.bos_token_id
     prompt = [token if isinstance(token, int) else 0]
     params = SamplingParams(temperature=0.0, max_tokens=1)
+    # a prefill or decode instance serves it alone (the router's own no-transfer host)
+    alone = Bootstrap(NO_TRANSFER_HOST, 1, 0) if engine.config.disagg.enabled else None
     try:
         rid = engine.submit(
-            prompt, params, on_output, priority=PRIORITY_MAX, group="health_generate"
+            prompt,
+            params,
+            on_output,
+            priority=PRIORITY_MAX,
+            group="health_generate",
+            bootstrap=alone,
         )
     except AdmissionRefused as exc:
         return f"the waiting queue refused the request: {exc}"
