@@ -184,9 +184,14 @@ class PrefillSender:
         try:
             spans = plan_spans(job, reg)
             self._write(job, reg.endpoint, spans)
-        except (ValueError, TransferFailed) as exc:
-            log.warning("room %d: %s", job.room, exc)
+        except ValueError as exc:  # the pair cannot be served (names the room)
+            log.warning("%s", exc)
             self._end(job, error=str(exc))
+            return
+        except TransferFailed as exc:
+            why = f"room {job.room}: sending the pages to the decode instance failed: {exc}"
+            log.warning("%s", why)
+            self._end(job, error=why)
             return
         if self.rooms.aborted(job.room):
             self._end(job, error=f"room {job.room}: the decode side aborted it")

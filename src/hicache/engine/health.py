@@ -52,7 +52,8 @@ class EngineStats:
     pages). ``queued``: sequences counted against ``max_queued_requests`` (reserved or
     waiting, never yet admitted); ``refused``: reservations refused so far (HTTP 429/503);
     ``reclaimed``: running sequences retracted so far to give a lent slot back (the group
-    cap, see :mod:`hicache.engine.scheduler`).
+    cap, see :mod:`hicache.engine.scheduler`); ``parked``: requests a prefill/decode role
+    holds while the other instance of their room does its half (:mod:`hicache.engine.role`).
     ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
     (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 
@@ -63,6 +64,7 @@ class EngineStats:
     queued: int = 0
     refused: int = 0
     reclaimed: int = 0
+    parked: int = 0
     at: float = 0.0
 
 
@@ -123,6 +125,7 @@ def read_stats(cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> Engine
         queued=counts.queued,
         refused=counts.refused,
         reclaimed=scheduler.reclaimed,
+        parked=len(scheduler.ends.parked),
         at=time.monotonic(),
     )
 

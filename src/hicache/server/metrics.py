@@ -125,6 +125,12 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         "hicache_num_queue_reqs", "Requests waiting to be admitted", snap.waiting
     )
     yield GaugeMetricFamily(
+        "hicache_num_parked_reqs",
+        "Requests a prefill/decode instance holds while the other instance of their room"
+        " does its half (pages being sent, or awaited)",
+        snap.parked,
+    )
+    yield GaugeMetricFamily(
         "hicache_num_admitted_reqs",
         "Requests the cache has admitted (holding pages)",
         snap.admitted,

@@ -1,0 +1,217 @@
+"""The room table of a prefill instance, exact states on hand-made sequences, and a
+hypothesis machine that checks its rules against a model: a room is single-use, a closed
+room stays closed, an abort while transferring closes only when the sender stops, the
+timeouts fail only rooms missing a side."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from hicache.disagg.layout import (
+    InstanceLayout,
+    LayoutMismatch,
+    Registration,
+    StoreLayout,
+    StoreTarget,
+    check_pair,
+)
+from hicache.disagg.rooms import RoomResult, RoomState, RoomStatus, RoomTable
+
+LAYOUT = InstanceLayout(
+    model="m",
+    fingerprint="f",
+    page_size=4,
+    tp_size=1,
+    mla=False,
+    transfer_backend="mooncake",
+    stores=(StoreLayout("full", 2, 3, 64, "float32"),),
+)
+
+
+def reg(room: int) -> Registration:
+    return Registration(
+        room=room,
+        layout=LAYOUT,
+        endpoint="127.0.0.1:1",
+        prompt_len=9,
+        prompt_hash="h",
+        skip_pages=1,
+        targets=(StoreTarget("full", {"addr": 0}, 0, (5, 6, 7)),),
+    )
+
+
+def state(t: RoomTable, room: int) -> RoomState | None:
+    s = t.status(room)
+    return None if s is None else s.state
+
+
+def test_either_side_first_then_transfer_and_success() -> None:
+    for first in ("claim", "register"):
+        t = RoomTable(timeout_s=10, closed_ttl_s=100)
+        if first == "claim":
+            assert t.claim(1, 0.0) is None
+        else:
+            assert t.register(reg(1), 0.0) is None
+        assert state(t, 1) is RoomState.BOOTSTRAPPING
+        assert t.start(1, 0.1) is None  # one side only
+        if first == "claim":
+            assert t.register(reg(1), 0.2) is None
+        else:
+            assert t.claim(1, 0.2) is None
+        assert state(t, 1) is RoomState.WAITING_FOR_INPUT
+        assert t.start(1, 0.3) == reg(1)
+        assert state(t, 1) is RoomState.TRANSFERRING
+        assert t.start(1, 0.3) is None  # handed once
+        t.close(1, 0.4, result=RoomResult(first_token=7, cached_device=4))
+        assert t.status(1) == RoomStatus(1, RoomState.SUCCESS, RoomResult(7, 4, 0, 0))
+        assert len(t) == 0
+
+
+def test_a_room_is_single_use() -> None:
+    t = RoomTable(timeout_s=10, closed_ttl_s=100)
+    assert t.claim(1, 0.0) is None
+    assert t.claim(1, 0.0) == "bootstrap room 1 is in use by another request"
+    assert t.register(reg(1), 0.0) is None
+    assert t.register(reg(1), 0.0) == "bootstrap room 1 is in use by another request"
+    t.close(1, 1.0, error="boom")
+    why = t.claim(1, 1.0)
+    assert why is not None and "has failed (boom)" in why
+    # forgotten after the ttl: the number may come again
+    assert t.expire(102.0) == []
+    assert t.status(1) is None
+    assert t.claim(1, 102.0) is None
+
+
+def test_abort_while_transferring_closes_when_the_sender_stops() -> None:
+    t = RoomTable(timeout_s=10, closed_ttl_s=100)
+    t.claim(1, 0.0)
+    t.register(reg(1), 0.0)
+    t.start(1, 0.0)
+    assert t.abort(1, "client gone", 0.1) is False
+    assert state(t, 1) is RoomState.TRANSFERRING and t.aborted(1)
+    t.close(1, 0.2, result=RoomResult(3))  # the sender's last write was done: still aborted
+    assert t.status(1) == RoomStatus(1, RoomState.ABORTED, None, "client gone")
+    # an abort before any transfer closes at once; the prefill's request is refused
+    assert t.abort(2, "gone early", 0.3) is True
+    why = t.claim(2, 0.4)
+    assert why is not None and "aborted by the decode side (gone early)" in why
+
+
+def test_expire_fails_rooms_missing_a_side_naming_it() -> None:
+    t = RoomTable(timeout_s=5, closed_ttl_s=100)
+    t.claim(1, 0.0)
+    t.register(reg(2), 0.0)
+    t.claim(3, 0.0)
+    t.register(reg(3), 0.0)  # both sides: not expired, however long the prefill takes
+    assert t.expire(4.0) == []
+    assert sorted(t.expire(6.0)) == [1, 2]
+    s1, s2 = t.status(1), t.status(2)
+    assert s1 is not None and s1.error is not None and "the decode side's request" in s1.error
+    assert s2 is not None and s2.error is not None and "the prefill side's request" in s2.error
+    assert state(t, 3) is RoomState.WAITING_FOR_INPUT
+
+
+def test_status_json_round_trip_and_bad_input() -> None:
+    s = RoomStatus(9, RoomState.SUCCESS, RoomResult(1, 2, 3, 4))
+    assert RoomStatus.from_json(s.to_json()) == s
+    assert Registration.from_json(reg(4).to_json()) == reg(4)
+    with pytest.raises(ValueError, match="cannot be read"):
+        RoomStatus.from_json({"room": 1, "state": "nope"})
+    with pytest.raises(ValueError, match="registration that cannot be read"):
+        Registration.from_json({"room": 1})
+
+
+def test_check_pair_names_the_field_and_both_values() -> None:
+    other = replace(LAYOUT, page_size=8)
+    with pytest.raises(
+        LayoutMismatch, match="page_size differs: the prefill instance has 4, the decode instance 8"
+    ):
+        check_pair(LAYOUT, other)
+    wide = replace(LAYOUT, tp_size=2)
+    with pytest.raises(LayoutMismatch, match="tp_size differs"):
+        check_pair(LAYOUT, wide)
+    mla = replace(LAYOUT, mla=True)
+    check_pair(mla, replace(mla, tp_size=4))  # a latent is whole on every rank
+    half = replace(LAYOUT, stores=(StoreLayout("full", 2, 3, 32, "float16"),))
+    with pytest.raises(LayoutMismatch, match="store 'full' row_bytes differs"):
+        check_pair(LAYOUT, half)
+
+
+class RoomMachine(RuleBasedStateMachine):
+    """Random claims, registrations, starts, aborts, closes and expiries of a few rooms
+    against a model of the rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = RoomTable(timeout_s=5, closed_ttl_s=50)
+        self.now = 0.0
+        self.closed: dict[int, RoomState] = {}
+        self.sides: dict[int, set[str]] = {}
+
+    rooms = st.integers(0, 3)
+
+    @rule(dt=st.floats(0, 7))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for room in self.t.expire(self.now):
+            assert self.sides.get(room, set()) != {"claim", "register"}
+            self.closed[room] = RoomState.FAILED
+        for room in [r for r in self.closed if self.t.status(r) is None]:
+            del self.closed[room]  # forgotten after the ttl
+            self.sides.pop(room, None)
+
+    @rule(room=rooms)
+    def claim(self, room: int) -> None:
+        why = self.t.claim(room, self.now)
+        fresh = room not in self.closed and "claim" not in self.sides.get(room, set())
+        assert (why is None) == fresh
+        if why is None:
+            self.sides.setdefault(room, set()).add("claim")
+
+    @rule(room=rooms)
+    def register(self, room: int) -> None:
+        why = self.t.register(reg(room), self.now)
+        fresh = room not in self.closed and "register" not in self.sides.get(room, set())
+        assert (why is None) == fresh
+        if why is None:
+            self.sides.setdefault(room, set()).add("register")
+
+    @rule(room=rooms)
+    def start(self, room: int) -> None:
+        before = state(self.t, room)
+        got = self.t.start(room, self.now)
+        if got is not None:
+            assert before is RoomState.WAITING_FOR_INPUT
+            assert state(self.t, room) is RoomState.TRANSFERRING
+
+    @rule(room=rooms)
+    def abort(self, room: int) -> None:
+        before = state(self.t, room)
+        closed = self.t.abort(room, "x", self.now)
+        assert closed == (before is not RoomState.TRANSFERRING)
+        if closed and room not in self.closed:
+            self.closed[room] = state(self.t, room)  # type: ignore[assignment]
+
+    @rule(room=rooms, ok=st.booleans())
+    def close(self, room: int, ok: bool) -> None:
+        was_aborted = self.t.aborted(room)
+        self.t.close(room, self.now, result=RoomResult(1) if ok else None, error="e")
+        if room not in self.closed:
+            want = (
+                RoomState.ABORTED if was_aborted else RoomState.SUCCESS if ok else RoomState.FAILED
+            )
+            assert state(self.t, room) is want
+            self.closed[room] = want
+
+    @invariant()
+    def closed_rooms_stay_closed(self) -> None:
+        for room, st_ in self.closed.items():
+            s = self.t.status(room)
+            assert s is None or s.state is st_
+
+
+TestRoomMachine = RoomMachine.TestCase

@@ -1,0 +1,256 @@
+"""Prefill/decode disaggregation behind SGLang's real router: ``smg launch
+--pd-disaggregation`` in front of one ``hicache serve --disaggregation-mode prefill`` and
+one ``--disaggregation-mode decode``, real server processes on 127.0.0.1 moving pages
+over Mooncake's transfer engine or NIXL.
+
+- greedy answers through smg equal one plain server's, streamed and not, on ``/generate``
+  and the OpenAI routes, for full attention, MLA and a sliding-window hybrid;
+- with decode offload, the next turn's prefill finds the first turn's prompt **and
+  output** in the shared L3 (the decode instance wrote them), also when the prefill
+  instance writes nothing itself (``write_back``);
+- failures end both sides with an error and leave every pool idle in ``/metrics``: the
+  decode instance killed mid-transfer, the prefill instance killed while a decode waits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hicache.bench.serverproc import ServerProcess
+from hicache.services.process import free_port
+from tests.helpers.smg import Smg
+from tests.router.conftest import ROUTER_KEY, WORKER_FLAGS
+
+ADMIN = {"Authorization": f"Bearer {ROUTER_KEY}"}
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
+
+
+@contextmanager
+def servers(*flag_sets: list[str]) -> Iterator[list[ServerProcess]]:
+    """One ``hicache serve`` per flag set, started in parallel, all stopped on exit."""
+    with ExitStack() as stack:
+        procs = [ServerProcess([*WORKER_FLAGS, *f], startup_timeout_s=120.0) for f in flag_sets]
+        for p in procs:
+            stack.callback(p.close)
+        for p in procs:
+            p.start()
+        yield procs
+
+
+def pd_flags(
+    model: str, transport: str, bootstrap: int, *extra: str
+) -> tuple[list[str], list[str]]:
+    common = ["--model-path", model, "--disaggregation-transfer-backend", transport, *extra]
+    prefill = [*common, "--disaggregation-mode", "prefill"]
+    prefill += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    decode = [*common, "--disaggregation-mode", "decode"]
+    return prefill, decode
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{url}{path}", json=body, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def streamed(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    events = []
+    with httpx.stream(
+        "POST", f"{url}{path}", json={**body, "stream": True}, headers=ADMIN, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def answers(url: str, model: str) -> dict[str, object]:
+    """Greedy answers of ``url`` on each route, streamed and not."""
+    gen = {"text": TEXT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": TEXT}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    comp = {"model": model, "prompt": TEXT, "max_tokens": 12, "temperature": 0}
+    return {
+        "generate": post(url, "/generate", gen)["output_ids"],
+        "generate stream": streamed(url, "/generate", gen)[-1]["output_ids"],
+        "chat": post(url, "/v1/chat/completions", chat)["choices"][0]["message"]["content"],
+        "chat stream": "".join(
+            e["choices"][0]["delta"].get("content", "")
+            for e in streamed(url, "/v1/chat/completions", chat)
+            if e.get("choices")
+        ),
+        "completion": post(url, "/v1/completions", comp)["choices"][0]["text"],
+        "completion stream": "".join(
+            e["choices"][0]["text"]
+            for e in streamed(url, "/v1/completions", comp)
+            if e.get("choices")
+        ),
+    }
+
+
+def metric(server: ServerProcess, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}{labels}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not in /metrics")
+
+
+def assert_idle(*procs: ServerProcess, timeout_s: float = 15.0) -> None:
+    """Every instance has no admitted request and no L1 page held by one (its published
+    stats, read until they say so)."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while True:
+            held = metric(p, "hicache_num_admitted_reqs") + metric(
+                p, "hicache_device_tokens", '{holder="requests"}'
+            )
+            if held == 0:
+                break
+            assert time.monotonic() < deadline, f"{p.url} still holds requests or pages"
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("model", "transport"),
+    [
+        ("tiny-random-llama", "mooncake"),
+        ("tiny-random-llama", "nixl"),
+        ("tiny-random-deepseek-v2", "nixl"),  # MLA
+        ("tiny-random-gemma3", "mooncake"),  # sliding-window layers
+    ],
+)
+def test_pd_behind_smg_answers_as_one_plain_server(model: str, transport: str) -> None:
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags(model, transport, bootstrap)
+    with servers(["--model-path", model], prefill_flags, decode_flags) as (plain, prefill, decode):
+        want = answers(plain.url, model)
+        with Smg(
+            prefill=[(prefill.url, bootstrap)],
+            decode=[decode.url],
+            policy="round_robin",
+            api_key=ROUTER_KEY,
+        ) as smg:
+            got = answers(smg.url, model)
+        assert got == want
+        assert_idle(prefill, decode)
+
+
+def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: Path) -> None:
+    """Decode offload: the decode instance writes the finished conversation to the shared
+    L3; the prefill instance writes nothing there itself (``write_back``, and its L1/L2
+    flushed between the turns), so the second turn's hit past the first prompt is the
+    decode instance's write."""
+    model, page = "tiny-random-llama", 4
+    l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    # every lookup prefetches (the default threshold, 256 tokens, is past these prompts)
+    extra = {"file_path": str(tmp_path), "prefetch_threshold": 0}
+    l3 += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags(
+        model, "mooncake", bootstrap, "--page-size", str(page), *l3
+    )
+    prefill_flags += ["--hicache-write-policy", "write_back"]
+    decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
+    with (
+        servers(prefill_flags, decode_flags) as (prefill, decode),
+        Smg(
+            prefill=[(prefill.url, bootstrap)],
+            decode=[decode.url],
+            policy="round_robin",
+            api_key=ROUTER_KEY,
+        ) as smg,
+    ):
+        first_ids = list(range(300, 342))  # 42 tokens
+        gen = {"sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+        first = post(smg.url, "/generate", {"input_ids": first_ids, **gen})
+        conversation = first_ids + first["output_ids"]
+        # the decode instance computed KV for every position but the last output token
+        written = (len(conversation) - 1) // page * page
+        deadline = time.monotonic() + 30
+        while (
+            not list(tmp_path.rglob("*")) or metric(decode, "hicache_l3_written_bytes_total") == 0
+        ):
+            assert time.monotonic() < deadline, "the decode instance wrote nothing to L3"
+            time.sleep(0.2)
+        time.sleep(1.0)  # its last pages' writes land
+        r = httpx.post(f"{prefill.url}/flush_cache", headers=ADMIN, timeout=30)
+        assert r.status_code == 200 and r.json().get("success", True), r.text
+        second_ids = conversation + list(range(500, 520))
+        second = post(smg.url, "/generate", {"input_ids": second_ids, **gen})
+        meta = second["meta_info"]
+        # all of it from L3 (the prefill's L1 and L2 are empty, and it wrote no L3 itself)
+        assert meta["cached_tokens"] == meta["cached_tokens_details"]["storage"] == written
+        assert_idle(prefill, decode)
+
+
+def test_decode_killed_mid_transfer_fails_the_prefill_without_a_hang() -> None:
+    """The decode instance registers its pages, then dies (SIGKILL): the prefill's write
+    fails, its request answers with an error, and it holds nothing afterwards."""
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags("tiny-random-llama", "mooncake", bootstrap)
+    with servers(prefill_flags, decode_flags) as (prefill, decode):
+        body = {
+            "text": TEXT,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": 4242,
+        }
+        with httpx.Client(timeout=120) as c:
+            # streamed: the answer's head comes at once, the tokens once the pages land
+            waiting = c.build_request(
+                "POST", f"{decode.url}/generate", json={**body, "stream": True}
+            )
+            stream = c.send(waiting, stream=True)  # registered, waiting for the prefill
+            time.sleep(1.0)
+            assert decode.proc is not None
+            os.kill(decode.proc.pid, signal.SIGKILL)
+            decode.proc.wait(10)
+            stream.close()
+        t0 = time.monotonic()
+        r = httpx.post(f"{prefill.url}/generate", json=body, timeout=120)
+        assert time.monotonic() - t0 < 35  # the transfer's bound at most
+        assert r.status_code == 500, r.text
+        assert "room 4242" in r.text and "peer" in r.text, r.text
+        assert_idle(prefill)
+
+
+def test_prefill_killed_fails_the_decode_rooms_within_the_health_bound() -> None:
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags("tiny-random-llama", "nixl", bootstrap)
+    with servers(prefill_flags, decode_flags) as (prefill, decode):
+        body = {
+            "text": TEXT,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": 4343,
+        }
+        with httpx.Client(timeout=120) as c:
+            req = c.build_request("POST", f"{decode.url}/generate", json={**body, "stream": True})
+            pending = c.send(req, stream=True)
+            time.sleep(1.0)  # registered at the prefill instance, which then dies
+            assert prefill.proc is not None
+            os.kill(prefill.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            answer = pending.read().decode()
+            took = time.monotonic() - t0
+        assert took < 10, took  # the health bound (3 s by default) and a poll
+        assert "did not answer" in answer, answer
+        assert_idle(decode)
