@@ -77,6 +77,44 @@ CASES = [
         "--hicache-storage-backend",
         "/proc/no/dir",
     ),
+    # an empty key would refuse every request: refused at start
+    (["serve", "--api-key", ""], "--api-key", "''"),
+    (["serve", "--admin-api-key", ""], "--admin-api-key", "''"),
+    # prefill/decode disaggregation
+    (
+        ["serve", "--disaggregation-decode-enable-offload-kvcache"],
+        "--disaggregation-decode-enable-offload-kvcache",
+        "--disaggregation-mode decode",
+    ),
+    (["serve", "--disaggregation-mode", "decode", "--tp-size", "2"], "--tp-size", "2"),
+    (
+        [
+            "serve",
+            "--disaggregation-mode",
+            "decode",
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "file",
+        ],
+        "--disaggregation-decode-enable-offload-kvcache",
+        "False",
+    ),
+    (
+        [
+            "serve",
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-decode-enable-offload-kvcache",
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "file",
+            "--hicache-write-policy",
+            "write_back",
+        ],
+        "--hicache-write-policy",
+        "write_back",
+    ),
+    (["serve", "--disaggregation-mode", "both"], "--disaggregation-mode", "both"),
 ]
 
 
@@ -173,6 +211,28 @@ def test_port_in_use_is_one_line() -> None:
         port = s.getsockname()[1]
         r = run("serve", *TINY, "--port", str(port))
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bootstrap_port_in_use_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run(
+            "serve",
+            *TINY,
+            "--port",
+            str(free_port()),
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(port),
+        )
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1, r.stderr
+    assert f"--disaggregation-bootstrap-port {port}" in errors[0], errors[0]
+    assert "Address already in use" in errors[0] and "Traceback" not in r.stderr
 
 
 def test_hybrid_flags_reach_the_cache_config() -> None:

@@ -173,7 +173,8 @@ def loads_body(
     }
     wanted = set(sections)
     if "memory" in wanted:
-        token_bytes = engine.cache.spec.token_bytes
+        full = next((u for u in c.components if u.name == "full"), None)
+        token_bytes = 0 if full is None else full.unit_bytes // c.page_size
         entry["memory"] = {
             "kv_cache_gb": c.device_total_tokens * token_bytes / 1e9,
             "token_capacity": c.device_total_tokens,
