@@ -59,7 +59,7 @@ from typing import Any
 
 import httpx
 
-from hicache.bench.httpclient import RequestRecord, flush_cache, stream_generate
+from hicache.bench.httpclient import RequestRecord, flush_cache, server_ttft, stream_generate
 from hicache.bench.plot import plot_setups, print_table
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, bench_client, warm_up
 from hicache.bench.serverproc import ADMIN_KEY, ServerError, ServerProcess
@@ -160,6 +160,9 @@ class SetupResult:
     hit_from_group: int
     """Requests of ``group >= hit_from_group`` count in :attr:`hit_rate` (1 for the
     multi-turn workload: turns >= 2)."""
+    split: tuple[int, ...] = ()
+    """Behind smg in regular mode: the requests each instance served during the
+    workload (from its ``hicache_ttft_seconds_count``); empty otherwise."""
 
     @property
     def ttft_mean_s(self) -> float:
@@ -199,6 +202,7 @@ class SetupResult:
             "wall_s": self.wall_s,
             "prompt_tokens": sum(r.prompt_tokens for r in self.records),
             "output_tokens": sum(r.output_tokens for r in self.records),
+            "split": list(self.split),
         }
 
 
@@ -333,6 +337,8 @@ class _Target:
     url: str
     servers: str
     flush_urls: tuple[str, ...]
+    split_urls: tuple[str, ...] = ()
+    """Instances whose share of the requests is reported (:attr:`SetupResult.split`)."""
 
 
 def _l3_flags(root: str, page_size: int) -> list[str]:
@@ -405,7 +411,8 @@ class _Setups:
 
     def behind_smg(self, pair: Sequence[ServerProcess], policy: str) -> _Target:
         smg = self.smg(worker_urls=[s.url for s in pair], policy=policy)
-        return _Target(smg.url, f"smg {policy} + 2 instances, L1 only", tuple(s.url for s in pair))
+        urls = tuple(s.url for s in pair)
+        return _Target(smg.url, f"smg {policy} + 2 instances, L1 only", urls, urls)
 
 
 async def _measure(
@@ -418,12 +425,16 @@ async def _measure(
             await warm_up(client, target.url, "generate")
         for url in target.flush_urls:
             await flush_cache(client, url)
+        before = [(await server_ttft(client, u))[1] for u in target.split_urls]
         records, wall = await asyncio.wait_for(
             workload(client, target.url), timeout=spec.workload_timeout_s
         )
+        after = [(await server_ttft(client, u))[1] for u in target.split_urls]
         for url in target.flush_urls:
             await flush_cache(client, url)
-    return SetupResult(setup, kind, target.servers, records, wall, 1 if kind == "multiturn" else 0)
+    hit_from = 1 if kind == "multiturn" else 0
+    split = tuple(a - b for a, b in zip(after, before, strict=True))
+    return SetupResult(setup, kind, target.servers, records, wall, hit_from, split)
 
 
 _FAILURES = (ServerError, SmgError, httpx.HTTPError, asyncio.TimeoutError, OSError)
@@ -499,6 +510,7 @@ def print_report(report: PdReport) -> None:
             _ms(r["itl_mean_s"]), _x(r.get("itl_ratio")),
             f"{r['hit_rate'] * 100:.1f}", f"{r['req_per_s']:.1f}", _x(r.get("req_per_s_ratio")),
             "-" if same is None or r["setup"] == "plain" else f"{same[0]}/{same[1]}",
+            "/".join(map(str, r["split"])) or "-",
         ])  # fmt: skip
     s = report.spec
     print_table(
@@ -509,7 +521,7 @@ def print_report(report: PdReport) -> None:
         f" prefill/plain {s.prefill_write_policy}, transfer {s.transfer};"
         " ratios against plain in this run; hit % over turns >= 2 (multiturn)",
         ["workload", "setup", "requests", "TTFT ms", "TTFT x", "ITL ms", "ITL x",
-         "hit %", "req/s", "req/s x", "same outputs"],
+         "hit %", "req/s", "req/s x", "same outputs", "split"],
         rows,
     )  # fmt: skip
     legend = {r["setup"]: r["servers"] for r in report.rows()}
