@@ -11,8 +11,8 @@ stopped before the next one starts, whatever happened (one setup under load at a
 user turn and the model's **real** output) plus a new user turn of ``--user-tokens``
 random ids, so the next turn can hit what the previous turn generated. Setups:
 
-* ``plain``: one instance, L1 + L2 + a file L3 of its own, ``--hicache-write-policy
-  write_back``;
+* ``plain``: one instance, L1 + L2 + a file L3 of its own, ``--hicache-write-policy``
+  ``--prefill-write-policy`` (default ``write_back``);
 * ``pd``: smg (``--pd-disaggregation``, ``round_robin``) + one prefill instance (the
   plain one's cache flags, its own L3) + one decode instance (no L3); the KV goes by
   ``--transfer`` (``mooncake`` or ``nixl``). The prefill has only the prompt's KV: the
@@ -20,7 +20,14 @@ random ids, so the next turn can hit what the previous turn generated. Setups:
 * ``pd_offload``: the same, the decode instance with
   ``--disaggregation-decode-enable-offload-kvcache`` and the prefill's L3 directory
   (``write_through``): it writes each finished request (prompt + output) to the shared
-  L3, where the prefill can find the next turn's prefix.
+  L3, where the prefill can find the next turn's prefix. (A prefill under
+  ``write_back`` looks L3 up only past a prefix that is in its L2; the previous turn's
+  prompt, still in its L1 alone, stops it: ``--prefill-write-policy write_through``
+  shows the offload's hits.)
+
+Every L3 here prefetches a hit of one page (``prefetch_threshold`` = the page size; the
+default, 256 tokens, is more than a turn adds) and loads an L2 hit of one token on
+(``--hicache-load-back-threshold 1``; default 10).
 
 **Shared-prefix workload** (``--tenants`` tenants, each with a system prefix of
 ``--prefix-tokens`` ids, ``--questions`` questions each of ``--question-tokens`` ids, sent
@@ -534,7 +541,8 @@ def print_report(report: PdReport) -> None:
 def plot_report(report: PdReport, path: str) -> None:
     """Four panels of bars (TTFT, ITL, hit rate, requests/s), one bar per run."""
     rows = report.rows()
-    label = [f"{r['workload']}\n{r['setup']}" for r in rows]
+    short = {"multiturn": "mt", "shared-prefix": "sp"}
+    label = [f"{r['setup']} [{short.get(r['workload'], r['workload'])}]" for r in rows]
 
     def panel(key: str, scale: float) -> dict[str, float | None]:
         return {
