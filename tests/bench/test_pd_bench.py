@@ -8,6 +8,8 @@
   SGLang's router in front of two instances (smg's ``/v1/completions`` refuses token
   ids; its ``/generate`` forwards them) gives the prompt counts of the workload and
   hits in round 2;
+* a setup that cannot start is reported and nothing it started is left running;
+  ``--time-limit`` stops setups from starting;
 * :func:`stream_generate` and :func:`stream_completion` on one instance: the same prompt
   and output counts and the same cache report for the same prompt.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -70,6 +73,41 @@ def test_pd_bench_smallest_settings_every_row_sane(tmp_path: Path) -> None:
     # beside the first)
     assert 0 < rows["shared-prefix", "plain"]["hit_rate"] <= 3 * 32 / (6 * 40)
     assert png.stat().st_size > 0
+
+
+def _children() -> list[str]:
+    """This process's live children (``pid comm``), from ``/proc``."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid_comm, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(pid_comm.replace(" (", " "))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_pd_bench_reports_failed_setups_and_leaves_nothing_running(tmp_path: Path) -> None:
+    require_smg()
+    before = _children()
+    out = tmp_path / "pd.json"
+    argv = ["--model-path", "no-such-model", "--startup-timeout", "20", "--json", str(out)]
+    assert pd.main(argv) == 1
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == []
+    assert set(doc["problems"]) == {
+        "plain", "multiturn/pd", "multiturn/pd_offload", "shared-prefix/smg"
+    }  # fmt: skip
+    assert all(why.startswith("ServerError") for why in doc["problems"].values())
+    assert _children() == before
+    argv = ["--time-limit", "0.5", "--setups", "pd", "--json", str(out)]
+    assert pd.main(argv) == 1
+    assert json.loads(out.read_text())["problems"] == {
+        "multiturn/pd": "TimeLimitError: the time limit (--time-limit) was reached before it ran"
+    }
 
 
 @pytest.mark.timeout(120)

@@ -5,6 +5,8 @@ SGLang's router ``smg``, :mod:`hicache.bench.smgproc`), warmed up, sent a worklo
 SGLang's native ``POST /generate`` (``input_ids``, streamed, greedy, ``ignore_eos``:
 exactly ``--max-tokens`` tokens; :func:`hicache.bench.httpclient.stream_generate`), and
 stopped before the next one starts, whatever happened (one setup under load at a time).
+A setup that fails is reported and the others go on; ``--time-limit`` (default 170 s)
+bounds the whole bench (the defaults take about 40 s here).
 
 **Multi-turn workload** (``--conversations`` conversations of ``--turns`` turns, at most
 ``--clients`` requests in flight): turn t sends the conversation so far (every earlier
@@ -79,6 +81,7 @@ __all__ = [
     "PdBenchSpec",
     "PdReport",
     "SetupResult",
+    "TimeLimitError",
     "main",
     "run",
 ]
@@ -118,6 +121,9 @@ class PdBenchSpec:
     request_timeout_s: float = 30.0
     workload_timeout_s: float = 60.0
     """Bound on one setup's workload (all its requests), seconds."""
+    time_limit_s: float = 170.0
+    """Bound on the whole bench (s): every start and workload is cut to what is left, and
+    setups that find none left are reported as not run."""
 
     def __post_init__(self) -> None:
         sizes = {
@@ -144,7 +150,9 @@ class PdBenchSpec:
             )
         if self.transfer not in TRANSFERS:
             raise ValueError(f"transfer={self.transfer!r}: choose from {', '.join(TRANSFERS)}")
-        if min(self.startup_timeout_s, self.request_timeout_s, self.workload_timeout_s) <= 0:
+        timeouts = (self.startup_timeout_s, self.request_timeout_s, self.workload_timeout_s,
+                    self.time_limit_s)  # fmt: skip
+        if min(timeouts) <= 0:
             raise ValueError("the timeouts must be > 0 s")
 
     def base_flags(self) -> list[str]:
@@ -358,12 +366,32 @@ def _l3_flags(root: str, page_size: int) -> list[str]:
             "--hicache-storage-backend-extra-config", extra]  # fmt: skip
 
 
-class _Setups:
-    """Starts the setups' processes inside ``stack`` (all stopped when it closes)."""
+class TimeLimitError(RuntimeError):
+    """The bench's ``--time-limit`` ran out before a setup could start."""
 
-    def __init__(self, spec: PdBenchSpec, stack: ExitStack) -> None:
+
+@dataclass(frozen=True)
+class _Deadline:
+    """The bench's end (``time.monotonic`` seconds)."""
+
+    end: float
+
+    def left(self, cap: float) -> float:
+        """Seconds left, at most ``cap``; TimeLimitError when none (under one second)."""
+        left = self.end - time.monotonic()
+        if left < 1.0:
+            raise TimeLimitError("the time limit (--time-limit) was reached before it ran")
+        return min(cap, left)
+
+
+class _Setups:
+    """Starts the setups' processes inside ``stack`` (all stopped when it closes), each
+    start bounded by the deadline."""
+
+    def __init__(self, spec: PdBenchSpec, stack: ExitStack, deadline: _Deadline) -> None:
         self.spec = spec
         self.stack = stack
+        self.deadline = deadline
 
     def _dir(self) -> str:
         root = tempfile.mkdtemp(prefix="hicache-bench-pd-l3-")
@@ -372,12 +400,14 @@ class _Setups:
 
     def server(self, *flags: str) -> ServerProcess:
         sp = ServerProcess(
-            [*self.spec.base_flags(), *flags], startup_timeout_s=self.spec.startup_timeout_s
+            [*self.spec.base_flags(), *flags],
+            startup_timeout_s=self.deadline.left(self.spec.startup_timeout_s),
         )
         return self.stack.enter_context(sp)
 
     def smg(self, **kwargs: Any) -> Smg:
-        smg = Smg(api_key=ADMIN_KEY, log_level="info", **kwargs)
+        timeout = self.deadline.left(self.spec.startup_timeout_s)
+        smg = Smg(api_key=ADMIN_KEY, log_level="info", startup_timeout_s=timeout, **kwargs)
         return self.stack.enter_context(smg)
 
     def l3(self, root: str) -> list[str]:
@@ -444,7 +474,14 @@ async def _measure(
     return SetupResult(setup, kind, target.servers, records, wall, hit_from, split)
 
 
-_FAILURES = (ServerError, SmgError, httpx.HTTPError, asyncio.TimeoutError, OSError)
+_FAILURES = (
+    ServerError,
+    SmgError,
+    TimeLimitError,
+    httpx.HTTPError,
+    asyncio.TimeoutError,
+    OSError,
+)
 
 
 @contextmanager
@@ -468,29 +505,31 @@ def run(spec: PdBenchSpec, *, setups: Sequence[str] | None = None) -> PdReport:
         raise ValueError(f"setups {sorted(wanted - known)} are unknown; choose from {known}")
     report = PdReport(spec)
     mt, sp = multiturn_workload(spec), shared_prefix_workload(spec)
+    deadline = _Deadline(time.monotonic() + spec.time_limit_s)
 
     def measure(target: _Target, workload: Workload, setup: str, kind: str) -> None:
         with _attempt(report, f"{kind}/{setup}"):
             print(f"pd bench: {kind} on {setup} ({target.servers})", file=sys.stderr)
-            report.add(asyncio.run(_measure(spec, target, workload, setup, kind)))
+            limit = deadline.left(spec.workload_timeout_s + spec.request_timeout_s)
+            whole = _measure(spec, target, workload, setup, kind)  # warm-ups and flushes too
+            report.add(asyncio.run(asyncio.wait_for(whole, timeout=limit)))
 
     if "plain" in wanted:
         with _attempt(report, "plain"), ExitStack() as stack:
-            target = _Setups(spec, stack).plain()
+            target = _Setups(spec, stack, deadline).plain()
             measure(target, mt, "plain", "multiturn")
             measure(target, sp, "plain", "shared-prefix")
     for name, offload in (("pd", False), ("pd_offload", True)):
         if name in wanted:
             with _attempt(report, f"multiturn/{name}"), ExitStack() as stack:
-                measure(_Setups(spec, stack).pd(offload), mt, name, "multiturn")
+                measure(_Setups(spec, stack, deadline).pd(offload), mt, name, "multiturn")
     policies = [p for p in ("round_robin", "cache_aware") if f"smg_{p}" in wanted]
     if policies:
         with _attempt(report, "shared-prefix/smg"), ExitStack() as stack:
-            setups_ = _Setups(spec, stack)
-            pair = setups_.pair()
+            pair = _Setups(spec, stack, deadline).pair()
             for policy in policies:
                 with ExitStack() as inner:
-                    target = _Setups(spec, inner).behind_smg(pair, policy)
+                    target = _Setups(spec, inner, deadline).behind_smg(pair, policy)
                     measure(target, sp, f"smg_{policy}", "shared-prefix")
     return report
 
@@ -596,6 +635,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s, help="s")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="s")
     p.add_argument("--workload-timeout", type=float, default=d.workload_timeout_s, help="s")
+    p.add_argument(
+        "--time-limit", type=float, default=d.time_limit_s, help="whole bench, s (cuts starts)"
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     return p
@@ -615,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             question_tokens=a.question_tokens, transfer=a.transfer,
             prefill_write_policy=a.prefill_write_policy, seed=a.seed,
             startup_timeout_s=a.startup_timeout, request_timeout_s=a.request_timeout,
-            workload_timeout_s=a.workload_timeout,
+            workload_timeout_s=a.workload_timeout, time_limit_s=a.time_limit,
         )  # fmt: skip
         setups = [s.strip() for s in a.setups.split(",") if s.strip()]
         t0 = time.perf_counter()
