@@ -32,6 +32,7 @@ BENCHES = {
     "fairness": "hicache.bench.fairness",
     "memory": "hicache.bench.memory",
     "pd-transfer": "hicache.bench.pd_transfer",
+    "pd": "hicache.bench.pd",
 }
 
 STORES = {

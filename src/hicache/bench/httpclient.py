@@ -2,6 +2,10 @@
 
 * :func:`stream_completion`: one streamed, greedy ``/v1/completions`` request, timed
   (:class:`RequestRecord`, with the prompt tokens each tier served, :data:`TIERS`);
+* :func:`stream_generate`: the same through SGLang's native ``/generate`` with
+  ``input_ids``, which SGLang's router (``smg``) also serves and forwards (its
+  ``/v1/completions`` takes text prompts only); it also gives the output ids and the
+  inter-token latency; :func:`stream_request` sends either, by :data:`APIS` name;
 * :func:`flush_cache`: ``POST /flush_cache``, retried while requests are in flight;
 * :func:`server_ttft`: the server's own TTFT histogram totals from ``/metrics``;
   :func:`server_agreement`: its tensor-parallel agreement counters.
@@ -22,16 +26,22 @@ import httpx
 from hicache.bench.serverproc import ADMIN_KEY, ServerError
 
 __all__ = [
+    "APIS",
     "TIERS",
     "RequestRecord",
     "flush_cache",
     "server_agreement",
     "server_ttft",
     "stream_completion",
+    "stream_generate",
+    "stream_request",
 ]
 
 TIERS: tuple[str, ...] = ("device", "host", "storage")
 """The tiers of ``usage.cached_tokens_details``."""
+
+APIS: tuple[str, ...] = ("completions", "generate")
+"""The request routes a benchmark can send by: ``/v1/completions``, ``/generate``."""
 
 
 async def flush_cache(client: httpx.AsyncClient, url: str, *, tries: int = 50) -> float:
@@ -93,6 +103,12 @@ class RequestRecord:
     end_s: float
     cached: dict[str, int]
     """Prompt tokens served from each tier: ``{"device", "host", "storage"}``."""
+    output_ids: tuple[int, ...] = ()
+    """The generated token ids (``/generate`` only; empty from ``/v1/completions``)."""
+    itl_s: float | None = None
+    """Mean inter-token latency (s): from the first streamed event to the last token's,
+    over ``output_tokens - 1``; None with fewer than two output tokens or from
+    ``/v1/completions``."""
 
 
 async def stream_completion(
@@ -147,3 +163,93 @@ async def stream_completion(
         end_s=end,
         cached={t: int(details.get(t, 0)) for t in TIERS},
     )
+
+
+async def stream_generate(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    group: int,
+    client_id: int,
+    ignore_eos: bool = False,
+) -> RequestRecord:
+    """Send one streamed, greedy ``POST /generate`` with ``input_ids`` and time it.
+
+    TTFT = from sending to the first SSE ``data:`` event (the server sends one as soon as
+    a token adds text, or when the request ends); the inter-token latency is the time
+    from that event to the last one carrying tokens, over ``completion_tokens - 1``.
+    Chunks are cumulative (SGLang's): the last one has every output id and
+    ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens_details``).
+    ``ignore_eos``: generate exactly ``max_tokens`` tokens. ServerError on a non-200
+    answer, an error event, or a stream that ends without a finished chunk.
+    """
+    params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": 0.0}
+    if ignore_eos:
+        params["ignore_eos"] = True
+    body = {"input_ids": prompt, "sampling_params": params, "stream": True}
+    start = time.perf_counter()
+    first: float | None = None
+    last_t = start
+    final: dict[str, Any] | None = None
+    async with client.stream("POST", f"{url}/generate", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            raise ServerError(f"/generate answered {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            first = now if first is None else first
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise ServerError(f"stream error: {chunk['error']}")
+            if final is None or len(chunk.get("output_ids", ())) > len(final.get("output_ids", ())):
+                last_t = now  # a chunk with new tokens
+            final = chunk
+    end = time.perf_counter()
+    meta = {} if final is None else (final.get("meta_info") or {})
+    if final is None or first is None or meta.get("finish_reason") is None:
+        raise ServerError(f"the /generate stream from {url} ended without a finished chunk")
+    details = meta.get("cached_tokens_details") or {}
+    out = int(meta["completion_tokens"])
+    return RequestRecord(
+        group=group,
+        client=client_id,
+        prompt_tokens=int(meta["prompt_tokens"]),
+        output_tokens=out,
+        ttft_s=first - start,
+        latency_s=end - start,
+        start_s=start,
+        end_s=end,
+        cached={t: int(details.get(t, 0)) for t in TIERS},
+        output_ids=tuple(int(i) for i in final.get("output_ids", ())),
+        itl_s=(last_t - first) / (out - 1) if out > 1 else None,
+    )
+
+
+async def stream_request(
+    api: str,
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    group: int,
+    client_id: int,
+) -> RequestRecord:
+    """:func:`stream_completion` (``api="completions"``) or :func:`stream_generate`
+    (``"generate"``); ValueError naming any other ``api``."""
+    if api == "completions":
+        return await stream_completion(
+            client, url, prompt, max_tokens, group=group, client_id=client_id
+        )
+    if api == "generate":
+        return await stream_generate(
+            client, url, prompt, max_tokens, group=group, client_id=client_id
+        )
+    raise ValueError(f"api={api!r} is unknown; choose from {', '.join(APIS)}")

@@ -3,7 +3,14 @@
 Workload: ``--num-clients`` clients each hold a conversation of ``--num-rounds`` rounds.
 Round r sends the conversation so far plus a new user turn of ``--request-length`` token
 ids, through ``POST /v1/completions`` with ``prompt`` as a list of ids (so lengths are
-exact), greedy, streamed, ``max_tokens = --output-length``. The history then gets a
+exact), greedy, streamed, ``max_tokens = --output-length``; with ``--api generate``
+through SGLang's native ``POST /generate`` with ``input_ids`` instead (same figures),
+which SGLang's router ``smg`` forwards (its own ``/v1/completions`` takes text only):
+``--url http://SMG`` then benchmarks the servers behind smg. Every request carries the
+admin key (``$HICACHE_ADMIN_API_KEY``) as its bearer token, so an smg started with
+``--api-key`` set to it (and the servers with ``--admin-api-key``) accepts the requests
+and fans ``/flush_cache`` out; smg's ``/metrics`` is on another port, so the server's
+own TTFT column is empty through smg. The history then gets a
 **synthetic assistant turn** of ``--output-length`` deterministic token ids instead of the
 model's real output, so every config (and every run with the same ``--seed``) sends
 identical prompts whatever the model generated or whether it stopped early at EOS. Token
@@ -76,7 +83,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.bench.httpclient import RequestRecord, stream_completion
+from hicache.bench.httpclient import APIS, RequestRecord, stream_completion, stream_request
 from hicache.bench.results import pool_runs, repeats_doc, report_runs, summarize
 from hicache.bench.runner import (
     TOKEN_HI,
@@ -171,8 +178,14 @@ def multiturn_workload(conv: Conversations, args: argparse.Namespace) -> Workloa
         async def one(c: int, r: int) -> None:
             await pacer.wait()
             async with sem:
-                rec = await stream_completion(
-                    s.client, s.url, conv.prompt(c, r), args.output_length, group=r, client_id=c
+                rec = await stream_request(
+                    args.api,
+                    s.client,
+                    s.url,
+                    conv.prompt(c, r),
+                    args.output_length,
+                    group=r,
+                    client_id=c,
                 )
             groups[r].append(rec)
             s.progress.update()
@@ -210,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         "--flush-between-rounds", action="store_true", help="POST /flush_cache after each round"
     )
     p.add_argument("--repeats", type=int, default=5, help="repetitions of the workload (>= 1)")
+    p.add_argument(
+        "--api",
+        choices=APIS,
+        default="completions",
+        help="send requests to /v1/completions (prompt ids) or to SGLang's /generate"
+        " (input_ids; what SGLang's router smg forwards: use it with --url SMG_URL)",
+    )
     p.add_argument("--baseline", help="config the others are compared with (default l1)")
     args = parse_with_preset(p, argv, PRESETS)
     try:
@@ -251,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         parallel=args.max_parallel or args.num_clients,
         url=args.url,
         timeout_s=args.request_timeout,
+        api=args.api,
     )
     runs = [pool_runs(rr.of(n)) for n in configs if rr.of(n)]
     keys = ("num_clients num_rounds request_length output_length barrier flush_between_rounds"

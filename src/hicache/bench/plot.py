@@ -19,6 +19,7 @@ from hicache.bench.report import print_table as _rich_table
 __all__ = [
     "plot_bars",
     "plot_configs",
+    "plot_setups",
     "print_repeats",
     "print_results",
     "print_table",
@@ -268,6 +269,31 @@ def plot_bars(
     ax.set_ylabel(y_label)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_setups(path: str, *, title: str, panels: Mapping[str, Mapping[str, float | None]]) -> None:
+    """One bar chart per panel side by side: ``panels[y_label][bar_label]`` is a bar's
+    height (None: no bar, shown as "n/a"), bars in the same order in every panel."""
+    plt = require_matplotlib()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), dpi=80)
+    for ax, (y_label, bars) in zip(
+        list(axes) if len(panels) > 1 else [axes], panels.items(), strict=True
+    ):
+        names = list(bars)
+        heights = [bars[n] or 0.0 for n in names]
+        drawn = ax.bar(range(len(names)), heights, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(
+            drawn,
+            labels=["n/a" if bars[n] is None else f"{bars[n]:.3g}" for n in names],
+            fontsize=7,
+        )
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel(y_label)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -38,10 +38,11 @@ from hicache.bench.httpclient import (
     flush_cache,
     server_agreement,
     server_ttft,
-    stream_completion,
+    stream_request,
 )
 from hicache.bench.pairs import alternating_order
 from hicache.bench.serverproc import (
+    ADMIN_KEY,
     CONFIG_NAMES,
     ConfigSkippedError,
     ServerError,
@@ -58,12 +59,14 @@ __all__ = [
     "Session",
     "Workload",
     "add_common_args",
+    "bench_client",
     "parse_with_preset",
     "round_to_pages",
     "run_configs",
     "run_repeated",
     "server_spec",
     "tier_sizes",
+    "warm_up",
 ]
 
 TOKEN_LO, TOKEN_HI = 1000, 30000
@@ -120,16 +123,25 @@ class ConfigRun:
         return self.agreement_s / self.agreement_steps * 1e6 if self.agreement_steps else None
 
 
-def _client(parallel: int, timeout_s: float) -> httpx.AsyncClient:
+def bench_client(parallel: int, timeout_s: float) -> httpx.AsyncClient:
+    """The benchmarks' HTTP client: ``parallel`` (+4) connections, ``timeout_s`` per
+    request, and the admin key as its bearer token on every request (what an ``smg
+    --api-key`` in front of the servers asks its clients for; a hicache server without
+    ``--api-key`` ignores it)."""
     limits = httpx.Limits(max_connections=parallel + 4, max_keepalive_connections=parallel + 4)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+    return httpx.AsyncClient(
+        limits=limits,
+        timeout=httpx.Timeout(timeout_s, connect=30.0),
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+    )
 
 
-async def _warm_up(client: httpx.AsyncClient, url: str) -> None:
-    """One short unrelated request, so first-call costs are out of the way."""
+async def warm_up(client: httpx.AsyncClient, url: str, api: str = "completions") -> None:
+    """One short unrelated request (by ``api``, :data:`hicache.bench.httpclient.APIS`),
+    so first-call costs are out of the way."""
     warm = random.Random(-1)
     ids = [warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)]
-    await stream_completion(client, url, ids, 2, group=-1, client_id=-1)
+    await stream_request(api, client, url, ids, 2, group=-1, client_id=-1)
 
 
 CpuClock = Callable[[], float | None]
@@ -189,8 +201,8 @@ async def _timed_run(
 async def _run_session(
     name: str, url: str, workload: Workload, total: int, parallel: int, timeout_s: float
 ) -> ConfigRun:
-    async with _client(parallel, timeout_s) as client:
-        await _warm_up(client, url)
+    async with bench_client(parallel, timeout_s) as client:
+        await warm_up(client, url)
         return await _timed_run(name, client, url, workload, total, name)
 
 
@@ -270,13 +282,15 @@ def run_repeated(
     parallel: int,
     url: str | None = None,
     timeout_s: float = 600.0,
+    api: str = "completions",
 ) -> RepeatedRuns:
     """Start every config's server once (side by side; or use ``url`` for the one config),
     warm each up, then run ``repeats`` repetitions: in repetition ``r`` every config runs
     ``workload_for(r)`` in turn, in :func:`hicache.bench.pairs.alternating_order`, one
     config under load at a time, each run between two ``POST /flush_cache``
     (:func:`_timed_run`). A config that fails to start, or fails in a repetition, is
-    reported in ``problems`` and left out from then on; the others go on.
+    reported in ``problems`` and left out from then on; the others go on. ``api``: the
+    route the warm-up request goes by (the workload picks its own).
     """
     if url is not None and len(configs) != 1:
         raise ValueError(f"--url serves one config, not {list(configs)}")
@@ -297,7 +311,9 @@ def run_repeated(
             else:
                 servers[name] = _Server(sp.url, list(sp.flags), sp.cpu_seconds)
         runs = asyncio.run(
-            _repeat(servers, order, workload_for, total_requests, parallel, timeout_s, problems)
+            _repeat(
+                servers, order, workload_for, total_requests, parallel, timeout_s, problems, api
+            )
         )
     return RepeatedRuns(list(configs), order, runs, problems)
 
@@ -319,16 +335,17 @@ async def _repeat(
     parallel: int,
     timeout_s: float,
     problems: dict[str, str],
+    api: str,
 ) -> list[dict[str, ConfigRun]]:
     runs: list[dict[str, ConfigRun]] = [{} for _ in order]
     async with AsyncExitStack() as stack:
         clients = {
-            n: await stack.enter_async_context(_client(parallel, timeout_s)) for n in servers
+            n: await stack.enter_async_context(bench_client(parallel, timeout_s)) for n in servers
         }
         alive: list[str] = []
         for name, server in servers.items():
             try:
-                await _warm_up(clients[name], server.url)
+                await warm_up(clients[name], server.url, api)
                 alive.append(name)
             except (ServerError, httpx.HTTPError) as exc:
                 _note(problems, name, f"failed: {type(exc).__name__}: {exc}")
