@@ -22,6 +22,7 @@ from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap, DisaggConfig
 from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.prefill import PrefillRole
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
@@ -283,3 +284,18 @@ def test_decode_gone_mid_transfer_fails_the_prefill_without_a_hang() -> None:
         assert p.error is not None, p
         assert time.monotonic() - t0 < 35
         assert_idle(prefill)
+
+
+@pytest.mark.parametrize("model", ["tiny-random-llama", "tiny-random-gemma3"])
+def test_pages_go_chunk_by_chunk_as_the_prefill_computes(model: str) -> None:
+    """A prompt of several prefill chunks: the full KV's pages are written after each
+    chunk (partial jobs), a sliding window's with the last; the answer is the same."""
+    prompt = list(range(300, 400))  # 100 tokens: 4 chunks of 32 at most
+    want = reference(model, prompt)
+    with pair(model) as (prefill, decode):
+        p, d = run_room(prefill, decode, 81, prompt=prompt, decode_first=True, delay=0.2)
+        assert p.error is None and d.output_ids == want
+        role = prefill.role
+        assert isinstance(role, PrefillRole)
+        assert role.sender.partial_writes >= 2  # after chunks 1, 2 (and 3)
+        assert_idle(prefill, decode)

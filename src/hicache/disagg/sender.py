@@ -1,17 +1,24 @@
-"""The prefill side's sender: writes each finished prefill's pages into the pages the
-decode side registered for its room (:class:`PrefillSender`, one thread).
+"""The prefill side's sender: writes a prefill's pages into the pages the decode side
+registered for its room, chunk by chunk as they are computed (:class:`PrefillSender`,
+one thread).
 
-The engine hands over a :class:`SendJob` once a request's prefill is done (its first
-token sampled, its pages held by its cache handle until the job ends). The sender waits
-for the room's registration (:class:`~hicache.disagg.bootstrap.PrefillRooms`), checks
-the pair (the same prompt), writes every store's pages the decode side lacks
-(:func:`plan_spans`), closes the room (``SUCCESS`` with the first token, else ``FAILED``
-or ``ABORTED``) and reports to the engine (``done(rid, error)``), which then releases the
-request's pages. It never touches the cache: the pages it reads stay held meanwhile.
+The engine hands over :class:`SendJob` s: after each prefill chunk a *partial* job (the
+whole pages computed so far, of the stores that hold every page until the request ends:
+the full KV, the indexer's keys), and, once the first token is sampled, the *final* job
+(every store's pages past what was sent, the sliding window's last pages among them, and
+what the decode side gets with them: :class:`~hicache.disagg.rooms.RoomResult`). The
+request's pages stay held meanwhile (a requeued request first tells the sender to
+:meth:`~PrefillSender.restart` its room: nothing of it counts as sent, the next jobs
+write it all again). Jobs wait for the room's registration
+(:class:`~hicache.disagg.bootstrap.PrefillRooms`); each writes, per store, the sequence
+pages the decode side lacks (:func:`plan_spans`). The final job closes the room
+(``SUCCESS`` with the first token, else ``FAILED`` or ``ABORTED``) and reports to the
+engine (``done(rid, error)``, once per request), which then releases the request. The
+sender never touches the cache.
 
-An abort from the decode side is seen between two writes (at most ``batch_bytes`` apart):
-the sender stops, the room closes ``ABORTED``, and only then may the decode side free its
-pages.
+An abort from the decode side is seen between two writes (at most ``BATCH_BYTES``
+apart): the sender stops, the room closes ``ABORTED``, and only then may the decode side
+free its pages.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.disagg.bootstrap import PrefillRooms
 from hicache.disagg.layout import Registration
@@ -40,33 +47,46 @@ BATCH_BYTES = 64 << 20
 @dataclass(frozen=True, slots=True)
 class SourcePages:
     """One store's pages of a request on the prefill side: ``pages[i]`` of the pool
-    ``geometry`` describes holds sequence page ``first + i``."""
+    ``geometry`` describes holds sequence page ``first + i``; ``stable``: held until the
+    request ends (sent chunk by chunk), else only its last pages stay (sent at the end)."""
 
     name: str
     geometry: PoolGeometry
     first: int
     pages: tuple[int, ...]
+    stable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class SendJob:
-    """A prefill that is done: request ``rid`` of ``room``, its prompt's ``prompt_len``
-    and ``prompt_hash``, its pages per store (``sources``, the full KV first) and what
-    the decode side gets with them (``result``)."""
+    """Pages of request ``rid`` of ``room`` to send: its prompt's ``prompt_len`` and
+    ``prompt_hash``, its pages per store (``sources``, the full KV first). A partial job
+    (``upto`` set) covers the stable stores' sequence pages before ``upto`` (whole pages,
+    computed); the final one (``result`` set) every page, and ends the room."""
 
     rid: str
     room: int
     prompt_len: int
     prompt_hash: str
     sources: tuple[SourcePages, ...]
-    result: RoomResult
+    result: RoomResult | None = None
+    upto: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.result is None) == (self.upto is None):
+            raise ValueError("a send job is either partial (upto) or final (result)")
+
+    @property
+    def final(self) -> bool:
+        return self.result is not None
 
 
-def plan_spans(job: SendJob, reg: Registration) -> list[Span]:
-    """The copies that give the decode side every page it registered beyond its
-    ``skip_pages``: per store, sequence page ``p`` from the job's page to the
-    registration's. ValueError naming the store and page when the pair cannot be served
-    (another prompt, a store or page the prefill does not hold)."""
+def plan_spans(job: SendJob, reg: Registration, sent: int = 0) -> list[Span]:
+    """The copies that give the decode side, per store, the sequence pages it registered
+    past its ``skip_pages``: of a partial job, the stable stores' pages in ``[sent,
+    job.upto)``; of the final job, the stable stores' pages from ``sent`` on and the other
+    stores' whole registered range. ValueError naming the room, store and pages when the
+    pair cannot be served (another prompt, a store or page the prefill does not hold)."""
     if (reg.prompt_len, reg.prompt_hash) != (job.prompt_len, job.prompt_hash):
         raise ValueError(
             f"room {job.room}: the decode side's prompt ({reg.prompt_len} tokens) is not the"
@@ -77,9 +97,17 @@ def plan_spans(job: SendJob, reg: Registration) -> list[Span]:
     for target in reg.targets:
         src = sources.get(target.name)
         if src is None:
-            raise ValueError(f"room {job.room}: the prefill side holds no store {target.name!r}")
-        begin = max(target.first, reg.skip_pages)
+            if job.final:
+                raise ValueError(
+                    f"room {job.room}: the prefill side holds no store {target.name!r}"
+                )
+            continue  # a partial job carries the stable stores only
+        if not job.final and not src.stable:
+            continue
+        begin = max(target.first, reg.skip_pages, sent if src.stable else 0)
         end = target.first + len(target.pages)
+        if job.upto is not None:
+            end = min(end, job.upto)
         if begin >= end:
             continue
         if begin < src.first or end > src.first + len(src.pages):
@@ -96,11 +124,23 @@ def plan_spans(job: SendJob, reg: Registration) -> list[Span]:
     return spans
 
 
+@dataclass(slots=True)
+class _Room:
+    """The sender's state of one room: jobs not written yet (in order), the decode
+    side's registration once taken, the stable stores' pages written so far (``sent``),
+    and why a write failed (later jobs are not written; the final one reports it)."""
+
+    jobs: list[SendJob] = field(default_factory=list)
+    reg: Registration | None = None
+    sent: int = 0
+    error: str | None = None
+
+
 class PrefillSender:
-    """One thread that serves :class:`SendJob` s in the order their rooms become ready;
-    see the module docstring. ``done(rid, error)`` is called on the sender's thread once
-    per job (``error`` None: the decode side has every page). ``timeout_s``: one
-    transfer's bound."""
+    """One thread that serves :class:`SendJob` s, each room's in order, as rooms become
+    ready; see the module docstring. ``done(rid, error)`` is called on the sender's
+    thread once per final job (``error`` None: the decode side has every page).
+    ``timeout_s``: one job's bound."""
 
     def __init__(
         self,
@@ -114,29 +154,38 @@ class PrefillSender:
         self.transport = transport
         self._done = done
         self._timeout_s = timeout_s
-        self._jobs: queue.Queue[SendJob] = queue.Queue()
-        self._cancelled: queue.Queue[tuple[int, str]] = queue.Queue()
+        self._inbox: queue.Queue[SendJob | tuple[str, int, str]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hicache-pd-sender", daemon=True)
         self.sent_bytes = 0
-        """Bytes written so far (read by metrics; the sender thread writes it)."""
+        """Bytes written so far (the sender thread writes it)."""
+        self.partial_writes = 0
+        """Partial jobs written so far (pages sent before the prefill was done)."""
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, job: SendJob) -> None:
         """Send ``job`` once its room is registered (any thread)."""
-        self._jobs.put(job)
+        self._inbox.put(job)
         self.rooms.poke()
 
     def cancel(self, room: int, why: str) -> None:
-        """The prefill side gives ``room`` up (its client went away): a job not yet sent
-        ends with ``why``."""
-        self._cancelled.put((room, why))
+        """The prefill side gives ``room`` up (its request ended, or its client went
+        away): nothing more is written, the room closes with ``why`` (after any write in
+        flight), and its final job, if not written yet, ends with it."""
+        self._inbox.put(("cancel", room, why))
+        self.rooms.poke()
+
+    def restart(self, room: int) -> None:
+        """``room``'s request was requeued: its queued partial jobs are dropped (their
+        pages may be freed) and nothing written counts as sent (the next jobs write it all
+        again, after any write in flight: one thread, in order)."""
+        self._inbox.put(("restart", room, ""))
         self.rooms.poke()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread; jobs not sent end with an error (reported through ``done``)."""
+        """Stop the thread; final jobs not written end with an error (``done``)."""
         self._stop.set()
         self.rooms.poke()
         if self._thread.is_alive():
@@ -145,58 +194,96 @@ class PrefillSender:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        pending: dict[int, SendJob] = {}
+        state: dict[int, _Room] = {}
         try:
             while not self._stop.is_set():
-                while not self._jobs.empty():
-                    job = self._jobs.get_nowait()
-                    pending[job.room] = job
-                while not self._cancelled.empty():
-                    room, why = self._cancelled.get_nowait()
-                    if room in pending:
-                        self._end(pending.pop(room), error=why)
+                self._take_inbox(state)
                 self.rooms.expire()
                 progressed = False
-                for room, job in list(pending.items()):
-                    status = self.rooms.status([room])[0]
-                    if status is not None and status.state.closed:  # expired or aborted
-                        del pending[room]
-                        self._report(job, status.error or f"room {room} {status.state.value}")
-                        progressed = True
-                        continue
-                    reg = self.rooms.start(room)
-                    if reg is not None:
-                        del pending[room]
-                        self._send(job, reg)
-                        progressed = True
+                for room, st in list(state.items()):
+                    progressed |= self._serve(room, st, state)
                 if not progressed:
                     self.rooms.wait(0.05)
         except BaseException:
             log.exception("the PD sender thread failed")
             raise
         finally:
-            for job in pending.values():
-                self._end(job, error="the prefill instance is stopping")
-            while not self._jobs.empty():
-                self._end(self._jobs.get_nowait(), error="the prefill instance is stopping")
+            self._take_inbox(state)
+            for room, st in state.items():
+                for job in st.jobs:
+                    if job.final:
+                        self._end(job, error="the prefill instance is stopping")
+                self.rooms.close(room, error="the prefill instance is stopping")
 
-    def _send(self, job: SendJob, reg: Registration) -> None:
+    def _take_inbox(self, state: dict[int, _Room]) -> None:
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, SendJob):
+                state.setdefault(item.room, _Room()).jobs.append(item)
+                continue
+            what, room, why = item
+            st = state.get(room)
+            if what == "restart":
+                if st is not None:
+                    st.jobs = [j for j in st.jobs if j.final]
+                    st.sent = 0
+                continue
+            # cancel: after any write of the room (this thread's), never under one
+            for job in [] if st is None else st.jobs:
+                if job.final:
+                    self._end(job, error=why)
+            self.rooms.close(room, error=why)
+            state.pop(room, None)
+
+    def _serve(self, room: int, st: _Room, state: dict[int, _Room]) -> bool:
+        """Write what ``room`` has ready; whether anything changed."""
+        if st.reg is not None and st.error is None and self.rooms.aborted(room):
+            st.error = f"room {room}: the decode side aborted it"
+            self.rooms.close(room, error=st.error)  # no write is in flight: acknowledged
+            return True
+        if not st.jobs:
+            return False
+        if st.reg is None and st.error is None:
+            status = self.rooms.status([room])[0]
+            if status is not None and status.state.closed:  # expired, aborted, failed
+                st.error = status.error or f"room {room} {status.state.value}"
+            else:
+                st.reg = self.rooms.start(room)
+                if st.reg is None:
+                    return False  # not registered yet
+        while st.jobs:
+            job = st.jobs.pop(0)
+            if st.error is None:
+                st.error = self._write_job(job, st)
+            if job.final:
+                del state[room]
+                if st.error is None:
+                    self._end(job, result=job.result)
+                else:
+                    self._end(job, error=st.error)
+        return True
+
+    def _write_job(self, job: SendJob, st: _Room) -> str | None:
+        """Write ``job``; None, or why the room failed (the room is closed then)."""
+        assert st.reg is not None
         try:
-            spans = plan_spans(job, reg)
-            self._write(job, reg.endpoint, spans)
+            spans = plan_spans(job, st.reg, st.sent)
+            self._write(job, st.reg.endpoint, spans)
         except ValueError as exc:  # the pair cannot be served (names the room)
-            log.warning("%s", exc)
-            self._end(job, error=str(exc))
-            return
+            why = str(exc)
         except TransferFailed as exc:
             why = f"room {job.room}: sending the pages to the decode instance failed: {exc}"
-            log.warning("%s", why)
-            self._end(job, error=why)
-            return
-        if self.rooms.aborted(job.room):
-            self._end(job, error=f"room {job.room}: the decode side aborted it")
-            return
-        self._end(job, result=job.result)
+        else:
+            if self.rooms.aborted(job.room):
+                why = f"room {job.room}: the decode side aborted it"
+            else:
+                if job.upto is not None:
+                    st.sent = max(st.sent, job.upto)
+                    self.partial_writes += 1
+                return None
+        log.warning("%s", why)
+        self.rooms.close(job.room, error=why)
+        return why
 
     def _write(self, job: SendJob, endpoint: str, spans: Sequence[Span]) -> None:
         """Write ``spans`` in batches of about :data:`BATCH_BYTES`, looking at the room's
@@ -224,10 +311,7 @@ class PrefillSender:
         self, job: SendJob, *, result: RoomResult | None = None, error: str | None = None
     ) -> None:
         self.rooms.close(job.room, result=result, error=error)
-        self._report(job, None if result is not None else error or "failed")
-
-    def _report(self, job: SendJob, error: str | None) -> None:
         try:
-            self._done(job.rid, error)
+            self._done(job.rid, None if result is not None else error or "failed")
         except Exception:
             log.exception("reporting the end of room %d failed", job.room)

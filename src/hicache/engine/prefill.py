@@ -53,7 +53,9 @@ class PrefillRole(Role):
         self.transport = transport
         self.geometry = geometry
         self._handed: set[str] = set()
-        """Requests whose job the sender has (their room is the sender's to close)."""
+        """Requests whose final job the sender has (their room is the sender's to close)."""
+        self._sent: dict[str, int] = {}
+        """Per request still computing: the whole pages its partial jobs cover so far."""
 
     def claim(self, bootstrap: Bootstrap) -> str | None:
         """A request of ``bootstrap``'s room arrived (any thread); None, or why it is
@@ -69,29 +71,40 @@ class PrefillRole(Role):
             return False
         if req.cache.failed is not None:
             return False  # its KV cannot be trusted: ended() fails the room
-        if torch.device(self.cache.full.device_pool.device).type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the pages are written
-        sources = tuple(
-            SourcePages(h.name, self.geometry[h.name], h.first, tuple(h.pages))
-            for h in held_pages(self.cache, req.cache)
-        )
         cached = req.cached
-        job = SendJob(
+        result = RoomResult(
+            first_token=req.output_ids[0],
+            cached_device=cached.device,
+            cached_host=cached.host,
+            cached_storage=cached.storage,
+        )
+        self._sent.pop(req.rid, None)
+        self._handed.add(req.rid)
+        self.sender.submit(self._job(req, result=result))
+        return True
+
+    def _job(
+        self, req: Request, *, upto: int | None = None, result: RoomResult | None = None
+    ) -> SendJob:
+        """``req``'s pages as they are now: a partial job (the stable stores' pages before
+        ``upto``) or the final one (``result``)."""
+        assert req.bootstrap is not None and req.cache is not None
+        if torch.device(self.cache.full.device_pool.device).type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the forward's pages are written
+        sources = tuple(
+            SourcePages(h.name, self.geometry[h.name], h.first, tuple(h.pages), h.stable)
+            for h in held_pages(self.cache, req.cache)
+            if result is not None or h.stable
+        )
+        return SendJob(
             rid=req.rid,
             room=req.bootstrap.room,
             prompt_len=len(req.prompt_ids),
             prompt_hash=prompt_hash(req.prompt_ids),
             sources=sources,
-            result=RoomResult(
-                first_token=req.output_ids[0],
-                cached_device=cached.device,
-                cached_host=cached.host,
-                cached_storage=cached.storage,
-            ),
+            result=result,
+            upto=upto,
         )
-        self._handed.add(req.rid)
-        self.sender.submit(job)
-        return True
 
     def abort(self, req: Request, why: str) -> bool:
         if req.rid in self._handed and req.bootstrap is not None:
@@ -100,12 +113,28 @@ class PrefillRole(Role):
         return True
 
     def ended(self, req: Request) -> None:
+        self._sent.pop(req.rid, None)
         if req.rid in self._handed:
             self._handed.discard(req.rid)
             return
         if req.bootstrap is not None and req.bootstrap.transfers:
             why = req.error or "the prefill request ended before its pages were sent"
-            self.rooms.close(req.bootstrap.room, error=f"the prefill side failed: {why}")
+            # through the sender: after any partial write of the room, never under one
+            self.sender.cancel(req.bootstrap.room, f"the prefill side failed: {why}")
+
+    def computed(self, req: Request) -> None:
+        if req.bootstrap is None or not req.bootstrap.transfers or req.cache is None:
+            return
+        upto = req.kv_len // self.cache.page_size
+        if upto <= self._sent.get(req.rid, 0):
+            return
+        self._sent[req.rid] = upto
+        self.sender.submit(self._job(req, upto=upto))
+
+    def requeued(self, req: Request) -> None:
+        if req.bootstrap is not None and req.bootstrap.transfers:
+            self._sent.pop(req.rid, None)
+            self.sender.restart(req.bootstrap.room)
 
     def close(self) -> None:
         self.sender.close()

@@ -58,6 +58,14 @@ class Role:
         prefix load failed)."""
         return []
 
+    def computed(self, req: Request) -> None:
+        """A prefill chunk of ``req`` was computed and committed (``req.kv_len``
+        positions done): a prefill instance sends the whole pages done so far."""
+
+    def requeued(self, req: Request) -> None:
+        """``req`` was requeued (retracted, or its prefix load failed): what was handed
+        of its pages may be freed now."""
+
     def abort(self, req: Request, why: str) -> bool:
         """Parked ``req`` is aborted: tell the other side. Returns whether it ends now
         (nothing was promised to the other side); else it stays parked until its room ends

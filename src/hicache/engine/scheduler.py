@@ -532,6 +532,7 @@ class Scheduler:
             if req.kv_len < req.seq_len:  # a prefill chunk: its pages (and every
                 # component's values, before the next chunk moves past them) are shared now
                 self.cache.commit(req.cache, req.all_ids[: req.kv_len], extras=extras)
+                self.role.computed(req)  # a prefill instance sends them now
             elif extras is not None:  # committed after sampling, or at its release
                 self.cache.keep(req.cache, extras)
             if req.kv_len == req.seq_len:
@@ -596,6 +597,7 @@ class Scheduler:
         it restarts from position 0 (or from the prefix its re-admission finds)."""
         assert req.cache is not None
         self.running.remove(req)
+        self.role.requeued(req)  # before its pages may be freed
         self.cache.requeue(req.cache, req.all_ids[: req.kv_len])
         self.runner.drop_state(req.rid)
         req.kv_len = 0

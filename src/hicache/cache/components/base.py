@@ -98,12 +98,16 @@ class HeldPages:
 
     ``name``: the store (``"full"`` for the full KV, else the component's name);
     ``pool``: its L1 pool, whose :meth:`~hicache.memory.base.KVPool.read_pages` and
-    ``write_pages`` move the pages' bytes (canonical ``(n, K, L, page, H, D)``)."""
+    ``write_pages`` move the pages' bytes (canonical ``(n, K, L, page, H, D)``);
+    ``stable``: the request holds each of these pages until it is released or requeued
+    (False for a sliding window, which frees its early pages as the request advances:
+    only its last pages may be read after the request's last forward)."""
 
     name: str
     pool: DevicePool
     first: int
     pages: PageIds
+    stable: bool = True
 
     def read(self) -> torch.Tensor:
         """A CPU copy of the held pages, ``(len(pages), K, L, page_size, H, D)``."""

@@ -408,7 +408,7 @@ class SwaStore(PagedStore):
         table = self.table(req)
         if table is None:
             return None
-        return HeldPages(self.name, self.device_pool, table.first, table.pages[:])
+        return HeldPages(self.name, self.device_pool, table.first, table.pages[:], stable=False)
 
     def request_ids(self, requests: Sequence[CacheRequest]) -> list[int]:
         """SWA L1 pages ``requests`` own (not the tree's)."""
