@@ -102,3 +102,49 @@ def test_a_split_during_the_l2_backup_loses_nothing_on_the_way_to_l3() -> None:
     with make(MHA, store) as b:
         got, data = fetch(b, TOKENS)
         assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
+
+
+def make_write_back(spec: KVSpec, store: MemoryStore) -> HiCache:
+    cfg = CacheConfig(
+        page_size=PAGE,
+        device_tokens=16,
+        hicache_ratio=2.0,
+        load_back_threshold=0,
+        write_policy="write_back",
+    )
+    cache = HiCache(cfg, spec).start()
+    ns = Namespace.for_spec(
+        spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
+    )
+    cache.attach_storage(
+        MemoryStorage(ns, store=store),
+        ns,
+        PrefetchConfig(policy="wait_complete", prefetch_threshold=0),
+    )
+    return cache
+
+
+def test_l3_pages_past_a_span_held_in_l1_alone_are_fetched() -> None:
+    """Under write_back a cache holds its prefix in L1 alone; another instance wrote the
+    prefix and more to L3 (a decode instance's offload). The continuation is fetched: the
+    L1-only span adopts its L3 copy as its L2 copy (contiguity), the rest hangs past it;
+    the bytes are exact. When L3 has nothing past the span, nothing is read."""
+    store = MemoryStore()
+    longer = [*TOKENS, 8, 8, 7, 7]  # 6 pages
+    with make(MHA, store) as writer:
+        put(writer, longer)
+        assert len(store) == 6
+    with make_write_back(MHA, store) as b:
+        put(b, TOKENS)  # 4 pages in L1 alone (write_back: no backup)
+        node = b.full.match_prefix(TOKENS).last_device_node
+        assert node.host is None and len(store) == 6
+        # nothing in L3 past the held span: no read (the held pages are not re-read)
+        got, _ = fetch(b, TOKENS[:6])
+        assert got == 0 and cache_stats(b).counters.get("prefetch_tokens_total", 0) == 0
+        got, data = fetch(b, [*longer, 9])
+        assert got == 4  # the two pages past the span come from L3
+        assert torch.equal(data, page_kv(b, longer, 0, 6))
+        node = b.full.match_prefix(TOKENS).last_device_node
+        assert node.host is not None  # the span adopted its L3 copy
+        assert cache_stats(b).counters["prefetch_tokens_total"] == 12  # 6 pages read
+        check_integrity(b)

@@ -153,17 +153,27 @@ def test_pd_behind_smg_answers_as_one_plain_server(model: str, transport: str) -
 
 def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: Path) -> None:
     """Decode offload: the decode instance writes the finished conversation to the shared
-    L3; the prefill instance writes nothing there itself (``write_back``, and its L1/L2
-    flushed between the turns), so the second turn's hit past the first prompt is the
-    decode instance's write."""
+    L3, while the prefill instance, under ``write_back``, writes nothing there and holds
+    the first prompt in L1 alone. The second turn's prefill takes the first prompt from
+    its L1 and the first turn's output (and the prompt's last page) from L3, the decode
+    instance's write; with its L1 and L2 flushed, all of it from L3."""
     model, page = "tiny-random-llama", 4
     l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
     # every lookup prefetches (the default threshold, 256 tokens, is past these prompts)
     extra = {"file_path": str(tmp_path), "prefetch_threshold": 0}
     l3 += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
     bootstrap = free_port()
+    # ... and every L2 hit is loaded back (the default threshold, 10 tokens, is past the
+    # two pages the first turn's output adds)
     prefill_flags, decode_flags = pd_flags(
-        model, "mooncake", bootstrap, "--page-size", str(page), *l3
+        model,
+        "mooncake",
+        bootstrap,
+        "--page-size",
+        str(page),
+        "--hicache-load-back-threshold",
+        "0",
+        *l3,
     )
     prefill_flags += ["--hicache-write-policy", "write_back"]
     decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
@@ -176,26 +186,31 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
             api_key=ROUTER_KEY,
         ) as smg,
     ):
-        first_ids = list(range(300, 342))  # 42 tokens
+        first_ids = list(range(300, 342))  # 42 tokens: 10 whole pages
         gen = {"sampling_params": {"max_new_tokens": 10, "temperature": 0}}
         first = post(smg.url, "/generate", {"input_ids": first_ids, **gen})
         conversation = first_ids + first["output_ids"]
         # the decode instance computed KV for every position but the last output token
         written = (len(conversation) - 1) // page * page
         deadline = time.monotonic() + 30
-        while (
-            not list(tmp_path.rglob("*")) or metric(decode, "hicache_l3_written_bytes_total") == 0
-        ):
+        while metric(decode, "hicache_l3_written_bytes_total") == 0:
             assert time.monotonic() < deadline, "the decode instance wrote nothing to L3"
             time.sleep(0.2)
         time.sleep(1.0)  # its last pages' writes land
-        r = httpx.post(f"{prefill.url}/flush_cache", headers=ADMIN, timeout=30)
-        assert r.status_code == 200 and r.json().get("success", True), r.text
         second_ids = conversation + list(range(500, 520))
         second = post(smg.url, "/generate", {"input_ids": second_ids, **gen})
-        meta = second["meta_info"]
-        # all of it from L3 (the prefill's L1 and L2 are empty, and it wrote no L3 itself)
-        assert meta["cached_tokens"] == meta["cached_tokens_details"]["storage"] == written
+        meta = second["meta_info"]["cached_tokens_details"]
+        assert (meta["device"], meta["storage"]) == (40, written - 40), (meta, written)
+        # on a prefill instance that holds nothing of it: all of it from L3
+        r = httpx.post(f"{prefill.url}/flush_cache", headers=ADMIN, timeout=30)
+        assert r.status_code == 200, r.text
+        third_ids = conversation + list(range(600, 620))
+        third = post(smg.url, "/generate", {"input_ids": third_ids, **gen})
+        meta = third["meta_info"]["cached_tokens_details"]
+        # (the second turn's conversation, written by the decode instance too, holds
+        # the first conversation's last page whole)
+        whole = len(conversation) // page * page
+        assert (meta["device"], meta["host"], meta["storage"]) == (0, 0, whole), meta
         assert_idle(prefill, decode)
 
 

@@ -174,9 +174,14 @@ class StorageTier:
 
     def start(self, key: bytes, tenant: str) -> Prefetch | None:
         """Start looking up the L3 pages of ``key`` (encoded tokens) past what the tree
-        holds; None when nothing can be fetched (no uncached whole page, or the held
-        prefix ends on a span that is not in L2, under which fetched pages cannot hang;
-        and, with extra components, no held boundary past the valid match to serve).
+        holds; None when nothing can be fetched (no uncached whole page; with extra
+        components, also when the held prefix ends on a span that is not in L2, under
+        which fetched pages cannot hang, and no held boundary past the valid match is
+        left to serve). A full-KV-only cache whose held prefix ends on a span in L1 alone
+        (``write_back``) looks up from that span's deepest ancestor in L2 instead: when
+        L3 has pages past the span, they are read with the span's own, which the span's
+        nodes adopt as their L2 copy (contiguity: an L2 copy hangs under an L2 copy), and
+        the rest hangs past it; when it has none past it, nothing is read.
 
         The start is the full-KV prefix the tree holds in any tier, not the validated
         match: pages there are never fetched again. A component's values that pages past
@@ -195,8 +200,15 @@ class StorageTier:
         attach = held.last_host_node
         start = held.matched_tokens // self.page_size
         in_l2 = attach.parent is None or attach.host is not None
+        held_to = start
         if not in_l2 and not self.components:
-            return None
+            # the held prefix ends on a span in L1 alone (write_back): fetch from its
+            # deepest ancestor in L2 on, so the span adopts its L3 copy and what L3 has
+            # past it can hang there (useful only if L3 has pages past it: _on_lookup)
+            while attach.parent is not None and attach.host is None:
+                start -= self.tree.num_pages(attach)
+                attach = attach.parent
+            in_l2 = True
         rest = self.keys(key, tenant)[start:] if in_l2 else []
         valid = inner_to = 0
         pin = attach
@@ -214,7 +226,7 @@ class StorageTier:
         now = time.monotonic()
         deadline = now + self.prefetch.timeout_s(len(rest) * self.page_size)
         p = Prefetch(op_id, key, rest, start, pin, tenant, now, deadline)
-        p.valid_pages, p.inner_to = valid, inner_to
+        p.valid_pages, p.inner_to, p.held_to = valid, inner_to, held_to
         lo = valid if inner_to else start  # boundaries considered: (lo, start + hit]
         lookups: list[ComponentLookup] = []
         for c in self.components:
@@ -363,6 +375,9 @@ class StorageTier:
             boundary = agree_boundary(ranks.min, usable, start + hit)
         if boundary <= start:
             self._read_records(p, boundary)
+            return
+        if boundary <= p.held_to:  # L3 has nothing past what L1 holds: no read
+            p.finished = True
             return
         hit = boundary - start
         host_pages = None

@@ -101,14 +101,15 @@ class Inserter:
         if cached_pages < start_page:
             raise ValueError(f"insert_host: pages before {start_page} are not cached")
         taken = cached_pages - start_page
+        adopted = self._adopt_host(walk.nodes, host_pages, start_page)
         last, new_node = walk.last, None
         if walk.end < len(key) and last.host is not None:  # else: contiguity forbids it
             new_node = last = store.add_leaf(
                 last, key[walk.end :], host=host_pages[taken:], priority=priority
             )
-            duplicates = host_pages[:taken]
+            duplicates = _without(host_pages[:taken], adopted)
         else:
-            duplicates = host_pages[:]
+            duplicates = _without(host_pages[:], adopted)
         if last.parent is None:
             store.drop_if_empty_root(last)  # nothing stored
         return InsertResult(
@@ -118,6 +119,28 @@ class Inserter:
             adopted=[],
             new_node=new_node,
         )
+
+    def _adopt_host(self, nodes: list[TreeNode], host_pages: PageIds, start_page: int) -> set[int]:
+        """Give the cached nodes at or past ``start_page`` that have no L2 copy (their
+        KV in L1 alone: a ``write_back`` span) the fetched copy of their pages, top-down
+        while contiguity allows (each one's parent in L2), so that a fetched run past
+        them can hang there; returns the host pages adopted."""
+        store = self._store
+        adopted: set[int] = set()
+        depth = 0
+        for node in nodes:
+            n = store.num_pages(node)
+            lo, depth = depth, depth + n
+            if lo < start_page or node.host is not None:
+                continue
+            if node.parent is None or node.parent.host is None:
+                break  # contiguity: an L2 copy hangs under an L2 copy (a root has one)
+            if depth - start_page > len(host_pages):
+                break
+            pages = host_pages[lo - start_page : depth - start_page]
+            store.assign_host(node, pages)
+            adopted.update(pages)
+        return adopted
 
     def _reuse(
         self, nodes: list[TreeNode], pages: PageIds, priority: int, duplicates: PageIds
@@ -153,3 +176,8 @@ def _raise_priority(nodes: list[TreeNode], priority: int) -> None:
     for node in nodes:
         if node.priority < priority:
             node.priority = priority
+
+
+def _without(pages: PageIds, drop: set[int]) -> PageIds:
+    """``pages`` less those in ``drop``."""
+    return pages if not drop else page_ids([p for p in pages if p not in drop])
