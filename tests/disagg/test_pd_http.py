@@ -1,0 +1,110 @@
+"""The bootstrap fields over HTTP on a prefill and a decode instance (each served by
+uvicorn on 127.0.0.1): a request without them gets a 400 naming what is missing, and so
+do a batch whose rooms do not match its prompts, ``n`` > 1 and log probabilities; a room
+in use or just used is refused by the prefill instance; the router's no-transfer host is
+served alone, as JSON on a prefill instance even when a stream is asked for;
+``/health_generate`` answers on both."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from hicache.engine.engine import Engine
+from tests.disagg.test_pd_engine import FAST, free_port, make_engine
+from tests.helpers.api_fixtures import serve
+
+PROMPT = list(range(300, 320))
+
+
+@pytest.fixture(scope="module")
+def urls() -> Iterator[tuple[str, str, int]]:
+    port = free_port()
+    prefill = make_engine("tiny-random-llama", "prefill", port=port, **FAST)
+    decode: Engine | None = None
+    try:
+        decode = make_engine("tiny-random-llama", "decode", port=port, **FAST)
+        with serve(prefill) as p_url, serve(decode) as d_url:
+            yield p_url, d_url, port
+    finally:
+        if decode is not None:
+            decode.close()
+        prefill.close()
+
+
+def gen(url: str, **fields: Any) -> httpx.Response:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    return httpx.post(f"{url}/generate", json={**body, **fields}, timeout=60)
+
+
+def error(r: httpx.Response) -> tuple[int, str, str | None]:
+    e = r.json()["error"]
+    return r.status_code, e["message"], e.get("param")
+
+
+def test_a_request_without_its_room_is_refused_naming_the_field(urls: tuple[str, str, int]) -> None:
+    p_url, d_url, port = urls
+    for url, role in ((p_url, "prefill"), (d_url, "decode")):
+        status, msg, param = error(gen(url))
+        assert (status, param) == (400, "bootstrap_host") and f"a {role} instance needs" in msg
+        status, msg, param = error(gen(url, bootstrap_host="127.0.0.1"))
+        assert (status, param) == (400, "bootstrap_room") and "bootstrap_room" in msg
+        chat = {
+            "model": "tiny-random-llama",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+        }
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert error(r)[0] == 400 and error(r)[2] == "bootstrap_host"
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    batch = {"input_ids": [PROMPT, PROMPT], "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(f"{p_url}/generate", json={**batch, **room, "bootstrap_room": 5}, timeout=60)
+    assert error(r)[0] == 400 and "array of 2 rooms" in error(r)[1]
+    r = httpx.post(f"{p_url}/generate", json={**batch, **room, "bootstrap_room": [5]}, timeout=60)
+    assert error(r)[0] == 400 and "1 entries for 2 prompts" in error(r)[1]
+    status, msg, param = error(gen(p_url, **room, bootstrap_room=-1))
+    assert (status, param) == (400, "bootstrap_room")
+    r = gen(p_url, **room, bootstrap_room=6, return_logprob=True)
+    assert error(r)[0] == 400 and "logprobs are not served by a prefill/decode pair" in error(r)[1]
+
+
+def test_a_room_in_use_or_used_is_refused(urls: tuple[str, str, int]) -> None:
+    p_url, d_url, port = urls
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 77}
+    with httpx.Client(timeout=60) as c:
+        first = c.build_request(
+            "POST",
+            f"{d_url}/generate",
+            json={
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+                "stream": True,
+                **room,
+            },
+        )
+        stream = c.send(first, stream=True)  # the decode half, registered, waiting
+        p1 = gen(p_url, **room)  # a null port: the instance's own bootstrap port
+        assert p1.status_code == 200, p1.text
+        events = [ln for ln in stream.iter_lines() if ln.startswith("data: {")]
+        stream.close()
+    assert '"finish_reason"' in events[-1]
+    status, msg, param = error(gen(p_url, **room))
+    assert (status, param) == (400, "bootstrap_room") and "room 77" in msg
+
+
+def test_the_no_transfer_host_is_served_alone_and_health_generate_answers(
+    urls: tuple[str, str, int],
+) -> None:
+    p_url, d_url, _ = urls
+    alone = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 1}
+    streamed = gen(p_url, stream=True, **alone)  # a prefill instance answers JSON
+    assert streamed.headers["content-type"].startswith("application/json")
+    assert len(streamed.json()["output_ids"]) == 3  # served alone: the whole answer
+    decoded = gen(d_url, **alone)
+    assert decoded.json()["output_ids"] == streamed.json()["output_ids"]
+    for url in (p_url, d_url):
+        r = httpx.get(f"{url}/health_generate", timeout=60)
+        assert r.status_code == 200, r.text
