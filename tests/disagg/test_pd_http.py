@@ -72,7 +72,7 @@ def test_a_request_without_its_room_is_refused_naming_the_field(urls: tuple[str,
 
 
 def test_a_room_in_use_or_used_is_refused(urls: tuple[str, str, int]) -> None:
-    p_url, d_url, port = urls
+    p_url, d_url, _ = urls
     room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 77}
     with httpx.Client(timeout=60) as c:
         first = c.build_request(
