@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
@@ -37,11 +35,10 @@ from hicache.services.mooncake import mooncake_master_path
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.process import (
     LOOPBACK,
+    LoggedProcess,
     ServiceError,
     ServiceUnavailableError,
-    die_with_parent,
     free_port,
-    stop_process,
 )
 
 __all__ = [
@@ -104,12 +101,14 @@ ADMIN_KEY = os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
 process, which the servers the benchmarks start are given."""
 
 
-class ServerProcess:
+class ServerProcess(LoggedProcess):
     """One ``hicache serve`` subprocess; ``start()`` / ``close()`` or a ``with`` block.
 
     ``flags`` are ``hicache serve`` flags (without ``--host`` / ``--port``, which are
     chosen here). ``startup_timeout_s`` bounds the wait for ``/health`` (seconds).
     """
+
+    log_prefix = "hicache-bench-server-"
 
     def __init__(
         self,
@@ -119,13 +118,11 @@ class ServerProcess:
         startup_timeout_s: float = 300.0,
         grace_s: float = 10.0,
     ) -> None:
+        super().__init__(grace_s)
         self.flags = list(flags)
         self.host = host
         self.port = 0
         self.startup_timeout_s = startup_timeout_s
-        self.grace_s = grace_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
 
     @property
     def url(self) -> str:
@@ -146,17 +143,10 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         """Launch and wait until ``/health`` answers 200; ServerError (with the log) if not."""
         self.port = free_port(self.host)
-        fd, name = tempfile.mkstemp(prefix="hicache-bench-server-", suffix=".log")
-        self.log_path = Path(name)
-        cmd = [*self.command, *self._admin_flags(), "--host", self.host, "--port", str(self.port)]
-        with open(fd, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )
+        self.spawn(
+            [*self.command, *self._admin_flags(), "--host", self.host, "--port", str(self.port)]
+        )
+        assert self.proc is not None
         end = time.monotonic() + self.startup_timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < end:
@@ -192,29 +182,6 @@ class ServerProcess:
     def describe_log(self, lines: int = 40) -> str:
         """Where the log is and its tail, for error messages."""
         return f"--- server log {self.log_path} (last {lines} lines) ---\n{self.log_tail(lines)}"
-
-    def close(self, *, keep_log: bool = False) -> None:
-        """Stop the server by PID (SIGTERM, then SIGKILL); remove its log unless kept."""
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=self.grace_s)
-            self.proc = None
-        if self.log_path is not None and not keep_log:
-            self.log_path.unlink(missing_ok=True)
-            self.log_path = None
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        failed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
-        if failed and self.proc is not None:
-            print(self.describe_log(), file=sys.stderr)
-        self.close(keep_log=failed)
 
 
 def process_cpu_seconds(pid: int) -> float | None:

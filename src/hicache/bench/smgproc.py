@@ -24,19 +24,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 
-from hicache.services.process import LOOPBACK, die_with_parent, free_port, stop_process
+from hicache.services.process import LOOPBACK, LoggedProcess, free_port
 
 __all__ = [
     "SMG_HINT",
@@ -80,7 +77,7 @@ def find_smg() -> str:
     return path
 
 
-class Smg:
+class Smg(LoggedProcess):
     """One ``smg launch`` subprocess (see the module's docstring).
 
     ``worker_urls``: regular workers; ``prefill`` (``(url, bootstrap_port or None)``)
@@ -93,6 +90,8 @@ class Smg:
     in flight once told to stop (its default, 180 s, makes every stop take 5 s);
     ``log_level``: smg's ``--log-level`` (its log file is what :class:`SmgError` shows).
     """
+
+    log_prefix = "hicache-smg-"
 
     def __init__(
         self,
@@ -111,6 +110,7 @@ class Smg:
         startup_timeout_s: float = 60.0,
         grace_s: float = 10.0,
     ) -> None:
+        super().__init__(grace_s)
         pd = bool(prefill or decode)
         if pd == bool(worker_urls):
             raise ValueError(
@@ -135,10 +135,7 @@ class Smg:
         self.extra_args = list(extra_args)
         self.log_level = log_level
         self.startup_timeout_s = startup_timeout_s
-        self.grace_s = grace_s
         self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
 
     # ------------------------------------------------------------------ what it runs
 
@@ -193,17 +190,9 @@ class Smg:
         self.port, metrics_port = free_port(), free_port()
         while metrics_port == self.port:
             metrics_port = free_port()
-        fd, name = tempfile.mkstemp(prefix="hicache-smg-", suffix=".log")
-        self.log_path = Path(name)
-        with open(fd, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(binary, self.port, metrics_port),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "NO_COLOR": "1"},
-                preexec_fn=die_with_parent,
-            )
+        self.spawn(
+            self.command(binary, self.port, metrics_port), env={**os.environ, "NO_COLOR": "1"}
+        )
         try:
             self.wait_workers(
                 lambda ws: _all_ready(ws, self.expected_urls),
@@ -214,30 +203,6 @@ class Smg:
             self.close(keep_log=True)
             raise
         return self
-
-    def close(self, *, keep_log: bool = False) -> None:
-        """Stop smg by PID (SIGTERM, then SIGKILL after ``grace_s``); remove its log
-        unless ``keep_log``. Idempotent."""
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=self.grace_s)
-            self.proc = None
-        if self.log_path is not None and not keep_log:
-            self.log_path.unlink(missing_ok=True)
-            self.log_path = None
-
-    def __enter__(self) -> Smg:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        failed = exc_type is not None
-        if failed and self.log_path is not None:
-            print(self.describe_log(), file=sys.stderr)
-        self.close(keep_log=failed)
 
     # ------------------------------------------------------------------ reading it
 

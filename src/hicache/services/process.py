@@ -12,11 +12,17 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
 
 __all__ = [
     "LOOPBACK",
+    "LoggedProcess",
     "ServiceError",
     "ServiceUnavailableError",
     "die_with_parent",
@@ -134,3 +140,67 @@ def stop_process(proc: subprocess.Popen[bytes] | int, grace_s: float = 5.0) -> N
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+P = TypeVar("P", bound="LoggedProcess")
+
+
+class LoggedProcess:
+    """A subprocess whose output goes to a log file of its own: launched by
+    :meth:`spawn`, stopped by PID (:func:`stop_process`, after ``grace_s``) by
+    :meth:`close`, which removes the log unless asked to keep it; in a ``with`` block the
+    log is kept, and its tail printed, when the block fails. A subclass gives ``start``
+    (launch and wait until ready) and ``describe_log``."""
+
+    log_prefix = "hicache-process-"
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    def start(self: P) -> P:
+        raise NotImplementedError
+
+    def describe_log(self) -> str:
+        """Where the log is and its tail, for error messages."""
+        raise NotImplementedError
+
+    def spawn(self, cmd: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        """Launch ``cmd`` (stdin closed, stdout and stderr to a new log file), dying with
+        this process."""
+        fd, name = tempfile.mkstemp(prefix=self.log_prefix, suffix=".log")
+        self.log_path = Path(name)
+        with open(fd, "wb") as log:
+            self.proc = subprocess.Popen(
+                list(cmd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=None if env is None else dict(env),
+                preexec_fn=die_with_parent,
+            )
+
+    def close(self, *, keep_log: bool = False) -> None:
+        """Stop the process by PID (SIGTERM, then SIGKILL after ``grace_s``); remove its
+        log unless ``keep_log``. Idempotent."""
+        if self.proc is not None:
+            stop_process(self.proc, grace_s=self.grace_s)
+            self.proc = None
+        if self.log_path is not None and not keep_log:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
+
+    def __enter__(self: P) -> P:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        failed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+        if failed and self.log_path is not None:
+            print(self.describe_log(), file=sys.stderr)
+        self.close(keep_log=failed)
