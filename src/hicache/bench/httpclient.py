@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,29 @@ class RequestRecord:
     ``/v1/completions``."""
 
 
+async def sse_chunks(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """POST ``body`` to ``url`` and yield each server-sent event's JSON with the
+    ``time.perf_counter()`` it arrived at, up to ``[DONE]``. ServerError on a non-200
+    answer or an error event."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            raise ServerError(f"{url} answered {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise ServerError(f"stream error: {chunk['error']}")
+            yield now, chunk
+
+
 async def stream_completion(
     client: httpx.AsyncClient,
     url: str,
@@ -131,23 +155,10 @@ async def stream_completion(
     start = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] | None = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            raise ServerError(f"/v1/completions answered {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter()
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ServerError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+    async for now, chunk in sse_chunks(client, f"{url}/v1/completions", body):
+        first = now if first is None else first
+        if chunk.get("usage"):
+            usage = chunk["usage"]
     end = time.perf_counter()
     if usage is None or first is None:
         raise ServerError("the stream ended without a final chunk carrying usage")
@@ -193,24 +204,11 @@ async def stream_generate(
     first: float | None = None
     last_t = start
     final: dict[str, Any] | None = None
-    async with client.stream("POST", f"{url}/generate", json=body) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            raise ServerError(f"/generate answered {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            now = time.perf_counter()
-            first = now if first is None else first
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ServerError(f"stream error: {chunk['error']}")
-            if final is None or len(chunk.get("output_ids", ())) > len(final.get("output_ids", ())):
-                last_t = now  # a chunk with new tokens
-            final = chunk
+    async for now, chunk in sse_chunks(client, f"{url}/generate", body):
+        first = now if first is None else first
+        if final is None or len(chunk.get("output_ids", ())) > len(final.get("output_ids", ())):
+            last_t = now  # a chunk with new tokens
+        final = chunk
     end = time.perf_counter()
     meta = {} if final is None else (final.get("meta_info") or {})
     if final is None or first is None or meta.get("finish_reason") is None:
