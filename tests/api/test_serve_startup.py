@@ -115,6 +115,7 @@ CASES = [
         "write_back",
     ),
     (["serve", "--disaggregation-mode", "both"], "--disaggregation-mode", "both"),
+    (["serve", "--disaggregation-mode", "prefill", "--host", "0.0.0.0"], "--host", "0.0.0.0"),
 ]
 
 

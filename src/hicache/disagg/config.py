@@ -90,6 +90,12 @@ class DisaggConfig:
         ):
             number_at_least(name, getattr(self, name), 0.01, "of seconds")
         int_at_least("health_failures", self.health_failures, 1)
+        if self.enabled and self.host in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"host={self.host!r} is invalid for a {self.mode.value} instance: its transfer"
+                " backend advertises this address to the other instance of each pair; give"
+                " the instance's own routable address (or 127.0.0.1 on one machine)"
+            )
         if self.decode_offload and self.mode is not DisaggMode.DECODE:
             raise ValueError(
                 f"decode_offload=True is invalid; it is for a decode instance, not {self.mode.value}"

@@ -287,6 +287,7 @@ FIELD_FLAGS = {
     "max_mamba_cache_size": "--max-mamba-cache-size",
     "mamba_full_memory_ratio": "--mamba-full-memory-ratio",
     "mamba_track_interval": "--mamba-track-interval",
+    "host": "--host",
     "mode": "--disaggregation-mode",
     "transfer_backend": "--disaggregation-transfer-backend",
     "bootstrap_port": "--disaggregation-bootstrap-port",
