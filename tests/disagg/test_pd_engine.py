@@ -22,6 +22,7 @@ from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap, DisaggConfig
 from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.decode import DecodeRole
 from hicache.engine.prefill import PrefillRole
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
@@ -275,15 +276,20 @@ def test_decode_gone_mid_transfer_fails_the_prefill_without_a_hang() -> None:
     model = "tiny-random-llama"
     with make_engine(model, "prefill", port=port, **FAST) as prefill:
         decode = make_engine(model, "decode", port=port, **FAST)
-        b = Bootstrap("127.0.0.1", port, 71)
-        decode.submit(PROMPT, GREEDY, bootstrap=b)
-        time.sleep(0.3)  # its pages are registered at the prefill side
-        decode.close()  # and then it is gone (its memory deregistered)
-        t0 = time.monotonic()
-        p = prefill.generate(PROMPT, GREEDY, bootstrap=b)
-        assert p.error is not None, p
-        assert time.monotonic() - t0 < 35
-        assert_idle(prefill)
+        try:
+            b = Bootstrap("127.0.0.1", port, 71)
+            decode.submit(PROMPT, GREEDY, bootstrap=b)
+            time.sleep(0.3)  # its pages are registered at the prefill side
+            role = decode.role
+            assert isinstance(role, DecodeRole)
+            role.transport.close()  # then its transfer engine is gone, without a word
+            t0 = time.monotonic()
+            p = prefill.generate(PROMPT, GREEDY, bootstrap=b)
+            assert p.error is not None and "room 71: sending the pages" in p.error, p
+            assert time.monotonic() - t0 < 35
+            assert_idle(prefill)
+        finally:
+            decode.close()
 
 
 @pytest.mark.parametrize("model", ["tiny-random-llama", "tiny-random-gemma3"])

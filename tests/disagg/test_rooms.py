@@ -67,7 +67,7 @@ def test_either_side_first_then_transfer_and_success() -> None:
         assert state(t, 1) is RoomState.TRANSFERRING
         assert t.start(1, 0.3) is None  # handed once
         t.close(1, 0.4, result=RoomResult(first_token=7, cached_device=4))
-        assert t.status(1) == RoomStatus(1, RoomState.SUCCESS, RoomResult(7, 4, 0, 0))
+        assert t.status(1) == RoomStatus(1, RoomState.SUCCESS, RoomResult(7, 4, 0, 0), None, True)
         assert len(t) == 0
 
 
@@ -94,7 +94,7 @@ def test_abort_while_transferring_closes_when_the_sender_stops() -> None:
     assert t.abort(1, "client gone", 0.1) is False
     assert state(t, 1) is RoomState.TRANSFERRING and t.aborted(1)
     t.close(1, 0.2, result=RoomResult(3))  # the sender's last write was done: still aborted
-    assert t.status(1) == RoomStatus(1, RoomState.ABORTED, None, "client gone")
+    assert t.status(1) == RoomStatus(1, RoomState.ABORTED, None, "client gone", written=True)
     # an abort before any transfer closes at once; the prefill's request is refused
     assert t.abort(2, "gone early", 0.3) is True
     why = t.claim(2, 0.4)
@@ -109,6 +109,7 @@ def test_expire_fails_rooms_missing_a_side_naming_it() -> None:
     t.register(reg(3), 0.0)  # both sides: not expired, however long the prefill takes
     assert t.expire(4.0) == []
     assert sorted(t.expire(6.0)) == [1, 2]
+    assert not any(t.status(r).written for r in (1, 2, 3))  # type: ignore[union-attr]
     s1, s2 = t.status(1), t.status(2)
     assert s1 is not None and s1.error is not None and "the decode side's request" in s1.error
     assert s2 is not None and s2.error is not None and "the prefill side's request" in s2.error

@@ -58,6 +58,8 @@ class _Room:
     """Set once aborted: ``ended`` is called when the prefill side has closed the room or
     at this ``time.monotonic()``."""
     why: str = ""
+    failed: bool = False
+    """The room closed without success after pages were written: draining."""
 
 
 class DecodeReceiver:
@@ -238,7 +240,13 @@ class _Link:
                 ):
                     del self.rooms[r.rid]
                     self.owner._call_arrived(r.rid, status.result)
-                else:
+                elif status.written and not r.failed:
+                    # a write that failed (a deadline) may still land: hold the pages for
+                    # the drain bound before freeing them, never reuse them under it
+                    r.failed = True
+                    r.why = r.why or status.error or f"room {r.room} {status.state.value}"
+                    r.drain_until = now + self.owner._drain_timeout_s
+                elif not status.written or now >= (r.drain_until or now):
                     self._end(r, r.why or status.error or f"room {r.room} {status.state.value}")
             elif r.drain_until is not None and now >= r.drain_until:
                 self._end(r, f"{r.why} (the prefill side did not acknowledge the abort)")

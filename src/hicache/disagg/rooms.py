@@ -64,15 +64,22 @@ class RoomResult:
 @dataclass(frozen=True, slots=True)
 class RoomStatus:
     """A room as the decode side reads it: its ``state``, the ``result`` once
-    ``SUCCESS``, the ``error`` once ``FAILED`` or ``ABORTED``."""
+    ``SUCCESS``, the ``error`` once ``FAILED`` or ``ABORTED``; ``written``: the sender
+    started writing its pages (a failed room's late bytes may still land then: the decode
+    side holds the pages for its drain bound before it frees them)."""
 
     room: int
     state: RoomState
     result: RoomResult | None = None
     error: str | None = None
+    written: bool = False
 
     def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"room": self.room, "state": self.state.value}
+        out: dict[str, object] = {
+            "room": self.room,
+            "state": self.state.value,
+            "written": self.written,
+        }
         if self.result is not None:
             r = self.result
             out["result"] = {
@@ -104,6 +111,7 @@ class RoomStatus:
                 state=RoomState(d["state"]),
                 result=res,
                 error=None if error is None else str(error),
+                written=bool(d.get("written", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a room status that cannot be read: {d!r} ({exc})") from None
@@ -120,6 +128,8 @@ class _Room:
     registration: Registration | None = None
     """The decode side's pages, once registered."""
     abort_asked: bool = False
+    written: bool = False
+    """The sender took the registration (it may have written pages since)."""
     result: RoomResult | None = None
     error: str | None = None
 
@@ -174,7 +184,7 @@ class RoomTable:
             return None
         if r.abort_asked:
             return None
-        r.state, r.since = RoomState.TRANSFERRING, now
+        r.state, r.since, r.written = RoomState.TRANSFERRING, now, True
         return r.registration
 
     def abort(self, room: int, why: str, now: float) -> bool:
@@ -224,7 +234,8 @@ class RoomTable:
         r = self._rooms.get(room)
         if r is None:
             return None
-        return RoomStatus(room, r.state, r.result, r.error if r.state.closed else None)
+        error = r.error if r.state.closed else None
+        return RoomStatus(room, r.state, r.result, error, r.written)
 
     def expire(self, now: float) -> list[int]:
         """Fail the rooms whose other side has not come within ``timeout_s`` (those still
