@@ -21,8 +21,8 @@ import pytest
 from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap, DisaggConfig
-from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.decode import DecodeRole
+from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.prefill import PrefillRole
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
