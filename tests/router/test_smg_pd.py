@@ -214,19 +214,31 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
         assert_idle(prefill, decode)
 
 
+def room_body(bootstrap: int, room: int) -> dict[str, Any]:
+    """A ``/generate`` body with its bootstrap fields, as smg sends each half of a room."""
+    return {
+        "text": TEXT,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap,
+        "bootstrap_room": room,
+    }
+
+
+def kill(server: ServerProcess) -> None:
+    """SIGKILL ``server`` (no word to anyone) and reap it."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+
+
 def test_decode_killed_mid_transfer_fails_the_prefill_without_a_hang() -> None:
     """The decode instance registers its pages, then dies (SIGKILL): the prefill's write
     fails, its request answers with an error, and it holds nothing afterwards."""
     bootstrap = free_port()
     prefill_flags, decode_flags = pd_flags("tiny-random-llama", "mooncake", bootstrap)
     with servers(prefill_flags, decode_flags) as (prefill, decode):
-        body = {
-            "text": TEXT,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": bootstrap,
-            "bootstrap_room": 4242,
-        }
+        body = room_body(bootstrap, 4242)
         with httpx.Client(timeout=120) as c:
             # streamed: the answer's head comes at once, the tokens once the pages land
             waiting = c.build_request(
@@ -234,9 +246,7 @@ def test_decode_killed_mid_transfer_fails_the_prefill_without_a_hang() -> None:
             )
             stream = c.send(waiting, stream=True)  # registered, waiting for the prefill
             time.sleep(1.0)
-            assert decode.proc is not None
-            os.kill(decode.proc.pid, signal.SIGKILL)
-            decode.proc.wait(10)
+            kill(decode)
             stream.close()
         t0 = time.monotonic()
         r = httpx.post(f"{prefill.url}/generate", json=body, timeout=120)
@@ -250,19 +260,12 @@ def test_prefill_killed_fails_the_decode_rooms_within_the_health_bound() -> None
     bootstrap = free_port()
     prefill_flags, decode_flags = pd_flags("tiny-random-llama", "nixl", bootstrap)
     with servers(prefill_flags, decode_flags) as (prefill, decode):
-        body = {
-            "text": TEXT,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": bootstrap,
-            "bootstrap_room": 4343,
-        }
+        body = room_body(bootstrap, 4343)
         with httpx.Client(timeout=120) as c:
             req = c.build_request("POST", f"{decode.url}/generate", json={**body, "stream": True})
             pending = c.send(req, stream=True)
             time.sleep(1.0)  # registered at the prefill instance, which then dies
-            assert prefill.proc is not None
-            os.kill(prefill.proc.pid, signal.SIGKILL)
+            kill(prefill)
             t0 = time.monotonic()
             answer = pending.read().decode()
             took = time.monotonic() - t0

@@ -101,6 +101,9 @@ class DecodeRole(Role):
             self._unregistered.discard(req.rid)
         return failed
 
+    def requeued(self, req: Request) -> None:
+        self._unregistered.discard(req.rid)  # nothing was promised; parked again later
+
     def abort(self, req: Request, why: str) -> bool:
         if req.rid in self._unregistered:
             return True  # nothing promised: it ends now

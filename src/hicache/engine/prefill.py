@@ -56,6 +56,9 @@ class PrefillRole(Role):
         """Requests whose final job the sender has (their room is the sender's to close)."""
         self._sent: dict[str, int] = {}
         """Per request still computing: the whole pages its partial jobs cover so far."""
+        self._hashes: dict[str, str] = {}
+        """Per request with a job sent: its prompt's hash (computed once)."""
+        self._cuda = torch.device(cache.full.device_pool.device).type == "cuda"
 
     def claim(self, bootstrap: Bootstrap) -> str | None:
         """A request of ``bootstrap``'s room arrived (any thread); None, or why it is
@@ -89,7 +92,7 @@ class PrefillRole(Role):
         """``req``'s pages as they are now: a partial job (the stable stores' pages before
         ``upto``) or the final one (``result``)."""
         assert req.bootstrap is not None and req.cache is not None
-        if torch.device(self.cache.full.device_pool.device).type == "cuda":
+        if self._cuda:
             torch.cuda.current_stream().synchronize()  # the forward's pages are written
         sources = tuple(
             SourcePages(h.name, self.geometry[h.name], h.first, tuple(h.pages), h.stable)
@@ -100,11 +103,18 @@ class PrefillRole(Role):
             rid=req.rid,
             room=req.bootstrap.room,
             prompt_len=len(req.prompt_ids),
-            prompt_hash=prompt_hash(req.prompt_ids),
+            prompt_hash=self._prompt_hash(req),
             sources=sources,
             result=result,
             upto=upto,
         )
+
+    def _prompt_hash(self, req: Request) -> str:
+        """``req``'s prompt hash, computed at its first job only."""
+        h = self._hashes.get(req.rid)
+        if h is None:
+            h = self._hashes[req.rid] = prompt_hash(req.prompt_ids)
+        return h
 
     def abort(self, req: Request, why: str) -> bool:
         if req.rid in self._handed and req.bootstrap is not None:
@@ -114,6 +124,7 @@ class PrefillRole(Role):
 
     def ended(self, req: Request) -> None:
         self._sent.pop(req.rid, None)
+        self._hashes.pop(req.rid, None)
         if req.rid in self._handed:
             self._handed.discard(req.rid)
             return

@@ -341,33 +341,30 @@ class Scheduler:
         queued, holding nothing."""
         handle = req.cache
         assert handle is not None
-        if self.role.parks_admitted(req):
+        parked = self.role.parks_admitted(req)
+        if parked:
             # the prompt's pages; its next forward starts past the prompt (a sliding
             # window keeps only what that reads, which is what the prefill side holds)
             n = len(req.prompt_ids)
             if not self.cache.grow(handle, n, computed=n):
                 self.cache.requeue(handle, [])
+                self.role.requeued(req)
                 if not self.running and not self.ends.parked:  # nothing will free memory
                     self._refuse(req)
                 return False
-            self.waiting.remove(req)
-            if req.admitted_at is None:
-                req.admitted_at = time.perf_counter()
-            req.leave_queue()
-            req.kv_len = handle.prefix_tokens
-            self.ends.parked[req.rid] = req
-            held[req.group] += 1
-            return True
         self.waiting.remove(req)
         if req.admitted_at is None:
             req.admitted_at = time.perf_counter()
         req.leave_queue()
         req.kv_len = handle.prefix_tokens
+        held[req.group] += 1
+        if parked:
+            self.ends.parked[req.rid] = req
+            return True
         resume = handle.take_resume()  # what the runner resumes the prefix from
         if resume is not None:
             self.runner.resume(req.rid, resume)
         self.running.append(req)
-        held[req.group] += 1
         return True
 
     def _refuse(self, req: Request) -> None:
