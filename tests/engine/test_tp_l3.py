@@ -25,8 +25,8 @@ import torch
 from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.keys import Namespace, page_keys
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.keys import Namespace, page_keys
 from hicache.storage.record import HEADER_SIZE
 from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 from tests.runner.models import deepseek_fixtures as v2
@@ -175,7 +175,7 @@ def test_mha_replicated_kv_heads_at_tp4(tmp_path: Path) -> None:
     for page in range(MATCHED // PAGE):
         payloads = []
         for ns in spaces:
-            key = page_keys(ns, a[: MATCHED])[page].key
+            key = page_keys(ns, a[:MATCHED])[page].key
             record = (l3 / key.rsplit("-", 1)[-1][:2] / key).read_bytes()
             payloads.append(record[HEADER_SIZE:])
         assert payloads[0] == payloads[1] and payloads[2] == payloads[3], page

@@ -115,7 +115,10 @@ def test_head_ranges_are_cut_whatever_the_rank() -> None:
         assert tuple(kv.weight.shape) == (3, DIM) and kv.out_features == 6
         dims = shard_dims(torch.nn.ModuleDict({"kv": kv}))
         rows = (3 * (rank // 2), 3)
-        assert dims == {"kv.weight": Split(0, rows=rows, full=6), "kv.bias": Split(0, rows=rows, full=6)}
+        assert dims == {
+            "kv.weight": Split(0, rows=rows, full=6),
+            "kv.bias": Split(0, rows=rows, full=6),
+        }
         assert torch.equal(tp.shard(w, *dims["kv.weight"]), w[rows[0] : rows[0] + 3])
         assert torch.equal(tp.shard(b, *dims["kv.bias"]), b[rows[0] : rows[0] + 3])
     tp = TPGroup(rank=3, size=4)
@@ -125,5 +128,7 @@ def test_head_ranges_are_cut_whatever_the_rank() -> None:
         tp.shard(w, 0, rows=(4, 3))
     with pytest.raises(ValueError, match="no padding with a row range"):
         tp.shard(w, 0, 8, rows=(0, 3))
-    with pytest.raises(ValueError, match=r"heads=\(2, 1\) \(first, count\) do not lie within the 2"):
+    with pytest.raises(
+        ValueError, match=r"heads=\(2, 1\) \(first, count\) do not lie within the 2"
+    ):
         HeadParallelLinear(DIM, 2, 3, (2, 1), bias=False, tp=tp)

@@ -120,7 +120,7 @@ class TPGroup:
             raise ValueError(f"dim {dim} of the full tensor is {have} long; want {full}")
         if rows is not None:
             start, length = rows
-            if padded is not None or not (0 <= start and 0 < length and start + length <= have):
+            if padded is not None or not (start >= 0 and length > 0 and start + length <= have):
                 raise ValueError(
                     f"rows={rows} (start, length) of dim {dim} do not lie within its {have}"
                     f" rows{' (no padding with a row range)' if padded is not None else ''}"
@@ -209,7 +209,7 @@ class HeadParallelLinear(_ShardedLinear):
         tp: TPGroup,
     ) -> None:
         first, count = heads
-        if not (0 <= first and 0 < count and first + count <= num_heads):
+        if not (first >= 0 and count > 0 and first + count <= num_heads):
             raise ValueError(
                 f"heads={heads} (first, count) do not lie within the {num_heads} heads"
             )
