@@ -36,7 +36,7 @@ Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -73,12 +73,15 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
     family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`).
     ``tp_size``: the tensor-parallel ranks; each rank's pool holds ``num_kv_heads /
-    tp_size`` heads (refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
-    refuses it)."""
+    tp_size`` heads (an MLA latent is whole on every rank; refused as
+    :func:`~hicache.runner.models.registry.check_tensor_parallel` refuses it)."""
     if tp_size != 1:
         check_tensor_parallel(hf_config, tp_size)
     if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
-        return hybrid_config_from_hf(hf_config).kv_spec(dtype)
+        spec = hybrid_config_from_hf(hf_config).kv_spec(dtype)
+        if spec.attention is not AttentionKind.MHA:
+            return spec
+        return replace(spec, num_kv_heads=spec.num_kv_heads // tp_size)
     cfg = DecoderConfig.from_hf(hf_config)
     return KVSpec(
         num_layers=cfg.num_layers,
