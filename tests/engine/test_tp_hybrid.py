@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.config import CacheConfig
+from hicache.config import CacheConfig, WritePolicy
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
@@ -55,7 +55,7 @@ def tp2(
             device_tokens=16 * PAGE,
             hicache_ratio=4.0,
             load_back_threshold=0,
-            write_policy="write_through",
+            write_policy=WritePolicy.WRITE_THROUGH,
         ),
         scheduler=SchedulerConfig(max_running_requests=2, chunked_prefill_size=16),
         context_length=128,

@@ -85,7 +85,9 @@ def page_digests(cache: HiCache, tokens: Sequence[int]) -> dict[str, dict[int, s
                 ids = tree.component(component).get(child, tier)
             for i, page in enumerate(list(ids or ())[:pages]):
                 data = pool.read_pages(torch.tensor([page])).contiguous()
-                out[name][first + i] = hashlib.sha256(data.view(torch.uint8).numpy()).hexdigest()
+                out[name][first + i] = hashlib.sha256(
+                    data.view(torch.uint8).numpy().tobytes()
+                ).hexdigest()
         if pages < tree.num_pages(child):
             break
         node, at = child, at + pages * width
