@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.config import SlidingWindowSpec
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import ForwardBatch, ModelRunner
 from hicache.runner.models.config import UnsupportedModelError
+from hicache.runner.models.decoder import WeightLoadError
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.registry import build_hybrid_model
 from hicache.runner.parallel import TPGroup
@@ -148,3 +150,37 @@ def test_four_ranks_are_refused_naming_the_heads(name: str) -> None:
         cfg.check_tensor_parallel(4)
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         cfg.check_tensor_parallel(3)
+
+
+def test_rank_shapes_and_cache_spec_without_a_group() -> None:
+    """Rank 1 of 2 on the meta device: its heads, sinks and expert columns, its vocabulary
+    rows, and a cache spec of its one K/V head in the full and the SWA pool."""
+    cfg = hybrid_model("tiny-random-gpt-oss").model.config
+    with torch.device("meta"):
+        model = build_hybrid_model(cfg, dtype=torch.float32, device="meta", tp=TPGroup(1, 2))
+    params = dict(model.named_parameters())
+    d, h = cfg.head_dim, cfg.hidden_size
+    assert params["model.layers.0.self_attn.q_proj.weight"].shape == (2 * d, h)
+    assert params["model.layers.0.self_attn.k_proj.weight"].shape == (d, h)
+    assert params["model.layers.0.self_attn.o_proj.weight"].shape == (h, 2 * d)
+    assert params["model.layers.0.self_attn.o_proj.bias"].shape == (h,)  # added once
+    assert params["model.layers.0.self_attn.sinks"].shape == (2,)
+    half = cfg.intermediate_size // 2
+    experts = "model.layers.0.mlp.experts."
+    assert params[experts + "gate_up_proj"].shape == (cfg.num_experts, h, 2 * half)
+    assert params[experts + "down_proj"].shape == (cfg.num_experts, half, h)
+    assert params[experts + "down_proj_bias"].shape == (cfg.num_experts, h)
+    assert params["model.layers.0.mlp.router.weight"].shape == (cfg.num_experts, h)
+    assert params["lm_head.weight"].shape == (cfg.vocab_size // 2, h)
+    spec = model.cache_spec("float32")
+    assert model.num_kv_heads == 1 and spec.kv.num_kv_heads == 1
+    (swa,) = spec.components
+    assert isinstance(swa, SlidingWindowSpec) and swa.kv.num_kv_heads == 1
+
+
+def test_a_checkpoint_of_another_size_is_refused_before_the_slice() -> None:
+    cfg = hybrid_model("tiny-random-gpt-oss").model.config
+    model = build_hybrid_model(cfg, dtype=torch.float32, device="cpu", tp=TPGroup(0, 2))
+    wider = torch.zeros(cfg.num_experts, cfg.intermediate_size + 2, cfg.hidden_size)
+    with pytest.raises(WeightLoadError, match=r"experts.down_proj: checkpoint shape \(4, 34, 64\)"):
+        model.load_weights([("model.layers.0.mlp.experts.down_proj", wider)])

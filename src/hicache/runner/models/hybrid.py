@@ -517,22 +517,33 @@ class HybridLM(nn.Module, CachedModel):
         """``tensors`` with each split one cut to this rank's slice: the parallel layers'
         (:func:`~hicache.runner.parallel.shard_dims`, vocabulary rows padded) and
         :meth:`split_params` (a per-expert tensor of a stacked parameter along its dim less
-        one); the others whole. With one rank, ``tensors`` unchanged."""
+        one); the others whole. A split tensor's *full* shape is checked first
+        (:class:`WeightLoadError` naming it), so a checkpoint of another size does not load
+        silently as a slice. With one rank, ``tensors`` unchanged."""
         tp = self.tp
         if tp.size == 1:
             yield from tensors
             return
-        dims = shard_dims(self)
-        split = self.split_params()
+        params = dict(self.named_parameters())
+        cuts: dict[str, tuple[int, int | None]] = shard_dims(self)
+        cuts.update({name: (dim, None) for name, dim in self.split_params().items()})
         for name, tensor in tensors:
-            if name in dims:
-                yield name, tp.shard(tensor, *dims[name])
-            elif name in split:
-                yield name, tp.shard(tensor, split[name])
-            elif (m := _EXPERT.match(name)) and f"{m.group(1)}.{m.group(3)}" in split:
-                yield name, tp.shard(tensor, split[f"{m.group(1)}.{m.group(3)}"] - 1)
-            else:
+            target, cut, expert = name, cuts.get(name), False
+            if cut is None and (m := _EXPERT.match(name)):
+                target = f"{m.group(1)}.{m.group(3)}"
+                cut, expert = cuts.get(target), True
+            if cut is None:
                 yield name, tensor
+                continue
+            dim = cut[0] - 1 if expert else cut[0]
+            want = list(params[target].shape[1:] if expert else params[target].shape)
+            want[dim] = self.config.vocab_size if cut[1] is not None else want[dim] * tp.size
+            if list(tensor.shape) != want:
+                raise WeightLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape"
+                    f" {tuple(want)} (the full tensor, before this rank's slice)"
+                )
+            yield name, tp.shard(tensor, dim, cut[1])
 
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``tensors`` (this rank's slices) into the parameters; see :meth:`load_weights`."""
