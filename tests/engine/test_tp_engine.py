@@ -278,8 +278,10 @@ def test_bad_tp_size_is_refused_with_the_numbers() -> None:
         check_tp_model("tiny-random-llama", 8)
     check_tp_model("tiny-random-llama", 2)  # fits
     check_tp_model("tiny-random-llama", 4)  # fits: each of the 2 K/V heads on two ranks
-    with pytest.raises(ValueError, match=r"^tp_size=2 .*not supported for model_type='gemma3"):
-        check_tp_model("tiny-random-gemma3", 2)
+    check_tp_model("tiny-random-gemma3", 2)  # a hybrid that splits: 2 K/V heads
+    check_tp_model("tiny-random-gemma3", 4)  # its 2 K/V heads replicated
+    with pytest.raises(ValueError, match=r"^tp_size=8 .*size 8 cannot split num_attention_h"):
+        check_tp_model("tiny-random-gemma3", 8)
     with pytest.raises(ValueError, match="every rank loads its own shard"):
         Engine(config("tiny-random-llama", 2), loaded=engine_model("tiny-random-llama")).start()
     mib = 1 << 20  # CPU ranks may share cores; memory bounds them

@@ -355,8 +355,6 @@ def _hf_config(path: Path) -> Any:
 @pytest.mark.parametrize(
     ("name", "model_type"),
     [
-        ("tiny-random-gemma3", "gemma3_text"),
-        ("tiny-random-gpt-oss", "gpt_oss"),
         ("tiny-random-qwen3-next", "qwen3_next"),
         ("tiny-random-nemotron-h", "nemotron_h"),
     ],

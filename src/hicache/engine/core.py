@@ -22,6 +22,7 @@ Everything here runs on the thread that drives the core.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from hicache.cache import HiCache
 from hicache.engine.config import EngineConfig
 from hicache.engine.graph_setup import GraphSetup
 from hicache.engine.memory_trim import IdleTrimmer
-from hicache.engine.rank_digest import rank_state_digest
+from hicache.engine.rank_digest import page_digests, rank_state_digest
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import Request
 from hicache.engine.scheduler import Scheduler
@@ -177,7 +178,10 @@ class EngineCore:
             return None
         if isinstance(item, Digest):
             sched = self.scheduler
-            mine = rank_state_digest(self.cache, sched.waiting, sched.running)
+            if item.pages_of is not None:
+                mine = json.dumps(page_digests(self.cache, item.pages_of))
+            else:
+                mine = rank_state_digest(self.cache, sched.waiting, sched.running)
             return [mine] if self.channel is None else self.channel.gather(mine)
         return None  # Stop: the drivers end there
 

@@ -24,6 +24,7 @@ a rank that dies, stops every rank (``health`` names a dead rank).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -456,6 +457,21 @@ class Engine(Lifecycle):
         got = self._command(Digest()).result(timeout=timeout)
         assert isinstance(got, list)
         return [str(d) for d in got]
+
+    def rank_page_digests(
+        self, tokens: Sequence[int], timeout: float = 60.0
+    ) -> list[dict[str, dict[int, str]]]:
+        """Each rank's SHA-256 of every page its cache holds of ``tokens``' cached prefix,
+        by ``"<component>/<tier>"`` and page index, by rank, taken at the same step on every
+        rank after the copies in flight were applied
+        (:func:`~hicache.engine.rank_digest.page_digests`). For tests and debugging: it
+        reads every page."""
+        got = self._command(Digest(pages_of=tuple(int(t) for t in tokens))).result(timeout)
+        assert isinstance(got, list)
+        return [
+            {name: {int(i): d for i, d in pages.items()} for name, pages in json.loads(r).items()}
+            for r in got
+        ]
 
     def attach_storage(
         self, backend: str, extra_config: Mapping[str, Any] | None = None, policy: str = "timeout"

@@ -7,16 +7,27 @@ tokens, L1 and L2 page ids, pins, hit count, logical access clock, tenant, prior
 every request the scheduler holds (id, computed length, tokens generated, finish state),
 in the scheduler's order. Not covered: the bytes in the pools (each rank holds its own
 shard of them) and anything timed in seconds.
+
+:func:`page_digests` covers those bytes for one prompt instead: each page a rank's cache
+holds of it, per component and tier, so a test can show that a copy between tiers kept
+every byte on every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
+
+import torch
 
 from hicache.cache import HiCache
+from hicache.cache.components.paged import PagedStore
 from hicache.cache.inspect import tree_digest
 from hicache.engine.request import Request
+from hicache.memory import DevicePool, HostPool
+from hicache.tree.components import Tier
+from hicache.tree.node import common_prefix_bytes
 
 
 def rank_state_digest(
@@ -35,4 +46,52 @@ def rank_state_digest(
     return h.hexdigest()
 
 
-__all__ = ["rank_state_digest"]
+def page_digests(cache: HiCache, tokens: Sequence[int]) -> dict[str, dict[int, str]]:
+    """SHA-256 (hex) of the bytes of every page ``cache`` holds of the cached prefix of
+    ``tokens`` (whole pages, the shared tenant), by ``"<component>/<tier>"`` (``"full/device"``,
+    ``"full/host"``, and the same for each paged component, e.g. ``"swa/device"``) and
+    page index in ``tokens``. The in-flight copies are applied first
+    (:meth:`HiCache.flush`, agreed: call it on every rank at the same step); the tree is
+    walked without touching it. A page's digest is the same in every tier it is copied
+    to; each tensor-parallel rank holds its own K/V heads, so the ranks' digests differ."""
+    cache.flush()
+    tree = cache.full.tree
+    width = tree.page_size * 4  # a page of uint32 token ids
+    key = array("I", tokens[: len(tokens) // tree.page_size * tree.page_size]).tobytes()
+    host = cache.full.host
+    pools: dict[str, tuple[str | None, DevicePool | HostPool | None]] = {
+        "full/device": (None, cache.full.device_pool),
+        "full/host": (None, None if host is None else host.pool),
+    }
+    for store in cache.stores:
+        if isinstance(store, PagedStore):
+            pools[f"{store.name}/device"] = (store.name, store.device_pool)
+            pools[f"{store.name}/host"] = (store.name, store.host_pool)
+    out: dict[str, dict[int, str]] = {name: {} for name, (_, pool) in pools.items() if pool}
+    node, at = tree.root_of(""), 0
+    while at < len(key):
+        child = node.children.get(key[at : at + width])
+        if child is None:
+            break
+        pages = common_prefix_bytes(child.key, key[at:], width) // width
+        first = at // width
+        for name, (component, pool) in pools.items():
+            if pool is None:
+                continue
+            tier = Tier.DEVICE if name.endswith("/device") else Tier.HOST
+            if component is None:
+                ids = child.device if tier is Tier.DEVICE else child.host
+            else:
+                ids = tree.component(component).get(child, tier)
+            for i, page in enumerate(list(ids or ())[:pages]):
+                data = pool.read_pages(torch.tensor([page])).contiguous()
+                out[name][first + i] = hashlib.sha256(
+                    data.view(torch.uint8).numpy().tobytes()
+                ).hexdigest()
+        if pages < tree.num_pages(child):
+            break
+        node, at = child, at + pages * width
+    return out
+
+
+__all__ = ["page_digests", "rank_state_digest"]

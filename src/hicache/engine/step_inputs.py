@@ -131,7 +131,11 @@ class DetachStorage:
 @dataclass(frozen=True, slots=True)
 class Digest:
     """Every rank digests its scheduling and cache state now
-    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them."""
+    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them; with
+    ``pages_of``, the bytes of each page its cache holds of those tokens instead
+    (:func:`~hicache.engine.rank_digest.page_digests`, as JSON)."""
+
+    pages_of: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

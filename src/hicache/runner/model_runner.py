@@ -36,7 +36,7 @@ Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -79,7 +79,10 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     if tp_size != 1:
         check_tensor_parallel(hf_config, tp_size)
     if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
-        return hybrid_config_from_hf(hf_config).kv_spec(dtype)
+        spec = hybrid_config_from_hf(hf_config).kv_spec(dtype)
+        if spec.attention is not AttentionKind.MHA:
+            return spec
+        return replace(spec, num_kv_heads=spec.num_kv_heads // tp_size)
     cfg = DecoderConfig.from_hf(hf_config)
     return KVSpec(
         num_layers=cfg.num_layers,

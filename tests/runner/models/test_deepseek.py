@@ -248,8 +248,8 @@ def test_tensor_parallel_sizes_are_checked() -> None:
     other = hybrid_config_from_hf(
         __import__("transformers").AutoConfig.for_model("gpt_oss", num_hidden_layers=2)
     )
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt_oss'"):
-        build_hybrid_model(other, dtype=torch.float32, device="cpu", tp=TPGroup(rank=0, size=2))
+    with pytest.raises(ValueError, match="size 3 cannot split num_attention_heads=64"):
+        build_hybrid_model(other, dtype=torch.float32, device="cpu", tp=TPGroup(rank=0, size=3))
 
 
 def test_bfloat16_keeps_the_routers_in_fp32() -> None:

@@ -19,18 +19,15 @@ Hugging Face names; :meth:`DeepseekLM.load_weights` cuts each rank's slice.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hicache.config import AttentionKind, KVSpec
 from hicache.runner.models.attention import AttentionContext
-from hicache.runner.models.config import HybridRopeConfig, UnsupportedModelError
+from hicache.runner.models.config import HybridRopeConfig, UnsupportedModelError, check_split
 from hicache.runner.models.deepseek_mla import MlaAttention, MlaSpec
 from hicache.runner.models.deepseek_moe import (
     DeepseekMLP,
@@ -43,15 +40,12 @@ from hicache.runner.models.hybrid import HybridBody, HybridConfig, HybridLM
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.recurrent import RecurrentContext
 from hicache.runner.models.rope import RotaryEmbedding, softmax_scale_factor
-from hicache.runner.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding, shard_dims
+from hicache.runner.parallel import TPGroup
 
 __all__ = ["DEEPSEEK_FAMILIES", "DeepseekConfig", "DeepseekLM"]
 
 DEEPSEEK_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
 """``model_type`` values served by :class:`DeepseekLM`."""
-
-_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.\d+\.(\w+)\.weight$")
-"""A per-expert checkpoint tensor: ``<moe>.experts.<e>.<proj>.weight``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +116,18 @@ class DeepseekConfig(HybridConfig):
 
     def full_kv_spec(self, dtype: str) -> KVSpec:
         return self.kv_spec(dtype)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming the numbers unless ``size`` divides the query heads (each rank
+        decompresses the latent into its own heads), the dense MLP's and the experts'
+        intermediate sizes. The latent itself is whole on every rank."""
+        sizes = [
+            ("num_attention_heads", self.num_heads),
+            ("intermediate_size", self.intermediate_size),
+        ]
+        if self.moe is not None:
+            sizes.append(("moe_intermediate_size", self.moe.intermediate_size))
+        check_split(size, sizes, self.family)
 
     @classmethod
     def from_hf(cls, hf: Any) -> DeepseekConfig:
@@ -268,29 +274,17 @@ class DeepseekLM(HybridLM):
     """DeepSeek-V2/V3 causal LM over the MLA pool (no recurrent state), on ``tp``."""
 
     config: DeepseekConfig
-    lm_head: ParallelLMHead | None  # type: ignore[assignment]
 
     def __init__(self, cfg: DeepseekConfig, tp: TPGroup | None = None) -> None:
-        super().__init__(cfg)
-        self.tp = tp or TPGroup.single()
+        super().__init__(cfg, tp)
         self.model = HybridBody(  # the vocab-parallel embedding, the layers, the final norm
             cfg,
             (DeepseekLayer(cfg, i, self.tp) for i in range(cfg.num_layers)),
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
-            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=self.tp),
+            tp=self.tp,
         )
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
-        )
+        self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
-
-    @classmethod
-    def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> DeepseekLM:
-        """The model of ``cfg`` on this rank of ``tp``: DeepSeek splits over ranks."""
-        assert isinstance(cfg, DeepseekConfig)
-        return cls(cfg, tp)
 
     def after_cast(self) -> None:
         """Turn the routers' parameters (weights, V3's score-correction bias) back to fp32
@@ -299,13 +293,6 @@ class DeepseekLM(HybridLM):
         for m in self.modules():
             if isinstance(m, DeepseekMoE):
                 m.gate.float()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden (N, hidden)`` -> the full logits ``(N, vocab)`` in fp32 on every rank."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        logits = self.tp.all_gather(F.linear(hidden, self.model.embed_tokens.weight).float())
-        return logits[..., : self.config.vocab_size]
 
     def skip_tensor(self, name: str) -> bool:
         """Also the multi-token-prediction layers DeepSeek-V3 stores past the last layer."""
@@ -319,29 +306,11 @@ class DeepseekLM(HybridLM):
             and int(parts[2]) >= self.config.num_layers
         )
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full-size checkpoint tensors, each cut to this rank's slice first (see
-        :func:`~hicache.runner.parallel.shard_dims` and
-        :func:`~hicache.runner.models.deepseek_moe.expert_shard_dims`)."""
-        super().load_weights(self._sharded(tensors))
-
-    def _sharded(
-        self, tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        tp = self.tp
-        if tp.size == 1:
-            yield from tensors
-            return
-        dims = shard_dims(self)
-        experts = expert_shard_dims(self)
-        for name, tensor in tensors:
-            split = dims.get(name)
-            if split is not None:
-                yield name, tp.shard(tensor, *split)
-                continue
-            match = _EXPERT_TENSOR.match(name)
-            stacked = f"{match.group(1)}.{match.group(2)}" if match else None
-            if stacked is not None and stacked in experts:
-                yield name, tp.shard(tensor, experts[stacked])
-                continue
-            yield name, tensor
+    def split_params(self) -> dict[str, int]:
+        """Also the routed experts' stacked parameters: their intermediate rows (gate/up,
+        dim 1) and columns (down, dim 2)
+        (:func:`~hicache.runner.models.deepseek_moe.expert_shard_dims`, one expert's dims)."""
+        if self.tp.size == 1:
+            return {}
+        experts = {name: dim + 1 for name, dim in expert_shard_dims(self).items()}
+        return {**super().split_params(), **experts}

@@ -5,6 +5,11 @@ Differences from Llama: embeddings scaled by ``sqrt(hidden)``; every norm is
 ``x += post_ff(mlp(pre_ff(x)))``); per-head q/k norms; logit scale
 ``query_pre_attn_scalar ** -0.5``; GeLU-tanh gated MLP; separate RoPE for sliding
 (``rope_local``) and global layers; optional final logit soft-capping.
+
+Tensor parallelism (:meth:`Gemma3Config.check_tensor_parallel`): attention heads split
+(:class:`~hicache.runner.models.sliding.WindowedAttention`; the q/k norms, one weight for
+every head, whole), MLP columns split, the (tied) embedding vocab-parallel; the logits are
+gathered before the soft-capping.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from hicache.runner.models.norms import OffsetRMSNorm
 from hicache.runner.models.recurrent import RecurrentContext
 from hicache.runner.models.rope import RotaryEmbedding
 from hicache.runner.models.sliding import AttentionSpec, WindowedAttention
+from hicache.runner.parallel import TPGroup
 
 __all__ = ["Gemma3Config", "Gemma3LM"]
 
@@ -41,6 +47,11 @@ class Gemma3Config(HybridConfig):
     @property
     def window(self) -> int | None:
         return self.sliding_window
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """The heads split (:meth:`HybridConfig.check_attention_split`) and ``size`` divides
+        the MLP's ``intermediate_size``; ValueError naming the numbers otherwise."""
+        self.check_attention_split(size, [("intermediate_size", self.intermediate_size)])
 
     @classmethod
     def from_hf(cls, hf: Any) -> Gemma3Config:
@@ -76,7 +87,7 @@ class Gemma3Config(HybridConfig):
 class Gemma3Layer(nn.Module):
     """One Gemma 3 block (sliding or global attention + GeLU MLP, four norms)."""
 
-    def __init__(self, cfg: Gemma3Config, layer_id: int) -> None:
+    def __init__(self, cfg: Gemma3Config, layer_id: int, tp: TPGroup) -> None:
         super().__init__()
         self.sliding = cfg.layer_kinds[layer_id] == "sliding_attention"
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -93,9 +104,10 @@ class Gemma3Layer(nn.Module):
                 window=cfg.sliding_window if self.sliding else None,
                 qk_norm="offset",
                 scale=cfg.query_pre_attn_scalar**-0.5,
-            )
+            ),
+            tp,
         )
-        self.mlp = GatedMLP(h, cfg.intermediate_size, False, act="gelu_pytorch_tanh")
+        self.mlp = GatedMLP(h, cfg.intermediate_size, False, act="gelu_pytorch_tanh", tp=tp)
         self.input_layernorm = OffsetRMSNorm(h, eps)
         self.post_attention_layernorm = OffsetRMSNorm(h, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(h, eps)
@@ -116,16 +128,17 @@ class Gemma3Layer(nn.Module):
 
 
 class Gemma3LM(HybridLM):
-    """Gemma 3 text causal LM over the paged pool (no recurrent state)."""
+    """Gemma 3 text causal LM over the paged pool (no recurrent state), on ``tp``."""
 
     config: Gemma3Config
 
-    def __init__(self, cfg: Gemma3Config) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: Gemma3Config, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, tp)
         self.model = HybridBody(
             cfg,
-            (Gemma3Layer(cfg, i) for i in range(cfg.num_layers)),
+            (Gemma3Layer(cfg, i, self.tp) for i in range(cfg.num_layers)),
             OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            tp=self.tp,
         )
         self._build_head()
         self.rope_global = RotaryEmbedding(cfg.rope_global, cfg.head_dim)

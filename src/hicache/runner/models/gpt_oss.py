@@ -1,6 +1,12 @@
 """GPT-OSS (``model_type: gpt_oss``): alternating sliding-window (with sinks) and global
 attention, every layer a routed MoE (top-k of the biased router logits, softmax over the
 chosen; clamped SwiGLU experts with biases), YaRN RoPE, biased attention projections.
+
+Tensor parallelism (:meth:`GptOssConfig.check_tensor_parallel`): attention heads and their
+sinks split (:class:`~hicache.runner.models.sliding.WindowedAttention`), every expert's
+intermediate columns split (:class:`~hicache.runner.models.moe.ClampedSwigluExperts`; the
+router replicated, the ranks' partial mixtures all-reduced once per layer), the embedding
+and LM head vocab-parallel.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from hicache.runner.models.moe import ClampedSwigluExperts, Router, RoutingConfi
 from hicache.runner.models.recurrent import RecurrentContext
 from hicache.runner.models.rope import RotaryEmbedding
 from hicache.runner.models.sliding import AttentionSpec, WindowedAttention
+from hicache.runner.parallel import TPGroup
 
 __all__ = ["GptOssConfig", "GptOssLM"]
 
@@ -39,6 +46,11 @@ class GptOssConfig(HybridConfig):
     @property
     def window(self) -> int | None:
         return self.sliding_window
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """The heads split (:meth:`HybridConfig.check_attention_split`) and ``size`` divides
+        the experts' ``intermediate_size``; ValueError naming the numbers otherwise."""
+        self.check_attention_split(size, [("intermediate_size", self.intermediate_size)])
 
     @classmethod
     def from_hf(cls, hf: Any) -> GptOssConfig:
@@ -67,10 +79,12 @@ class GptOssConfig(HybridConfig):
 
 
 class GptOssMoE(nn.Module):
-    """``mlp.router`` + ``mlp.experts``."""
+    """``mlp.router`` (whole on every rank) + ``mlp.experts`` (this rank's columns; their
+    partial mixtures summed over the ranks)."""
 
-    def __init__(self, cfg: GptOssConfig) -> None:
+    def __init__(self, cfg: GptOssConfig, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         routing = RoutingConfig(
             mode=RoutingMode.TOPK_SOFTMAX, num_experts=cfg.num_experts, top_k=cfg.top_k, bias=True
         )
@@ -81,17 +95,18 @@ class GptOssMoE(nn.Module):
             cfg.intermediate_size,
             cfg.swiglu_alpha,
             cfg.swiglu_limit,
+            tp=tp,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
-        return self.experts(x, self.router(x))
+        return self.tp.all_reduce(self.experts(x, self.router(x)))
 
 
 class GptOssLayer(nn.Module):
     """Pre-norm block: attention (sliding with sinks, or global with sinks) then MoE."""
 
-    def __init__(self, cfg: GptOssConfig, layer_id: int) -> None:
+    def __init__(self, cfg: GptOssConfig, layer_id: int, tp: TPGroup) -> None:
         super().__init__()
         sliding = cfg.layer_kinds[layer_id] == "sliding_attention"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -109,10 +124,11 @@ class GptOssLayer(nn.Module):
                 sinks=True,
                 qkv_bias=cfg.attention_bias,
                 o_bias=cfg.attention_bias,
-            )
+            ),
+            tp,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GptOssMoE(cfg)
+        self.mlp = GptOssMoE(cfg, tp)
 
     def forward(
         self,
@@ -127,16 +143,17 @@ class GptOssLayer(nn.Module):
 
 
 class GptOssLM(HybridLM):
-    """GPT-OSS causal LM over the paged pool (no recurrent state)."""
+    """GPT-OSS causal LM over the paged pool (no recurrent state), on ``tp``."""
 
     config: GptOssConfig
 
-    def __init__(self, cfg: GptOssConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: GptOssConfig, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, tp)
         self.model = HybridBody(
             cfg,
-            (GptOssLayer(cfg, i) for i in range(cfg.num_layers)),
+            (GptOssLayer(cfg, i, self.tp) for i in range(cfg.num_layers)),
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            tp=self.tp,
         )
         self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)

@@ -22,20 +22,30 @@ layers' K/V (``"swa"``) and its recurrent layers' state snapshots (``"mamba"``),
 it has them. Checkpoint tensors load by their
 Hugging Face names; per-expert tensors ``...experts.{e}.{proj}.weight`` load into row ``e``
 of the stacked ``...experts.{proj}`` parameter.
+
+Tensor parallelism: a family splits over the ranks of a
+:class:`~hicache.runner.parallel.TPGroup` when its config says it can
+(:meth:`HybridConfig.check_tensor_parallel`; the default refuses, naming the family). The
+frame then holds the group (:attr:`HybridLM.tp`), a vocab-parallel embedding and LM head
+(the logits gathered on every rank, :meth:`HybridLM.compute_logits`), caches this rank's
+K/V heads only (:attr:`HybridLM.num_kv_heads`, in the full and the SWA pool) and cuts each
+full checkpoint tensor to the rank's slice as it loads (:meth:`HybridLM.load_weights`:
+the parallel layers' :func:`~hicache.runner.parallel.shard_dims`, and the parameters a
+family splits besides, :meth:`HybridLM.split_params`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
+from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.cached import (
@@ -45,7 +55,7 @@ from hicache.runner.models.cached import (
     check_kv_pool,
     refuse_unused_pools,
 )
-from hicache.runner.models.config import UnsupportedModelError
+from hicache.runner.models.config import UnsupportedModelError, check_split
 from hicache.runner.models.decoder import WeightLoadError
 from hicache.runner.models.recurrent import (
     RecurrentContext,
@@ -54,7 +64,14 @@ from hicache.runner.models.recurrent import (
     cache_state_spec,
 )
 from hicache.runner.models.rope import RotaryEmbedding
-from hicache.runner.parallel import TPGroup, VocabParallelEmbedding
+from hicache.runner.parallel import (
+    ParallelLMHead,
+    Split,
+    TPGroup,
+    VocabParallelEmbedding,
+    gather_logits,
+    shard_dims,
+)
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -103,6 +120,25 @@ class HybridConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Refuse to split the model over ``size`` > 1 ranks when it cannot be:
+        UnsupportedModelError naming the family by default (no sharded model); a family
+        that splits overrides this with its own checks (ValueError naming the numbers)."""
+        if size > 1:
+            raise UnsupportedModelError(
+                f"tensor parallelism is not supported for model_type={self.family!r}"
+                f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
+            )
+
+    def check_attention_split(self, size: int, sizes: Sequence[tuple[str, int]] = ()) -> None:
+        """The checks of a family whose attention heads split over ``size`` ranks
+        (:class:`~hicache.heads.HeadSplit`: ValueError naming the head counts when ``size``
+        divides neither way) and whose ``sizes`` (``(config field, value)``: MLP and
+        expert columns) it divides (:func:`~hicache.runner.models.config.check_split`).
+        More ranks than K/V heads replicate them."""
+        HeadSplit(self.num_heads, self.num_kv_heads, size)
+        check_split(size, sizes, self.family)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -185,8 +221,8 @@ class LayerStack(Protocol):
 
 class HybridBody(nn.Module):
     """``model.*`` in the checkpoints of Gemma 3, GPT-OSS, Qwen3-Next and DeepSeek: the
-    token embedding (``embed``; default a plain ``nn.Embedding``, DeepSeek's is
-    vocab-parallel), the decoder layers (in order) and the final norm."""
+    token embedding (``embed``; default vocab-parallel over ``tp``, the whole table with
+    one rank), the decoder layers (in order) and the final norm."""
 
     def __init__(
         self,
@@ -194,10 +230,14 @@ class HybridBody(nn.Module):
         layers: Iterable[nn.Module],
         norm: nn.Module,
         embed: nn.Embedding | VocabParallelEmbedding | None = None,
+        *,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed is None else embed
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp or TPGroup.single())
+            if embed is None
+            else embed
         )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
@@ -210,26 +250,28 @@ SWA = SlidingWindowSpec.name
 class HybridLM(nn.Module, CachedModel):
     """Base of the hybrid models: subclasses build the modules (the body in ``model``, a
     :class:`HybridBody`, unless they override :meth:`body`; ``rotary`` unless they
-    override :meth:`rope`) and the frame runs them (:meth:`run`)."""
+    override :meth:`rope`) and the frame runs them (:meth:`run`). ``tp``: the
+    tensor-parallel group this model is a rank of (one rank by default; see the module doc)."""
 
     config: HybridConfig
     model: HybridBody
     rotary: RotaryEmbedding
 
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp or TPGroup.single()
 
     @classmethod
     def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> HybridLM:
-        """The model of ``cfg`` on this rank of ``tp`` (default one rank). A family that
-        splits over tensor-parallel ranks overrides this; the others refuse more than one
-        rank with UnsupportedModelError naming their ``model_type``."""
-        if tp is not None and tp.size > 1:
-            raise UnsupportedModelError(
-                f"tensor parallelism is not supported for model_type={cfg.family!r}"
-            )
-        return cls(cfg)
+        """The model of ``cfg`` on this rank of ``tp`` (default one rank). More than one rank
+        is checked first (:meth:`HybridConfig.check_tensor_parallel`: a family that does not
+        split refuses with UnsupportedModelError naming its ``model_type``); a family that
+        splits takes ``tp`` as its constructor's second argument."""
+        if tp is None or tp.size == 1:
+            return cls(cfg)
+        cfg.check_tensor_parallel(tp.size)
+        return cls(cfg, tp)
 
     def after_cast(self) -> None:
         """Put back what the reference keeps in another dtype than the model's, after the
@@ -275,18 +317,50 @@ class HybridLM(nn.Module, CachedModel):
         return self.body().embed_tokens
 
     def output_weight(self) -> torch.Tensor:
-        """``(vocab, hidden)`` projection to logits (this rank's rows under tensor
-        parallelism): ``lm_head``, or the input embeddings when the config ties them."""
+        """``(vocab, hidden)`` projection to logits (this rank's ``(padded vocab / size,
+        hidden)`` rows under tensor parallelism): ``lm_head``, or the input embeddings when
+        the config ties them."""
         head = self.lm_head
         return self.input_embeddings().weight if head is None else head.weight
 
     def _build_head(self) -> None:
-        """The untied ``lm_head`` (``None`` when tied to the input embeddings); call from
-        ``__init__`` after the embeddings exist."""
+        """The untied ``lm_head``, vocab-parallel over :attr:`tp` (``None`` when tied to the
+        input embeddings); call from ``__init__`` after the embeddings exist."""
         cfg = self.config
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: ParallelLMHead | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The K/V heads this rank computes and caches (:attr:`HeadSplit.local_kv_heads
+        <hicache.heads.HeadSplit.local_kv_heads>`): the head count of its MHA pools."""
+        cfg = self.config
+        return HeadSplit(cfg.num_heads, cfg.num_kv_heads, self.tp.size, self.tp.rank).local_kv_heads
+
+    def _local(self, spec: KVSpec) -> KVSpec:
+        """``spec`` (the config's, every K/V head) as this rank holds it: an MHA pool keeps
+        :attr:`num_kv_heads` heads; an MLA latent is whole on every rank."""
+        if spec.attention is not AttentionKind.MHA or self.tp.size == 1:
+            return spec
+        return replace(spec, num_kv_heads=self.num_kv_heads)
+
+    def split_params(self) -> dict[str, int]:
+        """The parameters this rank holds a slice of besides the parallel layers'
+        (:func:`~hicache.runner.parallel.shard_dims`): name -> the dimension along which
+        it holds its contiguous ``1 / size`` (a stacked expert parameter ``(E, ...)``: a
+        per-expert checkpoint tensor is cut along that dimension less one). By default
+        those every submodule names in a ``tp_split_dims()`` method (its own parameter
+        names -> dims); empty with one rank."""
+        out: dict[str, int] = {}
+        if self.tp.size == 1:
+            return out
+        for prefix, module in self.named_modules():
+            dims = getattr(module, "tp_split_dims", None)
+            if module is not self and callable(dims):
+                base = f"{prefix}." if prefix else ""
+                out.update({base + name: dim for name, dim in dims().items()})
+        return out
 
     def recurrent_state(self) -> StateSpec | None:
         """The per-sequence state shapes of every ``linear_attention`` layer (Mamba2,
@@ -357,13 +431,20 @@ class HybridLM(nn.Module, CachedModel):
         (:func:`~hicache.runner.models.recurrent.cache_state_spec`, in the model dtype),
         each when the model has them."""
         components: list[ComponentSpec] = []
-        swa = self.config.swa_spec(dtype)
+        swa = self._swa_spec(dtype)
         if swa is not None:
             components.append(swa)
         specs = self.state_specs()
         if specs:
             components.append(cache_state_spec(specs, self.dtype))
-        return CacheSpec(kv=self.config.full_kv_spec(dtype), components=tuple(components))
+        return CacheSpec(
+            kv=self._local(self.config.full_kv_spec(dtype)), components=tuple(components)
+        )
+
+    def _swa_spec(self, dtype: str) -> SlidingWindowSpec | None:
+        """The config's SWA spec with this rank's K/V heads (:meth:`_local`)."""
+        swa = self.config.swa_spec(dtype)
+        return None if swa is None else replace(swa, kv=self._local(swa.kv))
 
     def pool_components(self) -> tuple[str, ...]:
         """The components whose L1 pools the model reads and writes itself: the sliding
@@ -381,14 +462,14 @@ class HybridLM(nn.Module, CachedModel):
         if window is not None:
             self._check_window_pool(window, kv_pool)
         full = self.config.full_kv_spec if window is not None else self.config.kv_spec
-        check_kv_pool(kv_pool, full(kv_pool.spec.dtype), self.device)
+        check_kv_pool(kv_pool, self._local(full(kv_pool.spec.dtype)), self.device)
         if window is None:
             return BoundPools(kv_pool)
         return BoundPools(kv_pool, {SWA: window}, SWA)
 
     def _check_window_pool(self, window: DevicePool, kv_pool: DevicePool) -> None:
         """Raise ValueError unless ``window`` fits the model's sliding layers."""
-        want = self.config.swa_spec(window.spec.dtype)
+        want = self._swa_spec(window.spec.dtype)
         assert want is not None  # pool_components() offered it
         have = window.spec
         if (have.num_layers, have.num_kv_heads, have.head_dim) != (
@@ -405,8 +486,10 @@ class HybridLM(nn.Module, CachedModel):
             raise ValueError("the SWA pool must share the full pool's device and page size")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""
-        return F.linear(hidden, self.output_weight()).float()
+        """``hidden (N, hidden)`` -> the full logits ``(N, vocab)`` in fp32 on every rank
+        (each rank's vocabulary rows gathered, :func:`~hicache.runner.parallel.gather_logits`;
+        ``F.linear(hidden, weight).float()`` with one rank)."""
+        return gather_logits(hidden, self.output_weight(), self.config.vocab_size, self.tp)
 
     def zero_states(self, num_seqs: int) -> dict[int, RecurrentState]:
         """States of ``num_seqs`` fresh sequences, for every recurrent layer."""
@@ -416,8 +499,47 @@ class HybridLM(nn.Module, CachedModel):
         }
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters (casting dtype); every parameter (and
-        every expert row) must be covered. Raises :class:`WeightLoadError` otherwise."""
+        """Copy full-size checkpoint tensors into the parameters (casting dtype), each cut
+        to this rank's slice first (:meth:`_sharded`); every parameter (and every expert
+        row) must be covered. Raises :class:`WeightLoadError` otherwise."""
+        self._load(self._sharded(tensors))
+
+    def _sharded(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``tensors`` with each split one cut to this rank's slice: the parallel layers'
+        (:func:`~hicache.runner.parallel.shard_dims`, vocabulary rows padded) and
+        :meth:`split_params` (a per-expert tensor of a stacked parameter along its dim less
+        one); the others whole. A split tensor's *full* shape is checked first
+        (:class:`WeightLoadError` naming it), so a checkpoint of another size does not load
+        silently as a slice. With one rank, ``tensors`` unchanged."""
+        tp = self.tp
+        if tp.size == 1:
+            yield from tensors
+            return
+        params = dict(self.named_parameters())
+        cuts: dict[str, Split] = shard_dims(self)
+        cuts.update({name: Split(dim) for name, dim in self.split_params().items()})
+        for name, tensor in tensors:
+            target, cut, expert = name, cuts.get(name), False
+            if cut is None and (m := _EXPERT.match(name)):
+                target = f"{m.group(1)}.{m.group(3)}"
+                cut, expert = cuts.get(target), True
+            if cut is None:
+                yield name, tensor
+                continue
+            dim = cut.dim - 1 if expert else cut.dim
+            want = list(params[target].shape[1:] if expert else params[target].shape)
+            want[dim] = cut.full if cut.full is not None else want[dim] * tp.size
+            if list(tensor.shape) != want:
+                raise WeightLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape"
+                    f" {tuple(want)} (the full tensor, before this rank's slice)"
+                )
+            yield name, tp.shard(tensor, dim, cut.padded, cut.rows)
+
+    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``tensors`` (this rank's slices) into the parameters; see :meth:`load_weights`."""
         params = dict(self.named_parameters())
         whole: set[str] = set()
         rows: dict[str, set[int]] = {}

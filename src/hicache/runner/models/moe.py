@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.runner.parallel import TPGroup
+
 __all__ = [
     "ClampedSwigluExperts",
     "GatedExperts",
@@ -202,30 +204,55 @@ class ClampedSwigluExperts(nn.Module):
     ``gate_up_proj (E, hidden, 2I)`` interleaves gate (even columns) and up (odd);
     ``down_proj (E, I, hidden)``. ``h = (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)``
     with ``g = min(gate, limit)``.
+
+    Over a tensor-parallel group ``tp`` (default: one rank) each rank holds ``I / size`` of
+    every expert's intermediate columns: the contiguous ``2I / size`` columns of
+    ``gate_up_proj`` (and its bias), whole (gate, up) pairs since the slice starts on an
+    even column, and the matching ``I / size`` rows of ``down_proj``
+    (:meth:`tp_split_dims`). The output is then this rank's partial sum, which the caller
+    all-reduces; ``down_proj_bias`` (whole) is added by rank 0 alone, so once in the sum.
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        alpha: float,
+        limit: float,
+        *,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
+        local = tp.part(intermediate_size, "expert intermediate columns")
         self.num_experts = num_experts
         self.alpha = alpha
         self.limit = limit
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, 2 * intermediate_size)
-        )
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.split = tp.size > 1
+        self.add_down_bias = tp.rank == 0
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * local))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * local))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
+    def tp_split_dims(self) -> dict[str, int]:
+        """The stacked parameters this rank holds a slice of: name -> dim (see the class
+        doc); none with one rank."""
+        if not self.split:
+            return {}
+        return {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on ``x (n, hidden)`` -> ``(n, hidden)``."""
+        """Expert ``e`` on ``x (n, hidden)`` -> ``(n, hidden)`` (this rank's part of it)."""
         gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
         gate = gate_up[:, 0::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
         h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        return h @ self.down_proj[e] + self.down_proj_bias[e]
+        out = h @ self.down_proj[e]
+        return out + self.down_proj_bias[e] if self.add_down_bias else out
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``x (T, hidden)`` -> routed mixture ``(T, hidden)``."""
+        """``x (T, hidden)`` -> routed mixture ``(T, hidden)`` (this rank's partial sum
+        under tensor parallelism)."""
         return dispatch(x, routing, self.num_experts, self.expert)

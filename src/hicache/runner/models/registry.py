@@ -22,7 +22,6 @@ from hicache.runner.models.config import (
     FAMILIES,
     DecoderConfig,
     UnsupportedModelError,
-    check_split,
 )
 from hicache.runner.models.deepseek import DEEPSEEK_FAMILIES, DeepseekConfig, DeepseekLM
 from hicache.runner.models.deepseek_v32 import DSA_FAMILY, DeepseekV32Config, DeepseekV32LM
@@ -81,10 +80,12 @@ def check_supported(hf_config: Any) -> str:
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Refuse, before any weight is read, to split the config's model over ``size`` ranks
-    when it cannot be: UnsupportedModelError for a hybrid family (no sharded hybrid model
-    exists) and ValueError naming the numbers when ``size`` cannot split a Llama-style
-    model's heads (it must divide the query heads, and divide the K/V heads or be a
-    multiple of them: then they are replicated) or does not divide its intermediate size
+    when it cannot be: a hybrid family by its config
+    (:meth:`~hicache.runner.models.hybrid.HybridConfig.check_tensor_parallel`:
+    UnsupportedModelError for a family without a sharded model, ValueError naming the
+    numbers for a split that does not work), a Llama-style model when ``size`` cannot split
+    its heads (it must divide the query heads, and divide the K/V heads or be a multiple of
+    them: then they are replicated) or does not divide its intermediate size
     (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`). ``size ==
     1`` always passes; an unsupported ``model_type`` raises as :func:`check_supported`."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -92,30 +93,10 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     model_type = check_supported(hf_config)
     if size == 1:
         return
-    if model_type in DEEPSEEK_FAMILIES:
-        _check_deepseek_split(DeepseekConfig.from_hf(hf_config), size)
-        return
-    if model_type == DSA_FAMILY:  # the indexer is replicated: the MLA and MoE split
-        _check_deepseek_split(DeepseekV32Config.from_hf(hf_config), size)
-        return
     if model_type in HYBRID_FAMILIES:
-        raise UnsupportedModelError(
-            f"tensor parallelism is not supported for model_type={model_type!r}"
-            f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
-        )
-    if model_type in FAMILIES:
+        hybrid_config_from_hf(hf_config).check_tensor_parallel(size)
+    elif model_type in FAMILIES:
         DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
-    # any other family checks its own split where its model is built
-
-
-def _check_deepseek_split(cfg: DeepseekConfig, size: int) -> None:
-    """ValueError naming the numbers unless ``size`` divides a DeepSeek model's query heads
-    (each rank decompresses the latent into its own heads), its dense MLP's and its
-    experts' intermediate sizes. The latent itself is whole on every rank."""
-    sizes = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
-    if cfg.moe is not None:
-        sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
-    check_split(size, sizes, cfg.family)
 
 
 def hybrid_config_from_hf(hf_config: Any) -> HybridConfig:
@@ -138,8 +119,8 @@ def build_hybrid_model(
 ) -> HybridLM:
     """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next):
     the model class of ``cfg.family`` (:meth:`HybridLM.build`). ``tp``: this rank's
-    tensor-parallel group (DeepSeek only, its :meth:`~HybridLM.build`; the other
-    hybrid families refuse a group of more than one rank)."""
+    tensor-parallel group (a family that does not split refuses a group of more than one
+    rank, :meth:`~hicache.runner.models.hybrid.HybridConfig.check_tensor_parallel`)."""
     family = _HYBRIDS.get(cfg.family)
     if family is None:
         raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")

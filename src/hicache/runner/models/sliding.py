@@ -23,6 +23,13 @@ this forward). Two placements:
 
 Sinks (GPT-OSS): each head has a learned logit that joins the softmax's denominator and
 contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
+
+Tensor parallelism (a :class:`~hicache.runner.parallel.TPGroup` of ``size`` ranks): the
+heads split as :class:`~hicache.heads.HeadSplit` says, ``q/k/v_proj`` column-parallel
+(each rank's rows are whole heads; with an output gate, whole ``[q | gate]`` heads),
+``o_proj`` row-parallel over them (its bias added once, after the sum), the sinks of the
+rank's query heads only; the pool holds the rank's K/V heads. More ranks than K/V heads
+(replication) is refused, naming the heads.
 """
 
 from __future__ import annotations
@@ -33,10 +40,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.heads import HeadSplit
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.norms import OffsetRMSNorm
 from hicache.runner.models.rope import apply_rotary
+from hicache.runner.parallel import (
+    ColumnParallelLinear,
+    HeadParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+)
 
 __all__ = ["AttentionSpec", "WindowedAttention", "window_start"]
 
@@ -91,27 +105,39 @@ def window_start(total: int, extend: int, window: int | None) -> int:
 
 
 class WindowedAttention(nn.Module):
-    """GQA attention of one layer over the paged pool (see the module doc)."""
+    """GQA attention of one layer over the paged pool (see the module doc), on one rank of
+    ``tp`` (default: the single rank). :attr:`num_heads` and :attr:`num_kv_heads` are this
+    rank's (``spec``'s are the model's)."""
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
+        heads = HeadSplit(spec.num_heads, spec.num_kv_heads, tp.size, tp.rank)
         self.spec = spec
+        self.num_heads = heads.local_heads
+        self.num_kv_heads = heads.local_kv_heads
         self.scale = spec.scale if spec.scale is not None else spec.head_dim**-0.5
         q_width = spec.num_heads * spec.head_dim
-        kv_width = spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(
-            spec.hidden_size, q_width * (2 if spec.output_gate else 1), bias=spec.qkv_bias
+        h, bias = spec.hidden_size, spec.qkv_bias
+        self.q_proj = ColumnParallelLinear(
+            h, q_width * (2 if spec.output_gate else 1), bias=bias, tp=tp
         )
-        self.k_proj = nn.Linear(spec.hidden_size, kv_width, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=spec.o_bias)
+        kv = spec.num_kv_heads, spec.head_dim, (heads.first_kv_head, heads.local_kv_heads)
+        self.k_proj = HeadParallelLinear(h, *kv, bias=bias, tp=tp)  # replicated past Hkv ranks
+        self.v_proj = HeadParallelLinear(h, *kv, bias=bias, tp=tp)
+        self.o_proj = RowParallelLinear(q_width, h, bias=spec.o_bias, tp=tp)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if spec.qk_norm is not None:
             norm = OffsetRMSNorm if spec.qk_norm == "offset" else RMSNorm
             self.q_norm = norm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = norm(spec.head_dim, spec.rms_norm_eps)
-        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
+
+    def tp_split_dims(self) -> dict[str, int]:
+        """The parameter split besides the parallel linears: the sinks, one per query head
+        (dim 0; see :meth:`~hicache.runner.models.hybrid.HybridLM.split_params`)."""
+        return {"sinks": 0} if self.sinks is not None else {}
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.spec.rotary_dim
@@ -127,15 +153,15 @@ class WindowedAttention(nn.Module):
     ) -> torch.Tensor:
         """``x (T, hidden)``, ``rope = (cos, sin) (T, rotary_dim)`` or None -> ``(T, hidden)``."""
         spec, t = self.spec, x.shape[0]
-        h, d = spec.num_heads, spec.head_dim
+        h, d = self.num_heads, spec.head_dim
         gate: torch.Tensor | None = None
         if spec.output_gate:
             q, gate = self.q_proj(x).view(t, h, 2 * d).chunk(2, dim=-1)
             gate = gate.reshape(t, h * d)
         else:
             q = self.q_proj(x).view(t, h, d)
-        k = self.k_proj(x).view(t, spec.num_kv_heads, d)
-        v = self.v_proj(x).view(t, spec.num_kv_heads, d)
+        k = self.k_proj(x).view(t, self.num_kv_heads, d)
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None and spec.rotary_dim:
@@ -196,7 +222,7 @@ class WindowedAttention(nn.Module):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
-        group = self.spec.num_heads // self.spec.num_kv_heads
+        group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         logits = (q @ k.transpose(1, 2)).float() * self.scale
         logits = logits.masked_fill(~mask, float("-inf"))
