@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 def load_engine_model(config: EngineConfig, channel: StepChannel | None) -> LoadedModel:
     """This rank's shard of the model (the whole model with one rank)."""
     dtype = config.dtype or default_dtype(config.device)
-    tp = TPGroup.single() if channel is None else TPGroup(channel.rank, config.tp_size)
+    tp = (
+        TPGroup.single()
+        if channel is None
+        else TPGroup(channel.rank, config.tp_size, channel.model_group)
+    )
     return load_model(config.model_path, dtype=dtype, device=config.device, tp=tp)
 
 
@@ -60,8 +64,21 @@ def build_core(
             attach_l3(cache, model, config, rank, config.storage, config.storage_prefetch_policy)
         return _assemble(config, model, cache, channel)
     except BaseException:
-        cache.close()
+        _close_alone(cache)
         raise
+
+
+def _close_alone(cache: HiCache) -> None:
+    """Close the cache of a rank whose build failed. The other ranks never join a
+    collective for it (they build on, or wait for this rank), so its agreed last flush is
+    refused at once (:class:`~hicache.controller.rank_group.LocalOnlyError`) and skipped;
+    its workers and backend are closed all the same. Never raises: the build's error is
+    the one that counts."""
+    with cache.ranks.local_only("while closing the cache of a rank whose build failed"):
+        try:
+            cache.close()
+        except Exception as exc:
+            log.debug("closing the cache of a failed build: %r", exc)
 
 
 def _assemble(

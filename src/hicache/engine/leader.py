@@ -388,6 +388,7 @@ def start_ranks(config: EngineConfig) -> tuple[RankProcesses, EngineCore]:
         config_fields(config),
         backend="nccl" if on_cuda else "gloo",
         init_timeout_s=config.dist_init_timeout_s,
+        collective_timeout_s=config.collective_timeout_s,
     )
     channel = ranks.start()  # stops what it started when it fails
     try:
