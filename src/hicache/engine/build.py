@@ -64,16 +64,17 @@ def build_core(
             attach_l3(cache, model, config, rank, config.storage, config.storage_prefetch_policy)
         return _assemble(config, model, cache, channel)
     except BaseException:
-        _close_alone(cache)
+        close_alone(cache)
         raise
 
 
-def _close_alone(cache: HiCache) -> None:
-    """Close the cache of a rank whose build failed. The other ranks never join a
-    collective for it (they build on, or wait for this rank), so its agreed last flush is
-    refused at once (:class:`~hicache.controller.rank_group.LocalOnlyError`) and skipped;
-    its workers and backend are closed all the same. Never raises: the build's error is
-    the one that counts."""
+def close_alone(cache: HiCache) -> None:
+    """Close the cache of a rank whose start failed (its build, or another rank's). The
+    other ranks never join a collective for it (they build on, wait for this rank, or are
+    gone), so its agreed last flush is refused at once
+    (:class:`~hicache.controller.rank_group.LocalOnlyError`) and skipped; its workers and
+    backend are closed all the same. Never raises: the start's error is the one that
+    counts."""
     with cache.ranks.local_only("while closing the cache of a rank whose build failed"):
         try:
             cache.close()
@@ -145,4 +146,4 @@ def eos_ids(model: LoadedModel) -> set[int]:
     return ids
 
 
-__all__ = ["build_core", "eos_ids", "load_engine_model"]
+__all__ = ["build_core", "close_alone", "eos_ids", "load_engine_model"]
