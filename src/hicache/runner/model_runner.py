@@ -43,6 +43,7 @@ import torch
 
 from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.extras import KeptState, SequenceExtras
+from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.decode_graphs import DecodeGraphs
 from hicache.runner.kernels import AttentionBackend, resolve_backend
@@ -73,7 +74,7 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
     family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`).
     ``tp_size``: the tensor-parallel ranks; each rank's pool holds ``num_kv_heads /
-    tp_size`` heads (refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
+    tp_size`` heads, or 1 when they are replicated (:class:`~hicache.heads.HeadSplit`; refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
     refuses it)."""
     if tp_size != 1:
         check_tensor_parallel(hf_config, tp_size)
@@ -83,7 +84,7 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     return KVSpec(
         num_layers=cfg.num_layers,
         attention=AttentionKind.MHA,
-        num_kv_heads=cfg.num_kv_heads // tp_size,
+        num_kv_heads=HeadSplit(cfg.num_heads, cfg.num_kv_heads, tp_size).local_kv_heads,
         head_dim=cfg.head_dim,
         dtype=dtype,
     )
