@@ -12,9 +12,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 BENCHES = {
@@ -101,6 +104,23 @@ def _describe(engine: Any, host: str, port: int) -> str:
     )
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit(143) instead of killing the process. uvicorn
+    catches SIGTERM, shuts down, then raises it again under the handler it found: this
+    one, so the engine is closed on the way out (its ranks told to stop) as for Ctrl-C,
+    instead of vanishing under them."""
+
+    def stop(sig: int, frame: object) -> None:
+        raise SystemExit(128 + sig)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -137,7 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
         engine.on_rank_failure(rank_died)
-        server.run()
+        with _exit_on_sigterm():
+            server.run()
         if engine.rank_failure is not None:
             print(f"hicache serve: error: {engine.rank_failure}", file=sys.stderr)
             return 1

@@ -136,15 +136,23 @@ class StorageSlot:
     def detach(self, timeout_s: float) -> bool:
         """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads, give up
         the tier's open ops and close the backend; what it may still write stays
-        quarantined (:class:`Retired`). False when none was attached."""
+        quarantined (:class:`Retired`). False when none was attached. Detached also when
+        closing the backend raises (the error then comes out)."""
         tier = self.tier
         if tier is None:
             return False
         tier.flush(timeout_s)
-        tier.controller.close()
-        self.tier = None
-        self._sync.drop_l3()  # records of the detached tier's ops are dropped
-        held, ids = tier.detach()
+        self.tier = None  # detached whatever closing raises (the ranks agree on that)
+        try:
+            tier.controller.close()
+        finally:
+            self._sync.drop_l3()  # records of the detached tier's ops are dropped
+            held, ids = tier.detach()
+            self._retire(tier, held, ids)
+        return True
+
+    def _retire(self, tier: StorageTier, held: PageIds, ids: dict[str, PageIds]) -> None:
+        """Quarantine what the detached ``tier``'s backend may still write."""
         if len(held) or any(len(v) for v in ids.values()):
             log.warning(
                 "%d L2 pages and %s L2 component ids stay quarantined until the old backend"
@@ -153,7 +161,6 @@ class StorageSlot:
                 {k: len(v) for k, v in ids.items()},
             )
             self._retired.append(Retired(tier.controller.storage, held, ids))
-        return True
 
     def settle(self) -> None:
         """Free what each retired backend whose host writes have settled held (with

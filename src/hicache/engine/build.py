@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 def load_engine_model(config: EngineConfig, channel: StepChannel | None) -> LoadedModel:
     """This rank's shard of the model (the whole model with one rank)."""
     dtype = config.dtype or default_dtype(config.device)
-    tp = TPGroup.single() if channel is None else TPGroup(channel.rank, config.tp_size)
+    tp = (
+        TPGroup.single()
+        if channel is None
+        else TPGroup(channel.rank, config.tp_size, channel.model_group)
+    )
     return load_model(config.model_path, dtype=dtype, device=config.device, tp=tp)
 
 
@@ -60,8 +64,22 @@ def build_core(
             attach_l3(cache, model, config, rank, config.storage, config.storage_prefetch_policy)
         return _assemble(config, model, cache, channel)
     except BaseException:
-        cache.close()
+        close_alone(cache)
         raise
+
+
+def close_alone(cache: HiCache) -> None:
+    """Close the cache of a rank whose start failed (its build, or another rank's). The
+    other ranks never join a collective for it (they build on, wait for this rank, or are
+    gone), so its agreed last flush is refused at once
+    (:class:`~hicache.controller.rank_group.LocalOnlyError`) and skipped; its workers and
+    backend are closed all the same. Never raises: the start's error is the one that
+    counts."""
+    with cache.ranks.local_only("while closing the cache of a rank whose build failed"):
+        try:
+            cache.close()
+        except Exception as exc:
+            log.debug("closing the cache of a failed build: %r", exc)
 
 
 def _assemble(
@@ -128,4 +146,4 @@ def eos_ids(model: LoadedModel) -> set[int]:
     return ids
 
 
-__all__ = ["build_core", "eos_ids", "load_engine_model"]
+__all__ = ["build_core", "close_alone", "eos_ids", "load_engine_model"]

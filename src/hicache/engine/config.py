@@ -17,7 +17,7 @@ from hicache.config import CacheConfig, PrefetchPolicy, WritePolicy
 from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
-from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
+from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.schedule_config import SchedulerConfig
 from hicache.engine.tp_fit import check_tp_fits
 from hicache.runner.kernels import AttentionBackend
@@ -87,6 +87,11 @@ class EngineConfig:
     dist_init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S
     """Seconds every rank has to join the process group, and then to build its engine;
     a rank that does not fails the start, named."""
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    """Seconds one collective of the model or of the step exchange waits for the other
+    ranks once started (the longest forward included); a rank that stalls past it makes
+    the others fail (the server exits). Independent of ``dist_init_timeout_s``. A frozen
+    rank shows in ``/health`` within seconds (its heartbeat), not at this bound."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     """The prefill/decode disaggregation role (:mod:`hicache.disagg`; default: none)."""
 
@@ -123,6 +128,13 @@ class EngineConfig:
             is_finite_number(dit) and dit > 0,
             "dist_init_timeout_s",
             dit,
+            "must be a finite number of seconds > 0",
+        )
+        ct = self.collective_timeout_s
+        require(
+            is_finite_number(ct) and ct > 0,
+            "collective_timeout_s",
+            ct,
             "must be a finite number of seconds > 0",
         )
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hicache.cache import HiCache
 from hicache.engine.config import EngineConfig
@@ -54,6 +55,7 @@ from hicache.runner.loader import LoadedModel
 from hicache.storage.registry import StorageConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +132,11 @@ class EngineCore:
             try:
                 outcome = Applied(value=self.apply(item))
             except Exception as exc:
-                if applied is None:  # rank 0 reports it to its caller
-                    log.exception("rank %d: applying %s failed", self.rank, type(item).__name__)
+                if applied is None:  # rank 0 reports it to its caller: one line here
+                    log.warning(
+                        "rank %d: %s refused: %s", self.rank, type(item).__name__, error_line(exc)
+                    )
+                    log.debug("rank %d: %s", self.rank, type(item).__name__, exc_info=exc)
                 outcome = Applied(error=exc)
             if applied is not None:
                 applied(i, outcome)
@@ -164,12 +169,23 @@ class EngineCore:
         if isinstance(item, AttachStorage):
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; attach storage when idle")
-            self.attach(StorageConfig.parse(item.backend, dict(item.extra_config)), item.policy)
+            storage = StorageConfig.parse(item.backend, dict(item.extra_config))
+            self.agreed(
+                "the L3 attach",
+                lambda: self.attach(storage, item.policy),
+                undo=self._undo_attach,
+                after="no rank attached it",
+            )
             return None
         if isinstance(item, DetachStorage):
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; detach storage when idle")
-            return self.cache.detach_storage()
+            return self.agreed(
+                "the L3 detach",
+                self.cache.detach_storage,
+                undo=None,
+                after="the backend is detached on every rank",
+            )
         if isinstance(item, PagesArrived):
             self.scheduler.pages_arrived(item)
             return None
@@ -272,7 +288,49 @@ class EngineCore:
             for req in self.scheduler.in_flight:
                 self.fail(req, why, direct=True)
 
+    def agreed(
+        self,
+        what: str,
+        act: Callable[[], T],
+        *,
+        undo: Callable[[], None] | None,
+        after: str,
+    ) -> T:
+        """Run ``act`` on this rank and agree its outcome with the others (one gather of
+        each rank's error line, none with one rank): its value when it succeeded on every
+        rank. When every rank failed alike (a refusal: the same state everywhere) this
+        rank's own error is raised. When some ranks failed, those that succeeded run
+        ``undo`` (None: the outcome is the same state anyway) and every rank raises
+        RuntimeError naming each rank that failed and its message, then ``after`` (what
+        state every rank is in)."""
+        error: Exception | None = None
+        value: T | None = None
+        try:
+            value = act()
+        except Exception as exc:
+            error = exc
+        if self.channel is None:
+            if error is not None:
+                raise error
+            return value  # type: ignore[return-value]
+        lines = self.channel.gather("" if error is None else error_line(error))
+        failed = [(rank, line) for rank, line in enumerate(lines) if line]
+        if not failed:
+            return value  # type: ignore[return-value]
+        if error is not None and len(failed) == len(lines) and len(set(lines)) == 1:
+            raise error
+        if error is None and undo is not None:
+            undo()
+        which = "; ".join(f"rank {rank}: {line}" for rank, line in failed)
+        raise RuntimeError(f"{what} failed on {which}; {after}")
+
     # ------------------------------------------------------------------ cache
+
+    def _undo_attach(self) -> None:
+        """Detach a backend this rank just attached (no op ran on it: nothing to wait for,
+        and no rank joins a collective for it)."""
+        with self.cache.ranks.local_only("while undoing an L3 attach"):
+            self.cache.detach_storage(timeout_s=0.0)
 
     def attach(self, storage_config: StorageConfig, policy: str) -> None:
         """Attach the L3 backend ``storage_config`` under this rank's namespace."""
@@ -295,6 +353,12 @@ class EngineCore:
                 type(exc).__name__,
                 str(exc).splitlines()[0] if str(exc) else "",
             )
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as one line: its type and the first line of its message."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def attach_l3(
@@ -322,4 +386,4 @@ def attach_l3(
     cache.attach_storage(storage_config.create(namespace), namespace, prefetch)
 
 
-__all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3"]
+__all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3", "error_line"]

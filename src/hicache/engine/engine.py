@@ -252,7 +252,9 @@ class Engine(Lifecycle):
 
         Not healthy when the thread is not running (never started, closed or crashed), when
         the loop has not gone round for ``stall_after_s`` seconds (stuck in a step or a
-        call), or when the last ``unhealthy_after_failed_steps`` scheduler steps, or
+        call), when a follower rank has stopped answering (frozen: its heartbeat is
+        :data:`~hicache.engine.heartbeat.SILENT_AFTER_S` old; healthy again once it
+        answers), or when the last ``unhealthy_after_failed_steps`` scheduler steps, or
         forwards, all raised (healthy again once one succeeds).
         """
         return health_of(

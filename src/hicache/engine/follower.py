@@ -22,7 +22,7 @@ import torch
 
 from hicache.engine.build import build_core
 from hicache.engine.config import EngineConfig
-from hicache.engine.core import EngineCore, StepFailed
+from hicache.engine.core import EngineCore, StepFailed, error_line
 from hicache.engine.ranks import (
     RankSetup,
     cpu_threads_per_rank,
@@ -73,13 +73,15 @@ def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
     )
     if torch.device(config.device).type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(setup.size))
+    if setup.heartbeats is not None:
+        setup.heartbeats.start(setup.rank)
     code = 1
     try:
         try:
             conn.send(("joining",))
             channel = join_group(setup)
         except BaseException as exc:
-            conn.send(("error", f"could not join the process group: {_line(exc)}"))
+            conn.send(("error", f"could not join the process group: {error_line(exc)}"))
             return
         conn.send(("joined",))
         device = rank_device(config.device, setup.rank)
@@ -88,7 +90,7 @@ def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
         try:
             core = build_core(dataclasses.replace(config, device=device), channel=channel)
         except BaseException as exc:
-            conn.send(("error", _line(exc)))
+            conn.send(("error", error_line(exc)))
             return
         conn.send(("ready",))
         code = follow(core)
@@ -97,11 +99,6 @@ def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
             conn.close()
         leave_group()
         os._exit(code)  # no interpreter teardown that could wait on a broken group
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 __all__ = ["follow", "run_follower"]

@@ -78,12 +78,16 @@ def health_of(
 ) -> EngineHealth:
     """The health of the engine whose rank 0 driver is ``leader`` (None: never started)
     and whose lifecycle is ``state`` (see :meth:`Engine.health`); ``limit``: failed steps
-    or forwards in a row that make it unhealthy."""
+    or forwards in a row that make it unhealthy. A follower rank that has stopped
+    answering (no heartbeat for :data:`~hicache.engine.heartbeat.SILENT_AFTER_S`) makes
+    it unhealthy, naming the rank, until it answers again."""
     thread = None if leader is None else leader.thread
     alive = thread is not None and thread.is_alive() and not state.loop_ended
     last_loop = None if leader is None else leader.last_loop
     failed_steps = 0 if leader is None else leader.failed_steps
     age = None if last_loop is None else time.monotonic() - last_loop
+    ranks = None if leader is None else leader.ranks
+    silent = None if ranks is None else ranks.silent()
     reason: str | None = None
     if rank_failure is not None:
         reason = f"{rank_failure}; the engine stopped"
@@ -92,6 +96,8 @@ def health_of(
             reason = "the engine is not started"
         else:
             reason = state.exit_reason or "the engine thread is not running"
+    elif silent is not None:  # a frozen follower: the loop waits in a collective for it
+        reason = silent
     elif age is not None and age > stall_after_s:
         reason = f"the engine loop has not gone round for {age:.0f} s"
     scheduler = leader.core.scheduler if alive and leader is not None else None

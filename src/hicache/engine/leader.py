@@ -32,11 +32,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from hicache.engine.build import build_core
+from hicache.engine.build import build_core, close_alone
 from hicache.engine.config import EngineConfig, config_fields
-from hicache.engine.core import Applied, EngineCore, StepFailed
+from hicache.engine.core import Applied, EngineCore, StepFailed, error_line
 from hicache.engine.follower import run_follower
-from hicache.engine.ranks import RankProcesses, StepChannel, cpu_threads_per_rank, leave_group
+from hicache.engine.ranks import (
+    RankProcesses,
+    RankStartError,
+    StepChannel,
+    cpu_threads_per_rank,
+    leave_group,
+)
 from hicache.engine.request import Request
 from hicache.engine.run_state import RunState
 from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
@@ -376,8 +382,9 @@ class Leader:
 def start_ranks(config: EngineConfig) -> tuple[RankProcesses, EngineCore]:
     """Rank 0 of ``config.tp_size`` ranks: check the model splits, spawn and join the
     followers, build rank 0's core, wait until every follower has built its own. A rank
-    that fails or does not make it within ``dist_init_timeout_s`` fails it
-    (:class:`~hicache.engine.ranks.RankStartError`, naming it), every follower stopped."""
+    that fails (rank 0 included: its error in one line) or does not make it within
+    ``dist_init_timeout_s`` fails it (:class:`~hicache.engine.ranks.RankStartError`,
+    naming it), every follower stopped and rank 0's cache closed."""
     check_tp_model(config.model_path, config.tp_size, config.device)  # before any spawn
     on_cuda = torch.device(config.device).type == "cuda"
     if not on_cuda:  # the cores shared out between the ranks
@@ -388,13 +395,23 @@ def start_ranks(config: EngineConfig) -> tuple[RankProcesses, EngineCore]:
         config_fields(config),
         backend="nccl" if on_cuda else "gloo",
         init_timeout_s=config.dist_init_timeout_s,
+        collective_timeout_s=config.collective_timeout_s,
     )
     channel = ranks.start()  # stops what it started when it fails
     try:
         core = build_core(config, channel=channel)
-        ranks.wait_ready()
+    except Exception as exc:
+        ranks.close(timeout=5.0, broken=True)
+        line = f"rank 0 failed while building its engine: {error_line(exc)}"
+        raise RankStartError(line) from exc
     except BaseException:
         ranks.close(timeout=5.0, broken=True)
+        raise
+    try:
+        ranks.wait_ready()
+    except BaseException:
+        ranks.close(timeout=5.0, broken=True)  # leaves the group: no rank joins a collective
+        close_alone(core.cache)
         raise
     return ranks, core
 

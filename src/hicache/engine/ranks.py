@@ -3,14 +3,19 @@
 Rank 0 is the server's process and its engine; ranks 1 .. N-1 are processes spawned here
 (``torch.multiprocessing``, start method ``spawn``) that run the same engine machinery
 (model shard, cache, scheduler) in a follower loop, without HTTP. They are joined by
-``torch.distributed``: a gloo group on CPU; on CUDA the default group is NCCL (for the
-model) and a gloo group carries what the engine and the cache agree on.
+``torch.distributed``: the default group (its timeout: the join's, ``dist_init_timeout_s``)
+serves the join alone; the model's collectives run on a group of their own (gloo on CPU,
+NCCL on CUDA) and what the engine and the cache agree on on a gloo group, both with the
+collective timeout (``collective_timeout_s``, ``--collective-timeout``), whatever the
+join's.
 
 What crosses processes, every step, on every rank and in the same order
 (:class:`StepChannel`): rank 0's step inputs (:class:`~hicache.engine.step_inputs.StepInputs`,
 one broadcast per step, also when empty), then whatever the cache agrees on, then, after
 each forward that samples, rank 0's sampled tokens (:meth:`StepChannel.agree_tokens`).
-Every collective has a timeout (the process group's), so no rank waits for ever.
+Every collective has a timeout (the process group's), so no rank waits for ever; a
+follower that stops answering (frozen) is seen by rank 0 long before that, from its
+heartbeat (:mod:`hicache.engine.heartbeat`, :meth:`RankProcesses.silent`).
 
 Start (:class:`RankProcesses`): the followers are spawned, every rank joins the group
 within ``dist_init_timeout_s`` (a rank that does not fails the start with one line naming
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hicache.engine.heartbeat import Heartbeats
 from hicache.engine.step_inputs import StepInputs
 from hicache.services.process import free_port
 
@@ -49,7 +55,8 @@ DEFAULT_DIST_INIT_TIMEOUT_S = 120.0
 """Seconds every rank has to join the process group, and then to build its engine."""
 COLLECTIVE_TIMEOUT_S = 600.0
 """Longest one collective waits for the other ranks (a forward of the longest prefill
-included): a rank that stalls past it makes the others fail, not hang."""
+included), by default (``--collective-timeout``): a rank that stalls past it makes the
+others fail, not hang."""
 CLOSE_TIMEOUT_S = 30.0
 """Longest :meth:`RankProcesses.close` waits for the followers before killing them."""
 
@@ -61,8 +68,9 @@ class RankStartError(RuntimeError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSetup:
     """How rank ``rank`` of ``size`` joins the group: ``init_method``
-    (``tcp://127.0.0.1:PORT``), the default group's ``backend`` (``gloo``, or ``nccl`` on
-    CUDA), the join timeout ``init_timeout_s`` and every collective's ``collective_timeout_s``."""
+    (``tcp://127.0.0.1:PORT``), the model's ``backend`` (``gloo``, or ``nccl`` on CUDA),
+    the join timeout ``init_timeout_s`` and every later collective's
+    ``collective_timeout_s``; ``heartbeats``: where a follower beats (None: it does not)."""
 
     rank: int
     size: int
@@ -70,6 +78,7 @@ class RankSetup:
     backend: str
     init_timeout_s: float
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    heartbeats: Heartbeats | None = None
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -92,11 +101,13 @@ class StepChannel:
     Every method is a collective: every rank calls it the same number of times in the
     same order; rank 0's values win."""
 
-    def __init__(self, rank: int, size: int, group: Any) -> None:
+    def __init__(self, rank: int, size: int, group: Any, model_group: Any = None) -> None:
         self.rank = rank
         self.size = size
         self.group = group
-        """The gloo group (the default group on CPU); also the cache's agreement group."""
+        """The gloo group of the step exchange; also the cache's agreement group."""
+        self.model_group = model_group
+        """The group the model's collectives run on (None: the default group)."""
         self.seconds = 0.0
         """Seconds spent so far in :meth:`inputs` and :meth:`agree_tokens` (the engine's
         agreement overhead, with ``cache.sync()``: ``Engine.agreement_seconds_total``)."""
@@ -150,10 +161,12 @@ def join_group(setup: RankSetup) -> StepChannel:
         world_size=setup.size,
         timeout=timedelta(seconds=setup.init_timeout_s),
     )
-    # the engine's and the cache's agreement: a gloo group of its own, with the collective
-    # timeout (on CUDA the default group is NCCL, the model's)
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup.collective_timeout_s))
-    return StepChannel(setup.rank, setup.size, group)
+    # the default group's timeout is the join's: every later collective runs on a group
+    # with the collective timeout, the model's (NCCL on CUDA) and the agreement's (gloo)
+    timeout = timedelta(seconds=setup.collective_timeout_s)
+    model_group = dist.new_group(backend=setup.backend, timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    return StepChannel(setup.rank, setup.size, group, model_group)
 
 
 def leave_group() -> None:
@@ -202,6 +215,7 @@ class RankProcesses:
         self.failure: str | None = None
         """Why a follower died (naming the rank), once one has; None while all live."""
         self.channel: StepChannel | None = None
+        self._heartbeats: Heartbeats | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -216,6 +230,7 @@ class RankProcesses:
             )
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._heartbeats = Heartbeats(self.size, ctx)
         try:
             for rank in range(1, self.size):
                 setup = self._setup(rank, init_method)
@@ -276,6 +291,7 @@ class RankProcesses:
             backend=self.backend,
             init_timeout_s=self.init_timeout_s,
             collective_timeout_s=self.collective_timeout_s,
+            heartbeats=self._heartbeats if rank > 0 else None,
         )
 
     def _read(self, rank: int, wait_s: float = 0.0) -> None:
@@ -389,6 +405,13 @@ class RankProcesses:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+    def silent(self) -> str | None:
+        """One line naming each follower that has stopped answering (its heartbeat, see
+        :mod:`hicache.engine.heartbeat`), None while all answer (or before the start)."""
+        if self._heartbeats is None or self._closing.is_set():
+            return None
+        return self._heartbeats.silent(self.pids)
 
     @property
     def pids(self) -> dict[int, int]:

@@ -27,7 +27,7 @@ from hicache.disagg.config import DEFAULT_BOOTSTRAP_PORT, DisaggConfig, DisaggMo
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.engine import EngineConfig
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
-from hicache.engine.ranks import DEFAULT_DIST_INIT_TIMEOUT_S
+from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.scheduler import SchedulePolicy, SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
@@ -72,6 +72,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_DIST_INIT_TIMEOUT_S,
         help="seconds every rank has to join the process group, and then to load its"
         " model; a rank that does not fails the start",
+    )
+    t.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=COLLECTIVE_TIMEOUT_S,
+        help="seconds one collective (the model's, or the ranks' step exchange) waits for"
+        " the other ranks while serving; a rank that stalls past it stops the server",
     )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -280,6 +287,7 @@ FIELD_FLAGS = {
     "memory_trim_interval_s": "--memory-trim-interval",
     "tp_size": "--tp-size",
     "dist_init_timeout_s": "--dist-init-timeout",
+    "collective_timeout_s": "--collective-timeout",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -440,6 +448,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         memory_trim_interval_s=a.memory_trim_interval,
         tp_size=a.tp_size,
         dist_init_timeout_s=a.dist_init_timeout,
+        collective_timeout_s=a.collective_timeout,
         disagg=_disagg_config(a),
         **kwargs,
     )
