@@ -22,20 +22,27 @@ layers' K/V (``"swa"``) and its recurrent layers' state snapshots (``"mamba"``),
 it has them. Checkpoint tensors load by their
 Hugging Face names; per-expert tensors ``...experts.{e}.{proj}.weight`` load into row ``e``
 of the stacked ``...experts.{proj}`` parameter.
+
+Tensor parallelism: a family that splits over ranks builds on ``tp`` (:attr:`HybridLM.tp`,
+:meth:`HybridLM.build`) and says which sizes must divide (:meth:`HybridConfig.check_tensor_parallel`);
+the frame gives it the vocab-parallel head and logits, its pools' local K/V heads
+(:class:`~hicache.heads.HeadSplit`) and the sharded load (:meth:`HybridLM._sharded`: each
+full checkpoint tensor cut to the rank's slice by ``shard_dims`` or the modules'
+:class:`~hicache.runner.parallel.RowPieces`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
+from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.cached import (
@@ -54,7 +61,14 @@ from hicache.runner.models.recurrent import (
     cache_state_spec,
 )
 from hicache.runner.models.rope import RotaryEmbedding
-from hicache.runner.parallel import TPGroup, VocabParallelEmbedding
+from hicache.runner.parallel import (
+    ParallelLMHead,
+    TPGroup,
+    VocabParallelEmbedding,
+    gather_logits,
+    row_pieces,
+    shard_dims,
+)
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -103,6 +117,21 @@ class HybridConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Refuse to split the model over ``size`` (> 1) ranks when it cannot be: by default
+        UnsupportedModelError (no sharded model of the family); a family that splits
+        overrides this with ValueError naming the sizes ``size`` does not divide."""
+        raise UnsupportedModelError(
+            f"tensor parallelism is not supported for model_type={self.family!r}"
+            f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
+        )
+
+    def check_heads(self, size: int) -> None:
+        """ValueError naming the numbers unless ``size`` ranks split the attention heads
+        (:class:`~hicache.heads.HeadSplit`); nothing when the model has no attention layer."""
+        if self.kv_layers:
+            HeadSplit(self.num_heads, self.num_kv_heads, size)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -216,9 +245,10 @@ class HybridLM(nn.Module, CachedModel):
     model: HybridBody
     rotary: RotaryEmbedding
 
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp or TPGroup.single()
 
     @classmethod
     def build(cls, cfg: HybridConfig, tp: TPGroup | None = None) -> HybridLM:
@@ -281,11 +311,16 @@ class HybridLM(nn.Module, CachedModel):
         return self.input_embeddings().weight if head is None else head.weight
 
     def _build_head(self) -> None:
-        """The untied ``lm_head`` (``None`` when tied to the input embeddings); call from
-        ``__init__`` after the embeddings exist."""
+        """The untied ``lm_head`` (``None`` when tied to the input embeddings; this rank's
+        vocabulary rows under tensor parallelism); call from ``__init__`` after the
+        embeddings exist."""
         cfg = self.config
-        self.lm_head: nn.Linear | None = None
-        if not cfg.tie_word_embeddings:
+        self.lm_head: nn.Linear | ParallelLMHead | None = None
+        if cfg.tie_word_embeddings:
+            return
+        if self.tp.size > 1:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
+        else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def recurrent_state(self) -> StateSpec | None:
@@ -359,11 +394,23 @@ class HybridLM(nn.Module, CachedModel):
         components: list[ComponentSpec] = []
         swa = self.config.swa_spec(dtype)
         if swa is not None:
-            components.append(swa)
+            components.append(replace(swa, kv=self.local_kv(swa.kv)))
         specs = self.state_specs()
         if specs:
             components.append(cache_state_spec(specs, self.dtype))
-        return CacheSpec(kv=self.config.full_kv_spec(dtype), components=tuple(components))
+        return CacheSpec(
+            kv=self.local_kv(self.config.full_kv_spec(dtype)), components=tuple(components)
+        )
+
+    def local_kv(self, spec: KVSpec) -> KVSpec:
+        """``spec`` as this rank's pool holds it: its own K/V heads
+        (:attr:`~hicache.heads.HeadSplit.local_kv_heads`) of an MHA spec; an MLA one (every
+        rank holds the whole latent) or one rank's is ``spec`` itself."""
+        if self.tp.size == 1 or spec.attention is not AttentionKind.MHA:
+            return spec
+        cfg = self.config
+        split = HeadSplit(cfg.num_heads, cfg.num_kv_heads, self.tp.size, self.tp.rank)
+        return replace(spec, num_kv_heads=split.local_kv_heads)
 
     def pool_components(self) -> tuple[str, ...]:
         """The components whose L1 pools the model reads and writes itself: the sliding
@@ -381,7 +428,7 @@ class HybridLM(nn.Module, CachedModel):
         if window is not None:
             self._check_window_pool(window, kv_pool)
         full = self.config.full_kv_spec if window is not None else self.config.kv_spec
-        check_kv_pool(kv_pool, full(kv_pool.spec.dtype), self.device)
+        check_kv_pool(kv_pool, self.local_kv(full(kv_pool.spec.dtype)), self.device)
         if window is None:
             return BoundPools(kv_pool)
         return BoundPools(kv_pool, {SWA: window}, SWA)
@@ -390,6 +437,7 @@ class HybridLM(nn.Module, CachedModel):
         """Raise ValueError unless ``window`` fits the model's sliding layers."""
         want = self.config.swa_spec(window.spec.dtype)
         assert want is not None  # pool_components() offered it
+        want = replace(want, kv=self.local_kv(want.kv))
         have = window.spec
         if (have.num_layers, have.num_kv_heads, have.head_dim) != (
             want.kv.num_layers,
@@ -405,8 +453,9 @@ class HybridLM(nn.Module, CachedModel):
             raise ValueError("the SWA pool must share the full pool's device and page size")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32."""
-        return F.linear(hidden, self.output_weight()).float()
+        """``hidden (N, hidden)`` -> logits ``(N, vocab)`` in fp32 (under tensor parallelism
+        the ranks' vocabulary slices gathered: the full logits on every rank)."""
+        return gather_logits(hidden, self.output_weight(), self.config.vocab_size, self.tp)
 
     def zero_states(self, num_seqs: int) -> dict[int, RecurrentState]:
         """States of ``num_seqs`` fresh sequences, for every recurrent layer."""
@@ -456,3 +505,26 @@ class HybridLM(nn.Module, CachedModel):
                 f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                 f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
             )
+
+    def _sharded(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full checkpoint ``tensors`` cut to this rank's slices: a parameter of a
+        parallel layer (:func:`~hicache.runner.parallel.shard_dims`) along its dimension,
+        one a module declares (:func:`~hicache.runner.parallel.row_pieces`; a per-expert
+        tensor by its stacked parameter's name) by its pieces; the rest whole. With one
+        rank, ``tensors`` unchanged."""
+        if self.tp.size == 1:
+            yield from tensors
+            return
+        dims = shard_dims(self)
+        pieces = row_pieces(self)
+        for name, tensor in tensors:
+            split = dims.get(name)
+            if split is not None:
+                yield name, self.tp.shard(tensor, split[0], split[1])
+                continue
+            match = _EXPERT.match(name)
+            key = f"{match.group(1)}.{match.group(3)}" if match else name
+            spec = pieces.get(key)
+            yield name, tensor if spec is None else spec.cut(tensor)

@@ -81,10 +81,11 @@ def check_supported(hf_config: Any) -> str:
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Refuse, before any weight is read, to split the config's model over ``size`` ranks
-    when it cannot be: UnsupportedModelError for a hybrid family (no sharded hybrid model
-    exists) and ValueError naming the numbers when ``size`` does not divide a Llama-style
-    model's heads, K/V heads or intermediate size
-    (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`). ``size ==
+    when it cannot be: ValueError naming the numbers when ``size`` does not divide a
+    Llama-style model's heads, K/V heads or intermediate size
+    (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`) or what a
+    hybrid family splits (:meth:`~hicache.runner.models.hybrid.HybridConfig.check_tensor_parallel`:
+    UnsupportedModelError for a family with no sharded model). ``size ==
     1`` always passes; an unsupported ``model_type`` raises as :func:`check_supported`."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor-parallel size={size!r} is invalid; must be an int >= 1")
@@ -97,11 +98,9 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     if model_type == DSA_FAMILY:  # the indexer is replicated: the MLA and MoE split
         _check_deepseek_split(DeepseekV32Config.from_hf(hf_config), size)
         return
-    if model_type in HYBRID_FAMILIES:
-        raise UnsupportedModelError(
-            f"tensor parallelism is not supported for model_type={model_type!r}"
-            f" (tensor-parallel size {size}); serve it with tensor-parallel size 1"
-        )
+    if model_type in HYBRID_FAMILIES:  # the family's own rule (HybridConfig.check_tensor_parallel)
+        hybrid_config_from_hf(hf_config).check_tensor_parallel(size)
+        return
     if model_type in FAMILIES:
         DecoderConfig.from_hf(hf_config).check_tensor_parallel(size)
     # any other family checks its own split where its model is built
@@ -137,8 +136,8 @@ def build_hybrid_model(
 ) -> HybridLM:
     """An eval-mode hybrid model with *uninitialized* weights on ``device`` (load next):
     the model class of ``cfg.family`` (:meth:`HybridLM.build`). ``tp``: this rank's
-    tensor-parallel group (DeepSeek only, its :meth:`~HybridLM.build`; the other
-    hybrid families refuse a group of more than one rank)."""
+    tensor-parallel group (the families that split: DeepSeek, Qwen3-Next, Nemotron-H,
+    their :meth:`~HybridLM.build`; the others refuse a group of more than one rank)."""
     family = _HYBRIDS.get(cfg.family)
     if family is None:
         raise UnsupportedModelError(f"no hybrid model for {type(cfg).__name__}")

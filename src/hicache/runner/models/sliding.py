@@ -21,6 +21,12 @@ this forward). Two placements:
   for a layer-wise load (``layer_wait(split_layer)``): the SWA pages a hit needs are
   copied before the forward.
 
+Tensor parallelism (``tp``, default one rank): each rank holds its query heads and K/V
+heads (:class:`~hicache.heads.HeadSplit`: K/V heads replicated when ranks outnumber them);
+``q_proj`` rows by query head (the gate with its head), ``k_proj``/``v_proj`` rows by K/V
+head, ``sinks`` by query head, ``o_proj`` row-parallel (one all-reduce). Its pool holds
+its own K/V heads.
+
 Sinks (GPT-OSS): each head has a learned logit that joins the softmax's denominator and
 contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
 """
@@ -33,10 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.heads import HeadSplit
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.norms import OffsetRMSNorm
 from hicache.runner.models.rope import apply_rotary
+from hicache.runner.parallel import RowParallelLinear, RowPieces, TPGroup
 
 __all__ = ["AttentionSpec", "WindowedAttention", "window_start"]
 
@@ -93,25 +101,46 @@ def window_start(total: int, extend: int, window: int | None) -> int:
 class WindowedAttention(nn.Module):
     """GQA attention of one layer over the paged pool (see the module doc)."""
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.spec = spec
+        self.split = HeadSplit(spec.num_heads, spec.num_kv_heads, tp.size, tp.rank)
+        self.num_heads = self.split.local_heads
+        self.num_kv_heads = self.split.local_kv_heads
         self.scale = spec.scale if spec.scale is not None else spec.head_dim**-0.5
-        q_width = spec.num_heads * spec.head_dim
-        kv_width = spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(
-            spec.hidden_size, q_width * (2 if spec.output_gate else 1), bias=spec.qkv_bias
+        d = spec.head_dim
+        q_rows = d * (2 if spec.output_gate else 1)  # per head: [q | gate]
+        self.q_proj = nn.Linear(spec.hidden_size, self.num_heads * q_rows, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * d, spec.hidden_size, bias=spec.o_bias, tp=tp
         )
-        self.k_proj = nn.Linear(spec.hidden_size, kv_width, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kv_width, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_width, spec.hidden_size, bias=spec.o_bias)
+        q = RowPieces(0, ((self.split.first_head * q_rows, self.num_heads * q_rows),))
+        kv = RowPieces(0, ((self.split.first_kv_head * d, self.num_kv_heads * d),))
+        heads = RowPieces(0, ((self.split.first_head, self.num_heads),))
+        self._pieces = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        self._head_pieces = heads
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if spec.qk_norm is not None:
             norm = OffsetRMSNorm if spec.qk_norm == "offset" else RMSNorm
             self.q_norm = norm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = norm(spec.head_dim, spec.rms_norm_eps)
-        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
+
+    def tp_pieces(self) -> dict[str, RowPieces]:
+        """This rank's rows of ``q_proj``/``k_proj``/``v_proj`` (weights and biases) and of
+        ``sinks``; ``o_proj`` is a row-parallel linear (see ``shard_dims``)."""
+        out = {
+            f"{proj}.{p}": spec for proj, spec in self._pieces.items() for p in ("weight", "bias")
+        }
+        if not self.spec.qkv_bias:
+            out = {k: v for k, v in out.items() if k.endswith("weight")}
+        if self.sinks is not None:
+            out["sinks"] = self._head_pieces
+        return out
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.spec.rotary_dim
@@ -127,15 +156,15 @@ class WindowedAttention(nn.Module):
     ) -> torch.Tensor:
         """``x (T, hidden)``, ``rope = (cos, sin) (T, rotary_dim)`` or None -> ``(T, hidden)``."""
         spec, t = self.spec, x.shape[0]
-        h, d = spec.num_heads, spec.head_dim
+        h, hkv, d = self.num_heads, self.num_kv_heads, spec.head_dim
         gate: torch.Tensor | None = None
         if spec.output_gate:
             q, gate = self.q_proj(x).view(t, h, 2 * d).chunk(2, dim=-1)
             gate = gate.reshape(t, h * d)
         else:
             q = self.q_proj(x).view(t, h, d)
-        k = self.k_proj(x).view(t, spec.num_kv_heads, d)
-        v = self.v_proj(x).view(t, spec.num_kv_heads, d)
+        k = self.k_proj(x).view(t, hkv, d)
+        v = self.v_proj(x).view(t, hkv, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None and spec.rotary_dim:
@@ -185,7 +214,8 @@ class WindowedAttention(nn.Module):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, first: int
     ) -> torch.Tensor:
-        """``q (H, n, D)`` at positions ``prefix ..``; ``k``/``v (Hkv, L, D)`` at ``first ..``."""
+        """``q (H, n, D)`` at positions ``prefix ..``; ``k``/``v (Hkv, L, D)`` at ``first ..``
+        (this rank's heads)."""
         n, length, device = q.shape[1], k.shape[1], q.device
         q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
         k_pos = torch.arange(first, first + length, device=device)[None, :]
@@ -196,7 +226,7 @@ class WindowedAttention(nn.Module):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
-        group = self.spec.num_heads // self.spec.num_kv_heads
+        group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         logits = (q @ k.transpose(1, 2)).float() * self.scale
         logits = logits.masked_fill(~mask, float("-inf"))
