@@ -31,7 +31,7 @@ from hicache.cache import HiCache
 from hicache.engine.config import EngineConfig
 from hicache.engine.graph_setup import GraphSetup
 from hicache.engine.memory_trim import IdleTrimmer
-from hicache.engine.rank_digest import rank_state_digest
+from hicache.engine.rank_digest import prefix_bytes_digest, rank_state_digest
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import Request
 from hicache.engine.scheduler import Scheduler
@@ -177,7 +177,11 @@ class EngineCore:
             return None
         if isinstance(item, Digest):
             sched = self.scheduler
-            mine = rank_state_digest(self.cache, sched.waiting, sched.running)
+            mine = (
+                prefix_bytes_digest(self.cache, item.prefix)
+                if item.prefix
+                else rank_state_digest(self.cache, sched.waiting, sched.running)
+            )
             return [mine] if self.channel is None else self.channel.gather(mine)
         return None  # Stop: the drivers end there
 

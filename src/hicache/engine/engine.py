@@ -449,11 +449,15 @@ class Engine(Lifecycle):
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""
         return bool(self._command(FlushCache()).result(timeout=60))
 
-    def rank_digests(self, timeout: float = 60.0) -> list[str]:
+    def rank_digests(
+        self, timeout: float = 60.0, *, prefix: Sequence[int] = ()
+    ) -> list[str]:
         """Each rank's digest of its scheduling and cache state, by rank, taken at the same
         step on every rank (:mod:`hicache.engine.rank_digest`): all equal while the ranks
-        agree. One entry with one rank."""
-        got = self._command(Digest()).result(timeout=timeout)
+        agree. One entry with one rank. With ``prefix`` (token ids, whole pages): each
+        rank's digest of the bytes its L1 holds for that cached prefix instead (its shard:
+        ranks differ; ``"absent: ..."`` when the prefix is not wholly in its L1)."""
+        got = self._command(Digest(prefix=tuple(int(t) for t in prefix))).result(timeout=timeout)
         assert isinstance(got, list)
         return [str(d) for d in got]
 

@@ -131,7 +131,11 @@ class DetachStorage:
 @dataclass(frozen=True, slots=True)
 class Digest:
     """Every rank digests its scheduling and cache state now
-    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them."""
+    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them; with a
+    ``prefix`` (token ids, whole pages), the bytes its L1 holds for that cached prefix
+    instead (:func:`~hicache.engine.rank_digest.prefix_bytes_digest`)."""
+
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
