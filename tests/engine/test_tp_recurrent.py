@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.config import CacheConfig
+from hicache.config import CacheConfig, WritePolicy
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
@@ -47,7 +47,7 @@ def config(name: str, l3: Path) -> EngineConfig:
             device_tokens=16 * PAGE,
             hicache_ratio=4.0,
             load_back_threshold=0,
-            write_policy="write_through",
+            write_policy=WritePolicy.WRITE_THROUGH,
             max_mamba_cache_size=8,
         ),
         scheduler=SchedulerConfig(max_running_requests=2, chunked_prefill_size=16),

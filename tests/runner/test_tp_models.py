@@ -273,8 +273,6 @@ def _hf_config(path: Path) -> Any:
     [
         ("tiny-random-gemma3", "gemma3_text"),
         ("tiny-random-gpt-oss", "gpt_oss"),
-        ("tiny-random-qwen3-next", "qwen3_next"),
-        ("tiny-random-nemotron-h", "nemotron_h"),
     ],
 )
 def test_hybrid_families_refuse_tensor_parallelism(name: str, model_type: str) -> None:

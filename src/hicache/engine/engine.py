@@ -449,9 +449,7 @@ class Engine(Lifecycle):
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""
         return bool(self._command(FlushCache()).result(timeout=60))
 
-    def rank_digests(
-        self, timeout: float = 60.0, *, prefix: Sequence[int] = ()
-    ) -> list[str]:
+    def rank_digests(self, timeout: float = 60.0, *, prefix: Sequence[int] = ()) -> list[str]:
         """Each rank's digest of its scheduling and cache state, by rank, taken at the same
         step on every rank (:mod:`hicache.engine.rank_digest`): all equal while the ranks
         agree. One entry with one rank. With ``prefix`` (token ids, whole pages): each

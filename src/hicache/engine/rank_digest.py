@@ -63,7 +63,8 @@ def prefix_bytes_digest(cache: HiCache, tokens: Sequence[int]) -> str:
     step = tree.page_size * len(encode_tokens([0]))
     if len(want) % step:
         return f"absent: {len(tokens)} tokens are not whole pages of {tree.page_size}"
-    node, at, pages = tree.root, 0, []
+    node, at = tree.root, 0
+    pages: list[int] = []
     end = None  # the node ending exactly at the prefix's end, if one does
     while at < len(want):
         child = node.children.get(want[at : at + step])

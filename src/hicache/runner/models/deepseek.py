@@ -268,7 +268,7 @@ class DeepseekLM(HybridLM):
     """DeepSeek-V2/V3 causal LM over the MLA pool (no recurrent state), on ``tp``."""
 
     config: DeepseekConfig
-    lm_head: ParallelLMHead | None  # type: ignore[assignment]
+    lm_head: ParallelLMHead | None
 
     def __init__(self, cfg: DeepseekConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg)
