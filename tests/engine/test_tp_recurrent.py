@@ -10,7 +10,9 @@ transformers', the ranks' scheduling digests are equal, and each rank's SHA-256 
 bytes its L1 holds for the prefix (full KV pages and the snapshot;
 :func:`~hicache.engine.rank_digest.prefix_bytes_digest`) is the same after L2 and after
 L3 as after the cold prefill: D->H->D and D->H->L3->H->D copy every shard exactly. The
-ranks' bytes differ (each its own shard).
+ranks' bytes differ (each its own shard). A TP 1 server on the same L3 misses cleanly
+(its namespace differs: a rank's snapshot shard is no whole state) and still answers
+exactly.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-def config(name: str, l3: Path) -> EngineConfig:
+def config(name: str, l3: Path, tp: int = 2) -> EngineConfig:
     return EngineConfig(
         model_path=name,
         dtype="float32",
@@ -52,7 +54,7 @@ def config(name: str, l3: Path) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(max_running_requests=2, chunked_prefill_size=16),
         context_length=128,
-        tp_size=2,
+        tp_size=tp,
         dist_init_timeout_s=120.0,
         storage_backend="file",
         storage_extra_config={"file_path": str(l3), "prefetch_threshold": 8},
@@ -88,3 +90,6 @@ def test_tp2_walks_every_tier_with_exact_bytes_on_every_rank(name: str, tmp_path
         assert len(digests) == 2 and len(set(digests)) == 1
     files = {p.parent for p in tmp_path.rglob("*") if p.is_file()}
     assert len(files) >= 2  # each rank its own namespace
+    with Engine(config(name, tmp_path, tp=1)) as tp1:  # the shards are no TP 1 state
+        miss = tp1.generate(a, GREEDY, timeout=120)
+        assert miss.error is None and miss.cached.total == 0 and miss.output_ids == expect
