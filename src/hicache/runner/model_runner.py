@@ -35,6 +35,7 @@ Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ import torch
 
 from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.extras import KeptState, SequenceExtras
+from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.decode_graphs import DecodeGraphs
 from hicache.runner.kernels import AttentionBackend, resolve_backend
@@ -73,12 +75,18 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
     family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`).
     ``tp_size``: the tensor-parallel ranks; each rank's pool holds ``num_kv_heads /
-    tp_size`` heads (refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
-    refuses it)."""
+    tp_size`` heads (a hybrid's: its :class:`~hicache.heads.HeadSplit` K/V heads; an MLA
+    latent whole), refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
+    refuses it."""
     if tp_size != 1:
         check_tensor_parallel(hf_config, tp_size)
     if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
-        return hybrid_config_from_hf(hf_config).kv_spec(dtype)
+        hybrid = hybrid_config_from_hf(hf_config)
+        spec = hybrid.kv_spec(dtype)
+        if tp_size == 1 or spec.attention is not AttentionKind.MHA:
+            return spec  # MLA: every rank holds the whole latent
+        heads = HeadSplit(hybrid.num_heads, hybrid.num_kv_heads, tp_size).local_kv_heads
+        return dataclasses.replace(spec, num_kv_heads=heads)
     cfg = DecoderConfig.from_hf(hf_config)
     return KVSpec(
         num_layers=cfg.num_layers,
