@@ -26,10 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.config import SnapshotSpec
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import kv_spec_from_hf_config
 from hicache.runner.models import AttentionContext
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
+from hicache.runner.models.nemotron_h import NemotronHConfig
+from hicache.runner.models.qwen3_next import Qwen3NextConfig
 from hicache.runner.models.recurrent import RecurrentState
 from hicache.runner.models.registry import build_hybrid_model, check_tensor_parallel
 from hicache.runner.parallel import TPGroup
@@ -110,11 +113,12 @@ def _load(path: Path) -> tuple[torch.Tensor, dict[int, RecurrentState]]:
 
 def _conv_parts(cfg: HybridConfig) -> list[int]:
     """The conv channels' parts, in order (each split evenly over the ranks)."""
-    if cfg.family == "qwen3_next":
-        lin = cfg.linear  # type: ignore[attr-defined]
+    if isinstance(cfg, Qwen3NextConfig):
+        lin = cfg.linear
         keys = lin.num_k_heads * lin.k_dim
         return [keys, keys, lin.num_v_heads * lin.v_dim]
-    m = cfg.mamba  # type: ignore[attr-defined]
+    assert isinstance(cfg, NemotronHConfig)
+    m = cfg.mamba
     return [m.inner, m.n_groups * m.state_size, m.n_groups * m.state_size]
 
 
@@ -163,6 +167,7 @@ def test_a_ranks_cache_spec_holds_its_heads_state(name: str) -> None:
     loaded = hybrid_model(name)
     one = loaded.model.cache_spec("float32")
     (whole,) = one.components
+    assert isinstance(whole, SnapshotSpec)
     for rank in range(2):
         with torch.device("meta"):
             model = type(loaded.model).build(loaded.model.config, TPGroup(rank, 2))
@@ -170,6 +175,7 @@ def test_a_ranks_cache_spec_holds_its_heads_state(name: str) -> None:
         assert spec.kv == dataclasses.replace(one.kv, num_kv_heads=one.kv.num_kv_heads // 2)
         assert spec.kv == kv_spec_from_hf_config(loaded.hf_config, "float32", tp_size=2)
         (snap,) = spec.components
+        assert isinstance(snap, SnapshotSpec)
         conv, ssm = (t.shape for t in whole.tensors)
         assert [t.shape for t in snap.tensors] == [(conv[0] // 2, conv[1]), (ssm[0] // 2, *ssm[1:])]
         assert snap.num_layers == whole.num_layers and snap.name == whole.name == "mamba"
