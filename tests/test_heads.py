@@ -49,7 +49,9 @@ def test_the_writer_of_a_head_is_the_lowest_rank_holding_it() -> None:
     ("h", "kv", "n"),
     [(4, 2, 3), (12, 4, 8), (8, 4, 16)],
 )
-def test_a_size_that_splits_neither_way_is_refused_with_the_numbers(h: int, kv: int, n: int) -> None:
+def test_a_size_that_splits_neither_way_is_refused_with_the_numbers(
+    h: int, kv: int, n: int
+) -> None:
     with pytest.raises(ValueError, match=rf"size {n} cannot split num_attention_heads={h},"):
         HeadSplit(h, kv, n, 0)
 

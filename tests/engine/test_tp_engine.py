@@ -4,7 +4,8 @@
   of concurrent requests sharing prefixes, and seeded sampling is rank 0's on every rank;
 * a rank killed while serving makes the engine unhealthy with the rank named, the request
   in flight ends with that error, and nothing hangs (close returns);
-* a bad ``tp_size`` is refused with the numbers; a rank that does not join in time, or
+* a bad ``tp_size`` (one that cannot split the heads even replicating the K/V ones) is
+  refused with the numbers; a rank that does not join in time, or
   dies first, fails the start with one line naming it.
 
 Each test starts real processes (a TP 2 start is ~15 s on 2 cores): few of them.
@@ -271,9 +272,12 @@ def test_bad_tp_size_is_refused_with_the_numbers() -> None:
         ValueError, match=r"^tp_size=3 is invalid for tiny-random-llama: .*num_attention_heads=4"
     ):
         check_tp_model("tiny-random-llama", 3)
-    with pytest.raises(ValueError, match=r"^tp_size=4 .*does not divide num_key_value_heads=2"):
-        check_tp_model("tiny-random-llama", 4)
+    with pytest.raises(
+        ValueError, match=r"^tp_size=8 .*size 8 cannot split num_attention_heads=4, num_key_v"
+    ):
+        check_tp_model("tiny-random-llama", 8)
     check_tp_model("tiny-random-llama", 2)  # fits
+    check_tp_model("tiny-random-llama", 4)  # fits: each of the 2 K/V heads on two ranks
     with pytest.raises(ValueError, match=r"^tp_size=2 .*not supported for model_type='gemma3"):
         check_tp_model("tiny-random-gemma3", 2)
     with pytest.raises(ValueError, match="every rank loads its own shard"):

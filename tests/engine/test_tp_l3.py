@@ -8,6 +8,9 @@
 * MHA (Llama) at TP 2: each rank writes its own shard's records; a second TP 2 server
   reuses them; a TP 1 server on the same L3 misses cleanly (its namespace differs) and
   still answers exactly.
+* MHA (Llama, 2 K/V heads) at TP 4, each K/V head replicated on two ranks: equal to
+  transformers and TP 1 through every tier, every rank writing its records under its own
+  namespace (replicas the same bytes, each its own copy) and reading them back.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.keys import Namespace, page_keys
+from hicache.storage.record import HEADER_SIZE
 from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 from tests.runner.models import deepseek_fixtures as v2
 from tests.runner.models import deepseek_v32_fixtures as v32
@@ -140,3 +145,40 @@ def test_mha_l3_is_per_rank_and_per_tp_size(tmp_path: Path) -> None:
     with Engine(config(path(), 1, tmp_path)) as tp1:  # another TP size: a clean miss
         miss = tp1.generate(a, GREEDY, timeout=120)
         assert miss.error is None and miss.cached.total == 0 and miss.output_ids == want(a)
+
+
+def test_mha_replicated_kv_heads_at_tp4(tmp_path: Path) -> None:
+    """Ranks 0 and 1 hold K/V head 0, ranks 2 and 3 head 1. One engine (4 ranks on a
+    CPU of 2 cores: few tokens): cold, L1, L2 after eviction and L3 after a flush equal
+    transformers, the rank digests are equal, and TP 1 answers the same. Each rank wrote
+    the prompt's pages under its own namespace, replicas the same payload bytes."""
+    path, prompt, want = MODELS["llama"]
+    l3 = tmp_path / "l3"
+    with Engine(config(path(), 4, l3)) as engine:
+        model = engine.model.model
+        assert model.tp.size == 4 and model.num_kv_heads == 1
+        serve_through_every_tier(engine, "llama")
+        cache, loaded = engine.cache, engine.model
+        spaces = [
+            Namespace.for_spec(
+                cache.spec,
+                model=loaded.name,
+                weights_fingerprint=loaded.fingerprint,
+                layout=cache.config.mem_layout,
+                page_size=PAGE,
+                tp_size=4,
+                tp_rank=rank,
+            )
+            for rank in range(4)
+        ]
+    a = prompt(0)
+    for page in range(MATCHED // PAGE):
+        payloads = []
+        for ns in spaces:
+            key = page_keys(ns, a[:MATCHED])[page].key
+            record = (l3 / key.rsplit("-", 1)[-1][:2] / key).read_bytes()
+            payloads.append(record[HEADER_SIZE:])
+        assert payloads[0] == payloads[1] and payloads[2] == payloads[3], page
+        assert payloads[0] != payloads[2], page  # two different heads
+    with Engine(config(path(), 1, tmp_path / "tp1"), loaded=engine_model(path())) as tp1:
+        assert tp1.generate(a, GREEDY, timeout=120).output_ids == want(a)

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 
 from hicache.runner.parallel import (
     ColumnParallelLinear,
+    HeadParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     RowPieces,
+    Split,
     TPGroup,
     VocabParallelEmbedding,
     row_pieces,
@@ -55,11 +57,11 @@ def _rank(rank: int, n: int, out: str) -> list[list[float]]:
     dims = shard_dims(module)
     padded = 12 if n == 2 else VOCAB
     assert dims == {
-        "emb.weight": (0, padded),
-        "up.weight": (0, None),
-        "up.bias": (0, None),
-        "down.weight": (1, None),
-        "head.weight": (0, padded),
+        "emb.weight": Split(0, padded, full=VOCAB),
+        "up.weight": Split(0, full=HIDDEN),
+        "up.bias": Split(0, full=HIDDEN),
+        "down.weight": Split(1, full=HIDDEN),
+        "head.weight": Split(0, padded, full=VOCAB),
     }
     full = {
         "emb.weight": w["emb"],
@@ -71,9 +73,8 @@ def _rank(rank: int, n: int, out: str) -> list[list[float]]:
     }
     with torch.no_grad():
         for name, p in module.named_parameters():
-            dim, rows = dims.get(name, (None, None))
-            t = full[name] if dim is None else tp.shard(full[name], dim, rows)
-            p.copy_(t)
+            split = dims.get(name)
+            p.copy_(full[name] if split is None else tp.shard(full[name], *split))
     ids = torch.tensor([0, 5, 10, 3])
     logits = head(down(F.silu(up(emb(ids)))))
     return logits.tolist()
@@ -131,3 +132,35 @@ def test_shard_pads_and_part_refuses_with_the_numbers() -> None:
         tp.part(5, "heads")
     with pytest.raises(ValueError, match="rank=2 must be in"):
         TPGroup(rank=2, size=2)
+
+
+def test_head_ranges_are_cut_whatever_the_rank() -> None:
+    """A :class:`HeadParallelLinear` holds the rows of its head range: 2 heads of width 3
+    over 4 ranks, head ``r // 2`` on rank ``r`` (replicated), weight and bias rows alike;
+    its :class:`Split` cuts them from the full tensor, whose length it checks."""
+    w = torch.arange(6 * DIM, dtype=torch.float32).reshape(6, DIM)
+    b = torch.arange(6, dtype=torch.float32)
+    for rank in range(4):
+        tp = TPGroup(rank=rank, size=4)
+        with torch.device("meta"):
+            kv = HeadParallelLinear(DIM, 2, 3, (rank // 2, 1), bias=True, tp=tp)
+        assert tuple(kv.weight.shape) == (3, DIM) and kv.out_features == 6
+        dims = shard_dims(torch.nn.ModuleDict({"kv": kv}))
+        rows = (3 * (rank // 2), 3)
+        assert dims == {
+            "kv.weight": Split(0, rows=rows, full=6),
+            "kv.bias": Split(0, rows=rows, full=6),
+        }
+        assert torch.equal(tp.shard(w, *dims["kv.weight"]), w[rows[0] : rows[0] + 3])
+        assert torch.equal(tp.shard(b, *dims["kv.bias"]), b[rows[0] : rows[0] + 3])
+    tp = TPGroup(rank=3, size=4)
+    with pytest.raises(ValueError, match=r"dim 0 of the full tensor is 5 long; want 6"):
+        tp.shard(w[:5], 0, rows=(3, 3), full=6)
+    with pytest.raises(ValueError, match=r"rows=\(4, 3\) \(start, length\) of dim 0 do not lie"):
+        tp.shard(w, 0, rows=(4, 3))
+    with pytest.raises(ValueError, match="no padding with a row range"):
+        tp.shard(w, 0, 8, rows=(0, 3))
+    with pytest.raises(
+        ValueError, match=r"heads=\(2, 1\) \(first, count\) do not lie within the 2"
+    ):
+        HeadParallelLinear(DIM, 2, 3, (2, 1), bias=False, tp=tp)

@@ -1,4 +1,5 @@
-"""Llama / Qwen2 / Qwen3 split over two real gloo ranks equal one rank and transformers.
+"""Llama / Qwen2 / Qwen3 split over two real gloo ranks (and Llama / Qwen3 over four, their
+two K/V heads each replicated on two ranks) equal one rank and transformers.
 
 Each rank loads its shard (``load_model(..., tp=)``), builds a :class:`HiCache` from the
 model's own cache spec (its K/V heads only) and runs, through the model runner over the
@@ -6,12 +7,15 @@ cache's L1 pool, a batch of two prefills, three decode steps and a mixed step (a
 on a cached prefix beside a decode), then the first decode step again through the
 decode graphs' static buffers (eager on CPU, the Triton kernel interpreted). The same script runs in this process on one rank; the
 logits of every step must equal transformers' (and the two ranks' must be identical).
+At four ranks each rank's pool holds one K/V head: the pools of two replicas are
+byte-equal and hold the one-rank pool's head ``rank // 2``.
 The refusals (a size that does not split the model, a hybrid family) are checked without
 a process group: they happen before any weight is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,14 +44,20 @@ from hicache.runner.models import (
     WeightLoadError,
 )
 from hicache.runner.models.registry import check_tensor_parallel
-from hicache.runner.parallel import TPGroup, shard_dims
+from hicache.runner.parallel import Split, TPGroup, shard_dims
 from tests.helpers.engine_fixtures import TINY, engine_model, hf_logits, prompt_ids, slots_for
 from tests.helpers.ranks import run_ranks
 
 TOL = 1e-4
 """fp32 logits of one rank, two ranks and transformers, pairwise: test_engine_model's bound
 (``order_bound(128, 8.3)`` = 1.3e-4 over the tiny models' longest reduction and logits'
-scale; two ranks add each sharded sum in two halves). Measured at most 1.4e-5."""
+scale; two or four ranks add each sharded sum in two or four parts, a reordering of the
+same terms). Measured at most 1.4e-5 at two ranks, 1.3e-5 at four. The cached K/V of the
+last layer are held to it too: a projection of that layer's input, which carries the
+same reorderings, over the same ``hidden``-term sums at a smaller scale (|K|, |V| <= 6,
+asserted); measured 3.9e-6."""
+TP4_MODELS = ("tiny-random-llama", "tiny-random-qwen3")
+"""The models also run at four ranks (4 query heads, 2 K/V heads: each replicated twice)."""
 PAGE = 4
 A_LEN, B_LEN, DECODES, A_EXTEND = 13, 7, 3, 3
 """Sequence A: 13-token prefill, 3 decodes, then a 3-token extend on its cached prefix;
@@ -70,6 +80,9 @@ class Steps:
     graph: torch.Tensor | None
     """``(2, vocab)``: A's and B's first decode step through :class:`DecodeGraphs`
     (:data:`GRAPH_MODEL` only; None for the others)."""
+    kv: torch.Tensor
+    """``(2, A_TOTAL, local K/V heads, head_dim)``: the K and V A left in the last
+    layer's pool (this rank's heads)."""
 
 
 def _sequences(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +154,9 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
                 [sa[: A_LEN + 1], sb[: B_LEN + 1]],
             )
             assert graph is not None
-        cache.full.device_pool.allocator.free(pages)
+        pool, last = cache.full.device_pool, lm.model.config.num_layers - 1
+        kv = torch.stack([pool.k_buffer(last)[sa], pool.v_buffer(last)[sa]]).clone()
+        pool.allocator.free(pages)
     finally:
         cache.close()
     seen = {
@@ -149,17 +164,18 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
         "heads": lm.model.model.layers[0].self_attn.num_heads,
         "fingerprint": lm.fingerprint,
     }
-    return Steps(torch.cat(rows_a), torch.cat(rows_b), graph), seen
+    return Steps(torch.cat(rows_a), torch.cat(rows_b), graph, kv), seen
 
 
-def _rank(rank: int, n: int, out: str) -> dict[str, Any]:
+def _rank(rank: int, n: int, out: str, names: tuple[str, ...]) -> dict[str, Any]:
     tp = TPGroup.of()
     assert (tp.rank, tp.size) == (rank, n)
     seen: dict[str, Any] = {}
-    for name in TINY:
+    for name in names:
         steps, seen[name] = _script(name, tp)
         torch.save(
-            {"a": steps.a, "b": steps.b, "graph": steps.graph}, Path(out, f"rank{rank}-{name}.pt")
+            {"a": steps.a, "b": steps.b, "graph": steps.graph, "kv": steps.kv},
+            Path(out, f"rank{rank}-{name}.pt"),
         )
     return seen
 
@@ -172,23 +188,32 @@ class TPRun:
     seen: list[dict[str, Any]]
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPRun]:
-    for name in TINY:
+def _run(tmp_path_factory: pytest.TempPathFactory, n: int, names: tuple[str, ...]) -> TPRun:
+    for name in names:
         engine_model(name)  # materialize the checkpoints once, before the ranks race to
-    out = tmp_path_factory.mktemp("tp2")
-    seen = run_ranks(_rank, 2, out)
+    out = tmp_path_factory.mktemp(f"tp{n}")
+    seen = run_ranks(_rank, n, out, names)
     logits = {}
-    for name in TINY:
-        parts = [torch.load(out / f"rank{r}-{name}.pt") for r in range(2)]
-        logits[name] = [Steps(p["a"], p["b"], p["graph"]) for p in parts]
-    yield TPRun(logits, seen)
+    for name in names:
+        parts = [torch.load(out / f"rank{r}-{name}.pt") for r in range(n)]
+        logits[name] = [Steps(p["a"], p["b"], p["graph"], p["kv"]) for p in parts]
+    return TPRun(logits, seen)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> TPRun:
+    return _run(tmp_path_factory, 2, TINY)
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory: pytest.TempPathFactory) -> TPRun:
+    return _run(tmp_path_factory, 4, TP4_MODELS)
 
 
 def _reference(name: str) -> Steps:
     a, b = _sequences(name)
     ra, rb = hf_logits(name, a), hf_logits(name, b)
-    return Steps(ra, rb, torch.stack([ra[A_LEN], rb[B_LEN]]))
+    return Steps(ra, rb, torch.stack([ra[A_LEN], rb[B_LEN]]), torch.empty(0))
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -217,6 +242,36 @@ def test_two_ranks_equal_one_rank_and_transformers(name: str, tp2: TPRun) -> Non
     for seen in tp2.seen:  # each rank caches its own K/V head of the two, and 2 of 4 q heads
         assert seen[name]["kv_heads"] == 1 and seen[name]["heads"] == 2
         assert seen[name]["fingerprint"] == seen_one["fingerprint"]
+    for r, rank in enumerate((r0, r1)):  # the pools split the K/V heads
+        assert rank.kv.shape == (2, A_TOTAL, 1, one.kv.shape[-1])
+        assert (rank.kv - one.kv[:, :, r : r + 1]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", TP4_MODELS)
+def test_four_ranks_replicate_the_kv_heads_and_equal_one_rank(name: str, tp4: TPRun) -> None:
+    """4 query heads and 2 K/V heads over 4 ranks: rank ``r`` holds query head ``r`` and
+    K/V head ``r // 2``, the one its query head reads, as rank ``r ^ 1`` does."""
+    one, seen_one = _script(name, TPGroup.single())
+    ref = _reference(name)
+    ranks = tp4.logits[name]
+    for rank in ranks[1:]:  # every rank ends with the same sums: identical logits
+        assert torch.equal(rank.a, ranks[0].a) and torch.equal(rank.b, ranks[0].b)
+    got = ranks[0]
+    assert got.a.shape == ref.a.shape and got.b.shape == ref.b.shape
+    assert (got.a - one.a).abs().max().item() <= TOL
+    assert (got.b - one.b).abs().max().item() <= TOL
+    assert (got.a - ref.a).abs().max().item() <= TOL
+    assert (got.b - ref.b).abs().max().item() <= TOL
+    assert one.kv.shape == (2, A_TOTAL, 2, one.kv.shape[-1]) and one.kv.abs().max() <= 6
+    # replicas computed the same head from the same inputs: byte-equal pools
+    assert torch.equal(ranks[0].kv, ranks[1].kv) and torch.equal(ranks[2].kv, ranks[3].kv)
+    assert not torch.equal(ranks[0].kv, ranks[2].kv)
+    for r, rank in enumerate(ranks):
+        assert rank.kv.shape == (2, A_TOTAL, 1, one.kv.shape[-1])
+        assert (rank.kv - one.kv[:, :, r // 2 : r // 2 + 1]).abs().max().item() <= TOL
+    for seen in tp4.seen:  # one K/V head cached and one query head per rank
+        assert seen[name]["kv_heads"] == 1 and seen[name]["heads"] == 1
+        assert seen[name]["fingerprint"] == seen_one["fingerprint"]
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -234,16 +289,45 @@ def no_weight_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_weight_read")
-@pytest.mark.parametrize(
-    ("size", "message"),
-    [
-        (3, "tensor-parallel size 3 does not divide num_attention_heads=4, num_key_value_heads=2"),
-        (4, "tensor-parallel size 4 does not divide num_key_value_heads=2 of the llama model"),
-    ],
-)
-def test_size_not_dividing_the_heads_is_refused(size: int, message: str) -> None:
+@pytest.mark.parametrize("size", [3, 8])
+def test_size_that_cannot_split_the_heads_is_refused(size: int) -> None:
+    """4 query heads: 3 and 8 ranks cannot each hold whole ones (4 ranks can: each K/V
+    head is replicated on two)."""
+    message = (
+        f"tensor-parallel size {size} cannot split num_attention_heads=4,"
+        " num_key_value_heads=2: .* \\(the llama model\\)$"
+    )
     with pytest.raises(ValueError, match=message):
         load_model("tiny-random-llama", dtype="float32", tp=TPGroup(rank=0, size=size))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "local_kv"),
+    [(12, 4, 2, 2), (12, 4, 4, 1), (12, 4, 12, 1), (12, 4, 6, None), (8, 2, 8, 1),
+     (8, 2, 4, 1), (8, 8, 8, 1), (8, 4, 16, None), (6, 3, 2, None)],
+)  # fmt: skip
+def test_head_splits_accepted_and_refused(
+    heads: int, kv_heads: int, size: int, local_kv: int | None
+) -> None:
+    """A size must divide the query heads, and divide the K/V heads or be a multiple of
+    them; the rank's pool then holds ``local_kv`` K/V heads."""
+    base = DecoderConfig.from_hf(engine_model("tiny-random-llama").hf_config)
+    cfg = dataclasses.replace(
+        base, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=48 * size
+    )
+    if local_kv is None:
+        with pytest.raises(ValueError, match=f"size {size} cannot split num_attention_heads"):
+            cfg.check_tensor_parallel(size)
+        return
+    cfg.check_tensor_parallel(size)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, TPGroup(rank=size - 1, size=size))
+    assert model.num_kv_heads == local_kv
+    attn = model.model.layers[0].self_attn
+    assert attn.num_heads == heads // size
+    assert tuple(attn.k_proj.weight.shape) == (local_kv * cfg.head_dim, cfg.hidden_size)
+    # the last rank's K/V heads are the model's last ones
+    assert attn.heads.first_kv_head + local_kv == kv_heads
 
 
 @pytest.mark.usefixtures("no_weight_read")
@@ -285,7 +369,7 @@ def test_hybrid_families_refuse_tensor_parallelism(name: str, model_type: str) -
 
 def test_module_refuses_a_size_not_dividing_the_heads() -> None:
     cfg = DecoderConfig.from_hf(engine_model("tiny-random-llama").hf_config)
-    with torch.device("meta"), pytest.raises(ValueError, match="size 3 does not divide"):
+    with torch.device("meta"), pytest.raises(ValueError, match="size 3 cannot split"):
         DecoderLM(cfg, TPGroup(rank=2, size=3))
 
 
@@ -307,6 +391,24 @@ def test_rank_spec_and_shapes_without_a_group() -> None:
     rows = -(-cfg.vocab_size // 2)
     assert tuple(model.model.embed_tokens.weight.shape) == (rows, cfg.hidden_size)
     assert cache_spec_of(model, "float32").kv.num_kv_heads == 1
+    # four ranks: one K/V head each, head 1 on ranks 2 and 3 (weight and bias rows)
+    assert kv_spec_from_hf_config(hf, "float32", tp_size=4).num_kv_heads == 1
+    dims = {}
+    for rank in range(4):
+        with torch.device("meta"):
+            model = DecoderLM(cfg, TPGroup(rank=rank, size=4))
+        attn = model.model.layers[0].self_attn
+        assert model.num_kv_heads == 1 and attn.num_heads == 1
+        assert attn.v_proj.bias is not None and tuple(attn.v_proj.bias.shape) == (cfg.head_dim,)
+        dims[rank] = shard_dims(model)
+    d, width = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+        key = f"model.layers.0.self_attn.{name}"
+        assert [dims[r][key] for r in range(4)] == [
+            Split(0, rows=((r // 2) * d, d), full=width) for r in range(4)
+        ]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert [dims[r][q].rows for r in range(4)] == [(r * d, d) for r in range(4)]
 
 
 def test_checkpoint_of_another_shape_is_refused_on_a_rank() -> None:
@@ -321,13 +423,16 @@ def test_checkpoint_of_another_shape_is_refused_on_a_rank() -> None:
         model.load_weights([("model.embed_tokens.weight", wrong)])
 
 
+@pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("name", TINY)
-def test_each_rank_loads_its_slices_of_the_checkpoint(name: str) -> None:
-    """Loading needs no collective: both ranks of two load here, in one process, and each
-    parameter is the rank's slice of the one-rank model's (read lazily, slice by slice)."""
+def test_each_rank_loads_its_slices_of_the_checkpoint(name: str, size: int) -> None:
+    """Loading needs no collective: every rank of two (four) loads here, in one process,
+    and each parameter is the rank's slice of the one-rank model's (read lazily, slice by
+    slice); at four ranks a rank's K/V projections are the rows of K/V head ``rank // 2``."""
     whole = dict(engine_model(name).model.named_parameters())
-    for rank in range(2):
-        tp = TPGroup(rank=rank, size=2)
+    head_dim = DecoderConfig.from_hf(engine_model(name).hf_config).head_dim
+    for rank in range(size):
+        tp = TPGroup(rank=rank, size=size)
         lm = load_model(name, dtype="float32", tp=tp)
         assert isinstance(lm.model, DecoderLM)
         dims = shard_dims(lm.model)
@@ -337,6 +442,11 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(name: str) -> None:
         for key, p in params.items():
             want = whole[key] if key not in dims else tp.shard(whole[key], *dims[key])
             assert torch.equal(p, want), key
+        kv = rank * 2 // size  # the K/V head this rank's query heads read
+        for key in ("k_proj.weight", "v_proj.weight"):
+            full = whole[f"model.layers.1.self_attn.{key}"]
+            got = params[f"model.layers.1.self_attn.{key}"]
+            assert torch.equal(got, full[kv * head_dim : (kv + 1) * head_dim]), key
 
 
 def test_unread_checkpoint_tensor_pads_the_last_rank(tmp_path: Path) -> None:

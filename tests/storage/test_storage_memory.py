@@ -91,3 +91,13 @@ def test_registry_shares_named_stores_and_validates() -> None:
         create_storage("memory", namespace=NS, extra_config={"fail_after": 1.5})
     with pytest.raises(ValueError, match="'latency' \\(value 1\\) is unknown"):
         create_storage("memory", namespace=NS, extra_config={"latency": 1})
+
+
+def test_faults_of_another_rank_do_not_apply_here() -> None:
+    # no process group here: this process is rank 0
+    mine = create_storage("memory", namespace=NS, extra_config={"fail_after": 0, "fault_rank": 0})
+    other = create_storage("memory", namespace=NS, extra_config={"fail_after": 0, "fault_rank": 1})
+    assert isinstance(mine, MemoryStorage) and isinstance(other, MemoryStorage)
+    assert mine.faults.fail_after == 0 and other.faults == MemoryFaults()
+    with pytest.raises(ValueError, match=r"fault_rank=-1 is invalid"):
+        create_storage("memory", namespace=NS, extra_config={"fault_rank": -1})

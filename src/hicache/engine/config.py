@@ -82,7 +82,8 @@ class EngineConfig:
     """Tensor-parallel ranks, each a process with its own model shard, cache and scheduler
     (see :mod:`hicache.engine.ranks`); 1: this process alone. On CUDA one per device (from
     ``device``'s index on); on CPU as many as the available memory holds (they may share
-    cores); the model's heads and MLP sizes must divide by it (checked at start)."""
+    cores); it must divide the model's query heads and MLP sizes, and divide its K/V
+    heads or be a multiple of them (then they are replicated; checked at start)."""
     dist_init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S
     """Seconds every rank has to join the process group, and then to build its engine;
     a rank that does not fails the start, named."""

@@ -87,8 +87,9 @@ def check_cpu_ranks_fit(tp_size: int, weights_bytes: int, available: int | None,
 def check_tp_model(model_path: str | None, tp_size: int, device: str = "cpu") -> None:
     """Refuse ``tp_size`` > 1 for the checkpoint at ``model_path`` when its model cannot be
     split over that many ranks (its config only is read, before any process starts): a
-    family without a sharded model (the hybrids), or heads, K/V heads or MLP sizes the
-    size does not divide (:func:`~hicache.runner.models.registry.check_tensor_parallel`);
+    family without a sharded model (the hybrids), query heads or MLP sizes the size does
+    not divide, or K/V heads it neither divides nor is a multiple of (K/V heads fewer than
+    the ranks are replicated) (:func:`~hicache.runner.models.registry.check_tensor_parallel`);
     on a CPU ``device``, more ranks than the host's available memory holds
     (:func:`check_cpu_ranks_fit`). ValueError ``tp_size=N is invalid for MODEL: ...``
     with the numbers."""

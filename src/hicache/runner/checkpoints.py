@@ -35,6 +35,7 @@ __all__ = [
     "TINY_DEEPSEEK_MODELS",
     "TINY_HYBRID_MODELS",
     "TINY_MODELS",
+    "TINY_WIDE_MODELS",
     "Checkpoint",
     "bundled_gguf",
     "convert_gguf",
@@ -60,7 +61,30 @@ TINY_DEEPSEEK_MODELS: tuple[str, ...] = (
 """Tiny random DeepSeek models (MLA latent KV, MoE; V3's sigmoid router; V3.2's DSA
 indexer), with 4 query heads, a dense MLP of 64 and experts of 16: TP 1, 2 and 4 split
 them. Tests, benches (``hicache bench tp-stress``) and the CLI name them."""
-ALL_TINY_MODELS: tuple[str, ...] = TINY_MODELS + TINY_HYBRID_MODELS + TINY_DEEPSEEK_MODELS
+_WIDE: dict[str, dict[str, int]] = {
+    "tiny-random-llama-wide": {"num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 16},
+    "tiny-random-gemma3-wide": {
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 16,
+    },
+    "tiny-random-nemotron-h-wide": {
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "mamba_num_heads": 16,
+        "n_groups": 16,
+    },
+}
+"""Each wide model's base tiny model and the head counts it overrides: enough heads for 16
+tensor-parallel ranks (16 query heads; K/V heads split 8 ways and replicated past that, or 4
+ways and replicated past that for the Llama; Nemotron-H's 16 Mamba heads in 16 groups),
+every MLP and expert size already divisible by 16."""
+TINY_WIDE_MODELS: tuple[str, ...] = tuple(_WIDE)
+"""Tiny random models wide enough for 16 ranks (``hicache bench tp-stress`` at the second
+seed's scale): a Llama, a Gemma 3 (full + SWA) and a Nemotron-H (full + Mamba)."""
+ALL_TINY_MODELS: tuple[str, ...] = (
+    TINY_MODELS + TINY_HYBRID_MODELS + TINY_DEEPSEEK_MODELS + TINY_WIDE_MODELS
+)
 """Every name :func:`resolve_checkpoint` makes a tiny random model for."""
 
 
@@ -366,6 +390,12 @@ def _tiny_deepseek_config(name: str, tokenizer: Any) -> Any:
 
 
 def _tiny_config_for(name: str, tokenizer: Any) -> Any:
+    wide = _WIDE.get(name)
+    if wide is not None:
+        config = _tiny_config_for(name.removesuffix("-wide"), tokenizer)
+        for field, value in wide.items():
+            setattr(config, field, value)
+        return config
     if name in TINY_HYBRID_MODELS:
         return _tiny_hybrid_config(name, tokenizer)
     if name in TINY_DEEPSEEK_MODELS:
@@ -384,7 +414,7 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
 
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        hybrid = name in TINY_HYBRID_MODELS
+        hybrid = name.removesuffix("-wide") in TINY_HYBRID_MODELS
         config = _tiny_config_for(name, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)

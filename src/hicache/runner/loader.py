@@ -236,11 +236,13 @@ def load_model(
     each rank reads only its slice of each
     split tensor (and the whole ones whole), no collective runs, and its KV spec
     (:func:`~hicache.runner.model_runner.cache_spec_of`) has its own K/V heads. The
-    fingerprint is the checkpoint's, the same on every rank. A
-    size that does not divide the heads, K/V heads or intermediate size raises ValueError
+    fingerprint is the checkpoint's, the same on every rank. K/V heads fewer than the
+    ranks are replicated (each rank reads the one its query heads read). A size that
+    cannot split the heads (it must divide the query heads, and divide the K/V heads or
+    be a multiple of them) or does not divide the intermediate size raises ValueError
     naming them (a hybrid family: what its config's ``check_tensor_parallel`` names), a
-    hybrid family with no sharded model and ``size > 1`` UnsupportedModelError, both before
-    any weight is read.
+    hybrid family with no sharded model and ``size > 1`` UnsupportedModelError, both
+    before any weight is read.
     """
     return _load(model_path, dtype, device, tp=tp or TPGroup.single())
 

@@ -75,9 +75,9 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
     family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`).
     ``tp_size``: the tensor-parallel ranks; each rank's pool holds ``num_kv_heads /
-    tp_size`` heads (a hybrid's: its :class:`~hicache.heads.HeadSplit` K/V heads; an MLA
-    latent whole), refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
-    refuses it."""
+    tp_size`` heads, or 1 when they are replicated (:class:`~hicache.heads.HeadSplit`; a
+    hybrid's too; an MLA latent whole); refused as
+    :func:`~hicache.runner.models.registry.check_tensor_parallel` refuses it."""
     if tp_size != 1:
         check_tensor_parallel(hf_config, tp_size)
     if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
@@ -91,7 +91,7 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     return KVSpec(
         num_layers=cfg.num_layers,
         attention=AttentionKind.MHA,
-        num_kv_heads=cfg.num_kv_heads // tp_size,
+        num_kv_heads=HeadSplit(cfg.num_heads, cfg.num_kv_heads, tp_size).local_kv_heads,
         head_dim=cfg.head_dim,
         dtype=dtype,
     )

@@ -4,7 +4,10 @@ A tensor-parallel group of ``size`` ranks splits each layer's weights so every r
 a slice, and one collective puts the slices together:
 
 * :class:`ColumnParallelLinear` keeps output rows ``[rank * out / size, ...)`` of the
-  weight: each rank gets its slice of the output (its attention heads, its MLP columns);
+  weight: each rank gets its slice of the output (its MLP columns);
+* :class:`HeadParallelLinear` keeps the output rows of a range of whole heads, ``(first,
+  count)``, which need not be the rank's equal share: K/V heads fewer than the ranks are
+  replicated, several ranks holding the same head (:class:`~hicache.heads.HeadSplit`);
 * :class:`RowParallelLinear` keeps input columns of the weight: each rank multiplies its
   slice of the input and the partial outputs are summed (all-reduce), the bias added once;
 * :class:`VocabParallelEmbedding` keeps a range of vocabulary rows: a rank looks up the
@@ -17,12 +20,12 @@ are cut off); every other split must be exact, or :meth:`TPGroup.part` refuses i
 the numbers. With one rank every layer is a plain ``nn.Linear`` / ``nn.Embedding`` and no
 collective runs.
 
-Checkpoint tensors are full-size: :func:`shard_dims` tells a loader which of a model's
-parameters are split along which dimension, and :meth:`TPGroup.shard` cuts a rank's slice.
-A parameter whose slice is not one contiguous range (a fused projection whose parts each
-split by heads, as Mamba2's ``in_proj = [z | x | B | C | dt]``, or K/V heads replicated
-over ranks) is declared by its module instead (:class:`ShardedParams`): :func:`row_pieces`
-collects those :class:`RowPieces`, and :meth:`RowPieces.cut` gathers the rank's rows.
+Checkpoint tensors are full-size: :func:`shard_dims` tells a loader how each of a model's
+split parameters is cut (a :class:`Split`), and :meth:`TPGroup.shard` cuts a rank's slice.
+A parameter whose slice is not one range (a fused projection whose parts each split by
+heads, as Mamba2's ``in_proj = [z | x | B | C | dt]``) is declared by its module instead
+(:class:`ShardedParams`): :func:`row_pieces` collects those :class:`RowPieces`, and
+:meth:`RowPieces.cut` gathers the rank's rows of every part.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +41,13 @@ from torch import nn
 
 __all__ = [
     "ColumnParallelLinear",
+    "HeadParallelLinear",
     "Narrowable",
     "ParallelLMHead",
     "RowParallelLinear",
     "RowPieces",
     "ShardedParams",
+    "Split",
     "TPGroup",
     "VocabParallelEmbedding",
     "gather_logits",
@@ -103,17 +108,35 @@ class TPGroup:
             )
         return total // self.size
 
-    def shard(self, tensor: Narrowable, dim: int, padded: int | None = None) -> torch.Tensor:
+    def shard(
+        self,
+        tensor: Narrowable,
+        dim: int,
+        padded: int | None = None,
+        rows: tuple[int, int] | None = None,
+        full: int | None = None,
+    ) -> torch.Tensor:
         """This rank's slice of the full ``tensor`` along ``dim``: rows ``[rank * k,
-        (rank + 1) * k)`` with ``k = (padded or tensor.shape[dim]) / size``; rows past the
-        tensor's end (padding up to ``padded``) are zeros. ``tensor``: a tensor, or a
-        checkpoint tensor not read yet (:class:`Narrowable`), of which only the slice is
-        read."""
-        full = tensor.shape[dim]
-        length = padded or full
-        k = self.part(length, f"rows of dim {dim}")
-        start = min(self.rank * k, full)
-        piece = tensor.narrow(dim, start, max(0, min(start + k, full) - start))
+        (rank + 1) * k)`` with ``k = (padded or tensor.shape[dim]) / size``, rows past the
+        tensor's end (padding up to ``padded``) zeros; or, with ``rows = (start, length)``,
+        exactly those rows, whatever the rank (a range of whole heads, which several ranks
+        may hold alike). ``full``: the length ``dim`` must have (ValueError naming both
+        otherwise). ``tensor``: a tensor, or a checkpoint tensor not read yet
+        (:class:`Narrowable`), of which only the slice is read."""
+        have = tensor.shape[dim]
+        if full is not None and have != full:
+            raise ValueError(f"dim {dim} of the full tensor is {have} long; want {full}")
+        if rows is not None:
+            start, length = rows
+            if padded is not None or not (start >= 0 and length > 0 and start + length <= have):
+                raise ValueError(
+                    f"rows={rows} (start, length) of dim {dim} do not lie within its {have}"
+                    f" rows{' (no padding with a row range)' if padded is not None else ''}"
+                )
+            return tensor.narrow(dim, start, length)
+        k = self.part(padded or have, f"rows of dim {dim}")
+        start = min(self.rank * k, have)
+        piece = tensor.narrow(dim, start, max(0, min(start + k, have) - start))
         if piece.shape[dim] == k:
             return piece
         shape = list(piece.shape)
@@ -170,6 +193,44 @@ class ColumnParallelLinear(_ShardedLinear):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup) -> None:
         local = tp.part(out_features, "output features")
         super().__init__(in_features, out_features, local, in_features, bias=bias, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class HeadParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with the output rows (and bias entries) of whole heads ``[first,
+    first + count)`` of ``num_heads`` heads ``head_dim`` wide: ``x (T, in)`` -> ``(T,
+    count * head_dim)``, no collective. Column-parallel by heads, the range given rather
+    than the rank's equal share: a K/V projection whose heads are fewer than the ranks
+    holds on each rank the head its query heads read, the same rows on several ranks
+    (:class:`~hicache.heads.HeadSplit` says which)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        num_heads: int,
+        head_dim: int,
+        heads: tuple[int, int],
+        *,
+        bias: bool,
+        tp: TPGroup,
+    ) -> None:
+        first, count = heads
+        if not (first >= 0 and count > 0 and first + count <= num_heads):
+            raise ValueError(
+                f"heads={heads} (first, count) do not lie within the {num_heads} heads"
+            )
+        rows = count * head_dim
+        super().__init__(in_features, num_heads * head_dim, rows, in_features, bias=bias, tp=tp)
+        self.head_dim = head_dim
+        self.heads = (first, count)
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """``(start, length)``: this rank's output rows of the full weight."""
+        first, count = self.heads
+        return first * self.head_dim, count * self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -250,22 +311,35 @@ def gather_logits(
     return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
 
 
-def shard_dims(model: nn.Module) -> dict[str, tuple[int, int | None]]:
+class Split(NamedTuple):
+    """How one parameter is cut from its full checkpoint tensor: along ``dim``, which is
+    ``full`` long in the checkpoint; ``padded``: the length it is padded to before the
+    equal split (vocabulary rows; None: no padding); ``rows``: ``(start, length)``, an
+    explicit row range (a :class:`HeadParallelLinear`'s heads; None: the rank's equal
+    share). The fields are :meth:`TPGroup.shard`'s arguments: ``tp.shard(t, *split)``."""
+
+    dim: int
+    padded: int | None = None
+    rows: tuple[int, int] | None = None
+    full: int | None = None
+
+
+def shard_dims(model: nn.Module) -> dict[str, Split]:
     """For every parameter of ``model`` that the parallel layers split: its name (as in
-    ``named_parameters``) -> (the dimension it is split along, the padded full length of
-    that dimension or None when it is the checkpoint's). Parameters not listed are whole
-    on every rank."""
-    out: dict[str, tuple[int, int | None]] = {}
+    ``named_parameters``) -> its :class:`Split` (``full`` always set). Parameters not
+    listed are whole on every rank."""
+    out: dict[str, Split] = {}
     for prefix, m in model.named_modules():
         base = f"{prefix}." if prefix else ""
-        if isinstance(m, ColumnParallelLinear):
-            out[base + "weight"] = (0, None)
+        if isinstance(m, ColumnParallelLinear | HeadParallelLinear):
+            rows = m.rows if isinstance(m, HeadParallelLinear) else None
+            out[base + "weight"] = Split(0, rows=rows, full=m.out_features)
             if m.bias is not None:
-                out[base + "bias"] = (0, None)
+                out[base + "bias"] = Split(0, rows=rows, full=m.out_features)
         elif isinstance(m, RowParallelLinear):
-            out[base + "weight"] = (1, None)
+            out[base + "weight"] = Split(1, full=m.in_features)
         elif isinstance(m, VocabParallelEmbedding | ParallelLMHead):
-            out[base + "weight"] = (0, m.padded)
+            out[base + "weight"] = Split(0, m.padded, full=m.vocab_size)
     return out
 
 

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.config import DecoderConfig
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.rope import apply_rotary
-from hicache.runner.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from hicache.runner.parallel import HeadParallelLinear, RowParallelLinear, TPGroup
 
 __all__ = ["AttentionContext", "DecodeGather", "ExtendTable", "PagedAttention", "SlidingKV"]
 
@@ -271,29 +272,35 @@ def _decode_gather(
 class PagedAttention(nn.Module):
     """Multi-head (GQA) self-attention of one layer over the paged pool.
 
-    Over a tensor-parallel group ``tp`` (default: one rank) the heads are split: this rank
-    holds query heads ``[rank * Hq / size, ...)`` and K/V heads ``[rank * Hkv / size,
-    ...)`` (``q/k/v_proj`` column-parallel, so each rank's rows are whole heads, and
-    ``o_proj`` row-parallel over them), which keeps GQA's grouping local: local query head
-    ``j`` reads local K/V head ``j // (Hq / Hkv)``. :attr:`num_heads` and
-    :attr:`num_kv_heads` are the *local* counts, and the pool holds this rank's K/V heads
-    only. Qwen3's per-head q/k norms are whole on every rank (one weight for all heads).
+    Over a tensor-parallel group ``tp`` (default: one rank) the heads are split as
+    :class:`~hicache.heads.HeadSplit` says (:attr:`heads`): this rank holds query heads
+    ``[rank * Hq / size, ...)`` and the K/V heads they read, ``[rank * Hkv / size, ...)``
+    while the K/V heads are at least as many as the ranks, else the one K/V head
+    ``rank // (size / Hkv)``, replicated on ``size / Hkv`` ranks. ``q/k/v_proj`` are
+    column-parallel by those head ranges (:class:`HeadParallelLinear`, whole heads) and
+    ``o_proj`` row-parallel over the query heads, which keeps GQA's grouping local: local
+    query head ``j`` reads local K/V head ``j // (local Hq / local Hkv)``.
+    :attr:`num_heads` and :attr:`num_kv_heads` are the *local* counts, and the pool holds
+    this rank's K/V heads only. Qwen3's per-head q/k norms are whole on every rank (one
+    ``head_dim`` weight for all heads).
     """
 
     def __init__(self, cfg: DecoderConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup.single()
         self.layer_id = layer_id
-        self.num_heads = tp.part(cfg.num_heads, "attention heads")
-        self.num_kv_heads = tp.part(cfg.num_kv_heads, "key/value heads")
-        self.head_dim = cfg.head_dim
+        self.heads = HeadSplit(cfg.num_heads, cfg.num_kv_heads, tp.size, tp.rank)
+        self.num_heads = self.heads.local_heads
+        self.num_kv_heads = self.heads.local_kv_heads
+        self.head_dim = d = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         h, qkv_bias = cfg.hidden_size, cfg.qkv_bias
-        self.q_proj = ColumnParallelLinear(h, q_width, bias=qkv_bias, tp=tp)
-        self.k_proj = ColumnParallelLinear(h, kv_width, bias=qkv_bias, tp=tp)
-        self.v_proj = ColumnParallelLinear(h, kv_width, bias=qkv_bias, tp=tp)
-        self.o_proj = RowParallelLinear(q_width, h, bias=cfg.o_bias, tp=tp)
+        q_heads = (self.heads.first_head, self.num_heads)
+        kv_heads = (self.heads.first_kv_head, self.num_kv_heads)
+        self.q_proj = HeadParallelLinear(h, cfg.num_heads, d, q_heads, bias=qkv_bias, tp=tp)
+        self.k_proj = HeadParallelLinear(h, cfg.num_kv_heads, d, kv_heads, bias=qkv_bias, tp=tp)
+        self.v_proj = HeadParallelLinear(h, cfg.num_kv_heads, d, kv_heads, bias=qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, bias=cfg.o_bias, tp=tp)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
+from hicache.heads import HeadSplit
+
 __all__ = [
     "FAMILIES",
     "HYBRID_ROPE_TYPES",
@@ -202,15 +204,15 @@ class DecoderConfig:
 
     def check_tensor_parallel(self, size: int) -> None:
         """ValueError naming the numbers unless ``size`` tensor-parallel ranks can split this
-        model: ``size`` must divide the query heads, the K/V heads (each rank holds whole
-        heads; none is replicated) and the MLP's intermediate size. Nothing to check for
-        the vocabulary, which is padded to a multiple of ``size``."""
-        sizes = (
-            ("num_attention_heads", self.num_heads),
-            ("num_key_value_heads", self.num_kv_heads),
-            ("intermediate_size", self.intermediate_size),
-        )
-        check_split(size, sizes, self.family)
+        model: ``size`` must divide the query heads and either divide the K/V heads or be
+        a multiple of them (then each K/V head is replicated on ``size / num_kv_heads``
+        ranks; :class:`~hicache.heads.HeadSplit`), and divide the MLP's intermediate size.
+        Nothing to check for the vocabulary, which is padded to a multiple of ``size``."""
+        try:
+            HeadSplit(self.num_heads, self.num_kv_heads, size)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the {self.family} model)") from None
+        check_split(size, (("intermediate_size", self.intermediate_size),), self.family)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> DecoderConfig:

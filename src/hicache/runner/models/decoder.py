@@ -5,8 +5,9 @@ a checkpoint's tensors load by name. The model never owns a KV cache: attention 
 writes the pool given in :class:`AttentionContext`.
 
 Tensor parallelism: over a group of ``size`` ranks (:class:`~hicache.runner.parallel.TPGroup`)
-each rank holds ``1 / size`` of the attention heads (q/k/v column-parallel, ``o_proj``
-row-parallel), of the MLP's intermediate columns (gate/up column-, down row-parallel) and of
+each rank holds ``1 / size`` of the query heads and the K/V heads they read (q/k/v
+column-parallel by heads, ``o_proj`` row-parallel; K/V heads fewer than the ranks are
+replicated, :class:`~hicache.heads.HeadSplit`), of the MLP's intermediate columns (gate/up column-, down row-parallel) and of
 the vocabulary rows (embedding and LM head; a tied model projects with the embedding's
 rows). One forward runs two all-reduces per layer (``o_proj``, ``down_proj``), one for the
 embedding and one all-gather of the logits, so every rank ends with the same full logits.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from hicache.config import AttentionKind, CacheSpec, KVSpec
+from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, PagedAttention
 from hicache.runner.models.cached import (
@@ -83,9 +85,10 @@ class DecoderLM(nn.Module, CachedModel):
     single rank; see the module docstring).
 
     ``lm_head`` exists only when embeddings are untied; tied models project with
-    ``model.embed_tokens.weight`` (this rank's vocabulary rows of it). ``size`` must divide
-    the heads, K/V heads and intermediate size (ValueError naming them, before any module
-    is built). It caches the full KV of every layer and nothing else
+    ``model.embed_tokens.weight`` (this rank's vocabulary rows of it). ``size`` must split
+    the heads (:meth:`DecoderConfig.check_tensor_parallel`: divide the query heads, and
+    divide the K/V heads or be a multiple of them) and divide the intermediate size
+    (ValueError naming them, before any module is built). It caches the full KV of every layer and nothing else
     (:meth:`cache_spec`), and reads no component pool.
     """
 
@@ -97,6 +100,7 @@ class DecoderLM(nn.Module, CachedModel):
         cfg.check_tensor_parallel(tp.size)
         self.config = cfg
         self.tp = tp
+        self.heads = HeadSplit(cfg.num_heads, cfg.num_kv_heads, tp.size, tp.rank)
         self.model = DecoderBody(cfg, tp)
         self.lm_head: ParallelLMHead | None = None
         if not cfg.tie_word_embeddings:
@@ -105,9 +109,9 @@ class DecoderLM(nn.Module, CachedModel):
 
     @property
     def num_kv_heads(self) -> int:
-        """The K/V heads this rank computes and caches (``num_kv_heads / size``): the
-        head count of its pools."""
-        return self.config.num_kv_heads // self.tp.size
+        """The K/V heads this rank computes and caches (``num_kv_heads / size``, or 1
+        when they are replicated): the head count of its pools."""
+        return self.heads.local_kv_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -168,8 +172,9 @@ class DecoderLM(nn.Module, CachedModel):
     def load_weights(self, tensors: Iterable[tuple[str, Narrowable]]) -> None:
         """Copy checkpoint tensors (Hugging Face names, full size) into the parameters,
         casting dtype; on a rank of a group of ``size > 1``, its slice of each split tensor
-        (:func:`~hicache.runner.parallel.shard_dims`: heads, intermediate columns,
-        vocabulary rows padded to a multiple of ``size``). A tensor may be given unread
+        (:func:`~hicache.runner.parallel.shard_dims`: heads, the K/V ones possibly held
+        by several ranks alike, intermediate columns, vocabulary rows padded to a multiple
+        of ``size``). A tensor may be given unread
         (a :class:`~hicache.runner.parallel.Narrowable`: only the rank's slice is read),
         consumed before the next one is taken.
 
@@ -193,11 +198,8 @@ class DecoderLM(nn.Module, CachedModel):
                 continue
             want = list(param.shape)
             split = dims.get(name)
-            if split is not None:  # the full tensor's shape, before this rank's slice
-                dim, padded = split
-                want[dim] = (
-                    self.config.vocab_size if padded is not None else want[dim] * self.tp.size
-                )
+            if split is not None and split.full is not None:  # the full tensor's shape
+                want[split.dim] = split.full
             if list(tensor.shape) != want:
                 raise WeightLoadError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(want)}"

@@ -337,7 +337,7 @@ class DeepseekLM(HybridLM):
         for name, tensor in tensors:
             split = dims.get(name)
             if split is not None:
-                yield name, tp.shard(tensor, split[0], split[1])
+                yield name, tp.shard(tensor, *split)
                 continue
             match = _EXPERT_TENSOR.match(name)
             stacked = f"{match.group(1)}.{match.group(2)}" if match else None

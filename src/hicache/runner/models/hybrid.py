@@ -522,7 +522,7 @@ class HybridLM(nn.Module, CachedModel):
         for name, tensor in tensors:
             split = dims.get(name)
             if split is not None:
-                yield name, self.tp.shard(tensor, split[0], split[1])
+                yield name, self.tp.shard(tensor, *split)
                 continue
             match = _EXPERT.match(name)
             key = f"{match.group(1)}.{match.group(3)}" if match else name

@@ -81,10 +81,12 @@ def check_supported(hf_config: Any) -> str:
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Refuse, before any weight is read, to split the config's model over ``size`` ranks
-    when it cannot be: ValueError naming the numbers when ``size`` does not divide a
-    Llama-style model's heads, K/V heads or intermediate size
-    (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`) or what a
-    hybrid family splits (:meth:`~hicache.runner.models.hybrid.HybridConfig.check_tensor_parallel`:
+    when it cannot be: ValueError naming the numbers when ``size`` cannot split a
+    Llama-style model's heads (it must divide the query heads, and divide the K/V heads or
+    be a multiple of them: then they are replicated) or does not divide its intermediate
+    size (:meth:`~hicache.runner.models.config.DecoderConfig.check_tensor_parallel`), or
+    what a hybrid family splits
+    (:meth:`~hicache.runner.models.hybrid.HybridConfig.check_tensor_parallel`:
     UnsupportedModelError for a family with no sharded model). ``size ==
     1`` always passes; an unsupported ``model_type`` raises as :func:`check_supported`."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:

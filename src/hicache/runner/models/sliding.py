@@ -24,7 +24,8 @@ this forward). Two placements:
 Tensor parallelism (``tp``, default one rank): each rank holds its query heads and K/V
 heads (:class:`~hicache.heads.HeadSplit`: K/V heads replicated when ranks outnumber them);
 ``q_proj`` rows by query head (the gate with its head), ``k_proj``/``v_proj`` rows by K/V
-head, ``sinks`` by query head, ``o_proj`` row-parallel (one all-reduce). Its pool holds
+head (head-parallel linears), ``sinks`` by query head, ``o_proj`` row-parallel (one
+all-reduce). Its pool holds
 its own K/V heads.
 
 Sinks (GPT-OSS): each head has a learned logit that joins the softmax's denominator and
@@ -44,7 +45,7 @@ from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.norms import OffsetRMSNorm
 from hicache.runner.models.rope import apply_rotary
-from hicache.runner.parallel import RowParallelLinear, RowPieces, TPGroup
+from hicache.runner.parallel import HeadParallelLinear, RowParallelLinear, RowPieces, TPGroup
 
 __all__ = ["AttentionSpec", "WindowedAttention", "window_start"]
 
@@ -109,19 +110,15 @@ class WindowedAttention(nn.Module):
         self.num_heads = self.split.local_heads
         self.num_kv_heads = self.split.local_kv_heads
         self.scale = spec.scale if spec.scale is not None else spec.head_dim**-0.5
-        d = spec.head_dim
+        d, split = spec.head_dim, self.split
         q_rows = d * (2 if spec.output_gate else 1)  # per head: [q | gate]
-        self.q_proj = nn.Linear(spec.hidden_size, self.num_heads * q_rows, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * d, bias=spec.qkv_bias)
-        self.o_proj = RowParallelLinear(
-            spec.num_heads * d, spec.hidden_size, bias=spec.o_bias, tp=tp
-        )
-        q = RowPieces(0, ((self.split.first_head * q_rows, self.num_heads * q_rows),))
-        kv = RowPieces(0, ((self.split.first_kv_head * d, self.num_kv_heads * d),))
-        heads = RowPieces(0, ((self.split.first_head, self.num_heads),))
-        self._pieces = {"q_proj": q, "k_proj": kv, "v_proj": kv}
-        self._head_pieces = heads
+        heads = (split.first_head, split.local_heads)
+        kv_heads = (split.first_kv_head, split.local_kv_heads)
+        hidden, bias = spec.hidden_size, spec.qkv_bias
+        self.q_proj = HeadParallelLinear(hidden, spec.num_heads, q_rows, heads, bias=bias, tp=tp)
+        self.k_proj = HeadParallelLinear(hidden, spec.num_kv_heads, d, kv_heads, bias=bias, tp=tp)
+        self.v_proj = HeadParallelLinear(hidden, spec.num_kv_heads, d, kv_heads, bias=bias, tp=tp)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, hidden, bias=spec.o_bias, tp=tp)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if spec.qk_norm is not None:
@@ -131,16 +128,12 @@ class WindowedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
 
     def tp_pieces(self) -> dict[str, RowPieces]:
-        """This rank's rows of ``q_proj``/``k_proj``/``v_proj`` (weights and biases) and of
-        ``sinks``; ``o_proj`` is a row-parallel linear (see ``shard_dims``)."""
-        out = {
-            f"{proj}.{p}": spec for proj, spec in self._pieces.items() for p in ("weight", "bias")
-        }
-        if not self.spec.qkv_bias:
-            out = {k: v for k, v in out.items() if k.endswith("weight")}
-        if self.sinks is not None:
-            out["sinks"] = self._head_pieces
-        return out
+        """This rank's ``sinks`` (its query heads); the projections are parallel linears
+        (see ``shard_dims``)."""
+        if self.sinks is None:
+            return {}
+        split = self.split
+        return {"sinks": RowPieces(0, ((split.first_head, split.local_heads),))}
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.spec.rotary_dim

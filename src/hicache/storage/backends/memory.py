@@ -21,6 +21,10 @@ Faults (:class:`MemoryFaults`, set at creation or with :meth:`MemoryStorage.set_
   ``{"get_delay_s": 1.0, "timeout_s": 0.2}``. The late write lands in the host pages with
   ``page_first`` / ``page_first_direct`` pools (``layer_first`` gets are staged, so it lands
   in the staging copy and never in the pool).
+- ``fault_rank``: the faults above apply only in tensor-parallel rank ``fault_rank`` of
+  this process's ``torch.distributed`` group (an engine's rank processes each create their
+  own backend, each over a store of its own process): one rank faulty, the others sound.
+  ``None`` (the default): in every process.
 """
 
 from __future__ import annotations
@@ -124,10 +128,28 @@ class MemorySettings:
 
     store: str = "default"
     faults: MemoryFaults = field(default_factory=MemoryFaults)
+    fault_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
             raise ValueError(f"store={self.store!r} is invalid; must be a non-empty str")
+        r = self.fault_rank
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise ValueError(f"fault_rank={r!r} is invalid; must be None or an int >= 0")
+
+    def faults_here(self) -> MemoryFaults:
+        """The faults for this process: all of them unless ``fault_rank`` names another
+        tensor-parallel rank than this process's (rank 0 without a process group)."""
+        if self.fault_rank is None or self.fault_rank == _process_rank():
+            return self.faults
+        return MemoryFaults()
+
+
+def _process_rank() -> int:
+    """This process's rank in the initialized ``torch.distributed`` group, else 0."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class _Fault(Exception):
@@ -140,7 +162,13 @@ class MemoryStorage(HiCacheStorage):
     """In-memory backend (registry name ``memory``)."""
 
     name: ClassVar[str] = "memory"
-    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ("store", "delay_s", "fail_after", "get_delay_s")
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = (
+        "store",
+        "delay_s",
+        "fail_after",
+        "get_delay_s",
+        "fault_rank",
+    )
 
     def __init__(
         self,
@@ -161,7 +189,7 @@ class MemoryStorage(HiCacheStorage):
     @classmethod
     def parse_extra_config(cls, extra: Mapping[str, Any]) -> MemorySettings:
         """Keys: ``store`` (shared store name, default ``"default"``), ``delay_s``,
-        ``fail_after``, ``get_delay_s`` (see the module docstring)."""
+        ``fail_after``, ``get_delay_s``, ``fault_rank`` (see the module docstring)."""
         unknown = sorted(set(extra) - set(cls.EXTRA_KEYS))
         if unknown:
             raise ValueError(
@@ -172,7 +200,9 @@ class MemoryStorage(HiCacheStorage):
             fail_after=extra.get("fail_after"),
             get_delay_s=extra.get("get_delay_s", 0.0),
         )
-        return MemorySettings(store=extra.get("store", "default"), faults=faults)
+        return MemorySettings(
+            store=extra.get("store", "default"), faults=faults, fault_rank=extra.get("fault_rank")
+        )
 
     @classmethod
     def from_settings(
@@ -180,7 +210,8 @@ class MemoryStorage(HiCacheStorage):
     ) -> MemoryStorage:
         if not isinstance(settings, MemorySettings):
             raise TypeError(f"memory backend settings must be MemorySettings, got {settings!r}")
-        return cls(namespace, options, store=shared_store(settings.store), faults=settings.faults)
+        store = shared_store(settings.store)
+        return cls(namespace, options, store=store, faults=settings.faults_here())
 
     @property
     def faults(self) -> MemoryFaults:
