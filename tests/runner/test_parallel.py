@@ -13,9 +13,11 @@ from hicache.runner.parallel import (
     HeadParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    RowPieces,
     Split,
     TPGroup,
     VocabParallelEmbedding,
+    row_pieces,
     shard_dims,
 )
 from tests.helpers.ranks import run_ranks
@@ -89,6 +91,36 @@ def test_sharded_layers_equal_the_full_ones(tmp_path: Path, ranks: int) -> None:
         # |z| <= 21 (sum|terms| <= 22): a few ulps, within 1e-5 + 1e-5 |z| (measured 3.8e-6
         # on every dispatch; order_bound(8, 22) = 2.1e-5 is the worst case)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_row_pieces_gather_each_parts_share_in_order() -> None:
+    """A fused ``[a (4) | b (2) | c (6)]`` over 2 ranks, ``c`` in blocks of 3: each rank
+    takes its half of every part, in part order; the halves of both ranks are every row
+    once. A size that does not divide a part's blocks is refused naming it."""
+    full = torch.arange(12.0)[:, None].expand(12, 2)
+    got = []
+    for r in range(2):
+        spec = RowPieces.split([4, 2, 6], TPGroup(r, 2), "fused", unit=(1, 1, 3))
+        assert spec.length == 6
+        got.append(spec.cut(full)[:, 0].tolist())
+    assert got == [[0, 1, 4, 6, 7, 8], [2, 3, 5, 9, 10, 11]]
+    cols = RowPieces(1, ((1, 1), (3, 1))).cut(torch.arange(8.0).reshape(2, 4))
+    assert cols.tolist() == [[1.0, 3.0], [5.0, 7.0]]
+    with pytest.raises(ValueError, match="does not divide the 3 n_groups"):
+        RowPieces.split([6], TPGroup(0, 2), "n_groups", unit=2)
+    with pytest.raises(ValueError, match="run past the 4 rows"):
+        RowPieces(0, ((3, 2),)).cut(torch.zeros(4))
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 6)
+
+        def tp_pieces(self) -> dict[str, RowPieces]:
+            return {"proj.weight": RowPieces(0, ((0, 6),))}
+
+    outer = torch.nn.Sequential(torch.nn.Identity(), Fused())
+    assert row_pieces(outer) == {"1.proj.weight": RowPieces(0, ((0, 6),))}
 
 
 def test_shard_pads_and_part_refuses_with_the_numbers() -> None:

@@ -40,7 +40,6 @@ from hicache.runner.model_runner import cache_spec_of
 from hicache.runner.models import (
     DecoderConfig,
     DecoderLM,
-    UnsupportedModelError,
     WeightLoadError,
 )
 from hicache.runner.models.registry import check_tensor_parallel
@@ -349,22 +348,6 @@ def _hf_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-@pytest.mark.usefixtures("no_weight_read")
-@pytest.mark.parametrize(
-    ("name", "model_type"),
-    [
-        ("tiny-random-qwen3-next", "qwen3_next"),
-        ("tiny-random-nemotron-h", "nemotron_h"),
-    ],
-)
-def test_hybrid_families_refuse_tensor_parallelism(name: str, model_type: str) -> None:
-    with pytest.raises(
-        UnsupportedModelError,
-        match=f"tensor parallelism is not supported for model_type='{model_type}'",
-    ):
-        load_model(name, dtype="float32", tp=TPGroup(rank=0, size=2))
 
 
 def test_module_refuses_a_size_not_dividing_the_heads() -> None:

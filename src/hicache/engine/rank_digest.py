@@ -9,8 +9,8 @@ in the scheduler's order. Not covered: the bytes in the pools (each rank holds i
 shard of them) and anything timed in seconds.
 
 :func:`page_digests` covers those bytes for one prompt instead: each page a rank's cache
-holds of it, per component and tier, so a test can show that a copy between tiers kept
-every byte on every rank.
+holds of it, per component and tier (a recurrent model's state snapshots too, by the page
+they end), so a test can show that a copy between tiers kept every byte on every rank.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hicache.cache import HiCache
-from hicache.cache.components.paged import PagedStore
 from hicache.cache.inspect import tree_digest
 from hicache.engine.request import Request
-from hicache.memory import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool, StatePool
 from hicache.tree.components import Tier
 from hicache.tree.node import common_prefix_bytes
 
@@ -59,14 +58,14 @@ def page_digests(cache: HiCache, tokens: Sequence[int]) -> dict[str, dict[int, s
     width = tree.page_size * 4  # a page of uint32 token ids
     key = array("I", tokens[: len(tokens) // tree.page_size * tree.page_size]).tobytes()
     host = cache.full.host
-    pools: dict[str, tuple[str | None, DevicePool | HostPool | None]] = {
+    pools: dict[str, tuple[str | None, DevicePool | HostPool | StatePool | None]] = {
         "full/device": (None, cache.full.device_pool),
         "full/host": (None, None if host is None else host.pool),
     }
     for store in cache.stores:
-        if isinstance(store, PagedStore):
-            pools[f"{store.name}/device"] = (store.name, store.device_pool)
-            pools[f"{store.name}/host"] = (store.name, store.host_pool)
+        for tier, pool in (("device", store.device_pool), ("host", store.host_pool)):
+            if isinstance(pool, DevicePool | HostPool | StatePool):
+                pools[f"{store.name}/{tier}"] = (store.name, pool)
     out: dict[str, dict[int, str]] = {name: {} for name, (_, pool) in pools.items() if pool}
     node, at = tree.root_of(""), 0
     while at < len(key):
@@ -75,23 +74,32 @@ def page_digests(cache: HiCache, tokens: Sequence[int]) -> dict[str, dict[int, s
             break
         pages = common_prefix_bytes(child.key, key[at:], width) // width
         first = at // width
+        whole = pages == tree.num_pages(child)
         for name, (component, pool) in pools.items():
-            if pool is None:
-                continue
             tier = Tier.DEVICE if name.endswith("/device") else Tier.HOST
             if component is None:
                 ids = child.device if tier is Tier.DEVICE else child.host
             else:
                 ids = tree.component(component).get(child, tier)
+            if isinstance(pool, StatePool):  # a snapshot of the state where the node ends
+                if whole and ids is not None:
+                    out[name][first + pages - 1] = _sha256(*pool.read_slots(list(ids)))
+                continue
             for i, page in enumerate(list(ids or ())[:pages]):
-                data = pool.read_pages(torch.tensor([page])).contiguous()
-                out[name][first + i] = hashlib.sha256(
-                    data.view(torch.uint8).numpy().tobytes()
-                ).hexdigest()
-        if pages < tree.num_pages(child):
+                if pool is not None:
+                    out[name][first + i] = _sha256(pool.read_pages(torch.tensor([page])))
+        if not whole:
             break
         node, at = child, at + pages * width
     return out
+
+
+def _sha256(*tensors: torch.Tensor) -> str:
+    """SHA-256 (hex) of the tensors' bytes, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 __all__ = ["page_digests", "rank_state_digest"]

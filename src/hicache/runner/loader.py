@@ -230,15 +230,19 @@ def load_model(
 
     ``tp`` (default: one rank): a Llama / Qwen2 / Qwen3 model is split over its ranks (see
     :mod:`hicache.runner.models.decoder`), a DeepSeek-V2/V3 one by heads and MLP/expert
-    columns (:mod:`hicache.runner.models.deepseek`); each rank reads only its slice of each
+    columns (:mod:`hicache.runner.models.deepseek`), a Qwen3-Next / Nemotron-H one by
+    heads, DeltaNet key heads / Mamba2 groups (with their recurrent state) and MLP / expert
+    columns (:mod:`hicache.runner.models.qwen3_next`, :mod:`hicache.runner.models.nemotron_h`);
+    each rank reads only its slice of each
     split tensor (and the whole ones whole), no collective runs, and its KV spec
     (:func:`~hicache.runner.model_runner.cache_spec_of`) has its own K/V heads. The
     fingerprint is the checkpoint's, the same on every rank. K/V heads fewer than the
     ranks are replicated (each rank reads the one its query heads read). A size that
     cannot split the heads (it must divide the query heads, and divide the K/V heads or
     be a multiple of them) or does not divide the intermediate size raises ValueError
-    naming them, another hybrid family with ``size > 1`` UnsupportedModelError, both before any
-    weight is read.
+    naming them (a hybrid family: what its config's ``check_tensor_parallel`` names), a
+    hybrid family with no sharded model and ``size > 1`` UnsupportedModelError, both
+    before any weight is read.
     """
     return _load(model_path, dtype, device, tp=tp or TPGroup.single())
 

@@ -74,15 +74,18 @@ def kv_spec_from_hf_config(hf_config: Any, dtype: str, tp_size: int = 1) -> KVSp
     """The pool's per-token KV shape for a Hugging Face config: every layer of a Llama-style
     family, the attention layers only of a hybrid one (see :meth:`HybridConfig.kv_spec`).
     ``tp_size``: the tensor-parallel ranks; each rank's pool holds ``num_kv_heads /
-    tp_size`` heads, or 1 when they are replicated (:class:`~hicache.heads.HeadSplit`; refused as :func:`~hicache.runner.models.registry.check_tensor_parallel`
-    refuses it)."""
+    tp_size`` heads, or 1 when they are replicated (:class:`~hicache.heads.HeadSplit`; a
+    hybrid's too; an MLA latent whole); refused as
+    :func:`~hicache.runner.models.registry.check_tensor_parallel` refuses it."""
     if tp_size != 1:
         check_tensor_parallel(hf_config, tp_size)
     if getattr(hf_config, "model_type", None) in HYBRID_FAMILIES:
-        spec = hybrid_config_from_hf(hf_config).kv_spec(dtype)
-        if spec.attention is not AttentionKind.MHA:
-            return spec
-        return replace(spec, num_kv_heads=spec.num_kv_heads // tp_size)
+        hybrid = hybrid_config_from_hf(hf_config)
+        spec = hybrid.kv_spec(dtype)
+        if tp_size == 1 or spec.attention is not AttentionKind.MHA:
+            return spec  # MLA: every rank holds the whole latent
+        heads = HeadSplit(hybrid.num_heads, hybrid.num_kv_heads, tp_size).local_kv_heads
+        return replace(spec, num_kv_heads=heads)
     cfg = DecoderConfig.from_hf(hf_config)
     return KVSpec(
         num_layers=cfg.num_layers,

@@ -22,13 +22,18 @@ collective runs.
 
 Checkpoint tensors are full-size: :func:`shard_dims` tells a loader how each of a model's
 split parameters is cut (a :class:`Split`), and :meth:`TPGroup.shard` cuts a rank's slice.
+A parameter whose slice is not one range (a fused projection whose parts each split by
+heads, as Mamba2's ``in_proj = [z | x | B | C | dt]``) is declared by its module instead
+(:class:`ShardedParams`): :func:`row_pieces` collects those :class:`RowPieces`, and
+:meth:`RowPieces.cut` gathers the rank's rows of every part.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +45,13 @@ __all__ = [
     "Narrowable",
     "ParallelLMHead",
     "RowParallelLinear",
+    "RowPieces",
+    "ShardedParams",
     "Split",
     "TPGroup",
     "VocabParallelEmbedding",
     "gather_logits",
+    "row_pieces",
     "shard_dims",
 ]
 
@@ -332,4 +340,79 @@ def shard_dims(model: nn.Module) -> dict[str, Split]:
             out[base + "weight"] = Split(1, full=m.in_features)
         elif isinstance(m, VocabParallelEmbedding | ParallelLMHead):
             out[base + "weight"] = Split(0, m.padded, full=m.vocab_size)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RowPieces:
+    """A rank's slice of a full checkpoint tensor as ranges along ``dim``: the rows
+    ``[start, start + length)`` of each ``(start, length)`` of ``pieces``, concatenated in
+    order. A fused projection ``[a | b | c]`` whose parts each split by heads takes the
+    rank's share of every part (:meth:`split`); replicated K/V heads take one range that
+    several ranks share."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or not self.pieces or any(s < 0 or n < 1 for s, n in self.pieces):
+            raise ValueError(f"RowPieces(dim={self.dim}, pieces={self.pieces}) is invalid")
+
+    @classmethod
+    def split(
+        cls,
+        sizes: Sequence[int],
+        tp: TPGroup,
+        what: str,
+        *,
+        dim: int = 0,
+        unit: int | Sequence[int] = 1,
+    ) -> RowPieces:
+        """The consecutive parts of lengths ``sizes`` (their sum: the full length along
+        ``dim``), each split evenly in whole blocks of ``unit`` rows (a head; one unit for
+        all parts or one per part): this rank's share of every part. ValueError naming
+        ``what`` when ``size`` does not divide a part's blocks."""
+        units = [unit] * len(sizes) if isinstance(unit, int) else list(unit)
+        pieces, start = [], 0
+        for n, u in zip(sizes, units, strict=True):
+            if n % u:
+                raise ValueError(f"{what}: a part of {n} rows is not whole blocks of {u}")
+            k = tp.part(n // u, what) * u
+            pieces.append((start + tp.rank * k, k))
+            start += n
+        return cls(dim, tuple(pieces))
+
+    @property
+    def length(self) -> int:
+        """Rows of the rank's slice along ``dim``."""
+        return sum(n for _, n in self.pieces)
+
+    def cut(self, tensor: Narrowable) -> torch.Tensor:
+        """The rank's slice of the full ``tensor`` (only those rows read of a lazily read
+        one); ValueError when a piece runs past the tensor's end."""
+        full = tensor.shape[self.dim]
+        if any(s + n > full for s, n in self.pieces):
+            raise ValueError(f"pieces {self.pieces} run past the {full} rows of dim {self.dim}")
+        parts = [tensor.narrow(self.dim, s, n) for s, n in self.pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+@runtime_checkable
+class ShardedParams(Protocol):
+    """A module that declares its own parameters' slices: ``tp_pieces()`` maps a parameter
+    name relative to the module (``"in_proj.weight"``; for a stacked expert parameter,
+    ``"up_proj"``: the slice of ONE expert's checkpoint tensor) to its :class:`RowPieces`."""
+
+    def tp_pieces(self) -> Mapping[str, RowPieces]: ...
+
+
+def row_pieces(model: nn.Module) -> dict[str, RowPieces]:
+    """Every parameter slice the modules of ``model`` declare (:class:`ShardedParams`), by
+    full name (as in ``named_parameters``; a stacked expert parameter by its stacked
+    name)."""
+    out: dict[str, RowPieces] = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, ShardedParams):
+            base = f"{prefix}." if prefix else ""
+            out.update({base + name: spec for name, spec in m.tp_pieces().items()})
     return out

@@ -12,6 +12,14 @@ triangular system ``(I + A) U = beta V - (beta e^G K) S_0`` with
 ``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} k_s u_s^T``. Chunk boundaries do not change the
 result, so a prefill can be split anywhere (e.g. at page boundaries) and resumed from the
 returned state.
+
+Tensor parallelism: a rank holds ``num_k_heads / size`` key heads and their value heads
+(:meth:`GatedDeltaNetSpec.split`); every head's recurrence is independent of the others,
+so a rank runs the layer over its heads alone and ``out_proj`` (row-parallel) sums the
+ranks. Its state is its heads' (conv channels of its q/k/v heads, ``ssm`` of its value
+heads). The checkpoint's ``in_proj_qkvz``/``in_proj_ba`` group their rows by key head (one
+contiguous range per rank); the conv's channels are ``[q | k | v]`` of all heads, so a
+rank gathers its rows of each part (:meth:`GatedDeltaNet.tp_pieces`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from torch import nn
 
 from hicache.runner.models.norms import GatedRMSNorm
 from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec, causal_conv
+from hicache.runner.parallel import RowParallelLinear, RowPieces, TPGroup
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetSpec", "gated_delta_rule"]
 
@@ -90,6 +99,25 @@ class GatedDeltaNetSpec:
         self.conv_kernel = conv_kernel
         self.eps = eps
 
+    def split(self, tp: TPGroup) -> GatedDeltaNetSpec:
+        """The sizes one rank of ``tp`` holds: ``num_k_heads / size`` key heads and their
+        ``num_v_heads / size`` value heads (ValueError naming the numbers unless ``size``
+        divides ``num_k_heads``)."""
+        if self.num_k_heads % tp.size:
+            raise ValueError(
+                f"tensor-parallel size {tp.size} does not divide linear_num_key_heads="
+                f"{self.num_k_heads}"
+            )
+        return GatedDeltaNetSpec(
+            hidden_size=self.hidden_size,
+            num_k_heads=self.num_k_heads // tp.size,
+            num_v_heads=self.num_v_heads // tp.size,
+            k_dim=self.k_dim,
+            v_dim=self.v_dim,
+            conv_kernel=self.conv_kernel,
+            eps=self.eps,
+        )
+
     @property
     def conv_dim(self) -> int:
         """Channels through the conv: q, k and v concatenated."""
@@ -111,9 +139,11 @@ class GatedDeltaNet(nn.Module):
     ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``.
     """
 
-    def __init__(self, spec: GatedDeltaNetSpec, layer_id: int) -> None:
+    def __init__(self, full: GatedDeltaNetSpec, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        tp = tp or TPGroup.single()
+        spec = full.split(tp)
+        self.full, self.spec, self.tp = full, spec, tp
         self.layer_id = layer_id
         hk, hv = spec.num_k_heads, spec.num_v_heads
         self.in_proj_qkvz = nn.Linear(
@@ -126,7 +156,34 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(hv))
         self.A_log = nn.Parameter(torch.empty(hv))
         self.norm = GatedRMSNorm(spec.v_dim, spec.eps)
-        self.out_proj = nn.Linear(hv * spec.v_dim, spec.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(
+            full.num_v_heads * spec.v_dim, spec.hidden_size, bias=False, tp=tp
+        )
+
+    def tp_pieces(self) -> dict[str, RowPieces]:
+        """This rank's rows: of ``in_proj_qkvz``/``in_proj_ba`` its key heads' blocks, of
+        the conv its share of the q, k and v channels, of ``dt_bias``/``A_log`` its value
+        heads; ``norm`` (per head dim) is whole, ``out_proj`` row-parallel."""
+        full, tp = self.full, self.tp
+        r = full.num_v_heads // full.num_k_heads
+        qkvz = 2 * full.k_dim + 2 * r * full.v_dim
+        keys = full.num_k_heads * full.k_dim
+        return {
+            "in_proj_qkvz.weight": RowPieces.split(
+                [full.num_k_heads * qkvz], tp, "linear_num_key_heads", unit=qkvz
+            ),
+            "in_proj_ba.weight": RowPieces.split(
+                [full.num_k_heads * 2 * r], tp, "linear_num_key_heads", unit=2 * r
+            ),
+            "conv1d.weight": RowPieces.split(
+                [keys, keys, full.num_v_heads * full.v_dim],
+                tp,
+                "linear_num_key_heads",
+                unit=(full.k_dim, full.k_dim, r * full.v_dim),
+            ),
+            "dt_bias": RowPieces.split([full.num_v_heads], tp, "linear_num_value_heads"),
+            "A_log": RowPieces.split([full.num_v_heads], tp, "linear_num_value_heads"),
+        }
 
     def forward(self, x: torch.Tensor, rctx: RecurrentContext) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``; reads and records this layer's state."""

@@ -70,6 +70,7 @@ from hicache.runner.parallel import (
     TPGroup,
     VocabParallelEmbedding,
     gather_logits,
+    row_pieces,
     shard_dims,
 )
 
@@ -136,8 +137,10 @@ class HybridConfig:
         (:class:`~hicache.heads.HeadSplit`: ValueError naming the head counts when ``size``
         divides neither way) and whose ``sizes`` (``(config field, value)``: MLP and
         expert columns) it divides (:func:`~hicache.runner.models.config.check_split`).
-        More ranks than K/V heads replicate them."""
-        HeadSplit(self.num_heads, self.num_kv_heads, size)
+        More ranks than K/V heads replicate them. A model without attention layers has no
+        heads to check."""
+        if self.kv_layers:
+            HeadSplit(self.num_heads, self.num_kv_heads, size)
         check_split(size, sizes, self.family)
 
     @property
@@ -510,7 +513,9 @@ class HybridLM(nn.Module, CachedModel):
         """``tensors`` with each split one cut to this rank's slice: the parallel layers'
         (:func:`~hicache.runner.parallel.shard_dims`, vocabulary rows padded) and
         :meth:`split_params` (a per-expert tensor of a stacked parameter along its dim less
-        one); the others whole. A split tensor's *full* shape is checked first
+        one), and the row pieces a module declares for fused projections
+        (:func:`~hicache.runner.parallel.row_pieces`; a per-expert tensor by its stacked
+        parameter's name); the others whole. A split tensor's *full* shape is checked first
         (:class:`WeightLoadError` naming it), so a checkpoint of another size does not load
         silently as a slice. With one rank, ``tensors`` unchanged."""
         tp = self.tp
@@ -520,13 +525,15 @@ class HybridLM(nn.Module, CachedModel):
         params = dict(self.named_parameters())
         cuts: dict[str, Split] = shard_dims(self)
         cuts.update({name: Split(dim) for name, dim in self.split_params().items()})
+        pieces = row_pieces(self)
         for name, tensor in tensors:
             target, cut, expert = name, cuts.get(name), False
             if cut is None and (m := _EXPERT.match(name)):
                 target = f"{m.group(1)}.{m.group(3)}"
                 cut, expert = cuts.get(target), True
             if cut is None:
-                yield name, tensor
+                spec = pieces.get(target)
+                yield name, tensor if spec is None else spec.cut(tensor)
                 continue
             dim = cut.dim - 1 if expert else cut.dim
             want = list(params[target].shape[1:] if expert else params[target].shape)

@@ -68,16 +68,36 @@ class GatedMLP(nn.Module):
         """``x (T, hidden)`` -> ``(T, hidden)``."""
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of :meth:`forward`, before the sum over the ranks and without
+        ``down``'s bias: ``x (T, hidden)`` -> ``(T, hidden)`` (a caller adding it to other
+        partial sums runs one all-reduce for all of them)."""
+        return F.linear(self.act(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+
 
 class PlainMLP(nn.Module):
-    """Non-gated feed-forward (Nemotron-H): ``down(act(up(x)))``."""
+    """Non-gated feed-forward (Nemotron-H): ``down(act(up(x)))``, split over ``tp`` by
+    intermediate columns as :class:`GatedMLP`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act: str,
+        *,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.act = ACTIVATIONS[act]
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
         return self.down_proj(self.act(self.up_proj(x)))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of :meth:`forward` (see :meth:`GatedMLP.partial`)."""
+        return F.linear(self.act(self.up_proj(x)), self.down_proj.weight)

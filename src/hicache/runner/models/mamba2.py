@@ -8,6 +8,15 @@ the heads of a group, ``dt_t = clamp(softplus(dt_raw + dt_bias), min=time_step_m
 chunk, ``y_t = e^{G_t} S_0 C_t + sum_{s<=t} e^{G_t - G_s} (C_t . B_s) dt_s x_s + D x_t`` and
 ``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} dt_s x_s B_s^T``; chunk boundaries do not change
 the result. Output: ``out_proj(group_rms(y * silu(z)) * weight)``.
+
+Tensor parallelism: a rank holds ``n_groups / size`` groups and their heads
+(:meth:`Mamba2Spec.split`; ``size`` must divide ``n_groups``): the heads' recurrences are
+independent, a head reads only its group's B/C, and the gated norm normalizes each group
+alone over its ``inner / n_groups`` channels, so splitting by whole groups keeps every
+result exact; ``out_proj`` (row-parallel) sums the ranks. Its state is its own (the conv
+channels of its x, B and C, ``ssm`` of its heads). ``in_proj``'s rows are
+``[z | x | B | C | dt]`` and the conv's ``[x | B | C]``, each part over all heads or
+groups: a rank gathers its rows of every part (:meth:`Mamba2Mixer.tp_pieces`).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from torch import nn
 
 from hicache.runner.models.norms import GroupGatedRMSNorm
 from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec, causal_conv
+from hicache.runner.parallel import RowParallelLinear, RowPieces, TPGroup
 
 __all__ = ["Mamba2Mixer", "Mamba2Spec", "ssd_scan"]
 
@@ -85,6 +95,28 @@ class Mamba2Spec:
         self.time_step_min = time_step_min
         self.eps = eps
 
+    def split(self, tp: TPGroup) -> Mamba2Spec:
+        """The sizes one rank of ``tp`` holds: ``n_groups / size`` groups and their
+        ``num_heads / size`` heads (ValueError naming the numbers unless ``size`` divides
+        ``n_groups``)."""
+        if self.n_groups % tp.size:
+            raise ValueError(
+                f"tensor-parallel size {tp.size} does not divide n_groups={self.n_groups}"
+                f" (mamba_num_heads={self.num_heads}); choose a size that divides n_groups"
+            )
+        return Mamba2Spec(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads // tp.size,
+            head_dim=self.head_dim,
+            n_groups=self.n_groups // tp.size,
+            state_size=self.state_size,
+            conv_kernel=self.conv_kernel,
+            conv_bias=self.conv_bias,
+            proj_bias=self.proj_bias,
+            time_step_min=self.time_step_min,
+            eps=self.eps,
+        )
+
     @property
     def inner(self) -> int:
         return self.num_heads * self.head_dim
@@ -108,9 +140,11 @@ class Mamba2Mixer(nn.Module):
     ``in_proj`` emits ``[z (inner) | xBC (conv_dim) | dt (heads)]``.
     """
 
-    def __init__(self, spec: Mamba2Spec, layer_id: int) -> None:
+    def __init__(self, full: Mamba2Spec, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        tp = tp or TPGroup.single()
+        spec = full.split(tp)
+        self.full, self.spec, self.tp = full, spec, tp
         self.layer_id = layer_id
         self.in_proj = nn.Linear(
             spec.hidden_size, spec.inner + spec.conv_dim + spec.num_heads, bias=spec.proj_bias
@@ -126,7 +160,38 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(spec.num_heads))
         self.D = nn.Parameter(torch.empty(spec.num_heads))
         self.norm = GroupGatedRMSNorm(spec.inner, spec.inner // spec.n_groups, spec.eps)
-        self.out_proj = nn.Linear(spec.inner, spec.hidden_size, bias=spec.proj_bias)
+        self.out_proj = RowParallelLinear(full.inner, spec.hidden_size, bias=spec.proj_bias, tp=tp)
+
+    def tp_pieces(self) -> dict[str, RowPieces]:
+        """This rank's rows: its share of every part of ``in_proj`` (``[z | x | B | C |
+        dt]``) and of the conv (``[x | B | C]``), weights and biases; its heads of
+        ``dt_bias``/``A_log``/``D`` and of the norm's weight; ``out_proj`` row-parallel."""
+        f, tp = self.full, self.tp
+        gs = f.n_groups * f.state_size
+        what = "n_groups"
+        heads = RowPieces.split([f.num_heads], tp, what)
+        in_proj = RowPieces.split(
+            [f.inner, f.inner, gs, gs, f.num_heads],
+            tp,
+            what,
+            unit=(f.inner // f.n_groups,) * 2 + (f.state_size,) * 2 + (f.num_heads // f.n_groups,),
+        )
+        conv = RowPieces.split(
+            [f.inner, gs, gs], tp, what, unit=(f.inner // f.n_groups,) + (f.state_size,) * 2
+        )
+        out = {
+            "in_proj.weight": in_proj,
+            "conv1d.weight": conv,
+            "dt_bias": heads,
+            "A_log": heads,
+            "D": heads,
+            "norm.weight": RowPieces.split([f.inner], tp, what),
+        }
+        if f.proj_bias:
+            out["in_proj.bias"] = in_proj
+        if f.conv_bias:
+            out["conv1d.bias"] = conv
+        return out
 
     def forward(self, x: torch.Tensor, rctx: RecurrentContext) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``; reads and records this layer's state."""

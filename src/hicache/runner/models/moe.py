@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.runner.parallel import TPGroup
+from hicache.runner.parallel import RowPieces, TPGroup
 
 __all__ = [
     "ClampedSwigluExperts",
@@ -158,14 +158,31 @@ class GatedExperts(nn.Module):
 
     ``gate_proj``/``up_proj (E, I, hidden)``, ``down_proj (E, hidden, I)`` (nn.Linear layout
     per expert, so checkpoints' ``experts.{e}.gate_proj.weight`` load into row ``e``).
+    With ``tp``, ``intermediate_size`` is the full one and each rank holds its ``1 / size``
+    of every expert's columns (:meth:`tp_pieces`); the output is then this rank's partial
+    sum (the caller all-reduces). Without it, the sizes are taken as given.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.tp = tp
+        self.intermediate_size = intermediate_size
+        local = intermediate_size if tp is None else tp.part(intermediate_size, "expert columns")
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+
+    def tp_pieces(self) -> dict[str, RowPieces]:
+        """One expert's checkpoint slice per stacked parameter (none without ``tp``)."""
+        return _expert_pieces(self.tp, self.intermediate_size, ("gate_proj", "up_proj"))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``x (n, hidden)`` -> ``(n, hidden)``."""
@@ -180,14 +197,29 @@ class GatedExperts(nn.Module):
 class PlainExperts(nn.Module):
     """Non-gated experts (Nemotron-H): ``down_e(relu(up_e x) ** 2)``.
 
-    ``up_proj (E, I, hidden)``, ``down_proj (E, hidden, I)``.
+    ``up_proj (E, I, hidden)``, ``down_proj (E, hidden, I)``; ``tp`` as in
+    :class:`GatedExperts`.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.tp = tp
+        self.intermediate_size = intermediate_size
+        local = intermediate_size if tp is None else tp.part(intermediate_size, "expert columns")
+        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+
+    def tp_pieces(self) -> dict[str, RowPieces]:
+        """One expert's checkpoint slice per stacked parameter (none without ``tp``)."""
+        return _expert_pieces(self.tp, self.intermediate_size, ("up_proj",))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``x (n, hidden)`` -> ``(n, hidden)``."""
@@ -196,6 +228,17 @@ class PlainExperts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``x (T, hidden)`` -> routed mixture ``(T, hidden)``."""
         return dispatch(x, routing, self.num_experts, self.expert)
+
+
+def _expert_pieces(
+    tp: TPGroup | None, intermediate_size: int, inputs: tuple[str, ...]
+) -> dict[str, RowPieces]:
+    """A rank's slice of one expert's checkpoint tensors: rows of the ``inputs`` projections
+    ``(I, hidden)``, columns of ``down_proj (hidden, I)``."""
+    if tp is None:
+        return {}
+    rows = RowPieces.split([intermediate_size], tp, "expert columns")
+    return {**{name: rows for name in inputs}, "down_proj": RowPieces(1, rows.pieces)}
 
 
 class ClampedSwigluExperts(nn.Module):

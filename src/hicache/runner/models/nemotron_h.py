@@ -2,6 +2,12 @@
 (``M`` Mamba2, ``*`` attention without RoPE, ``-`` ReLU² MLP, ``E`` MoE), each
 ``x += mixer(rms(x))``. The MoE routes with grouped sigmoid scores (DeepSeek-V3 style) over
 non-gated ReLU² experts and always adds a shared expert. Checkpoint prefix ``backbone.``.
+
+Tensor parallelism (:meth:`NemotronHLM.build` on a ``tp`` group): attention split by heads,
+Mamba2 by whole groups with their heads (:mod:`.mamba2`: the gated norm's groups stay
+whole), the MLP's, every expert's and the shared expert's intermediate columns split
+(router replicated; one all-reduce per MoE), embedding and LM head vocab-parallel. Sizes
+that must divide: :meth:`NemotronHConfig.check_tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -13,13 +19,14 @@ import torch
 from torch import nn
 
 from hicache.runner.models.attention import AttentionContext
-from hicache.runner.models.config import UnsupportedModelError
+from hicache.runner.models.config import UnsupportedModelError, check_split
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.layers import PlainMLP, RMSNorm
 from hicache.runner.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hicache.runner.models.moe import PlainExperts, Router, RoutingConfig, RoutingMode
 from hicache.runner.models.recurrent import RecurrentContext, StateSpec
 from hicache.runner.models.sliding import AttentionSpec, WindowedAttention
+from hicache.runner.parallel import TPGroup, VocabParallelEmbedding
 
 __all__ = ["NemotronHConfig", "NemotronHLM"]
 
@@ -35,6 +42,24 @@ class NemotronHConfig(HybridConfig):
     routing: RoutingConfig | None
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming the numbers unless ``size`` ranks split the attention heads
+        (:meth:`HybridConfig.check_attention_split`), the Mamba2 groups (whole groups with their
+        heads: the gated norm normalizes per group) and the intermediate sizes of the
+        layers the model has."""
+        self.check_attention_split(size)
+        sizes = (
+            [("n_groups", self.mamba.n_groups)] if "linear_attention" in self.layer_kinds else []
+        )
+        if "mlp" in self.layer_kinds:
+            sizes.append(("intermediate_size", self.intermediate_size))
+        if "moe" in self.layer_kinds:
+            sizes += [
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("moe_shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            ]
+        check_split(size, sizes, self.family)
 
     @classmethod
     def from_hf(cls, hf: Any) -> NemotronHConfig:
@@ -95,32 +120,42 @@ class NemotronHConfig(HybridConfig):
 class NemotronHMoE(nn.Module):
     """``mixer.gate`` router, ``mixer.experts`` and ``mixer.shared_experts``."""
 
-    def __init__(self, cfg: NemotronHConfig) -> None:
+    def __init__(self, cfg: NemotronHConfig, tp: TPGroup) -> None:
         super().__init__()
         assert cfg.routing is not None
+        self.tp = tp
         self.gate = Router(cfg.hidden_size, cfg.routing)
         self.experts = PlainExperts(
-            cfg.routing.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+            cfg.routing.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp=tp
         )
         self.shared_experts = PlainMLP(
-            cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.mlp_bias, cfg.mlp_act
+            cfg.hidden_size,
+            cfg.shared_expert_intermediate_size,
+            cfg.mlp_bias,
+            cfg.mlp_act,
+            tp=tp,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (T, hidden)`` -> ``(T, hidden)``."""
-        return self.experts(x, self.gate(x)) + self.shared_experts(x)
+        """``x (T, hidden)`` -> ``(T, hidden)``; over ``tp`` the routed and shared partial
+        sums are all-reduced once (the shared expert's bias added after)."""
+        if self.tp.size == 1:
+            return self.experts(x, self.gate(x)) + self.shared_experts(x)
+        y = self.tp.all_reduce(self.experts(x, self.gate(x)) + self.shared_experts.partial(x))
+        bias = self.shared_experts.down_proj.bias
+        return y if bias is None else y + bias
 
 
 class NemotronHBlock(nn.Module):
     """``x += mixer(norm(x))`` with the mixer of this layer's kind."""
 
-    def __init__(self, cfg: NemotronHConfig, layer_id: int) -> None:
+    def __init__(self, cfg: NemotronHConfig, layer_id: int, tp: TPGroup) -> None:
         super().__init__()
         self.kind = cfg.layer_kinds[layer_id]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer: nn.Module
         if self.kind == "linear_attention":
-            self.mixer = Mamba2Mixer(cfg.mamba, layer_id)
+            self.mixer = Mamba2Mixer(cfg.mamba, layer_id, tp)
         elif self.kind == "full_attention":
             self.mixer = WindowedAttention(
                 AttentionSpec(
@@ -131,12 +166,15 @@ class NemotronHBlock(nn.Module):
                     kv_layer=cfg.kv_index(layer_id),
                     rms_norm_eps=cfg.rms_norm_eps,
                     rotary_dim=0,
-                )
+                ),
+                tp,
             )
         elif self.kind == "moe":
-            self.mixer = NemotronHMoE(cfg)
+            self.mixer = NemotronHMoE(cfg, tp)
         else:
-            self.mixer = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_act)
+            self.mixer = PlainMLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_act, tp=tp
+            )
 
     def forward(
         self, x: torch.Tensor, rope: None, ctx: AttentionContext, rctx: RecurrentContext
@@ -157,14 +195,14 @@ class NemotronHBody(nn.Module):
     """``backbone.*`` in checkpoints: ``embeddings``, ``layers``, ``norm_f`` (also read as
     the frame's ``embed_tokens`` and ``norm``)."""
 
-    def __init__(self, cfg: NemotronHConfig) -> None:
+    def __init__(self, cfg: NemotronHConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(cfg, i) for i in range(cfg.num_layers))
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> VocabParallelEmbedding:
         return self.embeddings
 
     @property
@@ -173,13 +211,14 @@ class NemotronHBody(nn.Module):
 
 
 class NemotronHLM(HybridLM):
-    """Nemotron-H causal LM: attention K/V in the pool, Mamba2 state carried."""
+    """Nemotron-H causal LM: attention K/V in the pool, Mamba2 state carried; on ``tp``, this
+    rank's shard (see the module doc) and its heads' state."""
 
     config: NemotronHConfig
 
-    def __init__(self, cfg: NemotronHConfig) -> None:
-        super().__init__(cfg)
-        self.backbone = NemotronHBody(cfg)
+    def __init__(self, cfg: NemotronHConfig, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, tp)
+        self.backbone = NemotronHBody(cfg, self.tp)
         self._build_head()
 
     def body(self) -> NemotronHBody:
@@ -190,4 +229,5 @@ class NemotronHLM(HybridLM):
         return None
 
     def recurrent_state(self) -> StateSpec:
-        return self.config.mamba.state
+        """This rank's Mamba2 state: its groups' conv channels, its heads."""
+        return self.config.mamba.split(self.tp).state

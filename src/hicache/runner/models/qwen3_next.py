@@ -2,6 +2,13 @@
 gated full-attention layers (sigmoid output gate, partial RoPE, q/k norms), with a routed
 MoE (softmax top-k) plus a sigmoid-gated shared expert, or a dense MLP on ``mlp_only_layers``.
 All norms are ``rms(x) * (1 + w)`` except DeltaNet's gated output norm.
+
+Tensor parallelism (:meth:`Qwen3NextLM.build` on a ``tp`` group): attention split by heads
+(the output gate with its head), DeltaNet by key heads with their value heads and conv
+channels (:mod:`.gated_deltanet`), the dense MLP's, every expert's and the shared expert's
+intermediate columns split (router and shared-expert gate replicated; one all-reduce per
+MoE), embedding and LM head vocab-parallel. Sizes that must divide:
+:meth:`Qwen3NextConfig.check_tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import torch
 from torch import nn
 
 from hicache.runner.models.attention import AttentionContext
-from hicache.runner.models.config import HybridRopeConfig, UnsupportedModelError
+from hicache.runner.models.config import HybridRopeConfig, UnsupportedModelError, check_split
 from hicache.runner.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from hicache.runner.models.hybrid import HybridBody, HybridConfig, HybridLM
 from hicache.runner.models.layers import GatedMLP
@@ -22,6 +29,7 @@ from hicache.runner.models.norms import OffsetRMSNorm
 from hicache.runner.models.recurrent import RecurrentContext, StateSpec
 from hicache.runner.models.rope import RotaryEmbedding
 from hicache.runner.models.sliding import AttentionSpec, WindowedAttention
+from hicache.runner.parallel import TPGroup, VocabParallelEmbedding
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextLM"]
 
@@ -41,6 +49,23 @@ class Qwen3NextConfig(HybridConfig):
     rotary_dim: int
     linear: GatedDeltaNetSpec
     attention_bias: bool = False
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming the numbers unless ``size`` ranks split the attention heads
+        (:meth:`HybridConfig.check_attention_split`), the DeltaNet key heads (each rank takes its key
+        heads with their value heads) and the MLP, expert and shared-expert intermediate
+        sizes."""
+        self.check_attention_split(size)
+        check_split(
+            size,
+            [
+                ("linear_num_key_heads", self.linear.num_k_heads),
+                ("intermediate_size", self.intermediate_size),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            ],
+            self.family,
+        )
 
     @classmethod
     def from_hf(cls, hf: Any) -> Qwen3NextConfig:
@@ -92,10 +117,13 @@ class Qwen3NextConfig(HybridConfig):
 
 
 class Qwen3NextMoE(nn.Module):
-    """``mlp.gate`` router, ``mlp.experts``, ``mlp.shared_expert`` and its sigmoid gate."""
+    """``mlp.gate`` router, ``mlp.experts``, ``mlp.shared_expert`` and its sigmoid gate;
+    over ``tp`` the experts' and the shared expert's columns split, their partial sums
+    all-reduced once (the gate is a per-token scalar: it scales each rank's share)."""
 
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
+    def __init__(self, cfg: Qwen3NextConfig, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         routing = RoutingConfig(
             mode=RoutingMode.SOFTMAX_TOPK,
             num_experts=cfg.num_experts,
@@ -103,20 +131,27 @@ class Qwen3NextMoE(nn.Module):
             renormalize=cfg.norm_topk_prob,
         )
         self.gate = Router(cfg.hidden_size, routing)
-        self.experts = GatedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, False)
+        self.experts = GatedExperts(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp=tp
+        )
+        self.shared_expert = GatedMLP(
+            cfg.hidden_size, cfg.shared_expert_intermediate_size, False, tp=tp
+        )
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``."""
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, self.gate(x)) + shared
+        if self.tp.size == 1:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return self.experts(x, self.gate(x)) + shared
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+        return self.tp.all_reduce(self.experts(x, self.gate(x)) + shared)
 
 
 class Qwen3NextLayer(nn.Module):
     """Pre-norm block: DeltaNet or gated attention, then MoE or dense MLP."""
 
-    def __init__(self, cfg: Qwen3NextConfig, layer_id: int) -> None:
+    def __init__(self, cfg: Qwen3NextConfig, layer_id: int, tp: TPGroup) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(h, eps)
@@ -124,7 +159,7 @@ class Qwen3NextLayer(nn.Module):
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: WindowedAttention | None = None
         if cfg.layer_kinds[layer_id] == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg.linear, layer_id)
+            self.linear_attn = GatedDeltaNet(cfg.linear, layer_id, tp)
         else:
             self.self_attn = WindowedAttention(
                 AttentionSpec(
@@ -139,12 +174,13 @@ class Qwen3NextLayer(nn.Module):
                     output_gate=True,
                     qkv_bias=cfg.attention_bias,
                     o_bias=cfg.attention_bias,
-                )
+                ),
+                tp,
             )
         self.mlp: nn.Module = (
-            Qwen3NextMoE(cfg)
+            Qwen3NextMoE(cfg, tp)
             if layer_id in cfg.moe_layers
-            else GatedMLP(h, cfg.intermediate_size, False)
+            else GatedMLP(h, cfg.intermediate_size, False, tp=tp)
         )
 
     def forward(
@@ -166,19 +202,22 @@ class Qwen3NextLayer(nn.Module):
 
 
 class Qwen3NextLM(HybridLM):
-    """Qwen3-Next causal LM: K/V of the attention layers in the pool, DeltaNet state carried."""
+    """Qwen3-Next causal LM: K/V of the attention layers in the pool, DeltaNet state carried;
+    on ``tp``, this rank's shard (see the module doc) and its heads' state."""
 
     config: Qwen3NextConfig
 
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: Qwen3NextConfig, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, tp)
         self.model = HybridBody(
             cfg,
-            (Qwen3NextLayer(cfg, i) for i in range(cfg.num_layers)),
+            (Qwen3NextLayer(cfg, i, self.tp) for i in range(cfg.num_layers)),
             OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=self.tp),
         )
         self._build_head()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
 
     def recurrent_state(self) -> StateSpec:
-        return self.config.linear.state
+        """This rank's DeltaNet state: its key heads' conv channels, its value heads."""
+        return self.config.linear.split(self.tp).state

@@ -21,15 +21,15 @@ this forward). Two placements:
   for a layer-wise load (``layer_wait(split_layer)``): the SWA pages a hit needs are
   copied before the forward.
 
+Tensor parallelism (``tp``, default one rank): each rank holds its query heads and K/V
+heads (:class:`~hicache.heads.HeadSplit`: K/V heads replicated when ranks outnumber them);
+``q_proj`` rows by query head (the gate with its head), ``k_proj``/``v_proj`` rows by K/V
+head (head-parallel linears), ``sinks`` by query head, ``o_proj`` row-parallel (one
+all-reduce). Its pool holds
+its own K/V heads.
+
 Sinks (GPT-OSS): each head has a learned logit that joins the softmax's denominator and
 contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
-
-Tensor parallelism (a :class:`~hicache.runner.parallel.TPGroup` of ``size`` ranks): the
-heads split as :class:`~hicache.heads.HeadSplit` says, ``q/k/v_proj`` column-parallel
-(each rank's rows are whole heads; with an output gate, whole ``[q | gate]`` heads),
-``o_proj`` row-parallel over them (its bias added once, after the sum), the sinks of the
-rank's query heads only; the pool holds the rank's K/V heads. More ranks than K/V heads
-(replication) is refused, naming the heads.
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class WindowedAttention(nn.Module):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, first: int
     ) -> torch.Tensor:
-        """``q (H, n, D)`` at positions ``prefix ..``; ``k``/``v (Hkv, L, D)`` at ``first ..``."""
+        """``q (H, n, D)`` at positions ``prefix ..``; ``k``/``v (Hkv, L, D)`` at ``first ..``
+        (this rank's heads)."""
         n, length, device = q.shape[1], k.shape[1], q.device
         q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
         k_pos = torch.arange(first, first + length, device=device)[None, :]
