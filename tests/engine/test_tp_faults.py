@@ -5,8 +5,9 @@ rank process its own store), flushes L1 and L2, and attaches the same stores aga
 rank 1's backend faulty (``fault_rank``): slow, its lookups failing, or its reads timing
 out. For each prefetch policy the prompts are served again from L3: every answer equals
 transformers', the ranks' digests stay equal (one agreed hit length: what rank 1 cannot
-serve, no rank reads), and nothing hangs. Hybrid families run the same scenarios (their
-sliding-window and recurrent-state records are L3 records too).
+serve, no rank reads), and nothing hangs. On the tiny Llama and on Qwen3-Next, a hybrid
+whose recurrent-state snapshots (sharded by heads) are L3 records beside its full KV: a
+hit resumes only where every rank can read both.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ FAULTS: dict[str, dict[str, Any]] = {
     "lookup_fail": {"fail_after": 0},
     "read_timeout": {"get_delay_s": 0.5, "timeout_s": 0.25},
 }
-MODELS = ("tiny-random-llama",)
+MODELS = ("tiny-random-llama", "tiny-random-qwen3-next")
 
 
 def config(name: str) -> EngineConfig:
@@ -51,6 +52,7 @@ def config(name: str) -> EngineConfig:
             hicache_ratio=4.0,
             load_back_threshold=0,
             write_policy="write_through",
+            max_mamba_cache_size=8,  # Qwen3-Next's snapshots (unused by the others)
         ),
         scheduler=SchedulerConfig(max_running_requests=2, chunked_prefill_size=16),
         context_length=64,

@@ -5,8 +5,10 @@ Asserted at the end: every request finished (none failed) within the wall-clock 
 rank 0's pools hold only cached pages (nothing held by a request or in flight), every
 rank's digest of its tree and scheduler is rank 0's, and L1 and L2 really evicted (so the
 agreement ran over evictions, L2 copies and L3 traffic). One run on the tiny Llama
-(MHA, a shard of the K/V heads per rank, L3 a shard per rank) and one on the tiny
-DeepSeek-V3.2 (MLA latent, whole on every rank, plus the DSA indexer component).
+(MHA, a shard of the K/V heads per rank), one on the tiny DeepSeek-V3.2 (MLA latent,
+whole on every rank, plus the DSA indexer component) and one per hybrid family (Gemma 3
+and GPT-OSS: full and SWA pages; Qwen3-Next and Nemotron-H: full pages and recurrent-state
+snapshots), each component sharded by heads.
 """
 
 from __future__ import annotations
@@ -23,8 +25,18 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 needs 2 
 BOUND_S = 120.0
 
 
+HYBRIDS = {
+    "tiny-random-gemma3": "swa",
+    "tiny-random-gpt-oss": "swa",
+    "tiny-random-qwen3-next": "mamba",
+    "tiny-random-nemotron-h": "mamba",
+}
+
+
 @pytest.mark.parametrize(
-    ("model", "prompts"), [("tiny-random-llama", 48), ("tiny-random-deepseek-v32", 48)]
+    ("model", "prompts"),
+    [("tiny-random-llama", 48), ("tiny-random-deepseek-v32", 48)]
+    + [(name, 48) for name in HYBRIDS],
 )
 def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) -> None:
     cfg = StressConfig(
@@ -52,6 +64,8 @@ def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) 
     assert r.l3_backup_tokens > 0
     assert len(r.peak_rss_mib) == 2 and all(m > 0 for m in r.peak_rss_mib)
     assert r.agreement_us_per_step is not None and r.agreement_us_per_step > 0
+    if model in HYBRIDS:
+        assert HYBRIDS[model] in r.components
     if model == "tiny-random-deepseek-v32":
         assert "indexer" in r.components and r.l3_backup_indexer_pages > 0
     assert any(Path(tmp_path).rglob("*")), "nothing was written to L3"

@@ -70,9 +70,9 @@ __all__ = [
 ]
 
 DEFAULT_MODELS = ("tiny-random-deepseek-v32", "tiny-random-llama")
-"""MLA latent + the DSA indexer, and MHA (the tiny Llama's 2 K/V heads split over 2 ranks
-at most: at 4 ranks its run is refused with the numbers; ``tiny-random-deepseek-v2``
-splits over 4)."""
+"""MLA latent + the DSA indexer, and MHA (the tiny Llama's 2 K/V heads split over 2 ranks,
+replicated over 4). For 16 ranks: the ``tiny-random-*-wide`` models
+(:data:`~hicache.runner.checkpoints.TINY_WIDE_MODELS`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
