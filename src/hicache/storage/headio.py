@@ -1,0 +1,155 @@
+"""Head records: a page of a ``records="head"`` namespace as one L3 record per K/V head.
+
+The seam between one logical key per page (what the cache and the controller work with)
+and the records a backend stores (``docs/l3-keys.md``, "Head records"): page key ``k``
+maps to the records :func:`hicache.keys.head_key` ``(k, j)`` of the K/V heads ``j`` a rank
+holds, in page-major order (page 0's heads, then page 1's, ...), so a backend's run of
+present records from the first covers ``run // heads`` whole pages.
+
+Payload of head ``j``'s record: the page's values of that head alone, per kind
+concatenated in kind order (K then V), each kind in the host layout's order with the head
+dimension dropped: ``page_first`` ``(page_size, L, D)``, ``page_first_direct`` and
+``layer_first`` ``(L, page_size, D)``; ``K * L * page_size * D`` values in the pool's dtype.
+It is byte for byte the page payload of a one-head pool of that layout, so the records of
+every TP size agree.
+
+A head is a strided slice of the page in every layout, so :class:`HeadPages` is always
+staged: a set gathers the pages (``HostPool.read_pages``, canonical) and copies each head's
+slice into one contiguous row per record; a get reads the records into rows and
+:meth:`HeadPages.commit` scatters only the pages whose every head record was good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hicache.config import MemLayout
+from hicache.heads import HeadSplit
+from hicache.keys import PageKey, head_key
+from hicache.memory import HostPool
+from hicache.storage.pageio import Payloads, byte_view
+from hicache.storage.stats import SetOutcome
+
+__all__ = ["HeadPages", "check_split", "head_record_bytes", "page_outcomes", "record_keys"]
+
+
+def head_record_bytes(host: HostPool) -> int:
+    """Payload bytes of one head record of ``host``'s pages."""
+    return host.page_bytes // host.spec.heads
+
+
+def record_keys(keys: Sequence[PageKey], kv_heads: Sequence[int]) -> list[PageKey]:
+    """The head records of ``keys``, page-major: ``head_key(keys[i], kv_heads[j])`` at
+    ``i * len(kv_heads) + j``."""
+    return [head_key(k, h) for k in keys for h in kv_heads]
+
+
+def page_outcomes(per_record: Sequence[SetOutcome], heads: int) -> list[SetOutcome]:
+    """One outcome per page from its ``heads`` records' (page-major): FAILED when any
+    failed, else WRITTEN when any was written, else SKIPPED (every record present)."""
+    out: list[SetOutcome] = []
+    for i in range(0, len(per_record), heads):
+        got = per_record[i : i + heads]
+        if SetOutcome.FAILED in got:
+            out.append(SetOutcome.FAILED)
+        elif SetOutcome.WRITTEN in got:
+            out.append(SetOutcome.WRITTEN)
+        else:
+            out.append(SetOutcome.SKIPPED)
+    return out
+
+
+class HeadPages(Payloads):
+    """The head records of ``pages`` of ``host``: item ``i * len(local) + j`` is local head
+    ``local[j]`` (an index into the pool's ``H`` heads) of ``pages[i]``.
+
+    A get must cover every head of the pool (a page is usable only whole); a set may name
+    a subset (the heads this rank writes). ``zero_copy`` is False: items are staged rows.
+    """
+
+    def __init__(
+        self,
+        host: HostPool,
+        pages: Sequence[int] | torch.Tensor,
+        local: Sequence[int],
+        *,
+        for_get: bool,
+    ) -> None:
+        idx = host.check_pages(
+            pages if isinstance(pages, torch.Tensor) else list(pages), unique=for_get
+        )
+        heads = host.spec.heads
+        if not all(0 <= j < heads for j in local) or len(set(local)) != len(local):
+            raise ValueError(f"local heads {list(local)} must be distinct, in [0, {heads})")
+        if for_get and sorted(local) != list(range(heads)):
+            raise ValueError(f"a get reads every head of the pool ({heads}), got {list(local)}")
+        self.host = host
+        self.pages: list[int] = idx.tolist()
+        self.local = list(local)
+        self.payload_len = head_record_bytes(host)
+        self.zero_copy = False
+        self._for_get = for_get
+        n, nh = len(self.pages), len(self.local)
+        if for_get or not self.pages or not nh:
+            self._stage = torch.empty((n * nh, self.payload_len), dtype=torch.uint8)
+            return
+        data = host.read_pages(idx)  # (n, K, L, ps, H, D), canonical CPU copy
+        if nh != heads:
+            data = data[:, :, :, :, self.local]
+        data = data.permute(0, 4, 1, 2, 3, 5)  # (n, h, K, L, ps, D)
+        if host.layout is MemLayout.PAGE_FIRST:
+            data = data.transpose(3, 4)  # (n, h, K, ps, L, D)
+        self._stage = data.contiguous().view(torch.uint8).reshape(n * nh, -1)
+
+    @property
+    def heads(self) -> int:
+        """Records per page."""
+        return len(self.local)
+
+    def __len__(self) -> int:
+        return len(self.pages) * len(self.local)
+
+    def tensors(self, i: int) -> list[torch.Tensor]:
+        """Item ``i``'s staging row (flat ``uint8``)."""
+        return [self._stage[i]]
+
+    def parts(self, i: int) -> list[memoryview]:
+        return [byte_view(self._stage[i])]
+
+    def page_ok(self, ok: Sequence[bool]) -> list[bool]:
+        """Per page: every one of its head records ``ok``."""
+        nh = len(self.local)
+        return [all(ok[i * nh : (i + 1) * nh]) for i in range(len(self.pages))]
+
+    def commit(self, ok: Sequence[bool]) -> None:
+        """After a get: scatter the pages whose every head record is good into the pool."""
+        if not self._for_get:
+            return
+        good = [i for i, flag in enumerate(self.page_ok(ok)) if flag]
+        if not good:
+            return
+        host, spec, nh = self.host, self.host.spec, len(self.local)
+        ps, nl = host.page_size, spec.num_layers
+        inner = (ps, nl) if host.layout is MemLayout.PAGE_FIRST else (nl, ps)
+        rows = self._stage.view(len(self.pages), nh, -1)[torch.tensor(good, dtype=torch.int64)]
+        data = rows.view(host.dtype).reshape(len(good), nh, spec.num_kv, *inner, spec.dim)
+        if host.layout is MemLayout.PAGE_FIRST:
+            data = data.transpose(3, 4)  # (g, h, K, L, ps, D)
+        data = data.permute(0, 2, 3, 4, 1, 5)  # (g, K, L, ps, h, D), local order
+        if self.local != list(range(nh)):
+            data = data[:, :, :, :, torch.tensor(self.local).argsort()]
+        host.write_pages(
+            torch.tensor([self.pages[i] for i in good], dtype=torch.int64), data.contiguous()
+        )
+
+
+
+def check_split(heads: HeadSplit, host: HostPool) -> None:
+    """ValueError unless ``host`` holds the ``heads.local_kv_heads`` heads of the split."""
+    if heads.local_kv_heads != host.spec.heads:
+        raise ValueError(
+            f"the host pool holds {host.spec.heads} K/V heads but the rank's head split"
+            f" {heads} holds {heads.local_kv_heads}"
+        )
