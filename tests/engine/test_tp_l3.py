@@ -5,9 +5,10 @@
   by other prompts) and from a file L3 after ``flush_cache``; rank 0 alone writes the latent
   records, every rank reads them (equal rank digests), and a TP 1 server on the same L3
   hits all of them (latent KV does not depend on TP).
-* MHA (Llama) at TP 2: each rank writes its own shard's records; a second TP 2 server
-  reuses them; a TP 1 server on the same L3 misses cleanly (its namespace differs) and
-  still answers exactly.
+* MHA (Llama, 2 K/V heads) with head records: a TP 2 server writes one record per page
+  and K/V head; a second TP 2 server and a TP 1 server hit every full page and answer
+  exactly; a TP 1 server's records serve TP 2 and, once the engine serves TP 4 (each K/V
+  head replicated on two ranks), TP 4 too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.tp_fit import check_tp_model
 from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 from tests.runner.models import deepseek_fixtures as v2
 from tests.runner.models import deepseek_v32_fixtures as v32
@@ -33,6 +35,7 @@ PAGE = 4
 PROMPT_LEN = 33  # prompt[:-1] is matched: 8 whole pages
 MATCHED = 32
 NEW = 6
+PAGES = (PROMPT_LEN + NEW - 1) // PAGE  # whole pages a request caches (its last token unfed)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
@@ -129,14 +132,51 @@ def test_mla_at_tp2_one_writer_and_tp1_reuses_the_records(model: str, tmp_path: 
     assert l3_files(tmp_path) == written  # the TP 1 server found every record present
 
 
-def test_mha_l3_is_per_rank_and_per_tp_size(tmp_path: Path) -> None:
+def tp_refused(size: int) -> str | None:
+    """Why the engine refuses tiny-random-llama at TP ``size`` (None: it serves it)."""
+    try:
+        check_tp_model("tiny-random-llama", size)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_mha_head_records_serve_every_tp_size(tmp_path: Path) -> None:
+    """TP 2 writes one record per page and K/V head (2 heads, one per rank); a second TP 2
+    server and a TP 1 server hit every full page and answer exactly as transformers."""
     path, prompt, want = MODELS["llama"]
     with Engine(config(path(), 2, tmp_path)) as engine:
         serve_through_every_tier(engine, "llama")
+    written = l3_files(tmp_path)
+    assert written == 2 * 3 * PAGES  # 3 requests' pages, one record per K/V head
     a = prompt(0)
-    with Engine(config(path(), 2, tmp_path)) as second:  # same TP size: its records
+    with Engine(config(path(), 2, tmp_path)) as second:  # same TP size
         again = second.generate(a, GREEDY, timeout=120)
         assert again.cached.storage == MATCHED and again.output_ids == want(a)
-    with Engine(config(path(), 1, tmp_path)) as tp1:  # another TP size: a clean miss
-        miss = tp1.generate(a, GREEDY, timeout=120)
-        assert miss.error is None and miss.cached.total == 0 and miss.output_ids == want(a)
+    with Engine(config(path(), 1, tmp_path)) as tp1:  # one rank gathers both heads
+        hit = tp1.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
+        assert tp1.flush_cache()
+    assert l3_files(tmp_path) == written  # the TP 1 server found every record present
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_mha_tp1_records_serve_tp2_and_tp4(size: int, tmp_path: Path) -> None:
+    """TP 1 writes the records; TP 2 (one head per rank) and TP 4 (each head replicated
+    on two ranks, the lower one its writer) hit every full page and answer exactly. The
+    TP 4 case runs once the engine serves TP 4 for this model (K/V heads replicated)."""
+    refused = tp_refused(size)
+    if refused is not None:
+        pytest.skip(refused)
+    path, prompt, want = MODELS["llama"]
+    a = prompt(0)
+    with Engine(config(path(), 1, tmp_path)) as tp1:
+        assert tp1.generate(a, GREEDY, timeout=120).output_ids == want(a)
+        assert tp1.flush_cache()
+    written = l3_files(tmp_path)
+    assert written == 2 * PAGES
+    with Engine(config(path(), size, tmp_path)) as engine:
+        hit = engine.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
+        assert engine.flush_cache()
+    assert l3_files(tmp_path) == written  # every record was present: none written again

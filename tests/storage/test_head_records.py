@@ -83,9 +83,8 @@ def test_namespace_of_head_records_drops_the_rank() -> None:
             page_size=PS,
             records=HEAD_RECORDS,
         )
-    with pytest.raises(Exception, match="use_heads"):
-        with MemoryStorage(n) as st:
-            st.batch_exists(keys(MemLayout.PAGE_FIRST))
+    with pytest.raises(Exception, match="use_heads"), MemoryStorage(n) as st:
+        st.batch_exists(keys(MemLayout.PAGE_FIRST))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)

@@ -145,7 +145,6 @@ class HeadPages(Payloads):
         )
 
 
-
 def check_split(heads: HeadSplit, host: HostPool) -> None:
     """ValueError unless ``host`` holds the ``heads.local_kv_heads`` heads of the split."""
     if heads.local_kv_heads != host.spec.heads:
