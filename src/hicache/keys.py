@@ -48,6 +48,8 @@ __all__ = [
     "KEY_PREFIX",
     "KEY_SPEC_VERSION",
     "PAGE_RECORDS",
+    "PREVIOUS_SPEC_VERSION",
+    "RECORDS",
     "TOKEN_ID_LIMIT",
     "Namespace",
     "PageKey",

@@ -24,7 +24,8 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.keys import PageKey
+from hicache.heads import HeadSplit
+from hicache.keys import PageKey, head_key
 from hicache.storage.backends.aibrix import AibrixStorage
 from hicache.storage.backends.file import FileStorage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
@@ -39,6 +40,7 @@ MODEL = "tiny-random-llama"
 PAGE = 4
 PROMPT = [(7 * i + 11) % 4000 + 100 for i in range(81)]  # 81 tokens: 20 whole pages + 1
 FULL = 80  # prompt[:-1] is matched: 20 pages
+KV_HEADS = 2  # the model's K/V heads: each page is one L3 record per head
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -101,9 +103,9 @@ def test_flush_then_replay_is_served_from_file_storage(
         assert replay.output_ids == reference
         stats = engine.call(lambda: cache_stats(engine.cache)).result()
         assert stats.counters["storage_hit_tokens_total"] == FULL
-        assert stats.storage.get_hits == FULL // PAGE
+        assert stats.storage.get_hits == KV_HEADS * FULL // PAGE  # records
         clean(engine)
-    assert len(list(tmp_path.rglob("*"))) > FULL // PAGE
+    assert len(list(tmp_path.rglob("*"))) > KV_HEADS * FULL // PAGE
 
 
 def test_file_storage_survives_restart_and_is_shared_across_processes(
@@ -198,7 +200,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert l3 is not None
         storage = l3.controller.storage
         keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
-        victim = storage.path_of(keys[5].key)  # type: ignore[attr-defined]
+        victim = storage.path_of(head_key(keys[5], 1).key)  # type: ignore[attr-defined]
         data = bytearray(victim.read_bytes())
         data[-3] ^= 0xFF  # a payload byte
         victim.write_bytes(bytes(data))
@@ -212,11 +214,14 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert l3 is not None and engine.cache.full.host_pool is not None
         keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
-            l3.controller.storage.path_of(k.key).unlink(missing_ok=True)  # type: ignore[attr-defined]
+            for h in range(KV_HEADS):
+                path = l3.controller.storage.path_of(head_key(k, h).key)  # type: ignore[attr-defined]
+                path.unlink(missing_ok=True)
         foreign = dataclasses.replace(l3.namespace, model="another-model")
         with create_storage(
             "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
         ) as other:
+            other.use_heads(HeadSplit(KV_HEADS, KV_HEADS))
             assert other.batch_set(keys, engine.cache.full.host_pool, list(range(len(keys)))).all_ok
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
@@ -224,13 +229,14 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         clean(engine)
 
 
-def corrupt_record(engine: Engine, key: PageKey) -> None:
-    """Damage ``key``'s record in the engine's L3 store itself: flip a payload byte
+def corrupt_record(engine: Engine, page: PageKey) -> None:
+    """Damage the record of K/V head 0 of page key ``page`` in the engine's L3 store itself: flip a payload byte
     (``file`` and ``nixl``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
     whose client cannot read a record back without a local buffer)."""
     l3 = engine.cache.storage
     assert l3 is not None
     st = l3.controller.storage
+    key = head_key(page, 0)
     if isinstance(st, FileStorage):
         path = st.path_of(key.key)
         data = bytearray(path.read_bytes())
@@ -252,7 +258,7 @@ def corrupt_record(engine: Engine, key: PageKey) -> None:
         store = st._store
         assert store.remove(key.key, True) == 0
         assert engine.cache.full.host_pool is not None
-        size = record_size(engine.cache.full.host_pool.page_bytes)
+        size = record_size(engine.cache.full.host_pool.page_bytes // KV_HEADS)
         arena = st._arenas.take(size)
         assert arena is not None
         assert store.batch_put_from([key.key], [arena.addr], [size]) == [0]

@@ -14,9 +14,9 @@ It is byte for byte the page payload of a one-head pool of that layout, so the r
 every TP size agree.
 
 A head is a strided slice of the page in every layout, so :class:`HeadPages` is always
-staged: a set gathers the pages (``HostPool.read_pages``, canonical) and copies each head's
-slice into one contiguous row per record; a get reads the records into rows and
-:meth:`HeadPages.commit` scatters only the pages whose every head record was good.
+staged: a set copies each page's kinds (:func:`kind_views`, windows of the pool's buffer)
+into one contiguous row per head record; a get reads the records into rows and
+:meth:`HeadPages.commit` copies back only the pages whose every head record was good.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from hicache.memory import HostPool
 from hicache.storage.pageio import Payloads, byte_view
 from hicache.storage.stats import SetOutcome
 
-__all__ = ["HeadPages", "check_split", "head_record_bytes", "page_outcomes", "record_keys"]
+__all__ = [
+    "HeadPages",
+    "check_split",
+    "head_record_bytes",
+    "kind_views",
+    "page_outcomes",
+    "record_keys",
+]
 
 
 def head_record_bytes(host: HostPool) -> int:
@@ -61,12 +68,39 @@ def page_outcomes(per_record: Sequence[SetOutcome], heads: int) -> list[SetOutco
     return out
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (last dim contiguous) with its last dim viewed as the widest integer words
+    that divide its bytes: the same memory, copied by torch as plain words (a strided
+    copy of ``bfloat16`` values runs some thousand times slower than of ``int16`` on CPU)."""
+    raw = t.view(torch.uint8)
+    width = raw.shape[-1]
+    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if width % size == 0:
+            return raw.view(word)
+    return raw
+
+
+def kind_views(host: HostPool, page: int) -> list[torch.Tensor]:
+    """Views of ``page`` of ``host``, one per kind, ``(A, B, H, D)`` with ``(A, B)`` the
+    layout's order of a head record (``page_first`` ``(page_size, L)``, else
+    ``(L, page_size)``): each a strided window of the pool's buffer, no copy."""
+    ps = host.page_size
+    buf = host.buffer
+    kinds = range(host.spec.num_kv)
+    if host.layout is MemLayout.PAGE_FIRST:
+        return [buf[k, page * ps : (page + 1) * ps] for k in kinds]
+    if host.layout is MemLayout.PAGE_FIRST_DIRECT:
+        return [buf[k, page] for k in kinds]
+    return [buf[k, :, page * ps : (page + 1) * ps] for k in kinds]
+
+
 class HeadPages(Payloads):
     """The head records of ``pages`` of ``host``: item ``i * len(local) + j`` is local head
     ``local[j]`` (an index into the pool's ``H`` heads) of ``pages[i]``.
 
     A get must cover every head of the pool (a page is usable only whole); a set may name
-    a subset (the heads this rank writes). ``zero_copy`` is False: items are staged rows.
+    a subset (the heads this rank writes). ``zero_copy`` is False: items are rows of one
+    staging buffer, copied from / to the pool's pages one page and kind at a time.
     """
 
     def __init__(
@@ -92,16 +126,23 @@ class HeadPages(Payloads):
         self.zero_copy = False
         self._for_get = for_get
         n, nh = len(self.pages), len(self.local)
-        if for_get or not self.pages or not nh:
-            self._stage = torch.empty((n * nh, self.payload_len), dtype=torch.uint8)
+        self._stage = torch.empty((n * nh, self.payload_len), dtype=torch.uint8)
+        if for_get or not n or not nh:
             return
-        data = host.read_pages(idx)  # (n, K, L, ps, H, D), canonical CPU copy
-        if nh != heads:
-            data = data[:, :, :, :, self.local]
-        data = data.permute(0, 4, 1, 2, 3, 5)  # (n, h, K, L, ps, D)
-        if host.layout is MemLayout.PAGE_FIRST:
-            data = data.transpose(3, 4)  # (n, h, K, ps, L, D)
-        self._stage = data.contiguous().view(torch.uint8).reshape(n * nh, -1)
+        rows = self._rows()
+        sel = None if self.local == list(range(heads)) else torch.tensor(self.local)
+        for i, page in enumerate(self.pages):
+            for k, view in enumerate(kind_views(host, page)):
+                v = _words(view if sel is None else view.index_select(2, sel))
+                rows[i, :, k].copy_(v.permute(2, 0, 1, 3))
+
+    def _rows(self) -> torch.Tensor:
+        """The staging buffer as ``(n, h, K, A, B, D)`` values of the pool's dtype."""
+        host, spec = self.host, self.host.spec
+        ps, nl = host.page_size, spec.num_layers
+        inner = (ps, nl) if host.layout is MemLayout.PAGE_FIRST else (nl, ps)
+        shape = (len(self.pages), len(self.local), spec.num_kv, *inner, spec.dim)
+        return _words(self._stage.view(host.dtype).view(shape))
 
     @property
     def heads(self) -> int:
@@ -124,25 +165,18 @@ class HeadPages(Payloads):
         return [all(ok[i * nh : (i + 1) * nh]) for i in range(len(self.pages))]
 
     def commit(self, ok: Sequence[bool]) -> None:
-        """After a get: scatter the pages whose every head record is good into the pool."""
-        if not self._for_get:
+        """After a get: copy the pages whose every head record is good into the pool."""
+        if not self._for_get or not self.pages:
             return
-        good = [i for i, flag in enumerate(self.page_ok(ok)) if flag]
-        if not good:
-            return
-        host, spec, nh = self.host, self.host.spec, len(self.local)
-        ps, nl = host.page_size, spec.num_layers
-        inner = (ps, nl) if host.layout is MemLayout.PAGE_FIRST else (nl, ps)
-        rows = self._stage.view(len(self.pages), nh, -1)[torch.tensor(good, dtype=torch.int64)]
-        data = rows.view(host.dtype).reshape(len(good), nh, spec.num_kv, *inner, spec.dim)
-        if host.layout is MemLayout.PAGE_FIRST:
-            data = data.transpose(3, 4)  # (g, h, K, L, ps, D)
-        data = data.permute(0, 2, 3, 4, 1, 5)  # (g, K, L, ps, h, D), local order
-        if self.local != list(range(nh)):
-            data = data[:, :, :, :, torch.tensor(self.local).argsort()]
-        host.write_pages(
-            torch.tensor([self.pages[i] for i in good], dtype=torch.int64), data.contiguous()
-        )
+        rows = self._rows()
+        order = torch.tensor(self.local).argsort()  # record j of a page is local head local[j]
+        in_order = self.local == list(range(len(self.local)))
+        for i, good in enumerate(self.page_ok(ok)):
+            if not good:
+                continue
+            page_rows = rows[i] if in_order else rows[i].index_select(0, order)
+            for k, view in enumerate(kind_views(self.host, self.pages[i])):
+                _words(view).copy_(page_rows[:, k].permute(1, 2, 0, 3))
 
 
 def check_split(heads: HeadSplit, host: HostPool) -> None:
