@@ -25,13 +25,13 @@ from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.heads import HeadSplit
-from hicache.keys import PageKey, head_key
+from hicache.keys import PageKey, head_key, previous_page_key
 from hicache.storage.backends.aibrix import AibrixStorage
 from hicache.storage.backends.file import FileStorage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from hicache.storage.backends.mooncake import MooncakeStorage
 from hicache.storage.backends.redis import RedisStorage
-from hicache.storage.record import HEADER_SIZE, record_size
+from hicache.storage.record import HEADER_SIZE, encode_record, record_size
 from hicache.storage.registry import create_storage
 from tests.helpers.engine_fixtures import engine_model
 from tests.helpers.storage_fixtures import backend_config
@@ -226,6 +226,32 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
         assert engine.call(lambda: cache_stats(engine.cache)).result().storage.miss("foreign") >= 1
+        clean(engine)
+
+
+def test_previous_version_records_are_missed_and_counted(
+    tmp_path: Path, reference: list[int]
+) -> None:
+    """A store holding what a spec-2 engine wrote (one record per page under the rank's
+    own namespace, ``hc2-`` keys) is a clean miss; the lookup that found nothing probes the
+    version-2 key of its first page once and counts it; a lookup that hits probes none."""
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        l3 = engine.cache.storage
+        assert l3 is not None
+        st = l3.controller.storage
+        assert isinstance(st, FileStorage)
+        old = previous_page_key(l3.namespace.previous_digest(1, 0), PROMPT[:PAGE], PAGE)
+        path = st.path_of(old.key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_record(old.namespace_digest, old.fingerprint, [b"\0" * 64]))
+        first = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert first.cached.total == 0 and first.output_ids == reference
+        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.previous == 1
+        settle(engine)
+        again = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert again.cached.storage == FULL and again.output_ids == reference
+        stats = engine.call(lambda: cache_stats(engine.cache)).result().storage
+        assert stats.previous == 1 and stats.miss("stale") == 0
         clean(engine)
 
 
