@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hicache.config import MemLayout
@@ -68,16 +69,18 @@ def page_outcomes(per_record: Sequence[SetOutcome], heads: int) -> list[SetOutco
     return out
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (last dim contiguous) with its last dim viewed as the widest integer words
-    that divide its bytes: the same memory, copied by torch as plain words (a strided
-    copy of ``bfloat16`` values runs some thousand times slower than of ``int16`` on CPU)."""
+def _words(t: torch.Tensor) -> np.ndarray:
+    """``t`` (a CPU tensor, last dim contiguous) as a numpy array of the widest integer
+    words that divide its last dim's bytes: the same memory. Copies go through numpy
+    (one thread, plain words): torch's strided copy of ``bfloat16`` values runs some
+    thousand times slower than of integer words on CPU, and its intra-op threads, when
+    the cores are busy, some ten times slower than one thread."""
     raw = t.view(torch.uint8)
     width = raw.shape[-1]
     for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if width % size == 0:
-            return raw.view(word)
-    return raw
+            return raw.view(word).numpy()
+    return raw.numpy()
 
 
 def kind_views(host: HostPool, page: int) -> list[torch.Tensor]:
@@ -134,9 +137,9 @@ class HeadPages(Payloads):
         for i, page in enumerate(self.pages):
             for k, view in enumerate(kind_views(host, page)):
                 v = _words(view if sel is None else view.index_select(2, sel))
-                rows[i, :, k].copy_(v.permute(2, 0, 1, 3))
+                np.copyto(rows[i, :, k], v.transpose(2, 0, 1, 3))
 
-    def _rows(self) -> torch.Tensor:
+    def _rows(self) -> np.ndarray:
         """The staging buffer as ``(n, h, K, A, B, D)`` values of the pool's dtype."""
         host, spec = self.host, self.host.spec
         ps, nl = host.page_size, spec.num_layers
@@ -169,14 +172,14 @@ class HeadPages(Payloads):
         if not self._for_get or not self.pages:
             return
         rows = self._rows()
-        order = torch.tensor(self.local).argsort()  # record j of a page is local head local[j]
+        order = np.argsort(self.local)  # record j of a page is local head local[j]
         in_order = self.local == list(range(len(self.local)))
         for i, good in enumerate(self.page_ok(ok)):
             if not good:
                 continue
-            page_rows = rows[i] if in_order else rows[i].index_select(0, order)
+            page_rows = rows[i] if in_order else rows[i][order]
             for k, view in enumerate(kind_views(self.host, self.pages[i])):
-                _words(view).copy_(page_rows[:, k].permute(1, 2, 0, 3))
+                np.copyto(_words(view), page_rows[:, k].transpose(1, 2, 0, 3))
 
 
 def check_split(heads: HeadSplit, host: HostPool) -> None:
