@@ -20,6 +20,7 @@ from hicache.keys import (
 )
 from hicache.memory import HostPool
 from hicache.storage import MemoryStorage, MemoryStore
+from hicache.storage.headio import StageCache
 from hicache.storage.record import HEADER_SIZE, encode_record
 
 H, KV, L, D, PS = 4, 2, 3, 4, 2  # query heads, K/V heads, layers, head dim, page size
@@ -200,3 +201,15 @@ def test_previous_version_records_are_counted_never_read() -> None:
         wrong = previous_page_key(ns(layout).previous_digest(2, 0), tokens[:PS], PS)
         assert not st.probe_previous(wrong)
         assert st.stats().previous == 1
+
+
+def test_stage_cache_reuses_the_largest_buffers() -> None:
+    cache = StageCache(keep=1)
+    a = cache.take(100)
+    cache.give(a)
+    b = cache.take(60)  # a view of the kept buffer
+    assert b.numel() == 60 and b.data_ptr() == a.data_ptr()
+    cache.give(b)
+    cache.give(torch.empty(10, dtype=torch.uint8))  # smaller: not kept beside the 100
+    assert cache.take(100).data_ptr() == a.data_ptr()
+    assert cache.take(100).data_ptr() != a.data_ptr()  # taken: a new one

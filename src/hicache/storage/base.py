@@ -75,7 +75,13 @@ from hicache.keys import HEAD_RECORDS, Namespace, PageKey
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.headio import HeadPages, check_split, page_outcomes, record_keys
+from hicache.storage.headio import (
+    HeadPages,
+    StageCache,
+    check_split,
+    page_outcomes,
+    record_keys,
+)
 from hicache.storage.heal import BadRecords
 from hicache.storage.pageio import HostPages, Payloads
 from hicache.storage.record import HEADER_SIZE
@@ -183,6 +189,8 @@ class HiCacheStorage(ABC):
         self._slot_digests: set[bytes] = set()
         """Namespaces of components whose records are whole slots, never split per head."""
         self._heads: HeadSplit | None = None
+        self._stages = StageCache()
+        """Staging buffers of head-record batches, reused once no call can touch them."""
         self._stats = StatsRecorder(self.name, self._options.stall_s)
         self._bad = BadRecords()
         """Keys whose record a read found replaceable: the next write overwrites them."""
@@ -376,10 +384,18 @@ class HiCacheStorage(ABC):
         if split is None:
             return self._get_payloads(keys, HostPages(host, pages, for_get=True))
         check_split(split, host)
-        hp = HeadPages(host, pages, range(split.local_kv_heads), for_get=True)
+        hp = HeadPages(host, pages, range(split.local_kv_heads), for_get=True, stages=self._stages)
         if len(keys) != len(hp.pages):
             raise ValueError(f"{len(keys)} keys but {len(hp.pages)} pages; they must pair up")
-        return hp.page_ok(self._get_payloads(record_keys(keys, split.kv_heads), hp))
+        ok = hp.page_ok(self._get_payloads(record_keys(keys, split.kv_heads), hp))
+        self._restage(hp)
+        return ok
+
+    def _restage(self, hp: HeadPages) -> None:
+        """Keep ``hp``'s staging buffer for reuse unless a call that overran its deadline
+        may still write (or read) it."""
+        if self.host_writes_settled(0):
+            self._stages.give(hp.stage)
 
     def batch_get_state(
         self, keys: Sequence[PageKey], pool: StatePool, slots: Sequence[int] | torch.Tensor
@@ -468,9 +484,10 @@ class HiCacheStorage(ABC):
             raise ValueError(f"{len(keys)} keys but {n} pages; they must pair up")
         if not mine:  # a replica: a lower rank writes these heads
             return SetResult.of([SetOutcome.SKIPPED] * n)
-        hp = HeadPages(host, pages, mine, for_get=False)
+        hp = HeadPages(host, pages, mine, for_get=False, stages=self._stages)
         written = [split.kv_heads[j] for j in mine]
         per_record = self._set_payloads(record_keys(keys, written), hp)
+        self._restage(hp)
         return SetResult.of(page_outcomes(per_record.outcomes, len(mine)))
 
     def batch_set_state(

@@ -21,6 +21,7 @@ into one contiguous row per head record; a get reads the records into rows and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from hicache.storage.stats import SetOutcome
 
 __all__ = [
     "HeadPages",
+    "StageCache",
     "check_split",
     "head_record_bytes",
     "kind_views",
@@ -97,6 +99,34 @@ def kind_views(host: HostPool, page: int) -> list[torch.Tensor]:
     return [buf[k, :, page * ps : (page + 1) * ps] for k in kinds]
 
 
+class StageCache:
+    """Staging buffers kept for reuse (at most ``keep``; the largest kept): a fresh buffer
+    of a batch's size costs its page faults on first touch, several times the copy
+    itself. A buffer goes back only once no backend call can still touch it (the caller
+    asks :meth:`HiCacheStorage.host_writes_settled` first)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` buffer of exactly ``nbytes`` (a view of a kept one, or new)."""
+        with self._lock:
+            for i, t in enumerate(self._free):
+                if t.numel() >= nbytes:
+                    return self._free.pop(i)[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s whole buffer for a later :meth:`take`."""
+        base = t if t._base is None else t._base
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: -b.numel())
+            del self._free[self._keep :]
+
+
 class HeadPages(Payloads):
     """The head records of ``pages`` of ``host``: item ``i * len(local) + j`` is local head
     ``local[j]`` (an index into the pool's ``H`` heads) of ``pages[i]``.
@@ -113,6 +143,7 @@ class HeadPages(Payloads):
         local: Sequence[int],
         *,
         for_get: bool,
+        stages: StageCache | None = None,
     ) -> None:
         idx = host.check_pages(
             pages if isinstance(pages, torch.Tensor) else list(pages), unique=for_get
@@ -129,7 +160,11 @@ class HeadPages(Payloads):
         self.zero_copy = False
         self._for_get = for_get
         n, nh = len(self.pages), len(self.local)
-        self._stage = torch.empty((n * nh, self.payload_len), dtype=torch.uint8)
+        size = n * nh * self.payload_len
+        flat = torch.empty(size, dtype=torch.uint8) if stages is None else stages.take(size)
+        self.stage = flat
+        """The flat staging buffer (give it back to its cache once no call touches it)."""
+        self._stage = flat.view(n * nh, self.payload_len)
         if for_get or not n or not nh:
             return
         rows = self._rows()
