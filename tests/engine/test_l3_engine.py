@@ -287,6 +287,7 @@ def corrupt_record(engine: Engine, page: PageKey) -> None:
         size = record_size(engine.cache.full.host_pool.page_bytes // KV_HEADS)
         arena = st._arenas.take(size)
         assert arena is not None
+        arena.tensor[:size].zero_()  # a reused arena holds the records it last staged
         assert store.batch_put_from([key.key], [arena.addr], [size]) == [0]
         arena.release()
         arena.release()
