@@ -1,15 +1,20 @@
 """The L3 page-key spec: chained SHA-256 over page tokens under a namespace digest.
 
-See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec version 2):
+See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec version 3):
 
 - The :class:`Namespace` pins everything that changes a page's bytes or who may read it:
   model name and weights fingerprint, KV dtype, host layout, page size, tensor-parallel size
-  and rank (rank omitted for MLA, where every rank holds the same latent), the cache
-  component, and a tenant salt. Its canonical encoding is compact, key-sorted ASCII JSON
-  that includes ``"spec": 2``; its *digest* is the SHA-256 of that encoding (32 bytes).
+  and rank (omitted for MLA, where every rank holds the same latent, and for MHA head
+  records, where each record holds one K/V head whatever the TP size), how a page is split
+  into records (``records``: ``"page"`` or ``"head"``), the cache component, and a tenant
+  salt. Its canonical encoding is compact, key-sorted ASCII JSON that includes
+  ``"spec": 3``; its *digest* is the SHA-256 of that encoding (32 bytes).
 - Page ``i`` (1-based) of a token sequence gets ``h_i = sha256(h_{i-1} || tokens_i)`` with
   ``h_0`` = the namespace digest and ``tokens_i`` the page's ``page_size`` token ids as
-  unsigned 32-bit little-endian integers. The key string is ``"hc2-" + hex(h_i)``.
+  unsigned 32-bit little-endian integers. The key string is ``"hc3-" + hex(h_i)``.
+- Under a ``"head"`` namespace, page ``i``'s K/V head ``j`` (model numbering) is the record
+  ``h_ij = sha256(h_i || b"kv_head" || u32le(j))`` (:func:`head_key`); the page key ``h_i``
+  itself names no record, it is the logical key the cache works with.
 - A component's record (a recurrent-state snapshot at the end of page ``i``, component
   ``"mamba"``; page ``i``'s sliding-window KV, component ``"swa"``) is keyed like page ``i`` under the same namespace with that ``component``:
   its chain starts at another digest, so it commits to the whole prefix too
@@ -39,21 +44,42 @@ __all__ = [
     "DIGEST_BYTES",
     "FINGERPRINT_BYTES",
     "FULL_COMPONENT",
+    "HEAD_RECORDS",
     "KEY_PREFIX",
     "KEY_SPEC_VERSION",
+    "PAGE_RECORDS",
+    "PREVIOUS_SPEC_VERSION",
+    "RECORDS",
     "TOKEN_ID_LIMIT",
     "Namespace",
     "PageKey",
     "engine_page_key",
+    "head_key",
     "page_keys",
+    "previous_page_key",
     "token_bytes",
     "token_fingerprint",
 ]
 
-KEY_SPEC_VERSION = 2
+KEY_SPEC_VERSION = 3
 """Version of the key and namespace encoding; bumped on any change that alters a key or a
 record (2: component records, such as recurrent-state snapshots, in their own namespace
-component; a version-1 record reads as a miss)."""
+component; 3: the ``records`` field, MHA pages stored as one record per K/V head under a
+namespace without TP size or rank; a record of another version reads as a miss)."""
+
+PREVIOUS_SPEC_VERSION = 2
+"""The spec version before this one, whose records a reader may still meet (and counts:
+:func:`previous_page_key`)."""
+
+PAGE_RECORDS = "page"
+"""``Namespace.records``: one record per page holding the page as the writer's pool holds
+it (a rank's shard of the heads when ``tp_rank`` is set, the whole latent for MLA)."""
+
+HEAD_RECORDS = "head"
+"""``Namespace.records``: one record per page and K/V head (:func:`head_key`), the same
+for every TP size; ``tp_size`` 1 and ``tp_rank`` null."""
+
+RECORDS = (PAGE_RECORDS, HEAD_RECORDS)
 
 FULL_COMPONENT = "full"
 """The namespace component of full-attention KV pages."""
@@ -73,9 +99,11 @@ class Namespace:
     """Everything that must match for an L3 page to be reusable.
 
     Two engines share L3 pages exactly when their namespaces are equal. ``tp_rank`` is
-    ``None`` when every rank stores the same bytes (MLA), and then ``tp_size`` is 1: such
-    bytes do not depend on the tensor-parallel size, so servers of any size share them;
-    use :meth:`for_spec` to get that right from a :class:`~hicache.config.KVSpec`. ``tenant_salt`` is the request's
+    ``None`` when a record's bytes do not depend on the rank (MLA, where every rank holds
+    the same latent; ``records="head"``, where a record holds one K/V head), and then
+    ``tp_size`` is 1: such bytes do not depend on the tensor-parallel size either, so
+    servers of any size share them; use :meth:`for_spec` to get that right from a
+    :class:`~hicache.config.KVSpec`. ``tenant_salt`` is the request's
     ``cache_salt`` (``""`` for none): different salts never share pages.
     """
 
@@ -86,6 +114,9 @@ class Namespace:
     page_size: int
     tp_size: int = 1
     tp_rank: int | None = 0
+    records: str = PAGE_RECORDS
+    """How a page is split into records: ``"page"`` (one record, the pool's page) or
+    ``"head"`` (one record per K/V head, :func:`head_key`; ``tp_rank`` must be null)."""
     component: str = FULL_COMPONENT
     tenant_salt: str = ""
     engine_layout: str = ""
@@ -123,6 +154,13 @@ class Namespace:
             self.tp_size,
             "must be 1 when tp_rank is None (bytes every rank holds do not depend on TP)",
         )
+        require(self.records in RECORDS, "records", self.records, f"choose one of {RECORDS}")
+        require(
+            self.records == PAGE_RECORDS or self.tp_rank is None,
+            "tp_rank",
+            self.tp_rank,
+            'must be None with records="head" (a head record does not depend on the rank)',
+        )
 
     @classmethod
     def for_spec(
@@ -137,13 +175,17 @@ class Namespace:
         tp_rank: int = 0,
         component: str = FULL_COMPONENT,
         tenant_salt: str = "",
+        head_records: bool = False,
     ) -> Namespace:
         """The namespace of one rank's cache of shape ``spec``.
 
         Takes the dtype from ``spec``; for MLA the rank and the size are dropped
         (``tp_rank=None``, ``tp_size=1``): the latent KV does not depend on tensor
         parallelism, so every rank of every TP size shares one namespace (and only rank 0
-        of a group writes L3).
+        of a group writes L3). ``head_records`` (MHA; the engine's choice): one record per
+        K/V head (``records="head"``), the rank and the size dropped too, so servers of
+        every TP size share the records (the lowest rank holding a head writes it,
+        :class:`~hicache.heads.HeadSplit`); ignored for MLA, whose latent is one record.
         """
         require(
             is_int(tp_rank) and is_int(tp_size) and 0 <= tp_rank < tp_size,
@@ -151,7 +193,9 @@ class Namespace:
             tp_rank,
             f"must be an int in [0, {tp_size})",
         )
-        shared = spec.attention is AttentionKind.MLA
+        mla = spec.attention is AttentionKind.MLA
+        heads = head_records and not mla
+        shared = mla or heads
         rank: int | None = None if shared else tp_rank
         return cls(
             model=model,
@@ -161,6 +205,7 @@ class Namespace:
             page_size=page_size,
             tp_size=1 if shared else tp_size,
             tp_rank=rank,
+            records=HEAD_RECORDS if heads else PAGE_RECORDS,
             component=component,
             tenant_salt=tenant_salt,
         )
@@ -168,8 +213,22 @@ class Namespace:
     def encode(self) -> bytes:
         """Canonical encoding: compact, key-sorted, ASCII-only JSON of the fields and spec
         (``engine_layout`` only when set)."""
+        doc = self._fields(KEY_SPEC_VERSION)
+        doc["records"] = self.records
+        return _canonical(doc)
+
+    def previous_digest(self, tp_size: int, tp_rank: int | None) -> bytes:
+        """The digest a spec-2 engine gave this namespace on rank ``tp_rank`` of
+        ``tp_size`` (``records`` did not exist; ``tp_size`` / ``tp_rank`` as that engine
+        had them: the rank's for MHA, 1 / None for MLA): where its records lie, for
+        :func:`previous_page_key`."""
+        doc = self._fields(PREVIOUS_SPEC_VERSION)
+        doc["tp_size"], doc["tp_rank"] = tp_size, tp_rank
+        return hashlib.sha256(_canonical(doc)).digest()
+
+    def _fields(self, spec: int) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "spec": KEY_SPEC_VERSION,
+            "spec": spec,
             "model": self.model,
             "weights_fingerprint": self.weights_fingerprint,
             "kv_dtype": self.kv_dtype,
@@ -182,8 +241,7 @@ class Namespace:
         }
         if self.engine_layout:
             doc["engine_layout"] = self.engine_layout
-        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return text.encode("ascii")
+        return doc
 
     @cached_property
     def digest(self) -> bytes:
@@ -200,12 +258,28 @@ class Namespace:
         pages)."""
         return dataclasses.replace(self, component=component)
 
+    def for_slots(self, tp_size: int, tp_rank: int) -> Namespace:
+        """The namespace of records that hold rank ``tp_rank`` of ``tp_size``'s shard of
+        whole state slots (a recurrent model's snapshots, split by heads but recorded a
+        slot per key): under ``records="head"``, page records of that rank and size (a
+        shard no other TP size can read); a ``"page"`` namespace is already per rank and
+        is returned as it is."""
+        if self.records == PAGE_RECORDS:
+            return self
+        return dataclasses.replace(self, records=PAGE_RECORDS, tp_size=tp_size, tp_rank=tp_rank)
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    """Compact, key-sorted, ASCII-only JSON of ``doc``."""
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii")
+
 
 @dataclass(frozen=True, slots=True)
 class PageKey:
     """The L3 key of one whole page.
 
-    ``key`` is the string backends store under (``"hc2-"`` + 64 hex digits); ``digest`` is
+    ``key`` is the string backends store under (``"hc3-"`` + 64 hex digits); ``digest`` is
     the raw chained hash (32 bytes) from which the next page's key is chained;
     ``fingerprint`` is the first 8 bytes of ``sha256`` of this page's tokens alone.
     """
@@ -266,7 +340,7 @@ def engine_page_key(namespace: Namespace, engine_key: bytes) -> PageKey:
     """The key of a page another engine names by a hash of its own (``engine_key``: SGLang's
     page hash as UTF-8, vLLM's offload key), under ``namespace`` (whose ``engine_layout``
     names that engine's page format): ``h = sha256(namespace digest || engine_key)``, key
-    ``"hc2-" + hex(h)``, fingerprint the first 8 bytes of ``sha256(engine_key)`` (such an
+    ``"hc3-" + hex(h)``, fingerprint the first 8 bytes of ``sha256(engine_key)`` (such an
     engine gives no tokens; its hash already commits to the prefix). See
     ``docs/l3-keys.md``, "Keys for SGLang pages"."""
     digest = namespace.digest
@@ -279,3 +353,33 @@ def token_bytes(tokens: TokenIds | Any) -> bytes:
     """Token ids as u32 little-endian bytes, strictly checked (no bools): the codec of
     :func:`hicache.tokens.encode_tokens`, under the name this module always exported."""
     return encode_tokens(tokens, strict=True)
+
+
+HEAD_TAG = b"kv_head"
+"""Bytes between a page's chained hash and the head index in :func:`head_key`'s input."""
+
+
+def head_key(page: PageKey, kv_head: int) -> PageKey:
+    """The key of K/V head ``kv_head``'s record (model numbering) of the page keyed
+    ``page`` under a ``records="head"`` namespace: ``h = sha256(page.digest || b"kv_head"
+    || u32le(kv_head))``, key ``"hc3-" + hex(h)``; the page's fingerprint and namespace
+    digest (every head record of a page carries the page's header fields)."""
+    require(is_int(kv_head) and 0 <= kv_head < TOKEN_ID_LIMIT, "kv_head", kv_head, "must be a u32")
+    h = hashlib.sha256(page.digest + HEAD_TAG + kv_head.to_bytes(4, "little")).digest()
+    return PageKey(KEY_PREFIX + h.hex(), h, page.fingerprint, page.namespace_digest)
+
+
+def previous_page_key(digest: bytes, tokens: TokenIds | Any, page_size: int) -> PageKey:
+    """The spec-2 key of the last whole page of ``tokens`` (from the first token), chained
+    from ``digest`` (:meth:`Namespace.previous_digest`): ``"hc2-" + hex(h)``. A reader
+    probes it to count records an engine of the previous version left
+    (``StorageStats.previous``); it never reads them."""
+    raw = encode_tokens(tokens, strict=True)
+    step = TOKEN_BYTES * page_size
+    n = len(raw) // step
+    require(n >= 1, "tokens", len(raw) // TOKEN_BYTES, f"must hold a whole page of {page_size}")
+    h = digest
+    for i in range(n):
+        h = hashlib.sha256(h + raw[i * step : (i + 1) * step]).digest()
+    fp = hashlib.sha256(raw[(n - 1) * step : n * step]).digest()[:FINGERPRINT_BYTES]
+    return PageKey(f"hc{PREVIOUS_SPEC_VERSION}-" + h.hex(), h, fp, digest)

@@ -58,3 +58,24 @@ def test_bench_nixl_runs_beside_raw_nixl(tmp_path: Path) -> None:
     assert raw == [64 << 10] * 4  # the page bytes alone, one file each
     records = [p for p in (tmp_path / "d" / "hicache-nixl").rglob("hc*") if p.is_file()]
     assert sorted(p.stat().st_size for p in records) == [(64 << 10) + 64] * 4
+
+
+def test_bench_head_records_beside_page_records(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--backends", "file", "--objects", "4", "--repeat", "1", "--records", "page,head"]
+    argv += ["--spec", "3,2,16,float32", "--page-tokens", "4"]
+    assert main([*argv, "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["object_bytes"] == 4 * 2 * 3 * 2 * 16 * 4  # tokens x K,V x L x H x D x fp32
+    got = [(r["records"], r["records_per_page"], r["op"]) for r in doc["results"]]
+    assert got == [("page", 1, "put"), ("page", 1, "get"), ("head", 2, "put"), ("head", 2, "get")]
+    records = [p for p in (tmp_path / "d" / "hicache").rglob("hc3-*") if p.is_file()]
+    sizes = sorted(p.stat().st_size for p in records)
+    assert sizes == [64 + 1536] * 8 + [64 + 3072] * 4  # 4 pages: 2 head records or 1 page
+
+
+def test_bench_rejects_bad_records_or_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--backends", "file", "--records", "rank"]) == 2
+    assert main(["--backends", "file", "--spec", "3,2"]) == 2
+    assert main(["--backends", "file", "--spec", "3,2,16,int8"]) == 2
+    assert "error:" in capsys.readouterr().err

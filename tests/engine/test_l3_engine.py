@@ -24,13 +24,14 @@ from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.keys import PageKey
+from hicache.heads import HeadSplit
+from hicache.keys import PageKey, head_key, previous_page_key
 from hicache.storage.backends.aibrix import AibrixStorage
 from hicache.storage.backends.file import FileStorage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from hicache.storage.backends.mooncake import MooncakeStorage
 from hicache.storage.backends.redis import RedisStorage
-from hicache.storage.record import HEADER_SIZE, record_size
+from hicache.storage.record import HEADER_SIZE, encode_record, record_size
 from hicache.storage.registry import create_storage
 from tests.helpers.engine_fixtures import engine_model
 from tests.helpers.storage_fixtures import backend_config
@@ -39,6 +40,7 @@ MODEL = "tiny-random-llama"
 PAGE = 4
 PROMPT = [(7 * i + 11) % 4000 + 100 for i in range(81)]  # 81 tokens: 20 whole pages + 1
 FULL = 80  # prompt[:-1] is matched: 20 pages
+KV_HEADS = 2  # the model's K/V heads: each page is one L3 record per head
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -101,9 +103,9 @@ def test_flush_then_replay_is_served_from_file_storage(
         assert replay.output_ids == reference
         stats = engine.call(lambda: cache_stats(engine.cache)).result()
         assert stats.counters["storage_hit_tokens_total"] == FULL
-        assert stats.storage.get_hits == FULL // PAGE
+        assert stats.storage.get_hits == KV_HEADS * FULL // PAGE  # records
         clean(engine)
-    assert len(list(tmp_path.rglob("*"))) > FULL // PAGE
+    assert len(list(tmp_path.rglob("*"))) > KV_HEADS * FULL // PAGE
 
 
 def test_file_storage_survives_restart_and_is_shared_across_processes(
@@ -198,7 +200,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert l3 is not None
         storage = l3.controller.storage
         keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
-        victim = storage.path_of(keys[5].key)  # type: ignore[attr-defined]
+        victim = storage.path_of(head_key(keys[5], 1).key)  # type: ignore[attr-defined]
         data = bytearray(victim.read_bytes())
         data[-3] ^= 0xFF  # a payload byte
         victim.write_bytes(bytes(data))
@@ -212,11 +214,14 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert l3 is not None and engine.cache.full.host_pool is not None
         keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
-            l3.controller.storage.path_of(k.key).unlink(missing_ok=True)  # type: ignore[attr-defined]
+            for h in range(KV_HEADS):
+                path = l3.controller.storage.path_of(head_key(k, h).key)  # type: ignore[attr-defined]
+                path.unlink(missing_ok=True)
         foreign = dataclasses.replace(l3.namespace, model="another-model")
         with create_storage(
             "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
         ) as other:
+            other.use_heads(HeadSplit(KV_HEADS, KV_HEADS))
             assert other.batch_set(keys, engine.cache.full.host_pool, list(range(len(keys)))).all_ok
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
@@ -224,13 +229,40 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         clean(engine)
 
 
-def corrupt_record(engine: Engine, key: PageKey) -> None:
-    """Damage ``key``'s record in the engine's L3 store itself: flip a payload byte
+def test_previous_version_records_are_missed_and_counted(
+    tmp_path: Path, reference: list[int]
+) -> None:
+    """A store holding what a spec-2 engine wrote (one record per page under the rank's
+    own namespace, ``hc2-`` keys) is a clean miss; the lookup that found nothing probes the
+    version-2 key of its first page once and counts it; a lookup that hits probes none."""
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        l3 = engine.cache.storage
+        assert l3 is not None
+        st = l3.controller.storage
+        assert isinstance(st, FileStorage)
+        old = previous_page_key(l3.namespace.previous_digest(1, 0), PROMPT[:PAGE], PAGE)
+        path = st.path_of(old.key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_record(old.namespace_digest, old.fingerprint, [b"\0" * 64]))
+        first = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert first.cached.total == 0 and first.output_ids == reference
+        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.previous == 1
+        settle(engine)
+        again = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert again.cached.storage == FULL and again.output_ids == reference
+        stats = engine.call(lambda: cache_stats(engine.cache)).result().storage
+        assert stats.previous == 1 and stats.miss("stale") == 0
+        clean(engine)
+
+
+def corrupt_record(engine: Engine, page: PageKey) -> None:
+    """Damage the record of K/V head 0 of page key ``page`` in the engine's L3 store itself: flip a payload byte
     (``file`` and ``nixl``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
     whose client cannot read a record back without a local buffer)."""
     l3 = engine.cache.storage
     assert l3 is not None
     st = l3.controller.storage
+    key = head_key(page, 0)
     if isinstance(st, FileStorage):
         path = st.path_of(key.key)
         data = bytearray(path.read_bytes())
@@ -252,9 +284,10 @@ def corrupt_record(engine: Engine, key: PageKey) -> None:
         store = st._store
         assert store.remove(key.key, True) == 0
         assert engine.cache.full.host_pool is not None
-        size = record_size(engine.cache.full.host_pool.page_bytes)
+        size = record_size(engine.cache.full.host_pool.page_bytes // KV_HEADS)
         arena = st._arenas.take(size)
         assert arena is not None
+        arena.tensor[:size].zero_()  # a reused arena holds the records it last staged
         assert store.batch_put_from([key.key], [arena.addr], [size]) == [0]
         arena.release()
         arena.release()

@@ -334,8 +334,9 @@ def test_step_records_pickle_and_rebuild_the_params() -> None:
     assert back == rec and back.sampling == params and back.prompt_ids == (1, 2)
 
 
-def test_tp2_l3_per_rank_shards_and_runtime_attach(tmp_path: Path) -> None:
-    """File L3 at TP 2: each rank writes its own shard under its own namespace; after
+def test_tp2_l3_head_records_and_runtime_attach(tmp_path: Path) -> None:
+    """File L3 at TP 2: each rank writes the records of its K/V head (one per page and
+    head, under the namespace every TP size shares); after
     ``flush_cache`` the replay is served from L3 with transformers' output; a detach and
     a runtime attach (step-input records, applied by every rank) serve it again."""
     name = "tiny-random-llama"
@@ -365,5 +366,5 @@ def test_tp2_l3_per_rank_shards_and_runtime_attach(tmp_path: Path) -> None:
     assert time.monotonic() - closing < 15
     assert [p.exitcode for p in procs] == [0]
     assert engine.rank_failure is None
-    namespaces = {p.parent for p in tmp_path.rglob("*") if p.is_file()}
-    assert len(namespaces) >= 2, sorted(str(p) for p in tmp_path.rglob("*"))
+    records = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert records and len(records) % 2 == 0  # both heads of every page

@@ -5,12 +5,10 @@
   by other prompts) and from a file L3 after ``flush_cache``; rank 0 alone writes the latent
   records, every rank reads them (equal rank digests), and a TP 1 server on the same L3
   hits all of them (latent KV does not depend on TP).
-* MHA (Llama) at TP 2: each rank writes its own shard's records; a second TP 2 server
-  reuses them; a TP 1 server on the same L3 misses cleanly (its namespace differs) and
-  still answers exactly.
-* MHA (Llama, 2 K/V heads) at TP 4, each K/V head replicated on two ranks: equal to
-  transformers and TP 1 through every tier, every rank writing its records under its own
-  namespace (replicas the same bytes, each its own copy) and reading them back.
+* MHA (Llama, 2 K/V heads) with head records: a TP 2 server writes one record per page
+  and K/V head; a second TP 2 server and a TP 1 server hit every full page and answer
+  exactly; a TP 1 server's records serve TP 2 and, TP 4 (each K/V head replicated on
+  two ranks, the lower one its writer) writes each head's records once and TP 1 reads them.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ from hicache.config import CacheConfig
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.keys import Namespace, page_keys
-from hicache.storage.record import HEADER_SIZE
 from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 from tests.runner.models import deepseek_fixtures as v2
 from tests.runner.models import deepseek_v32_fixtures as v32
@@ -38,6 +34,7 @@ PAGE = 4
 PROMPT_LEN = 33  # prompt[:-1] is matched: 8 whole pages
 MATCHED = 32
 NEW = 6
+PAGES = (PROMPT_LEN + NEW - 1) // PAGE  # whole pages a request caches (its last token unfed)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
@@ -134,51 +131,55 @@ def test_mla_at_tp2_one_writer_and_tp1_reuses_the_records(model: str, tmp_path: 
     assert l3_files(tmp_path) == written  # the TP 1 server found every record present
 
 
-def test_mha_l3_is_per_rank_and_per_tp_size(tmp_path: Path) -> None:
+def test_mha_head_records_serve_every_tp_size(tmp_path: Path) -> None:
+    """TP 2 writes one record per page and K/V head (2 heads, one per rank); a second TP 2
+    server and a TP 1 server hit every full page and answer exactly as transformers."""
     path, prompt, want = MODELS["llama"]
     with Engine(config(path(), 2, tmp_path)) as engine:
         serve_through_every_tier(engine, "llama")
+    written = l3_files(tmp_path)
+    assert written == 2 * 3 * PAGES  # 3 requests' pages, one record per K/V head
     a = prompt(0)
-    with Engine(config(path(), 2, tmp_path)) as second:  # same TP size: its records
+    with Engine(config(path(), 2, tmp_path)) as second:  # same TP size
         again = second.generate(a, GREEDY, timeout=120)
         assert again.cached.storage == MATCHED and again.output_ids == want(a)
-    with Engine(config(path(), 1, tmp_path)) as tp1:  # another TP size: a clean miss
-        miss = tp1.generate(a, GREEDY, timeout=120)
-        assert miss.error is None and miss.cached.total == 0 and miss.output_ids == want(a)
+    with Engine(config(path(), 1, tmp_path)) as tp1:  # one rank gathers both heads
+        hit = tp1.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
+        assert tp1.flush_cache()
+    assert l3_files(tmp_path) == written  # the TP 1 server found every record present
+
+
+def test_mha_tp1_records_serve_tp2(tmp_path: Path) -> None:
+    """TP 1 writes the records; TP 2 (one head per rank) hits every full page and answers
+    exactly (TP 4 reading TP 1's records: tests/storage/test_head_records.py)."""
+    size = 2
+    path, prompt, want = MODELS["llama"]
+    a = prompt(0)
+    with Engine(config(path(), 1, tmp_path)) as tp1:
+        assert tp1.generate(a, GREEDY, timeout=120).output_ids == want(a)
+        assert tp1.flush_cache()
+    written = l3_files(tmp_path)
+    assert written == 2 * PAGES
+    with Engine(config(path(), size, tmp_path)) as engine:
+        hit = engine.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
+        assert engine.flush_cache()
+    assert l3_files(tmp_path) == written  # every record was present: none written again
 
 
 def test_mha_replicated_kv_heads_at_tp4(tmp_path: Path) -> None:
     """Ranks 0 and 1 hold K/V head 0, ranks 2 and 3 head 1. One engine (4 ranks on a
     CPU of 2 cores: few tokens): cold, L1, L2 after eviction and L3 after a flush equal
-    transformers, the rank digests are equal, and TP 1 answers the same. Each rank wrote
-    the prompt's pages under its own namespace, replicas the same payload bytes."""
+    transformers with equal rank digests; each head's records are written once (by ranks
+    0 and 2), and a TP 1 server hits every full page of them."""
     path, prompt, want = MODELS["llama"]
-    l3 = tmp_path / "l3"
-    with Engine(config(path(), 4, l3)) as engine:
+    with Engine(config(path(), 4, tmp_path)) as engine:
         model = engine.model.model
         assert model.tp.size == 4 and model.num_kv_heads == 1
         serve_through_every_tier(engine, "llama")
-        cache, loaded = engine.cache, engine.model
-        spaces = [
-            Namespace.for_spec(
-                cache.spec,
-                model=loaded.name,
-                weights_fingerprint=loaded.fingerprint,
-                layout=cache.config.mem_layout,
-                page_size=PAGE,
-                tp_size=4,
-                tp_rank=rank,
-            )
-            for rank in range(4)
-        ]
+    assert l3_files(tmp_path) == 2 * 3 * PAGES  # 3 requests' pages, one record per K/V head
     a = prompt(0)
-    for page in range(MATCHED // PAGE):
-        payloads = []
-        for ns in spaces:
-            key = page_keys(ns, a[:MATCHED])[page].key
-            record = (l3 / key.rsplit("-", 1)[-1][:2] / key).read_bytes()
-            payloads.append(record[HEADER_SIZE:])
-        assert payloads[0] == payloads[1] and payloads[2] == payloads[3], page
-        assert payloads[0] != payloads[2], page  # two different heads
-    with Engine(config(path(), 1, tmp_path / "tp1"), loaded=engine_model(path())) as tp1:
-        assert tp1.generate(a, GREEDY, timeout=120).output_ids == want(a)
+    with Engine(config(path(), 1, tmp_path), loaded=engine_model(path())) as tp1:
+        hit = tp1.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)

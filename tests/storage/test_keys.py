@@ -20,7 +20,9 @@ from hicache.keys import (
     KEY_SPEC_VERSION,
     Namespace,
     PageKey,
+    head_key,
     page_keys,
+    previous_page_key,
     token_fingerprint,
 )
 
@@ -52,13 +54,16 @@ def test_doc_vectors(vec: dict[str, Any]) -> None:
     keys = page_keys(n, vec["tokens"])
     assert [k.key for k in keys] == vec["keys"]
     assert [k.fingerprint.hex() for k in keys] == vec["fingerprints"]
+    if "head_keys" in vec:
+        heads = range(vec["kv_heads"])
+        assert [[head_key(k, j).key for j in heads] for k in keys] == vec["head_keys"]
 
 
 @pytest.mark.parametrize("vec", doc_vectors(), ids=lambda v: v["name"].split(":")[0])
 def test_doc_vectors_independently(vec: dict[str, Any]) -> None:
     """Recompute the vectors from the spec text with hashlib/struct only."""
     enc = json.dumps(
-        {**vec["namespace"], "spec": 2}, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        {**vec["namespace"], "spec": 3}, sort_keys=True, separators=(",", ":"), ensure_ascii=True
     ).encode()
     assert enc.decode() == vec["encoding"]
     h = hashlib.sha256(enc).digest()
@@ -69,7 +74,13 @@ def test_doc_vectors_independently(vec: dict[str, Any]) -> None:
     for i in range(len(toks) // p):
         page = struct.pack(f"<{p}I", *toks[i * p : (i + 1) * p])
         h = hashlib.sha256(h + page).digest()
-        want.append(("hc2-" + h.hex(), hashlib.sha256(page).digest()[:8].hex()))
+        want.append(("hc3-" + h.hex(), hashlib.sha256(page).digest()[:8].hex()))
+        if "head_keys" in vec:
+            got = [
+                "hc3-" + hashlib.sha256(h + b"kv_head" + struct.pack("<I", j)).hexdigest()
+                for j in range(vec["kv_heads"])
+            ]
+            assert got == vec["head_keys"][i]
     assert [(k, f) for k, f in zip(vec["keys"], vec["fingerprints"], strict=True)] == want
 
 
@@ -195,6 +206,52 @@ def test_for_spec_drops_rank_for_mla() -> None:
     assert m0.digest != m1.digest and m1.tp_rank == 1 and m0.kv_dtype == "float32"
 
 
+def test_head_records_namespace_is_one_for_every_tp_size() -> None:
+    mha = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4)
+    mla = KVSpec(num_layers=2, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4)
+    kw: dict[str, Any] = dict(
+        model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=4
+    )
+    every = {
+        Namespace.for_spec(mha, tp_size=n, tp_rank=r, head_records=True, **kw)
+        for n in (1, 2, 4)
+        for r in range(n)
+    }
+    assert len(every) == 1
+    (one,) = every
+    assert (one.records, one.tp_size, one.tp_rank) == ("head", 1, None)
+    assert one.digest != Namespace.for_spec(mha, **kw).digest  # page records: another key
+    latent = Namespace.for_spec(mla, tp_size=2, tp_rank=1, head_records=True, **kw)
+    assert latent.records == "page" and latent.tp_rank is None  # MLA: one latent record
+    with pytest.raises(ValueError, match="records"):
+        ns(records="rank")
+
+
+def test_head_keys_and_previous_keys() -> None:
+    n = ns(tp_rank=None, records="head")
+    k = page_keys(n, list(range(4)))
+    heads = [head_key(x, j) for x in k for j in range(3)]
+    assert len({h.key for h in heads} | {x.key for x in k}) == 8  # all distinct
+    assert heads[4].fingerprint == k[1].fingerprint and heads[4].namespace_digest == n.digest
+    with pytest.raises(ValueError, match="kv_head"):
+        head_key(k[0], -1)
+    # the previous spec's key: "spec": 2, no records field, the rank's TP fields
+    enc = json.dumps(
+        {**dataclasses.asdict(n), "spec": 2, "tp_size": 2, "tp_rank": 1, "layout": "page_first"},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    doc = json.loads(enc)
+    del doc["records"], doc["engine_layout"]
+    d2 = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).digest()
+    assert n.previous_digest(2, 1) == d2
+    h = d2
+    for i in range(2):
+        h = hashlib.sha256(h + struct.pack("<2I", 2 * i, 2 * i + 1)).digest()
+    old = previous_page_key(d2, list(range(4)), 2)
+    assert old.key == "hc2-" + h.hex() and old.fingerprint == k[1].fingerprint
+
+
 def test_namespace_is_frozen_and_salt_helper() -> None:
     n = ns()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -204,9 +261,9 @@ def test_namespace_is_frozen_and_salt_helper() -> None:
     assert s.with_salt("") == n
 
 
-def test_spec_version_2_and_component_namespaces() -> None:
-    assert KEY_SPEC_VERSION == 2 and KEY_PREFIX == "hc2-"
-    assert b'"spec":2' in ns().encode()
+def test_spec_version_3_and_component_namespaces() -> None:
+    assert KEY_SPEC_VERSION == 3 and KEY_PREFIX == "hc3-"
+    assert b'"spec":3' in ns().encode() and b'"records":"page"' in ns().encode()
     full = ns()
     mamba = full.with_component("mamba")
     assert mamba.component == "mamba" and mamba.with_component("full") == full

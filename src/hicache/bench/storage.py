@@ -16,6 +16,13 @@ through the bare client it wraps:
   registered buffer in one transfer per batch, polled to its end; no record header, no
   checksum, no temp file and rename, no size check, no worker thread.
 
+``--records page,head`` runs the HiCache side once per record split: ``page`` (one record
+per page, as a rank of a per-rank namespace stores it) and ``head`` (one record per page
+and K/V head, the TP-independent MHA records: ``records_per_page`` records of ``1 /
+records_per_page`` the page's bytes, staged per head). ``--spec L,H,D[,dtype]`` sets the KV
+shape and ``--page-tokens`` the page size (e.g. ``--spec 3,2,16,float32 --page-tokens 4``
+is tiny-random-llama's page in the tests).
+
 Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
 ``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
 figure is the median of ``--repeat`` runs. Usage::
@@ -42,8 +49,9 @@ from typing import Any
 import torch
 
 from hicache.bench.report import write_json
-from hicache.config import KVSpec, MemLayout
-from hicache.keys import Namespace, PageKey, page_keys
+from hicache.config import DTYPES, KVSpec, MemLayout
+from hicache.heads import HeadSplit
+from hicache.keys import HEAD_RECORDS, RECORDS, Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
@@ -71,6 +79,9 @@ class BenchResult:
     op: str
     hicache_gbps: float
     raw_gbps: float
+    records: str = "page"
+    """The HiCache side's record split (``page`` or ``head``)."""
+    records_per_page: int = 1
 
     @property
     def ratio(self) -> float:
@@ -275,7 +286,9 @@ class _RawNixl(_Raw):
                 self.agent.deregister_memory(reg)
 
 
-def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[BenchResult]:
+def _run_case(
+    case: _Case, src: HostPool, dst: HostPool, repeat: int, records: str = "page"
+) -> list[BenchResult]:
     n = src.num_pages
     nbytes = n * src.page_bytes
     pages = list(range(n))
@@ -286,15 +299,18 @@ def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[Be
         buf.copy_(torch.cat([v.reshape(-1).view(torch.uint8) for v in src.page_view(p)]))
     for i in range(repeat):
         ns = Namespace.for_spec(
-            SPEC,
+            src.spec,
             model="bench",
             weights_fingerprint=uuid.uuid4().hex,
             layout=src.layout,
             page_size=src.page_size,
+            head_records=records == HEAD_RECORDS,
         )
         keys = page_keys(ns, list(range(n * src.page_size)))
         raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in pages]
         with case.st_factory(ns) as st:
+            if records == HEAD_RECORDS:
+                st.use_heads(HeadSplit(src.spec.heads, src.spec.heads))
 
             def hicache(st: HiCacheStorage = st, keys: list[PageKey] = keys) -> None:
                 put_h.append(
@@ -311,9 +327,10 @@ def _run_case(case: _Case, src: HostPool, dst: HostPool, repeat: int) -> list[Be
             ):  # alternate who goes first
                 step()
     med = statistics.median
+    per_page = src.spec.heads if records == HEAD_RECORDS else 1
     return [
-        BenchResult(case.name, "put", med(put_h), med(put_r)),
-        BenchResult(case.name, "get", med(get_h), med(get_r)),
+        BenchResult(case.name, "put", med(put_h), med(put_r), records, per_page),
+        BenchResult(case.name, "get", med(get_h), med(get_r), records, per_page),
     ]
 
 
@@ -327,13 +344,20 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
     from rich.table import Table
 
     table = Table(
-        title=f"L3 storage: {objects} objects x {object_bytes / 2**20:g} MiB (GB/s, median)"
+        title=f"L3 storage: {objects} objects x {object_bytes / 2**10:g} KiB (GB/s, median)"
     )
-    for col in ("backend", "op", "hicache GB/s", "raw GB/s", "hicache / raw"):
-        table.add_column(col, justify="left" if col in ("backend", "op") else "right")
+    cols = ("backend", "records", "per page", "op", "hicache GB/s", "raw GB/s", "hicache / raw")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("backend", "op", "records") else "right")
     for r in results:
         table.add_row(
-            r.backend, r.op, f"{r.hicache_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}"
+            r.backend,
+            r.records,
+            str(r.records_per_page),
+            r.op,
+            f"{r.hicache_gbps:.3g}",
+            f"{r.raw_gbps:.3g}",
+            f"{r.ratio:.2f}",
         )
     Console().print(table)
 
@@ -367,6 +391,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--mooncake-master", default=None, help="use this master instead of starting one"
     )
+    p.add_argument(
+        "--records",
+        default="page",
+        help="comma list of record splits to run: page (one record per page), head (one per "
+        "page and K/V head) (default page)",
+    )
+    p.add_argument(
+        "--spec",
+        default="8,8,128,bfloat16",
+        help="KV shape: layers,kv_heads,head_dim[,dtype] (default 8,8,128,bfloat16)",
+    )
+    p.add_argument(
+        "--page-tokens", type=int, default=None, help="page size in tokens (overrides --object-mib)"
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--sglang",
@@ -377,23 +415,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = sorted(set(backends) - set(BACKENDS))
-    object_bytes = int(args.object_mib * 2**20)
+    splits = [r.strip() for r in args.records.split(",") if r.strip()]
+    try:
+        spec = _spec(args.spec)
+    except ValueError as e:
+        print(f"error: --spec {args.spec!r}: {e}", file=sys.stderr)
+        return 2
+    if args.page_tokens is not None:
+        object_bytes = args.page_tokens * spec.token_bytes
+    else:
+        object_bytes = int(args.object_mib * 2**20)
     if (
         bad
-        or object_bytes % TOKEN_BYTES
+        or not splits
+        or not set(splits) <= set(RECORDS)
+        or object_bytes % spec.token_bytes
         or object_bytes <= 0
         or args.objects < 1
         or args.repeat < 1
     ):
         print(
-            f"error: backends must be among {','.join(BACKENDS)} (got {bad or backends}); object size must "
-            f"be a positive multiple of {TOKEN_BYTES // 1024} KiB; objects and repeat >= 1",
+            f"error: backends must be among {','.join(BACKENDS)} (got {bad or backends});"
+            f" records among {','.join(RECORDS)} (got {splits}); object size must be a"
+            f" positive multiple of {spec.token_bytes} B (a token); objects and repeat >= 1",
             file=sys.stderr,
         )
         return 2
-    page_size = object_bytes // TOKEN_BYTES
-    src = HostPool(SPEC, args.objects, page_size, MemLayout.PAGE_FIRST, pin_memory=False)
-    dst = HostPool(SPEC, args.objects, page_size, MemLayout.PAGE_FIRST, pin_memory=False)
+    page_size = object_bytes // spec.token_bytes
+    src = HostPool(spec, args.objects, page_size, MemLayout.PAGE_FIRST, pin_memory=False)
+    dst = HostPool(spec, args.objects, page_size, MemLayout.PAGE_FIRST, pin_memory=False)
     src.buffer.copy_(torch.randn(src.buffer.shape).to(src.dtype))
     opts = StorageOptions(timeout_s=120.0, max_batch_pages=args.objects)
     results: list[BenchResult] = []
@@ -404,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for backend in backends:
             try:
                 case = _make_case(backend, args, scratch, opts, stack, src.page_bytes)
-                results += _run_case(case, src, dst, args.repeat)
+                for split in splits:
+                    results += _run_case(case, src, dst, args.repeat, split)
             except Exception as e:  # report and go on with the other backends
                 print(f"{backend}: skipped: {e}", file=sys.stderr)
     if not results:
@@ -414,7 +465,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {"object_bytes": object_bytes, "objects": args.objects, "repeat": args.repeat}
         doc["results"] = [asdict(r) | {"ratio": r.ratio} for r in results]
         write_json(args.json, doc)
-    return 0 if len(results) == 2 * len(backends) else 1
+    return 0 if len(results) == 2 * len(backends) * len(splits) else 1
+
+
+def _spec(text: str) -> KVSpec:
+    """``layers,kv_heads,head_dim[,dtype]`` as a KVSpec (ValueError naming the part)."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts[:3]):
+        raise ValueError("expected layers,kv_heads,head_dim[,dtype] with positive ints")
+    dtype = parts[3] if len(parts) == 4 else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    layers, heads, dim = (int(p) for p in parts[:3])
+    return KVSpec(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=dtype)
 
 
 def _make_case(

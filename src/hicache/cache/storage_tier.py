@@ -85,7 +85,15 @@ from hicache.controller.storage_controller import (
     ComponentRead,
     StorageController,
 )
-from hicache.keys import FULL_COMPONENT, Namespace, PageKey, page_keys
+from hicache.keys import (
+    FULL_COMPONENT,
+    HEAD_RECORDS,
+    Namespace,
+    PageKey,
+    page_keys,
+    previous_page_key,
+)
+from hicache.memory.state_pool import StatePool
 from hicache.metrics import CacheCounters
 from hicache.tokens import TOKEN_BYTES
 from hicache.tree import HiRadixTree, TreeNode
@@ -134,13 +142,27 @@ class StorageTier:
         """Prefetches some rank's policy let in, as agreed (:meth:`ready` says so)."""
         self._unsent: set[int] = set()
         """Writes tracked but not sent on this rank (MLA: only rank 0 writes)."""
-        self.writer = namespace.tp_rank is not None or self.ranks.rank == 0
-        """Whether this rank writes L3 (MHA: every rank its shard; MLA: rank 0 alone, whose
-        writes every rank's lookups see: all ranks read one namespace)."""
+        storage = controller.storage
+        if namespace.records == HEAD_RECORDS:
+            self.writer = storage.writes_pages
+        else:
+            self.writer = namespace.tp_rank is not None or self.ranks.rank == 0
+        """Whether this rank writes L3 (head records: a rank holding K/V heads no lower rank
+        holds, :meth:`~hicache.heads.HeadSplit.writes_any`; page records per rank: every
+        rank its shard; MLA: rank 0 alone, whose writes every rank's lookups see: all ranks
+        read one namespace)."""
+        if namespace.records == HEAD_RECORDS:  # the previous spec: one record per rank
+            self._previous_tp: tuple[int, int | None] = (self.ranks.size, self.ranks.rank)
+        else:
+            self._previous_tp = (namespace.tp_size, namespace.tp_rank)
+        """The TP fields this rank's namespace had under the previous key spec."""
         self.components = tuple(components)
         self._codecs = {c.name: c for c in self.components}
+        self._slot_components = {c.name for c in self.components if isinstance(c.pool, StatePool)}
+        """Components recorded a whole state slot per key: one rank's shard, per rank
+        (:meth:`~hicache.keys.Namespace.for_slots`)."""
         for c in self.components:
-            controller.storage.allow_component(c.name)
+            storage.allow_component(c.name, slots=c.name in self._slot_components)
 
     def owns(self, op_id: int) -> bool:
         return (
@@ -154,12 +176,25 @@ class StorageTier:
         """L3 keys of the whole pages of the encoded tokens ``key``, under ``tenant``'s
         namespace (the shared one salted with the tenant's ``cache_salt``) for
         ``component``'s records (``"mamba"``: the snapshot after each page)."""
+        return page_keys(self._namespace_of(tenant, component), key, self.page_size)
+
+    def _previous_key(self, key: bytes, tenant: str, pages: int) -> PageKey:
+        """The previous key spec's key of page ``pages`` of ``key`` under ``tenant``'s
+        namespace as this rank had it (probed on a lookup that finds nothing)."""
+        digest = self._namespace_of(tenant).previous_digest(*self._previous_tp)
+        return previous_page_key(
+            digest, key[: pages * self.page_size * TOKEN_BYTES], self.page_size
+        )
+
+    def _namespace_of(self, tenant: str, component: str = FULL_COMPONENT) -> Namespace:
         if not tenant and component == self.namespace.component:
             ns = self.namespace
         else:
             found = self._tenants.get((tenant, component))
             if found is None:
                 found = self.namespace.with_salt(tenant).with_component(component)
+                if component in self._slot_components:
+                    found = found.for_slots(self.ranks.size, self.ranks.rank)
                 if tenant:
                     self.controller.storage.allow_tenant(tenant)
                 self._tenants[(tenant, component)] = found
@@ -168,7 +203,7 @@ class StorageTier:
             else:
                 self._tenants.move_to_end((tenant, component))
             ns = found
-        return page_keys(ns, key, self.page_size)
+        return ns
 
     # ------------------------------------------------------------------ prefetch
 
@@ -246,7 +281,8 @@ class StorageTier:
             )
         self._prefetches[op_id] = p
         self._looking.add(op_id)
-        self.controller.lookup(op_id, rest, lookups)
+        previous = self._previous_key(key, tenant, start + 1) if rest else None
+        self.controller.lookup(op_id, rest, lookups, previous)
         return p
 
     def ready(self, p: Prefetch) -> bool:

@@ -88,6 +88,7 @@ class _Lookup:
     op_id: int
     keys: Sequence[PageKey]
     components: tuple[ComponentLookup, ...]
+    previous: PageKey | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,11 +164,16 @@ class StorageController(Lifecycle):
     # ------------------------------------------------------------------ owner side
 
     def lookup(
-        self, op_id: int, keys: Sequence[PageKey], components: Sequence[ComponentLookup] = ()
+        self,
+        op_id: int,
+        keys: Sequence[PageKey],
+        components: Sequence[ComponentLookup] = (),
+        previous: PageKey | None = None,
     ) -> None:
         """Queue a lookup of ``keys`` (a run from the first) and, when given, of each
         component's records within reach of the run found (:class:`ComponentLookup`); an
-        :class:`L3Lookup` follows."""
+        :class:`L3Lookup` follows. ``previous``: the previous spec version's key of the
+        first page, probed (and counted, ``StorageStats.previous``) when the run is empty."""
         for c in components:
             self._pool(c.name)
             if not 0 <= c.held <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
@@ -175,7 +181,7 @@ class StorageController(Lifecycle):
                     f"{c.name}: {len(c.keys)} keys with lead {c.lead} (held {c.held}) "
                     f"for a run of {len(keys)}"
                 )
-        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components)))
+        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components), previous))
 
     def read(
         self,
@@ -281,6 +287,8 @@ class StorageController(Lifecycle):
         found: list[ComponentFound] = []
         try:
             hit = self.storage.batch_exists(op.keys) if op.keys else 0  # a failure is no hit
+            if not hit and op.previous is not None:
+                self.storage.probe_previous(op.previous)
             for c in op.components:
                 n = c.lead + hit if hit else c.held
                 if not n:

@@ -204,6 +204,11 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
             "L3 records read corrupt or stale and overwritten by a later write",
             st.repaired,
         )
+        yield CounterMetricFamily(
+            "hicache_l3_previous_version_records",
+            "L3 lookups that missed and found a record of the previous key spec version",
+            st.previous,
+        )
         yield from l3_wait_families(st)
 
 

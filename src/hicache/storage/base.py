@@ -25,6 +25,14 @@ operations are batched and page-granular. The contract:
   ``batch_get`` / ``batch_set`` with the SWA layers' own host pool.
   ``batch_contains(keys) -> list[bool]`` looks keys up one by one (component records are
   sparse, not a run).
+- Head records (``Namespace.records == "head"``, :mod:`hicache.storage.headio`): the
+  caller still names one key per page; ``batch_exists`` / ``batch_contains`` find a page
+  when the records of every K/V head the rank holds (:meth:`use_heads`) are present,
+  ``batch_get`` reads them into the heads' slices of each host page (a page is good only
+  when all its heads are), ``batch_set`` writes the records of the heads the rank writes
+  (:meth:`~hicache.heads.HeadSplit.writes`). Checks, healing and the get / set counters
+  work per record. Recurrent-state slots (``batch_*_state``) and components allowed with
+  ``slots=True`` stay one record per key.
 - Every operation has a deadline (``StorageOptions.timeout_s``). A backend failure or
   timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
   and a WARNING. Every public batch call is timed per operation (``exists``, ``get``,
@@ -62,10 +70,18 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from hicache.keys import Namespace, PageKey
+from hicache.heads import HeadSplit
+from hicache.keys import HEAD_RECORDS, Namespace, PageKey
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
 from hicache.storage.deadline import DeadlineRunner
+from hicache.storage.headio import (
+    HeadPages,
+    StageCache,
+    check_split,
+    page_outcomes,
+    record_keys,
+)
 from hicache.storage.heal import BadRecords
 from hicache.storage.pageio import HostPages, Payloads
 from hicache.storage.record import HEADER_SIZE
@@ -169,6 +185,12 @@ class HiCacheStorage(ABC):
         self._salts: set[str] = {namespace.tenant_salt}
         self._components: set[str] = {namespace.component}
         self._tenant_digests = {namespace.digest}
+        self._slot_components: set[str] = set()
+        self._slot_digests: set[bytes] = set()
+        """Namespaces of components whose records are whole slots, never split per head."""
+        self._heads: HeadSplit | None = None
+        self._stages = StageCache()
+        """Staging buffers of head-record batches, reused once no call can touch them."""
         self._stats = StatsRecorder(self.name, self._options.stall_s)
         self._bad = BadRecords()
         """Keys whose record a read found replaceable: the next write overwrites them."""
@@ -249,6 +271,58 @@ class HiCacheStorage(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def use_heads(self, heads: HeadSplit) -> None:
+        """The K/V heads this rank's pools hold and which it writes: needed before any
+        page operation under a ``records="head"`` namespace (ValueError under another)."""
+        if not isinstance(heads, HeadSplit):
+            raise TypeError(f"heads must be a HeadSplit, got {type(heads).__name__}")
+        if self._namespace.records != HEAD_RECORDS:
+            raise ValueError(
+                f"use_heads needs a records='head' namespace; this one has"
+                f" records={self._namespace.records!r}"
+            )
+        self._heads = heads
+        self._allow()  # slot components' records are per rank
+
+    @property
+    def heads(self) -> HeadSplit | None:
+        """The rank's head split (:meth:`use_heads`); None under a ``"page"`` namespace."""
+        return self._heads
+
+    @property
+    def writes_pages(self) -> bool:
+        """Whether a :meth:`batch_set` of this rank writes any record: False only for a
+        rank whose K/V heads a lower rank holds too (replicated heads) under head records.
+        """
+        return self._heads is None or self._heads.writes_any
+
+    def _split(self, key: PageKey | None = None) -> HeadSplit | None:
+        """The head split applying to ``key`` (any page key when None): None for page
+        records and for keys of slot components."""
+        if self._namespace.records != HEAD_RECORDS:
+            return None
+        if key is not None and key.namespace_digest in self._slot_digests:
+            return None
+        if self._heads is None:
+            raise StorageError(
+                f"{self.name} storage has a records='head' namespace; call use_heads() first"
+            )
+        return self._heads
+
+    def probe_previous(self, key: PageKey) -> bool:
+        """Whether the previous spec version's record ``key``
+        (:func:`hicache.keys.previous_page_key`) is present; counted in
+        ``StorageStats.previous`` when it is. One lookup, fail-soft (False)."""
+        self._require_started()
+        try:
+            found = self._contains([key], Deadline(self._options.timeout_s)) == [True]
+        except Exception as e:
+            self._stats.error("exists (previous version)", repr(e))
+            return False
+        if found:
+            self._stats.previous(1)
+        return found
+
     def host_writes_settled(self, timeout_s: float) -> bool:
         """True once no backend call that was handed host pages is still running.
 
@@ -287,13 +361,17 @@ class HiCacheStorage(ABC):
         self._require_started()
         if not keys:
             return 0
+        split = self._split()
+        wanted = keys if split is None else record_keys(keys, split.kv_heads)
         with self._stats.timed("exists"):
             try:
-                hits = self._exists(keys, Deadline(self._options.timeout_s))
+                hits = self._exists(wanted, Deadline(self._options.timeout_s))
             except Exception as e:
                 self._stats.error("exists", repr(e))
                 hits = 0
-        hits = max(0, min(hits, len(keys)))
+        hits = max(0, min(hits, len(wanted)))
+        if split is not None:
+            hits //= split.local_kv_heads
         self._stats.exists(len(keys), hits)
         return hits
 
@@ -303,7 +381,22 @@ class HiCacheStorage(ABC):
         """Read ``keys[i]`` into host page ``pages[i]``; True where the page is now valid."""
         self._require_started()
         self._check_host(host)
-        return self._get_payloads(keys, HostPages(host, pages, for_get=True))
+        split = self._split(keys[0] if keys else None)
+        if split is None:
+            return self._get_payloads(keys, HostPages(host, pages, for_get=True))
+        check_split(split, host)
+        hp = HeadPages(host, pages, range(split.local_kv_heads), for_get=True, stages=self._stages)
+        if len(keys) != len(hp.pages):
+            raise ValueError(f"{len(keys)} keys but {len(hp.pages)} pages; they must pair up")
+        ok = hp.page_ok(self._get_payloads(record_keys(keys, split.kv_heads), hp))
+        self._restage(hp)
+        return ok
+
+    def _restage(self, hp: HeadPages) -> None:
+        """Keep ``hp``'s staging buffer for reuse unless a call that overran its deadline
+        may still write (or read) it."""
+        if self.host_writes_settled(0):
+            self._stages.give(hp.stage)
 
     def batch_get_state(
         self, keys: Sequence[PageKey], pool: StatePool, slots: Sequence[int] | torch.Tensor
@@ -318,13 +411,18 @@ class HiCacheStorage(ABC):
         self._require_started()
         if not keys:
             return []
+        split = self._split(keys[0])
+        wanted = keys if split is None else record_keys(keys, split.kv_heads)
         with self._stats.timed("exists"):
             found = self._guarded(
                 "exists",
-                len(keys),
-                lambda: self._contains(keys, Deadline(self._options.timeout_s)),
+                len(wanted),
+                lambda: self._contains(wanted, Deadline(self._options.timeout_s)),
                 False,
             )
+        if split is not None:
+            n = split.local_kv_heads
+            found = [all(found[i : i + n]) for i in range(0, len(found), n)]
         self._stats.exists(len(keys), sum(found))
         return found
 
@@ -377,7 +475,21 @@ class HiCacheStorage(ABC):
         """
         self._require_started()
         self._check_host(host)
-        return self._set_payloads(keys, HostPages(host, pages, for_get=False))
+        split = self._split(keys[0] if keys else None)
+        if split is None:
+            return self._set_payloads(keys, HostPages(host, pages, for_get=False))
+        check_split(split, host)
+        mine = [j for j, h in enumerate(split.kv_heads) if split.writes(h)]
+        n = len(pages)
+        if len(keys) != n:
+            raise ValueError(f"{len(keys)} keys but {n} pages; they must pair up")
+        if not mine:  # a replica: a lower rank writes these heads
+            return SetResult.of([SetOutcome.SKIPPED] * n)
+        hp = HeadPages(host, pages, mine, for_get=False, stages=self._stages)
+        written = [split.kv_heads[j] for j in mine]
+        per_record = self._set_payloads(record_keys(keys, written), hp)
+        self._restage(hp)
+        return SetResult.of(page_outcomes(per_record.outcomes, len(mine)))
 
     def batch_set_state(
         self, keys: Sequence[PageKey], pool: StatePool, slots: Sequence[int] | torch.Tensor
@@ -431,18 +543,27 @@ class HiCacheStorage(ABC):
         self._salts.add(tenant_salt)
         self._allow()
 
-    def allow_component(self, component: str) -> None:
+    def allow_component(self, component: str, *, slots: bool = False) -> None:
         """Also store and accept records of ``component``'s namespace (this instance's
         namespace with that component, for every allowed tenant): component records such
-        as recurrent-state snapshots (``"mamba"``) or sliding-window pages (``"swa"``)."""
+        as recurrent-state snapshots (``"mamba"``) or sliding-window pages (``"swa"``).
+        ``slots``: its records are whole state slots, one per key even under head
+        records."""
         self._components.add(component)
+        if slots:
+            self._slot_components.add(component)
         self._allow()
 
     def _allow(self) -> None:
-        ns = self._namespace
-        self._tenant_digests.update(
-            ns.with_salt(s).with_component(c).digest for s in self._salts for c in self._components
-        )
+        ns, heads = self._namespace, self._heads
+        for s in self._salts:
+            for c in self._components:
+                component = ns.with_salt(s).with_component(c)
+                if c in self._slot_components:  # one rank's shard of whole slots
+                    if heads is not None:
+                        component = component.for_slots(heads.tp_size, heads.tp_rank)
+                    self._slot_digests.add(component.digest)
+                self._tenant_digests.add(component.digest)
 
     def _digest_of(self, key: PageKey) -> bytes:
         """The namespace digest ``key``'s record must carry: the key's own when it is this

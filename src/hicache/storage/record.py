@@ -4,7 +4,7 @@ Header (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
 
     offset size field
          0    4 magic             b"HCR1"
-         4    2 record version    RECORD_VERSION (2, the key spec version)
+         4    2 record version    RECORD_VERSION (3, the key spec version)
          6    2 header size       64
          8   32 namespace digest  Namespace.digest of the writer
         40    8 token fingerprint PageKey.fingerprint of the page
@@ -29,6 +29,10 @@ kinds, in the host layout's own order, kind slabs concatenated (K then V for MHA
 So the payload is exactly ``HostPool.page_view(page)`` concatenated where a view exists
 (zero-copy), and the byte order depends on the layout; the namespace pins the layout, so a
 reader never meets another layout's payload.
+
+Under a ``records="head"`` namespace a page is one record per K/V head, each payload the
+head's values alone in the same orders with the head dimension dropped
+(:mod:`hicache.storage.headio`).
 
 Payload of a component record (``"mamba"``: one recurrent-state snapshot,
 ``SnapshotSpec.slot_bytes`` bytes): per state tensor in spec order, the slot's ``(L, *shape)``

@@ -189,7 +189,10 @@ class StorageStats:
     was stuck), each counted once however many backend calls it made; ``latency[op]``:
     their latency histogram. ``repaired``: pages whose record a read found ``corrupt`` or
     ``stale`` and a later write overwrote (:mod:`hicache.storage.heal`; also counted in
-    ``set_written``).
+    ``set_written``). ``previous``: lookups that missed here and found the previous spec
+    version's record of their first page (one probe per lookup that found nothing,
+    ``HiCacheStorage.probe_previous``): records an older engine wrote that this one
+    cannot read (its pages are recomputed and written anew).
     """
 
     exists_calls: int = 0
@@ -208,6 +211,7 @@ class StorageStats:
     errors: int = 0
     timeouts: int = 0
     repaired: int = 0
+    previous: int = 0
     misses: Mapping[str, int] = field(default_factory=_empty_misses)
     backend: str = ""
     """The backend's registry name (``file``, ``redis``, ...)."""
@@ -316,6 +320,11 @@ class StatsRecorder:
         with self._lock:
             self._c["repaired"] += pages
         log.info("L3 %s: replaced %d bad record(s)", self._backend, pages)
+
+    def previous(self, found: int) -> None:
+        """A probe found ``found`` records of the previous spec version."""
+        with self._lock:
+            self._c["previous"] += found
 
     def error(self, op: str, detail: str) -> None:
         """A backend failure during ``op``; logged at WARNING."""

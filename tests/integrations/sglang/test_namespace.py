@@ -31,12 +31,12 @@ def test_mha_page_head_vector() -> None:
     )
     assert ns.encode() == (
         b'{"component":"full","engine_layout":"sglang:page_head","kv_dtype":"bfloat16",'
-        b'"layout":"page_first_direct","model":"Qwen/Qwen3-8B","page_size":64,"spec":2,'
+        b'"layout":"page_first_direct","model":"Qwen/Qwen3-8B","page_size":64,"records":"page","spec":3,'
         b'"tenant_salt":"","tp_rank":1,"tp_size":2,"weights_fingerprint":"unset"}'
     )
-    assert ns.digest.hex() == "4fc480598e53121c9e49ad3ce2527bd298c4bc0d04dad62c511cd9b3eba6e894"
+    assert ns.digest.hex() == "d404e944b91cf9f87d39a0aa00111ab0915e5dea5c2ddfed0c407d5ebd46f3c3"
     key = sglang_page_key(ns, "a" * 64)
-    assert key.key == "hc2-7cac27e771780db1531bbb3b184ad3ed4ad26ef986aa6f7096a18243ad420e47"
+    assert key.key == "hc3-b27bf6839b499955a8f8f2c7d5bb202b2be5f2bad77adc895fb2b50d4dba37ce"
     assert key.fingerprint.hex() == "ffe054fe7ae0cb6d"
     assert key.namespace_digest == ns.digest
 
@@ -53,9 +53,9 @@ def test_mla_page_unified_vector() -> None:
     )
     assert ns.engine_layout == "sglang:page_unified;pp=1/2;groups=1;v=page-unified-v1"
     assert (ns.tp_rank, ns.tp_size) == (None, 1)  # every MLA rank, every TP size
-    assert ns.digest.hex() == "87004580dd84bb228f7d1d4751d53ff1d531804c8867211bd91cf7605d536129"
+    assert ns.digest.hex() == "a1f8c2199b651227c43d7c1fef42896221ac956d42dbe7d3a754ac88d88ef6ee"
     key = sglang_page_key(ns, "a" * 64)
-    assert key.key == "hc2-93cfeb97978f87c0a43d47ddaf293a0f7201118b00e493b4390844fbcc674e39"
+    assert key.key == "hc3-4bdf3e0443acd6af5d72b3d01998ccbc68b4a59a9e9a2f7ab6ad82c54598dfbf"
 
 
 def test_engine_layout_is_encoded_only_when_set() -> None:

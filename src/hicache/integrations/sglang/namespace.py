@@ -12,7 +12,7 @@ Normative text: docs/l3-keys.md, "Keys for SGLang pages". In short:
   the same name, or ``page_first_direct`` for SGLang's other page-block layouts
   (``page_head``, ``page_unified``).
 - :func:`sglang_page_key`: ``h = sha256(namespace digest || utf8(sglang key))``, key
-  ``"hc2-" + hex(h)``, fingerprint = the first 8 bytes of ``sha256(utf8(sglang key))``.
+  ``"hc3-" + hex(h)``, fingerprint = the first 8 bytes of ``sha256(utf8(sglang key))``.
 - :func:`side_namespace`: a v2 side pool (``mamba``, ``swa``, ``indexer``, ...) keys its
   records under the KV namespace with ``component`` = the pool's name and
   ``engine_layout`` extended by ``";pool=<class>/<layout>/<dtype>"``; the rank is pinned

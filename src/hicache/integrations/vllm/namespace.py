@@ -21,7 +21,7 @@ keeps exactly that, and :func:`vllm_namespace` pins it in a hicache
   ``;canonical=<kv cache layout>`` when vLLM says so.
 
 Keys: :func:`vllm_page_key`: ``h = sha256(namespace digest || offload key)``, key
-``"hc2-" + hex(h)``, fingerprint = the first 8 bytes of ``sha256(offload key)``. An
+``"hc3-" + hex(h)``, fingerprint = the first 8 bytes of ``sha256(offload key)``. An
 offload key is vLLM's block hash (chained over the whole prefix) followed by the 4-byte KV
 cache group index, so ``h`` commits to the prefix, the group and the namespace. The
 fingerprint cannot be taken from the page's tokens (a tier never sees them); it still makes

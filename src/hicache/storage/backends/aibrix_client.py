@@ -12,7 +12,7 @@ the pad byte is zero and never read. Records of other lengths (another model's p
 component records) need another manager (:func:`block_bytes_for`).
 
 **Keys.** hicache's page keys are already chained hashes over the namespace and every token
-before and in the page (``PageKey.key``, ``"hc2-"`` + 64 hex digits). They go to AIBrix as
+before and in the page (``PageKey.key``, ``"hc3-"`` + 64 hex digits). They go to AIBrix as
 ``BlockHashes([key, ...], block_ntokens=1)``: one precomputed hash per block, which AIBrix
 uses as the L2 key as it stands (UTF-8 bytes; SHFS files are named by their hex) instead of
 hashing token ids itself. No prefix is ever passed: the chain is inside each key.

@@ -1,8 +1,8 @@
 """The ``file`` L3 backend: one record file per page key in a local (or shared) directory.
 
 Directory: extra-config ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR``, else
-``/tmp/hicache``; created with mode 0700. A key ``hc2-<hex>`` lives at
-``<dir>/<hex[:2]>/hc2-<hex>`` (256 fan-out folders keep directories small).
+``/tmp/hicache``; created with mode 0700. A key ``hc3-<hex>`` lives at
+``<dir>/<hex[:2]>/hc3-<hex>`` (256 fan-out folders keep directories small).
 
 - Writes are atomic: the record goes to a temp file in the same folder, optionally
   fsync'ed (extra ``fsync``), then ``os.replace``'d into place, so a reader (or a restart

@@ -1,7 +1,7 @@
 """The ``nixl`` L3 backend: the ``file`` backend's record files, moved by NIXL's POSIX plugin.
 
-Records, directory and names are the ``file`` backend's (:mod:`.file`): a key ``hc2-<hex>``
-is the file ``<dir>/<hex[:2]>/hc2-<hex>`` holding one record (64-byte header, then the
+Records, directory and names are the ``file`` backend's (:mod:`.file`): a key ``hc3-<hex>``
+is the file ``<dir>/<hex[:2]>/hc3-<hex>`` holding one record (64-byte header, then the
 payload; :mod:`hicache.storage.record`), written to a temp file and renamed into place, so
 either backend reads the other's records over the same directory. What differs is who moves
 the bytes: NIXL (:mod:`.nixl_client`), one batched transfer per chunk of at most

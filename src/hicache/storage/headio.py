@@ -1,0 +1,226 @@
+"""Head records: a page of a ``records="head"`` namespace as one L3 record per K/V head.
+
+The seam between one logical key per page (what the cache and the controller work with)
+and the records a backend stores (``docs/l3-keys.md``, "Head records"): page key ``k``
+maps to the records :func:`hicache.keys.head_key` ``(k, j)`` of the K/V heads ``j`` a rank
+holds, in page-major order (page 0's heads, then page 1's, ...), so a backend's run of
+present records from the first covers ``run // heads`` whole pages.
+
+Payload of head ``j``'s record: the page's values of that head alone, per kind
+concatenated in kind order (K then V), each kind in the host layout's order with the head
+dimension dropped: ``page_first`` ``(page_size, L, D)``, ``page_first_direct`` and
+``layer_first`` ``(L, page_size, D)``; ``K * L * page_size * D`` values in the pool's dtype.
+It is byte for byte the page payload of a one-head pool of that layout, so the records of
+every TP size agree.
+
+A head is a strided slice of the page in every layout, so :class:`HeadPages` is always
+staged: a set copies each page's kinds (:func:`kind_views`, windows of the pool's buffer)
+into one contiguous row per head record; a get reads the records into rows and
+:meth:`HeadPages.commit` copies back only the pages whose every head record was good.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hicache.config import MemLayout
+from hicache.heads import HeadSplit
+from hicache.keys import PageKey, head_key
+from hicache.memory import HostPool
+from hicache.storage.pageio import Payloads, byte_view
+from hicache.storage.stats import SetOutcome
+
+__all__ = [
+    "HeadPages",
+    "StageCache",
+    "check_split",
+    "head_record_bytes",
+    "kind_views",
+    "page_outcomes",
+    "record_keys",
+]
+
+
+def head_record_bytes(host: HostPool) -> int:
+    """Payload bytes of one head record of ``host``'s pages."""
+    return host.page_bytes // host.spec.heads
+
+
+def record_keys(keys: Sequence[PageKey], kv_heads: Sequence[int]) -> list[PageKey]:
+    """The head records of ``keys``, page-major: ``head_key(keys[i], kv_heads[j])`` at
+    ``i * len(kv_heads) + j``."""
+    return [head_key(k, h) for k in keys for h in kv_heads]
+
+
+def page_outcomes(per_record: Sequence[SetOutcome], heads: int) -> list[SetOutcome]:
+    """One outcome per page from its ``heads`` records' (page-major): FAILED when any
+    failed, else WRITTEN when any was written, else SKIPPED (every record present)."""
+    out: list[SetOutcome] = []
+    for i in range(0, len(per_record), heads):
+        got = per_record[i : i + heads]
+        if SetOutcome.FAILED in got:
+            out.append(SetOutcome.FAILED)
+        elif SetOutcome.WRITTEN in got:
+            out.append(SetOutcome.WRITTEN)
+        else:
+            out.append(SetOutcome.SKIPPED)
+    return out
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """``t`` (a CPU tensor, last dim contiguous) as a numpy array of the widest integer
+    words that divide its last dim's bytes: the same memory. Copies go through numpy
+    (one thread, plain words): torch's strided copy of ``bfloat16`` values runs some
+    thousand times slower than of integer words on CPU, and its intra-op threads, when
+    the cores are busy, some ten times slower than one thread."""
+    raw = t.view(torch.uint8)
+    width = raw.shape[-1]
+    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if width % size == 0:
+            return raw.view(word).numpy()
+    return raw.numpy()
+
+
+def kind_views(host: HostPool, page: int) -> list[torch.Tensor]:
+    """Views of ``page`` of ``host``, one per kind, ``(A, B, H, D)`` with ``(A, B)`` the
+    layout's order of a head record (``page_first`` ``(page_size, L)``, else
+    ``(L, page_size)``): each a strided window of the pool's buffer, no copy."""
+    ps = host.page_size
+    buf = host.buffer
+    kinds = range(host.spec.num_kv)
+    if host.layout is MemLayout.PAGE_FIRST:
+        return [buf[k, page * ps : (page + 1) * ps] for k in kinds]
+    if host.layout is MemLayout.PAGE_FIRST_DIRECT:
+        return [buf[k, page] for k in kinds]
+    return [buf[k, :, page * ps : (page + 1) * ps] for k in kinds]
+
+
+class StageCache:
+    """Staging buffers kept for reuse (at most ``keep``; the largest kept): a fresh buffer
+    of a batch's size costs its page faults on first touch, several times the copy
+    itself. A buffer goes back only once no backend call can still touch it (the caller
+    asks :meth:`HiCacheStorage.host_writes_settled` first)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` buffer of exactly ``nbytes`` (a view of a kept one, or new)."""
+        with self._lock:
+            for i, t in enumerate(self._free):
+                if t.numel() >= nbytes:
+                    return self._free.pop(i)[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s whole buffer for a later :meth:`take`."""
+        base = t if t._base is None else t._base
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: -b.numel())
+            del self._free[self._keep :]
+
+
+class HeadPages(Payloads):
+    """The head records of ``pages`` of ``host``: item ``i * len(local) + j`` is local head
+    ``local[j]`` (an index into the pool's ``H`` heads) of ``pages[i]``.
+
+    A get must cover every head of the pool (a page is usable only whole); a set may name
+    a subset (the heads this rank writes). ``zero_copy`` is False: items are rows of one
+    staging buffer, copied from / to the pool's pages one page and kind at a time.
+    """
+
+    def __init__(
+        self,
+        host: HostPool,
+        pages: Sequence[int] | torch.Tensor,
+        local: Sequence[int],
+        *,
+        for_get: bool,
+        stages: StageCache | None = None,
+    ) -> None:
+        idx = host.check_pages(
+            pages if isinstance(pages, torch.Tensor) else list(pages), unique=for_get
+        )
+        heads = host.spec.heads
+        if not all(0 <= j < heads for j in local) or len(set(local)) != len(local):
+            raise ValueError(f"local heads {list(local)} must be distinct, in [0, {heads})")
+        if for_get and sorted(local) != list(range(heads)):
+            raise ValueError(f"a get reads every head of the pool ({heads}), got {list(local)}")
+        self.host = host
+        self.pages: list[int] = idx.tolist()
+        self.local = list(local)
+        self.payload_len = head_record_bytes(host)
+        self.zero_copy = False
+        self._for_get = for_get
+        n, nh = len(self.pages), len(self.local)
+        size = n * nh * self.payload_len
+        flat = torch.empty(size, dtype=torch.uint8) if stages is None else stages.take(size)
+        self.stage = flat
+        """The flat staging buffer (give it back to its cache once no call touches it)."""
+        self._stage = flat.view(n * nh, self.payload_len)
+        if for_get or not n or not nh:
+            return
+        rows = self._rows()
+        sel = None if self.local == list(range(heads)) else torch.tensor(self.local)
+        for i, page in enumerate(self.pages):
+            for k, view in enumerate(kind_views(host, page)):
+                v = _words(view if sel is None else view.index_select(2, sel))
+                np.copyto(rows[i, :, k], v.transpose(2, 0, 1, 3))
+
+    def _rows(self) -> np.ndarray:
+        """The staging buffer as ``(n, h, K, A, B, D)`` values of the pool's dtype."""
+        host, spec = self.host, self.host.spec
+        ps, nl = host.page_size, spec.num_layers
+        inner = (ps, nl) if host.layout is MemLayout.PAGE_FIRST else (nl, ps)
+        shape = (len(self.pages), len(self.local), spec.num_kv, *inner, spec.dim)
+        return _words(self._stage.view(host.dtype).view(shape))
+
+    @property
+    def heads(self) -> int:
+        """Records per page."""
+        return len(self.local)
+
+    def __len__(self) -> int:
+        return len(self.pages) * len(self.local)
+
+    def tensors(self, i: int) -> list[torch.Tensor]:
+        """Item ``i``'s staging row (flat ``uint8``)."""
+        return [self._stage[i]]
+
+    def parts(self, i: int) -> list[memoryview]:
+        return [byte_view(self._stage[i])]
+
+    def page_ok(self, ok: Sequence[bool]) -> list[bool]:
+        """Per page: every one of its head records ``ok``."""
+        nh = len(self.local)
+        return [all(ok[i * nh : (i + 1) * nh]) for i in range(len(self.pages))]
+
+    def commit(self, ok: Sequence[bool]) -> None:
+        """After a get: copy the pages whose every head record is good into the pool."""
+        if not self._for_get or not self.pages:
+            return
+        rows = self._rows()
+        order = np.argsort(self.local)  # record j of a page is local head local[j]
+        in_order = self.local == list(range(len(self.local)))
+        for i, good in enumerate(self.page_ok(ok)):
+            if not good:
+                continue
+            page_rows = rows[i] if in_order else rows[i][order]
+            for k, view in enumerate(kind_views(self.host, self.pages[i])):
+                np.copyto(_words(view), page_rows[:, k].transpose(1, 2, 0, 3))
+
+
+def check_split(heads: HeadSplit, host: HostPool) -> None:
+    """ValueError unless ``host`` holds the ``heads.local_kv_heads`` heads of the split."""
+    if heads.local_kv_heads != host.spec.heads:
+        raise ValueError(
+            f"the host pool holds {host.spec.heads} K/V heads but the rank's head split"
+            f" {heads} holds {heads.local_kv_heads}"
+        )

@@ -1,0 +1,215 @@
+"""Head records (``records="head"``): one L3 record per page and K/V head, shared by every
+TP size. Exact record bytes on every host layout, a TP 1 writer read by TP 2 and TP 4
+ranks and the reverse, exists/get of partly present pages, healing per record, and the
+count of previous-version records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.config import KVSpec, MemLayout
+from hicache.heads import HeadSplit
+from hicache.keys import (
+    HEAD_RECORDS,
+    Namespace,
+    PageKey,
+    head_key,
+    page_keys,
+    previous_page_key,
+)
+from hicache.memory import HostPool
+from hicache.storage import MemoryStorage, MemoryStore
+from hicache.storage.headio import StageCache
+from hicache.storage.record import HEADER_SIZE, encode_record
+
+H, KV, L, D, PS = 4, 2, 3, 4, 2  # query heads, K/V heads, layers, head dim, page size
+LAYOUTS = list(MemLayout)
+
+
+def ns(layout: MemLayout) -> Namespace:
+    spec = KVSpec(num_layers=L, num_kv_heads=KV, head_dim=D, dtype="float16")
+    return Namespace.for_spec(
+        spec,
+        model="m",
+        weights_fingerprint="w",
+        layout=layout,
+        page_size=PS,
+        tp_size=2,
+        tp_rank=1,
+        head_records=True,
+    )
+
+
+def pool(layout: MemLayout, heads: int, seed: int | None = None) -> HostPool:
+    spec = KVSpec(num_layers=L, num_kv_heads=heads, head_dim=D, dtype="float16")
+    p = HostPool(spec, 4, PS, layout, pin_memory=False)
+    if seed is None:
+        p.buffer.zero_()
+    else:
+        g = torch.Generator().manual_seed(seed)
+        p.buffer.copy_(torch.randn(p.buffer.shape, generator=g).to(p.buffer.dtype))
+    return p
+
+
+def storage(layout: MemLayout, store: MemoryStore, tp: int = 1, rank: int = 0) -> MemoryStorage:
+    st = MemoryStorage(ns(layout), store=store)
+    st.start()
+    st.use_heads(HeadSplit(H, KV, tp, rank))
+    return st
+
+
+def keys(layout: MemLayout, n: int = 2) -> list[PageKey]:
+    return page_keys(ns(layout), list(range(100, 100 + PS * n)))
+
+
+def head_payload(host: HostPool, page: int, head: int) -> bytes:
+    """The spec's payload of ``head``'s record of ``page``: per kind, the layout's order
+    with the head dimension dropped."""
+    canon = host.read_pages([page])[0, :, :, :, head]  # (K, L, ps, D)
+    if host.layout is MemLayout.PAGE_FIRST:
+        canon = canon.transpose(1, 2)  # (K, ps, L, D)
+    return canon.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_namespace_of_head_records_drops_the_rank() -> None:
+    n = ns(MemLayout.PAGE_FIRST)
+    assert n.records == HEAD_RECORDS and n.tp_rank is None and n.tp_size == 1
+    with pytest.raises(ValueError, match="tp_rank"):
+        Namespace(
+            model="m",
+            weights_fingerprint="w",
+            kv_dtype="float16",
+            layout=MemLayout.PAGE_FIRST,
+            page_size=PS,
+            records=HEAD_RECORDS,
+        )
+    with pytest.raises(Exception, match="use_heads"), MemoryStorage(n) as st:
+        st.batch_exists(keys(MemLayout.PAGE_FIRST))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
+def test_tp1_writes_one_exact_record_per_head(layout: MemLayout) -> None:
+    store = MemoryStore()
+    src = pool(layout, KV, seed=1)
+    ks = keys(layout)
+    with storage(layout, store) as st:
+        assert st.batch_set(ks, src, [1, 3]).written == 2
+        assert st.stats().set_pages == 4  # records
+    assert len(store) == 4
+    for k, page in zip(ks, [1, 3], strict=True):
+        assert store.get(k.key) is None  # the page key names no record
+        for h in range(KV):
+            rec = store.get(head_key(k, h).key)
+            assert rec is not None
+            assert rec[HEADER_SIZE:] == head_payload(src, page, h)
+            assert rec[8:40] == ns(layout).digest and rec[40:48] == k.fingerprint
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_other_tp_sizes_read_their_heads(layout: MemLayout, tp: int) -> None:
+    store = MemoryStore()
+    src = pool(layout, KV, seed=2)
+    ks = keys(layout)
+    with storage(layout, store) as st:
+        st.batch_set(ks, src, [0, 2])
+    for rank in range(tp):
+        split = HeadSplit(H, KV, tp, rank)
+        dst = pool(layout, split.local_kv_heads)
+        with storage(layout, store, tp, rank) as st:
+            assert st.batch_exists(ks) == 2
+            assert st.batch_get(ks, dst, [3, 1]) == [True, True]
+        want = src.read_pages([0, 2])[:, :, :, :, split.kv_heads.start : split.kv_heads.stop]
+        assert torch.equal(dst.read_pages([3, 1]), want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
+def test_tp2_and_tp4_writers_make_the_tp1_page(layout: MemLayout) -> None:
+    for tp in (2, 4):
+        store = MemoryStore()
+        full = pool(layout, KV, seed=3)
+        ks = keys(layout)
+        for rank in range(tp):
+            split = HeadSplit(H, KV, tp, rank)
+            mine = pool(layout, split.local_kv_heads)
+            data = full.read_pages([0, 1])[:, :, :, :, split.kv_heads.start : split.kv_heads.stop]
+            mine.write_pages([0, 1], data.contiguous())
+            with storage(layout, store, tp, rank) as st:
+                done = st.batch_set(ks, mine, [0, 1])
+                assert st.writes_pages == split.writes_any
+                assert done.written == (2 if split.writes_any else 0)
+                assert done.present == (0 if split.writes_any else 2)
+        assert len(store) == 2 * KV  # one record per page and head, replicas wrote none
+        dst = pool(layout, KV)
+        with storage(layout, store) as st:
+            assert st.batch_get(ks, dst, [2, 3]) == [True, True]
+        assert torch.equal(dst.read_pages([2, 3]), full.read_pages([0, 1]))
+
+
+def test_a_page_with_a_missing_head_is_a_miss() -> None:
+    layout = MemLayout.PAGE_FIRST_DIRECT
+    store = MemoryStore()
+    ks = keys(layout, 3)
+    src = pool(layout, KV, seed=4)
+    with storage(layout, store) as st:
+        st.batch_set(ks, src, [0, 1, 2])
+    store.delete(head_key(ks[1], 1).key)
+    dst = pool(layout, KV)
+    with storage(layout, store) as st:
+        assert st.batch_exists(ks) == 1
+        assert st.batch_contains(ks) == [True, False, True]
+        assert st.batch_get(ks, dst, [0, 1, 2]) == [True, False, True]
+        assert st.stats().miss("absent") == 1
+    got = dst.read_pages([0, 1, 2])
+    assert torch.equal(got[[0, 2]], src.read_pages([0, 2]))
+    assert not got[1].any()  # a page missing a head is never scattered, not even in part
+    with storage(layout, store, 2, 0) as st:  # rank 0 of TP 2 needs head 0 only
+        assert st.batch_exists(ks) == 3
+
+
+def test_a_bad_head_record_is_healed_by_the_next_write() -> None:
+    layout = MemLayout.PAGE_FIRST
+    store = MemoryStore()
+    ks = keys(layout)
+    src = pool(layout, KV, seed=5)
+    with storage(layout, store) as st:
+        st.batch_set(ks, src, [0, 1])
+        bad = head_key(ks[0], 1).key
+        rec = store.get(bad)
+        assert rec is not None
+        store.replace(bad, rec[:-1] + bytes([rec[-1] ^ 1]))
+        dst = pool(layout, KV)
+        assert st.batch_get(ks, dst, [2, 3]) == [False, True]
+        assert st.stats().miss("corrupt") == 1
+        assert st.batch_set(ks, src, [0, 1]).written == 1  # page 0: its bad head rewritten
+        assert st.stats().repaired == 1
+        assert st.batch_get(ks, dst, [2, 3]) == [True, True]
+        assert torch.equal(dst.read_pages([2, 3]), src.read_pages([0, 1]))
+
+
+def test_previous_version_records_are_counted_never_read() -> None:
+    layout = MemLayout.PAGE_FIRST
+    store = MemoryStore()
+    tokens = list(range(100, 100 + PS * 2))
+    old = previous_page_key(ns(layout).previous_digest(2, 1), tokens[:PS], PS)
+    assert old.key.startswith("hc2-")
+    store.replace(old.key, encode_record(old.namespace_digest, old.fingerprint, [b"x" * 8]))
+    with storage(layout, store) as st:
+        assert st.batch_exists(keys(layout)) == 0
+        assert st.probe_previous(old)
+        wrong = previous_page_key(ns(layout).previous_digest(2, 0), tokens[:PS], PS)
+        assert not st.probe_previous(wrong)
+        assert st.stats().previous == 1
+
+
+def test_stage_cache_reuses_the_largest_buffers() -> None:
+    cache = StageCache(keep=1)
+    a = cache.take(100)
+    cache.give(a)
+    b = cache.take(60)  # a view of the kept buffer
+    assert b.numel() == 60 and b.data_ptr() == a.data_ptr()
+    cache.give(b)
+    cache.give(torch.empty(10, dtype=torch.uint8))  # smaller: not kept beside the 100
+    assert cache.take(100).data_ptr() == a.data_ptr()
+    assert cache.take(100).data_ptr() != a.data_ptr()  # taken: a new one
