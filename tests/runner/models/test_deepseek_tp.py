@@ -15,17 +15,17 @@ decode batch) over its own MLA pool.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from hicache.memory import DevicePool
-from hicache.runner.model_runner import ForwardBatch, ModelRunner, cache_spec_of
+from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.registry import build_hybrid_model
 from hicache.runner.parallel import TPGroup
 from tests.helpers.ranks import run_ranks
+from tests.helpers.tp_batches import checkpoint_tensors, paged_batch
 from tests.runner.models.deepseek_fixtures import checkpoint, deepseek_model, hf_logits, prompt
 from tests.runner.models.test_deepseek import TOL
 
@@ -37,36 +37,12 @@ _CONFIGS: dict[str, HybridConfig] = {}
 A_PAGES, B_PAGES = [5, 2, 7, 0, 9], [1, 3, 4, 6, 8, 10]
 
 
-def _slots(pages: list[int], n: int) -> torch.Tensor:
-    t = torch.arange(n)
-    return torch.tensor(pages, dtype=torch.int64)[t // PAGE] * PAGE + t % PAGE
-
-
-def _batch(ids: list[list[int]], starts: list[int], pages: list[list[int]]) -> ForwardBatch:
-    lens = [len(t) for t in ids]
-    return ForwardBatch(
-        input_ids=torch.tensor([i for t in ids for i in t]),
-        positions=torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens, strict=True)]),
-        extend_lens=lens,
-        seq_slots=[_slots(p, a + n) for p, a, n in zip(pages, starts, lens, strict=True)],
-    )
-
-
-def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, st.get_tensor(name)
-
-
 def _model(variant: str, tp: TPGroup) -> HybridLM:
     """``variant``'s model on ``tp`` (its config is read in the parent: no transformers
     import on the ranks)."""
     cfg = deepseek_model(variant).model.config if tp.size == 1 else _CONFIGS[variant]
     model = build_hybrid_model(cfg, dtype=torch.float32, device="cpu", tp=tp)
-    model.load_weights(_tensors(checkpoint(variant)))
+    model.load_weights(checkpoint_tensors(checkpoint(variant)))
     return model
 
 
@@ -77,11 +53,13 @@ def _run(
     and the pool's latents afterwards."""
     model = _model(variant, tp)
     runner = ModelRunner(model, DevicePool(cache_spec_of(model, "float32").kv, 16, PAGE))
-    first = runner.forward(_batch([a[:13], b[:12]], [0, 0], [A_PAGES, B_PAGES]), all_logits=True)
-    second = runner.forward(
-        _batch([b[12:18], a[13:14]], [12, 13], [B_PAGES, A_PAGES]), all_logits=True
+    first = runner.forward(
+        paged_batch([a[:13], b[:12]], [0, 0], [A_PAGES, B_PAGES]), all_logits=True
     )
-    third = runner.forward(_batch([a[14:15], b[18:19]], [14, 18], [A_PAGES, B_PAGES]))
+    second = runner.forward(
+        paged_batch([b[12:18], a[13:14]], [12, 13], [B_PAGES, A_PAGES]), all_logits=True
+    )
+    third = runner.forward(paged_batch([a[14:15], b[18:19]], [14, 18], [A_PAGES, B_PAGES]))
     logits = torch.cat((first[:13], second[6:], third[:1], first[13:], second[:6], third[1:]))
     return logits, runner.pool.buffer.clone()
 

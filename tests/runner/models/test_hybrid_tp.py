@@ -13,7 +13,6 @@ than the sliding window, an extend next to a decode token, a decode batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,13 +22,14 @@ import torch
 from hicache.config import SlidingWindowSpec
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
-from hicache.runner.model_runner import ForwardBatch, ModelRunner
+from hicache.runner.model_runner import ModelRunner
 from hicache.runner.models.decoder import WeightLoadError
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.registry import build_hybrid_model
 from hicache.runner.parallel import TPGroup
 from tests.helpers.numerics import order_bound
 from tests.helpers.ranks import run_ranks
+from tests.helpers.tp_batches import checkpoint_tensors, paged_batch, paged_slots
 from tests.runner.models.hybrid_fixtures import hf_logits, hybrid_model, prompt
 
 PAGE = 4
@@ -38,49 +38,25 @@ A_PAGES, B_PAGES = [5, 2, 7, 0, 9], [1, 3, 4, 6, 8, 10]
 LEN_A, LEN_B = 15, 19
 
 
-def _slots(pages: list[int], n: int) -> torch.Tensor:
-    t = torch.arange(n)
-    return torch.tensor(pages, dtype=torch.int64)[t // PAGE] * PAGE + t % PAGE
-
-
-def _batch(ids: list[list[int]], starts: list[int], pages: list[list[int]]) -> ForwardBatch:
-    lens = [len(t) for t in ids]
-    return ForwardBatch(
-        input_ids=torch.tensor([i for t in ids for i in t]),
-        positions=torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens, strict=True)]),
-        extend_lens=lens,
-        seq_slots=[_slots(p, a + n) for p, a, n in zip(pages, starts, lens, strict=True)],
-    )
-
-
-def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, st.get_tensor(name)
-
-
 def _run(
     cfg: HybridConfig, path: str, a: list[int], b: list[int], tp: TPGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every logit of the three batches ``(LEN_A + LEN_B, vocab)`` in A-then-B position
     order, and the K/V of both sequences' slots ``(2, layers, tokens, local heads, dim)``."""
     model: HybridLM = build_hybrid_model(cfg, dtype=torch.float32, device="cpu", tp=tp)
-    model.load_weights(_tensors(path))
+    model.load_weights(checkpoint_tensors(path))
     spec = replace(cfg.kv_spec("float32"), num_kv_heads=model.num_kv_heads)
     runner = ModelRunner(model, DevicePool(spec, 16, PAGE))
     with torch.no_grad():
         first = runner.forward(
-            _batch([a[:13], b[:12]], [0, 0], [A_PAGES, B_PAGES]), all_logits=True
+            paged_batch([a[:13], b[:12]], [0, 0], [A_PAGES, B_PAGES]), all_logits=True
         )
         second = runner.forward(
-            _batch([b[12:18], a[13:14]], [12, 13], [B_PAGES, A_PAGES]), all_logits=True
+            paged_batch([b[12:18], a[13:14]], [12, 13], [B_PAGES, A_PAGES]), all_logits=True
         )
-        third = runner.forward(_batch([a[14:15], b[18:19]], [14, 18], [A_PAGES, B_PAGES]))
+        third = runner.forward(paged_batch([a[14:15], b[18:19]], [14, 18], [A_PAGES, B_PAGES]))
     logits = torch.cat((first[:13], second[6:], third[:1], first[13:], second[:6], third[1:]))
-    slots = torch.cat((_slots(A_PAGES, LEN_A), _slots(B_PAGES, LEN_B)))
+    slots = torch.cat((paged_slots(A_PAGES, LEN_A), paged_slots(B_PAGES, LEN_B)))
     pool = runner.pool
     kv = torch.stack(
         [

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +36,7 @@ from hicache.runner.models.recurrent import RecurrentState
 from hicache.runner.models.registry import build_hybrid_model, check_tensor_parallel
 from hicache.runner.parallel import TPGroup
 from tests.helpers.ranks import run_ranks
+from tests.helpers.tp_batches import checkpoint_tensors
 from tests.runner.models.hybrid_fixtures import PAGE, hf_logits, hybrid_model, prompt, slots_for
 from tests.runner.models.test_hybrid_models import max_diff, tol
 
@@ -45,15 +45,6 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 needs 2 
 RECURRENT = ("tiny-random-qwen3-next", "tiny-random-nemotron-h")
 A_PAGES, B_PAGES = [5, 2, 7, 0, 9], [1, 3, 4, 6, 8, 10]
 A_LEN, B_LEN = 15, 19
-
-
-def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, st.get_tensor(name)
 
 
 def _forward(
@@ -83,7 +74,7 @@ def run(
     """Every logit of the three batches ``(A_LEN + B_LEN, vocab)`` in A-then-B position
     order, and the recurrent states after them (rows A, B)."""
     model = build_hybrid_model(cfg, dtype=torch.float32, device="cpu", tp=tp)
-    model.load_weights(_tensors(path))
+    model.load_weights(checkpoint_tensors(path))
     pool = DevicePool(model.cache_spec("float32").kv, 16, PAGE)
     first, s1 = _forward(model, pool, [a[:13], b[:12]], [0, 0], [A_PAGES, B_PAGES], None)
     second, s2 = _forward(
