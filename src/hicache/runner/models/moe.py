@@ -153,15 +153,15 @@ def dispatch(x: torch.Tensor, routing: Routing, num_experts: int, expert: Expert
     return out.to(x.dtype)
 
 
-class GatedExperts(nn.Module):
-    """SwiGLU experts: ``down_e(silu(gate_e x) * up_e x)``.
+class _StackedExperts(nn.Module):
+    """What the stacked experts share: ``num_experts`` experts, each with input projections
+    ``INPUTS`` ``(E, I, hidden)`` and ``down_proj (E, hidden, I)`` (nn.Linear layout per
+    expert, so checkpoints' ``experts.{e}.{proj}.weight`` load into row ``e``). With ``tp``,
+    ``intermediate_size`` is the full one and each rank holds its ``1 / size`` of every
+    expert's columns (:meth:`tp_pieces`); the output is then this rank's partial sum (the
+    caller all-reduces). Without it, the sizes are taken as given."""
 
-    ``gate_proj``/``up_proj (E, I, hidden)``, ``down_proj (E, hidden, I)`` (nn.Linear layout
-    per expert, so checkpoints' ``experts.{e}.gate_proj.weight`` load into row ``e``).
-    With ``tp``, ``intermediate_size`` is the full one and each rank holds its ``1 / size``
-    of every expert's columns (:meth:`tp_pieces`); the output is then this rank's partial
-    sum (the caller all-reduces). Without it, the sizes are taken as given.
-    """
+    INPUTS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -176,69 +176,51 @@ class GatedExperts(nn.Module):
         self.tp = tp
         self.intermediate_size = intermediate_size
         local = intermediate_size if tp is None else tp.part(intermediate_size, "expert columns")
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
+        for name in self.INPUTS:
+            self.register_parameter(
+                name, nn.Parameter(torch.empty(num_experts, local, hidden_size))
+            )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
 
     def tp_pieces(self) -> dict[str, RowPieces]:
-        """One expert's checkpoint slice per stacked parameter (none without ``tp``)."""
-        return _expert_pieces(self.tp, self.intermediate_size, ("gate_proj", "up_proj"))
+        """A rank's slice of one expert's checkpoint tensors (none without ``tp``): rows of
+        the input projections ``(I, hidden)``, columns of ``down_proj (hidden, I)``."""
+        if self.tp is None:
+            return {}
+        rows = RowPieces.split([self.intermediate_size], self.tp, "expert columns")
+        return {**{name: rows for name in self.INPUTS}, "down_proj": RowPieces(1, rows.pieces)}
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``x (n, hidden)`` -> ``(n, hidden)``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``x (T, hidden)`` -> routed mixture ``(T, hidden)``."""
+        return dispatch(x, routing, self.num_experts, self.expert)
+
+
+class GatedExperts(_StackedExperts):
+    """SwiGLU experts: ``down_e(silu(gate_e x) * up_e x)``; ``gate_proj``/``up_proj``
+    ``(E, I, hidden)`` (see :class:`_StackedExperts`)."""
+
+    INPUTS = ("gate_proj", "up_proj")
+    gate_proj: nn.Parameter
+    up_proj: nn.Parameter
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e])
         return F.linear(h, self.down_proj[e])
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``x (T, hidden)`` -> routed mixture ``(T, hidden)``."""
-        return dispatch(x, routing, self.num_experts, self.expert)
 
+class PlainExperts(_StackedExperts):
+    """Non-gated experts (Nemotron-H): ``down_e(relu(up_e x) ** 2)``; ``up_proj (E, I,
+    hidden)`` (see :class:`_StackedExperts`)."""
 
-class PlainExperts(nn.Module):
-    """Non-gated experts (Nemotron-H): ``down_e(relu(up_e x) ** 2)``.
-
-    ``up_proj (E, I, hidden)``, ``down_proj (E, hidden, I)``; ``tp`` as in
-    :class:`GatedExperts`.
-    """
-
-    def __init__(
-        self,
-        num_experts: int,
-        hidden_size: int,
-        intermediate_size: int,
-        *,
-        tp: TPGroup | None = None,
-    ) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.tp = tp
-        self.intermediate_size = intermediate_size
-        local = intermediate_size if tp is None else tp.part(intermediate_size, "expert columns")
-        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
-
-    def tp_pieces(self) -> dict[str, RowPieces]:
-        """One expert's checkpoint slice per stacked parameter (none without ``tp``)."""
-        return _expert_pieces(self.tp, self.intermediate_size, ("up_proj",))
+    INPUTS = ("up_proj",)
+    up_proj: nn.Parameter
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on ``x (n, hidden)`` -> ``(n, hidden)``."""
         return F.linear(F.relu(F.linear(x, self.up_proj[e])).square(), self.down_proj[e])
-
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``x (T, hidden)`` -> routed mixture ``(T, hidden)``."""
-        return dispatch(x, routing, self.num_experts, self.expert)
-
-
-def _expert_pieces(
-    tp: TPGroup | None, intermediate_size: int, inputs: tuple[str, ...]
-) -> dict[str, RowPieces]:
-    """A rank's slice of one expert's checkpoint tensors: rows of the ``inputs`` projections
-    ``(I, hidden)``, columns of ``down_proj (hidden, I)``."""
-    if tp is None:
-        return {}
-    rows = RowPieces.split([intermediate_size], tp, "expert columns")
-    return {**{name: rows for name in inputs}, "down_proj": RowPieces(1, rows.pieces)}
 
 
 class ClampedSwigluExperts(nn.Module):
