@@ -227,6 +227,20 @@ def test_head_records_namespace_is_one_for_every_tp_size() -> None:
         ns(records="rank")
 
 
+def test_state_slot_records_are_per_rank_under_head_records() -> None:
+    mha = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4)
+    kw: dict[str, Any] = dict(
+        model="m", weights_fingerprint="w", layout=MemLayout.PAGE_FIRST, page_size=4
+    )
+    heads = Namespace.for_spec(mha, head_records=True, **kw).with_component("mamba")
+    shards = {heads.for_slots(n, r) for n in (1, 2, 4) for r in range(n)}
+    assert len({s.digest for s in shards}) == 7  # one namespace per (size, rank)
+    assert all(s.records == "page" and s.component == "mamba" for s in shards)
+    assert heads.for_slots(2, 1) == dataclasses.replace(heads, records="page", tp_size=2, tp_rank=1)
+    page = Namespace.for_spec(mha, tp_size=2, tp_rank=1, **kw).with_component("mamba")
+    assert page.for_slots(2, 1) is page  # a page namespace is per rank already
+
+
 def test_head_keys_and_previous_keys() -> None:
     n = ns(tp_rank=None, records="head")
     k = page_keys(n, list(range(4)))
