@@ -6,9 +6,9 @@
   records, every rank reads them (equal rank digests), and a TP 1 server on the same L3
   hits all of them (latent KV does not depend on TP).
 * MHA (Llama, 2 K/V heads) with head records: a TP 2 server writes one record per page
-  and K/V head; a second TP 2 server and a TP 1 server hit every full page and answer
-  exactly; a TP 1 server's records serve TP 2 and, TP 4 (each K/V head replicated on
-  two ranks, the lower one its writer) writes each head's records once and TP 1 reads them.
+  and K/V head; a TP 1 and a TP 4 server hit every full page and answer exactly; a TP 1
+  server's records serve TP 2; TP 4 (each K/V head replicated on two ranks, the lower one
+  its writer) writes each head's records once, and TP 1 reads them.
 """
 
 from __future__ import annotations
@@ -132,22 +132,21 @@ def test_mla_at_tp2_one_writer_and_tp1_reuses_the_records(model: str, tmp_path: 
 
 
 def test_mha_head_records_serve_every_tp_size(tmp_path: Path) -> None:
-    """TP 2 writes one record per page and K/V head (2 heads, one per rank); a second TP 2
-    server and a TP 1 server hit every full page and answer exactly as transformers."""
+    """TP 2 writes one record per page and K/V head (2 heads, one per rank); a TP 1 server
+    (one rank gathers both heads) and a TP 4 server (each head on two ranks) hit every full
+    page and answer exactly as transformers, writing nothing again."""
     path, prompt, want = MODELS["llama"]
     with Engine(config(path(), 2, tmp_path)) as engine:
         serve_through_every_tier(engine, "llama")
     written = l3_files(tmp_path)
     assert written == 2 * 3 * PAGES  # 3 requests' pages, one record per K/V head
     a = prompt(0)
-    with Engine(config(path(), 2, tmp_path)) as second:  # same TP size
-        again = second.generate(a, GREEDY, timeout=120)
-        assert again.cached.storage == MATCHED and again.output_ids == want(a)
-    with Engine(config(path(), 1, tmp_path)) as tp1:  # one rank gathers both heads
-        hit = tp1.generate(a, GREEDY, timeout=120)
-        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
-        assert tp1.flush_cache()
-    assert l3_files(tmp_path) == written  # the TP 1 server found every record present
+    for size in (1, 4):
+        with Engine(config(path(), size, tmp_path)) as other:
+            hit = other.generate(a, GREEDY, timeout=120)
+            assert hit.cached.storage == MATCHED and hit.output_ids == want(a), size
+            assert other.flush_cache()
+        assert l3_files(tmp_path) == written, size  # every record was present
 
 
 def test_mha_tp1_records_serve_tp2(tmp_path: Path) -> None:
