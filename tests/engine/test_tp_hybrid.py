@@ -1,5 +1,6 @@
 """Gemma 3 and GPT-OSS served at TP 2 through the engine's real rank processes (gloo, CPU),
-each rank holding half the query and K/V heads (its pools: its K/V head, full and SWA).
+each rank holding half the query and K/V heads (its pools: its K/V head, full and SWA),
+and Gemma 3 at TP 4 (its 2 K/V heads replicated: ranks 0 and 1 hold head 0, 2 and 3 head 1).
 
 One engine per family (module scope) with a small L1 and a file L3 walks one prompt
 through every tier: greedy output equals transformers' cold, from L1, from L2 (its pages
@@ -7,7 +8,8 @@ pushed out of L1 by two other prompts, then loaded back) and from L3 (after
 ``flush_cache``), and the ranks' state digests stay equal. On every rank, the SHA-256 of
 each page of the prompt, in every component (full and SWA) and tier, is the same after
 each copy: the L1 bytes after L1 -> L2 -> L1, the L2 bytes after L2 -> L3 -> L2 (and L1
-after the L3 hit); the two ranks' bytes differ (each holds its own K/V head).
+after the L3 hit); ranks holding different K/V heads hold different bytes, replicas the
+same.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.engine.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.heads import HeadSplit
 from tests.engine.test_hybrid_serving import hf_greedy
 from tests.runner.models.hybrid_fixtures import prompt
 
@@ -39,11 +42,15 @@ Digests = list[dict[str, dict[int, str]]]
 """Per rank: ``"<component>/<tier>"`` -> page index -> SHA-256 (``Engine.rank_page_digests``)."""
 
 
-@pytest.fixture(scope="module", params=["tiny-random-gemma3", "tiny-random-gpt-oss"])
-def tp2(
+@pytest.fixture(
+    scope="module",
+    params=[("tiny-random-gemma3", 2), ("tiny-random-gpt-oss", 2), ("tiny-random-gemma3", 4)],
+    ids=lambda p: f"{p[0]}-tp{p[1]}",
+)
+def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Engine]]:
-    name = str(request.param)
+    name, size = request.param
     l3 = tmp_path_factory.mktemp("l3")
     config = EngineConfig(
         model_path=name,
@@ -59,7 +66,7 @@ def tp2(
         ),
         scheduler=SchedulerConfig(max_running_requests=2, chunked_prefill_size=16),
         context_length=128,
-        tp_size=2,
+        tp_size=size,
         dist_init_timeout_s=120.0,
         storage_backend="file",
         storage_extra_config={"file_path": str(l3), "prefetch_threshold": 8},
@@ -79,18 +86,22 @@ def same_pages(before: Digests, after: Digests, component: str, tier: str, want:
         assert [a[key][i] for i in common] == [b[key][i] for i in common], (rank, key)
 
 
-def test_tp2_walks_every_tier_with_the_same_bytes(tp2: tuple[str, Engine]) -> None:
-    name, engine = tp2
+def test_walks_every_tier_with_the_same_bytes(served: tuple[str, Engine]) -> None:
+    name, engine = served
     a, b, c = (prompt(name, PROMPT_LEN, offset=k * 40).tolist() for k in range(3))
     want = hf_greedy(name, a, NEW)
     cold = engine.generate(a, GREEDY, timeout=120)
     assert cold.error is None and cold.cached.total == 0 and cold.output_ids == want
     first = engine.rank_page_digests(a)  # write-through: in L1 and L2 (and L3)
-    assert len(first) == 2
+    size = engine.config.tp_size
+    assert len(first) == size
+    kv = [HeadSplit(4, 2, size, r).first_kv_head for r in range(size)]  # 4 query, 2 K/V heads
     for key in ("full/device", "full/host", "swa/device", "swa/host"):
-        assert first[0][key] and first[1][key], key
-        common = set(first[0][key]) & set(first[1][key])
-        assert all(first[0][key][i] != first[1][key][i] for i in common), key  # own heads
+        for r in range(1, size):
+            assert first[0][key] and first[r][key], key
+            common = set(first[0][key]) & set(first[r][key])
+            same = [first[0][key][i] == first[r][key][i] for i in common]
+            assert same == [kv[r] == kv[0]] * len(common), (key, r)  # replicas alike
     assert len(first[0]["full/device"]) == MATCHED // PAGE
 
     from_l1 = engine.generate(a, GREEDY, timeout=120)
@@ -115,4 +126,4 @@ def test_tp2_walks_every_tier_with_the_same_bytes(tp2: tuple[str, Engine]) -> No
     same_pages(first, fetched, "full", "device", MATCHED // PAGE)
     same_pages(first, fetched, "swa", "device", WINDOW_PAGES)
     digests = engine.rank_digests()
-    assert len(digests) == 2 and digests[0] == digests[1]
+    assert len(digests) == size and len(set(digests)) == 1
