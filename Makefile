@@ -63,7 +63,8 @@ DISPATCH_ENV_avx2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDN
 DISPATCH_ENV_avx512 := ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=ALL
 NUMERICS_TESTS := tests/runner $(addprefix tests/engine/,test_sampling_features.py \
 	test_hybrid_serving.py test_hybrid_soak.py test_deepseek_serving.py \
-	test_deepseek_v32_serving.py test_tp_engine.py test_tp_l3.py test_tp_hybrid.py)
+	test_deepseek_v32_serving.py test_tp_engine.py test_tp_l3.py test_tp_hybrid.py \
+	test_tp_recurrent.py test_tp_faults.py)
 
 test-dispatch: $(addprefix test-dispatch-,$(DISPATCHES))
 
