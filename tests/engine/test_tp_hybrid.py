@@ -9,11 +9,12 @@ pushed out of L1 by two other prompts, then loaded back) and from L3 (after
 each page of the prompt, in every component (full and SWA) and tier, is the same after
 each copy: the L1 bytes after L1 -> L2 -> L1, the L2 bytes after L2 -> L3 -> L2 (and L1
 after the L3 hit); ranks holding different K/V heads hold different bytes, replicas the
-same.
+same. A TP 1 server on the same L3 then hits every page (full and SWA head records).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -25,7 +26,7 @@ from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.heads import HeadSplit
 from tests.engine.test_hybrid_serving import hf_greedy
-from tests.runner.models.hybrid_fixtures import prompt
+from tests.runner.models.hybrid_fixtures import hybrid_model, prompt
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 needs 2 CPU cores")
 
@@ -49,7 +50,7 @@ Digests = list[dict[str, dict[int, str]]]
 )
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Engine]]:
+) -> Iterator[tuple[str, Engine, EngineConfig]]:
     name, size = request.param
     l3 = tmp_path_factory.mktemp("l3")
     config = EngineConfig(
@@ -73,7 +74,7 @@ def served(
         storage_prefetch_policy="wait_complete",
     )
     with Engine(config) as engine:
-        yield name, engine
+        yield name, engine, config
 
 
 def same_pages(before: Digests, after: Digests, component: str, tier: str, want: int) -> None:
@@ -86,8 +87,8 @@ def same_pages(before: Digests, after: Digests, component: str, tier: str, want:
         assert [a[key][i] for i in common] == [b[key][i] for i in common], (rank, key)
 
 
-def test_walks_every_tier_with_the_same_bytes(served: tuple[str, Engine]) -> None:
-    name, engine = served
+def test_walks_every_tier_with_the_same_bytes(served: tuple[str, Engine, EngineConfig]) -> None:
+    name, engine, config = served
     a, b, c = (prompt(name, PROMPT_LEN, offset=k * 40).tolist() for k in range(3))
     want = hf_greedy(name, a, NEW)
     cold = engine.generate(a, GREEDY, timeout=120)
@@ -127,3 +128,8 @@ def test_walks_every_tier_with_the_same_bytes(served: tuple[str, Engine]) -> Non
     same_pages(first, fetched, "swa", "device", WINDOW_PAGES)
     digests = engine.rank_digests()
     assert len(digests) == size and len(set(digests)) == 1
+    # one L3 across TP sizes: a TP 1 server gathers every head's full and SWA records
+    one = dataclasses.replace(config, tp_size=1)
+    with Engine(one, loaded=hybrid_model(name)) as tp1:
+        hit = tp1.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want
