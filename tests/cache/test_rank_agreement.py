@@ -269,5 +269,100 @@ def test_ranks_agree_on_a_hybrid_models_deepest_common_boundary(tmp_path: Path) 
     assert r0["digest"] == r1["digest"]
 
 
+HYBRID_PROMPTS = [list(range(100, 121)), [*range(100, 108), *range(200, 213)]]
+"""Two prompts of 21 tokens (10 whole pages of 2 before the last token) sharing 4 pages."""
+
+
+def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
+    """A hybrid model's cache (full KV and a sliding window of 4 in its own pools, pages
+    of 2): serve the prompts (write-through to each rank's memory L3: full and SWA
+    records), empty L1 and L2, fault rank 1 as :func:`_fault_scenario` does (slow,
+    lookups failing, reads timing out, L2 full of pinned pages), then open each prompt
+    again; its hit (L3 tokens, prefix) and whether its window came back right."""
+    from tests.cache.test_swa import FULL, SWA_SPEC, read_swa, serve_in_chunks
+
+    faulty = rank == 1
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=64, hicache_ratio=2.0, load_back_threshold=0,
+        swa_full_tokens_ratio=0.5, write_policy="write_through",
+    )  # fmt: skip
+    ns = Namespace.for_spec(
+        FULL, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE,
+        tp_size=2, tp_rank=rank,
+    )  # fmt: skip
+    extra: dict[str, Any] = {"store": f"hybrid-{policy}-{fault}-{rank}"}
+    if faulty and fault == "read_timeout":
+        extra["timeout_s"] = 0.25
+    prefetch = PrefetchConfig(
+        policy=policy, prefetch_threshold=0, prefetch_timeout_base=3.0,
+        prefetch_timeout_per_ki_token=0.0, prefetch_timeout_max=5.0,
+    )  # fmt: skip
+    with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,)), ranks=RankGroup()) as cache:
+        cache.attach_storage(
+            create_storage("memory", namespace=ns, extra_config=extra), ns, prefetch
+        )
+        for tokens in HYBRID_PROMPTS:
+            serve_in_chunks(cache, tokens)
+        cache.reset()
+        held = None
+        if faulty and fault == "slow":
+            _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
+        elif faulty and fault == "lookup_fail":
+            _backend(cache).set_faults(MemoryFaults(fail_after=0))
+        elif faulty and fault == "read_timeout":
+            _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
+        elif faulty and fault == "l2_full":
+            assert cache.full.host is not None
+            held = cache.full.host.allocator.alloc(cache.full.host.allocator.free_pages)
+        hits: list[tuple[int, int, bool]] = []
+        for tokens in HYBRID_PROMPTS:
+            prompt = tokens[:-1]
+            req = cache.open(prompt)
+            for _ in range(4000):
+                cache.sync()
+                if cache.ready(req):
+                    break
+                time.sleep(0.002)
+            assert cache.admit(req, prompt)
+            if cache.full.host is not None:
+                cache.full.host.wait_idle()
+                cache.sync()
+            prefix = req.prefix_tokens
+            window = read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
+            hits.append((req.cached.storage, prefix, window))
+            cache.release(req)
+        cache.flush()
+        digest = tree_digest(cache)
+        if held is not None:
+            assert cache.full.host is not None
+            cache.full.host.allocator.free(held)
+        _backend(cache).set_faults(MemoryFaults())
+        check_integrity(cache)
+        return {"hits": hits, "digest": digest}
+
+
+def _hybrid_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
+    return {fault: _hybrid_fault_scenario(rank, policy, fault) for fault in FAULTS[:-1]}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_faulty_rank_of_a_hybrid_model_neither_blocks_nor_splits(
+    tmp_path: Path, policy: str
+) -> None:
+    """The scenarios above (but the failing L2 -> L1 load) on a sliding-window hybrid:
+    equal hits and digests, every hit's window right; what rank 1 cannot serve, no rank
+    reads."""
+    r0, r1 = run_ranks(_hybrid_main, 2, tmp_path, policy)
+    for fault in FAULTS[:-1]:
+        a, b = r0[fault], r1[fault]
+        assert a["hits"] == b["hits"], (fault, a["hits"], b["hits"])
+        assert a["digest"] == b["digest"], fault
+        assert all(window for _, _, window in a["hits"]), fault
+    storage = {fault: [h[0] for h in r0[fault]["hits"]] for fault in FAULTS[:-1]}
+    assert storage["lookup_fail"] == storage["read_timeout"] == storage["l2_full"] == [0, 0]
+    if policy != "best_effort":  # the policy waits for L3 (for the slow rank too)
+        assert storage["none"] == storage["slow"] and storage["none"][0] > 0, storage
+
+
 if __name__ == "__main__":  # pragma: no cover - spawn children import this module
     sys.exit(0)
