@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,43 @@ def test_ranks_agree_on_a_boundary_every_rank_has(
     assert agree_boundary(lambda v: v, present[0], limit) == max(
         (b for b in present[0] if b <= limit), default=0
     )
+
+
+def _replica_main(rank: int, n: int, out: str) -> dict[str, object]:
+    """Rank ``rank`` of 2 holding the model's one K/V head (replicated: rank 0 writes its
+    head records) and its own shard of the recurrent state: serve the prompt with a
+    snapshot after page 2 (this rank's own values) to a shared file L3, empty L1 and L2,
+    fetch it again."""
+    from hicache.controller.rank_group import RankGroup
+    from hicache.heads import HeadSplit
+    from hicache.storage.registry import create_storage
+
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
+        max_mamba_cache_size=4, write_policy="write_through",
+    )  # fmt: skip
+    ns = Namespace.for_spec(
+        SPEC, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE,
+        tp_size=n, tp_rank=rank, head_records=True,
+    )  # fmt: skip
+    storage = create_storage("file", namespace=ns, extra_config={"file_path": f"{out}/l3"})
+    storage.use_heads(HeadSplit(2, 1, n, rank))
+    mine = snapshot(7 + rank)
+    with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,)), ranks=RankGroup()) as cache:
+        policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+        cache.attach_storage(storage, ns, policy)
+        assert cache.storage is not None and cache.storage.writer == (rank == 0)
+        compute(cache, PROMPT, {2: mine})
+        cache.reset()
+        hit, prefix, state = fetch(cache, PROMPT)
+        own = state is not None and all(a.equal(b) for a, b in zip(state, mine, strict=True))
+        return {"hit": hit, "prefix": prefix, "own_state": own}
+
+
+def test_a_replica_rank_writes_its_own_state_shard(tmp_path: Path) -> None:
+    """Under head records a rank whose K/V head a lower rank writes still writes its own
+    snapshot records (per rank): both ranks resume from L3, each from its own shard."""
+    from tests.helpers.ranks import run_ranks
+
+    r0, r1 = run_ranks(_replica_main, 2, tmp_path)
+    assert r0 == r1 == {"hit": 2 * PAGE, "prefix": 2 * PAGE, "own_state": True}

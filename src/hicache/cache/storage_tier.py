@@ -551,12 +551,21 @@ class StorageTier:
                 self.tree.inc_host_ref(n)  # its L2 ids stay until written
             op_id = next(self._op_ids)
             self._component_writes[op_id] = (c, todo)
-            if not self.writer:  # tracked and pinned alike on every rank, sent by rank 0
+            if not self._sends(c.name):  # tracked and pinned alike on every rank
                 self._unsent.add(op_id)
                 continue
             self.controller.write_component(
                 op_id, c.name, [keys[j - 1] for j in todo.pages], todo.ids
             )
+
+    def _sends(self, component: str) -> bool:
+        """Whether this rank sends ``component``'s writes: a writer always; under head
+        records every rank its state-slot records too (each holds its own shard of the
+        state, per rank, :meth:`~hicache.keys.Namespace.for_slots`, whether or not a lower
+        rank holds its K/V heads)."""
+        return self.writer or (
+            component in self._slot_components and self.namespace.records == HEAD_RECORDS
+        )
 
     def _on_write(self, r: L3Write) -> None:
         self._unsent.discard(r.op_id)
