@@ -100,6 +100,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         bytes_written=next(powers),
         errors=next(powers),
         repaired=next(powers),
+        previous=next(powers),
         misses={"absent": next(powers), "corrupt": next(powers)},
         backend="redis",
         stall_s=float(next(powers)),
