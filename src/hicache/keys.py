@@ -53,6 +53,7 @@ __all__ = [
     "TOKEN_ID_LIMIT",
     "Namespace",
     "PageKey",
+    "PreviousPage",
     "engine_page_key",
     "head_key",
     "page_keys",
@@ -367,6 +368,22 @@ def head_key(page: PageKey, kv_head: int) -> PageKey:
     require(is_int(kv_head) and 0 <= kv_head < TOKEN_ID_LIMIT, "kv_head", kv_head, "must be a u32")
     h = hashlib.sha256(page.digest + HEAD_TAG + kv_head.to_bytes(4, "little")).digest()
     return PageKey(KEY_PREFIX + h.hex(), h, page.fingerprint, page.namespace_digest)
+
+
+@dataclass(frozen=True, slots=True)
+class PreviousPage:
+    """A spec-2 page key not computed yet: the last whole page of ``tokens`` (encoded
+    token bytes) chained from ``digest`` (:meth:`Namespace.previous_digest`). Built on
+    the cache's thread at no hashing cost; :meth:`key` hashes, on the thread that probes
+    it, only when a lookup found nothing."""
+
+    digest: bytes
+    tokens: bytes
+    page_size: int
+
+    def key(self) -> PageKey:
+        """:func:`previous_page_key` of the fields."""
+        return previous_page_key(self.digest, self.tokens, self.page_size)
 
 
 def previous_page_key(digest: bytes, tokens: TokenIds | Any, page_size: int) -> PageKey:

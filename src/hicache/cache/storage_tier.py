@@ -90,8 +90,8 @@ from hicache.keys import (
     HEAD_RECORDS,
     Namespace,
     PageKey,
+    PreviousPage,
     page_keys,
-    previous_page_key,
 )
 from hicache.memory.state_pool import StatePool
 from hicache.metrics import CacheCounters
@@ -156,6 +156,8 @@ class StorageTier:
         else:
             self._previous_tp = (namespace.tp_size, namespace.tp_rank)
         """The TP fields this rank's namespace had under the previous key spec."""
+        self._previous_digests: dict[str, bytes] = {}
+        """Each tenant's namespace digest under the previous key spec."""
         self.components = tuple(components)
         self._codecs = {c.name: c for c in self.components}
         self._slot_components = {c.name for c in self.components if isinstance(c.pool, StatePool)}
@@ -178,13 +180,17 @@ class StorageTier:
         ``component``'s records (``"mamba"``: the snapshot after each page)."""
         return page_keys(self._namespace_of(tenant, component), key, self.page_size)
 
-    def _previous_key(self, key: bytes, tenant: str, pages: int) -> PageKey:
+    def _previous_page(self, key: bytes, tenant: str, pages: int) -> PreviousPage:
         """The previous key spec's key of page ``pages`` of ``key`` under ``tenant``'s
-        namespace as this rank had it (probed on a lookup that finds nothing)."""
-        digest = self._namespace_of(tenant).previous_digest(*self._previous_tp)
-        return previous_page_key(
-            digest, key[: pages * self.page_size * TOKEN_BYTES], self.page_size
-        )
+        namespace as this rank had it, unhashed (probed, and hashed then, on a lookup that
+        finds nothing)."""
+        digest = self._previous_digests.get(tenant)
+        if digest is None:
+            digest = self._namespace_of(tenant).previous_digest(*self._previous_tp)
+            if len(self._previous_digests) >= MAX_TENANT_NAMESPACES:
+                self._previous_digests.clear()
+            self._previous_digests[tenant] = digest
+        return PreviousPage(digest, key[: pages * self.page_size * TOKEN_BYTES], self.page_size)
 
     def _namespace_of(self, tenant: str, component: str = FULL_COMPONENT) -> Namespace:
         if not tenant and component == self.namespace.component:
@@ -281,7 +287,7 @@ class StorageTier:
             )
         self._prefetches[op_id] = p
         self._looking.add(op_id)
-        previous = self._previous_key(key, tenant, start + 1) if rest else None
+        previous = self._previous_page(key, tenant, start + 1) if rest else None
         self.controller.lookup(op_id, rest, lookups, previous)
         return p
 

@@ -39,7 +39,7 @@ from hicache.controller.completions import (
     L3Write,
 )
 from hicache.controller.rank_group import RankGroup
-from hicache.keys import PageKey
+from hicache.keys import PageKey, PreviousPage
 from hicache.lifecycle import Lifecycle
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
@@ -88,7 +88,7 @@ class _Lookup:
     op_id: int
     keys: Sequence[PageKey]
     components: tuple[ComponentLookup, ...]
-    previous: PageKey | None = None
+    previous: PreviousPage | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +168,13 @@ class StorageController(Lifecycle):
         op_id: int,
         keys: Sequence[PageKey],
         components: Sequence[ComponentLookup] = (),
-        previous: PageKey | None = None,
+        previous: PreviousPage | None = None,
     ) -> None:
         """Queue a lookup of ``keys`` (a run from the first) and, when given, of each
         component's records within reach of the run found (:class:`ComponentLookup`); an
         :class:`L3Lookup` follows. ``previous``: the previous spec version's key of the
-        first page, probed (and counted, ``StorageStats.previous``) when the run is empty."""
+        first page, hashed and probed (and counted, ``StorageStats.previous``) on the
+        lookup thread when the run is empty."""
         for c in components:
             self._pool(c.name)
             if not 0 <= c.held <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
@@ -288,7 +289,7 @@ class StorageController(Lifecycle):
         try:
             hit = self.storage.batch_exists(op.keys) if op.keys else 0  # a failure is no hit
             if not hit and op.previous is not None:
-                self.storage.probe_previous(op.previous)
+                self.storage.probe_previous(op.previous.key())
             for c in op.components:
                 n = c.lead + hit if hit else c.held
                 if not n:
