@@ -83,6 +83,22 @@ def _backend(cache: HiCache) -> MemoryStorage:
     return storage
 
 
+def _inject(cache: HiCache, fault: str) -> Any:
+    """Give this rank's cache ``fault`` (of :data:`FAULTS`; ``load_fail`` is the caller's
+    hook): its backend slow, failing or late; or its whole L2 held by an outside pin,
+    whose pages are returned (free them after)."""
+    if fault == "slow":
+        _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
+    elif fault == "lookup_fail":
+        _backend(cache).set_faults(MemoryFaults(fail_after=0))
+    elif fault == "read_timeout":
+        _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
+    elif fault == "l2_full":
+        assert cache.full.host is not None
+        return cache.full.host.allocator.alloc(cache.full.host.allocator.free_pages)
+    return None
+
+
 def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
     """Serve PROMPTS once (write-through to L3), empty L1 and L2, fault rank 1, serve
     them again from L3; what each rank saw."""
@@ -94,17 +110,8 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         cache.flush()
         cache.reset()
         backed_before = cache.full.counters.backup_tokens_total
-        held = None
-        if faulty and fault == "slow":
-            _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
-        elif faulty and fault == "lookup_fail":
-            _backend(cache).set_faults(MemoryFaults(fail_after=0))
-        elif faulty and fault == "read_timeout":
-            _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
-        elif faulty and fault == "l2_full":
-            assert cache.full.host is not None
-            held = cache.full.host.allocator.alloc(cache.full.host.allocator.free_pages)
-        elif faulty and fault == "load_fail":
+        held = _inject(cache, fault) if faulty else None
+        if faulty and fault == "load_fail":
             hook.on = True
         hits = drive(cache, PROMPTS)
         hook.on = False
@@ -304,16 +311,7 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
         for tokens in HYBRID_PROMPTS:
             serve_in_chunks(cache, tokens)
         cache.reset()
-        held = None
-        if faulty and fault == "slow":
-            _backend(cache).set_faults(MemoryFaults(delay_s=0.15))
-        elif faulty and fault == "lookup_fail":
-            _backend(cache).set_faults(MemoryFaults(fail_after=0))
-        elif faulty and fault == "read_timeout":
-            _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
-        elif faulty and fault == "l2_full":
-            assert cache.full.host is not None
-            held = cache.full.host.allocator.alloc(cache.full.host.allocator.free_pages)
+        held = _inject(cache, fault) if faulty else None
         hits: list[tuple[int, int, bool]] = []
         for tokens in HYBRID_PROMPTS:
             prompt = tokens[:-1]
