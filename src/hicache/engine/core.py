@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from hicache.cache import HiCache
 from hicache.engine.config import EngineConfig
@@ -50,7 +50,6 @@ from hicache.engine.step_inputs import (
     StepInputs,
     Stop,
 )
-from hicache.heads import HeadSplit
 from hicache.keys import HEAD_RECORDS, Namespace
 from hicache.runner.loader import LoadedModel
 from hicache.storage.registry import StorageConfig
@@ -389,27 +388,8 @@ def attach_l3(
     )
     storage = storage_config.create(namespace)
     if namespace.records == HEAD_RECORDS:
-        storage.use_heads(head_split(model.hf_config, cache.spec.heads, config.tp_size, rank))
+        storage.use_heads(model.model.heads)  # the heads the model computes on this rank
     cache.attach_storage(storage, namespace, prefetch)
-
-
-def head_split(hf_config: Any, local_kv_heads: int, tp_size: int, rank: int) -> HeadSplit:
-    """Rank ``rank``'s heads of ``tp_size`` for a model of ``hf_config``
-    (``num_attention_heads``, ``num_key_value_heads``, or its ``text_config``'s); at TP 1,
-    the ``local_kv_heads`` of its pool whatever the config says. ValueError when the
-    split's K/V heads per rank differ from ``local_kv_heads`` (the pool's)."""
-    if tp_size == 1:
-        return HeadSplit(local_kv_heads, local_kv_heads)
-    text = getattr(hf_config, "text_config", None) or hf_config
-    heads = int(text.num_attention_heads)
-    kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    split = HeadSplit(heads, kv, tp_size, rank)
-    if split.local_kv_heads != local_kv_heads:
-        raise ValueError(
-            f"rank {rank} of {tp_size} holds {local_kv_heads} K/V heads in its pool, but"
-            f" {heads} query and {kv} K/V heads split {split.local_kv_heads} per rank"
-        )
-    return split
 
 
 __all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3", "error_line"]

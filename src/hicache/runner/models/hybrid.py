@@ -335,11 +335,16 @@ class HybridLM(nn.Module, CachedModel):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=self.tp)
 
     @property
+    def heads(self) -> HeadSplit:
+        """The attention heads this rank holds (of :attr:`tp`)."""
+        cfg = self.config
+        return HeadSplit(cfg.num_heads, cfg.num_kv_heads, self.tp.size, self.tp.rank)
+
+    @property
     def num_kv_heads(self) -> int:
         """The K/V heads this rank computes and caches (:attr:`HeadSplit.local_kv_heads
         <hicache.heads.HeadSplit.local_kv_heads>`): the head count of its MHA pools."""
-        cfg = self.config
-        return HeadSplit(cfg.num_heads, cfg.num_kv_heads, self.tp.size, self.tp.rank).local_kv_heads
+        return self.heads.local_kv_heads
 
     def _local(self, spec: KVSpec) -> KVSpec:
         """``spec`` (the config's, every K/V head) as this rank holds it: an MHA pool keeps
