@@ -483,6 +483,16 @@ class CacheConfig:
         return self.host_pages(spec) / self.device_pages
 
 
+DEFAULT_NEGATIVE_TTL_S = 2.0
+"""Seconds an L3 miss is trusted by default (:mod:`hicache.storage.negative`): a page
+another instance wrote is found at most this late (the ``timeout`` prefetch's base wait is
+2 s too, so a request loses at most about one prefetch window of sharing), while a stream
+of requests over the same absent run asks the store about once per 2 s, not per request."""
+
+DEFAULT_NEGATIVE_ENTRIES = 65536
+"""L3 misses remembered by default (a few MiB of Python objects at most)."""
+
+
 PREFETCH_KEYS: tuple[str, ...] = (
     "prefetch_threshold",
     "prefetch_timeout_base",
@@ -500,6 +510,10 @@ class PrefetchConfig:
     ``prefetch_threshold`` tokens. Under the ``timeout`` policy it stops after
     ``min(prefetch_timeout_max, prefetch_timeout_base + prefetch_timeout_per_ki_token *
     tokens / 1024)`` seconds (defaults 30, 2, 0.1).
+
+    ``negative_ttl_s``: seconds a page key the store did not have is remembered, so that
+    lookups through it do not ask again (:mod:`hicache.storage.negative`; 0: off, every
+    lookup asks); ``negative_max_entries``: keys remembered at most (LRU).
     """
 
     policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
@@ -507,6 +521,8 @@ class PrefetchConfig:
     prefetch_timeout_base: float = 2.0
     prefetch_timeout_per_ki_token: float = 0.1
     prefetch_timeout_max: float = 30.0
+    negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S
+    negative_max_entries: int = DEFAULT_NEGATIVE_ENTRIES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", enum_value(PrefetchPolicy, "policy", self.policy))
@@ -518,6 +534,14 @@ class PrefetchConfig:
         ):
             v = getattr(self, name)
             require(is_number(v) and v >= 0, name, v, "must be a number of seconds >= 0")
+        ttl = self.negative_ttl_s
+        require(
+            is_finite_number(ttl) and ttl >= 0,
+            "negative_ttl_s",
+            ttl,
+            "must be a finite number of seconds >= 0 (0: off)",
+        )
+        int_at_least("negative_max_entries", self.negative_max_entries, 1)
 
     @classmethod
     def from_extra(cls, policy: PrefetchPolicy | str, extra: dict[str, Any]) -> PrefetchConfig:

@@ -54,6 +54,12 @@ class CacheCounters:
     lookup or the read not over (``timeout``: its computed wait; ``wait_complete``:
     ``prefetch_timeout_max``): each is a request that waited that long on L3 (a frozen
     or slow backend), whatever the backend's own deadline did meanwhile."""
+    l3_negative_lookups_saved_total: int = 0
+    """L3 lookups whose run the negative cache answered whole (its first key a miss
+    remembered within ``negative_ttl_s``): no store call (:mod:`hicache.storage.negative`)."""
+    l3_negative_keys_skipped_total: int = 0
+    """Page keys of lookup runs not asked of the store because the negative cache
+    remembered one of them (or one before them) missing."""
     prefetch_component_records_total: int = 0
     """Component records (snapshots, SWA pages) read from L3 into L2 by prefetches whose
     hit was taken."""

@@ -32,6 +32,7 @@ from hicache.config import (
 )
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
+from hicache.storage.base import ExistsRun
 from hicache.storage.registry import create_storage
 from hicache.tree.node import PageIds
 from tests.helpers.indexer_keys import keys_buffer, token_key
@@ -102,10 +103,10 @@ def _scenario(rank: int, root: str, fault: str) -> dict[str, Any]:
         cache.sync()  # both ranks past their writes before either reads
         cache.reset()
         if rank == 1 and fault == "slow":  # every lookup and read 0.15 s late
-            for name in ("batch_exists", "batch_contains", "batch_get"):
+            for name in ("exists_run", "batch_contains", "batch_get"):
                 setattr(storage, name, _late(getattr(storage, name)))
         if rank == 1 and fault == "lookup_fail":
-            storage.batch_exists = lambda keys: 0  # type: ignore[method-assign]
+            storage.exists_run = lambda keys: ExistsRun(0, failed=True)  # type: ignore[method-assign]
         hits = rank_cache.drive(cache, PROMPTS)
         cache.flush()
         prefixes = _check_keys(cache, PROMPTS)

@@ -34,6 +34,7 @@ from hicache.controller.storage_controller import StorageController
 from hicache.keys import Namespace
 from hicache.metrics import CacheCounters
 from hicache.storage.base import HiCacheStorage
+from hicache.storage.negative import NegativeCache
 from hicache.tokens import encode_tokens
 from hicache.transfer import Completion
 from hicache.tree import HiRadixTree, TreeNode
@@ -114,6 +115,11 @@ class StorageSlot:
             self._sync.completions,
             self._ranks,
             component_pools={c.name: c.pool for c in codecs},
+            negative=(
+                NegativeCache(prefetch.negative_ttl_s, prefetch.negative_max_entries)
+                if prefetch.negative_ttl_s > 0
+                else None
+            ),
         )
         try:
             controller.start()

@@ -133,6 +133,9 @@ class StorageTier:
         self._quarantine: dict[int, PageIds] = {}
         self._quarantine_ids: dict[int, list[ComponentFetch]] = {}
         self._writes: dict[int, tuple[TreeNode, int]] = {}
+        self._write_keys: dict[int, list[PageKey]] = {}
+        """Keys of every write in flight, on every rank (sent here or not): the negative
+        cache forgets them when the write is queued and again once it landed."""
         self._component_writes: dict[int, tuple[ComponentRecords, RecordWrites]] = {}
         self._tenants: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
         self.ranks = controller.ranks
@@ -394,6 +397,11 @@ class StorageTier:
     def _on_lookup(self, r: L3Lookup, hit: int) -> None:
         """Apply lookup ``r`` with ``hit`` pages (agreed: the minimum over ranks)."""
         self._looking.discard(r.op_id)
+        if r.skipped:  # this rank's negative cache answered part of the run
+            self.counters.l3_negative_keys_skipped_total += r.skipped
+            p = self._prefetches.get(r.op_id)
+            if p is not None and r.skipped == len(p.keys):
+                self.counters.l3_negative_lookups_saved_total += 1
         p = self._prefetches.get(r.op_id)
         if p is None:
             return
@@ -533,6 +541,8 @@ class StorageTier:
         self.tree.inc_host_ref(last)  # the L2 source stays until written (on every rank)
         op_id = next(self._op_ids)
         self._writes[op_id] = (last, n)
+        self._write_keys[op_id] = keys
+        self.controller.forget_misses(keys)  # every rank: a lower one may write them
         if self.writer:
             self.controller.write(op_id, keys, host)
         else:  # MLA: rank 0 alone writes the latent KV every rank holds
@@ -557,12 +567,12 @@ class StorageTier:
                 self.tree.inc_host_ref(n)  # its L2 ids stay until written
             op_id = next(self._op_ids)
             self._component_writes[op_id] = (c, todo)
+            written = self._write_keys[op_id] = [keys[j - 1] for j in todo.pages]
+            self.controller.forget_misses(written)
             if not self._sends(c.name):  # tracked and pinned alike on every rank
                 self._unsent.add(op_id)
                 continue
-            self.controller.write_component(
-                op_id, c.name, [keys[j - 1] for j in todo.pages], todo.ids
-            )
+            self.controller.write_component(op_id, c.name, written, todo.ids)
 
     def _sends(self, component: str) -> bool:
         """Whether this rank sends ``component``'s writes: a writer always; under head
@@ -575,6 +585,8 @@ class StorageTier:
 
     def _on_write(self, r: L3Write) -> None:
         self._unsent.discard(r.op_id)
+        # landed: a miss a lookup saw before it landed is forgotten (after that lookup)
+        self.controller.forget_misses(self._write_keys.pop(r.op_id, []))
         comp = self._component_writes.pop(r.op_id, None)
         if comp is not None:
             codec, todo = comp
@@ -712,6 +724,7 @@ class StorageTier:
             for n in todo.pins:
                 self.tree.dec_host_ref(n)
         self._component_writes.clear()
+        self._write_keys.clear()
         held = PageIds("q")
         for pages in self._quarantine.values():
             held += pages

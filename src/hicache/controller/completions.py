@@ -35,11 +35,14 @@ class L3Lookup:
     """An L3 lookup finished: the first ``hit_pages`` keys of op ``op_id`` are present
     (0 after an error or a timeout). ``components``: for a lookup with component keys
     (recurrent-state snapshots, sliding-window pages), which of them are present, per
-    component (only those within reach of the full-KV run found were looked up)."""
+    component (only those within reach of the full-KV run found were looked up).
+    ``skipped``: keys of the run not asked because the negative cache remembered one of
+    them missing (the run's length: no store call for the run at all)."""
 
     op_id: int
     hit_pages: int
     components: tuple[ComponentFound, ...] = ()
+    skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)

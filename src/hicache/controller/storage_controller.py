@@ -20,6 +20,14 @@ pages it was handed (a zero-copy get cannot be cancelled). A read op therefore p
 ``final`` record only once the backend says no such call is left
 (:meth:`HiCacheStorage.host_writes_settled`); until then the owner keeps the op's pages
 (and component ids) out of every allocation (they are quarantined, not freed).
+
+Negative lookups: with a :class:`~hicache.storage.negative.NegativeCache`, the lookup
+thread owns it. A lookup asks only the keys of its run before the first fresh remembered
+miss (none: no store call, the previous-version probe included), and remembers the key at
+which the store's answer stopped. The owner's :meth:`StorageController.forget_misses`
+(every key this instance writes, when the write is queued and again once it landed) rides
+the same queue, so the thread applies it in order with the lookups: a miss a lookup saw
+before a write landed is dropped by the forget that follows the landing.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from hicache.lifecycle import Lifecycle
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
 from hicache.storage.base import HiCacheStorage
+from hicache.storage.negative import NegativeCache
 from hicache.storage.stats import SetResult
 from hicache.tree.node import PageIds
 
@@ -92,6 +101,11 @@ class _Lookup:
 
 
 @dataclass(frozen=True, slots=True)
+class _Forget:
+    keys: tuple[PageKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Read:
     op_id: int
     keys: Sequence[PageKey]
@@ -123,13 +137,16 @@ class StorageController(Lifecycle):
         completions: CompletionQueue,
         ranks: RankGroup | None = None,
         component_pools: Mapping[str, ComponentPool] | None = None,
+        negative: NegativeCache | None = None,
     ) -> None:
         self.storage = storage
         self.host_pool = host_pool
         self.component_pools: dict[str, ComponentPool] = dict(component_pools or {})
         self.ranks = ranks or RankGroup()
         self._out = completions
-        self._prefetch_q: queue.Queue[_Lookup | _Read | None] = queue.Queue()
+        self.negative = negative
+        """Misses remembered (None: off); the lookup thread's alone once started."""
+        self._prefetch_q: queue.Queue[_Lookup | _Read | _Forget | None] = queue.Queue()
         self._backup_q: queue.Queue[_Write | None] = queue.Queue()
         self._cancels: dict[int, threading.Event] = {}
         self._threads: list[threading.Thread] = []
@@ -203,6 +220,12 @@ class StorageController(Lifecycle):
         cancel = self._cancels[op_id] = threading.Event()
         self._prefetch_q.put(_Read(op_id, keys, host_pages, cancel, tuple(components)))
 
+    def forget_misses(self, keys: Sequence[PageKey]) -> None:
+        """This instance writes ``keys`` (queued, or landed): lookups after this call ask
+        the store about them again (a no-op without a negative cache)."""
+        if self.negative is not None and keys:
+            self._prefetch_q.put(_Forget(tuple(keys)))
+
     def cancel(self, op_id: int) -> None:
         """Ask a read to stop after the chunk in flight (its final record still comes)."""
         ev = self._cancels.pop(op_id, None)
@@ -269,6 +292,10 @@ class StorageController(Lifecycle):
             if isinstance(item, _Lookup):
                 self._out.post(self._lookup(item))
                 continue
+            if isinstance(item, _Forget):
+                if self.negative is not None:
+                    self.negative.forget(item.keys)
+                continue
             done = self._read(item)
             if not settling and self._settled():
                 self._out.post(L3Read(item.op_id, done, final=True))
@@ -286,10 +313,16 @@ class StorageController(Lifecycle):
     def _lookup(self, op: _Lookup) -> L3Lookup:
         hit = 0
         found: list[ComponentFound] = []
+        neg = self.negative
+        asked = len(op.keys) if neg is None else neg.to_ask(op.keys)
         try:
-            hit = self.storage.batch_exists(op.keys) if op.keys else 0  # a failure is no hit
-            if not hit and op.previous is not None:
-                self.storage.probe_previous(op.previous.key())
+            if asked:
+                run = self.storage.exists_run(op.keys[:asked])  # a failure is no hit
+                hit = run.present
+                if neg is not None and hit < asked and not run.failed:
+                    neg.missed(op.keys[hit])
+                if not hit and op.previous is not None:
+                    self.storage.probe_previous(op.previous.key())
             for c in op.components:
                 n = c.lead + hit if hit else c.held
                 if not n:
@@ -298,7 +331,7 @@ class StorageController(Lifecycle):
                 found.append(ComponentFound(c.name, tuple(i for i, f in enumerate(flags) if f)))
         except Exception:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
-        return L3Lookup(op.op_id, hit, tuple(found))
+        return L3Lookup(op.op_id, hit, tuple(found), skipped=len(op.keys) - asked)
 
     def _read(self, op: _Read) -> int:
         """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact

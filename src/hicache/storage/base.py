@@ -93,10 +93,21 @@ _R = TypeVar("_R")
 __all__ = [
     "ConfiguredStorage",
     "Deadline",
+    "ExistsRun",
     "HiCacheStorage",
     "StorageError",
     "StorageOptions",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ExistsRun:
+    """What one lookup of a run of keys found: the first ``present`` keys are present.
+    ``failed``: the call hit a backend error or overran its deadline, so the keys from
+    ``present`` on are unknown, not known absent (never remembered as misses)."""
+
+    present: int
+    failed: bool = False
 
 
 class StorageError(RuntimeError):
@@ -358,12 +369,17 @@ class HiCacheStorage(ABC):
     # -- public batched operations --------------------------------------------------------
     def batch_exists(self, keys: Sequence[PageKey]) -> int:
         """Number of consecutive keys, from the first, present in the backend (0 on failure)."""
+        return self.exists_run(keys).present
+
+    def exists_run(self, keys: Sequence[PageKey]) -> ExistsRun:
+        """:meth:`batch_exists`, saying too whether the call failed (an error or a deadline
+        overrun: what it did not find is unknown rather than absent)."""
         self._require_started()
         if not keys:
-            return 0
+            return ExistsRun(0)
         split = self._split()
         wanted = keys if split is None else record_keys(keys, split.kv_heads)
-        with self._stats.timed("exists"):
+        with self._stats.timed("exists") as timer:
             try:
                 hits = self._exists(wanted, Deadline(self._options.timeout_s))
             except Exception as e:
@@ -373,7 +389,7 @@ class HiCacheStorage(ABC):
         if split is not None:
             hits //= split.local_kv_heads
         self._stats.exists(len(keys), hits)
-        return hits
+        return ExistsRun(hits, failed=timer.failed)
 
     def batch_get(
         self, keys: Sequence[PageKey], host: HostPool, pages: Sequence[int] | torch.Tensor

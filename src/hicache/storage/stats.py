@@ -227,13 +227,14 @@ class StorageStats:
 
 class _OpTimer:
     """One batch call being timed (:meth:`StatsRecorder.timed`); ``timed_out`` is set when
-    a deadline was overrun during it."""
+    a deadline was overrun during it, ``failed`` when it or a backend error was."""
 
-    __slots__ = ("op", "timed_out")
+    __slots__ = ("failed", "op", "timed_out")
 
     def __init__(self, op: str) -> None:
         self.op = op
         self.timed_out = False
+        self.failed = False
 
 
 class StatsRecorder:
@@ -330,6 +331,9 @@ class StatsRecorder:
         """A backend failure during ``op``; logged at WARNING."""
         with self._lock:
             self._c["errors"] += 1
+        timer = getattr(self._current, "timer", None)
+        if timer is not None:
+            timer.failed = True
         log.warning("L3 %s: %s failed: %s", self._backend, op, detail)
 
     def timeout(self, op: str, timeout_s: float) -> None:
@@ -338,7 +342,7 @@ class StatsRecorder:
             self._c["timeouts"] += 1
         timer = getattr(self._current, "timer", None)
         if timer is not None:
-            timer.timed_out = True
+            timer.timed_out = timer.failed = True
         log.warning("L3 %s: %s timed out after %.3f s", self._backend, op, timeout_s)
 
     def log_misses(
