@@ -36,6 +36,13 @@ CASES = [
     (["serve", "--model-path", "/no/such/model"], "--model-path", "/no/such/model"),
     (["serve", "--port", "70000"], "--port", "70000"),
     (["serve", "--hicache-ratio", "inf"], "--hicache-ratio", "inf"),
+    (
+        ["serve", "--hicache-storage-negative-ttl", "nan"],
+        "--hicache-storage-negative-ttl",
+        "nan",
+    ),
+    (["serve", "--hicache-storage-negative-ttl", "-1"], "--hicache-storage-negative-ttl", "-1"),
+    (["serve", "--hicache-storage-negative-ttl", "inf"], "--hicache-storage-negative-ttl", "inf"),
     (["serve", *TINY, "--hicache-ratio", "0.5"], "--hicache-ratio", "0.5"),
     (
         ["serve", *TINY, "--unhealthy-after-failed-steps", "0"],

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from hicache.config import CacheConfig, PrefetchPolicy, WritePolicy
+from hicache.config import (
+    DEFAULT_NEGATIVE_ENTRIES,
+    DEFAULT_NEGATIVE_TTL_S,
+    CacheConfig,
+    PrefetchPolicy,
+    WritePolicy,
+)
 from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
@@ -47,6 +53,11 @@ class EngineConfig:
     """L3 backend name (``file``, ``mooncake``, ``redis``, ``module:Class``), or None."""
     storage_prefetch_policy: str = "timeout"
     storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    storage_negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S
+    """Seconds an L3 lookup miss is remembered so that lookups through it do not ask the
+    store again (:mod:`hicache.storage.negative`); 0: off. A finite number >= 0."""
+    storage_negative_entries: int = DEFAULT_NEGATIVE_ENTRIES
+    """L3 misses remembered at most (least recently used first out); at least 1."""
     storage: StorageConfig | None = field(init=False, default=None)
     """``storage_backend`` and ``storage_extra_config`` parsed and validated once (None:
     no L3). An extra config without a backend is refused."""
@@ -158,6 +169,14 @@ class EngineConfig:
             storage_config_from_args(self.storage_backend, self.storage_extra_config),
         )
         PrefetchPolicy(self.storage_prefetch_policy)  # ValueError naming the bad policy
+        ttl = self.storage_negative_ttl_s
+        require(
+            is_finite_number(ttl) and ttl >= 0,
+            "storage_negative_ttl_s",
+            ttl,
+            "must be a finite number of seconds >= 0 (0: off)",
+        )
+        int_at_least("storage_negative_entries", self.storage_negative_entries, 1)
         if self.attention_backend not in {b.value for b in AttentionBackend}:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is invalid; must be one of"

@@ -22,6 +22,7 @@ Everything here runs on the thread that drives the core.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -373,7 +374,11 @@ def attach_l3(
     namespace (model identity, layout, page size; MHA pages as one record per K/V head,
     shared by every TP size, written by the lowest rank holding each head; MLA as the
     one latent record, written by rank 0)."""
-    prefetch = storage_config.prefetch_config(policy)
+    prefetch = dataclasses.replace(
+        storage_config.prefetch_config(policy),
+        negative_ttl_s=config.storage_negative_ttl_s,
+        negative_max_entries=config.storage_negative_entries,
+    )
     if cache.full.host is None:
         raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
     namespace = Namespace.for_spec(

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from hicache.config import (
+    DEFAULT_NEGATIVE_ENTRIES,
+    DEFAULT_NEGATIVE_TTL_S,
     CacheConfig,
     EvictionPolicy,
     IOBackend,
@@ -109,6 +111,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--hicache-storage-prefetch-policy",
         choices=[e.value for e in PrefetchPolicy],
         default="timeout",
+    )
+    c.add_argument(
+        "--hicache-storage-negative-ttl",
+        type=float,
+        default=DEFAULT_NEGATIVE_TTL_S,
+        metavar="SECONDS",
+        help="remember an L3 lookup miss this long, so lookups through it skip the store"
+        " (0: off; another instance's write is found at most this late)",
+    )
+    c.add_argument(
+        "--hicache-storage-negative-entries",
+        type=int,
+        default=DEFAULT_NEGATIVE_ENTRIES,
+        help="L3 lookup misses remembered at most (LRU)",
     )
     c.add_argument(
         "--hicache-storage-backend-extra-config",
@@ -290,6 +306,10 @@ FIELD_FLAGS = {
     "collective_timeout_s": "--collective-timeout",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
+    "storage_negative_ttl_s": "--hicache-storage-negative-ttl",
+    "negative_ttl_s": "--hicache-storage-negative-ttl",
+    "storage_negative_entries": "--hicache-storage-negative-entries",
+    "negative_max_entries": "--hicache-storage-negative-entries",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
     "swa_full_tokens_ratio": "--swa-full-tokens-ratio",
     "max_mamba_cache_size": "--max-mamba-cache-size",
@@ -356,6 +376,16 @@ def check_flags(a: argparse.Namespace) -> None:
     ):
         if value is not None and not math.isfinite(value):
             raise FlagError(flag, value, "must be a finite number")
+    ttl = getattr(a, "hicache_storage_negative_ttl", DEFAULT_NEGATIVE_TTL_S)
+    if not (math.isfinite(ttl) and ttl >= 0):
+        raise FlagError(
+            "--hicache-storage-negative-ttl",
+            ttl,
+            "must be a finite number of seconds >= 0 (0: off)",
+        )
+    entries = getattr(a, "hicache_storage_negative_entries", DEFAULT_NEGATIVE_ENTRIES)
+    if entries < 1:
+        raise FlagError("--hicache-storage-negative-entries", entries, "must be >= 1")
     if getattr(a, "metrics_require_api_key", False) and not getattr(a, "api_key", None):
         raise FlagError(
             "--metrics-require-api-key",
@@ -442,6 +472,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_backend=a.hicache_storage_backend,
         storage_prefetch_policy=a.hicache_storage_prefetch_policy,
         storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
+        storage_negative_ttl_s=a.hicache_storage_negative_ttl,
+        storage_negative_entries=a.hicache_storage_negative_entries,
         attention_backend=a.attention_backend,
         cuda_graph_max_bs=0 if a.disable_cuda_graph else a.cuda_graph_max_bs,
         unhealthy_after_failed_steps=a.unhealthy_after_failed_steps,

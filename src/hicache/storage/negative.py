@@ -40,6 +40,7 @@ from hicache.validate import int_at_least, is_finite_number, require
 
 __all__ = ["NegativeCache"]
 
+
 class NegativeCache:
     """Page keys the store did not have, each for ``ttl_s`` seconds, at most
     ``max_entries`` of them (LRU). ``clock``: seconds, monotonic (``time.monotonic``)."""
