@@ -155,17 +155,17 @@ def test_the_bound_on_entries_holds(tmp_path: Path) -> None:
         assert lookups(cache) == 3
         ask(cache, runs[0])  # pushed out by the third: asked again
         assert lookups(cache) == 4
-        negative = cache._l3.tier.controller.negative  # type: ignore[union-attr]
+        negative = cache._l3.tier.controller.negative
         assert negative is not None and len(negative) == 2
 
 
 def test_a_failed_lookup_is_not_remembered(tmp_path: Path) -> None:
     with make(tmp_path, 60.0) as cache:
-        storage = cache._l3.tier.controller.storage  # type: ignore[union-attr]
+        storage = cache._l3.tier.controller.storage
         real = storage.exists_run
-        storage.exists_run = lambda keys: ExistsRun(0, failed=True)  # type: ignore[method-assign]
+        storage.exists_run = lambda keys: ExistsRun(0, failed=True)
         assert ask(cache, [*PREFIX, 7]) == 0
-        storage.exists_run = real  # type: ignore[method-assign]
+        storage.exists_run = real
         with make(tmp_path, 0.0) as a:
             put(a, PREFIX)
         assert ask(cache, [*PREFIX, 7]) == 6  # asked at once, found

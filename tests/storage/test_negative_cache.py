@@ -94,15 +94,15 @@ def test_keys_of_other_namespaces_never_answer_for_each_other() -> None:
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "2"])
 def test_a_cache_with_a_ttl_that_is_not_a_positive_finite_number_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="ttl_s"):
-        NegativeCache(bad)  # type: ignore[arg-type]
+        NegativeCache(bad)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "2"])
 def test_a_bad_negative_ttl_is_refused_naming_it(bad: object) -> None:
     with pytest.raises(ValueError, match="negative_ttl_s"):
-        PrefetchConfig(negative_ttl_s=bad)  # type: ignore[arg-type]
+        PrefetchConfig(negative_ttl_s=bad)
     with pytest.raises(ValueError, match="storage_negative_ttl_s"):
-        EngineConfig(model_path="tiny-random-llama", storage_negative_ttl_s=bad)  # type: ignore[arg-type]
+        EngineConfig(model_path="tiny-random-llama", storage_negative_ttl_s=bad)
 
 
 def test_the_entry_bound_is_at_least_one() -> None:
