@@ -33,6 +33,7 @@ BENCHES = {
     "agreement": "hicache.bench.agreement",
     "detok": "hicache.bench.detok",
     "fairness": "hicache.bench.fairness",
+    "negative": "hicache.bench.negative",
     "memory": "hicache.bench.memory",
     "pd-transfer": "hicache.bench.pd_transfer",
     "pd": "hicache.bench.pd",
