@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from hicache.config import KVSpec, PrefetchConfig
+from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.config import EngineConfig
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.server.args import add_engine_args, engine_config_from_args, flag_message
@@ -117,13 +118,14 @@ def test_the_flags_reach_the_config_and_a_bad_ttl_names_the_flag() -> None:
     add_engine_args(p)
     cpu = ["--device", "cpu"]
     default = engine_config_from_args(p.parse_args(cpu))
-    assert (default.storage_negative_ttl_s, default.storage_negative_entries) == (2.0, 65536)
+    assert default.storage_negative_ttl_s is None
+    assert (default.negative_ttl_s, default.storage_negative_entries) == (2.0, 65536)
     got = engine_config_from_args(
         p.parse_args(
             [*cpu, "--hicache-storage-negative-ttl", "0", "--hicache-storage-negative-entries", "9"]
         )
     )
-    assert (got.storage_negative_ttl_s, got.storage_negative_entries) == (0.0, 9)
+    assert (got.negative_ttl_s, got.storage_negative_entries) == (0.0, 9)
     for bad, shown in (("nan", "nan"), ("-1", "-1.0"), ("inf", "inf")):
         with pytest.raises(ValueError) as err:
             engine_config_from_args(p.parse_args([*cpu, "--hicache-storage-negative-ttl", bad]))
@@ -131,3 +133,13 @@ def test_the_flags_reach_the_config_and_a_bad_ttl_names_the_flag() -> None:
             f"--hicache-storage-negative-ttl {shown} is invalid; must be a finite number of"
             " seconds >= 0 (0: off)"
         )
+
+
+def test_a_pd_prefill_instance_remembers_no_miss_unless_asked() -> None:
+    """Its decode peer writes each conversation right after this instance looked its
+    prompt up, and the next turn comes at once: a remembered miss would hide it."""
+    prefill = DisaggConfig(mode=DisaggMode.PREFILL)
+    assert EngineConfig(model_path="tiny-random-llama", disagg=prefill).negative_ttl_s == 0.0
+    assert EngineConfig(model_path="tiny-random-llama").negative_ttl_s == 2.0
+    asked = EngineConfig(model_path="tiny-random-llama", disagg=prefill, storage_negative_ttl_s=5)
+    assert asked.negative_ttl_s == 5.0

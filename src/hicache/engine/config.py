@@ -53,9 +53,12 @@ class EngineConfig:
     """L3 backend name (``file``, ``mooncake``, ``redis``, ``module:Class``), or None."""
     storage_prefetch_policy: str = "timeout"
     storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
-    storage_negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S
+    storage_negative_ttl_s: float | None = None
     """Seconds an L3 lookup miss is remembered so that lookups through it do not ask the
-    store again (:mod:`hicache.storage.negative`); 0: off. A finite number >= 0."""
+    store again (:mod:`hicache.storage.negative`); 0: off. A finite number >= 0, or None:
+    :data:`~hicache.config.DEFAULT_NEGATIVE_TTL_S`, but 0 on the prefill instance of
+    prefill/decode disaggregation, whose next turns' pages its decode peer writes right
+    after this instance looked them up (see :attr:`negative_ttl_s`)."""
     storage_negative_entries: int = DEFAULT_NEGATIVE_ENTRIES
     """L3 misses remembered at most (least recently used first out); at least 1."""
     storage: StorageConfig | None = field(init=False, default=None)
@@ -171,7 +174,7 @@ class EngineConfig:
         PrefetchPolicy(self.storage_prefetch_policy)  # ValueError naming the bad policy
         ttl = self.storage_negative_ttl_s
         require(
-            is_finite_number(ttl) and ttl >= 0,
+            ttl is None or (is_finite_number(ttl) and ttl >= 0),
             "storage_negative_ttl_s",
             ttl,
             "must be a finite number of seconds >= 0 (0: off)",
@@ -190,6 +193,14 @@ class EngineConfig:
             not isinstance(self.context_length, int) or self.context_length < 2
         ):
             raise ValueError(f"context_length={self.context_length!r} is invalid; must be >= 2")
+
+    @property
+    def negative_ttl_s(self) -> float:
+        """The negative lookup cache's TTL in force (seconds; 0: off):
+        ``storage_negative_ttl_s``, or when None its default for this role."""
+        if self.storage_negative_ttl_s is not None:
+            return float(self.storage_negative_ttl_s)
+        return 0.0 if self.disagg.mode is DisaggMode.PREFILL else DEFAULT_NEGATIVE_TTL_S
 
 
 def plain_value(value: Any) -> Any:

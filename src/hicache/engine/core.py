@@ -376,7 +376,7 @@ def attach_l3(
     one latent record, written by rank 0)."""
     prefetch = dataclasses.replace(
         storage_config.prefetch_config(policy),
-        negative_ttl_s=config.storage_negative_ttl_s,
+        negative_ttl_s=config.negative_ttl_s,
         negative_max_entries=config.storage_negative_entries,
     )
     if cache.full.host is None:

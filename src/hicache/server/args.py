@@ -115,10 +115,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--hicache-storage-negative-ttl",
         type=float,
-        default=DEFAULT_NEGATIVE_TTL_S,
+        default=None,
         metavar="SECONDS",
         help="remember an L3 lookup miss this long, so lookups through it skip the store"
-        " (0: off; another instance's write is found at most this late)",
+        f" (0: off; another instance's write is found at most this late; default"
+        f" {DEFAULT_NEGATIVE_TTL_S:g}, 0 on a prefill instance of PD disaggregation)",
     )
     c.add_argument(
         "--hicache-storage-negative-entries",
@@ -376,8 +377,8 @@ def check_flags(a: argparse.Namespace) -> None:
     ):
         if value is not None and not math.isfinite(value):
             raise FlagError(flag, value, "must be a finite number")
-    ttl = getattr(a, "hicache_storage_negative_ttl", DEFAULT_NEGATIVE_TTL_S)
-    if not (math.isfinite(ttl) and ttl >= 0):
+    ttl = getattr(a, "hicache_storage_negative_ttl", None)
+    if ttl is not None and not (math.isfinite(ttl) and ttl >= 0):
         raise FlagError(
             "--hicache-storage-negative-ttl",
             ttl,
