@@ -397,12 +397,11 @@ class StorageTier:
     def _on_lookup(self, r: L3Lookup, hit: int) -> None:
         """Apply lookup ``r`` with ``hit`` pages (agreed: the minimum over ranks)."""
         self._looking.discard(r.op_id)
-        if r.skipped:  # this rank's negative cache answered part of the run
+        p = self._prefetches.get(r.op_id)
+        if r.skipped:  # this rank's negative cache answered part of the run (or all of it)
             self.counters.l3_negative_keys_skipped_total += r.skipped
-            p = self._prefetches.get(r.op_id)
             if p is not None and r.skipped == len(p.keys):
                 self.counters.l3_negative_lookups_saved_total += 1
-        p = self._prefetches.get(r.op_id)
         if p is None:
             return
         if p.taken:  # agreed state: every rank drops it here, without a collective
