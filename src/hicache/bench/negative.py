@@ -42,7 +42,7 @@ from typing import Any
 from hicache.bench.plot import plot_setups, print_table
 from hicache.bench.results import percentile
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO
-from hicache.bench.shared_prefix import _send_all
+from hicache.bench.shared_prefix import send_all
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig, WritePolicy
 from hicache.engine.engine import Engine, EngineConfig
@@ -123,11 +123,11 @@ def run_once(lm: LoadedModel, w: NegativeWorkload, write_policy: str, ttl_s: flo
         prompts = w.prompts(int(lm.hf_config.vocab_size))
         with Engine(cfg, loaded=lm) as engine:
             warm = random.Random(-1)
-            _send_all(engine, [[warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(64)]], params, 1)
+            send_all(engine, [[warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(64)]], params, 1)
             engine.call(engine.cache.flush).result(timeout=120)
             before = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60)
             t0 = time.perf_counter()
-            outs = _send_all(engine, prompts, params, w.max_parallel)
+            outs = send_all(engine, prompts, params, w.max_parallel)
             wall = time.perf_counter() - t0
             after = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60)
         errors = [o.error for o in outs if o.error]

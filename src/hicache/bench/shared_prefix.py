@@ -97,6 +97,7 @@ __all__ = [
     "Workload",
     "main",
     "run_config",
+    "send_all",
     "swa_ratio",
     "tier_sizes",
 ]
@@ -324,7 +325,7 @@ def engine_config(
     )
 
 
-def _send_all(
+def send_all(
     engine: Engine, prompts: list[list[int]], params: SamplingParams, max_parallel: int
 ) -> list[RequestOutput]:
     """Send ``prompts`` in order, at most ``max_parallel`` in flight; their final outputs
@@ -360,7 +361,7 @@ def _run_round(
 ) -> list[RequestResult]:
     """Every request of round ``rnd`` (0-based), in sending order."""
     order = wl.order()
-    outs = _send_all(engine, [wl.prompt(rnd, g, i) for g, i in order], params, max_parallel)
+    outs = send_all(engine, [wl.prompt(rnd, g, i) for g, i in order], params, max_parallel)
     return [
         RequestResult(
             group=g,
@@ -409,7 +410,7 @@ def run_config(
             prompts = [
                 [warm.randrange(TOKEN_LO, hi) for _ in range(n)] for _ in range(w.max_parallel)
             ]
-            _send_all(engine, prompts, params, w.max_parallel)
+            send_all(engine, prompts, params, w.max_parallel)
             _drain(engine)
             if not engine.flush_cache():
                 raise RuntimeError("flush_cache refused after the warm-up")
