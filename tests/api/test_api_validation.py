@@ -363,7 +363,7 @@ def test_logprob_start_len_reuses_the_cache_on_both_apis(server: tuple[str, Engi
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == (0 if c is choices[0] else cap)
     native = {"return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2}
-    r = post(url, "/generate", {**native, "input_ids": ctx + [1, 2, 3]})
+    r = post(url, "/generate", {**native, "input_ids": [*ctx, 1, 2, 3]})
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
     assert meta["cached_tokens"] == cap

@@ -70,7 +70,9 @@ def workload(
         ctx = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)][:context]
         ctx += [
             int(t)
-            for t in tokenizer.encode(" Question: which tier holds it? Answer:", add_special_tokens=False)
+            for t in tokenizer.encode(
+                " Question: which tier holds it? Answer:", add_special_tokens=False
+            )
         ]
         for c in range(choices):
             answer = f"{ANSWERS[c % len(ANSWERS)]} ({c})"
@@ -108,7 +110,11 @@ def compare(on: ModeRun, off: ModeRun, choices: int) -> dict[str, Any]:
     """How far the modes' numbers are apart: the largest token logprob and choice
     log-likelihood differences, and whether each question picks the same choice."""
     tok = max(
-        (abs(a - b) for x, y in zip(on.logprobs, off.logprobs, strict=True) for a, b in zip(x, y)),
+        (
+            abs(a - b)
+            for x, y in zip(on.logprobs, off.logprobs, strict=True)
+            for a, b in zip(x, y, strict=False)
+        ),
         default=0.0,
     )
     ll_on = [math.fsum(x) for x in on.logprobs]
@@ -194,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         f" ~{len(pairs[0][0])} tokens, page {args.page_size}; medians of {args.rounds} rounds",
         ["cache", "wall s", "prompt tokens", "computed", "cached"],
         [
-            [m, f"{s['wall_s']:.2f}", str(s["prompt_tokens"]), f"{s['computed']:.0f}"]
-            + [f"{s['cached']:.0f}"]
+            [
+                m,
+                f"{s['wall_s']:.2f}",
+                str(s["prompt_tokens"]),
+                f"{s['computed']:.0f}",
+                f"{s['cached']:.0f}",
+            ]
             for m, s in summary.items()
         ],
     )
