@@ -13,8 +13,8 @@ position are computed, and its pages are cached for the next choice.
 * The cap for every kind of ``logprob_start_len`` (0, 1, unaligned, aligned, the prompt's
   length): the cached tokens are exactly the page floor of ``start - 1``; positions
   before ``start`` stay None, every one from it equals transformers'.
-* A recurrent hybrid (Qwen3-Next) resumes the next choice at the cap, from the state
-  snapshot the first choice took there, with transformers' values.
+* Every hybrid family matches the next choice up to the cap (a recurrent one resumes
+  from the state snapshot the first choice took there), with transformers' values.
 * Bad ``logprob_start_len`` values are refused naming the field.
 
 Tolerance (:data:`TOL`): the cold and the cached run do the same arithmetic on the same
@@ -45,7 +45,7 @@ from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits
 from tests.helpers.tier_walk import assert_idle
-from tests.runner.models.hybrid_fixtures import hf_twin, hybrid_model
+from tests.runner.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model
 from tests.runner.models.hybrid_fixtures import prompt as hybrid_prompt
 
 MODEL = "tiny-random-llama"
@@ -195,18 +195,18 @@ def test_a_page_of_64_floors_the_match() -> None:
         assert_idle(engine)
 
 
-RECURRENT = "tiny-random-qwen3-next"
-
-
-def test_a_recurrent_hybrid_resumes_the_next_choice_at_the_cap() -> None:
-    """Qwen3-Next (Gated DeltaNet layers carry state): the first choice's prefill takes a
-    snapshot at its cap (no track interval falls there), so the next choice resumes at the
-    cap (the state comes from the cache) and scores its tokens as transformers does."""
-    ctx = hybrid_prompt(RECURRENT, 30).tolist()
-    choices = [hybrid_prompt(RECURRENT, 3, offset=40 + 5 * i).tolist() for i in range(3)]
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrids_resume_the_next_choice_at_the_cap(name: str) -> None:
+    """Recurrent hybrids (Qwen3-Next, Nemotron-H: their layers carry state): the first
+    choice's prefill takes a snapshot at its cap (no track interval falls there), so the
+    next choice resumes at the cap, the state coming from the cache. Sliding-window
+    hybrids (Gemma 3, GPT-OSS) match up to the cap too (the window before it is still
+    held). Every scored token equals transformers'."""
+    ctx = hybrid_prompt(name, 30).tolist()
+    choices = [hybrid_prompt(name, 3, offset=40 + 5 * i).tolist() for i in range(3)]
     start = len(ctx)
     config = EngineConfig(
-        model_path=RECURRENT,
+        model_path=name,
         dtype="float32",
         device="cpu",
         cache=CacheConfig(
@@ -215,14 +215,14 @@ def test_a_recurrent_hybrid_resumes_the_next_choice_at_the_cap() -> None:
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=16),
         context_length=128,
     )
-    with Engine(config, loaded=hybrid_model(RECURRENT)).start() as engine:
+    with Engine(config, loaded=hybrid_model(name)).start() as engine:
         assert engine.resumable_prefix
         outs = [engine.generate(ctx + c, scoring(start), timeout=60) for c in choices]
         assert [o.cached.total for o in outs] == [0] + [(start - 1) // PAGE * PAGE] * 2
         for c, out in zip(choices, outs, strict=True):
             ids = ctx + c
             with torch.no_grad():
-                logits = hf_twin(RECURRENT)(torch.tensor([ids])).logits[0].float()
+                logits = hf_twin(name)(torch.tensor([ids])).logits[0].float()
             ref = torch.log_softmax(logits, dim=-1)
             got = scored(out, start)
             assert [g.token_id for g in got] == c
