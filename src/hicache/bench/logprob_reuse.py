@@ -10,7 +10,9 @@ a request cost before issue 27). ``--questions`` contexts of about ``--context``
 in question order, greedy. The modes alternate for ``--rounds`` rounds in one sitting (the
 cache is emptied before each "on" round, so each round starts cold).
 
-Reported per mode (medians over the rounds): wall time of the workload, prompt tokens,
+Reported per mode (medians over the rounds): wall time of the workload and the process's
+CPU time over it (every thread; on a shared host the wall time also holds what other
+processes took, the CPU time does not), prompt tokens,
 prompt tokens computed (prompt - cached) and served by the cache; and between the modes:
 the largest difference of a choice's log-likelihood (the sum of its tokens' logprobs),
 of a token's logprob, and whether every question picks the same choice (argmax).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,12 +44,14 @@ ANSWERS = (
 
 @dataclass
 class ModeRun:
-    """One pass over the workload: ``wall_s`` seconds; prompt tokens in all, ``computed``
+    """One pass over the workload: ``wall_s`` seconds, ``cpu_s`` CPU seconds of the
+    process (user + system, every thread); prompt tokens in all, ``computed``
     (prefilled) and ``cached`` (served by the cache); per request the choice tokens'
     logprobs (``logprobs[i]``) in workload order."""
 
     mode: str
     wall_s: float
+    cpu_s: float
     prompt_tokens: int
     computed: int
     cached: int
@@ -86,7 +91,8 @@ def run_mode(engine: Any, mode: str, pairs: list[tuple[list[int], list[int]]]) -
 
     if mode == "on" and not engine.flush_cache():
         raise RuntimeError("the cache could not be emptied before the round")
-    run = ModeRun(mode, 0.0, 0, 0, 0)
+    run = ModeRun(mode, 0.0, 0.0, 0, 0, 0)
+    c0 = _cpu_s()
     t0 = time.perf_counter()
     for ctx, choice in pairs:
         params = SamplingParams(
@@ -102,8 +108,15 @@ def run_mode(engine: Any, mode: str, pairs: list[tuple[list[int], list[int]]]) -
         run.prompt_tokens += out.prompt_tokens
         run.cached += out.cached.total
     run.wall_s = time.perf_counter() - t0
+    run.cpu_s = _cpu_s() - c0
     run.computed = run.prompt_tokens - run.cached
     return run
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far (user + system, every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def compare(on: ModeRun, off: ModeRun, choices: int) -> dict[str, Any]:
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         m: {
             "wall_s": statistics.median(r.wall_s for r in runs[m]),
+            "cpu_s": statistics.median(r.cpu_s for r in runs[m]),
             "prompt_tokens": runs[m][0].prompt_tokens,
             "computed": statistics.median(r.computed for r in runs[m]),
             "cached": statistics.median(r.cached for r in runs[m]),
@@ -189,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "computed_ratio": off["computed"] / max(1, on["computed"]),
         "wall_ratio": off["wall_s"] / on["wall_s"],
         "wall_saved_pct": 100 * (1 - on["wall_s"] / off["wall_s"]),
+        "cpu_ratio": off["cpu_s"] / on["cpu_s"],
     }
     same = {
         "max_token_logprob_diff": max(d["max_token_logprob_diff"] for d in diffs),
@@ -198,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"Multiple choice: {args.questions} questions x {args.choices} choices, context"
         f" ~{len(pairs[0][0])} tokens, page {args.page_size}; medians of {args.rounds} rounds",
-        ["cache", "wall s", "prompt tokens", "computed", "cached"],
+        ["cache", "wall s", "CPU s", "prompt tokens", "computed", "cached"],
         [
             [
                 m,
                 f"{s['wall_s']:.2f}",
+                f"{s['cpu_s']:.2f}",
                 str(s["prompt_tokens"]),
                 f"{s['computed']:.0f}",
                 f"{s['cached']:.0f}",
@@ -212,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"off/on: computed tokens {saved['computed_ratio']:.2f}x, wall time"
-        f" {saved['wall_ratio']:.2f}x ({saved['wall_saved_pct']:.0f}% saved); max |d logprob|"
+        f" {saved['wall_ratio']:.2f}x ({saved['wall_saved_pct']:.0f}% saved), CPU time"
+        f" {saved['cpu_ratio']:.2f}x; max |d logprob|"
         f" {same['max_token_logprob_diff']:.2e}, max |d loglikelihood|"
         f" {same['max_loglikelihood_diff']:.2e}, same picks: {same['same_picks']}"
     )
