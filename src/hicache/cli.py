@@ -26,6 +26,7 @@ BENCHES = {
     "multiturn": "hicache.bench.multiturn",
     "long-context": "hicache.bench.long_context",
     "full-hit": "hicache.bench.full_hit",
+    "logprob-reuse": "hicache.bench.logprob_reuse",
     "storage": "hicache.bench.storage",
     "engine": "hicache.bench.engine",
     "shared-prefix": "hicache.bench.shared_prefix",

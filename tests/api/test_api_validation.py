@@ -337,6 +337,61 @@ def test_logprob_start_len_lies_within_the_prompt(server: tuple[str, Engine]) ->
     refused(r, "logprob_start_len")
 
 
+def test_logprob_start_len_reuses_the_cache_on_both_apis(server: tuple[str, Engine]) -> None:
+    """lm-eval's shape: one context (40 tokens), choices after it, scored from position 40
+    (``/v1/completions``: echo + logprobs + SGLang's ``logprob_start_len``; ``/generate``:
+    ``return_logprob``). The second choice reuses the context's pages up to the page floor
+    of 39 (36 tokens); the context's positions come back null (echo) or are left out
+    (``/generate``); the scored ones equal a run that computes the whole prompt (the
+    tolerance of tests/engine/test_logprob_reuse.py)."""
+    url, engine = server
+    ctx, start, cap = PROMPT[:40], 40, 36
+    choices = [PROMPT[40:], [7, 8, 9]]
+    echo = {"echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
+    assert engine.flush_cache()
+    full = [post(url, "/v1/completions", {**echo, "prompt": ctx + c}).json() for c in choices]
+    assert [f["usage"]["prompt_tokens_details"]["cached_tokens"] for f in full] == [0, 0]
+    assert engine.flush_cache()
+    for c, f in zip(choices, full, strict=True):
+        r = post(url, "/v1/completions", {**echo, "prompt": ctx + c, "logprob_start_len": start})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        got = body["choices"][0]["logprobs"]["token_logprobs"]
+        want = f["choices"][0]["logprobs"]["token_logprobs"]
+        assert got[:start] == [None] * start and None not in got[start:]
+        assert got[start:] == pytest.approx(want[start:], abs=1e-4)
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (0 if c is choices[0] else cap)
+    native = {"return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2}
+    r = post(url, "/generate", {**native, "input_ids": [*ctx, 1, 2, 3]})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["cached_tokens"] == cap
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == [1, 2, 3] and all(e[0] is not None for e in entries)
+
+
+def test_logprob_start_len_on_completions_is_checked(server: tuple[str, Engine]) -> None:
+    url, engine = server
+    base = {"prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1}
+    r = post(url, "/v1/completions", {**base, "logprob_start_len": -1})
+    refused(r, "logprob_start_len", "greater than or equal to 0")
+    r = post(url, "/v1/completions", {**base, "logprob_start_len": "x"})
+    refused(r, "logprob_start_len")
+    r = post(url, "/v1/completions", {**base, "logprob_start_len": len(PROMPT) + 1})
+    refused(r, "logprob_start_len", f"logprob_start_len={len(PROMPT) + 1}", f"0 to {len(PROMPT)}")
+    for drop in ("echo", "logprobs"):
+        body = {k: v for k, v in base.items() if k != drop}
+        r = post(url, "/v1/completions", {**body, "logprob_start_len": 3})
+        refused(r, "logprob_start_len", "echo=true with logprobs")
+    r = post(url, "/v1/completions", {**base, "logprob_start_len": len(PROMPT)})
+    assert r.status_code == 200, r.text  # the prompt's length: no prompt position scored
+    assert r.json()["choices"][0]["logprobs"]["token_logprobs"][: len(PROMPT)] == [None] * len(
+        PROMPT
+    )
+    assert engine.alive
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
 def test_unparsable_bodies_say_why(server: tuple[str, Engine], path: str) -> None:
     """Not UTF-8, nested too deeply, a number too long: a 400 saying which."""

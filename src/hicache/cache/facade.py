@@ -197,6 +197,7 @@ class HiCache(Lifecycle):
         priority: int = 0,
         cacheable: bool = True,
         compute_last: bool = True,
+        max_prefix: int | None = None,
     ) -> CacheRequest:
         """A handle for a request that just arrived with ``tokens``; starts its L3
         prefetch (lookup, then read into L2) so it runs while the request waits.
@@ -206,20 +207,30 @@ class HiCache(Lifecycle):
         ``cacheable`` False: no match, no prefetch, nothing kept (a disabled radix cache).
         ``compute_last`` (default): the last token is always computed, so the forward
         yields its logits; False lets every whole page of the sequence hit (a caller that
-        only wants the KV, such as a warm-up or a test).
+        only wants the KV, such as a warm-up or a test). ``max_prefix``: at most this
+        many leading tokens may come from the cache (whole pages: the match floors to a
+        page, and to a boundary every component store can resume from), the rest is
+        computed whatever is cached; None: no limit. A request that needs the logits of
+        early positions (prompt log probabilities) sets it; it still commits its pages for
+        others like any request.
         """
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+        if max_prefix is not None and (
+            isinstance(max_prefix, bool) or not isinstance(max_prefix, int) or max_prefix < 0
+        ):
+            raise ValueError(f"max_prefix={max_prefix!r} is invalid; must be None or an int >= 0")
         req = CacheRequest(
             tenant=tenant,
             priority=int(priority),
             cacheable=cacheable,
             compute_last=compute_last,
+            max_prefix=max_prefix,
             prompt_tokens=len(tokens),
             page_size=self.page_size,
         )
         if cacheable:
-            req.prefetch = self._l3.prefetch(tokens, tenant, compute_last)
+            req.prefetch = self._l3.prefetch(tokens[: req.reusable(len(tokens))], tenant, False)
         return req
 
     def ready(self, req: CacheRequest) -> bool:
@@ -231,7 +242,8 @@ class HiCache(Lifecycle):
         """Give ``req`` L1 pages for positions ``[0, len(tokens))``.
 
         The longest cached prefix of ``tokens[:-1]`` (so at least one token is left to
-        compute; all of ``tokens`` when opened with ``compute_last=False``) comes from L1,
+        compute; all of ``tokens`` when opened with ``compute_last=False``; at most
+        ``max_prefix`` tokens when opened with one) comes from L1,
         or is loaded back from L2 (with what the prefetch brought from L3) layer by layer;
         fresh pages cover the rest. Hits are counted on the
         first admission only. Returns False, holding nothing, when L1 cannot make room
@@ -244,7 +256,7 @@ class HiCache(Lifecycle):
         if req.prefetch is not None:
             req.storage_tokens += self._l3.take(req.prefetch)
             req.prefetch = None
-        wanted = tokens[: len(tokens) - int(req.compute_last)] if req.cacheable else ()
+        wanted = tokens[: req.reusable(len(tokens))] if req.cacheable else ()
         got = self.full.admit(req, wanted, len(tokens))
         if not got.ok:
             return False
@@ -359,6 +371,13 @@ class HiCache(Lifecycle):
         pages; what an admission could reuse as of the last :meth:`sync`). Copies and
         applies nothing: a scheduling policy's question (``lpm``)."""
         return self._tree.match_prefix(tokens, tenant).matched_tokens
+
+    def reusable_prefix(self, req: CacheRequest, tokens: TokenIds) -> int:
+        """:meth:`cached_prefix` of ``tokens`` as ``req`` may reuse it (none when it is
+        not cacheable; what its ``compute_last`` and ``max_prefix`` allow)."""
+        if not req.cacheable:
+            return 0
+        return self.cached_prefix(tokens[: req.reusable(len(tokens))], req.tenant)
 
     # ------------------------------------------------------------------ completions
 

@@ -139,6 +139,7 @@ class CacheRequest:
         "compute_last",
         "failed",
         "full",
+        "max_prefix",
         "prefetch",
         "priority",
         "prompt_tokens",
@@ -154,6 +155,7 @@ class CacheRequest:
         priority: int,
         cacheable: bool,
         compute_last: bool,
+        max_prefix: int | None = None,
         prompt_tokens: int = 0,
         page_size: int = 1,
     ) -> None:
@@ -161,6 +163,8 @@ class CacheRequest:
         self.priority = priority
         self.cacheable = cacheable
         self.compute_last = compute_last
+        self.max_prefix = max_prefix
+        """At most this many leading tokens may come from the cache (None: no limit)."""
         self.state = RequestState.WAITING
         self._page_size = page_size
         self.full = FullPart()
@@ -184,6 +188,12 @@ class CacheRequest:
         """Stores that copied this request's hit from L2 in an admission not yet counted
         (see ``ComponentStores.component_hits``)."""
         self._counted = False
+
+    def reusable(self, n: int) -> int:
+        """How many leading tokens of an ``n``-token sequence a cached prefix may serve:
+        ``n`` less the last one with ``compute_last``, at most ``max_prefix``."""
+        upto = n - int(self.compute_last)
+        return upto if self.max_prefix is None else max(0, min(upto, self.max_prefix))
 
     @property
     def pages(self) -> PageIds:

@@ -73,8 +73,8 @@ class BatchSampler:
     def logit_rows(batch: Sequence[Chunk]) -> LogitRows:
         """The :class:`LogitRows` of ``batch`` (each request's new tokens from its ``kv_len``):
         for a request with ``prompt_logprobs``, every prompt position whose next prompt
-        token's logprob it still lacks (positions recomputed after a retraction are not
-        repeated)."""
+        token's logprob it still lacks, from ``logprob_start_len - 1`` on (positions
+        recomputed after a retraction are not repeated)."""
         rows: list[int] = []
         last: list[int] = []
         prompt: list[PromptRow] = []
@@ -83,7 +83,8 @@ class BatchSampler:
             req, n = chunk.req, chunk.tokens
             scored = req.prompt_logprobs
             if scored is not None:
-                for pos in range(req.kv_len, min(req.kv_len + n, len(req.prompt_ids) - 1)):
+                first = max(req.kv_len, req.params.logprob_start_len - 1)
+                for pos in range(first, min(req.kv_len + n, len(req.prompt_ids) - 1)):
                     if scored[pos + 1] is None:
                         prompt.append(PromptRow(req, pos + 1, len(rows)))
                         rows.append(offset + pos - req.kv_len)

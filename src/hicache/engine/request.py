@@ -50,7 +50,7 @@ class RequestOutput:
     ``logprobs`` (None unless the request asked for them): one :class:`TokenLogprob` per
     entry of ``output_ids``, in order (a stop token or EOS included, as in ``output_ids``).
     ``prompt_logprobs`` (None unless asked): one entry per prompt token, the first None
-    (nothing precedes it); complete in every report, since reports start after the prompt
+    (nothing precedes it), and those before ``logprob_start_len`` (not asked); complete in every report, since reports start after the prompt
     was computed.
 
     Timing, in seconds from the request's arrival at the engine: ``ttft_s`` to its first

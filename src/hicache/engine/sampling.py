@@ -81,8 +81,12 @@ class SamplingParams:
     model thinks of a token, whatever picked it. ``logprobs`` = k in [0,
     :data:`MAX_LOGPROBS`]: each generated token's logprob and the k most likely tokens.
     ``prompt_logprobs`` = k: the same for every prompt token given the tokens before it
-    (the first prompt token has none); such a request computes its whole prompt (no prefix
-    cache match, and it adds nothing to the cache), so every position gets its logits.
+    (the first prompt token has none). ``logprob_start_len`` = s >= 0 (SGLang's field; only
+    with ``prompt_logprobs``; at most the prompt's length, checked at validation): only the
+    prompt positions from s on are scored, those before it stay None. The cache serves such
+    a request a cached prefix of at most ``max(0, s - 1)`` tokens (the logprob of position p
+    reads the logits of position p - 1, so every scored position's logits are computed),
+    and its pages are cached for others as any request's (:attr:`max_prefix`).
 
     Logit processing, applied in this order to each step's logits before the draw:
     ``repetition_penalty`` > 0 (1 = off; HF/SGLang: every token in prompt or output has a
@@ -110,6 +114,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_start_len: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -154,6 +159,11 @@ class SamplingParams:
                 isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS
             ):
                 raise bad(name, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        start = self.logprob_start_len
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise bad("logprob_start_len", "must be an int >= 0 (a prompt position)")
+        if start and self.prompt_logprobs is None:
+            raise bad("logprob_start_len", "it applies to prompt_logprobs, which are not asked")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(v := getattr(self, name)) or not -PENALTY_MAX <= v <= PENALTY_MAX:
                 raise bad(name, f"must be a number in [{-PENALTY_MAX}, {PENALTY_MAX}]")
@@ -185,6 +195,15 @@ class SamplingParams:
                     f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                     param=name,
                 )
+
+    @property
+    def max_prefix(self) -> int | None:
+        """The most leading tokens a cached prefix may serve this request: None (no
+        limit) without ``prompt_logprobs``; else ``max(0, logprob_start_len - 1)``, so the
+        forward computes the logits of every position before a scored one."""
+        if self.prompt_logprobs is None:
+            return None
+        return max(0, self.logprob_start_len - 1)
 
     @property
     def adjusts_logits(self) -> bool:

@@ -42,6 +42,13 @@ or is retracted. A model whose runner carries state (``runner.resumable_prefix``
 reuses cached prefixes only when the cache hands states back (``cache.stores.resumes``);
 otherwise its handles are opened uncacheable.
 
+A request with prompt log probabilities is matched like any other, its match capped
+(``max_prefix``, :attr:`SamplingParams.max_prefix
+<hicache.engine.sampling.SamplingParams.max_prefix>`) so that the logits before every
+position it scores are computed; the cap floors to a page and, for a model that carries
+state, to a boundary the cache hands a state back at (the match of a shorter prompt), so
+hybrids resume exactly as they do from any match. Its pages are committed for others.
+
 Beside it: :class:`~hicache.engine.batch_sampling.BatchSampler` turns logits into tokens
 (rank 0's under tensor parallelism); :class:`~hicache.engine.ends.RequestEnds` ends
 requests, and does the outputs kept *pending* off the critical path (on CUDA while the
@@ -128,11 +135,10 @@ class Scheduler:
                 req.prompt_ids,
                 tenant=req.cache_salt,
                 priority=req.priority,
-                # prompt logprobs need every prompt position computed: no prefix match;
                 # a model that carries state needs the cache to hand one back
-                cacheable=not self.config.disable_radix_cache
-                and req.params.prompt_logprobs is None
-                and self.resumable_prefix,
+                cacheable=not self.config.disable_radix_cache and self.resumable_prefix,
+                # prompt logprobs need the logits before every scored position computed
+                max_prefix=req.params.max_prefix,
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
@@ -276,9 +282,7 @@ class Scheduler:
 
         def cached(req: Request) -> int:
             handle = req.cache
-            if handle is None or not handle.cacheable:
-                return 0
-            return self.cache.cached_prefix(req.all_ids, req.cache_salt)
+            return 0 if handle is None else self.cache.reusable_prefix(handle, req.all_ids)
 
         return admission_order(
             self.waiting,

@@ -47,7 +47,7 @@ def validate_request(
 ) -> ValidRequest:
     """The :class:`ValidRequest` of these fields; raises :class:`InvalidRequest` (a
     ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
-    ``priority``, ``bootstrap_room``, ``logprobs``) when the request cannot be served by a
+    ``priority``, ``bootstrap_room``, ``logprobs``, ``logprob_start_len``) when the request cannot be served by a
     model of ``vocab`` token ids and ``context_length`` positions, on an instance of
     ``role``. A prefill instance's request needs a ``bootstrap`` room, and generates one
     token there (the decode instance the room names generates the rest); so does a
@@ -67,6 +67,12 @@ def validate_request(
             f"the prompt has {len(prompt_ids)} tokens; the context length is"
             f" {context_length} (at least one token must be generated)",
             param="prompt",
+        )
+    if params.logprob_start_len > len(prompt_ids):
+        raise InvalidRequest(
+            f"logprob_start_len={params.logprob_start_len} is invalid; must be a position in"
+            f" the prompt, 0 to {len(prompt_ids)} (the prompt has {len(prompt_ids)} tokens)",
+            param="logprob_start_len",
         )
     if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
         shown = len(cache_salt) if isinstance(cache_salt, str) else type(cache_salt).__name__

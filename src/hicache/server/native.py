@@ -69,8 +69,11 @@ class NativeSamplingParams(BaseModel):
                 param="sampling_params.no_stop_trim",
             )
 
-    def as_openai(self, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingFields:
-        """The same request in the OpenAI model's terms (one conversion path)."""
+    def as_openai(
+        self, *, logprobs: int | None, prompt_logprobs: int | None, logprob_start: int = 0
+    ) -> SamplingFields:
+        """The same request in the OpenAI model's terms (one conversion path);
+        ``logprob_start``: the first prompt position whose logprob is asked."""
         body = _NativeAsOpenAI(
             max_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -88,14 +91,19 @@ class NativeSamplingParams(BaseModel):
             stop_token_ids=self.stop_token_ids,
         )
         body.counts = (logprobs, prompt_logprobs)
+        body.start = logprob_start
         return body
 
 
 class _NativeAsOpenAI(SamplingFields):
     counts: tuple[int | None, int | None] = (None, None)
+    start: int = 0
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.counts
+
+    def logprob_start(self) -> int:
+        return self.start
 
 
 class GenerateRequest(BootstrapFields):
@@ -202,6 +210,10 @@ class GenerateRequest(BootstrapFields):
             return None, None
         k = self.top_logprobs_num
         return k, (k if self.logprob_start_len >= 0 else None)
+
+    def logprob_start(self) -> int:
+        """The first prompt position scored (0 when no prompt logprobs are asked)."""
+        return max(0, self.logprob_start_len) if self.return_logprob else 0
 
     @property
     def request_priority(self) -> int:

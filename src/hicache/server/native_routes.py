@@ -35,7 +35,9 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             prompts = await state.prompt_ids(raw, param)
             body.check_logprob_start([len(p) for p in prompts])
             logprobs, prompt_lp = body.logprob_counts()
-            fields = sp.as_openai(logprobs=logprobs, prompt_logprobs=prompt_lp)
+            fields = sp.as_openai(
+                logprobs=logprobs, prompt_logprobs=prompt_lp, logprob_start=body.logprob_start()
+            )
             fields.cache_salt = body.cache_salt
             fields.priority = body.priority
             jobs = state.jobs(

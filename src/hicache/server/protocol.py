@@ -174,6 +174,11 @@ class SamplingFields(BootstrapFields):
         """``(logprobs, prompt_logprobs)`` for :class:`SamplingParams` (None = off)."""
         return None, None
 
+    def logprob_start(self) -> int:
+        """The first prompt position whose logprob is asked (``logprob_start_len``; 0:
+        every one), used when :meth:`logprob_counts` asks for prompt logprobs."""
+        return 0
+
     def sampling(self, max_tokens: int, copy: int = 0) -> SamplingParams:
         """Sampling parameters of choice ``copy`` (its seed is ``seed + copy``); raises
         :class:`InvalidRequest` naming the field, also for a field the engine lacks."""
@@ -186,6 +191,8 @@ class SamplingFields(BootstrapFields):
             kwargs["logprobs"] = logprobs
         if prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = prompt_logprobs
+            if self.logprob_start():
+                kwargs["logprob_start_len"] = self.logprob_start()
         for name in kwargs:
             if not engine_supports(name):
                 param = "logprobs" if name == "prompt_logprobs" else name
@@ -212,6 +219,10 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    logprob_start_len: int | None = Field(default=None, ge=0)
+    """SGLang's field as an extension, with ``echo`` and ``logprobs``: the prompt tokens'
+    logprobs from this position on (those before it are null); a request that sets it
+    reuses a cached prefix of up to ``logprob_start_len - 1`` tokens."""
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -248,11 +259,20 @@ class CompletionRequest(SamplingFields):
                 f"the batch has {len(self.prompts)} prompts; at most {MAX_BATCH} are allowed",
                 param="prompt",
             )
+        if self.logprob_start_len is not None and (self.logprobs is None or not self.echo):
+            raise InvalidRequest(
+                f"logprob_start_len={self.logprob_start_len} applies to the prompt's logprobs,"
+                " which only echo=true with logprobs returns",
+                param="logprob_start_len",
+            )
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.logprobs is None:
             return None, None
         return self.logprobs, (self.logprobs if self.echo else None)
+
+    def logprob_start(self) -> int:
+        return self.logprob_start_len or 0
 
 
 class TextPart(BaseModel):

@@ -11,8 +11,11 @@ host-only snapshot to L1 and hands the request its copy to resume from
 
 Where snapshots are taken (the rules the scheduler asks for through
 ``HiCache.plan_chunk``): a prefill takes one every ``mamba_track_interval`` tokens (whole
-pages: a shared system prompt gets its own) and at the last page boundary before the
-prompt's last token (where the same prompt resumes); never past it. The first boundary
+pages: a shared system prompt gets its own), at the last page boundary before the
+prompt's last token (where the same prompt resumes) and, for a request whose match is
+capped (``max_prefix``: prompt log probabilities from a position on), at the last page
+boundary within the cap (where the next request of the same shape, one more choice after
+the same context, resumes); never past the prompt's last boundary. The first boundary
 inside a forward is a *mark* (the runner keeps the state there without ending the forward);
 a second one ends the forward there. Past the prompt's last boundary, the state after each
 page boundary a forward ends on is kept for the request's end: its last commit (at
@@ -229,6 +232,10 @@ class SnapshotStore(ComponentStore):
         last = (req.prompt_tokens - 1) // ps * ps
         step = self.track_pages * ps
         nxt = min((pos // step + 1) * step, last)
+        if req.max_prefix is not None:  # where a request capped alike resumes
+            cap = min(req.max_prefix, last) // ps * ps
+            if cap > pos:
+                nxt = min(nxt, cap)
         return nxt if nxt > pos else None
 
     def _tracks_end(self, req: CacheRequest, pos: int) -> bool:
