@@ -155,7 +155,10 @@ def work_saved_bound(
     every computed token saved turned into throughput). Returns ``{config: {"bound":
     Spread, "fraction": Spread}}`` over the repetitions where both ran, the config
     computed at least one token and the baseline's throughput is > 0; a config with no
-    such repetition is left out.
+    such repetition is left out. When both runs of a repetition also have
+    ``"server_cpu_s"`` (not None, > 0), ``"cpu_fraction"`` is the same fraction of the
+    server's CPU seconds (the baseline's over the config's, over the bound: the work
+    saved, far less moved by other jobs than throughput), over those repetitions.
     """
     out: dict[str, dict[str, Spread]] = {}
     for name in configs:
@@ -163,6 +166,7 @@ def work_saved_bound(
             continue
         bounds: list[float] = []
         fractions: list[float] = []
+        cpu: list[float] = []
         for rep in per_repeat:
             if name not in rep or baseline not in rep:
                 continue
@@ -172,6 +176,11 @@ def work_saved_bound(
             bound = base["prompt_computed"] / mine["prompt_computed"]
             bounds.append(bound)
             fractions.append(mine["input_tok_s"] / base["input_tok_s"] / bound)
+            mine_cpu, base_cpu = mine.get("server_cpu_s"), base.get("server_cpu_s")
+            if mine_cpu and base_cpu:
+                cpu.append(base_cpu / mine_cpu / bound)
         if bounds:
             out[name] = {"bound": Spread.of(bounds), "fraction": Spread.of(fractions)}
+            if cpu:
+                out[name]["cpu_fraction"] = Spread.of(cpu)
     return out

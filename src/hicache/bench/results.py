@@ -151,10 +151,10 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
     (s), input throughput (tokens/s) and server CPU seconds over the repetitions).
     ``pairs``: per config other than ``baseline``, the spread of its ratio to the
     baseline in the same repetition for each of :data:`PAIR_METRICS` (TTFT and CPU: < 1
-    is faster; throughput: > 1 is faster), and ``work_saved_bound`` / ``bound_fraction``:
-    the spreads of :func:`hicache.bench.pairs.work_saved_bound` (the baseline's computed
-    prompt tokens over the config's, and the throughput gain as a fraction of that);
-    empty without a baseline.
+    is faster; throughput: > 1 is faster), and ``work_saved_bound`` / ``bound_fraction``
+    / ``cpu_bound_fraction``: the spreads of :func:`hicache.bench.pairs.work_saved_bound`
+    (the baseline's computed prompt tokens over the config's, and the throughput gain and
+    the server CPU saving as fractions of that); empty without a baseline.
     """
 
     def first_start(run: ConfigRun) -> float | None:
@@ -194,6 +194,8 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
             if name in bounds:
                 pairs[name]["work_saved_bound"] = bounds[name]["bound"].to_json()
                 pairs[name]["bound_fraction"] = bounds[name]["fraction"].to_json()
+                if "cpu_fraction" in bounds[name]:
+                    pairs[name]["cpu_bound_fraction"] = bounds[name]["cpu_fraction"].to_json()
     repeats = {"count": len(rr.runs), "baseline": baseline,
                "order": [list(o) for o in rr.order], "runs": per_rep, "per_config": per_config}  # fmt: skip
     return {"repeats": repeats, "pairs": pairs}
