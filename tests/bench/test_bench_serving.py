@@ -65,6 +65,31 @@ def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
     assert doc["meta"]["l1_tokens"] % 16 == 0
 
 
+def test_multiturn_real_output_goes_into_the_history(tmp_path: Path) -> None:
+    """``--real-output``: round 2's prompt is round 1's prompt, the model's own output ids
+    and the new user turn (by ``/generate``, whose answer carries the ids); the pairs get
+    the work-saved bound."""
+    out = tmp_path / "real.json"
+    argv = ["--num-clients", "2", "--num-rounds", "2", "--request-length", "64",
+            "--output-length", "3", "--configs", "l1,l1_l2", "--repeats", "1",
+            "--real-output", "--json", str(out)]  # fmt: skip
+    assert multiturn.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["workload"]["real_output"] is True
+    assert doc["meta"]["workload"]["api"] == "generate"
+    for name, c in doc["configs"].items():
+        r1, r2 = c["rounds"]
+        assert r1["prompt_tokens"] == 2 * 64, name
+        assert 2 <= r1["output_tokens"] <= 2 * 3, name
+        assert r2["prompt_tokens"] == r1["prompt_tokens"] + r1["output_tokens"] + 2 * 64, name
+    assert doc["configs"]["l1_l2"]["rounds"][1]["hit_rate"] > 0
+    run = doc["repeats"]["runs"][0]
+    bound = run["l1"]["prompt_computed"] / run["l1_l2"]["prompt_computed"]
+    assert doc["pairs"]["l1_l2"]["work_saved_bound"]["values"] == [bound]
+    with pytest.raises(SystemExit):
+        multiturn.main([*argv, "--api", "completions"])
+
+
 def test_multiturn_at_tp_1_and_2(tmp_path: Path) -> None:
     """``--tp-size 1,2``: each config runs on a server of each size; the same workload hits
     the same tokens in every tier at both (the ranks run TP 1's scheduler and cache), and

@@ -17,6 +17,7 @@ from hicache.bench.pairs import (
     compare_to_baseline,
     pair_ratios,
     quantile,
+    work_saved_bound,
 )
 from hicache.bench.results import config_json, pool_runs, repeats_doc
 from hicache.bench.runner import ConfigRun, RepeatedRuns
@@ -158,4 +159,56 @@ def test_repeats_doc_pairs_each_repetition_with_the_baseline() -> None:
     bare = [{n: _run(n, 0.1, 0.0) for n in ("l1", "l1_l2")}]
     doc = repeats_doc(RepeatedRuns(["l1", "l1_l2"], order[:1], bare, {}), "l1")
     assert "server_cpu_s" not in doc["repeats"]["per_config"]["l1"]
-    assert set(doc["pairs"]["l1_l2"]) == {"baseline", "ttft_mean_ratio", "input_tok_s_ratio"}
+    assert set(doc["pairs"]["l1_l2"]) == {"baseline", "ttft_mean_ratio", "input_tok_s_ratio",
+                                          "work_saved_bound", "bound_fraction"}  # fmt: skip
+    assert doc["pairs"]["l1_l2"]["work_saved_bound"]["values"] == [1.0]  # same hits
+
+
+def test_work_saved_bound_is_computed_tokens_ratio_and_gain_over_it() -> None:
+    per_rep = [
+        # bound 1200 / 300 = 4; gain 300 / 100 = 3: 0.75 of the bound
+        {"l1": {"prompt_computed": 1200, "input_tok_s": 100.0},
+         "l1_l2": {"prompt_computed": 300, "input_tok_s": 300.0}},
+        # bound 2, gain 2: the whole bound
+        {"l1": {"prompt_computed": 1000, "input_tok_s": 50.0},
+         "l1_l2": {"prompt_computed": 500, "input_tok_s": 100.0}},
+        # everything hit: no finite bound, left out
+        {"l1": {"prompt_computed": 1000, "input_tok_s": 50.0},
+         "l1_l2": {"prompt_computed": 0, "input_tok_s": 900.0}},
+        {"l1_l2": {"prompt_computed": 10, "input_tok_s": 1.0}},  # the baseline failed
+    ]  # fmt: skip
+    out = work_saved_bound(per_rep, ["l1", "l1_l2"], "l1")
+    assert set(out) == {"l1_l2"}
+    assert out["l1_l2"]["bound"].values == (4.0, 2.0)
+    assert out["l1_l2"]["fraction"].values == (0.75, 1.0)
+    assert "cpu_fraction" not in out["l1_l2"]  # no CPU seconds (--url)
+    # CPU 12 s against 4 s: 3x less work, 0.75 of the bound of 4; repetition 2 has none
+    per_rep[0]["l1"]["server_cpu_s"], per_rep[0]["l1_l2"]["server_cpu_s"] = 12.0, 4.0
+    per_rep[1]["l1"]["server_cpu_s"] = None
+    out = work_saved_bound(per_rep, ["l1", "l1_l2"], "l1")
+    assert out["l1_l2"]["cpu_fraction"].values == (0.75,)
+    assert out["l1_l2"]["fraction"].values == (0.75, 1.0)
+    assert work_saved_bound(per_rep[2:], ["l1", "l1_l2"], "l1") == {}
+
+
+def test_repeats_doc_reports_the_bound_from_each_requests_cached_tokens() -> None:
+    """Computed tokens = prompt - cached, summed over a run's requests (usage per request)."""
+
+    def run(name: str, cached: int, wall: float, cpu: float = 1.0) -> ConfigRun:
+        recs = [RequestRecord(group=0, client=c, prompt_tokens=400, output_tokens=1,
+                              ttft_s=0.1, latency_s=wall, start_s=0.0, end_s=wall,
+                              cached={"device": cached // 2, "host": cached - cached // 2,
+                                      "storage": 0}) for c in range(2)]  # fmt: skip
+        return ConfigRun(name, [recs], wall, None, server_cpu_s=cpu)
+
+    # l1 computes 2 x (400 - 16) = 768 tokens in 4 s, l1_l2 2 x (400 - 304) = 192 in 2 s;
+    # CPU 8 s against 4 s
+    runs = [{"l1": run("l1", 16, 4.0, 8.0), "l1_l2": run("l1_l2", 304, 2.0, 4.0)}]
+    doc = repeats_doc(RepeatedRuns(["l1", "l1_l2"], [("l1", "l1_l2")], runs, {}), "l1")
+    assert doc["repeats"]["runs"][0]["l1"]["prompt_computed"] == 768
+    assert doc["repeats"]["runs"][0]["l1_l2"]["prompt_computed"] == 192
+    pair = doc["pairs"]["l1_l2"]
+    assert pair["input_tok_s_ratio"]["values"] == [2.0]
+    assert pair["work_saved_bound"]["values"] == [4.0]
+    assert pair["bound_fraction"]["values"] == [0.5]
+    assert pair["cpu_bound_fraction"]["values"] == [0.5]

@@ -13,7 +13,11 @@ and fans ``/flush_cache`` out; smg's ``/metrics`` is on another port, so the ser
 own TTFT column is empty through smg. The history then gets a
 **synthetic assistant turn** of ``--output-length`` deterministic token ids instead of the
 model's real output, so every config (and every run with the same ``--seed``) sends
-identical prompts whatever the model generated or whether it stopped early at EOS. Token
+identical prompts whatever the model generated or whether it stopped early at EOS; with
+``--real-output`` it gets **the model's own output ids** instead, as a chat client
+appends the answer it got (the conversation's own output is reused by the next round;
+the requests then go by ``/generate``, whose answer carries the ids, unless ``--api``
+says otherwise, and ``--api completions`` is refused: its answer has text only). Token
 ids are uniform in ``[1000, 30000)``, inside every supported tokenizer's vocabulary; no
 two clients share a prefix.
 
@@ -124,8 +128,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_path="SmolLM2-135M-Instruct", num_clients=128, num_rounds=6, request_length=512,
         output_length=64, max_parallel=32,
     ),
+    "sglang-headline": dict(
+        model_path="SmolLM2-135M-Instruct", num_clients=8, num_rounds=10, request_length=256,
+        output_length=1, max_parallel=4, real_output=True,
+    ),
 }  # fmt: skip
-"""``--preset`` defaults (explicit flags win). ``tiny`` is the default."""
+"""``--preset`` defaults (explicit flags win). ``tiny`` is the default. ``sglang-headline``
+is the shape SGLang's HiCache headline was measured on (many rounds of one long
+conversation, one output token, the model's own output appended), scaled to a CPU."""
 
 
 @dataclass(frozen=True)
@@ -175,18 +185,22 @@ def multiturn_workload(conv: Conversations, args: argparse.Namespace) -> Workloa
         pacer = Pacer(args.request_rate, args.seed + 1)
         groups: list[list[RequestRecord]] = [[] for _ in range(rounds)]
 
+        history: list[list[int]] = [[] for _ in range(clients)]  # --real-output only
+
         async def one(c: int, r: int) -> None:
             await pacer.wait()
+            prompt = history[c] + conv.user[c][r] if args.real_output else conv.prompt(c, r)
             async with sem:
                 rec = await stream_request(
                     args.api,
                     s.client,
                     s.url,
-                    conv.prompt(c, r),
+                    prompt,
                     args.output_length,
                     group=r,
                     client_id=c,
                 )
+            history[c] = prompt + list(rec.output_ids)
             groups[r].append(rec)
             s.progress.update()
 
@@ -214,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_common_args(p)
+    add_common_args(p, tuple(PRESETS))
     p.add_argument("--num-clients", type=int, help="concurrent conversations")
     p.add_argument("--num-rounds", type=int, help="rounds per conversation")
     p.add_argument("--request-length", type=int, help="new user tokens per round")
@@ -226,9 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--api",
         choices=APIS,
-        default="completions",
-        help="send requests to /v1/completions (prompt ids) or to SGLang's /generate"
-        " (input_ids; what SGLang's router smg forwards: use it with --url SMG_URL)",
+        default=None,
+        help="send requests to /v1/completions (prompt ids; the default) or to SGLang's"
+        " /generate (input_ids; what SGLang's router smg forwards: use it with --url SMG_URL;"
+        " the default with --real-output)",
+    )
+    p.add_argument(
+        "--real-output",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="append the model's own output ids to the history (default: synthetic ids;"
+        " on in the sglang-headline preset)",
     )
     p.add_argument("--baseline", help="config the others are compared with (default l1)")
     args = parse_with_preset(p, argv, PRESETS)
@@ -240,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--num-clients, --num-rounds, --request-length and --output-length must be >= 1")
     if args.repeats < 1:
         p.error(f"--repeats={args.repeats} must be >= 1")
+    if args.real_output and args.api == "completions":
+        p.error("--real-output needs the output ids, which only --api generate returns")
+    args.api = args.api or ("generate" if args.real_output else "completions")
     if args.baseline is not None and args.baseline not in configs:
         p.error(f"--baseline={args.baseline!r} is not one of --configs={','.join(configs)}")
     if args.url and len(configs) != 1:
@@ -275,10 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = [pool_runs(rr.of(n)) for n in configs if rr.of(n)]
     keys = ("num_clients num_rounds request_length output_length barrier flush_between_rounds"
-            " repeats baseline")  # fmt: skip
+            " repeats baseline real_output api")  # fmt: skip
     title = (
         f"multiturn: {args.num_clients} clients x {args.num_rounds} rounds,"
-        f" {args.request_length}+{args.output_length} tokens/round, L1 {l1} tokens,"
+        f" {args.request_length}+{args.output_length} tokens/round"
+        f" ({'real' if args.real_output else 'synthetic'} output in the history), L1 {l1} tokens,"
         f" {args.repeats} repetitions pooled"
     )
     return report_runs(

@@ -25,6 +25,7 @@ __all__ = [
     "compare_to_baseline",
     "pair_ratios",
     "quantile",
+    "work_saved_bound",
 ]
 
 
@@ -134,4 +135,52 @@ def compare_to_baseline(
                 entry[m] = s
         if entry:
             out[name] = entry
+    return out
+
+
+def work_saved_bound(
+    per_repeat: Sequence[Mapping[str, Mapping[str, float]]],
+    configs: Sequence[str],
+    baseline: str,
+) -> dict[str, dict[str, Spread]]:
+    """Per config other than ``baseline``: how much faster a cache could make it, and how
+    much of that it achieved, repetition by repetition.
+
+    ``per_repeat[r][config]`` needs ``"prompt_computed"`` (prompt tokens the server had to
+    compute: prompt tokens - cached tokens, summed over the run's requests) and
+    ``"input_tok_s"``. The **bound** of repetition ``r`` is the baseline's computed tokens
+    over the config's (the throughput gain if the time of a request were all prefill of
+    its uncached tokens; > 1 when the config computes less); the **fraction** is the
+    achieved gain (the config's input tokens/s over the baseline's) over that bound (1.0:
+    every computed token saved turned into throughput). Returns ``{config: {"bound":
+    Spread, "fraction": Spread}}`` over the repetitions where both ran, the config
+    computed at least one token and the baseline's throughput is > 0; a config with no
+    such repetition is left out. When both runs of a repetition also have
+    ``"server_cpu_s"`` (not None, > 0), ``"cpu_fraction"`` is the same fraction of the
+    server's CPU seconds (the baseline's over the config's, over the bound: the work
+    saved, far less moved by other jobs than throughput), over those repetitions.
+    """
+    out: dict[str, dict[str, Spread]] = {}
+    for name in configs:
+        if name == baseline:
+            continue
+        bounds: list[float] = []
+        fractions: list[float] = []
+        cpu: list[float] = []
+        for rep in per_repeat:
+            if name not in rep or baseline not in rep:
+                continue
+            mine, base = rep[name], rep[baseline]
+            if mine["prompt_computed"] <= 0 or base["input_tok_s"] <= 0:
+                continue
+            bound = base["prompt_computed"] / mine["prompt_computed"]
+            bounds.append(bound)
+            fractions.append(mine["input_tok_s"] / base["input_tok_s"] / bound)
+            mine_cpu, base_cpu = mine.get("server_cpu_s"), base.get("server_cpu_s")
+            if mine_cpu and base_cpu:
+                cpu.append(base_cpu / mine_cpu / bound)
+        if bounds:
+            out[name] = {"bound": Spread.of(bounds), "fraction": Spread.of(fractions)}
+            if cpu:
+                out[name]["cpu_fraction"] = Spread.of(cpu)
     return out

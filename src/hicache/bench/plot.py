@@ -154,12 +154,25 @@ def print_repeats(doc: Mapping[str, Any]) -> None:
         return
     rows = [[n, _ratio_cell(p.get("ttft_mean_ratio"), True),
              _ratio_cell(p.get("input_tok_s_ratio"), False),
-             _ratio_cell(p.get("server_cpu_ratio"), False)]
+             _ratio_cell(p.get("server_cpu_ratio"), False),
+             _ratio_cell(p.get("work_saved_bound"), False),
+             _ratio_cell(p.get("bound_fraction"), False),
+             _ratio_cell(p.get("cpu_bound_fraction"), False)]
             for n, p in pairs.items()]  # fmt: skip
     n_pairs = max(p["ttft_mean_ratio"]["n"] for p in pairs.values())
     print_table(
-        f"pairwise against {base}, {n_pairs} pairs: median [q25..q75] (min..max)",
-        ["config", "TTFT mean", "input tok/s", "server CPU s"],
+        f"pairwise against {base}, {n_pairs} pairs: median [q25..q75] (min..max); bound ="
+        f" {base}'s computed prompt tokens / the config's, gain / bound = input tok/s ratio"
+        " / bound (CPU: the server CPU saving / bound)",
+        [
+            "config",
+            "TTFT mean",
+            "input tok/s",
+            "server CPU s",
+            "bound",
+            "gain / bound",
+            "CPU / bound",
+        ],
         rows,
     )
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hicache.bench.httpclient import TIERS, RequestRecord
-from hicache.bench.pairs import Spread, compare_to_baseline, quantile
+from hicache.bench.pairs import Spread, compare_to_baseline, quantile, work_saved_bound
 from hicache.bench.plot import print_repeats, print_results, write_outputs
 from hicache.bench.runner import ConfigRun, RepeatedRuns
 from hicache.bench.serverproc import split_tp
@@ -51,7 +51,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> dict[str, Any]:
     """TTFT stats (s), throughput (tokens/s over ``wall_s``, default first start to last
-    end) and hit tokens per tier of ``records``; ``hit_rate`` = cached / prompt tokens."""
+    end) and hit tokens per tier of ``records``; ``hit_rate`` = cached / prompt tokens;
+    ``prompt_computed`` = prompt - cached tokens (what the server had to compute)."""
     if wall_s is None:
         wall_s = max(r.end_s for r in records) - min(r.start_s for r in records)
     ttfts = [r.ttft_s for r in records]
@@ -69,6 +70,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> 
         "hit_tokens": hits,
         "requests": len(records),
         "prompt_tokens": prompt,
+        "prompt_computed": prompt - sum(hits.values()),
         "output_tokens": output,
         "wall_s": wall_s,
     }
@@ -127,7 +129,8 @@ def pool_runs(runs: Sequence[ConfigRun]) -> ConfigRun:
     )
 
 
-REPEAT_KEYS = ("ttft_mean_s", "ttft_p50_s", "input_tok_s", "output_tok_s", "hit_rate", "wall_s")
+REPEAT_KEYS = ("ttft_mean_s", "ttft_p50_s", "input_tok_s", "output_tok_s", "hit_rate", "wall_s",
+               "prompt_computed")  # fmt: skip
 """The figures kept per config per repetition (``repeats.runs`` in the JSON)."""
 
 PAIR_METRICS = {"ttft_mean_ratio": "ttft_mean_s", "input_tok_s_ratio": "input_tok_s",
@@ -148,7 +151,10 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
     (s), input throughput (tokens/s) and server CPU seconds over the repetitions).
     ``pairs``: per config other than ``baseline``, the spread of its ratio to the
     baseline in the same repetition for each of :data:`PAIR_METRICS` (TTFT and CPU: < 1
-    is faster; throughput: > 1 is faster); empty without a baseline.
+    is faster; throughput: > 1 is faster), and ``work_saved_bound`` / ``bound_fraction``
+    / ``cpu_bound_fraction``: the spreads of :func:`hicache.bench.pairs.work_saved_bound`
+    (the baseline's computed prompt tokens over the config's, and the throughput gain and
+    the server CPU saving as fractions of that); empty without a baseline.
     """
 
     def first_start(run: ConfigRun) -> float | None:
@@ -180,10 +186,16 @@ def repeats_doc(rr: RepeatedRuns, baseline: str | None) -> dict[str, Any]:
     pairs: dict[str, Any] = {}
     if baseline is not None:
         ratios = compare_to_baseline(per_rep, ran, baseline, list(PAIR_METRICS.values()))
+        bounds = work_saved_bound(per_rep, ran, baseline)
         for name, by_metric in ratios.items():
             pairs[name] = {"baseline": baseline} | {
                 key: by_metric[m].to_json() for key, m in PAIR_METRICS.items() if m in by_metric
             }
+            if name in bounds:
+                pairs[name]["work_saved_bound"] = bounds[name]["bound"].to_json()
+                pairs[name]["bound_fraction"] = bounds[name]["fraction"].to_json()
+                if "cpu_fraction" in bounds[name]:
+                    pairs[name]["cpu_bound_fraction"] = bounds[name]["cpu_fraction"].to_json()
     repeats = {"count": len(rr.runs), "baseline": baseline,
                "order": [list(o) for o in rr.order], "runs": per_rep, "per_config": per_config}  # fmt: skip
     return {"repeats": repeats, "pairs": pairs}

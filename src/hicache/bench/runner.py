@@ -403,11 +403,12 @@ def tier_sizes(args: argparse.Namespace, working_set: int, min_l1: int) -> tuple
     return l1, ratio
 
 
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by the serving benchmarks (server, configs, pacing, outputs)."""
-    p.add_argument(
-        "--preset", choices=("tiny", "default-model", "gpu"), default="tiny", help="sizes, model"
-    )
+def add_common_args(
+    p: argparse.ArgumentParser, presets: Sequence[str] = ("tiny", "default-model", "gpu")
+) -> None:
+    """Flags shared by the serving benchmarks (server, configs, pacing, outputs);
+    ``presets``: the names ``--preset`` takes (the benchmark's own)."""
+    p.add_argument("--preset", choices=tuple(presets), default="tiny", help="sizes, model")
     p.add_argument("--model-path", help="model of the servers (preset default)")
     p.add_argument("--configs", default=",".join(CONFIG_NAMES), help="comma list of configs")
     p.add_argument("--url", default=None, help="use this running server (one config) instead")
