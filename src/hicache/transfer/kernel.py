@@ -42,6 +42,7 @@ gather/scatter and the host side moves in as few DMAs as the layout allows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
@@ -55,6 +56,7 @@ from hicache.transfer.blocks import BlockPlan, copy_blocks, copy_layers
 from hicache.transfer.plan import OpPlan
 from hicache.transfer.rows import row_ids, rows, word_dtype
 from hicache.transfer.uva import copy_pages, uva_usable
+from hicache.transfer.workers import run_steps, serial_torch_threads
 
 __all__ = ["DMA_MIN_BYTES", "PAGE_FIRST_LOAD_STEPS", "SLAB_MIN_BYTES", "KernelCopier", "Strategy"]
 
@@ -75,6 +77,10 @@ PAGE_FIRST_LOAD_STEPS = 4
 many steps). Measured at page 64, 32 layers of 8 x 128 fp16 heads, 256 MiB ops on 2 vCPUs:
 a group of 1 / 2 / 4 / 8 / 32 layers per strided copy ran at 0.53 / 0.60 / 0.69 / 0.76 /
 0.74 of a contiguous copy."""
+
+STRIDED_UNIT_BYTES = 4 * 2**20
+"""CPU slab copies on the copy threads (``page_first`` loads, backups): bytes per work
+unit (a few runs' strided view pairs, one serial ``torch._foreach_copy_``)."""
 
 DMA_MIN_BYTES = 64 * 1024
 """CUDA: per-block DMAs when the average host block has at least this many bytes."""
@@ -150,6 +156,10 @@ class KernelCopier(PageCopier):
             rows(host).index_copy_(0, dst, rows(device).index_select(0, src))
 
     def _backup_slabs(self, device: DevicePool, host: HostPool, plan: OpPlan) -> None:
+        """One strided view pair per run (all layers and kinds; per kind on the copy
+        threads, whose units are :func:`_copy_units` of them), else all in one
+        ``torch._foreach_copy_`` on the caller's thread."""
+        threaded = torch.get_num_threads() > 1 and serial_torch_threads()
         dv = row_words(device.buffer)  # (K, L, S, E)
         hv = row_words(host.buffer)
         ps = plan.page_size
@@ -166,9 +176,16 @@ class KernelCopier(PageCopier):
             else:
                 dst = hv[:, r.host : r.host + r.length]  # (K, r, L, ps, E)
                 src = src.unflatten(2, (r.length, ps)).transpose(1, 2)
-            dsts.append(dst)
-            srcs.append(src)
-        torch._foreach_copy_(dsts, srcs)
+            if threaded:
+                dsts.extend(dst.unbind(0))
+                srcs.extend(src.unbind(0))
+            else:
+                dsts.append(dst)
+                srcs.append(src)
+        if threaded:
+            run_steps([_copy_units(dsts, srcs, STRIDED_UNIT_BYTES)], lambda step: None)
+        else:
+            torch._foreach_copy_(dsts, srcs)
 
     def _uva_pages(
         self, device: DevicePool, host: HostPool, plan: OpPlan
@@ -284,7 +301,17 @@ class KernelCopier(PageCopier):
         layers = device.spec.num_layers
         if host.layout is MemLayout.PAGE_FIRST:
             group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
-            for first in range(0, layers, group):
+            firsts = range(0, layers, group)
+            if torch.get_num_threads() > 1 and serial_torch_threads():
+                steps = _strided_steps(device, host, plan, group)
+
+                def step_done(step: int) -> None:
+                    for layer in range(firsts[step], min(firsts[step] + group, layers)):
+                        done(layer)
+
+                run_steps(steps, step_done)
+                return
+            for first in firsts:
                 count = min(group, layers - first)
                 self._load_layer_strided(device, host, plan, first, count)
                 for layer in range(first, first + count):
@@ -371,6 +398,52 @@ def _load_ids(
     dtok = plan.index("dev_tokens", on).view(1, -1)
     htok = plan.index("host_tokens", on).view(1, -1)
     return _ids(host, k, lay, htok), _ids(device, k, lay, dtok)
+
+
+def _copy_units(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], unit_bytes: int
+) -> list[Callable[[], object]]:
+    """Consecutive view pairs grouped into :func:`run_steps` units of at least
+    ``unit_bytes`` (the last may be smaller), each one ``torch._foreach_copy_``."""
+    units: list[Callable[[], object]] = []
+    a, acc = 0, 0
+    for i, d in enumerate(dsts):
+        acc += d.numel() * d.element_size()
+        if acc >= unit_bytes:
+            units.append(partial(torch._foreach_copy_, dsts[a : i + 1], srcs[a : i + 1]))
+            a, acc = i + 1, 0
+    if a < len(dsts):
+        units.append(partial(torch._foreach_copy_, dsts[a:], srcs[a:]))
+    return units
+
+
+def _strided_steps(
+    device: DevicePool, host: HostPool, plan: OpPlan, group: int
+) -> list[list[Callable[[], object]]]:
+    """A ``page_first`` load as :func:`run_steps` steps, computed once per op: step ``s``
+    copies layers ``[s * group, (s + 1) * group)`` of every run, in units of runs moving
+    about :data:`STRIDED_UNIT_BYTES`, each one serial ``torch._foreach_copy_`` of strided
+    view pairs ``(K, c, n, E)`` (see :meth:`KernelCopier._load_layer_strided`)."""
+    key = f"strided_steps_{group}"
+    got = plan.memo.get(key)
+    if isinstance(got, list):
+        return got
+    dv = row_words(device.buffer)  # (K, L, S, E)
+    hv = row_words(host.buffer)  # (K, S, L, E)
+    ps, layers = plan.page_size, device.spec.num_layers
+    steps: list[list[Callable[[], object]]] = []
+    for first in range(0, layers, group):
+        dl = dv[:, first : first + group]
+        hl = hv[:, :, first : first + group]
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for r in plan.runs:
+            d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
+            dsts.append(dl[:, :, d0 : d0 + n])
+            srcs.append(hl[:, h0 : h0 + n].transpose(1, 2))
+        steps.append(_copy_units(dsts, srcs, STRIDED_UNIT_BYTES))
+    plan.memo[key] = steps
+    return steps
 
 
 def _block_plan(device: DevicePool, host: HostPool, plan: OpPlan) -> BlockPlan:
