@@ -214,3 +214,36 @@ def test_kernel_copies_in_one_view_units_are_exact(
         device.buffer.view(torch.int16).view(2, spec.num_layers, 48, 8, -1)[:, :, keep],
         before.view(torch.int16).view(2, spec.num_layers, 48, 8, -1)[:, :, keep],
     )
+
+
+def test_copy_threads_are_restarted_in_a_forked_child() -> None:
+    """A child forked after the pool started gets its own copy threads (the inherited pool
+    has none): a split copy there finishes instead of waiting forever. (The child runs no
+    torch parallel op: GNU OpenMP itself is not fork-safe.)"""
+    import multiprocessing as mp
+
+    block = 2 * 2**20
+    src = torch.randint(0, 256, (4 * block,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    plan = BlockPlan.build(
+        [3 * block, 0, block, 2 * block], [0, block, 2 * block, 3 * block], [block] * 4, 0, 0
+    )
+    copy_blocks(dst, src, plan, 0, threads=2)  # the pool is up in the parent
+    dst.zero_()
+    proc = mp.get_context("fork").Process(target=_child_copy, args=(dst, src, plan))
+    proc.start()
+    proc.join(timeout=20)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0
+
+
+def _child_copy(dst: torch.Tensor, src: torch.Tensor, plan: BlockPlan) -> None:
+    import ctypes
+
+    copy_blocks(dst, src, plan, 0, threads=2)
+    ok = all(
+        ctypes.string_at(dst.data_ptr() + d, n) == ctypes.string_at(src.data_ptr() + s, n)
+        for d, s, n in zip(plan.dst, plan.src, plan.nbytes, strict=True)
+    )
+    raise SystemExit(0 if ok else 1)

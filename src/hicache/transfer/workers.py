@@ -39,6 +39,7 @@ Unit = Callable[[], object]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+_pool_pid = 0
 _serial = False
 _pool_lock = threading.Lock()
 
@@ -83,11 +84,13 @@ def _probe() -> int:
 
 
 def copy_threads(n: int) -> ThreadPoolExecutor:
-    """The shared pool of at least ``n`` (>= 1) serial copy threads, started lazily."""
-    global _pool, _pool_size, _serial
+    """The shared pool of at least ``n`` (>= 1) serial copy threads, started lazily (and
+    again in a forked child, which inherits the pool but not its threads)."""
+    global _pool, _pool_size, _pool_pid, _serial
     with _pool_lock:
-        if _pool is None or _pool_size < n:
-            old = _pool
+        forked = _pool_pid != os.getpid()
+        if _pool is None or _pool_size < n or forked:
+            old = None if forked else _pool
             pool = ThreadPoolExecutor(
                 max_workers=n, thread_name_prefix="hicache-copy", initializer=_serial_thread
             )
@@ -95,7 +98,7 @@ def copy_threads(n: int) -> ThreadPoolExecutor:
             barrier = threading.Barrier(n)
             probes = [pool.submit(lambda: (barrier.wait(), _probe())[1]) for _ in range(n)]
             _serial = all(p.result() == 1 for p in probes)
-            _pool, _pool_size = pool, n
+            _pool, _pool_size, _pool_pid = pool, n, os.getpid()
             if old is not None:
                 old.shutdown(wait=False)
         return _pool
