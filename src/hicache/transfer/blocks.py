@@ -5,7 +5,8 @@ A layer-wise load at page 64 moves one contiguous block per (page, kind) on both
 fp16 heads). Through torch each block is a ``copy_`` whose TensorIterator set-up and
 intra-op thread hand-off cost about as much as moving 128 KiB, and on a loaded 2-core host
 the hand-off stalls whenever the other core is busy. A ``memmove`` per block costs under a
-microsecond of Python, runs on the calling thread and releases the GIL. Measured in one
+microsecond of Python and releases the GIL; batches of them are the work units of the
+copy threads (:mod:`hicache.transfer.workers`). Measured in one
 run with ``hicache bench transfer`` (page 64, 256 MiB ops, 2-vCPU VM): ``page_first_direct``
 load 0.6 -> 0.9-1.0x of a contiguous copy (see docs/benchmarks.md).
 

@@ -4,13 +4,15 @@ CPU (device pool in RAM). Two strategies, picked per op by :meth:`KernelCopier.s
 from the sizes involved (measured with ``python -m hicache.bench.transfer``):
 
 - ``slabs``: each run of pages consecutive on both sides becomes one strided view pair
-  (all layers and kinds of the run for a backup), and all of an op's views go to torch in
-  one ``torch._foreach_copy_`` (no Python loop per copy). Loads: ``page_first`` likewise
-  (one layer, both kinds, per run); ``layer_first`` and ``page_first_direct``, whose
+  (all layers of the run, per kind, for a backup; a group of adjacent layers for a
+  ``page_first`` load), copied by ``torch._foreach_copy_`` in units of a few MiB on the
+  serial copy threads of :mod:`hicache.transfer.workers` (each thread claims the next
+  unit; no OpenMP region per copy). ``layer_first`` and ``page_first_direct`` loads, whose
   (page, layer, kind) blocks are contiguous on both sides, copy them by address with
-  ``memmove`` (:mod:`hicache.transfer.blocks`; offsets computed once per op, split over
-  ``torch.get_num_threads()`` threads). Used when a view moves >= ``slab_min_bytes`` on
-  average.
+  ``memmove`` (:mod:`hicache.transfer.blocks`; offsets computed once per op) on the same
+  threads. Without serial copy threads (torch's OpenMP runtime not libgomp, or one
+  thread) the views go to torch on the caller's thread. Used when a view moves >=
+  ``slab_min_bytes`` on average.
 - ``rows``: smaller views (loads at page size <= 8 here): one ``index_select`` + ``index_copy_``
   over the buffers viewed as 2-D row matrices (see :mod:`hicache.transfer.rows`).
 
@@ -290,10 +292,12 @@ class KernelCopier(PageCopier):
         done: Callable[[int], None],
     ) -> None:
         """On CPU with slab-sized blocks: block layouts (``layer_first``,
-        ``page_first_direct``) copy several layers at once, one thread each
-        (:func:`copy_layers`); ``page_first`` copies :data:`PAGE_FIRST_LOAD_STEPS` groups
-        of adjacent layers (its rows of one token's layers are adjacent in the host pool, so
-        a group reads them together). Otherwise layer by layer."""
+        ``page_first_direct``) go to the copy threads in units of a layer's blocks,
+        reported layer by layer (:func:`copy_layers`); ``page_first`` copies
+        :data:`PAGE_FIRST_LOAD_STEPS` groups of adjacent layers (its rows of one token's
+        layers are adjacent in the host pool, so a group reads them together), each group
+        in units of runs on the copy threads (:func:`_strided_steps`). Otherwise layer by
+        layer."""
         plan = self.plan(device, host, device_pages, host_pages, "load")
         if plan.n == 0 or self.strategy(device, host, plan, backup=False) != "slabs":
             super().load_layers(device, host, host_pages, device_pages, done)
