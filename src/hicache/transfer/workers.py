@@ -105,8 +105,9 @@ def copy_threads(n: int) -> ThreadPoolExecutor:
 
 
 def serial_torch_threads() -> bool:
-    """Whether torch ops on the copy threads run serially (libgomp found and obeyed)."""
-    copy_threads(1)
+    """Whether torch ops on the copy threads run serially (libgomp found and obeyed);
+    starts the pool (``torch.get_num_threads()`` threads) if it is not up."""
+    copy_threads(max(1, torch.get_num_threads()))
     return _serial
 
 
