@@ -12,7 +12,7 @@ from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 from hicache.transfer import KernelCopier
 from hicache.transfer.blocks import MIN_SPLIT_BYTES, BlockPlan, copy_blocks, copy_layers
-from hicache.transfer.workers import copy_threads, run_steps, serial_torch_threads
+from hicache.transfer.workers import copy_threads, host_busy, run_steps, serial_torch_threads
 
 
 def test_copy_blocks_moves_exactly_the_listed_blocks() -> None:
@@ -194,7 +194,7 @@ def test_kernel_copies_in_one_view_units_are_exact(
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
     hp = _with_run(torch.randperm(40, generator=g), range(4, 9), 24)
     dp = _with_run(torch.randperm(48, generator=g), range(30, 35), 24)
-    copier = KernelCopier(slab_min_bytes=0)
+    copier = KernelCopier(slab_min_bytes=0, cpu_copy="threads")
     copier.backup(device, host, dp, hp)
     assert torch.equal(
         host.read_pages(hp).view(torch.uint8), device.read_pages(dp).view(torch.uint8)
@@ -214,6 +214,13 @@ def test_kernel_copies_in_one_view_units_are_exact(
         device.buffer.view(torch.int16).view(2, spec.num_layers, 48, 8, -1)[:, :, keep],
         before.view(torch.int16).view(2, spec.num_layers, 48, 8, -1)[:, :, keep],
     )
+
+
+def test_cpu_copy_is_validated_and_host_busy_reads_the_run_queue() -> None:
+    with pytest.raises(ValueError, match="cpu_copy='gpu'"):
+        KernelCopier(cpu_copy="gpu")  # type: ignore[arg-type]
+    assert "cpu_copy='caller'" in repr(KernelCopier(cpu_copy="caller"))
+    assert isinstance(host_busy(), bool)
 
 
 def test_copy_threads_are_restarted_in_a_forked_child() -> None:

@@ -36,6 +36,8 @@ COPIERS: dict[str, Callable[[], PageCopier]] = {
     "direct": DirectCopier,
     "kernel": KernelCopier,
     "kernel-slabs": lambda: KernelCopier(slab_min_bytes=0),
+    "kernel-slabs-caller": lambda: KernelCopier(slab_min_bytes=0, cpu_copy="caller"),
+    "kernel-slabs-threads": lambda: KernelCopier(slab_min_bytes=0, cpu_copy="threads"),
     "kernel-rows": lambda: KernelCopier(slab_min_bytes=HUGE),
     "kernel-device-dma": lambda: KernelCopier(force_device_path=True, dma_min_bytes=0),
     "kernel-device-staged": lambda: KernelCopier(force_device_path=True, dma_min_bytes=HUGE),

@@ -58,11 +58,25 @@ from hicache.transfer.blocks import BlockPlan, copy_blocks, copy_layers
 from hicache.transfer.plan import OpPlan
 from hicache.transfer.rows import row_ids, rows, word_dtype
 from hicache.transfer.uva import copy_pages, uva_usable
-from hicache.transfer.workers import run_steps, serial_torch_threads
+from hicache.transfer.workers import host_busy, run_steps, serial_torch_threads
 
-__all__ = ["DMA_MIN_BYTES", "PAGE_FIRST_LOAD_STEPS", "SLAB_MIN_BYTES", "KernelCopier", "Strategy"]
+__all__ = [
+    "DMA_MIN_BYTES",
+    "PAGE_FIRST_LOAD_STEPS",
+    "SLAB_MIN_BYTES",
+    "CpuCopy",
+    "KernelCopier",
+    "Strategy",
+]
 
 Strategy = Literal["slabs", "rows", "device"]
+
+CpuCopy = Literal["auto", "caller", "threads"]
+"""Where CPU slab copies made of torch copies (``page_first`` loads, backups) run:
+``caller``: one ``torch._foreach_copy_`` on the caller's thread (torch's OpenMP team);
+``threads``: the serial copy threads (:mod:`hicache.transfer.workers`); ``auto``: the copy
+threads while :func:`host_busy` says the host has more runnable threads than CPUs, else
+the caller's thread. Block loads (``memmove``) always use the copy threads."""
 
 SLAB_MIN_BYTES = 64 * 1024
 """CPU: slab views moving at least this many bytes on average; smaller ones use ``rows``.
@@ -111,8 +125,12 @@ class KernelCopier(PageCopier):
         slab_min_bytes: int = SLAB_MIN_BYTES,
         dma_min_bytes: int = DMA_MIN_BYTES,
         force_device_path: bool = False,
+        cpu_copy: CpuCopy = "auto",
     ) -> None:
         super().__init__()
+        if cpu_copy not in ("auto", "caller", "threads"):
+            raise ValueError(f"cpu_copy={cpu_copy!r}: expected 'auto', 'caller' or 'threads'")
+        self._cpu_copy: CpuCopy = cpu_copy
         self._slab_min = slab_min_bytes
         self._dma_min = dma_min_bytes
         self._force_device_path = force_device_path
@@ -120,8 +138,17 @@ class KernelCopier(PageCopier):
     def __repr__(self) -> str:
         return (
             f"KernelCopier(slab_min_bytes={self._slab_min}, dma_min_bytes={self._dma_min}"
-            f"{', force_device_path=True' if self._force_device_path else ''})"
+            f"{', force_device_path=True' if self._force_device_path else ''}"
+            f"{'' if self._cpu_copy == 'auto' else f', cpu_copy={self._cpu_copy!r}'})"
         )
+
+    def _threaded(self) -> bool:
+        """Whether this op's torch slab copies go to the copy threads (see :data:`CpuCopy`)."""
+        if self._cpu_copy == "caller" or torch.get_num_threads() <= 1:
+            return False
+        if not serial_torch_threads():
+            return False
+        return self._cpu_copy == "threads" or host_busy()
 
     def strategy(
         self, device: DevicePool, host: HostPool, plan: OpPlan, *, backup: bool
@@ -161,7 +188,7 @@ class KernelCopier(PageCopier):
         """One strided view pair per run (all layers and kinds; per kind on the copy
         threads, whose units are :func:`_copy_units` of them), else all in one
         ``torch._foreach_copy_`` on the caller's thread."""
-        threaded = torch.get_num_threads() > 1 and serial_torch_threads()
+        threaded = self._threaded()
         dv = row_words(device.buffer)  # (K, L, S, E)
         hv = row_words(host.buffer)
         ps = plan.page_size
@@ -306,7 +333,7 @@ class KernelCopier(PageCopier):
         if host.layout is MemLayout.PAGE_FIRST:
             group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
             firsts = range(0, layers, group)
-            if torch.get_num_threads() > 1 and serial_torch_threads():
+            if self._threaded():
                 steps = _strided_steps(device, host, plan, group)
 
                 def step_done(step: int) -> None:

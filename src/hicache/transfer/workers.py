@@ -32,7 +32,7 @@ from functools import cache
 
 import torch
 
-__all__ = ["copy_threads", "run_steps", "serial_torch_threads"]
+__all__ = ["copy_threads", "host_busy", "run_steps", "serial_torch_threads"]
 
 Unit = Callable[[], object]
 """One piece of copy work; its return value is ignored."""
@@ -109,6 +109,29 @@ def serial_torch_threads() -> bool:
     starts the pool (``torch.get_num_threads()`` threads) if it is not up."""
     copy_threads(max(1, torch.get_num_threads()))
     return _serial
+
+
+def host_busy() -> bool:
+    """Whether more threads are runnable on the host right now than this process has CPUs
+    (the running count of Linux's ``/proc/loadavg``, this thread and any spinning OpenMP
+    worker included): then an OpenMP team would wait at its barriers for a descheduled
+    thread. False where the count is unknown.
+
+    Why it matters (docs/benchmarks.md, "Page-first loads (issue 27)"): on a quiet 2-vCPU
+    host torch's own OpenMP copies beat the serial copy threads by ~25% (the copy threads
+    share a core with OpenMP's worker, which spins for up to ~7 ms after each parallel
+    region), while on a busy one a chain of OpenMP copies falls to a tenth of that speed.
+    """
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return running > cpus
 
 
 def run_steps(
