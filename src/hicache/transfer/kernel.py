@@ -306,7 +306,7 @@ class KernelCopier(PageCopier):
         self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
     ) -> None:
         if host.layout is MemLayout.PAGE_FIRST:
-            self._load_layer_strided(device, host, plan, layer)
+            torch._foreach_copy_(*_group_views(device, host, plan, layer, 1))
             return
         copy_blocks(device.buffer, host.buffer, _block_plan(device, host, plan), layer)
 
@@ -318,57 +318,41 @@ class KernelCopier(PageCopier):
         device_pages: PageList,
         done: Callable[[int], None],
     ) -> None:
-        """On CPU with slab-sized blocks: block layouts (``layer_first``,
-        ``page_first_direct``) go to the copy threads in units of a layer's blocks,
-        reported layer by layer (:func:`copy_layers`); ``page_first`` copies
-        :data:`PAGE_FIRST_LOAD_STEPS` groups of adjacent layers (its rows of one token's
-        layers are adjacent in the host pool, so a group reads them together), each group
-        in units of runs on the copy threads (:func:`_strided_steps`). Otherwise layer by
-        layer."""
+        """On CPU with slab-sized blocks, in :data:`PAGE_FIRST_LOAD_STEPS` groups of
+        adjacent layers (for ``page_first`` a token's rows of a group are adjacent in the
+        host pool, so a group reads them together), one strided view pair per run and
+        group (:func:`_group_views`): on the copy threads in units of runs
+        (:func:`_group_steps`) for ``page_first``, or all of a group in one
+        ``torch._foreach_copy_`` on the caller's thread (see :data:`CpuCopy`). Block
+        layouts (``layer_first``, ``page_first_direct``) on the copy threads copy by
+        address instead, reported layer by layer (:func:`copy_layers`). Otherwise layer
+        by layer."""
         plan = self.plan(device, host, device_pages, host_pages, "load")
         if plan.n == 0 or self.strategy(device, host, plan, backup=False) != "slabs":
             super().load_layers(device, host, host_pages, device_pages, done)
             return
         layers = device.spec.num_layers
-        if host.layout is MemLayout.PAGE_FIRST:
-            group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
-            firsts = range(0, layers, group)
-            if self._threaded():
-                steps = _strided_steps(device, host, plan, group)
-
-                def step_done(step: int) -> None:
-                    for layer in range(firsts[step], min(firsts[step] + group, layers)):
-                        done(layer)
-
-                run_steps(steps, step_done)
-                return
-            for first in firsts:
-                count = min(group, layers - first)
-                self._load_layer_strided(device, host, plan, first, count)
-                for layer in range(first, first + count):
-                    done(layer)
+        threaded = self._threaded()
+        if threaded and host.layout is not MemLayout.PAGE_FIRST:
+            blocks = _block_plan(device, host, plan)
+            copy_layers(device.buffer, host.buffer, blocks, layers, done)
             return
-        blocks = _block_plan(device, host, plan)
-        copy_layers(device.buffer, host.buffer, blocks, device.spec.num_layers, done)
+        group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
+        firsts = range(0, layers, group)
+        if threaded:
+            steps = _group_steps(device, host, plan, group)
 
-    def _load_layer_strided(
-        self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int, count: int = 1
-    ) -> None:
-        """``page_first``: layers ``[layer, layer + count)``, whose host rows are strided
-        (a token's layers are adjacent, one token every L rows), so each run is one strided
-        view pair over both kinds and the layers, all in one ``_foreach_copy_`` (per-kind
-        views, serial at page 64, measured slower on an idle host: 0.22 vs 0.40 of a
-        contiguous copy). Several layers per copy read ``count`` adjacent rows at a time."""
-        dl = row_words(device.buffer)[:, layer : layer + count]  # (K, c, S, E)
-        hl = row_words(host.buffer)[:, :, layer : layer + count]  # (K, S, c, E)
-        ps = plan.page_size
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for r in plan.runs:
-            d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
-            dsts.append(dl[:, :, d0 : d0 + n])
-            srcs.append(hl[:, h0 : h0 + n].transpose(1, 2))
-        torch._foreach_copy_(dsts, srcs)
+            def step_done(step: int) -> None:
+                for layer in range(firsts[step], min(firsts[step] + group, layers)):
+                    done(layer)
+
+            run_steps(steps, step_done)
+            return
+        for first in firsts:
+            count = min(group, layers - first)
+            torch._foreach_copy_(*_group_views(device, host, plan, first, count))
+            for layer in range(first, first + count):
+                done(layer)
 
     def _load_layer_device(
         self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
@@ -448,31 +432,55 @@ def _copy_units(
     return units
 
 
-def _strided_steps(
+def _group_views(
+    device: DevicePool, host: HostPool, plan: OpPlan, first: int, count: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(device views, host views) of layers ``[first, first + count)`` of a load, one
+    ``(K, count, tokens, E)`` pair per run (``page_first_direct``: per page).
+
+    ``page_first`` host rows are strided (a token's layers are adjacent, one token every
+    L rows): a pair covers both kinds (per-kind views, serial at page 64, measured slower
+    on an idle host: 0.22 vs 0.40 of a contiguous copy), and ``count`` layers read that
+    many adjacent rows at a time."""
+    dv = row_words(device.buffer)[:, first : first + count]  # (K, c, S, E)
+    hv = row_words(host.buffer)
+    ps = plan.page_size
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    if host.layout is MemLayout.PAGE_FIRST_DIRECT:
+        h5 = hv.view(hv.shape[0], host.num_pages, -1, ps, hv.shape[-1])[:, :, first : first + count]
+        for d, h in plan.pairs:
+            dsts.append(dv[:, :, d * ps : (d + 1) * ps])
+            srcs.append(h5[:, h])  # (K, c, ps, E)
+        return dsts, srcs
+    for r in plan.runs:
+        d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
+        dsts.append(dv[:, :, d0 : d0 + n])
+        if host.layout is MemLayout.PAGE_FIRST:
+            srcs.append(hv[:, h0 : h0 + n, first : first + count].transpose(1, 2))
+        else:
+            srcs.append(hv[:, first : first + count, h0 : h0 + n])
+    return dsts, srcs
+
+
+def _group_steps(
     device: DevicePool, host: HostPool, plan: OpPlan, group: int
 ) -> list[list[Callable[[], object]]]:
-    """A ``page_first`` load as :func:`run_steps` steps, computed once per op: step ``s``
-    copies layers ``[s * group, (s + 1) * group)`` of every run, in units of runs moving
-    about :data:`STRIDED_UNIT_BYTES`, each one serial ``torch._foreach_copy_`` of strided
-    view pairs ``(K, c, n, E)`` (see :meth:`KernelCopier._load_layer_strided`)."""
-    key = f"strided_steps_{group}"
+    """A load as :func:`run_steps` steps, computed once per op: step ``s`` copies layers
+    ``[s * group, (s + 1) * group)`` (:func:`_group_views`) in units of views moving
+    about :data:`STRIDED_UNIT_BYTES`, each one serial ``torch._foreach_copy_``."""
+    key = f"group_steps_{group}"
     got = plan.memo.get(key)
     if isinstance(got, list):
         return got
-    dv = row_words(device.buffer)  # (K, L, S, E)
-    hv = row_words(host.buffer)  # (K, S, L, E)
-    ps, layers = plan.page_size, device.spec.num_layers
-    steps: list[list[Callable[[], object]]] = []
-    for first in range(0, layers, group):
-        dl = dv[:, first : first + group]
-        hl = hv[:, :, first : first + group]
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for r in plan.runs:
-            d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
-            dsts.append(dl[:, :, d0 : d0 + n])
-            srcs.append(hl[:, h0 : h0 + n].transpose(1, 2))
-        steps.append(_copy_units(dsts, srcs, STRIDED_UNIT_BYTES))
+    layers = device.spec.num_layers
+    steps = [
+        _copy_units(
+            *_group_views(device, host, plan, first, min(group, layers - first)),
+            STRIDED_UNIT_BYTES,
+        )
+        for first in range(0, layers, group)
+    ]
     plan.memo[key] = steps
     return steps
 
