@@ -4,15 +4,15 @@ CPU (device pool in RAM). Two strategies, picked per op by :meth:`KernelCopier.s
 from the sizes involved (measured with ``python -m hicache.bench.transfer``):
 
 - ``slabs``: each run of pages consecutive on both sides becomes one strided view pair
-  (all layers of the run, per kind, for a backup; a group of adjacent layers for a
-  ``page_first`` load), copied by ``torch._foreach_copy_`` in units of a few MiB on the
-  serial copy threads of :mod:`hicache.transfer.workers` (each thread claims the next
-  unit; no OpenMP region per copy). ``layer_first`` and ``page_first_direct`` loads, whose
-  (page, layer, kind) blocks are contiguous on both sides, copy them by address with
-  ``memmove`` (:mod:`hicache.transfer.blocks`; offsets computed once per op) on the same
-  threads. Without serial copy threads (torch's OpenMP runtime not libgomp, or one
-  thread) the views go to torch on the caller's thread. Used when a view moves >=
-  ``slab_min_bytes`` on average.
+  (all layers of the run for a backup; a group of adjacent layers for a load, in
+  :data:`PAGE_FIRST_LOAD_STEPS` groups). Where they run is :data:`CpuCopy`: on a quiet
+  host all of an op's (or a group's) views go to torch in one ``torch._foreach_copy_``
+  on the caller's thread (torch's OpenMP team); on a busy one they go, in units of a few
+  MiB, to the serial copy threads of :mod:`hicache.transfer.workers` (each thread claims
+  the next unit; no OpenMP barrier per copy), and ``layer_first`` / ``page_first_direct``
+  loads, whose (page, layer, kind) blocks are contiguous on both sides, copy those by
+  address with ``memmove`` (:mod:`hicache.transfer.blocks`) on the same threads, layer by
+  layer. Used when a view moves >= ``slab_min_bytes`` on average.
 - ``rows``: smaller views (loads at page size <= 8 here): one ``index_select`` + ``index_copy_``
   over the buffers viewed as 2-D row matrices (see :mod:`hicache.transfer.rows`).
 
@@ -20,7 +20,8 @@ What bounds the CPU path is copy granularity, not Python: one torch ``copy_`` pe
 reaches ~0.35x of a 256 MiB memcpy for 32 KiB blocks, ~0.5x for 128 KiB (one 64-token
 page of one layer of a 8 x 128 fp16 head) and ~0.9x for >= 2 MiB. A page-64 backup moves
 whole pages (all layers) per view and gets ~0.8-0.9x; a layer-wise load moves 128 KiB
-blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.4-0.7x. The pools' huge
+blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.65-0.8x (``page_first``
+the lowest: one core moves its rows at ~0.77 of a contiguous copy). The pools' huge
 pages (:mod:`hicache.memory.hugepages`) cut the TLB misses of both. Tried and dropped
 (docs/benchmarks.md has the figures): per-kind serial views, two-pass gathers through a
 staging buffer (whole layer or cache-sized chunks), numpy copies, ``memmove`` of backups.
