@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,11 +218,20 @@ def test_kernel_copies_in_one_view_units_are_exact(
     )
 
 
-def test_cpu_copy_is_validated_and_host_busy_reads_the_run_queue() -> None:
+def test_cpu_copy_is_validated_and_host_busy_reads_the_run_queue(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cpu_copy='gpu'"):
         KernelCopier(cpu_copy="gpu")  # type: ignore[arg-type]
     assert "cpu_copy='caller'" in repr(KernelCopier(cpu_copy="caller"))
     assert isinstance(host_busy(), bool)
+    cpus = len(os.sched_getaffinity(0))
+    f = tmp_path / "loadavg"
+    f.write_text(f"0.50 0.40 0.30 {cpus}/300 4242\n")  # as many runnable as CPUs: quiet
+    assert not host_busy(str(f))
+    f.write_text(f"9.00 8.00 7.00 {cpus + 1}/300 4242\n")
+    assert host_busy(str(f))
+    f.write_text("garbage\n")
+    assert not host_busy(str(f))
+    assert not host_busy(str(tmp_path / "missing"))
 
 
 def test_copy_threads_are_restarted_in_a_forked_child() -> None:

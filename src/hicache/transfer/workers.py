@@ -111,11 +111,11 @@ def serial_torch_threads() -> bool:
     return _serial
 
 
-def host_busy() -> bool:
+def host_busy(loadavg: str = "/proc/loadavg") -> bool:
     """Whether more threads are runnable on the host right now than this process has CPUs
     (the running count of Linux's ``/proc/loadavg``, this thread and any spinning OpenMP
     worker included): then an OpenMP team would wait at its barriers for a descheduled
-    thread. False where the count is unknown.
+    thread. False where the count is unknown (``loadavg``: the file to read).
 
     Why it matters (docs/benchmarks.md, "Page-first loads (issue 27)"): on a quiet 2-vCPU
     host torch's own OpenMP copies beat the serial copy threads by ~25% (the copy threads
@@ -123,7 +123,7 @@ def host_busy() -> bool:
     region), while on a busy one a chain of OpenMP copies falls to a tenth of that speed.
     """
     try:
-        with open("/proc/loadavg") as f:
+        with open(loadavg) as f:
             running = int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return False
