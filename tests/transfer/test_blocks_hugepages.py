@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +14,7 @@ from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 from hicache.transfer import KernelCopier
 from hicache.transfer.blocks import MIN_SPLIT_BYTES, BlockPlan, copy_blocks, copy_layers
+from hicache.transfer.workers import copy_threads, host_busy, run_steps, serial_torch_threads
 
 
 def test_copy_blocks_moves_exactly_the_listed_blocks() -> None:
@@ -80,15 +85,55 @@ def test_copy_layers_copies_every_layer_and_reports_them_in_order(threads: int) 
     assert seen == list(range(layers))
 
 
-def test_copy_layers_raises_after_its_copies_end() -> None:
-    """A layer out of bounds: the layers before it are reported, then the error."""
-    src = torch.zeros(3 * 1024, dtype=torch.uint8)
+def test_copy_layers_refuses_a_layer_out_of_bounds_before_copying() -> None:
+    """A layer out of bounds: the error comes before any byte moves or layer is reported."""
+    src = torch.ones(3 * 1024, dtype=torch.uint8)
     dst = torch.zeros(2 * 1024, dtype=torch.uint8)  # room for layers 0 and 1 only
     plan = BlockPlan.build([0], [0], [1024], 1024, 1024)
     seen: list[int] = []
     with pytest.raises(IndexError, match="outside its buffer"):
         copy_layers(dst, src, plan, 3, seen.append, threads=2)
-    assert seen == [0, 1]
+    assert seen == []
+    assert not bool(dst.any())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_run_steps_reports_steps_in_order_and_raises_a_units_error(threads: int) -> None:
+    """Units of later steps may run before earlier ones end; ``done`` still sees each step
+    in order once all its units have run. A failing unit stops the claiming and is raised
+    after the units already started have ended; the steps before it were reported."""
+    ran: list[tuple[int, int]] = []
+    seen: list[int] = []
+
+    def unit(s: int, u: int) -> None:
+        ran.append((s, u))
+
+    def done(s: int) -> None:
+        assert all((s, u) in ran for u in range(3))
+        seen.append(s)
+
+    steps = [[partial(unit, s, u) for u in range(3)] for s in range(4)]
+    run_steps(steps, done, threads=threads)
+    assert seen == [0, 1, 2, 3] and sorted(ran) == [(s, u) for s in range(4) for u in range(3)]
+
+    def boom() -> None:
+        raise RuntimeError("unit failed")
+
+    seen.clear()
+    bad = [[partial(unit, 0, 0)], [boom], [partial(unit, 2, 0)]]
+    with pytest.raises(RuntimeError, match="unit failed"):
+        run_steps(bad, done=seen.append, threads=threads)
+    assert seen == [0]
+
+
+def test_copy_threads_run_torch_serially() -> None:
+    """Where torch's OpenMP runtime is libgomp, a torch op on a copy thread sees one thread
+    (it never opens an OpenMP team); the caller's thread count is unchanged."""
+    before = torch.get_num_threads()
+    if not serial_torch_threads():
+        pytest.skip("torch's OpenMP runtime is not libgomp here")
+    assert copy_threads(2).submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before
 
 
 def _with_run(perm: torch.Tensor, run: range, n: int) -> torch.Tensor:
@@ -129,3 +174,94 @@ def test_huge_page_advice() -> None:
         thp = False
     assert device.huge_pages == thp and host.huge_pages == thp
     assert not bool(device.buffer.any()) and not bool(host.buffer.any())
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_kernel_copies_in_one_view_units_are_exact(
+    layout: MemLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every strided view pair its own unit on the copy threads (page_first loads,
+    backups) and every block range of a layer its own unit (block loads): a backup then a
+    load round-trips every byte, and nothing outside the op's pages changes."""
+    import hicache.transfer.blocks as blocks
+    import hicache.transfer.kernel as kernel
+
+    monkeypatch.setattr(kernel, "STRIDED_UNIT_BYTES", 1)
+    monkeypatch.setattr(blocks, "UNIT_BYTES", 1)
+    spec = KVSpec(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float16")
+    device = DevicePool(spec, 48, 8)
+    host = HostPool(spec, 40, 8, layout, pin_memory=False)
+    g = torch.Generator().manual_seed(3)
+    raw = device.buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    hp = _with_run(torch.randperm(40, generator=g), range(4, 9), 24)
+    dp = _with_run(torch.randperm(48, generator=g), range(30, 35), 24)
+    copier = KernelCopier(slab_min_bytes=0, cpu_copy="threads")
+    copier.backup(device, host, dp, hp)
+    assert torch.equal(
+        host.read_pages(hp).view(torch.uint8), device.read_pages(dp).view(torch.uint8)
+    )
+    before = device.buffer.clone()
+    dst = torch.tensor([p for p in range(48) if p not in set(dp.tolist())][:24])
+    seen: list[int] = []
+    copier.load_layers(device, host, hp, dst, seen.append)
+    assert seen == list(range(spec.num_layers))
+    assert torch.equal(
+        device.read_pages(dst).view(torch.uint8), host.read_pages(hp).view(torch.uint8)
+    )
+    untouched = torch.ones(48, dtype=torch.bool)
+    untouched[dst] = False
+    keep = torch.arange(48)[untouched]
+    assert torch.equal(
+        device.buffer.view(torch.int16).view(2, spec.num_layers, 48, 8, -1)[:, :, keep],
+        before.view(torch.int16).view(2, spec.num_layers, 48, 8, -1)[:, :, keep],
+    )
+
+
+def test_cpu_copy_is_validated_and_host_busy_reads_the_run_queue(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cpu_copy='gpu'"):
+        KernelCopier(cpu_copy="gpu")  # type: ignore[arg-type]
+    assert "cpu_copy='caller'" in repr(KernelCopier(cpu_copy="caller"))
+    assert isinstance(host_busy(), bool)
+    cpus = len(os.sched_getaffinity(0))
+    f = tmp_path / "loadavg"
+    f.write_text(f"0.50 0.40 0.30 {cpus}/300 4242\n")  # as many runnable as CPUs: quiet
+    assert not host_busy(str(f))
+    f.write_text(f"9.00 8.00 7.00 {cpus + 1}/300 4242\n")
+    assert host_busy(str(f))
+    f.write_text("garbage\n")
+    assert not host_busy(str(f))
+    assert not host_busy(str(tmp_path / "missing"))
+
+
+def test_copy_threads_are_restarted_in_a_forked_child() -> None:
+    """A child forked after the pool started gets its own copy threads (the inherited pool
+    has none): a split copy there finishes instead of waiting forever. (The child runs no
+    torch parallel op: GNU OpenMP itself is not fork-safe.)"""
+    import multiprocessing as mp
+
+    block = 2 * 2**20
+    src = torch.randint(0, 256, (4 * block,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    plan = BlockPlan.build(
+        [3 * block, 0, block, 2 * block], [0, block, 2 * block, 3 * block], [block] * 4, 0, 0
+    )
+    copy_blocks(dst, src, plan, 0, threads=2)  # the pool is up in the parent
+    dst.zero_()
+    proc = mp.get_context("fork").Process(target=_child_copy, args=(dst, src, plan))
+    proc.start()
+    proc.join(timeout=20)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0
+
+
+def _child_copy(dst: torch.Tensor, src: torch.Tensor, plan: BlockPlan) -> None:
+    import ctypes
+
+    copy_blocks(dst, src, plan, 0, threads=2)
+    ok = all(
+        ctypes.string_at(dst.data_ptr() + d, n) == ctypes.string_at(src.data_ptr() + s, n)
+        for d, s, n in zip(plan.dst, plan.src, plan.nbytes, strict=True)
+    )
+    raise SystemExit(0 if ok else 1)

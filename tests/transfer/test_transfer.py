@@ -36,6 +36,8 @@ COPIERS: dict[str, Callable[[], PageCopier]] = {
     "direct": DirectCopier,
     "kernel": KernelCopier,
     "kernel-slabs": lambda: KernelCopier(slab_min_bytes=0),
+    "kernel-slabs-caller": lambda: KernelCopier(slab_min_bytes=0, cpu_copy="caller"),
+    "kernel-slabs-threads": lambda: KernelCopier(slab_min_bytes=0, cpu_copy="threads"),
     "kernel-rows": lambda: KernelCopier(slab_min_bytes=HUGE),
     "kernel-device-dma": lambda: KernelCopier(force_device_path=True, dma_min_bytes=0),
     "kernel-device-staged": lambda: KernelCopier(force_device_path=True, dma_min_bytes=HUGE),
@@ -568,11 +570,15 @@ def test_transfer_bench_main_writes_json(
     argv = ["--layers", "2", "--heads", "1", "--head-dim", "8", "--pages", "4"]
     argv += ["--repeat", "1", "--page-sizes", "4,1", "--device", "cpu", "--json", str(out)]
     assert main(argv) == 0
-    runs = json.loads(out.read_text())["runs"]
+    payload = json.loads(out.read_text())
+    runs = payload["runs"]
+    before, after = payload["loadavg_1min"]
+    assert before >= 0 and after >= 0  # the host's load average, stated with the ratios
     assert len(runs) == 2 * len(LAYOUTS) * 2
     assert {(r["layout"], r["io_backend"], r["page_size"]) for r in runs} == {
         (m.value, b, ps) for m in LAYOUTS for b in ("direct", "kernel") for ps in (4, 1)
     }
     keys = {"layout", "io_backend", "page_size", "backup_gbps", "load_gbps", "memcpy_gbps"}
     assert all(set(r) == keys and r["backup_gbps"] > 0 and r["load_gbps"] > 0 for r in runs)
-    assert "load/memcpy" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "load/memcpy" in printed and "load average" in printed

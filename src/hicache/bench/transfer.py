@@ -18,6 +18,7 @@ On a CPU-only host the "device" pool lives in RAM, so all three are RAM -> RAM c
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -135,6 +136,15 @@ def run_one(
     )
 
 
+def _loadavg() -> float:
+    """The host's 1-minute load average (NaN where the OS does not report one): on a
+    shared host the ratios move with it, so every table states it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
 def _print_table(runs: list[BenchRun], title: str) -> None:
     header = (
         "layout",
@@ -222,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [MemLayout(x) for x in args.layouts.split(",") if x]
     backends = [IOBackend(x) for x in args.io_backends.split(",") if x]
     runs: list[BenchRun] = []
+    load_before = _loadavg()
     for ps in page_sizes:
         if args.pages is not None:
             pages = args.pages
@@ -248,15 +259,18 @@ def main(argv: list[str] | None = None) -> int:
             del host_pool
         del device_pool
     threads = torch.get_num_threads()
+    load_after = _loadavg()
     _print_table(
         runs,
         f"hicache transfer bench: L={spec.num_layers} H={spec.heads} D={spec.dim} "
-        f"{spec.dtype}, device={args.device}, torch threads={threads}",
+        f"{spec.dtype}, device={args.device}, torch threads={threads}, "
+        f"1-min load average {load_before:.2f} -> {load_after:.2f}",
     )
     if args.json:
         keys = ("layout", "io_backend", "page_size", "backup_gbps", "load_gbps", "memcpy_gbps")
         payload = {
             "runs": [{k: asdict(r)[k] for k in keys} for r in runs],
+            "loadavg_1min": [load_before, load_after],
         }
         write_json(args.json, payload)
     return 0

@@ -5,7 +5,8 @@ A layer-wise load at page 64 moves one contiguous block per (page, kind) on both
 fp16 heads). Through torch each block is a ``copy_`` whose TensorIterator set-up and
 intra-op thread hand-off cost about as much as moving 128 KiB, and on a loaded 2-core host
 the hand-off stalls whenever the other core is busy. A ``memmove`` per block costs under a
-microsecond of Python, runs on the calling thread and releases the GIL. Measured in one
+microsecond of Python and releases the GIL; batches of them are the work units of the
+copy threads (:mod:`hicache.transfer.workers`). Measured in one
 run with ``hicache bench transfer`` (page 64, 256 MiB ops, 2-vCPU VM): ``page_first_direct``
 load 0.6 -> 0.9-1.0x of a contiguous copy (see docs/benchmarks.md).
 
@@ -18,38 +19,23 @@ buffers are contiguous CPU tensors and the extreme blocks are in bounds before c
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["MIN_SPLIT_BYTES", "BlockPlan", "copy_blocks", "copy_layers"]
+from hicache.transfer.workers import run_steps
+
+__all__ = ["MIN_SPLIT_BYTES", "UNIT_BYTES", "BlockPlan", "copy_blocks", "copy_layers"]
 
 _memmove = ctypes.memmove
 
 MIN_SPLIT_BYTES = 4 * 2**20
 """A call moving at least this many bytes is split over the copy threads."""
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _helpers(n: int) -> ThreadPoolExecutor | None:
-    """The shared helper pool with at least ``n`` threads (created or grown lazily)."""
-    global _pool, _pool_size
-    if n < 1:
-        return None
-    with _pool_lock:
-        if _pool is None or _pool_size < n:
-            old = _pool
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hicache-copy")
-            _pool_size = n
-            if old is not None:
-                old.shutdown(wait=False)
-        return _pool
+UNIT_BYTES = 2 * 2**20
+""":func:`copy_layers` cuts each layer into work units of about this many bytes."""
 
 
 def _run(dbase: int, sbase: int, dst: list[int], src: list[int], nbytes: list[int]) -> None:
@@ -110,47 +96,59 @@ def copy_blocks(
     Both must be contiguous CPU tensors (the pool buffers) that hold every block of
     ``layer``; raises ValueError / IndexError (before any byte moves) otherwise.
     A call moving at least :data:`MIN_SPLIT_BYTES` is split into ``threads`` parts of
-    about equal bytes (default ``torch.get_num_threads()``, like a torch copy), all but
-    one run by a shared, lazily started helper pool; returns when every part is done.
+    about equal bytes (default ``torch.get_num_threads()``, like a torch copy), run by the
+    shared copy threads (:func:`hicache.transfer.workers.run_steps`); returns when every
+    part is done.
     """
+    if not plan.dst:
+        _check_buffers(dst, src)
+        return
+    dbase, sbase = _bases(dst, src, plan, layer)
+    parts = _parts(plan, threads)
+    if len(parts) == 1:
+        _run(dbase, sbase, plan.dst, plan.src, plan.nbytes)
+        return
+    units = [_unit(plan, dbase, sbase, a, b) for a, b in parts]
+    run_steps([units], lambda step: None, threads=len(parts))
+
+
+def _check_buffers(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.device.type != "cpu" or src.device.type != "cpu":
         raise ValueError("copy_blocks copies CPU memory only")
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("copy_blocks needs contiguous buffers")
+
+
+def _bases(dst: torch.Tensor, src: torch.Tensor, plan: BlockPlan, layer: int) -> tuple[int, int]:
+    """Addresses of ``layer``'s block offset 0 in ``dst`` and ``src``, once the buffers
+    and every block of the layer are checked (ValueError / IndexError otherwise)."""
+    _check_buffers(dst, src)
     if layer < 0:
         raise IndexError(f"layer {layer} < 0")
-    if not plan.dst:
-        return
     dl, sl = layer * plan.dst_layer_stride, layer * plan.src_layer_stride
     if (
         plan.dst_end + dl > dst.numel() * dst.element_size()
         or plan.src_end + sl > src.numel() * src.element_size()
     ):
         raise IndexError("a block lies outside its buffer")
-    dbase, sbase = dst.data_ptr() + dl, src.data_ptr() + sl
-    parts = _parts(plan, threads)
-    helpers = _helpers(len(parts) - 1)
-    futures: list[Future[None]] = []
-    if helpers is not None:
-        futures = [
-            helpers.submit(_run, dbase, sbase, plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b])
-            for a, b in parts[1:]
-        ]
-    a, b = parts[0]
-    try:
-        _run(dbase, sbase, plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b])
-    finally:
-        for f in futures:
-            f.result()
+    return dst.data_ptr() + dl, src.data_ptr() + sl
 
 
-def _parts(plan: BlockPlan, threads: int | None) -> list[tuple[int, int]]:
-    """Block index ranges ``[a, b)`` of about equal bytes, one per copy thread."""
+def _unit(plan: BlockPlan, dbase: int, sbase: int, a: int, b: int) -> Callable[[], None]:
+    """Blocks ``[a, b)`` of ``plan`` at the given buffer addresses, as one work unit."""
+    return partial(_run, dbase, sbase, plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b])
+
+
+def _parts(
+    plan: BlockPlan, threads: int | None, *, min_split: int = MIN_SPLIT_BYTES
+) -> list[tuple[int, int]]:
+    """Block index ranges ``[a, b)`` of about equal bytes, ``threads`` of them (default
+    ``torch.get_num_threads()``; one when the plan moves under ``min_split`` bytes)."""
     n = len(plan.dst)
     want = torch.get_num_threads() if threads is None else threads
     total = plan.total
     want = max(1, min(want, n))
-    if want == 1 or total < MIN_SPLIT_BYTES:
+    if want == 1 or total < min_split:
         return [(0, n)]
     out: list[tuple[int, int]] = []
     a, acc, goal = 0, 0, total / want
@@ -172,40 +170,27 @@ def copy_layers(
     *,
     threads: int | None = None,
 ) -> None:
-    """Copy layers ``0 .. num_layers-1`` of ``plan`` (see :func:`copy_blocks`), up to
-    ``threads`` layers at once, each by one thread (default ``torch.get_num_threads()``;
-    the caller's thread takes every ``threads``-th layer, the shared helper pool the rest),
-    and call ``done(layer)`` on the caller's thread in layer order as each has landed.
+    """Copy layers ``0 .. num_layers-1`` of ``plan`` (see :func:`copy_blocks`) on
+    ``threads`` copy threads (default ``torch.get_num_threads()``) and call ``done(layer)``
+    on the caller's thread in layer order as each has landed.
 
-    Why whole layers per thread: a layer of a load is a few MiB (8 MiB for 32 pages of 8 x
-    128 fp16 heads at page 64), and splitting each one over the threads pays a hand-off
-    and a barrier per layer that cost as much as a good part of the copy; copying
-    different layers at once pays them once per op. On an error, raises once every copy
-    started has ended (later layers are not started; the ones reported done stay valid).
+    Each layer is cut into units of about :data:`UNIT_BYTES` that the threads claim in
+    layer order (:func:`hicache.transfer.workers.run_steps`), so a thread short of CPU
+    takes fewer units instead of holding a barrier per layer (the previous split, one
+    whole layer per thread, waited for the slower thread at every layer). Bounds are
+    checked for the last layer before any byte moves. On an error, raises once every copy
+    started has ended (layers reported done stay valid).
     """
-    want = torch.get_num_threads() if threads is None else threads
-    want = max(1, min(want, num_layers))
-    helpers = _helpers(want - 1)
-    if helpers is None:
-        for layer in range(num_layers):
-            copy_blocks(dst, src, plan, layer, threads=1)
+    if num_layers <= 0 or not plan.dst:
+        for layer in range(max(0, num_layers)):
             done(layer)
         return
-    futures = {
-        layer: helpers.submit(copy_blocks, dst, src, plan, layer, threads=1)
-        for layer in range(num_layers)
-        if layer % want
-    }
-    try:
-        for layer in range(num_layers):
-            if layer % want == 0:
-                copy_blocks(dst, src, plan, layer, threads=1)
-            else:
-                futures[layer].result()
-            done(layer)
-    finally:
-        for f in futures.values():
-            f.cancel()
-        for f in futures.values():
-            if not f.cancelled():
-                f.exception()  # wait until it has ended; its error, if any, is raised above
+    for layer in (0, num_layers - 1):  # bounds of every layer, before any byte moves
+        _bases(dst, src, plan, layer)
+    pieces = max(1, min(len(plan.dst), -(-plan.total // UNIT_BYTES)))
+    parts = _parts(plan, pieces, min_split=0)
+    steps = []
+    for layer in range(num_layers):
+        dbase, sbase = _bases(dst, src, plan, layer)
+        steps.append([_unit(plan, dbase, sbase, a, b) for a, b in parts])
+    run_steps(steps, done, threads=threads)

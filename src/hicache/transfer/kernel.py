@@ -4,13 +4,15 @@ CPU (device pool in RAM). Two strategies, picked per op by :meth:`KernelCopier.s
 from the sizes involved (measured with ``python -m hicache.bench.transfer``):
 
 - ``slabs``: each run of pages consecutive on both sides becomes one strided view pair
-  (all layers and kinds of the run for a backup), and all of an op's views go to torch in
-  one ``torch._foreach_copy_`` (no Python loop per copy). Loads: ``page_first`` likewise
-  (one layer, both kinds, per run); ``layer_first`` and ``page_first_direct``, whose
-  (page, layer, kind) blocks are contiguous on both sides, copy them by address with
-  ``memmove`` (:mod:`hicache.transfer.blocks`; offsets computed once per op, split over
-  ``torch.get_num_threads()`` threads). Used when a view moves >= ``slab_min_bytes`` on
-  average.
+  (all layers of the run for a backup; a group of adjacent layers for a load, in
+  :data:`PAGE_FIRST_LOAD_STEPS` groups). Where they run is :data:`CpuCopy`: on a quiet
+  host all of an op's (or a group's) views go to torch in one ``torch._foreach_copy_``
+  on the caller's thread (torch's OpenMP team); on a busy one they go, in units of a few
+  MiB, to the serial copy threads of :mod:`hicache.transfer.workers` (each thread claims
+  the next unit; no OpenMP barrier per copy), and ``layer_first`` / ``page_first_direct``
+  loads, whose (page, layer, kind) blocks are contiguous on both sides, copy those by
+  address with ``memmove`` (:mod:`hicache.transfer.blocks`) on the same threads, layer by
+  layer. Used when a view moves >= ``slab_min_bytes`` on average.
 - ``rows``: smaller views (loads at page size <= 8 here): one ``index_select`` + ``index_copy_``
   over the buffers viewed as 2-D row matrices (see :mod:`hicache.transfer.rows`).
 
@@ -18,7 +20,8 @@ What bounds the CPU path is copy granularity, not Python: one torch ``copy_`` pe
 reaches ~0.35x of a 256 MiB memcpy for 32 KiB blocks, ~0.5x for 128 KiB (one 64-token
 page of one layer of a 8 x 128 fp16 head) and ~0.9x for >= 2 MiB. A page-64 backup moves
 whole pages (all layers) per view and gets ~0.8-0.9x; a layer-wise load moves 128 KiB
-blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.4-0.7x. The pools' huge
+blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.65-0.8x (``page_first``
+the lowest: one core moves its rows at ~0.77 of a contiguous copy). The pools' huge
 pages (:mod:`hicache.memory.hugepages`) cut the TLB misses of both. Tried and dropped
 (docs/benchmarks.md has the figures): per-kind serial views, two-pass gathers through a
 staging buffer (whole layer or cache-sized chunks), numpy copies, ``memmove`` of backups.
@@ -42,6 +45,7 @@ gather/scatter and the host side moves in as few DMAs as the layout allows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
@@ -55,10 +59,25 @@ from hicache.transfer.blocks import BlockPlan, copy_blocks, copy_layers
 from hicache.transfer.plan import OpPlan
 from hicache.transfer.rows import row_ids, rows, word_dtype
 from hicache.transfer.uva import copy_pages, uva_usable
+from hicache.transfer.workers import host_busy, run_steps, serial_torch_threads
 
-__all__ = ["DMA_MIN_BYTES", "PAGE_FIRST_LOAD_STEPS", "SLAB_MIN_BYTES", "KernelCopier", "Strategy"]
+__all__ = [
+    "DMA_MIN_BYTES",
+    "PAGE_FIRST_LOAD_STEPS",
+    "SLAB_MIN_BYTES",
+    "CpuCopy",
+    "KernelCopier",
+    "Strategy",
+]
 
 Strategy = Literal["slabs", "rows", "device"]
+
+CpuCopy = Literal["auto", "caller", "threads"]
+"""Where CPU slab copies made of torch copies (``page_first`` loads, backups) run:
+``caller``: one ``torch._foreach_copy_`` on the caller's thread (torch's OpenMP team);
+``threads``: the serial copy threads (:mod:`hicache.transfer.workers`); ``auto``: the copy
+threads while :func:`host_busy` says the host has more runnable threads than CPUs, else
+the caller's thread. Block loads (``memmove``) always use the copy threads."""
 
 SLAB_MIN_BYTES = 64 * 1024
 """CPU: slab views moving at least this many bytes on average; smaller ones use ``rows``.
@@ -75,6 +94,10 @@ PAGE_FIRST_LOAD_STEPS = 4
 many steps). Measured at page 64, 32 layers of 8 x 128 fp16 heads, 256 MiB ops on 2 vCPUs:
 a group of 1 / 2 / 4 / 8 / 32 layers per strided copy ran at 0.53 / 0.60 / 0.69 / 0.76 /
 0.74 of a contiguous copy."""
+
+STRIDED_UNIT_BYTES = 4 * 2**20
+"""CPU slab copies on the copy threads (``page_first`` loads, backups): bytes per work
+unit (a few runs' strided view pairs, one serial ``torch._foreach_copy_``)."""
 
 DMA_MIN_BYTES = 64 * 1024
 """CUDA: per-block DMAs when the average host block has at least this many bytes."""
@@ -103,8 +126,12 @@ class KernelCopier(PageCopier):
         slab_min_bytes: int = SLAB_MIN_BYTES,
         dma_min_bytes: int = DMA_MIN_BYTES,
         force_device_path: bool = False,
+        cpu_copy: CpuCopy = "auto",
     ) -> None:
         super().__init__()
+        if cpu_copy not in ("auto", "caller", "threads"):
+            raise ValueError(f"cpu_copy={cpu_copy!r}: expected 'auto', 'caller' or 'threads'")
+        self._cpu_copy: CpuCopy = cpu_copy
         self._slab_min = slab_min_bytes
         self._dma_min = dma_min_bytes
         self._force_device_path = force_device_path
@@ -112,8 +139,17 @@ class KernelCopier(PageCopier):
     def __repr__(self) -> str:
         return (
             f"KernelCopier(slab_min_bytes={self._slab_min}, dma_min_bytes={self._dma_min}"
-            f"{', force_device_path=True' if self._force_device_path else ''})"
+            f"{', force_device_path=True' if self._force_device_path else ''}"
+            f"{'' if self._cpu_copy == 'auto' else f', cpu_copy={self._cpu_copy!r}'})"
         )
+
+    def _threaded(self) -> bool:
+        """Whether this op's torch slab copies go to the copy threads (see :data:`CpuCopy`)."""
+        if self._cpu_copy == "caller" or torch.get_num_threads() <= 1:
+            return False
+        if not serial_torch_threads():
+            return False
+        return self._cpu_copy == "threads" or host_busy()
 
     def strategy(
         self, device: DevicePool, host: HostPool, plan: OpPlan, *, backup: bool
@@ -150,6 +186,10 @@ class KernelCopier(PageCopier):
             rows(host).index_copy_(0, dst, rows(device).index_select(0, src))
 
     def _backup_slabs(self, device: DevicePool, host: HostPool, plan: OpPlan) -> None:
+        """One strided view pair per run (all layers and kinds; per kind on the copy
+        threads, whose units are :func:`_copy_units` of them), else all in one
+        ``torch._foreach_copy_`` on the caller's thread."""
+        threaded = self._threaded()
         dv = row_words(device.buffer)  # (K, L, S, E)
         hv = row_words(host.buffer)
         ps = plan.page_size
@@ -166,9 +206,16 @@ class KernelCopier(PageCopier):
             else:
                 dst = hv[:, r.host : r.host + r.length]  # (K, r, L, ps, E)
                 src = src.unflatten(2, (r.length, ps)).transpose(1, 2)
-            dsts.append(dst)
-            srcs.append(src)
-        torch._foreach_copy_(dsts, srcs)
+            if threaded:
+                dsts.extend(dst.unbind(0))
+                srcs.extend(src.unbind(0))
+            else:
+                dsts.append(dst)
+                srcs.append(src)
+        if threaded:
+            run_steps([_copy_units(dsts, srcs, STRIDED_UNIT_BYTES)], lambda step: None)
+        else:
+            torch._foreach_copy_(dsts, srcs)
 
     def _uva_pages(
         self, device: DevicePool, host: HostPool, plan: OpPlan
@@ -260,7 +307,7 @@ class KernelCopier(PageCopier):
         self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
     ) -> None:
         if host.layout is MemLayout.PAGE_FIRST:
-            self._load_layer_strided(device, host, plan, layer)
+            torch._foreach_copy_(*_group_views(device, host, plan, layer, 1))
             return
         copy_blocks(device.buffer, host.buffer, _block_plan(device, host, plan), layer)
 
@@ -272,45 +319,41 @@ class KernelCopier(PageCopier):
         device_pages: PageList,
         done: Callable[[int], None],
     ) -> None:
-        """On CPU with slab-sized blocks: block layouts (``layer_first``,
-        ``page_first_direct``) copy several layers at once, one thread each
-        (:func:`copy_layers`); ``page_first`` copies :data:`PAGE_FIRST_LOAD_STEPS` groups
-        of adjacent layers (its rows of one token's layers are adjacent in the host pool, so
-        a group reads them together). Otherwise layer by layer."""
+        """On CPU with slab-sized blocks, in :data:`PAGE_FIRST_LOAD_STEPS` groups of
+        adjacent layers (for ``page_first`` a token's rows of a group are adjacent in the
+        host pool, so a group reads them together), one strided view pair per run and
+        group (:func:`_group_views`): on the copy threads in units of runs
+        (:func:`_group_steps`) for ``page_first``, or all of a group in one
+        ``torch._foreach_copy_`` on the caller's thread (see :data:`CpuCopy`). Block
+        layouts (``layer_first``, ``page_first_direct``) on the copy threads copy by
+        address instead, reported layer by layer (:func:`copy_layers`). Otherwise layer
+        by layer."""
         plan = self.plan(device, host, device_pages, host_pages, "load")
         if plan.n == 0 or self.strategy(device, host, plan, backup=False) != "slabs":
             super().load_layers(device, host, host_pages, device_pages, done)
             return
         layers = device.spec.num_layers
-        if host.layout is MemLayout.PAGE_FIRST:
-            group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
-            for first in range(0, layers, group):
-                count = min(group, layers - first)
-                self._load_layer_strided(device, host, plan, first, count)
-                for layer in range(first, first + count):
-                    done(layer)
+        threaded = self._threaded()
+        if threaded and host.layout is not MemLayout.PAGE_FIRST:
+            blocks = _block_plan(device, host, plan)
+            copy_layers(device.buffer, host.buffer, blocks, layers, done)
             return
-        blocks = _block_plan(device, host, plan)
-        copy_layers(device.buffer, host.buffer, blocks, device.spec.num_layers, done)
+        group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
+        firsts = range(0, layers, group)
+        if threaded:
+            steps = _group_steps(device, host, plan, group)
 
-    def _load_layer_strided(
-        self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int, count: int = 1
-    ) -> None:
-        """``page_first``: layers ``[layer, layer + count)``, whose host rows are strided
-        (a token's layers are adjacent, one token every L rows), so each run is one strided
-        view pair over both kinds and the layers, all in one ``_foreach_copy_`` (per-kind
-        views, serial at page 64, measured slower on an idle host: 0.22 vs 0.40 of a
-        contiguous copy). Several layers per copy read ``count`` adjacent rows at a time."""
-        dl = row_words(device.buffer)[:, layer : layer + count]  # (K, c, S, E)
-        hl = row_words(host.buffer)[:, :, layer : layer + count]  # (K, S, c, E)
-        ps = plan.page_size
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for r in plan.runs:
-            d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
-            dsts.append(dl[:, :, d0 : d0 + n])
-            srcs.append(hl[:, h0 : h0 + n].transpose(1, 2))
-        torch._foreach_copy_(dsts, srcs)
+            def step_done(step: int) -> None:
+                for layer in range(firsts[step], min(firsts[step] + group, layers)):
+                    done(layer)
+
+            run_steps(steps, step_done)
+            return
+        for first in firsts:
+            count = min(group, layers - first)
+            torch._foreach_copy_(*_group_views(device, host, plan, first, count))
+            for layer in range(first, first + count):
+                done(layer)
 
     def _load_layer_device(
         self, device: DevicePool, host: HostPool, plan: OpPlan, layer: int
@@ -371,6 +414,76 @@ def _load_ids(
     dtok = plan.index("dev_tokens", on).view(1, -1)
     htok = plan.index("host_tokens", on).view(1, -1)
     return _ids(host, k, lay, htok), _ids(device, k, lay, dtok)
+
+
+def _copy_units(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], unit_bytes: int
+) -> list[Callable[[], object]]:
+    """Consecutive view pairs grouped into :func:`run_steps` units of at least
+    ``unit_bytes`` (the last may be smaller), each one ``torch._foreach_copy_``."""
+    units: list[Callable[[], object]] = []
+    a, acc = 0, 0
+    for i, d in enumerate(dsts):
+        acc += d.numel() * d.element_size()
+        if acc >= unit_bytes:
+            units.append(partial(torch._foreach_copy_, dsts[a : i + 1], srcs[a : i + 1]))
+            a, acc = i + 1, 0
+    if a < len(dsts):
+        units.append(partial(torch._foreach_copy_, dsts[a:], srcs[a:]))
+    return units
+
+
+def _group_views(
+    device: DevicePool, host: HostPool, plan: OpPlan, first: int, count: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(device views, host views) of layers ``[first, first + count)`` of a load, one
+    ``(K, count, tokens, E)`` pair per run (``page_first_direct``: per page).
+
+    ``page_first`` host rows are strided (a token's layers are adjacent, one token every
+    L rows): a pair covers both kinds (per-kind views, serial at page 64, measured slower
+    on an idle host: 0.22 vs 0.40 of a contiguous copy), and ``count`` layers read that
+    many adjacent rows at a time."""
+    dv = row_words(device.buffer)[:, first : first + count]  # (K, c, S, E)
+    hv = row_words(host.buffer)
+    ps = plan.page_size
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    if host.layout is MemLayout.PAGE_FIRST_DIRECT:
+        h5 = hv.view(hv.shape[0], host.num_pages, -1, ps, hv.shape[-1])[:, :, first : first + count]
+        for d, h in plan.pairs:
+            dsts.append(dv[:, :, d * ps : (d + 1) * ps])
+            srcs.append(h5[:, h])  # (K, c, ps, E)
+        return dsts, srcs
+    for r in plan.runs:
+        d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
+        dsts.append(dv[:, :, d0 : d0 + n])
+        if host.layout is MemLayout.PAGE_FIRST:
+            srcs.append(hv[:, h0 : h0 + n, first : first + count].transpose(1, 2))
+        else:
+            srcs.append(hv[:, first : first + count, h0 : h0 + n])
+    return dsts, srcs
+
+
+def _group_steps(
+    device: DevicePool, host: HostPool, plan: OpPlan, group: int
+) -> list[list[Callable[[], object]]]:
+    """A load as :func:`run_steps` steps, computed once per op: step ``s`` copies layers
+    ``[s * group, (s + 1) * group)`` (:func:`_group_views`) in units of views moving
+    about :data:`STRIDED_UNIT_BYTES`, each one serial ``torch._foreach_copy_``."""
+    key = f"group_steps_{group}"
+    got = plan.memo.get(key)
+    if isinstance(got, list):
+        return got
+    layers = device.spec.num_layers
+    steps = [
+        _copy_units(
+            *_group_views(device, host, plan, first, min(group, layers - first)),
+            STRIDED_UNIT_BYTES,
+        )
+        for first in range(0, layers, group)
+    ]
+    plan.memo[key] = steps
+    return steps
 
 
 def _block_plan(device: DevicePool, host: HostPool, plan: OpPlan) -> BlockPlan:
