@@ -393,7 +393,7 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
             f"{r.ratio:.2f}",
             f"{r.paired_ratio:.2f}",
         )
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
