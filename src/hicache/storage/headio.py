@@ -52,10 +52,27 @@ def head_record_bytes(host: HostPool) -> int:
     return host.page_bytes // host.spec.heads
 
 
+_MEMO_CAP = 1 << 16
+"""Head record keys remembered (about 300 bytes each): a page's records are named by
+its lookup, its prefetch and its backup, each a SHA-256 per record otherwise."""
+_memo: dict[tuple[PageKey, int], PageKey] = {}
+
+
 def record_keys(keys: Sequence[PageKey], kv_heads: Sequence[int]) -> list[PageKey]:
     """The head records of ``keys``, page-major: ``head_key(keys[i], kv_heads[j])`` at
-    ``i * len(kv_heads) + j``."""
-    return [head_key(k, h) for k in keys for h in kv_heads]
+    ``i * len(kv_heads) + j``. Memoized (at most :data:`_MEMO_CAP` keys, then forgotten
+    all at once; dict reads and writes are atomic, so threads may share it)."""
+    out: list[PageKey] = []
+    memo = _memo
+    for k in keys:
+        for h in kv_heads:
+            rk = memo.get((k, h))
+            if rk is None:
+                if len(memo) >= _MEMO_CAP:
+                    memo.clear()
+                rk = memo[(k, h)] = head_key(k, h)
+            out.append(rk)
+    return out
 
 
 def page_outcomes(per_record: Sequence[SetOutcome], heads: int) -> list[SetOutcome]:
@@ -202,6 +219,7 @@ class HeadPages(Payloads):
         self.stage = flat
         """The flat staging buffer (give it back to its cache once no call touches it)."""
         self._stage = flat.view(n * nh, self.payload_len)
+        self._bytes: memoryview | None = None
         if for_get or not n or not nh:
             return
         rows = self._rows()
@@ -234,7 +252,12 @@ class HeadPages(Payloads):
         return [self._stage[i]]
 
     def parts(self, i: int) -> list[memoryview]:
-        return [byte_view(self._stage[i])]
+        """Item ``i``'s staging row as bytes: a slice of one view of the staging buffer
+        (made on the first call), not a view built per record."""
+        if self._bytes is None:
+            self._bytes = byte_view(self.stage)
+        n = self.payload_len
+        return [self._bytes[i * n : (i + 1) * n]]
 
     def page_ok(self, ok: Sequence[bool]) -> list[bool]:
         """Per page: every one of its head records ``ok``."""
