@@ -52,9 +52,10 @@ def head_record_bytes(host: HostPool) -> int:
     return host.page_bytes // host.spec.heads
 
 
-_MEMO_CAP = 1 << 16
-"""Head record keys remembered (about 300 bytes each): a page's records are named by
-its lookup, its prefetch and its backup, each a SHA-256 per record otherwise."""
+_MEMO_CAP = 1 << 14
+"""Head record keys remembered (about 350 bytes each with the entry, so some 6 MB at
+most): a page's records are named by its lookup, its prefetch and its backup, each a
+SHA-256 per record otherwise; 16384 records are 32 batches of 64 pages x 8 heads."""
 _memo: dict[tuple[PageKey, int], PageKey] = {}
 
 
