@@ -254,3 +254,24 @@ def before_pool(buffer: torch.Tensor, like: HostPool) -> HostPool:
     pool = HostPool(like.spec, like.num_pages, like.page_size, like.layout, pin_memory=False)
     pool.buffer.copy_(buffer)
     return pool
+
+
+def test_record_keys_are_head_keys_memo_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo (bounded: forgotten at its cap) never changes a key."""
+    from hicache.storage import headio
+
+    monkeypatch.setattr(headio, "_MEMO_CAP", 5)
+    monkeypatch.setattr(headio, "_memo", {})
+    ns = Namespace.for_spec(
+        KVSpec(num_layers=1, num_kv_heads=4, head_dim=8, dtype="float32"),
+        model="m",
+        weights_fingerprint="memo",
+        layout="page_first",
+        page_size=2,
+        head_records=True,
+    )
+    pages = page_keys(ns, list(range(8)))
+    want = [head_key(k, h) for k in pages for h in (3, 1)]
+    for _ in range(3):  # cold, partly remembered, after being forgotten
+        assert headio.record_keys(pages, [3, 1]) == want
+        assert len(headio._memo) <= 5
