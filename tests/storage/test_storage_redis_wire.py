@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hicache.config import KVSpec, MemLayout
@@ -10,6 +11,7 @@ from hicache.keys import Namespace, page_keys
 from hicache.memory import HostPool
 from hicache.services.redis import RedisServer
 from hicache.storage import SetOutcome, StorageOptions, create_storage
+from hicache.storage.backends import redis as redis_mod
 from hicache.storage.record import HEADER_SIZE, encode_record
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -18,16 +20,22 @@ NS = Namespace.for_spec(
 )
 
 
+@pytest.mark.parametrize("precheck", [False, True], ids=["set-nx-alone", "exists-first"])
 def test_prefixed_ttl_records_are_exact_and_present_keys_skipped(
-    redis_service: RedisServer,
+    redis_service: RedisServer, monkeypatch: pytest.MonkeyPatch, precheck: bool
 ) -> None:
+    """Small pages go straight to ``SET NX``; pages of ``PRECHECK_MIN_BYTES`` and more are
+    looked up first (forced here by a zero threshold): the same outcomes and records."""
     import redis
 
+    if precheck:
+        monkeypatch.setattr(redis_mod, "PRECHECK_MIN_BYTES", 0)
     src = HostPool(SPEC, 6, 4, MemLayout.PAGE_FIRST, pin_memory=False)
     dst = HostPool(SPEC, 6, 4, MemLayout.PAGE_FIRST, pin_memory=False)
     raw = src.buffer.view(torch.uint8).view(-1)
     raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
-    keys = page_keys(NS, list(range(500, 524)))
+    first = 2000 if precheck else 500  # the two cases share the server: their own keys
+    keys = page_keys(NS, list(range(first, first + 24)))
     extra = {"url": redis_service.url, "key_prefix": "wire:", "ttl_s": 300}
     opts = StorageOptions(timeout_s=5.0, max_batch_pages=4)  # 6 pages: two chunks
     client = redis.Redis.from_url(redis_service.url)

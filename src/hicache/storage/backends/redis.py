@@ -5,8 +5,9 @@ One record per key, stored as one string value (header + payload). Operations:
 - exists: one pipelined ``EXISTS`` per key; the answer counts leading hits.
 - get: one ``MGET`` per ``max_batch_pages`` keys; records are checked before their
   payload is copied into the host pool, so a bad record never touches the pool.
-- set: one pipelined ``EXISTS`` per key, then ``SET key record NX [EX ttl]`` for the
-  missing keys (a key that appears in between is skipped, not overwritten); a key whose
+- set: one pipelined ``EXISTS`` per key (pages of :data:`PRECHECK_MIN_BYTES` and more),
+  then ``SET key record NX [EX ttl]`` for the missing keys (a key present, or appearing
+  in between, is skipped, not overwritten: ``NX`` answers nil); a key whose
   record a read found bad (``hicache.storage.heal``) gets a plain ``SET`` (an atomic
   replace) instead.
 
@@ -51,8 +52,14 @@ from hicache.storage.pageio import Payloads
 from hicache.storage.record import HEADER_SIZE, encode_header
 from hicache.storage.stats import MissReason, SetOutcome
 
-__all__ = ["DEFAULT_URL", "ENV_URL", "RedisConfig", "RedisStorage"]
+__all__ = ["DEFAULT_URL", "ENV_URL", "PRECHECK_MIN_BYTES", "RedisConfig", "RedisStorage"]
 
+PRECHECK_MIN_BYTES = 64 << 10
+"""Records whose payload is at least this many bytes are looked up (``EXISTS``) before
+they are sent, so present ones cost no transfer; smaller ones go straight to
+``SET ... NX``, which skips present keys itself: the lookup's round trip cost more than
+sending a small page again (12 KiB pages: the round trip is about a tenth of a 64-page
+put)."""
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 ENV_URL = "HICACHE_REDIS_URL"
 T = TypeVar("T")
@@ -267,7 +274,10 @@ class RedisStorage(ConfiguredStorage):
     def _overwrite(
         self, keys: Sequence[PageKey], pages: Payloads, deadline: Deadline, replace: Sequence[bool]
     ) -> list[SetOutcome]:
-        flags = self._call("set (exists)", lambda: self._exists_flags(keys), deadline)
+        if pages.payload_len < PRECHECK_MIN_BYTES:
+            flags: list[bool] | MissReason = [False] * len(keys)  # SET NX alone decides
+        else:
+            flags = self._call("set (exists)", lambda: self._exists_flags(keys), deadline)
         if isinstance(flags, MissReason):
             return [SetOutcome.FAILED] * len(keys)
         out = [SetOutcome.SKIPPED if f else SetOutcome.FAILED for f in flags]
