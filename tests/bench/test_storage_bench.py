@@ -55,9 +55,9 @@ def test_bench_nixl_runs_beside_raw_nixl(tmp_path: Path) -> None:
     assert [(r["backend"], r["op"]) for r in doc["results"]] == [("nixl", "put"), ("nixl", "get")]
     assert all(r["hicache_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["results"])
     raw = sorted(p.stat().st_size for p in (tmp_path / "d" / "raw-nixl").iterdir())
-    assert raw == [64 << 10] * 4  # the page bytes alone, one file each
+    assert raw == [64 << 10] * 8  # the page bytes alone, one file each (warm-up round too)
     records = [p for p in (tmp_path / "d" / "hicache-nixl").rglob("hc*") if p.is_file()]
-    assert sorted(p.stat().st_size for p in records) == [(64 << 10) + 64] * 4
+    assert sorted(p.stat().st_size for p in records) == [(64 << 10) + 64] * 8
 
 
 def test_bench_head_records_beside_page_records(tmp_path: Path) -> None:
@@ -71,7 +71,8 @@ def test_bench_head_records_beside_page_records(tmp_path: Path) -> None:
     assert got == [("page", 1, "put"), ("page", 1, "get"), ("head", 2, "put"), ("head", 2, "get")]
     records = [p for p in (tmp_path / "d" / "hicache").rglob("hc3-*") if p.is_file()]
     sizes = sorted(p.stat().st_size for p in records)
-    assert sizes == [64 + 1536] * 8 + [64 + 3072] * 4  # 4 pages: 2 head records or 1 page
+    # 4 pages a round (a warm-up and one timed): 2 head records each, or 1 page record
+    assert sizes == [64 + 1536] * 16 + [64 + 3072] * 8
 
 
 def test_bench_rejects_bad_records_or_spec(capsys: pytest.CaptureFixture[str]) -> None:

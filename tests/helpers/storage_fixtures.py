@@ -113,7 +113,8 @@ def backend_config(
         server = request.getfixturevalue(f"{backend}_service")
         return "redis", {"url": server.url}
     svc = request.getfixturevalue("mooncake_service")
-    return "mooncake", {**svc.extra_config, "zero_copy": backend == "mooncake"}
+    zero_copy = backend == "mooncake"  # tiny test pages: zero-copy at every size
+    return "mooncake", {**svc.extra_config, "zero_copy": zero_copy, "zero_copy_min_bytes": 0}
 
 
 def open_component_storage(

@@ -213,3 +213,65 @@ def test_stage_cache_reuses_the_largest_buffers() -> None:
     cache.give(torch.empty(10, dtype=torch.uint8))  # smaller: not kept beside the 100
     assert cache.take(100).data_ptr() == a.data_ptr()
     assert cache.take(100).data_ptr() != a.data_ptr()  # taken: a new one
+
+
+@pytest.mark.parametrize("layout", list(MemLayout), ids=lambda x: x.value)
+def test_head_staging_in_runs_matches_page_by_page(layout: MemLayout) -> None:
+    """Staging copies runs of consecutive pages at once: the rows equal each page's
+    head slices taken one by one (pages in runs, alone, out of order, a head subset),
+    and a get commits exactly the good pages, byte for byte."""
+    from hicache.storage.headio import HeadPages, kind_views
+
+    spec = KVSpec(num_layers=3, num_kv_heads=4, head_dim=8, dtype="bfloat16")
+    src = HostPool(spec, 12, 2, layout, pin_memory=False)
+    src.buffer.copy_(torch.randn(src.buffer.shape).to(src.dtype))
+    pages = [3, 4, 5, 9, 0, 1, 7]
+    for local in ([0, 1, 2, 3], [2, 0]):
+        hp = HeadPages(src, pages, local, for_get=False)
+        rows = hp.stage.view(len(pages), len(local), -1)
+        for i, page in enumerate(pages):
+            for j, head in enumerate(local):
+                want = torch.cat(
+                    [v.select(2, head).contiguous().view(-1) for v in kind_views(src, page)]
+                )
+                assert torch.equal(rows[i, j].view(src.dtype), want)
+    dst = HostPool(spec, 12, 2, layout, pin_memory=False)
+    before = dst.buffer.clone()
+    get = HeadPages(dst, [8, 9, 10, 2, 6], [0, 1, 2, 3], for_get=True)
+    put = HeadPages(src, [0, 1, 2, 3, 4], [0, 1, 2, 3], for_get=False)
+    get.stage.copy_(put.stage)
+    ok = [True] * 20
+    ok[9] = False  # page 2 of the batch (pool page 10) has a bad head record
+    get.commit(ok)
+    for i, page in enumerate([8, 9, 10, 2, 6]):
+        got = [v.clone() for v in kind_views(dst, page)]
+        want = kind_views(src, i) if i != 2 else kind_views(before_pool(before, dst), page)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def before_pool(buffer: torch.Tensor, like: HostPool) -> HostPool:
+    """A pool like ``like`` holding ``buffer`` (its contents before a commit)."""
+    pool = HostPool(like.spec, like.num_pages, like.page_size, like.layout, pin_memory=False)
+    pool.buffer.copy_(buffer)
+    return pool
+
+
+def test_record_keys_are_head_keys_memo_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo (bounded: forgotten at its cap) never changes a key."""
+    from hicache.storage import headio
+
+    monkeypatch.setattr(headio, "_MEMO_CAP", 5)
+    monkeypatch.setattr(headio, "_memo", {})
+    ns = Namespace.for_spec(
+        KVSpec(num_layers=1, num_kv_heads=4, head_dim=8, dtype="float32"),
+        model="m",
+        weights_fingerprint="memo",
+        layout="page_first",
+        page_size=2,
+        head_records=True,
+    )
+    pages = page_keys(ns, list(range(8)))
+    want = [head_key(k, h) for k in pages for h in (3, 1)]
+    for _ in range(3):  # cold, partly remembered, after being forgotten
+        assert headio.record_keys(pages, [3, 1]) == want
+        assert len(headio._memo) <= 5

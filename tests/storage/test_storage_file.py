@@ -101,6 +101,17 @@ def test_truncated_record_is_corrupt(tmp_path: Path) -> None:
         assert st.stats().miss("corrupt") == 1
 
 
+def test_record_with_a_trailing_byte_is_corrupt(tmp_path: Path) -> None:
+    """A read asks for one byte past the record (no fstat): a longer file shows."""
+    ks = keys(1)
+    with storage(tmp_path) as st:
+        st.batch_set(ks, pool(1), [0])
+        path = st.path_of(ks[0].key)
+        path.write_bytes(path.read_bytes() + b"\0")
+        assert st.batch_get(ks, pool(2), [0]) == [False]
+        assert st.stats().miss("corrupt") == 1
+
+
 def test_record_of_another_namespace_is_foreign(tmp_path: Path) -> None:
     other_ns = NS.with_salt("tenant-b")
     ks, other_keys = keys(1), keys(1, ns=other_ns)

@@ -143,7 +143,7 @@ def test_mooncake_zero_copy_get_behind_a_frozen_store() -> None:
         st = create_storage(
             "mooncake",
             namespace=NS,
-            extra_config=svc.extra_config,
+            extra_config={**svc.extra_config, "zero_copy_min_bytes": 0},
             options=StorageOptions(timeout_s=1.0, connect_timeout_s=5.0),
         )
         src, dst = pool(1.0), pool(0.0)

@@ -67,7 +67,7 @@ def test_listeners_are_reported_and_peers_read_only_registered_memory(
     st = create_storage(
         "mooncake",
         namespace=NS,
-        extra_config=mooncake_service.extra_config,
+        extra_config={**mooncake_service.extra_config, "zero_copy_min_bytes": 0},
         options=StorageOptions(timeout_s=5.0),
     )
     assert isinstance(st, MooncakeStorage)
@@ -105,3 +105,31 @@ def test_listeners_are_reported_and_peers_read_only_registered_memory(
         got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["secret"] is None  # refused: not within any registered buffer
     assert got["pool"] == [0x33] * 64  # the L2 pool is readable: documented
+
+
+def test_small_pages_are_staged_and_leave_the_pool_unregistered(
+    mooncake_service: MooncakeProcess,
+) -> None:
+    """Pages under ``zero_copy_min_bytes`` (default 256 KiB; these are 512 B) go through
+    the staging arenas, one slice per record: the pool is never registered, and the pages
+    come back byte for byte."""
+    st = create_storage(
+        "mooncake",
+        namespace=NS,
+        extra_config=mooncake_service.extra_config,
+        options=StorageOptions(timeout_s=5.0),
+    )
+    assert isinstance(st, MooncakeStorage)
+    src = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    dst = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    raw = src.buffer.view(torch.uint8).view(-1)
+    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
+    with st:
+        keys = page_keys(NS, list(range(1000, 1016)))
+        assert st.batch_set(keys, src, [0, 1, 2, 3]).all_ok
+        assert st.batch_get(keys, dst, [3, 2, 1, 0]) == [True] * 4
+        ranges = st.registered_ranges()
+        assert src.buffer.data_ptr() not in ranges and dst.buffer.data_ptr() not in ranges
+    for page, back in zip([0, 1, 2, 3], [3, 2, 1, 0], strict=True):
+        for a, b in zip(src.page_view(page), dst.page_view(back), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -25,7 +25,9 @@ is tiny-random-llama's page in the tests).
 
 Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
 ``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
-figure is the median of ``--repeat`` runs. Usage::
+figure is the median of ``--repeat`` rounds, after one untimed warm-up round; both sides
+stay open for all rounds (steady state), each round under fresh keys. ``paired`` is the
+median of the rounds' own HiCache / raw ratios (steadier under a loaded machine). Usage::
 
     python -m hicache.bench.storage --backends file,redis,mooncake --json out.json
 """
@@ -82,6 +84,10 @@ class BenchResult:
     records: str = "page"
     """The HiCache side's record split (``page`` or ``head``)."""
     records_per_page: int = 1
+    paired_ratio: float = 0.0
+    """Median over the rounds of each round's HiCache / raw (the two sides of one round
+    run back to back, so this ratio drifts less with the machine's load than
+    :attr:`ratio`, the ratio of the two medians)."""
 
     @property
     def ratio(self) -> float:
@@ -289,48 +295,66 @@ class _RawNixl(_Raw):
 def _run_case(
     case: _Case, src: HostPool, dst: HostPool, repeat: int, records: str = "page"
 ) -> list[BenchResult]:
+    """Time ``repeat`` rounds of put then get, HiCache and raw alternating which goes
+    first. Both sides run in steady state: one backend instance and one raw client for the
+    whole case, each warmed by an untimed round first (connections, buffer registrations,
+    staging arenas, folders), and every round writes fresh keys (new tokens, new raw
+    names), so no put finds its key present."""
     n = src.num_pages
     nbytes = n * src.page_bytes
     pages = list(range(n))
-    put_h, get_h, put_r, get_r = [], [], [], []
+    put_h: list[float] = []
+    get_h: list[float] = []
+    put_r: list[float] = []
+    get_r: list[float] = []
     src_bufs = case.raw.buffers(n, src.page_bytes)
     dst_bufs = case.raw.buffers(n, src.page_bytes)
     for p, buf in zip(pages, src_bufs, strict=True):
         buf.copy_(torch.cat([v.reshape(-1).view(torch.uint8) for v in src.page_view(p)]))
-    for i in range(repeat):
-        ns = Namespace.for_spec(
-            src.spec,
-            model="bench",
-            weights_fingerprint=uuid.uuid4().hex,
-            layout=src.layout,
-            page_size=src.page_size,
-            head_records=records == HEAD_RECORDS,
-        )
-        keys = page_keys(ns, list(range(n * src.page_size)))
-        raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in pages]
-        with case.st_factory(ns) as st:
-            if records == HEAD_RECORDS:
-                st.use_heads(HeadSplit(src.spec.heads, src.spec.heads))
+    ns = Namespace.for_spec(
+        src.spec,
+        model="bench",
+        weights_fingerprint=uuid.uuid4().hex,
+        layout=src.layout,
+        page_size=src.page_size,
+        head_records=records == HEAD_RECORDS,
+    )
+    tokens = n * src.page_size
+    with case.st_factory(ns) as st:
+        if records == HEAD_RECORDS:
+            st.use_heads(HeadSplit(src.spec.heads, src.spec.heads))
+        for i in range(-1, repeat):  # round -1 warms both sides up, untimed
+            keys = page_keys(ns, list(range((i + 1) * tokens, (i + 2) * tokens)))
+            raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in pages]
+            ph, gh, pr, gr = (put_h, get_h, put_r, get_r) if i >= 0 else ([], [], [], [])
 
-            def hicache(st: HiCacheStorage = st, keys: list[PageKey] = keys) -> None:
-                put_h.append(
-                    _gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages).ok, "put"))
-                )
-                get_h.append(_gbps(nbytes, lambda: _check(st.batch_get(keys, dst, pages), "get")))
+            def hicache(
+                keys: list[PageKey] = keys, ph: list[float] = ph, gh: list[float] = gh
+            ) -> None:
+                ph.append(_gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages).ok, "put")))
+                gh.append(_gbps(nbytes, lambda: _check(st.batch_get(keys, dst, pages), "get")))
 
-            def raw(raw_keys: list[str] = raw_keys) -> None:
-                put_r.append(_gbps(nbytes, lambda: case.raw.put(raw_keys, src_bufs)))
-                get_r.append(_gbps(nbytes, lambda: case.raw.get(raw_keys, dst_bufs)))
+            def raw(
+                raw_keys: list[str] = raw_keys, pr: list[float] = pr, gr: list[float] = gr
+            ) -> None:
+                pr.append(_gbps(nbytes, lambda: case.raw.put(raw_keys, src_bufs)))
+                gr.append(_gbps(nbytes, lambda: case.raw.get(raw_keys, dst_bufs)))
 
-            for step in (
-                (hicache, raw) if i % 2 == 0 else (raw, hicache)
-            ):  # alternate who goes first
+            for step in (hicache, raw) if i % 2 == 0 else (raw, hicache):
                 step()
     med = statistics.median
     per_page = src.spec.heads if records == HEAD_RECORDS else 1
+
+    def paired(h: list[float], r: list[float]) -> float:
+        return med(a / b for a, b in zip(h, r, strict=True))
+
     return [
-        BenchResult(case.name, "put", med(put_h), med(put_r), records, per_page),
-        BenchResult(case.name, "get", med(get_h), med(get_r), records, per_page),
+        BenchResult(
+            case.name, "put", med(put_h), med(put_r), records, per_page, paired(put_h, put_r)
+        ),
+        BenchResult(
+            case.name, "get", med(get_h), med(get_r), records, per_page, paired(get_h, get_r)
+        ),
     ]
 
 
@@ -346,7 +370,16 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
     table = Table(
         title=f"L3 storage: {objects} objects x {object_bytes / 2**10:g} KiB (GB/s, median)"
     )
-    cols = ("backend", "records", "per page", "op", "hicache GB/s", "raw GB/s", "hicache / raw")
+    cols = (
+        "backend",
+        "records",
+        "per page",
+        "op",
+        "hicache GB/s",
+        "raw GB/s",
+        "hicache / raw",
+        "paired",
+    )
     for col in cols:
         table.add_column(col, justify="left" if col in ("backend", "op", "records") else "right")
     for r in results:
@@ -358,8 +391,9 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
             f"{r.hicache_gbps:.3g}",
             f"{r.raw_gbps:.3g}",
             f"{r.ratio:.2f}",
+            f"{r.paired_ratio:.2f}",
         )
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,9 +14,11 @@ It is byte for byte the page payload of a one-head pool of that layout, so the r
 every TP size agree.
 
 A head is a strided slice of the page in every layout, so :class:`HeadPages` is always
-staged: a set copies each page's kinds (:func:`kind_views`, windows of the pool's buffer)
+staged: a set copies the pages' kinds (:func:`run_views`, windows of the pool's buffer)
 into one contiguous row per head record; a get reads the records into rows and
 :meth:`HeadPages.commit` copies back only the pages whose every head record was good.
+Both copy a run of consecutive pages (consecutive in the batch and in the pool) in one
+array operation per kind, not one per page.
 """
 
 from __future__ import annotations
@@ -50,10 +52,28 @@ def head_record_bytes(host: HostPool) -> int:
     return host.page_bytes // host.spec.heads
 
 
+_MEMO_CAP = 1 << 14
+"""Head record keys remembered (about 350 bytes each with the entry, so some 6 MB at
+most): a page's records are named by its lookup, its prefetch and its backup, each a
+SHA-256 per record otherwise; 16384 records are 32 batches of 64 pages x 8 heads."""
+_memo: dict[tuple[PageKey, int], PageKey] = {}
+
+
 def record_keys(keys: Sequence[PageKey], kv_heads: Sequence[int]) -> list[PageKey]:
     """The head records of ``keys``, page-major: ``head_key(keys[i], kv_heads[j])`` at
-    ``i * len(kv_heads) + j``."""
-    return [head_key(k, h) for k in keys for h in kv_heads]
+    ``i * len(kv_heads) + j``. Memoized (at most :data:`_MEMO_CAP` keys, then forgotten
+    all at once; dict reads and writes are atomic, so threads may share it)."""
+    out: list[PageKey] = []
+    memo = _memo
+    for k in keys:
+        for h in kv_heads:
+            rk = memo.get((k, h))
+            if rk is None:
+                if len(memo) >= _MEMO_CAP:
+                    memo.clear()
+                rk = memo[(k, h)] = head_key(k, h)
+            out.append(rk)
+    return out
 
 
 def page_outcomes(per_record: Sequence[SetOutcome], heads: int) -> list[SetOutcome]:
@@ -97,6 +117,41 @@ def kind_views(host: HostPool, page: int) -> list[torch.Tensor]:
     if host.layout is MemLayout.PAGE_FIRST_DIRECT:
         return [buf[k, page] for k in kinds]
     return [buf[k, :, page * ps : (page + 1) * ps] for k in kinds]
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(i, page)`` pairs grouped into maximal runs where both go up by one: ``(i0,
+    page0, length)`` each. Pages a pool allocated together are mostly such runs, so a
+    batch is copied in a few array operations rather than one per page."""
+    out: list[tuple[int, int, int]] = []
+    for i, page in pairs:
+        if out:
+            i0, p0, m = out[-1]
+            if i == i0 + m and page == p0 + m:
+                out[-1] = (i0, p0, m + 1)
+                continue
+        out.append((i, page, 1))
+    return out
+
+
+def run_views(host: HostPool, page: int, count: int) -> list[np.ndarray]:
+    """Pages ``page .. page + count - 1`` of ``host``, one word array per kind shaped
+    ``(count, A, B, H, D)`` with ``(A, B)`` as in :func:`kind_views`: strided windows of
+    the pool's buffer, no copy."""
+    ps = host.page_size
+    buf = host.buffer
+    out = []
+    for k in range(host.spec.num_kv):
+        if host.layout is MemLayout.PAGE_FIRST:
+            w = _words(buf[k, page * ps : (page + count) * ps])  # (count*ps, L, H, D)
+            out.append(w.reshape(count, ps, *w.shape[1:]))
+        elif host.layout is MemLayout.PAGE_FIRST_DIRECT:
+            out.append(_words(buf[k, page : page + count]))  # (count, L, ps, H, D)
+        else:
+            w = _words(buf[k, :, page * ps : (page + count) * ps])  # (L, count*ps, H, D)
+            w = w.reshape(w.shape[0], count, ps, *w.shape[2:])
+            out.append(w.transpose(1, 0, 2, 3, 4))
+    return out
 
 
 class StageCache:
@@ -165,14 +220,17 @@ class HeadPages(Payloads):
         self.stage = flat
         """The flat staging buffer (give it back to its cache once no call touches it)."""
         self._stage = flat.view(n * nh, self.payload_len)
+        self._bytes: memoryview | None = None
         if for_get or not n or not nh:
             return
         rows = self._rows()
-        sel = None if self.local == list(range(heads)) else torch.tensor(self.local)
-        for i, page in enumerate(self.pages):
-            for k, view in enumerate(kind_views(host, page)):
-                v = _words(view if sel is None else view.index_select(2, sel))
-                np.copyto(rows[i, :, k], v.transpose(2, 0, 1, 3))
+        sel = None if self.local == list(range(heads)) else np.asarray(self.local)
+        for i0, page, m in _runs(list(enumerate(self.pages))):
+            for k, v in enumerate(run_views(host, page, m)):  # (m, A, B, H, D)
+                heads_first = v.transpose(0, 3, 1, 2, 4)  # (m, H, A, B, D)
+                np.copyto(
+                    rows[i0 : i0 + m, :, k], heads_first if sel is None else heads_first[:, sel]
+                )
 
     def _rows(self) -> np.ndarray:
         """The staging buffer as ``(n, h, K, A, B, D)`` values of the pool's dtype."""
@@ -195,7 +253,12 @@ class HeadPages(Payloads):
         return [self._stage[i]]
 
     def parts(self, i: int) -> list[memoryview]:
-        return [byte_view(self._stage[i])]
+        """Item ``i``'s staging row as bytes: a slice of one view of the staging buffer
+        (made on the first call), not a view built per record."""
+        if self._bytes is None:
+            self._bytes = byte_view(self.stage)
+        n = self.payload_len
+        return [self._bytes[i * n : (i + 1) * n]]
 
     def page_ok(self, ok: Sequence[bool]) -> list[bool]:
         """Per page: every one of its head records ``ok``."""
@@ -206,15 +269,13 @@ class HeadPages(Payloads):
         """After a get: copy the pages whose every head record is good into the pool."""
         if not self._for_get or not self.pages:
             return
-        rows = self._rows()
-        order = np.argsort(self.local)  # record j of a page is local head local[j]
-        in_order = self.local == list(range(len(self.local)))
-        for i, good in enumerate(self.page_ok(ok)):
-            if not good:
-                continue
-            page_rows = rows[i] if in_order else rows[i][order]
-            for k, view in enumerate(kind_views(self.host, self.pages[i])):
-                np.copyto(_words(view), page_rows[:, k].transpose(1, 2, 0, 3))
+        rows = self._rows()  # (n, h, K, A, B, D)
+        if self.local != list(range(len(self.local))):  # record j of a page is head local[j]
+            rows = rows[:, np.argsort(self.local)]
+        good = [(i, self.pages[i]) for i, flag in enumerate(self.page_ok(ok)) if flag]
+        for i0, page, m in _runs(good):
+            for k, v in enumerate(run_views(self.host, page, m)):  # (m, A, B, H, D)
+                np.copyto(v, rows[i0 : i0 + m, :, k].transpose(0, 2, 3, 1, 4))
 
 
 def check_split(heads: HeadSplit, host: HostPool) -> None:

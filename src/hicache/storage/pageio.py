@@ -89,6 +89,8 @@ class HostPages(Payloads):
         self.zero_copy = host.layout is not MemLayout.LAYER_FIRST
         self._for_get = for_get
         self._stage: torch.Tensor | None = None
+        self._parts: list[list[memoryview]] | None = None
+        """Every page's byte views, built on the first :meth:`parts` call (zero-copy only)."""
         if not self.zero_copy and self.pages:
             if for_get:
                 self._stage = torch.empty((len(self.pages), self.payload_len), dtype=torch.uint8)
@@ -113,10 +115,30 @@ class HostPages(Payloads):
         return [self._stage[i]]
 
     def parts(self, i: int) -> list[memoryview]:
-        """Byte views of page ``i``'s payload parts, in record order (writable for a get)."""
+        """Byte views of page ``i``'s payload parts, in record order (writable for a get).
+
+        Zero-copy: the first call slices every page of the batch out of one view of the
+        pool's buffer (the pages were checked at construction), so a backend's per-page
+        loop costs a list lookup here, not a view built and checked per page."""
         if self.zero_copy:
-            return self.host.page_bytes_views(self.pages[i])
+            if self._parts is None:
+                self._parts = self._slice_all()
+            return self._parts[i]
         return [byte_view(t) for t in self.tensors(i)]
+
+    def _slice_all(self) -> list[list[memoryview]]:
+        """:meth:`HostPool.page_bytes_views` of every page, from offsets and strides: a
+        page's kind ``k`` slab starts at ``k * kind_stride + page * step`` (elements) and
+        is ``step`` long (``page_first``: ``step = page_size * token_stride``;
+        ``page_first_direct``: ``step = page_stride``)."""
+        buf = self.host.buffer
+        whole = byte_view(buf)
+        item = buf.element_size()
+        step = buf.stride(1) * item
+        if self.host.layout is MemLayout.PAGE_FIRST:
+            step *= self.host.page_size
+        kinds = [k * buf.stride(0) * item for k in range(self.host.spec.num_kv)]
+        return [[whole[o + p * step : o + (p + 1) * step] for o in kinds] for p in self.pages]
 
     def commit(self, ok: Sequence[bool]) -> None:
         """After a get: write staged pages whose ``ok`` is True into the pool (no-op if zero-copy)."""

@@ -18,8 +18,11 @@ early is asked again from the key after the one it stopped at):
   buffer and only a good payload is copied into its host page (so a corrupt, stale or
   foreign record is a miss and never data). These calls are made with ``writes_host``: a
   get that overran its deadline is reported by ``host_writes_settled`` until it returns.
-- set: the keys are looked up first (one call) and present ones skipped (first writer
-  wins); AIBrix's buffers are taken (``allocate_for``, no IO for these connectors) and
+- set: the keys are looked up first (one ``exists`` call: AIBrix answers the leading
+  run) and that run is skipped (first writer wins); keys past its first miss are written
+  without asking one by one (an AIBrix call per key cost more than the put of a 12 KiB
+  page; page keys are chained, so a key present past an absent one is rare, and its
+  rewrite stores the same record, reported written). AIBrix's buffers are taken (``allocate_for``, no IO for these connectors) and
   filled with the records on the caller's thread, so a late ``put`` never reads a host
   page; then ``put``. AIBrix's put replaces a block (SHFS
   writes a temporary file and renames it; RocksDB's put is atomic), so a key whose record a
@@ -124,6 +127,16 @@ class AibrixStorage(ConfiguredStorage):
                 self._managers[block_bytes] = m
             return m
 
+    def _opened(self, op: str, block_bytes: int, deadline: Deadline) -> AibrixManager:
+        """The store of ``block_bytes`` blocks: looked up here when already open (no hop
+        to the runner), else opened on the runner within ``deadline`` (raises
+        :class:`_CallFailed`)."""
+        with self._mlock:
+            m = self._managers.get(block_bytes)
+        if m is not None:
+            return m
+        return self._call(op, partial(self._manager, block_bytes), deadline)
+
     def _open_all(self) -> list[AibrixManager]:
         """Import AIBrix (a missing package fails here, at start), then :meth:`_open_stored`."""
         require_aibrix()
@@ -198,7 +211,7 @@ class AibrixStorage(ConfiguredStorage):
         record_len = HEADER_SIZE + pages.payload_len
         out: list[MissReason | None] = [MissReason.ERROR] * len(keys)
         try:
-            m = self._call("get", partial(self._manager, block_bytes_for(record_len)), deadline)
+            m = self._opened("get", block_bytes_for(record_len), deadline)
         except _CallFailed as e:
             return [e.reason] * len(keys)
         names = [k.key for k in keys]
@@ -254,14 +267,14 @@ class AibrixStorage(ConfiguredStorage):
         out = [SetOutcome.FAILED] * len(keys)
         names = [k.key for k in keys]
         try:
-            m = self._call("set", partial(self._manager, block_bytes_for(record_len)), deadline)
+            m = self._opened("set", block_bytes_for(record_len), deadline)
             for part in self._chunks(len(keys)):
-                present = self._call(
-                    "set (exists)", partial(m.present, names[part.start : part.stop]), deadline
+                hits = self._call(
+                    "set (exists)", partial(m.exists, names[part.start : part.stop]), deadline
                 )
                 todo = []
                 for j, i in enumerate(part):
-                    if present[j] and not replace[i]:
+                    if j < hits and not replace[i]:
                         out[i] = SetOutcome.SKIPPED
                     else:
                         todo.append(i)

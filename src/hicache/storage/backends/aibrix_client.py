@@ -331,16 +331,6 @@ class AibrixManager:
             return 0
         raise AibrixCallError("exists", st.error_code.name, str(st.value or ""))
 
-    def present(self, keys: Sequence[str]) -> list[bool]:
-        """Whether AIBrix holds each of ``keys``: one lookup of the leading run, then one
-        per key past it. (AIBrix looks up a whole ``op_batch`` of keys at once even past a
-        missing one, so asking again from each miss would cost up to ``op_batch`` lookups
-        per key of a batch of new keys, the usual case of a backup.)"""
-        hits = self.exists(keys)
-        out = [True] * hits + [False] * (len(keys) > hits)
-        out += [self.exists([k]) == 1 for k in keys[len(out) :]]
-        return out
-
     def get_into(self, keys: Sequence[str], sink: Callable[[int, memoryview], None]) -> GetRun:
         """Read the blocks of ``keys`` (a leading run of them) and hand block ``i``'s bytes
         (a read-only view of :attr:`block_bytes`, valid during the call only) to

@@ -8,8 +8,9 @@ Directory: extra-config ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR`
   fsync'ed (extra ``fsync``), then ``os.replace``'d into place, so a reader (or a restart
   after a crash) never sees half a record. Temp files left by a crash are removed at start
   once older than :data:`STALE_TMP_S`.
-- Reads go straight into the host pool's page views with ``preadv`` (zero-copy for
-  ``page_first*``) and are checked afterwards.
+- Reads go straight into the host pool's page views with one ``preadv`` per record
+  (zero-copy for ``page_first*``; one byte past the record's end is asked for, so a
+  file of the wrong size shows without an ``fstat``) and are checked afterwards.
 - Size cap (extra ``max_bytes``, 0 = none): an in-process LRU index (built at start from
   file modification times, which hits refresh) evicts least recently used records once the
   total exceeds the cap. Several processes sharing a folder each enforce the cap over the
@@ -163,6 +164,9 @@ class FileStorage(ConfiguredStorage):
         self.root = Path(config.path)
         self._root_str = str(self.root)
         self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
+        self._dirs: set[str] = set()
+        """Fan-out folders known to exist (made or seen by this instance): a write into one
+        skips the ``mkdir``; one removed behind our back is made again on ENOENT."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -235,13 +239,15 @@ class FileStorage(ConfiguredStorage):
         out: list[MissReason | None] = []
         first_error = ""
         errors = 0
+        paths = self._paths(keys)
+        want = record_size(pages.payload_len)
         for i, k in enumerate(keys):
             if deadline.expired:
                 self._stats.timeout("get", deadline.timeout_s)
                 out.extend([MissReason.TIMEOUT] * (len(keys) - i))
                 break
             try:
-                out.append(self._read(k, pages, i))
+                out.append(self._read(k, paths[i], pages, i, want))
             except OSError as e:
                 errors += 1
                 first_error = first_error or f"{k.key}: {e!r}"
@@ -250,25 +256,36 @@ class FileStorage(ConfiguredStorage):
             self._stats.error("get", f"{errors} page(s) failed; first {first_error}")
         return out
 
-    def _read(self, key: PageKey, pages: Payloads, i: int) -> MissReason | None:
-        path = self.path_of(key.key)
+    def _paths(self, keys: Sequence[PageKey]) -> list[str]:
+        """:meth:`path_str` of each key (ValueError naming an unsafe one)."""
+        join, root = os.path.join, self._root_str
+        out = []
+        for k in keys:
+            key = k.key
+            if not key or "/" in key or key[0] == ".":
+                raise ValueError(f"unsafe key {key!r}")
+            out.append(join(root, key[key.rfind("-") + 1 :][:2], key))
+        return out
+
+    def _read(
+        self, key: PageKey, path: str, pages: Payloads, i: int, want: int
+    ) -> MissReason | None:
+        """Open, one ``preadv`` of header, payload parts and one byte past the record's
+        end (a longer file reads ``want + 1`` bytes: no ``fstat`` needed), close, check."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             if self._index is not None:
                 self._index.discard(key.key)
             return MissReason.ABSENT
-        want = record_size(pages.payload_len)
+        header = bytearray(HEADER_SIZE)
+        parts = pages.parts(i)
         try:
-            size = os.fstat(fd).st_size
-            if size != want:
-                return MissReason.CORRUPT
-            header = bytearray(HEADER_SIZE)
-            parts = pages.parts(i)
-            if os.preadv(fd, [header, *parts], 0) != want:
-                return MissReason.CORRUPT
+            got = os.preadv(fd, [header, *parts, bytearray(1)], 0)
         finally:
             os.close(fd)
+        if got != want:
+            return MissReason.CORRUPT
         check = check_record(
             header,
             parts,
@@ -277,7 +294,7 @@ class FileStorage(ConfiguredStorage):
             payload_len=pages.payload_len,
         )
         if check.ok and self._index is not None:
-            self._index.touch(key.key, size)
+            self._index.touch(key.key, want)
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path)
         return check.reason
@@ -293,13 +310,15 @@ class FileStorage(ConfiguredStorage):
         out: list[SetOutcome] = []
         errors = 0
         first_error = ""
+        paths = self._paths(keys)
+        tmp_tail = f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         for i, k in enumerate(keys):
             if deadline.expired:
                 self._stats.timeout("set", deadline.timeout_s)
                 out.extend([SetOutcome.FAILED] * (len(keys) - i))
                 break
             try:
-                out.append(self._write(k, pages, i, replace=replace[i]))
+                out.append(self._write(k, paths[i], tmp_tail, pages, i, replace=replace[i]))
             except OSError as e:
                 errors += 1
                 first_error = first_error or f"{k.key}: {e!r}"
@@ -312,16 +331,27 @@ class FileStorage(ConfiguredStorage):
             self._stats.error("set", f"{errors} page(s) not written; first {first_error}")
         return out
 
-    def _write(self, key: PageKey, pages: Payloads, i: int, *, replace: bool) -> SetOutcome:
-        path = self.path_of(key.key)
-        if not replace and path.is_file():
+    def _write(
+        self, key: PageKey, path: str, tmp_tail: str, pages: Payloads, i: int, *, replace: bool
+    ) -> SetOutcome:
+        """Write ``key``'s record to ``path`` through a temp file (``.<key><tmp_tail>`` in
+        the same folder) renamed into place; SKIPPED when present and not ``replace``."""
+        if not replace and os.path.exists(path):
             return SetOutcome.SKIPPED
-        path.parent.mkdir(mode=0o700, exist_ok=True)
+        folder = os.path.dirname(path)
         parts = pages.parts(i)
         header = encode_header(self._digest_of(key), key.fingerprint, parts)
-        tmp = path.with_name(f".{key.key}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        tmp = os.path.join(folder, f".{key.key}{tmp_tail}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            if folder not in self._dirs:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                self._dirs.add(folder)
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:  # the folder was removed since: make it again
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                fd = os.open(tmp, flags, 0o600)
             try:
                 _write_all(fd, [memoryview(header), *parts])
                 if self.config.fsync:
@@ -330,10 +360,10 @@ class FileStorage(ConfiguredStorage):
                 os.close(fd)
             os.replace(tmp, path)
         except BaseException:
-            self._unlink(tmp)
+            self._unlink(Path(tmp))
             raise
         if self.config.fsync:
-            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dfd)
             finally:

@@ -4,9 +4,10 @@ One Mooncake object per page key holding the record (header + payload). The clie
 registers the host pool's buffer, so puts and gets move payload bytes straight between the
 pool's page views and the store (``batch_put_from_multi_buffers`` /
 ``batch_get_into_multi_buffers`` with ``[header slot, kind 0 view, kind 1 view]`` per key);
-headers go through a small registered arena. A ``layer_first`` pool (no page views), or
-``zero_copy: false``, stages whole records through a registered arena instead
-(``batch_put_from`` / ``batch_get_into``) and copies them into the pool after the checks.
+headers go through a small registered arena. A ``layer_first`` pool (no page views),
+``zero_copy: false``, or pages under ``zero_copy_min_bytes`` (where one slice per record
+beats three), stage whole records through a registered arena instead (``batch_put_from``
+/ ``batch_get_into``) and copy them into the pool after the checks.
 
 Objects live in the segments mounted by clients, and a client's segment goes away with it.
 By default this client mounts no segment (``global_segment_size`` 0), so objects land in
@@ -226,6 +227,8 @@ class MooncakeStorage(ConfiguredStorage):
     def _zero_copy(self, pages: Payloads) -> bool:
         if not (self.config.zero_copy and isinstance(pages, HostPages) and pages.zero_copy):
             return False  # state slots (component records) are staged
+        if pages.payload_len < self.config.zero_copy_min_bytes:
+            return False  # small pages: one staged slice beats three zero-copy ones
         return self._buffers.ensure_pool(pages.host)
 
     # -- operations ------------------------------------------------------------------------

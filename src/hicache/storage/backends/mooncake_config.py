@@ -10,7 +10,14 @@ holds no objects; a service holds them); ``local_buffer_size`` bytes, default 0 
 library's own transfer buffer, which this backend does not use: every transfer goes
 through the host pool's buffer or the backend's staging arenas; any size given here is
 registered memory a transfer-engine peer can read, see docs/security.md); ``zero_copy``
-default true. Extra-config values win over the environment.
+default true; ``zero_copy_min_bytes`` default 262144 (256 KiB): pages whose payload is
+smaller are staged even when ``zero_copy`` is on. Extra-config values win over the
+environment.
+
+Why the floor: a zero-copy record is three transfer-engine slices (header, K, V) where a
+staged one is one, and each slice costs about 40 us on this machine's TCP transport, as
+much as copying some 200 KiB; at 12 KiB pages zero-copy ran at 0.6x of one-buffer
+transfers, at 1 MiB at 1.1 to 1.2x of staged ones (docs/benchmarks.md, issue 27).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class MooncakeConfig:
     global_segment_size: int = 0
     local_buffer_size: int = 0
     zero_copy: bool = True
+    zero_copy_min_bytes: int = 256 << 10
 
     EXTRA_KEYS: ClassVar[tuple[str, ...]] = (
         "master_server_address",
@@ -62,6 +70,7 @@ class MooncakeConfig:
         "global_segment_size",
         "local_buffer_size",
         "zero_copy",
+        "zero_copy_min_bytes",
     )
 
     def __post_init__(self) -> None:
@@ -75,7 +84,7 @@ class MooncakeConfig:
             )
         if not isinstance(self.device_name, str):
             raise ValueError(f"device_name={self.device_name!r} is invalid; must be a str")
-        for name in ("global_segment_size", "local_buffer_size"):
+        for name in ("global_segment_size", "local_buffer_size", "zero_copy_min_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}={v!r} is invalid; must be an int >= 0 (bytes)")
