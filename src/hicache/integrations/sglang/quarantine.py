@@ -48,7 +48,7 @@ class HostQuarantine:
     def __init__(self, pool: Any, settled: Callable[[], bool]) -> None:
         self.pool = pool
         self._settled = settled
-        self._free: Callable[[torch.Tensor], int] = pool.free
+        self._free: Callable[..., int] = pool.free
         self._alloc: Callable[..., Any] = pool.alloc
         self._lock = threading.Lock()
         self._held: torch.Tensor | None = None
@@ -105,9 +105,12 @@ class HostQuarantine:
             self._free(torch.cat(deferred))
         return True
 
-    def free(self, indices: torch.Tensor) -> int:
+    def free(self, indices: torch.Tensor, *args: Any, **kwargs: Any) -> int:
         """SGLang's ``free``: indices not held go back at once, held ones are deferred.
-        Returns ``len(indices)``, as SGLang's does."""
+        Returns ``len(indices)``, as SGLang's does. A call with other arguments than the
+        indices (not the KV pool's own signature) passes straight through."""
+        if args or kwargs:
+            return int(self._free(indices, *args, **kwargs))
         with self._lock:
             if self._settle_locked():
                 return int(self._free(indices))
