@@ -95,7 +95,7 @@ def test_a_late_zero_copy_get_never_changes_another_requests_pages(
 ) -> None:
     """SGLang's controller prefetches four pages by zero-copy gets into its host pool,
     under SGLang's fault injector (random delays before every call); the get overruns its
-    deadline (``memory``: its read sleeps 1 s past a 0.3 s deadline; ``mooncake``: the
+    deadline (``memory``: its read sleeps 3 s past a 0.5 s deadline; ``mooncake``: the
     store is frozen) and writes the pages after SGLang freed them. Other requests then
     take every free host page: none of the four is among them, and no byte of any other
     page changes when the late write lands. Once it has, the four pages come back to
@@ -104,11 +104,11 @@ def test_a_late_zero_copy_get_never_changes_another_requests_pages(
     svc = None
     if store == "memory":
         extra: dict[str, Any] = {"hicache_backend": "memory", "store": uuid.uuid4().hex}
-        late = {**extra, "get_delay_s": 1.0, "timeout_s": 0.3}
+        late = {**extra, "get_delay_s": 3.0, "timeout_s": 0.5}  # lands 2.5 s late
     else:
         svc = request.getfixturevalue("frozen_mooncake")
         extra = {"hicache_backend": "mooncake", **svc.extra_config}
-        late = {**extra, "timeout_s": 0.5}
+        late = {**extra, "timeout_s": 2.0}
     model = f"late-{uuid.uuid4().hex[:8]}"
     written = write_four_pages(make, "mha", "page_first", extra, model)
     reader = make("mha", "page_first", late, model)
