@@ -100,7 +100,11 @@ class BufferRegistry:
 
     def ensure_pool(self, host: HostPool) -> bool:
         """Register a host pool's buffer; it is forgotten (and unregistered) when freed."""
-        buf = host.buffer
+        return self.ensure_owned(host.buffer)
+
+    def ensure_owned(self, buf: torch.Tensor) -> bool:
+        """Register ``buf`` (a long-lived tensor: a pool's buffer, hicache's or an engine's);
+        it is forgotten (and unregistered) when ``buf`` is freed."""
         ptr = int(buf.data_ptr())
         with self._lock:
             known = ptr in self._ranges

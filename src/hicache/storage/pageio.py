@@ -43,11 +43,22 @@ class Payloads(ABC):
     """The payloads of one batch of records, item ``i`` for ``keys[i]``: each exactly
     :attr:`payload_len` bytes, exposed as byte views (:meth:`parts`) that a get writes into
     and a set reads from. After a get, :meth:`commit` delivers the items that passed their
-    checks (a staged implementation scatters them then). ``zero_copy`` is True only for
-    :class:`HostPages` whose :meth:`HostPages.views` lie in the pool's registered buffer."""
+    checks (a staged implementation scatters them then).
+
+    ``zero_copy`` is True when every item's parts lie in :attr:`buffer`, a long-lived
+    contiguous CPU tensor (a host pool's buffer) that an address-based backend (Mooncake)
+    may register and move bytes into and out of in place, at :meth:`addresses`; False when
+    the parts are staging rows or scattered tensors (the backend then stages)."""
 
     payload_len: int
     zero_copy: bool
+    buffer: torch.Tensor | None = None
+    """The tensor every item's parts lie in when ``zero_copy`` (None otherwise)."""
+
+    def addresses(self, i: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of item ``i``'s parts inside :attr:`buffer`, in record
+        order (``zero_copy`` only; ValueError otherwise)."""
+        raise ValueError(f"{type(self).__name__} has no zero-copy addresses")
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -87,6 +98,7 @@ class HostPages(Payloads):
         self.pages: list[int] = idx.tolist()
         self.payload_len = host.page_bytes
         self.zero_copy = host.layout is not MemLayout.LAYER_FIRST
+        self.buffer = host.buffer if self.zero_copy else None
         self._for_get = for_get
         self._stage: torch.Tensor | None = None
         self._parts: list[list[memoryview]] | None = None
@@ -106,6 +118,9 @@ class HostPages(Payloads):
         if not self.zero_copy:
             raise ValueError("a layer_first host pool has no zero-copy page views")
         return [uint8_view(v) for v in self.host.page_view(self.pages[i])]
+
+    def addresses(self, i: int) -> list[tuple[int, int]]:
+        return [(int(v.data_ptr()), v.numel()) for v in self.views(i)]
 
     def tensors(self, i: int) -> list[torch.Tensor]:
         """Flat ``uint8`` tensors holding page ``i``'s payload: the views, or its staging row."""

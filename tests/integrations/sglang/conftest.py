@@ -17,3 +17,4 @@ else:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401  (once, quietly)
+    from tests.integrations.sglang.controller import make  # noqa: F401  (the fixture)

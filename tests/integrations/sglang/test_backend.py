@@ -219,3 +219,35 @@ def test_get_stats_reports_each_transfer_to_sglangs_metrics(tmp_path: Path) -> N
     again = be.get_stats()
     assert (again.backup_pgs, again.prefetch_pgs, again.prefetch_bandwidth) == ([], [], [])
     be.close()
+
+
+@pytest.mark.parametrize(("layout", "zero_copy"), [("page_first", True), ("page_head", True),
+                                                   ("page_first", False)])  # fmt: skip
+def test_mooncake_moves_sglangs_pages_in_place(
+    layout: str, zero_copy: bool, request: pytest.FixtureRequest
+) -> None:
+    """Over Mooncake the pages travel by address from and into SGLang's ``kv_buffer``,
+    registered whole, byte-exact and no other page touched; with ``zero_copy: false`` the
+    pool stays unregistered (pages are staged through hicache's arenas)."""
+    svc = request.getfixturevalue("mooncake_service")
+    extra = {"hicache_backend": "mooncake", "zero_copy": zero_copy, **svc.extra_config}
+    keys = [f"{layout}-{zero_copy}-{i}".ljust(64, "x") for i in range(3)]
+    src = host_pool("mha", layout)
+    fill(src, seed=5)
+    writer = attach(src, extra)
+    assert writer.batch_set_v1(keys, indices([1, 2, 3])) == [True] * 3
+    dst = host_pool("mha", layout)
+    fill(dst, seed=6)
+    reader = attach(dst, extra)
+    untouched = [page_bytes(dst, p) for p in range(8) if p not in (5, 6, 7)]
+    assert reader.batch_get_v1(keys, indices([5, 6, 7])) == [True] * 3
+    assert [page_bytes(dst, p) for p in (5, 6, 7)] == [page_bytes(src, p) for p in (1, 2, 3)]
+    assert [page_bytes(dst, p) for p in range(8) if p not in (5, 6, 7)] == untouched
+    for be, pool in ((writer, src), (reader, dst)):
+        ranges = be.store.registered_ranges()
+        buf = pool.kv_buffer
+        if zero_copy:
+            assert ranges[buf.data_ptr()] == buf.numel() * buf.element_size()
+        else:
+            assert buf.data_ptr() not in ranges
+        be.close()

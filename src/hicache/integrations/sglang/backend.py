@@ -25,13 +25,21 @@ retried at most every :data:`RETRY_START_S` seconds; calls until then are misses
 writes: set calls report success (the writer rank stores the page, as SGLang's hf3fs
 backend does) without touching the store.
 
-Late writes: SGLang frees and reuses the host pages of a read that failed at once (it has
-no quarantine like hicache's ``host_writes_settled``), so a get must never write a page
-after it returned. The file and Redis backends read on the calling thread; Mooncake
-stages these payloads (:class:`~hicache.integrations.sglang.pages.ByteParts` is not a
-zero-copy ``HostPages``), so a transfer that overran its deadline only writes hicache's
-arena. A custom backend must do the same (hicache's ``memory`` backend in its late-read
-test mode does not).
+Zero-copy both ways: a get writes records' payloads straight into SGLang's host pages and
+a set reads them in place; Mooncake registers SGLang's ``kv_buffer`` once and moves the
+bytes by address (:class:`~hicache.integrations.sglang.pages.ByteParts`), the file backend
+reads and writes the pages' views.
+
+Late writes: SGLang frees and reuses the host pages of a read that failed at once, so a
+get that overran its deadline (a Mooncake transfer still running) would write into another
+request's KV. Registration installs a
+:class:`~hicache.integrations.sglang.quarantine.HostQuarantine` on the pool: the pages a get
+reported False for while the backend is not ``host_writes_settled`` are held, and SGLang's
+``free`` of them is deferred until it is, so they cannot be reallocated before the
+transfer has returned. This holds for any backend that reports its late writes through
+``host_writes_settled`` (Mooncake, NIXL, hicache's ``memory`` backend in its late-read
+test mode); one that writes host pages only on the calling thread (file, Redis) never
+holds a page.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from hicache.integrations.sglang.pages import (
     KVPoolGeometry,
     page_starts,
 )
+from hicache.integrations.sglang.quarantine import HostQuarantine
 from hicache.integrations.sglang.settings import SGLangL3Settings
 from hicache.keys import Namespace, PageKey
 from hicache.storage.base import HiCacheStorage, StorageError
@@ -142,6 +151,8 @@ class HiCacheL3(SGLangStorage):
         )
         """Each get's and set's pages and GB/s for SGLang's metrics (:meth:`get_stats`);
         None when SGLang's storage metrics are off."""
+        self.quarantine: HostQuarantine | None = None
+        """Holds the KV host pages of gets that may still land late (set at registration)."""
         self._start_lock = threading.Lock()
         self._last_start = -math.inf
         self._warned: set[str] = set()
@@ -171,6 +182,9 @@ class HiCacheL3(SGLangStorage):
         old, self.store = self.store, self.settings.storage.create(namespace)
         if old is not None:
             old.close()
+        store = self.store
+        self.quarantine = HostQuarantine(mem_pool_host, lambda: store.host_writes_settled(0))
+        self.quarantine.install()
         self.geometry, self.namespace = geometry, namespace
         self.sides = {name: self._side(side.pool, name) for name, side in self.sides.items()}
         self._last_start = -math.inf
@@ -260,7 +274,9 @@ class HiCacheL3(SGLangStorage):
     def _kv_pages(self, host_indices: torch.Tensor, n: int) -> ByteParts:
         geo = self.geometry
         assert geo is not None
-        return ByteParts.over(geo.buffer, geo.page_parts(host_indices, n), geo.page_bytes)
+        return ByteParts.over(
+            geo.buffer, geo.page_parts(host_indices, n), geo.page_bytes, owner=geo.owner
+        )
 
     @property
     def stats(self) -> StorageStats | None:
@@ -279,7 +295,7 @@ class HiCacheL3(SGLangStorage):
         miss = [False] * len(keys)
         if not keys:
             return []
-        return self._guard(
+        ok = self._guard(
             "batch_get_v1",
             miss,
             lambda st: st.batch_get_payloads(
@@ -287,6 +303,19 @@ class HiCacheL3(SGLangStorage):
             ),
             ("get", len(keys)),
         )
+        if not all(ok):
+            self._hold_failed(host_indices, ok)
+        return ok
+
+    def _hold_failed(self, host_indices: torch.Tensor, ok: list[bool]) -> None:
+        """Quarantine the pages of this get reported False while a late write may still
+        land (a zero-copy transfer that overran its deadline is still running)."""
+        q, store = self.quarantine, self.store
+        if q is None or store is None or all(ok) or store.host_writes_settled(0):
+            return
+        page = len(host_indices) // len(ok)
+        bad = [host_indices[i * page : (i + 1) * page] for i, hit in enumerate(ok) if not hit]
+        q.hold(torch.cat(bad))
 
     def batch_set_v1(
         self,

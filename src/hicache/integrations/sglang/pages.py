@@ -14,7 +14,8 @@ write the same records.
   nbytes)`` ranges of the buffer per page, from the pointers and sizes SGLang's
   ``get_page_buffer_meta`` gives (offsets into the buffer's storage; ``layer_first`` MHA
   reordered from (layer, kind) to (kind, layer)); :class:`ByteParts` exposes them as
-  zero-copy byte views into the pool.
+  zero-copy byte views into the pool, and their addresses in ``kv_buffer`` (which an
+  address-based backend such as Mooncake registers: no staging copy either way).
 - :class:`FlatPages` serves v2 side pools (Mamba state, SWA, indexer) through the
   pool's ``get_data_page`` / ``set_from_flat_data_page``: a set copies each page out, a
   get fills a staging buffer and :meth:`FlatPages.commit` writes the good pages in.
@@ -57,7 +58,8 @@ def page_starts(host_indices: torch.Tensor | Sequence[int], page_size: int, n: i
 class KVPoolGeometry:
     """Where an SGLang KV host pool's pages lie in its ``kv_buffer``.
 
-    ``buffer``: the buffer's bytes, flat ``uint8`` (shares its memory). ``page_bytes``:
+    ``owner``: the pool's ``kv_buffer`` itself (what an address-based backend registers).
+    ``buffer``: its bytes, flat ``uint8`` (shares its memory). ``page_bytes``:
     one page's payload. ``parts_per_page``: ranges per page in SGLang's meta (1 for
     ``page_unified``). ``reorder``: MHA ``layer_first``, whose meta alternates K and V per
     layer, is read kinds-first.
@@ -68,6 +70,7 @@ class KVPoolGeometry:
     page_size: int
     page_bytes: int
     parts_per_page: int
+    owner: torch.Tensor
     buffer: torch.Tensor
     base_ptr: int
     reorder: bool
@@ -104,6 +107,7 @@ class KVPoolGeometry:
             page_size=page_size,
             page_bytes=sum(n for _, n in parts),
             parts_per_page=len(parts),
+            owner=buf,
             buffer=flat,
             base_ptr=buf.data_ptr(),
             reorder=layout == "layer_first" and not mla,
@@ -151,13 +155,25 @@ class KVPoolGeometry:
 
 
 class ByteParts(Payloads):
-    """Payloads whose item ``i`` is the byte views ``views[i]`` (zero-copy: a get writes
-    the pool's pages, or the caller's tensors, in place). Build with :meth:`over` or
-    :meth:`of_tensors`."""
+    """Payloads whose item ``i`` is the byte views ``views[i]`` (a get writes the pool's
+    pages, or the caller's tensors, in place). Build with :meth:`over` (zero-copy: the
+    pages of one long-lived buffer, which an address-based backend registers and moves
+    bytes into and out of by address) or :meth:`of_tensors` (not zero-copy: an
+    address-based backend stages)."""
 
-    def __init__(self, views: Sequence[Sequence[memoryview]], payload_len: int) -> None:
+    def __init__(
+        self,
+        views: Sequence[Sequence[memoryview]],
+        payload_len: int,
+        *,
+        owner: torch.Tensor | None = None,
+        ranges: Sequence[Sequence[Range]] = (),
+    ) -> None:
         self.payload_len = payload_len
-        self.zero_copy = False  # not a hicache HostPool's registered buffer
+        self.zero_copy = owner is not None
+        self.buffer = owner
+        self._base = 0 if owner is None else int(owner.data_ptr())
+        self._ranges = [list(r) for r in ranges]
         self._views = [list(v) for v in views]
         for i, v in enumerate(self._views):
             got = sum(m.nbytes for m in v)
@@ -166,11 +182,22 @@ class ByteParts(Payloads):
 
     @classmethod
     def over(
-        cls, buffer: torch.Tensor, ranges: Sequence[Sequence[Range]], payload_len: int
+        cls,
+        buffer: torch.Tensor,
+        ranges: Sequence[Sequence[Range]],
+        payload_len: int,
+        *,
+        owner: torch.Tensor | None = None,
     ) -> ByteParts:
-        """Item ``i``: the ranges ``ranges[i]`` of ``buffer`` (a contiguous CPU tensor)."""
+        """Item ``i``: the ranges ``ranges[i]`` (byte offsets) of ``buffer`` (a contiguous
+        CPU tensor). ``owner``: the long-lived tensor whose memory ``buffer`` is, from its
+        first byte (a pool's ``kv_buffer``): the items are then zero-copy at its addresses;
+        None: not zero-copy."""
+        if owner is not None and int(owner.data_ptr()) != int(buffer.data_ptr()):
+            raise ValueError("owner must start where buffer starts")
         mv = byte_view(buffer)
-        return cls([[mv[off : off + n] for off, n in r] for r in ranges], payload_len)
+        views = [[mv[off : off + n] for off, n in r] for r in ranges]
+        return cls(views, payload_len, owner=owner, ranges=ranges if owner is not None else ())
 
     @classmethod
     def of_tensors(cls, tensors: Sequence[torch.Tensor], payload_len: int) -> ByteParts:
@@ -182,6 +209,11 @@ class ByteParts(Payloads):
 
     def parts(self, i: int) -> list[memoryview]:
         return self._views[i]
+
+    def addresses(self, i: int) -> list[tuple[int, int]]:
+        if not self.zero_copy:
+            raise ValueError("ByteParts over separate tensors have no zero-copy addresses")
+        return [(self._base + off, n) for off, n in self._ranges[i]]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The ``mooncake`` L3 backend: Mooncake Store (``mooncake-transfer-engine-non-cuda``).
 
 One Mooncake object per page key holding the record (header + payload). The client
-registers the host pool's buffer, so puts and gets move payload bytes straight between the
-pool's page views and the store (``batch_put_from_multi_buffers`` /
+registers the host pool's buffer (hicache's, or an engine's: any zero-copy
+:class:`~hicache.storage.pageio.Payloads`), so puts and gets move payload bytes straight
+between the pool's pages and the store (``batch_put_from_multi_buffers`` /
 ``batch_get_into_multi_buffers`` with ``[header slot, kind 0 view, kind 1 view]`` per key);
 headers go through a small registered arena. A ``layer_first`` pool (no page views),
 ``zero_copy: false``, or pages under ``zero_copy_min_bytes`` (where one slice per record
@@ -46,7 +47,7 @@ from hicache.storage.base import (
     StorageOptions,
 )
 from hicache.storage.deadline import DeadlineRunner
-from hicache.storage.pageio import HostPages, Payloads, byte_view
+from hicache.storage.pageio import Payloads, byte_view
 from hicache.storage.record import HEADER_SIZE, check_blob, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
 
@@ -225,11 +226,15 @@ class MooncakeStorage(ConfiguredStorage):
         return MissReason.ERROR
 
     def _zero_copy(self, pages: Payloads) -> bool:
-        if not (self.config.zero_copy and isinstance(pages, HostPages) and pages.zero_copy):
-            return False  # state slots (component records) are staged
+        """Whether ``pages`` move in place: their buffer (a host pool's, hicache's or an
+        engine's) is registered and their pages are at least ``zero_copy_min_bytes`` (below
+        it, one staged slice per record beats three in place); state slots are staged."""
+        buf = pages.buffer
+        if not (self.config.zero_copy and pages.zero_copy and buf is not None):
+            return False
         if pages.payload_len < self.config.zero_copy_min_bytes:
-            return False  # small pages: one staged slice beats three zero-copy ones
-        return self._buffers.ensure_pool(pages.host)
+            return False
+        return self._buffers.ensure_owned(buf)
 
     # -- operations ------------------------------------------------------------------------
     def _exists(self, keys: Sequence[PageKey], deadline: Deadline) -> int:
@@ -269,19 +274,15 @@ class MooncakeStorage(ConfiguredStorage):
         names = [keys[i].key for i in idx]
         base = arena.addr
         if zero_copy:
-            assert isinstance(pages, HostPages)
-            views = [pages.views(i) for i in idx]
-            ptrs = [
-                [base + j * HEADER_SIZE, *(int(v.data_ptr()) for v in vs)]
-                for j, vs in enumerate(views)
-            ]
-            sizes = [[HEADER_SIZE, *(v.numel() for v in vs)] for vs in views]
+            addrs = [pages.addresses(i) for i in idx]
+            ptrs = [[base + j * HEADER_SIZE, *(a for a, _ in pa)] for j, pa in enumerate(addrs)]
+            sizes = [[HEADER_SIZE, *(n for _, n in pa)] for pa in addrs]
             codes = self._call(
                 "get",
                 lambda: store.batch_get_into_multi_buffers(names, ptrs, sizes),
                 deadline,
                 arena,
-                keep=pages.host.buffer,
+                keep=pages.buffer,
                 writes_host=True,
             )
         else:
@@ -438,24 +439,23 @@ class MooncakeStorage(ConfiguredStorage):
         base = arena.addr
         todo_names = [names[j] for j in todo]
         if zero_copy:
-            assert isinstance(pages, HostPages)
             ptrs: list[list[int]] = []
             sizes: list[list[int]] = []
             for slot, j in enumerate(todo):
                 i = idx[j]
-                views = pages.views(i)
+                addrs = pages.addresses(i)
                 header = encode_header(
                     self._digest_of(keys[i]), keys[i].fingerprint, pages.parts(i)
                 )
                 raw[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = header
-                ptrs.append([base + slot * HEADER_SIZE, *(int(v.data_ptr()) for v in views)])
-                sizes.append([HEADER_SIZE, *(v.numel() for v in views)])
+                ptrs.append([base + slot * HEADER_SIZE, *(a for a, _ in addrs)])
+                sizes.append([HEADER_SIZE, *(n for _, n in addrs)])
             codes = self._call(
                 "set",
                 lambda: store.batch_put_from_multi_buffers(todo_names, ptrs, sizes),
                 deadline,
                 arena,
-                keep=pages.host.buffer,
+                keep=pages.buffer,
             )
         else:
             self._pack(raw, keys, pages, [idx[j] for j in todo], rec)
