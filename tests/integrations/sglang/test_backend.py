@@ -230,7 +230,13 @@ def test_mooncake_moves_sglangs_pages_in_place(
     registered whole, byte-exact and no other page touched; with ``zero_copy: false`` the
     pool stays unregistered (pages are staged through hicache's arenas)."""
     svc = request.getfixturevalue("mooncake_service")
-    extra = {"hicache_backend": "mooncake", "zero_copy": zero_copy, **svc.extra_config}
+    # the test's pages are small: zero_copy_min_bytes 0 moves them in place all the same
+    extra = {
+        "hicache_backend": "mooncake",
+        "zero_copy": zero_copy,
+        "zero_copy_min_bytes": 0,
+        **svc.extra_config,
+    }
     keys = [f"{layout}-{zero_copy}-{i}".ljust(64, "x") for i in range(3)]
     src = host_pool("mha", layout)
     fill(src, seed=5)

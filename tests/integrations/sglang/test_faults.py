@@ -107,7 +107,8 @@ def test_a_late_zero_copy_get_never_changes_another_requests_pages(
         late = {**extra, "get_delay_s": 3.0, "timeout_s": 0.5}  # lands 2.5 s late
     else:
         svc = request.getfixturevalue("frozen_mooncake")
-        extra = {"hicache_backend": "mooncake", **svc.extra_config}
+        # the test's pages are small: zero_copy_min_bytes 0 moves them in place all the same
+        extra = {"hicache_backend": "mooncake", "zero_copy_min_bytes": 0, **svc.extra_config}
         late = {**extra, "timeout_s": 2.0}
     model = f"late-{uuid.uuid4().hex[:8]}"
     written = write_four_pages(make, "mha", "page_first", extra, model)
