@@ -20,7 +20,7 @@ from hicache.config import KVSpec, PrefetchConfig
 from hicache.storage.base import StorageOptions
 from tests.helpers.kvdata import serve
 from tests.helpers.l3_cache import cache_over_l3
-from tests.helpers.services import start_mooncake
+from tests.helpers.services import private_mooncake
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
 PAGE = 4
@@ -29,19 +29,15 @@ TOKENS = list(range(100, 100 + 8 * PAGE))
 
 @pytest.fixture
 def mooncake() -> Iterator[Any]:
-    pytest.importorskip("mooncake.store")
-    svc = start_mooncake(segment_size="64MiB")
-    try:
+    with private_mooncake() as svc:
         yield svc
-    finally:
-        svc.thaw()
-        svc.kill()
-        svc.close()
 
 
 def make(svc: Any, prefetch: PrefetchConfig, **cfg: Any) -> HiCache:
     options = StorageOptions(timeout_s=0.5, connect_timeout_s=10.0)
-    return cache_over_l3(SPEC, "mooncake", svc.extra_config, options, prefetch, **cfg)
+    # these pages are small: zero_copy_min_bytes 0 still moves them in place (the hazard)
+    extra = {**svc.extra_config, "zero_copy_min_bytes": 0}
+    return cache_over_l3(SPEC, "mooncake", extra, options, prefetch, **cfg)
 
 
 def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any) -> None:

@@ -9,6 +9,8 @@ When a service's binary or package is missing the test is skipped locally but FA
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 import pytest
@@ -63,3 +65,17 @@ def start_mooncake(segment_size: str = "256MiB", timeout_s: float = 60.0) -> Moo
         return MooncakeProcess(segment_size=segment_size, startup_timeout_s=timeout_s).start()
     except ServiceUnavailableError as e:
         missing("Mooncake", str(e))
+
+
+@contextmanager
+def private_mooncake(segment_size: str = "64MiB") -> Iterator[MooncakeProcess]:
+    """A Mooncake store of one test alone, which it may freeze (SIGSTOP): thawed, killed
+    and closed on the way out, frozen or not."""
+    pytest.importorskip("mooncake.store")
+    svc = start_mooncake(segment_size=segment_size)
+    try:
+        yield svc
+    finally:
+        svc.thaw()
+        svc.kill()
+        svc.close()

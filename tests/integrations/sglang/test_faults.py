@@ -14,7 +14,7 @@ from sglang.srt.managers.cache_controller import PrefetchOperation
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
 
 from hicache.integrations.sglang.quarantine import HostQuarantine
-from tests.helpers.services import start_mooncake
+from tests.helpers.services import private_mooncake
 from tests.integrations.sglang.controller import TOKENS, WAIT_S, Make, pages_of, write_four_pages
 from tests.integrations.sglang.pools import PAGE, attach, fill, host_pool, indices, page_bytes
 
@@ -79,14 +79,8 @@ def test_the_quarantine_keeps_held_pages_out_of_sglangs_free_list() -> None:
 @pytest.fixture
 def frozen_mooncake() -> Iterator[Any]:
     """A Mooncake store of this test alone, which it freezes (SIGSTOP)."""
-    pytest.importorskip("mooncake.store")
-    svc = start_mooncake(segment_size="64MiB")
-    try:
+    with private_mooncake() as svc:
         yield svc
-    finally:
-        svc.thaw()
-        svc.kill()
-        svc.close()
 
 
 @pytest.mark.parametrize("store", ["memory", "mooncake"])
