@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -82,8 +83,14 @@ every MLP and expert size already divisible by 16."""
 TINY_WIDE_MODELS: tuple[str, ...] = tuple(_WIDE)
 """Tiny random models wide enough for 16 ranks (``hicache bench tp-stress`` at the second
 seed's scale): a Llama, a Gemma 3 (full + SWA) and a Nemotron-H (full + Mamba)."""
+SMALL_STEP_MODEL = "tiny-random-nemotron-h-small-step"
+"""The tiny Nemotron-H with ``time_step_min = 0.01`` and every Mamba head's ``dt_bias`` drawn
+so that its step sizes ``softplus(dt_raw + dt_bias)`` spread over ``[1e-3, 3e-2]``, mostly
+below ``time_step_min``: a bound applied where the checkpoint does not ask for one (its
+``time_step_limit`` is ``(0, inf)``) changes its outputs."""
+SMALL_STEP_RANGE = (1e-3, 3e-2)
 ALL_TINY_MODELS: tuple[str, ...] = (
-    TINY_MODELS + TINY_HYBRID_MODELS + TINY_DEEPSEEK_MODELS + TINY_WIDE_MODELS
+    TINY_MODELS + TINY_HYBRID_MODELS + TINY_DEEPSEEK_MODELS + TINY_WIDE_MODELS + (SMALL_STEP_MODEL,)
 )
 """Every name :func:`resolve_checkpoint` makes a tiny random model for."""
 
@@ -390,6 +397,10 @@ def _tiny_deepseek_config(name: str, tokenizer: Any) -> Any:
 
 
 def _tiny_config_for(name: str, tokenizer: Any) -> Any:
+    if name == SMALL_STEP_MODEL:
+        config = _tiny_hybrid_config("tiny-random-nemotron-h", tokenizer)
+        config.time_step_min = 0.01
+        return config
     wide = _WIDE.get(name)
     if wide is not None:
         config = _tiny_config_for(name.removesuffix("-wide"), tokenizer)
@@ -414,7 +425,7 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
 
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        hybrid = name.removesuffix("-wide") in TINY_HYBRID_MODELS
+        hybrid = name == SMALL_STEP_MODEL or name.removesuffix("-wide") in TINY_HYBRID_MODELS
         config = _tiny_config_for(name, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)
@@ -432,10 +443,22 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
                 for bname, b in model.named_buffers():
                     if bname.endswith("e_score_correction_bias"):
                         b.normal_(0.0, 0.2)
+                if name == SMALL_STEP_MODEL:
+                    _small_step_biases(model)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
     return materialize(out_dir, write)
+
+
+def _small_step_biases(model: torch.nn.Module) -> None:
+    """Set every ``dt_bias`` to the inverse softplus of step sizes log-uniform over
+    :data:`SMALL_STEP_RANGE` (the raw ``dt`` projection then spreads them around that)."""
+    low, high = (math.log(v) for v in SMALL_STEP_RANGE)
+    for pname, p in model.named_parameters():
+        if pname.endswith("dt_bias"):
+            dt = torch.exp(torch.rand(p.shape) * (high - low) + low)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
 def _gguf_cache_name(path: Path) -> str:

@@ -2,7 +2,9 @@
 
 Per head ``h`` the state ``S (P, N)`` evolves as ``S <- exp(dt_t A_h) S + dt_t x_t B_t^T``
 and the output is ``y_t = S C_t + D_h x_t`` (``x_t (P,)``, ``B_t``/``C_t (N,)`` shared by
-the heads of a group, ``dt_t = clamp(softplus(dt_raw + dt_bias), min=time_step_min)``).
+the heads of a group, ``dt_t = clamp(softplus(dt_raw + dt_bias), *time_step_limit)``: the
+checkpoint's ``time_step_limit``, default ``(0, inf)``, as ``mamba_ssm``; ``time_step_min`` only
+sets the range ``dt_bias`` is initialised in and bounds nothing at run time).
 
 :func:`ssd_scan` computes it a chunk at a time: with cumulative log decay ``G_t`` inside a
 chunk, ``y_t = e^{G_t} S_0 C_t + sum_{s<=t} e^{G_t - G_s} (C_t . B_s) dt_s x_s + D x_t`` and
@@ -68,7 +70,9 @@ def ssd_scan(
 
 class Mamba2Spec:
     """Sizes of a Mamba2 mixer: ``num_heads`` x ``head_dim`` (intermediate width),
-    ``n_groups`` groups of B/C of ``state_size``, conv ``conv_kernel``, biases, dt floor."""
+    ``n_groups`` groups of B/C of ``state_size``, conv ``conv_kernel``, biases, and
+    ``time_step_limit = (low, high)``, the bounds of every step size ``dt``
+    (``0 <= low <= high``, ``high`` may be ``inf``)."""
 
     def __init__(
         self,
@@ -81,18 +85,24 @@ class Mamba2Spec:
         conv_kernel: int,
         conv_bias: bool,
         proj_bias: bool,
-        time_step_min: float,
+        time_step_limit: tuple[float, float],
         eps: float,
     ) -> None:
         if num_heads % n_groups:
             raise ValueError(
                 f"mamba num_heads={num_heads} is not a multiple of n_groups={n_groups}"
             )
+        limit = tuple(float(v) for v in time_step_limit)
+        if len(limit) != 2 or not 0.0 <= limit[0] <= limit[1]:  # also refuses NaN
+            raise ValueError(
+                f"mamba time_step_limit={tuple(time_step_limit)} must be (low, high) with"
+                " 0 <= low <= high"
+            )
         self.hidden_size = hidden_size
         self.num_heads, self.head_dim = num_heads, head_dim
         self.n_groups, self.state_size = n_groups, state_size
         self.conv_kernel, self.conv_bias, self.proj_bias = conv_kernel, conv_bias, proj_bias
-        self.time_step_min = time_step_min
+        self.time_step_limit = (limit[0], limit[1])
         self.eps = eps
 
     def split(self, tp: TPGroup) -> Mamba2Spec:
@@ -113,7 +123,7 @@ class Mamba2Spec:
             conv_kernel=self.conv_kernel,
             conv_bias=self.conv_bias,
             proj_bias=self.proj_bias,
-            time_step_min=self.time_step_min,
+            time_step_limit=self.time_step_limit,
             eps=self.eps,
         )
 
@@ -210,7 +220,7 @@ class Mamba2Mixer(nn.Module):
         per_group = sp.num_heads // sp.n_groups
         b = b.reshape(bsz, n, sp.n_groups, sp.state_size).repeat_interleave(per_group, dim=2)
         c = c.reshape(bsz, n, sp.n_groups, sp.state_size).repeat_interleave(per_group, dim=2)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=sp.time_step_min)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*sp.time_step_limit)
         xs = xs.reshape(bsz, n, sp.num_heads, sp.head_dim)
         y, ssm = ssd_scan(xs, dt, -self.A_log.float().exp(), b, c, state.ssm)
         y = y + self.D.float()[:, None] * xs.float()

@@ -108,7 +108,7 @@ class NemotronHConfig(HybridConfig):
                 conv_kernel=int(hf.conv_kernel),
                 conv_bias=bool(hf.use_conv_bias),
                 proj_bias=bool(hf.use_bias),
-                time_step_min=float(hf.time_step_min),
+                time_step_limit=tuple(hf.time_step_limit),
                 eps=float(hf.layer_norm_epsilon),
             ),
             routing=routing,
