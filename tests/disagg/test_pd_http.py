@@ -3,7 +3,11 @@ uvicorn on 127.0.0.1): a request without them gets a 400 naming what is missing,
 do a batch whose rooms do not match its prompts, ``n`` > 1 and log probabilities; a room
 in use or just used is refused by the prefill instance; the router's no-transfer host is
 served alone, as JSON on a prefill instance even when a stream is asked for;
-``/health_generate`` answers on both."""
+``/health_generate`` answers on both. Statuses tell whose fault it was, the same on both
+sides: a room used, a pair whose layouts differ (whichever side comes first), a host
+that does not resolve and a room that is not an integer are 400s; a prefill that does not
+answer (a socket nobody accepts on, a process paused with SIGSTOP) is a 504 within the
+decode's health bound."""
 
 from __future__ import annotations
 

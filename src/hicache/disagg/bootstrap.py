@@ -83,10 +83,10 @@ class PrefillRooms:
         except LayoutMismatch as exc:
             # the room is used up: its prefill request fails too, refused as the decode
             # side's is (the same status on both sides, whichever came first)
-            why = Failure(str(exc), FailureKind.REFUSED)
+            mismatch = Failure(str(exc), FailureKind.REFUSED)
             with self._cond:
                 self._table.claim(registration.room, time.monotonic())
-                self._table.close(registration.room, time.monotonic(), error=why)
+                self._table.close(registration.room, time.monotonic(), error=mismatch)
                 self._cond.notify_all()
             return Refused(str(exc), mismatch=True)
         with self._cond:
