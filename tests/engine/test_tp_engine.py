@@ -217,8 +217,12 @@ def rank_0_fails(name: str, engine: Engine) -> None:
         engine.call(lambda: setattr(engine.scheduler, "step", boom)).result(timeout=30)
         while engine.health().healthy and time.monotonic() - started < 30:
             time.sleep(0.05)
+        # unhealthy from the failure on, naming rank 0, before it has stopped its follower
         reason = engine.health().reason
         assert reason is not None and "rank 0 stopped: RuntimeError: a bug on rank 0" in reason
+        while engine.rank_failure is None and time.monotonic() - started < 30:
+            assert not engine.health().healthy
+            time.sleep(0.05)
         assert engine.rank_failure is not None and engine.rank_failure.startswith("rank 0")
         for proc in procs:
             proc.join(timeout=30)

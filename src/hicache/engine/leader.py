@@ -258,13 +258,16 @@ class Leader:
         except BaseException as exc:
             failed = exc.error if isinstance(exc, StepFailed) else exc
             reason = f"the engine loop died: {type(failed).__name__}: {failed}"
-            self.failing = reason  # unhealthy now, while it stops the ranks (seconds)
+            # unhealthy from now on, while it looks for a dead follower and stops the
+            # others (seconds); a follower found dead is named instead once reported
+            own = f"rank 0 stopped: {type(failed).__name__}: {failed}"
+            self.failing = reason if channel is None else f"{own}; stopping the ranks"
             failure = self._failed_rank()
             if failure is not None:
                 reason = f"{failure}; the engine stopped"
             log.critical("%s", reason, exc_info=failure is None)
             if failure is None and channel is not None:
-                why = f"rank 0 stopped: {type(failed).__name__}: {failed}"
+                why = own
                 self._break_ranks(why)
                 reason = f"{why}; the engine stopped"
         finally:
