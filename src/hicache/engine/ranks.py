@@ -57,6 +57,8 @@ COLLECTIVE_TIMEOUT_S = 600.0
 """Longest one collective waits for the other ranks (a forward of the longest prefill
 included), by default (``--collective-timeout``): a rank that stalls past it makes the
 others fail, not hang."""
+STORE_CONNECT_S = 10.0
+"""Least time rank 0's rendezvous store gives its own connection to itself."""
 CLOSE_TIMEOUT_S = 30.0
 """Longest :meth:`RankProcesses.close` waits for the followers before killing them."""
 
@@ -155,15 +157,18 @@ def open_store(size: int, timeout_s: float) -> Any:
     """Rank 0's rendezvous store (a ``TCPStore`` server) for ``size`` ranks, listening on
     127.0.0.1 at a port the system picks as it binds (``.port``): bound and kept from the
     start, so nothing can take it between the choice and the bind, and an error here is
-    rank 0's own."""
-    return dist.TCPStore(
+    rank 0's own. ``timeout_s`` bounds its waits for the other ranks' keys; its own
+    connection to itself gets :data:`STORE_CONNECT_S` at least (a busy host)."""
+    store = dist.TCPStore(
         "127.0.0.1",
         0,
         size,
         is_master=True,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=max(timeout_s, STORE_CONNECT_S)),
         wait_for_workers=False,
     )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def join_group(setup: RankSetup, store: Any = None) -> StepChannel:
