@@ -127,14 +127,14 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hicache.server.app import create_app
-    from hicache.server.args import FlagError, check_bind, check_flags
+    from hicache.server.args import FlagError, check_flags, listen_on
 
     try:
         check_flags(args)
-        check_bind(args.host, args.port)
+        listener = listen_on(args.host, args.port)  # held from here on, served by uvicorn
     except FlagError as exc:
         raise StartupError(str(exc)) from exc
-    with _start_engine(args) as engine:
+    with listener, _start_engine(args) as engine:
         app = create_app(
             engine,
             args.served_model_name,
@@ -160,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         engine.on_rank_failure(rank_died)
         with _exit_on_sigterm():
-            server.run()
+            server.run(sockets=[listener])
         if engine.rank_failure is not None:
             print(f"hicache serve: error: {engine.rank_failure}", file=sys.stderr)
             return 1

@@ -8,6 +8,9 @@ armed, as a kernel that compiles in fp32 but fails in bf16 would, inside the rea
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -74,3 +77,54 @@ def test_health_is_503_after_failed_forwards_and_200_once_one_succeeds() -> None
 def test_unhealthy_after_failed_steps_is_validated(value: Any) -> None:
     with pytest.raises(ValueError, match="unhealthy_after_failed_steps"):
         EngineConfig(unhealthy_after_failed_steps=value)
+
+
+class BlockingForward:
+    """A forward pre-hook that, while ``armed``, holds the forward until ``release``."""
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if self.armed:
+            self.entered.set()
+            self.release.wait(30)
+
+
+@pytest.mark.parametrize("check", ["health", "in_flight"])
+def test_a_stopping_engine_is_503_on_health_and_for_its_requests_in_flight(check: str) -> None:
+    """The engine is told to stop while a forward runs: ``/health`` is 503 from that
+    moment (not 200 until the loop has ended its round), and the request in flight is
+    answered 503 (the server is going; a router retries it elsewhere), not 500."""
+    engine = make_engine()
+    hook = BlockingForward()
+    handle = engine.model.model.register_forward_pre_hook(hook)
+    try:
+        with serve(engine) as url, ThreadPoolExecutor(2) as ex:
+            body = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+            pending = ex.submit(post, url, "/v1/completions", body)
+            assert hook.entered.wait(30), "the request never reached a forward"
+            closing = ex.submit(engine.close)
+            if check == "health":
+                deadline = time.monotonic() + 10
+                while engine.health().reason is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                r = health(url)  # the forward is still held: the loop has not ended
+                assert r.status_code == 503, r.text
+                assert "stopping" in r.json()["error"]["message"], r.text
+            else:
+                time.sleep(0.5)  # told to stop while the forward is held
+            hook.armed = False
+            hook.release.set()
+            closing.result(timeout=60)
+            r = pending.result(timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.headers.get("retry-after") == "1"
+            assert "the engine was closed" in r.json()["error"]["message"], r.text
+            assert health(url).status_code == 503
+    finally:
+        hook.release.set()
+        handle.remove()
+        engine.close()

@@ -254,3 +254,35 @@ def test_hybrid_flags_reach_the_cache_config() -> None:
     cache = engine_config_from_args(args).cache
     assert (cache.max_mamba_cache_size, cache.mamba_full_memory_ratio) == (3, 0.5)
     assert cache.mamba_track_interval == 32 and cache.swa_full_tokens_ratio == 0.25
+
+
+def test_the_http_port_is_held_while_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hicache serve`` listens on ``--port`` before it loads the model and hands that
+    socket to uvicorn: nothing can take the port between the check and the serving (it
+    could, and the server then died after loading with uvicorn's raw ``Errno 98``). A start
+    that fails afterwards gives the port back."""
+    from hicache import cli
+
+    port = free_port()
+    probes: list[str] = []
+
+    def loading(args: object) -> object:  # stands for the model's load, then fails
+        with socket.socket() as other:  # another server starting on the same port
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                other.bind(("127.0.0.1", port))
+                other.listen()
+                probes.append("taken by another")
+            except OSError as exc:
+                probes.append(f"held: {exc.strerror}")
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            probes.append("listening")
+        raise cli.StartupError("the model could not load")
+
+    monkeypatch.setattr(cli, "_start_engine", loading)
+    args = cli.build_parser().parse_args(["serve", *TINY, "--port", str(port)])
+    with pytest.raises(cli.StartupError, match="could not load"):
+        cli._serve(args)
+    assert probes == ["held: Address already in use", "listening"], probes
+    with socket.socket() as after:  # given back
+        after.bind(("127.0.0.1", port))

@@ -18,6 +18,7 @@ all there is), its ``maxclients`` set through the ordinary client.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -222,3 +223,40 @@ def test_a_frozen_rank_turns_health_503_and_recovers(tmp_path: Path) -> None:
         assert text(got[0]) == want_long
         assert text(complete(base)) == want_short
         stop_quietly(proc, log)
+
+
+def test_a_collective_timeout_is_503_until_the_port_closes(tmp_path: Path) -> None:
+    """A follower frozen past ``--collective-timeout``: rank 0's collective fails and the
+    server stops. From the first 503 (the frozen rank's heartbeat) to the port closing,
+    ``/health`` never answers 200 again (it did for ~2 s while rank 0 stopped the
+    followers), and the request in flight is a 503, which a router retries elsewhere."""
+    log = tmp_path / "serve.log"
+    argv = [*TP2, "--collective-timeout", "8"]
+    with serving(argv, log) as (proc, base):
+        text(complete(base))
+        follower = rank_pids(proc.pid)
+        assert len(follower) == 1, follower
+        got: list[httpx.Response] = []
+        long = threading.Thread(target=lambda: got.append(complete(base, 300, timeout=120)))
+        long.start()
+        time.sleep(0.5)  # the request is in its forwards
+        os.kill(follower[0], signal.SIGSTOP)
+        seen: list[int] = []
+        try:
+            deadline = time.monotonic() + 90
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    seen.append(httpx.get(f"{base}/health", timeout=5).status_code)
+                except httpx.HTTPError:
+                    break  # the port has closed
+                time.sleep(0.05)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # killed by rank 0 by then
+                os.kill(follower[0], signal.SIGCONT)
+        assert 503 in seen, seen
+        after = seen[seen.index(503) :]
+        assert set(after) == {503}, f"/health went back to 200 while dying: {after}"
+        long.join(timeout=60)
+        assert not long.is_alive() and len(got) == 1
+        assert got[0].status_code == 503, got[0].text
+        assert proc.wait(timeout=60) == 1, log.read_text()

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,8 +29,9 @@ import torch
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.controller.rank_group import LocalOnlyError
+from hicache.engine import ranks as ranks_module
 from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.ranks import RankProcesses, RankStartError
+from hicache.engine.ranks import RankProcesses, RankStartError, leave_group
 from hicache.engine.request import OutputCallback, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import SchedulerConfig
@@ -214,8 +217,12 @@ def rank_0_fails(name: str, engine: Engine) -> None:
         engine.call(lambda: setattr(engine.scheduler, "step", boom)).result(timeout=30)
         while engine.health().healthy and time.monotonic() - started < 30:
             time.sleep(0.05)
+        # unhealthy from the failure on, naming rank 0, before it has stopped its follower
         reason = engine.health().reason
         assert reason is not None and "rank 0 stopped: RuntimeError: a bug on rank 0" in reason
+        while engine.rank_failure is None and time.monotonic() - started < 30:
+            assert not engine.health().healthy
+            time.sleep(0.05)
         assert engine.rank_failure is not None and engine.rank_failure.startswith("rank 0")
         for proc in procs:
             proc.join(timeout=30)
@@ -315,6 +322,46 @@ def test_a_rank_that_dies_before_joining_is_named() -> None:
     ranks = RankProcesses(2, rank_targets.exits_at_once, None, init_timeout_s=30.0)
     with pytest.raises(RankStartError, match=r"^rank 1 \(pid \d+\) exited with code 3 before"):
         ranks.start()
+
+
+def test_a_rendezvous_port_taken_after_it_was_picked_does_not_fail_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 binds its rendezvous store at a port the system picks as it binds, and keeps
+    it: a port picked first and bound later could be taken in between (here: by a socket
+    already listening on the port the old way picked), which failed the start after 5 s
+    as "rank 1 did not join", rank 0's own error dropped."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    monkeypatch.setattr(ranks_module, "free_port", lambda: port, raising=False)
+    ranks = RankProcesses(2, rank_targets.joins_and_gathers, None, init_timeout_s=30.0)
+    try:
+        channel = ranks.start()
+        assert channel.gather("rank 0") == ["rank 0", "rank 1"]
+    finally:
+        ranks.close(timeout=10)
+        leave_group()
+        taken.close()
+
+
+def test_rank_0s_own_join_failure_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's join fails on its own (not at the join timeout): the line names rank 0's
+    error, not a follower that "did not join within 30 s"."""
+
+    def fails(setup: Any, store: Any = None) -> Any:
+        raise RuntimeError("EADDRINUSE: address already in use")
+
+    monkeypatch.setattr(ranks_module, "join_group", fails)
+    ranks = RankProcesses(2, rank_targets.joins_and_gathers, None, init_timeout_s=30.0)
+    started = time.monotonic()
+    with pytest.raises(RankStartError) as err:
+        ranks.start()
+    message = str(err.value)
+    assert message.startswith("rank 0 could not join the process group: RuntimeError:"), message
+    assert "EADDRINUSE" in message and "within 30 s" not in message, message
+    assert time.monotonic() - started < 20
 
 
 def test_step_records_pickle_and_rebuild_the_params() -> None:

@@ -16,3 +16,15 @@ def never_joins(setup: Any, payload: Any, conn: Any) -> None:
 def exits_at_once(setup: Any, payload: Any, conn: Any) -> None:
     """A rank that dies before joining (exit code 3)."""
     os._exit(3)
+
+
+def joins_and_gathers(setup: Any, payload: Any, conn: Any) -> None:
+    """A rank that joins the process group, takes part in one gather (its rank), and
+    leaves."""
+    from hicache.engine.ranks import join_group, leave_group
+
+    conn.send(("joining",))
+    channel = join_group(setup)
+    conn.send(("joined",))
+    channel.gather(f"rank {setup.rank}")
+    leave_group()

@@ -39,6 +39,7 @@ import httpx
 
 from hicache.disagg.layout import InstanceLayout, LayoutMismatch, Registration, check_pair
 from hicache.disagg.rooms import RoomResult, RoomStatus, RoomTable
+from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,12 @@ class PrefillRooms:
         try:
             check_pair(self.layout, registration.layout)
         except LayoutMismatch as exc:
-            with self._cond:  # the room is used up: its prefill request fails too
+            # the room is used up: its prefill request fails too, refused as the decode
+            # side's is (the same status on both sides, whichever came first)
+            mismatch = Failure(str(exc), FailureKind.REFUSED)
+            with self._cond:
                 self._table.claim(registration.room, time.monotonic())
-                self._table.close(registration.room, time.monotonic(), error=str(exc))
+                self._table.close(registration.room, time.monotonic(), error=mismatch)
                 self._cond.notify_all()
             return Refused(str(exc), mismatch=True)
         with self._cond:
@@ -252,7 +256,28 @@ def _handler(rooms: PrefillRooms, stopped: threading.Event) -> type[BaseHTTPRequ
 
 
 class BootstrapUnreachable(ConnectionError):
-    """The prefill instance's bootstrap server did not answer."""
+    """The prefill instance's bootstrap server did not answer; :attr:`failure` says so
+    as a request's error: :attr:`~hicache.failures.FailureKind.REFUSED` when its host
+    name does not resolve (the request named a bogus address), else
+    :attr:`~hicache.failures.FailureKind.PEER_TIMEOUT`."""
+
+    def __init__(self, message: str, *, unknown_host: bool = False) -> None:
+        super().__init__(message)
+        kind = FailureKind.REFUSED if unknown_host else FailureKind.PEER_TIMEOUT
+        self.failure = Failure(message, kind)
+
+
+def _unknown_host(exc: BaseException) -> bool:
+    """Whether ``exc`` (an httpx error) comes from a host name that does not resolve."""
+    unknown = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain: httpx -> httpcore -> socket.gaierror
+        if seen is None:
+            return False
+        if isinstance(seen, socket.gaierror) and seen.errno in unknown:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class BootstrapClient:
@@ -262,6 +287,7 @@ class BootstrapClient:
 
     def __init__(self, host: str, port: int, timeout_s: float = 5.0) -> None:
         self.address = f"{host}:{port}"
+        self._host = host
         self._timeout_s = timeout_s
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # a body follows its headers
         self._http = httpx.Client(
@@ -274,17 +300,27 @@ class BootstrapClient:
         try:
             return self._http.post(path, json=body, timeout=self._timeout_s + extra_s)
         except httpx.HTTPError as exc:
+            if _unknown_host(exc):
+                raise BootstrapUnreachable(
+                    f"bootstrap_host {self._host!r} does not resolve to an address ({exc})",
+                    unknown_host=True,
+                ) from None
             raise BootstrapUnreachable(
                 f"the prefill instance's bootstrap server at {self.address} did not answer"
-                f" ({type(exc).__name__}: {exc})"
+                f" within {self._timeout_s + extra_s:g} s ({type(exc).__name__}: {exc})"
             ) from None
 
-    def register(self, registration: Registration) -> str | None:
-        """Register a room's pages; None when accepted, else the prefill side's refusal."""
+    def register(self, registration: Registration) -> Failure | None:
+        """Register a room's pages; None when accepted, else the prefill side's refusal:
+        :attr:`~hicache.failures.FailureKind.REFUSED` for the room (in use, used, or a
+        layout mismatch: 409 or 400), else
+        :attr:`~hicache.failures.FailureKind.PEER_FAILED` (it is stopping, or answered
+        something else)."""
         r = self._post("/register", registration.to_json())
         if r.status_code == 200:
             return None
-        return _error_of(r)
+        kind = FailureKind.REFUSED if r.status_code in (400, 409) else FailureKind.PEER_FAILED
+        return Failure(f"the prefill instance refused the room: {_error_of(r)}", kind)
 
     def status(self, rooms: Sequence[int], wait_s: float) -> list[RoomStatus | None]:
         """Each room's status (a long poll of at most ``wait_s``)."""

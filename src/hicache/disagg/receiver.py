@@ -7,8 +7,14 @@ statuses of its rooms (``/status``, which answers as soon as one closes). A clos
 becomes one call: ``arrived(rid, result)`` when the prefill side reports ``SUCCESS``
 (every byte has landed: the sender closes the room after its last write), else
 ``ended(rid, error)``; the engine applies them as step inputs. The long poll is also the
-health check: when the prefill instance has not answered for ``health_bound_s``, every
-room of it ends with an error.
+health check: when the prefill instance has not answered for ``health_bound_s`` (counted
+from the start of the first call it did not answer; each call waits at most that long),
+every room of it ends with an error, and so does a registration it does not answer.
+
+Each ``error`` is a :class:`~hicache.failures.Failure` saying whose fault it was: the
+room refused (in use, used, a layout mismatch) or a ``bootstrap_host`` that does not
+resolve: ``REFUSED``; the prefill instance silent for the bound: ``PEER_TIMEOUT``; the
+room failed on the prefill side: ``PEER_FAILED``.
 
 An abort (:meth:`DecodeReceiver.abort`) is drained: the room is given up at the prefill
 side, and ``ended`` comes only once the prefill side has closed it (no write can follow),
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from hicache.disagg.bootstrap import BootstrapClient, BootstrapUnreachable
 from hicache.disagg.layout import Registration
 from hicache.disagg.rooms import RoomResult, RoomState
+from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +96,7 @@ class DecodeReceiver:
         address = f"{host}:{port}"
         link = self._links.get(address)
         if link is None or not link.alive:
-            link = self._links[address] = _Link(self, host, port)
+            link = self._links[address] = _Link(self, host, port, self._health_bound_s)
             link.start()
         self._where[rid] = address
         link.post(_Expect(rid, registration))
@@ -129,9 +136,9 @@ class DecodeReceiver:
 class _Link:
     """The thread that follows one prefill instance's rooms."""
 
-    def __init__(self, owner: DecodeReceiver, host: str, port: int) -> None:
+    def __init__(self, owner: DecodeReceiver, host: str, port: int, bound_s: float) -> None:
         self.owner = owner
-        self.client = BootstrapClient(host, port)
+        self.client = BootstrapClient(host, port, timeout_s=bound_s)
         self.inbox: queue.Queue[_Expect | _Abort] = queue.Queue()
         self.rooms: dict[str, _Room] = {}
         self._stop = threading.Event()
@@ -172,12 +179,13 @@ class _Link:
         except Exception:
             log.exception("the PD link to %s failed", self.client.address)
         finally:
+            stopping = Failure("the decode instance is stopping", FailureKind.STOPPING)
             for r in list(self.rooms.values()):
-                self._end(r, "the decode instance is stopping")
+                self._end(r, stopping)
             while not self.inbox.empty():
                 item = self.inbox.get_nowait()
                 if isinstance(item, _Expect):
-                    self.owner._call_ended(item.rid, "the decode instance is stopping")
+                    self.owner._call_ended(item.rid, stopping)
             self.client.close()
 
     def _take_inbox(self) -> None:
@@ -193,10 +201,10 @@ class _Link:
         try:
             refused = self.client.register(item.registration)
         except BootstrapUnreachable as exc:
-            self.owner._call_ended(item.rid, str(exc))
+            self.owner._call_ended(item.rid, exc.failure)
             return
         if refused is not None:
-            self.owner._call_ended(item.rid, f"the prefill instance refused the room: {refused}")
+            self.owner._call_ended(item.rid, refused)
             return
         room.registered = True
         self.rooms[item.rid] = room
@@ -217,14 +225,16 @@ class _Link:
 
     def _poll(self) -> None:
         rooms = list(self.rooms.values())
+        asked = time.monotonic()
         try:
             got = self.client.status([r.room for r in rooms], POLL_WAIT_S)
         except BootstrapUnreachable as exc:
             now = time.monotonic()
-            since = self._unreachable_since = self._unreachable_since or now
+            since = self._unreachable_since = self._unreachable_since or asked
             if now - since >= self.owner._health_bound_s:
+                why = f"{exc}; silent for {now - since:.1f} s, so its rooms failed"
                 for r in rooms:
-                    self._end(r, f"{exc}; for {now - since:.1f} s, so its rooms failed")
+                    self._end(r, Failure(why, FailureKind.PEER_TIMEOUT))
                 self._unreachable_since = None
             else:
                 self._stop.wait(min(0.2, self.owner._health_bound_s / 4))
@@ -247,10 +257,18 @@ class _Link:
                     r.why = r.why or status.error or f"room {r.room} {status.state.value}"
                     r.drain_until = now + self.owner._drain_timeout_s
                 elif not status.written or now >= (r.drain_until or now):
-                    self._end(r, r.why or status.error or f"room {r.room} {status.state.value}")
+                    self._end(r, _peer_failed(r.why or status.error, r.room, status.state))
             elif r.drain_until is not None and now >= r.drain_until:
                 self._end(r, f"{r.why} (the prefill side did not acknowledge the abort)")
 
     def _end(self, r: _Room, why: str) -> None:
         self.rooms.pop(r.rid, None)
         self.owner._call_ended(r.rid, why)
+
+
+def _peer_failed(why: str | None, room: int, state: RoomState) -> str:
+    """The error of a room the prefill side closed without success: its own kind when it
+    has one (a refusal stays a refusal), else ``PEER_FAILED``."""
+    if isinstance(why, Failure):
+        return why
+    return Failure(why or f"room {room} {state.value}", FailureKind.PEER_FAILED)

@@ -80,7 +80,10 @@ def health_of(
     and whose lifecycle is ``state`` (see :meth:`Engine.health`); ``limit``: failed steps
     or forwards in a row that make it unhealthy. A follower rank that has stopped
     answering (no heartbeat for :data:`~hicache.engine.heartbeat.SILENT_AFTER_S`) makes
-    it unhealthy, naming the rank, until it answers again."""
+    it unhealthy, naming the rank, until it answers again. Once the engine is told to
+    stop, or its loop has failed, it is unhealthy for good: from that moment until the
+    server's port closes (stopping the followers takes seconds, and their heartbeats
+    are no longer read then)."""
     thread = None if leader is None else leader.thread
     alive = thread is not None and thread.is_alive() and not state.loop_ended
     last_loop = None if leader is None else leader.last_loop
@@ -96,6 +99,10 @@ def health_of(
             reason = "the engine is not started"
         else:
             reason = state.exit_reason or "the engine thread is not running"
+    elif leader is not None and leader.failing is not None:  # stopping the ranks
+        reason = leader.failing
+    elif state.state is not EngineState.RUNNING:  # told to stop: ends its round
+        reason = "the engine is stopping"
     elif silent is not None:  # a frozen follower: the loop waits in a collective for it
         reason = silent
     elif age is not None and age > stall_after_s:

@@ -47,6 +47,7 @@ from hicache.engine.request import Request
 from hicache.engine.run_state import RunState
 from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
 from hicache.engine.tp_fit import check_tp_model
+from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,6 +126,9 @@ class Leader:
         followers are closed as broken."""
         self.thread: threading.Thread | None = None
         """The engine thread, once started."""
+        self.failing: str | None = None
+        """Why the loop failed, from the moment it did (before it stops the followers
+        and reports a rank failure): ``/health`` is 503 from then on."""
         if ranks is not None:
             ranks.watch(self.ranks_failed)
 
@@ -254,12 +258,16 @@ class Leader:
         except BaseException as exc:
             failed = exc.error if isinstance(exc, StepFailed) else exc
             reason = f"the engine loop died: {type(failed).__name__}: {failed}"
+            # unhealthy from now on, while it looks for a dead follower and stops the
+            # others (seconds); a follower found dead is named instead once reported
+            own = f"rank 0 stopped: {type(failed).__name__}: {failed}"
+            self.failing = reason if channel is None else f"{own}; stopping the ranks"
             failure = self._failed_rank()
             if failure is not None:
                 reason = f"{failure}; the engine stopped"
             log.critical("%s", reason, exc_info=failure is None)
             if failure is None and channel is not None:
-                why = f"rank 0 stopped: {type(failed).__name__}: {failed}"
+                why = own
                 self._break_ranks(why)
                 reason = f"{why}; the engine stopped"
         finally:
@@ -368,7 +376,10 @@ class Leader:
 
     def _end(self, reason: str) -> None:
         """The loop's last act: refuse new work, fail what is queued or in flight, and
-        close the cache if ``close()`` has handed that over."""
+        close the cache if ``close()`` has handed that over. What it fails gets a
+        :attr:`~hicache.failures.FailureKind.STOPPING` error: the request was fine, this
+        server is going (HTTP 503, which a router retries elsewhere)."""
+        reason = Failure(reason, FailureKind.STOPPING)
         self.state.ending(reason)
         _drop(self._take_inbox(), reason)
         self.core.fail_in_flight(reason)

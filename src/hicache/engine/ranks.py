@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,6 @@ import torch.multiprocessing as mp
 
 from hicache.engine.heartbeat import Heartbeats
 from hicache.engine.step_inputs import StepInputs
-from hicache.services.process import free_port
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ COLLECTIVE_TIMEOUT_S = 600.0
 """Longest one collective waits for the other ranks (a forward of the longest prefill
 included), by default (``--collective-timeout``): a rank that stalls past it makes the
 others fail, not hang."""
+STORE_CONNECT_S = 10.0
+"""Least time rank 0's rendezvous store gives its own connection to itself."""
 CLOSE_TIMEOUT_S = 30.0
 """Longest :meth:`RankProcesses.close` waits for the followers before killing them."""
 
@@ -151,15 +153,38 @@ class StepChannel:
         return t[0].tolist(), {j for j in range(n) if t[1, j]}
 
 
-def join_group(setup: RankSetup) -> StepChannel:
+def open_store(size: int, timeout_s: float) -> Any:
+    """Rank 0's rendezvous store (a ``TCPStore`` server) for ``size`` ranks, listening on
+    127.0.0.1 at a port the system picks as it binds (``.port``): bound and kept from the
+    start, so nothing can take it between the choice and the bind, and an error here is
+    rank 0's own. ``timeout_s`` bounds its waits for the other ranks' keys; its own
+    connection to itself gets :data:`STORE_CONNECT_S` at least (a busy host)."""
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        size,
+        is_master=True,
+        timeout=timedelta(seconds=max(timeout_s, STORE_CONNECT_S)),
+        wait_for_workers=False,
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def join_group(setup: RankSetup, store: Any = None) -> StepChannel:
     """Join the process group as ``setup.rank`` (blocks until every rank has joined, at most
-    ``init_timeout_s``) and return this rank's :class:`StepChannel`."""
+    ``init_timeout_s``) and return this rank's :class:`StepChannel`. ``store``: rank 0's
+    own (:func:`open_store`); a follower connects to the one ``setup.init_method`` names."""
+    timeout = timedelta(seconds=setup.init_timeout_s)
+    if store is None:
+        where = urlsplit(setup.init_method)
+        if where.hostname is None or where.port is None:
+            raise ValueError(f"init_method={setup.init_method!r} is not tcp://HOST:PORT")
+        store = dist.TCPStore(
+            where.hostname, where.port, setup.size, is_master=False, timeout=timeout
+        )
     dist.init_process_group(
-        setup.backend,
-        init_method=setup.init_method,
-        rank=setup.rank,
-        world_size=setup.size,
-        timeout=timedelta(seconds=setup.init_timeout_s),
+        setup.backend, store=store, rank=setup.rank, world_size=setup.size, timeout=timeout
     )
     # the default group's timeout is the join's: every later collective runs on a group
     # with the collective timeout, the model's (NCCL on CUDA) and the agreement's (gloo)
@@ -229,7 +254,13 @@ class RankProcesses:
                 " per process"
             )
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            store = open_store(self.size, self.init_timeout_s)
+        except Exception as exc:
+            raise RankStartError(
+                f"rank 0 could not open the process group's rendezvous on 127.0.0.1: {exc}"
+            ) from exc
+        init_method = f"tcp://127.0.0.1:{store.port}"
         self._heartbeats = Heartbeats(self.size, ctx)
         try:
             for rank in range(1, self.size):
@@ -246,17 +277,19 @@ class RankProcesses:
                 self._procs[rank] = proc
                 self._conns[rank] = ours
                 self._said[rank] = []
-            self.channel = self._join(self._setup(0, init_method))
+            self.channel = self._join(self._setup(0, init_method), store)
         except BaseException:
             self.close(timeout=1.0, broken=True)
             raise
         return self.channel
 
-    def _join(self, setup: RankSetup) -> StepChannel:
-        """Join as rank 0 once every follower is about to (it said ``joining``): a follower
-        that dies first fails the start at once, one that never gets there at the timeout,
-        and rank 0 never waits in a rendezvous it could not leave."""
-        deadline = time.monotonic() + self.init_timeout_s
+    def _join(self, setup: RankSetup, store: Any) -> StepChannel:
+        """Join as rank 0 (over its ``store``) once every follower is about to (it said
+        ``joining``): a follower that dies first fails the start at once, one that never
+        gets there at the timeout, and rank 0 never waits in a rendezvous it could not
+        leave."""
+        began = time.monotonic()
+        deadline = began + self.init_timeout_s
         self._wait_for(
             "joining",
             "before joining the process group",
@@ -265,9 +298,9 @@ class RankProcesses:
             " (--dist-init-timeout)",
         )
         try:
-            return join_group(setup)
+            return join_group(setup, store)
         except Exception as exc:
-            raise RankStartError(self._join_failure(exc)) from None
+            raise RankStartError(self._join_failure(exc, began)) from exc
 
     def _wait_for(self, kind: str, doing: str, deadline: float, missing: str) -> None:
         """Wait until every follower has sent a ``kind`` message (by ``deadline``,
@@ -318,21 +351,24 @@ class RankProcesses:
             return f"rank {rank} (pid {self._procs[rank].pid}) exited with code {code} {doing}"
         return None
 
-    def _join_failure(self, exc: BaseException) -> str:
-        """The one line for a join that failed on rank 0 with ``exc``."""
+    def _join_failure(self, exc: BaseException, began: float) -> str:
+        """The one line for a join that failed on rank 0 with ``exc`` (``began``: when the
+        join started, ``time.monotonic()``): a follower that failed, else followers missing
+        at the join timeout, else rank 0's own error (naming who had not joined yet)."""
         for rank in self._procs:
             problem = self._rank_problem(rank, "before joining the process group")
             if problem is not None:
                 return problem
         missing = [r for r in self._procs if self._said_kind(r, "joined") is None]
-        if missing:
-            who = ", ".join(str(r) for r in missing)
+        who = ", ".join(str(r) for r in missing)
+        if missing and time.monotonic() - began >= self.init_timeout_s:
             return (
                 f"rank {who} did not join the process group within"
                 f" {self.init_timeout_s:g} s (--dist-init-timeout)"
             )
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"rank 0 could not join the process group: {first}"
+        waiting = f" (rank {who} had not joined yet)" if missing else ""
+        return f"rank 0 could not join the process group: {type(exc).__name__}: {first}{waiting}"
 
     def wait_ready(self) -> None:
         """Wait until every follower has built its engine (within ``init_timeout_s``);

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, StrictInt
 
 from hicache.disagg.config import Bootstrap, DisaggConfig
 from hicache.engine.sampling import InvalidRequest
@@ -24,8 +24,9 @@ class BootstrapFields(BaseModel):
     """The three fields, declared on every generation body (see the module docstring)."""
 
     bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int | None] | None = None
-    bootstrap_room: int | list[int] | None = None
+    bootstrap_port: StrictInt | list[StrictInt | None] | None = None
+    bootstrap_room: StrictInt | list[StrictInt] | None = None
+    """Integers, strictly: ``true`` is not room 1, nor ``"7"`` room 7 (as for token ids)."""
 
 
 def bootstraps(

@@ -1,6 +1,7 @@
-"""HTTP plumbing shared by the server's routes: OpenAI error responses for any status, the
-request body limit (a 413), and the ``param`` an error names (pydantic locations, SGLang's
-spelling of sampling fields).
+"""HTTP plumbing shared by the server's routes: OpenAI error responses for any status (a
+failed request's status by its kind: :data:`FAILURE_STATUS`), the request body limit (a
+413), and the ``param`` an error names (pydantic locations, SGLang's spelling of sampling
+fields).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hicache.failures import FailureKind, failure_kind
 from hicache.server.responses import error_body, kind_for_status
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -34,6 +36,28 @@ def error_response(
         error_body(message, param=param, kind=kind or kind_for_status(status), code=code),
         status_code=status,
     )
+
+
+FAILURE_STATUS: dict[FailureKind, int] = {
+    FailureKind.INTERNAL: 500,
+    FailureKind.REFUSED: 400,
+    FailureKind.PEER_TIMEOUT: 504,
+    FailureKind.PEER_FAILED: 502,
+    FailureKind.STOPPING: 503,
+}
+"""The HTTP status of a request that failed, by its kind (:mod:`hicache.failures`): the
+one place a failure becomes a status. 502, 503 and 504 are statuses a router retries (on
+another instance); 400 is not (the request would fail again)."""
+
+
+def failure_response(error: str) -> JSONResponse:
+    """The error response of a request that failed with ``error`` (its status by its kind,
+    :data:`FAILURE_STATUS`); a 503 says when to retry."""
+    status = FAILURE_STATUS[failure_kind(error)]
+    response = error_response(status, error)
+    if status == 503:
+        response.headers["Retry-After"] = "1"
+    return response
 
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:

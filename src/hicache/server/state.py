@@ -30,7 +30,7 @@ from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.server.bootstrap_fields import BootstrapFields, bootstraps
 from hicache.server.fanout import Ending, Fanout, Job
-from hicache.server.http_base import error_response
+from hicache.server.http_base import error_response, failure_response
 from hicache.server.metrics import EngineMetrics
 from hicache.server.prompt_bound import NoBound, TokenBound, token_bound
 from hicache.server.protocol import SamplingFields, check_text
@@ -324,7 +324,7 @@ class ServerState:
             return error_response(499, "client disconnected")
         for out in last.values():
             if out.error:
-                return error_response(500, out.error)
+                return failure_response(out.error)
         return last
 
     def stream_error(self, fan: Fanout, errors: list[str]) -> str | None:
