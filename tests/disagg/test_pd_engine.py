@@ -146,6 +146,34 @@ def test_pair_greedy_equals_a_plain_engine(model: str, backend: str) -> None:
         assert_idle(prefill, decode)
 
 
+def test_a_prefill_waits_for_its_decode_side_before_it_computes() -> None:
+    """A prefill request is admitted only once the decode side has registered its room's
+    pages: computed before, it would hold its pages while the decode side may wait for
+    memory that its own parked requests hold, each waiting for a prefill."""
+    want = reference("tiny-random-llama")
+    with pair("tiny-random-llama", room_timeout_s=30.0) as (prefill, decode):
+        port = prefill.config.disagg.bootstrap_port
+        b = Bootstrap("127.0.0.1", port, 71)
+        with ThreadPoolExecutor(1) as ex:
+            p_fut = ex.submit(prefill.generate, PROMPT, GREEDY, 60, bootstrap=b)
+            time.sleep(0.5)
+
+            def held() -> tuple[int, int, int]:
+                s = prefill.scheduler
+                return (
+                    len(s.waiting),
+                    len(s.running) + len(s.ends.parked),
+                    len(prefill.cache.admitted),
+                )
+
+            assert prefill.call(held).result(timeout=30) == (1, 0, 0)
+            d = decode.generate(PROMPT, GREEDY, 60, bootstrap=b)
+            p = p_fut.result(timeout=60)
+        assert p.error is None and d.error is None, (p.error, d.error)
+        assert d.output_ids == want
+        assert_idle(prefill, decode)
+
+
 def test_rooms_match_whichever_side_comes_first() -> None:
     model = "tiny-random-llama"
     want = reference(model)

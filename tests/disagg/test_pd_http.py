@@ -108,3 +108,28 @@ def test_the_no_transfer_host_is_served_alone_and_health_generate_answers(
     for url in (p_url, d_url):
         r = httpx.get(f"{url}/health_generate", timeout=60)
         assert r.status_code == 200, r.text
+
+
+def room_state(port: int, room: int) -> str | None:
+    """``room``'s state at the prefill instance's bootstrap server (None: never seen)."""
+    r = httpx.post(f"http://127.0.0.1:{port}/status", json={"rooms": [room]}, timeout=10)
+    got = r.json()["rooms"][0]
+    return None if got is None else str(got["state"])
+
+
+def test_a_room_claimed_then_refused_ends_on_both_sides(urls: tuple[str, str, int]) -> None:
+    """The prefill instance claims the room when it validates the request, then refuses
+    it (``max_new_tokens`` past the context): the room fails at once, and the decode half
+    ends with the reason instead of waiting, parked, for a prefill that never comes."""
+    p_url, d_url, port = urls
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 91}
+    too_long = {"max_new_tokens": 200, "temperature": 0}  # context 128
+    r = gen(p_url, sampling_params=too_long, **room)
+    assert error(r)[:1] == (400,) and "max_tokens=200 is too large" in error(r)[1], r.text
+    assert room_state(port, 91) == "failed"
+    d = httpx.post(
+        f"{d_url}/generate",
+        json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, **room},
+        timeout=15,
+    )
+    assert d.status_code >= 400 and "room 91" in d.text and "max_tokens=200" in d.text, d.text
