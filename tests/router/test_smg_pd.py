@@ -8,12 +8,16 @@ over Mooncake's transfer engine or NIXL.
 - with decode offload, the next turn's prefill finds the first turn's prompt **and
   output** in the shared L3 (the decode instance wrote them), also when the prefill
   instance writes nothing itself (``write_back``);
+- under memory pressure (both instances with room for two prompts) 64 concurrent
+  requests through smg with its default retries are all answered as a plain server
+  answers them, and both instances end idle;
 - failures end both sides with an error and leave every pool idle in ``/metrics``: the
   decode instance killed mid-transfer, the prefill instance killed while a decode waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -26,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from hicache.bench.pd_load import PdLoadSpec, idle, send_all
 from hicache.bench.serverproc import ServerProcess
 from hicache.services.process import free_port
 from tests.helpers.smg import Smg
@@ -212,6 +217,35 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
         whole = len(conversation) // page * page
         assert (meta["device"], meta["host"], meta["storage"]) == (0, 0, whole), meta
         assert_idle(prefill, decode)
+
+
+def test_pd_under_memory_pressure_answers_every_request_as_a_plain_server() -> None:
+    """Both instances at ``--max-total-tokens 2048`` (two 870-token prompts at a time),
+    64 such prompts at once through smg with its default retries and circuit breaker:
+    every request is answered 200 with a plain server's (same memory) greedy tokens, and
+    both instances are idle afterwards (nothing queued, admitted or parked, no open room,
+    no L1 page held by a request). Before, the prefill computed requests whose decode half
+    was not admitted and parked them while the decode's parked requests waited for it,
+    and requests were refused for memory parked ones would free: smg opened its circuit
+    and 60 of 64 got 503."""
+    spec = PdLoadSpec()  # 64 requests of 870 tokens, 16 generated, 2048 tokens per instance
+    memory = ["--max-total-tokens", str(spec.max_total_tokens)]
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags("tiny-random-llama", "mooncake", bootstrap, *memory)
+    headers = {"authorization": f"Bearer {ROUTER_KEY}"}
+    with servers(memory, prefill_flags, decode_flags) as (plain, prefill, decode):
+        want = asyncio.run(send_all(plain.url, spec, "plain", headers))
+        assert want.status == ["200"] * spec.requests, want.errors
+        with Smg(
+            prefill=[(prefill.url, bootstrap)],
+            decode=[decode.url],
+            policy="round_robin",
+            api_key=ROUTER_KEY,
+        ) as smg:
+            got = asyncio.run(send_all(smg.url, spec, "pd", headers))
+        assert got.status == ["200"] * spec.requests, got.errors
+        assert got.output_ids == want.output_ids
+        assert idle([prefill.url, decode.url], 30.0)
 
 
 def room_body(bootstrap: int, room: int) -> dict[str, Any]:

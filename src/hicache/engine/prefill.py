@@ -75,6 +75,10 @@ class PrefillRole(Role):
             error = f"room {bootstrap.room}: the prefill side refused its request: {why}"
             self.rooms.close(bootstrap.room, error=error)
 
+    @property
+    def open_rooms(self) -> int:
+        return len(self.rooms)
+
     def admissible(self, req: Request) -> bool:
         """Only once the decode side has registered the room's pages (or the room has
         ended: the request then learns why at its hand-off). A prefill computed before

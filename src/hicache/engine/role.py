@@ -44,6 +44,11 @@ class Role:
         at a timeout)."""
 
     @property
+    def open_rooms(self) -> int:
+        """Rooms not closed yet that this side keeps (a prefill instance's table); 0 here."""
+        return 0
+
+    @property
     def polling(self) -> bool:
         """Whether parked requests wait on this side (not on the other instance): the
         engine then steps again soon, without an input."""
