@@ -40,9 +40,16 @@ def free_port() -> int:
 
 
 def make_engine(
-    model: str, mode: str = "null", *, port: int = 8998, page_size: int = 4, **disagg: object
+    model: str,
+    mode: str = "null",
+    *,
+    port: int = 8998,
+    page_size: int = 4,
+    max_queued_requests: int = 1024,
+    **disagg: object,
 ) -> Engine:
     config = EngineConfig(
+        max_queued_requests=max_queued_requests,
         model_path=model,
         dtype="float32",
         device="cpu",

@@ -7,7 +7,9 @@ served alone, as JSON on a prefill instance even when a stream is asked for;
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -133,3 +135,27 @@ def test_a_room_claimed_then_refused_ends_on_both_sides(urls: tuple[str, str, in
         timeout=15,
     )
     assert d.status_code >= 400 and "room 91" in d.text and "max_tokens=200" in d.text, d.text
+
+
+def test_a_room_refused_by_a_full_queue_ends() -> None:
+    """A prefill instance whose queue (one place) holds a request waiting for its decode
+    side refuses the next one (429) after claiming its room: that room fails at once."""
+    port = free_port()
+    opts = {**FAST, "room_timeout_s": 30.0}
+    with (
+        make_engine("tiny-random-llama", "prefill", port=port, max_queued_requests=1, **opts) as e,
+        serve(e) as url,
+        ThreadPoolExecutor(1) as ex,
+    ):
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+        # queued until room 1's decode side registers (it never does here)
+        ex.submit(httpx.post, f"{url}/generate", json={**body, **room, "bootstrap_room": 1})
+        deadline = time.monotonic() + 10
+        while e.queue.counts().queued < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.post(f"{url}/generate", json={**body, **room, "bootstrap_room": 2}, timeout=30)
+        assert r.status_code == 429, r.text
+        assert room_state(port, 2) == "failed"
+        e.close()  # the first request ends with the engine
