@@ -15,7 +15,7 @@ within ``--request-timeout`` is ``timeout``), p50, p99 and max latency, the wall
 for the pair, how many answers equal the plain instance's (greedy: token ids), and
 whether both instances are idle afterwards (``/metrics``: no queued, admitted or parked
 request, no open room, no L1 page held by one, within ``--idle-timeout``). A benchmark, not a test: it reports,
-it asserts nothing. Prints a table and writes ``--out`` (JSON).
+it asserts nothing. Prints a table; ``--json PATH`` writes it as JSON too.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s)
-    p.add_argument("--out", default="pd_load.json", help="the JSON report")
+    p.add_argument("--json", default=None, help="write the report as JSON here")
     return p
 
 
@@ -320,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         d = asdict(r)
         d.update(ok=r.ok, p50_s=r.percentile(0.5), p99_s=r.percentile(0.99))
         report["results"].append(d)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 
