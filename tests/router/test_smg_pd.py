@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,45 @@ def test_pd_under_memory_pressure_answers_every_request_as_a_plain_server() -> N
         assert got.status == ["200"] * spec.requests, got.errors
         assert got.output_ids == want.output_ids
         assert idle([prefill.url, decode.url], 30.0)
+
+
+def test_a_paused_decode_instance_delays_its_prefills_and_then_serves_them() -> None:
+    """The decode instance is paused (SIGSTOP) while requests arrive: their prefills wait,
+    queued, for the decode side's registrations instead of computing; resumed 3 s later
+    (within the room timeout), every request is answered as a plain server answers it
+    and both instances end idle."""
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags("tiny-random-llama", "mooncake", bootstrap)
+    gen = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    prompts = [list(range(300 + 40 * i, 340 + 40 * i)) for i in range(4)]
+    with servers([], prefill_flags, decode_flags) as (plain, prefill, decode):
+        want = [
+            post(plain.url, "/generate", {"input_ids": p, **gen})["output_ids"] for p in prompts
+        ]
+        assert decode.proc is not None
+        with (
+            Smg(
+                prefill=[(prefill.url, bootstrap)],
+                decode=[decode.url],
+                policy="round_robin",
+                api_key=ROUTER_KEY,
+            ) as smg,
+            ThreadPoolExecutor(len(prompts)) as ex,
+        ):
+            os.kill(decode.proc.pid, signal.SIGSTOP)
+            try:
+                futs = [
+                    ex.submit(post, smg.url, "/generate", {"input_ids": p, **gen}) for p in prompts
+                ]
+                time.sleep(3.0)
+                assert metric(prefill, "hicache_num_queue_reqs") == len(prompts)
+                assert metric(prefill, "hicache_num_admitted_reqs") == 0
+            finally:
+                os.kill(decode.proc.pid, signal.SIGCONT)
+            got = [f.result(timeout=120)["output_ids"] for f in futs]
+        assert got == want
+        assert_idle(prefill, decode)
+        assert metric(prefill, "hicache_num_open_rooms") == 0
 
 
 def room_body(bootstrap: int, room: int) -> dict[str, Any]:
