@@ -38,6 +38,7 @@ BENCHES = {
     "memory": "hicache.bench.memory",
     "pd-transfer": "hicache.bench.pd_transfer",
     "pd": "hicache.bench.pd",
+    "pd-load": "hicache.bench.pd_load",
 }
 
 STORES = {

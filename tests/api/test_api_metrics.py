@@ -153,6 +153,8 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         queued=next(powers),
         refused=next(powers),
         reclaimed=next(powers),
+        parked=next(powers),
+        open_rooms=next(powers),
     )
     seen: dict[float, list[str]] = {}
     for f in cache_families(snapshot):
@@ -167,6 +169,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
     assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen
     assert snapshot.queued in seen and snapshot.refused in seen
     assert snapshot.reclaimed in seen
+    assert snapshot.parked in seen and snapshot.open_rooms in seen
     assert storage.repaired in seen
     for op in OPS:
         assert storage.stalls[op] in seen and storage.op_timeouts[op] in seen

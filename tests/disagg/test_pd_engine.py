@@ -40,9 +40,16 @@ def free_port() -> int:
 
 
 def make_engine(
-    model: str, mode: str = "null", *, port: int = 8998, page_size: int = 4, **disagg: object
+    model: str,
+    mode: str = "null",
+    *,
+    port: int = 8998,
+    page_size: int = 4,
+    max_queued_requests: int = 1024,
+    **disagg: object,
 ) -> Engine:
     config = EngineConfig(
+        max_queued_requests=max_queued_requests,
         model_path=model,
         dtype="float32",
         device="cpu",
@@ -143,6 +150,34 @@ def test_pair_greedy_equals_a_plain_engine(model: str, backend: str) -> None:
         again_p, again_d = run_room(prefill, decode, 2, decode_first=True, delay=0.2)
         assert again_d.output_ids == want
         assert again_p.cached.device == 44 and again_d.cached.device == 44
+        assert_idle(prefill, decode)
+
+
+def test_a_prefill_waits_for_its_decode_side_before_it_computes() -> None:
+    """A prefill request is admitted only once the decode side has registered its room's
+    pages: computed before, it would hold its pages while the decode side may wait for
+    memory that its own parked requests hold, each waiting for a prefill."""
+    want = reference("tiny-random-llama")
+    with pair("tiny-random-llama", room_timeout_s=30.0) as (prefill, decode):
+        port = prefill.config.disagg.bootstrap_port
+        b = Bootstrap("127.0.0.1", port, 71)
+        with ThreadPoolExecutor(1) as ex:
+            p_fut = ex.submit(prefill.generate, PROMPT, GREEDY, 60, bootstrap=b)
+            time.sleep(0.5)
+
+            def held() -> tuple[int, int, int]:
+                s = prefill.scheduler
+                return (
+                    len(s.waiting),
+                    len(s.running) + len(s.ends.parked),
+                    len(prefill.cache.admitted),
+                )
+
+            assert prefill.call(held).result(timeout=30) == (1, 0, 0)
+            d = decode.generate(PROMPT, GREEDY, 60, bootstrap=b)
+            p = p_fut.result(timeout=60)
+        assert p.error is None and d.error is None, (p.error, d.error)
+        assert d.output_ids == want
         assert_idle(prefill, decode)
 
 

@@ -250,3 +250,52 @@ def test_a_mismatched_pair_is_a_400_on_both_sides_whichever_comes_first() -> Non
             got = {url: error(f.result()) for url, f in ((first, one), (second, two))}
             assert [status for status, _, _ in got.values()] == [400, 400], (room, got)
             assert all("page_size differs" in msg for _, msg, _ in got.values()), got
+
+
+def room_state(port: int, room: int) -> str | None:
+    """``room``'s state at the prefill instance's bootstrap server (None: never seen)."""
+    r = httpx.post(f"http://127.0.0.1:{port}/status", json={"rooms": [room]}, timeout=10)
+    got = r.json()["rooms"][0]
+    return None if got is None else str(got["state"])
+
+
+def test_a_room_claimed_then_refused_ends_on_both_sides(urls: tuple[str, str, int]) -> None:
+    """The prefill instance claims the room when it validates the request, then refuses
+    it (``max_new_tokens`` past the context): the room fails at once, and the decode half
+    ends with the reason instead of waiting, parked, for a prefill that never comes."""
+    p_url, d_url, port = urls
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 91}
+    too_long = {"max_new_tokens": 200, "temperature": 0}  # context 128
+    r = gen(p_url, sampling_params=too_long, **room)
+    assert error(r)[:1] == (400,) and "max_tokens=200 is too large" in error(r)[1], r.text
+    assert room_state(port, 91) == "failed"
+    d = httpx.post(
+        f"{d_url}/generate",
+        json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, **room},
+        timeout=15,
+    )
+    assert d.status_code >= 400 and "room 91" in d.text and "max_tokens=200" in d.text, d.text
+
+
+def test_a_room_refused_by_a_full_queue_ends() -> None:
+    """A prefill instance whose queue (one place) holds a request waiting for its decode
+    side refuses the next one (429) after claiming its room: that room fails at once."""
+    port = free_port()
+    opts = {**FAST, "room_timeout_s": 30.0}
+    with (
+        make_engine("tiny-random-llama", "prefill", port=port, max_queued_requests=1, **opts) as e,
+        serve(e) as url,
+        ThreadPoolExecutor(1) as ex,
+    ):
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+        # queued until room 1's decode side registers (it never does here)
+        ex.submit(httpx.post, f"{url}/generate", json={**body, **room, "bootstrap_room": 1})
+        deadline = time.monotonic() + 10
+        while e.queue.counts().queued < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.post(f"{url}/generate", json={**body, **room, "bootstrap_room": 2}, timeout=30)
+        assert r.status_code == 429, r.text
+        assert room_state(port, 2) == "failed"
+        e.close()  # the first request ends with the engine

@@ -1,7 +1,8 @@
 """The room table of a prefill instance, exact states on hand-made sequences, and a
 hypothesis machine that checks its rules against a model: a room is single-use, a closed
 room stays closed, an abort while transferring closes only when the sender stops, the
-timeouts fail only rooms missing a side."""
+timeouts fail only rooms missing a side within ``timeout_s``, and every state ends on its
+own (a transfer by an abort the sender acknowledges)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,46 @@ def test_expire_fails_rooms_missing_a_side_naming_it() -> None:
     assert state(t, 3) is RoomState.WAITING_FOR_INPUT
 
 
+def test_every_state_ends_on_its_own() -> None:
+    """Both sides known, a room waiting for its prefill fails after ``work_timeout_s``; one
+    transferring past it is aborted (the sender stops and closes it, never under a write);
+    a closed room is forgotten after ``closed_ttl_s``."""
+    t = RoomTable(timeout_s=5, closed_ttl_s=100, work_timeout_s=30)
+    for room in (1, 2):
+        t.claim(room, 0.0)
+        t.register(reg(room), 0.0)
+    assert t.start(2, 10.0) is not None  # transferring since 10 s
+    assert t.expire(30.0) == []
+    assert t.expire(31.0) == [1]
+    s1 = t.status(1)
+    assert s1 is not None and s1.state is RoomState.FAILED and not s1.written
+    assert (
+        s1.error == "room 1: the prefill did not start sending within 30 s of both sides' requests"
+    )
+    assert t.expire(40.5) == [2]
+    assert state(t, 2) is RoomState.TRANSFERRING and t.aborted(2)  # the sender's to close
+    assert t.expire(80.0) == []  # asked once
+    t.close(2, 80.5, error="the sender stopped")
+    s2 = t.status(2)
+    assert s2 is not None and s2.state is RoomState.ABORTED
+    assert s2.error == "room 2: the transfer did not end within 30 s"
+    t.expire(140.0)
+    assert t.status(1) is None and t.status(2) is not None
+    t.expire(181.0)
+    assert t.status(2) is None
+
+
+def test_registered_tells_whether_the_prefill_may_start() -> None:
+    t = RoomTable(timeout_s=5, closed_ttl_s=100)
+    t.claim(1, 0.0)
+    assert not t.registered(1) and not t.registered(2)
+    t.register(reg(1), 0.1)
+    assert t.registered(1)
+    t.claim(3, 0.0)
+    t.expire(6.0)  # room 3 fails: nothing more will come for it
+    assert t.registered(3)
+
+
 def test_status_json_round_trip_and_bad_input() -> None:
     s = RoomStatus(9, RoomState.SUCCESS, RoomResult(1, 2, 3, 4))
     assert RoomStatus.from_json(s.to_json()) == s
@@ -148,7 +189,7 @@ class RoomMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.t = RoomTable(timeout_s=5, closed_ttl_s=50)
+        self.t = RoomTable(timeout_s=5, closed_ttl_s=50, work_timeout_s=20)
         self.now = 0.0
         self.closed: dict[int, RoomState] = {}
         self.sides: dict[int, set[str]] = {}
@@ -159,7 +200,10 @@ class RoomMachine(RuleBasedStateMachine):
     def tick(self, dt: float) -> None:
         self.now += dt
         for room in self.t.expire(self.now):
-            assert self.sides.get(room, set()) != {"claim", "register"}
+            if state(self.t, room) is RoomState.TRANSFERRING:
+                assert self.t.aborted(room)  # past work_timeout_s: the sender closes it
+                continue
+            assert state(self.t, room) is RoomState.FAILED
             self.closed[room] = RoomState.FAILED
         for room in [r for r in self.closed if self.t.status(r) is None]:
             del self.closed[room]  # forgotten after the ttl

@@ -8,17 +8,22 @@ over Mooncake's transfer engine or NIXL.
 - with decode offload, the next turn's prefill finds the first turn's prompt **and
   output** in the shared L3 (the decode instance wrote them), also when the prefill
   instance writes nothing itself (``write_back``);
+- under memory pressure (both instances with room for two prompts) 64 concurrent
+  requests through smg with its default retries are all answered as a plain server
+  answers them, and both instances end idle;
 - failures end both sides with an error and leave every pool idle in ``/metrics``: the
   decode instance killed mid-transfer, the prefill instance killed while a decode waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from hicache.bench.pd_load import PdLoadSpec, idle, send_all
 from hicache.bench.serverproc import ServerProcess
 from hicache.services.process import free_port
 from tests.helpers.smg import Smg
@@ -212,6 +218,74 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
         whole = len(conversation) // page * page
         assert (meta["device"], meta["host"], meta["storage"]) == (0, 0, whole), meta
         assert_idle(prefill, decode)
+
+
+def test_pd_under_memory_pressure_answers_every_request_as_a_plain_server() -> None:
+    """Both instances at ``--max-total-tokens 2048`` (two 870-token prompts at a time),
+    64 such prompts at once through smg with its default retries and circuit breaker:
+    every request is answered 200 with a plain server's (same memory) greedy tokens, and
+    both instances are idle afterwards (nothing queued, admitted or parked, no open room,
+    no L1 page held by a request). Before, the prefill computed requests whose decode half
+    was not admitted and parked them while the decode's parked requests waited for it,
+    and requests were refused for memory parked ones would free: smg opened its circuit
+    and 60 of 64 got 503."""
+    spec = PdLoadSpec()  # 64 requests of 870 tokens, 16 generated, 2048 tokens per instance
+    memory = ["--max-total-tokens", str(spec.max_total_tokens)]
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags("tiny-random-llama", "mooncake", bootstrap, *memory)
+    headers = {"authorization": f"Bearer {ROUTER_KEY}"}
+    with servers(memory, prefill_flags, decode_flags) as (plain, prefill, decode):
+        want = asyncio.run(send_all(plain.url, spec, "plain", headers))
+        assert want.status == ["200"] * spec.requests, want.errors
+        with Smg(
+            prefill=[(prefill.url, bootstrap)],
+            decode=[decode.url],
+            policy="round_robin",
+            api_key=ROUTER_KEY,
+        ) as smg:
+            got = asyncio.run(send_all(smg.url, spec, "pd", headers))
+        assert got.status == ["200"] * spec.requests, got.errors
+        assert got.output_ids == want.output_ids
+        assert idle([prefill.url, decode.url], 30.0)
+
+
+def test_a_paused_decode_instance_delays_its_prefills_and_then_serves_them() -> None:
+    """The decode instance is paused (SIGSTOP) while requests arrive: their prefills wait,
+    queued, for the decode side's registrations instead of computing; resumed 3 s later
+    (within the room timeout), every request is answered as a plain server answers it
+    and both instances end idle."""
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags("tiny-random-llama", "mooncake", bootstrap)
+    gen = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    prompts = [list(range(300 + 40 * i, 340 + 40 * i)) for i in range(4)]
+    with servers([], prefill_flags, decode_flags) as (plain, prefill, decode):
+        want = [
+            post(plain.url, "/generate", {"input_ids": p, **gen})["output_ids"] for p in prompts
+        ]
+        assert decode.proc is not None
+        with (
+            Smg(
+                prefill=[(prefill.url, bootstrap)],
+                decode=[decode.url],
+                policy="round_robin",
+                api_key=ROUTER_KEY,
+            ) as smg,
+            ThreadPoolExecutor(len(prompts)) as ex,
+        ):
+            os.kill(decode.proc.pid, signal.SIGSTOP)
+            try:
+                futs = [
+                    ex.submit(post, smg.url, "/generate", {"input_ids": p, **gen}) for p in prompts
+                ]
+                time.sleep(3.0)
+                assert metric(prefill, "hicache_num_queue_reqs") == len(prompts)
+                assert metric(prefill, "hicache_num_admitted_reqs") == 0
+            finally:
+                os.kill(decode.proc.pid, signal.SIGCONT)
+            got = [f.result(timeout=120)["output_ids"] for f in futs]
+        assert got == want
+        assert_idle(prefill, decode)
+        assert metric(prefill, "hicache_num_open_rooms") == 0
 
 
 def room_body(bootstrap: int, room: int) -> dict[str, Any]:

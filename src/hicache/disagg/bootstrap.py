@@ -64,9 +64,18 @@ class PrefillRooms:
     """A prefill instance's rooms, thread-safe; see the module docstring. ``layout``: the
     instance's own, checked against each registration's."""
 
-    def __init__(self, layout: InstanceLayout, *, timeout_s: float, closed_ttl_s: float) -> None:
+    def __init__(
+        self,
+        layout: InstanceLayout,
+        *,
+        timeout_s: float,
+        closed_ttl_s: float,
+        work_timeout_s: float = 300.0,
+    ) -> None:
         self.layout = layout
-        self._table = RoomTable(timeout_s=timeout_s, closed_ttl_s=closed_ttl_s)
+        self._table = RoomTable(
+            timeout_s=timeout_s, closed_ttl_s=closed_ttl_s, work_timeout_s=work_timeout_s
+        )
         self._cond = threading.Condition()
 
     def claim(self, room: int) -> str | None:
@@ -93,6 +102,12 @@ class PrefillRooms:
             why = self._table.register(registration, time.monotonic())
             self._cond.notify_all()
             return None if why is None else Refused(why)
+
+    def registered(self, room: int) -> bool:
+        """Whether the decode side has registered ``room``'s pages, or the room is
+        closed (nothing more will come for it)."""
+        with self._cond:
+            return self._table.registered(room)
 
     def start(self, room: int) -> Registration | None:
         """``room``'s registration, the room moved to ``TRANSFERRING``; None while there

@@ -52,8 +52,10 @@ class DisaggConfig:
     instance uses it for a room whose ``bootstrap_port`` is null); ``decode_offload``: a
     decode instance writes each finished conversation (prompt and output, whole pages)
     to L3. Bounds, in seconds: ``room_timeout_s``, how long either side waits for the
-    other side's request of a room before it fails it; ``transfer_timeout_s``, one
-    transfer's bound; ``health_interval_s`` and ``health_failures``, how often a decode
+    other side's request of a room before it fails it; ``room_work_timeout_s``, how long
+    a prefill instance's room with both sides may wait for its prefill and then be sent
+    before it ends (so that every room ends); ``transfer_timeout_s``, one transfer's
+    bound; ``health_interval_s`` and ``health_failures``, how often a decode
     instance checks its prefill instances and after how many failed checks in a row it
     fails their rooms; ``drain_timeout_s``, how long an aborted room's pages stay held
     for the other side's acknowledgement; ``closed_room_ttl_s``, how long a closed room's
@@ -65,6 +67,7 @@ class DisaggConfig:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     decode_offload: bool = False
     room_timeout_s: float = 60.0
+    room_work_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     health_failures: int = 3
@@ -83,6 +86,7 @@ class DisaggConfig:
             raise ValueError(f"bootstrap_port={self.bootstrap_port!r} is invalid; must be <= 65535")
         for name in (
             "room_timeout_s",
+            "room_work_timeout_s",
             "transfer_timeout_s",
             "health_interval_s",
             "drain_timeout_s",

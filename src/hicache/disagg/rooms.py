@@ -13,8 +13,13 @@ registration of the pages it allocated (:meth:`RoomTable.register`). A room goes
                                                                                ▼
                                                   SUCCESS | FAILED | ABORTED (closed)
 
-``WAITING_FOR_INPUT``: the prefill is computing. ``TRANSFERRING``: the sender writes the
-pages. A closed room's number stays refused for ``closed_ttl_s`` (a room is single-use:
+``WAITING_FOR_INPUT``: the prefill is queued or computing. ``TRANSFERRING``: the sender
+writes the pages (chunk by chunk as the prefill computes them). Every state ends on its
+own (:meth:`RoomTable.expire`): ``BOOTSTRAPPING`` fails after ``timeout_s`` without the
+other side; ``WAITING_FOR_INPUT`` fails after ``work_timeout_s`` (nothing was written);
+``TRANSFERRING`` past ``work_timeout_s`` is aborted as the decode side would abort it
+(the sender stops between two writes and closes it, never under a write); a closed room
+is forgotten after ``closed_ttl_s``. A closed room's number stays refused for ``closed_ttl_s`` (a room is single-use:
 a second request or registration under a live or recently closed room is refused). An
 abort asked while transferring closes the room only when the sender stops
 (:meth:`RoomTable.abort` then :meth:`RoomTable.close`), so the decode side frees its pages
@@ -138,10 +143,12 @@ class _Room:
 class RoomTable:
     """The rooms of one prefill instance; see the module docstring. ``timeout_s``: how
     long a room waits for its other side (:meth:`expire`); ``closed_ttl_s``: how long a
-    closed room's number stays refused."""
+    closed room's number stays refused; ``work_timeout_s``: how long a room with both
+    sides may stay ``WAITING_FOR_INPUT``, and then ``TRANSFERRING``, before it ends."""
 
     timeout_s: float
     closed_ttl_s: float
+    work_timeout_s: float = 300.0
     _rooms: dict[int, _Room] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -174,6 +181,11 @@ class RoomTable:
         r.registration = registration
         self._both(r, now)
         return None
+
+    def registered(self, room: int) -> bool:
+        """Whether ``room`` has the decode side's registration, or is closed."""
+        r = self._rooms.get(room)
+        return r is not None and (r.registration is not None or r.state.closed)
 
     def start(self, room: int, now: float) -> Registration | None:
         """The prefill's pages are ready: move ``room`` to ``TRANSFERRING`` and return the
@@ -238,17 +250,38 @@ class RoomTable:
         return RoomStatus(room, r.state, r.result, error, r.written)
 
     def expire(self, now: float) -> list[int]:
-        """Fail the rooms whose other side has not come within ``timeout_s`` (those still
-        ``BOOTSTRAPPING``) and forget closed rooms older than ``closed_ttl_s``. Returns the
-        rooms failed now."""
+        """End the rooms past their state's bound (see the module docstring): fail those
+        whose other side has not come within ``timeout_s`` (``BOOTSTRAPPING``) or whose
+        prefill has not started sending within ``work_timeout_s``
+        (``WAITING_FOR_INPUT``), ask the sender to stop those still ``TRANSFERRING``
+        after ``work_timeout_s`` (:meth:`aborted`: it closes them), and forget closed
+        rooms older than ``closed_ttl_s``. Returns the rooms failed or aborted now."""
         failed = []
         for r in list(self._rooms.values()):
-            if r.state is RoomState.BOOTSTRAPPING and now - r.since > self.timeout_s:
+            age = now - r.since
+            if r.state is RoomState.BOOTSTRAPPING and age > self.timeout_s:
                 side = "decode" if r.claimed else "prefill"
                 r.state, r.since = RoomState.FAILED, now
                 r.error = f"room {r.number}: the {side} side's request did not come within {self.timeout_s:g} s"
                 failed.append(r.number)
-            elif r.state.closed and now - r.since > self.closed_ttl_s:
+            elif r.state is RoomState.WAITING_FOR_INPUT and age > self.work_timeout_s:
+                r.state, r.since = RoomState.FAILED, now
+                r.error = (
+                    f"room {r.number}: the prefill did not start sending within"
+                    f" {self.work_timeout_s:g} s of both sides' requests"
+                )
+                failed.append(r.number)
+            elif (
+                r.state is RoomState.TRANSFERRING
+                and not r.abort_asked
+                and age > self.work_timeout_s
+            ):
+                r.abort_asked = True  # the sender stops between two writes, then closes it
+                r.error = r.error or (
+                    f"room {r.number}: the transfer did not end within {self.work_timeout_s:g} s"
+                )
+                failed.append(r.number)
+            elif r.state.closed and age > self.closed_ttl_s:
                 del self._rooms[r.number]
         return failed
 

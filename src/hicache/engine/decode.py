@@ -8,7 +8,11 @@ here are promised), its pages are registered with the prefill instance
 The receiver (:mod:`hicache.disagg.receiver`) turns the room's end into a step input:
 :class:`~hicache.engine.step_inputs.PagesArrived` (the scheduler commits the prompt and
 decodes from the first token on) or :class:`~hicache.engine.step_inputs.RoomEnded`
-(the request fails, its pages freed). An aborted parked request is drained
+(the request fails, its pages freed). A running request that is retracted (L1 full)
+is not parked again when it is admitted again: its room is spent (single use), and it
+resumes from what the cache kept of it (its prompt and the tokens it generated,
+committed at the retraction) and recomputes the rest here, as on a plain instance. An
+aborted parked request is drained
 (:meth:`DecodeRole.abort`): it keeps its pages until the prefill side has stopped.
 
 Its receiver and transport are built by :mod:`hicache.engine.role_setup`.
@@ -62,6 +66,8 @@ class DecodeRole(Role):
     def parks_admitted(self, req: Request) -> bool:
         if req.bootstrap is None or not req.bootstrap.transfers:
             return False
+        if req.output_ids:  # its pages arrived once (a retracted request admitted again):
+            return False  # it resumes from what it holds, as on a plain instance
         self._unregistered.add(req.rid)
         return True
 

@@ -296,6 +296,13 @@ class Engine(Lifecycle):
                 raise InvalidRequest(why, param="bootstrap_room")
         return valid
 
+    def refused(self, request: ValidRequest, why: str) -> None:
+        """``request`` (made by :meth:`validate`) will not be submitted: the room its
+        validation claimed ends with ``why`` (any thread). Whoever validates a request and
+        then refuses it calls this, so that a claimed room always ends."""
+        if request.bootstrap is not None:
+            self.role.unclaim(request.bootstrap, why)
+
     def reserve(self, sequences: int) -> Reservation:
         """Take ``sequences`` places in the bounded waiting queue at once, for one client
         request's sequences (its prompts x ``n``), before any is submitted: each

@@ -53,8 +53,9 @@ class EngineStats:
     waiting, never yet admitted); ``refused``: reservations refused so far (HTTP 429/503);
     ``reclaimed``: running sequences retracted so far to give a lent slot back (the group
     cap, see :mod:`hicache.engine.scheduler`); ``parked``: requests a prefill/decode role
-    holds while the other instance of their room does its half (:mod:`hicache.engine.role`).
-    ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
+    holds while the other instance of their room does its half (:mod:`hicache.engine.role`);
+    ``open_rooms``: a prefill instance's rooms not closed yet (:attr:`Role.open_rooms
+    <hicache.engine.role.Role.open_rooms>`). ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
     (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 
     cache: CacheStats
@@ -65,6 +66,7 @@ class EngineStats:
     refused: int = 0
     reclaimed: int = 0
     parked: int = 0
+    open_rooms: int = 0
     at: float = 0.0
 
 
@@ -139,6 +141,7 @@ def read_stats(cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> Engine
         refused=counts.refused,
         reclaimed=scheduler.reclaimed,
         parked=len(scheduler.ends.parked),
+        open_rooms=scheduler.role.open_rooms,
         at=time.monotonic(),
     )
 

@@ -1,7 +1,10 @@
 """A prefill instance's role: :class:`PrefillRole`.
 
-Each request comes with a room (checked when it is validated: :meth:`PrefillRole.claim`)
-and generates one token here. When that token is sampled the request is parked
+Each request comes with a room (checked when it is validated: :meth:`PrefillRole.claim`),
+is admitted once the decode side has registered the room's pages
+(:meth:`PrefillRole.admissible`), and generates one token here; a request refused after its claim (its ``max_tokens``, a
+full queue) closes its room (:meth:`PrefillRole.unclaim`), so the decode side's half
+fails at once. When that token is sampled the request is parked
 (:meth:`PrefillRole.hand_off`): its pages of every store (:func:`~hicache.cache.held.held_pages`)
 go to the sender as a :class:`~hicache.disagg.sender.SendJob`, and the request is released,
 its KV committed to this instance's cache by its write policy, once the sender reports
@@ -66,6 +69,26 @@ class PrefillRole(Role):
         if not bootstrap.transfers:
             return None
         return self.rooms.claim(bootstrap.room)
+
+    def unclaim(self, bootstrap: Bootstrap, why: str) -> None:
+        if bootstrap.transfers:  # no job of it was sent: the room closes at once
+            error = f"room {bootstrap.room}: the prefill side refused its request: {why}"
+            self.rooms.close(bootstrap.room, error=error)
+
+    @property
+    def open_rooms(self) -> int:
+        return len(self.rooms)
+
+    def admissible(self, req: Request) -> bool:
+        """Only once the decode side has registered the room's pages (or the room has
+        ended: the request then learns why at its hand-off). A prefill computed before
+        would hold its pages until the decode side admits its half, which may wait for
+        pages that parked decode requests hold, each waiting for a prefill that waits for
+        memory: a cycle only timeouts break. Registered first, every request a prefill
+        instance holds can be sent at once, and every page the decode side holds for a
+        room is for a prefill that can run."""
+        b = req.bootstrap
+        return b is None or not b.transfers or self.rooms.registered(b.room)
 
     def hand_off(self, req: Request) -> bool:
         if req.bootstrap is None or not req.bootstrap.transfers or req.error is not None:

@@ -5,8 +5,9 @@ On a PD instance some requests are *parked* between the two
 (:attr:`RequestEnds.parked <hicache.engine.ends.RequestEnds.parked>`): they hold their L1
 pages but run no forward, while the other instance of their room does its half:
 
-- a prefill instance (:class:`~hicache.engine.prefill.PrefillRole`) parks a request once
-  its first token is sampled, hands its pages to the sender, and releases it when the
+- a prefill instance (:class:`~hicache.engine.prefill.PrefillRole`) admits a request
+  only once the decode side has registered its room's pages (or the room has ended), parks
+  it once its first token is sampled, hands its pages to the sender, and releases it when the
   sender reports (a :class:`~hicache.engine.step_inputs.RoomEnded` input);
 - a decode instance (:class:`~hicache.engine.decode.DecodeRole`) parks a request once
   admitted (its pages allocated for the whole prompt), registers them with the prefill
@@ -37,11 +38,27 @@ class Role:
         room is refused (a prefill instance's rooms are single-use)."""
         return None
 
+    def unclaim(self, bootstrap: Bootstrap, why: str) -> None:
+        """A request whose room :meth:`claim` took is refused before it is queued (any
+        thread): its room ends with ``why`` (the other side's half fails with it, not
+        at a timeout)."""
+
+    @property
+    def open_rooms(self) -> int:
+        """Rooms not closed yet that this side keeps (a prefill instance's table); 0 here."""
+        return 0
+
     @property
     def polling(self) -> bool:
         """Whether parked requests wait on this side (not on the other instance): the
         engine then steps again soon, without an input."""
         return False
+
+    def admissible(self, req: Request) -> bool:
+        """Whether waiting ``req`` may be admitted now (a prefill instance's waits for
+        its room's decode side, which then holds pages for it: see
+        :class:`~hicache.engine.prefill.PrefillRole`); one that may not is passed over."""
+        return True
 
     def parks_admitted(self, req: Request) -> bool:
         """Whether admitted ``req`` waits, parked, for its pages from elsewhere (decode)."""

@@ -87,7 +87,10 @@ def _prefill(
     post: Callable[[StepInput], None],
 ) -> PrefillRole:
     rooms = PrefillRooms(
-        layout, timeout_s=disagg.room_timeout_s, closed_ttl_s=disagg.closed_room_ttl_s
+        layout,
+        timeout_s=disagg.room_timeout_s,
+        closed_ttl_s=disagg.closed_room_ttl_s,
+        work_timeout_s=disagg.room_work_timeout_s,
     )
     try:
         server = BootstrapServer(rooms, disagg.host, disagg.bootstrap_port)

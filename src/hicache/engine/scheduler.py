@@ -67,6 +67,7 @@ from collections import Counter, deque
 import torch
 
 from hicache.cache import CachedTokens, HiCache
+from hicache.cache.report import cache_stats
 from hicache.engine.batch import Chunk, forward_batch
 from hicache.engine.batch_sampling import BatchSampler, PromptRow
 from hicache.engine.ends import RequestEnds
@@ -311,8 +312,8 @@ class Scheduler:
                 continue
             handle = req.cache
             assert handle is not None
-            if not self.cache.ready(handle):
-                continue  # its L3 prefetch is still running: let others go first
+            if not self.cache.ready(handle) or not self.role.admissible(req):
+                continue  # its L3 prefetch (or its room's other side) is still to come
             if self.occupied >= limit and not self._reclaim(held):
                 return  # no free slot and none lent: nothing more comes in this step
             admitted = self.cache.admit(handle, req.all_ids)
@@ -321,9 +322,9 @@ class Scheduler:
             if admitted:
                 if not self._start(req, held):
                     return
-            elif not self.running:  # nothing will ever free memory for it
+            elif not self.running and not self.ends.parked:  # nothing will free memory
                 self._refuse(req)
-            else:
+            else:  # running requests, or parked ones (their other side's half), free it
                 return  # a ready claimant waits for L1: no borrower overtakes it
         if not self.config.lend_idle_slots:
             return  # a strict cap: idle slots stay idle
@@ -333,7 +334,7 @@ class Scheduler:
             borrowers.remove(req)
             handle = req.cache
             assert handle is not None
-            if not self.cache.ready(handle):
+            if not self.cache.ready(handle) or not self.role.admissible(req):
                 continue
             if not self.cache.admit(handle, req.all_ids) or not self._start(req, held):
                 return
@@ -372,14 +373,29 @@ class Scheduler:
         return True
 
     def _refuse(self, req: Request) -> None:
-        """End ``req``, which does not fit in an empty L1."""
+        """End ``req``, which does not fit in L1 while no request holds any of it (none
+        running, none parked): the error names the shortfall (what L1 has, what is free,
+        who holds the rest, what the tree could give up)."""
         self.waiting.remove(req)
         need = math.ceil(len(req.all_ids) / self.page_size)
+        s = cache_stats(self.cache)
+        ps = s.page_size
+        total, free = s.device_total_tokens // ps, s.device_free_tokens // ps
+        held, cached = s.device_request_tokens // ps, s.device_cached_tokens // ps
+        evictable = s.device_evictable_tokens // ps
+        if need > total:
+            why = f"the device cache has {total} pages in all (--max-total-tokens)"
+        else:
+            why = (
+                f"the device cache cannot make room now: of its {total} pages {free} are"
+                f" free, {held} held outside the tree (reserved, or loads in flight) and"
+                f" {cached} cached by the tree, of which {evictable} evictable"
+            )
         self.ends.finish(
             req,
             FinishReason.ABORT,
-            error=f"the request needs {need} KV pages but the device cache has"
-            f" {self.cache.full.pages}",
+            error=f"the request needs {need} KV pages ({len(req.all_ids)} tokens) but {why};"
+            " no running or parked request holds pages that would be freed",
         )
 
     def _lent(self, among: list[Request] | None = None) -> Request | None:
@@ -449,12 +465,16 @@ class Scheduler:
         """Give ``req`` pages for positions up to ``tokens`` (its next forward starts at
         ``req.kv_len``: the cache drops what that forward no longer reads),
         retracting other running requests (not those in ``keep``) if L1 is full. When
-        none is left to retract: abort ``req`` (``abort``) or just return False."""
+        none is left to retract: with ``abort``, retract ``req`` itself while parked
+        requests hold pages that will be freed (it waits for them, as behind a running
+        request), else abort it; without, just return False."""
         assert req.cache is not None
         while not self.cache.grow(req.cache, tokens, computed=req.kv_len):
             victims = [r for r in self.running if r is not req and r.rid not in (keep or ())]
             if not victims:
-                if abort:
+                if abort and self.ends.parked:  # their pages will be freed: wait for them
+                    self._retract(req, why="until parked requests free their pages")
+                elif abort:
                     error = "the device cache cannot hold this request"
                     self.ends.finish(req, FinishReason.ABORT, error=error)
                 return False

@@ -9,7 +9,10 @@ computing it again. Every job is one sequence of the same engine *group* (the sc
 per-group limits count them together), and all of them hold a place in the engine's
 bounded waiting queue from the start (a :class:`~hicache.engine.admission.Reservation`
 taken before the fan-out was built): a copy submitted later is never refused half-way.
-The places of jobs never submitted are given back when the fan-out ends.
+The places of jobs never submitted are given back when the fan-out ends, and the rooms
+they claimed on a prefill instance end (:meth:`Engine.refused
+<hicache.engine.engine.Engine.refused>`), also when the fan-out is dropped unrun (a
+client gone before its stream started).
 
 The client is watched concurrently with the engine's outputs (a poll every
 :data:`DISCONNECT_POLL_S`), for streaming and non-streaming requests alike: on a
@@ -97,6 +100,9 @@ class Fanout:
         self.reservation = reservation
         if reservation is not None:  # places given back even if events() never runs
             weakref.finalize(self, reservation.close)
+        self._rids: dict[int, str] = {}
+        # rooms of jobs never submitted end even if events() never runs
+        weakref.finalize(self, _end_unsubmitted, engine, self.jobs, self._rids, "not submitted")
         self.group = f"grp-{next(_groups)}"
         """The engine group of every job (one client request)."""
         self.http = http
@@ -104,7 +110,6 @@ class Fanout:
         self.ending: Ending | None = None
         self.error: str | None = None
         """Why a submit failed (with :attr:`Ending.SUBMIT_FAILED`)."""
-        self._rids: dict[int, str] = {}
         self._finished: set[int] = set()
         self._started: set[int] = set()
         self._queue: asyncio.Queue[Event | Ending] = asyncio.Queue()
@@ -164,6 +169,7 @@ class Fanout:
             self.ending = Ending.SUBMIT_FAILED
             self.abort_all("engine_stopped")
             self._close_reservation()
+            _end_unsubmitted(self.engine, self.jobs, self._rids, self.error)
             return
         watcher = asyncio.create_task(self._watch())
         try:
@@ -197,8 +203,20 @@ class Fanout:
             self._close_reservation()
             if self.ending is None:  # the consumer stopped iterating (client gone)
                 self.ending = Ending.DISCONNECTED
+            why = self.error or f"the request ended ({self.ending.value}) before it was submitted"
+            _end_unsubmitted(self.engine, self.jobs, self._rids, why)
             if self.ending is not Ending.DONE:
                 reason = (
                     "engine_stopped" if self.ending is Ending.ENGINE_STOPPED else self.ending.value
                 )
                 self.abort_all(reason)
+
+
+def _end_unsubmitted(
+    engine: Engine, jobs: Sequence[Job], submitted: dict[int, str], why: str
+) -> None:
+    """End the rooms of ``jobs`` not in ``submitted`` (idempotent: a closed room stays)."""
+    for job in jobs:
+        if job.index not in submitted:
+            with contextlib.suppress(Exception):  # a finalizer: never raise
+                engine.refused(job.request, why)

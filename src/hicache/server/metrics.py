@@ -131,6 +131,11 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         snap.parked,
     )
     yield GaugeMetricFamily(
+        "hicache_num_open_rooms",
+        "Bootstrap rooms of a prefill instance not closed yet (0 on other instances)",
+        snap.open_rooms,
+    )
+    yield GaugeMetricFamily(
         "hicache_num_admitted_reqs",
         "Requests the cache has admitted (holding pages)",
         snap.admitted,

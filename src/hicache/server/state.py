@@ -227,9 +227,34 @@ class ServerState:
         Each is validated by the engine; an error names ``prompt_param`` for the prompt,
         and ``n`` when there are more jobs than the engine's waiting queue could ever hold
         (``max_queued_requests``). ``rooms``: the body's bootstrap fields (``body``'s own
-        when None), one room per prompt on a prefill or decode instance."""
+        when None), one room per prompt on a prefill or decode instance. A refusal ends
+        the rooms the jobs validated so far have claimed (:meth:`Engine.refused`)."""
+        jobs: list[Job] = []
+        try:
+            self._jobs(jobs, prompts, body, max_tokens, default_max_tokens, prompt_param, rooms)
+        except InvalidRequest as exc:
+            self.refuse(jobs, str(exc))
+            raise
+        return jobs
+
+    def refuse(self, jobs: Sequence[Job], why: str) -> None:
+        """``jobs`` will not be submitted: the rooms they claimed end with ``why``."""
+        for job in jobs:
+            self.engine.refused(job.request, why)
+
+    def _jobs(
+        self,
+        jobs: list[Job],
+        prompts: Sequence[list[int]],
+        body: SamplingFields,
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+        prompt_param: str,
+        rooms: BootstrapFields | None,
+    ) -> None:
+        """:meth:`jobs`' work: appends each validated job to ``jobs`` at once (so that a
+        refusal after it ends its room)."""
         ctx = self.engine.context_length
-        jobs = []
         per_prompt = bootstraps(
             body if rooms is None else rooms, len(prompts), body.n, self.engine.config.disagg
         )
@@ -254,6 +279,8 @@ class ServerState:
                 except InvalidRequest as exc:
                     param = prompt_param if exc.param == "prompt" else exc.param
                     raise InvalidRequest(str(exc), param=param) from None
+                index = p * body.n + c
+                jobs.append(Job(index, valid, after=None if c == 0 else p * body.n))
                 if max_tokens is not None and len(ids) + max_tokens > ctx:
                     raise InvalidRequest(
                         f"max_tokens={max_tokens} is too large: the prompt has {len(ids)}"
@@ -261,8 +288,6 @@ class ServerState:
                         f" {ctx - len(ids)} tokens can be generated",
                         param="max_tokens",
                     )
-                index = p * body.n + c
-                jobs.append(Job(index, valid, after=None if c == 0 else p * body.n))
         bound = self.engine.config.max_queued_requests
         if bound is not None and len(jobs) > bound:
             raise InvalidRequest(
@@ -270,16 +295,20 @@ class ServerState:
                 f" but at most {bound} can be queued (--max-queued-requests)",
                 param="n",
             )
-        return jobs
 
     def fanout(self, http: Request, jobs: Sequence[Job], body: SamplingFields) -> Fanout:
         """The fan-out running ``jobs`` for ``http``, one engine group, with a place in
         the engine's waiting queue reserved for every job first; its aborts are counted.
 
         Raises :class:`~hicache.engine.admission.QueueFull` (or ``EngineUnhealthy``)
-        when the queue cannot take them all: the app answers :func:`refusal_response`.
+        when the queue cannot take them all: the app answers :func:`refusal_response`,
+        and the rooms the jobs claimed end (:meth:`refuse`).
         """
-        reservation = self.engine.reserve(len(jobs))
+        try:
+            reservation = self.engine.reserve(len(jobs))
+        except (AdmissionRefused, InvalidRequest) as exc:
+            self.refuse(jobs, str(exc))
+            raise
         return Fanout(
             self.engine,
             jobs,
