@@ -87,10 +87,15 @@ def _prefill(
     post: Callable[[StepInput], None],
 ) -> PrefillRole:
     rooms = PrefillRooms(
-        layout, timeout_s=disagg.room_timeout_s, closed_ttl_s=disagg.closed_room_ttl_s
+        layout,
+        timeout_s=disagg.room_timeout_s,
+        closed_ttl_s=disagg.closed_room_ttl_s,
+        max_rooms_per_client=disagg.max_rooms_per_client,
     )
     try:
-        server = BootstrapServer(rooms, disagg.host, disagg.bootstrap_port)
+        server = BootstrapServer(
+            rooms, disagg.host, disagg.bootstrap_port, key=disagg.bootstrap_key
+        )
     except OSError as exc:
         raise OSError(
             f"--disaggregation-bootstrap-port {disagg.bootstrap_port}: cannot listen on"
@@ -126,5 +131,9 @@ def _decode(
         ended,
         health_bound_s=disagg.health_bound_s,
         drain_timeout_s=disagg.drain_timeout_s,
+        allow=disagg.allow,
+        key=disagg.bootstrap_key,
+        max_links=disagg.max_links,
+        link_idle_timeout_s=disagg.link_idle_timeout_s,
     )
     return DecodeRole(core.cache, receiver, transport, layout, geometry)
