@@ -8,6 +8,7 @@ of one client (429); a long poll reads the rooms asked for, not again on every w
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -328,3 +329,60 @@ def test_the_bootstrap_key_and_allow_list_are_validated() -> None:
     with pytest.raises(ValueError, match="bootstrap_allow"):
         DisaggConfig(mode="decode", bootstrap_allow=("10.0.0.1:99999",))  # type: ignore[arg-type]
     assert "s3cret" not in repr(DisaggConfig(mode="decode", bootstrap_key="s3cret"))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- transfer listeners
+
+_LISTENERS = """
+import json, os, sys, psutil, torch
+from hicache.disagg.backends import make_transport
+from hicache.disagg.transport import Region, TransportUnavailable
+try:
+    t = make_transport("nixl", sys.argv[1], "probe")
+except TransportUnavailable as e:
+    print(json.dumps({"missing": str(e)}))
+    raise SystemExit(0)
+buf = torch.zeros(1 << 16, dtype=torch.uint8)
+t.register([Region(buf.data_ptr(), buf.numel(), False, 0)])
+assert t.endpoint
+conns = psutil.Process().net_connections("tcp")
+print(json.dumps({"listen": sorted({c.laddr.ip for c in conns if c.status == "LISTEN"})}))
+t.close()
+sys.stdout.flush()
+os._exit(0)  # NIXL 1.5.1 crashes at interpreter teardown in a bare script (main too)
+"""
+
+
+def _routable_ipv4() -> str | None:
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return str(a.address)
+    return None
+
+
+def test_nixl_listens_on_the_interface_of_its_host_only() -> None:
+    """With a routable ``--host`` UCX opened a listener on every interface (loopback
+    too); it now listens on that address's interface only."""
+    import os
+    import subprocess
+    import sys
+
+    host = _routable_ipv4()
+    if host is None:
+        pytest.skip("this host has no routable IPv4 address")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _LISTENERS, host],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if "missing" in got:
+        pytest.skip(got["missing"])
+    assert got["listen"] == [host], got

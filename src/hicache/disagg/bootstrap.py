@@ -4,12 +4,15 @@ The router gives each request a room and sends it to both instances; it never ta
 this port. The decode side does, over plain HTTP with JSON bodies:
 
 =========================  ==============================================================
-``GET /health``            ``{"ok": true}``: the prefill instance is up
+``GET /health``            ``{"ok": true}``: the prefill instance is up (never keyed)
 ``GET /layout``            its :class:`~hicache.disagg.layout.InstanceLayout`
 ``POST /register``         a :class:`~hicache.disagg.layout.Registration`: 200, or 409
                            (the room is in use or was used) / 400 (a layout mismatch, a
-                           body that cannot be read) with ``{"error": why}``
-``POST /status``           ``{"rooms": [n, ...], "wait_s": s}``: each room's
+                           body that cannot be read) / 429 (the client holds
+                           ``max_rooms_per_client`` open rooms; nothing changed) with
+                           ``{"error": why}``
+``POST /status``           ``{"rooms": [n, ...], "wait_s": s}`` (at most
+                           :data:`MAX_STATUS_ROOMS`): each room's
                            :class:`~hicache.disagg.rooms.RoomStatus`, answered as soon as
                            one of them is closed or after ``wait_s`` (at most 1 s): a
                            long poll, also the decode side's health check of the prefill
@@ -17,6 +20,11 @@ this port. The decode side does, over plain HTTP with JSON bodies:
                            up; ``{"closed": bool}``: False while the sender is still
                            writing (it stops, and the room closes ``ABORTED``)
 =========================  ==============================================================
+
+With a key (the pair's ``--api-key`` or ``--disaggregation-bootstrap-key``) every route
+but ``/health`` needs ``Authorization: Bearer <key>``: without it, 401 before the body is
+read, and nothing changes. A body past its route's cap (:data:`MAX_REGISTER_BYTES`,
+:data:`MAX_SMALL_BYTES`) gets a 413 unread, and the connection closes.
 
 :class:`PrefillRooms` is the room table (:class:`~hicache.disagg.rooms.RoomTable`) under
 one lock and condition, shared by the server's handler threads, the engine thread (a
