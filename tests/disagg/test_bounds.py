@@ -386,3 +386,62 @@ def test_nixl_listens_on_the_interface_of_its_host_only() -> None:
     if "missing" in got:
         pytest.skip(got["missing"])
     assert got["listen"] == [host], got
+
+
+# ---------------------------------------------------------------- a paused prefill
+
+_PAUSABLE = """
+import json, sys, time
+from hicache.disagg.bootstrap import BootstrapServer, PrefillRooms
+from hicache.disagg.layout import InstanceLayout
+rooms = PrefillRooms(InstanceLayout.from_json(json.loads(sys.argv[1])), timeout_s=60.0, closed_ttl_s=60.0)
+server = BootstrapServer(rooms, "127.0.0.1", 0)
+server.start()
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_link_to_a_paused_prefill_stays_while_it_holds_rooms_then_retires() -> None:
+    """A prefill's bootstrap server (its own process) takes a registration, then is
+    SIGSTOPped: the link keeps its room past many idle timeouts (it is not idle), the
+    request fails at the health bound, and then the link retires; the decode's link
+    threads are back where they were."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    before = len(link_threads())
+    bounds = {**FAST, "health_interval_s": 0.5, "health_failures": 3, "room_timeout_s": 60.0}
+    with make_engine(
+        "tiny-random-llama", "decode", **bounds, max_links=4, link_idle_timeout_s=0.2
+    ) as decode:
+        layout = json.dumps(decode.role.layout.to_json())  # type: ignore[attr-defined]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PAUSABLE, layout], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            port = int(proc.stdout.readline())
+            ends: list[object] = []
+            decode.submit(
+                PROMPT,
+                GREEDY,
+                lambda o: ends.append(o) if o.finished else None,
+                bootstrap=Bootstrap("127.0.0.1", port, 77),
+            )
+            assert wait_for(lambda: decode.role.receiver.links == 1)  # type: ignore[attr-defined]
+            time.sleep(0.3)  # registered (the room waits for a prefill request)
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(0.8)  # four idle timeouts, under the 1.5 s health bound
+            assert not ends and decode.role.receiver.links == 1  # type: ignore[attr-defined]
+            assert wait_for(lambda: bool(ends), 10.0)
+            out = ends[0]
+            assert out.error is not None and "did not answer" in out.error  # type: ignore[attr-defined]
+            assert wait_for(lambda: decode.role.receiver.links == 0, 5.0)  # type: ignore[attr-defined]
+            assert wait_for(lambda: len(link_threads()) == before, 5.0), link_threads()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
