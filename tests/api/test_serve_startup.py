@@ -123,6 +123,21 @@ CASES = [
     ),
     (["serve", "--disaggregation-mode", "both"], "--disaggregation-mode", "both"),
     (["serve", "--disaggregation-mode", "prefill", "--host", "0.0.0.0"], "--host", "0.0.0.0"),
+    (
+        ["serve", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-key", ""],
+        "--disaggregation-bootstrap-key",
+        "empty key",
+    ),
+    (
+        ["serve", "--disaggregation-mode", "decode", "--disaggregation-bootstrap-allow", "a b"],
+        "--disaggregation-bootstrap-allow",
+        "'a b'",
+    ),
+    (
+        ["serve", "--disaggregation-mode", "decode", "--disaggregation-max-links", "0"],
+        "--disaggregation-max-links",
+        "0",
+    ),
 ]
 
 

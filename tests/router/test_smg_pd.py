@@ -157,6 +157,30 @@ def test_pd_behind_smg_answers_as_one_plain_server(model: str, transport: str) -
         assert_idle(prefill, decode)
 
 
+def test_a_keyed_pair_behind_smg_answers_as_one_plain_server() -> None:
+    """deployment.md's one-machine example: both instances with smg's key as their
+    ``--api-key``, which keys the prefill's bootstrap server (the decode sends it) and
+    lets the decode contact the bootstrap address smg names; a registration without the
+    key is refused (401) and changes nothing."""
+    model, bootstrap = "tiny-random-llama", free_port()
+    prefill_flags, decode_flags = pd_flags(model, "mooncake", bootstrap, "--api-key", ROUTER_KEY)
+    with servers(["--model-path", model], prefill_flags, decode_flags) as (plain, prefill, decode):
+        want = answers(plain.url, model)
+        with Smg(
+            prefill=[(prefill.url, bootstrap)],
+            decode=[decode.url],
+            policy="round_robin",
+            api_key=ROUTER_KEY,
+        ) as smg:
+            got = answers(smg.url, model)
+        assert got == want
+        r = httpx.post(
+            f"http://127.0.0.1:{bootstrap}/abort", json={"room": 1, "why": "x"}, timeout=10
+        )
+        assert r.status_code == 401
+        assert_idle(prefill, decode)
+
+
 def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: Path) -> None:
     """Decode offload: the decode instance writes the finished conversation to the shared
     L3, while the prefill instance, under ``write_back``, writes nothing there and holds

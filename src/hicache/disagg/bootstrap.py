@@ -4,12 +4,15 @@ The router gives each request a room and sends it to both instances; it never ta
 this port. The decode side does, over plain HTTP with JSON bodies:
 
 =========================  ==============================================================
-``GET /health``            ``{"ok": true}``: the prefill instance is up
+``GET /health``            ``{"ok": true}``: the prefill instance is up (never keyed)
 ``GET /layout``            its :class:`~hicache.disagg.layout.InstanceLayout`
 ``POST /register``         a :class:`~hicache.disagg.layout.Registration`: 200, or 409
                            (the room is in use or was used) / 400 (a layout mismatch, a
-                           body that cannot be read) with ``{"error": why}``
-``POST /status``           ``{"rooms": [n, ...], "wait_s": s}``: each room's
+                           body that cannot be read) / 429 (the client holds
+                           ``max_rooms_per_client`` open rooms; nothing changed) with
+                           ``{"error": why}``
+``POST /status``           ``{"rooms": [n, ...], "wait_s": s}`` (at most
+                           :data:`MAX_STATUS_ROOMS`): each room's
                            :class:`~hicache.disagg.rooms.RoomStatus`, answered as soon as
                            one of them is closed or after ``wait_s`` (at most 1 s): a
                            long poll, also the decode side's health check of the prefill
@@ -18,6 +21,11 @@ this port. The decode side does, over plain HTTP with JSON bodies:
                            writing (it stops, and the room closes ``ABORTED``)
 =========================  ==============================================================
 
+With a key (the pair's ``--api-key`` or ``--disaggregation-bootstrap-key``) every route
+but ``/health`` needs ``Authorization: Bearer <key>``: without it, 401 before the body is
+read, and nothing changes. A body past its route's cap (:data:`MAX_REGISTER_BYTES`,
+:data:`MAX_SMALL_BYTES`) gets a 413 unread, and the connection closes.
+
 :class:`PrefillRooms` is the room table (:class:`~hicache.disagg.rooms.RoomTable`) under
 one lock and condition, shared by the server's handler threads, the engine thread (a
 request's claim) and the sender (:mod:`hicache.disagg.sender`).
@@ -25,6 +33,7 @@ request's claim) and the sender (:mod:`hicache.disagg.sender`).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import socket
@@ -47,17 +56,24 @@ __all__ = ["BootstrapClient", "BootstrapServer", "BootstrapUnreachable", "Prefil
 
 MAX_WAIT_S = 1.0
 """The longest a ``/status`` long poll waits."""
-MAX_BODY_BYTES = 16 << 20
-"""The largest body the bootstrap server reads (a registration lists page ids)."""
+MAX_REGISTER_BYTES = 16 << 20
+"""The largest ``/register`` body read (a registration lists the page ids of a prompt of
+up to a million tokens at page size 1); a larger one gets a 413, unread."""
+MAX_STATUS_ROOMS = 16384
+"""The most rooms one ``/status`` asks for (the client asks in slices of this many)."""
+MAX_SMALL_BYTES = 64 + 24 * MAX_STATUS_ROOMS
+"""The largest ``/status`` or ``/abort`` body read; a larger one gets a 413, unread."""
 
 
 @dataclass(frozen=True, slots=True)
 class Refused:
     """A registration the prefill side refused: ``why``; ``mismatch``: the pair's
-    layouts differ (else the room is in use or was used)."""
+    layouts differ; ``busy``: the client holds too many open rooms (nothing changed);
+    else the room is in use or was used."""
 
     why: str
     mismatch: bool = False
+    busy: bool = False
 
 
 class PrefillRooms:
@@ -71,8 +87,10 @@ class PrefillRooms:
         timeout_s: float,
         closed_ttl_s: float,
         work_timeout_s: float = 300.0,
+        max_rooms_per_client: int = 4096,
     ) -> None:
         self.layout = layout
+        self.max_rooms_per_client = max_rooms_per_client
         self._table = RoomTable(
             timeout_s=timeout_s, closed_ttl_s=closed_ttl_s, work_timeout_s=work_timeout_s
         )
@@ -83,10 +101,15 @@ class PrefillRooms:
         with self._cond:
             return self._table.claim(room, time.monotonic())
 
-    def register(self, registration: Registration) -> Refused | None:
-        """The decode side's pages of a room; None when accepted, else why they are
-        refused (the layouts differ: the room fails on both sides; the room is in use or
-        was used)."""
+    def register(self, registration: Registration, client: str = "") -> Refused | None:
+        """The decode side's pages of a room, from ``client`` (its address); None when
+        accepted, else why they are refused (``client`` holds ``max_rooms_per_client``
+        open rooms already: nothing changes; the layouts differ: the room fails on both
+        sides; the room is in use or was used)."""
+        with self._cond:
+            busy = self._busy(client)
+        if busy is not None:
+            return busy
         try:
             check_pair(self.layout, registration.layout)
         except LayoutMismatch as exc:
@@ -99,7 +122,10 @@ class PrefillRooms:
                 self._cond.notify_all()
             return Refused(str(exc), mismatch=True)
         with self._cond:
-            why = self._table.register(registration, time.monotonic())
+            busy = self._busy(client)
+            if busy is not None:
+                return busy
+            why = self._table.register(registration, time.monotonic(), client)
             self._cond.notify_all()
             return None if why is None else Refused(why)
 
@@ -108,6 +134,17 @@ class PrefillRooms:
         closed (nothing more will come for it)."""
         with self._cond:
             return self._table.registered(room)
+
+    def _busy(self, client: str) -> Refused | None:
+        held = self._table.held_by(client)
+        if held < self.max_rooms_per_client:
+            return None
+        return Refused(
+            f"{client or 'this client'} holds {held} open rooms already"
+            f" (--disaggregation-max-rooms-per-client {self.max_rooms_per_client}); retry"
+            " when one has ended",
+            busy=True,
+        )
 
     def start(self, room: int) -> Registration | None:
         """``room``'s registration, the room moved to ``TRANSFERRING``; None while there
@@ -135,15 +172,30 @@ class PrefillRooms:
             self._cond.notify_all()
 
     def status(self, rooms: Sequence[int], wait_s: float = 0.0) -> list[RoomStatus | None]:
-        """Each room's status, once one of them is closed or ``wait_s`` has passed."""
+        """Each room's status, once one of them is closed or ``wait_s`` has passed.
+        Under the lock: one read of the rooms asked, then, on each wake, only the rooms
+        closed since (:meth:`RoomTable.closed_since`), and one read at the end."""
         deadline = time.monotonic() + max(0.0, min(wait_s, MAX_WAIT_S))
         with self._cond:
+            got = [self._table.status(r) for r in rooms]
+            if any(s is not None and s.state.closed for s in got):
+                return got
+            asked: set[int] | None = None
+            seen = self._table.closes
             while True:
-                got = [self._table.status(r) for r in rooms]
                 left = deadline - time.monotonic()
-                if left <= 0 or any(s is not None and s.state.closed for s in got):
-                    return got
+                if left <= 0:
+                    break
                 self._cond.wait(left)
+                if self._table.closes == seen:
+                    continue  # only a close can end the wait
+                closed = self._table.closed_since(seen)
+                seen = self._table.closes
+                if asked is None:
+                    asked = set(rooms)
+                if closed is None or not asked.isdisjoint(closed):
+                    break
+            return [self._table.status(r) for r in rooms]
 
     def poke(self) -> None:
         """Wake whoever waits in :meth:`wait` (new work for the sender)."""
@@ -170,12 +222,18 @@ class PrefillRooms:
 
 class BootstrapServer:
     """The HTTP side of :class:`PrefillRooms`, on ``host:port`` (its own thread). OSError
-    from the constructor when the port cannot be bound (in use, or not local)."""
+    from the constructor when the port cannot be bound (in use, or not local). ``key``:
+    when set, every route but ``/health`` needs ``Authorization: Bearer <key>`` (401
+    before the body is read, and nothing changes)."""
 
-    def __init__(self, rooms: PrefillRooms, host: str, port: int) -> None:
+    def __init__(
+        self, rooms: PrefillRooms, host: str, port: int, *, key: str | None = None
+    ) -> None:
+        if key is not None and not key:
+            raise ValueError("key='' is invalid; an empty key would let anyone in")
         self.rooms = rooms
         self._stopped = threading.Event()
-        handler = _handler(rooms, self._stopped)
+        handler = _handler(rooms, self._stopped, key)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
@@ -199,7 +257,20 @@ class BootstrapServer:
         self._server.server_close()
 
 
-def _handler(rooms: PrefillRooms, stopped: threading.Event) -> type[BaseHTTPRequestHandler]:
+class _Refuse(Exception):
+    """An answer other than 200, and whether the connection must close (a body unread)."""
+
+    def __init__(self, status: int, why: str, *, unread: bool = False) -> None:
+        super().__init__(why)
+        self.status = status
+        self.unread = unread
+
+
+def _handler(
+    rooms: PrefillRooms, stopped: threading.Event, key: str | None
+) -> type[BaseHTTPRequestHandler]:
+    expected = None if key is None else f"Bearer {key}".encode()
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -220,10 +291,29 @@ def _handler(rooms: PrefillRooms, stopped: threading.Event) -> type[BaseHTTPRequ
             self.end_headers()
             self.wfile.write(data)
 
-        def _body(self) -> Any:
-            n = int(self.headers.get("Content-Length") or 0)
-            if not 0 < n <= MAX_BODY_BYTES:
-                raise ValueError(f"a body of {n} bytes (1 to {MAX_BODY_BYTES} accepted)")
+        def _authorize(self) -> None:
+            if expected is None:
+                return
+            given = (self.headers.get("Authorization") or "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise _Refuse(
+                    401,
+                    "the bootstrap server needs the pair's key (Authorization: Bearer; the"
+                    " same --api-key or --disaggregation-bootstrap-key on both instances)",
+                    unread=True,
+                )
+
+        def _body(self, limit: int) -> Any:
+            text = self.headers.get("Content-Length")
+            if text is None or not text.strip().isdigit():
+                raise _Refuse(411, "a body needs its Content-Length", unread=True)
+            n = int(text)
+            if n > limit:
+                raise _Refuse(
+                    413, f"a body of {n} bytes is too large here ({limit} at most)", unread=True
+                )
+            if n == 0:
+                raise ValueError("the body is empty")
             return json.loads(self.rfile.read(n))
 
         def _stopped(self) -> bool:
@@ -233,37 +323,54 @@ def _handler(rooms: PrefillRooms, stopped: threading.Event) -> type[BaseHTTPRequ
                 return True
             return False
 
+        def _refuse(self, exc: _Refuse) -> None:
+            if exc.unread:
+                self.close_connection = True  # the body is not read: the stream is lost
+            self._send(exc.status, {"error": str(exc)})
+
         def do_GET(self) -> None:
             if self._stopped():
                 return
-            if self.path == "/health":
-                self._send(200, {"ok": True})
-            elif self.path == "/layout":
-                self._send(200, rooms.layout.to_json())
-            else:
-                self._send(404, {"error": f"no route {self.path}"})
+            try:
+                if self.path == "/health":
+                    self._send(200, {"ok": True})
+                elif self.path == "/layout":
+                    self._authorize()
+                    self._send(200, rooms.layout.to_json())
+                else:
+                    self._send(404, {"error": f"no route {self.path}"})
+            except _Refuse as exc:
+                self._refuse(exc)
 
         def do_POST(self) -> None:
             if self._stopped():
                 return
             try:
-                body = self._body()
+                if self.path not in ("/register", "/status", "/abort"):
+                    raise _Refuse(404, f"no route {self.path}", unread=True)
+                self._authorize()
                 if self.path == "/register":
-                    refused = rooms.register(Registration.from_json(body))
+                    body = self._body(MAX_REGISTER_BYTES)
+                    registration = Registration.from_json(body)
+                    refused = rooms.register(registration, self.client_address[0])
                     if refused is None:
                         self._send(200, {"ok": True})
                     else:
-                        self._send(400 if refused.mismatch else 409, {"error": refused.why})
+                        status = 429 if refused.busy else 400 if refused.mismatch else 409
+                        self._send(status, {"error": refused.why})
                 elif self.path == "/status":
-                    got = rooms.status(
-                        [int(r) for r in body["rooms"]], float(body.get("wait_s", 0))
-                    )
+                    body = self._body(MAX_SMALL_BYTES)
+                    asked = body["rooms"]
+                    if not isinstance(asked, list) or len(asked) > MAX_STATUS_ROOMS:
+                        raise ValueError(f"rooms must be a list of at most {MAX_STATUS_ROOMS}")
+                    got = rooms.status([int(r) for r in asked], float(body.get("wait_s", 0)))
                     self._send(200, {"rooms": [None if s is None else s.to_json() for s in got]})
-                elif self.path == "/abort":
+                else:
+                    body = self._body(MAX_SMALL_BYTES)
                     closed = rooms.abort(int(body["room"]), str(body.get("why", "aborted")))
                     self._send(200, {"closed": closed})
-                else:
-                    self._send(404, {"error": f"no route {self.path}"})
+            except _Refuse as exc:
+                self._refuse(exc)
             except (KeyError, TypeError, ValueError) as exc:
                 self._send(400, {"error": f"{type(exc).__name__}: {exc}"})
 
@@ -300,14 +407,18 @@ class BootstrapClient:
     ``host:port`` (one thread uses it). Every call raises :class:`BootstrapUnreachable`
     when the server does not answer within ``timeout_s`` (plus the long poll's wait)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, host: str, port: int, timeout_s: float = 5.0, *, key: str | None = None
+    ) -> None:
         self.address = f"{host}:{port}"
         self._host = host
         self._timeout_s = timeout_s
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # a body follows its headers
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
         self._http = httpx.Client(
             base_url=f"http://{self.address}",
             timeout=timeout_s,
+            headers=headers,
             transport=httpx.HTTPTransport(socket_options=nodelay),
         )
 
@@ -338,13 +449,19 @@ class BootstrapClient:
         return Failure(f"the prefill instance refused the room: {_error_of(r)}", kind)
 
     def status(self, rooms: Sequence[int], wait_s: float) -> list[RoomStatus | None]:
-        """Each room's status (a long poll of at most ``wait_s``)."""
-        r = self._post("/status", {"rooms": list(rooms), "wait_s": wait_s}, extra_s=wait_s)
-        if r.status_code != 200:
-            raise BootstrapUnreachable(
-                f"{self.address}/status answered {r.status_code}: {_error_of(r)}"
-            )
-        return [None if s is None else RoomStatus.from_json(s) for s in r.json()["rooms"]]
+        """Each room's status (a long poll of at most ``wait_s``, on the first
+        :data:`MAX_STATUS_ROOMS` of them; the rest are read at once)."""
+        out: list[RoomStatus | None] = []
+        for i in range(0, max(1, len(rooms)), MAX_STATUS_ROOMS):
+            part = list(rooms[i : i + MAX_STATUS_ROOMS])
+            wait = wait_s if i == 0 else 0.0
+            r = self._post("/status", {"rooms": part, "wait_s": wait}, extra_s=wait)
+            if r.status_code != 200:
+                raise BootstrapUnreachable(
+                    f"{self.address}/status answered {r.status_code}: {_error_of(r)}"
+                )
+            out += [None if s is None else RoomStatus.from_json(s) for s in r.json()["rooms"]]
+        return out
 
     def abort(self, room: int, why: str) -> bool:
         """Give ``room`` up; whether the prefill side has closed it (no write follows)."""

@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hicache.disagg.allow import LOOPBACK, BootstrapAllow
 from hicache.validate import enum_value, int_at_least, number_at_least
 
 __all__ = [
@@ -59,7 +60,17 @@ class DisaggConfig:
     instance checks its prefill instances and after how many failed checks in a row it
     fails their rooms; ``drain_timeout_s``, how long an aborted room's pages stay held
     for the other side's acknowledgement; ``closed_room_ttl_s``, how long a closed room's
-    number stays refused."""
+    number stays refused.
+
+    Bounds on what a peer or a client can make an instance hold: ``bootstrap_key``, the
+    key the pair shares (``--disaggregation-bootstrap-key``, else ``--api-key``): when
+    set, a prefill instance's bootstrap server refuses (401) registrations, status polls
+    and aborts without it and a decode instance sends it; ``bootstrap_allow``, the
+    bootstrap addresses a decode instance may contact (:mod:`hicache.disagg.allow`;
+    loopback only by default); ``max_links`` and ``link_idle_timeout_s``, how many
+    prefill instances a decode instance follows at once (a thread and a connection
+    each) and after how many idle seconds it closes one; ``max_rooms_per_client``, how
+    many open rooms one client address may have registered with a prefill instance."""
 
     mode: DisaggMode = DisaggMode.NULL
     transfer_backend: TransferBackend = TransferBackend.MOONCAKE
@@ -73,6 +84,12 @@ class DisaggConfig:
     health_failures: int = 3
     drain_timeout_s: float = 10.0
     closed_room_ttl_s: float = 300.0
+    bootstrap_key: str | None = field(default=None, repr=False)
+    bootstrap_allow: tuple[str, ...] = LOOPBACK
+    max_links: int = 64
+    link_idle_timeout_s: float = 30.0
+    max_rooms_per_client: int = 4096
+    _allow: BootstrapAllow = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", enum_value(DisaggMode, "mode", self.mode))
@@ -91,9 +108,28 @@ class DisaggConfig:
             "health_interval_s",
             "drain_timeout_s",
             "closed_room_ttl_s",
+            "link_idle_timeout_s",
         ):
             number_at_least(name, getattr(self, name), 0.01, "of seconds")
         int_at_least("health_failures", self.health_failures, 1)
+        int_at_least("max_links", self.max_links, 1)
+        int_at_least("max_rooms_per_client", self.max_rooms_per_client, 1)
+        if self.bootstrap_key is not None and (
+            not isinstance(self.bootstrap_key, str)
+            or not self.bootstrap_key
+            or not self.bootstrap_key.isprintable()
+            or not self.bootstrap_key.isascii()
+        ):
+            raise ValueError(
+                "bootstrap_key=(hidden) is invalid; must be a non-empty printable ASCII string (an"
+                " empty key would let anyone in; leave it out for no key)"
+            )
+        allow = tuple(self.bootstrap_allow)
+        object.__setattr__(self, "bootstrap_allow", allow)
+        try:
+            object.__setattr__(self, "_allow", BootstrapAllow.parse(allow))
+        except ValueError as exc:
+            raise ValueError(f"bootstrap_allow={','.join(allow)!r} is invalid; {exc}") from None
         if self.enabled and self.host in ("0.0.0.0", "::", ""):
             raise ValueError(
                 f"host={self.host!r} is invalid for a {self.mode.value} instance: its transfer"
@@ -115,6 +151,11 @@ class DisaggConfig:
         """Seconds after which a decode instance fails the rooms of a prefill instance it
         cannot reach."""
         return self.health_interval_s * self.health_failures
+
+    @property
+    def allow(self) -> BootstrapAllow:
+        """``bootstrap_allow`` parsed."""
+        return self._allow
 
 
 NO_TRANSFER_HOST = "2.2.2.2"

@@ -1,8 +1,8 @@
 """The decode side's receiver: registers each request's pages with its prefill instance
 and follows the room until the pages have landed (:class:`DecodeReceiver`).
 
-One thread per prefill instance (:class:`_Link`, keyed by its bootstrap address) does,
-in a loop: the registrations and aborts the engine asked for, then one long poll of the
+One thread per prefill instance (:class:`_Link`, keyed by its bootstrap address, in a
+bounded pool that retires idle links: :mod:`hicache.disagg.links`) does, in a loop: the registrations and aborts the engine asked for, then one long poll of the
 statuses of its rooms (``/status``, which answers as soon as one closes). A closed room
 becomes one call: ``arrived(rid, result)`` when the prefill side reports ``SUCCESS``
 (every byte has landed: the sender closes the room after its last write), else
@@ -19,6 +19,10 @@ room failed on the prefill side: ``PEER_FAILED``.
 An abort (:meth:`DecodeReceiver.abort`) is drained: the room is given up at the prefill
 side, and ``ended`` comes only once the prefill side has closed it (no write can follow),
 or after ``drain_timeout_s``; until then the request keeps its pages.
+
+Only bootstrap addresses that ``allow`` admits are contacted (the HTTP server refuses
+the others first, with a 400 naming ``bootstrap_host``; :meth:`DecodeReceiver.expect`
+checks again); ``key``, when set, goes with every call (``Authorization: Bearer``).
 """
 
 from __future__ import annotations
@@ -30,18 +34,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hicache.disagg.allow import BootstrapAllow
 from hicache.disagg.bootstrap import BootstrapClient, BootstrapUnreachable
 from hicache.disagg.layout import Registration
+from hicache.disagg.links import LinkPool
 from hicache.disagg.rooms import RoomResult, RoomState
 from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeReceiver"]
+__all__ = ["BootstrapRefused", "DecodeReceiver"]
 
 POLL_WAIT_S = 0.02
 """How long one status poll waits for a room to close (new registrations and aborts wait
 at most this long for the link's thread)."""
+
+
+class BootstrapRefused(ValueError):
+    """A bootstrap address this instance may not contact (``--disaggregation-bootstrap-allow``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,32 +90,51 @@ class DecodeReceiver:
         *,
         health_bound_s: float,
         drain_timeout_s: float,
+        allow: BootstrapAllow | None = None,
+        key: str | None = None,
+        max_links: int = 64,
+        link_idle_timeout_s: float = 30.0,
     ) -> None:
         self._arrived = arrived
         self._ended = ended
         self._health_bound_s = health_bound_s
         self._drain_timeout_s = drain_timeout_s
-        self._links: dict[str, _Link] = {}
-        self._where: dict[str, str] = {}
+        self._allow = allow if allow is not None else BootstrapAllow.parse(["*"])
+        self._key = key
+        self._links: LinkPool[_Link] = LinkPool(
+            lambda host, port: _Link(self, host, port, health_bound_s),
+            max_links=max_links,
+            idle_timeout_s=link_idle_timeout_s,
+        )
+        self._where: dict[str, tuple[str, int]] = {}
         """rid -> the address of its link (engine thread only)."""
-        self._closed = False
+
+    @property
+    def links(self) -> int:
+        """How many links are open now."""
+        return len(self._links)
+
+    def check(self, host: str, port: int) -> None:
+        """Raise when :meth:`expect` would refuse ``host:port`` now (any thread):
+        :class:`BootstrapRefused` for an address not allowed,
+        :class:`~hicache.disagg.links.LinksFull` when every link is busy and there is no
+        place for a new one."""
+        self._check_allowed(host, port)
+        self._links.check(host, port)
 
     def expect(self, rid: str, host: str, port: int, registration: Registration) -> None:
         """Register ``registration`` (request ``rid``'s pages) with the prefill instance
-        whose bootstrap server is ``host:port`` and follow its room (engine thread)."""
-        address = f"{host}:{port}"
-        link = self._links.get(address)
-        if link is None or not link.alive:
-            link = self._links[address] = _Link(self, host, port, self._health_bound_s)
-            link.start()
-        self._where[rid] = address
-        link.post(_Expect(rid, registration))
+        whose bootstrap server is ``host:port`` and follow its room (engine thread).
+        Raises, with nothing sent, as :meth:`check` says."""
+        self._check_allowed(host, port)
+        self._links.post(host, port, _Expect(rid, registration))
+        self._where[rid] = (host, port)
 
     def abort(self, rid: str, why: str) -> None:
         """Give request ``rid``'s room up (drained: see the module docstring)."""
-        address = self._where.get(rid)
-        if address is not None and address in self._links:
-            self._links[address].post(_Abort(rid, why))
+        where = self._where.get(rid)
+        if where is not None:
+            self._links.post_existing(*where, _Abort(rid, why))
 
     def forget(self, rid: str) -> None:
         """Request ``rid`` has ended (engine thread)."""
@@ -113,11 +142,15 @@ class DecodeReceiver:
 
     def close(self) -> None:
         """Stop every link; rooms still followed end with an error."""
-        self._closed = True
-        for link in self._links.values():
-            link.stop()
-        for link in self._links.values():
-            link.join()
+        self._links.close()
+
+    def _check_allowed(self, host: str, port: int) -> None:
+        if not self._allow.allows(host, port):
+            raise BootstrapRefused(
+                f"bootstrap_host {host}:{port} is not an address this decode instance may"
+                f" contact (--disaggregation-bootstrap-allow {self._allow}; loopback only"
+                " unless the flag or --api-key is given)"
+            )
 
     # called on the links' threads
     def _call_arrived(self, rid: str, result: RoomResult) -> None:
@@ -138,9 +171,13 @@ class _Link:
 
     def __init__(self, owner: DecodeReceiver, host: str, port: int, bound_s: float) -> None:
         self.owner = owner
-        self.client = BootstrapClient(host, port, timeout_s=bound_s)
+        self.address = f"{host}:{port}"
+        self.client = BootstrapClient(host, port, timeout_s=bound_s, key=owner._key)
         self.inbox: queue.Queue[_Expect | _Abort] = queue.Queue()
         self.rooms: dict[str, _Room] = {}
+        self._pending = 0
+        """Items posted and not yet handled (under ``_count``)."""
+        self._count = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._unreachable_since: float | None = None
@@ -149,13 +186,19 @@ class _Link:
         )
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+    def busy(self) -> bool:
+        """An item posted is not handled yet, or a room is followed (any thread: an item
+        becomes a room, or ends, before it stops counting as pending)."""
+        with self._count:
+            return self._pending > 0 or bool(self.rooms)
 
     def start(self) -> None:
         self._thread.start()
 
-    def post(self, item: _Expect | _Abort) -> None:
+    def post(self, item: object) -> None:
+        assert isinstance(item, (_Expect, _Abort))
+        with self._count:
+            self._pending += 1
         self.inbox.put(item)
         self._wake.set()
 
@@ -168,17 +211,26 @@ class _Link:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        idle_s = self.owner._links.idle_timeout_s
+        idle_since: float | None = None
         try:
             while not self._stop.is_set():
-                self._take_inbox()
+                if self._take_inbox():
+                    idle_since = None
                 if not self.rooms:
-                    self._wake.wait(0.5)
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    if now - idle_since >= idle_s and self.owner._links.retire(self.address, self):
+                        break  # out of the pool: nothing can be posted to it any more
+                    self._wake.wait(min(0.5, max(0.01, idle_since + idle_s - now)))
                     self._wake.clear()
                     continue
+                idle_since = None
                 self._poll()
         except Exception:
             log.exception("the PD link to %s failed", self.client.address)
         finally:
+            self.owner._links.discard(self.address, self)  # then nothing more is posted
             stopping = Failure("the decode instance is stopping", FailureKind.STOPPING)
             for r in list(self.rooms.values()):
                 self._end(r, stopping)
@@ -186,15 +238,27 @@ class _Link:
                 item = self.inbox.get_nowait()
                 if isinstance(item, _Expect):
                     self.owner._call_ended(item.rid, stopping)
+                self._handled()
             self.client.close()
 
-    def _take_inbox(self) -> None:
+    def _take_inbox(self) -> int:
+        """Handle every item posted; returns how many."""
+        n = 0
         while not self.inbox.empty():
             item = self.inbox.get_nowait()
-            if isinstance(item, _Expect):
-                self._register(item)
-            else:
-                self._abort(item)
+            n += 1
+            try:
+                if isinstance(item, _Expect):
+                    self._register(item)
+                else:
+                    self._abort(item)
+            finally:
+                self._handled()
+        return n
+
+    def _handled(self) -> None:
+        with self._count:
+            self._pending -= 1
 
     def _register(self, item: _Expect) -> None:
         room = _Room(item.rid, item.registration.room)

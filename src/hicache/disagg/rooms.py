@@ -25,12 +25,23 @@ abort asked while transferring closes the room only when the sender stops
 (:meth:`RoomTable.abort` then :meth:`RoomTable.close`), so the decode side frees its pages
 after the last write, never under one.
 
+Bounds: a registration names the client (its address) that made it, and
+:meth:`RoomTable.held_by` counts the open rooms each client registered (the bootstrap
+server refuses a client past its bound); a closed room drops its registration (only its
+number, state and result stay for ``closed_ttl_s``). :attr:`RoomTable.closes` counts
+the rooms closed so far and :meth:`RoomTable.closed_since` lists the latest, so a long
+poll learns whether one of its rooms closed without reading every room it asked for
+again; ``len()`` is kept as a count. Each is O(1) or O(what is asked), never a walk of
+every room.
+
 Times are ``time.monotonic()`` seconds, passed in: nothing here reads a clock or blocks.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
 from hicache.disagg.layout import Registration
@@ -137,6 +148,12 @@ class _Room:
     """The sender took the registration (it may have written pages since)."""
     result: RoomResult | None = None
     error: str | None = None
+    owner: str | None = None
+    """The client that registered the room (counted in ``held_by`` while it is open)."""
+
+
+CLOSED_LOG = 4096
+"""How many of the latest closes :meth:`RoomTable.closed_since` remembers."""
 
 
 @dataclass
@@ -150,17 +167,67 @@ class RoomTable:
     closed_ttl_s: float
     work_timeout_s: float = 300.0
     _rooms: dict[int, _Room] = field(default_factory=dict)
+    _open: int = 0
+    _held: dict[str, int] = field(default_factory=dict)
+    closes: int = 0
+    """How many times a room has closed (a long poll's cursor)."""
+    _closed_log: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=CLOSED_LOG))
+    """``(closes after it, room)`` of the latest closes."""
+    _bootstrapping: list[tuple[float, int]] = field(default_factory=list)
+    """A heap of ``(since, room)`` of rooms that entered ``BOOTSTRAPPING`` (entries of
+    rooms that have moved on since are stale: :meth:`expire` skips them)."""
+    _working: list[tuple[float, int]] = field(default_factory=list)
+    """A heap of ``(since, room)`` of rooms that entered ``WAITING_FOR_INPUT`` or
+    ``TRANSFERRING`` (stale entries skipped as above)."""
+    _closed: list[tuple[float, int]] = field(default_factory=list)
+    """A heap of ``(since, room)`` of closed rooms (:meth:`expire` forgets them)."""
 
     def __len__(self) -> int:
         """Rooms not closed."""
-        return sum(1 for r in self._rooms.values() if not r.state.closed)
+        return self._open
+
+    def held_by(self, client: str) -> int:
+        """Open rooms ``client`` registered."""
+        return self._held.get(client, 0)
+
+    def closed_since(self, closes: int) -> list[int] | None:
+        """The rooms closed since :attr:`closes` was ``closes``; None when that is further
+        back than the log remembers (the caller reads its rooms again)."""
+        n = self.closes - closes
+        if n <= 0:
+            return []
+        if n > len(self._closed_log):
+            return None
+        return [room for _, room in list(self._closed_log)[-n:]]
+
+    def _new(self, room: int, now: float, **fields: object) -> _Room:
+        r = self._rooms[room] = _Room(room, now, **fields)  # type: ignore[arg-type]
+        self._open += 1
+        heapq.heappush(self._bootstrapping, (now, room))
+        return r
+
+    def _closing(self, r: _Room, state: RoomState, now: float) -> None:
+        """Move open ``r`` to closed ``state``."""
+        assert not r.state.closed and state.closed
+        r.state, r.since = state, now
+        r.registration = None  # its page lists are not needed any more
+        self._open -= 1
+        if r.owner is not None:
+            left = self._held.get(r.owner, 0) - 1
+            if left > 0:
+                self._held[r.owner] = left
+            else:
+                self._held.pop(r.owner, None)
+        self.closes += 1
+        self._closed_log.append((self.closes, r.number))
+        heapq.heappush(self._closed, (now, r.number))
 
     def claim(self, room: int, now: float) -> str | None:
         """The prefill side's request of ``room`` arrived; None when accepted, else why it
         is refused (the room is in use by another request, or closed recently)."""
         r = self._rooms.get(room)
         if r is None:
-            self._rooms[room] = _Room(room, now, claimed=True)
+            self._new(room, now, claimed=True)
             return None
         if r.claimed or r.state.closed:
             return _reused(r)
@@ -168,18 +235,20 @@ class RoomTable:
         self._both(r, now)
         return None
 
-    def register(self, registration: Registration, now: float) -> str | None:
-        """The decode side registered the pages of ``registration.room``; None when
-        accepted, else why it is refused."""
+    def register(self, registration: Registration, now: float, client: str = "") -> str | None:
+        """``client`` (the decode side) registered the pages of ``registration.room``;
+        None when accepted, else why it is refused."""
         room = registration.room
         r = self._rooms.get(room)
         if r is None:
-            self._rooms[room] = _Room(room, now, registration=registration)
-            return None
-        if r.registration is not None or r.state.closed:
+            r = self._new(room, now, registration=registration)
+        elif r.registration is not None or r.state.closed:
             return _reused(r)
-        r.registration = registration
-        self._both(r, now)
+        else:
+            r.registration = registration
+            self._both(r, now)
+        r.owner = client
+        self._held[client] = self._held.get(client, 0) + 1
         return None
 
     def registered(self, room: int) -> bool:
@@ -197,6 +266,7 @@ class RoomTable:
         if r.abort_asked:
             return None
         r.state, r.since, r.written = RoomState.TRANSFERRING, now, True
+        heapq.heappush(self._working, (now, room))
         return r.registration
 
     def abort(self, room: int, why: str, now: float) -> bool:
@@ -206,14 +276,14 @@ class RoomTable:
         if it comes, is refused)."""
         r = self._rooms.get(room)
         if r is None:
-            r = self._rooms[room] = _Room(room, now)
+            r = self._new(room, now)
         if r.state.closed:
             return True
         r.abort_asked = True
         r.error = r.error or why
         if r.state is RoomState.TRANSFERRING:
             return False
-        r.state, r.since = RoomState.ABORTED, now
+        self._closing(r, RoomState.ABORTED, now)
         return True
 
     def aborted(self, room: int) -> bool:
@@ -230,16 +300,17 @@ class RoomTable:
         closed)."""
         r = self._rooms.get(room)
         if r is None:
-            r = self._rooms[room] = _Room(room, now)
+            r = self._new(room, now)
         if r.state.closed:
             return
         if result is not None and not r.abort_asked:
-            r.state, r.result = RoomState.SUCCESS, result
+            r.result = result
+            self._closing(r, RoomState.SUCCESS, now)
         elif r.abort_asked:
-            r.state = RoomState.ABORTED
+            self._closing(r, RoomState.ABORTED, now)
         else:
-            r.state, r.error = RoomState.FAILED, error or "failed"
-        r.since = now
+            r.error = error or "failed"
+            self._closing(r, RoomState.FAILED, now)
 
     def status(self, room: int) -> RoomStatus | None:
         """``room`` as the decode side reads it; None for a room never seen."""
@@ -255,39 +326,51 @@ class RoomTable:
         prefill has not started sending within ``work_timeout_s``
         (``WAITING_FOR_INPUT``), ask the sender to stop those still ``TRANSFERRING``
         after ``work_timeout_s`` (:meth:`aborted`: it closes them), and forget closed
-        rooms older than ``closed_ttl_s``. Returns the rooms failed or aborted now."""
+        rooms older than ``closed_ttl_s``. Returns the rooms failed or aborted now.
+        O(rooms due, and stale entries) with heaps of deadlines, never a walk of every
+        room."""
         failed = []
-        for r in list(self._rooms.values()):
-            age = now - r.since
-            if r.state is RoomState.BOOTSTRAPPING and age > self.timeout_s:
-                side = "decode" if r.claimed else "prefill"
-                r.state, r.since = RoomState.FAILED, now
-                r.error = f"room {r.number}: the {side} side's request did not come within {self.timeout_s:g} s"
-                failed.append(r.number)
-            elif r.state is RoomState.WAITING_FOR_INPUT and age > self.work_timeout_s:
-                r.state, r.since = RoomState.FAILED, now
+        q = self._bootstrapping
+        while q and now - q[0][0] > self.timeout_s:
+            since, room = heapq.heappop(q)
+            r = self._rooms.get(room)
+            if r is None or r.state is not RoomState.BOOTSTRAPPING or r.since != since:
+                continue  # it moved on since (its entry is stale)
+            side = "decode" if r.claimed else "prefill"
+            self._closing(r, RoomState.FAILED, now)
+            r.error = f"room {r.number}: the {side} side's request did not come within {self.timeout_s:g} s"
+            failed.append(r.number)
+        q = self._working
+        while q and now - q[0][0] > self.work_timeout_s:
+            since, room = heapq.heappop(q)
+            r = self._rooms.get(room)
+            if r is None or r.since != since:
+                continue  # it moved on since (its entry is stale)
+            if r.state is RoomState.WAITING_FOR_INPUT:
+                self._closing(r, RoomState.FAILED, now)
                 r.error = (
                     f"room {r.number}: the prefill did not start sending within"
                     f" {self.work_timeout_s:g} s of both sides' requests"
                 )
                 failed.append(r.number)
-            elif (
-                r.state is RoomState.TRANSFERRING
-                and not r.abort_asked
-                and age > self.work_timeout_s
-            ):
+            elif r.state is RoomState.TRANSFERRING and not r.abort_asked:
                 r.abort_asked = True  # the sender stops between two writes, then closes it
                 r.error = r.error or (
                     f"room {r.number}: the transfer did not end within {self.work_timeout_s:g} s"
                 )
                 failed.append(r.number)
-            elif r.state.closed and age > self.closed_ttl_s:
-                del self._rooms[r.number]
+        q = self._closed
+        while q and now - q[0][0] > self.closed_ttl_s:
+            since, room = heapq.heappop(q)
+            r = self._rooms.get(room)
+            if r is not None and r.state.closed and r.since == since:
+                del self._rooms[room]
         return failed
 
     def _both(self, r: _Room, now: float) -> None:
         if r.claimed and r.registration is not None and r.state is RoomState.BOOTSTRAPPING:
             r.state, r.since = RoomState.WAITING_FOR_INPUT, now
+            heapq.heappush(self._working, (now, r.number))
 
 
 def _reused(r: _Room) -> str:

@@ -24,13 +24,14 @@ import logging
 
 from hicache.cache import HiCache
 from hicache.cache.held import held_pages
-from hicache.disagg.config import DisaggMode
+from hicache.disagg.config import Bootstrap, DisaggMode
 from hicache.disagg.layout import InstanceLayout, Registration, StoreTarget, prompt_hash
 from hicache.disagg.pages import PoolGeometry
-from hicache.disagg.receiver import DecodeReceiver
+from hicache.disagg.receiver import BootstrapRefused, DecodeReceiver
 from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
+from hicache.engine.sampling import InvalidRequest
 
 __all__ = ["DecodeRole"]
 
@@ -62,6 +63,17 @@ class DecodeRole(Role):
     @property
     def polling(self) -> bool:
         return bool(self._unregistered)
+
+    def claim(self, bootstrap: Bootstrap) -> str | None:
+        """Refuse, before anything is sent, a bootstrap address this instance may not
+        contact (:class:`InvalidRequest` naming ``bootstrap_host``) and a new one when
+        every link is busy (:class:`~hicache.disagg.links.LinksFull`: 503, retry)."""
+        if bootstrap.transfers:
+            try:
+                self.receiver.check(bootstrap.host, bootstrap.port)
+            except BootstrapRefused as exc:
+                raise InvalidRequest(str(exc), param="bootstrap_host") from None
+        return None
 
     def parks_admitted(self, req: Request) -> bool:
         if req.bootstrap is None or not req.bootstrap.transfers:

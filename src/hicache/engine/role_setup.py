@@ -91,9 +91,12 @@ def _prefill(
         timeout_s=disagg.room_timeout_s,
         closed_ttl_s=disagg.closed_room_ttl_s,
         work_timeout_s=disagg.room_work_timeout_s,
+        max_rooms_per_client=disagg.max_rooms_per_client,
     )
     try:
-        server = BootstrapServer(rooms, disagg.host, disagg.bootstrap_port)
+        server = BootstrapServer(
+            rooms, disagg.host, disagg.bootstrap_port, key=disagg.bootstrap_key
+        )
     except OSError as exc:
         raise OSError(
             f"--disaggregation-bootstrap-port {disagg.bootstrap_port}: cannot listen on"
@@ -129,5 +132,9 @@ def _decode(
         ended,
         health_bound_s=disagg.health_bound_s,
         drain_timeout_s=disagg.drain_timeout_s,
+        allow=disagg.allow,
+        key=disagg.bootstrap_key,
+        max_links=disagg.max_links,
+        link_idle_timeout_s=disagg.link_idle_timeout_s,
     )
     return DecodeRole(core.cache, receiver, transport, layout, geometry)

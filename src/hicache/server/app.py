@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hicache.disagg.links import LinksFull
 from hicache.engine.admission import AdmissionRefused
 from hicache.engine.engine import Engine
 from hicache.server.access import AccessGuard
@@ -113,6 +114,12 @@ def create_app(
     @app.exception_handler(AdmissionRefused)
     async def _refused(_: Request, exc: AdmissionRefused) -> JSONResponse:
         return refusal_response(exc)  # the waiting queue is full: 429, or 503 if unhealthy
+
+    @app.exception_handler(LinksFull)
+    async def _links_full(_: Request, exc: LinksFull) -> JSONResponse:
+        response = error_response(503, str(exc))  # every link to a prefill instance is busy
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     add_openai_routes(app, state)
     add_native_routes(app, state)

@@ -25,6 +25,7 @@ from hicache.config import (
     PrefetchPolicy,
     WritePolicy,
 )
+from hicache.disagg.allow import ANY, LOOPBACK
 from hicache.disagg.config import DEFAULT_BOOTSTRAP_PORT, DisaggConfig, DisaggMode, TransferBackend
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.engine import EngineConfig
@@ -270,6 +271,43 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="a decode instance writes each finished conversation (prompt and output) to L3,"
         " so the next turn's prefill finds all of it; needs --hicache-storage-backend",
     )
+    d.add_argument(
+        "--disaggregation-bootstrap-key",
+        default=None,
+        help="the key a prefill instance's bootstrap server requires (Authorization: Bearer)"
+        " for registrations, status polls and aborts, and a decode instance sends; the same"
+        " on both instances of a pair (default: --api-key; without either, no key)",
+    )
+    d.add_argument(
+        "--disaggregation-bootstrap-allow",
+        default=None,
+        metavar="ENTRY[,ENTRY...]",
+        help="the bootstrap addresses a decode instance may contact: host[:port], IP[:port],"
+        " CIDR or * ([v6]:port for IPv6); default: * with --api-key (only the router names"
+        " addresses then), else loopback only (127.0.0.0/8, ::1, localhost)",
+    )
+    d.add_argument(
+        "--disaggregation-max-links",
+        type=int,
+        default=64,
+        help="the most prefill instances a decode instance follows at once (a thread and a"
+        " connection each); a new address past it gets a 503 while every link has rooms"
+        " (default 64)",
+    )
+    d.add_argument(
+        "--disaggregation-link-idle-timeout",
+        type=float,
+        default=30.0,
+        help="seconds after which a decode instance closes the link to a prefill instance"
+        " it has no room with (default 30)",
+    )
+    d.add_argument(
+        "--disaggregation-max-rooms-per-client",
+        type=int,
+        default=4096,
+        help="the most open rooms one client address may register with a prefill"
+        " instance's bootstrap server; past it a registration gets a 429 (default 4096)",
+    )
 
 
 class FlagError(ValueError):
@@ -321,6 +359,11 @@ FIELD_FLAGS = {
     "transfer_backend": "--disaggregation-transfer-backend",
     "bootstrap_port": "--disaggregation-bootstrap-port",
     "decode_offload": "--disaggregation-decode-enable-offload-kvcache",
+    "bootstrap_key": "--disaggregation-bootstrap-key",
+    "bootstrap_allow": "--disaggregation-bootstrap-allow",
+    "max_links": "--disaggregation-max-links",
+    "link_idle_timeout_s": "--disaggregation-link-idle-timeout",
+    "max_rooms_per_client": "--disaggregation-max-rooms-per-client",
 }
 """Config field -> the flag that sets it, so an error names what the user typed."""
 
@@ -400,7 +443,11 @@ def check_flags(a: argparse.Namespace) -> None:
             "it configures an L3 backend, so it needs --hicache-storage-backend"
             " (file, mooncake, redis, aibrix, nixl or module:Class)",
         )
-    for flag, key in (("--api-key", "api_key"), ("--admin-api-key", "admin_api_key")):
+    for flag, key in (
+        ("--api-key", "api_key"),
+        ("--admin-api-key", "admin_api_key"),
+        ("--disaggregation-bootstrap-key", "disaggregation_bootstrap_key"),
+    ):
         if getattr(a, key, None) == "":
             raise FlagError(
                 flag,
@@ -512,12 +559,24 @@ def _disagg_config(a: argparse.Namespace) -> DisaggConfig:
                 "it is for a decode instance; add --disaggregation-mode decode",
             )
         return DisaggConfig()
+    key = a.disaggregation_bootstrap_key or a.api_key or None
+    if a.disaggregation_bootstrap_allow is not None:
+        allow = tuple(e.strip() for e in a.disaggregation_bootstrap_allow.split(","))
+    elif a.api_key:
+        allow = (ANY,)  # only the key's holder (the router) names bootstrap addresses
+    else:
+        allow = LOOPBACK
     return DisaggConfig(
         mode=DisaggMode(mode),
         transfer_backend=TransferBackend(a.disaggregation_transfer_backend),
         host=a.host,
         bootstrap_port=a.disaggregation_bootstrap_port,
         decode_offload=bool(a.disaggregation_decode_enable_offload_kvcache),
+        bootstrap_key=key,
+        bootstrap_allow=allow,
+        max_links=a.disaggregation_max_links,
+        link_idle_timeout_s=a.disaggregation_link_idle_timeout,
+        max_rooms_per_client=a.disaggregation_max_rooms_per_client,
     )
 
 
