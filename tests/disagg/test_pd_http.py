@@ -39,7 +39,11 @@ def engines() -> Iterator[tuple[Engine, Engine]]:
     prefill = make_engine("tiny-random-llama", "prefill", port=port, **FAST)
     decode: Engine | None = None
     try:
-        decode = make_engine("tiny-random-llama", "decode", port=port, **FAST)
+        # a name that does not resolve is allowed, so that resolving it is what fails
+        allow = ("127.0.0.0/8", "no-such-host.invalid")
+        decode = make_engine(
+            "tiny-random-llama", "decode", port=port, bootstrap_allow=allow, **FAST
+        )
         yield prefill, decode
     finally:
         if decode is not None:
