@@ -132,6 +132,14 @@ def assert_idle(*procs: ServerProcess, timeout_s: float = 15.0) -> None:
             time.sleep(0.2)
 
 
+def answers_through_smg(prefill: str, decode: str, bootstrap: int, model: str) -> dict[str, object]:
+    """:func:`answers` through an smg (round robin, keyed) over one prefill/decode pair."""
+    with Smg(
+        prefill=[(prefill, bootstrap)], decode=[decode], policy="round_robin", api_key=ROUTER_KEY
+    ) as smg:
+        return answers(smg.url, model)
+
+
 @pytest.mark.parametrize(
     ("model", "transport"),
     [
@@ -146,14 +154,7 @@ def test_pd_behind_smg_answers_as_one_plain_server(model: str, transport: str) -
     prefill_flags, decode_flags = pd_flags(model, transport, bootstrap)
     with servers(["--model-path", model], prefill_flags, decode_flags) as (plain, prefill, decode):
         want = answers(plain.url, model)
-        with Smg(
-            prefill=[(prefill.url, bootstrap)],
-            decode=[decode.url],
-            policy="round_robin",
-            api_key=ROUTER_KEY,
-        ) as smg:
-            got = answers(smg.url, model)
-        assert got == want
+        assert answers_through_smg(prefill.url, decode.url, bootstrap, model) == want
         assert_idle(prefill, decode)
 
 
@@ -166,14 +167,7 @@ def test_a_keyed_pair_behind_smg_answers_as_one_plain_server() -> None:
     prefill_flags, decode_flags = pd_flags(model, "mooncake", bootstrap, "--api-key", ROUTER_KEY)
     with servers(["--model-path", model], prefill_flags, decode_flags) as (plain, prefill, decode):
         want = answers(plain.url, model)
-        with Smg(
-            prefill=[(prefill.url, bootstrap)],
-            decode=[decode.url],
-            policy="round_robin",
-            api_key=ROUTER_KEY,
-        ) as smg:
-            got = answers(smg.url, model)
-        assert got == want
+        assert answers_through_smg(prefill.url, decode.url, bootstrap, model) == want
         r = httpx.post(
             f"http://127.0.0.1:{bootstrap}/abort", json={"room": 1, "why": "x"}, timeout=10
         )
