@@ -9,6 +9,10 @@ A link (one per prefill bootstrap address, ``host:port``) is a thread and an HTT
 - a link idle for ``idle_timeout_s`` retires: its thread ends and its connection closes
   (:meth:`LinkPool.retire`, called by the link's own thread).
 
+A link leaving the pool (retired, replaced, or its thread failing) counts against
+``max_links`` until its thread has ended (:meth:`LinkPool.left`): a new link waits for
+it, so there are never more than ``max_links`` link threads.
+
 *Idle* means the link holds nothing: no item posted and not yet handled, and no room it
 follows (:attr:`Link.busy`). A link that still holds a room (one registered, draining,
 or whose pages stay held until the prefill side confirms it closed) is never retired or
@@ -19,10 +23,15 @@ that is leaving: it goes to the link found under the lock, or to a new one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 __all__ = ["Link", "LinkPool", "LinksFull"]
+
+
+LEAVE_WAIT_S = 5.0
+"""The longest :meth:`LinkPool.post` waits for the threads of links leaving the pool."""
 
 
 class LinksFull(RuntimeError):
@@ -74,9 +83,11 @@ class LinkPool(Generic[L]):
         self._make = make
         self.max_links = max_links
         self.idle_timeout_s = idle_timeout_s
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._links: dict[str, L] = {}
         """address -> its link, oldest first."""
+        self._leaving: set[int] = set()
+        """``id()`` of the links out of the pool whose threads have not ended yet."""
         self._closed = False
 
     def __len__(self) -> int:
@@ -114,20 +125,26 @@ class LinkPool(Generic[L]):
 
     def retire(self, address: str, link: L) -> bool:
         """Called by ``link``'s own thread when it has been idle for ``idle_timeout_s``:
-        True when it has left the pool (its thread then ends), False when it is busy again
-        or already gone."""
+        True when it has left the pool (its thread then ends, and calls :meth:`left`),
+        False when it is busy again or already gone."""
         with self._lock:
             if self._links.get(address) is not link or link.busy:
                 return False
-            del self._links[address]
+            self._leave(address)
             return True
 
     def discard(self, address: str, link: L) -> None:
         """``link`` is leaving whatever it holds (its thread is ending: stopped or failed);
-        items posted from now on go to a new link."""
+        items posted from now on go to a new link. Its thread then calls :meth:`left`."""
         with self._lock:
             if self._links.get(address) is link:
-                del self._links[address]
+                self._leave(address)
+
+    def left(self, link: L) -> None:
+        """``link``'s thread is ending (the last thing it does): its place is free."""
+        with self._lock:
+            self._leaving.discard(id(link))
+            self._lock.notify_all()
 
     def close(self) -> None:
         """Stop every link and wait for their threads (no post is taken from now on)."""
@@ -140,19 +157,37 @@ class LinkPool(Generic[L]):
         for link in links:
             link.join()
 
+    def _leave(self, address: str) -> L:
+        """Take ``address``'s link out of the pool; it counts until :meth:`left`."""
+        link = self._links.pop(address)
+        self._leaving.add(id(link))
+        return link
+
     def _room_for(self, address: str, *, dry_run: bool) -> None:
         """Make a place for a new link of ``address`` (under the lock): replace the oldest
-        idle link when the pool is full; :class:`LinksFull` when none is idle."""
-        if address in self._links or len(self._links) < self.max_links:
-            return
-        idle = next((a for a, k in self._links.items() if not k.busy), None)
-        if idle is None:
-            raise LinksFull(
-                f"this decode instance already follows {len(self._links)} prefill instances"
-                f" (--disaggregation-max-links {self.max_links}), each with rooms in flight;"
-                f" a new bootstrap address ({address}) is refused until one is free"
-            )
-        if dry_run:
-            return
-        link = self._links.pop(idle)
-        link.stop()  # idle: it follows no room, so nothing ends with an error
+        idle link when the pool is full, and wait for the threads of links leaving
+        (they hold nothing, so they end within moments); :class:`LinksFull` when no link
+        is idle and none is leaving."""
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while address not in self._links:
+            if len(self._links) + len(self._leaving) < self.max_links:
+                return
+            idle = next((a for a, k in self._links.items() if not k.busy), None)
+            if idle is None and not self._leaving:
+                raise LinksFull(
+                    f"this decode instance already follows {len(self._links)} prefill"
+                    f" instances (--disaggregation-max-links {self.max_links}), each with"
+                    f" rooms in flight; a new bootstrap address ({address}) is refused until"
+                    " one is free"
+                )
+            if dry_run:
+                return
+            if idle is not None:
+                self._leave(idle).stop()  # idle: it follows no room, nothing ends in error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LinksFull(
+                    f"the links leaving this decode instance's pool did not end within"
+                    f" {LEAVE_WAIT_S:g} s; a new bootstrap address ({address}) is refused for now"
+                )
+            self._lock.wait(left)
