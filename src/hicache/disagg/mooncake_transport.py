@@ -20,8 +20,9 @@ A write submits one transfer per span (``transfer_submit_write``) and polls each
 (``transfer_check_status``) until all are done, one fails, or the deadline passes, so a
 peer that is gone fails within ``timeout_s`` rather than after the engine's own timeout
 (``MC_TRANSFER_TIMEOUT``, 30 s by default). The engine frees a transfer's record when it
-reports it done or failed; the records of transfers still running when a write gives up
-are left to the engine (a few bytes each), never polled again (their ids may be reused).
+reports it done or failed; transfers still running when a write gives up are kept per
+peer and polled by :meth:`~MooncakeTransport.quiet` until each ends (the engine bounds
+them by its own timeout), so that the room is closed only once none can land.
 
 The first write to a peer makes the engine fetch the peer's description (a handshake whose
 socket reads the engine bounds at about 60 s, while it holds a lock every other write
@@ -131,6 +132,7 @@ class MooncakeTransport(Transport):
         self._registered: list[int] = []
         self._reached: set[str] = set()  # peers that answered a probe
         self._probes: dict[str, _Probe] = {}  # probes still out
+        self._unsettled: dict[str, list[int]] = {}  # transfers a failed write left running
         self._closed = False
 
     @property
@@ -184,31 +186,62 @@ class MooncakeTransport(Transport):
         if peer not in self._reached:
             self._reach(peer, deadline, what, timeout_s)
         pending: list[int] = []
-        for s in spans:
-            bid = self._engine.transfer_submit_write(peer, s.src, s.dst, s.nbytes)
-            if bid in _BAD_IDS:
-                raise TransferFailed(
-                    f"{what}: the engine could not submit {s} (peer unreachable, or the "
-                    "destination is not in its registered memory)"
-                )
-            pending.append(bid)
+        try:
+            for s in spans:
+                bid = self._engine.transfer_submit_write(peer, s.src, s.dst, s.nbytes)
+                if bid in _BAD_IDS:
+                    raise TransferFailed(
+                        f"{what}: the engine could not submit {s} (peer unreachable, or the "
+                        "destination is not in its registered memory)"
+                    )
+                pending.append(bid)
+            self._wait(pending, deadline, what, len(spans), timeout_s)
+        except TransferFailed:
+            self._unsettled.setdefault(peer, []).extend(self._running(pending))
+            raise
+
+    def _running(self, ids: list[int]) -> list[int]:
+        """Those of ``ids`` still running (the others' records are freed by the poll)."""
+        return [bid for bid in ids if self._engine.transfer_check_status(bid) == _PENDING]
+
+    def quiet(self, peer: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the transfers a failed write to ``peer`` left
+        running to end; whether none is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = self._unsettled.get(peer)
+            if not left:
+                self._unsettled.pop(peer, None)
+                return True
+            self._unsettled[peer] = self._running(left)
+            if self._unsettled[peer] and time.monotonic() >= deadline:
+                return False
+            if self._unsettled[peer]:
+                time.sleep(_POLL_MAX_S)
+
+    def _wait(
+        self, pending: list[int], deadline: float, what: str, count: int, timeout_s: float
+    ) -> None:
+        """Poll ``pending`` (each submitted write's ids, emptied as they end) until every
+        one is done; TransferFailed when one fails or at ``deadline``."""
         pause = 0.0
         while pending:
             still: list[int] = []
-            for bid in pending:
+            for i, bid in enumerate(pending):
                 st = self._engine.transfer_check_status(bid)
                 if st == _PENDING:
                     still.append(bid)
                 elif st != _DONE:
+                    pending[:] = still + pending[i + 1 :]
                     why = "timed out in the engine" if st == _TIMEOUT else "failed"
                     raise TransferFailed(f"{what}: a transfer {why} (peer gone or refused it)")
-            pending = still
+            pending[:] = still
             if not pending:
                 return
             now = time.monotonic()
             if now >= deadline:
                 raise TransferFailed(
-                    f"{what}: {len(pending)} of {len(spans)} transfers still running after "
+                    f"{what}: {len(pending)} of {count} transfers still running after "
                     f"{timeout_s:g} s"
                 )
             pause = min(_POLL_MAX_S, pause * 2 or 0.00005, deadline - now)

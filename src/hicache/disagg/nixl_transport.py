@@ -12,8 +12,10 @@ memory registered when it is read.
 A write loads the peer's metadata once (``add_remote_agent``), builds one transfer per
 pair of memory types (``initialize_xfer("WRITE", ...)``, usually one), posts them, polls
 ``check_xfer_state`` until every one is done, one fails, or the deadline passes, and
-releases the handles (a running transfer is cancelled by the release). A peer that is gone
-fails at once (UCX reports the disconnect) or at the deadline.
+releases the handles (a running transfer is cancelled by the release; one NIXL will not
+release yet is kept and released again by :meth:`~NixlTransport.quiet`, which the sender
+waits on before it closes the room). A peer that is gone fails at once (UCX reports the
+disconnect) or at the deadline.
 
 What it listens on (measured with ``ss -ltn`` on nixl-cu12 1.5.1): UCX opens one TCP
 listener per network interface, on that interface's address (here ``127.0.0.1:P1`` and
@@ -107,6 +109,7 @@ class NixlTransport(Transport):
         self._starts: list[int] = []
         self._reg_descs: list[Any] = []
         self._peers: dict[str, _Peer] = {}
+        self._unsettled: dict[str, list[Any]] = {}  # handles a failed write could not release
         self._endpoint: str | None = None
         self._closed = False
 
@@ -214,11 +217,11 @@ class NixlTransport(Transport):
                     raise TransferFailed(f"{what}: NIXL refused to post the transfer")
             self._wait(handles, deadline, what, timeout_s)
         except TransferFailed:
-            self._release(handles)
+            self._release(handles, peer)
             self._forget(peer)
             raise
         except Exception as e:  # the binding's errors (a disconnected peer, ...)
-            self._release(handles)
+            self._release(handles, peer)
             self._forget(peer)
             raise TransferFailed(f"{what}: {type(e).__name__}: {e}") from e
         self._release(handles)
@@ -243,11 +246,28 @@ class NixlTransport(Transport):
             pause = min(_POLL_MAX_S, pause * 2 or 0.00005, deadline - now)
             time.sleep(pause)
 
-    def _release(self, handles: list[Any]) -> None:
+    def _release(self, handles: list[Any], peer: str | None = None) -> None:
+        """Release ``handles`` (a running transfer is cancelled); those NIXL refuses to
+        release (it could not cancel them) are kept for :meth:`quiet` under ``peer``."""
         for h in handles:
-            # one it could not cancel: NIXL keeps it and frees it with the agent
-            with contextlib.suppress(Exception):
+            try:
                 self._agent.release_xfer_handle(h)
+            except Exception:
+                if peer is not None:
+                    self._unsettled.setdefault(peer, []).append(h)
+
+    def quiet(self, peer: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the transfers a failed write to ``peer`` could not
+        cancel to end (released once NIXL lets them go); whether none is left."""
+        deadline = time.monotonic() + timeout_s
+        while self._unsettled.get(peer):
+            left = self._unsettled.pop(peer)
+            self._release(left, peer)
+            if self._unsettled.get(peer) and time.monotonic() >= deadline:
+                return False
+            if self._unsettled.get(peer):
+                time.sleep(_POLL_MAX_S)
+        return True
 
     def close(self) -> None:
         """Deregister the memory, unload the peers and stop the agent; idempotent."""

@@ -80,6 +80,15 @@ class Transport(ABC):
         every byte has landed there. :class:`TransferFailed` when it cannot be done within
         ``timeout_s`` seconds (a peer that is gone fails, never hangs)."""
 
+    def quiet(self, peer: str, timeout_s: float) -> bool:
+        """Whether no byte of an earlier :meth:`write` to ``peer`` can land any more:
+        after a write that failed (its deadline passed, one transfer failed) the others
+        it had submitted may still be running; this waits up to ``timeout_s`` for each to
+        end (done, failed or cancelled). Only then may the peer be told that the pages
+        are free (the sender closes the room after it). The base: writes never outlive
+        their call."""
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Deregister everything and stop; idempotent."""
