@@ -405,8 +405,9 @@ time.sleep(600)
 def test_a_link_to_a_paused_prefill_stays_while_it_holds_rooms_then_retires() -> None:
     """A prefill's bootstrap server (its own process) takes a registration, then is
     SIGSTOPped: the link keeps its room past many idle timeouts (it is not idle), the
-    request fails at the health bound, and then the link retires; the decode's link
-    threads are back where they were."""
+    request fails at the health bound, the link still holds the room's pages while the
+    prefill is paused, and once it resumes and acknowledges the abort the link retires;
+    the decode's link threads are back where they were."""
     import os
     import signal
     import subprocess
@@ -439,6 +440,11 @@ def test_a_link_to_a_paused_prefill_stays_while_it_holds_rooms_then_retires() ->
             assert wait_for(lambda: bool(ends), 10.0)
             out = ends[0]
             assert out.error is not None and "did not answer" in out.error  # type: ignore[attr-defined]
+            # the room's pages stay held while the paused prefill may still write them,
+            # so the link stays, resending the abort, until the prefill answers it
+            time.sleep(0.5)
+            assert decode.role.receiver.links == 1  # type: ignore[attr-defined]
+            os.kill(proc.pid, signal.SIGCONT)
             assert wait_for(lambda: decode.role.receiver.links == 0, 5.0)  # type: ignore[attr-defined]
             assert wait_for(lambda: len(link_threads()) == before, 5.0), link_threads()
         finally:

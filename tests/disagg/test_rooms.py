@@ -64,6 +64,8 @@ def test_either_side_first_then_transfer_and_success() -> None:
         else:
             assert t.claim(1, 0.2) is None
         assert state(t, 1) is RoomState.WAITING_FOR_INPUT
+        assert t.start(1, 0.3) is None  # not armed: the decode side has not polled it
+        assert t.arm(1) is True and t.arm(1) is False
         assert t.start(1, 0.3) == reg(1)
         assert state(t, 1) is RoomState.TRANSFERRING
         assert t.start(1, 0.3) is None  # handed once
@@ -91,7 +93,8 @@ def test_abort_while_transferring_closes_when_the_sender_stops() -> None:
     t = RoomTable(timeout_s=10, closed_ttl_s=100)
     t.claim(1, 0.0)
     t.register(reg(1), 0.0)
-    t.start(1, 0.0)
+    t.arm(1)
+    assert t.start(1, 0.0) == reg(1)
     assert t.abort(1, "client gone", 0.1) is False
     assert state(t, 1) is RoomState.TRANSFERRING and t.aborted(1)
     t.close(1, 0.2, result=RoomResult(3))  # the sender's last write was done: still aborted
@@ -100,6 +103,47 @@ def test_abort_while_transferring_closes_when_the_sender_stops() -> None:
     assert t.abort(2, "gone early", 0.3) is True
     why = t.claim(2, 0.4)
     assert why is not None and "aborted by the decode side (gone early)" in why
+
+
+def test_a_registration_never_armed_is_never_written_and_an_abort_ends_it() -> None:
+    """The registration a paused prefill instance reads after the decode side gave up on
+    it: the decode side never polls it, so the sender never gets it; its abort (sent
+    before or after the registration is read) closes the room, and the prefill's request
+    is refused."""
+    for abort_first in (False, True):
+        t = RoomTable(timeout_s=10, closed_ttl_s=100)
+        if abort_first:
+            assert t.abort(1, "given up", 0.0) is True
+            assert t.register(reg(1), 0.1) is not None  # refused: no page is promised
+        else:
+            assert t.register(reg(1), 0.0) is None
+            assert t.claim(1, 0.0) is None
+            assert t.start(1, 0.1) is None  # waits for an arm that never comes
+            assert t.abort(1, "given up", 0.2) is True
+        assert t.arm(1) is False and t.start(1, 0.3) is None
+        assert state(t, 1) is RoomState.ABORTED
+        why = t.claim(1, 0.4)  # a request of it (again, when it came first) is refused
+        assert why is not None and "was aborted by the decode side (given up)" in why
+
+
+def test_success_is_taken_by_the_decode_side_or_given_up_after_the_last_write() -> None:
+    for taken in (True, False):
+        t = RoomTable(timeout_s=10, closed_ttl_s=100)
+        t.claim(1, 0.0)
+        t.register(reg(1), 0.0)
+        t.arm(1)
+        t.start(1, 0.1)
+        t.close(1, 0.2, result=RoomResult(3))
+        assert not t.taken(1) and not t.aborted(1)
+        if taken:
+            t.take(1)
+            assert t.abort(1, "late", 0.3) is True  # taken already: the abort changes nothing
+            assert t.taken(1) and not t.aborted(1)
+        else:  # the decode side failed the request after the last write: no success
+            assert t.abort(1, "given up", 0.3) is True
+            t.take(1)
+            assert t.aborted(1) and not t.taken(1)
+        assert state(t, 1) is RoomState.SUCCESS  # every byte landed: the decode may free
 
 
 def test_expire_fails_rooms_missing_a_side_naming_it() -> None:
@@ -125,6 +169,7 @@ def test_every_state_ends_on_its_own() -> None:
     for room in (1, 2):
         t.claim(room, 0.0)
         t.register(reg(room), 0.0)
+    t.arm(2)  # the decode side polled it
     assert t.start(2, 10.0) is not None  # transferring since 10 s
     assert t.expire(30.0) == []
     assert t.expire(31.0) == [1]
@@ -193,6 +238,7 @@ class RoomMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.closed: dict[int, RoomState] = {}
         self.sides: dict[int, set[str]] = {}
+        self.armed: set[int] = set()
 
     rooms = st.integers(0, 3)
 
@@ -208,6 +254,7 @@ class RoomMachine(RuleBasedStateMachine):
         for room in [r for r in self.closed if self.t.status(r) is None]:
             del self.closed[room]  # forgotten after the ttl
             self.sides.pop(room, None)
+            self.armed.discard(room)
 
     @rule(room=rooms)
     def claim(self, room: int) -> None:
@@ -226,11 +273,16 @@ class RoomMachine(RuleBasedStateMachine):
             self.sides.setdefault(room, set()).add("register")
 
     @rule(room=rooms)
+    def arm(self, room: int) -> None:
+        if self.t.arm(room):
+            self.armed.add(room)
+
+    @rule(room=rooms)
     def start(self, room: int) -> None:
         before = state(self.t, room)
         got = self.t.start(room, self.now)
         if got is not None:
-            assert before is RoomState.WAITING_FOR_INPUT
+            assert before is RoomState.WAITING_FOR_INPUT and room in self.armed
             assert state(self.t, room) is RoomState.TRANSFERRING
 
     @rule(room=rooms)

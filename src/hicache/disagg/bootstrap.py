@@ -15,16 +15,29 @@ this port. The decode side does, over plain HTTP with JSON bodies:
                            :data:`MAX_STATUS_ROOMS`): each room's
                            :class:`~hicache.disagg.rooms.RoomStatus`, answered as soon as
                            one of them is closed or after ``wait_s`` (at most 1 s): a
-                           long poll, also the decode side's health check of the prefill
+                           long poll, also the decode side's health check of the prefill;
+                           it arms the registered rooms it names (the sender writes only
+                           into an armed room: :meth:`RoomTable.arm
+                           <hicache.disagg.rooms.RoomTable.arm>`); ``"taken": [n, ...]``:
+                           rooms closed ``SUCCESS`` whose pages the decode side took (only
+                           then does the prefill's request report success)
 ``POST /abort``            ``{"room": n, "why": text}``: the decode side gives the room
                            up; ``{"closed": bool}``: False while the sender is still
-                           writing (it stops, and the room closes ``ABORTED``)
+                           writing (it stops, and the room closes ``ABORTED``); True
+                           means no byte of the room will be written any more (an unknown
+                           room is remembered as aborted: a registration or request of it
+                           that comes later is refused)
 =========================  ==============================================================
 
 With a key (the pair's ``--api-key`` or ``--disaggregation-bootstrap-key``) every route
 but ``/health`` needs ``Authorization: Bearer <key>``: without it, 401 before the body is
 read, and nothing changes. A body past its route's cap (:data:`MAX_REGISTER_BYTES`,
 :data:`MAX_SMALL_BYTES`) gets a 413 unread, and the connection closes.
+
+Every answer carries ``X-Hicache-Instance``: an id this server draws at start. A decode
+side that sees it change knows the instance it registered with is gone (its process
+ended, or it stopped: the sender and the transport stop before the bootstrap server), so
+nothing that instance was asked to write can land any more.
 
 :class:`PrefillRooms` is the room table (:class:`~hicache.disagg.rooms.RoomTable`) under
 one lock and condition, shared by the server's handler threads, the engine thread (a
@@ -39,6 +52,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,7 +66,14 @@ from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BootstrapClient", "BootstrapServer", "BootstrapUnreachable", "PrefillRooms", "Refused"]
+__all__ = [
+    "INSTANCE_HEADER",
+    "BootstrapClient",
+    "BootstrapServer",
+    "BootstrapUnreachable",
+    "PrefillRooms",
+    "Refused",
+]
 
 MAX_WAIT_S = 1.0
 """The longest a ``/status`` long poll waits."""
@@ -60,9 +81,12 @@ MAX_REGISTER_BYTES = 16 << 20
 """The largest ``/register`` body read (a registration lists the page ids of a prompt of
 up to a million tokens at page size 1); a larger one gets a 413, unread."""
 MAX_STATUS_ROOMS = 16384
-"""The most rooms one ``/status`` asks for (the client asks in slices of this many)."""
-MAX_SMALL_BYTES = 64 + 24 * MAX_STATUS_ROOMS
+"""The most rooms one ``/status`` asks for, and the most it names taken (the client asks
+in slices of this many)."""
+MAX_SMALL_BYTES = 64 + 2 * 24 * MAX_STATUS_ROOMS
 """The largest ``/status`` or ``/abort`` body read; a larger one gets a 413, unread."""
+INSTANCE_HEADER = "X-Hicache-Instance"
+"""The header naming the prefill instance (its bootstrap server's start) on every answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +195,22 @@ class PrefillRooms:
             self._table.close(room, time.monotonic(), result=result, error=error)
             self._cond.notify_all()
 
+    def poll(
+        self, rooms: Sequence[int], wait_s: float, taken: Sequence[int] = ()
+    ) -> list[RoomStatus | None]:
+        """The decode side's poll: the rooms whose pages it took (:meth:`RoomTable.take`),
+        arm ``rooms`` (:meth:`RoomTable.arm`), then :meth:`status`."""
+        with self._cond:
+            for r in taken:
+                self._table.take(r)
+            if [r for r in rooms if self._table.arm(r)] or taken:
+                self._cond.notify_all()
+        return self.status(rooms, wait_s)
+
+    def taken(self, room: int) -> bool:
+        with self._cond:
+            return self._table.taken(room)
+
     def status(self, rooms: Sequence[int], wait_s: float = 0.0) -> list[RoomStatus | None]:
         """Each room's status, once one of them is closed or ``wait_s`` has passed.
         Under the lock: one read of the rooms asked, then, on each wake, only the rooms
@@ -232,8 +272,10 @@ class BootstrapServer:
         if key is not None and not key:
             raise ValueError("key='' is invalid; an empty key would let anyone in")
         self.rooms = rooms
+        self.instance = uuid.uuid4().hex
+        """This server's id, on every answer (:data:`INSTANCE_HEADER`)."""
         self._stopped = threading.Event()
-        handler = _handler(rooms, self._stopped, key)
+        handler = _handler(rooms, self._stopped, key, self.instance)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
@@ -267,7 +309,7 @@ class _Refuse(Exception):
 
 
 def _handler(
-    rooms: PrefillRooms, stopped: threading.Event, key: str | None
+    rooms: PrefillRooms, stopped: threading.Event, key: str | None, instance: str
 ) -> type[BaseHTTPRequestHandler]:
     expected = None if key is None else f"Bearer {key}".encode()
 
@@ -288,6 +330,7 @@ def _handler(
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            self.send_header(INSTANCE_HEADER, instance)
             self.end_headers()
             self.wfile.write(data)
 
@@ -360,10 +403,15 @@ def _handler(
                         self._send(status, {"error": refused.why})
                 elif self.path == "/status":
                     body = self._body(MAX_SMALL_BYTES)
-                    asked = body["rooms"]
-                    if not isinstance(asked, list) or len(asked) > MAX_STATUS_ROOMS:
-                        raise ValueError(f"rooms must be a list of at most {MAX_STATUS_ROOMS}")
-                    got = rooms.status([int(r) for r in asked], float(body.get("wait_s", 0)))
+                    asked, taken = body["rooms"], body.get("taken", [])
+                    for name, rs in (("rooms", asked), ("taken", taken)):
+                        if not isinstance(rs, list) or len(rs) > MAX_STATUS_ROOMS:
+                            raise ValueError(f"{name} must be a list of at most {MAX_STATUS_ROOMS}")
+                    got = rooms.poll(
+                        [int(r) for r in asked],
+                        float(body.get("wait_s", 0)),
+                        [int(r) for r in taken],
+                    )
                     self._send(200, {"rooms": [None if s is None else s.to_json() for s in got]})
                 else:
                     body = self._body(MAX_SMALL_BYTES)
@@ -381,12 +429,14 @@ class BootstrapUnreachable(ConnectionError):
     """The prefill instance's bootstrap server did not answer; :attr:`failure` says so
     as a request's error: :attr:`~hicache.failures.FailureKind.REFUSED` when its host
     name does not resolve (the request named a bogus address), else
-    :attr:`~hicache.failures.FailureKind.PEER_TIMEOUT`."""
+    :attr:`~hicache.failures.FailureKind.PEER_TIMEOUT`. ``refused``: nothing listens on
+    its port (the connection was refused, not left unanswered)."""
 
-    def __init__(self, message: str, *, unknown_host: bool = False) -> None:
+    def __init__(self, message: str, *, unknown_host: bool = False, refused: bool = False) -> None:
         super().__init__(message)
         kind = FailureKind.REFUSED if unknown_host else FailureKind.PEER_TIMEOUT
         self.failure = Failure(message, kind)
+        self.refused = refused
 
 
 def _unknown_host(exc: BaseException) -> bool:
@@ -412,6 +462,8 @@ class BootstrapClient:
     ) -> None:
         self.address = f"{host}:{port}"
         self._host = host
+        self.instance: str | None = None
+        """The instance id of the last answer (:data:`INSTANCE_HEADER`); None before one."""
         self._timeout_s = timeout_s
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # a body follows its headers
         headers = {} if key is None else {"Authorization": f"Bearer {key}"}
@@ -424,7 +476,7 @@ class BootstrapClient:
 
     def _post(self, path: str, body: object, extra_s: float = 0.0) -> httpx.Response:
         try:
-            return self._http.post(path, json=body, timeout=self._timeout_s + extra_s)
+            r = self._http.post(path, json=body, timeout=self._timeout_s + extra_s)
         except httpx.HTTPError as exc:
             if _unknown_host(exc):
                 raise BootstrapUnreachable(
@@ -433,8 +485,11 @@ class BootstrapClient:
                 ) from None
             raise BootstrapUnreachable(
                 f"the prefill instance's bootstrap server at {self.address} did not answer"
-                f" within {self._timeout_s + extra_s:g} s ({type(exc).__name__}: {exc})"
+                f" within {self._timeout_s + extra_s:g} s ({type(exc).__name__}: {exc})",
+                refused=_refused(exc),
             ) from None
+        self.instance = r.headers.get(INSTANCE_HEADER, self.instance)
+        return r
 
     def register(self, registration: Registration) -> Failure | None:
         """Register a room's pages; None when accepted, else the prefill side's refusal:
@@ -448,14 +503,21 @@ class BootstrapClient:
         kind = FailureKind.REFUSED if r.status_code in (400, 409) else FailureKind.PEER_FAILED
         return Failure(f"the prefill instance refused the room: {_error_of(r)}", kind)
 
-    def status(self, rooms: Sequence[int], wait_s: float) -> list[RoomStatus | None]:
+    def status(
+        self, rooms: Sequence[int], wait_s: float, taken: Sequence[int] = ()
+    ) -> list[RoomStatus | None]:
         """Each room's status (a long poll of at most ``wait_s``, on the first
-        :data:`MAX_STATUS_ROOMS` of them; the rest are read at once)."""
+        :data:`MAX_STATUS_ROOMS` of them; the rest are read at once); ``taken``: rooms
+        whose pages this side took since the last poll."""
         out: list[RoomStatus | None] = []
-        for i in range(0, max(1, len(rooms)), MAX_STATUS_ROOMS):
-            part = list(rooms[i : i + MAX_STATUS_ROOMS])
+        for i in range(0, max(1, len(rooms), len(taken)), MAX_STATUS_ROOMS):
             wait = wait_s if i == 0 else 0.0
-            r = self._post("/status", {"rooms": part, "wait_s": wait}, extra_s=wait)
+            body = {
+                "rooms": list(rooms[i : i + MAX_STATUS_ROOMS]),
+                "wait_s": wait,
+                "taken": list(taken[i : i + MAX_STATUS_ROOMS]),
+            }
+            r = self._post("/status", body, extra_s=wait)
             if r.status_code != 200:
                 raise BootstrapUnreachable(
                     f"{self.address}/status answered {r.status_code}: {_error_of(r)}"
@@ -470,6 +532,16 @@ class BootstrapClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a refused connection."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
 
 
 def _error_of(r: httpx.Response) -> str:

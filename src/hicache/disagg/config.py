@@ -58,8 +58,9 @@ class DisaggConfig:
     before it ends (so that every room ends); ``transfer_timeout_s``, one transfer's
     bound; ``health_interval_s`` and ``health_failures``, how often a decode
     instance checks its prefill instances and after how many failed checks in a row it
-    fails their rooms; ``drain_timeout_s``, how long an aborted room's pages stay held
-    for the other side's acknowledgement; ``closed_room_ttl_s``, how long a closed room's
+    fails their rooms; ``drain_timeout_s``, how long an aborted request waits for the
+    other side's acknowledgement before it ends (its pages then stay held, out of use,
+    until the acknowledgement: :mod:`hicache.disagg.receiver`); ``closed_room_ttl_s``, how long a closed room's
     number stays refused.
 
     Bounds on what a peer or a client can make an instance hold: ``bootstrap_key``, the

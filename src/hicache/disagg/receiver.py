@@ -2,23 +2,35 @@
 and follows the room until the pages have landed (:class:`DecodeReceiver`).
 
 One thread per prefill instance (:class:`_Link`, keyed by its bootstrap address, in a
-bounded pool that retires idle links: :mod:`hicache.disagg.links`) does, in a loop: the registrations and aborts the engine asked for, then one long poll of the
-statuses of its rooms (``/status``, which answers as soon as one closes). A closed room
-becomes one call: ``arrived(rid, result)`` when the prefill side reports ``SUCCESS``
-(every byte has landed: the sender closes the room after its last write), else
-``ended(rid, error)``; the engine applies them as step inputs. The long poll is also the
-health check: when the prefill instance has not answered for ``health_bound_s`` (counted
-from the start of the first call it did not answer; each call waits at most that long),
-every room of it ends with an error, and so does a registration it does not answer.
+bounded pool that retires idle links: :mod:`hicache.disagg.links`) does, in a loop: the
+registrations and aborts the engine asked for, the aborts of rooms given up, then one
+long poll of the statuses of its registered rooms (``/status``, which answers as soon as
+one closes, and arms the rooms it names: the prefill side writes a room only once the
+decode side has read its registration accepted). A room's end becomes calls to the
+engine, applied as step inputs:
+
+- ``arrived(rid, result)``: the prefill side reports ``SUCCESS`` (every byte has landed:
+  the sender closes the room after its last write); the next poll tells the prefill side
+  the pages were taken (``taken``), and only then does its request report success;
+- ``failed(rid, error)``: the decode side gives the room up while the prefill side may
+  still write it (the registration or the prefill instance did not answer within
+  ``health_bound_s``, counted from the start of the first call it did not answer, or an
+  abort was not acknowledged within ``drain_timeout_s``): the request ends with an error
+  now, but its pages stay *held* (out of use) until ``ended``;
+- ``ended(rid, error)``: no byte of the room can land any more, so its pages are free:
+  the prefill side refused the registration, or closed the room (its sender closes a
+  room only once no write of it can land), or acknowledged an abort (an unknown room is
+  then remembered as aborted, so a registration still in its socket is refused), or the
+  prefill instance is gone (its bootstrap port refuses connections, or another instance
+  answers there: its id, ``X-Hicache-Instance``, changed).
+
+A room given up is aborted again and again (every ``RETRY_S``) until one of the above
+settles it, however long the prefill instance is paused.
 
 Each ``error`` is a :class:`~hicache.failures.Failure` saying whose fault it was: the
 room refused (in use, used, a layout mismatch) or a ``bootstrap_host`` that does not
 resolve: ``REFUSED``; the prefill instance silent for the bound: ``PEER_TIMEOUT``; the
-room failed on the prefill side: ``PEER_FAILED``.
-
-An abort (:meth:`DecodeReceiver.abort`) is drained: the room is given up at the prefill
-side, and ``ended`` comes only once the prefill side has closed it (no write can follow),
-or after ``drain_timeout_s``; until then the request keeps its pages.
+room failed on the prefill side, or the instance is gone: ``PEER_FAILED``.
 
 Only bootstrap addresses that ``allow`` admits are contacted (the HTTP server refuses
 the others first, with a 400 naming ``bootstrap_host``; :meth:`DecodeReceiver.expect`
@@ -48,6 +60,8 @@ __all__ = ["BootstrapRefused", "DecodeReceiver"]
 POLL_WAIT_S = 0.02
 """How long one status poll waits for a room to close (new registrations and aborts wait
 at most this long for the link's thread)."""
+RETRY_S = 0.5
+"""How often the abort of a room given up is sent again until it is acknowledged."""
 
 
 class BootstrapRefused(ValueError):
@@ -70,13 +84,18 @@ class _Abort:
 class _Room:
     rid: str
     room: int
+    instance: str | None
+    """The prefill instance the registration went to (None: none had answered yet)."""
     registered: bool = False
-    drain_until: float | None = None
-    """Set once aborted: ``ended`` is called when the prefill side has closed the room or
-    at this ``time.monotonic()``."""
+    """Its acceptance was read: it is polled (and so armed)."""
     why: str = ""
-    failed: bool = False
-    """The room closed without success after pages were written: draining."""
+    drain_until: float | None = None
+    """Set once the engine aborted it: the room is given up at this ``time.monotonic()``
+    unless the prefill side has closed it by then."""
+    given_up: bool = False
+    """``failed`` was called: its pages are held until the room is settled (``ended``)."""
+    retry_at: float = 0.0
+    """When to send its abort again (given up or draining)."""
 
 
 class DecodeReceiver:
@@ -88,6 +107,7 @@ class DecodeReceiver:
         arrived: Callable[[str, RoomResult], None],
         ended: Callable[[str, str], None],
         *,
+        failed: Callable[[str, str], None],
         health_bound_s: float,
         drain_timeout_s: float,
         allow: BootstrapAllow | None = None,
@@ -97,6 +117,7 @@ class DecodeReceiver:
     ) -> None:
         self._arrived = arrived
         self._ended = ended
+        self._failed = failed
         self._health_bound_s = health_bound_s
         self._drain_timeout_s = drain_timeout_s
         self._allow = allow if allow is not None else BootstrapAllow.parse(["*"])
@@ -165,6 +186,12 @@ class DecodeReceiver:
         except Exception:
             log.exception("reporting the end of %s failed", rid)
 
+    def _call_failed(self, rid: str, why: str) -> None:
+        try:
+            self._failed(rid, why)
+        except Exception:
+            log.exception("reporting the failure of %s failed", rid)
+
 
 class _Link:
     """The thread that follows one prefill instance's rooms."""
@@ -178,6 +205,8 @@ class _Link:
         self._pending = 0
         """Items posted and not yet handled (under ``_count``)."""
         self._count = threading.Lock()
+        self.taken: list[int] = []
+        """Rooms whose pages were taken (``arrived``), told with the next poll."""
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._unreachable_since: float | None = None
@@ -217,12 +246,18 @@ class _Link:
             while not self._stop.is_set():
                 if self._take_inbox():
                     idle_since = None
-                if not self.rooms:
+                self._settle()
+                if not self.taken and not any(r.registered for r in self.rooms.values()):
                     now = time.monotonic()
-                    idle_since = idle_since or now
-                    if now - idle_since >= idle_s and self.owner._links.retire(self.address, self):
-                        break  # out of the pool: nothing can be posted to it any more
-                    self._wake.wait(min(0.5, max(0.01, idle_since + idle_s - now)))
+                    if self.rooms:  # only rooms given up: their aborts are resent
+                        idle_since = None
+                        self._wake.wait(min(RETRY_S, 0.1))
+                    else:
+                        idle_since = idle_since or now
+                        retire = now - idle_since >= idle_s
+                        if retire and self.owner._links.retire(self.address, self):
+                            break  # out of the pool: nothing can be posted to it any more
+                        self._wake.wait(min(0.5, max(0.01, idle_since + idle_s - now)))
                     self._wake.clear()
                     continue
                 idle_since = None
@@ -240,6 +275,7 @@ class _Link:
                     self.owner._call_ended(item.rid, stopping)
                 self._handled()
             self.client.close()
+            self.owner._links.left(self)
 
     def _take_inbox(self) -> int:
         """Handle every item posted; returns how many."""
@@ -261,73 +297,119 @@ class _Link:
             self._pending -= 1
 
     def _register(self, item: _Expect) -> None:
-        room = _Room(item.rid, item.registration.room)
+        room = _Room(item.rid, item.registration.room, self.client.instance)
         try:
             refused = self.client.register(item.registration)
         except BootstrapUnreachable as exc:
-            self.owner._call_ended(item.rid, exc.failure)
+            if exc.failure.kind is FailureKind.REFUSED or exc.refused:
+                # a bogus host, or nothing listens there: no prefill instance can read it
+                self.owner._call_ended(item.rid, _gone(exc))
+                return
+            # it may be in the prefill instance's socket, read later: held until settled
+            self.rooms[item.rid] = room
+            self._give_up(room, exc.failure)
             return
         if refused is not None:
             self.owner._call_ended(item.rid, refused)
             return
         room.registered = True
+        room.instance = self.client.instance
         self.rooms[item.rid] = room
 
     def _abort(self, item: _Abort) -> None:
         room = self.rooms.get(item.rid)
-        if room is None:  # not registered (refused or ended): nothing can be written
-            return
+        if room is None or room.given_up or room.drain_until is not None:
+            return  # not registered (nothing can be written), or already being settled
         room.why = item.why
-        if room.drain_until is None:
-            room.drain_until = time.monotonic() + self.owner._drain_timeout_s
+        room.drain_until = time.monotonic() + self.owner._drain_timeout_s
+        self._send_abort(room)
+
+    def _give_up(self, r: _Room, why: str) -> None:
+        """The request fails now; its pages stay held until the room is settled."""
+        if r.given_up:
+            return
+        r.given_up, r.why = True, why
+        r.retry_at = 0.0  # aborted by the next _settle (every failure is told first)
+        self.owner._call_failed(r.rid, why)
+
+    def _send_abort(self, r: _Room) -> bool:
+        """Ask the prefill side to abort ``r``; ``ended`` when it acknowledged (no byte
+        of the room can land any more) or is gone. Whether the prefill side answered."""
+        r.retry_at = time.monotonic() + RETRY_S
         try:
-            closed = self.client.abort(room.room, item.why)
-        except BootstrapUnreachable:
-            closed = False  # the drain bound (or the health bound) ends it
+            closed = self.client.abort(r.room, r.why or "aborted by the decode side")
+        except BootstrapUnreachable as exc:
+            if exc.refused:
+                self._end(r, r.why or _gone(exc))
+            return exc.refused
         if closed:
-            self._end(room, item.why)
+            self._end(r, r.why)
+        return True
+
+    def _settle(self) -> None:
+        """Abort again the rooms given up or draining; give up drained ones; end the rooms
+        of a prefill instance that another one replaced."""
+        now = time.monotonic()
+        answering = True  # one abort unanswered: the others wait for the next round
+        for r in list(self.rooms.values()):
+            if self._replaced(r):
+                self._end(r, r.why or _replaced_error(r))
+            elif r.drain_until is not None and now >= r.drain_until and not r.given_up:
+                why = f"{r.why} (the prefill side did not acknowledge the abort)"
+                self._give_up(r, Failure(why, FailureKind.PEER_TIMEOUT))
+            elif answering and (r.given_up or r.drain_until is not None) and now >= r.retry_at:
+                answering = self._send_abort(r)
+
+    def _replaced(self, r: _Room) -> bool:
+        """Whether another prefill instance than ``r``'s answers at the address now."""
+        now = self.client.instance
+        return r.instance is not None and now is not None and now != r.instance
 
     def _poll(self) -> None:
-        rooms = list(self.rooms.values())
+        rooms = [r for r in self.rooms.values() if r.registered]
+        taken, self.taken = self.taken, []
         asked = time.monotonic()
         try:
-            got = self.client.status([r.room for r in rooms], POLL_WAIT_S)
+            got = self.client.status([r.room for r in rooms], POLL_WAIT_S, taken)
         except BootstrapUnreachable as exc:
+            self.taken = taken + self.taken  # told again with the next poll
             now = time.monotonic()
             since = self._unreachable_since = self._unreachable_since or asked
-            if now - since >= self.owner._health_bound_s:
+            if exc.refused:
+                for r in rooms:  # nothing listens: the instance is gone, nothing can land
+                    self._end(r, r.why or _gone(exc))
+            elif now - since >= self.owner._health_bound_s:
                 why = f"{exc}; silent for {now - since:.1f} s, so its rooms failed"
                 for r in rooms:
-                    self._end(r, Failure(why, FailureKind.PEER_TIMEOUT))
+                    self._give_up(r, Failure(why, FailureKind.PEER_TIMEOUT))
                 self._unreachable_since = None
             else:
                 self._stop.wait(min(0.2, self.owner._health_bound_s / 4))
             return
         self._unreachable_since = None
-        now = time.monotonic()
         for r, status in zip(rooms, got, strict=True):
+            if r.rid not in self.rooms:
+                continue
             if status is not None and status.state.closed:
                 if (
                     status.state is RoomState.SUCCESS
                     and status.result is not None
                     and r.drain_until is None
+                    and not r.given_up
                 ):
                     del self.rooms[r.rid]
                     self.owner._call_arrived(r.rid, status.result)
-                elif status.written and not r.failed:
-                    # a write that failed (a deadline) may still land: hold the pages for
-                    # the drain bound before freeing them, never reuse them under it
-                    r.failed = True
-                    r.why = r.why or status.error or f"room {r.room} {status.state.value}"
-                    r.drain_until = now + self.owner._drain_timeout_s
-                elif not status.written or now >= (r.drain_until or now):
+                    self.taken.append(r.room)
+                else:  # closed: the sender has stopped, no write of it can land
+                    if r.given_up and status.state is RoomState.SUCCESS:
+                        self._send_abort(r)  # so that the prefill does not report success
                     self._end(r, _peer_failed(r.why or status.error, r.room, status.state))
-            elif r.drain_until is not None and now >= r.drain_until:
-                self._end(r, f"{r.why} (the prefill side did not acknowledge the abort)")
+            elif self._replaced(r):
+                self._end(r, r.why or _replaced_error(r))
 
     def _end(self, r: _Room, why: str) -> None:
-        self.rooms.pop(r.rid, None)
-        self.owner._call_ended(r.rid, why)
+        if self.rooms.pop(r.rid, None) is not None:
+            self.owner._call_ended(r.rid, why)
 
 
 def _peer_failed(why: str | None, room: int, state: RoomState) -> str:
@@ -336,3 +418,15 @@ def _peer_failed(why: str | None, room: int, state: RoomState) -> str:
     if isinstance(why, Failure):
         return why
     return Failure(why or f"room {room} {state.value}", FailureKind.PEER_FAILED)
+
+
+def _gone(exc: BootstrapUnreachable) -> Failure:
+    """The error of a room whose prefill instance cannot be reached at all: a bogus
+    host is the request's fault, a refused connection the peer's (it is gone)."""
+    if exc.failure.kind is FailureKind.REFUSED:
+        return exc.failure
+    return Failure(f"the prefill instance is gone: {exc}", FailureKind.PEER_FAILED)
+
+
+def _replaced_error(r: _Room) -> Failure:
+    return Failure(f"room {r.room}: the prefill instance was replaced", FailureKind.PEER_FAILED)

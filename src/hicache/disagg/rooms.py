@@ -14,12 +14,18 @@ registration of the pages it allocated (:meth:`RoomTable.register`). A room goes
                                                   SUCCESS | FAILED | ABORTED (closed)
 
 ``WAITING_FOR_INPUT``: the prefill is queued or computing. ``TRANSFERRING``: the sender
-writes the pages (chunk by chunk as the prefill computes them). Every state ends on its
-own (:meth:`RoomTable.expire`): ``BOOTSTRAPPING`` fails after ``timeout_s`` without the
-other side; ``WAITING_FOR_INPUT`` fails after ``work_timeout_s`` (nothing was written);
-``TRANSFERRING`` past ``work_timeout_s`` is aborted as the decode side would abort it
-(the sender stops between two writes and closes it, never under a write); a closed room
-is forgotten after ``closed_ttl_s``. A closed room's number stays refused for ``closed_ttl_s`` (a room is single-use:
+writes the pages (chunk by chunk as the prefill computes them). The sender may start only
+once the room is *armed* (:meth:`RoomTable.arm`): the decode side names it in a status
+poll, which it sends only after it has read the registration's acceptance. A
+registration whose sender gave up waiting for that answer (a paused prefill instance
+reads it later) is never armed, so nothing is ever written into pages the decode side
+has stopped promising; its room ends when the decode side aborts it (or times out).
+Every state ends on its own (:meth:`RoomTable.expire`): ``BOOTSTRAPPING`` fails after
+``timeout_s`` without the other side; ``WAITING_FOR_INPUT`` fails after
+``work_timeout_s`` (nothing was written); ``TRANSFERRING`` past ``work_timeout_s`` is
+aborted as the decode side would abort it (the sender stops between two writes and
+closes it, never under a write); a closed room is forgotten after ``closed_ttl_s``. A
+closed room's number stays refused for ``closed_ttl_s`` (a room is single-use:
 a second request or registration under a live or recently closed room is refused). An
 abort asked while transferring closes the room only when the sender stops
 (:meth:`RoomTable.abort` then :meth:`RoomTable.close`), so the decode side frees its pages
@@ -144,6 +150,10 @@ class _Room:
     registration: Registration | None = None
     """The decode side's pages, once registered."""
     abort_asked: bool = False
+    armed: bool = False
+    """The decode side polled the room after its registration was accepted."""
+    taken: bool = False
+    """The decode side took the pages of the room, closed ``SUCCESS`` (:meth:`take`)."""
     written: bool = False
     """The sender took the registration (it may have written pages since)."""
     result: RoomResult | None = None
@@ -258,16 +268,25 @@ class RoomTable:
 
     def start(self, room: int, now: float) -> Registration | None:
         """The prefill's pages are ready: move ``room`` to ``TRANSFERRING`` and return the
-        decode side's registration; None while it has not registered (or the room is
-        closed or aborted: see :meth:`state`)."""
+        decode side's registration; None while it has not registered or is not armed
+        (:meth:`arm`), or the room is closed or aborted."""
         r = self._rooms.get(room)
         if r is None or r.registration is None or r.state is not RoomState.WAITING_FOR_INPUT:
             return None
-        if r.abort_asked:
+        if r.abort_asked or not r.armed:
             return None
         r.state, r.since, r.written = RoomState.TRANSFERRING, now, True
         heapq.heappush(self._working, (now, room))
         return r.registration
+
+    def arm(self, room: int) -> bool:
+        """The decode side polled ``room``: it knows its registration was accepted, so
+        the sender may write (see the module docstring). Whether it was armed now."""
+        r = self._rooms.get(room)
+        if r is None or r.registration is None or r.armed or r.state.closed:
+            return False
+        r.armed = True
+        return True
 
     def abort(self, room: int, why: str, now: float) -> bool:
         """The decode side aborts ``room``: closed at once (``ABORTED``) unless the
@@ -278,6 +297,8 @@ class RoomTable:
         if r is None:
             r = self._new(room, now)
         if r.state.closed:
+            if r.state is RoomState.SUCCESS and not r.taken and not r.abort_asked:
+                r.abort_asked, r.error = True, why  # written, but the decode side failed
             return True
         r.abort_asked = True
         r.error = r.error or why
@@ -285,6 +306,18 @@ class RoomTable:
             return False
         self._closing(r, RoomState.ABORTED, now)
         return True
+
+    def take(self, room: int) -> None:
+        """The decode side has taken ``room``'s pages (it read the room ``SUCCESS`` and
+        runs its request): only now may the prefill side's request report success."""
+        r = self._rooms.get(room)
+        if r is not None and r.state is RoomState.SUCCESS and not r.abort_asked:
+            r.taken = True
+
+    def taken(self, room: int) -> bool:
+        """Whether the decode side took ``room``'s pages (:meth:`take`)."""
+        r = self._rooms.get(room)
+        return r is not None and r.taken
 
     def aborted(self, room: int) -> bool:
         """Whether the decode side asked to abort ``room`` (the sender checks between

@@ -16,9 +16,19 @@ pages the decode side lacks (:func:`plan_spans`). The final job closes the room
 engine (``done(rid, error)``, once per request), which then releases the request. The
 sender never touches the cache.
 
+The final job's room closes ``SUCCESS`` (the decode side reads that every page has
+landed), but the request reports success only once the decode side says it took the
+pages (its next poll, :meth:`~hicache.disagg.rooms.RoomTable.take`): a room the decode
+side gave up meanwhile (its abort came after the last write) or did not take within
+``timeout_s`` ends with an error, so a room whose decode half failed never reports
+success.
+
 An abort from the decode side is seen between two writes (at most ``BATCH_BYTES``
 apart): the sender stops, the room closes ``ABORTED``, and only then may the decode side
-free its pages.
+free its pages. A room is closed only when no byte of it can land any more: after a
+write that failed, once the transport has quiesced its transfers to that peer
+(:meth:`~hicache.disagg.transport.Transport.quiet`). The sender starts a room only once
+it is armed (:meth:`~hicache.disagg.rooms.RoomTable.arm`).
 """
 
 from __future__ import annotations
@@ -157,6 +167,9 @@ class PrefillSender:
         self._inbox: queue.Queue[SendJob | tuple[str, int, str]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hicache-pd-sender", daemon=True)
+        self._unclaimed: dict[int, tuple[SendJob, float]] = {}
+        """Rooms closed ``SUCCESS`` whose ``done`` waits for the decode side to take the
+        pages (or give the room up), each with its deadline (the sender's thread only)."""
         self.sent_bytes = 0
         """Bytes written so far (the sender thread writes it)."""
         self.partial_writes = 0
@@ -199,7 +212,7 @@ class PrefillSender:
             while not self._stop.is_set():
                 self._take_inbox(state)
                 self.rooms.expire()
-                progressed = False
+                progressed = self._claims()
                 for room, st in list(state.items()):
                     progressed |= self._serve(room, st, state)
                 if not progressed:
@@ -208,12 +221,37 @@ class PrefillSender:
             log.exception("the PD sender thread failed")
             raise
         finally:
+            for job, _ in self._unclaimed.values():
+                self._report(job, "the prefill instance is stopping")
             self._take_inbox(state)
             for room, st in state.items():
                 for job in st.jobs:
                     if job.final:
                         self._end(job, error="the prefill instance is stopping")
                 self.rooms.close(room, error="the prefill instance is stopping")
+
+    def _claims(self) -> bool:
+        """Report the rooms closed ``SUCCESS`` that the decode side took (success), gave
+        up (its abort came after the last write), or did not take within the bound."""
+        changed = False
+        for room, (job, deadline) in list(self._unclaimed.items()):
+            if self.rooms.taken(room):
+                self._report(job, None)
+            elif self.rooms.aborted(room):
+                self._report(job, f"room {room}: the decode side gave it up")
+            elif time.monotonic() >= deadline:
+                self._report(job, f"room {room}: the decode side did not take its pages")
+            else:
+                continue
+            del self._unclaimed[room]
+            changed = True
+        return changed
+
+    def _report(self, job: SendJob, error: str | None) -> None:
+        try:
+            self._done(job.rid, error)
+        except Exception:
+            log.exception("reporting the end of room %d failed", job.room)
 
     def _take_inbox(self, state: dict[int, _Room]) -> None:
         while not self._inbox.empty():
@@ -257,8 +295,9 @@ class PrefillSender:
                 st.error = self._write_job(job, st)
             if job.final:
                 del state[room]
-                if st.error is None:
-                    self._end(job, result=job.result)
+                if st.error is None:  # reported once the decode side took the pages
+                    self.rooms.close(job.room, result=job.result)
+                    self._unclaimed[room] = (job, time.monotonic() + self._timeout_s)
                 else:
                     self._end(job, error=st.error)
         return True
@@ -273,6 +312,7 @@ class PrefillSender:
             why = str(exc)
         except TransferFailed as exc:
             why = f"room {job.room}: sending the pages to the decode instance failed: {exc}"
+            self._quiesce(st.reg.endpoint, job.room)
         else:
             if self.rooms.aborted(job.room):
                 why = f"room {job.room}: the decode side aborted it"
@@ -284,6 +324,15 @@ class PrefillSender:
         log.warning("%s", why)
         self.rooms.close(job.room, error=why)
         return why
+
+    def _quiesce(self, endpoint: str, room: int) -> None:
+        """Wait until no byte of a failed write to ``endpoint`` can land any more
+        (:meth:`Transport.quiet`), before the room is closed: the decode side frees its
+        pages once it reads the room closed. Gives up only when the sender stops."""
+        while not self.transport.quiet(endpoint, 1.0):
+            log.warning("room %d: a failed write's transfers are still running", room)
+            if self._stop.is_set():
+                return
 
     def _write(self, job: SendJob, endpoint: str, spans: Sequence[Span]) -> None:
         """Write ``spans`` in batches of about :data:`BATCH_BYTES`, looking at the room's

@@ -47,6 +47,7 @@ from hicache.engine.step_inputs import (
     NewRequest,
     PagesArrived,
     RoomEnded,
+    RoomFailed,
     StepInput,
     StepInputs,
     Stop,
@@ -192,6 +193,9 @@ class EngineCore:
             return None
         if isinstance(item, RoomEnded):
             self.scheduler.room_ended(item)
+            return None
+        if isinstance(item, RoomFailed):
+            self.scheduler.room_failed(item)
             return None
         if isinstance(item, Digest):
             sched = self.scheduler

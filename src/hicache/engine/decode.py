@@ -7,8 +7,10 @@ here are promised), its pages are registered with the prefill instance
 (:meth:`DecodeRole.register`): the prefill side then writes every page past that prefix.
 The receiver (:mod:`hicache.disagg.receiver`) turns the room's end into a step input:
 :class:`~hicache.engine.step_inputs.PagesArrived` (the scheduler commits the prompt and
-decodes from the first token on) or :class:`~hicache.engine.step_inputs.RoomEnded`
-(the request fails, its pages freed). A running request that is retracted (L1 full)
+decodes from the first token on), :class:`~hicache.engine.step_inputs.RoomEnded` (the
+request fails, its pages freed: no write of the room can land any more) or
+:class:`~hicache.engine.step_inputs.RoomFailed` (the request fails now, its pages held out
+of use until the room's ``RoomEnded``). A running request that is retracted (L1 full)
 is not parked again when it is admitted again: its room is spent (single use), and it
 resumes from what the cache kept of it (its prompt and the tokens it generated,
 committed at the retraction) and recomputes the rest here, as on a plain instance. An

@@ -62,6 +62,9 @@ class RequestEnds:
         self.parked: dict[str, Request] = {}
         """``rid ->`` each request parked by the instance's role (see the module
         docstring), in the order parked."""
+        self.held: dict[str, Request] = {}
+        """``rid ->`` each ended request whose pages stay out of use because another
+        instance may still write them (:meth:`hold`), until :meth:`release_held`."""
         self.role = Role()
         """The instance's prefill/decode role (the driver sets it; plain: no parking)."""
 
@@ -145,6 +148,33 @@ class RequestEnds:
         self.output.update_text(req)
         self.release(req)
         self.emit(req)
+
+    def hold(self, req: Request, why: str) -> None:
+        """Parked ``req`` ends now with ``error`` = ``why`` (its final report), but its
+        pages are *held*: neither freed nor committed, as another instance may still
+        write them, until :meth:`release_held`."""
+        self.parked.pop(req.rid, None)
+        req.leave_queue()
+        req.error = req.error or why
+        req.finish_reason = FinishReason.ABORT
+        self.held[req.rid] = req
+        self.emit(req)
+
+    def release_held(self, rid: str) -> None:
+        """Held ``rid``'s pages can no longer be written from elsewhere: free them."""
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self.release(req, keep_kv=False)
+
+    @property
+    def held_pages(self) -> int:
+        """The L1 pages of the full KV that held requests keep out of use (their own,
+        past the prefix they share with the tree)."""
+        return sum(
+            len(r.cache.pages) - r.cache.prefix_pages
+            for r in self.held.values()
+            if r.cache is not None
+        )
 
     def release(self, req: Request, *, keep_kv: bool = True) -> None:
         """Take ``req`` out of the queues and give back what it holds (its computed KV

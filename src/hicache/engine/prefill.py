@@ -171,6 +171,8 @@ class PrefillRole(Role):
             self.sender.restart(req.bootstrap.room)
 
     def close(self) -> None:
+        # the bootstrap server last: while it answers, the decode side holds the pages of
+        # every room it follows; once its port is closed no write can follow
         self.sender.close()
-        self.server.close()
         self.transport.close()
+        self.server.close()

@@ -9,7 +9,8 @@ sliding-window and indexer pools: what :func:`~hicache.cache.held.held_pages` li
   sender thread;
 - decode: the receiver.
 
-Their threads post :class:`~hicache.engine.step_inputs.PagesArrived` and
+Their threads post :class:`~hicache.engine.step_inputs.PagesArrived`,
+:class:`~hicache.engine.step_inputs.RoomFailed` and
 :class:`~hicache.engine.step_inputs.RoomEnded` records through ``post``.
 """
 
@@ -32,7 +33,7 @@ from hicache.engine.core import EngineCore
 from hicache.engine.decode import DecodeRole
 from hicache.engine.prefill import PrefillRole
 from hicache.engine.role import Role
-from hicache.engine.step_inputs import PagesArrived, RoomEnded, StepInput
+from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed, StepInput
 
 __all__ = ["start_role"]
 
@@ -127,9 +128,13 @@ def _decode(
     def ended(rid: str, why: str) -> None:
         post(RoomEnded(rid, why))
 
+    def failed(rid: str, why: str) -> None:
+        post(RoomFailed(rid, why))
+
     receiver = DecodeReceiver(
         arrived,
         ended,
+        failed=failed,
         health_bound_s=disagg.health_bound_s,
         drain_timeout_s=disagg.drain_timeout_s,
         allow=disagg.allow,

@@ -79,7 +79,7 @@ from hicache.engine.role import Role
 from hicache.engine.sampling import make_generator
 from hicache.engine.schedule_config import LPM_MAX_WAITING, SchedulePolicy, SchedulerConfig
 from hicache.engine.slots import admission_order, held_slots, lent_slot
-from hicache.engine.step_inputs import PagesArrived, RoomEnded
+from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed
 from hicache.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -252,6 +252,9 @@ class Scheduler:
         """Parked ``item.rid``'s room has ended: a prefill's request is released and
         reported (with ``item.error`` when its pages could not be sent); a decode's ends
         with that error, its pages freed (nothing it was promised can land any more)."""
+        if item.rid in self.ends.held:  # a decode's, failed earlier: its pages are free now
+            self.ends.release_held(item.rid)
+            return
         req = self.ends.parked.get(item.rid)
         if req is None:
             return
@@ -260,6 +263,14 @@ class Scheduler:
             return
         error = item.error or "the room ended without pages"
         self.ends.finish(req, FinishReason.ABORT, keep_kv=False, error=req.error or error)
+
+    def room_failed(self, item: RoomFailed) -> None:
+        """Parked ``item.rid``'s room was given up while the prefill instance may still
+        write its pages: it ends now with ``item.error``, its pages held until its
+        :class:`RoomEnded` (:meth:`RequestEnds.hold <hicache.engine.ends.RequestEnds.hold>`)."""
+        req = self.ends.parked.get(item.rid)
+        if req is not None:
+            self.ends.hold(req, item.error)
 
     def _unpark(self, req: Request) -> None:
         """Parked ``req`` (nothing promised yet) goes back to the front of the queue; its
@@ -390,6 +401,11 @@ class Scheduler:
                 f"the device cache cannot make room now: of its {total} pages {free} are"
                 f" free, {held} held outside the tree (reserved, or loads in flight) and"
                 f" {cached} cached by the tree, of which {evictable} evictable"
+            )
+        if self.ends.held:
+            why += (
+                f" ({self.ends.held_pages} of the held pages belong to failed rooms until"
+                " their prefill instance confirms that no write of them can land)"
             )
         self.ends.finish(
             req,

@@ -161,6 +161,16 @@ class RoomEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class RoomFailed:
+    """Decode instance: request ``rid``'s room was given up (``error`` says why) while the
+    prefill instance may still write its pages: the request ends now, its pages *held*
+    (out of use) until a :class:`RoomEnded` of it says no write can land any more."""
+
+    rid: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """The engine stops: every rank fails what is in flight and ends its loop."""
 
@@ -176,6 +186,7 @@ StepInput = (
     | Digest
     | PagesArrived
     | RoomEnded
+    | RoomFailed
     | Stop
 )
 """One input of a step; the records above."""
@@ -204,6 +215,7 @@ __all__ = [
     "NewRequest",
     "PagesArrived",
     "RoomEnded",
+    "RoomFailed",
     "StepInput",
     "StepInputs",
     "Stop",

@@ -136,6 +136,12 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         snap.open_rooms,
     )
     yield GaugeMetricFamily(
+        "hicache_pd_held_pages",
+        "L1 pages of failed requests a decode instance keeps out of use until the prefill"
+        " instance has acknowledged that none of their bytes can land any more",
+        snap.held_pages,
+    )
+    yield GaugeMetricFamily(
         "hicache_num_admitted_reqs",
         "Requests the cache has admitted (holding pages)",
         snap.admitted,
