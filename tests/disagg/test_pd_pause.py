@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -89,6 +89,30 @@ def alone(decode: Engine) -> list[Any]:
     return [decode.generate(p, PARAMS, 60, bootstrap=b) for p in ALONE]
 
 
+def given_up(decode: Engine, d: Any) -> list[Any]:
+    """The decode half ``d`` failed while the prefill is paused: its pages are held (out
+    of use, not freed), and the decode serves the two prompts alone meanwhile."""
+    assert d.error is not None and "did not answer" in d.error, d.error
+    assert held_pages(decode) == len(ROOM_PROMPT) // 4
+    return alone(decode)
+
+
+def after_resume(
+    decode: Engine, first: list[Any], p_half: Future[httpx.Response], want: list[list[int]]
+) -> None:
+    """Once the prefill resumed: it never answers 200 for the room whose decode half
+    failed, the held pages are freed, and the two prompts sent again (from the decode's
+    cache) equal a plain engine's, as they did the first time."""
+    p = p_half.result(timeout=180)
+    wait_settled(decode)
+    again = alone(decode)
+    assert [o.output_ids for o in first] == want
+    assert [o.output_ids for o in again] == want, "a page given away was written"
+    assert again[1].cached.device >= 96  # served from the decode's cache
+    assert p.status_code != 200, p.text
+    assert_idle(decode)
+
+
 def prefill_half(url: str, port: int, room: int) -> httpx.Response:
     body = {
         "input_ids": ROOM_PROMPT,
@@ -122,19 +146,10 @@ def test_a_registration_read_after_the_decode_gave_up_is_never_written(
         try:
             p_half = ex.submit(prefill_half, p_url, port, 5)  # in the paused socket
             d = decode.generate(ROOM_PROMPT, PARAMS, 60, bootstrap=Bootstrap("127.0.0.1", port, 5))
-            assert d.error is not None and "did not answer" in d.error, d.error
-            assert held_pages(decode) == len(ROOM_PROMPT) // 4  # out of use, not freed
-            first = alone(decode)
+            first = given_up(decode, d)
         finally:
             os.kill(pid, signal.SIGCONT)
-        p = p_half.result(timeout=180)
-        wait_settled(decode)
-        again = alone(decode)
-        assert [o.output_ids for o in first] == want
-        assert [o.output_ids for o in again] == want, "a page given away was written"
-        assert again[1].cached.device >= 96  # served from the decode's cache
-        assert p.status_code != 200, p.text  # the room whose decode half failed
-        assert_idle(decode)
+        after_resume(decode, first, p_half, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -158,16 +173,7 @@ def test_a_pause_during_a_transfer_under_way_never_writes_a_page_given_away(
         os.kill(pid, signal.SIGSTOP)  # half of its first write has landed
         try:
             d = d_half.result(timeout=60)
-            assert d.error is not None and "did not answer" in d.error, d.error
-            assert held_pages(decode) == len(ROOM_PROMPT) // 4
-            first = alone(decode)
+            first = given_up(decode, d)
         finally:
             os.kill(pid, signal.SIGCONT)
-        p = p_half.result(timeout=180)
-        wait_settled(decode)
-        again = alone(decode)
-        assert [o.output_ids for o in first] == want
-        assert [o.output_ids for o in again] == want, "a page given away was written"
-        assert again[1].cached.device >= 96
-        assert p.status_code != 200, p.text
-        assert_idle(decode)
+        after_resume(decode, first, p_half, want)
