@@ -8,7 +8,7 @@ one all-reduce(min) of the fixed-shape agreement tensor, plus building and apply
 one int. Medians in µs, printed as a table and written as JSON (``--json``).
 
 This is the agreement's own cost per engine step (the engine adds the step-input and the
-token broadcasts, ``docs/benchmarks.md``); every rank calls the collectives back to back,
+token broadcasts, ``docs/benchmarks/tp.md``); every rank calls the collectives back to back,
 so little of it is one rank waiting for another's forward.
 """
 

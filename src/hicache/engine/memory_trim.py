@@ -6,7 +6,7 @@ Freed, most of it stays in glibc's heaps (the main one and one arena per thread)
 gives back only the top of a heap past its trim threshold, and that threshold grows with
 the large blocks a process frees. ``malloc_trim(0)`` hands every free page of every arena
 back to the OS (``madvise``), which brings the resident set near its level before the
-burst (see ``docs/benchmarks.md``, "Memory after a peak").
+burst (see ``docs/benchmarks/memory.md``).
 
 :class:`IdleTrimmer` decides when: once the loop has been idle for :data:`SETTLE_S`
 after at least one busy round, once more ``interval_s`` later if it is still idle (what

@@ -66,7 +66,7 @@ def lent_slot(
     progressed one alone would pick the same copy again and again (it is least progressed
     *because* it was retracted), and that copy's delays add up (measured: the fairness
     bench's ``n: 64`` request took 288 steps that way against 257 without a rule, 259 with
-    this order; see ``docs/benchmarks.md``). Among copies retracted equally often, the
+    this order; see ``docs/benchmarks/fairness.md``). Among copies retracted equally often, the
     least progressed holds the least KV of its own (its siblings' shared prompt stays
     pinned) so its re-admission costs the least, and the copies closest to their end keep
     running and free their slots soonest."""

@@ -25,7 +25,7 @@ __all__ = [
 RANK_PROCESS_BYTES = 512 << 20
 """Memory one CPU rank process needs besides its shard of the weights (the interpreter,
 torch, the tokenizer, a small model's pools): what :func:`check_tp_model` counts per rank.
-A tiny model's rank peaks near 400 MiB (``docs/benchmarks.md``, the stress run)."""
+A tiny model's rank peaks near 400 MiB (``docs/benchmarks/tp.md``, the stress run)."""
 
 
 def check_tp_fits(tp_size: object, device: str) -> None:

@@ -4,7 +4,7 @@ A KV page copy touches one 128 KiB block per (page, layer, kind), or for ``page_
 loads one 2 KiB row every 64 KiB: with 4 KiB OS pages nearly every block or row is a TLB
 miss. Backing the pools with 2 MiB pages removes most of them. Measured with
 ``hicache bench transfer`` at page 64 on a 2-vCPU VM (same-run ratios to a contiguous
-copy): ``page_first`` backup 0.21 -> 0.74 and load 0.20 -> 0.52 (see docs/benchmarks.md).
+copy): ``page_first`` backup 0.21 -> 0.74 and load 0.20 -> 0.52 (see docs/benchmarks/transfer.md).
 
 The advice must come before the buffer is first touched (the pools zero-fill right after
 allocating), since the kernel picks the page size at the first fault. It is best-effort:

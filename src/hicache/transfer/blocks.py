@@ -8,7 +8,7 @@ the hand-off stalls whenever the other core is busy. A ``memmove`` per block cos
 microsecond of Python and releases the GIL; batches of them are the work units of the
 copy threads (:mod:`hicache.transfer.workers`). Measured in one
 run with ``hicache bench transfer`` (page 64, 256 MiB ops, 2-vCPU VM): ``page_first_direct``
-load 0.6 -> 0.9-1.0x of a contiguous copy (see docs/benchmarks.md).
+load 0.6 -> 0.9-1.0x of a contiguous copy (see docs/benchmarks/transfer.md).
 
 Offsets are computed once per op (:class:`BlockPlan`, int64 torch arithmetic) and the layer
 adds one constant per side. Safety rests on the op's validation: pages are in range, so

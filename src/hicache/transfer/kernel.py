@@ -23,7 +23,7 @@ whole pages (all layers) per view and gets ~0.8-0.9x; a layer-wise load moves 12
 blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.65-0.8x (``page_first``
 the lowest: one core moves its rows at ~0.77 of a contiguous copy). The pools' huge
 pages (:mod:`hicache.memory.hugepages`) cut the TLB misses of both. Tried and dropped
-(docs/benchmarks.md has the figures): per-kind serial views, two-pass gathers through a
+(docs/benchmarks/transfer.md has the figures): per-kind serial views, two-pass gathers through a
 staging buffer (whole layer or cache-sized chunks), numpy copies, ``memmove`` of backups.
 
 CUDA: with Triton installed and the host pool pinned, one launch per layer (load) or per

@@ -14,7 +14,7 @@ The copy threads run torch ops **serially**: each sets its own OpenMP thread cou
 torch copies on the caller's thread is one OpenMP region per copy, each ending at a barrier
 of both threads; on this 2-vCPU VM with other jobs running that chain of ``page_first``
 strided copies fell to 0.07-0.23x of a contiguous copy while the same copies on two serial
-threads ran at 1.5-1.9x of it (docs/benchmarks.md, "Page-first loads (issue 27)").
+threads ran at 1.5-1.9x of it (docs/benchmarks/transfer.md, "Page-first loads (issue 27)").
 Where libgomp is not torch's OpenMP runtime (or absent), :func:`serial_torch_threads` is
 False and callers keep torch copies on the caller's thread.
 """
@@ -117,7 +117,7 @@ def host_busy(loadavg: str = "/proc/loadavg") -> bool:
     worker included): then an OpenMP team would wait at its barriers for a descheduled
     thread. False where the count is unknown (``loadavg``: the file to read).
 
-    Why it matters (docs/benchmarks.md, "Page-first loads (issue 27)"): on a quiet 2-vCPU
+    Why it matters (docs/benchmarks/transfer.md, "Page-first loads (issue 27)"): on a quiet 2-vCPU
     host torch's own OpenMP copies beat the serial copy threads by ~25% (the copy threads
     share a core with OpenMP's worker, which spins for up to ~7 ms after each parallel
     region), while on a busy one a chain of OpenMP copies falls to a tenth of that speed.

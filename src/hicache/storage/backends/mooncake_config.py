@@ -17,7 +17,7 @@ environment.
 Why the floor: a zero-copy record is three transfer-engine slices (header, K, V) where a
 staged one is one, and each slice costs about 40 us on this machine's TCP transport, as
 much as copying some 200 KiB; at 12 KiB pages zero-copy ran at 0.6x of one-buffer
-transfers, at 1 MiB at 1.1 to 1.2x of staged ones (docs/benchmarks.md, issue 27).
+transfers, at 1 MiB at 1.1 to 1.2x of staged ones (docs/benchmarks/l3.md, issue 27).
 """
 
 from __future__ import annotations
