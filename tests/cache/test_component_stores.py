@@ -271,7 +271,7 @@ def test_the_scheduler_carries_a_new_stores_plan_and_extras_untouched(cache: HiC
     runner = TaggingRunner()
     sched.runner = runner  # type: ignore[assignment]
     prompt = list(range(1, 12))  # 11 tokens: tags at 4 and 8
-    sched.add(Request(prompt, SamplingParams(temperature=0.0, max_tokens=1), lambda _: None))
+    sched.add(Request(prompt, SamplingParams(temperature=0.0, max_tokens=1)))
     run(sched)
     assert [sum(1 for k in keep if k) for keep in runner.keeps] == [1, 1, 0]
     assert runner.keeps[:2] == [[(4,)], [(4,)]]  # chunks end at each tag: 4, 8, then 3
@@ -280,7 +280,7 @@ def test_the_scheduler_carries_a_new_stores_plan_and_extras_untouched(cache: HiC
         4,
         8,
     ]
-    follow = Request(prompt, SamplingParams(temperature=0.0, max_tokens=1), lambda _: None)
+    follow = Request(prompt, SamplingParams(temperature=0.0, max_tokens=1))
     sched.add(follow)
     run(sched)
     assert runner.resumed == [(follow.rid, 8, 8)]  # the cache's record reached the runner

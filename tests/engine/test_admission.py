@@ -48,7 +48,7 @@ def cache() -> Iterator[HiCache]:
 
 def req(first: int, group: str = "", params: SamplingParams = SHORT, **kw: Any) -> Request:
     """A two-token prompt ``[first, first + 1]``."""
-    return Request([first, first + 1], params, None, group=group, **kw)
+    return Request([first, first + 1], params, group=group, **kw)
 
 
 def add_wide(sched: Scheduler, n: int = 6) -> list[Request]:
@@ -132,11 +132,11 @@ def test_higher_priority_is_admitted_first(cache: HiCache) -> None:
 def test_lpm_admits_the_longest_cached_prefix_first(cache: HiCache, policy: str) -> None:
     sched, _ = make(cache, max_running_requests=1, schedule_policy=policy)
     warm_prefix = list(range(40, 52))  # 3 pages
-    sched.add(Request(warm_prefix, SHORT, None))
+    sched.add(Request(warm_prefix, SHORT))
     run(sched)  # its 3 pages are now in the tree
-    cold = Request(list(range(60, 73)), SHORT, None)
-    half = Request([*warm_prefix[:4], *range(90, 99)], SHORT, None)  # 1 page cached
-    warm = Request([*warm_prefix, 7], SHORT, None)  # 3 pages cached
+    cold = Request(list(range(60, 73)), SHORT)
+    half = Request([*warm_prefix[:4], *range(90, 99)], SHORT)  # 1 page cached
+    warm = Request([*warm_prefix, 7], SHORT)  # 3 pages cached
     for r in (cold, half, warm):
         sched.add(r)
     order = sched.admission_order()
@@ -273,15 +273,13 @@ def test_a_claimant_short_of_l1_takes_back_one_lent_slot_and_the_prefix_is_found
     with HiCache(cfg, SPEC) as cache:
         sched, runner = make(cache, max_running_requests=8)
         two = SamplingParams(temperature=0.0, max_tokens=2)
-        wide = [
-            Request(list(range(10 * i + 1, 10 * i + 8)), two, None, group="w") for i in range(6)
-        ]
+        wide = [Request(list(range(10 * i + 1, 10 * i + 8)), two, group="w") for i in range(6)]
         for r in wide:
             sched.add(r)
         step(sched)
         assert rids(sched.running) == rids(wide)
         assert cache_stats(cache).device_free_tokens == PAGE  # one page free
-        small = Request(list(range(80, 87)), two, None)
+        small = Request(list(range(80, 87)), two)
         sched.add(small)
         step(sched)  # a free slot but no L1: one lent copy's pages, no more
         assert sched.reclaimed == 1 and [r.retracted for r in wide] == [0] * 5 + [1]
@@ -371,7 +369,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
             step(sched)
             time.sleep(0.001)
         assert rids(sched.running) == rids(wide[:4])
-        claimant = Request(prompt, SHORT, None)
+        claimant = Request(prompt, SHORT)
         sched.add(claimant)
         for _ in range(3):  # its read waits: the lent slots stay lent
             step(sched)

@@ -23,7 +23,13 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, prompt_ids
-from tests.helpers.fake_runner import NextTokenRunner, make_scheduler, run_until_idle, step
+from tests.helpers.fake_runner import (
+    NextTokenRunner,
+    client,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -73,8 +79,9 @@ def test_a_stop_string_found_one_step_late(cache: HiCache) -> None:
         cache.reset()
         sched, runner = make(cache, overlap)
         outs: list[RequestOutput] = []
-        req = Request(
-            [1, 2, 3], SamplingParams(temperature=0, max_tokens=10, stop="8"), outs.append
+        req = client(
+            Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, stop="8")),
+            outs.append,
         )
         sched.add(req)
         run(sched)
@@ -107,7 +114,7 @@ def test_reports_are_those_of_the_synchronous_order(cache: HiCache) -> None:
         made = []
         for prompt, p in zip(prompts, params, strict=True):
             outs: list[RequestOutput] = []
-            made.append((Request(prompt, p, outs.append), outs))
+            made.append((client(Request(prompt, p), outs.append), outs))
         return made
 
     results = {}
@@ -138,7 +145,7 @@ def test_reports_are_those_of_the_synchronous_order(cache: HiCache) -> None:
 def test_outputs_wait_for_the_next_forward_or_an_idle_step(cache: HiCache) -> None:
     sched, runner = make(cache, overlap=True)
     outs: list[RequestOutput] = []
-    req = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1), outs.append)
+    req = client(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1)), outs.append)
     sched.add(req)
     assert step(sched)  # prefill; token 4 read, the request ends (max_tokens) and is released
     assert req.finished and outs == [] and len(cache.admitted) == 0
@@ -152,7 +159,7 @@ def test_abort_while_an_output_is_pending(cache: HiCache) -> None:
     """The pending report goes first, then the final one; nothing is lost or doubled."""
     sched, _ = make(cache, overlap=True)
     outs: list[RequestOutput] = []
-    req = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10), outs.append)
+    req = client(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10)), outs.append)
     sched.add(req)
     step(sched)
     step(sched)  # token 4 reported while token 5's forward ran; token 5 pending
@@ -175,7 +182,7 @@ def test_a_pending_stop_string_wins_over_a_later_abort(cache: HiCache) -> None:
     sched, _ = make(cache, overlap=True)
     outs: list[RequestOutput] = []
     params = SamplingParams(temperature=0, max_tokens=10, stop="5")
-    req = Request([1, 2, 3], params, outs.append)
+    req = client(Request([1, 2, 3], params), outs.append)
     sched.add(req)
     step(sched)
     step(sched)
@@ -194,7 +201,7 @@ def test_a_pending_stop_string_voids_the_reason_of_a_later_abort(cache: HiCache)
     sched, _ = make(cache, overlap=True)
     outs: list[RequestOutput] = []
     params = SamplingParams(temperature=0, max_tokens=10, stop="5")
-    req = Request([1, 2, 3], params, outs.append)
+    req = client(Request([1, 2, 3], params), outs.append)
     sched.add(req)
     step(sched)
     step(sched)
@@ -218,7 +225,7 @@ def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> No
         for prompt in (list(range(1, 14)), list(range(30, 43))):
             outs: list[RequestOutput] = []
             params = SamplingParams(temperature=0, max_tokens=8, stop=[stop] if stop else [])
-            made.append((Request(prompt, params, outs.append), outs))
+            made.append((client(Request(prompt, params), outs.append), outs))
             sched.add(made[-1][0])
         return sched, made
 

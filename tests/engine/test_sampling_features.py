@@ -25,7 +25,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
-from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer, step
+from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer, client, step
 
 V = 8
 TOL = 1e-4
@@ -461,8 +461,8 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
         prompt = [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24]
         b_outs: list[RequestOutput] = []
         a_outs: list[RequestOutput] = []
-        b = Request(list(range(30, 43)), long, b_outs.append)
-        a = Request(prompt, scoring, a_outs.append)
+        b = client(Request(list(range(30, 43)), long), b_outs.append)
+        a = client(Request(prompt, scoring), a_outs.append)
         sched.add(b)
         sched.add(a)
         for _ in range(200):
@@ -526,8 +526,8 @@ def test_a_failing_row_ends_only_its_request() -> None:
             ),
         ]
         outs: list[list[RequestOutput]] = [[] for _ in range(4)]
-        reqs = [Request([1, 2, 3, 4, 5], good_params, outs[0].append)]
-        reqs += [Request([1, 2, 3, 4, 5], p, outs[i + 1].append) for i, p in enumerate(bad)]
+        reqs = [client(Request([1, 2, 3, 4, 5], good_params), outs[0].append)]
+        reqs += [client(Request([1, 2, 3, 4, 5], p), outs[i + 1].append) for i, p in enumerate(bad)]
         for r in reqs:
             sched.add(r)
         for _ in range(50):

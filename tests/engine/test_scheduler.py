@@ -16,9 +16,9 @@ from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, KVSpec
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
+from tests.helpers.fake_runner import client, step
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run
-from tests.helpers.fake_runner import step
 from tests.helpers.kvdata import FailingLoads, LoadGates
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -37,7 +37,7 @@ def request(
     prompt: list[int], params: SamplingParams = GREEDY
 ) -> tuple[Request, list[RequestOutput]]:
     outs: list[RequestOutput] = []
-    return Request(prompt, params, outs.append), outs
+    return client(Request(prompt, params), outs.append), outs
 
 
 def test_admission_is_fifo_and_bounded_by_max_running(cache: HiCache) -> None:

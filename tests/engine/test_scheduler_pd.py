@@ -28,7 +28,7 @@ from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.scheduler import Scheduler
 from hicache.engine.step_inputs import PagesArrived
-from tests.helpers.fake_runner import make_scheduler, step
+from tests.helpers.fake_runner import client, make_scheduler, step
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 4
@@ -90,7 +90,7 @@ def decode_scheduler(cache: HiCache) -> tuple[Scheduler, Receiver]:
 def request(prompt: list[int], room: int, max_tokens: int) -> tuple[Request, list[RequestOutput]]:
     outs: list[RequestOutput] = []
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    req = Request(prompt, params, outs.append, bootstrap=Bootstrap("127.0.0.1", 9, room))
+    req = client(Request(prompt, params, bootstrap=Bootstrap("127.0.0.1", 9, room)), outs.append)
     return req, outs
 
 
@@ -187,7 +187,7 @@ def test_a_retracted_decode_request_resumes_without_registering_again(
 def test_a_refusal_names_the_shortfall(cache: HiCache) -> None:
     sched, _ = make_scheduler(cache)
     outs: list[RequestOutput] = []
-    sched.add(Request(list(range(1, 40)), SamplingParams(max_tokens=1), outs.append))
+    sched.add(client(Request(list(range(1, 40)), SamplingParams(max_tokens=1)), outs.append))
     steps(sched, 2)
     assert outs[-1].error == (
         "the request needs 10 KV pages (39 tokens) but the device cache has 8 pages in all"
@@ -196,7 +196,7 @@ def test_a_refusal_names_the_shortfall(cache: HiCache) -> None:
     held = cache.full.reserve(6)  # held outside the tree: 2 pages left
     assert held is not None
     outs.clear()
-    sched.add(Request(list(range(1, 14)), SamplingParams(max_tokens=1), outs.append))
+    sched.add(client(Request(list(range(1, 14)), SamplingParams(max_tokens=1)), outs.append))
     steps(sched, 2)
     assert outs[-1].error == (
         "the request needs 4 KV pages (13 tokens) but the device cache cannot make room now:"

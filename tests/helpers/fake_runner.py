@@ -9,12 +9,14 @@ exactly 0 (that id) or :data:`MISS` (any other). Every forward's ``extend_lens``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
+from hicache.engine.request import Request, RequestOutput
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.extras import SequenceExtras
 from hicache.runner.model_runner import ForwardBatch
@@ -76,11 +78,30 @@ def make_scheduler(cache: HiCache, **config: Any) -> tuple[Scheduler, NextTokenR
     return Scheduler(cache, runner, output, SchedulerConfig(**config)), runner  # type: ignore[arg-type]
 
 
+_CLIENTS: dict[str, Callable[[RequestOutput], None]] = {}
+"""``rid ->`` the callback :func:`step` hands the request's reports to (request ids are
+unique in a process)."""
+
+
+def client(req: Request, on_output: Callable[[RequestOutput], None]) -> Request:
+    """``req``, whose reports :func:`step` hands to ``on_output`` (as rank 0's driver
+    hands them to a client)."""
+    _CLIENTS[req.rid] = on_output
+    return req
+
+
 def step(sched: Scheduler) -> bool:
     """One engine step of ``sched``, as the engine runs it: the cache's ``sync()`` (the one
-    point per step where worker records are applied), then the scheduler's step."""
+    point per step where worker records are applied), then the scheduler's step; then,
+    as rank 0's driver, every report made since the last step goes to its request's
+    :func:`client` callback."""
     sched.cache.sync()
-    return sched.step()
+    busy = sched.step()
+    for out in sched.ends.take().reports:
+        on_output = _CLIENTS.pop(out.rid, None) if out.finished else _CLIENTS.get(out.rid)
+        if on_output is not None:
+            on_output(out)
+    return busy
 
 
 def run_until_idle(sched: Scheduler, steps: int = 100) -> None:

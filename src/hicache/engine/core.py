@@ -6,13 +6,16 @@ A step (:meth:`EngineCore.step`) is the same on every rank and for every driver:
    new requests, aborts, control commands (:meth:`EngineCore.apply`);
 2. bring the cache's asynchronous completions in (``cache.sync()``: with several ranks
    agreed in one collective);
-3. one scheduler step (admit, one mixed forward, sample, outputs).
+3. one scheduler step (admit, one mixed forward, sample, outputs);
 
-What differs between ranks is data, not code: rank 0 keeps the ``rid -> client`` map
-(:attr:`EngineCore.clients`: each request with its output callback and queue place, taken when its
-:class:`~hicache.engine.step_inputs.NewRequest` is applied), followers have none, so their
-requests report nothing; under tensor parallelism a follower's scheduler takes rank 0's
-sampled tokens instead of sampling. What differs between drivers is the error policy
+and returns its outputs as data (:class:`StepResult`): the reports, which rank 0's driver
+hands to the clients, and the aborts it must post for the next step.
+
+What differs between ranks is data, not code: rank 0 keeps its own requests until their
+:class:`~hicache.engine.step_inputs.NewRequest` is applied (:attr:`EngineCore.clients`,
+each with its queue place), followers build theirs from the record and report nothing;
+under tensor parallelism a follower's scheduler takes rank 0's sampled tokens instead of
+sampling. What differs between drivers is the error policy
 around the step (:mod:`hicache.engine.leader` for rank 0's thread,
 :mod:`hicache.engine.follower` for the other ranks): a scheduler step that raises comes
 out as :class:`StepFailed`, and each driver decides what that ends.
@@ -32,6 +35,7 @@ from typing import TypeVar
 
 from hicache.cache import HiCache
 from hicache.engine.config import EngineConfig
+from hicache.engine.ends import StepOutputs
 from hicache.engine.graph_setup import GraphSetup
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.rank_digest import page_digests, rank_state_digest
@@ -66,6 +70,15 @@ class Applied:
 
     value: object = None
     error: Exception | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step did: whether a ``forward`` ran, and the ``outputs`` it left for its
+    driver (:class:`~hicache.engine.ends.StepOutputs`)."""
+
+    forward: bool
+    outputs: StepOutputs
 
 
 class StepFailed(Exception):
@@ -104,9 +117,9 @@ class EngineCore:
         self.channel = channel
         self.rank = 0 if channel is None else channel.rank
         self.clients: dict[str, Request] = {}
-        """Rank 0: ``rid ->`` the request built for its caller (its output callback and
-        queue place) of each record posted and not yet applied (put by the posting thread
-        before the post, taken by :meth:`apply`); empty on followers."""
+        """Rank 0: ``rid ->`` the request built for its caller (with its queue place) of
+        each record posted and not yet applied (put by the posting thread before the post,
+        taken by :meth:`apply`); empty on followers."""
         self.step_no = 0
         self.sync_s = 0.0
         """Seconds in ``cache.sync()`` so far under tensor parallelism."""
@@ -119,13 +132,14 @@ class EngineCore:
 
     def step(
         self, inputs: StepInputs, applied: Callable[[int, Applied], None] | None = None
-    ) -> bool:
+    ) -> StepResult:
         """Apply ``inputs`` in order, sync the cache, run one scheduler step; returns
-        whether a forward ran. ``applied(i, outcome)`` is told the outcome of
-        ``inputs.items[i]`` right after it is applied (rank 0 answers its callers there);
-        without it a failure is logged and the step goes on. At a :class:`Stop` the inputs
-        are applied and nothing else is done (False). Raises :class:`StepFailed` when the
-        scheduler step raises."""
+        whether a forward ran and the step's outputs. ``applied(i, outcome)`` is told the
+        outcome of ``inputs.items[i]`` right after it is applied (rank 0 answers its callers
+        there); without it a failure is logged and the step goes on. At a :class:`Stop` the
+        inputs are applied and nothing else is done (no forward). Raises
+        :class:`StepFailed` when the scheduler step raises (its outputs so far are then
+        left for :meth:`take`)."""
         stop = False
         for i, item in enumerate(inputs.items):
             if isinstance(item, Stop):
@@ -143,7 +157,7 @@ class EngineCore:
             if applied is not None:
                 applied(i, outcome)
         if stop:
-            return False
+            return StepResult(False, self.take())
         self.sync_cache()
         try:
             busy = self.scheduler.step()
@@ -152,7 +166,12 @@ class EngineCore:
         finally:
             self.step_no += 1
         self.memory_trimmer.after_round(busy or not self.scheduler.idle)
-        return busy
+        return StepResult(busy, self.take())
+
+    def take(self) -> StepOutputs:
+        """The outputs left since the last step or call: those of requests ended outside
+        a step (:meth:`abort_all`, :meth:`fail`) or of a step that raised."""
+        return self.scheduler.ends.take()
 
     def apply(self, item: StepInput) -> object:
         """Apply one step input on this rank (every rank applies the same records in the
@@ -207,16 +226,15 @@ class EngineCore:
         return None  # Stop: the drivers end there
 
     def request_of(self, item: NewRequest) -> Request:
-        """The request ``item`` describes: rank 0's own (with its client's callback and
-        queue place, taken out of :attr:`clients`), or, on a follower, one built from the
-        record (no client: it reports nothing)."""
+        """The request ``item`` describes: rank 0's own (with its queue place, taken out of
+        :attr:`clients`), or, on a follower, one built from the record (it reports
+        nothing: outputs are rank 0's alone)."""
         req = self.clients.pop(item.rid, None)
         if req is not None:
             return req
         return Request(
             list(item.prompt_ids),
             item.sampling,
-            None,  # outputs are reported by rank 0 alone
             rid=item.rid,
             cache_salt=item.cache_salt,
             priority=item.priority,

@@ -15,6 +15,11 @@ but their text work (detokenization, stop strings) and reports are *pending*
 :mod:`hicache.engine.scheduler`); they are done in order by :meth:`RequestEnds.flush`. A
 stop string found then ends its request one step late; its token in flight is discarded.
 
+Reports are data: each goes to :attr:`RequestEnds.outbox` (rank 0's; a follower's
+requests report nothing), which the step hands to its driver (:meth:`RequestEnds.take`),
+and rank 0's driver hands to the clients. So does a request the step must abort on every
+rank at the next step (:meth:`RequestEnds.abort_next`).
+
 Everything here runs on the engine's thread.
 """
 
@@ -22,23 +27,32 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
-from hicache.engine.request import FinishReason, Request
+from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.role import Role
 from hicache.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """What a step leaves for its driver: the ``reports`` for clients, in order (rank
+    0's), and the ``aborts``: requests to abort on every rank at the next step (their
+    ``error`` set), in order."""
+
+    reports: tuple[RequestOutput, ...] = ()
+    aborts: tuple[str, ...] = ()
+
+
 class RequestEnds:
     """Ends requests; see the module docstring. ``waiting`` and ``running``: the
     scheduler's queues, which a request leaves here (never elsewhere, but for a
-    retraction, which moves it from one to the other). ``abort_later(rid)``: how a request
-    whose report failed is aborted (through the next step's inputs, so on every rank);
-    None: at once, here."""
+    retraction, which moves it from one to the other). ``reports``: whether requests
+    report (rank 0), into :attr:`outbox`."""
 
     def __init__(
         self,
@@ -48,14 +62,17 @@ class RequestEnds:
         waiting: deque[Request],
         running: list[Request],
         *,
-        abort_later: Callable[[str], None] | None = None,
+        reports: bool = True,
     ) -> None:
         self.cache = cache
         self.runner = runner
         self.output = output
         self.waiting = waiting
         self.running = running
-        self.abort_later = abort_later
+        self.reports = reports
+        self.outbox: list[RequestOutput] = []
+        """Reports made and not yet taken by the driver (:meth:`take`), oldest first."""
+        self._aborts: list[str] = []
         self.pending: dict[Request, None] = {}
         """Requests with a token whose text work and report are still to do, oldest first
         (at most one token each); those already ended wait here for their final report."""
@@ -107,12 +124,8 @@ class RequestEnds:
         req.leave_queue()
         req.finish_reason = FinishReason.ABORT
         req.final_reported = True
-        if req.on_output is None:
-            return
-        try:
-            req.on_output(self.output.report(req))
-        except BaseException:  # a broken consumer must not stop the engine (or its cleanup)
-            log.exception("output callback of %s failed", req.rid)
+        if self.reports:
+            self.outbox.append(self.output.report(req))
 
     def took_token(self, req: Request) -> None:
         """``req`` took a token (checked already): its text work and report are pending;
@@ -222,15 +235,21 @@ class RequestEnds:
         if req.final_reported:
             return
         req.final_reported = req.finished
-        if req.on_output is not None:
-            try:
-                req.on_output(self.output.report(req))
-            except Exception:  # a broken consumer must not stop the engine
-                log.exception("output callback of %s failed", req.rid)
-                if self.abort_later is not None:
-                    self.abort_later(req.rid)
-                else:
-                    req.aborted = True
+        if self.reports:
+            self.outbox.append(self.output.report(req))
+
+    def abort_next(self, req: Request, why: str) -> None:
+        """Abort ``req`` with ``error`` = ``why`` at the next step, on every rank (rank 0
+        alone knows why: its driver posts the abort)."""
+        req.error = why
+        self._aborts.append(req.rid)
+
+    def take(self) -> StepOutputs:
+        """What the driver hands on since the last call: the reports and the aborts."""
+        out = StepOutputs(tuple(self.outbox), tuple(self._aborts))
+        self.outbox.clear()
+        self._aborts.clear()
+        return out
 
 
-__all__ = ["RequestEnds"]
+__all__ = ["RequestEnds", "StepOutputs"]

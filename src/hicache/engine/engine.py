@@ -178,8 +178,6 @@ class Engine(Lifecycle):
         self._leader = Leader(
             core, self._state, ranks=self.ranks, failure=self._failure, publish=self._publish
         )
-        if self.ranks is not None:  # a report failing on rank 0 aborts on every rank
-            core.scheduler.ends.abort_later = self._leader.abort_later
         try:
             self.role = start_role(cfg.disagg, core, cfg.tp_size, self._post_input)
         except BaseException:
@@ -361,7 +359,6 @@ class Engine(Lifecycle):
         req = Request(
             list(request.prompt_ids),
             request.params,
-            on_output,
             cache_salt=request.cache_salt,
             priority=request.priority,
             group=group,
@@ -369,7 +366,7 @@ class Engine(Lifecycle):
             bootstrap=request.bootstrap,
         )
         try:
-            self._running().post_request(req)
+            self._running().post_request(req, on_output)
         except BaseException:
             slot.release()
             raise

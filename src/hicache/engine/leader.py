@@ -5,8 +5,11 @@ loop takes the inbox, turns its records into this step's
 :class:`~hicache.engine.step_inputs.StepInputs` (broadcast to the followers first under
 tensor parallelism, also when empty), runs :meth:`EngineCore.step
 <hicache.engine.core.EngineCore.step>` over them, answering each task's caller as its
-record is applied and running rank 0's own calls in the order they were posted, then
-publishes stats and, when idle, waits to be woken.
+record is applied and running rank 0's own calls in the order they were posted, hands
+the step's reports to their clients (each request's callback, kept here from its post to
+its final report) and posts its aborts for the next step, then publishes stats and, when
+idle, waits to be woken. A callback that raises aborts its request at the next step, on
+every rank.
 
 The error policy is rank 0's: a scheduler step that raises with one rank aborts the
 requests in flight and the loop goes on (counted: ``failed_steps``, read by
@@ -35,6 +38,7 @@ import torch
 from hicache.engine.build import build_core, close_alone
 from hicache.engine.config import EngineConfig, config_fields
 from hicache.engine.core import Applied, EngineCore, StepFailed, error_line
+from hicache.engine.ends import StepOutputs
 from hicache.engine.follower import run_follower
 from hicache.engine.ranks import (
     RankProcesses,
@@ -43,7 +47,7 @@ from hicache.engine.ranks import (
     cpu_threads_per_rank,
     leave_group,
 )
-from hicache.engine.request import Request
+from hicache.engine.request import OutputCallback, Request
 from hicache.engine.run_state import RunState
 from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
 from hicache.engine.tp_fit import check_tp_model
@@ -117,6 +121,9 @@ class Leader:
         self._publish = publish
         self._inbox: queue.Queue[Task] = queue.Queue()
         self._wake = threading.Event()
+        self._callbacks: dict[str, OutputCallback] = {}
+        """``rid ->`` the output callback of each of rank 0's requests, from its post to
+        its final report (the posting thread puts it before the post)."""
         self.last_loop: float | None = time.monotonic()
         """``time.monotonic()`` of the last round (health's stall check)."""
         self.failed_steps = 0
@@ -184,11 +191,11 @@ class Leader:
     def wake(self) -> None:
         self._wake.set()
 
-    def post_request(self, req: Request) -> None:
-        """Post the :class:`NewRequest` of rank 0's request ``req`` (its client's callback
-        and queue place; ``req`` is kept in the core's map until the record is applied);
-        when the loop ends first, the client is told directly. RuntimeError (why) when
-        refused: nothing is kept then."""
+    def post_request(self, req: Request, on_output: OutputCallback | None) -> None:
+        """Post the :class:`NewRequest` of rank 0's request ``req`` (its queue place;
+        ``req`` is kept in the core's map until the record is applied), whose reports go
+        to ``on_output``; when the loop ends first, the client is told all the same.
+        RuntimeError (why) when refused: nothing is kept then."""
         core = self.core
 
         def drop(why: str) -> None:  # the record never reaches the core: forget it
@@ -196,10 +203,13 @@ class Leader:
             core.fail(req, why)
 
         core.clients[req.rid] = req
+        if on_output is not None:
+            self._callbacks[req.rid] = on_output
         try:
             self.post(Task(record=NewRequest.of_request(req), drop=drop))
         except BaseException:
             core.clients.pop(req.rid, None)
+            self._callbacks.pop(req.rid, None)
             raise
 
     def abort_later(self, rid: str) -> None:
@@ -309,9 +319,7 @@ class Leader:
     ) -> bool:
         """The step over ``inputs``, with rank 0's error policy (see the module docstring)."""
         try:
-            busy = self.core.step(inputs, applied)
-            self.failed_steps = 0
-            return busy
+            result = self.core.step(inputs, applied)
         except StepFailed as failed:
             if channel is not None:  # no rank may recover alone: the ranks stop
                 self.ranks_broken = True
@@ -321,7 +329,33 @@ class Leader:
             self.failed_steps += 1
             self.core.abort_all(f"scheduler step failed: {type(exc).__name__}: {exc}")
             self.core.memory_trimmer.after_round(not self.core.scheduler.idle)
+            self._hand_on(self.core.take())
             return False
+        self.failed_steps = 0
+        self._hand_on(result.outputs)
+        return result.forward
+
+    def _hand_on(self, outputs: StepOutputs, *, last: bool = False) -> None:
+        """Hand the reports to their clients and post the aborts for the next step. A
+        callback that raises aborts its request (on every rank, at the next step); the
+        ``last`` time (the loop is ending) nothing a callback raises stops the rest."""
+        for rid in outputs.aborts:
+            self.abort_later(rid)
+        for out in outputs.reports:
+            callback = self._callbacks.pop(out.rid, None) if out.finished else None
+            callback = callback or self._callbacks.get(out.rid)
+            if callback is None:
+                continue
+            try:
+                callback(out)
+            except Exception:  # a broken consumer must not stop the engine
+                log.exception("output callback of %s failed", out.rid)
+                if not out.finished:
+                    self.abort_later(out.rid)
+            except BaseException:
+                if not last:
+                    raise
+                log.exception("output callback of %s failed", out.rid)
 
     def _broadcast(self, channel: StepChannel, inputs: StepInputs, tasks: list[Task]) -> None:
         """Send this step's inputs to every follower; when that fails, fail ``tasks``."""
@@ -383,6 +417,7 @@ class Leader:
         self.state.ending(reason)
         _drop(self._take_inbox(), reason)
         self.core.fail_in_flight(reason)
+        self._hand_on(self.core.take(), last=True)
         if self.state.loop_done():
             try:
                 self.core.close_cache()

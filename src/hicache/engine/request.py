@@ -87,7 +87,6 @@ class Request:
 
     prompt_ids: list[int]
     params: SamplingParams
-    on_output: OutputCallback | None = None
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
     cache_salt: str = ""
     # progress
@@ -99,8 +98,8 @@ class Request:
     sent_chars: int = 0
     finish_reason: FinishReason | None = None
     final_reported: bool = False
-    """The final report (``finished``) was handed to ``on_output`` (or there is none):
-    nothing is reported after it."""
+    """The final report (``finished``) was made (:mod:`hicache.engine.ends`): nothing is
+    reported after it."""
     error: str | None = None
     aborted: bool = False
     priority: int = 0

@@ -98,8 +98,8 @@ class Scheduler:
         tokens: StepChannel | None = None,
     ) -> None:
         """``tokens``: under tensor parallelism, this rank's channel: every sampled token
-        (and which rows failed) is rank 0's (:class:`BatchSampler`). Rank 0's driver sets
-        ``ends.abort_later`` (see :class:`RequestEnds`)."""
+        (and which rows failed) is rank 0's (:class:`BatchSampler`); a follower's requests
+        report nothing (:class:`RequestEnds`)."""
         self.cache = cache
         self.runner = runner
         self.output = output
@@ -123,7 +123,8 @@ class Scheduler:
         """Sequences retracted so far to give a lent slot back (:meth:`_reclaim`)."""
         self.tokens = tokens
         self.sampler = BatchSampler(output.eos_token_ids, tokens)
-        self.ends = RequestEnds(cache, runner, output, self.waiting, self.running)
+        reports = tokens is None or tokens.leader
+        self.ends = RequestEnds(cache, runner, output, self.waiting, self.running, reports=reports)
 
     # ------------------------------------------------------------------ queue
 
@@ -605,9 +606,8 @@ class Scheduler:
         computation fails ends alone (under tensor parallelism at the next step, on every
         rank: only rank 0 computes them)."""
         for req, why in self.sampler.prompt_logprobs(logits, prompt).items():
-            if self.tokens is not None and self.ends.abort_later is not None:
-                req.error = why
-                self.ends.abort_later(req.rid)
+            if self.tokens is not None:
+                self.ends.abort_next(req, why)
             else:
                 self.ends.finish(req, FinishReason.ABORT, error=why)
 
