@@ -148,6 +148,10 @@ class RequestEnds:
         self.runner.drop_state(req.rid)
         self.parked[req.rid] = req
 
+    def unpark(self, req: Request) -> None:
+        """Parked ``req`` goes on (the caller puts it in a queue): no longer parked."""
+        del self.parked[req.rid]
+
     def end_parked(self, rid: str, error: str | None) -> None:
         """Parked ``rid``, which had finished before it was parked (a prefill whose
         pages were being sent), ends now: with ``error`` (its report says why) or

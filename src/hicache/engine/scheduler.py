@@ -239,7 +239,7 @@ class Scheduler:
             self.ends.finish(req, FinishReason.ABORT, keep_kv=False)
             return
         assert req.cache is not None
-        del self.ends.parked[req.rid]
+        self.ends.unpark(req)
         self.running.append(req)
         req.kv_len = len(req.prompt_ids)
         self.cache.commit(req.cache, req.prompt_ids)
@@ -277,7 +277,7 @@ class Scheduler:
         """Parked ``req`` (nothing promised yet) goes back to the front of the queue; its
         cache handle keeps nothing (its failed load is not trusted)."""
         assert req.cache is not None
-        del self.ends.parked[req.rid]
+        self.ends.unpark(req)
         self.cache.requeue(req.cache, [])
         req.kv_len = 0
         self.waiting.appendleft(req)
@@ -376,7 +376,7 @@ class Scheduler:
         req.kv_len = handle.prefix_tokens
         held[req.group] += 1
         if parked:
-            self.ends.parked[req.rid] = req
+            self.ends.park(req)
             return True
         resume = handle.take_resume()  # what the runner resumes the prefix from
         if resume is not None:
