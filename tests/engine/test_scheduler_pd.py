@@ -68,7 +68,6 @@ def cache() -> Iterator[HiCache]:
 
 
 def decode_scheduler(cache: HiCache) -> tuple[Scheduler, Receiver]:
-    sched, _ = make_scheduler(cache)
     receiver = Receiver()
     geometry = {"full": PoolGeometry.of(cache.full.device_pool)}
     layout = InstanceLayout(
@@ -83,7 +82,7 @@ def decode_scheduler(cache: HiCache) -> tuple[Scheduler, Receiver]:
         ),
     )
     role = DecodeRole(cache, receiver, Transport(), layout, geometry)  # type: ignore[arg-type]
-    sched.role = role
+    sched, _ = make_scheduler(cache, role=role)
     return sched, receiver
 
 

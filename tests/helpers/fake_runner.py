@@ -17,6 +17,7 @@ import torch
 from hicache.cache import HiCache
 from hicache.engine.output import OutputProcessor
 from hicache.engine.request import Request, RequestOutput
+from hicache.engine.role import Role
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.extras import SequenceExtras
 from hicache.runner.model_runner import ForwardBatch
@@ -69,13 +70,16 @@ class SpaceTokenizer:
         return " ".join(map(str, ids))
 
 
-def make_scheduler(cache: HiCache, **config: Any) -> tuple[Scheduler, NextTokenRunner]:
+def make_scheduler(
+    cache: HiCache, role: Role | None = None, **config: Any
+) -> tuple[Scheduler, NextTokenRunner]:
     """A scheduler over ``cache`` with a :class:`NextTokenRunner` and
-    :class:`SpaceTokenizer` outputs (no end-of-sequence id, context 64);
-    ``config``: :class:`SchedulerConfig` fields."""
+    :class:`SpaceTokenizer` outputs (no end-of-sequence id, context 64), the instance's
+    ``role`` (None: plain); ``config``: :class:`SchedulerConfig` fields."""
     runner = NextTokenRunner()
     output = OutputProcessor(SpaceTokenizer(), eos_token_ids=[], context_length=64)
-    return Scheduler(cache, runner, output, SchedulerConfig(**config)), runner  # type: ignore[arg-type]
+    sched = Scheduler(cache, runner, output, SchedulerConfig(**config), role=role)  # type: ignore[arg-type]
+    return sched, runner
 
 
 _CLIENTS: dict[str, Callable[[RequestOutput], None]] = {}

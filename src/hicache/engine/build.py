@@ -1,10 +1,12 @@
 """What every rank builds alike: the model, the cache (with L3 when configured), the
-runner and the scheduler, put together as an :class:`~hicache.engine.core.EngineCore`."""
+runner, the instance's role (rank 0 of a prefill/decode instance) and the scheduler, put
+together as an :class:`~hicache.engine.core.EngineCore`."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -16,12 +18,17 @@ from hicache.engine.core import EngineCore, attach_l3
 from hicache.engine.graph_setup import GraphSetup, enable_for_cache
 from hicache.engine.output import OutputProcessor
 from hicache.engine.ranks import StepChannel
+from hicache.engine.role import Role
 from hicache.engine.scheduler import Scheduler
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.runner.parallel import TPGroup
 
 log = logging.getLogger(__name__)
+
+RoleMaker = Callable[[HiCache, LoadedModel, ModelRunner], Role]
+"""Builds (and starts) an instance's role from its cache, model and runner
+(:func:`~hicache.engine.role_setup.start_role`)."""
 
 
 def load_engine_model(config: EngineConfig, channel: StepChannel | None) -> LoadedModel:
@@ -40,11 +47,13 @@ def build_core(
     *,
     loaded: LoadedModel | None = None,
     channel: StepChannel | None = None,
+    make_role: RoleMaker | None = None,
 ) -> EngineCore:
     """Build one rank's :class:`EngineCore`: ``loaded`` (or this rank's shard, loaded
     now), the cache over it (agreeing over ``channel``'s group with several ranks, L3
     attached when ``config.storage`` is set), the runner (decode CUDA graphs captured on
-    CUDA) and the scheduler. A failure closes what was built."""
+    CUDA), the role (``make_role``'s; without it a plain instance's) and the scheduler. A
+    failure closes what was built."""
     model = load_engine_model(config, channel) if loaded is None else loaded
     spec = cache_spec_of(model.model, model.dtype)  # full KV and one spec per component
     cache_cfg = config.cache
@@ -62,7 +71,7 @@ def build_core(
         if config.storage is not None:
             rank = 0 if channel is None else channel.rank
             attach_l3(cache, model, config, rank, config.storage, config.storage_prefetch_policy)
-        return _assemble(config, model, cache, channel)
+        return _assemble(config, model, cache, channel, make_role)
     except BaseException:
         close_alone(cache)
         raise
@@ -83,7 +92,11 @@ def close_alone(cache: HiCache) -> None:
 
 
 def _assemble(
-    config: EngineConfig, model: LoadedModel, cache: HiCache, channel: StepChannel | None
+    config: EngineConfig,
+    model: LoadedModel,
+    cache: HiCache,
+    channel: StepChannel | None,
+    make_role: RoleMaker | None,
 ) -> EngineCore:
     runner = ModelRunner(
         model.model,
@@ -101,15 +114,21 @@ def _assemble(
     context_length = min(config.context_length or max_pos, max_pos)
     decode_graphs = _enable_decode_graphs(config, runner, cache, context_length)
     output = OutputProcessor(model.tokenizer, eos_ids(model), context_length)
-    return EngineCore(
-        config,
-        model,
-        cache,
-        Scheduler(cache, runner, output, config.scheduler, tokens=channel),
-        context_length=context_length,
-        decode_graphs=decode_graphs,
-        channel=channel,
-    )
+    role = Role() if make_role is None else make_role(cache, model, runner)
+    try:
+        scheduler = Scheduler(cache, runner, output, config.scheduler, role=role, tokens=channel)
+        return EngineCore(
+            config,
+            model,
+            cache,
+            scheduler,
+            context_length=context_length,
+            decode_graphs=decode_graphs,
+            channel=channel,
+        )
+    except BaseException:
+        role.close()  # its threads read and write the pools: before the cache closes
+        raise
 
 
 def _enable_decode_graphs(

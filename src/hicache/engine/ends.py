@@ -51,8 +51,9 @@ class StepOutputs:
 class RequestEnds:
     """Ends requests; see the module docstring. ``waiting`` and ``running``: the
     scheduler's queues, which a request leaves here (never elsewhere, but for a
-    retraction, which moves it from one to the other). ``reports``: whether requests
-    report (rank 0), into :attr:`outbox`."""
+    retraction, which moves it from one to the other). ``role``: the instance's
+    prefill/decode role. ``reports``: whether requests report (rank 0), into
+    :attr:`outbox`."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class RequestEnds:
         waiting: deque[Request],
         running: list[Request],
         *,
+        role: Role,
         reports: bool = True,
     ) -> None:
         self.cache = cache
@@ -82,8 +84,8 @@ class RequestEnds:
         self.held: dict[str, Request] = {}
         """``rid ->`` each ended request whose pages stay out of use because another
         instance may still write them (:meth:`hold`), until :meth:`release_held`."""
-        self.role = Role()
-        """The instance's prefill/decode role (the driver sets it; plain: no parking)."""
+        self.role = role
+        """The instance's prefill/decode role (plain: no parking)."""
 
     @property
     def in_flight(self) -> list[Request]:

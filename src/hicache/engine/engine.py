@@ -74,6 +74,7 @@ from hicache.engine.validation import (
 )
 from hicache.lifecycle import Lifecycle
 from hicache.runner.loader import LoadedModel
+from hicache.runner.model_runner import ModelRunner
 from hicache.storage.registry import StorageConfig
 
 log = logging.getLogger(__name__)
@@ -162,15 +163,20 @@ class Engine(Lifecycle):
             return self
         cfg = self.config
         loaded = self._loaded if self._core is None else self._core.model  # loaded once
+
+        def make_role(cache: HiCache, model: LoadedModel, runner: ModelRunner) -> Role:
+            post = self._post_input
+            return start_role(cfg.disagg, cache, model, runner, tp_size=cfg.tp_size, post=post)
+
         if cfg.tp_size > 1:
             if self._loaded is not None:
                 raise ValueError(
                     f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
                     " start the engine without a loaded model"
                 )
-            self.ranks, core = start_ranks(cfg)
+            self.ranks, core = start_ranks(cfg, make_role)
         else:
-            core = build_core(cfg, loaded=loaded)
+            core = build_core(cfg, loaded=loaded, make_role=make_role)
         core.memory_trimmer = self.memory_trimmer
         self._core = core
         self.cache, self.scheduler, self.model = core.cache, core.scheduler, core.model
@@ -178,13 +184,7 @@ class Engine(Lifecycle):
         self._leader = Leader(
             core, self._state, ranks=self.ranks, failure=self._failure, publish=self._publish
         )
-        try:
-            self.role = start_role(cfg.disagg, core, cfg.tp_size, self._post_input)
-        except BaseException:
-            self._leader = None
-            core.close_cache()
-            raise
-        core.scheduler.role = self.role
+        self.role = core.scheduler.role
         self._state.started()
         self._leader.start()
         return self

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hicache.engine.build import build_core, close_alone
+from hicache.engine.build import RoleMaker, build_core, close_alone
 from hicache.engine.config import EngineConfig, config_fields
 from hicache.engine.core import Applied, EngineCore, StepFailed, error_line
 from hicache.engine.ends import StepOutputs
@@ -425,9 +425,12 @@ class Leader:
                 log.exception("closing the cache after the engine thread ended")
 
 
-def start_ranks(config: EngineConfig) -> tuple[RankProcesses, EngineCore]:
+def start_ranks(
+    config: EngineConfig, make_role: RoleMaker | None = None
+) -> tuple[RankProcesses, EngineCore]:
     """Rank 0 of ``config.tp_size`` ranks: check the model splits, spawn and join the
-    followers, build rank 0's core, wait until every follower has built its own. A rank
+    followers, build rank 0's core (with ``make_role``'s role), wait until every follower
+    has built its own. A rank
     that fails (rank 0 included: its error in one line) or does not make it within
     ``dist_init_timeout_s`` fails it (:class:`~hicache.engine.ranks.RankStartError`,
     naming it), every follower stopped and rank 0's cache closed."""
@@ -445,7 +448,7 @@ def start_ranks(config: EngineConfig) -> tuple[RankProcesses, EngineCore]:
     )
     channel = ranks.start()  # stops what it started when it fails
     try:
-        core = build_core(config, channel=channel)
+        core = build_core(config, channel=channel, make_role=make_role)
     except Exception as exc:
         ranks.close(timeout=5.0, broken=True)
         line = f"rank 0 failed while building its engine: {error_line(exc)}"
@@ -457,6 +460,7 @@ def start_ranks(config: EngineConfig) -> tuple[RankProcesses, EngineCore]:
         ranks.wait_ready()
     except BaseException:
         ranks.close(timeout=5.0, broken=True)  # leaves the group: no rank joins a collective
+        core.scheduler.role.close()
         close_alone(core.cache)
         raise
     return ranks, core

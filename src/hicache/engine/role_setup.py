@@ -19,6 +19,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+from hicache.cache import HiCache
 from hicache.config import AttentionKind
 from hicache.disagg.backends import make_transport
 from hicache.disagg.bootstrap import BootstrapServer, PrefillRooms
@@ -29,35 +30,42 @@ from hicache.disagg.receiver import DecodeReceiver
 from hicache.disagg.rooms import RoomResult
 from hicache.disagg.sender import PrefillSender
 from hicache.disagg.transport import Transport
-from hicache.engine.core import EngineCore
 from hicache.engine.decode import DecodeRole
 from hicache.engine.prefill import PrefillRole
 from hicache.engine.role import Role
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed, StepInput
+from hicache.runner.loader import LoadedModel
+from hicache.runner.model_runner import ModelRunner
 
 __all__ = ["start_role"]
 
 
 def start_role(
-    disagg: DisaggConfig, core: EngineCore, tp_size: int, post: Callable[[StepInput], None]
+    disagg: DisaggConfig,
+    cache: HiCache,
+    model: LoadedModel,
+    runner: ModelRunner,
+    *,
+    tp_size: int,
+    post: Callable[[StepInput], None],
 ) -> Role:
-    """The started role of ``core``'s instance (see the module docstring). ValueError for
-    a model a pair cannot serve; OSError naming the port when the bootstrap port cannot
-    be bound; :class:`~hicache.disagg.transport.TransportUnavailable` when the transfer
-    backend cannot start."""
+    """The started role of the instance of ``cache``, ``model`` and ``runner`` (see the
+    module docstring), built with them, before its scheduler. ValueError for a model a
+    pair cannot serve; OSError naming the port when the bootstrap port cannot be bound;
+    :class:`~hicache.disagg.transport.TransportUnavailable` when the transfer backend
+    cannot start."""
     if not disagg.enabled:
         return Role()
-    cache = core.cache
-    if not core.scheduler.runner.resumable_prefix:
+    if not runner.resumable_prefix:
         raise ValueError(
-            f"--disaggregation-mode {disagg.mode.value}: {core.model.name} carries recurrent"
+            f"--disaggregation-mode {disagg.mode.value}: {model.name} carries recurrent"
             " state, which a prefill/decode pair does not move yet; serve it as a plain instance"
         )
     pools = {"full": cache.full.device_pool, **cache.stores.runner_pools()}
     geometry = {name: PoolGeometry.of(pool) for name, pool in pools.items()}
     layout = InstanceLayout(
-        model=core.model.name,
-        fingerprint=core.model.fingerprint,
+        model=model.name,
+        fingerprint=model.fingerprint,
         page_size=cache.page_size,
         tp_size=tp_size,
         mla=cache.spec.attention is AttentionKind.MLA,
@@ -72,8 +80,8 @@ def start_role(
     try:
         transport.register([g.region() for g in geometry.values()])
         if disagg.mode is DisaggMode.PREFILL:
-            return _prefill(disagg, core, transport, layout, geometry, post)
-        return _decode(disagg, core, transport, layout, geometry, post)
+            return _prefill(disagg, cache, transport, layout, geometry, post)
+        return _decode(disagg, cache, transport, layout, geometry, post)
     except BaseException:
         transport.close()
         raise
@@ -81,7 +89,7 @@ def start_role(
 
 def _prefill(
     disagg: DisaggConfig,
-    core: EngineCore,
+    cache: HiCache,
     transport: Transport,
     layout: InstanceLayout,
     geometry: dict[str, PoolGeometry],
@@ -110,12 +118,12 @@ def _prefill(
     sender = PrefillSender(rooms, transport, done, timeout_s=disagg.transfer_timeout_s)
     server.start()
     sender.start()
-    return PrefillRole(core.cache, rooms, server, sender, transport, geometry)
+    return PrefillRole(cache, rooms, server, sender, transport, geometry)
 
 
 def _decode(
     disagg: DisaggConfig,
-    core: EngineCore,
+    cache: HiCache,
     transport: Transport,
     layout: InstanceLayout,
     geometry: dict[str, PoolGeometry],
@@ -142,4 +150,4 @@ def _decode(
         max_links=disagg.max_links,
         link_idle_timeout_s=disagg.link_idle_timeout_s,
     )
-    return DecodeRole(core.cache, receiver, transport, layout, geometry)
+    return DecodeRole(cache, receiver, transport, layout, geometry)

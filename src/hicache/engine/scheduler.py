@@ -95,9 +95,11 @@ class Scheduler:
         output: OutputProcessor,
         config: SchedulerConfig,
         *,
+        role: Role | None = None,
         tokens: StepChannel | None = None,
     ) -> None:
-        """``tokens``: under tensor parallelism, this rank's channel: every sampled token
+        """``role``: the instance's prefill/decode role (None: a plain instance's).
+        ``tokens``: under tensor parallelism, this rank's channel: every sampled token
         (and which rows failed) is rank 0's (:class:`BatchSampler`); a follower's requests
         report nothing (:class:`RequestEnds`)."""
         self.cache = cache
@@ -124,7 +126,15 @@ class Scheduler:
         self.tokens = tokens
         self.sampler = BatchSampler(output.eos_token_ids, tokens)
         reports = tokens is None or tokens.leader
-        self.ends = RequestEnds(cache, runner, output, self.waiting, self.running, reports=reports)
+        self.ends = RequestEnds(
+            cache,
+            runner,
+            output,
+            self.waiting,
+            self.running,
+            role=Role() if role is None else role,
+            reports=reports,
+        )
 
     # ------------------------------------------------------------------ queue
 
@@ -157,10 +167,6 @@ class Scheduler:
     def role(self) -> Role:
         """The instance's prefill/decode role (:mod:`hicache.engine.role`)."""
         return self.ends.role
-
-    @role.setter
-    def role(self, role: Role) -> None:
-        self.ends.role = role
 
     @property
     def idle(self) -> bool:
