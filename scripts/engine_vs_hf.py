@@ -3,7 +3,7 @@
 For each of :data:`PROMPTS` (rendered with the model's chat template) both run greedy
 decoding of ``--max-tokens`` tokens (EOS ignored, so every run has the same length):
 transformers' ``generate`` in fp32 (the reference) and bf16, and the engine
-(:class:`hicache.engine.engine.Engine`) in fp32 and bf16, on ``--device``.
+(:class:`hicache.engine.front.engine.Engine`) in fp32 and bf16, on ``--device``.
 
 In bf16 a greedy continuation can leave the fp32 one without a defect (a near tie flips),
 so the check is relative: the engine in bf16 must agree with the fp32 reference on at
@@ -74,7 +74,7 @@ def engine_greedy(
     """The engine's greedy continuations, all prompts submitted at once (one batch)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hicache.engine.engine import Engine, EngineConfig
+    from hicache.engine.front.engine import Engine, EngineConfig
     from hicache.engine.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model_path=str(model_dir), dtype=dtype, device=device)).start()

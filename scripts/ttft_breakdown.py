@@ -2,7 +2,7 @@
 
 Runs the multiturn workload of ``hicache bench multiturn`` (same conversations, same tier
 sizes, clients served first come first served, ``--max-parallel`` in flight) against an
-in-process :class:`~hicache.engine.engine.Engine` per config, and splits each request's
+in-process :class:`~hicache.engine.front.engine.Engine` per config, and splits each request's
 engine-side TTFT into
 
 * **queue**: arrival to first admission (:attr:`RequestOutput.queue_s`): the wait for the
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from hicache.bench.multiturn import PRESETS, Conversations
 from hicache.bench.runner import tier_sizes
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.leader import Leader
+from hicache.engine.drivers.leader import Leader
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 

@@ -1,9 +1,14 @@
 """The rooms of ``src/hicache`` and the one direction their imports point.
 
-``server -> engine -> {runner, cache}``; the cache side (``cache``, ``controller``,
-``tree``, ``memory``, ``transfer``, ``storage``) never imports a serving room. Every
-import counts (``TYPE_CHECKING`` and function-level ones too), as in
-:mod:`tests.test_import_cycles`, whose import graph this reuses.
+``server -> engine -> {runner, cache, disagg}``; the cache side (``cache``,
+``controller``, ``tree``, ``memory``, ``transfer``, ``storage``) never imports a serving
+room; ``disagg`` (prefill/decode transfer) sits below the engine and beside the cache;
+``integrations`` (hicache's L3 inside other engines) reach only the storage side. Inside
+``engine``, its rooms point one way too: ``front -> drivers -> step -> shared`` and
+``front -> roles -> shared``, where *shared* is the package's own modules (the rank
+channel, step inputs, config, the role hooks, the request). Every import counts
+(``TYPE_CHECKING`` and function-level ones too), as in :mod:`tests.test_import_cycles`,
+whose import graph this reuses.
 """
 
 from __future__ import annotations
@@ -16,14 +21,27 @@ from tests.test_import_cycles import PACKAGE, SRC, import_graph
 
 CACHE_SIDE = ("cache", "controller", "tree", "memory", "transfer", "storage")
 
+SERVING = ("engine", "server", "runner", "bench")
+
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "runner": ("engine", "server", "cache", "bench"),
-    "engine": ("server", "bench"),
-    "server": ("cache", "tree", "controller", "bench"),
-    **{room: ("engine", "server", "runner", "bench") for room in CACHE_SIDE},
+    "runner": ("engine", "server", "cache", "bench", "disagg", "integrations"),
+    "engine": ("server", "bench", "integrations"),
+    "server": ("cache", "tree", "controller", "bench", "integrations"),
+    "disagg": (*SERVING, "cache", "tree", "controller", "integrations"),
+    "integrations": (*SERVING, "cache", "tree", "controller", "disagg"),
+    **{room: (*SERVING, "disagg", "integrations") for room in CACHE_SIDE},
 }
 """Room -> rooms it must not import (the HTTP side reaches the cache only through the
 engine; the runner knows neither the loop nor the cache facade)."""
+
+ENGINE_FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "shared": ("front", "drivers", "step", "roles"),
+    "step": ("front", "drivers", "roles"),
+    "roles": ("front", "drivers", "step"),
+    "drivers": ("front", "roles"),
+    "front": (),
+}
+"""The engine's rooms -> those they must not import (see the module docstring)."""
 
 
 def _room(module: str) -> str | None:
@@ -43,6 +61,27 @@ def test_room_imports_point_one_way(room: str) -> None:
         if _room(t) in FORBIDDEN[room]
     )
     assert not wrong, f"{room} imports rooms it must not:\n" + "\n".join(wrong)
+
+
+def _engine_room(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "engine":
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in ENGINE_FORBIDDEN else "shared"
+
+
+@pytest.mark.parametrize("room", sorted(ENGINE_FORBIDDEN))
+def test_the_engines_rooms_point_one_way(room: str) -> None:
+    graph = import_graph(SRC, PACKAGE)
+    assert any(_engine_room(m) == room for m in graph), f"no engine room {room!r}"
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if _engine_room(m) == room
+        for t in targets
+        if _engine_room(t) in ENGINE_FORBIDDEN[room]
+    )
+    assert not wrong, f"engine.{room} imports rooms it must not:\n" + "\n".join(wrong)
 
 
 def test_the_server_reaches_the_cache_only_through_the_engine() -> None:

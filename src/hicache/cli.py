@@ -58,7 +58,7 @@ class StartupError(Exception):
 
 def _start_engine(args: argparse.Namespace) -> Any:
     """The started engine, or :class:`StartupError` naming the flag at fault."""
-    from hicache.engine.engine import Engine
+    from hicache.engine.front.engine import Engine
     from hicache.engine.ranks import RankStartError
     from hicache.server.args import FlagError, engine_config_from_args, flag_message
     from hicache.storage.base import StorageError

@@ -21,9 +21,9 @@ from rich.table import Table
 
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.runner.loader import load_model
 
 console = Console()

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.testclient import TestClient
 
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.server.access import ROUTE_ACCESS, Access, markdown_table, route_methods
 from hicache.server.app import create_app
 from tests.helpers.api_fixtures import make_engine

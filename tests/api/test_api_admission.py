@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.server.args import add_engine_args, engine_config_from_args, flag_message

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.server.protocol import engine_supports
 from tests.helpers.api_fixtures import CONTEXT, assert_clean, make_engine, serve
 

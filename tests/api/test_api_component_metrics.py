@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.front.engine import Engine, EngineConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.metrics import ComponentUsage
 from tests.helpers.api_fixtures import scrape, serve, wait_idle
 from tests.runner.models.hybrid_fixtures import hybrid_model

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from tests.helpers.api_fixtures import make_engine, post, serve
 
 PROMPT = list(range(300, 345))

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from hicache.engine.engine import EngineConfig
+from hicache.engine.front.engine import EngineConfig
 from tests.helpers.api_fixtures import make_engine, post, serve
 
 PROMPT = list(range(300, 345))

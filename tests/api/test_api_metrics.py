@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cache.report import cache_stats
-from hicache.engine.engine import EngineStats
+from hicache.engine.front.engine import EngineStats
 from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
 from hicache.server.metrics import cache_families, counter_metric_name
 from hicache.storage.stats import LATENCY_BUCKETS_S, OPS, OpLatency, StorageStats

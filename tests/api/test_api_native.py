@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.server.protocol import engine_supports
 from tests.helpers.api_fixtures import assert_clean, make_engine, post, serve, sse
 

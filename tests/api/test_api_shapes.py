@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cache.report import cache_stats
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from tests.helpers.api_fixtures import (
     CONTEXT,
     assert_clean,

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.config import CacheConfig
-from hicache.engine.engine import MAX_CACHE_SALT_CHARS, Engine, EngineConfig
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.front.engine import MAX_CACHE_SALT_CHARS, Engine, EngineConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.engine.engine import Engine, EngineStats
+from hicache.engine.front.engine import Engine, EngineStats
 from hicache.server.router_routes import one_token
 from tests.helpers.api_fixtures import assert_clean, make_engine, post, serve, wait_idle
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from tests.helpers.engine_fixtures import engine_model
 

@@ -21,12 +21,12 @@ import pytest
 from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap, DisaggConfig
-from hicache.engine.decode import DecodeRole
-from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.prefill import PrefillRole
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
+from hicache.engine.roles.decode import DecodeRole
+from hicache.engine.roles.prefill import PrefillRole
 from hicache.engine.sampling import InvalidRequest, SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 
 PROMPT = list(range(300, 345))  # 45 tokens: 11 whole pages of 4, and 1
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

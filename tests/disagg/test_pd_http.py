@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from tests.disagg.test_pd_engine import FAST, free_port, make_engine
 from tests.helpers.api_fixtures import serve
 

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from hicache.disagg.config import NO_TRANSFER_HOST, Bootstrap
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.engine.sampling import SamplingParams
 from tests.disagg.peers import prefill_server
 from tests.disagg.test_pd_engine import FAST, assert_idle, free_port, make_engine

@@ -22,7 +22,7 @@ from hicache.config import CacheConfig, KVSpec, PrefetchConfig
 from hicache.engine.admission import QueueFull, QueueGate
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.step.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace, PageKey
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.storage.base import Deadline
@@ -398,7 +398,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
     running slots (cap 2); after 3 steps two small requests arrive. The scheduler is
     stepped on the engine's thread (the loop waits meanwhile): every output, the groups
     running just after the small ones arrived, and what was retracted."""
-    from hicache.engine.engine import Engine, EngineConfig
+    from hicache.engine.front.engine import Engine, EngineConfig
     from tests.helpers.engine_fixtures import TINY, engine_model
     from tests.runner.models.hybrid_fixtures import hybrid_model
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from hicache.config import AttentionKind, CacheConfig, MemLayout
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from tests.helpers.tier_walk import (
     assert_hits_storage,
     assert_idle,

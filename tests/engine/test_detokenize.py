@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.engine.detokenize import IncrementalText, decode_function, decodes_incrementally
-from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.engine.step.output import OutputProcessor
 from hicache.runner.checkpoints import (
     DEFAULT_MODEL,
     TINY_HYBRID_MODELS,
@@ -319,7 +319,7 @@ def test_a_mismatch_at_the_end_switches_to_full_decodes(caplog: pytest.LogCaptur
     tok = wordpiece()
     processor = OutputProcessor(tok, [], 1024, incremental=True)
     ids = [3, 8, 3]
-    with caplog.at_level(logging.WARNING, logger="hicache.engine.output"):
+    with caplog.at_level(logging.WARNING, logger="hicache.engine.step.output"):
         outs = drive(processor, ids, SamplingParams(max_tokens=3))
     assert outs[-1].text == "hello'hello" and outs[-1].finish_reason is FinishReason.LENGTH
     assert not processor.incremental and "decoding in full" in caplog.text

@@ -22,10 +22,10 @@ import uvicorn
 
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 from tests.helpers.kvdata import FailingLoads

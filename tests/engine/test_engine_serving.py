@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.server.app import create_app
 from tests.helpers.api_fixtures import scrape
 from tests.helpers.engine_fixtures import engine_model

@@ -35,9 +35,9 @@ import torch
 from hicache.cache.components import SwaStore
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.memory import DevicePool
 from hicache.runner.loader import LoadedHybridModel, load_model
 from hicache.runner.model_runner import ForwardBatch, ModelRunner

@@ -30,10 +30,10 @@ from hicache.cache.components.snapshots import SNAPSHOT
 from hicache.cache.components.swa import SWA, request_pages
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.memory.allocator import PageAllocator
 from hicache.tree.components import Tier
 from tests.engine.test_hybrid_serving import hf_greedy

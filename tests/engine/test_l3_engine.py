@@ -20,10 +20,10 @@ import pytest
 
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.heads import HeadSplit
 from hicache.keys import PageKey, head_key, previous_page_key
 from hicache.storage.backends.aibrix import AibrixStorage

@@ -38,11 +38,11 @@ import pytest
 import torch
 
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.logits import TokenLogprob
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_logits
 from tests.helpers.tier_walk import assert_idle
 from tests.runner.models.hybrid_fixtures import HYBRID, hf_twin, hybrid_model

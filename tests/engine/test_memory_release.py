@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.logits import TokenLogprob, token_logprobs
 from hicache.engine.memory_trim import IdleTrimmer, TrimRecord, malloc_trim, trim_supported
 from hicache.engine.request import Request, RequestOutput

@@ -23,10 +23,10 @@ from hicache.config import AttentionKind, CacheConfig, KVSpec
 from hicache.disagg.config import Bootstrap
 from hicache.disagg.layout import InstanceLayout, Registration, StoreLayout
 from hicache.disagg.pages import PoolGeometry
-from hicache.engine.decode import DecodeRole
 from hicache.engine.request import FinishReason, Request, RequestOutput
+from hicache.engine.roles.decode import DecodeRole
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import PagesArrived
 from tests.helpers.fake_runner import client, make_scheduler, step
 

@@ -30,11 +30,11 @@ from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig
 from hicache.controller.rank_group import LocalOnlyError
 from hicache.engine import ranks as ranks_module
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.ranks import RankProcesses, RankStartError, leave_group
 from hicache.engine.request import OutputCallback, RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.engine.step_inputs import NewRequest
 from hicache.engine.tp_fit import RANK_PROCESS_BYTES, check_cpu_ranks_fit, check_tp_model
 from tests.helpers import rank_targets

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.config import CacheConfig, WritePolicy
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.heads import HeadSplit
 from tests.engine.test_hybrid_serving import hf_greedy
 from tests.runner.models.hybrid_fixtures import hybrid_model, prompt

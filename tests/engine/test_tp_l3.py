@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from tests.helpers.engine_fixtures import engine_model, hf_greedy_ids
 from tests.runner.models import deepseek_fixtures as v2
 from tests.runner.models import deepseek_v32_fixtures as v32

@@ -8,7 +8,7 @@ boundary comes back with them) and from L3 after ``flush_cache`` (each rank read
 records it wrote under its own namespace). Every time the greedy output equals
 transformers', the ranks' scheduling digests are equal, and each rank's SHA-256 of the
 bytes its L1 holds for the prefix (full KV pages and the snapshot at its end;
-:func:`~hicache.engine.rank_digest.page_digests`) is the same after L2 and after
+:func:`~hicache.engine.step.rank_digest.page_digests`) is the same after L2 and after
 L3 as after the cold prefill: D->H->D and D->H->L3->H->D copy every shard exactly. The
 ranks' bytes differ (each its own shard). A TP 1 server on the same L3 misses cleanly
 (its namespace differs: a rank's snapshot shard is no whole state) and still answers
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from hicache.config import CacheConfig, WritePolicy
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from tests.engine.test_hybrid_serving import hf_greedy
 from tests.runner.models.hybrid_fixtures import prompt
 

@@ -14,8 +14,8 @@ import uvicorn
 
 from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.front.engine import Engine, EngineConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.server.app import create_app
 from tests.helpers.engine_fixtures import engine_model
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from hicache.cache import HiCache
-from hicache.engine.output import OutputProcessor
 from hicache.engine.request import Request, RequestOutput
 from hicache.engine.role import Role
-from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.step.output import OutputProcessor
+from hicache.engine.step.scheduler import Scheduler, SchedulerConfig
 from hicache.extras import SequenceExtras
 from hicache.runner.model_runner import ForwardBatch
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.cache.report import check_integrity
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 

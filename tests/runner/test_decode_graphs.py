@@ -34,9 +34,11 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
-from hicache.engine import graph_setup
-from hicache.engine.engine import Engine, EngineConfig
-from hicache.engine.graph_setup import (
+from hicache.engine.front.engine import Engine, EngineConfig
+from hicache.engine.request import RequestOutput
+from hicache.engine.sampling import SamplingParams
+from hicache.engine.step import graph_setup
+from hicache.engine.step.graph_setup import (
     GraphSetup,
     enable_decode_graphs,
     enable_for_cache,
@@ -44,9 +46,7 @@ from hicache.engine.graph_setup import (
     probe_page_count,
     probe_tolerance,
 )
-from hicache.engine.request import RequestOutput
-from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.memory import DevicePool
 from hicache.runner import ModelRunner, kv_spec_from_hf_config
 from hicache.runner.decode_graphs import DecodeGraphs, decode_buckets, table_width_for

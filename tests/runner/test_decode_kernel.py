@@ -163,7 +163,7 @@ def test_runner_decode_with_the_kernel_equals_sdpa(scattered: bool, batch_size: 
 
 def test_engine_greedy_with_the_kernel_equals_sdpa() -> None:
     from hicache.config import CacheConfig
-    from hicache.engine.engine import Engine, EngineConfig
+    from hicache.engine.front.engine import Engine, EngineConfig
     from hicache.engine.sampling import SamplingParams
 
     name = "tiny-random-llama"

@@ -388,9 +388,9 @@ def test_engine_chunked_prefill_over_a_cached_prefix_with_the_kernels_equals_sdp
     """A second prompt that shares the first's prefix extends over its cached pages, in
     chunks smaller than the prompt; greedy outputs equal SDPA's."""
     from hicache.config import CacheConfig
-    from hicache.engine.engine import Engine, EngineConfig
+    from hicache.engine.front.engine import Engine, EngineConfig
     from hicache.engine.sampling import SamplingParams
-    from hicache.engine.scheduler import SchedulerConfig
+    from hicache.engine.step.scheduler import SchedulerConfig
 
     name = "tiny-random-llama"
     base = prompt_ids(name, 30).tolist()

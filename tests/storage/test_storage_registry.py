@@ -217,7 +217,7 @@ def test_storage_config_pickles_for_the_rank_processes() -> None:
     (spawn pickles it): the parsed storage config, its mapping proxy included, round-trips."""
     import pickle
 
-    from hicache.engine.engine import EngineConfig
+    from hicache.engine.front.engine import EngineConfig
 
     cfg = EngineConfig(
         model_path="tiny-random-llama",

@@ -30,7 +30,7 @@ from hicache.metrics import ComponentUsage
 
 if TYPE_CHECKING:
     from hicache.cache.facade import HiCache
-    from hicache.engine.engine import Engine
+    from hicache.engine.front.engine import Engine
 
 __all__ = [
     "FULL",

@@ -3,7 +3,7 @@
 ``--requests`` requests each receive ``--tokens`` output ids, one per step, as in a decode
 batch; each step does what the scheduler does for every request: the token checks, the
 text (detokenization and a stop-string search: every request has one stop string that
-never occurs) and the report (:class:`~hicache.engine.output.OutputProcessor`). Outputs
+never occurs) and the report (:class:`~hicache.engine.step.output.OutputProcessor`). Outputs
 are the SmolLM2 tokenizer's ids of English text with some multi-byte characters, each
 request its own slice. Decoding ``full`` (every output id again at each step: the engine
 before incremental detokenization) against ``incremental`` (a window of a few ids).
@@ -53,9 +53,9 @@ def outputs(tokenizer: Any, requests: int, tokens: int) -> list[list[int]]:
 
 def run_one(tokenizer: Any, seqs: list[list[int]], incremental: bool) -> list[float]:
     """Seconds per step over the batch, every step."""
-    from hicache.engine.output import OutputProcessor
     from hicache.engine.request import Request
     from hicache.engine.sampling import SamplingParams
+    from hicache.engine.step.output import OutputProcessor
 
     tokens = len(seqs[0])
     processor = OutputProcessor(tokenizer, [], 1 << 20, incremental=incremental)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from hicache.bench.report import print_table
-from hicache.engine.graph_setup import GraphSetup, enable_decode_graphs, probe_page_count
+from hicache.engine.step.graph_setup import GraphSetup, enable_decode_graphs, probe_page_count
 from hicache.memory import DevicePool
 from hicache.runner.kernels import AttentionBackend, resolve_backend
 from hicache.runner.loader import LoadedModel, load_model

@@ -98,7 +98,7 @@ class FairnessRun:
 
 
 def scheduler_fields(config: str) -> dict[str, Any]:
-    """The :class:`~hicache.engine.scheduler.SchedulerConfig` fields of ``config``."""
+    """The :class:`~hicache.engine.step.scheduler.SchedulerConfig` fields of ``config``."""
     if config == "off":
         return {"schedule_policy": "fcfs", "max_running_requests_per_group": 0}
     if config == "on":
@@ -219,8 +219,8 @@ def make_engine(args: argparse.Namespace, config: str, loaded: Any) -> Any:
     """A started engine for ``config`` over the model ``loaded`` (shared by the configs'
     engines: only one runs at a time)."""
     from hicache.config import CacheConfig
-    from hicache.engine.engine import Engine, EngineConfig
-    from hicache.engine.scheduler import SchedulerConfig
+    from hicache.engine.front.engine import Engine, EngineConfig
+    from hicache.engine.step.scheduler import SchedulerConfig
 
     per_seq = args.wide_prompt + args.wide_tokens + 2 * args.page_size
     tokens = max(args.wide_n * per_seq + args.num_small * 64, 4096)

@@ -1,6 +1,6 @@
 """``hicache bench full-hit``: TTFT of a prompt wholly cached in L2 or L3, against an ideal.
 
-In process (no server): one :class:`~hicache.engine.engine.Engine` with L1, L2 and the
+In process (no server): one :class:`~hicache.engine.front.engine.Engine` with L1, L2 and the
 ``file`` L3 backend (a temp dir; prefetch policy ``wait_complete``). For each of
 ``--repeat`` fresh prompts of ``--tokens`` random token ids, ``max_tokens=1``, greedy:
 
@@ -47,7 +47,7 @@ from hicache.bench.plot import print_table
 from hicache.bench.report import write_json
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 

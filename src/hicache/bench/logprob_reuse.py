@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
 
     from hicache.config import CacheConfig
-    from hicache.engine.engine import Engine, EngineConfig
-    from hicache.engine.scheduler import SchedulerConfig
+    from hicache.engine.front.engine import Engine, EngineConfig
+    from hicache.engine.step.scheduler import SchedulerConfig
 
     def config(off: bool) -> EngineConfig:
         kwargs: dict[str, Any] = {}

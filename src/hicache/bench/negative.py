@@ -45,7 +45,7 @@ from hicache.bench.runner import TOKEN_HI, TOKEN_LO
 from hicache.bench.shared_prefix import send_all
 from hicache.cache.report import cache_stats
 from hicache.config import CacheConfig, WritePolicy
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.runner.loader import LoadedModel, load_model
 from hicache.validate import int_at_least

@@ -1,6 +1,6 @@
 """``hicache bench shared-prefix``: groups of requests sharing a long system prompt, in rounds.
 
-In process (no server): one :class:`~hicache.engine.engine.Engine` per model and config.
+In process (no server): one :class:`~hicache.engine.front.engine.Engine` per model and config.
 
 Workload: ``--groups`` groups, each with its own system prompt of ``--system-tokens``
 random token ids (a whole number of pages); every group sends ``--requests-per-group``
@@ -79,10 +79,10 @@ from hicache.cache.components.swa import request_pages
 from hicache.cache.report import cache_stats
 from hicache.cache.request import CachedTokens
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.runner.loader import LoadedModel, load_model
 from hicache.runner.models.hybrid import HybridLM
 from hicache.validate import int_at_least, require

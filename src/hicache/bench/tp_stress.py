@@ -2,7 +2,7 @@
 with every cache tier too small, then a check that nothing leaked, hung or diverged.
 
 Per config (one model at one rank count), in a fresh process (so each peak RSS is that
-config's own): an :class:`~hicache.engine.engine.Engine` with ``tp_size = --ranks`` on CPU,
+config's own): an :class:`~hicache.engine.front.engine.Engine` with ``tp_size = --ranks`` on CPU,
 L1 and L2 a few requests large (every component is evicted: the full / latent KV and, for
 DeepSeek-V3.2, the DSA indexer keys on the same page ids), and a ``file`` L3 in a temp dir.
 
@@ -53,10 +53,10 @@ from typing import Any
 from hicache.bench.report import print_table, write_json
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO
 from hicache.config import CacheConfig
-from hicache.engine.engine import Engine, EngineConfig, EngineStats
+from hicache.engine.front.engine import Engine, EngineConfig, EngineStats
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
-from hicache.engine.scheduler import SchedulerConfig
+from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.validate import int_at_least, require
 
 __all__ = [

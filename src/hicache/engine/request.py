@@ -92,13 +92,13 @@ class Request:
     # progress
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
-    """The output's text so far, cut at a stop string (see :mod:`hicache.engine.output`)."""
+    """The output's text so far, cut at a stop string (see :mod:`hicache.engine.step.output`)."""
     detok: IncrementalText | None = None
     """The incremental decode of ``output_ids`` behind ``text``."""
     sent_chars: int = 0
     finish_reason: FinishReason | None = None
     final_reported: bool = False
-    """The final report (``finished``) was made (:mod:`hicache.engine.ends`): nothing is
+    """The final report (``finished``) was made (:mod:`hicache.engine.step.ends`): nothing is
     reported after it."""
     error: str | None = None
     aborted: bool = False

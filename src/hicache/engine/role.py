@@ -2,20 +2,20 @@
 
 A plain instance's requests run from admission to their last token and are released.
 On a PD instance some requests are *parked* between the two
-(:attr:`RequestEnds.parked <hicache.engine.ends.RequestEnds.parked>`): they hold their L1
+(:attr:`RequestEnds.parked <hicache.engine.step.ends.RequestEnds.parked>`): they hold their L1
 pages but run no forward, while the other instance of their room does its half:
 
-- a prefill instance (:class:`~hicache.engine.prefill.PrefillRole`) admits a request
+- a prefill instance (:class:`~hicache.engine.roles.prefill.PrefillRole`) admits a request
   only once the decode side has registered its room's pages (or the room has ended), parks
   it once its first token is sampled, hands its pages to the sender, and releases it when the
   sender reports (a :class:`~hicache.engine.step_inputs.RoomEnded` input);
-- a decode instance (:class:`~hicache.engine.decode.DecodeRole`) parks a request once
+- a decode instance (:class:`~hicache.engine.roles.decode.DecodeRole`) parks a request once
   admitted (its pages allocated for the whole prompt), registers them with the prefill
   instance once its own prefix hit is in L1, and runs it from
   :class:`~hicache.engine.step_inputs.PagesArrived` on, like any request whose prompt is
   computed.
 
-The scheduler and :class:`~hicache.engine.ends.RequestEnds` call the hooks below at those
+The scheduler and :class:`~hicache.engine.step.ends.RequestEnds` call the hooks below at those
 points; this base class is the plain instance (every hook does nothing). Everything runs
 on the engine's thread.
 """
@@ -57,7 +57,7 @@ class Role:
     def admissible(self, req: Request) -> bool:
         """Whether waiting ``req`` may be admitted now (a prefill instance's waits for
         its room's decode side, which then holds pages for it: see
-        :class:`~hicache.engine.prefill.PrefillRole`); one that may not is passed over."""
+        :class:`~hicache.engine.roles.prefill.PrefillRole`); one that may not is passed over."""
         return True
 
     def parks_admitted(self, req: Request) -> bool:

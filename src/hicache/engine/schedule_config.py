@@ -1,5 +1,5 @@
 """The scheduler's limits and policies: :class:`SchedulerConfig`, :class:`SchedulePolicy`
-(see :mod:`hicache.engine.scheduler`)."""
+(see :mod:`hicache.engine.step.scheduler`)."""
 
 from __future__ import annotations
 

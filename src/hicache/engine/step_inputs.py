@@ -6,7 +6,7 @@ the step that uses it: new requests, aborts and control commands. The closures t
 threads post to rank 0's inbox cannot cross processes, so each one is described by a
 record here; rank 0 broadcasts a step's records (:class:`StepInputs`, one per step, empty
 when idle) and every rank, rank 0 included, applies the same records in order
-(:meth:`hicache.engine.core.EngineCore.apply`). With one rank nothing is broadcast and the
+(:meth:`hicache.engine.step.core.EngineCore.apply`). With one rank nothing is broadcast and the
 records are applied where they were posted.
 
 A record carries values only (no callbacks, no locks, no tensors): a follower rebuilds
@@ -131,9 +131,9 @@ class DetachStorage:
 @dataclass(frozen=True, slots=True)
 class Digest:
     """Every rank digests its scheduling and cache state now
-    (:func:`~hicache.engine.rank_digest.rank_state_digest`) and rank 0 gathers them; with
+    (:func:`~hicache.engine.step.rank_digest.rank_state_digest`) and rank 0 gathers them; with
     ``pages_of``, the bytes of each page its cache holds of those tokens instead
-    (:func:`~hicache.engine.rank_digest.page_digests`, as JSON)."""
+    (:func:`~hicache.engine.step.rank_digest.page_digests`, as JSON)."""
 
     pages_of: tuple[int, ...] | None = None
 

@@ -30,7 +30,7 @@ state: :attr:`ModelRunner.resumable_prefix` is False.
 Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
 (:class:`~hicache.runner.decode_graphs.DecodeGraphs`, attached with
 :meth:`ModelRunner.use_decode_graphs` once they passed their probe,
-:mod:`hicache.engine.graph_setup`); every other batch runs eagerly.
+:mod:`hicache.engine.step.graph_setup`); every other batch runs eagerly.
 """
 
 from __future__ import annotations

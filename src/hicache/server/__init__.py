@@ -1,5 +1,5 @@
 """The HTTP side of the serving engine: OpenAI's and SGLang's APIs over an
-:class:`~hicache.engine.engine.Engine`.
+:class:`~hicache.engine.front.engine.Engine`.
 
 ``app`` assembles the FastAPI app (:func:`~hicache.server.app.create_app`); its routes
 live by endpoint family in ``openai_routes``, ``native_routes`` and ``admin_routes``. Request

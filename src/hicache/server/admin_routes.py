@@ -42,7 +42,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         """200 ``{"status": "ok"}`` while the engine loop runs, goes round and its steps
         succeed; else 503 with ``status`` ``unavailable`` and an OpenAI error object saying
-        why (see :meth:`~hicache.engine.engine.Engine.health`)."""
+        why (see :meth:`~hicache.engine.front.engine.Engine.health`)."""
         now = engine.health()
         if now.healthy:
             return JSONResponse({"status": "ok"})

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hicache.disagg.links import LinksFull
 from hicache.engine.admission import AdmissionRefused
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.server.access import AccessGuard
 from hicache.server.admin_routes import add_admin_routes
 from hicache.server.http_base import (

@@ -28,10 +28,10 @@ from hicache.config import (
 from hicache.disagg.allow import ANY, LOOPBACK
 from hicache.disagg.config import DEFAULT_BOOTSTRAP_PORT, DisaggConfig, DisaggMode, TransferBackend
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
-from hicache.engine.engine import EngineConfig
+from hicache.engine.front.engine import EngineConfig
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
-from hicache.engine.scheduler import SchedulePolicy, SchedulerConfig
+from hicache.engine.step.scheduler import SchedulePolicy, SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.storage.registry import parse_extra_config

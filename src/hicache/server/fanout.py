@@ -11,7 +11,7 @@ bounded waiting queue from the start (a :class:`~hicache.engine.admission.Reserv
 taken before the fan-out was built): a copy submitted later is never refused half-way.
 The places of jobs never submitted are given back when the fan-out ends, and the rooms
 they claimed on a prefill instance end (:meth:`Engine.refused
-<hicache.engine.engine.Engine.refused>`), also when the fan-out is dropped unrun (a
+<hicache.engine.front.engine.Engine.refused>`), also when the fan-out is dropped unrun (a
 client gone before its stream started).
 
 The client is watched concurrently with the engine's outputs (a poll every
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from starlette.requests import Request as HttpRequest
 
 from hicache.engine.admission import Reservation
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
+from hicache.engine.front.validation import ValidRequest
 from hicache.engine.request import RequestOutput
-from hicache.engine.validation import ValidRequest
 
 log = logging.getLogger(__name__)
 

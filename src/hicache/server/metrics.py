@@ -4,7 +4,7 @@ latency per operation), requests running and queued, TTFT and its queue time, ab
 requests.
 
 Cache and scheduler figures are the engine's last published
-:class:`~hicache.engine.engine.EngineStats` (:attr:`Engine.published_stats`, read on the
+:class:`~hicache.engine.front.engine.EngineStats` (:attr:`Engine.published_stats`, read on the
 engine thread, the cache's owner, at most every ``Engine.stats_interval_s``): a scrape
 never calls into the engine thread and never waits on it;
 ``hicache_stats_age_seconds`` says how old the figures are (it grows while the loop is
@@ -41,7 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from hicache.engine.engine import Engine, EngineStats
+from hicache.engine.front.engine import Engine, EngineStats
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.metrics import ComponentUsage
 from hicache.storage.stats import OPS, StorageStats

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
+from hicache.engine.front.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.server.bootstrap_fields import BootstrapFields

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from hicache.engine.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
+from hicache.engine.front.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.sampling import SEED_MAX, InvalidRequest, SamplingParams
 from hicache.server.bootstrap_fields import BootstrapFields
 from hicache.server.fields import check_extra_fields

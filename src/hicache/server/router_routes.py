@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hicache.disagg.config import NO_TRANSFER_HOST, Bootstrap
 from hicache.engine.admission import AdmissionRefused
-from hicache.engine.engine import PRIORITY_MAX, Engine, EngineStats
+from hicache.engine.front.engine import PRIORITY_MAX, Engine, EngineStats
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.server.http_base import error_response

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hicache.disagg.config import DisaggMode
 from hicache.engine.admission import AdmissionRefused, EngineUnhealthy
-from hicache.engine.engine import Engine
+from hicache.engine.front.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.server.bootstrap_fields import BootstrapFields, bootstraps

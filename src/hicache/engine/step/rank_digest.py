@@ -1,7 +1,7 @@
 """A digest of one rank's scheduling and cache state, to show the ranks stay identical.
 
 Under tensor parallelism every rank runs the same scheduler over the same cache, so at
-the same step every rank's digest must be the same (:meth:`hicache.engine.engine.Engine.rank_digests`
+the same step every rank's digest must be the same (:meth:`hicache.engine.front.engine.Engine.rank_digests`
 gathers them). The digest covers what decides future steps: every tree node (its path's
 tokens, L1 and L2 page ids, pins, hit count, logical access clock, tenant, priority) and
 every request the scheduler holds (id, computed length, tokens generated, finish state),

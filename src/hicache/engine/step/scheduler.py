@@ -25,7 +25,7 @@ over; one that does not fit in L1 stops admission for the step (later ones do no
 it for memory).
 
 The cap is work-conserving (``lend_idle_slots``, the default; the rules are pure functions
-in :mod:`hicache.engine.slots`): borrowers (requests of a group at its cap) are admitted
+in :mod:`hicache.engine.step.slots`): borrowers (requests of a group at its cap) are admitted
 only once no ready claimant is left waiting, and a ready claimant that finds no free slot,
 or not enough L1, takes a lent slot back: one sequence of a group past its cap is
 retracted (:meth:`Scheduler._lent`; its committed KV stays cached), one per claimant and
@@ -49,8 +49,8 @@ position it scores are computed; the cap floors to a page and, for a model that 
 state, to a boundary the cache hands a state back at (the match of a shorter prompt), so
 hybrids resume exactly as they do from any match. Its pages are committed for others.
 
-Beside it: :class:`~hicache.engine.batch_sampling.BatchSampler` turns logits into tokens
-(rank 0's under tensor parallelism); :class:`~hicache.engine.ends.RequestEnds` ends
+Beside it: :class:`~hicache.engine.step.batch_sampling.BatchSampler` turns logits into tokens
+(rank 0's under tensor parallelism); :class:`~hicache.engine.step.ends.RequestEnds` ends
 requests, and does the outputs kept *pending* off the critical path (on CUDA while the
 next forward runs, ``overlap_outputs``; on CPU at the end of the step).
 
@@ -68,17 +68,17 @@ import torch
 
 from hicache.cache import CachedTokens, HiCache
 from hicache.cache.report import cache_stats
-from hicache.engine.batch import Chunk, forward_batch
-from hicache.engine.batch_sampling import BatchSampler, PromptRow
-from hicache.engine.ends import RequestEnds
 from hicache.engine.logits import TokenLogprob
-from hicache.engine.output import OutputProcessor
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.role import Role
 from hicache.engine.sampling import make_generator
 from hicache.engine.schedule_config import LPM_MAX_WAITING, SchedulePolicy, SchedulerConfig
-from hicache.engine.slots import admission_order, held_slots, lent_slot
+from hicache.engine.step.batch import Chunk, forward_batch
+from hicache.engine.step.batch_sampling import BatchSampler, PromptRow
+from hicache.engine.step.ends import RequestEnds
+from hicache.engine.step.output import OutputProcessor
+from hicache.engine.step.slots import admission_order, held_slots, lent_slot
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed
 from hicache.runner.model_runner import ModelRunner
 
@@ -274,7 +274,7 @@ class Scheduler:
     def room_failed(self, item: RoomFailed) -> None:
         """Parked ``item.rid``'s room was given up while the prefill instance may still
         write its pages: it ends now with ``item.error``, its pages held until its
-        :class:`RoomEnded` (:meth:`RequestEnds.hold <hicache.engine.ends.RequestEnds.hold>`)."""
+        :class:`RoomEnded` (:meth:`RequestEnds.hold <hicache.engine.step.ends.RequestEnds.hold>`)."""
         req = self.ends.parked.get(item.rid)
         if req is not None:
             self.ends.hold(req, item.error)
@@ -290,7 +290,7 @@ class Scheduler:
 
     def admission_order(self) -> list[Request]:
         """The waiting requests in the order :meth:`step` tries to admit them
-        (:func:`~hicache.engine.slots.admission_order`: claimants, then borrowers; priority;
+        (:func:`~hicache.engine.step.slots.admission_order`: claimants, then borrowers; priority;
         fewest held; under ``lpm`` the longest cached prefix, up to
         :data:`LPM_MAX_WAITING` waiting; queue order, a retracted request at the front).
         Computed at the start of the step."""
@@ -423,7 +423,7 @@ class Scheduler:
 
     def _lent(self, among: list[Request] | None = None) -> Request | None:
         """The running sequence (of ``among``) that gives a lent slot back first
-        (:func:`~hicache.engine.slots.lent_slot`), or None when none is lent (or the cap
+        (:func:`~hicache.engine.step.slots.lent_slot`), or None when none is lent (or the cap
         does not lend)."""
         cap = self.config.group_cap
         if cap is None or not self.config.lend_idle_slots:

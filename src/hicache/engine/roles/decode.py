@@ -17,7 +17,7 @@ committed at the retraction) and recomputes the rest here, as on a plain instanc
 aborted parked request is drained
 (:meth:`DecodeRole.abort`): it keeps its pages until the prefill side has stopped.
 
-Its receiver and transport are built by :mod:`hicache.engine.role_setup`.
+Its receiver and transport are built by :mod:`hicache.engine.roles.role_setup`.
 """
 
 from __future__ import annotations

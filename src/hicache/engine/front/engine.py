@@ -6,9 +6,9 @@ Other threads (the HTTP server, the CLI) talk to the engine through :meth:`Engin
 engine thread, e.g. a cache read); outputs come back through each request's callback,
 called on the engine thread. What the API posts becomes a step input
 (:mod:`hicache.engine.step_inputs`) for the one step body
-(:class:`~hicache.engine.core.EngineCore`), run by rank 0's driver
-(:mod:`hicache.engine.leader`) and, under tensor parallelism (``tp_size`` > 1,
-:mod:`hicache.engine.ranks`), by every follower process (:mod:`hicache.engine.follower`).
+(:class:`~hicache.engine.step.core.EngineCore`), run by rank 0's driver
+(:mod:`hicache.engine.drivers.leader`) and, under tensor parallelism (``tp_size`` > 1,
+:mod:`hicache.engine.ranks`), by every follower process (:mod:`hicache.engine.drivers.follower`).
 
 Robustness: an exception in one task of the loop fails only the requests involved; if
 the loop ends anyway, everything queued or in flight is failed at once,
@@ -35,11 +35,9 @@ from typing import Any, TypeVar
 from hicache.cache import HiCache
 from hicache.disagg.config import Bootstrap
 from hicache.engine.admission import QueueGate, Reservation, reserve_places
-from hicache.engine.build import build_core
 from hicache.engine.config import EngineConfig
-from hicache.engine.core import EngineCore
-from hicache.engine.graph_setup import GraphSetup
-from hicache.engine.health import (
+from hicache.engine.drivers.leader import Leader, RankFailure, Task, start_ranks
+from hicache.engine.front.health import (
     STALL_AFTER_S,
     STATS_INTERVAL_S,
     EngineHealth,
@@ -48,15 +46,24 @@ from hicache.engine.health import (
     health_of,
     read_stats,
 )
-from hicache.engine.leader import Leader, RankFailure, Task, start_ranks
+from hicache.engine.front.validation import (
+    MAX_CACHE_SALT_CHARS,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    ValidRequest,
+    validate_request,
+)
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.ranks import RankProcesses
 from hicache.engine.request import OutputCallback, Request, RequestOutput
 from hicache.engine.role import Role
-from hicache.engine.role_setup import start_role
+from hicache.engine.roles.role_setup import start_role
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.step.build import build_core
+from hicache.engine.step.core import EngineCore
+from hicache.engine.step.graph_setup import GraphSetup
+from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
@@ -64,13 +71,6 @@ from hicache.engine.step_inputs import (
     Digest,
     FlushCache,
     StepInput,
-)
-from hicache.engine.validation import (
-    MAX_CACHE_SALT_CHARS,
-    PRIORITY_MAX,
-    PRIORITY_MIN,
-    ValidRequest,
-    validate_request,
 )
 from hicache.lifecycle import Lifecycle
 from hicache.runner.loader import LoadedModel
@@ -458,7 +458,7 @@ class Engine(Lifecycle):
 
     def rank_digests(self, timeout: float = 60.0) -> list[str]:
         """Each rank's digest of its scheduling and cache state, by rank, taken at the same
-        step on every rank (:mod:`hicache.engine.rank_digest`): all equal while the ranks
+        step on every rank (:mod:`hicache.engine.step.rank_digest`): all equal while the ranks
         agree. One entry with one rank."""
         got = self._command(Digest()).result(timeout=timeout)
         assert isinstance(got, list)
@@ -470,7 +470,7 @@ class Engine(Lifecycle):
         """Each rank's SHA-256 of every page its cache holds of ``tokens``' cached prefix,
         by ``"<component>/<tier>"`` and page index, by rank, taken at the same step on every
         rank after the copies in flight were applied
-        (:func:`~hicache.engine.rank_digest.page_digests`). For tests and debugging: it
+        (:func:`~hicache.engine.step.rank_digest.page_digests`). For tests and debugging: it
         reads every page."""
         got = self._command(Digest(pages_of=tuple(int(t) for t in tokens))).result(timeout)
         assert isinstance(got, list)

@@ -4,7 +4,7 @@ Other threads post :class:`Task` s into the inbox (:meth:`Leader.post`). Each ro
 loop takes the inbox, turns its records into this step's
 :class:`~hicache.engine.step_inputs.StepInputs` (broadcast to the followers first under
 tensor parallelism, also when empty), runs :meth:`EngineCore.step
-<hicache.engine.core.EngineCore.step>` over them, answering each task's caller as its
+<hicache.engine.step.core.EngineCore.step>` over them, answering each task's caller as its
 record is applied and running rank 0's own calls in the order they were posted, hands
 the step's reports to their clients (each request's callback, kept here from its post to
 its final report) and posts its aborts for the next step, then publishes stats and, when
@@ -13,7 +13,7 @@ every rank.
 
 The error policy is rank 0's: a scheduler step that raises with one rank aborts the
 requests in flight and the loop goes on (counted: ``failed_steps``, read by
-:meth:`Engine.health <hicache.engine.engine.Engine.health>`); with several ranks no rank
+:meth:`Engine.health <hicache.engine.front.engine.Engine.health>`); with several ranks no rank
 recovers alone, so it ends the loop, and rank 0 *breaks* the ranks (stops every follower
 at once, leaves the group). A loop told to stop *stops* the ranks (broadcasts a
 :class:`~hicache.engine.step_inputs.Stop`). Either way the loop's last act
@@ -35,11 +35,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from hicache.engine.build import RoleMaker, build_core, close_alone
 from hicache.engine.config import EngineConfig, config_fields
-from hicache.engine.core import Applied, EngineCore, StepFailed, error_line
-from hicache.engine.ends import StepOutputs
-from hicache.engine.follower import run_follower
+from hicache.engine.drivers.follower import run_follower
 from hicache.engine.ranks import (
     RankProcesses,
     RankStartError,
@@ -49,6 +46,9 @@ from hicache.engine.ranks import (
 )
 from hicache.engine.request import OutputCallback, Request
 from hicache.engine.run_state import RunState
+from hicache.engine.step.build import RoleMaker, build_core, close_alone
+from hicache.engine.step.core import Applied, EngineCore, StepFailed, error_line
+from hicache.engine.step.ends import StepOutputs
 from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
 from hicache.engine.tp_fit import check_tp_model
 from hicache.failures import Failure, FailureKind

@@ -1,6 +1,6 @@
 """What every rank builds alike: the model, the cache (with L3 when configured), the
 runner, the instance's role (rank 0 of a prefill/decode instance) and the scheduler, put
-together as an :class:`~hicache.engine.core.EngineCore`."""
+together as an :class:`~hicache.engine.step.core.EngineCore`."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from hicache.cache import HiCache
 from hicache.cache.components.base import ServingLimits
 from hicache.controller.rank_group import RankGroup
 from hicache.engine.config import EngineConfig
-from hicache.engine.core import EngineCore, attach_l3
-from hicache.engine.graph_setup import GraphSetup, enable_for_cache
-from hicache.engine.output import OutputProcessor
 from hicache.engine.ranks import StepChannel
 from hicache.engine.role import Role
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.step.core import EngineCore, attach_l3
+from hicache.engine.step.graph_setup import GraphSetup, enable_for_cache
+from hicache.engine.step.output import OutputProcessor
+from hicache.engine.step.scheduler import Scheduler
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.runner.parallel import TPGroup
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 RoleMaker = Callable[[HiCache, LoadedModel, ModelRunner], Role]
 """Builds (and starts) an instance's role from its cache, model and runner
-(:func:`~hicache.engine.role_setup.start_role`)."""
+(:func:`~hicache.engine.roles.role_setup.start_role`)."""
 
 
 def load_engine_model(config: EngineConfig, channel: StepChannel | None) -> LoadedModel:

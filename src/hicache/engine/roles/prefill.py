@@ -12,7 +12,7 @@ its KV committed to this instance's cache by its write policy, once the sender r
 gets). A request that ends before its hand-off (aborted, failed) closes its room with the
 reason, which the decode side then reads.
 
-Its bootstrap server, rooms and sender are built by :mod:`hicache.engine.role_setup`.
+Its bootstrap server, rooms and sender are built by :mod:`hicache.engine.roles.role_setup`.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from hicache.disagg.receiver import DecodeReceiver
 from hicache.disagg.rooms import RoomResult
 from hicache.disagg.sender import PrefillSender
 from hicache.disagg.transport import Transport
-from hicache.engine.decode import DecodeRole
-from hicache.engine.prefill import PrefillRole
 from hicache.engine.role import Role
+from hicache.engine.roles.decode import DecodeRole
+from hicache.engine.roles.prefill import PrefillRole
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed, StepInput
 from hicache.runner.loader import LoadedModel
 from hicache.runner.model_runner import ModelRunner

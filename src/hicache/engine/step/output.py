@@ -1,7 +1,7 @@
 """Turning sampled tokens into text: end-of-sequence, stop strings, max_tokens, streaming.
 
 Two halves, so that the scheduler can run the second off the critical path (see
-:mod:`hicache.engine.scheduler`): :meth:`OutputProcessor.check_token` decides from the
+:mod:`hicache.engine.step.scheduler`): :meth:`OutputProcessor.check_token` decides from the
 token alone (end-of-sequence, stop ids, ``max_tokens``, the context length) and touches
 no text; :meth:`OutputProcessor.update_text` brings ``req.text`` up to date and applies
 stop strings. :meth:`OutputProcessor.on_token` is both, in that order.

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats
 from hicache.engine.admission import QueueGate
-from hicache.engine.leader import Leader
+from hicache.engine.drivers.leader import Leader
 from hicache.engine.run_state import EngineState, RunState
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.step.scheduler import Scheduler
 from hicache.metrics import CacheStats
 
 log = logging.getLogger(__name__)
@@ -52,12 +52,12 @@ class EngineStats:
     pages). ``queued``: sequences counted against ``max_queued_requests`` (reserved or
     waiting, never yet admitted); ``refused``: reservations refused so far (HTTP 429/503);
     ``reclaimed``: running sequences retracted so far to give a lent slot back (the group
-    cap, see :mod:`hicache.engine.scheduler`); ``parked``: requests a prefill/decode role
+    cap, see :mod:`hicache.engine.step.scheduler`); ``parked``: requests a prefill/decode role
     holds while the other instance of their room does its half (:mod:`hicache.engine.role`);
     ``open_rooms``: a prefill instance's rooms not closed yet (:attr:`Role.open_rooms
     <hicache.engine.role.Role.open_rooms>`); ``held_pages``: L1 pages of ended requests a decode instance keeps out of use while the
     prefill instance may still write them (:meth:`RequestEnds.hold
-    <hicache.engine.ends.RequestEnds.hold>`).
+    <hicache.engine.step.ends.RequestEnds.hold>`).
     ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
     (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 

@@ -1,6 +1,6 @@
 """Who gets a running slot: the order waiting requests are admitted in, and which running
 sequence gives a slot lent past its group's cap back. Pure functions over the requests
-(no cache, no runner); :class:`~hicache.engine.scheduler.Scheduler` applies them.
+(no cache, no runner); :class:`~hicache.engine.step.scheduler.Scheduler` applies them.
 
 A *group* is one client request (its ``n`` copies and batched prompts); ``cap`` is the
 running slots a group is guaranteed (None: no group rule). With ``lend`` a group may run

@@ -16,8 +16,8 @@ What differs between ranks is data, not code: rank 0 keeps its own requests unti
 each with its queue place), followers build theirs from the record and report nothing;
 under tensor parallelism a follower's scheduler takes rank 0's sampled tokens instead of
 sampling. What differs between drivers is the error policy
-around the step (:mod:`hicache.engine.leader` for rank 0's thread,
-:mod:`hicache.engine.follower` for the other ranks): a scheduler step that raises comes
+around the step (:mod:`hicache.engine.drivers.leader` for rank 0's thread,
+:mod:`hicache.engine.drivers.follower` for the other ranks): a scheduler step that raises comes
 out as :class:`StepFailed`, and each driver decides what that ends.
 
 Everything here runs on the thread that drives the core.
@@ -35,13 +35,13 @@ from typing import TypeVar
 
 from hicache.cache import HiCache
 from hicache.engine.config import EngineConfig
-from hicache.engine.ends import StepOutputs
-from hicache.engine.graph_setup import GraphSetup
 from hicache.engine.memory_trim import IdleTrimmer
-from hicache.engine.rank_digest import page_digests, rank_state_digest
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import Request
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.step.ends import StepOutputs
+from hicache.engine.step.graph_setup import GraphSetup
+from hicache.engine.step.rank_digest import page_digests, rank_state_digest
+from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
@@ -75,7 +75,7 @@ class Applied:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one step did: whether a ``forward`` ran, and the ``outputs`` it left for its
-    driver (:class:`~hicache.engine.ends.StepOutputs`)."""
+    driver (:class:`~hicache.engine.step.ends.StepOutputs`)."""
 
     forward: bool
     outputs: StepOutputs
@@ -94,7 +94,7 @@ class EngineCore:
     """The model, the cache and the scheduler of one rank, and the step they take.
 
     ``channel``: this rank's end of the step exchange (None with one rank). Built by
-    :func:`~hicache.engine.build.build_core`."""
+    :func:`~hicache.engine.step.build.build_core`."""
 
     def __init__(
         self,
@@ -273,7 +273,7 @@ class EngineCore:
 
     def fail(self, req: Request, why: str, *, direct: bool = False) -> None:
         """End ``req`` with ``error`` = ``why`` (:meth:`RequestEnds.fail
-        <hicache.engine.ends.RequestEnds.fail>`)."""
+        <hicache.engine.step.ends.RequestEnds.fail>`)."""
         self.scheduler.ends.fail(req, why, direct=direct)
 
     def abort_all(self, why: str, max_s: float = 10.0, max_failures: int = 3) -> None:

@@ -12,7 +12,7 @@ its cache handle), and it gets its final report, exactly once and last
 Outputs off the critical path: a step's sampled tokens get the token-level checks at once,
 but their text work (detokenization, stop strings) and reports are *pending*
 (:meth:`RequestEnds.took_token`) until the next step has launched its forward (see
-:mod:`hicache.engine.scheduler`); they are done in order by :meth:`RequestEnds.flush`. A
+:mod:`hicache.engine.step.scheduler`); they are done in order by :meth:`RequestEnds.flush`. A
 stop string found then ends its request one step late; its token in flight is discarded.
 
 Reports are data: each goes to :attr:`RequestEnds.outbox` (rank 0's; a follower's
@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from hicache.cache import HiCache
-from hicache.engine.output import OutputProcessor
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.role import Role
+from hicache.engine.step.output import OutputProcessor
 from hicache.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """A follower rank's driver: the same step body as rank 0, over the inputs rank 0 sends.
 
 :func:`run_follower` is the main of a spawned follower process: it joins the group,
-builds its :class:`~hicache.engine.core.EngineCore` and runs :func:`follow`. Each step it
+builds its :class:`~hicache.engine.step.core.EngineCore` and runs :func:`follow`. Each step it
 takes rank 0's :class:`~hicache.engine.step_inputs.StepInputs` (a broadcast) and runs
-:meth:`EngineCore.step <hicache.engine.core.EngineCore.step>` over them. Its requests have
+:meth:`EngineCore.step <hicache.engine.step.core.EngineCore.step>` over them. Its requests have
 no client (outputs are rank 0's) and its scheduler takes rank 0's sampled tokens. The
 error policy: nothing recovers here alone; a step that raises, or an exchange with rank 0
 that fails or times out (rank 0 gone), ends this rank (exit code 1), as a
@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 
-from hicache.engine.build import build_core
 from hicache.engine.config import EngineConfig
-from hicache.engine.core import EngineCore, StepFailed, error_line
 from hicache.engine.ranks import (
     RankSetup,
     cpu_threads_per_rank,
@@ -30,6 +28,8 @@ from hicache.engine.ranks import (
     leave_group,
     rank_device,
 )
+from hicache.engine.step.build import build_core
+from hicache.engine.step.core import EngineCore, StepFailed, error_line
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.engine.batch import Chunk
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import Request
 from hicache.engine.sampling import sample_rows
+from hicache.engine.step.batch import Chunk
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Whether a request can be served, checked once: :func:`validate_request` makes the
 :class:`ValidRequest` that :meth:`Engine.submit_valid
-<hicache.engine.engine.Engine.submit_valid>` takes as it is (the server validates each of
+<hicache.engine.front.engine.Engine.submit_valid>` takes as it is (the server validates each of
 an HTTP request's sequences before it reserves queue places, then submits the records)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ValidRequest:
     """A request :func:`validate_request` found servable: the prompt's token ids, its
     sampling parameters, its ``cache_salt`` (tenant) and ``priority``, and on a
     prefill/decode instance its ``bootstrap`` room. Made only there (through
-    :meth:`Engine.validate <hicache.engine.engine.Engine.validate>`); submitted as it is,
+    :meth:`Engine.validate <hicache.engine.front.engine.Engine.validate>`); submitted as it is,
     never checked again."""
 
     prompt_ids: tuple[int, ...]
