@@ -155,7 +155,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         reclaimed=next(powers),
         parked=next(powers),
         open_rooms=next(powers),
-        held_pages=next(powers),
+        fenced_pages=next(powers),
     )
     seen: dict[float, list[str]] = {}
     for f in cache_families(snapshot):

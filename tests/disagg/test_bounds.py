@@ -440,7 +440,7 @@ def test_a_link_to_a_paused_prefill_stays_while_it_holds_rooms_then_retires() ->
             assert wait_for(lambda: bool(ends), 10.0)
             out = ends[0]
             assert out.error is not None and "did not answer" in out.error  # type: ignore[attr-defined]
-            # the room's pages stay held while the paused prefill may still write them,
+            # the room's pages stay fenced while the paused prefill may still write them,
             # so the link stays, resending the abort, until the prefill answers it
             time.sleep(0.5)
             assert decode.role.receiver.links == 1  # type: ignore[attr-defined]

@@ -3,7 +3,7 @@
 paused with SIGSTOP, a decode engine in this process.
 
 * The registration in the paused instance's socket: the decode half of a room fails after
-  the registration's bound, its pages held (not reused); two requests served by the
+  the registration's bound, its pages fenced (not reused); two requests served by the
   decode alone; once the prefill instance resumes it never answers 200 for the room, the
   held pages are freed, and the two requests, sent again (served from the decode's
   cache), equal a plain engine's.
@@ -72,15 +72,15 @@ def prefill_process(backend: str, port: int, slow: Any = None) -> Iterator[tuple
         here.close()
 
 
-def held_pages(decode: Engine) -> int:
-    return int(decode.call(lambda: decode.scheduler.ends.held_pages).result(timeout=30))
+def fenced_pages(decode: Engine) -> int:
+    return int(decode.call(lambda: decode.scheduler.ends.fenced_pages).result(timeout=30))
 
 
 def wait_settled(decode: Engine, within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
-    while held_pages(decode) and time.monotonic() < deadline:
+    while fenced_pages(decode) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert held_pages(decode) == 0, "the held pages were not freed once the prefill resumed"
+    assert fenced_pages(decode) == 0, "the fenced pages were not freed once the prefill resumed"
 
 
 def alone(decode: Engine) -> list[Any]:
@@ -90,10 +90,10 @@ def alone(decode: Engine) -> list[Any]:
 
 
 def given_up(decode: Engine, d: Any) -> list[Any]:
-    """The decode half ``d`` failed while the prefill is paused: its pages are held (out
+    """The decode half ``d`` failed while the prefill is paused: its pages are fenced (out
     of use, not freed), and the decode serves the two prompts alone meanwhile."""
     assert d.error is not None and "did not answer" in d.error, d.error
-    assert held_pages(decode) == len(ROOM_PROMPT) // 4
+    assert fenced_pages(decode) == len(ROOM_PROMPT) // 4
     return alone(decode)
 
 

@@ -59,7 +59,7 @@ class DisaggConfig:
     bound; ``health_interval_s`` and ``health_failures``, how often a decode
     instance checks its prefill instances and after how many failed checks in a row it
     fails their rooms; ``drain_timeout_s``, how long an aborted request waits for the
-    other side's acknowledgement before it ends (its pages then stay held, out of use,
+    other side's acknowledgement before it ends (its pages then stay fenced, out of use,
     until the acknowledgement: :mod:`hicache.disagg.receiver`); ``closed_room_ttl_s``, how long a closed room's
     number stays refused.
 

@@ -15,7 +15,7 @@ it, so there are never more than ``max_links`` link threads.
 
 *Idle* means the link holds nothing: no item posted and not yet handled, and no room it
 follows (:attr:`Link.busy`). A link that still holds a room (one registered, draining,
-or whose pages stay held until the prefill side confirms it closed) is never retired or
+or whose pages stay fenced until the prefill side confirms it closed) is never retired or
 replaced. Posting and retiring take the pool's lock, so an item is never posted to a link
 that is leaving: it goes to the link found under the lock, or to a new one.
 """

@@ -16,7 +16,7 @@ engine, applied as step inputs:
   still write it (the registration or the prefill instance did not answer within
   ``health_bound_s``, counted from the start of the first call it did not answer, or an
   abort was not acknowledged within ``drain_timeout_s``): the request ends with an error
-  now, but its pages stay *held* (out of use) until ``ended``;
+  now, but its pages stay *fenced* (out of use) until ``ended``;
 - ``ended(rid, error)``: no byte of the room can land any more, so its pages are free:
   the prefill side refused the registration, or closed the room (its sender closes a
   room only once no write of it can land), or acknowledged an abort (an unknown room is
@@ -93,7 +93,7 @@ class _Room:
     """Set once the engine aborted it: the room is given up at this ``time.monotonic()``
     unless the prefill side has closed it by then."""
     given_up: bool = False
-    """``failed`` was called: its pages are held until the room is settled (``ended``)."""
+    """``failed`` was called: its pages are fenced until the room is settled (``ended``)."""
     retry_at: float = 0.0
     """When to send its abort again (given up or draining)."""
 
@@ -305,7 +305,7 @@ class _Link:
                 # a bogus host, or nothing listens there: no prefill instance can read it
                 self.owner._call_ended(item.rid, _gone(exc))
                 return
-            # it may be in the prefill instance's socket, read later: held until settled
+            # it may be in the prefill instance's socket, read later: fenced until settled
             self.rooms[item.rid] = room
             self._give_up(room, exc.failure)
             return
@@ -325,7 +325,7 @@ class _Link:
         self._send_abort(room)
 
     def _give_up(self, r: _Room, why: str) -> None:
-        """The request fails now; its pages stay held until the room is settled."""
+        """The request fails now; its pages stay fenced until the room is settled."""
         if r.given_up:
             return
         r.given_up, r.why = True, why

@@ -163,7 +163,7 @@ class RoomEnded:
 @dataclass(frozen=True, slots=True)
 class RoomFailed:
     """Decode instance: request ``rid``'s room was given up (``error`` says why) while the
-    prefill instance may still write its pages: the request ends now, its pages *held*
+    prefill instance may still write its pages: the request ends now, its pages *fenced*
     (out of use) until a :class:`RoomEnded` of it says no write can land any more."""
 
     rid: str

@@ -136,10 +136,10 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         snap.open_rooms,
     )
     yield GaugeMetricFamily(
-        "hicache_pd_held_pages",
+        "hicache_pd_fenced_pages",
         "L1 pages of failed requests a decode instance keeps out of use until the prefill"
         " instance has acknowledged that none of their bytes can land any more",
-        snap.held_pages,
+        snap.fenced_pages,
     )
     yield GaugeMetricFamily(
         "hicache_num_admitted_reqs",

@@ -55,7 +55,7 @@ class EngineStats:
     cap, see :mod:`hicache.engine.step.scheduler`); ``parked``: requests a prefill/decode role
     holds while the other instance of their room does its half (:mod:`hicache.engine.role`);
     ``open_rooms``: a prefill instance's rooms not closed yet (:attr:`Role.open_rooms
-    <hicache.engine.role.Role.open_rooms>`); ``held_pages``: L1 pages of ended requests a decode instance keeps out of use while the
+    <hicache.engine.role.Role.open_rooms>`); ``fenced_pages``: L1 pages of ended requests a decode instance keeps out of use while the
     prefill instance may still write them (:meth:`RequestEnds.hold
     <hicache.engine.step.ends.RequestEnds.hold>`).
     ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
@@ -70,7 +70,7 @@ class EngineStats:
     reclaimed: int = 0
     parked: int = 0
     open_rooms: int = 0
-    held_pages: int = 0
+    fenced_pages: int = 0
     at: float = 0.0
 
 
@@ -146,7 +146,7 @@ def read_stats(cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> Engine
         reclaimed=scheduler.reclaimed,
         parked=len(scheduler.ends.parked),
         open_rooms=scheduler.role.open_rooms,
-        held_pages=scheduler.ends.held_pages,
+        fenced_pages=scheduler.ends.fenced_pages,
         at=time.monotonic(),
     )
 

@@ -9,7 +9,7 @@ The receiver (:mod:`hicache.disagg.receiver`) turns the room's end into a step i
 :class:`~hicache.engine.step_inputs.PagesArrived` (the scheduler commits the prompt and
 decodes from the first token on), :class:`~hicache.engine.step_inputs.RoomEnded` (the
 request fails, its pages freed: no write of the room can land any more) or
-:class:`~hicache.engine.step_inputs.RoomFailed` (the request fails now, its pages held out
+:class:`~hicache.engine.step_inputs.RoomFailed` (the request fails now, its pages fenced out
 of use until the room's ``RoomEnded``). A running request that is retracted (L1 full)
 is not parked again when it is admitted again: its room is spent (single use), and it
 resumes from what the cache kept of it (its prompt and the tokens it generated,

@@ -81,9 +81,9 @@ class RequestEnds:
         self.parked: dict[str, Request] = {}
         """``rid ->`` each request parked by the instance's role (see the module
         docstring), in the order parked."""
-        self.held: dict[str, Request] = {}
-        """``rid ->`` each ended request whose pages stay out of use because another
-        instance may still write them (:meth:`hold`), until :meth:`release_held`."""
+        self.fenced: dict[str, Request] = {}
+        """``rid ->`` each ended request whose pages are *fenced*: out of use because
+        another instance may still write them (:meth:`fence`), until :meth:`unfence`."""
         self.role = role
         """The instance's prefill/decode role (plain: no parking)."""
 
@@ -168,30 +168,30 @@ class RequestEnds:
         self.release(req)
         self.emit(req)
 
-    def hold(self, req: Request, why: str) -> None:
+    def fence(self, req: Request, why: str) -> None:
         """Parked ``req`` ends now with ``error`` = ``why`` (its final report), but its
-        pages are *held*: neither freed nor committed, as another instance may still
-        write them, until :meth:`release_held`."""
+        pages are *fenced*: neither freed nor committed, as another instance may still
+        write them, until :meth:`unfence`."""
         self.parked.pop(req.rid, None)
         req.leave_queue()
         req.error = req.error or why
         req.finish_reason = FinishReason.ABORT
-        self.held[req.rid] = req
+        self.fenced[req.rid] = req
         self.emit(req)
 
-    def release_held(self, rid: str) -> None:
-        """Held ``rid``'s pages can no longer be written from elsewhere: free them."""
-        req = self.held.pop(rid, None)
+    def unfence(self, rid: str) -> None:
+        """Fenced ``rid``'s pages can no longer be written from elsewhere: free them."""
+        req = self.fenced.pop(rid, None)
         if req is not None:
             self.release(req, keep_kv=False)
 
     @property
-    def held_pages(self) -> int:
-        """The L1 pages of the full KV that held requests keep out of use (their own,
+    def fenced_pages(self) -> int:
+        """The L1 pages of the full KV that fenced requests keep out of use (their own,
         past the prefix they share with the tree)."""
         return sum(
             len(r.cache.pages) - r.cache.prefix_pages
-            for r in self.held.values()
+            for r in self.fenced.values()
             if r.cache is not None
         )
 

@@ -259,8 +259,8 @@ class Scheduler:
         """Parked ``item.rid``'s room has ended: a prefill's request is released and
         reported (with ``item.error`` when its pages could not be sent); a decode's ends
         with that error, its pages freed (nothing it was promised can land any more)."""
-        if item.rid in self.ends.held:  # a decode's, failed earlier: its pages are free now
-            self.ends.release_held(item.rid)
+        if item.rid in self.ends.fenced:  # a decode's, failed earlier: its pages are free now
+            self.ends.unfence(item.rid)
             return
         req = self.ends.parked.get(item.rid)
         if req is None:
@@ -273,11 +273,11 @@ class Scheduler:
 
     def room_failed(self, item: RoomFailed) -> None:
         """Parked ``item.rid``'s room was given up while the prefill instance may still
-        write its pages: it ends now with ``item.error``, its pages held until its
+        write its pages: it ends now with ``item.error``, its pages fenced until its
         :class:`RoomEnded` (:meth:`RequestEnds.hold <hicache.engine.step.ends.RequestEnds.hold>`)."""
         req = self.ends.parked.get(item.rid)
         if req is not None:
-            self.ends.hold(req, item.error)
+            self.ends.fence(req, item.error)
 
     def _unpark(self, req: Request) -> None:
         """Parked ``req`` (nothing promised yet) goes back to the front of the queue; its
@@ -409,9 +409,9 @@ class Scheduler:
                 f" free, {held} held outside the tree (reserved, or loads in flight) and"
                 f" {cached} cached by the tree, of which {evictable} evictable"
             )
-        if self.ends.held:
+        if self.ends.fenced:
             why += (
-                f" ({self.ends.held_pages} of the held pages belong to failed rooms until"
+                f" ({self.ends.fenced_pages} of the held pages are fenced for failed rooms until"
                 " their prefill instance confirms that no write of them can land)"
             )
         self.ends.finish(
