@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.extras import KeptState, SequenceExtras
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
@@ -56,6 +55,7 @@ from hicache.runner.models.registry import (
     hybrid_config_from_hf,
 )
 from hicache.runner.recurrent_states import RecurrentStates
+from hicache.spec import AttentionKind, CacheSpec, KVSpec
 
 __all__ = ["ForwardBatch", "ModelRunner", "cache_spec_of", "kv_spec_from_hf_config"]
 

@@ -5,7 +5,7 @@ Every model the runner serves is a :class:`CachedModel`:
 
 - :meth:`CachedModel.cache_spec` declares what it caches per token: the full KV (the
   pool every attention layer, or every global one, reads) and one
-  :class:`~hicache.config.ComponentSpec` per extra component (a hybrid's sliding-window
+  :class:`~hicache.spec.ComponentSpec` per extra component (a hybrid's sliding-window
   layers, its recurrent-state snapshots, DeepSeek-V3.2's indexer keys). The cache builds
   one store per component from it.
 - :meth:`CachedModel.bind_pools` takes the full KV's L1 pool and the component pools the
@@ -30,10 +30,10 @@ from typing import Protocol
 
 import torch
 
-from hicache.config import CacheSpec, KVSpec
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, SlidingKV
 from hicache.runner.models.recurrent import RecurrentState, StateSpec
+from hicache.spec import CacheSpec, KVSpec
 
 __all__ = [
     "BoundPools",

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, PagedAttention
@@ -44,6 +43,7 @@ from hicache.runner.parallel import (
     gather_logits,
     shard_dims,
 )
+from hicache.spec import AttentionKind, CacheSpec, KVSpec
 
 __all__ = ["DecoderLM", "WeightLoadError", "build_model"]
 
