@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 
 from hicache.cache.components.records import ComponentRecords
-from hicache.cache.inspect import check_owned, component_usage
+from hicache.cache.pool_audit import check_owned, component_usage
 from hicache.cache.request import CacheRequest
 from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig
