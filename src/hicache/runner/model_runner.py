@@ -27,7 +27,9 @@ cache; a sequence whose cached prefix comes with a state is seeded from the cach
 (:meth:`ModelRunner.resume`). Such a model resumes only where the cache hands back a
 state: :attr:`ModelRunner.resumable_prefix` is False.
 
-Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
+Decode-only batches of a model that declares
+:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs` (a plain
+:class:`DecoderLM`) may run through CUDA graphs
 (:class:`~hicache.runner.decode_graphs.DecodeGraphs`, attached with
 :meth:`ModelRunner.use_decode_graphs` once they passed their probe,
 :mod:`hicache.engine.graph_setup`); every other batch runs eagerly.

@@ -17,6 +17,7 @@ embedding and one all-gather of the logits, so every rank ends with the same ful
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -93,6 +94,7 @@ class DecoderLM(nn.Module, CachedModel):
     """
 
     config: DecoderConfig
+    supports_decode_graphs: ClassVar[bool] = True
 
     def __init__(self, cfg: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
