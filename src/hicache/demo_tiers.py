@@ -16,8 +16,9 @@ from rich.table import Table
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.controller import page_tensor
+from hicache.spec import KVSpec
 
 console = Console()
 SPEC = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")

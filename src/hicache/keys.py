@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from hicache.config import DTYPES, AttentionKind, KVSpec, MemLayout
+from hicache.config import MemLayout
+from hicache.spec import DTYPES, AttentionKind, KVSpec
 from hicache.tokens import TOKEN_BYTES, TOKEN_ID_LIMIT, TokenIds, encode_tokens
 from hicache.validate import enum_value, int_at_least, is_int, require
 
@@ -104,7 +105,7 @@ class Namespace:
     the same latent; ``records="head"``, where a record holds one K/V head), and then
     ``tp_size`` is 1: such bytes do not depend on the tensor-parallel size either, so
     servers of any size share them; use :meth:`for_spec` to get that right from a
-    :class:`~hicache.config.KVSpec`. ``tenant_salt`` is the request's
+    :class:`~hicache.spec.KVSpec`. ``tenant_salt`` is the request's
     ``cache_salt`` (``""`` for none): different salts never share pages.
     """
 

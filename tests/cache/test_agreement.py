@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.agreement import (
     Agreement,
     LocalRecords,
@@ -24,6 +24,7 @@ from hicache.controller.agreement import (
 from hicache.controller.completions import L3Read
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
+from hicache.spec import KVSpec
 from hicache.storage.registry import create_storage
 
 

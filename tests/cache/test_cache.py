@@ -9,7 +9,8 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec, WritePolicy
+from hicache.config import CacheConfig, WritePolicy
+from hicache.spec import KVSpec
 from tests.helpers.kvdata import page_kv, read_device, serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")

@@ -17,8 +17,9 @@ import pytest
 from hicache.cache import CacheRequest, HiCache, RequestState
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.cache.request import CachedTokens
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig, WritePolicy
+from hicache.config import CacheConfig, PrefetchConfig, WritePolicy
 from hicache.keys import Namespace
+from hicache.spec import KVSpec
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import StorageOptions
 from tests.helpers.kvdata import (

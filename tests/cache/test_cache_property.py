@@ -20,8 +20,9 @@ from hypothesis.stateful import (
 
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.keys import Namespace
+from hicache.spec import CacheSpec, KVSpec
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.helpers.kvdata import serve
 

@@ -28,8 +28,14 @@ from hicache.cache.components.base import (
 )
 from hicache.cache.components.records import ComponentRecords
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import (
-    CacheConfig,
+from hicache.config import CacheConfig
+from hicache.engine.request import Request
+from hicache.engine.sampling import SamplingParams
+from hicache.extras import KeptState, SequenceExtras
+from hicache.memory.allocator import PageAllocator
+from hicache.metrics import ComponentUsage
+from hicache.runner.model_runner import ForwardBatch
+from hicache.spec import (
     CacheSpec,
     ComponentSpec,
     KVSpec,
@@ -37,12 +43,6 @@ from hicache.config import (
     SnapshotSpec,
     StateTensor,
 )
-from hicache.engine.request import Request
-from hicache.engine.sampling import SamplingParams
-from hicache.extras import KeptState, SequenceExtras
-from hicache.memory.allocator import PageAllocator
-from hicache.metrics import ComponentUsage
-from hicache.runner.model_runner import ForwardBatch
 from hicache.tree import TreeNode
 from hicache.tree.components import (
     ComponentValues,

@@ -10,10 +10,11 @@ import pytest
 
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.device_tier import DeviceTier
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.controller import write_rule
 from hicache.memory import DevicePool
 from hicache.metrics import CacheCounters
+from hicache.spec import KVSpec
 from hicache.tree import HiRadixTree
 from hicache.tree.components import ComponentValues, SlidingWindow, Tier
 from hicache.tree.node import PageIds

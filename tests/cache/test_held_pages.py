@@ -11,7 +11,8 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.held import held_pages
 from hicache.cache.request import CacheRequest, page_slots
-from hicache.config import CacheConfig, CacheSpec, IndexerSpec, KVSpec, SlidingWindowSpec
+from hicache.config import CacheConfig
+from hicache.spec import CacheSpec, IndexerSpec, KVSpec, SlidingWindowSpec
 
 FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
 SWA = SlidingWindowSpec(kv=KVSpec(num_layers=2, num_kv_heads=1, head_dim=2), window=4)

@@ -19,9 +19,10 @@ from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import IndexerStore
 from hicache.cache.components.indexer import INDEXER
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, CacheSpec, IndexerSpec, KVSpec, MemLayout, PrefetchConfig
+from hicache.config import CacheConfig, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
 from hicache.memory.layout import gather_pages
+from hicache.spec import CacheSpec, IndexerSpec, KVSpec
 from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from hicache.tree.node import TreeNode

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components.indexer import INDEXER
-from hicache.config import CacheSpec, IndexerSpec
+from hicache.spec import CacheSpec, IndexerSpec
 from tests.cache.test_cache_property import PAGE, SPEC, CacheMachine
 from tests.cache.test_load_faults_property import LoadFaultMachine
 from tests.helpers.indexer_keys import keys_buffer, token_key

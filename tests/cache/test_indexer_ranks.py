@@ -22,16 +22,10 @@ import torch
 import tests.helpers.rank_cache as rank_cache
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity, tree_digest
-from hicache.config import (
-    AttentionKind,
-    CacheConfig,
-    CacheSpec,
-    IndexerSpec,
-    KVSpec,
-    PrefetchConfig,
-)
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
+from hicache.spec import AttentionKind, CacheSpec, IndexerSpec, KVSpec
 from hicache.storage.base import ExistsRun
 from hicache.storage.registry import create_storage
 from hicache.tree.node import PageIds

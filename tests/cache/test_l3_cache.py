@@ -7,8 +7,9 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.keys import Namespace
+from hicache.spec import KVSpec
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.helpers.kvdata import page_kv, read_device, serve, write_tokens
 

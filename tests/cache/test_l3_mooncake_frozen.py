@@ -16,7 +16,8 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import KVSpec, PrefetchConfig
+from hicache.config import PrefetchConfig
+from hicache.spec import KVSpec
 from hicache.storage.base import StorageOptions
 from tests.helpers.kvdata import serve
 from tests.helpers.l3_cache import cache_over_l3

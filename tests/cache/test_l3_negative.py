@@ -11,8 +11,9 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.keys import Namespace
+from hicache.spec import KVSpec
 from hicache.storage.base import ExistsRun
 from hicache.storage.registry import create_storage
 from tests.helpers.kvdata import page_kv, read_device, serve, wait_ready

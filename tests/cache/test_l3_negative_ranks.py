@@ -15,9 +15,10 @@ from typing import Any
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity, tree_digest
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
+from hicache.spec import KVSpec
 from hicache.storage.registry import create_storage
 from tests.helpers.kvdata import serve, wait_ready
 from tests.helpers.rank_cache import drive

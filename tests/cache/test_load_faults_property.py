@@ -20,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from hicache.cache import CacheRequest, HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, CacheSpec, KVSpec
+from hicache.config import CacheConfig
+from hicache.spec import CacheSpec, KVSpec
 from hicache.tree.node import PageIds
 from tests.helpers.kvdata import (
     FailingBackups,

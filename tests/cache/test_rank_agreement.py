@@ -20,9 +20,10 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity, tree_digest
-from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace, page_keys
+from hicache.spec import CacheSpec, KVSpec
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, shared_store
 from hicache.storage.registry import create_storage
 from tests.helpers.kvdata import FailingLoads

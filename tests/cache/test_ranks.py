@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity, tree_digest
-from hicache.config import AttentionKind, CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
+from hicache.spec import AttentionKind, KVSpec
 from hicache.storage.registry import create_storage
 from hicache.tokens import encode_tokens
 from tests.helpers.rank_cache import drive

@@ -10,7 +10,8 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
+from hicache.spec import KVSpec
 from tests.helpers.kvdata import serve
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")

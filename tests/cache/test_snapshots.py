@@ -12,8 +12,9 @@ from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import SnapshotStore
 from hicache.cache.components.base import ChunkPlan
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, CacheSpec, KVSpec, SnapshotSpec, StateTensor
+from hicache.config import CacheConfig
 from hicache.extras import KeptState, SequenceExtras
+from hicache.spec import CacheSpec, KVSpec, SnapshotSpec, StateTensor
 from hicache.tree.components import Tier
 from tests.helpers.kvdata import page_kv, read_device, write_tokens
 

@@ -25,8 +25,9 @@ from hicache.cache import HiCache
 from hicache.cache.components import SnapshotStore
 from hicache.cache.components.records import agree_boundary
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, CacheSpec, MemLayout, PrefetchConfig
+from hicache.config import CacheConfig, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
+from hicache.spec import CacheSpec
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.tree import TreeNode
 from hicache.tree.components import Tier

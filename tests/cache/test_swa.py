@@ -19,7 +19,8 @@ from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import SwaStore
 from hicache.cache.components.swa import SWA, SlidingTable, check_swa_pool, request_pages
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, CacheSpec, KVSpec, SlidingWindowSpec
+from hicache.config import CacheConfig
+from hicache.spec import CacheSpec, KVSpec, SlidingWindowSpec
 from hicache.tree.components import Tier
 from tests.helpers.kvdata import LoadGates
 

@@ -22,8 +22,9 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, CacheSpec, MemLayout, PrefetchConfig
+from hicache.config import CacheConfig, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
+from hicache.spec import CacheSpec
 from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from tests.cache.test_swa import FULL, PAGE, SWA_SPEC, read_swa, serve_in_chunks, swa_of

@@ -12,11 +12,12 @@ import torch
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.host_tier import HostTier
 from hicache.cache.sync import CacheSync
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.controller import Record
 from hicache.controller.agreement import LocalRecords, Verdict, Vote
 from hicache.memory import DevicePool
 from hicache.metrics import CacheCounters
+from hicache.spec import KVSpec
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.components import Tier
 from hicache.tree.node import PageIds

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from hicache.config import KVSpec
 from hicache.disagg.transport import Span
 from hicache.memory.device_pool import DevicePool
+from hicache.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
 """2 layers x K and V x 2 heads x 4 floats: rows of 32 bytes."""

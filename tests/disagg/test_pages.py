@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.config import AttentionKind, KVSpec
 from hicache.disagg.pages import PoolGeometry, page_spans
 from hicache.disagg.transport import Region, Span
 from hicache.memory.device_pool import DevicePool
+from hicache.spec import AttentionKind, KVSpec
 
 MHA = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")  # row 32 bytes
 MLA = KVSpec(

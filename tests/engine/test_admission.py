@@ -18,12 +18,13 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.engine.admission import QueueFull, QueueGate
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import Scheduler, SchedulerConfig
 from hicache.keys import Namespace, PageKey
+from hicache.spec import KVSpec
 from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from hicache.storage.base import Deadline
 from hicache.storage.pageio import Payloads

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from hicache.config import AttentionKind, CacheConfig, MemLayout
+from hicache.config import CacheConfig, MemLayout
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import SchedulerConfig
+from hicache.spec import AttentionKind
 from tests.helpers.tier_walk import (
     assert_hits_storage,
     assert_idle,

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hicache.config import AttentionKind, CacheConfig, IndexerSpec
+from hicache.config import CacheConfig
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import SchedulerConfig
+from hicache.spec import AttentionKind, IndexerSpec
 from tests.helpers.tier_walk import assert_hits_storage, assert_idle, walk_tiers
 from tests.runner.models.deepseek_v32_fixtures import hf_greedy, prompt, v32_model
 

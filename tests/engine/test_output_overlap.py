@@ -17,11 +17,12 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import Scheduler, SchedulerConfig
+from hicache.spec import KVSpec
 from tests.helpers.engine_fixtures import engine_model, prompt_ids
 from tests.helpers.fake_runner import (
     NextTokenRunner,

@@ -17,13 +17,14 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.logits import TokenLogprob, adjust_logits, token_logprobs
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import InvalidRequest, SamplingParams, sample_rows
 from hicache.engine.step.output import OutputProcessor
 from hicache.engine.step.scheduler import Scheduler, SchedulerConfig
+from hicache.spec import KVSpec
 from tests.helpers.engine_fixtures import engine_model, hf_logits, prompt_ids
 from tests.helpers.fake_runner import MISS, VOCAB, NextTokenRunner, SpaceTokenizer, client, step
 

@@ -13,9 +13,10 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.spec import KVSpec
 from tests.helpers.fake_runner import client, step
 from tests.helpers.fake_runner import make_scheduler as make
 from tests.helpers.fake_runner import run_until_idle as run

@@ -19,7 +19,7 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
-from hicache.config import AttentionKind, CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap
 from hicache.disagg.layout import InstanceLayout, Registration, StoreLayout
 from hicache.disagg.pages import PoolGeometry
@@ -28,6 +28,7 @@ from hicache.engine.roles.decode import DecodeRole
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import PagesArrived
+from hicache.spec import AttentionKind, KVSpec
 from tests.helpers.fake_runner import client, make_scheduler, step
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")

@@ -12,7 +12,7 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.components import IndexerStore
-from hicache.config import IndexerSpec
+from hicache.spec import IndexerSpec
 
 
 def token_key(spec: IndexerSpec, tokens: Sequence[int], pos: int) -> torch.Tensor:

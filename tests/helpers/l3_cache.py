@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.keys import Namespace
+from hicache.spec import KVSpec
 from hicache.storage.base import StorageOptions
 from hicache.storage.registry import create_storage
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.config import AttentionKind, CacheConfig, KVSpec, MemLayout
+from hicache.config import CacheConfig, MemLayout
 from hicache.memory import (
     AllocatorError,
     DevicePool,
@@ -17,6 +17,7 @@ from hicache.memory import (
     PageAllocator,
     check_host_memory,
 )
+from hicache.spec import AttentionKind, KVSpec
 
 MHA = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32")
 MLA = KVSpec(

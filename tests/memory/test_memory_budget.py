@@ -20,8 +20,9 @@ import torch
 
 import hicache.memory.base as pool_base
 import hicache.memory.budget as budget
-from hicache.config import CacheConfig, KVSpec, MemLayout
+from hicache.config import CacheConfig, MemLayout
 from hicache.memory import DevicePool, HostPool, PoolSizeError, check_pool_sizes
+from hicache.spec import KVSpec
 
 SPEC = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 """SmolLM2-135M's KV shape: 23,040 bytes per token."""

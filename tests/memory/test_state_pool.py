@@ -7,15 +7,9 @@ import hashlib
 import pytest
 import torch
 
-from hicache.config import (
-    CacheConfig,
-    KVSpec,
-    MemLayout,
-    SlidingWindowSpec,
-    SnapshotSpec,
-    StateTensor,
-)
+from hicache.config import CacheConfig, MemLayout
 from hicache.memory import DevicePool, HostPool, StatePool
+from hicache.spec import KVSpec, SlidingWindowSpec, SnapshotSpec, StateTensor
 from hicache.transfer import (
     DirectStateCopier,
     KernelStateCopier,

@@ -16,10 +16,10 @@ import dataclasses
 
 import pytest
 
-from hicache.config import IndexerSpec, SlidingWindowSpec
 from hicache.memory import DevicePool
 from hicache.runner import ModelRunner
 from hicache.runner.models.cached import CachedModel
+from hicache.spec import IndexerSpec, SlidingWindowSpec
 from tests.helpers.engine_fixtures import engine_model
 
 PAGE = 4

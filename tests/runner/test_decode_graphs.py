@@ -53,6 +53,7 @@ from hicache.runner.decode_graphs import DecodeGraphs, decode_buckets, table_wid
 from hicache.runner.loader import load_model
 from hicache.runner.model_runner import ForwardBatch
 from hicache.runner.models import DecoderLM
+from hicache.runner.models.cached import CachedModel
 from tests.helpers.engine_fixtures import (
     SKIPPED_RESCALE,
     broken_kernel,
@@ -322,6 +323,19 @@ def test_setup_refuses_clearly_and_keeps_the_runner_eager() -> None:
     kw["probe_pages"] = probe
     got = enable_decode_graphs(runner, capture=False, **kw)  # type: ignore[arg-type]
     assert not got.enabled and got.reason is not None and "hybrid" in got.reason
+
+
+def test_only_the_plain_decoder_declares_decode_graphs() -> None:
+    """The graphs' gates read the model's declaration
+    (:attr:`CachedModel.supports_decode_graphs`): every family is a subclass of the
+    contract, and the plain decoder alone declares it."""
+
+    def families(cls: type[CachedModel]) -> list[type[CachedModel]]:
+        return [f for s in cls.__subclasses__() for f in (s, *families(s))]
+
+    found = families(CachedModel)
+    assert len(found) >= 8, [f.__name__ for f in found]
+    assert [f for f in found if f.supports_decode_graphs] == [DecoderLM]
 
 
 def test_a_probe_that_disagrees_turns_graphs_off_with_a_warning(

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import KVSpec
 from hicache.engine import SamplingParams, make_generator, sample
 from hicache.memory import DevicePool
 from hicache.runner import (
@@ -29,6 +28,7 @@ from hicache.runner.models import (
     inverse_frequencies,
 )
 from hicache.runner.models.attention import AttentionContext
+from hicache.spec import KVSpec
 from tests.helpers.engine_fixtures import (
     TINY,
     engine_model,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.heads import HeadSplit
 from hicache.keys import (
     HEAD_RECORDS,
@@ -19,6 +19,7 @@ from hicache.keys import (
     previous_page_key,
 )
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import MemoryStorage, MemoryStore
 from hicache.storage.headio import StageCache
 from hicache.storage.record import HEADER_SIZE, encode_record

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import (
     KEY_PREFIX,
     KEY_SPEC_VERSION,
@@ -25,6 +25,7 @@ from hicache.keys import (
     previous_page_key,
     token_fingerprint,
 )
+from hicache.spec import KVSpec
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "l3-keys.md"
 

@@ -7,11 +7,12 @@ import argparse
 
 import pytest
 
-from hicache.config import KVSpec, PrefetchConfig
+from hicache.config import PrefetchConfig
 from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.config import EngineConfig
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.server.args import add_engine_args, engine_config_from_args, flag_message
+from hicache.spec import KVSpec
 from hicache.storage.negative import NegativeCache
 
 

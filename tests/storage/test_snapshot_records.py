@@ -19,9 +19,10 @@ import pytest
 import torch
 import xxhash
 
-from hicache.config import IOBackend, MemLayout, SnapshotSpec, StateTensor
+from hicache.config import IOBackend, MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory.state_pool import StatePool
+from hicache.spec import SnapshotSpec, StateTensor
 from hicache.storage import MissReason
 from hicache.storage.backends.memory import MemoryStorage
 from hicache.storage.base import HiCacheStorage

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import HiCacheStorage, StorageConfig, create_storage
 from hicache.storage.backends.aibrix_client import block_bytes_for, root_listing_version
 from hicache.storage.backends.aibrix_config import AibrixConfig

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.services import free_port
+from hicache.spec import KVSpec
 from hicache.storage import HiCacheStorage, StorageError, StorageOptions, create_storage
 from tests.helpers.services import start_mooncake
 from tests.helpers.storage_fixtures import require_nixl

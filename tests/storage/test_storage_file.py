@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import StorageError, StorageOptions, create_storage
 from hicache.storage.backends import file as file_mod
 from hicache.storage.backends.file import FileStorage

@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, page_keys
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import MemoryStorage, MemoryStore, SetOutcome
 from hicache.storage.backends.memory import MemoryFaults
 from hicache.storage.heal import REPLACEABLE, BadRecords

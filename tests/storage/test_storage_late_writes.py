@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import (
     MemoryFaults,
     MemoryStorage,

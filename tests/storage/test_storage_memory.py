@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import MemoryFaults, MemoryStorage, MemoryStore, StorageOptions, create_storage
 from hicache.storage.backends.memory import shared_store
 from hicache.storage.record import encode_record

@@ -16,10 +16,11 @@ import sys
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, page_keys
 from hicache.memory import HostPool
 from hicache.services.mooncake_process import MooncakeProcess
+from hicache.spec import KVSpec
 from hicache.storage import StorageOptions, create_storage
 from hicache.storage.arena import ArenaPool
 from hicache.storage.backends.mooncake import MooncakeStorage

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, page_keys
 from hicache.memory import HostPool
 from hicache.services.redis import RedisServer
+from hicache.spec import KVSpec
 from hicache.storage import SetOutcome, StorageOptions, create_storage
 from hicache.storage.backends import redis as redis_mod
 from hicache.storage.record import HEADER_SIZE, encode_record

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from hicache.cache.report import cache_stats
-from hicache.config import KVSpec, MemLayout, PrefetchConfig
+from hicache.config import MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
 from hicache.memory import HostPool
+from hicache.spec import KVSpec
 from hicache.storage import StorageOptions
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.stats import LATENCY_BUCKETS_S, OPS

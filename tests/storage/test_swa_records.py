@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import IOBackend, KVSpec, MemLayout
+from hicache.config import IOBackend, MemLayout
 from hicache.keys import Namespace, page_keys
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.base import KVPool
+from hicache.spec import KVSpec
 from hicache.storage.backends.memory import MemoryStorage
 from hicache.storage.base import HiCacheStorage
 from hicache.storage.record import HEADER_SIZE

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
+from hicache.spec import KVSpec
 from hicache.transfer import KernelCopier
 from hicache.transfer.blocks import MIN_SPLIT_BYTES, BlockPlan, copy_blocks, copy_layers
 from hicache.transfer.workers import copy_threads, host_busy, run_steps, serial_torch_threads

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import AttentionKind, IOBackend, KVSpec, MemLayout
+from hicache.config import IOBackend, MemLayout
 from hicache.memory import DevicePool, HostPool
+from hicache.spec import AttentionKind, KVSpec
 from hicache.transfer import (
     Completion,
     DirectCopier,

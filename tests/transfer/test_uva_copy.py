@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.memory import DevicePool, HostPool
+from hicache.spec import KVSpec
 from hicache.transfer.rows import row_ids, rows
 
 pytest.importorskip("triton")

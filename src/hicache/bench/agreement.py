@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hicache.config import CacheConfig, KVSpec, PrefetchConfig, PrefetchPolicy
+from hicache.config import CacheConfig, PrefetchConfig, PrefetchPolicy
 from hicache.keys import Namespace
 from hicache.services.process import free_port
+from hicache.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2

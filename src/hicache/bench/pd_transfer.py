@@ -37,9 +37,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from hicache.bench.report import print_table, write_json
-from hicache.config import KVSpec
 from hicache.disagg.config import TransferBackend
 from hicache.memory.device_pool import DevicePool
+from hicache.spec import KVSpec
 
 __all__ = ["Figure", "main", "run"]
 

@@ -59,12 +59,13 @@ from hicache.bench.raw_clients import (
     RawRedis,
 )
 from hicache.bench.report import write_json
-from hicache.config import DTYPES, KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.heads import HeadSplit
 from hicache.keys import HEAD_RECORDS, RECORDS, Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
+from hicache.spec import DTYPES, KVSpec
 from hicache.storage.backends.aibrix_config import AibrixConfig
 from hicache.storage.base import HiCacheStorage, StorageOptions
 from hicache.storage.registry import create_storage

@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hicache.bench.report import write_json
-from hicache.config import IOBackend, KVSpec, MemLayout
+from hicache.config import IOBackend, MemLayout
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import advise_huge_pages
+from hicache.spec import KVSpec
 from hicache.transfer import PageCopier, make_copier
 
 __all__ = ["BenchRun", "main", "run_one"]

@@ -15,7 +15,7 @@
 * :mod:`~hicache.cache.components`: the component stores (sliding window, state
   snapshots, the DSA indexer) behind one contract, and the list a cache holds;
 * :mod:`~hicache.cache.report`: stats, integrity check and digest of a whole cache
-  (:mod:`~hicache.cache.inspect` holds their per-part pieces);
+  (:mod:`~hicache.cache.pool_audit`: one pool's use and ownership check);
 * :mod:`~hicache.cache.held`: the L1 pages a request holds in each store (a transfer's
   seam).
 

@@ -4,7 +4,7 @@ It holds the request verbs below and :meth:`HiCache.sync`, over the tree and the
 stores: first the full KV (:class:`~hicache.cache.full_kv.FullKVStore`, :attr:`HiCache.full`:
 its L1 and L2 halves, the layer-wise load back, and the page-level API tests and tools
 use), then one component store per extra component of its
-:class:`~hicache.config.CacheSpec` (:mod:`hicache.cache.components`); and the optional
+:class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`); and the optional
 L3 tier, attached and detached through a :class:`~hicache.cache.storage_slot.StorageSlot`.
 All methods run on the owner's thread; worker threads only move bytes and post records
 to one completion queue, owned by the cache's :class:`~hicache.cache.sync.CacheSync`,
@@ -49,13 +49,14 @@ from hicache.cache.request import CacheRequest, RequestState
 from hicache.cache.storage_slot import StorageSlot
 from hicache.cache.storage_tier import StorageTier
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
-from hicache.config import CacheConfig, CacheSpec, KVSpec, PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller import write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
 from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
+from hicache.spec import CacheSpec, KVSpec
 from hicache.storage.base import HiCacheStorage
 from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
@@ -71,7 +72,7 @@ class HiCache(Lifecycle):
     With ``config.enable_hierarchical_cache`` false there is no L2: the tree is a plain
     radix cache over L1 and eviction drops nodes.
 
-    ``spec``: what the model caches (:class:`~hicache.config.CacheSpec`, the model side
+    ``spec``: what the model caches (:class:`~hicache.spec.CacheSpec`, the model side
     produces it), or a plain :class:`KVSpec` for a full-KV-only model. Each of its
     components gets a store (:mod:`hicache.cache.components`) of the type in
     ``store_types`` that takes its spec; :attr:`spec` is the full KV's shape (the global

@@ -33,10 +33,11 @@ from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier
 from hicache.cache.request import CachedTokens, CacheRequest
 from hicache.cache.sync import CacheSync
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.controller.policy import WriteRule
 from hicache.memory import DevicePool, HostPool, check_pool_sizes
 from hicache.metrics import CacheCounters
+from hicache.spec import KVSpec
 from hicache.transfer import LayerProgress
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, TreeNode
 from hicache.tree.components import ComponentValues, Tier

@@ -49,11 +49,12 @@ import torch
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.request import CacheRequest
 from hicache.cache.sync import CacheSync
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
 from hicache.controller import CacheController, Record
 from hicache.controller.agreement import LocalRecords, Verdict, Vote
 from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters
+from hicache.spec import KVSpec
 from hicache.transfer import Completion, LayerProgress
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.components import Tier

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from hicache.config import DTYPES
 from hicache.disagg.transport import Region, Span
+from hicache.spec import DTYPES
 from hicache.validate import int_at_least, is_int, require
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class PoolGeometry:
     K and V, 1 for a latent); ``layers``: L; ``slots``: S token slots (a multiple of
     ``page_size``); ``row_bytes``: bytes of one slot of one kind in one layer
     (``H * D * itemsize``); ``page_size``: tokens per page; ``dtype``: the element type's
-    name (one of :data:`hicache.config.DTYPES`); ``cuda``/``device``: device memory of
+    name (one of :data:`hicache.spec.DTYPES`); ``cuda``/``device``: device memory of
     CUDA device ``device``, else host RAM.
     """
 

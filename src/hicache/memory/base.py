@@ -1,7 +1,7 @@
 """The contract shared by the device (L1) and host (L2) pools.
 
 A pool is one preallocated tensor ``buffer`` holding ``num_pages`` pages of ``page_size``
-tokens of a :class:`~hicache.config.KVSpec`, plus a :class:`PageAllocator` over its pages.
+tokens of a :class:`~hicache.spec.KVSpec`, plus a :class:`PageAllocator` over its pages.
 Page lists are 1-D integer tensors (CPU preferred); page ``p`` holds token slots
 ``[p * page_size, (p + 1) * page_size)``.
 """
@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.layout import gather_pages, scatter_pages, torch_dtype
+from hicache.spec import KVSpec
 from hicache.validate import int_at_least
 
 __all__ = ["KVPool", "PageList", "check_pages", "check_sizes", "row_words"]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from hicache.config import CacheConfig, KVSpec
+from hicache.config import CacheConfig
+from hicache.spec import KVSpec
 
 __all__ = [
     "DEVICE_FLAGS",

@@ -6,11 +6,12 @@ import math
 
 import torch
 
-from hicache.config import AttentionKind, KVSpec, MemLayout
+from hicache.config import MemLayout
 from hicache.memory.base import KVPool, check_sizes
 from hicache.memory.budget import DEVICE_FLAGS, check_fits, pool_bytes
 from hicache.memory.hugepages import advise_huge_pages
 from hicache.memory.layout import buffer_shape
+from hicache.spec import AttentionKind, KVSpec
 
 __all__ = ["DevicePool"]
 

@@ -16,11 +16,12 @@ import math
 
 import torch
 
-from hicache.config import CacheConfig, KVSpec, MemLayout
+from hicache.config import CacheConfig, MemLayout
 from hicache.memory.base import KVPool, check_sizes
 from hicache.memory.budget import HOST_FLAGS, MEMORY_FRACTION, check_fits, pool_bytes
 from hicache.memory.hugepages import advise_huge_pages
 from hicache.memory.layout import buffer_shape
+from hicache.spec import KVSpec
 
 __all__ = ["HOST_RAM_FRACTION", "HostPool", "check_host_memory"]
 

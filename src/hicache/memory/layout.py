@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache.config import KVSpec, MemLayout
+from hicache.config import MemLayout
+from hicache.spec import KVSpec
 
 __all__ = [
     "TORCH_DTYPES",
@@ -38,7 +39,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a :data:`hicache.config.DTYPES` name."""
+    """The torch dtype of a :data:`hicache.spec.DTYPES` name."""
     try:
         return TORCH_DTYPES[name]
     except KeyError:

@@ -1,6 +1,6 @@
 """State pools: fixed-size slots of recurrent-layer state (Mamba2, Gated DeltaNet), L1 and L2.
 
-A slot holds one snapshot: every tensor of a :class:`~hicache.config.SnapshotSpec` in every
+A slot holds one snapshot: every tensor of a :class:`~hicache.spec.SnapshotSpec` in every
 recurrent layer. A pool has one preallocated buffer per state tensor and a
 :class:`~hicache.memory.allocator.PageAllocator` over its slots (slot ids are "pages" of
 one snapshot each).
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from hicache.config import MemLayout, SnapshotSpec
+from hicache.config import MemLayout
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.base import PageList, check_pages
 from hicache.memory.budget import DEVICE_FLAGS, HOST_FLAGS, check_fits, pool_bytes
 from hicache.memory.layout import torch_dtype
+from hicache.spec import SnapshotSpec
 from hicache.validate import int_at_least
 
 __all__ = ["StatePool", "state_buffer_shape"]

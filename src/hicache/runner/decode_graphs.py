@@ -1,4 +1,6 @@
-"""CUDA graphs for decode-only batches of a plain :class:`DecoderLM`, one per batch bucket.
+"""CUDA graphs for decode-only batches of a model that declares
+:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs` (the plain
+:class:`~hicache.runner.models.decoder.DecoderLM`), one per batch bucket.
 
 A decode step of a small model is launch-bound: ~100 kernel launches per layer cost more
 CPU time than the GPU spends on them. A CUDA graph records one bucket's forward once and
@@ -67,7 +69,7 @@ import torch
 
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, DecodeGather
-from hicache.runner.models.decoder import DecoderLM
+from hicache.runner.models.cached import CachedModel
 
 __all__ = ["DecodeGraphs", "decode_buckets", "table_width_for"]
 
@@ -103,7 +105,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DecoderLM,
+        model: CachedModel,
         pool: DevicePool,
         *,
         scratch_page: int,
@@ -111,7 +113,7 @@ class DecodeGraphs:
         table_width: int,
         buckets: Sequence[int] | None = None,
     ) -> None:
-        if not isinstance(model, DecoderLM):
+        if not model.supports_decode_graphs:
             raise ValueError(
                 f"CUDA graphs serve a plain DecoderLM (Llama / Qwen2 / Qwen3), not"
                 f" {type(model).__name__}: hybrids carry recurrent state or sliding-window pools"
@@ -227,7 +229,8 @@ class DecodeGraphs:
     def _step(self, bs: int) -> None:
         """What bucket ``bs``'s graph records: the forward over the first ``bs`` buffer
         rows, logits into ``self.logits[:bs]``."""
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._contexts[bs])
+        ctx = self._contexts[bs]
+        hidden = self.model.forward_batch(self.input_ids[:bs], self.positions[:bs], ctx).hidden
         self.logits[:bs].copy_(self.model.compute_logits(hidden))
 
     def _stage(

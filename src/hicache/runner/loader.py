@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hicache.config import DTYPES
 from hicache.memory import torch_dtype
 from hicache.runner.checkpoints import offline, resolve_checkpoint
 from hicache.runner.models import DecoderConfig, DecoderLM, build_model
@@ -29,6 +28,7 @@ from hicache.runner.models.registry import (
     hybrid_config_from_hf,
 )
 from hicache.runner.parallel import Narrowable, TPGroup
+from hicache.spec import DTYPES
 from hicache.validate import require
 
 if TYPE_CHECKING:

@@ -27,7 +27,9 @@ cache; a sequence whose cached prefix comes with a state is seeded from the cach
 (:meth:`ModelRunner.resume`). Such a model resumes only where the cache hands back a
 state: :attr:`ModelRunner.resumable_prefix` is False.
 
-Decode-only batches of a plain :class:`DecoderLM` may run through CUDA graphs
+Decode-only batches of a model that declares
+:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs` (a plain
+:class:`DecoderLM`) may run through CUDA graphs
 (:class:`~hicache.runner.decode_graphs.DecodeGraphs`, attached with
 :meth:`ModelRunner.use_decode_graphs` once they passed their probe,
 :mod:`hicache.engine.step.graph_setup`); every other batch runs eagerly.
@@ -41,7 +43,6 @@ from typing import Any
 
 import torch
 
-from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.extras import KeptState, SequenceExtras
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
@@ -56,6 +57,7 @@ from hicache.runner.models.registry import (
     hybrid_config_from_hf,
 )
 from hicache.runner.recurrent_states import RecurrentStates
+from hicache.spec import AttentionKind, CacheSpec, KVSpec
 
 __all__ = ["ForwardBatch", "ModelRunner", "cache_spec_of", "kv_spec_from_hf_config"]
 

@@ -168,8 +168,8 @@ def uva_usable(device: torch.device) -> bool:
 
 def _probe(device: torch.device) -> bool:
     """One small load and backup through :func:`copy_pages`, compared with index copies."""
-    from hicache.config import KVSpec
     from hicache.memory import DevicePool, HostPool
+    from hicache.spec import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16")
     dev = DevicePool(spec, 4, 2, device)

@@ -19,7 +19,6 @@ import dataclasses
 import pytest
 import torch
 
-from hicache.config import AttentionKind
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import (
     ForwardBatch,
@@ -38,6 +37,7 @@ from hicache.runner.models.rope import (
     softmax_scale_factor,
 )
 from hicache.runner.parallel import TPGroup
+from hicache.spec import AttentionKind
 from tests.helpers.engine_fixtures import paged_batch, slots_for
 from tests.helpers.numerics import order_bound
 from tests.runner.models.deepseek_fixtures import (

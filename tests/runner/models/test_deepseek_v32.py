@@ -17,10 +17,10 @@ import dataclasses
 import pytest
 import torch
 
-from hicache.config import IndexerSpec
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import ForwardBatch, ModelRunner, cache_spec_of
 from hicache.runner.models.deepseek_v32 import DeepseekV32Config, DeepseekV32LM, DsaAttention
+from hicache.spec import IndexerSpec
 from tests.helpers.engine_fixtures import paged_batch, slots_for
 from tests.helpers.numerics import order_bound
 from tests.runner.models.deepseek_v32_fixtures import TOPK, hf_logits, hf_twin, prompt, v32_model

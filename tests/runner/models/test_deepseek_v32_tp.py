@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from hicache.config import IndexerSpec
 from hicache.memory import DevicePool
 from hicache.runner.loader import load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.runner.models.deepseek_v32 import DeepseekV32LM
 from hicache.runner.parallel import TPGroup
+from hicache.spec import IndexerSpec
 from tests.helpers.ranks import run_ranks
 from tests.runner.models.deepseek_v32_fixtures import checkpoint, hf_logits, prompt
 from tests.runner.models.test_deepseek_v32 import A_PAGES, B_PAGES, PAGE, TOL, batch

@@ -16,7 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from hicache.config import IndexerSpec
 from hicache.memory import DevicePool
 from hicache.runner.models.config import RopeConfig
 from hicache.runner.models.dsa_indexer import (
@@ -26,6 +25,7 @@ from hicache.runner.models.dsa_indexer import (
     sparse_mask,
 )
 from hicache.runner.models.rope import RotaryEmbedding
+from hicache.spec import IndexerSpec
 from tests.helpers.numerics import order_bound
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import SlidingWindowSpec
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import ModelRunner
@@ -27,6 +26,7 @@ from hicache.runner.models.decoder import WeightLoadError
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
 from hicache.runner.models.registry import build_hybrid_model
 from hicache.runner.parallel import TPGroup
+from hicache.spec import SlidingWindowSpec
 from tests.helpers.numerics import order_bound
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tp_batches import checkpoint_tensors, paged_batch, paged_slots

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.config import SnapshotSpec
 from hicache.memory import DevicePool
 from hicache.runner.model_runner import kv_spec_from_hf_config
 from hicache.runner.models import AttentionContext
@@ -35,6 +34,7 @@ from hicache.runner.models.qwen3_next import Qwen3NextConfig
 from hicache.runner.models.recurrent import RecurrentState
 from hicache.runner.models.registry import build_hybrid_model, check_tensor_parallel
 from hicache.runner.parallel import TPGroup
+from hicache.spec import SnapshotSpec
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tp_batches import checkpoint_tensors
 from tests.runner.models.hybrid_fixtures import PAGE, hf_logits, hybrid_model, prompt, slots_for

@@ -7,8 +7,8 @@ stores over their own page pools, one module per implementation:
 :mod:`.records` the L3 codec contract; :mod:`.stores` the list a cache holds.
 
 :data:`STORE_TYPES` is the list the cache builds its stores from: one store per
-:class:`~hicache.config.ComponentSpec` of the model's
-:class:`~hicache.config.CacheSpec`, of the type whose ``spec_type`` the spec is. A new
+:class:`~hicache.spec.ComponentSpec` of the model's
+:class:`~hicache.spec.CacheSpec`, of the type whose ``spec_type`` the spec is. A new
 component is a spec, a store module, and an entry here.
 """
 

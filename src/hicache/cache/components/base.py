@@ -28,7 +28,7 @@ Tier hooks: :meth:`ComponentStore.back_up` (the full KV of a run reached L2),
 :meth:`ComponentStore.check` (ownership, integrity), :meth:`ComponentStore.usage`, and
 :meth:`ComponentStore.records` (the L3 codec).
 
-A store is built from its :class:`~hicache.config.ComponentSpec` subclass and a
+A store is built from its :class:`~hicache.spec.ComponentSpec` subclass and a
 :class:`StoreContext`; :data:`hicache.cache.components.STORE_TYPES` lists the store types
 and picks one per spec by :attr:`ComponentStore.spec_type`.
 """
@@ -44,14 +44,15 @@ from typing import ClassVar
 import torch
 
 from hicache.cache.components.records import ComponentRecords
-from hicache.cache.inspect import check_owned, component_usage
+from hicache.cache.pool_audit import check_owned, component_usage
 from hicache.cache.request import CacheRequest
 from hicache.cache.sync import CacheSync
-from hicache.config import CacheConfig, ComponentSpec, KVSpec
+from hicache.config import CacheConfig
 from hicache.extras import SequenceExtras
 from hicache.memory import DevicePool
 from hicache.memory.allocator import PageAllocator
 from hicache.metrics import ComponentUsage
+from hicache.spec import ComponentSpec, KVSpec
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.components import ComponentValues, Tier, TreeComponent
 from hicache.tree.node import PageIds

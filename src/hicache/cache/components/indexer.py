@@ -53,10 +53,10 @@ from hicache.cache.components.base import (
 from hicache.cache.components.paged import PagedStore, ids_tensor
 from hicache.cache.components.records import ComponentRecords, RecordWrites
 from hicache.cache.request import CacheRequest, SlotTable
-from hicache.config import ComponentSpec, IndexerSpec
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.allocator import PageAllocator
 from hicache.metrics import CacheCounters, ComponentUsage
+from hicache.spec import ComponentSpec, IndexerSpec
 from hicache.tree import TreeNode
 from hicache.tree.components import IndexerKeys, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from hicache.cache.components.base import ComponentStore, StoreContext
-from hicache.config import KVSpec
 from hicache.memory import DevicePool, HostPool
+from hicache.spec import KVSpec
 from hicache.transfer import PageCopier, make_copier
 from hicache.tree.components import Tier
 from hicache.tree.node import PageIds

@@ -48,11 +48,12 @@ from hicache.cache.components.base import (
 )
 from hicache.cache.components.records import ComponentRecords, RecordWrites
 from hicache.cache.request import CacheRequest
-from hicache.config import CacheConfig, ComponentSpec, KVSpec, SnapshotSpec
+from hicache.config import CacheConfig
 from hicache.extras import KeptState, SequenceExtras
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.state_pool import StatePool
 from hicache.metrics import CacheCounters, ComponentUsage
+from hicache.spec import ComponentSpec, KVSpec, SnapshotSpec
 from hicache.transfer.state import make_state_copier
 from hicache.tree import TreeNode
 from hicache.tree.components import ComponentValues, MambaState, Tier, TreeComponent

@@ -1,7 +1,7 @@
 """The component stores of one cache, as one list the facade loops over.
 
 A hybrid model's cache keeps, besides full KV, one store per
-:class:`~hicache.config.ComponentSpec` of its :class:`~hicache.config.CacheSpec` (say
+:class:`~hicache.spec.ComponentSpec` of its :class:`~hicache.spec.CacheSpec` (say
 sliding-window K/V, or recurrent-state snapshots), each with its own L1 (and L2) pools.
 :class:`ComponentStores` builds them from the spec (by each store type's ``spec_type``)
 and runs every hook on each in turn, so the facade names no component: a full-attention
@@ -17,10 +17,10 @@ from typing import TypeVar
 from hicache.cache.components.base import ChunkPlan, ComponentStore, StoreContext
 from hicache.cache.components.records import ComponentRecords
 from hicache.cache.request import CacheRequest
-from hicache.config import CacheSpec, ComponentSpec
 from hicache.extras import SequenceExtras
 from hicache.memory import DevicePool
 from hicache.metrics import ComponentUsage
+from hicache.spec import CacheSpec, ComponentSpec
 from hicache.tree import TreeNode
 from hicache.tree.components import ComponentValues, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids

@@ -63,10 +63,11 @@ from hicache.cache.components.base import (
 from hicache.cache.components.paged import PagedStore, ids_tensor
 from hicache.cache.components.records import ComponentRecords, RecordWrites
 from hicache.cache.request import CacheRequest, SlotTable, page_slots
-from hicache.config import CacheConfig, ComponentSpec, KVSpec, SlidingWindowSpec
+from hicache.config import CacheConfig
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.allocator import PageAllocator
 from hicache.metrics import CacheCounters, ComponentUsage
+from hicache.spec import ComponentSpec, KVSpec, SlidingWindowSpec
 from hicache.tree import TreeNode
 from hicache.tree.components import ComponentValues, SlidingWindow, Tier, TreeComponent
 from hicache.tree.node import PageIds, page_ids

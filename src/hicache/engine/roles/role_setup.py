@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Callable
 
 from hicache.cache import HiCache
-from hicache.config import AttentionKind
 from hicache.disagg.backends import make_transport
 from hicache.disagg.bootstrap import BootstrapServer, PrefillRooms
 from hicache.disagg.config import DisaggConfig, DisaggMode
@@ -36,6 +35,7 @@ from hicache.engine.roles.prefill import PrefillRole
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed, StepInput
 from hicache.runner.loader import LoadedModel
 from hicache.runner.model_runner import ModelRunner
+from hicache.spec import AttentionKind
 
 __all__ = ["start_role"]
 

@@ -1,7 +1,8 @@
 """Turning CUDA graphs for decode on: eligibility, scratch page, capture, probe, attach.
 
 :func:`enable_decode_graphs` attaches :class:`~hicache.runner.decode_graphs.DecodeGraphs`
-to a runner only when they can serve it (a plain :class:`DecoderLM`, the Triton attention
+to a runner only when they can serve it (a model that declares
+:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs`, the Triton attention
 backend, no SWA pool; CUDA to capture) and only after a **probe**: a real small batch,
 run padded in the smallest bucket that holds it and in the largest, must give the logits
 of the eager forward with the **SDPA** attention backend (per row, relative L2 error
@@ -37,7 +38,6 @@ from hicache.runner.decode_graphs import DecodeGraphs, table_width_for
 from hicache.runner.kernels import AttentionBackend
 from hicache.runner.kernels.probe import KEY_BLOCK
 from hicache.runner.model_runner import ForwardBatch, ModelRunner
-from hicache.runner.models.decoder import DecoderLM
 
 __all__ = [
     "PROBE_KEYS",
@@ -94,7 +94,7 @@ class GraphSetup:
 
 def unsupported_reason(runner: ModelRunner, *, capture: bool) -> str | None:
     """Why decode graphs cannot serve ``runner`` (None when they can)."""
-    if not isinstance(runner.model, DecoderLM):
+    if not runner.model.supports_decode_graphs:
         return (
             f"{type(runner.model).__name__} is a hybrid model (recurrent state or"
             " sliding-window pools); graphs serve plain Llama / Qwen2 / Qwen3 decoders"
@@ -183,7 +183,6 @@ def enable_decode_graphs(
         reason = f"the probe needs {needed} free L1 pages, got {len(probe_pages)}"
     if reason is not None:
         return GraphSetup(enabled=False, reason=reason)
-    assert isinstance(runner.model, DecoderLM)
     t0 = time.perf_counter()
     error: float | None = None
     try:

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hicache.cache import HiCache
-from hicache.cache.inspect import tree_digest
+from hicache.cache.report import tree_digest
 from hicache.engine.request import Request
 from hicache.memory import DevicePool, HostPool, StatePool
 from hicache.tree.components import Tier
@@ -32,10 +32,10 @@ from hicache.tree.node import common_prefix_bytes
 def rank_state_digest(
     cache: HiCache, waiting: Iterable[Request], running: Iterable[Request]
 ) -> str:
-    """SHA-256 (hex) of the tree of ``cache`` (:func:`~hicache.cache.inspect.tree_digest`,
+    """SHA-256 (hex) of the tree of ``cache`` (:func:`~hicache.cache.report.tree_digest`,
     exact: page ids and clocks included) and the requests ``waiting`` and ``running``
     (each in order): equal on two ranks exactly when they hold the same state."""
-    h = hashlib.sha256(tree_digest(cache.full.tree, exact=True).encode())
+    h = hashlib.sha256(tree_digest(cache, exact=True).encode())
     for kind, reqs in (("W", waiting), ("R", running)):
         for req in reqs:
             out = ",".join(str(int(i)) for i in req.output_ids)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hicache.config import DTYPES, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, engine_page_key
+from hicache.spec import DTYPES
 
 __all__ = [
     "LAYOUT_FAMILY",
@@ -114,7 +115,7 @@ def sglang_namespace(
     """The namespace of one SGLang KV host pool (see the module docstring).
 
     Raises ValueError naming the layout or the dtype when this integration cannot store
-    the pool's pages (``MHA_LAYOUTS`` / ``MLA_LAYOUTS``; dtypes ``hicache.config.DTYPES``).
+    the pool's pages (``MHA_LAYOUTS`` / ``MLA_LAYOUTS``; dtypes ``hicache.spec.DTYPES``).
     """
     allowed = MLA_LAYOUTS if shard.rank_replicated else MHA_LAYOUTS
     kind = "MLA" if shard.rank_replicated else "MHA"

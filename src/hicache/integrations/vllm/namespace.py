@@ -8,7 +8,7 @@ keeps exactly that, and :func:`vllm_namespace` pins it in a hicache
 :class:`~hicache.keys.Namespace`:
 
 - ``model`` (vLLM's model name, or the tier's ``hicache_model``), ``weights_fingerprint``,
-  ``kv_dtype`` (vLLM's KV dtype; one of :data:`hicache.config.DTYPES`, others refused),
+  ``kv_dtype`` (vLLM's KV dtype; one of :data:`hicache.spec.DTYPES`, others refused),
   ``layout`` ``page_first`` (a chunk's bytes lie together; their exact order is vLLM's),
   ``page_size`` = tokens per chunk (``tokens_per_hash * blocks_per_chunk``),
   ``tp_size`` 1 / ``tp_rank`` None (one row holds the bytes of every worker, so no rank
@@ -37,8 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.config import DTYPES, MemLayout
+from hicache.config import MemLayout
 from hicache.keys import Namespace, PageKey, engine_page_key
+from hicache.spec import DTYPES
 
 __all__ = [
     "ENGINE",
@@ -178,7 +179,7 @@ def vllm_namespace(
     """The namespace of the chunks ``layout`` describes (see the module docstring).
 
     ``model`` overrides vLLM's model name. Raises ValueError naming the dtype when hicache
-    cannot store it (:data:`hicache.config.DTYPES`; vLLM's fp8 KV caches are refused).
+    cannot store it (:data:`hicache.spec.DTYPES`; vLLM's fp8 KV caches are refused).
     """
     if layout.dtype not in DTYPES:
         raise ValueError(

@@ -5,7 +5,7 @@ Every model the runner serves is a :class:`CachedModel`:
 
 - :meth:`CachedModel.cache_spec` declares what it caches per token: the full KV (the
   pool every attention layer, or every global one, reads) and one
-  :class:`~hicache.config.ComponentSpec` per extra component (a hybrid's sliding-window
+  :class:`~hicache.spec.ComponentSpec` per extra component (a hybrid's sliding-window
   layers, its recurrent-state snapshots, DeepSeek-V3.2's indexer keys). The cache builds
   one store per component from it.
 - :meth:`CachedModel.bind_pools` takes the full KV's L1 pool and the component pools the
@@ -17,6 +17,8 @@ Every model the runner serves is a :class:`CachedModel`:
   (empty for a model without any); the runner carries that state between forwards.
 - :meth:`CachedModel.forward_batch` runs one forward to a :class:`ModelOutput` and
   :meth:`CachedModel.compute_logits` projects hidden states to logits.
+- :attr:`CachedModel.supports_decode_graphs` declares whether its decode-only batches may
+  run through CUDA graphs (:mod:`hicache.runner.decode_graphs`).
 
 The runner calls nothing else, so it names no model family and no component.
 """
@@ -26,14 +28,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
-from hicache.config import CacheSpec, KVSpec
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, SlidingKV
 from hicache.runner.models.recurrent import RecurrentState, StateSpec
+from hicache.spec import CacheSpec, KVSpec
 
 __all__ = [
     "BoundPools",
@@ -158,6 +160,12 @@ class CachedModel(ABC):
     ``nn.Module``."""
 
     config: ModelShape
+
+    supports_decode_graphs: ClassVar[bool] = False
+    """Whether decode-only batches may run through CUDA graphs
+    (:class:`~hicache.runner.decode_graphs.DecodeGraphs`): the forward reads and writes the
+    full KV's pool only, through the attention context alone (no component pool, no
+    state carried between forwards). The plain decoder declares it; the hybrids do not."""
 
     @property
     @abstractmethod

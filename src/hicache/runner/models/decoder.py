@@ -17,11 +17,11 @@ embedding and one all-gather of the logits, so every rank ends with the same ful
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from hicache.config import AttentionKind, CacheSpec, KVSpec
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext, PagedAttention
@@ -44,6 +44,7 @@ from hicache.runner.parallel import (
     gather_logits,
     shard_dims,
 )
+from hicache.spec import AttentionKind, CacheSpec, KVSpec
 
 __all__ = ["DecoderLM", "WeightLoadError", "build_model"]
 
@@ -93,6 +94,7 @@ class DecoderLM(nn.Module, CachedModel):
     """
 
     config: DecoderConfig
+    supports_decode_graphs: ClassVar[bool] = True
 
     def __init__(self, cfg: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hicache.config import AttentionKind, KVSpec
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.config import HybridRopeConfig, UnsupportedModelError, check_split
 from hicache.runner.models.deepseek_mla import MlaAttention, MlaSpec
@@ -41,6 +40,7 @@ from hicache.runner.models.layers import RMSNorm
 from hicache.runner.models.recurrent import RecurrentContext
 from hicache.runner.models.rope import RotaryEmbedding, softmax_scale_factor
 from hicache.runner.parallel import TPGroup
+from hicache.spec import AttentionKind, KVSpec
 
 __all__ = ["DEEPSEEK_FAMILIES", "DeepseekConfig", "DeepseekLM"]
 

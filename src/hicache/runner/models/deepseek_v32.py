@@ -11,7 +11,7 @@ the MLA to the ``index_topk`` tokens it selects (``MlaAttention``'s ``key_masks`
 The indexer is replicated on every tensor-parallel rank (its projections are small and
 its keys must be the same everywhere, like the latent), so each rank selects the same
 tokens for its heads. Its cache spec (:meth:`DeepseekV32LM.cache_spec`) adds the
-indexer's :class:`~hicache.config.IndexerSpec`; the model needs the indexer's L1 pool
+indexer's :class:`~hicache.spec.IndexerSpec`; the model needs the indexer's L1 pool
 among those it is bound to (:meth:`DeepseekV32LM.bind_pools`).
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from hicache.config import CacheSpec, IndexerSpec
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
 from hicache.runner.models.cached import BoundPools
@@ -33,6 +32,7 @@ from hicache.runner.models.deepseek import DeepseekConfig, DeepseekLayer, Deepse
 from hicache.runner.models.deepseek_mla import MlaAttention, MlaSpec
 from hicache.runner.models.dsa_indexer import DsaIndexer, IndexerShape, read_keys, write_keys
 from hicache.runner.parallel import TPGroup
+from hicache.spec import CacheSpec, IndexerSpec
 
 __all__ = ["DSA_FAMILY", "DeepseekV32Config", "DeepseekV32LM", "DsaAttention"]
 

@@ -44,7 +44,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from hicache.config import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
 from hicache.heads import HeadSplit
 from hicache.memory import DevicePool
 from hicache.runner.models.attention import AttentionContext
@@ -73,6 +72,7 @@ from hicache.runner.parallel import (
     row_pieces,
     shard_dims,
 )
+from hicache.spec import AttentionKind, CacheSpec, ComponentSpec, KVSpec, SlidingWindowSpec
 
 __all__ = [
     "ATTENTION_KINDS",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hicache.config import SnapshotSpec, StateTensor
+from hicache.spec import SnapshotSpec, StateTensor
 
 __all__ = [
     "RecurrentContext",
