@@ -6,11 +6,9 @@ moves the page's ``page_size`` rows of ``H x D`` values as integer words (byte-e
 any pair of layouts. Row addressing (as in :mod:`hicache.transfer.rows`): the row of kind
 ``k``, page ``p``, layer ``l``, offset ``j`` is ``k * RK + p * RP + l * RL + j * RJ``, with
 ``K`` kinds, ``L`` layers, ``S`` slots, ``P`` pages of ``ps`` tokens:
-
-- ``layer_first``: ``RK = L * S``, ``RP = ps``, ``RL = S``, ``RJ = 1``;
-- ``page_first``: ``RK = S * L``, ``RP = ps * L``, ``RL = 1``, ``RJ = L``;
-- ``page_first_direct``: ``RK = P * L * ps``, ``RP = L * ps``, ``RL = ps``, ``RJ = 1``.
-
+``layer_first`` ``RK = L * S``, ``RP = ps``, ``RL = S``, ``RJ = 1``; ``page_first``
+``RK = S * L``, ``RP = ps * L``, ``RL = 1``, ``RJ = L``; ``page_first_direct``
+``RK = P * L * ps``, ``RP = L * ps``, ``RL = ps``, ``RJ = 1``.
 On CUDA the host side must be pinned; :func:`uva_usable` checks once per device, by a probe
 copy compared byte for byte, that the kernel runs there (a copier falls back to its DMA
 path otherwise). With ``TRITON_INTERPRET=1`` it also runs on CPU tensors (the tests).
