@@ -1,30 +1,17 @@
 """The L3 page-key spec: chained SHA-256 over page tokens under a namespace digest.
 
-See ``docs/l3-keys.md`` for the normative text and test vectors. In short (spec version 3):
-
-- The :class:`Namespace` pins everything that changes a page's bytes or who may read it:
-  model name and weights fingerprint, KV dtype, host layout, page size, tensor-parallel size
-  and rank (omitted for MLA, where every rank holds the same latent, and for MHA head
-  records, where each record holds one K/V head whatever the TP size), how a page is split
-  into records (``records``: ``"page"`` or ``"head"``), the cache component, and a tenant
-  salt. Its canonical encoding is compact, key-sorted ASCII JSON that includes
-  ``"spec": 3``; its *digest* is the SHA-256 of that encoding (32 bytes).
-- Page ``i`` (1-based) of a token sequence gets ``h_i = sha256(h_{i-1} || tokens_i)`` with
-  ``h_0`` = the namespace digest and ``tokens_i`` the page's ``page_size`` token ids as
-  unsigned 32-bit little-endian integers. The key string is ``"hc3-" + hex(h_i)``.
-- Under a ``"head"`` namespace, page ``i``'s K/V head ``j`` (model numbering) is the record
-  ``h_ij = sha256(h_i || b"kv_head" || u32le(j))`` (:func:`head_key`); the page key ``h_i``
-  itself names no record, it is the logical key the cache works with.
-- A component's record (a recurrent-state snapshot at the end of page ``i``, component
-  ``"mamba"``; page ``i``'s sliding-window KV, component ``"swa"``) is keyed like page ``i`` under the same namespace with that ``component``:
-  its chain starts at another digest, so it commits to the whole prefix too
-  (:meth:`Namespace.with_component`).
-- Only whole pages are keyed; a partial tail page never gets a key.
-- Each :class:`PageKey` also carries a *token fingerprint*, the first 8 bytes of
-  ``sha256(tokens_i)``, stored in the L3 record header to catch a record stored under the
-  wrong key.
-
-This module is pure: no torch, no threads, no IO.
+``docs/l3-keys.md`` is the normative text, with test vectors. In short (spec version 3):
+the :class:`Namespace` pins everything that changes a page's bytes or who may read it
+(model and weights fingerprint, KV dtype, host layout, page size, TP size and rank, the
+latter omitted for MLA and for MHA head records, ``records`` ``"page"`` or ``"head"``, the
+component, a tenant salt); its digest is the SHA-256 (32 bytes) of its compact, key-sorted
+ASCII JSON encoding, which includes ``"spec": 3``. Page ``i`` (1-based) gets ``h_i =
+sha256(h_{i-1} || tokens_i)``, ``h_0`` the namespace digest, tokens as u32 little-endian;
+the key is ``"hc3-" + hex(h_i)``. Under ``"head"`` records, head ``j`` of page ``i`` is
+``sha256(h_i || b"kv_head" || u32le(j))`` (:func:`head_key`). A component's record is keyed
+like its page under the namespace with that component (:meth:`Namespace.with_component`).
+Only whole pages are keyed. Each :class:`PageKey` carries a token fingerprint (the first 8
+bytes of ``sha256(tokens_i)``) for the record header. Pure: no torch, no threads, no IO.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Per-component memory and hit figures of a running engine's cache, for the benchmarks.
 
-A hybrid model's cache keeps one *component* per kind of layer state, named as the cache
-names them (:class:`~hicache.metrics.ComponentUsage`):
-
-* ``full``: K/V of every cached token in the full-attention (global) layers;
-* ``swa``: K/V of the sliding-window layers, in their own L1/L2 pools; only the window
-  before each cached boundary and each live sequence's last ``window`` tokens are held;
-* ``mamba``: one recurrent-state snapshot per cached boundary (Mamba2, Gated DeltaNet).
-
-:func:`component_figures` is the one place that reads memory figures: it takes them from
-``cache_stats(cache).components`` (:mod:`hicache.cache.report`) and adds each component's nominal size (its store's
-``nominal()``), so a component the cache starts exposing appears in every bench that
-reports components. :class:`ComponentHitProbe` reads the cache's counts, per admission
-that reused a prefix, of whether the hit's values of each component (an SWA window, a
-snapshot) were in L1 already or had to be copied from L2 (``ComponentStores.component_hits``).
-
-Units: bytes per cached token (B/token, over the tokens whose full KV is in L1); pool
-usage in the pool's own unit (``pages`` of ``page_size`` tokens for KV pools, ``slots`` of
-one snapshot for state pools); hits in admissions.
+Components as the cache names them (:class:`~hicache.metrics.ComponentUsage`): ``full``
+(K/V of the full-attention layers), ``swa`` (sliding-window K/V in its own pools: the
+window before each cached boundary and each live sequence's last ``window`` tokens),
+``mamba`` (one recurrent-state snapshot per cached boundary). :func:`component_figures` is
+the one place that reads memory figures (``cache_stats(cache).components`` plus each
+store's ``nominal()``), so a new component appears in every bench that reports them;
+:class:`ComponentHitProbe` reads ``ComponentStores.component_hits`` (per admission, whether
+each component's hit values were in L1 or copied from L2). Units: bytes per cached token
+(over the tokens whose full KV is in L1); pool usage in ``pages`` (KV pools) or ``slots``
+(state pools); hits in admissions.
 """
 
 from __future__ import annotations

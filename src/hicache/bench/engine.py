@@ -1,22 +1,14 @@
 """``hicache bench engine``: the engine's model runner next to transformers, in one run.
 
-Two measurements on the same checkpoint, dtype and device, each the best of ``--repeat``:
-
-* **prefill**: one forward of a ``--prefill-tokens`` prompt. Ours: :class:`ModelRunner` over
-  a fresh paged L1 pool (K/V written into pages, as a request's prefill). Theirs:
-  ``model(input_ids, use_cache=False)``.
-* **decode**: ``--decode-seqs`` sequences of ``--decode-context`` tokens, then
-  ``--decode-steps`` greedy steps of one token each. Ours: one runner forward per step
-  over the pool (the prefill is not timed), one row per ``--attention-backends`` entry. Theirs: ``generate`` with a static cache,
-  timed as ``generate(steps + 1) - generate(1)`` so its prefill cancels out. With
-  ``--cuda-graphs``, each backend that resolves to ``triton`` gets a second decode row
-  whose steps replay CUDA graphs (:mod:`hicache.runner.decode_graphs`, captured for
-  buckets up to ``--decode-seqs`` before the timed runs, after their probe); where they
-  cannot be used (not CUDA, the probe failed), the reason is printed instead.
-
-The ratio column is transformers' time over ours (> 1: the engine is faster). Figures are
-seconds, milliseconds per step (a decode step: one token of every sequence) and tokens/s;
-``--json PATH`` writes them.
+On the same checkpoint, dtype and device, each the best of ``--repeat``: **prefill** (one
+forward of a ``--prefill-tokens`` prompt: :class:`ModelRunner` over a fresh paged L1 pool
+against ``model(input_ids, use_cache=False)``) and **decode** (``--decode-seqs`` sequences
+of ``--decode-context`` tokens, ``--decode-steps`` greedy steps: one runner forward per step
+and ``--attention-backends`` entry, plus CUDA-graph rows with ``--cuda-graphs``, against
+``generate`` with a static cache, timed as ``generate(steps + 1) - generate(1)``). The ratio
+is transformers' time over ours (> 1: the engine is faster). Units: seconds, ms per decode
+step (one token of every sequence), tokens/s; ``--json PATH`` writes them. The method in
+full: ``docs/benchmarks/engine.md``.
 """
 
 from __future__ import annotations

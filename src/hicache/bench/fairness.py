@@ -1,34 +1,15 @@
 """``hicache bench fairness``: small requests beside one wide, long request.
 
-Workload (one engine in this process, ``--model-path``, the server's default batching:
-``--max-running-requests`` 32): one client request of ``--wide-n`` copies (default 64) of
-a ``--wide-prompt``-token prompt, each generating ``--wide-tokens`` tokens (end of
-sequence ignored), sent as the server sends ``n`` copies: the first copy, then the others
-once it has its first token, all in one group. Once the wide request runs, a stream of
-``--num-small`` small requests (a ``--small-prompt``-token prompt of their own, 2 output
-tokens) arrives, one every ``--small-interval`` seconds, each its own group. When every
-small request and every wide copy has finished, the cache is flushed.
-
-Configs: ``off`` is the behaviour before fair admission (``fcfs``, no group rule:
-``max_running_requests_per_group=0``); ``on`` is the default (``fcfs``, a group's cap is
-half the running slots, the group holding fewest goes first, and idle slots are lent past
-the cap and taken back when another group's request waits); ``lpm`` is ``on`` with
-``--schedule-policy lpm``; ``strict`` is ``on`` with a cap that does not lend
-(``lend_idle_slots=False``: the first fair admission). Each config's engine is built once; the workload runs
-``--repeats`` times per config, in alternating order (A B, B A, ...:
-:func:`hicache.bench.pairs.alternating_order`), so the machine's drift cancels in the
-pair ratios (each config against ``off`` in the same repetition).
-
-Figures per run: the small requests' TTFT p50 and p99 (seconds, the engine's: from
-arrival at the engine to the first token), their wait in **steps** (the engine's forwards
-from a small request's arrival to its first token, 1 at best: independent of the
-machine's speed), the wide request's output throughput from its first copy's arrival to
-its last copy's end (``--wide-n`` x ``--wide-tokens`` / that time: what the group rule
-costs the wide request; under ``strict`` it decodes at most half the slots' copies at a
-time), the same in **steps** (the engine's forwards from the wide request's arrival to its
-last copy's end: machine-independent, like the small requests' wait), and the wide copies
-retracted to give a lent slot back (``Scheduler.reclaimed``).
-``--json PATH`` writes every run and the pair ratios.
+One engine in this process (the server's default batching): one request of ``--wide-n``
+copies of a ``--wide-prompt``-token prompt, ``--wide-tokens`` tokens each, sent as the
+server sends ``n`` copies (one group), then ``--num-small`` small requests (each its own
+group) one every ``--small-interval`` s. Configs: ``off`` (no group rule), ``on`` (the
+default: a group's cap is half the running slots, idle slots lent), ``lpm`` and ``strict``
+(a cap that does not lend); ``--repeats`` runs per config in alternating order, ratios
+against ``off`` in the same repetition. Figures per run: the small requests' TTFT p50 /
+p99 (s, the engine's) and wait in engine steps, the wide request's output throughput
+(tokens/s) and span in steps, and the copies retracted to give a lent slot back. The
+method in full: ``docs/benchmarks/fairness.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """``hicache bench full-hit``: TTFT of a prompt wholly cached in L2 or L3, against an ideal.
 
-In process (no server): one :class:`~hicache.engine.front.engine.Engine` with L1, L2 and the
-``file`` L3 backend (a temp dir; prefetch policy ``wait_complete``). For each of
-``--repeat`` fresh prompts of ``--tokens`` random token ids, ``max_tokens=1``, greedy:
-
-1. **cold**: nothing cached;
-2. **L1 hit**: the same prompt again right away (prefix in L1);
-3. **L2 hit**: wait for copies, evict all of L1 (``cache.flush()``,
-   ``cache.full.evict_device(10**9)`` on the engine thread), the same prompt again;
-4. **L3 hit**: wait for copies (L2 -> L3 written), ``flush_cache()`` (L1 and L2 emptied),
-   the same prompt again.
-
-TTFT is the engine's own (request submitted -> first token sampled), in seconds.
-Ideals, measured in the same run:
-
-- L2: ``KV bytes / copy bandwidth + TTFT(L1 hit)``, where the copy bandwidth is that of
-  one contiguous ``torch`` ``copy_`` of the same number of bytes (host -> the engine's
-  device; RAM -> RAM on a CPU-only host), and the L1-hit TTFT stands for the prefill of the
-  tokens that are not cached (at most one page) plus the first decode;
-- L3: ``KV bytes / raw read bandwidth + TTFT(L1 hit)``, where the raw read bandwidth is
-  that of plain ``open`` / ``readinto`` of the same bytes, one file per page, in the same
-  directory's file system (hot in the page cache, as the backend's files are).
-
-``ratio = measured / ideal`` (1.0 = ideal; the target for L2 is <= 1.5). Each figure is
-the median over the repeats.
+In process: one :class:`~hicache.engine.front.engine.Engine` with L1, L2 and the ``file``
+L3 (prefetch ``wait_complete``). Each of ``--repeat`` fresh prompts of ``--tokens`` ids
+(``max_tokens=1``, greedy) runs cold, then as an L1 hit, an L2 hit (L1 evicted) and an L3
+hit (L1 and L2 flushed). Units: TTFT in s (the engine's: submitted -> first token), the
+median over the repeats. Ideals, measured in the same run: ``KV bytes / bandwidth +
+TTFT(L1 hit)``, the bandwidth that of one contiguous ``copy_`` (L2) or of plain ``open`` /
+``readinto`` of the same bytes in the same file system (L3); ``ratio = measured / ideal``
+(target for L2: <= 1.5). The method in full: ``docs/benchmarks/full-hit.md``.
 """
 
 from __future__ import annotations

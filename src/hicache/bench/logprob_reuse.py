@@ -1,21 +1,14 @@
 """``hicache bench logprob-reuse``: a multiple-choice log-likelihood workload with the cache
 on and off (issue 27).
 
-lm-eval's multiple-choice tasks send one request per choice, ``context + choice``, and read
-the prompt logprobs of the choice's tokens (``logprob_start_len = len(context)``,
-``max_tokens=1``). In process (no server), two engines on the same model: **on** (the
-radix cache) and **off** (``disable_radix_cache``: every prompt computed whole, what such
-a request cost before issue 27). ``--questions`` contexts of about ``--context`` tokens
-(English text, each its own), ``--choices`` short answers each, sent one request at a time
-in question order, greedy. The modes alternate for ``--rounds`` rounds in one sitting (the
-cache is emptied before each "on" round, so each round starts cold).
-
-Reported per mode (medians over the rounds): wall time of the workload and the process's
-CPU time over it (every thread; on a shared host the wall time also holds what other
-processes took, the CPU time does not), prompt tokens,
-prompt tokens computed (prompt - cached) and served by the cache; and between the modes:
-the largest difference of a choice's log-likelihood (the sum of its tokens' logprobs),
-of a token's logprob, and whether every question picks the same choice (argmax).
+lm-eval's multiple-choice tasks send one request per choice, ``context + choice``, reading
+the choice's prompt logprobs (``logprob_start_len = len(context)``, ``max_tokens=1``). Two
+engines in process: **on** (the radix cache) and **off** (``disable_radix_cache``), over
+``--questions`` contexts of about ``--context`` tokens with ``--choices`` answers each, one
+request at a time, alternating for ``--rounds`` rounds (each "on" round starts cold).
+Reported per mode (medians): wall and CPU time (s), prompt tokens computed and cached; and
+between modes: the largest log-likelihood and logprob differences and whether every
+question picks the same choice. The method in full: ``docs/benchmarks/logprob-reuse.md``.
 """
 
 from __future__ import annotations

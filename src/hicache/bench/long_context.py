@@ -1,20 +1,14 @@
 """``hicache bench long-context``: long shared documents, many questions (the LooGLE pattern).
 
-Workload: ``--num-docs`` documents of ``--context-length`` token ids each are asked
-``--questions-per-doc`` questions of ``--question-length`` ids; every request's prompt is
-document + question (ids uniform in ``[1000, 30000)``, seeded), greedy, streamed,
-``max_tokens = --output-length``. ``--order interleave`` (default) asks question 1 of every
-document, then question 2 of every document, ...; ``--order doc`` asks all questions of
-a document in a row. ``--max-parallel`` requests are in flight at once, started in that
-order (``--request-rate``: Poisson pacing, req/s).
-
-Two phases run the same requests: phase 1 on an empty cache; then ``POST /flush_cache``
-(L1 and L2 emptied, L3 kept); phase 2, where a document can only come from L3 (if the
-config has one) or be recomputed. TTFT, throughput and hit rates are defined as in
-:mod:`hicache.bench.multiturn` and reported per config and per phase.
-
-L1 holds about a quarter of the working set (documents + every question and answer),
-and at least one request; L2 holds the working set with 50% to spare.
+``--num-docs`` documents of ``--context-length`` ids are asked ``--questions-per-doc``
+questions of ``--question-length`` ids (prompt = document + question, seeded ids in ``[1000,
+30000)``, greedy, streamed), in ``--order interleave`` (question 1 of every document, then
+2, ...) or ``doc`` order, ``--max-parallel`` in flight (``--request-rate``: Poisson, req/s).
+Phase 1 on an empty cache, then ``POST /flush_cache`` (L1 and L2 emptied, L3 kept), then
+phase 2 with the same requests. L1 holds about a quarter of the working set (at least
+one request), L2 all of it with 50% to spare. TTFT (s), throughput (tokens/s) and hit
+rates as in :mod:`hicache.bench.multiturn`, per config and phase. The method:
+``docs/benchmarks/serving.md``.
 """
 
 from __future__ import annotations

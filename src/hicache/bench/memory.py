@@ -1,20 +1,14 @@
 """``hicache bench memory``: does the server give memory back after a peak?
 
-Starts ``hicache serve`` (the default model on CPU unless told otherwise; extra
-``--serve-flag`` values go to it), sends one small warm-up request and reads the server's
-resident set (``VmRSS`` of ``/proc/PID/status``): *post-start*. Then, ``--rounds`` times:
-a burst of ``--concurrency`` requests at once, each ``/v1/completions`` with ``n``,
-``logprobs`` and ``max_tokens`` (half of them streamed, half not, as clients do), while a
-sampler reads the RSS every :data:`SAMPLE_S`; once every response is in, the server is
-left alone and its RSS read ``--idle-wait`` seconds later (*idle-after*: past the engine's
-first trim, a second after it went idle) and ``--late-read`` seconds later (*late*: past
-its follow-up trim, ``--memory-trim-interval`` after the first). The round's *peak* is the
-highest sample. Figures are MiB (2**20 bytes); *kept* is late minus post-start, what the
-peak left behind.
-
-Linux only (``/proc``). To compare two builds, run the same command under each (say, a
-worktree of the base commit on ``PYTHONPATH``): the server is a subprocess of the same
-Python with the same environment.
+Starts ``hicache serve`` (extra ``--serve-flag`` values go to it), warms it up and reads its
+resident set (``VmRSS``): *post-start*. Then ``--rounds`` bursts of ``--concurrency``
+``/v1/completions`` requests (``n``, ``logprobs``, half streamed) while a sampler reads the
+RSS every :data:`SAMPLE_S` (the round's *peak*); then *idle-after* (``--idle-wait`` s later,
+past the engine's first trim) and *late* (``--late-read`` s later, past its follow-up trim).
+Units: MiB (2**20 bytes); *kept* = late - post-start, what the peak left behind. Linux only
+(``/proc``). To compare two builds, run the same command under each (the server is a
+subprocess of the same Python and environment). The method in full:
+``docs/benchmarks/memory.md``.
 """
 
 from __future__ import annotations

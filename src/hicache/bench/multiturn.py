@@ -1,81 +1,17 @@
 """``hicache bench multiturn``: multi-turn conversations over HTTP, under each cache config.
 
-Workload: ``--num-clients`` clients each hold a conversation of ``--num-rounds`` rounds.
-Round r sends the conversation so far plus a new user turn of ``--request-length`` token
-ids, through ``POST /v1/completions`` with ``prompt`` as a list of ids (so lengths are
-exact), greedy, streamed, ``max_tokens = --output-length``; with ``--api generate``
-through SGLang's native ``POST /generate`` with ``input_ids`` instead (same figures),
-which SGLang's router ``smg`` forwards (its own ``/v1/completions`` takes text only):
-``--url http://SMG`` then benchmarks the servers behind smg. Every request carries the
-admin key (``$HICACHE_ADMIN_API_KEY``) as its bearer token, so an smg started with
-``--api-key`` set to it (and the servers with ``--admin-api-key``) accepts the requests
-and fans ``/flush_cache`` out; smg's ``/metrics`` is on another port, so the server's
-own TTFT column is empty through smg. The history then gets a
-**synthetic assistant turn** of ``--output-length`` deterministic token ids instead of the
-model's real output, so every config (and every run with the same ``--seed``) sends
-identical prompts whatever the model generated or whether it stopped early at EOS; with
-``--real-output`` it gets **the model's own output ids** instead, as a chat client
-appends the answer it got (the conversation's own output is reused by the next round;
-the requests then go by ``/generate``, whose answer carries the ids, unless ``--api``
-says otherwise, and ``--api completions`` is refused: its answer has text only). Token
-ids are uniform in ``[1000, 30000)``, inside every supported tokenizer's vocabulary; no
-two clients share a prefix.
-
-Clients run their rounds back to back (a client's next round starts when its previous
-answer is complete); ``--barrier`` makes every client wait for all others at the end of
-each round; ``--flush-between-rounds`` (implies ``--barrier``) also ``POST /flush_cache``
-after each round, emptying L1 and L2 so that the next round can only hit in L3.
-``--request-rate`` spaces request starts by exponential gaps (a Poisson process, req/s;
-default inf = no pacing) and ``--max-parallel`` caps the requests in flight.
-
-Measured per request (client side, ``time.perf_counter``): **TTFT** = from sending the
-request (after pacing and the ``--max-parallel`` slot) to the first SSE ``data:`` event.
-The server sends an event as soon as a token adds text, so this is the first token's
-arrival unless that token decodes to no text (rare; then a later token's). The server's
-own TTFT mean (``hicache_ttft_seconds`` from ``/metrics``) is reported next to it.
-Per config and per round: TTFT mean/p50/p90/p99 (s), input and output throughput (prompt
-and completion tokens over the wall time from the first request sent to the last answer
-done, flushes excluded; tokens/s) and the cache hit rate per tier (``usage
-.cached_tokens_details`` summed over prompt tokens).
-
-Configs (``--configs``, each its own ``hicache serve`` subprocess, same L1 size):
-``no_cache``, ``l1``, ``l1_l2``, ``l1_l2_l3_file``, ``l1_l2_l3_mooncake`` (see
-:func:`hicache.bench.serverproc.config_server`). ``--tp-size 1,2`` runs every config at
-each tensor-parallel size (config ``NAME@tpN``, its server started with ``--tp-size N``;
-``--baseline`` then names one of those, default the first); the report's ``tp`` column
-says which, and ``agree µs/step`` is the server's agreement overhead per engine step
-under TP (rank 0's time in the step-input broadcast, ``cache.sync()`` and the
-sampled-token broadcast, from ``hicache_tp_agreement_seconds_total`` /
-``hicache_tp_steps_total``). L1 (``--max-total-tokens``) holds about a
-quarter of the working set: clients x final conversation length / 4, in whole pages, but
-at least one final conversation plus a page. L2 (``--hicache-ratio``) holds the whole
-working set with 50% to spare, so without flushes L3 is written but not read.
-
-**Repetitions** (this machine's speed drifts by up to 2x over minutes, so configs run
-minutes apart are not comparable): every config's server is started once, side by side
-(idle servers use next to no CPU), and warmed up; then the workload runs ``--repeats``
-times (default 5). In repetition r every config runs it in turn, one config under load at
-a time, in the order given in even repetitions and reversed in odd ones (A B, B A, A B,
-...: :func:`hicache.bench.pairs.alternating_order`). Each run starts and ends with ``POST
-/flush_cache`` (untimed; the second waits for the server's L2 / L3 writes to land, so no
-background work spills into the next config's run), so every run starts from empty L1
-and L2. Repetition r uses conversations of its own (drawn from ``--seed`` and r; all
-configs get the same ones in a repetition), so nothing in L3 from an earlier repetition
-can hit. ``--flush-between-rounds`` flushes inside each repetition as without repeats.
-
-For every repetition and config: TTFT mean, input throughput (over that run's wall
-time), the server process's CPU seconds during the run (``/proc``; far less sensitive to
-other jobs than wall times) and the machine's 1-minute load average at its end. For every
-config other than ``--baseline`` (default ``l1`` when it runs, else the first config):
-the ratio of its figure to the baseline's **in the same repetition**, and the median,
-interquartile range (q25..q75) and min..max of those ratios (TTFT and CPU ratio < 1:
-faster, TTFT shown as a change, -40% = 0.6x; throughput ratio > 1: faster). Drift slower
-than a repetition cancels inside each ratio; what remains shows as their spread. The
-config and per-round tables pool the repetitions (round r's throughput: its tokens over
-the sum of its wall times). JSON: ``configs`` and ``meta`` as before, plus ``repeats``
-(``order``, per-repetition ``runs``, ``per_config`` spreads) and ``pairs``
-(``pairs[config]["ttft_mean_ratio" | "input_tok_s_ratio" | "server_cpu_ratio"]``: ``n``,
-``median``, ``q25``, ``q75``, ``min``, ``max``, ``values`` in repetition order).
+``--num-clients`` conversations of ``--num-rounds`` rounds; round r sends the conversation
+so far plus ``--request-length`` token ids (uniform in ``[1000, 30000)``, no shared prefix)
+and appends a synthetic assistant turn of ``--output-length`` ids (``--real-output``: the
+model's own ids). Each config (``no_cache``, ``l1``, ``l1_l2``, ``l1_l2_l3_file``,
+``l1_l2_l3_mooncake``; ``NAME@tpN`` with ``--tp-size``) has its own ``hicache serve``, the
+same L1 (a quarter of the working set, in whole pages) and an L2 holding it all.
+Invariants: every config (and every run with the same ``--seed``) sends identical prompts;
+each run starts and ends with ``POST /flush_cache``; ratios are taken against
+``--baseline`` within one repetition only (``--repeats``, alternating order).
+Units: TTFT in s (client side, to the first SSE event), throughput in tokens/s over a
+run's wall time, server CPU in s (``/proc``). The method, figures and JSON are in
+``docs/benchmarks/serving.md``.
 """
 
 from __future__ import annotations

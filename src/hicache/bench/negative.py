@@ -1,27 +1,14 @@
 """``hicache bench negative``: L3 lookups per request with and without the negative
 lookup cache, on a mostly-new-prompt workload (issue 27).
 
-In process (no server), CPU, fp32, the ``file`` L3 backend in a fresh temp dir per run
-(so every prompt is new to L3 at the start of every run). Workload: ``--requests``
-requests, request ``k`` the system prompt of group ``k % --groups`` (``--system-tokens``
-random ids, whole pages, never written to L3 before) and a fresh ``--suffix-tokens``
-suffix, ``max_tokens = --output-tokens`` (EOS ignored), at most ``--max-parallel`` in
-flight, sent in order. Every prompt is new; only the system prompts repeat.
-
-Setups: each ``--write-policies`` entry at ``--hicache-storage-negative-ttl`` 0 (off,
-today) and at ``--ttl`` seconds (on), alternating ``off on`` then ``on off`` for
-``--repeats`` pairs, each run on a fresh engine over the one loaded model (a warm-up
-request first). Under ``write_through`` a system prompt reaches L2 and L3 with its first
-request, so later lookups start past it, at the new suffix: the cache can only save the
-lookups of requests that arrive while their system prompt is not written yet. Under
-``write_back`` a system prompt stays in L1 until evicted, so every request sharing it
-looks it up in L3 from its first page: the lookups the cache saves.
-
-Per run: store lookups (``batch_exists`` calls, the backend's own count) and keys asked
-per request, lookups the negative cache answered whole, TTFT (the engine's, submitted ->
-first token) mean and p50 (ms), wall time. Outputs under ``--out`` (default
-``bench-out/negative/``): ``negative.json`` and ``negative.png`` (mean over the repeats
-of lookups per request and mean TTFT, per setup).
+In process, CPU, fp32, the ``file`` L3 in a fresh temp dir per run. ``--requests`` requests,
+request ``k`` the system prompt of group ``k % --groups`` plus a fresh suffix, at most
+``--max-parallel`` in flight. Setups: each ``--write-policies`` entry with the negative
+cache off (TTL 0) and on (``--ttl`` s), alternating for ``--repeats`` pairs, each run on a
+fresh engine. Per run: store lookups (``batch_exists`` calls) and keys asked per request,
+lookups the negative cache answered whole, TTFT mean and p50 (ms, the engine's), wall
+time. Outputs under ``--out``: ``negative.json`` and ``negative.png``. The method and why
+``write_back`` is where it saves: ``docs/benchmarks/negative.md``.
 """
 
 from __future__ import annotations

@@ -1,52 +1,16 @@
 """``hicache bench pd``: prefill/decode disaggregation and SGLang's router, on one machine.
 
-Every setup is started fresh (``hicache serve`` subprocesses, :mod:`hicache.bench.serverproc`;
-SGLang's router ``smg``, :mod:`hicache.bench.smgproc`), warmed up, sent a workload through
-SGLang's native ``POST /generate`` (``input_ids``, streamed, greedy, ``ignore_eos``:
-exactly ``--max-tokens`` tokens; :func:`hicache.bench.httpclient.stream_generate`), and
-stopped before the next one starts, whatever happened (one setup under load at a time).
-A setup that fails is reported and the others go on; ``--time-limit`` (default 170 s)
-bounds the whole bench (the defaults take about 40 s here).
-
-**Multi-turn workload** (``--conversations`` conversations of ``--turns`` turns, at most
-``--clients`` requests in flight): turn t sends the conversation so far (every earlier
-user turn and the model's **real** output) plus a new user turn of ``--user-tokens``
-random ids, so the next turn can hit what the previous turn generated. Setups:
-
-* ``plain``: one instance, L1 + L2 + a file L3 of its own, ``--hicache-write-policy``
-  ``--prefill-write-policy`` (default ``write_back``);
-* ``pd``: smg (``--pd-disaggregation``, ``round_robin``) + one prefill instance (the
-  plain one's cache flags, its own L3) + one decode instance (no L3); the KV goes by
-  ``--transfer`` (``mooncake`` or ``nixl``). The prefill has only the prompt's KV: the
-  output tokens' KV is on the decode instance, which writes nothing;
-* ``pd_offload``: the same, the decode instance with
-  ``--disaggregation-decode-enable-offload-kvcache`` and the prefill's L3 directory
-  (``write_through``): it writes each finished request (prompt + output) to the shared
-  L3, where the prefill can find the next turn's prefix. (A prefill under
-  ``write_back`` looks L3 up only past a prefix that is in its L2; the previous turn's
-  prompt, still in its L1 alone, stops it: ``--prefill-write-policy write_through``
-  shows the offload's hits.)
-
-Every L3 here prefetches a hit of one page (``prefetch_threshold`` = the page size; the
-default, 256 tokens, is more than a turn adds) and loads an L2 hit of one token on
-(``--hicache-load-back-threshold 1``; default 10).
-
-**Shared-prefix workload** (``--tenants`` tenants, each with a system prefix of
-``--prefix-tokens`` ids, ``--questions`` questions each of ``--question-tokens`` ids, sent
-tenant after tenant in turn, ``--clients`` in flight). Setups: ``plain`` (the same
-instance as above, flushed), and two L1-only instances behind smg under ``round_robin``
-(``smg_round_robin``) and under ``cache_aware`` (``smg_cache_aware``), the same two
-instances flushed between the two.
-
-Figures per setup (client side, ``time.perf_counter``): mean TTFT (to the first streamed
-event), mean inter-token latency (from the first event to the last token's, over the
-output tokens - 1), the hit rate (prompt tokens served from any cache tier over prompt
-tokens, from the answers' ``meta_info``; through PD it is the prefill instance's; for the
-multi-turn workload over turns >= 2 only), requests/s (requests over the wall time from
-the first sent to the last answered) and, against ``plain`` **in the same run**, the
-ratio of each. ``same outputs``: how many requests generated exactly the tokens
-``plain`` generated for the same conversation and turn (greedy: a PD path that moves the
-KV correctly gives the same tokens; a difference is reported, not fixed).
+Each setup (fresh ``hicache serve`` subprocesses, :mod:`hicache.bench.serverproc`; smg,
+:mod:`hicache.bench.smgproc`) is warmed up, sent its workload through ``POST /generate``
+(``input_ids``, streamed, greedy, ``ignore_eos``: exactly ``--max-tokens`` tokens) and
+stopped before the next starts: one setup under load at a time; a failed setup is
+reported and the others go on; ``--time-limit`` (default 170 s) bounds the bench.
+Workloads: multi-turn with real outputs (setups ``plain``, ``pd``, ``pd_offload``) and
+shared prefix (``plain``, ``smg_round_robin``, ``smg_cache_aware``).
+Figures per setup (client side): mean TTFT and inter-token latency (s), hit rate (prompt
+tokens from any tier / prompt tokens; through PD the prefill's), requests/s, each as a
+ratio to ``plain`` in the same run, and ``same outputs`` (requests whose tokens equal
+``plain``'s). The setups and workloads in full: ``docs/benchmarks/pd.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """``hicache bench pd-load``: a prefill/decode pair under memory pressure behind SGLang's
 router, against one plain server with the same memory.
 
-Three ``hicache serve`` processes on this machine, each with ``--max-total-tokens``
-(default 2048: two of the default prompts fit at a time): one plain instance, and a
-prefill and a decode instance behind ``smg launch --pd-disaggregation`` with smg's
-defaults (its retries and circuit breaker on). ``--requests`` (default 64) prompts of
-``--prompt-tokens`` random ids each (distinct, so nothing is shared) are sent all at
-once through SGLang's native ``POST /generate`` (``input_ids``, greedy, not streamed,
-``--max-tokens`` tokens), first to the plain instance, then to smg.
-
-Figures per setup (client side, ``time.perf_counter``, each request from send to its
-whole answer): requests answered 200, errors (by status; a request that got no answer
-within ``--request-timeout`` is ``timeout``), p50, p99 and max latency, the wall time;
-for the pair, how many answers equal the plain instance's (greedy: token ids), and
-whether both instances are idle afterwards (``/metrics``: no queued, admitted or parked
-request, no open room, no L1 page held by one, within ``--idle-timeout``). A benchmark, not a test: it reports,
-it asserts nothing. Prints a table; ``--json PATH`` writes it as JSON too.
+Three ``hicache serve`` processes, each with ``--max-total-tokens`` (default 2048): a plain
+instance, and a prefill and a decode instance behind ``smg launch --pd-disaggregation``.
+``--requests`` distinct prompts of ``--prompt-tokens`` ids go all at once through ``POST
+/generate`` (greedy, not streamed), first to the plain instance, then to smg. Figures per
+setup (client side, send to whole answer): answers 200, errors by status (``timeout`` past
+``--request-timeout``), p50 / p99 / max latency and wall time (s); for the pair, answers
+equal to the plain instance's and whether both end idle. A benchmark, not a test: it
+asserts nothing. The method in full: ``docs/benchmarks/pd.md``.
 """
 
 from __future__ import annotations

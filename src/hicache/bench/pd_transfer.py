@@ -1,27 +1,15 @@
 """``hicache bench pd-transfer``: how fast a prefill instance's pages reach a decode
 instance's pool over each PD transport, against a plain copy of the same bytes.
 
-A receiver process (``multiprocessing`` spawn context) holds a CPU
-:class:`~hicache.memory.device_pool.DevicePool` of ``2 * --pages`` pages, registers it
-with the transport and sends its endpoint and :class:`~hicache.disagg.pages.PoolGeometry`
-back; this process holds a pool of ``--pages`` pages of random bytes and writes all of
-them (:func:`~hicache.disagg.pages.page_spans`, then
-:meth:`~hicache.disagg.transport.Transport.write`) into the receiver's pages, for each
-transport in ``--backends``, in two patterns:
-
-- ``contiguous``: pages ``0..N-1`` into ``0..N-1`` (one span per kind and layer);
-- ``scattered``: into a random N of the receiver's pages, in random order (one span per
-  page, kind and layer: the worst case for per-span costs).
-
-After the timed writes the receiver hashes the pages it got and the figure counts only
-if they equal the sender's. The baseline, in the same run and this process:
-``torch-pages`` copies the same pages between two pools of this process
-(``dst.buffer[:, :, dst_slots] = src.buffer[:, :, src_slots]``), ``memcpy`` one
-contiguous ``copy_`` of as many bytes.
-
-Each figure is the median of ``--repeat`` timed runs after one warm-up; GB/s is 1e9 B/s.
-On one host both transports move RAM to RAM between two processes (Mooncake over TCP on
-127.0.0.1; NIXL over UCX, which picks shared memory on one host).
+A spawned receiver holds a CPU :class:`~hicache.memory.device_pool.DevicePool` of ``2 *
+--pages`` pages registered with the transport; this process writes ``--pages`` pages of
+random bytes into it (:func:`~hicache.disagg.pages.page_spans`, then
+:meth:`~hicache.disagg.transport.Transport.write`) for each of ``--backends``, ``contiguous``
+(one span per kind and layer) and ``scattered`` (one span per page, kind and layer). A
+figure counts only if the receiver's hash of the pages equals the sender's. Baselines in
+the same run: ``torch-pages`` (the same pages between two pools of this process) and
+``memcpy``. Units: GB/s = 1e9 B/s, the median of ``--repeat`` runs after a warm-up. The
+method in full: ``docs/benchmarks/pd.md``.
 """
 
 from __future__ import annotations

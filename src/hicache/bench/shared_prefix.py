@@ -1,51 +1,17 @@
 """``hicache bench shared-prefix``: groups of requests sharing a long system prompt, in rounds.
 
-In process (no server): one :class:`~hicache.engine.front.engine.Engine` per model and config.
-
-Workload: ``--groups`` groups, each with its own system prompt of ``--system-tokens``
-random token ids (a whole number of pages); every group sends ``--requests-per-group``
-requests per round, each its system prompt plus a fresh ``--suffix-tokens`` user suffix
-(new every round, so only the system prompts are shared), greedy, ``max_tokens =
---output-tokens`` (EOS ignored). ``--rounds`` rounds (default 3), one after the other;
-within a round the requests go round-robin over the groups (request 1 of every group,
-then request 2 of every group, ...), at most ``--max-parallel`` in flight. This is the
-access pattern of many tenants with distinct system prompts: a group's next request
-comes after every other group's, so an L1 smaller than the system prompts thrashes under
-LRU while an L2 that holds them serves every round after the first.
-
-Recurrent models (Qwen3-Next, Nemotron-H) can resume only at a state snapshot: the
-engine's ``mamba_track_interval`` is set to ``--system-tokens``, so the interval snapshot
-of every prompt lands exactly at the end of its system prompt (besides the one at each
-prompt's last page boundary).
-
-Configs (``--configs``; same L1 in all): ``l1`` (radix cache in L1 only), ``l1_l2``
-(+ L2, ``hicache_ratio`` R), ``l1_l2_l3`` (+ the ``file`` L3 backend in a temp dir).
-L1 holds about half the system prompts (``groups x system-tokens / 2``, whole pages), but
-at least ``--max-parallel`` whole requests plus a page; L2 holds them all with 50% to
-spare (``R = max(2, ceil(1.5 x groups x system-tokens / L1))``). ``--l1-tokens`` and
-``--hicache-ratio`` override. Sliding-window layers (Gemma 3) get their own pools at the
-default ``swa_full_tokens_ratio`` (0.8 x L1's pages), raised where that cannot hold
-``--max-parallel`` requests' windows and prefill chunks (``--quick``).
-
-Per round: TTFT (the engine's: submitted -> first token, s) mean / p50 / p90 (and the
-means of the requests that hit and that missed), hit rate
-(cached prompt tokens / prompt tokens) per tier from each output's ``cached``
-(``device`` = L1, ``host`` = L2, ``storage`` = L3), admissions that resumed from a
-cached prefix (for a recurrent model: from a snapshot), per component besides full KV
-the resumed admissions whose SWA window / snapshot was in L1 or came from L2, the
-cache's eviction counters (tokens, this round), and per component at the round's end:
-pool usage per tier, bytes per cached token and their ratio to the component's nominal
-per-token size (see :mod:`hicache.bench.components`).
-
-Outputs under ``--out`` (default ``bench-out/shared-prefix/``): ``shared_prefix.json``
-and ``shared_prefix.png`` (mean TTFT per round, one bar per config, one panel per model).
-``--quick``: a small workload for tests (seconds per config).
-
-``--tp-size 1,2``: every config at each tensor-parallel size (``CONFIG@tpN``; a model
-that cannot be split, such as the hybrids, is refused at TP > 1 with the numbers: pass
-``--model tiny-random-llama`` or a tiny DeepSeek); each round then reports its ``tp``
-and ``agreement_us_per_step``, rank 0's mean time per engine step in the ranks'
-agreement collectives (step-input broadcast, ``cache.sync()``, sampled-token broadcast).
+In process (no server): one :class:`~hicache.engine.front.engine.Engine` per model and
+config (``l1``, ``l1_l2``, ``l1_l2_l3``; ``CONFIG@tpN`` with ``--tp-size``), the same L1 in
+all: about half the system prompts (at least ``--max-parallel`` requests plus a page);
+L2 holds them all with 50% to spare. ``--groups`` groups, each with a system prompt of
+``--system-tokens`` ids (whole pages), send ``--requests-per-group`` requests per round
+(system prompt + a fresh suffix) round-robin over the groups, ``--rounds`` rounds.
+Invariant: only the system prompts are shared; for recurrent models
+``mamba_track_interval = --system-tokens``, so a snapshot ends every system prompt.
+Per round: TTFT (s, the engine's) mean / p50 / p90, hit rate per tier, resumed
+admissions, evictions, and per component pool usage and bytes per cached token
+(:mod:`hicache.bench.components`). Outputs: ``shared_prefix.json`` and ``.png`` under
+``--out``. The method in full: ``docs/benchmarks/shared-prefix.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """SGLang's real router, ``smg launch``, in front of hicache servers (benchmarks, tests).
 
-:class:`Smg` is one ``smg launch`` subprocess on free 127.0.0.1 ports (its API and its
-Prometheus listener), logging at debug level to a file of its own. ``start()`` returns once
-smg lists every worker it was given as registered, ready and healthy (``GET /workers``),
-within ``startup_timeout_s``; ``close()`` stops it by PID (SIGTERM, then SIGKILL) and
-keeps the log when asked (on failure). Use it as a context manager (or the
-:func:`smg_router` one) so that it is stopped whatever happens.
-
-Regular mode: ``Smg(worker_urls=[a, b], policy="cache_aware")``. PD mode:
-``Smg(prefill=[(prefill_url, bootstrap_port)], decode=[decode_url])`` runs
-``--pd-disaggregation --prefill URL PORT --decode URL`` (a bootstrap port of None gives
-``none``). Without an ``smg`` executable (:func:`smg_path`) ``start()`` raises
-:class:`SmgNotFoundError`; ``tests/helpers/smg.py`` turns that into a skip for tests.
-
-Health checks and load polling default to every second (smg's defaults are 60 s and 10 s)
-so that a client sees a worker go or its load change quickly; ``extra_args`` adds any other
-``smg launch`` flag.
+:class:`Smg` is one ``smg launch`` subprocess on free 127.0.0.1 ports (API and Prometheus),
+logging at debug level to its own file. ``start()`` returns once smg lists every worker as
+registered, ready and healthy (``GET /workers``) within ``startup_timeout_s``; ``close()``
+stops it by PID (SIGTERM, then SIGKILL), keeping the log when asked. Use it (or
+:func:`smg_router`) as a context manager. Regular mode: ``Smg(worker_urls=[a, b],
+policy="cache_aware")``; PD mode: ``Smg(prefill=[(url, bootstrap_port)], decode=[url])``
+(port None gives ``none``). Without an ``smg`` executable (:func:`smg_path`) ``start()``
+raises :class:`SmgNotFoundError` (a skip in tests). Health checks and load polls run
+every second (smg's defaults: 60 s and 10 s); ``extra_args`` adds other flags.
 """
 
 from __future__ import annotations

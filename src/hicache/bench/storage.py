@@ -1,35 +1,15 @@
 """L3 microbenchmark: each backend's batch put/get GB/s next to its raw client in the same run.
 
-For every backend the same pages (``--objects`` objects of ``--object-mib`` MiB, one page
-each, in a ``page_first`` host pool) go through the HiCache backend (``batch_set`` /
-``batch_get``: records with headers and checksums, zero-copy where the backend allows) and
-through the bare client it wraps:
-
-- ``file``: plain ``open/write/close`` and ``open/readinto`` of the page bytes, one file each;
-- ``redis``: a redis-py pipeline of ``SET`` / ``GET`` with the page bytes;
-- ``mooncake``: ``batch_put_from`` / ``batch_get_into`` from / into a registered buffer;
-- ``aibrix-shfs`` / ``aibrix-rocksdb``: AIBrix KVCache's own ``allocate_for`` + ``put`` and
-  ``acquire`` of the page bytes (one block each, keyed by ``BlockHashes``), on a store of
-  their own beside the backend's (same connector, same root);
-- ``nixl``: NIXL's POSIX plugin straight from its API, on an agent of its own: the page
-  bytes (one file each, opened and registered as ``FILE``) written from / read into a
-  registered buffer in one transfer per batch, polled to its end; no record header, no
-  checksum, no temp file and rename, no size check, no worker thread.
-
-``--records page,head`` runs the HiCache side once per record split: ``page`` (one record
-per page, as a rank of a per-rank namespace stores it) and ``head`` (one record per page
-and K/V head, the TP-independent MHA records: ``records_per_page`` records of ``1 /
-records_per_page`` the page's bytes, staged per head). ``--spec L,H,D[,dtype]`` sets the KV
-shape and ``--page-tokens`` the page size (e.g. ``--spec 3,2,16,float32 --page-tokens 4``
-is tiny-random-llama's page in the tests).
-
-Services are started locally (on free 127.0.0.1 ports) unless ``--redis-url`` /
-``--mooncake-master`` point at running ones. GB/s counts payload bytes (10**9 B/s); each
-figure is the median of ``--repeat`` rounds, after one untimed warm-up round; both sides
-stay open for all rounds (steady state), each round under fresh keys. ``paired`` is the
-median of the rounds' own HiCache / raw ratios (steadier under a loaded machine). Usage::
-
-    python -m hicache.bench.storage --backends file,redis,mooncake --json out.json
+For every backend (``file``, ``redis``, ``mooncake``, ``aibrix-shfs``, ``aibrix-rocksdb``,
+``nixl``) the same pages (``--objects`` of ``--object-mib`` MiB, one page each, in a
+``page_first`` host pool) go through the HiCache backend (``batch_set`` / ``batch_get``) and
+through the bare client it wraps. ``--records page,head`` runs the HiCache side per record
+split; ``--spec L,H,D[,dtype]`` and ``--page-tokens`` set the page. Services start locally
+unless ``--redis-url`` / ``--mooncake-master`` name running ones. Units: GB/s of payload
+bytes (10**9 B/s), the median of ``--repeat`` rounds after one untimed warm-up, each round
+under fresh keys; ``paired`` is the median of the rounds' HiCache / raw ratios. Usage:
+``python -m hicache.bench.storage --backends file,redis,mooncake --json out.json``. What
+each raw client does: ``docs/benchmarks/l3.md``.
 """
 
 from __future__ import annotations

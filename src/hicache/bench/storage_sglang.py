@@ -2,26 +2,13 @@
 
 ``hicache bench storage --sglang`` (or ``python -m hicache.bench.storage_sglang``). On one
 SGLang ``MHATokenToKVPoolHost`` (8 layers x K,V x 8 heads x 128 dims, bfloat16: 32 KiB per
-token; ``--object-mib`` MiB pages, ``--objects`` of them, layout ``--layout``), the same
-pages are written and read back through:
-
-- ``hicache`` (``HiCacheL3``, ``interface_v1``: ``batch_set_v1`` / ``batch_get_v1``, records
-  with checksums) over hicache's ``file``, ``mooncake`` and ``nixl`` backends;
-- SGLang's own ``file`` (``HiCacheFile``: SGLang's copying path, ``get_data_page`` /
-  ``batch_set`` and ``batch_get`` into dummy flat pages then ``set_from_flat_data_page``,
-  which is what its cache controller runs for it), ``mooncake`` (``MooncakeStore``,
-  zero-copy ``batch_set_v1`` / ``batch_get_v1``) and ``nixl`` (``HiCacheNixl`` with NIXL's
-  POSIX plugin, ``batch_set_v1`` / ``batch_get_v1``; its directory from
-  ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``, set to a folder of ``--dir`` while it is
-  built), each built by SGLang's ``StorageBackendFactory`` as SGLang builds it.
-
-GB/s counts page bytes (10**9 B/s), the median of ``--repeat`` runs (fresh keys each run,
-who goes first alternating). A Mooncake master (and segment holder) is started locally
-unless ``--mooncake-master`` names one. SGLang must be importable: ``make venv`` installs
-the pinned package in ``.venv/sglang`` (``--sglang-path`` or ``HICACHE_SGLANG_PATH``
-overrides; :mod:`hicache.integrations.pinned`). Usage::
-
-    hicache bench storage --sglang --backends file,mooncake --json out.json
+token; ``--objects`` pages of ``--object-mib`` MiB, layout ``--layout``) the same pages are
+written and read back through ``HiCacheL3`` over hicache's ``file``, ``mooncake`` and
+``nixl`` backends, and through SGLang's own ``file``, ``mooncake`` and ``nixl``, each built
+by SGLang's ``StorageBackendFactory``. Units: GB/s of page bytes (10**9 B/s), the median of
+``--repeat`` runs (fresh keys, who goes first alternating). SGLang must be importable
+(:mod:`hicache.integrations.pinned`). Usage: ``hicache bench storage --sglang --backends
+file,mooncake --json out.json``. Each side's calls: ``docs/benchmarks/l3.md``.
 """
 
 from __future__ import annotations

@@ -1,37 +1,16 @@
 """``hicache bench tp-stress``: N tensor-parallel ranks through a shared-prefix workload
 with every cache tier too small, then a check that nothing leaked, hung or diverged.
 
-Per config (one model at one rank count), in a fresh process (so each peak RSS is that
-config's own): an :class:`~hicache.engine.front.engine.Engine` with ``tp_size = --ranks`` on CPU,
-L1 and L2 a few requests large (every component is evicted: the full / latent KV and, for
-DeepSeek-V3.2, the DSA indexer keys on the same page ids), and a ``file`` L3 in a temp dir.
-
-Workload: ``--systems`` system prompts of ``--system-tokens`` token ids; ``--prompts``
-requests in all, over ``--rounds`` rounds of the same ``prompts / rounds`` (system prompt,
-user suffix) pairs, each round in its own seeded shuffled order, at most ``--parallel`` in
-flight; greedy, ``--output-tokens`` tokens each (EOS ignored). A pair's second visit finds
-its prefix in L1, L2 or (once L2 has evicted it) L3.
-
-At the end, before the engine closes:
-
-* **no hang**: every request finished within ``--timeout-s`` (wall clock, the whole run);
-  none failed;
-* **no OOM**: the peak RSS (``VmHWM`` of ``/proc/<pid>/status``; psutil's current RSS
-  where there is no ``/proc``) of every rank process, MiB;
-* **idle**: once the cache's copies and L3 operations in flight have landed (the ranks
-  agree on them step by step; up to a minute is waited), rank 0's pools hold no request
-  pages and nothing in flight, only cached pages, and no request is admitted, running
-  or waiting;
-* **equal**: every rank's digest of its tree and scheduler (``Engine.rank_digests``) is
-  rank 0's: with identical trees (page ids and pins included) the followers' pools hold
-  what rank 0's hold.
-
-Printed as one table (model, ranks, prompts, wall seconds, tokens/s = (prompt + output
-tokens) / wall, peak RSS per rank, digests equal, idle, L3 hit tokens, evicted L1 / L2
-tokens); ``--json PATH`` writes every figure. Exit status 1 when a check failed.
-
-Ranks on CPU may share cores (each then runs one torch thread): 4 ranks on a 2-core host
-stress the agreement's timing, they give no throughput figure.
+Per config (one model at one rank count), in a fresh process: an
+:class:`~hicache.engine.front.engine.Engine` with ``tp_size = --ranks`` on CPU, L1 and L2 a
+few requests large (every component is evicted) and a ``file`` L3 in a temp dir; ``--prompts``
+requests over ``--rounds`` rounds of the same (system prompt, suffix) pairs, shuffled per
+round, at most ``--parallel`` in flight. Checks, before the engine closes: no hang (all
+finished within ``--timeout-s``, none failed), peak RSS per rank (MiB, ``VmHWM``), idle
+(rank 0's pools hold only cached pages once in-flight copies landed) and equal (every
+rank's ``Engine.rank_digests`` is rank 0's). Units: wall s, tokens/s = (prompt + output
+tokens) / wall. Exit status 1 when a check failed. The method in full:
+``docs/benchmarks/tp.md``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """The per-step agreement of tensor-parallel ranks on the cache's asynchronous inputs.
 
-Every rank runs the same cache over its own shard, so the ranks' trees stay identical only
-if every input that could differ between them is agreed before it is applied. Two kinds
-of input differ: worker records (an L1<->L2 copy landed, an L3 lookup found ``n`` pages, a
-read brought ``d`` pages, a write landed), which arrive at different times on different
-ranks and may carry different values; and time (a prefetch's deadline on the local clock).
-
-The owner (the cache's :class:`~hicache.cache.sync.CacheSync`) keeps what its workers
-posted in a :class:`LocalRecords` buffer and applies nothing on its own, whatever the
-rank count (with one rank the agreement makes no collective: the verdict is the vote). Once per step it hands :meth:`Agreement.agree` its in-flight
-ops, per :class:`Stream` in op-id order (identical on every rank: op ids come from
-deterministic counters), each with this rank's :class:`Vote`; the agreement makes ONE
-all-reduce(min) of a fixed-shape int64 tensor (``1 + capacity`` rows of :data:`FIELDS`
-columns) and returns one :class:`Verdict` per op: arrived on every rank, the minimum value,
-final everywhere, the flag everywhere, ready on some rank. The owner applies only what
-arrived everywhere, with the agreed values. Every rank calls :meth:`Agreement.agree` the
-same number of times whatever its local state, so no rank can block in a collective the
-others skipped, or pair one op's values with another's.
-
-Ops beyond ``capacity`` wait for a later step, the oldest of each stream first (the two
-streams take turns). Each row carries the op's key twice (``k`` and ``-k``): after the
-reduction they differ only when the ranks listed different ops, which raises
-:class:`RanksDiverged` on every rank alike (a bug, never a silent mispairing).
+Worker records (a copy landed, an L3 lookup found ``n`` pages, a read brought ``d``, a write
+landed) and local clocks (prefetch deadlines) may differ between ranks, so the owner
+(:class:`~hicache.cache.sync.CacheSync`) buffers them in :class:`LocalRecords` and, once per
+step, hands :meth:`Agreement.agree` its in-flight ops per :class:`Stream` in op-id order,
+each with this rank's :class:`Vote`. Shape: ONE all-reduce(min) of an int64 tensor of ``1 +
+capacity`` rows by :data:`FIELDS` columns; one :class:`Verdict` per op (arrived on every
+rank, the minimum value, final everywhere, ready on some rank). Invariants: only what
+arrived everywhere is applied, with the agreed values; every rank calls ``agree`` the same
+number of times whatever its local state; with one rank no collective is made (the
+verdict is the vote); ops beyond ``capacity`` wait, oldest of each stream first; each row
+carries its op key as ``k`` and ``-k``, so ranks that listed different ops all raise
+:class:`RanksDiverged`. Why: ``docs/architecture.md``, "How ranks agree".
 """
 
 from __future__ import annotations

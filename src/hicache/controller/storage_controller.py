@@ -1,33 +1,18 @@
 """L3 threads: lookups and reads (L3 -> L2) on one thread, writes (L2 -> L3) on another.
 
-Like the L1<->L2 controller it knows page ids and keys, never the tree. Component records
-(recurrent-state snapshots, sliding-window pages; ``docs/l3-keys.md``) ride on the same
-ops: a lookup may carry, per component, the keys of its records within reach of the run
-(:class:`ComponentLookup`, looked up one by one), a read the component records a hit needs
-into that component's L2 pool (:class:`ComponentRead`, read first: without them the pages
-are no hit; a read may have no pages at all, the records of a boundary inside the prefix
-the tree holds), and a write may store one component's L2 ids instead of pages. Each
-component's L2 pool is named at construction (``component_pools``): a
-:class:`~hicache.memory.HostPool` (sliding-window pages) or a
-:class:`~hicache.memory.state_pool.StatePool` (state slots). The owner (the cache's
-storage tier) allocates L2 ids and submits ops; the threads post immutable records
-(:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`) to the owner's
-:class:`CompletionQueue`. Every storage call is bounded by the backend's deadline; an
-error or timeout is a miss.
-
-Late writes: a backend call that overran its deadline may still be writing into the host
-pages it was handed (a zero-copy get cannot be cancelled). A read op therefore posts its
-``final`` record only once the backend says no such call is left
-(:meth:`HiCacheStorage.host_writes_settled`); until then the owner keeps the op's pages
-(and component ids) out of every allocation (they are quarantined, not freed).
-
-Negative lookups: with a :class:`~hicache.storage.negative.NegativeCache`, the lookup
-thread owns it. A lookup asks only the keys of its run before the first fresh remembered
-miss (none: no store call, the previous-version probe included), and remembers the key at
-which the store's answer stopped. The owner's :meth:`StorageController.forget_misses`
-(every key this instance writes, when the write is queued and again once it landed) rides
-the same queue, so the thread applies it in order with the lookups: a miss a lookup saw
-before a write landed is dropped by the forget that follows the landing.
+Like the L1<->L2 controller it knows page ids and keys, never the tree. The owner (the
+cache's storage tier) allocates L2 ids and submits ops; the threads post immutable records
+(:class:`L3Lookup`, :class:`L3Read`, :class:`L3Write`) to its :class:`CompletionQueue`.
+Component records ride on the same ops (:class:`ComponentLookup`, :class:`ComponentRead`,
+writes of one component's L2 ids), into each component's L2 pool named at construction
+(``component_pools``: a :class:`~hicache.memory.HostPool` or a
+:class:`~hicache.memory.state_pool.StatePool`). Invariants: every storage call is bounded
+by the backend's deadline, an error or timeout being a miss; a read posts its ``final``
+record only once :meth:`HiCacheStorage.host_writes_settled` (until then the owner keeps
+its pages quarantined); the lookup thread owns the
+:class:`~hicache.storage.negative.NegativeCache`, and :meth:`StorageController.forget_misses`
+rides the same queue, so forgets apply in order with lookups. The flows:
+``docs/architecture.md``, "Who owns asynchronous results" and "Failures".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Which bootstrap addresses a decode instance may contact: :class:`BootstrapAllow`
 (pure: no IO, no name resolution).
 
-A request to a decode instance names the prefill instance's bootstrap server
-(``bootstrap_host``, ``bootstrap_port``); the decode instance connects there and POSTs
-its pages' addresses. So that a client cannot make it connect anywhere, the address must
-match one entry of ``--disaggregation-bootstrap-allow`` (a comma-separated list):
-
-- ``*``: any address (the default when the instance has ``--api-key``: only the key's
-  holder, the router, can name an address then);
-- an IP address or a CIDR network (``10.0.0.11``, ``10.0.0.0/24``, ``::1``,
-  ``fd00::/8``);
-- a host name (``prefill-0.example``, ``localhost``), matched by name, case-insensitive,
-  never resolved;
-
-each optionally with ``:port`` (an IPv6 address or network then in brackets,
-``[::1]:8998``); without one, any port. Without the flag and without ``--api-key`` an
-instance allows loopback only (:data:`LOOPBACK`). The router's no-transfer host
+So that a client cannot make a decode instance connect anywhere, a request's
+``bootstrap_host`` / ``bootstrap_port`` must match one entry of
+``--disaggregation-bootstrap-allow`` (comma-separated): ``*`` (any; the default with
+``--api-key``), an IP address or CIDR network, or a host name (matched by name,
+case-insensitive, never resolved), each optionally with ``:port`` (IPv6 in brackets,
+``[::1]:8998``; without one, any port). Without the flag and without ``--api-key`` only
+loopback is allowed (:data:`LOOPBACK`). The router's no-transfer host
 (:data:`~hicache.disagg.config.NO_TRANSFER_HOST`) is never contacted and always allowed.
 """
 

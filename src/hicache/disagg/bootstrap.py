@@ -1,47 +1,18 @@
 """The bootstrap server of a prefill instance and its client on the decode side.
 
-The router gives each request a room and sends it to both instances; it never talks to
-this port. The decode side does, over plain HTTP with JSON bodies:
-
-=========================  ==============================================================
-``GET /health``            ``{"ok": true}``: the prefill instance is up (never keyed)
-``GET /layout``            its :class:`~hicache.disagg.layout.InstanceLayout`
-``POST /register``         a :class:`~hicache.disagg.layout.Registration`: 200, or 409
-                           (the room is in use or was used) / 400 (a layout mismatch, a
-                           body that cannot be read) / 429 (the client holds
-                           ``max_rooms_per_client`` open rooms; nothing changed) with
-                           ``{"error": why}``
-``POST /status``           ``{"rooms": [n, ...], "wait_s": s}`` (at most
-                           :data:`MAX_STATUS_ROOMS`): each room's
-                           :class:`~hicache.disagg.rooms.RoomStatus`, answered as soon as
-                           one of them is closed or after ``wait_s`` (at most 1 s): a
-                           long poll, also the decode side's health check of the prefill;
-                           it arms the registered rooms it names (the sender writes only
-                           into an armed room: :meth:`RoomTable.arm
-                           <hicache.disagg.rooms.RoomTable.arm>`); ``"taken": [n, ...]``:
-                           rooms closed ``SUCCESS`` whose pages the decode side took (only
-                           then does the prefill's request report success)
-``POST /abort``            ``{"room": n, "why": text}``: the decode side gives the room
-                           up; ``{"closed": bool}``: False while the sender is still
-                           writing (it stops, and the room closes ``ABORTED``); True
-                           means no byte of the room will be written any more (an unknown
-                           room is remembered as aborted: a registration or request of it
-                           that comes later is refused)
-=========================  ==============================================================
-
-With a key (the pair's ``--api-key`` or ``--disaggregation-bootstrap-key``) every route
-but ``/health`` needs ``Authorization: Bearer <key>``: without it, 401 before the body is
-read, and nothing changes. A body past its route's cap (:data:`MAX_REGISTER_BYTES`,
-:data:`MAX_SMALL_BYTES`) gets a 413 unread, and the connection closes.
-
-Every answer carries ``X-Hicache-Instance``: an id this server draws at start. A decode
-side that sees it change knows the instance it registered with is gone (its process
-ended, or it stopped: the sender and the transport stop before the bootstrap server), so
-nothing that instance was asked to write can land any more.
-
-:class:`PrefillRooms` is the room table (:class:`~hicache.disagg.rooms.RoomTable`) under
-one lock and condition, shared by the server's handler threads, the engine thread (a
-request's claim) and the sender (:mod:`hicache.disagg.sender`).
+The decode side (never the router) talks to it over plain HTTP with JSON bodies:
+``GET /health`` (never keyed), ``GET /layout`` (an
+:class:`~hicache.disagg.layout.InstanceLayout`), ``POST /register`` (a
+:class:`~hicache.disagg.layout.Registration`: 200, 409, 400 or 429), ``POST /status`` (a
+long poll of at most :data:`MAX_STATUS_ROOMS` rooms, ``wait_s`` at most 1 s; it arms the
+registered rooms it names and reports the ones taken) and ``POST /abort`` (``{"closed":
+bool}``; True: no byte of the room will be written any more). Invariants: with a key,
+every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 before the body is
+read); a body past :data:`MAX_REGISTER_BYTES` / :data:`MAX_SMALL_BYTES` gets 413 unread;
+every answer carries ``X-Hicache-Instance``, drawn at start, so a changed id means the
+instance registered with is gone. :class:`PrefillRooms` is the
+:class:`~hicache.disagg.rooms.RoomTable` under one lock and condition, shared by the handler
+threads, the engine thread and the sender. The routes in full: ``docs/architecture.md``.
 """
 
 from __future__ import annotations

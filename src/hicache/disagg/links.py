@@ -1,23 +1,14 @@
 """A decode instance's links to prefill instances, pooled: :class:`LinkPool`.
 
-A link (one per prefill bootstrap address, ``host:port``) is a thread and an HTTP client
-(:mod:`hicache.disagg.receiver`). The pool bounds them:
-
-- at most ``max_links`` at once. A new address past the bound takes the place of an idle
-  link (the oldest idle one), else it is refused with :class:`LinksFull` (the HTTP
-  server answers 503 with ``Retry-After``);
-- a link idle for ``idle_timeout_s`` retires: its thread ends and its connection closes
-  (:meth:`LinkPool.retire`, called by the link's own thread).
-
-A link leaving the pool (retired, replaced, or its thread failing) counts against
-``max_links`` until its thread has ended (:meth:`LinkPool.left`): a new link waits for
-it, so there are never more than ``max_links`` link threads.
-
-*Idle* means the link holds nothing: no item posted and not yet handled, and no room it
-follows (:attr:`Link.busy`). A link that still holds a room (one registered, draining,
-or whose pages stay fenced until the prefill side confirms it closed) is never retired or
-replaced. Posting and retiring take the pool's lock, so an item is never posted to a link
-that is leaving: it goes to the link found under the lock, or to a new one.
+A link (one per prefill bootstrap address ``host:port``) is a thread and an HTTP client
+(:mod:`hicache.disagg.receiver`). Invariants: at most ``max_links`` link threads exist,
+a leaving link (retired, replaced, failed) counting until its thread ended
+(:meth:`LinkPool.left`); a new address past the bound replaces the oldest idle link, else
+:class:`LinksFull` (503 with ``Retry-After``); a link idle for ``idle_timeout_s`` retires by
+its own thread (:meth:`LinkPool.retire`); *idle* means it holds nothing (no item posted
+and unhandled, no room followed, draining or fenced: :attr:`Link.busy`), and a busy link is
+never retired or replaced; posting and retiring take the pool's lock, so an item never
+goes to a leaving link. See ``docs/architecture.md``, "Bounds".
 """
 
 from __future__ import annotations

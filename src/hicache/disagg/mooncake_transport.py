@@ -1,37 +1,17 @@
 """A :class:`~hicache.disagg.transport.Transport` over Mooncake's transfer engine:
 :class:`MooncakeTransport`.
 
-The engine runs peer to peer, without a metadata server (``P2PHANDSHAKE``): a peer's
-:attr:`~MooncakeTransport.endpoint` is ``"host:rpc_port"``, where ``rpc_port`` is the
-port of the engine's handshake server. The first write to a peer asks it (at that port)
-for the description of its registered memory; from then on the data moves over the
-engine's TCP transport (``protocol="tcp"``, the one this host has; RDMA where NICs have
-it).
-
-What it listens on (measured with ``ss -ltn`` on mooncake-transfer-engine-non-cuda
-0.3.13.post1): **two TCP ports on every interface**, whatever ``host`` is — the handshake
-server (``0.0.0.0:rpc_port``, a random free port) and the TCP transport's data listener
-(``*:port``, IPv4 and IPv6, another random port). ``host`` is only the address the
-engine tells peers; ``MC_TCP_BIND_ADDRESS`` does not change the listeners. Anyone who can
-reach the host can therefore ask for the registered regions' addresses and write into
-them: run it on a trusted network or firewall those ports.
-
-A write submits one transfer per span (``transfer_submit_write``) and polls each
-(``transfer_check_status``) until all are done, one fails, or the deadline passes, so a
-peer that is gone fails within ``timeout_s`` rather than after the engine's own timeout
-(``MC_TRANSFER_TIMEOUT``, 30 s by default). The engine frees a transfer's record when it
-reports it done or failed; transfers still running when a write gives up are kept per
-peer and polled by :meth:`~MooncakeTransport.quiet` until each ends (the engine bounds
-them by its own timeout), so that the room is closed only once none can land.
-
-The first write to a peer makes the engine fetch the peer's description (a handshake whose
-socket reads the engine bounds at about 60 s, while it holds a lock every other write
-needs). So before it, this transport probes the peer (``send_probe``, which takes no such
-lock) on a helper thread and waits for the answer no longer than the write's deadline: a
-peer that is frozen, or an address where nothing answers, fails the write at its deadline;
-later writes to that peer wait on the same probe (one thread per peer at most) and pass
-once it answers. A peer that freezes between its answer and the handshake can still hold
-the first write up to the engine's bound.
+Peer to peer without a metadata server (``P2PHANDSHAKE``): a peer's
+:attr:`~MooncakeTransport.endpoint` is ``"host:rpc_port"`` (its handshake server); data
+moves over the engine's TCP transport (RDMA where NICs have it). Security: the engine
+listens on two TCP ports on every interface whatever ``host`` is (``MC_TCP_BIND_ADDRESS``
+does not change them), so anyone reaching the host can write into the registered regions:
+run it on a trusted network (``docs/security.md``). Invariants: a write submits one
+transfer per span and polls them until all are done, one fails or ``timeout_s`` passes; a
+peer is probed (``send_probe``, on a helper thread, one per peer) before the first write's
+handshake, so a frozen peer fails the write at its deadline; transfers left running when a
+write gives up are polled by :meth:`~MooncakeTransport.quiet` until each ends, so a room
+closes only once none can land. The flow: ``docs/architecture.md``, "Transports".
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """A :class:`~hicache.disagg.transport.Transport` over NIXL's UCX backend:
 :class:`NixlTransport`.
 
-Each instance is one NIXL agent with the UCX backend (no metadata listener thread: peers
-learn about each other only through :attr:`~NixlTransport.endpoint`). The endpoint is
-ASCII: ``"nixl1:"`` + base64 of a JSON object holding the agent's metadata (its name,
-UCX connection info and registered memory; base64 again) and the registered regions
-(address, bytes, CUDA or not, device), which tell a writer the memory type of each
-destination. Read it after :meth:`~NixlTransport.register`: the metadata describes the
-memory registered when it is read.
-
-A write loads the peer's metadata once (``add_remote_agent``), builds one transfer per
-pair of memory types (``initialize_xfer("WRITE", ...)``, usually one), posts them, polls
-``check_xfer_state`` until every one is done, one fails, or the deadline passes, and
-releases the handles (a running transfer is cancelled by the release; one NIXL will not
-release yet is kept and released again by :meth:`~NixlTransport.quiet`, which the sender
-waits on before it closes the room). A peer that is gone fails at once (UCX reports the
-disconnect) or at the deadline.
-
-What it listens on (measured with ``ss -ltn`` on nixl-cu12 1.5.1): UCX opens one TCP
-listener per network interface, on that interface's address (here ``127.0.0.1:P1`` and
-the host's LAN address ``:P2``, random ports), plus shared memory between processes of one
-host. ``UCX_NET_DEVICES=lo`` in the environment before the agent starts leaves only the
-loopback listener (the UCX backend's own ``ucx_devices`` parameter does not).
+One NIXL agent with the UCX backend per instance, no metadata listener: peers learn of
+each other only through :attr:`~NixlTransport.endpoint`, ASCII ``"nixl1:"`` + base64 of a
+JSON object (the agent's metadata, base64 again, and the registered regions: address,
+bytes, CUDA or not, device); read it after :meth:`~NixlTransport.register`. Invariants: a
+write posts one transfer per pair of memory types and polls until every one is done, one
+fails or the deadline passes, then releases the handles; a handle NIXL will not release
+yet is kept and released by :meth:`~NixlTransport.quiet`, which the sender waits on before
+it closes the room. UCX listens on every interface's address (``UCX_NET_DEVICES=lo`` before
+the agent starts leaves only loopback). The flow: ``docs/architecture.md``, "Transports".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Where a pool's pages lie in memory, told to a peer: :class:`PoolGeometry`, and the
 copies that move pages between two pools: :func:`page_spans`.
 
-A device (L1) pool (:class:`~hicache.memory.device_pool.DevicePool`) is one contiguous
-``layer_first`` buffer of shape ``(K, L, S, H, D)``: K kinds (K and V, or one latent),
-L layers, S = ``num_pages * page_size`` token slots, one row of ``H * D`` elements per
-slot. So page ``p`` of kind ``k`` in layer ``l`` is one contiguous run of
-``page_size * row_bytes`` bytes starting at
-
-    ``addr + ((k * L + l) * S + p * page_size) * row_bytes``
-
-and a page of the whole pool is ``K * L`` such runs. A decode instance sends its pool's
-geometry (:meth:`PoolGeometry.to_dict`, plain JSON) to the prefill instance, which turns
-"my pages ``[3, 4, 5]`` into your pages ``[7, 8, 1]``" into :class:`~hicache.disagg.
-transport.Span` s for :meth:`~hicache.disagg.transport.Transport.write`.
-
-Pure: no torch, no threads, no IO.
+A device (L1) pool is one contiguous ``layer_first`` buffer ``(K, L, S, H, D)`` (K kinds, L
+layers, S = ``num_pages * page_size`` slots, one row of ``H * D`` elements per slot), so page
+``p`` of kind ``k`` in layer ``l`` is one run of ``page_size * row_bytes`` bytes at ``addr + ((k
+* L + l) * S + p * page_size) * row_bytes``, and a whole page is ``K * L`` such runs. A
+decode instance sends its geometry (:meth:`PoolGeometry.to_dict`, plain JSON); the prefill
+instance turns "my pages ``[3, 4, 5]`` into your pages ``[7, 8, 1]``" into
+:class:`~hicache.disagg.transport.Span` s. Pure: no torch, no threads, no IO.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """The decode side's receiver: registers each request's pages with its prefill instance
 and follows the room until the pages have landed (:class:`DecodeReceiver`).
 
-One thread per prefill instance (:class:`_Link`, keyed by its bootstrap address, in a
-bounded pool that retires idle links: :mod:`hicache.disagg.links`) does, in a loop: the
-registrations and aborts the engine asked for, the aborts of rooms given up, then one
-long poll of the statuses of its registered rooms (``/status``, which answers as soon as
-one closes, and arms the rooms it names: the prefill side writes a room only once the
-decode side has read its registration accepted). A room's end becomes calls to the
-engine, applied as step inputs:
-
-- ``arrived(rid, result)``: the prefill side reports ``SUCCESS`` (every byte has landed:
-  the sender closes the room after its last write); the next poll tells the prefill side
-  the pages were taken (``taken``), and only then does its request report success;
-- ``failed(rid, error)``: the decode side gives the room up while the prefill side may
-  still write it (the registration or the prefill instance did not answer within
-  ``health_bound_s``, counted from the start of the first call it did not answer, or an
-  abort was not acknowledged within ``drain_timeout_s``): the request ends with an error
-  now, but its pages stay *fenced* (out of use) until ``ended``;
-- ``ended(rid, error)``: no byte of the room can land any more, so its pages are free:
-  the prefill side refused the registration, or closed the room (its sender closes a
-  room only once no write of it can land), or acknowledged an abort (an unknown room is
-  then remembered as aborted, so a registration still in its socket is refused), or the
-  prefill instance is gone (its bootstrap port refuses connections, or another instance
-  answers there: its id, ``X-Hicache-Instance``, changed).
-
-A room given up is aborted again and again (every ``RETRY_S``) until one of the above
-settles it, however long the prefill instance is paused.
-
-Each ``error`` is a :class:`~hicache.failures.Failure` saying whose fault it was: the
-room refused (in use, used, a layout mismatch) or a ``bootstrap_host`` that does not
-resolve: ``REFUSED``; the prefill instance silent for the bound: ``PEER_TIMEOUT``; the
-room failed on the prefill side, or the instance is gone: ``PEER_FAILED``.
-
-Only bootstrap addresses that ``allow`` admits are contacted (the HTTP server refuses
-the others first, with a 400 naming ``bootstrap_host``; :meth:`DecodeReceiver.expect`
-checks again); ``key``, when set, goes with every call (``Authorization: Bearer``).
+One thread per prefill instance (:class:`_Link`, keyed by its bootstrap address, pooled by
+:mod:`hicache.disagg.links`) loops over the registrations and aborts the engine asked for,
+the re-aborts of rooms given up (every ``RETRY_S``), and one long poll of its rooms
+(``/status``). A room's end reaches the engine as a step input: ``arrived(rid, result)``
+(``SUCCESS``: every byte landed; the next poll reports the pages ``taken``),
+``failed(rid, error)`` (given up while the prefill may still write: the request ends, its
+pages stay *fenced*) or ``ended(rid, error)`` (no byte can land any more: the pages are free).
+Invariant: pages are freed only on a fact (a refusal, a close, an acknowledged abort, the
+instance gone), never on a timeout. Each ``error`` is a :class:`~hicache.failures.Failure`
+(``REFUSED``, ``PEER_TIMEOUT``, ``PEER_FAILED``). Only addresses ``allow`` admits are
+contacted; ``key``, when set, goes with every call. Why and how: ``docs/architecture.md``,
+"A page given away is never written".
 """
 
 from __future__ import annotations

@@ -2,45 +2,17 @@
 transfer is (:class:`RoomTable`, a plain data structure; the bootstrap server holds it
 under its lock).
 
-A *room* is the 63-bit number the router gives one request and sends to both sides with
-it. The prefill side learns of it twice, in either order: from its own request
-(:meth:`RoomTable.claim`, when the request arrives) and from the decode side's
-registration of the pages it allocated (:meth:`RoomTable.register`). A room goes::
-
-    BOOTSTRAPPING ──both sides known──▶ WAITING_FOR_INPUT ──pages handed──▶ TRANSFERRING
-          │                                   │                                │
-          └──────────── timeout, a side fails, the decode side aborts ─────────┤
-                                                                               ▼
-                                                  SUCCESS | FAILED | ABORTED (closed)
-
-``WAITING_FOR_INPUT``: the prefill is queued or computing. ``TRANSFERRING``: the sender
-writes the pages (chunk by chunk as the prefill computes them). The sender may start only
-once the room is *armed* (:meth:`RoomTable.arm`): the decode side names it in a status
-poll, which it sends only after it has read the registration's acceptance. A
-registration whose sender gave up waiting for that answer (a paused prefill instance
-reads it later) is never armed, so nothing is ever written into pages the decode side
-has stopped promising; its room ends when the decode side aborts it (or times out).
-Every state ends on its own (:meth:`RoomTable.expire`): ``BOOTSTRAPPING`` fails after
-``timeout_s`` without the other side; ``WAITING_FOR_INPUT`` fails after
-``work_timeout_s`` (nothing was written); ``TRANSFERRING`` past ``work_timeout_s`` is
-aborted as the decode side would abort it (the sender stops between two writes and
-closes it, never under a write); a closed room is forgotten after ``closed_ttl_s``. A
-closed room's number stays refused for ``closed_ttl_s`` (a room is single-use:
-a second request or registration under a live or recently closed room is refused). An
-abort asked while transferring closes the room only when the sender stops
-(:meth:`RoomTable.abort` then :meth:`RoomTable.close`), so the decode side frees its pages
-after the last write, never under one.
-
-Bounds: a registration names the client (its address) that made it, and
-:meth:`RoomTable.held_by` counts the open rooms each client registered (the bootstrap
-server refuses a client past its bound); a closed room drops its registration (only its
-number, state and result stay for ``closed_ttl_s``). :attr:`RoomTable.closes` counts
-the rooms closed so far and :meth:`RoomTable.closed_since` lists the latest, so a long
-poll learns whether one of its rooms closed without reading every room it asked for
-again; ``len()`` is kept as a count. Each is O(1) or O(what is asked), never a walk of
-every room.
-
-Times are ``time.monotonic()`` seconds, passed in: nothing here reads a clock or blocks.
+A *room* is the 63-bit number the router gives one request and sends to both sides; the
+prefill side learns of it from its own request (:meth:`RoomTable.claim`) and from the decode
+side's registration (:meth:`RoomTable.register`), in either order. States:
+``BOOTSTRAPPING`` → ``WAITING_FOR_INPUT`` → ``TRANSFERRING`` → ``SUCCESS`` | ``FAILED`` |
+``ABORTED`` (closed). Invariants: the sender writes only into an *armed* room
+(:meth:`RoomTable.arm`: named by the decode side's status poll); every state ends on its
+own (:meth:`RoomTable.expire`: ``timeout_s``, ``work_timeout_s``); a transferring room
+closes only when the sender stops, never under a write; a room is single-use, its number
+refused for ``closed_ttl_s`` after it closed; every operation is O(1) or O(what is asked),
+never a walk of every room. Times are ``time.monotonic()`` seconds, passed in: nothing
+here reads a clock or blocks. The life of a room: ``docs/architecture.md``, "Rooms".
 """
 
 from __future__ import annotations

@@ -2,33 +2,17 @@
 registered for its room, chunk by chunk as they are computed (:class:`PrefillSender`,
 one thread).
 
-The engine hands over :class:`SendJob` s: after each prefill chunk a *partial* job (the
-whole pages computed so far, of the stores that hold every page until the request ends:
-the full KV, the indexer's keys), and, once the first token is sampled, the *final* job
-(every store's pages past what was sent, the sliding window's last pages among them, and
-what the decode side gets with them: :class:`~hicache.disagg.rooms.RoomResult`). The
-request's pages stay held meanwhile (a requeued request first tells the sender to
-:meth:`~PrefillSender.restart` its room: nothing of it counts as sent, the next jobs
-write it all again). Jobs wait for the room's registration
-(:class:`~hicache.disagg.bootstrap.PrefillRooms`); each writes, per store, the sequence
-pages the decode side lacks (:func:`plan_spans`). The final job closes the room
-(``SUCCESS`` with the first token, else ``FAILED`` or ``ABORTED``) and reports to the
-engine (``done(rid, error)``, once per request), which then releases the request. The
-sender never touches the cache.
-
-The final job's room closes ``SUCCESS`` (the decode side reads that every page has
-landed), but the request reports success only once the decode side says it took the
-pages (its next poll, :meth:`~hicache.disagg.rooms.RoomTable.take`): a room the decode
-side gave up meanwhile (its abort came after the last write) or did not take within
-``timeout_s`` ends with an error, so a room whose decode half failed never reports
-success.
-
-An abort from the decode side is seen between two writes (at most ``BATCH_BYTES``
-apart): the sender stops, the room closes ``ABORTED``, and only then may the decode side
-free its pages. A room is closed only when no byte of it can land any more: after a
-write that failed, once the transport has quiesced its transfers to that peer
-(:meth:`~hicache.disagg.transport.Transport.quiet`). The sender starts a room only once
-it is armed (:meth:`~hicache.disagg.rooms.RoomTable.arm`).
+The engine hands over :class:`SendJob` s: a *partial* job after each prefill chunk (the
+whole pages so far of the stores that hold every page until the end: full KV, indexer
+keys) and, once the first token is sampled, the *final* job (every store's remaining pages
+and the :class:`~hicache.disagg.rooms.RoomResult`). Jobs wait for the room's registration
+and arming; each writes, per store, the pages the decode side lacks (:func:`plan_spans`).
+Invariants: the sender never touches the cache; ``done(rid, error)`` is reported once per
+request; a requeued request's room restarts (:meth:`~PrefillSender.restart`); an abort is
+seen between writes (at most ``BATCH_BYTES`` apart); a room closes only when no byte can
+land (after a failed write, once :meth:`~hicache.disagg.transport.Transport.quiet`); success
+is reported only once the decode side took the pages (within ``timeout_s``). Why:
+``docs/architecture.md``, "When it moves" and "A page given away is never written".
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Moving bytes between two instances' registered memory: :class:`Transport`.
 
 A prefill instance writes a request's KV pages straight into the L1 pages a decode
-instance allocated for it: both register their L1 pools' buffers once, at start
+instance allocated for it: both register their L1 pools' buffers once at start
 (:meth:`Transport.register`), the decode side tells the prefill side its
-:attr:`Transport.endpoint` and the addresses of its pages, and the prefill side writes
-(:meth:`Transport.write`) a list of :class:`Span` s, each a contiguous copy from one of
-its own registered addresses to one of the peer's. No tensor is serialised; on the wire
-go the bytes of the pages alone.
-
-Implementations (one module each): Mooncake's transfer engine
-(:mod:`hicache.disagg.mooncake_transport`) and NIXL (:mod:`hicache.disagg.nixl_transport`);
-:func:`hicache.disagg.backends.make_transport` picks one by :class:`~hicache.disagg.config.TransferBackend`.
-
-Thread safety: :meth:`write` may be called from one transfer thread while the owner's
-thread does nothing else with the transport; :meth:`register` and :meth:`close` are the
-owner's, before and after every write.
+:attr:`Transport.endpoint` and its pages' addresses, and the prefill side writes
+(:meth:`Transport.write`) a list of :class:`Span` s, each a contiguous copy from one of its
+registered addresses to one of the peer's; only the pages' bytes go on the wire.
+Implementations: :mod:`hicache.disagg.mooncake_transport`, :mod:`hicache.disagg.nixl_transport`
+(:func:`hicache.disagg.backends.make_transport` picks one). Thread safety: :meth:`write`
+from one transfer thread while the owner does nothing else with the transport;
+:meth:`register` and :meth:`close` are the owner's, before and after every write.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """An outside engine's backend config -> hicache's L3 choice (:class:`L3Choice`).
 
 SGLang hands its ``dynamic`` storage backend the whole extra-config object; vLLM hands a
-secondary tier its entry's keys. Either way the keys fall in three groups:
-
-- the engine's own (``engine_keys``, read by the engine itself), ignored here;
-- this integration's (:data:`OWN_KEYS`): ``hicache_backend`` (a registry name such as
-  ``file`` (default), ``redis``, ``mooncake``, ``aibrix``, ``nixl``, or ``package.module:Class``),
-  ``hicache_model`` (the namespace's model name instead of the engine's) and
-  ``hicache_weights_fingerprint`` (checkpoint revision or hash, default ``"unset"``);
-- every other key goes to hicache's registry (:meth:`StorageConfig.parse`) as that backend's
-  extra config: its own keys (``file_path``, ``url``, ``master_server_address``, ...) and
-  the :class:`~hicache.storage.base.StorageOptions` keys (``timeout_s``,
-  ``connect_timeout_s``, ``max_batch_pages``, ``stall_s``).
-
-So an unknown backend or key is refused when the engine builds the backend (ValueError
-naming it and what is accepted), before any IO. Pure: no engine import, no IO.
+secondary tier its entry's keys. The keys fall in three groups: the engine's own
+(``engine_keys``), ignored here; this integration's (:data:`OWN_KEYS`: ``hicache_backend``, a
+registry name, default ``file``, or ``package.module:Class``; ``hicache_model``;
+``hicache_weights_fingerprint``, default ``"unset"``); and every other key, handed to
+:meth:`StorageConfig.parse` as that backend's extra config (its own keys and the
+:class:`~hicache.storage.base.StorageOptions` ones). Invariant: an unknown backend or key
+is refused when the engine builds the backend (ValueError naming it and what is
+accepted), before any IO. Pure: no engine import, no IO.
 """
 
 from __future__ import annotations

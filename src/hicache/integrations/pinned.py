@@ -1,20 +1,15 @@
 """The pinned SGLang and vLLM packages, installed beside the venv, and how a process
 imports them.
 
-``make venv`` installs ``requirements/sglang.txt`` and ``requirements/vllm.txt`` with
-``pip install --no-deps --target <venv>/sglang`` (and ``<venv>/vllm``): both pin a CUDA
-build of torch, and importing SGLang patches transformers globally, so neither goes into
-the venv's site-packages. A process that needs one (their tests, ``hicache bench storage
---sglang``) calls :func:`enable`, which appends that folder to ``sys.path`` (after the
-site-packages, so hicache's own packages win where both have one).
-
-SGLang imports torchvision through its model configs. PyPI's torchvision 0.28.0 is a CUDA
-build whose ``_C.so`` does not load with the CPU torch, and its ``_meta_registrations.py``
-then fails at import with "operator torchvision::nms does not exist"
-(pytorch/vision#9337; the fix is pending in pytorch/vision#9649). :func:`enable` defines
-the two op schemas first when it enables SGLang without CUDA: torchvision imports, and
-calling ``nms`` still fails, as it should. A real SGLang install on a GPU host needs none
-of this: there ``HiCacheL3`` is imported like any module.
+``make venv`` installs ``requirements/sglang.txt`` and ``requirements/vllm.txt`` with ``pip
+install --no-deps --target <venv>/sglang`` (and ``<venv>/vllm``): both pin a CUDA torch and
+SGLang patches transformers globally, so neither goes into the venv's site-packages. A
+process that needs one (their tests, ``hicache bench storage --sglang``) calls
+:func:`enable`, which appends that folder to ``sys.path`` after the site-packages (hicache's
+own packages win). Enabling SGLang without CUDA, :func:`enable` first defines the two
+torchvision op schemas PyPI's CUDA torchvision 0.28.0 fails to register with the CPU torch
+(pytorch/vision#9337), so torchvision imports and ``nms`` still fails, as it should. A
+real SGLang install on a GPU host needs none of this. Why: ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -2,19 +2,12 @@
 
 A slot holds one snapshot: every tensor of a :class:`~hicache.spec.SnapshotSpec` in every
 recurrent layer. A pool has one preallocated buffer per state tensor and a
-:class:`~hicache.memory.allocator.PageAllocator` over its slots (slot ids are "pages" of
-one snapshot each).
-
-Layouts (L = layers, S = slots, ``*shape`` = the tensor's per-layer shape):
-
-- ``layer_first``: ``(L, S, *shape)``; what a model reads (one layer's slots are one
-  tensor). The device (L1) pool always uses it.
-- ``page_first`` (and ``page_first_direct``, the same thing for state: a slot has no
-  pages inside): ``(S, L, *shape)``; one slot over all layers is one contiguous block, the
-  unit an L3 record stores.
-
-The canonical slot order of :meth:`StatePool.read_slots` / :meth:`StatePool.write_slots`
-is ``(n, L, *shape)`` per tensor, whatever the layout.
+:class:`~hicache.memory.allocator.PageAllocator` over its slots. Layouts (L layers, S slots,
+``*shape`` the per-layer shape): ``layer_first`` ``(L, S, *shape)``, what a model reads,
+always the device (L1) pool's; ``page_first`` and ``page_first_direct`` (the same for state)
+``(S, L, *shape)``, one slot over all layers contiguous, the unit an L3 record stores.
+Invariant: :meth:`StatePool.read_slots` / :meth:`StatePool.write_slots` use the canonical
+``(n, L, *shape)`` per tensor, whatever the layout.
 """
 
 from __future__ import annotations

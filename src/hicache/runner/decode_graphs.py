@@ -2,62 +2,18 @@
 :attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs` (the plain
 :class:`~hicache.runner.models.decoder.DecoderLM`), one per batch bucket.
 
-A decode step of a small model is launch-bound: ~100 kernel launches per layer cost more
-CPU time than the GPU spends on them. A CUDA graph records one bucket's forward once and
-replays it with one launch. What makes the forward capturable:
-
-* **Static inputs.** Every bucket reads the same buffers, sized for the largest bucket
-  ``max_bs`` (bucket ``bs`` uses their first ``bs`` rows): ``meta (4, max_bs)`` int64 with
-  rows :attr:`DecodeGraphs.input_ids`, :attr:`~DecodeGraphs.positions`,
-  :attr:`~DecodeGraphs.write_slots` (where each token's K/V go) and
-  :attr:`~DecodeGraphs.lengths` (keys per sequence, the new one included); ``table
-  (max_bs, table_width)`` int64, each sequence's page ids in order (its slots when
-  ``page_size == 1``); and the output ``logits (max_bs, vocab)`` fp32.
-* **Attention reads lengths and the page table from device memory**: the Triton decode
-  kernel (:mod:`hicache.runner.kernels.decode_attention`) loops over each sequence's keys
-  inside the kernel, so the graph holds no shape that depends on the batch's lengths.
-* **No host sync inside**: the forward is embedding, projections, RoPE, an ``index_put``
-  of the new K/V at ``write_slots``, the decode kernel and the LM head.
-
-A batch of ``B`` sequences runs as the smallest bucket ``bs >= B``: its inputs are staged
-on the CPU (padded to ``bs`` rows), copied into the buffers (two blocking copies: the
-step starts after the last one's tokens were read back anyway), the bucket's
-graph is replayed (or, without capture, the same function runs eagerly on the buffers:
-what the CPU tests exercise), and the first ``B`` rows of ``logits`` are returned (a copy:
-the next replay overwrites the buffer).
-
-**Padding is provably harmless.** A padding row has token 0 at position 0, writes its K/V
-to slot ``scratch_page * page_size``, and attends to that one key (``length`` 1, page
-table row ``[scratch_page]``). ``scratch_page`` is an L1 page reserved for this object
-(:meth:`hicache.cache.full_kv.FullKVStore.reserve`): the allocator never hands it to a
-request or the tree, so no padding row writes into a page anyone else owns. Every row
-is rewritten at every step (real rows with the batch, the rest with padding), so stale
-values of an earlier, larger batch never write anywhere. A row reads only the first
-``ceil(length / page_size)`` columns of its table row, which the step has just written;
-the columns past them may hold stale, always valid, page ids that nothing reads. Rows
-never mix: every op of the forward is row-wise (per token), so padding cannot change a
-real row's logits.
-
-**Table width** (``table_width`` columns): the pages of the longest sequence the engine
-serves, ``ceil(context_length / page_size)`` (the context length bounds every sequence),
-at most the pages one sequence can hold. A batch with a longer sequence, or whose slots do not lie over
-whole pages in order (a request's always do), is refused (:meth:`DecodeGraphs.run`
-returns None) and runs eagerly.
-
-**Tensor parallelism.** On a rank of a group, the model is the rank's shard: the step
-runs its query and K/V heads over its own pool (the kernel reads the head counts from the
-tensors), and its all-reduces and the logits' all-gather are part of the recorded
-forward, so ``logits`` holds the full vocabulary on every rank. The collectives make the
-graphs a group affair: every rank must capture the same buckets in the same order and
-replay the same bucket at each step (the ranks run the same steps with the same batches,
-so :meth:`run` picks the same bucket everywhere; a batch it refuses is refused on every
-rank). Captured only with NCCL; gloo (CPU) never captures.
-
-**Memory.** Buffers: ``max_bs * (table_width + 4) * 8`` bytes plus ``max_bs * vocab * 4``
-for the logits (16 MiB for 32 rows of a 128k vocabulary). Graphs: the buckets are captured
-largest first into one shared memory pool, so their intermediates overlap; the pool holds
-about one forward of the largest bucket (activations and the bf16 logits, a few MiB to
-tens of MiB for a 1B model at 32 rows).
+Static buffers, sized for the largest bucket ``max_bs`` (bucket ``bs`` uses the first ``bs``
+rows): ``meta (4, max_bs)`` int64 (rows :attr:`DecodeGraphs.input_ids`, ``positions``,
+``write_slots``, ``lengths``: keys per sequence, the new one included), ``table (max_bs,
+table_width)`` int64 page ids (slots when ``page_size == 1``), ``logits (max_bs, vocab)``
+fp32. ``table_width = ceil(context_length / page_size)``. Memory: ``max_bs * (table_width +
+4) * 8 + max_bs * vocab * 4`` bytes, plus one shared graph pool (captured largest first).
+Invariants: a batch of ``B`` runs as the smallest bucket ``bs >= B``; padding rows write only
+to ``scratch_page`` (reserved, never a request's or the tree's) and every row is rewritten
+each step, so padding never changes a real row's logits; a batch that does not fit
+(:meth:`DecodeGraphs.run` returns None) runs eagerly; under tensor parallelism every rank
+captures and replays the same buckets (NCCL only; gloo never captures). Why the forward is
+capturable and why padding is harmless: ``docs/architecture.md``, "CUDA graphs for decode".
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
 """ModelRunner: one forward pass of a batch of sequences over the paged device pool.
 
-A batch mixes sequences at any stage: a cold prefill (no prefix), an extend on top of a
-cached prefix, or a single decode token. Each sequence brings the slots of *all* its tokens;
-the model writes the new tokens' K/V into the last ``extend_len`` of them and reads the rest.
-
-Models: any :class:`~hicache.runner.models.cached.CachedModel` (a Llama-style
-:class:`DecoderLM`, a hybrid such as Gemma 3, GPT-OSS, Qwen3-Next or Nemotron-H, DeepSeek
-MLA models). The model declares what it caches (:meth:`CachedModel.cache_spec`, handed to
-the cache by :func:`cache_spec_of`: the full KV and one spec per extra component) and binds
-the pools the runner is given (:meth:`CachedModel.bind_pools`); the runner names no model
-family and no component.
-
-Per-pool slot tables: given the cache's component pools the model uses directly
-(``pools``, by component name: e.g. the sliding-window store's L1 pool), the model's bound
-pools say which of them its sliding layers read (:attr:`BoundPools.window`; the full pool
-then holds its global layers only); each sequence then also brings its slots there
-(:attr:`ForwardBatch.pool_slots`, from the cache handle).
-
-Per-sequence extras: a model with recurrent layers (Mamba2, Gated DeltaNet;
-:meth:`CachedModel.state_specs`) carries a state per sequence from forward to forward; the
-runner keeps it (:class:`~hicache.runner.recurrent_states.RecurrentStates`, keyed by
-:attr:`ForwardBatch.seq_ids`) until :meth:`ModelRunner.drop_state`. It keeps a copy at the
-offsets the cache planned (:attr:`ForwardBatch.keep`) and hands them out, once, as an
-opaque :class:`~hicache.extras.SequenceExtras` (:meth:`ModelRunner.take_extras`) for the
-cache; a sequence whose cached prefix comes with a state is seeded from the cache's record
-(:meth:`ModelRunner.resume`). Such a model resumes only where the cache hands back a
-state: :attr:`ModelRunner.resumable_prefix` is False.
-
-Decode-only batches of a model that declares
-:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs` (a plain
-:class:`DecoderLM`) may run through CUDA graphs
-(:class:`~hicache.runner.decode_graphs.DecodeGraphs`, attached with
-:meth:`ModelRunner.use_decode_graphs` once they passed their probe,
-:mod:`hicache.engine.step.graph_setup`); every other batch runs eagerly.
+A batch mixes cold prefills, extends over a cached prefix and single decode tokens; each
+sequence brings the slots of *all* its tokens, and the model writes the new tokens' K/V
+into the last ``extend_len`` of them and reads the rest. Models: any
+:class:`~hicache.runner.models.cached.CachedModel`; it declares what it caches
+(:meth:`CachedModel.cache_spec`, handed to the cache by :func:`cache_spec_of`) and binds the
+pools the runner is given (:meth:`CachedModel.bind_pools`): the runner names no model
+family and no component. Component pools the model uses directly come by name
+(``pools``), with each sequence's slots there (:attr:`ForwardBatch.pool_slots`). Recurrent
+state per sequence (keyed by :attr:`ForwardBatch.seq_ids`) is kept until
+:meth:`ModelRunner.drop_state`; copies at the planned offsets (:attr:`ForwardBatch.keep`)
+go out once as opaque :class:`~hicache.extras.SequenceExtras` (:meth:`take_extras`) and
+come back through :meth:`resume`; such a model has ``resumable_prefix`` False. Decode-only
+batches of a model that declares ``supports_decode_graphs`` may replay CUDA graphs
+(:meth:`use_decode_graphs`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """Tensor parallelism inside a model: the rank group and the sharded layers.
 
-A tensor-parallel group of ``size`` ranks splits each layer's weights so every rank computes
-a slice, and one collective puts the slices together:
-
-* :class:`ColumnParallelLinear` keeps output rows ``[rank * out / size, ...)`` of the
-  weight: each rank gets its slice of the output (its MLP columns);
-* :class:`HeadParallelLinear` keeps the output rows of a range of whole heads, ``(first,
-  count)``, which need not be the rank's equal share: K/V heads fewer than the ranks are
-  replicated, several ranks holding the same head (:class:`~hicache.heads.HeadSplit`);
-* :class:`RowParallelLinear` keeps input columns of the weight: each rank multiplies its
-  slice of the input and the partial outputs are summed (all-reduce), the bias added once;
-* :class:`VocabParallelEmbedding` keeps a range of vocabulary rows: a rank looks up the
-  ids in its range, zeros the others, and the embeddings are summed;
-* :class:`ParallelLMHead` projects onto the rank's vocabulary rows and gathers the logits
-  of every rank, so each rank holds the full ``(N, vocab)`` logits.
-
-The vocabulary is padded to a multiple of ``size`` (padding rows are zero and their logits
-are cut off); every other split must be exact, or :meth:`TPGroup.part` refuses it naming
-the numbers. With one rank every layer is a plain ``nn.Linear`` / ``nn.Embedding`` and no
-collective runs.
-
-Checkpoint tensors are full-size: :func:`shard_dims` tells a loader how each of a model's
-split parameters is cut (a :class:`Split`), and :meth:`TPGroup.shard` cuts a rank's slice.
-A parameter whose slice is not one range (a fused projection whose parts each split by
-heads, as Mamba2's ``in_proj = [z | x | B | C | dt]``) is declared by its module instead
-(:class:`ShardedParams`): :func:`row_pieces` collects those :class:`RowPieces`, and
-:meth:`RowPieces.cut` gathers the rank's rows of every part.
+A group of ``size`` ranks splits each layer's weights and one collective joins the slices:
+:class:`ColumnParallelLinear` keeps output rows ``[rank * out / size, ...)``;
+:class:`HeadParallelLinear` the output rows of a range of whole heads ``(first, count)``
+(K/V heads fewer than the ranks replicated, :class:`~hicache.heads.HeadSplit`);
+:class:`RowParallelLinear` input columns (partial outputs all-reduced, bias added once);
+:class:`VocabParallelEmbedding` a range of vocabulary rows (others zero, summed);
+:class:`ParallelLMHead` the rank's vocabulary rows, logits gathered so each rank holds the
+full ``(N, vocab)``. Invariants: the vocabulary is padded to a multiple of ``size`` (zero
+rows, logits cut off); every other split is exact, or :meth:`TPGroup.part` refuses it
+naming the numbers; one rank means plain ``nn.Linear`` / ``nn.Embedding`` and no
+collective. Checkpoint tensors are full-size: :func:`shard_dims` gives each split
+parameter a :class:`Split` and :meth:`TPGroup.shard` cuts it; a fused parameter declares
+:class:`RowPieces` (:class:`ShardedParams`, :func:`row_pieces`, :meth:`RowPieces.cut`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """The live recurrent state of each running sequence, kept by the runner between forwards.
 
-Recurrent layers of hybrid models (Mamba2, Gated DeltaNet; see
-:mod:`hicache.runner.models.recurrent`) read no cache: each forward takes their state
-*before* the new tokens and returns it *after* them. The runner keeps one state per running
-sequence here, keyed by the scheduler's request id:
-
-- created at the sequence's first forward, from zeros (that forward starts at position 0),
-  or put there from a cached snapshot (:meth:`RecurrentStates.put`) when the cache served
-  a prefix that ends at a snapshot boundary (the cache's snapshot store,
-  :mod:`hicache.cache.components.snapshots`, decides where those are);
-- advanced after every forward that succeeds (prefill chunks and decode steps alike);
-- dropped when the request ends, is aborted or is retracted. A retracted request restarts
-  from its deepest cached snapshot, or from position 0 and zeros.
-
-Invariant: an entry covers exactly its sequence's first ``tokens`` positions, so a forward of
-that sequence must start at ``tokens`` (resume) or at 0 (restart). Any other start, such as
-a prefix served by the cache without its snapshot, is refused with ValueError: a recurrent
-model is never run from a state that does not belong to its prefix.
-
-Snapshots travel in the cache's canonical form (:meth:`RecurrentStates.export` /
-:meth:`RecurrentStates.put`, wrapped as :class:`~hicache.extras.KeptState` between runner
-and cache): one tensor per state tensor of
-:func:`~hicache.runner.models.recurrent.cache_state_spec`, ``conv (1, L, C, K-1)`` in the
-model dtype and ``ssm (1, L, ...)`` in fp32, ``L`` = the recurrent layers in layer order.
+One state per running sequence (:mod:`hicache.runner.models.recurrent`), keyed by the
+scheduler's request id: created at the sequence's first forward from zeros (position 0) or
+put from a cached snapshot (:meth:`RecurrentStates.put`) where the cache served a prefix
+ending at a snapshot boundary; advanced after every forward that succeeds; dropped when the
+request ends, is aborted or retracted (it restarts from its deepest cached snapshot, or
+from 0 and zeros). Invariant: an entry covers exactly its sequence's first ``tokens``
+positions, so a forward must start at ``tokens`` (resume) or 0 (restart); any other start
+(a prefix served without its snapshot) is refused with ValueError. Shapes of the canonical
+form snapshots travel in (:meth:`export` / :meth:`put`, wrapped as
+:class:`~hicache.extras.KeptState`; :func:`~hicache.runner.models.recurrent.cache_state_spec`):
+``conv (1, L, C, K-1)`` in the model dtype and ``ssm (1, L, ...)`` in fp32, ``L`` the
+recurrent layers in layer order.
 """
 
 from __future__ import annotations

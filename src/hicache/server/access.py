@@ -1,21 +1,15 @@
 """Who may call which route: one declared table (:data:`ROUTE_ACCESS`) and the ASGI
 middleware that enforces it (:class:`AccessGuard`) before any body is read.
 
-Every route of the app, FastAPI's own documentation routes included, has one entry:
-``(method, path template) -> Access``. A route without an entry is refused (403) by the
-guard, and ``tests/api/test_api_access.py`` walks the real route table of
-:func:`~hicache.server.app.create_app` so that a new route without a decision fails
-before it ships. ``docs/security.md`` lists the same table (:func:`markdown_table`
-writes it; the test checks that the doc lists exactly these rows).
-
-Policy: inference and the documentation need ``--api-key`` when one is set; routes that
-change or discard cached state (flushes, attaching or detaching L3) need
-``--admin-api-key`` and are refused (403) when none is configured; ``/health`` stays open
-(probes and routers read it); ``/metrics`` and the loads (``/v1/loads``, ``/get_load``)
-are open by default, as in SGLang and vLLM (scrapers and routers read them), and behind
-``--api-key`` with ``--metrics-require-api-key``; what the model and server are
-(``/server_info``, ``/model_info``) is the inference key's, as ``/v1/models`` is, and so
-is ``/health_generate``, which runs the model.
+Every route of the app, FastAPI's documentation routes included, has one entry ``(method,
+path template) -> Access``; a route without one is refused (403), and
+``tests/api/test_api_access.py`` walks the real route table so a new route without a
+decision fails, and checks that ``docs/security.md`` lists exactly these rows
+(:func:`markdown_table`). Policy: inference, documentation, ``/server_info``,
+``/model_info`` and ``/health_generate`` need ``--api-key`` when set; routes that change or
+discard cached state need ``--admin-api-key`` (403 when none is configured); ``/health`` is
+open; ``/metrics`` and the loads are open unless ``--metrics-require-api-key``. Why each:
+``docs/security.md``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """The HTTP server (FastAPI) over an :class:`Engine`: OpenAI's API and SGLang's native one.
 
-:func:`create_app` assembles the app: the body limit, the error handlers, one
-:class:`~hicache.server.state.ServerState` and the routes, which live by endpoint family
-(all listed, with every parameter, in ``docs/api.md``):
-
-- :mod:`~hicache.server.openai_routes`: ``/v1/completions``, ``/v1/chat/completions``,
-  ``/v1/models``, ``/v1/models/{id}``;
-- :mod:`~hicache.server.native_routes`: SGLang's ``/generate``;
-- :mod:`~hicache.server.admin_routes`: ``/health``, ``/metrics`` (Prometheus), and the
-  admin ``POST /flush_cache`` and ``/hicache/storage-backend``;
-- :mod:`~hicache.server.router_routes`: what SGLang's router reads from a worker:
-  ``/server_info``, ``/model_info`` (and ``/get_*``), ``/v1/loads``, ``/get_load``,
-  ``/health_generate``.
-
-Errors: every status (400, 401, 403, 404, 405, 413, 429, 500, 503 ...) answers OpenAI's
-error object (``code`` a string or null); a 400 names the field in ``param``, and a body
-that cannot be read as JSON says why (not JSON, not UTF-8, nested too deeply, a number out
-of range). An unknown ``model`` is a 404 ``model_not_found``. A request the engine's
-bounded waiting queue cannot take gets a 429 with ``Retry-After`` (a 503 when the engine is
-unhealthy). A parameter the server cannot honour is refused, never ignored. Keys: every
-route's is declared in :data:`~hicache.server.access.ROUTE_ACCESS` and checked by its guard
-before the body is read (listed in ``docs/security.md``). Bodies beyond
-``max_request_bytes`` get a 413. Prompts are tokenized off the event loop, on a pool, after
-a bound that refuses a text too long for the context without tokenizing it
-(:class:`~hicache.server.state.ServerState`). A client that goes away (streaming or not)
-aborts its engine requests at once, which frees everything they held.
+:func:`create_app` assembles the app: the body limit (``max_request_bytes``: 413), the
+error handlers, one :class:`~hicache.server.state.ServerState` and the routes, by endpoint
+family: :mod:`~hicache.server.openai_routes` (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``), :mod:`~hicache.server.native_routes`
+(``/generate``), :mod:`~hicache.server.admin_routes` (``/health``, ``/metrics``,
+``/flush_cache``, ``/hicache/storage-backend``) and :mod:`~hicache.server.router_routes`
+(what SGLang's router reads). Invariants: every error status answers OpenAI's error object
+(a 400 names the field in ``param``); a parameter the server cannot honour is refused,
+never ignored; every route's key is declared in
+:data:`~hicache.server.access.ROUTE_ACCESS` and checked before the body is read; a full
+waiting queue is a 429 with ``Retry-After`` (503 when unhealthy); a client that goes away
+aborts its engine requests at once. Every route, parameter and status:
+``docs/api.md``; keys: ``docs/security.md``.
 """
 
 from __future__ import annotations

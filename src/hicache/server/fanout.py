@@ -1,23 +1,16 @@
 """One HTTP request's engine requests: submit them, merge their outputs, watch the client.
 
-An HTTP request becomes one or more engine requests (``n`` choices, a batch of prompts).
-:class:`Fanout` submits them, yields every output as an :class:`Event` in arrival order,
-and ends with an :class:`Ending`: all finished, the client went away, or the engine
-stopped. Copies of one prompt (``n`` > 1) are submitted once the first copy has produced
-its first token, so that they find its prompt's KV in the prefix cache instead of
-computing it again. Every job is one sequence of the same engine *group* (the scheduler's
-per-group limits count them together), and all of them hold a place in the engine's
-bounded waiting queue from the start (a :class:`~hicache.engine.admission.Reservation`
-taken before the fan-out was built): a copy submitted later is never refused half-way.
-The places of jobs never submitted are given back when the fan-out ends, and the rooms
-they claimed on a prefill instance end (:meth:`Engine.refused
-<hicache.engine.front.engine.Engine.refused>`), also when the fan-out is dropped unrun (a
-client gone before its stream started).
-
-The client is watched concurrently with the engine's outputs (a poll every
-:data:`DISCONNECT_POLL_S`), for streaming and non-streaming requests alike: on a
-disconnect every unfinished engine request is aborted at once, so generation stops
-within about one engine step and everything it held is freed.
+An HTTP request becomes one or more engine requests (``n`` choices, a batch of prompts), one
+engine *group*. :class:`Fanout` submits them, yields every output as an :class:`Event` in
+arrival order, and ends with an :class:`Ending` (all finished, the client went away, or
+the engine stopped). Copies of one prompt are submitted once the first copy has its first
+token, so they find its KV in the prefix cache. Invariants: every job holds a place in the
+engine's bounded waiting queue from the start (a
+:class:`~hicache.engine.admission.Reservation`), so a later copy is never refused half-way;
+places of jobs never submitted are given back, and their claimed prefill rooms end
+(:meth:`Engine.refused <hicache.engine.front.engine.Engine.refused>`), also when the fan-out
+is dropped unrun; the client is polled every :data:`DISCONNECT_POLL_S`, streaming or not,
+and a disconnect aborts every unfinished engine request at once.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Prometheus metrics of a serving engine: cache occupancy and traffic per tier, the pools
-of each extra component (sliding-window K/V, state snapshots), L3 waits (stalls, timeouts,
-latency per operation), requests running and queued, TTFT and its queue time, aborted
-requests.
+of each extra component, L3 waits, requests running and queued, TTFT and its queue time,
+aborted requests.
 
 Cache and scheduler figures are the engine's last published
-:class:`~hicache.engine.front.engine.EngineStats` (:attr:`Engine.published_stats`, read on the
-engine thread, the cache's owner, at most every ``Engine.stats_interval_s``): a scrape
-never calls into the engine thread and never waits on it;
-``hicache_stats_age_seconds`` says how old the figures are (it grows while the loop is
-stuck). Request latencies and aborts are observed by the server. Names follow SGLang's where SGLang has one (``sglang:num_running_reqs`` ->
-``hicache_num_running_reqs``), with the ``hicache_`` prefix.
-
-Beside them, a few of the same gauges under SGLang's own names (:func:`sglang_families`:
-``sglang:token_usage``, ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
-``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:cache_hit_rate``,
-labelled ``model_name`` as SGLang's are), for routers and dashboards that read SGLang's
-names (smg's load fallback reads them). They are a second view of those values under
-another prefix: a dashboard sums one prefix or the other, never both.
-
-Every :class:`~hicache.metrics.CacheCounters` field ``x_total`` is exported as the counter
-``hicache_x_total`` (:func:`counter_metric_name`), generically, so a new field needs no
-change here. Under the ``hicache_`` prefix each value has one name: no counter is
-exported again as a labelled view or under a second name, and no gauge repeats another's
-source (what a dashboard sums must not count twice); the ``sglang:`` view above is the
-one, deliberate, exception.
+:class:`~hicache.engine.front.engine.EngineStats` (:attr:`Engine.published_stats`): a scrape
+never calls into the engine thread nor waits on it, and ``hicache_stats_age_seconds`` says
+how old the figures are; request latencies and aborts are observed by the server. Names
+follow SGLang's with the ``hicache_`` prefix; every ``CacheCounters`` field ``x_total`` is
+the counter ``hicache_x_total`` (:func:`counter_metric_name`). Invariant: under ``hicache_``
+each value has one name (no labelled re-export, no gauge repeating another's source);
+:func:`sglang_families` is the one deliberate exception, a second view of six gauges under
+SGLang's names for routers and dashboards. Every metric: ``docs/api.md``, "Metrics".
 """
 
 from __future__ import annotations

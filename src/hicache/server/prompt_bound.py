@@ -1,36 +1,15 @@
 """A lower bound on how many tokens a text encodes to, known before encoding it.
 
-A tokenizer's pipeline (normalizer, pre-tokenizer, model) cuts the text into pieces, each
-one vocabulary entry. If no step drops characters, every character of the normalized text
-lies in some token, so a text of ``c`` characters has at least ``ceil(c / L)`` tokens,
-where ``L`` is the longest vocabulary entry in characters. The vocabulary's own strings are
-used for ``L``: each is at least as long as the stretch of normalized text it covers (a
-byte-level BPE entry has one character per byte and a character is at least one byte; a
-byte-fallback entry ``<0xAB>`` covers one byte; a Metaspace entry maps ``▁`` to one space).
-
-The bound is only as safe as that premise, so :func:`token_bound` reads the tokenizer's
-pipeline and gives a bound only when every step is one it can vouch for:
-
-- normalizers that never shorten the text (none, ``NFD``, ``NFKD``, ``Lowercase``,
-  ``Prepend``), that shorten it by a known factor (``NFC``/``NFKC``: a composed character
-  stands for at most :data:`MAX_COMPOSED` code points of its decomposition; ``Replace`` of
-  a literal string by a non-empty one: by at most ``ceil(len(pattern) / len(content))``),
-  and sequences of these (factors multiply);
-- pre-tokenizers that keep every character (``ByteLevel``, ``Metaspace``, ``Digits``,
-  ``Split`` and ``Punctuation`` unless their behaviour is ``Removed``, sequences of these);
-- a BPE model (a run of unknown characters is fused into one token only with
-  ``fuse_unk`` and no byte fallback: then there is no bound), and added tokens that do not
-  swallow the whitespace around them (``lstrip`` / ``rstrip``);
-- a BPE model without byte fallback and without an unknown token *drops* a symbol its
-  vocabulary lacks. Behind ``ByteLevel`` the symbols are bytes: an ASCII character whose
-  byte is missing vanishes (SmolLM2's vocabulary lacks six control characters, among them
-  ``\x16``), and such characters are not counted (:attr:`TokenBound.dropped`); a
-  multi-byte character vanishes only if every byte of it may be missing, which rules the
-  bound out. Without ``ByteLevel`` any character may be missing: no bound.
-
-Anything else (WordPiece, whose unknown words of any length are one token; whitespace
-splitting, which drops spaces; stripping normalizers ...) gives no bound, and every text
-is then tokenized to learn its length.
+Premise: if no step of the tokenizer's pipeline drops characters, every character of the
+normalized text lies in some token, so ``c`` characters make at least ``ceil(c / L)``
+tokens, ``L`` the longest vocabulary entry in characters (each entry is at least as long as
+the text it covers), times the factor a normalizer may shorten a text by (``NFC`` / ``NFKC``:
+:data:`MAX_COMPOSED`). :func:`token_bound` reads the pipeline and gives a bound only when
+it can vouch for every step (normalizers that never shorten the text or shorten it by a
+known factor, pre-tokenizers that keep every character, a BPE model, added tokens that do
+not strip whitespace); an ASCII byte a byte-level vocabulary lacks is dropped and not
+counted (:attr:`TokenBound.dropped`). Anything else gives no bound, and every text is then
+tokenized to learn its length. Which steps qualify and why: ``docs/api.md``, "Bad input".
 """
 
 from __future__ import annotations

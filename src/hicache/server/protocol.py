@@ -1,19 +1,16 @@
 """OpenAI-compatible request bodies, validated (responses: :mod:`hicache.server.responses`).
 
-Every field OpenAI defines that changes the answer is either served or refused with a 400
-naming it (``param``); so are SGLang's. Fields the bodies do not declare go through
-:mod:`hicache.server.fields`: refused when they would change the answer, accepted when they
-change nothing (what routers add), and accepted but logged once when no schema knows them,
-as clients send many optional ones. Known fields with a wrong type or value are rejected by
-pydantic, by :class:`SamplingParams` and by :meth:`Engine.validate`, all with ``param``
-set. What is refused and why: ``docs/api.md``.
-
-Extensions to OpenAI's fields (SGLang's names): ``top_k``, ``min_tokens``,
+Every field OpenAI (or SGLang) defines that changes the answer is served or refused with a
+400 naming it (``param``). Undeclared fields go through :mod:`hicache.server.fields`:
+refused when they would change the answer, accepted when they change nothing, accepted
+and logged once when no schema knows them. Wrong types or values are rejected by pydantic,
+:class:`SamplingParams` and :meth:`Engine.validate`, all with ``param`` set (what is refused
+and why: ``docs/api.md``). Extensions (SGLang's names): ``top_k``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (at most
-:data:`MAX_CACHE_SALT_CHARS` characters) and ``priority`` (a signed 64-bit int; larger =
-more important, kept on the request for the ``priority`` eviction policy). Responses carry
-SGLang's cache report: ``usage.prompt_tokens_details.cached_tokens`` and, per tier,
-``usage.cached_tokens_details`` and ``sglext.cached_tokens_details``.
+:data:`MAX_CACHE_SALT_CHARS` characters) and ``priority`` (signed 64-bit; larger = more
+important, for the ``priority`` eviction policy). Responses carry SGLang's cache report:
+``usage.prompt_tokens_details.cached_tokens`` and, per tier, ``usage.cached_tokens_details``
+and ``sglext.cached_tokens_details``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """What SGLang's router (``smg``) reads from a worker, beyond inference: who the worker is
-(``/server_info``, ``/model_info`` and their older names ``/get_server_info``,
-``/get_model_info``), how loaded it is (``/v1/loads``, ``/get_load``), and whether it can
-still generate (``/health_generate``).
+(``/server_info``, ``/model_info``, and ``/get_server_info``, ``/get_model_info``), how loaded
+it is (``/v1/loads``, ``/get_load``), and whether it can still generate
+(``/health_generate``).
 
-smg registers a worker by probing ``/v1/models``; when ``owned_by`` names no engine it
-knows, it probes ``/version`` (vLLM) and then ``/server_info`` (SGLang): answering
-``/server_info`` (and not ``/version``) is what makes it an SGLang worker, whose loads it
-then polls (``/v1/loads?include=core,disagg,queues,memory``) for its load-aware policies
-and overload protection. Fields follow SGLang's names; a field hicache has no honest value
-for is left out (smg reads a missing one as 0), never made up.
-
-Loads come from the engine's last published stats (:attr:`Engine.published_stats`, never
-a wait on the engine thread); their ``timestamp`` is when the engine read them.
-``/health_generate`` runs one greedy one-token request through the engine, first in the
-admission order, bounded by :data:`HEALTH_GENERATE_TIMEOUT_S`.
+smg registers a worker by probing ``/v1/models``, then ``/version`` (vLLM) and
+``/server_info`` (SGLang): answering ``/server_info`` (and not ``/version``) makes this an
+SGLang worker, whose loads smg then polls (``/v1/loads?include=core,disagg,queues,memory``).
+Invariants: fields follow SGLang's names, and a field hicache has no honest value for is
+left out (smg reads it as 0), never made up; loads come from the engine's last published
+stats (:attr:`Engine.published_stats`, never a wait on the engine thread), ``timestamp``
+being when the engine read them; ``/health_generate`` runs one greedy one-token request,
+first in the admission order, bounded by :data:`HEALTH_GENERATE_TIMEOUT_S`.
 """
 
 from __future__ import annotations

@@ -1,61 +1,18 @@
 """The L3 storage contract: :class:`HiCacheStorage` and its options.
 
-A backend stores one record (:mod:`hicache.storage.record`) per page key
-(:class:`hicache.keys.PageKey`) and moves pages between itself and a host (L2) pool. All
-operations are batched and page-granular. The contract:
-
-- ``batch_exists(keys) -> int``: how many keys, from the first, are present in a row.
-- ``batch_get(keys, host, pages) -> list[bool]``: read the record of ``keys[i]`` into host
-  page ``pages[i]``; True only for a page whose record passed every check. A False page's
-  host content is unspecified (it may be partly overwritten) and must not be used.
-- ``batch_set(keys, host, pages) -> SetResult``: write host page ``pages[i]`` under
-  ``keys[i]``; a key already present is skipped (``SetOutcome.SKIPPED``, counted in
-  ``SetResult.present``, not in ``written``), unless a read of this instance found its
-  record bad (below).
-- Healing (:mod:`hicache.storage.heal`): a read that finds a ``corrupt`` or ``stale``
-  record marks its key; the next write of that key overwrites the record (atomically
-  where the backend can) instead of skipping it, and counts it in
-  ``StorageStats.repaired``; a later good read of the key unmarks it. ``foreign`` records
-  (good data of another namespace, maybe) are never replaced. Backends opt in by
-  overriding ``_overwrite``; one that does not skips such keys as before.
-- Component records (``docs/l3-keys.md``), keyed under the component's namespace
-  (:meth:`allow_component`): recurrent-state snapshots go through ``batch_get_state`` /
-  ``batch_set_state``, which do the same over slots of a host
-  :class:`~hicache.memory.state_pool.StatePool`; sliding-window KV pages through
-  ``batch_get`` / ``batch_set`` with the SWA layers' own host pool.
-  ``batch_contains(keys) -> list[bool]`` looks keys up one by one (component records are
-  sparse, not a run).
-- Head records (``Namespace.records == "head"``, :mod:`hicache.storage.headio`): the
-  caller still names one key per page; ``batch_exists`` / ``batch_contains`` find a page
-  when the records of every K/V head the rank holds (:meth:`use_heads`) are present,
-  ``batch_get`` reads them into the heads' slices of each host page (a page is good only
-  when all its heads are), ``batch_set`` writes the records of the heads the rank writes
-  (:meth:`~hicache.heads.HeadSplit.writes`). Checks, healing and the get / set counters
-  work per record. Recurrent-state slots (``batch_*_state``) and components allowed with
-  ``slots=True`` stay one record per key.
-- Every operation has a deadline (``StorageOptions.timeout_s``). A backend failure or
-  timeout never raises and never hangs: it is a miss / False, a counter in :meth:`stats`
-  and a WARNING. Every public batch call is timed per operation (``exists``, ``get``,
-  ``set``): a latency histogram, stalls (at least ``StorageOptions.stall_s``) and
-  timeouts (see :mod:`hicache.storage.stats`). Only misuse raises (unstarted backend, length mismatch, a host pool that
-  does not match the namespace, pages out of range).
-- ``host_writes_settled(timeout_s) -> bool``: True once no backend call that was handed
-  host pages to write is still running, so no byte of any earlier ``batch_get`` can land
-  in any host page any more. A get that overran its deadline (its pages reported False)
-  may go on writing its pages until then, so the caller must not give those pages to
-  anyone else before this says True (quarantine them, or read into staging).
-- A set reads its pages while it runs. Only a zero-copy put that overran its deadline
-  (Mooncake) may still read them after ``batch_set`` returned; its record's header, checksum
-  included, was computed from the pages before the transfer, so a page changed meanwhile
-  leaves a record that reads ``corrupt`` (a miss, healed by the next write), never another
-  page's bytes under this key. A backend must keep that property: checksum and payload
-  from one read of the page, or the checksum first and the payload read later.
-- Lifecycle: construction does no IO and starts no thread; :meth:`start` connects,
-  :meth:`close` releases (both idempotent); also a context manager. Thread-safe: the
-  controller's prefetch and backup threads call concurrently.
-
-Subclasses implement ``_start``/``_close`` and ``_exists``/``_get``/``_set``; the public
-methods here validate, time and wrap them so that no backend exception escapes.
+A backend stores one record (:mod:`hicache.storage.record`) per page key and moves pages
+between itself and a host (L2) pool; every operation is batched and page-granular.
+Invariants: ``batch_exists`` counts present keys from the first, in a row; a page
+``batch_get`` reports False has unspecified host content; ``batch_set`` skips present keys
+unless a read found the record bad (healing, :mod:`hicache.storage.heal`). Every call has a
+deadline (``StorageOptions.timeout_s``); a backend failure or timeout never raises and never
+hangs (a miss / False, a counter, a WARNING); only misuse raises. Host pages a get handed
+out are reused only once ``host_writes_settled`` says True. A record's checksum and payload
+come from one read of the page, so a page changed under a late put reads ``corrupt``, never
+another page's bytes. Construction does no IO; ``start`` / ``close`` are idempotent; the
+prefetch and backup threads call concurrently. Subclasses implement ``_start`` / ``_close``
+/ ``_exists`` / ``_get`` / ``_set`` (``_overwrite`` to heal). Head and component records and
+the details of each rule: ``docs/architecture.md``, "The L3 storage contract".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Deadlines for blocking backend calls: a small pool of daemon worker threads.
 
-A backend whose client library may block for long (a dead master, a stalled socket) runs
-each network call through :meth:`DeadlineRunner.call`, which waits at most ``timeout_s``
-and returns a :class:`CallResult` instead of raising. A call that overruns keeps running on
-its worker (Python cannot cancel it) and is counted in :attr:`DeadlineRunner.stuck` until it
-returns; backends refuse new calls while any is stuck, so workers do not pile up behind a
-dead server. Workers are daemon threads: a call stuck forever never blocks interpreter exit.
-
-Late host writes: a call made with ``writes_host=True`` (one handed host-pool pages it
-writes into, like a zero-copy get) that overruns stays counted in
-:attr:`DeadlineRunner.stuck_host_writers` until it returns, i.e. until its last byte has
-landed; :meth:`DeadlineRunner.wait_host_writes` waits for that count to reach 0. This is
-what :meth:`hicache.storage.base.HiCacheStorage.host_writes_settled` reports.
-
-Lifecycle: nothing runs until :meth:`start`; :meth:`close` stops idle workers (stuck ones are
-abandoned). Thread-safe.
+:meth:`DeadlineRunner.call` runs a network call on a worker, waits at most ``timeout_s`` and
+returns a :class:`CallResult` instead of raising. Invariants: an overrunning call keeps
+running (Python cannot cancel it) and is counted in :attr:`DeadlineRunner.stuck` until it
+returns, and backends refuse new calls while any is stuck; one made with
+``writes_host=True`` stays counted in :attr:`DeadlineRunner.stuck_host_writers` until its
+last byte has landed (:meth:`DeadlineRunner.wait_host_writes` waits for 0: what
+:meth:`hicache.storage.base.HiCacheStorage.host_writes_settled` reports); workers are
+daemon threads, so a call stuck forever never blocks exit. Nothing runs until
+:meth:`start`; :meth:`close` stops idle workers (stuck ones are abandoned). Thread-safe.
 """
 
 from __future__ import annotations

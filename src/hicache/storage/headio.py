@@ -1,24 +1,17 @@
 """Head records: a page of a ``records="head"`` namespace as one L3 record per K/V head.
 
-The seam between one logical key per page (what the cache and the controller work with)
-and the records a backend stores (``docs/l3-keys.md``, "Head records"): page key ``k``
-maps to the records :func:`hicache.keys.head_key` ``(k, j)`` of the K/V heads ``j`` a rank
-holds, in page-major order (page 0's heads, then page 1's, ...), so a backend's run of
-present records from the first covers ``run // heads`` whole pages.
-
-Payload of head ``j``'s record: the page's values of that head alone, per kind
-concatenated in kind order (K then V), each kind in the host layout's order with the head
-dimension dropped: ``page_first`` ``(page_size, L, D)``, ``page_first_direct`` and
-``layer_first`` ``(L, page_size, D)``; ``K * L * page_size * D`` values in the pool's dtype.
-It is byte for byte the page payload of a one-head pool of that layout, so the records of
-every TP size agree.
-
-A head is a strided slice of the page in every layout, so :class:`HeadPages` is always
-staged: a set copies the pages' kinds (:func:`run_views`, windows of the pool's buffer)
-into one contiguous row per head record; a get reads the records into rows and
-:meth:`HeadPages.commit` copies back only the pages whose every head record was good.
-Both copy a run of consecutive pages (consecutive in the batch and in the pool) in one
-array operation per kind, not one per page.
+The seam between one logical key per page (what the cache and controller use) and the
+records a backend stores (``docs/l3-keys.md``, "Head records"): page key ``k`` maps to the
+records :func:`hicache.keys.head_key` ``(k, j)`` of the K/V heads ``j`` a rank holds, in
+page-major order, so a run of present records from the first covers ``run // heads`` whole
+pages. Shape of head ``j``'s payload: the page's values of that head alone, per kind (K
+then V) in the host layout's order with the head dimension dropped (``page_first``
+``(page_size, L, D)``; ``page_first_direct`` and ``layer_first`` ``(L, page_size, D)``), ``K *
+L * page_size * D`` values in the pool's dtype: byte for byte a one-head pool's page
+payload, so every TP size agrees. :class:`HeadPages` is always staged (a head is a strided
+slice of a page): a set copies each run of consecutive pages into one row per head record
+(:func:`run_views`), a get reads rows and :meth:`HeadPages.commit` copies back only pages
+whose every head record was good.
 """
 
 from __future__ import annotations

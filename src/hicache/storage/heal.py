@@ -1,37 +1,16 @@
 """Self-healing L3: which bad records a write may replace, and the keys read bad.
 
-A read that finds a record failing its checks reports a miss; left alone, that record
-would stay under its key for good: the recompute's backup finds the key present and skips
-it (``SetOutcome.SKIPPED``), so the prefix stays a miss and every later request reads the
-bad record again. So a backend instance remembers the keys its reads found *replaceable*
-(:data:`REPLACEABLE`), and its next write of such a key overwrites the record instead of
-skipping it (``HiCacheStorage._overwrite``), atomically where the backend can (a reader
-sees the old record or the new one, never neither): the page is healed by the next backup
-of it, and counted (``StorageStats.repaired``).
-
-Why overwrite-by-next-write and not delete-on-read: between a read that found a bad
-record and any action on it, another instance may have replaced it with a good one. A
-delete would destroy that good record (no backend here has a compare-and-delete that
-covers them all: Mooncake has none); an overwrite only ever puts a good record (the
-writer's own freshly computed page) in place of whatever is there, so a race costs one
-extra write of an equally good page, never a good record. A false alarm (a record read
-bad by a torn or failed transfer that is good in the store) costs the same. What it does
-not do is heal a key no instance writes again; such a key stays a counted miss, as before.
-
-Which misses are replaceable (``docs/l3-keys.md``, *Healing*):
-
-- ``corrupt``: the record fails its own integrity checks (length, magic, header size,
-  checksum). It is nobody's data; replace it.
-- ``stale``: an intact record of another spec version under a key of this version. Keys
-  carry the version (prefix and namespace digest), so no engine of any version reads a
-  record of another version under this key as data: it was planted or mis-stored. Replace.
-- ``foreign``: an intact record of *this* version whose namespace digest or token
-  fingerprint differ. It may be good data for another reader: an instance that allows a
-  tenant's namespace stamps that tenant's digest, and one that does not (yet) expects its
-  own, so the two disagree on what belongs under the same key; each overwriting the other
-  would ping-pong for ever and destroy a tenant's good records. A fingerprint mismatch is
-  a SHA-256 collision or a planted record. Never replaced: a miss, counted, as before.
-- ``absent``, ``timeout``, ``error``: nothing to heal (an absent key is written anyway).
+A backend instance remembers the keys its reads found *replaceable* (:data:`REPLACEABLE`),
+and its next write of such a key overwrites the record instead of skipping it
+(``HiCacheStorage._overwrite``, atomically where the backend can: a reader sees the old
+record or the new one), counted in ``StorageStats.repaired``; a later good read unmarks it.
+Invariants: ``corrupt`` and ``stale`` records are replaceable; ``foreign`` ones never are
+(they may be good data for another reader: a tenant's namespace, say); ``absent``,
+``timeout`` and ``error`` have nothing to heal. Nothing is ever deleted on a read: an
+overwrite only puts a good, freshly computed page in place, so a race with another
+writer costs one extra write, never a good record. A key no instance writes again stays a
+counted miss. Why overwrite and not delete, and each miss kind: ``docs/l3-keys.md``,
+"Healing".
 """
 
 from __future__ import annotations

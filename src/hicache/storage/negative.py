@@ -1,31 +1,17 @@
 """The negative lookup cache: L3 page keys the store lately did not have.
 
-A prefetch lookup asks the store for a run of page keys and learns "the first ``n`` are
-present" (:meth:`~hicache.storage.base.HiCacheStorage.batch_exists`). When ``n`` is short
-of the run, key ``n`` is absent, and so is every key chained after it until someone
-writes it. A fleet serving mostly new prompts asks for such keys again and again (every
-request that shares a prefix held in L1 alone, a burst of requests sharing a new system
-prompt, retries); this cache remembers each miss for ``ttl_s`` seconds so that the next
-lookup of a run through it asks only the keys before it, or nothing at all.
-
-Rules (the invariants the tests hold):
-
-* :meth:`NegativeCache.to_ask` of a run is the index of its first key remembered missing
-  and not older than ``ttl_s`` (the run's length when there is none): only ``keys[:i]``
-  need asking; ``i == 0`` means no store call at all.
-* :meth:`NegativeCache.missed` remembers one key, stamped with the clock now; at most
-  ``max_entries`` keys are kept, the least recently used (remembered or consulted) going
-  first.
-* :meth:`NegativeCache.forget` drops keys at once: this instance wrote them (or is about
-  to), so a lookup must ask again.
-* A miss older than ``ttl_s`` is dropped when met: another instance may have written the
-  page since, so staleness is bounded by ``ttl_s`` (and a stale miss only loses a hit; it
-  never serves bytes: reads check every record anyway).
-
-Keys are chained under their namespace (model, layout, TP shard, component, tenant salt;
-:mod:`hicache.keys`), so one map serves every namespace of an instance without mixing
-them. Pure data: no threads, no IO; the clock (seconds, monotonic) is injectable. One
-thread owns an instance (the L3 lookup thread, :mod:`hicache.controller.storage_controller`).
+When a lookup's run stops at key ``n`` (:meth:`HiCacheStorage.batch_exists`), key ``n`` and
+every key chained after it are absent until someone writes it; this cache remembers each
+miss for ``ttl_s`` seconds, so the next lookup through it asks fewer keys or none. Rules
+(the invariants the tests hold): :meth:`NegativeCache.to_ask` of a run is the index of its
+first key remembered missing within ``ttl_s`` (the run's length when none; 0: no store call);
+:meth:`NegativeCache.missed` stamps one key with the clock now, at most ``max_entries`` kept
+(least recently remembered or consulted first out); :meth:`NegativeCache.forget` drops keys
+at once (this instance wrote them, or is about to); a miss older than ``ttl_s`` is dropped
+when met, so staleness is bounded by ``ttl_s`` and a stale miss only loses a hit, never
+serves bytes. Keys are chained under their namespace, so one map serves every namespace.
+Pure data: no threads, no IO; the clock (monotonic seconds) is injectable. One thread owns
+an instance (the L3 lookup thread, :mod:`hicache.controller.storage_controller`).
 """
 
 from __future__ import annotations

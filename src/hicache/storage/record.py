@@ -1,47 +1,17 @@
 """The L3 page record: a 64-byte header followed by the page payload.
 
-Header (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
-
-    offset size field
-         0    4 magic             b"HCR1"
-         4    2 record version    RECORD_VERSION (3, the key spec version)
-         6    2 header size       64
-         8   32 namespace digest  Namespace.digest of the writer
-        40    8 token fingerprint PageKey.fingerprint of the page
-        48    8 payload length    bytes, u64
-        56    8 checksum          xxh3_64 of header[0:56] followed by the payload, u64
-
-The checksum covers the header fields too, so a flipped header bit reads as ``corrupt``;
-a record that passes the checksum but is of another version is ``stale`` (a flipped
-version bit fails the checksum: ``corrupt``); one that passes but carries another
-namespace digest or token fingerprint is ``foreign``. Checks run in this order: total
-length, magic, header size, payload length, checksum, version, namespace digest, token
-fingerprint.
-
-Payload of a full-KV record (``HostPool.page_bytes`` bytes): the page over all layers and
-kinds, in the host layout's own order, kind slabs concatenated (K then V for MHA):
-
-- ``page_first``: per kind ``(page_size, L, H, D)``, i.e. ``(K, page_size, L, H, D)``;
-- ``page_first_direct``: per kind ``(L, page_size, H, D)``, i.e. the canonical
-  ``(K, L, page_size, H, D)``;
-- ``layer_first``: the canonical ``(K, L, page_size, H, D)`` (a staged copy).
-
-So the payload is exactly ``HostPool.page_view(page)`` concatenated where a view exists
-(zero-copy), and the byte order depends on the layout; the namespace pins the layout, so a
-reader never meets another layout's payload.
-
-Under a ``records="head"`` namespace a page is one record per K/V head, each payload the
-head's values alone in the same orders with the head dimension dropped
-(:mod:`hicache.storage.headio`).
-
-Payload of a component record (``"mamba"``: one recurrent-state snapshot,
-``SnapshotSpec.slot_bytes`` bytes): per state tensor in spec order, the slot's ``(L, *shape)``
-values in the tensor's dtype, C order, whatever the host layout (see
-:mod:`hicache.storage.slotio`).
-
-Checksum choice: xxh3_64 runs at tens of GB/s on one core here, against about 6 GB/s for
-xxh64, 2.5 GB/s for CRC-32 and about 1 GB/s for SHA-256 or BLAKE2b (1 MiB buffers), so it
-adds little to a page copy. It detects corruption, not tampering.
+Header (little-endian, :data:`HEADER_SIZE` = 64 bytes): magic ``b"HCR1"`` (4), record
+version ``RECORD_VERSION`` (2), header size (2), the writer's namespace digest (32), the
+page's token fingerprint (8), payload length in bytes (8), and an xxh3_64 checksum (8) of
+header[0:56] followed by the payload. Checks, in order: total length, magic, header size,
+payload length, checksum, version, namespace digest, token fingerprint; a failed check
+is a miss (``corrupt`` up to the checksum, ``stale`` for another version, ``foreign`` for
+another digest or fingerprint), never data. Payload: a full-KV page is
+``HostPool.page_bytes`` bytes in the host layout's own order (kind slabs concatenated, K
+then V), the namespace pinning the layout; under ``records="head"`` one record per K/V head
+(:mod:`hicache.storage.headio`); a ``"mamba"`` record is one snapshot slot
+(:mod:`hicache.storage.slotio`). The format, per-layout byte orders and the checksum
+choice: ``docs/l3-keys.md``, "Records".
 """
 
 from __future__ import annotations

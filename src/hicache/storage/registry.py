@@ -1,26 +1,17 @@
 """Backend registry and the one parse step of a backend's extra config.
 
-Built-in names: ``file`` (default), ``memory`` (fake, for tests), ``redis``, ``mooncake``,
-``aibrix`` (AIBrix KVCache), ``nixl`` (NIXL's POSIX plugin over record files; modules
-under :mod:`hicache.storage.backends`). Their modules are imported only when
-used, so a missing optional client package only matters to the backend that needs it.
-A custom backend is ``package.module:Class`` (a :class:`HiCacheStorage` subclass) or a
-factory given to :func:`register_backend`.
-
-The engine's ``--hicache-storage-backend-extra-config`` is JSON text or ``@path/to.json``
-(:func:`parse_extra_config`). :meth:`StorageConfig.parse` splits and validates it once:
-keys ``timeout_s``, ``connect_timeout_s`` and ``max_batch_pages`` set
-:class:`~hicache.storage.base.StorageOptions` for any backend; prefetch keys
-(``hicache.config.PREFETCH_KEYS``) are handed over untouched; the rest are the backend's,
-validated by its ``parse_extra_config`` (an unknown key is refused naming the key, its
-value and every accepted key). The engine calls::
-
-    storage = storage_config_from_args(args.hicache_storage_backend,
-                                       args.hicache_storage_backend_extra_config)
-    # None: no L3; ValueError: bad flags (extra config without a backend included)
-    ...
-    prefetch = storage.prefetch_config(args.hicache_storage_prefetch_policy)
-    backend = storage.create(namespace)  # unstarted
+Built-in names: ``file`` (default), ``memory`` (tests), ``redis``, ``mooncake``, ``aibrix``,
+``nixl`` (:mod:`hicache.storage.backends`), each module imported only when used, so a
+missing optional client matters only to its backend. A custom backend is
+``package.module:Class`` (a :class:`HiCacheStorage` subclass) or a factory given to
+:func:`register_backend`. The extra config is JSON text or ``@path/to.json``
+(:func:`parse_extra_config`); :meth:`StorageConfig.parse` splits and validates it once:
+``timeout_s``, ``connect_timeout_s`` and ``max_batch_pages`` set
+:class:`~hicache.storage.base.StorageOptions`, prefetch keys
+(``hicache.config.PREFETCH_KEYS``) pass untouched, the rest go to the backend's
+``parse_extra_config`` (an unknown key is refused naming it and every accepted key). Use:
+``storage_config_from_args(backend, extra)`` (None: no L3; ValueError: bad flags), then
+``storage.prefetch_config(policy)`` and ``storage.create(namespace)`` (unstarted).
 """
 
 from __future__ import annotations

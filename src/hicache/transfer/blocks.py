@@ -1,19 +1,13 @@
 """CPU block copies by address: one libc ``memmove`` per contiguous block of an op.
 
-A layer-wise load at page 64 moves one contiguous block per (page, kind) on both sides for
-``layer_first`` and ``page_first_direct`` hosts (``ps x H x D`` elements: 128 KiB for 8 x 128
-fp16 heads). Through torch each block is a ``copy_`` whose TensorIterator set-up and
-intra-op thread hand-off cost about as much as moving 128 KiB, and on a loaded 2-core host
-the hand-off stalls whenever the other core is busy. A ``memmove`` per block costs under a
-microsecond of Python and releases the GIL; batches of them are the work units of the
-copy threads (:mod:`hicache.transfer.workers`). Measured in one
-run with ``hicache bench transfer`` (page 64, 256 MiB ops, 2-vCPU VM): ``page_first_direct``
-load 0.6 -> 0.9-1.0x of a contiguous copy (see docs/benchmarks/transfer.md).
-
-Offsets are computed once per op (:class:`BlockPlan`, int64 torch arithmetic) and the layer
-adds one constant per side. Safety rests on the op's validation: pages are in range, so
-every block lies inside its (contiguous, live) pool buffer; :func:`copy_blocks` checks the
-buffers are contiguous CPU tensors and the extreme blocks are in bounds before copying.
+For ``layer_first`` and ``page_first_direct`` hosts a layer-wise load moves one contiguous
+block per (page, kind) on both sides (``ps x H x D`` elements). Offsets are computed once
+per op (:class:`BlockPlan`, int64 torch arithmetic) and the layer adds one constant per
+side; batches of ``memmove`` calls (GIL released) are the work units of
+:mod:`hicache.transfer.workers`. Safety rests on the op's validation (pages in range, so
+every block lies inside its contiguous, live pool buffer); :func:`copy_blocks` also checks
+the buffers are contiguous CPU tensors and the extreme blocks are in bounds. Why by address
+and what it gains: ``docs/architecture.md``, "Copies between L1 and L2".
 """
 
 from __future__ import annotations

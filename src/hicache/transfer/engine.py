@@ -1,26 +1,15 @@
 """TransferEngine: a few worker threads that run device <-> host page copies.
 
 The owner (the cache controller) submits ops and later drains :class:`Completion` records
-(from the engine's own queue, or from the ``sink`` it was given: the cache's one
-completion queue); the workers touch nothing but the two pools, the op's
-:class:`LayerProgress` and the completion queue. Page lists are snapshotted at submit time
-(copied to CPU int64), so the caller may reuse its tensors at once; the *pages* themselves
-must stay owned by the op (not freed or rewritten) until its completion is drained.
-
-Order: ops start in submission order, except that an op may start while earlier ops are
-still running (or queued) when it shares no page with any of them that either writes: a
-load (H -> D) writes its device pages and reads its host pages, a backup (D -> H) the other
-way round. So two loads into different device pages run at once (a second request's load
-is not held behind the first one's layers), and a load of host pages an earlier backup is
-still writing waits for that backup, as if the queue were FIFO. At most ``workers`` ops run
-at once (default 4); an op that must wait holds back nothing that does not depend on it.
-
-CUDA: each worker copies on its own side stream. At submit time an event is recorded on
-the submitting thread's current stream and the worker's stream waits on it before the op
-starts, so a backup reads device pages only after the kernels that wrote them, and a load
-writes device pages only after earlier work queued on that stream. A load records one
-event per layer (see :class:`LayerProgress`). An op's completion is posted only after its
-side-stream work has finished.
+(from the engine's own queue, or the ``sink`` it was given); the workers touch nothing but
+the two pools, the op's :class:`LayerProgress` and the completion queue. Invariants: page
+lists are snapshotted at submit (CPU int64), but the pages stay owned by the op until its
+completion is drained; an op starts before earlier ones end only when it shares no written
+page with them (a load writes device pages, a backup host pages), else it waits as if the
+queue were FIFO; at most ``workers`` ops run at once (default 4). CUDA: each worker copies
+on its own side stream, ordered after the submitting stream by an event; a load records
+one event per layer; an op's completion is posted only after its side-stream work
+finished. The ordering argued: ``docs/architecture.md``, "Copies between L1 and L2".
 """
 
 from __future__ import annotations

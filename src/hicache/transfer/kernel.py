@@ -1,45 +1,18 @@
 """KernelCopier: vectorized copies over all pages of an op.
 
-CPU (device pool in RAM). Two strategies, picked per op by :meth:`KernelCopier.strategy`
-from the sizes involved (measured with ``python -m hicache.bench.transfer``):
-
-- ``slabs``: each run of pages consecutive on both sides becomes one strided view pair
-  (all layers of the run for a backup; a group of adjacent layers for a load, in
-  :data:`PAGE_FIRST_LOAD_STEPS` groups). Where they run is :data:`CpuCopy`: on a quiet
-  host all of an op's (or a group's) views go to torch in one ``torch._foreach_copy_``
-  on the caller's thread (torch's OpenMP team); on a busy one they go, in units of a few
-  MiB, to the serial copy threads of :mod:`hicache.transfer.workers` (each thread claims
-  the next unit; no OpenMP barrier per copy), and ``layer_first`` / ``page_first_direct``
-  loads, whose (page, layer, kind) blocks are contiguous on both sides, copy those by
-  address with ``memmove`` (:mod:`hicache.transfer.blocks`) on the same threads, layer by
-  layer. Used when a view moves >= ``slab_min_bytes`` on average.
-- ``rows``: smaller views (loads at page size <= 8 here): one ``index_select`` + ``index_copy_``
-  over the buffers viewed as 2-D row matrices (see :mod:`hicache.transfer.rows`).
-
-What bounds the CPU path is copy granularity, not Python: one torch ``copy_`` per block
-reaches ~0.35x of a 256 MiB memcpy for 32 KiB blocks, ~0.5x for 128 KiB (one 64-token
-page of one layer of a 8 x 128 fp16 head) and ~0.9x for >= 2 MiB. A page-64 backup moves
-whole pages (all layers) per view and gets ~0.8-0.9x; a layer-wise load moves 128 KiB
-blocks (``page_first``: 2 KiB rows 64 KiB apart) and gets ~0.65-0.8x (``page_first``
-the lowest: one core moves its rows at ~0.77 of a contiguous copy). The pools' huge
-pages (:mod:`hicache.memory.hugepages`) cut the TLB misses of both. Tried and dropped
-(docs/benchmarks/transfer.md has the figures): per-kind serial views, two-pass gathers through a
-staging buffer (whole layer or cache-sized chunks), numpy copies, ``memmove`` of backups.
-
-CUDA: with Triton installed and the host pool pinned, one launch per layer (load) or per
-op (backup) of :mod:`hicache.transfer.uva`'s kernel, which reads or writes the pinned host
-pages through their device-visible addresses (checked once per device by a probe copy;
-the DMA path below otherwise). The DMA path: torch indexing on the GPU does the
-gather/scatter and the host side moves in as few DMAs as the layout allows.
-
-- backup: gather the pages' rows on the GPU into a staging tensor in host-layout order,
-  then one async DMA per run of consecutive host pages (per kind; per kind and layer for
-  ``layer_first``). If those ranges are small (< ``dma_min_bytes``), the staging tensor
-  goes to a pinned buffer in one DMA, the stream is synchronized and the CPU scatters it.
-- load_layer: ``layer_first`` / ``page_first_direct`` with large blocks DMA each host block
-  into a device staging tensor; otherwise (``page_first``, whose per-layer host rows are
-  strided, or small blocks) the CPU gathers the layer into a pinned staging buffer sent in
-  one DMA. Then one GPU ``index_copy_`` scatters the staging rows into the device pool.
+CPU (device pool in RAM): :meth:`KernelCopier.strategy` picks per op, from the sizes
+involved, ``slabs`` (one strided view pair per run of pages consecutive on both sides: all
+layers for a backup, :data:`PAGE_FIRST_LOAD_STEPS` groups of layers for a load; run as
+:data:`CpuCopy` says, on torch's OpenMP team or on the serial copy threads of
+:mod:`hicache.transfer.workers`, contiguous blocks by address with
+:mod:`hicache.transfer.blocks`) when a view moves >= ``slab_min_bytes`` on average, else
+``rows`` (one ``index_select`` + ``index_copy_`` over 2-D row views,
+:mod:`hicache.transfer.rows`). CUDA: the UVA kernel (:mod:`hicache.transfer.uva`) when
+Triton is installed, the host pool pinned and the probe passed; else the DMA path (GPU
+gather/scatter through a staging tensor, as few DMAs as the layout allows, small ranges
+through one pinned buffer: ``dma_min_bytes``). Copies are byte-exact whatever the path.
+Why these strategies and what they reach: ``docs/architecture.md``, "Copies between L1
+and L2".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Page copies between the device pool and pinned host memory in one kernel launch (Triton).
 
-Pinned host memory has a device-visible address (unified virtual addressing), so a kernel
-on the GPU can read or write it directly. :func:`copy_pages` copies whole pages of some
-layers from one pool to another in one launch: one program per (page pair, kind, layer)
+:func:`copy_pages` copies whole pages of some layers from one pool to another through
+pinned host memory's device-visible address: one program per (page pair, kind, layer)
 moves the page's ``page_size`` rows of ``H x D`` values as integer words (byte-exact), for
-any pair of layouts, so a layer-wise load (host -> device, one layer) or a backup (device
--> host, all layers) is one launch instead of one DMA per contiguous block.
-
-Row addressing (rows of one (kind, layer, token), as in :mod:`hicache.transfer.rows`): the
-row of kind ``k``, page ``p``, layer ``l`` and offset ``j`` in the page is
-``k * RK + p * RP + l * RL + j * RJ`` with, for ``K`` kinds, ``L`` layers, ``S`` slots and
-``P`` pages of ``ps`` tokens:
-
-=====================  ===========  =========  =====  =====
-layout                 RK           RP         RL     RJ
-=====================  ===========  =========  =====  =====
-``layer_first``        ``L * S``    ``ps``     ``S``  1
-``page_first``         ``S * L``    ``ps * L`` 1      ``L``
-``page_first_direct``  ``P*L*ps``   ``L * ps`` ``ps`` 1
-=====================  ===========  =========  =====  =====
-
-With ``TRITON_INTERPRET=1`` the kernel also runs on CPU tensors (the tests); on CUDA it
-needs the host side pinned. :func:`uva_usable` checks once per device, by a probe copy
-compared byte for byte, that the kernel runs there; a copier falls back to its DMA path
-when it does not.
+any pair of layouts. Row addressing (as in :mod:`hicache.transfer.rows`): the row of kind
+``k``, page ``p``, layer ``l``, offset ``j`` is ``k * RK + p * RP + l * RL + j * RJ``, with
+``K`` kinds, ``L`` layers, ``S`` slots, ``P`` pages of ``ps`` tokens:
+``layer_first`` ``RK = L * S``, ``RP = ps``, ``RL = S``, ``RJ = 1``; ``page_first``
+``RK = S * L``, ``RP = ps * L``, ``RL = 1``, ``RJ = L``; ``page_first_direct``
+``RK = P * L * ps``, ``RP = L * ps``, ``RL = ps``, ``RJ = 1``.
+On CUDA the host side must be pinned; :func:`uva_usable` checks once per device, by a probe
+copy compared byte for byte, that the kernel runs there (a copier falls back to its DMA
+path otherwise). With ``TRITON_INTERPRET=1`` it also runs on CPU tensors (the tests).
 """
 
 from __future__ import annotations

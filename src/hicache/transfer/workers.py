@@ -1,22 +1,14 @@
 """CPU copy threads: torch copies run serially on hand-made threads, work claimed dynamically.
 
 A CPU load is cut into *steps* (a layer or a group of layers, reported in order) of
-*units* (a few MiB of copies each: a ``memmove`` batch or one serial torch copy call).
+*units* (a few MiB of copies: a ``memmove`` batch or one serial torch copy call).
 :func:`run_steps` hands every unit to a shared pool of ``torch.get_num_threads()`` copy
-threads; each thread claims the next unclaimed unit, so a thread that gets less of its core
-(a busy neighbour, or torch's OpenMP worker still spinning after the last parallel region
-for up to ~7 ms here) takes fewer units instead of holding the others at a barrier. The
-caller only waits and reports each step once all its units have landed.
-
-The copy threads run torch ops **serially**: each sets its own OpenMP thread count to 1
-(libgomp's per-thread ``nthreads`` ICV, through ctypes, on the libgomp torch loaded), so a
-``copy_`` there never opens an OpenMP team and never waits for another core. Why: a chain of
-torch copies on the caller's thread is one OpenMP region per copy, each ending at a barrier
-of both threads; on this 2-vCPU VM with other jobs running that chain of ``page_first``
-strided copies fell to 0.07-0.23x of a contiguous copy while the same copies on two serial
-threads ran at 1.5-1.9x of it (docs/benchmarks/transfer.md, "Page-first loads (issue 27)").
-Where libgomp is not torch's OpenMP runtime (or absent), :func:`serial_torch_threads` is
-False and callers keep torch copies on the caller's thread.
+threads; each claims the next unclaimed unit, and the caller reports a step once all its
+units have landed. Each copy thread sets its own OpenMP thread count to 1 (libgomp's
+per-thread ``nthreads`` ICV, through ctypes), so a ``copy_`` there never opens an OpenMP
+team. Where libgomp is not torch's OpenMP runtime (or absent),
+:func:`serial_torch_threads` is False and callers keep torch copies on the caller's thread.
+Why: ``docs/architecture.md``, "Copies between L1 and L2".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The extra components' values in the tree: assign, place at insert, plan hits, evict.
 
-:class:`ExtraComponents` works the same way for every extra component (sliding window,
-Mamba state, ...) through the :class:`~hicache.tree.components.TreeComponent` contract;
-the full component's values change through the node store (``assign_device``, the
-tree's ``evict_*``), which keeps the page counters. Pure Python, like the rest of the tree.
-
-What the owner does with these (the cache facade), per extra component ``c``:
-
-* after an L1 hit is admitted: pin (the tree's ``inc_lock_ref`` pins ``c``'s hit span);
-  :meth:`ExtraComponents.hit_ids` gives the L1 ids the model reads;
-* load back of a hit at ``b`` (after the full pages are assigned):
-  :meth:`~ExtraComponents.component_load_nodes` lists the nodes whose ``c`` value must be
-  copied L2 -> L1; allocate, copy, :meth:`~ExtraComponents.assign_component` on L1;
-* backup of a path ending at ``b`` (after the full host pages are assigned):
-  :meth:`~ExtraComponents.component_backup_nodes` lists what to copy L1 -> L2; allocate,
-  copy, assign;
-* ``c``'s pool is short: walk :meth:`~ExtraComponents.component_eviction_order` and
-  :meth:`~ExtraComponents.evict_component` until enough ids are free; the node (and its
-  full KV) stays.
+:class:`ExtraComponents` works the same way for every extra component through the
+:class:`~hicache.tree.components.TreeComponent` contract; the full component's values
+change through the node store (which keeps the page counters). Pure Python. What the owner
+(the cache facade) does with it, per extra component ``c``: after an L1 hit, pin it and read
+:meth:`~ExtraComponents.hit_ids`; on a load back, copy the nodes of
+:meth:`~ExtraComponents.component_load_nodes` L2 -> L1 and
+:meth:`~ExtraComponents.assign_component`; on a backup, the same with
+:meth:`~ExtraComponents.component_backup_nodes` L1 -> L2; when ``c``'s pool is short, walk
+:meth:`~ExtraComponents.component_eviction_order` and
+:meth:`~ExtraComponents.evict_component` (the node and its full KV stay). Invariant: load
+back and backup run after the full pages are assigned.
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
 """HiRadixTree: one radix tree recording which tier (L1 device, L2 host) holds each page.
 
-The tree stores metadata only: page ids into the device and host pools, pins and access
-statistics. It never allocates, copies or frees memory; the owner (the cache facade) does,
-and tells the tree through the methods here. Pure Python: no torch, no threads, no IO.
-
-Invariants (checked by :meth:`HiRadixTree.check_integrity`):
-
-* every non-root node spans a whole, non-zero number of pages and sits in its parent's
-  ``children`` under the bytes of its first page;
-* every non-root node is held by at least one tier (``device`` or ``host`` is not None);
-* contiguity: a node has a device copy only if its parent has one, and a host copy only if
-  its parent has one; so along any root-to-leaf path the device-resident part is a prefix,
-  then comes a host-only part, then nothing;
-* ``lock_ref`` and ``host_ref`` are path-wise pins: a node's count is at least the sum of
-  its children's; every page id is owned by one node only.
-
-Components (hybrid models): full-attention KV is the base component (``device`` /
-``host``); extra components (:mod:`hicache.tree.components`: sliding window, Mamba
-state) keep their values in ``node.extra`` and follow the contract there: a match ends
-only at a node every component's validator accepts, a split moves every component's
-values, pins pin every component's hit span, evicting a node's full KV from a tier drops
-its extra values in that tier (:meth:`HiRadixTree.evict_node_device`), and each extra
-component is evicted on its own under its own pool's budget
-(:meth:`HiRadixTree.component_eviction_order`).
-
-The class is a facade: each method hands over to the part that owns its concept, every
-part working on the same :class:`~hicache.tree.store.NodeStore` (nodes, tenant roots,
-clock, splits, page counters, full-KV tier changes):
-
-* :class:`~hicache.tree.paths.Paths`: path walks, and boundaries (splits) on a path;
-* :class:`~hicache.tree.match.Matcher`: the one walk down a key (used by matches and
-  inserts alike) and where a match may end on it;
-* :class:`~hicache.tree.insert.Inserter`: inserts of L1 pages and of fetched L2 pages;
-* :class:`~hicache.tree.pins.Pins`: ``lock_ref`` / ``host_ref`` along paths;
-* :class:`~hicache.tree.eviction.Eviction`: eviction orders and node evictions per tier;
-* :class:`~hicache.tree.extras.ExtraComponents`: the extra components' values, hit
-  plans and own eviction.
+Metadata only (page ids into the device and host pools, pins, access statistics): it never
+allocates, copies or frees memory; the owner (the cache facade) does and tells the tree.
+Pure Python: no torch, no threads, no IO. Invariants (:meth:`HiRadixTree.check_integrity`):
+every non-root node spans a whole, non-zero number of pages, sits in its parent's
+``children`` under the bytes of its first page, and is held by at least one tier;
+contiguity: a node has a device (host) copy only if its parent has one, so along a path
+the device-resident part is a prefix, then a host-only part, then nothing; ``lock_ref`` and
+``host_ref`` are path-wise pins (a node's count >= the sum of its children's); every page id
+is owned by one node only. Extra components (:mod:`hicache.tree.components`) keep their
+values in ``node.extra``: a match ends only where every validator accepts, a split moves
+every component's values, evicting a node's full KV from a tier drops its extras there,
+and each extra component is evicted under its own budget. The class is a facade over parts
+sharing one :class:`~hicache.tree.store.NodeStore` (``docs/architecture.md``, Modules).
 """
 
 from __future__ import annotations

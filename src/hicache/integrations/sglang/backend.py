@@ -1,45 +1,18 @@
 """``HiCacheL3``: hicache's L3 as an SGLang ``HiCacheStorage`` backend.
 
-SGLang loads it, unmodified, with::
-
-    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-      '{"backend_name": "hicache", "module_path": "hicache.integrations.sglang",
-        "class_name": "HiCacheL3", "interface_v1": 1, "hicache_backend": "file",
-        "file_path": "/data/hicache"}'
-
-Its ``StorageBackendFactory`` calls ``HiCacheL3(storage_config, kwargs)``, then
-``register_mem_pool_host(pool)`` (and, for hybrid models, ``register_mem_host_pool_v2``
-per side pool). Construction validates the extra config
-(:class:`~hicache.integrations.sglang.settings.SGLangL3Settings`: unknown backend or key
--> ValueError naming it and the choices) and does no IO; registration checks the pool
-(a layout or dtype that cannot be stored -> ValueError naming it), builds the
-namespace (:mod:`~hicache.integrations.sglang.namespace`) and the hicache backend, and
-starts it.
-
-Every page is a hicache record (checksum, namespace digest, fingerprint) through the
-hicache backend's own checks, deadline (``timeout_s``), counters and healing: a corrupt,
-foreign or stale record, a timeout or a store that is down is a miss (False / None /
-0), never an exception into SGLang. A backend that could not start at registration is
-retried at most every :data:`RETRY_START_S` seconds; calls until then are misses. With
-``is_storage_writer`` False (MLA ranks other than the writer) this instance never
-writes: set calls report success (the writer rank stores the page, as SGLang's hf3fs
-backend does) without touching the store.
-
-Zero-copy both ways: a get writes records' payloads straight into SGLang's host pages and
-a set reads them in place; Mooncake registers SGLang's ``kv_buffer`` once and moves the
-bytes by address (:class:`~hicache.integrations.sglang.pages.ByteParts`), the file backend
-reads and writes the pages' views.
-
-Late writes: SGLang frees and reuses the host pages of a read that failed at once, so a
-get that overran its deadline (a Mooncake transfer still running) would write into another
-request's KV. Registration installs a
-:class:`~hicache.integrations.sglang.quarantine.HostQuarantine` on the pool: the pages a get
-reported False for while the backend is not ``host_writes_settled`` are held, and SGLang's
-``free`` of them is deferred until it is, so they cannot be reallocated before the
-transfer has returned. This holds for any backend that reports its late writes through
-``host_writes_settled`` (Mooncake, NIXL, hicache's ``memory`` backend in its late-read
-test mode); one that writes host pages only on the calling thread (file, Redis) never
-holds a page.
+SGLang loads it, unmodified, with ``--hicache-storage-backend dynamic`` and the extra config
+``{"backend_name": "hicache", "module_path": "hicache.integrations.sglang", "class_name":
+"HiCacheL3", "interface_v1": 1, "hicache_backend": "file", ...}``; its factory calls
+``HiCacheL3(storage_config, kwargs)``, then ``register_mem_pool_host(pool)`` (and
+``register_mem_host_pool_v2`` per side pool of a hybrid model). Construction validates the
+config (:class:`~hicache.integrations.sglang.settings.SGLangL3Settings`) and does no IO;
+registration checks the pool, builds the namespace and the hicache backend, and starts it.
+Invariants: every page is a checked hicache record, and a bad record, a timeout or a store
+that is down is a miss (False / None / 0), never an exception into SGLang; a backend that
+could not start is retried at most every :data:`RETRY_START_S` s; with ``is_storage_writer``
+False nothing is written (sets report success); pages a get reported False for are held
+by a :class:`~hicache.integrations.sglang.quarantine.HostQuarantine` until the backend is
+``host_writes_settled``. Zero-copy, late writes, side pools: ``docs/integrations.md``.
 """
 
 from __future__ import annotations

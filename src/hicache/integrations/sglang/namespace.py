@@ -1,24 +1,16 @@
 """The hicache namespace of an SGLang host pool, and SGLang page hashes as hicache keys.
 
-Normative text: docs/l3-keys.md, "Keys for SGLang pages". In short:
-
-- :func:`sglang_namespace`: ``model`` (SGLang's ``model_name`` or ``hicache_model``),
-  ``weights_fingerprint``, the pool's dtype, ``page_size``, ``tp_size`` / ``tp_rank``
-  (rank-replicated MLA: ``None`` / 1), component ``"full"``, no tenant salt (SGLang folds
-  ``cache_salt`` into its own page hashes), and ``engine_layout`` =
-  ``"sglang:<layout>"`` plus ``";pp=<rank>/<size>"`` and ``";cp=<rank>/<size>"`` when
-  pipeline / attention context parallelism shard the page, and
-  ``";groups=<n>;v=<version>"`` for ``page_unified``. ``layout`` is hicache's layout of
-  the same name, or ``page_first_direct`` for SGLang's other page-block layouts
-  (``page_head``, ``page_unified``).
-- :func:`sglang_page_key`: ``h = sha256(namespace digest || utf8(sglang key))``, key
-  ``"hc3-" + hex(h)``, fingerprint = the first 8 bytes of ``sha256(utf8(sglang key))``.
-- :func:`side_namespace`: a v2 side pool (``mamba``, ``swa``, ``indexer``, ...) keys its
-  records under the KV namespace with ``component`` = the pool's name and
-  ``engine_layout`` extended by ``";pool=<class>/<layout>/<dtype>"``; the rank is pinned
-  (even for MLA) for ``mamba``, whose state is TP-sharded.
-
-Pure: no sglang import, no IO.
+Normative text: ``docs/l3-keys.md``, "Keys for SGLang pages". :func:`sglang_namespace`:
+``model`` (SGLang's ``model_name`` or ``hicache_model``), ``weights_fingerprint``, the pool's
+dtype, ``page_size``, ``tp_size`` / ``tp_rank`` (rank-replicated MLA: ``None`` / 1), component
+``"full"``, no tenant salt (SGLang folds ``cache_salt`` into its hashes), ``layout`` (hicache's
+of the same name, else ``page_first_direct``) and ``engine_layout`` ``"sglang:<layout>"`` (plus
+``;pp=``, ``;cp=`` and, for ``page_unified``, ``;groups=<n>;v=<version>``).
+:func:`sglang_page_key`: ``"hc3-" + hex(sha256(namespace digest || utf8(sglang key)))``,
+fingerprint the first 8 bytes of ``sha256(utf8(sglang key))``. :func:`side_namespace`: a v2
+side pool's records under the KV namespace with ``component`` = the pool's name and
+``;pool=<class>/<layout>/<dtype>`` appended; ``mamba`` pins the rank even for MLA (its
+state is TP-sharded). Pure: no sglang import, no IO.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Record payloads over SGLang host-pool pages (:class:`~hicache.storage.pageio.Payloads`).
 
-The payload of an SGLang KV page is exactly the bytes of SGLang's
-``host_pool.get_data_page(i, flat=True)`` for the pool's layout (``page_unified``,
-which has no flat page: its page block): per kind (K then V; MLA's one latent) the
-page in the layout's own order. So the zero-copy calls (``batch_get_v1`` /
-``batch_set_v1``) and the legacy copying calls (``get`` / ``set`` of flat pages) read and
-write the same records.
-
-- :class:`KVPoolGeometry` is checked once, when SGLang registers the pool: a
-  contiguous CPU ``kv_buffer``, a layout this integration knows, one page's parts from
-  SGLang's own ``get_page_buffer_meta`` inside the buffer and adding up to a page.
-- :meth:`KVPoolGeometry.page_parts` turns a call's ``host_indices`` into ``(offset,
-  nbytes)`` ranges of the buffer per page, from the pointers and sizes SGLang's
-  ``get_page_buffer_meta`` gives (offsets into the buffer's storage; ``layer_first`` MHA
-  reordered from (layer, kind) to (kind, layer)); :class:`ByteParts` exposes them as
-  zero-copy byte views into the pool, and their addresses in ``kv_buffer`` (which an
-  address-based backend such as Mooncake registers: no staging copy either way).
-- :class:`FlatPages` serves v2 side pools (Mamba state, SWA, indexer) through the
-  pool's ``get_data_page`` / ``set_from_flat_data_page``: a set copies each page out, a
-  get fills a staging buffer and :meth:`FlatPages.commit` writes the good pages in.
-
-No sglang import: pools are duck-typed (the attributes named here).
+An SGLang KV page's payload is exactly the bytes of ``host_pool.get_data_page(i,
+flat=True)`` for the pool's layout (``page_unified``: its page block): per kind (K then V;
+MLA's one latent) the page in the layout's own order, so the zero-copy (``batch_*_v1``)
+and the copying calls read and write the same records. :class:`KVPoolGeometry` is checked
+once, at registration (a contiguous CPU ``kv_buffer``, a known layout, a page's parts from
+SGLang's ``get_page_buffer_meta`` inside the buffer and adding up to a page);
+:meth:`KVPoolGeometry.page_parts` turns ``host_indices`` into ``(offset, nbytes)`` ranges
+per page (``layer_first`` MHA reordered from (layer, kind) to (kind, layer));
+:class:`ByteParts` exposes them as zero-copy byte views and addresses in ``kv_buffer``.
+:class:`FlatPages` serves v2 side pools through ``get_data_page`` /
+``set_from_flat_data_page`` (a get stages, :meth:`FlatPages.commit` writes the good pages).
+No sglang import: pools are duck-typed.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """A quarantine for SGLang host pages that a read may still write after it returned.
 
-SGLang frees the host pages of a failed or partial prefetch read at once
-(``mem_pool_host.free``) and hands them to the next allocation. A zero-copy get that
-overran its deadline (Mooncake, over the pool's registered ``kv_buffer``) goes on writing
-those pages until its transfer returns, which would change another request's KV.
-:class:`HostQuarantine` closes that hole without staging:
-
-- :meth:`HostQuarantine.hold` marks the host token indices a get reported False for while
-  the backend says a late write may still land (``host_writes_settled(0)`` is False).
-- It replaces the pool's ``free`` and ``alloc`` on the instance (SGLang calls them through
-  the instance, from its scheduler and cache-controller threads): a ``free`` of held
-  indices frees the others at once and defers those, which stay allocated in SGLang's
-  eyes (``slot_used``), so no ``alloc`` can hand them out.
-- :meth:`HostQuarantine.settle` (run at every ``free``, ``alloc`` and get) asks the backend
-  again; once it is settled no earlier get can write any page, so every deferred index is
-  freed and every hold dropped.
-
-Invariant: an index held is never in the pool's free list until the backend reported
-settled after the hold. A page SGLang never frees while held needs nothing: the hold is
-just dropped at settle. The pool's own lock is taken inside this one's, never the other
-way (``available_size`` is not wrapped: SGLang's ``alloc`` calls it under the pool lock).
-
-Under tensor parallelism, a quarantine makes one rank's host pool show fewer free pages
-than the others' until it settles (only after a get overran its deadline on that rank).
-
-No sglang import: the pool is duck-typed (``free(indices) -> int``, ``alloc(n)``).
+SGLang frees the host pages of a failed prefetch read at once, while a zero-copy get that
+overran its deadline may still write them. :class:`HostQuarantine` replaces the pool's
+``free`` and ``alloc`` on the instance: :meth:`~HostQuarantine.hold` marks the host token
+indices a get reported False for while ``host_writes_settled(0)`` is False; a ``free`` of
+held indices defers those (they stay allocated in SGLang's eyes, ``slot_used``);
+:meth:`~HostQuarantine.settle` (at every ``free``, ``alloc`` and get) frees every deferred
+index and drops every hold once the backend is settled. Invariants: an index held is never
+in the pool's free list until the backend reported settled after the hold; the pool's own
+lock is taken inside this one's, never the other way (``available_size`` is not wrapped).
+Under tensor parallelism one rank's pool may show fewer free pages until it settles. No
+sglang import: the pool is duck-typed (``free(indices) -> int``, ``alloc(n)``). Why:
+``docs/integrations.md``, "SGLang".
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
 """The hicache namespace of vLLM's offloaded chunks, and vLLM offload keys as hicache keys.
 
-A secondary tier of vLLM's offloading connector moves whole rows of the primary (CPU)
-tier's buffer: row ``c`` holds one offloaded chunk (``blocks_per_chunk`` KV blocks of one
-KV cache group) for every worker, in vLLM's own byte order, padded to the row stride. What
-fixes those bytes is in vLLM's ``OffloadingConfig`` and the row stride; :class:`ChunkLayout`
-keeps exactly that, and :func:`vllm_namespace` pins it in a hicache
-:class:`~hicache.keys.Namespace`:
-
-- ``model`` (vLLM's model name, or the tier's ``hicache_model``), ``weights_fingerprint``,
-  ``kv_dtype`` (vLLM's KV dtype; one of :data:`hicache.spec.DTYPES`, others refused),
-  ``layout`` ``page_first`` (a chunk's bytes lie together; their exact order is vLLM's),
-  ``page_size`` = tokens per chunk (``tokens_per_hash * blocks_per_chunk``),
-  ``tp_size`` 1 / ``tp_rank`` None (one row holds the bytes of every worker, so no rank
-  owns it), component ``"full"``, no tenant salt (vLLM folds ``cache_salt`` into its block
-  hashes);
-- ``engine_layout`` = ``"vllm:chunk"`` then ``;row=<bytes>;hash=<tokens_per_hash>x<blocks_per_chunk>;
-  kvb=<worker KV bytes per block>;groups=<tokens_per_block>/<layers>/<window>,...;
-  layers=<digest of the layer names>``, then ``;par=tp<t>pp<p>pcp<c>dcp<d>w<world>``
-  unless the bytes are parallelism-agnostic, ``;replicated`` and
-  ``;canonical=<kv cache layout>`` when vLLM says so.
-
-Keys: :func:`vllm_page_key`: ``h = sha256(namespace digest || offload key)``, key
-``"hc3-" + hex(h)``, fingerprint = the first 8 bytes of ``sha256(offload key)``. An
-offload key is vLLM's block hash (chained over the whole prefix) followed by the 4-byte KV
-cache group index, so ``h`` commits to the prefix, the group and the namespace. The
-fingerprint cannot be taken from the page's tokens (a tier never sees them); it still makes
-a record stored under another key a miss.
-
-Pure: no vllm import, no IO.
+A secondary tier moves whole rows of vLLM's primary (CPU) tier buffer: row ``c`` holds one
+offloaded chunk (``blocks_per_chunk`` KV blocks of one KV cache group) for every worker, in
+vLLM's own byte order, padded to the row stride. :class:`ChunkLayout` keeps what fixes those
+bytes, and :func:`vllm_namespace` pins it in a :class:`~hicache.keys.Namespace`: vLLM's
+model, ``weights_fingerprint``, ``kv_dtype`` (one of :data:`hicache.spec.DTYPES`),
+``layout`` ``page_first``, ``page_size`` = ``tokens_per_hash * blocks_per_chunk``, ``tp_size``
+1 / ``tp_rank`` None (a row holds every worker's bytes), component ``"full"``, no tenant
+salt, and ``engine_layout`` ``"vllm:chunk;row=...;hash=...;kvb=...;groups=...;layers=..."``
+(plus ``;par=...``, ``;replicated``, ``;canonical=...`` where they apply). Keys
+(:func:`vllm_page_key`): ``"hc3-" + hex(sha256(namespace digest || offload key))``, the
+offload key being vLLM's chained block hash + the 4-byte group index; fingerprint = the
+first 8 bytes of ``sha256(offload key)``. Pure: no vllm import, no IO. The fields in
+full: ``docs/integrations.md``, "vLLM".
 """
 
 from __future__ import annotations

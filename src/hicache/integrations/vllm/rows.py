@@ -2,21 +2,13 @@
 
 vLLM hands a secondary tier ``primary_kv_view``, a writable ``memoryview`` of shape
 ``(num_chunks, row_bytes)`` over the primary tier's shared CPU region, and per job the rows
-(``TransferJob.chunk_ids``) to read (a store) or fill (a load). One row is one record's
-payload, byte for byte.
-
-- A store reads the rows in place (no copy): every hicache backend has finished reading a
-  payload it was given by the time its ``batch_set`` returns (file and memory write on the
-  calling thread; Redis and Mooncake copy the record out before their network call), and
-  vLLM keeps the rows pinned until the job is reported finished.
-- A load is staged: the backend reads into a private buffer, and :meth:`Rows.commit` copies
-  only the rows whose record passed every check into vLLM's buffer. A get that overran its
-  deadline may go on writing the buffer it was handed (see
-  :meth:`~hicache.storage.base.HiCacheStorage.host_writes_settled`); staged, that late
-  write lands in this object's buffer, never in a row vLLM has since given to another
-  chunk. A row whose record failed is left exactly as it was.
-
-Pure: no vllm import.
+(``TransferJob.chunk_ids``) to read or fill; one row is one record's payload, byte for
+byte. Invariants: a store reads the rows in place (every backend is done reading a payload
+when its ``batch_set`` returns, and vLLM keeps the rows pinned until the job finished); a
+load is staged, and :meth:`Rows.commit` copies only the rows whose record passed every
+check, so a late write of an overrun get lands in this object's buffer, never in a row
+vLLM gave to another chunk, and a failed row is left exactly as it was. Pure: no vllm
+import.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """``HiCacheTier``: hicache's L3 as a secondary tier of vLLM's offloading connector.
 
-vLLM (0.33) loads it, unmodified, from the offloading connector's extra config::
-
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": 8000000000,
-        "secondary_tiers": [{"type": "HiCacheTier",
-                             "module_path": "hicache.integrations.vllm",
-                             "hicache_backend": "file", "file_path": "/data/l3"}]}}'
-
-``SecondaryTierFactory`` calls ``HiCacheTier(offloading_spec=..., primary_kv_view=...,
-tier_type=..., backpressure_detector=..., **the other keys)``, in the scheduler process.
-Construction validates the keys (:class:`~.settings.VllmTierSettings`: an unknown backend
-or key is refused naming it and the choices), checks the dtype (:func:`~.namespace.vllm_namespace`),
-builds the backend unstarted and starts the IO thread (vLLM's tier interface has no other
-start hook); the backend itself is started by that thread (:mod:`~.transfers`).
-
-How vLLM drives it (``TieringOffloadingManager``, all under the manager's lock):
-
-- ``lookup(key)``: vLLM's own ``AsyncLookupManager`` answers from its cache of
-  ``batch_contains`` results; a key not asked yet is RETRY until the next step's batch has
-  been answered. A backend that is down (or not started) answers every key absent.
-- ``submit_store(job)`` (vLLM's cascade of chunks just stored in the primary tier) and
-  ``submit_load(job)`` (a promotion of chunks this tier reported HIT into the primary
-  rows ``job.chunk_ids``): queued to the IO thread, return at once.
-- ``get_finished_jobs()``: the finished jobs as vLLM ``JobResult``s. A load whose records
-  did not all pass the checks (corrupt, foreign, stale, absent, timed out) reports
-  ``success=False`` with the keys that did load as ``successful_keys``; vLLM frees the
-  other rows and recomputes those chunks, and their cached lookup verdict becomes a miss
-  (so the scheduler does not promote them again). A store never fails a request: its
-  failed keys are simply not in L3.
-- ``drain_jobs()``: waits until every job has finished (each backend call has a deadline).
-
-Records are hicache records (checksum, namespace digest, fingerprint; see
-:mod:`~.namespace` for the keys), so the engines sharing a store share chunks exactly when
-their namespaces match.
+vLLM (0.33) loads it, unmodified, from the offloading connector's extra config
+(``"secondary_tiers": [{"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+"hicache_backend": "file", ...}]``); ``SecondaryTierFactory`` builds it in the scheduler
+process. Construction validates the keys (:class:`~.settings.VllmTierSettings`) and the
+dtype (:func:`~.namespace.vllm_namespace`), builds the backend unstarted and starts the IO
+thread, which starts the backend (:mod:`~.transfers`). vLLM's ``TieringOffloadingManager``
+calls ``lookup``, ``submit_store``, ``submit_load``, ``get_finished_jobs`` and
+``drain_jobs`` under its lock. Invariants: no call blocks (jobs are queued to the IO thread;
+``drain_jobs`` waits, each backend call bounded by a deadline); a backend that is down
+answers every key absent; a load whose records did not all pass the checks reports
+``success=False`` with the good keys as ``successful_keys`` and the bad ones become misses;
+a store never fails a request. Records are hicache records, so engines share chunks exactly
+when their namespaces match. The flow in full: ``docs/integrations.md``, "vLLM".
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """The tier's IO thread: loads and stores between vLLM's rows and a hicache backend.
 
-vLLM calls a secondary tier in its scheduler process and requires every call to return at
-once. :class:`TierTransfers` owns one worker thread; :meth:`~TierTransfers.submit` queues a
-:class:`Transfer` and returns, the worker runs it against the backend
-(``batch_set_payloads`` / ``batch_get_payloads`` over :class:`~.rows.Rows`) and posts a
-:class:`Finished` record (immutable) that the owner takes with :meth:`~TierTransfers.take`
-on its own thread. The worker never touches vLLM state.
-
-The backend is started by the worker as soon as it runs, not by the constructor: a backend
-that cannot start (a store that is down) makes every transfer fail and every lookup miss,
-and is tried again every :data:`RETRY_START_S` seconds. Every backend call has the backend's deadline
-(``StorageOptions.timeout_s``) and never raises, so a job always finishes.
-
-Lifecycle: :meth:`start` starts the thread; :meth:`close` stops it after the queued jobs
-(each still gets its :class:`Finished`) and closes the backend; a context manager too.
+vLLM calls a secondary tier in its scheduler process and needs every call to return at
+once. :class:`TierTransfers` owns one worker thread: :meth:`~TierTransfers.submit` queues a
+:class:`Transfer` and returns; the worker runs it (``batch_set_payloads`` /
+``batch_get_payloads`` over :class:`~.rows.Rows`) and posts an immutable :class:`Finished`
+that the owner takes with :meth:`~TierTransfers.take`. Invariants: the worker never touches
+vLLM state; it starts the backend itself, and a backend that cannot start fails every
+transfer and misses every lookup, retried every :data:`RETRY_START_S` s; every backend call
+has the backend's deadline and never raises, so a job always finishes. :meth:`start`
+starts the thread; :meth:`close` stops it after the queued jobs (each still gets its
+:class:`Finished`) and closes the backend; a context manager too.
 """
 
 from __future__ import annotations

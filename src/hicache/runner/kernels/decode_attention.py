@@ -1,21 +1,14 @@
 """Decode attention read in place from the paged pool (Triton): no copy of any context.
 
-The SDPA reference (:meth:`~hicache.runner.models.attention.PagedAttention._attend_decode`)
-first gathers every sequence's K/V into a padded ``(B, Hkv, Lmax, D)`` tensor, then runs
-SDPA with a mask; on CUDA that is a gather kernel plus SDPA's math fallback (a mask and
-GQA), re-reading the whole context twice per layer and step. This kernel reads each key
-once, where it lies in the pool.
-
-Work split: one program per (sequence, KV head). It walks the sequence's keys
-``BLOCK_N`` at a time through its page table (key ``n`` lies at slot
-``table[n // PAGE] * PAGE + n % PAGE``; ``PAGE == 1`` makes ``table`` a slot table) and
-keeps an online softmax in fp32 (running max ``m``, normalizer ``l``, accumulator) for the
-``GROUP = Hq / Hkv`` query heads that share the KV head, as one tile padded to
-``BLOCK_G >= 16`` rows (what ``tl.dot`` needs), so K/V are read once per group.
-
-Numerics: scores and the softmax in fp32; ``q·k`` in the inputs' dtype with fp32
-accumulation (``ieee`` precision for fp32 inputs, so fp32 results match SDPA to ~1e-6);
-``p·v`` with ``p`` cast to V's dtype, as flash attention does.
+One program per (sequence, KV head) walks the sequence's keys ``BLOCK_N`` at a time through
+its page table (key ``n`` at slot ``table[n // PAGE] * PAGE + n % PAGE``; ``PAGE == 1``: a
+slot table) with an online softmax in fp32 (running max ``m``, normalizer ``l``,
+accumulator) for the ``GROUP = Hq / Hkv`` query heads of the KV head, one tile padded to
+``BLOCK_G >= 16`` rows, so K/V are read once per group. Numerics: scores and softmax in
+fp32; ``q·k`` in the inputs' dtype with fp32 accumulation (``ieee`` for fp32 inputs, so fp32
+matches SDPA to ~1e-6); ``p·v`` with ``p`` cast to V's dtype. The reference is
+:meth:`~hicache.runner.models.attention.PagedAttention._attend_decode`; why a kernel:
+``docs/architecture.md``, "Attention kernels".
 """
 
 from __future__ import annotations

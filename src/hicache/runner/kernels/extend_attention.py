@@ -1,57 +1,18 @@
 """Extend attention read in place from the paged pool (Triton): no copy of any context.
 
-An *extend* adds ``extend`` new tokens to a sequence that already holds ``prefix`` tokens
-in the pool (``prefix == 0`` is a plain prefill). The new tokens' K/V are written to their
-slots before attention runs, so every key the new tokens see lies in the pool: new token
-``i`` (position ``prefix + i``) attends to keys ``0 .. prefix + i`` (the whole prefix,
-causal over the new part), and with a sliding ``window`` only to those after
-``prefix + i - window``. The SDPA reference
-(:meth:`~hicache.runner.models.attention.PagedAttention._attend_each`) gathers each
-sequence's K/V and calls SDPA with an explicit mask per sequence; this kernel reads each
-key where it lies, for all sequences of a batch in one launch.
-
-Work split: one program per (sequence, block of ``BLOCK_M`` new tokens, **KV head**),
-serving all ``GROUP = Hq / Hkv`` query heads that share the KV head (GQA), as in
-:mod:`hicache.runner.kernels.decode_attention`. The program stacks its queries into one
-tile of ``ROWS = BLOCK_M * BLOCK_G`` rows by ``BLOCK_D`` columns, token-major: row
-``r`` is new token ``m_start + r // BLOCK_G`` of query head ``kvh * GROUP + r % BLOCK_G``
-(``BLOCK_G = next_power_of_2(GROUP)``; rows of the padding heads ``>= GROUP``, and of
-tokens past the extend, are masked: loaded as 0, never stored). A token's heads are
-adjacent rows, which for a contiguous ``q (T, Hq, D)`` is one contiguous run of
-``GROUP * D`` elements. The program walks the keys ``BLOCK_N`` at a time through the
-sequence's page table (key ``n`` lies at slot ``table[n // PAGE] * PAGE + n % PAGE``;
-``PAGE == 1`` makes ``table`` a slot table), from the first key its first token's window
-can see up to its last token, loads each ``(BLOCK_N, BLOCK_D)`` K and V block once, and
-runs one ``(ROWS, BLOCK_D) x (BLOCK_D, BLOCK_N)`` dot for the scores and one
-``(ROWS, BLOCK_N) x (BLOCK_N, BLOCK_D)`` dot for ``p·v``, with an online softmax in fp32
-(running max ``m``, normalizer ``l``, accumulator) per row. Programs whose block starts
-past the sequence's ``extend`` return at once (the grid is sized by the longest extend).
-
-Why one stacked tile rather than a loop over the group inside the program: a loop would
-need ``GROUP`` live accumulators (Triton has no arrays of tiles), or would walk the keys
-once per head and so re-read K/V (from L2 at best). The stacked tile keeps one
-accumulator, and the tile's height, not ``GROUP``, sets the register cost.
-
-Tile shapes (:func:`_tile`): ``BLOCK_M`` starts at the caller's ``block_m`` (tokens; 32
-by default) and is halved until ``ROWS <= MAX_ROWS`` (128 for 16-bit inputs, 64 for fp32,
-whose ``q`` tile is twice the size), and raised until ``ROWS >= 16`` (``tl.dot``'s
-minimum). So for the default: GROUP 1 -> 32 tokens x 1 head (32 rows); 2 -> 32 x 2 (64);
-4 -> 32 x 4 (128); 8 -> 16 x 8 (128); fp32 halves the last two. At head_dim 128 and 128
-rows the fp32 accumulator is 64 KiB, the 16-bit ``q`` tile 32 KiB and the
-``(ROWS, BLOCK_N)`` scores 32 KiB (BLOCK_N 64): about what the Triton flash-attention
-tutorial holds with BLOCK_M 128 / BLOCK_N 64 / D 128, so such tiles run with 8 warps
-(64 fp32 accumulator registers per thread), smaller ones with 4.
-
-K/V traffic: each K/V block a program needs is loaded once per (token block, KV head),
-i.e. once per GQA group, not once per query head; over a sequence's ``P + E`` keys that is
-about ``ceil(E / BLOCK_M) * Hkv * (P + E)`` key reads (half of them under causal
-masking of the new part) per K and per V, ``GROUP`` times fewer than a per-query-head
-split with the same ``BLOCK_M``. The block sizes and warp counts are untuned (no GPU was
-at hand when this was written): measure before changing them.
-
-Numerics: as :mod:`hicache.runner.kernels.decode_attention`: ``q·k`` in the inputs' dtype
-with fp32 accumulation (``ieee`` precision for fp32 inputs, so fp32 matches SDPA to
-~1e-6), scores and softmax in fp32, ``p`` cast to V's dtype for ``p·v``.
+An *extend* adds ``extend`` new tokens to a sequence holding ``prefix`` tokens in the pool
+(``prefix == 0``: a plain prefill); their K/V are written to their slots before attention
+runs. New token ``i`` (position ``prefix + i``) attends to keys ``0 .. prefix + i``, with a
+sliding ``window`` only to those after ``prefix + i - window``. Key ``n`` lies at slot
+``table[n // PAGE] * PAGE + n % PAGE`` (``PAGE == 1``: ``table`` is a slot table).
+Shapes: one program per (sequence, block of ``BLOCK_M`` new tokens, KV head), serving the
+``GROUP = Hq / Hkv`` query heads of that KV head as one token-major tile of ``ROWS =
+BLOCK_M * BLOCK_G`` rows (``BLOCK_G = next_power_of_2(GROUP)``; padding rows masked);
+:func:`_tile` keeps ``16 <= ROWS <= MAX_ROWS`` (128 for 16-bit inputs, 64 for fp32).
+Numerics: ``q·k`` in the inputs' dtype with fp32 accumulation (``ieee`` for fp32, so fp32
+matches SDPA to ~1e-6), scores and softmax in fp32, ``p`` cast to V's dtype for ``p·v``.
+The reference is :meth:`~hicache.runner.models.attention.PagedAttention._attend_each`.
+Work split, tile choice and K/V traffic: ``docs/architecture.md``, "Attention kernels".
 """
 
 from __future__ import annotations

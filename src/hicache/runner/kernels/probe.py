@@ -1,26 +1,17 @@
 """A once-per-device check that the Triton attention kernels run and agree with SDPA.
 
-``attention_backend="auto"`` picks the kernels on CUDA only when this probe passes there:
-a compile error, a launch failure or a wrong result on some GPU, driver or Triton version
-then costs a logged warning and the SDPA path, never a failed or wrong forward.
-
-What the probe runs (:func:`check_kernels`): every case of :data:`PROBE_CASES` the device
-supports (:func:`supported_cases`), each with both kernels against SDPA over the gathered
-keys, in fp32, on the same (rounded) inputs. The cases are built to reach the code a small
-case never does: several hundred keys, so the long sequences cross several key blocks of
-``BLOCK_N`` (64) keys and the online softmax's cross-block rescale matters (within one
-block it rescales nothing: the running max starts at ``-inf`` and the accumulator at 0);
-page 64, head dim 128 and GQA group 4, the shapes of the models served; and fp16/bf16
-inputs, whose ``tl.dot`` path differs from fp32's (``ieee`` precision). The batch of a
-case (:func:`_case_batch`): three sequences of ``keys``, ``keys // 2 + 1`` and 1 keys on
-shuffled pages of one random pool; decode attends each sequence's last token over all
-its keys; extend adds ``keys // 3`` new tokens to the longest (the rest its prefix) and
-prefills the second (prefix 0), in one launch. Lengths end mid-page and mid-block.
-
-Cost: once per device. On a GPU, each dtype compiles both kernels once for the case's
-shapes (seconds), then runs them in milliseconds (not yet measured: no GPU was at hand).
-Under Triton's interpreter on CPU (the tests): about 2 s of CPU time per case (3.5 s for
-the first, the interpreter warming up).
+``attention_backend="auto"`` picks the kernels on CUDA only when this probe passes there: a
+compile error, a launch failure or a wrong result costs a logged warning and the SDPA
+path, never a failed or wrong forward. :func:`check_kernels` runs every case of
+:data:`PROBE_CASES` the device supports (:func:`supported_cases`), both kernels against
+SDPA over the gathered keys, in fp32, on the same rounded inputs. The cases reach what a
+small case never does: several hundred keys (several ``BLOCK_N`` = 64 key blocks, so the
+online softmax's cross-block rescale matters), page 64, head dim 128, GQA group 4, and
+fp16/bf16 inputs (another ``tl.dot`` path). A case's batch (:func:`_case_batch`): three
+sequences of ``keys``, ``keys // 2 + 1`` and 1 keys on shuffled pages; decode attends each
+last token, extend adds ``keys // 3`` tokens to the longest and prefills the second, in one
+launch; lengths end mid-page and mid-block. Cost: once per device (seconds of compiling
+on a GPU, not measured yet; about 2 s of CPU per case under Triton's interpreter).
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """What a model caches, and the pools it reads and writes: the contract between a model
 family and the runner (and, through the runner's caller, the cache).
 
-Every model the runner serves is a :class:`CachedModel`:
-
-- :meth:`CachedModel.cache_spec` declares what it caches per token: the full KV (the
-  pool every attention layer, or every global one, reads) and one
-  :class:`~hicache.spec.ComponentSpec` per extra component (a hybrid's sliding-window
-  layers, its recurrent-state snapshots, DeepSeek-V3.2's indexer keys). The cache builds
-  one store per component from it.
-- :meth:`CachedModel.bind_pools` takes the full KV's L1 pool and the component pools the
-  model reads and writes itself (by component name, the cache's ``runner_pools()``),
-  checks their shapes against that spec and refuses, with ValueError naming them, pools it
-  has no use for. It returns the :class:`BoundPools` the runner keeps and builds every
-  forward's :class:`~hicache.runner.models.attention.AttentionContext` from.
-- :meth:`CachedModel.state_specs` lists the per-sequence state of its recurrent layers
-  (empty for a model without any); the runner carries that state between forwards.
-- :meth:`CachedModel.forward_batch` runs one forward to a :class:`ModelOutput` and
-  :meth:`CachedModel.compute_logits` projects hidden states to logits.
-- :attr:`CachedModel.supports_decode_graphs` declares whether its decode-only batches may
-  run through CUDA graphs (:mod:`hicache.runner.decode_graphs`).
-
-The runner calls nothing else, so it names no model family and no component.
+Every model the runner serves is a :class:`CachedModel`. :meth:`~CachedModel.cache_spec`
+declares what it caches per token: the full KV and one
+:class:`~hicache.spec.ComponentSpec` per extra component (the cache builds one store per
+component from it). :meth:`~CachedModel.bind_pools` takes the full KV's L1 pool and the
+component pools the model reads and writes itself (by name: the cache's
+``runner_pools()``), checks their shapes against that spec, refuses with ValueError a pool
+it has no use for, and returns the :class:`BoundPools` every forward's
+:class:`~hicache.runner.models.attention.AttentionContext` is built from.
+:meth:`~CachedModel.state_specs` lists its recurrent layers' per-sequence state (empty
+without any). :meth:`~CachedModel.forward_batch` runs one forward to a :class:`ModelOutput`
+and :meth:`~CachedModel.compute_logits` projects hidden states to logits.
+:attr:`~CachedModel.supports_decode_graphs` declares whether its decode-only batches may
+replay CUDA graphs. Invariant: the runner calls nothing else, so it names no model family
+and no component.
 """
 
 from __future__ import annotations

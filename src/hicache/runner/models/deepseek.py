@@ -1,20 +1,16 @@
 """DeepSeek-V2 and V3 (``model_type: deepseek_v2 / deepseek_v3``): the MLA decoder.
 
-Every layer is multi-head latent attention (:mod:`.deepseek_mla`: one latent of
-``kv_lora_rank + qk_rope_head_dim`` per token and layer in the MLA pool, decoupled RoPE,
-queries with or without a low-rank ``q_lora_rank`` projection) followed by a dense SwiGLU
-MLP for the first ``first_k_dense_replace`` layers and a mixture of experts after them
-(:mod:`.deepseek_moe`: V2's softmax router, greedy or group-limited; V3's sigmoid router
-with a score-correction bias and group top-k; shared experts; ``routed_scaling_factor``).
-RoPE may be YaRN with DeepSeek's ``mscale`` / ``mscale_all_dim``; the latter also scales
-the softmax (:func:`~hicache.runner.models.rope.softmax_scale_factor`).
-
-The model is a :class:`~hicache.runner.models.hybrid.HybridLM` whose layers are all
-``full_attention`` ones and whose pool is the MLA pool (:meth:`DeepseekConfig.kv_spec`).
-It is built on a :class:`~hicache.runner.parallel.TPGroup` (single by default): heads,
-expert and MLP columns split over the ranks, the latent projections replicated, the
-embedding and LM head vocab-parallel. Checkpoint tensors are full-size and load by their
-Hugging Face names; :meth:`DeepseekLM.load_weights` cuts each rank's slice.
+A :class:`~hicache.runner.models.hybrid.HybridLM` whose layers are all ``full_attention``
+and whose pool is the MLA pool (:meth:`DeepseekConfig.kv_spec`): each layer is latent
+attention (:mod:`.deepseek_mla`; queries with or without a ``q_lora_rank`` projection),
+then a dense SwiGLU MLP for the first ``first_k_dense_replace`` layers and a mixture of
+experts after them (:mod:`.deepseek_moe`). RoPE may be YaRN with DeepSeek's ``mscale`` /
+``mscale_all_dim``, the latter also scaling the softmax
+(:func:`~hicache.runner.models.rope.softmax_scale_factor`). Under a
+:class:`~hicache.runner.parallel.TPGroup` heads, expert and MLP columns split, the latent
+projections are replicated and embedding and LM head are vocab-parallel; full-size
+checkpoint tensors load by Hugging Face names, cut to the rank by
+:meth:`DeepseekLM.load_weights`.
 """
 
 from __future__ import annotations

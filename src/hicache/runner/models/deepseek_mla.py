@@ -1,31 +1,18 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3) over the paged MLA pool.
 
 Per token and layer the cache keeps ONE latent of ``kv_lora_rank + qk_rope_head_dim``
-values (the pool's :meth:`~hicache.memory.DevicePool.latent_buffer`, ``(slots, 1, D)``):
-``[kv_a_layernorm(c_kv) | k_pe after RoPE]``, where ``kv_a_proj_with_mqa(x) = [c_kv |
-k_pe]``. RoPE is decoupled: only the ``qk_rope_head_dim`` part of queries and keys is
-rotated (DeepSeek's interleaved pair layout unless ``rope_interleave`` is off), and the
-rotated key part is shared by every head.
-
-Attention runs on the latent without decompressing it ("absorbed"): head ``h``'s key is
-``[W_UK[h] c | k_pe]`` and its value ``W_UV[h] c``, with ``kv_b_proj.weight`` viewed as
-``(heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)`` = ``[W_UK | W_UV]``, so
-
-    q_h . k_h = [W_UK[h]^T q_nope_h | q_pe_h] . latent      and      out_h = W_UV[h] (P_h c)
-
-One SDPA call per sequence (one padded call for a batch of single-token sequences) then
-treats the latent as a single key head shared by all query heads, its first
-``kv_lora_rank`` values as the value head: the cache entry IS the key. Exact in fp32 up
-to the order of the sums.
-
-Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are
-column-parallel by heads, ``o_proj`` row-parallel; the latent projections
-(``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) are replicated, so every rank
-computes and stores the same latent (which is why one rank alone writes MLA pages to L3).
-
-Sparse attention (DeepSeek-V3.2's indexer) passes ``key_masks``: per sequence a bool
-``(extend, prefix + extend)`` mask of the keys each new token may see, ANDed with the
-causal mask.
+values (:meth:`~hicache.memory.DevicePool.latent_buffer`, ``(slots, 1, D)``):
+``[kv_a_layernorm(c_kv) | k_pe after RoPE]``, ``kv_a_proj_with_mqa(x) = [c_kv | k_pe]``. RoPE
+is decoupled (only the ``qk_rope_head_dim`` part rotates, interleaved unless
+``rope_interleave`` is off; the rotated key part is shared by every head). Attention is
+absorbed: with ``kv_b_proj.weight`` viewed as ``(heads, qk_nope_head_dim + v_head_dim,
+kv_lora_rank)`` = ``[W_UK | W_UV]``, ``q_h . k_h = [W_UK[h]^T q_nope_h | q_pe_h] . latent`` and
+``out_h = W_UV[h] (P_h c)``, so one SDPA call per sequence treats the latent as one key head
+shared by all query heads (its first ``kv_lora_rank`` values the value head); exact in fp32
+up to the order of the sums. Tensor parallelism splits the heads; the latent projections
+are replicated, so every rank stores the same latent. DeepSeek-V3.2's indexer passes
+``key_masks``: per sequence a bool ``(extend, prefix + extend)`` mask ANDed with the causal
+one. Why: ``docs/architecture.md``, "MLA (DeepSeek-V2/V3)".
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """DeepSeek-V2/V3 feed-forward blocks: the dense SwiGLU MLP and the MoE (routed experts,
 shared experts, the routers), split over tensor-parallel ranks.
 
-Routers (fp32 scores, every rank computes the same choice from the same input):
-
-- DeepSeek-V2 (:class:`SoftmaxGroupRouter`): softmax over all experts, then ``greedy``
-  (top-k of all) or ``group_limited_greedy`` (keep the ``topk_group`` of ``n_group``
-  groups with the best single expert, zero the others' scores, top-k); weights are the
-  chosen softmax scores times ``routed_scaling_factor``.
-- DeepSeek-V3 (``noaux_tc``): sigmoid scores; the choice adds ``e_score_correction_bias``
-  and keeps the ``topk_group`` best groups, each scored by its two best experts
-  (:class:`~hicache.runner.models.moe.Router` in ``SIGMOID_GROUPED`` mode); weights are
-  the unbiased scores, renormalized when ``norm_topk_prob``, times the scaling factor.
-
-Tensor parallelism splits every expert (routed and shared) and the dense MLP by their
-intermediate columns: gate/up keep rows ``[rank * I / size, ...)``, down the same input
-columns, and each rank's partial output is summed over the ranks. Splitting experts by
-columns rather than placing whole experts on ranks keeps every rank's work equal whatever
-the routing (no rank waits for a popular expert's owner), needs no token exchange and
-works for any number of experts; the cost is one all-reduce per MoE layer, which this
-module pays once for the routed and the shared experts together.
+Routers score in fp32, and every rank computes the same choice from the same input.
+DeepSeek-V2 (:class:`SoftmaxGroupRouter`): softmax over all experts, then ``greedy`` or
+``group_limited_greedy`` (the ``topk_group`` of ``n_group`` groups with the best single
+expert), weights the chosen scores times ``routed_scaling_factor``. DeepSeek-V3
+(``noaux_tc``, :class:`~hicache.runner.models.moe.Router` in ``SIGMOID_GROUPED`` mode):
+sigmoid scores, the choice adding ``e_score_correction_bias`` over the ``topk_group`` best
+groups (each scored by its two best experts), weights the unbiased scores (renormalized
+when ``norm_topk_prob``) times the scaling factor. Tensor parallelism splits every expert
+and the dense MLP by intermediate columns (gate/up rows ``[rank * I / size, ...)``, down the
+same input columns), with one all-reduce per MoE layer for routed and shared experts
+together. Why columns rather than whole experts: ``docs/architecture.md``, "MLA".
 """
 
 from __future__ import annotations

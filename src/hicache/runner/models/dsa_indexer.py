@@ -1,34 +1,17 @@
 """The DSA indexer of DeepSeek sparse attention (DeepSeek-V3.2), over the paged key cache.
 
-Each attention layer of a DSA model has a small "lightning" indexer. For every query it
-scores every earlier token of the sequence and keeps the ``topk`` best; the layer's MLA
-attention then attends to those tokens only (and never past the query: causality). With
-``n`` new tokens, ``H`` indexer heads of ``D = index_head_dim`` values:
-
-* keys, one per token: ``k = rope(LayerNorm(wk(x)))`` ``(n, D)``, cached in the indexer's
-  L1 pool (:class:`~hicache.cache.components.IndexerStore`, the component ``"indexer"``,
-  on the full KV's slots) like the latent KV;
-* queries: ``q = rope(wq_b(q_resid))`` ``(n, H, D)``, from the MLA's low-rank query
-  ``q_resid = q_a_layernorm(q_a_proj(x))``;
-* head weights: ``w = weights_proj(x) / sqrt(H)`` ``(n, H)``;
-* score of query ``s`` against cached token ``t``:
-  ``sum_h w[s, h] * relu(q[s, h] . k[t] / sqrt(D))``, in fp32;
-* the selection: the ``min(topk, context)`` highest scores of each query's row over the
-  whole context, causally masked (``-inf`` after the query's position) before the top-k,
-  so a query selects every earlier token while there are at most ``topk`` of them. Equal
-  scores (``relu`` makes exact zeros common with few heads) go to the earlier token, so
-  the selection does not depend on the row's length (a chunk's context, a decode step's):
-  the reference's ``torch.topk`` breaks such ties arbitrarily, and only there may the
-  two differ.
-
-RoPE here is the half-split kind (:func:`~hicache.runner.models.rope.apply_rotary`) on
-the first ``rope_dim`` (``qk_rope_head_dim``) values of each head, unlike the MLA's
-interleaved one. DeepSeek's kernels apply a Hadamard rotation to ``q`` and ``k`` and
-score in fp8; the rotation preserves dot products and fp8 is a precision trade-off, so
-this module scores in fp32 from keys in the model dtype, as the transformers reference
-(``DeepseekV32Indexer``) does. Parameter names follow its checkpoint: ``wq_b``, ``wk``,
-``k_norm``, ``weights_proj``; every one is in the model's dtype (transformers lists
-``weights_proj`` to keep in fp32, which its loader applies under fp16 only).
+For every query the indexer scores every earlier token and keeps the ``topk`` best; the
+layer's MLA attends to those only. With ``n`` new tokens and ``H`` heads of ``D =
+index_head_dim``: keys ``k = rope(LayerNorm(wk(x)))`` ``(n, D)``, cached in the ``"indexer"``
+L1 pool on the full KV's slots; queries ``q = rope(wq_b(q_resid))`` ``(n, H, D)``; weights
+``w = weights_proj(x) / sqrt(H)`` ``(n, H)``; the score of query ``s`` against token ``t`` is
+``sum_h w[s, h] * relu(q[s, h] . k[t] / sqrt(D))`` in fp32. Invariants: the selection takes
+the ``min(topk, context)`` best of each row, causally masked before the top-k; equal scores
+go to the earlier token, so the selection does not depend on the row's length (only there
+may it differ from the reference's ``torch.topk``). RoPE is the half-split kind on the
+first ``rope_dim`` values of each head. Parameter names follow the checkpoint (``wq_b``,
+``wk``, ``k_norm``, ``weights_proj``), all in the model's dtype. Why fp32 and no Hadamard
+rotation: ``docs/architecture.md``, "Hybrid models" (the indexer).
 """
 
 from __future__ import annotations

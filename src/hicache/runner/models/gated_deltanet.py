@@ -1,25 +1,17 @@
 """Gated DeltaNet linear attention (Qwen3-Next), chunked, carrying its state.
 
-Per value head, the state ``S (Dk, Dv)`` evolves token by token as
-``S <- exp(g_t) S``; ``u_t = beta_t (v_t - S^T k_t)``; ``S <- S + k_t u_t^T``; output
-``o_t = S^T q_t`` (``q``, ``k`` L2-normalized, ``q`` scaled by ``Dk ** -0.5``).
-
-:func:`gated_delta_rule` computes the same thing a chunk at a time. Inside a chunk with
-cumulative log decay ``G_t`` (from the chunk start), the deltas solve a unit lower
-triangular system ``(I + A) U = beta V - (beta e^G K) S_0`` with
-``A[s, r] = beta_s e^{G_s - G_r} k_s . k_r`` (r < s); then
-``o_t = e^{G_t} S_0^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t . k_s) u_s`` and
-``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} k_s u_s^T``. Chunk boundaries do not change the
-result, so a prefill can be split anywhere (e.g. at page boundaries) and resumed from the
-returned state.
-
-Tensor parallelism: a rank holds ``num_k_heads / size`` key heads and their value heads
-(:meth:`GatedDeltaNetSpec.split`); every head's recurrence is independent of the others,
-so a rank runs the layer over its heads alone and ``out_proj`` (row-parallel) sums the
-ranks. Its state is its heads' (conv channels of its q/k/v heads, ``ssm`` of its value
-heads). The checkpoint's ``in_proj_qkvz``/``in_proj_ba`` group their rows by key head (one
-contiguous range per rank); the conv's channels are ``[q | k | v]`` of all heads, so a
-rank gathers its rows of each part (:meth:`GatedDeltaNet.tp_pieces`).
+Per value head the state ``S (Dk, Dv)`` evolves token by token as ``S <- exp(g_t) S``;
+``u_t = beta_t (v_t - S^T k_t)``; ``S <- S + k_t u_t^T``; output ``o_t = S^T q_t`` (``q``,
+``k`` L2-normalized, ``q`` scaled by ``Dk ** -0.5``). :func:`gated_delta_rule` computes it a
+chunk at a time: with cumulative log decay ``G_t`` from the chunk start, the deltas solve
+the unit lower triangular ``(I + A) U = beta V - (beta e^G K) S_0``, ``A[s, r] = beta_s
+e^{G_s - G_r} k_s . k_r`` (r < s); then ``o_t = e^{G_t} S_0^T q_t + sum_{s<=t} e^{G_t - G_s}
+(q_t . k_s) u_s`` and ``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} k_s u_s^T``. Invariant: chunk
+boundaries do not change the result, so a prefill can be split anywhere and resumed from
+the returned state. Tensor parallelism: a rank holds ``num_k_heads / size`` key heads with
+their value heads (:meth:`GatedDeltaNetSpec.split`), its state is its heads', and it
+gathers its rows of each fused part (:meth:`GatedDeltaNet.tp_pieces`); why this split is
+exact: ``docs/architecture.md``, "Tensor-parallel models".
 """
 
 from __future__ import annotations

@@ -1,37 +1,18 @@
 """The common frame of the hybrid families (Gemma 3, GPT-OSS, Qwen3-Next, Nemotron-H).
 
-A :class:`HybridLM` is a stack of layers of several kinds (``HybridConfig.layer_kinds``):
-``full_attention`` / ``sliding_attention`` layers keep K/V in the paged pool (pool layer =
-rank among attention layers, see :attr:`HybridConfig.kv_layers`; when the cache gives the
-sliding layers their own pool, :attr:`HybridConfig.swa_split`, each layer's pool layer is
-its rank among the layers of its kind, :meth:`HybridConfig.split_index`), ``linear_attention``
-layers (Mamba2, Gated DeltaNet) carry a :class:`~hicache.runner.models.recurrent.RecurrentState`
-from forward to forward, and ``mlp`` / ``moe`` layers (Nemotron-H) have no state at all.
-
-The frame every family shares (:meth:`HybridLM.run`): embed the tokens
-(:meth:`HybridLM.embed`), compute the position encoding once (:meth:`HybridLM.rope`), run
-each layer as ``layer(x, rope, ctx, rctx)``, apply the final norm; the modules are the
-family's, in a body of ``embed_tokens`` / ``layers`` / ``norm`` (:class:`HybridBody`, or
-the family's own where its checkpoint names differ, :meth:`HybridLM.body`).
-
-``forward(input_ids, positions, ctx, states)`` -> :class:`~hicache.runner.models.cached.ModelOutput`
-(see :mod:`hicache.runner.models.recurrent` for the state API). What a hybrid caches
-(:meth:`HybridLM.cache_spec`): the full KV of its attention layers (its global ones only
-when the sliding layers get their own pool, :attr:`HybridConfig.swa_split`), the sliding
-layers' K/V (``"swa"``) and its recurrent layers' state snapshots (``"mamba"``), each when
-it has them. Checkpoint tensors load by their
-Hugging Face names; per-expert tensors ``...experts.{e}.{proj}.weight`` load into row ``e``
-of the stacked ``...experts.{proj}`` parameter.
-
-Tensor parallelism: a family splits over the ranks of a
-:class:`~hicache.runner.parallel.TPGroup` when its config says it can
-(:meth:`HybridConfig.check_tensor_parallel`; the default refuses, naming the family). The
-frame then holds the group (:attr:`HybridLM.tp`), a vocab-parallel embedding and LM head
-(the logits gathered on every rank, :meth:`HybridLM.compute_logits`), caches this rank's
-K/V heads only (:attr:`HybridLM.num_kv_heads`, in the full and the SWA pool) and cuts each
-full checkpoint tensor to the rank's slice as it loads (:meth:`HybridLM.load_weights`:
-the parallel layers' :func:`~hicache.runner.parallel.shard_dims`, and the parameters a
-family splits besides, :meth:`HybridLM.split_params`).
+A :class:`HybridLM` stacks layers of several kinds (``HybridConfig.layer_kinds``):
+``full_attention`` / ``sliding_attention`` keep K/V in the paged pool (pool layer = rank
+among attention layers, :attr:`HybridConfig.kv_layers`; with a separate SWA pool,
+:attr:`HybridConfig.swa_split`, rank among the layers of its kind,
+:meth:`HybridConfig.split_index`), ``linear_attention`` (Mamba2, Gated DeltaNet) carries a
+:class:`~hicache.runner.models.recurrent.RecurrentState` between forwards, ``mlp`` / ``moe``
+have no state. :meth:`HybridLM.run`: embed, the position encoding once, each layer as
+``layer(x, rope, ctx, rctx)``, the final norm; a family overrides ``embed`` / ``rope`` /
+``body``. ``forward(input_ids, positions, ctx, states)`` -> ``ModelOutput``;
+:meth:`HybridLM.cache_spec`: full KV (global layers only under ``swa_split``), ``"swa"``,
+``"mamba"``, each when present. Checkpoint tensors load by Hugging Face names; per-expert
+``...experts.{e}.{proj}.weight`` into row ``e`` of the stacked parameter. Tensor
+parallelism (when :meth:`HybridConfig.check_tensor_parallel` allows): ``docs/architecture.md``.
 """
 
 from __future__ import annotations

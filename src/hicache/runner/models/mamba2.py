@@ -1,24 +1,17 @@
 """Mamba2 selective state-space mixer (Nemotron-H), chunked, carrying its state.
 
-Per head ``h`` the state ``S (P, N)`` evolves as ``S <- exp(dt_t A_h) S + dt_t x_t B_t^T``
-and the output is ``y_t = S C_t + D_h x_t`` (``x_t (P,)``, ``B_t``/``C_t (N,)`` shared by
-the heads of a group, ``dt_t = clamp(softplus(dt_raw + dt_bias), *time_step_limit)``: the
-checkpoint's ``time_step_limit``, default ``(0, inf)``, as ``mamba_ssm``; ``time_step_min`` only
-sets the range ``dt_bias`` is initialised in and bounds nothing at run time).
-
-:func:`ssd_scan` computes it a chunk at a time: with cumulative log decay ``G_t`` inside a
-chunk, ``y_t = e^{G_t} S_0 C_t + sum_{s<=t} e^{G_t - G_s} (C_t . B_s) dt_s x_s + D x_t`` and
-``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} dt_s x_s B_s^T``; chunk boundaries do not change
-the result. Output: ``out_proj(group_rms(y * silu(z)) * weight)``.
-
-Tensor parallelism: a rank holds ``n_groups / size`` groups and their heads
-(:meth:`Mamba2Spec.split`; ``size`` must divide ``n_groups``): the heads' recurrences are
-independent, a head reads only its group's B/C, and the gated norm normalizes each group
-alone over its ``inner / n_groups`` channels, so splitting by whole groups keeps every
-result exact; ``out_proj`` (row-parallel) sums the ranks. Its state is its own (the conv
-channels of its x, B and C, ``ssm`` of its heads). ``in_proj``'s rows are
-``[z | x | B | C | dt]`` and the conv's ``[x | B | C]``, each part over all heads or
-groups: a rank gathers its rows of every part (:meth:`Mamba2Mixer.tp_pieces`).
+Per head ``h`` the state ``S (P, N)`` evolves as ``S <- exp(dt_t A_h) S + dt_t x_t B_t^T``,
+output ``y_t = S C_t + D_h x_t`` (``x_t (P,)``, ``B_t`` / ``C_t (N,)`` shared by a group's heads,
+``dt_t = clamp(softplus(dt_raw + dt_bias), *time_step_limit)``, default ``(0, inf)`` as
+``mamba_ssm``; ``time_step_min`` bounds nothing at run time). :func:`ssd_scan` computes it a
+chunk at a time: ``y_t = e^{G_t} S_0 C_t + sum_{s<=t} e^{G_t - G_s} (C_t . B_s) dt_s x_s + D
+x_t`` and ``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} dt_s x_s B_s^T`` (``G_t`` the cumulative
+log decay in the chunk); chunk boundaries do not change the result. Output:
+``out_proj(group_rms(y * silu(z)) * weight)``. Tensor parallelism: a rank holds ``n_groups /
+size`` whole groups and their heads (:meth:`Mamba2Spec.split`), which keeps every result
+exact; its state is its own; it gathers its rows of ``in_proj = [z | x | B | C | dt]`` and
+the conv's ``[x | B | C]`` (:meth:`Mamba2Mixer.tp_pieces`). Why: ``docs/architecture.md``,
+"Tensor-parallel models".
 """
 
 from __future__ import annotations

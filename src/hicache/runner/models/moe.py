@@ -1,20 +1,15 @@
 """Routed mixture of experts: routers, expert banks and the token dispatch.
 
-A router turns ``x (T, hidden)`` into :class:`Routing` (``index (T, k)`` expert ids and
-``weight (T, k)`` their mixing weights). An expert bank holds all experts' weights stacked
-on a leading expert dim and applies expert ``e`` to the rows routed to it. :func:`dispatch`
-groups the ``T*k`` (token, expert) pairs by expert with one sort, then loops over the
-experts that received tokens (never over tokens): gather rows, run the expert, scale by the
-routing weight and scatter-add into the output.
-
-Routing modes (:class:`RoutingMode`):
-
-- ``SOFTMAX_TOPK`` (Qwen3-Next): softmax over all experts, top-k, optionally renormalized.
-- ``TOPK_SOFTMAX`` (GPT-OSS): top-k of the (biased) logits, softmax over the k chosen.
-- ``SIGMOID_GROUPED`` (Nemotron-H, DeepSeek-V3 style): sigmoid scores; the choice adds a
-  per-expert correction bias and keeps the ``topk_group`` best groups (each group scored by
-  its two best experts); weights are the unbiased scores of the chosen experts, optionally
-  renormalized, times ``scaling``.
+A router turns ``x (T, hidden)`` into :class:`Routing` (``index (T, k)`` expert ids,
+``weight (T, k)`` mixing weights); an expert bank stacks all experts' weights on a leading
+expert dim. :func:`dispatch` groups the ``T*k`` (token, expert) pairs by expert with one
+sort and loops over the experts that received tokens (never over tokens): gather, run,
+scale by the weight, scatter-add. Modes (:class:`RoutingMode`): ``SOFTMAX_TOPK``
+(Qwen3-Next: softmax, top-k, optionally renormalized), ``TOPK_SOFTMAX`` (GPT-OSS: top-k of
+the biased logits, softmax over the k), ``SIGMOID_GROUPED`` (Nemotron-H, DeepSeek-V3:
+sigmoid scores; the choice adds a correction bias over the ``topk_group`` best groups, each
+scored by its two best experts; weights the unbiased scores, optionally renormalized,
+times ``scaling``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """Recurrent layer state and how it is carried between forwards (Mamba2, Gated DeltaNet).
 
-The state-carrying API
-======================
-
-Recurrent layers (Mamba2 SSM, Gated DeltaNet linear attention) keep no cache of their own.
-Each forward receives, per recurrent layer, the state *before* the batch's new tokens and
-returns the state *after* them:
-
-- :class:`RecurrentState` ``(conv, ssm)`` for one layer and a batch of ``B`` sequences, in
-  batch order: ``conv (B, C, K-1)`` holds the last ``K-1`` inputs of the depthwise causal
-  conv (``C`` channels, kernel ``K``), oldest first; ``ssm`` is ``(B, H, P, N)`` for Mamba2
-  (heads, head dim, state size) and ``(B, H, Dk, Dv)`` for Gated DeltaNet (value heads,
-  key dim, value dim). ``ssm`` is fp32 whatever the model dtype; ``conv`` is in the model
-  dtype. A fresh sequence starts from :meth:`RecurrentState.zeros`.
-- :class:`StateSpec` gives those shapes per layer (``model.state_specs()``), so a state
-  pool can allocate slots before any forward runs; :meth:`RecurrentState.stack` /
-  :meth:`RecurrentState.select` build a batch from per-sequence snapshots and split the
-  result back, which is all a cache needs to snapshot a sequence at a page-aligned
-  boundary (run the forward up to the boundary, keep the returned rows) and to resume from
-  it later (pass the snapshot back in).
-- The model's ``forward(input_ids, positions, ctx, states)`` takes ``states:
-  Mapping[layer_id, RecurrentState]`` (absent layers start from zeros) and returns
-  :class:`~hicache.runner.models.cached.ModelOutput` with ``hidden`` and ``states``
-  (every recurrent layer, ``B`` rows each). Inputs are never modified in place.
-
-Attention layers of hybrid models keep reading K/V through the slot tensors of
-:class:`~hicache.runner.models.attention.AttentionContext`; their pool is indexed by the
-layer's *KV index* (its rank among attention layers), so recurrent layers take no pool
-memory. Sliding-window layers read only the slots of the last ``window`` positions (see
-:mod:`hicache.runner.models.sliding`).
+Recurrent layers keep no cache of their own: each forward receives, per recurrent layer,
+the state *before* the batch's new tokens and returns the state *after* them. Shapes:
+:class:`RecurrentState` ``(conv, ssm)`` for ``B`` sequences in batch order, ``conv (B, C,
+K-1)`` the last ``K-1`` inputs of the depthwise causal conv (oldest first, model dtype),
+``ssm`` fp32 ``(B, H, P, N)`` for Mamba2 (heads, head dim, state size) or ``(B, H, Dk, Dv)``
+for Gated DeltaNet; a fresh sequence starts from :meth:`RecurrentState.zeros`.
+:class:`StateSpec` gives the shapes per layer (``model.state_specs()``) so a state pool can
+allocate before any forward; :meth:`RecurrentState.stack` / :meth:`~RecurrentState.select`
+build a batch from snapshots and split it back. ``forward(input_ids, positions, ctx,
+states: Mapping[layer_id, RecurrentState])`` (absent layers start from zeros) returns
+``ModelOutput`` with ``hidden`` and every recurrent layer's ``states`` (``B`` rows).
+Invariants: inputs are never modified in place; recurrent layers take no KV pool memory
+(attention layers' pool layer is their rank among attention layers).
 """
 
 from __future__ import annotations

@@ -1,35 +1,17 @@
 """Attention of the hybrid families over the paged pool: sliding window, sinks, gates.
 
-One module, :class:`WindowedAttention`, configured by :class:`AttentionSpec`, covers
-Gemma 3 (sliding and global layers, q/k norms, custom scale), GPT-OSS (sliding window with
-per-head attention sinks, biases), Qwen3-Next (sigmoid output gate, partial RoPE, q/k norms)
-and Nemotron-H (no RoPE). K/V live in the :class:`~hicache.memory.DevicePool` and are
-addressed by slot exactly as in :mod:`hicache.runner.models.attention`, at pool layer
-``kv_layer`` (the layer's rank among the model's attention layers).
-
-Sliding window: query position ``p`` attends to key positions ``p - window < q <= p``
-(the last ``window`` tokens, itself included; Hugging Face's convention). A sliding layer
-reads only the slots of positions ``>= prefix + 1 - window`` (``prefix`` = tokens before
-this forward). Two placements:
-
-* one pool (``ctx.swa`` None): every attention layer lives in ``ctx.pool`` at pool layer
-  ``kv_layer``; a sequence's ``seq_slots`` list every position from 0;
-* split (``ctx.swa`` set, the cache's sliding-window store): sliding layers live in ``ctx.swa.pool``
-  and global layers in ``ctx.pool``, each at ``split_layer`` (its rank among the layers
-  of its kind); a sliding layer finds its keys in ``ctx.swa.seq_slots``, which hold only
-  a sequence's last positions (the window and the new tokens). Only global layers wait
-  for a layer-wise load (``layer_wait(split_layer)``): the SWA pages a hit needs are
-  copied before the forward.
-
-Tensor parallelism (``tp``, default one rank): each rank holds its query heads and K/V
-heads (:class:`~hicache.heads.HeadSplit`: K/V heads replicated when ranks outnumber them);
-``q_proj`` rows by query head (the gate with its head), ``k_proj``/``v_proj`` rows by K/V
-head (head-parallel linears), ``sinks`` by query head, ``o_proj`` row-parallel (one
-all-reduce). Its pool holds
-its own K/V heads.
-
-Sinks (GPT-OSS): each head has a learned logit that joins the softmax's denominator and
-contributes no value: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
+:class:`WindowedAttention`, configured by :class:`AttentionSpec`, covers Gemma 3, GPT-OSS
+(per-head sinks, biases), Qwen3-Next (sigmoid output gate, partial RoPE) and Nemotron-H (no
+RoPE). K/V are addressed by slot as in :mod:`hicache.runner.models.attention`, at pool
+layer ``kv_layer`` (rank among attention layers). Window: query position ``p`` attends to
+keys ``p - window < q <= p``; a sliding layer reads only slots of positions ``>= prefix + 1
+- window``. Placements: one pool (``ctx.swa`` None: every layer in ``ctx.pool``, ``seq_slots``
+from position 0) or split (sliding layers in ``ctx.swa.pool``, whose ``seq_slots`` hold only
+the window and the new tokens; global layers in ``ctx.pool``; each at ``split_layer``, its
+rank among its kind; only global layers wait for a layer-wise load). Sinks: ``p_j =
+exp(s_j) / (exp(sink) + sum_i exp(s_i))``, no value. Tensor parallelism: a rank holds its
+query and K/V heads (:class:`~hicache.heads.HeadSplit`), ``o_proj`` row-parallel (one
+all-reduce), its pool its own K/V heads (``docs/architecture.md``, "Hybrids under TP").
 """
 
 from __future__ import annotations

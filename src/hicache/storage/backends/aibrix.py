@@ -1,35 +1,18 @@
 """The ``aibrix`` L3 backend: hicache records in AIBrix KVCache (``aibrix-kvcache``).
 
-Each page is one hicache record (header + payload: checksum, namespace digest, token
-fingerprint; :mod:`hicache.storage.record`) stored as one AIBrix block under the page's
-key, through AIBrix's ``BaseKVCacheManager`` with its L2 connector ``SHFS`` (a shared
-directory) or ``ROCKSDB``; AIBrix's own L1 host cache is off. Blocks, keys, the per-process
-sharing of managers and the environment are described in
-:mod:`hicache.storage.backends.aibrix_client`; the extra-config keys in
-:mod:`hicache.storage.backends.aibrix_config`.
-
-Operations (each AIBrix call on a :class:`~hicache.storage.deadline.DeadlineRunner`, within
-the batch deadline; AIBrix answers lookups as "the first n blocks", so a run that stops
-early is asked again from the key after the one it stopped at):
-
-- exists: AIBrix ``exists`` on the stores of every block size found under ``root`` (one per
-  record length: KV pages, component records); the longest leading run counts.
-- get: AIBrix ``acquire`` of the batch; on the runner, each record is checked in AIBrix's
-  buffer and only a good payload is copied into its host page (so a corrupt, stale or
-  foreign record is a miss and never data). These calls are made with ``writes_host``: a
-  get that overran its deadline is reported by ``host_writes_settled`` until it returns.
-- set: the keys are looked up first (one ``exists`` call: AIBrix answers the leading
-  run) and that run is skipped (first writer wins); keys past its first miss are written
-  without asking one by one (an AIBrix call per key cost more than the put of a 12 KiB
-  page; page keys are chained, so a key present past an absent one is rare, and its
-  rewrite stores the same record, reported written). AIBrix's buffers are taken (``allocate_for``, no IO for these connectors) and
-  filled with the records on the caller's thread, so a late ``put`` never reads a host
-  page; then ``put``. AIBrix's put replaces a block (SHFS
-  writes a temporary file and renames it; RocksDB's put is atomic), so a key whose record a
-  read found bad is overwritten in place (healing). Two writers of one new key may both
-  write it: equal records, so no reader can tell.
-
-A failure or timeout is a miss / False, counted and logged, never an exception.
+Each page is one hicache record (:mod:`hicache.storage.record`) stored as one AIBrix block
+under the page's key, through AIBrix's ``BaseKVCacheManager`` (connector ``SHFS`` or
+``ROCKSDB``, its own L1 host cache off; blocks, keys, sharing and environment in
+:mod:`~hicache.storage.backends.aibrix_client`, keys in
+:mod:`~hicache.storage.backends.aibrix_config`). Every AIBrix call runs on a
+:class:`~hicache.storage.deadline.DeadlineRunner` within the batch deadline; a run AIBrix
+stops early is asked again past its miss. exists: the longest leading run over the stores
+of every block size under ``root``. get: ``acquire``, each record checked in AIBrix's
+buffer and only a good payload copied into its host page (``writes_host``: an overrun get
+shows in ``host_writes_settled``). set: the leading present run is skipped (first writer
+wins), the records are filled into AIBrix's buffers on the caller's thread (a late
+``put`` never reads a host page), then ``put``, which replaces a block (healing). A failure
+or timeout is a miss / False, never an exception. In full: ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -1,48 +1,18 @@
 """AIBrix KVCache managers, one per store and block size, shared by the whole process.
 
-The ``aibrix`` backend (:mod:`hicache.storage.backends.aibrix`) and the storage benchmark's
-raw AIBrix path talk to AIBrix only through :class:`AibrixManager` here.
-
-**Blocks.** An AIBrix ``BaseKVCacheManager`` stores fixed-size blocks. hicache gives it one
-block per hicache record (header + payload, :mod:`hicache.storage.record`): the block spec
-is ``block_ntokens=1``, ``block_dtype=uint8``, layout NCLD, one layer and one head of
-``head_size = block_bytes / 2`` (AIBrix's block is ``2 x tokens x layers x heads x
-head_size x itemsize`` bytes), so ``block_bytes`` is the record length rounded up to even;
-the pad byte is zero and never read. Records of other lengths (another model's pages,
-component records) need another manager (:func:`block_bytes_for`).
-
-**Keys.** hicache's page keys are already chained hashes over the namespace and every token
-before and in the page (``PageKey.key``, ``"hc3-"`` + 64 hex digits). They go to AIBrix as
-``BlockHashes([key, ...], block_ntokens=1)``: one precomputed hash per block, which AIBrix
-uses as the L2 key as it stands (UTF-8 bytes; SHFS files are named by their hex) instead of
-hashing token ids itself. No prefix is ever passed: the chain is inside each key.
-
-**Sharing.** A RocksDB database can be opened once per process, and one manager costs an
-event-loop thread, a connector thread pool and its buffers (room for ``concurrency``
-blocks, in whole 1 GiB slabs, AIBrix's unit; virtual memory until touched, but pinned when
-CUDA is present). So managers are pooled per
-:class:`StoreKey` (connector, root, AIBrix namespace, block size) and reference-counted:
-every hicache instance of the process on the same store shares one. The folder of a store
-is ``root/<aibrix_namespace>-r<block_bytes>_<AIBrix's partition and signatures>``, so each
-block size has its own database / directory tree and :func:`stored_block_sizes` can find
-them again from the folder names.
-
-**Environment.** AIBrix reads its ``AIBRIX_KV_CACHE_OL_*`` variables (and the module flag
-``aibrix_kvcache.cache_manager.TESTING_DISABLE_PIN_MEMORY``) while a manager is built, from
-the process-wide environment. Building happens under one lock: the variables of
-:meth:`AibrixConfig.environment` are set, the manager is built, and the previous values are
-put back; without CUDA the pin-memory flag is set for that construction only (AIBrix pins
-its slab with CUDA's allocator otherwise). Another thread reading ``os.environ`` in that
-window sees them; code outside hicache that builds its own AIBrix manager at the same
-moment would too. ``AIBRIX_KV_CACHE_OL_TOKEN_VALIDATION_ENABLED`` is read when
-``aibrix_kvcache`` is first imported (which happens under the same lock, with it off);
-if some other code imported it with validation on, opening fails with a StorageError
-(hicache checks its records itself and relies on AIBrix's compact block layout).
-
-Calls block (AIBrix waits on its event loop); the backend runs them on its
-:class:`~hicache.storage.deadline.DeadlineRunner`. Lookups, allocations and puts raise
-:class:`AibrixCallError` on a status other than OK (and NOT_FOUND for lookups); a get says
-why its run stopped in :class:`GetRun`.
+The ``aibrix`` backend (:mod:`hicache.storage.backends.aibrix`) and the storage bench's raw
+AIBrix path talk to AIBrix only through :class:`AibrixManager`. Shapes: one hicache record
+per AIBrix block (``block_ntokens=1``, ``uint8``, NCLD, one layer, one head of ``head_size =
+block_bytes / 2``), ``block_bytes`` the record length rounded up to even (the pad byte is
+zero, never read); each block size has its own store (:func:`block_bytes_for`,
+:func:`stored_block_sizes`). Keys: ``BlockHashes([PageKey.key, ...], block_ntokens=1)``,
+never a prefix (the chain is inside each key). Invariants: one manager per
+:class:`StoreKey`, reference-counted; managers are built under one lock that sets
+AIBrix's ``AIBRIX_KV_CACHE_OL_*`` variables and puts the previous values back; AIBrix token
+validation must be off. Calls block: the backend runs them on its
+:class:`~hicache.storage.deadline.DeadlineRunner`; a status other than OK (NOT_FOUND for
+lookups) raises :class:`AibrixCallError`, a get's stop is a :class:`GetRun`. Why each of
+these: ``docs/integrations.md``, "AIBrix KVCache".
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
 """Settings of the ``aibrix`` L3 backend and the AIBrix environment they become.
 
-AIBrix KVCache (``aibrix-kvcache``) is configured by ``AIBRIX_KV_CACHE_OL_*`` environment
-variables, read when its ``BaseKVCacheManager`` is built. hicache takes its own extra-config
-keys instead and turns them into those variables (:meth:`AibrixConfig.environment`) for the
-one construction (see :mod:`hicache.storage.backends.aibrix_client` for how the process-wide
-environment is handled). Keys of the engine's extra config:
-
-- ``connector``: the AIBrix L2 connector, ``"SHFS"`` (default: a shared directory, one file
-  per record; every process pointing at the same directory shares the records) or
-  ``"ROCKSDB"`` (one RocksDB database; RocksDB lets one process open it at a time, so it is
-  shared by the hicache instances of one process and outlives them, not shared between
-  processes). Case-insensitive. [``AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND``]
-- ``root``: the connector's directory; default the connector's own variable if set, else
-  AIBrix's default (``~/.kv_cache_ol/shfs`` or ``~/.kv_cache_ol/rocksdb``).
-  [``AIBRIX_KV_CACHE_OL_SHFS_ROOT`` / ``AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT``]
-- ``aibrix_namespace``: AIBrix's L2 namespace, default ``"hicache"``; the store lives in
-  ``root/<aibrix_namespace>-r<block bytes>_h0_0_l0_0_ncld1roc`` (AIBrix names the folder;
-  hicache adds the block size, see the client module). [``AIBRIX_KV_CACHE_OL_L2_CACHE_NAMESPACE``]
-- ``rocksdb_ttl_s``: seconds a RocksDB record lives (RocksDB's TTL; 0 = never expires);
-  default 600, AIBrix's own. Ignored by SHFS. [``AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S``]
-- ``op_batch``: blocks per AIBrix L2 batch (its requests run in parallel within a batch),
-  default 32. [``AIBRIX_KV_CACHE_OL_L2_CACHE_OP_BATCH``]
-- ``async_workers``: threads of AIBrix's connector executor, default 8.
-  [``AIBRIX_KV_CACHE_OL_L2_CACHE_NUM_ASYNC_WORKERS``]
-
-Fixed by hicache (not keys): AIBrix's own L1 host cache is off (hicache's L2 is that tier;
-a second RAM copy would also answer reads from its own memory instead of the shared
-store), puts are synchronous (no in-flight ingestion quota), blocks are not resized
-(``AIBRIX_KV_CACHE_OL_BLOCK_SIZE`` unset), no meta service (direct mode), AIBrix's metrics
-timing off, device ``cpu``. AIBrix's per-token L2 timeout is set from hicache's
-``timeout_s`` so that it never fires before hicache's own deadline.
+AIBrix KVCache reads ``AIBRIX_KV_CACHE_OL_*`` variables when its ``BaseKVCacheManager`` is
+built; hicache takes its own extra-config keys and turns them into those variables
+(:meth:`AibrixConfig.environment`) for that one construction. Keys: ``connector``
+(``"SHFS"``, default, or ``"ROCKSDB"``; case-insensitive), ``root``, ``aibrix_namespace``
+(default ``"hicache"``), ``rocksdb_ttl_s`` (seconds; default 600; 0 never expires; SHFS
+ignores it), ``op_batch`` (blocks per batch, default 32), ``async_workers`` (threads,
+default 8). Fixed by hicache: AIBrix's L1 host cache off, synchronous puts, no block
+resizing, no meta service, metrics timing off, device ``cpu``, and AIBrix's per-token L2
+timeout set from ``timeout_s`` so it never fires before hicache's own deadline. Each key's
+variable and default: ``docs/configuration.md``; why: ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The ``file`` L3 backend: one record file per page key in a local (or shared) directory.
 
-Directory: extra-config ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR``, else
-``/tmp/hicache``; created with mode 0700. A key ``hc3-<hex>`` lives at
-``<dir>/<hex[:2]>/hc3-<hex>`` (256 fan-out folders keep directories small).
-
-- Writes are atomic: the record goes to a temp file in the same folder, optionally
-  fsync'ed (extra ``fsync``), then ``os.replace``'d into place, so a reader (or a restart
-  after a crash) never sees half a record. Temp files left by a crash are removed at start
-  once older than :data:`STALE_TMP_S`.
-- Reads go straight into the host pool's page views with one ``preadv`` per record
-  (zero-copy for ``page_first*``; one byte past the record's end is asked for, so a
-  file of the wrong size shows without an ``fstat``) and are checked afterwards.
-- Size cap (extra ``max_bytes``, 0 = none): an in-process LRU index (built at start from
-  file modification times, which hits refresh) evicts least recently used records once the
-  total exceeds the cap. Several processes sharing a folder each enforce the cap over the
-  records they know (found at start plus their own reads and writes).
-- A record a read found bad (``hicache.storage.heal``) is overwritten by the next write of
-  its key the same atomic way (temp file, then ``os.replace``): a reader holding the old
-  file keeps reading it, a new one opens the new record.
-- A full disk (ENOSPC / EDQUOT) fails the rest of the batch's writes (False, one error).
-- The deadline is checked between pages (local file IO is not interruptible).
+Directory: ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR``, else ``/tmp/hicache``
+(mode 0700); key ``hc3-<hex>`` lives at ``<dir>/<hex[:2]>/hc3-<hex>``. Invariants: writes
+(and heals) are atomic (temp file, optional ``fsync``, ``os.replace``), so no reader sees
+half a record; stale temp files (older than :data:`STALE_TMP_S`) are removed at start;
+reads go straight into the host pages (one ``preadv`` per record) and are checked after;
+the size cap (``max_bytes``, 0 = none) is an in-process LRU index over the records this
+process knows; a full disk fails the rest of the batch's writes; the deadline is checked
+between pages. In full: ``docs/architecture.md``, "The backends".
 """
 
 from __future__ import annotations

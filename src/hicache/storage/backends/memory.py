@@ -1,30 +1,15 @@
 """A fake in-memory L3 backend with injectable latency and failures, for controller tests.
 
-Records live in a :class:`MemoryStore` (a dict behind a lock). Instances created through
-the registry with the same ``store`` name share one store (like engines sharing an L3);
-pass a :class:`MemoryStore` directly for a private one.
-
-Faults (:class:`MemoryFaults`, set at creation or with :meth:`MemoryStorage.set_faults`):
-
-- ``delay_s``: every batch operation sleeps this long first. When it is at least the
-  deadline (``StorageOptions.timeout_s``), the operation sleeps only until the deadline and
-  then fails as a timeout (misses ``timeout``; exists 0; set False).
-- ``fail_after``: after this many batch operations have run, every further one fails as a
-  backend error (misses ``error``). ``None`` never fails; ``0`` fails from the start.
-- ``get_delay_s``: a get's read runs on a worker thread (a
-  :class:`~hicache.storage.deadline.DeadlineRunner`, ``writes_host=True``) that sleeps this
-  long, then writes the records into the host pages it was handed, like a zero-copy
-  network get. Past the deadline the get returns its pages as ``timeout`` misses at the
-  deadline, and the read writes them LATE, after ``batch_get`` returned; until it has,
-  :meth:`~hicache.storage.base.HiCacheStorage.host_writes_settled` is False. This is the
-  fake of a late-writing backend for cache-level tests, e.g. extra config
-  ``{"get_delay_s": 1.0, "timeout_s": 0.2}``. The late write lands in the host pages with
-  ``page_first`` / ``page_first_direct`` pools (``layer_first`` gets are staged, so it lands
-  in the staging copy and never in the pool).
-- ``fault_rank``: the faults above apply only in tensor-parallel rank ``fault_rank`` of
-  this process's ``torch.distributed`` group (an engine's rank processes each create their
-  own backend, each over a store of its own process): one rank faulty, the others sound.
-  ``None`` (the default): in every process.
+Records live in a :class:`MemoryStore` (a dict behind a lock); instances the registry
+creates with the same ``store`` name share one. Faults (:class:`MemoryFaults`, at creation
+or :meth:`MemoryStorage.set_faults`): ``delay_s`` (s before every batch operation; at or
+past the deadline it fails as a timeout at the deadline), ``fail_after`` (operations before
+every further one fails as an error; ``None`` never, ``0`` from the start), ``get_delay_s``
+(a get's read sleeps on a ``writes_host`` :class:`~hicache.storage.deadline.DeadlineRunner`
+and writes its host pages late, after ``batch_get`` returned: ``host_writes_settled`` is
+False until then; ``layer_first`` gets land in a staging copy), and ``fault_rank`` (faults
+only in that tensor-parallel rank; ``None``: every process). E.g. extra config
+``{"get_delay_s": 1.0, "timeout_s": 0.2}``.
 """
 
 from __future__ import annotations

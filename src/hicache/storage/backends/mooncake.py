@@ -1,32 +1,17 @@
 """The ``mooncake`` L3 backend: Mooncake Store (``mooncake-transfer-engine-non-cuda``).
 
-One Mooncake object per page key holding the record (header + payload). The client
-registers the host pool's buffer (hicache's, or an engine's: any zero-copy
-:class:`~hicache.storage.pageio.Payloads`), so puts and gets move payload bytes straight
-between the pool's pages and the store (``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers`` with ``[header slot, kind 0 view, kind 1 view]`` per key);
-headers go through a small registered arena. A ``layer_first`` pool (no page views),
-``zero_copy: false``, or pages under ``zero_copy_min_bytes`` (where one slice per record
-beats three), stage whole records through a registered arena instead (``batch_put_from``
-/ ``batch_get_into``) and copy them into the pool after the checks.
-
-Objects live in the segments mounted by clients, and a client's segment goes away with it.
-By default this client mounts no segment (``global_segment_size`` 0), so objects land in
-the segment of a long-lived holder: run ``hicache store mooncake`` (:mod:`hicache.services.mooncake`),
-which starts ``mooncake_master`` and such a holder on 127.0.0.1.
-
-Deadlines: every call runs on a :class:`~hicache.storage.deadline.DeadlineRunner`. With a
-dead master the client retries RPCs for seconds (and ``setup`` for minutes); this backend
-returns misses / False at its deadline instead, and refuses further calls (as timeouts)
-until the stuck one returns. A zero-copy get that overran its deadline may still write its
-pages until it returns: :meth:`~hicache.storage.base.HiCacheStorage.host_writes_settled`
-says False until then (staged gets, ``zero_copy: false``, only ever write the arena).
-
-A record a read found bad (``hicache.storage.heal``) is replaced at the next write of its
-key with ``batch_upsert_from`` (staged through an arena; an object is replaced whole, so a
-reader gets the old record or the new one), not put: a put of a present key is refused.
-
-Extra config: see :mod:`hicache.storage.backends.mooncake_config`.
+One Mooncake object per page key holding the record. Zero-copy: the host pool's buffer is
+registered, and each key moves as ``[header slot, kind 0 view, kind 1 view]``; a
+``layer_first`` pool, ``zero_copy: false`` or pages under ``zero_copy_min_bytes`` stage whole
+records through a registered arena. By default no segment is mounted
+(``global_segment_size`` 0): objects live in a long-lived holder's segment (``hicache store
+mooncake``). Invariants: every call runs on a
+:class:`~hicache.storage.deadline.DeadlineRunner`, misses / False at the deadline, further
+calls refused (as timeouts) until a stuck one returns; a zero-copy get that overran keeps
+``host_writes_settled`` False until it returns; a bad record is replaced whole with
+``batch_upsert_from`` (a put of a present key is refused). Extra config:
+:mod:`hicache.storage.backends.mooncake_config`. In full: ``docs/architecture.md``, "The
+backends".
 """
 
 from __future__ import annotations

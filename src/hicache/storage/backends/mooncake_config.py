@@ -1,23 +1,13 @@
 """Settings of the ``mooncake`` L3 backend and the Mooncake error codes it meets.
 
-Keys of the engine's extra config, with environment fallbacks in brackets:
-``master_server_address`` [``MOONCAKE_MASTER``] default ``127.0.0.1:50051``;
-``metadata_server`` [``MOONCAKE_TE_META_DATA_SERVER``] default ``P2PHANDSHAKE``;
-``protocol`` [``MOONCAKE_PROTOCOL``] default ``tcp``; ``device_name``
-[``MOONCAKE_DEVICE``] default ``""``; ``local_hostname`` default ``127.0.0.1``;
-``global_segment_size`` [``MOONCAKE_GLOBAL_SEGMENT_SIZE``] bytes, default 0 (this client
-holds no objects; a service holds them); ``local_buffer_size`` bytes, default 0 (the
-library's own transfer buffer, which this backend does not use: every transfer goes
-through the host pool's buffer or the backend's staging arenas; any size given here is
-registered memory a transfer-engine peer can read, see docs/security.md); ``zero_copy``
-default true; ``zero_copy_min_bytes`` default 262144 (256 KiB): pages whose payload is
-smaller are staged even when ``zero_copy`` is on. Extra-config values win over the
-environment.
-
-Why the floor: a zero-copy record is three transfer-engine slices (header, K, V) where a
-staged one is one, and each slice costs about 40 us on this machine's TCP transport, as
-much as copying some 200 KiB; at 12 KiB pages zero-copy ran at 0.6x of one-buffer
-transfers, at 1 MiB at 1.1 to 1.2x of staged ones (docs/benchmarks/l3.md, issue 27).
+Keys (environment fallbacks in brackets; extra-config values win):
+``master_server_address`` [``MOONCAKE_MASTER``] ``127.0.0.1:50051``; ``metadata_server``
+[``MOONCAKE_TE_META_DATA_SERVER``] ``P2PHANDSHAKE``; ``protocol`` [``MOONCAKE_PROTOCOL``]
+``tcp``; ``device_name`` [``MOONCAKE_DEVICE``] ``""``; ``local_hostname`` ``127.0.0.1``;
+``global_segment_size`` [``MOONCAKE_GLOBAL_SEGMENT_SIZE``] bytes, 0 (a service holds the
+objects); ``local_buffer_size`` bytes, 0 (unused by this backend; any size is registered
+memory a peer can read); ``zero_copy`` true; ``zero_copy_min_bytes`` 262144 (smaller
+payloads are staged). Why the floor: ``docs/configuration.md``.
 """
 
 from __future__ import annotations

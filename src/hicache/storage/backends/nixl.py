@@ -1,39 +1,18 @@
 """The ``nixl`` L3 backend: the ``file`` backend's record files, moved by NIXL's POSIX plugin.
 
-Records, directory and names are the ``file`` backend's (:mod:`.file`): a key ``hc3-<hex>``
-is the file ``<dir>/<hex[:2]>/hc3-<hex>`` holding one record (64-byte header, then the
-payload; :mod:`hicache.storage.record`), written to a temp file and renamed into place, so
-either backend reads the other's records over the same directory. What differs is who moves
-the bytes: NIXL (:mod:`.nixl_client`), one batched transfer per chunk of at most
-``max_batch_pages`` pages between host memory registered with the agent (``DRAM``) and the
-record files (``FILE`` descriptors ``(offset, bytes, fd)``).
-
-- Zero-copy for ``page_first`` and ``page_first_direct`` host pools: the pool's buffer is
-  registered once (forgotten, and deregistered, when the pool is freed); a record is three
-  ranges, header (in a small registered arena) then the page's kind slabs in place
-  (K then V), read into or written from the pool directly. A ``layer_first`` pool (no page
-  views) and recurrent-state slots stage whole records through a registered arena.
-- get: each file is opened and its size checked first (absent: ``absent``; another size
-  or not a regular file: ``corrupt``, not read), the rest are read in one transfer, then
-  each record is checked (header, checksum, namespace, fingerprint) as ``file`` checks it;
-  a staged record is copied into its page only when good.
-- set: a present key is skipped (first writer wins) unless a read of this instance found
-  its record bad (healing: it is overwritten the same atomic way). Headers, checksum
-  included, are computed from the pages on the caller's thread before the transfer, which
-  writes each record to a temp file (fsync'ed with ``fsync``); then each is renamed into
-  place. A set that overran its deadline renames nothing: its temp files are removed.
-- Deadlines: the file and NIXL work of a chunk runs on a
-  :class:`~hicache.storage.deadline.DeadlineRunner`; the caller waits for it at most until
-  the batch deadline, and reports the chunk's pages as ``timeout`` misses (or failed
-  writes) past it. A transfer is never released while it runs (NIXL's POSIX plugin would
-  free the request under the kernel's IO): it runs on to its end on the worker, a
-  zero-copy get that overran is reported by ``host_writes_settled`` until then, and the
-  backend refuses new calls (as timeouts) while one is stuck.
-- A full disk fails the transfer's writes (False, one error); the size cap (``max_bytes``)
-  and the start-up sweep of stale temp files are the ``file`` backend's.
-
-Extra config: see :mod:`.nixl_config`. NIXL must import (``requirements/nixl.txt``), else
-:meth:`start` raises :class:`~hicache.storage.base.StorageError` saying what to install.
+Records, directory and names are the ``file`` backend's (:mod:`.file`): key ``hc3-<hex>`` is
+the file ``<dir>/<hex[:2]>/hc3-<hex>`` holding one record, written to a temp file and
+renamed into place, so either backend reads the other's records. NIXL (:mod:`.nixl_client`)
+moves the bytes, one transfer per chunk of at most ``max_batch_pages`` pages between
+registered host memory (``DRAM``) and ``FILE`` ranges ``(offset, bytes, fd)``: zero-copy for
+``page_first`` / ``page_first_direct`` pools (three ranges per record: header, K, V), staged
+through a registered arena for ``layer_first`` pools and state slots. Invariants: a get
+checks each file's size before reading and each record as ``file`` does; a set skips
+present keys unless healing, computes headers before the transfer, and renames nothing
+when it overran its deadline; a transfer is never released while it runs (the backend
+refuses new calls as timeouts meanwhile, and a late zero-copy get shows in
+``host_writes_settled``). Extra config: :mod:`.nixl_config`; NIXL must import
+(``requirements/nixl.txt``), else :meth:`start` raises. In full: ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """NIXL plumbing of the ``nixl`` L3 backend: one agent with the POSIX plugin, its host
 memory registrations, and blocking transfers between host memory and open files.
 
-NIXL (``nixl==1.5.1`` with ``nixl-cu12``; ``requirements/nixl.txt``) moves bytes between
-descriptor lists: here ``DRAM`` descriptors ``(address, bytes, 0)`` in registered host memory
-and ``FILE`` descriptors ``(file offset, bytes, fd)``, paired one to one (equal lengths).
-The POSIX plugin serves them with Linux AIO, io_uring or POSIX AIO (``posix_io``), a
-transfer being one batch of those reads or writes.
-
-Facts of NIXL's POSIX plugin this module is built on (1.5.1):
-
-- A descriptor's host range must lie in registered ``DRAM`` memory and its fd must be
-  registered as ``FILE`` (fd mode: ``(0, bytes, fd, "")``; NIXL does not take the fd over,
-  the caller closes it after deregistering). Registration is bookkeeping, no IO.
-- A transfer makes progress when it is polled (``check_xfer_state``): the IO queue's
-  completions are reaped there. It ends ``DONE``, or with an error (raised by the poll)
-  once an IO completed short or failed: one error for the whole transfer.
-- Releasing a transfer handle destroys the request while kernel IO may still complete into
-  it: a handle is released only after its transfer ended, never at a deadline.
-
-So :meth:`PosixAgent.transfer` blocks until the transfer ends; the backend bounds it by
-running it on a :class:`~hicache.storage.deadline.DeadlineRunner`. The agent is made with
-NIXL's reader-writer thread sync, so the runner's workers transfer concurrently.
+NIXL (``nixl==1.5.1`` with ``nixl-cu12``) pairs ``DRAM`` descriptors ``(address, bytes, 0)``
+in registered host memory one to one with ``FILE`` descriptors ``(file offset, bytes, fd)``;
+the POSIX plugin serves a transfer as one batch of AIO / io_uring / POSIX AIO reads or
+writes (``posix_io``). Facts it rests on (1.5.1): a host range must lie in registered
+memory and its fd be registered as ``FILE`` (bookkeeping, no IO; the caller closes the fd
+after deregistering); a transfer progresses only when polled (``check_xfer_state``) and
+ends ``DONE`` or with one error for the whole transfer; releasing a handle while kernel IO
+may still complete into it is unsafe. Invariant: a handle is released only after its
+transfer ended, never at a deadline, so :meth:`PosixAgent.transfer` blocks and the backend
+bounds it on a :class:`~hicache.storage.deadline.DeadlineRunner` (the agent uses NIXL's
+reader-writer thread sync, so its workers transfer concurrently).
 """
 
 from __future__ import annotations

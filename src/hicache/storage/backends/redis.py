@@ -1,34 +1,17 @@
 """The ``redis`` L3 backend: Redis or Valkey through redis-py, pipelined.
 
-One record per key, stored as one string value (header + payload). Operations:
-
-- exists: one pipelined ``EXISTS`` per key; the answer counts leading hits.
-- get: one ``MGET`` per ``max_batch_pages`` keys; records are checked before their
-  payload is copied into the host pool, so a bad record never touches the pool.
-- set: one pipelined ``EXISTS`` per key (pages of :data:`PRECHECK_MIN_BYTES` and more),
-  then ``SET key record NX [EX ttl]`` for the missing keys (a key present, or appearing
-  in between, is skipped, not overwritten: ``NX`` answers nil); a key whose
-  record a read found bad (``hicache.storage.heal``) gets a plain ``SET`` (an atomic
-  replace) instead.
-
-Pipelines of ``EXISTS`` and ``SET`` are written in the wire protocol (RESP) by this module
-and sent on one of redis-py's pooled connections (``send_packed_command`` /
-``read_response``): a ``SET`` pipeline is one buffer holding every command, each record's
-header and payload copied into it once, straight from the host pages (redis-py would
-join the record, then copy it again into its packed command, and spend some microseconds
-of Python per command). The staging buffer is kept for the next batch once the call that
-sent it has returned.
-
-Network calls run on a :class:`~hicache.storage.deadline.DeadlineRunner` and the client has
-socket timeouts and no retries, so a dead or stalled server costs at most the deadline.
-Records are encoded on the caller's thread before the network call, so a late call never
-reads host pages the caller has moved on from. A connection whose exchange failed midway
-is closed, never reused with replies pending.
-
-Extra config: ``url`` (default ``$HICACHE_REDIS_URL`` or ``redis://127.0.0.1:6379/0``;
-``rediss://`` and passwords in the URL work), ``key_prefix`` (default ``""``), ``ttl_s``
-(seconds, 0 = no expiry), ``max_connections`` (default 16). Eviction of a full server is
-the server's ``maxmemory-policy`` (e.g. ``allkeys-lru``).
+One record per key, stored as one string value. exists: pipelined ``EXISTS``, leading hits
+counted; get: one ``MGET`` per ``max_batch_pages`` keys, each record checked before its
+payload touches the host pool; set: pipelined ``EXISTS`` (pages of
+:data:`PRECHECK_MIN_BYTES` and more), then ``SET key record NX [EX ttl]`` (a present key is
+skipped), or a plain ``SET`` (atomic replace) for a key a read found bad. Pipelines are
+written in RESP by this module into one buffer, each record copied once from the host
+pages. Invariants: network calls run on a :class:`~hicache.storage.deadline.DeadlineRunner`
+(socket timeouts, no retries); records are encoded before the network call, so a late
+call never reads host pages; a connection whose exchange failed midway is closed. Extra
+config: ``url`` (default ``$HICACHE_REDIS_URL`` or ``redis://127.0.0.1:6379/0``),
+``key_prefix``, ``ttl_s`` (s, 0 = none), ``max_connections`` (16). In full:
+``docs/architecture.md``, "The backends".
 """
 
 from __future__ import annotations

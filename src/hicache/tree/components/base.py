@@ -1,35 +1,18 @@
 """The component contract: what one kind of per-token state keeps in the tree, and its rules.
 
-A hybrid model keeps several kinds of state for one token span in one tree: full-attention
-KV (every page), sliding-window KV (only the last ``window`` tokens of a sequence are
-needed), Mamba / linear-attention state (one snapshot at a span's end). Each kind is a
-:class:`TreeComponent`; the tree (:class:`~hicache.tree.radix.HiRadixTree`) calls the
-same methods on every component and keeps no per-component special cases. Components are
-stateless rule objects (one per tree); their per-node values live on the nodes.
-
-Node data. Every component has, per node and per tier (L1 device, L2 host), either a value
-or nothing. A value is a :data:`~hicache.tree.node.PageIds` array of ids into that
-component's own pool: one id per page of the span for a :attr:`Granularity.PAGE`
-component, one id (a state slot) for a :attr:`Granularity.BOUNDARY` component, whose
-value describes the state *at the end* of the node's span. The full component's values are
-``node.device`` / ``node.host`` (the tree's fast-path fields); the others keep a
-:class:`ComponentData` in ``node.extra[name]``.
-
-The node lifecycle belongs to the full (*base*) component: a node exists while its full KV
-is in some tier, and evicting the full KV of a node drops every other component's value in
-that tier with it (a cascade). So, per node and tier, a component value is only present
-where the full value is (checked by :meth:`TreeComponent.check`).
-
-Match boundaries. A match may end at a node only if every component's validator accepts
-it. A validator is stateful over one root-to-leaf walk (it sees the nodes top-down). With
-``device_only=False`` a value in either tier counts (a node evicted from L1 but backed up
-is a valid boundary for every component; load back restores it); with ``device_only=True``
-only L1 values count (a hit usable with no copy).
-
-Pins. ``lock_ref`` / ``host_ref`` on the node are the base component's pins (path-wise).
-An extra component pins what a hit at a node needs (:meth:`TreeComponent.hit_span`) in
-its own counters when the tree pins a node; an extra component's value is evictable on
-its own only while its counter in that tier is 0.
+Each kind of state (full KV, sliding-window KV, recurrent-state snapshots, indexer keys) is
+a stateless :class:`TreeComponent` (one per tree); the tree calls the same methods on every
+component, and per-node values live on the nodes. Shapes: per node and tier (L1, L2) a
+component holds a :data:`~hicache.tree.node.PageIds` array into its own pool or nothing:
+one id per page for :attr:`Granularity.PAGE`, one state slot (the state at the span's end)
+for :attr:`Granularity.BOUNDARY`; the full component's values are ``node.device`` /
+``node.host``, the others a :class:`ComponentData` in ``node.extra[name]``. Invariants
+(:meth:`TreeComponent.check`): a node lives while its full KV is in some tier, and a
+component value is present in a tier only where the full value is (evicting full KV
+cascades); a match ends only where every validator (stateful over one top-down walk)
+accepts, counting both tiers or, with ``device_only``, L1 alone; an extra component pins
+its :meth:`TreeComponent.hit_span` in its own counters and is evictable on its own only
+while that counter is 0. The rules argued: ``docs/architecture.md``, "Hybrid models".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """The DSA indexer's keys (DeepSeek-V3.2): pages that share the full KV's page ids.
 
-A sparse-attention layer scores every cached token with a small indexer and attends to
-the top-k of them, so a prefix is usable only with the indexer keys of *every* one of its
-tokens: the hit policy ALL_PAGES. A node's indexer value in a tier is one id per page
-like the full KV's, and it is the *same* ids: where a node's full KV lies at L1 pages
-``node.device`` its indexer keys lie at those pages of the indexer's L1 pool (likewise in
-L2 with ``node.host``). The value only says that the keys are there: it is present or
-absent (a node whose full KV reached a tier without its keys, say an L3 read of the KV
-whose indexer records were missing), and never differs from the full KV's ids
-(:meth:`IndexerKeys.check`).
-
-Match: a node may end a match only if every node from the root down to it holds its
-keys (in some tier; in L1 for an L1 hit). Pins, eviction and the access order are the
-full KV's: the keys live and die with the full KV of their node (the tree's cascade drops
-them with it), so this component has no pin counts and no eviction of its own.
+A sparse-attention layer attends to the top-k of every cached token's indexer scores, so a
+prefix is usable only with the indexer keys of *every* one of its tokens: hit policy
+ALL_PAGES. A node's indexer value in a tier is the *same* page ids as its full KV's
+(``node.device`` in the indexer's L1 pool, ``node.host`` in L2): it only says the keys are
+there, present or absent (the full KV may reach a tier without its keys, say an L3 read
+whose indexer records were missing), never other ids (:meth:`IndexerKeys.check`). Match: a
+node may end a match only if every node from the root down holds its keys (in some tier;
+in L1 for an L1 hit). Pins, eviction and access order are the full KV's: the keys live
+and die with their node's full KV (the tree's cascade), so no pins or eviction of its own.
 """
 
 from __future__ import annotations
