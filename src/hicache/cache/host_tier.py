@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.cache.components.stores import ComponentStores
+from hicache.cache.quarantine import Quarantine
 from hicache.cache.request import CacheRequest
 from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig, KVSpec
@@ -91,15 +92,6 @@ class PendingLoad:
     device_pages: PageIds
 
 
-@dataclass(frozen=True, slots=True)
-class Quarantined:
-    """L1 pages taken out of the tree (a failed load's chain) that copies in flight may
-    still use: freed once none of the ops ``ops`` is in flight any more."""
-
-    pages: PageIds
-    ops: frozenset[int]
-
-
 class HostTier:
     """L2 pages and the copies between L1 and L2 for one cache.
 
@@ -140,7 +132,9 @@ class HostTier:
         self._failed: list[tuple[PendingLoad, str, bool]] = []
         """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
         whether every layer had landed (on every rank) all the same."""
-        self._quarantine: list[Quarantined] = []
+        self._quarantine: Quarantine[frozenset[int], PageIds] = Quarantine()
+        """L1 pages taken out of the tree (a failed load's chain) that copies in flight may
+        still use, each until none of its ops is in flight any more."""
         self._num_layers = spec.num_layers
         self.ranks = sync.ranks
         """The tensor-parallel ranks (one: every agreement is this rank's own vote)."""
@@ -398,20 +392,14 @@ class HostTier:
             self.tree.dec_lock_ref(ld.last)
             self.tree.dec_host_ref(ld.last)
             self._drop_failed_load(ld, error, landed)
-        if self._quarantine:
-            in_flight = self.loads.keys() | self.backups.keys()
-            keep: list[Quarantined] = []
-            for q in self._quarantine:
-                if q.ops & in_flight:
-                    keep.append(q)
-                else:
-                    self.device_allocator.free(q.pages)
-            self._quarantine = keep
+        in_flight = self.loads.keys() | self.backups.keys()
+        for pages in self._quarantine.lift(lambda ops: not ops & in_flight):
+            self.device_allocator.free(pages)
 
     def quarantined_device_pages(self) -> list[int]:
         """L1 pages a failed load mapped that copies in flight may still use (owned by the
         tier until :meth:`settle` frees them)."""
-        return [p for q in self._quarantine for p in q.pages]
+        return [p for pages in self._quarantine for p in pages]
 
     def _drop_failed_load(self, ld: PendingLoad, error: str, landed: bool) -> None:
         """Take what a failed load mapped (and every L1 copy below it) out of L1, unless
@@ -445,7 +433,7 @@ class HostTier:
                 # now, its pages free once the copies in flight are done
                 ev = self.tree.unmap_device(n)
                 self._free_device(page_ids(), ev.components)  # no copy writes those
-                self._quarantine.append(Quarantined(ev.full, in_flight))
+                self._quarantine.hold(in_flight, ev.full)
             else:  # pragma: no cover - pinned by a backup of it or by a caller outside
                 # the cache: nothing is computed on a chain whose layers did not arrive
                 log.error("cannot drop the L1 copy of pinned %r after a failed load", n)
