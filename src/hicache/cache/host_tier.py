@@ -129,6 +129,8 @@ class HostTier:
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
+        self._got = LocalRecords()
+        """Completions received and not applied yet (:meth:`apply_agreed` pops them)."""
         self._failed: list[tuple[PendingLoad, str, bool]] = []
         """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
         whether every layer had landed (on every rank) all the same."""
@@ -311,11 +313,14 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
 
-    def keeps(self, record: Record) -> bool:
-        """Whether ``record`` is the completion of a copy in flight here."""
-        return isinstance(record, Completion) and (
+    def keep(self, record: Record) -> bool:
+        """Keep ``record`` when it is the completion of a copy in flight here."""
+        mine = isinstance(record, Completion) and (
             record.op_id in self.backups or record.op_id in self.loads
         )
+        if mine:
+            self._got.put(record)
+        return mine
 
     def apply(self, c: Completion, *, landed: bool | None = None) -> None:
         """Apply one finished copy (agreed: :meth:`apply_agreed`): unpin, count, hand on
@@ -353,14 +358,14 @@ class HostTier:
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
 
-    def votes(self, got: LocalRecords) -> list[Vote]:
+    def votes(self) -> list[Vote]:
         """This rank's vote on every copy in flight, in op-id order: whether its
-        completion is here (``got``) and how it went (:data:`COPY_OK`, else
+        completion is here and how it went (:data:`COPY_OK`, else
         :data:`COPY_FAILED_LANDED` for a failed load whose every layer landed anyway, else
         0), so the minimum over ranks says how it went everywhere."""
         out: list[Vote] = []
         for op_id in sorted(self.backups.keys() | self.loads.keys()):
-            c = got.completions.get(op_id)
+            c = self._got.completions.get(op_id)
             value = 0
             if c is not None and c.ok:
                 value = COPY_OK
@@ -370,12 +375,13 @@ class HostTier:
             out.append(Vote(op_id, arrived=c is not None, value=value))
         return out
 
-    def apply_agreed(self, v: Verdict, got: LocalRecords) -> bool:
+    def apply_agreed(self, v: Verdict) -> bool:
         """Apply copy ``v.op_id``'s completion once every rank has it, ok only when ok on
         every rank (a copy failed on another rank fails here too); False: not yet."""
-        if not v.arrived or v.op_id not in got.completions:
+        got = self._got.completions
+        if not v.arrived or v.op_id not in got:
             return False
-        c = got.completions.pop(v.op_id)
+        c = got.pop(v.op_id)
         if c.ok and v.value != COPY_OK:
             c = dataclasses.replace(c, ok=False, error="the copy failed on another rank")
         self.apply(c, landed=v.value == COPY_FAILED_LANDED)
