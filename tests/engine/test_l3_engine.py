@@ -217,7 +217,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
             for h in range(KV_HEADS):
                 path = l3.controller.storage.path_of(head_key(k, h).key)  # type: ignore[attr-defined]
                 path.unlink(missing_ok=True)
-        foreign = dataclasses.replace(l3.namespace, model="another-model")
+        foreign = dataclasses.replace(l3.keys.namespace, model="another-model")
         with create_storage(
             "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
         ) as other:
@@ -240,7 +240,7 @@ def test_previous_version_records_are_missed_and_counted(
         assert l3 is not None
         st = l3.controller.storage
         assert isinstance(st, FileStorage)
-        old = previous_page_key(l3.namespace.previous_digest(1, 0), PROMPT[:PAGE], PAGE)
+        old = previous_page_key(l3.keys.namespace.previous_digest(1, 0), PROMPT[:PAGE], PAGE)
         path = st.path_of(old.key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(encode_record(old.namespace_digest, old.fingerprint, [b"\0" * 64]))
