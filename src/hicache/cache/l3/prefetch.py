@@ -30,7 +30,8 @@ class Prefetch:
     of them hold intact records (only grows); ``finished`` once no more will arrive;
     ``taken`` once the request took what arrived (or gave it up); ``looking`` until its
     lookup's result is applied; ``agreed_ready`` once some rank's policy let it in, as
-    agreed.
+    agreed; ``held`` once taken before its read's final record (what it did not hand to
+    the tree is quarantined until that record is agreed).
 
     Hybrid models, per extra component ``name``: ``component_keys[name][j - 1]`` keys the
     record of page ``j``; the lookup covered pages from ``component_first[name]`` on;
@@ -78,3 +79,4 @@ class Prefetch:
     records_read: bool = False
     looking: bool = True
     agreed_ready: bool = False
+    held: bool = False

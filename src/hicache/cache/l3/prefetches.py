@@ -71,8 +71,9 @@ class Prefetches:
             codecs=codecs,
         )
         self._open: dict[int, Prefetch] = {}
+        """Every prefetch in flight (a ``held`` one: taken, its read not final yet)."""
         self._held: Quarantine[int, HeldRead] = Quarantine()
-        """Reads taken (or given up) before their final record: kept until it is agreed."""
+        """What reads taken before their final record may still fill, until it is agreed."""
         self._got = LocalRecords()
 
     # ------------------------------------------------------------------ lookup
@@ -233,10 +234,11 @@ class Prefetches:
     def _end(self, p: Prefetch, pages: PageIds, left: list[ComponentFetch]) -> None:
         """Drop taken ``p``: free its L2 ``pages`` and component ids ``left`` that were
         not adopted, or quarantine them while the thread may still write them."""
-        self._open.pop(p.op_id, None)
         if not p.read_final:  # the thread may still write them: keep them until it ends
+            p.held = True
             self._held.hold(p.op_id, (pages, left))
         else:
+            self._open.pop(p.op_id, None)
             self._free((pages, left))
 
     def _free(self, held: HeldRead) -> None:
@@ -249,9 +251,7 @@ class Prefetches:
 
     def keep(self, record: Record) -> bool:
         op_id = record.op_id
-        mine = isinstance(record, (L3Lookup, L3Read)) and (
-            op_id in self._open or op_id in self._held.waits()
-        )
+        mine = isinstance(record, (L3Lookup, L3Read)) and op_id in self._open
         if mine:
             self._got.put(record)
         return mine
@@ -259,14 +259,12 @@ class Prefetches:
     def votes(self) -> list[Vote]:
         """A lookup's result, a read's progress, a quarantined read's end; a waiting
         prefetch adds its policy's verdict by this rank's clock."""
-        reads = self._got.reads
         out = [v for p in self._open.values() if (v := self._vote(p)) is not None]
-        out += [
-            Vote(op, True, final=reads.get(op, ReadProgress()).final) for op in self._held.waits()
-        ]
         return sorted(out, key=lambda v: v.op_id)
 
     def _vote(self, p: Prefetch) -> Vote | None:
+        if p.held:
+            return Vote(p.op_id, True, final=self._got.reads.get(p.op_id, ReadProgress()).final)
         ready = not p.taken and self._policy_ready(p)
         if p.looking:
             r = self._got.lookups.get(p.op_id)
@@ -282,10 +280,11 @@ class Prefetches:
     def apply_agreed(self, v: Verdict) -> bool:
         """Apply what every rank agreed on op ``v.op_id`` (see :meth:`votes`); returns
         whether a record was applied."""
-        p = self._open.get(v.op_id)
-        if p is None:  # a quarantined read: lifted once final everywhere
+        p = self._open[v.op_id]
+        if p.held:  # lifted once final everywhere
             if not v.final:
                 return False
+            del self._open[v.op_id]
             self._got.reads.pop(v.op_id, None)
             self._controller.forget(v.op_id)
             for held in self._held.lift(lambda op: op == v.op_id):
@@ -323,7 +322,7 @@ class Prefetches:
         """L2 pages held by L3 ops, not by the tree: reads not taken yet, quarantines."""
         held = [p for pages, _ in self._held for p in pages]
         for p in self._open.values():
-            if p.host_pages is not None:
+            if p.host_pages is not None and not p.held:
                 held += p.host_pages
         return held
 
@@ -331,7 +330,7 @@ class Prefetches:
         """L2 ids of component ``name`` held by L3 reads, not by the tree (as
         :meth:`held_host_pages`)."""
         fetches = [f for _, q in self._held for f in q]
-        fetches += [f for p in self._open.values() for f in p.reads]
+        fetches += [f for p in self._open.values() if not p.held for f in p.reads]
         return [int(i) for f in fetches if f.name == name for i in f.ids]
 
     def give_up(self) -> tuple[PageIds, dict[str, PageIds]]:
@@ -339,6 +338,8 @@ class Prefetches:
         pinned. Returns the L2 pages and, per component, the L2 ids that must stay
         quarantined until the backend's late writes settle."""
         for p in self._open.values():
+            if p.held:
+                continue  # in the quarantine already
             if not p.taken:
                 p.taken = True
                 self._tree.dec_host_ref(p.attach)
