@@ -20,7 +20,8 @@ and report to it; nothing calls up into the facade):
 
 Records are applied at one point per step, :meth:`CacheSync.sync` (the engine calls the
 facade's ``sync`` once per step on every rank), and inside explicit waits; whatever the
-rank count, in op order, with the agreed values. Nothing else applies a record.
+rank count, party by party in op order, with the agreed values. Nothing else applies a
+record.
 
 **The re-entrancy rule** (one rule, here only). While records are being applied or a
 wait runs, the cache is *inside* (:attr:`CacheSync.inside`): whatever runs then (a
@@ -28,7 +29,7 @@ record's application that allocates and evicts; an allocation that waits for bac
 holding pins for a moment) runs inside. Inside, nothing syncs or waits: :meth:`sync` is
 a no-op, :meth:`wait_until` tests its condition once and returns, :meth:`wait_backups`
 returns False; and nothing is *settled* (failed loads applied, failed backups' L2 copies
-dropped, quarantines lifted, retired backends freed): settling happens only at the end
+dropped, L1 quarantines lifted, retired backends freed): settling happens only at the end
 of a :meth:`sync` made outside, after everything it applied, where no caller holds a pin
 for a moment. Every rank runs the same syncs and waits in the same places, so every
 rank is inside at the same points and makes the same collectives.

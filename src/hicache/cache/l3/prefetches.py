@@ -202,10 +202,7 @@ class Prefetches:
         """:meth:`take` of a read of component records alone (a held boundary): the node
         ending at ``p.boundary`` (split there if needed), still with its full KV in L2,
         and the window nodes above it adopt the records. Returns the tokens this made
-        usable beyond the local valid match (``match_prefix`` before and after the
-        adoption; 0 when the read failed or was not over, or the match did not grow).
-        The caller counts them as storage hits only as far as they are loaded from L2 (a
-        held node whose full KV is in L1 too counts as a device hit)."""
+        usable beyond the local valid match (0 when the read failed or was not over)."""
         left = list(p.reads)
         gained = 0
         if p.records_read:  # agreed already with several ranks: no collective here
@@ -232,8 +229,8 @@ class Prefetches:
         return left
 
     def _end(self, p: Prefetch, pages: PageIds, left: list[ComponentFetch]) -> None:
-        """Drop taken ``p``: free its L2 ``pages`` and component ids ``left`` that were
-        not adopted, or quarantine them while the thread may still write them."""
+        """Free taken ``p``'s L2 ``pages`` and component ids ``left`` not adopted, or
+        quarantine them (``p`` held) while the thread may still write them."""
         if not p.read_final:  # the thread may still write them: keep them until it ends
             p.held = True
             self._held.hold(p.op_id, (pages, left))
