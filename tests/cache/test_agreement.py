@@ -63,50 +63,50 @@ class _Paired(RankGroup):
 
 def _other(transfer: list[Vote], l3: list[Vote], give_up: bool = False, cap: int = 8) -> _Paired:
     capture = _Capture()
-    Agreement(capture, cap).agree(transfer, l3, give_up=give_up)
+    Agreement(capture, cap).agree((transfer, l3), give_up=give_up)
     assert capture.sent is not None
     return _Paired(capture.sent)
 
 
 def test_one_rank_gets_its_own_votes_back() -> None:
     got = Agreement(RankGroup.single(), 4).agree(
-        [Vote(3, arrived=True, value=1)], [Vote(5, True, 7, final=True, flag=True, ready=True)]
+        ([Vote(3, arrived=True, value=1)], [Vote(5, True, 7, final=True, flag=True, ready=True)])
     )
-    assert got.transfer == (Verdict(3, True, 1, False, False, False),)
-    assert got.l3 == (Verdict(5, True, 7, True, True, True),)
+    assert got.lanes[0] == (Verdict(3, True, 1, False, False, False),)
+    assert got.lanes[1] == (Verdict(5, True, 7, True, True, True),)
     assert not got.gave_up and got.deferred == 0
 
 
 def test_values_reduce_min_all_any() -> None:
     mine = [Vote(1, True, 4, final=True, flag=True, ready=False), Vote(2, True, 2, ready=True)]
     theirs = [Vote(1, True, 3, final=False, flag=True, ready=True), Vote(2, False, 9)]
-    got = Agreement(_other([], theirs), 8).agree([], mine)
+    got = Agreement(_other([], theirs), 8).agree(([], mine))
     # hit/done: the minimum; final/flag/arrived: on every rank; ready: on some rank
-    assert got.l3 == (
+    assert got.lanes[1] == (
         Verdict(1, arrived=True, value=3, final=False, flag=True, ready=True),
         Verdict(2, arrived=False, value=2, final=False, flag=False, ready=True),
     )
 
 
 def test_a_rank_past_its_deadline_gives_up_for_all() -> None:
-    assert Agreement(_other([], [], give_up=True), 8).agree([], []).gave_up
-    assert not Agreement(_other([], [], give_up=False), 8).agree([], []).gave_up
+    assert Agreement(_other([], [], give_up=True), 8).agree(([], [])).gave_up
+    assert not Agreement(_other([], [], give_up=False), 8).agree(([], [])).gave_up
 
 
-def test_ops_beyond_capacity_wait_oldest_first_streams_taking_turns() -> None:
+def test_ops_beyond_capacity_wait_oldest_first_lanes_taking_turns() -> None:
     transfer = [Vote(i, True) for i in (1, 2, 3)]
     l3 = [Vote(i, True) for i in (10, 11)]
-    got = Agreement(RankGroup.single(), 3).agree(transfer, l3)
-    assert [v.op_id for v in got.transfer] == [1, 2]
-    assert [v.op_id for v in got.l3] == [10]
+    got = Agreement(RankGroup.single(), 3).agree((transfer, l3))
+    assert [v.op_id for v in got.lanes[0]] == [1, 2]
+    assert [v.op_id for v in got.lanes[1]] == [10]
     assert got.deferred == 2
 
 
 def test_ranks_listing_other_ops_raise_on_every_rank() -> None:
     with pytest.raises(RanksDiverged, match="row 1"):
-        Agreement(_other([], [Vote(4, True)]), 8).agree([], [Vote(5, True)])
+        Agreement(_other([], [Vote(4, True)]), 8).agree(([], [Vote(5, True)]))
     with pytest.raises(RanksDiverged, match="1 to 2 in-flight ops"):  # one more op there
-        Agreement(_other([Vote(1, True)], [Vote(4, True)]), 8).agree([], [Vote(4, True)])
+        Agreement(_other([Vote(1, True)], [Vote(4, True)]), 8).agree(([], [Vote(4, True)]))
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_ranks_listing_other_ops_raise_on_every_rank() -> None:
 )
 def test_bad_votes_are_refused(votes: list[Vote], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        Agreement(RankGroup.single(), 4).agree([], votes)
+        Agreement(RankGroup.single(), 4).agree(([], votes))
 
 
 def test_capacity_must_be_positive() -> None:
@@ -134,7 +134,7 @@ def test_local_read_records_fold_into_progress() -> None:
     got.put(L3Read(7, 3, final=False))
     got.put(L3Read(7, 2, final=True))  # a final record never lowers the progress
     assert got.reads[7] == ReadProgress(done=3, final=True, records=True)
-    got.drop_l3()
+    got.clear()
     assert len(got) == 0
 
 

@@ -63,7 +63,7 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
         result["written"] = cache.full.counters.l3_backup_tokens_total
         if spec_name == "mha" and rank == 1:  # this rank's store loses its last two pages
             assert cache.storage is not None
-            for key in cache.storage.keys(encode_tokens(TOKENS))[2:]:
+            for key in cache.storage.keys.of(encode_tokens(TOKENS))[2:]:
                 cache.storage.controller.storage.path_of(key.key).unlink()  # type: ignore[attr-defined]
         dist.barrier()
         cache.reset()

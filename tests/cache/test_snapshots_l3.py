@@ -275,7 +275,7 @@ def _replica_main(rank: int, n: int, out: str) -> dict[str, object]:
     with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,)), ranks=RankGroup()) as cache:
         policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
         cache.attach_storage(storage, ns, policy)
-        assert cache.storage is not None and cache.storage.writer == (rank == 0)
+        assert cache.storage is not None and cache.storage.keys.writer == (rank == 0)
         compute(cache, PROMPT, {2: mine})
         cache.reset()
         hit, prefix, state = fetch(cache, PROMPT)

@@ -14,7 +14,7 @@ from hicache.cache.host_tier import HostTier
 from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig
 from hicache.controller import Record
-from hicache.controller.agreement import LocalRecords, Verdict, Vote
+from hicache.controller.agreement import Verdict, Vote
 from hicache.memory import DevicePool
 from hicache.metrics import CacheCounters
 from hicache.spec import KVSpec
@@ -49,13 +49,13 @@ class RecordingL3:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
 
-    def keeps(self, record: Record) -> bool:
+    def keep(self, record: Record) -> bool:
         return False
 
-    def votes(self, got: LocalRecords) -> list[Vote]:
+    def votes(self) -> list[Vote]:
         return []
 
-    def apply_agreed(self, verdict: Verdict, got: LocalRecords) -> bool:  # pragma: no cover
+    def apply_agreed(self, verdict: Verdict) -> bool:  # pragma: no cover
         raise AssertionError("no L3 op is in flight")
 
     def settle(self) -> None:
@@ -71,7 +71,9 @@ def test_the_host_tier_reports_each_step_to_its_peers() -> None:
     pool = DevicePool(SPEC, cfg.device_pages, PAGE)
     calls: Calls = []
     sync = CacheSync(tree=tree, wait_timeout_s=10.0)
-    sync.serve_l3(RecordingL3(calls))
+    l3 = RecordingL3(calls)
+    sync.serve(l3)
+    sync.serve_backups(l3)
     host = HostTier(
         tree=tree,
         device_pool=pool,

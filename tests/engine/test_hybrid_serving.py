@@ -501,7 +501,7 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
         settle()
         l3 = engine.cache.storage
         assert l3 is not None
-        key = l3.keys(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
+        key = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
         path = l3.controller.storage.path_of(key.key)  # type: ignore[attr-defined]
         data = bytearray(path.read_bytes())
         data[-3] ^= 0xFF

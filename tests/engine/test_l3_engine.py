@@ -199,7 +199,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         l3 = engine.cache.storage
         assert l3 is not None
         storage = l3.controller.storage
-        keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         victim = storage.path_of(head_key(keys[5], 1).key)  # type: ignore[attr-defined]
         data = bytearray(victim.read_bytes())
         data[-3] ^= 0xFF  # a payload byte
@@ -212,12 +212,12 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         l3 = engine.cache.storage
         assert l3 is not None and engine.cache.full.host_pool is not None
-        keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
             for h in range(KV_HEADS):
                 path = l3.controller.storage.path_of(head_key(k, h).key)  # type: ignore[attr-defined]
                 path.unlink(missing_ok=True)
-        foreign = dataclasses.replace(l3.namespace, model="another-model")
+        foreign = dataclasses.replace(l3.keys.namespace, model="another-model")
         with create_storage(
             "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
         ) as other:
@@ -240,7 +240,7 @@ def test_previous_version_records_are_missed_and_counted(
         assert l3 is not None
         st = l3.controller.storage
         assert isinstance(st, FileStorage)
-        old = previous_page_key(l3.namespace.previous_digest(1, 0), PROMPT[:PAGE], PAGE)
+        old = previous_page_key(l3.keys.namespace.previous_digest(1, 0), PROMPT[:PAGE], PAGE)
         path = st.path_of(old.key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(encode_record(old.namespace_digest, old.fingerprint, [b"\0" * 64]))
@@ -309,7 +309,7 @@ def test_a_corrupt_record_is_healed_by_the_recompute(
         settle(engine)
         l3 = engine.cache.storage
         assert l3 is not None
-        keys = l3.keys(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         corrupt_record(engine, keys[5])
         before = engine.call(lambda: cache_stats(engine.cache)).result().storage
         out = engine.generate(PROMPT, GREEDY, timeout=60)  # pages 0-4 from L3, then compute

@@ -10,8 +10,10 @@
   the first store (the tree's spine): its L1 tier (:mod:`~hicache.cache.device_tier`:
   allocation with eviction, reserved pages), its L2 tier (:mod:`~hicache.cache.host_tier`:
   L1<->L2 copies, L2 eviction), the layer-wise load back and the page-level API;
-* :mod:`~hicache.cache.storage_tier`: L3 prefetch, writes and quarantine;
-* :mod:`~hicache.cache.storage_slot`: L3 attach/detach, detached backends' quarantine;
+* :mod:`~hicache.cache.l3`: the L3 slot (attach/detach, retired backends) and the
+  attached tier's two parties of the sync: the prefetches and the writes;
+* :mod:`~hicache.cache.quarantine`: the one hold-until-final primitive (pages a worker
+  may still write stay out of use);
 * :mod:`~hicache.cache.components`: the component stores (sliding window, state
   snapshots, the DSA indexer) behind one contract, and the list a cache holds;
 * :mod:`~hicache.cache.report`: stats, integrity check and digest of a whole cache

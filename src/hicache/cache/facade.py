@@ -5,7 +5,7 @@ stores: first the full KV (:class:`~hicache.cache.full_kv.FullKVStore`, :attr:`H
 its L1 and L2 halves, the layer-wise load back, and the page-level API tests and tools
 use), then one component store per extra component of its
 :class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`); and the optional
-L3 tier, attached and detached through a :class:`~hicache.cache.storage_slot.StorageSlot`.
+L3 tier, attached and detached through an :class:`~hicache.cache.l3.slot.L3Slot`.
 All methods run on the owner's thread; worker threads only move bytes and post records
 to one completion queue, owned by the cache's :class:`~hicache.cache.sync.CacheSync`,
 which applies them at :meth:`HiCache.sync` (the engine calls it once per step, whatever
@@ -45,9 +45,9 @@ from hicache.cache.components.base import (
 )
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
+from hicache.cache.l3.slot import L3Slot
+from hicache.cache.l3.tier import L3Tier
 from hicache.cache.request import CacheRequest, RequestState
-from hicache.cache.storage_slot import StorageSlot
-from hicache.cache.storage_tier import StorageTier
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
 from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller import write_rule
@@ -133,7 +133,7 @@ class HiCache(Lifecycle):
             layer_hook=layer_hook,
         )
         """The full KV: the first store, the tree's spine (and the page-level API)."""
-        self._l3 = StorageSlot(
+        self._l3 = L3Slot(
             tree=tree, host=self.full.host, counters=counters, sync=self._sync, stores=self.stores
         )
         self._started = False
@@ -177,16 +177,16 @@ class HiCache(Lifecycle):
         """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
         the backend. Open prefetches are dropped; pages a late backend write may still
         fill stay out of use until it settles. False when none was attached."""
-        if self._l3.tier is None:
+        if self._l3.attached is None:
             return False
         for req in self._requests:
             req.prefetch = None
         return self._l3.detach(self._wait_timeout_s if timeout_s is None else timeout_s)
 
     @property
-    def storage(self) -> StorageTier | None:
+    def storage(self) -> L3Tier | None:
         """The L3 tier, while a backend is attached."""
-        return self._l3.tier
+        return self._l3.attached
 
     # ------------------------------------------------------------------ request verbs
 
@@ -231,13 +231,15 @@ class HiCache(Lifecycle):
             page_size=self.page_size,
         )
         if cacheable:
-            req.prefetch = self._l3.prefetch(tokens[: req.reusable(len(tokens))], tenant, False)
+            req.prefetch = self._l3.tier.prefetches.start(
+                tokens[: req.reusable(len(tokens))], tenant
+            )
         return req
 
     def ready(self, req: CacheRequest) -> bool:
         """Whether ``req`` may be admitted now: its prefetch policy is satisfied, as agreed
         at the last :meth:`sync` (the same answer on every rank)."""
-        return req.prefetch is None or self._l3.ready(req.prefetch)
+        return req.prefetch is None or self._l3.tier.prefetches.ready(req.prefetch)
 
     def admit(self, req: CacheRequest, tokens: TokenIds) -> bool:
         """Give ``req`` L1 pages for positions ``[0, len(tokens))``.
@@ -255,7 +257,7 @@ class HiCache(Lifecycle):
         if not tokens:
             raise ValueError("admit needs at least one token")
         if req.prefetch is not None:
-            req.storage_tokens += self._l3.take(req.prefetch)
+            req.storage_tokens += self._l3.tier.prefetches.take(req.prefetch)
             req.prefetch = None
         wanted = tokens[: req.reusable(len(tokens))] if req.cacheable else ()
         got = self.full.admit(req, wanted, len(tokens))
@@ -338,7 +340,7 @@ class HiCache(Lifecycle):
         if req.state is RequestState.RELEASED:
             return
         if req.prefetch is not None:
-            self._l3.take(req.prefetch)
+            self._l3.tier.prefetches.take(req.prefetch)
             req.prefetch = None
         if req.state is RequestState.ADMITTED:
             if keep and tokens is not None:
@@ -394,7 +396,7 @@ class HiCache(Lifecycle):
         """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
         if self._started:
             self.full.wait_idle()
-            self._l3.flush(self._wait_timeout_s)
+            self._l3.tier.flush(self._wait_timeout_s)
             self.sync()  # failed loads are applied here, outside the wait
 
     # ------------------------------------------------------------------ whole cache
@@ -415,6 +417,6 @@ class HiCache(Lifecycle):
         return tuple(self._requests)
 
     @property
-    def l3(self) -> StorageSlot:
+    def l3(self) -> L3Slot:
         """Where the L3 tier attaches (its quarantines, for reports and checks)."""
         return self._l3

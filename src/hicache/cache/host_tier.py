@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.cache.components.stores import ComponentStores
+from hicache.cache.quarantine import Quarantine
 from hicache.cache.request import CacheRequest
 from hicache.cache.sync import CacheSync
 from hicache.config import CacheConfig
@@ -92,15 +93,6 @@ class PendingLoad:
     device_pages: PageIds
 
 
-@dataclass(frozen=True, slots=True)
-class Quarantined:
-    """L1 pages taken out of the tree (a failed load's chain) that copies in flight may
-    still use: freed once none of the ops ``ops`` is in flight any more."""
-
-    pages: PageIds
-    ops: frozenset[int]
-
-
 class HostTier:
     """L2 pages and the copies between L1 and L2 for one cache.
 
@@ -138,10 +130,14 @@ class HostTier:
         self.backups: dict[int, PendingBackup] = {}
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
+        self._got = LocalRecords()
+        """Completions received and not applied yet (:meth:`apply_agreed` pops them)."""
         self._failed: list[tuple[PendingLoad, str, bool]] = []
         """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
         whether every layer had landed (on every rank) all the same."""
-        self._quarantine: list[Quarantined] = []
+        self._quarantine: Quarantine[frozenset[int], PageIds] = Quarantine()
+        """L1 pages taken out of the tree (a failed load's chain) that copies in flight may
+        still use, each until none of its ops is in flight any more."""
         self._num_layers = spec.num_layers
         self.ranks = sync.ranks
         """The tensor-parallel ranks (one: every agreement is this rank's own vote)."""
@@ -318,11 +314,14 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
 
-    def keeps(self, record: Record) -> bool:
-        """Whether ``record`` is the completion of a copy in flight here."""
-        return isinstance(record, Completion) and (
+    def keep(self, record: Record) -> bool:
+        """Keep ``record`` when it is the completion of a copy in flight here."""
+        mine = isinstance(record, Completion) and (
             record.op_id in self.backups or record.op_id in self.loads
         )
+        if mine:
+            self._got.put(record)
+        return mine
 
     def apply(self, c: Completion, *, landed: bool | None = None) -> None:
         """Apply one finished copy (agreed: :meth:`apply_agreed`): unpin, count, hand on
@@ -360,14 +359,14 @@ class HostTier:
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
 
-    def votes(self, got: LocalRecords) -> list[Vote]:
+    def votes(self) -> list[Vote]:
         """This rank's vote on every copy in flight, in op-id order: whether its
-        completion is here (``got``) and how it went (:data:`COPY_OK`, else
+        completion is here and how it went (:data:`COPY_OK`, else
         :data:`COPY_FAILED_LANDED` for a failed load whose every layer landed anyway, else
         0), so the minimum over ranks says how it went everywhere."""
         out: list[Vote] = []
         for op_id in sorted(self.backups.keys() | self.loads.keys()):
-            c = got.completions.get(op_id)
+            c = self._got.completions.get(op_id)
             value = 0
             if c is not None and c.ok:
                 value = COPY_OK
@@ -377,12 +376,13 @@ class HostTier:
             out.append(Vote(op_id, arrived=c is not None, value=value))
         return out
 
-    def apply_agreed(self, v: Verdict, got: LocalRecords) -> bool:
+    def apply_agreed(self, v: Verdict) -> bool:
         """Apply copy ``v.op_id``'s completion once every rank has it, ok only when ok on
         every rank (a copy failed on another rank fails here too); False: not yet."""
-        if not v.arrived or v.op_id not in got.completions:
+        got = self._got.completions
+        if not v.arrived or v.op_id not in got:
             return False
-        c = got.completions.pop(v.op_id)
+        c = got.pop(v.op_id)
         if c.ok and v.value != COPY_OK:
             c = dataclasses.replace(c, ok=False, error="the copy failed on another rank")
         self.apply(c, landed=v.value == COPY_FAILED_LANDED)
@@ -399,20 +399,14 @@ class HostTier:
             self.tree.dec_lock_ref(ld.last)
             self.tree.dec_host_ref(ld.last)
             self._drop_failed_load(ld, error, landed)
-        if self._quarantine:
-            in_flight = self.loads.keys() | self.backups.keys()
-            keep: list[Quarantined] = []
-            for q in self._quarantine:
-                if q.ops & in_flight:
-                    keep.append(q)
-                else:
-                    self.device_allocator.free(q.pages)
-            self._quarantine = keep
+        in_flight = self.loads.keys() | self.backups.keys()
+        for pages in self._quarantine.lift(lambda ops: not ops & in_flight):
+            self.device_allocator.free(pages)
 
     def quarantined_device_pages(self) -> list[int]:
         """L1 pages a failed load mapped that copies in flight may still use (owned by the
         tier until :meth:`settle` frees them)."""
-        return [p for q in self._quarantine for p in q.pages]
+        return [p for pages in self._quarantine for p in pages]
 
     def _drop_failed_load(self, ld: PendingLoad, error: str, landed: bool) -> None:
         """Take what a failed load mapped (and every L1 copy below it) out of L1, unless
@@ -446,7 +440,7 @@ class HostTier:
                 # now, its pages free once the copies in flight are done
                 ev = self.tree.unmap_device(n)
                 self._free_device(page_ids(), ev.components)  # no copy writes those
-                self._quarantine.append(Quarantined(ev.full, in_flight))
+                self._quarantine.hold(in_flight, ev.full)
             else:  # pragma: no cover - pinned by a backup of it or by a caller outside
                 # the cache: nothing is computed on a chain whose layers did not arrive
                 log.error("cannot drop the L1 copy of pinned %r after a failed load", n)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.cache.prefetch import Prefetch
+from hicache.cache.l3.prefetch import Prefetch
 from hicache.extras import SequenceExtras
 from hicache.transfer import LayerProgress, TransferError
 from hicache.tree import TreeNode

@@ -6,18 +6,22 @@ move bytes and post immutable records to one :class:`~hicache.controller.Complet
 cache, below the facade and beside the tiers and stores (which get it at construction
 and report to it; nothing calls up into the facade):
 
-* the records received and not applied yet (:class:`~hicache.controller.agreement.LocalRecords`);
+* the queue of records received, each handed to the party whose op it is of (which keeps
+  it until applied, :class:`~hicache.controller.agreement.LocalRecords`);
 * the agreement of the tensor-parallel ranks (:class:`~hicache.controller.agreement.Agreement`):
   a group of one rank is the same code, its verdict is its vote (no collective);
-* the two parties whose ops are in flight, each registering itself when built: the L2
-  tier's copies (:class:`Party` ``transfers``) and the L3 attachment (``l3``);
+* the parties whose ops are in flight, each one lane of the agreement and voting on its
+  own ops only (:class:`Party`): the L2 tier's copies (registering when built), the L3
+  slot (no ops: it settles retired backends), and, while a backend is attached, the L3
+  prefetches and the L3 writes;
 * the waits (:meth:`CacheSync.wait_until`), agreed on every rank, so all give up together;
 * the admitted requests (:attr:`CacheSync.holders`) and the failing of those whose prefix
   runs through a failed load (:meth:`CacheSync.fail_holders`).
 
 Records are applied at one point per step, :meth:`CacheSync.sync` (the engine calls the
 facade's ``sync`` once per step on every rank), and inside explicit waits; whatever the
-rank count, in op order, with the agreed values. Nothing else applies a record.
+rank count, party by party in op order, with the agreed values. Nothing else applies a
+record.
 
 **The re-entrancy rule** (one rule, here only). While records are being applied or a
 wait runs, the cache is *inside* (:attr:`CacheSync.inside`): whatever runs then (a
@@ -25,7 +29,7 @@ record's application that allocates and evicts; an allocation that waits for bac
 holding pins for a moment) runs inside. Inside, nothing syncs or waits: :meth:`sync` is
 a no-op, :meth:`wait_until` tests its condition once and returns, :meth:`wait_backups`
 returns False; and nothing is *settled* (failed loads applied, failed backups' L2 copies
-dropped, quarantines lifted, retired backends freed): settling happens only at the end
+dropped, L1 quarantines lifted, retired backends freed): settling happens only at the end
 of a :meth:`sync` made outside, after everything it applied, where no caller holds a pin
 for a moment. Every rank runs the same syncs and waits in the same places, so every
 rank is inside at the same points and makes the same collectives.
@@ -40,12 +44,12 @@ from typing import Protocol
 
 from hicache.cache.request import CacheRequest
 from hicache.controller import CompletionQueue
-from hicache.controller.agreement import Agreement, LocalRecords, Verdict, Vote
+from hicache.controller.agreement import Agreement, Verdict, Vote
 from hicache.controller.completions import Record
 from hicache.controller.rank_group import RankGroup
 from hicache.tree import HiRadixTree, TreeNode
 
-__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "CacheSync", "L3Party", "Party", "TransferParty"]
+__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "BackupSink", "CacheSync", "Party", "TransferParty"]
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 """Longest the owner waits for copies in flight before giving up with TimeoutError."""
@@ -56,17 +60,16 @@ record posted on this rank ends the pause at once."""
 
 
 class Party(Protocol):
-    """A tier whose ops are in flight (the L2 copies, the L3 ops): it votes on them and
-    applies what the ranks agreed."""
+    """An owner of ops in flight (one lane of the agreement): it keeps its workers'
+    records, votes on its own ops and applies what the ranks agreed."""
 
-    def keeps(self, record: Record) -> bool:
-        """Whether ``record`` is of an op in flight here (others are dropped: a detached
-        tier's)."""
+    def keep(self, record: Record) -> bool:
+        """Keep ``record`` when it is of an op in flight here (whether it was)."""
 
-    def votes(self, got: LocalRecords) -> list[Vote]:
+    def votes(self) -> list[Vote]:
         """This rank's vote on every op in flight here, in op-id order."""
 
-    def apply_agreed(self, verdict: Verdict, got: LocalRecords) -> bool:
+    def apply_agreed(self, verdict: Verdict) -> bool:
         """Apply what every rank agreed on one op; whether a record was applied."""
 
     def settle(self) -> None:
@@ -81,8 +84,8 @@ class TransferParty(Party, Protocol):
         now)."""
 
 
-class L3Party(Party, Protocol):
-    """The L3 attachment's side: runs whose L1 -> L2 backup landed are written to L3."""
+class BackupSink(Protocol):
+    """The L3 writes: runs whose L1 -> L2 backup landed are written to L3."""
 
     def on_host_backup(self, nodes: list[TreeNode]) -> None:
         """``nodes`` (one path, top-down) landed in L2."""
@@ -113,28 +116,35 @@ class CacheSync:
         self.holders: set[CacheRequest] = set()
         """Admitted requests holding pages (a failed load fails those over it)."""
         self._agreement = Agreement(self.ranks)
-        self._got = LocalRecords()
+        self._parties: tuple[Party, ...] = ()
+        """The lanes of the agreement, in the order served."""
         self._transfers: TransferParty | None = None
-        self._l3: L3Party | None = None
+        self._backups: BackupSink | None = None
         self._inside = 0
 
     # ------------------------------------------------------------------ parties
 
+    def serve(self, *parties: Party) -> None:
+        """Add ``parties``, each one lane of the agreement after those served already
+        (every rank serves the same parties at the same points)."""
+        self._parties = (*self._parties, *parties)
+
+    def leave(self, *parties: Party) -> None:
+        """Remove ``parties`` (their ops were given up: records of them are dropped)."""
+        self._parties = tuple(p for p in self._parties if all(p is not q for q in parties))
+
     def serve_transfers(self, party: TransferParty) -> None:
-        """Register the L2 tier (once, when it is built)."""
+        """Register the L2 tier (once, when it is built): a party, and the backups
+        :meth:`wait_backups` waits for."""
         if self._transfers is not None:
             raise RuntimeError("the cache has an L2 tier already")
         self._transfers = party
+        self.serve(party)
 
-    def serve_l3(self, party: L3Party) -> None:
-        """Register the L3 attachment (once, when it is built)."""
-        if self._l3 is not None:
-            raise RuntimeError("the cache has an L3 attachment already")
-        self._l3 = party
-
-    def drop_l3(self) -> None:
-        """Forget the L3 records received (their tier was detached)."""
-        self._got.drop_l3()
+    def serve_backups(self, sink: BackupSink | None) -> None:
+        """Where landed backups go (:meth:`backup_landed`): the attached L3 tier's writes
+        (None: nowhere, no tier attached)."""
+        self._backups = sink
 
     # ------------------------------------------------------------------ applying
 
@@ -159,39 +169,31 @@ class CacheSync:
 
     def _round(self, *, give_up: bool) -> tuple[int, bool]:
         """One agreement (``give_up``: this rank's wait is past its deadline) and its
-        application; returns the records applied and whether some rank gave up."""
+        application, lane by lane; returns the records applied and whether some rank
+        gave up."""
         self._keep(self.completions.drain())
-        got, host, l3 = self._got, self._transfers, self._l3
-        step = self._agreement.agree(
-            [] if host is None else host.votes(got),
-            [] if l3 is None else l3.votes(got),
-            give_up=give_up,
-        )
+        parties = self._parties
+        step = self._agreement.agree([p.votes() for p in parties], give_up=give_up)
         applied = 0
         self._inside += 1
         try:
-            for v in step.transfer:
-                assert host is not None
-                applied += host.apply_agreed(v, got)
-            for v in step.l3:
-                assert l3 is not None
-                applied += l3.apply_agreed(v, got)
+            for party, verdicts in zip(parties, step.lanes, strict=True):
+                for v in verdicts:
+                    applied += party.apply_agreed(v)
         finally:
             self._inside -= 1
         return applied, step.gave_up
 
     def _keep(self, records: list[Record]) -> None:
-        """Buffer the records of ops in flight (a detached tier's are dropped)."""
+        """Hand each record to the party whose op it is of (none: a detached tier's, dropped)."""
         for r in records:
-            for party in (self._transfers, self._l3):
-                if party is not None and party.keeps(r):
-                    self._got.put(r)
+            for party in self._parties:
+                if party.keep(r):
                     break
 
     def _settle(self) -> None:
-        for party in (self._transfers, self._l3):
-            if party is not None:
-                party.settle()
+        for party in self._parties:
+            party.settle()
 
     # ------------------------------------------------------------------ waits
 
@@ -228,8 +230,8 @@ class CacheSync:
 
     def backup_landed(self, nodes: list[TreeNode]) -> None:
         """The L1 -> L2 copy of ``nodes`` (one path, top-down) landed: hand them to L3."""
-        if self._l3 is not None:
-            self._l3.on_host_backup(nodes)
+        if self._backups is not None:
+            self._backups.on_host_backup(nodes)
 
     # ------------------------------------------------------------------ holders
 

@@ -2,21 +2,21 @@
 
 Worker records (a copy landed, an L3 lookup found ``n`` pages, a read brought ``d``, a write
 landed) and local clocks (prefetch deadlines) may differ between ranks, so the owner
-(:class:`~hicache.cache.sync.CacheSync`) buffers them in :class:`LocalRecords` and, once per
-step, hands :meth:`Agreement.agree` its in-flight ops per :class:`Stream` in op-id order,
-each with this rank's :class:`Vote`. Shape: ONE all-reduce(min) of an int64 tensor of ``1 +
-capacity`` rows by :data:`FIELDS` columns; one :class:`Verdict` per op (arrived on every
-rank, the minimum value, final everywhere, ready on some rank). Invariants: only what
-arrived everywhere is applied, with the agreed values; every rank calls ``agree`` the same
-number of times whatever its local state; with one rank no collective is made (the
-verdict is the vote); ops beyond ``capacity`` wait, oldest of each stream first; each row
-carries its op key as ``k`` and ``-k``, so ranks that listed different ops all raise
+(:class:`~hicache.cache.sync.CacheSync`) and its parties buffer them in
+:class:`LocalRecords` and, once per step, hand :meth:`Agreement.agree` their in-flight ops,
+one lane per party, each in op-id order, each with this rank's :class:`Vote`. Shape: ONE
+all-reduce(min) of an int64 tensor of ``1 + capacity`` rows by :data:`FIELDS` columns; one
+:class:`Verdict` per op (arrived on every rank, the minimum value, final everywhere, the
+flag everywhere, ready on some rank). Invariants: only what arrived everywhere is applied,
+with the agreed values; every rank calls ``agree`` the same number of times whatever its
+local state; with one rank no collective is made (the verdict is the vote); ops beyond
+``capacity`` wait, the oldest of each lane first (the lanes take turns); each row carries
+its op key as ``k`` and ``-k``, so ranks that listed different ops all raise
 :class:`RanksDiverged`. Why: ``docs/architecture.md``, "How ranks agree".
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -35,7 +35,6 @@ __all__ = [
     "RanksDiverged",
     "ReadProgress",
     "Step",
-    "Stream",
     "Verdict",
     "Vote",
 ]
@@ -47,16 +46,7 @@ FIELDS = 7
 """int64 columns per row: key, -key, arrived, value, final, flag, -ready."""
 
 _KEY, _NEG_KEY, _ARRIVED, _VALUE, _FINAL, _FLAG, _NEG_READY = range(FIELDS)
-_STREAM_SHIFT = 48  # key = stream << 48 | op_id
-
-
-class Stream(enum.IntEnum):
-    """The op-id counters of one cache: each numbers its ops from 1 on its own."""
-
-    TRANSFER = 1
-    """L1<->L2 copies (the cache controller's op ids)."""
-    L3 = 2
-    """L3 prefetches (lookup, then read), writes and quarantined reads (the cache's)."""
+_LANE_SHIFT = 48  # key = (lane + 1) << 48 | op_id
 
 
 class RanksDiverged(RuntimeError):
@@ -99,12 +89,11 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One agreement: the verdicts per stream (in the order of the votes, the first ones;
+    """One agreement: the verdicts per lane (in the order of the votes, the first ones;
     ``deferred`` ops did not fit and wait for a later step) and ``gave_up``: some rank
     voted to give up the wait it is in (its deadline passed), so all give up together."""
 
-    transfer: tuple[Verdict, ...]
-    l3: tuple[Verdict, ...]
+    lanes: tuple[tuple[Verdict, ...], ...]
     gave_up: bool
     deferred: int
 
@@ -123,31 +112,30 @@ class Agreement:
         self.steps = 0
         """Agreements made so far (equal on every rank)."""
 
-    def agree(self, transfer: Sequence[Vote], l3: Sequence[Vote], *, give_up: bool = False) -> Step:
-        """Agree on the votes of both streams (each in increasing op-id order) and on
-        ``give_up``; one all-reduce(min) of a ``(1 + capacity, FIELDS)`` tensor (none
-        with one rank: its verdicts are its votes, through the same rows)."""
-        if not transfer and not l3 and not self.ranks.multi:  # one rank, nothing in flight
+    def agree(self, lanes: Sequence[Sequence[Vote]], *, give_up: bool = False) -> Step:
+        """Agree on the votes of every lane (one per party, each in increasing op-id
+        order) and on ``give_up``; one all-reduce(min) of a ``(1 + capacity, FIELDS)``
+        tensor (none with one rank: its verdicts are its votes, through the same rows)."""
+        if not any(lanes) and not self.ranks.multi:  # one rank, nothing in flight
             self.steps += 1
-            return Step((), (), give_up, 0)
+            return Step(tuple(() for _ in lanes), give_up, 0)
         rows = _interleave(
-            [(Stream.TRANSFER, v) for v in _ordered("transfer", transfer)],
-            [(Stream.L3, v) for v in _ordered("l3", l3)],
+            [[(i, v) for v in _ordered(i, votes)] for i, votes in enumerate(lanes)],
             self.capacity,
         )
         for _, v in rows:
             if v.value < 0:
                 raise ValueError(f"op {v.op_id}: a vote's value must be >= 0, got {v.value}")
-        deferred = len(transfer) + len(l3) - len(rows)
+        deferred = sum(map(len, lanes)) - len(rows)
+        out: list[list[Verdict]] = [[] for _ in lanes]
         if not self.ranks.multi:  # one rank: its verdict is its vote, no collective
             self.steps += 1
-            own: dict[Stream, list[Verdict]] = {Stream.TRANSFER: [], Stream.L3: []}
-            for stream, v in rows:
-                own[stream].append(Verdict(v.op_id, v.arrived, v.value, v.final, v.flag, v.ready))
-            return Step(tuple(own[Stream.TRANSFER]), tuple(own[Stream.L3]), give_up, deferred)
+            for lane, v in rows:
+                out[lane].append(Verdict(v.op_id, v.arrived, v.value, v.final, v.flag, v.ready))
+            return Step(tuple(map(tuple, out)), give_up, deferred)
         data = [[len(rows), -len(rows), -int(give_up), 0, 0, 0, 0]]  # the header row
-        for stream, v in rows:
-            key = int(stream) << _STREAM_SHIFT | v.op_id
+        for lane, v in rows:
+            key = (lane + 1) << _LANE_SHIFT | v.op_id
             data.append(
                 [key, -key, int(v.arrived), v.value, int(v.final), int(v.flag), -int(v.ready)]
             )
@@ -157,15 +145,14 @@ class Agreement:
             raise RanksDiverged(
                 f"step {self.steps}: ranks agree on {got[0][0]} to {-got[0][1]} in-flight ops"
             )
-        out: dict[Stream, list[Verdict]] = {Stream.TRANSFER: [], Stream.L3: []}
-        for i, (stream, v) in enumerate(rows, start=1):
+        for i, (lane, v) in enumerate(rows, start=1):
             r = got[i]
             if r[_KEY] != -r[_NEG_KEY]:
                 raise RanksDiverged(
                     f"step {self.steps}: row {i} holds op keys {r[_KEY]:#x} to {-r[_NEG_KEY]:#x}"
-                    f" on different ranks (this rank: {stream.name} op {v.op_id})"
+                    f" on different ranks (this rank: lane {lane} op {v.op_id})"
                 )
-            out[stream].append(
+            out[lane].append(
                 Verdict(
                     op_id=v.op_id,
                     arrived=bool(r[_ARRIVED]),
@@ -175,12 +162,7 @@ class Agreement:
                     ready=bool(-r[_NEG_READY]),
                 )
             )
-        return Step(
-            transfer=tuple(out[Stream.TRANSFER]),
-            l3=tuple(out[Stream.L3]),
-            gave_up=bool(-got[0][2]),
-            deferred=deferred,
-        )
+        return Step(tuple(map(tuple, out)), gave_up=bool(-got[0][2]), deferred=deferred)
 
     def _reduce(self, data: list[list[int]]) -> list[list[int]]:
         """The elementwise minimum of ``data`` over the ranks: one all-reduce(min) of the
@@ -191,30 +173,26 @@ class Agreement:
         return t[: len(data)].tolist()
 
 
-def _ordered(name: str, votes: Sequence[Vote]) -> Sequence[Vote]:
+def _ordered(lane: int, votes: Sequence[Vote]) -> Sequence[Vote]:
     for a, b in itertools.pairwise(votes):
         if b.op_id <= a.op_id:
             raise ValueError(
-                f"{name} votes must be in increasing op-id order: {a.op_id}, {b.op_id}"
+                f"lane {lane} votes must be in increasing op-id order: {a.op_id}, {b.op_id}"
             )
-    if votes and not 0 < votes[0].op_id < 1 << _STREAM_SHIFT:
-        raise ValueError(f"{name} op id {votes[0].op_id} out of range")
+    if votes and not 0 < votes[0].op_id < 1 << _LANE_SHIFT:
+        raise ValueError(f"lane {lane} op id {votes[0].op_id} out of range")
     return votes
 
 
-def _interleave(
-    a: list[tuple[Stream, Vote]], b: list[tuple[Stream, Vote]], capacity: int
-) -> list[tuple[Stream, Vote]]:
-    """The first ``capacity`` of ``a`` and ``b`` taking turns (oldest of each first)."""
-    out: list[tuple[Stream, Vote]] = []
-    i = j = 0
-    while len(out) < capacity and (i < len(a) or j < len(b)):
-        if i < len(a):
-            out.append(a[i])
-            i += 1
-        if j < len(b) and len(out) < capacity:
-            out.append(b[j])
-            j += 1
+def _interleave(lanes: list[list[tuple[int, Vote]]], capacity: int) -> list[tuple[int, Vote]]:
+    """The first ``capacity`` of the ``lanes`` taking turns (oldest of each first)."""
+    out: list[tuple[int, Vote]] = []
+    depth = 0
+    while len(out) < capacity and any(depth < len(lane) for lane in lanes):
+        for lane in lanes:
+            if depth < len(lane) and len(out) < capacity:
+                out.append(lane[depth])
+        depth += 1
     return out
 
 
@@ -260,8 +238,9 @@ class LocalRecords:
         else:
             self.writes.setdefault(r.op_id, r)
 
-    def drop_l3(self) -> None:
-        """Forget every L3 record (the L3 tier they belong to was detached)."""
+    def clear(self) -> None:
+        """Forget every record (their ops were given up)."""
+        self.completions.clear()
         self.lookups.clear()
         self.reads.clear()
         self.writes.clear()

@@ -1,4 +1,6 @@
-"""One request's L3 prefetch as the owner records it (the storage tier changes it)."""
+"""One request's L3 prefetch as the owner records it (:class:`Prefetch`; the prefetches
+party, :mod:`hicache.cache.l3.prefetches`, changes it) and the component records a read
+brings (:class:`ComponentFetch`)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ class Prefetch:
     ``start_page`` is the full-KV prefix the tree held at the start (``attach`` ends it);
     ``host_pages`` is set once the lookup found a usable hit worth reading; ``done_pages``
     of them hold intact records (only grows); ``finished`` once no more will arrive;
-    ``taken`` once the request took what arrived (or gave it up).
+    ``taken`` once the request took what arrived (or gave it up); ``looking`` until its
+    lookup's result is applied; ``agreed_ready`` once some rank's policy let it in, as
+    agreed; ``held`` once taken before its read's final record (what it did not hand to
+    the tree is quarantined until that record is agreed).
 
     Hybrid models, per extra component ``name``: ``component_keys[name][j - 1]`` keys the
     record of page ``j``; the lookup covered pages from ``component_first[name]`` on;
@@ -72,3 +77,6 @@ class Prefetch:
     inner_to: int = 0
     boundary: int = 0
     records_read: bool = False
+    looking: bool = True
+    agreed_ready: bool = False
+    held: bool = False

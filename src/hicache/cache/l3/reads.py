@@ -1,0 +1,181 @@
+"""What a prefetch asks L3 besides its full-KV run, and what an agreed lookup reads.
+
+:class:`Reads` says which component records a prefetch's lookup covers (those within
+reach of the boundaries it considers) and turns the lookup, applied with the hit every
+rank agreed on, into a read: the deepest boundary every component serves on every rank
+(:func:`~hicache.cache.components.records.agree_boundary`), then L2 pages and component
+ids reserved, agreed (all-reduce(min)) and committed or aborted on every rank together,
+then the read queued on the controller. Every collective here depends on agreed values
+alone. The flow: ``docs/architecture.md`` (L3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hicache.cache.components.records import ComponentRecords, agree_boundary, usable_boundaries
+from hicache.cache.host_tier import HostTier
+from hicache.cache.l3.keys import TierKeys
+from hicache.cache.l3.prefetch import ComponentFetch, Prefetch
+from hicache.config import PrefetchConfig
+from hicache.controller import L3Lookup
+from hicache.controller.rank_group import RankGroup
+from hicache.controller.storage_controller import (
+    ComponentLookup,
+    ComponentRead,
+    StorageController,
+)
+from hicache.tree import TreeNode
+from hicache.tree.node import PageIds, page_ids
+
+__all__ = ["Reads"]
+
+
+class Reads:
+    """The lookups' component keys and the reads of one attached tier's prefetches."""
+
+    def __init__(
+        self,
+        *,
+        controller: StorageController,
+        keys: TierKeys,
+        host: HostTier,
+        prefetch: PrefetchConfig,
+        ranks: RankGroup,
+        codecs: Mapping[str, ComponentRecords],
+    ) -> None:
+        self._controller = controller
+        self._keys = keys
+        self._host = host
+        self._prefetch = prefetch
+        self._ranks = ranks
+        self._codecs = codecs
+        self._components = tuple(codecs.values())
+        self._page_size = host.page_size
+
+    def lookups(self, p: Prefetch, attach: TreeNode, run: int) -> list[ComponentLookup]:
+        """Each component's keys within reach of the boundaries ``p`` considers (from the
+        valid match when held boundaries count, else from the start, to ``run`` pages
+        past it), with the pages before the start whose values the tree holds."""
+        start, inner_to = p.start_page, p.inner_to
+        lo = p.valid_pages if inner_to else start  # boundaries considered: (lo, start + hit]
+        lookups: list[ComponentLookup] = []
+        for c in self._components:
+            keys = self._keys.of(p.key, p.tenant, c.name)
+            first = max(1, lo - c.reach + 1)  # records of pages first.. may be needed
+            p.component_keys[c.name] = keys
+            p.component_first[c.name] = first
+            p.local[c.name] = c.local_pages(attach, start, first)
+            lookups.append(
+                ComponentLookup(
+                    c.name,
+                    tuple(keys[first - 1 : start + run]),
+                    start - first + 1,
+                    held=max(0, inner_to - first + 1) if inner_to else 0,
+                )
+            )
+        return lookups
+
+    def plan(self, p: Prefetch, r: L3Lookup, hit: int) -> None:
+        """Read what lookup ``r`` of ``p`` found, ``hit`` pages agreed (the minimum over
+        ranks), up to the deepest usable boundary; ``p.finished`` when nothing is read."""
+        start = p.start_page
+        boundary = self._boundary(p, r, hit)
+        if boundary <= start:
+            self._read_records(p, boundary)
+            return
+        if boundary <= p.held_to:  # L3 has nothing past what L1 holds: no read
+            p.finished = True
+            return
+        hit = boundary - start
+        host_pages = None
+        if hit and hit * self._page_size >= self._prefetch.prefetch_threshold:
+            host_pages = self._host.alloc(hit)  # agreed by every rank (HostTier.alloc)
+        reads: list[ComponentFetch] = []
+        if host_pages is not None:
+            reads, got_all = self._alloc(p, start + hit, host_pages)
+            if self._components and self._ranks.min(int(got_all)) == 0:
+                self._host.allocator.free(host_pages)  # abort on every rank together
+                host_pages = None
+                self.free(reads)
+                reads = []
+        if host_pages is None:
+            p.finished = True
+            return
+        p.host_pages = host_pages
+        p.reads = reads
+        p.boundary = boundary
+        p.deadline = p.started + self._prefetch.timeout_s(hit * self._page_size)
+        self._submit(p, hit, host_pages)
+
+    def _boundary(self, p: Prefetch, r: L3Lookup, hit: int) -> int:
+        """The deepest boundary (a page of the prompt) every rank can use: with extra
+        components, one every component serves; the same calls on every rank."""
+        start = p.start_page
+        if not self._components:
+            return start + hit
+        found = {f.name: {p.component_first[f.name] + i for i in f.present} for f in r.components}
+        lo = p.valid_pages if p.inner_to else start
+        usable = [
+            d
+            for d in usable_boundaries(self._components, lo, start + hit, p.local, found)
+            if d > start or d <= p.inner_to  # held pages: only those with L2 full KV
+        ]
+        return agree_boundary(self._ranks.min, usable, start + hit)
+
+    def _read_records(self, p: Prefetch, boundary: int) -> None:
+        """Read only the component records that make the held boundary ``boundary``
+        (``valid_pages < boundary <= inner_to``; 0: none) usable, into L2 ids the held
+        nodes adopt when taken. Worth it when the tokens it makes usable beyond the
+        local valid match reach ``prefetch_threshold``."""
+        gain = boundary - p.valid_pages
+        if (
+            not p.valid_pages < boundary <= p.inner_to
+            or gain * self._page_size < self._prefetch.prefetch_threshold
+        ):
+            p.finished = True
+            return
+        reads, got_all = self._alloc(p, boundary, page_ids())
+        if self._ranks.min(int(got_all)) == 0:  # reserve -> agree -> commit or abort
+            self.free(reads)
+            p.finished = True
+            return
+        if not reads:  # pragma: no cover - a boundary past the valid match needs a record
+            p.finished = True
+            return
+        p.reads = reads
+        p.boundary = boundary
+        p.deadline = p.started + self._prefetch.timeout_s(0)
+        self._submit(p, 0, page_ids())
+
+    def _alloc(
+        self, p: Prefetch, depth: int, host_pages: PageIds
+    ) -> tuple[list[ComponentFetch], bool]:
+        """L2 ids for the component records a boundary at ``depth`` needs that the tree
+        does not hold; and whether every component got them (else no use: the caller
+        frees those reserved)."""
+        reads: list[ComponentFetch] = []
+        for c in self._components:
+            pages = c.reads(depth, p.local.get(c.name, ()))
+            if not pages:
+                continue
+            ids = c.alloc_read(pages, p.start_page, host_pages)
+            if ids is None:  # no L2 room for the records a boundary needs: no use
+                return reads, False
+            reads.append(ComponentFetch(c.name, tuple(pages), ids))
+        return reads, True
+
+    def _submit(self, p: Prefetch, hit: int, host_pages: PageIds) -> None:
+        """Queue the read of ``p``'s first ``hit`` pages into ``host_pages`` after its
+        component records ``p.reads``."""
+        component_reads = [
+            ComponentRead(f.name, tuple(p.component_keys[f.name][j - 1] for j in f.pages), f.ids)
+            for f in p.reads
+        ]
+        self._controller.read(p.op_id, p.keys[:hit], host_pages, component_reads)
+
+    def free(self, fetches: list[ComponentFetch]) -> None:
+        """Return the L2 ids of component reads to their pools."""
+        for f in fetches:
+            if len(f.ids):
+                self._codecs[f.name].free(f.ids)

@@ -1,0 +1,169 @@
+"""The L3 writes: L2 -> L3 behind backups, one party of the cache's sync.
+
+:class:`Writes` writes every run that lands in L2 (``on_host_backup``, from the sync) and
+the component values a hit at its end needs (``write_components``), each as one op of
+the sync's L3 op ids, pinning its L2 source until the ranks agree it landed. Every rank
+tracks every write, sent or not (MLA: rank 0 alone sends). Its votes and agreed
+verdicts cover its own ops only. The flow: ``docs/architecture.md`` (L3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hicache.cache.components.records import ComponentRecords, RecordWrites
+from hicache.cache.l3.keys import TierKeys
+from hicache.cache.sync import CacheSync
+from hicache.controller import L3Write, Record
+from hicache.controller.agreement import LocalRecords, Verdict, Vote
+from hicache.controller.storage_controller import StorageController
+from hicache.keys import PageKey
+from hicache.metrics import CacheCounters
+from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree.node import PageIds
+
+__all__ = ["ComponentWrite", "PageWrite", "Writes"]
+
+
+@dataclass(frozen=True, slots=True)
+class PageWrite:
+    """A write of full-KV pages: ``node`` (pinned in L2 until it landed) ends the run;
+    ``keys`` its pages' keys; ``sent``: from this rank (else tracked only)."""
+
+    node: TreeNode
+    keys: list[PageKey]
+    sent: bool
+
+    def unpin(self, tree: HiRadixTree) -> None:
+        tree.dec_host_ref(self.node)
+
+    def count(self, counters: CacheCounters, r: L3Write, page_size: int) -> None:
+        counters.l3_backup_tokens_total += r.written * page_size
+        counters.l3_backup_present_tokens_total += r.present * page_size
+        counters.l3_backup_failed_tokens_total += r.failed * page_size
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentWrite:
+    """A write of one component's records (``todo``: its pages, L2 ids and the nodes
+    pinned until it landed), by ``codec``; ``keys`` and ``sent`` as :class:`PageWrite`."""
+
+    codec: ComponentRecords
+    todo: RecordWrites
+    keys: list[PageKey]
+    sent: bool
+
+    def unpin(self, tree: HiRadixTree) -> None:
+        for n in self.todo.pins:
+            tree.dec_host_ref(n)
+
+    def count(self, counters: CacheCounters, r: L3Write, page_size: int) -> None:
+        self.codec.count_written(counters, r.written, r.failed)
+
+
+class Writes:
+    """The L3 writes of one attached tier (a party of ``sync``)."""
+
+    def __init__(
+        self,
+        *,
+        controller: StorageController,
+        keys: TierKeys,
+        tree: HiRadixTree,
+        counters: CacheCounters,
+        sync: CacheSync,
+        components: tuple[ComponentRecords, ...],
+    ) -> None:
+        self._controller = controller
+        self._keys = keys
+        self._tree = tree
+        self._counters = counters
+        self._op_ids = sync.op_ids
+        self._components = components
+        self._ops: dict[int, PageWrite | ComponentWrite] = {}
+        """Every write in flight, on every rank (sent here or not): the negative cache
+        forgets its keys when it is queued and again once it landed."""
+        self._got = LocalRecords()
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def on_host_backup(self, nodes: list[TreeNode]) -> None:
+        """Write a run of spans that just landed in L2 (top-down, one path) to L3."""
+        tree = self._tree
+        last = nodes[-1]
+        n = sum(tree.num_pages(x) for x in nodes)
+        keys = self._keys.of(tree.path_key(last), last.tenant)[-n:]
+        host = PageIds("q")
+        for x in nodes:
+            assert x.host is not None
+            host += x.host
+        tree.inc_host_ref(last)  # the L2 source stays until written (on every rank)
+        op_id = next(self._op_ids)
+        sent = self._keys.writer  # MLA: rank 0 alone writes the latent KV every rank holds
+        self._ops[op_id] = PageWrite(last, keys, sent)
+        self._controller.forget_misses(keys)  # every rank: a lower one may write them
+        if sent:
+            self._controller.write(op_id, keys, host)
+        self.write_components(nodes)
+
+    def write_components(self, nodes: list[TreeNode]) -> None:
+        """Write, for each component, the L2 values a hit at the end of ``nodes`` (one
+        path, top-down, in L2) needs (:meth:`ComponentRecords.writes`) to L3, each under
+        its page's key in the component namespace; the codec's pins hold them in L2 until
+        the write's record arrives."""
+        if not self._components or not nodes:
+            return
+        last = nodes[-1]
+        for c in self._components:
+            todo = c.writes(nodes)
+            if todo is None:
+                continue
+            c.host_ready()  # the L1 -> L2 copies have landed
+            keys = self._keys.of(self._tree.path_key(last), last.tenant, c.name)
+            for n in todo.pins:
+                self._tree.inc_host_ref(n)  # its L2 ids stay until written
+            op_id = next(self._op_ids)
+            written = [keys[j - 1] for j in todo.pages]
+            sent = self._keys.sends(c.name)  # tracked and pinned alike on every rank
+            self._ops[op_id] = ComponentWrite(c, todo, written, sent)
+            self._controller.forget_misses(written)
+            if sent:
+                self._controller.write_component(op_id, c.name, written, todo.ids)
+
+    # ------------------------------------------------------------------ the sync's party
+
+    def keep(self, record: Record) -> bool:
+        mine = isinstance(record, L3Write) and record.op_id in self._ops
+        if mine:
+            self._got.put(record)
+        return mine
+
+    def votes(self) -> list[Vote]:
+        """Whether each write landed here (one not sent here: at once)."""
+        got = self._got.writes
+        return [Vote(op, arrived=op in got or not w.sent) for op, w in sorted(self._ops.items())]
+
+    def apply_agreed(self, v: Verdict) -> bool:
+        """Apply write ``v.op_id`` once it landed on every rank: unpin, count."""
+        w = self._ops.get(v.op_id)
+        if not v.arrived or w is None:
+            return False
+        del self._ops[v.op_id]
+        r = self._got.writes.pop(v.op_id, None) or L3Write(v.op_id, 0, 0, 0)
+        # landed: a miss a lookup saw before it landed is forgotten (after that lookup)
+        self._controller.forget_misses(w.keys)
+        w.unpin(self._tree)
+        w.count(self._counters, r, self._keys.page_size)
+        return True
+
+    def settle(self) -> None:
+        """Nothing waits for a settle here."""
+
+    def give_up(self) -> None:
+        """Unpin every write still open (the controller closed): a late put reads stale
+        bytes, and its checksum fails."""
+        for w in self._ops.values():
+            w.unpin(self._tree)
+        self._ops.clear()
+        self._got.clear()
