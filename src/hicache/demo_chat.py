@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -50,15 +51,17 @@ QUESTIONS = {
 
 def run(engine: Engine, title: str) -> list[tuple[int, str, int, float, int, int]]:
     """Play the conversations; returns per-turn (round, user, prompt, ttft, device, host)."""
-    tok = engine.tokenizer
+    tok = engine.model.tokenizer
     params = SamplingParams(temperature=0, max_tokens=48)
     history = {u: [{"role": "system", "content": SYSTEM}] for u in QUESTIONS}
     rows = []
     for rnd in range(len(QUESTIONS["ana"])):
         for user, qs in QUESTIONS.items():
             history[user].append({"role": "user", "content": qs[rnd]})
-            ids = tok.apply_chat_template(history[user], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            got: Any = tok.apply_chat_template(
+                history[user], add_generation_prompt=True, tokenize=True
+            )
+            ids = [int(t) for t in (got["input_ids"] if hasattr(got, "keys") else got)]
             out = engine.generate(ids, params, timeout=600)
             if out.error:
                 console.print(f"[red]{user}, round {rnd + 1}: {out.error}")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         cold = run(engine, "1. radix cache off: every turn prefills everything")
     with Engine(on, loaded=loaded) as engine:
         hot = run(engine, f"2. HiCache on: L1 = {args.l1_tokens} tokens, L2 = 8 x L1")
-        stats = engine.call(lambda: cache_stats(engine.cache)).result()
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result()
     later = [i for i, r in enumerate(cold) if r[0] > 1]
     mean_cold = sum(cold[i][3] for i in later) / len(later)
     mean_hot = sum(hot[i][3] for i in later) / len(later)

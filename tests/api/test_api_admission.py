@@ -62,7 +62,7 @@ def test_a_small_request_beside_a_wide_one_starts_within_two_steps(per_group: in
 
     def on_small(out: RequestOutput) -> None:
         if out.output_ids and not at_first_token.done():
-            at_first_token.set_result(engine.scheduler.forwards)
+            at_first_token.set_result(engine.core.scheduler.forwards)
 
     try:
         for i in range(12):  # one client request's 12 sequences
@@ -71,7 +71,7 @@ def test_a_small_request_beside_a_wide_one_starts_within_two_steps(per_group: in
             engine.call(lambda: None).result(10)
 
         def arrive() -> None:  # on the engine thread: the small one is added before the
-            at_arrival.set_result(engine.scheduler.forwards)  # next step
+            at_arrival.set_result(engine.core.scheduler.forwards)  # next step
             engine.submit([9, 10, 11], SamplingParams(temperature=0.0, max_tokens=2), on_small)
 
         engine.call(arrive).result(10)

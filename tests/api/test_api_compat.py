@@ -245,7 +245,7 @@ def test_logit_bias_and_stop_token_ids(env: tuple[Any, Engine]) -> None:
     client, engine = env
     if not _needs(client, "logit_bias", logit_bias={"42": 5}):
         return
-    word = engine.tokenizer.encode(" hello", add_special_tokens=False)[0]
+    word = engine.model.tokenizer.encode(" hello", add_special_tokens=False)[0]
     r = complete(client, logit_bias={str(word): 100}, max_tokens=4)
     assert r.choices[0].text == " hello" * 4
     if not _needs(client, "stop_token_ids", extra_body={"stop_token_ids": [word]}):
@@ -258,7 +258,7 @@ def test_logit_bias_and_stop_token_ids(env: tuple[Any, Engine]) -> None:
 
 def test_ignore_eos_and_min_tokens(env: tuple[Any, Engine]) -> None:
     client, engine = env
-    eos = engine.tokenizer.eos_token_id
+    eos = engine.model.tokenizer.eos_token_id
     if not _needs(client, "logit_bias", logit_bias={"42": 5}):
         return
     to_eos = {"logit_bias": {str(eos): 100}, "max_tokens": 6}
@@ -274,7 +274,7 @@ def test_ignore_eos_and_min_tokens(env: tuple[Any, Engine]) -> None:
 
 def test_penalties(env: tuple[Any, Engine]) -> None:
     client, engine = env
-    word = engine.tokenizer.encode(" hello", add_special_tokens=False)[0]
+    word = engine.model.tokenizer.encode(" hello", add_special_tokens=False)[0]
     if not _needs(client, "frequency_penalty", frequency_penalty=1.0):
         return
     biased = {"logit_bias": {str(word): 20}, "max_tokens": 16}

@@ -42,9 +42,9 @@ def make_engine(name: str) -> Engine:
         ),
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=16),
         context_length=128,
+        stats_interval_s=0.01,  # many snapshots while the requests run
     )
     engine = Engine(config, loaded=hybrid_model(name)).start()
-    engine.stats_interval_s = 0.01  # many snapshots while the requests run
     return engine
 
 
@@ -81,7 +81,7 @@ def check_adds_up(p: Pools) -> None:
 
 
 def usage(engine: Engine, component: str) -> ComponentUsage:
-    stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
+    stats = engine.call(lambda: cache_stats(engine.core.cache)).result(30)
     return next(u for u in stats.components if u.name == component)
 
 
@@ -117,7 +117,7 @@ def test_component_pools_add_up_and_return_to_idle(name: str) -> None:
             assert any(b[("device", "holders")]["requests"] > 0 for b in busy), busy
 
         wait_idle(engine)
-        engine.call(engine.cache.flush).result(30)  # backups landed
+        engine.call(engine.core.cache.flush).result(30)  # backups landed
         idle = pools(scrape(url, engine), component)
         check_adds_up(idle)
         u = usage(engine, component)

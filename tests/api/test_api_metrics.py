@@ -27,7 +27,7 @@ def test_every_cache_counter_is_exported() -> None:
     with serve(engine) as url:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
         wait_idle(engine)
-        stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result(30)
         text = scrape(url, engine)
     engine.close()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -65,7 +65,7 @@ def test_each_cache_counter_is_exported_under_one_name() -> None:
 
     def inject() -> None:
         for name, value in injected.items():
-            setattr(engine.cache.full.counters, name, value)
+            setattr(engine.core.cache.full.counters, name, value)
 
     with serve(engine) as url:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200

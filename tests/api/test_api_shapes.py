@@ -188,7 +188,7 @@ def test_n_choices_share_the_prompt(server: tuple[str, Engine]) -> None:
     url, engine = server
     prompt = [(7 * i + 11) % 2000 + 100 for i in range(41)]
     body = {"prompt": prompt, "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 9}
-    engine.call(engine.cache.reset).result(30)  # both runs cold: the same computation
+    engine.call(engine.core.cache.reset).result(30)  # both runs cold: the same computation
     r = post(url, "/v1/completions", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -197,7 +197,7 @@ def test_n_choices_share_the_prompt(server: tuple[str, Engine]) -> None:
     assert len(set(texts)) > 1  # seeds seed, seed+1, seed+2
     assert out["usage"]["prompt_tokens"] == 41  # the prompt counts once
     assert out["usage"]["completion_tokens"] == 15
-    engine.call(engine.cache.reset).result(30)
+    engine.call(engine.core.cache.reset).result(30)
     again = post(url, "/v1/completions", body).json()  # reproducible: seeds seed + i
     assert [c["text"] for c in again["choices"]] == texts
     assert_clean(engine)
@@ -205,7 +205,7 @@ def test_n_choices_share_the_prompt(server: tuple[str, Engine]) -> None:
 
 def test_n_copies_hit_the_first_copys_prefix(server: tuple[str, Engine]) -> None:
     url, engine = server
-    engine.call(engine.cache.reset).result(30)
+    engine.call(engine.core.cache.reset).result(30)
     prompt = [(5 * i + 3) % 2000 + 100 for i in range(41)]
     seen: list[Any] = []
 
@@ -224,7 +224,7 @@ def test_n_copies_hit_the_first_copys_prefix(server: tuple[str, Engine]) -> None
         fanout.Fanout._submit = original  # type: ignore[method-assign]
     assert r.status_code == 200
     assert seen[0] == 0 and sorted(seen) == [0, 1, 2]
-    stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
+    stats = engine.call(lambda: cache_stats(engine.core.cache)).result(30)
     # copies 1 and 2 found the first copy's 40 whole-page tokens in L1
     assert stats.counters["device_hit_tokens_total"] >= 2 * 40
     assert_clean(engine)
@@ -372,7 +372,7 @@ def test_long_prompt_does_not_stall_other_requests() -> None:
     prompt is being tokenized."""
     engine = make_engine(context_length=128)
     with serve(engine, max_request_bytes=64 * 2**20) as url:
-        tok = engine.tokenizer
+        tok = engine.model.tokenizer
         original = tok.encode
         started = threading.Event()
 
@@ -456,7 +456,7 @@ def test_dropped_non_streaming_requests_stop_and_free_everything() -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert time.monotonic() - t0 < 10
         wait_idle(engine, timeout=10)
-        stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result(30)
         assert stats.device_request_tokens == 0
         generated = stats.counters.get("query_tokens_total", 0)
         assert generated >= 0
@@ -514,7 +514,7 @@ def test_gauges_show_running_and_queued_requests(server: tuple[str, Engine]) -> 
     ):
         assert name in families, name
     holders = {s.labels["holder"]: s.value for s in families["hicache_device_tokens"].samples}
-    stats = engine.call(lambda: cache_stats(engine.cache)).result(30)
+    stats = engine.call(lambda: cache_stats(engine.core.cache)).result(30)
     assert holders["requests"] == stats.device_request_tokens == 0
     assert holders["cache"] == stats.device_cached_tokens > 0
 

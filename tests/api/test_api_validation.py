@@ -167,7 +167,9 @@ def test_priority_reaches_the_request(server: tuple[str, Engine]) -> None:
     client.start()
     time.sleep(0.5)  # the request reaches the engine's inbox, behind the held call
     queued = engine.call(
-        lambda: [r.priority for r in [*engine.scheduler.waiting, *engine.scheduler.running]]
+        lambda: [
+            r.priority for r in [*engine.core.scheduler.waiting, *engine.core.scheduler.running]
+        ]
     )
     release.set()
     assert queued.result(timeout=10) == [7]

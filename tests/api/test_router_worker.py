@@ -131,7 +131,7 @@ def test_loads_are_the_published_stats_under_sglang_names(engine: Engine, url: s
     c = stats.cache
     used = c.device_total_tokens - c.device_free_tokens
     assert used > 0 and c.hit_rate > 0
-    token_bytes = engine.cache.spec.token_bytes
+    token_bytes = engine.core.cache.spec.token_bytes
     assert entry == {
         "dp_rank": 0,
         "num_running_reqs": 0,
@@ -204,7 +204,7 @@ def _family(text: str, name: str) -> list[Any]:
 def test_metrics_carry_sglang_gauges_beside_hicaches(engine: Engine, url: str) -> None:
     wait_idle(engine)
     fresh_stats(engine)
-    time.sleep(engine.stats_interval_s)  # no request since: the next scrape is the same
+    time.sleep(engine.config.stats_interval_s)  # no request since: the next scrape is the same
     text = get(url, "/metrics").text
     pairs = {
         "sglang:num_running_reqs": "hicache_num_running_reqs",

@@ -110,7 +110,7 @@ def prefill_server(conn: Connection, backend: str, port: int, slow: Any | None) 
         return
     try:
         if slow is not None:
-            transport = engine.scheduler.ends.role.sender.transport  # type: ignore[attr-defined]
+            transport = engine.core.scheduler.ends.role.sender.transport  # type: ignore[attr-defined]
             transport.write = _first_write_paused(transport.write, slow)
         with serve(engine) as url:
             conn.send(url)

@@ -112,9 +112,9 @@ def assert_idle(*engines: Engine) -> None:
     for e in engines:
 
         def check(e: Engine = e) -> None:
-            assert e.scheduler.idle, (e.scheduler.ends.parked, e.scheduler.running)
-            assert not e.cache.admitted
-            check_integrity(e.cache)
+            assert e.core.scheduler.idle, (e.core.scheduler.ends.parked, e.core.scheduler.running)
+            assert not e.core.cache.admitted
+            check_integrity(e.core.cache)
 
         deadline = time.monotonic() + 10
         while True:
@@ -166,11 +166,11 @@ def test_a_prefill_waits_for_its_decode_side_before_it_computes() -> None:
             time.sleep(0.5)
 
             def held() -> tuple[int, int, int]:
-                s = prefill.scheduler
+                s = prefill.core.scheduler
                 return (
                     len(s.waiting),
                     len(s.running) + len(s.ends.parked),
-                    len(prefill.cache.admitted),
+                    len(prefill.core.cache.admitted),
                 )
 
             assert prefill.call(held).result(timeout=30) == (1, 0, 0)

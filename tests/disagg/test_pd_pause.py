@@ -73,7 +73,7 @@ def prefill_process(backend: str, port: int, slow: Any = None) -> Iterator[tuple
 
 
 def fenced_pages(decode: Engine) -> int:
-    return int(decode.call(lambda: decode.scheduler.ends.fenced_pages).result(timeout=30))
+    return int(decode.call(lambda: decode.core.scheduler.ends.fenced_pages).result(timeout=30))
 
 
 def wait_settled(decode: Engine, within_s: float = 30.0) -> None:

@@ -421,7 +421,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
     with Engine(config, loaded=loaded).start() as engine:
 
         def drive() -> dict[str, Any]:
-            sched = engine.scheduler
+            sched = engine.core.scheduler
             wide = [
                 Request(list(range(11 + 13 * i, 21 + 13 * i)), wide_params, group="wide")
                 for i in range(6)
@@ -444,7 +444,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
                     if r.retracted and i not in prefixes and r in sched.running:
                         assert r.cache is not None
                         prefixes[i] = r.cache.prefix_tokens
-            assert sched.idle and len(engine.cache.admitted) == 0
+            assert sched.idle and len(engine.core.cache.admitted) == 0
             states = sched.runner.states
             assert states is None or len(states) == 0
             return {
@@ -457,7 +457,7 @@ def lending_run(name: str, lend: bool) -> dict[str, Any]:
             }
 
         got: dict[str, Any] = engine.call(drive).result(timeout=120)
-        engine.call(lambda: check_integrity(engine.cache)).result(timeout=30)
+        engine.call(lambda: check_integrity(engine.core.cache)).result(timeout=30)
         return got
 
 

@@ -55,12 +55,12 @@ def test_greedy_through_engine_equals_transformers() -> None:
     want = hf_greedy(ids, NEW_TOKENS)
     cfg = v32_model().model.config
     with make_engine() as engine:
-        assert engine.cache.spec.attention is AttentionKind.MLA
-        indexer = engine.cache.stores.get("indexer")
+        assert engine.core.cache.spec.attention is AttentionKind.MLA
+        indexer = engine.core.cache.stores.get("indexer")
         assert indexer is not None and indexer.spec == IndexerSpec(
             num_layers=cfg.num_layers, index_head_dim=16, dtype="float32"
         )
-        assert engine.cache.stores.names == ["indexer"]
+        assert engine.core.cache.stores.names == ["indexer"]
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         assert_idle(engine)
@@ -72,11 +72,11 @@ def test_hits_from_l1_l2_and_file_l3(tmp_path: Path) -> None:
     with make_engine(storage=tmp_path) as engine:
 
         def indexer_keys_backed_up() -> None:
-            written = engine.cache.full.counters.l3_backup_indexer_pages_total
+            written = engine.core.cache.full.counters.l3_backup_indexer_pages_total
             assert written >= MATCHED // PAGE
-            assert engine.cache.full.counters.l3_backup_indexer_pages_failed_total == 0
+            assert engine.core.cache.full.counters.l3_backup_indexer_pages_failed_total == 0
 
         walk_tiers(engine, ids, GREEDY, want, MATCHED, after_l3_backup=indexer_keys_backed_up)
-        assert engine.cache.full.counters.prefetch_component_records_total == MATCHED // PAGE
+        assert engine.core.cache.full.counters.prefetch_component_records_total == MATCHED // PAGE
     with make_engine(storage=tmp_path) as second:  # the first engine's records
         assert_hits_storage(second, ids, GREEDY, want, MATCHED)

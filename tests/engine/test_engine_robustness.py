@@ -103,7 +103,7 @@ def serving(engine: Engine) -> Iterator[str]:
 
 def wait_idle(engine: Engine, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
-    while not engine.call(lambda: engine.scheduler.idle).result(timeout=within_s):
+    while not engine.call(lambda: engine.core.scheduler.idle).result(timeout=within_s):
         assert time.monotonic() < deadline, "the engine did not become idle"
         time.sleep(0.02)
 
@@ -217,9 +217,9 @@ def test_stalled_loop_is_unhealthy_and_generate_has_a_deadline() -> None:
 
 
 def record_cache_close(engine: Engine) -> list[dict[str, Any]]:
-    """Wrap ``engine.cache.close`` to note when, and on which thread, it ran."""
+    """Wrap ``engine.core.cache.close`` to note when, and on which thread, it ran."""
     calls: list[dict[str, Any]] = []
-    real_close = engine.cache.close
+    real_close = engine.core.cache.close
     engine_thread = engine._thread
     assert engine_thread is not None
 
@@ -233,7 +233,7 @@ def record_cache_close(engine: Engine) -> list[dict[str, Any]]:
         )
         real_close()
 
-    engine.cache.close = close  # type: ignore[method-assign]
+    engine.core.cache.close = close  # type: ignore[method-assign]
     return calls
 
 
@@ -288,29 +288,30 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
         assert cold.cached.total == 0
 
         def demote() -> None:
-            engine.cache.flush()
-            engine.cache.full.evict_device(10**6)  # the prompt's KV is in L2 only now
+            engine.core.cache.flush()
+            engine.core.cache.full.evict_device(10**6)  # the prompt's KV is in L2 only now
 
         engine.call(demote).result(timeout=30)
         hook = FailingLoads()
         hook.on = True
-        assert engine.cache.full.host is not None
-        engine.cache.full.host.controller._engine._hook = hook  # the transfer worker's hook
+        assert engine.core.cache.full.host is not None
+        engine.core.cache.full.host.controller._engine._hook = hook  # the transfer worker's hook
         out = engine.generate(PROMPT, params, timeout=60)
         assert hook.fired.is_set()
         assert out.error is None and out.finish_reason is FinishReason.LENGTH
         assert out.output_ids == cold.output_ids and out.cached.host == 0
-        counters = engine.call(lambda: cache_stats(engine.cache)).result().counters
+        counters = engine.call(lambda: cache_stats(engine.core.cache)).result().counters
         assert counters["load_fallbacks_total"] == 1 and counters["load_failures_total"] == 1
         hook.on = False
         again = engine.generate(PROMPT, params, timeout=60)  # the recompute was cached
         assert again.output_ids == cold.output_ids and again.cached.device == 44
 
         def check() -> None:
-            engine.cache.flush()
-            check_integrity(engine.cache)
+            engine.core.cache.flush()
+            check_integrity(engine.core.cache)
             assert all(
-                n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes()
+                n.lock_ref == 0 and n.host_ref == 0
+                for n in engine.core.cache.full.tree.iter_nodes()
             )
 
         engine.call(check).result(timeout=30)

@@ -54,10 +54,12 @@ def assert_clean(engine: Engine) -> None:
     """Idle engine: no held pages, all pins zero, allocators agree with the tree."""
 
     def check() -> None:
-        assert engine.scheduler.idle
-        engine.cache.flush()
-        check_integrity(engine.cache)
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes())
+        assert engine.core.scheduler.idle
+        engine.core.cache.flush()
+        check_integrity(engine.core.cache)
+        assert all(
+            n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
+        )
 
     engine.call(check).result(timeout=30)
 
@@ -231,7 +233,7 @@ def test_disconnect_mid_stream_frees_everything(server: tuple[str, Engine]) -> N
             if ln.startswith("data: "):
                 break  # leave after the first chunk: the client goes away
     for _ in range(100):
-        if engine.call(lambda: engine.scheduler.idle).result(10):
+        if engine.call(lambda: engine.core.scheduler.idle).result(10):
             break
         time.sleep(0.05)
     assert_clean(engine)
@@ -305,8 +307,8 @@ def test_metrics_values_match_the_cache(server: tuple[str, Engine]) -> None:
         assert r.status_code == 200
     warm = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert warm == 44  # 11 whole pages of the 45-token prompt (the last token is computed)
-    engine.call(engine.cache.flush).result(timeout=60)
-    stats = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60)
+    engine.call(engine.core.cache.flush).result(timeout=60)
+    stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60)
     families = {f.name: f for f in text_string_to_metric_families(scrape(url, engine))}
 
     def value(name: str, **labels: str) -> float:

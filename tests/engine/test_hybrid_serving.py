@@ -120,17 +120,17 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
     ids = prompt(name, PROMPT_LEN).tolist()
     want = hf_greedy(name, ids)
     with make_engine(name) as engine:
-        assert engine.resumable_prefix
+        assert engine.core.scheduler.resumable_prefix
         cfg = hybrid_model(name).model.config
         if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
-            assert engine.cache.spec.num_layers == len(cfg.global_layers)
-            swa = engine.cache.stores.of_type(SwaStore)
+            assert engine.core.cache.spec.num_layers == len(cfg.global_layers)
+            swa = engine.core.cache.stores.of_type(SwaStore)
             assert swa is not None
             assert swa.spec.kv.num_layers == len(cfg.sliding_layers)
-            assert engine.cache.stores.names == ["swa"]
+            assert engine.core.cache.stores.names == ["swa"]
         else:
-            assert engine.cache.spec.num_layers == len(cfg.kv_layers)
-            assert engine.cache.stores.of_type(SwaStore) is None
+            assert engine.core.cache.spec.num_layers == len(cfg.kv_layers)
+            assert engine.core.cache.stores.of_type(SwaStore) is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         again = engine.generate(ids, GREEDY, timeout=60)
@@ -190,10 +190,10 @@ def test_a_retracted_recurrent_request_resumes_from_its_snapshot(name: str) -> N
         assert two.wait(60)
 
         def retract() -> int:
-            for req in list(engine.scheduler.running):
+            for req in list(engine.core.scheduler.running):
                 if req.rid == rid:
-                    engine.scheduler._retract(req)
-            return sum(r.retracted for r in engine.scheduler.waiting)
+                    engine.core.scheduler._retract(req)
+            return sum(r.retracted for r in engine.core.scheduler.waiting)
 
         assert engine.call(retract).result(timeout=30) == 1
         for _ in range(600):
@@ -279,8 +279,8 @@ def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Pa
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        engine.call(engine.cache.flush).result(timeout=60)  # pages and snapshots in L3
-        written = cache_stats(engine.cache).counters["l3_backup_snapshots_total"]
+        engine.call(engine.core.cache.flush).result(timeout=60)  # pages and snapshots in L3
+        written = cache_stats(engine.core.cache).counters["l3_backup_snapshots_total"]
         assert written >= 2  # the prompt's (32) and the request end's (40)
     with make_engine(name, storage=tmp_path) as other:
         assert_hits_storage(other, ids, GREEDY, want, MATCHED)
@@ -292,17 +292,17 @@ def test_a_second_engine_hits_the_windows_in_the_shared_file_l3(name: str, tmp_p
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        engine.call(engine.cache.flush).result(timeout=60)  # pages and windows in L3
-        counters = cache_stats(engine.cache).counters
+        engine.call(engine.core.cache.flush).result(timeout=60)  # pages and windows in L3
+        counters = cache_stats(engine.core.cache).counters
         assert counters["l3_backup_swa_pages_total"] > 0
         assert counters["l3_backup_swa_pages_failed_total"] == 0
     with make_engine(name, storage=tmp_path) as other:
         out = other.generate(ids, GREEDY, timeout=60)
         assert out.cached.storage == MATCHED and out.output_ids == want
-        swa = other.cache.stores.of_type(SwaStore)
+        swa = other.core.cache.stores.of_type(SwaStore)
         assert swa is not None
         window = -(-swa.window // PAGE)
-        got = cache_stats(other.cache).counters["prefetch_component_records_total"]
+        got = cache_stats(other.core.cache).counters["prefetch_component_records_total"]
         assert got == min(window, MATCHED // PAGE)  # the boundary's window, no more
         assert_idle(other)
 
@@ -340,11 +340,11 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
     ids = prompt(name, PROMPT_LEN).tolist()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with make_engine(name) as engine:
-        swa = engine.cache.stores.of_type(SwaStore)
+        swa = engine.core.cache.stores.of_type(SwaStore)
         assert swa is not None
         bound = request_pages(swa.window, 16, PAGE)
         seen: list[tuple[int, int]] = []
-        run = engine.scheduler._run
+        run = engine.core.scheduler._run
 
         def recording(batch):  # type: ignore[no-untyped-def]
             for req in (chunk.req for chunk in batch):
@@ -353,23 +353,25 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
                 seen.append((len(table.pages), len(req.cache.pages)))
             run(batch)
 
-        engine.scheduler._run = recording  # type: ignore[method-assign]
+        engine.core.scheduler._run = recording  # type: ignore[method-assign]
         out = engine.generate(ids, params, timeout=60)
         assert out.error is None and out.output_ids == hf_greedy(name, ids, 40)
         assert max(s for s, _ in seen) <= bound < max(f for _, f in seen)
         assert max(f for _, f in seen) == math.ceil((PROMPT_LEN + 39) / PAGE)
 
         def usage() -> dict[str, float]:
-            return {c.name: c.bytes_per_cached_token for c in cache_stats(engine.cache).components}
+            return {
+                c.name: c.bytes_per_cached_token for c in cache_stats(engine.core.cache).components
+            }
 
         per_token = engine.call(usage).result(timeout=30)
-        assert per_token["full"] == engine.cache.spec.token_bytes
+        assert per_token["full"] == engine.core.cache.spec.token_bytes
         # the prompt's pages (committed with each prefill chunk) and the final window; the
         # decoded positions between are tombstones
         assert 0 < per_token["swa"] < swa.spec.kv.token_bytes
-        assert engine.call(lambda: engine.cache.full.tree.component_stats("swa").tombstones).result(
-            timeout=30
-        )
+        assert engine.call(
+            lambda: engine.core.cache.full.tree.component_stats("swa").tombstones
+        ).result(timeout=30)
         assert_idle(engine)
 
 
@@ -383,10 +385,10 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
 
         def swa_in(tier: Tier) -> int:
-            return len(engine.cache.full.tree.component_ids("swa", tier))
+            return len(engine.core.cache.full.tree.component_ids("swa", tier))
 
         def evict_windows() -> int:
-            cache = engine.cache
+            cache = engine.core.cache
             cache.flush()
             swa = cache.stores.of_type(SwaStore)
             assert swa is not None
@@ -467,14 +469,14 @@ def test_a_prompt_is_one_forward_with_its_snapshot_taken_inside(name: str) -> No
     ids = prompt(name, PROMPT_LEN).tolist()
     with make_engine(name, chunked_prefill_size=64) as engine:
         prefills: list[list[int]] = []
-        forward = engine.scheduler.runner.forward
+        forward = engine.core.scheduler.runner.forward
 
         def counting(fb, **kw):  # type: ignore[no-untyped-def]
             if any(n > 1 for n in fb.extend_lens):
                 prefills.append(list(fb.extend_lens))
             return forward(fb, **kw)
 
-        engine.scheduler.runner.forward = counting  # type: ignore[method-assign]
+        engine.core.scheduler.runner.forward = counting  # type: ignore[method-assign]
         first = engine.generate(ids, GREEDY, timeout=60)
         assert prefills == [[PROMPT_LEN]] and first.output_ids == hf_greedy(name, ids)
         again = engine.generate(ids, GREEDY, timeout=60)
@@ -494,27 +496,27 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
     with make_engine(name, storage=tmp_path) as engine:
 
         def settle() -> None:
-            engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
+            engine.call(engine.core.cache.flush).result(timeout=60)  # every backup reaches L3
             assert engine.flush_cache()  # L1 and L2 emptied
 
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         settle()
-        l3 = engine.cache.storage
+        l3 = engine.core.cache.storage
         assert l3 is not None
         key = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
         path = l3.controller.storage.path_of(key.key)  # type: ignore[attr-defined]
         data = bytearray(path.read_bytes())
         data[-3] ^= 0xFF
         path.write_bytes(bytes(data))
-        before = cache_stats(engine.cache).storage
+        before = cache_stats(engine.core.cache).storage
         missed = engine.generate(ids, GREEDY, timeout=60)
         assert missed.cached.storage < MATCHED and missed.output_ids == want
         settle()
-        mid = cache_stats(engine.cache).storage
+        mid = cache_stats(engine.core.cache).storage
         assert mid.miss("corrupt") == before.miss("corrupt") + 1
         healed = engine.generate(ids, GREEDY, timeout=60)
         assert healed.cached.storage == MATCHED and healed.output_ids == want
-        after = cache_stats(engine.cache).storage
+        after = cache_stats(engine.core.cache).storage
         assert after.miss("corrupt") == mid.miss("corrupt")
         assert after.repaired == before.repaired + 1
         assert_idle(engine)
@@ -550,14 +552,14 @@ def test_a_failed_load_back_recomputes_with_transformers_tokens(name: str) -> No
     with make_engine(name) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         assert demote_all(engine) > 0
-        assert engine.cache.full.host is not None
-        transfer = engine.cache.full.host.controller._engine
+        assert engine.core.cache.full.host is not None
+        transfer = engine.core.cache.full.host.controller._engine
         copies = FailingLoadCopies(transfer.copier)
         transfer.copier = copies  # type: ignore[assignment]
         copies.on = True
         out = engine.generate(ids, GREEDY, timeout=60)
         assert copies.fired.is_set()
         assert out.error is None and out.output_ids == want and out.cached.host == 0
-        assert cache_stats(engine.cache).counters["load_fallbacks_total"] == 1
+        assert cache_stats(engine.core.cache).counters["load_fallbacks_total"] == 1
         copies.on = False
         assert_idle(engine)

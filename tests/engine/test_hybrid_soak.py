@@ -105,7 +105,7 @@ class Evictions:
 
 def count_component_evictions(engine: Engine) -> Evictions:
     """Wrap the tree's ``evict_component`` to count evictions per component and tier (L1, L2)."""
-    tree = engine.cache.full.tree
+    tree = engine.core.cache.full.tree
     seen = Evictions(Counter(), Counter())
     inner = tree.evict_component
 
@@ -146,7 +146,7 @@ def submit_all(engine: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
 
 def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
     """(name, allocator, ids the tree owns) of every pool of the cache."""
-    cache = engine.cache
+    cache = engine.core.cache
     tree = cache.full.tree
     out = [("L1 KV", cache.full.device_pool.allocator, tree.device_page_ids())]
     if cache.full.host_pool is not None:
@@ -168,8 +168,8 @@ def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
 def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name: str) -> None:
     prompts = make_prompts(int(hybrid_model(name).hf_config.vocab_size))
     with make_engine(name) as engine:
-        swa = engine.cache.stores.of_type(SwaStore)
-        snaps = engine.cache.stores.of_type(SnapshotStore)
+        swa = engine.core.cache.stores.of_type(SwaStore)
+        snaps = engine.core.cache.stores.of_type(SnapshotStore)
         if swa is not None:  # the pool sizes the test means
             assert swa.window == WINDOW
             assert swa.device_pool.num_pages == SWA_L1_PAGES
@@ -186,7 +186,7 @@ def test_512_concurrent_prompts_evict_every_tier_and_leave_every_pool_idle(name:
         for p in prompts[:: len(prompts) // 6][:6]:  # a sample against transformers
             assert by_prompt[tuple(p)] == hf_greedy(name, p, NEW_TOKENS)
 
-        c = engine.call(lambda: cache_stats(engine.cache)).result(timeout=30).counters
+        c = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=30).counters
         assert c["device_demoted_tokens_total"] > 0  # L1 full KV: backed up, then dropped
         assert c["host_evicted_tokens_total"] > 0  # L2 full KV
         assert c["device_hit_tokens_total"] + c["host_hit_tokens_total"] > 0

@@ -78,15 +78,17 @@ def reference() -> list[int]:
 
 def settle(engine: Engine) -> None:
     """Let every backup reach L3, then empty L1 and L2."""
-    engine.call(engine.cache.flush).result(timeout=60)
+    engine.call(engine.core.cache.flush).result(timeout=60)
     assert engine.flush_cache()
 
 
 def clean(engine: Engine) -> None:
     def check() -> None:
-        engine.cache.flush()
-        check_integrity(engine.cache)
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes())
+        engine.core.cache.flush()
+        check_integrity(engine.core.cache)
+        assert all(
+            n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
+        )
 
     engine.call(check).result(timeout=30)
 
@@ -101,7 +103,7 @@ def test_flush_then_replay_is_served_from_file_storage(
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert replay.cached.storage == FULL and replay.cached.device == 0
         assert replay.output_ids == reference
-        stats = engine.call(lambda: cache_stats(engine.cache)).result()
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result()
         assert stats.counters["storage_hit_tokens_total"] == FULL
         assert stats.storage.get_hits == KV_HEADS * FULL // PAGE  # records
         clean(engine)
@@ -139,7 +141,7 @@ def _slow_replay(
     with make_engine("memory", {"store": store, **extra}, policy) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         settle(engine)
-        l3 = engine.cache.storage
+        l3 = engine.core.cache.storage
         assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
         l3.controller.storage.set_faults(MemoryFaults(delay_s=delay))
         t0 = time.monotonic()
@@ -182,7 +184,7 @@ def test_backend_failing_mid_run_gives_misses_not_errors(reference: list[int]) -
     with make_engine("memory", {"store": store}) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         settle(engine)
-        l3 = engine.cache.storage
+        l3 = engine.core.cache.storage
         assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
         l3.controller.storage.set_faults(MemoryFaults(fail_after=0))
         out = engine.generate(PROMPT, GREEDY, timeout=60)
@@ -196,7 +198,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         settle(engine)
-        l3 = engine.cache.storage
+        l3 = engine.core.cache.storage
         assert l3 is not None
         storage = l3.controller.storage
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
@@ -206,12 +208,15 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         victim.write_bytes(bytes(data))
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 5 * PAGE and out.output_ids == reference
-        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.miss("corrupt") >= 1
+        assert (
+            engine.call(lambda: cache_stats(engine.core.cache)).result().storage.miss("corrupt")
+            >= 1
+        )
         clean(engine)
     # another model's records stored under the keys this one looks up
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
-        l3 = engine.cache.storage
-        assert l3 is not None and engine.cache.full.host_pool is not None
+        l3 = engine.core.cache.storage
+        assert l3 is not None and engine.core.cache.full.host_pool is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
             for h in range(KV_HEADS):
@@ -222,10 +227,15 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
             "file", namespace=foreign, extra_config={"file_path": str(tmp_path)}
         ) as other:
             other.use_heads(HeadSplit(KV_HEADS, KV_HEADS))
-            assert other.batch_set(keys, engine.cache.full.host_pool, list(range(len(keys)))).all_ok
+            assert other.batch_set(
+                keys, engine.core.cache.full.host_pool, list(range(len(keys)))
+            ).all_ok
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
-        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.miss("foreign") >= 1
+        assert (
+            engine.call(lambda: cache_stats(engine.core.cache)).result().storage.miss("foreign")
+            >= 1
+        )
         clean(engine)
 
 
@@ -236,7 +246,7 @@ def test_previous_version_records_are_missed_and_counted(
     own namespace, ``hc2-`` keys) is a clean miss; the lookup that found nothing probes the
     version-2 key of its first page once and counts it; a lookup that hits probes none."""
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
-        l3 = engine.cache.storage
+        l3 = engine.core.cache.storage
         assert l3 is not None
         st = l3.controller.storage
         assert isinstance(st, FileStorage)
@@ -246,11 +256,11 @@ def test_previous_version_records_are_missed_and_counted(
         path.write_bytes(encode_record(old.namespace_digest, old.fingerprint, [b"\0" * 64]))
         first = engine.generate(PROMPT, GREEDY, timeout=60)
         assert first.cached.total == 0 and first.output_ids == reference
-        assert engine.call(lambda: cache_stats(engine.cache)).result().storage.previous == 1
+        assert engine.call(lambda: cache_stats(engine.core.cache)).result().storage.previous == 1
         settle(engine)
         again = engine.generate(PROMPT, GREEDY, timeout=60)
         assert again.cached.storage == FULL and again.output_ids == reference
-        stats = engine.call(lambda: cache_stats(engine.cache)).result().storage
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
         assert stats.previous == 1 and stats.miss("stale") == 0
         clean(engine)
 
@@ -259,7 +269,7 @@ def corrupt_record(engine: Engine, page: PageKey) -> None:
     """Damage the record of K/V head 0 of page key ``page`` in the engine's L3 store itself: flip a payload byte
     (``file`` and ``nixl``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
     whose client cannot read a record back without a local buffer)."""
-    l3 = engine.cache.storage
+    l3 = engine.core.cache.storage
     assert l3 is not None
     st = l3.controller.storage
     key = head_key(page, 0)
@@ -283,8 +293,8 @@ def corrupt_record(engine: Engine, page: PageKey) -> None:
         assert isinstance(st, MooncakeStorage)
         store = st._store
         assert store.remove(key.key, True) == 0
-        assert engine.cache.full.host_pool is not None
-        size = record_size(engine.cache.full.host_pool.page_bytes // KV_HEADS)
+        assert engine.core.cache.full.host_pool is not None
+        size = record_size(engine.core.cache.full.host_pool.page_bytes // KV_HEADS)
         arena = st._arenas.take(size)
         assert arena is not None
         arena.tensor[:size].zero_()  # a reused arena holds the records it last staged
@@ -307,19 +317,19 @@ def test_a_corrupt_record_is_healed_by_the_recompute(
     with make_engine(name, extra) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         settle(engine)
-        l3 = engine.cache.storage
+        l3 = engine.core.cache.storage
         assert l3 is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         corrupt_record(engine, keys[5])
-        before = engine.call(lambda: cache_stats(engine.cache)).result().storage
+        before = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
         out = engine.generate(PROMPT, GREEDY, timeout=60)  # pages 0-4 from L3, then compute
         assert out.cached.storage == 5 * PAGE and out.output_ids == reference
         settle(engine)  # the recompute's backup reaches L3
-        mid = engine.call(lambda: cache_stats(engine.cache)).result().storage
+        mid = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
         assert mid.miss("corrupt") == before.miss("corrupt") + 1
         again = engine.generate(PROMPT, GREEDY, timeout=60)
         assert again.cached.storage == FULL and again.output_ids == reference
-        after = engine.call(lambda: cache_stats(engine.cache)).result().storage
+        after = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
         assert after.miss("corrupt") == mid.miss("corrupt")  # the bad record is gone
         assert after.repaired == before.repaired + 1
         clean(engine)
@@ -383,7 +393,7 @@ def test_full_disk_gives_misses_and_identical_output(
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert first.output_ids == replay.output_ids == reference
         assert replay.cached.storage == 0
-        stats = engine.call(lambda: cache_stats(engine.cache)).result()
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result()
         assert stats.counters["l3_backup_failed_tokens_total"] >= FULL
         assert stats.storage.set_failed >= FULL // PAGE
         clean(engine)

@@ -216,7 +216,7 @@ def test_hybrids_resume_the_next_choice_at_the_cap(name: str) -> None:
         context_length=128,
     )
     with Engine(config, loaded=hybrid_model(name)).start() as engine:
-        assert engine.resumable_prefix
+        assert engine.core.scheduler.resumable_prefix
         outs = [engine.generate(ctx + c, scoring(start), timeout=60) for c in choices]
         assert [o.cached.total for o in outs] == [0] + [(start - 1) // PAGE * PAGE] * 2
         for c, out in zip(choices, outs, strict=True):
@@ -261,4 +261,4 @@ def test_a_start_past_the_prompt_is_refused(warm: Engine) -> None:
 def test_max_prefix_is_checked_by_the_cache(warm: Engine) -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="max_prefix="):
-            warm.cache.open([1, 2, 3], max_prefix=bad)  # type: ignore[arg-type]
+            warm.core.cache.open([1, 2, 3], max_prefix=bad)  # type: ignore[arg-type]

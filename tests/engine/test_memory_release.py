@@ -189,7 +189,7 @@ def _submit_and_watch(
     rids = [engine.submit([5, 6, 7, 8, 9, 10, 11], params, on_output) for _ in range(count)]
 
     def refs() -> list[weakref.ref[Request]]:
-        held = [*engine.scheduler.waiting, *engine.scheduler.running]
+        held = [*engine.core.scheduler.waiting, *engine.core.scheduler.running]
         return [weakref.ref(r) for r in held if r.rid in rids]
 
     found = engine.call(refs).result(10)  # runs after the requests' _add tasks
@@ -213,13 +213,13 @@ def test_finished_requests_and_their_buffers_are_freed_without_the_gc(engine: En
         assert all(len(lp.top) == 20 for f in finals for lp in f.logprobs or ())
 
         def held() -> tuple[int, int, int, int, int]:
-            s = engine.scheduler
+            s = engine.core.scheduler
             return (
                 len(s.waiting),
                 len(s.running),
                 len(s.ends.pending),
                 len(s.runner._extras),
-                len(engine.cache.admitted),
+                len(engine.core.cache.admitted),
             )
 
         assert engine.call(held).result(10) == (0, 0, 0, 0, 0)
@@ -249,7 +249,7 @@ def test_aborted_requests_are_freed_without_the_gc(engine: Engine) -> None:
 def test_engine_trims_once_after_a_busy_period(engine: Engine) -> None:
     """The loop feeds its trimmer: no trim while idle since the start, one about a second
     after a request's last step (the settle time), none again until there is work."""
-    trimmer = engine.memory_trimmer
+    trimmer = engine.core.memory_trimmer
     assert trimmer.interval_s == 10.0  # the default
     start = engine.call(lambda: trimmer.trims).result(10)
     time.sleep(1.3)

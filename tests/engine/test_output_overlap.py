@@ -300,7 +300,7 @@ def test_engine_stop_string_found_late_keeps_the_right_kv(engine: Engine) -> Non
     """Greedy on the tiny model; the stop string is the text of an output token whose
     position ends a page, so the page computed by the discarded step is committed. A
     follow-up turn that reuses it continues exactly as one computed from scratch."""
-    tok = engine.tokenizer
+    tok = engine.model.tokenizer
     prompt = prompt_ids(MODEL, 10).tolist()
     base = stream(engine, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     ids = base[-1].output_ids
@@ -371,7 +371,9 @@ def test_engine_close_with_outputs_pending() -> None:
         assert_well_formed(outs)
         final = outs[-1]
         assert final.finish_reason is FinishReason.ABORT and final.error
-        assert final.text == engine.tokenizer.decode(final.output_ids, skip_special_tokens=True)
+        assert final.text == engine.model.tokenizer.decode(
+            final.output_ids, skip_special_tokens=True
+        )
 
 
 def test_engine_failing_flush_fails_pending_finals_directly(
@@ -381,7 +383,7 @@ def test_engine_failing_flush_fails_pending_finals_directly(
     requests directly: a request that already ended still gets a final report, once."""
     engine = make_engine(overlap=True)
     try:
-        sched = engine.scheduler
+        sched = engine.core.scheduler
         streams: list[list[RequestOutput]] = [[], []]
         gate = threading.Event()
 

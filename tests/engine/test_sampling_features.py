@@ -264,7 +264,7 @@ def engine() -> Iterator[Engine]:
 
 
 def eos_of(engine: Engine) -> int:
-    return min(engine.scheduler.output.eos_token_ids)
+    return min(engine.core.scheduler.output.eos_token_ids)
 
 
 def hf_logprobs(ids: list[int]) -> torch.Tensor:
@@ -418,7 +418,7 @@ def test_stop_token_ids_stop_and_stay_out_of_the_text(engine: Engine) -> None:
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[k]])
     out = engine.generate(prompt, params, timeout=60)
     assert out.output_ids == ids[: k + 1] and out.finish_reason is FinishReason.STOP
-    assert out.text == engine.tokenizer.decode(ids[:k], skip_special_tokens=True)
+    assert out.text == engine.model.tokenizer.decode(ids[:k], skip_special_tokens=True)
     # min_tokens defers it: masked until then, so a different token is picked there
     if k < 9:
         late = SamplingParams(

@@ -109,7 +109,7 @@ def settled_digests(engine: Engine, timeout_s: float = 60.0) -> list[str]:
     next steps, so only a settled digest can show that a later call changed nothing."""
     deadline = time.monotonic() + timeout_s
     while engine.call(
-        lambda: engine.cache.full.host is not None and engine.cache.full.host.busy
+        lambda: engine.core.cache.full.host is not None and engine.core.cache.full.host.busy
     ).result(timeout=30):
         assert time.monotonic() < deadline, f"copies still in flight after {timeout_s} s"
         time.sleep(0.02)
@@ -144,9 +144,10 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None
     # a cache call that needs the ranks to agree, run on rank 0 alone, fails at once
     # (it used to block rank 0 in a collective no follower joins, for its full timeout)
     with pytest.raises(LocalOnlyError, match=r"inside Engine\.call"):
-        engine.call(engine.cache.flush).result(timeout=30)
+        engine.call(engine.core.cache.flush).result(timeout=30)
     assert (
-        engine.call(lambda: cache_stats(engine.cache)).result(timeout=30).device_total_tokens > 0
+        engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=30).device_total_tokens
+        > 0
     )  # reads
     assert engine.rank_digests() == digests
     assert engine.health().healthy
@@ -214,7 +215,7 @@ def rank_0_fails(name: str, engine: Engine) -> None:
 
     started = time.monotonic()
     try:
-        engine.call(lambda: setattr(engine.scheduler, "step", boom)).result(timeout=30)
+        engine.call(lambda: setattr(engine.core.scheduler, "step", boom)).result(timeout=30)
         while engine.health().healthy and time.monotonic() - started < 30:
             time.sleep(0.05)
         # unhealthy from the failure on, naming rank 0, before it has stopped its follower

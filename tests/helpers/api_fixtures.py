@@ -84,7 +84,9 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
     """Wait until the scheduler is idle and the cache holds no request."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        idle = engine.call(lambda: engine.scheduler.idle and len(engine.cache.admitted) == 0)
+        idle = engine.call(
+            lambda: engine.core.scheduler.idle and len(engine.core.cache.admitted) == 0
+        )
         if idle.result(10):
             return
         time.sleep(0.02)
@@ -94,8 +96,8 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
 def assert_clean(engine: Engine) -> None:
     """Idle, no request holds a page, and every structure passes its integrity check."""
     wait_idle(engine)
-    engine.call(lambda: check_integrity(engine.cache)).result(30)
-    assert engine.call(lambda: len(engine.cache.admitted)).result(10) == 0
+    engine.call(lambda: check_integrity(engine.core.cache)).result(30)
+    assert engine.call(lambda: len(engine.core.cache.admitted)).result(10) == 0
 
 
 def post(
@@ -118,7 +120,7 @@ def sse(r: httpx.Response) -> list[Any]:
 
 def scrape(url: str, engine: Engine, timeout: float = 30.0) -> str:
     """``GET /metrics`` once the engine has published stats read after this call (a
-    scrape exports the last published ones, up to ``Engine.stats_interval_s`` old)."""
+    scrape exports the last published ones, up to ``EngineConfig.stats_interval_s`` old)."""
     asked = time.monotonic()
     end = asked + timeout
     while (stats := engine.published_stats) is None or stats.at <= asked:

@@ -25,13 +25,15 @@ def assert_idle(engine: Engine) -> None:
     integrity clean (after the pending backups finished)."""
 
     def check() -> None:
-        assert engine.scheduler.idle
-        assert len(engine.cache.admitted) == 0
-        states = engine.scheduler.runner.states
+        assert engine.core.scheduler.idle
+        assert len(engine.core.cache.admitted) == 0
+        states = engine.core.scheduler.runner.states
         assert states is None or len(states) == 0
-        engine.cache.flush()
-        check_integrity(engine.cache)
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in engine.cache.full.tree.iter_nodes())
+        engine.core.cache.flush()
+        check_integrity(engine.core.cache)
+        assert all(
+            n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
+        )
 
     engine.call(check).result(timeout=30)
 
@@ -41,8 +43,8 @@ def demote_all(engine: Engine) -> int:
     the number of tokens evicted."""
 
     def demote() -> int:
-        engine.cache.flush()
-        return engine.cache.full.evict_device(10**6)
+        engine.core.cache.flush()
+        return engine.core.cache.full.evict_device(10**6)
 
     return engine.call(demote).result(timeout=30)
 
@@ -51,13 +53,13 @@ def count_retractions(engine: Engine) -> list[str]:
     """From now on, the id of every request ``engine``'s scheduler retracts, appended to
     the returned list as it happens (the retraction itself unchanged)."""
     retracted: list[str] = []
-    retract = engine.scheduler._retract
+    retract = engine.core.scheduler._retract
 
     def counting(req: Any, **kw: Any) -> None:
         retracted.append(req.rid)
         retract(req, **kw)
 
-    engine.scheduler._retract = counting
+    engine.core.scheduler._retract = counting
     return retracted
 
 
@@ -94,7 +96,7 @@ def walk_tiers(
     from_l2 = engine.generate(ids, params, timeout=60)
     assert from_l2.cached.device == 0 and from_l2.cached.host == matched
     assert from_l2.output_ids == want
-    engine.call(engine.cache.flush).result(timeout=60)  # every backup reaches L3
+    engine.call(engine.core.cache.flush).result(timeout=60)  # every backup reaches L3
     if after_l3_backup is not None:
         after_l3_backup()
     assert engine.flush_cache()  # L1 and L2 emptied

@@ -431,9 +431,9 @@ def test_engine_greedy_through_static_decode_equals_eager(
     outputs = []
     for static in (False, True):
         with Engine(config, loaded=engine_model(NAME)).start() as engine:
-            assert engine.decode_graphs is None  # CPU: not tried at start
-            runner = engine.scheduler.runner
-            cache = engine.cache
+            assert engine.core.decode_graphs is None  # CPU: not tried at start
+            runner = engine.core.scheduler.runner
+            cache = engine.core.cache
             if static:
 
                 def attach(runner: ModelRunner = runner, cache: HiCache = cache) -> GraphSetup:
@@ -526,7 +526,7 @@ def test_the_engine_uses_graphs_on_cuda_by_default() -> None:
             cuda_graph_max_bs=max_bs,
         )
         with Engine(config).start() as engine:
-            setup = engine.decode_graphs
+            setup = engine.core.decode_graphs
             if max_bs is None:
                 assert setup is not None and setup.enabled and setup.captured, setup
                 assert setup.buckets[-1] == 32

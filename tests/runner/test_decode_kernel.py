@@ -179,7 +179,7 @@ def test_engine_greedy_with_the_kernel_equals_sdpa() -> None:
             attention_backend=backend,
         )
         with Engine(config, loaded=engine_model(name)).start() as engine:
-            assert engine.scheduler.runner.attention_backend is AttentionBackend(backend)
+            assert engine.core.scheduler.runner.attention_backend is AttentionBackend(backend)
             results[backend] = [engine.generate(p, params, timeout=120).output_ids for p in prompts]
     assert results["triton"] == results["sdpa"]
 

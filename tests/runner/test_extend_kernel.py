@@ -408,7 +408,7 @@ def test_engine_chunked_prefill_over_a_cached_prefix_with_the_kernels_equals_sdp
             attention_backend=backend,
         )
         with Engine(config, loaded=engine_model(name)).start() as engine:
-            runner_ = engine.scheduler.runner
+            runner_ = engine.core.scheduler.runner
             assert runner_.attention_backend is AttentionBackend(backend)
             results[backend] = [engine.generate(p, params, timeout=120).output_ids for p in prompts]
     assert results["triton"] == results["sdpa"]

@@ -102,7 +102,7 @@ def component_figures(engine: Engine) -> list[ComponentFigures]:
     """Every component of ``engine``'s cache, now (``stats().components`` plus nominal
     sizes). Call on the engine thread (``engine.call(lambda: component_figures(engine))``):
     it reads the tree and pools."""
-    cache = engine.cache
+    cache = engine.core.cache
     return [_figures(cache, u) for u in cache_stats(cache).components]
 
 

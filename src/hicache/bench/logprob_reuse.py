@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[ModeRun]] = {m: [] for m in MODES}
     with Engine(config(False)) as on_engine, Engine(config(True)) as off_engine:
         engines = {"on": on_engine, "off": off_engine}
-        pairs = workload(on_engine.tokenizer, args.questions, args.context, args.choices)
+        pairs = workload(on_engine.model.tokenizer, args.questions, args.context, args.choices)
         run_mode(on_engine, "on", pairs[: args.choices])  # warm-up, not counted
         run_mode(off_engine, "off", pairs[: args.choices])
         for r in range(args.rounds):

@@ -347,7 +347,7 @@ def _drain(engine: Engine) -> None:
     (its collectives would not be the followers'), so this waits for the ranks to agree
     on them step by step."""
     if engine.config.tp_size == 1:
-        engine.call(engine.cache.flush).result(timeout=120)
+        engine.call(engine.core.cache.flush).result(timeout=120)
     else:
         settle(engine, time.monotonic() + 120)
 
@@ -380,9 +380,9 @@ def run_config(
             _drain(engine)
             if not engine.flush_cache():
                 raise RuntimeError("flush_cache refused after the warm-up")
-            probe = engine.call(lambda: ComponentHitProbe(engine.cache)).result(timeout=60)
+            probe = engine.call(lambda: ComponentHitProbe(engine.core.cache)).result(timeout=60)
             rounds: list[RoundResult] = []
-            before = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60).counters
+            before = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60).counters
             for rnd in range(w.rounds):
                 agree0 = (engine.agreement_seconds_total, engine.agreement_steps_total)
                 t0 = time.perf_counter()
@@ -390,7 +390,7 @@ def run_config(
                 wall = time.perf_counter() - t0
                 steps = engine.agreement_steps_total - agree0[1]
                 agree_s = engine.agreement_seconds_total - agree0[0]
-                stats = engine.call(lambda: cache_stats(engine.cache)).result(timeout=60)
+                stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60)
                 comps = engine.call(lambda: component_figures(engine)).result(timeout=60)
                 hits = engine.call(probe.take).result(timeout=60)
                 delta = {k: stats.counters[k] - before[k] for k in COUNTERS}

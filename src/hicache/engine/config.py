@@ -87,6 +87,10 @@ class EngineConfig:
     (:meth:`Engine.reserve`: :class:`~hicache.engine.admission.QueueFull`, or
     :class:`~hicache.engine.admission.EngineUnhealthy` when the engine is not healthy).
     None: unbounded. At least 1."""
+    stats_interval_s: float = 0.25
+    """The loop publishes an engine stats record at most this often (seconds; each read
+    walks the tree), at the end of a round: what ``/metrics`` and the router's load reports
+    read (:attr:`Engine.published_stats`). Greater than 0."""
     memory_trim_interval_s: float = DEFAULT_TRIM_INTERVAL_S
     """Give freed heap memory back to the OS (glibc ``malloc_trim``) once the loop has been
     idle for a second after being busy, and once more this many seconds later if it is
@@ -152,6 +156,12 @@ class EngineConfig:
             "must be a finite number of seconds > 0",
         )
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
+        require(
+            is_finite_number(self.stats_interval_s) and self.stats_interval_s > 0,
+            "stats_interval_s",
+            self.stats_interval_s,
+            "must be a finite number of seconds > 0",
+        )
         trim = self.memory_trim_interval_s
         require(
             is_finite_number(trim) and trim >= 0,

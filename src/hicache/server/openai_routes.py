@@ -152,7 +152,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 return ids, []
 
             def decode(q: list[int]) -> str:
-                return str(engine.tokenizer.decode(q))
+                return str(engine.model.tokenizer.decode(q))
 
             texts = [p if isinstance(p, str) else decode(p) for p in body.prompts]
             return ids, texts
@@ -170,7 +170,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
             def render_and_encode() -> list[int]:
                 try:
-                    text = engine.tokenizer.apply_chat_template(
+                    text = engine.model.tokenizer.apply_chat_template(
                         messages, add_generation_prompt=True, tokenize=False
                     )
                 except Exception as exc:

@@ -242,7 +242,7 @@ async def one_token(engine: Engine, timeout_s: float) -> str | None:
         if out.finished:
             loop.call_soon_threadsafe(finish, out)
 
-    token = engine.tokenizer.bos_token_id
+    token = engine.model.tokenizer.bos_token_id
     prompt = [token if isinstance(token, int) else 0]
     params = SamplingParams(temperature=0.0, max_tokens=1)
     # a prefill or decode instance serves it alone (the router's own no-transfer host)

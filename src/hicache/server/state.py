@@ -89,17 +89,17 @@ class ServerState:
         """A prefill instance answers with one JSON body even when a stream is asked for
         (the router reads it whole; the decode instance streams)."""
         self.metrics = EngineMetrics(engine, name)
-        self.detok = Detokenizer(engine.tokenizer)
+        self.detok = Detokenizer(engine.model.tokenizer)
         self.token_bound: TokenBound | None
         try:
-            self.token_bound = token_bound(engine.tokenizer)
+            self.token_bound = token_bound(engine.model.tokenizer)
         except NoBound as exc:
             self.token_bound = None
             log.info("prompts are tokenized before their length is checked: %s", exc)
         # One encode here, before the pool's threads share the tokenizer: transformers
         # resets a tokenizer's saved truncation/padding on its first encode, the only
         # call that writes to it (concurrent with another encode, that write would fail)
-        engine.tokenizer.encode("a", add_special_tokens=False)
+        engine.model.tokenizer.encode("a", add_special_tokens=False)
         self.before_encode: Callable[[str], None] | None = None
         """Called on the tokenizing thread with each text that passed the bound, just
         before it is encoded (tests hold a prompt there); None: nothing is called."""
@@ -190,7 +190,7 @@ class ServerState:
         """The token ids of a checked text (no special tokens added); none is invalid."""
         if self.before_encode is not None:
             self.before_encode(text)
-        ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        ids = list(self.engine.model.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise InvalidRequest("the prompt encodes to no tokens", param=param)
         return ids

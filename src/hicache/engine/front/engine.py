@@ -39,7 +39,6 @@ from hicache.engine.config import EngineConfig
 from hicache.engine.drivers.leader import Leader, RankFailure, Task, start_ranks
 from hicache.engine.front.health import (
     STALL_AFTER_S,
-    STATS_INTERVAL_S,
     EngineHealth,
     EngineStats,
     StatsPublisher,
@@ -62,8 +61,6 @@ from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.step.build import build_core
 from hicache.engine.step.core import EngineCore
-from hicache.engine.step.graph_setup import GraphSetup
-from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
@@ -101,17 +98,11 @@ class Engine(Lifecycle):
         self.queue = QueueGate(config.max_queued_requests)
         """Sequences queued against ``max_queued_requests`` (see :meth:`reserve`)."""
         self._stats = StatsPublisher()
-        self.stats_interval_s = STATS_INTERVAL_S
-        """Seconds between two published stats records (see :attr:`published_stats`)."""
-        self.memory_trimmer = IdleTrimmer(config.memory_trim_interval_s)
-        """Gives freed memory back to the OS after busy periods (engine thread only)."""
-        # rank 0's core's parts, set by start(): the cache, the scheduler, the model, ...
-        self.cache: HiCache
-        self.scheduler: Scheduler
-        self.model: LoadedModel
+        self._memory_trimmer = IdleTrimmer(config.memory_trim_interval_s)
+        """Gives freed memory back to the OS after busy periods (engine thread only; kept
+        across restarts)."""
         self.context_length = 0
-        self.decode_graphs: GraphSetup | None = None
-        """What turning CUDA graphs on did at start (None: not tried: off, or not CUDA)."""
+        """The longest sequence served, prompt and output (set by :meth:`start`)."""
 
     # ------------------------------------------------------------------ what it runs
 
@@ -127,15 +118,9 @@ class Engine(Lifecycle):
         return self._state.state
 
     @property
-    def tokenizer(self) -> Any:
-        return self.model.tokenizer
-
-    @property
-    def resumable_prefix(self) -> bool:
-        """Whether requests reuse cached prefixes (L1/L2/L3 hits). For a model with
-        recurrent layers (Qwen3-Next, Nemotron-H) a hit resumes only at a boundary where the
-        cache holds a state snapshot (see :mod:`hicache.cache.components.snapshots`)."""
-        return self.scheduler.resumable_prefix
+    def model(self) -> LoadedModel:
+        """Rank 0's model: its name, configs, tokenizer (set by :meth:`start`)."""
+        return self.core.model
 
     @property
     def agreement_steps_total(self) -> int:
@@ -177,10 +162,9 @@ class Engine(Lifecycle):
             self.ranks, core = start_ranks(cfg, make_role)
         else:
             core = build_core(cfg, loaded=loaded, make_role=make_role)
-        core.memory_trimmer = self.memory_trimmer
+        core.memory_trimmer = self._memory_trimmer
         self._core = core
-        self.cache, self.scheduler, self.model = core.cache, core.scheduler, core.model
-        self.context_length, self.decode_graphs = core.context_length, core.decode_graphs
+        self.context_length = core.context_length
         self._leader = Leader(
             core, self._state, ranks=self.ranks, failure=self._failure, publish=self._publish
         )
@@ -281,7 +265,7 @@ class Engine(Lifecycle):
         valid = validate_request(
             prompt_ids,
             params,
-            vocab=int(self.model.hf_config.vocab_size),
+            vocab=int(self.core.model.hf_config.vocab_size),
             context_length=self.context_length,
             cache_salt=cache_salt,
             priority=priority,
@@ -426,7 +410,7 @@ class Engine(Lifecycle):
         the future with :class:`~hicache.controller.rank_group.LocalOnlyError` at once
         instead of blocking rank 0 in a collective no other rank joins.
         """
-        local = self.cache.ranks.local_only
+        local = self.core.cache.ranks.local_only
         return self._running().call(fn, lambda: local("inside Engine.call (run on rank 0 alone)"))
 
     def stats(self, timeout: float = 30.0) -> EngineStats:
@@ -440,17 +424,19 @@ class Engine(Lifecycle):
     def published_stats(self) -> EngineStats | None:
         """The last stats record the loop published (None before the first), without
         waiting: the loop reads the cache (its owner's thread) at the end of a round, at
-        most every :attr:`stats_interval_s` seconds, and replaces this immutable record.
+        most every ``config.stats_interval_s`` seconds, and replaces this immutable record.
         Fresh within ``stats_interval_s`` plus one round (a long forward delays it); its
         ``at`` says when it was read, and it stays as it was once the loop has ended."""
         return self._stats.published
 
     def _read_stats(self) -> EngineStats:
         """The stats now (engine thread only)."""
-        return read_stats(self.cache, self.scheduler, self.queue)
+        return read_stats(self.core.cache, self.core.scheduler, self.queue)
 
     def _publish(self) -> None:
-        self._stats.publish(self.cache, self.scheduler, self.queue, self.stats_interval_s)
+        self._stats.publish(
+            self.core.cache, self.core.scheduler, self.queue, self.config.stats_interval_s
+        )
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""

@@ -21,9 +21,6 @@ log = logging.getLogger(__name__)
 
 STALL_AFTER_S = 120.0
 """:meth:`Engine.health` reports a loop that has not gone round for this long as stalled."""
-STATS_INTERVAL_S = 0.25
-"""The loop publishes an :class:`EngineStats` record at most this often (seconds; each
-read walks the tree), at the end of a round: :attr:`Engine.published_stats`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +173,6 @@ class StatsPublisher:
 
 __all__ = [
     "STALL_AFTER_S",
-    "STATS_INTERVAL_S",
     "EngineHealth",
     "EngineStats",
     "StatsPublisher",
