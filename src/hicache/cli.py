@@ -89,8 +89,8 @@ def _describe(engine: Any, host: str, port: int) -> str:
     """The one INFO line at start: model, dtype, device, tiers and sizes, address."""
     from hicache.cache.report import cache_stats
 
-    stats = engine.call(lambda: cache_stats(engine.cache)).result(timeout=30)
-    spec = engine.cache.spec
+    stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=30)
+    spec = engine.core.cache.spec
     gb = spec.token_bytes / 1e9
     l2 = (
         f"L2 {stats.host_total_tokens} tokens ({stats.host_total_tokens * gb:.2f} GB)"
@@ -188,7 +188,7 @@ def _generate(args: argparse.Namespace) -> int:
                 " (the text goes in the positional prompt)"
             ) from None
     with _start_engine(args) as engine:
-        tok = engine.tokenizer
+        tok = engine.model.tokenizer
         if given_ids is not None:
             ids = given_ids
         elif args.chat:

@@ -120,11 +120,11 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
     arrived_at: dict[int, int] = {}
     done = threading.Event()
 
-    base = engine.scheduler.forwards
-    reclaimed_before = engine.scheduler.reclaimed
+    base = engine.core.scheduler.forwards
+    reclaimed_before = engine.core.scheduler.reclaimed
 
     def clock() -> int:  # engine thread
-        return int(engine.scheduler.forwards) - base
+        return int(engine.core.scheduler.forwards) - base
 
     def on_wide(out: RequestOutput) -> None:  # engine thread
         with lock:
@@ -172,7 +172,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
         generated = sum(progress.values())
         wall = max(wide_end) - t0
     _wait_idle(engine)
-    reclaimed = engine.call(lambda: engine.scheduler.reclaimed).result(TIMEOUT_S)
+    reclaimed = engine.call(lambda: engine.core.scheduler.reclaimed).result(TIMEOUT_S)
     if not engine.flush_cache():
         raise RuntimeError("the engine did not go idle for the flush")
     return FairnessRun(
@@ -190,7 +190,7 @@ def run_once(engine: Any, args: argparse.Namespace, config: str, repeat: int) ->
 
 def _wait_idle(engine: Any) -> None:
     deadline = time.monotonic() + TIMEOUT_S
-    while not engine.call(lambda: engine.scheduler.idle).result(TIMEOUT_S):
+    while not engine.call(lambda: engine.core.scheduler.idle).result(TIMEOUT_S):
         if time.monotonic() > deadline:
             raise TimeoutError("the engine did not go idle")
         time.sleep(0.01)
