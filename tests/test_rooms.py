@@ -14,6 +14,7 @@ whose import graph this reuses.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 
 import pytest
 
@@ -49,17 +50,25 @@ def _room(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-@pytest.mark.parametrize("room", sorted(FORBIDDEN))
-def test_room_imports_point_one_way(room: str) -> None:
+def _wrong_imports(
+    room: str, room_of: Callable[[str], str | None], forbidden: dict[str, tuple[str, ...]]
+) -> list[str]:
+    """The imports of ``room``'s modules into rooms ``forbidden[room]`` names (``room_of``:
+    a module's room, None outside the rooms looked at)."""
     graph = import_graph(SRC, PACKAGE)
-    assert any(_room(m) == room for m in graph), f"no room {room!r} under src/hicache"
-    wrong = sorted(
+    assert any(room_of(m) == room for m in graph), f"no room {room!r} under src/hicache"
+    return sorted(
         f"{m} -> {t}"
         for m, targets in graph.items()
-        if _room(m) == room
+        if room_of(m) == room
         for t in targets
-        if _room(t) in FORBIDDEN[room]
+        if room_of(t) in forbidden[room]
     )
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_point_one_way(room: str) -> None:
+    wrong = _wrong_imports(room, _room, FORBIDDEN)
     assert not wrong, f"{room} imports rooms it must not:\n" + "\n".join(wrong)
 
 
@@ -72,15 +81,7 @@ def _engine_room(module: str) -> str | None:
 
 @pytest.mark.parametrize("room", sorted(ENGINE_FORBIDDEN))
 def test_the_engines_rooms_point_one_way(room: str) -> None:
-    graph = import_graph(SRC, PACKAGE)
-    assert any(_engine_room(m) == room for m in graph), f"no engine room {room!r}"
-    wrong = sorted(
-        f"{m} -> {t}"
-        for m, targets in graph.items()
-        if _engine_room(m) == room
-        for t in targets
-        if _engine_room(t) in ENGINE_FORBIDDEN[room]
-    )
+    wrong = _wrong_imports(room, _engine_room, ENGINE_FORBIDDEN)
     assert not wrong, f"engine.{room} imports rooms it must not:\n" + "\n".join(wrong)
 
 
