@@ -1,33 +1,17 @@
 """HiCache: the one facade a scheduler talks to, in requests.
 
-It holds the request verbs below and :meth:`HiCache.sync`, over the tree and the model's
-stores: first the full KV (:class:`~hicache.cache.full_kv.FullKVStore`, :attr:`HiCache.full`:
-its L1 and L2 halves, the layer-wise load back, and the page-level API tests and tools
-use), then one component store per extra component of its
-:class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`); and the optional
-L3 tier, attached and detached through an :class:`~hicache.cache.l3.slot.L3Slot`.
-All methods run on the owner's thread; worker threads only move bytes and post records
-to one completion queue, owned by the cache's :class:`~hicache.cache.sync.CacheSync`,
-which applies them at :meth:`HiCache.sync` (the engine calls it once per step, whatever
-the rank count) and inside explicit waits; no verb applies a record.
-
-Request life cycle, as an engine drives it::
-
-    cache.sync()                            # once per step: apply what the workers posted
-    req = cache.open(prompt, tenant=salt)   # on arrival: the L3 prefetch starts now
-    while not cache.ready(req): ...         # the policy, as agreed at the last sync
-    if cache.admit(req, prompt):            # match, take the prefetch, load back, pin, pages
-        resume = req.take_resume()          # what the runner resumes from (opaque)
-        plan = cache.plan_chunk(req, start, n)  # where the forward ends, what it keeps
-        cache.grow(req, start + plan.tokens, computed=start)
-        # forward: positions [start, start + plan.tokens) into req.slots(...) and
-        # req.pool_slots(...); before layer i reads the prefix: req.wait_layer(i, timeout)
-        cache.commit(req, computed_tokens, extras=runner_extras)  # whole pages to the tree
-        cache.keep(req, runner_extras)      # a forward that commits nothing (decode)
-        cache.release(req, all_tokens)      # commit, free the rest, unpin
-
-Stats, the integrity check and the rank digest are functions beside the facade
-(:mod:`hicache.cache.report`).
+It holds the request verbs (``open``, ``ready``, ``admit``, ``plan_chunk``, ``grow``,
+``commit``, ``keep``, ``release``, ``requeue``) and :meth:`HiCache.sync`, over the tree
+and the model's stores: first the full KV (:attr:`HiCache.full`, a
+:class:`~hicache.cache.full_kv.FullKVStore`: L1 and L2 halves, layer-wise load back, the
+page-level API), then one store per extra component of its
+:class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`), and the optional L3
+tier behind an :class:`~hicache.cache.l3.slot.L3Slot`. All methods run on the owner's
+thread; worker records are applied by :class:`~hicache.cache.sync.CacheSync` at
+:meth:`HiCache.sync` (once per step, whatever the rank count) and inside explicit waits;
+no verb applies a record. Stats, the integrity check and the rank digest live beside it
+(:mod:`hicache.cache.report`). A request's life cycle as an engine drives it:
+docs/architecture.md, "Request flow".
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Full KV as the first store of a cache: the tree's spine and the only store with
 layer-wise copies, behind the same request verbs as the component stores.
 
-:class:`FullKVStore` holds the full KV's L1 half (:class:`~hicache.cache.device_tier.DeviceTier`:
-the device pool, allocation with eviction, reserved pages) and, with the hierarchical
-cache, its L2 half (:class:`~hicache.cache.host_tier.HostTier`: the host pool, L1<->L2
-copies, L2 eviction), and the layer-wise load back of a hit from L2 (:class:`LoadBack`).
-Its per-request data is the handle's :class:`~hicache.cache.request.FullPart` (the page
-table), changed here only.
-
-The page-level API lives here too, for tests and tools (a scheduler needs none of it):
-:meth:`FullKVStore.match_prefix`, :meth:`~FullKVStore.insert`, :meth:`~FullKVStore.alloc`,
-:meth:`~FullKVStore.free`, :meth:`~FullKVStore.reserve`, :meth:`~FullKVStore.evict_device`,
-:meth:`~FullKVStore.evict_host`, the pools.
-
-Request life cycle (the facade calls, in a request's life): :meth:`FullKVStore.admit`
-(match, load back, pin, allocate: a :class:`FullAdmission`, not ok when L1 has no room),
-then :meth:`~FullKVStore.refuse` if another store refused, :meth:`~FullKVStore.grow`,
-:meth:`~FullKVStore.commit` (whole pages to the tree), :meth:`~FullKVStore.release`.
+:class:`FullKVStore` holds the L1 half (:class:`~hicache.cache.device_tier.DeviceTier`:
+device pool, allocation with eviction, reserved pages), with the hierarchical cache the L2
+half (:class:`~hicache.cache.host_tier.HostTier`: host pool, L1<->L2 copies, L2 eviction)
+and the layer-wise load back of an L2 hit (:class:`LoadBack`). Its per-request data is the
+handle's :class:`~hicache.cache.request.FullPart` (the page table), changed here only.
+Request verbs, in order: :meth:`~FullKVStore.admit` (match, load back, pin, allocate: a
+:class:`FullAdmission`, not ok when L1 has no room), :meth:`~FullKVStore.refuse` (another
+store refused), :meth:`~FullKVStore.grow`, :meth:`~FullKVStore.commit` (whole pages),
+:meth:`~FullKVStore.release`. The page-level API, for tests and tools only:
+:meth:`~FullKVStore.match_prefix`, ``insert``, ``alloc``, ``free``, ``reserve``,
+``evict_device``, ``evict_host``, the pools.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """The L2 tier: the host pool, L1 <-> L2 copies in flight, and L2 eviction.
 
-The L2 half of the :class:`~hicache.cache.full_kv.FullKVStore`, run on the cache's
-thread. It issues backups (L1 -> L2) and loads (L2 -> L1) through the
-:class:`CacheController`, records what each op id stands for (:class:`PendingBackup`,
-:class:`PendingLoad`) and applies the transfer worker's :class:`Completion` records when
-the cache's :class:`~hicache.cache.sync.CacheSync` hands them over, agreed (it registers
-with the sync as its transfer party, and reports to it and to the component stores, its
-peers; nothing here calls up into the facade):
-
-* a landed backup unpins its L1 source and is handed on to L3 (``sync.backup_landed``);
-* a failed backup leaves its run pinned in L1 and drops the run's L2 copies (and the
-  L2 copies below it, which contiguity no longer allows) as soon as no other op pins
-  them: pages another op pins are never freed under it;
-* a failed load (one whose layers did not all arrive) takes the L1 pages it mapped out of
-  the tree, and the L1 copies of everything below them (contiguity), whatever pins them:
-  every admitted request whose prefix runs through them is marked failed and unpinned
-  (``sync.fail_holders``; its caller requeues it, and it recomputes what it could not
-  load: ``HiCache.requeue``); a node another copy in flight still pins (a load of a chain
-  below) leaves the tree at once and its pages are freed once those copies are done.
-  The L2 copies stay. A failure is applied at the next ``settle`` (the end of the sync's
-  ``sync``), never inside a wait for copies (the sync's re-entrancy rule), whose caller
-  may hold a pin on the very chain for a moment (an ``admit`` making room for the rest of
-  its pages); until then the load keeps its pins and every request admitted over its
-  pages depends on its (failed) progress, so its ``wait_layer`` fails. A load that failed
-  only after its last layer arrived keeps its mapping: its pages hold the span's KV.
-
-Loads run concurrently with each other (the transfer engine starts a load while earlier
-loads of other pages are still copying); a request whose prefix runs through pages a
-load still in flight maps depends on that load's progress (``loads_on``).
-
-Tensor-parallel ranks (the sync's ``ranks``; one rank runs the same code): a completion
-is applied only once every rank has it, with the agreed ok flag (:meth:`votes`,
-:meth:`apply_agreed`, driven by the sync); the waits for copies loop on the sync's agreed
-wait (``wait_until``), so every rank gives up together; and an L2 allocation agrees on how
-many pages to evict (the largest shortfall of any rank: every rank evicts the same nodes)
-and allocates only when no rank falls short (every rank gets its pages or none does).
+The L2 half of the :class:`~hicache.cache.full_kv.FullKVStore`, on the cache's thread. It
+issues backups (L1 -> L2) and loads (L2 -> L1) through the :class:`CacheController`,
+records what each op id stands for (:class:`PendingBackup`, :class:`PendingLoad`) and
+applies the worker's :class:`Completion` records when :class:`~hicache.cache.sync.CacheSync`
+hands them over, agreed (it is the sync's transfer party; it reports to the sync and the
+component stores, never up into the facade). Invariants: pages another op pins are never
+freed under it; contiguity (a dropped L2 or L1 copy drops the copies below it); a failure
+is applied at the next ``settle``, never inside a wait; a load that failed after its last
+layer keeps its mapping. Loads run concurrently; a request over pages a load in flight
+maps depends on it (``loads_on``). Under tensor parallelism completions are applied only
+once every rank has them (:meth:`votes`, :meth:`apply_agreed`), and an L2 allocation
+evicts and allocates the same on every rank. What a landed / failed backup and a failed
+load do, step by step: docs/architecture.md, "Failures".
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """The handle a caller holds for one request, and what the cache tells it.
 
-A :class:`CacheRequest` is opaque to the scheduler: it reads the request's page table
-(``slots``), how much of the prompt the cache served (``cached``) and whether a copy it
-depends on failed (``failed``), and passes the handle back to the facade's verbs. Its
-parts are owned by their stores: the full KV's (:class:`FullPart`, changed by
-:class:`~hicache.cache.full_kv.FullKVStore` only) and each component store's
-(:meth:`CacheRequest.part`); the facade sets its life-cycle fields, on the owner's thread.
-
-A failed load is not a failed request: the caller gives up what it computed over the
-prefix (nothing of a forward that read it is kept) and requeues the handle
-(``HiCache.requeue``); its next admission loads nothing from L2, so the prefill recomputes
-what the load could not bring (``CacheCounters.load_fallbacks_total``).
-
-Page table invariant (the full part's, read through ``pages``, ``prefix_pages`` and
-``node``): ``pages`` covers token positions ``[0, len(pages) * page_size)``. Its first
-``prefix_pages`` pages belong to the tree and are pinned in L1 through ``node``
-(path-wise); the rest belong to the request until it commits or releases them.
-
-Each component store of the cache keeps its own per-request data in the handle's *part*
-under its name (:meth:`CacheRequest.part`; the sliding-window page table, the recurrent
-state kept for the request's end). Parts that are slot tables (:class:`SlotTable`) give the forward
-its slots in their store's pool (:meth:`CacheRequest.pool_slots`); what the runner
-resumes the request from (a state snapshot) travels as an opaque record
+A :class:`CacheRequest` is opaque to the scheduler: it reads ``slots``, ``cached`` and
+``failed`` and passes the handle back to the facade's verbs. Its parts are owned by their
+stores: the full KV's (:class:`FullPart`, changed by
+:class:`~hicache.cache.full_kv.FullKVStore` only) and each component store's under its
+name (:meth:`CacheRequest.part`); the facade sets its life-cycle fields, on the owner's
+thread. Page table invariant: ``pages`` covers positions ``[0, len(pages) * page_size)``;
+its first ``prefix_pages`` pages belong to the tree, pinned in L1 through ``node``
+(path-wise); the rest are the request's until it commits or releases them. A failed load
+is not a failed request: the caller requeues the handle (``HiCache.requeue``) and the
+prefill recomputes (``CacheCounters.load_fallbacks_total``). Parts that are slot tables
+(:class:`SlotTable`) give the forward its slots in their pool
+(:meth:`CacheRequest.pool_slots`); the runner's resume state travels opaque
 (:meth:`CacheRequest.take_resume`).
 """
 

@@ -1,38 +1,18 @@
 """The one owner of a cache's asynchronous results: :class:`CacheSync`.
 
-Worker threads (the L1<->L2 transfer worker, the L3 prefetch and backup threads) only
-move bytes and post immutable records to one :class:`~hicache.controller.CompletionQueue`.
-:class:`CacheSync` owns that queue and everything that turns records into changes of the
-cache, below the facade and beside the tiers and stores (which get it at construction
-and report to it; nothing calls up into the facade):
-
-* the queue of records received, each handed to the party whose op it is of (which keeps
-  it until applied, :class:`~hicache.controller.agreement.LocalRecords`);
-* the agreement of the tensor-parallel ranks (:class:`~hicache.controller.agreement.Agreement`):
-  a group of one rank is the same code, its verdict is its vote (no collective);
-* the parties whose ops are in flight, each one lane of the agreement and voting on its
-  own ops only (:class:`Party`): the L2 tier's copies (registering when built), the L3
-  slot (no ops: it settles retired backends), and, while a backend is attached, the L3
-  prefetches and the L3 writes;
-* the waits (:meth:`CacheSync.wait_until`), agreed on every rank, so all give up together;
-* the admitted requests (:attr:`CacheSync.holders`) and the failing of those whose prefix
-  runs through a failed load (:meth:`CacheSync.fail_holders`).
-
-Records are applied at one point per step, :meth:`CacheSync.sync` (the engine calls the
-facade's ``sync`` once per step on every rank), and inside explicit waits; whatever the
-rank count, party by party in op order, with the agreed values. Nothing else applies a
-record.
-
-**The re-entrancy rule** (one rule, here only). While records are being applied or a
-wait runs, the cache is *inside* (:attr:`CacheSync.inside`): whatever runs then (a
-record's application that allocates and evicts; an allocation that waits for backups,
-holding pins for a moment) runs inside. Inside, nothing syncs or waits: :meth:`sync` is
-a no-op, :meth:`wait_until` tests its condition once and returns, :meth:`wait_backups`
-returns False; and nothing is *settled* (failed loads applied, failed backups' L2 copies
-dropped, L1 quarantines lifted, retired backends freed): settling happens only at the end
-of a :meth:`sync` made outside, after everything it applied, where no caller holds a pin
-for a moment. Every rank runs the same syncs and waits in the same places, so every
-rank is inside at the same points and makes the same collectives.
+Worker threads (L1<->L2 transfer, L3 prefetch and backup) only move bytes and post
+immutable records to one :class:`~hicache.controller.CompletionQueue`. :class:`CacheSync`
+owns it and everything that turns records into cache changes, below the facade and beside
+the tiers and stores (which report to it): the records received, the tensor-parallel
+:class:`~hicache.controller.agreement.Agreement` (one rank: its verdict is its vote), the
+parties with ops in flight (:class:`Party`: the L2 tier, the L3 slot, and while attached
+the L3 prefetches and writes), the agreed waits (:meth:`CacheSync.wait_until`), the
+admitted requests (:attr:`CacheSync.holders`) and :meth:`CacheSync.fail_holders`.
+Records are applied only in :meth:`CacheSync.sync` (once per step, every rank) and inside
+explicit waits, party by party in op order. **The re-entrancy rule** (here only): while
+applying or waiting the cache is *inside* (:attr:`CacheSync.inside`): nothing syncs,
+waits or settles; settling happens at the end of a :meth:`sync` made outside. Details:
+docs/architecture.md, "Who owns asynchronous results".
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
 """The contract of a component store: one kind of cached state above the tree.
 
-The tree keeps, per node, one value per component (:mod:`hicache.tree.components`). Above
-it each extra component (besides the full KV, whose store,
-:class:`~hicache.cache.full_kv.FullKVStore`, is the first of a cache's stores and the
-tree's spine) has a *store*: its own L1 (and, with the
-hierarchical cache, L2) pools, what it does at each request verb, what it does when the
-full KV moves between tiers, and its L3 record codec. The facade
-(:class:`hicache.cache.HiCache`) holds the model's list of stores
-(:class:`~hicache.cache.components.stores.ComponentStores`) and calls these hooks on each
-in turn; it never names one.
-
-Request hooks, in a request's life (all on the owner's thread):
-
-* :meth:`ComponentStore.plan`: where a forward over ``[start, start + n)`` must end and
-  at which positions the runner must keep extras (:class:`ChunkPlan`);
-* :meth:`ComponentStore.admit`: after the full KV's hit ending at ``node`` is pinned and
-  the request's L1 pages are allocated: load what the hit needs (from L2) and set up the
-  request's per-store part; may refuse (no room now: the request waits);
-* :meth:`ComponentStore.grow`: before every forward, with its end and start;
-* :meth:`ComponentStore.keep`: the runner's extras of the last forward;
-* :meth:`ComponentStore.values` then :meth:`ComponentStore.committed`: what a commit
-  hands the tree, and the request's part after the insert;
-* :meth:`ComponentStore.release`: give back the request's own ids.
-
-Tier hooks: :meth:`ComponentStore.back_up` (the full KV of a run reached L2),
-:meth:`ComponentStore.free` (ids the tree released), :meth:`ComponentStore.owned` and
-:meth:`ComponentStore.check` (ownership, integrity), :meth:`ComponentStore.usage`, and
-:meth:`ComponentStore.records` (the L3 codec).
-
-A store is built from its :class:`~hicache.spec.ComponentSpec` subclass and a
-:class:`StoreContext`; :data:`hicache.cache.components.STORE_TYPES` lists the store types
-and picks one per spec by :attr:`ComponentStore.spec_type`.
+The tree keeps one value per node and component (:mod:`hicache.tree.components`). Above
+it each extra component (the full KV's :class:`~hicache.cache.full_kv.FullKVStore` is the
+first store and the tree's spine) has a *store*: its L1 (and L2) pools, its part of each
+request verb, what it does when the full KV moves between tiers, and its L3 codec. The
+facade holds the list (:class:`~hicache.cache.components.stores.ComponentStores`) and calls
+each hook on every store in turn; it never names one. All hooks run on the owner's thread:
+request hooks :meth:`~ComponentStore.plan` (:class:`ChunkPlan`), :meth:`~ComponentStore.admit`
+(may refuse), :meth:`~ComponentStore.grow`, :meth:`~ComponentStore.keep`,
+:meth:`~ComponentStore.values` / :meth:`~ComponentStore.committed`,
+:meth:`~ComponentStore.release`; tier hooks :meth:`~ComponentStore.back_up`,
+:meth:`~ComponentStore.free`, ``owned`` / ``check`` / ``usage``, ``records``. A store is built
+from its :class:`~hicache.spec.ComponentSpec` and a :class:`StoreContext`, its type picked
+by :attr:`ComponentStore.spec_type` (:data:`hicache.cache.components.STORE_TYPES`).
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
 """The DSA indexer's key cache as a component store: pools on the full KV's page ids.
 
-DeepSeek-V3.2's sparse attention scores every cached token of a sequence with a small
-indexer (one key of ``index_head_dim`` values per token and layer) and attends to the
-top-k. The keys are cached like the KV they go with: this store keeps an L1 pool (a
-:class:`~hicache.memory.DevicePool` of ``config.device_pages`` pages) and, with the
-hierarchical cache, an L2 pool (a :class:`~hicache.memory.HostPool` of as many pages as
-the full KV's, in the same layout), each indexed by **the full KV's page ids**: the keys
-of the token in full-KV slot ``s`` of a tier are at slot ``s`` of this store's pool in that
-tier. So it has no allocator: it follows the full KV's allocations (a request's pages, the
-tree's), evictions (the tree's cascade drops a node's keys with its full KV; there is
-nothing to free) and L3 records (:class:`IndexerRecords`). The tree's
-:class:`~hicache.tree.components.IndexerKeys` records per node and tier whether the keys
-are there, and its validator makes the hit policy ALL_PAGES: a prefix hits in a tier only
-if the keys of every one of its pages are there.
-
-Copies: alongside the full KV, not inside its copies. The full KV's L1 <-> L2 copies run
-on the controller's worker over one pair of pools, and the contract gives a store a hook
-at each point where the full KV moves, with the ids on both sides already assigned:
-:meth:`IndexerStore.back_up` right after a run's full KV got its L2 pages (the backup is
-issued), :meth:`IndexerStore.admit` right after a hit's host-only chain got its L1 pages
-(the load is issued). Each copies the keys of the same pages between this store's pools,
-on the owner's thread (synchronous on CPU; on CUDA ordered on the current stream, before
-the next forward), like the sliding-window store's copies. Carrying the keys inside the
-full KV's copies would have made the KV pools, the copy backends and the layer-wise load
-signal know about a second buffer set; the keys are small (``index_head_dim`` per layer,
-against ``kv_lora_rank + qk_rope_head_dim`` for the latent), so a whole-page copy beside
-the layer-wise KV load costs little.
-
-A request computes its keys into its full-KV slots (:meth:`CacheRequest.pool_slots`
-``["indexer"]`` gives them); a commit marks the keys of the committed pages present on
-the nodes whose L1 pages are the request's (:meth:`IndexerStore.committed`), so a node
-whose L1 pages came from elsewhere never gets a mark it has no keys for.
-
-L3: one ``"indexer"`` record per page, keyed like the page's full-KV record in the
-component's namespace; a hit of ``d`` pages needs the records of pages ``1..d``. A prefetch
-reads the records of the pages it fetches into the L2 pages it reads those pages' full KV
-into (:meth:`IndexerRecords.alloc_read`), which the inserted span then holds.
+DeepSeek-V3.2 scores every cached token with a small indexer (one key of
+``index_head_dim`` values per token and layer) and attends to the top-k. This store keeps
+an L1 pool (``config.device_pages`` pages) and, hierarchical, an L2 pool (as many pages as
+the full KV's, same layout), each indexed by **the full KV's page ids**: the keys of the
+token in full-KV slot ``s`` of a tier are at slot ``s`` of this store's pool there. So it
+has no allocator and frees nothing: it follows the full KV's allocations, evictions (the
+tree's cascade) and L3 records. The tree's :class:`~hicache.tree.components.IndexerKeys`
+makes the hit policy ALL_PAGES. Copies run beside the full KV's, on the owner's thread, at
+:meth:`IndexerStore.back_up` and :meth:`IndexerStore.admit`; :meth:`IndexerStore.committed`
+marks keys only on nodes whose L1 pages are the request's. L3: one ``"indexer"`` record per
+page; a hit of ``d`` pages needs pages ``1..d`` (:class:`IndexerRecords`, read into the L2
+pages of the same pages' full KV). The worked example and why the copies sit beside the
+full KV's: docs/architecture.md, "Hybrid models".
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """L3 records of tree components other than full KV: one codec per component.
 
-The key spec (``docs/l3-keys.md``, version 2) stores a component's records under the same
-chained keys as full-KV pages, in the namespace with ``component`` set to the component's
-name: the record at page ``i`` commits to the whole prefix up to page ``i``. A component's
-*codec* (:class:`ComponentRecords`) says, for the storage tier:
-
-* which records a boundary needs (:meth:`ComponentRecords.needed`): for a match of ``d``
-  pages, the 1-based page indices whose values must be present, besides the full-KV pages;
-  a needed page is satisfied by a value the tree holds (:meth:`ComponentRecords.local_pages`)
-  or by a record in L3; :attr:`ComponentRecords.reach` bounds how far before the first
-  page a prefetch fetches such a boundary's needs can reach;
-* which records to write when a run of nodes reaches L2 (:meth:`ComponentRecords.writes`)
-  and which nodes stay pinned in L2 meanwhile;
-* where a record read from L3 goes (an L2 id of the component's pool,
-  :attr:`ComponentRecords.pool`) and how the tree adopts it (:meth:`ComponentRecords.adopt`).
-
-Each component store gives its codec (``ComponentStore.records``), next to the store in
-its module:
-
-* recurrent-state snapshots (``SnapshotRecords`` in
-  :mod:`hicache.cache.components.snapshots`, component ``"mamba"``): a hit of ``d`` pages
-  needs the one snapshot after page ``d``; its payload is one L2 state slot;
-* sliding-window KV (``SwaRecords`` in :mod:`hicache.cache.components.swa`, component
-  ``"swa"``): a hit of ``d`` pages needs the SWA pages of the window before it,
-  ``max(1, d - ceil(window / page_size) + 1) .. d``; each record is one L2 SWA page.
-
-:func:`usable_boundaries` is the rule that combines them (a boundary is usable when every
-component's needs are met), and :func:`agree_boundary` makes tensor-parallel ranks agree on
-the deepest boundary every rank can use, with all-reduce(min) calls only (the same sequence
-on every rank).
+The key spec (``docs/l3-keys.md``) stores a component's records under the same chained
+keys as full-KV pages, in the namespace with ``component`` set to its name: the record at
+page ``i`` commits to the whole prefix up to page ``i``. A codec (:class:`ComponentRecords`)
+says which 1-based pages a match of ``d`` pages needs (:meth:`~ComponentRecords.needed`;
+met by a tree value, :meth:`~ComponentRecords.local_pages`, or an L3 record;
+:attr:`~ComponentRecords.reach` bounds how far back a prefetch looks), what to write when
+a run reaches L2 (:meth:`~ComponentRecords.writes`, and which nodes stay pinned in L2),
+and where a read record goes (:attr:`~ComponentRecords.pool`, an L2 id) and how the tree
+adopts it (:meth:`~ComponentRecords.adopt`). Snapshots (``"mamba"``): a hit of ``d`` pages
+needs the snapshot after page ``d``; SWA (``"swa"``): pages
+``max(1, d - ceil(window / page_size) + 1) .. d``. :func:`usable_boundaries` combines them;
+:func:`agree_boundary` makes ranks agree on the deepest usable boundary with
+all-reduce(min) only.
 """
 
 from __future__ import annotations

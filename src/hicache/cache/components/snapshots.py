@@ -1,33 +1,18 @@
 """Recurrent-state snapshots (Mamba2, Gated DeltaNet) as a component store of the one tree.
 
-A model with recurrent layers can resume a cached prefix only from the state its
-recurrent layers had at the prefix's end. This store keeps such snapshots: one slot of a
+A model with recurrent layers resumes a cached prefix only from the state its recurrent
+layers had at the prefix's end. This store keeps one slot of a
 :class:`~hicache.memory.state_pool.StatePool` per cached boundary (the tree's
-:class:`~hicache.tree.components.MambaState` component, ``"mamba"``), in L1 and, when the
-hierarchical cache is on, backed up to L2 with the node's full KV. A match can end only at
-a node whose snapshot is in some tier (the component's validator); admission brings a
-host-only snapshot to L1 and hands the request its copy to resume from
-(:meth:`~hicache.cache.request.CacheRequest.take_resume`).
-
-Where snapshots are taken (the rules the scheduler asks for through
-``HiCache.plan_chunk``): a prefill takes one every ``mamba_track_interval`` tokens (whole
-pages: a shared system prompt gets its own), at the last page boundary before the
-prompt's last token (where the same prompt resumes) and, for a request whose match is
-capped (``max_prefix``: prompt log probabilities from a position on), at the last page
-boundary within the cap (where the next request of the same shape, one more choice after
-the same context, resumes); never past the prompt's last boundary. The first boundary
-inside a forward is a *mark* (the runner keeps the state there without ending the forward);
-a second one ends the forward there. Past the prompt's last boundary, the state after each
-page boundary a forward ends on is kept for the request's end: its last commit (at
-release, or retraction) takes the latest one as a snapshot, so a follow-up turn (prompt +
-output + more) resumes there. The runner's state covers exactly the computed tokens, so a
-request that stops between boundaries leaves its tail to be recomputed.
-
-Slots are owned by the tree once inserted. Copies between the tiers go through the state
-copier of the cache's io backend (:mod:`hicache.transfer.state`), issued on the owner's
-thread (a snapshot is small next to a node's KV; on CUDA they are stream-ordered before
-the forward that reads them); a snapshot pool that runs short evicts unpinned snapshots in
-their own LRU order, leaving the node and its full KV (a tombstone).
+:class:`~hicache.tree.components.MambaState` component, ``"mamba"``) in L1 and,
+hierarchical, backed up to L2 with the node's full KV. A match ends only at a node whose
+snapshot is in some tier; admission brings a host-only snapshot to L1 and hands the
+request its copy (:meth:`~hicache.cache.request.CacheRequest.take_resume`). Slots are the
+tree's once inserted; copies go through the io backend's state copier
+(:mod:`hicache.transfer.state`) on the owner's thread; a short pool evicts unpinned
+snapshots in their own LRU (the node and its full KV stay: a tombstone). Where snapshots
+are taken (``plan``: every ``mamba_track_interval`` tokens, the prompt's last boundary,
+the ``max_prefix`` cap, the request's end) and marks vs forward ends:
+docs/architecture.md, "Hybrid models" (recurrent state).
 """
 
 from __future__ import annotations

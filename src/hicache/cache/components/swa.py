@@ -1,48 +1,18 @@
-"""Sliding-window KV as a component store of the one tree: its own L1/L2 pools, each
-request's window, and its L3 records.
+"""Sliding-window KV as a component store: its own L1/L2 pools, windows and L3 records.
 
-A model with sliding-window layers (Gemma 3, GPT-OSS) needs, for those layers, only the
-K/V of the last ``window`` tokens before each query. This store keeps those layers' K/V in
-their own pools (a :class:`~hicache.memory.DevicePool` L1 of
-``SlidingWindowSpec.device_pages(config)`` pages and, with the hierarchical cache, a
-:class:`~hicache.memory.HostPool` L2 of ``SlidingWindowSpec.host_pages(config, full)``
-pages), one SWA page per sequence page, under the tree's
-:class:`~hicache.tree.components.SlidingWindow` component (``"swa"``). The full pool then
-holds the global layers only.
-
-The window rule, with positions. A query at position ``p`` attends to keys at
-``p - window < q <= p``. A request whose next forward starts at position ``c`` (``c``
-positions computed) keeps the SWA pages of positions ``>= c - window`` (one token more
-than its queries read) and the ``ceil(window / page_size)`` pages before the last page
-boundary ``b <= c`` (:meth:`SwaStore.keep_from`), so that a commit of its whole pages
-hands the tree the window before ``b``, which is what a hit there needs
-(:meth:`~hicache.tree.components.SlidingWindow.hit_span`). Its own pages wholly before
-that are freed as it advances (on :meth:`grow`, which the scheduler calls before every
-forward with ``c``, and on commit); pages the tree owns are just dropped from its table. So a request holds at most :func:`request_pages` SWA
-pages however long it gets, while its full pages grow with it.
-
-Commit hands the tree every SWA page the request still holds (``ComponentValues.pages``
-from its first held page) before trimming its table; the scheduler commits every prefill
-chunk, so a prompt's SWA pages are all cached, while positions passed between commits
-(decode steps) are tombstones: their nodes keep full KV and no SWA value. A match may end
-only where the window before the boundary is present in some tier (the component's
-validator). Tree-owned SWA pages stay until the SWA pool runs short, then are evicted
-under their own LRU (the node and its full KV stay): which boundary later requests will
-diverge at (a shared system prompt's end) is unknown when a span is cached, so its window
-is kept while there is room. Evicting a node's full KV drops its SWA values too (the tree
-cascades; the facade frees them here).
-
-Copies between the tiers (backup of a span's SWA pages, load back of a hit's host-only
-window) are issued on the owner's thread through the cache's page copier, synchronously
-on CPU and stream-ordered before the next forward on CUDA (the current stream). A load
-moves at most ``ceil(window / page_size)`` pages, next to a full-KV load of the whole
-prefix that the controller's worker overlaps with the forward; a backup moves a span's
-SWA pages (as many as its full pages), off the forward's critical path.
-
-L3 keeps them as records of the ``"swa"`` component, one per page (:class:`SwaRecords`):
-a span written to L3 carries its L2 SWA pages, and a prefetch reads the window its usable
-boundary needs into this store's L2 pool. :meth:`SwaStore.hit_needs` tells which nodes' SWA values a hit at a node needs,
-and where each is.
+The sliding layers' K/V live in their own pools (an L1 :class:`~hicache.memory.DevicePool`
+of ``SlidingWindowSpec.device_pages(config)`` pages and, hierarchical, an L2
+:class:`~hicache.memory.HostPool` of ``SlidingWindowSpec.host_pages(config, full)``), one
+SWA page per sequence page, under the tree's
+:class:`~hicache.tree.components.SlidingWindow` component (``"swa"``); the full pool holds
+the global layers only. A query at position ``p`` reads keys ``p - window < q <= p``; with
+``c`` positions computed a request keeps positions ``>= c - window`` and the
+``ceil(window / page_size)`` pages before the last page boundary ``<= c``
+(:meth:`SwaStore.keep_from`), so it holds at most :func:`request_pages` SWA pages. A
+match may end only where the window before the boundary is in some tier
+(:meth:`SwaStore.hit_needs` says which nodes' values a hit needs, and where). L3: one
+``"swa"`` record per page (:class:`SwaRecords`). Commit, eviction and copies:
+docs/architecture.md, "Hybrid models".
 """
 
 from __future__ import annotations
