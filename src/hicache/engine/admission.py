@@ -1,19 +1,14 @@
 """The bounded waiting queue: sequences are reserved before they are submitted.
 
-A client request (one HTTP request: ``n`` copies of each of its prompts) becomes several
-engine requests, and the server submits some of them later (the ``n`` copies wait for the
-first copy's first token). So that a request is never refused half-way, its sequences are
-reserved at once, before any is submitted (:meth:`QueueGate.reserve`, which either takes
-them all or raises): each :class:`Reservation` then hands out one :class:`QueueSlot` per
-submitted sequence, and gives back what it did not hand out when closed.
-
-A slot counts as *queued* from its reservation until its request is first admitted to the
-running batch (or ends without ever being admitted); a retracted request that waits again
-does not count again (it was accepted already). ``max_queued`` None: no bound.
-
-Thread safety: the gate is shared by the server's threads (reservations) and the engine
-thread (slots released at admission); one lock guards the count. Nothing here imports
-the engine.
+A client request (``n`` copies of each of its prompts) becomes several engine requests,
+some submitted later (the copies wait for the first copy's first token). So that a
+request is never refused half-way, its sequences are reserved at once
+(:meth:`QueueGate.reserve`: all or it raises); a :class:`Reservation` hands out one
+:class:`QueueSlot` per submitted sequence and gives back the rest when closed. A slot
+counts as *queued* from its reservation until its request is first admitted (or ends
+unadmitted); a retracted request does not count again. ``max_queued`` None: no bound. The
+gate is shared by the server's threads and the engine thread; one lock guards the count.
+Nothing here imports the engine.
 """
 
 from __future__ import annotations

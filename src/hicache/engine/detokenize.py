@@ -1,25 +1,18 @@
 """Incremental detokenization: the text of a growing list of output ids at O(1) tokenizer
 work per new token, exactly ``tokenizer.decode(ids, skip_special_tokens=True)``.
 
-The prefix/read-offset method of vLLM and TGI. For ids ``x[0:n]`` it keeps ``read``, a
-count of ids after which the decoded text is complete (no trailing piece of an unfinished
-UTF-8 sequence), ``stable`` = the text of ``x[:read]``, and ``prefix`` < ``read``, where the
-window of ids it decodes starts: the ids ``x[prefix:read]`` give the tokenizer the context
-it needs to render the first new id (SentencePiece drops a leading space at the start of
-a decode, for instance), and ``prefix_text`` is their text. The text of ``x[:n]`` is
-``stable`` + what ``x[prefix:n]`` adds to ``prefix_text``. When that addition is not empty
-and does not end in U+FFFD (the replacement a byte-level decode gives for an incomplete
-character), ``n`` becomes the new ``read`` and the old ``read`` the new ``prefix``; so a
-window is a few ids long, however long the output.
-
-This is exact for a tokenizer whose decode of ``x[p:]`` is the decode of ``x[p:r]``
-followed by the text of ``x[r:]`` whenever the decode of ``x[:r]`` ends on a complete
-character: true of byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) and of SentencePiece
-decoders without byte fallback; false for one that rewrites text across ids
-(``clean_up_tokenization_spaces`` turning ``" ."`` into ``"."``, say) or that decodes a run
-of byte pieces as a whole (SentencePiece's byte fallback: a stray byte after a complete
-character turns that character into U+FFFDs too). :func:`decodes_incrementally` checks a
-tokenizer on probe sequences; the caller falls back to full decodes for one that fails.
+The prefix/read-offset method. For ids ``x[0:n]`` it keeps ``read`` (ids after which the
+text is complete: no unfinished UTF-8 sequence), ``stable`` (the text of ``x[:read]``), and
+``prefix`` < ``read`` with ``prefix_text``, the text of ``x[prefix:read]`` (the context the
+tokenizer needs to render the next id). Invariant: the text of ``x[:n]`` is ``stable`` +
+what ``x[prefix:n]`` adds to ``prefix_text``; a window is a few ids long, however long the
+output. Exact for a tokenizer whose decode of ``x[p:]`` is that of ``x[p:r]`` followed by
+the text of ``x[r:]`` whenever ``x[:r]`` decodes to complete characters (byte-level BPE,
+SentencePiece without byte fallback); not for one that rewrites text across ids
+(``clean_up_tokenization_spaces``) or decodes byte pieces as a run (byte fallback).
+:func:`decodes_incrementally` checks a tokenizer on probe sequences; the caller falls back
+to full decodes for one that fails. How the window moves: docs/architecture.md, "Outputs
+and a request's end".
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """The engine's rank processes under tensor parallelism (``tp_size`` > 1).
 
-Rank 0 is the server's process and its engine; ranks 1 .. N-1 are processes spawned here
-(``torch.multiprocessing``, start method ``spawn``) that run the same engine machinery
-(model shard, cache, scheduler) in a follower loop, without HTTP. They are joined by
-``torch.distributed``: the default group (its timeout: the join's, ``dist_init_timeout_s``)
-serves the join alone; the model's collectives run on a group of their own (gloo on CPU,
-NCCL on CUDA) and what the engine and the cache agree on on a gloo group, both with the
-collective timeout (``collective_timeout_s``, ``--collective-timeout``), whatever the
-join's.
-
-What crosses processes, every step, on every rank and in the same order
-(:class:`StepChannel`): rank 0's step inputs (:class:`~hicache.engine.step_inputs.StepInputs`,
-one broadcast per step, also when empty), then whatever the cache agrees on, then, after
-each forward that samples, rank 0's sampled tokens (:meth:`StepChannel.agree_tokens`).
-Every collective has a timeout (the process group's), so no rank waits for ever; a
-follower that stops answering (frozen) is seen by rank 0 long before that, from its
-heartbeat (:mod:`hicache.engine.heartbeat`, :meth:`RankProcesses.silent`).
-
-Start (:class:`RankProcesses`): the followers are spawned, every rank joins the group
-within ``dist_init_timeout_s`` (a rank that does not fails the start with one line naming
-it), each follower builds its engine and says so; rank 0 waits for all of them within the
-same timeout. Then rank 0 watches the followers' process sentinels on a thread: a follower
-that dies is reported once, naming the rank and its exit code
-(:attr:`RankProcesses.failure`, and the ``on_failure`` callback), and the engine stops.
-A follower ends when rank 0 broadcasts a stop, or when a collective with rank 0 fails
-(rank 0 gone) or times out. :meth:`RankProcesses.close` joins the followers within a
-timeout and kills the stragglers.
+Rank 0 is the server's process and its engine; ranks 1 .. N-1 are spawned here
+(``torch.multiprocessing``, ``spawn``) and run the same engine machinery in a follower loop,
+without HTTP, joined by ``torch.distributed``: the default group (timeout
+``dist_init_timeout_s``) serves the join alone; the model's collectives (gloo on CPU, NCCL
+on CUDA) and the engine's and cache's agreements (gloo) run on groups of their own with
+``collective_timeout_s``. Every step, on every rank in the same order
+(:class:`StepChannel`): rank 0's :class:`~hicache.engine.step_inputs.StepInputs` (one
+broadcast, also when empty), the cache's agreements, and after each sampling forward rank
+0's tokens (:meth:`StepChannel.agree_tokens`). Every collective has a timeout; a frozen
+follower shows first in its heartbeat (:mod:`hicache.engine.heartbeat`,
+:meth:`RankProcesses.silent`); a dead one is reported once (:attr:`RankProcesses.failure`,
+``on_failure``) and stops the engine. Start and stop (:class:`RankProcesses`):
+docs/architecture.md, "Tensor-parallel ranks (the engine's side)".
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """What an instance's prefill/decode role changes in how its requests go: :class:`Role`.
 
-A plain instance's requests run from admission to their last token and are released.
-On a PD instance some requests are *parked* between the two
-(:attr:`RequestEnds.parked <hicache.engine.step.ends.RequestEnds.parked>`): they hold their L1
-pages but run no forward, while the other instance of their room does its half:
-
-- a prefill instance (:class:`~hicache.engine.roles.prefill.PrefillRole`) admits a request
-  only once the decode side has registered its room's pages (or the room has ended), parks
-  it once its first token is sampled, hands its pages to the sender, and releases it when the
-  sender reports (a :class:`~hicache.engine.step_inputs.RoomEnded` input);
-- a decode instance (:class:`~hicache.engine.roles.decode.DecodeRole`) parks a request once
-  admitted (its pages allocated for the whole prompt), registers them with the prefill
-  instance once its own prefix hit is in L1, and runs it from
-  :class:`~hicache.engine.step_inputs.PagesArrived` on, like any request whose prompt is
-  computed.
-
-The scheduler and :class:`~hicache.engine.step.ends.RequestEnds` call the hooks below at those
-points; this base class is the plain instance (every hook does nothing). Everything runs
-on the engine's thread.
+A plain instance's requests run from admission to their last token and are released. On
+a PD instance some requests are *parked* between the two
+(:attr:`RequestEnds.parked <hicache.engine.step.ends.RequestEnds.parked>`): they hold
+their L1 pages but run no forward while the other instance of their room does its half:
+a prefill instance (:class:`~hicache.engine.roles.prefill.PrefillRole`) admits a request
+once its room's pages are registered, parks it after its first token and releases it on
+:class:`~hicache.engine.step_inputs.RoomEnded`; a decode instance
+(:class:`~hicache.engine.roles.decode.DecodeRole`) parks it once admitted and runs it from
+:class:`~hicache.engine.step_inputs.PagesArrived` on. The scheduler and
+:class:`~hicache.engine.step.ends.RequestEnds` call the hooks below at those points; this
+base class is the plain instance (every hook does nothing). Runs on the engine's thread.
+The pair's flow: docs/architecture.md, "Prefill/decode disaggregation".
 """
 
 from __future__ import annotations

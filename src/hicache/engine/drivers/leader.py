@@ -1,23 +1,17 @@
 """Rank 0's driver: the engine thread's loop over the one step body.
 
 Other threads post :class:`Task` s into the inbox (:meth:`Leader.post`). Each round the
-loop takes the inbox, turns its records into this step's
-:class:`~hicache.engine.step_inputs.StepInputs` (broadcast to the followers first under
-tensor parallelism, also when empty), runs :meth:`EngineCore.step
-<hicache.engine.step.core.EngineCore.step>` over them, answering each task's caller as its
-record is applied and running rank 0's own calls in the order they were posted, hands
-the step's reports to their clients (each request's callback, kept here from its post to
-its final report) and posts its aborts for the next step, then publishes stats and, when
-idle, waits to be woken. A callback that raises aborts its request at the next step, on
-every rank.
-
-The error policy is rank 0's: a scheduler step that raises with one rank aborts the
-requests in flight and the loop goes on (counted: ``failed_steps``, read by
-:meth:`Engine.health <hicache.engine.front.engine.Engine.health>`); with several ranks no rank
-recovers alone, so it ends the loop, and rank 0 *breaks* the ranks (stops every follower
-at once, leaves the group). A loop told to stop *stops* the ranks (broadcasts a
-:class:`~hicache.engine.step_inputs.Stop`). Either way the loop's last act
-(:meth:`Leader._end`) fails what is still queued or in flight, so no caller waits for ever.
+loop turns the inbox into this step's :class:`~hicache.engine.step_inputs.StepInputs`
+(broadcast to the followers first, also when empty), runs :meth:`EngineCore.step
+<hicache.engine.step.core.EngineCore.step>` over them (each task's caller answered as its
+record is applied, rank 0's calls in posting order), hands the reports to their clients'
+callbacks (kept here from post to final report), posts the step's aborts for the next
+step, publishes stats and, when idle, waits to be woken. A callback that raises aborts its
+request at the next step, on every rank. Error policy: one rank, a step that raises
+aborts the requests in flight and the loop goes on (``failed_steps``); several ranks, it
+ends the loop and *breaks* the ranks; a stop broadcasts a
+:class:`~hicache.engine.step_inputs.Stop`. The loop's last act (:meth:`Leader._end`) fails
+what is still queued or in flight.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """The engine's front: its lifecycle and the API other threads call.
 
 Other threads (the HTTP server, the CLI) talk to the engine through :meth:`Engine.reserve`
-(places in the bounded waiting queue for one client request's sequences),
-:meth:`Engine.submit`, :meth:`Engine.abort` and :meth:`Engine.call` (run a function on the
-engine thread, e.g. a cache read); outputs come back through each request's callback,
-called on the engine thread. What the API posts becomes a step input
-(:mod:`hicache.engine.step_inputs`) for the one step body
-(:class:`~hicache.engine.step.core.EngineCore`), run by rank 0's driver
-(:mod:`hicache.engine.drivers.leader`) and, under tensor parallelism (``tp_size`` > 1,
-:mod:`hicache.engine.ranks`), by every follower process (:mod:`hicache.engine.drivers.follower`).
-
-Robustness: an exception in one task of the loop fails only the requests involved; if
-the loop ends anyway, everything queued or in flight is failed at once,
-:attr:`Engine.alive` turns False and :meth:`Engine.health` says why. Every wait here has a
-deadline. The lifecycle is one state (:class:`~hicache.engine.run_state.EngineState`).
-
-:meth:`Engine.call` runs on rank 0 alone, so under tensor parallelism its function must
-only read (it must not change the cache or wait on it: a cache wait agrees with the other
-ranks). No rank recovers alone: a scheduler step or a forward that raises on any rank, or
-a rank that dies, stops every rank (``health`` names a dead rank).
+(places in the bounded waiting queue), :meth:`Engine.submit`, :meth:`Engine.abort` and
+:meth:`Engine.call` (a function run on the engine thread); outputs come back through each
+request's callback, on the engine thread. What the API posts becomes a step input
+(:mod:`hicache.engine.step_inputs`) for :class:`~hicache.engine.step.core.EngineCore`, run by
+rank 0's driver (:mod:`hicache.engine.drivers.leader`) and, with ``tp_size`` > 1
+(:mod:`hicache.engine.ranks`), by every follower (:mod:`hicache.engine.drivers.follower`).
+Invariants: every wait here has a deadline; the lifecycle is one state
+(:class:`~hicache.engine.run_state.EngineState`); if the loop ends, everything queued or in
+flight fails at once and :attr:`Engine.alive` turns False (:meth:`Engine.health` says why).
+:meth:`Engine.call` runs on rank 0 alone, so its function must only read. No rank recovers
+alone. Failure handling: docs/architecture.md, "The engine: one step body and its
+drivers" and "Tensor-parallel ranks (the engine's side)".
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """A decode instance's role: :class:`DecodeRole`.
 
 Each request comes with a room. Admitted like any request (its own L1/L2/L3 prefix
-matched), it is parked with pages for its whole prompt (:meth:`DecodeRole.parks_admitted`).
-Once the prefix it matched is in L1 (an L2 or L3 hit loads first: only pages already
-here are promised), its pages are registered with the prefill instance
-(:meth:`DecodeRole.register`): the prefill side then writes every page past that prefix.
-The receiver (:mod:`hicache.disagg.receiver`) turns the room's end into a step input:
-:class:`~hicache.engine.step_inputs.PagesArrived` (the scheduler commits the prompt and
-decodes from the first token on), :class:`~hicache.engine.step_inputs.RoomEnded` (the
-request fails, its pages freed: no write of the room can land any more) or
-:class:`~hicache.engine.step_inputs.RoomFailed` (the request fails now, its pages fenced out
-of use until the room's ``RoomEnded``). A running request that is retracted (L1 full)
-is not parked again when it is admitted again: its room is spent (single use), and it
-resumes from what the cache kept of it (its prompt and the tokens it generated,
-committed at the retraction) and recomputes the rest here, as on a plain instance. An
-aborted parked request is drained
-(:meth:`DecodeRole.abort`): it keeps its pages until the prefill side has stopped.
-
-Its receiver and transport are built by :mod:`hicache.engine.roles.role_setup`.
+matched), it is parked with pages for its whole prompt (:meth:`DecodeRole.parks_admitted`);
+once its matched prefix is in L1 its pages are registered with the prefill instance
+(:meth:`DecodeRole.register`), which writes every page past that prefix. The receiver
+(:mod:`hicache.disagg.receiver`) turns the room's end into a step input:
+:class:`~hicache.engine.step_inputs.PagesArrived` (commit the prompt, decode),
+:class:`~hicache.engine.step_inputs.RoomEnded` (fail, pages freed) or
+:class:`~hicache.engine.step_inputs.RoomFailed` (fail now, pages fenced until
+``RoomEnded``). A room is single use: a retracted request is not parked again and resumes
+as on a plain instance; an aborted parked request is drained (:meth:`DecodeRole.abort`).
+Its receiver and transport are built by :mod:`hicache.engine.roles.role_setup`. The
+decode side's flow: docs/architecture.md, "Prefill/decode disaggregation".
 """
 
 from __future__ import annotations

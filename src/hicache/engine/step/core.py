@@ -1,26 +1,17 @@
 """The one step body every rank runs: :class:`EngineCore`.
 
-A step (:meth:`EngineCore.step`) is the same on every rank and for every driver:
-
-1. apply the step's inputs (:class:`~hicache.engine.step_inputs.StepInputs`), in order:
-   new requests, aborts, control commands (:meth:`EngineCore.apply`);
-2. bring the cache's asynchronous completions in (``cache.sync()``: with several ranks
-   agreed in one collective);
-3. one scheduler step (admit, one mixed forward, sample, outputs);
-
-and returns its outputs as data (:class:`StepResult`): the reports, which rank 0's driver
-hands to the clients, and the aborts it must post for the next step.
-
-What differs between ranks is data, not code: rank 0 keeps its own requests until their
-:class:`~hicache.engine.step_inputs.NewRequest` is applied (:attr:`EngineCore.clients`,
-each with its queue place), followers build theirs from the record and report nothing;
-under tensor parallelism a follower's scheduler takes rank 0's sampled tokens instead of
-sampling. What differs between drivers is the error policy
-around the step (:mod:`hicache.engine.drivers.leader` for rank 0's thread,
-:mod:`hicache.engine.drivers.follower` for the other ranks): a scheduler step that raises comes
-out as :class:`StepFailed`, and each driver decides what that ends.
-
-Everything here runs on the thread that drives the core.
+A step (:meth:`EngineCore.step`) is the same on every rank and for every driver: apply
+the step's :class:`~hicache.engine.step_inputs.StepInputs` in order
+(:meth:`EngineCore.apply`), ``cache.sync()`` (agreed with several ranks), one scheduler
+step; it returns its outputs as data (:class:`StepResult`: the reports, the aborts for the
+next step). What differs between ranks is data, not code: rank 0 keeps its own requests
+until their :class:`~hicache.engine.step_inputs.NewRequest` is applied
+(:attr:`EngineCore.clients`); followers build theirs from the record, report nothing and
+take rank 0's sampled tokens. A scheduler step that raises comes out as
+:class:`StepFailed`; each driver (:mod:`hicache.engine.drivers.leader`,
+:mod:`hicache.engine.drivers.follower`) decides what that ends. Runs on the thread that
+drives the core. The step, its drivers and their error policy: docs/architecture.md, "The
+engine: one step body and its drivers".
 """
 
 from __future__ import annotations

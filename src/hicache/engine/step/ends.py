@@ -1,26 +1,17 @@
 """How a request ends, in one place: :class:`RequestEnds`.
 
 A request ends by finishing (end-of-sequence, a stop id or string, ``max_tokens``, the
-context length), by an abort (its client, the engine stopping), or by a failure of its own
-(a forward, a sampled row, its report). Whatever the way, ending it is the same few acts,
-all here: its pending output is done first (:meth:`RequestEnds.settle`), it leaves the
-scheduler's queues and gives back what it holds (:meth:`RequestEnds.release`: its computed
-KV committed first unless it must not be kept, its queue place, the runner's carried state,
-its cache handle), and it gets its final report, exactly once and last
-(:meth:`RequestEnds.emit`).
-
-Outputs off the critical path: a step's sampled tokens get the token-level checks at once,
-but their text work (detokenization, stop strings) and reports are *pending*
-(:meth:`RequestEnds.took_token`) until the next step has launched its forward (see
-:mod:`hicache.engine.step.scheduler`); they are done in order by :meth:`RequestEnds.flush`. A
-stop string found then ends its request one step late; its token in flight is discarded.
-
-Reports are data: each goes to :attr:`RequestEnds.outbox` (rank 0's; a follower's
-requests report nothing), which the step hands to its driver (:meth:`RequestEnds.take`),
-and rank 0's driver hands to the clients. So does a request the step must abort on every
-rank at the next step (:meth:`RequestEnds.abort_next`).
-
-Everything here runs on the engine's thread.
+context length), by an abort (its client, the engine stopping) or by a failure of its own
+(a forward, a sampled row, its report). Whatever the way, the acts are the same, all
+here: its pending output is done first (:meth:`RequestEnds.settle`), it leaves the
+scheduler's queues and gives back what it holds (:meth:`RequestEnds.release`: its KV
+committed first unless it must not be kept), and it gets its final report exactly once
+and last (:meth:`RequestEnds.emit`). Token checks are immediate; text work and reports are
+*pending* (:meth:`RequestEnds.took_token`) until :meth:`RequestEnds.flush`, so a stop
+string ends its request one step late. Reports are data in :attr:`RequestEnds.outbox`
+(rank 0's only), handed to the driver (:meth:`RequestEnds.take`), with the aborts for the
+next step (:meth:`RequestEnds.abort_next`). Runs on the engine's thread. Flows:
+docs/architecture.md, "Outputs and a request's end".
 """
 
 from __future__ import annotations

@@ -2,26 +2,16 @@
 
 :func:`enable_decode_graphs` attaches :class:`~hicache.runner.decode_graphs.DecodeGraphs`
 to a runner only when they can serve it (a model that declares
-:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs`, the Triton attention
-backend, no SWA pool; CUDA to capture) and only after a **probe**: a real small batch,
-run padded in the smallest bucket that holds it and in the largest, must give the logits
-of the eager forward with the **SDPA** attention backend (per row, relative L2 error
-within :func:`probe_tolerance` of the model's dtype). The reference is SDPA, not the
-eager Triton forward: that one runs the same decode kernel as the graphs, so a kernel
-that is wrong on the device would agree with itself. A capture that raises or a probe
-that disagrees logs one warning naming why and leaves the runner eager, the same spirit
-as the attention kernels' probe (:mod:`hicache.runner.kernels.probe`); the cost of a
-failure is never a failed or wrong forward.
-
-The probe runs in two buckets: the smallest that holds its batch and the largest (the
-same forward captured at both ends of the range). The probe batch: sequences of
-:func:`probe_lengths` keys (the longest crosses two key blocks of the decode kernel
-whatever the page size, where the page table is that wide; the others end one token
-into a page and at one key), on :func:`probe_page_count` pages lent by the caller in
-shuffled order and filled with random K/V, each adding one token; the reference forward
-and the graph both write that token's K/V into the same (lent) slot. :func:`enable_for_cache` reserves the probe's pages in
-the cache for the probe's duration, and the scratch page for as long as the graphs are
-used.
+:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs`, the Triton
+attention backend, no SWA pool, CUDA) and only after a **probe**: a real small batch, run
+padded in the smallest bucket that holds it and in the largest, must give the logits of
+the eager **SDPA** forward (per row, relative L2 error within :func:`probe_tolerance` of
+the dtype). A capture that raises or a probe that disagrees logs one warning and leaves
+the runner eager: a failure never costs a failed or wrong forward. The probe batch:
+:func:`probe_lengths` keys per sequence on :func:`probe_page_count` lent pages.
+:func:`enable_for_cache` reserves the probe's pages for the probe's duration and the
+scratch page for as long as the graphs are used. Why SDPA and the batch's shape:
+docs/architecture.md, "CUDA graphs for decode".
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """Turning sampled tokens into text: end-of-sequence, stop strings, max_tokens, streaming.
 
-Two halves, so that the scheduler can run the second off the critical path (see
-:mod:`hicache.engine.step.scheduler`): :meth:`OutputProcessor.check_token` decides from the
-token alone (end-of-sequence, stop ids, ``max_tokens``, the context length) and touches
-no text; :meth:`OutputProcessor.update_text` brings ``req.text`` up to date and applies
-stop strings. :meth:`OutputProcessor.on_token` is both, in that order.
-
-``req.text`` is always ``tokenizer.decode(output ids, skip_special_tokens=True)`` (an
-ending stop id or end-of-sequence id left out), cut at the first stop string. It is
-decoded incrementally (:mod:`hicache.engine.detokenize`: a few ids per token, whatever
-the output's length) when the tokenizer passes :func:`decodes_incrementally`, else in
-full each time; every finished request's text is checked against a full decode, and a
-mismatch switches the processor to full decodes for good (logged). While a request runs,
-the streamed text holds back what could still turn out to be the start of a stop string,
-and any trailing replacement character of an incomplete UTF-8 sequence.
+Two halves, so the scheduler can run the second off the critical path:
+:meth:`OutputProcessor.check_token` decides from the token alone (end-of-sequence, stop
+ids, ``max_tokens``, the context length) and touches no text;
+:meth:`OutputProcessor.update_text` brings ``req.text`` up to date and applies stop
+strings; :meth:`OutputProcessor.on_token` is both, in that order. Invariant: ``req.text``
+is ``tokenizer.decode(output ids, skip_special_tokens=True)`` (an ending stop or
+end-of-sequence id left out), cut at the first stop string; decoded incrementally
+(:mod:`hicache.engine.detokenize`) when the tokenizer passes :func:`decodes_incrementally`,
+else in full. Every finished text is checked against a full decode (a mismatch switches
+to full decodes for good). Streamed text holds back a possible stop-string start and a
+trailing incomplete UTF-8 character. Flow: docs/architecture.md, "Outputs and a request's
+end".
 """
 
 from __future__ import annotations

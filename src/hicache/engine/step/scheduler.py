@@ -1,60 +1,18 @@
-"""Continuous batching over the hierarchical cache.
+"""Continuous batching over the hierarchical cache: :class:`Scheduler`.
 
 Each :meth:`Scheduler.step` admits waiting requests through the cache's request verbs
-(``open`` on arrival starts the L3 prefetch; ``ready`` and ``admit`` match, load back and
-give L1 pages), then runs one mixed forward: the next token of every decoding request
-plus prefill chunks of the others, ``chunked_prefill_size`` tokens in all, so a new
-prompt's prefill neither waits for the decodes nor stalls them. Every prefill chunk and
-every finished prefix is committed to the cache (its write policy backs them up), so
-concurrent requests share a prefix as soon as it is computed and every component's values
-reach the tree before the request moves past them; a request that cannot get an L1 page
-for its next token is retracted (``requeue``): its KV stays cached and it waits to be
-re-admitted, which then finds its own prefix. A request whose prefix load from L2 failed
-does not fail: seen at the step's sync or after the forward that waited on the load's
-layers, it is requeued with nothing of that forward kept (:meth:`Scheduler._fall_back`)
-and its re-admission recomputes what the load could not bring; only a failure of that
-recompute fails it. The scheduler holds only opaque handles and names no cache component.
-
-Admission order (:meth:`Scheduler.admission_order`), so that one wide client request
-cannot lock out the others: higher ``priority`` first; then, with the group rule on
-(``max_running_requests_per_group``, default half the running slots), requests whose group
-(one client request: its ``n`` copies and batched prompts) holds fewer running slots; then
-the policy's order (``fcfs``, or ``lpm``: longest cached prefix first, which asks the cache
-for each waiting request's match). A request whose L3 prefetch is still running is passed
-over; one that does not fit in L1 stops admission for the step (later ones do not overtake
-it for memory).
-
-The cap is work-conserving (``lend_idle_slots``, the default; the rules are pure functions
-in :mod:`hicache.engine.step.slots`): borrowers (requests of a group at its cap) are admitted
-only once no ready claimant is left waiting, and a ready claimant that finds no free slot,
-or not enough L1, takes a lent slot back: one sequence of a group past its cap is
-retracted (:meth:`Scheduler._lent`; its committed KV stays cached), one per claimant and
-never below the cap. Under memory pressure (:meth:`Scheduler._ensure_pages`) a lent slot
-is given back first, too.
-
-What a model caches besides K/V stays between the cache and the runner: the batch asks
-the cache's plan once per request (``plan_chunk``: where the chunk must end, after which
-tokens the runner keeps the sequence's extras: a :class:`Chunk`) and carries the handle's
-per-pool slot tables; the runner's extras go back to the cache untouched, with the chunk's
-commit or (``keep``) without one; what a re-admitted request resumes from goes from its
-handle to the runner (``take_resume``). A request's carried state is dropped when it ends
-or is retracted. A model whose runner carries state (``runner.resumable_prefix`` False)
-reuses cached prefixes only when the cache hands states back (``cache.stores.resumes``);
-otherwise its handles are opened uncacheable.
-
-A request with prompt log probabilities is matched like any other, its match capped
-(``max_prefix``, :attr:`SamplingParams.max_prefix
-<hicache.engine.sampling.SamplingParams.max_prefix>`) so that the logits before every
-position it scores are computed; the cap floors to a page and, for a model that carries
-state, to a boundary the cache hands a state back at (the match of a shorter prompt), so
-hybrids resume exactly as they do from any match. Its pages are committed for others.
-
-Beside it: :class:`~hicache.engine.step.batch_sampling.BatchSampler` turns logits into tokens
-(rank 0's under tensor parallelism); :class:`~hicache.engine.step.ends.RequestEnds` ends
-requests, and does the outputs kept *pending* off the critical path (on CUDA while the
-next forward runs, ``overlap_outputs``; on CPU at the end of the step).
-
-Everything here runs on the engine's thread.
+(``open``, ``ready``, ``admit``), then runs one mixed forward: every decoding request's
+next token plus prefill chunks of the others, ``chunked_prefill_size`` tokens in all.
+Every prefill chunk and finished prefix is committed; a request short of an L1 page is
+retracted (``requeue``: its KV stays cached); one whose L2 load failed is requeued with
+nothing of that forward kept (:meth:`Scheduler._fall_back`) and recomputes; only a failure
+of that recompute fails it. Admission order (:meth:`Scheduler.admission_order`):
+``priority``, then the per-group cap (work-conserving, :mod:`hicache.engine.step.slots`),
+then ``fcfs`` / ``lpm``. The scheduler holds only opaque handles and names no cache
+component: the runner's extras reach the cache untouched. Beside it:
+:class:`~hicache.engine.step.batch_sampling.BatchSampler` (tokens) and
+:class:`~hicache.engine.step.ends.RequestEnds` (ends, pending outputs). Runs on the
+engine's thread. Flows: docs/architecture.md, "The scheduler".
 """
 
 from __future__ import annotations
