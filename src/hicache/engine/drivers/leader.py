@@ -336,8 +336,8 @@ class Leader:
         for rid in outputs.aborts:
             self.abort_later(rid)
         for out in outputs.reports:
-            callback = self._callbacks.pop(out.rid, None) if out.finished else None
-            callback = callback or self._callbacks.get(out.rid)
+            callbacks = self._callbacks
+            callback = callbacks.pop(out.rid, None) if out.finished else callbacks.get(out.rid)
             if callback is None:
                 continue
             try:
