@@ -294,15 +294,15 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         assert cache_stats(b).counters["prefetch_timeouts_total"] == 1  # admitted unfinished
         b.release(req, TOKENS)
         check_integrity(b)  # the 3 read pages are held by the op, not free
-        assert b.storage is not None and len(b.storage.prefetches.held_host_pages()) == 3
+        assert b.storage is not None and len(b.storage.prefetches.quarantined_host_pages()) == 3
         # other requests fill every other L2 page with their backups meanwhile
         others = [[i] * 4 for i in range(20, 24)]
         for toks in others:
             serve(b, toks)
         assert time.monotonic() - start < 2.0, "the late write landed before the check"
-        assert len(b.storage.prefetches.held_host_pages()) == 3
+        assert len(b.storage.prefetches.quarantined_host_pages()) == 3
         b.flush()  # waits for the late write too: it lands in the quarantined pages only
-        assert b.storage.prefetches.held_host_pages() == []
+        assert b.storage.prefetches.quarantined_host_pages() == []
         check_integrity(b)
         b.full.evict_device(8)  # everything L2-only: load back checks every byte
         for toks in others:
@@ -409,11 +409,13 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         cache.attach_storage(late, ns, PrefetchConfig(prefetch_threshold=0))
         req = cache.open(TOKENS, compute_last=False)
         end = time.monotonic() + 10
-        while cache.storage is not None and not cache.storage.prefetches.held_host_pages():
+        while cache.storage is not None and not cache.storage.prefetches.quarantined_host_pages():
             assert time.monotonic() < end, "the prefetch read was never issued"
             cache.sync()
             time.sleep(0.001)
-        held = cache.storage.prefetches.held_host_pages() if cache.storage is not None else []
+        held = (
+            cache.storage.prefetches.quarantined_host_pages() if cache.storage is not None else []
+        )
         assert len(held) == 3
         assert cache.detach_storage()  # the read timed out; its bytes land later
         assert not (cache.storage is not None)

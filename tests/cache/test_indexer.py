@@ -119,7 +119,7 @@ def admit_and_check(cache: HiCache, tokens: list[int]) -> int:
 
 def path(cache: HiCache, tokens: list[int]) -> list[TreeNode]:
     """The nodes the tree holds for ``tokens`` (any tier), top-down."""
-    last = cache.full.tree.match_held(tokens).last_host_node
+    last = cache.full.tree.match_full(tokens).last_host_node
     return cache.full.tree.path_tail(last, cache.full.tree.depth_pages(last))
 
 

@@ -205,7 +205,7 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
         )  # fmt: skip
         cache.attach_storage(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
         req = cache.open(A, compute_last=False)
-        while cache.storage is not None and not cache.storage.prefetches.held_host_pages():
+        while cache.storage is not None and not cache.storage.prefetches.quarantined_host_pages():
             cache.sync()  # the lookup applied on every rank: the read is issued
             time.sleep(0.002)
         time.sleep(0.3)  # rank 0's read is over, rank 1's still writes late

@@ -154,7 +154,7 @@ def computed_with_l3(store: MemoryStore) -> tuple[HiCache, RecordingStorage, lis
     node = drop_snapshot(cache, 4)
     assert node.host is not None and node.device is not None
     assert cache.full.match_prefix(PROMPT[:8]).matched_tokens == 2 * PAGE  # the valid match
-    assert cache.full.tree.match_held(PROMPT[:8]).matched_tokens == 4 * PAGE
+    assert cache.full.tree.match_full(PROMPT[:8]).matched_tokens == 4 * PAGE
     storage.read()
     return cache, storage, s4
 
@@ -185,7 +185,7 @@ def test_a_held_boundary_in_l1_counts_no_storage_hit(store: MemoryStore) -> None
 def test_a_held_boundary_without_l2_full_kv_is_skipped(store: MemoryStore) -> None:
     cache, storage, _ = computed_with_l3(store)
     with cache:
-        node = cache.full.tree.match_held(PROMPT[:8]).last_host_node
+        node = cache.full.tree.match_full(PROMPT[:8]).last_host_node
         assert cache.full.evict_host(1) == 1  # page 4's L2 copy: L1 alone holds it
         assert node.host is None and node.device is not None
         hit, prefix, _ = fetch(cache, PROMPT)

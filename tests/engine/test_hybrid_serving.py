@@ -495,12 +495,12 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
 
-        def settle() -> None:
+        def only_in_l3() -> None:
             engine.call(engine.core.cache.flush).result(timeout=60)  # every backup reaches L3
             assert engine.flush_cache()  # L1 and L2 emptied
 
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        settle()
+        only_in_l3()
         l3 = engine.core.cache.storage
         assert l3 is not None
         key = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
@@ -511,7 +511,7 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
         before = cache_stats(engine.core.cache).storage
         missed = engine.generate(ids, GREEDY, timeout=60)
         assert missed.cached.storage < MATCHED and missed.output_ids == want
-        settle()
+        only_in_l3()
         mid = cache_stats(engine.core.cache).storage
         assert mid.miss("corrupt") == before.miss("corrupt") + 1
         healed = engine.generate(ids, GREEDY, timeout=60)

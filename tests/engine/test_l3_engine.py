@@ -76,7 +76,7 @@ def reference() -> list[int]:
         return engine.generate(PROMPT, GREEDY, timeout=60).output_ids
 
 
-def settle(engine: Engine) -> None:
+def only_in_l3(engine: Engine) -> None:
     """Let every backup reach L3, then empty L1 and L2."""
     engine.call(engine.core.cache.flush).result(timeout=60)
     assert engine.flush_cache()
@@ -99,7 +99,7 @@ def test_flush_then_replay_is_served_from_file_storage(
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         first = engine.generate(PROMPT, GREEDY, timeout=60)
         assert first.output_ids == reference
-        settle(engine)
+        only_in_l3(engine)
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert replay.cached.storage == FULL and replay.cached.device == 0
         assert replay.output_ids == reference
@@ -140,7 +140,7 @@ def _slow_replay(
     store = f"slow-{policy}-{time.monotonic_ns()}"
     with make_engine("memory", {"store": store, **extra}, policy) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
-        settle(engine)
+        only_in_l3(engine)
         l3 = engine.core.cache.storage
         assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
         l3.controller.storage.set_faults(MemoryFaults(delay_s=delay))
@@ -183,7 +183,7 @@ def test_backend_failing_mid_run_gives_misses_not_errors(reference: list[int]) -
     store = f"fail-{time.monotonic_ns()}"
     with make_engine("memory", {"store": store}) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
-        settle(engine)
+        only_in_l3(engine)
         l3 = engine.core.cache.storage
         assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
         l3.controller.storage.set_faults(MemoryFaults(fail_after=0))
@@ -197,7 +197,7 @@ def test_backend_failing_mid_run_gives_misses_not_errors(reference: list[int]) -
 def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference: list[int]) -> None:
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
-        settle(engine)
+        only_in_l3(engine)
         l3 = engine.core.cache.storage
         assert l3 is not None
         storage = l3.controller.storage
@@ -257,7 +257,7 @@ def test_previous_version_records_are_missed_and_counted(
         first = engine.generate(PROMPT, GREEDY, timeout=60)
         assert first.cached.total == 0 and first.output_ids == reference
         assert engine.call(lambda: cache_stats(engine.core.cache)).result().storage.previous == 1
-        settle(engine)
+        only_in_l3(engine)
         again = engine.generate(PROMPT, GREEDY, timeout=60)
         assert again.cached.storage == FULL and again.output_ids == reference
         stats = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
@@ -316,7 +316,7 @@ def test_a_corrupt_record_is_healed_by_the_recompute(
         extra["key_prefix"] = f"heal{time.monotonic_ns()}:"
     with make_engine(name, extra) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
-        settle(engine)
+        only_in_l3(engine)
         l3 = engine.core.cache.storage
         assert l3 is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
@@ -324,7 +324,7 @@ def test_a_corrupt_record_is_healed_by_the_recompute(
         before = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
         out = engine.generate(PROMPT, GREEDY, timeout=60)  # pages 0-4 from L3, then compute
         assert out.cached.storage == 5 * PAGE and out.output_ids == reference
-        settle(engine)  # the recompute's backup reaches L3
+        only_in_l3(engine)  # the recompute's backup reaches L3
         mid = engine.call(lambda: cache_stats(engine.core.cache)).result().storage
         assert mid.miss("corrupt") == before.miss("corrupt") + 1
         again = engine.generate(PROMPT, GREEDY, timeout=60)
@@ -370,7 +370,7 @@ def test_distributed_store_flush_replay_and_sharing(
     with make_engine(name, extra) as engine:
         shared = engine.generate(PROMPT, GREEDY, timeout=60)
         assert shared.cached.storage == FULL and shared.output_ids == reference
-        settle(engine)
+        only_in_l3(engine)
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert replay.cached.storage == FULL and replay.output_ids == reference
         clean(engine)
@@ -389,7 +389,7 @@ def test_full_disk_gives_misses_and_identical_output(
     monkeypatch.setattr(file_mod.os, "writev", full)
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         first = engine.generate(PROMPT, GREEDY, timeout=60)
-        settle(engine)  # every L3 write failed
+        only_in_l3(engine)  # every L3 write failed
         replay = engine.generate(PROMPT, GREEDY, timeout=60)
         assert first.output_ids == replay.output_ids == reference
         assert replay.cached.storage == 0
@@ -409,7 +409,7 @@ def test_cache_salt_isolates_tenants_in_l3(tmp_path: Path, reference: list[int])
 
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         assert run(engine, "acme").output_ids == reference
-        settle(engine)
+        only_in_l3(engine)
         assert run(engine, "").cached.storage == 0  # the shared namespace has none of it
         assert run(engine, "globex").cached.storage == 0
         own = run(engine, "acme")
@@ -425,7 +425,7 @@ def test_best_effort_gives_a_request_queued_behind_a_busy_engine_storage_hits(
     store = f"busy-{time.monotonic_ns()}"
     with make_engine("memory", {"store": store}, "best_effort", max_running_requests=1) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
-        settle(engine)
+        only_in_l3(engine)
         busy: Future[RequestOutput] = Future()
         queued: Future[RequestOutput] = Future()
         long = SamplingParams(temperature=0, max_tokens=40)

@@ -48,10 +48,10 @@ class Trims:
         return self.released
 
 
-def trimmer(interval_s: float, settle_s: float = 1.0) -> tuple[IdleTrimmer, FakeClock, Trims]:
+def trimmer(interval_s: float, idle_s: float = 1.0) -> tuple[IdleTrimmer, FakeClock, Trims]:
     clock, trims = FakeClock(), Trims()
     trims.clock = clock
-    return IdleTrimmer(interval_s, settle_s=settle_s, trim=trims, clock=clock), clock, trims
+    return IdleTrimmer(interval_s, idle_s=idle_s, trim=trims, clock=clock), clock, trims
 
 
 def rounds(t: IdleTrimmer, clock: FakeClock, pattern: str, step_s: float = 0.5) -> str:
@@ -65,7 +65,7 @@ def rounds(t: IdleTrimmer, clock: FakeClock, pattern: str, step_s: float = 0.5) 
 
 
 def test_trims_after_settling_idle_past_busy_then_once_more_an_interval_later() -> None:
-    t, clock, trims = trimmer(interval_s=10.0, settle_s=1.0)
+    t, clock, trims = trimmer(interval_s=10.0, idle_s=1.0)
     assert rounds(t, clock, "....") == "----"  # idle since start: nothing was freed
     # busy at 102.5 and 103.0; idle rounds at 103.5 (0.5 s), 104.0 (1.0 s: trims), then none
     assert rounds(t, clock, "bb......") == "---T----"
@@ -79,7 +79,7 @@ def test_trims_after_settling_idle_past_busy_then_once_more_an_interval_later() 
 
 
 def test_rate_limited_trim_waits_for_the_interval_then_runs_if_still_idle() -> None:
-    t, clock, trims = trimmer(interval_s=3.0, settle_s=0.5)
+    t, clock, trims = trimmer(interval_s=3.0, idle_s=0.5)
     assert rounds(t, clock, "b.") == "-T"  # trims at 101.0
     # busy again at 101.5; settled at 102.0 but the interval ends at 104.0
     assert rounds(t, clock, "b.....") == "-----T"
@@ -90,7 +90,7 @@ def test_rate_limited_trim_waits_for_the_interval_then_runs_if_still_idle() -> N
 
 
 def test_busy_again_before_settling_postpones_the_trim() -> None:
-    t, clock, trims = trimmer(interval_s=1.0, settle_s=1.0)
+    t, clock, trims = trimmer(interval_s=1.0, idle_s=1.0)
     assert rounds(t, clock, "b.b.b.b...") == "--------T-"  # 1 s after the last busy
     assert rounds(t, clock, "...") == "T--"  # the follow-up, 1 s after it
     assert trims.calls == [104.5, 105.5]
@@ -109,7 +109,7 @@ def test_a_failing_trim_is_recorded_and_the_loop_goes_on() -> None:
     def broken() -> bool | None:
         raise OSError("no")
 
-    t = IdleTrimmer(5.0, settle_s=0.0, trim=broken, clock=clock)
+    t = IdleTrimmer(5.0, idle_s=0.0, trim=broken, clock=clock)
     assert rounds(t, clock, "b.") == "-T"
     assert t.last is not None and t.last.released is None
     assert rounds(t, clock, "b.........") == "-" * 9 + "T"  # next one 5 s later

@@ -40,7 +40,7 @@ from hicache.bench.results import percentile
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, round_to_pages
 from hicache.bench.serverproc import TP_SUFFIX, parse_tp_sizes
 from hicache.bench.shared_prefix_report import print_report, write_outputs
-from hicache.bench.tp_stress import settle
+from hicache.bench.tp_stress import wait_quiet
 from hicache.cache.components.swa import request_pages
 from hicache.cache.report import cache_stats
 from hicache.cache.request import CachedTokens
@@ -349,7 +349,7 @@ def _drain(engine: Engine) -> None:
     if engine.config.tp_size == 1:
         engine.call(engine.core.cache.flush).result(timeout=120)
     else:
-        settle(engine, time.monotonic() + 120)
+        wait_quiet(engine, time.monotonic() + 120)
 
 
 def run_config(

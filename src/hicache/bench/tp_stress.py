@@ -45,7 +45,7 @@ __all__ = [
     "main",
     "peak_rss_mib",
     "run_stress",
-    "settle",
+    "wait_quiet",
 ]
 
 DEFAULT_MODELS = ("tiny-random-deepseek-v32", "tiny-random-llama")
@@ -294,12 +294,12 @@ def agreement_us(engine: Engine) -> float | None:
     return engine.agreement_seconds_total / steps * 1e6 if steps else None
 
 
-def settle(engine: Engine, deadline: float, settle_s: float = 60.0) -> EngineStats:
+def wait_quiet(engine: Engine, deadline: float, timeout_s: float = 60.0) -> EngineStats:
     """The engine's stats once the cache's copies and L3 operations in flight have landed
-    (the loop agrees on them step by step), or the last stats read after ``settle_s``
+    (the loop agrees on them step by step), or the last stats read after ``timeout_s``
     seconds (or at ``deadline``). Under TP nothing may drain the cache on rank 0 alone
     (``HiCache.flush`` would make collectives the followers do not): this only waits."""
-    end = min(deadline, time.monotonic() + settle_s)
+    end = min(deadline, time.monotonic() + timeout_s)
     while True:
         stats = engine.stats(timeout=max(1.0, deadline - time.monotonic()))
         if not check_idle(stats) or time.monotonic() >= end:
@@ -316,7 +316,7 @@ def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
         t0 = time.monotonic()
         hung, finals = _drive(engine, prompts, cfg, deadline)
         wall = time.monotonic() - t0
-        stats = settle(engine, deadline)
+        stats = wait_quiet(engine, deadline)
         left = max(1.0, deadline - time.monotonic())
         digests = engine.rank_digests(timeout=left)
         pids = {0: os.getpid(), **(engine.ranks.pids if engine.ranks is not None else {})}

@@ -82,8 +82,8 @@ def check_integrity(cache: HiCache, request_pages: Iterable[int] = ()) -> None:
     it); every component store's ids likewise. Raises AssertionError."""
     full, l3, names = cache.full, cache.l3, cache.stores.names
     requests = cache.admitted
-    host_held = l3.held_host_pages()
-    ids_held = l3.held_component_ids(names)
+    host_held = l3.quarantined_host_pages()
+    ids_held = l3.quarantined_component_ids(names)
     tree, host_pool = full.tree, full.host_pool
     device_owned = [*full.held_device_pages(requests), *request_pages]
     tree.check_integrity()

@@ -131,7 +131,7 @@ class PrefillRooms:
             return self._table.registered(room)
 
     def _busy(self, client: str) -> Refused | None:
-        held = self._table.held_by(client)
+        held = self._table.open_rooms_of(client)
         if held < self.max_rooms_per_client:
             return None
         return Refused(

@@ -224,7 +224,7 @@ class _Link:
             while not self._stop.is_set():
                 if self._take_inbox():
                     idle_since = None
-                self._settle()
+                self._tend()
                 if not self.taken and not any(r.registered for r in self.rooms.values()):
                     now = time.monotonic()
                     if self.rooms:  # only rooms given up: their aborts are resent
@@ -307,7 +307,7 @@ class _Link:
         if r.given_up:
             return
         r.given_up, r.why = True, why
-        r.retry_at = 0.0  # aborted by the next _settle (every failure is told first)
+        r.retry_at = 0.0  # aborted by the next _tend (every failure is told first)
         self.owner._call_failed(r.rid, why)
 
     def _send_abort(self, r: _Room) -> bool:
@@ -324,7 +324,7 @@ class _Link:
             self._end(r, r.why)
         return True
 
-    def _settle(self) -> None:
+    def _tend(self) -> None:
         """Abort again the rooms given up or draining; give up drained ones; end the rooms
         of a prefill instance that another one replaced."""
         now = time.monotonic()

@@ -131,7 +131,7 @@ class _Room:
     result: RoomResult | None = None
     error: str | None = None
     owner: str | None = None
-    """The client that registered the room (counted in ``held_by`` while it is open)."""
+    """The client that registered the room (counted in ``open_rooms_of`` while it is open)."""
 
 
 CLOSED_LOG = 4096
@@ -168,7 +168,7 @@ class RoomTable:
         """Rooms not closed."""
         return self._open
 
-    def held_by(self, client: str) -> int:
+    def open_rooms_of(self, client: str) -> int:
         """Open rooms ``client`` registered."""
         return self._held.get(client, 0)
 

@@ -8,7 +8,7 @@ the large blocks a process frees. ``malloc_trim(0)`` hands every free page of ev
 back to the OS (``madvise``), which brings the resident set near its level before the
 burst (see ``docs/benchmarks/memory.md``).
 
-:class:`IdleTrimmer` decides when: once the loop has been idle for :data:`SETTLE_S`
+:class:`IdleTrimmer` decides when: once the loop has been idle for :data:`IDLE_S`
 after at least one busy round, once more ``interval_s`` later if it is still idle (what
 the server freed after the engine went idle, building and sending the last responses,
 goes back too), and never more often than once per ``interval_s`` seconds.
@@ -30,7 +30,7 @@ from hicache.validate import require
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 1.0
+IDLE_S = 1.0
 """Seconds the loop must have been idle (after being busy) before a trim."""
 DEFAULT_TRIM_INTERVAL_S = 10.0
 """The default of ``EngineConfig.memory_trim_interval_s``."""
@@ -78,13 +78,13 @@ class TrimRecord:
 
 
 class IdleTrimmer:
-    """Calls ``trim`` when the engine loop has been idle for ``settle_s`` seconds after
+    """Calls ``trim`` when the engine loop has been idle for ``idle_s`` seconds after
     being busy, and once more ``interval_s`` later if it is still idle; never twice within
     ``interval_s`` seconds (``interval_s`` 0: never at all).
 
     The loop calls :meth:`after_round` once per round, saying whether the round did work.
     A busy round marks memory as possibly freed; the first idle round at least
-    ``settle_s`` after the last busy one, and at least ``interval_s`` after the last trim,
+    ``idle_s`` after the last busy one, and at least ``interval_s`` after the last trim,
     trims, clears the mark and arms the follow-up: the first idle round ``interval_s``
     after that trim trims again (unless the loop was busy meanwhile: then the mark rules
     again). A trim that is due but rate-limited happens as soon as the interval has passed,
@@ -96,7 +96,7 @@ class IdleTrimmer:
         self,
         interval_s: float,
         *,
-        settle_s: float = SETTLE_S,
+        idle_s: float = IDLE_S,
         trim: TrimFunction = malloc_trim,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -106,9 +106,9 @@ class IdleTrimmer:
             interval_s,
             "must be a number of seconds >= 0 (0: off)",
         )
-        require(settle_s >= 0, "settle_s", settle_s, "must be a number of seconds >= 0")
+        require(idle_s >= 0, "idle_s", idle_s, "must be a number of seconds >= 0")
         self.interval_s = float(interval_s)
-        self.settle_s = settle_s
+        self.idle_s = idle_s
         self._trim = trim
         self._clock = clock
         self._busy_at: float | None = None  # last busy round since the last trim
@@ -135,7 +135,7 @@ class IdleTrimmer:
             self._busy_at = now
             return None
         if self._busy_at is not None:
-            if now - self._busy_at < self.settle_s:
+            if now - self._busy_at < self.idle_s:
                 return None
         elif not self._follow_up:
             return None

@@ -10,7 +10,7 @@ Where a match may end: the full component accepts any node (every node is held b
 tier) and, for an L1 hit, a node whose full KV is in L1; each extra component's validator
 (:meth:`TreeComponent.validator`) must accept it too. Validators are stateful over one
 walk: each one sees every node walked, top-down. With no extra component to ask (a
-full-KV tree, or :meth:`~hicache.tree.radix.HiRadixTree.match_held`) the ends follow
+full-KV tree, or :meth:`~hicache.tree.radix.HiRadixTree.match_full`) the ends follow
 from the walk alone: its last node, and its last node in L1 (contiguity makes the L1
 nodes a prefix of the walk).
 """

@@ -150,7 +150,7 @@ class HiRadixTree:
         """
         return self._matcher.match(tokens, tenant, self._extra)
 
-    def match_held(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
+    def match_full(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
         """The longest prefix of ``tokens`` whose full KV the tree holds, in any tier,
         whatever the other components' validators say (so not necessarily a valid match
         boundary): where an L3 fetch of the pages that follow starts. Splits and marks

@@ -70,9 +70,9 @@ class Prefetch:
     component_first: dict[str, int] = field(default_factory=dict)
     local: dict[str, frozenset[int]] = field(default_factory=dict)
     reads: list[ComponentFetch] = field(default_factory=list)
-    held_to: int = 0
+    cached_to: int = 0
     """The page where the prefix the tree held at the start ends (``start_page`` unless
-    that prefix ends on a span in L1 alone: a read pays off only past ``held_to``)."""
+    that prefix ends on a span in L1 alone: a read pays off only past ``cached_to``)."""
     valid_pages: int = 0
     inner_to: int = 0
     boundary: int = 0

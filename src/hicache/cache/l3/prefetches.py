@@ -88,11 +88,11 @@ class Prefetches:
             return None
         key = encode_tokens(tokens)
         tree, ps = self._tree, self._page_size
-        held = tree.match_held(key, tenant)
+        held = tree.match_full(key, tenant)
         attach = held.last_host_node
         start = held.matched_tokens // ps
         in_l2 = attach.parent is None or attach.host is not None
-        held_to = start
+        cached_to = start
         if not in_l2 and not self._components:
             # the held prefix ends on a span in L1 alone (write_back): fetch from its
             # deepest ancestor in L2 on, so the span adopts its L3 copy and what L3 has
@@ -117,7 +117,7 @@ class Prefetches:
         now = time.monotonic()
         deadline = now + self.prefetch.timeout_s(len(rest) * ps)
         p = Prefetch(next(self._op_ids), key, rest, start, pin, tenant, now, deadline)
-        p.valid_pages, p.inner_to, p.held_to = valid, inner_to, held_to
+        p.valid_pages, p.inner_to, p.cached_to = valid, inner_to, cached_to
         lookups = self._reads.lookups(p, attach, len(rest))
         self._open[p.op_id] = p
         previous = self._keys.previous_page(key, tenant, start + 1) if rest else None
@@ -207,7 +207,7 @@ class Prefetches:
         gained = 0
         if p.records_read:  # agreed already with several ranks: no collective here
             d, tree = p.boundary, self._tree
-            held = tree.match_held(p.key[: d * self._page_size * TOKEN_BYTES], p.tenant)
+            held = tree.match_full(p.key[: d * self._page_size * TOKEN_BYTES], p.tenant)
             node = held.last_host_node
             whole = held.matched_tokens == d * self._page_size
             if whole and node.parent is not None and node.host is not None:
@@ -315,7 +315,7 @@ class Prefetches:
         """Reads whose pages a late record may still fill (quarantined)."""
         return len(self._held)
 
-    def held_host_pages(self) -> list[int]:
+    def quarantined_host_pages(self) -> list[int]:
         """L2 pages held by L3 ops, not by the tree: reads not taken yet, quarantines."""
         held = [p for pages, _ in self._held for p in pages]
         for p in self._open.values():
@@ -323,9 +323,9 @@ class Prefetches:
                 held += p.host_pages
         return held
 
-    def held_component_ids(self, name: str) -> list[int]:
+    def quarantined_component_ids(self, name: str) -> list[int]:
         """L2 ids of component ``name`` held by L3 reads, not by the tree (as
-        :meth:`held_host_pages`)."""
+        :meth:`quarantined_host_pages`)."""
         fetches = [f for _, q in self._held for f in q]
         fetches += [f for p in self._open.values() if not p.held for f in p.reads]
         return [int(i) for f in fetches if f.name == name for i in f.ids]

@@ -84,7 +84,7 @@ class Reads:
         if boundary <= start:
             self._read_records(p, boundary)
             return
-        if boundary <= p.held_to:  # L3 has nothing past what L1 holds: no read
+        if boundary <= p.cached_to:  # L3 has nothing past what L1 holds: no read
             p.finished = True
             return
         hit = boundary - start

@@ -199,17 +199,17 @@ class L3Slot:
 
     # ------------------------------------------------------------------ holdings
 
-    def held_host_pages(self) -> list[int]:
+    def quarantined_host_pages(self) -> list[int]:
         """L2 pages held by L3 ops and retired backends, not by the tree."""
-        held = self.tier.prefetches.held_host_pages()
+        held = self.tier.prefetches.quarantined_host_pages()
         for pages, _ in self._retired:
             held += pages
         return held
 
-    def held_component_ids(self, names: Sequence[str]) -> dict[str, list[int]]:
+    def quarantined_component_ids(self, names: Sequence[str]) -> dict[str, list[int]]:
         """L2 ids per component (``names``, and any a retired backend holds) held by L3
         ops and retired backends, not by the tree."""
-        held = {name: self.tier.prefetches.held_component_ids(name) for name in names}
+        held = {name: self.tier.prefetches.quarantined_component_ids(name) for name in names}
         for _, ids in self._retired:
             for name, got in ids.items():
                 held.setdefault(name, []).extend(got)

@@ -114,10 +114,10 @@ class NoPrefetches:
     def take(self, p: Prefetch) -> int:
         return 0
 
-    def held_host_pages(self) -> list[int]:
+    def quarantined_host_pages(self) -> list[int]:
         return []
 
-    def held_component_ids(self, name: str) -> list[int]:
+    def quarantined_component_ids(self, name: str) -> list[int]:
         return []
 
 

@@ -3,7 +3,7 @@
 A request ends by finishing (end-of-sequence, a stop id or string, ``max_tokens``, the
 context length), by an abort (its client, the engine stopping) or by a failure of its own
 (a forward, a sampled row, its report). Whatever the way, the acts are the same, all
-here: its pending output is done first (:meth:`RequestEnds.settle`), it leaves the
+here: its pending output is done first (:meth:`RequestEnds.emit_pending`), it leaves the
 scheduler's queues and gives back what it holds (:meth:`RequestEnds.release`: its KV
 committed first unless it must not be kept), and it gets its final report exactly once
 and last (:meth:`RequestEnds.emit`). Token checks are immediate; text work and reports are
@@ -95,7 +95,7 @@ class RequestEnds:
     ) -> None:
         """End ``req`` now (``error``: why, when set) and send its final report. Its pending
         output goes first; if that ends it (a stop string), it ends so instead."""
-        if self.settle(req, keep_kv=keep_kv):
+        if self.emit_pending(req, keep_kv=keep_kv):
             return
         req.finish_reason = reason
         if error is not None:
@@ -200,7 +200,7 @@ class RequestEnds:
             self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
         self.role.ended(req)
 
-    def settle(self, req: Request, *, keep_kv: bool = True) -> bool:
+    def emit_pending(self, req: Request, *, keep_kv: bool = True) -> bool:
         """Do ``req``'s pending output, if any: its text, then its report. Returns whether
         that ended it (a stop string, or a token that cannot be decoded): it is then
         released here (its KV kept with ``keep_kv``), its token in flight (if any) never
@@ -225,7 +225,7 @@ class RequestEnds:
     def flush(self) -> None:
         """Do every pending output, oldest first."""
         while self.pending:
-            self.settle(next(iter(self.pending)))
+            self.emit_pending(next(iter(self.pending)))
 
     def emit(self, req: Request) -> None:
         """Report ``req``'s progress; nothing after its final report."""

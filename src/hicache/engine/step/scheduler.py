@@ -36,7 +36,7 @@ from hicache.engine.step.batch import Chunk, forward_batch
 from hicache.engine.step.batch_sampling import BatchSampler, PromptRow
 from hicache.engine.step.ends import RequestEnds
 from hicache.engine.step.output import OutputProcessor
-from hicache.engine.step.slots import admission_order, held_slots, lent_slot
+from hicache.engine.step.slots import admission_order, lent_slot, used_slots
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed
 from hicache.runner.model_runner import ModelRunner
 
@@ -280,7 +280,7 @@ class Scheduler:
             return
         if self.occupied >= limit and not (cap is not None and self._lent()):
             return
-        held = held_slots(self.running)
+        held = used_slots(self.running)
         borrowers: list[Request] = []
         for req in self.admission_order():
             if cap is not None and held[req.group] >= cap:

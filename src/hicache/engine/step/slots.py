@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from hicache.engine.request import Request
 
 
-def held_slots(running: Sequence[Request]) -> Counter[str]:
+def used_slots(running: Sequence[Request]) -> Counter[str]:
     """Running slots per group."""
     return Counter(r.group for r in running)
 
@@ -35,7 +35,7 @@ def admission_order(
     requests); then the longest cached prefix (``cached``: tokens a request would find,
     None for ``fcfs``); then queue order. ``full``: every slot is taken, so no borrower can
     come in and none is matched. Borrowers are left out without ``lend``."""
-    held = held_slots(running) if cap is not None else Counter[str]()
+    held = used_slots(running) if cap is not None else Counter[str]()
 
     def at_cap(req: Request) -> bool:
         return cap is not None and held[req.group] >= cap
@@ -70,7 +70,7 @@ def lent_slot(
     least progressed holds the least KV of its own (its siblings' shared prompt stays
     pinned) so its re-admission costs the least, and the copies closest to their end keep
     running and free their slots soonest."""
-    held = held_slots(running)
+    held = used_slots(running)
     order = {id(r): i for i, r in enumerate(running)}
     lent = [r for r in (running if among is None else among) if held[r.group] > cap]
     if not lent:
