@@ -103,10 +103,10 @@ def run_batch(engine: Engine, batch: list[list[int]], params: SamplingParams) ->
     return got
 
 
-def settled_digests(engine: Engine, timeout_s: float = 60.0) -> list[str]:
+def quiet_digests(engine: Engine, timeout_s: float = 60.0) -> list[str]:
     """The ranks' digests once rank 0's cache has no copy in flight: the L1 -> L2 backups
     a batch leaves behind complete (and change the tree alike on every rank) over the
-    next steps, so only a settled digest can show that a later call changed nothing."""
+    next steps, so only a quiet digest can show that a later call changed nothing."""
     deadline = time.monotonic() + timeout_s
     while engine.call(
         lambda: engine.core.cache.full.host is not None and engine.core.cache.full.host.busy
@@ -139,7 +139,7 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None
     assert run_batch(engine, batch, greedy()) == want
     assert engine.flush_cache()
     assert run_batch(engine, batch, greedy()) == want
-    digests = settled_digests(engine)
+    digests = quiet_digests(engine)
     assert len(digests) == 2 and digests[0] == digests[1]
     # a cache call that needs the ranks to agree, run on rank 0 alone, fails at once
     # (it used to block rank 0 in a collective no follower joins, for its full timeout)

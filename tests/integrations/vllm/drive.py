@@ -138,7 +138,7 @@ class Engine:
                 self.view[int(chunk) * ROW_BYTES : (int(chunk) + 1) * ROW_BYTES] = payload
             self.manager.complete_store(list(keys), ctx)
 
-    def settle(self, timeout_s: float = 20.0) -> None:
+    def wait_quiet(self, timeout_s: float = 20.0) -> None:
         """Step until the tier has no job in flight and vLLM took every result."""
         end = time.monotonic() + timeout_s
         while True:

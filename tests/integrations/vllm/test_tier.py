@@ -34,7 +34,7 @@ def fill(eng: Engine, ids: list[int]) -> None:
     ctx = eng.request()
     eng.store(ctx, [key(i) for i in ids], [pattern(i) for i in ids])
     eng.finish(ctx)
-    eng.settle()
+    eng.wait_quiet()
 
 
 def test_chunks_round_trip_byte_exact_through_a_restart(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_chunks_round_trip_byte_exact_through_a_restart(tmp_path: Path) -> None:
         assert b.lookup(ctx, [key(0), key(1), key(2), key(9)]) == [HIT, HIT, HIT, MISS]
         assert b.load(ctx, [key(0), key(1), key(2)]) == [pattern(0), pattern(1), pattern(2)]
         b.finish(ctx)
-        b.settle()
+        b.wait_quiet()
         st = b.tier.storage.stats()
         assert (st.get_pages, st.get_hits, st.bytes_read) == (3, 3, 3 * (HEADER_SIZE + ROW_BYTES))
     with Engine({"file_path": str(tmp_path)}) as c:
@@ -77,7 +77,7 @@ def test_a_flipped_byte_is_a_miss_the_rest_loads_and_the_next_store_heals_it(
         st = b.tier.storage.stats()
         assert (st.get_pages, st.get_hits, st.misses["corrupt"]) == (3, 2, 1)
         b.finish(ctx)
-        b.settle()
+        b.wait_quiet()
         fill(b, [1])  # vLLM recomputes chunk 1; its store replaces the bad record
         assert b.tier.storage.stats().repaired == 1
     with Engine({"file_path": str(tmp_path)}) as c:
@@ -121,7 +121,7 @@ def test_two_engines_share_chunks_through(backend: str, request: pytest.FixtureR
         assert b.lookup(ctx, [key(0), key(1), key(2)]) == [HIT, HIT, MISS]
         assert b.load(ctx, [key(0), key(1)]) == [pattern(0), pattern(1)]
         b.finish(ctx)
-        b.settle()
+        b.wait_quiet()
 
 
 def test_a_store_that_is_down_gives_misses_not_errors() -> None:
@@ -134,11 +134,11 @@ def test_a_store_that_is_down_gives_misses_not_errors() -> None:
     with Engine(tier) as eng:
         ctx = eng.request()
         eng.store(ctx, [key(0)], [pattern(0)])  # the cascade job fails, quietly
-        eng.settle()
+        eng.wait_quiet()
         assert not eng.tier.storage.started
         assert eng.lookup(ctx, [key(0), key(1)]) == [HIT, MISS]  # chunk 0 is in the primary
         eng.finish(ctx)
-        eng.settle()
+        eng.wait_quiet()
 
 
 def test_a_late_get_lands_in_staging_never_in_vllms_rows() -> None:
@@ -173,4 +173,4 @@ def test_tier_calls_return_at_once_while_the_backend_is_slow() -> None:
             eng.manager.on_reset_flushed()
         assert eng.tier.storage.stats().set_written == 2
         eng.finish(ctx)
-        eng.settle()
+        eng.wait_quiet()
