@@ -18,12 +18,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from hicache.disagg.bootstrap import (
-    MAX_REGISTER_BYTES,
-    BootstrapClient,
-    BootstrapServer,
-    PrefillRooms,
-)
+from hicache.disagg.bootstrap import MAX_REGISTER_BYTES, BootstrapServer, PrefillRooms
+from hicache.disagg.bootstrap_client import BootstrapClient
 from hicache.disagg.config import Bootstrap
 from hicache.disagg.rooms import RoomState, RoomTable
 from hicache.engine.sampling import InvalidRequest

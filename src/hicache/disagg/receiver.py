@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache.disagg.allow import BootstrapAllow
-from hicache.disagg.bootstrap import BootstrapClient, BootstrapUnreachable
+from hicache.disagg.bootstrap_client import BootstrapClient, BootstrapUnreachable
 from hicache.disagg.layout import Registration
 from hicache.disagg.links import LinkPool
 from hicache.disagg.rooms import RoomResult, RoomState
