@@ -128,7 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hicache.server.app import create_app
-    from hicache.server.args import FlagError, check_flags, listen_on
+    from hicache.server.args import FlagError, check_flags
+    from hicache.server.listen import listen_on
 
     try:
         check_flags(args)

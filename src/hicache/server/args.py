@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import socket
 from pathlib import Path
 
 import torch
@@ -461,35 +460,6 @@ def check_flags(a: argparse.Namespace) -> None:
         max_bytes = a.max_request_bytes
         if max_bytes < 1024:
             raise FlagError("--max-request-bytes", max_bytes, "must be >= 1024")
-
-
-LISTEN_BACKLOG = 2048
-"""The HTTP socket's backlog (uvicorn's default)."""
-
-
-def listen_on(host: str, port: int) -> socket.socket:
-    """The server's HTTP socket, listening on ``host:port`` from now on (before the model
-    loads; uvicorn serves it once the engine has started: a connection made meanwhile
-    waits in the backlog). Checked and bound at once, and kept: nothing can take the port
-    between the check and the serving. :class:`FlagError` naming ``--host`` or ``--port``
-    for an address the server cannot listen on (does not resolve, in use, or not local)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise FlagError("--host", host, f"cannot be resolved ({exc.strerror or exc})") from None
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise FlagError(
-            "--port", port, f"cannot listen on {host}:{port} ({exc.strerror or exc})"
-        ) from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
