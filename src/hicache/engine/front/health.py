@@ -53,8 +53,8 @@ class EngineStats:
     holds while the other instance of their room does its half (:mod:`hicache.engine.role`);
     ``open_rooms``: a prefill instance's rooms not closed yet (:attr:`Role.open_rooms
     <hicache.engine.role.Role.open_rooms>`); ``fenced_pages``: L1 pages of ended requests a decode instance keeps out of use while the
-    prefill instance may still write them (:meth:`RequestEnds.hold
-    <hicache.engine.step.ends.RequestEnds.hold>`).
+    prefill instance may still write them (:meth:`RequestEnds.fence
+    <hicache.engine.step.ends.RequestEnds.fence>`).
     ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
     (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 

@@ -232,7 +232,7 @@ class Scheduler:
     def room_failed(self, item: RoomFailed) -> None:
         """Parked ``item.rid``'s room was given up while the prefill instance may still
         write its pages: it ends now with ``item.error``, its pages fenced until its
-        :class:`RoomEnded` (:meth:`RequestEnds.hold <hicache.engine.step.ends.RequestEnds.hold>`)."""
+        :class:`RoomEnded` (:meth:`RequestEnds.fence <hicache.engine.step.ends.RequestEnds.fence>`)."""
         req = self.ends.parked.get(item.rid)
         if req is not None:
             self.ends.fence(req, item.error)
