@@ -1,19 +1,16 @@
 """CUDA graphs for decode-only batches of a model that declares
-:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs` (the plain
-:class:`~hicache.runner.models.decoder.DecoderLM`), one per batch bucket.
+:attr:`~hicache.runner.models.cached.CachedModel.supports_decode_graphs`, one per bucket.
 
-Static buffers, sized for the largest bucket ``max_bs`` (bucket ``bs`` uses the first ``bs``
-rows): ``meta (4, max_bs)`` int64 (rows :attr:`DecodeGraphs.input_ids`, ``positions``,
-``write_slots``, ``lengths``: keys per sequence, the new one included), ``table (max_bs,
-table_width)`` int64 page ids (slots when ``page_size == 1``), ``logits (max_bs, vocab)``
-fp32. ``table_width = ceil(context_length / page_size)``. Memory: ``max_bs * (table_width +
-4) * 8 + max_bs * vocab * 4`` bytes, plus one shared graph pool (captured largest first).
-Invariants: a batch of ``B`` runs as the smallest bucket ``bs >= B``; padding rows write only
-to ``scratch_page`` (reserved, never a request's or the tree's) and every row is rewritten
-each step, so padding never changes a real row's logits; a batch that does not fit
-(:meth:`DecodeGraphs.run` returns None) runs eagerly; under tensor parallelism every rank
-captures and replays the same buckets (NCCL only; gloo never captures). Why the forward is
-capturable and why padding is harmless: ``docs/architecture.md``, "CUDA graphs for decode".
+Static buffers for the largest bucket ``max_bs`` (bucket ``bs`` uses the first ``bs``
+rows): ``meta (4, max_bs)`` int64 (:attr:`DecodeGraphs.input_ids`, ``positions``,
+``write_slots``, ``lengths``), ``table (max_bs, ceil(context_length / page_size))`` int64
+page ids, ``logits (max_bs, vocab)`` fp32, plus one shared graph pool (captured largest
+first). Invariants: a batch of ``B`` runs as the smallest bucket ``bs >= B``; padding rows
+write only to ``scratch_page`` (reserved, never a request's or the tree's) and every row is
+rewritten each step, so padding never changes a real row's logits; a batch that does not
+fit (:meth:`DecodeGraphs.run` returns None) runs eagerly; under tensor parallelism every
+rank captures and replays the same buckets (NCCL only). Why the forward is capturable and
+padding harmless: ``docs/architecture.md``, "CUDA graphs for decode".
 """
 
 from __future__ import annotations

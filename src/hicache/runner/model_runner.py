@@ -3,17 +3,14 @@
 A batch mixes cold prefills, extends over a cached prefix and single decode tokens; each
 sequence brings the slots of *all* its tokens, and the model writes the new tokens' K/V
 into the last ``extend_len`` of them and reads the rest. Models: any
-:class:`~hicache.runner.models.cached.CachedModel`; it declares what it caches
-(:meth:`CachedModel.cache_spec`, handed to the cache by :func:`cache_spec_of`) and binds the
-pools the runner is given (:meth:`CachedModel.bind_pools`): the runner names no model
-family and no component. Component pools the model uses directly come by name
-(``pools``), with each sequence's slots there (:attr:`ForwardBatch.pool_slots`). Recurrent
-state per sequence (keyed by :attr:`ForwardBatch.seq_ids`) is kept until
-:meth:`ModelRunner.drop_state`; copies at the planned offsets (:attr:`ForwardBatch.keep`)
-go out once as opaque :class:`~hicache.extras.SequenceExtras` (:meth:`take_extras`) and
-come back through :meth:`resume`; such a model has ``resumable_prefix`` False. Decode-only
-batches of a model that declares ``supports_decode_graphs`` may replay CUDA graphs
-(:meth:`use_decode_graphs`).
+:class:`~hicache.runner.models.cached.CachedModel` (the runner names no model family and
+no component); component pools come by name (``pools``), with each sequence's slots there
+(:attr:`ForwardBatch.pool_slots`). Recurrent state per sequence (keyed by
+:attr:`ForwardBatch.seq_ids`) is kept until :meth:`ModelRunner.drop_state`; copies at the
+planned offsets (:attr:`ForwardBatch.keep`) go out once as opaque
+:class:`~hicache.extras.SequenceExtras` (:meth:`take_extras`) and come back through
+:meth:`resume`; such a model has ``resumable_prefix`` False. Decode-only batches of a model
+that declares ``supports_decode_graphs`` may replay CUDA graphs (:meth:`use_decode_graphs`).
 """
 
 from __future__ import annotations

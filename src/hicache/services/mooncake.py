@@ -1,22 +1,16 @@
 """A local Mooncake Store service: ``mooncake_master`` plus a long-lived segment holder.
 
-Mooncake objects live in memory segments mounted by clients and vanish when the mounting
-client closes. An engine's client mounts no segment (see
-:mod:`hicache.storage.backends.mooncake`), so L3 contents live in this service's holder
-client and outlive any one engine.
+Mooncake objects live in segments mounted by clients and vanish with the mounting client;
+an engine's client mounts none (:mod:`hicache.storage.backends.mooncake`), so L3 contents
+live in this service's holder and outlive any one engine.
 
-Run ``hicache store mooncake`` (or ``python -m hicache.services.mooncake``). Defaults:
-everything on 127.0.0.1; master RPC port 50051; master metrics/admin HTTP port 50052; a
-4 GiB segment; ``P2PHANDSHAKE`` metadata over ``tcp``. When ready it prints one JSON line
-(``{"event": "ready", "master_server_address": ..., "pid": ..., "master_pid": ...}``);
-SIGTERM or SIGINT stops it cleanly (holder closed, master stopped). Engines then use
-``--hicache-storage-backend mooncake`` with ``master_server_address`` in the extra config
-(or ``MOONCAKE_MASTER``). To run it as a child process (benchmarks, tests) use
-:class:`hicache.services.mooncake_process.MooncakeProcess`.
-
-Binding: the master's RPC and metrics servers bind the given host. The transfer engine's
-own listeners in the holder (handshake and data ports) listen on all interfaces in this
-Mooncake version whatever the host; see docs/security.md.
+Run ``hicache store mooncake``. Defaults: 127.0.0.1; master RPC port 50051, its HTTP port
+50052; a 4 GiB segment; ``P2PHANDSHAKE`` metadata over ``tcp``. When ready it prints one
+JSON line (``{"event": "ready", "master_server_address": ..., "pid": ..., "master_pid":
+...}``); SIGTERM or SIGINT stops it cleanly. As a child process (benchmarks, tests):
+:class:`hicache.services.mooncake_process.MooncakeProcess`. The master binds the given
+host; the transfer engine's own listeners in the holder listen on all interfaces in this
+Mooncake version (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """What a model caches, and the pools it reads and writes: the contract between a model
 family and the runner (and, through the runner's caller, the cache).
 
-Every model the runner serves is a :class:`CachedModel`. :meth:`~CachedModel.cache_spec`
-declares what it caches per token: the full KV and one
-:class:`~hicache.spec.ComponentSpec` per extra component (the cache builds one store per
-component from it). :meth:`~CachedModel.bind_pools` takes the full KV's L1 pool and the
-component pools the model reads and writes itself (by name: the cache's
-``runner_pools()``), checks their shapes against that spec, refuses with ValueError a pool
-it has no use for, and returns the :class:`BoundPools` every forward's
-:class:`~hicache.runner.models.attention.AttentionContext` is built from.
-:meth:`~CachedModel.state_specs` lists its recurrent layers' per-sequence state (empty
-without any). :meth:`~CachedModel.forward_batch` runs one forward to a :class:`ModelOutput`
-and :meth:`~CachedModel.compute_logits` projects hidden states to logits.
-:attr:`~CachedModel.supports_decode_graphs` declares whether its decode-only batches may
-replay CUDA graphs. Invariant: the runner calls nothing else, so it names no model family
-and no component.
+Every model the runner serves is a :class:`CachedModel`: :meth:`~CachedModel.cache_spec`
+declares what it caches per token (the full KV and one :class:`~hicache.spec.ComponentSpec`
+per extra component; the cache builds a store per component); :meth:`~CachedModel.bind_pools`
+checks the pools it is given by name against that spec (ValueError for one it has no use
+for) and returns the :class:`BoundPools` every forward's
+:class:`~hicache.runner.models.attention.AttentionContext` is built from;
+:meth:`~CachedModel.state_specs` lists its per-sequence recurrent state;
+:meth:`~CachedModel.forward_batch` and :meth:`~CachedModel.compute_logits` run it;
+:attr:`~CachedModel.supports_decode_graphs` says whether decode batches may replay CUDA
+graphs. Invariant: the runner calls nothing else, so it names no model family and no
+component.
 """
 
 from __future__ import annotations
