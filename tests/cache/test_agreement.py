@@ -162,6 +162,6 @@ def test_attach_storage_refuses_a_group_the_cache_was_not_built_with() -> None:
             cache.attach_storage(storage, ns, PrefetchConfig(), _Two())
         assert not (cache.storage is not None)
         cache.attach_storage(
-            create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.ranks
+            create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.context.ranks
         )
         assert (cache.storage is not None) and cache.sync() == 0  # nothing in flight

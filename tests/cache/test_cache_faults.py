@@ -184,7 +184,11 @@ def test_priority_reaches_the_tree_through_open() -> None:
 
 def _l3(cache: HiCache, store: MemoryStore, prefetch: PrefetchConfig) -> None:
     ns = Namespace.for_spec(
-        SPEC, model="m", weights_fingerprint="w", layout=cache.config.mem_layout, page_size=PAGE
+        SPEC,
+        model="m",
+        weights_fingerprint="w",
+        layout=cache.context.config.mem_layout,
+        page_size=PAGE,
     )
     cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
 
@@ -276,7 +280,11 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
     )
     with make_cache(mem_layout="page_first", hicache_ratio=1.5) as b:  # L1 8, L2 12 pages
         ns = Namespace.for_spec(
-            SPEC, model="m", weights_fingerprint="w", layout=b.config.mem_layout, page_size=PAGE
+            SPEC,
+            model="m",
+            weights_fingerprint="w",
+            layout=b.context.config.mem_layout,
+            page_size=PAGE,
         )
         slow = MemoryStorage(
             ns,
@@ -332,7 +340,11 @@ class GatedFailingBackup:
 
 def _namespace(cache: HiCache) -> Namespace:
     return Namespace.for_spec(
-        SPEC, model="m", weights_fingerprint="w", layout=cache.config.mem_layout, page_size=PAGE
+        SPEC,
+        model="m",
+        weights_fingerprint="w",
+        layout=cache.context.config.mem_layout,
+        page_size=PAGE,
     )
 
 

@@ -61,7 +61,7 @@ def _cache(
         weights_fingerprint="w",
         layout=cfg.mem_layout,
         page_size=PAGE,
-        tp_size=cache.ranks.size,
+        tp_size=cache.context.ranks.size,
         tp_rank=rank,
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
@@ -214,7 +214,9 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
         while True:
             cache.sync()
             free = cache.full.host.allocator.free_pages
-            assert cache.ranks.min(free) == cache.ranks.max(free), "L2 pools drifted apart"
+            assert cache.context.ranks.min(free) == cache.context.ranks.max(free), (
+                "L2 pools drifted apart"
+            )
             if not cache.full.host.allocator.used_pages:
                 break
             steps += 1

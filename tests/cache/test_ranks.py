@@ -44,7 +44,10 @@ def _cache(spec: KVSpec, root: Path, rank: int) -> HiCache:
     )
     storage = create_storage("file", namespace=ns, extra_config={"file_path": str(root)})
     cache.attach_storage(
-        storage, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0), cache.ranks
+        storage,
+        ns,
+        PrefetchConfig(policy="wait_complete", prefetch_threshold=0),
+        cache.context.ranks,
     )
     return cache
 

@@ -347,7 +347,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
     )
 
     def namespace(cache: HiCache) -> Namespace:
-        layout = cache.config.mem_layout
+        layout = cache.context.config.mem_layout
         return Namespace.for_spec(SPEC, model="m", weights_fingerprint="w", layout=layout,
                                   page_size=PAGE)  # fmt: skip
 

@@ -123,13 +123,13 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
         assert engine.core.scheduler.resumable_prefix
         cfg = hybrid_model(name).model.config
         if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
-            assert engine.core.cache.spec.num_layers == len(cfg.global_layers)
+            assert engine.core.cache.context.spec.num_layers == len(cfg.global_layers)
             swa = engine.core.cache.stores.of_type(SwaStore)
             assert swa is not None
             assert swa.spec.kv.num_layers == len(cfg.sliding_layers)
             assert engine.core.cache.stores.names == ["swa"]
         else:
-            assert engine.core.cache.spec.num_layers == len(cfg.kv_layers)
+            assert engine.core.cache.context.spec.num_layers == len(cfg.kv_layers)
             assert engine.core.cache.stores.of_type(SwaStore) is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
@@ -365,7 +365,7 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
             }
 
         per_token = engine.call(usage).result(timeout=30)
-        assert per_token["full"] == engine.core.cache.spec.token_bytes
+        assert per_token["full"] == engine.core.cache.context.spec.token_bytes
         # the prompt's pages (committed with each prefill chunk) and the final window; the
         # decoded positions between are tombstones
         assert 0 < per_token["swa"] < swa.spec.kv.token_bytes

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
     res = FullHitResult()
     rng = random.Random(args.seed)
     with Engine(config) as engine:
-        token_bytes = engine.core.cache.spec.token_bytes
+        token_bytes = engine.core.cache.context.spec.token_bytes
         device = torch.device(engine.config.device)
 
         def gen(prompt: list[int], stage: str) -> None:

@@ -17,6 +17,7 @@ docs/architecture.md, "Request flow".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +47,23 @@ from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
 
-__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "HiCache"]
+__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "CacheContext", "HiCache"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheContext:
+    """What a cache was built with, fixed for its life: its ``config``, the full KV's
+    shape ``spec`` (the global layers only when sliding layers have their own store) and
+    the tensor-parallel ``ranks`` it agrees with (one rank: its verdict is its vote)."""
+
+    config: CacheConfig
+    spec: KVSpec
+    ranks: RankGroup
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (``config.page_size``)."""
+        return self.config.page_size
 
 
 class HiCache(Lifecycle):
@@ -59,9 +76,8 @@ class HiCache(Lifecycle):
     ``spec``: what the model caches (:class:`~hicache.spec.CacheSpec`, the model side
     produces it), or a plain :class:`KVSpec` for a full-KV-only model. Each of its
     components gets a store (:mod:`hicache.cache.components`) of the type in
-    ``store_types`` that takes its spec; :attr:`spec` is the full KV's shape (the global
-    layers only when sliding layers have their own store). ``limits``: refuse (ValueError)
-    stores too small to serve one request under them.
+    ``store_types`` that takes its spec; :attr:`context` holds the full KV's shape.
+    ``limits``: refuse (ValueError) stores too small to serve one request under them.
 
     ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank);
     records are applied as every rank agreed (see :meth:`sync`), so every rank's tree
@@ -80,16 +96,13 @@ class HiCache(Lifecycle):
         store_types: Sequence[type[ComponentStore]] = STORE_TYPES,
         ranks: RankGroup | None = None,
     ) -> None:
-        self.config = config
         cache_spec = CacheSpec.of(spec)
-        self.spec: KVSpec = cache_spec.kv
-        """The full KV's shape (the global layers only when sliding layers have a store)."""
-        self.page_size = config.page_size
+        kv = cache_spec.kv
         number_at_least("wait_timeout_s", wait_timeout_s, 0.001, "of seconds")
         self._wait_timeout_s = wait_timeout_s
         if limits is not None:  # every store can serve one request
             for c in cache_spec.components:
-                store_type(c, store_types).check_limits(config, self.spec, c, limits)
+                store_type(c, store_types).check_limits(config, kv, c, limits)
         tree = HiRadixTree(
             config.page_size,
             config.eviction_policy,
@@ -98,17 +111,17 @@ class HiCache(Lifecycle):
         self._tree = tree
         counters = CacheCounters()
         self._sync = CacheSync(tree=tree, ranks=ranks, wait_timeout_s=wait_timeout_s)
-        self.ranks = self._sync.ranks
-        """The tensor-parallel ranks this cache agrees with (one: its verdict is its vote)."""
+        self.context = CacheContext(config=config, spec=kv, ranks=self._sync.ranks)
+        """What the cache was built with (config, full KV shape, page size, ranks)."""
         self._requests = self._sync.holders
         dev = torch.device(device)
-        ctx = StoreContext(tree=tree, config=config, kv=self.spec, device=dev, sync=self._sync)
+        ctx = StoreContext(tree=tree, config=config, kv=kv, device=dev, sync=self._sync)
         self.stores = ComponentStores.build(cache_spec, ctx, store_types)
         """The model's component stores, in its spec's order (empty: full KV only)."""
         self.full = FullKVStore(
             tree=tree,
             config=config,
-            spec=self.spec,
+            spec=kv,
             device=dev,
             rule=write_rule(config),
             counters=counters,
@@ -152,7 +165,7 @@ class HiCache(Lifecycle):
         """Add the L3 tier over ``storage`` (starts it and its threads). Needs the L2
         tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed.
 
-        The tier agrees over the cache's :attr:`ranks`; ``ranks``, when given, must be
+        The tier agrees over the cache's ``context.ranks``; ``ranks``, when given, must be
         that group (a group of several ranks needs ``HiCache(..., ranks=...)``: the
         L1<->L2 completions must be agreed too)."""
         self._l3.attach(storage, namespace, prefetch, ranks)
@@ -212,7 +225,7 @@ class HiCache(Lifecycle):
             compute_last=compute_last,
             max_prefix=max_prefix,
             prompt_tokens=len(tokens),
-            page_size=self.page_size,
+            page_size=self.context.page_size,
         )
         if cacheable:
             req.prefetch = self._l3.tier.prefetches.start(
@@ -305,7 +318,7 @@ class HiCache(Lifecycle):
         """:meth:`commit` without extras; ``final``: the request's last commit (at its
         release), where stores also hand over what they keep for its end."""
         self._require_admitted(req)
-        ps = self.page_size
+        ps = self.context.page_size
         full = len(tokens) // ps
         if not req.cacheable or req.failed is not None or full <= req.prefix_pages:
             return

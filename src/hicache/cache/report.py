@@ -47,7 +47,7 @@ def cache_stats(cache: HiCache) -> CacheStats:
         storage=None if backend is None else backend.stats(),
     )
     cached = _cached_tokens(device_pool)
-    ps = cache.page_size
+    ps = cache.context.page_size
     usage = dataclasses.replace(
         _full_usage(device_pool, host_pool),
         device_requests=stats.device_request_tokens // ps,

@@ -404,7 +404,7 @@ class Engine(Lifecycle):
         the future with :class:`~hicache.controller.rank_group.LocalOnlyError` at once
         instead of blocking rank 0 in a collective no other rank joins.
         """
-        local = self.core.cache.ranks.local_only
+        local = self.core.cache.context.ranks.local_only
         return self._running().call(fn, lambda: local("inside Engine.call (run on rank 0 alone)"))
 
     def stats(self, timeout: float = 30.0) -> EngineStats:

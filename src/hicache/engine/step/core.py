@@ -343,7 +343,7 @@ class EngineCore:
     def _undo_attach(self) -> None:
         """Detach a backend this rank just attached (no op ran on it: nothing to wait for,
         and no rank joins a collective for it)."""
-        with self.cache.ranks.local_only("while undoing an L3 attach"):
+        with self.cache.context.ranks.local_only("while undoing an L3 attach"):
             self.cache.detach_storage(timeout_s=0.0)
 
     def attach(self, storage_config: StorageConfig, policy: str) -> None:
@@ -395,11 +395,11 @@ def attach_l3(
     if cache.full.host is None:
         raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
     namespace = Namespace.for_spec(
-        cache.spec,
+        cache.context.spec,
         model=model.name,
         weights_fingerprint=model.fingerprint,
-        layout=cache.config.mem_layout,
-        page_size=cache.page_size,
+        layout=cache.context.config.mem_layout,
+        page_size=cache.context.page_size,
         tp_size=config.tp_size,
         tp_rank=rank,
         head_records=True,

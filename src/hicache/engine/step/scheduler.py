@@ -64,7 +64,7 @@ class Scheduler:
         self.runner = runner
         self.output = output
         self.config = config
-        self.page_size = cache.page_size
+        self.page_size = cache.context.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # a model that carries state resumes a cached prefix only from a state the cache
