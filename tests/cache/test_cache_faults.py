@@ -190,7 +190,7 @@ def _l3(cache: HiCache, store: MemoryStore, prefetch: PrefetchConfig) -> None:
         layout=cache.context.config.mem_layout,
         page_size=PAGE,
     )
-    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+    cache.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
 
 
 @pytest.mark.parametrize(
@@ -292,7 +292,7 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
             store=store,
             faults=MemoryFaults(get_delay_s=2.0),
         )
-        b.attach_storage(slow, ns, prefetch)
+        b.l3.attach(slow, ns, prefetch)
         req = b.open(TOKENS, compute_last=False)
         start = time.monotonic()
         while not b.ready(req):  # as agreed at the last sync
@@ -302,15 +302,15 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         assert cache_stats(b).counters["prefetch_timeouts_total"] == 1  # admitted unfinished
         b.release(req, TOKENS)
         check_integrity(b)  # the 3 read pages are held by the op, not free
-        assert b.storage is not None and len(b.storage.prefetches.held_host_pages()) == 3
+        assert b.l3.attached is not None and len(b.l3.attached.prefetches.held_host_pages()) == 3
         # other requests fill every other L2 page with their backups meanwhile
         others = [[i] * 4 for i in range(20, 24)]
         for toks in others:
             serve(b, toks)
         assert time.monotonic() - start < 2.0, "the late write landed before the check"
-        assert len(b.storage.prefetches.held_host_pages()) == 3
+        assert len(b.l3.attached.prefetches.held_host_pages()) == 3
         b.flush()  # waits for the late write too: it lands in the quarantined pages only
-        assert b.storage.prefetches.held_host_pages() == []
+        assert b.l3.attached.prefetches.held_host_pages() == []
         check_integrity(b)
         b.full.evict_device(8)  # everything L2-only: load back checks every byte
         for toks in others:
@@ -355,7 +355,7 @@ def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
     with make_cache(hicache_ratio=4.0) as cache:
         ns = _namespace(cache)
         slow_writes = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=0.5))
-        cache.attach_storage(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
+        cache.l3.attach(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
         assert cache.full.host is not None
         engine = cache.full.host.controller._engine
         gated = GatedFailingBackup(engine.copier)
@@ -390,12 +390,12 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
     with make_cache() as cache:
         ns = _namespace(cache)
         slow = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=1.0))
-        cache.attach_storage(slow, ns, PrefetchConfig(prefetch_threshold=0))
+        cache.l3.attach(slow, ns, PrefetchConfig(prefetch_threshold=0))
         serve(cache, TOKENS)
         assert cache.full.host is not None
         cache.full.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
-        assert cache.detach_storage(timeout_s=0.1)  # the flush times out
-        assert not (cache.storage is not None)
+        assert cache.l3.detach(timeout_s=0.1)  # the flush times out
+        assert not (cache.l3.attached is not None)
         assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.full.tree.iter_nodes())
         check_integrity(cache)
         cache.reset()  # /flush_cache is not refused: no pin is left behind
@@ -409,26 +409,28 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
     with make_cache() as cache:
         ns = _namespace(cache)
         store = MemoryStore()
-        cache.attach_storage(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
         assert serve(cache, TOKENS) is not None
         cache.flush()  # TOKENS' pages are in L3
-        assert cache.detach_storage()
+        assert cache.l3.detach()
         cache.reset()
         assert cache.full.host is not None and cache.full.host.allocator.used_pages == 0
         late = MemoryStorage(
             ns, StorageOptions(timeout_s=0.1), store=store, faults=MemoryFaults(get_delay_s=1.5)
         )
-        cache.attach_storage(late, ns, PrefetchConfig(prefetch_threshold=0))
+        cache.l3.attach(late, ns, PrefetchConfig(prefetch_threshold=0))
         req = cache.open(TOKENS, compute_last=False)
         end = time.monotonic() + 10
-        while cache.storage is not None and not cache.storage.prefetches.held_host_pages():
+        while cache.l3.attached is not None and not cache.l3.attached.prefetches.held_host_pages():
             assert time.monotonic() < end, "the prefetch read was never issued"
             cache.sync()
             time.sleep(0.001)
-        held = cache.storage.prefetches.held_host_pages() if cache.storage is not None else []
+        held = (
+            cache.l3.attached.prefetches.held_host_pages() if cache.l3.attached is not None else []
+        )
         assert len(held) == 3
-        assert cache.detach_storage()  # the read timed out; its bytes land later
-        assert not (cache.storage is not None)
+        assert cache.l3.detach()  # the read timed out; its bytes land later
+        assert not (cache.l3.attached is not None)
         cache.sync()
         assert cache.full.host.allocator.used_pages == 3  # quarantined, not free
         assert all(cache.full.host.allocator.is_used(p) for p in held)

@@ -290,7 +290,7 @@ def attach(cache: HiCache, store: MemoryStore, layout: MemLayout) -> RecordingSt
     """Attach L3 over ``store``; the storage counts the pages and records read."""
     storage = RecordingStorage(store, namespace(layout), INDEXER)
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage, namespace(layout), policy)
+    cache.l3.attach(storage, namespace(layout), policy)
     return storage
 
 

@@ -90,7 +90,7 @@ def _scenario(rank: int, root: str, fault: str) -> dict[str, Any]:
     )  # fmt: skip
     storage = create_storage("file", namespace=ns, extra_config={"file_path": f"{root}/{fault}"})
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
     with cache:
         rank_cache.drive(cache, PROMPTS)
         cache.flush()

@@ -24,7 +24,7 @@ def make(spec: KVSpec, store: MemoryStore) -> HiCache:
         spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
     )
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+    cache.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
     return cache
 
 
@@ -117,7 +117,7 @@ def make_write_back(spec: KVSpec, store: MemoryStore) -> HiCache:
     ns = Namespace.for_spec(
         spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
     )
-    cache.attach_storage(
+    cache.l3.attach(
         MemoryStorage(ns, store=store),
         ns,
         PrefetchConfig(policy="wait_complete", prefetch_threshold=0),

@@ -36,7 +36,7 @@ def make(root: Path, ttl: float, entries: int = 1024) -> HiCache:
         negative_ttl_s=ttl,
         negative_max_entries=entries,
     )
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
     return cache
 
 

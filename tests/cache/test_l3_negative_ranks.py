@@ -42,7 +42,7 @@ def _attach(cache: HiCache, rank: int, store: str, ttl: float) -> None:
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store})
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0, negative_ttl_s=ttl)
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
 
 
 def _main(rank: int, n: int, out: str) -> dict[str, Any]:

@@ -73,13 +73,13 @@ def _cache(
         prefetch_timeout_per_ki_token=0.0,
         prefetch_timeout_max=5.0,
     )
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
     return cache
 
 
 def _backend(cache: HiCache) -> MemoryStorage:
-    assert cache.storage is not None
-    storage = cache.storage.controller.storage
+    assert cache.l3.attached is not None
+    storage = cache.l3.attached.controller.storage
     assert isinstance(storage, MemoryStorage)
     return storage
 
@@ -194,8 +194,8 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
         assert cache.full.host is not None
         drive(cache, [A])
         cache.flush()
-        ns = cache.storage.keys.namespace if cache.storage is not None else None
-        assert ns is not None and cache.detach_storage()
+        ns = cache.l3.attached.keys.namespace if cache.l3.attached is not None else None
+        assert ns is not None and cache.l3.detach()
         cache.reset()
         late = create_storage(
             "memory",
@@ -203,13 +203,13 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
             extra_config={"store": f"retired-{rank}", "timeout_s": 0.1,
                           "get_delay_s": 1.0 if rank == 1 else 0.0},
         )  # fmt: skip
-        cache.attach_storage(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        cache.l3.attach(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
         req = cache.open(A, compute_last=False)
-        while cache.storage is not None and not cache.storage.prefetches.held_host_pages():
+        while cache.l3.attached is not None and not cache.l3.attached.prefetches.held_host_pages():
             cache.sync()  # the lookup applied on every rank: the read is issued
             time.sleep(0.002)
         time.sleep(0.3)  # rank 0's read is over, rank 1's still writes late
-        assert cache.detach_storage()
+        assert cache.l3.detach()
         steps = 0
         while True:
             cache.sync()
@@ -249,7 +249,7 @@ def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:
     store = f"swa-{rank}"
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
     with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,)), ranks=RankGroup()) as cache:
-        cache.attach_storage(
+        cache.l3.attach(
             create_storage("memory", namespace=ns, extra_config={"store": store}), ns, policy
         )
         serve_in_chunks(cache, tokens)
@@ -308,9 +308,7 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
         prefetch_timeout_per_ki_token=0.0, prefetch_timeout_max=5.0,
     )  # fmt: skip
     with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,)), ranks=RankGroup()) as cache:
-        cache.attach_storage(
-            create_storage("memory", namespace=ns, extra_config=extra), ns, prefetch
-        )
+        cache.l3.attach(create_storage("memory", namespace=ns, extra_config=extra), ns, prefetch)
         for tokens in HYBRID_PROMPTS:
             serve_in_chunks(cache, tokens)
         cache.reset()

@@ -45,7 +45,7 @@ def make_cache(store: MemoryStore) -> tuple[HiCache, RecordingStorage]:
     cache = HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,))).start()
     storage = RecordingStorage(store, NS, "swa")
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage, NS, policy)
+    cache.l3.attach(storage, NS, policy)
     return cache, storage
 
 

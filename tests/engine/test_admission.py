@@ -353,13 +353,13 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
 
     with HiCache(cfg, SPEC).start() as writer:
         ns = namespace(writer)
-        writer.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+        writer.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
         serve(writer, prompt)
         writer.flush()
     with HiCache(cfg, SPEC).start() as cache:
         ns = namespace(cache)
         storage = GatedStorage(ns, store)
-        cache.attach_storage(storage, ns, prefetch)
+        cache.l3.attach(storage, ns, prefetch)
         sched, _ = make(cache, max_running_requests=4)
         wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
         for r in wide:

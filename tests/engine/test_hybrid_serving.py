@@ -501,7 +501,7 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
 
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         settle()
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None
         key = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
         path = l3.controller.storage.path_of(key.key)  # type: ignore[attr-defined]

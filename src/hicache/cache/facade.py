@@ -31,18 +31,15 @@ from hicache.cache.components.base import (
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
 from hicache.cache.l3.slot import L3Slot
-from hicache.cache.l3.tier import L3Tier
 from hicache.cache.request import CacheRequest, RequestState
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
-from hicache.config import CacheConfig, PrefetchConfig
+from hicache.config import CacheConfig
 from hicache.controller import write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
-from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
 from hicache.spec import CacheSpec, KVSpec
-from hicache.storage.base import HiCacheStorage
 from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
@@ -68,7 +65,7 @@ class CacheContext:
 
 class HiCache(Lifecycle):
     """Hierarchical KV cache over the model's stores (:attr:`full` first, then
-    :attr:`stores`) and an optional L3 storage tier (:attr:`storage`).
+    :attr:`stores`) and an optional L3 storage tier (attached at :attr:`l3`).
 
     With ``config.enable_hierarchical_cache`` false there is no L2: the tree is a plain
     radix cache over L1 and eviction drops nodes.
@@ -149,41 +146,9 @@ class HiCache(Lifecycle):
             try:
                 self.flush()
             finally:
-                self.detach_storage()
+                self._l3.detach()
                 self.full.close()
         self._started = False
-
-    # ------------------------------------------------------------------ L3
-
-    def attach_storage(
-        self,
-        storage: HiCacheStorage,
-        namespace: Namespace,
-        prefetch: PrefetchConfig,
-        ranks: RankGroup | None = None,
-    ) -> None:
-        """Add the L3 tier over ``storage`` (starts it and its threads). Needs the L2
-        tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed.
-
-        The tier agrees over the cache's ``context.ranks``; ``ranks``, when given, must be
-        that group (a group of several ranks needs ``HiCache(..., ranks=...)``: the
-        L1<->L2 completions must be agreed too)."""
-        self._l3.attach(storage, namespace, prefetch, ranks)
-
-    def detach_storage(self, timeout_s: float | None = None) -> bool:
-        """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
-        the backend. Open prefetches are dropped; pages a late backend write may still
-        fill stay out of use until it settles. False when none was attached."""
-        if self._l3.attached is None:
-            return False
-        for req in self._requests:
-            req.prefetch = None
-        return self._l3.detach(self._wait_timeout_s if timeout_s is None else timeout_s)
-
-    @property
-    def storage(self) -> L3Tier | None:
-        """The L3 tier, while a backend is attached."""
-        return self._l3.attached
 
     # ------------------------------------------------------------------ request verbs
 
@@ -415,5 +380,6 @@ class HiCache(Lifecycle):
 
     @property
     def l3(self) -> L3Slot:
-        """Where the L3 tier attaches (its quarantines, for reports and checks)."""
+        """Where the L3 tier attaches: ``l3.attach(storage, namespace, prefetch)``,
+        ``l3.detach()``, the tier while attached (``l3.attached``), its quarantines."""
         return self._l3
