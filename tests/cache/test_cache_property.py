@@ -116,7 +116,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def flush(self) -> None:
-        self.c.flush()
+        self.c.sync(wait=True)
 
     @rule()
     @precondition(lambda self: not self.held)

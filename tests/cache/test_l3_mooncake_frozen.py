@@ -44,7 +44,7 @@ def make(svc: Any, prefetch: PrefetchConfig, **cfg: Any) -> HiCache:
 def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any) -> None:
     with make(mooncake, PrefetchConfig(policy="wait_complete", prefetch_threshold=0)) as a:
         assert serve(a, TOKENS) is not None
-        a.flush()
+        a.sync(wait=True)
     prefetch = PrefetchConfig(
         policy="timeout",
         prefetch_threshold=0,
@@ -75,7 +75,7 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
             check_integrity(b)
         finally:
             mooncake.thaw()
-        b.flush()  # the late get lands, in the quarantined pages only; then they are freed
+        b.sync(wait=True)  # the late get lands, in the quarantined pages only; then they are freed
         assert b.l3.attached.prefetches.held_host_pages() == []
         b.full.evict_device(64)
         for toks in others:  # every L2 copy still holds its own bytes (serve checks)

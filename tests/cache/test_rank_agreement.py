@@ -108,7 +108,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
     hook = FailingLoads()
     with _cache(rank, f"{policy}-{fault}-{rank}", policy, extra=extra, hook=hook) as cache:
         drive(cache, PROMPTS)
-        cache.flush()
+        cache.sync(wait=True)
         cache.reset()
         backed_before = cache.full.counters.backup_tokens_total
         held = _inject(cache, fault) if faulty else None
@@ -116,7 +116,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
             hook.on = True
         hits = drive(cache, PROMPTS)
         hook.on = False
-        cache.flush()
+        cache.sync(wait=True)
         digest = tree_digest(cache)
         if held is not None:
             assert cache.full.host is not None
@@ -168,11 +168,11 @@ def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
     ]
     with _cache(rank, f"race-{policy}-{rank}", policy, extra={}) as cache:
         drive(cache, prompts)
-        cache.flush()
+        cache.sync(wait=True)
         cache.reset()
         _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
         hits = drive(cache, prompts, open_per_step=2, hold_steps=8, max_running=2, step_s=0.01)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         return {"hits": hits, "digest": tree_digest(cache)}
 
@@ -193,7 +193,7 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
     with _cache(rank, f"retired-{rank}", "wait_complete", extra={}) as cache:
         assert cache.full.host is not None
         drive(cache, [A])
-        cache.flush()
+        cache.sync(wait=True)
         ns = cache.l3.attached.keys.namespace if cache.l3.attached is not None else None
         assert ns is not None and cache.l3.detach()
         cache.reset()
@@ -268,7 +268,7 @@ def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:
         assert read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
         hit = (req.cached.storage, prefix)
         cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         return {"hit": hit, "digest": tree_digest(cache)}
 
@@ -330,7 +330,7 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
             window = read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
             hits.append((req.cached.storage, prefix, window))
             cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         digest = tree_digest(cache)
         if held is not None:
             assert cache.full.host is not None

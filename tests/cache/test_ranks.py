@@ -59,7 +59,7 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
     result: dict[str, object] = {}
     with _cache(spec, root, rank) as cache:
         drive(cache, [TOKENS])
-        cache.flush()
+        cache.sync(wait=True)
         dist.barrier()
         files = sorted(p for p in root.rglob("*") if p.is_file())
         result["files"] = len(files)
@@ -72,7 +72,7 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
         cache.reset()
         [(_, _, storage_tokens)] = drive(cache, [TOKENS])
         result["storage_tokens"] = storage_tokens
-        cache.flush()
+        cache.sync(wait=True)
         result["digest"] = tree_digest(cache)
         check_integrity(cache)
     return result

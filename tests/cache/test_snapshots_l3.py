@@ -69,7 +69,7 @@ def compute(cache: HiCache, prompt: list[int], snaps: dict[int, list[torch.Tenso
     for pages in range(1, full + 1):
         cache.commit(req, prompt[: pages * PAGE], extras=kept(pages * PAGE, snaps.get(pages)))
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -85,7 +85,7 @@ def fetch(cache: HiCache, prompt: list[int]) -> tuple[int, int, list[torch.Tenso
     )
     out = (req.cached.storage, req.prefix_tokens, resume_state(req))
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     return out
 

@@ -79,7 +79,7 @@ def fetch(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
     assert read_swa(cache, req, tokens, max(0, prefix - SWA_SPEC.window), prefix)
     out = (req.cached.storage, prefix)
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     return out
 

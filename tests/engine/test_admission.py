@@ -355,7 +355,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
         ns = namespace(writer)
         writer.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
         serve(writer, prompt)
-        writer.flush()
+        writer.sync(wait=True)
     with HiCache(cfg, SPEC).start() as cache:
         ns = namespace(cache)
         storage = GatedStorage(ns, store)
@@ -387,7 +387,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
         assert sched.reclaimed == 1 and claimant.cached.storage == 8
         run(sched, 200)
         assert claimant.output_ids == [49, 50]
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
 
 

@@ -279,7 +279,9 @@ def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Pa
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        engine.call(engine.core.cache.flush).result(timeout=60)  # pages and snapshots in L3
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+            timeout=60
+        )  # pages and snapshots in L3
         written = cache_stats(engine.core.cache).counters["l3_backup_snapshots_total"]
         assert written >= 2  # the prompt's (32) and the request end's (40)
     with make_engine(name, storage=tmp_path) as other:
@@ -292,7 +294,9 @@ def test_a_second_engine_hits_the_windows_in_the_shared_file_l3(name: str, tmp_p
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        engine.call(engine.core.cache.flush).result(timeout=60)  # pages and windows in L3
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+            timeout=60
+        )  # pages and windows in L3
         counters = cache_stats(engine.core.cache).counters
         assert counters["l3_backup_swa_pages_total"] > 0
         assert counters["l3_backup_swa_pages_failed_total"] == 0
@@ -389,7 +393,7 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
 
         def evict_windows() -> int:
             cache = engine.core.cache
-            cache.flush()
+            cache.sync(wait=True)
             swa = cache.stores.of_type(SwaStore)
             assert swa is not None
             freed = 0
@@ -496,7 +500,9 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
     with make_engine(name, storage=tmp_path) as engine:
 
         def settle() -> None:
-            engine.call(engine.core.cache.flush).result(timeout=60)  # every backup reaches L3
+            engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+                timeout=60
+            )  # every backup reaches L3
             assert engine.flush_cache()  # L1 and L2 emptied
 
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want

@@ -78,13 +78,13 @@ def reference() -> list[int]:
 
 def settle(engine: Engine) -> None:
     """Let every backup reach L3, then empty L1 and L2."""
-    engine.call(engine.core.cache.flush).result(timeout=60)
+    engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=60)
     assert engine.flush_cache()
 
 
 def clean(engine: Engine) -> None:
     def check() -> None:
-        engine.core.cache.flush()
+        engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
             n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()

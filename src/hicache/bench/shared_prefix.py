@@ -347,7 +347,7 @@ def _drain(engine: Engine) -> None:
     (its collectives would not be the followers'), so this waits for the ranks to agree
     on them step by step."""
     if engine.config.tp_size == 1:
-        engine.call(engine.core.cache.flush).result(timeout=120)
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=120)
     else:
         settle(engine, time.monotonic() + 120)
 

@@ -298,7 +298,7 @@ def settle(engine: Engine, deadline: float, settle_s: float = 60.0) -> EngineSta
     """The engine's stats once the cache's copies and L3 operations in flight have landed
     (the loop agrees on them step by step), or the last stats read after ``settle_s``
     seconds (or at ``deadline``). Under TP nothing may drain the cache on rank 0 alone
-    (``HiCache.flush`` would make collectives the followers do not): this only waits."""
+    (``HiCache.sync(wait=True)`` would make collectives the followers do not): this only waits."""
     end = min(deadline, time.monotonic() + settle_s)
     while True:
         stats = engine.stats(timeout=max(1.0, deadline - time.monotonic()))

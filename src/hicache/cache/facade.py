@@ -1,12 +1,12 @@
 """HiCache: the one facade a scheduler talks to, in requests.
 
 It holds the request verbs (``open``, ``ready``, ``admit``, ``plan_chunk``, ``grow``,
-``commit``, ``keep``, ``release``, ``requeue``) and :meth:`HiCache.sync`, over the tree
-and the model's stores: first the full KV (:attr:`HiCache.full`, a
-:class:`~hicache.cache.full_kv.FullKVStore`: L1 and L2 halves, layer-wise load back, the
-page-level API), then one store per extra component of its
+``commit``, ``release``, ``requeue``, ``reusable_prefix``), :meth:`HiCache.sync` and the
+read-only :class:`CacheContext`, over the tree and the model's stores: first the full KV
+(:attr:`HiCache.full`, a :class:`~hicache.cache.full_kv.FullKVStore`: L1 and L2 halves,
+layer-wise load back, the page-level API), then one store per extra component of its
 :class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`), and the optional L3
-tier behind an :class:`~hicache.cache.l3.slot.L3Slot`. All methods run on the owner's
+tier behind an :class:`~hicache.cache.l3.slot.L3Slot` (:attr:`HiCache.l3`). All methods run on the owner's
 thread; worker records are applied by :class:`~hicache.cache.sync.CacheSync` at
 :meth:`HiCache.sync` (once per step, whatever the rank count) and inside explicit waits;
 no verb applies a record. Stats, the integrity check and the rank digest live beside it
@@ -144,7 +144,7 @@ class HiCache(Lifecycle):
         """Finish in-flight copies, apply them, detach L3, stop the workers. Idempotent."""
         if self._started:
             try:
-                self.flush()
+                self.sync(wait=True)
             finally:
                 self._l3.detach()
                 self.full.close()
@@ -259,24 +259,25 @@ class HiCache(Lifecycle):
             raise ValueError(f"plan_chunk of {tokens} tokens; a forward runs at least 1")
         return self.stores.plan(req, start, tokens)
 
-    def keep(self, req: CacheRequest, extras: SequenceExtras | None) -> None:
-        """Hand the runner's ``extras`` of ``req``'s last forward to the component stores
-        (used by the next commit that covers them; None: nothing kept)."""
-        self._require_admitted(req)
-        if extras is not None:
-            self.stores.keep(req, extras)
-
     def commit(
-        self, req: CacheRequest, tokens: TokenIds, *, extras: SequenceExtras | None = None
+        self,
+        req: CacheRequest,
+        tokens: TokenIds = (),
+        *,
+        extras: SequenceExtras | None = None,
     ) -> None:
         """``tokens`` (a prefix of the request's sequence) now have their KV in ``req``'s
         pages: hand the whole pages to the tree so other requests share them (the write
         policy may back them up). ``req`` keeps using the tree's copy of them.
 
-        ``extras``: the runner's extras of the forward that computed them (see
-        :meth:`keep`); the stores hand what they cover to the tree with the pages (a state
-        snapshot at a boundary, so later requests can resume there)."""
-        self.keep(req, extras)
+        ``extras``: the runner's extras of ``req``'s last forward, handed to the component
+        stores; they give what these tokens cover to the tree with the pages (a state
+        snapshot at a boundary, so later requests can resume there) and keep the rest for
+        a later commit or the release. With no ``tokens`` only the extras are handed over
+        (a forward whose pages are committed later, a decode step's)."""
+        self._require_admitted(req)
+        if extras is not None:
+            self.stores.keep(req, extras)
         self._commit(req, tokens, final=False)
 
     def _commit(self, req: CacheRequest, tokens: TokenIds, *, final: bool) -> None:
@@ -331,41 +332,40 @@ class HiCache(Lifecycle):
         if req.state is not RequestState.ADMITTED:
             raise RuntimeError(f"the request is {req.state.value}, not admitted")
 
-    def cached_prefix(self, tokens: TokenIds, tenant: str = "") -> int:
-        """Tokens of ``tokens``' prefix the cache holds for ``tenant`` in L1 and L2 (whole
-        pages; what an admission could reuse as of the last :meth:`sync`). Copies and
-        applies nothing: a scheduling policy's question (``lpm``)."""
-        return self._tree.match_prefix(tokens, tenant).matched_tokens
-
     def reusable_prefix(self, req: CacheRequest, tokens: TokenIds) -> int:
-        """:meth:`cached_prefix` of ``tokens`` as ``req`` may reuse it (none when it is
-        not cacheable; what its ``compute_last`` and ``max_prefix`` allow)."""
+        """Tokens of ``tokens``' prefix the cache holds in L1 and L2 that ``req`` may reuse
+        (whole pages of its tenant's; none when it is not cacheable; what its
+        ``compute_last`` and ``max_prefix`` allow): what its admission could reuse as of
+        the last :meth:`sync`. Copies and applies nothing: a scheduling policy's question
+        (``lpm``)."""
         if not req.cacheable:
             return 0
-        return self.cached_prefix(tokens[: req.reusable(len(tokens))], req.tenant)
+        wanted = tokens[: req.reusable(len(tokens))]
+        return self._tree.match_prefix(wanted, req.tenant).matched_tokens
 
     # ------------------------------------------------------------------ completions
 
-    def sync(self) -> int:
+    def sync(self, *, wait: bool = False) -> int:
         """Apply what the workers posted, agreed with the other ranks: every op in flight,
         in op order, with the agreed values (:meth:`CacheSync.sync`); returns how many
         records were applied. The one point per step where records are applied (besides
         the cache's waits), the same with one rank or many: every rank calls it at the
-        same point of its step (the engine: once per step)."""
-        return self._sync.sync()
+        same point of its step (the engine: once per step).
 
-    def flush(self) -> None:
-        """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
-        if self._started:
+        ``wait``: first wait (bounded) for every copy in flight (L1<->L2, then L2->L3), so
+        all of them are applied; a cache not started applies nothing then (returns 0)."""
+        if wait:
+            if not self._started:
+                return 0
             self.full.wait_idle()
             self._l3.tier.flush(self._wait_timeout_s)
-            self.sync()  # failed loads are applied here, outside the wait
+        return self._sync.sync()  # failed loads are applied here, outside the wait
 
     # ------------------------------------------------------------------ whole cache
 
     def reset(self) -> None:
         """Empty L1 and L2 (``/flush_cache``). Refuses while any node is pinned."""
-        self.flush()
+        self.sync(wait=True)
         tree = self._tree
         if self._requests or any(n.lock_ref > 0 or n.host_ref > 0 for n in tree.iter_nodes()):
             raise RuntimeError("cannot reset the cache while requests hold prefixes")

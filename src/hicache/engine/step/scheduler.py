@@ -535,8 +535,8 @@ class Scheduler:
                 # component's values, before the next chunk moves past them) are shared now
                 self.cache.commit(req.cache, req.all_ids[: req.kv_len], extras=extras)
                 self.role.computed(req)  # a prefill instance sends them now
-            elif extras is not None:  # committed after sampling, or at its release
-                self.cache.keep(req.cache, extras)
+            elif extras is not None:  # its pages: after sampling, or at its release
+                self.cache.commit(req.cache, extras=extras)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
         return rows
