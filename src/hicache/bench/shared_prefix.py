@@ -384,12 +384,13 @@ def run_config(
             rounds: list[RoundResult] = []
             before = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60).counters
             for rnd in range(w.rounds):
-                agree0 = (engine.agreement_seconds_total, engine.agreement_steps_total)
+                agree0 = engine.agreement
                 t0 = time.perf_counter()
                 reqs = _run_round(engine, wl, rnd, params, w.max_parallel)
                 wall = time.perf_counter() - t0
-                steps = engine.agreement_steps_total - agree0[1]
-                agree_s = engine.agreement_seconds_total - agree0[0]
+                agree1 = engine.agreement
+                steps = agree1.steps - agree0.steps
+                agree_s = agree1.seconds - agree0.seconds
                 stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60)
                 comps = engine.call(lambda: component_figures(engine)).result(timeout=60)
                 hits = engine.call(probe.take).result(timeout=60)

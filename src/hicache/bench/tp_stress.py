@@ -290,8 +290,8 @@ def run_stress(cfg: StressConfig) -> StressResult:
 
 def agreement_us(engine: Engine) -> float | None:
     """The engine's mean agreement overhead per step so far (µs); None at TP 1."""
-    steps = engine.agreement_steps_total
-    return engine.agreement_seconds_total / steps * 1e6 if steps else None
+    totals = engine.agreement
+    return totals.seconds / totals.steps * 1e6 if totals.steps else None
 
 
 def settle(engine: Engine, deadline: float, settle_s: float = 60.0) -> EngineStats:
