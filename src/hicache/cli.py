@@ -90,7 +90,7 @@ def _describe(engine: Any, host: str, port: int) -> str:
     from hicache.cache.report import cache_stats
 
     stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=30)
-    spec = engine.core.cache.spec
+    spec = engine.core.cache.context.spec
     gb = spec.token_bytes / 1e9
     l2 = (
         f"L2 {stats.host_total_tokens} tokens ({stats.host_total_tokens * gb:.2f} GB)"

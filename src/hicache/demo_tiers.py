@@ -87,7 +87,7 @@ def main() -> int:
         prompts = [system + list(range(i * 100, i * 100 + 64)) for i in range(6)]
         for i, p in enumerate(prompts):
             prefill(cache, p)
-            cache.flush()
+            cache.sync(wait=True)
             demoted = cache_stats(cache).counters["device_demoted_tokens_total"]
             what = (
                 f"L1 full: {demoted} tokens demoted to L2 so far (LRU first)"
@@ -112,7 +112,7 @@ def main() -> int:
         ok = torch.equal(got, fake_kv(prompts[0], 0, len(prefix)))
         loaded = req.cached.host
         cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         show(cache, f"loaded back {loaded} tokens; bytes equal to the original: {ok}")
         c = cache_stats(cache).counters
         console.print(

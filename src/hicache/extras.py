@@ -1,8 +1,8 @@
 """Per-sequence records that travel between the cache and the model runner.
 
 The scheduler carries them untouched: what the runner kept of a sequence during a forward
-(``ModelRunner.take_extras``) goes to the cache (``HiCache.commit(..., extras=)`` /
-``HiCache.keep``), and what a sequence resumes from (``CacheRequest.take_resume``) goes
+(``ModelRunner.take_extras``) goes to the cache (``HiCache.commit(..., extras=)``, with
+the pages or without), and what a sequence resumes from (``CacheRequest.take_resume``) goes
 to the runner (``ModelRunner.resume``). Which positions the runner keeps is the cache's
 plan for the forward (``HiCache.plan_chunk``). Only the cache's component stores and the
 runner read the contents; neither imports the other.

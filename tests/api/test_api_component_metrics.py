@@ -117,7 +117,7 @@ def test_component_pools_add_up_and_return_to_idle(name: str) -> None:
             assert any(b[("device", "holders")]["requests"] > 0 for b in busy), busy
 
         wait_idle(engine)
-        engine.call(engine.core.cache.flush).result(30)  # backups landed
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(30)  # backups landed
         idle = pools(scrape(url, engine), component)
         check_adds_up(idle)
         u = usage(engine, component)

@@ -131,7 +131,7 @@ def test_loads_are_the_published_stats_under_sglang_names(engine: Engine, url: s
     c = stats.cache
     used = c.device_total_tokens - c.device_free_tokens
     assert used > 0 and c.hit_rate > 0
-    token_bytes = engine.core.cache.spec.token_bytes
+    token_bytes = engine.core.cache.context.spec.token_bytes
     assert entry == {
         "dp_rank": 0,
         "num_running_reqs": 0,

@@ -159,9 +159,9 @@ def test_attach_storage_refuses_a_group_the_cache_was_not_built_with() -> None:
     with HiCache(cfg, spec).start() as cache:
         storage = create_storage("memory", namespace=ns)
         with pytest.raises(ValueError, match=r"rank 1 of 2, but the cache is rank 0 of 1"):
-            cache.attach_storage(storage, ns, PrefetchConfig(), _Two())
-        assert not (cache.storage is not None)
-        cache.attach_storage(
-            create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.ranks
+            cache.l3.attach(storage, ns, PrefetchConfig(), _Two())
+        assert not (cache.l3.attached is not None)
+        cache.l3.attach(
+            create_storage("memory", namespace=ns), ns, PrefetchConfig(), cache.context.ranks
         )
-        assert (cache.storage is not None) and cache.sync() == 0  # nothing in flight
+        assert (cache.l3.attached is not None) and cache.sync() == 0  # nothing in flight

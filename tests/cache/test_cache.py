@@ -40,7 +40,7 @@ def run_request(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
 
 def test_write_through_backs_up_on_insert(cache: HiCache) -> None:
     run_request(cache, [1, 2, 3, 4])
-    cache.flush()
+    cache.sync(wait=True)
     (node,) = cache.full.tree.iter_nodes()
     assert list(node.device) == [0, 1] and list(node.host) == [0, 1]
     assert node.lock_ref == 0
@@ -56,11 +56,11 @@ def test_write_through_backs_up_on_insert(cache: HiCache) -> None:
 def test_write_through_selective_waits_for_threshold() -> None:
     with make_cache(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE) as cache:
         run_request(cache, [1, 2, 3, 4])
-        cache.flush()
+        cache.sync(wait=True)
         (node,) = cache.full.tree.iter_nodes()
         assert node.host is None and node.hit_count == 1
         run_request(cache, [1, 2, 3, 4])
-        cache.flush()
+        cache.sync(wait=True)
         assert node.hit_count == 2 and list(node.host) == [0, 1]
         check_integrity(cache)
 
@@ -68,7 +68,7 @@ def test_write_through_selective_waits_for_threshold() -> None:
 def test_write_back_backs_up_only_on_eviction() -> None:
     with make_cache(write_policy="write_back") as cache:
         run_request(cache, [1, 2, 3, 4])
-        cache.flush()
+        cache.sync(wait=True)
         (node,) = cache.full.tree.iter_nodes()
         assert node.host is None
         assert cache.full.evict_device(2) == 2
@@ -86,7 +86,7 @@ def test_write_back_backs_up_only_on_eviction() -> None:
 def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     tokens = [5, 6, 7, 8, 9, 10]
     run_request(cache, tokens)
-    cache.flush()
+    cache.sync(wait=True)
     assert cache.full.evict_device(4) == 3
     m = cache.full.match_prefix([*tokens, 11])
     assert (m.device_tokens, m.host_tokens) == (0, 6)
@@ -96,7 +96,7 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     assert all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
     assert torch.equal(read_device(cache, req.pages[:3]), page_kv(cache, tokens, 0, 3))
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     st = cache_stats(cache)
     assert st.counters["load_tokens_total"] == 6 and st.counters["host_hit_tokens_total"] == 6
     assert st.device_cached_tokens == 6 and st.host_only_tokens == 0
@@ -107,7 +107,7 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
 def test_load_back_threshold_and_all_or_nothing() -> None:
     with make_cache(load_back_threshold=6) as cache:
         run_request(cache, [1, 2, 3, 4])
-        cache.flush()
+        cache.sync(wait=True)
         cache.full.evict_device(2)
         req = cache.open([1, 2, 3, 4], compute_last=False)
         assert cache.admit(req, [1, 2, 3, 4])
@@ -117,7 +117,7 @@ def test_load_back_threshold_and_all_or_nothing() -> None:
         check_integrity(cache)
     with make_cache() as cache:
         run_request(cache, [1, 2, 3, 4, 5, 6])
-        cache.flush()
+        cache.sync(wait=True)
         cache.full.evict_device(3)
         pinned = cache.full.alloc(2)  # L1 has 4 pages: 2 left, the chain needs 3
         assert pinned is not None
@@ -132,9 +132,9 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
     with make_cache(hicache_ratio=1.5) as cache:  # L1: 4 pages, L2: 6 pages
         run_request(cache, [1, 1, 1, 1])  # A: 2 pages
         run_request(cache, [2, 2, 2, 2])  # B: 2 pages
-        cache.flush()
+        cache.sync(wait=True)
         run_request(cache, [3, 3, 3, 3])  # C needs 2 pages: A (LRU) demoted
-        cache.flush()
+        cache.sync(wait=True)
         tiers = {
             n.key[:4]: (n.device is not None, n.host is not None)
             for n in cache.full.tree.iter_nodes()
@@ -145,7 +145,7 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
             bytes([3, 0, 0, 0]): (True, True),
         }
         run_request(cache, [4, 4, 4, 4])  # L1: B demoted; L2 full: A dropped from L2
-        cache.flush()
+        cache.sync(wait=True)
         st = cache_stats(cache)
         assert st.counters["host_evicted_tokens_total"] == 4
         assert cache.full.match_prefix([1, 1, 1, 1]).matched_tokens == 0
@@ -192,10 +192,10 @@ def test_full_l2_drops_copies_of_l1_resident_spans_for_new_backups() -> None:
         assert cache.full.host_pool is not None and cache.full.host_pool.num_pages == 6
         for first in (1, 2, 3):
             run_request(cache, [first] * 4)
-            cache.flush()
+            cache.sync(wait=True)
         assert cache_stats(cache).host_free_tokens == 0
         run_request(cache, [4] * 4)  # L1 has room; its backup needs L2 pages
-        cache.flush()
+        cache.sync(wait=True)
         tiers = {
             n.key[0]: (n.device is not None, n.host is not None)
             for n in cache.full.tree.iter_nodes()

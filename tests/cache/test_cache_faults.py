@@ -62,7 +62,7 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
 ) -> None:
     cache, hook = failing
     assert serve(cache, TOKENS) is not None
-    cache.flush()
+    cache.sync(wait=True)
     assert cache.full.evict_device(8) == 3  # demoted: L2 only now
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
@@ -94,7 +94,7 @@ def test_a_failed_request_requeued_recomputes_what_its_load_could_not_bring(
     cache, hook = failing
     serve(cache, TOKENS[:PAGE])  # page 0 is a node of its own
     assert serve(cache, TOKENS) is not None
-    cache.flush()
+    cache.sync(wait=True)
     assert cache.full.evict_device(2) == 2  # pages 1-2 are in L2 only, page 0 stays in L1
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
@@ -125,7 +125,7 @@ def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
 ) -> None:
     cache, hook = failing
     serve(cache, TOKENS)
-    cache.flush()
+    cache.sync(wait=True)
     cache.full.evict_device(8)
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
@@ -148,10 +148,10 @@ def test_write_through_selective_counts_requests_not_inserts() -> None:
         write_tokens(cache, longer, req.pages[3:5], 3)
         cache.commit(req, longer)  # the prompt's node is passed again: no new hit
         cache.release(req, longer)
-        cache.flush()
+        cache.sync(wait=True)
         assert all(n.host is None for n in cache.full.tree.iter_nodes())
         assert serve(cache, TOKENS) is not None  # the second request reusing it
-        cache.flush()
+        cache.sync(wait=True)
         prompt = cache.full.match_prefix(TOKENS).last_device_node
         assert prompt.hit_count == 2 and prompt.host is not None
         check_integrity(cache)
@@ -176,7 +176,7 @@ def test_priority_reaches_the_tree_through_open() -> None:
     with make_cache(eviction_policy="priority") as cache:
         serve(cache, [1, 1, 1, 1], priority=5)
         serve(cache, [2, 2, 2, 2], priority=0)
-        cache.flush()
+        cache.sync(wait=True)
         cache.full.evict_device(2)  # the low-priority span goes first, though it is newer
         assert cache.full.match_prefix([1, 1, 1, 1]).device_tokens == 4
         assert cache.full.match_prefix([2, 2, 2, 2]).device_tokens == 0
@@ -184,9 +184,13 @@ def test_priority_reaches_the_tree_through_open() -> None:
 
 def _l3(cache: HiCache, store: MemoryStore, prefetch: PrefetchConfig) -> None:
     ns = Namespace.for_spec(
-        SPEC, model="m", weights_fingerprint="w", layout=cache.config.mem_layout, page_size=PAGE
+        SPEC,
+        model="m",
+        weights_fingerprint="w",
+        layout=cache.context.config.mem_layout,
+        page_size=PAGE,
     )
-    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+    cache.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
 
 
 @pytest.mark.parametrize(
@@ -214,7 +218,7 @@ def test_timeout_deadline_counts_from_arrival_and_covers_the_lookup(
         assert p is not None
         assert p.deadline - p.started == pytest.approx(expected)
         cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
 
 
@@ -224,7 +228,7 @@ def test_l3_backup_counts_written_pages_not_present_ones() -> None:
     with make_cache() as a:
         _l3(a, store, prefetch)
         serve(a, TOKENS)
-        a.flush()
+        a.sync(wait=True)
         assert cache_stats(a).counters["l3_backup_tokens_total"] == 6
     with make_cache() as b:  # the same pages again: all present already
         _l3(b, store, prefetch)
@@ -232,7 +236,7 @@ def test_l3_backup_counts_written_pages_not_present_ones() -> None:
         assert pages is not None
         write_tokens(b, TOKENS, pages, 0)
         b.full.insert(TOKENS, pages)
-        b.flush()
+        b.sync(wait=True)
         c = cache_stats(b).counters
         assert c["l3_backup_tokens_total"] == 0 and c["l3_backup_present_tokens_total"] == 6
 
@@ -257,7 +261,7 @@ def test_a_queued_request_takes_what_best_effort_prefetched() -> None:
         assert all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
         assert read_device(b, req.pages[:3]).equal(page_kv(b, TOKENS, 0, 3))
         b.release(req, TOKENS)
-        b.flush()
+        b.sync(wait=True)
         check_integrity(b)
 
 
@@ -276,7 +280,11 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
     )
     with make_cache(mem_layout="page_first", hicache_ratio=1.5) as b:  # L1 8, L2 12 pages
         ns = Namespace.for_spec(
-            SPEC, model="m", weights_fingerprint="w", layout=b.config.mem_layout, page_size=PAGE
+            SPEC,
+            model="m",
+            weights_fingerprint="w",
+            layout=b.context.config.mem_layout,
+            page_size=PAGE,
         )
         slow = MemoryStorage(
             ns,
@@ -284,7 +292,7 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
             store=store,
             faults=MemoryFaults(get_delay_s=2.0),
         )
-        b.attach_storage(slow, ns, prefetch)
+        b.l3.attach(slow, ns, prefetch)
         req = b.open(TOKENS, compute_last=False)
         start = time.monotonic()
         while not b.ready(req):  # as agreed at the last sync
@@ -294,15 +302,18 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         assert cache_stats(b).counters["prefetch_timeouts_total"] == 1  # admitted unfinished
         b.release(req, TOKENS)
         check_integrity(b)  # the 3 read pages are held by the op, not free
-        assert b.storage is not None and len(b.storage.prefetches.quarantined_host_pages()) == 3
+        assert (
+            b.l3.attached is not None
+            and len(b.l3.attached.prefetches.quarantined_host_pages()) == 3
+        )
         # other requests fill every other L2 page with their backups meanwhile
         others = [[i] * 4 for i in range(20, 24)]
         for toks in others:
             serve(b, toks)
         assert time.monotonic() - start < 2.0, "the late write landed before the check"
-        assert len(b.storage.prefetches.quarantined_host_pages()) == 3
-        b.flush()  # waits for the late write too: it lands in the quarantined pages only
-        assert b.storage.prefetches.quarantined_host_pages() == []
+        assert len(b.l3.attached.prefetches.quarantined_host_pages()) == 3
+        b.sync(wait=True)  # waits for the late write too: it lands in the quarantined pages only
+        assert b.l3.attached.prefetches.quarantined_host_pages() == []
         check_integrity(b)
         b.full.evict_device(8)  # everything L2-only: load back checks every byte
         for toks in others:
@@ -332,7 +343,11 @@ class GatedFailingBackup:
 
 def _namespace(cache: HiCache) -> Namespace:
     return Namespace.for_spec(
-        SPEC, model="m", weights_fingerprint="w", layout=cache.config.mem_layout, page_size=PAGE
+        SPEC,
+        model="m",
+        weights_fingerprint="w",
+        layout=cache.context.config.mem_layout,
+        page_size=PAGE,
     )
 
 
@@ -343,7 +358,7 @@ def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
     with make_cache(hicache_ratio=4.0) as cache:
         ns = _namespace(cache)
         slow_writes = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=0.5))
-        cache.attach_storage(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
+        cache.l3.attach(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
         assert cache.full.host is not None
         engine = cache.full.host.controller._engine
         gated = GatedFailingBackup(engine.copier)
@@ -366,7 +381,7 @@ def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
         assert c_node.host is not None and list(c_node.host) == c_host  # not freed
         assert all(cache.full.host.allocator.is_used(p) for p in c_host)
         assert p_node.lock_ref == 1  # the failed run stays pinned in L1 meanwhile
-        cache.flush()  # the L3 write lands; then the L2 copies are dropped
+        cache.sync(wait=True)  # the L3 write lands; then the L2 copies are dropped
         cache.sync()
         assert p_node.host is None and c_node.host is None and p_node.lock_ref == 0
         assert cache_stats(cache).counters["backup_failures_total"] == 1
@@ -378,12 +393,12 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
     with make_cache() as cache:
         ns = _namespace(cache)
         slow = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=1.0))
-        cache.attach_storage(slow, ns, PrefetchConfig(prefetch_threshold=0))
+        cache.l3.attach(slow, ns, PrefetchConfig(prefetch_threshold=0))
         serve(cache, TOKENS)
         assert cache.full.host is not None
         cache.full.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
-        assert cache.detach_storage(timeout_s=0.1)  # the flush times out
-        assert not (cache.storage is not None)
+        assert cache.l3.detach(timeout_s=0.1)  # the flush times out
+        assert not (cache.l3.attached is not None)
         assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.full.tree.iter_nodes())
         check_integrity(cache)
         cache.reset()  # /flush_cache is not refused: no pin is left behind
@@ -397,28 +412,33 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
     with make_cache() as cache:
         ns = _namespace(cache)
         store = MemoryStore()
-        cache.attach_storage(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
         assert serve(cache, TOKENS) is not None
-        cache.flush()  # TOKENS' pages are in L3
-        assert cache.detach_storage()
+        cache.sync(wait=True)  # TOKENS' pages are in L3
+        assert cache.l3.detach()
         cache.reset()
         assert cache.full.host is not None and cache.full.host.allocator.used_pages == 0
         late = MemoryStorage(
             ns, StorageOptions(timeout_s=0.1), store=store, faults=MemoryFaults(get_delay_s=1.5)
         )
-        cache.attach_storage(late, ns, PrefetchConfig(prefetch_threshold=0))
+        cache.l3.attach(late, ns, PrefetchConfig(prefetch_threshold=0))
         req = cache.open(TOKENS, compute_last=False)
         end = time.monotonic() + 10
-        while cache.storage is not None and not cache.storage.prefetches.quarantined_host_pages():
+        while (
+            cache.l3.attached is not None
+            and not cache.l3.attached.prefetches.quarantined_host_pages()
+        ):
             assert time.monotonic() < end, "the prefetch read was never issued"
             cache.sync()
             time.sleep(0.001)
         held = (
-            cache.storage.prefetches.quarantined_host_pages() if cache.storage is not None else []
+            cache.l3.attached.prefetches.quarantined_host_pages()
+            if cache.l3.attached is not None
+            else []
         )
         assert len(held) == 3
-        assert cache.detach_storage()  # the read timed out; its bytes land later
-        assert not (cache.storage is not None)
+        assert cache.l3.detach()  # the read timed out; its bytes land later
+        assert not (cache.l3.attached is not None)
         cache.sync()
         assert cache.full.host.allocator.used_pages == 3  # quarantined, not free
         assert all(cache.full.host.allocator.is_used(p) for p in held)
@@ -443,7 +463,7 @@ def _l2_only(cache: HiCache, *seqs: list[int]) -> None:
     """Serve each of ``seqs`` (computing it) and leave it cached in L2 only."""
     for seq in seqs:
         assert serve(cache, seq) is not None
-    cache.flush()
+    cache.sync(wait=True)
     cache.full.evict_device(cache.full.pages)
     assert cache.full.device_pool.allocator.used_pages == 0
 
@@ -494,7 +514,7 @@ def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pag
     else:
         cache.release(req)
     cache.full.free(held)
-    cache.flush()  # the load has failed by now
+    cache.sync(wait=True)  # the load has failed by now
     hook.on = False
     m = cache.full.match_prefix(TOKENS)
     assert read_device(cache, m.device_pages).equal(
@@ -558,7 +578,7 @@ def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
     cache.release(req, keep=False)
     cache.full.free(held)
     hook.on = False
-    cache.flush()
+    cache.sync(wait=True)
     check_l1_hits(cache, [TOKENS, x])
     check_integrity(cache)
     assert serve(cache, TOKENS) is not None
@@ -583,7 +603,7 @@ def test_two_l2_hits_admitted_in_one_step_load_concurrently(
     gates.release(0)
     assert finish(cache, first, TOKENS)  # checks its loaded bytes
     assert finish(cache, second, OTHER)
-    cache.flush()
+    cache.sync(wait=True)
     c = cache_stats(cache).counters
     assert c["load_ops_total"] == 2 and c["load_failures_total"] == 0
     check_integrity(cache)
@@ -610,7 +630,7 @@ def test_a_request_sharing_a_chain_still_loading_waits_for_its_layers(
     gates.release(0)
     assert finish(cache, second, LONGER)  # all five pages hold their bytes
     assert finish(cache, first, TOKENS)
-    cache.flush()
+    cache.sync(wait=True)
     check_l1_hits(cache, [TOKENS, LONGER])
     check_integrity(cache)
 
@@ -642,7 +662,7 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
     for req in (first, second):
         cache.release(req, keep=False)
     gates.release(1)
-    cache.flush()
+    cache.sync(wait=True)
     assert cache.full.device_pool.allocator.used_pages == 0
     assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
     check_integrity(cache)
@@ -674,7 +694,7 @@ def test_a_commit_that_adopts_pages_still_loading_waits_for_them() -> None:
         assert read_device(cache, first.pages).equal(page_kv(cache, TOKENS, 0, 3))
         cache.release(first)
         assert finish(cache, second, LONGER)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
     finally:
         gates.release_all()

@@ -64,7 +64,7 @@ class CacheMachine(RuleBasedStateMachine):
                 SPEC, model="m", weights_fingerprint="w", layout=layout, page_size=PAGE
             )
             prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-            self.cache.attach_storage(MemoryStorage(ns, store=MemoryStore()), ns, prefetch)
+            self.cache.l3.attach(MemoryStorage(ns, store=MemoryStore()), ns, prefetch)
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -116,7 +116,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def flush(self) -> None:
-        self.c.flush()
+        self.c.sync(wait=True)
 
     @rule()
     @precondition(lambda self: not self.held)

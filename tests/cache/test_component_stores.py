@@ -201,7 +201,7 @@ def test_the_tree_matches_only_where_the_store_tagged(cache: HiCache) -> None:
     cache.commit(req, prompt[:4], extras=tagged(4, 111))
     assert cache.grow(req, 8, computed=4)
     cache.commit(req, prompt[:6])  # 3 pages: no tag after them
-    cache.keep(req, tagged(8, 222))  # a forward that commits nothing
+    cache.commit(req, extras=tagged(8, 222))  # a forward that commits nothing
     cache.release(req, prompt[:8])
     check_integrity(cache)
     store = cache.stores.of_type(TagStore)

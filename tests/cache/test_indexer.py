@@ -100,7 +100,7 @@ def serve_in_chunks(cache: HiCache, tokens: list[int], chunk: int = 8) -> None:
         cache.commit(req, tokens[:pos])
         check_integrity(cache)
     cache.release(req, tokens)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -112,7 +112,7 @@ def admit_and_check(cache: HiCache, tokens: list[int]) -> int:
     prefix = req.prefix_tokens
     assert keys_ok(cache, req, tokens, prefix)
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     return prefix
 
@@ -211,7 +211,7 @@ def test_a_commit_marks_no_keys_on_nodes_whose_pages_are_not_the_requests(
     assert top.device is not None and top.device != own  # the tree kept its pages
     assert cache.full.tree.component(INDEXER).get(top, Tier.DEVICE) is None  # so no keys there
     cache.release(req, PROMPT)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -290,7 +290,7 @@ def attach(cache: HiCache, store: MemoryStore, layout: MemLayout) -> RecordingSt
     """Attach L3 over ``store``; the storage counts the pages and records read."""
     storage = RecordingStorage(store, namespace(layout), INDEXER)
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage, namespace(layout), policy)
+    cache.l3.attach(storage, namespace(layout), policy)
     return storage
 
 
@@ -303,7 +303,7 @@ def test_keys_survive_host_l3_host(layout: MemLayout) -> None:
         s = store_of(cache)
         assert s.host_pool is not None
         before = digest(s.host_pool.buffer, layout, prefix_pages(cache, PROMPT, Tier.HOST))
-        cache.flush()
+        cache.sync(wait=True)
         assert cache.full.counters.l3_backup_indexer_pages_total == 8
         assert cache.full.counters.l3_backup_indexer_pages_failed_total == 0
     keys = page_keys(namespace(layout).with_component(INDEXER), PROMPT, PAGE)
@@ -321,7 +321,7 @@ def test_keys_survive_host_l3_host(layout: MemLayout) -> None:
         after = digest(s2.host_pool.buffer, layout, prefix_pages(cold, PROMPT, Tier.HOST))
         assert after == before
         cold.release(req)
-        cold.flush()
+        cold.sync(wait=True)
         check_integrity(cold)
 
 

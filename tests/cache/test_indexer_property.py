@@ -46,7 +46,7 @@ def serve_with_keys(
         assert torch.equal(buf[:, int(slots[pos])], token_key(KEYS, tokens, pos)), (
             f"the indexer keys of cached position {pos} came back with other bytes"
         )
-    full = len(tokens) // cache.page_size
+    full = len(tokens) // cache.context.page_size
     for pos in range(req.prefix_tokens, full * PAGE):
         buf[:, int(slots[pos])] = token_key(KEYS, tokens, pos)
     cache.commit(req, tokens)

@@ -90,10 +90,10 @@ def _scenario(rank: int, root: str, fault: str) -> dict[str, Any]:
     )  # fmt: skip
     storage = create_storage("file", namespace=ns, extra_config={"file_path": f"{root}/{fault}"})
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
     with cache:
         rank_cache.drive(cache, PROMPTS)
-        cache.flush()
+        cache.sync(wait=True)
         cache.sync()  # both ranks past their writes before either reads
         cache.reset()
         if rank == 1 and fault == "slow":  # every lookup and read 0.15 s late
@@ -102,7 +102,7 @@ def _scenario(rank: int, root: str, fault: str) -> dict[str, Any]:
         if rank == 1 and fault == "lookup_fail":
             storage.exists_run = lambda keys: ExistsRun(0, failed=True)  # type: ignore[method-assign]
         hits = rank_cache.drive(cache, PROMPTS)
-        cache.flush()
+        cache.sync(wait=True)
         prefixes = _check_keys(cache, PROMPTS)
         check_integrity(cache)
         return {

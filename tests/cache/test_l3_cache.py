@@ -24,7 +24,7 @@ def make(spec: KVSpec, store: MemoryStore) -> HiCache:
         spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
     )
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+    cache.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
     return cache
 
 
@@ -33,7 +33,7 @@ def put(cache: HiCache, tokens: list[int], *, tenant: str = "") -> None:
     assert pages is not None
     write_tokens(cache, tokens, pages, 0)
     cache.full.insert(tokens, pages, tenant=tenant)
-    cache.flush()
+    cache.sync(wait=True)
 
 
 def fetch(cache: HiCache, tokens: list[int], tenant: str = "") -> tuple[int, torch.Tensor]:
@@ -43,7 +43,7 @@ def fetch(cache: HiCache, tokens: list[int], tenant: str = "") -> tuple[int, tor
     data = read_device(cache, req.pages[: req.cached.total // PAGE])  # the cached prefix
     got = req.cached.storage
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     return got, data
 
 
@@ -97,7 +97,7 @@ def test_a_split_during_the_l2_backup_loses_nothing_on_the_way_to_l3() -> None:
         write_tokens(a, TOKENS, pages, 0)
         a.full.insert(TOKENS, pages)  # backup L1 -> L2 in flight, applied at the next poll
         a.full.tree.match_prefix([*TOKENS[:4], 0, 0])  # splits the node before that
-        a.flush()
+        a.sync(wait=True)
         assert len(store) == 4 and cache_stats(a).counters["l3_backup_tokens_total"] == 8
         check_integrity(a)
     with make(MHA, store) as b:
@@ -117,7 +117,7 @@ def make_write_back(spec: KVSpec, store: MemoryStore) -> HiCache:
     ns = Namespace.for_spec(
         spec, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
     )
-    cache.attach_storage(
+    cache.l3.attach(
         MemoryStorage(ns, store=store),
         ns,
         PrefetchConfig(policy="wait_complete", prefetch_threshold=0),

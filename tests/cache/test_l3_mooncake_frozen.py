@@ -44,7 +44,7 @@ def make(svc: Any, prefetch: PrefetchConfig, **cfg: Any) -> HiCache:
 def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any) -> None:
     with make(mooncake, PrefetchConfig(policy="wait_complete", prefetch_threshold=0)) as a:
         assert serve(a, TOKENS) is not None
-        a.flush()
+        a.sync(wait=True)
     prefetch = PrefetchConfig(
         policy="timeout",
         prefetch_threshold=0,
@@ -66,7 +66,10 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
             assert b.admit(req, TOKENS)
             assert req.cached.storage == 0  # the get timed out: recomputed
             b.release(req, TOKENS)
-            assert b.storage is not None and len(b.storage.prefetches.quarantined_host_pages()) > 0
+            assert (
+                b.l3.attached is not None
+                and len(b.l3.attached.prefetches.quarantined_host_pages()) > 0
+            )
             others = [[i] * (4 * PAGE) for i in range(1, 6)]
             for toks in others:  # their backups take every L2 page that is free
                 assert serve(b, toks) is not None
@@ -75,8 +78,8 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
             check_integrity(b)
         finally:
             mooncake.thaw()
-        b.flush()  # the late get lands, in the quarantined pages only; then they are freed
-        assert b.storage.prefetches.quarantined_host_pages() == []
+        b.sync(wait=True)  # the late get lands, in the quarantined pages only; then they are freed
+        assert b.l3.attached.prefetches.quarantined_host_pages() == []
         b.full.evict_device(64)
         for toks in others:  # every L2 copy still holds its own bytes (serve checks)
             if b.full.match_prefix(toks).host_tokens:

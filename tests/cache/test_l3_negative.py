@@ -36,7 +36,7 @@ def make(root: Path, ttl: float, entries: int = 1024) -> HiCache:
         negative_ttl_s=ttl,
         negative_max_entries=entries,
     )
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
     return cache
 
 
@@ -57,14 +57,14 @@ def ask(cache: HiCache, tokens: list[int]) -> int:
     wait_ready(cache, req)
     found = req.prefetch.boundary * PAGE if req.prefetch is not None else 0
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     return found
 
 
 def put(cache: HiCache, tokens: list[int]) -> None:
     """Compute and commit ``tokens`` (written through to L2 and L3)."""
     serve(cache, tokens)
-    cache.flush()
+    cache.sync(wait=True)
 
 
 @pytest.mark.parametrize(("ttl", "asked"), [(60.0, 1), (0.0, 5)])
@@ -92,7 +92,7 @@ def test_a_burst_of_requests_arriving_together_asks_once(
             wait_ready(cache, req)
         for req in reqs:
             cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         assert lookups(cache) == asked
         assert counter(cache, "l3_negative_lookups_saved_total") == 4 - asked
 
@@ -127,7 +127,7 @@ def test_a_page_another_instance_writes_is_found_once_the_ttl_passed(tmp_path: P
         data = read_device(b, got.pages[:3])
         assert torch.equal(data, page_kv(b, PREFIX, 0, 3))
         b.release(got)
-        b.flush()
+        b.sync(wait=True)
         check_integrity(b)
 
 
@@ -142,7 +142,7 @@ def test_a_write_of_this_instance_clears_its_misses_at_once(tmp_path: Path) -> N
         assert got is not None and got.cached.storage == 6 and lookups(cache) == 2
         assert torch.equal(read_device(cache, got.pages[:3]), page_kv(cache, PREFIX, 0, 3))
         cache.release(got)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
 
 

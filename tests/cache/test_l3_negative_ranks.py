@@ -42,7 +42,7 @@ def _attach(cache: HiCache, rank: int, store: str, ttl: float) -> None:
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store})
     prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0, negative_ttl_s=ttl)
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
 
 
 def _main(rank: int, n: int, out: str) -> dict[str, Any]:
@@ -52,15 +52,15 @@ def _main(rank: int, n: int, out: str) -> dict[str, Any]:
         req = cache.open(B, compute_last=False)  # looked up (missing everywhere), not run
         wait_ready(cache, req)
         cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         # another instance (one rank of another server) writes B to this rank's shard
         with HiCache(CFG, SPEC).start() as other:
             _attach(other, rank, store, ttl=0.0)
             serve(other, B)
-            other.flush()
+            other.sync(wait=True)
         lookups = cache_stats(cache).storage.exists_calls
         hits = drive(cache, [[*B, 7]])
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         return {
             "hits": hits,

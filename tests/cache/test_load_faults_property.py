@@ -110,7 +110,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
         """A later turn when L1 is nearly full: every cached L1 copy is demoted, all but
         ``k`` free pages are held elsewhere (until the turn ends), so the load and the
         pages after it compete for the last pages; with ``fail`` its load fails."""
-        self.c.flush()  # backups in flight pin their L1 sources
+        self.c.sync(wait=True)  # backups in flight pin their L1 sources
         self.c.full.evict_device(self.c.full.pages)
         before = len(self.private)
         self.leave_free(k)
@@ -192,7 +192,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
 
     @rule()
     def check(self) -> None:
-        self.c.flush()
+        self.c.sync(wait=True)
         check_l1_hits(self.c, self.known)
 
     @invariant()

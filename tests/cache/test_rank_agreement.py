@@ -61,7 +61,7 @@ def _cache(
         weights_fingerprint="w",
         layout=cfg.mem_layout,
         page_size=PAGE,
-        tp_size=cache.ranks.size,
+        tp_size=cache.context.ranks.size,
         tp_rank=rank,
     )
     storage = create_storage("memory", namespace=ns, extra_config={"store": store, **extra})
@@ -73,13 +73,13 @@ def _cache(
         prefetch_timeout_per_ki_token=0.0,
         prefetch_timeout_max=5.0,
     )
-    cache.attach_storage(storage, ns, prefetch)
+    cache.l3.attach(storage, ns, prefetch)
     return cache
 
 
 def _backend(cache: HiCache) -> MemoryStorage:
-    assert cache.storage is not None
-    storage = cache.storage.controller.storage
+    assert cache.l3.attached is not None
+    storage = cache.l3.attached.controller.storage
     assert isinstance(storage, MemoryStorage)
     return storage
 
@@ -108,7 +108,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
     hook = FailingLoads()
     with _cache(rank, f"{policy}-{fault}-{rank}", policy, extra=extra, hook=hook) as cache:
         drive(cache, PROMPTS)
-        cache.flush()
+        cache.sync(wait=True)
         cache.reset()
         backed_before = cache.full.counters.backup_tokens_total
         held = _inject(cache, fault) if faulty else None
@@ -116,7 +116,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
             hook.on = True
         hits = drive(cache, PROMPTS)
         hook.on = False
-        cache.flush()
+        cache.sync(wait=True)
         digest = tree_digest(cache)
         if held is not None:
             assert cache.full.host is not None
@@ -168,11 +168,11 @@ def _race_main(rank: int, n: int, out: str, policy: str) -> dict[str, Any]:
     ]
     with _cache(rank, f"race-{policy}-{rank}", policy, extra={}) as cache:
         drive(cache, prompts)
-        cache.flush()
+        cache.sync(wait=True)
         cache.reset()
         _backend(cache).set_faults(MemoryFaults(delay_s=0.02 * rank))
         hits = drive(cache, prompts, open_per_step=2, hold_steps=8, max_running=2, step_s=0.01)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         return {"hits": hits, "digest": tree_digest(cache)}
 
@@ -193,9 +193,9 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
     with _cache(rank, f"retired-{rank}", "wait_complete", extra={}) as cache:
         assert cache.full.host is not None
         drive(cache, [A])
-        cache.flush()
-        ns = cache.storage.keys.namespace if cache.storage is not None else None
-        assert ns is not None and cache.detach_storage()
+        cache.sync(wait=True)
+        ns = cache.l3.attached.keys.namespace if cache.l3.attached is not None else None
+        assert ns is not None and cache.l3.detach()
         cache.reset()
         late = create_storage(
             "memory",
@@ -203,18 +203,23 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
             extra_config={"store": f"retired-{rank}", "timeout_s": 0.1,
                           "get_delay_s": 1.0 if rank == 1 else 0.0},
         )  # fmt: skip
-        cache.attach_storage(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        cache.l3.attach(late, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
         req = cache.open(A, compute_last=False)
-        while cache.storage is not None and not cache.storage.prefetches.quarantined_host_pages():
+        while (
+            cache.l3.attached is not None
+            and not cache.l3.attached.prefetches.quarantined_host_pages()
+        ):
             cache.sync()  # the lookup applied on every rank: the read is issued
             time.sleep(0.002)
         time.sleep(0.3)  # rank 0's read is over, rank 1's still writes late
-        assert cache.detach_storage()
+        assert cache.l3.detach()
         steps = 0
         while True:
             cache.sync()
             free = cache.full.host.allocator.free_pages
-            assert cache.ranks.min(free) == cache.ranks.max(free), "L2 pools drifted apart"
+            assert cache.context.ranks.min(free) == cache.context.ranks.max(free), (
+                "L2 pools drifted apart"
+            )
             if not cache.full.host.allocator.used_pages:
                 break
             steps += 1
@@ -247,7 +252,7 @@ def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:
     store = f"swa-{rank}"
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
     with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,)), ranks=RankGroup()) as cache:
-        cache.attach_storage(
+        cache.l3.attach(
             create_storage("memory", namespace=ns, extra_config={"store": store}), ns, policy
         )
         serve_in_chunks(cache, tokens)
@@ -266,7 +271,7 @@ def _swa_main(rank: int, n: int, out: str) -> dict[str, Any]:
         assert read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
         hit = (req.cached.storage, prefix)
         cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         return {"hit": hit, "digest": tree_digest(cache)}
 
@@ -306,9 +311,7 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
         prefetch_timeout_per_ki_token=0.0, prefetch_timeout_max=5.0,
     )  # fmt: skip
     with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,)), ranks=RankGroup()) as cache:
-        cache.attach_storage(
-            create_storage("memory", namespace=ns, extra_config=extra), ns, prefetch
-        )
+        cache.l3.attach(create_storage("memory", namespace=ns, extra_config=extra), ns, prefetch)
         for tokens in HYBRID_PROMPTS:
             serve_in_chunks(cache, tokens)
         cache.reset()
@@ -330,7 +333,7 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
             window = read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
             hits.append((req.cached.storage, prefix, window))
             cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         digest = tree_digest(cache)
         if held is not None:
             assert cache.full.host is not None

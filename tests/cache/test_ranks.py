@@ -43,8 +43,11 @@ def _cache(spec: KVSpec, root: Path, rank: int) -> HiCache:
         tp_rank=rank,
     )
     storage = create_storage("file", namespace=ns, extra_config={"file_path": str(root)})
-    cache.attach_storage(
-        storage, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0), cache.ranks
+    cache.l3.attach(
+        storage,
+        ns,
+        PrefetchConfig(policy="wait_complete", prefetch_threshold=0),
+        cache.context.ranks,
     )
     return cache
 
@@ -56,20 +59,20 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
     result: dict[str, object] = {}
     with _cache(spec, root, rank) as cache:
         drive(cache, [TOKENS])
-        cache.flush()
+        cache.sync(wait=True)
         dist.barrier()
         files = sorted(p for p in root.rglob("*") if p.is_file())
         result["files"] = len(files)
         result["written"] = cache.full.counters.l3_backup_tokens_total
         if spec_name == "mha" and rank == 1:  # this rank's store loses its last two pages
-            assert cache.storage is not None
-            for key in cache.storage.keys.of(encode_tokens(TOKENS))[2:]:
-                cache.storage.controller.storage.path_of(key.key).unlink()  # type: ignore[attr-defined]
+            assert cache.l3.attached is not None
+            for key in cache.l3.attached.keys.of(encode_tokens(TOKENS))[2:]:
+                cache.l3.attached.controller.storage.path_of(key.key).unlink()  # type: ignore[attr-defined]
         dist.barrier()
         cache.reset()
         [(_, _, storage_tokens)] = drive(cache, [TOKENS])
         result["storage_tokens"] = storage_tokens
-        cache.flush()
+        cache.sync(wait=True)
         result["digest"] = tree_digest(cache)
         check_integrity(cache)
     return result

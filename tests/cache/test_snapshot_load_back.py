@@ -23,7 +23,7 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     run(cache, SHORT, snapshot(1))  # node X = pages 0..3, snapshot at 8 tokens
     s2 = snapshot(2)
     run(cache, LONG, s2)  # node Y = page 4 under X, snapshot at 10 tokens
-    cache.flush()  # both backed up to L2 with their snapshots
+    cache.sync(wait=True)  # both backed up to L2 with their snapshots
     assert cache.full.evict_device(1) == 1  # Y (the leaf) is L2-only now
     (x,) = [n for n in cache.full.tree.iter_nodes() if n.parent is cache.full.tree.root]
     (y,) = x.children.values()
@@ -44,6 +44,6 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     got = resume_state(req)
     assert got is not None and all(a.equal(b) for a, b in zip(got, s2, strict=True))
     cache.release(req, LONG)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())

@@ -99,7 +99,7 @@ def test_a_match_resumes_only_where_a_snapshot_is(cache: HiCache) -> None:
 def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> None:
     s = snapshot(2)
     run(cache, PROMPT, s)
-    cache.flush()
+    cache.sync(wait=True)
     cache.full.evict_device(8)  # full KV and snapshot: L2 only now
     (node,) = [n for n in cache.full.tree.iter_nodes() if n.parent is not None]
     assert node.device is None and node.host is not None
@@ -111,7 +111,7 @@ def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> 
     got = resume_state(req)
     assert got is not None and all(a.equal(b) for a, b in zip(got, s, strict=True))
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     cache.reset()
     check_integrity(cache)
@@ -148,7 +148,7 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         cache.commit(req, prompt[:11], extras=kept(10, s10))
         assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 3
         assert cache.grow(req, 12, computed=11)
-        cache.keep(req, kept(12, s12))  # a decode step: kept for the request's end
+        cache.commit(req, extras=kept(12, s12))  # a decode step: kept for the request's end
         cache.release(req, [*prompt, 99])  # its last commit takes it
         assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 4
         check_integrity(cache)
@@ -164,7 +164,7 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         req = cache.open(other)
         assert cache.admit(req, other)
         assert cache.grow(req, 12, computed=0)
-        cache.keep(req, kept(12, snapshot(99)))
+        cache.commit(req, extras=kept(12, snapshot(99)))
         cache.commit(req, [*other, 98])
         assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 4
         cache.release(req, None)
@@ -189,7 +189,7 @@ def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
         both = SequenceExtras((KeptState(4, tuple(s4)), KeptState(8, tuple(s8))))
         cache.commit(req, prompt[:8], extras=both)
         cache.release(req)
-        cache.flush()
+        cache.sync(wait=True)
         snaps = cache.stores.of_type(SnapshotStore)
         assert snaps is not None
         assert len(cache.full.tree.component_ids("mamba", Tier.HOST)) == 2  # both boundaries
@@ -206,5 +206,5 @@ def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
         assert got is not None and all(a.equal(b) for a, b in zip(got, s4, strict=True))
         assert read_device(cache, again.pages[:2]).equal(page_kv(cache, other, 0, 2))
         cache.release(again)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)

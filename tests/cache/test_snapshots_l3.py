@@ -50,7 +50,7 @@ def make_cache(store: MemoryStore, storage: MemoryStorage | None = None) -> HiCa
     )  # fmt: skip
     cache = HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,))).start()
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage or MemoryStorage(NS, store=store), NS, policy)
+    cache.l3.attach(storage or MemoryStorage(NS, store=store), NS, policy)
     return cache
 
 
@@ -69,7 +69,7 @@ def compute(cache: HiCache, prompt: list[int], snaps: dict[int, list[torch.Tenso
     for pages in range(1, full + 1):
         cache.commit(req, prompt[: pages * PAGE], extras=kept(pages * PAGE, snaps.get(pages)))
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -85,7 +85,7 @@ def fetch(cache: HiCache, prompt: list[int]) -> tuple[int, int, list[torch.Tenso
     )
     out = (req.cached.storage, req.prefix_tokens, resume_state(req))
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     return out
 
@@ -274,8 +274,8 @@ def _replica_main(rank: int, n: int, out: str) -> dict[str, object]:
     mine = snapshot(7 + rank)
     with HiCache(cfg, CacheSpec(kv=SPEC, components=(STATE,)), ranks=RankGroup()) as cache:
         policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-        cache.attach_storage(storage, ns, policy)
-        assert cache.storage is not None and cache.storage.keys.writer == (rank == 0)
+        cache.l3.attach(storage, ns, policy)
+        assert cache.l3.attached is not None and cache.l3.attached.keys.writer == (rank == 0)
         compute(cache, PROMPT, {2: mine})
         cache.reset()
         hit, prefix, state = fetch(cache, PROMPT)

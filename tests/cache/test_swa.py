@@ -106,7 +106,7 @@ def serve_in_chunks(cache: HiCache, tokens: list[int]) -> None:
         cache.commit(req, tokens[:pos])
         check_integrity(cache)
     cache.release(req, tokens)
-    cache.flush()  # backups landed: their L1 sources are unpinned
+    cache.sync(wait=True)  # backups landed: their L1 sources are unpinned
     check_integrity(cache)
 
 
@@ -118,7 +118,7 @@ def serve_token_by_token(cache: HiCache, tokens: list[int]) -> None:
     for c in range(1, len(tokens) + 1):
         forward(cache, req, tokens, c - 1, c)
     cache.release(req, tokens)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -201,7 +201,7 @@ def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> 
 
 def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
-    cache.flush()
+    cache.sync(wait=True)
     # write_through: each commit's SWA pages went to L2 with their full pages
     assert swa_used(cache, Tier.HOST) == 8
     assert cache.full.evict_device(10**6) == 8
@@ -216,14 +216,14 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     assert read_swa(cache, req, PROMPT, 12, 16)
     forward(cache, req, PROMPT, 16, 17)
     cache.release(req, PROMPT)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
 
 
 def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
-    cache.flush()
+    cache.sync(wait=True)
     node = cache.full.match_prefix(PROMPT[:16]).last_device_node
     for need in swa_of(cache).hit_needs(node):
         swa_of(cache).free(
@@ -278,7 +278,7 @@ def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> 
         assert all(req_a.wait_layer(i, 10) for i in range(2))
         cache.release(req_a)
         cache.release(req_b)
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
     finally:
         gates.release_all()

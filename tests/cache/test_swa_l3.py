@@ -45,7 +45,7 @@ def make_cache(store: MemoryStore) -> tuple[HiCache, RecordingStorage]:
     cache = HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,))).start()
     storage = RecordingStorage(store, NS, "swa")
     policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.attach_storage(storage, NS, policy)
+    cache.l3.attach(storage, NS, policy)
     return cache, storage
 
 
@@ -79,7 +79,7 @@ def fetch(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
     assert read_swa(cache, req, tokens, max(0, prefix - SWA_SPEC.window), prefix)
     out = (req.cached.storage, prefix)
     cache.release(req)
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     return out
 

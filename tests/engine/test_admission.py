@@ -347,19 +347,19 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
     )
 
     def namespace(cache: HiCache) -> Namespace:
-        layout = cache.config.mem_layout
+        layout = cache.context.config.mem_layout
         return Namespace.for_spec(SPEC, model="m", weights_fingerprint="w", layout=layout,
                                   page_size=PAGE)  # fmt: skip
 
     with HiCache(cfg, SPEC).start() as writer:
         ns = namespace(writer)
-        writer.attach_storage(MemoryStorage(ns, store=store), ns, prefetch)
+        writer.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
         serve(writer, prompt)
-        writer.flush()
+        writer.sync(wait=True)
     with HiCache(cfg, SPEC).start() as cache:
         ns = namespace(cache)
         storage = GatedStorage(ns, store)
-        cache.attach_storage(storage, ns, prefetch)
+        cache.l3.attach(storage, ns, prefetch)
         sched, _ = make(cache, max_running_requests=4)
         wide = [req(10 + 2 * i, "wide", LONG) for i in range(6)]
         for r in wide:
@@ -387,7 +387,7 @@ def test_a_claimant_whose_prefetch_runs_leaves_the_lent_slots_until_it_is_ready(
         assert sched.reclaimed == 1 and claimant.cached.storage == 8
         run(sched, 200)
         assert claimant.output_ids == [49, 50]
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
 
 

@@ -75,7 +75,7 @@ def test_greedy_through_engine_equals_transformers(variant: str) -> None:
     want = hf_greedy(variant, ids, NEW_TOKENS)
     cfg = deepseek_model(variant).model.config
     with make_engine(variant) as engine:
-        spec = engine.core.cache.spec
+        spec = engine.core.cache.context.spec
         assert spec.attention is AttentionKind.MLA and spec.num_layers == cfg.num_layers
         assert (spec.heads, spec.dim) == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         assert engine.core.cache.stores.names == []

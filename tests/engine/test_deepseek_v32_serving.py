@@ -55,7 +55,7 @@ def test_greedy_through_engine_equals_transformers() -> None:
     want = hf_greedy(ids, NEW_TOKENS)
     cfg = v32_model().model.config
     with make_engine() as engine:
-        assert engine.core.cache.spec.attention is AttentionKind.MLA
+        assert engine.core.cache.context.spec.attention is AttentionKind.MLA
         indexer = engine.core.cache.stores.get("indexer")
         assert indexer is not None and indexer.spec == IndexerSpec(
             num_layers=cfg.num_layers, index_head_dim=16, dtype="float32"

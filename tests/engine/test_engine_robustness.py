@@ -288,7 +288,7 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
         assert cold.cached.total == 0
 
         def demote() -> None:
-            engine.core.cache.flush()
+            engine.core.cache.sync(wait=True)
             engine.core.cache.full.evict_device(10**6)  # the prompt's KV is in L2 only now
 
         engine.call(demote).result(timeout=30)
@@ -307,7 +307,7 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
         assert again.output_ids == cold.output_ids and again.cached.device == 44
 
         def check() -> None:
-            engine.core.cache.flush()
+            engine.core.cache.sync(wait=True)
             check_integrity(engine.core.cache)
             assert all(
                 n.lock_ref == 0 and n.host_ref == 0

@@ -55,7 +55,7 @@ def assert_clean(engine: Engine) -> None:
 
     def check() -> None:
         assert engine.core.scheduler.idle
-        engine.core.cache.flush()
+        engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
             n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
@@ -307,7 +307,7 @@ def test_metrics_values_match_the_cache(server: tuple[str, Engine]) -> None:
         assert r.status_code == 200
     warm = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert warm == 44  # 11 whole pages of the 45-token prompt (the last token is computed)
-    engine.call(engine.core.cache.flush).result(timeout=60)
+    engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=60)
     stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60)
     families = {f.name: f for f in text_string_to_metric_families(scrape(url, engine))}
 

@@ -123,13 +123,13 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
         assert engine.core.scheduler.resumable_prefix
         cfg = hybrid_model(name).model.config
         if name in ATTENTION_ONLY:  # sliding layers in the SWA pools, global in the full
-            assert engine.core.cache.spec.num_layers == len(cfg.global_layers)
+            assert engine.core.cache.context.spec.num_layers == len(cfg.global_layers)
             swa = engine.core.cache.stores.of_type(SwaStore)
             assert swa is not None
             assert swa.spec.kv.num_layers == len(cfg.sliding_layers)
             assert engine.core.cache.stores.names == ["swa"]
         else:
-            assert engine.core.cache.spec.num_layers == len(cfg.kv_layers)
+            assert engine.core.cache.context.spec.num_layers == len(cfg.kv_layers)
             assert engine.core.cache.stores.of_type(SwaStore) is None
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
@@ -279,7 +279,9 @@ def test_a_second_engine_resumes_from_the_shared_file_l3(name: str, tmp_path: Pa
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        engine.call(engine.core.cache.flush).result(timeout=60)  # pages and snapshots in L3
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+            timeout=60
+        )  # pages and snapshots in L3
         written = cache_stats(engine.core.cache).counters["l3_backup_snapshots_total"]
         assert written >= 2  # the prompt's (32) and the request end's (40)
     with make_engine(name, storage=tmp_path) as other:
@@ -292,7 +294,9 @@ def test_a_second_engine_hits_the_windows_in_the_shared_file_l3(name: str, tmp_p
     want = hf_greedy(name, ids)
     with make_engine(name, storage=tmp_path) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
-        engine.call(engine.core.cache.flush).result(timeout=60)  # pages and windows in L3
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+            timeout=60
+        )  # pages and windows in L3
         counters = cache_stats(engine.core.cache).counters
         assert counters["l3_backup_swa_pages_total"] > 0
         assert counters["l3_backup_swa_pages_failed_total"] == 0
@@ -365,7 +369,7 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
             }
 
         per_token = engine.call(usage).result(timeout=30)
-        assert per_token["full"] == engine.core.cache.spec.token_bytes
+        assert per_token["full"] == engine.core.cache.context.spec.token_bytes
         # the prompt's pages (committed with each prefill chunk) and the final window; the
         # decoded positions between are tombstones
         assert 0 < per_token["swa"] < swa.spec.kv.token_bytes
@@ -389,7 +393,7 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
 
         def evict_windows() -> int:
             cache = engine.core.cache
-            cache.flush()
+            cache.sync(wait=True)
             swa = cache.stores.of_type(SwaStore)
             assert swa is not None
             freed = 0
@@ -496,12 +500,14 @@ def test_a_corrupt_snapshot_record_is_healed_by_the_recompute(tmp_path: Path) ->
     with make_engine(name, storage=tmp_path) as engine:
 
         def only_in_l3() -> None:
-            engine.call(engine.core.cache.flush).result(timeout=60)  # every backup reaches L3
+            engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+                timeout=60
+            )  # every backup reaches L3
             assert engine.flush_cache()  # L1 and L2 emptied
 
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         only_in_l3()
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None
         key = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in ids[:MATCHED]), "", "mamba")[-1]
         path = l3.controller.storage.path_of(key.key)  # type: ignore[attr-defined]

@@ -78,13 +78,13 @@ def reference() -> list[int]:
 
 def only_in_l3(engine: Engine) -> None:
     """Let every backup reach L3, then empty L1 and L2."""
-    engine.call(engine.core.cache.flush).result(timeout=60)
+    engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=60)
     assert engine.flush_cache()
 
 
 def clean(engine: Engine) -> None:
     def check() -> None:
-        engine.core.cache.flush()
+        engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
             n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
@@ -141,7 +141,7 @@ def _slow_replay(
     with make_engine("memory", {"store": store, **extra}, policy) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         only_in_l3(engine)
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
         l3.controller.storage.set_faults(MemoryFaults(delay_s=delay))
         t0 = time.monotonic()
@@ -184,7 +184,7 @@ def test_backend_failing_mid_run_gives_misses_not_errors(reference: list[int]) -
     with make_engine("memory", {"store": store}) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         only_in_l3(engine)
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
         l3.controller.storage.set_faults(MemoryFaults(fail_after=0))
         out = engine.generate(PROMPT, GREEDY, timeout=60)
@@ -198,7 +198,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         only_in_l3(engine)
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None
         storage = l3.controller.storage
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
@@ -215,7 +215,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         clean(engine)
     # another model's records stored under the keys this one looks up
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None and engine.core.cache.full.host_pool is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
@@ -246,7 +246,7 @@ def test_previous_version_records_are_missed_and_counted(
     own namespace, ``hc2-`` keys) is a clean miss; the lookup that found nothing probes the
     version-2 key of its first page once and counts it; a lookup that hits probes none."""
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None
         st = l3.controller.storage
         assert isinstance(st, FileStorage)
@@ -269,7 +269,7 @@ def corrupt_record(engine: Engine, page: PageKey) -> None:
     """Damage the record of K/V head 0 of page key ``page`` in the engine's L3 store itself: flip a payload byte
     (``file`` and ``nixl``, ``redis``, ``aibrix`` over SHFS), or plant zero bytes of the record's length (``mooncake``,
     whose client cannot read a record back without a local buffer)."""
-    l3 = engine.core.cache.storage
+    l3 = engine.core.cache.l3.attached
     assert l3 is not None
     st = l3.controller.storage
     key = head_key(page, 0)
@@ -317,7 +317,7 @@ def test_a_corrupt_record_is_healed_by_the_recompute(
     with make_engine(name, extra) as engine:
         engine.generate(PROMPT, GREEDY, timeout=60)
         only_in_l3(engine)
-        l3 = engine.core.cache.storage
+        l3 = engine.core.cache.l3.attached
         assert l3 is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         corrupt_record(engine, keys[5])

@@ -94,7 +94,7 @@ def test_a_stop_string_found_one_step_late(cache: HiCache) -> None:
         assert cache.full.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 99]).device_tokens == (
             8 if overlap else 4
         )
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         assert len(cache.admitted) == 0
     assert results[True] == results[False]
@@ -129,7 +129,7 @@ def test_reports_are_those_of_the_synchronous_order(cache: HiCache) -> None:
         for _, outs in made:
             assert_well_formed(outs)
         results[overlap] = [shown(outs) for _, outs in made]
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         assert len(cache.admitted) == 0
     assert results[True] == results[False]
@@ -173,7 +173,7 @@ def test_abort_while_an_output_is_pending(cache: HiCache) -> None:
         ([4, 5], "", "4 5", True, FinishReason.ABORT),
     ]
     assert sched.idle and len(cache.admitted) == 0
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -252,7 +252,7 @@ def test_a_retracted_request_stopped_by_its_pending_output(cache: HiCache) -> No
     for _, other in made:
         assert_well_formed(other)
     assert len(cache.admitted) == 0
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 

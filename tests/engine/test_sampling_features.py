@@ -495,7 +495,7 @@ def test_prompt_logprobs_survive_retraction_and_chunking() -> None:
         ]
         assert a.retracted and runner.logit_rows[-1] is None
         assert a.cached.total == 0
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
 
 
@@ -545,5 +545,5 @@ def test_a_failing_row_ends_only_its_request() -> None:
         assert errors[1].startswith("logprobs failed")
         assert errors[2].startswith("logit processing failed") and "outside" in errors[2]
         assert len(cache.admitted) == 0
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)

@@ -104,7 +104,7 @@ def test_abort_frees_everything_of_waiting_and_running_requests(cache: HiCache) 
     assert a_outs[-1].finish_reason is FinishReason.ABORT
     assert b_outs[-1].finish_reason is FinishReason.ABORT
     assert len(cache.admitted) == 0 and cache.full.request_pages(cache.admitted) == []
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
     st = cache_stats(cache)
     assert st.device_cached_tokens + st.device_free_tokens == st.device_total_tokens
@@ -126,7 +126,7 @@ def test_retraction_keeps_kv_and_readmission_finds_it(cache: HiCache) -> None:
     assert retracted.cached.total == 0  # counted once, at the first admission
     assert cache_stats(cache).counters["prefix_queries_total"] == 2
     assert a_outs[-1].finished and b_outs[-1].finished
-    cache.flush()
+    cache.sync(wait=True)
     check_integrity(cache)
 
 
@@ -156,7 +156,7 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         first, _ = request(prompt)
         sched.add(first)
         run(sched)
-        cache.flush()
+        cache.sync(wait=True)
         cache.full.evict_device(8)  # the prompt's KV is in L2 only now
         hook.on = True
         again, again_outs = request(prompt)
@@ -175,7 +175,7 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         assert again.cache is not None and again.cache.cached.host == 0
         stats = cache_stats(cache).counters
         assert stats["load_fallbacks_total"] == 1 and stats["load_failures_total"] == 1
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
         assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
         hook.on = False
@@ -199,7 +199,7 @@ def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() ->
         first, _ = request(prompt)
         sched.add(first)
         run(sched)
-        cache.flush()
+        cache.sync(wait=True)
         cache.full.evict_device(8)
         again, outs = request(prompt)
         sched.add(again)
@@ -215,7 +215,7 @@ def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() ->
         run(sched)
         assert outs[-1].error is None and again.output_ids == first.output_ids
         assert cache_stats(cache).counters["load_fallbacks_total"] == 1
-        cache.flush()
+        cache.sync(wait=True)
         check_integrity(cache)
 
 

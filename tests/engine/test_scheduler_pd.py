@@ -76,7 +76,7 @@ def decode_scheduler(cache: HiCache) -> tuple[Scheduler, Receiver]:
         fingerprint="fake",
         page_size=PAGE,
         tp_size=1,
-        mla=cache.spec.attention is AttentionKind.MLA,
+        mla=cache.context.spec.attention is AttentionKind.MLA,
         transfer_backend="mooncake",
         stores=tuple(
             StoreLayout(n, g.num_kv, g.layers, g.row_bytes, g.dtype) for n, g in geometry.items()

@@ -144,7 +144,7 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp2: tuple[str, Engine]) -> None
     # a cache call that needs the ranks to agree, run on rank 0 alone, fails at once
     # (it used to block rank 0 in a collective no follower joins, for its full timeout)
     with pytest.raises(LocalOnlyError, match=r"inside Engine\.call"):
-        engine.call(engine.core.cache.flush).result(timeout=30)
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=30)
     assert (
         engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=30).device_total_tokens
         > 0

@@ -40,7 +40,7 @@ the boundary, two pages of 4."""
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 Digests = list[dict[str, dict[int, str]]]
-"""Per rank: ``"<component>/<tier>"`` -> page index -> SHA-256 (``Engine.rank_page_digests``)."""
+"""Per rank: ``"<component>/<tier>"`` -> page index -> SHA-256 (``Engine.rank_digests``)."""
 
 
 @pytest.fixture(
@@ -93,7 +93,7 @@ def test_walks_every_tier_with_the_same_bytes(served: tuple[str, Engine, EngineC
     want = hf_greedy(name, a, NEW)
     cold = engine.generate(a, GREEDY, timeout=120)
     assert cold.error is None and cold.cached.total == 0 and cold.output_ids == want
-    first = engine.rank_page_digests(a)  # write-through: in L1 and L2 (and L3)
+    first = engine.rank_digests(pages_of=a)  # write-through: in L1 and L2 (and L3)
     size = engine.config.tp_size
     assert len(first) == size
     kv = [HeadSplit(4, 2, size, r).first_kv_head for r in range(size)]  # 4 query, 2 K/V heads
@@ -112,16 +112,16 @@ def test_walks_every_tier_with_the_same_bytes(served: tuple[str, Engine, EngineC
     from_l2 = engine.generate(a, GREEDY, timeout=120)
     assert from_l2.cached.host > 0 and from_l2.cached.total == MATCHED
     assert from_l2.output_ids == want
-    loaded = engine.rank_page_digests(a)  # D -> H -> D
+    loaded = engine.rank_digests(pages_of=a)  # D -> H -> D
     same_pages(first, loaded, "full", "device", MATCHED // PAGE)
     same_pages(first, loaded, "swa", "device", WINDOW_PAGES)
     same_pages(first, loaded, "full", "host", MATCHED // PAGE)
 
     assert engine.flush_cache()  # every backup reaches L3 first, then L1 and L2 are emptied
-    assert all(not pages for rank in engine.rank_page_digests(a) for pages in rank.values())
+    assert all(not pages for rank in engine.rank_digests(pages_of=a) for pages in rank.values())
     from_l3 = engine.generate(a, GREEDY, timeout=120)
     assert from_l3.cached.storage == MATCHED and from_l3.output_ids == want
-    fetched = engine.rank_page_digests(a)  # H -> L3 -> H (-> D)
+    fetched = engine.rank_digests(pages_of=a)  # H -> L3 -> H (-> D)
     same_pages(loaded, fetched, "full", "host", MATCHED // PAGE)
     same_pages(loaded, fetched, "swa", "host", WINDOW_PAGES)
     same_pages(first, fetched, "full", "device", MATCHED // PAGE)

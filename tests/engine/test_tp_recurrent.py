@@ -67,7 +67,7 @@ def l1_bytes(engine: Engine, ids: list[int]) -> list[tuple[list[str], str]]:
     and of the L1 snapshot taken where they end."""
     last = len(ids) // PAGE - 1
     got = []
-    for rank in engine.rank_page_digests(ids):
+    for rank in engine.rank_digests(pages_of=ids):
         full = rank["full/device"]
         assert sorted(full) == list(range(last + 1)), sorted(full)
         got.append(([full[i] for i in range(last + 1)], rank["mamba/device"][last]))

@@ -23,7 +23,7 @@ def token_kv(cache: HiCache, tokens: Sequence[int], position: int) -> torch.Tens
     Shape ``(num_kv, num_layers, heads, dim)``; values depend on the whole prefix, so a
     page reused under another prefix would show as different bytes.
     """
-    spec = cache.spec
+    spec = cache.context.spec
     digest = hashlib.sha256(repr(list(tokens[: position + 1])).encode()).digest()
     seed = int.from_bytes(digest[:8], "little")
     gen = torch.Generator().manual_seed(seed)
@@ -33,8 +33,8 @@ def token_kv(cache: HiCache, tokens: Sequence[int], position: int) -> torch.Tens
 
 def page_kv(cache: HiCache, tokens: Sequence[int], first_page: int, num_pages: int) -> torch.Tensor:
     """Expected canonical page data ``(num_pages, K, L, page_size, H, D)``."""
-    ps = cache.page_size
-    spec = cache.spec
+    ps = cache.context.page_size
+    spec = cache.context.spec
     if num_pages == 0:
         shape = (0, spec.num_kv, spec.num_layers, ps, spec.heads, spec.dim)
         return torch.empty(shape, dtype=DTYPES[spec.dtype])
@@ -79,13 +79,13 @@ def compute(
     check the cached prefix's L1 KV byte for byte (:func:`page_kv`), then ``write`` the
     KV of its other whole pages (default :func:`write_tokens`; a test writing more beside
     the KV passes its own)."""
-    for layer in range(cache.spec.num_layers):
+    for layer in range(cache.context.spec.num_layers):
         assert req.wait_layer(layer, timeout_s), req.failed
     prefix = req.pages[: req.prefix_pages]
     assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
         "a cached prefix came back with other bytes"
     )
-    full = len(tokens) // cache.page_size
+    full = len(tokens) // cache.context.page_size
     write(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
 
 
@@ -154,7 +154,7 @@ def finish(
     """Run the forward of an admitted ``req`` as an engine would: wait for each layer of
     its prefix, then check the prefix byte for byte, write the rest and release it with
     its KV kept (True); a failed wait releases it without keeping anything (False)."""
-    if not all(req.wait_layer(layer, timeout_s) for layer in range(cache.spec.num_layers)):
+    if not all(req.wait_layer(layer, timeout_s) for layer in range(cache.context.spec.num_layers)):
         assert req.failed is not None
         cache.release(req, keep=False)
         return False
@@ -162,7 +162,7 @@ def finish(
     assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
         "a cached prefix came back with other bytes"
     )
-    full = len(tokens) // cache.page_size
+    full = len(tokens) // cache.context.page_size
     write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
     cache.sync()  # as the engine's next step does: a failure it applies fails req
     if req.failed is not None:

@@ -43,7 +43,7 @@ def cache_over_l3(
             spec, model="m", weights_fingerprint="w", layout=config.mem_layout, page_size=page_size
         )
         storage = create_storage(backend, namespace=ns, extra_config=extra_config, options=options)
-        cache.attach_storage(storage, ns, prefetch)
+        cache.l3.attach(storage, ns, prefetch)
     except BaseException:
         cache.close()
         raise

@@ -29,7 +29,7 @@ def assert_idle(engine: Engine) -> None:
         assert len(engine.core.cache.admitted) == 0
         states = engine.core.scheduler.runner.states
         assert states is None or len(states) == 0
-        engine.core.cache.flush()
+        engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
             n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
@@ -43,7 +43,7 @@ def demote_all(engine: Engine) -> int:
     the number of tokens evicted."""
 
     def demote() -> int:
-        engine.core.cache.flush()
+        engine.core.cache.sync(wait=True)
         return engine.core.cache.full.evict_device(10**6)
 
     return engine.call(demote).result(timeout=30)
@@ -96,7 +96,9 @@ def walk_tiers(
     from_l2 = engine.generate(ids, params, timeout=60)
     assert from_l2.cached.device == 0 and from_l2.cached.host == matched
     assert from_l2.output_ids == want
-    engine.call(engine.core.cache.flush).result(timeout=60)  # every backup reaches L3
+    engine.call(lambda: engine.core.cache.sync(wait=True)).result(
+        timeout=60
+    )  # every backup reaches L3
     if after_l3_backup is not None:
         after_l3_backup()
     assert engine.flush_cache()  # L1 and L2 emptied

@@ -108,7 +108,7 @@ def test_a_frozen_redis_shows_in_the_counters(redis_private: Any) -> None:
     extra = {"url": redis_private.url}
     with cache_over_l3(SPEC, "redis", extra, options, prefetch, device_pages=32) as cache:
         assert serve(cache, list(range(100, 100 + 4 * PAGE))) is not None
-        cache.flush()
+        cache.sync(wait=True)
         os.kill(redis_private.pid, signal.SIGSTOP)
         waits = []
         for i in range(2):

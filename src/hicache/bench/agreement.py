@@ -79,7 +79,7 @@ def _rank(rank: int, n: int, port: int, out: str, ops_list: list[int], iters: in
     store = f"agreement-bench-{os.getpid()}"
     extra = {"store": store, "delay_s": LOOKUP_DELAY_S, "timeout_s": LOOKUP_DELAY_S * 2}
     storage = create_storage("memory", namespace=ns, extra_config=extra)
-    cache.attach_storage(
+    cache.l3.attach(
         storage, ns, PrefetchConfig(policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=0)
     )
     rows: list[dict[str, Any]] = []

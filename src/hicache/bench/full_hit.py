@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
     res = FullHitResult()
     rng = random.Random(args.seed)
     with Engine(config) as engine:
-        token_bytes = engine.core.cache.spec.token_bytes
+        token_bytes = engine.core.cache.context.spec.token_bytes
         device = torch.device(engine.config.device)
 
         def gen(prompt: list[int], stage: str) -> None:
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
 
         def demote_all() -> int:
             """Wait for the copies, then evict every L1 page (backed-up ones stay in L2)."""
-            engine.core.cache.flush()
+            engine.core.cache.sync(wait=True)
             return engine.core.cache.full.evict_device(10**9)
 
         gen([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)], "cold")  # warm-up
@@ -155,11 +155,11 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
             # Let the L1 -> L2 -> L3 copies land first: the L1-hit request splits the
             # prompt's node (it matches all but the last page), and a split while the
             # node's L2 backup is in flight leaves the head pages out of L3.
-            engine.call(engine.core.cache.flush).result(timeout=120)
+            engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=120)
             gen(prompt, "l1")
             engine.call(demote_all).result(timeout=120)
             gen(prompt, "l2")
-            engine.call(engine.core.cache.flush).result(timeout=120)
+            engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=120)
             if not engine.flush_cache():
                 raise RuntimeError("flush_cache refused: a request is still in flight")
             gen(prompt, "l3")

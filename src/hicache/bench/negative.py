@@ -111,7 +111,7 @@ def run_once(lm: LoadedModel, w: NegativeWorkload, write_policy: str, ttl_s: flo
         with Engine(cfg, loaded=lm) as engine:
             warm = random.Random(-1)
             send_all(engine, [[warm.randrange(TOKEN_LO, TOKEN_HI) for _ in range(64)]], params, 1)
-            engine.call(engine.core.cache.flush).result(timeout=120)
+            engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=120)
             before = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60)
             t0 = time.perf_counter()
             outs = send_all(engine, prompts, params, w.max_parallel)

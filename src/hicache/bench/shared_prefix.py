@@ -347,7 +347,7 @@ def _drain(engine: Engine) -> None:
     (its collectives would not be the followers'), so this waits for the ranks to agree
     on them step by step."""
     if engine.config.tp_size == 1:
-        engine.call(engine.core.cache.flush).result(timeout=120)
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=120)
     else:
         wait_quiet(engine, time.monotonic() + 120)
 
@@ -384,12 +384,13 @@ def run_config(
             rounds: list[RoundResult] = []
             before = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60).counters
             for rnd in range(w.rounds):
-                agree0 = (engine.agreement_seconds_total, engine.agreement_steps_total)
+                agree0 = engine.agreement
                 t0 = time.perf_counter()
                 reqs = _run_round(engine, wl, rnd, params, w.max_parallel)
                 wall = time.perf_counter() - t0
-                steps = engine.agreement_steps_total - agree0[1]
-                agree_s = engine.agreement_seconds_total - agree0[0]
+                agree1 = engine.agreement
+                steps = agree1.steps - agree0.steps
+                agree_s = agree1.seconds - agree0.seconds
                 stats = engine.call(lambda: cache_stats(engine.core.cache)).result(timeout=60)
                 comps = engine.call(lambda: component_figures(engine)).result(timeout=60)
                 hits = engine.call(probe.take).result(timeout=60)

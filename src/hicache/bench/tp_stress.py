@@ -290,15 +290,15 @@ def run_stress(cfg: StressConfig) -> StressResult:
 
 def agreement_us(engine: Engine) -> float | None:
     """The engine's mean agreement overhead per step so far (µs); None at TP 1."""
-    steps = engine.agreement_steps_total
-    return engine.agreement_seconds_total / steps * 1e6 if steps else None
+    totals = engine.agreement
+    return totals.seconds / totals.steps * 1e6 if totals.steps else None
 
 
 def wait_quiet(engine: Engine, deadline: float, timeout_s: float = 60.0) -> EngineStats:
     """The engine's stats once the cache's copies and L3 operations in flight have landed
     (the loop agrees on them step by step), or the last stats read after ``timeout_s``
     seconds (or at ``deadline``). Under TP nothing may drain the cache on rank 0 alone
-    (``HiCache.flush`` would make collectives the followers do not): this only waits."""
+    (``HiCache.sync(wait=True)`` would make collectives the followers do not): this only waits."""
     end = min(deadline, time.monotonic() + timeout_s)
     while True:
         stats = engine.stats(timeout=max(1.0, deadline - time.monotonic()))

@@ -1,12 +1,12 @@
 """HiCache: the one facade a scheduler talks to, in requests.
 
 It holds the request verbs (``open``, ``ready``, ``admit``, ``plan_chunk``, ``grow``,
-``commit``, ``keep``, ``release``, ``requeue``) and :meth:`HiCache.sync`, over the tree
-and the model's stores: first the full KV (:attr:`HiCache.full`, a
-:class:`~hicache.cache.full_kv.FullKVStore`: L1 and L2 halves, layer-wise load back, the
-page-level API), then one store per extra component of its
+``commit``, ``release``, ``requeue``, ``reusable_prefix``), :meth:`HiCache.sync` and the
+read-only :class:`CacheContext`, over the tree and the model's stores: first the full KV
+(:attr:`HiCache.full`, a :class:`~hicache.cache.full_kv.FullKVStore`: L1 and L2 halves,
+layer-wise load back, the page-level API), then one store per extra component of its
 :class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`), and the optional L3
-tier behind an :class:`~hicache.cache.l3.slot.L3Slot`. All methods run on the owner's
+tier behind an :class:`~hicache.cache.l3.slot.L3Slot` (:attr:`HiCache.l3`). All methods run on the owner's
 thread; worker records are applied by :class:`~hicache.cache.sync.CacheSync` at
 :meth:`HiCache.sync` (once per step, whatever the rank count) and inside explicit waits;
 no verb applies a record. Stats, the integrity check and the rank digest live beside it
@@ -17,6 +17,7 @@ docs/architecture.md, "Request flow".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,28 +31,41 @@ from hicache.cache.components.base import (
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
 from hicache.cache.l3.slot import L3Slot
-from hicache.cache.l3.tier import L3Tier
 from hicache.cache.request import CacheRequest, RequestState
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
-from hicache.config import CacheConfig, PrefetchConfig
+from hicache.config import CacheConfig
 from hicache.controller import write_rule
 from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
-from hicache.keys import Namespace
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
 from hicache.spec import CacheSpec, KVSpec
-from hicache.storage.base import HiCacheStorage
 from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
 
-__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "HiCache"]
+__all__ = ["DEFAULT_WAIT_TIMEOUT_S", "CacheContext", "HiCache"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheContext:
+    """What a cache was built with, fixed for its life: its ``config``, the full KV's
+    shape ``spec`` (the global layers only when sliding layers have their own store) and
+    the tensor-parallel ``ranks`` it agrees with (one rank: its verdict is its vote)."""
+
+    config: CacheConfig
+    spec: KVSpec
+    ranks: RankGroup
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (``config.page_size``)."""
+        return self.config.page_size
 
 
 class HiCache(Lifecycle):
     """Hierarchical KV cache over the model's stores (:attr:`full` first, then
-    :attr:`stores`) and an optional L3 storage tier (:attr:`storage`).
+    :attr:`stores`) and an optional L3 storage tier (attached at :attr:`l3`).
 
     With ``config.enable_hierarchical_cache`` false there is no L2: the tree is a plain
     radix cache over L1 and eviction drops nodes.
@@ -59,9 +73,8 @@ class HiCache(Lifecycle):
     ``spec``: what the model caches (:class:`~hicache.spec.CacheSpec`, the model side
     produces it), or a plain :class:`KVSpec` for a full-KV-only model. Each of its
     components gets a store (:mod:`hicache.cache.components`) of the type in
-    ``store_types`` that takes its spec; :attr:`spec` is the full KV's shape (the global
-    layers only when sliding layers have their own store). ``limits``: refuse (ValueError)
-    stores too small to serve one request under them.
+    ``store_types`` that takes its spec; :attr:`context` holds the full KV's shape.
+    ``limits``: refuse (ValueError) stores too small to serve one request under them.
 
     ``ranks``: the tensor-parallel group this cache is one rank of (None: one rank);
     records are applied as every rank agreed (see :meth:`sync`), so every rank's tree
@@ -80,16 +93,13 @@ class HiCache(Lifecycle):
         store_types: Sequence[type[ComponentStore]] = STORE_TYPES,
         ranks: RankGroup | None = None,
     ) -> None:
-        self.config = config
         cache_spec = CacheSpec.of(spec)
-        self.spec: KVSpec = cache_spec.kv
-        """The full KV's shape (the global layers only when sliding layers have a store)."""
-        self.page_size = config.page_size
+        kv = cache_spec.kv
         number_at_least("wait_timeout_s", wait_timeout_s, 0.001, "of seconds")
         self._wait_timeout_s = wait_timeout_s
         if limits is not None:  # every store can serve one request
             for c in cache_spec.components:
-                store_type(c, store_types).check_limits(config, self.spec, c, limits)
+                store_type(c, store_types).check_limits(config, kv, c, limits)
         tree = HiRadixTree(
             config.page_size,
             config.eviction_policy,
@@ -98,17 +108,17 @@ class HiCache(Lifecycle):
         self._tree = tree
         counters = CacheCounters()
         self._sync = CacheSync(tree=tree, ranks=ranks, wait_timeout_s=wait_timeout_s)
-        self.ranks = self._sync.ranks
-        """The tensor-parallel ranks this cache agrees with (one: its verdict is its vote)."""
+        self.context = CacheContext(config=config, spec=kv, ranks=self._sync.ranks)
+        """What the cache was built with (config, full KV shape, page size, ranks)."""
         self._requests = self._sync.holders
         dev = torch.device(device)
-        ctx = StoreContext(tree=tree, config=config, kv=self.spec, device=dev, sync=self._sync)
+        ctx = StoreContext(tree=tree, config=config, kv=kv, device=dev, sync=self._sync)
         self.stores = ComponentStores.build(cache_spec, ctx, store_types)
         """The model's component stores, in its spec's order (empty: full KV only)."""
         self.full = FullKVStore(
             tree=tree,
             config=config,
-            spec=self.spec,
+            spec=kv,
             device=dev,
             rule=write_rule(config),
             counters=counters,
@@ -134,43 +144,11 @@ class HiCache(Lifecycle):
         """Finish in-flight copies, apply them, detach L3, stop the workers. Idempotent."""
         if self._started:
             try:
-                self.flush()
+                self.sync(wait=True)
             finally:
-                self.detach_storage()
+                self._l3.detach()
                 self.full.close()
         self._started = False
-
-    # ------------------------------------------------------------------ L3
-
-    def attach_storage(
-        self,
-        storage: HiCacheStorage,
-        namespace: Namespace,
-        prefetch: PrefetchConfig,
-        ranks: RankGroup | None = None,
-    ) -> None:
-        """Add the L3 tier over ``storage`` (starts it and its threads). Needs the L2
-        tier; one L3 at a time. On failure nothing is attached and ``storage`` is closed.
-
-        The tier agrees over the cache's :attr:`ranks`; ``ranks``, when given, must be
-        that group (a group of several ranks needs ``HiCache(..., ranks=...)``: the
-        L1<->L2 completions must be agreed too)."""
-        self._l3.attach(storage, namespace, prefetch, ranks)
-
-    def detach_storage(self, timeout_s: float | None = None) -> bool:
-        """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads and close
-        the backend. Open prefetches are dropped; pages a late backend write may still
-        fill stay out of use until it settles. False when none was attached."""
-        if self._l3.attached is None:
-            return False
-        for req in self._requests:
-            req.prefetch = None
-        return self._l3.detach(self._wait_timeout_s if timeout_s is None else timeout_s)
-
-    @property
-    def storage(self) -> L3Tier | None:
-        """The L3 tier, while a backend is attached."""
-        return self._l3.attached
 
     # ------------------------------------------------------------------ request verbs
 
@@ -212,7 +190,7 @@ class HiCache(Lifecycle):
             compute_last=compute_last,
             max_prefix=max_prefix,
             prompt_tokens=len(tokens),
-            page_size=self.page_size,
+            page_size=self.context.page_size,
         )
         if cacheable:
             req.prefetch = self._l3.tier.prefetches.start(
@@ -281,31 +259,32 @@ class HiCache(Lifecycle):
             raise ValueError(f"plan_chunk of {tokens} tokens; a forward runs at least 1")
         return self.stores.plan(req, start, tokens)
 
-    def keep(self, req: CacheRequest, extras: SequenceExtras | None) -> None:
-        """Hand the runner's ``extras`` of ``req``'s last forward to the component stores
-        (used by the next commit that covers them; None: nothing kept)."""
-        self._require_admitted(req)
-        if extras is not None:
-            self.stores.keep(req, extras)
-
     def commit(
-        self, req: CacheRequest, tokens: TokenIds, *, extras: SequenceExtras | None = None
+        self,
+        req: CacheRequest,
+        tokens: TokenIds = (),
+        *,
+        extras: SequenceExtras | None = None,
     ) -> None:
         """``tokens`` (a prefix of the request's sequence) now have their KV in ``req``'s
         pages: hand the whole pages to the tree so other requests share them (the write
         policy may back them up). ``req`` keeps using the tree's copy of them.
 
-        ``extras``: the runner's extras of the forward that computed them (see
-        :meth:`keep`); the stores hand what they cover to the tree with the pages (a state
-        snapshot at a boundary, so later requests can resume there)."""
-        self.keep(req, extras)
+        ``extras``: the runner's extras of ``req``'s last forward, handed to the component
+        stores; they give what these tokens cover to the tree with the pages (a state
+        snapshot at a boundary, so later requests can resume there) and keep the rest for
+        a later commit or the release. With no ``tokens`` only the extras are handed over
+        (a forward whose pages are committed later, a decode step's)."""
+        self._require_admitted(req)
+        if extras is not None:
+            self.stores.keep(req, extras)
         self._commit(req, tokens, final=False)
 
     def _commit(self, req: CacheRequest, tokens: TokenIds, *, final: bool) -> None:
         """:meth:`commit` without extras; ``final``: the request's last commit (at its
         release), where stores also hand over what they keep for its end."""
         self._require_admitted(req)
-        ps = self.page_size
+        ps = self.context.page_size
         full = len(tokens) // ps
         if not req.cacheable or req.failed is not None or full <= req.prefix_pages:
             return
@@ -353,41 +332,40 @@ class HiCache(Lifecycle):
         if req.state is not RequestState.ADMITTED:
             raise RuntimeError(f"the request is {req.state.value}, not admitted")
 
-    def cached_prefix(self, tokens: TokenIds, tenant: str = "") -> int:
-        """Tokens of ``tokens``' prefix the cache holds for ``tenant`` in L1 and L2 (whole
-        pages; what an admission could reuse as of the last :meth:`sync`). Copies and
-        applies nothing: a scheduling policy's question (``lpm``)."""
-        return self._tree.match_prefix(tokens, tenant).matched_tokens
-
     def reusable_prefix(self, req: CacheRequest, tokens: TokenIds) -> int:
-        """:meth:`cached_prefix` of ``tokens`` as ``req`` may reuse it (none when it is
-        not cacheable; what its ``compute_last`` and ``max_prefix`` allow)."""
+        """Tokens of ``tokens``' prefix the cache holds in L1 and L2 that ``req`` may reuse
+        (whole pages of its tenant's; none when it is not cacheable; what its
+        ``compute_last`` and ``max_prefix`` allow): what its admission could reuse as of
+        the last :meth:`sync`. Copies and applies nothing: a scheduling policy's question
+        (``lpm``)."""
         if not req.cacheable:
             return 0
-        return self.cached_prefix(tokens[: req.reusable(len(tokens))], req.tenant)
+        wanted = tokens[: req.reusable(len(tokens))]
+        return self._tree.match_prefix(wanted, req.tenant).matched_tokens
 
     # ------------------------------------------------------------------ completions
 
-    def sync(self) -> int:
+    def sync(self, *, wait: bool = False) -> int:
         """Apply what the workers posted, agreed with the other ranks: every op in flight,
         in op order, with the agreed values (:meth:`CacheSync.sync`); returns how many
         records were applied. The one point per step where records are applied (besides
         the cache's waits), the same with one rank or many: every rank calls it at the
-        same point of its step (the engine: once per step)."""
-        return self._sync.sync()
+        same point of its step (the engine: once per step).
 
-    def flush(self) -> None:
-        """Wait (bounded) for every in-flight copy (L1<->L2, then L2->L3) and apply it."""
-        if self._started:
+        ``wait``: first wait (bounded) for every copy in flight (L1<->L2, then L2->L3), so
+        all of them are applied; a cache not started applies nothing then (returns 0)."""
+        if wait:
+            if not self._started:
+                return 0
             self.full.wait_idle()
             self._l3.tier.flush(self._wait_timeout_s)
-            self.sync()  # failed loads are applied here, outside the wait
+        return self._sync.sync()  # failed loads are applied here, outside the wait
 
     # ------------------------------------------------------------------ whole cache
 
     def reset(self) -> None:
         """Empty L1 and L2 (``/flush_cache``). Refuses while any node is pinned."""
-        self.flush()
+        self.sync(wait=True)
         tree = self._tree
         if self._requests or any(n.lock_ref > 0 or n.host_ref > 0 for n in tree.iter_nodes()):
             raise RuntimeError("cannot reset the cache while requests hold prefixes")
@@ -402,5 +380,6 @@ class HiCache(Lifecycle):
 
     @property
     def l3(self) -> L3Slot:
-        """Where the L3 tier attaches (its quarantines, for reports and checks)."""
+        """Where the L3 tier attaches: ``l3.attach(storage, namespace, prefetch)``,
+        ``l3.detach()``, the tier while attached (``l3.attached``), its quarantines."""
         return self._l3

@@ -25,7 +25,8 @@ def cache_stats(cache: HiCache) -> CacheStats:
     pool use (the full KV's first). L1 pages requests own or the cache reserved count as
     the requests' tokens."""
     full, requests = cache.full, cache.admitted
-    backend = None if cache.storage is None else cache.storage.controller.storage
+    tier = cache.l3.attached
+    backend = None if tier is None else tier.controller.storage
     tree, device_pool, host_pool = full.tree, full.device_pool, full.host_pool
     held_device_pages = len(full.request_pages(requests)) + len(full.reserved)
     s = tree.stats()
@@ -47,7 +48,7 @@ def cache_stats(cache: HiCache) -> CacheStats:
         storage=None if backend is None else backend.stats(),
     )
     cached = _cached_tokens(device_pool)
-    ps = cache.page_size
+    ps = cache.context.page_size
     usage = dataclasses.replace(
         _full_usage(device_pool, host_pool),
         device_requests=stats.device_request_tokens // ps,

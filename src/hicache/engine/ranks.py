@@ -99,7 +99,7 @@ class StepChannel:
         """The group the model's collectives run on (None: the default group)."""
         self.seconds = 0.0
         """Seconds spent so far in :meth:`inputs` and :meth:`agree_tokens` (the engine's
-        agreement overhead, with ``cache.sync()``: ``Engine.agreement_seconds_total``)."""
+        agreement overhead, with ``cache.sync()``: ``Engine.agreement``)."""
 
     @property
     def leader(self) -> bool:

@@ -88,16 +88,17 @@ class _AgreementCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        totals = self.engine.agreement
         yield CounterMetricFamily(
             "hicache_tp_agreement_seconds",
             "Seconds rank 0 spent in the step's agreement collectives (step-input broadcast,"
             " cache sync, sampled-token broadcast); 0 with one rank",
-            float(self.engine.agreement_seconds_total),
+            float(totals.seconds),
         )
         yield CounterMetricFamily(
             "hicache_tp_steps",
             "Engine steps under tensor parallelism (the agreement's steps); 0 with one rank",
-            int(self.engine.agreement_steps_total),
+            int(totals.steps),
         )
 
 

@@ -94,7 +94,7 @@ class L3Slot:
         if ranks is not None and (ranks.size, ranks.rank) != (mine.size, mine.rank):
             storage.close()
             raise ValueError(
-                f"attach_storage with rank {ranks.rank} of {ranks.size}, but the cache is rank"
+                f"attach with rank {ranks.rank} of {ranks.size}, but the cache is rank"
                 f" {mine.rank} of {mine.size}: build it with HiCache(..., ranks=)"
             )
         if self.attached is not None:
@@ -133,15 +133,16 @@ class L3Slot:
         self._sync.serve_backups(tier.writes)
         return tier
 
-    def detach(self, timeout_s: float) -> bool:
-        """Finish pending L3 writes (at most ``timeout_s``), stop the L3 threads, give up
-        the tier's open ops and close the backend; what it may still write stays
-        quarantined. False when none was attached. Detached also when closing the
-        backend raises (the error then comes out)."""
+    def detach(self, timeout_s: float | None = None) -> bool:
+        """Finish pending L3 writes (at most ``timeout_s``; None: the sync's wait bound),
+        stop the L3 threads, give up the tier's open ops (prefetches dropped) and close
+        the backend; what it may still write stays quarantined. False when none was
+        attached. Detached also when closing the backend raises (the error then comes
+        out)."""
         tier = self.tier
         if not isinstance(tier, L3Tier):
             return False
-        tier.flush(timeout_s)
+        tier.flush(self._sync.wait_timeout_s if timeout_s is None else timeout_s)
         self.tier = DETACHED  # detached whatever closing raises (the ranks agree on that)
         self._sync.serve_backups(None)
         try:

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from hicache.cache import HiCache
 from hicache.disagg.config import Bootstrap
@@ -33,6 +33,7 @@ from hicache.engine.config import EngineConfig
 from hicache.engine.drivers.leader import Leader, RankFailure, Task, start_ranks
 from hicache.engine.front.health import (
     STALL_AFTER_S,
+    AgreementTotals,
     EngineHealth,
     EngineStats,
     StatsPublisher,
@@ -117,16 +118,15 @@ class Engine(Lifecycle):
         return self.core.model
 
     @property
-    def agreement_steps_total(self) -> int:
-        """Steps whose agreement :attr:`agreement_seconds_total` counts (0 with one rank)."""
-        return 0 if self._core is None else self._core.agreement_steps_total
-
-    @property
-    def agreement_seconds_total(self) -> float:
-        """Under tensor parallelism, rank 0's seconds so far in the step's collectives that
-        are not the model's (the step-input broadcast, ``cache.sync()``, the sampled-token
-        broadcast); over :attr:`agreement_steps_total` the mean per step. 0.0 with one rank."""
-        return 0.0 if self._core is None else self._core.agreement_seconds_total
+    def agreement(self) -> AgreementTotals:
+        """What agreeing with the other ranks has cost rank 0 so far (zeros with one rank,
+        and before :meth:`start`)."""
+        core = self._core
+        if core is None:
+            return AgreementTotals(steps=0, seconds=0.0)
+        return AgreementTotals(
+            steps=core.agreement_steps_total, seconds=core.agreement_seconds_total
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -404,7 +404,7 @@ class Engine(Lifecycle):
         the future with :class:`~hicache.controller.rank_group.LocalOnlyError` at once
         instead of blocking rank 0 in a collective no other rank joins.
         """
-        local = self.core.cache.ranks.local_only
+        local = self.core.cache.context.ranks.local_only
         return self._running().call(fn, lambda: local("inside Engine.call (run on rank 0 alone)"))
 
     def stats(self, timeout: float = 30.0) -> EngineStats:
@@ -436,23 +436,30 @@ class Engine(Lifecycle):
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""
         return bool(self._command(FlushCache()).result(timeout=60))
 
-    def rank_digests(self, timeout: float = 60.0) -> list[str]:
-        """Each rank's digest of its scheduling and cache state, by rank, taken at the same
-        step on every rank (:mod:`hicache.engine.step.rank_digest`): all equal while the ranks
-        agree. One entry with one rank."""
-        got = self._command(Digest()).result(timeout=timeout)
-        assert isinstance(got, list)
-        return [str(d) for d in got]
+    @overload
+    def rank_digests(self, *, timeout: float = 60.0) -> list[str]: ...
 
-    def rank_page_digests(
-        self, tokens: Sequence[int], timeout: float = 60.0
-    ) -> list[dict[str, dict[int, str]]]:
-        """Each rank's SHA-256 of every page its cache holds of ``tokens``' cached prefix,
-        by ``"<component>/<tier>"`` and page index, by rank, taken at the same step on every
-        rank after the copies in flight were applied
-        (:func:`~hicache.engine.step.rank_digest.page_digests`). For tests and debugging: it
-        reads every page."""
-        got = self._command(Digest(pages_of=tuple(int(t) for t in tokens))).result(timeout)
+    @overload
+    def rank_digests(
+        self, *, pages_of: Sequence[int], timeout: float = 60.0
+    ) -> list[dict[str, dict[int, str]]]: ...
+
+    def rank_digests(
+        self, *, pages_of: Sequence[int] | None = None, timeout: float = 60.0
+    ) -> list[str] | list[dict[str, dict[int, str]]]:
+        """Each rank's digest, by rank, taken at the same step on every rank (one entry with
+        one rank). Without ``pages_of``: of its scheduling and cache state
+        (:mod:`hicache.engine.step.rank_digest`), all equal while the ranks agree. With
+        ``pages_of`` (tokens): the SHA-256 of every page its cache holds of their cached
+        prefix, by ``"<component>/<tier>"`` and page index, after the copies in flight
+        were applied (:func:`~hicache.engine.step.rank_digest.page_digests`; for tests and
+        debugging: it reads every page)."""
+        if pages_of is None:
+            got = self._command(Digest()).result(timeout=timeout)
+            assert isinstance(got, list)
+            return [str(d) for d in got]
+        record = Digest(pages_of=tuple(int(t) for t in pages_of))
+        got = self._command(record).result(timeout)
         assert isinstance(got, list)
         return [
             {name: {int(i): d for i, d in pages.items()} for name, pages in json.loads(r).items()}

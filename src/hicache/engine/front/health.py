@@ -1,6 +1,7 @@
 """What the engine says about itself: :class:`EngineHealth` (is the loop running and
-going round) and :class:`EngineStats` (the cache's stats and the scheduler's queues, read
-on the engine thread and published as an immutable record, :class:`StatsPublisher`)."""
+going round), :class:`EngineStats` (the cache's stats and the scheduler's queues, read
+on the engine thread and published as an immutable record, :class:`StatsPublisher`) and
+:class:`AgreementTotals` (what tensor-parallel agreement has cost so far)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ class EngineHealth:
     last_loop_age_s: float | None
     failed_steps: int
     failed_forwards: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AgreementTotals:
+    """Under tensor parallelism, rank 0's ``seconds`` so far in the step's collectives that
+    are not the model's (the step-input broadcast, ``cache.sync()``, the sampled-token
+    broadcast) and the ``steps`` they cover (``seconds / steps``: the mean per step).
+    0 and 0.0 with one rank."""
+
+    steps: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,7 +159,7 @@ class PrefillRole(Role):
     def computed(self, req: Request) -> None:
         if req.bootstrap is None or not req.bootstrap.transfers or req.cache is None:
             return
-        upto = req.kv_len // self.cache.page_size
+        upto = req.kv_len // self.cache.context.page_size
         if upto <= self._sent.get(req.rid, 0):
             return
         self._sent[req.rid] = upto

@@ -66,9 +66,9 @@ def start_role(
     layout = InstanceLayout(
         model=model.name,
         fingerprint=model.fingerprint,
-        page_size=cache.page_size,
+        page_size=cache.context.page_size,
         tp_size=tp_size,
-        mla=cache.spec.attention is AttentionKind.MLA,
+        mla=cache.context.spec.attention is AttentionKind.MLA,
         transfer_backend=disagg.transfer_backend.value,
         stores=tuple(
             StoreLayout(name, g.num_kv, g.layers, g.row_bytes, g.dtype)

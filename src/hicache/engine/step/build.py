@@ -84,7 +84,7 @@ def close_alone(cache: HiCache) -> None:
     (:class:`~hicache.controller.rank_group.LocalOnlyError`) and skipped; its workers and
     backend are closed all the same. Never raises: the start's error is the one that
     counts."""
-    with cache.ranks.local_only("while closing the cache of a rank whose build failed"):
+    with cache.context.ranks.local_only("while closing the cache of a rank whose build failed"):
         try:
             cache.close()
         except Exception as exc:

@@ -194,7 +194,7 @@ class EngineCore:
                 raise RuntimeError("requests are in flight; detach storage when idle")
             return self.agreed(
                 "the L3 detach",
-                self.cache.detach_storage,
+                self.cache.l3.detach,
                 undo=None,
                 after="the backend is detached on every rank",
             )
@@ -343,8 +343,8 @@ class EngineCore:
     def _undo_attach(self) -> None:
         """Detach a backend this rank just attached (no op ran on it: nothing to wait for,
         and no rank joins a collective for it)."""
-        with self.cache.ranks.local_only("while undoing an L3 attach"):
-            self.cache.detach_storage(timeout_s=0.0)
+        with self.cache.context.ranks.local_only("while undoing an L3 attach"):
+            self.cache.l3.detach(timeout_s=0.0)
 
     def attach(self, storage_config: StorageConfig, policy: str) -> None:
         """Attach the L3 backend ``storage_config`` under this rank's namespace."""
@@ -395,11 +395,11 @@ def attach_l3(
     if cache.full.host is None:
         raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
     namespace = Namespace.for_spec(
-        cache.spec,
+        cache.context.spec,
         model=model.name,
         weights_fingerprint=model.fingerprint,
-        layout=cache.config.mem_layout,
-        page_size=cache.page_size,
+        layout=cache.context.config.mem_layout,
+        page_size=cache.context.page_size,
         tp_size=config.tp_size,
         tp_rank=rank,
         head_records=True,
@@ -407,7 +407,7 @@ def attach_l3(
     storage = storage_config.create(namespace)
     if namespace.records == HEAD_RECORDS:
         storage.use_heads(model.model.heads)  # the heads the model computes on this rank
-    cache.attach_storage(storage, namespace, prefetch)
+    cache.l3.attach(storage, namespace, prefetch)
 
 
 __all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3", "error_line"]

@@ -236,8 +236,8 @@ def enable_for_cache(
     if scratch is None:
         return GraphSetup(enabled=False, reason="no L1 page left to reserve as scratch")
     # the width counts the pages a request may hold once the probe's are back
-    width = table_width_for(context_length, cache.page_size, cache.full.pages)
-    lent = cache.full.reserve(probe_page_count(cache.page_size, width))
+    width = table_width_for(context_length, cache.context.page_size, cache.full.pages)
+    lent = cache.full.reserve(probe_page_count(cache.context.page_size, width))
     try:
         setup = enable_decode_graphs(
             runner,

@@ -50,10 +50,10 @@ def page_digests(cache: HiCache, tokens: Sequence[int]) -> dict[str, dict[int, s
     ``tokens`` (whole pages, the shared tenant), by ``"<component>/<tier>"`` (``"full/device"``,
     ``"full/host"``, and the same for each paged component, e.g. ``"swa/device"``) and
     page index in ``tokens``. The in-flight copies are applied first
-    (:meth:`HiCache.flush`, agreed: call it on every rank at the same step); the tree is
+    (:meth:`HiCache.sync` with ``wait``, agreed: call it on every rank at the same step); the tree is
     walked without touching it. A page's digest is the same in every tier it is copied
     to; each tensor-parallel rank holds its own K/V heads, so the ranks' digests differ."""
-    cache.flush()
+    cache.sync(wait=True)
     tree = cache.full.tree
     width = tree.page_size * 4  # a page of uint32 token ids
     key = array("I", tokens[: len(tokens) // tree.page_size * tree.page_size]).tobytes()

@@ -64,7 +64,7 @@ class Scheduler:
         self.runner = runner
         self.output = output
         self.config = config
-        self.page_size = cache.page_size
+        self.page_size = cache.context.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # a model that carries state resumes a cached prefix only from a state the cache
@@ -535,8 +535,8 @@ class Scheduler:
                 # component's values, before the next chunk moves past them) are shared now
                 self.cache.commit(req.cache, req.all_ids[: req.kv_len], extras=extras)
                 self.role.computed(req)  # a prefill instance sends them now
-            elif extras is not None:  # committed after sampling, or at its release
-                self.cache.keep(req.cache, extras)
+            elif extras is not None:  # its pages: after sampling, or at its release
+                self.cache.commit(req.cache, extras=extras)
             if req.kv_len == req.seq_len:
                 rows.append((last_row[i], req, n > 1 or not req.output_ids))
         return rows
