@@ -27,24 +27,16 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
-from hicache.engine.config import EngineConfig, config_fields
-from hicache.engine.drivers.follower import run_follower
 from hicache.engine.ranks import (
     RankProcesses,
-    RankStartError,
     StepChannel,
-    cpu_threads_per_rank,
     leave_group,
 )
 from hicache.engine.request import OutputCallback, Request
 from hicache.engine.run_state import RunState
-from hicache.engine.step.build import RoleMaker, build_core, close_alone
-from hicache.engine.step.core import Applied, EngineCore, StepFailed, error_line
+from hicache.engine.step.core import Applied, EngineCore, StepFailed
 from hicache.engine.step.ends import StepOutputs
 from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
-from hicache.engine.tp_fit import check_tp_model
 from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
@@ -419,47 +411,6 @@ class Leader:
                 log.exception("closing the cache after the engine thread ended")
 
 
-def start_ranks(
-    config: EngineConfig, make_role: RoleMaker | None = None
-) -> tuple[RankProcesses, EngineCore]:
-    """Rank 0 of ``config.tp_size`` ranks: check the model splits, spawn and join the
-    followers, build rank 0's core (with ``make_role``'s role), wait until every follower
-    has built its own. A rank
-    that fails (rank 0 included: its error in one line) or does not make it within
-    ``dist_init_timeout_s`` fails it (:class:`~hicache.engine.ranks.RankStartError`,
-    naming it), every follower stopped and rank 0's cache closed."""
-    check_tp_model(config.model_path, config.tp_size, config.device)  # before any spawn
-    on_cuda = torch.device(config.device).type == "cuda"
-    if not on_cuda:  # the cores shared out between the ranks
-        torch.set_num_threads(cpu_threads_per_rank(config.tp_size))
-    ranks = RankProcesses(
-        config.tp_size,
-        run_follower,
-        config_fields(config),
-        backend="nccl" if on_cuda else "gloo",
-        init_timeout_s=config.dist_init_timeout_s,
-        collective_timeout_s=config.collective_timeout_s,
-    )
-    channel = ranks.start()  # stops what it started when it fails
-    try:
-        core = build_core(config, channel=channel, make_role=make_role)
-    except Exception as exc:
-        ranks.close(timeout=5.0, broken=True)
-        line = f"rank 0 failed while building its engine: {error_line(exc)}"
-        raise RankStartError(line) from exc
-    except BaseException:
-        ranks.close(timeout=5.0, broken=True)
-        raise
-    try:
-        ranks.wait_ready()
-    except BaseException:
-        ranks.close(timeout=5.0, broken=True)  # leaves the group: no rank joins a collective
-        core.scheduler.role.close()
-        close_alone(core.cache)
-        raise
-    return ranks, core
-
-
 def _calls_after(tasks: list[Task], records: int) -> list[list[Task]]:
     """Rank 0's calls among ``tasks`` grouped by the record they follow: ``[0]`` before
     the first record, ``[i + 1]`` after record ``i``."""
@@ -503,4 +454,4 @@ def _drop(tasks: list[Task], why: str) -> None:
             log.exception("failing a queued engine task")
 
 
-__all__ = ["Leader", "RankFailure", "Task", "start_ranks"]
+__all__ = ["Leader", "RankFailure", "Task"]

@@ -30,7 +30,8 @@ from hicache.cache import HiCache
 from hicache.disagg.config import Bootstrap
 from hicache.engine.admission import QueueGate, Reservation, reserve_places
 from hicache.engine.config import EngineConfig
-from hicache.engine.drivers.leader import Leader, RankFailure, Task, start_ranks
+from hicache.engine.drivers.leader import Leader, RankFailure, Task
+from hicache.engine.drivers.start import start_ranks
 from hicache.engine.front.health import (
     STALL_AFTER_S,
     AgreementTotals,
