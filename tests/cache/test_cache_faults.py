@@ -453,6 +453,34 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         check_integrity(cache)
 
 
+def test_a_waiting_request_whose_prefetch_a_detach_gave_up_is_ready_under_a_new_backend() -> None:
+    """A request still waiting on a ``wait_complete`` prefetch when its backend is
+    detached: the prefetch was given up with the tier, so under the next backend it waits
+    for nothing: ready at once, admitted with what L1 and L2 hold (the rest recomputed)."""
+    with make_cache() as cache:
+        ns = _namespace(cache)
+        store = MemoryStore()
+        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+        assert serve(cache, TOKENS) is not None
+        cache.sync(wait=True)  # TOKENS' pages are in L3
+        assert cache.l3.detach()
+        cache.reset()
+        slow = MemoryStorage(ns, store=store, faults=MemoryFaults(get_delay_s=0.5))
+        waiting = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+        cache.l3.attach(slow, ns, waiting)
+        req = cache.open(TOKENS, compute_last=False)
+        cache.sync()
+        assert not cache.ready(req)  # its read takes 0.5 s
+        assert cache.l3.detach()
+        cache.l3.attach(MemoryStorage(ns, store=MemoryStore()), ns, waiting)
+        cache.sync()
+        assert cache.ready(req)  # nothing left to wait for
+        assert cache.admit(req, TOKENS)
+        assert req.cached.storage == 0
+        cache.release(req)
+        check_integrity(cache)
+
+
 # -- load back under concurrency and faults ---------------------------------------------
 
 LONGER = [*TOKENS, 11, 12, 13, 14]  # TOKENS and two more pages

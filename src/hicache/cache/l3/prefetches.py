@@ -143,8 +143,9 @@ class Prefetches:
 
     def ready(self, p: Prefetch) -> bool:
         """Whether the policy lets the request be admitted now: as agreed at the last sync
-        (the same answer on every rank; one rank agrees with its own clock)."""
-        if p.finished or self.prefetch.policy is PrefetchPolicy.BEST_EFFORT:
+        (the same answer on every rank; one rank agrees with its own clock). A prefetch
+        taken or given up (its tier detached) waits for nothing."""
+        if p.finished or p.taken or self.prefetch.policy is PrefetchPolicy.BEST_EFFORT:
             return True
         return p.agreed_ready
 
