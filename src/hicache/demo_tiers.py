@@ -62,7 +62,7 @@ def prefill(cache: HiCache, tokens: list[int]) -> None:
         req.wait_layer(layer, timeout_s=10)
     own = req.pages[req.prefix_pages :]
     kv = fake_kv(tokens, req.prefix_pages, len(own))
-    cache.full.device_pool.write_pages(page_tensor(own), kv)
+    cache.full.pages.device_pool.write_pages(page_tensor(own), kv)
     cache.release(req, tokens)  # commit the computed pages, unpin
 
 
@@ -95,7 +95,7 @@ def main() -> int:
                 else "backed up to L2 (write_through)"
             )
             show(cache, f"prompt {i} ({len(p)} tokens, 64 shared) prefilled; {what}")
-        m = cache.full.match_prefix(prompts[0])
+        m = cache.full.pages.match_prefix(prompts[0])
         console.print(f"prompt 0 again: {m.device_tokens} tokens in L1, {m.host_tokens} in L2 only")
         gate.set()
         t0 = time.perf_counter()
@@ -108,7 +108,7 @@ def main() -> int:
                 " (the next layers are still copying)"
             )
         prefix = req.pages[: req.prefix_pages]
-        got = cache.full.device_pool.read_pages(page_tensor(prefix))
+        got = cache.full.pages.device_pool.read_pages(page_tensor(prefix))
         ok = torch.equal(got, fake_kv(prompts[0], 0, len(prefix)))
         loaded = req.cached.host
         cache.release(req)

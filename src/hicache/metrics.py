@@ -110,7 +110,7 @@ class CacheStats:
     device_free_tokens: int
     device_request_tokens: int
     """L1 token slots held by admitted requests (pages not handed to the tree yet) and by
-    reserved pages (:meth:`~hicache.cache.full_kv.FullKVStore.reserve`)."""
+    reserved pages (:meth:`~hicache.cache.full_pages.FullPages.reserve`)."""
     device_evictable_tokens: int
     host_total_tokens: int
     host_cached_tokens: int

@@ -65,7 +65,7 @@ def test_each_cache_counter_is_exported_under_one_name() -> None:
 
     def inject() -> None:
         for name, value in injected.items():
-            setattr(engine.core.cache.full.counters, name, value)
+            setattr(engine.core.cache.full.pages.counters, name, value)
 
     with serve(engine) as url:
         assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200

@@ -41,13 +41,13 @@ def run_request(cache: HiCache, tokens: list[int]) -> tuple[int, int]:
 def test_write_through_backs_up_on_insert(cache: HiCache) -> None:
     run_request(cache, [1, 2, 3, 4])
     cache.sync(wait=True)
-    (node,) = cache.full.tree.iter_nodes()
+    (node,) = cache.full.pages.tree.iter_nodes()
     assert list(node.device) == [0, 1] and list(node.host) == [0, 1]
     assert node.lock_ref == 0
     c = cache_stats(cache).counters
     assert c["backup_tokens_total"] == 4 and c["backup_ops_total"] == 1
     assert c["backup_bytes_total"] == 4 * SPEC.token_bytes
-    host = cache.full.host_pool
+    host = cache.full.pages.host_pool
     assert host is not None
     assert torch.equal(host.read_pages(torch.tensor([0, 1])), page_kv(cache, [1, 2, 3, 4], 0, 2))
     check_integrity(cache)
@@ -57,7 +57,7 @@ def test_write_through_selective_waits_for_threshold() -> None:
     with make_cache(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE) as cache:
         run_request(cache, [1, 2, 3, 4])
         cache.sync(wait=True)
-        (node,) = cache.full.tree.iter_nodes()
+        (node,) = cache.full.pages.tree.iter_nodes()
         assert node.host is None and node.hit_count == 1
         run_request(cache, [1, 2, 3, 4])
         cache.sync(wait=True)
@@ -69,15 +69,15 @@ def test_write_back_backs_up_only_on_eviction() -> None:
     with make_cache(write_policy="write_back") as cache:
         run_request(cache, [1, 2, 3, 4])
         cache.sync(wait=True)
-        (node,) = cache.full.tree.iter_nodes()
+        (node,) = cache.full.pages.tree.iter_nodes()
         assert node.host is None
-        assert cache.full.evict_device(2) == 2
+        assert cache.full.pages.evict_device(2) == 2
         assert node.device is None and list(node.host) == [0, 1]
         c = cache_stats(cache).counters
         assert c["backup_tokens_total"] == 4 and c["device_demoted_tokens_total"] == 4
-        assert cache.full.host_pool is not None
+        assert cache.full.pages.host_pool is not None
         assert torch.equal(
-            cache.full.host_pool.read_pages(torch.tensor([0, 1])),
+            cache.full.pages.host_pool.read_pages(torch.tensor([0, 1])),
             page_kv(cache, [1, 2, 3, 4], 0, 2),
         )
         check_integrity(cache)
@@ -87,8 +87,8 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     tokens = [5, 6, 7, 8, 9, 10]
     run_request(cache, tokens)
     cache.sync(wait=True)
-    assert cache.full.evict_device(4) == 3
-    m = cache.full.match_prefix([*tokens, 11])
+    assert cache.full.pages.evict_device(4) == 3
+    m = cache.full.pages.match_prefix([*tokens, 11])
     assert (m.device_tokens, m.host_tokens) == (0, 6)
     req = cache.open([*tokens, 11])
     assert cache.admit(req, [*tokens, 11])
@@ -108,7 +108,7 @@ def test_load_back_threshold_and_all_or_nothing() -> None:
     with make_cache(load_back_threshold=6) as cache:
         run_request(cache, [1, 2, 3, 4])
         cache.sync(wait=True)
-        cache.full.evict_device(2)
+        cache.full.pages.evict_device(2)
         req = cache.open([1, 2, 3, 4], compute_last=False)
         assert cache.admit(req, [1, 2, 3, 4])
         assert req.cached.host == 0 and req.prefix_pages == 0  # 4 < 6 tokens: recompute
@@ -118,12 +118,12 @@ def test_load_back_threshold_and_all_or_nothing() -> None:
     with make_cache() as cache:
         run_request(cache, [1, 2, 3, 4, 5, 6])
         cache.sync(wait=True)
-        cache.full.evict_device(3)
-        pinned = cache.full.alloc(2)  # L1 has 4 pages: 2 left, the chain needs 3
+        cache.full.pages.evict_device(3)
+        pinned = cache.full.pages.alloc(2)  # L1 has 4 pages: 2 left, the chain needs 3
         assert pinned is not None
         req = cache.open([1, 2, 3, 4, 5, 6], compute_last=False)
         assert not cache.admit(req, [1, 2, 3, 4, 5, 6])  # no room: nothing loaded or held
-        (node,) = cache.full.tree.iter_nodes()
+        (node,) = cache.full.pages.tree.iter_nodes()
         assert node.device is None and node.host_ref == 0 and node.lock_ref == 0
         check_integrity(cache, request_pages=pinned)
 
@@ -137,7 +137,7 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
         cache.sync(wait=True)
         tiers = {
             n.key[:4]: (n.device is not None, n.host is not None)
-            for n in cache.full.tree.iter_nodes()
+            for n in cache.full.pages.tree.iter_nodes()
         }
         assert tiers == {
             bytes([1, 0, 0, 0]): (False, True),
@@ -148,8 +148,8 @@ def test_alloc_evicts_lru_and_host_eviction_makes_room() -> None:
         cache.sync(wait=True)
         st = cache_stats(cache)
         assert st.counters["host_evicted_tokens_total"] == 4
-        assert cache.full.match_prefix([1, 1, 1, 1]).matched_tokens == 0
-        assert cache.full.match_prefix([2, 2, 2, 2]).host_tokens == 4
+        assert cache.full.pages.match_prefix([1, 1, 1, 1]).matched_tokens == 0
+        assert cache.full.pages.match_prefix([2, 2, 2, 2]).host_tokens == 4
         check_integrity(cache)
 
 
@@ -168,17 +168,17 @@ def test_reset_empties_l1_and_l2(cache: HiCache) -> None:
 
 def test_plain_radix_cache_without_host_tier() -> None:
     with make_cache(enable_hierarchical_cache=False) as cache:
-        assert cache.full.host_pool is None
+        assert cache.full.pages.host_pool is None
         run_request(cache, [1, 2, 3, 4])
-        assert cache.full.evict_device(2) == 2
+        assert cache.full.pages.evict_device(2) == 2
         assert cache_stats(cache).counters["device_evicted_tokens_total"] == 4
-        assert cache.full.tree.stats().nodes == 0
+        assert cache.full.pages.tree.stats().nodes == 0
         check_integrity(cache)
 
 
 def test_integrity_detects_a_leak(cache: HiCache) -> None:
     run_request(cache, [1, 2, 3, 4])
-    leaked = cache.full.alloc(1)
+    leaked = cache.full.pages.alloc(1)
     assert leaked is not None
     with pytest.raises(AssertionError, match="leak"):
         check_integrity(cache)
@@ -189,7 +189,7 @@ def test_full_l2_drops_copies_of_l1_resident_spans_for_new_backups() -> None:
     # L1: 8 pages; L2: 6 pages (64 bytes each) - three 2-page prompts fill L2 with copies
     page_gb = 2 * SPEC.token_bytes / 1e9
     with make_cache(device_tokens=16, hicache_size=6 * page_gb) as cache:
-        assert cache.full.host_pool is not None and cache.full.host_pool.num_pages == 6
+        assert cache.full.pages.host_pool is not None and cache.full.pages.host_pool.num_pages == 6
         for first in (1, 2, 3):
             run_request(cache, [first] * 4)
             cache.sync(wait=True)
@@ -198,7 +198,7 @@ def test_full_l2_drops_copies_of_l1_resident_spans_for_new_backups() -> None:
         cache.sync(wait=True)
         tiers = {
             n.key[0]: (n.device is not None, n.host is not None)
-            for n in cache.full.tree.iter_nodes()
+            for n in cache.full.pages.tree.iter_nodes()
         }
         # no L2-only leaf to evict: the LRU copy of a span still in L1 (prompt 1) went
         assert tiers == {1: (True, False), 2: (True, True), 3: (True, True), 4: (True, True)}

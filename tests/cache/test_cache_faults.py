@@ -63,7 +63,7 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
     cache, hook = failing
     assert serve(cache, TOKENS) is not None
     cache.sync(wait=True)
-    assert cache.full.evict_device(8) == 3  # demoted: L2 only now
+    assert cache.full.pages.evict_device(8) == 3  # demoted: L2 only now
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS)
@@ -71,7 +71,7 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
     assert req.wait_layer(0, 10)  # layer 0 arrived before the failure
     assert not req.wait_layer(1, 10) and req.failed is not None
     cache.sync()
-    (node,) = cache.full.tree.iter_nodes()
+    (node,) = cache.full.pages.tree.iter_nodes()
     assert node.device is None and node.host is not None  # unmapped, L2 copy kept
     assert node.lock_ref == 0 and node.host_ref == 0
     assert cache_stats(cache).counters["load_failures_total"] == 1
@@ -79,7 +79,7 @@ def test_a_failed_load_fails_its_request_unmaps_its_pages_and_releases_its_pins(
     cache.release(req, TOKENS)
     assert req.state is RequestState.RELEASED
     check_integrity(cache)
-    assert cache.full.device_pool.allocator.used_pages == 0
+    assert cache.full.pages.device_pool.allocator.used_pages == 0
     cache.reset()  # nothing is left pinned
     assert serve(cache, TOKENS) is not None  # works again, recomputed
 
@@ -95,7 +95,7 @@ def test_a_failed_request_requeued_recomputes_what_its_load_could_not_bring(
     serve(cache, TOKENS[:PAGE])  # page 0 is a node of its own
     assert serve(cache, TOKENS) is not None
     cache.sync(wait=True)
-    assert cache.full.evict_device(2) == 2  # pages 1-2 are in L2 only, page 0 stays in L1
+    assert cache.full.pages.evict_device(2) == 2  # pages 1-2 are in L2 only, page 0 stays in L1
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS) and req.prefix_pages == 3 and req.loading
@@ -126,7 +126,7 @@ def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
     cache, hook = failing
     serve(cache, TOKENS)
     cache.sync(wait=True)
-    cache.full.evict_device(8)
+    cache.full.pages.evict_device(8)
     hook.on = True
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS)
@@ -149,10 +149,10 @@ def test_write_through_selective_counts_requests_not_inserts() -> None:
         cache.commit(req, longer)  # the prompt's node is passed again: no new hit
         cache.release(req, longer)
         cache.sync(wait=True)
-        assert all(n.host is None for n in cache.full.tree.iter_nodes())
+        assert all(n.host is None for n in cache.full.pages.tree.iter_nodes())
         assert serve(cache, TOKENS) is not None  # the second request reusing it
         cache.sync(wait=True)
-        prompt = cache.full.match_prefix(TOKENS).last_device_node
+        prompt = cache.full.pages.match_prefix(TOKENS).last_device_node
         assert prompt.hit_count == 2 and prompt.host is not None
         check_integrity(cache)
 
@@ -177,9 +177,9 @@ def test_priority_reaches_the_tree_through_open() -> None:
         serve(cache, [1, 1, 1, 1], priority=5)
         serve(cache, [2, 2, 2, 2], priority=0)
         cache.sync(wait=True)
-        cache.full.evict_device(2)  # the low-priority span goes first, though it is newer
-        assert cache.full.match_prefix([1, 1, 1, 1]).device_tokens == 4
-        assert cache.full.match_prefix([2, 2, 2, 2]).device_tokens == 0
+        cache.full.pages.evict_device(2)  # the low-priority span goes first, though it is newer
+        assert cache.full.pages.match_prefix([1, 1, 1, 1]).device_tokens == 4
+        assert cache.full.pages.match_prefix([2, 2, 2, 2]).device_tokens == 0
 
 
 def _l3(cache: HiCache, store: MemoryStore, prefetch: PrefetchConfig) -> None:
@@ -232,10 +232,10 @@ def test_l3_backup_counts_written_pages_not_present_ones() -> None:
         assert cache_stats(a).counters["l3_backup_tokens_total"] == 6
     with make_cache() as b:  # the same pages again: all present already
         _l3(b, store, prefetch)
-        pages = b.full.alloc(3)
+        pages = b.full.pages.alloc(3)
         assert pages is not None
         write_tokens(b, TOKENS, pages, 0)
-        b.full.insert(TOKENS, pages)
+        b.full.pages.insert(TOKENS, pages)
         b.sync(wait=True)
         c = cache_stats(b).counters
         assert c["l3_backup_tokens_total"] == 0 and c["l3_backup_present_tokens_total"] == 6
@@ -315,9 +315,9 @@ def test_an_l3_read_past_its_deadline_never_lands_in_pages_someone_else_owns() -
         b.sync(wait=True)  # waits for the late write too: it lands in the quarantined pages only
         assert b.l3.attached.prefetches.quarantined_host_pages() == []
         check_integrity(b)
-        b.full.evict_device(8)  # everything L2-only: load back checks every byte
+        b.full.pages.evict_device(8)  # everything L2-only: load back checks every byte
         for toks in others:
-            if b.full.match_prefix(toks).host_tokens:
+            if b.full.pages.match_prefix(toks).host_tokens:
                 assert serve(b, toks) is not None
         check_integrity(b)
 
@@ -359,34 +359,36 @@ def test_a_failed_backup_never_frees_l2_pages_another_op_still_uses() -> None:
         ns = _namespace(cache)
         slow_writes = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=0.5))
         cache.l3.attach(slow_writes, ns, PrefetchConfig(prefetch_threshold=0))
-        assert cache.full.host is not None
-        engine = cache.full.host.controller._engine
+        assert cache.full.pages.host_pool is not None
+        engine = cache.full.pages.host.controller._engine
         gated = GatedFailingBackup(engine.copier)
         engine.copier = gated
         parent, child = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]
-        p_pages = cache.full.alloc(2)
+        p_pages = cache.full.pages.alloc(2)
         assert p_pages is not None
         write_tokens(cache, parent, p_pages, 0)
-        cache.full.insert(parent, p_pages)  # backup op 1: will fail
-        c_pages = cache.full.alloc(2)
+        cache.full.pages.insert(parent, p_pages)  # backup op 1: will fail
+        c_pages = cache.full.pages.alloc(2)
         assert c_pages is not None
         write_tokens(cache, child, c_pages, 2)
-        cache.full.insert(child, cache.full.match_prefix(parent).device_pages + c_pages)  # op 2
-        p_node = cache.full.match_prefix(parent).last_device_node
-        c_node = cache.full.match_prefix(child).last_device_node
+        cache.full.pages.insert(
+            child, cache.full.pages.match_prefix(parent).device_pages + c_pages
+        )  # op 2
+        p_node = cache.full.pages.match_prefix(parent).last_device_node
+        c_node = cache.full.pages.match_prefix(child).last_device_node
         assert p_node.host is not None and c_node.host is not None
         c_host = list(c_node.host)
         gated.gate.set()
-        cache.full.host.wait_idle()  # op 1 failed, op 2 landed: the child's L3 write is slow
+        cache.full.pages.host.wait_idle()  # op 1 failed, op 2 landed: the child's L3 write is slow
         assert c_node.host is not None and list(c_node.host) == c_host  # not freed
-        assert all(cache.full.host.allocator.is_used(p) for p in c_host)
+        assert all(cache.full.pages.host.allocator.is_used(p) for p in c_host)
         assert p_node.lock_ref == 1  # the failed run stays pinned in L1 meanwhile
         cache.sync(wait=True)  # the L3 write lands; then the L2 copies are dropped
         cache.sync()
         assert p_node.host is None and c_node.host is None and p_node.lock_ref == 0
         assert cache_stats(cache).counters["backup_failures_total"] == 1
         check_integrity(cache)
-        assert cache.full.host.allocator.used_pages == 0
+        assert cache.full.pages.host.allocator.used_pages == 0
 
 
 def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
@@ -395,14 +397,14 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
         slow = MemoryStorage(ns, store=MemoryStore(), faults=MemoryFaults(delay_s=1.0))
         cache.l3.attach(slow, ns, PrefetchConfig(prefetch_threshold=0))
         serve(cache, TOKENS)
-        assert cache.full.host is not None
-        cache.full.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
+        assert cache.full.pages.host_pool is not None
+        cache.full.pages.host.wait_idle()  # the L2 copy landed; its L3 write now takes 1 s
         assert cache.l3.detach(timeout_s=0.1)  # the flush times out
         assert not (cache.l3.attached is not None)
-        assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.full.tree.iter_nodes())
+        assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache.full.pages.tree.iter_nodes())
         check_integrity(cache)
         cache.reset()  # /flush_cache is not refused: no pin is left behind
-        assert cache.full.host.allocator.used_pages == 0
+        assert cache.full.pages.host.allocator.used_pages == 0
 
 
 def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settles() -> None:
@@ -417,7 +419,10 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         cache.sync(wait=True)  # TOKENS' pages are in L3
         assert cache.l3.detach()
         cache.reset()
-        assert cache.full.host is not None and cache.full.host.allocator.used_pages == 0
+        assert (
+            cache.full.pages.host_pool is not None
+            and cache.full.pages.host.allocator.used_pages == 0
+        )
         late = MemoryStorage(
             ns, StorageOptions(timeout_s=0.1), store=store, faults=MemoryFaults(get_delay_s=1.5)
         )
@@ -440,11 +445,11 @@ def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settl
         assert cache.l3.detach()  # the read timed out; its bytes land later
         assert not (cache.l3.attached is not None)
         cache.sync()
-        assert cache.full.host.allocator.used_pages == 3  # quarantined, not free
-        assert all(cache.full.host.allocator.is_used(p) for p in held)
+        assert cache.full.pages.host.allocator.used_pages == 3  # quarantined, not free
+        assert all(cache.full.pages.host.allocator.is_used(p) for p in held)
         check_integrity(cache)  # counted held by the detached backend
         end = time.monotonic() + 10
-        while cache.full.host.allocator.used_pages:
+        while cache.full.pages.host.allocator.used_pages:
             assert time.monotonic() < end, "the retired backend's pages were never freed"
             cache.sync()
             time.sleep(0.01)
@@ -492,8 +497,8 @@ def _l2_only(cache: HiCache, *seqs: list[int]) -> None:
     for seq in seqs:
         assert serve(cache, seq) is not None
     cache.sync(wait=True)
-    cache.full.evict_device(cache.full.pages)
-    assert cache.full.device_pool.allocator.used_pages == 0
+    cache.full.pages.evict_device(cache.full.pages.usable)
+    assert cache.full.pages.device_pool.allocator.used_pages == 0
 
 
 def _admit(cache: HiCache, tokens: list[int]) -> CacheRequest:
@@ -504,9 +509,9 @@ def _admit(cache: HiCache, tokens: list[int]) -> CacheRequest:
 
 def _settled(cache: HiCache, ops: int = 0) -> None:
     """Wait until at most ``ops`` L1<->L2 copies are in flight (others are parked)."""
-    assert cache.full.host is not None
+    assert cache.full.pages.host_pool is not None
     end = time.monotonic() + 10
-    while cache.full.host.controller.pending > ops:
+    while cache.full.pages.host.controller.pending > ops:
         assert time.monotonic() < end, "copies never finished"
         time.sleep(0.001)
 
@@ -531,7 +536,7 @@ def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pag
     failed load must leave no L1 page of TOKENS mapped that it never wrote."""
     cache, hook = failing
     _l2_only(cache, TOKENS)
-    held = cache.full.alloc(5)
+    held = cache.full.pages.alloc(5)
     assert held is not None
     fill_device(cache, free_device_pages(cache), 7.0)  # what an unwritten page shows
     hook.on = True
@@ -541,16 +546,16 @@ def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pag
         cache.release(req, keep=False)
     else:
         cache.release(req)
-    cache.full.free(held)
+    cache.full.pages.free(held)
     cache.sync(wait=True)  # the load has failed by now
     hook.on = False
-    m = cache.full.match_prefix(TOKENS)
+    m = cache.full.pages.match_prefix(TOKENS)
     assert read_device(cache, m.device_pages).equal(
         page_kv(cache, TOKENS, 0, m.device_tokens // PAGE)
     )
     assert (m.device_tokens, m.host_tokens) == (0, 6)  # the L2 copy stays, L1 has nothing
     check_integrity(cache)
-    assert cache.full.device_pool.allocator.used_pages == 0
+    assert cache.full.pages.device_pool.allocator.used_pages == 0
     assert serve(cache, TOKENS) is not None  # loads the right bytes now
 
 
@@ -564,10 +569,10 @@ class _BackupAfterFailedLoad:
         self.hook = hook
 
     def backup(self, *args: Any) -> None:
-        assert self.cache.full.host is not None
+        assert self.cache.full.pages.host_pool is not None
         end = time.monotonic() + 3
         self.hook.fired.wait(3)
-        while self.cache.full.host.controller.pending > 1 and time.monotonic() < end:
+        while self.cache.full.pages.host.controller.pending > 1 and time.monotonic() < end:
             time.sleep(0.001)
         self.inner.backup(*args)
 
@@ -584,15 +589,15 @@ def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
     match may return the chain's L1 pages."""
     cache, hook = failing
     _l2_only(cache, TOKENS)
-    assert cache.full.host is not None
-    engine = cache.full.host.controller._engine
+    assert cache.full.pages.host_pool is not None
+    engine = cache.full.pages.host.controller._engine
     engine.copier = _BackupAfterFailedLoad(engine.copier, cache, hook)  # type: ignore[assignment]
     x = [3, 3, 3, 3]
-    x_pages = cache.full.alloc(2)
+    x_pages = cache.full.pages.alloc(2)
     assert x_pages is not None
     write_tokens(cache, x, x_pages, 0)
-    cache.full.insert(x, x_pages)  # write-through: its backup pins it in L1 until it lands
-    held = cache.full.alloc(3)  # another holder: 3 pages free, the load's size
+    cache.full.pages.insert(x, x_pages)  # write-through: its backup pins it in L1 until it lands
+    held = cache.full.pages.alloc(3)  # another holder: 3 pages free, the load's size
     assert held is not None
     fill_device(cache, free_device_pages(cache), 7.0)
     hook.on = True
@@ -600,11 +605,11 @@ def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
     assert req.prefix_pages == 3
     assert not req.wait_layer(1, 10) and req.failed is not None
     cache.sync()
-    m = cache.full.match_prefix(TOKENS)
+    m = cache.full.pages.match_prefix(TOKENS)
     assert (m.device_tokens, m.host_tokens) == (0, 6)
     assert req.node is None  # failed and unpinned
     cache.release(req, keep=False)
-    cache.full.free(held)
+    cache.full.pages.free(held)
     hook.on = False
     cache.sync(wait=True)
     check_l1_hits(cache, [TOKENS, x])
@@ -683,7 +688,7 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
     cache.sync()
     assert first.failed is not None and second.failed is not None
     assert first.node is None and second.node is None
-    m = cache.full.match_prefix(LONGER)
+    m = cache.full.pages.match_prefix(LONGER)
     assert (m.device_tokens, m.host_tokens) == (0, 10)
     check_integrity(cache)  # the parked load's pages are held, not free
     assert not second.wait_layer(1, 10)
@@ -691,8 +696,8 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
         cache.release(req, keep=False)
     gates.release(1)
     cache.sync(wait=True)
-    assert cache.full.device_pool.allocator.used_pages == 0
-    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
+    assert cache.full.pages.device_pool.allocator.used_pages == 0
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.pages.tree.iter_nodes())
     check_integrity(cache)
     assert serve(cache, LONGER) is not None  # loads the right bytes now
 

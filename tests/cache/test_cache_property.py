@@ -108,11 +108,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n: int) -> None:
-        self.c.full.evict_device(n)
+        self.c.full.pages.evict_device(n)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n: int) -> None:
-        self.c.full.evict_host(n)
+        self.c.full.pages.evict_host(n)
 
     @rule()
     def flush(self) -> None:

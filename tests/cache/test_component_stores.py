@@ -184,7 +184,7 @@ def test_a_store_in_the_list_is_built_from_its_spec(cache: HiCache) -> None:
     store = cache.stores.of_type(TagStore)
     assert store is not None and cache.stores.names == ["tag"] and list(cache.stores) == [store]
     assert cache.stores.of_type(SwaStore) is None and cache.stores.of_type(SnapshotStore) is None
-    assert isinstance(cache.full.tree.component("tag"), TagComponent)
+    assert isinstance(cache.full.pages.tree.component("tag"), TagComponent)
     assert cache.stores.resumes  # the store hands requests a state to resume from
     assert [u.name for u in cache_stats(cache).components] == ["full", "tag"]
     with pytest.raises(ValueError, match="no component store takes a TagSpec"):

@@ -10,6 +10,7 @@ import pytest
 
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.device_tier import DeviceTier
+from hicache.cache.no_host_tier import NoHostTier
 from hicache.config import CacheConfig
 from hicache.controller import write_rule
 from hicache.memory import DevicePool
@@ -43,7 +44,7 @@ def make_tier() -> tuple[DeviceTier, list[tuple[Tier, dict[str, list[int]]]]]:
         pool=DevicePool(SPEC, cfg.device_pages, PAGE),
         rule=write_rule(cfg),
         counters=CacheCounters(),
-        host=None,
+        host=NoHostTier(),
         stores=stores,
     )
     return tier, stores.freed

@@ -45,7 +45,7 @@ def slots_of(cache: HiCache, req: CacheRequest, name: str, upto: int) -> torch.T
 def pool_of(cache: HiCache, name: str) -> torch.Tensor:
     """Store ``name``'s L1 buffer, ``(K, L, slots, H, D)``."""
     if name == "full":
-        return cache.full.device_pool.buffer
+        return cache.full.pages.device_pool.buffer
     store = cache.stores.get(name)
     assert store is not None
     pool = store.device_pool

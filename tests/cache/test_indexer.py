@@ -119,13 +119,13 @@ def admit_and_check(cache: HiCache, tokens: list[int]) -> int:
 
 def path(cache: HiCache, tokens: list[int]) -> list[TreeNode]:
     """The nodes the tree holds for ``tokens`` (any tier), top-down."""
-    last = cache.full.tree.match_full(tokens).last_host_node
-    return cache.full.tree.path_tail(last, cache.full.tree.depth_pages(last))
+    last = cache.full.pages.tree.match_full(tokens).last_host_node
+    return cache.full.pages.tree.path_tail(last, cache.full.pages.tree.depth_pages(last))
 
 
 def drop_keys(cache: HiCache, node: TreeNode, tier: Tier) -> None:
     """Forget ``node``'s keys in ``tier`` (what a lost copy or record leaves)."""
-    cache.full.tree.component(INDEXER).set(node, tier, None)
+    cache.full.pages.tree.component(INDEXER).set(node, tier, None)
 
 
 # ---------------------------------------------------------------------- the spec
@@ -145,14 +145,17 @@ def test_the_spec_is_validated_and_sized() -> None:
 
 def test_pools_share_the_full_kvs_page_ids(cache: HiCache) -> None:
     s = store_of(cache)
-    assert s.device_pool.num_pages == cache.full.device_pool.num_pages == 16
-    assert s.host_pool is not None and cache.full.host_pool is not None
-    assert s.host_pool.num_pages == cache.full.host_pool.num_pages == 32
+    assert s.device_pool.num_pages == cache.full.pages.device_pool.num_pages == 16
+    assert s.host_pool is not None and cache.full.pages.host_pool is not None
+    assert s.host_pool.num_pages == cache.full.pages.host_pool.num_pages == 32
     serve_in_chunks(cache, PROMPT)
     for n in path(cache, PROMPT):
-        assert cache.full.tree.component(INDEXER).get(n, Tier.DEVICE) == n.device
-        assert cache.full.tree.component(INDEXER).get(n, Tier.HOST) == n.host
-    assert cache.full.tree.component_ids(INDEXER, Tier.DEVICE) == cache.full.tree.device_page_ids()
+        assert cache.full.pages.tree.component(INDEXER).get(n, Tier.DEVICE) == n.device
+        assert cache.full.pages.tree.component(INDEXER).get(n, Tier.HOST) == n.host
+    assert (
+        cache.full.pages.tree.component_ids(INDEXER, Tier.DEVICE)
+        == cache.full.pages.tree.device_page_ids()
+    )
     full, keys = cache_stats(cache).components
     assert (keys.name, keys.device_used, keys.device_cached) == (INDEXER, 8, 8)
     assert (full.device_used, full.device_cached) == (8, 8)
@@ -173,17 +176,17 @@ def test_a_request_reuses_the_keys_from_l1(cache: HiCache) -> None:
 def test_the_match_stops_before_the_first_node_without_its_keys(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT)  # nodes of pages [0, 4), [4, 8)
     top, second = path(cache, PROMPT)
-    assert cache.full.tree.match_prefix(PROMPT).device_tokens == 16
+    assert cache.full.pages.tree.match_prefix(PROMPT).device_tokens == 16
     drop_keys(cache, second, Tier.DEVICE)  # its L2 keys stay: an L2 hit
-    m = cache.full.tree.match_prefix(PROMPT)
+    m = cache.full.pages.tree.match_prefix(PROMPT)
     assert (m.device_tokens, m.host_tokens) == (8, 8)
     drop_keys(cache, second, Tier.HOST)  # in no tier now: the match ends above it
-    m = cache.full.tree.match_prefix(PROMPT)
+    m = cache.full.pages.tree.match_prefix(PROMPT)
     assert (m.device_tokens, m.host_tokens, m.limited_by) == (8, 0, INDEXER)
     drop_keys(cache, top, Tier.HOST)  # L1 only at the top: a hit anywhere still
-    assert cache.full.tree.match_prefix(PROMPT).device_tokens == 8
+    assert cache.full.pages.tree.match_prefix(PROMPT).device_tokens == 8
     drop_keys(cache, top, Tier.DEVICE)
-    assert cache.full.tree.match_prefix(PROMPT).matched_tokens == 0
+    assert cache.full.pages.tree.match_prefix(PROMPT).matched_tokens == 0
     check_integrity(cache)
 
 
@@ -192,7 +195,7 @@ def test_keys_in_l2_only_are_loaded_with_the_hit(cache: HiCache) -> None:
     _, second = path(cache, PROMPT)
     drop_keys(cache, second, Tier.DEVICE)
     assert admit_and_check(cache, PROMPT) == 16  # the keys of [4, 8) came from L2
-    assert cache.full.tree.component(INDEXER).get(second, Tier.DEVICE) == second.device
+    assert cache.full.pages.tree.component(INDEXER).get(second, Tier.DEVICE) == second.device
     assert cache.stores.component_hits()[0].l2 == 1
 
 
@@ -209,7 +212,9 @@ def test_a_commit_marks_no_keys_on_nodes_whose_pages_are_not_the_requests(
     own = req.pages[:4]
     cache.commit(req, PROMPT)
     assert top.device is not None and top.device != own  # the tree kept its pages
-    assert cache.full.tree.component(INDEXER).get(top, Tier.DEVICE) is None  # so no keys there
+    assert (
+        cache.full.pages.tree.component(INDEXER).get(top, Tier.DEVICE) is None
+    )  # so no keys there
     cache.release(req, PROMPT)
     cache.sync(wait=True)
     check_integrity(cache)
@@ -223,17 +228,17 @@ def test_eviction_drops_keys_with_their_full_kv_and_keeps_the_invariant() -> Non
         prompts = [[p * 50 + i for i in range(9)] for p in range(6)]  # 4 pages each
         for p in prompts:
             serve_in_chunks(cache, p)
-        comp = cache.full.tree.component(INDEXER)
-        for n in cache.full.tree.iter_nodes():
+        comp = cache.full.pages.tree.component(INDEXER)
+        for n in cache.full.pages.tree.iter_nodes():
             if n.parent is None:
                 continue
             assert comp.get(n, Tier.DEVICE) == n.device
             assert comp.get(n, Tier.HOST) == n.host
-        assert cache.full.counters.device_demoted_tokens_total == 32  # 16 pages left L1
-        assert cache.full.counters.host_evicted_tokens_total == 24  # 12 pages left L2
+        assert cache.full.pages.counters.device_demoted_tokens_total == 32  # 16 pages left L1
+        assert cache.full.pages.counters.host_evicted_tokens_total == 24  # 12 pages left L2
         assert admit_and_check(cache, prompts[-1]) == 8
-        cache.full.evict_device(cache.full.device_pool.num_pages)
-        assert cache.full.tree.component_ids(INDEXER, Tier.DEVICE) == []
+        cache.full.pages.evict_device(cache.full.pages.device_pool.num_pages)
+        assert cache.full.pages.tree.component_ids(INDEXER, Tier.DEVICE) == []
         assert admit_and_check(cache, prompts[-1]) == 8  # from L2, keys and all
         check_integrity(cache)
 
@@ -251,7 +256,7 @@ def digest(pool_buffer: torch.Tensor, layout: MemLayout, pages: list[int]) -> st
 def prefix_pages(cache: HiCache, tokens: list[int], tier: Tier) -> list[int]:
     out: list[int] = []
     for n in path(cache, tokens):
-        ids = cache.full.tree.component(INDEXER).get(n, tier)
+        ids = cache.full.pages.tree.component(INDEXER).get(n, tier)
         assert ids is not None
         out += ids
     return out
@@ -271,7 +276,7 @@ def test_keys_survive_device_host_device(layout: MemLayout) -> None:
         assert s.host_pool is not None
         host = digest(s.host_pool.buffer, layout, prefix_pages(cache, PROMPT, Tier.HOST))
         assert host == before
-        cache.full.evict_device(cache.full.device_pool.num_pages)  # L2 only now
+        cache.full.pages.evict_device(cache.full.pages.device_pool.num_pages)  # L2 only now
         s.device_pool.buffer.zero_()  # nothing left in L1 to be read by mistake
         assert admit_and_check(cache, PROMPT) == 16
         after = digest(
@@ -304,8 +309,8 @@ def test_keys_survive_host_l3_host(layout: MemLayout) -> None:
         assert s.host_pool is not None
         before = digest(s.host_pool.buffer, layout, prefix_pages(cache, PROMPT, Tier.HOST))
         cache.sync(wait=True)
-        assert cache.full.counters.l3_backup_indexer_pages_total == 8
-        assert cache.full.counters.l3_backup_indexer_pages_failed_total == 0
+        assert cache.full.pages.counters.l3_backup_indexer_pages_total == 8
+        assert cache.full.pages.counters.l3_backup_indexer_pages_failed_total == 0
     keys = page_keys(namespace(layout).with_component(INDEXER), PROMPT, PAGE)
     assert [store.contains(k.key) for k in keys] == [True] * 8
     with make(mem_layout=layout) as cold:  # a second server over the same L3
@@ -337,5 +342,5 @@ def test_a_prefetch_stops_at_the_first_page_without_its_record() -> None:
         storage = attach(cold, store, layout)
         assert admit_and_check(cold, PROMPT) == 10  # pages 1..5
         assert storage.read() == (5, 5)  # pages past 5 are not read
-        assert cold.full.counters.prefetch_tokens_total == 10
-        assert cold.full.counters.prefetch_component_records_total == 5
+        assert cold.full.pages.counters.prefetch_tokens_total == 10
+        assert cold.full.pages.counters.prefetch_component_records_total == 5

@@ -109,7 +109,7 @@ def _scenario(rank: int, root: str, fault: str) -> dict[str, Any]:
             "hits": hits,
             "digest": tree_digest(cache),
             "prefixes": prefixes,
-            "indexer_written": cache.full.counters.l3_backup_indexer_pages_total,
+            "indexer_written": cache.full.pages.counters.l3_backup_indexer_pages_total,
         }
 
 

@@ -29,10 +29,10 @@ def make(spec: KVSpec, store: MemoryStore) -> HiCache:
 
 
 def put(cache: HiCache, tokens: list[int], *, tenant: str = "") -> None:
-    pages = cache.full.alloc(len(tokens) // PAGE)
+    pages = cache.full.pages.alloc(len(tokens) // PAGE)
     assert pages is not None
     write_tokens(cache, tokens, pages, 0)
-    cache.full.insert(tokens, pages, tenant=tenant)
+    cache.full.pages.insert(tokens, pages, tenant=tenant)
     cache.sync(wait=True)
 
 
@@ -61,7 +61,7 @@ def test_backup_then_prefetch_into_a_fresh_cache_is_byte_exact() -> None:
         assert got == 8 and torch.equal(data, page_kv(b, TOKENS, 0, 4))
         assert cache_stats(b).counters["storage_hit_tokens_total"] == 8
         check_integrity(b)
-        node = b.full.match_prefix(TOKENS).last_device_node
+        node = b.full.pages.match_prefix(TOKENS).last_device_node
         assert node.device is not None and node.host is not None
 
 
@@ -92,11 +92,11 @@ def test_a_tenants_spans_reach_only_that_tenant_through_l3() -> None:
 def test_a_split_during_the_l2_backup_loses_nothing_on_the_way_to_l3() -> None:
     store = MemoryStore()
     with make(MHA, store) as a:
-        pages = a.full.alloc(4)
+        pages = a.full.pages.alloc(4)
         assert pages is not None
         write_tokens(a, TOKENS, pages, 0)
-        a.full.insert(TOKENS, pages)  # backup L1 -> L2 in flight, applied at the next poll
-        a.full.tree.match_prefix([*TOKENS[:4], 0, 0])  # splits the node before that
+        a.full.pages.insert(TOKENS, pages)  # backup L1 -> L2 in flight, applied at the next poll
+        a.full.pages.tree.match_prefix([*TOKENS[:4], 0, 0])  # splits the node before that
         a.sync(wait=True)
         assert len(store) == 4 and cache_stats(a).counters["l3_backup_tokens_total"] == 8
         check_integrity(a)
@@ -137,7 +137,7 @@ def test_l3_pages_past_a_span_held_in_l1_alone_are_fetched() -> None:
         assert len(store) == 6
     with make_write_back(MHA, store) as b:
         put(b, TOKENS)  # 4 pages in L1 alone (write_back: no backup)
-        node = b.full.match_prefix(TOKENS).last_device_node
+        node = b.full.pages.match_prefix(TOKENS).last_device_node
         assert node.host is None and len(store) == 6
         # nothing in L3 past the held span: no read (the held pages are not re-read)
         got, _ = fetch(b, TOKENS[:6])
@@ -145,7 +145,7 @@ def test_l3_pages_past_a_span_held_in_l1_alone_are_fetched() -> None:
         got, data = fetch(b, [*longer, 9])
         assert got == 4  # the two pages past the span come from L3
         assert torch.equal(data, page_kv(b, longer, 0, 6))
-        node = b.full.match_prefix(TOKENS).last_device_node
+        node = b.full.pages.match_prefix(TOKENS).last_device_node
         assert node.host is not None  # the span adopted its L3 copy
         assert cache_stats(b).counters["prefetch_tokens_total"] == 12  # 6 pages read
         check_integrity(b)

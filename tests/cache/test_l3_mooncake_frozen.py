@@ -73,15 +73,15 @@ def test_a_frozen_store_never_writes_into_pages_someone_else_owns(mooncake: Any)
             others = [[i] * (4 * PAGE) for i in range(1, 6)]
             for toks in others:  # their backups take every L2 page that is free
                 assert serve(b, toks) is not None
-            assert b.full.host is not None
-            b.full.host.wait_idle()
+            assert b.full.pages.host_pool is not None
+            b.full.pages.host.wait_idle()
             check_integrity(b)
         finally:
             mooncake.thaw()
         b.sync(wait=True)  # the late get lands, in the quarantined pages only; then they are freed
         assert b.l3.attached.prefetches.quarantined_host_pages() == []
-        b.full.evict_device(64)
+        b.full.pages.evict_device(64)
         for toks in others:  # every L2 copy still holds its own bytes (serve checks)
-            if b.full.match_prefix(toks).host_tokens:
+            if b.full.pages.match_prefix(toks).host_tokens:
                 assert serve(b, toks) is not None
         check_integrity(b)

@@ -63,8 +63,8 @@ class LoadFaultMachine(RuleBasedStateMachine):
         )
         spec = self.cache_spec()
         self.cache = HiCache(cfg, spec, layer_hook=self.loads, wait_timeout_s=10.0).start()
-        assert self.cache.full.host is not None
-        engine = self.cache.full.host.controller._engine
+        assert self.cache.full.pages.host_pool is not None
+        engine = self.cache.full.pages.host.controller._engine
         self.backups = FailingBackups(engine.copier)
         engine.copier = self.backups  # type: ignore[assignment]
         for tokens in first:  # something to hit from the first step on
@@ -111,7 +111,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
         ``k`` free pages are held elsewhere (until the turn ends), so the load and the
         pages after it compete for the last pages; with ``fail`` its load fails."""
         self.c.sync(wait=True)  # backups in flight pin their L1 sources
-        self.c.full.evict_device(self.c.full.pages)
+        self.c.full.pages.evict_device(self.c.full.pages.usable)
         before = len(self.private)
         self.leave_free(k)
         was, self.loads.on = self.loads.on, self.loads.on or fail
@@ -120,7 +120,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
         finally:
             self.loads.on = was
             while len(self.private) > before:
-                self.c.full.free(self.private.pop())
+                self.c.full.pages.free(self.private.pop())
 
     @rule(seqs=st.lists(sequences, min_size=2, max_size=3))
     def step(self, seqs: list[list[int]]) -> None:
@@ -164,7 +164,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 5))
     def squeeze(self, n: int) -> None:
-        pages = self.c.full.alloc(n)
+        pages = self.c.full.pages.alloc(n)
         if pages is not None:
             fill_device(self.c, list(pages), 7.0)
             self.private.append(pages)
@@ -173,22 +173,22 @@ class LoadFaultMachine(RuleBasedStateMachine):
     def leave_free(self, k: int) -> None:
         """Hold every free L1 page but ``k`` (no eviction): the next admission must make
         room, waiting for backups in flight, while its own load is copying."""
-        n = self.c.full.device_pool.allocator.free_pages - k
+        n = self.c.full.pages.device_pool.allocator.free_pages - k
         if n > 0:
             self.squeeze(n)
 
     @rule()
     def unsqueeze(self) -> None:
         if self.private:
-            self.c.full.free(self.private.pop(0))
+            self.c.full.pages.free(self.private.pop(0))
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n: int) -> None:
-        self.c.full.evict_device(n)
+        self.c.full.pages.evict_device(n)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n: int) -> None:
-        self.c.full.evict_host(n)
+        self.c.full.pages.evict_host(n)
 
     @rule()
     def check(self) -> None:

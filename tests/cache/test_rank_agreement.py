@@ -95,8 +95,8 @@ def _inject(cache: HiCache, fault: str) -> Any:
     elif fault == "read_timeout":
         _backend(cache).set_faults(MemoryFaults(get_delay_s=0.5))
     elif fault == "l2_full":
-        assert cache.full.host is not None
-        return cache.full.host.allocator.alloc(cache.full.host.allocator.free_pages)
+        assert cache.full.pages.host_pool is not None
+        return cache.full.pages.host.allocator.alloc(cache.full.pages.host.allocator.free_pages)
     return None
 
 
@@ -110,7 +110,7 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         drive(cache, PROMPTS)
         cache.sync(wait=True)
         cache.reset()
-        backed_before = cache.full.counters.backup_tokens_total
+        backed_before = cache.full.pages.counters.backup_tokens_total
         held = _inject(cache, fault) if faulty else None
         if faulty and fault == "load_fail":
             hook.on = True
@@ -119,16 +119,16 @@ def _fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]:
         cache.sync(wait=True)
         digest = tree_digest(cache)
         if held is not None:
-            assert cache.full.host is not None
-            cache.full.host.allocator.free(held)
+            assert cache.full.pages.host_pool is not None
+            cache.full.pages.host.allocator.free(held)
         _backend(cache).set_faults(MemoryFaults())
         check_integrity(cache)
         return {
             "hits": hits,
             "digest": digest,
-            "timeouts": cache.full.counters.prefetch_timeouts_total,
-            "backed_up": cache.full.counters.backup_tokens_total - backed_before,
-            "fallbacks": cache.full.counters.load_fallbacks_total,
+            "timeouts": cache.full.pages.counters.prefetch_timeouts_total,
+            "backed_up": cache.full.pages.counters.backup_tokens_total - backed_before,
+            "fallbacks": cache.full.pages.counters.load_fallbacks_total,
         }
 
 
@@ -191,7 +191,7 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
     rank keeps the detached backend's pages until it settled on every rank, so their L2
     pools keep the same free pages at every step."""
     with _cache(rank, f"retired-{rank}", "wait_complete", extra={}) as cache:
-        assert cache.full.host is not None
+        assert cache.full.pages.host_pool is not None
         drive(cache, [A])
         cache.sync(wait=True)
         ns = cache.l3.attached.keys.namespace if cache.l3.attached is not None else None
@@ -216,11 +216,11 @@ def _retired_main(rank: int, n: int, out: str) -> dict[str, Any]:
         steps = 0
         while True:
             cache.sync()
-            free = cache.full.host.allocator.free_pages
+            free = cache.full.pages.host.allocator.free_pages
             assert cache.context.ranks.min(free) == cache.context.ranks.max(free), (
                 "L2 pools drifted apart"
             )
-            if not cache.full.host.allocator.used_pages:
+            if not cache.full.pages.host.allocator.used_pages:
                 break
             steps += 1
             assert steps < 2000, "the retired backend's pages were never freed"
@@ -326,8 +326,8 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
                     break
                 time.sleep(0.002)
             assert cache.admit(req, prompt)
-            if cache.full.host is not None:
-                cache.full.host.wait_idle()
+            if cache.full.pages.host_pool is not None:
+                cache.full.pages.host.wait_idle()
                 cache.sync()
             prefix = req.prefix_tokens
             window = read_swa(cache, req, prompt, max(0, prefix - SWA_SPEC.window), prefix)
@@ -336,8 +336,8 @@ def _hybrid_fault_scenario(rank: int, policy: str, fault: str) -> dict[str, Any]
         cache.sync(wait=True)
         digest = tree_digest(cache)
         if held is not None:
-            assert cache.full.host is not None
-            cache.full.host.allocator.free(held)
+            assert cache.full.pages.host_pool is not None
+            cache.full.pages.host.allocator.free(held)
         _backend(cache).set_faults(MemoryFaults())
         check_integrity(cache)
         return {"hits": hits, "digest": digest}

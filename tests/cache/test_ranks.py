@@ -63,7 +63,7 @@ def _rank_main(rank: int, n: int, out: str, spec_name: str) -> dict[str, object]
         dist.barrier()
         files = sorted(p for p in root.rglob("*") if p.is_file())
         result["files"] = len(files)
-        result["written"] = cache.full.counters.l3_backup_tokens_total
+        result["written"] = cache.full.pages.counters.l3_backup_tokens_total
         if spec_name == "mha" and rank == 1:  # this rank's store loses its last two pages
             assert cache.l3.attached is not None
             for key in cache.l3.attached.keys.of(encode_tokens(TOKENS))[2:]:

@@ -24,13 +24,13 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     s2 = snapshot(2)
     run(cache, LONG, s2)  # node Y = page 4 under X, snapshot at 10 tokens
     cache.sync(wait=True)  # both backed up to L2 with their snapshots
-    assert cache.full.evict_device(1) == 1  # Y (the leaf) is L2-only now
-    (x,) = [n for n in cache.full.tree.iter_nodes() if n.parent is cache.full.tree.root]
+    assert cache.full.pages.evict_device(1) == 1  # Y (the leaf) is L2-only now
+    (x,) = [n for n in cache.full.pages.tree.iter_nodes() if n.parent is cache.full.pages.tree.root]
     (y,) = x.children.values()
     assert x.device is not None and y.device is None and y.host is not None
     snaps = cache.stores.of_type(SnapshotStore)
     assert snaps is not None
-    snaps.free(Tier.DEVICE, cache.full.tree.evict_component(SNAPSHOT, x, Tier.DEVICE))
+    snaps.free(Tier.DEVICE, cache.full.pages.tree.evict_component(SNAPSHOT, x, Tier.DEVICE))
     check_integrity(cache)  # X: in L1 without its L1 snapshot (L2 has it)
 
     req = cache.open(LONG)
@@ -46,4 +46,4 @@ def test_l1_prefix_without_l1_snapshot_then_host_only_tail(cache: HiCache) -> No
     cache.release(req, LONG)
     cache.sync(wait=True)
     check_integrity(cache)
-    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.pages.tree.iter_nodes())

@@ -100,8 +100,8 @@ def test_a_demoted_boundary_brings_its_snapshot_back_from_l2(cache: HiCache) -> 
     s = snapshot(2)
     run(cache, PROMPT, s)
     cache.sync(wait=True)
-    cache.full.evict_device(8)  # full KV and snapshot: L2 only now
-    (node,) = [n for n in cache.full.tree.iter_nodes() if n.parent is not None]
+    cache.full.pages.evict_device(8)  # full KV and snapshot: L2 only now
+    (node,) = [n for n in cache.full.pages.tree.iter_nodes() if n.parent is not None]
     assert node.device is None and node.host is not None
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
@@ -146,11 +146,11 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         both = SequenceExtras((KeptState(4, tuple(s4)), KeptState(8, tuple(s8))))
         cache.commit(req, prompt[:8], extras=both)  # one forward: its mark and its end
         cache.commit(req, prompt[:11], extras=kept(10, s10))
-        assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 3
+        assert len(cache.full.pages.tree.component_ids("mamba", Tier.DEVICE)) == 3
         assert cache.grow(req, 12, computed=11)
         cache.commit(req, extras=kept(12, s12))  # a decode step: kept for the request's end
         cache.release(req, [*prompt, 99])  # its last commit takes it
-        assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        assert len(cache.full.pages.tree.component_ids("mamba", Tier.DEVICE)) == 4
         check_integrity(cache)
 
         for tokens, want in (([*prompt, 99, 5, 6], s12), (prompt, s10), (prompt[:9], s8)):
@@ -166,7 +166,7 @@ def test_the_store_plans_marks_forward_ends_and_end_states() -> None:
         assert cache.grow(req, 12, computed=0)
         cache.commit(req, extras=kept(12, snapshot(99)))
         cache.commit(req, [*other, 98])
-        assert len(cache.full.tree.component_ids("mamba", Tier.DEVICE)) == 4
+        assert len(cache.full.pages.tree.component_ids("mamba", Tier.DEVICE)) == 4
         cache.release(req, None)
         check_integrity(cache)
 
@@ -192,9 +192,9 @@ def test_every_snapshot_of_one_commit_comes_back_from_l2() -> None:
         cache.sync(wait=True)
         snaps = cache.stores.of_type(SnapshotStore)
         assert snaps is not None
-        assert len(cache.full.tree.component_ids("mamba", Tier.HOST)) == 2  # both boundaries
-        cache.full.evict_device(16)  # full KV and snapshots: L2 only now
-        assert not cache.full.tree.component_ids("mamba", Tier.DEVICE)
+        assert len(cache.full.pages.tree.component_ids("mamba", Tier.HOST)) == 2  # both boundaries
+        cache.full.pages.evict_device(16)  # full KV and snapshots: L2 only now
+        assert not cache.full.pages.tree.component_ids("mamba", Tier.DEVICE)
 
         other = [*prompt[:4], 90, 91, 92, 93, 94]  # shares the first 4 tokens only
         again = cache.open(other)

@@ -94,14 +94,14 @@ def test_prefetch_ends_at_the_deepest_snapshot_in_l3(store: MemoryStore) -> None
     s2 = snapshot(7)
     with make_cache(store) as cache:
         compute(cache, PROMPT, {2: s2})  # pages 1..4 in L3, a snapshot after page 2
-        assert cache.full.counters.l3_backup_snapshots_total == 1
-        assert cache.full.counters.l3_backup_tokens_total == 4 * PAGE
+        assert cache.full.pages.counters.l3_backup_snapshots_total == 1
+        assert cache.full.pages.counters.l3_backup_tokens_total == 4 * PAGE
     with make_cache(store) as cold:  # an empty L1/L2 on the same L3
         hit, prefix, state = fetch(cold, PROMPT)
         assert (hit, prefix) == (2 * PAGE, 2 * PAGE)  # the usable boundary only
         assert state is not None and all(a.equal(b) for a, b in zip(state, s2, strict=True))
-        assert cold.full.tree.stats().host_pages == 2  # pages past the snapshot were not read
-        assert cold.full.counters.prefetch_tokens_total == 2 * PAGE
+        assert cold.full.pages.tree.stats().host_pages == 2  # pages past the snapshot were not read
+        assert cold.full.pages.counters.prefetch_tokens_total == 2 * PAGE
         snaps = cold.stores.of_type(SnapshotStore)
         assert snaps is not None and len(snaps.owned(Tier.HOST)) == 1
 
@@ -109,19 +109,19 @@ def test_prefetch_ends_at_the_deepest_snapshot_in_l3(store: MemoryStore) -> None
 def test_no_snapshot_in_l3_is_no_hit(store: MemoryStore) -> None:
     with make_cache(store) as cache:
         compute(cache, PROMPT, {})
-        assert cache.full.counters.l3_backup_tokens_total == 4 * PAGE
-        assert cache.full.counters.l3_backup_snapshots_total == 0
+        assert cache.full.pages.counters.l3_backup_tokens_total == 4 * PAGE
+        assert cache.full.pages.counters.l3_backup_snapshots_total == 0
     with make_cache(store) as cold:
         hit, prefix, state = fetch(cold, PROMPT)
         assert (hit, prefix, state) == (0, 0, None)
-        assert cold.full.tree.stats().host_pages == 0
+        assert cold.full.pages.tree.stats().host_pages == 0
 
 
 def test_deeper_snapshot_wins_and_l1_snapshot_loads_back(store: MemoryStore) -> None:
     s2, s4 = snapshot(1), snapshot(2)
     with make_cache(store) as cache:
         compute(cache, PROMPT, {2: s2, 4: s4})
-        assert cache.full.counters.l3_backup_snapshots_total == 2
+        assert cache.full.pages.counters.l3_backup_snapshots_total == 2
     with make_cache(store) as cold:
         hit, prefix, state = fetch(cold, PROMPT)
         assert (hit, prefix) == (4 * PAGE, 4 * PAGE)
@@ -131,7 +131,7 @@ def test_deeper_snapshot_wins_and_l1_snapshot_loads_back(store: MemoryStore) -> 
 def drop_snapshot(cache: HiCache, depth_pages: int) -> TreeNode:
     """Evict the snapshot after ``depth_pages`` pages from L1 and L2 (its node and full KV
     stay); returns its node."""
-    tree, snaps = cache.full.tree, cache.stores.of_type(SnapshotStore)
+    tree, snaps = cache.full.pages.tree, cache.stores.of_type(SnapshotStore)
     assert snaps is not None
     found = None
     for tier in Tier:
@@ -150,11 +150,11 @@ def computed_with_l3(store: MemoryStore) -> tuple[HiCache, RecordingStorage, lis
     storage = RecordingStorage(store, NS, "mamba")
     cache = make_cache(store, storage)
     compute(cache, PROMPT, {2: s2, 4: s4})
-    assert cache.full.counters.l3_backup_snapshots_total == 2
+    assert cache.full.pages.counters.l3_backup_snapshots_total == 2
     node = drop_snapshot(cache, 4)
     assert node.host is not None and node.device is not None
-    assert cache.full.match_prefix(PROMPT[:8]).matched_tokens == 2 * PAGE  # the valid match
-    assert cache.full.tree.match_full(PROMPT[:8]).matched_tokens == 4 * PAGE
+    assert cache.full.pages.match_prefix(PROMPT[:8]).matched_tokens == 2 * PAGE  # the valid match
+    assert cache.full.pages.tree.match_full(PROMPT[:8]).matched_tokens == 4 * PAGE
     storage.read()
     return cache, storage, s4
 
@@ -162,14 +162,14 @@ def computed_with_l3(store: MemoryStore) -> tuple[HiCache, RecordingStorage, lis
 def test_a_held_boundary_fetches_its_snapshot_alone(store: MemoryStore) -> None:
     cache, storage, s4 = computed_with_l3(store)
     with cache:
-        assert cache.full.evict_device(100) == 4  # pages 1..4 in L2 only
+        assert cache.full.pages.evict_device(100) == 4  # pages 1..4 in L2 only
         hit, prefix, state = fetch(cache, PROMPT)
         assert storage.read() == (0, 1)  # the snapshot after page 4, no page
         assert (hit, prefix) == (2 * PAGE, 4 * PAGE)  # pages 3, 4: usable thanks to L3
         assert state is not None and all(a.equal(b) for a, b in zip(state, s4, strict=True))
-        assert cache.full.counters.prefetch_component_records_total == 1
-        assert cache.full.counters.prefetch_tokens_total == 0
-        assert cache.full.match_prefix(PROMPT[:8]).matched_tokens == 4 * PAGE
+        assert cache.full.pages.counters.prefetch_component_records_total == 1
+        assert cache.full.pages.counters.prefetch_tokens_total == 0
+        assert cache.full.pages.match_prefix(PROMPT[:8]).matched_tokens == 4 * PAGE
 
 
 def test_a_held_boundary_in_l1_counts_no_storage_hit(store: MemoryStore) -> None:
@@ -179,19 +179,19 @@ def test_a_held_boundary_in_l1_counts_no_storage_hit(store: MemoryStore) -> None
         assert storage.read() == (0, 1)
         assert (hit, prefix) == (0, 4 * PAGE)  # no page loaded from L2: device hits
         assert state is not None and all(a.equal(b) for a, b in zip(state, s4, strict=True))
-        assert cache.full.counters.prefetch_component_records_total == 1
+        assert cache.full.pages.counters.prefetch_component_records_total == 1
 
 
 def test_a_held_boundary_without_l2_full_kv_is_skipped(store: MemoryStore) -> None:
     cache, storage, _ = computed_with_l3(store)
     with cache:
-        node = cache.full.tree.match_full(PROMPT[:8]).last_host_node
-        assert cache.full.evict_host(1) == 1  # page 4's L2 copy: L1 alone holds it
+        node = cache.full.pages.tree.match_full(PROMPT[:8]).last_host_node
+        assert cache.full.pages.evict_host(1) == 1  # page 4's L2 copy: L1 alone holds it
         assert node.host is None and node.device is not None
         hit, prefix, _ = fetch(cache, PROMPT)
         assert storage.read() == (0, 0)  # nothing read: no L2 node could adopt it
         assert (hit, prefix) == (0, 2 * PAGE)
-        assert cache.full.counters.prefetch_component_records_total == 0
+        assert cache.full.pages.counters.prefetch_component_records_total == 0
 
 
 def test_a_held_boundary_without_its_snapshot_in_l3_reads_nothing(store: MemoryStore) -> None:

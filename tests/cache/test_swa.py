@@ -151,13 +151,13 @@ def test_commits_hand_the_tree_every_swa_page_the_request_holds(cache: HiCache) 
     """Chunks of 8 with a commit after each (as prefill chunks are): the next chunk's trim
     only drops the tree's pages from the table, so every boundary keeps its window."""
     serve_in_chunks(cache, PROMPT[:16])
-    tree = cache.full.tree
+    tree = cache.full.pages.tree
     m = tree.match_prefix(PROMPT[:16])
     assert m.device_tokens == 16
     assert list(tree.hit_ids(SWA, m.last_device_node)) != []
     assert tree.component_stats(SWA).device_ids == 8
     for n in (4, 10, 12):  # e.g. where a shared system prompt ends
-        assert cache.full.match_prefix(PROMPT[: n + 1]).device_tokens == n
+        assert cache.full.pages.match_prefix(PROMPT[: n + 1]).device_tokens == n
     check_integrity(cache)
 
 
@@ -165,12 +165,12 @@ def test_positions_passed_between_commits_are_tombstones(cache: HiCache) -> None
     """One position at a time, committed only at the release: the request freed its own
     pages as its window moved, so the tree gets pages 5..7 only (the table at c = 15)."""
     serve_token_by_token(cache, PROMPT[:16])
-    tree = cache.full.tree
+    tree = cache.full.pages.tree
     assert tree.component_stats(SWA).device_ids == 3
     assert swa_used(cache) == 3
-    assert cache.full.match_prefix(PROMPT[:16]).device_tokens == 16
-    assert cache.full.match_prefix(PROMPT[:15]).device_tokens == 14  # pages 5, 6
-    m = cache.full.match_prefix(PROMPT[:13])  # 12 needs pages 4, 5: page 4 is a tombstone
+    assert cache.full.pages.match_prefix(PROMPT[:16]).device_tokens == 16
+    assert cache.full.pages.match_prefix(PROMPT[:15]).device_tokens == 14  # pages 5, 6
+    m = cache.full.pages.match_prefix(PROMPT[:13])  # 12 needs pages 4, 5: page 4 is a tombstone
     assert m.device_tokens == 0 and m.limited_by == SWA
     assert tree.stats().device_pages == 8  # the full KV of every page stays
     check_integrity(cache)
@@ -178,24 +178,24 @@ def test_positions_passed_between_commits_are_tombstones(cache: HiCache) -> None
 
 def test_swa_eviction_leaves_the_node_and_moves_the_boundary(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
-    cache.full.match_prefix(PROMPT[:16])  # the node [8, 16) is needed last: evicted last
+    cache.full.pages.match_prefix(PROMPT[:16])  # the node [8, 16) is needed last: evicted last
     # the SWA pool has 8 pages, all the tree's: asking for 4 evicts the least recently
     # needed node's (pages 0..3 of the node [0, 8)), not those of [8, 16)
     got = swa_of(cache).alloc(Tier.DEVICE, 4)
     assert got is not None and swa_used(cache) == 8
-    assert cache.full.tree.component_stats(SWA).device_ids == 4
-    assert cache.full.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
-    assert cache.full.match_prefix(PROMPT[:13]).device_tokens == 12  # pages 4, 5 are there
-    m = cache.full.match_prefix(PROMPT[:11])  # 10 needs page 3, 8 needs 2 and 3: evicted
+    assert cache.full.pages.tree.component_stats(SWA).device_ids == 4
+    assert cache.full.pages.match_prefix(PROMPT[:16]).device_tokens == 16  # its window is there
+    assert cache.full.pages.match_prefix(PROMPT[:13]).device_tokens == 12  # pages 4, 5 are there
+    m = cache.full.pages.match_prefix(PROMPT[:11])  # 10 needs page 3, 8 needs 2 and 3: evicted
     assert m.device_tokens == 0 and m.host_tokens == 10  # from L1; L2 has a copy
-    assert cache.full.tree.stats().device_pages == 8  # the full KV of every node stays
+    assert cache.full.pages.tree.stats().device_pages == 8  # the full KV of every node stays
     swa_of(cache).free(Tier.DEVICE, got)
     # and evicting the window before 16 leaves no boundary at all
-    node = cache.full.match_prefix(PROMPT[:16]).last_device_node
+    node = cache.full.pages.match_prefix(PROMPT[:16]).last_device_node
     for need in swa_of(cache).hit_needs(node):
-        ids = cache.full.tree.evict_component(SWA, need.node, Tier.DEVICE)
+        ids = cache.full.pages.tree.evict_component(SWA, need.node, Tier.DEVICE)
         swa_of(cache).free(Tier.DEVICE, ids)
-    assert cache.full.match_prefix(PROMPT[:16]).matched_tokens == 16  # from L2 (backed up)
+    assert cache.full.pages.match_prefix(PROMPT[:16]).matched_tokens == 16  # from L2 (backed up)
     check_integrity(cache)
 
 
@@ -204,7 +204,7 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     cache.sync(wait=True)
     # write_through: each commit's SWA pages went to L2 with their full pages
     assert swa_used(cache, Tier.HOST) == 8
-    assert cache.full.evict_device(10**6) == 8
+    assert cache.full.pages.evict_device(10**6) == 8
     assert swa_used(cache) == 0  # the cascade freed the L1 windows
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
@@ -218,18 +218,18 @@ def test_backup_and_load_back_cover_the_hit_window_and_no_more(cache: HiCache) -
     cache.release(req, PROMPT)
     cache.sync(wait=True)
     check_integrity(cache)
-    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.pages.tree.iter_nodes())
 
 
 def test_a_window_evicted_from_l1_only_is_loaded_back_from_l2(cache: HiCache) -> None:
     serve_in_chunks(cache, PROMPT[:16])
     cache.sync(wait=True)
-    node = cache.full.match_prefix(PROMPT[:16]).last_device_node
+    node = cache.full.pages.match_prefix(PROMPT[:16]).last_device_node
     for need in swa_of(cache).hit_needs(node):
         swa_of(cache).free(
-            Tier.DEVICE, cache.full.tree.evict_component(SWA, need.node, Tier.DEVICE)
+            Tier.DEVICE, cache.full.pages.tree.evict_component(SWA, need.node, Tier.DEVICE)
         )
-    m = cache.full.match_prefix(PROMPT[:16])
+    m = cache.full.pages.match_prefix(PROMPT[:16])
     assert m.device_tokens == 12 and m.matched_tokens == 16  # full KV in L1, window in L2
     req = cache.open(PROMPT)
     assert cache.admit(req, PROMPT)
@@ -251,7 +251,7 @@ def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> 
     a, b, c = list(range(100, 109)), list(range(200, 209)), list(range(300, 308))
     try:
         serve_in_chunks(cache, a)
-        assert cache.full.evict_device(10**6) == 4 and swa_used(cache) == 0  # A: L2 only
+        assert cache.full.pages.evict_device(10**6) == 4 and swa_used(cache) == 0  # A: L2 only
         gates.park(0)
         req_a = cache.open(a)
         assert cache.admit(req_a, a)  # its 4 pages load (parked after layer 0)
@@ -264,14 +264,14 @@ def test_an_swa_allocation_waits_for_backups_not_for_another_requests_load() -> 
         forward(cache, req_c, c, 0, 8)
         cache.release(req_c, c)  # its backup pins its window until it is applied
         # the pin split C's span: the backup pins the window [4, 8) only, not [0, 4)
-        node_c = cache.full.tree.match_prefix(c).last_device_node  # the tree's: no poll
-        assert node_c.lock_ref == 1 and cache.full.tree.num_pages(node_c) == 2
+        node_c = cache.full.pages.tree.match_prefix(c).last_device_node  # the tree's: no poll
+        assert node_c.lock_ref == 1 and cache.full.pages.tree.num_pages(node_c) == 2
         assert swa_used(cache) == 6 and swa_of(cache).allocator(Tier.DEVICE).free_pages == 2
         t0 = time.monotonic()
         assert cache.grow(req_b, 9, computed=0)  # 5 SWA pages: C's whole span is evicted
         assert time.monotonic() - t0 < 0.5
-        assert cache.full.tree.component(SWA).get(node_c, Tier.DEVICE) is None
-        assert swa_used(cache) == 7 and cache.full.tree.component_stats(SWA).device_ids == 2
+        assert cache.full.pages.tree.component(SWA).get(node_c, Tier.DEVICE) is None
+        assert swa_used(cache) == 7 and cache.full.pages.tree.component_stats(SWA).device_ids == 2
         assert node_c.lock_ref == 0 and req_a.loading  # the backup landed; A still parked
         write_swa(cache, req_b, b, 0, 9)
         gates.release(0)
@@ -293,8 +293,8 @@ def test_integrity_catches_a_leaked_or_doubly_owned_swa_page(cache: HiCache) -> 
         check_integrity(cache)
     swa_of(cache).free(Tier.DEVICE, leaked)
     check_integrity(cache)
-    node = cache.full.match_prefix(PROMPT[:8]).last_device_node
-    owned = cache.full.tree.hit_ids(SWA, node)
+    node = cache.full.pages.match_prefix(PROMPT[:8]).last_device_node
+    owned = cache.full.pages.tree.hit_ids(SWA, node)
     req = cache.open(PROMPT[:9])
     assert cache.admit(req, PROMPT[:9])
     t = table(cache, req)

@@ -57,9 +57,9 @@ def store() -> Iterator[MemoryStore]:
     cache, _ = make_cache(st)
     with cache:
         serve_in_chunks(cache, LONG)
-        assert cache.full.counters.l3_backup_tokens_total == 10 * PAGE
-        assert cache.full.counters.l3_backup_swa_pages_total == 10
-        assert cache.full.counters.l3_backup_swa_pages_failed_total == 0
+        assert cache.full.pages.counters.l3_backup_tokens_total == 10 * PAGE
+        assert cache.full.pages.counters.l3_backup_swa_pages_total == 10
+        assert cache.full.pages.counters.l3_backup_swa_pages_failed_total == 0
     yield st
 
 
@@ -94,7 +94,7 @@ def test_a_cold_prefetch_reads_the_boundarys_window_and_no_more(store: MemorySto
     with cache:
         assert fetch(cache, prompt) == (8 * PAGE, 8 * PAGE)
         assert storage.read() == (8, 2)  # full pages 1..8, SWA records 7 and 8 only
-        assert cache.full.counters.prefetch_component_records_total == 2
+        assert cache.full.pages.counters.prefetch_component_records_total == 2
         assert len(swa_of(cache).owned(Tier.HOST)) == 2
 
 
@@ -114,12 +114,12 @@ def test_the_prefetch_starts_from_what_the_tree_holds(store: MemoryStore) -> Non
         storage.read()
         # drop every SWA value the tree has (both tiers): pages 1..8 stay held, but no
         # boundary is valid locally any more
-        tree, swa = cache.full.tree, swa_of(cache)
+        tree, swa = cache.full.pages.tree, swa_of(cache)
         assert swa is not None
         for tier in Tier:
             for node in list(tree.component_eviction_order("swa", tier)):
                 swa.free(tier, tree.evict_component("swa", node, tier))
-        assert cache.full.match_prefix(LONG[:16]).matched_tokens == 0
+        assert cache.full.pages.match_prefix(LONG[:16]).matched_tokens == 0
         # 9 pages: the window of 9 is pages 8 (held, no SWA value: read and adopted by
         # the held node) and 9 (read with its full page); pages 1..8 are not read again
         assert fetch(cache, LONG[:19]) == (1 * PAGE, 9 * PAGE)
@@ -134,15 +134,15 @@ def test_a_held_boundary_fetches_its_window_alone(store: MemoryStore) -> None:
     with cache:
         assert fetch(cache, LONG[:17]) == (8 * PAGE, 8 * PAGE)
         storage.read()
-        tree, swa = cache.full.tree, swa_of(cache)
+        tree, swa = cache.full.pages.tree, swa_of(cache)
         assert swa is not None
         for tier in Tier:  # pages 1..8 stay held (L1 and L2), no SWA value is left
             for node in list(tree.component_eviction_order("swa", tier)):
                 swa.free(tier, tree.evict_component("swa", node, tier))
-        assert cache.full.match_prefix(LONG[:16]).matched_tokens == 0
-        assert cache.full.evict_device(100) == 8  # pages 1..8 in L2 only
+        assert cache.full.pages.match_prefix(LONG[:16]).matched_tokens == 0
+        assert cache.full.pages.evict_device(100) == 8  # pages 1..8 in L2 only
         # the whole prompt is held: only the window of 8 (SWA pages 7, 8) is read
         assert fetch(cache, LONG[:17]) == (8 * PAGE, 8 * PAGE)
         assert storage.read() == (0, 2)
-        assert cache.full.counters.prefetch_component_records_total == 2 + 2
-        assert cache.full.match_prefix(LONG[:16]).matched_tokens == 8 * PAGE
+        assert cache.full.pages.counters.prefetch_component_records_total == 2 + 2
+        assert cache.full.pages.match_prefix(LONG[:16]).matched_tokens == 8 * PAGE

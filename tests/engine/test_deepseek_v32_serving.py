@@ -72,11 +72,14 @@ def test_hits_from_l1_l2_and_file_l3(tmp_path: Path) -> None:
     with make_engine(storage=tmp_path) as engine:
 
         def indexer_keys_backed_up() -> None:
-            written = engine.core.cache.full.counters.l3_backup_indexer_pages_total
+            written = engine.core.cache.full.pages.counters.l3_backup_indexer_pages_total
             assert written >= MATCHED // PAGE
-            assert engine.core.cache.full.counters.l3_backup_indexer_pages_failed_total == 0
+            assert engine.core.cache.full.pages.counters.l3_backup_indexer_pages_failed_total == 0
 
         walk_tiers(engine, ids, GREEDY, want, MATCHED, after_l3_backup=indexer_keys_backed_up)
-        assert engine.core.cache.full.counters.prefetch_component_records_total == MATCHED // PAGE
+        assert (
+            engine.core.cache.full.pages.counters.prefetch_component_records_total
+            == MATCHED // PAGE
+        )
     with make_engine(storage=tmp_path) as second:  # the first engine's records
         assert_hits_storage(second, ids, GREEDY, want, MATCHED)

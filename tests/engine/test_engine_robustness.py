@@ -289,13 +289,15 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
 
         def demote() -> None:
             engine.core.cache.sync(wait=True)
-            engine.core.cache.full.evict_device(10**6)  # the prompt's KV is in L2 only now
+            engine.core.cache.full.pages.evict_device(10**6)  # the prompt's KV is in L2 only now
 
         engine.call(demote).result(timeout=30)
         hook = FailingLoads()
         hook.on = True
-        assert engine.core.cache.full.host is not None
-        engine.core.cache.full.host.controller._engine._hook = hook  # the transfer worker's hook
+        assert engine.core.cache.full.pages.host_pool is not None
+        engine.core.cache.full.pages.host.controller._engine._hook = (
+            hook  # the transfer worker's hook
+        )
         out = engine.generate(PROMPT, params, timeout=60)
         assert hook.fired.is_set()
         assert out.error is None and out.finish_reason is FinishReason.LENGTH
@@ -311,7 +313,7 @@ def test_a_failed_load_back_recomputes_and_answers_as_cold() -> None:
             check_integrity(engine.core.cache)
             assert all(
                 n.lock_ref == 0 and n.host_ref == 0
-                for n in engine.core.cache.full.tree.iter_nodes()
+                for n in engine.core.cache.full.pages.tree.iter_nodes()
             )
 
         engine.call(check).result(timeout=30)

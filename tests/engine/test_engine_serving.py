@@ -58,7 +58,8 @@ def assert_clean(engine: Engine) -> None:
         engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
-            n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
+            n.lock_ref == 0 and n.host_ref == 0
+            for n in engine.core.cache.full.pages.tree.iter_nodes()
         )
 
     engine.call(check).result(timeout=30)

@@ -374,7 +374,7 @@ def test_sliding_layers_hold_only_the_window_while_the_full_pool_grows(name: str
         # decoded positions between are tombstones
         assert 0 < per_token["swa"] < swa.spec.kv.token_bytes
         assert engine.call(
-            lambda: engine.core.cache.full.tree.component_stats("swa").tombstones
+            lambda: engine.core.cache.full.pages.tree.component_stats("swa").tombstones
         ).result(timeout=30)
         assert_idle(engine)
 
@@ -389,7 +389,7 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
 
         def swa_in(tier: Tier) -> int:
-            return len(engine.core.cache.full.tree.component_ids("swa", tier))
+            return len(engine.core.cache.full.pages.tree.component_ids("swa", tier))
 
         def evict_windows() -> int:
             cache = engine.core.cache
@@ -397,8 +397,8 @@ def test_a_window_evicted_from_l1_comes_back_from_l2(name: str) -> None:
             swa = cache.stores.of_type(SwaStore)
             assert swa is not None
             freed = 0
-            for node in list(cache.full.tree.component_eviction_order("swa", Tier.DEVICE)):
-                ids_ = cache.full.tree.evict_component("swa", node, Tier.DEVICE)
+            for node in list(cache.full.pages.tree.component_eviction_order("swa", Tier.DEVICE)):
+                ids_ = cache.full.pages.tree.evict_component("swa", node, Tier.DEVICE)
                 swa.free(Tier.DEVICE, ids_)
                 freed += len(ids_)
             return freed
@@ -558,8 +558,8 @@ def test_a_failed_load_back_recomputes_with_transformers_tokens(name: str) -> No
     with make_engine(name) as engine:
         assert engine.generate(ids, GREEDY, timeout=60).output_ids == want
         assert demote_all(engine) > 0
-        assert engine.core.cache.full.host is not None
-        transfer = engine.core.cache.full.host.controller._engine
+        assert engine.core.cache.full.pages.host_pool is not None
+        transfer = engine.core.cache.full.pages.host.controller._engine
         copies = FailingLoadCopies(transfer.copier)
         transfer.copier = copies  # type: ignore[assignment]
         copies.on = True

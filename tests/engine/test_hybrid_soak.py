@@ -105,7 +105,7 @@ class Evictions:
 
 def count_component_evictions(engine: Engine) -> Evictions:
     """Wrap the tree's ``evict_component`` to count evictions per component and tier (L1, L2)."""
-    tree = engine.core.cache.full.tree
+    tree = engine.core.cache.full.pages.tree
     seen = Evictions(Counter(), Counter())
     inner = tree.evict_component
 
@@ -147,10 +147,10 @@ def submit_all(engine: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
 def pools(engine: Engine) -> list[tuple[str, PageAllocator, list[int]]]:
     """(name, allocator, ids the tree owns) of every pool of the cache."""
     cache = engine.core.cache
-    tree = cache.full.tree
-    out = [("L1 KV", cache.full.device_pool.allocator, tree.device_page_ids())]
-    if cache.full.host_pool is not None:
-        out.append(("L2 KV", cache.full.host_pool.allocator, tree.host_page_ids()))
+    tree = cache.full.pages.tree
+    out = [("L1 KV", cache.full.pages.device_pool.allocator, tree.device_page_ids())]
+    if cache.full.pages.host_pool is not None:
+        out.append(("L2 KV", cache.full.pages.host_pool.allocator, tree.host_page_ids()))
     sn = cache.stores.of_type(SnapshotStore)
     if sn is not None:
         out.append(("L1 snapshots", sn.device_pool.allocator, sn.owned(Tier.DEVICE)))

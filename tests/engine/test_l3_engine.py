@@ -87,7 +87,8 @@ def clean(engine: Engine) -> None:
         engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
-            n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
+            n.lock_ref == 0 and n.host_ref == 0
+            for n in engine.core.cache.full.pages.tree.iter_nodes()
         )
 
     engine.call(check).result(timeout=30)
@@ -216,7 +217,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
     # another model's records stored under the keys this one looks up
     with make_engine("file", {"file_path": str(tmp_path)}) as engine:
         l3 = engine.core.cache.l3.attached
-        assert l3 is not None and engine.core.cache.full.host_pool is not None
+        assert l3 is not None and engine.core.cache.full.pages.host_pool is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
             for h in range(KV_HEADS):
@@ -228,7 +229,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         ) as other:
             other.use_heads(HeadSplit(KV_HEADS, KV_HEADS))
             assert other.batch_set(
-                keys, engine.core.cache.full.host_pool, list(range(len(keys)))
+                keys, engine.core.cache.full.pages.host_pool, list(range(len(keys)))
             ).all_ok
         out = engine.generate(PROMPT, GREEDY, timeout=60)
         assert out.cached.storage == 0 and out.output_ids == reference
@@ -293,8 +294,8 @@ def corrupt_record(engine: Engine, page: PageKey) -> None:
         assert isinstance(st, MooncakeStorage)
         store = st._store
         assert store.remove(key.key, True) == 0
-        assert engine.core.cache.full.host_pool is not None
-        size = record_size(engine.core.cache.full.host_pool.page_bytes // KV_HEADS)
+        assert engine.core.cache.full.pages.host_pool is not None
+        size = record_size(engine.core.cache.full.pages.host_pool.page_bytes // KV_HEADS)
         arena = st._arenas.take(size)
         assert arena is not None
         arena.tensor[:size].zero_()  # a reused arena holds the records it last staged

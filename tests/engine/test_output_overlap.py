@@ -91,7 +91,7 @@ def test_a_stop_string_found_one_step_late(cache: HiCache) -> None:
         assert len(runner.batches) == (6 if overlap else 5)  # one forward more, discarded
         assert_well_formed(outs)
         results[overlap] = shown(outs)
-        assert cache.full.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 99]).device_tokens == (
+        assert cache.full.pages.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 99]).device_tokens == (
             8 if overlap else 4
         )
         cache.sync(wait=True)

@@ -103,7 +103,7 @@ def test_abort_frees_everything_of_waiting_and_running_requests(cache: HiCache) 
     assert sched.idle
     assert a_outs[-1].finish_reason is FinishReason.ABORT
     assert b_outs[-1].finish_reason is FinishReason.ABORT
-    assert len(cache.admitted) == 0 and cache.full.request_pages(cache.admitted) == []
+    assert len(cache.admitted) == 0 and cache.full.pages.request_pages(cache.admitted) == []
     cache.sync(wait=True)
     check_integrity(cache)
     st = cache_stats(cache)
@@ -157,7 +157,7 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         sched.add(first)
         run(sched)
         cache.sync(wait=True)
-        cache.full.evict_device(8)  # the prompt's KV is in L2 only now
+        cache.full.pages.evict_device(8)  # the prompt's KV is in L2 only now
         hook.on = True
         again, again_outs = request(prompt)
         other, other_outs = request([50, 51, 52])
@@ -177,7 +177,7 @@ def test_a_load_failing_mid_forward_falls_back_to_recompute_and_pins_nothing() -
         assert stats["load_fallbacks_total"] == 1 and stats["load_failures_total"] == 1
         cache.sync(wait=True)
         check_integrity(cache)
-        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.tree.iter_nodes())
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in cache.full.pages.tree.iter_nodes())
         hook.on = False
         third, _ = request(prompt)  # the recomputed prefix is cached again: from L1
         sched.add(third)
@@ -200,15 +200,15 @@ def test_a_load_failure_seen_at_the_step_poll_recomputes_before_any_forward() ->
         sched.add(first)
         run(sched)
         cache.sync(wait=True)
-        cache.full.evict_device(8)
+        cache.full.pages.evict_device(8)
         again, outs = request(prompt)
         sched.add(again)
         sched._admit()  # admitted over its L2 prefix: the load starts, and fails
         assert again in sched.running and again.kv_len == 12
         assert gates.parked(0)
         gates.release(0)
-        assert cache.full.host is not None
-        cache.full.host.controller.wait_idle(10)  # its failed completion is posted
+        assert cache.full.pages.host_pool is not None
+        cache.full.pages.host.controller.wait_idle(10)  # its failed completion is posted
         done = len(runner.batches)
         step(sched)
         assert runner.batches[done:] == [[13]]  # only the recompute, from position 0

@@ -70,7 +70,7 @@ def cache() -> Iterator[HiCache]:
 
 def decode_scheduler(cache: HiCache) -> tuple[Scheduler, Receiver]:
     receiver = Receiver()
-    geometry = {"full": PoolGeometry.of(cache.full.device_pool)}
+    geometry = {"full": PoolGeometry.of(cache.full.pages.device_pool)}
     layout = InstanceLayout(
         model="fake",
         fingerprint="fake",
@@ -193,7 +193,7 @@ def test_a_refusal_names_the_shortfall(cache: HiCache) -> None:
         "the request needs 10 KV pages (39 tokens) but the device cache has 8 pages in all"
         " (--max-total-tokens); no running or parked request holds pages that would be freed"
     )
-    held = cache.full.reserve(6)  # held outside the tree: 2 pages left
+    held = cache.full.pages.reserve(6)  # held outside the tree: 2 pages left
     assert held is not None
     outs.clear()
     sched.add(client(Request(list(range(1, 14)), SamplingParams(max_tokens=1)), outs.append))
@@ -204,5 +204,5 @@ def test_a_refusal_names_the_shortfall(cache: HiCache) -> None:
         " and 0 cached by the tree, of which 0 evictable; no running or parked request"
         " holds pages that would be freed"
     )
-    cache.full.unreserve(held)
+    cache.full.pages.unreserve(held)
     check_integrity(cache)

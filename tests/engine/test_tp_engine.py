@@ -109,7 +109,10 @@ def quiet_digests(engine: Engine, timeout_s: float = 60.0) -> list[str]:
     next steps, so only a quiet digest can show that a later call changed nothing."""
     deadline = time.monotonic() + timeout_s
     while engine.call(
-        lambda: engine.core.cache.full.host is not None and engine.core.cache.full.host.busy
+        lambda: (
+            engine.core.cache.full.pages.host_pool is not None
+            and engine.core.cache.full.pages.host.busy
+        )
     ).result(timeout=30):
         assert time.monotonic() < deadline, f"copies still in flight after {timeout_s} s"
         time.sleep(0.02)

@@ -50,11 +50,11 @@ def write_tokens(cache: HiCache, tokens: Sequence[int], pages: PageIds, first_pa
     if len(pages) == 0:
         return
     data = page_kv(cache, tokens, first_page, len(pages))
-    cache.full.device_pool.write_pages(page_tensor(pages), data)
+    cache.full.pages.device_pool.write_pages(page_tensor(pages), data)
 
 
 def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
-    return cache.full.device_pool.read_pages(page_tensor(pages))
+    return cache.full.pages.device_pool.read_pages(page_tensor(pages))
 
 
 def wait_ready(cache: HiCache, req: CacheRequest, timeout_s: float = 10.0) -> None:
@@ -124,15 +124,15 @@ def fill_device(cache: HiCache, pages: Sequence[int], value: float) -> None:
     if not pages:
         return
     pt = page_tensor(page_ids(pages))
-    cache.full.device_pool.write_pages(
-        pt, torch.full_like(cache.full.device_pool.read_pages(pt), value)
+    cache.full.pages.device_pool.write_pages(
+        pt, torch.full_like(cache.full.pages.device_pool.read_pages(pt), value)
     )
 
 
 def free_device_pages(cache: HiCache) -> list[int]:
     """The L1 pages nobody holds, ascending."""
-    alloc = cache.full.device_pool.allocator
-    return [p for p in range(cache.full.device_pool.num_pages) if not alloc.is_used(p)]
+    alloc = cache.full.pages.device_pool.allocator
+    return [p for p in range(cache.full.pages.device_pool.num_pages) if not alloc.is_used(p)]
 
 
 def serve_or_fail(cache: HiCache, tokens: Sequence[int], *, timeout_s: float = 10.0) -> bool:
@@ -176,7 +176,7 @@ def check_l1_hits(cache: HiCache, known: Sequence[Sequence[int]]) -> None:
     """Every L1 page a match of a ``known`` sequence returns holds that sequence's KV.
     Call with no copy in flight (after ``flush``)."""
     for tokens in known:
-        m = cache.full.match_prefix(list(tokens))
+        m = cache.full.pages.match_prefix(list(tokens))
         n = len(m.device_pages)
         assert read_device(cache, m.device_pages).equal(page_kv(cache, tokens, 0, n)), (
             f"an L1 hit of {list(tokens)} holds other bytes"

@@ -58,8 +58,9 @@ def drive(
             if full_batch or not (cache.ready(req) and cache.admit(req, tokens)):
                 still.append(i)
                 continue
-            if cache.full.host is not None:  # the loads it needs landed or failed on every rank
-                cache.full.host.wait_idle()
+            if cache.full.pages.host_pool is not None:
+                # the loads it needs landed or failed on every rank
+                cache.full.pages.host.wait_idle()
                 cache.sync()  # a failed load fails its requests here, on every rank alike
             if req.failed is not None:  # recomputed from what L1 holds, later
                 cache.requeue(req, tokens)

@@ -32,7 +32,8 @@ def assert_idle(engine: Engine) -> None:
         engine.core.cache.sync(wait=True)
         check_integrity(engine.core.cache)
         assert all(
-            n.lock_ref == 0 and n.host_ref == 0 for n in engine.core.cache.full.tree.iter_nodes()
+            n.lock_ref == 0 and n.host_ref == 0
+            for n in engine.core.cache.full.pages.tree.iter_nodes()
         )
 
     engine.call(check).result(timeout=30)
@@ -44,7 +45,7 @@ def demote_all(engine: Engine) -> int:
 
     def demote() -> int:
         engine.core.cache.sync(wait=True)
-        return engine.core.cache.full.evict_device(10**6)
+        return engine.core.cache.full.pages.evict_device(10**6)
 
     return engine.call(demote).result(timeout=30)
 

@@ -414,7 +414,7 @@ def test_engine_greedy_through_static_decode_equals_eager(
     probe = graph_setup._probe
 
     def recorded(runner: ModelRunner, graphs: DecodeGraphs, pages: list[int]) -> float:
-        seen.append((list(pages), cache.full.reserved))
+        seen.append((list(pages), cache.full.pages.reserved))
         return probe(runner, graphs, pages)
 
     monkeypatch.setattr(graph_setup, "_probe", recorded)
@@ -443,17 +443,17 @@ def test_engine_greedy_through_static_decode_equals_eager(
 
                 setup = engine.call(attach).result(timeout=120)
                 assert setup.enabled and setup.buckets == (1, 2, 4)
-                (scratch,) = cache.full.reserved
+                (scratch,) = cache.full.pages.reserved
                 # the probe ran on 43 pages reserved (with the scratch page) for its
                 # duration; they came back after it
                 ((pages, reserved),) = seen
                 assert len(pages) == 43 and sorted(reserved) == sorted([scratch, *pages])
-                assert cache.full.device_pool.allocator.used_pages == 1
+                assert cache.full.pages.device_pool.allocator.used_pages == 1
             outputs.append(generate_together(engine, prompts, params))
             if static:
                 graphs = runner.decode_graphs
                 assert graphs is not None and graphs.replays >= 3
-                assert scratch not in engine.call(cache.full.tree.device_page_ids).result(
+                assert scratch not in engine.call(cache.full.pages.tree.device_page_ids).result(
                     timeout=30
                 )
                 engine.call(lambda c=cache: check_integrity(c)).result(timeout=30)

@@ -98,9 +98,11 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
     cfg = CacheConfig(page_size=PAGE, device_tokens=16 * PAGE, hicache_ratio=2.0)
     cache = HiCache(cfg, spec).start()
     try:
-        runner = ModelRunner(lm.model, cache.full.device_pool)
+        runner = ModelRunner(lm.model, cache.full.pages.device_pool)
         a, b = _sequences(name)
-        pages = cache.full.device_pool.allocator.alloc(9)  # the last: the graphs' scratch page
+        pages = cache.full.pages.device_pool.allocator.alloc(
+            9
+        )  # the last: the graphs' scratch page
         assert pages is not None
         sa = slots_for([pages[i] for i in (4, 0, 2, 6, 7)], PAGE, A_TOTAL)
         sb = slots_for([pages[i] for i in (5, 1, 3)], PAGE, B_TOTAL)
@@ -145,7 +147,11 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
         graph = None
         if name == GRAPH_MODEL:
             graphs = DecodeGraphs(
-                lm.model, cache.full.device_pool, scratch_page=pages[8], max_bs=2, table_width=8
+                lm.model,
+                cache.full.pages.device_pool,
+                scratch_page=pages[8],
+                max_bs=2,
+                table_width=8,
             )
             graph = graphs.run(
                 torch.stack([a[A_LEN], b[B_LEN]]),
@@ -153,7 +159,7 @@ def _script(name: str, tp: TPGroup) -> tuple[Steps, dict[str, Any]]:
                 [sa[: A_LEN + 1], sb[: B_LEN + 1]],
             )
             assert graph is not None
-        pool, last = cache.full.device_pool, lm.model.config.num_layers - 1
+        pool, last = cache.full.pages.device_pool, lm.model.config.num_layers - 1
         kv = torch.stack([pool.k_buffer(last)[sa], pool.v_buffer(last)[sa]]).clone()
         pool.allocator.free(pages)
     finally:

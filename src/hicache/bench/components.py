@@ -108,11 +108,11 @@ def component_figures(engine: Engine) -> list[ComponentFigures]:
 
 def _figures(cache: HiCache, u: ComponentUsage) -> ComponentFigures:
     """:class:`ComponentFigures` of one :class:`ComponentUsage` of ``cache``."""
-    cached = cache.full.device_pool.allocator.used_pages > 0  # the denominator is not 0
+    cached = cache.full.pages.device_pool.allocator.used_pages > 0  # the denominator is not 0
     held = u.bytes_per_cached_token if cached else None
     store = cache.stores.get(u.name)
     if u.name == FULL:
-        spec = cache.full.device_pool.spec
+        spec = cache.full.pages.device_pool.spec
         layers, nominal, unit = spec.num_layers, float(spec.token_bytes), "pages"
         # other pools taking some attention layers leave the full pool the global ones
         note = "global layers" if cache.stores.runner_pools() else ""

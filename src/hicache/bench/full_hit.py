@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
         def demote_all() -> int:
             """Wait for the copies, then evict every L1 page (backed-up ones stay in L2)."""
             engine.core.cache.sync(wait=True)
-            return engine.core.cache.full.evict_device(10**9)
+            return engine.core.cache.full.pages.evict_device(10**9)
 
         gen([rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(32)], "cold")  # warm-up
         res.ttft_s["cold"].clear()

@@ -1,6 +1,6 @@
 """The L1 tier: the device pool of the full KV, allocation with eviction, reserved pages.
 
-The L1 half of the :class:`~hicache.cache.full_kv.FullKVStore`, run on the cache's thread. Every L1 page of the full
+The L1 half of the full KV's :class:`~hicache.cache.full_pages.FullPages`, run on the cache's thread. Every L1 page of the full
 KV is, at any time, exactly one of: free; the tree's (a node's ``device`` pages); a
 caller's (pages :meth:`DeviceTier.alloc` gave it, until it inserts or frees them: an
 admitted request's own pages); reserved (:meth:`DeviceTier.reserve`, out of circulation
@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.host_tier import HostTier
+from hicache.cache.no_host_tier import NoHostTier
 from hicache.controller.policy import WriteRule
 from hicache.memory import DevicePool, PageAllocator
 from hicache.metrics import CacheCounters
@@ -34,9 +35,9 @@ __all__ = ["DeviceTier"]
 class DeviceTier:
     """L1 pages of the full KV for one cache.
 
-    ``pool``: the L1 pool (the host tier copies to and from it too). ``host``: the L2 tier,
-    None without the hierarchical cache; allocation waits for its backups (they pin their
-    L1 sources) and ``write_back`` backs nodes up through it on eviction.
+    ``pool``: the L1 pool (the host tier copies to and from it too). ``host``: the L2 tier
+    (:class:`NoHostTier` without the hierarchical cache); allocation waits for its backups
+    (they pin their L1 sources) and ``write_back`` backs nodes up through it on eviction.
     ``stores``: the component stores, which take back the component ids the tree
     releases.
     """
@@ -48,7 +49,7 @@ class DeviceTier:
         pool: DevicePool,
         rule: WriteRule,
         counters: CacheCounters,
-        host: HostTier | None,
+        host: HostTier | NoHostTier,
         stores: ComponentStores,
     ) -> None:
         self.tree = tree
@@ -56,7 +57,7 @@ class DeviceTier:
         self.page_size = pool.page_size
         self.counters = counters
         self._host = host
-        self._backup_on_evict = rule.backup_on_evict and host is not None
+        self._backup_on_evict = rule.backup_on_evict
         self._stores = stores
         self._reserved: list[int] = []
         """L1 pages taken out of circulation (:meth:`reserve`)."""
@@ -86,8 +87,7 @@ class DeviceTier:
         alloc = self.pool.allocator
         if alloc.free_pages < num_pages:
             self.evict(num_pages - alloc.free_pages)
-        host = self._host
-        if alloc.free_pages < num_pages and host is not None and host.wait_backups():
+        if alloc.free_pages < num_pages and self._host.wait_backups():
             self.evict(num_pages - alloc.free_pages)
         pages = alloc.alloc(num_pages)
         return None if pages is None else page_ids(pages)
@@ -138,7 +138,6 @@ class DeviceTier:
             if freed >= num_pages:
                 break
             if node.host is None and self._backup_on_evict:
-                assert self._host is not None
                 self._host.back_up(node, 0, wait=True)
                 if node.lock_ref > 0:  # still copying, or its backup failed: next one
                     continue

@@ -3,8 +3,8 @@
 It holds the request verbs (``open``, ``ready``, ``admit``, ``plan_chunk``, ``grow``,
 ``commit``, ``release``, ``requeue``, ``reusable_prefix``), :meth:`HiCache.sync` and the
 read-only :class:`CacheContext`, over the tree and the model's stores: first the full KV
-(:attr:`HiCache.full`, a :class:`~hicache.cache.full_kv.FullKVStore`: L1 and L2 halves,
-layer-wise load back, the page-level API), then one store per extra component of its
+(:attr:`HiCache.full`, a :class:`~hicache.cache.full_kv.FullKVStore`: its L1 and L2
+halves and the page-level API behind its ``pages``), then one store per extra component of its
 :class:`~hicache.spec.CacheSpec` (:mod:`hicache.cache.components`), and the optional L3
 tier behind an :class:`~hicache.cache.l3.slot.L3Slot` (:attr:`HiCache.l3`). All methods run on the owner's
 thread; worker records are applied by :class:`~hicache.cache.sync.CacheSync` at
@@ -30,6 +30,7 @@ from hicache.cache.components.base import (
 )
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
+from hicache.cache.full_pages import FullPages
 from hicache.cache.l3.slot import L3Slot
 from hicache.cache.request import CacheRequest, RequestState
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
@@ -115,7 +116,7 @@ class HiCache(Lifecycle):
         ctx = StoreContext(tree=tree, config=config, kv=kv, device=dev, sync=self._sync)
         self.stores = ComponentStores.build(cache_spec, ctx, store_types)
         """The model's component stores, in its spec's order (empty: full KV only)."""
-        self.full = FullKVStore(
+        pages = FullPages(
             tree=tree,
             config=config,
             spec=kv,
@@ -126,9 +127,14 @@ class HiCache(Lifecycle):
             stores=self.stores,
             layer_hook=layer_hook,
         )
-        """The full KV: the first store, the tree's spine (and the page-level API)."""
+        self.full = FullKVStore(pages)
+        """The full KV: the first store, the tree's spine (its page-level API: ``full.pages``)."""
         self._l3 = L3Slot(
-            tree=tree, host=self.full.host, counters=counters, sync=self._sync, stores=self.stores
+            tree=tree,
+            host=self.full.pages.host,
+            counters=counters,
+            sync=self._sync,
+            stores=self.stores,
         )
         self._started = False
 

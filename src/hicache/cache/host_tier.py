@@ -1,18 +1,18 @@
-"""The L2 tier: the host pool, L1 <-> L2 copies in flight, and L2 eviction.
+"""The L2 tier: the host pool, L1 <-> L2 copies in flight, a hit's load back, L2 eviction.
 
-The L2 half of the :class:`~hicache.cache.full_kv.FullKVStore`, on the cache's thread. It
-issues backups (L1 -> L2) and loads (L2 -> L1) through the :class:`CacheController`,
-records what each op id stands for (:class:`PendingBackup`, :class:`PendingLoad`) and
-applies the worker's :class:`Completion` records when :class:`~hicache.cache.sync.CacheSync`
-hands them over, agreed (it is the sync's transfer party; it reports to the sync and the
-component stores, never up into the facade). Invariants: pages another op pins are never
-freed under it; contiguity (a dropped L2 or L1 copy drops the copies below it); a failure
-is applied at the next ``settle``, never inside a wait; a load that failed after its last
-layer keeps its mapping. Loads run concurrently; a request over pages a load in flight
-maps depends on it (``loads_on``). Under tensor parallelism completions are applied only
-once every rank has them (:meth:`votes`, :meth:`apply_agreed`), and an L2 allocation
-evicts and allocates the same on every rank. What a landed / failed backup and a failed
-load do, step by step: docs/architecture.md, "Failures".
+The L2 half of the full KV's :class:`~hicache.cache.full_pages.FullPages` (without L2:
+:mod:`~hicache.cache.no_host_tier`), on the cache's thread. It issues backups and loads
+through the :class:`CacheController`, records what each op id stands for
+(:class:`PendingBackup`, :class:`PendingLoad`) and applies the worker's completions when
+:class:`~hicache.cache.sync.CacheSync` hands them over, agreed (the sync's transfer party;
+it reports to the sync and the component stores, never up into the facade). Invariants:
+pages another op pins are never freed under it; contiguity (a dropped L2 or L1 copy drops
+the copies below it); a failure is applied at the next ``settle``, never inside a wait; a
+load that failed after its last layer keeps its mapping. Loads run concurrently; a request
+over pages a load in flight maps depends on it (``loads_on``). Under tensor parallelism
+completions apply once every rank has them (:meth:`votes`, :meth:`apply_agreed`) and an
+L2 allocation evicts and allocates alike on every rank. Failures step by step:
+docs/architecture.md, "Failures".
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hicache.memory import DevicePool, HostPool, PageAllocator
 from hicache.metrics import CacheCounters
 from hicache.spec import KVSpec
 from hicache.transfer import Completion, LayerProgress
-from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree import HiRadixTree, MatchResult, TreeNode
 from hicache.tree.components import Tier
 from hicache.tree.node import PageIds, page_ids
 from hicache.tree.results import NodeEviction
@@ -71,6 +71,19 @@ class PendingLoad:
     device_pages: PageIds
 
 
+@dataclass(frozen=True, slots=True)
+class LoadBack:
+    """What a hit's load back gives: the deepest usable ``node``, the prefix's L1
+    ``pages`` (in token order), the ``loaded_tokens`` being copied from L2, and the
+    ``progress`` of every load the prefix depends on (its own, if any, and those other
+    requests started for L1 pages of the prefix, still in flight)."""
+
+    node: TreeNode
+    pages: PageIds
+    loaded_tokens: int
+    progress: tuple[LayerProgress, ...]
+
+
 class HostTier:
     """L2 pages and the copies between L1 and L2 for one cache.
 
@@ -102,6 +115,7 @@ class HostTier:
         )
         self.counters = counters
         self.page_size = config.page_size
+        self._load_back_threshold = config.load_back_threshold
         self._sync = sync
         self._stores = stores
         self._wait_timeout_s = sync.wait_timeout_s
@@ -121,9 +135,16 @@ class HostTier:
         """The tensor-parallel ranks (one: every agreement is this rank's own vote)."""
         sync.serve_transfers(self)
 
+    tiers: tuple[Tier, ...] = (Tier.HOST,)
+    """The tiers it adds below L1."""
+
     @property
     def allocator(self) -> PageAllocator:
         return self.pool.allocator
+
+    def reset(self) -> None:
+        """Free every L2 page the tree holds (the tree is reset next)."""
+        self.allocator.free(self.tree.host_page_ids())
 
     def start(self) -> None:
         self.controller.start()
@@ -289,6 +310,68 @@ class HostTier:
             last, len(device_pages), tokens, request, progress, device_pages[:]
         )
         return progress
+
+    # ------------------------------------------------------------------ load back
+
+    def load_back(
+        self,
+        match: MatchResult,
+        req: CacheRequest | None,
+        load: bool,
+        alloc: Callable[[int], PageIds | None],
+    ) -> LoadBack:
+        """Start copying the host-only part of ``match`` into L1 pages from ``alloc`` (L1
+        allocation with eviction), layer by layer (see :class:`LoadBack`).
+
+        With extra components the L1 part of a match may end above an L1-resident span
+        (say, a node whose snapshot is only in L2): the prefix then runs in L1 down to the
+        first host-only node (or to ``last_host_node`` when none is), and only the
+        host-only nodes are copied.
+
+        All-or-nothing per chain: when the host-only part is shorter than
+        ``load_back_threshold`` tokens, or L1 cannot make room for it, nothing is loaded;
+        nor when ``load`` is False (the fallback of a failed load: it is recomputed)."""
+        tree = self.tree
+        no_load = LoadBack(
+            match.last_device_node,
+            match.device_pages,
+            0,
+            self.loads_on(match.last_device_node),
+        )
+        if not load:
+            return no_load
+        last = match.last_host_node
+        # Pin the host copies first: pinning a hit's component span may split a node (so
+        # the span starts on a boundary), which would change the chain computed before.
+        tree.inc_host_ref(last)
+        try:
+            nodes = tree.host_only_path(last)
+            base = nodes[0].parent if nodes else last  # the deepest L1 node the load continues
+            assert base is not None
+            if base is match.last_device_node:
+                base_pages = match.device_pages
+            else:  # L1-resident below the L1-valid boundary: its other components come later
+                base_pages = path_device_pages(base)
+            if not nodes:
+                if base is match.last_device_node:
+                    return no_load
+                return LoadBack(base, base_pages, 0, self.loads_on(base))
+            host_tokens = sum(tree.num_tokens(n) for n in nodes)
+            if host_tokens < self._load_back_threshold:
+                self.counters.load_skipped_tokens_total += host_tokens
+                return no_load
+            tree.inc_lock_ref(base)  # and the L1 prefix, while making room in L1
+            try:
+                device_pages = alloc(sum(tree.num_pages(n) for n in nodes))
+            finally:
+                tree.dec_lock_ref(base)
+        finally:
+            tree.dec_host_ref(last)
+        if device_pages is None:
+            self.counters.load_skipped_tokens_total += host_tokens
+            return no_load
+        self.load(nodes, device_pages, req)
+        return LoadBack(last, base_pages + device_pages, host_tokens, self.loads_on(last))
 
     # ------------------------------------------------------------------ completions
 
@@ -479,3 +562,17 @@ def _post_order(top: TreeNode) -> list[TreeNode]:
         stack.extend(n.children.values())
     order.reverse()
     return order
+
+
+def path_device_pages(node: TreeNode) -> PageIds:
+    """The L1 pages of the path from the root to ``node``, in token order (all in L1)."""
+    parts: list[PageIds] = []
+    while node.parent is not None:
+        if node.device is None:  # pragma: no cover - contiguity
+            raise RuntimeError(f"{node!r} on a committed path is not in L1")
+        parts.append(node.device)
+        node = node.parent
+    out = page_ids()
+    for p in reversed(parts):
+        out += p
+    return out

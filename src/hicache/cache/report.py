@@ -1,7 +1,7 @@
 """Reports on a whole cache, beside the facade: the stats snapshot, the integrity check
 and the tree digest tensor-parallel ranks compare.
 
-Each reads the cache's parts (the full KV store's tree, pools and counters, the
+Each reads the cache's parts (the full KV's pages: its tree, pools and counters; the
 component stores, the L3 slot, the admitted requests) through read-only properties and
 changes nothing. One pool's use and ownership check are :mod:`hicache.cache.pool_audit`'s.
 """
@@ -24,7 +24,7 @@ def cache_stats(cache: HiCache) -> CacheStats:
     """Occupancy per tier (tokens) and every counter, as one snapshot, with each store's
     pool use (the full KV's first). L1 pages requests own or the cache reserved count as
     the requests' tokens."""
-    full, requests = cache.full, cache.admitted
+    full, requests = cache.full.pages, cache.admitted
     tier = cache.l3.attached
     backend = None if tier is None else tier.controller.storage
     tree, device_pool, host_pool = full.tree, full.device_pool, full.host_pool
@@ -81,7 +81,7 @@ def check_integrity(cache: HiCache, request_pages: Iterable[int] = ()) -> None:
     ``request_pages`` (pages other callers hold), exactly once; every used L2 page is
     owned by the tree or held by an L3 op (or by a detached backend that may still write
     it); every component store's ids likewise. Raises AssertionError."""
-    full, l3, names = cache.full, cache.l3, cache.stores.names
+    full, l3, names = cache.full.pages, cache.l3, cache.stores.names
     requests = cache.admitted
     host_held = l3.quarantined_host_pages()
     ids_held = l3.quarantined_component_ids(names)
@@ -106,7 +106,7 @@ def tree_digest(cache: HiCache, *, exact: bool = False) -> str:
     holder uses a pool: the engine's rank digest); without, a rank whose pool some outside
     holder uses (other ids for the same tree) still digests alike.
     """
-    tree = cache.full.tree
+    tree = cache.full.pages.tree
     rows: list[tuple[str, bytes, str]] = []
     for n in tree.iter_nodes():
         tiers = ("D" if n.device is not None else "-") + ("H" if n.host is not None else "-")

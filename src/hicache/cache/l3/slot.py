@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from hicache.cache.components.stores import ComponentStores
 from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.tier import DETACHED, Detached, L3Tier
+from hicache.cache.no_host_tier import NoHostTier
 from hicache.cache.quarantine import Quarantine
 from hicache.cache.sync import CacheSync
 from hicache.config import PrefetchConfig
@@ -43,8 +44,8 @@ component, freed once it settles."""
 
 
 class L3Slot:
-    """The L3 attachment of one cache (over its L2 tier ``host``; None without L2: then
-    nothing attaches, and its tier stays detached).
+    """The L3 attachment of one cache (over its L2 tier ``host``; a :class:`NoHostTier`
+    without L2: then nothing attaches, and its tier stays detached).
 
     ``sync``: the cache's owner of asynchronous results (the slot joins it as a party;
     every tier attached posts to its queue, numbers its ops from it and waits through
@@ -56,7 +57,7 @@ class L3Slot:
         self,
         *,
         tree: HiRadixTree,
-        host: HostTier | None,
+        host: HostTier | NoHostTier,
         counters: CacheCounters,
         sync: CacheSync,
         stores: ComponentStores,
@@ -88,7 +89,8 @@ class L3Slot:
         ranks (``ranks``, when given, must be that group: ValueError). Needs L2
         (ValueError); one at a time (RuntimeError); on failure nothing is attached and
         ``storage`` is closed."""
-        if self._host is None:
+        host = self._host
+        if not isinstance(host, HostTier):  # L3 is written from and read into L2 pages
             raise ValueError("an L3 storage backend needs the hierarchical cache (L2) enabled")
         mine = self._ranks
         if ranks is not None and (ranks.size, ranks.rank) != (mine.size, mine.rank):
@@ -102,7 +104,7 @@ class L3Slot:
         codecs = self._stores.records()
         controller = StorageController(
             storage,
-            self._host.pool,
+            host.pool,
             self._sync.completions,
             self._ranks,
             component_pools={c.name: c.pool for c in codecs},
@@ -123,7 +125,7 @@ class L3Slot:
             namespace=namespace,
             prefetch=prefetch,
             tree=self._tree,
-            host=self._host,
+            host=host,
             counters=self._counters,
             sync=self._sync,
             components=codecs,
@@ -194,7 +196,7 @@ class L3Slot:
         for pages, ids in self._retired.lift(
             lambda s: bool(ranks.min(int(s.host_writes_settled(0.0))))
         ):
-            assert self._host is not None  # a backend attached: over L2
+            assert isinstance(self._host, HostTier)  # a backend attached: over L2
             self._host.allocator.free(pages)
             self._stores.free(Tier.HOST, ids)
 

@@ -61,7 +61,7 @@ class PrefillRole(Role):
         """Per request still computing: the whole pages its partial jobs cover so far."""
         self._hashes: dict[str, str] = {}
         """Per request with a job sent: its prompt's hash (computed once)."""
-        self._cuda = torch.device(cache.full.device_pool.device).type == "cuda"
+        self._cuda = torch.device(cache.full.pages.device_pool.device).type == "cuda"
 
     def claim(self, bootstrap: Bootstrap) -> str | None:
         """A request of ``bootstrap``'s room arrived (any thread); None, or why it is

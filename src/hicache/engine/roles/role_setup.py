@@ -61,7 +61,7 @@ def start_role(
             f"--disaggregation-mode {disagg.mode.value}: {model.name} carries recurrent"
             " state, which a prefill/decode pair does not move yet; serve it as a plain instance"
         )
-    pools = {"full": cache.full.device_pool, **cache.stores.runner_pools()}
+    pools = {"full": cache.full.pages.device_pool, **cache.stores.runner_pools()}
     geometry = {name: PoolGeometry.of(pool) for name, pool in pools.items()}
     layout = InstanceLayout(
         model=model.name,

@@ -100,7 +100,7 @@ def _assemble(
 ) -> EngineCore:
     runner = ModelRunner(
         model.model,
-        cache.full.device_pool,
+        cache.full.pages.device_pool,
         cache.stores.runner_pools(),
         attention_backend=config.attention_backend,
     )

@@ -392,7 +392,7 @@ def attach_l3(
         negative_ttl_s=config.negative_ttl_s,
         negative_max_entries=config.storage_negative_entries,
     )
-    if cache.full.host is None:
+    if not cache.context.config.enable_hierarchical_cache:
         raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
     namespace = Namespace.for_spec(
         cache.context.spec,

@@ -224,20 +224,20 @@ def enable_for_cache(
     capture: bool = True,
 ) -> GraphSetup:
     """:func:`enable_decode_graphs` for an engine: the scratch page is reserved in the
-    cache's full KV store (``cache.full.reserve``; given back when the graphs are not
+    cache's full KV store (``cache.full.pages.reserve``; given back when the graphs are not
     used), the probe's pages are reserved there for the call and given back
-    (``cache.full.unreserve``), and the page table is as wide as ``context_length``
+    (``cache.full.pages.unreserve``), and the page table is as wide as ``context_length``
     tokens. Call before any request is admitted."""
     reason = unsupported_reason(runner, capture=capture)
     if reason is not None:
         log.info("CUDA graphs for decode are off: %s", reason)
         return GraphSetup(enabled=False, reason=reason)
-    scratch = cache.full.reserve(1)
+    scratch = cache.full.pages.reserve(1)
     if scratch is None:
         return GraphSetup(enabled=False, reason="no L1 page left to reserve as scratch")
     # the width counts the pages a request may hold once the probe's are back
-    width = table_width_for(context_length, cache.context.page_size, cache.full.pages)
-    lent = cache.full.reserve(probe_page_count(cache.context.page_size, width))
+    width = table_width_for(context_length, cache.context.page_size, cache.full.pages.usable)
+    lent = cache.full.pages.reserve(probe_page_count(cache.context.page_size, width))
     try:
         setup = enable_decode_graphs(
             runner,
@@ -249,7 +249,7 @@ def enable_for_cache(
         )
     finally:
         if lent is not None:
-            cache.full.unreserve(lent)
+            cache.full.pages.unreserve(lent)
     if not setup.enabled:
-        cache.full.unreserve(scratch)
+        cache.full.pages.unreserve(scratch)
     return setup

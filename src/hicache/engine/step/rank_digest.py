@@ -54,13 +54,12 @@ def page_digests(cache: HiCache, tokens: Sequence[int]) -> dict[str, dict[int, s
     walked without touching it. A page's digest is the same in every tier it is copied
     to; each tensor-parallel rank holds its own K/V heads, so the ranks' digests differ."""
     cache.sync(wait=True)
-    tree = cache.full.tree
+    tree = cache.full.pages.tree
     width = tree.page_size * 4  # a page of uint32 token ids
     key = array("I", tokens[: len(tokens) // tree.page_size * tree.page_size]).tobytes()
-    host = cache.full.host
     pools: dict[str, tuple[str | None, DevicePool | HostPool | StatePool | None]] = {
-        "full/device": (None, cache.full.device_pool),
-        "full/host": (None, None if host is None else host.pool),
+        "full/device": (None, cache.full.pages.device_pool),
+        "full/host": (None, cache.full.pages.host_pool),
     }
     for store in cache.stores:
         for tier, pool in (("device", store.device_pool), ("host", store.host_pool)):
