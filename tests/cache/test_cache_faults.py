@@ -131,7 +131,7 @@ def test_after_a_failed_load_the_next_request_loads_the_right_bytes(
     req = cache.open(TOKENS, compute_last=False)
     assert cache.admit(req, TOKENS)
     assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
-    cache.release(req, TOKENS, keep=False)
+    cache.release(req, TOKENS, commit=False)
     hook.on = False
     again = serve(cache, TOKENS, hold=True)  # serve() checks the loaded bytes
     assert again is not None and again.cached.host == len(TOKENS)
@@ -543,7 +543,7 @@ def test_a_load_failing_while_admit_makes_room_leaves_no_l1_hit_on_unwritten_pag
     req = cache.open(LONGER, compute_last=False)
     if cache.admit(req, LONGER):
         assert not all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
-        cache.release(req, keep=False)
+        cache.release(req, commit=False)
     else:
         cache.release(req)
     cache.full.pages.free(held)
@@ -608,7 +608,7 @@ def test_a_load_failing_while_admit_pins_its_chain_is_dropped_all_the_same(
     m = cache.full.pages.match_prefix(TOKENS)
     assert (m.device_tokens, m.host_tokens) == (0, 6)
     assert req.node is None  # failed and unpinned
-    cache.release(req, keep=False)
+    cache.release(req, commit=False)
     cache.full.pages.free(held)
     hook.on = False
     cache.sync(wait=True)
@@ -693,7 +693,7 @@ def test_a_failed_load_fails_every_request_over_it_and_drops_the_loads_below(
     check_integrity(cache)  # the parked load's pages are held, not free
     assert not second.wait_layer(1, 10)
     for req in (first, second):
-        cache.release(req, keep=False)
+        cache.release(req, commit=False)
     gates.release(1)
     cache.sync(wait=True)
     assert cache.full.pages.device_pool.allocator.used_pages == 0

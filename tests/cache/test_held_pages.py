@@ -72,7 +72,7 @@ def test_each_store_holds_the_pages_the_forward_writes() -> None:
             got = page_slots(h.pages, PAGE, n + 1 - h.first * PAGE)
             assert torch.equal(got, slots_of(cache, req, h.name, n + 1)), h.name
         assert held[1].first > 0  # the window's fallen-out pages are not held
-        cache.release(req, keep=False)
+        cache.release(req, commit=False)
 
 
 def test_copying_every_store_s_held_pages_moves_the_request_s_kv() -> None:
@@ -94,7 +94,7 @@ def test_copying_every_store_s_held_pages_moves_the_request_s_kv() -> None:
             ours = pool_of(dst, s.name)[:, :, slots_of(dst, b, s.name, n)]
             assert torch.equal(theirs, ours), s.name
         for cache, req in ((src, a), (dst, b), (dst, taken)):
-            cache.release(req, keep=False)
+            cache.release(req, commit=False)
 
 
 def test_a_request_not_admitted_holds_nothing() -> None:

@@ -73,7 +73,7 @@ class LoadFaultMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.cache is not None:
             for req, _ in self.held:
-                self.cache.release(req, keep=False)
+                self.cache.release(req, commit=False)
             self.cache.close()
 
     @property

@@ -49,7 +49,7 @@ class RecordingL3:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
 
-    def keep(self, record: Record) -> bool:
+    def claim(self, record: Record) -> bool:
         return False
 
     def votes(self) -> list[Vote]:
@@ -58,8 +58,8 @@ class RecordingL3:
     def apply_agreed(self, verdict: Verdict) -> bool:  # pragma: no cover
         raise AssertionError("no L3 op is in flight")
 
-    def settle(self) -> None:
-        self.calls.append(("settle", None))
+    def apply_deferred(self) -> None:
+        self.calls.append(("apply_deferred", None))
 
     def on_host_backup(self, nodes: list[TreeNode]) -> None:
         self.calls.append(("backed_up", [n.id for n in nodes]))
@@ -93,10 +93,10 @@ def test_the_host_tier_reports_each_step_to_its_peers() -> None:
         assert calls == [
             ("backup_issued", node.id),  # its L2 pages are assigned: stores back up now
             ("backed_up", [node.id]),  # applied inside the sync's wait, handed on to L3
-        ]  # and nothing settled: a wait settles nothing (its caller may hold pins)
+        ]  # and nothing deferred applied: a wait applies none (its caller may hold pins)
         assert node.host is not None and node.lock_ref == 0 and not sync.inside
         calls.clear()
-        assert sync.sync() == 0 and calls == [("settle", None)]  # a sync settles
+        assert sync.sync() == 0 and calls == [("apply_deferred", None)]  # a sync applies it
         calls.clear()
         assert host.evict(2) == 2  # its L2 copy (the node stays in L1)
         assert node.host is None and node.device is not None

@@ -156,7 +156,7 @@ def finish(
     its KV kept (True); a failed wait releases it without keeping anything (False)."""
     if not all(req.wait_layer(layer, timeout_s) for layer in range(cache.context.spec.num_layers)):
         assert req.failed is not None
-        cache.release(req, keep=False)
+        cache.release(req, commit=False)
         return False
     prefix = req.pages[: req.prefix_pages]
     assert read_device(cache, prefix).equal(page_kv(cache, tokens, 0, len(prefix))), (
@@ -166,7 +166,7 @@ def finish(
     write_tokens(cache, tokens, req.pages[req.prefix_pages : full], req.prefix_pages)
     cache.sync()  # as the engine's next step does: a failure it applies fails req
     if req.failed is not None:
-        cache.release(req, keep=False)
+        cache.release(req, commit=False)
         return False
     cache.release(req, list(tokens))
     return True

@@ -83,7 +83,7 @@ class DeviceTier:
         chain stays pinned by its request when it lands, so waiting for it frees nothing,
         and a load may take as long as its forward. Records posted meanwhile are applied,
         failed loads excepted (the caller may be pinning their chain: the sync's
-        re-entrancy rule settles them at its next sync)."""
+        re-entrancy rule applies them at its next sync)."""
         alloc = self.pool.allocator
         if alloc.free_pages < num_pages:
             self.evict(num_pages - alloc.free_pages)

@@ -301,9 +301,9 @@ class HiCache(Lifecycle):
             self._l3.back_up_added(last)
 
     def release(
-        self, req: CacheRequest, tokens: TokenIds | None = None, *, keep: bool = True
+        self, req: CacheRequest, tokens: TokenIds | None = None, *, commit: bool = True
     ) -> None:
-        """End ``req``: with ``keep`` (and a sequence ``tokens`` whose KV is computed),
+        """End ``req``: with ``commit`` (and a sequence ``tokens`` whose KV is computed),
         commit its whole pages first; then free its own pages and unpin its prefix. A
         waiting request gives up its prefetch. Idempotent."""
         if req.state is RequestState.RELEASED:
@@ -312,7 +312,7 @@ class HiCache(Lifecycle):
             self._l3.tier.prefetches.take(req.prefetch)
             req.prefetch = None
         if req.state is RequestState.ADMITTED:
-            if keep and tokens is not None:
+            if commit and tokens is not None:
                 self._commit(req, tokens, final=True)
             self.stores.release(req)  # before the full part: they read its prefix
             self._requests.discard(req)
@@ -331,7 +331,7 @@ class HiCache(Lifecycle):
         self._require_admitted(req)
         if req.failed is not None:
             self.full.fail_over(req)
-        self.release(req, tokens, keep=req.failed is None)
+        self.release(req, tokens, commit=req.failed is None)
         req.state = RequestState.WAITING
 
     def _require_admitted(self, req: CacheRequest) -> None:

@@ -7,7 +7,7 @@ through the :class:`CacheController`, records what each op id stands for
 :class:`~hicache.cache.sync.CacheSync` hands them over, agreed (the sync's transfer party;
 it reports to the sync and the component stores, never up into the facade). Invariants:
 pages another op pins are never freed under it; contiguity (a dropped L2 or L1 copy drops
-the copies below it); a failure is applied at the next ``settle``, never inside a wait; a
+the copies below it); a failure is applied at the next ``apply_deferred``, never inside a wait; a
 load that failed after its last layer keeps its mapping. Loads run concurrently; a request
 over pages a load in flight maps depends on it (``loads_on``). Under tensor parallelism
 completions apply once every rank has them (:meth:`votes`, :meth:`apply_agreed`) and an
@@ -125,7 +125,7 @@ class HostTier:
         self._got = LocalRecords()
         """Completions received and not applied yet (:meth:`apply_agreed` pops them)."""
         self._failed: list[tuple[PendingLoad, str, bool]] = []
-        """Failed loads not applied yet (still pinned): applied by :meth:`settle`; with
+        """Failed loads not applied yet (still pinned): applied by :meth:`apply_deferred`; with
         whether every layer had landed (on every rank) all the same."""
         self._quarantine: Quarantine[frozenset[int], PageIds] = Quarantine()
         """L1 pages taken out of the tree (a failed load's chain) that copies in flight may
@@ -159,7 +159,7 @@ class HostTier:
 
     def wait_idle(self) -> None:
         """Wait (bounded, agreed: :meth:`CacheSync.wait_until`) until every copy in flight
-        is applied (failed loads wait for :meth:`settle`). TimeoutError when some rank
+        is applied (failed loads wait for :meth:`apply_deferred`). TimeoutError when some rank
         gave up; inside (the sync's rule) it only checks."""
         if self._sync.inside:
             return
@@ -171,7 +171,7 @@ class HostTier:
     def wait_backups(self) -> bool:
         """Wait (bounded, agreed) until the backups in flight are applied, not loads (they
         share no page with backups, so the engine never holds a backup behind a load);
-        failed loads wait for :meth:`settle`. False when none was in flight or the cache
+        failed loads wait for :meth:`apply_deferred`. False when none was in flight or the cache
         is inside (the sync's rule: no wait there); TimeoutError when some rank gave up.
 
         A backup pins what it copies (and the component values a hit at its run's end
@@ -189,7 +189,7 @@ class HostTier:
 
     def loads_on(self, node: TreeNode) -> tuple[LayerProgress, ...]:
         """The progress of every load not yet applied (in flight, or failed and not yet
-        settled) whose pages the path to ``node`` runs through: a request whose prefix
+        applied) whose pages the path to ``node`` runs through: a request whose prefix
         ends at ``node`` reads them, so it must wait for their layers."""
         if not self.loads and not self._failed:
             return ()
@@ -375,7 +375,7 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
 
-    def keep(self, record: Record) -> bool:
+    def claim(self, record: Record) -> bool:
         """Keep ``record`` when it is the completion of a copy in flight here."""
         mine = isinstance(record, Completion) and (
             record.op_id in self.backups or record.op_id in self.loads
@@ -416,7 +416,7 @@ class HostTier:
                     landed = ld.progress.layers_done == self._num_layers
                 self._failed.append(
                     (ld, c.error or "unknown error", landed)
-                )  # pinned until settled
+                )  # pinned until apply_deferred
         else:  # pragma: no cover - defensive
             log.warning("completion for unknown op %d ignored", c.op_id)
 
@@ -449,7 +449,7 @@ class HostTier:
         self.apply(c, landed=v.value == COPY_FAILED_LANDED)
         return True
 
-    def settle(self) -> None:
+    def apply_deferred(self) -> None:
         """Apply the failed loads agreed so far, retry the L2 invalidations that waited,
         and free quarantined L1 pages no copy in flight uses any more. Called by the sync
         at the end of a sync made outside (its re-entrancy rule), never inside a wait
@@ -466,7 +466,7 @@ class HostTier:
 
     def quarantined_device_pages(self) -> list[int]:
         """L1 pages a failed load mapped that copies in flight may still use (owned by the
-        tier until :meth:`settle` frees them)."""
+        tier until :meth:`apply_deferred` frees them)."""
         return [p for pages in self._quarantine for p in pages]
 
     def _drop_failed_load(self, ld: PendingLoad, error: str, landed: bool) -> None:

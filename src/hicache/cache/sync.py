@@ -11,7 +11,8 @@ admitted requests (:attr:`CacheSync.holders`) and :meth:`CacheSync.fail_holders`
 Records are applied only in :meth:`CacheSync.sync` (once per step, every rank) and inside
 explicit waits, party by party in op order. **The re-entrancy rule** (here only): while
 applying or waiting the cache is *inside* (:attr:`CacheSync.inside`): nothing syncs,
-waits or settles; settling happens at the end of a :meth:`sync` made outside. Details:
+waits or applies what was deferred; that happens at the end of a :meth:`sync` made
+outside. Details:
 docs/architecture.md, "Who owns asynchronous results".
 """
 
@@ -43,7 +44,7 @@ class Party(Protocol):
     """An owner of ops in flight (one lane of the agreement): it keeps its workers'
     records, votes on its own ops and applies what the ranks agreed."""
 
-    def keep(self, record: Record) -> bool:
+    def claim(self, record: Record) -> bool:
         """Keep ``record`` when it is of an op in flight here (whether it was)."""
 
     def votes(self) -> list[Vote]:
@@ -52,8 +53,8 @@ class Party(Protocol):
     def apply_agreed(self, verdict: Verdict) -> bool:
         """Apply what every rank agreed on one op; whether a record was applied."""
 
-    def settle(self) -> None:
-        """Apply what waits for a settle (see the module docstring's rule)."""
+    def apply_deferred(self) -> None:
+        """Apply what waits until a sync made outside (the module docstring's rule)."""
 
 
 class TransferParty(Party, Protocol):
@@ -135,7 +136,7 @@ class CacheSync:
 
     def sync(self) -> int:
         """Agree with the other ranks on every op in flight, apply in op order what every
-        rank has (with the agreed values), then settle; returns the records applied.
+        rank has (with the agreed values), then what was deferred; returns the records applied.
 
         Every rank calls it at the same point of its step (the engine: once per step);
         it makes one all-reduce whatever this rank's state (none with one rank), plus,
@@ -144,7 +145,7 @@ class CacheSync:
         if self._inside:
             return 0
         applied, _ = self._round(give_up=False)
-        self._settle()
+        self._apply_deferred()
         return applied
 
     def _round(self, *, give_up: bool) -> tuple[int, bool]:
@@ -168,12 +169,12 @@ class CacheSync:
         """Hand each record to the party whose op it is of (none: a detached tier's, dropped)."""
         for r in records:
             for party in self._parties:
-                if party.keep(r):
+                if party.claim(r):
                     break
 
-    def _settle(self) -> None:
+    def _apply_deferred(self) -> None:
         for party in self._parties:
-            party.settle()
+            party.apply_deferred()
 
     # ------------------------------------------------------------------ waits
 

@@ -247,7 +247,7 @@ class Prefetches:
 
     # ------------------------------------------------------------------ the sync's party
 
-    def keep(self, record: Record) -> bool:
+    def claim(self, record: Record) -> bool:
         op_id = record.op_id
         mine = isinstance(record, (L3Lookup, L3Read)) and op_id in self._open
         if mine:
@@ -306,8 +306,8 @@ class Prefetches:
             self._controller.forget(v.op_id)
         return changed
 
-    def settle(self) -> None:
-        """Nothing waits for a settle here (a read's quarantine ends with its verdict)."""
+    def apply_deferred(self) -> None:
+        """Nothing is deferred here (a read's quarantine ends with its verdict)."""
 
     # ------------------------------------------------------------------ holdings
 

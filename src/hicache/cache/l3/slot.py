@@ -7,7 +7,7 @@ both states. Attaching starts a controller over the backend and serves the tier'
 parties to the sync; detaching finishes the writes (bounded), stops the threads, takes
 the parties out and gives up their open ops. What a detached backend may still fill
 stays quarantined until it says its host writes settled, on every rank (the slot is a
-party with no ops of its own: it lifts that quarantine when the sync settles).
+party with no ops of its own: it lifts that quarantine when the sync applies what it deferred).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class L3Slot:
 
     # ------------------------------------------------------------------ the sync's party
 
-    def keep(self, record: Record) -> bool:
+    def claim(self, record: Record) -> bool:
         """No op of its own: the tier's parties keep their records."""
         return False
 
@@ -188,7 +188,7 @@ class L3Slot:
     def apply_agreed(self, verdict: Verdict) -> bool:  # pragma: no cover - it votes on none
         raise AssertionError("the slot has no op in flight")
 
-    def settle(self) -> None:
+    def apply_deferred(self) -> None:
         """Free what each retired backend whose host writes have settled held (with
         several ranks: settled on every rank, so every rank's pools keep the same free
         pages; one all-reduce per retired backend, the same list on every rank)."""

@@ -133,7 +133,7 @@ class Writes:
 
     # ------------------------------------------------------------------ the sync's party
 
-    def keep(self, record: Record) -> bool:
+    def claim(self, record: Record) -> bool:
         mine = isinstance(record, L3Write) and record.op_id in self._ops
         if mine:
             self._got.put(record)
@@ -157,8 +157,8 @@ class Writes:
         w.count(self._counters, r, self._keys.page_size)
         return True
 
-    def settle(self) -> None:
-        """Nothing waits for a settle here."""
+    def apply_deferred(self) -> None:
+        """Nothing is deferred here."""
 
     def give_up(self) -> None:
         """Unpin every write still open (the controller closed): a late put reads stale

@@ -90,17 +90,17 @@ class RequestEnds:
         req: Request,
         reason: FinishReason | None,
         *,
-        keep_kv: bool = True,
+        commit_kv: bool = True,
         error: str | None = None,
     ) -> None:
         """End ``req`` now (``error``: why, when set) and send its final report. Its pending
         output goes first; if that ends it (a stop string), it ends so instead."""
-        if self.emit_pending(req, keep_kv=keep_kv):
+        if self.emit_pending(req, commit_kv=commit_kv):
             return
         req.finish_reason = reason
         if error is not None:
             req.error = error
-        self.release(req, keep_kv=keep_kv)
+        self.release(req, commit_kv=commit_kv)
         self.emit(req)
 
     def fail(self, req: Request, why: str, *, direct: bool = False) -> None:
@@ -174,7 +174,7 @@ class RequestEnds:
         """Fenced ``rid``'s pages can no longer be written from elsewhere: free them."""
         req = self.fenced.pop(rid, None)
         if req is not None:
-            self.release(req, keep_kv=False)
+            self.release(req, commit_kv=False)
 
     @property
     def fenced_pages(self) -> int:
@@ -186,9 +186,9 @@ class RequestEnds:
             if r.cache is not None
         )
 
-    def release(self, req: Request, *, keep_kv: bool = True) -> None:
+    def release(self, req: Request, *, commit_kv: bool = True) -> None:
         """Take ``req`` out of the queues and give back what it holds (its computed KV
-        committed first, with ``keep_kv``). Idempotent."""
+        committed first, with ``commit_kv``). Idempotent."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -197,13 +197,13 @@ class RequestEnds:
         req.leave_queue()
         self.runner.drop_state(req.rid)
         if req.cache is not None:
-            self.cache.release(req.cache, req.all_ids[: req.kv_len], keep=keep_kv)
+            self.cache.release(req.cache, req.all_ids[: req.kv_len], commit=commit_kv)
         self.role.ended(req)
 
-    def emit_pending(self, req: Request, *, keep_kv: bool = True) -> bool:
+    def emit_pending(self, req: Request, *, commit_kv: bool = True) -> bool:
         """Do ``req``'s pending output, if any: its text, then its report. Returns whether
         that ended it (a stop string, or a token that cannot be decoded): it is then
-        released here (its KV kept with ``keep_kv``), its token in flight (if any) never
+        released here (its KV committed with ``commit_kv``), its token in flight (if any) never
         to be sampled."""
         if req not in self.pending:
             return False
@@ -217,7 +217,7 @@ class RequestEnds:
                     # it had stopped before any abort took effect: an abort's reason
                     # (set with it, the only error a running request carries) is void
                     req.error = None
-                self.release(req, keep_kv=keep_kv)
+                self.release(req, commit_kv=commit_kv)
             self.emit(req)
         del self.pending[req]
         return ended

@@ -180,14 +180,14 @@ class Scheduler:
         for req in [r for r in self.ends.parked.values() if r.aborted]:
             # the other side is told; the request ends once its room has (RoomEnded)
             if self.role.abort(req, req.error or "aborted"):
-                self.ends.finish(req, FinishReason.ABORT, keep_kv=False)
+                self.ends.finish(req, FinishReason.ABORT, commit_kv=False)
 
     def drop_parked(self, why: str) -> None:
         """End every parked request now, without waiting for the other side (the engine
         stops): the other side is told, best effort."""
         for req in list(self.ends.parked.values()):
             self.role.abort(req, why)
-            self.ends.finish(req, FinishReason.ABORT, keep_kv=False, error=why)
+            self.ends.finish(req, FinishReason.ABORT, commit_kv=False, error=why)
 
     # ------------------------------------------------------------------ PD inputs
 
@@ -200,7 +200,7 @@ class Scheduler:
         if req is None:
             return  # ended meanwhile
         if req.aborted:
-            self.ends.finish(req, FinishReason.ABORT, keep_kv=False)
+            self.ends.finish(req, FinishReason.ABORT, commit_kv=False)
             return
         assert req.cache is not None
         self.ends.unpark(req)
@@ -227,7 +227,7 @@ class Scheduler:
             self.ends.end_parked(item.rid, item.error)
             return
         error = item.error or "the room ended without pages"
-        self.ends.finish(req, FinishReason.ABORT, keep_kv=False, error=req.error or error)
+        self.ends.finish(req, FinishReason.ABORT, commit_kv=False, error=req.error or error)
 
     def room_failed(self, item: RoomFailed) -> None:
         """Parked ``item.rid``'s room was given up while the prefill instance may still
@@ -426,7 +426,9 @@ class Scheduler:
             chunk = self._plan(req, n)  # may end it earlier
             # pages for the chunk (a component's pages may come chunk by chunk); may
             # retract a later arrival that is not in this batch
-            if not self._ensure_pages(req, req.kv_len + chunk.tokens, keep=chosen, abort=not batch):
+            if not self._ensure_pages(
+                req, req.kv_len + chunk.tokens, spare=chosen, abort=not batch
+            ):
                 break
             batch.append(chunk)
             chosen.add(req.rid)
@@ -441,17 +443,17 @@ class Scheduler:
         return Chunk(req, plan.tokens, plan.keep)
 
     def _ensure_pages(
-        self, req: Request, tokens: int, *, keep: set[str] | None = None, abort: bool = True
+        self, req: Request, tokens: int, *, spare: set[str] | None = None, abort: bool = True
     ) -> bool:
         """Give ``req`` pages for positions up to ``tokens`` (its next forward starts at
         ``req.kv_len``: the cache drops what that forward no longer reads),
-        retracting other running requests (not those in ``keep``) if L1 is full. When
+        retracting other running requests (not those in ``spare``) if L1 is full. When
         none is left to retract: with ``abort``, retract ``req`` itself while parked
         requests hold pages that will be freed (it waits for them, as behind a running
         request), else abort it; without, just return False."""
         assert req.cache is not None
         while not self.cache.grow(req.cache, tokens, computed=req.kv_len):
-            victims = [r for r in self.running if r is not req and r.rid not in (keep or ())]
+            victims = [r for r in self.running if r is not req and r.rid not in (spare or ())]
             if not victims:
                 if abort and self.ends.parked:  # their pages will be freed: wait for them
                     self._retract(req, why="until parked requests free their pages")
@@ -511,7 +513,7 @@ class Scheduler:
             self.forward_error = f"{type(exc).__name__}: {exc}"
             for chunk in batch:
                 error = f"forward failed: {type(exc).__name__}: {exc}"
-                self.ends.finish(chunk.req, FinishReason.ABORT, keep_kv=False, error=error)
+                self.ends.finish(chunk.req, FinishReason.ABORT, commit_kv=False, error=error)
             return None
         self.failed_forwards = 0
         return logits
