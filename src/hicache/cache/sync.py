@@ -11,9 +11,8 @@ admitted requests (:attr:`CacheSync.holders`) and :meth:`CacheSync.fail_holders`
 Records are applied only in :meth:`CacheSync.sync` (once per step, every rank) and inside
 explicit waits, party by party in op order. **The re-entrancy rule** (here only): while
 applying or waiting the cache is *inside* (:attr:`CacheSync.inside`): nothing syncs,
-waits or applies what was deferred; that happens at the end of a :meth:`sync` made
-outside. Details:
-docs/architecture.md, "Who owns asynchronous results".
+waits or applies what was deferred (that waits for the end of a :meth:`sync` made
+outside). Details: docs/architecture.md, "Who owns asynchronous results".
 """
 
 from __future__ import annotations
