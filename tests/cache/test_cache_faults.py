@@ -407,18 +407,25 @@ def test_detach_after_a_timed_out_flush_leaks_nothing() -> None:
         assert cache.full.pages.host.allocator.used_pages == 0
 
 
+def _only_in_l3(cache: HiCache) -> tuple[Namespace, MemoryStore]:
+    """Serve TOKENS with an L3 attached, detach it and empty L1 and L2: TOKENS' pages are
+    then in the returned store alone (under the returned namespace)."""
+    ns = _namespace(cache)
+    store = MemoryStore()
+    cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+    assert serve(cache, TOKENS) is not None
+    cache.sync(wait=True)  # TOKENS' pages are in L3
+    assert cache.l3.detach()
+    cache.reset()
+    return ns, store
+
+
 def test_l2_pages_a_detached_backend_still_writes_stay_out_of_use_until_it_settles() -> None:
     """A prefetch read overran its deadline (the backend writes its L2 pages late) when
     the backend is detached: those pages stay used and counted held, and only once the
     backend says its writes settled does a poll free them."""
     with make_cache() as cache:
-        ns = _namespace(cache)
-        store = MemoryStore()
-        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
-        assert serve(cache, TOKENS) is not None
-        cache.sync(wait=True)  # TOKENS' pages are in L3
-        assert cache.l3.detach()
-        cache.reset()
+        ns, store = _only_in_l3(cache)
         assert (
             cache.full.pages.host_pool is not None
             and cache.full.pages.host.allocator.used_pages == 0
@@ -463,13 +470,7 @@ def test_a_waiting_request_whose_prefetch_a_detach_gave_up_is_ready_under_a_new_
     detached: the prefetch was given up with the tier, so under the next backend it waits
     for nothing: ready at once, admitted with what L1 and L2 hold (the rest recomputed)."""
     with make_cache() as cache:
-        ns = _namespace(cache)
-        store = MemoryStore()
-        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
-        assert serve(cache, TOKENS) is not None
-        cache.sync(wait=True)  # TOKENS' pages are in L3
-        assert cache.l3.detach()
-        cache.reset()
+        ns, store = _only_in_l3(cache)
         slow = MemoryStorage(ns, store=store, faults=MemoryFaults(get_delay_s=0.5))
         waiting = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
         cache.l3.attach(slow, ns, waiting)
