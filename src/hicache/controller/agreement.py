@@ -119,10 +119,7 @@ class Agreement:
         if not any(lanes) and not self.ranks.multi:  # one rank, nothing in flight
             self.steps += 1
             return Step(tuple(() for _ in lanes), give_up, 0)
-        rows = _interleave(
-            [[(i, v) for v in _ordered(i, votes)] for i, votes in enumerate(lanes)],
-            self.capacity,
-        )
+        rows = _interleave([_ordered(i, votes) for i, votes in enumerate(lanes)], self.capacity)
         for _, v in rows:
             if v.value < 0:
                 raise ValueError(f"op {v.op_id}: a vote's value must be >= 0, got {v.value}")
@@ -184,16 +181,12 @@ def _ordered(lane: int, votes: Sequence[Vote]) -> Sequence[Vote]:
     return votes
 
 
-def _interleave(lanes: list[list[tuple[int, Vote]]], capacity: int) -> list[tuple[int, Vote]]:
-    """The first ``capacity`` of the ``lanes`` taking turns (oldest of each first)."""
-    out: list[tuple[int, Vote]] = []
-    depth = 0
-    while len(out) < capacity and any(depth < len(lane) for lane in lanes):
-        for lane in lanes:
-            if depth < len(lane) and len(out) < capacity:
-                out.append(lane[depth])
-        depth += 1
-    return out
+def _interleave(lanes: Sequence[Sequence[Vote]], capacity: int) -> list[tuple[int, Vote]]:
+    """The first ``capacity`` votes of the ``lanes`` taking turns (oldest of each first),
+    each with its lane's index."""
+    tagged = [zip(itertools.repeat(i), votes, strict=False) for i, votes in enumerate(lanes)]
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*tagged))
+    return list(itertools.islice(filter(None, turns), capacity))
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,9 +256,9 @@ class Prefetches:
 
     def votes(self) -> list[Vote]:
         """A lookup's result, a read's progress, a quarantined read's end; a waiting
-        prefetch adds its policy's verdict by this rank's clock."""
-        out = [v for p in self._open.values() if (v := self._vote(p)) is not None]
-        return sorted(out, key=lambda v: v.op_id)
+        prefetch adds its policy's verdict by this rank's clock. In op-id order: the open
+        prefetches are kept in the order they were opened."""
+        return [v for p in self._open.values() if (v := self._vote(p)) is not None]
 
     def _vote(self, p: Prefetch) -> Vote | None:
         if p.held:
