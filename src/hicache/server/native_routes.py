@@ -40,6 +40,8 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             )
             fields.cache_salt = body.cache_salt
             fields.priority = body.priority
+            fields.session_id = body.session_id
+            fields.parent_session_id = body.parent_session_id
             jobs = state.jobs(
                 prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param, rooms=body
             )

@@ -258,6 +258,7 @@ class ServerState:
         per_prompt = bootstraps(
             body if rooms is None else rooms, len(prompts), body.n, self.engine.config.disagg
         )
+        session = body.session_hint()
         for p, ids in enumerate(prompts):
             room = max(1, ctx - len(ids))
             if max_tokens is not None:
@@ -275,6 +276,7 @@ class ServerState:
                         cache_salt=body.cache_salt,
                         priority=body.request_priority,
                         bootstrap=per_prompt[p],
+                        session=session,
                     )
                 except InvalidRequest as exc:
                     param = prompt_param if exc.param == "prompt" else exc.param
