@@ -83,7 +83,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
                 if not (ev.output.delta_text or ev.output.finished):
                     continue
                 if ev.output.finished:
-                    state.finished(ev.output, rid)
+                    state.finished(ev.output, rid, fan.session)
                     if ev.output.error:
                         errors.append(ev.output.error)
                 yield sse(result(ev.index, ev.output))
