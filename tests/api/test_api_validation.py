@@ -227,6 +227,8 @@ _FIELDS = [
     "return_logprob",
     "cache_salt",
     "priority",
+    "session_id",
+    "parent_session_id",
 ]
 
 

@@ -21,6 +21,7 @@ from hicache.engine.admission import QueueSlot
 from hicache.engine.detokenize import IncrementalText
 from hicache.engine.logits import TokenLogprob
 from hicache.engine.sampling import SamplingParams
+from hicache.engine.session import SessionHint
 
 __all__ = [
     "CachedTokens",
@@ -89,6 +90,8 @@ class Request:
     params: SamplingParams
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
     cache_salt: str = ""
+    session: SessionHint | None = None
+    """The agent session it belongs to (None: none); carried, not read by the cache yet."""
     # progress
     output_ids: list[int] = field(default_factory=list)
     text: str = ""

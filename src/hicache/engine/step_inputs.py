@@ -25,6 +25,7 @@ from typing import Any
 from hicache.disagg.config import Bootstrap
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
+from hicache.engine.session import SessionHint
 
 
 def _params_fields(params: SamplingParams) -> tuple[tuple[str, Any], ...]:
@@ -56,6 +57,7 @@ class NewRequest:
     group: str = ""
     arrival: float = 0.0
     bootstrap: Bootstrap | None = None
+    session: SessionHint | None = None
 
     @classmethod
     def of(
@@ -69,6 +71,7 @@ class NewRequest:
         group: str,
         arrival: float,
         bootstrap: Bootstrap | None = None,
+        session: SessionHint | None = None,
     ) -> NewRequest:
         return cls(
             rid=rid,
@@ -79,6 +82,7 @@ class NewRequest:
             group=group,
             arrival=arrival,
             bootstrap=bootstrap,
+            session=session,
         )
 
     @classmethod
@@ -93,6 +97,7 @@ class NewRequest:
             group=req.group,
             arrival=req.arrival,
             bootstrap=req.bootstrap,
+            session=req.session,
         )
 
     @property

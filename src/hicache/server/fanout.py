@@ -30,6 +30,7 @@ from hicache.engine.admission import Reservation
 from hicache.engine.front.engine import Engine
 from hicache.engine.front.validation import ValidRequest
 from hicache.engine.request import RequestOutput
+from hicache.engine.session import SessionHint
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Fanout:
     ``on_abort(reason)`` is called once per engine request this fanout aborts.
     ``reservation``: queue places for every job, taken with :meth:`Engine.reserve`
     (None: each submit reserves its own, and may be refused); closed when the run ends.
+    ``session``: the agent-session hint every job carries (one client request's), kept
+    for whoever accounts its outputs.
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class Fanout:
         *,
         on_abort: Callable[[str], None] | None = None,
         reservation: Reservation | None = None,
+        session: SessionHint | None = None,
     ) -> None:
         self.engine = engine
+        self.session = session
         self.jobs = list(jobs)
         self.reservation = reservation
         if reservation is not None:  # places given back even if events() never runs

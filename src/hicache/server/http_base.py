@@ -119,6 +119,8 @@ _NATIVE_TOP = (
     "image_data",
     "cache_salt",
     "priority",
+    "session_id",
+    "parent_session_id",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",

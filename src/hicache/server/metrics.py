@@ -1,6 +1,6 @@
 """Prometheus metrics of a serving engine: cache occupancy and traffic per tier, the pools
 of each extra component, L3 waits, requests running and queued, TTFT and its queue time,
-aborted requests.
+aborted requests, requests by agent-session kind and outcome (never by session id).
 
 Cache and scheduler figures are the engine's last published
 :class:`~hicache.engine.front.engine.EngineStats` (:attr:`Engine.published_stats`): a scrape
@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from hicache.engine.front.engine import Engine, EngineStats
 from hicache.engine.request import FinishReason, RequestOutput
+from hicache.engine.session import SessionKind
 from hicache.metrics import ComponentUsage
 from hicache.storage.stats import OPS, StorageStats
 
@@ -59,6 +60,19 @@ _COUNTER_HELP = {
     "host_evicted_tokens_total": "Tokens evicted from L2",
 }
 """Help text of the counters that have more to say than their name (CacheCounters)."""
+
+SESSION_OUTCOMES = ("finished", "aborted", "failed")
+"""How an engine request ended, for ``hicache_session_requests_total``: ``finished``
+(stop or length), ``aborted`` (its client went away, or aborted without an error),
+``failed`` (an error, or the engine stopped first)."""
+
+
+def session_outcome(out: RequestOutput) -> str:
+    """The :data:`SESSION_OUTCOMES` entry of a final output."""
+    if out.error:
+        return "failed"
+    return "aborted" if out.finish_reason is FinishReason.ABORT else "finished"
+
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -363,11 +377,29 @@ class EngineMetrics:
         )
         for reason in ("client_disconnected", "error", "engine_stopped"):
             self.aborted.labels(reason=reason)
+        self.sessions = Counter(
+            "hicache_session_requests",
+            "Engine requests by agent-session kind (none, session, subagent) and outcome"
+            " (finished, aborted, failed)",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        for kind in SessionKind:
+            for outcome in SESSION_OUTCOMES:
+                self.sessions.labels(kind=kind.value, outcome=outcome)
         self.healthy = Gauge(
             "hicache_engine_healthy",
             "1 while the engine loop runs and goes round, else 0",
             registry=self.registry,
         )
+
+    def count_abort(self, reason: str, kind: SessionKind = SessionKind.NONE) -> None:
+        """Account an engine request the server aborted (its final output is not
+        observed): ``reason`` as :class:`~hicache.server.fanout.Ending` names it; a client
+        gone is ``aborted``, anything else ``failed``."""
+        self.aborted.labels(reason=reason).inc()
+        outcome = "aborted" if reason == "client_disconnected" else "failed"
+        self.sessions.labels(kind=kind.value, outcome=outcome).inc()
 
     def refresh(self) -> None:
         """Take the engine's health and its last published stats (cheap, lock-free, never
@@ -379,9 +411,11 @@ class EngineMetrics:
         if published is not None:
             self._cache.snapshot = published
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput, kind: SessionKind = SessionKind.NONE) -> None:
+        """Account the final output ``out`` of a request of session ``kind``."""
         reason = out.finish_reason.value if out.finish_reason else "unknown"
         self.requests.labels(finish_reason=reason).inc()
+        self.sessions.labels(kind=kind.value, outcome=session_outcome(out)).inc()
         if out.finish_reason is FinishReason.ABORT:
             self.aborted.labels(reason="error" if out.error else "aborted").inc()
         if out.ttft_s is not None:

@@ -125,6 +125,10 @@ class GenerateRequest(BootstrapFields):
     return_hidden_states: bool = False
     cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS)
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    session_id: str | None = None
+    """The agent session the request belongs to (:mod:`hicache.engine.session`)."""
+    parent_session_id: str | None = None
+    """A subagent's parent session (needs ``session_id``)."""
     # what SGLang's router (smg) adds to every body it forwards
     model: str | None = None
     """Not checked: ``/generate`` serves the one model whatever this names, as SGLang's

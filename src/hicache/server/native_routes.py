@@ -40,6 +40,8 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             )
             fields.cache_salt = body.cache_salt
             fields.priority = body.priority
+            fields.session_id = body.session_id
+            fields.parent_session_id = body.parent_session_id
             jobs = state.jobs(
                 prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param, rooms=body
             )
@@ -81,7 +83,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
                 if not (ev.output.delta_text or ev.output.finished):
                     continue
                 if ev.output.finished:
-                    state.finished(ev.output, rid)
+                    state.finished(ev.output, rid, fan.session)
                     if ev.output.error:
                         errors.append(ev.output.error)
                 yield sse(result(ev.index, ev.output))

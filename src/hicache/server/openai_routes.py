@@ -122,7 +122,7 @@ async def _openai(
                 data = completion_chunk(rid, name, i, out.delta_text, reason, logprobs)
             if out.finished:
                 finals[i] = out
-                state.finished(out, rid)
+                state.finished(out, rid, fan.session)
                 if not body.include_usage:  # SGLang's bench_serving reads it there
                     data["usage"] = usage([choice(i, out)])
                 if out.error:

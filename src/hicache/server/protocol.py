@@ -7,8 +7,10 @@ and logged once when no schema knows them. Wrong types or values are rejected by
 :class:`SamplingParams` and :meth:`Engine.validate`, all with ``param`` set (what is refused
 and why: ``docs/api.md``). Extensions (SGLang's names): ``top_k``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (at most
-:data:`MAX_CACHE_SALT_CHARS` characters) and ``priority`` (signed 64-bit; larger = more
-important, for the ``priority`` eviction policy). Responses carry SGLang's cache report:
+:data:`MAX_CACHE_SALT_CHARS` characters), ``priority`` (signed 64-bit; larger = more
+important, for the ``priority`` eviction policy), and the agent-session hint
+``session_id`` / ``parent_session_id`` (:mod:`hicache.engine.session`; OpenAI clients send
+them as extra body fields). Responses carry SGLang's cache report:
 ``usage.prompt_tokens_details.cached_tokens`` and, per tier, ``usage.cached_tokens_details``
 and ``sglext.cached_tokens_details``.
 """
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from hicache.engine.front.engine import MAX_CACHE_SALT_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from hicache.engine.sampling import SEED_MAX, InvalidRequest, SamplingParams
+from hicache.engine.session import SessionHint, session_hint
 from hicache.server.bootstrap_fields import BootstrapFields
 from hicache.server.fields import check_extra_fields
 
@@ -79,6 +82,8 @@ class SamplingFields(BootstrapFields):
     n: int = Field(default=1, ge=1, le=MAX_N)
     cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS)
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    session_id: str | None = None
+    parent_session_id: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
@@ -95,6 +100,11 @@ class SamplingFields(BootstrapFields):
     def request_priority(self) -> int:
         """``priority``, 0 when not given."""
         return 0 if self.priority is None else self.priority
+
+    def session_hint(self) -> SessionHint | None:
+        """The agent-session hint of ``session_id`` and ``parent_session_id`` (None for
+        neither); :class:`InvalidRequest` naming the field for a bad one."""
+        return session_hint(self.session_id, self.parent_session_id)
 
     @property
     def include_usage(self) -> bool:

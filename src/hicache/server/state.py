@@ -28,6 +28,7 @@ from hicache.engine.admission import AdmissionRefused, EngineUnhealthy
 from hicache.engine.front.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
+from hicache.engine.session import SessionHint, session_kind
 from hicache.server.bootstrap_fields import BootstrapFields, bootstraps
 from hicache.server.fanout import Ending, Fanout, Job
 from hicache.server.http_base import error_response, failure_response
@@ -258,6 +259,7 @@ class ServerState:
         per_prompt = bootstraps(
             body if rooms is None else rooms, len(prompts), body.n, self.engine.config.disagg
         )
+        session = body.session_hint()
         for p, ids in enumerate(prompts):
             room = max(1, ctx - len(ids))
             if max_tokens is not None:
@@ -275,6 +277,7 @@ class ServerState:
                         cache_salt=body.cache_salt,
                         priority=body.request_priority,
                         bootstrap=per_prompt[p],
+                        session=session,
                     )
                 except InvalidRequest as exc:
                     param = prompt_param if exc.param == "prompt" else exc.param
@@ -298,7 +301,8 @@ class ServerState:
 
     def fanout(self, http: Request, jobs: Sequence[Job], body: SamplingFields) -> Fanout:
         """The fan-out running ``jobs`` for ``http``, one engine group, with a place in
-        the engine's waiting queue reserved for every job first; its aborts are counted.
+        the engine's waiting queue reserved for every job first; its aborts are counted
+        (by reason, and by ``body``'s session kind).
 
         Raises :class:`~hicache.engine.admission.QueueFull` (or ``EngineUnhealthy``)
         when the queue cannot take them all: the app answers :func:`refusal_response`,
@@ -309,20 +313,24 @@ class ServerState:
         except (AdmissionRefused, InvalidRequest) as exc:
             self.refuse(jobs, str(exc))
             raise
+        session = body.session_hint()
+
+        def count_abort(reason: str) -> None:
+            self.metrics.count_abort(reason, session_kind(session))
+
         return Fanout(
             self.engine,
             jobs,
             http,
-            on_abort=self._count_abort,
+            on_abort=count_abort,
             reservation=reservation,
+            session=session,
         )
 
-    def _count_abort(self, reason: str) -> None:
-        self.metrics.aborted.labels(reason=reason).inc()
-
-    def finished(self, out: RequestOutput, rid: str) -> None:
-        """Account a final output (metrics, one debug line)."""
-        self.metrics.observe(out)
+    def finished(self, out: RequestOutput, rid: str, session: SessionHint | None) -> None:
+        """Account a final output of a request with hint ``session`` (metrics, one debug
+        line)."""
+        self.metrics.observe(out, session_kind(session))
         log.debug(
             "%s %s: %d prompt tokens (%d cached: %d device, %d host, %d storage), %d generated,"
             " finish %s, TTFT %s",
@@ -344,7 +352,7 @@ class ServerState:
         async for ev in fan.events():
             last[ev.index] = ev.output
             if ev.output.finished:
-                self.finished(ev.output, rid)
+                self.finished(ev.output, rid, fan.session)
         if fan.ending is Ending.SUBMIT_FAILED:
             return error_response(503, f"the engine is not running: {fan.error}")
         if fan.ending is Ending.ENGINE_STOPPED:

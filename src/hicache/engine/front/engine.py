@@ -55,6 +55,7 @@ from hicache.engine.role import Role
 from hicache.engine.roles.role_setup import start_role
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
+from hicache.engine.session import SessionHint
 from hicache.engine.step.build import build_core
 from hicache.engine.step.core import EngineCore
 from hicache.engine.step_inputs import (
@@ -252,11 +253,13 @@ class Engine(Lifecycle):
         cache_salt: str = "",
         priority: int = 0,
         bootstrap: Bootstrap | None = None,
+        session: SessionHint | None = None,
     ) -> ValidRequest:
         """The request as :meth:`submit_valid` takes it; raises :class:`InvalidRequest` (a
         ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
         ``priority``, ``bootstrap_room``) when it cannot be served. ``bootstrap``: its
-        room, needed on a prefill or decode instance (ignored on a plain one)."""
+        room, needed on a prefill or decode instance (ignored on a plain one).
+        ``session``: its agent-session hint (None: none), carried to the request."""
         valid = validate_request(
             prompt_ids,
             params,
@@ -266,6 +269,7 @@ class Engine(Lifecycle):
             priority=priority,
             role=self.config.disagg.mode,
             bootstrap=bootstrap,
+            session=session,
         )
         if valid.bootstrap is not None:  # a prefill instance takes the room now
             why = self.role.claim(valid.bootstrap)
@@ -308,11 +312,17 @@ class Engine(Lifecycle):
         group: str = "",
         reservation: Reservation | None = None,
         bootstrap: Bootstrap | None = None,
+        session: SessionHint | None = None,
     ) -> str:
         """:meth:`validate`, then :meth:`submit_valid`: raises :class:`InvalidRequest` for
         a request that cannot be served."""
         valid = self.validate(
-            prompt_ids, params, cache_salt=cache_salt, priority=priority, bootstrap=bootstrap
+            prompt_ids,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            bootstrap=bootstrap,
+            session=session,
         )
         return self.submit_valid(valid, on_output, group=group, reservation=reservation)
 
@@ -339,6 +349,7 @@ class Engine(Lifecycle):
             list(request.prompt_ids),
             request.params,
             cache_salt=request.cache_salt,
+            session=request.session,
             priority=request.priority,
             group=group,
             queue_slot=slot,
@@ -367,6 +378,7 @@ class Engine(Lifecycle):
         cache_salt: str = "",
         priority: int = 0,
         bootstrap: Bootstrap | None = None,
+        session: SessionHint | None = None,
     ) -> RequestOutput:
         """Blocking helper: the final output of one request (``bootstrap``: its room, on a
         prefill or decode instance).
@@ -386,6 +398,7 @@ class Engine(Lifecycle):
             cache_salt=cache_salt,
             priority=priority,
             bootstrap=bootstrap,
+            session=session,
         )
         try:
             return done.result(timeout=timeout)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hicache.disagg.config import Bootstrap, DisaggMode
 from hicache.engine.sampling import InvalidRequest, SamplingParams
+from hicache.engine.session import SessionHint
 
 MAX_CACHE_SALT_CHARS = 256
 """Longest ``cache_salt`` accepted: each distinct salt is tenant state kept by the cache."""
@@ -22,8 +23,8 @@ PRIORITY_MAX = 2**63 - 1
 @dataclass(frozen=True, slots=True)
 class ValidRequest:
     """A request :func:`validate_request` found servable: the prompt's token ids, its
-    sampling parameters, its ``cache_salt`` (tenant) and ``priority``, and on a
-    prefill/decode instance its ``bootstrap`` room. Made only there (through
+    sampling parameters, its ``cache_salt`` (tenant) and ``priority``, its agent
+    ``session`` hint (None: none), and on a prefill/decode instance its ``bootstrap`` room. Made only there (through
     :meth:`Engine.validate <hicache.engine.front.engine.Engine.validate>`); submitted as it is,
     never checked again."""
 
@@ -32,6 +33,7 @@ class ValidRequest:
     cache_salt: str = ""
     priority: int = 0
     bootstrap: Bootstrap | None = None
+    session: SessionHint | None = None
 
 
 def validate_request(
@@ -44,14 +46,17 @@ def validate_request(
     priority: int = 0,
     role: DisaggMode = DisaggMode.NULL,
     bootstrap: Bootstrap | None = None,
+    session: SessionHint | None = None,
 ) -> ValidRequest:
     """The :class:`ValidRequest` of these fields; raises :class:`InvalidRequest` (a
     ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
-    ``priority``, ``bootstrap_room``, ``logprobs``, ``logprob_start_len``) when the request cannot be served by a
-    model of ``vocab`` token ids and ``context_length`` positions, on an instance of
-    ``role``. A prefill instance's request needs a ``bootstrap`` room, and generates one
-    token there (the decode instance the room names generates the rest); so does a
-    decode instance's; a plain instance ignores one."""
+    ``priority``, ``session_id``, ``bootstrap_room``, ``logprobs``,
+    ``logprob_start_len``) when the request cannot be served by a model of ``vocab``
+    token ids and ``context_length`` positions, on an instance of ``role``. ``session``:
+    its agent-session hint (validated when made), carried as it is. A prefill instance's
+    request needs a ``bootstrap`` room, and generates one token there (the decode
+    instance the room names generates the rest); so does a decode instance's; a plain
+    instance ignores one."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
     if not prompt_ids:
@@ -90,11 +95,15 @@ def validate_request(
             f"priority={priority!r} is invalid; must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}]",
             param="priority",
         )
+    if session is not None and not isinstance(session, SessionHint):
+        raise InvalidRequest(
+            f"session must be a SessionHint, got {type(session).__name__}", param="session_id"
+        )
     if role is DisaggMode.NULL:
         bootstrap = None
     else:
         params = _pd_params(params, role, bootstrap)
-    return ValidRequest(tuple(prompt_ids), params, cache_salt, priority, bootstrap)
+    return ValidRequest(tuple(prompt_ids), params, cache_salt, priority, bootstrap, session)
 
 
 def _pd_params(

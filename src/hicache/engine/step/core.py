@@ -232,6 +232,7 @@ class EngineCore:
             group=item.group,
             arrival=item.arrival,
             bootstrap=item.bootstrap,
+            session=item.session,
         )
 
     def add(self, req: Request) -> None:
