@@ -12,25 +12,16 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from hicache.engine.front.engine import Engine
-from tests.helpers.api_fixtures import make_engine, post, serve
+from tests.helpers.api_fixtures import post
 
 PROMPT = list(range(300, 345))
 CHAT = [{"role": "user", "content": "Say something."}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, Engine]]:
-    engine = make_engine()
-    with serve(engine) as url:
-        yield url, engine
-    engine.close()
 
 
 def request(url: str, route: str, **fields: Any) -> Any:

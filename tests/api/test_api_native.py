@@ -11,7 +11,6 @@ are ``text``, ``meta_info.completion_tokens`` and the cache report
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,17 +18,9 @@ import pytest
 
 from hicache.engine.front.engine import Engine
 from hicache.server.protocol import engine_supports
-from tests.helpers.api_fixtures import assert_clean, make_engine, post, serve, sse
+from tests.helpers.api_fixtures import assert_clean, post, sse
 
 PROMPT = [(11 * i + 7) % 3000 + 200 for i in range(45)]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, Engine]]:
-    engine = make_engine()
-    with serve(engine) as url:
-        yield url, engine
-    engine.close()
 
 
 def bench_payload(prompt: str | list[int], stream: bool, **extra: Any) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -29,14 +28,6 @@ CHAT = [{"role": "user", "content": "Say something."}]
 SESSION = {"session_id": "agent-1"}
 SUBAGENT = {"session_id": "agent-1/sub-2", "parent_session_id": "agent-1"}
 ROUTES = ["completions", "chat", "generate"]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, Engine]]:
-    engine = make_engine()
-    with serve(engine) as url:
-        yield url, engine
-    engine.close()
 
 
 def body_of(route: str, hint: dict[str, Any], max_tokens: int = 6) -> tuple[str, dict[str, Any]]:
