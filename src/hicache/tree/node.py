@@ -89,6 +89,9 @@ class TreeNode:
             ``priority`` eviction policy the lowest goes first, ties least recently used.
         tenant: the tenant salt of the subtree the node lives in (``""``: shared). Each
             tenant has its own root, so requests never match another tenant's spans.
+        stored: the span's full KV pages are in L3 as far as this instance knows (a write
+            of them landed on every rank, or a prefetch read them from there); a hint the
+            backend may have outdated since (it evicts), cleared when the tier detaches.
         extra: per-component values of components other than full attention, by name
             (``None`` until a component stores one: fewer objects for the collector).
     """
@@ -107,6 +110,7 @@ class TreeNode:
         "lock_ref",
         "parent",
         "priority",
+        "stored",
         "tenant",
     )
 
@@ -134,10 +138,12 @@ class TreeNode:
         self.created = tick
         self.priority = priority
         self.tenant = ""
+        self.stored = False
         self.extra: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         tiers = ("D" if self.device is not None else "") + ("H" if self.host is not None else "")
+        tiers += "S" if self.stored else ""
         return (
             f"TreeNode(id={self.id}, tokens={len(self.key) // TOKEN_BYTES}, tiers={tiers or '-'},"
             f" lock={self.lock_ref}, host_ref={self.host_ref})"

@@ -54,6 +54,17 @@ class Paths:
         out.reverse()
         return out
 
+    def mark_stored(self, node: TreeNode, num_pages: int) -> int:
+        """Mark the nodes wholly inside the last ``num_pages`` pages of the path to ``node``
+        as in L3 (``stored``); a node reaching above them stays as it is. Returns the
+        pages marked."""
+        marked = 0
+        while node.parent is not None and marked + self.num_pages(node) <= num_pages:
+            node.stored = True
+            marked += self.num_pages(node)
+            node = node.parent
+        return marked
+
     def path_key(self, node: TreeNode) -> bytes:
         """The encoded tokens from the root to the end of ``node``."""
         parts: list[bytes] = []

@@ -226,6 +226,16 @@ class HiRadixTree:
         (``num_pages`` must end on a node boundary)."""
         return self._paths.path_tail(node, num_pages)
 
+    def mark_stored(self, node: TreeNode, num_pages: int) -> int:
+        """Mark the nodes wholly inside the last ``num_pages`` pages of the path to
+        ``node`` as in L3; returns the pages marked."""
+        return self._paths.mark_stored(node, num_pages)
+
+    def clear_stored(self) -> None:
+        """Forget every L3 mark (the tier they refer to is gone)."""
+        for node in self._store.iter_nodes():
+            node.stored = False
+
     def path_key(self, node: TreeNode) -> bytes:
         """The encoded tokens from the root to the end of ``node``."""
         return self._paths.path_key(node)

@@ -126,8 +126,8 @@ class NodeStore:
 
     def split(self, child: TreeNode, at_page: int) -> TreeNode:
         """Split ``child`` after ``at_page`` pages (``0 < at_page < pages``); return the new
-        head, ``child``'s new parent. The head copies the pins, the statistics and the
-        tenant; every component moves its values (:meth:`TreeComponent.split`)."""
+        head, ``child``'s new parent. The head copies the pins, the statistics, the
+        tenant and the L3 mark; every component moves its values (:meth:`TreeComponent.split`)."""
         parent = child.parent
         n = self.num_pages(child)
         assert parent is not None and 0 < at_page < n
@@ -141,6 +141,7 @@ class NodeStore:
         head.last_access = child.last_access
         head.created = child.created
         head.tenant = child.tenant
+        head.stored = child.stored
         child.key = child.key[cut:]
         child.parent = head
         head.children[child.key[: self.page_bytes]] = child

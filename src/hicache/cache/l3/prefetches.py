@@ -194,6 +194,7 @@ class Prefetches:
             if len(result.duplicate_pages):
                 self._host.allocator.free(result.duplicate_pages)
             added = (done - len(result.duplicate_pages)) * ps
+            self._tree.mark_stored(result.last_node, done)  # read from L3: it is there
             left = self._adopt(p, result.last_node, p.start_page + done)
         self._counters.prefetch_tokens_total += done * ps
         self._end(p, p.host_pages[done:], left)

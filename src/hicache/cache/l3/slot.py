@@ -137,8 +137,8 @@ class L3Slot:
 
     def detach(self, timeout_s: float | None = None) -> bool:
         """Finish pending L3 writes (at most ``timeout_s``; None: the sync's wait bound),
-        stop the L3 threads, give up the tier's open ops (prefetches dropped) and close
-        the backend; what it may still write stays quarantined. False when none was
+        stop the L3 threads, give up the tier's open ops (prefetches dropped), forget the
+        tree's L3 marks and close the backend; what it may still write stays quarantined. False when none was
         attached. Detached also when closing the backend raises (the error then comes
         out)."""
         tier = self.tier
@@ -146,6 +146,7 @@ class L3Slot:
             return False
         tier.flush(self._sync.wait_timeout_s if timeout_s is None else timeout_s)
         self.tier = DETACHED  # detached whatever closing raises (the ranks agree on that)
+        self._tree.clear_stored()  # the marks speak of the backend going away
         self._sync.serve_backups(None)
         try:
             tier.controller.close()

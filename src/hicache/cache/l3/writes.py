@@ -37,6 +37,10 @@ class PageWrite:
     def unpin(self, tree: HiRadixTree) -> None:
         tree.dec_host_ref(self.node)
 
+    def landed(self, tree: HiRadixTree) -> None:
+        """Every page is in L3 on every rank: mark the run's nodes."""
+        tree.mark_stored(self.node, len(self.keys))
+
     def count(self, counters: CacheCounters, r: L3Write, page_size: int) -> None:
         counters.l3_backup_tokens_total += r.written * page_size
         counters.l3_backup_present_tokens_total += r.present * page_size
@@ -56,6 +60,9 @@ class ComponentWrite:
     def unpin(self, tree: HiRadixTree) -> None:
         for n in self.todo.pins:
             tree.dec_host_ref(n)
+
+    def landed(self, tree: HiRadixTree) -> None:
+        """The full KV's mark covers the pages; component values carry none."""
 
     def count(self, counters: CacheCounters, r: L3Write, page_size: int) -> None:
         self.codec.count_written(counters, r.written, r.failed)
@@ -140,12 +147,20 @@ class Writes:
         return mine
 
     def votes(self) -> list[Vote]:
-        """Whether each write landed here (one not sent here: at once)."""
+        """Whether each write landed here (one not sent here: at once), with value 1 when
+        every page of it is in L3 (written or present), else 0 (the agreed minimum says
+        whether the pages are in L3 on every rank)."""
         got = self._got.writes
-        return [Vote(op, arrived=op in got or not w.sent) for op, w in sorted(self._ops.items())]
+        out = []
+        for op, w in sorted(self._ops.items()):
+            r = got.get(op)
+            arrived = r is not None or not w.sent
+            out.append(Vote(op, arrived=arrived, value=int(r is None or r.failed == 0)))
+        return out
 
     def apply_agreed(self, v: Verdict) -> bool:
-        """Apply write ``v.op_id`` once it landed on every rank: unpin, count."""
+        """Apply write ``v.op_id`` once it landed on every rank: mark what is in L3 on
+        every rank, unpin, count."""
         w = self._ops.get(v.op_id)
         if not v.arrived or w is None:
             return False
@@ -153,6 +168,8 @@ class Writes:
         r = self._got.writes.pop(v.op_id, None) or L3Write(v.op_id, 0, 0, 0)
         # landed: a miss a lookup saw before it landed is forgotten (after that lookup)
         self._controller.forget_misses(w.keys)
+        if v.value:
+            w.landed(self._tree)
         w.unpin(self._tree)
         w.count(self._counters, r, self._keys.page_size)
         return True
