@@ -85,6 +85,11 @@ class KVBytes(Protocol):
         ...
 
 
+MAX_SESSION_TTL_MS = 86_400_000
+"""The longest a session's KV may be kept idle (24 h, in ms): anything longer is a
+mistake, not a retention."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """How the hierarchical cache is shaped and how it behaves.
@@ -120,6 +125,13 @@ class CacheConfig:
     """Tokens between state snapshots taken during a prefill (SGLang's
     ``--mamba-track-interval``); snapshots sit on page boundaries, every
     :meth:`hicache.spec.SnapshotSpec.track_pages` pages."""
+    session_ratio: float = 0.5
+    """Share of the L2 pool that idle agent sessions' KV may stay pinned in until their
+    next turn (:mod:`hicache.cache.sessions`); past it the least recently active are
+    demoted to L3. 0: no session's KV is kept."""
+    session_ttl_ms: int = 300_000
+    """How long an idle session's KV is kept after its last request ended (ms), unless a
+    request names its own ``session_ttl_ms``; at most :data:`MAX_SESSION_TTL_MS`."""
 
     def __post_init__(self) -> None:
         for field, cls in (
@@ -165,6 +177,18 @@ class CacheConfig:
             "must be a finite number > 0",
         )
         int_at_least("mamba_track_interval", self.mamba_track_interval, 1, "(tokens)")
+        require(
+            is_finite_number(self.session_ratio) and 0 <= self.session_ratio <= 1,
+            "session_ratio",
+            self.session_ratio,
+            "must be a finite number in [0, 1] (a share of L2)",
+        )
+        require(
+            is_int(self.session_ttl_ms) and 0 <= self.session_ttl_ms <= MAX_SESSION_TTL_MS,
+            "session_ttl_ms",
+            self.session_ttl_ms,
+            f"must be an int of ms in [0, {MAX_SESSION_TTL_MS}] (24 h)",
+        )
 
     @property
     def device_pages(self) -> int:

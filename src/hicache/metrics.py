@@ -34,6 +34,14 @@ class CacheCounters:
     device_evicted_tokens_total: int = 0
     device_demoted_tokens_total: int = 0
     host_evicted_tokens_total: int = 0
+    session_demotions_total: int = 0
+    """Idle sessions whose L2 pin was dropped because the sessions' pins passed their
+    share of L2 (the least recently active first)."""
+    session_yields_total: int = 0
+    """Idle sessions whose L2 pin was dropped because an L2 allocation found nothing else
+    to evict (retention never refuses pages)."""
+    session_expired_total: int = 0
+    """Sessions ended by their TTL."""
     storage_hit_tokens_total: int = 0
     prefetch_tokens_total: int = 0
     l3_backup_tokens_total: int = 0

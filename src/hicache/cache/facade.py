@@ -31,8 +31,10 @@ from hicache.cache.components.base import (
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
 from hicache.cache.full_pages import FullPages
+from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.slot import L3Slot
 from hicache.cache.request import CacheRequest, RequestState
+from hicache.cache.sessions import Sessions
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
 from hicache.config import CacheConfig
 from hicache.controller import write_rule
@@ -41,7 +43,7 @@ from hicache.extras import SequenceExtras
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
 from hicache.spec import CacheSpec, KVSpec
-from hicache.tree import HiRadixTree
+from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
 
@@ -129,6 +131,18 @@ class HiCache(Lifecycle):
         )
         self.full = FullKVStore(pages)
         """The full KV: the first store, the tree's spine (its page-level API: ``full.pages``)."""
+        host = pages.host
+        self.sessions = Sessions(
+            tree,
+            host_pages=host.allocator.num_pages if isinstance(host, HostTier) else 0,
+            ratio=config.session_ratio,
+            page_size=config.page_size,
+            counters=counters,
+            in_flight=host.backing_up if isinstance(host, HostTier) else _never,
+        )
+        """The idle agent sessions whose KV is kept in L2 (:mod:`hicache.cache.sessions`)."""
+        if isinstance(host, HostTier):
+            host.serve_yields(self.sessions.yield_pages)
         self._l3 = L3Slot(
             tree=tree,
             host=self.full.pages.host,
@@ -365,13 +379,17 @@ class HiCache(Lifecycle):
                 return 0
             self.full.wait_idle()
             self._l3.tier.flush(self._wait_timeout_s)
-        return self._sync.sync()  # failed loads are applied here, outside the wait
+        applied = self._sync.sync()  # failed loads are applied here, outside the wait
+        self.sessions.refresh()  # pin what landed in L2 for the sessions waiting on it
+        return applied
 
     # ------------------------------------------------------------------ whole cache
 
     def reset(self) -> None:
-        """Empty L1 and L2 (``/flush_cache``). Refuses while any node is pinned."""
+        """Empty L1 and L2 (``/flush_cache``), ending every kept session. Refuses while
+        any node is pinned otherwise."""
         self.sync(wait=True)
+        self.sessions.clear()
         tree = self._tree
         if self._requests or any(n.lock_ref > 0 or n.host_ref > 0 for n in tree.iter_nodes()):
             raise RuntimeError("cannot reset the cache while requests hold prefixes")
@@ -389,3 +407,8 @@ class HiCache(Lifecycle):
         """Where the L3 tier attaches: ``l3.attach(storage, namespace, prefetch)``,
         ``l3.detach()``, the tier while attached (``l3.attached``), its quarantines."""
         return self._l3
+
+
+def _never(node: TreeNode) -> bool:
+    """No L2: no copy is ever in flight."""
+    return False

@@ -120,6 +120,7 @@ class HostTier:
         self._stores = stores
         self._wait_timeout_s = sync.wait_timeout_s
         self.backups: dict[int, PendingBackup] = {}
+        self._yields: Callable[[int], int] | None = None
         self.loads: dict[int, PendingLoad] = {}
         self._bad: list[PendingBackup] = []
         self._got = LocalRecords()
@@ -235,8 +236,16 @@ class HostTier:
         """Free at least ``num_pages`` L2 pages if possible; returns pages freed.
 
         Unpinned L2-only leaves go first (in policy order); then, if that is not enough,
-        the L2 copies of unpinned spans that are still in L1 (no data is lost that way).
+        the L2 copies of unpinned spans that are still in L1 (no data is lost that way);
+        then idle sessions yield their pins (:meth:`serve_yields`) and both go again.
         """
+        freed = self._evict_unpinned(num_pages)
+        while freed < num_pages and self._yields is not None and self._yields(num_pages - freed):
+            freed += self._evict_unpinned(num_pages - freed)
+        return freed
+
+    def _evict_unpinned(self, num_pages: int) -> int:
+        """:meth:`evict` of what no pin holds."""
         freed = 0
         tree = self.tree
         for order, take in (
@@ -250,6 +259,17 @@ class HostTier:
                 freed += len(pages)
                 self.counters.host_evicted_tokens_total += len(pages) * self.page_size
         return freed
+
+    def serve_yields(self, yields: Callable[[int], int] | None) -> None:
+        """Who unpins L2 pages when eviction finds nothing else: ``yields(pages)`` frees at
+        least ``pages`` pinned pages of their pins if it can, returning how many (0: none;
+        the idle sessions' retention, :class:`~hicache.cache.sessions.Sessions`)."""
+        self._yields = yields
+
+    def backing_up(self, node: TreeNode) -> bool:
+        """Whether ``node``'s L1 -> L2 copy is still in flight (it may fail and drop)."""
+        tree = self.tree
+        return any(node in tree.path_tail(b.last, b.pages) for b in self.backups.values())
 
     # ------------------------------------------------------------------ copies
 

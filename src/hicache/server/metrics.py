@@ -58,6 +58,9 @@ _COUNTER_HELP = {
     "device_evicted_tokens_total": "Tokens evicted from L1 and dropped (not in L2)",
     "device_demoted_tokens_total": "Tokens evicted from L1 that stay in L2",
     "host_evicted_tokens_total": "Tokens evicted from L2",
+    "session_demotions_total": "Idle sessions unpinned from L2 past their share of it",
+    "session_yields_total": "Idle sessions unpinned from L2 for an allocation",
+    "session_expired_total": "Sessions ended by their TTL",
 }
 """Help text of the counters that have more to say than their name (CacheCounters)."""
 
