@@ -1,8 +1,9 @@
-"""Agent-session hints at the API (issue 35, item 1): ``session_id`` and
-``parent_session_id`` on ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``
+"""Agent-session hints at the API (issue 35): ``session_id``, ``parent_session_id`` and
+``session_ttl_ms`` on ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``
 (an OpenAI client's extra body fields too), carried to the engine's request, changing no
 output; a bad value is a 400 naming the field; ``/metrics`` counts requests by session
-kind and outcome, exactly.
+kind and outcome, exactly; the session is kept until ``DELETE /hicache/sessions/{id}`` or
+its TTL.
 """
 
 from __future__ import annotations
@@ -111,6 +112,13 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"parent_session_id": "agent-1"}, "parent_session_id"),
     ({"session_id": None, "parent_session_id": "agent-1"}, "parent_session_id"),
     ({"session_id": "agent-1", "parent_session_id": "agent-1"}, "parent_session_id"),
+    ({"session_id": "s", "session_ttl_ms": -1}, "session_ttl_ms"),
+    ({"session_id": "s", "session_ttl_ms": 1.5}, "session_ttl_ms"),
+    ({"session_id": "s", "session_ttl_ms": "5000"}, "session_ttl_ms"),
+    ({"session_id": "s", "session_ttl_ms": True}, "session_ttl_ms"),
+    ({"session_id": "s", "session_ttl_ms": 86_400_001}, "session_ttl_ms"),
+    ({"session_id": "s", "session_ttl_ms": 10**30}, "session_ttl_ms"),
+    ({"session_ttl_ms": 5000}, "session_ttl_ms"),
 ]
 
 
@@ -137,6 +145,17 @@ def test_a_lone_surrogate_is_refused(server: tuple[str, Engine], route: str) -> 
     r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "session_id"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_ttl_is_refused(server: tuple[str, Engine], route: str, value: str) -> None:
+    url, _ = server
+    path, body = body_of(route, {"session_id": "s", "session_ttl_ms": 0}, max_tokens=2)
+    raw = json.dumps(body).replace('"session_ttl_ms": 0', f'"session_ttl_ms": {value}')
+    r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "session_ttl_ms"
 
 
 def test_the_hint_reaches_the_engines_request(server: tuple[str, Engine]) -> None:
@@ -234,3 +253,47 @@ def test_metrics_count_requests_by_session_kind_and_outcome() -> None:
         }
     )
     assert counts == expected
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def live_sessions(engine: Engine) -> list[tuple[str, str]]:
+    """(session, state) of every live session, read on the engine thread."""
+    views = engine.call(lambda: engine.core.cache.sessions.views()).result(timeout=10)
+    return [(v.session_id, v.state.value) for v in views]
+
+
+def test_a_session_is_kept_until_closed(server: tuple[str, Engine]) -> None:
+    url, engine = server
+    assert answer(url, "generate", {"session_id": "keep-1", "session_ttl_ms": 60_000})
+    wait_idle(engine)
+    assert ("keep-1", "kept") in live_sessions(engine)
+    r = httpx.delete(f"{url}/hicache/sessions/keep-1", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok", "closed": "keep-1"}
+    assert "keep-1" not in dict(live_sessions(engine))
+    again = httpx.delete(f"{url}/hicache/sessions/keep-1", timeout=10)
+    assert again.status_code == 404
+    assert again.json()["error"]["param"] == "session_id"
+
+
+def test_closing_an_unknown_or_bad_session(server: tuple[str, Engine]) -> None:
+    url, engine = server
+    r = httpx.delete(f"{url}/hicache/sessions/never-seen", timeout=10)
+    assert r.status_code == 404 and "never-seen" in r.json()["error"]["message"]
+    bad = httpx.delete(f"{url}/hicache/sessions/{'s' * (MAX_SESSION_ID_CHARS + 1)}", timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
+    assert engine.alive
+
+
+def test_a_session_ends_at_its_ttl(server: tuple[str, Engine]) -> None:
+    url, engine = server
+    before = engine.stats().cache.counters["session_expired_total"]
+    assert answer(url, "completions", {"session_id": "brief", "session_ttl_ms": 200})
+    deadline = time.monotonic() + 10
+    while "brief" in dict(live_sessions(engine)):
+        assert time.monotonic() < deadline, "the session outlived its TTL"
+        time.sleep(0.05)
+    assert httpx.delete(f"{url}/hicache/sessions/brief", timeout=10).status_code == 404
+    wait_idle(engine)
+    assert engine.stats().cache.counters["session_expired_total"] == before + 1

@@ -176,6 +176,16 @@ class RoomFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseSession:
+    """End session ``session_id``: its KV is no longer kept in L2 (rank 0 answers whether
+    it was live). ``expired``: its TTL passed, by rank 0's clock (every rank ends it then,
+    whatever its own clock says)."""
+
+    session_id: str
+    expired: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """The engine stops: every rank fails what is in flight and ends its loop."""
 
@@ -192,6 +202,7 @@ StepInput = (
     | PagesArrived
     | RoomEnded
     | RoomFailed
+    | CloseSession
     | Stop
 )
 """One input of a step; the records above."""

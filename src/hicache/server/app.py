@@ -4,7 +4,8 @@
 error handlers, one :class:`~hicache.server.state.ServerState` and the routes, by endpoint
 family: :mod:`~hicache.server.openai_routes` (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``), :mod:`~hicache.server.native_routes`
-(``/generate``), :mod:`~hicache.server.admin_routes` (``/health``, ``/metrics``,
+(``/generate``), :mod:`~hicache.server.session_routes` (``/hicache/sessions``),
+:mod:`~hicache.server.admin_routes` (``/health``, ``/metrics``,
 ``/flush_cache``, ``/hicache/storage-backend``) and :mod:`~hicache.server.router_routes`
 (what SGLang's router reads). Invariants: every error status answers OpenAI's error object
 (a 400 names the field in ``param``); a parameter the server cannot honour is refused,
@@ -40,6 +41,7 @@ from hicache.server.http_base import (
 from hicache.server.native_routes import add_native_routes
 from hicache.server.openai_routes import add_openai_routes
 from hicache.server.router_routes import add_router_routes
+from hicache.server.session_routes import add_session_routes
 from hicache.server.state import ServerState, refusal_response
 
 
@@ -113,6 +115,7 @@ def create_app(
     add_native_routes(app, state)
     add_admin_routes(app, state)
     add_router_routes(app, state)
+    add_session_routes(app, state)
     return app
 
 

@@ -94,6 +94,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--hicache-write-policy", choices=[e.value for e in WritePolicy], default="write_through"
     )
     c.add_argument("--hicache-write-through-threshold", type=int, default=2)
+    c.add_argument(
+        "--hicache-session-ratio",
+        type=float,
+        default=0.5,
+        help="share of L2 idle agent sessions' KV may stay pinned in (0: none)",
+    )
+    c.add_argument(
+        "--hicache-session-ttl-ms",
+        type=int,
+        default=300_000,
+        help="how long an idle session's KV is kept (ms; a request's session_ttl_ms wins)",
+    )
     c.add_argument("--hicache-io-backend", choices=[e.value for e in IOBackend], default="kernel")
     c.add_argument(
         "--hicache-mem-layout", choices=[e.value for e in MemLayout], default="page_first"
@@ -325,6 +337,8 @@ FIELD_FLAGS = {
     "hicache_size": "--hicache-size",
     "write_policy": "--hicache-write-policy",
     "write_through_threshold": "--hicache-write-through-threshold",
+    "session_ratio": "--hicache-session-ratio",
+    "session_ttl_ms": "--hicache-session-ttl-ms",
     "io_backend": "--hicache-io-backend",
     "mem_layout": "--hicache-mem-layout",
     "eviction_policy": "--radix-eviction-policy",
@@ -482,6 +496,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_mamba_cache_size=a.max_mamba_cache_size,
         mamba_full_memory_ratio=a.mamba_full_memory_ratio,
         mamba_track_interval=a.mamba_track_interval,
+        session_ratio=a.hicache_session_ratio,
+        session_ttl_ms=a.hicache_session_ttl_ms,
     )
     kwargs = {} if a.device is None else {"device": a.device}
     config = EngineConfig(

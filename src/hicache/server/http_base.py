@@ -121,6 +121,7 @@ _NATIVE_TOP = (
     "priority",
     "session_id",
     "parent_session_id",
+    "session_ttl_ms",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",

@@ -129,6 +129,8 @@ class GenerateRequest(BootstrapFields):
     """The agent session the request belongs to (:mod:`hicache.engine.session`)."""
     parent_session_id: str | None = None
     """A subagent's parent session (needs ``session_id``)."""
+    session_ttl_ms: Any = None
+    """How long the session's KV is kept idle after this request (ms; needs ``session_id``)."""
     # what SGLang's router (smg) adds to every body it forwards
     model: str | None = None
     """Not checked: ``/generate`` serves the one model whatever this names, as SGLang's

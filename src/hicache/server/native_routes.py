@@ -42,6 +42,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             fields.priority = body.priority
             fields.session_id = body.session_id
             fields.parent_session_id = body.parent_session_id
+            fields.session_ttl_ms = body.session_ttl_ms
             jobs = state.jobs(
                 prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param, rooms=body
             )

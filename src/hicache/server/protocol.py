@@ -84,6 +84,7 @@ class SamplingFields(BootstrapFields):
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     session_id: str | None = None
     parent_session_id: str | None = None
+    session_ttl_ms: Any = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
@@ -102,9 +103,9 @@ class SamplingFields(BootstrapFields):
         return 0 if self.priority is None else self.priority
 
     def session_hint(self) -> SessionHint | None:
-        """The agent-session hint of ``session_id`` and ``parent_session_id`` (None for
-        neither); :class:`InvalidRequest` naming the field for a bad one."""
-        return session_hint(self.session_id, self.parent_session_id)
+        """The agent-session hint of ``session_id``, ``parent_session_id`` and
+        ``session_ttl_ms`` (None for none); :class:`InvalidRequest` naming the field for a bad one."""
+        return session_hint(self.session_id, self.parent_session_id, self.session_ttl_ms)
 
     @property
     def include_usage(self) -> bool:

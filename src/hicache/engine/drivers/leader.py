@@ -36,11 +36,22 @@ from hicache.engine.request import OutputCallback, Request
 from hicache.engine.run_state import RunState
 from hicache.engine.step.core import Applied, EngineCore, StepFailed
 from hicache.engine.step.ends import StepOutputs
-from hicache.engine.step_inputs import Abort, NewRequest, StepInput, StepInputs, Stop
+from hicache.engine.step_inputs import (
+    Abort,
+    CloseSession,
+    NewRequest,
+    StepInput,
+    StepInputs,
+    Stop,
+)
 from hicache.failures import Failure, FailureKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+EXPIRY_PERIOD_S = 0.1
+"""How often rank 0 looks for sessions past their TTL (s): a TTL ends within it."""
 
 
 def _ignore(_: object) -> None:
@@ -122,6 +133,8 @@ class Leader:
         self.failing: str | None = None
         """Why the loop failed, from the moment it did (before it stops the followers
         and reports a rank failure): ``/health`` is 503 from then on."""
+        self._expiry_due = 0.0
+        """``time.monotonic()`` of the next look for sessions past their TTL."""
         if ranks is not None:
             ranks.watch(self.ranks_failed)
 
@@ -245,6 +258,7 @@ class Leader:
                 self.last_loop = time.monotonic()
                 busy = self._round(channel)
                 self._publish()
+                self._expire_sessions()
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
                     # (at most 50 ms: the followers wait in the next broadcast meanwhile)
                     self._wake.wait(timeout=0.002 if self.core.scheduler.polling else 0.05)
@@ -296,6 +310,17 @@ class Leader:
                 _run_calls(calls[i + 1])
 
         return self._step(inputs, applied, channel)
+
+    def _expire_sessions(self) -> None:
+        """End, on every rank at the next step, the sessions whose TTL passed by this
+        clock (looked for every :data:`EXPIRY_PERIOD_S`)."""
+        now = time.monotonic()
+        if now < self._expiry_due:
+            return
+        self._expiry_due = now + EXPIRY_PERIOD_S
+        for session_id in self.core.cache.sessions.expired(now):
+            with contextlib.suppress(RuntimeError):  # new work is refused: all ends then
+                self.post(Task(record=CloseSession(session_id, expired=True)))
 
     def _step(
         self,

@@ -61,6 +61,7 @@ from hicache.engine.step.core import EngineCore
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
+    CloseSession,
     DetachStorage,
     Digest,
     FlushCache,
@@ -489,6 +490,11 @@ class Engine(Lifecycle):
         StorageConfig.parse(backend, extra)  # a bad config is refused here, on every rank alike
         record = AttachStorage(backend=backend, extra_config=tuple(extra.items()), policy=policy)
         self._command(record).result(timeout=120)
+
+    def close_session(self, session_id: str) -> bool:
+        """End agent session ``session_id`` on every rank (its KV no longer kept in L2);
+        False when no such session is live."""
+        return bool(self._command(CloseSession(session_id)).result(timeout=60))
 
     def detach_storage(self) -> bool:
         """Detach the L3 backend (when idle); False when none was attached."""

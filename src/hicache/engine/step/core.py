@@ -36,6 +36,7 @@ from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
+    CloseSession,
     DetachStorage,
     Digest,
     FlushCache,
@@ -207,6 +208,8 @@ class EngineCore:
         if isinstance(item, RoomFailed):
             self.scheduler.room_failed(item)
             return None
+        if isinstance(item, CloseSession):
+            return self.cache.sessions.close(item.session_id, expired=item.expired)
         if isinstance(item, Digest):
             sched = self.scheduler
             if item.pages_of is not None:

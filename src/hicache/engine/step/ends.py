@@ -17,6 +17,7 @@ docs/architecture.md, "Outputs and a request's end".
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -198,7 +199,23 @@ class RequestEnds:
         self.runner.drop_state(req.rid)
         if req.cache is not None:
             self.cache.release(req.cache, req.all_ids[: req.kv_len], commit=commit_kv)
+            if req.session is not None and commit_kv and req.error is None:
+                self._keep_session(req)
         self.role.ended(req)
+
+    def _keep_session(self, req: Request) -> None:
+        """Keep ``req``'s sequence for its session's next turn, until its TTL (this rank's
+        clock: only rank 0's decides when it ends)."""
+        hint = req.session
+        assert hint is not None
+        ttl_ms = self.cache.context.config.session_ttl_ms if hint.ttl_ms is None else hint.ttl_ms
+        self.cache.sessions.touch(
+            hint.session_id,
+            req.all_ids[: req.kv_len],
+            tenant=req.cache_salt,
+            deadline=time.monotonic() + ttl_ms / 1000,
+            parent=hint.parent_session_id,
+        )
 
     def emit_pending(self, req: Request, *, commit_kv: bool = True) -> bool:
         """Do ``req``'s pending output, if any: its text, then its report. Returns whether
