@@ -34,6 +34,7 @@ from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.ranks import RankProcesses, RankStartError, leave_group
 from hicache.engine.request import OutputCallback, RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.engine.session import SessionHint
 from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.engine.step_inputs import NewRequest
 from hicache.engine.tp_fit import RANK_PROCESS_BYTES, check_cpu_ranks_fit, check_tp_model
@@ -193,6 +194,54 @@ def test_tp2_sampling_follows_rank_0(tp2: tuple[str, Engine]) -> None:
         digests = engine.rank_digests()
         assert digests[0] == digests[1]
     assert engine.health().healthy
+
+
+def run_session_batch(engine: Engine, name: str, ttl_ms: int | None = None) -> None:
+    """The prompts as six sessions' turns (the second of each family a subagent of the
+    first), all at once."""
+    batch = prompts(name)
+    done = [threading.Event() for _ in batch]
+    for i, ids in enumerate(batch):
+        parent = f"s{i - 1}" if i % 3 == 1 else None
+        hint = SessionHint(f"s{i}", parent, ttl_ms)
+        engine.submit(
+            ids, greedy(), lambda out, ev=done[i]: out.finished and ev.set(), session=hint
+        )
+    for ev in done:
+        assert ev.wait(120), "a request did not finish"
+
+
+def kept_sessions(engine: Engine) -> list[tuple[str, str, int]]:
+    views = engine.call(lambda: engine.core.cache.sessions.views()).result(timeout=30)
+    return [(v.session_id, v.state.value, v.pinned_tokens) for v in views]
+
+
+def test_tp2_sessions_are_kept_and_end_alike_on_every_rank(tp2: tuple[str, Engine]) -> None:
+    """Session pins depend on the tree and the order of the ends, never on a rank's clock:
+    the ranks' digests (sessions and pins included) stay equal through keeping, closing
+    and expiry (rank 0's clock, broadcast)."""
+    name, engine = tp2
+    assert engine.flush_cache()
+    run_session_batch(engine, name)
+    digests = quiet_digests(engine)
+    assert digests[0] == digests[1]
+    kept = kept_sessions(engine)
+    assert sorted(s for s, _, _ in kept) == [f"s{i}" for i in range(6)]
+    assert all(st == "kept" and pinned > 0 for _, st, pinned in kept)
+    assert engine.close_session("s0") and not engine.close_session("s0")
+    digests = engine.rank_digests()
+    assert digests[0] == digests[1]
+    run_session_batch(engine, name, ttl_ms=50)  # every session again, now with a short TTL
+    deadline = time.monotonic() + 30
+    while kept_sessions(engine):
+        assert time.monotonic() < deadline, "the sessions outlived their TTL"
+        time.sleep(0.05)
+    digests = quiet_digests(engine)
+    assert digests[0] == digests[1]
+    pins = engine.call(
+        lambda: [n.host_ref for n in engine.core.cache.full.pages.tree.iter_nodes()]
+    ).result(timeout=30)
+    assert not any(pins)
 
 
 def test_the_ranks_end_on_close_or_on_a_death(tp2: tuple[str, Engine]) -> None:

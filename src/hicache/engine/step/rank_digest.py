@@ -33,9 +33,11 @@ def rank_state_digest(
     cache: HiCache, waiting: Iterable[Request], running: Iterable[Request]
 ) -> str:
     """SHA-256 (hex) of the tree of ``cache`` (:func:`~hicache.cache.report.tree_digest`,
-    exact: page ids and clocks included) and the requests ``waiting`` and ``running``
+    exact: page ids and clocks included), its kept sessions and the requests ``waiting`` and ``running``
     (each in order): equal on two ranks exactly when they hold the same state."""
     h = hashlib.sha256(tree_digest(cache, exact=True).encode())
+    for v in cache.sessions.views():  # not the deadline: each rank's own clock
+        h.update(f"S|{v.session_id}|{v.state.value}|{v.tokens}|{v.pinned_tokens}".encode())
     for kind, reqs in (("W", waiting), ("R", running)):
         for req in reqs:
             out = ",".join(str(int(i)) for i in req.output_ids)
