@@ -152,14 +152,16 @@ def test_expiry_names_a_session_once_and_close_unpins_it() -> None:
 
 def test_more_sessions_than_l2_holds_stay_within_the_bound() -> None:
     with make() as cache:
-        for i in range(40):
-            turn(cache, f"s{i}", seq(1000 + 10 * i, 2))
+        for i in range(1000):
+            turn(cache, f"s{i}", seq(10_000 + 10 * i, 2))
             cache.sync(wait=True)
             assert cache.sessions.kept_pages() <= cache.sessions.bound_pages
-            check_integrity(cache)
+            if i % 100 == 0:
+                check_integrity(cache)
         kept = [s for s, st, _ in state(cache) if st == SessionState.KEPT.value]
-        assert kept == ["s37", "s38", "s39"]
-        assert counter(cache, "session_demotions_total") == 37
+        assert kept == ["s997", "s998", "s999"] and len(cache.sessions) == 1000
+        assert counter(cache, "session_demotions_total") == 997
+        check_integrity(cache)
 
 
 def test_emptying_the_cache_ends_every_session() -> None:

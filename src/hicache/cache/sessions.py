@@ -54,15 +54,16 @@ class SessionView:
 class _Entry:
     """A live session (mutable, private to :class:`Sessions`)."""
 
-    __slots__ = ("deadline", "kept", "key", "parent", "pinned", "tenant")
+    __slots__ = ("deadline", "key", "parent", "pinned", "tenant", "tokens")
 
-    def __init__(self, key: bytes, tenant: str, parent: str | None) -> None:
-        self.key = key
+    def __init__(self, tenant: str, parent: str | None) -> None:
         self.tenant = tenant
         self.parent = parent
+        self.key = b""
+        """Its last sequence's whole pages, encoded, while kept (dropped when demoted)."""
+        self.tokens = 0
+        """Tokens of its last sequence's whole pages."""
         self.deadline = 0.0
-        self.kept = True
-        """Kept in L2 (else demoted)."""
         self.pinned: TreeNode | None = None
         """The deepest landed span of ``key`` pinned in L2 (None: none yet, or demoted)."""
 
@@ -72,7 +73,8 @@ class Sessions:
     ``ratio`` of them may be pinned; ``page_size``: tokens per page).
 
     ``in_flight``: whether a node's L2 copy is still being written (a backup in flight may
-    fail and drop it, so only landed spans are pinned)."""
+    fail and drop it, so only landed spans are pinned). Work per call is bounded by the
+    kept sessions, never by the demoted ones (thousands may wait for their TTL)."""
 
     def __init__(
         self,
@@ -91,6 +93,8 @@ class Sessions:
         self._in_flight = in_flight
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         """Every live session, least recently active first."""
+        self._kept: OrderedDict[str, _Entry] = OrderedDict()
+        """The kept ones among them, in the same order."""
         self._closing: set[str] = set()
         """Sessions :meth:`expired` named, until they are closed (rank 0's own)."""
 
@@ -111,11 +115,9 @@ class Sessions:
         e = self._live.get(session_id)
         if e is None:
             return None
-        ps = self._page_size
-        pinned = 0 if e.pinned is None else self._tree.depth_pages(e.pinned) * ps
-        state = SessionState.KEPT if e.kept else SessionState.DEMOTED
-        tokens = len(e.key) // TOKEN_BYTES
-        return SessionView(session_id, state, tokens, pinned, e.deadline, e.parent)
+        pinned = 0 if e.pinned is None else self._tree.depth_pages(e.pinned) * self._page_size
+        state = SessionState.KEPT if session_id in self._kept else SessionState.DEMOTED
+        return SessionView(session_id, state, e.tokens, pinned, e.deadline, e.parent)
 
     def views(self) -> list[SessionView]:
         """Every live session, least recently active first."""
@@ -125,7 +127,7 @@ class Sessions:
         """L2 pages the sessions pin, each counted once (shared prefixes too)."""
         seen: set[int] = set()
         pages = 0
-        for e in self._live.values():
+        for e in self._kept.values():
             n = e.pinned
             while n is not None and n.parent is not None and n.id not in seen:
                 seen.add(n.id)
@@ -159,17 +161,19 @@ class Sessions:
         key = key[: len(key) // page_bytes * page_bytes]
         e = self._live.pop(session_id, None)
         if e is None:
-            e = _Entry(key, tenant, parent)
-        else:
-            e.key, e.tenant, e.parent = key, tenant, parent or e.parent
-        e.deadline = deadline
-        e.kept = True
+            e = _Entry(tenant, parent)
+        e.tenant, e.parent = tenant, parent or e.parent
+        e.key, e.tokens, e.deadline = key, len(key) // TOKEN_BYTES, deadline
         self._live[session_id] = e
+        self._kept.pop(session_id, None)
+        self._kept[session_id] = e
         self._closing.discard(session_id)
         if parent is not None and (p := self._live.get(parent)) is not None:
             p.deadline = max(p.deadline, deadline)
-            self._live.move_to_end(parent)
-            self._live.move_to_end(session_id)
+            for order in (self._live, self._kept):
+                if parent in order:
+                    order.move_to_end(parent)
+                    order.move_to_end(session_id)
         self._pin(e)
         self._bind()
 
@@ -177,10 +181,9 @@ class Sessions:
         """Pin deeper the kept sessions whose spans landed in L2 since (their backups
         were in flight), then hold the bound. Once per step."""
         changed = False
-        page_bytes = self._page_size * TOKEN_BYTES
-        for e in self._live.values():
+        for e in self._kept.values():
             depth = 0 if e.pinned is None else self._tree.depth_pages(e.pinned)
-            if e.kept and depth * page_bytes < len(e.key):
+            if depth * self._page_size < e.tokens:
                 changed |= self._pin(e)
         if changed:
             self._bind()
@@ -188,6 +191,7 @@ class Sessions:
     def close(self, session_id: str, *, expired: bool = False) -> bool:
         """End ``session_id``: unpin what it keeps. False when no such session is live."""
         e = self._live.pop(session_id, None)
+        self._kept.pop(session_id, None)
         self._closing.discard(session_id)
         if e is None:
             return False
@@ -207,12 +211,12 @@ class Sessions:
         pin (or none is left); returns the pages freed so. Counted per session."""
         freed = 0
         before = self.kept_pages()
-        for e in list(self._live.values()):
+        for s, e in list(self._kept.items()):
             if freed >= pages:
                 break
             if e.pinned is None:
                 continue
-            self._demote(e)
+            self._demote(s)
             self._counters.session_yields_total += 1
             freed = before - self.kept_pages()
         return freed
@@ -220,18 +224,16 @@ class Sessions:
     # ------------------------------------------------------------------ internals
 
     def _pin(self, e: _Entry) -> bool:
-        """Move ``e``'s pin to the deepest span of its key whose L2 copy has landed;
-        returns whether it moved."""
+        """Move ``e``'s pin to the deepest span of its key whose L2 copy has landed (none
+        when sessions may pin nothing); returns whether it moved."""
         tree = self._tree
-        node: TreeNode | None = tree.match_full(e.key, e.tenant).last_host_node
-        while (
-            node is not None
-            and node.parent is not None
-            and (node.host is None or self._in_flight(node))
-        ):
-            node = node.parent
-        if node is not None and node.parent is None:
-            node = None
+        node: TreeNode | None = None
+        if self._bound > 0:
+            node = tree.match_full(e.key, e.tenant).last_host_node
+            while node.parent is not None and (node.host is None or self._in_flight(node)):
+                node = node.parent
+            if node.parent is None:
+                node = None
         if node is e.pinned:
             return False
         if node is not None:
@@ -245,19 +247,20 @@ class Sessions:
             self._tree.dec_host_ref(e.pinned)
             e.pinned = None
 
-    def _demote(self, e: _Entry) -> None:
-        """Leave ``e``'s spans to L3 and to eviction."""
-        e.kept = False
+    def _demote(self, session_id: str) -> None:
+        """Leave the session's spans to L3 and to eviction."""
+        e = self._kept.pop(session_id)
+        e.key = b""
         self._unpin(e)
 
     def _bind(self) -> None:
         """Demote the least recently active kept sessions while the pins pass the bound."""
         kept = self.kept_pages()
-        for e in list(self._live.values()):
+        for s, e in list(self._kept.items()):
             if kept <= self._bound:
                 return
             if e.pinned is None:
                 continue
-            self._demote(e)
+            self._demote(s)
             self._counters.session_demotions_total += 1
             kept = self.kept_pages()
