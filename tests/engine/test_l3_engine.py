@@ -23,6 +23,7 @@ from hicache.config import CacheConfig
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.engine.session import SessionHint
 from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.heads import HeadSplit
 from hicache.keys import PageKey, head_key, previous_page_key
@@ -50,14 +51,14 @@ def make_engine(
     policy: str = "timeout",
     *,
     max_running_requests: int = 4,
+    cache: CacheConfig | None = None,
 ) -> Engine:
     config = EngineConfig(
         model_path=MODEL,
         dtype="float32",
         device="cpu",
-        cache=CacheConfig(
-            page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0
-        ),
+        cache=cache
+        or CacheConfig(page_size=PAGE, device_tokens=256, hicache_ratio=4.0, load_back_threshold=0),
         scheduler=SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=64
         ),
@@ -440,3 +441,42 @@ def test_best_effort_gives_a_request_queued_behind_a_busy_engine_storage_hits(
         assert busy.result(timeout=120).finished
         assert out.cached.storage == FULL and out.output_ids == reference
         clean(engine)
+
+
+def test_a_demoted_session_comes_back_right_from_a_damaged_l3(tmp_path: Path) -> None:
+    """A kept session is demoted by a newer one (the sessions' share of L2 holds one) and
+    one-off traffic pushes it out of L2, its pages in L3 (written as they reached L2); one
+    record goes bad meanwhile. Its next turn takes the pages before the bad one from L3
+    and recomputes the rest: the output is the no-cache engine's."""
+    small = CacheConfig(  # 32 pages of L1, 64 of L2 (half for sessions): one-offs overflow
+        page_size=PAGE, device_tokens=128, hicache_ratio=2.0, load_back_threshold=0
+    )
+    turn = SamplingParams(temperature=0, max_tokens=4)
+    with make_engine(None, {}) as plain:
+        first = plain.generate(PROMPT, turn, timeout=60).output_ids
+        nxt = [*PROMPT, *first, *range(900, 911)]  # the next turn: history and a tool result
+        want = plain.generate(nxt, turn, timeout=60).output_ids
+    hint = SessionHint("agent-7")
+    with make_engine("file", {"file_path": str(tmp_path)}, cache=small) as engine:
+        assert engine.generate(PROMPT, turn, timeout=60, session=hint).output_ids == first
+        other = [(17 * j + 5) % 3000 + 500 for j in range(81)]
+        engine.generate(other, turn, timeout=60, session=SessionHint("agent-8"))
+        for i in range(4):  # unique long prompts, no session
+            engine.generate([(13 * j + 29 * i) % 3000 + 500 for j in range(81)], turn, timeout=60)
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=60)
+        stats = engine.call(lambda: cache_stats(engine.core.cache)).result()
+        assert stats.counters["session_demotions_total"] == 1
+        l3 = engine.core.cache.l3.attached
+        assert l3 is not None
+        keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        corrupt_record(engine, keys[5])
+        out = engine.generate(nxt, turn, timeout=60, session=hint)
+        assert out.output_ids == want
+        assert (out.cached.device, out.cached.host, out.cached.storage) == (0, 0, 5 * PAGE)
+        clean_but_sessions(engine)
+
+
+def clean_but_sessions(engine: Engine) -> None:
+    """:func:`clean` once the sessions' pins are gone."""
+    engine.call(lambda: engine.core.cache.sessions.clear()).result(timeout=30)
+    clean(engine)
