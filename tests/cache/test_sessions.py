@@ -180,3 +180,15 @@ def test_no_l2_keeps_nothing() -> None:
         cache.sync(wait=True)
         assert state(cache) == [("a", "kept", 0)]
         assert cache.sessions.bound_pages == 0
+
+
+def test_keeping_a_session_never_makes_its_spans_look_recent() -> None:
+    with make() as cache:
+        turn(cache, "a", seq(1, 2))
+        tree = cache.full.pages.tree
+        before = [(n.id, n.last_access) for n in tree.iter_nodes()]
+        cache.sync(wait=True)  # the pin moves down as the backup lands: a look, no access
+        for _ in range(3):
+            cache.sync()
+        assert [(n.id, n.last_access) for n in tree.iter_nodes()] == before
+        assert state(cache) == [("a", "kept", 4)]

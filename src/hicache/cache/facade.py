@@ -380,7 +380,8 @@ class HiCache(Lifecycle):
             self.full.wait_idle()
             self._l3.tier.flush(self._wait_timeout_s)
         applied = self._sync.sync()  # failed loads are applied here, outside the wait
-        self.sessions.refresh()  # pin what landed in L2 for the sessions waiting on it
+        if applied or wait:  # (a wait applies what it waits for)
+            self.sessions.refresh()  # pin what landed in L2 for the sessions waiting on it
         return applied
 
     # ------------------------------------------------------------------ whole cache

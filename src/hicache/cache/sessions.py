@@ -229,10 +229,10 @@ class Sessions:
         tree = self._tree
         node: TreeNode | None = None
         if self._bound > 0:
-            node = tree.match_full(e.key, e.tenant).last_host_node
-            while node.parent is not None and (node.host is None or self._in_flight(node)):
+            node = tree.within(e.key, e.tenant)  # a look: the idle spans stay as old as they are
+            while node is not None and (node.host is None or self._in_flight(node)):
                 node = node.parent
-            if node.parent is None:
+            if node is not None and node.parent is None:
                 node = None
         if node is e.pinned:
             return False

@@ -90,6 +90,23 @@ class Matcher:
                 break
         return Descent(nodes, node, pos, stop)
 
+    def within(self, key: bytes, tenant: str) -> TreeNode | None:
+        """The deepest node whose path is a prefix of ``key`` (whole pages): the end of
+        the spans a cached sequence still has, found without a split, a clock tick or a
+        new tenant root (a look, not an access). None when nothing of it is cached."""
+        store = self._store
+        node = store.root if not tenant else store.tenant_roots.get(tenant)
+        if node is None:
+            return None
+        pos, pb = 0, self._page_bytes
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + pb])
+            if child is None or key[pos : pos + len(child.key)] != child.key:
+                break
+            pos += len(child.key)
+            node = child
+        return node if node.parent is not None else None
+
     def match(self, tokens: TokenIds, tenant: str, extras: Sequence[TreeComponent]) -> MatchResult:
         """The longest prefix of ``tokens`` that may end a match under the full component
         and every one of ``extras`` (none: full KV alone), in any tier and in L1 only.

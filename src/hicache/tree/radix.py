@@ -157,6 +157,11 @@ class HiRadixTree:
         like :meth:`match_prefix`; equal to it in a tree of full KV only."""
         return self._matcher.match(tokens, tenant, ())
 
+    def within(self, tokens: TokenIds, tenant: str = "") -> TreeNode | None:
+        """The deepest node whose path is a prefix of ``tokens``' whole pages, without
+        splitting or touching anything (None: nothing cached); see :meth:`Matcher.within`."""
+        return self._matcher.within(self._store.page_key(tokens), tenant)
+
     def insert(
         self,
         tokens: TokenIds,
