@@ -37,6 +37,10 @@ class WritePolicy(str, enum.Enum):
     """Back up once a node has been hit ``write_through_threshold`` times."""
     WRITE_BACK = "write_back"
     """Back up only when the node is evicted from the device."""
+    WATERMARK = "watermark"
+    """L1 -> L2 as ``write_through``; L2 -> L3 not when a run lands in L2 but ahead of L2
+    eviction: once the L2 pages in use pass ``write_back_threshold`` of the pool, the
+    coldest ones not yet in L3 are written (:mod:`hicache.cache.l3.ahead`)."""
 
 
 class IOBackend(str, enum.Enum):
@@ -106,6 +110,10 @@ class CacheConfig:
     hicache_size: float = 0.0
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     write_through_threshold: int = 2
+    write_back_threshold: float = 0.8
+    """``watermark``: the high mark, as the fraction of the L2 pool's pages the tree holds
+    past which L2 pages are written to L3 ahead of eviction (in (0, 1]; SGLang's
+    ``--hicache-write-back-threshold``)."""
     io_backend: IOBackend = IOBackend.KERNEL
     mem_layout: MemLayout = MemLayout.PAGE_FIRST
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
@@ -162,6 +170,13 @@ class CacheConfig:
         )
         number_at_least("hicache_size", self.hicache_size, 0, "of GB (0: size by hicache_ratio)")
         int_at_least("write_through_threshold", self.write_through_threshold, 1)
+        require(
+            is_finite_number(self.write_back_threshold) and 0 < self.write_back_threshold <= 1,
+            "write_back_threshold",
+            self.write_back_threshold,
+            "must be a number in (0, 1] (the share of L2 pages in use past which L2 is"
+            " written to L3 ahead of eviction)",
+        )
         int_at_least("load_back_threshold", self.load_back_threshold, 0, "(tokens)")
         require(
             is_finite_number(self.swa_full_tokens_ratio) and self.swa_full_tokens_ratio > 0,
@@ -208,6 +223,14 @@ class CacheConfig:
         if self.hicache_size > 0:
             return int(self.hicache_size * 1e9) // self.page_bytes(spec)
         return int(self.device_pages * self.hicache_ratio)
+
+    def write_back_mark(self, spec: KVBytes) -> int | None:
+        """``watermark``: the L2 pages in use past which L2 is written to L3 ahead of
+        eviction (``write_back_threshold`` of :meth:`host_pages`, rounded down); None
+        under the other policies."""
+        if self.write_policy is not WritePolicy.WATERMARK:
+            return None
+        return int(self.write_back_threshold * self.host_pages(spec))
 
     def host_tokens(self, spec: KVBytes) -> int:
         """Token slots of the host pool: ``host_pages(spec) * page_size``."""

@@ -48,6 +48,12 @@ class CacheCounters:
     """Tokens written to L3 (records already there are counted apart)."""
     l3_backup_present_tokens_total: int = 0
     l3_backup_failed_tokens_total: int = 0
+    l3_unstored_evicted_tokens_total: int = 0
+    """L2-only tokens evicted from L2 while an L3 tier was attached and not in L3 (not
+    marked ``stored``): lost to every tier (``watermark``: not written ahead in time)."""
+    l3_ahead_writes_total: int = 0
+    """L3 writes issued ahead of eviction (``watermark``) or by ``write_path`` (one per
+    run of spans)."""
     l3_backup_snapshots_total: int = 0
     """Recurrent-state snapshots written to L3 (``"mamba"`` records)."""
     l3_backup_snapshots_failed_total: int = 0

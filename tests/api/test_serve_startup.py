@@ -59,6 +59,11 @@ CASES = [
     (["serve", "--mamba-track-interval", "0"], "--mamba-track-interval", "0"),
     (["serve", "--swa-full-tokens-ratio", "0"], "--swa-full-tokens-ratio", "0"),
     (
+        ["serve", "--hicache-write-back-threshold", "1.5"],
+        "--hicache-write-back-threshold",
+        "1.5",
+    ),
+    (
         [
             "serve",
             *TINY,

@@ -116,6 +116,13 @@ class HostTier:
         self.counters = counters
         self.page_size = config.page_size
         self._load_back_threshold = config.load_back_threshold
+        self.write_back_mark = config.write_back_mark(spec)
+        """``watermark``: the L2 pages the tree may hold before L2 is written to L3 ahead of
+        eviction (:mod:`hicache.cache.l3.ahead`), and eviction takes L2-only spans L3
+        holds first; None under the other policies."""
+        self.l3_attached = False
+        """Whether an L3 tier is attached (the L3 slot sets it): an L2-only span evicted
+        while not in L3 (``stored``) is then lost to every tier, and counted."""
         self._sync = sync
         self._stores = stores
         self._wait_timeout_s = sync.wait_timeout_s
@@ -238,6 +245,8 @@ class HostTier:
         Unpinned L2-only leaves go first (in policy order); then, if that is not enough,
         the L2 copies of unpinned spans that are still in L1 (no data is lost that way);
         then idle sessions yield their pins (:meth:`serve_yields`) and both go again.
+        Under ``watermark`` the L2-only leaves L3 holds (``stored``) go before the others;
+        never does eviction wait for a write (a span being written is pinned: skipped).
         """
         freed = self._evict_unpinned(num_pages)
         while freed < num_pages and self._yields is not None and self._yields(num_pages - freed):
@@ -248,16 +257,23 @@ class HostTier:
         """:meth:`evict` of what no pin holds."""
         freed = 0
         tree = self.tree
-        for order, take in (
+        phases = [
             (tree.host_eviction_order, tree.evict_node_host),
             (tree.host_copy_eviction_order, tree.drop_node_host),
-        ):
+        ]
+        if self.write_back_mark is not None:  # watermark: what L3 holds goes first
+            phases.insert(0, (tree.stored_host_eviction_order, tree.evict_node_host))
+        for order, take in phases:
             for node in order():
                 if freed >= num_pages:
                     return freed
-                pages = self._free_host(take(node))
-                freed += len(pages)
-                self.counters.host_evicted_tokens_total += len(pages) * self.page_size
+                lost = self.l3_attached and node.device is None and not node.stored
+                pages = len(self._free_host(take(node)))
+                freed += pages
+                tokens = pages * self.page_size
+                self.counters.host_evicted_tokens_total += tokens
+                if lost:  # in no tier any more (written ahead too late, or never)
+                    self.counters.l3_unstored_evicted_tokens_total += tokens
         return freed
 
     def serve_yields(self, yields: Callable[[int], int] | None) -> None:

@@ -26,10 +26,11 @@ def write_rule(config: CacheConfig) -> WriteRule:
     * ``write_through``: every inserted node, at once;
     * ``write_through_selective``: once it has ``write_through_threshold`` hits (a new node
       has one hit; each later insert through it adds one);
-    * ``write_back``: only when it is evicted from L1.
+    * ``write_back``: only when it is evicted from L1;
+    * ``watermark``: as ``write_through`` (it differs from it in L2 -> L3 writes).
     """
     policy = config.write_policy
-    if policy is WritePolicy.WRITE_THROUGH:
+    if policy in (WritePolicy.WRITE_THROUGH, WritePolicy.WATERMARK):
         return WriteRule(backup_min_hits=0, backup_on_evict=False)
     if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
         return WriteRule(backup_min_hits=config.write_through_threshold, backup_on_evict=False)

@@ -106,6 +106,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=300_000,
         help="how long an idle session's KV is kept (ms; a request's session_ttl_ms wins)",
     )
+    c.add_argument(
+        "--hicache-write-back-threshold",
+        type=float,
+        default=0.8,
+        help="watermark: share of L2 pages in use past which L2 is written to L3 ahead of"
+        " eviction, in (0, 1]",
+    )
     c.add_argument("--hicache-io-backend", choices=[e.value for e in IOBackend], default="kernel")
     c.add_argument(
         "--hicache-mem-layout", choices=[e.value for e in MemLayout], default="page_first"
@@ -339,6 +346,7 @@ FIELD_FLAGS = {
     "write_through_threshold": "--hicache-write-through-threshold",
     "session_ratio": "--hicache-session-ratio",
     "session_ttl_ms": "--hicache-session-ttl-ms",
+    "write_back_threshold": "--hicache-write-back-threshold",
     "io_backend": "--hicache-io-backend",
     "mem_layout": "--hicache-mem-layout",
     "eviction_policy": "--radix-eviction-policy",
@@ -488,6 +496,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         hicache_size=a.hicache_size,
         write_policy=a.hicache_write_policy,
         write_through_threshold=a.hicache_write_through_threshold,
+        write_back_threshold=a.hicache_write_back_threshold,
         io_backend=a.hicache_io_backend,
         mem_layout=a.hicache_mem_layout,
         eviction_policy=a.radix_eviction_policy,

@@ -9,7 +9,7 @@ component value needs the full KV in its tier). Pure Python.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from hicache.config import EvictionPolicy
 from hicache.tree.components import Tier, TreeComponent
@@ -104,6 +104,40 @@ class Eviction:
         return eviction_order(
             self._store.iter_nodes(), self._key, _host_evictable, lambda n: n.host is None
         )
+
+    def stored_host_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L2-only leaves whose pages are in L3 (``stored``) in policy order,
+        lazily: evicting them loses nothing L3 does not hold (the ``watermark`` policy
+        takes them first)."""
+        return eviction_order(
+            self._store.iter_nodes(),
+            self._key,
+            lambda n: n.stored and _host_evictable(n),
+            lambda n: n.host is None,
+        )
+
+    def host_eviction_forecast(self, released: Mapping[int, int]) -> Iterator[TreeNode]:
+        """The L2-only nodes in the order :meth:`host_eviction_order` would yield them
+        were each evicted as it comes, lazily; evicts nothing. ``released``: host pins by
+        node id (``id(node)``) to disregard, those that end by themselves (L3 writes in
+        flight): a node whose other pins hold it stays out, and so do its ancestors."""
+        taken: set[int] = set()
+
+        def evictable(n: TreeNode) -> bool:
+            return (
+                n.parent is not None
+                and n.device is None
+                and n.host is not None
+                and n.lock_ref == 0
+                and n.host_ref == released.get(id(n), 0)
+                and all(id(c) in taken for c in n.children.values())
+            )
+
+        def evicted(n: TreeNode) -> bool:
+            taken.add(id(n))
+            return True
+
+        return eviction_order(self._store.iter_nodes(), self._key, evictable, evicted)
 
     def host_copy_eviction_order(self) -> Iterator[TreeNode]:
         """Unpinned spans in L1 *and* L2 whose children have no L2 copy, in policy order,

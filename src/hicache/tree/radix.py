@@ -291,6 +291,17 @@ class HiRadixTree:
         """Unpinned L2-only leaves in policy order, lazily."""
         return self._eviction.host_eviction_order()
 
+    def stored_host_eviction_order(self) -> Iterator[TreeNode]:
+        """Unpinned L2-only leaves whose pages are in L3 (``stored``), in policy order,
+        lazily."""
+        return self._eviction.stored_host_eviction_order()
+
+    def host_eviction_forecast(self, released: Mapping[int, int]) -> Iterator[TreeNode]:
+        """The L2-only nodes in the order L2 eviction would take them, disregarding the
+        host pins in ``released`` (by ``id(node)``), lazily; evicts nothing. See
+        :meth:`Eviction.host_eviction_forecast`."""
+        return self._eviction.host_eviction_forecast(released)
+
     def host_copy_eviction_order(self) -> Iterator[TreeNode]:
         """Unpinned spans in L1 and L2 whose children have no L2 copy, in policy order,
         lazily (their L2 copy can go: :meth:`drop_node_host`)."""

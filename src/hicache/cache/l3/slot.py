@@ -131,6 +131,7 @@ class L3Slot:
             components=codecs,
         )
         self.tier = tier
+        host.l3_attached = True
         self._sync.serve(tier.prefetches, tier.writes)
         self._sync.serve_backups(tier.writes)
         return tier
@@ -147,6 +148,8 @@ class L3Slot:
         tier.flush(self._sync.wait_timeout_s if timeout_s is None else timeout_s)
         self.tier = DETACHED  # detached whatever closing raises (the ranks agree on that)
         self._tree.clear_stored()  # the marks speak of the backend going away
+        if isinstance(self._host, HostTier):
+            self._host.l3_attached = False
         self._sync.serve_backups(None)
         try:
             tier.controller.close()

@@ -74,6 +74,7 @@ class L3Tier:
             counters=counters,
             sync=sync,
             components=tuple(codecs.values()),
+            mark=host.write_back_mark,
         )
         self._sync = sync
 
@@ -126,6 +127,10 @@ class NoWrites:
 
     def write_components(self, nodes: list[TreeNode]) -> None:
         """Nothing is written."""
+
+    def write_path(self, node: TreeNode) -> bool:
+        """Nothing can be written: False."""
+        return False
 
 
 class Detached:

@@ -1,17 +1,22 @@
-"""The L3 writes: L2 -> L3 behind backups, one party of the cache's sync.
+"""The L3 writes: L2 -> L3 behind backups or ahead of eviction, one party of the sync.
 
-:class:`Writes` writes every run that lands in L2 (``on_host_backup``, from the sync) and
-the component values a hit at its end needs (``write_components``), each as one op of
-the sync's L3 op ids, pinning its L2 source until the ranks agree it landed. Every rank
-tracks every write, sent or not (MLA: rank 0 alone sends). Its votes and agreed
-verdicts cover its own ops only. The flow: ``docs/architecture.md`` (L3).
+:class:`Writes` writes every run that lands in L2 (``on_host_backup``, from the sync; under
+``watermark`` none: instead, at the end of each sync, the coldest L2 pages once L2 passes
+its high mark, :mod:`hicache.cache.l3.ahead`), any path's unwritten L2 runs on demand
+(``write_path``) and the component values a hit at a run's end needs
+(``write_components``), each as one op of the sync's L3 op ids, pinning its L2 source
+until the ranks agree it landed. Every rank tracks every write, sent or not (MLA: rank 0
+alone sends). Its votes and agreed verdicts cover its own ops only. The flow:
+``docs/architecture.md`` (L3).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from hicache.cache.components.records import ComponentRecords, RecordWrites
+from hicache.cache.l3.ahead import InFlight, ahead_runs, path_runs
 from hicache.cache.l3.keys import TierKeys
 from hicache.cache.sync import CacheSync
 from hicache.controller import L3Write, Record
@@ -37,6 +42,10 @@ class PageWrite:
     def unpin(self, tree: HiRadixTree) -> None:
         tree.dec_host_ref(self.node)
 
+    def pinned(self) -> list[TreeNode]:
+        """The nodes it pinned in L2 (each with its path)."""
+        return [self.node]
+
     def landed(self, tree: HiRadixTree) -> None:
         """Every page is in L3 on every rank: mark the run's nodes."""
         tree.mark_stored(self.node, len(self.keys))
@@ -61,6 +70,10 @@ class ComponentWrite:
         for n in self.todo.pins:
             tree.dec_host_ref(n)
 
+    def pinned(self) -> list[TreeNode]:
+        """The nodes it pinned in L2 (each with its path)."""
+        return list(self.todo.pins)
+
     def landed(self, tree: HiRadixTree) -> None:
         """The full KV's mark covers the pages; component values carry none."""
 
@@ -80,6 +93,7 @@ class Writes:
         counters: CacheCounters,
         sync: CacheSync,
         components: tuple[ComponentRecords, ...],
+        mark: int | None = None,
     ) -> None:
         self._controller = controller
         self._keys = keys
@@ -91,12 +105,63 @@ class Writes:
         """Every write in flight, on every rank (sent here or not): the negative cache
         forgets its keys when it is queued and again once it landed."""
         self._got = LocalRecords()
+        self._mark = mark
+        """``watermark``: L2 pages the tree may hold before the coldest are written ahead
+        of eviction (None: every run is written when it lands in L2)."""
 
     def __len__(self) -> int:
         return len(self._ops)
 
     def on_host_backup(self, nodes: list[TreeNode]) -> None:
-        """Write a run of spans that just landed in L2 (top-down, one path) to L3."""
+        """A run of spans (top-down, one path) just landed in L2: write it to L3, unless
+        the policy writes ahead of eviction instead (``watermark``)."""
+        if self._mark is None:
+            self._write_run(nodes)
+
+    def write_path(self, node: TreeNode) -> bool:
+        """Write to L3 now every span of the path to ``node`` that is in L2 and neither in
+        L3 (``stored``) nor being written, as one op per contiguous run (with the
+        component values a hit at the run's end needs); each run stays pinned in L2 until
+        every rank agreed it landed, then is marked ``stored`` (a failed write leaves it
+        unmarked). Returns whether the whole path is in L3 or being written once the call
+        returns (False: a span of it is in L1 alone and cannot be written from L2).
+        Decided on tree state alone: every rank issues the same ops (MLA: rank 0 sends)."""
+        runs, whole = path_runs(self._tree, node, self.in_flight())
+        for run in runs:
+            self._write_run(run)
+        self._counters.l3_ahead_writes_total += len(runs)
+        return whole
+
+    def write_ahead(self) -> int:
+        """``watermark``: once the tree's L2 pages pass the high mark, write the coldest L2
+        pages not yet clean (:func:`~hicache.cache.l3.ahead.ahead_runs`); returns the ops
+        issued (0 under other policies). Called at the end of each sync (every rank)."""
+        if self._mark is None:
+            return 0
+        runs = ahead_runs(self._tree, self._mark, self.in_flight())
+        for run in runs:
+            self._write_run(run)
+        self._counters.l3_ahead_writes_total += len(runs)
+        return len(runs)
+
+    def in_flight(self) -> InFlight:
+        """The spans being written and the L2 pins the writes in flight hold (by node id);
+        runs are recorded by their last node and length, so spans split since are in."""
+        tree = self._tree
+        nodes: set[int] = set()
+        pins: Counter[int] = Counter()
+        for w in self._ops.values():
+            if isinstance(w, PageWrite):
+                nodes.update(id(n) for n in tree.path_tail(w.node, len(w.keys)))
+            for n in w.pinned():
+                x: TreeNode | None = n
+                while x is not None and x.parent is not None:
+                    pins[id(x)] += 1
+                    x = x.parent
+        return InFlight(frozenset(nodes), pins)
+
+    def _write_run(self, nodes: list[TreeNode]) -> None:
+        """Write a run of spans in L2 (top-down, one path) to L3 as one op."""
         tree = self._tree
         last = nodes[-1]
         n = sum(tree.num_pages(x) for x in nodes)
@@ -175,7 +240,9 @@ class Writes:
         return True
 
     def apply_deferred(self) -> None:
-        """Nothing is deferred here."""
+        """At the end of each sync made outside (every rank, the same tree): write ahead of
+        eviction (``watermark``, :meth:`write_ahead`)."""
+        self.write_ahead()
 
     def give_up(self) -> None:
         """Unpin every write still open (the controller closed): a late put reads stale
