@@ -137,6 +137,22 @@ class CacheStats:
     components: tuple[ComponentUsage, ...] = ()
     """Per component (full first, then swa / mamba where present): pool use and bytes
     per cached token."""
+    tree_tokens: int = 0
+    """Distinct tokens L1 and L2 hold together: those of every tree node (each is in L1,
+    L2 or both; a page in both counts once)."""
+    l3_stored_tokens: int = 0
+    """Tokens of tree nodes marked in L3 (``stored``: a write of them landed on every rank
+    or a prefetch read them; the backend may have evicted some since)."""
+
+    @property
+    def distinct_tokens(self) -> int:
+        """Distinct tokens L1, L2 and L3 hold together, each page once: :attr:`tree_tokens`
+        plus the L3 pages out of the tree, estimated as the new L3 records this instance
+        wrote (``l3_backup_tokens_total``) less :attr:`l3_stored_tokens` (at least 0).
+        Exact for an L3 this instance alone writes and that evicts nothing; a shared or
+        capped backend's own record count is the true L3 figure."""
+        written = self.counters.get("l3_backup_tokens_total", 0)
+        return self.tree_tokens + max(0, written - self.l3_stored_tokens)
 
     @property
     def hit_rate(self) -> float:

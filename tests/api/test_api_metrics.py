@@ -144,6 +144,8 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         counters=counters,
         storage=storage,
         components=components,
+        tree_tokens=next(powers),
+        l3_stored_tokens=next(powers),
     )
     snapshot = EngineStats(
         cache=stats,

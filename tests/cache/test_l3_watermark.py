@@ -19,7 +19,7 @@ import pytest
 
 from hicache.cache import HiCache
 from hicache.cache.l3.writes import Writes
-from hicache.cache.report import check_integrity, tree_digest
+from hicache.cache.report import cache_stats, check_integrity, tree_digest
 from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
@@ -222,6 +222,19 @@ def test_watermark_writes_ahead_each_sync_until_the_coldest_are_clean() -> None:
         assert counter(cache, "l3_ahead_writes_total") == 2
         settle(cache)
         assert counter(cache, "l3_ahead_writes_total") == 2 and len(store) == 4
+
+
+def test_stats_count_each_page_once_across_the_tiers() -> None:
+    with make(MemoryStore()) as cache:
+        for tokens in (X1, X2, Y, Z):  # X1, X2 written ahead; Y, Z in L1 and L2
+            insert(cache, tokens)
+            settle(cache)
+        s = cache_stats(cache)
+        assert (s.device_cached_tokens, s.host_cached_tokens, s.tree_tokens) == (8, 16, 16)
+        assert s.l3_stored_tokens == 8 and s.distinct_tokens == 16
+        assert cache.full.pages.evict_host(2) == 2  # X1 leaves L2: in L3 alone now
+        s = cache_stats(cache)
+        assert (s.tree_tokens, s.l3_stored_tokens, s.distinct_tokens) == (12, 4, 16)
 
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.5, float("nan"), float("inf"), "x"])

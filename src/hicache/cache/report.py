@@ -21,9 +21,10 @@ __all__ = ["cache_stats", "check_integrity", "tree_digest"]
 
 
 def cache_stats(cache: HiCache) -> CacheStats:
-    """Occupancy per tier (tokens) and every counter, as one snapshot, with each store's
-    pool use (the full KV's first). L1 pages requests own or the cache reserved count as
-    the requests' tokens."""
+    """Occupancy per tier (tokens: each tier's, the tree's distinct L1 + L2 tokens and
+    those marked in L3) and every counter, as one snapshot, with each store's pool use
+    (the full KV's first). L1 pages requests own or the cache reserved count as the
+    requests' tokens."""
     full, requests = cache.full.pages, cache.admitted
     tier = cache.l3.attached
     backend = None if tier is None else tier.controller.storage
@@ -31,7 +32,12 @@ def cache_stats(cache: HiCache) -> CacheStats:
     held_device_pages = len(full.request_pages(requests)) + len(full.reserved)
     s = tree.stats()
     ps = tree.page_size
-    host_only = sum(tree.num_pages(n) for n in tree.iter_nodes() if n.device is None)
+    host_only = in_tree = stored = 0
+    for n in tree.iter_nodes():
+        k = tree.num_pages(n)
+        in_tree += k
+        host_only += k if n.device is None else 0
+        stored += k if n.stored else 0
     stats = CacheStats(
         page_size=ps,
         device_total_tokens=device_pool.num_pages * ps,
@@ -46,6 +52,8 @@ def cache_stats(cache: HiCache) -> CacheStats:
         nodes=s.nodes,
         counters=full.counters.snapshot(),
         storage=None if backend is None else backend.stats(),
+        tree_tokens=in_tree * ps,
+        l3_stored_tokens=stored * ps,
     )
     cached = _cached_tokens(device_pool)
     ps = cache.context.page_size

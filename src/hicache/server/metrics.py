@@ -195,6 +195,19 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
         s.host_total_tokens - s.host_free_tokens,
     )
     yield GaugeMetricFamily("hicache_host_total_tokens", "L2 capacity", s.host_total_tokens)
+    yield GaugeMetricFamily(
+        "hicache_l3_stored_tokens",
+        "Tokens of tree nodes (L1 or L2) marked in L3: a write of them landed or a prefetch"
+        " read them",
+        s.l3_stored_tokens,
+    )
+    yield GaugeMetricFamily(
+        "hicache_distinct_tokens",
+        "Distinct tokens L1, L2 and L3 hold together, each page once: the tree's plus the"
+        " L3 records this instance wrote that are not in the tree (exact for an L3 it alone"
+        " writes and that evicts nothing)",
+        s.distinct_tokens,
+    )
     for key, value in s.counters.items():
         yield CounterMetricFamily(
             counter_metric_name(key), _COUNTER_HELP.get(key, f"Cache counter {key}"), value
