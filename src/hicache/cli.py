@@ -39,6 +39,7 @@ BENCHES = {
     "pd-transfer": "hicache.bench.pd_transfer",
     "pd": "hicache.bench.pd",
     "pd-load": "hicache.bench.pd_load",
+    "write-policies": "hicache.bench.write_policies",
 }
 
 STORES = {
