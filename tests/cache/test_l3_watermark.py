@@ -237,6 +237,16 @@ def test_stats_count_each_page_once_across_the_tiers() -> None:
         assert (s.tree_tokens, s.l3_stored_tokens, s.distinct_tokens) == (12, 4, 16)
 
 
+def test_a_reset_past_the_mark_waits_for_the_writes_its_sync_issued() -> None:
+    store = MemoryStore()
+    with make(store, faults=MemoryFaults(delay_s=0.2)) as cache:
+        for tokens in (X1, X2, Y):
+            insert(cache, tokens)
+            cache.full.wait_idle()
+        cache.reset()  # its sync writes X1 ahead; the reset waits for it, then empties
+        assert state(cache) == {} and len(store) == 2
+
+
 @pytest.mark.parametrize("value", [0, -0.1, 1.5, float("nan"), float("inf"), "x"])
 def test_the_threshold_is_validated(value: Any) -> None:
     with pytest.raises(ValueError, match="write_back_threshold"):

@@ -391,6 +391,7 @@ class HiCache(Lifecycle):
         any node is pinned otherwise."""
         self.sync(wait=True)
         self.sessions.clear()
+        self._l3.tier.flush(self._wait_timeout_s)  # what that sync wrote ahead (watermark)
         tree = self._tree
         if self._requests or any(n.lock_ref > 0 or n.host_ref > 0 for n in tree.iter_nodes()):
             raise RuntimeError("cannot reset the cache while requests hold prefixes")
