@@ -108,6 +108,10 @@ class Writes:
         self._mark = mark
         """``watermark``: L2 pages the tree may hold before the coldest are written ahead
         of eviction (None: every run is written when it lands in L2)."""
+        self._changes = 0
+        """Writes issued and applied so far (a change the choice ahead depends on)."""
+        self._seen: tuple[int, ...] | None = None
+        """What :meth:`write_ahead` last chose on (its skip test)."""
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -138,10 +142,19 @@ class Writes:
         issued (0 under other policies). Called at the end of each sync (every rank)."""
         if self._mark is None:
             return 0
+        s = self._tree.stats()
+        if s.host_pages <= self._mark:
+            return 0
+        # The choice (a walk of every node) changes only with L2's spans or the writes:
+        # skipped while neither changed since the last one (agreed values only).
+        seen = (s.host_pages, s.nodes, self._counters.host_evicted_tokens_total, self._changes)
+        if seen == self._seen:
+            return 0
         runs = ahead_runs(self._tree, self._mark, self.in_flight())
         for run in runs:
             self._write_run(run)
         self._counters.l3_ahead_writes_total += len(runs)
+        self._seen = (*seen[:3], self._changes)
         return len(runs)
 
     def in_flight(self) -> InFlight:
@@ -171,6 +184,7 @@ class Writes:
             assert x.host is not None
             host += x.host
         tree.inc_host_ref(last)  # the L2 source stays until written (on every rank)
+        self._changes += 1
         op_id = next(self._op_ids)
         sent = self._keys.writer  # MLA: rank 0 alone writes the latent KV every rank holds
         self._ops[op_id] = PageWrite(last, keys, sent)
@@ -230,6 +244,7 @@ class Writes:
         if not v.arrived or w is None:
             return False
         del self._ops[v.op_id]
+        self._changes += 1
         r = self._got.writes.pop(v.op_id, None) or L3Write(v.op_id, 0, 0, 0)
         # landed: a miss a lookup saw before it landed is forgotten (after that lookup)
         self._controller.forget_misses(w.keys)
