@@ -237,6 +237,22 @@ def test_stats_count_each_page_once_across_the_tiers() -> None:
         assert (s.tree_tokens, s.l3_stored_tokens, s.distinct_tokens) == (12, 4, 16)
 
 
+def test_writes_ahead_pause_longer_after_each_failure() -> None:
+    """A failing backend is asked again after 1 sync, then 2, 4, ...: not at every step."""
+    with make(MemoryStore(), faults=MemoryFaults(fail_after=0)) as cache:
+        for tokens in (X1, X2, Y):  # L2 past the mark: X1 to write
+            insert(cache, tokens)
+            cache.full.wait_idle()
+        issued = []
+        for _ in range(16):
+            cache.l3.tier.flush(5.0)  # the write fails (and lands as failed)
+            cache.sync()
+            issued.append(counter(cache, "l3_ahead_writes_total"))
+        # a write at once, then after pauses of 1, 2 and 4 syncs (one more sync each to land)
+        assert issued == [1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4]
+        assert state(cache)[(1, 2, 3, 4)] == "H"  # never marked in L3
+
+
 def test_a_reset_past_the_mark_waits_for_the_writes_its_sync_issued() -> None:
     store = MemoryStore()
     with make(store, faults=MemoryFaults(delay_s=0.2)) as cache:

@@ -27,7 +27,10 @@ from hicache.metrics import CacheCounters
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import PageIds
 
-__all__ = ["ComponentWrite", "PageWrite", "Writes"]
+__all__ = ["MAX_PAUSE_SYNCS", "ComponentWrite", "PageWrite", "Writes"]
+
+MAX_PAUSE_SYNCS = 256
+"""Longest pause of the writes ahead of eviction after failed writes, in syncs (steps)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,10 @@ class Writes:
         """Writes issued and applied so far (a change the choice ahead depends on)."""
         self._seen: tuple[int, ...] | None = None
         """What :meth:`write_ahead` last chose on (its skip test)."""
+        self._pause = 0
+        """Syncs :meth:`write_ahead` still skips after a failed write."""
+        self._next_pause = 1
+        """The pause after the next failed write (doubles per failure, 1 after a success)."""
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -139,8 +146,14 @@ class Writes:
     def write_ahead(self) -> int:
         """``watermark``: once the tree's L2 pages pass the high mark, write the coldest L2
         pages not yet clean (:func:`~hicache.cache.l3.ahead.ahead_runs`); returns the ops
-        issued (0 under other policies). Called at the end of each sync (every rank)."""
+        issued (0 under other policies). Called at the end of each sync (every rank).
+        After a write that failed on some rank it pauses for 1 sync, then 2, 4, ... (at most
+        :data:`MAX_PAUSE_SYNCS`) until one succeeds, so a failing backend is not asked to
+        write the same spans again at every step."""
         if self._mark is None:
+            return 0
+        if self._pause:  # a write failed lately: the backend may be failing
+            self._pause -= 1
             return 0
         s = self._tree.stats()
         if s.host_pages <= self._mark:
@@ -250,6 +263,10 @@ class Writes:
         self._controller.forget_misses(w.keys)
         if v.value:
             w.landed(self._tree)
+            self._next_pause = 1
+        else:  # agreed: the ranks pause alike
+            self._pause = self._next_pause
+            self._next_pause = min(2 * self._next_pause, MAX_PAUSE_SYNCS)
         w.unpin(self._tree)
         w.count(self._counters, r, self._keys.page_size)
         return True
