@@ -18,16 +18,19 @@ from typing import Any
 import pytest
 
 from hicache.cache import HiCache
+from hicache.cache.l3.tier import L3Tier
 from hicache.cache.l3.writes import Writes
 from hicache.cache.report import cache_stats, check_integrity, tree_digest
 from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller.rank_group import RankGroup
 from hicache.keys import Namespace
-from hicache.spec import AttentionKind, KVSpec
+from hicache.spec import AttentionKind, CacheSpec, KVSpec
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.registry import create_storage
 from hicache.tokens import decode_tokens
 from hicache.tree import TreeNode
+from tests.cache.test_swa import FULL, SWA_SPEC, serve_in_chunks
+from tests.cache.test_swa_l3 import LONG, NS, fetch, make_cache, swa_pages_in
 from tests.helpers.kvdata import write_tokens
 from tests.helpers.ranks import run_ranks
 
@@ -318,3 +321,31 @@ def test_two_ranks_write_ahead_alike(tmp_path: Path, spec_name: str) -> None:
     assert r0["ahead"] == r1["ahead"] == 2
     assert r0["sent_pages"] == 4
     assert r1["sent_pages"] == (4 if spec_name == "mha" else 0)  # MLA: rank 0 alone sends
+
+
+# ---------------------------------------------------------------------- a hybrid model
+
+
+def test_a_hybrid_run_written_on_demand_carries_its_swa_pages() -> None:
+    """Sliding-window layers: ``write_path`` writes the path's full pages as one run, with
+    every L2 SWA page of it (as a write at landing does), and a cold cache reads it back."""
+    store = MemoryStore()
+    cfg = CacheConfig(
+        page_size=PAGE, device_tokens=32, hicache_ratio=2.0, load_back_threshold=0,
+        swa_full_tokens_ratio=0.5, write_policy="watermark", write_back_threshold=1.0,
+    )  # fmt: skip
+    with HiCache(cfg, CacheSpec(kv=FULL, components=(SWA_SPEC,))).start() as cache:
+        prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+        tier = cache.l3.attach(MemoryStorage(NS, store=store), NS, prefetch)
+        assert isinstance(tier, L3Tier)
+        serve_in_chunks(cache, LONG)
+        settle(cache)
+        assert counter(cache, "l3_backup_tokens_total") == 0  # below the mark: nothing
+        assert tier.writes.write_path(node(cache, LONG[:20]))
+        settle(cache)
+        assert counter(cache, "l3_backup_tokens_total") == 10 * PAGE
+        assert counter(cache, "l3_backup_swa_pages_total") == 10
+    assert swa_pages_in(store, LONG[:20]) == list(range(1, 11))
+    cold, _ = make_cache(store)
+    with cold:
+        assert fetch(cold, LONG[:17]) == (8 * PAGE, 8 * PAGE)
