@@ -7,8 +7,10 @@ from __future__ import annotations
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.cache.sessions import SessionState
-from hicache.config import CacheConfig
+from hicache.config import CacheConfig, PrefetchConfig
+from hicache.keys import Namespace
 from hicache.spec import KVSpec
+from hicache.storage.backends.memory import MemoryStorage, MemoryStore
 from tests.helpers.kvdata import serve
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -192,3 +194,36 @@ def test_keeping_a_session_never_makes_its_spans_look_recent() -> None:
             cache.sync()
         assert [(n.id, n.last_access) for n in tree.iter_nodes()] == before
         assert state(cache) == [("a", "kept", 4)]
+
+
+def test_a_demoted_session_leaves_l2_only_with_an_l3_copy() -> None:
+    """Under ``watermark`` nothing is written to L3 below the high mark: a session's spans
+    are in L2 alone until its demotion writes them (pinned by the write until it landed,
+    then ``stored``, then evictable)."""
+    cfg = CacheConfig(
+        page_size=PAGE,
+        device_tokens=8 * PAGE,
+        hicache_ratio=1.5,
+        load_back_threshold=0,
+        session_ratio=0.5,
+        write_policy="watermark",
+        write_back_threshold=1.0,
+    )
+    store = MemoryStore()
+    with HiCache(cfg, MHA).start() as cache:
+        ns = Namespace.for_spec(
+            MHA, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
+        )
+        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+        for i, s in enumerate("abc"):
+            turn(cache, s, seq(100 * (i + 1), 2))
+            cache.sync(wait=True)
+        assert len(store) == 0  # below the mark: nothing written
+        tree = cache.full.pages.tree
+        a = tree.within(seq(100, 2))
+        assert a is not None and not a.stored
+        turn(cache, "d", seq(400, 2))  # its backup lands at the sync: a is demoted past
+        cache.sync(wait=True)  # the bound, written first, pinned by the write till it landed
+        assert state(cache)[0] == ("a", "demoted", 0)
+        assert a.stored and a.host_ref == 0 and len(store) == 2
+        check_integrity(cache)

@@ -139,6 +139,7 @@ class HiCache(Lifecycle):
             page_size=config.page_size,
             counters=counters,
             in_flight=host.backing_up if isinstance(host, HostTier) else _never,
+            write_path=lambda node: self._l3.tier.writes.write_path(node),
         )
         """The idle agent sessions whose KV is kept in L2 (:mod:`hicache.cache.sessions`)."""
         if isinstance(host, HostTier):
@@ -378,9 +379,10 @@ class HiCache(Lifecycle):
             if not self._started:
                 return 0
             self.full.wait_idle()
-            self._l3.tier.flush(self._wait_timeout_s)
+            self.sessions.refresh()  # what landed may demote sessions: their writes are
+            self._l3.tier.flush(self._wait_timeout_s)  # waited for with the others
         applied = self._sync.sync()  # failed loads are applied here, outside the wait
-        if applied or wait:  # (a wait applies what it waits for)
+        if applied:
             self.sessions.refresh()  # pin what landed in L2 for the sessions waiting on it
         return applied
 

@@ -73,7 +73,9 @@ class Sessions:
     ``ratio`` of them may be pinned; ``page_size``: tokens per page).
 
     ``in_flight``: whether a node's L2 copy is still being written (a backup in flight may
-    fail and drop it, so only landed spans are pinned). Work per call is bounded by the
+    fail and drop it, so only landed spans are pinned). ``write_path``: writes to L3 what
+    L2 holds of a path and L3 does not (nothing without a tier), called before a demoted
+    session's pin goes, so its spans leave L2 only with a copy. Work per call is bounded by the
     kept sessions, never by the demoted ones (thousands may wait for their TTL)."""
 
     def __init__(
@@ -85,12 +87,14 @@ class Sessions:
         page_size: int,
         counters: CacheCounters,
         in_flight: Callable[[TreeNode], bool],
+        write_path: Callable[[TreeNode], object],
     ) -> None:
         self._tree = tree
         self._bound = int(host_pages * ratio)
         self._page_size = page_size
         self._counters = counters
         self._in_flight = in_flight
+        self._write_path = write_path
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         """Every live session, least recently active first."""
         self._kept: OrderedDict[str, _Entry] = OrderedDict()
@@ -248,9 +252,12 @@ class Sessions:
             e.pinned = None
 
     def _demote(self, session_id: str) -> None:
-        """Leave the session's spans to L3 and to eviction."""
+        """Leave the session's spans to L3 and to eviction: what L3 lacks of them is
+        written first (pinned in L2 by its write until it landed)."""
         e = self._kept.pop(session_id)
         e.key = b""
+        if e.pinned is not None:
+            self._write_path(e.pinned)
         self._unpin(e)
 
     def _bind(self) -> None:
