@@ -134,6 +134,7 @@ class Prefetches:
         if p is None:
             return
         p.looking = False
+        p.lookup_error = r.error
         if p.taken:  # agreed state: every rank drops it here, without a collective
             del self._open[r.op_id]
             return
@@ -268,7 +269,8 @@ class Prefetches:
         if p.looking:
             r = self._got.lookups.get(p.op_id)
             hit = 0 if r is None else r.hit_pages
-            return Vote(p.op_id, arrived=r is not None, value=hit, ready=ready)
+            ok = r is not None and not r.error  # agreed: it failed on no rank
+            return Vote(p.op_id, arrived=r is not None, value=hit, flag=ok, ready=ready)
         if not p.read_final and (p.host_pages is not None or p.reads):
             g = self._got.reads.get(p.op_id, ReadProgress())
             return Vote(p.op_id, True, g.done, final=g.final, flag=g.records, ready=ready)
@@ -294,6 +296,7 @@ class Prefetches:
         if p.looking:
             if not v.arrived:
                 return False
+            p.lookup_failed = not v.flag
             self._on_lookup(self._got.lookups.pop(v.op_id), v.value)
             return True
         if p.read_final:

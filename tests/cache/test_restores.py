@@ -1,0 +1,119 @@
+"""Restores at the facade: L3 -> L2 ahead of the request, held (host_ref) until released;
+failures (no L3, a failing lookup) hold nothing and say why."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hicache.cache import HiCache
+from hicache.cache.report import check_integrity
+from hicache.cache.request import CachedTokens
+from hicache.cache.restores import NO_L3, Restore, RestoreStage
+from hicache.config import CacheConfig
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
+from tests.cache.test_l3_cache import MHA, PAGE, TOKENS, fetch, make, put
+from tests.helpers.kvdata import page_kv
+
+
+def settle(cache: HiCache, r: Restore, timeout_s: float = 10.0) -> None:
+    """Sync until ``r`` leaves LOADING."""
+    deadline = time.monotonic() + timeout_s
+    while not cache.restores.advance(r):
+        assert time.monotonic() < deadline, "the restore did not settle"
+        cache.sync()
+        time.sleep(0.001)
+
+
+def held_refs(cache: HiCache) -> list[int]:
+    node = cache.full.pages.tree.match_full(TOKENS).last_host_node
+    refs = []
+    while node.parent is not None:
+        refs.append(node.host_ref)
+        node = node.parent
+    return refs
+
+
+def test_a_restore_brings_the_prefix_into_l2_and_holds_it_until_released() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        r = b.restores.start([*TOKENS, 7])  # the partial last page is not restored
+        assert r.stage is RestoreStage.LOADING and r.tokens == TOKENS
+        settle(b, r)
+        assert r.stage is RestoreStage.HELD and r.error is None
+        assert b.restores.resident(r) == CachedTokens(device=0, host=8, storage=8)
+        assert held_refs(b) == [1]  # one node, pinned in L2
+        check_integrity(b)
+        b.restores.release(r)
+        assert r.stage is RestoreStage.ENDED and held_refs(b) == [0]
+        b.restores.release(r)  # idempotent
+        got, data = fetch(b, [*TOKENS, 7])
+        assert got == 0 and torch.equal(data, page_kv(b, TOKENS, 0, 4))  # from L2 now
+        check_integrity(b)
+
+
+def test_a_restore_of_a_prefix_held_locally_holds_it_at_once() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+        r = a.restores.start(TOKENS)
+        assert r.prefetch is None  # nothing to fetch
+        assert a.restores.advance(r) and r.stage is RestoreStage.HELD
+        assert a.restores.resident(r) == CachedTokens(device=8, host=8, storage=0)
+        a.restores.release(r)
+        check_integrity(a)
+
+
+def test_a_restore_released_while_loading_leaves_what_arrived_cached_unpinned() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        r = b.restores.start(TOKENS)
+        b.restores.release(r)
+        assert r.stage is RestoreStage.ENDED and r.node is None
+        b.sync(wait=True)
+        assert all(n.host_ref == 0 for n in b.full.pages.tree.iter_nodes())
+        check_integrity(b)
+
+
+def test_a_restore_without_l3_fails_and_holds_nothing() -> None:
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0)
+    with HiCache(cfg, MHA).start() as cache:
+        r = cache.restores.start(TOKENS)
+        assert r.stage is RestoreStage.FAILED and r.error == NO_L3
+        assert not cache.restores.advance(r)
+        cache.restores.release(r)
+        assert r.stage is RestoreStage.FAILED
+
+
+def test_a_failing_lookup_fails_the_restore_with_the_backends_reason() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        storage = b.l3.attached.controller.storage  # type: ignore[union-attr]
+        assert isinstance(storage, MemoryStorage)
+        storage.set_faults(MemoryFaults(fail_after=0))
+        r = b.restores.start(TOKENS)
+        settle(b, r)
+        assert r.stage is RestoreStage.FAILED and r.node is None
+        assert r.error is not None and "injected failure" in r.error
+        assert all(n.host_ref == 0 for n in b.full.pages.tree.iter_nodes())
+        check_integrity(b)
+
+
+def test_a_detach_under_a_loading_restore_fails_it() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        r = b.restores.start(TOKENS)
+        b.l3.detach()
+        assert b.restores.advance(r) and r.stage is RestoreStage.FAILED
+        assert r.error is not None and "detached" in r.error
+        b.restores.release(r)
+        assert all(n.host_ref == 0 for n in b.full.pages.tree.iter_nodes())
