@@ -11,7 +11,8 @@ from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
 from hicache.cache.request import CachedTokens
 from hicache.cache.restores import NO_L3, Restore, RestoreStage
-from hicache.config import CacheConfig
+from hicache.config import CacheConfig, PrefetchConfig
+from hicache.keys import Namespace
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from tests.cache.test_l3_cache import MHA, PAGE, TOKENS, fetch, make, put
 from tests.helpers.kvdata import page_kv
@@ -117,3 +118,21 @@ def test_a_detach_under_a_loading_restore_fails_it() -> None:
         assert r.error is not None and "detached" in r.error
         b.restores.release(r)
         assert all(n.host_ref == 0 for n in b.full.pages.tree.iter_nodes())
+
+
+def test_a_restore_reads_a_hit_under_the_prefetch_threshold() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
+    with HiCache(cfg, MHA).start() as b:
+        ns = Namespace.for_spec(
+            MHA, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
+        )
+        prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=100)
+        b.l3.attach(MemoryStorage(ns, store=store), ns, prefetch)
+        r = b.restores.start(TOKENS)
+        settle(b, r)
+        assert b.restores.resident(r) == CachedTokens(device=0, host=8, storage=8)
+        b.restores.release(r)
+        check_integrity(b)

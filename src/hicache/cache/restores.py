@@ -2,7 +2,8 @@
 held there.
 
 :meth:`Restores.start` opens a :class:`Restore` over the whole pages of ``tokens``: its L3
-prefetch runs like a request's (looked up and read as every rank agrees). Once its read is
+prefetch runs like a request's (looked up and read as every rank agrees; any hit is read,
+whatever ``prefetch_threshold``: it runs ahead of its request). Once its read is
 final (agreed state: the same step on every rank) :meth:`Restores.advance` hangs what
 arrived into the tree and pins the deepest node of the prefix that is in L2
 (``inc_host_ref``): the *hold*. :meth:`Restores.release` ends it in any stage (a prefetch
@@ -74,7 +75,7 @@ class Restores:
         if self._l3.attached is None:
             r.stage, r.error = RestoreStage.FAILED, NO_L3
             return r
-        r.prefetch = self._l3.tier.prefetches.start(whole, tenant)
+        r.prefetch = self._l3.tier.prefetches.start(whole, tenant, any_hit=True)
         return r
 
     def advance(self, r: Restore) -> bool:

@@ -203,10 +203,16 @@ class RestoreBook:
             return op
 
     def due(self, now: float | None = None) -> list[str]:
-        """Operations not ended whose deadline has passed (rank 0's clock), oldest first."""
+        """Operations started and not ended whose deadline has passed (rank 0's clock),
+        oldest first. A QUEUED one is left to the round after its start is applied (its
+        start is posted as it is reserved), so that no rank ends it before it started."""
         at = time.monotonic() if now is None else now
         with self._lock:
-            return [i for i, op in self._ops.items() if not op.state.ended and op.deadline <= at]
+            return [
+                i
+                for i, op in self._ops.items()
+                if op.state is not RestoreState.QUEUED and not op.state.ended and op.deadline <= at
+            ]
 
     def live(self) -> list[RestoreOp]:
         """Operations not ended, oldest first."""

@@ -78,9 +78,9 @@ class Prefetches:
 
     # ------------------------------------------------------------------ lookup
 
-    def start(self, tokens: TokenIds, tenant: str) -> Prefetch | None:
-        """Start looking up the L3 pages of ``tokens`` past what the tree holds; None
-        when nothing can be fetched (no uncached whole page; with extra components, also
+    def start(self, tokens: TokenIds, tenant: str, *, any_hit: bool = False) -> Prefetch | None:
+        """Start looking up the L3 pages of ``tokens`` past what the tree holds (``any_hit``:
+        a restore's, read whatever ``prefetch_threshold``); None when nothing can be fetched (no uncached whole page; with extra components, also
         when the held prefix ends on a span that is not in L2 and no held boundary past
         the valid match is left to serve). ``docs/architecture.md`` (L3) says where the
         lookup starts and what it covers."""
@@ -118,6 +118,7 @@ class Prefetches:
         deadline = now + self.prefetch.timeout_s(len(rest) * ps)
         p = Prefetch(next(self._op_ids), key, rest, start, pin, tenant, now, deadline)
         p.valid_pages, p.inner_to, p.cached_to = valid, inner_to, cached_to
+        p.any_hit = any_hit
         lookups = self._reads.lookups(p, attach, len(rest))
         self._open[p.op_id] = p
         previous = self._keys.previous_page(key, tenant, start + 1) if rest else None
