@@ -8,6 +8,7 @@ Greedy outputs are compared with a run that had no L3 at all.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +18,17 @@ from hicache.engine.front.engine import Engine
 from hicache.engine.restore_book import RestoreBusy, RestoreOp, RestoreState
 from hicache.engine.sampling import InvalidRequest
 from hicache.engine.session import SessionHint
+from hicache.keys import head_key
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
-from tests.engine.test_l3_engine import FULL, GREEDY, PROMPT, clean, make_engine, only_in_l3
+from tests.engine.test_l3_engine import (
+    FULL,
+    GREEDY,
+    PAGE,
+    PROMPT,
+    clean,
+    make_engine,
+    only_in_l3,
+)
 
 SESSION = SessionHint("agent-1")
 
@@ -192,4 +202,26 @@ def test_a_failing_l3_fails_the_restore_with_its_reason(reference: list[int]) ->
         assert failed.error is not None and "injected failure" in failed.error
         out = engine.generate(PROMPT, GREEDY, timeout=60, session=SESSION)
         assert out.error is None and out.cached.storage == 0 and out.output_ids == reference
+        clean(engine)
+
+
+def test_a_restore_over_a_corrupt_record_stops_there_and_the_rest_is_recomputed(
+    tmp_path: Path, reference: list[int]
+) -> None:
+    with make_engine("file", {"file_path": str(tmp_path)}) as engine:
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        only_in_l3(engine)
+        l3 = engine.core.cache.l3.attached
+        assert l3 is not None
+        keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
+        victim = l3.controller.storage.path_of(head_key(keys[5], 1).key)  # type: ignore[attr-defined]
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0xFF  # a payload byte of page 6
+        victim.write_bytes(bytes(data))
+        op = engine.restore(PROMPT, session_id="agent-1")
+        ready, _ = wait_state(engine, op.operation_id, {RestoreState.READY})
+        assert ready.resident == CachedTokens(device=0, host=5 * PAGE, storage=5 * PAGE)
+        out = engine.generate(PROMPT, GREEDY, timeout=60, session=SESSION)
+        assert out.cached.host == 5 * PAGE and out.output_ids == reference
+        wait_state(engine, op.operation_id, {RestoreState.RELEASED})
         clean(engine)
