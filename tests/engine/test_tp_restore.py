@@ -5,6 +5,7 @@ answers, and rank 0's clock alone expires a restore for every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -54,3 +55,23 @@ def test_a_restore_at_tp2_is_held_and_released_alike_on_every_rank(tmp_path: Pat
         assert got is not None and got.state is RestoreState.CANCELLED
         same_on_every_rank(engine)
         assert engine.flush_cache()
+
+
+def test_a_lookup_failing_on_one_rank_fails_the_restore_on_every_rank(tmp_path: Path) -> None:
+    a = llama_prompt(33, seed=8)
+    cfg = dataclasses.replace(
+        config("tiny-random-llama", 2, tmp_path),
+        storage_backend="memory",
+        storage_extra_config={"fail_after": 0, "fault_rank": 1, "prefetch_threshold": 8},
+    )
+    with Engine(cfg) as engine:
+        expect = llama_greedy(a)
+        assert engine.generate(a, GREEDY, timeout=120).output_ids == expect
+        assert engine.flush_cache()
+        op = engine.restore(a, session_id="agent-1")
+        failed, _ = wait_state(engine, op.operation_id, {RestoreState.FAILED}, 60)
+        assert failed.error == "the L3 lookup failed: on another rank"  # rank 0's was fine
+        same_on_every_rank(engine)  # no rank holds anything
+        out = engine.generate(a, GREEDY, timeout=120, session=SessionHint("agent-1"))
+        assert out.error is None and out.cached.storage == 0 and out.output_ids == expect
+        same_on_every_rank(engine)
