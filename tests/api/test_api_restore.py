@@ -70,7 +70,7 @@ def test_restore_ready_then_released_by_the_sessions_next_request(
     op = r.json()
     assert op["state"] == "queued" and op["tokens"] == WHOLE and op["session_id"] == "s1"
     ready = state_of(url, op["operation_id"], {"ready"})
-    assert ready["resident_tokens"] == {"device": 0, "host": WHOLE, "storage": WHOLE}
+    assert ready["resident_tokens"] == {"device": WHOLE, "host": WHOLE, "storage": WHOLE}
     again = generate(url, session_id="s1")
     assert again["output_ids"] == first["output_ids"]
     assert again["meta_info"]["cached_tokens"] == WHOLE

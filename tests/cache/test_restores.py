@@ -136,3 +136,24 @@ def test_a_restore_reads_a_hit_under_the_prefetch_threshold() -> None:
         assert b.restores.resident(r) == CachedTokens(device=0, host=8, storage=8)
         b.restores.release(r)
         check_integrity(b)
+
+
+def test_a_held_prefix_goes_on_into_l1_only_within_the_spare_pages() -> None:
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        r = b.restores.start(TOKENS)
+        settle(b, r)
+        assert b.restores.load_to_l1(r, spare_pages=3) == 0  # 4 pages needed
+        assert b.restores.resident(r) == CachedTokens(device=0, host=8, storage=8)
+        free = b.full.pages.device.allocator.free_pages
+        assert b.restores.load_to_l1(r, spare_pages=4) == 8
+        assert b.full.pages.device.allocator.free_pages == free - 4  # nothing evicted
+        assert b.restores.resident(r) == CachedTokens(device=8, host=8, storage=8)
+        b.sync(wait=True)  # the copy lands and unpins
+        b.restores.release(r)
+        assert all(n.lock_ref == 0 and n.host_ref == 0 for n in b.full.pages.tree.iter_nodes())
+        got, data = fetch(b, [*TOKENS, 7])
+        assert got == 0 and torch.equal(data, page_kv(b, TOKENS, 0, 4))  # the bytes in L1
+        check_integrity(b)

@@ -69,9 +69,9 @@ def test_a_prefill_instance_restores_from_l3_ahead_of_the_next_turn(tmp_path: Pa
         assert prefill.flush_cache()  # the prefill side keeps nothing: L3 alone has it
         op = prefill.restore(PROMPT, session_id="agent-1")
         ready, _ = wait_state(prefill, op.operation_id, {RestoreState.READY}, 60)
-        assert ready.resident == CachedTokens(device=0, host=WHOLE, storage=WHOLE)
+        assert ready.resident == CachedTokens(device=WHOLE, host=WHOLE, storage=WHOLE)
         p, d = turn(prefill, decode, 2, session)
-        assert p.cached == CachedTokens(device=0, host=WHOLE, storage=0)  # from the hold
+        assert p.cached == CachedTokens(device=WHOLE, host=0, storage=0)  # from the hold
         assert d.output_ids == want
         wait_state(prefill, op.operation_id, {RestoreState.RELEASED})
         time.sleep(0.05)

@@ -35,10 +35,10 @@ def test_a_restore_at_tp2_is_held_and_released_alike_on_every_rank(tmp_path: Pat
         assert engine.flush_cache()  # a's pages only in L3 now
         op = engine.restore(a, session_id="agent-1")
         ready, _ = wait_state(engine, op.operation_id, {RestoreState.READY}, 60)
-        assert ready.resident == CachedTokens(device=0, host=MATCHED, storage=MATCHED)
+        assert ready.resident == CachedTokens(device=MATCHED, host=MATCHED, storage=MATCHED)
         same_on_every_rank(engine)  # the hold (host_ref) on both ranks
         out = engine.generate(a, GREEDY, timeout=120, session=SessionHint("agent-1"))
-        assert out.cached == CachedTokens(device=0, host=MATCHED, storage=0)
+        assert out.cached == CachedTokens(device=MATCHED, host=0, storage=0)
         assert out.output_ids == expect
         wait_state(engine, op.operation_id, {RestoreState.RELEASED})
         same_on_every_rank(engine)

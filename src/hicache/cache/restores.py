@@ -10,6 +10,8 @@ arrived into the tree and pins the deepest node of the prefix that is in L2
 still running is taken as a request's would be: what arrived stays cached, unpinned).
 Stages: ``LOADING -> HELD | FAILED``, then ``ENDED``; a failed restore holds nothing and
 says why (``error``: no L3 attached, or the backend's reason for its lookup's failure).
+A held prefix may be copied on into L1 (:meth:`Restores.load_to_l1`) when the caller says
+how many free L1 pages nothing else needs: no page is evicted for it.
 Runs on the cache owner's thread; :meth:`Restores.resident` only reads.
 """
 
@@ -18,6 +20,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from hicache.cache.components.stores import ComponentStores
+from hicache.cache.full_pages import FullPages
+from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.prefetch import Prefetch
 from hicache.cache.l3.slot import L3Slot
 from hicache.cache.request import CachedTokens
@@ -62,10 +67,14 @@ class Restore:
 class Restores:
     """The restores of one cache: their verbs over its tree and L3 slot."""
 
-    def __init__(self, *, tree: HiRadixTree, l3: L3Slot, page_size: int) -> None:
+    def __init__(
+        self, *, tree: HiRadixTree, l3: L3Slot, pages: FullPages, stores: ComponentStores
+    ) -> None:
         self._tree = tree
         self._l3 = l3
-        self._page_size = page_size
+        self._pages = pages
+        self._stores = stores
+        self._page_size = pages.device_pool.page_size
 
     def start(self, tokens: TokenIds, tenant: str = "") -> Restore:
         """A restore of the whole pages of ``tokens``, its prefetch started (FAILED at
@@ -118,6 +127,29 @@ class Restores:
             r.node = None
         if r.stage is not RestoreStage.FAILED:
             r.stage = RestoreStage.ENDED
+
+    def load_to_l1(self, r: Restore, spare_pages: int) -> int:
+        """Start copying the part of held ``r``'s prefix that is in L2 alone into L1,
+        layer by layer, when it fits in ``spare_pages`` (free L1 pages nothing else needs;
+        no page is evicted); the copy pins its chain until it lands, then the pages stay
+        cached in L1 like any. Returns the tokens whose copy started (0: none; always 0
+        for a model with extra component stores, whose values a hit in L1 needs too)."""
+        host = self._pages.host
+        if r.stage is not RestoreStage.HELD or r.node is None or len(self._stores):
+            return 0
+        if not isinstance(host, HostTier):  # pragma: no cover - a hold needs L2
+            return 0
+        tree = self._tree
+        nodes = tree.host_only_path(r.node)
+        need = sum(tree.num_pages(n) for n in nodes)
+        free = self._pages.device.allocator.free_pages
+        if not need or need > min(spare_pages, free):
+            return 0
+        device_pages = self._pages.alloc(need)  # free pages enough: nothing is evicted
+        if device_pages is None:  # pragma: no cover - checked above
+            return 0
+        host.load(nodes, device_pages, None)
+        return need * self._page_size
 
     def _take(self, r: Restore) -> None:
         if r.prefetch is not None:

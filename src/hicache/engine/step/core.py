@@ -161,7 +161,9 @@ class EngineCore:
             return StepResult(False, self.take())
         self.sync_cache()
         try:
-            self.restores.advance()  # as agreed at this sync: the same on every rank
+            self.restores.advance(
+                self.spare_l1_pages
+            )  # as agreed at this sync: alike on every rank
             watched = self.restores.watch(self.scheduler.waiting)
             busy = self.scheduler.step()
             self.restores.left(watched, self.scheduler.waiting)
@@ -235,6 +237,17 @@ class EngineCore:
                 mine = rank_state_digest(self.cache, sched.waiting, sched.running)
             return [mine] if self.channel is None else self.channel.gather(mine)
         return None  # Stop: the drivers end there
+
+    def spare_l1_pages(self) -> int:
+        """Free L1 pages that no request queued or running may need: the free pages less,
+        for each such request, the pages of its prompt and ``max_tokens`` (an upper bound:
+        what it holds already counts again). The same on every rank."""
+        sched, ps = self.scheduler, self.cache.context.page_size
+        need = sum(
+            -(-(len(r.prompt_ids) + r.params.max_tokens) // ps)
+            for r in (*sched.waiting, *sched.running)
+        )
+        return self.cache.full.pages.device.allocator.free_pages - need
 
     def request_of(self, item: NewRequest) -> Request:
         """The request ``item`` describes: rank 0's own (with its queue place, taken out of

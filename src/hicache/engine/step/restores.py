@@ -14,7 +14,7 @@ or ended before: :meth:`StepRestores.watch` then :meth:`StepRestores.left`), at 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hicache.cache import HiCache
 from hicache.cache.restores import Restore, RestoreStage
@@ -64,9 +64,11 @@ class StepRestores:
         self._release(item.operation_id, RestoreState(item.state))
         return self.book.get(item.operation_id)
 
-    def advance(self) -> None:
+    def advance(self, spare_l1_pages: Callable[[], int]) -> None:
         """After the step's sync: move each loading restore on (READY with what is now
-        resident, or FAILED), and refresh what a held one has resident."""
+        resident, or FAILED), and refresh what a held one has resident. A restore turning
+        READY has its prefix copied on into L1 when it fits in ``spare_l1_pages()`` (free
+        L1 pages no request queued or running may need; the same on every rank)."""
         for op_id, r in list(self._open.items()):
             if self.cache.restores.advance(r):
                 if r.stage is RestoreStage.FAILED:
@@ -74,6 +76,7 @@ class StepRestores:
                     del self._open[op_id]
                     self.book.change(op_id, state=RestoreState.FAILED, error=r.error)
                     continue
+                self.cache.restores.load_to_l1(r, spare_l1_pages())
                 self.book.change(
                     op_id, state=RestoreState.READY, resident=self.cache.restores.resident(r)
                 )
