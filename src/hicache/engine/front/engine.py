@@ -494,10 +494,14 @@ class Engine(Lifecycle):
             ttl_ms=valid.ttl_ms,
             nbytes=op.nbytes,
         )
+
+        def drop(why: str) -> None:  # the loop ends before the record is applied
+            book.change(op.operation_id, state=RestoreState.FAILED, error=why)
+
         try:
-            self._running().post(Task(record=record))
+            self._running().post(Task(record=record, drop=drop))
         except BaseException as exc:
-            book.change(op.operation_id, state=RestoreState.FAILED, error=str(exc))
+            drop(str(exc))
             raise
         return op
 

@@ -52,7 +52,12 @@ class StepRestores:
                 deadline=float("inf"),
             )
         )
-        r = self.cache.restores.start(item.prompt_ids, item.tenant)
+        try:
+            r = self.cache.restores.start(item.prompt_ids, item.tenant)
+        except Exception as exc:  # never left queued: it ends, saying why
+            why = f"the restore could not start: {type(exc).__name__}: {exc}"
+            self.book.change(item.operation_id, state=RestoreState.FAILED, error=why)
+            raise
         if r.stage is RestoreStage.FAILED:
             return self.book.change(item.operation_id, state=RestoreState.FAILED, error=r.error)
         self._open[item.operation_id] = r
