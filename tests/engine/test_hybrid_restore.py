@@ -39,4 +39,5 @@ def test_a_hybrid_restore_serves_the_next_turn_from_the_hold(name: str, tmp_path
         assert out.cached == CachedTokens(device=0, host=MATCHED, storage=0)
         assert out.output_ids == want
         wait_state(engine, op.operation_id, {RestoreState.RELEASED})
+        assert engine.close_session("agent-1")  # its own retention: no pin is left then
         assert_idle(engine)

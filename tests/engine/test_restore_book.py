@@ -5,15 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.engine import restore_book
-from hicache.engine.restore_book import (
-    DEFAULT_TTL_MS,
-    MAX_TTL_MS,
-    RestoreBook,
-    RestoreBusy,
-    RestoreState,
-    check_ttl_ms,
-)
-from hicache.engine.sampling import InvalidRequest
+from hicache.engine.restore_book import RestoreBook, RestoreBusy, RestoreState
 
 
 def book(max_ops: int = 2, max_bytes: int = 100) -> RestoreBook:
@@ -56,19 +48,3 @@ def test_only_the_most_recent_ended_operations_are_kept(monkeypatch: pytest.Monk
         b.change(op.operation_id, state=RestoreState.RELEASED)
         ids.append(op.operation_id)
     assert b.get(ids[0]) is None and b.get(ids[1]) is not None and b.get(ids[2]) is not None
-
-
-@pytest.mark.parametrize(
-    ("value", "why"),
-    [(-1, "(-1)"), (0, "(0)"), (float("nan"), "NaN"), ("5", "a str"), (True, "a bool"),
-     (2.0, "a float"), (MAX_TTL_MS + 1, "over 24 h")],
-)  # fmt: skip
-def test_a_bad_ttl_names_ttl_ms(value: object, why: str) -> None:
-    with pytest.raises(InvalidRequest, match="ttl_ms is invalid") as err:
-        check_ttl_ms(value)
-    assert why in str(err.value) and err.value.param == "ttl_ms"
-
-
-def test_a_good_ttl_and_the_default() -> None:
-    assert check_ttl_ms(None) == DEFAULT_TTL_MS
-    assert check_ttl_ms(1) == 1 and check_ttl_ms(MAX_TTL_MS) == MAX_TTL_MS

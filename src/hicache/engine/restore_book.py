@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import threading
 import time
 import uuid
@@ -24,24 +23,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.cache.request import CachedTokens
-from hicache.engine.sampling import InvalidRequest
 
 __all__ = [
     "DEFAULT_RESTORE_MAX_OPS",
     "DEFAULT_TTL_MS",
     "ENDED_KEPT",
-    "MAX_TTL_MS",
     "RestoreBook",
     "RestoreBusy",
     "RestoreOp",
     "RestoreState",
-    "check_ttl_ms",
 ]
 
 DEFAULT_TTL_MS = 60_000
 """A restore's hold when the POST names no ``ttl_ms``."""
-MAX_TTL_MS = 24 * 3600 * 1000
-"""The longest ``ttl_ms`` accepted (24 h)."""
 DEFAULT_RESTORE_MAX_OPS = 16
 """Restores not ended at most (``--hicache-restore-max-ops``)."""
 ENDED_KEPT = 1024
@@ -112,28 +106,6 @@ class RestoreOp:
 
 class RestoreBusy(Exception):
     """A new restore is over the bounds (HTTP 429); the message says which."""
-
-
-def check_ttl_ms(value: Any) -> int:
-    """``value`` as a restore's ``ttl_ms`` (None: :data:`DEFAULT_TTL_MS`); an int in
-    ``[1, MAX_TTL_MS]``, else :class:`InvalidRequest` naming ``ttl_ms``."""
-    if value is None:
-        return DEFAULT_TTL_MS
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and math.isnan(value):
-            why = "NaN"
-        else:
-            why = f"a {type(value).__name__}"
-    elif value < 1:
-        why = f"{value}"
-    elif value > MAX_TTL_MS:
-        why = f"{value}, over 24 h"
-    else:
-        return value
-    raise InvalidRequest(
-        f"ttl_ms is invalid ({why}); must be an integer of milliseconds in [1, {MAX_TTL_MS}]",
-        param="ttl_ms",
-    )
 
 
 class RestoreBook:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hicache.disagg.config import Bootstrap, DisaggMode
-from hicache.engine.restore_book import check_ttl_ms
+from hicache.engine.restore_book import DEFAULT_TTL_MS
 from hicache.engine.sampling import InvalidRequest, SamplingParams
-from hicache.engine.session import SessionHint, check_session_id
+from hicache.engine.session import SessionHint, check_session_id, check_ttl_ms
 
 MAX_CACHE_SALT_CHARS = 256
 """Longest ``cache_salt`` accepted: each distinct salt is tenant state kept by the cache."""
@@ -143,7 +143,8 @@ def validate_restore(
     """The :class:`ValidRestore` of a ``POST /hicache/prefetch``'s fields; raises
     :class:`InvalidRequest` naming ``param`` (the prompt: empty, a token outside the
     vocabulary, not one whole page, longer than the context), ``session_id``, ``ttl_ms``
-    (:func:`~hicache.engine.restore_book.check_ttl_ms`) or ``cache_salt``."""
+    (a session's TTL: :func:`~hicache.engine.session.check_ttl_ms`; None:
+    :data:`~hicache.engine.restore_book.DEFAULT_TTL_MS`) or ``cache_salt``."""
     check_prompt_ids(prompt_ids, vocab, param)
     if len(prompt_ids) > context_length:
         raise InvalidRequest(
@@ -158,9 +159,10 @@ def validate_restore(
             param=param,
         )
     sid = check_session_id(session_id, "session_id")
-    ttl = check_ttl_ms(ttl_ms)
+    ttl = check_ttl_ms(ttl_ms, "ttl_ms")
     check_cache_salt(cache_salt)
     assert isinstance(cache_salt, str)
+    ttl = DEFAULT_TTL_MS if ttl is None else ttl
     return ValidRestore(tuple(prompt_ids[:whole]), cache_salt, sid, ttl)
 
 
