@@ -228,3 +228,17 @@ def test_a_restore_over_a_corrupt_record_stops_there_and_the_rest_is_recomputed(
         assert out.cached.total == 5 * PAGE and out.output_ids == reference
         wait_state(engine, op.operation_id, {RestoreState.RELEASED})
         clean_but_sessions(engine)  # the sessions' own retention aside
+
+
+def test_closing_the_session_cancels_its_restores() -> None:
+    with slow_engine("close") as engine:
+        op = engine.restore(PROMPT, session_id="agent-1")
+        other = engine.restore(PROMPT, session_id="agent-2")
+        wait_state(engine, op.operation_id, {RestoreState.READY})
+        assert not engine.close_session("agent-1")  # no request yet: not a live session
+        closed = engine.restore_op(op.operation_id)
+        assert closed is not None and closed.state is RestoreState.CANCELLED
+        assert closed.error == "the session was closed"
+        wait_state(engine, other.operation_id, {RestoreState.READY})  # the other stays
+        engine.cancel_restore(other.operation_id)
+        clean(engine)

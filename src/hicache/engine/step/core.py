@@ -228,6 +228,8 @@ class EngineCore:
             self.scheduler.room_failed(item)
             return None
         if isinstance(item, CloseSession):
+            if not item.expired:  # closed: what restores hold for it goes too
+                self.restores.end_session(item.session_id, "the session was closed")
             return self.cache.sessions.close(item.session_id, expired=item.expired)
         if isinstance(item, Digest):
             sched = self.scheduler
