@@ -27,6 +27,14 @@ def settle(cache: HiCache, r: Restore, timeout_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+def stored() -> MemoryStore:
+    """A store holding TOKENS' pages, written by a cache closed since."""
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    return store
+
+
 def held_refs(cache: HiCache) -> list[int]:
     node = cache.full.pages.tree.match_full(TOKENS).last_host_node
     refs = []
@@ -37,9 +45,7 @@ def held_refs(cache: HiCache) -> list[int]:
 
 
 def test_a_restore_brings_the_prefix_into_l2_and_holds_it_until_released() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
+    store = stored()
     with make(MHA, store) as b:
         r = b.restores.start([*TOKENS, 7])  # the partial last page is not restored
         assert r.stage is RestoreStage.LOADING and r.tokens == TOKENS
@@ -57,8 +63,7 @@ def test_a_restore_brings_the_prefix_into_l2_and_holds_it_until_released() -> No
 
 
 def test_a_restore_of_a_prefix_held_locally_holds_it_at_once() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
+    with make(MHA, MemoryStore()) as a:
         put(a, TOKENS)
         r = a.restores.start(TOKENS)
         assert r.prefetch is None  # nothing to fetch
@@ -69,9 +74,7 @@ def test_a_restore_of_a_prefix_held_locally_holds_it_at_once() -> None:
 
 
 def test_a_restore_released_while_loading_leaves_what_arrived_cached_unpinned() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
+    store = stored()
     with make(MHA, store) as b:
         r = b.restores.start(TOKENS)
         b.restores.release(r)
@@ -92,9 +95,7 @@ def test_a_restore_without_l3_fails_and_holds_nothing() -> None:
 
 
 def test_a_failing_lookup_fails_the_restore_with_the_backends_reason() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
+    store = stored()
     with make(MHA, store) as b:
         storage = b.l3.attached.controller.storage  # type: ignore[union-attr]
         assert isinstance(storage, MemoryStorage)
@@ -108,9 +109,7 @@ def test_a_failing_lookup_fails_the_restore_with_the_backends_reason() -> None:
 
 
 def test_a_detach_under_a_loading_restore_fails_it() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
+    store = stored()
     with make(MHA, store) as b:
         r = b.restores.start(TOKENS)
         b.l3.detach()
@@ -121,9 +120,7 @@ def test_a_detach_under_a_loading_restore_fails_it() -> None:
 
 
 def test_a_restore_reads_a_hit_under_the_prefetch_threshold() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
+    store = stored()
     cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
     with HiCache(cfg, MHA).start() as b:
         ns = Namespace.for_spec(
@@ -139,9 +136,7 @@ def test_a_restore_reads_a_hit_under_the_prefetch_threshold() -> None:
 
 
 def test_a_held_prefix_goes_on_into_l1_only_within_the_spare_pages() -> None:
-    store = MemoryStore()
-    with make(MHA, store) as a:
-        put(a, TOKENS)
+    store = stored()
     with make(MHA, store) as b:
         r = b.restores.start(TOKENS)
         settle(b, r)
