@@ -8,7 +8,7 @@ import time
 import torch
 
 from hicache.cache import HiCache
-from hicache.cache.report import check_integrity
+from hicache.cache.report import cache_stats, check_integrity
 from hicache.cache.request import CachedTokens
 from hicache.cache.restores import NO_L3, Restore, RestoreStage
 from hicache.config import CacheConfig, PrefetchConfig
@@ -56,6 +56,12 @@ def test_a_restore_brings_the_prefix_into_l2_and_holds_it_until_released() -> No
         check_integrity(b)
         b.restores.release(r)
         assert r.stage is RestoreStage.ENDED and held_refs(b) == [0]
+        c = cache_stats(b).counters
+        assert (c["restores_total"], c["restore_tokens_total"], c["restore_failures_total"]) == (
+            1,
+            8,
+            0,
+        )
         b.restores.release(r)  # idempotent
         got, data = fetch(b, [*TOKENS, 7])
         assert got == 0 and torch.equal(data, page_kv(b, TOKENS, 0, 4))  # from L2 now
@@ -104,6 +110,7 @@ def test_a_failing_lookup_fails_the_restore_with_the_backends_reason() -> None:
         settle(b, r)
         assert r.stage is RestoreStage.FAILED and r.node is None
         assert r.error is not None and "injected failure" in r.error
+        assert cache_stats(b).counters["restore_failures_total"] == 1
         assert all(n.host_ref == 0 for n in b.full.pages.tree.iter_nodes())
         check_integrity(b)
 
@@ -144,6 +151,7 @@ def test_a_held_prefix_goes_on_into_l1_only_within_the_spare_pages() -> None:
         assert b.restores.resident(r) == CachedTokens(device=0, host=8, storage=8)
         free = b.full.pages.device.allocator.free_pages
         assert b.restores.load_to_l1(r, spare_pages=4) == 8
+        assert cache_stats(b).counters["restore_l1_tokens_total"] == 8
         assert b.full.pages.device.allocator.free_pages == free - 4  # nothing evicted
         assert b.restores.resident(r) == CachedTokens(device=8, host=8, storage=8)
         b.sync(wait=True)  # the copy lands and unpins

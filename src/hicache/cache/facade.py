@@ -151,7 +151,9 @@ class HiCache(Lifecycle):
             sync=self._sync,
             stores=self.stores,
         )
-        self.restores = Restores(tree=tree, l3=self._l3, pages=pages, stores=self.stores)
+        self.restores = Restores(
+            tree=tree, l3=self._l3, pages=pages, stores=self.stores, counters=counters
+        )
         """Prefixes brought from L3 into L2 ahead of their request, and held there."""
         self._started = False
 

@@ -26,6 +26,7 @@ from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.prefetch import Prefetch
 from hicache.cache.l3.slot import L3Slot
 from hicache.cache.request import CachedTokens
+from hicache.metrics import CacheCounters
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import TokenIds
 
@@ -68,8 +69,15 @@ class Restores:
     """The restores of one cache: their verbs over its tree and L3 slot."""
 
     def __init__(
-        self, *, tree: HiRadixTree, l3: L3Slot, pages: FullPages, stores: ComponentStores
+        self,
+        *,
+        tree: HiRadixTree,
+        l3: L3Slot,
+        pages: FullPages,
+        stores: ComponentStores,
+        counters: CacheCounters,
     ) -> None:
+        self._counters = counters
         self._tree = tree
         self._l3 = l3
         self._pages = pages
@@ -81,8 +89,10 @@ class Restores:
         once, holding nothing, when no L3 tier is attached)."""
         whole = tokens[: len(tokens) // self._page_size * self._page_size]
         r = Restore(tokens=whole, tenant=tenant)
+        self._counters.restores_total += 1
         if self._l3.attached is None:
             r.stage, r.error = RestoreStage.FAILED, NO_L3
+            self._counters.restore_failures_total += 1
             return r
         r.prefetch = self._l3.tier.prefetches.start(whole, tenant, any_hit=True)
         return r
@@ -100,11 +110,13 @@ class Restores:
         if p is not None and p.taken:  # its tier was detached under it: given up
             r.prefetch = None
             r.stage, r.error = RestoreStage.FAILED, f"the L3 tier was detached; {NO_L3}"
+            self._counters.restore_failures_total += 1
             return True
         if p is not None and p.lookup_failed:
             self._take(r)
             r.stage = RestoreStage.FAILED
             r.error = f"the L3 lookup failed: {p.lookup_error or 'on another rank'}"
+            self._counters.restore_failures_total += 1
             return True
         self._take(r)
         node = self._tree.match_full(r.tokens, r.tenant).last_host_node
@@ -149,12 +161,15 @@ class Restores:
         if device_pages is None:  # pragma: no cover - checked above
             return 0
         host.load(nodes, device_pages, None)
+        self._counters.restore_l1_tokens_total += need * self._page_size
         return need * self._page_size
 
     def _take(self, r: Restore) -> None:
         if r.prefetch is not None:
             if self._l3.attached is not None:
-                r.storage_tokens += self._l3.tier.prefetches.take(r.prefetch)
+                got = self._l3.tier.prefetches.take(r.prefetch)
+                r.storage_tokens += got
+                self._counters.restore_tokens_total += got
             r.prefetch = None
 
     def resident(self, r: Restore) -> CachedTokens:
