@@ -7,7 +7,8 @@ cache restores on (:meth:`StepRestores.advance`) right after the step's agreed
 ``cache.sync()``, so every rank holds and releases the same prefixes at the same step.
 A hold is given back when a request of its session leaves the waiting queue (admitted,
 or ended before: :meth:`StepRestores.watch` then :meth:`StepRestores.left`), at its TTL
-(rank 0 posts the ``EndRestore``) or at a ``DELETE``. The book
+(rank 0 posts the ``EndRestore``), at a ``DELETE``, when its session is closed, or at a
+flush. The book
 (:class:`~hicache.engine.restore_book.RestoreBook`) says each operation's state; rank
 0's is what the API reads. Runs on the thread that drives the core.
 """
