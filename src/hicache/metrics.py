@@ -77,6 +77,14 @@ class CacheCounters:
     prefetch_component_records_total: int = 0
     """Component records (snapshots, SWA pages) read from L3 into L2 by prefetches whose
     hit was taken."""
+    restores_total: int = 0
+    """Restores started (``POST /hicache/prefetch``; :mod:`hicache.cache.restores`)."""
+    restore_failures_total: int = 0
+    """Restores that ended without a hold (no L3, or its lookup failed)."""
+    restore_tokens_total: int = 0
+    """Tokens restores read from L3 into L2 (also in ``prefetch_tokens_total``)."""
+    restore_l1_tokens_total: int = 0
+    """Tokens of held restores copied on from L2 into L1 ahead of their request."""
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -40,6 +40,7 @@ BODIES: dict[tuple[str, str], Any] = {
     },
     ("POST", "/generate"): {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}},
     ("PUT", "/hicache/storage-backend"): {"bogus": 1},  # a 400 once the key passed
+    ("POST", "/hicache/prefetch"): {"bogus": 1},
 }
 """Bodies that a route past the guard answers without changing anything lasting."""
 
@@ -52,7 +53,7 @@ def engine() -> Iterator[Engine]:
 
 
 def call(client: TestClient, method: str, path: str, headers: dict[str, str]) -> Any:
-    url = path.replace("{model_id:path}", "tiny")
+    url = path.replace("{model_id:path}", "tiny").replace("{operation_id}", "restore-none")
     body = BODIES.get((method, path))
     return client.request(method, url, json=body, headers=headers)
 

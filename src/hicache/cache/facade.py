@@ -34,6 +34,7 @@ from hicache.cache.full_pages import FullPages
 from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.slot import L3Slot
 from hicache.cache.request import CacheRequest, RequestState
+from hicache.cache.restores import Restores
 from hicache.cache.sessions import Sessions
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
 from hicache.config import CacheConfig
@@ -151,6 +152,10 @@ class HiCache(Lifecycle):
             sync=self._sync,
             stores=self.stores,
         )
+        self.restores = Restores(
+            tree=tree, l3=self._l3, pages=pages, stores=self.stores, counters=counters
+        )
+        """Prefixes brought from L3 into L2 ahead of their request, and held there."""
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle

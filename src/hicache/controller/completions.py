@@ -37,12 +37,14 @@ class L3Lookup:
     (recurrent-state snapshots, sliding-window pages), which of them are present, per
     component (only those within reach of the full-KV run found were looked up).
     ``skipped``: keys of the run not asked because the negative cache remembered one of
-    them missing (the run's length: no store call for the run at all)."""
+    them missing (the run's length: no store call for the run at all). ``error``: why the
+    lookup failed (the backend's reason; empty when it did not: a miss is no failure)."""
 
     op_id: int
     hit_pages: int
     components: tuple[ComponentFound, ...] = ()
     skipped: int = 0
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)

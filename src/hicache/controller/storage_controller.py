@@ -300,10 +300,12 @@ class StorageController(Lifecycle):
         found: list[ComponentFound] = []
         neg = self.negative
         asked = len(op.keys) if neg is None else neg.to_ask(op.keys)
+        error = ""
         try:
             if asked:
                 run = self.storage.exists_run(op.keys[:asked])  # a failure is no hit
                 hit = run.present
+                error = run.why
                 if neg is not None and hit < asked and not run.failed:
                     neg.missed(op.keys[hit])
                 if not hit and op.previous is not None:
@@ -314,9 +316,10 @@ class StorageController(Lifecycle):
                     continue
                 flags = self.storage.batch_contains(c.keys[:n])
                 found.append(ComponentFound(c.name, tuple(i for i, f in enumerate(flags) if f)))
-        except Exception:  # backends fail soft already; this is a last guard
+        except Exception as exc:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
-        return L3Lookup(op.op_id, hit, tuple(found), skipped=len(op.keys) - asked)
+            error = f"{type(exc).__name__}: {exc}"
+        return L3Lookup(op.op_id, hit, tuple(found), skipped=len(op.keys) - asked, error=error)
 
     def _read(self, op: _Read) -> int:
         """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact

@@ -24,6 +24,7 @@ from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
+from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.schedule_config import SchedulerConfig
 from hicache.engine.tp_fit import check_tp_fits
 from hicache.runner.kernels import AttentionBackend
@@ -112,6 +113,12 @@ class EngineConfig:
     rank shows in ``/health`` within seconds (its heartbeat), not at this bound."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     """The prefill/decode disaggregation role (:mod:`hicache.disagg`; default: none)."""
+    restore_max_ops: int = DEFAULT_RESTORE_MAX_OPS
+    """Restores (``POST /hicache/prefetch``) not ended at most; one more is refused (429).
+    At least 1."""
+    restore_max_bytes: int | None = None
+    """L2 bytes restores may hold at most (the whole pages of their prefixes, per rank);
+    one that would pass it is refused (429). None: half the L2 pool. At least 1."""
 
     def __post_init__(self) -> None:
         check_tp_fits(self.tp_size, self.device)
@@ -156,6 +163,9 @@ class EngineConfig:
             "must be a finite number of seconds > 0",
         )
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
+        int_at_least("restore_max_ops", self.restore_max_ops, 1)
+        if self.restore_max_bytes is not None:
+            int_at_least("restore_max_bytes", self.restore_max_bytes, 1, "(half of L2: None)")
         require(
             is_finite_number(self.stats_interval_s) and self.stats_interval_s > 0,
             "stats_interval_s",

@@ -175,6 +175,30 @@ class RoomFailed:
     error: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartRestore:
+    """Start restore ``operation_id``: the whole pages ``prompt_ids`` of ``tenant``'s,
+    from L3 into L2, held for ``session_id``'s next request (a follower books it with
+    ``ttl_ms`` and ``nbytes`` as rank 0 did; only rank 0 keeps its deadline)."""
+
+    operation_id: str
+    prompt_ids: tuple[int, ...]
+    tenant: str
+    session_id: str
+    ttl_ms: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndRestore:
+    """End restore ``operation_id`` in ``state`` (``"cancelled"``: a ``DELETE``;
+    ``"expired"``: rank 0's clock passed its ``ttl_ms``), giving its hold back; nothing
+    when it has ended. Rank 0's caller gets the operation's record."""
+
+    operation_id: str
+    state: str
+
+
 @dataclass(frozen=True, slots=True)
 class CloseSession:
     """End session ``session_id``: its KV is no longer kept in L2 (rank 0 answers whether
@@ -203,6 +227,8 @@ StepInput = (
     | RoomEnded
     | RoomFailed
     | CloseSession
+    | StartRestore
+    | EndRestore
     | Stop
 )
 """One input of a step; the records above."""
@@ -227,11 +253,13 @@ __all__ = [
     "AttachStorage",
     "DetachStorage",
     "Digest",
+    "EndRestore",
     "FlushCache",
     "NewRequest",
     "PagesArrived",
     "RoomEnded",
     "RoomFailed",
+    "StartRestore",
     "StepInput",
     "StepInputs",
     "Stop",

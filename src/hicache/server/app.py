@@ -40,6 +40,7 @@ from hicache.server.http_base import (
 )
 from hicache.server.native_routes import add_native_routes
 from hicache.server.openai_routes import add_openai_routes
+from hicache.server.restore_routes import add_restore_routes
 from hicache.server.router_routes import add_router_routes
 from hicache.server.session_routes import add_session_routes
 from hicache.server.state import ServerState, refusal_response
@@ -114,6 +115,7 @@ def create_app(
     add_openai_routes(app, state)
     add_native_routes(app, state)
     add_admin_routes(app, state)
+    add_restore_routes(app, state)
     add_router_routes(app, state)
     add_session_routes(app, state)
     return app

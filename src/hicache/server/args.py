@@ -30,6 +30,7 @@ from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.front.engine import EngineConfig
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
+from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.step.scheduler import SchedulePolicy, SchedulerConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
@@ -145,6 +146,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_NEGATIVE_ENTRIES,
         help="L3 lookup misses remembered at most (LRU)",
+    )
+    c.add_argument(
+        "--hicache-restore-max-ops",
+        type=int,
+        default=DEFAULT_RESTORE_MAX_OPS,
+        help="restores (POST /hicache/prefetch) loading or held at most; one more is a 429",
+    )
+    c.add_argument(
+        "--hicache-restore-max-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="L2 bytes restores may hold at most (per rank); one more is a 429 (default:"
+        " half the L2 pool)",
     )
     c.add_argument(
         "--hicache-storage-backend-extra-config",
@@ -369,6 +384,8 @@ FIELD_FLAGS = {
     "storage_negative_ttl_s": "--hicache-storage-negative-ttl",
     "negative_ttl_s": "--hicache-storage-negative-ttl",
     "storage_negative_entries": "--hicache-storage-negative-entries",
+    "restore_max_ops": "--hicache-restore-max-ops",
+    "restore_max_bytes": "--hicache-restore-max-bytes",
     "negative_max_entries": "--hicache-storage-negative-entries",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
     "swa_full_tokens_ratio": "--swa-full-tokens-ratio",
@@ -529,6 +546,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
         storage_negative_ttl_s=a.hicache_storage_negative_ttl,
         storage_negative_entries=a.hicache_storage_negative_entries,
+        restore_max_ops=a.hicache_restore_max_ops,
+        restore_max_bytes=a.hicache_restore_max_bytes,
         attention_backend=a.attention_backend,
         cuda_graph_max_bs=0 if a.disable_cuda_graph else a.cuda_graph_max_bs,
         unhealthy_after_failed_steps=a.unhealthy_after_failed_steps,

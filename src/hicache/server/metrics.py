@@ -61,6 +61,10 @@ _COUNTER_HELP = {
     "session_demotions_total": "Idle sessions unpinned from L2 past their share of it",
     "session_yields_total": "Idle sessions unpinned from L2 for an allocation",
     "session_expired_total": "Sessions ended by their TTL",
+    "restores_total": "Restores started (POST /hicache/prefetch)",
+    "restore_failures_total": "Restores that ended without a hold (no L3, or a failed lookup)",
+    "restore_tokens_total": "Tokens restores read L3 -> L2",
+    "restore_l1_tokens_total": "Tokens of held restores copied L2 -> L1 ahead of their request",
 }
 """Help text of the counters that have more to say than their name (CacheCounters)."""
 

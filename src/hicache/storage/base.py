@@ -61,10 +61,12 @@ __all__ = [
 class ExistsRun:
     """What one lookup of a run of keys found: the first ``present`` keys are present.
     ``failed``: the call hit a backend error or overran its deadline, so the keys from
-    ``present`` on are unknown, not known absent (never remembered as misses)."""
+    ``present`` on are unknown, not known absent (never remembered as misses); ``why``
+    says how it failed (the backend's reason)."""
 
     present: int
     failed: bool = False
+    why: str = ""
 
 
 class StorageError(RuntimeError):
@@ -346,7 +348,8 @@ class HiCacheStorage(ABC):
         if split is not None:
             hits //= split.local_kv_heads
         self._stats.exists(len(keys), hits)
-        return ExistsRun(hits, failed=timer.failed)
+        why = (timer.why or "exists failed") if timer.failed else ""
+        return ExistsRun(hits, failed=timer.failed, why=why)
 
     def batch_get(
         self, keys: Sequence[PageKey], host: HostPool, pages: Sequence[int] | torch.Tensor

@@ -227,14 +227,16 @@ class StorageStats:
 
 class _OpTimer:
     """One batch call being timed (:meth:`StatsRecorder.timed`); ``timed_out`` is set when
-    a deadline was overrun during it, ``failed`` when it or a backend error was."""
+    a deadline was overrun during it, ``failed`` when it or a backend error was, ``why``
+    says what failed last (empty: nothing)."""
 
-    __slots__ = ("failed", "op", "timed_out")
+    __slots__ = ("failed", "op", "timed_out", "why")
 
     def __init__(self, op: str) -> None:
         self.op = op
         self.timed_out = False
         self.failed = False
+        self.why = ""
 
 
 class StatsRecorder:
@@ -334,6 +336,7 @@ class StatsRecorder:
         timer = getattr(self._current, "timer", None)
         if timer is not None:
             timer.failed = True
+            timer.why = f"{op} failed: {detail}"
         log.warning("L3 %s: %s failed: %s", self._backend, op, detail)
 
     def timeout(self, op: str, timeout_s: float) -> None:
@@ -343,6 +346,7 @@ class StatsRecorder:
         timer = getattr(self._current, "timer", None)
         if timer is not None:
             timer.timed_out = timer.failed = True
+            timer.why = f"{op} timed out after {timeout_s:g} s"
         log.warning("L3 %s: %s timed out after %.3f s", self._backend, op, timeout_s)
 
     def log_misses(

@@ -80,3 +80,9 @@ class Prefetch:
     looking: bool = True
     agreed_ready: bool = False
     held: bool = False
+    any_hit: bool = False
+    """A restore's prefetch: any hit of a whole page is read, whatever ``prefetch_threshold``."""
+    lookup_failed: bool = False
+    """The lookup failed on some rank (a backend error or overrun, not a miss), as agreed."""
+    lookup_error: str = ""
+    """Why this rank's lookup failed (the backend's reason; empty: it did not)."""

@@ -78,9 +78,9 @@ class Prefetches:
 
     # ------------------------------------------------------------------ lookup
 
-    def start(self, tokens: TokenIds, tenant: str) -> Prefetch | None:
-        """Start looking up the L3 pages of ``tokens`` past what the tree holds; None
-        when nothing can be fetched (no uncached whole page; with extra components, also
+    def start(self, tokens: TokenIds, tenant: str, *, any_hit: bool = False) -> Prefetch | None:
+        """Start looking up the L3 pages of ``tokens`` past what the tree holds (``any_hit``:
+        a restore's, read whatever ``prefetch_threshold``); None when nothing can be fetched (no uncached whole page; with extra components, also
         when the held prefix ends on a span that is not in L2 and no held boundary past
         the valid match is left to serve). ``docs/architecture.md`` (L3) says where the
         lookup starts and what it covers."""
@@ -118,6 +118,7 @@ class Prefetches:
         deadline = now + self.prefetch.timeout_s(len(rest) * ps)
         p = Prefetch(next(self._op_ids), key, rest, start, pin, tenant, now, deadline)
         p.valid_pages, p.inner_to, p.cached_to = valid, inner_to, cached_to
+        p.any_hit = any_hit
         lookups = self._reads.lookups(p, attach, len(rest))
         self._open[p.op_id] = p
         previous = self._keys.previous_page(key, tenant, start + 1) if rest else None
@@ -134,6 +135,7 @@ class Prefetches:
         if p is None:
             return
         p.looking = False
+        p.lookup_error = r.error
         if p.taken:  # agreed state: every rank drops it here, without a collective
             del self._open[r.op_id]
             return
@@ -268,7 +270,8 @@ class Prefetches:
         if p.looking:
             r = self._got.lookups.get(p.op_id)
             hit = 0 if r is None else r.hit_pages
-            return Vote(p.op_id, arrived=r is not None, value=hit, ready=ready)
+            ok = r is not None and not r.error  # agreed: it failed on no rank
+            return Vote(p.op_id, arrived=r is not None, value=hit, flag=ok, ready=ready)
         if not p.read_final and (p.host_pages is not None or p.reads):
             g = self._got.reads.get(p.op_id, ReadProgress())
             return Vote(p.op_id, True, g.done, final=g.final, flag=g.records, ready=ready)
@@ -294,6 +297,7 @@ class Prefetches:
         if p.looking:
             if not v.arrived:
                 return False
+            p.lookup_failed = not v.flag
             self._on_lookup(self._got.lookups.pop(v.op_id), v.value)
             return True
         if p.read_final:

@@ -76,6 +76,11 @@ class Reads:
             )
         return lookups
 
+    def _threshold(self, p: Prefetch) -> int:
+        """Tokens a read of ``p`` must bring at least: ``prefetch_threshold``, or one
+        page for a restore (``p.any_hit``: read ahead of its request, never too late)."""
+        return self._page_size if p.any_hit else self._prefetch.prefetch_threshold
+
     def plan(self, p: Prefetch, r: L3Lookup, hit: int) -> None:
         """Read what lookup ``r`` of ``p`` found, ``hit`` pages agreed (the minimum over
         ranks), up to the deepest usable boundary; ``p.finished`` when nothing is read."""
@@ -89,7 +94,7 @@ class Reads:
             return
         hit = boundary - start
         host_pages = None
-        if hit and hit * self._page_size >= self._prefetch.prefetch_threshold:
+        if hit and hit * self._page_size >= self._threshold(p):
             host_pages = self._host.alloc(hit)  # agreed by every rank (HostTier.alloc)
         reads: list[ComponentFetch] = []
         if host_pages is not None:
@@ -129,9 +134,8 @@ class Reads:
         nodes adopt when taken. Worth it when the tokens it makes usable beyond the
         local valid match reach ``prefetch_threshold``."""
         gain = boundary - p.valid_pages
-        if (
-            not p.valid_pages < boundary <= p.inner_to
-            or gain * self._page_size < self._prefetch.prefetch_threshold
+        if not p.valid_pages < boundary <= p.inner_to or gain * self._page_size < self._threshold(
+            p
         ):
             p.finished = True
             return

@@ -33,12 +33,14 @@ from hicache.engine.ranks import (
     leave_group,
 )
 from hicache.engine.request import OutputCallback, Request
+from hicache.engine.restore_book import RestoreState
 from hicache.engine.run_state import RunState
 from hicache.engine.step.core import Applied, EngineCore, StepFailed
 from hicache.engine.step.ends import StepOutputs
 from hicache.engine.step_inputs import (
     Abort,
     CloseSession,
+    EndRestore,
     NewRequest,
     StepInput,
     StepInputs,
@@ -261,7 +263,8 @@ class Leader:
                 self._expire_sessions()
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
                     # (at most 50 ms: the followers wait in the next broadcast meanwhile)
-                    self._wake.wait(timeout=0.002 if self.core.scheduler.polling else 0.05)
+                    polling = self.core.scheduler.polling or self.core.restores.loading
+                    self._wake.wait(timeout=0.002 if polling else 0.05)
                     self._wake.clear()
             if channel is not None:
                 reason = self._stop_ranks(channel, reason)
@@ -287,6 +290,11 @@ class Leader:
         """One round: this step's inputs from the inbox, the step; returns whether a
         forward ran. A failed step ends the requests in flight (one rank)."""
         tasks = self._take_inbox()
+        # rank 0's clock alone decides a restore's expiry: every rank applies the record
+        tasks += [
+            Task(record=EndRestore(op_id, RestoreState.EXPIRED.value))
+            for op_id in self.core.restores.book.due()
+        ]
         if not tasks and channel is None:  # nothing to apply (most rounds): the step alone
             return self._step(StepInputs(self.core.step_no), None, channel)
         records = [t for t in tasks if t.record is not None]

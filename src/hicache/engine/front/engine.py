@@ -47,24 +47,28 @@ from hicache.engine.front.validation import (
     PRIORITY_MIN,
     ValidRequest,
     validate_request,
+    validate_restore,
 )
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.ranks import RankProcesses
 from hicache.engine.request import OutputCallback, Request, RequestOutput
+from hicache.engine.restore_book import RestoreOp, RestoreState
 from hicache.engine.role import Role
 from hicache.engine.roles.role_setup import start_role
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.session import SessionHint
 from hicache.engine.step.build import build_core
-from hicache.engine.step.core import EngineCore
+from hicache.engine.step.core import EngineCore, restore_page_bytes
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,
     CloseSession,
     DetachStorage,
     Digest,
+    EndRestore,
     FlushCache,
+    StartRestore,
     StepInput,
 )
 from hicache.lifecycle import Lifecycle
@@ -446,6 +450,75 @@ class Engine(Lifecycle):
         self._stats.publish(
             self.core.cache, self.core.scheduler, self.queue, self.config.stats_interval_s
         )
+
+    # ------------------------------------------------------------------ restores
+
+    def restore(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        session_id: object,
+        ttl_ms: object = None,
+        cache_salt: object = "",
+        param: str = "input_ids",
+    ) -> RestoreOp:
+        """Start restoring the whole pages of ``prompt_ids`` (``cache_salt``'s) from L3
+        into L2, held for ``session_id``'s next request or ``ttl_ms`` (None: the default);
+        returns the QUEUED operation (any thread). Raises :class:`InvalidRequest` naming
+        the field (the prompt as ``param``), :class:`~hicache.engine.restore_book.RestoreBusy`
+        over the bounds, RuntimeError when the engine is not running."""
+        core = self.core
+        valid = validate_restore(
+            prompt_ids,
+            vocab=int(core.model.hf_config.vocab_size),
+            context_length=self.context_length,
+            page_size=core.cache.context.page_size,
+            session_id=session_id,
+            ttl_ms=ttl_ms,
+            cache_salt=cache_salt,
+            param=param,
+        )
+        pages = len(valid.prompt_ids) // core.cache.context.page_size
+        book = core.restores.book
+        op = book.reserve(
+            session_id=valid.session_id,
+            tokens=len(valid.prompt_ids),
+            nbytes=pages * restore_page_bytes(core.cache),
+            ttl_ms=valid.ttl_ms,
+        )
+        record = StartRestore(
+            operation_id=op.operation_id,
+            prompt_ids=valid.prompt_ids,
+            tenant=valid.cache_salt,
+            session_id=valid.session_id,
+            ttl_ms=valid.ttl_ms,
+            nbytes=op.nbytes,
+        )
+
+        def drop(why: str) -> None:  # the loop ends before the record is applied
+            book.change(op.operation_id, state=RestoreState.FAILED, error=why)
+
+        try:
+            self._running().post(Task(record=record, drop=drop))
+        except BaseException as exc:
+            drop(str(exc))
+            raise
+        return op
+
+    def restore_op(self, operation_id: str) -> RestoreOp | None:
+        """Restore ``operation_id`` as it is now (None: unknown); any thread, no wait."""
+        return self.core.restores.book.get(operation_id)
+
+    def cancel_restore(self, operation_id: str, timeout: float = 60.0) -> RestoreOp | None:
+        """Cancel restore ``operation_id`` (its hold given back on every rank) and return
+        it as it ends (one ended already keeps its state); None: unknown. Blocks until the
+        next step applied it (at most ``timeout`` s)."""
+        if self.core.restores.book.get(operation_id) is None:
+            return None
+        record = EndRestore(operation_id, RestoreState.CANCELLED.value)
+        got = self._command(record).result(timeout=timeout)
+        assert got is None or isinstance(got, RestoreOp)
+        return got
 
     def flush_cache(self) -> bool:
         """Empty L1 and L2 when no request is in flight; False (nothing done) otherwise."""

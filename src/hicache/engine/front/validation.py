@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hicache.disagg.config import Bootstrap, DisaggMode
+from hicache.engine.restore_book import DEFAULT_TTL_MS
 from hicache.engine.sampling import InvalidRequest, SamplingParams
-from hicache.engine.session import SessionHint
+from hicache.engine.session import SessionHint, check_session_id, check_ttl_ms
 
 MAX_CACHE_SALT_CHARS = 256
 """Longest ``cache_salt`` accepted: each distinct salt is tenant state kept by the cache."""
@@ -59,13 +60,7 @@ def validate_request(
     instance ignores one."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt")
-    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequest(
-            f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
-        )
+    check_prompt_ids(prompt_ids, vocab, "prompt")
     params.check_vocab(vocab)  # logit_bias and stop_token_ids
     if len(prompt_ids) >= context_length:
         raise InvalidRequest(
@@ -79,13 +74,7 @@ def validate_request(
             f" the prompt, 0 to {len(prompt_ids)} (the prompt has {len(prompt_ids)} tokens)",
             param="logprob_start_len",
         )
-    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        shown = len(cache_salt) if isinstance(cache_salt, str) else type(cache_salt).__name__
-        raise InvalidRequest(
-            f"cache_salt ({shown}) is invalid; must be a string of at most"
-            f" {MAX_CACHE_SALT_CHARS} characters",
-            param="cache_salt",
-        )
+    check_cache_salt(cache_salt)
     if (
         isinstance(priority, bool)
         or not isinstance(priority, int)
@@ -104,6 +93,77 @@ def validate_request(
     else:
         params = _pd_params(params, role, bootstrap)
     return ValidRequest(tuple(prompt_ids), params, cache_salt, priority, bootstrap, session)
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], vocab: int, param: str) -> None:
+    """:class:`InvalidRequest` naming ``param`` for an empty prompt or a token id outside
+    ``[0, vocab)``."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param=param)
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(
+            f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param=param
+        )
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """:class:`InvalidRequest` naming ``cache_salt`` unless a short enough string."""
+    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        shown = len(cache_salt) if isinstance(cache_salt, str) else type(cache_salt).__name__
+        raise InvalidRequest(
+            f"cache_salt ({shown}) is invalid; must be a string of at most"
+            f" {MAX_CACHE_SALT_CHARS} characters",
+            param="cache_salt",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRestore:
+    """A restore :func:`validate_restore` found servable: the whole pages of its prefix
+    (``prompt_ids``), its tenant (``cache_salt``), ``session_id`` and ``ttl_ms``."""
+
+    prompt_ids: tuple[int, ...]
+    cache_salt: str
+    session_id: str
+    ttl_ms: int
+
+
+def validate_restore(
+    prompt_ids: Sequence[int],
+    *,
+    vocab: int,
+    context_length: int,
+    page_size: int,
+    session_id: object,
+    ttl_ms: object,
+    cache_salt: object = "",
+    param: str = "input_ids",
+) -> ValidRestore:
+    """The :class:`ValidRestore` of a ``POST /hicache/prefetch``'s fields; raises
+    :class:`InvalidRequest` naming ``param`` (the prompt: empty, a token outside the
+    vocabulary, not one whole page, longer than the context), ``session_id``, ``ttl_ms``
+    (a session's TTL: :func:`~hicache.engine.session.check_ttl_ms`; None:
+    :data:`~hicache.engine.restore_book.DEFAULT_TTL_MS`) or ``cache_salt``."""
+    check_prompt_ids(prompt_ids, vocab, param)
+    if len(prompt_ids) > context_length:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_ids)} tokens; the context length is {context_length}",
+            param=param,
+        )
+    whole = len(prompt_ids) // page_size * page_size
+    if not whole:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_ids)} tokens, less than one page ({page_size});"
+            " only whole pages are restored",
+            param=param,
+        )
+    sid = check_session_id(session_id, "session_id")
+    ttl = check_ttl_ms(ttl_ms, "ttl_ms")
+    check_cache_salt(cache_salt)
+    assert isinstance(cache_salt, str)
+    ttl = DEFAULT_TTL_MS if ttl is None else ttl
+    return ValidRestore(tuple(prompt_ids[:whole]), cache_salt, sid, ttl)
 
 
 def _pd_params(

@@ -29,9 +29,11 @@ from hicache.engine.config import EngineConfig
 from hicache.engine.memory_trim import IdleTrimmer
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import Request
+from hicache.engine.restore_book import RestoreBook, RestoreState
 from hicache.engine.step.ends import StepOutputs
 from hicache.engine.step.graph_setup import GraphSetup
 from hicache.engine.step.rank_digest import page_digests, rank_state_digest
+from hicache.engine.step.restores import StepRestores
 from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
@@ -39,11 +41,13 @@ from hicache.engine.step_inputs import (
     CloseSession,
     DetachStorage,
     Digest,
+    EndRestore,
     FlushCache,
     NewRequest,
     PagesArrived,
     RoomEnded,
     RoomFailed,
+    StartRestore,
     StepInput,
     StepInputs,
     Stop,
@@ -119,6 +123,11 @@ class EngineCore:
         """Steps whose agreement :attr:`agreement_seconds_total` counts (0 with one rank)."""
         self.memory_trimmer = IdleTrimmer(config.memory_trim_interval_s)
         """Gives freed memory back to the OS after busy periods (engine thread only)."""
+        self.restores = StepRestores(
+            cache,
+            RestoreBook(max_ops=config.restore_max_ops, max_bytes=restore_max_bytes(config, cache)),
+        )
+        """This rank's restores (``POST /hicache/prefetch``); rank 0's book is the API's."""
 
     # ------------------------------------------------------------------ the step
 
@@ -152,7 +161,12 @@ class EngineCore:
             return StepResult(False, self.take())
         self.sync_cache()
         try:
+            self.restores.advance(
+                self.spare_l1_pages
+            )  # as agreed at this sync: alike on every rank
+            watched = self.restores.watch(self.scheduler.waiting)
             busy = self.scheduler.step()
+            self.restores.left(watched, self.scheduler.waiting)
         except Exception as exc:
             raise StepFailed(exc) from exc
         finally:
@@ -177,8 +191,13 @@ class EngineCore:
         if isinstance(item, FlushCache):
             if not self.scheduler.idle:
                 return False
+            self.restores.end_all(RestoreState.CANCELLED, "the cache was flushed")
             self.cache.reset()
             return True
+        if isinstance(item, StartRestore):
+            return self.restores.start(item)
+        if isinstance(item, EndRestore):
+            return self.restores.end(item)
         if isinstance(item, AttachStorage):
             if not self.scheduler.idle:
                 raise RuntimeError("requests are in flight; attach storage when idle")
@@ -209,6 +228,8 @@ class EngineCore:
             self.scheduler.room_failed(item)
             return None
         if isinstance(item, CloseSession):
+            if not item.expired:  # closed: what restores hold for it goes too
+                self.restores.end_session(item.session_id, "the session was closed")
             return self.cache.sessions.close(item.session_id, expired=item.expired)
         if isinstance(item, Digest):
             sched = self.scheduler
@@ -218,6 +239,17 @@ class EngineCore:
                 mine = rank_state_digest(self.cache, sched.waiting, sched.running)
             return [mine] if self.channel is None else self.channel.gather(mine)
         return None  # Stop: the drivers end there
+
+    def spare_l1_pages(self) -> int:
+        """Free L1 pages that no request queued or running may need: the free pages less,
+        for each such request, the pages of its prompt and ``max_tokens`` (an upper bound:
+        what it holds already counts again). The same on every rank."""
+        sched, ps = self.scheduler, self.cache.context.page_size
+        need = sum(
+            -(-(len(r.prompt_ids) + r.params.max_tokens) // ps)
+            for r in (*sched.waiting, *sched.running)
+        )
+        return self.cache.full.pages.device.allocator.free_pages - need
 
     def request_of(self, item: NewRequest) -> Request:
         """The request ``item`` describes: rank 0's own (with its queue place, taken out of
@@ -373,6 +405,20 @@ class EngineCore:
             )
 
 
+def restore_max_bytes(config: EngineConfig, cache: HiCache) -> int:
+    """L2 bytes restores may hold: ``config.restore_max_bytes``, or half the L2 pool."""
+    if config.restore_max_bytes is not None:
+        return config.restore_max_bytes
+    host = cache.full.pages.host_pool
+    pages = 0 if host is None else host.allocator.num_pages
+    return max(1, pages * restore_page_bytes(cache) // 2)
+
+
+def restore_page_bytes(cache: HiCache) -> int:
+    """L2 bytes of one page of the full KV on this rank (what a restore holds per page)."""
+    return cache.context.spec.token_bytes * cache.context.page_size
+
+
 def error_line(exc: BaseException) -> str:
     """``exc`` as one line: its type and the first line of its message."""
     text = str(exc).splitlines()[0] if str(exc) else ""
@@ -414,4 +460,12 @@ def attach_l3(
     cache.l3.attach(storage, namespace, prefetch)
 
 
-__all__ = ["Applied", "EngineCore", "StepFailed", "attach_l3", "error_line"]
+__all__ = [
+    "Applied",
+    "EngineCore",
+    "StepFailed",
+    "attach_l3",
+    "error_line",
+    "restore_max_bytes",
+    "restore_page_bytes",
+]
