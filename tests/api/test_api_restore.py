@@ -90,6 +90,20 @@ def test_a_text_restore_and_its_cancel(server: tuple[str, Engine]) -> None:
     assert r.status_code == 200 and r.json()["state"] in ("cancelled", "failed")
 
 
+def test_closing_a_session_that_only_restores_ends_its_hold(server: tuple[str, Engine]) -> None:
+    url, engine = server
+    generate(url)
+    only_in_l3(engine)
+    r = post(url, "/hicache/prefetch", {"input_ids": PROMPT, "session_id": "s3"})
+    assert r.status_code == 200, r.text
+    op_id = r.json()["operation_id"]
+    state_of(url, op_id, {"ready"})
+    closed = httpx.delete(f"{url}/hicache/sessions/s3", timeout=30)
+    assert closed.status_code == 200, closed.text  # no request yet, but a hold to end
+    assert state_of(url, op_id, {"cancelled"})["error"] == "the session was closed"
+    assert httpx.delete(f"{url}/hicache/sessions/s3", timeout=30).status_code == 404
+
+
 def test_unknown_operations_are_404(server: tuple[str, Engine]) -> None:
     url, _ = server
     for method in ("GET", "DELETE"):

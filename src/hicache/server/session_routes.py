@@ -1,9 +1,10 @@
 """Agent-session endpoints: ``DELETE /hicache/sessions/{session_id}`` ends a session's
-retention (its KV is no longer kept in L2 for a next turn).
+retention (its KV is no longer kept in L2 for a next turn) and its open restores.
 
 Per-session routes need the same key as inference (``--api-key`` when set): whoever may
 send a session's requests may end it. An unknown session is a 404 (not logged as an
-error): it ended already (its TTL passed, or it was closed) or never had a request.
+error): it ended already (its TTL passed, or it was closed) or never had a request nor
+an open restore.
 """
 
 from __future__ import annotations

@@ -565,8 +565,8 @@ class Engine(Lifecycle):
         self._command(record).result(timeout=120)
 
     def close_session(self, session_id: str) -> bool:
-        """End agent session ``session_id`` on every rank (its KV no longer kept in L2);
-        False when no such session is live."""
+        """End agent session ``session_id`` on every rank (its KV no longer kept in L2, its
+        open restores cancelled); False when it had neither."""
         return bool(self._command(CloseSession(session_id)).result(timeout=60))
 
     def detach_storage(self) -> bool:

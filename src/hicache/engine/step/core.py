@@ -227,10 +227,11 @@ class EngineCore:
         if isinstance(item, RoomFailed):
             self.scheduler.room_failed(item)
             return None
-        if isinstance(item, CloseSession):
-            if not item.expired:  # closed: what restores hold for it goes too
-                self.restores.end_session(item.session_id, "the session was closed")
-            return self.cache.sessions.close(item.session_id, expired=item.expired)
+        if isinstance(item, CloseSession):  # closed: what restores hold for it goes too
+            held = not item.expired and self.restores.end_session(
+                item.session_id, "the session was closed"
+            )
+            return self.cache.sessions.close(item.session_id, expired=item.expired) or held
         if isinstance(item, Digest):
             sched = self.scheduler
             if item.pages_of is not None:

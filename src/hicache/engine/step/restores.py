@@ -115,12 +115,16 @@ class StepRestores:
             if op is not None and op.session_id in sessions:
                 self._release(op_id, RestoreState.RELEASED)
 
-    def end_session(self, session_id: str, why: str) -> None:
-        """Cancel every open restore of ``session_id`` (the session was closed)."""
+    def end_session(self, session_id: str, why: str) -> bool:
+        """Cancel every open restore of ``session_id`` (the session was closed); returns
+        whether there was one."""
+        ended = False
         for op_id in list(self._open):
             op = self.book.get(op_id)
             if op is not None and op.session_id == session_id:
                 self._release(op_id, RestoreState.CANCELLED, why)
+                ended = True
+        return ended
 
     def end_all(self, state: RestoreState, why: str | None = None) -> None:
         """Give every hold back (a flush of the cache, the engine stopping)."""
