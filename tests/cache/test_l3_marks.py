@@ -5,11 +5,11 @@ when the tier detaches."""
 from __future__ import annotations
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, PrefetchConfig
-from hicache.keys import Namespace
+from hicache.config import CacheConfig
 from hicache.spec import KVSpec
-from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
-from tests.helpers.kvdata import serve, write_tokens
+from hicache.storage.backends.memory import MemoryFaults, MemoryStore
+from tests.helpers.kvdata import insert, serve
+from tests.helpers.l3_cache import attach_memory
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -19,19 +19,8 @@ TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
 def make(store: MemoryStore, faults: MemoryFaults | None = None) -> HiCache:
     cfg = CacheConfig(page_size=PAGE, device_tokens=16, hicache_ratio=2.0, load_back_threshold=0)
     cache = HiCache(cfg, MHA).start()
-    ns = Namespace.for_spec(
-        MHA, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
-    )
-    prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.l3.attach(MemoryStorage(ns, store=store, faults=faults), ns, prefetch)
+    attach_memory(cache, store, faults=faults)
     return cache
-
-
-def insert(cache: HiCache, tokens: list[int]) -> None:
-    pages = cache.full.pages.alloc(len(tokens) // PAGE)
-    assert pages is not None
-    write_tokens(cache, tokens, pages, 0)
-    cache.full.pages.insert(tokens, pages)
 
 
 def marks(cache: HiCache) -> list[tuple[int, bool]]:

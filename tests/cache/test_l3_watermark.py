@@ -31,7 +31,8 @@ from hicache.tokens import decode_tokens
 from hicache.tree import TreeNode
 from tests.cache.test_swa import FULL, SWA_SPEC, serve_in_chunks
 from tests.cache.test_swa_l3 import LONG, NS, fetch, make_cache, swa_pages_in
-from tests.helpers.kvdata import write_tokens
+from tests.helpers.kvdata import insert
+from tests.helpers.l3_cache import attach_memory
 from tests.helpers.ranks import run_ranks
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -58,22 +59,9 @@ def make(
     threshold: float = 0.5,
     faults: MemoryFaults | None = None,
 ) -> HiCache:
-    cfg = config(policy, threshold)
-    cache = HiCache(cfg, MHA).start()
-    ns = Namespace.for_spec(
-        MHA, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
-    )
-    prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.l3.attach(MemoryStorage(ns, store=store, faults=faults), ns, prefetch)
+    cache = HiCache(config(policy, threshold), MHA).start()
+    attach_memory(cache, store, faults=faults)
     return cache
-
-
-def insert(cache: HiCache, tokens: list[int]) -> None:
-    """Compute ``tokens`` into fresh L1 pages (evicting the coldest) and hand them over."""
-    pages = cache.full.pages.alloc(len(tokens) // PAGE)
-    assert pages is not None
-    write_tokens(cache, tokens, pages, 0)
-    cache.full.pages.insert(tokens, pages)
 
 
 def settle(cache: HiCache) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.cache.sessions import SessionState
-from hicache.config import CacheConfig, PrefetchConfig
-from hicache.keys import Namespace
+from hicache.config import CacheConfig
 from hicache.spec import KVSpec
-from hicache.storage.backends.memory import MemoryStorage, MemoryStore
+from hicache.storage.backends.memory import MemoryStore
 from tests.helpers.kvdata import serve
+from tests.helpers.l3_cache import attach_memory
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -211,10 +211,7 @@ def test_a_demoted_session_leaves_l2_only_with_an_l3_copy() -> None:
     )
     store = MemoryStore()
     with HiCache(cfg, MHA).start() as cache:
-        ns = Namespace.for_spec(
-            MHA, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
-        )
-        cache.l3.attach(MemoryStorage(ns, store=store), ns, PrefetchConfig())
+        attach_memory(cache, store)
         for i, s in enumerate("abc"):
             turn(cache, s, seq(100 * (i + 1), 2))
             cache.sync(wait=True)

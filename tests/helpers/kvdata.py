@@ -53,6 +53,16 @@ def write_tokens(cache: HiCache, tokens: Sequence[int], pages: PageIds, first_pa
     cache.full.pages.device_pool.write_pages(page_tensor(pages), data)
 
 
+def insert(cache: HiCache, tokens: Sequence[int], *, tenant: str = "") -> None:
+    """ "Compute" ``tokens`` (whole pages) into fresh L1 pages (evicting the coldest) and
+    hand them to the tree, as a request's commit would; the backup may be in flight."""
+    ps = cache.context.page_size
+    pages = cache.full.pages.alloc(len(tokens) // ps)
+    assert pages is not None
+    write_tokens(cache, tokens, pages, 0)
+    cache.full.pages.insert(tokens, pages, tenant=tenant)
+
+
 def read_device(cache: HiCache, pages: PageIds) -> torch.Tensor:
     return cache.full.pages.device_pool.read_pages(page_tensor(pages))
 

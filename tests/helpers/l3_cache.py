@@ -1,5 +1,6 @@
 """A started tiny :class:`HiCache` with an L3 backend attached, for the tests that freeze,
-slow or kill the store under a cache."""
+slow or kill the store under a cache; the in-memory backend attached to a cache the test
+made (:func:`attach_memory`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,32 @@ from hicache.cache import HiCache
 from hicache.config import CacheConfig, PrefetchConfig
 from hicache.keys import Namespace
 from hicache.spec import KVSpec
+from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import StorageOptions
 from hicache.storage.registry import create_storage
+
+WAIT_ALL = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
+"""Every hit is read and waited for: a test's prefetch brings all L3 has."""
+
+
+def attach_memory(
+    cache: HiCache,
+    store: MemoryStore,
+    *,
+    faults: MemoryFaults | None = None,
+    prefetch: PrefetchConfig = WAIT_ALL,
+) -> None:
+    """Attach the in-memory backend over ``store`` to ``cache`` (keyed under model ``"m"``,
+    weights ``"w"``; ``faults`` injected), with ``prefetch``."""
+    config = cache.context.config
+    ns = Namespace.for_spec(
+        cache.context.spec,
+        model="m",
+        weights_fingerprint="w",
+        layout=config.mem_layout,
+        page_size=config.page_size,
+    )
+    cache.l3.attach(MemoryStorage(ns, store=store, faults=faults), ns, prefetch)
 
 
 def cache_over_l3(
