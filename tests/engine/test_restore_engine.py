@@ -18,6 +18,7 @@ from hicache.engine.front.engine import Engine
 from hicache.engine.restore_book import RestoreBusy, RestoreOp, RestoreState
 from hicache.engine.sampling import InvalidRequest
 from hicache.engine.session import SessionHint
+from hicache.engine.step.restores import restore_page_bytes
 from hicache.keys import head_key
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
 from tests.engine.test_l3_engine import (
@@ -224,6 +225,9 @@ def test_a_restore_over_a_corrupt_record_stops_there_and_the_rest_is_recomputed(
         op = engine.restore(PROMPT, session_id="agent-1")
         ready, _ = wait_state(engine, op.operation_id, {RestoreState.READY})
         assert ready.resident == CachedTokens(device=5 * PAGE, host=5 * PAGE, storage=5 * PAGE)
+        page_bytes = restore_page_bytes(engine.core.cache)
+        assert op.nbytes == FULL // PAGE * page_bytes  # reserved for the whole prefix,
+        assert ready.nbytes == 5 * page_bytes  # then what it brought into L2
         out = engine.generate(PROMPT, GREEDY, timeout=60, session=SESSION)
         assert out.cached.total == 5 * PAGE and out.output_ids == reference
         wait_state(engine, op.operation_id, {RestoreState.RELEASED})
@@ -235,7 +239,7 @@ def test_closing_the_session_cancels_its_restores() -> None:
         op = engine.restore(PROMPT, session_id="agent-1")
         other = engine.restore(PROMPT, session_id="agent-2")
         wait_state(engine, op.operation_id, {RestoreState.READY})
-        assert not engine.close_session("agent-1")  # no request yet: not a live session
+        assert engine.close_session("agent-1")  # no request yet, but a restore to end
         closed = engine.restore_op(op.operation_id)
         assert closed is not None and closed.state is RestoreState.CANCELLED
         assert closed.error == "the session was closed"

@@ -5,7 +5,8 @@ holds it there until the session's next request is admitted, its ``ttl_ms`` pass
 the POST; rank 0's clock decides) or it is cancelled. :class:`RestoreBook` keeps one
 frozen :class:`RestoreOp` per operation, replaced at each change, and refuses a new one
 (:class:`RestoreBusy`, HTTP 429) while ``max_ops`` are not ended or their L2 bytes (whole
-pages of their prefixes, reserved at the POST) would pass ``max_bytes``. Ended operations
+pages of their prefixes, reserved at the POST; once ready, what each brought from L3)
+would pass ``max_bytes``. Ended operations
 stay readable, the most recent :data:`ENDED_KEPT` of them. Thread-safe: server threads
 reserve and read, the engine thread changes (every rank keeps its own book; only rank 0's
 is read and only rank 0 reserves ahead of the step).

@@ -59,7 +59,8 @@ from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.session import SessionHint
 from hicache.engine.step.build import build_core
-from hicache.engine.step.core import EngineCore, restore_page_bytes
+from hicache.engine.step.core import EngineCore
+from hicache.engine.step.restores import restore_page_bytes
 from hicache.engine.step_inputs import (
     Abort,
     AttachStorage,

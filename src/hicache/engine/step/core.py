@@ -33,7 +33,7 @@ from hicache.engine.restore_book import RestoreBook, RestoreState
 from hicache.engine.step.ends import StepOutputs
 from hicache.engine.step.graph_setup import GraphSetup
 from hicache.engine.step.rank_digest import page_digests, rank_state_digest
-from hicache.engine.step.restores import StepRestores
+from hicache.engine.step.restores import StepRestores, restore_page_bytes
 from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import (
     Abort,
@@ -415,11 +415,6 @@ def restore_max_bytes(config: EngineConfig, cache: HiCache) -> int:
     return max(1, pages * restore_page_bytes(cache) // 2)
 
 
-def restore_page_bytes(cache: HiCache) -> int:
-    """L2 bytes of one page of the full KV on this rank (what a restore holds per page)."""
-    return cache.context.spec.token_bytes * cache.context.page_size
-
-
 def error_line(exc: BaseException) -> str:
     """``exc`` as one line: its type and the first line of its message."""
     text = str(exc).splitlines()[0] if str(exc) else ""
@@ -468,5 +463,4 @@ __all__ = [
     "attach_l3",
     "error_line",
     "restore_max_bytes",
-    "restore_page_bytes",
 ]

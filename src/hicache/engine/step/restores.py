@@ -23,7 +23,12 @@ from hicache.engine.request import Request
 from hicache.engine.restore_book import RestoreBook, RestoreOp, RestoreState
 from hicache.engine.step_inputs import EndRestore, StartRestore
 
-__all__ = ["StepRestores"]
+__all__ = ["StepRestores", "restore_page_bytes"]
+
+
+def restore_page_bytes(cache: HiCache) -> int:
+    """L2 bytes of one page of the full KV on this rank (what a restore holds per page)."""
+    return cache.context.spec.token_bytes * cache.context.page_size
 
 
 class StepRestores:
@@ -83,8 +88,12 @@ class StepRestores:
                     self.book.change(op_id, state=RestoreState.FAILED, error=r.error)
                     continue
                 self.cache.restores.load_to_l1(r, spare_l1_pages())
-                self.book.change(
-                    op_id, state=RestoreState.READY, resident=self.cache.restores.resident(r)
+                brought = r.storage_tokens // self.cache.context.page_size
+                self.book.change(  # its bound counts what it brought into L2 from now on
+                    op_id,
+                    state=RestoreState.READY,
+                    resident=self.cache.restores.resident(r),
+                    nbytes=brought * restore_page_bytes(self.cache),
                 )
             elif r.stage is RestoreStage.HELD:
                 resident = self.cache.restores.resident(r)
