@@ -70,11 +70,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         slow_l3_read_s=0.2, repeats=1,
     ),
     "default-model": dict(
-        model_path="SmolLM2-135M-Instruct", sessions=8, turns="6,9", subagent_turns="3,4",
-        system_tokens=512, task_tokens=128, tool_tokens="150,350", output_length=8,
-        pause_median=2.0, pause_sigma=0.6, pause_min=0.5, pause_max=6.0, start_spread=4.0,
-        oneoffs=12, oneoff_tokens="1024,2048", oneoff_rate=0.4, restore_lead=0.2,
-        slow_l3_read_s=1.5, repeats=1,
+        model_path="SmolLM2-135M-Instruct", sessions=6, turns="4,6", subagent_turns="2,3",
+        system_tokens=256, task_tokens=64, tool_tokens="64,160", output_length=4,
+        pause_median=1.5, pause_sigma=0.6, pause_min=0.3, pause_max=4.0, start_spread=2.0,
+        oneoffs=6, oneoff_tokens="512,768", oneoff_rate=0.4, restore_lead=0.2,
+        slow_l3_read_s=2.5, repeats=1,
     ),
 }  # fmt: skip
 """``--preset`` defaults (explicit flags win); ``tiny`` (the tiny random model, for tests)
@@ -109,8 +109,12 @@ class AgenticSpec:
         if name != "l1":
             flags += ["--enable-hierarchical-cache", "--hicache-ratio", f"{self.l2_ratio:g}"]
         if name not in ("l1", "l1_l2"):
-            if self.setting == "slow-l3":
-                extra = {"get_delay_s": self.slow_l3_read_s}
+            if self.setting == "slow-l3":  # the read is waited for, not timed out
+                wait = self.slow_l3_read_s + 2.0
+                extra: dict[str, Any] = {
+                    "get_delay_s": self.slow_l3_read_s,
+                    "prefetch_timeout_base": wait,
+                }
                 flags += ["--hicache-storage-backend", "memory"]
             else:
                 extra = {"file_path": l3_dir}
