@@ -269,7 +269,8 @@ class Client:
 
 
 L3_READ, L3_WRITTEN = "hicache_l3_read_bytes_total", "hicache_l3_written_bytes_total"
-YIELDS = "hicache_session_protection_yields_total"
+YIELDS, DEMOTIONS = "hicache_session_yields_total", "hicache_session_demotions_total"
+"""Sessions unpinned from L2 for an allocation / past their share of L2."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ class ConfigFigures:
     l3_written_bytes: float | None
     l3_read_bytes: float | None
     protection_yields: float | None
+    demotions: float | None
     restores: int
     restores_refused: int
 
@@ -318,6 +320,7 @@ class ConfigFigures:
             counter(L3_WRITTEN),
             counter(L3_READ),
             counter(YIELDS),
+            counter(DEMOTIONS),
             sum(x.restores for x in ledgers),
             sum(x.restores_refused for x in ledgers),
         )
@@ -338,7 +341,7 @@ def markdown_table(figs: Sequence[ConfigFigures], problems: Mapping[str, str]) -
     """The per-config table (markdown), skipped / failed configs as a row with the reason."""
     head = ("| config | session TTFT p50 / p90 / p99 ms | one-off p50 / p90 / p99 ms | req/s |"
             " hit L1 / L2 / L3 | computed / all-hit bound | L3 MB written / read |"
-            " protection yields | restores (refused) |")  # fmt: skip
+            " protection yields / demotions | restores (refused) |")  # fmt: skip
     lines = [head, "|" + "---|" * 9]
     for f in figs:
         s, o, h = f.session_ttft, f.oneoff_ttft, f.hit_share
@@ -348,7 +351,8 @@ def markdown_table(figs: Sequence[ConfigFigures], problems: Mapping[str, str]) -
             f" {f.requests_per_s:.2f} | {h['device']:.0%} / {h['host']:.0%} /"
             f" {h['storage']:.0%} | {f.computed_tokens} / {f.bound_tokens} = {ratio:.2f}x |"
             f" {_num(f.l3_written_bytes, 1e6)} / {_num(f.l3_read_bytes, 1e6)} |"
-            f" {_num(f.protection_yields, fmt='.0f')} | {f.restores} ({f.restores_refused}) |"
+            f" {_num(f.protection_yields, fmt='.0f')} / {_num(f.demotions, fmt='.0f')} |"
+            f" {f.restores} ({f.restores_refused}) |"
         )
     lines += [f"| {n} | {why} |" + " |" * 7 for n, why in problems.items()]
     return "\n".join(lines)
