@@ -70,15 +70,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         slow_l3_read_s=0.2, repeats=1,
     ),
     "default-model": dict(
-        model_path="SmolLM2-135M-Instruct", sessions=6, turns="4,6", subagent_turns="2,3",
-        system_tokens=256, task_tokens=64, tool_tokens="64,160", output_length=4,
-        pause_median=1.5, pause_sigma=0.6, pause_min=0.3, pause_max=4.0, start_spread=2.0,
-        oneoffs=6, oneoff_tokens="512,768", oneoff_rate=0.4, restore_lead=0.2,
+        model_path="SmolLM2-135M-Instruct", sessions=5, turns="4,5", subagent_turns="2,3",
+        system_tokens=256, task_tokens=64, tool_tokens="64,128", output_length=4,
+        pause_median=4.0, pause_sigma=0.5, pause_min=1.0, pause_max=10.0, start_spread=6.0,
+        oneoffs=5, oneoff_tokens="384,512", oneoff_rate=0.15, restore_lead=0.2,
         slow_l3_read_s=2.5, repeats=1,
     ),
 }  # fmt: skip
 """``--preset`` defaults (explicit flags win); ``tiny`` (the tiny random model, for tests)
 is the default; ``default-model`` is the documented shape on a 2-core CPU."""
+
+PREFETCH_THRESHOLD = 64
+"""L3 hits shorter than this (tokens) are recomputed: the default 256 scaled down with
+the trace (a turn adds 64-160 tokens here, hundreds to thousands in the field)."""
 
 PRESSURE_FRACTION = 0.33
 """Under pressure (``slow-l3``, ``file-l3``), L2 holds this share of the working set."""
@@ -119,6 +123,7 @@ class AgenticSpec:
             else:
                 extra = {"file_path": l3_dir}
                 flags += ["--hicache-storage-backend", "file"]
+            extra["prefetch_threshold"] = PREFETCH_THRESHOLD
             flags += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
         if name == "watermark":
             flags += ["--hicache-write-policy", "watermark"]
@@ -420,12 +425,13 @@ def shape_of(args: argparse.Namespace) -> TraceShape:
 
 def tier_tokens(trace: Trace, setting: str, page_size: int) -> tuple[int, float]:
     """(L1 tokens, L2 ratio): L2 holds :data:`PRESSURE_FRACTION` of the working set under
-    pressure, 1.5 x it in ``no-pressure``; L1 = L2 / 3, at least twice the longest
-    context."""
+    pressure, 1.5 x it in ``no-pressure``; L1 = L2 / 3, at least the longest context and
+    four pages (L2 at least twice L1)."""
     ws = trace.working_set_tokens()
     l2 = ws * (1.5 if setting == "no-pressure" else PRESSURE_FRACTION)
     l1 = max(
-        round_to_pages(l2 / 3, page_size), round_to_pages(2 * trace.longest_context(), page_size)
+        round_to_pages(l2 / 3, page_size),
+        round_to_pages(trace.longest_context() + 4 * page_size, page_size),
     )
     return l1, max(2.0, round(l2 / l1, 2))
 

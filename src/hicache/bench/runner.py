@@ -193,7 +193,7 @@ async def _timed_run(
     cpu1 = cpu()
     ttft1 = await server_ttft(client, url)
     agree1 = await server_agreement(client, url)
-    counters1 = await server_counters(client, url)
+    counters1 = await _counters_after(client, url, t0 + wall + session.flush_s)
     await flush_cache(client, url)
     n = ttft1[1] - ttft0[1]
     return ConfigRun(
@@ -207,6 +207,22 @@ async def _timed_run(
         agreement_steps=agree1[1] - agree0[1],
         counters={k: v - counters0.get(k, 0.0) for k, v in counters1.items()},
     )
+
+
+async def _counters_after(
+    client: httpx.AsyncClient, url: str, since: float, wait_s: float = 2.0
+) -> dict[str, float]:
+    """:func:`server_counters` from cache figures the engine published after ``since``
+    (``perf_counter``; ``hicache_stats_age_seconds`` tells), polled for up to ``wait_s``:
+    the figures are published every ``stats_interval_s``, not on every request."""
+    end = time.perf_counter() + wait_s
+    while True:
+        counters = await server_counters(client, url)
+        age = counters.get("hicache_stats_age_seconds")
+        now = time.perf_counter()
+        if age is None or now - age > since or now > end:
+            return counters
+        await asyncio.sleep(0.05)
 
 
 async def _run_session(
