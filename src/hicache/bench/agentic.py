@@ -175,7 +175,7 @@ class Ledger:
     """Tokens a perfect cache computes: each turn's new tokens, each one-off whole."""
     restores: int = 0
     restores_refused: int = 0
-    """Restores answered other than 200 (429 over the bound, 4xx/5xx)."""
+    """Restores answered with an error (429 over the bound, 4xx, 5xx)."""
     closes: int = 0
 
 
@@ -221,7 +221,7 @@ class Client:
         body = {"input_ids": prompt, "session_id": self.sid(s), "ttl_ms": int(ttl_s * 1e3)}
         r = await self.session.client.post(f"{self.session.url}/hicache/prefetch", json=body)
         self.ledger.restores += 1
-        self.ledger.restores_refused += r.status_code != 200
+        self.ledger.restores_refused += r.status_code >= 400
 
     async def run_session(self, s: SessionTrace, prefix: list[int]) -> None:
         """Every turn of ``s`` after ``prefix`` (the system prompt, or the parent's
@@ -274,6 +274,8 @@ class Client:
 
 
 L3_READ, L3_WRITTEN = "hicache_l3_read_bytes_total", "hicache_l3_written_bytes_total"
+RESTORED = "hicache_restore_tokens_total"
+"""Tokens restores read from L3 into L2."""
 YIELDS, DEMOTIONS = "hicache_session_yields_total", "hicache_session_demotions_total"
 """Sessions unpinned from L2 for an allocation / past their share of L2."""
 
@@ -297,6 +299,7 @@ class ConfigFigures:
     demotions: float | None
     restores: int
     restores_refused: int
+    restored_tokens: float | None
 
     @classmethod
     def of(cls, name: str, runs: Sequence[ConfigRun], ledgers: Sequence[Ledger]) -> ConfigFigures:
@@ -328,6 +331,7 @@ class ConfigFigures:
             counter(DEMOTIONS),
             sum(x.restores for x in ledgers),
             sum(x.restores_refused for x in ledgers),
+            counter(RESTORED),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -346,7 +350,7 @@ def markdown_table(figs: Sequence[ConfigFigures], problems: Mapping[str, str]) -
     """The per-config table (markdown), skipped / failed configs as a row with the reason."""
     head = ("| config | session TTFT p50 / p90 / p99 ms | one-off p50 / p90 / p99 ms | req/s |"
             " hit L1 / L2 / L3 | computed / all-hit bound | L3 MB written / read |"
-            " protection yields / demotions | restores (refused) |")  # fmt: skip
+            " protection yields / demotions | restores (refused), tokens restored |")  # fmt: skip
     lines = [head, "|" + "---|" * 9]
     for f in figs:
         s, o, h = f.session_ttft, f.oneoff_ttft, f.hit_share
@@ -357,7 +361,7 @@ def markdown_table(figs: Sequence[ConfigFigures], problems: Mapping[str, str]) -
             f" {h['storage']:.0%} | {f.computed_tokens} / {f.bound_tokens} = {ratio:.2f}x |"
             f" {_num(f.l3_written_bytes, 1e6)} / {_num(f.l3_read_bytes, 1e6)} |"
             f" {_num(f.protection_yields, fmt='.0f')} / {_num(f.demotions, fmt='.0f')} |"
-            f" {f.restores} ({f.restores_refused}) |"
+            f" {f.restores} ({f.restores_refused}), {_num(f.restored_tokens, fmt='.0f')} |"
         )
     lines += [f"| {n} | {why} |" + " |" * 7 for n, why in problems.items()]
     return "\n".join(lines)
