@@ -176,6 +176,8 @@ class Ledger:
     restores: int = 0
     restores_refused: int = 0
     """Restores answered with an error (429 over the bound, 4xx, 5xx)."""
+    refusals: dict[str, str] = field(default_factory=dict)
+    """The first answer of each refused status code (``"429"`` -> its body)."""
     closes: int = 0
 
 
@@ -221,7 +223,9 @@ class Client:
         body = {"input_ids": prompt, "session_id": self.sid(s), "ttl_ms": int(ttl_s * 1e3)}
         r = await self.session.client.post(f"{self.session.url}/hicache/prefetch", json=body)
         self.ledger.restores += 1
-        self.ledger.restores_refused += r.status_code >= 400
+        if r.status_code >= 400:
+            self.ledger.restores_refused += 1
+            self.ledger.refusals.setdefault(str(r.status_code), r.text[:300])
 
     async def run_session(self, s: SessionTrace, prefix: list[int]) -> None:
         """Every turn of ``s`` after ``prefix`` (the system prompt, or the parent's
@@ -300,6 +304,7 @@ class ConfigFigures:
     restores: int
     restores_refused: int
     restored_tokens: float | None
+    refusals: dict[str, str]
 
     @classmethod
     def of(cls, name: str, runs: Sequence[ConfigRun], ledgers: Sequence[Ledger]) -> ConfigFigures:
@@ -332,6 +337,7 @@ class ConfigFigures:
             sum(x.restores for x in ledgers),
             sum(x.restores_refused for x in ledgers),
             counter(RESTORED),
+            {k: v for x in ledgers for k, v in x.refusals.items()},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -532,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(list(figs.values()), rr.problems))
     for line in targets(figs, args.setting):
         print(f"- {line}")
+    for f in figs.values():
+        for code, body in f.refusals.items():
+            print(f"- {f.name}: restores refused with {code}, e.g. {body}")
     doc = {
         "setting": args.setting,
         "shape": shape.__dict__,
