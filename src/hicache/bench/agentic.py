@@ -155,13 +155,22 @@ def agentic_server(name: str, spec: AgenticSpec) -> Iterator[ServerProcess]:
             if signs:
                 raise ConfigSkippedError(f"the server rejects its flags: {signs[-1]}") from None
             raise
-        if name == "hints_restore":
-            r = httpx.post(f"{server.url}/hicache/prefetch", json={"input_ids": [TOKEN_LO]})
-            if r.status_code in (404, 405):
-                raise ConfigSkippedError(
-                    f"the server has no POST /hicache/prefetch ({r.status_code})"
-                )
-        yield server
+        missing = _missing_routes(name, server.url)
+        if missing is None:
+            yield server
+            return
+    raise ConfigSkippedError(missing)  # after a clean stop: no log dump
+
+
+def _missing_routes(name: str, url: str) -> str | None:
+    """Why config ``name`` cannot run on the server at ``url`` (a route it needs answers
+    404 / 405), or None."""
+    if name != "hints_restore":
+        return None
+    r = httpx.post(f"{url}/hicache/prefetch", json={"input_ids": [TOKEN_LO]})
+    if r.status_code in (404, 405):
+        return f"the server has no POST /hicache/prefetch ({r.status_code})"
+    return None
 
 
 # ---------------------------------------------------------------------------- the client
