@@ -24,6 +24,7 @@ BENCHES = {
     "tree": "hicache.bench.tree",
     "transfer": "hicache.bench.transfer",
     "multiturn": "hicache.bench.multiturn",
+    "agentic": "hicache.bench.agentic",
     "long-context": "hicache.bench.long_context",
     "full-hit": "hicache.bench.full_hit",
     "logprob-reuse": "hicache.bench.logprob_reuse",

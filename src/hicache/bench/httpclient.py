@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "RequestRecord",
     "flush_cache",
     "server_agreement",
+    "server_counters",
     "server_ttft",
     "stream_completion",
     "stream_generate",
@@ -87,6 +88,23 @@ async def server_agreement(client: httpx.AsyncClient, url: str) -> tuple[float, 
         elif line.startswith("hicache_tp_steps_total"):
             steps = int(float(line.split()[-1]))
     return seconds, steps
+
+
+async def server_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Every sample of the server's ``/metrics``, summed over labels by sample name
+    (``hicache_l3_read_bytes_total``, ...); counters are what a difference makes sense of."""
+    text = (await client.get(f"{url}/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,7 @@ async def stream_generate(
     group: int,
     client_id: int,
     ignore_eos: bool = False,
+    fields: Mapping[str, Any] | None = None,
 ) -> RequestRecord:
     """Send one streamed, greedy ``POST /generate`` with ``input_ids`` and time it.
 
@@ -193,13 +212,14 @@ async def stream_generate(
     from that event to the last one carrying tokens, over ``completion_tokens - 1``.
     Chunks are cumulative (SGLang's): the last one has every output id and
     ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens_details``).
-    ``ignore_eos``: generate exactly ``max_tokens`` tokens. ServerError on a non-200
+    ``ignore_eos``: generate exactly ``max_tokens`` tokens; ``fields``: more top-level
+    body fields (``session_id``, ...). ServerError on a non-200
     answer, an error event, or a stream that ends without a finished chunk.
     """
     params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": 0.0}
     if ignore_eos:
         params["ignore_eos"] = True
-    body = {"input_ids": prompt, "sampling_params": params, "stream": True}
+    body = {"input_ids": prompt, "sampling_params": params, "stream": True, **(fields or {})}
     start = time.perf_counter()
     first: float | None = None
     last_t = start

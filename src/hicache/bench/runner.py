@@ -7,6 +7,7 @@
 * :func:`run_repeated`: every config's server started once, then ``R`` repetitions of
   a workload, the configs in alternating order (:mod:`hicache.bench.pairs`), one under
   load at a time, each run between two flushes (:class:`RepeatedRuns`);
+  :func:`run_alternated`: the same with any servers and a workload per config;
 * :class:`Pacer`: Poisson spacing of request starts (``--request-rate``);
 * the flags both benchmarks share (:func:`add_common_args`, :func:`parse_with_preset`)
   and the servers' sizes from them (:func:`tier_sizes`, :func:`round_to_pages`,
@@ -26,7 +27,7 @@ import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, ExitStack
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from hicache.bench.httpclient import (
     RequestRecord,
     flush_cache,
     server_agreement,
+    server_counters,
     server_ttft,
     stream_request,
 )
@@ -46,6 +48,7 @@ from hicache.bench.serverproc import (
     CONFIG_NAMES,
     ConfigSkippedError,
     ServerError,
+    ServerProcess,
     ServerSpec,
     config_server,
 )
@@ -56,12 +59,14 @@ __all__ = [
     "ConfigRun",
     "Pacer",
     "RepeatedRuns",
+    "ServerFactory",
     "Session",
     "Workload",
     "add_common_args",
     "bench_client",
     "parse_with_preset",
     "round_to_pages",
+    "run_alternated",
     "run_configs",
     "run_repeated",
     "server_spec",
@@ -116,6 +121,9 @@ class ConfigRun:
     (``hicache_tp_agreement_seconds_total``; 0.0 with one rank)."""
     agreement_steps: int = 0
     """Engine steps under tensor parallelism during the run (``hicache_tp_steps_total``)."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """Every ``/metrics`` sample's change over the run, by sample name (labels summed;
+    meaningful for counters: ``hicache_l3_read_bytes_total``, ...)."""
 
     @property
     def agreement_us_per_step(self) -> float | None:
@@ -175,6 +183,7 @@ async def _timed_run(
     await flush_cache(client, url)
     ttft0 = await server_ttft(client, url)
     agree0 = await server_agreement(client, url)
+    counters0 = await server_counters(client, url)
     cpu0 = cpu()
     with tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False) as bar:
         session = Session(client, url, bar)
@@ -184,6 +193,7 @@ async def _timed_run(
     cpu1 = cpu()
     ttft1 = await server_ttft(client, url)
     agree1 = await server_agreement(client, url)
+    counters1 = await _counters_after(client, url, t0 + wall + session.flush_s)
     await flush_cache(client, url)
     n = ttft1[1] - ttft0[1]
     return ConfigRun(
@@ -195,7 +205,24 @@ async def _timed_run(
         load_1m=_load_1m(),
         agreement_s=agree1[0] - agree0[0],
         agreement_steps=agree1[1] - agree0[1],
+        counters={k: v - counters0.get(k, 0.0) for k, v in counters1.items()},
     )
+
+
+async def _counters_after(
+    client: httpx.AsyncClient, url: str, since: float, wait_s: float = 2.0
+) -> dict[str, float]:
+    """:func:`server_counters` from cache figures the engine published after ``since``
+    (``perf_counter``; ``hicache_stats_age_seconds`` tells), polled for up to ``wait_s``:
+    the figures are published every ``stats_interval_s``, not on every request."""
+    end = time.perf_counter() + wait_s
+    while True:
+        counters = await server_counters(client, url)
+        age = counters.get("hicache_stats_age_seconds")
+        now = time.perf_counter()
+        if age is None or now - age > since or now > end:
+            return counters
+        await asyncio.sleep(0.05)
 
 
 async def _run_session(
@@ -292,6 +319,38 @@ def run_repeated(
     reported in ``problems`` and left out from then on; the others go on. ``api``: the
     route the warm-up request goes by (the workload picks its own).
     """
+    return run_alternated(
+        configs,
+        lambda name: config_server(name, spec),
+        lambda r, _name: workload_for(r),
+        repeats=repeats,
+        total_requests=total_requests,
+        parallel=parallel,
+        url=url,
+        timeout_s=timeout_s,
+        api=api,
+    )
+
+
+ServerFactory = Callable[[str], AbstractContextManager[ServerProcess]]
+"""Config name -> a context that starts its server (and helpers) and stops them on exit;
+raises ConfigSkippedError or ServerError (:func:`hicache.bench.serverproc.config_server`)."""
+
+
+def run_alternated(
+    configs: Sequence[str],
+    server_for: ServerFactory,
+    workload_for: Callable[[int, str], Workload],
+    *,
+    repeats: int,
+    total_requests: int,
+    parallel: int,
+    url: str | None = None,
+    timeout_s: float = 600.0,
+    api: str = "completions",
+) -> RepeatedRuns:
+    """:func:`run_repeated` with the servers of ``server_for`` and a workload per
+    repetition and config: ``workload_for(r, name)``."""
     if url is not None and len(configs) != 1:
         raise ValueError(f"--url serves one config, not {list(configs)}")
     _quiet_httpx()
@@ -303,7 +362,7 @@ def run_repeated(
             servers[configs[0]] = _Server(url, [], _no_cpu)
         for name in configs if url is None else ():
             try:
-                sp = stack.enter_context(config_server(name, spec))
+                sp = stack.enter_context(server_for(name))
             except ConfigSkippedError as exc:
                 _note(problems, name, f"skipped: {exc}")
             except ServerError as exc:
@@ -330,7 +389,7 @@ class _Server:
 async def _repeat(
     servers: Mapping[str, _Server],
     order: Sequence[tuple[str, ...]],
-    workload_for: Callable[[int], Workload],
+    workload_for: Callable[[int, str], Workload],
     total: int,
     parallel: int,
     timeout_s: float,
@@ -357,7 +416,7 @@ async def _repeat(
                 sv = servers[name]
                 try:
                     run = await _timed_run(
-                        name, clients[name], sv.url, workload_for(r), total, desc, sv.cpu
+                        name, clients[name], sv.url, workload_for(r, name), total, desc, sv.cpu
                     )
                 except (ServerError, httpx.HTTPError) as exc:
                     why = f"failed in repetition {r + 1}: {type(exc).__name__}: {exc}"
