@@ -5,8 +5,8 @@ turn extends) is recorded and the deepest span of it whose L2 copy has landed is
 L2 (``host_ref``: path-wise, so a subagent's pin keeps the prefix it shares with its
 parent). The pins never reach L1: L1 evicts a kept span down to L2 as any other. The
 pinned L2 pages (each page counted once) stay within ``ratio`` of the L2 pool: past it the
-least recently active sessions are *demoted* (unpinned, their spans left to L3 and to
-eviction; a demoted session's next turn prefetches what L3 holds). An L2 allocation that
+least recently active sessions are *demoted* (what L3 lacks of their spans is written
+first, then they are unpinned and left to eviction; the next turn prefetches them). An L2 allocation that
 finds nothing else to evict makes the least recently active sessions *yield* (counted), so
 retention never refuses pages to a request. Sessions end at their TTL (rank 0's clock
 decides; the engine broadcasts the close) or when closed. Pure bookkeeping on the cache's
