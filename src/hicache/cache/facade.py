@@ -31,7 +31,6 @@ from hicache.cache.components.base import (
 from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
 from hicache.cache.full_pages import FullPages
-from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.slot import L3Slot
 from hicache.cache.request import CacheRequest, RequestState
 from hicache.cache.restores import Restores
@@ -44,7 +43,7 @@ from hicache.extras import SequenceExtras
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
 from hicache.spec import CacheSpec, KVSpec
-from hicache.tree import HiRadixTree, TreeNode
+from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
 from hicache.validate import number_at_least
 
@@ -132,26 +131,24 @@ class HiCache(Lifecycle):
         )
         self.full = FullKVStore(pages)
         """The full KV: the first store, the tree's spine (its page-level API: ``full.pages``)."""
-        host = pages.host
-        self.sessions = Sessions(
-            tree,
-            host_pages=host.allocator.num_pages if isinstance(host, HostTier) else 0,
-            ratio=config.session_ratio,
-            page_size=config.page_size,
-            counters=counters,
-            in_flight=host.backing_up if isinstance(host, HostTier) else _never,
-            write_path=lambda node: self._l3.tier.writes.write_path(node),
-        )
-        """The idle agent sessions whose KV is kept in L2 (:mod:`hicache.cache.sessions`)."""
-        if isinstance(host, HostTier):
-            host.serve_yields(self.sessions.yield_pages)
         self._l3 = L3Slot(
             tree=tree,
-            host=self.full.pages.host,
+            host=pages.host,
             counters=counters,
             sync=self._sync,
             stores=self.stores,
         )
+        self.sessions = Sessions(
+            tree,
+            host_pages=pages.host.num_pages,
+            ratio=config.session_ratio,
+            page_size=config.page_size,
+            counters=counters,
+            landed_end=pages.host.landed_end,
+            write_path=self._l3.write_path,
+        )
+        """The idle agent sessions whose KV is kept in L2 (:mod:`hicache.cache.sessions`)."""
+        pages.host.serve_yields(self.sessions.yield_pages)
         self.restores = Restores(
             tree=tree, l3=self._l3, pages=pages, stores=self.stores, counters=counters
         )
@@ -416,8 +413,3 @@ class HiCache(Lifecycle):
         """Where the L3 tier attaches: ``l3.attach(storage, namespace, prefetch)``,
         ``l3.detach()``, the tier while attached (``l3.attached``), its quarantines."""
         return self._l3
-
-
-def _never(node: TreeNode) -> bool:
-    """No L2: no copy is ever in flight."""
-    return False

@@ -150,6 +150,11 @@ class HostTier:
     def allocator(self) -> PageAllocator:
         return self.pool.allocator
 
+    @property
+    def num_pages(self) -> int:
+        """L2 pages in all."""
+        return self.allocator.num_pages
+
     def reset(self) -> None:
         """Free every L2 page the tree holds (the tree is reset next)."""
         self.allocator.free(self.tree.host_page_ids())
@@ -282,10 +287,25 @@ class HostTier:
         the idle sessions' retention, :class:`~hicache.cache.sessions.Sessions`)."""
         self._yields = yields
 
-    def backing_up(self, node: TreeNode) -> bool:
-        """Whether ``node``'s L1 -> L2 copy is still in flight (it may fail and drop)."""
-        tree = self.tree
-        return any(node in tree.path_tail(b.last, b.pages) for b in self.backups.values())
+    def landed_end(self, node: TreeNode | None) -> TreeNode | None:
+        """The deepest node at or above ``node`` whose L2 copy has landed: one a pin may
+        hold (a copy still in flight may fail and drop its pages, which a pin would hold
+        up); None when none has."""
+        copying = self._backing_up()
+        while node is not None and node.parent is not None:
+            if node.host is not None and id(node) not in copying:
+                return node
+            node = node.parent
+        return None
+
+    def _backing_up(self) -> set[int]:
+        """Ids of the nodes an L1 -> L2 copy writes: in flight, or failed and waiting for
+        its L2 copies to be dropped."""
+        return {
+            id(n)
+            for b in [*self.backups.values(), *self._bad]
+            for n in self.tree.path_tail(b.last, b.pages)
+        }
 
     # ------------------------------------------------------------------ copies
 
@@ -518,11 +538,7 @@ class HostTier:
         reason = f"loading the cached prefix failed: {error}"
         self._sync.fail_holders(top, reason)
         in_flight = frozenset(self.loads) | frozenset(self.backups)
-        backing_up = {
-            id(n)
-            for b in [*self.backups.values(), *self._bad]
-            for n in self.tree.path_tail(b.last, b.pages)
-        }
+        backing_up = self._backing_up()
         for n in _post_order(top):
             if n.device is None:
                 continue

@@ -28,6 +28,8 @@ class NoHostTier:
     """The tiers it adds below L1: none."""
     pool: None = None
     """No L2 pool."""
+    num_pages: int = 0
+    """L2 pages in all: none."""
 
     def start(self) -> None:
         """No copy worker to start."""
@@ -58,6 +60,13 @@ class NoHostTier:
     ) -> LoadBack:
         """The hit is ``match``'s L1 part; nothing is loaded."""
         return LoadBack(match.last_device_node, match.device_pages, 0, ())
+
+    def landed_end(self, node: TreeNode | None) -> TreeNode | None:
+        """No L2 copy anywhere: None."""
+        return None
+
+    def serve_yields(self, yields: Callable[[int], int] | None) -> None:
+        """No L2 eviction to yield to."""
 
     def evict(self, num_pages: int) -> int:
         """No L2 page to free: 0."""

@@ -119,10 +119,9 @@ class Restores:
             self._counters.restore_failures_total += 1
             return True
         self._take(r)
-        node = self._tree.match_full(r.tokens, r.tenant).last_host_node
-        while node.parent is not None and node.host is None:  # L2 is a prefix of a path
-            node = node.parent
-        if node.parent is not None:
+        end = self._tree.match_full(r.tokens, r.tenant).last_host_node
+        node = self._pages.host.landed_end(end)
+        if node is not None:
             self._tree.inc_host_ref(node)
             r.node = node
         r.stage = RestoreStage.HELD

@@ -72,8 +72,8 @@ class Sessions:
     """The retained sessions of one cache's ``tree`` (``host_pages``: L2 pages in all;
     ``ratio`` of them may be pinned; ``page_size``: tokens per page).
 
-    ``in_flight``: whether a node's L2 copy is still being written (a backup in flight may
-    fail and drop it, so only landed spans are pinned). ``write_path``: writes to L3 what
+    ``landed_end``: the deepest node at or above a node whose L2 copy has landed (a backup
+    in flight may fail and drop its pages, so only landed spans are pinned). ``write_path``: writes to L3 what
     L2 holds of a path and L3 does not (nothing without a tier), called before a demoted
     session's pin goes, so its spans leave L2 only with a copy. Work per call is bounded by the
     kept sessions, never by the demoted ones (thousands may wait for their TTL)."""
@@ -86,14 +86,14 @@ class Sessions:
         ratio: float,
         page_size: int,
         counters: CacheCounters,
-        in_flight: Callable[[TreeNode], bool],
+        landed_end: Callable[[TreeNode | None], TreeNode | None],
         write_path: Callable[[TreeNode], object],
     ) -> None:
         self._tree = tree
         self._bound = int(host_pages * ratio)
         self._page_size = page_size
         self._counters = counters
-        self._in_flight = in_flight
+        self._landed_end = landed_end
         self._write_path = write_path
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         """Every live session, least recently active first."""
@@ -232,12 +232,8 @@ class Sessions:
         when sessions may pin nothing); returns whether it moved."""
         tree = self._tree
         node: TreeNode | None = None
-        if self._bound > 0:
-            node = tree.within(e.key, e.tenant)  # a look: the idle spans stay as old as they are
-            while node is not None and (node.host is None or self._in_flight(node)):
-                node = node.parent
-            if node is not None and node.parent is None:
-                node = None
+        if self._bound > 0:  # a look: the idle spans stay as old as they are
+            node = self._landed_end(tree.within(e.key, e.tenant))
         if node is e.pinned:
             return False
         if node is not None:

@@ -170,6 +170,11 @@ class L3Slot:
             )
             self._retired.hold(storage, (held, ids))
 
+    def write_path(self, node: TreeNode) -> bool:
+        """Write what L2 holds of the path to ``node`` and L3 does not, now
+        (:meth:`~hicache.cache.l3.writes.Writes.write_path`; nothing while detached)."""
+        return self.tier.writes.write_path(node)
+
     def back_up_added(self, node: TreeNode) -> None:
         """Component values were added at ``node``, whose full KV was in L2 already (no
         backup was issued with them): the stores copy them to L2 now, and the tier writes

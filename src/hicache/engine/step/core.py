@@ -410,9 +410,7 @@ def restore_max_bytes(config: EngineConfig, cache: HiCache) -> int:
     """L2 bytes restores may hold: ``config.restore_max_bytes``, or half the L2 pool."""
     if config.restore_max_bytes is not None:
         return config.restore_max_bytes
-    host = cache.full.pages.host_pool
-    pages = 0 if host is None else host.allocator.num_pages
-    return max(1, pages * restore_page_bytes(cache) // 2)
+    return max(1, cache.full.pages.host.num_pages * restore_page_bytes(cache) // 2)
 
 
 def error_line(exc: BaseException) -> str:
