@@ -53,7 +53,8 @@ T = TypeVar("T")
 
 
 EXPIRY_PERIOD_S = 0.1
-"""How often rank 0 looks for sessions past their TTL (s): a TTL ends within it."""
+"""How often rank 0 looks for restores and sessions past their TTL (s): a TTL ends
+within it."""
 
 
 def _ignore(_: object) -> None:
@@ -260,7 +261,6 @@ class Leader:
                 self.last_loop = time.monotonic()
                 busy = self._round(channel)
                 self._publish()
-                self._expire_sessions()
                 if not busy:  # idle, or only waiting for L3 prefetches: poll those often
                     # (at most 50 ms: the followers wait in the next broadcast meanwhile)
                     polling = self.core.scheduler.polling or self.core.restores.loading
@@ -289,12 +289,7 @@ class Leader:
     def _round(self, channel: StepChannel | None) -> bool:
         """One round: this step's inputs from the inbox, the step; returns whether a
         forward ran. A failed step ends the requests in flight (one rank)."""
-        tasks = self._take_inbox()
-        # rank 0's clock alone decides a restore's expiry: every rank applies the record
-        tasks += [
-            Task(record=EndRestore(op_id, RestoreState.EXPIRED.value))
-            for op_id in self.core.restores.book.due()
-        ]
+        tasks = self._take_inbox() + self._expiries()
         if not tasks and channel is None:  # nothing to apply (most rounds): the step alone
             return self._step(StepInputs(self.core.step_no), None, channel)
         records = [t for t in tasks if t.record is not None]
@@ -319,16 +314,20 @@ class Leader:
 
         return self._step(inputs, applied, channel)
 
-    def _expire_sessions(self) -> None:
-        """End, on every rank at the next step, the sessions whose TTL passed by this
-        clock (looked for every :data:`EXPIRY_PERIOD_S`)."""
+    def _expiries(self) -> list[Task]:
+        """The records ending what rank 0's clock alone says has expired (looked for every
+        :data:`EXPIRY_PERIOD_S`): restores past their ``ttl_ms`` and sessions past their
+        TTL. Every rank applies them at this step, whatever its own clock says."""
         now = time.monotonic()
         if now < self._expiry_due:
-            return
+            return []
         self._expiry_due = now + EXPIRY_PERIOD_S
-        for session_id in self.core.cache.sessions.expired(now):
-            with contextlib.suppress(RuntimeError):  # new work is refused: all ends then
-                self.post(Task(record=CloseSession(session_id, expired=True)))
+        records: list[StepInput] = [
+            EndRestore(op_id, RestoreState.EXPIRED.value)
+            for op_id in self.core.restores.book.due(now)
+        ]
+        records += [CloseSession(s, expired=True) for s in self.core.cache.sessions.expired(now)]
+        return [Task(record=r) for r in records]
 
     def _step(
         self,
