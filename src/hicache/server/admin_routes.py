@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hicache.server.http_base import bad_request, error_response, param_of
+from hicache.server.http_base import bad_request, error_response, invalid_body
 from hicache.server.responses import error_body
 from hicache.server.state import ServerState
 from hicache.storage.registry import parse_extra_config
@@ -73,9 +73,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         try:
             body = StorageBackendBody.model_validate_json(await http.body())
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = param_of(first.get("loc", ()))
-            return bad_request(f"{param or 'body'}: {first.get('msg')}", param=param)
+            return invalid_body(exc)
         try:
             extra = (
                 parse_extra_config(body.extra_config)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.failures import FailureKind, failure_kind
@@ -62,6 +63,13 @@ def failure_response(error: str) -> JSONResponse:
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:
     return error_response(400, message, param)
+
+
+def invalid_body(exc: ValidationError) -> JSONResponse:
+    """The 400 of a body its pydantic model refused: its first error, naming the field."""
+    first = exc.errors()[0]
+    param = param_of(first.get("loc", ()))
+    return bad_request(f"{param or 'body'}: {first.get('msg')}", param=param)
 
 
 def unparsable_body(cause: BaseException | None) -> str:

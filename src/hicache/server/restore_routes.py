@@ -11,19 +11,32 @@ docs/api.md.
 from __future__ import annotations
 
 import asyncio
-import json
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hicache.engine.restore_book import RestoreBusy
 from hicache.engine.sampling import InvalidRequest
-from hicache.server.http_base import bad_request, error_response, unparsable_body
+from hicache.server.http_base import bad_request, error_response, invalid_body
 from hicache.server.state import ServerState
 
 __all__ = ["add_restore_routes"]
 
-FIELDS = frozenset({"input_ids", "text", "session_id", "ttl_ms", "cache_salt"})
+
+class RestoreBody(BaseModel):
+    """``POST /hicache/prefetch``: the prefix (``input_ids`` or ``text``), its
+    ``session_id``, ``ttl_ms`` and ``cache_salt``, checked by :meth:`Engine.restore
+    <hicache.engine.front.engine.Engine.restore>` (any other field: 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[Any] | None = None
+    text: str | None = None
+    session_id: Any = None
+    ttl_ms: Any = None
+    cache_salt: Any = ""
 
 
 def add_restore_routes(app: FastAPI, state: ServerState) -> None:
@@ -33,33 +46,24 @@ def add_restore_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/hicache/prefetch")
     async def start(http: Request) -> Response:
         try:
-            body = json.loads(await http.body())
-        except (ValueError, RecursionError) as exc:
-            return bad_request(unparsable_body(exc))
-        if not isinstance(body, dict):
-            return bad_request("the body must be a JSON object")
-        unknown = sorted(set(body) - FIELDS)
-        if unknown:
-            return bad_request(f"{unknown[0]}: unknown field", param=unknown[0])
-        has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+            body = RestoreBody.model_validate_json(await http.body())
+        except ValidationError as exc:
+            return invalid_body(exc)
+        has_ids, has_text = body.input_ids is not None, body.text is not None
         if has_ids == has_text:
             which = "both" if has_ids else "neither"
             return bad_request(
                 f"give exactly one of input_ids and text (got {which})", param="input_ids"
             )
         param = "input_ids" if has_ids else "text"
-        raw = body[param]
+        raw: str | list[int] = body.input_ids if body.input_ids is not None else body.text or ""
         try:
-            if has_ids and not isinstance(raw, list):
-                raise InvalidRequest("input_ids must be a list of token ids", param=param)
-            if has_text and not isinstance(raw, str):
-                raise InvalidRequest("text must be a string", param=param)
             (ids,) = await state.prompt_ids([raw], param)
             op = engine.restore(
                 ids,
-                session_id=body.get("session_id"),
-                ttl_ms=body.get("ttl_ms"),
-                cache_salt=body.get("cache_salt", ""),
+                session_id=body.session_id,
+                ttl_ms=body.ttl_ms,
+                cache_salt=body.cache_salt,
                 param=param,
             )
         except InvalidRequest as exc:
