@@ -36,6 +36,7 @@ import httpx
 from hicache.bench.agentic_trace import SessionTrace, Trace, TraceShape, make_trace
 from hicache.bench.httpclient import TIERS, RequestRecord, stream_generate
 from hicache.bench.plot import plot_setups
+from hicache.bench.report import write_json
 from hicache.bench.results import percentile
 from hicache.bench.runner import (
     TOKEN_HI,
@@ -565,9 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets(figs, args.setting),
     }
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=2, default=list)
-            fh.write("\n")
+        write_json(args.json, doc)
     if args.plot and figs:
         plot(args.plot, title, list(figs.values()))
     return 1 if any(v.startswith("failed") for v in rr.problems.values()) else 0
