@@ -546,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
              f" L1+L2 {l1 * (1 + ratio):.0f} tokens; {args.model_path}")  # fmt: skip
     print(f"\n### {title}\n")
     print(markdown_table(list(figs.values()), rr.problems))
-    for line in targets(figs, args.setting):
+    target_lines = targets(figs, args.setting)
+    for line in target_lines:
         print(f"- {line}")
     for f in figs.values():
         for code, body in f.refusals.items():
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {n: f.to_json() for n, f in figs.items()},
         "server_flags": {n: rr.of(n)[0].flags for n in figs},
         "problems": rr.problems,
-        "targets": targets(figs, args.setting),
+        "targets": target_lines,
     }
     if args.json:
         write_json(args.json, doc)
