@@ -350,6 +350,11 @@ class ConfigFigures:
             {k: v for x in ledgers for k, v in x.refusals.items()},
         )
 
+    @property
+    def computed_ratio(self) -> float | None:
+        """Prompt tokens computed over what a perfect cache computes; None without a bound."""
+        return self.computed_tokens / self.bound_tokens if self.bound_tokens else None
+
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
@@ -370,7 +375,7 @@ def markdown_table(figs: Sequence[ConfigFigures], problems: Mapping[str, str]) -
     lines = [head, "|" + "---|" * 9]
     for f in figs:
         s, o, h = f.session_ttft, f.oneoff_ttft, f.hit_share
-        ratio = f.computed_tokens / f.bound_tokens if f.bound_tokens else float("nan")
+        ratio = f.computed_ratio if f.computed_ratio is not None else float("nan")
         lines.append(
             f"| {f.name} | {' / '.join(map(_ms, s))} | {' / '.join(map(_ms, o))} |"
             f" {f.requests_per_s:.2f} | {h['device']:.0%} / {h['host']:.0%} /"
@@ -410,14 +415,11 @@ def targets(figs: Mapping[str, ConfigFigures], setting: str) -> list[str]:
 
 
 def plot(path: str, title: str, figs: Sequence[ConfigFigures]) -> None:
-    def ratio(f: ConfigFigures) -> float | None:
-        return f.computed_tokens / f.bound_tokens if f.bound_tokens else None
-
     panels: dict[str, dict[str, float | None]] = {
         "session TTFT p50 (ms)": {f.name: f.session_ttft[0] * 1e3 for f in figs},
         "session TTFT p99 (ms)": {f.name: f.session_ttft[2] * 1e3 for f in figs},
         "one-off TTFT p50 (ms)": {f.name: f.oneoff_ttft[0] * 1e3 for f in figs},
-        "computed / all-hit bound": {f.name: ratio(f) for f in figs},
+        "computed / all-hit bound": {f.name: f.computed_ratio for f in figs},
     }
     plot_setups(path, title=title, panels=panels)
 
