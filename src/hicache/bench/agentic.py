@@ -237,6 +237,17 @@ class Client:
             self.ledger.restores_refused += 1
             self.ledger.refusals.setdefault(str(r.status_code), r.text[:300])
 
+    async def tool_pause(self, s: SessionTrace, pause_s: float, prompt: list[int]) -> None:
+        """Wait out a tool's ``pause_s``; with restores, restore ``prompt`` (the next
+        turn's) ``restore_lead_s`` before the pause ends."""
+        lead = self.restore_lead_s
+        if lead is None or not self.hints:
+            await asyncio.sleep(pause_s)
+            return
+        await asyncio.sleep(max(0.0, pause_s - lead))
+        await self.restore(s, prompt, lead + 2.0)
+        await asyncio.sleep(min(lead, pause_s))
+
     async def run_session(self, s: SessionTrace, prefix: list[int]) -> None:
         """Every turn of ``s`` after ``prefix`` (the system prompt, or the parent's
         history); its subagents start after their fork turn; closed at the end."""
@@ -245,14 +256,8 @@ class Client:
         history, reusable = prefix + list(s.task), len(prefix)
         for turn in range(s.turns):
             if turn:
-                pause, history = s.pauses_s[turn - 1], history + list(s.tools[turn - 1])
-                lead = self.restore_lead_s
-                if lead is not None and self.hints:
-                    await asyncio.sleep(max(0.0, pause - lead))
-                    await self.restore(s, history, lead + 2.0)
-                    await asyncio.sleep(min(lead, pause))
-                else:
-                    await asyncio.sleep(pause)
+                history = history + list(s.tools[turn - 1])
+                await self.tool_pause(s, s.pauses_s[turn - 1], history)
             out = await self.send(history, reusable, 0, s.index, self.fields(s))
             history += out
             reusable = len(history)
