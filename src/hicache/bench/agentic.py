@@ -188,7 +188,6 @@ class Ledger:
     """Restores answered with an error (429 over the bound, 4xx, 5xx)."""
     refusals: dict[str, str] = field(default_factory=dict)
     """The first answer of each refused status code (``"429"`` -> its body)."""
-    closes: int = 0
 
 
 @dataclass
@@ -267,7 +266,6 @@ class Client:
         await asyncio.gather(*children)
         if self.hints:
             await self.session.client.delete(f"{self.session.url}/hicache/sessions/{self.sid(s)}")
-            self.ledger.closes += 1
 
     async def run(self) -> list[list[RequestRecord]]:
         t0 = time.perf_counter()
