@@ -48,7 +48,7 @@ from hicache.bench.runner import (
     add_common_args,
     parse_with_preset,
     round_to_pages,
-    run_alternated,
+    run_repeated,
 )
 from hicache.bench.serverproc import ConfigSkippedError, ServerError, ServerProcess
 
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    rr: RepeatedRuns = run_alternated(
+    rr: RepeatedRuns = run_repeated(
         configs,
         lambda name: agentic_server(name, spec),
         workload_for,
