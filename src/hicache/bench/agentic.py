@@ -36,6 +36,7 @@ import httpx
 from hicache.bench.agentic_trace import SessionTrace, Trace, TraceShape, make_trace
 from hicache.bench.httpclient import TIERS, RequestRecord, stream_generate
 from hicache.bench.plot import plot_setups
+from hicache.bench.report import write_json
 from hicache.bench.results import percentile
 from hicache.bench.runner import (
     TOKEN_HI,
@@ -47,7 +48,7 @@ from hicache.bench.runner import (
     add_common_args,
     parse_with_preset,
     round_to_pages,
-    run_alternated,
+    run_repeated,
 )
 from hicache.bench.serverproc import ConfigSkippedError, ServerError, ServerProcess
 
@@ -187,7 +188,6 @@ class Ledger:
     """Restores answered with an error (429 over the bound, 4xx, 5xx)."""
     refusals: dict[str, str] = field(default_factory=dict)
     """The first answer of each refused status code (``"429"`` -> its body)."""
-    closes: int = 0
 
 
 @dataclass
@@ -236,6 +236,17 @@ class Client:
             self.ledger.restores_refused += 1
             self.ledger.refusals.setdefault(str(r.status_code), r.text[:300])
 
+    async def tool_pause(self, s: SessionTrace, pause_s: float, prompt: list[int]) -> None:
+        """Wait out a tool's ``pause_s``; with restores, restore ``prompt`` (the next
+        turn's) ``restore_lead_s`` before the pause ends."""
+        lead = self.restore_lead_s
+        if lead is None or not self.hints:
+            await asyncio.sleep(pause_s)
+            return
+        await asyncio.sleep(max(0.0, pause_s - lead))
+        await self.restore(s, prompt, lead + 2.0)
+        await asyncio.sleep(min(lead, pause_s))
+
     async def run_session(self, s: SessionTrace, prefix: list[int]) -> None:
         """Every turn of ``s`` after ``prefix`` (the system prompt, or the parent's
         history); its subagents start after their fork turn; closed at the end."""
@@ -244,14 +255,8 @@ class Client:
         history, reusable = prefix + list(s.task), len(prefix)
         for turn in range(s.turns):
             if turn:
-                pause, history = s.pauses_s[turn - 1], history + list(s.tools[turn - 1])
-                lead = self.restore_lead_s
-                if lead is not None and self.hints:
-                    await asyncio.sleep(max(0.0, pause - lead))
-                    await self.restore(s, history, lead + 2.0)
-                    await asyncio.sleep(min(lead, pause))
-                else:
-                    await asyncio.sleep(pause)
+                history = history + list(s.tools[turn - 1])
+                await self.tool_pause(s, s.pauses_s[turn - 1], history)
             out = await self.send(history, reusable, 0, s.index, self.fields(s))
             history += out
             reusable = len(history)
@@ -261,7 +266,6 @@ class Client:
         await asyncio.gather(*children)
         if self.hints:
             await self.session.client.delete(f"{self.session.url}/hicache/sessions/{self.sid(s)}")
-            self.ledger.closes += 1
 
     async def run(self) -> list[list[RequestRecord]]:
         t0 = time.perf_counter()
@@ -349,6 +353,11 @@ class ConfigFigures:
             {k: v for x in ledgers for k, v in x.refusals.items()},
         )
 
+    @property
+    def computed_ratio(self) -> float | None:
+        """Prompt tokens computed over what a perfect cache computes; None without a bound."""
+        return self.computed_tokens / self.bound_tokens if self.bound_tokens else None
+
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
@@ -369,7 +378,7 @@ def markdown_table(figs: Sequence[ConfigFigures], problems: Mapping[str, str]) -
     lines = [head, "|" + "---|" * 9]
     for f in figs:
         s, o, h = f.session_ttft, f.oneoff_ttft, f.hit_share
-        ratio = f.computed_tokens / f.bound_tokens if f.bound_tokens else float("nan")
+        ratio = f.computed_ratio if f.computed_ratio is not None else float("nan")
         lines.append(
             f"| {f.name} | {' / '.join(map(_ms, s))} | {' / '.join(map(_ms, o))} |"
             f" {f.requests_per_s:.2f} | {h['device']:.0%} / {h['host']:.0%} /"
@@ -409,14 +418,11 @@ def targets(figs: Mapping[str, ConfigFigures], setting: str) -> list[str]:
 
 
 def plot(path: str, title: str, figs: Sequence[ConfigFigures]) -> None:
-    def ratio(f: ConfigFigures) -> float | None:
-        return f.computed_tokens / f.bound_tokens if f.bound_tokens else None
-
     panels: dict[str, dict[str, float | None]] = {
         "session TTFT p50 (ms)": {f.name: f.session_ttft[0] * 1e3 for f in figs},
         "session TTFT p99 (ms)": {f.name: f.session_ttft[2] * 1e3 for f in figs},
         "one-off TTFT p50 (ms)": {f.name: f.oneoff_ttft[0] * 1e3 for f in figs},
-        "computed / all-hit bound": {f.name: ratio(f) for f in figs},
+        "computed / all-hit bound": {f.name: f.computed_ratio for f in figs},
     }
     plot_setups(path, title=title, panels=panels)
 
@@ -529,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    rr: RepeatedRuns = run_alternated(
+    rr: RepeatedRuns = run_repeated(
         configs,
         lambda name: agentic_server(name, spec),
         workload_for,
@@ -545,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
              f" L1+L2 {l1 * (1 + ratio):.0f} tokens; {args.model_path}")  # fmt: skip
     print(f"\n### {title}\n")
     print(markdown_table(list(figs.values()), rr.problems))
-    for line in targets(figs, args.setting):
+    target_lines = targets(figs, args.setting)
+    for line in target_lines:
         print(f"- {line}")
     for f in figs.values():
         for code, body in f.refusals.items():
@@ -562,12 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {n: f.to_json() for n, f in figs.items()},
         "server_flags": {n: rr.of(n)[0].flags for n in figs},
         "problems": rr.problems,
-        "targets": targets(figs, args.setting),
+        "targets": target_lines,
     }
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=2, default=list)
-            fh.write("\n")
+        write_json(args.json, doc)
     if args.plot and figs:
         plot(args.plot, title, list(figs.values()))
     return 1 if any(v.startswith("failed") for v in rr.problems.values()) else 0

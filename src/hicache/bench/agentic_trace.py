@@ -139,7 +139,6 @@ class Trace:
     def longest_context(self) -> int:
         """The longest prompt plus answer of any request (tokens)."""
         out = self.shape.output_tokens
-        ctx = {s.index: s.new_tokens() + s.turns * out for s in self.sessions}
         longest = 0
         for s in self.sessions:
             base = len(self.system)
@@ -147,7 +146,7 @@ class Trace:
                 p = self.sessions[s.parent]
                 base += len(p.task) + sum(len(t) for t in p.tools[: s.fork_turn])
                 base += (s.fork_turn + 1) * out
-            longest = max(longest, base + ctx[s.index])
+            longest = max(longest, base + s.new_tokens() + s.turns * out)
         return max([longest, *(len(o.ids) + out for o in self.oneoffs)])
 
 

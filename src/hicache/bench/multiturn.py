@@ -39,7 +39,7 @@ from hicache.bench.runner import (
     server_spec,
     tier_sizes,
 )
-from hicache.bench.serverproc import parse_configs, parse_tp_sizes, with_tp
+from hicache.bench.serverproc import config_server, parse_configs, parse_tp_sizes, with_tp
 
 __all__ = [
     "ConfigRun",
@@ -218,14 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
 
-    def workload_for(rep: int) -> Workload:
+    def workload_for(rep: int, _name: str) -> Workload:
         conv = Conversations.make(args.num_clients, args.num_rounds, args.request_length,
                                   args.output_length, args.seed, rep)  # fmt: skip
         return multiturn_workload(conv, args)
 
     rr = run_repeated(
         configs,
-        spec,
+        lambda name: config_server(name, spec),
         workload_for,
         repeats=args.repeats,
         total_requests=args.num_clients * args.num_rounds,

@@ -4,10 +4,10 @@
   :func:`hicache.bench.serverproc.config_server` (or once on ``--url``), after a warm-up
   request and a flush; it gets a :class:`Session` (client, URL, progress bar, timed
   flushes) and its requests come back as a :class:`ConfigRun`;
-* :func:`run_repeated`: every config's server started once, then ``R`` repetitions of
-  a workload, the configs in alternating order (:mod:`hicache.bench.pairs`), one under
-  load at a time, each run between two flushes (:class:`RepeatedRuns`);
-  :func:`run_alternated`: the same with any servers and a workload per config;
+* :func:`run_repeated`: every config's server (:data:`ServerFactory`) started once, then
+  ``R`` repetitions of a workload per config, the configs in alternating order
+  (:mod:`hicache.bench.pairs`), one under load at a time, each run between two flushes
+  (:class:`RepeatedRuns`);
 * :class:`Pacer`: Poisson spacing of request starts (``--request-rate``);
 * the flags both benchmarks share (:func:`add_common_args`, :func:`parse_with_preset`)
   and the servers' sizes from them (:func:`tier_sizes`, :func:`round_to_pages`,
@@ -66,7 +66,6 @@ __all__ = [
     "bench_client",
     "parse_with_preset",
     "round_to_pages",
-    "run_alternated",
     "run_configs",
     "run_repeated",
     "server_spec",
@@ -299,45 +298,12 @@ class RepeatedRuns:
         return [rep[name] for rep in self.runs if name in rep]
 
 
-def run_repeated(
-    configs: Sequence[str],
-    spec: ServerSpec,
-    workload_for: Callable[[int], Workload],
-    *,
-    repeats: int,
-    total_requests: int,
-    parallel: int,
-    url: str | None = None,
-    timeout_s: float = 600.0,
-    api: str = "completions",
-) -> RepeatedRuns:
-    """Start every config's server once (side by side; or use ``url`` for the one config),
-    warm each up, then run ``repeats`` repetitions: in repetition ``r`` every config runs
-    ``workload_for(r)`` in turn, in :func:`hicache.bench.pairs.alternating_order`, one
-    config under load at a time, each run between two ``POST /flush_cache``
-    (:func:`_timed_run`). A config that fails to start, or fails in a repetition, is
-    reported in ``problems`` and left out from then on; the others go on. ``api``: the
-    route the warm-up request goes by (the workload picks its own).
-    """
-    return run_alternated(
-        configs,
-        lambda name: config_server(name, spec),
-        lambda r, _name: workload_for(r),
-        repeats=repeats,
-        total_requests=total_requests,
-        parallel=parallel,
-        url=url,
-        timeout_s=timeout_s,
-        api=api,
-    )
-
-
 ServerFactory = Callable[[str], AbstractContextManager[ServerProcess]]
 """Config name -> a context that starts its server (and helpers) and stops them on exit;
 raises ConfigSkippedError or ServerError (:func:`hicache.bench.serverproc.config_server`)."""
 
 
-def run_alternated(
+def run_repeated(
     configs: Sequence[str],
     server_for: ServerFactory,
     workload_for: Callable[[int, str], Workload],
@@ -349,8 +315,15 @@ def run_alternated(
     timeout_s: float = 600.0,
     api: str = "completions",
 ) -> RepeatedRuns:
-    """:func:`run_repeated` with the servers of ``server_for`` and a workload per
-    repetition and config: ``workload_for(r, name)``."""
+    """Start every config's server once (``server_for(name)``, side by side; or use
+    ``url`` for the one config), warm each up, then run ``repeats`` repetitions: in
+    repetition ``r`` every config runs ``workload_for(r, name)`` in turn, in
+    :func:`hicache.bench.pairs.alternating_order`, one config under load at a time, each
+    run between two ``POST /flush_cache`` (:func:`_timed_run`). A config that fails to
+    start, or fails in a repetition, is reported in ``problems`` and left out from then
+    on; the others go on. ``api``: the route the warm-up request goes by (the workload
+    picks its own).
+    """
     if url is not None and len(configs) != 1:
         raise ValueError(f"--url serves one config, not {list(configs)}")
     _quiet_httpx()
