@@ -49,6 +49,11 @@ unit: venv
 
 test: lint typecheck unit
 
+# The whole of each test matrix (`make test` runs a representative subset of each: the
+# cases not marked `matrix`): PD pairs at every TP size pair, model family and transport.
+test-matrix: venv
+	$(VPY) -m pytest -q -m matrix tests/disagg
+
 # The tests that compare numerics against an independent implementation (transformers,
 # SDPA, float64 and per-token references), once per x86 kernel dispatch this CPU can run:
 # each setting pins ATen's vector kernels and the GEMMs of MKL and oneDNN to one ISA, so

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hicache.disagg.layout import (
     InstanceLayout,
     LayoutMismatch,
+    RankTarget,
     Registration,
     StoreLayout,
     StoreTarget,
@@ -37,11 +38,11 @@ def reg(room: int) -> Registration:
     return Registration(
         room=room,
         layout=LAYOUT,
-        endpoint="127.0.0.1:1",
+        ranks=(RankTarget("127.0.0.1:1", {"full": {"addr": 0}}),),
         prompt_len=9,
         prompt_hash="h",
         skip_pages=1,
-        targets=(StoreTarget("full", {"addr": 0}, 0, (5, 6, 7)),),
+        targets=(StoreTarget("full", 0, (5, 6, 7)),),
     )
 
 
@@ -218,14 +219,38 @@ def test_check_pair_names_the_field_and_both_values() -> None:
         LayoutMismatch, match="page_size differs: the prefill instance has 4, the decode instance 8"
     ):
         check_pair(LAYOUT, other)
-    wide = replace(LAYOUT, tp_size=2)
-    with pytest.raises(LayoutMismatch, match="tp_size differs"):
-        check_pair(LAYOUT, wide)
+    check_pair(LAYOUT, replace(LAYOUT, tp_size=4))  # whole rows: every rank holds them
     mla = replace(LAYOUT, mla=True)
     check_pair(mla, replace(mla, tp_size=4))  # a latent is whole on every rank
-    half = replace(LAYOUT, stores=(StoreLayout("full", 2, 3, 32, "float16"),))
+    half = replace(LAYOUT, stores=(StoreLayout("full", 2, 3, 32, "float32"),))
     with pytest.raises(LayoutMismatch, match="store 'full' row_bytes differs"):
         check_pair(LAYOUT, half)
+
+
+def split(tp: int, row_bytes: int, num_heads: int = 8) -> InstanceLayout:
+    """A layout whose 4 K/V heads of 16 bytes are split across ``tp`` ranks."""
+    store = StoreLayout("full", 2, 3, row_bytes, "float32", kv_heads=4)
+    return replace(LAYOUT, tp_size=tp, stores=(store,), num_heads=num_heads)
+
+
+def test_split_rows_pair_across_tp_sizes_by_bytes_per_head() -> None:
+    one, two, eight = split(1, 64), split(2, 32), split(8, 16)  # 8 ranks: heads replicated
+    for p in (one, two, eight):
+        for d in (one, two, eight):
+            check_pair(p, d)
+    with pytest.raises(
+        LayoutMismatch,
+        match="store 'full' bytes per head differs: the prefill instance has 16, the decode instance 32",
+    ):
+        check_pair(one, split(2, 64))
+    with pytest.raises(
+        LayoutMismatch,
+        match="num_heads differs: the prefill instance has 8, the decode instance 16",
+    ):
+        check_pair(one, split(2, 32, num_heads=16))
+    whole = replace(two, stores=(replace(two.stores[0], kv_heads=0),))
+    with pytest.raises(LayoutMismatch, match="store 'full' kv_heads differs"):
+        check_pair(two, whole)
 
 
 class RoomMachine(RuleBasedStateMachine):

@@ -21,7 +21,7 @@ from hicache.cache import HiCache
 from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap
-from hicache.disagg.layout import InstanceLayout, Registration, StoreLayout
+from hicache.disagg.layout import InstanceLayout, RankTarget, Registration, StoreLayout
 from hicache.disagg.pages import PoolGeometry
 from hicache.engine.request import FinishReason, Request, RequestOutput
 from hicache.engine.roles.decode import DecodeRole
@@ -82,7 +82,8 @@ def decode_scheduler(cache: HiCache) -> tuple[Scheduler, Receiver]:
             StoreLayout(n, g.num_kv, g.layers, g.row_bytes, g.dtype) for n, g in geometry.items()
         ),
     )
-    role = DecodeRole(cache, receiver, Transport(), layout, geometry)  # type: ignore[arg-type]
+    ranks = (RankTarget("fake:1", {n: g.to_dict() for n, g in geometry.items()}),)
+    role = DecodeRole(cache, receiver, Transport(), layout, ranks)  # type: ignore[arg-type]
     sched, _ = make_scheduler(cache, role=role)
     return sched, receiver
 

@@ -126,6 +126,11 @@ class PrefillRooms:
         with self._cond:
             return self._table.registered(room)
 
+    def registration(self, room: int) -> Registration | None:
+        """``room``'s registration while it is open (None before, and once closed)."""
+        with self._cond:
+            return self._table.registration(room)
+
     def _busy(self, client: str) -> Refused | None:
         held = self._table.open_rooms_of(client)
         if held < self.max_rooms_per_client:

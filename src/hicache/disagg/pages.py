@@ -1,5 +1,6 @@
 """Where a pool's pages lie in memory, told to a peer: :class:`PoolGeometry`, and the
-copies that move pages between two pools: :func:`page_spans`.
+copies that move pages, or some columns of their rows (:class:`Columns`: heads, between
+ranks of different TP sizes), between two pools: :func:`page_spans`.
 
 A device (L1) pool is one contiguous ``layer_first`` buffer ``(K, L, S, H, D)`` (K kinds, L
 layers, S = ``num_pages * page_size`` slots, one row of ``H * D`` elements per slot), so page
@@ -23,10 +24,21 @@ from hicache.validate import int_at_least, is_int, require
 if TYPE_CHECKING:
     from hicache.memory.device_pool import DevicePool
 
-__all__ = ["PoolGeometry", "page_spans"]
+__all__ = ["Columns", "PoolGeometry", "page_spans"]
 
-_MATCHED = ("num_kv", "layers", "row_bytes", "page_size", "dtype")
-"""The fields two pools must share for a page of one to be copied into the other."""
+_MATCHED = ("num_kv", "layers", "page_size", "dtype")
+"""The fields two pools must share for a page of one to be copied into the other (and
+``row_bytes`` when whole rows are)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """The same bytes of every row: ``nbytes`` from byte ``src`` of a source row to byte
+    ``dst`` of a destination row (a range of heads: ``first head x head bytes``)."""
+
+    src: int
+    dst: int
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +157,11 @@ def page_spans(
     src_pages: Sequence[int],
     dst: PoolGeometry,
     dst_pages: Sequence[int],
+    columns: Columns | None = None,
 ) -> list[Span]:
     """The copies that put page ``src_pages[i]`` of ``src`` into page ``dst_pages[i]`` of
-    ``dst``, for every i, every kind and every layer.
+    ``dst``, for every i, every kind and every layer: whole rows, or only ``columns`` of
+    each row (one span per token row then, unless they are the whole rows of both).
 
     Consecutive pairs whose pages are consecutive on both sides make one span, and spans
     that follow each other on both sides merge too (a whole pool into a whole pool is one
@@ -155,13 +169,29 @@ def page_spans(
     memory of a ``layer_first`` buffer). Empty lists give no span.
 
     ValueError, naming both values, when the pools differ in ``num_kv``, ``layers``,
-    ``row_bytes``, ``page_size`` or ``dtype``; ValueError when the lists differ in length,
-    a page is out of its pool's range, or a destination page repeats.
+    ``page_size``, ``dtype`` or (whole rows) ``row_bytes``, or ``columns`` do not fit
+    both rows; ValueError when the lists differ in length, a page is out of its pool's
+    range, or a destination page repeats.
     """
     for name in _MATCHED:
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise ValueError(f"pools differ: src {name}={a!r}, dst {name}={b!r}")
+    if columns is not None:
+        c = columns
+        if c.nbytes < 1 or c.src < 0 or c.dst < 0:
+            raise ValueError(f"columns {c}: offsets must be >= 0 and nbytes >= 1")
+        if c.src + c.nbytes > src.row_bytes or c.dst + c.nbytes > dst.row_bytes:
+            raise ValueError(
+                f"columns {c} do not fit the rows (src row_bytes={src.row_bytes},"
+                f" dst row_bytes={dst.row_bytes})"
+            )
+        if c.src == c.dst == 0 and c.nbytes == src.row_bytes == dst.row_bytes:
+            columns = None  # the whole rows
+    elif src.row_bytes != dst.row_bytes:
+        raise ValueError(
+            f"pools differ: src row_bytes={src.row_bytes!r}, dst row_bytes={dst.row_bytes!r}"
+        )
     s = _check_pages(src_pages, src, "src_pages")
     d = _check_pages(dst_pages, dst, "dst_pages")
     if len(s) != len(d):
@@ -176,6 +206,8 @@ def page_spans(
                 runs[-1] = (s0, d0, n + 1)
                 continue
         runs.append((sp, dp, 1))
+    if columns is not None:
+        return _column_spans(src, dst, runs, columns)
     out: list[Span] = []
     run_bytes = src.run_bytes
     for kind in range(src.num_kv):
@@ -190,4 +222,19 @@ def page_spans(
                         out[-1] = Span(last.src, last.dst, last.nbytes + nbytes)
                         continue
                 out.append(Span(a, b, nbytes))
+    return out
+
+
+def _column_spans(
+    src: PoolGeometry, dst: PoolGeometry, runs: list[tuple[int, int, int]], c: Columns
+) -> list[Span]:
+    """One span per token row of every run, kind and layer: ``c`` of the row."""
+    out: list[Span] = []
+    for kind in range(src.num_kv):
+        for layer in range(src.layers):
+            for s0, d0, n in runs:
+                a = src.page_addr(kind, layer, s0) + c.src
+                b = dst.page_addr(kind, layer, d0) + c.dst
+                for t in range(n * src.page_size):
+                    out.append(Span(a + t * src.row_bytes, b + t * dst.row_bytes, c.nbytes))
     return out

@@ -238,6 +238,11 @@ class RoomTable:
         r = self._rooms.get(room)
         return r is not None and (r.registration is not None or r.state.closed)
 
+    def registration(self, room: int) -> Registration | None:
+        """``room``'s registration while it is open (None before, and once closed)."""
+        r = self._rooms.get(room)
+        return None if r is None else r.registration
+
     def start(self, room: int, now: float) -> Registration | None:
         """The prefill's pages are ready: move ``room`` to ``TRANSFERRING`` and return the
         decode side's registration; None while it has not registered or is not armed

@@ -1,12 +1,14 @@
-"""The prefill side's sender: writes a prefill's pages into the pages the decode side
-registered for its room, chunk by chunk as they are computed (:class:`PrefillSender`,
-one thread).
+"""The prefill side's sender: writes one rank's share of a prefill's pages into the pages
+the decode side registered for its room, chunk by chunk as they are computed
+(:class:`PrefillSender`, one thread per rank; its rooms are the rank's
+:class:`~hicache.disagg.rank_rooms.RankRooms`, where "closing" a room ends this rank's share).
 
 The engine hands over :class:`SendJob` s: a *partial* job after each prefill chunk (the
 whole pages so far of the stores that hold every page until the end: full KV, indexer
 keys) and, once the first token is sampled, the *final* job (every store's remaining pages
 and the :class:`~hicache.disagg.rooms.RoomResult`). Jobs wait for the room's registration
-and arming; each writes, per store, the pages the decode side lacks (:func:`plan_spans`).
+and arming; each writes, per store, this rank's share of the pages the decode side lacks
+(:func:`plan_spans`).
 Invariants: the sender never touches the cache; ``done(rid, error)`` is reported once per
 request; a requeued request's room restarts (:meth:`~PrefillSender.restart`); an abort is
 seen between writes (at most ``BATCH_BYTES`` apart); a room closes only when no byte can
@@ -24,10 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hicache.disagg.bootstrap import PrefillRooms
-from hicache.disagg.layout import Registration
+from hicache.disagg.layout import InstanceLayout, Registration
 from hicache.disagg.pages import PoolGeometry, page_spans
+from hicache.disagg.rank_rooms import RankRooms
 from hicache.disagg.rooms import RoomResult
+from hicache.disagg.shares import shares_of
 from hicache.disagg.transport import Span, TransferFailed, Transport
 
 log = logging.getLogger(__name__)
@@ -75,19 +78,24 @@ class SendJob:
         return self.result is not None
 
 
-def plan_spans(job: SendJob, reg: Registration, sent: int = 0) -> list[Span]:
-    """The copies that give the decode side, per store, the sequence pages it registered
-    past its ``skip_pages``: of a partial job, the stable stores' pages in ``[sent,
-    job.upto)``; of the final job, the stable stores' pages from ``sent`` on and the other
-    stores' whole registered range. ValueError naming the room, store and pages when the
-    pair cannot be served (another prompt, a store or page the prefill does not hold)."""
+def plan_spans(
+    job: SendJob, reg: Registration, sent: int = 0, *, layout: InstanceLayout, rank: int = 0
+) -> list[tuple[str, list[Span]]]:
+    """The copies prefill rank ``rank`` (of an instance of ``layout``) makes to give the
+    decode side, per store, the sequence pages it registered past its ``skip_pages``: of
+    a partial job, the stable stores' pages in ``[sent, job.upto)``; of the final job,
+    the stable stores' pages from ``sent`` on and the other stores' whole registered
+    range; its share of each decode rank's rows (:func:`~hicache.disagg.shares.shares_of`).
+    Returns ``(decode endpoint, spans)`` per decode rank it writes, in rank order.
+    ValueError naming the room, store and pages when the pair cannot be served (another
+    prompt, a store or page the prefill does not hold)."""
     if (reg.prompt_len, reg.prompt_hash) != (job.prompt_len, job.prompt_hash):
         raise ValueError(
             f"room {job.room}: the decode side's prompt ({reg.prompt_len} tokens) is not the"
             f" prefill side's ({job.prompt_len} tokens): both must tokenize the same prompt"
         )
     sources = {s.name: s for s in job.sources}
-    spans: list[Span] = []
+    per_rank: dict[int, list[Span]] = {}
     for target in reg.targets:
         src = sources.get(target.name)
         if src is None:
@@ -109,13 +117,23 @@ def plan_spans(job: SendJob, reg: Registration, sent: int = 0) -> list[Span]:
                 f"room {job.room}: store {target.name!r} pages [{begin}, {end}) are wanted but"
                 f" the prefill side holds [{src.first}, {src.first + len(src.pages)})"
             )
-        spans += page_spans(
-            src.geometry,
-            src.pages[begin - src.first : end - src.first],
-            PoolGeometry.from_dict(target.geometry),
-            target.pages[begin - target.first : end - target.first],
-        )
-    return spans
+        for share in shares_of(layout, reg.layout, target.name, rank):
+            dst = reg.ranks[share.decode_rank].geometry.get(target.name)
+            if dst is None:
+                raise ValueError(
+                    f"room {job.room}: decode rank {share.decode_rank} names no pool of"
+                    f" store {target.name!r}"
+                )
+            per_rank.setdefault(share.decode_rank, []).extend(
+                page_spans(
+                    src.geometry,
+                    src.pages[begin - src.first : end - src.first],
+                    PoolGeometry.from_dict(dst),
+                    target.pages[begin - target.first : end - target.first],
+                    share.columns,
+                )
+            )
+    return [(reg.ranks[d].endpoint, spans) for d, spans in sorted(per_rank.items()) if spans]
 
 
 @dataclass(slots=True)
@@ -138,13 +156,15 @@ class PrefillSender:
 
     def __init__(
         self,
-        rooms: PrefillRooms,
+        rooms: RankRooms,
         transport: Transport,
         done: Callable[[str, str | None], None],
         *,
+        layout: InstanceLayout,
         timeout_s: float,
     ) -> None:
         self.rooms = rooms
+        self.layout = layout
         self.transport = transport
         self._done = done
         self._timeout_s = timeout_s
@@ -290,13 +310,15 @@ class PrefillSender:
         """Write ``job``; None, or why the room failed (the room is closed then)."""
         assert st.reg is not None
         try:
-            spans = plan_spans(job, st.reg, st.sent)
-            self._write(job, st.reg.endpoint, spans)
+            writes = plan_spans(job, st.reg, st.sent, layout=self.layout, rank=self.rooms.rank)
+            for endpoint, spans in writes:
+                self._write(job, endpoint, spans)
         except ValueError as exc:  # the pair cannot be served (names the room)
             why = str(exc)
         except TransferFailed as exc:
             why = f"room {job.room}: sending the pages to the decode instance failed: {exc}"
-            self._quiesce(st.reg.endpoint, job.room)
+            for endpoint in {r.endpoint for r in st.reg.ranks}:
+                self._quiesce(endpoint, job.room)
         else:
             if self.rooms.aborted(job.room):
                 why = f"room {job.room}: the decode side aborted it"

@@ -122,11 +122,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_tp_fits(self.tp_size, self.device)
-        if self.disagg.enabled and self.tp_size != 1:
-            raise ValueError(
-                f"tp_size={self.tp_size!r} is invalid; a {self.disagg.mode.value} instance"
-                " of prefill/decode disaggregation runs at tp_size 1 for now"
-            )
         if (
             self.disagg.mode is DisaggMode.DECODE
             and self.storage_backend is not None

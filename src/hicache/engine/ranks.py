@@ -122,6 +122,14 @@ class StepChannel:
         dist.all_gather_object(out, value, group=self.group)
         return [str(v) for v in out]
 
+    def exchange(self, value: object) -> list[object]:
+        """Every rank's ``value`` (picklable), by rank, on every rank."""
+        out: list[object] = [None] * self.size
+        began = time.perf_counter()
+        dist.all_gather_object(out, value, group=self.group)
+        self.seconds += time.perf_counter() - began
+        return out
+
     def agree_tokens(
         self, token_ids: Sequence[int], failed: Sequence[int]
     ) -> tuple[list[int], set[int]]:

@@ -48,6 +48,9 @@ class Role:
         engine then steps again soon, without an input."""
         return False
 
+    def queued(self, req: Request) -> None:
+        """``req`` joined the queue (every rank, in the same order)."""
+
     def admissible(self, req: Request) -> bool:
         """Whether waiting ``req`` may be admitted now (a prefill instance's waits for
         its room's decode side, which then holds pages for it: see

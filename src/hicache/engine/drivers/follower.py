@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from hicache.engine.ranks import (
     leave_group,
     rank_device,
 )
-from hicache.engine.step.build import build_core
+from hicache.engine.step.build import RoleMaker, build_core
 from hicache.engine.step.core import EngineCore, StepFailed, error_line
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,17 @@ def follow(core: EngineCore) -> int:
     return code
 
 
-def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
+def run_follower(
+    setup: RankSetup,
+    payload: tuple[dict[str, Any], Callable[[], RoleMaker] | None],
+    conn: Any,
+) -> None:
     """The main of follower rank ``setup.rank`` (a spawned process): join the group, build
-    the core (``EngineConfig(**fields)``, see :func:`~hicache.engine.config.config_fields`)
-    on this rank's device, say so on ``conn`` (``("joining",)``, ``("joined",)``,
-    ``("ready",)``, or ``("error", line)`` before exiting 1), then :func:`follow` until
-    told to stop."""
+    the core (``EngineConfig(**fields)``, see :func:`~hicache.engine.config.config_fields`,
+    with the role ``roles()`` makes: ``payload`` is ``(fields, roles)``, pickled) on this
+    rank's device, say so on ``conn`` (``("joining",)``, ``("joined",)``, ``("ready",)``, or
+    ``("error", line)`` before exiting 1), then :func:`follow` until told to stop."""
+    fields, roles = payload
     config = EngineConfig(**fields)
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {setup.rank}: %(message)s"
@@ -88,7 +94,10 @@ def run_follower(setup: RankSetup, fields: dict[str, Any], conn: Any) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         try:
-            core = build_core(dataclasses.replace(config, device=device), channel=channel)
+            make_role = None if roles is None else roles()
+            core = build_core(
+                dataclasses.replace(config, device=device), channel=channel, make_role=make_role
+            )
         except BaseException as exc:
             conn.send(("error", error_line(exc)))
             return

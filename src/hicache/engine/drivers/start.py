@@ -7,6 +7,8 @@ failure every follower is stopped and rank 0's cache closed before the error is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hicache.engine.config import EngineConfig, config_fields
@@ -20,10 +22,13 @@ __all__ = ["start_ranks"]
 
 
 def start_ranks(
-    config: EngineConfig, make_role: RoleMaker | None = None
+    config: EngineConfig,
+    make_role: RoleMaker | None = None,
+    follower_roles: Callable[[], RoleMaker] | None = None,
 ) -> tuple[RankProcesses, EngineCore]:
     """Rank 0 of ``config.tp_size`` ranks: check the model splits, spawn and join the
-    followers, build rank 0's core (with ``make_role``'s role), wait until every follower
+    followers, build rank 0's core (with ``make_role``'s role; each follower's with the
+    one ``follower_roles()`` makes there: a picklable callable), wait until every follower
     has built its own. A rank
     that fails (rank 0 included: its error in one line) or does not make it within
     ``dist_init_timeout_s`` fails it (:class:`~hicache.engine.ranks.RankStartError`,
@@ -35,7 +40,7 @@ def start_ranks(
     ranks = RankProcesses(
         config.tp_size,
         run_follower,
-        config_fields(config),
+        (config_fields(config), follower_roles),
         backend="nccl" if on_cuda else "gloo",
         init_timeout_s=config.dist_init_timeout_s,
         collective_timeout_s=config.collective_timeout_s,

@@ -18,6 +18,7 @@ drivers" and "Tensor-parallel ranks (the engine's side)".
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -26,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar, overload
 
-from hicache.cache import HiCache
 from hicache.disagg.config import Bootstrap
 from hicache.engine.admission import QueueGate, Reservation, reserve_places
 from hicache.engine.config import EngineConfig
@@ -54,7 +54,7 @@ from hicache.engine.ranks import RankProcesses
 from hicache.engine.request import OutputCallback, Request, RequestOutput
 from hicache.engine.restore_book import RestoreOp, RestoreState
 from hicache.engine.role import Role
-from hicache.engine.roles.role_setup import start_role
+from hicache.engine.roles.role_setup import role_maker
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.session import SessionHint
@@ -74,7 +74,6 @@ from hicache.engine.step_inputs import (
 )
 from hicache.lifecycle import Lifecycle
 from hicache.runner.loader import LoadedModel
-from hicache.runner.model_runner import ModelRunner
 from hicache.storage.registry import StorageConfig
 
 log = logging.getLogger(__name__)
@@ -151,9 +150,7 @@ class Engine(Lifecycle):
         cfg = self.config
         loaded = self._loaded if self._core is None else self._core.model  # loaded once
 
-        def make_role(cache: HiCache, model: LoadedModel, runner: ModelRunner) -> Role:
-            post = self._post_input
-            return start_role(cfg.disagg, cache, model, runner, tp_size=cfg.tp_size, post=post)
+        make_role = role_maker(cfg.disagg, cfg.tp_size, self._post_input)
 
         if cfg.tp_size > 1:
             if self._loaded is not None:
@@ -161,7 +158,8 @@ class Engine(Lifecycle):
                     f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
                     " start the engine without a loaded model"
                 )
-            self.ranks, core = start_ranks(cfg, make_role)
+            followers = functools.partial(role_maker, cfg.disagg, cfg.tp_size)
+            self.ranks, core = start_ranks(cfg, make_role, followers)
         else:
             core = build_core(cfg, loaded=loaded, make_role=make_role)
         core.memory_trimmer = self._memory_trimmer

@@ -10,6 +10,10 @@ once its matched prefix is in L1 its pages are registered with the prefill insta
 :class:`~hicache.engine.step_inputs.RoomFailed` (fail now, pages fenced until
 ``RoomEnded``). A room is single use: a retracted request is not parked again and resumes
 as on a plain instance; an aborted parked request is drained (:meth:`DecodeRole.abort`).
+Every rank has this role and its own transport, with its pools registered; rank 0 alone
+registers a room, naming every rank's pools (the page ids are the same on every rank), and
+follows it (its receiver; None on the other ranks). A registration that fails ends its
+request through a :class:`~hicache.engine.step_inputs.RoomEnded` input, on every rank.
 Its receiver and transport are built by :mod:`hicache.engine.roles.role_setup`. The
 decode side's flow: docs/architecture.md, "Prefill/decode disaggregation".
 """
@@ -17,17 +21,24 @@ decode side's flow: docs/architecture.md, "Prefill/decode disaggregation".
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from hicache.cache import HiCache
 from hicache.cache.held import held_pages
 from hicache.disagg.config import Bootstrap, DisaggMode
-from hicache.disagg.layout import InstanceLayout, Registration, StoreTarget, prompt_hash
-from hicache.disagg.pages import PoolGeometry
+from hicache.disagg.layout import (
+    InstanceLayout,
+    RankTarget,
+    Registration,
+    StoreTarget,
+    prompt_hash,
+)
 from hicache.disagg.receiver import BootstrapRefused, DecodeReceiver
 from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
 from hicache.engine.sampling import InvalidRequest
+from hicache.engine.step_inputs import RoomEnded, StepInput
 
 __all__ = ["DecodeRole"]
 
@@ -35,24 +46,27 @@ log = logging.getLogger(__name__)
 
 
 class DecodeRole(Role):
-    """See the module docstring. ``layout``: this instance's, sent with each
-    registration; ``geometry``: each store's L1 pool (by store name)."""
+    """See the module docstring. ``receiver``: rank 0's (None on the other ranks);
+    ``layout``: this instance's, sent with each registration; ``ranks``: every rank's
+    endpoint and pools; ``post``: rank 0's step inputs."""
 
     mode = DisaggMode.DECODE
 
     def __init__(
         self,
         cache: HiCache,
-        receiver: DecodeReceiver,
+        receiver: DecodeReceiver | None,
         transport: Transport,
         layout: InstanceLayout,
-        geometry: dict[str, PoolGeometry],
+        ranks: tuple[RankTarget, ...],
+        post: Callable[[StepInput], None] | None = None,
     ) -> None:
         self.cache = cache
         self.receiver = receiver
         self.transport = transport
         self.layout = layout
-        self.geometry = geometry
+        self.ranks = ranks
+        self._post = post
         self._unregistered: set[str] = set()
         """Parked requests whose pages are not registered yet (nothing promised)."""
 
@@ -64,7 +78,7 @@ class DecodeRole(Role):
         """Refuse, before anything is sent, a bootstrap address this instance may not
         contact (:class:`InvalidRequest` naming ``bootstrap_host``) and a new one when
         every link is busy (:class:`~hicache.disagg.links.LinksFull`: 503, retry)."""
-        if bootstrap.transfers:
+        if bootstrap.transfers and self.receiver is not None:
             try:
                 self.receiver.check(bootstrap.host, bootstrap.port)
             except BootstrapRefused as exc:
@@ -92,27 +106,28 @@ class DecodeRole(Role):
                 continue
             if handle.loading:
                 continue  # its L2 hit is still coming into L1
-            targets = tuple(
-                StoreTarget(h.name, self.geometry[h.name].to_dict(), h.first, tuple(h.pages))
-                for h in held_pages(self.cache, handle)
-            )
+            self._unregistered.discard(req.rid)
+            if self.receiver is None:
+                continue  # rank 0 registers it
             registration = Registration(
                 room=req.bootstrap.room,
                 layout=self.layout,
-                endpoint=self.transport.endpoint,
+                ranks=self.ranks,
                 prompt_len=len(req.prompt_ids),
                 prompt_hash=prompt_hash(req.prompt_ids),
                 skip_pages=handle.prefix_pages,
-                targets=targets,
+                targets=tuple(
+                    StoreTarget(h.name, h.first, tuple(h.pages))
+                    for h in held_pages(self.cache, handle)
+                ),
             )
             try:
                 self.receiver.expect(req.rid, req.bootstrap.host, req.bootstrap.port, registration)
             except Exception as exc:  # nothing was promised: it ends at the next step
                 log.exception("registering %s failed", req.rid)
-                req.error = f"its pages could not be registered: {type(exc).__name__}: {exc}"
-                req.aborted = True
-                continue
-            self._unregistered.discard(req.rid)
+                why = f"its pages could not be registered: {type(exc).__name__}: {exc}"
+                assert self._post is not None
+                self._post(RoomEnded(req.rid, why))
         return failed
 
     def requeued(self, req: Request) -> None:
@@ -121,13 +136,16 @@ class DecodeRole(Role):
     def abort(self, req: Request, why: str) -> bool:
         if req.rid in self._unregistered:
             return True  # nothing promised: it ends now
-        self.receiver.abort(req.rid, why)
+        if self.receiver is not None:
+            self.receiver.abort(req.rid, why)
         return False
 
     def ended(self, req: Request) -> None:
         self._unregistered.discard(req.rid)
-        self.receiver.forget(req.rid)
+        if self.receiver is not None:
+            self.receiver.forget(req.rid)
 
     def close(self) -> None:
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
         self.transport.close()

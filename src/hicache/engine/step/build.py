@@ -26,9 +26,9 @@ from hicache.runner.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
-RoleMaker = Callable[[HiCache, LoadedModel, ModelRunner], Role]
+RoleMaker = Callable[[HiCache, LoadedModel, ModelRunner, StepChannel | None], Role]
 """Builds (and starts) an instance's role from its cache, model and runner
-(:func:`~hicache.engine.roles.role_setup.start_role`)."""
+and its channel (:func:`~hicache.engine.roles.role_setup.role_maker`)."""
 
 
 def load_engine_model(config: EngineConfig, channel: StepChannel | None) -> LoadedModel:
@@ -114,7 +114,7 @@ def _assemble(
     context_length = min(config.context_length or max_pos, max_pos)
     decode_graphs = _enable_decode_graphs(config, runner, cache, context_length)
     output = OutputProcessor(model.tokenizer, eos_ids(model), context_length)
-    role = Role() if make_role is None else make_role(cache, model, runner)
+    role = Role() if make_role is None else make_role(cache, model, runner, channel)
     try:
         scheduler = Scheduler(cache, runner, output, config.scheduler, role=role, tokens=channel)
         return EngineCore(

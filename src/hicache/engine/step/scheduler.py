@@ -115,6 +115,7 @@ class Scheduler:
             self.ends.finish(req, FinishReason.ABORT, error=f"{type(exc).__name__}: {exc}")
             return
         self.waiting.append(req)
+        self.role.queued(req)
 
     def abort(self, rid: str) -> None:
         for req in [*self.waiting, *self.running, *self.ends.parked.values()]:
