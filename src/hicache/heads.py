@@ -57,7 +57,7 @@ class HeadSplit:
             raise ValueError(
                 f"tensor-parallel size {n} cannot split {heads}={h}, {groups}={kv}: the size"
                 f" must divide {heads}, and either divide {groups} or be a multiple of it"
-                f" (each of the {groups} then replicated on size / {kv} ranks)"
+                f" (then replicated, each held by size / {kv} ranks)"
             )
 
     @property

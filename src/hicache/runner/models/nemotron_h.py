@@ -230,5 +230,6 @@ class NemotronHLM(HybridLM):
         return None
 
     def recurrent_state(self) -> StateSpec:
-        """This rank's Mamba2 state: its groups' conv channels, its heads."""
+        """This rank's Mamba2 state: its heads' x and its groups' B/C conv channels (a
+        replicated group's too), its heads."""
         return self.config.mamba.split(self.tp).state

@@ -5,10 +5,10 @@ All norms are ``rms(x) * (1 + w)`` except DeltaNet's gated output norm.
 
 Tensor parallelism (:meth:`Qwen3NextLM.build` on a ``tp`` group): attention split by heads
 (the output gate with its head), DeltaNet by value heads with their key heads and conv
-channels (:mod:`.gated_deltanet`: key heads fewer than the ranks replicated), the dense MLP's, every expert's and the shared expert's
-intermediate columns split (router and shared-expert gate replicated; one all-reduce per
-MoE), embedding and LM head vocab-parallel. Sizes that must divide:
-:meth:`Qwen3NextConfig.check_tensor_parallel`.
+channels (:mod:`.gated_deltanet`: key heads fewer than the ranks replicated), the dense
+MLP's, every expert's and the shared expert's intermediate columns split (router and
+shared-expert gate replicated; one all-reduce per MoE), embedding and LM head
+vocab-parallel. Sizes that must divide: :meth:`Qwen3NextConfig.check_tensor_parallel`.
 """
 
 from __future__ import annotations
