@@ -10,7 +10,8 @@ key head, held by both ranks, each with half its heads (the Mamba2 gated norm's 
 all-reduced over the group's ranks).
 
 * Both ranks return the same logits, equal to one rank's and to transformers' within the
-  bound of ``test_hybrid_models`` (argued there: two orders of the same fp32 sums).
+  bound of ``test_hybrid_models`` (argued there: two orders of the same fp32 sums); so do
+  four ranks of the 2-group models, each group held by two.
 * Each rank's state is its heads' rows of one rank's: the ranks' ``ssm`` states
   concatenated over the heads give one rank's, and their conv states are one rank's
   channels of every part (``[q | k | v]`` / ``[x | B | C]``): half of each split part,
@@ -130,12 +131,17 @@ def _rank_conv(parts: list[tuple[int, bool]], conv: torch.Tensor, rank: int) -> 
     return torch.cat(out, dim=1)
 
 
-def test_two_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
+def _cases(names: tuple[str, ...]) -> dict[str, tuple[HybridConfig, str, list[int], list[int]]]:
     cases = {}
-    for name in RECURRENT:
+    for name in names:
         loaded = hybrid_model(name)
         a, b = prompt(name, A_LEN), prompt(name, B_LEN, offset=3)
         cases[name] = (loaded.model.config, str(loaded.path), a.tolist(), b.tolist())
+    return cases
+
+
+def test_two_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
+    cases = _cases(RECURRENT)
     run_ranks(_rank, 2, tmp_path, cases)
     for name, (cfg, path, a_ids, b_ids) in cases.items():
         a, b = torch.tensor(a_ids), torch.tensor(b_ids)
@@ -160,6 +166,23 @@ def test_two_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
                 want = _rank_conv(_conv_parts(cfg), state.conv, rank)
                 assert got.shape == want.shape
                 assert max_diff(got, want) <= tol(want), (name, layer, rank)
+
+
+def test_four_ranks_share_each_group_by_two(tmp_path: Path) -> None:
+    """The 2-group models over 4 ranks: ranks 0 and 1 hold group (key head) 0, ranks 2
+    and 3 group 1, each half its heads (the gated norm's sums all-reduced in the group's
+    own column); the same logits on every rank, equal to one rank's and to transformers'
+    within the bound above."""
+    cases = _cases(("tiny-random-qwen3-next", "tiny-random-nemotron-h"))
+    run_ranks(_rank, 4, tmp_path, cases)
+    for name, (cfg, path, a_ids, b_ids) in cases.items():
+        a, b = torch.tensor(a_ids), torch.tensor(b_ids)
+        one, _ = run(cfg, Path(path), a, b, TPGroup.single())
+        ranks = [_load(tmp_path / f"{name}-rank{r}.pt")[0] for r in range(4)]
+        assert all(torch.equal(ranks[0], r) for r in ranks[1:]), name
+        ref = torch.cat((hf_logits(name, a), hf_logits(name, b)))
+        assert max_diff(ranks[0], one) <= tol(one), name
+        assert max_diff(ranks[0], ref) <= tol(ref), name
 
 
 @pytest.mark.parametrize("name", RECURRENT)
