@@ -1,10 +1,12 @@
-"""Which attention heads a tensor-parallel rank holds, and which rank writes each K/V head.
+"""Which heads a tensor-parallel rank holds, and which rank writes each K/V head.
 
-Query heads are always split: rank ``r`` of ``size`` holds query heads
-``[r * H / size, (r + 1) * H / size)``. K/V heads are split the same way while there are
-at least as many of them as ranks; when ranks outnumber them, each K/V head is
-*replicated*: ``size / H_kv`` consecutive ranks hold the same one, the head their query
-heads read (as SGLang and vLLM do). A size is refused, naming the numbers, when it divides
+Heads in groups that share a per-group input: attention's query heads in K/V heads; the
+same split serves Mamba2's heads in groups (B/C) and Gated DeltaNet's value heads in key
+heads (``names`` labels the refusal). Heads are always split: rank ``r`` of ``size`` holds
+heads ``[r * H / size, (r + 1) * H / size)``. Groups (K/V heads) are split the same way
+while there are at least as many of them as ranks; when ranks outnumber them, each is
+*replicated*: ``size / H_kv`` consecutive ranks hold the same one, the group their heads
+read (as SGLang and vLLM do). A size is refused, naming the numbers, when it divides
 neither way: ``size`` must divide ``H``, and either ``size`` divides ``H_kv`` or ``H_kv``
 divides ``size``.
 
@@ -27,13 +29,15 @@ __all__ = ["HeadSplit"]
 @dataclass(frozen=True, slots=True)
 class HeadSplit:
     """The heads of rank ``tp_rank`` in a group of ``tp_size``, for a model of
-    ``num_heads`` query and ``num_kv_heads`` K/V heads. Construction checks the split
-    (ValueError naming the numbers)."""
+    ``num_heads`` query and ``num_kv_heads`` K/V heads (or heads in groups: ``names``, the
+    config fields of the two counts, as a refusal names them). Construction checks the
+    split (ValueError naming the numbers)."""
 
     num_heads: int
     num_kv_heads: int
     tp_size: int = 1
     tp_rank: int = 0
+    names: tuple[str, str] = ("num_attention_heads", "num_key_value_heads")
 
     def __post_init__(self) -> None:
         int_at_least("num_heads", self.num_heads, 1)
@@ -49,10 +53,11 @@ class HeadSplit:
         if h % kv:
             raise ValueError(f"num_heads={h} is not a multiple of num_kv_heads={kv}")
         if h % n or (kv % n and n % kv):
+            heads, groups = self.names
             raise ValueError(
-                f"tensor-parallel size {n} cannot split num_attention_heads={h},"
-                f" num_key_value_heads={kv}: the size must divide the query heads, and either"
-                f" divide the K/V heads or be a multiple of them (K/V heads replicated)"
+                f"tensor-parallel size {n} cannot split {heads}={h}, {groups}={kv}: the size"
+                f" must divide {heads}, and either divide {groups} or be a multiple of it"
+                f" (then replicated, each held by size / {kv} ranks)"
             )
 
     @property

@@ -1,5 +1,6 @@
 """The recurrent hybrids (Qwen3-Next, Nemotron-H) served at tp_size 2 through the engine's
-real rank processes (gloo, CPU), with a file L3.
+real rank processes (gloo, CPU), with a file L3; also their one-group twins (one DeltaNet
+key head / Mamba2 group, replicated on both ranks, each rank half its heads).
 
 Each rank holds its shard of the model and of every pool: its K/V heads, and its heads'
 recurrent state snapshots (``"mamba"``). One prompt walks the tiers: cold, from L1, from L2
@@ -26,6 +27,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import SchedulerConfig
+from hicache.runner.checkpoints import TINY_REPLICATED_MODELS
 from tests.engine.test_hybrid_serving import hf_greedy
 from tests.runner.models.hybrid_fixtures import prompt
 
@@ -74,7 +76,9 @@ def l1_bytes(engine: Engine, ids: list[int]) -> list[tuple[list[str], str]]:
     return got
 
 
-@pytest.mark.parametrize("name", ["tiny-random-qwen3-next", "tiny-random-nemotron-h"])
+@pytest.mark.parametrize(
+    "name", ["tiny-random-qwen3-next", "tiny-random-nemotron-h", *TINY_REPLICATED_MODELS]
+)
 def test_tp2_walks_every_tier_with_exact_bytes_on_every_rank(name: str, tmp_path: Path) -> None:
     a, b, c = (prompt(name, PROMPT_LEN, offset=k * 40).tolist() for k in range(3))
     expect = hf_greedy(name, a, NEW)

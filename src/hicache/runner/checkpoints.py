@@ -11,7 +11,9 @@ downloaded: transformers is used with ``local_files_only=True`` and ``HF_HUB_OFF
 - :data:`TINY_MODELS`: small seeded random Llama / Qwen2 / Qwen3 models with the default
   model's (real) tokenizer, for tests; :data:`TINY_HYBRID_MODELS` likewise for Gemma 3,
   GPT-OSS, Qwen3-Next and Nemotron-H; :data:`TINY_DEEPSEEK_MODELS` for DeepSeek-V2, V3
-  and V3.2 (MLA, MoE, the DSA indexer), sized so that 1, 2 and 4 ranks divide every split.
+  and V3.2 (MLA, MoE, the DSA indexer), sized so that 1, 2 and 4 ranks divide every split;
+  :data:`TINY_REPLICATED_MODELS`: a Nemotron-H of one Mamba2 group and a Qwen3-Next of one
+  DeltaNet key head, replicated over the ranks from 2 ranks on.
 - any other path: an existing Hugging Face directory, used in place.
 """
 
@@ -36,6 +38,7 @@ __all__ = [
     "TINY_DEEPSEEK_MODELS",
     "TINY_HYBRID_MODELS",
     "TINY_MODELS",
+    "TINY_REPLICATED_MODELS",
     "TINY_WIDE_MODELS",
     "Checkpoint",
     "bundled_gguf",
@@ -83,6 +86,20 @@ every MLP and expert size already divisible by 16."""
 TINY_WIDE_MODELS: tuple[str, ...] = tuple(_WIDE)
 """Tiny random models wide enough for 16 ranks (``hicache bench tp-stress`` at the second
 seed's scale): a Llama, a Gemma 3 (full + SWA) and a Nemotron-H (full + Mamba)."""
+_ONE_GROUP: dict[str, tuple[str, dict[str, int]]] = {
+    "tiny-random-nemotron-h-one-group": ("tiny-random-nemotron-h", {"n_groups": 1}),
+    "tiny-random-qwen3-next-one-key-head": ("tiny-random-qwen3-next", {"linear_num_key_heads": 1}),
+}
+"""Each one-group model's base tiny hybrid and the count it overrides: one Mamba2 group of
+8 heads, one DeltaNet key head of 4 value heads."""
+TINY_REPLICATED_MODELS: tuple[str, ...] = tuple(_ONE_GROUP)
+"""Tiny random hybrids whose per-group state has fewer groups than 2 ranks: each rank holds
+the one group (its B/C, or its key head) and its share of the heads."""
+_VARIANTS: dict[str, tuple[str, dict[str, int]]] = {
+    **{name: (name.removesuffix("-wide"), fields) for name, fields in _WIDE.items()},
+    **_ONE_GROUP,
+}
+"""Every tiny model made from another by overriding config fields: its base and fields."""
 SMALL_STEP_MODEL = "tiny-random-nemotron-h-small-step"
 """The tiny Nemotron-H with ``time_step_min = 0.01`` and every Mamba head's ``dt_bias`` drawn
 so that its step sizes ``softplus(dt_raw + dt_bias)`` spread over ``[1e-3, 3e-2]``, mostly
@@ -90,7 +107,12 @@ below ``time_step_min``: a bound applied where the checkpoint does not ask for o
 ``time_step_limit`` is ``(0, inf)``) changes its outputs."""
 SMALL_STEP_RANGE = (1e-3, 3e-2)
 ALL_TINY_MODELS: tuple[str, ...] = (
-    TINY_MODELS + TINY_HYBRID_MODELS + TINY_DEEPSEEK_MODELS + TINY_WIDE_MODELS + (SMALL_STEP_MODEL,)
+    TINY_MODELS
+    + TINY_HYBRID_MODELS
+    + TINY_DEEPSEEK_MODELS
+    + TINY_WIDE_MODELS
+    + TINY_REPLICATED_MODELS
+    + (SMALL_STEP_MODEL,)
 )
 """Every name :func:`resolve_checkpoint` makes a tiny random model for."""
 
@@ -401,10 +423,11 @@ def _tiny_config_for(name: str, tokenizer: Any) -> Any:
         config = _tiny_hybrid_config("tiny-random-nemotron-h", tokenizer)
         config.time_step_min = 0.01
         return config
-    wide = _WIDE.get(name)
-    if wide is not None:
-        config = _tiny_config_for(name.removesuffix("-wide"), tokenizer)
-        for field, value in wide.items():
+    variant = _VARIANTS.get(name)
+    if variant is not None:
+        base, fields = variant
+        config = _tiny_config_for(base, tokenizer)
+        for field, value in fields.items():
             setattr(config, field, value)
         return config
     if name in TINY_HYBRID_MODELS:
@@ -425,7 +448,7 @@ def _make_tiny(name: str, tokenizer_dir: Path, out_dir: Path) -> Path:
 
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        hybrid = name == SMALL_STEP_MODEL or name.removesuffix("-wide") in TINY_HYBRID_MODELS
+        hybrid = name == SMALL_STEP_MODEL or _VARIANTS.get(name, (name,))[0] in TINY_HYBRID_MODELS
         config = _tiny_config_for(name, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)

@@ -231,8 +231,8 @@ def load_model(
     ``tp`` (default: one rank): a Llama / Qwen2 / Qwen3 model is split over its ranks (see
     :mod:`hicache.runner.models.decoder`), a DeepSeek-V2/V3 one by heads and MLP/expert
     columns (:mod:`hicache.runner.models.deepseek`), a Qwen3-Next / Nemotron-H one by
-    heads, DeltaNet key heads / Mamba2 groups (with their recurrent state) and MLP / expert
-    columns (:mod:`hicache.runner.models.qwen3_next`, :mod:`hicache.runner.models.nemotron_h`);
+    heads, DeltaNet value heads / Mamba2 heads with their key heads / groups (replicated
+    when fewer than the ranks; with their recurrent state) and MLP / expert columns (:mod:`hicache.runner.models.qwen3_next`, :mod:`hicache.runner.models.nemotron_h`);
     each rank reads only its slice of each
     split tensor (and the whole ones whole), no collective runs, and its KV spec
     (:func:`~hicache.runner.model_runner.cache_spec_of`) has its own K/V heads. The

@@ -369,6 +369,34 @@ class RowPieces:
             start += n
         return cls(dim, tuple(pieces))
 
+    @classmethod
+    def within(
+        cls, sizes: Sequence[int], ranges: Sequence[tuple[int, int]], *, dim: int = 0
+    ) -> RowPieces:
+        """The consecutive parts of lengths ``sizes``, of each the rows ``ranges[i] =
+        (start, length)`` counted from the part's first row (a rank's heads, or a group
+        several ranks share): one piece per part, adjacent pieces merged (:meth:`merged`).
+        ValueError when a range does not lie within its part."""
+        pieces, offset = [], 0
+        for n, (start, length) in zip(sizes, ranges, strict=True):
+            if not (start >= 0 and length > 0 and start + length <= n):
+                raise ValueError(f"rows {(start, length)} do not lie within a part of {n} rows")
+            pieces.append((offset + start, length))
+            offset += n
+        return cls.merged(pieces, dim=dim)
+
+    @classmethod
+    def merged(cls, pieces: Sequence[tuple[int, int]], *, dim: int = 0) -> RowPieces:
+        """``pieces`` in order, each one that starts where the one before ends joined to
+        it (fewer reads and copies, the same rows)."""
+        out: list[tuple[int, int]] = []
+        for start, length in pieces:
+            if out and sum(out[-1]) == start:
+                out[-1] = (out[-1][0], out[-1][1] + length)
+            else:
+                out.append((start, length))
+        return cls(dim, tuple(out))
+
     @property
     def length(self) -> int:
         """Rows of the rank's slice along ``dim``."""

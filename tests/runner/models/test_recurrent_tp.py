@@ -1,23 +1,31 @@
 """Qwen3-Next and Nemotron-H over two real gloo ranks (``tests.helpers.ranks.run_ranks``),
-at the model level: each rank builds its shard (attention heads, DeltaNet key heads /
-Mamba2 groups with their conv channels and state, MLP, expert and shared-expert columns,
-vocabulary rows), loads the full checkpoint tensors cut to its slice and runs the same
-paged batches as one rank: two prefills, an extend next to a decode token, a decode
-batch, the recurrent state carried from forward to forward (so a wrong state shard shows
-in every later logit).
+at the model level: each rank builds its shard (attention heads, DeltaNet value heads with
+their key heads / Mamba2 heads with their groups, conv channels and state, MLP, expert and
+shared-expert columns, vocabulary rows), loads the full checkpoint tensors cut to its slice
+and runs the same paged batches as one rank: two prefills, an extend next to a decode
+token, a decode batch, the recurrent state carried from forward to forward (so a wrong
+state shard shows in every later logit). Also the one-group twins
+(:data:`~hicache.runner.checkpoints.TINY_REPLICATED_MODELS`): one Mamba2 group / DeltaNet
+key head, held by both ranks, each with half its heads (the Mamba2 gated norm's sums
+all-reduced over the group's ranks).
 
 * Both ranks return the same logits, equal to one rank's and to transformers' within the
-  bound of ``test_hybrid_models`` (argued there: two orders of the same fp32 sums).
+  bound of ``test_hybrid_models`` (argued there: two orders of the same fp32 sums); so do
+  four ranks of the 2-group models, each group held by two.
 * Each rank's state is its heads' rows of one rank's: the ranks' ``ssm`` states
   concatenated over the heads give one rank's, and their conv states are one rank's
-  channels of every part (``[q | k | v]`` / ``[x | B | C]``).
-* Each rank's cache spec is its shard: its K/V heads, half the snapshot's conv channels
-  and state heads.
-* A size that does not divide the heads or groups is refused naming them.
+  channels of every part (``[q | k | v]`` / ``[x | B | C]``): half of each split part,
+  the whole of a replicated group's (``q``/``k`` / ``B``/``C``).
+* Each rank's cache spec is its shard: its K/V heads, its conv channels (as above) and
+  half the state heads.
+* Which rank holds which heads and groups (``head_split``) and the rows each gathers
+  (``tp_pieces``), exactly.
+* A size that splits the heads or groups neither way is refused naming them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -26,6 +34,7 @@ import pytest
 import torch
 
 from hicache.memory import DevicePool
+from hicache.runner.checkpoints import TINY_REPLICATED_MODELS
 from hicache.runner.model_runner import kv_spec_from_hf_config
 from hicache.runner.models import AttentionContext
 from hicache.runner.models.hybrid import HybridConfig, HybridLM
@@ -42,7 +51,7 @@ from tests.runner.models.test_hybrid_models import max_diff, tol
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 needs 2 CPU cores")
 
-RECURRENT = ("tiny-random-qwen3-next", "tiny-random-nemotron-h")
+RECURRENT = ("tiny-random-qwen3-next", "tiny-random-nemotron-h", *TINY_REPLICATED_MODELS)
 A_PAGES, B_PAGES = [5, 2, 7, 0, 9], [1, 3, 4, 6, 8, 10]
 A_LEN, B_LEN = 15, 19
 
@@ -102,29 +111,37 @@ def _load(path: Path) -> tuple[torch.Tensor, dict[int, RecurrentState]]:
     return logits, {layer: RecurrentState(conv=c, ssm=s) for layer, (c, s) in plain.items()}
 
 
-def _conv_parts(cfg: HybridConfig) -> list[int]:
-    """The conv channels' parts, in order (each split evenly over the ranks)."""
+def _conv_parts(cfg: HybridConfig) -> list[tuple[int, bool]]:
+    """The conv channels' parts, in order, each with whether 2 ranks both hold it whole
+    (one group's B/C or one key head's q/k: replicated) rather than half each."""
     if isinstance(cfg, Qwen3NextConfig):
         lin = cfg.linear
         keys = lin.num_k_heads * lin.k_dim
-        return [keys, keys, lin.num_v_heads * lin.v_dim]
+        return [(keys, lin.num_k_heads == 1)] * 2 + [(lin.num_v_heads * lin.v_dim, False)]
     assert isinstance(cfg, NemotronHConfig)
     m = cfg.mamba
-    return [m.inner, m.n_groups * m.state_size, m.n_groups * m.state_size]
+    return [(m.inner, False)] + [(m.n_groups * m.state_size, m.n_groups == 1)] * 2
 
 
-def _ranks_conv(parts: list[int], convs: list[torch.Tensor]) -> torch.Tensor:
-    """The ranks' conv states ``(B, C / 2, K-1)`` put back in one rank's channel order."""
-    halves = [c.split([p // 2 for p in parts], dim=1) for c in convs]
-    return torch.cat([h for i in range(len(parts)) for h in (halves[0][i], halves[1][i])], dim=1)
+def _rank_conv(parts: list[tuple[int, bool]], conv: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s channels (of 2) of one rank's conv state ``(B, C, K-1)``."""
+    out = []
+    for part, (n, replicated) in zip(conv.split([n for n, _ in parts], dim=1), parts, strict=True):
+        out.append(part if replicated else part[:, rank * n // 2 : (rank + 1) * n // 2])
+    return torch.cat(out, dim=1)
 
 
-def test_two_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
+def _cases(names: tuple[str, ...]) -> dict[str, tuple[HybridConfig, str, list[int], list[int]]]:
     cases = {}
-    for name in RECURRENT:
+    for name in names:
         loaded = hybrid_model(name)
         a, b = prompt(name, A_LEN), prompt(name, B_LEN, offset=3)
         cases[name] = (loaded.model.config, str(loaded.path), a.tolist(), b.tolist())
+    return cases
+
+
+def test_two_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
+    cases = _cases(RECURRENT)
     run_ranks(_rank, 2, tmp_path, cases)
     for name, (cfg, path, a_ids, b_ids) in cases.items():
         a, b = torch.tensor(a_ids), torch.tensor(b_ids)
@@ -145,16 +162,35 @@ def test_two_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
             # the states come out of the same sums as the logits (measured 5.7e-7 of a
             # bound 4.4e-6 for ssm, 5.9e-6 of 7.8e-5 for conv)
             assert max_diff(ssm, state.ssm) <= tol(state.ssm), (name, layer)
-            conv = _ranks_conv(_conv_parts(cfg), [s0[layer].conv, s1[layer].conv])
-            assert conv.shape == state.conv.shape
-            assert max_diff(conv, state.conv) <= tol(state.conv), (name, layer)
+            for rank, got in enumerate((s0[layer].conv, s1[layer].conv)):
+                want = _rank_conv(_conv_parts(cfg), state.conv, rank)
+                assert got.shape == want.shape
+                assert max_diff(got, want) <= tol(want), (name, layer, rank)
+
+
+def test_four_ranks_share_each_group_by_two(tmp_path: Path) -> None:
+    """The 2-group models over 4 ranks: ranks 0 and 1 hold group (key head) 0, ranks 2
+    and 3 group 1, each half its heads (the gated norm's sums all-reduced in the group's
+    own column); the same logits on every rank, equal to one rank's and to transformers'
+    within the bound above."""
+    cases = _cases(("tiny-random-qwen3-next", "tiny-random-nemotron-h"))
+    run_ranks(_rank, 4, tmp_path, cases)
+    for name, (cfg, path, a_ids, b_ids) in cases.items():
+        a, b = torch.tensor(a_ids), torch.tensor(b_ids)
+        one, _ = run(cfg, Path(path), a, b, TPGroup.single())
+        ranks = [_load(tmp_path / f"{name}-rank{r}.pt")[0] for r in range(4)]
+        assert all(torch.equal(ranks[0], r) for r in ranks[1:]), name
+        ref = torch.cat((hf_logits(name, a), hf_logits(name, b)))
+        assert max_diff(ranks[0], one) <= tol(one), name
+        assert max_diff(ranks[0], ref) <= tol(ref), name
 
 
 @pytest.mark.parametrize("name", RECURRENT)
 def test_a_ranks_cache_spec_holds_its_heads_state(name: str) -> None:
     """On the meta device, without a group: each rank's cache spec has its K/V heads (the
-    pool's shape :func:`kv_spec_from_hf_config` gives too) and a snapshot of half the conv
-    channels and half the state heads of one rank's, the layers and dtypes unchanged."""
+    pool's shape :func:`kv_spec_from_hf_config` gives too) and a snapshot of its conv
+    channels (half of each split part, the whole of a replicated one) and half the state
+    heads of one rank's, the layers and dtypes unchanged."""
     loaded = hybrid_model(name)
     one = loaded.model.cache_spec("float32")
     (whole,) = one.components
@@ -168,21 +204,51 @@ def test_a_ranks_cache_spec_holds_its_heads_state(name: str) -> None:
         (snap,) = spec.components
         assert isinstance(snap, SnapshotSpec)
         conv, ssm = (t.shape for t in whole.tensors)
-        assert [t.shape for t in snap.tensors] == [(conv[0] // 2, conv[1]), (ssm[0] // 2, *ssm[1:])]
+        parts = _conv_parts(loaded.model.config)
+        assert conv[0] == sum(n for n, _ in parts)
+        channels = sum(n if replicated else n // 2 for n, replicated in parts)
+        assert [t.shape for t in snap.tensors] == [(channels, conv[1]), (ssm[0] // 2, *ssm[1:])]
         assert snap.num_layers == whole.num_layers and snap.name == whole.name == "mamba"
         assert [t.dtype for t in snap.tensors] == [t.dtype for t in whole.tensors]
 
 
 @pytest.mark.parametrize(
-    ("name", "size", "named"),
+    ("name", "size", "fields", "named"),
     [
-        ("tiny-random-nemotron-h", 4, "n_groups=2"),
-        ("tiny-random-qwen3-next", 4, "linear_num_key_heads=2"),
-        ("tiny-random-qwen3-next", 3, "num_attention_heads=4"),
+        ("tiny-random-nemotron-h", 2, {"mamba_num_heads": 6, "n_groups": 3}, "n_groups=3"),
+        ("tiny-random-nemotron-h", 4, {"mamba_num_heads": 6, "n_groups": 1}, "mamba_num_heads=6"),
+        (
+            "tiny-random-qwen3-next",
+            2,
+            {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
+            "linear_num_key_heads=3",
+        ),
+        (
+            "tiny-random-qwen3-next",
+            4,
+            {"linear_num_key_heads": 1, "linear_num_value_heads": 6},
+            "linear_num_value_heads=6",
+        ),
+        ("tiny-random-qwen3-next", 3, {}, "num_attention_heads=4"),
     ],
 )
-def test_a_size_that_does_not_divide_is_refused_naming_it(name: str, size: int, named: str) -> None:
-    hf = hybrid_model(name).hf_config
-    with pytest.raises(ValueError, match=named):
+def test_a_size_that_splits_neither_way_is_refused_naming_it(
+    name: str, size: int, fields: dict[str, int], named: str
+) -> None:
+    """Heads the size does not divide, or groups (key heads) it neither divides nor is a
+    multiple of: refused with the numbers (the size, the two counts)."""
+    hf = copy.deepcopy(hybrid_model(name).hf_config)
+    for field, value in fields.items():
+        setattr(hf, field, value)
+    with pytest.raises(ValueError, match=rf"size {size} cannot split .*{named}"):
         check_tensor_parallel(hf, size)
-    check_tensor_parallel(hf, 2)
+
+
+@pytest.mark.parametrize("name", ["tiny-random-qwen3-next", "tiny-random-nemotron-h"])
+def test_more_ranks_than_groups_replicate_them(name: str) -> None:
+    """2 Mamba2 groups / DeltaNet key heads (and 2 K/V heads) over 4 ranks: accepted, each
+    group held by 2 ranks; the one-group twin splits over 2 and 4."""
+    check_tensor_parallel(hybrid_model(name).hf_config, 4)
+    (twin,) = (t for t in TINY_REPLICATED_MODELS if t.startswith(name))
+    for size in (2, 4):
+        check_tensor_parallel(hybrid_model(twin).hf_config, size)

@@ -8,10 +8,13 @@ the unit lower triangular ``(I + A) U = beta V - (beta e^G K) S_0``, ``A[s, r] =
 e^{G_s - G_r} k_s . k_r`` (r < s); then ``o_t = e^{G_t} S_0^T q_t + sum_{s<=t} e^{G_t - G_s}
 (q_t . k_s) u_s`` and ``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} k_s u_s^T``. Invariant: chunk
 boundaries do not change the result, so a prefill can be split anywhere and resumed from
-the returned state. Tensor parallelism: a rank holds ``num_k_heads / size`` key heads with
-their value heads (:meth:`GatedDeltaNetSpec.split`), its state is its heads', and it
-gathers its rows of each fused part (:meth:`GatedDeltaNet.tp_pieces`); why this split is
-exact: ``docs/architecture.md``, "Tensor-parallel models".
+the returned state. Tensor parallelism: a rank holds ``num_v_heads / size`` value heads and
+their key heads (:meth:`GatedDeltaNetSpec.head_split`, the split of K/V heads):
+``num_k_heads / size`` key heads with all their value heads, or with more ranks than key
+heads one key head replicated on ``size / num_k_heads`` ranks, each with its share of the
+value heads; its state is its value heads', and it gathers its rows of each fused part
+(:meth:`GatedDeltaNet.tp_pieces`); why this split is exact: ``docs/architecture.md``,
+"Tensor-parallel models".
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.heads import HeadSplit
 from hicache.runner.models.norms import GatedRMSNorm
 from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec, causal_conv
 from hicache.runner.parallel import RowParallelLinear, RowPieces, TPGroup
@@ -91,19 +95,29 @@ class GatedDeltaNetSpec:
         self.conv_kernel = conv_kernel
         self.eps = eps
 
+    def head_split(self, tp: TPGroup) -> HeadSplit:
+        """Which value and key heads rank ``tp.rank`` of ``tp.size`` holds:
+        ``num_v_heads / size`` value heads, and ``num_k_heads / size`` key heads or, when the
+        ranks outnumber the key heads, the one key head its value heads read (ValueError
+        naming the numbers unless ``size`` divides ``num_v_heads``, and divides
+        ``num_k_heads`` or is a multiple of it)."""
+        return HeadSplit(
+            self.num_v_heads,
+            self.num_k_heads,
+            tp.size,
+            tp.rank,
+            names=("linear_num_value_heads", "linear_num_key_heads"),
+        )
+
     def split(self, tp: TPGroup) -> GatedDeltaNetSpec:
-        """The sizes one rank of ``tp`` holds: ``num_k_heads / size`` key heads and their
-        ``num_v_heads / size`` value heads (ValueError naming the numbers unless ``size``
-        divides ``num_k_heads``)."""
-        if self.num_k_heads % tp.size:
-            raise ValueError(
-                f"tensor-parallel size {tp.size} does not divide linear_num_key_heads="
-                f"{self.num_k_heads}"
-            )
+        """The sizes one rank of ``tp`` holds (:meth:`head_split`): its key heads and value
+        heads (one key head and part of its value heads when the key heads are
+        replicated)."""
+        heads = self.head_split(tp)
         return GatedDeltaNetSpec(
             hidden_size=self.hidden_size,
-            num_k_heads=self.num_k_heads // tp.size,
-            num_v_heads=self.num_v_heads // tp.size,
+            num_k_heads=heads.local_kv_heads,
+            num_v_heads=heads.local_heads,
             k_dim=self.k_dim,
             v_dim=self.v_dim,
             conv_kernel=self.conv_kernel,
@@ -136,6 +150,7 @@ class GatedDeltaNet(nn.Module):
         tp = tp or TPGroup.single()
         spec = full.split(tp)
         self.full, self.spec, self.tp = full, spec, tp
+        self.heads = full.head_split(tp)
         self.layer_id = layer_id
         hk, hv = spec.num_k_heads, spec.num_v_heads
         self.in_proj_qkvz = nn.Linear(
@@ -153,28 +168,39 @@ class GatedDeltaNet(nn.Module):
         )
 
     def tp_pieces(self) -> dict[str, RowPieces]:
-        """This rank's rows: of ``in_proj_qkvz``/``in_proj_ba`` its key heads' blocks, of
-        the conv its share of the q, k and v channels, of ``dt_bias``/``A_log`` its value
-        heads; ``norm`` (per head dim) is whole, ``out_proj`` row-parallel."""
-        full, tp = self.full, self.tp
-        r = full.num_v_heads // full.num_k_heads
-        qkvz = 2 * full.k_dim + 2 * r * full.v_dim
-        keys = full.num_k_heads * full.k_dim
+        """This rank's rows: of ``in_proj_qkvz``/``in_proj_ba``, per key head it holds, the
+        key head's ``q``/``k`` (the same on every rank sharing it) and its value heads'
+        share of ``v``/``z`` (``b``/``a``); of the conv its key heads' q and k channels and
+        its value heads' v channels; of ``dt_bias``/``A_log`` its value heads; ``norm``
+        (per head dim) is whole, ``out_proj`` row-parallel."""
+        f, s = self.full, self.heads
+        r = f.num_v_heads // f.num_k_heads
+        first = s.first_head - s.first_kv_head * r  # within each key head: its value heads
+        count = s.local_heads // s.local_kv_heads
+        kd, vd = f.k_dim, f.v_dim
+        block = 2 * kd + 2 * r * vd
+        qkvz: list[tuple[int, int]] = []
+        ba: list[tuple[int, int]] = []
+        for kh in s.kv_heads:
+            at = kh * block
+            qkvz += [
+                (at, 2 * kd),
+                (at + 2 * kd + first * vd, count * vd),
+                (at + 2 * kd + (r + first) * vd, count * vd),
+            ]
+            ba += [(kh * 2 * r + first, count), (kh * 2 * r + r + first, count)]
+        keys = (s.first_kv_head * kd, s.local_kv_heads * kd)
+        values = (s.first_head, s.local_heads)
+        per_value = RowPieces.within([f.num_v_heads], [values])
         return {
-            "in_proj_qkvz.weight": RowPieces.split(
-                [full.num_k_heads * qkvz], tp, "linear_num_key_heads", unit=qkvz
+            "in_proj_qkvz.weight": RowPieces.merged(qkvz),
+            "in_proj_ba.weight": RowPieces.merged(ba),
+            "conv1d.weight": RowPieces.within(
+                [f.num_k_heads * kd, f.num_k_heads * kd, f.num_v_heads * vd],
+                [keys, keys, (s.first_head * vd, s.local_heads * vd)],
             ),
-            "in_proj_ba.weight": RowPieces.split(
-                [full.num_k_heads * 2 * r], tp, "linear_num_key_heads", unit=2 * r
-            ),
-            "conv1d.weight": RowPieces.split(
-                [keys, keys, full.num_v_heads * full.v_dim],
-                tp,
-                "linear_num_key_heads",
-                unit=(full.k_dim, full.k_dim, r * full.v_dim),
-            ),
-            "dt_bias": RowPieces.split([full.num_v_heads], tp, "linear_num_value_heads"),
-            "A_log": RowPieces.split([full.num_v_heads], tp, "linear_num_value_heads"),
+            "dt_bias": per_value,
+            "A_log": per_value,
         }
 
     def forward(self, x: torch.Tensor, rctx: RecurrentContext) -> torch.Tensor:

@@ -7,11 +7,13 @@ output ``y_t = S C_t + D_h x_t`` (``x_t (P,)``, ``B_t`` / ``C_t (N,)`` shared by
 chunk at a time: ``y_t = e^{G_t} S_0 C_t + sum_{s<=t} e^{G_t - G_s} (C_t . B_s) dt_s x_s + D
 x_t`` and ``S_C = e^{G_C} S_0 + sum_s e^{G_C - G_s} dt_s x_s B_s^T`` (``G_t`` the cumulative
 log decay in the chunk); chunk boundaries do not change the result. Output:
-``out_proj(group_rms(y * silu(z)) * weight)``. Tensor parallelism: a rank holds ``n_groups /
-size`` whole groups and their heads (:meth:`Mamba2Spec.split`), which keeps every result
-exact; its state is its own; it gathers its rows of ``in_proj = [z | x | B | C | dt]`` and
-the conv's ``[x | B | C]`` (:meth:`Mamba2Mixer.tp_pieces`). Why: ``docs/architecture.md``,
-"Tensor-parallel models".
+``out_proj(group_rms(y * silu(z)) * weight)``. Tensor parallelism: a rank holds
+``num_heads / size`` heads and their groups (:meth:`Mamba2Spec.head_split`, the split of
+K/V heads): ``n_groups / size`` whole groups, or with more ranks than groups one group
+replicated on ``size / n_groups`` ranks (its B/C rows on each, its heads split), the gated
+norm's sum of squares then all-reduced over the group's ranks; its state is its own; it
+gathers its rows of ``in_proj = [z | x | B | C | dt]`` and the conv's ``[x | B | C]``
+(:meth:`Mamba2Mixer.tp_pieces`). Why: ``docs/architecture.md``, "Tensor-parallel models".
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.heads import HeadSplit
 from hicache.runner.models.norms import GroupGatedRMSNorm
 from hicache.runner.models.recurrent import RecurrentContext, RecurrentState, StateSpec, causal_conv
 from hicache.runner.parallel import RowParallelLinear, RowPieces, TPGroup
@@ -98,20 +101,24 @@ class Mamba2Spec:
         self.time_step_limit = (limit[0], limit[1])
         self.eps = eps
 
+    def head_split(self, tp: TPGroup) -> HeadSplit:
+        """Which heads and groups rank ``tp.rank`` of ``tp.size`` holds: ``num_heads / size``
+        heads, and ``n_groups / size`` groups or, when the ranks outnumber the groups, the
+        one group its heads read (ValueError naming the numbers unless ``size`` divides
+        ``num_heads``, and divides ``n_groups`` or is a multiple of it)."""
+        return HeadSplit(
+            self.num_heads, self.n_groups, tp.size, tp.rank, names=("mamba_num_heads", "n_groups")
+        )
+
     def split(self, tp: TPGroup) -> Mamba2Spec:
-        """The sizes one rank of ``tp`` holds: ``n_groups / size`` groups and their
-        ``num_heads / size`` heads (ValueError naming the numbers unless ``size`` divides
-        ``n_groups``)."""
-        if self.n_groups % tp.size:
-            raise ValueError(
-                f"tensor-parallel size {tp.size} does not divide n_groups={self.n_groups}"
-                f" (mamba_num_heads={self.num_heads}); choose a size that divides n_groups"
-            )
+        """The sizes one rank of ``tp`` holds (:meth:`head_split`): its heads and groups
+        (one group, part of whose heads other ranks hold, when the groups are replicated)."""
+        heads = self.head_split(tp)
         return Mamba2Spec(
             hidden_size=self.hidden_size,
-            num_heads=self.num_heads // tp.size,
+            num_heads=heads.local_heads,
             head_dim=self.head_dim,
-            n_groups=self.n_groups // tp.size,
+            n_groups=heads.local_kv_heads,
             state_size=self.state_size,
             conv_kernel=self.conv_kernel,
             conv_bias=self.conv_bias,
@@ -148,6 +155,7 @@ class Mamba2Mixer(nn.Module):
         tp = tp or TPGroup.single()
         spec = full.split(tp)
         self.full, self.spec, self.tp = full, spec, tp
+        self.heads = full.head_split(tp)
         self.layer_id = layer_id
         self.in_proj = nn.Linear(
             spec.hidden_size, spec.inner + spec.conv_dim + spec.num_heads, bias=spec.proj_bias
@@ -162,33 +170,34 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(spec.num_heads))
         self.A_log = nn.Parameter(torch.empty(spec.num_heads))
         self.D = nn.Parameter(torch.empty(spec.num_heads))
-        self.norm = GroupGatedRMSNorm(spec.inner, spec.inner // spec.n_groups, spec.eps)
+        self.norm = GroupGatedRMSNorm(
+            spec.inner, spec.inner // spec.n_groups, spec.eps, tp=tp, replicas=self.heads.replicas
+        )
         self.out_proj = RowParallelLinear(full.inner, spec.hidden_size, bias=spec.proj_bias, tp=tp)
 
     def tp_pieces(self) -> dict[str, RowPieces]:
-        """This rank's rows: its share of every part of ``in_proj`` (``[z | x | B | C |
-        dt]``) and of the conv (``[x | B | C]``), weights and biases; its heads of
-        ``dt_bias``/``A_log``/``D`` and of the norm's weight; ``out_proj`` row-parallel."""
-        f, tp = self.full, self.tp
+        """This rank's rows: its heads' share of ``z``, ``x`` and ``dt`` in ``in_proj``
+        (``[z | x | B | C | dt]``) and of ``x`` in the conv (``[x | B | C]``), its groups'
+        ``B``/``C`` rows (the same on every rank sharing a group), weights and biases; its
+        heads of ``dt_bias``/``A_log``/``D`` and of the norm's weight; ``out_proj``
+        row-parallel."""
+        f, s = self.full, self.heads
         gs = f.n_groups * f.state_size
-        what = "n_groups"
-        heads = RowPieces.split([f.num_heads], tp, what)
-        in_proj = RowPieces.split(
-            [f.inner, f.inner, gs, gs, f.num_heads],
-            tp,
-            what,
-            unit=(f.inner // f.n_groups,) * 2 + (f.state_size,) * 2 + (f.num_heads // f.n_groups,),
+        inner = (s.first_head * f.head_dim, s.local_heads * f.head_dim)
+        groups = (s.first_kv_head * f.state_size, s.local_kv_heads * f.state_size)
+        heads = (s.first_head, s.local_heads)
+        in_proj = RowPieces.within(
+            [f.inner, f.inner, gs, gs, f.num_heads], [inner, inner, groups, groups, heads]
         )
-        conv = RowPieces.split(
-            [f.inner, gs, gs], tp, what, unit=(f.inner // f.n_groups,) + (f.state_size,) * 2
-        )
+        conv = RowPieces.within([f.inner, gs, gs], [inner, groups, groups])
+        per_head = RowPieces.within([f.num_heads], [heads])
         out = {
             "in_proj.weight": in_proj,
             "conv1d.weight": conv,
-            "dt_bias": heads,
-            "A_log": heads,
-            "D": heads,
-            "norm.weight": RowPieces.split([f.inner], tp, what),
+            "dt_bias": per_head,
+            "A_log": per_head,
+            "D": per_head,
+            "norm.weight": RowPieces.within([f.inner], [inner]),
         }
         if f.proj_bias:
             out["in_proj.bias"] = in_proj

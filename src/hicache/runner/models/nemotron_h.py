@@ -4,8 +4,8 @@
 non-gated ReLU² experts and always adds a shared expert. Checkpoint prefix ``backbone.``.
 
 Tensor parallelism (:meth:`NemotronHLM.build` on a ``tp`` group): attention split by heads,
-Mamba2 by whole groups with their heads (:mod:`.mamba2`: the gated norm's groups stay
-whole), the MLP's, every expert's and the shared expert's intermediate columns split
+Mamba2 by heads with their groups (:mod:`.mamba2`: groups fewer than the ranks replicated,
+the gated norm's sums then all-reduced over a group's ranks), the MLP's, every expert's and the shared expert's intermediate columns split
 (router replicated; one all-reduce per MoE), embedding and LM head vocab-parallel. Sizes
 that must divide: :meth:`NemotronHConfig.check_tensor_parallel`.
 """
@@ -45,13 +45,14 @@ class NemotronHConfig(HybridConfig):
 
     def check_tensor_parallel(self, size: int) -> None:
         """ValueError naming the numbers unless ``size`` ranks split the attention heads
-        (:meth:`HybridConfig.check_attention_split`), the Mamba2 groups (whole groups with their
-        heads: the gated norm normalizes per group) and the intermediate sizes of the
-        layers the model has."""
+        (:meth:`HybridConfig.check_attention_split`), the Mamba2 heads and groups (the size
+        divides ``mamba_num_heads``, and divides ``n_groups`` or is a multiple of it:
+        :meth:`Mamba2Spec.head_split`) and the intermediate sizes of the layers the model
+        has."""
         self.check_attention_split(size)
-        sizes = (
-            [("n_groups", self.mamba.n_groups)] if "linear_attention" in self.layer_kinds else []
-        )
+        if "linear_attention" in self.layer_kinds:
+            self.mamba.head_split(TPGroup(size=size))
+        sizes: list[tuple[str, int]] = []
         if "mlp" in self.layer_kinds:
             sizes.append(("intermediate_size", self.intermediate_size))
         if "moe" in self.layer_kinds:
@@ -229,5 +230,6 @@ class NemotronHLM(HybridLM):
         return None
 
     def recurrent_state(self) -> StateSpec:
-        """This rank's Mamba2 state: its groups' conv channels, its heads."""
+        """This rank's Mamba2 state: its heads' x and its groups' B/C conv channels (a
+        replicated group's too), its heads."""
         return self.config.mamba.split(self.tp).state

@@ -4,11 +4,11 @@ MoE (softmax top-k) plus a sigmoid-gated shared expert, or a dense MLP on ``mlp_
 All norms are ``rms(x) * (1 + w)`` except DeltaNet's gated output norm.
 
 Tensor parallelism (:meth:`Qwen3NextLM.build` on a ``tp`` group): attention split by heads
-(the output gate with its head), DeltaNet by key heads with their value heads and conv
-channels (:mod:`.gated_deltanet`), the dense MLP's, every expert's and the shared expert's
-intermediate columns split (router and shared-expert gate replicated; one all-reduce per
-MoE), embedding and LM head vocab-parallel. Sizes that must divide:
-:meth:`Qwen3NextConfig.check_tensor_parallel`.
+(the output gate with its head), DeltaNet by value heads with their key heads and conv
+channels (:mod:`.gated_deltanet`: key heads fewer than the ranks replicated), the dense
+MLP's, every expert's and the shared expert's intermediate columns split (router and
+shared-expert gate replicated; one all-reduce per MoE), embedding and LM head
+vocab-parallel. Sizes that must divide: :meth:`Qwen3NextConfig.check_tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ class Qwen3NextConfig(HybridConfig):
 
     def check_tensor_parallel(self, size: int) -> None:
         """ValueError naming the numbers unless ``size`` ranks split the attention heads
-        (:meth:`HybridConfig.check_attention_split`), the DeltaNet key heads (each rank takes its key
-        heads with their value heads) and the MLP, expert and shared-expert intermediate
-        sizes."""
+        (:meth:`HybridConfig.check_attention_split`), the DeltaNet value and key heads (the
+        size divides ``linear_num_value_heads``, and divides ``linear_num_key_heads`` or is
+        a multiple of it: :meth:`GatedDeltaNetSpec.head_split`) and the MLP, expert and
+        shared-expert intermediate sizes."""
         self.check_attention_split(size)
+        self.linear.head_split(TPGroup(size=size))
         check_split(
             size,
             [
-                ("linear_num_key_heads", self.linear.num_k_heads),
                 ("intermediate_size", self.intermediate_size),
                 ("moe_intermediate_size", self.moe_intermediate_size),
                 ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
