@@ -12,18 +12,27 @@ test-matrix`` the rest (marked ``matrix``).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from hicache.bench.serverproc import ServerProcess
+from hicache.config import CacheConfig
+from hicache.engine.front.engine import Engine, EngineConfig
+from hicache.engine.sampling import SamplingParams
 from hicache.services.process import free_port
+from tests.api.test_serve_tp import rank_pids
 
 PROMPT = list(range(300, 345))  # 45 tokens: 11 whole pages of 4, and 1
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
 COMMON = ("--device", "cpu", "--page-size", "4", "--context-length", "256")
 FAST: tuple[str, ...] = ()
 
@@ -40,9 +49,11 @@ def servers(*flag_sets: list[str]) -> Iterator[list[ServerProcess]]:
         yield procs
 
 
-def body(room: dict[str, Any] | None = None, *, stream: bool = False) -> dict[str, Any]:
+def body(
+    room: dict[str, Any] | None = None, *, stream: bool = False, prompt: list[int] = PROMPT
+) -> dict[str, Any]:
     return {
-        "input_ids": PROMPT,
+        "input_ids": prompt,
         "sampling_params": {"max_new_tokens": 8, "temperature": 0},
         "stream": stream,
         **(room or {}),
@@ -65,13 +76,18 @@ def generate(url: str, b: dict[str, Any]) -> list[int]:
 
 
 def through_pair(
-    prefill: ServerProcess, decode: ServerProcess, port: int, room: int, stream: bool
+    prefill: ServerProcess,
+    decode: ServerProcess,
+    port: int,
+    room: int,
+    stream: bool,
+    prompt: list[int] = PROMPT,
 ) -> list[int]:
     """Both halves of ``room``; the decode side's answer (the prefill's is one token)."""
     fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
     with ThreadPoolExecutor(2) as ex:
-        p = ex.submit(generate, prefill.url, body(fields, stream=False))
-        d = ex.submit(generate, decode.url, body(fields, stream=stream))
+        p = ex.submit(generate, prefill.url, body(fields, prompt=prompt))
+        d = ex.submit(generate, decode.url, body(fields, stream=stream, prompt=prompt))
         assert len(p.result()) == 1
         return d.result()
 
@@ -84,23 +100,38 @@ def open_rooms(server: ServerProcess) -> float:
     return 0.0
 
 
+MODELS = (
+    "tiny-random-llama",
+    "tiny-random-deepseek-v2",
+    "tiny-random-gemma3",
+    "tiny-random-deepseek-v32",
+)
+SIZES = ((2, 2), (1, 2), (2, 1), (4, 2))
+CORE = {
+    ("tiny-random-llama", 2, 2, "mooncake"),
+    ("tiny-random-llama", 2, 1, "nixl"),
+    ("tiny-random-deepseek-v2", 1, 2, "mooncake"),
+}
+"""The subset ``make test`` runs: split heads both ways, both transports, an MLA latent."""
 CASES = [
-    pytest.param("tiny-random-llama", 2, 2, "mooncake"),
-    pytest.param("tiny-random-llama", 1, 2, "mooncake"),
-    pytest.param("tiny-random-llama", 2, 1, "nixl"),
-    pytest.param("tiny-random-llama", 4, 2, "mooncake", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-llama", 2, 2, "nixl", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-llama", 1, 2, "nixl", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-deepseek-v2", 2, 1, "mooncake"),
-    pytest.param("tiny-random-deepseek-v2", 1, 2, "mooncake", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-deepseek-v2", 4, 2, "nixl", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-gemma3", 2, 2, "mooncake", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-gemma3", 1, 2, "nixl", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-gemma3", 2, 1, "mooncake", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-deepseek-v32", 2, 2, "mooncake", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-deepseek-v32", 1, 2, "nixl", marks=pytest.mark.matrix),
-    pytest.param("tiny-random-deepseek-v32", 2, 1, "mooncake", marks=pytest.mark.matrix),
+    pytest.param(m, p, d, b, marks=() if (m, p, d, b) in CORE else pytest.mark.matrix)
+    for m in MODELS
+    for p, d in SIZES
+    for b in ("mooncake", "nixl")
 ]
+_PLAIN: dict[str, list[int]] = {}
+
+
+def plain_answer(model: str) -> list[int]:
+    """A plain TP-1 engine's greedy answer to the prompt (computed once per model)."""
+    if model not in _PLAIN:
+        with Engine(
+            EngineConfig(
+                model_path=model, device="cpu", context_length=256, cache=CacheConfig(page_size=4)
+            )
+        ).start() as plain:
+            _PLAIN[model] = plain.generate(PROMPT, GREEDY, timeout=120).output_ids
+    return _PLAIN[model]
 
 
 @pytest.mark.parametrize(("model", "prefill_tp", "decode_tp", "backend"), CASES)
@@ -109,8 +140,9 @@ def test_a_pair_at_two_tp_sizes_answers_as_a_plain_server(
 ) -> None:
     port = free_port()
     pd = ["--model-path", model, "--disaggregation-transfer-backend", backend, *FAST]
+    want = plain_answer(model)
+    assert len(want) == 8
     with servers(
-        ["--model-path", model],
         [
             *pd,
             "--tp-size",
@@ -121,10 +153,174 @@ def test_a_pair_at_two_tp_sizes_answers_as_a_plain_server(
             str(port),
         ],
         [*pd, "--tp-size", str(decode_tp), "--disaggregation-mode", "decode"],
-    ) as (plain, prefill, decode):
-        want = generate(plain.url, body())
-        assert len(want) == 8
+    ) as (prefill, decode):
         for room, stream in ((101, False), (102, True)):
             got = through_pair(prefill, decode, port, room, stream)
             assert got == want, (room, stream, got, want)
         assert open_rooms(prefill) == 0
+
+
+def l3_written(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("hicache_l3_written_bytes_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_decode_offload_at_tp_2_writes_head_records_a_tp_1_prefill_hits(tmp_path: Path) -> None:
+    """A decode instance at TP 2 writes the finished conversation to the shared L3, each
+    rank the records of its K/V head; the next turn's prefill, at TP 1 and under
+    ``write_back`` (it writes nothing there), takes the first prompt from its L1 and the
+    first turn's output from those records, and the pair answers as a plain server."""
+    model, page = "tiny-random-llama", 4
+    extra = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 0})
+    l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    l3 += ["--hicache-storage-backend-extra-config", extra, "--hicache-load-back-threshold", "0"]
+    port = free_port()
+    pd = ["--model-path", model, "--disaggregation-transfer-backend", "mooncake", *l3]
+    prefill_flags = [*pd, "--disaggregation-mode", "prefill"]
+    prefill_flags += [
+        "--disaggregation-bootstrap-port",
+        str(port),
+        "--hicache-write-policy",
+        "write_back",
+    ]
+    decode_flags = [*pd, "--disaggregation-mode", "decode", "--tp-size", "2"]
+    decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
+    with servers(prefill_flags, decode_flags) as (prefill, decode):
+        first_ids = list(range(300, 342))  # 42 tokens: 10 whole pages
+        first = through_pair(prefill, decode, port, 201, False, first_ids)
+        conversation = first_ids + first
+        written = (len(conversation) - 1) // page * page  # every position but the last token
+        deadline = time.monotonic() + 30
+        while l3_written(decode) == 0:
+            assert time.monotonic() < deadline, "the decode instance wrote nothing to L3"
+            time.sleep(0.2)
+        time.sleep(1.0)  # its last pages' writes land
+        second_ids = conversation + list(range(500, 520))
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 202}
+        with ThreadPoolExecutor(2) as ex:
+            url = f"{prefill.url}/generate"
+            p = ex.submit(httpx.post, url, json=body(fields, prompt=second_ids), timeout=120)
+            d = ex.submit(generate, decode.url, body(fields, prompt=second_ids))
+            meta = p.result().json()["meta_info"]["cached_tokens_details"]
+            got = d.result()
+        assert (meta["device"], meta["storage"]) == (40, written - 40), (meta, written)
+    with Engine(
+        EngineConfig(
+            model_path=model, device="cpu", context_length=256, cache=CacheConfig(page_size=4)
+        )
+    ).start() as plain:
+        assert got == plain.generate(second_ids, GREEDY, timeout=120).output_ids
+
+
+def metric(server: ServerProcess, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}{labels}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not in /metrics")
+
+
+def assert_idle(server: ServerProcess, timeout_s: float = 20.0) -> None:
+    """No request admitted, parked or holding an L1 page, no page fenced (read until so)."""
+    deadline = time.monotonic() + timeout_s
+    names = [
+        ("hicache_num_admitted_reqs", ""),
+        ("hicache_num_parked_reqs", ""),
+        ("hicache_pd_fenced_pages", ""),
+        ("hicache_device_tokens", '{holder="requests"}'),
+    ]
+    while sum(metric(server, n, lab) for n, lab in names) != 0:
+        assert time.monotonic() < deadline, f"{server.url} still holds requests or pages"
+        time.sleep(0.2)
+
+
+def decode_alone(decode: ServerProcess, port: int, room: int) -> Future[httpx.Response]:
+    """The decode half of ``room`` alone (it registers and waits for the prefill)."""
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    ex = ThreadPoolExecutor(1)
+    fut = ex.submit(httpx.post, f"{decode.url}/generate", json=body(fields), timeout=120)
+    ex.shutdown(wait=False)
+    return fut
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_prefill_rank_killed_or_paused_fails_the_decode_room_within_the_bound(
+    signum: int,
+) -> None:
+    """A prefill instance at TP 2 whose rank 1 is killed, or paused, while a decode
+    request waits on its room: rank 0's bootstrap server answers 503 from the moment the
+    rank is named gone or silent (or is gone itself), so the decode side fails the room
+    within its health bound after that; a paused rank that runs again leaves the prefill
+    serving, and both sides end idle."""
+    port = free_port()
+    pd = ["--model-path", "tiny-random-llama", "--disaggregation-transfer-backend", "mooncake"]
+    with servers(
+        [
+            *pd,
+            "--tp-size",
+            "2",
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(port),
+        ],
+        [*pd, "--disaggregation-mode", "decode"],
+    ) as (prefill, decode):
+        assert prefill.proc is not None
+        rank1 = rank_pids(prefill.proc.pid)
+        assert len(rank1) == 1, rank1
+        waiting = decode_alone(decode, port, 301)
+        time.sleep(1.0)  # registered: the decode polls the room
+        assert not waiting.done(), waiting.result().text
+        os.kill(rank1[0], signum)
+        t0 = time.monotonic()
+        try:
+            r = waiting.result(timeout=60)
+            took = time.monotonic() - t0
+            # a silent rank is named after SILENT_AFTER_S (5 s); then the health bound (3 s)
+            assert took < 5.0 + 3.0 + 4.0, took
+            assert r.status_code in (502, 503, 504), r.text
+            assert "did not answer" in r.text or "unhealthy" in r.text, r.text
+        finally:
+            if signum == signal.SIGSTOP:
+                os.kill(rank1[0], signal.SIGCONT)
+        assert_idle(decode)
+        if signum == signal.SIGSTOP:  # it runs again: the pair serves
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{prefill.url}/health", timeout=5).status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert through_pair(prefill, decode, port, 302, False) == plain_answer(
+                "tiny-random-llama"
+            )
+            assert_idle(prefill)
+            assert_idle(decode)
+
+
+def test_a_decode_rank_killed_fails_the_prefill_room_without_a_hang() -> None:
+    """A decode instance at TP 2 whose rank 1 is killed with a room registered: the
+    prefill's writes to it fail (or the decode instance is gone), the prefill request
+    ends with an error within the transfer bound, and the prefill instance is idle."""
+    port = free_port()
+    pd = ["--model-path", "tiny-random-llama", "--disaggregation-transfer-backend", "mooncake"]
+    with servers(
+        [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)],
+        [*pd, "--tp-size", "2", "--disaggregation-mode", "decode"],
+    ) as (prefill, decode):
+        assert decode.proc is not None
+        rank1 = rank_pids(decode.proc.pid)
+        assert len(rank1) == 1, rank1
+        waiting = decode_alone(decode, port, 311)
+        time.sleep(1.0)  # registered
+        os.kill(rank1[0], signal.SIGKILL)
+        time.sleep(0.5)
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 311}
+        t0 = time.monotonic()
+        r = httpx.post(f"{prefill.url}/generate", json=body(fields), timeout=120)
+        assert time.monotonic() - t0 < 60
+        assert r.status_code != 200 or r.json().get("error"), r.text
+        assert waiting.result(timeout=60).status_code != 200
+        assert_idle(prefill)

@@ -6,7 +6,9 @@ The decode side (never the router) talks to it over plain HTTP with JSON bodies:
 :class:`~hicache.disagg.layout.Registration`: 200, 409, 400 or 429), ``POST /status`` (a
 long poll of at most :data:`MAX_STATUS_ROOMS` rooms, ``wait_s`` at most 1 s; it arms the
 registered rooms it names and reports the ones taken) and ``POST /abort`` (``{"closed":
-bool}``; True: no byte of the room will be written any more). Invariants: with a key,
+bool}``; True: no byte of the room will be written any more). While the instance is
+unhealthy (:attr:`PrefillRooms.health`: a rank frozen or gone) ``/register`` and
+``/status`` answer 503, as if unanswered. Invariants: with a key,
 every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 before the body is
 read); a body past :data:`MAX_REGISTER_BYTES` / :data:`MAX_SMALL_BYTES` gets 413 unread;
 every answer carries ``X-Hicache-Instance``, drawn at start, so a changed id means the
@@ -24,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -67,6 +69,10 @@ class Refused:
     busy: bool = False
 
 
+def _healthy() -> str | None:
+    return None
+
+
 class PrefillRooms:
     """A prefill instance's rooms, thread-safe; see the module docstring. ``layout``: the
     instance's own, checked against each registration's."""
@@ -86,6 +92,10 @@ class PrefillRooms:
             timeout_s=timeout_s, closed_ttl_s=closed_ttl_s, work_timeout_s=work_timeout_s
         )
         self._cond = threading.Condition()
+        self.health: Callable[[], str | None] = _healthy
+        """Why the instance cannot serve its rooms now (a rank frozen or gone), or None:
+        the engine sets it once started. While it says why, ``/register`` and
+        ``/status`` answer 503 (the decode side counts it against its health bound)."""
 
     def claim(self, room: int) -> str | None:
         """The prefill request of ``room`` arrived; None, or why it is refused."""
@@ -364,6 +374,9 @@ def _handler(
                 if self.path not in ("/register", "/status", "/abort"):
                     raise _Refuse(404, f"no route {self.path}", unread=True)
                 self._authorize()
+                why = None if self.path == "/abort" else rooms.health()
+                if why is not None:  # the decode side counts it as an unanswered poll
+                    raise _Refuse(503, f"the prefill instance is unhealthy: {why}", unread=True)
                 if self.path == "/register":
                     body = self._body(MAX_REGISTER_BYTES)
                     registration = Registration.from_json(body)

@@ -16,6 +16,8 @@ The pair's flow: docs/architecture.md, "Prefill/decode disaggregation".
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hicache.disagg.config import Bootstrap, DisaggMode
 from hicache.engine.request import Request
 
@@ -88,6 +90,11 @@ class Role:
 
     def ended(self, req: Request) -> None:
         """``req`` has ended (released, whatever the way)."""
+
+    def watch_health(self, problem: Callable[[], str | None]) -> None:
+        """Rank 0, once the engine has started: ``problem()`` says why the instance is
+        unhealthy now (None: healthy), from any thread; a prefill instance's bootstrap
+        server answers its decode sides with it."""
 
     def close(self) -> None:
         """Stop the role's threads and servers (after the engine loop has ended)."""

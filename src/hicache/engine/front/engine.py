@@ -171,6 +171,7 @@ class Engine(Lifecycle):
         self.role = core.scheduler.role
         self._state.started()
         self._leader.start()
+        self.role.watch_health(lambda: self.health().reason)
         return self
 
     def _post_input(self, record: StepInput) -> None:

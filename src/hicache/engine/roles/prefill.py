@@ -350,6 +350,10 @@ class PrefillRole(Role):
             self._sent.pop(req.rid, None)
             self.sender.restart(req.bootstrap.room)
 
+    def watch_health(self, problem: Callable[[], str | None]) -> None:
+        if self.desk is not None:
+            self.desk.rooms.health = problem
+
     def close(self) -> None:
         # the bootstrap server last: while it answers, the decode side holds the pages of
         # every room it follows; once its port is closed no write can follow
