@@ -78,6 +78,12 @@ class PdBenchSpec:
     questions: int = 6
     question_tokens: int = 32
     transfer: str = "mooncake"
+    plain_tp: int = 1
+    """``--tp-size`` of ``plain``."""
+    prefill_tp: int = 1
+    """``--tp-size`` of the prefill instance of ``pd`` and ``pd_offload``."""
+    decode_tp: int = 1
+    """``--tp-size`` of their decode instance."""
     prefill_write_policy: str = "write_back"
     """``--hicache-write-policy`` of ``plain`` and of the prefill instances."""
     seed: int = 0
@@ -101,6 +107,9 @@ class PdBenchSpec:
             "prefix_tokens": self.prefix_tokens,
             "questions": self.questions,
             "question_tokens": self.question_tokens,
+            "plain_tp": self.plain_tp,
+            "prefill_tp": self.prefill_tp,
+            "decode_tp": self.decode_tp,
         }
         bad = {k: v for k, v in sizes.items() if v < 1}
         if bad:
@@ -379,8 +388,10 @@ class _Setups:
 
     def plain(self) -> _Target:
         policy = self.spec.prefill_write_policy
-        s = self.server(*self.l3(self._dir()), "--hicache-write-policy", policy)
-        return _Target(s.url, f"1 instance, L1+L2+L3 file, {policy}", (s.url,))
+        tp = ["--tp-size", str(self.spec.plain_tp)]
+        s = self.server(*self.l3(self._dir()), "--hicache-write-policy", policy, *tp)
+        what = f"1 instance at TP {self.spec.plain_tp}, L1+L2+L3 file, {policy}"
+        return _Target(s.url, what, (s.url,))
 
     def pd(self, offload: bool) -> _Target:
         root = self._dir()
@@ -394,15 +405,19 @@ class _Setups:
             "prefill",
             "--disaggregation-bootstrap-port",
             str(bootstrap),
+            "--tp-size",
+            str(self.spec.prefill_tp),
             *transfer,
         )
         decode_flags = ["--disaggregation-mode", "decode", *transfer]
+        decode_flags += ["--tp-size", str(self.spec.decode_tp)]
         if offload:
             decode_flags += [*self.l3(root), "--disaggregation-decode-enable-offload-kvcache"]
         decode = self.server(*decode_flags)
         smg = self.smg(prefill=[(prefill.url, bootstrap)], decode=[decode.url],
                        policy="round_robin")  # fmt: skip
-        what = f"smg + prefill ({self.spec.prefill_write_policy}, L3 file) + decode,"
+        what = f"smg + prefill (TP {self.spec.prefill_tp}, {self.spec.prefill_write_policy},"
+        what += f" L3 file) + decode (TP {self.spec.decode_tp}),"
         what += f" {self.spec.transfer}"
         what += ", decode offload to the shared L3" if offload else ", decode writes nothing"
         return _Target(smg.url, what, (smg.url,))
@@ -528,7 +543,8 @@ def print_report(report: PdReport) -> None:
         f" {s.conversations} conversations x {s.turns} turns of {s.user_tokens} + {s.max_tokens}"
         f" tokens; shared-prefix {s.tenants} tenants x {s.questions} questions,"
         f" prefix {s.prefix_tokens} + {s.question_tokens}; {s.clients} in flight;"
-        f" prefill/plain {s.prefill_write_policy}, transfer {s.transfer};"
+        f" prefill/plain {s.prefill_write_policy}, transfer {s.transfer}; TP plain"
+        f" {s.plain_tp}, prefill {s.prefill_tp}, decode {s.decode_tp};"
         " ratios against plain in this run; hit % over turns >= 2 (multiturn)",
         ["workload", "setup", "requests", "TTFT ms", "TTFT x", "ITL ms", "ITL x",
          "hit %", "req/s", "req/s x", "same outputs", "split"],
@@ -584,6 +600,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=d.questions, help="per tenant")
     p.add_argument("--question-tokens", type=int, default=d.question_tokens)
     p.add_argument("--transfer", choices=TRANSFERS, default=d.transfer, help="PD KV transfer")
+    p.add_argument("--plain-tp", type=int, default=d.plain_tp, help="--tp-size of plain")
+    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, help="of the PD prefill")
+    p.add_argument("--decode-tp", type=int, default=d.decode_tp, help="of the PD decode")
     p.add_argument(
         "--prefill-write-policy",
         choices=WRITE_POLICIES,
@@ -618,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             conversations=a.conversations, turns=a.turns, user_tokens=a.user_tokens,
             max_tokens=a.max_tokens, clients=a.clients, tenants=a.tenants,
             prefix_tokens=a.prefix_tokens, questions=a.questions,
-            question_tokens=a.question_tokens, transfer=a.transfer,
+            question_tokens=a.question_tokens, transfer=a.transfer, plain_tp=a.plain_tp,
+            prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
             prefill_write_policy=a.prefill_write_policy, seed=a.seed,
             startup_timeout_s=a.startup_timeout, request_timeout_s=a.request_timeout,
             workload_timeout_s=a.workload_timeout, time_limit_s=a.time_limit,

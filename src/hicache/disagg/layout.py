@@ -163,9 +163,22 @@ def check_pair(prefill: InstanceLayout, decode: InstanceLayout) -> None:
         if sp.kv_heads:
             hp, hd = prefill.head_bytes(sp), decode.head_bytes(sd)
             if hp != hd:
-                raise differ(f"store {sp.name!r} bytes per head", hp, hd)
+                raise LayoutMismatch(
+                    f"{differ(f'store {sp.name!r} bytes per head', hp, hd)} (prefill: TP"
+                    f" {prefill.tp_size}, {_heads(prefill, sp)}; decode: TP {decode.tp_size},"
+                    f" {_heads(decode, sd)})"
+                )
         elif sp.row_bytes != sd.row_bytes:
             raise differ(f"store {sp.name!r} row_bytes", sp.row_bytes, sd.row_bytes)
+
+
+def _heads(layout: InstanceLayout, store: StoreLayout) -> str:
+    split = layout.heads(store, 0)
+    assert split is not None
+    return (
+        f"rows of {store.row_bytes} bytes holding {split.local_kv_heads} of"
+        f" {split.num_kv_heads} K/V heads"
+    )
 
 
 @dataclass(frozen=True, slots=True)
