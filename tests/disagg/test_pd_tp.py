@@ -26,7 +26,9 @@ import pytest
 
 from hicache.bench.serverproc import ServerProcess
 from hicache.config import CacheConfig
+from hicache.disagg.config import Bootstrap, DisaggConfig
 from hicache.engine.front.engine import Engine, EngineConfig
+from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.services.process import free_port
 from tests.api.test_serve_tp import rank_pids
@@ -324,3 +326,30 @@ def test_a_decode_rank_killed_fails_the_prefill_room_without_a_hang() -> None:
         assert r.status_code != 200 or r.json().get("error"), r.text
         assert waiting.result(timeout=60).status_code != 200
         assert_idle(prefill)
+
+
+def test_a_prefill_engine_at_tp_2_stops_promptly_with_rooms_live() -> None:
+    """A TP-2 prefill engine closed while a request waits for its decode side (its room
+    live on both ranks): the request ends with an error and the close takes well under
+    the collectives' bound."""
+    port = free_port()
+    config = EngineConfig(
+        model_path="tiny-random-llama",
+        device="cpu",
+        tp_size=2,
+        context_length=256,
+        cache=CacheConfig(page_size=4),
+        disagg=DisaggConfig(mode="prefill", bootstrap_port=port),  # type: ignore[arg-type]
+    )
+    ends: list[RequestOutput] = []
+    with Engine(config).start() as prefill:
+        b = Bootstrap("127.0.0.1", port, 401)
+        prefill.submit(
+            PROMPT, GREEDY, lambda o: ends.append(o) if o.finished else None, bootstrap=b
+        )
+        time.sleep(1.0)  # queued, waiting for its room's registration: the room is live
+        t0 = time.monotonic()
+        prefill.close()
+        took = time.monotonic() - t0
+    assert took < 15.0, took
+    assert len(ends) == 1 and ends[0].error is not None, ends

@@ -91,6 +91,10 @@ class Role:
     def ended(self, req: Request) -> None:
         """``req`` has ended (released, whatever the way)."""
 
+    def alone(self) -> None:
+        """From now on this rank steps alone (its requests are being ended: the ranks no
+        longer step together), so the role exchanges nothing with other ranks."""
+
     def watch_health(self, problem: Callable[[], str | None]) -> None:
         """Rank 0, once the engine has started: ``problem()`` says why the instance is
         unhealthy now (None: healthy), from any thread; a prefill instance's bootstrap

@@ -41,7 +41,7 @@ from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
 
-__all__ = ["Exchange", "PrefillRole", "RoomDesk"]
+__all__ = ["Exchange", "PrefillRole", "RoomDesk", "local_exchange"]
 
 Exchange = Callable[[object], list[object]]
 """Every rank's value, by rank, on every rank (a collective: every rank calls it at the
@@ -148,6 +148,11 @@ class RoomDesk:
         self.shares.pop(room, None)
 
 
+def local_exchange(value: object) -> list[object]:
+    """The exchange of one rank, or of a rank stepping alone: its own value only."""
+    return [value]
+
+
 class PrefillRole(Role):
     """See the module docstring. ``rank_rooms``: this rank's view of its rooms;
     ``desk``: rank 0's rooms (None on the other ranks); ``exchange``: the ranks' per-step
@@ -240,11 +245,11 @@ class PrefillRole(Role):
             list[tuple[RoomNews | None, list[ShareEnd]]],
             self._exchange((news, self.rank_rooms.ended_shares())),
         )
-        told = got[0][0]
-        assert told is not None
-        self.rank_rooms.learn(told)
-        for room in told.closed:
-            self._settle(room, 1)
+        told = got[0][0]  # None: a follower stepping alone hears no news
+        if told is not None:
+            self.rank_rooms.learn(told)
+            for room in told.closed:
+                self._settle(room, 1)
         if desk is not None:
             desk.tally([e for _, ends in got for e in ends], set(self._live))
             self.rank_rooms.learn(desk.takes())
@@ -349,6 +354,9 @@ class PrefillRole(Role):
         if req.bootstrap is not None and req.bootstrap.transfers:
             self._sent.pop(req.rid, None)
             self.sender.restart(req.bootstrap.room)
+
+    def alone(self) -> None:
+        self._exchange = local_exchange
 
     def watch_health(self, problem: Callable[[], str | None]) -> None:
         if self.desk is not None:

@@ -34,7 +34,7 @@ from hicache.disagg.transport import Transport
 from hicache.engine.ranks import StepChannel
 from hicache.engine.role import Role
 from hicache.engine.roles.decode import DecodeRole
-from hicache.engine.roles.prefill import Exchange, PrefillRole, RoomDesk
+from hicache.engine.roles.prefill import Exchange, PrefillRole, RoomDesk, local_exchange
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed, StepInput
 from hicache.runner.loader import LoadedModel
 from hicache.runner.model_runner import ModelRunner
@@ -110,7 +110,7 @@ def start_role(
     if exchange is None:
         if tp_size != 1:
             raise ValueError(f"tp_size={tp_size}: the ranks' exchange is required")
-        exchange = _alone
+        exchange = local_exchange
     pools = {"full": cache.full.pages.device_pool, **cache.stores.runner_pools()}
     geometry = {name: PoolGeometry.of(pool) for name, pool in pools.items()}
     layout = instance_layout(disagg, cache, model, geometry, tp_size)
@@ -127,10 +127,6 @@ def start_role(
     except BaseException:
         transport.close()
         raise
-
-
-def _alone(value: object) -> list[object]:
-    return [value]
 
 
 def role_maker(

@@ -309,6 +309,7 @@ class EngineCore:
         those it cannot release (``max_failures`` failed steps, or ``max_s`` seconds) are
         failed directly, their pages left where they are."""
         reqs = self.scheduler.in_flight  # with those ended whose final report is pending
+        self.scheduler.role.alone()  # its steps below are this rank's alone
         self.scheduler.drop_parked(why)  # the other instance's side is not waited for
         for req in reqs:
             if req.finished:
