@@ -7,7 +7,7 @@ The decode side (never the router) talks to it over plain HTTP with JSON bodies:
 long poll of at most :data:`MAX_STATUS_ROOMS` rooms, ``wait_s`` at most 1 s; it arms the
 registered rooms it names and reports the ones taken) and ``POST /abort`` (``{"closed":
 bool}``; True: no byte of the room will be written any more). While the instance is
-unhealthy (:attr:`PrefillRooms.health`: a rank frozen or gone) ``/register`` and
+unhealthy (:attr:`PrefillRooms.health`: a rank frozen or dead) ``/register`` and
 ``/status`` answer 503, as if unanswered. Invariants: with a key,
 every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 before the body is
 read); a body past :data:`MAX_REGISTER_BYTES` / :data:`MAX_SMALL_BYTES` gets 413 unread;

@@ -96,9 +96,9 @@ class Role:
         longer step together), so the role exchanges nothing with other ranks."""
 
     def watch_health(self, problem: Callable[[], str | None]) -> None:
-        """Rank 0, once the engine has started: ``problem()`` says why the instance is
-        unhealthy now (None: healthy), from any thread; a prefill instance's bootstrap
-        server answers its decode sides with it."""
+        """Rank 0 of several, once the engine has started: ``problem()`` names a rank that
+        is frozen or gone (None: every rank answers), from any thread; a prefill
+        instance's bootstrap server answers its decode sides with it."""
 
     def close(self) -> None:
         """Stop the role's threads and servers (after the engine loop has ended)."""

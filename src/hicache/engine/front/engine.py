@@ -171,7 +171,9 @@ class Engine(Lifecycle):
         self.role = core.scheduler.role
         self._state.started()
         self._leader.start()
-        self.role.watch_health(lambda: self.health().reason)
+        ranks = self.ranks
+        if ranks is not None:  # a rank frozen or gone: its rooms cannot end
+            self.role.watch_health(lambda: ranks.failure or ranks.silent())
         return self
 
     def _post_input(self, record: StepInput) -> None:
