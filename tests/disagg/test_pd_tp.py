@@ -110,11 +110,11 @@ MODELS = (
 )
 SIZES = ((2, 2), (1, 2), (2, 1), (4, 2))
 CORE = {
-    ("tiny-random-llama", 2, 2, "mooncake"),
     ("tiny-random-llama", 2, 1, "nixl"),
     ("tiny-random-deepseek-v2", 1, 2, "mooncake"),
 }
-"""The subset ``make test`` runs: split heads both ways, both transports, an MLA latent."""
+"""The subset ``make test`` runs: split heads gathered on one rank, an MLA latent spread
+over two, both transports."""
 CASES = [
     pytest.param(m, p, d, b, marks=() if (m, p, d, b) in CORE else pytest.mark.matrix)
     for m in MODELS
@@ -248,7 +248,13 @@ def decode_alone(decode: ServerProcess, port: int, room: int) -> Future[httpx.Re
     return fut
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+@pytest.mark.parametrize(
+    "signum",
+    [
+        pytest.param(signal.SIGKILL, id="killed", marks=pytest.mark.matrix),
+        pytest.param(signal.SIGSTOP, id="paused"),
+    ],
+)
 def test_a_prefill_rank_killed_or_paused_fails_the_decode_room_within_the_bound(
     signum: int,
 ) -> None:
@@ -302,6 +308,7 @@ def test_a_prefill_rank_killed_or_paused_fails_the_decode_room_within_the_bound(
             assert_idle(decode)
 
 
+@pytest.mark.matrix
 def test_a_decode_rank_killed_fails_the_prefill_room_without_a_hang() -> None:
     """A decode instance at TP 2 whose rank 1 is killed with a room registered: the
     prefill's writes to it fail (or the decode instance is gone), the prefill request
