@@ -40,6 +40,7 @@ from hicache.disagg.sender import PrefillSender, SendJob, SourcePages
 from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
+from hicache.engine.sampling import generator_state
 
 __all__ = ["Exchange", "PrefillRole", "RoomDesk"]
 
@@ -275,6 +276,9 @@ class PrefillRole(Role):
             cached_device=cached.device,
             cached_host=cached.host,
             cached_storage=cached.storage,
+            first_logprob=req.logprobs[0] if req.logprobs else None,
+            prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
+            sampler_state=generator_state(req.generator),
         )
         self._sent.pop(req.rid, None)
         self._handed.add(req.rid)
