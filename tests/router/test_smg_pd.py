@@ -134,11 +134,16 @@ def assert_idle(*procs: ServerProcess, timeout_s: float = 15.0) -> None:
             time.sleep(0.2)
 
 
-def answers_through_smg(prefill: str, decode: str, bootstrap: int, model: str) -> dict[str, object]:
-    """:func:`answers` through an smg (round robin, keyed) over one prefill/decode pair."""
-    with Smg(
+def smg_over(prefill: str, decode: str, bootstrap: int) -> Smg:
+    """An smg (round robin, keyed) over one prefill/decode pair."""
+    return Smg(
         prefill=[(prefill, bootstrap)], decode=[decode], policy="round_robin", api_key=ROUTER_KEY
-    ) as smg:
+    )
+
+
+def answers_through_smg(prefill: str, decode: str, bootstrap: int, model: str) -> dict[str, object]:
+    """:func:`answers` through :func:`smg_over` the pair."""
+    with smg_over(prefill, decode, bootstrap) as smg:
         return answers(smg.url, model)
 
 
@@ -196,12 +201,7 @@ def test_logprobs_and_n_behind_smg_answer_as_one_plain_server() -> None:
     prefill_flags, decode_flags = pd_flags(model, "mooncake", bootstrap)
     with (
         servers(["--model-path", model], prefill_flags, decode_flags) as (plain, prefill, decode),
-        Smg(
-            prefill=[(prefill.url, bootstrap)],
-            decode=[decode.url],
-            policy="round_robin",
-            api_key=ROUTER_KEY,
-        ) as smg,
+        smg_over(prefill.url, decode.url, bootstrap) as smg,
     ):
         for case, (path, body, _) in sorted(CASES.items()):
             for stream in (False, True):
@@ -240,12 +240,7 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
     decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
     with (
         servers(prefill_flags, decode_flags) as (prefill, decode),
-        Smg(
-            prefill=[(prefill.url, bootstrap)],
-            decode=[decode.url],
-            policy="round_robin",
-            api_key=ROUTER_KEY,
-        ) as smg,
+        smg_over(prefill.url, decode.url, bootstrap) as smg,
     ):
         first_ids = list(range(300, 342))  # 42 tokens: 10 whole pages
         gen = {"sampling_params": {"max_new_tokens": 10, "temperature": 0}}
