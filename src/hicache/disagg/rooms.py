@@ -63,6 +63,14 @@ class RoomResult:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     sampler_state: bytes | None = None
 
+    def lean(self) -> RoomResult:
+        """This result without what only the decode side's answer needs (the logprobs,
+        the generator state: up to kilobytes per prompt token), as a closed room keeps it
+        once that side has taken it."""
+        return RoomResult(
+            self.first_token, self.cached_device, self.cached_host, self.cached_storage
+        )
+
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
             "first_token": self.first_token,
@@ -320,6 +328,8 @@ class RoomTable:
         r = self._rooms.get(room)
         if r is not None and r.state is RoomState.SUCCESS and not r.abort_asked:
             r.taken = True
+            if r.result is not None:  # kept for closed_ttl_s: only what is still read
+                r.result = r.result.lean()
 
     def taken(self, room: int) -> bool:
         """Whether the decode side took ``room``'s pages (:meth:`take`)."""
