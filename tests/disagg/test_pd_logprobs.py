@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -41,9 +42,20 @@ CACHE_KEYS = {"cached_tokens", "cached_tokens_details", "prompt_tokens_details",
 _rooms = itertools.count(1000)
 
 
+@dataclass(frozen=True)
+class Servers:
+    """A plain server and a pair, served over HTTP: their URLs, the prefill's bootstrap
+    port, and the decode instance's engine."""
+
+    plain: str
+    prefill: str
+    decode: str
+    port: int
+    decode_engine: Engine
+
+
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
-def servers(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, int]]:
-    """``(plain, prefill, decode)`` URLs and the prefill's bootstrap port."""
+def servers(request: pytest.FixtureRequest) -> Iterator[Servers]:
     port = free_port()
     opts = {"transfer_backend": request.param, **FAST}
     engines: list[Engine] = []
@@ -53,7 +65,7 @@ def servers(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, int
         engines.append(make_engine(MODEL, "decode", port=port, **opts))
         plain, prefill, decode = engines
         with serve(plain) as a, serve(prefill) as b, serve(decode) as c:
-            yield a, b, c, port
+            yield Servers(a, b, c, port, decode)
         assert_idle(prefill, decode)
     finally:
         for e in reversed(engines):
@@ -199,13 +211,27 @@ CASES: dict[str, tuple[str, dict[str, Any], int]] = {
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_pair_answers_as_a_plain_server(
-    servers: tuple[str, str, str, int], case: str, stream: bool
-) -> None:
-    plain, prefill, decode, port = servers
+def test_the_pair_answers_as_a_plain_server(servers: Servers, case: str, stream: bool) -> None:
     path, body, rooms = CASES[case]
     body = {**body, "stream": stream}
-    want = merged(path, post(plain, path, body), stream)
-    got = merged(path, through_pair(prefill, decode, port, path, body, rooms), stream)
+    want = merged(path, post(servers.plain, path, body), stream)
+    got = merged(
+        path, through_pair(servers.prefill, servers.decode, servers.port, path, body, rooms), stream
+    )
     assert len(want) == body.get("n", body.get("sampling_params", {}).get("n", 1))
     assert_close(got, want)
+
+
+def test_a_failed_room_fails_its_copies_without_computing_them(servers: Servers) -> None:
+    """``n`` = 3 on the decode instance alone (the prefill never hears of the room): the
+    room fails at its timeout, and the copies waiting for the first are not run (each
+    would compute the prompt on the decode instance for an answer that is an error)."""
+    forwards = servers.decode_engine.core.scheduler.forwards
+    body = {**COMPLETION, "n": 3, "bootstrap_host": "127.0.0.1", "bootstrap_port": servers.port}
+    r = httpx.post(
+        f"{servers.decode}/v1/completions",
+        json={**body, "bootstrap_room": next(_rooms)},
+        timeout=60,
+    )
+    assert r.status_code >= 500 and "room" in r.json()["error"]["message"], r.text
+    assert servers.decode_engine.core.scheduler.forwards == forwards
