@@ -167,6 +167,12 @@ def assert_close(got: Any, want: Any, where: str = "") -> None:
         assert got == want, (where, got, want)
 
 
+def for_model(body: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
+    """``body`` of :data:`CASES` for a server of ``model`` (its OpenAI ``model`` field),
+    streamed or not."""
+    return {**body, "stream": stream} | ({"model": model} if "model" in body else {})
+
+
 COMPLETION = {"model": "tiny", "prompt": TEXT, "max_tokens": 6}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 6}
 GENERATE = {"text": TEXT, "sampling_params": {"max_new_tokens": 6}}
@@ -213,7 +219,7 @@ CASES: dict[str, tuple[str, dict[str, Any], int]] = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_pair_answers_as_a_plain_server(servers: Servers, case: str, stream: bool) -> None:
     path, body, rooms = CASES[case]
-    body = {**body, "stream": stream}
+    body = for_model(body, "tiny", stream)
     want = merged(path, post(servers.plain, path, body), stream)
     got = merged(
         path, through_pair(servers.prefill, servers.decode, servers.port, path, body, rooms), stream

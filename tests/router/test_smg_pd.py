@@ -35,7 +35,7 @@ import pytest
 from hicache.bench.pd_load import PdLoadSpec, idle, send_all
 from hicache.bench.serverproc import ServerProcess
 from hicache.services.process import free_port
-from tests.disagg.test_pd_logprobs import CASES, assert_close, merged
+from tests.disagg.test_pd_logprobs import CASES, assert_close, for_model, merged
 from tests.helpers.smg import Smg
 from tests.router.conftest import ROUTER_KEY, WORKER_FLAGS
 
@@ -205,7 +205,7 @@ def test_logprobs_and_n_behind_smg_answer_as_one_plain_server() -> None:
     ):
         for case, (path, body, _) in sorted(CASES.items()):
             for stream in (False, True):
-                b = {**body, "stream": stream} | ({"model": model} if "model" in body else {})
+                b = for_model(body, model, stream)
                 want = merged(path, ask(plain.url, path, b), stream)
                 got = merged(path, ask(smg.url, path, b), stream)
                 assert_close(got, want, f"{case}, stream={stream}")

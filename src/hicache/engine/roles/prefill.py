@@ -23,7 +23,7 @@ Built by :mod:`hicache.engine.roles.role_setup`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -276,10 +276,14 @@ class PrefillRole(Role):
             cached_device=cached.device,
             cached_host=cached.host,
             cached_storage=cached.storage,
-            first_logprob=req.logprobs[0] if req.logprobs else None,
-            prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
-            sampler_state=generator_state(req.generator),
         )
+        if self.desk is not None:  # rank 0's result closes the room; it alone sampled
+            result = replace(
+                result,
+                first_logprob=req.logprobs[0] if req.logprobs else None,
+                prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
+                sampler_state=generator_state(req.generator),
+            )
         self._sent.pop(req.rid, None)
         self._handed.add(req.rid)
         self.sender.submit(self._job(req, result=result))
