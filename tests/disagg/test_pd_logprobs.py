@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from hicache.engine.front.engine import Engine
-from tests.disagg.test_pd_engine import FAST, assert_idle, free_port, make_engine
+from tests.disagg.test_pd_engine import assert_idle, free_port, make_engine
 from tests.helpers.api_fixtures import serve
 
 MODEL = "tiny-random-llama"
@@ -57,7 +57,9 @@ class Servers:
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
 def servers(request: pytest.FixtureRequest) -> Iterator[Servers]:
     port = free_port()
-    opts = {"transfer_backend": request.param, **FAST}
+    # the default health bound (3 s): the machine may be loaded, and no test here waits
+    # for a silent peer; a room whose other side never comes fails within 5 s
+    opts = {"transfer_backend": request.param, "room_timeout_s": 5.0}
     engines: list[Engine] = []
     try:
         engines.append(make_engine(MODEL))
