@@ -1,6 +1,6 @@
 """The bootstrap fields over HTTP on a prefill and a decode instance (each served by
 uvicorn on 127.0.0.1): a request without them gets a 400 naming what is missing, and so
-do a batch whose rooms do not match its prompts, ``n`` > 1 and log probabilities; a room
+does a batch whose rooms match neither its prompts nor its sequences; a room
 in use or just used is refused by the prefill instance; the router's no-transfer host is
 served alone, as JSON on a prefill instance even when a stream is asked for;
 ``/health_generate`` answers on both. Statuses tell whose fault it was, the same on both
@@ -90,8 +90,11 @@ def test_a_request_without_its_room_is_refused_naming_the_field(urls: tuple[str,
     assert error(r)[0] == 400 and "1 entries for 2 prompts" in error(r)[1]
     status, msg, param = error(gen(p_url, **room, bootstrap_room=-1))
     assert (status, param) == (400, "bootstrap_room")
-    r = gen(p_url, **room, bootstrap_room=6, return_logprob=True)
-    assert error(r)[0] == 400 and "logprobs are not served by a prefill/decode pair" in error(r)[1]
+    two = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "n": 2}}
+    r = httpx.post(
+        f"{p_url}/generate", json={**two, **room, "bootstrap_room": [5, 6, 7]}, timeout=60
+    )
+    assert error(r)[0] == 400 and "3 entries for 1 prompts or 2 sequences" in error(r)[1]
 
 
 def test_a_room_in_use_or_used_is_refused(urls: tuple[str, str, int]) -> None:

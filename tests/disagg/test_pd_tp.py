@@ -1,7 +1,8 @@
 """Prefill/decode pairs at tensor-parallel sizes, equal or not: a prefill and a decode
 ``hicache serve`` (each a process tree of its ranks) paired over a real transport on
 127.0.0.1, each request sent to both with the same room (as the router does). Greedy
-answers equal a plain TP-1 server's, streamed and not; both sides end idle.
+answers equal a plain TP-1 server's, streamed and not, and so do logprobs, prompt
+logprobs, ``n`` = 2 and seeded sampling; both sides end idle.
 
 Every rank of each side writes or receives its own share (:mod:`hicache.disagg.shares`):
 K/V heads split at 2 ranks and replicated at 4 for the tiny Llama (2 K/V heads), an MLA
@@ -32,6 +33,9 @@ from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
 from hicache.services.process import free_port
 from tests.api.test_serve_tp import rank_pids
+from tests.disagg.test_pd_logprobs import CASES as LOGPROB_CASES
+from tests.disagg.test_pd_logprobs import assert_close, for_model, merged, post
+from tests.disagg.test_pd_logprobs import through_pair as pair_answer
 
 PROMPT = list(range(300, 345))  # 45 tokens: 11 whole pages of 4, and 1
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -160,6 +164,28 @@ def test_a_pair_at_two_tp_sizes_answers_as_a_plain_server(
             got = through_pair(prefill, decode, port, room, stream)
             assert got == want, (room, stream, got, want)
         assert open_rooms(prefill) == 0
+
+
+@pytest.mark.matrix
+def test_logprobs_and_n_through_a_tp_2_pair_answer_as_a_plain_server() -> None:
+    """Output and prompt logprobs, ``n`` = 2 and seeded sampling
+    (:data:`tests.disagg.test_pd_logprobs.CASES`) through a pair at TP 2 on both sides,
+    streamed and not, as a plain TP-1 server answers them: rank 0 samples, so rank 0's
+    share carries the room's logprobs and generator state."""
+    port = free_port()
+    model = "tiny-random-llama"
+    pd = ["--model-path", model, "--disaggregation-transfer-backend", "mooncake", *FAST]
+    prefill_flags = [*pd, "--tp-size", "2", "--disaggregation-mode", "prefill"]
+    prefill_flags += ["--disaggregation-bootstrap-port", str(port)]
+    decode_flags = [*pd, "--tp-size", "2", "--disaggregation-mode", "decode"]
+    with servers(["--model-path", model], prefill_flags, decode_flags) as (plain, p, d):
+        for case, (path, case_body, rooms) in sorted(LOGPROB_CASES.items()):
+            for stream in (False, True):
+                b = for_model(case_body, model, stream)
+                want = merged(path, post(plain.url, path, b), stream)
+                got = merged(path, pair_answer(p.url, d.url, port, path, b, rooms), stream)
+                assert_close(got, want, f"{case}, stream={stream}")
+        assert open_rooms(p) == 0
 
 
 def l3_written(server: ServerProcess) -> float:

@@ -6,6 +6,7 @@ own (a transfer by an abort the sender acknowledges)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -22,6 +23,7 @@ from hicache.disagg.layout import (
     check_pair,
 )
 from hicache.disagg.rooms import RoomResult, RoomState, RoomStatus, RoomTable
+from hicache.logprob import TokenLogprob
 
 LAYOUT = InstanceLayout(
     model="m",
@@ -211,6 +213,33 @@ def test_status_json_round_trip_and_bad_input() -> None:
         RoomStatus.from_json({"room": 1, "state": "nope"})
     with pytest.raises(ValueError, match="registration that cannot be read"):
         Registration.from_json({"room": 1})
+
+
+def test_a_result_carries_the_prefills_logprobs_and_sampler_state_losslessly() -> None:
+    """Through JSON, as the decode side's status poll reads it: the first token's
+    logprob, the prompt's (None where not scored) and the generator's state, bit for bit;
+    dropped from the room once the decode side took them."""
+    first = TokenLogprob.of(7, -0.1234567890123, [(7, -0.12345679), (3, -2.5)])
+    prompt = (None, None, TokenLogprob.of(5, -11.9, [(1, -4.25)]), TokenLogprob(6, -3.0))
+    result = RoomResult(7, 1, 0, 0, first, prompt, bytes(range(256)) * 3)
+    s = RoomStatus(9, RoomState.SUCCESS, result)
+    back = RoomStatus.from_json(json.loads(json.dumps(s.to_json())))
+    assert back == s and back.result is not None
+    assert back.result.first_logprob is not None and back.result.first_logprob.top == first.top
+    # taken, the closed room keeps only what is still read of it (for closed_ttl_s)
+    t = RoomTable(timeout_s=10, closed_ttl_s=100)
+    t.claim(1, 0.0)
+    t.register(reg(1), 0.0)
+    t.arm(1)
+    t.start(1, 0.1)
+    t.close(1, 0.2, result=result)
+    assert t.status(1) == RoomStatus(1, RoomState.SUCCESS, result, written=True)
+    t.take(1)
+    assert t.status(1) == RoomStatus(1, RoomState.SUCCESS, RoomResult(7, 1), written=True)
+    with pytest.raises(ValueError, match="cannot be read"):
+        RoomStatus.from_json({**s.to_json(), "result": {"first_token": 1, "first_logprob": [1]}})
+    with pytest.raises(ValueError, match="cannot be read"):
+        RoomStatus.from_json({**s.to_json(), "result": {"first_token": 1, "sampler_state": "@"}})
 
 
 def test_check_pair_names_the_field_and_both_values() -> None:

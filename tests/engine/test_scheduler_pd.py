@@ -8,7 +8,9 @@ receiver's ``PagesArrived``).
   parked ones hold L1 is retracted to wait, not aborted;
 - a decode request retracted after its pages arrived resumes from what the cache kept
   of it, with no second registration (its room is spent);
-- a request refused for memory is told the real shortfall.
+- a request refused for memory is told the real shortfall;
+- what a room brings besides the pages (the first token's logprob, the prompt's) is the
+  answer's, and a request with prompt logprobs still promises its cached prefix.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hicache.engine.roles.decode import DecodeRole
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import Scheduler
 from hicache.engine.step_inputs import PagesArrived
+from hicache.logprob import TokenLogprob
 from hicache.spec import AttentionKind, KVSpec
 from tests.helpers.fake_runner import client, make_scheduler, step
 
@@ -40,9 +43,11 @@ class Receiver:
 
     def __init__(self) -> None:
         self.expected: dict[str, int] = {}
+        self.registrations: dict[str, Registration] = {}
 
     def expect(self, rid: str, host: str, port: int, registration: Registration) -> None:
         self.expected[rid] = self.expected.get(rid, 0) + 1
+        self.registrations[rid] = registration
 
     def abort(self, rid: str, why: str) -> None:
         pass
@@ -182,6 +187,43 @@ def test_a_retracted_decode_request_resumes_without_registering_again(
     assert receiver.expected == {a.rid: 1, b.rid: 1}
     assert a_outs[-1].error is None and a.output_ids == want(a.prompt_ids, 8)
     assert b_outs[-1].error is None and b.output_ids == want(b.prompt_ids, 8)
+    check_integrity(cache)
+
+
+def test_the_prefills_logprobs_are_the_decode_requests(cache: HiCache) -> None:
+    """What the room brings besides the pages: the first token's logprob is the answer's
+    first, the prompt logprobs are the answer's; a request with prompt logprobs promises
+    its own cached prefix all the same (its prompt is not computed here); a room without
+    the logprob asked ends its request with an error, its pages freed."""
+    sched, receiver = decode_scheduler(cache)
+    prompt = list(range(1, 14))
+    a, _ = request(prompt, 1, 2)
+    sched.add(a)
+    steps(sched, 2)
+    arrive(sched, a)
+    run(sched, receiver)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, prompt_logprobs=1)
+    b_outs: list[RequestOutput] = []
+    b = client(Request(prompt, params, bootstrap=Bootstrap("127.0.0.1", 9, 2)), b_outs.append)
+    sched.add(b)
+    steps(sched, 2)
+    assert receiver.registrations[b.rid].skip_pages == 3  # a's 3 whole pages, cached here
+    first = TokenLogprob.of(14, -0.5, [(14, -0.5)])
+    scored = (None, *(TokenLogprob.of(t, -1.0, [(t, -1.0)]) for t in prompt[1:]))
+    item = PagesArrived(rid=b.rid, first_token=14, first_logprob=first, prompt_logprobs=scored)
+    sched.pages_arrived(item)
+    run(sched, receiver)
+    out = b_outs[-1]
+    assert out.error is None and out.logprobs is not None and out.logprobs[0] == first
+    assert len(out.logprobs) == 2 and out.prompt_logprobs == list(scored)
+    c_outs: list[RequestOutput] = []
+    c = client(Request(prompt, params, bootstrap=Bootstrap("127.0.0.1", 9, 3)), c_outs.append)
+    sched.add(c)
+    steps(sched, 2)
+    arrive(sched, c)  # the prefill's first token, without its logprob
+    steps(sched, 2)
+    assert c_outs[-1].error == "the prefill instance sent no logprob for the first token"
+    assert sched.idle and not cache.admitted
     check_integrity(cache)
 
 

@@ -4,7 +4,8 @@ one ``--disaggregation-mode decode``, real server processes on 127.0.0.1 moving 
 over Mooncake's transfer engine or NIXL.
 
 - greedy answers through smg equal one plain server's, streamed and not, on ``/generate``
-  and the OpenAI routes, for full attention, MLA and a sliding-window hybrid;
+  and the OpenAI routes, for full attention, MLA and a sliding-window hybrid; so do
+  output and prompt logprobs, ``n`` = 2 and seeded sampling;
 - with decode offload, the next turn's prefill finds the first turn's prompt **and
   output** in the shared L3 (the decode instance wrote them), also when the prefill
   instance writes nothing itself (``write_back``);
@@ -34,6 +35,7 @@ import pytest
 from hicache.bench.pd_load import PdLoadSpec, idle, send_all
 from hicache.bench.serverproc import ServerProcess
 from hicache.services.process import free_port
+from tests.disagg.test_pd_logprobs import CASES, assert_close, for_model, merged
 from tests.helpers.smg import Smg
 from tests.router.conftest import ROUTER_KEY, WORKER_FLAGS
 
@@ -132,11 +134,16 @@ def assert_idle(*procs: ServerProcess, timeout_s: float = 15.0) -> None:
             time.sleep(0.2)
 
 
-def answers_through_smg(prefill: str, decode: str, bootstrap: int, model: str) -> dict[str, object]:
-    """:func:`answers` through an smg (round robin, keyed) over one prefill/decode pair."""
-    with Smg(
+def smg_over(prefill: str, decode: str, bootstrap: int) -> Smg:
+    """An smg (round robin, keyed) over one prefill/decode pair."""
+    return Smg(
         prefill=[(prefill, bootstrap)], decode=[decode], policy="round_robin", api_key=ROUTER_KEY
-    ) as smg:
+    )
+
+
+def answers_through_smg(prefill: str, decode: str, bootstrap: int, model: str) -> dict[str, object]:
+    """:func:`answers` through :func:`smg_over` the pair."""
+    with smg_over(prefill, decode, bootstrap) as smg:
         return answers(smg.url, model)
 
 
@@ -175,6 +182,36 @@ def test_a_keyed_pair_behind_smg_answers_as_one_plain_server() -> None:
         assert_idle(prefill, decode)
 
 
+def ask(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """``url``'s answer to ``body``: its JSON, or each event of a stream."""
+    if body.get("stream"):
+        return streamed(url, path, body)
+    r = httpx.post(f"{url}{path}", json=body, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    return [r.json()]
+
+
+def test_logprobs_and_n_behind_smg_answer_as_one_plain_server() -> None:
+    """Output logprobs, prompt logprobs from ``logprob_start_len``, ``n`` = 2 and seeded
+    sampling (:data:`tests.disagg.test_pd_logprobs.CASES`), streamed and not, through
+    smg as one plain server answers them: smg's chat route sends a room per sequence, the
+    others one per prompt; on ``/generate`` smg prepends the prefill's
+    ``input_token_logprobs`` to the decode's, and a prefill instance sends none."""
+    model, bootstrap = "tiny-random-llama", free_port()
+    prefill_flags, decode_flags = pd_flags(model, "mooncake", bootstrap)
+    with (
+        servers(["--model-path", model], prefill_flags, decode_flags) as (plain, prefill, decode),
+        smg_over(prefill.url, decode.url, bootstrap) as smg,
+    ):
+        for case, (path, body, _) in sorted(CASES.items()):
+            for stream in (False, True):
+                b = for_model(body, model, stream)
+                want = merged(path, ask(plain.url, path, b), stream)
+                got = merged(path, ask(smg.url, path, b), stream)
+                assert_close(got, want, f"{case}, stream={stream}")
+        assert_idle(prefill, decode)
+
+
 def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: Path) -> None:
     """Decode offload: the decode instance writes the finished conversation to the shared
     L3, while the prefill instance, under ``write_back``, writes nothing there and holds
@@ -203,12 +240,7 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
     decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
     with (
         servers(prefill_flags, decode_flags) as (prefill, decode),
-        Smg(
-            prefill=[(prefill.url, bootstrap)],
-            decode=[decode.url],
-            policy="round_robin",
-            api_key=ROUTER_KEY,
-        ) as smg,
+        smg_over(prefill.url, decode.url, bootstrap) as smg,
     ):
         first_ids = list(range(300, 342))  # 42 tokens: 10 whole pages
         gen = {"sampling_params": {"max_new_tokens": 10, "temperature": 0}}

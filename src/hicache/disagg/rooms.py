@@ -17,12 +17,14 @@ here reads a clock or blocks. The life of a room: ``docs/architecture.md``, "Roo
 
 from __future__ import annotations
 
+import base64
 import enum
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
 from hicache.disagg.layout import Registration
+from hicache.logprob import TokenLogprob, logprobs_from_wire, logprobs_to_wire
 
 __all__ = ["RoomResult", "RoomState", "RoomStatus", "RoomTable"]
 
@@ -46,13 +48,62 @@ class RoomState(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class RoomResult:
     """What the prefill side tells the decode side when the pages have landed:
-    ``first_token`` (sampled by the prefill) and the prompt tokens its cache served
-    (``cached_device``, ``cached_host``, ``cached_storage``)."""
+    ``first_token`` (sampled by the prefill), the prompt tokens its cache served
+    (``cached_device``, ``cached_host``, ``cached_storage``), and what the decode side
+    needs to answer as one plain instance would: ``first_logprob`` (the first token's log
+    probability, when the request asked ``logprobs``), ``prompt_logprobs`` (one entry per
+    prompt token, None where not scored, when it asked them) and ``sampler_state`` (the
+    request's random generator state after the first draw; None for greedy)."""
 
     first_token: int
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    sampler_state: bytes | None = None
+
+    def lean(self) -> RoomResult:
+        """This result without what only the decode side's answer needs (the logprobs,
+        the generator state: up to kilobytes per prompt token), as a closed room keeps it
+        once that side has taken it."""
+        return RoomResult(
+            self.first_token, self.cached_device, self.cached_host, self.cached_storage
+        )
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "first_token": self.first_token,
+            "cached_device": self.cached_device,
+            "cached_host": self.cached_host,
+            "cached_storage": self.cached_storage,
+        }
+        if self.first_logprob is not None:
+            out["first_logprob"] = self.first_logprob.to_wire()
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = logprobs_to_wire(self.prompt_logprobs)
+        if self.sampler_state is not None:
+            out["sampler_state"] = base64.b64encode(self.sampler_state).decode("ascii")
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> RoomResult:
+        """The result ``to_json`` wrote; KeyError, TypeError or ValueError on anything
+        else."""
+        first = d.get("first_logprob")
+        prompt = d.get("prompt_logprobs")
+        state = d.get("sampler_state")
+        if state is not None and not isinstance(state, str):
+            raise ValueError(f"sampler_state must be base64, got {type(state).__name__}")
+        return cls(
+            first_token=int(d["first_token"]),  # type: ignore[call-overload]
+            cached_device=int(d.get("cached_device", 0)),  # type: ignore[call-overload]
+            cached_host=int(d.get("cached_host", 0)),  # type: ignore[call-overload]
+            cached_storage=int(d.get("cached_storage", 0)),  # type: ignore[call-overload]
+            first_logprob=None if first is None else TokenLogprob.from_wire(first),
+            prompt_logprobs=None if prompt is None else logprobs_from_wire(prompt),
+            sampler_state=None if state is None else base64.b64decode(state, validate=True),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +126,7 @@ class RoomStatus:
             "written": self.written,
         }
         if self.result is not None:
-            r = self.result
-            out["result"] = {
-                "first_token": r.first_token,
-                "cached_device": r.cached_device,
-                "cached_host": r.cached_host,
-                "cached_storage": r.cached_storage,
-            }
+            out["result"] = self.result.to_json()
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -91,14 +136,7 @@ class RoomStatus:
         """The status ``to_json`` wrote; ValueError on anything else."""
         try:
             result = d.get("result")
-            res = None
-            if isinstance(result, dict):
-                res = RoomResult(
-                    first_token=int(result["first_token"]),
-                    cached_device=int(result.get("cached_device", 0)),
-                    cached_host=int(result.get("cached_host", 0)),
-                    cached_storage=int(result.get("cached_storage", 0)),
-                )
+            res = RoomResult.from_json(result) if isinstance(result, dict) else None
             error = d.get("error")
             return cls(
                 room=int(d["room"]),  # type: ignore[call-overload]
@@ -290,6 +328,8 @@ class RoomTable:
         r = self._rooms.get(room)
         if r is not None and r.state is RoomState.SUCCESS and not r.abort_asked:
             r.taken = True
+            if r.result is not None:  # kept for closed_ttl_s: only what is still read
+                r.result = r.result.lean()
 
     def taken(self, room: int) -> bool:
         """Whether the decode side took ``room``'s pages (:meth:`take`)."""

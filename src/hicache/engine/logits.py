@@ -11,71 +11,15 @@ other rows get exactly what they would have got without it.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hicache.engine.sampling import SamplingParams
+from hicache.logprob import TokenLogprob
 
 __all__ = ["AdjustResult", "TokenLogprob", "adjust_logits", "token_logprobs"]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One token's log probability under the model, and the most likely alternatives.
-
-    ``token_id``: the token (generated, or the prompt token at that position).
-    ``logprob``: its natural-log probability (<= 0) under the raw ``log_softmax`` of the
-    logits at the position before it. :attr:`top`: the ``k`` most likely tokens there as
-    ``(token_id, logprob)``, most likely first (it may or may not hold ``token_id``);
-    empty for ``k = 0``.
-
-    The alternatives are kept packed, as the fp32 log-softmax gave them: ``top_id_bytes``
-    ``k`` native int32, ``top_logprob_bytes`` ``k`` native float32 (lossless: the values are
-    fp32). A record with ``k = 20`` takes about 330 bytes instead of the 2.5 kB of a tuple
-    of 20 ``(int, float)`` pairs: ``n`` copies times ``max_tokens`` of them are what a
-    ``logprobs`` request holds until it ends. Build one from pairs with :meth:`of`.
-    """
-
-    token_id: int
-    logprob: float
-    top_id_bytes: bytes = b""
-    top_logprob_bytes: bytes = b""
-
-    def __post_init__(self) -> None:
-        if len(self.top_id_bytes) % 4 or len(self.top_id_bytes) != len(self.top_logprob_bytes):
-            raise ValueError(
-                f"top_id_bytes ({len(self.top_id_bytes)} bytes) and top_logprob_bytes"
-                f" ({len(self.top_logprob_bytes)} bytes) must both hold k 4-byte values"
-            )
-
-    @classmethod
-    def of(
-        cls, token_id: int, logprob: float, top: Sequence[tuple[int, float]] = ()
-    ) -> TokenLogprob:
-        """A record from ``top`` as ``(token_id, logprob)`` pairs (logprobs rounded to fp32)."""
-        return cls(
-            token_id,
-            logprob,
-            array("i", [t for t, _ in top]).tobytes(),
-            array("f", [v for _, v in top]).tobytes(),
-        )
-
-    @property
-    def k(self) -> int:
-        """How many alternatives :attr:`top` holds."""
-        return len(self.top_id_bytes) // 4
-
-    @property
-    def top(self) -> tuple[tuple[int, float], ...]:
-        """The alternatives as ``(token_id, logprob)`` pairs, most likely first."""
-        if not self.top_id_bytes:
-            return ()
-        ids = memoryview(self.top_id_bytes).cast("i").tolist()
-        values = memoryview(self.top_logprob_bytes).cast("f").tolist()
-        return tuple(zip(ids, values, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

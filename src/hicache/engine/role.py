@@ -59,6 +59,12 @@ class Role:
         :class:`~hicache.engine.roles.prefill.PrefillRole`); one that may not is passed over."""
         return True
 
+    def computes_prompt(self, req: Request) -> bool:
+        """Whether this instance computes ``req``'s prompt (a decode instance's come
+        computed with their room): only then do its prompt logprobs bound the cached
+        prefix it may use (:attr:`~hicache.engine.sampling.SamplingParams.max_prefix`)."""
+        return True
+
     def parks_admitted(self, req: Request) -> bool:
         """Whether admitted ``req`` waits, parked, for its pages from elsewhere (decode)."""
         return False

@@ -5,7 +5,8 @@ and the log probabilities reported back live in :mod:`hicache.engine.logits`.
 
 Reproducibility: a request with a ``seed`` draws from its own ``torch.Generator`` seeded
 with it (:func:`make_generator`), so the same seed and the same logits give the same tokens
-whatever else shares the batch.
+whatever else shares the batch; its state moves from a prefill instance to its decode
+instance after the first draw (:func:`generator_state`, :func:`set_generator_state`).
 
 Isolation: :func:`sample_rows` samples each row on its own terms. A row whose logits are
 not finite, whose filtered distribution is not a distribution, or whose draw raises is
@@ -32,9 +33,11 @@ __all__ = [
     "InvalidRequest",
     "SampleResult",
     "SamplingParams",
+    "generator_state",
     "make_generator",
     "sample",
     "sample_rows",
+    "set_generator_state",
 ]
 
 GREEDY_TEMPERATURE = 1e-6
@@ -266,6 +269,25 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     else:
         gen.manual_seed(params.seed)
     return gen
+
+
+def generator_state(gen: torch.Generator | None) -> bytes | None:
+    """``gen``'s state as bytes (None for None: a greedy request), for
+    :func:`set_generator_state` on another instance: a prefill instance hands its request's
+    generator, past the first draw, to the decode instance that draws the rest."""
+    if gen is None:
+        return None
+    return bytes(gen.get_state().numpy().tobytes())
+
+
+def set_generator_state(gen: torch.Generator, state: bytes) -> str | None:
+    """Give ``gen`` the ``state`` :func:`generator_state` read; None when done, else why
+    not (a state of another device type's generator)."""
+    try:
+        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except (RuntimeError, ValueError) as exc:
+        return f"{len(state)} bytes do not fit a {gen.device.type} generator: {exc}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

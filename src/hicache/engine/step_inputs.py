@@ -26,6 +26,7 @@ from hicache.disagg.config import Bootstrap
 from hicache.engine.request import Request
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.session import SessionHint
+from hicache.logprob import TokenLogprob
 
 
 def _params_fields(params: SamplingParams) -> tuple[tuple[str, Any], ...]:
@@ -148,11 +149,17 @@ class PagesArrived:
     """Decode instance: the prefill instance has written every page of request ``rid``'s
     prompt into the pages it was given (posted by the receiver's thread once the room
     closed ``SUCCESS``), and sampled ``first_token``; its cache served ``cached`` prompt
-    tokens (device, host, storage)."""
+    tokens (device, host, storage). What it computed for the request besides:
+    ``first_logprob`` and ``prompt_logprobs`` (when asked), ``sampler_state`` (the random
+    generator's state after the first draw; None for greedy): see
+    :class:`~hicache.disagg.rooms.RoomResult`."""
 
     rid: str
     first_token: int
     cached: tuple[int, int, int] = (0, 0, 0)
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    sampler_state: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

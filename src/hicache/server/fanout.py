@@ -4,7 +4,8 @@ An HTTP request becomes one or more engine requests (``n`` choices, a batch of p
 engine *group*. :class:`Fanout` submits them, yields every output as an :class:`Event` in
 arrival order, and ends with an :class:`Ending` (all finished, the client went away, or
 the engine stopped). Copies of one prompt are submitted once the first copy has its first
-token, so they find its KV in the prefix cache. Invariants: every job holds a place in the
+token, so they find its KV in the prefix cache (not at all when the first fails before
+its first token). Invariants: every job holds a place in the
 engine's bounded waiting queue from the start (a
 :class:`~hicache.engine.admission.Reservation`), so a later copy is never refused half-way;
 places of jobs never submitted are given back, and their claimed prefill rooms end
@@ -132,6 +133,15 @@ class Fanout:
             if job.after == index and job.index not in self._rids:
                 self._submit(job)
 
+    def _drop_waiting(self, index: int) -> None:
+        """Job ``index`` failed before its first token: the jobs waiting for it are not
+        submitted (the answer is an error whatever they give; on a decode instance they
+        would compute the prompt its room failed to bring); their rooms end with the
+        run (:func:`_end_unsubmitted`)."""
+        for job in self.jobs:
+            if job.after == index and job.index not in self._rids:
+                self._finished.add(job.index)
+
     def abort_all(self, reason: str) -> None:
         """Abort every submitted, unfinished job (idempotent per job)."""
         for index, rid in list(self._rids.items()):
@@ -187,7 +197,10 @@ class Fanout:
                 if item.index not in self._started:
                     self._started.add(item.index)
                     try:
-                        self._release(item.index)
+                        if item.output.finished and item.output.error:
+                            self._drop_waiting(item.index)
+                        else:
+                            self._release(item.index)
                     except RuntimeError as exc:
                         self.error = str(exc)
                         self.ending = Ending.SUBMIT_FAILED

@@ -54,11 +54,14 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         fan = state.fanout(http, jobs, fields)
         start = time.perf_counter()
         many = batched or sp.n > 1
+        # a prefill instance's half of a pair sends no input_token_logprobs: its decode
+        # instance answers them whole, and smg prepends the prefill's to the decode's
+        elsewhere = {job.index for job in jobs if state.answered_elsewhere(job)}
 
         def result(index: int, out: RequestOutput) -> dict[str, Any]:
             ids = prompts[index // sp.n]
             inp = None
-            if prompt_lp is not None:
+            if prompt_lp is not None and index not in elsewhere:
                 inp = prompt_logprobs(out, ids)[max(0, body.logprob_start_len) :]
             return generate_body(
                 f"{rid}-{index}" if many else rid,

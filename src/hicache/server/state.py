@@ -29,7 +29,7 @@ from hicache.engine.front.engine import Engine
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.engine.session import SessionHint, session_kind
-from hicache.server.bootstrap_fields import BootstrapFields, bootstraps
+from hicache.server.bootstrap_fields import BootstrapFields, bootstraps, copy_bootstrap
 from hicache.server.fanout import Ending, Fanout, Job
 from hicache.server.http_base import error_response, failure_response
 from hicache.server.metrics import EngineMetrics
@@ -228,8 +228,10 @@ class ServerState:
         Each is validated by the engine; an error names ``prompt_param`` for the prompt,
         and ``n`` when there are more jobs than the engine's waiting queue could ever hold
         (``max_queued_requests``). ``rooms``: the body's bootstrap fields (``body``'s own
-        when None), one room per prompt on a prefill or decode instance. A refusal ends
-        the rooms the jobs validated so far have claimed (:meth:`Engine.refused`)."""
+        when None), one room per prompt on a prefill or decode instance, which its first
+        copy takes (a prefill instance runs no other copy of it:
+        :func:`~hicache.server.bootstrap_fields.copy_bootstrap`). A refusal ends the
+        rooms the jobs validated so far have claimed (:meth:`Engine.refused`)."""
         jobs: list[Job] = []
         try:
             self._jobs(jobs, prompts, body, max_tokens, default_max_tokens, prompt_param, rooms)
@@ -237,6 +239,14 @@ class ServerState:
             self.refuse(jobs, str(exc))
             raise
         return jobs
+
+    def answered_elsewhere(self, job: Job) -> bool:
+        """Whether ``job`` is a prefill instance's half of a pair: its decode instance
+        answers the client, prompt logprobs included."""
+        b = job.request.bootstrap
+        return (
+            self.engine.config.disagg.mode is DisaggMode.PREFILL and b is not None and b.transfers
+        )
 
     def refuse(self, jobs: Sequence[Job], why: str) -> None:
         """``jobs`` will not be submitted: the rooms they claimed end with ``why``."""
@@ -256,6 +266,7 @@ class ServerState:
         """:meth:`jobs`' work: appends each validated job to ``jobs`` at once (so that a
         refusal after it ends its room)."""
         ctx = self.engine.context_length
+        mode = self.engine.config.disagg.mode
         per_prompt = bootstraps(
             body if rooms is None else rooms, len(prompts), body.n, self.engine.config.disagg
         )
@@ -269,6 +280,9 @@ class ServerState:
             else:
                 limit = room  # SGLang's default: what remains of the context
             for c in range(body.n):
+                runs, bootstrap = copy_bootstrap(per_prompt[p], c, mode)
+                if not runs:
+                    continue  # a later copy: the decode instance runs it
                 params = body.sampling(limit, c)
                 try:
                     valid = self.engine.validate(
@@ -276,7 +290,7 @@ class ServerState:
                         params,
                         cache_salt=body.cache_salt,
                         priority=body.request_priority,
-                        bootstrap=per_prompt[p],
+                        bootstrap=bootstrap,
                         session=session,
                     )
                 except InvalidRequest as exc:

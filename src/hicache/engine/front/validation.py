@@ -51,7 +51,7 @@ def validate_request(
 ) -> ValidRequest:
     """The :class:`ValidRequest` of these fields; raises :class:`InvalidRequest` (a
     ValueError) naming the problem and its field (``prompt``, ``cache_salt``,
-    ``priority``, ``session_id``, ``bootstrap_room``, ``logprobs``,
+    ``priority``, ``session_id``, ``bootstrap_room``,
     ``logprob_start_len``) when the request cannot be served by a model of ``vocab``
     token ids and ``context_length`` positions, on an instance of ``role``. ``session``:
     its agent-session hint (validated when made), carried as it is. A prefill instance's
@@ -170,16 +170,13 @@ def _pd_params(
     params: SamplingParams, role: DisaggMode, bootstrap: Bootstrap | None
 ) -> SamplingParams:
     """``params`` as a ``role`` instance serves them (one token on a prefill instance);
-    InvalidRequest without a room, or for what a pair does not serve."""
+    InvalidRequest without a room."""
     if bootstrap is None:
         raise InvalidRequest(
             f"a {role.value} instance serves a request only with bootstrap_host,"
             " bootstrap_port and bootstrap_room (send it through the router, which adds them)",
             param="bootstrap_room",
         )
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None and bootstrap.transfers:
-            raise InvalidRequest(f"{name} are not served by a prefill/decode pair yet", param=name)
     if role is DisaggMode.PREFILL and bootstrap.transfers:
         return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     return params

@@ -85,6 +85,9 @@ class DecodeRole(Role):
                 raise InvalidRequest(str(exc), param="bootstrap_host") from None
         return None
 
+    def computes_prompt(self, req: Request) -> bool:
+        return req.bootstrap is None or not req.bootstrap.transfers
+
     def parks_admitted(self, req: Request) -> bool:
         if req.bootstrap is None or not req.bootstrap.transfers:
             return False

@@ -23,7 +23,7 @@ Built by :mod:`hicache.engine.roles.role_setup`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -40,6 +40,7 @@ from hicache.disagg.sender import PrefillSender, SendJob, SourcePages
 from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
+from hicache.engine.sampling import generator_state
 
 __all__ = ["Exchange", "PrefillRole", "RoomDesk", "local_exchange"]
 
@@ -281,6 +282,13 @@ class PrefillRole(Role):
             cached_host=cached.host,
             cached_storage=cached.storage,
         )
+        if self.desk is not None:  # rank 0's result closes the room; it alone sampled
+            result = replace(
+                result,
+                first_logprob=req.logprobs[0] if req.logprobs else None,
+                prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
+                sampler_state=generator_state(req.generator),
+            )
         self._sent.pop(req.rid, None)
         self._handed.add(req.rid)
         self.sender.submit(self._job(req, result=result))

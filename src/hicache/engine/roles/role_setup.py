@@ -206,7 +206,16 @@ def _decode(
 
     def arrived(rid: str, result: RoomResult) -> None:
         cached = (result.cached_device, result.cached_host, result.cached_storage)
-        post(PagesArrived(rid=rid, first_token=result.first_token, cached=cached))
+        post(
+            PagesArrived(
+                rid=rid,
+                first_token=result.first_token,
+                cached=cached,
+                first_logprob=result.first_logprob,
+                prompt_logprobs=result.prompt_logprobs,
+                sampler_state=result.sampler_state,
+            )
+        )
 
     def ended(rid: str, why: str) -> None:
         post(RoomEnded(rid, why))

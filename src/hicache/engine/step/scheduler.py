@@ -30,7 +30,7 @@ from hicache.engine.logits import TokenLogprob
 from hicache.engine.ranks import StepChannel
 from hicache.engine.request import FinishReason, Request
 from hicache.engine.role import Role
-from hicache.engine.sampling import make_generator
+from hicache.engine.sampling import make_generator, set_generator_state
 from hicache.engine.schedule_config import LPM_MAX_WAITING, SchedulePolicy, SchedulerConfig
 from hicache.engine.step.batch import Chunk, forward_batch
 from hicache.engine.step.batch_sampling import BatchSampler, PromptRow
@@ -108,7 +108,7 @@ class Scheduler:
                 # a model that carries state needs the cache to hand one back
                 cacheable=not self.config.disable_radix_cache and self.resumable_prefix,
                 # prompt logprobs need the logits before every scored position computed
-                max_prefix=req.params.max_prefix,
+                max_prefix=req.params.max_prefix if self.role.computes_prompt(req) else None,
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
@@ -194,7 +194,8 @@ class Scheduler:
 
     def pages_arrived(self, item: PagesArrived) -> None:
         """Parked ``item.rid``'s prompt KV has landed in its pages, and the prefill
-        instance's first token with it: commit the prompt, take the token (reported, and
+        instance's first token with it: take what the prefill computed besides
+        (:func:`_take_prefill_state`), commit the prompt, take the token (reported, and
         checked: it may end the request), and run it from here like any request whose
         prompt is computed."""
         req = self.ends.parked.get(item.rid)
@@ -202,6 +203,10 @@ class Scheduler:
             return  # ended meanwhile
         if req.aborted:
             self.ends.finish(req, FinishReason.ABORT, commit_kv=False)
+            return
+        missing = _take_prefill_state(req, item)
+        if missing is not None:  # its answer would not be a plain instance's
+            self.ends.finish(req, FinishReason.ABORT, commit_kv=False, error=missing)
             return
         assert req.cache is not None
         self.ends.unpark(req)
@@ -609,3 +614,25 @@ class Scheduler:
 
 
 __all__ = ["LPM_MAX_WAITING", "Chunk", "SchedulePolicy", "Scheduler", "SchedulerConfig"]
+
+
+def _take_prefill_state(req: Request, item: PagesArrived) -> str | None:
+    """Take what the prefill instance computed for decode request ``req`` besides its
+    pages: the first token's logprob and the prompt logprobs (when ``req`` asks them), its
+    generator's state past the first draw (a seeded request then draws the rest as one
+    plain instance would). Returns why ``req`` cannot go on (what it asks is missing),
+    else None."""
+    if req.logprobs is not None:
+        if item.first_logprob is None:
+            return "the prefill instance sent no logprob for the first token"
+        req.logprobs.append(item.first_logprob)
+    if req.prompt_logprobs is not None:
+        got = item.prompt_logprobs
+        if got is None or len(got) != len(req.prompt_ids):
+            return "the prefill instance sent no prompt logprobs for this prompt"
+        req.prompt_logprobs = list(got)
+    if req.generator is not None and item.sampler_state is not None:
+        why = set_generator_state(req.generator, item.sampler_state)
+        if why is not None:
+            log.warning("%s: the prefill's sampler state is not used (%s)", req.rid, why)
+    return None
