@@ -7,13 +7,29 @@ pair of two TP sizes is refused naming both. TP 2 pairs: tests/disagg/test_pd_tp
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
+import torch
 
 from hicache.disagg.config import Bootstrap
-from hicache.disagg.layout import InstanceLayout, LayoutMismatch, StoreLayout, check_pair
+from hicache.disagg.layout import (
+    InstanceLayout,
+    LayoutMismatch,
+    RankTarget,
+    Registration,
+    StoreLayout,
+    StoreTarget,
+    check_pair,
+)
+from hicache.disagg.rooms import RoomResult
+from hicache.disagg.sender import SendJob, SourcePages, plan_spans
 from hicache.engine.front.engine import Engine
 from hicache.engine.roles.decode import DecodeRole
 from hicache.engine.roles.prefill import PrefillRole
+from hicache.engine.roles.state_slots import StateSlots
+from hicache.extras import KeptState
+from hicache.spec import SnapshotSpec, StateTensor
 from tests.disagg.test_pd_engine import (
     GREEDY,
     PROMPT,
@@ -94,3 +110,58 @@ def test_a_recurrent_engine_pair_starts_with_its_state_slots() -> None:
         alone = Bootstrap("2.2.2.2", 8998, 5)  # the router's no-transfer host
         out = d.generate(PROMPT, GREEDY, bootstrap=alone)
         assert out.output_ids == reference("tiny-random-nemotron-h")
+
+
+def test_a_state_slot_crosses_whole_past_the_decode_sides_prefix() -> None:
+    """The prefill's slot 2 lands in the decode's slot 1, every tensor whole (conv in
+    the model's dtype, ssm in fp32), though the decode side holds 3 pages already."""
+    spec = SnapshotSpec(
+        num_layers=3,
+        tensors=(
+            StateTensor(name="conv", shape=(6, 3), dtype="bfloat16"),
+            StateTensor(name="ssm", shape=(2, 4, 5)),
+        ),
+    )
+    src, dst = StateSlots(spec, 4, "cpu"), StateSlots(spec, 3, "cpu")
+    g = torch.Generator().manual_seed(0)
+    state = KeptState(
+        13,
+        (
+            torch.randn(1, 3, 6, 3, generator=g).to(torch.bfloat16),
+            torch.randn(1, 3, 2, 4, 5, generator=g),
+        ),
+    )
+    assert src.claim("a") == 0 and src.claim("b") == 1 and src.claim("x") == 2
+    src.write(2, state)
+    assert dst.claim("y") == 0 and dst.claim("x") == 1
+    stores = tuple(
+        StoreLayout(n, g.num_kv, g.layers, g.row_bytes, g.dtype, state=True)
+        for n, g in src.geometry().items()
+    )
+    layout = InstanceLayout("m", "f", 4, 1, False, "mooncake", stores)
+    geo = dst.geometry()
+    reg = Registration(
+        room=1,
+        layout=layout,
+        ranks=(RankTarget("d0", {n: g.to_dict() for n, g in geo.items()}),),
+        prompt_len=13,
+        prompt_hash="h",
+        skip_pages=3,
+        targets=tuple(StoreTarget(n, 0, (1,)) for n in dst.names),
+    )
+    sources = tuple(SourcePages(n, g, 0, (2,), stable=False) for n, g in src.geometry().items())
+    partial = SendJob(rid="x", room=1, prompt_len=13, prompt_hash="h", sources=sources, upto=3)
+    assert plan_spans(partial, reg, layout=layout) == []  # the state goes with the last job
+    done = RoomResult(first_token=7)
+    final = SendJob(rid="x", room=1, prompt_len=13, prompt_hash="h", sources=sources, result=done)
+    [(endpoint, spans)] = plan_spans(final, reg, 3, layout=layout)
+    assert endpoint == "d0" and len(spans) == 2  # one run per tensor
+    for span in spans:
+        ctypes.memmove(span.dst, span.src, span.nbytes)
+    got = dst.read(1, 13)
+    assert got.tokens == 13
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, state.tensors, strict=True))
+    assert not dst.read(0, 1).tensors[1].any()  # the other slot untouched
+    dst.free("x")
+    dst.free("x")  # a no-op
+    assert dst.pool.allocator.free_pages == 2
