@@ -28,6 +28,7 @@ import pytest
 from hicache.bench.serverproc import ServerProcess
 from hicache.config import CacheConfig
 from hicache.disagg.config import Bootstrap, DisaggConfig
+from hicache.disagg.layout import prompt_hash
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
@@ -128,16 +129,18 @@ CASES = [
 _PLAIN: dict[str, list[int]] = {}
 
 
-def plain_answer(model: str) -> list[int]:
-    """A plain TP-1 engine's greedy answer to the prompt (computed once per model)."""
-    if model not in _PLAIN:
+def plain_answer(model: str, prompt: list[int] = PROMPT) -> list[int]:
+    """A plain TP-1 engine's greedy answer to ``prompt`` (computed once per model and
+    prompt)."""
+    key = f"{model}:{prompt_hash(prompt)}"
+    if key not in _PLAIN:
         with Engine(
             EngineConfig(
                 model_path=model, device="cpu", context_length=256, cache=CacheConfig(page_size=4)
             )
         ).start() as plain:
-            _PLAIN[model] = plain.generate(PROMPT, GREEDY, timeout=120).output_ids
-    return _PLAIN[model]
+            _PLAIN[key] = plain.generate(prompt, GREEDY, timeout=120).output_ids
+    return _PLAIN[key]
 
 
 @pytest.mark.parametrize(("model", "prefill_tp", "decode_tp", "backend"), CASES)
@@ -186,6 +189,59 @@ def test_logprobs_and_n_through_a_tp_2_pair_answer_as_a_plain_server() -> None:
                 got = merged(path, pair_answer(p.url, d.url, port, path, b, rooms), stream)
                 assert_close(got, want, f"{case}, stream={stream}")
         assert open_rooms(p) == 0
+
+
+RECURRENT = (
+    pytest.param("tiny-random-qwen3-next", "mooncake"),  # Gated DeltaNet
+    pytest.param("tiny-random-nemotron-h", "nixl", marks=pytest.mark.matrix),  # Mamba2
+)
+
+
+@pytest.mark.parametrize(("model", "backend"), RECURRENT)
+def test_a_recurrent_pair_at_tp_2_answers_as_a_plain_server(model: str, backend: str) -> None:
+    """Each prefill rank sends its own shard of the state after the prompt to the decode
+    rank of its number; also when the decode side's own cache holds part of a prompt
+    (the first answer's conversation): it skips those pages and resumes from the state
+    sent after the whole prompt."""
+    port = free_port()
+    pd = ["--model-path", model, "--disaggregation-transfer-backend", backend, "--tp-size", "2"]
+    want = plain_answer(model)
+    longer = PROMPT + want[:7] + list(range(500, 509))
+    with servers(
+        [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)],
+        [*pd, "--disaggregation-mode", "decode"],
+    ) as (prefill, decode):
+        for room, stream in ((111, False), (112, True)):
+            got = through_pair(prefill, decode, port, room, stream)
+            assert got == want, (room, stream, got, want)
+        got = through_pair(prefill, decode, port, 113, True, prompt=longer)
+        assert got == plain_answer(model, longer)
+        assert open_rooms(prefill) == 0
+        assert_idle(prefill)
+        assert_idle(decode)
+
+
+def test_a_recurrent_pair_of_two_tp_sizes_is_refused_naming_both() -> None:
+    """A recurrent model's state is each rank's own heads: it moves only rank to rank."""
+    port = free_port()
+    pd = ["--model-path", "tiny-random-nemotron-h", "--disaggregation-transfer-backend", "nixl"]
+    with servers(
+        [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)],
+        [*pd, "--tp-size", "2", "--disaggregation-mode", "decode"],
+    ) as (prefill, decode):
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 121}
+        with ThreadPoolExecutor(2) as ex:
+            futs = [
+                ex.submit(httpx.post, f"{s.url}/generate", json=body(fields), timeout=120)
+                for s in (prefill, decode)
+            ]
+            for f in futs:
+                r = f.result()
+                assert r.status_code == 400, r.text
+                assert "tp_size differs" in r.text, r.text
+                assert "has 1" in r.text and "instance 2" in r.text, r.text
+        assert_idle(prefill)
+        assert_idle(decode)
 
 
 def l3_written(server: ServerProcess) -> float:

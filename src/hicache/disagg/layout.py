@@ -46,7 +46,10 @@ class StoreLayout:
     bytes in one layer of one kind on one rank: the rank's heads x dim x itemsize),
     ``dtype``; ``kv_heads``: the model's K/V heads when the rows are split across ranks
     by :class:`~hicache.heads.HeadSplit` (each rank holds its heads' columns), 0 when
-    every rank holds the whole row (an MLA latent, indexer keys)."""
+    every rank holds the whole row (an MLA latent, indexer keys). ``state``: the store is
+    one slot per request, a recurrent model's state after the whole prompt (this rank's
+    shard of it), not sequence pages: sent whole with the final job, whatever prefix the
+    decode side holds."""
 
     name: str
     num_kv: int
@@ -54,6 +57,7 @@ class StoreLayout:
     row_bytes: int
     dtype: str
     kv_heads: int = 0
+    state: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,7 @@ class InstanceLayout:
                     "row_bytes": s.row_bytes,
                     "dtype": s.dtype,
                     "kv_heads": s.kv_heads,
+                    "state": s.state,
                 }
                 for s in self.stores
             ],
@@ -126,6 +131,7 @@ class InstanceLayout:
                         row_bytes=int(s["row_bytes"]),
                         dtype=str(s["dtype"]),
                         kv_heads=int(s.get("kv_heads", 0)),
+                        state=bool(s.get("state", False)),
                     )
                     for s in d["stores"]
                 ),
@@ -140,7 +146,9 @@ def check_pair(prefill: InstanceLayout, decode: InstanceLayout) -> None:
     """Refuse (:class:`LayoutMismatch`, naming the field and both values) a pair whose
     pages would not mean the same on both sides. TP sizes may differ: a whole row is
     compared whole, a row split by K/V heads head by head (its ``row_bytes`` per head);
-    each side's split was checked when its model loaded, so any two sizes pair."""
+    each side's split was checked when its model loaded, so any two sizes pair, but for a
+    model with recurrent state (a ``state`` store): each rank's state holds its heads in
+    its own layout, moved rank to rank, so its pair needs equal TP sizes."""
 
     def differ(what: str, p: object, d: object) -> LayoutMismatch:
         return LayoutMismatch(
@@ -154,6 +162,12 @@ def check_pair(prefill: InstanceLayout, decode: InstanceLayout) -> None:
     names_d = [s.name for s in decode.stores]
     if names_p != names_d:
         raise differ("stores", names_p, names_d)
+    if any(s.state for s in prefill.stores) and prefill.tp_size != decode.tp_size:
+        raise LayoutMismatch(
+            f"tp_size differs: the prefill instance has {prefill.tp_size!r}, the decode"
+            f" instance {decode.tp_size!r}; {prefill.model} carries recurrent state, split by"
+            " heads per rank, which a pair moves only rank to rank: run both at one TP size"
+        )
     if any(s.kv_heads for s in prefill.stores) and prefill.num_heads != decode.num_heads:
         raise differ("num_heads", prefill.num_heads, decode.num_heads)
     for sp, sd in zip(prefill.stores, decode.stores, strict=True):

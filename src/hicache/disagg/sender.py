@@ -85,7 +85,8 @@ def plan_spans(
     decode side, per store, the sequence pages it registered past its ``skip_pages``: of
     a partial job, the stable stores' pages in ``[sent, job.upto)``; of the final job,
     the stable stores' pages from ``sent`` on and the other stores' whole registered
-    range; its share of each decode rank's rows (:func:`~hicache.disagg.shares.shares_of`).
+    range (a ``state`` store's slot whatever the prefix); its share of each decode rank's
+    rows (:func:`~hicache.disagg.shares.shares_of`).
     Returns ``(decode endpoint, spans)`` per decode rank it writes, in rank order.
     ValueError naming the room, store and pages when the pair cannot be served (another
     prompt, a store or page the prefill does not hold)."""
@@ -95,6 +96,7 @@ def plan_spans(
             f" prefill side's ({job.prompt_len} tokens): both must tokenize the same prompt"
         )
     sources = {s.name: s for s in job.sources}
+    whole = {s.name for s in reg.layout.stores if s.state}  # a slot, not sequence pages
     per_rank: dict[int, list[Span]] = {}
     for target in reg.targets:
         src = sources.get(target.name)
@@ -106,7 +108,9 @@ def plan_spans(
             continue  # a partial job carries the stable stores only
         if not job.final and not src.stable:
             continue
-        begin = max(target.first, reg.skip_pages, sent if src.stable else 0)
+        begin = target.first
+        if target.name not in whole:
+            begin = max(begin, reg.skip_pages, sent if src.stable else 0)
         end = target.first + len(target.pages)
         if job.upto is not None:
             end = min(end, job.upto)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from hicache.disagg.config import Bootstrap, DisaggMode
 from hicache.engine.request import Request
+from hicache.extras import SequenceExtras
 
 __all__ = ["Role"]
 
@@ -79,6 +80,11 @@ class Role:
         those whose prefix is in L1); returns those that must be admitted again (their
         prefix load failed)."""
         return []
+
+    def arrived(self, req: Request) -> SequenceExtras | None:
+        """Parked ``req``'s pages arrived (decode): what the runner resumes it from (a
+        recurrent model's state after the prompt), or None."""
+        return None
 
     def computed(self, req: Request) -> None:
         """A prefill chunk of ``req`` was computed and committed (``req.kv_len``

@@ -250,6 +250,15 @@ class ModelRunner:
         state = extras.states[-1]
         self.states.put(seq_id, state.tokens, state.tensors)
 
+    def carried_state(self, seq_id: str) -> KeptState | None:
+        """A copy of the state ``seq_id`` carries now (after its first ``tokens``
+        positions, canonical tensors), or None when it carries none: what a prefill
+        instance sends its decode side, which :meth:`resume` s from it."""
+        if self.states is None or seq_id not in self.states:
+            return None
+        tokens, tensors = self.states.export(seq_id)
+        return KeptState(tokens, tuple(tensors))
+
     def take_extras(self, seq_id: str) -> SequenceExtras | None:
         """What the last forward kept of ``seq_id`` at its :attr:`ForwardBatch.keep`
         offsets (for the cache, untouched by the caller), once; None when nothing was."""

@@ -150,7 +150,8 @@ class Engine(Lifecycle):
         cfg = self.config
         loaded = self._loaded if self._core is None else self._core.model  # loaded once
 
-        make_role = role_maker(cfg.disagg, cfg.tp_size, self._post_input)
+        running = cfg.scheduler.max_running_requests
+        make_role = role_maker(cfg.disagg, cfg.tp_size, self._post_input, max_running=running)
 
         if cfg.tp_size > 1:
             if self._loaded is not None:
@@ -158,7 +159,7 @@ class Engine(Lifecycle):
                     f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
                     " start the engine without a loaded model"
                 )
-            followers = functools.partial(role_maker, cfg.disagg, cfg.tp_size)
+            followers = functools.partial(role_maker, cfg.disagg, cfg.tp_size, max_running=running)
             self.ranks, core = start_ranks(cfg, make_role, followers)
         else:
             core = build_core(cfg, loaded=loaded, make_role=make_role)

@@ -12,7 +12,10 @@ once its matched prefix is in L1 its pages are registered with the prefill insta
 as on a plain instance; an aborted parked request is drained (:meth:`DecodeRole.abort`).
 Every rank has this role and its own transport, with its pools registered; rank 0 alone
 registers a room, naming every rank's pools (the page ids are the same on every rank), and
-follows it (its receiver; None on the other ranks). A registration that fails ends its
+follows it (its receiver; None on the other ranks). A recurrent model's request also
+holds a :class:`~hicache.engine.roles.state_slots.StateSlots` slot from its registration
+on, where its state after the prompt lands; the runner resumes from it when the pages
+arrive (:meth:`DecodeRole.arrived`). A registration that fails ends its
 request through a :class:`~hicache.engine.step_inputs.RoomEnded` input, on every rank.
 Its receiver and transport are built by :mod:`hicache.engine.roles.role_setup`. The
 decode side's flow: docs/architecture.md, "Prefill/decode disaggregation".
@@ -37,8 +40,10 @@ from hicache.disagg.receiver import BootstrapRefused, DecodeReceiver
 from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
+from hicache.engine.roles.state_slots import StateSlots
 from hicache.engine.sampling import InvalidRequest
 from hicache.engine.step_inputs import RoomEnded, StepInput
+from hicache.extras import SequenceExtras
 
 __all__ = ["DecodeRole"]
 
@@ -60,8 +65,13 @@ class DecodeRole(Role):
         layout: InstanceLayout,
         ranks: tuple[RankTarget, ...],
         post: Callable[[StepInput], None] | None = None,
+        *,
+        states: StateSlots | None = None,
     ) -> None:
         self.cache = cache
+        self.states = states
+        """A recurrent model's state slots: each registered request's holds the state the
+        prefill side sends (None: no state to take)."""
         self.receiver = receiver
         self.transport = transport
         self.layout = layout
@@ -109,6 +119,9 @@ class DecodeRole(Role):
                 continue
             if handle.loading:
                 continue  # its L2 hit is still coming into L1
+            state = self._state_targets(req.rid)
+            if state is None:
+                continue  # no state slot free yet (every rank alike)
             self._unregistered.discard(req.rid)
             if self.receiver is None:
                 continue  # rank 0 registers it
@@ -122,7 +135,8 @@ class DecodeRole(Role):
                 targets=tuple(
                     StoreTarget(h.name, h.first, tuple(h.pages))
                     for h in held_pages(self.cache, handle)
-                ),
+                )
+                + state,
             )
             try:
                 self.receiver.expect(req.rid, req.bootstrap.host, req.bootstrap.port, registration)
@@ -132,6 +146,26 @@ class DecodeRole(Role):
                 assert self._post is not None
                 self._post(RoomEnded(req.rid, why))
         return failed
+
+    def _state_targets(self, rid: str) -> tuple[StoreTarget, ...] | None:
+        """Where the state of ``rid`` lands: its slot, taken now (none without state);
+        None when no slot is free."""
+        if self.states is None:
+            return ()
+        slot = self.states.claim(rid)
+        if slot is None:
+            return None
+        return tuple(StoreTarget(n, 0, (slot,)) for n in self.states.names)
+
+    def arrived(self, req: Request) -> SequenceExtras | None:
+        """The state after ``req``'s prompt, from its slot (freed now)."""
+        if self.states is None:
+            return None
+        slot = self.states.slot(req.rid)
+        assert slot is not None, "registered requests hold a slot"
+        state = self.states.read(slot, len(req.prompt_ids))
+        self.states.free(req.rid)
+        return SequenceExtras((state,))
 
     def requeued(self, req: Request) -> None:
         self._unregistered.discard(req.rid)  # nothing was promised; parked again later
@@ -144,6 +178,8 @@ class DecodeRole(Role):
         return False
 
     def ended(self, req: Request) -> None:
+        if self.states is not None:
+            self.states.free(req.rid)  # nothing can write it any more (fences end first)
         self._unregistered.discard(req.rid)
         if self.receiver is not None:
             self.receiver.forget(req.rid)

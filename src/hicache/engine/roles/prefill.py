@@ -7,7 +7,9 @@ its claim (its ``max_tokens``, a full queue) closes its room (:meth:`PrefillRole
 so the decode side's half fails at once. Each computed chunk's whole pages and, once that
 token is sampled, the rest (:meth:`PrefillRole.hand_off`: the request is parked) go to this
 rank's sender as :class:`~hicache.disagg.sender.SendJob` s: every rank writes its own share
-(:mod:`hicache.disagg.shares`). The request is released, its KV committed to this
+(:mod:`hicache.disagg.shares`); a recurrent model's state after the prompt goes with the
+final job, from the request's :class:`~hicache.engine.roles.state_slots.StateSlots` slot.
+The request is released, its KV committed to this
 instance's cache by its write policy, on a :class:`~hicache.engine.step_inputs.RoomEnded`
 input (whose error, if any, its client gets). A request that ends before its hand-off
 (aborted, failed) ends its room's shares with the reason.
@@ -40,7 +42,9 @@ from hicache.disagg.sender import PrefillSender, SendJob, SourcePages
 from hicache.disagg.transport import Transport
 from hicache.engine.request import Request
 from hicache.engine.role import Role
+from hicache.engine.roles.state_slots import StateSlots
 from hicache.engine.sampling import generator_state
+from hicache.runner.model_runner import ModelRunner
 
 __all__ = ["Exchange", "PrefillRole", "RoomDesk", "local_exchange"]
 
@@ -172,8 +176,11 @@ class PrefillRole(Role):
         *,
         desk: RoomDesk | None,
         exchange: Exchange,
+        carried: tuple[ModelRunner, StateSlots] | None = None,
     ) -> None:
         self.cache = cache
+        self.carried = carried
+        """A recurrent model's runner and state slots (None: no state to send)."""
         self.rank_rooms = rank_rooms
         self.desk = desk
         self.sender = sender
@@ -275,6 +282,10 @@ class PrefillRole(Role):
             return False
         if req.cache.failed is not None:
             return False  # its KV cannot be trusted: ended() fails the room
+        why = self._stage_state(req)
+        if why is not None:
+            req.error = why  # ended() fails the room with it
+            return False
         cached = req.cached
         result = RoomResult(
             first_token=req.output_ids[0],
@@ -294,6 +305,23 @@ class PrefillRole(Role):
         self.sender.submit(self._job(req, result=result))
         return True
 
+    def _stage_state(self, req: Request) -> str | None:
+        """Copy a recurrent model's state after ``req``'s prompt (its first token not fed
+        yet) into its slot, sent with its final job; None, or why it cannot be."""
+        if self.carried is None:
+            return None
+        runner, states = self.carried
+        state = runner.carried_state(req.rid)
+        n = len(req.prompt_ids)
+        if state is None or state.tokens != n:
+            have = "no state" if state is None else f"a state of {state.tokens} positions"
+            return f"the prefill side holds {have} for the {n}-token prompt"
+        slot = states.claim(req.rid)
+        if slot is None:
+            return "the prefill side has no free state slot"
+        states.write(slot, state)
+        return None
+
     def _job(
         self, req: Request, *, upto: int | None = None, result: RoomResult | None = None
     ) -> SendJob:
@@ -307,6 +335,13 @@ class PrefillRole(Role):
             for h in held_pages(self.cache, req.cache)
             if result is not None or h.stable
         )
+        if result is not None and self.carried is not None:  # the state: one slot, at the end
+            states = self.carried[1]
+            slot = states.slot(req.rid)
+            assert slot is not None, "hand_off staged it"
+            sources += tuple(
+                SourcePages(n, self.geometry[n], 0, (slot,), stable=False) for n in states.names
+            )
         return SendJob(
             rid=req.rid,
             room=req.bootstrap.room,
@@ -331,6 +366,8 @@ class PrefillRole(Role):
         return True
 
     def ended(self, req: Request) -> None:
+        if self.carried is not None:
+            self.carried[1].free(req.rid)  # the sender is done with it (RoomEnded)
         self._sent.pop(req.rid, None)
         self._hashes.pop(req.rid, None)
         b = req.bootstrap

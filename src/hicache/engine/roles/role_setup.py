@@ -10,6 +10,9 @@ full KV, then the sliding-window and indexer pools: what
   ``host:bootstrap_port``;
 - decode: every rank's endpoint and pools (one exchange at start); rank 0 also the receiver.
 
+A model with recurrent layers also gets its :class:`~hicache.engine.roles.state_slots.StateSlots`
+(registered too, one ``state.<tensor>`` store each), and its pair must run at one TP size.
+
 Rank 0's threads post :class:`~hicache.engine.step_inputs.PagesArrived`,
 :class:`~hicache.engine.step_inputs.RoomFailed` and
 :class:`~hicache.engine.step_inputs.RoomEnded` records through ``post``.
@@ -35,9 +38,10 @@ from hicache.engine.ranks import StepChannel
 from hicache.engine.role import Role
 from hicache.engine.roles.decode import DecodeRole
 from hicache.engine.roles.prefill import Exchange, PrefillRole, RoomDesk, local_exchange
+from hicache.engine.roles.state_slots import StateSlots
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed, StepInput
 from hicache.runner.loader import LoadedModel
-from hicache.runner.model_runner import ModelRunner
+from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.spec import AttentionKind
 
 __all__ = ["instance_layout", "role_maker", "start_role"]
@@ -53,15 +57,17 @@ def instance_layout(
     model: LoadedModel,
     geometry: dict[str, PoolGeometry],
     tp_size: int,
+    states: frozenset[str] = frozenset(),
 ) -> InstanceLayout:
     """The layout a pair compares (:func:`~hicache.disagg.layout.check_pair`) of one rank
-    with pools ``geometry``. ValueError when a split store's pool does not hold the
-    rank's K/V heads."""
+    with pools ``geometry`` (``states``: those of them that are state slots). ValueError
+    when a split store's pool does not hold the rank's K/V heads."""
     mla = cache.context.spec.attention is AttentionKind.MLA
     heads = None if mla else model.model.heads
     stores = []
     for name, g in geometry.items():
         kv_heads = 0
+        state = name in states
         if heads is not None and name in _SPLIT_STORES:
             kv_heads = heads.num_kv_heads
             if g.row_bytes % heads.local_kv_heads:
@@ -69,7 +75,9 @@ def instance_layout(
                     f"store {name!r}: a row of {g.row_bytes} bytes does not hold this rank's"
                     f" {heads.local_kv_heads} K/V heads"
                 )
-        stores.append(StoreLayout(name, g.num_kv, g.layers, g.row_bytes, g.dtype, kv_heads))
+        stores.append(
+            StoreLayout(name, g.num_kv, g.layers, g.row_bytes, g.dtype, kv_heads, state=state)
+        )
     return InstanceLayout(
         model=model.name,
         fingerprint=model.fingerprint,
@@ -89,48 +97,63 @@ def start_role(
     runner: ModelRunner,
     *,
     tp_size: int,
+    max_running: int,
     rank: int = 0,
     exchange: Exchange | None = None,
     post: Callable[[StepInput], None] | None = None,
 ) -> Role:
     """The started role of rank ``rank`` of the instance of ``cache``, ``model`` and
     ``runner`` (see the module docstring), built with them, before its scheduler, on
-    every rank at the same point (``exchange``: the ranks' collective, None with one rank;
-    ``post``: rank 0's step inputs). ValueError for a model a pair cannot serve; OSError
-    naming the port when the bootstrap port cannot be bound;
+    every rank at the same point (``max_running``: its running requests at most, the
+    state slots of a recurrent model; ``exchange``: the ranks' collective, None with one
+    rank; ``post``: rank 0's step inputs). ValueError for a model a pair cannot serve;
+    OSError naming the port when the bootstrap port cannot be bound;
     :class:`~hicache.disagg.transport.TransportUnavailable` when the transfer backend
     cannot start."""
     if not disagg.enabled:
         return Role()
-    if not runner.resumable_prefix:
-        raise ValueError(
-            f"--disaggregation-mode {disagg.mode.value}: {model.name} carries recurrent"
-            " state, which a prefill/decode pair does not move yet; serve it as a plain instance"
-        )
     if exchange is None:
         if tp_size != 1:
             raise ValueError(f"tp_size={tp_size}: the ranks' exchange is required")
         exchange = local_exchange
     pools = {"full": cache.full.pages.device_pool, **cache.stores.runner_pools()}
     geometry = {name: PoolGeometry.of(pool) for name, pool in pools.items()}
-    layout = instance_layout(disagg, cache, model, geometry, tp_size)
+    states = None
+    if runner.recurrent:
+        spec = cache_spec_of(model.model, model.dtype)  # what the cache was built with
+        states = StateSlots.of(spec, max_running, runner.device)
+        if states is None:
+            raise ValueError(
+                f"--disaggregation-mode {disagg.mode.value}: {model.name} carries recurrent"
+                " state but its cache keeps no state snapshots; a pair cannot move it"
+            )
+        geometry.update(states.geometry())
+    state_names = frozenset() if states is None else frozenset(states.geometry())
+    layout = instance_layout(disagg, cache, model, geometry, tp_size, state_names)
     name = f"hicache-{disagg.mode.value}-{uuid.uuid4().hex[:12]}-r{rank}"
     transport = make_transport(disagg.transfer_backend, disagg.host, name)
     try:
         transport.register([g.region() for g in geometry.values()])
         if disagg.mode is DisaggMode.PREFILL:
-            return _prefill(disagg, cache, transport, layout, geometry, rank, exchange, post)
+            carried = None if states is None else (runner, states)
+            return _prefill(
+                disagg, cache, transport, layout, geometry, rank, exchange, post, carried
+            )
         mine = RankTarget(transport.endpoint, {n: g.to_dict() for n, g in geometry.items()})
         ranks = tuple(exchange(mine))  # every rank's, by rank
         assert all(isinstance(r, RankTarget) for r in ranks)
-        return _decode(disagg, cache, transport, layout, ranks, rank, post)  # type: ignore[arg-type]
+        return _decode(disagg, cache, transport, layout, ranks, rank, post, states)  # type: ignore[arg-type]
     except BaseException:
         transport.close()
         raise
 
 
 def role_maker(
-    disagg: DisaggConfig, tp_size: int, post: Callable[[StepInput], None] | None = None
+    disagg: DisaggConfig,
+    tp_size: int,
+    post: Callable[[StepInput], None] | None = None,
+    *,
+    max_running: int,
 ) -> Callable[[HiCache, LoadedModel, ModelRunner, StepChannel | None], Role]:
     """What :func:`~hicache.engine.step.build.build_core` calls to build a rank's role:
     :func:`start_role` with the rank and exchange of its channel (``post``: rank 0's)."""
@@ -141,7 +164,15 @@ def role_maker(
         rank = 0 if channel is None else channel.rank
         exchange = None if channel is None else channel.exchange
         return start_role(
-            disagg, cache, model, runner, tp_size=tp_size, rank=rank, exchange=exchange, post=post
+            disagg,
+            cache,
+            model,
+            runner,
+            tp_size=tp_size,
+            max_running=max_running,
+            rank=rank,
+            exchange=exchange,
+            post=post,
         )
 
     return make
@@ -156,6 +187,7 @@ def _prefill(
     rank: int,
     exchange: Exchange,
     post: Callable[[StepInput], None] | None,
+    carried: tuple[ModelRunner, StateSlots] | None,
 ) -> PrefillRole:
     rank_rooms = RankRooms(rank)
     desk = None
@@ -188,7 +220,16 @@ def _prefill(
     if desk is not None:
         desk.server.start()
     sender.start()
-    return PrefillRole(cache, rank_rooms, sender, transport, geometry, desk=desk, exchange=exchange)
+    return PrefillRole(
+        cache,
+        rank_rooms,
+        sender,
+        transport,
+        geometry,
+        desk=desk,
+        exchange=exchange,
+        carried=carried,
+    )
 
 
 def _decode(
@@ -199,9 +240,10 @@ def _decode(
     ranks: tuple[RankTarget, ...],
     rank: int,
     post: Callable[[StepInput], None] | None,
+    states: StateSlots | None,
 ) -> DecodeRole:
     if rank != 0:
-        return DecodeRole(cache, None, transport, layout, ranks)
+        return DecodeRole(cache, None, transport, layout, ranks, states=states)
     assert post is not None, "rank 0 posts its step inputs"
 
     def arrived(rid: str, result: RoomResult) -> None:
@@ -234,4 +276,4 @@ def _decode(
         max_links=disagg.max_links,
         link_idle_timeout_s=disagg.link_idle_timeout_s,
     )
-    return DecodeRole(cache, receiver, transport, layout, ranks, post)
+    return DecodeRole(cache, receiver, transport, layout, ranks, post, states=states)

@@ -213,6 +213,9 @@ class Scheduler:
         self.running.append(req)
         req.kv_len = len(req.prompt_ids)
         self.cache.commit(req.cache, req.prompt_ids)
+        resume = self.role.arrived(req)  # a recurrent model's state after the prompt
+        if resume is not None:
+            self.runner.resume(req.rid, resume)
         req.remote_cached = CachedTokens(*item.cached)
         req.output_ids.append(item.first_token)
         req.first_token_at = time.perf_counter()
