@@ -126,6 +126,42 @@ def _exit_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _serve_node(args: argparse.Namespace) -> int:
+    """``hicache serve --node-rank R`` (R > 0): this node's ranks, no HTTP server; returns
+    once rank 0 stopped them (0), or 1 when they ended on a failure (printed)."""
+    import functools
+
+    from hicache.engine.drivers.node import NodeEnd, run_node
+    from hicache.engine.nodes import NodeStartError
+    from hicache.engine.ranks import RankStartError
+    from hicache.engine.roles.role_setup import role_maker
+    from hicache.server.args import FlagError, engine_config_from_args, flag_message
+
+    try:
+        config = engine_config_from_args(args)
+    except FlagError as exc:
+        raise StartupError(str(exc)) from exc
+    except ValueError as exc:
+        raise StartupError(f"node {args.node_rank}: {flag_message(exc)}") from exc
+    roles = functools.partial(role_maker, config.disagg, config.tp_size)
+    log.info(
+        "node %d of %d: running ranks %s, joined to node 0 at %s",
+        args.node_rank,
+        args.nnodes,
+        list(config.nodes.ranks(config.tp_size)),
+        args.dist_init_addr,
+    )
+    try:
+        with _exit_on_sigterm():
+            run_node(config, roles)
+    except (NodeStartError, RankStartError) as exc:
+        raise StartupError(f"--tp-size {args.tp_size} --nnodes {args.nnodes}: {exc}") from exc
+    except NodeEnd as exc:
+        print(f"hicache serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -133,6 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
     from hicache.server.args import FlagError, check_flags
     from hicache.server.listen import listen_on
 
+    if args.nnodes > 1 and args.node_rank != 0:
+        return _serve_node(args)
     try:
         check_flags(args)
         listener = listen_on(args.host, args.port)  # held from here on, served by uvicorn
