@@ -34,6 +34,9 @@ __all__ = [
 
 _COUNT = "hicache/nodes"
 _VERDICT = "hicache/verdict"
+_READ = "hicache/verdict-read"
+VERDICT_READ_S = 5.0
+"""Longest node 0 waits, after refusing a node, for every node to read why."""
 LINK_KEY = "hicache/link"
 """Where node 0 publishes ``host:port`` of its liveness listener."""
 POLL_S = 0.1
@@ -151,17 +154,26 @@ def connect_store(config: NodeConfig, world: int, timeout_s: float) -> Any:
 def announce(store: Any, card: NodeCard, timeout_s: float) -> None:
     """Node ``card.node_rank`` (not 0) tells node 0 what it was started with and waits
     for its verdict (at most ``timeout_s``); :class:`NodeStartError` with node 0's line."""
-    index = int(store.add(_COUNT, 1))
-    store.set(f"hicache/node/{index}", json.dumps(asdict(card)))
     deadline = time.monotonic() + timeout_s
-    while not store.check([_VERDICT]):
-        if time.monotonic() >= deadline:
-            raise NodeStartError(
-                f"node {card.node_rank}: node 0 did not accept it within {timeout_s:g} s"
-                " (--dist-init-timeout): are the other nodes started?"
-            )
-        time.sleep(POLL_S)
-    verdict = bytes(store.get(_VERDICT)).decode()
+    try:
+        index = int(store.add(_COUNT, 1))
+        store.set(f"hicache/node/{index}", json.dumps(asdict(card)))
+        while not store.check([_VERDICT]):
+            if time.monotonic() >= deadline:
+                raise NodeStartError(
+                    f"node {card.node_rank}: node 0 did not accept it within {timeout_s:g} s"
+                    " (--dist-init-timeout): are the other nodes started?"
+                )
+            time.sleep(POLL_S)
+        verdict = bytes(store.get(_VERDICT)).decode()
+        store.add(_READ, 1)
+    except NodeStartError:
+        raise
+    except Exception as exc:  # node 0 gone before its verdict
+        raise NodeStartError(
+            f"node {card.node_rank}: node 0 closed its --dist-init-addr before accepting"
+            f" it (node 0 failed to start?): {type(exc).__name__}"
+        ) from exc
     if verdict != "ok":
         raise NodeStartError(verdict)
 
@@ -198,6 +210,9 @@ def check_nodes(store: Any, mine: NodeCard, deadline: float) -> None:
             time.sleep(POLL_S)
     except NodeStartError as exc:
         store.set(_VERDICT, str(exc))
+        until = time.monotonic() + VERDICT_READ_S  # the store closes as node 0 exits
+        while int(store.add(_READ, 0)) < int(store.add(_COUNT, 0)) and time.monotonic() < until:
+            time.sleep(POLL_S)
         raise
     store.set(_VERDICT, "ok")
 
