@@ -191,13 +191,43 @@ def test_a_frozen_then_killed_node_is_named(tmp_path: Path) -> None:
         assert answer(node0.url)[0] == want
 
         kill_tree(node1.pid)  # the whole node: its hicache serve and its rank
-        killed = time.monotonic()
-        assert node0.proc is not None
-        code = node0.proc.wait(timeout=60)
-        assert code == 1
-        assert time.monotonic() - killed < 30
-        tail = node0.log_tail(80)
-        assert "node 1 (rank 1) was lost" in tail, tail
+        assert_named_lost(node0, "node 1 (rank 1) was lost")
+
+
+@pytest.mark.matrix
+def test_a_killed_rank_of_node_1_is_named(tmp_path: Path) -> None:
+    log = tmp_path / "node1.log"
+    with two_nodes(BASE, 2, log) as (node0, node1):
+        answer(node0.url)
+        (rank,) = rank_pids(node1.pid)
+        os.kill(rank, signal.SIGKILL)
+        assert_named_lost(node0, f"node 1: rank 1 (pid {rank}) exited with code -9")
+        assert node1.wait(timeout=60) == 1
+    assert "rank 1" in log.read_text()
+
+
+def assert_named_lost(node0: ServerProcess, named: str) -> None:
+    """Node 0 names the loss: ``/health`` (503 until its port closes; it may exit before
+    a probe lands, or first say that its own collective failed) and its exit (1) with the
+    reason on stderr, within seconds."""
+    killed = time.monotonic()
+    said = []
+    while time.monotonic() - killed < 30:
+        try:
+            r = httpx.get(f"{node0.url}/health", timeout=5)
+        except httpx.HTTPError:
+            break  # the port is closed: the server has exited
+        if r.status_code != 200:
+            said.append(r.text)  # first, perhaps, rank 0's own failed collective
+            if named in r.text:
+                break
+        time.sleep(0.05)
+    assert not said or named in said[-1], said
+    assert node0.proc is not None
+    assert node0.proc.wait(timeout=60) == 1
+    assert time.monotonic() - killed < 30
+    tail = node0.log_tail(80)
+    assert f"hicache serve: error: {named}" in tail, tail
 
 
 def bad_start(argv: list[str], *, http: bool = False) -> subprocess.CompletedProcess[str]:

@@ -556,6 +556,11 @@ class RankProcesses:
         return {r: p.exitcode for r, p in self._procs.items()}
 
     @property
+    def sentinels(self) -> list[Any]:
+        """What :func:`multiprocessing.connection.wait` waits on for a follower's exit."""
+        return [p.sentinel for p in self._procs.values()]
+
+    @property
     def pids(self) -> dict[int, int]:
         """rank -> pid of each follower."""
         return {r: int(p.pid) for r, p in self._procs.items() if p.pid is not None}

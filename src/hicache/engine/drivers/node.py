@@ -13,6 +13,7 @@ them, 1 when one died or rank 0 was lost (its link closed); its ranks never outl
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import time
 from collections.abc import Callable
 
@@ -89,4 +90,4 @@ def _beat(ranks: RankProcesses, link: NodeLink, node: int) -> None:
         if codes and all(c == 0 for c in codes.values()):
             return  # rank 0 stopped them
         link.send({"beat": {str(r): a for r, a in ranks.ages().items()}})
-        link.wait_lost(BEAT_INTERVAL_S)
+        multiprocessing.connection.wait(ranks.sentinels, timeout=BEAT_INTERVAL_S)
