@@ -238,4 +238,6 @@ class NodeLink:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the peer sees EOF
+        with contextlib.suppress(OSError):
             self._sock.close()
