@@ -101,6 +101,8 @@ def _describe(engine: Any, host: str, port: int) -> str:
     )
     l3 = engine.config.storage_backend or "off"
     tp = f", {engine.config.tp_size} ranks" if engine.config.tp_size > 1 else ""
+    nnodes = engine.config.nodes.nnodes
+    tp += f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
         f"serving {engine.model.name} ({engine.model.dtype}, {engine.config.device}{tp});"
         f" L1 {stats.device_total_tokens} tokens ({stats.device_total_tokens * gb:.2f} GB),"
