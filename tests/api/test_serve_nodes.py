@@ -263,6 +263,11 @@ def test_bad_node_flags_fail_the_start_naming_the_node() -> None:
     argv = [*BASE, *node_flags(2, port, 1, timeout_s=5)]
     line = error_line(bad_start(argv))
     assert f"node 1 could not reach node 0's --dist-init-addr 127.0.0.1:{port}" in line, line
+    # node 0 at an address that is not its own
+    argv = [*BASE, *node_flags(2, port, 0)]
+    argv[argv.index(f"127.0.0.1:{port}")] = f"203.0.113.7:{port}"
+    line = error_line(bad_start(argv, http=True))
+    assert f"node 0 cannot listen on --dist-init-addr 203.0.113.7:{port}" in line, line
     # node 0 whose node 1 never comes
     argv = [*BASE, *node_flags(2, port, 0, timeout_s=5)]
     line = error_line(bad_start(argv, http=True))

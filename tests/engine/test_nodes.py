@@ -19,6 +19,7 @@ from hicache.engine.nodes import (
     NodeConfig,
     NodeStartError,
     announce,
+    check_listenable,
     check_nodes,
     interface_of,
 )
@@ -188,6 +189,12 @@ def test_the_link_reads_rank_0_gone() -> None:
     assert not link.lost
     links.close()
     assert link.wait_lost(5)
+
+
+def test_node_0_listens_only_on_its_own_address() -> None:
+    check_listenable(NodeConfig(nnodes=2, dist_init_addr="127.0.0.1:5000"))
+    with pytest.raises(NodeStartError, match="node 0 cannot listen on --dist-init-addr 203"):
+        check_listenable(NodeConfig(nnodes=2, dist_init_addr="203.0.113.7:5000"))
 
 
 def test_an_address_names_its_interface() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import socket
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -27,6 +28,7 @@ __all__ = [
     "NodeConfig",
     "NodeStartError",
     "announce",
+    "check_listenable",
     "check_nodes",
     "connect_store",
     "interface_of",
@@ -215,6 +217,23 @@ def check_nodes(store: Any, mine: NodeCard, deadline: float) -> None:
             time.sleep(POLL_S)
         raise
     store.set(_VERDICT, "ok")
+
+
+def check_listenable(config: NodeConfig) -> None:
+    """Node 0 can listen on ``dist_init_addr``'s host (an address of this machine):
+    :class:`NodeStartError` naming node 0 and the address otherwise. (The store itself
+    listens on every interface and would only fail its own connection, after seconds.)"""
+    host, _ = config.address
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        family, _, _, _, where = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(where)
+    except OSError as exc:
+        raise NodeStartError(
+            f"node 0 cannot listen on --dist-init-addr {config.dist_init_addr}: {host} is"
+            f" not an address of this machine ({exc.strerror or exc}); give node 0's own"
+        ) from None
 
 
 def interface_of(host: str) -> str | None:

@@ -40,6 +40,7 @@ from hicache.engine.nodes import (
     NodeCard,
     NodeConfig,
     NodeStartError,
+    check_listenable,
     check_nodes,
     interface_of,
 )
@@ -297,6 +298,11 @@ class RankProcesses:
             )
         several = self.nodes.nnodes > 1
         host, port = self.nodes.address if several else ("127.0.0.1", 0)
+        if several:
+            try:
+                check_listenable(self.nodes)
+            except NodeStartError as exc:
+                raise RankStartError(str(exc)) from exc
         try:
             store = open_store(self.size, self.init_timeout_s, host, port)
         except Exception as exc:
