@@ -147,7 +147,7 @@ def _serve_node(args: argparse.Namespace) -> int:
         raise StartupError(f"node {args.node_rank}: {flag_message(exc)}") from exc
     roles = functools.partial(role_maker, config.disagg, config.tp_size)
     log.info(
-        "node %d of %d: running ranks %s, joined to node 0 at %s",
+        "node %d of %d: ranks %s, joining node 0 at %s",
         args.node_rank,
         args.nnodes,
         list(config.nodes.ranks(config.tp_size)),
@@ -158,6 +158,8 @@ def _serve_node(args: argparse.Namespace) -> int:
             run_node(config, roles)
     except (NodeStartError, RankStartError) as exc:
         raise StartupError(f"--tp-size {args.tp_size} --nnodes {args.nnodes}: {exc}") from exc
+    except (ValueError, FileNotFoundError) as exc:
+        raise StartupError(f"node {args.node_rank}: {flag_message(exc)}") from exc
     except NodeEnd as exc:
         print(f"hicache serve: error: {exc}", file=sys.stderr)
         return 1

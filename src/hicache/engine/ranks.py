@@ -1,7 +1,8 @@
 """The engine's rank processes under tensor parallelism (``tp_size`` > 1).
 
 Rank 0 is the server's process and its engine; ranks 1 .. N-1 are spawned here
-(``torch.multiprocessing``, ``spawn``) and run the same engine machinery in a follower loop,
+(``torch.multiprocessing``, ``spawn``; with several nodes each node spawns its own share,
+:mod:`hicache.engine.nodes`) and run the same engine machinery in a follower loop,
 without HTTP, joined by ``torch.distributed``: the default group (timeout
 ``dist_init_timeout_s``) serves the join alone; the model's collectives (gloo on CPU, NCCL
 on CUDA) and the engine's and cache's agreements (gloo) run on groups of their own with
@@ -67,7 +68,7 @@ class RankStartError(RuntimeError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSetup:
     """How rank ``rank`` of ``size`` joins the group: ``init_method``
-    (``tcp://127.0.0.1:PORT``), the model's ``backend`` (``gloo``, or ``nccl`` on CUDA),
+    (``tcp://HOST:PORT``, 127.0.0.1 on one node), the model's ``backend`` (``gloo``, or ``nccl`` on CUDA),
     the join timeout ``init_timeout_s`` and every later collective's
     ``collective_timeout_s``; ``heartbeats``: where a follower beats (None: it does not)."""
 

@@ -24,6 +24,7 @@ from hicache.engine.node_link import NodeLink
 from hicache.engine.nodes import LINK_KEY, NodeStartError, announce, connect_store
 from hicache.engine.ranks import CLOSE_TIMEOUT_S, RankProcesses, RankStartError
 from hicache.engine.step.build import RoleMaker
+from hicache.engine.tp_fit import check_tp_model
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,12 @@ def run_node(config: EngineConfig, follower_roles: Callable[[], RoleMaker] | Non
     """Run node ``config.nodes.node_rank``'s ranks until rank 0 stops them (returns).
     :class:`~hicache.engine.nodes.NodeStartError` or
     :class:`~hicache.engine.ranks.RankStartError` when the start fails (naming the
-    node or rank), :class:`NodeEnd` when a rank died or rank 0 was lost."""
+    node or rank), ValueError for a model the ranks cannot split, :class:`NodeEnd` when a
+    rank died or rank 0 was lost."""
     nodes = config.nodes
     if nodes.leader:
         raise ValueError("run_node() runs a node other than node 0")
+    check_tp_model(config.model_path, config.tp_size, config.device)  # as node 0 does
     timeout = config.dist_init_timeout_s
     store = connect_store(nodes, config.tp_size, timeout)
     announce(store, node_card(config), timeout)
