@@ -101,6 +101,8 @@ def _describe(engine: Any, host: str, port: int) -> str:
     )
     l3 = engine.config.storage_backend or "off"
     tp = f", {engine.config.tp_size} ranks" if engine.config.tp_size > 1 else ""
+    nnodes = engine.config.nodes.nnodes
+    tp += f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
         f"serving {engine.model.name} ({engine.model.dtype}, {engine.config.device}{tp});"
         f" L1 {stats.device_total_tokens} tokens ({stats.device_total_tokens * gb:.2f} GB),"
@@ -126,6 +128,44 @@ def _exit_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _serve_node(args: argparse.Namespace) -> int:
+    """``hicache serve --node-rank R`` (R > 0): this node's ranks, no HTTP server; returns
+    once rank 0 stopped them (0), or 1 when they ended on a failure (printed)."""
+    import functools
+
+    from hicache.engine.drivers.node import NodeEnd, run_node
+    from hicache.engine.nodes import NodeStartError
+    from hicache.engine.ranks import RankStartError
+    from hicache.engine.roles.role_setup import role_maker
+    from hicache.server.args import FlagError, engine_config_from_args, flag_message
+
+    try:
+        config = engine_config_from_args(args)
+    except FlagError as exc:
+        raise StartupError(str(exc)) from exc
+    except ValueError as exc:
+        raise StartupError(f"node {args.node_rank}: {flag_message(exc)}") from exc
+    roles = functools.partial(role_maker, config.disagg, config.tp_size)
+    log.info(
+        "node %d of %d: ranks %s, joining node 0 at %s",
+        args.node_rank,
+        args.nnodes,
+        list(config.nodes.ranks(config.tp_size)),
+        args.dist_init_addr,
+    )
+    try:
+        with _exit_on_sigterm():
+            run_node(config, roles)
+    except (NodeStartError, RankStartError) as exc:
+        raise StartupError(f"--tp-size {args.tp_size} --nnodes {args.nnodes}: {exc}") from exc
+    except (ValueError, FileNotFoundError) as exc:
+        raise StartupError(f"node {args.node_rank}: {flag_message(exc)}") from exc
+    except NodeEnd as exc:
+        print(f"hicache serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -133,6 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
     from hicache.server.args import FlagError, check_flags
     from hicache.server.listen import listen_on
 
+    if args.nnodes > 1 and args.node_rank != 0:
+        return _serve_node(args)
     try:
         check_flags(args)
         listener = listen_on(args.host, args.port)  # held from here on, served by uvicorn

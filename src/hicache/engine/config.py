@@ -23,6 +23,7 @@ from hicache.config import (
 from hicache.disagg.config import DisaggConfig, DisaggMode
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
+from hicache.engine.nodes import NodeConfig
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.schedule_config import SchedulerConfig
@@ -111,6 +112,11 @@ class EngineConfig:
     ranks once started (the longest forward included); a rank that stalls past it makes
     the others fail (the server exits). Independent of ``dist_init_timeout_s``. A frozen
     rank shows in ``/health`` within seconds (its heartbeat), not at this bound."""
+    nodes: NodeConfig = field(default_factory=NodeConfig)
+    """The nodes (machines) the ``tp_size`` ranks span and this one's place among them
+    (:mod:`hicache.engine.nodes`; default: this node alone). ``nnodes`` must divide
+    ``tp_size``; each node runs ``tp_size / nnodes`` ranks, on CUDA from ``device``'s
+    index on."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     """The prefill/decode disaggregation role (:mod:`hicache.disagg`; default: none)."""
     restore_max_ops: int = DEFAULT_RESTORE_MAX_OPS
@@ -121,7 +127,8 @@ class EngineConfig:
     one that would pass it is refused (429). None: half the L2 pool. At least 1."""
 
     def __post_init__(self) -> None:
-        check_tp_fits(self.tp_size, self.device)
+        check_tp_fits(self.tp_size, "cpu")  # an int >= 1; the devices are per node:
+        check_tp_fits(self.nodes.local_size(self.tp_size), self.device)
         if (
             self.disagg.mode is DisaggMode.DECODE
             and self.storage_backend is not None

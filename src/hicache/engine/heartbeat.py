@@ -47,13 +47,18 @@ class Heartbeats:
 
         threading.Thread(target=beat, name=f"hicache-heartbeat-{rank}", daemon=True).start()
 
+    def ages(self, ranks: list[int]) -> dict[int, float]:
+        """Seconds since each of ``ranks`` last beat."""
+        now = time.monotonic()
+        return {rank: now - float(self._slots[rank]) for rank in ranks}
+
     def silent(self, pids: dict[int, int] | None = None) -> str | None:
         """One line naming each follower silent for more than :data:`SILENT_AFTER_S`
-        (with its pid from ``pids``, rank -> pid, when given) and for how long; None
+        (those of ``pids``, rank -> pid, named with their pid, when given) and for how long; None
         while every follower beats."""
         now = time.monotonic()
         quiet = []
-        for rank in range(1, self.size):
+        for rank in range(1, self.size) if pids is None else sorted(pids):
             age = now - float(self._slots[rank])
             if age > SILENT_AFTER_S:
                 pid = (pids or {}).get(rank)

@@ -1,7 +1,8 @@
 """The engine's rank processes under tensor parallelism (``tp_size`` > 1).
 
 Rank 0 is the server's process and its engine; ranks 1 .. N-1 are spawned here
-(``torch.multiprocessing``, ``spawn``) and run the same engine machinery in a follower loop,
+(``torch.multiprocessing``, ``spawn``; with several nodes each node spawns its own share,
+:mod:`hicache.engine.nodes`) and run the same engine machinery in a follower loop,
 without HTTP, joined by ``torch.distributed``: the default group (timeout
 ``dist_init_timeout_s``) serves the join alone; the model's collectives (gloo on CPU, NCCL
 on CUDA) and the engine's and cache's agreements (gloo) run on groups of their own with
@@ -34,6 +35,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hicache.engine.heartbeat import Heartbeats
+from hicache.engine.node_link import NodeLinks
+from hicache.engine.nodes import (
+    LINK_KEY,
+    NodeCard,
+    NodeConfig,
+    NodeStartError,
+    check_listenable,
+    check_nodes,
+    interface_of,
+)
 from hicache.engine.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -57,7 +68,7 @@ class RankStartError(RuntimeError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSetup:
     """How rank ``rank`` of ``size`` joins the group: ``init_method``
-    (``tcp://127.0.0.1:PORT``), the model's ``backend`` (``gloo``, or ``nccl`` on CUDA),
+    (``tcp://HOST:PORT``, 127.0.0.1 on one node), the model's ``backend`` (``gloo``, or ``nccl`` on CUDA),
     the join timeout ``init_timeout_s`` and every later collective's
     ``collective_timeout_s``; ``heartbeats``: where a follower beats (None: it does not)."""
 
@@ -68,11 +79,29 @@ class RankSetup:
     init_timeout_s: float
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     heartbeats: Heartbeats | None = None
+    local_rank: int | None = None
+    """Its index among its node's ranks (None: ``rank``, one node)."""
+    interface: str | None = None
+    """The network interface its gloo groups use (``GLOO_SOCKET_IFNAME``, unless set
+    already; None: gloo's default)."""
+
+    @property
+    def local(self) -> int:
+        return self.rank if self.local_rank is None else self.local_rank
+
+
+def use_interface(interface: str | None) -> None:
+    """Make this process's gloo (and NCCL) connections use ``interface`` unless the
+    environment names one already (None: leave the default)."""
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
 def rank_device(device: str, rank: int) -> str:
-    """The device of rank ``rank`` when rank 0 runs on ``device``: ``cpu`` for every rank;
-    ``cuda:(k + rank)`` for ``cuda:k`` (``cuda`` = ``cuda:0``)."""
+    """The device of a node's rank ``rank`` (its index among the node's ranks) when the
+    node's first rank runs on ``device``: ``cpu`` for every rank; ``cuda:(k + rank)`` for
+    ``cuda:k`` (``cuda`` = ``cuda:0``)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return device
@@ -148,15 +177,15 @@ class StepChannel:
         return t[0].tolist(), {j for j in range(n) if t[1, j]}
 
 
-def open_store(size: int, timeout_s: float) -> Any:
+def open_store(size: int, timeout_s: float, host: str = "127.0.0.1", port: int = 0) -> Any:
     """Rank 0's rendezvous store (a ``TCPStore`` server) for ``size`` ranks, listening on
-    127.0.0.1 at a port the system picks as it binds (``.port``): bound and kept from the
-    start, so nothing can take it between the choice and the bind, and an error here is
-    rank 0's own. ``timeout_s`` bounds its waits for the other ranks' keys; its own
-    connection to itself gets :data:`STORE_CONNECT_S` at least (a busy host)."""
+    ``host`` at ``port`` (0: one the system picks as it binds, ``.port``): bound and kept
+    from the start, so nothing can take it between the choice and the bind, and an error
+    here is rank 0's own. ``timeout_s`` bounds its waits for the other ranks' keys; its
+    own connection to itself gets :data:`STORE_CONNECT_S` at least (a busy host)."""
     store = dist.TCPStore(
-        "127.0.0.1",
-        0,
+        host,
+        port,
         size,
         is_master=True,
         timeout=timedelta(seconds=max(timeout_s, STORE_CONNECT_S)),
@@ -204,10 +233,15 @@ before it exits on a failure."""
 
 
 class RankProcesses:
-    """Rank 0's handle on ranks 1 .. size-1 (see the module docstring).
+    """A node's handle on its follower ranks (see the module docstring): on node 0 (one
+    node: the only one) ranks 1 .. local-1, joined with rank 0 by :meth:`start`; on
+    another node all of its ranks, spawned by :meth:`spawn` (docs/architecture.md, "Ranks
+    on several nodes").
 
     ``target`` runs in each follower with ``(RankSetup, payload, conn)``; ``payload`` is
-    pickled to it (the engine's config)."""
+    pickled to it (the engine's config). ``nodes``: this node's place (one node by
+    default); ``host``: where this node's ranks listen with several nodes (``--host``);
+    ``card``: what this node was started with (node 0 compares the others' with it)."""
 
     def __init__(
         self,
@@ -218,10 +252,17 @@ class RankProcesses:
         backend: str = "gloo",
         init_timeout_s: float = DEFAULT_DIST_INIT_TIMEOUT_S,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        nodes: NodeConfig | None = None,
+        host: str = "127.0.0.1",
+        card: NodeCard | None = None,
     ) -> None:
         if size < 2:
             raise ValueError(f"RankProcesses needs at least 2 ranks, got {size}")
         self.size = size
+        self.nodes = nodes if nodes is not None else NodeConfig()
+        self._local = self.nodes.ranks(size)
+        self._host = host
+        self._card = card
         self._target = target
         self._payload = payload
         self.backend = backend
@@ -236,47 +277,81 @@ class RankProcesses:
         """Why a follower died (naming the rank), once one has; None while all live."""
         self.channel: StepChannel | None = None
         self._heartbeats: Heartbeats | None = None
+        self._links: NodeLinks | None = None
+        """Node 0's links to the other nodes (None with one node, and on the others)."""
+
+    @property
+    def interface(self) -> str | None:
+        """The network interface this node's ranks use (None: gloo's default; one node)."""
+        return interface_of(self._host) if self.nodes.nnodes > 1 else None
 
     # ------------------------------------------------------------------ start
 
     def start(self) -> StepChannel:
         """Spawn the followers and join the group as rank 0; returns rank 0's channel.
-        :class:`RankStartError` (one line naming the rank) when a rank does not join within
-        ``init_timeout_s`` or dies first; the followers are stopped then."""
+        :class:`RankStartError` (one line naming the rank, or the node) when a rank does
+        not join within ``init_timeout_s`` or dies first, or another node was started
+        otherwise; the followers are stopped then."""
         if dist.is_initialized():  # the default group is per process
             raise RankStartError(
                 "this process is in a process group already: one engine with tp_size > 1"
                 " per process"
             )
-        ctx = mp.get_context("spawn")
+        several = self.nodes.nnodes > 1
+        host, port = self.nodes.address if several else ("127.0.0.1", 0)
+        if several:
+            try:
+                check_listenable(self.nodes)
+            except NodeStartError as exc:
+                raise RankStartError(str(exc)) from exc
         try:
-            store = open_store(self.size, self.init_timeout_s)
+            store = open_store(self.size, self.init_timeout_s, host, port)
         except Exception as exc:
+            where = f"--dist-init-addr {host}:{port}" if several else "127.0.0.1"
             raise RankStartError(
-                f"rank 0 could not open the process group's rendezvous on 127.0.0.1: {exc}"
+                f"{'node 0: ' if several else ''}rank 0 could not open the process group's"
+                f" rendezvous on {where}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
             ) from exc
-        init_method = f"tcp://127.0.0.1:{store.port}"
-        self._heartbeats = Heartbeats(self.size, ctx)
+        began = time.monotonic()
         try:
-            for rank in range(1, self.size):
-                setup = self._setup(rank, init_method)
-                ours, theirs = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=self._target,
-                    args=(setup, self._payload, theirs),
-                    name=f"hicache-rank-{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                theirs.close()
-                self._procs[rank] = proc
-                self._conns[rank] = ours
-                self._said[rank] = []
-            self.channel = self._join(self._setup(0, init_method), store)
+            if several:
+                self._links = NodeLinks(self.nodes.nnodes, len(self._local))
+                store.set(LINK_KEY, self._links.start(host))
+            self.spawn(f"tcp://{host}:{store.port}")
+            if several:
+                assert self._card is not None, "node 0 compares the nodes' cards"
+                try:
+                    check_nodes(store, self._card, began + self.init_timeout_s)
+                except NodeStartError as exc:
+                    raise RankStartError(str(exc)) from exc
+            use_interface(self.interface)
+            self.channel = self._join(self._setup(0, f"tcp://{host}:{store.port}"), store)
         except BaseException:
             self.close(timeout=1.0, broken=True)
             raise
         return self.channel
+
+    def spawn(self, init_method: str) -> None:
+        """Start this node's followers, joining through ``init_method`` (node 0 opened
+        the rendezvous there), each with its heartbeat."""
+        ctx = mp.get_context("spawn")
+        self._heartbeats = Heartbeats(self.size, ctx)
+        for rank in self._local:
+            if rank == 0:
+                continue
+            setup = self._setup(rank, init_method)
+            ours, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=self._target,
+                args=(setup, self._payload, theirs),
+                name=f"hicache-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self._procs[rank] = proc
+            self._conns[rank] = ours
+            self._said[rank] = []
 
     def _join(self, setup: RankSetup, store: Any) -> StepChannel:
         """Join as rank 0 (over its ``store``) once every follower is about to (it said
@@ -313,6 +388,8 @@ class RankProcesses:
 
     def _setup(self, rank: int, init_method: str) -> RankSetup:
         return RankSetup(
+            local_rank=rank - self._local.start,
+            interface=self.interface,
             rank=rank,
             size=self.size,
             init_method=init_method,
@@ -354,6 +431,9 @@ class RankProcesses:
             problem = self._rank_problem(rank, "before joining the process group")
             if problem is not None:
                 return problem
+        problem = None if self._links is None else self._links.problem()
+        if problem is not None:
+            return problem
         missing = [r for r in self._procs if self._said_kind(r, "joined") is None]
         who = ", ".join(str(r) for r in missing)
         if missing and time.monotonic() - began >= self.init_timeout_s:
@@ -365,6 +445,18 @@ class RankProcesses:
         waiting = f" (rank {who} had not joined yet)" if missing else ""
         return f"rank 0 could not join the process group: {type(exc).__name__}: {first}{waiting}"
 
+    def wait_joined(self) -> None:
+        """Wait until every follower has joined the group (within ``init_timeout_s``; on
+        a node other than node 0, where no rank joins with them);
+        :class:`RankStartError` naming the first rank that failed or did not make it."""
+        self._wait_for(
+            "joined",
+            "while joining the process group",
+            time.monotonic() + self.init_timeout_s,
+            f"did not join the process group within {self.init_timeout_s:g} s"
+            " (--dist-init-timeout)",
+        )
+
     def wait_ready(self) -> None:
         """Wait until every follower has built its engine (within ``init_timeout_s``);
         :class:`RankStartError` naming the first rank that failed or did not make it."""
@@ -374,6 +466,11 @@ class RankProcesses:
             time.monotonic() + self.init_timeout_s,
             f"did not build its engine within {self.init_timeout_s:g} s (--dist-init-timeout)",
         )
+        if self._links is not None:
+            try:
+                self._links.wait_ready(time.monotonic() + self.init_timeout_s, self.init_timeout_s)
+            except RuntimeError as exc:
+                raise RankStartError(str(exc)) from exc
 
     # ------------------------------------------------------------------ watch
 
@@ -382,6 +479,8 @@ class RankProcesses:
         closing sets :attr:`failure` and calls ``on_failure(failure)`` (once)."""
         if self._watcher is not None:
             return
+        if self._links is not None:
+            self._links.watch(on_failure)
 
         def run() -> None:
             sentinels = {self._procs[r].sentinel: r for r in self._procs}
@@ -412,6 +511,8 @@ class RankProcesses:
         collective would otherwise wait for its timeout (leaving the group does not close
         the connections of a group still referenced)."""
         self._closing.set()
+        if self._links is not None:
+            self._links.close()
         for proc in self._procs.values():
             if proc.is_alive():
                 proc.terminate()
@@ -429,6 +530,9 @@ class RankProcesses:
         while True:
             if self.failure is not None:
                 return self.failure
+            lost = None if self._links is None else self._links.failure()
+            if lost is not None:
+                return lost
             for rank in self._procs:
                 problem = self._rank_problem(rank, "while serving")
                 if problem is not None:
@@ -442,7 +546,26 @@ class RankProcesses:
         :mod:`hicache.engine.heartbeat`), None while all answer (or before the start)."""
         if self._heartbeats is None or self._closing.is_set():
             return None
-        return self._heartbeats.silent(self.pids)
+        quiet = [self._heartbeats.silent(self.pids)]
+        if self._links is not None:
+            quiet.append(self._links.silent())
+        said = [q for q in quiet if q is not None]
+        return "; ".join(said) if said else None
+
+    def ages(self) -> dict[int, float]:
+        """Seconds since each follower of this node last beat, by rank."""
+        if self._heartbeats is None:
+            return {}
+        return self._heartbeats.ages(list(self._procs))
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """Each follower's exit code, by rank (None: running)."""
+        return {r: p.exitcode for r, p in self._procs.items()}
+
+    @property
+    def sentinels(self) -> list[Any]:
+        """What :func:`multiprocessing.connection.wait` waits on for a follower's exit."""
+        return [p.sentinel for p in self._procs.values()]
 
     @property
     def pids(self) -> dict[int, int]:
@@ -457,6 +580,8 @@ class RankProcesses:
         the group failed (or never finished starting): leave it first, so that a follower
         waiting in a collective fails at once instead of at its timeout."""
         self._closing.set()
+        if self._links is not None:
+            self._links.close()
         if broken:
             leave_group()
         deadline = time.monotonic() + timeout
@@ -486,4 +611,5 @@ __all__ = [
     "join_group",
     "leave_group",
     "rank_device",
+    "use_interface",
 ]

@@ -29,6 +29,7 @@ from hicache.disagg.config import DEFAULT_BOOTSTRAP_PORT, DisaggConfig, DisaggMo
 from hicache.engine.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from hicache.engine.front.engine import EngineConfig
 from hicache.engine.memory_trim import DEFAULT_TRIM_INTERVAL_S
+from hicache.engine.nodes import NodeConfig
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.step.scheduler import SchedulePolicy, SchedulerConfig
@@ -277,6 +278,30 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get a 413 (default 8 MiB)",
     )
 
+    n = p.add_argument_group("tensor parallelism across nodes (docs/deployment.md)")
+    n.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines the --tp-size ranks span, as many ranks on each (it must divide"
+        " --tp-size); start 'hicache serve' on each with the same flags but --node-rank",
+    )
+    n.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place, 0 .. --nnodes - 1: node 0 serves HTTP and runs rank 0;"
+        " the others run their ranks and stop with it",
+    )
+    n.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's rendezvous (needed with --nnodes > 1): node 0 listens there, the"
+        " others connect within --dist-init-timeout; each node's ranks use the interface"
+        " of its own --host (or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)",
+    )
+
     d = p.add_argument_group("prefill/decode disaggregation (docs/deployment.md)")
     d.add_argument(
         "--disaggregation-mode",
@@ -379,6 +404,9 @@ FIELD_FLAGS = {
     "tp_size": "--tp-size",
     "dist_init_timeout_s": "--dist-init-timeout",
     "collective_timeout_s": "--collective-timeout",
+    "nnodes": "--nnodes",
+    "node_rank": "--node-rank",
+    "dist_init_addr": "--dist-init-addr",
     "device_cache_gb": "--device-cache-size",
     "storage_prefetch_policy": "--hicache-storage-prefetch-policy",
     "storage_negative_ttl_s": "--hicache-storage-negative-ttl",
@@ -555,6 +583,11 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         tp_size=a.tp_size,
         dist_init_timeout_s=a.dist_init_timeout,
         collective_timeout_s=a.collective_timeout,
+        nodes=NodeConfig(
+            nnodes=getattr(a, "nnodes", 1),
+            node_rank=getattr(a, "node_rank", 0),
+            dist_init_addr=getattr(a, "dist_init_addr", None),
+        ),
         disagg=_disagg_config(a),
         **kwargs,
     )

@@ -28,6 +28,7 @@ from hicache.engine.ranks import (
     join_group,
     leave_group,
     rank_device,
+    use_interface,
 )
 from hicache.engine.step.build import RoleMaker, build_core
 from hicache.engine.step.core import EngineCore, StepFailed, error_line
@@ -85,12 +86,13 @@ def run_follower(
     try:
         try:
             conn.send(("joining",))
+            use_interface(setup.interface)
             channel = join_group(setup)
         except BaseException as exc:
             conn.send(("error", f"could not join the process group: {error_line(exc)}"))
             return
         conn.send(("joined",))
-        device = rank_device(config.device, setup.rank)
+        device = rank_device(config.device, setup.local)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         try:

@@ -13,12 +13,44 @@ import torch
 
 from hicache.engine.config import EngineConfig, config_fields
 from hicache.engine.drivers.follower import run_follower
+from hicache.engine.nodes import NodeCard
 from hicache.engine.ranks import RankProcesses, RankStartError, cpu_threads_per_rank
 from hicache.engine.step.build import RoleMaker, build_core, close_alone
 from hicache.engine.step.core import EngineCore, error_line
 from hicache.engine.tp_fit import check_tp_model
 
-__all__ = ["start_ranks"]
+__all__ = ["node_card", "rank_processes", "start_ranks"]
+
+
+def node_card(config: EngineConfig) -> NodeCard:
+    """What this node was started with, as node 0 compares it."""
+    return NodeCard(
+        node_rank=config.nodes.node_rank,
+        nnodes=config.nodes.nnodes,
+        tp_size=config.tp_size,
+        model=str(config.model_path),
+    )
+
+
+def rank_processes(
+    config: EngineConfig, follower_roles: Callable[[], RoleMaker] | None
+) -> RankProcesses:
+    """This node's followers of ``config`` (not started; on CPU, this process's torch
+    threads set to its share of the cores)."""
+    on_cuda = torch.device(config.device).type == "cuda"
+    if not on_cuda:  # the cores shared out between the ranks
+        torch.set_num_threads(cpu_threads_per_rank(config.tp_size))
+    return RankProcesses(
+        config.tp_size,
+        run_follower,
+        (config_fields(config), follower_roles),
+        backend="nccl" if on_cuda else "gloo",
+        init_timeout_s=config.dist_init_timeout_s,
+        collective_timeout_s=config.collective_timeout_s,
+        nodes=config.nodes,
+        host=config.disagg.host,
+        card=node_card(config),
+    )
 
 
 def start_ranks(
@@ -34,17 +66,7 @@ def start_ranks(
     ``dist_init_timeout_s`` fails it (:class:`~hicache.engine.ranks.RankStartError`,
     naming it), every follower stopped and rank 0's cache closed."""
     check_tp_model(config.model_path, config.tp_size, config.device)  # before any spawn
-    on_cuda = torch.device(config.device).type == "cuda"
-    if not on_cuda:  # the cores shared out between the ranks
-        torch.set_num_threads(cpu_threads_per_rank(config.tp_size))
-    ranks = RankProcesses(
-        config.tp_size,
-        run_follower,
-        (config_fields(config), follower_roles),
-        backend="nccl" if on_cuda else "gloo",
-        init_timeout_s=config.dist_init_timeout_s,
-        collective_timeout_s=config.collective_timeout_s,
-    )
+    ranks = rank_processes(config, follower_roles)
     channel = ranks.start()  # stops what it started when it fails
     try:
         core = build_core(config, channel=channel, make_role=make_role)
