@@ -131,12 +131,11 @@ def _exit_on_sigterm() -> Iterator[None]:
 def _serve_node(args: argparse.Namespace) -> int:
     """``hicache serve --node-rank R`` (R > 0): this node's ranks, no HTTP server; returns
     once rank 0 stopped them (0), or 1 when they ended on a failure (printed)."""
-    import functools
 
     from hicache.engine.drivers.node import NodeEnd, run_node
     from hicache.engine.nodes import NodeStartError
     from hicache.engine.ranks import RankStartError
-    from hicache.engine.roles.role_setup import role_maker
+    from hicache.engine.roles.role_setup import follower_roles
     from hicache.server.args import FlagError, engine_config_from_args, flag_message
 
     try:
@@ -145,7 +144,7 @@ def _serve_node(args: argparse.Namespace) -> int:
         raise StartupError(str(exc)) from exc
     except ValueError as exc:
         raise StartupError(f"node {args.node_rank}: {flag_message(exc)}") from exc
-    roles = functools.partial(role_maker, config.disagg, config.tp_size)
+    roles = follower_roles(config)
     log.info(
         "node %d of %d: ranks %s, joining node 0 at %s",
         args.node_rank,

@@ -18,7 +18,6 @@ drivers" and "Tensor-parallel ranks (the engine's side)".
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import threading
@@ -54,7 +53,7 @@ from hicache.engine.ranks import RankProcesses
 from hicache.engine.request import OutputCallback, Request, RequestOutput
 from hicache.engine.restore_book import RestoreOp, RestoreState
 from hicache.engine.role import Role
-from hicache.engine.roles.role_setup import role_maker
+from hicache.engine.roles.role_setup import follower_roles, role_maker
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.session import SessionHint
@@ -159,8 +158,7 @@ class Engine(Lifecycle):
                     f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
                     " start the engine without a loaded model"
                 )
-            followers = functools.partial(role_maker, cfg.disagg, cfg.tp_size, max_running=running)
-            self.ranks, core = start_ranks(cfg, make_role, followers)
+            self.ranks, core = start_ranks(cfg, make_role, follower_roles(cfg))
         else:
             core = build_core(cfg, loaded=loaded, make_role=make_role)
         core.memory_trimmer = self._memory_trimmer

@@ -20,6 +20,7 @@ Rank 0's threads post :class:`~hicache.engine.step_inputs.PagesArrived`,
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from hicache.disagg.receiver import DecodeReceiver
 from hicache.disagg.rooms import RoomResult
 from hicache.disagg.sender import PrefillSender
 from hicache.disagg.transport import Transport
+from hicache.engine.config import EngineConfig
 from hicache.engine.ranks import StepChannel
 from hicache.engine.role import Role
 from hicache.engine.roles.decode import DecodeRole
@@ -44,7 +46,7 @@ from hicache.runner.loader import LoadedModel
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.spec import AttentionKind
 
-__all__ = ["instance_layout", "role_maker", "start_role"]
+__all__ = ["follower_roles", "instance_layout", "role_maker", "start_role"]
 
 _SPLIT_STORES = ("full", "swa")
 """The stores whose rows hold a rank's K/V heads (for an MHA model): the others' rows
@@ -277,3 +279,16 @@ def _decode(
         link_idle_timeout_s=disagg.link_idle_timeout_s,
     )
     return DecodeRole(cache, receiver, transport, layout, ranks, post, states=states)
+
+
+def follower_roles(
+    config: EngineConfig,
+) -> Callable[[], Callable[[HiCache, LoadedModel, ModelRunner, StepChannel | None], Role]]:
+    """What a follower rank of ``config``'s engine calls to get its role maker: picklable
+    (it crosses to the rank's process), without ``post`` (rank 0 reports)."""
+    return functools.partial(
+        role_maker,
+        config.disagg,
+        config.tp_size,
+        max_running=config.scheduler.max_running_requests,
+    )
