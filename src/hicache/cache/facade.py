@@ -321,8 +321,11 @@ class HiCache(Lifecycle):
         self, req: CacheRequest, tokens: TokenIds | None = None, *, commit: bool = True
     ) -> None:
         """End ``req``: with ``commit`` (and a sequence ``tokens`` whose KV is computed),
-        commit its whole pages first; then free its own pages and unpin its prefix. A
-        waiting request gives up its prefetch. Idempotent."""
+        commit its whole pages first and announce those on their way to L3 (waiting a few
+        milliseconds at most until that is stored, so a next turn looked up anywhere finds
+        them announced: docs/architecture.md, "The next turn finds the previous answer");
+        then free its own pages and unpin its prefix. A waiting request gives up its
+        prefetch. Idempotent."""
         if req.state is RequestState.RELEASED:
             return
         if req.prefetch is not None:
@@ -331,6 +334,8 @@ class HiCache(Lifecycle):
         if req.state is RequestState.ADMITTED:
             if commit and tokens is not None:
                 self._commit(req, tokens, final=True)
+                if req.node is not None and req.failed is None:  # its answer ends now: a
+                    self._l3.tier.writes.announce(req.node)  # next turn may look it up
             self.stores.release(req)  # before the full part: they read its prefix
             self._requests.discard(req)
         self.full.release(req)

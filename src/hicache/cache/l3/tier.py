@@ -125,6 +125,10 @@ class NoPrefetches:
 class NoWrites:
     """The writes of a detached tier: none."""
 
+    def announce(self, last: TreeNode) -> int:
+        """Nothing is written, so nothing is announced: 0."""
+        return 0
+
     def write_components(self, nodes: list[TreeNode]) -> None:
         """Nothing is written."""
 
