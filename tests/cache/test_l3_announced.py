@@ -19,11 +19,13 @@ import torch
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
 from hicache.config import CacheConfig, PrefetchConfig
+from hicache.controller import CompletionQueue
 from hicache.controller.announced import ANNOUNCED_POLL_S, AnnouncedWaits
+from hicache.controller.storage_controller import ANNOUNCE_STUCK_S, StorageController
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.spec import KVSpec
-from hicache.storage import MemoryStorage
+from hicache.storage import MemoryFaults, MemoryStorage
 from hicache.storage.negative import NegativeCache
 from hicache.storage.registry import create_storage
 from hicache.tokens import encode_tokens
@@ -286,3 +288,29 @@ def test_the_end_announces_only_pages_on_their_way(tmp_path: Path) -> None:
         assert counter(writer, "l3_announced_pages_total") == 4 + 1
         writer.sync(wait=True)
         check_integrity(writer)
+
+
+def test_a_slow_store_delays_an_end_by_the_wait_at_most_and_a_stuck_one_not_again() -> None:
+    """``StorageController.announce``: stored within the wait (True); a store slower than
+    the wait costs the caller the wait (False); once an announcement is unstored for more
+    than ``ANNOUNCE_STUCK_S`` nobody waits."""
+    ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                            page_size=PAGE)  # fmt: skip
+    storage = MemoryStorage(ns, faults=MemoryFaults())
+    host = HostPool(MHA, 4, PAGE, ns.layout, pin_memory=False)
+    with StorageController(storage, host, CompletionQueue()) as ctl:
+        k = run()
+        assert ctl.announce(k[:1], 5.0, 1.0)
+        assert storage.announced(k[0]) > 4.0
+        storage.set_faults(MemoryFaults(delay_s=0.5))
+        t0 = time.monotonic()
+        assert not ctl.announce(k[1:2], 5.0, 0.05)
+        assert 0.04 < time.monotonic() - t0 < 0.4
+        time.sleep(ANNOUNCE_STUCK_S)
+        t0 = time.monotonic()
+        assert not ctl.announce(k[2:], 5.0, 0.05)  # the first is stuck: no wait
+        assert time.monotonic() - t0 < 0.04
+        storage.set_faults(MemoryFaults())
+        time.sleep(0.6)
+        assert storage.announced(k[1]) > 0 and storage.announced(k[2]) > 0  # landed late
+        assert ctl.announce(k[:1], 5.0, 1.0)  # nothing unstored: waits again

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -52,6 +53,10 @@ log = logging.getLogger(__name__)
 
 _SETTLE_POLL_S = 0.02
 """How often the prefetch thread asks a backend whether late writes have settled."""
+
+ANNOUNCE_STUCK_S = 0.1
+"""An announcement not stored this long after it was queued means a slow or hung
+backend: later announcements are queued without waiting for them (seconds)."""
 
 
 ComponentPool: TypeAlias = HostPool | StatePool
@@ -148,7 +153,8 @@ class StorageController(Lifecycle):
         """Lookups waiting for announced pages (the lookup thread's alone; ``announced_wait_s``
         the longest wait, 0: none)."""
         self._announce_q: queue.Queue[_Announce | None] = queue.Queue()
-        self._last_announce: threading.Event | None = None
+        self._unstored: tuple[float, threading.Event] | None = None
+        """The oldest announcement not known stored: when it was queued (monotonic s)."""
         self._prefetch_q: queue.Queue[_Lookup | _Read | _Forget | None] = queue.Queue()
         self._backup_q: queue.Queue[_Write | None] = queue.Queue()
         self._cancels: dict[int, threading.Event] = {}
@@ -234,17 +240,20 @@ class StorageController(Lifecycle):
     def announce(self, keys: Sequence[PageKey], ttl_s: float, wait_s: float) -> bool:
         """Announce that ``keys`` are being written and should land within ``ttl_s``
         seconds (:meth:`HiCacheStorage.announce`, on the announce thread); wait until that
-        record is stored, at most ``wait_s`` seconds, and only when the thread was idle (a
-        backend slow to take announcements delays no caller twice). Returns whether it
-        was stored within the wait."""
+        record is stored, at most ``wait_s`` seconds, unless an announcement queued more
+        than :data:`ANNOUNCE_STUCK_S` ago is still not stored (a backend that hangs delays
+        callers for that long at most). Returns whether it was stored within the wait."""
         if not keys:
             return True
-        last = self._last_announce
-        idle = last is None or last.is_set()
+        now = time.monotonic()
         done = threading.Event()
-        self._last_announce = done
+        oldest = self._unstored
+        if oldest is None or oldest[1].is_set():
+            self._unstored = oldest = (now, done)
         self._announce_q.put(_Announce(tuple(keys), ttl_s, done))
-        return done.wait(wait_s) if idle and self._threads else False
+        if not self._threads or now - oldest[0] > ANNOUNCE_STUCK_S:
+            return False
+        return done.wait(wait_s)
 
     def cancel(self, op_id: int) -> None:
         """Ask a read to stop after the chunk in flight (its final record still comes)."""
@@ -434,10 +443,24 @@ class StorageController(Lifecycle):
             self._out.post(L3Write(item.op_id, len(item.keys), written, present))
 
     def _announce_loop(self) -> None:
-        while (item := self._announce_q.get()) is not None:
+        """Store announcements, those queued meanwhile in one call."""
+        closing = False
+        while not closing and (item := self._announce_q.get()) is not None:
+            batch = [item]
+            while True:
+                try:
+                    more = self._announce_q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+            keys = [k for a in batch for k in a.keys]
             try:
-                self.storage.announce(item.keys, item.ttl_s)
+                self.storage.announce(keys, max(a.ttl_s for a in batch))
             except Exception:  # backends fail soft already; this is a last guard
-                log.exception("L3 announcement of %d pages failed", len(item.keys))
+                log.exception("L3 announcement of %d pages failed", len(keys))
             finally:
-                item.done.set()
+                for a in batch:
+                    a.done.set()
