@@ -409,6 +409,13 @@ class HiCache(Lifecycle):
         tree.reset()
 
     @property
+    def backing_up(self) -> bool:
+        """L1 -> L2 copies in flight: the :meth:`sync` that applies them issues their L3
+        writes, so a driver with nothing else to do syncs again soon (an answer's pages
+        reach L3 the sooner for a next turn looked up elsewhere)."""
+        return self.full.pages.host.backing_up
+
+    @property
     def admitted(self) -> tuple[CacheRequest, ...]:
         """The admitted requests holding pages."""
         return tuple(self._requests)
