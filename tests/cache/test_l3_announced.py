@@ -18,7 +18,7 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, PrefetchConfig
+from hicache.config import PrefetchConfig
 from hicache.controller import CompletionQueue
 from hicache.controller.announced import ANNOUNCED_POLL_S, AnnouncedWaits
 from hicache.controller.storage_controller import ANNOUNCE_STUCK_S, StorageController
@@ -26,10 +26,11 @@ from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.spec import KVSpec
 from hicache.storage import MemoryFaults, MemoryStorage
+from hicache.storage.base import StorageOptions
 from hicache.storage.negative import NegativeCache
-from hicache.storage.registry import create_storage
 from hicache.tokens import encode_tokens
 from tests.helpers.kvdata import page_kv, read_device, serve, wait_ready, write_tokens
+from tests.helpers.l3_cache import cache_over_l3
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -157,20 +158,17 @@ def test_no_wait_when_waits_are_off_and_closing_ends_every_wait() -> None:
 
 
 def make(root: Path, wait_s: float, negative_ttl_s: float = 0.0) -> HiCache:
-    cfg = CacheConfig(page_size=PAGE, device_tokens=64, hicache_ratio=2.0, load_back_threshold=0)
-    cache = HiCache(cfg, MHA).start()
-    ns = Namespace.for_spec(
-        MHA, model="m", weights_fingerprint="w", layout=cfg.mem_layout, page_size=PAGE
-    )
-    storage = create_storage("file", namespace=ns, extra_config={"file_path": str(root)})
+    """A cache over the file L3 in ``root`` whose lookups wait ``wait_s`` at most for
+    announced pages."""
     prefetch = PrefetchConfig(
         policy="wait_complete",
         prefetch_threshold=0,
         negative_ttl_s=negative_ttl_s,
         announced_wait_s=wait_s,
     )
-    cache.l3.attach(storage, ns, prefetch)
-    return cache
+    extra = {"file_path": str(root)}
+    return cache_over_l3(MHA, "file", extra, StorageOptions(), prefetch, page_size=PAGE,
+                         device_pages=32)  # fmt: skip
 
 
 def counter(cache: HiCache, name: str) -> int:

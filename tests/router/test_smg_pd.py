@@ -66,6 +66,16 @@ def pd_flags(
     return prefill, decode
 
 
+def pd_router(prefill: ServerProcess, decode: ServerProcess, bootstrap: int) -> Smg:
+    """smg in PD mode (``round_robin``) over one prefill and one decode instance."""
+    return Smg(
+        prefill=[(prefill.url, bootstrap)],
+        decode=[decode.url],
+        policy="round_robin",
+        api_key=ROUTER_KEY,
+    )
+
+
 def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(f"{url}{path}", json=body, headers=ADMIN, timeout=120)
     assert r.status_code == 200, r.text
@@ -290,12 +300,7 @@ def test_the_next_turn_sent_at_once_finds_the_previous_answer(tmp_path: Path) ->
     decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
     with (
         servers(prefill_flags, decode_flags) as (prefill, decode),
-        Smg(
-            prefill=[(prefill.url, bootstrap)],
-            decode=[decode.url],
-            policy="round_robin",
-            api_key=ROUTER_KEY,
-        ) as smg,
+        pd_router(prefill, decode, bootstrap) as smg,
     ):
         gen = {"sampling_params": {"max_new_tokens": 10, "temperature": 0}}
         conversation: list[int] = []
