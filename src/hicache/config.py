@@ -270,6 +270,7 @@ PREFETCH_KEYS: tuple[str, ...] = (
     "prefetch_timeout_per_ki_token",
     "prefetch_timeout_max",
     "announced_wait_s",
+    "announce_writes",
 )
 """Keys of ``--hicache-storage-backend-extra-config`` that tune prefetch, not the backend."""
 
@@ -290,6 +291,9 @@ class PrefetchConfig:
     ``announced_wait_s``: a lookup whose run stops at a page a writer announced
     (:mod:`hicache.storage.announce`) waits for it at most this long, seconds
     (:mod:`hicache.controller.announced`; 0: announcements are not read, no wait).
+    ``announce_writes``: at a request's end this instance announces the pages of its path
+    on their way to L3 (a PD decode instance with offload does, whatever this says: its
+    answers' writes land after the answers ended).
     """
 
     policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
@@ -300,6 +304,7 @@ class PrefetchConfig:
     negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S
     negative_max_entries: int = DEFAULT_NEGATIVE_ENTRIES
     announced_wait_s: float = DEFAULT_ANNOUNCED_WAIT_S
+    announce_writes: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", enum_value(PrefetchPolicy, "policy", self.policy))
@@ -325,6 +330,12 @@ class PrefetchConfig:
             "announced_wait_s",
             wait,
             "must be a finite number of seconds >= 0 (0: no wait)",
+        )
+        require(
+            isinstance(self.announce_writes, bool),
+            "announce_writes",
+            self.announce_writes,
+            "must be true or false",
         )
 
     @classmethod

@@ -157,14 +157,17 @@ def test_no_wait_when_waits_are_off_and_closing_ends_every_wait() -> None:
 # ---------------------------------------------------------------- two caches, one L3
 
 
-def make(root: Path, wait_s: float, negative_ttl_s: float = 0.0) -> HiCache:
+def make(
+    root: Path, wait_s: float, negative_ttl_s: float = 0.0, *, announces: bool = True
+) -> HiCache:
     """A cache over the file L3 in ``root`` whose lookups wait ``wait_s`` at most for
-    announced pages."""
+    announced pages and that announces its writes at requests' ends (``announces``)."""
     prefetch = PrefetchConfig(
         policy="wait_complete",
         prefetch_threshold=0,
         negative_ttl_s=negative_ttl_s,
         announced_wait_s=wait_s,
+        announce_writes=announces,
     )
     extra = {"file_path": str(root)}
     return cache_over_l3(MHA, "file", extra, StorageOptions(), prefetch, page_size=PAGE,
@@ -277,8 +280,8 @@ def test_an_unannounced_miss_does_not_wait(tmp_path: Path) -> None:
 
 
 def test_the_end_announces_only_pages_on_their_way(tmp_path: Path) -> None:
-    """Pages in L3 already (``stored``) are not announced again; under ``watermark`` (no
-    write due) nothing is."""
+    """Pages in L3 already (``stored``) are not announced again; a cache that does not
+    announce its writes (the default) announces nothing."""
     with make(tmp_path, 0.0) as writer:
         end_unsynced(writer, CONVERSATION)
         writer.sync(wait=True)  # written: stored
@@ -286,6 +289,14 @@ def test_the_end_announces_only_pages_on_their_way(tmp_path: Path) -> None:
         assert counter(writer, "l3_announced_pages_total") == 4 + 1
         writer.sync(wait=True)
         check_integrity(writer)
+    with make(tmp_path / "quiet", 0.0, announces=False) as quiet:
+        end_unsynced(quiet, CONVERSATION)
+        assert counter(quiet, "l3_announced_pages_total") == 0
+        tier = quiet.l3.attached
+        assert tier is not None
+        keys = tier.keys.of(encode_tokens(CONVERSATION))
+        assert tier.controller.storage.announced(keys[0]) == 0.0
+        quiet.sync(wait=True)
 
 
 def test_a_slow_store_delays_an_end_by_the_wait_at_most_and_a_stuck_one_not_again() -> None:

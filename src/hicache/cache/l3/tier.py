@@ -75,6 +75,7 @@ class L3Tier:
             sync=sync,
             components=tuple(codecs.values()),
             mark=host.write_back_mark,
+            announces=prefetch.announce_writes,
         )
         self._sync = sync
 

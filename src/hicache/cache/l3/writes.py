@@ -5,9 +5,10 @@
 its high mark, :mod:`hicache.cache.l3.ahead`), any path's unwritten L2 runs on demand
 (``write_path``) and the component values a hit at a run's end needs
 (``write_components``), each as one op of the sync's L3 op ids, pinning its L2 source
-until the ranks agree it landed. At a request's end it announces the pages of its path
-that are on their way to L3 (``announce``, :mod:`hicache.storage.announce`), so a next
-turn looked up elsewhere before they land waits for them. Every rank tracks every write, sent or not (MLA: rank 0
+until the ranks agree it landed. At a request's end it announces (``announce_writes``)
+the pages of its path that are on their way to L3 (``announce``,
+:mod:`hicache.storage.announce`), so a next turn looked up elsewhere before they land
+waits for them. Every rank tracks every write, sent or not (MLA: rank 0
 alone sends). Its votes and agreed verdicts cover its own ops only. The flow:
 ``docs/architecture.md`` (L3).
 """
@@ -123,6 +124,7 @@ class Writes:
         sync: CacheSync,
         components: tuple[ComponentRecords, ...],
         mark: int | None = None,
+        announces: bool = False,
     ) -> None:
         self._controller = controller
         self._keys = keys
@@ -147,6 +149,8 @@ class Writes:
         """The pause after the next failed write (doubles per failure, 1 after a success)."""
         self._failed: set[int] = set()
         """Ids of nodes whose pages' write failed: not on their way, so not announced."""
+        self._announces = announces
+        """Whether :meth:`announce` announces (``PrefetchConfig.announce_writes``)."""
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -239,8 +243,9 @@ class Writes:
         on their way to L3 (in L2 or being copied there, not ``stored``: the deepest such
         run, below any span not backed up) and wait, a few milliseconds at most
         (:data:`ANNOUNCE_WAIT_S`), until that is stored. Returns the pages announced.
-        Nothing under ``watermark`` (no write is due) or on a rank that writes nothing."""
-        if self._mark is not None or not self._keys.writer:
+        Nothing unless this tier announces (``announce_writes``), under ``watermark`` (no
+        write is due) or on a rank that writes nothing."""
+        if not self._announces or self._mark is not None or not self._keys.writer:
             return 0
         tree = self._tree
         node: TreeNode | None = last
