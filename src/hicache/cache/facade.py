@@ -321,7 +321,8 @@ class HiCache(Lifecycle):
         self, req: CacheRequest, tokens: TokenIds | None = None, *, commit: bool = True
     ) -> None:
         """End ``req``: with ``commit`` (and a sequence ``tokens`` whose KV is computed),
-        commit its whole pages first and announce those on their way to L3 (waiting a few
+        commit its whole pages first and, when its L3 tier announces its writes
+        (``announce_writes``), announce those on their way to L3 (waiting a few
         milliseconds at most until that is stored, so a next turn looked up anywhere finds
         them announced: docs/architecture.md, "The next turn finds the previous answer");
         then free its own pages and unpin its prefix. A waiting request gives up its
