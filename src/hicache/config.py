@@ -258,11 +258,19 @@ DEFAULT_NEGATIVE_ENTRIES = 65536
 """L3 misses remembered by default (a few MiB of Python objects at most)."""
 
 
+DEFAULT_ANNOUNCED_WAIT_S = 0.5
+"""Longest wait of an L3 lookup for a page another instance announced it is writing
+(:mod:`hicache.controller.announced`): a decode instance's write of an answer lands some
+milliseconds after the answer ends, tens under load; half a second covers a loaded
+backend and costs a request that long only when a writer announced and then failed."""
+
 PREFETCH_KEYS: tuple[str, ...] = (
     "prefetch_threshold",
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "prefetch_timeout_max",
+    "announced_wait_s",
+    "announce_writes",
 )
 """Keys of ``--hicache-storage-backend-extra-config`` that tune prefetch, not the backend."""
 
@@ -279,6 +287,13 @@ class PrefetchConfig:
     ``negative_ttl_s``: seconds a page key the store did not have is remembered, so that
     lookups through it do not ask again (:mod:`hicache.storage.negative`; 0: off, every
     lookup asks); ``negative_max_entries``: keys remembered at most (LRU).
+
+    ``announced_wait_s``: a lookup whose run stops at a page a writer announced
+    (:mod:`hicache.storage.announce`) waits for it at most this long, seconds
+    (:mod:`hicache.controller.announced`; 0: announcements are not read, no wait).
+    ``announce_writes``: at a request's end this instance announces the pages of its path
+    on their way to L3 (a PD decode instance with offload does, whatever this says: its
+    answers' writes land after the answers ended).
     """
 
     policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
@@ -288,6 +303,8 @@ class PrefetchConfig:
     prefetch_timeout_max: float = 30.0
     negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S
     negative_max_entries: int = DEFAULT_NEGATIVE_ENTRIES
+    announced_wait_s: float = DEFAULT_ANNOUNCED_WAIT_S
+    announce_writes: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", enum_value(PrefetchPolicy, "policy", self.policy))
@@ -307,6 +324,19 @@ class PrefetchConfig:
             "must be a finite number of seconds >= 0 (0: off)",
         )
         int_at_least("negative_max_entries", self.negative_max_entries, 1)
+        wait = self.announced_wait_s
+        require(
+            is_finite_number(wait) and wait >= 0,
+            "announced_wait_s",
+            wait,
+            "must be a finite number of seconds >= 0 (0: no wait)",
+        )
+        require(
+            isinstance(self.announce_writes, bool),
+            "announce_writes",
+            self.announce_writes,
+            "must be true or false",
+        )
 
     @classmethod
     def from_extra(cls, policy: PrefetchPolicy | str, extra: dict[str, Any]) -> PrefetchConfig:

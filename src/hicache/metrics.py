@@ -74,6 +74,15 @@ class CacheCounters:
     l3_negative_keys_skipped_total: int = 0
     """Page keys of lookup runs not asked of the store because the negative cache
     remembered one of them (or one before them) missing."""
+    l3_announced_pages_total: int = 0
+    """Pages this instance announced as on their way to L3 at a request's end
+    (:mod:`hicache.storage.announce`)."""
+    l3_announced_waits_total: int = 0
+    """L3 lookups whose run stopped at a page another writer announced, and that waited
+    for it (:mod:`hicache.controller.announced`)."""
+    l3_announced_waits_expired_total: int = 0
+    """Of those, the waits that ran out (``announced_wait_s``, or the announcement
+    expired) with the page still absent."""
     prefetch_component_records_total: int = 0
     """Component records (snapshots, SWA pages) read from L3 into L2 by prefetches whose
     hit was taken."""

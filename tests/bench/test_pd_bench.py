@@ -66,6 +66,8 @@ def test_pd_bench_smallest_settings_every_row_sane(tmp_path: Path) -> None:
         else:  # greedy: the same tokens as one plain instance, through PD or smg
             assert r["same_outputs"] == [r["requests"], r["requests"]], (workload, setup)
         assert (len(r["split"]), sum(r["split"])) == ((2, 6) if "smg_" in setup else (0, 0))
+        # 4 answer tokens after a 16-id prompt fill no page of their own (page 8)
+        assert r["next_turn_hits"] == ([0, 0] if multi else None)
     # turn 2 hits at least the first turn's 16 prompt ids (2 pages) on every setup
     for setup in pd.MULTITURN_SETUPS:
         assert rows["multiturn", setup]["hit_rate"] >= 16 / 36

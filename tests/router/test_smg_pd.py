@@ -8,7 +8,8 @@ over Mooncake's transfer engine or NIXL.
   output and prompt logprobs, ``n`` = 2 and seeded sampling;
 - with decode offload, the next turn's prefill finds the first turn's prompt **and
   output** in the shared L3 (the decode instance wrote them), also when the prefill
-  instance writes nothing itself (``write_back``);
+  instance writes nothing itself (``write_back``), and also when each turn is sent the
+  moment the previous answer ends (the decode instance announced its pages);
 - under memory pressure (both instances with room for two prompts) 64 concurrent
   requests through smg with its default retries are all answered as a plain server
   answers them, and both instances end idle;
@@ -63,6 +64,16 @@ def pd_flags(
     prefill += ["--disaggregation-bootstrap-port", str(bootstrap)]
     decode = [*common, "--disaggregation-mode", "decode"]
     return prefill, decode
+
+
+def pd_router(prefill: ServerProcess, decode: ServerProcess, bootstrap: int) -> Smg:
+    """smg in PD mode (``round_robin``) over one prefill and one decode instance."""
+    return Smg(
+        prefill=[(prefill.url, bootstrap)],
+        decode=[decode.url],
+        policy="round_robin",
+        api_key=ROUTER_KEY,
+    )
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -267,6 +278,43 @@ def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: P
         # the first conversation's last page whole)
         whole = len(conversation) // page * page
         assert (meta["device"], meta["host"], meta["storage"]) == (0, 0, whole), meta
+        assert_idle(prefill, decode)
+
+
+def test_the_next_turn_sent_at_once_finds_the_previous_answer(tmp_path: Path) -> None:
+    """Decode offload, turns sent the moment the previous answer ends (no pause): the
+    decode instance's L3 write of an answer lands after the answer went out, but it
+    announced those pages first, so every next turn's prefill waits for them and takes
+    the whole previous conversation but its last token from its own cache and L3: the
+    previous prompt and the answer's pages, every turn."""
+    model, page = "tiny-random-llama", 4
+    extra = {"file_path": str(tmp_path), "prefetch_threshold": 0}
+    l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+          "--hicache-storage-backend-extra-config", json.dumps(extra)]  # fmt: skip
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags(
+        model, "mooncake", bootstrap, "--page-size", str(page),
+        "--hicache-load-back-threshold", "0", *l3,
+    )  # fmt: skip
+    prefill_flags += ["--hicache-write-policy", "write_through"]
+    decode_flags += ["--disaggregation-decode-enable-offload-kvcache"]
+    with (
+        servers(prefill_flags, decode_flags) as (prefill, decode),
+        pd_router(prefill, decode, bootstrap) as smg,
+    ):
+        gen = {"sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+        conversation: list[int] = []
+        for turn in range(5):
+            ids = conversation + list(range(300 + 20 * turn, 318 + 20 * turn))
+            got = post(smg.url, "/generate", {"input_ids": ids, **gen})
+            meta = got["meta_info"]["cached_tokens_details"]
+            if turn:  # the previous answer's pages: its KV ends before its last token
+                answer_end = (len(conversation) - 1) // page * page
+                assert sum(meta.values()) >= answer_end, (turn, meta, answer_end)
+                assert meta["storage"] > 0, (turn, meta)
+            conversation = ids + got["output_ids"]
+        assert metric(decode, "hicache_l3_announced_pages_total") > 0
+        assert metric(prefill, "hicache_l3_announced_waits_expired_total") == 0
         assert_idle(prefill, decode)
 
 

@@ -9,8 +9,10 @@ Workloads: multi-turn with real outputs (setups ``plain``, ``pd``, ``pd_offload`
 shared prefix (``plain``, ``smg_round_robin``, ``smg_cache_aware``).
 Figures per setup (client side): mean TTFT and inter-token latency (s), hit rate (prompt
 tokens from any tier / prompt tokens; through PD the prefill's), requests/s, each as a
-ratio to ``plain`` in the same run, and ``same outputs`` (requests whose tokens equal
-``plain``'s). The setups and workloads in full: ``docs/benchmarks/pd.md``.
+ratio to ``plain`` in the same run, ``same outputs`` (requests whose tokens equal
+``plain``'s) and, multi-turn, ``next turn``: turns (sent the moment the previous answer
+ended) that took the previous answer's pages from the cache, of those whose previous
+answer filled a page. The setups and workloads in full: ``docs/benchmarks/pd.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from hicache.bench.plot import plot_setups, print_table
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO, bench_client, warm_up
 from hicache.bench.serverproc import ADMIN_KEY, ServerError, ServerProcess
 from hicache.bench.smgproc import Smg, SmgError
+from hicache.config import DEFAULT_ANNOUNCED_WAIT_S
 from hicache.services.process import free_port
 
 __all__ = [
@@ -86,6 +89,9 @@ class PdBenchSpec:
     """``--tp-size`` of their decode instance."""
     prefill_write_policy: str = "write_back"
     """``--hicache-write-policy`` of ``plain`` and of the prefill instances."""
+    announced_wait_s: float = DEFAULT_ANNOUNCED_WAIT_S
+    """Every L3's ``announced_wait_s``: a lookup's longest wait for an announced page
+    (0: none, the race of a next turn with its answer's write left open)."""
     seed: int = 0
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
@@ -127,6 +133,8 @@ class PdBenchSpec:
                     self.time_limit_s)  # fmt: skip
         if min(timeouts) <= 0:
             raise ValueError("the timeouts must be > 0 s")
+        if not self.announced_wait_s >= 0:
+            raise ValueError(f"announced_wait_s={self.announced_wait_s!r}: must be >= 0 s")
 
     def base_flags(self) -> list[str]:
         """What every server gets: model, device, page size."""
@@ -151,6 +159,30 @@ class SetupResult:
     split: tuple[int, ...] = ()
     """Behind smg in regular mode: the requests each instance served during the
     workload (from its ``hicache_ttft_seconds_count``); empty otherwise."""
+    page_size: int = 0
+    """Tokens per page of the servers (0: no next-turn figure)."""
+
+    def next_turn_hits(self) -> tuple[int, int] | None:
+        """Multi-turn: (turns that took the previous answer's pages from the cache,
+        turns whose previous answer filled a page), over turns >= 2; None for the other
+        workload. The previous answer's pages end at the last whole page of the previous
+        prompt and output less its last token (which has no KV yet); a turn hits them
+        when its cached prompt tokens reach that far."""
+        if self.workload != "multiturn" or self.page_size < 1:
+            return None
+        ps = self.page_size
+        by_turn = {(r.client, r.group): r for r in self.records}
+        hits = turns = 0
+        for r in self.records:
+            prev = by_turn.get((r.client, r.group - 1))
+            if r.group < 1 or prev is None:
+                continue
+            answer_end = (prev.prompt_tokens + prev.output_tokens - 1) // ps * ps
+            if answer_end <= prev.prompt_tokens // ps * ps:
+                continue  # the answer filled no page of its own
+            turns += 1
+            hits += sum(r.cached.values()) >= answer_end
+        return hits, turns
 
     @property
     def ttft_mean_s(self) -> float:
@@ -191,6 +223,7 @@ class SetupResult:
             "prompt_tokens": sum(r.prompt_tokens for r in self.records),
             "output_tokens": sum(r.output_tokens for r in self.records),
             "split": list(self.split),
+            "next_turn_hits": None if (n := self.next_turn_hits()) is None else list(n),
         }
 
 
@@ -329,11 +362,12 @@ class _Target:
     """Instances whose share of the requests is reported (:attr:`SetupResult.split`)."""
 
 
-def _l3_flags(root: str, page_size: int) -> list[str]:
+def _l3_flags(root: str, page_size: int, announced_wait_s: float) -> list[str]:
     """L1 + L2 + the file L3 in ``root``; an L3 hit of one page is prefetched and an L2
     hit of one page loaded (defaults 256 and 10 tokens: a turn's few output tokens would
-    never count)."""
-    extra = json.dumps({"file_path": root, "prefetch_threshold": page_size})
+    never count); lookups wait ``announced_wait_s`` at most for announced pages."""
+    extra = json.dumps({"file_path": root, "prefetch_threshold": page_size,
+                        "announced_wait_s": announced_wait_s})  # fmt: skip
     return ["--enable-hierarchical-cache", "--hicache-load-back-threshold", "1",
             "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", extra]  # fmt: skip
@@ -384,7 +418,7 @@ class _Setups:
         return self.stack.enter_context(smg)
 
     def l3(self, root: str) -> list[str]:
-        return _l3_flags(root, self.spec.page_size)
+        return _l3_flags(root, self.spec.page_size, self.spec.announced_wait_s)
 
     def plain(self) -> _Target:
         policy = self.spec.prefill_write_policy
@@ -450,7 +484,9 @@ async def _measure(
             await flush_cache(client, url)
     hit_from = 1 if kind == "multiturn" else 0
     split = tuple(a - b for a, b in zip(after, before, strict=True))
-    return SetupResult(setup, kind, target.servers, records, wall, hit_from, split)
+    return SetupResult(
+        setup, kind, target.servers, records, wall, hit_from, split, page_size=spec.page_size
+    )
 
 
 _FAILURES = (
@@ -536,6 +572,7 @@ def print_report(report: PdReport) -> None:
             f"{r['hit_rate'] * 100:.1f}", f"{r['req_per_s']:.1f}", _x(r.get("req_per_s_ratio")),
             "-" if same is None or r["setup"] == "plain" else f"{same[0]}/{same[1]}",
             "/".join(map(str, r["split"])) or "-",
+            "-" if (n := r["next_turn_hits"]) is None else f"{n[0]}/{n[1]}",
         ])  # fmt: skip
     s = report.spec
     print_table(
@@ -545,9 +582,10 @@ def print_report(report: PdReport) -> None:
         f" prefix {s.prefix_tokens} + {s.question_tokens}; {s.clients} in flight;"
         f" prefill/plain {s.prefill_write_policy}, transfer {s.transfer}; TP plain"
         f" {s.plain_tp}, prefill {s.prefill_tp}, decode {s.decode_tp};"
+        f" announced_wait_s {s.announced_wait_s:g};"
         " ratios against plain in this run; hit % over turns >= 2 (multiturn)",
         ["workload", "setup", "requests", "TTFT ms", "TTFT x", "ITL ms", "ITL x",
-         "hit %", "req/s", "req/s x", "same outputs", "split"],
+         "hit %", "req/s", "req/s x", "same outputs", "split", "next turn"],
         rows,
     )  # fmt: skip
     legend = {r["setup"]: r["servers"] for r in report.rows()}
@@ -610,6 +648,12 @@ def _parser() -> argparse.ArgumentParser:
         help="of plain and the prefill instances",
     )
     p.add_argument(
+        "--announced-wait",
+        type=float,
+        default=d.announced_wait_s,
+        help="every L3's announced_wait_s, s (0: lookups never wait for announced pages)",
+    )
+    p.add_argument(
         "--setups",
         default=",".join(dict.fromkeys((*MULTITURN_SETUPS, *SHARED_PREFIX_SETUPS))),
         help="comma list of setups to run",
@@ -640,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             question_tokens=a.question_tokens, transfer=a.transfer, plain_tp=a.plain_tp,
             prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
             prefill_write_policy=a.prefill_write_policy, seed=a.seed,
+            announced_wait_s=a.announced_wait,
             startup_timeout_s=a.startup_timeout, request_timeout_s=a.request_timeout,
             workload_timeout_s=a.workload_timeout, time_limit_s=a.time_limit,
         )  # fmt: skip

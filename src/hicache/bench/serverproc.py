@@ -138,7 +138,7 @@ class ServerProcess(LoggedProcess):
         the flags set one."""
         if any(f.startswith("--admin-api-key") for f in self.flags):
             return []
-        return ["--admin-api-key", ADMIN_KEY]
+        return [f"--admin-api-key={ADMIN_KEY}"]  # one token: a key may start with "-"
 
     def start(self) -> ServerProcess:
         """Launch and wait until ``/health`` answers 200; ServerError (with the log) if not."""

@@ -163,7 +163,7 @@ class Smg(LoggedProcess):
         cmd += ["--worker-startup-check-interval", "1"]
         cmd += ["--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout_s)))]
         if self.api_key is not None:
-            cmd += ["--api-key", self.api_key]
+            cmd += [f"--api-key={self.api_key}"]  # one token: a key may start with "-"
         if self.pd:
             cmd.append("--pd-disaggregation")
             for url, bootstrap in self.prefill:

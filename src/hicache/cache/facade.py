@@ -321,8 +321,12 @@ class HiCache(Lifecycle):
         self, req: CacheRequest, tokens: TokenIds | None = None, *, commit: bool = True
     ) -> None:
         """End ``req``: with ``commit`` (and a sequence ``tokens`` whose KV is computed),
-        commit its whole pages first; then free its own pages and unpin its prefix. A
-        waiting request gives up its prefetch. Idempotent."""
+        commit its whole pages first and, when its L3 tier announces its writes
+        (``announce_writes``), announce those on their way to L3 (waiting a few
+        milliseconds at most until that is stored, so a next turn looked up anywhere finds
+        them announced: docs/architecture.md, "The next turn finds the previous answer");
+        then free its own pages and unpin its prefix. A waiting request gives up its
+        prefetch. Idempotent."""
         if req.state is RequestState.RELEASED:
             return
         if req.prefetch is not None:
@@ -331,6 +335,8 @@ class HiCache(Lifecycle):
         if req.state is RequestState.ADMITTED:
             if commit and tokens is not None:
                 self._commit(req, tokens, final=True)
+                if req.node is not None and req.failed is None:  # its answer ends now: a
+                    self._l3.tier.writes.announce(req.node)  # next turn may look it up
             self.stores.release(req)  # before the full part: they read its prefix
             self._requests.discard(req)
         self.full.release(req)
@@ -402,6 +408,13 @@ class HiCache(Lifecycle):
         self.full.reset()
         self.stores.reset(self.full.tiers)
         tree.reset()
+
+    @property
+    def backing_up(self) -> bool:
+        """L1 -> L2 copies in flight: the :meth:`sync` that applies them issues their L3
+        writes, so a driver with nothing else to do syncs again soon (an answer's pages
+        reach L3 the sooner for a next turn looked up elsewhere)."""
+        return self.full.pages.host.backing_up
 
     @property
     def admitted(self) -> tuple[CacheRequest, ...]:

@@ -170,6 +170,11 @@ class HostTier:
         """Copies in flight, or failed backups whose L2 copies are still to be dropped."""
         return bool(self.backups or self.loads or self._bad)
 
+    @property
+    def backing_up(self) -> bool:
+        """L1 -> L2 copies in flight (the sync that applies them issues their L3 writes)."""
+        return bool(self.backups)
+
     def wait_idle(self) -> None:
         """Wait (bounded, agreed: :meth:`CacheSync.wait_until`) until every copy in flight
         is applied (failed loads wait for :meth:`apply_deferred`). TimeoutError when some rank

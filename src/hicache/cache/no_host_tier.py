@@ -37,6 +37,11 @@ class NoHostTier:
     def close(self) -> None:
         """No copy worker to stop."""
 
+    @property
+    def backing_up(self) -> bool:
+        """No L2: no copy to it."""
+        return False
+
     def wait_idle(self) -> None:
         """No copy is ever in flight."""
 

@@ -38,13 +38,18 @@ class L3Lookup:
     component (only those within reach of the full-KV run found were looked up).
     ``skipped``: keys of the run not asked because the negative cache remembered one of
     them missing (the run's length: no store call for the run at all). ``error``: why the
-    lookup failed (the backend's reason; empty when it did not: a miss is no failure)."""
+    lookup failed (the backend's reason; empty when it did not: a miss is no failure).
+    ``waited``: the run stopped at an announced page (:mod:`hicache.storage.announce`) and
+    the lookup waited for it; ``expired``: that wait ended at its bound with the page
+    still announced and absent."""
 
     op_id: int
     hit_pages: int
     components: tuple[ComponentFound, ...] = ()
     skipped: int = 0
     error: str = ""
+    waited: bool = False
+    expired: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,12 @@ by the backend's deadline, an error or timeout being a miss; a read posts its ``
 record only once :meth:`HiCacheStorage.host_writes_settled` (until then the owner keeps
 its pages quarantined); the lookup thread owns the
 :class:`~hicache.storage.negative.NegativeCache`, and :meth:`StorageController.forget_misses`
-rides the same queue, so forgets apply in order with lookups. The flows:
-``docs/architecture.md``, "Who owns asynchronous results" and "Failures".
+rides the same queue, so forgets apply in order with lookups. Announcements
+(:mod:`hicache.storage.announce`): a third thread stores them (:meth:`StorageController.announce`
+waits for that a few milliseconds at most); a lookup whose run stops at an announced page
+waits for it, polling, at most ``announced_wait_s`` (other ops go on meanwhile) and never
+remembers that page as a miss. The flows: ``docs/architecture.md``, "Who owns asynchronous
+results", "Failures" and "The next turn finds the previous answer".
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from hicache.controller.announced import AnnouncedWaits, Waiting
 from hicache.controller.completions import (
     CompletionQueue,
     ComponentFound,
@@ -47,6 +53,10 @@ log = logging.getLogger(__name__)
 
 _SETTLE_POLL_S = 0.02
 """How often the prefetch thread asks a backend whether late writes have settled."""
+
+ANNOUNCE_STUCK_S = 0.1
+"""An announcement not stored this long after it was queued means a slow or hung
+backend: later announcements are queued without waiting for them (seconds)."""
 
 
 ComponentPool: TypeAlias = HostPool | StatePool
@@ -91,6 +101,13 @@ class _Forget:
 
 
 @dataclass(frozen=True, slots=True)
+class _Announce:
+    keys: tuple[PageKey, ...]
+    ttl_s: float
+    done: threading.Event
+
+
+@dataclass(frozen=True, slots=True)
 class _Read:
     op_id: int
     keys: Sequence[PageKey]
@@ -123,6 +140,7 @@ class StorageController(Lifecycle):
         ranks: RankGroup | None = None,
         component_pools: Mapping[str, ComponentPool] | None = None,
         negative: NegativeCache | None = None,
+        announced_wait_s: float = 0.0,
     ) -> None:
         self.storage = storage
         self.host_pool = host_pool
@@ -131,6 +149,12 @@ class StorageController(Lifecycle):
         self._out = completions
         self.negative = negative
         """Misses remembered (None: off); the lookup thread's alone once started."""
+        self._waits: AnnouncedWaits[_Lookup] = AnnouncedWaits(storage, negative, announced_wait_s)
+        """Lookups waiting for announced pages (the lookup thread's alone; ``announced_wait_s``
+        the longest wait, 0: none)."""
+        self._announce_q: queue.Queue[_Announce | None] = queue.Queue()
+        self._unstored: tuple[float, threading.Event] | None = None
+        """The oldest announcement not known stored: when it was queued (monotonic s)."""
         self._prefetch_q: queue.Queue[_Lookup | _Read | _Forget | None] = queue.Queue()
         self._backup_q: queue.Queue[_Write | None] = queue.Queue()
         self._cancels: dict[int, threading.Event] = {}
@@ -143,6 +167,7 @@ class StorageController(Lifecycle):
         self._threads = [
             threading.Thread(target=self._prefetch_loop, name="hicache-l3-prefetch", daemon=True),
             threading.Thread(target=self._backup_loop, name="hicache-l3-backup", daemon=True),
+            threading.Thread(target=self._announce_loop, name="hicache-l3-announce", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -156,6 +181,7 @@ class StorageController(Lifecycle):
             ev.set()
         self._prefetch_q.put(None)
         self._backup_q.put(None)
+        self._announce_q.put(None)
         for t in self._threads:
             t.join(timeout_s)
             if t.is_alive():
@@ -211,6 +237,24 @@ class StorageController(Lifecycle):
         if self.negative is not None and keys:
             self._prefetch_q.put(_Forget(tuple(keys)))
 
+    def announce(self, keys: Sequence[PageKey], ttl_s: float, wait_s: float) -> bool:
+        """Announce that ``keys`` are being written and should land within ``ttl_s``
+        seconds (:meth:`HiCacheStorage.announce`, on the announce thread); wait until that
+        record is stored, at most ``wait_s`` seconds, unless an announcement queued more
+        than :data:`ANNOUNCE_STUCK_S` ago is still not stored (a backend that hangs delays
+        callers for that long at most). Returns whether it was stored within the wait."""
+        if not keys:
+            return True
+        now = time.monotonic()
+        done = threading.Event()
+        oldest = self._unstored
+        if oldest is None or oldest[1].is_set():
+            self._unstored = oldest = (now, done)
+        self._announce_q.put(_Announce(tuple(keys), ttl_s, done))
+        if not self._threads or now - oldest[0] > ANNOUNCE_STUCK_S:
+            return False
+        return done.wait(wait_s)
+
     def cancel(self, op_id: int) -> None:
         """Ask a read to stop after the chunk in flight (its final record still comes)."""
         ev = self._cancels.pop(op_id, None)
@@ -260,10 +304,16 @@ class StorageController(Lifecycle):
         settling: dict[int, int] = {}  # read op id -> its done pages, late writes pending
         while True:
             idle = False
+            timeout = _SETTLE_POLL_S if settling else None
+            due = self._waits.timeout()
+            if due is not None:
+                timeout = due if timeout is None else min(timeout, due)
             try:
-                item = self._prefetch_q.get(timeout=_SETTLE_POLL_S if settling else None)
+                item = self._prefetch_q.get(timeout=timeout)
             except queue.Empty:
                 idle, item = True, None
+            for w in self._waits.poll(closing=item is None and not idle):
+                self._out.post(self._looked(w.op, w.asked, w.hit, w.error, waited=w))
             if settling and self._settled():
                 for op_id, done in settling.items():
                     self._out.post(L3Read(op_id, done, final=True))
@@ -275,7 +325,9 @@ class StorageController(Lifecycle):
                     log.error("L3 read op %d still has a late write in flight at close", op_id)
                 return
             if isinstance(item, _Lookup):
-                self._out.post(self._lookup(item))
+                looked = self._lookup(item)
+                if looked is not None:
+                    self._out.post(looked)
                 continue
             if isinstance(item, _Forget):
                 if self.negative is not None:
@@ -295,21 +347,41 @@ class StorageController(Lifecycle):
             log.exception("host_writes_settled failed")
             return False
 
-    def _lookup(self, op: _Lookup) -> L3Lookup:
-        hit = 0
-        found: list[ComponentFound] = []
+    def _lookup(self, op: _Lookup) -> L3Lookup | None:
+        """Ask the store about ``op``'s run (what the negative cache leaves of it); None
+        when the run stopped at an announced page (the lookup waits in :attr:`_waits`)."""
         neg = self.negative
         asked = len(op.keys) if neg is None else neg.to_ask(op.keys)
+        hit = 0
         error = ""
         try:
             if asked:
                 run = self.storage.exists_run(op.keys[:asked])  # a failure is no hit
                 hit = run.present
                 error = run.why
-                if neg is not None and hit < asked and not run.failed:
-                    neg.missed(op.keys[hit])
-                if not hit and op.previous is not None:
-                    self.storage.probe_previous(op.previous.key())
+                if hit < asked and not run.failed and self._waits.stopped(op, op.keys, asked, hit):
+                    return None
+        except Exception as exc:  # backends fail soft already; this is a last guard
+            log.exception("L3 lookup op %d failed", op.op_id)
+            error = f"{type(exc).__name__}: {exc}"
+        return self._looked(op, asked, hit, error)
+
+    def _looked(
+        self,
+        op: _Lookup,
+        asked: int,
+        hit: int,
+        error: str,
+        *,
+        waited: Waiting[_Lookup] | None = None,
+    ) -> L3Lookup:
+        """The record of lookup ``op`` whose run found ``hit`` of its ``asked`` keys
+        (``waited``: after a wait for an announced page): the previous spec's probe (no
+        hit) and the component lookups done here."""
+        found: list[ComponentFound] = []
+        try:
+            if asked and not hit and op.previous is not None:
+                self.storage.probe_previous(op.previous.key())
             for c in op.components:
                 n = c.lead + hit if hit else c.held
                 if not n:
@@ -319,7 +391,15 @@ class StorageController(Lifecycle):
         except Exception as exc:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
             error = f"{type(exc).__name__}: {exc}"
-        return L3Lookup(op.op_id, hit, tuple(found), skipped=len(op.keys) - asked, error=error)
+        return L3Lookup(
+            op.op_id,
+            hit,
+            tuple(found),
+            skipped=len(op.keys) - asked,
+            error=error,
+            waited=waited is not None,
+            expired=waited is not None and waited.expired,
+        )
 
     def _read(self, op: _Read) -> int:
         """Read ``op`` chunk by chunk, posting progress; returns the leading pages intact
@@ -361,3 +441,26 @@ class StorageController(Lifecycle):
             except Exception:
                 log.exception("L3 write op %d failed", item.op_id)
             self._out.post(L3Write(item.op_id, len(item.keys), written, present))
+
+    def _announce_loop(self) -> None:
+        """Store announcements, those queued meanwhile in one call."""
+        closing = False
+        while not closing and (item := self._announce_q.get()) is not None:
+            batch = [item]
+            while True:
+                try:
+                    more = self._announce_q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+            keys = [k for a in batch for k in a.keys]
+            try:
+                self.storage.announce(keys, max(a.ttl_s for a in batch))
+            except Exception:  # backends fail soft already; this is a last guard
+                log.exception("L3 announcement of %d pages failed", len(keys))
+            finally:
+                for a in batch:
+                    a.done.set()

@@ -31,6 +31,7 @@ from hicache.heads import HeadSplit
 from hicache.keys import HEAD_RECORDS, Namespace, PageKey
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
+from hicache.storage.announce import Announcements, announce_key
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.headio import (
     HeadPages,
@@ -292,6 +293,43 @@ class HiCacheStorage(ABC):
         if found:
             self._stats.previous(1)
         return found
+
+    def announce(self, keys: Sequence[PageKey], ttl_s: float) -> int:
+        """Say that this instance is writing ``keys`` and expects them to land within
+        ``ttl_s`` seconds: one announcement record per key
+        (:mod:`hicache.storage.announce`), replaced where the backend can overwrite (a key
+        announced before). Returns the records stored; fail-soft (0, an error counted)."""
+        self._require_started()
+        if not keys:
+            return 0
+        now = time.time()
+        marks = [announce_key(k) for k in keys]
+        items = Announcements([(now, now + ttl_s)] * len(keys))
+
+        def write() -> Sequence[SetOutcome]:
+            deadline = Deadline(self._options.timeout_s)
+            done = self._overwrite(marks, items, deadline, [True] * len(marks))
+            return self._set(marks, items, deadline) if done is None else done
+
+        with self._stats.timed("set"):  # a small set, timed as one
+            out = self._guarded("announce", len(marks), write, SetOutcome.FAILED)
+        return sum(o is not SetOutcome.FAILED for o in out)
+
+    def announced(self, key: PageKey) -> float:
+        """Seconds until the announcement of ``key`` (:meth:`announce`) expires; 0.0 when
+        there is none, it expired, it cannot be read or the call failed (fail-soft)."""
+        self._require_started()
+        items = Announcements.empty(1)
+        with self._stats.timed("exists"):  # a lookup, timed as one
+            got: list[MissReason | None] = self._guarded(
+                "announced",
+                1,
+                lambda: self._get([announce_key(key)], items, Deadline(self._options.timeout_s)),
+                MissReason.ERROR,
+            )
+        if got[0] is not None:
+            return 0.0
+        return max(0.0, items.until(0) - time.time())
 
     def host_writes_settled(self, timeout_s: float) -> bool:
         """True once no backend call that was handed host pages is still running.

@@ -132,6 +132,9 @@ class Prefetches:
             self._counters.l3_negative_keys_skipped_total += r.skipped
             if p is not None and r.skipped == len(p.keys):
                 self._counters.l3_negative_lookups_saved_total += 1
+        if r.waited:
+            self._counters.l3_announced_waits_total += 1
+            self._counters.l3_announced_waits_expired_total += int(r.expired)
         if p is None:
             return
         p.looking = False

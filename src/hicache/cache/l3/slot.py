@@ -113,6 +113,7 @@ class L3Slot:
                 if prefetch.negative_ttl_s > 0
                 else None
             ),
+            announced_wait_s=prefetch.announced_wait_s,
         )
         try:
             controller.start()

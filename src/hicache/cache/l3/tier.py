@@ -75,6 +75,7 @@ class L3Tier:
             sync=sync,
             components=tuple(codecs.values()),
             mark=host.write_back_mark,
+            announces=prefetch.announce_writes,
         )
         self._sync = sync
 
@@ -124,6 +125,10 @@ class NoPrefetches:
 
 class NoWrites:
     """The writes of a detached tier: none."""
+
+    def announce(self, last: TreeNode) -> int:
+        """Nothing is written, so nothing is announced: 0."""
+        return 0
 
     def write_components(self, nodes: list[TreeNode]) -> None:
         """Nothing is written."""

@@ -5,7 +5,10 @@
 its high mark, :mod:`hicache.cache.l3.ahead`), any path's unwritten L2 runs on demand
 (``write_path``) and the component values a hit at a run's end needs
 (``write_components``), each as one op of the sync's L3 op ids, pinning its L2 source
-until the ranks agree it landed. Every rank tracks every write, sent or not (MLA: rank 0
+until the ranks agree it landed. At a request's end it announces (``announce_writes``)
+the pages of its path that are on their way to L3 (``announce``,
+:mod:`hicache.storage.announce`), so a next turn looked up elsewhere before they land
+waits for them. Every rank tracks every write, sent or not (MLA: rank 0
 alone sends). Its votes and agreed verdicts cover its own ops only. The flow:
 ``docs/architecture.md`` (L3).
 """
@@ -27,10 +30,30 @@ from hicache.metrics import CacheCounters
 from hicache.tree import HiRadixTree, TreeNode
 from hicache.tree.node import PageIds
 
-__all__ = ["MAX_PAUSE_SYNCS", "ComponentWrite", "PageWrite", "Writes"]
+__all__ = [
+    "ANNOUNCE_TTL_S",
+    "ANNOUNCE_WAIT_S",
+    "MAX_FAILED_NODES",
+    "MAX_PAUSE_SYNCS",
+    "ComponentWrite",
+    "PageWrite",
+    "Writes",
+]
 
 MAX_PAUSE_SYNCS = 256
 """Longest pause of the writes ahead of eviction after failed writes, in syncs (steps)."""
+
+ANNOUNCE_TTL_S = 2.0
+"""How long an announcement promises its pages (seconds): a reader waits no longer for
+them, however long its own bound (a write that failed is waited for this long at most)."""
+
+MAX_FAILED_NODES = 4096
+"""Nodes remembered as holding pages whose write failed (forgotten all at once beyond)."""
+
+ANNOUNCE_WAIT_S = 0.005
+"""Longest wait of a request's end for its announcement to be stored (seconds): the
+answer's last token waits that long at most (a file or Redis store takes well under a
+millisecond); past it the announcement lands a little later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +71,10 @@ class PageWrite:
     def pinned(self) -> list[TreeNode]:
         """The nodes it pinned in L2 (each with its path)."""
         return [self.node]
+
+    def pinned_run(self, tree: HiRadixTree) -> list[TreeNode]:
+        """The nodes of the run written (top-down)."""
+        return tree.path_tail(self.node, len(self.keys))
 
     def landed(self, tree: HiRadixTree) -> None:
         """Every page is in L3 on every rank: mark the run's nodes."""
@@ -97,6 +124,7 @@ class Writes:
         sync: CacheSync,
         components: tuple[ComponentRecords, ...],
         mark: int | None = None,
+        announces: bool = False,
     ) -> None:
         self._controller = controller
         self._keys = keys
@@ -119,6 +147,10 @@ class Writes:
         """Syncs :meth:`write_ahead` still skips after a failed write."""
         self._next_pause = 1
         """The pause after the next failed write (doubles per failure, 1 after a success)."""
+        self._failed: set[int] = set()
+        """Ids of nodes whose pages' write failed: not on their way, so not announced."""
+        self._announces = announces
+        """Whether :meth:`announce` announces (``PrefetchConfig.announce_writes``)."""
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -206,6 +238,38 @@ class Writes:
             self._controller.write(op_id, keys, host)
         self.write_components(nodes)
 
+    def announce(self, last: TreeNode) -> int:
+        """A request ending at ``last`` is about to answer: announce the pages of its path
+        on their way to L3 (in L2 or being copied there, not ``stored``: the deepest such
+        run, below any span not backed up) and wait, a few milliseconds at most
+        (:data:`ANNOUNCE_WAIT_S`), until that is stored. Returns the pages announced.
+        Nothing unless this tier announces (``announce_writes``), under ``watermark`` (no
+        write is due) or on a rank that writes nothing."""
+        if not self._announces or self._mark is not None or not self._keys.writer:
+            return 0
+        tree = self._tree
+        node: TreeNode | None = last
+        while node is not None and node.parent is not None and node.host is None:
+            node = node.parent  # not backed up (L2 full): not on its way
+        if node is None or node.parent is None:
+            return 0
+        end, pages = node, 0
+        failed = self._failed
+        while (
+            node.parent is not None
+            and node.host is not None
+            and not node.stored
+            and id(node) not in failed
+        ):
+            pages += tree.num_pages(node)
+            node = node.parent
+        if not pages:
+            return 0
+        keys = self._keys.of(tree.path_key(end), end.tenant)[-pages:]
+        self._controller.announce(keys, ANNOUNCE_TTL_S, ANNOUNCE_WAIT_S)
+        self._counters.l3_announced_pages_total += pages
+        return pages
+
     def write_components(self, nodes: list[TreeNode]) -> None:
         """Write, for each component, the L2 values a hit at the end of ``nodes`` (one
         path, top-down, in L2) needs (:meth:`ComponentRecords.writes`) to L3, each under
@@ -265,6 +329,10 @@ class Writes:
             w.landed(self._tree)
             self._next_pause = 1
         else:  # agreed: the ranks pause alike
+            if isinstance(w, PageWrite):
+                if len(self._failed) > MAX_FAILED_NODES:
+                    self._failed.clear()
+                self._failed.update(id(n) for n in w.pinned_run(self._tree))
             self._pause = self._next_pause
             self._next_pause = min(2 * self._next_pause, MAX_PAUSE_SYNCS)
         w.unpin(self._tree)

@@ -261,9 +261,13 @@ class Leader:
                 self.last_loop = time.monotonic()
                 busy = self._round(channel)
                 self._publish()
-                if not busy:  # idle, or only waiting for L3 prefetches: poll those often
-                    # (at most 50 ms: the followers wait in the next broadcast meanwhile)
-                    polling = self.core.scheduler.polling or self.core.restores.loading
+                if not busy:  # idle, or only waiting for L3 prefetches or for copies to
+                    # L2 (whose sync issues their L3 writes): poll those often (else at
+                    # most 50 ms: the followers wait in the next broadcast meanwhile)
+                    core = self.core
+                    polling = (
+                        core.scheduler.polling or core.restores.loading or core.cache.backing_up
+                    )
                     self._wake.wait(timeout=0.002 if polling else 0.05)
                     self._wake.clear()
             if channel is not None:

@@ -437,6 +437,8 @@ def attach_l3(
         negative_ttl_s=config.negative_ttl_s,
         negative_max_entries=config.storage_negative_entries,
     )
+    if config.disagg.decode_offload:  # its answers' L3 writes land after they ended
+        prefetch = dataclasses.replace(prefetch, announce_writes=True)
     if not cache.context.config.enable_hierarchical_cache:
         raise ValueError("an L3 storage backend needs --enable-hierarchical-cache")
     namespace = Namespace.for_spec(

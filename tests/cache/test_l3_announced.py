@@ -1,0 +1,339 @@
+"""A lookup that stops at an announced page waits for it (``controller/announced.py``), and
+a request's end announces its pages on their way to L3 (``Writes.announce``).
+
+First :class:`AnnouncedWaits` alone, over the memory backend and a fake clock (exact
+states); then two caches on one file L3: a writer whose L3 write has not landed (it has
+not synced since its request ended) and a reader that looks the conversation up at once,
+as the next turn does behind a PD pair with decode offload."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.cache import HiCache
+from hicache.cache.report import cache_stats, check_integrity
+from hicache.config import PrefetchConfig
+from hicache.controller import CompletionQueue
+from hicache.controller.announced import ANNOUNCED_POLL_S, AnnouncedWaits
+from hicache.controller.storage_controller import ANNOUNCE_STUCK_S, StorageController
+from hicache.keys import Namespace, PageKey, page_keys
+from hicache.memory import HostPool
+from hicache.spec import KVSpec
+from hicache.storage import MemoryFaults, MemoryStorage
+from hicache.storage.base import StorageOptions
+from hicache.storage.negative import NegativeCache
+from hicache.tokens import encode_tokens
+from tests.helpers.kvdata import page_kv, read_device, serve, wait_ready, write_tokens
+from tests.helpers.l3_cache import cache_over_l3
+
+MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+PAGE = 2
+CONVERSATION = [3, 1, 4, 1, 5, 9, 2, 6]  # four pages: a prompt and its answer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(n: int = 3) -> list[PageKey]:
+    return page_keys(Namespace.for_spec(MHA, model="m", weights_fingerprint="w",
+                                        layout="page_first", page_size=PAGE),
+                     list(range(PAGE * n)))  # fmt: skip
+
+
+def land(storage: MemoryStorage, keys: list[PageKey]) -> None:
+    """Write ``keys``' pages (any bytes: a lookup only asks whether they are there)."""
+    host = HostPool(MHA, 4, PAGE, storage.namespace.layout, pin_memory=False)
+    assert storage.batch_set(keys, host, list(range(len(keys)))).all_ok
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock]]:
+    clock = Clock()
+    ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                            page_size=PAGE)  # fmt: skip
+    with MemoryStorage(ns) as storage:
+        negative = NegativeCache(60.0, clock=clock)
+        yield storage, negative, AnnouncedWaits(storage, negative, 0.5, clock), clock
+
+
+def test_an_announced_page_is_waited_for_and_found_when_it_lands(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    storage, negative, waits, clock = setup
+    k = run()
+    land(storage, k[:1])
+    storage.announce(k[1:], 5.0)
+    assert waits.stopped("op", k, 3, 1)
+    assert len(waits) == 1 and waits.timeout() == pytest.approx(ANNOUNCED_POLL_S)
+    clock.now += 0.1
+    assert waits.poll() == [] and len(waits) == 1  # not there yet: waits on
+    land(storage, k[1:2])
+    clock.now += 0.1
+    assert waits.poll() == []  # one page more, and the next one is announced too
+    land(storage, k[2:])
+    clock.now += 0.1
+    (done,) = waits.poll()
+    assert (done.op, done.hit, done.ended, done.expired, done.error) == ("op", 3, True, False, "")
+    assert len(waits) == 0 and waits.timeout() is None
+    assert len(negative) == 0
+
+
+def test_the_wait_ends_at_its_bound_and_the_miss_is_not_remembered(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    storage, negative, waits, clock = setup
+    k = run()
+    storage.announce(k, 5.0)  # and never written
+    assert waits.stopped("op", k, 3, 0)
+    clock.now += 0.499
+    assert waits.poll() == []
+    clock.now += 0.002
+    (done,) = waits.poll()
+    assert (done.hit, done.expired) == (0, True)
+    assert k[0] not in negative and len(negative) == 0
+
+
+def test_an_announcement_that_expires_first_ends_the_wait_then(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    storage, _, waits, clock = setup
+    k = run()
+    storage.announce(k, 0.1)
+    assert waits.stopped("op", k, 3, 0)
+    clock.now += 0.11
+    (done,) = waits.poll()
+    assert (done.hit, done.expired) == (0, True)
+
+
+def test_an_unannounced_miss_does_not_wait_and_is_remembered(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    _, negative, waits, _ = setup
+    k = run()
+    assert not waits.stopped("op", k, 3, 0)
+    assert len(waits) == 0 and waits.timeout() is None and k[0] in negative
+
+
+def test_a_run_that_grows_to_a_page_not_announced_ends_there(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    storage, negative, waits, clock = setup
+    k = run()
+    storage.announce(k[:1], 5.0)
+    assert waits.stopped("op", k, 3, 0)
+    land(storage, k[:1])
+    clock.now += 0.01
+    (done,) = waits.poll()
+    assert (done.hit, done.expired) == (1, False)
+    assert k[1] in negative and k[0] not in negative
+
+
+def test_no_wait_when_waits_are_off_and_closing_ends_every_wait() -> None:
+    clock = Clock()
+    ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                            page_size=PAGE)  # fmt: skip
+    with MemoryStorage(ns) as storage:
+        k = run()
+        storage.announce(k, 5.0)
+        off: AnnouncedWaits[str] = AnnouncedWaits(storage, None, 0.0, clock)
+        assert not off.stopped("op", k, 3, 0)
+        on: AnnouncedWaits[str] = AnnouncedWaits(storage, None, 0.5, clock)
+        assert on.stopped("a", k, 3, 0) and on.stopped("b", k, 3, 0)
+        assert [w.op for w in on.poll(closing=True)] == ["a", "b"]
+        assert len(on) == 0
+
+
+# ---------------------------------------------------------------- two caches, one L3
+
+
+def make(
+    root: Path, wait_s: float, negative_ttl_s: float = 0.0, *, announces: bool = True
+) -> HiCache:
+    """A cache over the file L3 in ``root`` whose lookups wait ``wait_s`` at most for
+    announced pages and that announces its writes at requests' ends (``announces``)."""
+    prefetch = PrefetchConfig(
+        policy="wait_complete",
+        prefetch_threshold=0,
+        negative_ttl_s=negative_ttl_s,
+        announced_wait_s=wait_s,
+        announce_writes=announces,
+    )
+    extra = {"file_path": str(root)}
+    return cache_over_l3(MHA, "file", extra, StorageOptions(), prefetch, page_size=PAGE,
+                         device_pages=32)  # fmt: skip
+
+
+def counter(cache: HiCache, name: str) -> int:
+    return cache_stats(cache).counters[name]
+
+
+def end_unsynced(cache: HiCache, tokens: list[int]) -> None:
+    """A request computes ``tokens`` and ends (its KV committed at its release), and the
+    cache does not sync: its L1 -> L2 copy has not been applied, so its L3 write is not
+    even issued yet (what a decode instance's answer has just after its last token)."""
+    cache.sync()
+    req = cache.open(tokens, compute_last=False)
+    wait_ready(cache, req)
+    assert cache.admit(req, tokens)
+    write_tokens(cache, tokens, req.pages[req.prefix_pages :], req.prefix_pages)
+    cache.release(req, tokens)
+
+
+def look_up(cache: HiCache, tokens: list[int]) -> tuple[int, float]:
+    """The next turn: a request over ``tokens`` arrives, waits for its prefetch policy
+    (``wait_complete``), is admitted and computed; returns the tokens it took from L3
+    (checked byte for byte) and the seconds it took."""
+    t0 = time.monotonic()
+    req = serve(cache, tokens, hold=True)
+    took = time.monotonic() - t0
+    assert req is not None
+    got = req.cached.storage
+    want = page_kv(cache, tokens, 0, len(tokens) // PAGE)
+    assert torch.equal(read_device(cache, req.pages[: len(tokens) // PAGE]), want)
+    cache.release(req)
+    cache.sync(wait=True)
+    return got, took
+
+
+def ask(cache: HiCache, tokens: list[int]) -> tuple[int, float]:
+    """A request over ``tokens`` arrives, waits for its prefetch policy and goes away
+    (nothing computed, nothing kept): the tokens its lookup found in L3, and the seconds
+    it waited."""
+    cache.sync()
+    t0 = time.monotonic()
+    req = cache.open(tokens, compute_last=False)
+    wait_ready(cache, req)
+    took = time.monotonic() - t0
+    found = req.prefetch.boundary * PAGE if req.prefetch is not None else 0
+    cache.release(req)
+    cache.sync(wait=True)
+    return found, took
+
+
+def stored_announcement(cache: HiCache, tokens: list[int]) -> None:
+    """Wait until ``cache``'s announcement of the last page of ``tokens`` is stored: the
+    end waited 5 ms for that at most, and a loaded box may take longer (the guarantee
+    the engine adds is that its answer leaves after that wait)."""
+    tier = cache.l3.attached
+    assert tier is not None
+    last = tier.keys.of(encode_tokens(tokens))[-1]
+    end = time.monotonic() + 10.0
+    while tier.controller.storage.announced(last) == 0.0:
+        assert time.monotonic() < end, "the announcement was never stored"
+        time.sleep(0.001)
+
+
+def land_later(cache: HiCache, delay_s: float) -> threading.Thread:
+    """The writer's next steps, ``delay_s`` from now: its copies and L3 writes land."""
+
+    def later() -> None:
+        time.sleep(delay_s)
+        cache.sync(wait=True)
+
+    t = threading.Thread(target=later)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize(("wait_s", "found"), [(2.0, 8), (0.0, 0)])
+def test_the_next_turn_at_once_finds_the_answer_its_writer_announced(
+    tmp_path: Path, wait_s: float, found: int
+) -> None:
+    """With waits on the next turn takes the whole conversation from L3, the pages landing
+    0.2 s after it arrived; with them off it finds nothing (the race, before)."""
+    with make(tmp_path, 0.0) as writer, make(tmp_path, wait_s) as reader:
+        end_unsynced(writer, CONVERSATION)
+        assert counter(writer, "l3_announced_pages_total") == 4
+        stored_announcement(writer, CONVERSATION)
+        later = land_later(writer, 0.2)
+        got, took = look_up(reader, [*CONVERSATION, 7, 7])
+        later.join()
+        assert got == found
+        assert counter(reader, "l3_announced_waits_total") == int(wait_s > 0)
+        if wait_s:
+            assert 0.15 < took < 1.5
+            assert counter(reader, "l3_announced_waits_expired_total") == 0
+        check_integrity(reader)
+        check_integrity(writer)
+
+
+def test_a_write_that_never_lands_is_waited_for_the_bound_and_not_remembered(
+    tmp_path: Path,
+) -> None:
+    with make(tmp_path, 0.0) as writer, make(tmp_path, 0.3, negative_ttl_s=60.0) as reader:
+        storage = writer.l3.attached
+        assert storage is not None
+        keys = storage.keys.of(encode_tokens(CONVERSATION))
+        storage.controller.storage.announce(keys, 5.0)  # announced, never written
+        got, took = ask(reader, [*CONVERSATION, 7, 7])
+        assert got == 0 and 0.25 < took < 1.5
+        assert counter(reader, "l3_announced_waits_expired_total") == 1
+        serve(writer, CONVERSATION)  # now written
+        writer.sync(wait=True)
+        got, took = ask(reader, [*CONVERSATION, 7, 8])
+        assert got == 8  # the miss was not remembered: asked again, found
+        assert int(cache_stats(reader).storage.exists_calls) >= 2
+
+
+def test_an_unannounced_miss_does_not_wait(tmp_path: Path) -> None:
+    with make(tmp_path, 2.0) as reader:
+        got, took = look_up(reader, [*CONVERSATION, 7, 7])
+        assert got == 0 and took < 1.0
+        assert counter(reader, "l3_announced_waits_total") == 0
+
+
+def test_the_end_announces_only_pages_on_their_way(tmp_path: Path) -> None:
+    """Pages in L3 already (``stored``) are not announced again; a cache that does not
+    announce its writes (the default) announces nothing."""
+    with make(tmp_path, 0.0) as writer:
+        end_unsynced(writer, CONVERSATION)
+        writer.sync(wait=True)  # written: stored
+        end_unsynced(writer, [*CONVERSATION, 5, 5])
+        assert counter(writer, "l3_announced_pages_total") == 4 + 1
+        writer.sync(wait=True)
+        check_integrity(writer)
+    with make(tmp_path / "quiet", 0.0, announces=False) as quiet:
+        end_unsynced(quiet, CONVERSATION)
+        assert counter(quiet, "l3_announced_pages_total") == 0
+        tier = quiet.l3.attached
+        assert tier is not None
+        keys = tier.keys.of(encode_tokens(CONVERSATION))
+        assert tier.controller.storage.announced(keys[0]) == 0.0
+        quiet.sync(wait=True)
+
+
+def test_a_slow_store_delays_an_end_by_the_wait_at_most_and_a_stuck_one_not_again() -> None:
+    """``StorageController.announce``: stored within the wait (True); a store slower than
+    the wait costs the caller the wait (False); once an announcement is unstored for more
+    than ``ANNOUNCE_STUCK_S`` nobody waits."""
+    ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                            page_size=PAGE)  # fmt: skip
+    storage = MemoryStorage(ns, faults=MemoryFaults())
+    host = HostPool(MHA, 4, PAGE, ns.layout, pin_memory=False)
+    with StorageController(storage, host, CompletionQueue()) as ctl:
+        k = run()
+        assert ctl.announce(k[:1], 5.0, 1.0)
+        assert storage.announced(k[0]) > 4.0
+        storage.set_faults(MemoryFaults(delay_s=0.5))
+        t0 = time.monotonic()
+        assert not ctl.announce(k[1:2], 5.0, 0.05)
+        assert 0.04 < time.monotonic() - t0 < 0.4
+        time.sleep(ANNOUNCE_STUCK_S)
+        t0 = time.monotonic()
+        assert not ctl.announce(k[2:], 5.0, 0.5)  # the first is stuck: no wait
+        assert time.monotonic() - t0 < 0.25
+        storage.set_faults(MemoryFaults())
+        time.sleep(0.6)
+        assert storage.announced(k[1]) > 0 and storage.announced(k[2]) > 0  # landed late
+        assert ctl.announce(k[:1], 5.0, 1.0)  # nothing unstored: waits again
