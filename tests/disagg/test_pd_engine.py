@@ -323,7 +323,10 @@ def test_decode_gone_mid_transfer_fails_the_prefill_without_a_hang() -> None:
             # the prefill's write fails, or the decode gives the room up first (its polls
             # go unanswered while the prefill's engine probes the dead peer) and aborts it
             assert p.error is not None, p
-            assert "room 71: sending the pages" in p.error or "its rooms failed" in p.error, p
+            assert any(
+                why in p.error
+                for why in ("room 71: sending the pages", "its rooms failed", "decode side aborted")
+            ), p
             assert time.monotonic() - t0 < 35
             assert_idle(prefill)
         finally:
