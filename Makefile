@@ -53,7 +53,8 @@ test: lint typecheck unit
 # cases not marked `matrix`): PD pairs at every TP size pair, model family and transport;
 # TP over two nodes at 2 x 2.
 test-matrix: venv
-	$(VPY) -m pytest -q -m matrix tests/disagg tests/api/test_serve_nodes.py
+	$(VPY) -m pytest -q -m matrix tests/disagg tests/api/test_serve_nodes.py \
+		tests/engine/test_tp_stress.py
 
 # The tests that compare numerics against an independent implementation (transformers,
 # SDPA, float64 and per-token references), once per x86 kernel dispatch this CPU can run:

@@ -69,3 +69,31 @@ def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) 
     if model == "tiny-random-deepseek-v32":
         assert "indexer" in r.components and r.l3_backup_indexer_pages > 0
     assert any(Path(tmp_path).rglob("*")), "nothing was written to L3"
+
+
+@pytest.mark.matrix
+def test_two_nodes_end_idle_and_equal(tmp_path: Path) -> None:
+    """The same run with its 2 ranks on 2 "nodes" (node 1 a process tree of its own that
+    joins node 0's rendezvous, as ``hicache serve --node-rank 1`` does)."""
+    cfg = StressConfig(
+        model="tiny-random-llama",
+        ranks=2,
+        nnodes=2,
+        prompts=24,
+        systems=3,
+        system_tokens=24,
+        output_tokens=3,
+        parallel=8,
+        max_running=4,
+        l1_tokens=128,
+        hicache_ratio=1.5,
+        timeout_s=BOUND_S,
+        l3_dir=str(tmp_path),
+    )
+    r = run_stress(cfg)
+    assert not r.hung and r.failed == 0 and r.idle_problems == []
+    assert r.nnodes == 2 and len(r.digests) == 2 and r.digests[0] == r.digests[1]
+    assert r.output_tokens == 24 * 3 and r.l1_evicted_tokens > 0
+    assert len(r.peak_rss_mib) == 2 and all(m > 0 for m in r.peak_rss_mib)
+    with pytest.raises(ValueError, match=r"nnodes=3 is invalid; must divide ranks \(4\)"):
+        StressConfig(ranks=4, nnodes=3)

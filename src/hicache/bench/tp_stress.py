@@ -5,7 +5,9 @@ Per config (one model at one rank count), in a fresh process: an
 :class:`~hicache.engine.front.engine.Engine` with ``tp_size = --ranks`` on CPU, L1 and L2 a
 few requests large (every component is evicted) and a ``file`` L3 in a temp dir; ``--prompts``
 requests over ``--rounds`` rounds of the same (system prompt, suffix) pairs, shuffled per
-round, at most ``--parallel`` in flight. Checks, before the engine closes: no hang (all
+round, at most ``--parallel`` in flight; with ``--nnodes N`` the ranks span N "nodes" on
+loopback, node 0 in this process and each other node a process of its own running what
+``hicache serve --node-rank R`` runs (:func:`~hicache.engine.drivers.node.run_node`). Checks, before the engine closes: no hang (all
 finished within ``--timeout-s``, none failed), peak RSS per rank (MiB, ``VmHWM``), idle
 (rank 0's pools hold only cached pages once in-flight copies landed) and equal (every
 rank's ``Engine.rank_digests`` is rank 0's). Units: wall s, tokens/s = (prompt + output
@@ -16,7 +18,9 @@ tokens) / wall. Exit status 1 when a check failed. The method in full:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -24,18 +28,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hicache.bench.report import print_table, write_json
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO
 from hicache.config import CacheConfig
+from hicache.engine.drivers.node import run_node
 from hicache.engine.front.engine import Engine, EngineConfig, EngineStats
+from hicache.engine.nodes import NodeConfig
 from hicache.engine.request import RequestOutput
+from hicache.engine.roles.role_setup import follower_roles
 from hicache.engine.sampling import SamplingParams
 from hicache.engine.step.scheduler import SchedulerConfig
+from hicache.services.process import LOOPBACK, free_port
 from hicache.validate import int_at_least, require
 
 __all__ = [
@@ -64,6 +72,8 @@ class StressConfig:
 
     model: str = "tiny-random-deepseek-v32"
     ranks: int = 4
+    nnodes: int = 1
+    """The "nodes" (process trees on loopback) the ranks span; divides ``ranks``."""
     prompts: int = 512
     systems: int = 4
     rounds: int = 2
@@ -85,6 +95,13 @@ class StressConfig:
     def __post_init__(self) -> None:
         for name in ("ranks", "prompts", "systems", "rounds", "system_tokens", "output_tokens"):
             int_at_least(name, getattr(self, name), 1)
+        int_at_least("nnodes", self.nnodes, 1)
+        require(
+            self.ranks % self.nnodes == 0,
+            "nnodes",
+            self.nnodes,
+            f"must divide ranks ({self.ranks})",
+        )
         for name in ("parallel", "max_running", "page_size"):
             int_at_least(name, getattr(self, name), 1)
         lo, hi = self.suffix_tokens
@@ -139,6 +156,7 @@ class StressResult:
     agreement_us_per_step: float | None = None
     """Rank 0's mean time per step in the ranks' agreement collectives (µs), when the
     engine reports it."""
+    nnodes: int = 1
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -224,7 +242,14 @@ def workload(cfg: StressConfig, vocab_lo: int, vocab_hi: int) -> list[list[int]]
     return out
 
 
-def engine_config(cfg: StressConfig, l3_dir: str) -> EngineConfig:
+def engine_config(cfg: StressConfig, l3_dir: str, rendezvous_port: int = 0) -> EngineConfig:
+    """Node 0's engine config; ``rendezvous_port``: node 0's TCP store on loopback (used
+    when ``cfg.nnodes`` > 1)."""
+    nodes = (
+        NodeConfig(nnodes=cfg.nnodes, dist_init_addr=f"{LOOPBACK}:{rendezvous_port}")
+        if cfg.nnodes > 1
+        else NodeConfig()
+    )
     return EngineConfig(
         model_path=cfg.model,
         dtype="float32",
@@ -241,8 +266,49 @@ def engine_config(cfg: StressConfig, l3_dir: str) -> EngineConfig:
         storage_prefetch_policy=cfg.prefetch_policy,
         storage_extra_config={"file_path": l3_dir, "prefetch_threshold": cfg.page_size},
         tp_size=cfg.ranks,
+        nodes=nodes,
         dist_init_timeout_s=min(300.0, cfg.timeout_s),
     )
+
+
+def _node_main(config: EngineConfig) -> None:
+    """A node other than node 0, in its own process: its ranks until rank 0 stops them."""
+    run_node(config, follower_roles(config))
+
+
+@contextlib.contextmanager
+def other_nodes(config: EngineConfig) -> Iterator[list[int]]:
+    """Start nodes 1 .. nnodes-1 of ``config`` (node 0's), each a spawned process that
+    joins node 0's rendezvous; yields their pids. On exit each is joined (rank 0 stops
+    their ranks when its engine closes), and killed if it has not ended in 60 s."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_node_main,
+            args=(replace(config, nodes=replace(config.nodes, node_rank=r)),),
+            name=f"hicache-node-{r}",
+        )
+        for r in range(1, config.nodes.nnodes)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        yield [p.pid for p in procs if p.pid is not None]
+    finally:
+        for p in procs:
+            p.join(timeout=60.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def node_rank_pids(node_pid: int) -> list[int]:
+    """The rank processes of the node process ``node_pid``: its spawned children, in pid
+    order (the order it started them; not its resource tracker)."""
+    import psutil
+
+    kids = psutil.Process(node_pid).children()
+    return sorted(k.pid for k in kids if "spawn_main" in " ".join(k.cmdline()))
 
 
 def _drive(
@@ -310,7 +376,8 @@ def wait_quiet(engine: Engine, deadline: float, timeout_s: float = 60.0) -> Engi
 def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
     started = time.monotonic()
     deadline = started + cfg.timeout_s
-    with Engine(engine_config(cfg, l3_dir)) as engine:
+    config = engine_config(cfg, l3_dir, free_port() if cfg.nnodes > 1 else 0)
+    with other_nodes(config) as nodes, Engine(config) as engine:
         vocab = int(engine.model.hf_config.vocab_size)
         prompts = workload(cfg, min(TOKEN_LO, vocab // 2), min(TOKEN_HI, vocab))
         t0 = time.monotonic()
@@ -320,7 +387,8 @@ def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
         left = max(1.0, deadline - time.monotonic())
         digests = engine.rank_digests(timeout=left)
         pids = {0: os.getpid(), **(engine.ranks.pids if engine.ranks is not None else {})}
-        rss = [peak_rss_mib(pids[r]) for r in sorted(pids)]
+        remote = [pid for node in nodes for pid in node_rank_pids(node)]
+        rss = [peak_rss_mib(pids[r]) for r in sorted(pids)] + [peak_rss_mib(p) for p in remote]
         agreement = agreement_us(engine)
     c = stats.cache.counters
     return StressResult(
@@ -344,6 +412,7 @@ def _run(cfg: StressConfig, l3_dir: str) -> StressResult:
         l3_backup_indexer_pages=c.get("l3_backup_indexer_pages_total", 0),
         components=[comp.name for comp in stats.cache.components],
         agreement_us_per_step=agreement,
+        nnodes=cfg.nnodes,
         config={k: v for k, v in asdict(cfg).items() if k != "l3_dir"},
     )
 
@@ -355,7 +424,8 @@ def print_results(results: Sequence[StressResult]) -> None:
          "digests equal", "idle", "L3 hit tokens", "evicted L1/L2 tokens", "agree µs/step"],
         [
             [
-                r.model, str(r.ranks), str(r.prompts), f"{r.wall_s:.1f}",
+                r.model, str(r.ranks) if r.nnodes == 1 else f"{r.ranks} ({r.nnodes} nodes)",
+                str(r.prompts), f"{r.wall_s:.1f}",
                 f"{r.tokens_per_s:.0f}", " ".join(f"{m:.0f}" for m in r.peak_rss_mib),
                 "yes" if r.digests_equal else "NO",
                 "yes" if not r.idle_problems and not r.hung else "NO",
@@ -380,6 +450,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list")
     p.add_argument("--ranks", default="4", help="comma list of rank counts, e.g. 4,2")
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="nodes (process trees on loopback) the ranks span"
+    )
     p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--systems", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
@@ -399,6 +472,7 @@ def _config(a: argparse.Namespace, model: str, ranks: int) -> StressConfig:
     return StressConfig(
         model=model,
         ranks=ranks,
+        nnodes=a.nnodes,
         prompts=a.prompts,
         systems=a.systems,
         rounds=a.rounds,
@@ -435,13 +509,15 @@ def main(argv: list[str] | None = None) -> int:
                 argv_child = [
                     sys.executable, "-m", "hicache.bench.tp_stress", "--one",
                     "--models", model, "--ranks", str(ranks), "--json", str(path),
+                    "--nnodes", str(a.nnodes),
                     "--prompts", str(a.prompts), "--systems", str(a.systems),
                     "--rounds", str(a.rounds), "--system-tokens", str(a.system_tokens),
                     "--output-tokens", str(a.output_tokens), "--parallel", str(a.parallel),
                     "--l1-tokens", str(a.l1_tokens), "--hicache-ratio", str(a.hicache_ratio),
                     "--prefetch-policy", a.prefetch_policy, "--timeout-s", str(a.timeout_s),
                 ]  # fmt: skip
-                print(f"tp-stress: {model} at {ranks} ranks ...", flush=True)
+                on = f" on {a.nnodes} nodes" if a.nnodes > 1 else ""
+                print(f"tp-stress: {model} at {ranks} ranks{on} ...", flush=True)
                 proc = subprocess.run(argv_child, check=False)
                 if proc.returncode != 0 or not path.is_file():
                     refused.append(f"{model} x{ranks}: the run failed (exit {proc.returncode})")
