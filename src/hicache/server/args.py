@@ -277,6 +277,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; larger ones get a 413 (default 8 MiB)",
     )
+    s.add_argument(
+        "--grpc-mode",
+        action="store_true",
+        help="also serve smg's SglangScheduler gRPC service (an smg gRPC worker:"
+        " --worker-urls grpc://HOST:GRPC_PORT) on --host : --grpc-port; the HTTP API"
+        " stays on --port (docs/router.md)",
+    )
+    s.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="the gRPC port with --grpc-mode (default --port + 10000, as SGLang's)",
+    )
 
     n = p.add_argument_group("tensor parallelism across nodes (docs/deployment.md)")
     n.add_argument(
@@ -527,6 +540,24 @@ def check_flags(a: argparse.Namespace) -> None:
         max_bytes = a.max_request_bytes
         if max_bytes < 1024:
             raise FlagError("--max-request-bytes", max_bytes, "must be >= 1024")
+        if getattr(a, "grpc_port", None) is not None and not a.grpc_mode:
+            raise FlagError("--grpc-port", a.grpc_port, "it needs --grpc-mode")
+        if getattr(a, "grpc_mode", False):
+            grpc_port = grpc_port_of(a)
+            if not 1 <= grpc_port <= 65535:
+                raise FlagError(
+                    "--grpc-port",
+                    grpc_port,
+                    "must be in [1, 65535] (without --grpc-port it is --port + 10000)",
+                )
+            if grpc_port == port:
+                raise FlagError("--grpc-port", grpc_port, "must differ from --port")
+
+
+def grpc_port_of(a: argparse.Namespace) -> int:
+    """The gRPC port of ``hicache serve --grpc-mode``: ``--grpc-port``, else ``--port`` +
+    10000 (SGLang's default for its ``--grpc-mode``)."""
+    return int(a.grpc_port) if a.grpc_port is not None else int(a.port) + 10000
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
