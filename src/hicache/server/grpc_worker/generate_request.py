@@ -45,10 +45,11 @@ _PROTO_NAMES = {
 
 class GrpcInvalid(ValueError):
     """A ``GenerateRequest`` that cannot be served: ``param`` is the field (the protocol's
-    spelling); the message starts with it."""
+    spelling); the message starts with it (``"<param>: "``)."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message if message.startswith(param) else f"{param}: {message}")
+        lead = f"{param}: "
+        super().__init__(message if message.startswith(lead) else lead + message)
         self.param = param
 
 

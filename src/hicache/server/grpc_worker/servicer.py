@@ -143,8 +143,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             )
             await context.abort(code, str(exc))
         except InvalidRequest as exc:
-            param = grpc_param(exc.param)
-            await _invalid(context, f"{param}: {exc}", param)
+            await _invalid(context, str(exc), grpc_param(exc.param))
         replies = {
             job.index: SequenceReply(
                 rid,
@@ -296,7 +295,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
 
 async def _invalid(context: grpc.aio.ServicerContext, message: str, param: str) -> NoReturn:
-    """End the call with INVALID_ARGUMENT, the message naming ``param`` first."""
-    text = message if message.startswith(param) else f"{param}: {message}"
+    """End the call with INVALID_ARGUMENT, the message naming ``param`` first
+    (``"<param>: "``)."""
+    lead = f"{param}: "
+    text = message if message.startswith(lead) else lead + message
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
     raise AssertionError("unreachable")  # abort raises
