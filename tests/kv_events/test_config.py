@@ -40,3 +40,16 @@ def test_their_keys_parse_and_disabled_is_none() -> None:
 def test_bad_values_are_refused_naming_them(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         KvEventsConfig.parse(text)
+
+
+def test_the_serve_flag_reaches_the_engine_config() -> None:
+    from hicache.cli import build_parser
+    from hicache.server.args import FlagError, engine_config_from_args
+
+    parse = build_parser().parse_args
+    assert engine_config_from_args(parse(["serve"])).kv_events is None
+    args = parse(["serve", "--kv-events-config", '{"publisher": "zmq", "topic": "kv"}'])
+    assert engine_config_from_args(args).kv_events == KvEventsConfig(publisher="zmq", topic="kv")
+    bad = parse(["serve", "--kv-events-config", '{"publisher": "kafka"}'])
+    with pytest.raises(FlagError, match="--kv-events-config"):
+        engine_config_from_args(bad)
