@@ -5,10 +5,14 @@ What smg's event-driven indexer reads: per stored event the blocks (``block_hash
 host tier also as ``cache_level`` 1 for older readers), the raw ``medium`` string,
 ``locality`` local and the tenant's ``cache_salt`` (smg folds it into its content hash
 seed, so a tenant's pages match only that tenant's requests); per removal the hashes and
-the same tier. A snapshot batch is sent as one message.
+the same tier. :func:`to_protos` sends a large snapshot as ``KvSnapshotChunk`` chunks
+(consecutive sequence numbers ending at the snapshot's, the first opening with
+``AllBlocksCleared``), so no message nears gRPC's 4 MiB default limit.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from smg_grpc_proto.generated import common_pb2
 
@@ -21,7 +25,10 @@ from hicache.kv_events.records import (
     Medium,
 )
 
-__all__ = ["event_to_proto", "to_proto"]
+__all__ = ["SNAPSHOT_CHUNK_TOKENS", "event_to_proto", "to_proto", "to_protos"]
+
+SNAPSHOT_CHUNK_TOKENS = 131_072
+"""Token ids per snapshot chunk at most (about 0.5 MiB of message)."""
 
 _TIER = {
     Medium.DEVICE: common_pb2.KV_CACHE_TIER_DEVICE,
@@ -80,3 +87,67 @@ def to_proto(batch: KvEventBatch, dp_rank: int | None = None) -> common_pb2.KvEv
     if dp_rank is not None:
         proto.dp_rank = dp_rank
     return proto
+
+
+def to_protos(
+    batch: KvEventBatch, dp_rank: int | None = None, *, max_tokens: int = SNAPSHOT_CHUNK_TOKENS
+) -> list[common_pb2.KvEventBatch]:
+    """``batch`` as the messages to send: one for a live batch; for a snapshot, one per
+    ``max_tokens`` token ids as ``KvSnapshotChunk`` chunks numbered up to the snapshot's
+    sequence (when that sequence is too small to number them all, the first chunk takes
+    the rest: a snapshot has more chunks than batches published only after a batch of
+    more than ``max_tokens`` tokens)."""
+    if not batch.snapshot:
+        return [to_proto(batch, dp_rank)]
+    chunks = _chunk(batch.events, max_tokens)
+    if len(chunks) <= 1:
+        return [to_proto(batch, dp_rank)]
+    keep = min(len(chunks), batch.sequence_number + 1)  # sequence numbers from 0 on
+    chunks = [
+        [e for c in chunks[: len(chunks) - keep + 1] for e in c],
+        *chunks[len(chunks) - keep + 1 :],
+    ]
+    blocks = sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+    first_seq = batch.sequence_number - len(chunks) + 1
+    out = []
+    for i, events in enumerate(chunks):
+        part = replace(batch, sequence_number=first_seq + i, events=tuple(events))
+        proto = to_proto(part, dp_rank)
+        proto.snapshot.CopyFrom(
+            common_pb2.KvSnapshotChunk(index=i, count=len(chunks), blocks=blocks)
+        )
+        out.append(proto)
+    return out
+
+
+def _chunk(events: tuple[KvEvent, ...], max_tokens: int) -> list[list[KvEvent]]:
+    """``events`` cut into runs of at most ``max_tokens`` token ids (a stored event longer
+    than the room left is split between pages, its pieces chained by their parents)."""
+    chunks: list[list[KvEvent]] = [[]]
+    room = max_tokens
+    for event in events:
+        while isinstance(event, BlockStored) and len(event.token_ids) > room:
+            pages = room // event.block_size
+            if pages == 0 and chunks[-1]:  # no room for a page here: the next chunk
+                chunks.append([])
+                room = max_tokens
+                continue
+            cut = max(1, pages) * event.block_size  # a page larger than a chunk goes alone
+            if cut >= len(event.token_ids):
+                break
+            n = cut // event.block_size
+            chunks[-1].append(
+                replace(event, block_hashes=event.block_hashes[:n], token_ids=event.token_ids[:cut])
+            )
+            event = replace(
+                event,
+                block_hashes=event.block_hashes[n:],
+                parent_block_hash=event.block_hashes[n - 1],
+                token_ids=event.token_ids[cut:],
+            )
+            chunks.append([])
+            room = max_tokens
+        chunks[-1].append(event)
+        if isinstance(event, BlockStored):
+            room -= len(event.token_ids)
+    return [c for c in chunks if c]
