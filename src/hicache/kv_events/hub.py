@@ -29,6 +29,7 @@ from hicache.kv_events.records import (
     KvEventBatch,
     Medium,
 )
+from hicache.tokens import decode_tokens, encode_tokens
 from hicache.validate import int_at_least
 
 __all__ = [
@@ -100,10 +101,10 @@ class KvEventHubStats:
 
 @dataclass(frozen=True, slots=True)
 class _Block:
-    """One resident page as the mirror keeps it."""
+    """One resident page as the mirror keeps it (its token ids as ``uint32`` bytes)."""
 
     parent: int | None
-    tokens: tuple[int, ...]
+    tokens: bytes
     block_size: int
     medium: Medium
     cache_salt: str | None
@@ -341,7 +342,7 @@ class KvEventHub:
                 parent = event.parent_block_hash
                 size = event.block_size
                 for i, h in enumerate(event.block_hashes):
-                    tokens = event.token_ids[i * size : (i + 1) * size]
+                    tokens = encode_tokens(event.token_ids[i * size : (i + 1) * size])
                     mirror[h] = _Block(parent, tokens, size, event.medium, event.cache_salt)
                     parent = h
             elif isinstance(event, BlockRemoved):
@@ -376,7 +377,7 @@ def _stored(run: list[tuple[int, _Block]]) -> BlockStored:
     return BlockStored(
         block_hashes=tuple(h for h, _ in run),
         parent_block_hash=first.parent,
-        token_ids=tuple(t for _, b in run for t in b.tokens),
+        token_ids=tuple(decode_tokens(b"".join(b.tokens for _, b in run))),
         block_size=first.block_size,
         medium=first.medium,
         cache_salt=first.cache_salt,

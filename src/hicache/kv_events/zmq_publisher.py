@@ -2,7 +2,7 @@
 
 Its thread (``start()`` / ``close()``) reads the hub, numbers the messages with its own
 counter (0, 1, ...; as vLLM's publisher does), sends ``(topic, seq, payload)`` on a PUB
-socket that never blocks (at the high-water mark ZMQ drops, counted here), keeps the
+socket, which never blocks (past a subscriber's high-water mark ZMQ drops), keeps the
 last ``buffer_steps`` payloads and, with a replay endpoint, answers a ROUTER request
 (an 8-byte big-endian start sequence) with the kept messages from there and an end
 marker (sequence ``-1``). When it falls behind the hub it resubscribes: the next
@@ -37,11 +37,11 @@ _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 @dataclass(frozen=True, slots=True)
 class ZmqPublisherStats:
-    """Messages ``sent``, ``dropped`` (the PUB socket at its high-water mark), hub
-    ``resyncs`` (it fell behind), ``replays`` answered; the bound ``endpoint``."""
+    """Messages ``sent`` (handed to ZMQ: past a subscriber's high-water mark ZMQ drops
+    them for that subscriber, uncounted), hub ``resyncs`` (this publisher fell behind the
+    hub), ``replays`` answered; the bound ``endpoint``."""
 
     sent: int
-    dropped: int
     resyncs: int
     replays: int
     endpoint: str
@@ -68,7 +68,7 @@ class ZmqKvEventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._sub: KvEventSubscription | None = None
         self._seq = 0
-        self._sent = self._dropped = self._resyncs = self._replays = 0
+        self._sent = self._resyncs = self._replays = 0
         self.endpoint = config.endpoint
         """The PUB address (once bound: the address it bound, the port of ``:0`` too)."""
         self.replay_address: str | None = None
@@ -125,9 +125,7 @@ class ZmqKvEventPublisher:
 
     def stats(self) -> ZmqPublisherStats:
         """The counters now."""
-        return ZmqPublisherStats(
-            self._sent, self._dropped, self._resyncs, self._replays, self.endpoint
-        )
+        return ZmqPublisherStats(self._sent, self._resyncs, self._replays, self.endpoint)
 
     # ------------------------------------------------------------------ thread
 
@@ -157,11 +155,8 @@ class ZmqKvEventPublisher:
         assert self._pub is not None
         seq = self._seq
         self._seq += 1
-        try:
-            self._pub.send_multipart(frames(self._topic, seq, payload), flags=zmq.NOBLOCK)
-            self._sent += 1
-        except zmq.Again:
-            self._dropped += 1
+        self._pub.send_multipart(frames(self._topic, seq, payload))  # PUB never blocks
+        self._sent += 1
         self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:

@@ -171,11 +171,6 @@ class _KvEventsCollector(Collector):
                 "hicache_kv_events_zmq_sent", "KV event messages sent over ZMQ", z.sent
             )
             yield CounterMetricFamily(
-                "hicache_kv_events_zmq_dropped",
-                "KV event messages ZMQ dropped at the high-water mark",
-                z.dropped,
-            )
-            yield CounterMetricFamily(
                 "hicache_kv_events_zmq_resyncs",
                 "Times the ZMQ publisher fell behind the hub and resynced",
                 z.resyncs,

@@ -103,6 +103,6 @@ def test_vllm_decodes_published_batches_live_and_by_replay() -> None:
         assert [m[2] for m in replayed] == [m[2] for m in got]
         sub.close()
         req.close()
-    assert pub.stats().sent >= 3 and pub.stats().dropped == 0
+    assert pub.stats().sent >= 3 and pub.stats().replays == 1
     ctx.term()
     hub.close()
