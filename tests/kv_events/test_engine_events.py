@@ -8,6 +8,7 @@ import struct
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.engine.front.engine import Engine
 from hicache.engine.sampling import SamplingParams
@@ -20,7 +21,7 @@ from hicache.kv_events import (
     Medium,
 )
 from hicache.kv_events.config import KvEventsConfig
-from tests.helpers.api_fixtures import make_engine
+from tests.helpers.api_fixtures import make_engine, scrape, serve
 
 PAGE = 4
 PROMPT = list(range(300, 345))  # 11 whole pages + 1 token
@@ -110,3 +111,33 @@ def test_a_tenants_pages_are_salted_and_a_resubscription_resyncs(engine: Engine)
         hashes = [h for e in stored for h in e.block_hashes]
         assert hashes[:11] == _chain(PROMPT, "acme")
         assert not set(hashes) & set(_chain(PROMPT))
+
+
+def test_metrics_count_what_was_published(engine: Engine) -> None:
+    hub = engine.kv_events
+    assert hub is not None
+    engine.generate(PROMPT, GREEDY, timeout=60)
+    with serve(engine) as url:
+        families = {f.name: f for f in text_string_to_metric_families(scrape(url, engine))}
+    published = families["hicache_kv_events_published_batches"].samples[0].value
+    assert 0 < published <= hub.stats().published_batches
+    assert families["hicache_kv_events_dropped_events"].samples[0].value == 0
+    assert families["hicache_kv_events_resident_pages"].samples[0].value > 0
+    assert "hicache_kv_events_zmq_sent" not in families  # publisher "null": no ZMQ
+
+
+def test_a_restart_clears_what_was_reported(engine: Engine) -> None:
+    """Runs last in this module: it closes and restarts the shared engine."""
+    hub = engine.kv_events
+    assert hub is not None
+    engine.generate(PROMPT, GREEDY, timeout=60)
+    with hub.subscribe() as sub:
+        first = sub.get(5)
+        assert first is not None and len(first.events) > 1  # the pages held
+        engine.close()
+        assert _events(sub) == [AllBlocksCleared()]
+        engine.start()
+        assert _events(sub) == [AllBlocksCleared()]  # a new, empty cache
+        engine.generate(PROMPT, GREEDY, timeout=60)
+        stored = [e for e in _events(sub) if isinstance(e, BlockStored)]
+        assert [h for e in stored for h in e.block_hashes][:11] == _chain(PROMPT)
