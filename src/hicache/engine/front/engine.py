@@ -119,7 +119,7 @@ class Engine(Lifecycle):
         """The pages this instance holds, as KV events (``config.kv_events``; None: off):
         ``kv_events.subscribe(start_sequence_number)`` gives a subscriber its batches
         (:mod:`hicache.kv_events.hub`; smg's gRPC stream converts each with
-        :func:`hicache.kv_events.proto.to_proto`). It lives as long as the engine object,
+        :func:`hicache.kv_events.proto.to_protos`). It lives as long as the engine object,
         across restarts; each start publishes ``AllBlocksCleared`` first."""
         self.kv_zmq: ZmqKvEventPublisher | None = None
         """The ZMQ publisher of :attr:`kv_events` while running (``publisher="zmq"``)."""
