@@ -33,6 +33,7 @@ from hicache.engine.nodes import NodeConfig
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.step.scheduler import SchedulePolicy, SchedulerConfig
+from hicache.kv_events.config import KvEventsConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.storage.registry import parse_extra_config
@@ -166,6 +167,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--hicache-storage-backend-extra-config",
         default=None,
         help="JSON object or @file.json: backend keys plus prefetch_threshold, prefetch_timeout_*",
+    )
+    k = p.add_argument_group("KV events (routers that subscribe to the pages an instance holds)")
+    k.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='SGLang\'s and vLLM\'s flag: e.g. \'{"publisher": "zmq", "endpoint":'
+        ' "tcp://*:5557", "topic": "kv"}\' also publishes over ZMQ; {"publisher": "null"}'
+        " keeps them for gRPC subscribers only (default: off)",
     )
     h = p.add_argument_group("hybrid models (sliding-window pools, recurrent-state snapshots)")
     h.add_argument(
@@ -426,6 +436,7 @@ FIELD_FLAGS = {
     "negative_ttl_s": "--hicache-storage-negative-ttl",
     "storage_negative_entries": "--hicache-storage-negative-entries",
     "restore_max_ops": "--hicache-restore-max-ops",
+    "kv_events": "--kv-events-config",
     "restore_max_bytes": "--hicache-restore-max-bytes",
     "negative_max_entries": "--hicache-storage-negative-entries",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -620,6 +631,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             dist_init_addr=getattr(a, "dist_init_addr", None),
         ),
         disagg=_disagg_config(a),
+        kv_events=_kv_events_config(getattr(a, "kv_events_config", None)),
         **kwargs,
     )
     check_sizes_in_gb(config)
@@ -685,6 +697,15 @@ def check_sizes_in_gb(config: EngineConfig) -> None:
             memory,
             "--device-cache-size or --hicache-size",
         )
+
+
+def _kv_events_config(text: str | None) -> KvEventsConfig | None:
+    if text is None:
+        return None
+    try:
+        return KvEventsConfig.parse(text)
+    except ValueError as exc:
+        raise FlagError("--kv-events-config", text, str(exc)) from None
 
 
 def _extra_config(text: str | None) -> dict[str, object]:
