@@ -301,3 +301,49 @@ def test_the_grpc_port_obeys_host(worker: ServerProcess) -> None:
     assert mine, f"nothing listens on {port}"
     loopback = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1, ::ffff:127.0.0.1
     assert all(a.rsplit(":", 1)[0] in loopback for a in mine), mine
+
+
+def test_smg_subscribes_to_the_workers_kv_events(smg: Smg, worker: ServerProcess) -> None:
+    """``--grpc-mode`` turns the KV event hub on: smg's subscription stays connected, and
+    it routes a prompt whose first page the worker reported by those events (smg's
+    ``event_hit``)."""
+    smg.wait_log("KV event stream connected")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    hit = f'Event-driven routing worker="{worker.grpc_url}" branch="event_hit"'
+    for _ in range(20):  # the first request's pages reach smg as events, then one hits
+        _post(smg.url, "/v1/chat/completions", body)
+        if hit in smg.log_text():
+            break
+        time.sleep(0.1)
+    log = smg.log_text()
+    assert hit in log
+    assert "disabling KV event subscription" not in log
+
+
+def test_a_subscription_reports_a_served_prompts_pages(
+    stub: pb_grpc.SglangSchedulerStub, worker: ServerProcess
+) -> None:
+    """From 0: a resync first (``AllBlocksCleared``), then the pages a new prompt left,
+    each block its page's token ids (16 a page)."""
+    prompt = list(range(1000, 1040))  # 2 whole pages and a part, in no other test
+    events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+    try:
+        first = next(events)
+        assert first.events[0].WhichOneof("data") == "cleared"
+        done = stub.Generate(
+            _generate(
+                tokenized=pb.TokenizedInput(input_ids=prompt), sampling={"max_new_tokens": 2}
+            ),
+            timeout=60,
+        )
+        assert [m.complete.finish_reason for m in done] == ["length"]
+        stored: list[list[int]] = []
+        for batch in events:
+            for event in batch.events:
+                if event.WhichOneof("data") == "stored":
+                    stored += [list(b.token_ids) for b in event.stored.blocks]
+            if prompt[16:32] in stored:
+                break
+        assert prompt[:16] in stored and prompt[16:32] in stored
+    finally:
+        events.cancel()

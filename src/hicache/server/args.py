@@ -175,7 +175,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='SGLang\'s and vLLM\'s flag: e.g. \'{"publisher": "zmq", "endpoint":'
         ' "tcp://*:5557", "topic": "kv"}\' also publishes over ZMQ; {"publisher": "null"}'
-        " keeps them for gRPC subscribers only (default: off)",
+        " keeps them for gRPC subscribers only (default: off; with --grpc-mode,"
+        ' {"publisher": "null"}; {"enable_kv_cache_events": false} turns them off)',
     )
     h = p.add_argument_group("hybrid models (sliding-window pools, recurrent-state snapshots)")
     h.add_argument(
@@ -292,7 +293,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also serve smg's SglangScheduler gRPC service (an smg gRPC worker:"
         " --worker-urls grpc://HOST:GRPC_PORT) on --host : --grpc-port; the HTTP API"
-        " stays on --port (docs/router.md)",
+        " stays on --port; KV events on unless --kv-events-config (docs/router.md)",
     )
     s.add_argument(
         "--grpc-port",
@@ -631,7 +632,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             dist_init_addr=getattr(a, "dist_init_addr", None),
         ),
         disagg=_disagg_config(a),
-        kv_events=_kv_events_config(getattr(a, "kv_events_config", None)),
+        kv_events=_kv_events_config(
+            getattr(a, "kv_events_config", None), getattr(a, "grpc_mode", False)
+        ),
         **kwargs,
     )
     check_sizes_in_gb(config)
@@ -699,9 +702,11 @@ def check_sizes_in_gb(config: EngineConfig) -> None:
         )
 
 
-def _kv_events_config(text: str | None) -> KvEventsConfig | None:
+def _kv_events_config(text: str | None, grpc_mode: bool = False) -> KvEventsConfig | None:
+    """``--kv-events-config``'s config; without the flag, the hub alone with
+    ``--grpc-mode`` (smg subscribes to every gRPC worker's events), else off."""
     if text is None:
-        return None
+        return KvEventsConfig() if grpc_mode else None
     try:
         return KvEventsConfig.parse(text)
     except ValueError as exc:

@@ -3,7 +3,8 @@ what ``hicache serve --grpc-mode`` answers on its gRPC port.
 
 The RPCs smg 1.13 calls on an SGLang worker: ``HealthCheck`` (registration and its health
 checks: the engine's health, as ``GET /health``), ``GetModelInfo``, ``GetServerInfo``,
-``GetLoads`` (polled), ``SubscribeKvEvents`` (at registration), ``GetTokenizer`` (when
+``GetLoads`` (polled), ``SubscribeKvEvents`` (at registration: the engine's KV event
+hub, :mod:`hicache.kv_events`, as smg's ``KvEventBatch`` stream), ``GetTokenizer`` (when
 the tokenizer path it is told does not load where smg runs), ``Generate`` (streamed;
 token ids in, token ids out: smg tokenizes and detokenizes), ``Abort`` (a dropped stream)
 and ``FlushCache`` (its ``POST /flush_cache``). One :class:`~hicache.server.state.ServerState`
@@ -34,6 +35,8 @@ from hicache.engine.admission import AdmissionRefused, EngineUnhealthy
 from hicache.engine.front.engine import EngineStats
 from hicache.engine.sampling import InvalidRequest
 from hicache.failures import FailureKind, failure_kind
+from hicache.kv_events import ReplayUnavailable, SubscriberLagged, SubscriptionClosed
+from hicache.kv_events.proto import to_protos
 from hicache.server.fanout import Ending, Fanout
 from hicache.server.grpc_worker.generate_reply import SequenceReply
 from hicache.server.grpc_worker.generate_request import GrpcInvalid, grpc_param, plan_generate
@@ -43,12 +46,14 @@ from hicache.server.grpc_worker.tokenizer_bundle import TokenizerBundle, tokeniz
 from hicache.server.responses import new_id
 from hicache.server.state import ServerState
 
-__all__ = ["FLUSH_POLL_S", "SchedulerServicer"]
+__all__ = ["FLUSH_POLL_S", "KV_EVENTS_POLL_S", "SchedulerServicer"]
 
 log = logging.getLogger(__name__)
 
 FLUSH_POLL_S = 0.05
 """How often ``FlushCache`` with a ``timeout_s`` tries again while requests run."""
+KV_EVENTS_POLL_S = 0.01
+"""How often a ``SubscribeKvEvents`` stream looks for new batches (seconds)."""
 _STATS_WAIT_S = 5.0
 
 _FAILURE_CODES = {
@@ -286,12 +291,43 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The engine's KV event batches (:attr:`Engine.kv_events`), from a resync
+        (``start_sequence_number`` 0: ``AllBlocksCleared`` then every resident page) or
+        from the kept history after a cursor (``OUT_OF_RANGE`` when it does not reach
+        back); a subscriber that falls behind its bounded buffer is cut off with
+        ``DATA_LOSS`` (smg resubscribes from 0). Polled every :data:`KV_EVENTS_POLL_S`:
+        the engine never waits on a stream."""
         await self._guard("SubscribeKvEvents", context)
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "SubscribeKvEvents: this worker does not publish KV cache events yet",
-        )
-        yield common_pb2.KvEventBatch()  # pragma: no cover (abort raises)
+        hub = self.engine.kv_events
+        if hub is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "SubscribeKvEvents: KV events are off on this worker (--kv-events-config"
+                " '{\"enable_kv_cache_events\": false}')",
+            )
+            return
+        try:
+            sub = hub.subscribe(request.start_sequence_number)
+        except ReplayUnavailable as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"start_sequence_number: {exc}")
+        except SubscriptionClosed as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        try:
+            await context.send_initial_metadata(())  # the subscriber's call resolves now
+            while True:
+                try:
+                    batch = sub.get(timeout=0)
+                except SubscriberLagged as exc:
+                    await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+                except SubscriptionClosed as exc:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                if batch is None:
+                    await asyncio.sleep(KV_EVENTS_POLL_S)
+                    continue
+                for message in to_protos(batch):
+                    yield message
+        finally:
+            sub.close()
 
 
 async def _invalid(context: grpc.aio.ServicerContext, message: str, param: str) -> NoReturn:
