@@ -7,7 +7,9 @@ another host), so it tokenizes with the bundle ``GetTokenizer`` streams; greedy 
 through it (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, streamed and
 not) equal the worker's own HTTP answers. A malformed ``Generate`` sent straight to the
 worker gets ``INVALID_ARGUMENT`` naming the field (the worker stays up); a wrong key is
-refused; a call that goes away aborts its request. One worker and one smg for the module.
+refused; a call that goes away aborts its request; smg routes the worker by the KV events
+it streams. A prefill/decode pair of gRPC workers behind smg in PD mode answers as the
+plain worker does. One worker and one smg for the module (and the pair for its test).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from hicache.bench.serverproc import ServerProcess
 from hicache.runner.checkpoints import resolve_checkpoint
+from hicache.services.process import free_port
 from tests.helpers.smg import Smg
-from tests.router.conftest import ROUTER_KEY, StartWorker
+from tests.router.conftest import ROUTER_KEY, WORKER_FLAGS, StartWorker
+from tests.router.test_smg_pd import assert_idle, pd_flags
 
 MODEL = "tiny-random-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to"
@@ -347,3 +351,52 @@ def test_a_subscription_reports_a_served_prompts_pages(
         assert prompt[:16] in stored and prompt[16:32] in stored
     finally:
         events.cancel()
+
+
+def _pd_answers(url: str) -> dict[str, object]:
+    """Greedy answers on the three routes (``/generate`` not streamed: smg's PD answer
+    streams the decode side's chunks only), ``n`` = 2 on completions."""
+    gen = {
+        "model": MODEL,
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+    }
+    comp = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "n": 2}
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    generated = _post(url, "/generate", gen)
+    generated = generated[0] if isinstance(generated, list) else generated  # smg's: a list
+    chat_stream = "".join(
+        c["delta"].get("content") or ""
+        for e in _events(url, "/v1/chat/completions", chat)
+        for c in e["choices"]
+    )
+    return {
+        "generate": generated["output_ids"],
+        "completions": sorted(
+            (c["index"], c["text"]) for c in _post(url, "/v1/completions", comp)["choices"]
+        ),
+        "chat": _post(url, "/v1/chat/completions", chat)["choices"][0]["message"]["content"],
+        "chat stream": chat_stream,
+    }
+
+
+def test_a_pd_pair_of_grpc_workers_answers_as_the_plain_worker(worker: ServerProcess) -> None:
+    bootstrap = free_port()
+    prefill_flags, decode_flags = pd_flags(MODEL, "mooncake", bootstrap)
+    pair = [
+        ServerProcess([*WORKER_FLAGS, *f], startup_timeout_s=120.0, grpc=True)
+        for f in (prefill_flags, decode_flags)
+    ]
+    try:
+        prefill, decode = (p.start() for p in pair)
+        router = Smg(
+            prefill=[(prefill.grpc_url, bootstrap)], decode=[decode.grpc_url], policy="round_robin"
+        )
+        with router:
+            router.wait_log(f"Successfully loaded tokenizer '{MODEL}'")
+            got = _pd_answers(router.url)
+        assert got == _pd_answers(worker.url)
+        assert_idle(prefill, decode)
+    finally:
+        for p in pair:
+            p.close()
