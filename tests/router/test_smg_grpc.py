@@ -202,6 +202,22 @@ def test_malformed_generate_is_invalid_argument_naming_the_field(
     assert health.healthy, health.message
 
 
+@pytest.mark.parametrize("rpc", ["Generate", "GetLoads"])
+def test_bytes_that_are_no_message_are_invalid_argument(worker: ServerProcess, rpc: str) -> None:
+    with grpc.insecure_channel(worker.grpc_url.removeprefix("grpc://")) as channel:
+        path = f"/sglang.grpc.scheduler.SglangScheduler/{rpc}"
+        call = (channel.unary_stream if rpc == "Generate" else channel.unary_unary)(path)
+        with pytest.raises(grpc.RpcError) as caught:
+            answer = call(b"\xff\xff\xff", timeout=10)
+            list(answer) if rpc == "Generate" else answer
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("request: not a valid sglang.grpc.scheduler.")
+        embed = channel.unary_unary("/sglang.grpc.scheduler.SglangScheduler/Embed")
+        with pytest.raises(grpc.RpcError) as caught:
+            embed(b"", timeout=10)
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_direct_generate_streams_chunks_then_the_complete(
     stub: pb_grpc.SglangSchedulerStub,
 ) -> None:
