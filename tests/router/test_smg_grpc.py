@@ -247,8 +247,12 @@ def test_direct_generate_streams_chunks_then_the_complete(
     assert chunks[0] == chunks[1]  # greedy copies
 
 
-def test_keys_are_checked_as_over_http(stub: pb_grpc.SglangSchedulerStub) -> None:
-    """The worker has ``--admin-api-key`` (no ``--api-key``): FlushCache wants it."""
+def test_keys_are_checked_as_over_http(stub: pb_grpc.SglangSchedulerStub, smg: Smg) -> None:
+    """The worker has ``--admin-api-key`` (no ``--api-key``): FlushCache wants it, and
+    smg 1.13 sends no key over gRPC, so its flush fan-out is refused (206)."""
+    r = httpx.post(f"{smg.url}/flush_cache", timeout=30)
+    assert r.status_code == 206, r.text
+    assert "FlushCache: admin API key missing or wrong" in r.json()["failed"][0]["error"]
     flush = common_pb2.FlushCacheRequest(timeout_s=5.0)
     for metadata in ((), (("authorization", "Bearer wrong"),)):
         with pytest.raises(grpc.RpcError) as caught:
