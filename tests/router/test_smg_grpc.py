@@ -373,6 +373,25 @@ def test_a_subscription_reports_a_served_prompts_pages(
         events.cancel()
 
 
+LOGPROBS = {
+    "model": MODEL,
+    "text": PROMPT,
+    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+    "return_logprob": True,
+    "logprob_start_len": 0,
+}
+"""A greedy ``/generate`` asking every prompt token's logprob and the output's."""
+
+
+def _assert_logprobs(got: list[list[Any]], want: list[list[Any]]) -> None:
+    """smg's ``[logprob, id]`` entries against the worker's ``[logprob, id, text]``: the
+    same ids, the logprobs within 1e-4 (the first prompt token's is null in both)."""
+    assert [int(g[1]) for g in got] == [int(w[1]) for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert (g[0] is None) == (w[0] is None)
+        assert g[0] is None or abs(g[0] - w[0]) < 1e-4, (g, w)
+
+
 def _pd_answers(url: str) -> dict[str, object]:
     """Greedy answers on the three routes (``/generate`` not streamed: smg's PD answer
     streams the decode side's chunks only), ``n`` = 2 on completions."""
@@ -415,7 +434,11 @@ def test_a_pd_pair_of_grpc_workers_answers_as_the_plain_worker(worker: ServerPro
         with router:
             router.wait_log(f"Successfully loaded tokenizer '{MODEL}'")
             got = _pd_answers(router.url)
+            (scored,) = _post(router.url, "/generate", LOGPROBS)
         assert got == _pd_answers(worker.url)
+        want = _post(worker.url, "/generate", LOGPROBS)["meta_info"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            _assert_logprobs(scored["meta_info"][key], want[key])
         assert_idle(prefill, decode)
     finally:
         for p in pair:

@@ -158,7 +158,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 stream=plan.stream,
                 stream_interval=plan.stream_interval,
                 logprobs=plan.plan.logprobs is not None,
-                prompt_logprobs=plan.plan.prompt_lp is not None,
+                # a prefill instance's half of a pair: its decode instance answers them
+                prompt_logprobs=plan.plan.prompt_lp is not None
+                and not state.answered_elsewhere(job),
                 logprob_start=plan.logprob_start,
                 eos_ids=self.eos_ids,
                 decode=self._decode,
