@@ -15,6 +15,8 @@ plain worker does. One worker and one smg for the module (and the pair for its t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +57,11 @@ def worker(start_worker: StartWorker, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def smg(worker: ServerProcess) -> Iterator[Smg]:
-    with Smg(worker_urls=[worker.grpc_url], policy="cache_aware") as router:
+    with Smg(
+        worker_urls=[worker.grpc_url],
+        policy="cache_aware",
+        extra_args=["--health-check-timeout-secs", "1"],  # a frozen worker is out in ~3 s
+    ) as router:
         router.wait_log(f"Successfully loaded tokenizer '{MODEL}'")  # listed ready before
         yield router
 
@@ -443,3 +449,34 @@ def test_a_pd_pair_of_grpc_workers_answers_as_the_plain_worker(worker: ServerPro
     finally:
         for p in pair:
             p.close()
+
+
+def _healthy(smg: Smg, url: str, want: bool, what: str) -> None:
+    smg.wait_workers(
+        lambda ws: any(w["url"] == url and w["is_healthy"] is want for w in ws), 20.0, what
+    )
+
+
+def test_stalls_either_side_of_the_grpc_link(smg: Smg, worker: ServerProcess) -> None:
+    """smg frozen (SIGSTOP) while subscribed to the worker's KV events: the worker still
+    answers at once (its events wait in the subscriber's bounded buffer). The worker
+    frozen: smg's HealthCheck times out and takes it out; resumed, it is back and answers.
+    Last in the module: it stops the module's worker for a while."""
+    assert smg.proc is not None and worker.proc is not None
+    os.kill(smg.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(4):
+            body = {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 4, "temperature": 0}
+            start = time.monotonic()
+            _post(worker.url, "/v1/completions", body)
+            assert time.monotonic() - start < 5
+    finally:
+        os.kill(smg.proc.pid, signal.SIGCONT)
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        _healthy(smg, worker.grpc_url, False, "the frozen worker taken out")
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+    _healthy(smg, worker.grpc_url, True, "the resumed worker back")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    assert _post(smg.url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
