@@ -23,6 +23,8 @@ def test_their_keys_parse_and_disabled_is_none() -> None:
         max_queue_size=10,
     )
     assert KvEventsConfig.parse('{"publisher": null}') == KvEventsConfig()
+    sglang = KvEventsConfig.parse('{"publisher": "zmq", "bind": true, "format": "default"}')
+    assert sglang == KvEventsConfig(publisher="zmq", bind=True)
     assert KvEventsConfig.parse('{"enable_kv_cache_events": false, "publisher": "zmq"}') is None
 
 
@@ -33,6 +35,8 @@ def test_their_keys_parse_and_disabled_is_none() -> None:
         ('{"endpoint": "localhost:1"}', r"endpoint='localhost:1' is invalid"),
         ('{"hwm": 0}', r"hwm=0 is invalid"),
         ('{"nope": 1}', r"\['nope'\] is invalid; unknown keys"),
+        ('{"format": "dynamo"}', r"format='dynamo' is invalid"),
+        ('{"bind": 1}', r"bind=1 is invalid"),
         ("[1]", r"must be a JSON object"),
         ("{", r"must be a JSON object"),
     ],

@@ -127,7 +127,7 @@ def test_metrics_count_what_was_published(engine: Engine) -> None:
 
 
 def test_a_restart_clears_what_was_reported(engine: Engine) -> None:
-    """Runs last in this module: it closes and restarts the shared engine."""
+    """After the other tests of the shared engine: it closes and restarts it."""
     hub = engine.kv_events
     assert hub is not None
     engine.generate(PROMPT, GREEDY, timeout=60)
@@ -141,3 +141,37 @@ def test_a_restart_clears_what_was_reported(engine: Engine) -> None:
         engine.generate(PROMPT, GREEDY, timeout=60)
         stored = [e for e in _events(sub) if isinstance(e, BlockStored)]
         assert [h for e in stored for h in e.block_hashes][:11] == _chain(PROMPT)
+
+
+def test_an_engine_with_publisher_zmq_serves_its_events_over_zmq() -> None:
+    import msgspec
+    import zmq
+
+    cfg = KvEventsConfig(
+        publisher="zmq", endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"
+    )
+    with make_engine(kv_events=cfg) as zmq_engine:
+        pub = zmq_engine.kv_zmq
+        assert pub is not None and pub.replay_address is not None
+        zmq_engine.generate(PROMPT, GREEDY, timeout=60)
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(pub.replay_address)
+        stored: list[int] = []
+        deadline = 20_000
+        while len(stored) < 44:  # the publisher thread may still be sending
+            req.send_multipart((b"", (0).to_bytes(8, "big")))
+            while True:
+                assert req.poll(deadline)
+                _, _, seq, payload = req.recv_multipart()
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    break
+                _, events, _ = msgspec.msgpack.decode(payload)
+                stored += [t for e in events if e["type"] == "BlockStored" for t in e["token_ids"]]
+            if len(stored) < 44:
+                stored.clear()
+        assert stored[:44] == PROMPT[:44]
+        req.close()
+        ctx.term()
+    assert zmq_engine.kv_zmq is None  # closed with the engine

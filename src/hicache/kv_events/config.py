@@ -25,6 +25,8 @@ class KvEventsConfig:
         publisher: one of :data:`PUBLISHERS`.
         endpoint: the ZMQ PUB address; one with ``*`` / ``::``, port 0, or an ``ipc://``
             / ``inproc://`` one is bound, any other is connected to (as vLLM does).
+        bind: bind (True) or connect (False) the PUB socket whatever the address says
+            (SGLang's key; None: the rule above).
         replay_endpoint: a ZMQ ROUTER address (bound) answering replay requests (an 8-byte
             big-endian start sequence) with the kept batches, or None.
         buffer_steps: batches the ZMQ publisher keeps for replay.
@@ -37,6 +39,7 @@ class KvEventsConfig:
 
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
+    bind: bool | None = None
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
@@ -56,6 +59,12 @@ class KvEventsConfig:
                 value,
                 f"must be a ZMQ address starting with one of {_ENDPOINT_SCHEMES}",
             )
+        require(
+            self.bind is None or isinstance(self.bind, bool),
+            "bind",
+            self.bind,
+            "must be a bool or null",
+        )
         int_at_least("buffer_steps", self.buffer_steps, 1)
         int_at_least("hwm", self.hwm, 1)
         int_at_least("max_queue_size", self.max_queue_size, 1)
@@ -64,10 +73,10 @@ class KvEventsConfig:
 
     @classmethod
     def parse(cls, text: str) -> KvEventsConfig | None:
-        """The config of a ``--kv-events-config`` JSON object (vLLM's and SGLang's keys;
-        ``enable_kv_cache_events: false`` or ``publisher: "null"`` with nothing else set
-        still turns the hub on only when ``enable_kv_cache_events`` is not false). Returns
-        None when events are disabled. Raises ValueError naming a bad or unknown key."""
+        """The config of a ``--kv-events-config`` JSON object (vLLM's and SGLang's keys,
+        SGLang's ``format`` only as ``"default"``). Returns None when
+        ``enable_kv_cache_events`` is false (vLLM's switch). Raises ValueError naming a bad
+        or unknown key."""
         try:
             raw: Any = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -78,6 +87,13 @@ class KvEventsConfig:
         raw = dict(raw)
         enabled = raw.pop("enable_kv_cache_events", True)
         require(isinstance(enabled, bool), "enable_kv_cache_events", enabled, "must be a bool")
+        fmt = raw.pop("format", "default")
+        require(
+            fmt == "default",
+            "format",
+            fmt,
+            "only SGLang's 'default' event format is published ('dynamo' hashes are not)",
+        )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         require(not unknown, "kv_events_config", unknown, f"unknown keys; known: {sorted(known)}")

@@ -191,6 +191,13 @@ class KvEventSubscription:
             self._cond.notify_all()
             return True
 
+    def _offer_first(self, batch: KvEventBatch) -> None:
+        """Put ``batch`` ahead of everything buffered (the snapshot, built after the
+        subscription was registered); never dropped."""
+        with self._cond:
+            self._buffer.appendleft(batch)
+            self._cond.notify_all()
+
     def _end(self) -> None:
         with self._cond:
             self._closed = True
@@ -276,23 +283,28 @@ class KvEventHub:
         reach back to ``n + 1`` or ``n`` is beyond the last published batch, and
         :class:`SubscriptionClosed` when the hub is closed."""
         int_at_least("start_sequence_number", start_sequence_number, 0)
-        with self._lock:
+        with self._lock:  # the publisher waits only for a copy of the mirror
             if self._closed:
                 raise SubscriptionClosed("KV event hub closed")
+            resident: list[tuple[int, _Block]] | None = None
             if start_sequence_number == 0:
-                first: list[KvEventBatch] = [self._snapshot()]
+                resident, seq = list(self._mirror.items()), self._seq
+                first: list[KvEventBatch] = []
             else:
                 first = self._replay(start_sequence_number)
-            sub = KvEventSubscription(self, self.config.buffer_batches + len(first))
+            sub = KvEventSubscription(self, self.config.buffer_batches + len(first) + 1)
             for batch in first:
                 sub._offer(batch)
             self._subs.append(sub)
-            return sub
+        if resident is not None:  # ahead of any live batch offered meanwhile
+            sub._offer_first(_snapshot(resident, seq, self._clock()))
+        return sub
 
     def snapshot(self) -> KvEventBatch:
         """``AllBlocksCleared`` then every resident page, at the last published sequence."""
         with self._lock:
-            return self._snapshot()
+            resident, seq = list(self._mirror.items()), self._seq
+        return _snapshot(resident, seq, self._clock())
 
     def stats(self) -> KvEventHubStats:
         """The counters now."""
@@ -351,24 +363,27 @@ class KvEventHub:
             elif isinstance(event, AllBlocksCleared):
                 mirror.clear()
 
-    def _snapshot(self) -> KvEventBatch:
-        events: list[KvEvent] = [AllBlocksCleared()]
-        run: list[tuple[int, _Block]] = []
-        for h, block in self._mirror.items():  # insertion order: parents first
-            if run:
-                last_h, last = run[-1]
-                same = (block.medium, block.cache_salt, block.block_size) == (
-                    last.medium,
-                    last.cache_salt,
-                    last.block_size,
-                )
-                if not (same and block.parent == last_h):
-                    events.append(_stored(run))
-                    run = []
-            run.append((h, block))
+
+def _snapshot(resident: list[tuple[int, _Block]], seq: int, now: float) -> KvEventBatch:
+    """The resync batch at sequence ``seq`` of the mirror's ``resident`` pages (in their
+    insertion order: parents first); a chain of one medium and salt is one event."""
+    events: list[KvEvent] = [AllBlocksCleared()]
+    run: list[tuple[int, _Block]] = []
+    for h, block in resident:
         if run:
-            events.append(_stored(run))
-        return KvEventBatch(self._seq, self._clock(), tuple(events), snapshot=True)
+            last_h, last = run[-1]
+            same = (block.medium, block.cache_salt, block.block_size) == (
+                last.medium,
+                last.cache_salt,
+                last.block_size,
+            )
+            if not (same and block.parent == last_h):
+                events.append(_stored(run))
+                run = []
+        run.append((h, block))
+    if run:
+        events.append(_stored(run))
+    return KvEventBatch(seq, now, tuple(events), snapshot=True)
 
 
 def _stored(run: list[tuple[int, _Block]]) -> BlockStored:

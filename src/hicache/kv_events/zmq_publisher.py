@@ -83,7 +83,8 @@ class ZmqKvEventPublisher:
             pub = self._pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            if _binds(self.config.endpoint):
+            bind = self.config.bind
+            if bind if bind is not None else _binds(self.config.endpoint):
                 pub.bind(self.config.endpoint)
                 self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:

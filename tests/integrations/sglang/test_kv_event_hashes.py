@@ -44,3 +44,34 @@ def test_block_hashes_equal_sglangs(salt: str | None) -> None:
     assert all(isinstance(e, BlockStored) for e in events)
     ours = [list(e.block_hashes) for e in events if isinstance(e, BlockStored)]
     assert ours == _sglang_hashes(salt)
+
+
+def test_sglangs_event_classes_decode_our_wire() -> None:
+    """The ZMQ payload decodes with SGLang's own ``KVEventBatch`` (its salt field too)."""
+    import msgspec
+    from sglang.srt.disaggregation import kv_events as sk
+
+    from hicache.kv_events import AllBlocksCleared, BlockRemoved, KvEventBatch, Medium
+    from hicache.kv_events.wire import encode_batch
+
+    batch = KvEventBatch(
+        3,
+        5.0,
+        (
+            BlockStored((-1, 2), None, (1, 2, 3, 4), PAGE, Medium.DEVICE, "acme"),
+            BlockRemoved((2,), Medium.HOST),
+            AllBlocksCleared(),
+        ),
+    )
+    got = msgspec.msgpack.Decoder(type=sk.KVEventBatch).decode(encode_batch(batch))
+    assert (got.ts, got.attn_dp_rank) == (5.0, 0)
+    stored, removed, cleared = got.events
+    assert isinstance(stored, sk.BlockStored) and isinstance(removed, sk.BlockRemoved)
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (
+        [-1, 2],
+        None,
+        [1, 2, 3, 4],
+    )
+    assert (stored.block_size, stored.medium, stored.cache_salt) == (PAGE, "GPU", "acme")
+    assert (removed.block_hashes, removed.medium) == ([2], "CPU")
+    assert isinstance(cleared, sk.AllBlocksCleared)
