@@ -3,7 +3,8 @@
 ``server -> engine -> {runner, cache, disagg}``; the cache side (``cache``,
 ``controller``, ``tree``, ``memory``, ``transfer``, ``storage``) never imports a serving
 room; ``disagg`` (prefill/decode transfer) sits below the engine and beside the cache;
-``integrations`` (hicache's L3 inside other engines) reach only the storage side. Inside
+``integrations`` (hicache's L3 inside other engines) reach only the storage side;
+``kv_events`` (residency reports for routers) reads the tree and is driven by the engine. Inside
 ``engine``, its rooms point one way too: ``front -> drivers -> step -> shared`` and
 ``front -> roles -> shared``, where *shared* is the package's own modules (the rank
 channel, step inputs, config, the role hooks, the request). Every import counts
@@ -30,6 +31,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "server": ("cache", "tree", "controller", "bench", "integrations"),
     "disagg": (*SERVING, "cache", "tree", "controller", "integrations"),
     "integrations": (*SERVING, "cache", "tree", "controller", "disagg"),
+    "kv_events": (*SERVING, "cache", "controller", "disagg", "integrations"),
     **{room: (*SERVING, "disagg", "integrations") for room in CACHE_SIDE},
 }
 """Room -> rooms it must not import (the HTTP side reaches the cache only through the

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib
 import logging
@@ -169,7 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hicache.server.app import create_app
-    from hicache.server.args import FlagError, check_flags
+    from hicache.server.args import FlagError, check_flags, grpc_port_of
     from hicache.server.listen import listen_on
 
     if args.nnodes > 1 and args.node_rank != 0:
@@ -179,6 +180,13 @@ def _serve(args: argparse.Namespace) -> int:
         listener = listen_on(args.host, args.port)  # held from here on, served by uvicorn
     except FlagError as exc:
         raise StartupError(str(exc)) from exc
+    grpc_port = grpc_port_of(args) if args.grpc_mode else None
+    if grpc_port is not None:
+        try:  # checked now, before the model loads; bound again once it has
+            listen_on(args.host, grpc_port, "--grpc-port").close()
+        except FlagError as exc:
+            listener.close()
+            raise StartupError(str(exc)) from exc
     with listener, _start_engine(args) as engine:
         app = create_app(
             engine,
@@ -189,7 +197,10 @@ def _serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             metrics_require_api_key=args.metrics_require_api_key,
         )
-        log.info("%s", _describe(engine, args.host, args.port))
+        address = _describe(engine, args.host, args.port)
+        if grpc_port is not None:
+            address += f", and gRPC (smg's SglangScheduler) on {args.host}:{grpc_port}"
+        log.info("%s", address)
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -205,11 +216,41 @@ def _serve(args: argparse.Namespace) -> int:
 
         engine.on_rank_failure(rank_died)
         with _exit_on_sigterm():
-            server.run(sockets=[listener])
+            if grpc_port is None:
+                server.run(sockets=[listener])
+            else:
+                asyncio.run(_serve_with_grpc(server, listener, app.state.hicache, args, grpc_port))
         if engine.rank_failure is not None:
             print(f"hicache serve: error: {engine.rank_failure}", file=sys.stderr)
             return 1
     return 0
+
+
+async def _serve_with_grpc(
+    server: Any, listener: Any, state: Any, args: argparse.Namespace, port: int
+) -> None:
+    """Serve HTTP (uvicorn's ``server`` on ``listener``) and smg's gRPC service on
+    ``args.host:port`` on one event loop, sharing ``state`` (the HTTP app's); the gRPC
+    server stops once uvicorn has (its calls cancelled after a second)."""
+    from hicache.engine.step.build import eos_ids
+    from hicache.server.grpc_worker.keys import GrpcKeys
+    from hicache.server.grpc_worker.server import GrpcWorker
+    from hicache.server.grpc_worker.servicer import SchedulerServicer
+
+    keys = GrpcKeys(
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        metrics_require_api_key=args.metrics_require_api_key,
+    )
+    servicer = SchedulerServicer(state, keys, eos_ids(state.engine.model))
+    try:
+        worker = await GrpcWorker(servicer, args.host, port).start()
+    except OSError as exc:
+        raise StartupError(f"--grpc-port {port}: {exc}") from exc
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        await worker.stop()
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -55,6 +55,9 @@ CASES = [
         "--hicache-storage-backend",
     ),
     (["serve", "--log-level", "loud"], "--log-level", "loud"),
+    (["serve", "--grpc-port", "40000"], "--grpc-port", "--grpc-mode"),
+    (["serve", "--grpc-mode", "--port", "60000"], "--grpc-port", "70000"),
+    (["serve", "--grpc-mode", "--port", "30001", "--grpc-port", "30001"], "--grpc-port", "30001"),
     (["serve", *TINY, "--metrics-require-api-key"], "--metrics-require-api-key", "--api-key"),
     (["serve", "--mamba-track-interval", "0"], "--mamba-track-interval", "0"),
     (["serve", "--swa-full-tokens-ratio", "0"], "--swa-full-tokens-ratio", "0"),
@@ -239,6 +242,19 @@ def test_port_in_use_is_one_line() -> None:
         port = s.getsockname()[1]
         r = run("serve", *TINY, "--port", str(port))
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_grpc_port_in_use_is_one_line() -> None:
+    """``--grpc-mode``: a gRPC port in use fails the start before the model loads."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("serve", *TINY, "--port", str(free_port()), "--grpc-mode", f"--grpc-port={port}")
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "--grpc-port" in errors[0] and str(port) in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_bootstrap_port_in_use_is_one_line() -> None:

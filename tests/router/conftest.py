@@ -35,12 +35,13 @@ def _smg_installed() -> None:
 
 @pytest.fixture(scope="module")
 def start_worker() -> Iterator[StartWorker]:
-    """Starts ``hicache serve`` workers (extra flags as arguments); stops them all at the
-    module's end, whatever happened."""
+    """Starts ``hicache serve`` workers (extra flags as arguments; ``grpc=True``: also an
+    smg gRPC worker, :attr:`ServerProcess.grpc_url`); stops them all at the module's end,
+    whatever happened."""
     started: list[ServerProcess] = []
 
-    def start(*flags: str) -> ServerProcess:
-        server = ServerProcess([*WORKER_FLAGS, *flags], startup_timeout_s=120.0)
+    def start(*flags: str, grpc: bool = False) -> ServerProcess:
+        server = ServerProcess([*WORKER_FLAGS, *flags], startup_timeout_s=120.0, grpc=grpc)
         started.append(server)
         return server.start()
 

@@ -106,6 +106,8 @@ class ServerProcess(LoggedProcess):
 
     ``flags`` are ``hicache serve`` flags (without ``--host`` / ``--port``, which are
     chosen here). ``startup_timeout_s`` bounds the wait for ``/health`` (seconds).
+    ``grpc``: also serve smg's gRPC worker protocol (``--grpc-mode``) on a free port of
+    its own (:attr:`grpc_url`, the worker URL smg takes).
     """
 
     log_prefix = "hicache-bench-server-"
@@ -117,16 +119,25 @@ class ServerProcess(LoggedProcess):
         host: str = LOOPBACK,
         startup_timeout_s: float = 300.0,
         grace_s: float = 10.0,
+        grpc: bool = False,
     ) -> None:
         super().__init__(grace_s)
         self.flags = list(flags)
         self.host = host
         self.port = 0
+        self.grpc = grpc
+        self.grpc_port = 0
+        """The gRPC port (with ``grpc``; 0 before :meth:`start`)."""
         self.startup_timeout_s = startup_timeout_s
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``grpc://host:port``: the server as an smg gRPC worker (with ``grpc``)."""
+        return f"grpc://{self.host}:{self.grpc_port}"
 
     @property
     def command(self) -> list[str]:
@@ -143,8 +154,22 @@ class ServerProcess(LoggedProcess):
     def start(self) -> ServerProcess:
         """Launch and wait until ``/health`` answers 200; ServerError (with the log) if not."""
         self.port = free_port(self.host)
+        grpc_flags: list[str] = []
+        if self.grpc:
+            self.grpc_port = free_port(self.host)
+            while self.grpc_port == self.port:
+                self.grpc_port = free_port(self.host)
+            grpc_flags = ["--grpc-mode", "--grpc-port", str(self.grpc_port)]
         self.spawn(
-            [*self.command, *self._admin_flags(), "--host", self.host, "--port", str(self.port)]
+            [
+                *self.command,
+                *self._admin_flags(),
+                *grpc_flags,
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+            ]
         )
         assert self.proc is not None
         end = time.monotonic() + self.startup_timeout_s

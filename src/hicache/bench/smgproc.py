@@ -6,7 +6,8 @@ registered, ready and healthy (``GET /workers``) within ``startup_timeout_s``; `
 stops it by PID (SIGTERM, then SIGKILL), keeping the log when asked. Use it (or
 :func:`smg_router`) as a context manager. Regular mode: ``Smg(worker_urls=[a, b],
 policy="cache_aware")``; PD mode: ``Smg(prefill=[(url, bootstrap_port)], decode=[url])``
-(port None gives ``none``). Without an ``smg`` executable (:func:`smg_path`) ``start()``
+(port None gives ``none``); a gRPC worker's URL is ``grpc://host:port``
+(:attr:`hicache.bench.serverproc.ServerProcess.grpc_url`). Without an ``smg`` executable (:func:`smg_path`) ``start()``
 raises :class:`SmgNotFoundError` (a skip in tests). Health checks and load polls run
 every second (smg's defaults: 60 s and 10 s); ``extra_args`` adds other flags.
 """
@@ -245,6 +246,16 @@ class Smg(LoggedProcess):
         if self.log_path is None or not self.log_path.exists():
             return ""
         return _ANSI.sub("", self.log_path.read_text(errors="replace"))
+
+    def wait_log(self, text: str, timeout_s: float = 30.0) -> None:
+        """Wait until smg's log holds ``text`` (polled every 0.1 s); :class:`SmgError`
+        with the log's tail when smg exits or ``timeout_s`` seconds pass first. smg
+        lists a worker ready before it has registered the worker's tokenizer, for one."""
+        end = time.monotonic() + timeout_s
+        while text not in self.log_text():
+            if self.proc is None or self.proc.poll() is not None or time.monotonic() > end:
+                raise SmgError(f"smg's log did not show {text!r}\n{self.describe_log()}")
+            time.sleep(0.1)
 
     def describe_log(self, lines: int = 60) -> str:
         """Where the log is and its last ``lines`` lines, for error messages."""

@@ -45,6 +45,7 @@ from hicache.metrics import CacheCounters
 from hicache.spec import CacheSpec, KVSpec
 from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
+from hicache.tree.residency import ResidencyObserver
 from hicache.validate import number_at_least
 
 __all__ = ["DEFAULT_WAIT_TIMEOUT_S", "CacheContext", "HiCache"]
@@ -408,6 +409,11 @@ class HiCache(Lifecycle):
         self.full.reset()
         self.stores.reset(self.full.tiers)
         tree.reset()
+
+    def observe_residency(self, observer: ResidencyObserver | None) -> None:
+        """Report every change of where full-KV pages live on this instance (L1 or L2) to
+        ``observer`` (KV events; ``None`` stops); it is called in the owner's thread."""
+        self._tree.observe_residency(observer)
 
     @property
     def backing_up(self) -> bool:

@@ -28,6 +28,7 @@ from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT
 from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.schedule_config import SchedulerConfig
 from hicache.engine.tp_fit import check_tp_fits
+from hicache.kv_events.config import KvEventsConfig
 from hicache.runner.kernels import AttentionBackend
 from hicache.storage.registry import StorageConfig, storage_config_from_args
 from hicache.validate import int_at_least, is_finite_number, require
@@ -125,6 +126,10 @@ class EngineConfig:
     restore_max_bytes: int | None = None
     """L2 bytes restores may hold at most (the whole pages of their prefixes, per rank);
     one that would pass it is refused (429). None: half the L2 pool. At least 1."""
+    kv_events: KvEventsConfig | None = None
+    """KV events (``--kv-events-config``): rank 0 reports the pages its instance holds to
+    :attr:`Engine.kv_events <hicache.engine.front.engine.Engine.kv_events>` (and over ZMQ
+    with ``publisher="zmq"``); None: off, at no cost."""
 
     def __post_init__(self) -> None:
         check_tp_fits(self.tp_size, "cpu")  # an int >= 1; the devices are per node:
@@ -166,6 +171,12 @@ class EngineConfig:
         )
         int_at_least("unhealthy_after_failed_steps", self.unhealthy_after_failed_steps, 1)
         int_at_least("restore_max_ops", self.restore_max_ops, 1)
+        require(
+            self.kv_events is None or isinstance(self.kv_events, KvEventsConfig),
+            "kv_events",
+            self.kv_events,
+            "must be a KvEventsConfig or None",
+        )
         if self.restore_max_bytes is not None:
             int_at_least("restore_max_bytes", self.restore_max_bytes, 1, "(half of L2: None)")
         require(

@@ -9,13 +9,16 @@ decision fails, and checks that ``docs/security.md`` lists exactly these rows
 ``/model_info`` and ``/health_generate`` need ``--api-key`` when set; routes that change or
 discard cached state need ``--admin-api-key`` (403 when none is configured); ``/health`` is
 open; ``/metrics`` and the loads are open unless ``--metrics-require-api-key``. Why each:
-``docs/security.md``.
+``docs/security.md``. :func:`key_refusal` is the one check of a key, also used by the gRPC
+worker (:mod:`hicache.server.grpc_worker`) for its RPCs.
 """
 
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from starlette.requests import Request
@@ -26,7 +29,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hicache.server.http_base import error_response
 from hicache.server.state import ServerState
 
-__all__ = ["ROUTE_ACCESS", "Access", "AccessGuard", "markdown_table", "route_methods"]
+__all__ = [
+    "ROUTE_ACCESS",
+    "Access",
+    "AccessGuard",
+    "KeyRefusal",
+    "key_refusal",
+    "markdown_table",
+    "route_methods",
+]
 
 
 class Access(enum.Enum):
@@ -109,6 +120,48 @@ _WHAT = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class KeyRefusal:
+    """Why a call was refused its key: ``status`` 401 (key missing or wrong) or 403 (the
+    call needs the admin key and the server has none), and the message to answer."""
+
+    status: int
+    message: str
+
+
+def _bearer(authorization: str, key: str) -> bool:
+    """Whether ``authorization`` (the header's value) is ``Bearer <key>`` (compared in
+    constant time)."""
+    return secrets.compare_digest(authorization.encode(), f"Bearer {key}".encode())
+
+
+def key_refusal(
+    access: Access,
+    authorization: str,
+    *,
+    api_key: str | None,
+    admin_api_key: str | None,
+    metrics_require_api_key: bool = False,
+) -> KeyRefusal | None:
+    """None when a call whose ``Authorization`` value is ``authorization`` ("" when
+    absent) may use a route or RPC that needs ``access``; else why not."""
+    if access is Access.OPEN or (access is Access.METRICS and not metrics_require_api_key):
+        return None
+    if access is not Access.ADMIN:  # INFERENCE, and METRICS behind the api key
+        if api_key is None or _bearer(authorization, api_key):
+            return None
+        return KeyRefusal(401, "API key missing or wrong (Authorization: Bearer <key>)")
+    if admin_api_key is None:
+        return KeyRefusal(
+            403,
+            "this call needs the admin key and none is configured"
+            " (start the server with --admin-api-key)",
+        )
+    if _bearer(authorization, admin_api_key):
+        return None
+    return KeyRefusal(401, "admin API key missing or wrong (Authorization: Bearer <admin key>)")
+
+
 def route_methods(routes: list[BaseRoute]) -> set[tuple[str, str]]:
     """``(method, path)`` of every HTTP route (HEAD, which Starlette adds to GET, left
     out: it is answered as the GET is)."""
@@ -167,13 +220,14 @@ class AccessGuard:
         await self.app(scope, receive, send)
 
     def _check(self, access: Access, http: Request) -> Response | None:
-        if access is Access.OPEN:
-            return None
-        if access is Access.METRICS:
-            return self.state.authorized(http) if self.metrics_require_api_key else None
-        if access is Access.INFERENCE:
-            return self.state.authorized(http)
-        return self.state.admin(http)
+        refused = key_refusal(
+            access,
+            http.headers.get("authorization", ""),
+            api_key=self.state.api_key,
+            admin_api_key=self.state.admin_api_key,
+            metrics_require_api_key=self.metrics_require_api_key,
+        )
+        return None if refused is None else error_response(refused.status, refused.message)
 
 
 def _route_of(scope: Scope) -> str | None:

@@ -33,6 +33,7 @@ from hicache.engine.nodes import NodeConfig
 from hicache.engine.ranks import COLLECTIVE_TIMEOUT_S, DEFAULT_DIST_INIT_TIMEOUT_S
 from hicache.engine.restore_book import DEFAULT_RESTORE_MAX_OPS
 from hicache.engine.step.scheduler import SchedulePolicy, SchedulerConfig
+from hicache.kv_events.config import KvEventsConfig
 from hicache.memory import PoolSizeError, check_fits
 from hicache.server.http_base import DEFAULT_MAX_REQUEST_BYTES
 from hicache.storage.registry import parse_extra_config
@@ -167,6 +168,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON object or @file.json: backend keys plus prefetch_threshold, prefetch_timeout_*",
     )
+    k = p.add_argument_group("KV events (routers that subscribe to the pages an instance holds)")
+    k.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='SGLang\'s and vLLM\'s flag: e.g. \'{"publisher": "zmq", "endpoint":'
+        ' "tcp://*:5557", "topic": "kv"}\' also publishes over ZMQ; {"publisher": "null"}'
+        " keeps them for gRPC subscribers only (default: off; with --grpc-mode,"
+        ' {"publisher": "null"}; {"enable_kv_cache_events": false} turns them off)',
+    )
     h = p.add_argument_group("hybrid models (sliding-window pools, recurrent-state snapshots)")
     h.add_argument(
         "--swa-full-tokens-ratio",
@@ -276,6 +287,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; larger ones get a 413 (default 8 MiB)",
+    )
+    s.add_argument(
+        "--grpc-mode",
+        action="store_true",
+        help="also serve smg's SglangScheduler gRPC service (an smg gRPC worker:"
+        " --worker-urls grpc://HOST:GRPC_PORT) on --host : --grpc-port; the HTTP API"
+        " stays on --port; KV events on unless --kv-events-config (docs/router.md)",
+    )
+    s.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="the gRPC port with --grpc-mode (default --port + 10000, as SGLang's)",
     )
 
     n = p.add_argument_group("tensor parallelism across nodes (docs/deployment.md)")
@@ -413,6 +437,7 @@ FIELD_FLAGS = {
     "negative_ttl_s": "--hicache-storage-negative-ttl",
     "storage_negative_entries": "--hicache-storage-negative-entries",
     "restore_max_ops": "--hicache-restore-max-ops",
+    "kv_events": "--kv-events-config",
     "restore_max_bytes": "--hicache-restore-max-bytes",
     "negative_max_entries": "--hicache-storage-negative-entries",
     "prefetch_policy": "--hicache-storage-prefetch-policy",
@@ -527,6 +552,24 @@ def check_flags(a: argparse.Namespace) -> None:
         max_bytes = a.max_request_bytes
         if max_bytes < 1024:
             raise FlagError("--max-request-bytes", max_bytes, "must be >= 1024")
+        if getattr(a, "grpc_port", None) is not None and not a.grpc_mode:
+            raise FlagError("--grpc-port", a.grpc_port, "it needs --grpc-mode")
+        if getattr(a, "grpc_mode", False):
+            grpc_port = grpc_port_of(a)
+            if not 1 <= grpc_port <= 65535:
+                raise FlagError(
+                    "--grpc-port",
+                    grpc_port,
+                    "must be in [1, 65535] (without --grpc-port it is --port + 10000)",
+                )
+            if grpc_port == port:
+                raise FlagError("--grpc-port", grpc_port, "must differ from --port")
+
+
+def grpc_port_of(a: argparse.Namespace) -> int:
+    """The gRPC port of ``hicache serve --grpc-mode``: ``--grpc-port``, else ``--port`` +
+    10000 (SGLang's default for its ``--grpc-mode``)."""
+    return int(a.grpc_port) if a.grpc_port is not None else int(a.port) + 10000
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -589,6 +632,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             dist_init_addr=getattr(a, "dist_init_addr", None),
         ),
         disagg=_disagg_config(a),
+        kv_events=_kv_events_config(
+            getattr(a, "kv_events_config", None), getattr(a, "grpc_mode", False)
+        ),
         **kwargs,
     )
     check_sizes_in_gb(config)
@@ -654,6 +700,17 @@ def check_sizes_in_gb(config: EngineConfig) -> None:
             memory,
             "--device-cache-size or --hicache-size",
         )
+
+
+def _kv_events_config(text: str | None, grpc_mode: bool = False) -> KvEventsConfig | None:
+    """``--kv-events-config``'s config; without the flag, the hub alone with
+    ``--grpc-mode`` (smg subscribes to every gRPC worker's events), else off."""
+    if text is None:
+        return KvEventsConfig() if grpc_mode else None
+    try:
+        return KvEventsConfig.parse(text)
+    except ValueError as exc:
+        raise FlagError("--kv-events-config", text, str(exc)) from None
 
 
 def _extra_config(text: str | None) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""One HTTP request's engine requests: submit them, merge their outputs, watch the client.
+"""One client request's engine requests: submit them, merge their outputs, watch the client.
 
 An HTTP request becomes one or more engine requests (``n`` choices, a batch of prompts), one
 engine *group*. :class:`Fanout` submits them, yields every output as an :class:`Event` in
@@ -22,10 +22,9 @@ import enum
 import itertools
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-
-from starlette.requests import Request as HttpRequest
+from typing import Protocol
 
 from hicache.engine.admission import Reservation
 from hicache.engine.front.engine import Engine
@@ -39,6 +38,15 @@ DISCONNECT_POLL_S = 0.02
 """How often the client connection is checked while its request runs."""
 _ENGINE_CHECK_S = 0.5
 _groups = itertools.count()
+
+
+class Client(Protocol):
+    """Whoever waits for a fan-out's outputs: an HTTP request (Starlette's), or a gRPC
+    call (:mod:`hicache.server.grpc_worker`)."""
+
+    async def is_disconnected(self) -> bool:
+        """Whether the client has gone away (its request should be aborted)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +95,7 @@ class Fanout:
         self,
         engine: Engine,
         jobs: Sequence[Job],
-        http: HttpRequest,
+        http: Client,
         *,
         on_abort: Callable[[str], None] | None = None,
         reservation: Reservation | None = None,
@@ -166,7 +174,7 @@ class Fanout:
                 self._queue.put_nowait(Ending.DISCONNECTED)
                 return
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         """Every output of every job, until all finished or the run ends early."""
         try:
             for job in self.jobs:

@@ -17,12 +17,13 @@ LISTEN_BACKLOG = 2048
 """The HTTP socket's backlog (uvicorn's default)."""
 
 
-def listen_on(host: str, port: int) -> socket.socket:
+def listen_on(host: str, port: int, port_flag: str = "--port") -> socket.socket:
     """The server's HTTP socket, listening on ``host:port`` from now on (before the model
     loads; uvicorn serves it once the engine has started: a connection made meanwhile
     waits in the backlog). Checked and bound at once, and kept: nothing can take the port
-    between the check and the serving. :class:`FlagError` naming ``--host`` or ``--port``
-    for an address the server cannot listen on (does not resolve, in use, or not local)."""
+    between the check and the serving. :class:`FlagError` naming ``--host`` or
+    ``port_flag`` for an address the server cannot listen on (does not resolve, in use, or
+    not local)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -36,7 +37,7 @@ def listen_on(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise FlagError(
-            "--port", port, f"cannot listen on {host}:{port} ({exc.strerror or exc})"
+            port_flag, port, f"cannot listen on {host}:{port} ({exc.strerror or exc})"
         ) from None
     sock.set_inheritable(True)
     return sock

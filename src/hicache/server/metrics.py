@@ -123,6 +123,60 @@ class _AgreementCollector(Collector):
         )
 
 
+class _KvEventsCollector(Collector):
+    """The KV event hub's and its ZMQ publisher's counters, read at each scrape (nothing
+    without KV events)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        hub = self.engine.kv_events
+        if hub is None:
+            return
+        st = hub.stats()
+        counters = (
+            ("published_batches", "KV event batches published", st.published_batches),
+            ("published_events", "KV events published", st.published_events),
+            (
+                "dropped_batches",
+                "KV event batches a subscriber that fell behind did not get (per subscriber)",
+                st.dropped_batches,
+            ),
+            (
+                "dropped_events",
+                "KV events a subscriber that fell behind did not get (per subscriber)",
+                st.dropped_events,
+            ),
+            (
+                "lagged_subscriptions",
+                "KV event subscriptions that fell behind (ended, to resync)",
+                st.lagged_subscriptions,
+            ),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"hicache_kv_events_{name}", doc, value)
+        yield GaugeMetricFamily(
+            "hicache_kv_events_subscribers", "KV event subscriptions open", st.subscribers
+        )
+        yield GaugeMetricFamily(
+            "hicache_kv_events_resident_pages",
+            "Pages reported resident (L1 or L2) to KV event subscribers",
+            st.resident_blocks,
+        )
+        zmq = self.engine.kv_zmq
+        if zmq is not None:
+            z = zmq.stats()
+            yield CounterMetricFamily(
+                "hicache_kv_events_zmq_sent", "KV event messages sent over ZMQ", z.sent
+            )
+            yield CounterMetricFamily(
+                "hicache_kv_events_zmq_resyncs",
+                "Times the ZMQ publisher fell behind the hub and resynced",
+                z.resyncs,
+            )
+
+
 def cache_families(snap: EngineStats) -> Iterator[Metric]:
     """The metric families of one engine snapshot: the queues, L1 and L2 occupancy, every
     cache counter, and the L3 backend's figures. Each value under one name."""
@@ -367,6 +421,7 @@ class EngineMetrics:
         self._cache = _CacheCollector(model_name or engine.model.name)
         self.registry.register(self._cache)
         self.registry.register(_AgreementCollector(engine))
+        self.registry.register(_KvEventsCollector(engine))
         self.requests = Counter(
             "hicache_requests", "Finished requests", ["finish_reason"], registry=self.registry
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,11 +17,47 @@ from fastapi.responses import JSONResponse, Response
 
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
-from hicache.server.fanout import Event
+from hicache.server.fanout import Event, Job
 from hicache.server.http_base import bad_request, native_param
 from hicache.server.native import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, generate_body
+from hicache.server.protocol import SamplingFields
 from hicache.server.responses import error_body, new_id, output_logprobs, prompt_logprobs
 from hicache.server.state import ServerState, sse, stream
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """A ``/generate`` body made into engine requests: ``fields`` (the body in the OpenAI
+    model's terms, which the fan-out reads), the validated ``jobs`` (``n`` per prompt,
+    prompt-major), and the logprobs asked: ``logprobs`` per output token and
+    ``prompt_lp`` per prompt token (None: not asked; else the number of alternatives)."""
+
+    fields: SamplingFields
+    jobs: list[Job]
+    logprobs: int | None
+    prompt_lp: int | None
+
+
+def native_plan(
+    state: ServerState, body: GenerateRequest, prompts: list[list[int]], param: str
+) -> NativePlan:
+    """The engine requests of ``body`` whose prompts are ``prompts`` (token ids; ``param``
+    names them in errors). Raises :class:`InvalidRequest` naming the field as ``/generate``
+    spells it (before :func:`~hicache.server.http_base.native_param`). Shared by
+    ``/generate`` and the gRPC worker's ``Generate``."""
+    sp = body.sampling_params
+    body.check_logprob_start([len(p) for p in prompts])
+    logprobs, prompt_lp = body.logprob_counts()
+    fields = sp.as_openai(
+        logprobs=logprobs, prompt_logprobs=prompt_lp, logprob_start=body.logprob_start()
+    )
+    fields.cache_salt = body.cache_salt
+    fields.priority = body.priority
+    fields.session_id = body.session_id
+    fields.parent_session_id = body.parent_session_id
+    fields.session_ttl_ms = body.session_ttl_ms
+    jobs = state.jobs(prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param, rooms=body)
+    return NativePlan(fields, jobs, logprobs, prompt_lp)
 
 
 def add_native_routes(app: FastAPI, state: ServerState) -> None:
@@ -33,24 +70,13 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             raw, batched = body.prompts()
             param = "text" if body.text is not None else "input_ids"
             prompts = await state.prompt_ids(raw, param)
-            body.check_logprob_start([len(p) for p in prompts])
-            logprobs, prompt_lp = body.logprob_counts()
-            fields = sp.as_openai(
-                logprobs=logprobs, prompt_logprobs=prompt_lp, logprob_start=body.logprob_start()
-            )
-            fields.cache_salt = body.cache_salt
-            fields.priority = body.priority
-            fields.session_id = body.session_id
-            fields.parent_session_id = body.parent_session_id
-            fields.session_ttl_ms = body.session_ttl_ms
-            jobs = state.jobs(
-                prompts, fields, sp.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, param, rooms=body
-            )
+            plan = native_plan(state, body, prompts, param)
         except InvalidRequest as exc:
             return bad_request(str(exc), param=native_param(exc.param))
         except ValueError as exc:
             return bad_request(str(exc))
         rid = body.rid or new_id("gen")
+        fields, jobs, logprobs, prompt_lp = plan.fields, plan.jobs, plan.logprobs, plan.prompt_lp
         fan = state.fanout(http, jobs, fields)
         start = time.perf_counter()
         many = batched or sp.n > 1

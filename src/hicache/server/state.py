@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hicache.disagg.config import DisaggMode
@@ -30,7 +28,7 @@ from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import InvalidRequest
 from hicache.engine.session import SessionHint, session_kind
 from hicache.server.bootstrap_fields import BootstrapFields, bootstraps, copy_bootstrap
-from hicache.server.fanout import Ending, Fanout, Job
+from hicache.server.fanout import Client, Ending, Fanout, Job
 from hicache.server.http_base import error_response, failure_response
 from hicache.server.metrics import EngineMetrics
 from hicache.server.prompt_bound import NoBound, TokenBound, token_bound
@@ -107,33 +105,6 @@ class ServerState:
         self._tokenize_pool = ThreadPoolExecutor(
             max_workers=TOKENIZE_THREADS, thread_name_prefix="hicache-tokenize"
         )
-
-    # ------------------------------------------------------------------ keys
-
-    def authorized(self, http: Request) -> JSONResponse | None:
-        """None when ``http`` may use an inference endpoint, else the 401."""
-        if self.api_key is None:
-            return None
-        given = http.headers.get("authorization", "")
-        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            return None
-        return error_response(401, "API key missing or wrong (Authorization: Bearer <key>)")
-
-    def admin(self, http: Request) -> JSONResponse | None:
-        """None when ``http`` carries the admin key; else a 401 (key missing or wrong), or
-        a 403 when the server has no admin key (admin routes are then always refused)."""
-        if self.admin_api_key is None:
-            return error_response(
-                403,
-                "this route needs the admin key and none is configured"
-                " (start the server with --admin-api-key)",
-            )
-        given = http.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.admin_api_key}".encode()):
-            return error_response(
-                401, "admin API key missing or wrong (Authorization: Bearer <admin key>)"
-            )
-        return None
 
     # ------------------------------------------------------------------ prompts
 
@@ -313,7 +284,7 @@ class ServerState:
                 param="n",
             )
 
-    def fanout(self, http: Request, jobs: Sequence[Job], body: SamplingFields) -> Fanout:
+    def fanout(self, http: Client, jobs: Sequence[Job], body: SamplingFields) -> Fanout:
         """The fan-out running ``jobs`` for ``http``, one engine group, with a place in
         the engine's waiting queue reserved for every job first; its aborts are counted
         (by reason, and by ``body``'s session kind).

@@ -30,6 +30,7 @@ from hicache.tree.match import Matcher
 from hicache.tree.node import PageIds, TreeNode
 from hicache.tree.paths import Paths
 from hicache.tree.pins import Pins
+from hicache.tree.residency import ResidencyObserver
 from hicache.tree.results import ComponentStats, InsertResult, MatchResult, NodeEviction, TreeStats
 from hicache.tree.store import NodeStore
 from hicache.validate import int_at_least
@@ -90,6 +91,11 @@ class HiRadixTree:
     def reset(self) -> None:
         """Drop every node. The owner frees the pages it had handed to the tree."""
         self._store.reset()
+
+    def observe_residency(self, observer: ResidencyObserver | None) -> None:
+        """Tell ``observer`` of every change of a node's residency from now on (see
+        :mod:`hicache.tree.residency`); ``None`` stops. Called in the owner's thread."""
+        self._store.observer = observer
 
     @property
     def root(self) -> TreeNode:

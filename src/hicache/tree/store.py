@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from hicache.tokens import TOKEN_BYTES, TokenIds, encode_tokens
 from hicache.tree.components import TreeComponent
 from hicache.tree.node import PageIds, TreeNode, page_ids
+from hicache.tree.residency import ResidencyObserver
 from hicache.tree.results import TreeStats
 
 __all__ = ["NodeStore"]
@@ -40,16 +41,21 @@ class NodeStore:
         protected_pages: L1 pages of nodes with ``lock_ref > 0`` (kept by the pins and by
             :meth:`assign_device` / :meth:`take_device`).
         num_nodes: non-root nodes.
+        observer: told of each change of a node's residency (L1 or L2), or ``None``
+            (the default: KV events off, the hooks cost one test each).
     """
 
     def __init__(self, page_size: int, components: Sequence[TreeComponent]) -> None:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.components = tuple(components)
+        self.observer: ResidencyObserver | None = None
         self.reset()
 
     def reset(self) -> None:
         """Drop every node and zero the counters (the owner frees the pages)."""
+        if self.observer is not None:
+            self.observer.cleared()
         self._next_id = 0
         self.tick = 0
         self.root = self._new_root("")
@@ -122,6 +128,8 @@ class NodeStore:
             self.device_pages += len(device)
         if host is not None:
             self.host_pages += len(host)
+        if self.observer is not None and (device is not None or host is not None):
+            self.observer.resident(node)
         return node
 
     def split(self, child: TreeNode, at_page: int) -> TreeNode:
@@ -147,6 +155,8 @@ class NodeStore:
         head.children[child.key[: self.page_bytes]] = child
         parent.children[head.key[: self.page_bytes]] = head
         self.num_nodes += 1
+        if self.observer is not None:
+            self.observer.split(head, child, at_page)
         return head
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -181,6 +191,8 @@ class NodeStore:
         self.device_pages += len(pages)
         if node.lock_ref > 0:
             self.protected_pages += len(pages)
+        if self.observer is not None and node.host is None:
+            self.observer.resident(node)
 
     def assign_host(self, node: TreeNode, pages: PageIds) -> None:
         """Give a node its L2 pages (a backup was issued for it)."""
@@ -192,6 +204,8 @@ class NodeStore:
             raise ValueError(f"{node!r} needs {self.num_pages(node)} pages, got {len(pages)}")
         node.host = pages
         self.host_pages += len(pages)
+        if self.observer is not None and node.device is None:
+            self.observer.resident(node)
 
     def take_device(self, node: TreeNode) -> PageIds:
         """Remove and return ``node``'s L1 pages (it must have some); no other checks."""
@@ -201,6 +215,8 @@ class NodeStore:
         self.device_pages -= len(pages)
         if node.lock_ref > 0:
             self.protected_pages -= len(pages)
+        if self.observer is not None and node.host is None:
+            self.observer.left(node)
         return pages
 
     def take_host(self, node: TreeNode) -> PageIds:
@@ -209,6 +225,8 @@ class NodeStore:
         assert pages is not None
         node.host = None
         self.host_pages -= len(pages)
+        if self.observer is not None and node.device is None:
+            self.observer.left(node)
         return pages
 
     def stats(self) -> TreeStats:

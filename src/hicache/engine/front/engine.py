@@ -57,7 +57,7 @@ from hicache.engine.roles.role_setup import follower_roles, role_maker
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.sampling import InvalidRequest, SamplingParams
 from hicache.engine.session import SessionHint
-from hicache.engine.step.build import build_core
+from hicache.engine.step.build import RoleMaker, build_core
 from hicache.engine.step.core import EngineCore
 from hicache.engine.step.restores import restore_page_bytes
 from hicache.engine.step_inputs import (
@@ -71,6 +71,8 @@ from hicache.engine.step_inputs import (
     StartRestore,
     StepInput,
 )
+from hicache.kv_events import KvEventHub, KvEventHubConfig
+from hicache.kv_events.zmq_publisher import ZmqKvEventPublisher
 from hicache.lifecycle import Lifecycle
 from hicache.runner.loader import LoadedModel
 from hicache.storage.registry import StorageConfig
@@ -104,6 +106,23 @@ class Engine(Lifecycle):
         across restarts)."""
         self.context_length = 0
         """The longest sequence served, prompt and output (set by :meth:`start`)."""
+        events = config.kv_events
+        self.kv_events: KvEventHub | None = (
+            None
+            if events is None
+            else KvEventHub(
+                KvEventHubConfig(
+                    buffer_batches=events.max_queue_size, history_batches=events.history_batches
+                )
+            )
+        )
+        """The pages this instance holds, as KV events (``config.kv_events``; None: off):
+        ``kv_events.subscribe(start_sequence_number)`` gives a subscriber its batches
+        (:mod:`hicache.kv_events.hub`; smg's gRPC stream converts each with
+        :func:`hicache.kv_events.proto.to_protos`). It lives as long as the engine object,
+        across restarts; each start publishes ``AllBlocksCleared`` first."""
+        self.kv_zmq: ZmqKvEventPublisher | None = None
+        """The ZMQ publisher of :attr:`kv_events` while running (``publisher="zmq"``)."""
 
     # ------------------------------------------------------------------ what it runs
 
@@ -152,16 +171,18 @@ class Engine(Lifecycle):
         running = cfg.scheduler.max_running_requests
         make_role = role_maker(cfg.disagg, cfg.tp_size, self._post_input, max_running=running)
 
-        if cfg.tp_size > 1:
-            if self._loaded is not None:
-                raise ValueError(
-                    f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
-                    " start the engine without a loaded model"
-                )
-            self.ranks, core = start_ranks(cfg, make_role, follower_roles(cfg))
-        else:
-            core = build_core(cfg, loaded=loaded, make_role=make_role)
+        if self.kv_events is not None and cfg.kv_events and cfg.kv_events.publisher == "zmq":
+            self.kv_zmq = ZmqKvEventPublisher(self.kv_events, cfg.kv_events).start()
+        try:
+            core = self._build(cfg, loaded, make_role)
+        except BaseException:
+            if self.kv_zmq is not None:
+                self.kv_zmq.close()
+                self.kv_zmq = None
+            raise
         core.memory_trimmer = self._memory_trimmer
+        if self.kv_events is not None:
+            core.attach_kv_events(self.kv_events)
         self._core = core
         self.context_length = core.context_length
         self._leader = Leader(
@@ -174,6 +195,20 @@ class Engine(Lifecycle):
         if ranks is not None:  # a rank frozen or gone: its rooms cannot end
             self.role.watch_health(lambda: ranks.failure or ranks.silent())
         return self
+
+    def _build(
+        self, cfg: EngineConfig, loaded: LoadedModel | None, make_role: RoleMaker
+    ) -> EngineCore:
+        """Rank 0's core: built here with one rank, with the followers spawned with several."""
+        if cfg.tp_size > 1:
+            if self._loaded is not None:
+                raise ValueError(
+                    f"tp_size={cfg.tp_size}: every rank loads its own shard of the model;"
+                    " start the engine without a loaded model"
+                )
+            self.ranks, core = start_ranks(cfg, make_role, follower_roles(cfg))
+            return core
+        return build_core(cfg, loaded=loaded, make_role=make_role)
 
     def _post_input(self, record: StepInput) -> None:
         """Post ``record`` for the next step (the role's threads); dropped once the engine
@@ -206,6 +241,9 @@ class Engine(Lifecycle):
         finally:
             leader.close_ranks(deadline)
             self.ranks = None
+            if self.kv_zmq is not None:  # after the cache's last event (AllBlocksCleared)
+                self.kv_zmq.close(max(0.1, deadline - time.monotonic()))
+                self.kv_zmq = None
 
     @property
     def _thread(self) -> threading.Thread | None:

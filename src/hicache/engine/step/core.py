@@ -53,6 +53,7 @@ from hicache.engine.step_inputs import (
     Stop,
 )
 from hicache.keys import HEAD_RECORDS, Namespace
+from hicache.kv_events import AllBlocksCleared, KvEventHub, ResidencyRecorder
 from hicache.runner.loader import LoadedModel
 from hicache.storage.registry import StorageConfig
 
@@ -128,6 +129,27 @@ class EngineCore:
             RestoreBook(max_ops=config.restore_max_ops, max_bytes=restore_max_bytes(config, cache)),
         )
         """This rank's restores (``POST /hicache/prefetch``); rank 0's book is the API's."""
+        self.kv_events: KvEventHub | None = None
+        """Where this core publishes its cache's KV events (rank 0, events on), or None."""
+        self._kv_recorder: ResidencyRecorder | None = None
+
+    # ------------------------------------------------------------------ KV events
+
+    def attach_kv_events(self, hub: KvEventHub) -> None:
+        """Report the cache's residency changes to ``hub`` from now on (before the loop
+        starts). The cache is new and empty: subscribers first hear ``AllBlocksCleared``
+        (what an earlier core published is gone)."""
+        recorder = ResidencyRecorder(self.cache.context.page_size)
+        self.cache.observe_residency(recorder)
+        self._kv_recorder = recorder
+        self.kv_events = hub
+        hub.publish([AllBlocksCleared()])
+
+    def publish_kv_events(self) -> None:
+        """Publish what the cache's pages did since the last call as one batch (engine
+        thread; once per step). Nothing without KV events."""
+        if self._kv_recorder is not None and self.kv_events is not None:
+            self.kv_events.publish(self._kv_recorder.drain())
 
     # ------------------------------------------------------------------ the step
 
@@ -158,6 +180,7 @@ class EngineCore:
             if applied is not None:
                 applied(i, outcome)
         if stop:
+            self.publish_kv_events()
             return StepResult(False, self.take())
         self.sync_cache()
         try:
@@ -171,6 +194,7 @@ class EngineCore:
             raise StepFailed(exc) from exc
         finally:
             self.step_no += 1
+            self.publish_kv_events()
         self.memory_trimmer.after_round(busy or not self.scheduler.idle)
         return StepResult(busy, self.take())
 
@@ -328,6 +352,7 @@ class EngineCore:
                 log.exception("aborting in-flight requests: a scheduler step failed")
         for req in reqs:
             self.fail(req, why, direct=True)
+        self.publish_kv_events()
 
     def fail_in_flight(self, why: str) -> None:
         """The last act of a driver: end every request in flight (:meth:`abort_all`), or,
@@ -391,7 +416,13 @@ class EngineCore:
     def close_cache(self) -> None:
         """Close the cache (once: the caller decides who, see
         :class:`~hicache.engine.run_state.RunState`). With several ranks its last flush
-        agrees with the others: with one of them gone it fails, and is logged."""
+        agrees with the others: with one of them gone it fails, and is logged. Its pages
+        are gone: subscribers to its KV events hear ``AllBlocksCleared``."""
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.cache.observe_residency(None)
+            self._kv_recorder = None
+            self.kv_events.publish([AllBlocksCleared()])
         if self.channel is None:
             self.cache.close()
             return
