@@ -249,6 +249,7 @@ def error_line(r: subprocess.CompletedProcess[str]) -> str:
     return errors[0]
 
 
+@pytest.mark.matrix
 def test_bad_node_flags_fail_the_start_naming_the_node() -> None:
     port = free_port()
     # --node-rank out of range: refused at once, before any rendezvous
@@ -287,6 +288,7 @@ def test_nodes_started_with_other_nnodes_both_fail_naming_the_node(tmp_path: Pat
     assert "node 1 was started with --nnodes 4, node 0 with --nnodes 2" in text, text
 
 
+@pytest.mark.matrix
 def test_a_prefill_instance_spanning_two_nodes_pairs_with_a_decode_instance(
     tmp_path: Path,
 ) -> None:

@@ -178,6 +178,7 @@ def test_a_start_where_one_rank_cannot_reach_the_l3_fails_at_once(tmp_path: Path
     assert took < 150, f"{took:.0f} s: {r.stderr}"
 
 
+@pytest.mark.matrix
 def test_a_frozen_rank_turns_health_503_and_recovers(tmp_path: Path) -> None:
     """A follower frozen for longer than ``--dist-init-timeout`` while a long request
     runs: ``/health`` is 503 naming it within seconds (its heartbeat), the request waits
@@ -225,6 +226,7 @@ def test_a_frozen_rank_turns_health_503_and_recovers(tmp_path: Path) -> None:
         stop_quietly(proc, log)
 
 
+@pytest.mark.matrix
 def test_a_collective_timeout_is_503_until_the_port_closes(tmp_path: Path) -> None:
     """A follower frozen past ``--collective-timeout``: rank 0's collective fails and the
     server stops. From the first 503 (the frozen rank's heartbeat) to the port closing,

@@ -90,6 +90,7 @@ def test_multiturn_real_output_goes_into_the_history(tmp_path: Path) -> None:
         multiturn.main([*argv, "--api", "completions"])
 
 
+@pytest.mark.matrix
 def test_multiturn_at_tp_1_and_2(tmp_path: Path) -> None:
     """``--tp-size 1,2``: each config runs on a server of each size; the same workload hits
     the same tokens in every tier at both (the ranks run TP 1's scheduler and cache), and

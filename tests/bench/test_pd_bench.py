@@ -36,6 +36,7 @@ from tests.helpers.smg import require_smg
 TINY = ("--model-path", "tiny-random-llama", "--device", "cpu", "--page-size", "8")
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(120)
 def test_pd_bench_smallest_settings_every_row_sane(tmp_path: Path) -> None:
     require_smg()

@@ -37,7 +37,7 @@ from tests.helpers.services import missing
 
 pytestmark = pytest.mark.timeout(240)
 
-BACKENDS = ["mooncake", "nixl"]
+BACKENDS = ["mooncake", pytest.param("nixl", marks=pytest.mark.matrix)]
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
 ROOM_PROMPT = list(range(1000, 1060))  # 15 pages of 4: the room's
 ALONE = [list(range(2000, 2100)), list(range(3000, 3100))]  # 25 pages each

@@ -192,7 +192,7 @@ def test_logprobs_and_n_through_a_tp_2_pair_answer_as_a_plain_server() -> None:
 
 
 RECURRENT = (
-    pytest.param("tiny-random-qwen3-next", "mooncake"),  # Gated DeltaNet
+    pytest.param("tiny-random-qwen3-next", "mooncake", marks=pytest.mark.matrix),  # DeltaNet
     pytest.param("tiny-random-nemotron-h", "nixl", marks=pytest.mark.matrix),  # Mamba2
 )
 
@@ -221,6 +221,7 @@ def test_a_recurrent_pair_at_tp_2_answers_as_a_plain_server(model: str, backend:
         assert_idle(decode)
 
 
+@pytest.mark.matrix
 def test_a_recurrent_pair_of_two_tp_sizes_is_refused_naming_both() -> None:
     """A recurrent model's state is each rank's own heads: it moves only rank to rank."""
     port = free_port()
@@ -417,6 +418,7 @@ def test_a_decode_rank_killed_fails_the_prefill_room_without_a_hang() -> None:
         assert_idle(prefill)
 
 
+@pytest.mark.matrix
 def test_a_prefill_engine_at_tp_2_stops_promptly_with_rooms_live() -> None:
     """A TP-2 prefill engine closed while a request waits for its decode side (its room
     live on both ranks): the request ends with an error and the close takes well under

@@ -167,6 +167,7 @@ def test_mha_tp1_records_serve_tp2(tmp_path: Path) -> None:
     assert l3_files(tmp_path) == written  # every record was present: none written again
 
 
+@pytest.mark.matrix
 def test_mha_replicated_kv_heads_at_tp4(tmp_path: Path) -> None:
     """Ranks 0 and 1 hold K/V head 0, ranks 2 and 3 head 1. One engine (4 ranks on a
     CPU of 2 cores: few tokens): cold, L1, L2 after eviction and L3 after a flush equal

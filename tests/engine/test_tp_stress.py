@@ -33,10 +33,17 @@ HYBRIDS = {
 }
 
 
+SAME_SPLIT = ("tiny-random-gpt-oss", "tiny-random-nemotron-h")
+"""Split as Gemma 3 (full + SWA) and Qwen3-Next (full + recurrent) are: ``make test-matrix``."""
+
+
 @pytest.mark.parametrize(
     ("model", "prompts"),
     [("tiny-random-llama", 48), ("tiny-random-deepseek-v32", 48)]
-    + [(name, 48) for name in HYBRIDS],
+    + [
+        pytest.param(name, 48, marks=pytest.mark.matrix if name in SAME_SPLIT else ())
+        for name in HYBRIDS
+    ],
 )
 def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) -> None:
     cfg = StressConfig(

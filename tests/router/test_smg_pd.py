@@ -162,9 +162,10 @@ def answers_through_smg(prefill: str, decode: str, bootstrap: int, model: str) -
     ("model", "transport"),
     [
         ("tiny-random-llama", "mooncake"),
-        ("tiny-random-llama", "nixl"),
-        ("tiny-random-deepseek-v2", "nixl"),  # MLA
-        ("tiny-random-gemma3", "mooncake"),  # sliding-window layers
+        pytest.param("tiny-random-llama", "nixl", marks=pytest.mark.matrix),
+        pytest.param("tiny-random-deepseek-v2", "nixl", marks=pytest.mark.matrix),  # MLA
+        # sliding-window layers
+        pytest.param("tiny-random-gemma3", "mooncake", marks=pytest.mark.matrix),
     ],
 )
 def test_pd_behind_smg_answers_as_one_plain_server(model: str, transport: str) -> None:
@@ -176,6 +177,7 @@ def test_pd_behind_smg_answers_as_one_plain_server(model: str, transport: str) -
         assert_idle(prefill, decode)
 
 
+@pytest.mark.matrix
 def test_a_keyed_pair_behind_smg_answers_as_one_plain_server() -> None:
     """deployment.md's one-machine example: both instances with smg's key as their
     ``--api-key``, which keys the prefill's bootstrap server (the decode sends it) and
@@ -223,6 +225,7 @@ def test_logprobs_and_n_behind_smg_answer_as_one_plain_server() -> None:
         assert_idle(prefill, decode)
 
 
+@pytest.mark.matrix
 def test_the_next_turn_hits_l3_for_the_first_turns_prompt_and_output(tmp_path: Path) -> None:
     """Decode offload: the decode instance writes the finished conversation to the shared
     L3, while the prefill instance, under ``write_back``, writes nothing there and holds
@@ -318,6 +321,7 @@ def test_the_next_turn_sent_at_once_finds_the_previous_answer(tmp_path: Path) ->
         assert_idle(prefill, decode)
 
 
+@pytest.mark.matrix
 def test_pd_under_memory_pressure_answers_every_request_as_a_plain_server() -> None:
     """Both instances at ``--max-total-tokens 2048`` (two 870-token prompts at a time),
     64 such prompts at once through smg with its default retries and circuit breaker:
@@ -347,6 +351,7 @@ def test_pd_under_memory_pressure_answers_every_request_as_a_plain_server() -> N
         assert idle([prefill.url, decode.url], 30.0)
 
 
+@pytest.mark.matrix
 def test_a_paused_decode_instance_delays_its_prefills_and_then_serves_them() -> None:
     """The decode instance is paused (SIGSTOP) while requests arrive: their prefills wait,
     queued, for the decode side's registrations instead of computing; resumed 3 s later
@@ -404,6 +409,7 @@ def kill(server: ServerProcess) -> None:
     server.proc.wait(10)
 
 
+@pytest.mark.matrix
 def test_decode_killed_mid_transfer_fails_the_prefill_without_a_hang() -> None:
     """The decode instance registers its pages, then dies (SIGKILL): the prefill's write
     fails, its request answers with an error, and it holds nothing afterwards."""
@@ -428,6 +434,7 @@ def test_decode_killed_mid_transfer_fails_the_prefill_without_a_hang() -> None:
         assert_idle(prefill)
 
 
+@pytest.mark.matrix
 def test_prefill_killed_fails_the_decode_rooms_within_the_health_bound() -> None:
     bootstrap = free_port()
     prefill_flags, decode_flags = pd_flags("tiny-random-llama", "nixl", bootstrap)
