@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,15 @@ SAME_SPLIT = ("tiny-random-gpt-oss", "tiny-random-nemotron-h")
 """Split as Gemma 3 (full + SWA) and Qwen3-Next (full + recurrent) are: ``make test-matrix``."""
 
 
+def small(tmp_path: Path, **kwargs: Any) -> StressConfig:
+    """2 ranks, 3 system prompts over 2 rounds, L1 and L2 far below the workload."""
+    base: dict[str, Any] = dict(
+        ranks=2, systems=3, rounds=2, system_tokens=24, output_tokens=3, parallel=8,
+        max_running=4, l1_tokens=128, hicache_ratio=1.5, timeout_s=BOUND_S, l3_dir=str(tmp_path),
+    )  # fmt: skip
+    return StressConfig(**{**base, **kwargs})
+
+
 @pytest.mark.parametrize(
     ("model", "prompts"),
     [("tiny-random-llama", 48), ("tiny-random-deepseek-v32", 48)]
@@ -46,22 +56,7 @@ SAME_SPLIT = ("tiny-random-gpt-oss", "tiny-random-nemotron-h")
     ],
 )
 def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) -> None:
-    cfg = StressConfig(
-        model=model,
-        ranks=2,
-        prompts=prompts,
-        systems=3,
-        rounds=2,
-        system_tokens=24,
-        output_tokens=3,
-        parallel=8,
-        max_running=4,
-        l1_tokens=128,
-        hicache_ratio=1.5,
-        timeout_s=BOUND_S,
-        l3_dir=str(tmp_path),
-    )
-    r = run_stress(cfg)
+    r = run_stress(small(tmp_path, model=model, prompts=prompts))
     assert not r.hung and r.failed == 0
     assert r.wall_s < BOUND_S
     assert r.idle_problems == []
@@ -82,22 +77,7 @@ def test_two_ranks_end_idle_and_equal(model: str, prompts: int, tmp_path: Path) 
 def test_two_nodes_end_idle_and_equal(tmp_path: Path) -> None:
     """The same run with its 2 ranks on 2 "nodes" (node 1 a process tree of its own that
     joins node 0's rendezvous, as ``hicache serve --node-rank 1`` does)."""
-    cfg = StressConfig(
-        model="tiny-random-llama",
-        ranks=2,
-        nnodes=2,
-        prompts=24,
-        systems=3,
-        system_tokens=24,
-        output_tokens=3,
-        parallel=8,
-        max_running=4,
-        l1_tokens=128,
-        hicache_ratio=1.5,
-        timeout_s=BOUND_S,
-        l3_dir=str(tmp_path),
-    )
-    r = run_stress(cfg)
+    r = run_stress(small(tmp_path, model="tiny-random-llama", nnodes=2, prompts=24))
     assert not r.hung and r.failed == 0 and r.idle_problems == []
     assert r.nnodes == 2 and len(r.digests) == 2 and r.digests[0] == r.digests[1]
     assert r.output_tokens == 24 * 3 and r.l1_evicted_tokens > 0
