@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.engine.front.engine import Engine
+from hicache.config import CacheConfig
+from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
 from hicache.kv_events import (
     AllBlocksCleared,
@@ -175,3 +176,28 @@ def test_an_engine_with_publisher_zmq_serves_its_events_over_zmq() -> None:
         req.close()
         ctx.term()
     assert zmq_engine.kv_zmq is None  # closed with the engine
+
+
+def test_a_tp_2_engine_reports_its_pages_once_as_at_tp_1() -> None:
+    """Every rank holds the same tree (the ranks agree page by page), so rank 0 alone
+    reports: a TP-2 engine's events are the TP-1 engine's, each page once."""
+    config = EngineConfig(
+        model_path="tiny-random-llama",
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(page_size=PAGE, device_tokens=1024, hicache_ratio=2.0),
+        context_length=256,
+        tp_size=2,
+        kv_events=KvEventsConfig(),
+    )
+    with Engine(config) as engine:
+        hub = engine.kv_events
+        assert hub is not None
+        with hub.subscribe() as sub:
+            first = sub.get(5)
+            assert first is not None and first.events == (AllBlocksCleared(),)
+            assert engine.generate(PROMPT, GREEDY, timeout=60).error is None
+            stored = [e for e in _events(sub) if isinstance(e, BlockStored)]
+    hashes = [h for e in stored for h in e.block_hashes]
+    assert hashes[:11] == _chain(PROMPT) and len(hashes) == len(set(hashes))
+    assert [t for e in stored for t in e.token_ids][:44] == PROMPT[:44]
