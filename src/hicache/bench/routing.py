@@ -17,15 +17,19 @@ workers, the arms alternated over ``--rounds`` (each round rotates their order):
   over both protocols: their TTFTs compare the transports);
 * ``oracle``: no router: each request goes straight to the worker that holds most of its
   prefix at that moment, read from every worker's KV event stream
-  (:class:`hicache.bench.residency.ResidencyWatch`: perfect residency information;
-  a miss everywhere goes to the worker with the fewest requests in flight).
+  (:class:`hicache.bench.residency.ResidencyWatch`), plus the prefixes it sent there in
+  the last 5 s (hindsight: a prefill under way counts where it was sent); a miss
+  everywhere goes to the worker with the fewest requests in flight.
 
 Every arm sends each request as token ids to ``/generate``, streamed, ``--concurrency``
 at a time. Figures per arm: cached share (the answers' ``cached_tokens`` over their
 prompt tokens; and the workers' own hit counters over their looked-up tokens), TTFT p50
 and p99 (client side: send to first streamed token), requests/s (requests over the
 segment's wall time), requests per worker. smg's warm-up slice (a share of cache hits
-and misses diverted to a worker with few pages) is off unless ``--smg-warmup``. A
+and misses diverted to a worker with few pages) is off unless ``--smg-warmup``;
+``--smg-booking-ms`` sets smg's ``--selection-accounting-ttl-ms`` (its bookings of a
+routed prefix on the chosen worker until the worker's events report it; off by
+default). A
 benchmark, not a test: it asserts nothing. Method and results:
 ``docs/benchmarks/routing.md``.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import time
@@ -42,7 +47,6 @@ from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any
 
 import httpx
@@ -50,7 +54,7 @@ import httpx
 from hicache.bench.pairs import quantile
 from hicache.bench.plot import plot_setups, print_table
 from hicache.bench.report import write_json
-from hicache.bench.residency import Residency, ResidencyWatch, page_hashes
+from hicache.bench.residency import ResidencyWatch, page_hashes
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO
 from hicache.bench.serverproc import ADMIN_KEY, ServerProcess
 from hicache.bench.smgproc import Smg
@@ -104,6 +108,7 @@ class RoutingSpec:
     rounds: int = 1
     arms: tuple[str, ...] = ARMS
     smg_warmup: bool = False
+    smg_booking_ms: int = 0
     seed: int = 0
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
@@ -125,6 +130,10 @@ class RoutingSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; must be an int >= 1")
+        if isinstance(self.smg_booking_ms, bool) or not (
+            isinstance(self.smg_booking_ms, int) and self.smg_booking_ms >= 0
+        ):
+            raise ValueError(f"smg_booking_ms={self.smg_booking_ms!r} is invalid; an int >= 0")
         if not 2 <= self.instances <= 4:
             raise ValueError(f"instances={self.instances!r} is invalid; 2 to 4")
         if self.active_tenants > self.tenants:
@@ -236,11 +245,11 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _flush(workers: Sequence[ServerProcess], watches: Sequence[ResidencyWatch]) -> None:
-    """Empty every worker's L1 and L2 (its admin route) and wait for the events to say so."""
-    for worker, watch in zip(workers, watches, strict=True):
-        cleared = watch.snapshot().cleared
-        for _ in range(100):  # refused while a request still runs
+def _flush(workers: Sequence[ServerProcess]) -> None:
+    """Empty every worker's L1 and L2 (its admin route; 200 once done, refused while a
+    request still runs)."""
+    for worker in workers:
+        for _ in range(100):
             r = httpx.post(
                 f"{worker.url}/flush_cache",
                 headers={"Authorization": f"Bearer {ADMIN_KEY}"},
@@ -250,12 +259,6 @@ def _flush(workers: Sequence[ServerProcess], watches: Sequence[ResidencyWatch]) 
                 break
             time.sleep(0.1)
         r.raise_for_status()
-        watch.wait(partial(_flushed, since=cleared), 30, "the flush")
-
-
-def _flushed(state: Residency, *, since: int) -> bool:
-    """Whether a flush after ``since`` clears has reached ``state`` (nothing resident)."""
-    return state.cleared > since and not state.resident
 
 
 def _counters(workers: Sequence[ServerProcess]) -> list[dict[str, float]]:
@@ -297,20 +300,45 @@ async def _send(
 
 
 class _Oracle:
-    """Picks, per request, the worker holding the longest prefix of it (its watches),
-    else the one with the fewest requests in flight (then the lowest index)."""
+    """Picks, per request, the worker that holds the longest prefix of it, else the one
+    with the fewest requests in flight (then the lowest index).
 
-    def __init__(self, watches: Sequence[ResidencyWatch], page_size: int) -> None:
+    What a worker holds is what its KV event stream reports resident (its watch), plus
+    the pages of the requests the oracle sent it in the last ``booking_s`` seconds
+    (hindsight: a prefix whose prefill is under way is where it was sent, before the
+    worker's events say so).
+    """
+
+    def __init__(
+        self, watches: Sequence[ResidencyWatch], page_size: int, booking_s: float = 5.0
+    ) -> None:
         self.watches = list(watches)
         self.page_size = page_size
+        self.booking_s = booking_s
         self.in_flight = [0] * len(watches)
+        self.booked: list[dict[int, float]] = [{} for _ in watches]
+        """Per worker: page hash -> when the oracle last sent a request with it."""
+
+    def _held(self, w: int, hashes: Sequence[int], now: float) -> int:
+        resident = self.watches[w].held_pages(hashes)
+        booked = self.booked[w]
+        n = 0
+        for h in hashes:
+            if n >= resident and now - booked.get(h, -1e9) > self.booking_s:
+                break
+            n += 1
+        return n
 
     def pick(self, ids: Sequence[int]) -> int:
         hashes = page_hashes(ids, self.page_size)
-        held = [w.held_pages(hashes) for w in self.watches]
+        now = time.monotonic()
+        held = [self._held(w, hashes, now) for w in range(len(self.watches))]
         best = max(held)
         candidates = [i for i, h in enumerate(held) if h == best]
-        return min(candidates, key=lambda i: (self.in_flight[i], i))
+        chosen = min(candidates, key=lambda i: (self.in_flight[i], i))
+        for h in hashes:
+            self.booked[chosen][h] = now
+        return chosen
 
 
 async def _run_arm(
@@ -362,6 +390,8 @@ def _smg_for(spec: RoutingSpec, arm: str, workers: Sequence[ServerProcess]) -> S
     grpc = arm.startswith("grpc_")
     extra = [] if spec.smg_warmup else ["--worker-warmup-secs", "0"]
     extra += [] if spec.smg_warmup else ["--worker-warmup-divert-every", "0"]
+    if spec.smg_booking_ms and arm.endswith("cache_aware"):
+        extra += ["--selection-accounting-ttl-ms", str(spec.smg_booking_ms)]
     return Smg(
         worker_urls=[w.grpc_url if grpc else w.url for w in workers],
         policy=arm.split("_", 1)[1],
@@ -401,18 +431,20 @@ def run(spec: RoutingSpec, *, log: Any = sys.stderr) -> list[ArmRun]:
             )
             stack.callback(w.close)
             workers.append(w.start())
-        watches = [stack.enter_context(ResidencyWatch(w.grpc_url)) for w in workers]
         model = httpx.get(f"{workers[0].url}/v1/models", timeout=10).json()["data"][0]["id"]
         for rnd in range(spec.rounds):
             k = rnd % len(spec.arms)
             for arm in (*spec.arms[k:], *spec.arms[:k]):
                 print(f"routing: round {rnd + 1}, {arm}", file=log)
-                _flush(workers, watches)
+                _flush(workers)
                 before = _counters(workers)
                 with ExitStack() as arm_stack:
                     url: str | None = None
                     oracle: _Oracle | None = None
-                    if arm == "oracle":
+                    if arm == "oracle":  # its streams only now: smg is forked without them
+                        watches = [
+                            arm_stack.enter_context(ResidencyWatch(w.grpc_url)) for w in workers
+                        ]
                         oracle = _Oracle(watches, spec.page_size)
                     else:
                         smg = arm_stack.enter_context(_smg_for(spec, arm, workers))
@@ -493,7 +525,8 @@ def print_report(spec: RoutingSpec, summary: dict[str, dict[str, Any]]) -> None:
         f" + L2 {spec.l2_ratio:g}x tokens each; {spec.tenants} tenants ({spec.active_tenants}"
         f" active, one more every {spec.shift_every}) x {spec.system_tokens}-token prompts,"
         f" {spec.requests} requests x {spec.rounds} rounds, concurrency {spec.concurrency};"
-        f" smg warm-up {'on' if spec.smg_warmup else 'off'}"
+        f" smg warm-up {'on' if spec.smg_warmup else 'off'},"
+        f" bookings {spec.smg_booking_ms} ms"
     )
     rows = [
         [
@@ -539,6 +572,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=d.rounds, help="alternations of the arms")
     p.add_argument("--arms", default=",".join(d.arms), help=f"comma list from {','.join(ARMS)}")
     p.add_argument("--smg-warmup", action="store_true", help="keep smg's warm-up slice on")
+    p.add_argument(
+        "--smg-booking-ms",
+        type=int,
+        default=d.smg_booking_ms,
+        help="smg's --selection-accounting-ttl-ms for cache_aware (0: its default, off)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="write the runs and the summary here")
     p.add_argument("--plot", default=None, help="write a PNG of the summary here")
@@ -547,6 +586,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     try:
         spec = RoutingSpec(
             model_path=args.model_path,
@@ -566,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds=args.rounds,
             arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
             smg_warmup=args.smg_warmup,
+            smg_booking_ms=args.smg_booking_ms,
             seed=args.seed,
         )
     except ValueError as exc:
