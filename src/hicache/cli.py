@@ -42,6 +42,7 @@ BENCHES = {
     "pd": "hicache.bench.pd",
     "pd-load": "hicache.bench.pd_load",
     "write-policies": "hicache.bench.write_policies",
+    "routing": "hicache.bench.routing",
 }
 
 STORES = {

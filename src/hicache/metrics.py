@@ -162,6 +162,18 @@ class CacheStats:
     or a prefetch read them; the backend may have evicted some since)."""
 
     @property
+    def device_held_tokens(self) -> int:
+        """L1 token slots neither free nor reclaimable: held by requests, or in the tree
+        and pinned (a running request's prefix, an in-flight copy). SGLang's
+        ``num_used_tokens`` (total less available less evictable): cache pages an
+        allocation would evict are not load, so a router's KV-pressure check does not
+        see an instance whose L1 is full of cache as full."""
+        return max(
+            0,
+            self.device_total_tokens - self.device_free_tokens - self.device_evictable_tokens,
+        )
+
+    @property
     def distinct_tokens(self) -> int:
         """Distinct tokens L1, L2 and L3 hold together, each page once: :attr:`tree_tokens`
         plus the L3 pages out of the tree, estimated as the new L3 records this instance

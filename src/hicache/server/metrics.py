@@ -233,11 +233,13 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
     holders.add_metric(["cache"], s.device_cached_tokens)
     holders.add_metric(["free"], s.device_free_tokens)
     yield holders
-    used = s.device_total_tokens - s.device_free_tokens
-    yield GaugeMetricFamily("hicache_num_used_tokens", "L1 token slots in use", used)
+    used = s.device_held_tokens
+    yield GaugeMetricFamily(
+        "hicache_num_used_tokens", "L1 token slots held (not free, not evictable cache)", used
+    )
     yield GaugeMetricFamily(
         "hicache_token_usage",
-        "Fraction of L1 token slots in use",
+        "Fraction of L1 token slots held (not free, not evictable cache)",
         used / s.device_total_tokens if s.device_total_tokens else 0.0,
     )
     yield GaugeMetricFamily("hicache_device_total_tokens", "L1 capacity", s.device_total_tokens)
@@ -305,15 +307,15 @@ def sglang_families(snap: EngineStats, model_name: str) -> Iterator[Metric]:
     ``hicache_token_usage``, ``hicache_device_total_tokens`` and
     ``hicache_cache_hit_rate``), each labelled ``model_name``."""
     s = snap.cache
-    used = s.device_total_tokens - s.device_free_tokens
+    used = s.device_held_tokens
     values = (
         ("num_running_reqs", "Requests in the running batch", snap.running),
         ("num_queue_reqs", "Requests waiting to be admitted", snap.waiting),
-        ("num_used_tokens", "L1 token slots in use", used),
+        ("num_used_tokens", "L1 token slots held (not free, not evictable cache)", used),
         ("max_total_num_tokens", "L1 capacity in tokens", s.device_total_tokens),
         (
             "token_usage",
-            "Fraction of L1 token slots in use",
+            "Fraction of L1 token slots held (not free, not evictable cache)",
             used / s.device_total_tokens if s.device_total_tokens else 0.0,
         ),
         ("cache_hit_rate", "Prompt tokens served from a cache tier over all", s.hit_rate),

@@ -143,8 +143,9 @@ def loads_body(
     """``/v1/loads``: one entry (``dp_rank`` 0: this server has one data-parallel rank)
     with SGLang's fields, and the aggregate over entries.
 
-    ``num_used_tokens`` / ``max_total_num_tokens``: L1 token slots in use / in all
-    (``token_usage`` their ratio, 0..1); ``num_running_reqs``: requests in the running
+    ``num_used_tokens`` / ``max_total_num_tokens``: L1 token slots held (not free and
+    not evictable cache: :attr:`~hicache.metrics.CacheStats.device_held_tokens`, SGLang's
+    figure) / in all (``token_usage`` their ratio, 0..1); ``num_running_reqs``: requests in the running
     batch; ``num_waiting_reqs``: requests waiting for admission; ``cache_hit_rate``:
     prompt tokens served from L1, L2 or L3 over all looked up since start (0..1);
     ``utilization``: running requests over ``max_running_requests`` (0..1). Sections
@@ -154,7 +155,7 @@ def loads_body(
     (``mode``)."""
     engine = state.engine
     c = stats.cache
-    used = c.device_total_tokens - c.device_free_tokens
+    used = c.device_held_tokens
     max_running = engine.config.scheduler.max_running_requests
     entry: dict[str, Any] = {
         "dp_rank": 0,
