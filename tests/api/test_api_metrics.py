@@ -129,13 +129,16 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         )
 
     components = (usage("swa"), usage("mamba"))
+    # L1's total is what is free, evictable and held (its own power): used tokens (total
+    # less free less evictable) is then that power, and usage a fraction of it
+    free, evictable, held = next(powers), next(powers), next(powers)
     stats = CacheStats(
         page_size=4,
-        device_total_tokens=next(powers),
+        device_total_tokens=free + evictable + held,
         device_cached_tokens=next(powers),
-        device_free_tokens=next(powers),
+        device_free_tokens=free,
         device_request_tokens=next(powers),
-        device_evictable_tokens=next(powers),
+        device_evictable_tokens=evictable,
         host_total_tokens=next(powers),
         host_cached_tokens=next(powers),
         host_free_tokens=next(powers),
@@ -170,6 +173,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
     for name, value in counters.items():
         assert value in seen, f"{name} is not exported"
     assert stats.device_cached_tokens in seen and stats.host_cached_tokens in seen
+    assert held in seen and held / stats.device_total_tokens in seen  # used, usage
     assert snapshot.queued in seen and snapshot.refused in seen
     assert snapshot.reclaimed in seen
     assert snapshot.parked in seen and snapshot.open_rooms in seen
