@@ -1,8 +1,9 @@
 """``hicache bench routing`` with its smallest settings, on the tiny random model: every
-arm answers every request, the table's figures are there and sane (shares within
-[0, 1], the answers' prompt tokens those of the workload, each arm's requests all
-counted by the workers), the oracle's requests each go where most of their prefix was,
-and the JSON and the plot are written. Skipped without ``smg`` (failed under
+arm, through two routers joined in smg's mesh with a share of the requests sent straight
+to a worker, answers every request, the table's figures are there and sane (shares
+within [0, 1], the answers' prompt tokens those of the workload, each arm's requests all
+counted by the workers, the direct requests where the workload sent them), the oracle's
+requests each go where most of their prefix was, and the JSON and the plot are written. Skipped without ``smg`` (failed under
 ``CI=true``), like the router tests."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def test_routing_bench_smallest_settings(tmp_path: Path) -> None:
     argv = ["--tenants", "3", "--active-tenants", "2", "--shift-every", "2",
             "--system-tokens", "32", "--question-tokens", "8", "--max-tokens", "2",
             "--requests", "6", "--concurrency", "2", "--l1-tokens", "128",
+            "--routers", "2", "--smg-mesh", "--direct-share", "0.2",
             "--json", str(out), "--plot", str(png)]  # fmt: skip
     assert routing.main(argv) == 0
     doc = json.loads(out.read_text())
@@ -30,14 +32,21 @@ def test_routing_bench_smallest_settings(tmp_path: Path) -> None:
     assert list(summary) == list(routing.ARMS)
     spec = routing.RoutingSpec(
         tenants=3, active_tenants=2, shift_every=2, system_tokens=32, question_tokens=8,
-        max_tokens=2, requests=6, concurrency=2, l1_tokens=128,
+        max_tokens=2, requests=6, concurrency=2, l1_tokens=128, routers=2, smg_mesh=True,
+        direct_share=0.2,
     )  # fmt: skip
-    prompts = [len(r.ids) for r in routing.workload(spec)]
-    assert prompts == [40] * 6
+    requests = routing.workload(spec)
+    assert [len(r.ids) for r in requests] == [40] * 6
+    direct = [r.direct for r in requests]
+    assert 0 < sum(d is not None for d in direct) < 6, direct  # both kinds in the run
+    for run in doc["runs"]:
+        sent = [x["worker"] if x["direct"] else None for x in run["results"]]
+        assert sent == direct, run["arm"]
     for arm, s in summary.items():
         assert (s["ok"], s["errors"]) == (6, 0), (arm, s["first_errors"])
         assert sum(s["worker_requests"]) == 6, arm
         assert 0.0 <= s["cached_share"] <= 1.0, arm
+        assert 0.0 <= s["direct_cached_share"] <= 1.0, arm
         assert 0.0 <= s["worker_cached_share"] <= 1.0, arm
         assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"], arm
         assert s["requests_per_s"] > 0, arm

@@ -379,6 +379,28 @@ def test_a_subscription_reports_a_served_prompts_pages(
         events.cancel()
 
 
+def test_a_cursor_from_before_a_restart_is_out_of_range_then_a_resync(
+    stub: pb_grpc.SglangSchedulerStub,
+) -> None:
+    """A subscriber that followed an earlier run of this worker resumes from a sequence
+    number past everything this run published: ``OUT_OF_RANGE`` naming the field, never
+    a replay of what this run's numbers meant (smg then clears the worker's pages and
+    subscribes from 0); from 0 it gets the resync first."""
+    with pytest.raises(grpc.RpcError) as err:
+        next(
+            stub.SubscribeKvEvents(
+                common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**12), timeout=30
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "start_sequence_number" in (err.value.details() or "")
+    events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+    try:
+        assert next(events).events[0].WhichOneof("data") == "cleared"
+    finally:
+        events.cancel()
+
+
 LOGPROBS = {
     "model": MODEL,
     "text": PROMPT,

@@ -8,7 +8,8 @@
   inter-token latency; :func:`stream_request` sends either, by :data:`APIS` name;
 * :func:`flush_cache`: ``POST /flush_cache``, retried while requests are in flight;
 * :func:`server_ttft`: the server's own TTFT histogram totals from ``/metrics``;
-  :func:`server_agreement`: its tensor-parallel agreement counters.
+  :func:`server_agreement`: its tensor-parallel agreement counters;
+  :func:`server_counters`: every counter (:func:`parse_metrics` reads the text).
 
 Failures raise :class:`hicache.bench.serverproc.ServerError`.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "TIERS",
     "RequestRecord",
     "flush_cache",
+    "parse_metrics",
     "server_agreement",
     "server_counters",
     "server_ttft",
@@ -90,21 +92,29 @@ async def server_agreement(client: httpx.AsyncClient, url: str) -> tuple[float, 
     return seconds, steps
 
 
-async def server_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """Every sample of the server's ``/metrics``, summed over labels by sample name
-    (``hicache_l3_read_bytes_total``, ...); counters are what a difference makes sense of."""
-    text = (await client.get(f"{url}/metrics")).text
+def parse_metrics(text: str, *, labels: bool = False) -> dict[str, float]:
+    """The samples of a Prometheus text exposition (``/metrics``): by sample name summed
+    over labels (``hicache_l3_read_bytes_total``, ...), or with ``labels`` each labelled
+    sample by itself (``hicache_device_tokens{holder="requests"}``). Comments and
+    unparsable values are skipped."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name, _, value = line.rpartition(" ")
-        name = name.split("{", 1)[0]
+        if not labels:
+            name = name.split("{", 1)[0]
         try:
             out[name] = out.get(name, 0.0) + float(value)
         except ValueError:
             continue
     return out
+
+
+async def server_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Every sample of the server's ``/metrics``, summed over labels by sample name
+    (:func:`parse_metrics`); counters are what a difference makes sense of."""
+    return parse_metrics((await client.get(f"{url}/metrics")).text)
 
 
 @dataclass(frozen=True)

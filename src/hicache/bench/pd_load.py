@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from hicache.bench.httpclient import parse_metrics
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO
 from hicache.bench.serverproc import ADMIN_KEY, ServerProcess
 from hicache.bench.smgproc import Smg
@@ -162,22 +163,20 @@ async def send_all(
     return out
 
 
+_HELD = (
+    "hicache_num_admitted_reqs",
+    "hicache_num_parked_reqs",
+    "hicache_num_queue_reqs",
+    "hicache_num_open_rooms",
+    'hicache_device_tokens{holder="requests"}',
+)
+
+
 def held(url: str) -> float:
     """Queued, admitted and parked requests, open rooms and L1 tokens held by requests,
     from ``/metrics`` (0: idle)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        name = line.split(" ", 1)[0]
-        if name in (
-            "hicache_num_admitted_reqs",
-            "hicache_num_parked_reqs",
-            "hicache_num_queue_reqs",
-            "hicache_num_open_rooms",
-            'hicache_device_tokens{holder="requests"}',
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, labels=True)
+    return sum(samples.get(name, 0.0) for name in _HELD)
 
 
 def idle(urls: list[str], timeout_s: float) -> bool:

@@ -22,9 +22,14 @@ workers, the arms alternated over ``--rounds`` (each round rotates their order):
   everywhere goes to the worker with the fewest requests in flight.
 
 Every arm sends each request as token ids to ``/generate``, streamed, ``--concurrency``
-at a time. Figures per arm: cached share (the answers' ``cached_tokens`` over their
-prompt tokens; and the workers' own hit counters over their looked-up tokens), TTFT p50
-and p99 (client side: send to first streamed token), requests/s (requests over the
+at a time. Churn that makes a router's own memory wrong: ``--routers`` smg replicas per
+arm take the requests in turn (each sees half of them), optionally joined in smg's HA
+mesh (``--smg-mesh``, which shares their approximate trees); ``--direct-share`` of the
+requests go straight to a worker drawn at random (the same in every arm), as traffic
+that reaches a worker another way. Figures per arm: cached share of the routed requests
+(the answers' ``cached_tokens`` over their prompt tokens), the same for the direct ones,
+the workers' own hit counters over their looked-up tokens (all requests), TTFT p50 and
+p99 (routed; client side: send to first streamed token), requests/s (requests over the
 segment's wall time), requests per worker. smg's warm-up slice (a share of cache hits
 and misses diverted to a worker with few pages) is off unless ``--smg-warmup``;
 ``--smg-booking-ms`` sets smg's ``--selection-accounting-ttl-ms`` (its bookings of a
@@ -41,9 +46,10 @@ import asyncio
 import json
 import logging
 import random
+import re
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -51,13 +57,15 @@ from typing import Any
 
 import httpx
 
+from hicache.bench.httpclient import flush_cache, parse_metrics
 from hicache.bench.pairs import quantile
 from hicache.bench.plot import plot_setups, print_table
 from hicache.bench.report import write_json
 from hicache.bench.residency import ResidencyWatch, page_hashes
 from hicache.bench.runner import TOKEN_HI, TOKEN_LO
-from hicache.bench.serverproc import ADMIN_KEY, ServerProcess
+from hicache.bench.serverproc import ServerProcess
 from hicache.bench.smgproc import Smg
+from hicache.services.process import LOOPBACK, free_ports
 
 __all__ = [
     "ARMS",
@@ -79,6 +87,10 @@ ARMS: tuple[str, ...] = (
     "oracle",
 )
 """The arms, in their first round's order."""
+
+_BRANCH = re.compile(r'branch="([a-z_]+)"')
+"""A routing decision's branch in smg's debug log (``event_hit``, ``event_miss``,
+``all_overloaded_fallback``, ...)."""
 
 _CACHE_COUNTERS = (
     "hicache_device_hit_tokens_total",
@@ -106,9 +118,12 @@ class RoutingSpec:
     requests: int = 192
     concurrency: int = 4
     rounds: int = 1
+    routers: int = 2
     arms: tuple[str, ...] = ARMS
     smg_warmup: bool = False
     smg_booking_ms: int = 0
+    smg_mesh: bool = True
+    direct_share: float = 0.0
     seed: int = 0
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
@@ -126,6 +141,7 @@ class RoutingSpec:
             "requests",
             "concurrency",
             "rounds",
+            "routers",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -136,6 +152,10 @@ class RoutingSpec:
             raise ValueError(f"smg_booking_ms={self.smg_booking_ms!r} is invalid; an int >= 0")
         if not 2 <= self.instances <= 4:
             raise ValueError(f"instances={self.instances!r} is invalid; 2 to 4")
+        if not 0.0 <= self.direct_share < 1.0:
+            raise ValueError(f"direct_share={self.direct_share!r} is invalid; in [0, 1)")
+        if self.routers > 4:
+            raise ValueError(f"routers={self.routers!r} is invalid; 1 to 4")
         if self.active_tenants > self.tenants:
             raise ValueError(
                 f"active_tenants={self.active_tenants} is more than tenants={self.tenants}"
@@ -172,15 +192,18 @@ class RoutingSpec:
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request of the workload: its tenant and its prompt's token ids."""
+    """One request of the workload: its tenant, its prompt's token ids, and the worker
+    it goes to straight, bypassing routing (``--direct-share``), or None (routed)."""
 
     tenant: int
     ids: tuple[int, ...]
+    direct: int | None = None
 
 
 def workload(spec: RoutingSpec) -> list[Request]:
     """The requests in order (deterministic in ``spec.seed``; see the module docstring)."""
     rng = random.Random(spec.seed)
+    lane = random.Random(spec.seed + 1)  # its own stream: the routed requests stay the same
     systems = [
         tuple(rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(spec.system_tokens))
         for _ in range(spec.tenants)
@@ -195,7 +218,8 @@ def workload(spec: RoutingSpec) -> list[Request]:
             arriving += 1
         tenant = rng.choice(active)
         question = tuple(rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(spec.question_tokens))
-        out.append(Request(tenant, systems[tenant] + question))
+        direct = lane.randrange(spec.instances) if lane.random() < spec.direct_share else None
+        out.append(Request(tenant, systems[tenant] + question, direct))
     return out
 
 
@@ -203,7 +227,8 @@ def workload(spec: RoutingSpec) -> list[Request]:
 class RequestResult:
     """One request's outcome: ``status`` (HTTP code, ``timeout`` or ``error``), TTFT and
     latency (s, client side), prompt and cached tokens from the answer (None when the
-    answer had none), and the worker index (oracle only)."""
+    answer had none), the worker index (oracle and direct requests) and whether the
+    request went straight to it (``--direct-share``)."""
 
     status: str = "none"
     ttft_s: float | None = None
@@ -211,13 +236,16 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     worker: int | None = None
+    direct: bool = False
     error: str | None = None
 
 
 @dataclass
 class ArmRun:
     """One arm's pass over the workload: per-request results (workload order), wall
-    time (s), per worker the requests it finished and its cache counters' growth."""
+    time (s), per worker the requests it finished and its cache counters' growth, and
+    how often smg's logs name each routing branch (``branch="event_hit"``, ...: its
+    debug log, the event-driven arm's), over the arm's routers."""
 
     arm: str
     round: int
@@ -226,43 +254,25 @@ class ArmRun:
     worker_requests: list[int] = field(default_factory=list)
     worker_hit_tokens: list[float] = field(default_factory=list)
     worker_query_tokens: list[float] = field(default_factory=list)
+    router_branches: dict[str, int] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ talking to workers
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """Every sample of ``url``'s ``/metrics`` summed over its labels, by name."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        except ValueError:
-            continue
-    return out
-
-
 def _flush(workers: Sequence[ServerProcess]) -> None:
-    """Empty every worker's L1 and L2 (its admin route; 200 once done, refused while a
-    request still runs)."""
-    for worker in workers:
-        for _ in range(100):
-            r = httpx.post(
-                f"{worker.url}/flush_cache",
-                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                timeout=30,
-            )
-            if r.status_code == 200:
-                break
-            time.sleep(0.1)
-        r.raise_for_status()
+    """Empty every worker's L1 and L2 (its admin route, retried while a request runs)."""
+
+    async def flush_all() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for worker in workers:
+                await flush_cache(client, worker.url, tries=100)
+
+    asyncio.run(flush_all())
 
 
 def _counters(workers: Sequence[ServerProcess]) -> list[dict[str, float]]:
-    return [_metrics(w.url) for w in workers]
+    return [parse_metrics(httpx.get(f"{w.url}/metrics", timeout=10).text) for w in workers]
 
 
 async def _send(
@@ -345,12 +355,13 @@ async def _run_arm(
     spec: RoutingSpec,
     requests: Sequence[Request],
     model: str,
-    url: str | None,
+    urls: Sequence[str],
     workers: Sequence[ServerProcess],
     oracle: _Oracle | None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every request (``--concurrency`` at a time, in order) to ``url`` (smg), or
-    each to the oracle's pick; returns the results and the wall time."""
+    """Send every request (``--concurrency`` at a time, in order) to the routers ``urls``
+    (request ``i`` to ``urls[i % len(urls)]``), or each to the oracle's pick; returns the
+    results and the wall time."""
     results = [RequestResult() for _ in requests]
     queue: deque[int] = deque(range(len(requests)))
     limits = httpx.Limits(max_connections=spec.concurrency + 4)
@@ -368,9 +379,13 @@ async def _run_arm(
                 },
                 "stream": True,
             }
+            direct = requests[i].direct
+            if direct is not None:
+                results[i].worker, results[i].direct = direct, True
+                await _send(client, workers[direct].url, body, results[i])
+                continue
             if oracle is None:
-                assert url is not None
-                await _send(client, url, body, results[i])
+                await _send(client, urls[i % len(urls)], body, results[i])
                 continue
             w = oracle.pick(requests[i].ids)
             results[i].worker = w
@@ -386,9 +401,16 @@ async def _run_arm(
         return results, time.perf_counter() - start
 
 
-def _smg_for(spec: RoutingSpec, arm: str, workers: Sequence[ServerProcess]) -> Smg:
+def _smg_for(
+    spec: RoutingSpec, arm: str, workers: Sequence[ServerProcess], mesh: Sequence[int], index: int
+) -> Smg:
+    """Router ``index`` of an arm; ``mesh``: every router's mesh port when ``--smg-mesh``
+    (router 0 is the seed the others join), else empty."""
     grpc = arm.startswith("grpc_")
     extra = [] if spec.smg_warmup else ["--worker-warmup-secs", "0"]
+    if mesh:
+        extra += ["--enable-mesh", "--mesh-host", LOOPBACK, "--mesh-port", str(mesh[index])]
+        extra += [] if index == 0 else ["--mesh-peer-urls", f"{LOOPBACK}:{mesh[0]}"]
     extra += [] if spec.smg_warmup else ["--worker-warmup-divert-every", "0"]
     if spec.smg_booking_ms and arm.endswith("cache_aware"):
         extra += ["--selection-accounting-ttl-ms", str(spec.smg_booking_ms)]
@@ -439,7 +461,8 @@ def run(spec: RoutingSpec, *, log: Any = sys.stderr) -> list[ArmRun]:
                 _flush(workers)
                 before = _counters(workers)
                 with ExitStack() as arm_stack:
-                    url: str | None = None
+                    urls: list[str] = []
+                    routers: list[Smg] = []
                     oracle: _Oracle | None = None
                     if arm == "oracle":  # its streams only now: smg is forked without them
                         watches = [
@@ -447,16 +470,22 @@ def run(spec: RoutingSpec, *, log: Any = sys.stderr) -> list[ArmRun]:
                         ]
                         oracle = _Oracle(watches, spec.page_size)
                     else:
-                        smg = arm_stack.enter_context(_smg_for(spec, arm, workers))
-                        if arm.startswith("grpc_"):
-                            _wait_smg_grpc(smg, model, workers, arm.endswith("cache_aware"))
-                        url = smg.url
+                        mesh = (
+                            free_ports(spec.routers) if spec.smg_mesh and spec.routers > 1 else []
+                        )
+                        for r in range(spec.routers):
+                            smg = arm_stack.enter_context(_smg_for(spec, arm, workers, mesh, r))
+                            if arm.startswith("grpc_"):
+                                _wait_smg_grpc(smg, model, workers, arm.endswith("cache_aware"))
+                            urls.append(smg.url)
+                            routers.append(smg)
                     results, wall = asyncio.run(
-                        _run_arm(spec, requests, model, url, workers, oracle)
+                        _run_arm(spec, requests, model, urls, workers, oracle)
                     )
+                    branches = Counter(b for r in routers for b in _BRANCH.findall(r.log_text()))
                 time.sleep(1.5)  # the cache counters are the engines' published stats
                 after = _counters(workers)
-                run_ = ArmRun(arm, rnd, results, wall)
+                run_ = ArmRun(arm, rnd, results, wall, router_branches=dict(branches))
                 for b, a in zip(before, after, strict=True):
                     run_.worker_requests.append(
                         round(
@@ -478,23 +507,23 @@ def run(spec: RoutingSpec, *, log: Any = sys.stderr) -> list[ArmRun]:
 
 
 def summarize(runs: Sequence[ArmRun]) -> dict[str, dict[str, Any]]:
-    """Per arm, pooled over its rounds: ``cached_share`` (answers' cached over prompt
-    tokens; None when no answer had them), ``worker_cached_share`` (workers' hit over
-    looked-up tokens), ``ttft_p50_s``, ``ttft_p99_s``, ``requests_per_s`` (all requests
-    over the arm's summed wall time), ``ok``, ``errors``, ``worker_requests``."""
+    """Per arm, pooled over its rounds: ``cached_share`` (the routed answers' cached over
+    prompt tokens; None when no answer had them), ``direct_cached_share`` (the same over
+    the requests sent straight to a worker; None without any), ``worker_cached_share``
+    (workers' hit over looked-up tokens, every request), ``ttft_p50_s``, ``ttft_p99_s``
+    (routed requests), ``requests_per_s`` (all requests over the arm's summed wall time),
+    ``ok``, ``errors``, ``worker_requests``, ``router_branches`` (summed)."""
     out: dict[str, dict[str, Any]] = {}
     for arm in dict.fromkeys(r.arm for r in runs):
         mine = [r for r in runs if r.arm == arm]
         results = [x for r in mine for x in r.results]
         ok = [x for x in results if x.status == "200"]
-        counted = [x for x in ok if x.cached_tokens is not None and x.prompt_tokens]
-        prompt = sum(x.prompt_tokens or 0 for x in counted)
-        ttfts = [x.ttft_s for x in ok if x.ttft_s is not None]
+        routed = [x for x in ok if not x.direct]
+        ttfts = [x.ttft_s for x in routed if x.ttft_s is not None]
         query = sum(sum(r.worker_query_tokens) for r in mine)
         out[arm] = {
-            "cached_share": (
-                sum(x.cached_tokens or 0 for x in counted) / prompt if prompt else None
-            ),
+            "cached_share": _cached_share(routed),
+            "direct_cached_share": _cached_share([x for x in ok if x.direct]),
             "worker_cached_share": (
                 sum(sum(r.worker_hit_tokens) for r in mine) / query if query else None
             ),
@@ -507,8 +536,16 @@ def summarize(runs: Sequence[ArmRun]) -> dict[str, dict[str, Any]]:
             "worker_requests": [
                 sum(c) for c in zip(*(r.worker_requests for r in mine), strict=True)
             ],
+            "router_branches": dict(sum((Counter(r.router_branches) for r in mine), Counter())),
         }
     return out
+
+
+def _cached_share(results: Sequence[RequestResult]) -> float | None:
+    """Cached over prompt tokens of the answers that report both; None without any."""
+    counted = [x for x in results if x.cached_tokens is not None and x.prompt_tokens]
+    prompt = sum(x.prompt_tokens or 0 for x in counted)
+    return sum(x.cached_tokens or 0 for x in counted) / prompt if prompt else None
 
 
 def _pct(x: float | None) -> str:
@@ -524,14 +561,16 @@ def print_report(spec: RoutingSpec, summary: dict[str, dict[str, Any]]) -> None:
         f"routing: {spec.instances} x {spec.model_path} on {spec.device}, L1 {spec.l1_tokens}"
         f" + L2 {spec.l2_ratio:g}x tokens each; {spec.tenants} tenants ({spec.active_tenants}"
         f" active, one more every {spec.shift_every}) x {spec.system_tokens}-token prompts,"
-        f" {spec.requests} requests x {spec.rounds} rounds, concurrency {spec.concurrency};"
+        f" {spec.requests} requests x {spec.rounds} rounds, concurrency {spec.concurrency},"
+        f" {spec.routers} router(s) per arm, {100 * spec.direct_share:g}% sent direct;"
         f" smg warm-up {'on' if spec.smg_warmup else 'off'},"
-        f" bookings {spec.smg_booking_ms} ms"
+        f" bookings {spec.smg_booking_ms} ms, mesh {'on' if spec.smg_mesh else 'off'}"
     )
     rows = [
         [
             arm,
             _pct(s["cached_share"]),
+            _pct(s["direct_cached_share"]),
             _pct(s["worker_cached_share"]),
             _ms(s["ttft_p50_s"]),
             _ms(s["ttft_p99_s"]),
@@ -541,9 +580,13 @@ def print_report(spec: RoutingSpec, summary: dict[str, dict[str, Any]]) -> None:
         ]
         for arm, s in summary.items()
     ]
-    columns = ["arm", "cached %", "cached % (workers)", "TTFT p50 ms", "TTFT p99 ms"]
+    columns = ["arm", "cached %", "direct cached %", "cached % (workers)"]
+    columns += ["TTFT p50 ms", "TTFT p99 ms"]
     print_table(title, [*columns, "req/s", "errors", "per worker"], rows)
     for arm, s in summary.items():
+        if s["router_branches"]:
+            counts = ", ".join(f"{b} {n}" for b, n in sorted(s["router_branches"].items()))
+            print(f"{arm}: smg's routing branches: {counts}")
         for e in s["first_errors"]:
             print(f"{arm} error: {e}")
 
@@ -570,6 +613,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=d.requests, help="per arm and round")
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--rounds", type=int, default=d.rounds, help="alternations of the arms")
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=d.routers,
+        help="smg replicas per arm, requests alternated between them (1 to 4)",
+    )
     p.add_argument("--arms", default=",".join(d.arms), help=f"comma list from {','.join(ARMS)}")
     p.add_argument("--smg-warmup", action="store_true", help="keep smg's warm-up slice on")
     p.add_argument(
@@ -577,6 +626,18 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=d.smg_booking_ms,
         help="smg's --selection-accounting-ttl-ms for cache_aware (0: its default, off)",
+    )
+    p.add_argument(
+        "--smg-mesh",
+        action=argparse.BooleanOptionalAction,
+        default=d.smg_mesh,
+        help="join an arm's routers in smg's HA mesh (--enable-mesh), which shares their trees",
+    )
+    p.add_argument(
+        "--direct-share",
+        type=float,
+        default=d.direct_share,
+        help="share of the requests sent straight to a random worker, not routed (0 to <1)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="write the runs and the summary here")
@@ -604,9 +665,12 @@ def main(argv: list[str] | None = None) -> int:
             requests=args.requests,
             concurrency=args.concurrency,
             rounds=args.rounds,
+            routers=args.routers,
             arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
             smg_warmup=args.smg_warmup,
             smg_booking_ms=args.smg_booking_ms,
+            smg_mesh=args.smg_mesh,
+            direct_share=args.direct_share,
             seed=args.seed,
         )
     except ValueError as exc:
