@@ -1,12 +1,19 @@
 """The measured rates of a serving engine (:mod:`hicache.rates`): after a prefill and an
 L2 hit, ``/metrics`` carries the L2 -> L1 restore rate, the prefill rate and their
-break-even, each the engine's own measurement."""
+break-even, each the engine's own measurement; which forwards the prefill rate times."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cache.report import cache_stats
+from hicache.engine.request import Request
+from hicache.engine.step.batch import Chunk
+from hicache.engine.step.prefill_timer import PrefillTimer, prefill_tokens
 from tests.engine.test_engine_serving import GREEDY, PROMPT, make_engine
 from tests.helpers.api_fixtures import scrape, serve
 from tests.helpers.tier_walk import demote_all
@@ -47,3 +54,23 @@ def test_an_l2_hit_and_a_prefill_are_measured_and_exported() -> None:
         restore_tokens / value("hicache_prefill_tokens_per_second")
     )
     assert "hicache_restore_break_even" in text and 'tier="storage"' not in text
+
+
+def test_only_forwards_that_prefill_are_timed_and_a_failed_one_is_not() -> None:
+    prefill = Request([1, 2, 3], GREEDY)
+    decoding = Request([1, 2], GREEDY, output_ids=[7])
+    decoding.kv_len = 2
+    assert prefill_tokens([Chunk(decoding, 1)]) is None  # decode only
+    assert prefill_tokens([Chunk(decoding, 1), Chunk(prefill, 3)]) == 4  # all its tokens
+    assert prefill_tokens([Chunk(prefill, 1)]) == 1  # a first token is a prefill
+    timer = PrefillTimer(torch.device("cpu"))
+    with timer.forward(None):
+        pass
+    with pytest.raises(RuntimeError), timer.forward(5):
+        raise RuntimeError("the forward failed")
+    assert timer.rate() is None and timer.meter.observations == 0
+    with timer.forward(4):
+        time.sleep(0.002)
+    fit = timer.rate()
+    assert fit is not None and fit.observations == 1 and fit.mean_amount == 4
+    assert 0 < fit.per_second < 4 / 0.002
