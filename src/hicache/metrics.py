@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hicache.rates import RestoreRates
+
 
 @dataclass(slots=True)
 class CacheCounters:
@@ -160,6 +162,8 @@ class CacheStats:
     l3_stored_tokens: int = 0
     """Tokens of tree nodes marked in L3 (``stored``: a write of them landed on every rank
     or a prefetch read them; the backend may have evicted some since)."""
+    restores: RestoreRates | None = None
+    """What restoring costs per tier, measured on this rank (:mod:`hicache.rates`)."""
 
     @property
     def device_held_tokens(self) -> int:

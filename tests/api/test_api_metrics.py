@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.cache.report import cache_stats
 from hicache.engine.front.engine import EngineStats
 from hicache.metrics import CacheCounters, CacheStats, ComponentUsage
+from hicache.rates import RateFit, RestoreRates
 from hicache.server.metrics import cache_families, counter_metric_name
 from hicache.storage.stats import LATENCY_BUCKETS_S, OPS, OpLatency, StorageStats
 from tests.helpers.api_fixtures import make_engine, post, scrape, serve, wait_idle
@@ -129,6 +130,16 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         )
 
     components = (usage("swa"), usage("mamba"))
+
+    def fit() -> RateFit:
+        return RateFit(
+            observations=next(powers),
+            per_second=float(next(powers)),
+            mean_amount=float(next(powers)),
+            overhead_s=0.0,
+            seconds_per_unit=1.0,
+        )
+
     # L1's total is what is free, evictable and held (its own power): used tokens (total
     # less free less evictable) is then that power, and usage a fraction of it
     free, evictable, held = next(powers), next(powers), next(powers)
@@ -149,6 +160,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         components=components,
         tree_tokens=next(powers),
         l3_stored_tokens=next(powers),
+        restores=RestoreRates(token_bytes=next(powers), host=fit(), storage=fit()),
     )
     snapshot = EngineStats(
         cache=stats,
@@ -161,6 +173,7 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         parked=next(powers),
         open_rooms=next(powers),
         fenced_pages=next(powers),
+        prefill=fit(),
     )
     seen: dict[float, list[str]] = {}
     for f in cache_families(snapshot):
@@ -183,6 +196,13 @@ def test_no_two_series_carry_the_same_value_source() -> None:
         assert storage.latency[op].sum_s in seen
     for u in components:
         assert u.device_requests in seen and u.device_cached in seen and u.host_cached in seen
+    rates, prefill = stats.restores, snapshot.prefill
+    assert rates is not None and prefill is not None
+    assert rates.token_bytes in seen
+    assert prefill.per_second in seen and prefill.observations in seen
+    for tier, f in rates.tiers():
+        assert f.per_second in seen and f.observations in seen
+        assert f.per_second / rates.token_bytes / prefill.per_second in seen, tier
 
 
 def test_a_scrape_never_waits_on_the_engine_thread() -> None:

@@ -120,6 +120,12 @@ def test_full_hit_json_fields(tmp_path: Path) -> None:
                 "ideal_l3_s", "ratio_l2", "ratio_l3", "copy_gbps", "file_read_gbps"):  # fmt: skip
         assert doc[key] > 0, key
     assert doc["kv_bytes_l2"] == 48 * doc["token_bytes"]
+    even = doc["break_even"]  # both tiers restored and measured, and the prefill
+    assert set(even) == {"host", "storage"}
+    for b in even.values():
+        assert b["restore_bytes_per_s"] > 0 and b["prefill_tokens_per_s"] > 0
+        assert b["restore_tokens_per_s"] == b["restore_bytes_per_s"] / doc["token_bytes"]
+        assert b["ratio"] == b["restore_tokens_per_s"] / b["prefill_tokens_per_s"]
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:

@@ -18,6 +18,9 @@ def test_bench_file_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert doc["object_bytes"] == 64 << 10 and doc["objects"] == 4
     assert [(r["backend"], r["op"]) for r in doc["results"]] == [("file", "put"), ("file", "get")]
     assert all(r["hicache_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["results"])
+    assert doc["token_bytes"] == 32 << 10  # the default --spec
+    for r in doc["results"]:  # the rate in tokens of that shape
+        assert r["hicache_tokens_per_s"] == r["hicache_gbps"] * 1e9 / doc["token_bytes"]
     assert "hicache / raw" in capsys.readouterr().out
 
 

@@ -149,3 +149,22 @@ def test_l3_pages_past_a_span_held_in_l1_alone_are_fetched() -> None:
         assert node.host is not None  # the span adopted its L3 copy
         assert cache_stats(b).counters["prefetch_tokens_total"] == 12  # 6 pages read
         check_integrity(b)
+
+
+def test_an_l3_read_and_its_load_back_are_measured() -> None:
+    """Each L3 read batch and each L2 -> L1 load is one observation of its tier's rate:
+    its bytes (this rank's full KV of the pages) over its seconds."""
+    store = MemoryStore()
+    with make(MHA, store) as a:
+        put(a, TOKENS)
+    with make(MHA, store) as b:
+        assert b.restore_rates.storage is None and b.restore_rates.host is None
+        got, _ = fetch(b, [*TOKENS, 7])
+        rates = b.restore_rates
+        assert got == 8 and rates.token_bytes == MHA.token_bytes == 32
+        c = cache_stats(b).counters
+        for fit in (rates.storage, rates.host):  # one read of 4 pages, one load of them
+            assert fit is not None and fit.observations == 1
+            assert fit.mean_amount == 8 * rates.token_bytes == c["load_bytes_total"]
+            assert fit.per_second > 0 and fit.overhead_s == 0.0
+        assert cache_stats(b).restores == rates

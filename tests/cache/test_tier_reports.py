@@ -70,7 +70,7 @@ def test_the_host_tier_reports_each_step_to_its_peers() -> None:
     tree = HiRadixTree(PAGE, cfg.eviction_policy)
     pool = DevicePool(SPEC, cfg.device_pages, PAGE)
     calls: Calls = []
-    sync = CacheSync(tree=tree, wait_timeout_s=10.0)
+    sync = CacheSync(tree=tree, token_bytes=SPEC.token_bytes, wait_timeout_s=10.0)
     l3 = RecordingL3(calls)
     sync.serve(l3)
     sync.serve_backups(l3)

@@ -7,7 +7,10 @@ hit (L1 and L2 flushed). Units: TTFT in s (the engine's: submitted -> first toke
 median over the repeats. Ideals, measured in the same run: ``KV bytes / bandwidth +
 TTFT(L1 hit)``, the bandwidth that of one contiguous ``copy_`` (L2) or of plain ``open`` /
 ``readinto`` of the same bytes in the same file system (L3); ``ratio = measured / ideal``
-(target for L2: <= 1.5). The method in full: ``docs/benchmarks/full-hit.md``.
+(target for L2: <= 1.5). After the run, the break-even per tier as the engine measured
+it (what ``/metrics`` exports, :mod:`hicache.rates`): restore tokens/s of L2 -> L1 loads
+and L3 -> L2 reads against prefill tokens/s. The method in full:
+``docs/benchmarks/full-hit.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from hicache.config import CacheConfig
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.request import RequestOutput
 from hicache.engine.sampling import SamplingParams
+from hicache.rates import RateFit, RestoreRates, break_even
 
 __all__ = ["FullHitResult", "copy_gbps", "file_read_gbps", "main"]
 
@@ -48,6 +52,10 @@ class FullHitResult:
     hit_tokens: dict[str, list[int]] = field(default_factory=lambda: {s: [] for s in STAGES})
     copy_gbps: list[float] = field(default_factory=list)
     file_read_gbps: list[float] = field(default_factory=list)
+    restores: RestoreRates | None = None
+    """The engine's restore rates per tier after the run."""
+    prefill: RateFit | None = None
+    """The engine's prefill rate after the run."""
 
 
 def _median_time(fn: Any, repeat: int) -> float:
@@ -169,7 +177,28 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
             res.file_read_gbps.append(
                 file_read_gbps(l3_dir / "raw", max(1, pages), ps * token_bytes)
             )
+        engine.call(lambda: engine.core.cache.sync(wait=True)).result(timeout=120)
+        stats = engine.stats()
+        res.restores, res.prefill = stats.cache.restores, stats.prefill
     return res, token_bytes, device
+
+
+def break_even_rows(res: FullHitResult) -> dict[str, dict[str, float]]:
+    """Per measured tier (``host``: L2 -> L1, ``storage``: L3 -> L2): restore bytes/s and
+    tokens/s, prefill tokens/s and their ratio (above 1: loading beats recomputing)."""
+    rates, prefill = res.restores, res.prefill
+    if rates is None or prefill is None:
+        return {}
+    fits = dict(rates.tiers())
+    return {
+        b.tier: {
+            "restore_bytes_per_s": fits[b.tier].per_second,
+            "restore_tokens_per_s": b.restore_tokens_per_second,
+            "prefill_tokens_per_s": b.prefill_tokens_per_second,
+            "ratio": b.ratio,
+        }
+        for b in break_even(rates, prefill)
+    }
 
 
 def summarize(res: FullHitResult, token_bytes: int) -> dict[str, Any]:
@@ -196,6 +225,7 @@ def summarize(res: FullHitResult, token_bytes: int) -> dict[str, Any]:
         "ideal_l3_s": ideal_l3,
         "ratio_l2": ttft["l2"] / ideal_l2,
         "ratio_l3": ttft["l3"] / ideal_l3,
+        "break_even": break_even_rows(res),
         "samples": {"ttft_s": res.ttft_s, "hit_tokens": res.hit_tokens,
                     "copy_gbps": res.copy_gbps, "file_read_gbps": res.file_read_gbps},
     }  # fmt: skip
@@ -249,6 +279,18 @@ def main(argv: list[str] | None = None) -> int:
              f"{doc['ideal_l2_s'] * ms:.2f}", f"{doc['ratio_l2']:.2f}"],
             ["L3 hit (file)", str(h["l3"]), f"{doc['ttft_l3_s'] * ms:.2f}",
              f"{doc['ideal_l3_s'] * ms:.2f}", f"{doc['ratio_l3']:.2f}"],
+        ],
+    )  # fmt: skip
+    tiers = {"host": "L2 -> L1 load", "storage": "L3 -> L2 read"}
+    print_table(
+        "break-even, as the engine measured it (restore tokens/s over prefill tokens/s;"
+        " above 1, loading wins)",
+        ["tier", "restore MB/s", "restore tok/s", "prefill tok/s", "break-even"],
+        [
+            [tiers[t], f"{b['restore_bytes_per_s'] / 1e6:.1f}",
+             f"{b['restore_tokens_per_s']:.0f}", f"{b['prefill_tokens_per_s']:.0f}",
+             f"{b['ratio']:.2f}"]
+            for t, b in doc["break_even"].items()
         ],
     )  # fmt: skip
     if args.json:

@@ -4,7 +4,9 @@ For every backend (``file``, ``redis``, ``mooncake``, ``aibrix-shfs``, ``aibrix-
 ``nixl``) the same pages (``--objects`` of ``--object-mib`` MiB, one page each, in a
 ``page_first`` host pool) go through the HiCache backend (``batch_set`` / ``batch_get``) and
 through the bare client it wraps. ``--records page,head`` runs the HiCache side per record
-split; ``--spec L,H,D[,dtype]`` and ``--page-tokens`` set the page. Services start locally
+split; ``--spec L,H,D[,dtype]`` and ``--page-tokens`` set the page (each rate is also
+given in tokens/s of that KV shape: what restoring a hit from the backend would give, to
+set beside a model's prefill tokens/s, :mod:`hicache.rates`). Services start locally
 unless ``--redis-url`` / ``--mooncake-master`` name running ones. Units: GB/s of payload
 bytes (10**9 B/s), the median of ``--repeat`` rounds after one untimed warm-up, each round
 under fresh keys; ``paired`` is the median of the rounds' HiCache / raw ratios. Usage:
@@ -170,18 +172,22 @@ def _check(ok: list[bool], op: str) -> None:
         raise RuntimeError(f"{op}: {ok.count(False)} of {len(ok)} pages failed")
 
 
-def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int) -> None:
+def _print_table(
+    results: Sequence[BenchResult], object_bytes: int, objects: int, token_bytes: int
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"L3 storage: {objects} objects x {object_bytes / 2**10:g} KiB (GB/s, median)"
+        title=f"L3 storage: {objects} objects x {object_bytes / 2**10:g} KiB (GB/s, median;"
+        f" tokens of {token_bytes} B)"
     )
     cols = (
         "backend",
         "records",
         "per page",
         "op",
+        "hicache ktok/s",
         "hicache GB/s",
         "raw GB/s",
         "hicache / raw",
@@ -195,6 +201,7 @@ def _print_table(results: Sequence[BenchResult], object_bytes: int, objects: int
             r.records,
             str(r.records_per_page),
             r.op,
+            f"{r.hicache_gbps * 1e9 / token_bytes / 1e3:.4g}",
             f"{r.hicache_gbps:.3g}",
             f"{r.raw_gbps:.3g}",
             f"{r.ratio:.2f}",
@@ -301,10 +308,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{backend}: skipped: {e}", file=sys.stderr)
     if not results:
         return 1
-    _print_table(results, object_bytes, args.objects)
+    tb = spec.token_bytes
+    _print_table(results, object_bytes, args.objects, tb)
     if args.json:
-        doc = {"object_bytes": object_bytes, "objects": args.objects, "repeat": args.repeat}
-        doc["results"] = [asdict(r) | {"ratio": r.ratio} for r in results]
+        doc: dict[str, Any] = {
+            "object_bytes": object_bytes,
+            "objects": args.objects,
+            "repeat": args.repeat,
+            "token_bytes": tb,
+        }
+        doc["results"] = [
+            asdict(r) | {"ratio": r.ratio, "hicache_tokens_per_s": r.hicache_gbps * 1e9 / tb}
+            for r in results
+        ]
         write_json(args.json, doc)
     return 0 if len(results) == 2 * len(backends) * len(splits) else 1
 

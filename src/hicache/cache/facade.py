@@ -42,6 +42,7 @@ from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
+from hicache.rates import RestoreRates
 from hicache.spec import CacheSpec, KVSpec
 from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
@@ -111,7 +112,9 @@ class HiCache(Lifecycle):
         )
         self._tree = tree
         counters = CacheCounters()
-        self._sync = CacheSync(tree=tree, ranks=ranks, wait_timeout_s=wait_timeout_s)
+        self._sync = CacheSync(
+            tree=tree, token_bytes=kv.token_bytes, ranks=ranks, wait_timeout_s=wait_timeout_s
+        )
         self.context = CacheContext(config=config, spec=kv, ranks=self._sync.ranks)
         """What the cache was built with (config, full KV shape, page size, ranks)."""
         self._requests = self._sync.holders
@@ -426,6 +429,12 @@ class HiCache(Lifecycle):
     def admitted(self) -> tuple[CacheRequest, ...]:
         """The admitted requests holding pages."""
         return tuple(self._requests)
+
+    @property
+    def restore_rates(self) -> RestoreRates:
+        """What restoring costs on this rank, per tier, as measured from its loads and
+        L3 reads so far (:mod:`hicache.rates`)."""
+        return self._sync.restore_meter.rates()
 
     @property
     def l3(self) -> L3Slot:

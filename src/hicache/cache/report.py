@@ -54,6 +54,7 @@ def cache_stats(cache: HiCache) -> CacheStats:
         storage=None if backend is None else backend.stats(),
         tree_tokens=in_tree * ps,
         l3_stored_tokens=stored * ps,
+        restores=cache.restore_rates,
     )
     cached = _cached_tokens(device_pool)
     ps = cache.context.page_size

@@ -7,7 +7,8 @@ the tiers and stores (which report to it): the records received, the tensor-para
 :class:`~hicache.controller.agreement.Agreement` (one rank: its verdict is its vote), the
 parties with ops in flight (:class:`Party`: the L2 tier, the L3 slot, and while attached
 the L3 prefetches and writes), the agreed waits (:meth:`CacheSync.wait_until`), the
-admitted requests (:attr:`CacheSync.holders`) and :meth:`CacheSync.fail_holders`.
+admitted requests (:attr:`CacheSync.holders`), :meth:`CacheSync.fail_holders`, and the
+restore rates this rank's records measure (:attr:`CacheSync.restore_meter`).
 Records are applied only in :meth:`CacheSync.sync` (once per step, every rank) and inside
 explicit waits, party by party in op order. **The re-entrancy rule** (here only): while
 applying or waiting the cache is *inside* (:attr:`CacheSync.inside`): nothing syncs,
@@ -23,10 +24,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from hicache.cache.request import CacheRequest
-from hicache.controller import CompletionQueue
+from hicache.controller import CompletionQueue, L3Read
 from hicache.controller.agreement import Agreement, Verdict, Vote
 from hicache.controller.completions import Record
 from hicache.controller.rank_group import RankGroup
+from hicache.rates import RestoreMeter
+from hicache.transfer import Completion
 from hicache.tree import HiRadixTree, TreeNode
 
 __all__ = ["DEFAULT_WAIT_TIMEOUT_S", "BackupSink", "CacheSync", "Party", "TransferParty"]
@@ -76,16 +79,21 @@ class CacheSync:
 
     ``tree``: the cache's tree (a failed load's holders are unpinned there). ``ranks``:
     the tensor-parallel group (None: one rank). ``wait_timeout_s``: the waits' bound.
+    ``token_bytes``: bytes of one token's full KV on this rank, all layers (> 0).
     """
 
     def __init__(
         self,
         *,
         tree: HiRadixTree,
+        token_bytes: int,
         ranks: RankGroup | None = None,
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
     ) -> None:
         self.tree = tree
+        self.restore_meter = RestoreMeter(token_bytes)
+        """This rank's restore rates, measured from every record received
+        (:meth:`_measure`): a rank's own figures, never agreed."""
         self.ranks = ranks or RankGroup.single()
         """The tensor-parallel ranks this cache agrees with (one: its verdict is its vote)."""
         self.wait_timeout_s = wait_timeout_s
@@ -165,11 +173,25 @@ class CacheSync:
         return applied, step.gave_up
 
     def _keep(self, records: list[Record]) -> None:
-        """Hand each record to the party whose op it is of (none: a detached tier's, dropped)."""
+        """Measure each record, and hand it to the party whose op it is of (none: a
+        detached tier's, dropped)."""
         for r in records:
+            self._measure(r)
             for party in self._parties:
                 if party.claim(r):
                     break
+
+    def _measure(self, r: Record) -> None:
+        """Feed :attr:`restore_meter` from one record as it arrives on this rank: a load
+        back that succeeded here (its bytes and copy seconds: ``host``), an L3 read's
+        progress (bytes of the pages read intact since its previous record, and the
+        backend calls' seconds: ``storage``). Whatever other ranks say of the op, this
+        rank's copy took that long."""
+        if isinstance(r, Completion):
+            if r.kind == "load" and r.ok:
+                self.restore_meter.host.observe(r.nbytes, r.seconds)
+        elif isinstance(r, L3Read) and r.nbytes:
+            self.restore_meter.storage.observe(r.nbytes, r.seconds)
 
     def _apply_deferred(self) -> None:
         for party in self._parties:

@@ -61,12 +61,17 @@ class L3Read:
     deadline has returned); until then the owner must keep every page of the op.
     ``records``: True on the record posted once every component record of the op is in
     its L2 id (before any page is read; a read of component records alone, with no
-    pages, says only so that it succeeded); False on every other record."""
+    pages, says only so that it succeeded); False on every other record. ``nbytes`` and
+    ``seconds``: on a progress record of a batch of pages read whole, the batch's bytes
+    in L2 (this rank's full KV of its pages) and the seconds the backend call took; 0 on
+    every other record (what restoring from L3 costs: :mod:`hicache.rates`)."""
 
     op_id: int
     done_pages: int
     final: bool
     records: bool = False
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -417,12 +417,15 @@ class StorageController(Lifecycle):
                     break
                 keys = op.keys[start : start + chunk]
                 pages = list(op.host_pages[start : start + chunk])
+                began = time.perf_counter()
                 ok = self.storage.batch_get(keys, self.host_pool, pages)
+                seconds = time.perf_counter() - began
                 good = next((i for i, o in enumerate(ok) if not o), len(ok))
                 done = start + good
                 if good < len(ok):
                     break  # a miss ends the usable prefix
-                self._out.post(L3Read(op.op_id, done, final=False))
+                nbytes = len(pages) * self.host_pool.page_bytes
+                self._out.post(L3Read(op.op_id, done, False, nbytes=nbytes, seconds=seconds))
         except Exception:  # backends fail soft already; this is a last guard
             log.exception("L3 read op %d failed", op.op_id)
         return done

@@ -32,6 +32,7 @@ from hicache.engine.front.engine import Engine, EngineStats
 from hicache.engine.request import FinishReason, RequestOutput
 from hicache.engine.session import SessionKind
 from hicache.metrics import ComponentUsage
+from hicache.rates import break_even
 from hicache.storage.stats import OPS, StorageStats
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,7 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
             counter_metric_name(key), _COUNTER_HELP.get(key, f"Cache counter {key}"), value
         )
     yield from component_families(s.components)
+    yield from rate_families(snap)
     st = s.storage
     if st is not None:
         yield CounterMetricFamily(
@@ -299,6 +301,59 @@ def cache_families(snap: EngineStats) -> Iterator[Metric]:
             st.previous,
         )
         yield from l3_wait_families(st)
+
+
+def rate_families(snap: EngineStats) -> Iterator[Metric]:
+    """What a token costs to restore per tier and to recompute, as measured by rank 0
+    (:mod:`hicache.rates`): restore bytes/s per tier (``host``: L2 -> L1 loads,
+    ``storage``: L3 -> L2 reads) and the observations behind them, prefill tokens/s and
+    its observations, the bytes of one token, and per tier the break-even (restore
+    tokens/s over prefill tokens/s). A tier or the prefill appears once measured."""
+    restores, prefill = snap.cache.restores, snap.prefill
+    if restores is not None:
+        yield GaugeMetricFamily(
+            "hicache_kv_token_bytes",
+            "Bytes of one token's full KV on this rank, all layers",
+            restores.token_bytes,
+        )
+        tiers = restores.tiers()
+        if tiers:
+            rate = GaugeMetricFamily(
+                "hicache_restore_bytes_per_second",
+                "Bytes per second per rank a restore moves, per tier (host: L2 -> L1 loads,"
+                " storage: L3 -> L2 reads), over recent observations",
+                labels=["tier"],
+            )
+            seen = CounterMetricFamily(
+                "hicache_restore_observations",
+                "Restore operations timed, per tier",
+                labels=["tier"],
+            )
+            for tier, fit in tiers:
+                rate.add_metric([tier], fit.per_second)
+                seen.add_metric([tier], fit.observations)
+            yield rate
+            yield seen
+    if prefill is None:
+        return
+    yield GaugeMetricFamily(
+        "hicache_prefill_tokens_per_second",
+        "Tokens per second of recent forwards that prefilled (not waiting on a load)",
+        prefill.per_second,
+    )
+    yield CounterMetricFamily(
+        "hicache_prefill_observations", "Forwards timed for the prefill rate", prefill.observations
+    )
+    if restores is not None and restores.tiers():
+        family = GaugeMetricFamily(
+            "hicache_restore_break_even",
+            "Restore tokens/s over prefill tokens/s, per tier: above 1, loading a hit beats"
+            " recomputing it",
+            labels=["tier"],
+        )
+        for b in break_even(restores, prefill):
+            family.add_metric([b.tier], b.ratio)
+        yield family
 
 
 def sglang_families(snap: EngineStats, model_name: str) -> Iterator[Metric]:

@@ -17,6 +17,7 @@ from hicache.engine.drivers.leader import Leader
 from hicache.engine.run_state import EngineState, RunState
 from hicache.engine.step.scheduler import Scheduler
 from hicache.metrics import CacheStats
+from hicache.rates import RateFit
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class EngineStats:
     <hicache.engine.role.Role.open_rooms>`); ``fenced_pages``: L1 pages of ended requests a decode instance keeps out of use while the
     prefill instance may still write them (:meth:`RequestEnds.fence
     <hicache.engine.step.ends.RequestEnds.fence>`).
+    ``prefill``: rank 0's prefill tokens per second, from its own forwards (None: no
+    prefill timed yet; :mod:`hicache.engine.step.prefill_timer`).
     ``at``: when (``time.monotonic()`` seconds). Immutable: published by the loop
     (:attr:`Engine.published_stats`) and read by any thread without a lock."""
 
@@ -80,6 +83,7 @@ class EngineStats:
     parked: int = 0
     open_rooms: int = 0
     fenced_pages: int = 0
+    prefill: RateFit | None = None
     at: float = 0.0
 
 
@@ -156,6 +160,7 @@ def read_stats(cache: HiCache, scheduler: Scheduler, queue: QueueGate) -> Engine
         parked=len(scheduler.ends.parked),
         open_rooms=scheduler.role.open_rooms,
         fenced_pages=scheduler.ends.fenced_pages,
+        prefill=scheduler.prefill_timer.rate(),
         at=time.monotonic(),
     )
 

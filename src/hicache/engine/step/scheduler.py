@@ -36,6 +36,7 @@ from hicache.engine.step.batch import Chunk, forward_batch
 from hicache.engine.step.batch_sampling import BatchSampler, PromptRow
 from hicache.engine.step.ends import RequestEnds
 from hicache.engine.step.output import OutputProcessor
+from hicache.engine.step.prefill_timer import PrefillTimer, prefill_tokens
 from hicache.engine.step.slots import admission_order, lent_slot, used_slots
 from hicache.engine.step_inputs import PagesArrived, RoomEnded, RoomFailed
 from hicache.runner.model_runner import ModelRunner
@@ -81,6 +82,8 @@ class Scheduler:
         steps and admitted at the next one has its first token when this has gone up by 1)."""
         self.reclaimed = 0
         """Sequences retracted so far to give a lent slot back (:meth:`_reclaim`)."""
+        self.prefill_timer = PrefillTimer(torch.device(runner.device))
+        """How fast this rank's forwards prefill (:meth:`PrefillTimer.rate`)."""
         self.tokens = tokens
         self.sampler = BatchSampler(output.eos_token_ids, tokens)
         reports = tokens is None or tokens.leader
@@ -509,11 +512,13 @@ class Scheduler:
         ``/health`` reads) and None is returned; a forward that succeeds resets the
         count."""
         fb = forward_batch(batch, self.page_size, self.config.layer_wait_timeout_s)
+        timed = prefill_tokens(batch) if fb.layer_wait is None else None  # not a load's wait
         try:
-            if logit_rows is not None:
-                logits = self.runner.forward(fb, logit_rows=logit_rows)
-            else:
-                logits = self.runner.forward(fb)
+            with self.prefill_timer.forward(timed):
+                if logit_rows is not None:
+                    logits = self.runner.forward(fb, logit_rows=logit_rows)
+                else:
+                    logits = self.runner.forward(fb)
         except Exception as exc:
             if self.tokens is not None:  # a rank must not fail a batch alone: the ranks stop
                 raise
