@@ -104,3 +104,14 @@ def test_restore_rates_per_tier_and_the_break_even() -> None:
     got = break_even(meter.rates(), prefill.estimate())
     assert got == (BreakEven("host", 100.0, 50.0), BreakEven("storage", 20.0, 50.0))
     assert [(b.ratio, b.load_wins) for b in got] == [(2.0, True), (0.4, False)]
+
+
+def test_forget_storage_starts_the_l3_meters_afresh_and_keeps_the_host_one() -> None:
+    meter = RestoreMeter(10)
+    assert meter.host.observe(100, 1.0) and meter.storage.observe(100, 1.0)
+    assert meter.lookup.observe(1, 0.5, at=3.0)
+    meter.forget_storage()
+    rates = meter.rates()
+    assert rates.storage is None and meter.lookup.estimate() is None
+    assert meter.lookup.last_at is None
+    assert rates.host is not None and rates.host.per_second == 100.0

@@ -85,6 +85,15 @@ class CacheCounters:
     l3_announced_waits_expired_total: int = 0
     """Of those, the waits that ran out (``announced_wait_s``, or the announcement
     expired) with the page still absent."""
+    l3_decided_read_tokens_total: int = 0
+    """L3 hit tokens read because this rank's measured rates said reading them beats
+    recomputing them (:mod:`hicache.cache.l3.worth`; hits read by ``prefetch_threshold``
+    while the rates are unknown are not counted)."""
+    l3_decided_recompute_tokens_total: int = 0
+    """L3 hit tokens not read because recomputing them was measured to be faster."""
+    l3_unwaited_prefetches_total: int = 0
+    """Prefetches their request did not wait for: by the measured rates even a whole hit,
+    looked up and read, would have come later than recomputing it."""
     prefetch_component_records_total: int = 0
     """Component records (snapshots, SWA pages) read from L3 into L2 by prefetches whose
     hit was taken."""

@@ -98,11 +98,15 @@ class Throughput:
         """Observations taken so far."""
         self.ignored = 0
         """Observations ignored so far (empty, instant or absurdly fast)."""
+        self.last_at: float | None = None
+        """When the last observation taken was made (the caller's clock, seconds; None:
+        none taken, or none given a time)."""
         self._w = self._a = self._t = self._aa = self._at = 0.0
 
-    def observe(self, amount: float, seconds: float) -> bool:
-        """Take one observation: ``amount`` units moved or computed in ``seconds``;
-        whether it was taken (see the class docstring)."""
+    def observe(self, amount: float, seconds: float, at: float | None = None) -> bool:
+        """Take one observation: ``amount`` units moved or computed in ``seconds``, made at
+        ``at`` (the caller's clock; kept as :attr:`last_at`); whether it was taken (see the
+        class docstring)."""
         finite = math.isfinite(amount) and math.isfinite(seconds)
         if not finite or amount <= 0 or seconds <= 0 or amount > self.max_per_second * seconds:
             self.ignored += 1
@@ -114,6 +118,8 @@ class Throughput:
         self._aa = self._aa * k + amount * amount
         self._at = self._at * k + amount * seconds
         self.observations += 1
+        if at is not None:
+            self.last_at = at
         return True
 
     def estimate(self) -> RateFit | None:
@@ -171,6 +177,17 @@ class RestoreMeter:
         """L2 -> L1 loads: bytes a load moved, seconds its copy took."""
         self.storage = Throughput(half_life=half_life, max_per_second=MAX_BYTES_PER_SECOND)
         """L3 -> L2 reads: bytes of pages read intact, seconds of the backend calls."""
+        self.lookup = Throughput(half_life=half_life)
+        """L3 lookups (not a restore tier): one unit per lookup, the seconds of its
+        backend call, so ``seconds(1)`` is what a lookup costs."""
+
+    def forget_storage(self) -> None:
+        """Start the ``storage`` and ``lookup`` meters afresh: a newly attached L3 is not
+        the one they measured."""
+        self.storage = Throughput(
+            half_life=self.storage.half_life, max_per_second=MAX_BYTES_PER_SECOND
+        )
+        self.lookup = Throughput(half_life=self.lookup.half_life)
 
     def rates(self) -> RestoreRates:
         """The estimates now."""

@@ -181,6 +181,47 @@ def test_timeout_is_bounded_by_the_formula(reference: list[int]) -> None:
     assert t < 0.2 + 2.0  # gave up the lookup after the 0.2 s base timeout; compute margin
 
 
+def _counter(engine: Engine, name: str) -> int:
+    return int(engine.call(lambda: cache_stats(engine.core.cache)).result().counters[name])
+
+
+def test_by_measured_rates_a_fast_l3_is_read_and_a_slow_one_not_waited_for(
+    reference: list[int],
+) -> None:
+    """Once a read has been measured, the rates decide (``hicache.cache.l3.worth``): a
+    fast L3's hit is read (counted as decided). Made slow (every op 0.5 s), the next
+    request waits for it as before (nothing says it is slow yet) and its lookup is
+    measured; the one after does not wait at all and recomputes, where the timeout
+    (more than 2 s) would have held it through the lookup and the reads."""
+    store = f"rates-{time.monotonic_ns()}"
+    with make_engine("memory", {"store": store}) as engine:
+        assert engine.generate(PROMPT, GREEDY, timeout=60).output_ids == reference
+        only_in_l3(engine)
+        first = engine.generate(PROMPT, GREEDY, timeout=60)  # read by the threshold
+        assert first.cached.storage == FULL
+        assert _counter(engine, "l3_decided_read_tokens_total") == 0
+        only_in_l3(engine)
+        fast = engine.generate(PROMPT, GREEDY, timeout=60)  # the rates say: read
+        assert fast.cached.storage == FULL and fast.output_ids == reference
+        assert _counter(engine, "l3_decided_read_tokens_total") == FULL
+        only_in_l3(engine)
+        l3 = engine.core.cache.l3.attached
+        assert l3 is not None and isinstance(l3.controller.storage, MemoryStorage)
+        l3.controller.storage.set_faults(MemoryFaults(delay_s=0.5))
+        t0 = time.monotonic()
+        waited = engine.generate(PROMPT, GREEDY, timeout=60)
+        assert time.monotonic() - t0 >= 0.5 and waited.output_ids == reference
+        only_in_l3(engine)
+        t0 = time.monotonic()
+        unwaited = engine.generate(PROMPT, GREEDY, timeout=60)
+        elapsed = time.monotonic() - t0
+        assert unwaited.output_ids == reference and unwaited.cached.storage == 0
+        assert elapsed < 0.5  # not even the lookup's 0.5 s
+        assert _counter(engine, "l3_unwaited_prefetches_total") == 1
+        l3.controller.storage.set_faults(MemoryFaults())
+        clean(engine)
+
+
 def test_backend_failing_mid_run_gives_misses_not_errors(reference: list[int]) -> None:
     store = f"fail-{time.monotonic_ns()}"
     with make_engine("memory", {"store": store}) as engine:

@@ -42,7 +42,7 @@ from hicache.controller.rank_group import RankGroup
 from hicache.extras import SequenceExtras
 from hicache.lifecycle import Lifecycle
 from hicache.metrics import CacheCounters
-from hicache.rates import RestoreRates
+from hicache.rates import RateFit, RestoreRates
 from hicache.spec import CacheSpec, KVSpec
 from hicache.tree import HiRadixTree
 from hicache.tree.node import TokenIds
@@ -429,6 +429,11 @@ class HiCache(Lifecycle):
     def admitted(self) -> tuple[CacheRequest, ...]:
         """The admitted requests holding pages."""
         return tuple(self._requests)
+
+    def measure_prefill(self, source: Callable[[], RateFit | None]) -> None:
+        """Read this rank's prefill rate from ``source`` (the engine's prefill timer): what
+        recomputing an L3 hit costs, against reading it (:mod:`hicache.cache.l3.worth`)."""
+        self._sync.prefill_rate = source
 
     @property
     def restore_rates(self) -> RestoreRates:

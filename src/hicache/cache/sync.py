@@ -24,11 +24,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from hicache.cache.request import CacheRequest
-from hicache.controller import CompletionQueue, L3Read
+from hicache.controller import CompletionQueue, L3Lookup, L3Read
 from hicache.controller.agreement import Agreement, Verdict, Vote
 from hicache.controller.completions import Record
 from hicache.controller.rank_group import RankGroup
-from hicache.rates import RestoreMeter
+from hicache.rates import RateFit, RestoreMeter
 from hicache.transfer import Completion
 from hicache.tree import HiRadixTree, TreeNode
 
@@ -74,6 +74,10 @@ class BackupSink(Protocol):
         """``nodes`` (one path, top-down) landed in L2."""
 
 
+def _unmeasured() -> RateFit | None:
+    return None
+
+
 class CacheSync:
     """The owner of one cache's asynchronous results (see the module docstring).
 
@@ -94,6 +98,9 @@ class CacheSync:
         self.restore_meter = RestoreMeter(token_bytes)
         """This rank's restore rates, measured from every record received
         (:meth:`_measure`): a rank's own figures, never agreed."""
+        self.prefill_rate: Callable[[], RateFit | None] = _unmeasured
+        """This rank's prefill estimate (tokens/s of its own forwards), from the engine
+        that set it (:meth:`hicache.cache.HiCache.measure_prefill`); None until then."""
         self.ranks = ranks or RankGroup.single()
         """The tensor-parallel ranks this cache agrees with (one: its verdict is its vote)."""
         self.wait_timeout_s = wait_timeout_s
@@ -185,13 +192,17 @@ class CacheSync:
         """Feed :attr:`restore_meter` from one record as it arrives on this rank: a load
         back that succeeded here (its bytes and copy seconds: ``host``), an L3 read's
         progress (bytes of the pages read intact since its previous record, and the
-        backend calls' seconds: ``storage``). Whatever other ranks say of the op, this
-        rank's copy took that long."""
+        backend calls' seconds: ``storage``), a lookup's store call (``lookup``), each
+        stamped with the monotonic clock. Whatever other ranks say of the op, this rank's
+        copy took that long."""
+        now = time.monotonic()
         if isinstance(r, Completion):
             if r.kind == "load" and r.ok:
-                self.restore_meter.host.observe(r.nbytes, r.seconds)
+                self.restore_meter.host.observe(r.nbytes, r.seconds, now)
         elif isinstance(r, L3Read) and r.nbytes:
-            self.restore_meter.storage.observe(r.nbytes, r.seconds)
+            self.restore_meter.storage.observe(r.nbytes, r.seconds, now)
+        elif isinstance(r, L3Lookup) and r.seconds:
+            self.restore_meter.lookup.observe(1, r.seconds, now)
 
     def _apply_deferred(self) -> None:
         for party in self._parties:

@@ -41,7 +41,9 @@ class L3Lookup:
     lookup failed (the backend's reason; empty when it did not: a miss is no failure).
     ``waited``: the run stopped at an announced page (:mod:`hicache.storage.announce`) and
     the lookup waited for it; ``expired``: that wait ended at its bound with the page
-    still announced and absent."""
+    still announced and absent. ``seconds``: how long the store took to answer the run
+    (its ``exists_run`` call; 0 when no call was made, or after an announced wait: what
+    a lookup costs, :mod:`hicache.rates`)."""
 
     op_id: int
     hit_pages: int
@@ -50,6 +52,7 @@ class L3Lookup:
     error: str = ""
     waited: bool = False
     expired: bool = False
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -354,9 +354,12 @@ class StorageController(Lifecycle):
         asked = len(op.keys) if neg is None else neg.to_ask(op.keys)
         hit = 0
         error = ""
+        seconds = 0.0
         try:
             if asked:
+                began = time.perf_counter()
                 run = self.storage.exists_run(op.keys[:asked])  # a failure is no hit
+                seconds = time.perf_counter() - began
                 hit = run.present
                 error = run.why
                 if hit < asked and not run.failed and self._waits.stopped(op, op.keys, asked, hit):
@@ -364,7 +367,7 @@ class StorageController(Lifecycle):
         except Exception as exc:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
             error = f"{type(exc).__name__}: {exc}"
-        return self._looked(op, asked, hit, error)
+        return self._looked(op, asked, hit, error, seconds=seconds)
 
     def _looked(
         self,
@@ -374,10 +377,11 @@ class StorageController(Lifecycle):
         error: str,
         *,
         waited: Waiting[_Lookup] | None = None,
+        seconds: float = 0.0,
     ) -> L3Lookup:
         """The record of lookup ``op`` whose run found ``hit`` of its ``asked`` keys
-        (``waited``: after a wait for an announced page): the previous spec's probe (no
-        hit) and the component lookups done here."""
+        (``waited``: after a wait for an announced page; ``seconds``: the run's store
+        call): the previous spec's probe (no hit) and the component lookups done here."""
         found: list[ComponentFound] = []
         try:
             if asked and not hit and op.previous is not None:
@@ -399,6 +403,7 @@ class StorageController(Lifecycle):
             error=error,
             waited=waited is not None,
             expired=waited is not None and waited.expired,
+            seconds=seconds,
         )
 
     def _read(self, op: _Read) -> int:

@@ -20,6 +20,7 @@ from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.keys import TierKeys
 from hicache.cache.l3.prefetch import ComponentFetch, Prefetch
 from hicache.cache.l3.reads import Reads
+from hicache.cache.l3.worth import RestoreCosts
 from hicache.cache.quarantine import Quarantine
 from hicache.cache.sync import CacheSync
 from hicache.config import PrefetchConfig, PrefetchPolicy
@@ -62,6 +63,7 @@ class Prefetches:
         self._codecs = codecs
         self._components = tuple(codecs.values())
         self._page_size = host.page_size
+        self._sync = sync
         self._reads = Reads(
             controller=controller,
             keys=keys,
@@ -69,6 +71,8 @@ class Prefetches:
             prefetch=prefetch,
             ranks=sync.ranks,
             codecs=codecs,
+            costs=self._costs,
+            counters=counters,
         )
         self._open: dict[int, Prefetch] = {}
         """Every prefetch in flight (a ``held`` one: taken, its read not final yet)."""
@@ -115,15 +119,22 @@ class Prefetches:
             return None
         tree.inc_host_ref(pin)  # the L2 span fetched pages (or records) hang under
         now = time.monotonic()
-        deadline = now + self.prefetch.timeout_s(len(rest) * ps)
-        p = Prefetch(next(self._op_ids), key, rest, start, pin, tenant, now, deadline)
+        p = Prefetch(next(self._op_ids), key, rest, start, pin, tenant, now, now)
         p.valid_pages, p.inner_to, p.cached_to = valid, inner_to, cached_to
         p.any_hit = any_hit
+        p.deadline = self._reads.deadline(p, len(rest) * ps)
+        if p.deadline == now:
+            self._counters.l3_unwaited_prefetches_total += 1
         lookups = self._reads.lookups(p, attach, len(rest))
         self._open[p.op_id] = p
         previous = self._keys.previous_page(key, tenant, start + 1) if rest else None
         self._controller.lookup(p.op_id, rest, lookups, previous)
         return p
+
+    def _costs(self) -> RestoreCosts:
+        """This rank's measured cost lines now (:mod:`hicache.cache.l3.worth`)."""
+        sync = self._sync
+        return RestoreCosts.measured(sync.restore_meter, sync.prefill_rate(), time.monotonic())
 
     def _on_lookup(self, r: L3Lookup, hit: int) -> None:
         """Apply lookup ``r`` with ``hit`` pages (agreed: the minimum over ranks)."""
@@ -176,8 +187,12 @@ class Prefetches:
             return 0
         p.taken = True
         waited = not p.finished and self.prefetch.policy is not PrefetchPolicy.BEST_EFFORT
+        waited = waited and p.deadline > p.started  # not one the rates said not to wait for
         if waited and self.ready(p):  # its deadline passed before L3 answered (as agreed)
             self._counters.prefetch_timeouts_total += 1
+            if p.looking:  # the lookup outlasted the wait: it is at least that slow
+                now = time.monotonic()
+                self._sync.restore_meter.lookup.observe(1, now - p.started, now)
         p.agreed_ready = False
         self._tree.dec_host_ref(p.attach)
         if p.host_pages is None and not p.reads:

@@ -11,13 +11,14 @@ alone. The flow: ``docs/architecture.md`` (L3).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from hicache.cache.components.records import ComponentRecords, agree_boundary, usable_boundaries
 from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.keys import TierKeys
 from hicache.cache.l3.prefetch import ComponentFetch, Prefetch
-from hicache.config import PrefetchConfig
+from hicache.cache.l3.worth import RestoreCosts
+from hicache.config import PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import (
@@ -25,6 +26,7 @@ from hicache.controller.storage_controller import (
     ComponentRead,
     StorageController,
 )
+from hicache.metrics import CacheCounters
 from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, page_ids
 
@@ -43,8 +45,13 @@ class Reads:
         prefetch: PrefetchConfig,
         ranks: RankGroup,
         codecs: Mapping[str, ComponentRecords],
+        costs: Callable[[], RestoreCosts],
+        counters: CacheCounters,
     ) -> None:
+        """``costs``: this rank's measured cost lines now (:mod:`hicache.cache.l3.worth`)."""
         self._controller = controller
+        self._costs = costs
+        self._counters = counters
         self._keys = keys
         self._host = host
         self._prefetch = prefetch
@@ -76,6 +83,34 @@ class Reads:
             )
         return lookups
 
+    def deadline(self, p: Prefetch, tokens: int) -> float:
+        """When the policy stops waiting for ``p``, a prefetch of up to ``tokens`` tokens
+        (whole pages): its configured timeout after its start; its start when the measured
+        rates say no wait can pay (``timeout`` policy, ``tokens`` > 0; not for a restore's
+        prefetch, which runs ahead of its request). Each rank's own: the policy's verdict
+        is agreed."""
+        deadline = p.started + self._prefetch.timeout_s(tokens)
+        if not tokens or p.any_hit or self._prefetch.policy is not PrefetchPolicy.TIMEOUT:
+            return deadline
+        return p.started if self._costs().worth_waiting(tokens) is False else deadline
+
+    def _worth(self, p: Prefetch, tokens: int) -> bool:
+        """Whether to read the agreed hit of ``tokens`` (> 0) of ``p``: a restore's, always;
+        under the ``timeout`` policy when this rank's measured rates say reading beats
+        recomputing; else (another policy, or rates unknown) when it reaches
+        ``prefetch_threshold``. Agreed over the ranks (every rank runs this with the same
+        hit: all-reduce(min))."""
+        by_rates = not p.any_hit and self._prefetch.policy is PrefetchPolicy.TIMEOUT
+        decided = self._costs().worth_reading(tokens) if by_rates else None
+        local = tokens >= self._threshold(p) if decided is None else decided
+        agreed = bool(self._ranks.min(int(local)))
+        if decided is not None:
+            if agreed:
+                self._counters.l3_decided_read_tokens_total += tokens
+            else:
+                self._counters.l3_decided_recompute_tokens_total += tokens
+        return agreed
+
     def _threshold(self, p: Prefetch) -> int:
         """Tokens a read of ``p`` must bring at least: ``prefetch_threshold``, or one
         page for a restore (``p.any_hit``: read ahead of its request, never too late)."""
@@ -94,7 +129,7 @@ class Reads:
             return
         hit = boundary - start
         host_pages = None
-        if hit and hit * self._page_size >= self._threshold(p):
+        if hit and self._worth(p, hit * self._page_size):
             host_pages = self._host.alloc(hit)  # agreed by every rank (HostTier.alloc)
         reads: list[ComponentFetch] = []
         if host_pages is not None:
@@ -110,7 +145,7 @@ class Reads:
         p.host_pages = host_pages
         p.reads = reads
         p.boundary = boundary
-        p.deadline = p.started + self._prefetch.timeout_s(hit * self._page_size)
+        p.deadline = self.deadline(p, hit * self._page_size)
         self._submit(p, hit, host_pages)
 
     def _boundary(self, p: Prefetch, r: L3Lookup, hit: int) -> int:

@@ -121,6 +121,7 @@ class L3Slot:
             controller.close()
             storage.close()
             raise
+        self._sync.restore_meter.forget_storage()  # what it measured was another L3's
         tier = L3Tier(
             controller=controller,
             namespace=namespace,

@@ -83,7 +83,9 @@ class Scheduler:
         self.reclaimed = 0
         """Sequences retracted so far to give a lent slot back (:meth:`_reclaim`)."""
         self.prefill_timer = PrefillTimer(torch.device(runner.device))
-        """How fast this rank's forwards prefill (:meth:`PrefillTimer.rate`)."""
+        """How fast this rank's forwards prefill (:meth:`PrefillTimer.rate`); the cache
+        weighs L3 hits against it."""
+        cache.measure_prefill(self.prefill_timer.rate)
         self.tokens = tokens
         self.sampler = BatchSampler(output.eos_token_ids, tokens)
         reports = tokens is None or tokens.leader
