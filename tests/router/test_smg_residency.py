@@ -6,12 +6,15 @@ A prefix A holds (8 pages) and B holds the start of (4 pages) goes to A, also af
 L1 has evicted it (A serves it from L2: its L2 hit counter grows by the prefix); once it
 has left A's L2 too (A's events remove its pages), it goes to B. A worker killed while
 it streams an answer is taken out of smg (removed, its KV event subscription stopped)
-and B answers the prefix's next requests. Which worker served a request is read from the
-workers' own counters (``hicache_requests_total``, cache hit tokens), what each worker
-holds from its own KV event stream (:class:`hicache.bench.residency.ResidencyWatch`,
-the stream smg reads). smg's warm-up slice (a share of requests sent to a worker with
-few pages whatever the overlap) is turned off: here every routing is by overlap.
-Each test starts from flushed workers; the kill is last in the module.
+and B answers the prefix's next requests; one paused (SIGSTOP) is taken out too (by an
+smg of that test alone, which probes with a shorter timeout), and once resumed and added
+back (``POST /workers``) it is routed to by what the new subscription's snapshot says it
+holds. Which worker served a request is read from the workers' own counters
+(``hicache_requests_total``, cache hit tokens), what each worker holds from its own KV
+event stream (:class:`hicache.bench.residency.ResidencyWatch`, the stream smg reads).
+smg's warm-up slice (a share of requests sent to a worker with few pages whatever the
+overlap) is turned off: here every routing is by overlap. Each test starts from flushed
+workers; the pause leaves A healthy in the module's smg; the kill is last.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -52,6 +57,15 @@ LONG = 100
 EVENT_MARGIN_S = 0.5
 """How long after a watch sees a batch smg is given to have applied it too (smg reads
 the same hub's stream)."""
+MODULE_HEALTH = ("--health-check-timeout-secs", "5", "--remove-unhealthy-workers")
+"""The module's smg: a busy box must not get B removed; a killed A refuses at once."""
+SECOND = list(range(3000, 3128))
+"""A second 8-page prefix, given to A only while it is out of smg."""
+QUICK_HEALTH = ("--health-check-timeout-secs", "1", "--remove-unhealthy-workers")
+"""The pause test's smg: a probe unanswered for 1 s fails (with
+``health_failure_threshold=1`` a worker is out of routing at its first failure, removed
+at its fourth), where the module's smg waits 5 s so that a busy box never gets B
+removed (smg removes a worker after 4 x the threshold failures in a row)."""
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +75,54 @@ def pair(start_worker: StartWorker) -> tuple[ServerProcess, ServerProcess]:
 
 @pytest.fixture(scope="module")
 def smg(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[Smg]:
+    with _smg_of(pair, *MODULE_HEALTH, threshold=2) as router:
+        yield router
+
+
+@pytest.fixture(scope="module")
+def quick(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[Smg]:
+    """The pause test's smg (:data:`QUICK_HEALTH`), started with the module's: a process
+    spawned while this one's gRPC clients (the watches) stream may abort (SIGABRT) in
+    gRPC's fork handler before it execs (the spawn forks to run its ``preexec_fn``)."""
+    with _smg_of(pair, *QUICK_HEALTH, threshold=1) as router:
+        yield router
+
+
+@pytest.fixture(scope="module")
+def watches(
+    pair: tuple[ServerProcess, ServerProcess], smg: Smg, quick: Smg
+) -> Iterator[list[ResidencyWatch]]:
+    """A's and B's residency from their KV event streams; started after every process of
+    the module (see :func:`quick`)."""
+    started = [ResidencyWatch(w.grpc_url).start() for w in pair]
+    try:
+        yield started
+    finally:
+        for watch in started:
+            watch.close()
+
+
+def _subscriptions(log: str, url: str) -> int:
+    """How many times smg's ``log`` shows its KV event subscription to ``url`` connected."""
+    return sum("KV event stream connected" in line and url in line for line in log.splitlines())
+
+
+def _subscribed(log: str, url: str) -> bool:
+    return _subscriptions(log, url) > 0
+
+
+@contextmanager
+def _smg_of(
+    pair: tuple[ServerProcess, ServerProcess], *flags: str, threshold: int
+) -> Iterator[Smg]:
+    """smg over ``pair`` in event-driven ``cache_aware`` mode, warm-up slice off, with
+    ``flags`` and ``health_failure_threshold=threshold``; yielded once it has loaded the
+    model's tokenizer and subscribed to both workers' KV events."""
     with Smg(
         worker_urls=[w.grpc_url for w in pair],
         policy="cache_aware",
-        extra_args=[
-            "--worker-warmup-secs",
-            "0",
-            "--worker-warmup-divert-every",
-            "0",
-            "--health-check-timeout-secs",
-            "5",  # a busy box must not get B removed; a killed A refuses at once
-            "--remove-unhealthy-workers",
-        ],
+        health_failure_threshold=threshold,
+        extra_args=["--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0", *flags],
     ) as router:
         router.wait_log(f"Successfully loaded tokenizer '{MODEL}'")
         for worker in pair:
@@ -82,20 +132,6 @@ def smg(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[Smg]:
                 f"smg subscribed to {worker.grpc_url}",
             )
         yield router
-
-
-@pytest.fixture(scope="module")
-def watches(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[list[ResidencyWatch]]:
-    started = [ResidencyWatch(w.grpc_url).start() for w in pair]
-    try:
-        yield started
-    finally:
-        for watch in started:
-            watch.close()
-
-
-def _subscribed(log: str, url: str) -> bool:
-    return any("KV event stream connected" in line and url in line for line in log.splitlines())
 
 
 def _wait(until: Any, timeout_s: float, what: str) -> None:
@@ -240,6 +276,95 @@ def test_a_prefix_that_left_l2_is_preferred_no_more(
     who, answer = _route_and_see_who(smg, pair, [*PREFIX, 1995])
     assert who == "B"  # its 4 pages are now the longest overlap
     assert answer["meta_info"]["cached_tokens"] == B_PAGES * PAGE
+
+
+def test_a_paused_worker_is_taken_out_and_resynced_when_added_back(
+    smg: Smg,
+    quick: Smg,
+    pair: tuple[ServerProcess, ServerProcess],
+    watches: list[ResidencyWatch],
+) -> None:
+    """A, holding the prefix, is paused (SIGSTOP), under the smg of this test
+    (:func:`quick`, which probes with a 1 s timeout). A request with the prefix sent at
+    the pause goes to A and waits there; smg removes A within seconds and stops its KV
+    event subscription, and the prefix's next request is answered by B (from its 4
+    pages). Resumed, A answers the request that waited: smg keeps a removed worker's
+    requests in flight (had A stayed paused, smg's gRPC keepalive would have failed it
+    over to B after some 40 s). A then takes a second prefix while out of smg and is
+    added back (``POST /workers``): smg subscribes to its events again, and the second
+    prefix goes to A, all of it cached, which smg can only know from the new
+    subscription's snapshot (AllBlocksCleared, then A's residency). A is healthy in the
+    module's smg at the end (paused for less time than its probes need to remove it)."""
+    a, b = _seed(pair, watches)
+    assert a.proc is not None
+    for worker in pair:  # a busy box may have had quick take one out earlier
+        if quick.worker(worker.grpc_url) is None:
+            quick.add_worker(worker.grpc_url)
+    quick.wait_workers(
+        lambda ws: (
+            sorted((w["url"], w["is_healthy"], w["status"]) for w in ws)
+            == sorted((w.grpc_url, True, "ready") for w in pair)
+        ),
+        15,
+        "A and B healthy in smg",
+    )
+    time.sleep(EVENT_MARGIN_S)
+    served = [_served(w) for w in pair]
+    waited: list[httpx.Response] = []
+    first = threading.Thread(
+        target=lambda: waited.append(
+            httpx.post(f"{quick.url}/generate", json=_body([*PREFIX, 1993]), timeout=60)
+        ),
+        name="request-at-pause",
+    )
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        first.start()
+        quick.wait_workers(
+            lambda ws: [w["url"] for w in ws] == [b.grpc_url], 15, "A removed from smg"
+        )
+        _wait(
+            lambda: any(
+                "Stopping KV event subscription" in line and a.grpc_url in line
+                for line in quick.log_text().splitlines()
+            ),
+            5,
+            "smg stopping its subscription to A's events",
+        )
+        assert not waited  # still in flight on the paused A
+        answer = _routed(quick, [*PREFIX, 1992])
+        assert answer["meta_info"]["cached_tokens"] == B_PAGES * PAGE
+        assert _served(b) == served[1] + 1
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    first.join(60)
+    assert [r.status_code for r in waited] == [200]
+    assert _served(a) == served[0] + 1  # A answered it, once resumed
+    assert _served(b) == served[1] + 1
+    _direct(a, [*SECOND, 2999])
+    watches[0].wait(
+        lambda s: all(h in s.resident for h in page_hashes(SECOND, PAGE)),
+        10,
+        "A's events (resumed) showing the second prefix",
+    )
+    subscribed = _subscriptions(quick.log_text(), a.grpc_url)
+    quick.add_worker(a.grpc_url)
+    _wait(
+        lambda: _subscriptions(quick.log_text(), a.grpc_url) > subscribed,
+        15,
+        "smg subscribed to A's events again",
+    )
+    time.sleep(EVENT_MARGIN_S)
+    who, answer = _route_and_see_who(quick, pair, [*SECOND, 2998])
+    assert who == "A"
+    assert answer["meta_info"]["cached_tokens"] == len(SECOND)
+    smg.wait_workers(
+        lambda ws: any(
+            w["url"] == a.grpc_url and w["is_healthy"] and w["status"] == "ready" for w in ws
+        ),
+        15,
+        "A healthy in the module's smg",
+    )
 
 
 def test_a_worker_killed_mid_stream_is_taken_out(

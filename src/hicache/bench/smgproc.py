@@ -10,6 +10,7 @@ policy="cache_aware")``; PD mode: ``Smg(prefill=[(url, bootstrap_port)], decode=
 (:attr:`hicache.bench.serverproc.ServerProcess.grpc_url`). Without an ``smg`` executable (:func:`smg_path`) ``start()``
 raises :class:`SmgNotFoundError` (a skip in tests). Health checks and load polls run
 every second (smg's defaults: 60 s and 10 s); ``extra_args`` adds other flags.
+``add_worker()`` registers one more worker while smg runs (say one it took out).
 """
 
 from __future__ import annotations
@@ -240,6 +241,19 @@ class Smg(LoggedProcess):
             f"smg did not reach: {what} within {timeout_s:g} s; last /workers: {shown}\n"
             f"{self.describe_log()}"
         )
+
+    def add_worker(self, url: str) -> str:
+        """Register the worker at ``url`` (``POST /workers``, ``{"url": url}``), say one
+        smg took out (``--remove-unhealthy-workers``); returns the worker id smg gives it.
+        smg registers it in the background (202): wait for it with :meth:`wait_workers`.
+        :class:`SmgError` with smg's answer and its log's tail when it refuses (409: the
+        URL is registered already)."""
+        r = httpx.post(f"{self.url}/workers", json={"url": url}, headers=self.headers, timeout=5.0)
+        if r.status_code != 202:
+            raise SmgError(
+                f"smg refused to add worker {url}: {r.status_code} {r.text}\n{self.describe_log()}"
+            )
+        return str(r.json()["worker_id"])
 
     def log_text(self) -> str:
         """smg's log so far, colour codes removed ("" when there is none)."""
