@@ -27,6 +27,7 @@ from hicache.engine.session import SessionHint
 from hicache.engine.step.scheduler import SchedulerConfig
 from hicache.heads import HeadSplit
 from hicache.keys import PageKey, head_key, previous_page_key
+from hicache.rates import RateFit
 from hicache.storage.backends.aibrix import AibrixStorage
 from hicache.storage.backends.file import FileStorage
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage
@@ -181,6 +182,12 @@ def test_timeout_is_bounded_by_the_formula(reference: list[int]) -> None:
     assert t < 0.2 + 2.0  # gave up the lookup after the 0.2 s base timeout; compute margin
 
 
+PREFILL_1MS = RateFit(
+    observations=1, per_second=1e3, mean_amount=1.0, overhead_s=0.0, seconds_per_unit=1e-3
+)
+"""A prefill of 1 ms a token."""
+
+
 def _counter(engine: Engine, name: str) -> int:
     return int(engine.call(lambda: cache_stats(engine.core.cache)).result().counters[name])
 
@@ -192,9 +199,13 @@ def test_by_measured_rates_a_fast_l3_is_read_and_a_slow_one_not_waited_for(
     fast L3's hit is read (counted as decided). Made slow (every op 0.5 s), the next
     request waits for it as before (nothing says it is slow yet) and its lookup is
     measured; the one after does not wait at all and recomputes, where the timeout
-    (more than 2 s) would have held it through the lookup and the reads."""
+    (more than 2 s) would have held it through the lookup and the reads. The L3's rates
+    are measured; the prefill's is pinned at 1 ms a token (a small model on a CPU), as
+    the tiny model's marginal cost per token is too small to decide the same way on
+    every machine."""
     store = f"rates-{time.monotonic_ns()}"
     with make_engine("memory", {"store": store}) as engine:
+        engine.call(lambda: engine.core.cache.measure_prefill(lambda: PREFILL_1MS)).result()
         assert engine.generate(PROMPT, GREEDY, timeout=60).output_ids == reference
         only_in_l3(engine)
         first = engine.generate(PROMPT, GREEDY, timeout=60)  # read by the threshold

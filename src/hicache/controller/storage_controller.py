@@ -93,6 +93,7 @@ class _Lookup:
     keys: Sequence[PageKey]
     components: tuple[ComponentLookup, ...]
     previous: PreviousPage | None = None
+    cancel: threading.Event | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +203,8 @@ class StorageController(Lifecycle):
         component's records within reach of the run found (:class:`ComponentLookup`); an
         :class:`L3Lookup` follows. ``previous``: the previous spec version's key of the
         first page, hashed and probed (and counted, ``StorageStats.previous``) on the
-        lookup thread when the run is empty."""
+        lookup thread when the run is empty. :meth:`cancel` before the lookup thread
+        reaches it skips the store: its record says no hit."""
         for c in components:
             self._pool(c.name)
             if not 0 <= c.held <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
@@ -210,7 +212,8 @@ class StorageController(Lifecycle):
                     f"{c.name}: {len(c.keys)} keys with lead {c.lead} (held {c.held}) "
                     f"for a run of {len(keys)}"
                 )
-        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components), previous))
+        cancel = self._cancels[op_id] = threading.Event()
+        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components), previous, cancel))
 
     def read(
         self,
@@ -256,7 +259,8 @@ class StorageController(Lifecycle):
         return done.wait(wait_s)
 
     def cancel(self, op_id: int) -> None:
-        """Ask a read to stop after the chunk in flight (its final record still comes)."""
+        """Ask a read to stop after the chunk in flight (its final record still comes), or
+        a lookup not started yet to skip the store (its record still comes, no hit)."""
         ev = self._cancels.pop(op_id, None)
         if ev is not None:
             ev.set()
@@ -349,7 +353,12 @@ class StorageController(Lifecycle):
 
     def _lookup(self, op: _Lookup) -> L3Lookup | None:
         """Ask the store about ``op``'s run (what the negative cache leaves of it); None
-        when the run stopped at an announced page (the lookup waits in :attr:`_waits`)."""
+        when the run stopped at an announced page (the lookup waits in :attr:`_waits`).
+        A lookup cancelled before this asks nothing: no hit."""
+        if op.cancel is not None and self._cancels.get(op.op_id) is op.cancel:
+            self._cancels.pop(op.op_id, None)  # the owner registers a read only after this
+        if op.cancel is not None and op.cancel.is_set():
+            return L3Lookup(op.op_id, 0)
         neg = self.negative
         asked = len(op.keys) if neg is None else neg.to_ask(op.keys)
         hit = 0

@@ -198,6 +198,8 @@ class Prefetches:
         if p.host_pages is None and not p.reads:
             if p.finished:  # else the lookup still runs: dropped when its record arrives
                 self._open.pop(p.op_id, None)
+            elif p.looking:  # a lookup still queued asks the store nothing now
+                self._controller.cancel(p.op_id)
             return 0
         self._controller.cancel(p.op_id)
         if p.host_pages is None:
