@@ -28,6 +28,7 @@ BENCHES = {
     "agentic": "hicache.bench.agentic",
     "long-context": "hicache.bench.long_context",
     "full-hit": "hicache.bench.full_hit",
+    "slow-l3": "hicache.bench.slow_l3",
     "logprob-reuse": "hicache.bench.logprob_reuse",
     "storage": "hicache.bench.storage",
     "engine": "hicache.bench.engine",
