@@ -199,6 +199,32 @@ def test_heal_that_fails_before_its_rename_keeps_the_old_file(
         assert st.batch_get(ks, pool(2), [0]) == [True]
 
 
+def test_fsync_writes_create_and_heal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fsync`` a create syncs its file and its folder, and so does a heal."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    ks, src, dst = keys(2), pool(1), pool(2)
+    with storage(tmp_path, fsync=True) as st:
+        monkeypatch.setattr(file_mod.os, "fsync", spy)
+        assert st.batch_set(ks, src, [0, 1]).outcomes == (SetOutcome.WRITTEN,) * 2
+        assert synced == ["file", "dir"] * 2
+        path = st.path_of(ks[1].key)
+        bad = bytearray(path.read_bytes())
+        bad[-1] ^= 0xFF
+        path.write_bytes(bad)
+        assert st.batch_get(ks, dst, [0, 1]) == [True, False]
+        synced.clear()
+        assert st.batch_set(ks, src, [0, 1]).outcomes == (SetOutcome.SKIPPED, SetOutcome.WRITTEN)
+        assert synced == ["file", "dir"]
+        assert st.batch_get(ks, dst, [2, 3]) == [True, True]
+        assert torch.equal(src.read_pages([0, 1]), dst.read_pages([2, 3]))
+
+
 def test_stale_temp_files_removed_at_start(tmp_path: Path) -> None:
     """Temp files (of heals) and record files shorter than a header (a writer that died
     between its create and its write) are removed at start once stale; fresh ones stay."""
