@@ -1,4 +1,5 @@
-"""The ``file`` backend's own guarantees: damage on disk, full disk, restart, cap, atomicity."""
+"""The ``file`` backend's own guarantees: damage on disk, full disk, restart, cap, records
+being written. Writers in other processes (paused, killed, racing): ``test_storage_file_writers``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from hicache.storage import StorageError, StorageOptions, create_storage
 from hicache.storage.backends import file as file_mod
 from hicache.storage.backends.file import FileStorage
 from hicache.storage.record import HEADER_SIZE
+from hicache.storage.stats import SetOutcome
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
 PAGE = 4
@@ -92,14 +94,33 @@ def test_flipped_byte_on_disk_is_corrupt(
         assert "1 corrupt" in caplog.text and ks[0].key in caplog.text
 
 
-def test_truncated_record_is_corrupt(tmp_path: Path) -> None:
-    ks = keys(1)
+def age(path: Path, seconds: float) -> None:
+    """Set ``path``'s modification time ``seconds`` in the past (its last write then)."""
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_short_record_is_being_written_then_corrupt_and_healed(tmp_path: Path) -> None:
+    """A file shorter than its record is one being written while its last write is young:
+    a miss ``absent`` that marks nothing (the write of the key skips it: its writer is
+    finishing it). Past ``PARTIAL_GRACE_S`` its writer is taken for dead: ``corrupt``, and
+    the next write of the key replaces it."""
+    ks, src, dst = keys(1), pool(1), pool(2)
     with storage(tmp_path) as st:
-        st.batch_set(ks, pool(1), [0])
+        st.batch_set(ks, src, [0])
         path = st.path_of(ks[0].key)
-        path.write_bytes(path.read_bytes()[:-5])
-        assert st.batch_get(ks, pool(2), [0]) == [False]
+        whole = path.read_bytes()
+        path.write_bytes(whole[:-5])
+        assert st.batch_get(ks, dst, [0]) == [False]
+        assert st.stats().miss("absent") == 1 and st.stats().miss("corrupt") == 0
+        assert st.batch_set(ks, src, [0]).outcomes == (SetOutcome.SKIPPED,)
+        age(path, file_mod.PARTIAL_GRACE_S + 1)
+        assert st.batch_get(ks, dst, [0]) == [False]
         assert st.stats().miss("corrupt") == 1
+        assert st.batch_set(ks, src, [0]).outcomes == (SetOutcome.WRITTEN,)
+        assert st.stats().repaired == 1 and path.read_bytes() == whole
+        assert st.batch_get(ks, dst, [1]) == [True]
+        assert torch.equal(src.read_pages([0]), dst.read_pages([1]))
 
 
 def test_record_with_a_trailing_byte_is_corrupt(tmp_path: Path) -> None:
@@ -152,33 +173,80 @@ def test_full_disk_is_false_not_a_crash(tmp_path: Path, monkeypatch: pytest.Monk
         assert st.batch_set(ks, pool(1), [0, 1, 2, 3]).ok == [True] * 4
 
 
-def test_crash_before_rename_leaves_no_record(
+def test_heal_that_fails_before_its_rename_keeps_the_old_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A heal (the only write that replaces a file) goes through a temp file and a rename:
+    one that fails before the rename leaves the bad record as it was and no temp file; the
+    key stays marked and the next write heals it."""
+
     def crash(src: Any, dst: Any) -> None:
         raise OSError(errno.EIO, "simulated crash")
 
-    ks = keys(1)
+    ks, src = keys(1), pool(1)
     with storage(tmp_path) as st:
-        monkeypatch.setattr(file_mod.os, "replace", crash)
-        assert st.batch_set(ks, pool(1), [0]).ok == [False]
-        monkeypatch.undo()
-        assert st.batch_exists(ks) == 0
+        st.batch_set(ks, src, [0])
+        path = st.path_of(ks[0].key)
+        bad = bytearray(path.read_bytes())
+        bad[-1] ^= 0xFF
+        path.write_bytes(bad)
         assert st.batch_get(ks, pool(2), [0]) == [False]
-        assert st.stats().miss("absent") == 1
-        assert not list(tmp_path.rglob("*.tmp"))
+        monkeypatch.setattr(file_mod.os, "replace", crash)
+        assert st.batch_set(ks, src, [0]).ok == [False]
+        monkeypatch.undo()
+        assert path.read_bytes() == bad and not list(tmp_path.rglob("*.tmp"))
+        assert st.batch_set(ks, src, [0]).outcomes == (SetOutcome.WRITTEN,)
+        assert st.batch_get(ks, pool(2), [0]) == [True]
+
+
+def test_fsync_writes_create_and_heal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fsync`` a create syncs its file and its folder, and so does a heal."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    ks, src, dst = keys(2), pool(1), pool(2)
+    with storage(tmp_path, fsync=True) as st:
+        monkeypatch.setattr(file_mod.os, "fsync", spy)
+        assert st.batch_set(ks, src, [0, 1]).outcomes == (SetOutcome.WRITTEN,) * 2
+        assert synced == ["file", "dir"] * 2
+        path = st.path_of(ks[1].key)
+        bad = bytearray(path.read_bytes())
+        bad[-1] ^= 0xFF
+        path.write_bytes(bad)
+        assert st.batch_get(ks, dst, [0, 1]) == [True, False]
+        synced.clear()
+        assert st.batch_set(ks, src, [0, 1]).outcomes == (SetOutcome.SKIPPED, SetOutcome.WRITTEN)
+        assert synced == ["file", "dir"]
+        assert st.batch_get(ks, dst, [2, 3]) == [True, True]
+        assert torch.equal(src.read_pages([0, 1]), dst.read_pages([2, 3]))
 
 
 def test_stale_temp_files_removed_at_start(tmp_path: Path) -> None:
+    """Temp files (of heals) and record files shorter than a header (a writer that died
+    between its create and its write) are removed at start once stale; fresh ones stay."""
     sub = tmp_path / "ab"
     sub.mkdir(parents=True)
     old, new = sub / ".hc1-ab.1.2.tmp", sub / ".hc1-ab.3.4.tmp"
+    empty, stub, fresh = sub / "hc3-ab01", sub / "hc3-ab02", sub / "hc3-ab03"
     old.write_bytes(b"x")
     new.write_bytes(b"y")
-    past = time.time() - file_mod.STALE_TMP_S - 10
-    os.utime(old, (past, past))
+    empty.write_bytes(b"")
+    stub.write_bytes(b"h" * HEADER_SIZE)  # a header's worth: left for a read to judge
+    fresh.write_bytes(b"")
+    for p in (old, empty, stub):
+        age(p, file_mod.STALE_TMP_S + 10)
     with storage(tmp_path):
-        assert not old.exists() and new.exists()
+        assert [p.exists() for p in (old, new, empty, stub, fresh)] == [
+            False,
+            True,
+            False,
+            True,
+            True,
+        ]
 
 
 def test_size_cap_evicts_least_recently_used(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from hicache.memory import HostPool
 from hicache.spec import KVSpec
 from hicache.storage import SetOutcome, StorageError, StorageOptions, create_storage
 from hicache.storage.backends import nixl as nixl_mod
-from hicache.storage.backends.file import FileStorage
+from hicache.storage.backends.file import PARTIAL_GRACE_S, FileStorage
 from hicache.storage.backends.nixl import NixlStorage
 from hicache.storage.backends.nixl_config import ENV_DIR, POSIX_IO, NixlConfig
 from hicache.storage.record import HEADER_SIZE
@@ -148,14 +149,19 @@ def test_records_are_the_file_backends(tmp_path: Path) -> None:
 
 def test_a_short_record_is_a_miss_and_the_rest_of_the_batch_hits(tmp_path: Path) -> None:
     """One NIXL transfer carries the whole chunk and fails whole on a short read, so each
-    file's size is checked first: a record cut short is ``corrupt`` and not read, and the
-    others of the batch still arrive."""
+    file's size is checked first: a record cut short is not read (``absent`` while young,
+    a record being written as for ``file``; ``corrupt`` past the grace), and the others of
+    the batch still arrive."""
     src, dst = pool(1), pool(2)
     ks = keys(4, first=300)
     with storage(tmp_path) as st:
         assert st.batch_set(ks, src, [0, 1, 2, 3]).all_ok
         path = st.path_of(ks[1].key)
         path.write_bytes(path.read_bytes()[:-1])
+        assert st.batch_get(ks, dst, [4, 5, 6, 7]) == [True, False, True, True]
+        assert st.stats().miss("absent") == 1 and st.stats().miss("corrupt") == 0
+        past = time.time() - PARTIAL_GRACE_S - 1
+        os.utime(path, (past, past))
         assert st.batch_get(ks, dst, [4, 5, 6, 7]) == [True, False, True, True]
         s = st.stats()
         assert s.miss("corrupt") == 1 and s.errors == 0

@@ -1,13 +1,15 @@
 """The ``file`` L3 backend: one record file per page key in a local (or shared) directory.
 
 Directory: ``file_path``, else ``$HICACHE_FILE_BACKEND_STORAGE_DIR``, else ``/tmp/hicache``
-(mode 0700); key ``hc3-<hex>`` lives at ``<dir>/<hex[:2]>/hc3-<hex>``. Invariants: writes
-(and heals) are atomic (temp file, optional ``fsync``, ``os.replace``), so no reader sees
-half a record; stale temp files (older than :data:`STALE_TMP_S`) are removed at start;
-reads go straight into the host pages (one ``preadv`` per record) and are checked after;
-the size cap (``max_bytes``, 0 = none) is an in-process LRU index over the records this
-process knows; a full disk fails the rest of the batch's writes; the deadline is checked
-between pages. In full: ``docs/architecture.md``, "The backends".
+(mode 0700); key ``hc3-<hex>`` lives at ``<dir>/<hex[:2]>/hc3-<hex>``. Invariants: a new
+record is created in place (``O_EXCL``: one of racing writers writes it, the rest skip) by
+one ``writev``; a file shorter than its record is a miss, ``absent`` while younger than
+:data:`PARTIAL_GRACE_S` (being written), else ``corrupt`` (healed); heals replace atomically
+(temp file, ``os.replace``); stale temp files and sub-header files are removed at start;
+reads go straight into the host pages (one ``preadv`` per record), checked after; the size
+cap (``max_bytes``, 0 = none) is an in-process LRU index over the records this process
+knows; a full disk fails the rest of the batch's writes; the deadline is checked between
+pages. In full: ``docs/architecture.md``, "The backends".
 """
 
 from __future__ import annotations
@@ -34,15 +36,29 @@ from hicache.storage.pageio import Payloads
 from hicache.storage.record import HEADER_SIZE, check_record, encode_header, record_size
 from hicache.storage.stats import MissReason, SetOutcome
 
-__all__ = ["DEFAULT_DIR", "ENV_DIR", "STALE_TMP_S", "TMP_SUFFIX", "FileConfig", "FileStorage"]
+__all__ = [
+    "DEFAULT_DIR",
+    "ENV_DIR",
+    "PARTIAL_GRACE_S",
+    "STALE_TMP_S",
+    "TMP_SUFFIX",
+    "FileConfig",
+    "FileStorage",
+    "being_written",
+]
 
 DEFAULT_DIR = "/tmp/hicache"
 ENV_DIR = "HICACHE_FILE_BACKEND_STORAGE_DIR"
 STALE_TMP_S = 600.0
 """A temp file older than this (seconds) at start is a crash leftover and is removed."""
 TMP_SUFFIX = ".tmp"
-"""Suffix of a record being written (renamed into place when complete); the start-up sweep
-removes such files older than :data:`STALE_TMP_S`."""
+"""Suffix of a healing record being written (renamed over the bad one when complete); the
+start-up sweep removes such files older than :data:`STALE_TMP_S`."""
+PARTIAL_GRACE_S = 10.0
+"""A record file shorter than its record whose last write is younger than this (seconds)
+is being written: a miss ``absent`` that marks nothing. Older, its writer is taken for
+crashed or stuck: ``corrupt``, and the next write of the key replaces it (harmless to a
+writer still alive: it goes on writing a file no longer in the folder)."""
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -127,6 +143,33 @@ class _LruIndex:
                 self.total -= size
 
 
+def being_written(got: int, want: int, mtime: float) -> bool:
+    """Whether a record file that held ``got`` of its ``want`` bytes, last modified at
+    ``mtime`` (``st_mtime``, seconds), is a record still being written (see
+    :data:`PARTIAL_GRACE_S`)."""
+    return got < want and time.time() - mtime < PARTIAL_GRACE_S
+
+
+def _open_new(path: str, flags: int) -> int:
+    """``os.open(path, flags, 0o600)``, making the fan-out folder when it is missing (not
+    made yet, or removed behind our back)."""
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        return os.open(path, flags, 0o600)
+
+
+def _unlink_own(path: str, fd: int) -> None:
+    """Remove ``path`` if it is still the file open as ``fd`` (a failed create's leftover),
+    never a record someone renamed over it since (a race of microseconds remains: at
+    worst that record is removed, a miss)."""
+    with contextlib.suppress(OSError):
+        mine, there = os.fstat(fd), os.stat(path)
+        if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+            os.unlink(path)
+
+
 def _write_all(fd: int, bufs: list[memoryview]) -> None:
     """``writev`` every buffer completely (retrying after partial writes)."""
     while bufs:
@@ -152,9 +195,6 @@ class FileStorage(ConfiguredStorage):
         self.root = Path(config.path)
         self._root_str = str(self.root)
         self._index: _LruIndex | None = _LruIndex(config.max_bytes) if config.max_bytes else None
-        self._dirs: set[str] = set()
-        """Fan-out folders known to exist (made or seen by this instance): a write into one
-        skips the ``mkdir``; one removed behind our back is made again on ENOENT."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -170,7 +210,8 @@ class FileStorage(ConfiguredStorage):
         pass
 
     def _scan(self) -> None:
-        """Remove stale temp files; seed the LRU index when a cap is set."""
+        """Remove stale temp files and stale record files shorter than a header (a writer
+        that died between its create and its write); seed the LRU index when a cap is set."""
         now = time.time()
         entries: list[tuple[float, str, int]] = []
         with os.scandir(self.root) as top:
@@ -182,7 +223,7 @@ class FileStorage(ConfiguredStorage):
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if e.name.endswith(TMP_SUFFIX):
+                    if e.name.endswith(TMP_SUFFIX) or st.st_size < HEADER_SIZE:
                         if now - st.st_mtime > STALE_TMP_S:
                             self._unlink(Path(e.path))
                     elif self._index is not None:
@@ -259,7 +300,8 @@ class FileStorage(ConfiguredStorage):
         self, key: PageKey, path: str, pages: Payloads, i: int, want: int
     ) -> MissReason | None:
         """Open, one ``preadv`` of header, payload parts and one byte past the record's
-        end (a longer file reads ``want + 1`` bytes: no ``fstat`` needed), close, check."""
+        end (a longer file reads ``want + 1`` bytes: no ``fstat`` needed), close, check.
+        A short read ``fstat``s: a young file is a record being written (:func:`being_written`)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -270,8 +312,11 @@ class FileStorage(ConfiguredStorage):
         parts = pages.parts(i)
         try:
             got = os.preadv(fd, [header, *parts, bytearray(1)], 0)
+            writing = got < want and being_written(got, want, os.fstat(fd).st_mtime)
         finally:
             os.close(fd)
+        if writing:
+            return MissReason.ABSENT
         if got != want:
             return MissReason.CORRUPT
         check = check_record(
@@ -300,13 +345,22 @@ class FileStorage(ConfiguredStorage):
         first_error = ""
         paths = self._paths(keys)
         tmp_tail = f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        fsync = self.config.fsync
         for i, k in enumerate(keys):
             if deadline.expired:
                 self._stats.timeout("set", deadline.timeout_s)
                 out.extend([SetOutcome.FAILED] * (len(keys) - i))
                 break
             try:
-                out.append(self._write(k, paths[i], tmp_tail, pages, i, replace=replace[i]))
+                rec = _Record(self._digest_of(k), k.fingerprint, pages.parts(i))
+                if replace[i]:  # heal: atomically over the record read bad
+                    _replace(paths[i], tmp_tail, rec, fsync=fsync)
+                    written = True
+                else:
+                    written = _create(paths[i], rec, fsync=fsync)
+                if written and self._index is not None:
+                    for victim in self._index.add(k.key, record_size(pages.payload_len)):
+                        self._unlink(self.path_of(victim))
             except OSError as e:
                 errors += 1
                 first_error = first_error or f"{k.key}: {e!r}"
@@ -315,48 +369,75 @@ class FileStorage(ConfiguredStorage):
                     out.extend([SetOutcome.FAILED] * (len(keys) - i - 1))
                     errors += len(keys) - i - 1
                     break
+            else:
+                out.append(SetOutcome.WRITTEN if written else SetOutcome.SKIPPED)
         if errors:
             self._stats.error("set", f"{errors} page(s) not written; first {first_error}")
         return out
 
-    def _write(
-        self, key: PageKey, path: str, tmp_tail: str, pages: Payloads, i: int, *, replace: bool
-    ) -> SetOutcome:
-        """Write ``key``'s record to ``path`` through a temp file (``.<key><tmp_tail>`` in
-        the same folder) renamed into place; SKIPPED when present and not ``replace``."""
-        if not replace and os.path.exists(path):
-            return SetOutcome.SKIPPED
-        folder = os.path.dirname(path)
-        parts = pages.parts(i)
-        header = encode_header(self._digest_of(key), key.fingerprint, parts)
-        tmp = os.path.join(folder, f".{key.key}{tmp_tail}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """What a record file holds: the header's namespace digest and token fingerprint, and
+    the payload parts (concatenated in order). :meth:`buffers` checksums the payload."""
+
+    digest: bytes
+    fingerprint: bytes
+    parts: Sequence[memoryview]
+
+    def buffers(self) -> list[memoryview]:
+        """Header then payload parts, for one ``writev``."""
+        header = encode_header(self.digest, self.fingerprint, self.parts)
+        return [memoryview(header), *self.parts]
+
+
+def _create(path: str, rec: _Record, *, fsync: bool) -> bool:
+    """Create the record file ``path`` (``O_EXCL``) and write ``rec`` into it; False,
+    writing nothing (not even its checksum), when it exists (a record, or one being
+    written). A failed write removes the file it made."""
+    try:
+        fd = _open_new(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+    except FileExistsError:
+        return False
+    try:
+        _write_all(fd, rec.buffers())
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        _unlink_own(path, fd)
+        raise
+    finally:
+        os.close(fd)
+    if fsync:
+        _fsync_dir(os.path.dirname(path))
+    return True
+
+
+def _replace(path: str, tmp_tail: str, rec: _Record, *, fsync: bool) -> None:
+    """Write ``rec`` to a temp file beside ``path`` (``.<name><tmp_tail>``) and rename it
+    over whatever ``path`` holds: a reader sees the old file or the new record."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}{tmp_tail}")
+    try:
+        fd = _open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
         try:
-            if folder not in self._dirs:
-                os.makedirs(folder, mode=0o700, exist_ok=True)
-                self._dirs.add(folder)
-            try:
-                fd = os.open(tmp, flags, 0o600)
-            except FileNotFoundError:  # the folder was removed since: make it again
-                os.makedirs(folder, mode=0o700, exist_ok=True)
-                fd = os.open(tmp, flags, 0o600)
-            try:
-                _write_all(fd, [memoryview(header), *parts])
-                if self.config.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            self._unlink(Path(tmp))
-            raise
-        if self.config.fsync:
-            dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        if self._index is not None:
-            for victim in self._index.add(key.key, record_size(pages.payload_len)):
-                self._unlink(self.path_of(victim))
-        return SetOutcome.WRITTEN
+            _write_all(fd, rec.buffers())
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,17 +1,18 @@
 """The ``nixl`` L3 backend: the ``file`` backend's record files, moved by NIXL's POSIX plugin.
 
 Records, directory and names are the ``file`` backend's (:mod:`.file`): key ``hc3-<hex>`` is
-the file ``<dir>/<hex[:2]>/hc3-<hex>`` holding one record, written to a temp file and
-renamed into place, so either backend reads the other's records. NIXL (:mod:`.nixl_client`)
-moves the bytes, one transfer per chunk of at most ``max_batch_pages`` pages between
-registered host memory (``DRAM``) and ``FILE`` ranges ``(offset, bytes, fd)``: zero-copy for
-``page_first`` / ``page_first_direct`` pools (three ranges per record: header, K, V), staged
-through a registered arena for ``layer_first`` pools and state slots. Invariants: a get
-checks each file's size before reading and each record as ``file`` does; a set skips
-present keys unless healing, computes headers before the transfer, and renames nothing
-when it overran its deadline; a transfer is never released while it runs (the backend
-refuses new calls as timeouts meanwhile, and a late zero-copy get shows in
-``host_writes_settled``). Extra config: :mod:`.nixl_config`; NIXL must import
+the file ``<dir>/<hex[:2]>/hc3-<hex>`` holding one record (here written to a temp file and
+renamed into place: a late transfer then lands nowhere), so either backend reads the
+other's records. NIXL (:mod:`.nixl_client`) moves the bytes, one transfer per chunk of at
+most ``max_batch_pages`` pages between registered host memory (``DRAM``) and ``FILE``
+ranges ``(offset, bytes, fd)``: zero-copy for ``page_first`` / ``page_first_direct`` pools
+(three ranges per record: header, K, V), staged through a registered arena for
+``layer_first`` pools and state slots. Invariants: a get checks each file's size before
+reading (a young short file is one being written, as for ``file``) and each record as
+``file`` does; a set skips present keys unless healing, computes headers before the
+transfer, and renames nothing when it overran its deadline; a transfer is never released
+while it runs (the backend refuses new calls as timeouts meanwhile, and a late zero-copy
+get shows in ``host_writes_settled``). Extra config: :mod:`.nixl_config`; NIXL must import
 (``requirements/nixl.txt``), else :meth:`start` raises. In full: ``docs/integrations.md``.
 """
 
@@ -28,7 +29,7 @@ from typing import ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
-from hicache.storage.backends.file import TMP_SUFFIX, FileStorage
+from hicache.storage.backends.file import TMP_SUFFIX, FileStorage, being_written
 from hicache.storage.backends.nixl_client import NixlError, PosixAgent, require_nixl
 from hicache.storage.backends.nixl_config import NixlConfig
 from hicache.storage.base import Deadline, StorageOptions
@@ -375,7 +376,8 @@ def _read_records(
             opened.append(fd)
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != rec:
-                found.append(MissReason.CORRUPT)
+                writing = stat.S_ISREG(st.st_mode) and being_written(st.st_size, rec, st.st_mtime)
+                found.append(MissReason.ABSENT if writing else MissReason.CORRUPT)
                 continue
             found.append(None)
             todo.append((j, fd))
