@@ -209,3 +209,32 @@ def test_openai_responses_carry_sglangs_cache_report(server: tuple[str, Engine])
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert again["sglext"]["cached_tokens_details"]["device"] > 0
     assert_clean(engine)
+
+
+def test_max_load_tokens_caps_what_comes_back_from_l2(server: tuple[str, Engine]) -> None:
+    """``max_load_tokens`` (``sampling_params`` on ``/generate``, top level on the OpenAI
+    routes): at most that many prompt tokens are restored from L2, whole pages; a bad value
+    is a 400 naming the field."""
+    url, engine = server
+    prompt = [(5 * i + 3) % 3000 + 200 for i in range(45)]
+    body = bench_payload(prompt, False)
+
+    def only_in_l2() -> None:
+        engine.core.cache.sync(wait=True)
+        engine.core.cache.full.pages.evict_device(1024 // 4)
+
+    post(url, "/generate", body)
+    engine.call(only_in_l2).result(timeout=60)
+    capped = {**body, "sampling_params": {**body["sampling_params"], "max_load_tokens": 22}}
+    got = post(url, "/generate", capped).json()["meta_info"]["cached_tokens_details"]
+    assert got == {"device": 0, "host": 20, "storage": 0}  # 5 whole pages of 4
+    engine.call(only_in_l2).result(timeout=60)
+    comp = {"model": "tiny", "prompt": prompt, "temperature": 0.0, "max_tokens": 2}
+    r = post(url, "/v1/completions", {**comp, "max_load_tokens": 12})
+    assert r.json()["sglext"]["cached_tokens_details"] == {"device": 0, "host": 12, "storage": 0}
+    bad = post(url, "/v1/completions", {**comp, "max_load_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_load_tokens"
+    capped["sampling_params"]["max_load_tokens"] = "lots"
+    bad = post(url, "/generate", capped)
+    assert bad.status_code == 400 and "max_load_tokens" in bad.text
+    assert_clean(engine)

@@ -104,6 +104,36 @@ def test_load_back_restores_bytes_after_demotion(cache: HiCache) -> None:
     check_integrity(cache)
 
 
+def test_max_load_restores_whole_pages_up_to_the_cap_and_l1_is_free(cache: HiCache) -> None:
+    """``max_load``: at most that many tokens come back from L2 (floored to a page; the
+    node is split there), the rest is recomputed; what L1 holds does not count."""
+    tokens = [5, 6, 7, 8, 9, 10]
+    run_request(cache, tokens)
+    cache.sync(wait=True)
+    assert cache.full.pages.evict_device(4) == 3  # all 6 tokens in L2 only
+    req = cache.open([*tokens, 11], max_load=3)
+    assert cache.admit(req, [*tokens, 11])
+    assert (req.cached.device, req.cached.host) == (0, 2) and req.prefix_tokens == 2
+    assert all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+    assert torch.equal(read_device(cache, req.pages[:1]), page_kv(cache, tokens, 0, 1))
+    cache.release(req)
+    cache.sync(wait=True)
+    assert cache_stats(cache).counters["load_tokens_total"] == 2
+    req = cache.open([*tokens, 11], max_load=2)  # [5, 6] in L1 now: 2 more from L2
+    assert cache.admit(req, [*tokens, 11])
+    assert (req.cached.device, req.cached.host) == (2, 2)
+    assert all(req.wait_layer(i, 10) for i in range(SPEC.num_layers))
+    cache.release(req)
+    req = cache.open([*tokens, 11], max_load=0)  # L1 alone: [5, 6, 7, 8]
+    assert cache.admit(req, [*tokens, 11])
+    assert (req.cached.device, req.cached.host) == (4, 0)
+    cache.release(req)
+    cache.sync(wait=True)
+    with pytest.raises(ValueError, match="max_load=-1 is invalid"):
+        cache.open(tokens, max_load=-1)
+    check_integrity(cache)
+
+
 def test_load_back_threshold_and_all_or_nothing() -> None:
     with make_cache(load_back_threshold=6) as cache:
         run_request(cache, [1, 2, 3, 4])

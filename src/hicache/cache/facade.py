@@ -188,6 +188,7 @@ class HiCache(Lifecycle):
         cacheable: bool = True,
         compute_last: bool = True,
         max_prefix: int | None = None,
+        max_load: int | None = None,
     ) -> CacheRequest:
         """A handle for a request that just arrived with ``tokens``; starts its L3
         prefetch (lookup, then read into L2) so it runs while the request waits.
@@ -202,7 +203,9 @@ class HiCache(Lifecycle):
         page, and to a boundary every component store can resume from), the rest is
         computed whatever is cached; None: no limit. A request that needs the logits of
         early positions (prompt log probabilities) sets it; it still commits its pages for
-        others like any request.
+        others like any request. ``max_load``: at most this many tokens of the prefix may
+        be restored from L2 and L3 (whole pages; L1 hits do not count; the prefetch reads
+        no further than what L1 holds now plus this); None: no limit.
         """
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
@@ -210,19 +213,25 @@ class HiCache(Lifecycle):
             isinstance(max_prefix, bool) or not isinstance(max_prefix, int) or max_prefix < 0
         ):
             raise ValueError(f"max_prefix={max_prefix!r} is invalid; must be None or an int >= 0")
+        if max_load is not None and (
+            isinstance(max_load, bool) or not isinstance(max_load, int) or max_load < 0
+        ):
+            raise ValueError(f"max_load={max_load!r} is invalid; must be None or an int >= 0")
         req = CacheRequest(
             tenant=tenant,
             priority=int(priority),
             cacheable=cacheable,
             compute_last=compute_last,
             max_prefix=max_prefix,
+            max_load=max_load,
             prompt_tokens=len(tokens),
             page_size=self.context.page_size,
         )
         if cacheable:
-            req.prefetch = self._l3.tier.prefetches.start(
-                tokens[: req.reusable(len(tokens))], tenant
-            )
+            wanted = tokens[: req.reusable(len(tokens))]
+            if max_load is not None:  # L3 pages past L1's prefix plus the cap are no use
+                wanted = wanted[: self.full.device_prefix(wanted, tenant) + max_load]
+            req.prefetch = self._l3.tier.prefetches.start(wanted, tenant)
         return req
 
     def ready(self, req: CacheRequest) -> bool:

@@ -82,6 +82,11 @@ class FullKVStore:
 
     # ------------------------------------------------------------------ requests
 
+    def device_prefix(self, tokens: TokenIds, tenant: str) -> int:
+        """Tokens of the longest prefix of ``tokens`` whose full KV L1 holds now (whole
+        pages; the matched nodes are marked accessed)."""
+        return self._tree.match_prefix(tokens, tenant).device_tokens
+
     def admit(self, req: CacheRequest, wanted: TokenIds, tokens: int) -> FullAdmission:
         """Give ``req`` L1 pages for positions ``[0, tokens)``: the longest cached prefix
         of ``wanted`` from L1, or loaded back from L2 layer by layer (nothing from L2
@@ -89,6 +94,12 @@ class FullKVStore:
         when L1 cannot make room now."""
         part = req.full
         match = self._tree.match_prefix(wanted, req.tenant)
+        if req.max_load is not None and match.host_tokens > req.max_load:
+            # restore at most max_load tokens: match no further (a whole page, and a
+            # boundary every component accepts, at or below it)
+            match = self._tree.match_prefix(
+                wanted[: match.device_tokens + req.max_load], req.tenant
+            )
         hit = self.pages.host.load_back(match, req, not part.no_load, self.pages.alloc)
         self._tree.inc_lock_ref(hit.node)
         new = self.pages.alloc(math.ceil(tokens / self._page_size) - len(hit.pages))

@@ -129,6 +129,7 @@ class CacheRequest:
         "compute_last",
         "failed",
         "full",
+        "max_load",
         "max_prefix",
         "prefetch",
         "priority",
@@ -146,6 +147,7 @@ class CacheRequest:
         cacheable: bool,
         compute_last: bool,
         max_prefix: int | None = None,
+        max_load: int | None = None,
         prompt_tokens: int = 0,
         page_size: int = 1,
     ) -> None:
@@ -155,6 +157,9 @@ class CacheRequest:
         self.compute_last = compute_last
         self.max_prefix = max_prefix
         """At most this many leading tokens may come from the cache (None: no limit)."""
+        self.max_load = max_load
+        """At most this many of them may be restored from L2 and L3 (None: no limit);
+        what L1 holds does not count."""
         self.state = RequestState.WAITING
         self._page_size = page_size
         self.full = FullPart()

@@ -106,6 +106,10 @@ class SamplingParams:
     ``max_tokens`` or a stop). ``stop_token_ids``: generating one of these ends the
     request (finish reason ``stop``); the id stays in ``output_ids`` but not in the text.
 
+    ``max_load_tokens`` (None: no cap; else an int >= 0): at most this many prompt tokens
+    are restored for the request from L2 and L3 (whole pages; what L1 holds is free); the
+    rest of a longer hit is recomputed.
+
     A bad value raises :class:`InvalidRequest` (a ValueError) whose ``param`` is the field.
     """
 
@@ -125,6 +129,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: Sequence[int] = ()
+    max_load_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> InvalidRequest:
@@ -186,6 +191,9 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
         object.__setattr__(self, "stop_token_ids", ids)
+        cap = self.max_load_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise bad("max_load_tokens", "must be None or an int >= 0 (prompt tokens)")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise :class:`InvalidRequest` when a token id in ``logit_bias`` or

@@ -31,6 +31,7 @@ class NativeSamplingParams(BaseModel):
 
     max_new_tokens: int | None = Field(default=None, ge=1)
     min_new_tokens: int = Field(default=0, ge=0)
+    max_load_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
@@ -87,6 +88,7 @@ class NativeSamplingParams(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             min_tokens=self.min_new_tokens,
+            max_load_tokens=self.max_load_tokens,
             ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
         )

@@ -10,7 +10,8 @@ and why: ``docs/api.md``). Extensions (SGLang's names): ``top_k``, ``min_tokens`
 :data:`MAX_CACHE_SALT_CHARS` characters), ``priority`` (signed 64-bit; larger = more
 important, for the ``priority`` eviction policy), and the agent-session hint
 ``session_id`` / ``parent_session_id`` (:mod:`hicache.engine.session`; OpenAI clients send
-them as extra body fields). Responses carry SGLang's cache report:
+them as extra body fields), and ``max_load_tokens`` (vLLM's name: the most prompt tokens
+restored from L2 and L3). Responses carry SGLang's cache report:
 ``usage.prompt_tokens_details.cached_tokens`` and, per tier, ``usage.cached_tokens_details``
 and ``sglext.cached_tokens_details``.
 """
@@ -90,6 +91,7 @@ class SamplingFields(BootstrapFields):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
+    max_load_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: TokenIds | None = None
     response_format: dict[str, Any] | None = None
@@ -172,6 +174,8 @@ class SamplingFields(BootstrapFields):
             extras["logit_bias"] = bias
         if self.min_tokens:
             extras["min_tokens"] = self.min_tokens
+        if self.max_load_tokens is not None:
+            extras["max_load_tokens"] = self.max_load_tokens
         if self.ignore_eos:
             extras["ignore_eos"] = True
         if self.stop_token_ids:

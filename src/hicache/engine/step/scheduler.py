@@ -114,6 +114,7 @@ class Scheduler:
                 cacheable=not self.config.disable_radix_cache and self.resumable_prefix,
                 # prompt logprobs need the logits before every scored position computed
                 max_prefix=req.params.max_prefix if self.role.computes_prompt(req) else None,
+                max_load=req.params.max_load_tokens,
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
