@@ -264,6 +264,10 @@ DEFAULT_ANNOUNCED_WAIT_S = 0.5
 milliseconds after the answer ends, tens under load; half a second covers a loaded
 backend and costs a request that long only when a writer announced and then failed."""
 
+DEFAULT_PREFETCH_THRESHOLD = 256
+"""Tokens an L3 hit needs to be read when ``prefetch_threshold`` is unset and no rate
+decides (another policy, or a cache with no engine timing its prefill): SGLang's default."""
+
 PREFETCH_KEYS: tuple[str, ...] = (
     "prefetch_threshold",
     "prefetch_timeout_base",
@@ -279,8 +283,11 @@ PREFETCH_KEYS: tuple[str, ...] = (
 class PrefetchConfig:
     """How prefetch from L3 starts and stops.
 
-    A prefetch starts when the L3 hit beyond the local match is at least
-    ``prefetch_threshold`` tokens. Under the ``timeout`` policy it stops after
+    A prefetch reads an L3 hit beyond the local match when it is at least
+    ``prefetch_threshold`` tokens. Left unset (None, the default), the ``timeout`` policy
+    decides by this instance's measured rates instead (whether to wait for a prefetch and
+    whether to read a hit; :mod:`hicache.cache.l3.worth`), and :data:`DEFAULT_PREFETCH_THRESHOLD`
+    applies where nothing is measured; set, it decides alone, as it always did. Under the ``timeout`` policy it stops after
     ``min(prefetch_timeout_max, prefetch_timeout_base + prefetch_timeout_per_ki_token *
     tokens / 1024)`` seconds (defaults 30, 2, 0.1).
 
@@ -297,7 +304,7 @@ class PrefetchConfig:
     """
 
     policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
-    prefetch_threshold: int = 256
+    prefetch_threshold: int | None = None
     prefetch_timeout_base: float = 2.0
     prefetch_timeout_per_ki_token: float = 0.1
     prefetch_timeout_max: float = 30.0
@@ -308,7 +315,8 @@ class PrefetchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", enum_value(PrefetchPolicy, "policy", self.policy))
-        int_at_least("prefetch_threshold", self.prefetch_threshold, 0, "(tokens)")
+        if self.prefetch_threshold is not None:
+            int_at_least("prefetch_threshold", self.prefetch_threshold, 0, "(tokens)")
         for name in (
             "prefetch_timeout_base",
             "prefetch_timeout_per_ki_token",

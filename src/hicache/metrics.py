@@ -87,8 +87,8 @@ class CacheCounters:
     expired) with the page still absent."""
     l3_decided_read_tokens_total: int = 0
     """L3 hit tokens read because this rank's measured rates said reading them beats
-    recomputing them (:mod:`hicache.cache.l3.worth`; hits read by ``prefetch_threshold``
-    while the rates are unknown are not counted)."""
+    recomputing them (:mod:`hicache.cache.l3.worth`; hits read to measure an unmeasured
+    L3, or by a configured ``prefetch_threshold``, are not counted)."""
     l3_decided_recompute_tokens_total: int = 0
     """L3 hit tokens not read because recomputing them was measured to be faster."""
     l3_unwaited_prefetches_total: int = 0

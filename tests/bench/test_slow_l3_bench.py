@@ -20,4 +20,5 @@ def test_slow_l3_bench_smallest_settings(tmp_path: Path) -> None:
     assert all(t["replay_ttft_s"] > 0 and t["recompute_ttft_s"] > 0 for t in turns)
     assert turns[1]["storage_tokens"] == 0
     assert doc["counters"]["l3_unwaited_prefetches_total"] >= 2  # its replay and its fresh
-    assert doc["counters"]["l3_decided_read_tokens_total"] == 64  # the fast read
+    # the second fast read (and turn 0's plan, whose read came too late) by the rates
+    assert doc["counters"]["l3_decided_read_tokens_total"] >= 64

@@ -195,8 +195,10 @@ def _counter(engine: Engine, name: str) -> int:
 def test_by_measured_rates_a_fast_l3_is_read_and_a_slow_one_not_waited_for(
     reference: list[int],
 ) -> None:
-    """Once a read has been measured, the rates decide (``hicache.cache.l3.worth``): a
-    fast L3's hit is read (counted as decided). Made slow (every op 0.5 s), the next
+    """With ``prefetch_threshold`` unset, a hit below its default (80 tokens against 256)
+    is read while the L3's reads are unmeasured (the read measures them); then the rates
+    decide
+    (``hicache.cache.l3.worth``): a fast L3's hit is read (counted as decided). Made slow (every op 0.5 s), the next
     request waits for it as before (nothing says it is slow yet) and its lookup is
     measured; the one after does not wait at all and recomputes, where the timeout
     (more than 2 s) would have held it through the lookup and the reads. The L3's rates
@@ -204,11 +206,11 @@ def test_by_measured_rates_a_fast_l3_is_read_and_a_slow_one_not_waited_for(
     the tiny model's marginal cost per token is too small to decide the same way on
     every machine."""
     store = f"rates-{time.monotonic_ns()}"
-    with make_engine("memory", {"store": store}) as engine:
+    with make_engine("memory", {"store": store, "prefetch_threshold": None}) as engine:
         engine.call(lambda: engine.core.cache.measure_prefill(lambda: PREFILL_1MS)).result()
         assert engine.generate(PROMPT, GREEDY, timeout=60).output_ids == reference
         only_in_l3(engine)
-        first = engine.generate(PROMPT, GREEDY, timeout=60)  # read by the threshold
+        first = engine.generate(PROMPT, GREEDY, timeout=60)  # read to measure the L3
         assert first.cached.storage == FULL
         assert _counter(engine, "l3_decided_read_tokens_total") == 0
         only_in_l3(engine)

@@ -103,16 +103,10 @@ def test_one_faulty_rank_neither_blocks_nor_splits_the_ranks(
         storage = [o.cached.storage for o in outs]
         if fault != "slow":  # rank 1 cannot serve: no rank reads
             assert storage == [0, 0], (fault, storage)
-        elif policy == "wait_complete":  # the policy waits for the slow rank's reads
+        elif policy != "best_effort":  # the policy waits for the slow rank's reads
             # the second prompt's first 8 tokens are the first's, in L1 by then
             assert storage == [MATCHED, MATCHED - 8], (fault, storage)
             assert [o.cached.total for o in outs] == [MATCHED, MATCHED], fault
-        elif policy == "timeout":  # the first read, waited for, measured rank 1's L3 slow:
-            # by rank 1's rates the second prompt's 12 tokens are recomputed, not waited for
-            # (the hybrid has no recurrent state at token 8 without L3's snapshot: 0)
-            assert storage == [MATCHED, 0], (fault, storage)
-            shared = 0 if name == "tiny-random-qwen3-next" else 8
-            assert [o.cached.total for o in outs] == [MATCHED, shared], fault
         assert elapsed < 60, (fault, elapsed)
         digests = engine.rank_digests()
         assert len(digests) == 2 and digests[0] == digests[1], fault

@@ -18,7 +18,7 @@ from hicache.cache.host_tier import HostTier
 from hicache.cache.l3.keys import TierKeys
 from hicache.cache.l3.prefetch import ComponentFetch, Prefetch
 from hicache.cache.l3.worth import RestoreCosts
-from hicache.config import PrefetchConfig, PrefetchPolicy
+from hicache.config import DEFAULT_PREFETCH_THRESHOLD, PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import (
@@ -86,22 +86,27 @@ class Reads:
     def deadline(self, p: Prefetch, tokens: int) -> float:
         """When the policy stops waiting for ``p``, a prefetch of up to ``tokens`` tokens
         (whole pages): its configured timeout after its start; its start when the measured
-        rates say no wait can pay (``timeout`` policy, ``tokens`` > 0; not for a restore's
-        prefetch, which runs ahead of its request). Each rank's own: the policy's verdict
-        is agreed."""
+        rates decide (:attr:`_by_rates`; ``tokens`` > 0; not for a restore's prefetch,
+        which runs ahead of its request) and say no wait can pay. Each rank's own: the
+        policy's verdict is agreed."""
         deadline = p.started + self._prefetch.timeout_s(tokens)
-        if not tokens or p.any_hit or self._prefetch.policy is not PrefetchPolicy.TIMEOUT:
+        if not tokens or p.any_hit or not self._by_rates:
             return deadline
         return p.started if self._costs().worth_waiting(tokens) is False else deadline
 
     def _worth(self, p: Prefetch, tokens: int) -> bool:
         """Whether to read the agreed hit of ``tokens`` (> 0) of ``p``: a restore's, always;
-        under the ``timeout`` policy when this rank's measured rates say reading beats
-        recomputing; else (another policy, or rates unknown) when it reaches
-        ``prefetch_threshold``. Agreed over the ranks (every rank runs this with the same
-        hit: all-reduce(min))."""
-        by_rates = not p.any_hit and self._prefetch.policy is PrefetchPolicy.TIMEOUT
-        decided = self._costs().worth_reading(tokens) if by_rates else None
+        by the rates (:attr:`_by_rates`) when this rank's measured rates say reading beats
+        recomputing, and when the prefill is measured but this L3's reads are not (yet, or
+        any more: the read measures them); else when it reaches the threshold. Agreed over
+        the ranks (every rank runs this with the same hit: all-reduce(min))."""
+        by_rates = not p.any_hit and self._by_rates
+        decided = None
+        if by_rates:
+            costs = self._costs()
+            decided = costs.worth_reading(tokens)
+            if decided is None and costs.prefill is not None and costs.read is None:
+                return bool(self._ranks.min(1))  # read, to measure it
         local = tokens >= self._threshold(p) if decided is None else decided
         agreed = bool(self._ranks.min(int(local)))
         if decided is not None:
@@ -112,9 +117,20 @@ class Reads:
         return agreed
 
     def _threshold(self, p: Prefetch) -> int:
-        """Tokens a read of ``p`` must bring at least: ``prefetch_threshold``, or one
-        page for a restore (``p.any_hit``: read ahead of its request, never too late)."""
-        return self._page_size if p.any_hit else self._prefetch.prefetch_threshold
+        """Tokens a read of ``p`` must bring at least: ``prefetch_threshold`` (unset:
+        :data:`DEFAULT_PREFETCH_THRESHOLD`), or one page for a restore (``p.any_hit``: read
+        ahead of its request, never too late)."""
+        if p.any_hit:
+            return self._page_size
+        t = self._prefetch.prefetch_threshold
+        return DEFAULT_PREFETCH_THRESHOLD if t is None else t
+
+    @property
+    def _by_rates(self) -> bool:
+        """Whether the measured rates decide: the ``timeout`` policy with
+        ``prefetch_threshold`` left unset."""
+        pf = self._prefetch
+        return pf.policy is PrefetchPolicy.TIMEOUT and pf.prefetch_threshold is None
 
     def plan(self, p: Prefetch, r: L3Lookup, hit: int) -> None:
         """Read what lookup ``r`` of ``p`` found, ``hit`` pages agreed (the minimum over

@@ -7,8 +7,8 @@ layer); waiting for a prefetch costs its lookup (the ``lookup`` line at one look
 the restore; recomputing costs ``n`` times the prefill's seconds per token (the slope of
 its cost line: a forward's fixed cost is paid whatever is loaded). A rate never
 measured, or last measured more than ``max_age_s`` ago, is unknown, and so is every
-answer that needs it (None): the configured rules decide then (``prefetch_threshold``,
-the prefetch timeout), and the next read measures again. Pure.
+answer that needs it (None): the caller then reads (to measure) and waits as configured
+(:mod:`hicache.cache.l3.reads`). Pure.
 """
 
 from __future__ import annotations
