@@ -278,7 +278,8 @@ class Leader:
             # unhealthy from now on, while it looks for a dead follower and stops the
             # others (seconds); a follower found dead is named instead once reported
             own = f"rank 0 stopped: {type(failed).__name__}: {failed}"
-            self.failing = reason if channel is None else f"{own}; stopping the ranks"
+            seen = None if self.ranks is None else self.ranks.dead_rank()  # already known?
+            self.failing = reason if channel is None else f"{seen or own}; stopping the ranks"
             failure = self._failed_rank()
             if failure is not None:
                 reason = f"{failure}; the engine stopped"
