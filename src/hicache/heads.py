@@ -19,11 +19,22 @@ This module is pure: no torch, no threads, no IO.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hicache.validate import int_at_least, require
 
-__all__ = ["HeadSplit"]
+__all__ = ["HeadSplit", "record_group"]
+
+
+def record_group(num_kv_heads: int, tp_lcm: int) -> int:
+    """K/V heads per L3 record when the servers sharing an L3 all have TP sizes dividing
+    ``tp_lcm``: ``H_kv / gcd(tp_lcm, H_kv)``, the largest group every such size's ranks
+    hold whole (a size ``n <= H_kv`` divides ``gcd``, so its ``H_kv / n`` heads are whole
+    groups; a larger one replicates single heads, and ``H_kv`` divides ``tp_lcm``)."""
+    int_at_least("num_kv_heads", num_kv_heads, 1)
+    int_at_least("tp_lcm", tp_lcm, 1)
+    return num_kv_heads // math.gcd(tp_lcm, num_kv_heads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,3 +121,23 @@ class HeadSplit:
     def writes_any(self) -> bool:
         """Whether this rank is the writer of its K/V heads (the first of their replicas)."""
         return self.tp_rank % self.replicas == 0
+
+    def record_groups(self, group: int) -> range:
+        """This rank's L3 records of ``group`` K/V heads each: record ``j`` holds heads
+        ``[j * group, (j + 1) * group)``. ValueError naming the numbers unless the rank
+        holds whole groups."""
+        int_at_least("group", group, 1)
+        if self.local_kv_heads % group or self.num_kv_heads % group:
+            raise ValueError(
+                f"rank {self.tp_rank} of tensor-parallel size {self.tp_size} holds"
+                f" {self.local_kv_heads} of {self.num_kv_heads} K/V heads, not whole L3"
+                f" records of {group} heads: the servers sharing an L3 must give a"
+                f" --hicache-storage-tp-lcm that their TP sizes all divide"
+            )
+        first = self.first_kv_head // group
+        return range(first, first + self.local_kv_heads // group)
+
+    def writes_record(self, record: int, group: int) -> bool:
+        """Whether this rank writes record ``record`` of ``group`` heads (it holds the
+        record's heads and no lower rank does)."""
+        return self.writes(record * group)

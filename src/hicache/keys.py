@@ -65,8 +65,9 @@ PAGE_RECORDS = "page"
 it (a rank's shard of the heads when ``tp_rank`` is set, the whole latent for MLA)."""
 
 HEAD_RECORDS = "head"
-"""``Namespace.records``: one record per page and K/V head (:func:`head_key`), the same
-for every TP size; ``tp_size`` 1 and ``tp_rank`` null."""
+"""``Namespace.records``: one record per page and group of ``head_group`` K/V heads
+(:func:`head_key`), the same for every TP size whose ranks hold whole groups;
+``tp_size`` 1 and ``tp_rank`` null."""
 
 RECORDS = (PAGE_RECORDS, HEAD_RECORDS)
 
@@ -105,7 +106,12 @@ class Namespace:
     tp_rank: int | None = 0
     records: str = PAGE_RECORDS
     """How a page is split into records: ``"page"`` (one record, the pool's page) or
-    ``"head"`` (one record per K/V head, :func:`head_key`; ``tp_rank`` must be null)."""
+    ``"head"`` (one record per group of :attr:`head_group` K/V heads, :func:`head_key`;
+    ``tp_rank`` must be null)."""
+    head_group: int = 1
+    """K/V heads per record under ``records="head"`` (1 under ``"page"``): record ``j`` of
+    a page holds heads ``[j * head_group, (j + 1) * head_group)``. Encoded only when not
+    1, so a one-head namespace's digest is unchanged by it."""
     component: str = FULL_COMPONENT
     tenant_salt: str = ""
     engine_layout: str = ""
@@ -150,6 +156,13 @@ class Namespace:
             self.tp_rank,
             'must be None with records="head" (a head record does not depend on the rank)',
         )
+        int_at_least("head_group", self.head_group, 1)
+        require(
+            self.records == HEAD_RECORDS or self.head_group == 1,
+            "head_group",
+            self.head_group,
+            'must be 1 with records="page" (a page record holds the pool\'s heads)',
+        )
 
     @classmethod
     def for_spec(
@@ -165,6 +178,7 @@ class Namespace:
         component: str = FULL_COMPONENT,
         tenant_salt: str = "",
         head_records: bool = False,
+        head_group: int = 1,
     ) -> Namespace:
         """The namespace of one rank's cache of shape ``spec``.
 
@@ -172,8 +186,9 @@ class Namespace:
         (``tp_rank=None``, ``tp_size=1``): the latent KV does not depend on tensor
         parallelism, so every rank of every TP size shares one namespace (and only rank 0
         of a group writes L3). ``head_records`` (MHA; the engine's choice): one record per
-        K/V head (``records="head"``), the rank and the size dropped too, so servers of
-        every TP size share the records (the lowest rank holding a head writes it,
+        group of ``head_group`` K/V heads (``records="head"``), the rank and the size
+        dropped too, so servers of every TP size whose ranks hold whole groups share the
+        records (the lowest rank holding a head writes it,
         :class:`~hicache.heads.HeadSplit`); ignored for MLA, whose latent is one record.
         """
         require(
@@ -195,6 +210,7 @@ class Namespace:
             tp_size=1 if shared else tp_size,
             tp_rank=rank,
             records=HEAD_RECORDS if heads else PAGE_RECORDS,
+            head_group=head_group if heads else 1,
             component=component,
             tenant_salt=tenant_salt,
         )
@@ -204,6 +220,8 @@ class Namespace:
         (``engine_layout`` only when set)."""
         doc = self._fields(KEY_SPEC_VERSION)
         doc["records"] = self.records
+        if self.head_group != 1:
+            doc["head_group"] = self.head_group
         return _canonical(doc)
 
     def previous_digest(self, tp_size: int, tp_rank: int | None) -> bytes:
@@ -255,7 +273,9 @@ class Namespace:
         is returned as it is."""
         if self.records == PAGE_RECORDS:
             return self
-        return dataclasses.replace(self, records=PAGE_RECORDS, tp_size=tp_size, tp_rank=tp_rank)
+        return dataclasses.replace(
+            self, records=PAGE_RECORDS, head_group=1, tp_size=tp_size, tp_rank=tp_rank
+        )
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
@@ -349,7 +369,8 @@ HEAD_TAG = b"kv_head"
 
 
 def head_key(page: PageKey, kv_head: int) -> PageKey:
-    """The key of K/V head ``kv_head``'s record (model numbering) of the page keyed
+    """The key of record ``kv_head`` (of K/V heads ``[kv_head * g, (kv_head + 1) * g)``,
+    model numbering, for the namespace's ``head_group`` ``g``) of the page keyed
     ``page`` under a ``records="head"`` namespace: ``h = sha256(page.digest || b"kv_head"
     || u32le(kv_head))``, key ``"hc3-" + hex(h)``; the page's fingerprint and namespace
     digest (every head record of a page carries the page's header fields)."""

@@ -65,21 +65,31 @@ def test_bench_nixl_runs_beside_raw_nixl(tmp_path: Path) -> None:
 
 def test_bench_head_records_beside_page_records(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    argv = ["--backends", "file", "--objects", "4", "--repeat", "1", "--records", "page,head"]
-    argv += ["--spec", "3,2,16,float32", "--page-tokens", "4"]
+    argv = ["--backends", "file", "--objects", "4", "--repeat", "1"]
+    argv += ["--records", "page,head,head:2", "--spec", "3,2,16,float32", "--page-tokens", "4"]
     assert main([*argv, "--dir", str(tmp_path / "d"), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["object_bytes"] == 4 * 2 * 3 * 2 * 16 * 4  # tokens x K,V x L x H x D x fp32
     got = [(r["records"], r["records_per_page"], r["op"]) for r in doc["results"]]
-    assert got == [("page", 1, "put"), ("page", 1, "get"), ("head", 2, "put"), ("head", 2, "get")]
+    assert got == [
+        ("page", 1, "put"),
+        ("page", 1, "get"),
+        ("head", 2, "put"),
+        ("head", 2, "get"),
+        ("head:2", 1, "put"),
+        ("head:2", 1, "get"),
+    ]
     records = [p for p in (tmp_path / "d" / "hicache").rglob("hc3-*") if p.is_file()]
     sizes = sorted(p.stat().st_size for p in records)
-    # 4 pages a round (a warm-up and one timed): 2 head records each, or 1 page record
-    assert sizes == [64 + 1536] * 16 + [64 + 3072] * 8
+    # 4 pages a round (a warm-up and one timed): 2 head records each, or 1 record of both
+    # heads, or 1 page record
+    assert sizes == [64 + 1536] * 16 + [64 + 3072] * 16
 
 
 def test_bench_rejects_bad_records_or_spec(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--backends", "file", "--records", "rank"]) == 2
+    assert main(["--backends", "file", "--records", "head:3", "--spec", "3,2,16"]) == 2
+    assert main(["--backends", "file", "--records", "page:2"]) == 2
     assert main(["--backends", "file", "--spec", "3,2"]) == 2
     assert main(["--backends", "file", "--spec", "3,2,16,int8"]) == 2
     assert "error:" in capsys.readouterr().err

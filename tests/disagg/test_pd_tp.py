@@ -262,6 +262,7 @@ def test_decode_offload_at_tp_2_writes_head_records_a_tp_1_prefill_hits(tmp_path
     extra = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 0})
     l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
     l3 += ["--hicache-storage-backend-extra-config", extra, "--hicache-load-back-threshold", "0"]
+    l3 += ["--hicache-storage-tp-lcm", "2"]  # TP 1 and TP 2 share it: a record per K/V head
     port = free_port()
     pd = ["--model-path", model, "--disaggregation-transfer-backend", "mooncake", *l3]
     prefill_flags = [*pd, "--disaggregation-mode", "prefill"]

@@ -42,7 +42,8 @@ MODEL = "tiny-random-llama"
 PAGE = 4
 PROMPT = [(7 * i + 11) % 4000 + 100 for i in range(81)]  # 81 tokens: 20 whole pages + 1
 FULL = 80  # prompt[:-1] is matched: 20 pages
-KV_HEADS = 2  # the model's K/V heads: each page is one L3 record per head
+KV_HEADS = 2  # the model's K/V heads
+RECORDS = 1  # L3 records per page: at TP 1 and the default storage_tp_lcm, both heads in one
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -108,9 +109,9 @@ def test_flush_then_replay_is_served_from_file_storage(
         assert replay.output_ids == reference
         stats = engine.call(lambda: cache_stats(engine.core.cache)).result()
         assert stats.counters["storage_hit_tokens_total"] == FULL
-        assert stats.storage.get_hits == KV_HEADS * FULL // PAGE  # records
+        assert stats.storage.get_hits == RECORDS * FULL // PAGE  # records
         clean(engine)
-    assert len(list(tmp_path.rglob("*"))) > KV_HEADS * FULL // PAGE
+    assert len(list(tmp_path.rglob("*"))) > RECORDS * FULL // PAGE
 
 
 def test_file_storage_survives_restart_and_is_shared_across_processes(
@@ -258,7 +259,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert l3 is not None
         storage = l3.controller.storage
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
-        victim = storage.path_of(head_key(keys[5], 1).key)  # type: ignore[attr-defined]
+        victim = storage.path_of(head_key(keys[5], 0).key)  # type: ignore[attr-defined]
         data = bytearray(victim.read_bytes())
         data[-3] ^= 0xFF  # a payload byte
         victim.write_bytes(bytes(data))
@@ -275,7 +276,7 @@ def test_flipped_bytes_and_foreign_records_are_misses(tmp_path: Path, reference:
         assert l3 is not None and engine.core.cache.full.pages.host_pool is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
         for k in keys:
-            for h in range(KV_HEADS):
+            for h in range(RECORDS):
                 path = l3.controller.storage.path_of(head_key(k, h).key)  # type: ignore[attr-defined]
                 path.unlink(missing_ok=True)
         foreign = dataclasses.replace(l3.keys.namespace, model="another-model")
@@ -350,7 +351,7 @@ def corrupt_record(engine: Engine, page: PageKey) -> None:
         store = st._store
         assert store.remove(key.key, True) == 0
         assert engine.core.cache.full.pages.host_pool is not None
-        size = record_size(engine.core.cache.full.pages.host_pool.page_bytes // KV_HEADS)
+        size = record_size(engine.core.cache.full.pages.host_pool.page_bytes // RECORDS)
         arena = st._arenas.take(size)
         assert arena is not None
         arena.tensor[:size].zero_()  # a reused arena holds the records it last staged

@@ -218,7 +218,7 @@ def test_a_restore_over_a_corrupt_record_stops_there_and_the_rest_is_recomputed(
         l3 = engine.core.cache.l3.attached
         assert l3 is not None
         keys = l3.keys.of(b"".join(t.to_bytes(4, "little") for t in PROMPT[:FULL]))
-        victim = l3.controller.storage.path_of(head_key(keys[5], 1).key)  # type: ignore[attr-defined]
+        victim = l3.controller.storage.path_of(head_key(keys[5], 0).key)  # type: ignore[attr-defined]
         data = bytearray(victim.read_bytes())
         data[-3] ^= 0xFF  # a payload byte of page 6
         victim.write_bytes(bytes(data))

@@ -5,14 +5,17 @@
   by other prompts) and from a file L3 after ``flush_cache``; rank 0 alone writes the latent
   records, every rank reads them (equal rank digests), and a TP 1 server on the same L3
   hits all of them (latent KV does not depend on TP).
-* MHA (Llama, 2 K/V heads) with head records: a TP 2 server writes one record per page
-  and K/V head; a TP 1 and a TP 4 server hit every full page and answer exactly; a TP 1
-  server's records serve TP 2; TP 4 (each K/V head replicated on two ranks, the lower one
-  its writer) writes each head's records once, and TP 1 reads them.
+* MHA (Llama, 2 K/V heads) with head records shared by TP 1, 2 and 4
+  (``storage_tp_lcm=4``): a TP 2 server writes one record per page and K/V head; a TP 1
+  and a TP 4 server hit every full page and answer exactly; a TP 1 server's records serve
+  TP 2; TP 4 (each K/V head replicated on two ranks, the lower one its writer) writes each
+  head's records once, and TP 1 reads them. By default (no ``storage_tp_lcm``) a rank's
+  heads are one record, and servers of other sizes miss them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +61,7 @@ def config(model_path: str, tp: int, l3: Path) -> EngineConfig:
         storage_backend="file",
         storage_extra_config={"file_path": str(l3), "prefetch_threshold": 8},
         storage_prefetch_policy="wait_complete",
+        storage_tp_lcm=4,  # TP 1, 2 and 4 share the L3: one record per K/V head
     )
 
 
@@ -165,6 +169,26 @@ def test_mha_tp1_records_serve_tp2(tmp_path: Path) -> None:
         assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
         assert engine.flush_cache()
     assert l3_files(tmp_path) == written  # every record was present: none written again
+
+
+def test_by_default_a_ranks_heads_are_one_record_and_other_sizes_miss_them(
+    tmp_path: Path,
+) -> None:
+    """Without ``storage_tp_lcm`` a TP 1 server stores a page as one record (both K/V
+    heads: a page record's bytes and cost); a TP 2 server at its own default (a record
+    per K/V head) is in another namespace: it misses them, never reads them, answers
+    exactly and writes its own."""
+    path, prompt, want = MODELS["llama"]
+    a = prompt(0)
+    with Engine(dataclasses.replace(config(path(), 1, tmp_path), storage_tp_lcm=None)) as tp1:
+        assert tp1.generate(a, GREEDY, timeout=120).output_ids == want(a)
+        assert tp1.flush_cache()
+    assert l3_files(tmp_path) == PAGES
+    with Engine(dataclasses.replace(config(path(), 2, tmp_path), storage_tp_lcm=None)) as tp2:
+        miss = tp2.generate(a, GREEDY, timeout=120)
+        assert miss.cached.storage == 0 and miss.output_ids == want(a)
+        assert tp2.flush_cache()
+    assert l3_files(tmp_path) == PAGES + 2 * PAGES
 
 
 @pytest.mark.matrix

@@ -276,3 +276,204 @@ def test_record_keys_are_head_keys_memo_or_not(monkeypatch: pytest.MonkeyPatch) 
     for _ in range(3):  # cold, partly remembered, after being forgotten
         assert headio.record_keys(pages, [3, 1]) == want
         assert len(headio._memo) <= 5
+
+
+# -- records of groups of heads (Namespace.head_group) ---------------------------------
+GKV = 4  # K/V heads of the grouped cases (query heads: 2 per K/V head)
+
+
+def group_ns(layout: MemLayout, group: int) -> Namespace:
+    spec = KVSpec(num_layers=L, num_kv_heads=GKV, head_dim=D, dtype="float16")
+    return Namespace.for_spec(
+        spec,
+        model="m",
+        weights_fingerprint="w",
+        layout=layout,
+        page_size=PS,
+        head_records=True,
+        head_group=group,
+    )
+
+
+def group_storage(
+    layout: MemLayout, group: int, store: MemoryStore, tp: int = 1, rank: int = 0
+) -> MemoryStorage:
+    st = MemoryStorage(group_ns(layout, group), store=store)
+    st.start()
+    st.use_heads(HeadSplit(2 * GKV, GKV, tp, rank))
+    return st
+
+
+def group_payload(host: HostPool, page: int, heads: range) -> bytes:
+    """The spec's payload of the record of ``heads`` of ``page``: the page payload of a
+    pool holding those heads alone (per kind, the layout's order, heads innermost but
+    the dim)."""
+    canon = host.read_pages([page])[0, :, :, :, heads.start : heads.stop]  # (K, L, ps, g, D)
+    if host.layout is MemLayout.PAGE_FIRST:
+        canon = canon.transpose(1, 2)  # (K, ps, L, g, D)
+    return canon.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_head_group_is_in_the_digest_only_when_not_one() -> None:
+    one = group_ns(MemLayout.PAGE_FIRST, 1)
+    assert one.digest == ns_with(one, GKV).digest == ns_with(one, 1).digest
+    two = group_ns(MemLayout.PAGE_FIRST, 2)
+    assert two.head_group == 2 and two.digest != one.digest
+    assert b'"head_group":2' in two.encode() and b"head_group" not in one.encode()
+    with pytest.raises(ValueError, match='head_group=2 is invalid; must be 1 with records="page"'):
+        Namespace(
+            model="m",
+            weights_fingerprint="w",
+            kv_dtype="float16",
+            layout=MemLayout.PAGE_FIRST,
+            page_size=PS,
+            head_group=2,
+        )
+    assert two.for_slots(2, 1).head_group == 1
+
+
+def ns_with(n: Namespace, kv_heads: int) -> Namespace:
+    """``n`` rebuilt by :meth:`Namespace.for_spec` for a model of ``kv_heads`` (the
+    group stays 1): the digest does not depend on the model's head count."""
+    spec = KVSpec(num_layers=L, num_kv_heads=kv_heads, head_dim=D, dtype="float16")
+    return Namespace.for_spec(
+        spec,
+        model=n.model,
+        weights_fingerprint=n.weights_fingerprint,
+        layout=n.layout,
+        page_size=n.page_size,
+        head_records=True,
+    )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
+@pytest.mark.parametrize("group", [2, 4])
+def test_group_records_hold_exact_bytes_and_serve_each_size(layout: MemLayout, group: int) -> None:
+    """A TP 1 writer stores ``4 / group`` records a page, each byte for byte the page of
+    a pool holding the group's heads (at group 4: a page record's payload); every TP size
+    whose ranks hold whole groups reads its heads exactly, and a size that splits a group
+    is refused naming the numbers."""
+    store = MemoryStore()
+    src = pool_of(layout, GKV, seed=7)
+    ks = page_keys(group_ns(layout, group), list(range(100, 100 + PS * 2)))
+    with group_storage(layout, group, store) as st:
+        assert st.batch_set(ks, src, [1, 3]).written == 2
+        assert st.stats().set_pages == 2 * GKV // group  # records
+    assert len(store) == 2 * GKV // group
+    for k, page in zip(ks, [1, 3], strict=True):
+        for j in range(GKV // group):
+            rec = store.get(head_key(k, j).key)
+            assert rec is not None
+            assert rec[HEADER_SIZE:] == group_payload(src, page, range(j * group, (j + 1) * group))
+    if group == GKV:
+        page_pool = pool_of(layout, GKV)
+        page_pool.write_pages([0], src.read_pages([1]))
+        assert store.get(head_key(ks[0], 0).key)[HEADER_SIZE:] == b"".join(  # type: ignore[index]
+            bytes(p) for p in page_parts(page_pool, 0)
+        )
+    for tp in (1, 2, 4):
+        if GKV // tp < group:
+            with pytest.raises(
+                ValueError, match=f"holds {GKV // tp} of {GKV} K/V heads, not whole"
+            ):
+                group_storage(layout, group, store, tp, 0)
+            continue
+        for rank in range(tp):
+            split = HeadSplit(2 * GKV, GKV, tp, rank)
+            dst = pool_of(layout, split.local_kv_heads)
+            with group_storage(layout, group, store, tp, rank) as st:
+                assert st.batch_exists(ks) == 2
+                assert st.batch_contains(ks) == [True, True]
+                assert st.batch_get(ks, dst, [3, 0]) == [True, True]
+            want = src.read_pages([1, 3])[:, :, :, :, split.kv_heads.start : split.kv_heads.stop]
+            assert torch.equal(dst.read_pages([3, 0]), want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
+def test_tp2_writers_of_group_records_make_the_tp1_page(layout: MemLayout) -> None:
+    """Group 2 (an L3 shared by TP 1 and TP 2): each TP 2 rank writes its one record per
+    page in place (its heads are the group); a TP 1 reader stages both into its page."""
+    store = MemoryStore()
+    full = pool_of(layout, GKV, seed=8)
+    ks = page_keys(group_ns(layout, 2), list(range(100, 100 + PS * 2)))
+    for rank in range(2):
+        split = HeadSplit(2 * GKV, GKV, 2, rank)
+        mine = pool_of(layout, split.local_kv_heads)
+        mine.write_pages(
+            [2, 3],
+            full.read_pages([0, 1])[
+                :, :, :, :, split.kv_heads.start : split.kv_heads.stop
+            ].contiguous(),
+        )
+        with group_storage(layout, 2, store, 2, rank) as st:
+            assert st.batch_set(ks, mine, [2, 3]).written == 2
+    assert len(store) == 4
+    dst = pool_of(layout, GKV)
+    with group_storage(layout, 2, store) as st:
+        assert st.batch_get(ks, dst, [1, 0]) == [True, True]
+    assert torch.equal(dst.read_pages([1, 0]), full.read_pages([0, 1]))
+
+
+def test_a_missing_group_record_is_a_miss_of_its_page() -> None:
+    layout = MemLayout.PAGE_FIRST
+    store = MemoryStore()
+    src = pool_of(layout, GKV, seed=9)
+    ks = page_keys(group_ns(layout, 2), list(range(100, 100 + PS * 3)))
+    with group_storage(layout, 2, store) as st:
+        st.batch_set(ks, src, [0, 1, 2])
+    store.delete(head_key(ks[1], 1).key)
+    dst = pool_of(layout, GKV)
+    with group_storage(layout, 2, store) as st:
+        assert st.batch_exists(ks) == 1
+        assert st.batch_get(ks, dst, [0, 1, 2]) == [True, False, True]
+    assert not dst.read_pages([1]).any()  # never scattered in part
+    with group_storage(layout, 2, store, 2, 0) as st:  # rank 0 of TP 2: record 0 alone
+        assert st.batch_exists(ks) == 3
+
+
+def pool_of(layout: MemLayout, heads: int, seed: int | None = None) -> HostPool:
+    return pool(layout, heads, seed)
+
+
+def page_parts(host: HostPool, page: int) -> list[memoryview]:
+    """``page``'s payload as a page record holds it."""
+    from hicache.storage.pageio import HostPages
+
+    return HostPages(host, [page], for_get=False).parts(0)
+
+
+def test_record_group_is_whole_on_every_size_dividing_the_lcm() -> None:
+    from hicache.heads import record_group
+
+    assert [record_group(8, n) for n in (1, 2, 4, 8, 16, 6)] == [8, 4, 2, 1, 1, 4]
+    assert [record_group(2, n) for n in (1, 2, 4)] == [2, 1, 1]
+    for kv in (1, 2, 4, 8):
+        for lcm in (1, 2, 4, 8, 16):
+            g = record_group(kv, lcm)
+            for n in (d for d in range(1, lcm + 1) if lcm % d == 0):
+                for rank in range(n):
+                    HeadSplit(16, kv, n, rank).record_groups(g)  # whole: no error
+    with pytest.raises(ValueError, match="tp_lcm=0 is invalid"):
+        record_group(8, 0)
+
+
+def test_the_tp_lcm_flag_is_checked_and_sizes_the_group() -> None:
+    import argparse
+
+    from hicache.server.args import add_engine_args, engine_config_from_args, flag_message
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cpu = ["--device", "cpu"]
+    assert engine_config_from_args(p.parse_args(cpu)).storage_tp_lcm is None
+    got = engine_config_from_args(p.parse_args([*cpu, "--hicache-storage-tp-lcm", "4"]))
+    assert got.storage_tp_lcm == 4
+    for bad, why in (
+        ("0", "must be an int >= 1"),
+        ("3", "must be a multiple of this server's tp_size=2"),
+    ):
+        with pytest.raises(ValueError) as err:
+            engine_config_from_args(
+                p.parse_args([*cpu, "--tp-size", "2", "--hicache-storage-tp-lcm", bad])
+            )
+        assert flag_message(err.value) == f"--hicache-storage-tp-lcm {bad} is invalid; {why}"

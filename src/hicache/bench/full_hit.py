@@ -132,6 +132,7 @@ def run(args: argparse.Namespace, l3_dir: Path) -> tuple[FullHitResult, int, tor
         storage_backend="file",
         storage_prefetch_policy="wait_complete",
         storage_extra_config=extra,
+        storage_tp_lcm=args.storage_tp_lcm,
         **kwargs,
     )
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -246,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="prompts; medians are reported")
     p.add_argument("--dir", default=None, help="L3 directory (default: a temp dir, removed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--storage-tp-lcm",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the engine's storage_tp_lcm: a multiple of the K/V heads stores one L3 record"
+        " per head (default: one per page, the rank's heads)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     args = p.parse_args(argv)

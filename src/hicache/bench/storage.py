@@ -3,8 +3,8 @@
 For every backend (``file``, ``redis``, ``mooncake``, ``aibrix-shfs``, ``aibrix-rocksdb``,
 ``nixl``) the same pages (``--objects`` of ``--object-mib`` MiB, one page each, in a
 ``page_first`` host pool) go through the HiCache backend (``batch_set`` / ``batch_get``) and
-through the bare client it wraps. ``--records page,head`` runs the HiCache side per record
-split; ``--spec L,H,D[,dtype]`` and ``--page-tokens`` set the page (each rate is also
+through the bare client it wraps. ``--records page,head,head:G`` runs the HiCache side per
+record split (``head:G``: records of ``G`` K/V heads, ``Namespace.head_group``); ``--spec L,H,D[,dtype]`` and ``--page-tokens`` set the page (each rate is also
 given in tokens/s of that KV shape: what restoring a hit from the backend would give, to
 set beside a model's prefill tokens/s, :mod:`hicache.rates`). Services start locally
 unless ``--redis-url`` / ``--mooncake-master`` name running ones. Units: GB/s of payload
@@ -72,7 +72,7 @@ class BenchResult:
     hicache_gbps: float
     raw_gbps: float
     records: str = "page"
-    """The HiCache side's record split (``page`` or ``head``)."""
+    """The HiCache side's record split (``page``, ``head``, or ``head:G``)."""
     records_per_page: int = 1
     paired_ratio: float = 0.0
     """Median over the rounds of each round's HiCache / raw (the two sides of one round
@@ -101,6 +101,22 @@ class _Case:
         self.raw = raw
 
 
+def _split(records: str) -> tuple[str, int]:
+    """``page`` / ``head`` / ``head:G`` as ``(records, head_group)``; ValueError otherwise."""
+    kind, _, group = records.partition(":")
+    if kind not in RECORDS or (group and (kind != HEAD_RECORDS or not group.isdigit())):
+        raise ValueError(f"record split {records!r}: choose page, head or head:G")
+    return kind, int(group or 1)
+
+
+def _valid_split(records: str, heads: int) -> bool:
+    try:
+        _, group = _split(records)
+    except ValueError:
+        return False
+    return group >= 1 and heads % group == 0
+
+
 def _run_case(
     case: _Case, src: HostPool, dst: HostPool, repeat: int, records: str = "page"
 ) -> list[BenchResult]:
@@ -120,17 +136,19 @@ def _run_case(
     dst_bufs = case.raw.buffers(n, src.page_bytes)
     for p, buf in zip(pages, src_bufs, strict=True):
         buf.copy_(torch.cat([v.reshape(-1).view(torch.uint8) for v in src.page_view(p)]))
+    kind, group = _split(records)
     ns = Namespace.for_spec(
         src.spec,
         model="bench",
         weights_fingerprint=uuid.uuid4().hex,
         layout=src.layout,
         page_size=src.page_size,
-        head_records=records == HEAD_RECORDS,
+        head_records=kind == HEAD_RECORDS,
+        head_group=group,
     )
     tokens = n * src.page_size
     with case.st_factory(ns) as st:
-        if records == HEAD_RECORDS:
+        if kind == HEAD_RECORDS:
             st.use_heads(HeadSplit(src.spec.heads, src.spec.heads))
         for i in range(-1, repeat):  # round -1 warms both sides up, untimed
             keys = page_keys(ns, list(range((i + 1) * tokens, (i + 2) * tokens)))
@@ -152,7 +170,7 @@ def _run_case(
             for step in (hicache, raw) if i % 2 == 0 else (raw, hicache):
                 step()
     med = statistics.median
-    per_page = src.spec.heads if records == HEAD_RECORDS else 1
+    per_page = src.spec.heads // group if kind == HEAD_RECORDS else 1
 
     def paired(h: list[float], r: list[float]) -> float:
         return med(a / b for a, b in zip(h, r, strict=True))
@@ -243,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--records",
         default="page",
         help="comma list of record splits to run: page (one record per page), head (one per "
-        "page and K/V head) (default page)",
+        "page and K/V head), head:G (one per page and group of G K/V heads) (default page)",
     )
     p.add_argument(
         "--spec",
@@ -276,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         bad
         or not splits
-        or not set(splits) <= set(RECORDS)
+        or not all(_valid_split(r, spec.heads) for r in splits)
         or object_bytes % spec.token_bytes
         or object_bytes <= 0
         or args.objects < 1
@@ -284,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         print(
             f"error: backends must be among {','.join(BACKENDS)} (got {bad or backends});"
-            f" records among {','.join(RECORDS)} (got {splits}); object size must be a"
+            f" records among page, head, head:G with G dividing {spec.heads} (got {splits});"
+            f" object size must be a"
             f" positive multiple of {spec.token_bytes} B (a token); objects and repeat >= 1",
             file=sys.stderr,
         )

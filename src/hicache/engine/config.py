@@ -64,6 +64,14 @@ class EngineConfig:
     after this instance looked them up (see :attr:`negative_ttl_s`)."""
     storage_negative_entries: int = DEFAULT_NEGATIVE_ENTRIES
     """L3 misses remembered at most (least recently used first out); at least 1."""
+    storage_tp_lcm: int | None = None
+    """A number every TP size of the servers sharing this L3 divides (their least common
+    multiple, SGLang's ``tp_lcm_size``): an MHA page is stored as one record per group of
+    ``H_kv / gcd(storage_tp_lcm, H_kv)`` K/V heads (:func:`~hicache.heads.record_group`),
+    so every such server's ranks hold whole records. None: this server's ``tp_size``
+    (one record per rank's heads: a page record's cost, shared with servers of this TP
+    size alone). A multiple of ``H_kv``: one record per K/V head,
+    shared by every TP size."""
     storage: StorageConfig | None = field(init=False, default=None)
     """``storage_backend`` and ``storage_extra_config`` parsed and validated once (None:
     no L3). An extra config without a backend is refused."""
@@ -213,6 +221,14 @@ class EngineConfig:
             "must be a finite number of seconds >= 0 (0: off)",
         )
         int_at_least("storage_negative_entries", self.storage_negative_entries, 1)
+        if self.storage_tp_lcm is not None:
+            int_at_least("storage_tp_lcm", self.storage_tp_lcm, 1)
+            require(
+                self.storage_tp_lcm % self.tp_size == 0,
+                "storage_tp_lcm",
+                self.storage_tp_lcm,
+                f"must be a multiple of this server's tp_size={self.tp_size}",
+            )
         if self.attention_backend not in {b.value for b in AttentionBackend}:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is invalid; must be one of"

@@ -150,6 +150,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="L3 lookup misses remembered at most (LRU)",
     )
     c.add_argument(
+        "--hicache-storage-tp-lcm",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a number every TP size of the servers sharing this L3 divides (their LCM):"
+        " MHA pages are stored in records whole on every such server's ranks (default: this"
+        " server's --tp-size, records as fast as page records; a multiple of the K/V heads:"
+        " one record per head, shared by every TP size)",
+    )
+    c.add_argument(
         "--hicache-restore-max-ops",
         type=int,
         default=DEFAULT_RESTORE_MAX_OPS,
@@ -436,6 +446,7 @@ FIELD_FLAGS = {
     "storage_negative_ttl_s": "--hicache-storage-negative-ttl",
     "negative_ttl_s": "--hicache-storage-negative-ttl",
     "storage_negative_entries": "--hicache-storage-negative-entries",
+    "storage_tp_lcm": "--hicache-storage-tp-lcm",
     "restore_max_ops": "--hicache-restore-max-ops",
     "kv_events": "--kv-events-config",
     "restore_max_bytes": "--hicache-restore-max-bytes",
@@ -617,6 +628,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         storage_extra_config=_extra_config(a.hicache_storage_backend_extra_config),
         storage_negative_ttl_s=a.hicache_storage_negative_ttl,
         storage_negative_entries=a.hicache_storage_negative_entries,
+        storage_tp_lcm=a.hicache_storage_tp_lcm,
         restore_max_ops=a.hicache_restore_max_ops,
         restore_max_bytes=a.hicache_restore_max_bytes,
         attention_backend=a.attention_backend,

@@ -35,10 +35,10 @@ from hicache.storage.announce import Announcements, announce_key
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.headio import (
     HeadPages,
+    HeadRecords,
     StageCache,
     check_split,
     page_outcomes,
-    record_keys,
 )
 from hicache.storage.heal import BadRecords
 from hicache.storage.pageio import HostPages, Payloads
@@ -160,6 +160,7 @@ class HiCacheStorage(ABC):
         self._slot_digests: set[bytes] = set()
         """Namespaces of components whose records are whole slots, never split per head."""
         self._heads: HeadSplit | None = None
+        self._records: HeadRecords | None = None
         self._stages = StageCache()
         """Staging buffers of head-record batches, reused once no call can touch them."""
         self._stats = StatsRecorder(self.name, self._options.stall_s)
@@ -244,7 +245,9 @@ class HiCacheStorage(ABC):
 
     def use_heads(self, heads: HeadSplit) -> None:
         """The K/V heads this rank's pools hold and which it writes: needed before any
-        page operation under a ``records="head"`` namespace (ValueError under another)."""
+        page operation under a ``records="head"`` namespace (ValueError under another, or
+        naming the numbers when the rank does not hold whole records of the namespace's
+        ``head_group`` heads)."""
         if not isinstance(heads, HeadSplit):
             raise TypeError(f"heads must be a HeadSplit, got {type(heads).__name__}")
         if self._namespace.records != HEAD_RECORDS:
@@ -252,6 +255,7 @@ class HiCacheStorage(ABC):
                 f"use_heads needs a records='head' namespace; this one has"
                 f" records={self._namespace.records!r}"
             )
+        self._records = HeadRecords(heads, self._namespace.head_group)
         self._heads = heads
         self._allow()  # slot components' records are per rank
 
@@ -267,18 +271,18 @@ class HiCacheStorage(ABC):
         """
         return self._heads is None or self._heads.writes_any
 
-    def _split(self, key: PageKey | None = None) -> HeadSplit | None:
-        """The head split applying to ``key`` (any page key when None): None for page
-        records and for keys of slot components."""
+    def _split(self, key: PageKey | None = None) -> HeadRecords | None:
+        """The rank's head records applying to ``key`` (any page key when None): None for
+        page records and for keys of slot components."""
         if self._namespace.records != HEAD_RECORDS:
             return None
         if key is not None and key.namespace_digest in self._slot_digests:
             return None
-        if self._heads is None:
+        if self._records is None:
             raise StorageError(
                 f"{self.name} storage has a records='head' namespace; call use_heads() first"
             )
-        return self._heads
+        return self._records
 
     def probe_previous(self, key: PageKey) -> bool:
         """Whether the previous spec version's record ``key``
@@ -375,7 +379,7 @@ class HiCacheStorage(ABC):
         if not keys:
             return ExistsRun(0)
         split = self._split()
-        wanted = keys if split is None else record_keys(keys, split.kv_heads)
+        wanted = keys if split is None else split.keys(keys)
         with self._stats.timed("exists") as timer:
             try:
                 hits = self._exists(wanted, Deadline(self._options.timeout_s))
@@ -384,7 +388,7 @@ class HiCacheStorage(ABC):
                 hits = 0
         hits = max(0, min(hits, len(wanted)))
         if split is not None:
-            hits //= split.local_kv_heads
+            hits //= split.per_page
         self._stats.exists(len(keys), hits)
         why = (timer.why or "exists failed") if timer.failed else ""
         return ExistsRun(hits, failed=timer.failed, why=why)
@@ -398,11 +402,20 @@ class HiCacheStorage(ABC):
         split = self._split(keys[0] if keys else None)
         if split is None:
             return self._get_payloads(keys, HostPages(host, pages, for_get=True))
-        check_split(split, host)
-        hp = HeadPages(host, pages, range(split.local_kv_heads), for_get=True, stages=self._stages)
+        check_split(split.split, host)
+        if split.per_page == 1:  # the rank's heads are one record: a page record's bytes
+            return self._get_payloads(split.keys(keys), HostPages(host, pages, for_get=True))
+        hp = HeadPages(
+            host,
+            pages,
+            range(split.per_page),
+            for_get=True,
+            group=split.group,
+            stages=self._stages,
+        )
         if len(keys) != len(hp.pages):
             raise ValueError(f"{len(keys)} keys but {len(hp.pages)} pages; they must pair up")
-        ok = hp.page_ok(self._get_payloads(record_keys(keys, split.kv_heads), hp))
+        ok = hp.page_ok(self._get_payloads(split.keys(keys), hp))
         self._restage(hp)
         return ok
 
@@ -426,7 +439,7 @@ class HiCacheStorage(ABC):
         if not keys:
             return []
         split = self._split(keys[0])
-        wanted = keys if split is None else record_keys(keys, split.kv_heads)
+        wanted = keys if split is None else split.keys(keys)
         with self._stats.timed("exists"):
             found = self._guarded(
                 "exists",
@@ -435,7 +448,7 @@ class HiCacheStorage(ABC):
                 False,
             )
         if split is not None:
-            n = split.local_kv_heads
+            n = split.per_page
             found = [all(found[i : i + n]) for i in range(0, len(found), n)]
         self._stats.exists(len(keys), sum(found))
         return found
@@ -492,16 +505,17 @@ class HiCacheStorage(ABC):
         split = self._split(keys[0] if keys else None)
         if split is None:
             return self._set_payloads(keys, HostPages(host, pages, for_get=False))
-        check_split(split, host)
-        mine = [j for j, h in enumerate(split.kv_heads) if split.writes(h)]
+        check_split(split.split, host)
+        mine = split.written()
         n = len(pages)
         if len(keys) != n:
             raise ValueError(f"{len(keys)} keys but {n} pages; they must pair up")
         if not mine:  # a replica: a lower rank writes these heads
             return SetResult.of([SetOutcome.SKIPPED] * n)
-        hp = HeadPages(host, pages, mine, for_get=False, stages=self._stages)
-        written = [split.kv_heads[j] for j in mine]
-        per_record = self._set_payloads(record_keys(keys, written), hp)
+        if split.per_page == 1:  # the rank's heads are one record: a page record's bytes
+            return self._set_payloads(split.keys(keys), HostPages(host, pages, for_get=False))
+        hp = HeadPages(host, pages, mine, for_get=False, group=split.group, stages=self._stages)
+        per_record = self._set_payloads(split.keys(keys, mine), hp)
         self._restage(hp)
         return SetResult.of(page_outcomes(per_record.outcomes, len(mine)))
 

@@ -1,26 +1,31 @@
-"""Head records: a page of a ``records="head"`` namespace as one L3 record per K/V head.
+"""Head records: a page of a ``records="head"`` namespace as one L3 record per group of K/V heads.
 
 The seam between one logical key per page (what the cache and controller use) and the
 records a backend stores (``docs/l3-keys.md``, "Head records"): page key ``k`` maps to the
-records :func:`hicache.keys.head_key` ``(k, j)`` of the K/V heads ``j`` a rank holds, in
-page-major order, so a run of present records from the first covers ``run // heads`` whole
-pages. Shape of head ``j``'s payload: the page's values of that head alone, per kind (K
-then V) in the host layout's order with the head dimension dropped (``page_first``
-``(page_size, L, D)``; ``page_first_direct`` and ``layer_first`` ``(L, page_size, D)``), ``K *
-L * page_size * D`` values in the pool's dtype: byte for byte a one-head pool's page
-payload, so every TP size agrees. :class:`HeadPages` is always staged (a head is a strided
-slice of a page): a set copies each run of consecutive pages into one row per head record
-(:func:`run_views`), a get reads rows and :meth:`HeadPages.commit` copies back only pages
-whose every head record was good.
+records :func:`hicache.keys.head_key` ``(k, j)`` of the groups ``j`` of ``g``
+(``Namespace.head_group``) K/V heads a rank holds, in page-major order, so a run of present
+records from the first covers ``run // groups`` whole pages. Group ``j``'s payload: the
+page's values of heads ``[j * g, (j + 1) * g)`` alone, per kind (K then V) in the host
+layout's order (``page_first`` ``(page_size, L, g, D)``; ``page_first_direct`` and
+``layer_first`` ``(L, page_size, g, D)``), ``K * L * page_size * g * D`` values in the
+pool's dtype: byte for byte the page payload of a pool holding those heads, so every TP
+size whose ranks hold whole groups agrees. A rank holding one group per page moves its
+pages as page records do (:class:`~hicache.storage.pageio.HostPages`, zero-copy in the
+``page_first*`` layouts); one holding several is staged by :class:`HeadPages` (a group
+is a strided slice of a page): a set copies each run of consecutive pages into one row
+per record (:func:`run_views`), a get reads rows and :meth:`HeadPages.commit` copies back
+only pages whose every record was good.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 from hicache.config import MemLayout
 from hicache.heads import HeadSplit
@@ -31,6 +36,7 @@ from hicache.storage.stats import SetOutcome
 
 __all__ = [
     "HeadPages",
+    "HeadRecords",
     "StageCache",
     "check_split",
     "head_record_bytes",
@@ -40,9 +46,42 @@ __all__ = [
 ]
 
 
-def head_record_bytes(host: HostPool) -> int:
-    """Payload bytes of one head record of ``host``'s pages."""
-    return host.page_bytes // host.spec.heads
+def head_record_bytes(host: HostPool, group: int = 1) -> int:
+    """Payload bytes of one record of ``group`` heads of ``host``'s pages."""
+    return host.page_bytes // host.spec.heads * group
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRecords:
+    """A rank's records of each page under a ``records="head"`` namespace: ``split`` the
+    heads it holds, ``group`` K/V heads per record. ValueError (from
+    :meth:`HeadSplit.record_groups`) unless the rank holds whole groups."""
+
+    split: HeadSplit
+    group: int
+    records: range = field(init=False)
+    """The record indices (model numbering of groups) the rank holds, ascending."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "records", self.split.record_groups(self.group))
+
+    @property
+    def per_page(self) -> int:
+        """Records per page this rank reads."""
+        return len(self.records)
+
+    def written(self) -> list[int]:
+        """Positions in :attr:`records` of those this rank writes (no lower rank holds
+        their heads)."""
+        return [j for j, r in enumerate(self.records) if self.split.writes_record(r, self.group)]
+
+    def keys(
+        self, keys: Sequence[PageKey], positions: Sequence[int] | None = None
+    ) -> list[PageKey]:
+        """The record keys of ``keys``, page-major: the rank's records, or those at
+        ``positions`` of :attr:`records`."""
+        held = self.records if positions is None else [self.records[j] for j in positions]
+        return record_keys(keys, held)
 
 
 _MEMO_CAP = 1 << 14
@@ -147,6 +186,16 @@ def run_views(host: HostPool, page: int, count: int) -> list[np.ndarray]:
     return out
 
 
+def _grouped(v: np.ndarray, group: int) -> np.ndarray:
+    """``v`` ``(m, A, B, H, D)`` as ``(m, H / group, A, B, group, D)``: the same memory,
+    groups of heads first (a strided view, never a copy, so a copy into it lands in
+    the pool)."""
+    m, a, b, h, d = v.shape
+    sm, sa, sb, sh, sd = v.strides
+    shape = (m, h // group, a, b, group, d)
+    return as_strided(v, shape, (sm, sh * group, sa, sb, sh, sd), writeable=v.flags.writeable)
+
+
 class StageCache:
     """Staging buffers kept for reuse (at most ``keep``; the largest kept): a fresh buffer
     of a batch's size costs its page faults on first touch, several times the copy
@@ -176,12 +225,13 @@ class StageCache:
 
 
 class HeadPages(Payloads):
-    """The head records of ``pages`` of ``host``: item ``i * len(local) + j`` is local head
-    ``local[j]`` (an index into the pool's ``H`` heads) of ``pages[i]``.
+    """The records of ``pages`` of ``host`` by groups of ``group`` heads: item
+    ``i * len(local) + j`` is local group ``local[j]`` (heads ``[local[j] * group,
+    (local[j] + 1) * group)`` of the pool's ``H``) of ``pages[i]``.
 
-    A get must cover every head of the pool (a page is usable only whole); a set may name
-    a subset (the heads this rank writes). ``zero_copy`` is False: items are rows of one
-    staging buffer, copied from / to the pool's pages one page and kind at a time.
+    A get must cover every group of the pool (a page is usable only whole); a set may name
+    a subset (the groups this rank writes). ``zero_copy`` is False: items are rows of one
+    staging buffer, copied from / to the pool's pages a run of pages and a kind at a time.
     """
 
     def __init__(
@@ -191,20 +241,25 @@ class HeadPages(Payloads):
         local: Sequence[int],
         *,
         for_get: bool,
+        group: int = 1,
         stages: StageCache | None = None,
     ) -> None:
         idx = host.check_pages(
             pages if isinstance(pages, torch.Tensor) else list(pages), unique=for_get
         )
         heads = host.spec.heads
-        if not all(0 <= j < heads for j in local) or len(set(local)) != len(local):
-            raise ValueError(f"local heads {list(local)} must be distinct, in [0, {heads})")
-        if for_get and sorted(local) != list(range(heads)):
-            raise ValueError(f"a get reads every head of the pool ({heads}), got {list(local)}")
+        if group < 1 or heads % group:
+            raise ValueError(f"a record of {group} heads does not divide the pool's {heads}")
+        groups = heads // group
+        if not all(0 <= j < groups for j in local) or len(set(local)) != len(local):
+            raise ValueError(f"local groups {list(local)} must be distinct, in [0, {groups})")
+        if for_get and sorted(local) != list(range(groups)):
+            raise ValueError(f"a get reads every group of the pool ({groups}), got {list(local)}")
         self.host = host
+        self.group = group
         self.pages: list[int] = idx.tolist()
         self.local = list(local)
-        self.payload_len = head_record_bytes(host)
+        self.payload_len = head_record_bytes(host, group)
         self.zero_copy = False
         self._for_get = for_get
         n, nh = len(self.pages), len(self.local)
@@ -217,20 +272,18 @@ class HeadPages(Payloads):
         if for_get or not n or not nh:
             return
         rows = self._rows()
-        sel = None if self.local == list(range(heads)) else np.asarray(self.local)
+        sel = None if self.local == list(range(groups)) else np.asarray(self.local)
         for i0, page, m in _runs(list(enumerate(self.pages))):
             for k, v in enumerate(run_views(host, page, m)):  # (m, A, B, H, D)
-                heads_first = v.transpose(0, 3, 1, 2, 4)  # (m, H, A, B, D)
-                np.copyto(
-                    rows[i0 : i0 + m, :, k], heads_first if sel is None else heads_first[:, sel]
-                )
+                by_group = _grouped(v, group)  # (m, G, A, B, g, D)
+                np.copyto(rows[i0 : i0 + m, :, k], by_group if sel is None else by_group[:, sel])
 
     def _rows(self) -> np.ndarray:
-        """The staging buffer as ``(n, h, K, A, B, D)`` values of the pool's dtype."""
+        """The staging buffer as ``(n, G, K, A, B, g, D)`` values of the pool's dtype."""
         host, spec = self.host, self.host.spec
         ps, nl = host.page_size, spec.num_layers
         inner = (ps, nl) if host.layout is MemLayout.PAGE_FIRST else (nl, ps)
-        shape = (len(self.pages), len(self.local), spec.num_kv, *inner, spec.dim)
+        shape = (len(self.pages), len(self.local), spec.num_kv, *inner, self.group, spec.dim)
         return _words(self._stage.view(host.dtype).view(shape))
 
     @property
@@ -254,21 +307,21 @@ class HeadPages(Payloads):
         return [self._bytes[i * n : (i + 1) * n]]
 
     def page_ok(self, ok: Sequence[bool]) -> list[bool]:
-        """Per page: every one of its head records ``ok``."""
+        """Per page: every one of its records ``ok``."""
         nh = len(self.local)
         return [all(ok[i * nh : (i + 1) * nh]) for i in range(len(self.pages))]
 
     def commit(self, ok: Sequence[bool]) -> None:
-        """After a get: copy the pages whose every head record is good into the pool."""
+        """After a get: copy the pages whose every record is good into the pool."""
         if not self._for_get or not self.pages:
             return
-        rows = self._rows()  # (n, h, K, A, B, D)
-        if self.local != list(range(len(self.local))):  # record j of a page is head local[j]
+        rows = self._rows()  # (n, G, K, A, B, g, D)
+        if self.local != list(range(len(self.local))):  # record j of a page is group local[j]
             rows = rows[:, np.argsort(self.local)]
         good = [(i, self.pages[i]) for i, flag in enumerate(self.page_ok(ok)) if flag]
         for i0, page, m in _runs(good):
             for k, v in enumerate(run_views(self.host, page, m)):  # (m, A, B, H, D)
-                np.copyto(v, rows[i0 : i0 + m, :, k].transpose(0, 2, 3, 1, 4))
+                np.copyto(_grouped(v, self.group), rows[i0 : i0 + m, :, k])
 
 
 def check_split(heads: HeadSplit, host: HostPool) -> None:

@@ -8,8 +8,8 @@ payload length, checksum, version, namespace digest, token fingerprint; a failed
 is a miss (``corrupt`` up to the checksum, ``stale`` for another version, ``foreign`` for
 another digest or fingerprint), never data. Payload: a full-KV page is
 ``HostPool.page_bytes`` bytes in the host layout's own order (kind slabs concatenated, K
-then V), the namespace pinning the layout; under ``records="head"`` one record per K/V head
-(:mod:`hicache.storage.headio`); a ``"mamba"`` record is one snapshot slot
+then V), the namespace pinning the layout; under ``records="head"`` one record per group of
+K/V heads (:mod:`hicache.storage.headio`); a ``"mamba"`` record is one snapshot slot
 (:mod:`hicache.storage.slotio`). The format, per-layout byte orders and the checksum
 choice: ``docs/l3-keys.md``, "Records".
 """

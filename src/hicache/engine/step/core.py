@@ -52,9 +52,11 @@ from hicache.engine.step_inputs import (
     StepInputs,
     Stop,
 )
+from hicache.heads import record_group
 from hicache.keys import HEAD_RECORDS, Namespace
 from hicache.kv_events import AllBlocksCleared, KvEventHub, ResidencyRecorder
 from hicache.runner.loader import LoadedModel
+from hicache.spec import AttentionKind
 from hicache.storage.registry import StorageConfig
 
 log = logging.getLogger(__name__)
@@ -451,6 +453,14 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _head_group(cache: HiCache, model: LoadedModel, config: EngineConfig) -> int:
+    """K/V heads per L3 record of an MHA page (1 for MLA, whose latent is one record)."""
+    if cache.context.spec.attention is AttentionKind.MLA:
+        return 1
+    lcm = config.storage_tp_lcm or config.tp_size
+    return record_group(model.model.heads.num_kv_heads, lcm)
+
+
 def attach_l3(
     cache: HiCache,
     model: LoadedModel,
@@ -460,9 +470,10 @@ def attach_l3(
     policy: str,
 ) -> None:
     """Attach the L3 backend ``storage_config`` to ``cache`` under rank ``rank``'s
-    namespace (model identity, layout, page size; MHA pages as one record per K/V head,
-    shared by every TP size, written by the lowest rank holding each head; MLA as the
-    one latent record, written by rank 0)."""
+    namespace (model identity, layout, page size; MHA pages as one record per group of
+    K/V heads sized by ``config.storage_tp_lcm``, shared by every TP size dividing it,
+    written by the lowest rank holding each group; MLA as the one latent record, written
+    by rank 0)."""
     prefetch = dataclasses.replace(
         storage_config.prefetch_config(policy),
         negative_ttl_s=config.negative_ttl_s,
@@ -481,6 +492,7 @@ def attach_l3(
         tp_size=config.tp_size,
         tp_rank=rank,
         head_records=True,
+        head_group=_head_group(cache, model, config),
     )
     storage = storage_config.create(namespace)
     if namespace.records == HEAD_RECORDS:
