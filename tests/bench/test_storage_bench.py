@@ -90,6 +90,7 @@ def test_bench_rejects_bad_records_or_spec(capsys: pytest.CaptureFixture[str]) -
     assert main(["--backends", "file", "--records", "rank"]) == 2
     assert main(["--backends", "file", "--records", "head:3", "--spec", "3,2,16"]) == 2
     assert main(["--backends", "file", "--records", "page:2"]) == 2
+    assert main(["--backends", "file", "--records", "page,head,page"]) == 2
     assert main(["--backends", "file", "--spec", "3,2"]) == 2
     assert main(["--backends", "file", "--spec", "3,2,16,int8"]) == 2
     assert "error:" in capsys.readouterr().err

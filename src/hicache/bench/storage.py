@@ -17,6 +17,8 @@ each raw client does: ``docs/benchmarks/l3.md``.
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import os
 import shutil
 import statistics
@@ -43,7 +45,7 @@ from hicache.bench.raw_clients import (
 from hicache.bench.report import write_json
 from hicache.config import MemLayout
 from hicache.heads import HeadSplit
-from hicache.keys import HEAD_RECORDS, RECORDS, Namespace, PageKey, page_keys
+from hicache.keys import HEAD_RECORDS, PAGE_RECORDS, RECORDS, Namespace, page_keys
 from hicache.memory import HostPool
 from hicache.services.mooncake_process import MooncakeProcess
 from hicache.services.redis import RedisServer
@@ -78,6 +80,9 @@ class BenchResult:
     """Median over the rounds of each round's HiCache / raw (the two sides of one round
     run back to back, so this ratio drifts less with the machine's load than
     :attr:`ratio`, the ratio of the two medians)."""
+    vs_page: float = 0.0
+    """Median over the rounds of each round's GB/s under this split / under page records
+    (0 when ``page`` was not run)."""
 
     @property
     def ratio(self) -> float:
@@ -118,71 +123,102 @@ def _valid_split(records: str, heads: int) -> bool:
 
 
 def _run_case(
-    case: _Case, src: HostPool, dst: HostPool, repeat: int, records: str = "page"
+    case: _Case, src: HostPool, dst: HostPool, repeat: int, splits: Sequence[str] = ("page",)
 ) -> list[BenchResult]:
-    """Time ``repeat`` rounds of put then get, HiCache and raw alternating which goes
-    first. Both sides run in steady state: one backend instance and one raw client for the
-    whole case, each warmed by an untimed round first (connections, buffer registrations,
-    staging arenas, folders), and every round writes fresh keys (new tokens, new raw
-    names), so no put finds its key present."""
+    """Time ``repeat`` rounds of put then get through the raw client and through HiCache
+    under each record split of ``splits``, the order rotating each round (so the sides
+    share the machine's drift). Every side runs in steady state: one backend instance per
+    split and one raw client for the whole case, each warmed by an untimed round first
+    (connections, buffer registrations, staging arenas, folders), and every round writes
+    fresh keys (new tokens, new raw names), so no put finds its key present."""
     n = src.num_pages
     nbytes = n * src.page_bytes
     pages = list(range(n))
-    put_h: list[float] = []
-    get_h: list[float] = []
-    put_r: list[float] = []
-    get_r: list[float] = []
     src_bufs = case.raw.buffers(n, src.page_bytes)
     dst_bufs = case.raw.buffers(n, src.page_bytes)
     for p, buf in zip(pages, src_bufs, strict=True):
         buf.copy_(torch.cat([v.reshape(-1).view(torch.uint8) for v in src.page_view(p)]))
-    kind, group = _split(records)
-    ns = Namespace.for_spec(
-        src.spec,
-        model="bench",
-        weights_fingerprint=uuid.uuid4().hex,
-        layout=src.layout,
-        page_size=src.page_size,
-        head_records=kind == HEAD_RECORDS,
-        head_group=group,
-    )
-    tokens = n * src.page_size
-    with case.st_factory(ns) as st:
-        if kind == HEAD_RECORDS:
-            st.use_heads(HeadSplit(src.spec.heads, src.spec.heads))
-        for i in range(-1, repeat):  # round -1 warms both sides up, untimed
-            keys = page_keys(ns, list(range((i + 1) * tokens, (i + 2) * tokens)))
-            raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in pages]
-            ph, gh, pr, gr = (put_h, get_h, put_r, get_r) if i >= 0 else ([], [], [], [])
+    fingerprint = uuid.uuid4().hex
+    times: dict[str, tuple[list[float], list[float]]] = {"raw": ([], [])}
+    with ExitStack() as stack:
+        sides: dict[str, Callable[[int], None]] = {}
+        for records in splits:
+            kind, group = _split(records)
+            ns = Namespace.for_spec(
+                src.spec,
+                model="bench",
+                weights_fingerprint=fingerprint,
+                layout=src.layout,
+                page_size=src.page_size,
+                head_records=kind == HEAD_RECORDS,
+                head_group=group,
+            )
+            st = stack.enter_context(case.st_factory(ns))
+            if kind == HEAD_RECORDS:
+                st.use_heads(HeadSplit(src.spec.heads, src.spec.heads))
+            times[records] = ([], [])
+            sides[records] = functools.partial(
+                _hicache_round, st, ns, src, dst, n * src.page_size, times[records]
+            )
 
-            def hicache(
-                keys: list[PageKey] = keys, ph: list[float] = ph, gh: list[float] = gh
-            ) -> None:
-                ph.append(_gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages).ok, "put")))
-                gh.append(_gbps(nbytes, lambda: _check(st.batch_get(keys, dst, pages), "get")))
+        def raw(i: int) -> None:
+            put, get = times["raw"]
+            names = [f"raw-{uuid.uuid4().hex}" for _ in pages]
+            put.append(_gbps(nbytes, lambda: case.raw.put(names, src_bufs)))
+            get.append(_gbps(nbytes, lambda: case.raw.get(names, dst_bufs)))
 
-            def raw(
-                raw_keys: list[str] = raw_keys, pr: list[float] = pr, gr: list[float] = gr
-            ) -> None:
-                pr.append(_gbps(nbytes, lambda: case.raw.put(raw_keys, src_bufs)))
-                gr.append(_gbps(nbytes, lambda: case.raw.get(raw_keys, dst_bufs)))
-
-            for step in (hicache, raw) if i % 2 == 0 else (raw, hicache):
-                step()
+        steps = [raw, *sides.values()]
+        for i in range(-1, repeat):  # round -1 warms every side up, untimed
+            k = i % len(steps)
+            for step in steps[k:] + steps[:k]:
+                step(i)
+            if i < 0:
+                for put, get in times.values():
+                    put.clear()
+                    get.clear()
     med = statistics.median
-    per_page = src.spec.heads // group if kind == HEAD_RECORDS else 1
 
     def paired(h: list[float], r: list[float]) -> float:
         return med(a / b for a, b in zip(h, r, strict=True))
 
-    return [
-        BenchResult(
-            case.name, "put", med(put_h), med(put_r), records, per_page, paired(put_h, put_r)
-        ),
-        BenchResult(
-            case.name, "get", med(get_h), med(get_r), records, per_page, paired(get_h, get_r)
-        ),
-    ]
+    out: list[BenchResult] = []
+    page = times.get(PAGE_RECORDS)
+    for records in splits:
+        kind, group = _split(records)
+        per_page = src.spec.heads // group if kind == HEAD_RECORDS else 1
+        for op in (0, 1):
+            h, r = times[records][op], times["raw"][op]
+            out.append(
+                BenchResult(
+                    case.name,
+                    ("put", "get")[op],
+                    med(h),
+                    med(r),
+                    records,
+                    per_page,
+                    paired(h, r),
+                    paired(h, page[op]) if page is not None else 0.0,
+                )
+            )
+    return out
+
+
+def _hicache_round(
+    st: HiCacheStorage,
+    ns: Namespace,
+    src: HostPool,
+    dst: HostPool,
+    tokens: int,
+    times: tuple[list[float], list[float]],
+    i: int,
+) -> None:
+    """One round's batch put then get of every page of ``src`` under fresh keys (tokens
+    ``[(i + 1) * tokens, (i + 2) * tokens)``), their GB/s appended to ``times``."""
+    nbytes = src.num_pages * src.page_bytes
+    pages = list(range(src.num_pages))
+    keys = page_keys(ns, list(range((i + 1) * tokens, (i + 2) * tokens)))
+    times[0].append(_gbps(nbytes, lambda: _check(st.batch_set(keys, src, pages).ok, "put")))
+    times[1].append(_gbps(nbytes, lambda: _check(st.batch_get(keys, dst, pages), "get")))
 
 
 def _check(ok: list[bool], op: str) -> None:
@@ -210,6 +246,7 @@ def _print_table(
         "raw GB/s",
         "hicache / raw",
         "paired",
+        "vs page",
     )
     for col in cols:
         table.add_column(col, justify="left" if col in ("backend", "op", "records") else "right")
@@ -224,6 +261,7 @@ def _print_table(
             f"{r.raw_gbps:.3g}",
             f"{r.ratio:.2f}",
             f"{r.paired_ratio:.2f}",
+            f"{r.vs_page:.2f}" if r.vs_page else "-",
         )
     Console(width=120).print(table)
 
@@ -294,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         bad
         or not splits
+        or len(set(splits)) != len(splits)
         or not all(_valid_split(r, spec.heads) for r in splits)
         or object_bytes % spec.token_bytes
         or object_bytes <= 0
@@ -302,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         print(
             f"error: backends must be among {','.join(BACKENDS)} (got {bad or backends});"
-            f" records among page, head, head:G with G dividing {spec.heads} (got {splits});"
+            f" records among page, head, head:G with G dividing {spec.heads}, each once (got"
+            f" {splits});"
             f" object size must be a"
             f" positive multiple of {spec.token_bytes} B (a token); objects and repeat >= 1",
             file=sys.stderr,
@@ -321,8 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for backend in backends:
             try:
                 case = _make_case(backend, args, scratch, opts, stack, src.page_bytes)
-                for split in splits:
-                    results += _run_case(case, src, dst, args.repeat, split)
+                results += _run_case(case, src, dst, args.repeat, splits)
             except Exception as e:  # report and go on with the other backends
                 print(f"{backend}: skipped: {e}", file=sys.stderr)
     if not results:
@@ -413,9 +452,14 @@ def _make_case(
             ),
             raw_redis,
         )
+    # every side's rounds stay stored (fresh keys each round): room for all of them, so
+    # no put waits on the store's eviction
+    sides = len(args.records.split(",")) + 1
+    written = page_bytes * args.objects * sides * (args.repeat + 1)
+    gib = max(2, math.ceil(written * 1.25 / 2**30))
     master = (
         args.mooncake_master
-        or stack.enter_context(MooncakeProcess(segment_size="2GiB")).master_server_address
+        or stack.enter_context(MooncakeProcess(segment_size=f"{gib}GiB")).master_server_address
     )
     raw_mc = RawMooncake(master)
     stack.callback(raw_mc.close)
