@@ -37,6 +37,7 @@ from tests.api.test_serve_tp import rank_pids
 from tests.disagg.test_pd_logprobs import CASES as LOGPROB_CASES
 from tests.disagg.test_pd_logprobs import assert_close, for_model, merged, post
 from tests.disagg.test_pd_logprobs import through_pair as pair_answer
+from tests.helpers.metrics import metric as server_metric
 
 PROMPT = list(range(300, 345))  # 45 tokens: 11 whole pages of 4, and 1
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -302,11 +303,7 @@ def test_decode_offload_at_tp_2_writes_head_records_a_tp_1_prefill_hits(tmp_path
 
 
 def metric(server: ServerProcess, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}{labels}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{labels} not in /metrics")
+    return server_metric(server.url, name, labels)
 
 
 def assert_idle(server: ServerProcess, timeout_s: float = 20.0) -> None:

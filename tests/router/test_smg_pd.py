@@ -37,6 +37,7 @@ from hicache.bench.pd_load import PdLoadSpec, idle, send_all
 from hicache.bench.serverproc import ServerProcess
 from hicache.services.process import free_port
 from tests.disagg.test_pd_logprobs import CASES, assert_close, for_model, merged
+from tests.helpers.metrics import metric as server_metric
 from tests.helpers.smg import Smg
 from tests.router.conftest import ROUTER_KEY, WORKER_FLAGS
 
@@ -123,11 +124,7 @@ def answers(url: str, model: str) -> dict[str, object]:
 
 
 def metric(server: ServerProcess, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}{labels}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{labels} not in /metrics")
+    return server_metric(server.url, name, labels)
 
 
 def assert_idle(*procs: ServerProcess, timeout_s: float = 15.0) -> None:

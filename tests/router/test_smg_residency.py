@@ -33,6 +33,7 @@ import pytest
 
 from hicache.bench.residency import Residency, ResidencyWatch, page_hashes
 from hicache.bench.serverproc import ServerProcess
+from tests.helpers.metrics import metric as server_metric
 from tests.helpers.smg import Smg
 from tests.router.conftest import ROUTER_KEY, StartWorker
 
@@ -166,12 +167,7 @@ def _routed(smg: Smg, ids: list[int]) -> dict[str, Any]:
 
 def _metric(worker: ServerProcess, name: str) -> float:
     """The sum of the worker's ``name`` samples (every label set) on its ``/metrics``."""
-    text = httpx.get(f"{worker.url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((f"{name} ", f"{name}{{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return server_metric(worker.url, name, default=0.0)
 
 
 def _served(worker: ServerProcess) -> float:

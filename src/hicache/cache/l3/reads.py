@@ -100,14 +100,14 @@ class Reads:
         recomputing, and when the prefill is measured but this L3's reads are not (yet, or
         any more: the read measures them); else when it reaches the threshold. Agreed over
         the ranks (every rank runs this with the same hit: all-reduce(min))."""
-        by_rates = not p.any_hit and self._by_rates
         decided = None
-        if by_rates:
+        explore = False
+        if not p.any_hit and self._by_rates:
             costs = self._costs()
             decided = costs.worth_reading(tokens)
-            if decided is None and costs.prefill is not None and costs.read is None:
-                return bool(self._ranks.min(1))  # read, to measure it
-        local = tokens >= self._threshold(p) if decided is None else decided
+            explore = decided is None and costs.prefill is not None and costs.read is None
+        # undecided: the threshold, unless exploring (read to measure the L3's rate)
+        local = decided if decided is not None else explore or tokens >= self._threshold(p)
         agreed = bool(self._ranks.min(int(local)))
         if decided is not None:
             if agreed:
