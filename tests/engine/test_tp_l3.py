@@ -10,7 +10,7 @@
   and a TP 4 server hit every full page and answer exactly; a TP 1 server's records serve
   TP 2; TP 4 (each K/V head replicated on two ranks, the lower one its writer) writes each
   head's records once, and TP 1 reads them. By default (no ``storage_tp_lcm``) a rank's
-  heads are one record, and servers of other sizes miss them.
+  heads are one record.
 """
 
 from __future__ import annotations
@@ -171,24 +171,23 @@ def test_mha_tp1_records_serve_tp2(tmp_path: Path) -> None:
     assert l3_files(tmp_path) == written  # every record was present: none written again
 
 
-def test_by_default_a_ranks_heads_are_one_record_and_other_sizes_miss_them(
-    tmp_path: Path,
-) -> None:
+def test_by_default_a_ranks_heads_are_one_record(tmp_path: Path) -> None:
     """Without ``storage_tp_lcm`` a TP 1 server stores a page as one record (both K/V
-    heads: a page record's bytes and cost); a TP 2 server at its own default (a record
-    per K/V head) is in another namespace: it misses them, never reads them, answers
-    exactly and writes its own."""
+    heads: a page record's bytes and cost), in a namespace of its own group: a TP 2
+    server at its default (a record per K/V head) is in another, so each misses the
+    other's pages (tests/storage/test_head_records.py), and never reads them."""
     path, prompt, want = MODELS["llama"]
     a = prompt(0)
     with Engine(dataclasses.replace(config(path(), 1, tmp_path), storage_tp_lcm=None)) as tp1:
+        l3 = tp1.core.cache.l3.attached
+        assert l3 is not None and l3.keys.namespace.head_group == 2
         assert tp1.generate(a, GREEDY, timeout=120).output_ids == want(a)
         assert tp1.flush_cache()
+        hit = tp1.generate(a, GREEDY, timeout=120)
+        assert hit.cached.storage == MATCHED and hit.output_ids == want(a)
     assert l3_files(tmp_path) == PAGES
-    with Engine(dataclasses.replace(config(path(), 2, tmp_path), storage_tp_lcm=None)) as tp2:
-        miss = tp2.generate(a, GREEDY, timeout=120)
-        assert miss.cached.storage == 0 and miss.output_ids == want(a)
-        assert tp2.flush_cache()
-    assert l3_files(tmp_path) == PAGES + 2 * PAGES
+    per_head = dataclasses.replace(l3.keys.namespace, head_group=1)
+    assert per_head.digest != l3.keys.namespace.digest
 
 
 @pytest.mark.matrix
