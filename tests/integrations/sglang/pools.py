@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from hicache.integrations.sglang import cpu_pools
@@ -38,8 +39,12 @@ def device_pool(kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE
     )  # fmt: skip
 
 
-host_of = cpu_pools.host_of
-"""The unpinned host (L2) pool of a device pool, twice its size, in a layout."""
+def host_of(dev: Any, layout: str) -> Any:
+    """The unpinned host (L2) pool of a device pool, twice its size, in a layout. Built
+    against a 1 GiB budget: SGLang checks a pool against the host's free RAM less a 10
+    GiB reserve, which a busy test machine may not have, and these pools are KiB."""
+    with host_memory_budget_scope(1 << 30):
+        return cpu_pools.host_of(dev, layout)
 
 
 def mha_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
