@@ -30,11 +30,14 @@ DYNAMIC = {
 }
 
 
-def device_pool(kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
-    """SGLang's device (L1) pool on ``"cpu"`` of the tests' size: ``MHATokenToKVPool`` or,
-    for ``"mla"``, ``MLATokenToKVPool`` (kv_lora_rank 16, rope dim 8)."""
+def device_pool(
+    kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE, heads: int = HEADS
+) -> Any:
+    """SGLang's device (L1) pool on ``"cpu"`` of the tests' size: ``MHATokenToKVPool``
+    (``heads`` K/V heads: a rank's) or, for ``"mla"``, ``MLATokenToKVPool`` (kv_lora_rank
+    16, rope dim 8)."""
     return cpu_pools.device_pool(
-        kind, tokens=TOKENS, page_size=page, layers=LAYERS, dtype=dtype, heads=HEADS,
+        kind, tokens=TOKENS, page_size=page, layers=LAYERS, dtype=dtype, heads=heads,
         head_dim=DIM,
     )  # fmt: skip
 
@@ -67,6 +70,8 @@ def storage_config(
     tp_size: int = 1,
     model: str | None = "test/model",
     metrics: bool = False,
+    tp_lcm_size: int | None = None,
+    should_split_heads: bool = False,
 ) -> HiCacheStorageConfig:
     """What SGLang's cache controller passes (``_generate_storage_config``), one rank."""
     return HiCacheStorageConfig(
@@ -80,6 +85,8 @@ def storage_config(
         enable_storage_metrics=metrics,
         is_page_first_layout=False,
         model_name=model,
+        tp_lcm_size=tp_lcm_size,
+        should_split_heads=should_split_heads,
         extra_config={**DYNAMIC, **extra},
     )
 
