@@ -12,6 +12,7 @@ a hicache ``page_first`` host pool of one-head records reads and writes byte-exa
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from hicache.keys import HEAD_RECORDS, Namespace, head_key
 from hicache.memory import HostPool
 from hicache.spec import KVSpec
 from hicache.storage.backends.file import FileConfig, FileStorage
+from hicache.storage.backends.mooncake import MooncakeStorage
 from tests.integrations.sglang.controller import TOKENS, Scheduler, pages_of
 from tests.integrations.sglang.pools import DIM, LAYERS, PAGE, attach, fill, host_pool
 
@@ -57,6 +59,8 @@ def rank(tmp_path: Path) -> Iterator[Rank]:
             ranks=SpawnRanks(world_rank=tp_rank),
         )
         cfg = {**extra, **more}
+        if cfg["hicache_backend"] != "file":
+            del cfg["file_path"]
         made.append(Scheduler(dist.group.WORLD, "mha", "page_head", cfg, model, heads))
         return made[-1]
 
@@ -83,6 +87,17 @@ def _join(pages: list[bytes]) -> bytes:
     return b"".join(ks) + b"".join(vs)
 
 
+def _moved_in_place(s: Scheduler) -> None:
+    """Over Mooncake, zero-copy calls moved the records by address in SGLang's
+    ``kv_buffer`` (registered whole); nothing to check for other stores."""
+    store = s.backend.store
+    if isinstance(store, MooncakeStorage) and s.backend.storage_config.extra_config.get(
+        "interface_v1"
+    ):
+        buf = s.host.kv_buffer
+        assert store.registered_ranges()[buf.data_ptr()] == buf.numel() * buf.element_size()
+
+
 def _write(s: Scheduler, seed: int, records: int) -> list[bytes]:
     """``s`` backs up four filled host pages of ``TOKENS`` as ``records`` records; their
     bytes."""
@@ -91,6 +106,7 @@ def _write(s: Scheduler, seed: int, records: int) -> list[bytes]:
     assert s.backup(host_indices, TOKENS) == len(TOKENS)
     stats = s.backend.stats
     assert stats is not None and stats.set_written == records
+    _moved_in_place(s)
     pages = pages_of(s, host_indices)
     s.close()
     return pages
@@ -103,22 +119,31 @@ def _read(s: Scheduler, hit_pages: int = 4, done_pages: int = 4, corrupt: int = 
     assert (got.hit_tokens, got.completed_tokens) == (hit_pages * PAGE, done_pages * PAGE)
     stats = s.backend.stats
     assert stats is not None and stats.misses.get("corrupt", 0) == corrupt
+    _moved_in_place(s)
     pages = pages_of(s, got.host_indices)
     s.close()
     return pages
 
 
-@pytest.mark.parametrize("interface_v1", [1, 0])
-def test_tp2_writes_tp1_reads_and_the_reverse(rank: Rank, interface_v1: int) -> None:
+@pytest.mark.parametrize(("store", "interface_v1"), [("file", 1), ("file", 0), ("mooncake", 1)])
+def test_tp2_writes_tp1_reads_and_the_reverse(
+    rank: Rank, store: str, interface_v1: int, request: pytest.FixtureRequest
+) -> None:
     """TP 2's ranks each write their group's record of four pages; a TP 1 rank reads
     both records of each page, byte-exact. Then TP 1 writes four other pages (another
     model name: its own namespace) and each TP 2 rank reads its half, byte-exact. By the
-    zero-copy calls (``interface_v1`` 1) and SGLang's copying ones (0)."""
+    zero-copy calls (``interface_v1`` 1: two parts of SGLang's buffer per record, which
+    Mooncake moves in place) and SGLang's copying ones (0)."""
     per_rank = MODEL_HEADS // 2
     written = []
-    more = {"interface_v1": interface_v1}
+    more: dict[str, Any] = {"interface_v1": interface_v1}
+    if store == "mooncake":
+        svc = request.getfixturevalue("mooncake_service")
+        # the test's records are small: zero_copy_min_bytes 0 moves them in place anyway
+        more.update(hicache_backend="mooncake", zero_copy_min_bytes=0, **svc.extra_config)
+    tag = uuid.uuid4().hex[:8]  # namespaces of this test alone on a shared store
     for r in range(2):
-        s = rank(2, r, per_rank, **more)
+        s = rank(2, r, per_rank, f"tp-{tag}", **more)
         want = "_page_set_zero_copy" if interface_v1 else "_generic_page_set"
         assert s.cc.page_set_func.__name__ == want
         assert s.backend.storage_config.tp_lcm_size == 2
@@ -126,13 +151,13 @@ def test_tp2_writes_tp1_reads_and_the_reverse(rank: Rank, interface_v1: int) -> 
         assert ns is not None and (ns.records, ns.head_group, ns.tp_rank) == (HEAD_RECORDS, 2, None)
         assert ns.engine_layout == "sglang:page_head"  # g > 1: not hicache's page_first
         written.append(_write(s, seed=50 + r, records=4))  # one record per page
-    tp1 = rank(1, 0, MODEL_HEADS, **more)
+    tp1 = rank(1, 0, MODEL_HEADS, f"tp-{tag}", **more)
     assert tp1.backend.storage_config.should_split_heads  # tp_lcm 2 > tp 1
     assert _read(tp1) == [_join([a, b]) for a, b in zip(*written, strict=True)]
 
-    whole = _write(rank(1, 0, MODEL_HEADS, "heads-rev", **more), seed=60, records=8)
+    whole = _write(rank(1, 0, MODEL_HEADS, f"rev-{tag}", **more), seed=60, records=8)
     for r in range(2):
-        got = _read(rank(2, r, per_rank, "heads-rev", **more))
+        got = _read(rank(2, r, per_rank, f"rev-{tag}", **more))
         assert [_kinds(p) for p in got] == [
             tuple(kind[r * len(kind) // 2 : (r + 1) * len(kind) // 2] for kind in _kinds(p))
             for p in whole
