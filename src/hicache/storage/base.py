@@ -158,7 +158,8 @@ class HiCacheStorage(ABC):
         self._tenant_digests = {namespace.digest}
         self._slot_components: set[str] = set()
         self._slot_digests: set[bytes] = set()
-        """Namespaces of components whose records are whole slots, never split per head."""
+        """Namespaces whose records are one per key, never split per head (state slots,
+        :meth:`allow_whole`)."""
         self._heads: HeadSplit | None = None
         self._records: HeadRecords | None = None
         self._stages = StageCache()
@@ -581,6 +582,12 @@ class HiCacheStorage(ABC):
         if slots:
             self._slot_components.add(component)
         self._allow()
+
+    def allow_whole(self, namespace: Namespace) -> None:
+        """Keys of ``namespace`` (an engine's side pool's pages, say) are one record
+        each, never split per head under a ``records="head"`` namespace; their records
+        still carry this instance's namespace digest."""
+        self._slot_digests.add(namespace.digest)
 
     def _allow(self) -> None:
         ns, heads = self._namespace, self._heads

@@ -22,7 +22,7 @@ from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
 from sglang.srt.server_args import ServerArgs
 
 from hicache.integrations.sglang import HiCacheL3
-from tests.integrations.sglang.pools import DYNAMIC, PAGE, device_pool, fill, host_of
+from tests.integrations.sglang.pools import DYNAMIC, HEADS, PAGE, device_pool, fill, host_of
 
 WAIT_S = 30.0
 """Longest wait for one ack from a storage thread (they answer in milliseconds)."""
@@ -45,8 +45,16 @@ class Scheduler:
     """SGLang's controller over one fresh device pool, allocator and host pool, with
     HiCacheL3 attached; its methods are the scheduler-thread side of the storage path."""
 
-    def __init__(self, group: Any, kind: str, layout: str, extra: dict[str, Any], model: str):
-        self.device = device_pool(kind)
+    def __init__(
+        self,
+        group: Any,
+        kind: str,
+        layout: str,
+        extra: dict[str, Any],
+        model: str,
+        heads: int = HEADS,
+    ):
+        self.device = device_pool(kind, heads=heads)
         self.host = host_of(self.device, layout)
         allocator = PagedTokenToKVPoolAllocator(
             self.device.size, PAGE, self.device.dtype, "cpu", self.device, False

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from hicache.integrations.sglang import cpu_pools
@@ -29,17 +30,24 @@ DYNAMIC = {
 }
 
 
-def device_pool(kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
-    """SGLang's device (L1) pool on ``"cpu"`` of the tests' size: ``MHATokenToKVPool`` or,
-    for ``"mla"``, ``MLATokenToKVPool`` (kv_lora_rank 16, rope dim 8)."""
+def device_pool(
+    kind: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE, heads: int = HEADS
+) -> Any:
+    """SGLang's device (L1) pool on ``"cpu"`` of the tests' size: ``MHATokenToKVPool``
+    (``heads`` K/V heads: a rank's) or, for ``"mla"``, ``MLATokenToKVPool`` (kv_lora_rank
+    16, rope dim 8)."""
     return cpu_pools.device_pool(
-        kind, tokens=TOKENS, page_size=page, layers=LAYERS, dtype=dtype, heads=HEADS,
+        kind, tokens=TOKENS, page_size=page, layers=LAYERS, dtype=dtype, heads=heads,
         head_dim=DIM,
     )  # fmt: skip
 
 
-host_of = cpu_pools.host_of
-"""The unpinned host (L2) pool of a device pool, twice its size, in a layout."""
+def host_of(dev: Any, layout: str) -> Any:
+    """The unpinned host (L2) pool of a device pool, twice its size, in a layout. Built
+    against a 1 GiB budget: SGLang checks a pool against the host's free RAM less a 10
+    GiB reserve, which a busy test machine may not have, and these pools are KiB."""
+    with host_memory_budget_scope(1 << 30):
+        return cpu_pools.host_of(dev, layout)
 
 
 def mha_host(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
@@ -62,6 +70,8 @@ def storage_config(
     tp_size: int = 1,
     model: str | None = "test/model",
     metrics: bool = False,
+    tp_lcm_size: int | None = None,
+    should_split_heads: bool = False,
 ) -> HiCacheStorageConfig:
     """What SGLang's cache controller passes (``_generate_storage_config``), one rank."""
     return HiCacheStorageConfig(
@@ -75,6 +85,8 @@ def storage_config(
         enable_storage_metrics=metrics,
         is_page_first_layout=False,
         model_name=model,
+        tp_lcm_size=tp_lcm_size,
+        should_split_heads=should_split_heads,
         extra_config={**DYNAMIC, **extra},
     )
 

@@ -8,11 +8,13 @@ import torch
 from hicache.config import MemLayout
 from hicache.integrations.sglang.namespace import (
     ShardIdentity,
+    head_namespace,
     sglang_namespace,
     sglang_page_key,
     side_namespace,
 )
-from hicache.keys import Namespace
+from hicache.keys import Namespace, head_key
+from hicache.spec import KVSpec
 
 MHA = ShardIdentity(model="Qwen/Qwen3-8B", tp_rank=1, tp_size=2, rank_replicated=False)
 MLA = ShardIdentity(
@@ -39,6 +41,68 @@ def test_mha_page_head_vector() -> None:
     assert key.key == "hc3-b27bf6839b499955a8f8f2c7d5bb202b2be5f2bad77adc895fb2b50d4dba37ce"
     assert key.fingerprint.hex() == "ffe054fe7ae0cb6d"
     assert key.namespace_digest == ns.digest
+
+
+def test_mha_page_head_records_vectors() -> None:
+    """A ``page_head`` pool's head records: at one head per record, a hicache server's
+    ``page_first`` namespace of one-head records (same bytes); at two, SGLang's own."""
+    rank = sglang_namespace(
+        MHA, weights_fingerprint="unset", dtype=torch.bfloat16, layout="page_head", page_size=64
+    )
+    one = head_namespace(rank, 1)
+    spec = KVSpec(num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert one == Namespace.for_spec(
+        spec,
+        model="Qwen/Qwen3-8B",
+        weights_fingerprint="unset",
+        layout=MemLayout.PAGE_FIRST,
+        page_size=64,
+        head_records=True,
+    )
+    assert one.encode() == (
+        b'{"component":"full","kv_dtype":"bfloat16","layout":"page_first",'
+        b'"model":"Qwen/Qwen3-8B","page_size":64,"records":"head","spec":3,'
+        b'"tenant_salt":"","tp_rank":null,"tp_size":1,"weights_fingerprint":"unset"}'
+    )
+    assert one.digest.hex() == "2589b44c39d68c7614b004c2e49e7717803b24f4aa89c2e6822d45ae2a892e60"
+    page = sglang_page_key(one, "a" * 64)
+    assert page.key == "hc3-ff2c6d54cc38416413f95359cac9b8c42da746fe467932061894514c74a5878e"
+    assert (
+        head_key(page, 1).key
+        == "hc3-c699df5d5698cc4c6333aa4206e31cb4427f1a1c76dd750aba89ee71505dbcd9"
+    )
+    two = head_namespace(rank, 2)
+    assert (two.engine_layout, two.layout, two.head_group) == (
+        "sglang:page_head",
+        MemLayout.PAGE_FIRST_DIRECT,
+        2,
+    )
+    assert two.digest.hex() == "373b681ef0f8e11407fc995af7ad5575d4a6eebcfb6dc89de5617c622b201df2"
+    page = sglang_page_key(two, "a" * 64)
+    assert (
+        head_key(page, 1).key
+        == "hc3-fe00d2794abb7d4e2af551474aad6bf825232a112ddbf36118006fbb1597200c"
+    )
+
+
+def test_head_namespace_keeps_sglang_order_under_pp_and_refuses_others() -> None:
+    staged = ShardIdentity(
+        model="m", tp_rank=0, tp_size=2, rank_replicated=False, pp_rank=1, pp_size=2
+    )
+    rank = sglang_namespace(
+        staged, weights_fingerprint="w", dtype=torch.float16, layout="page_head", page_size=4
+    )
+    assert head_namespace(rank, 1).engine_layout == "sglang:page_head;pp=1/2"
+    other = sglang_namespace(
+        MHA, weights_fingerprint="w", dtype=torch.float16, layout="page_first", page_size=4
+    )
+    with pytest.raises(ValueError, match="page_head"):
+        head_namespace(other, 1)
+    mla = sglang_namespace(
+        MLA, weights_fingerprint="w", dtype=torch.float16, layout="page_first", page_size=4
+    )
+    with pytest.raises(ValueError, match="page_head"):
+        head_namespace(mla, 1)
 
 
 def test_mla_page_unified_vector() -> None:
@@ -106,6 +170,7 @@ def test_importing_hicache_and_the_pure_modules_does_not_import_sglang() -> None
         "import sys, hicache, hicache.integrations.sglang as p\n"
         "import hicache.integrations.sglang.settings, hicache.integrations.sglang.namespace\n"
         "import hicache.integrations.sglang.pages, hicache.bench.storage\n"
+        "import hicache.integrations.sglang.head_pages\n"
         "assert 'sglang' not in sys.modules, 'imported sglang'\n"
         "from hicache.integrations import pinned\n"
         "assert pinned.enable('sglang')\n"

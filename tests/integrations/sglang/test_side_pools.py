@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 from tests.integrations.sglang.pools import attach, fill, host_pool, indices, page_bytes
@@ -11,8 +12,8 @@ from tests.integrations.sglang.pools import attach, fill, host_pool, indices, pa
 KEYS = [f"{i:064x}" for i in range(3)]
 
 
-def _attach(tmp_path: Path, seed: int) -> tuple[object, object, object]:
-    kv, swa = host_pool("mha", "page_first"), host_pool("mha", "layer_first")
+def _attach(tmp_path: Path, seed: int, layout: str = "page_first") -> tuple[object, object, object]:
+    kv, swa = host_pool("mha", layout), host_pool("mha", "layer_first")
     fill(kv, seed=seed)
     fill(swa, seed=seed + 1)
     be = attach(kv, {"file_path": str(tmp_path)})
@@ -20,13 +21,16 @@ def _attach(tmp_path: Path, seed: int) -> tuple[object, object, object]:
     return be, kv, swa
 
 
-def test_side_pool_pages_round_trip_and_gate_the_hit(tmp_path: Path) -> None:
-    be, _, swa = _attach(tmp_path, seed=20)
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_side_pool_pages_round_trip_and_gate_the_hit(tmp_path: Path, layout: str) -> None:
+    """Side-pool pages are one record per page beside the KV pool's page records
+    (``page_first``) or head records (``page_head``)."""
+    be, _, swa = _attach(tmp_path, seed=20, layout=layout)
     assert be.batch_set_v1(KEYS, indices([0, 1, 2])) == [True] * 3  # type: ignore[attr-defined]
     put = PoolTransfer(name=PoolName.SWA, host_indices=indices([4, 5]), keys=KEYS[:2])
     assert be.batch_set_v2([put]) == {"swa": [True, True]}  # type: ignore[attr-defined]
 
-    rd, _, swa2 = _attach(tmp_path, seed=40)
+    rd, _, swa2 = _attach(tmp_path, seed=40, layout=layout)
     trailing = PoolTransfer(
         name=PoolName.SWA, keys=KEYS[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES
     )

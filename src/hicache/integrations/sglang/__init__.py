@@ -11,6 +11,8 @@ docs/integrations.md). ``HiCacheL3`` is imported on first access (SGLang's facto
 - :mod:`~hicache.integrations.sglang.namespace`: the namespace of an SGLang pool, SGLang
   page hashes as hicache keys;
 - :mod:`~hicache.integrations.sglang.pages`: record payloads over SGLang host pages;
+- :mod:`~hicache.integrations.sglang.head_pages`: a ``page_head`` pool's pages as
+  head-group records, shared across TP sizes;
 - :mod:`~hicache.integrations.sglang.backend`: the backend class.
 """
 

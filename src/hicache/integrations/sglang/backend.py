@@ -7,6 +7,9 @@ SGLang loads it, unmodified, with ``--hicache-storage-backend dynamic`` and the 
 ``register_mem_host_pool_v2`` per side pool of a hybrid model). Construction validates the
 config (:class:`~hicache.integrations.sglang.settings.SGLangL3Settings`) and does no IO;
 registration checks the pool, builds the namespace and the hicache backend, and starts it.
+An MHA ``page_head`` pool's pages are head-group records shared by every TP size dividing
+``tp_lcm_size`` (:mod:`~hicache.integrations.sglang.head_pages`); other pools' pages are one
+record per rank.
 Invariants: every page is a checked hicache record, and a bad record, a timeout or a store
 that is down is a miss (False / None / 0), never an exception into SGLang; a backend that
 could not start is retried at most every :data:`RETRY_START_S` s; with ``is_storage_writer``
@@ -37,9 +40,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hicache.integrations.sglang.head_pages import PageHeads, model_kv_heads
 from hicache.integrations.sglang.metrics import IoWindow
 from hicache.integrations.sglang.namespace import (
     ShardIdentity,
+    head_namespace,
     sglang_namespace,
     sglang_page_key,
     side_namespace,
@@ -98,11 +103,6 @@ class HiCacheL3(SGLangStorage):
                 f"hicache SGLang backend: decode context parallelism (dcp_size="
                 f"{storage_config.dcp_size}) is not supported; use SGLang's file or mooncake"
             )
-        if storage_config.should_split_heads:
-            raise ValueError(
-                "hicache SGLang backend: tp_lcm_size head splitting (heterogeneous TP) is "
-                "not supported"
-            )
         self.storage_config = storage_config
         self.shard = ShardIdentity(
             model=model,
@@ -118,6 +118,11 @@ class HiCacheL3(SGLangStorage):
         self.store: HiCacheStorage | None = None
         self.geometry: KVPoolGeometry | None = None
         self.namespace: Namespace | None = None
+        """The KV pages' namespace (head records for an MHA ``page_head`` pool)."""
+        self.rank_namespace: Namespace | None = None
+        """The rank's page namespace, which side pools' namespaces extend."""
+        self.heads: PageHeads | None = None
+        """The head-group records of an MHA ``page_head`` pool (None: page records)."""
         self.sides: dict[str, _SidePool] = {}
         self.io_window: IoWindow | None = (
             IoWindow() if storage_config.enable_storage_metrics else None
@@ -141,7 +146,7 @@ class HiCacheL3(SGLangStorage):
             from sglang.srt.mem_cache.pool_host.page_unified import PAGE_UNIFIED_OBJECT_LAYOUT
 
             version = PAGE_UNIFIED_OBJECT_LAYOUT
-        namespace = sglang_namespace(  # refuses a layout or dtype first, naming it
+        rank_ns = sglang_namespace(  # refuses a layout or dtype first, naming it
             self.shard,
             weights_fingerprint=self.settings.weights_fingerprint,
             dtype=mem_pool_host.dtype,
@@ -151,17 +156,57 @@ class HiCacheL3(SGLangStorage):
             unified_version=version,
         )
         geometry = KVPoolGeometry.of(mem_pool_host, mla=self.shard.rank_replicated)
+        heads = self._page_heads(mem_pool_host)
+        namespace = rank_ns if heads is None else head_namespace(rank_ns, heads.group)
         super().register_mem_pool_host(mem_pool_host)
         old, self.store = self.store, self.settings.storage.create(namespace)
         if old is not None:
             old.close()
         store = self.store
+        if heads is not None:
+            store.use_heads(heads.records.split)
+        self.heads, self.rank_namespace = heads, rank_ns
         self.quarantine = HostQuarantine(mem_pool_host, lambda: store.host_writes_settled(0))
         self.quarantine.install()
         self.geometry, self.namespace = geometry, namespace
         self.sides = {name: self._side(side.pool, name) for name, side in self.sides.items()}
         self._last_start = -math.inf
         self._ready()
+
+    def _page_heads(self, pool: Any) -> PageHeads | None:
+        """The head-group records of an MHA ``page_head`` pool, for servers whose TP sizes
+        divide ``tp_lcm_size`` (default: this TP size); None for other pools, and for a
+        pool of one head at TP > 1 without ``hicache_kv_heads`` and without
+        ``tp_lcm_size`` (per-rank page records, as the model's head count is unknown).
+        ValueError naming the layout for head splitting of another layout, or naming
+        ``hicache_kv_heads`` when ``tp_lcm_size`` asks to share and it is needed."""
+        cfg, layout = self.storage_config, str(pool.layout)
+        if self.shard.rank_replicated:
+            return None
+        if layout != "page_head":
+            if cfg.should_split_heads:
+                raise ValueError(
+                    f"hicache SGLang backend: tp_lcm_size head splitting needs SGLang's"
+                    f" page_head host layout, not {layout!r}"
+                )
+            return None
+        lcm = int(cfg.tp_lcm_size or cfg.tp_size)
+        kv_heads = model_kv_heads(int(pool.head_num), cfg.tp_size, self.settings.kv_heads)
+        if kv_heads is None:
+            if cfg.tp_lcm_size:
+                raise ValueError(
+                    f"hicache SGLang backend: a rank of TP size {cfg.tp_size} holds one K/V"
+                    " head, so the model's count is unknown (ranks may outnumber heads);"
+                    " give it as hicache_kv_heads in the extra config to share pages"
+                    f" across TP sizes (tp_lcm_size={cfg.tp_lcm_size})"
+                )
+            self._warn_once(
+                "page_head", "pages are per-rank records: set hicache_kv_heads to share them"
+            )
+            return None
+        return PageHeads.of(
+            pool, kv_heads=kv_heads, tp_size=cfg.tp_size, tp_rank=cfg.tp_rank, tp_lcm=lcm
+        )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Register a side pool (``mamba``, ``swa``, ``indexer``, ...) for the v2 calls."""
@@ -180,15 +225,16 @@ class HiCacheL3(SGLangStorage):
         self.sides[name] = self._side(host_pool, name)
 
     def _side(self, pool: Any, name: str) -> _SidePool:
-        assert self.namespace is not None
+        assert self.rank_namespace is not None and self.store is not None
         ns = side_namespace(
-            self.namespace,
+            self.rank_namespace,
             self.shard,
             pool_name=name,
             pool_class=type(pool).__name__,
             pool_layout=str(getattr(pool, "layout", "")),
             dtype=getattr(pool, "dtype", ""),
         )
+        self.store.allow_whole(ns)  # one record per page even beside head records
         return _SidePool(pool, ns, FlatFormat.of(pool))
 
     # -- plumbing --------------------------------------------------------------------------
@@ -268,14 +314,15 @@ class HiCacheL3(SGLangStorage):
         miss = [False] * len(keys)
         if not keys:
             return []
-        ok = self._guard(
-            "batch_get_v1",
-            miss,
-            lambda st: st.batch_get_payloads(
-                [self.page_key(k) for k in keys], self._kv_pages(host_indices, len(keys))
-            ),
-            ("get", len(keys)),
-        )
+
+        def get(st: HiCacheStorage) -> list[bool]:
+            pages, heads = [self.page_key(k) for k in keys], self.heads
+            if heads is None:
+                return st.batch_get_payloads(pages, self._kv_pages(host_indices, len(keys)))
+            parts = heads.in_pool(host_indices, len(keys))
+            return heads.page_ok(st.batch_get_payloads(heads.keys(pages), parts))
+
+        ok = self._guard("batch_get_v1", miss, get, ("get", len(keys)))
         if not all(ok):
             self._hold_failed(host_indices, ok)
         return ok
@@ -304,10 +351,16 @@ class HiCacheL3(SGLangStorage):
             return [True] * len(keys)
 
         def put(st: HiCacheStorage) -> list[bool]:
-            res = st.batch_set_payloads(
-                [self.page_key(k) for k in keys], self._kv_pages(host_indices, len(keys))
-            )
-            return [o is not SetOutcome.FAILED for o in res.outcomes]
+            pages, heads = [self.page_key(k) for k in keys], self.heads
+            if heads is None:
+                res = st.batch_set_payloads(pages, self._kv_pages(host_indices, len(keys)))
+                return [o is not SetOutcome.FAILED for o in res.outcomes]
+            mine = heads.written()
+            if not mine:  # a replica: a lower rank writes these heads
+                return [True] * len(keys)
+            parts = heads.in_pool(host_indices, len(keys), mine)
+            res = st.batch_set_payloads(heads.keys(pages, mine), parts)
+            return [o is not SetOutcome.FAILED for o in heads.set_outcomes(res.outcomes, len(mine))]
 
         return self._guard("batch_set_v1", [False] * len(keys), put, ("set", len(keys)))
 
@@ -328,8 +381,13 @@ class HiCacheL3(SGLangStorage):
 
         def get(st: HiCacheStorage) -> list[torch.Tensor | None]:
             assert self.geometry is not None
-            pages = ByteParts.of_tensors(targets, self.geometry.page_bytes)
-            ok = st.batch_get_payloads([self.page_key(k) for k in keys], pages)
+            pages, heads = [self.page_key(k) for k in keys], self.heads
+            if heads is None:
+                parts = ByteParts.of_tensors(targets, self.geometry.page_bytes)
+                ok = st.batch_get_payloads(pages, parts)
+            else:
+                parts = heads.in_flat(targets)
+                ok = heads.page_ok(st.batch_get_payloads(heads.keys(pages), parts))
             return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
         return self._guard("batch_get", [None] * len(keys), get, ("get", len(keys)))
@@ -360,8 +418,17 @@ class HiCacheL3(SGLangStorage):
 
         def put(st: HiCacheStorage) -> bool:
             assert self.geometry is not None
-            pages = ByteParts.of_tensors([v.contiguous() for v in vals], self.geometry.page_bytes)
-            res = st.batch_set_payloads([self.page_key(k) for k in keys], pages)
+            flat = [v.contiguous() for v in vals]
+            pages, heads = [self.page_key(k) for k in keys], self.heads
+            if heads is None:
+                res = st.batch_set_payloads(
+                    pages, ByteParts.of_tensors(flat, self.geometry.page_bytes)
+                )
+                return res.failed == 0
+            mine = heads.written()
+            if not mine:  # a replica: a lower rank writes these heads
+                return True
+            res = st.batch_set_payloads(heads.keys(pages, mine), heads.in_flat(flat, mine))
             return res.failed == 0
 
         return self._guard("batch_set", False, put, ("set", len(keys)))

@@ -10,7 +10,10 @@ of the same name, else ``page_first_direct``) and ``engine_layout`` ``"sglang:<l
 fingerprint the first 8 bytes of ``sha256(utf8(sglang key))``. :func:`side_namespace`: a v2
 side pool's records under the KV namespace with ``component`` = the pool's name and
 ``;pool=<class>/<layout>/<dtype>`` appended; ``mamba`` pins the rank even for MLA (its
-state is TP-sharded). Pure: no sglang import, no IO.
+state is TP-sharded). :func:`head_namespace`: the KV namespace of a ``page_head`` pool's
+head-group records (``records="head"``, the rank dropped; at one head per record and
+no ``pp``/``cp``, hicache's own ``page_first`` namespace, whose head records have the
+same bytes). Pure: no sglang import, no IO.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hicache.config import MemLayout
-from hicache.keys import Namespace, PageKey, engine_page_key
+from hicache.keys import HEAD_RECORDS, Namespace, PageKey, engine_page_key
 from hicache.spec import DTYPES
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "MLA_LAYOUTS",
     "ShardIdentity",
     "dtype_name",
+    "head_namespace",
     "sglang_namespace",
     "sglang_page_key",
     "side_namespace",
@@ -140,6 +144,37 @@ def sglang_namespace(
         tp_size=1 if shared else shard.tp_size,
         tp_rank=None if shared else shard.tp_rank,
         engine_layout=";".join(parts),
+    )
+
+
+PAGE_HEAD = f"{ENGINE}:page_head"
+"""``engine_layout`` of a ``page_head`` pool's namespace without ``pp`` / ``cp`` parts."""
+
+
+def head_namespace(rank: Namespace, group: int) -> Namespace:
+    """The namespace of the head-group records of a ``page_head`` KV pool whose per-rank
+    namespace (:func:`sglang_namespace`) is ``rank``: ``records="head"``, ``head_group``
+    ``group``, ``tp_size`` 1 and ``tp_rank`` null. A record of one head is, per kind,
+    ``(page_size, L, D)``: byte for byte hicache's ``page_first`` head record, so at
+    ``group`` 1 without ``pp`` / ``cp`` it is hicache's namespace (``layout``
+    ``page_first``, ``engine_layout`` ``""``); a larger group's ``(g, page_size, L, D)``
+    is not hicache's ``(page_size, L, g, D)``, so the ``engine_layout`` stays (a
+    different namespace: misses, never wrong bytes)."""
+    if not rank.engine_layout.startswith(PAGE_HEAD):
+        raise ValueError(
+            f"head records are for SGLang's page_head layout, not {rank.engine_layout!r}"
+        )
+    if rank.tp_rank is None:
+        raise ValueError("head records are for MHA pools (rank-replicated MLA is one record)")
+    shared = group == 1 and rank.engine_layout == PAGE_HEAD
+    return dataclasses.replace(
+        rank,
+        records=HEAD_RECORDS,
+        head_group=group,
+        tp_size=1,
+        tp_rank=None,
+        layout=MemLayout.PAGE_FIRST if shared else rank.layout,
+        engine_layout="" if shared else rank.engine_layout,
     )
 
 
