@@ -612,3 +612,25 @@ def test_transfer_bench_main_writes_json(
     assert all(set(r) == keys and r["backup_gbps"] > 0 and r["load_gbps"] > 0 for r in runs)
     printed = capsys.readouterr().out
     assert "load/memcpy" in printed and "load average" in printed
+
+
+def test_transfer_bench_bounds_times_every_pattern(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--bounds``: every pattern timed against the contiguous copy (ratio 1.0 for it),
+    each load pattern checked to copy every row (measure_bounds raises otherwise)."""
+    import json
+
+    from hicache.bench.transfer import main
+
+    out = tmp_path / "bounds.json"
+    argv = ["--bounds", "--layers", "3", "--heads", "2", "--head-dim", "8", "--pages", "3"]
+    argv += ["--repeat", "1", "--page-sizes", "4", "--device", "cpu", "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    bounds = {b["pattern"]: b for b in payload["bounds"]}
+    assert bounds["contiguous copy"]["ratio"] == 1.0
+    assert {"load, one view per layer group", "read only: layer rows -> stage"} <= set(bounds)
+    assert all(b["cpu_s"] > 0 and b["gbps"] > 0 and b["ratio"] > 0 for b in bounds.values())
+    assert len(payload["loadavg_1min"]) == 2
+    assert "contiguous/pattern" in capsys.readouterr().out
