@@ -418,8 +418,9 @@ def _group_views(
     many adjacent rows at a time.
 
     Each view is one ``as_strided`` of the pool's row words at an offset computed from
-    the run (word offsets below, ``E`` words a row): slicing and transposing cost 3-4x
-    as much per view, a fifth of a shuffled page-16 load (docs/benchmarks/transfer.md).
+    the run (word offsets below, ``E`` words a row): slicing and transposing cost ~2.3x
+    as much (views of a shuffled 256 MiB load: 0.8 -> 0.35 ms at page 64, 3.1 -> 1.4 ms
+    at page 16, where a load takes ~20 ms; docs/benchmarks/transfer.md).
     Device row (k, l, t): ``((k * L + l) * S + t) * E``; host rows: ``layer_first``
     ``((k * L + l) * S_h + t) * E``, ``page_first`` ``((k * S_h + t) * L + l) * E``,
     ``page_first_direct`` ``(((k * P + t // ps) * L + l) * ps + t % ps) * E``."""
