@@ -424,8 +424,10 @@ def _group_views(
     Device row (k, l, t): ``((k * L + l) * S + t) * E``; host rows: ``layer_first``
     ``((k * L + l) * S_h + t) * E``, ``page_first`` ``((k * S_h + t) * L + l) * E``,
     ``page_first_direct`` ``(((k * P + t // ps) * L + l) * ps + t % ps) * E``."""
-    dv = row_words(device.buffer)  # (K, L, S, E), contiguous
+    dv = row_words(device.buffer)  # (K, L, S, E)
     hv = row_words(host.buffer)
+    if not (dv.is_contiguous() and hv.is_contiguous()):  # the offsets assume it
+        raise ValueError("slab loads need contiguous pool buffers")
     kinds, layers, s_dev, width = dv.shape
     ps = plan.page_size
     s_host = host.size_tokens
