@@ -26,6 +26,7 @@ from hicache.transfer import (
     TransferError,
     make_copier,
 )
+from hicache.transfer.kernel import CpuCopy
 
 LAYOUTS = list(MemLayout)
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -105,6 +106,34 @@ def test_round_trip_sha256(
     copier.load(device, host, hp, dst)
     assert sha(device.read_pages(dst)) == sha(before)
     assert sha(device.read_pages(pages(untouched_dev))) == dev_rest
+
+
+@pytest.mark.parametrize("cpu_copy", ["caller", "threads"])
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[m.value for m in LAYOUTS])
+def test_slab_load_in_uneven_layer_groups_round_trips(
+    layout: MemLayout, attention: str, cpu_copy: CpuCopy
+) -> None:
+    """Slab loads copy groups of adjacent layers (5 layers: 2, 2, 1), one view pair per
+    run placed by word offset: pages consecutive on both sides (dev 10, 11 <- host 20,
+    21), on the host side only (6 <- 22) and single pages all land byte-exact, layers are
+    reported in order, and no other device page changes."""
+    spec = spec_for(attention, "float32", layers=5)
+    device = DevicePool(spec, DEVICE_PAGES, 4)
+    host = HostPool(spec, HOST_PAGES, 4, layout, pin_memory=False)
+    randomize(device, seed=2)
+    src, hp, dst = pages(DEV_SRC), pages(HOST), pages(DEV_DST)
+    copier = KernelCopier(slab_min_bytes=0, cpu_copy=cpu_copy)
+    copier.backup(device, host, src, hp)
+    want = sha(device.read_pages(src))
+    assert sha(host.read_pages(hp)) == want
+    others = pages([p for p in range(DEVICE_PAGES) if p not in DEV_DST])
+    rest = sha(device.read_pages(others))
+    seen: list[int] = []
+    copier.load_layers(device, host, hp, dst, seen.append)
+    assert seen == list(range(spec.num_layers))
+    assert sha(device.read_pages(dst)) == want
+    assert sha(device.read_pages(others)) == rest
 
 
 @pytest.mark.parametrize("copier_name", list(COPIERS))
@@ -583,3 +612,25 @@ def test_transfer_bench_main_writes_json(
     assert all(set(r) == keys and r["backup_gbps"] > 0 and r["load_gbps"] > 0 for r in runs)
     printed = capsys.readouterr().out
     assert "load/memcpy" in printed and "load average" in printed
+
+
+def test_transfer_bench_bounds_times_every_pattern(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--bounds``: every pattern timed against the contiguous copy (ratio 1.0 for it),
+    each load pattern checked to copy every row (measure_bounds raises otherwise)."""
+    import json
+
+    from hicache.bench.transfer import main
+
+    out = tmp_path / "bounds.json"
+    argv = ["--bounds", "--layers", "3", "--heads", "2", "--head-dim", "8", "--pages", "3"]
+    argv += ["--repeat", "1", "--page-sizes", "4", "--device", "cpu", "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    bounds = {b["pattern"]: b for b in payload["bounds"]}
+    assert bounds["contiguous copy"]["ratio"] == 1.0
+    assert {"load, one view per layer group", "read only: layer rows -> stage"} <= set(bounds)
+    assert all(b["cpu_s"] > 0 and b["gbps"] > 0 and b["ratio"] > 0 for b in bounds.values())
+    assert len(payload["loadavg_1min"]) == 2
+    assert "contiguous/pattern" in capsys.readouterr().out

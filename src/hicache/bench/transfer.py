@@ -13,6 +13,8 @@ measures, as the transfer engine runs them:
 
 Each figure is the median of ``--repeat`` timed runs after one warm-up; GB/s is 1e9 B/s.
 On a CPU-only host the "device" pool lives in RAM, so all three are RAM -> RAM copies.
+``--bounds`` instead times one thread's CPU cost of the copy patterns a ``page_first``
+load is made of (:mod:`hicache.bench.transfer_bounds`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hicache.bench.report import write_json
+from hicache.bench.report import print_table, write_json
+from hicache.bench.transfer_bounds import measure_bounds
 from hicache.config import IOBackend, MemLayout
 from hicache.memory import DevicePool, HostPool
 from hicache.memory.hugepages import advise_huge_pages
 from hicache.spec import KVSpec
 from hicache.transfer import PageCopier, make_copier
+from hicache.transfer.kernel import PAGE_FIRST_LOAD_STEPS
 
 __all__ = ["BenchRun", "main", "run_one"]
 
@@ -212,6 +216,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--bounds",
+        action="store_true",
+        help="instead of the copiers: one thread's CPU time of each copy pattern of a "
+        "page_first load against a contiguous copy (first page size; CPU only)",
+    )
+    p.add_argument(
         "--sequential",
         action="store_true",
         help="time each op's runs back to back (default: memcpy, backup, load interleaved)",
@@ -232,14 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
     layouts = [MemLayout(x) for x in args.layouts.split(",") if x]
     backends = [IOBackend(x) for x in args.io_backends.split(",") if x]
-    runs: list[BenchRun] = []
     load_before = _loadavg()
+    if args.bounds:
+        return _bounds(args, spec, page_sizes[0], load_before)
+    runs: list[BenchRun] = []
     for ps in page_sizes:
-        if args.pages is not None:
-            pages = args.pages
-        else:
-            mib = DEFAULT_OP_MIB_LARGE if ps >= 16 else DEFAULT_OP_MIB_SMALL
-            pages = max(1, mib * 2**20 // (ps * spec.token_bytes))
+        pages = _op_pages(args, spec, ps)
         device_pool = DevicePool(spec, 2 * pages, ps, device=args.device)
         device_pool.buffer.fill_(1)
         for layout in layouts:
@@ -271,6 +279,45 @@ def main(argv: list[str] | None = None) -> int:
         keys = ("layout", "io_backend", "page_size", "backup_gbps", "load_gbps", "memcpy_gbps")
         payload = {
             "runs": [{k: asdict(r)[k] for k in keys} for r in runs],
+            "loadavg_1min": [load_before, load_after],
+        }
+        write_json(args.json, payload)
+    return 0
+
+
+def _op_pages(args: argparse.Namespace, spec: KVSpec, ps: int) -> int:
+    """Pages per op: ``--pages``, else the default MiB per op for this page size."""
+    if args.pages is not None:
+        return int(args.pages)
+    mib = DEFAULT_OP_MIB_LARGE if ps >= 16 else DEFAULT_OP_MIB_SMALL
+    return max(1, mib * 2**20 // (ps * spec.token_bytes))
+
+
+def _bounds(args: argparse.Namespace, spec: KVSpec, ps: int, load_before: float) -> int:
+    """``--bounds``: print (and write) :func:`measure_bounds` for the bench's shape."""
+    layers = spec.num_layers
+    row_bytes = spec.heads * spec.dim * spec.dtype_bytes
+    op_bytes = _op_pages(args, spec, ps) * ps * spec.token_bytes  # as the copiers' ops
+    group = max(1, -(-layers // PAGE_FIRST_LOAD_STEPS))
+    bounds = measure_bounds(
+        layers=layers,
+        row_bytes=row_bytes,
+        op_bytes=op_bytes,
+        page_size=ps,
+        group=group,
+        repeat=args.repeat,
+    )
+    load_after = _loadavg()
+    print_table(
+        f"page_first load bounds, one thread's CPU time: L={layers}, {row_bytes} B rows, "
+        f"page {ps}, groups of {group} layers, {op_bytes / 2**20:.0f} MiB per op, "
+        f"1-min load average {load_before:.2f} -> {load_after:.2f}",
+        ("pattern", "CPU ms", "GB/s", "contiguous/pattern"),
+        [(b.pattern, f"{b.cpu_s * 1e3:.2f}", f"{b.gbps:.2f}", f"{b.ratio:.2f}") for b in bounds],
+    )
+    if args.json:
+        payload = {
+            "bounds": [asdict(b) for b in bounds],
             "loadavg_1min": [load_before, load_after],
         }
         write_json(args.json, payload)

@@ -415,25 +415,47 @@ def _group_views(
     ``page_first`` host rows are strided (a token's layers are adjacent, one token every
     L rows): a pair covers both kinds (per-kind views, serial at page 64, measured slower
     on an idle host: 0.22 vs 0.40 of a contiguous copy), and ``count`` layers read that
-    many adjacent rows at a time."""
-    dv = row_words(device.buffer)[:, first : first + count]  # (K, c, S, E)
+    many adjacent rows at a time.
+
+    Each view is one ``as_strided`` of the pool's row words at an offset computed from
+    the run (word offsets below, ``E`` words a row): slicing and transposing cost ~2.3x
+    as much (views of a shuffled 256 MiB load: 0.8 -> 0.35 ms at page 64, 3.1 -> 1.4 ms
+    at page 16, where a load takes ~20 ms; docs/benchmarks/transfer.md).
+    Device row (k, l, t): ``((k * L + l) * S + t) * E``; host rows: ``layer_first``
+    ``((k * L + l) * S_h + t) * E``, ``page_first`` ``((k * S_h + t) * L + l) * E``,
+    ``page_first_direct`` ``(((k * P + t // ps) * L + l) * ps + t % ps) * E``."""
+    dv = row_words(device.buffer)  # (K, L, S, E)
     hv = row_words(host.buffer)
+    if not (dv.is_contiguous() and hv.is_contiguous()):  # the offsets assume it
+        raise ValueError("slab loads need contiguous pool buffers")
+    kinds, layers, s_dev, width = dv.shape
     ps = plan.page_size
+    s_host = host.size_tokens
+    d_base, h_base = dv.storage_offset(), hv.storage_offset()
+    d_strides = (layers * s_dev * width, s_dev * width, width, 1)
+    d_first = d_base + first * s_dev * width
+    view = torch.as_strided
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     if host.layout is MemLayout.PAGE_FIRST_DIRECT:
-        h5 = hv.view(hv.shape[0], host.num_pages, -1, ps, hv.shape[-1])[:, :, first : first + count]
+        block = ps * width  # one (page, layer) block of the host
+        shape = (kinds, count, ps, width)
+        h_strides = (host.num_pages * layers * block, block, width, 1)
+        h_first = h_base + first * block
         for d, h in plan.pairs:
-            dsts.append(dv[:, :, d * ps : (d + 1) * ps])
-            srcs.append(h5[:, h])  # (K, c, ps, E)
+            dsts.append(view(dv, shape, d_strides, d_first + d * block))
+            srcs.append(view(hv, shape, h_strides, h_first + h * layers * block))
         return dsts, srcs
+    if host.layout is MemLayout.PAGE_FIRST:
+        h_strides = (s_host * layers * width, width, layers * width, 1)
+        h_first, h_token = h_base + first * width, layers * width
+    else:
+        h_strides = (layers * s_host * width, s_host * width, width, 1)
+        h_first, h_token = h_base + first * s_host * width, width
     for r in plan.runs:
-        d0, h0, n = r.dev * ps, r.host * ps, r.length * ps
-        dsts.append(dv[:, :, d0 : d0 + n])
-        if host.layout is MemLayout.PAGE_FIRST:
-            srcs.append(hv[:, h0 : h0 + n, first : first + count].transpose(1, 2))
-        else:
-            srcs.append(hv[:, first : first + count, h0 : h0 + n])
+        shape = (kinds, count, r.length * ps, width)
+        dsts.append(view(dv, shape, d_strides, d_first + r.dev * ps * width))
+        srcs.append(view(hv, shape, h_strides, h_first + r.host * ps * h_token))
     return dsts, srcs
 
 
