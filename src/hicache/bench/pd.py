@@ -92,6 +92,9 @@ class PdBenchSpec:
     announced_wait_s: float = DEFAULT_ANNOUNCED_WAIT_S
     """Every L3's ``announced_wait_s``: a lookup's longest wait for an announced page
     (0: none, the race of a next turn with its answer's write left open)."""
+    prefetch_threshold: int | None = None
+    """Every L3's ``prefetch_threshold`` (tokens an L3 hit must bring to be read); None:
+    unset, so each instance's measured rates decide (:mod:`hicache.cache.l3.worth`)."""
     seed: int = 0
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
@@ -133,6 +136,8 @@ class PdBenchSpec:
                     self.time_limit_s)  # fmt: skip
         if min(timeouts) <= 0:
             raise ValueError("the timeouts must be > 0 s")
+        if self.prefetch_threshold is not None and self.prefetch_threshold < 0:
+            raise ValueError(f"prefetch_threshold={self.prefetch_threshold!r}: must be >= 0")
         if not self.announced_wait_s >= 0:
             raise ValueError(f"announced_wait_s={self.announced_wait_s!r}: must be >= 0 s")
 
@@ -362,12 +367,15 @@ class _Target:
     """Instances whose share of the requests is reported (:attr:`SetupResult.split`)."""
 
 
-def _l3_flags(root: str, page_size: int, announced_wait_s: float) -> list[str]:
-    """L1 + L2 + the file L3 in ``root``; an L3 hit of one page is prefetched and an L2
-    hit of one page loaded (defaults 256 and 10 tokens: a turn's few output tokens would
-    never count); lookups wait ``announced_wait_s`` at most for announced pages."""
-    extra = json.dumps({"file_path": root, "prefetch_threshold": page_size,
-                        "announced_wait_s": announced_wait_s})  # fmt: skip
+def _l3_flags(root: str, announced_wait_s: float, prefetch_threshold: int | None) -> list[str]:
+    """L1 + L2 + the file L3 in ``root``; an L2 hit of one page is loaded (the default,
+    10 tokens, is past a turn's few output tokens); an L3 hit is read when the measured
+    rates say so, or when it brings ``prefetch_threshold`` tokens if that is set; lookups
+    wait ``announced_wait_s`` at most for announced pages."""
+    doc: dict[str, Any] = {"file_path": root, "announced_wait_s": announced_wait_s}
+    if prefetch_threshold is not None:
+        doc["prefetch_threshold"] = prefetch_threshold
+    extra = json.dumps(doc)
     return ["--enable-hierarchical-cache", "--hicache-load-back-threshold", "1",
             "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", extra]  # fmt: skip
@@ -418,7 +426,7 @@ class _Setups:
         return self.stack.enter_context(smg)
 
     def l3(self, root: str) -> list[str]:
-        return _l3_flags(root, self.spec.page_size, self.spec.announced_wait_s)
+        return _l3_flags(root, self.spec.announced_wait_s, self.spec.prefetch_threshold)
 
     def plain(self) -> _Target:
         policy = self.spec.prefill_write_policy
@@ -582,7 +590,8 @@ def print_report(report: PdReport) -> None:
         f" prefix {s.prefix_tokens} + {s.question_tokens}; {s.clients} in flight;"
         f" prefill/plain {s.prefill_write_policy}, transfer {s.transfer}; TP plain"
         f" {s.plain_tp}, prefill {s.prefill_tp}, decode {s.decode_tp};"
-        f" announced_wait_s {s.announced_wait_s:g};"
+        f" announced_wait_s {s.announced_wait_s:g}; prefetch_threshold"
+        f" {'rates' if s.prefetch_threshold is None else s.prefetch_threshold};"
         " ratios against plain in this run; hit % over turns >= 2 (multiturn)",
         ["workload", "setup", "requests", "TTFT ms", "TTFT x", "ITL ms", "ITL x",
          "hit %", "req/s", "req/s x", "same outputs", "split", "next turn"],
@@ -654,6 +663,13 @@ def _parser() -> argparse.ArgumentParser:
         help="every L3's announced_wait_s, s (0: lookups never wait for announced pages)",
     )
     p.add_argument(
+        "--prefetch-threshold",
+        type=int,
+        default=d.prefetch_threshold,
+        help="every L3's prefetch_threshold, tokens (default unset: the measured rates"
+        " decide whether an L3 hit is read)",
+    )
+    p.add_argument(
         "--setups",
         default=",".join(dict.fromkeys((*MULTITURN_SETUPS, *SHARED_PREFIX_SETUPS))),
         help="comma list of setups to run",
@@ -685,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
             prefill_write_policy=a.prefill_write_policy, seed=a.seed,
             announced_wait_s=a.announced_wait,
+            prefetch_threshold=a.prefetch_threshold,
             startup_timeout_s=a.startup_timeout, request_timeout_s=a.request_timeout,
             workload_timeout_s=a.workload_timeout, time_limit_s=a.time_limit,
         )  # fmt: skip
