@@ -28,8 +28,10 @@ H, KV, L, D, PS = 4, 2, 3, 4, 2  # query heads, K/V heads, layers, head dim, pag
 LAYOUTS = list(MemLayout)
 
 
-def ns(layout: MemLayout) -> Namespace:
-    spec = KVSpec(num_layers=L, num_kv_heads=KV, head_dim=D, dtype="float16")
+def ns(layout: MemLayout, kv_heads: int = KV, head_group: int = 1) -> Namespace:
+    """The head-record namespace of a model of ``kv_heads`` (any TP size's: a TP 2
+    rank's here, dropped)."""
+    spec = KVSpec(num_layers=L, num_kv_heads=kv_heads, head_dim=D, dtype="float16")
     return Namespace.for_spec(
         spec,
         model="m",
@@ -39,6 +41,7 @@ def ns(layout: MemLayout) -> Namespace:
         tp_size=2,
         tp_rank=1,
         head_records=True,
+        head_group=head_group,
     )
 
 
@@ -283,16 +286,7 @@ GKV = 4  # K/V heads of the grouped cases (query heads: 2 per K/V head)
 
 
 def group_ns(layout: MemLayout, group: int) -> Namespace:
-    spec = KVSpec(num_layers=L, num_kv_heads=GKV, head_dim=D, dtype="float16")
-    return Namespace.for_spec(
-        spec,
-        model="m",
-        weights_fingerprint="w",
-        layout=layout,
-        page_size=PS,
-        head_records=True,
-        head_group=group,
-    )
+    return ns(layout, GKV, group)
 
 
 def group_storage(

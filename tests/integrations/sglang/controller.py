@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,18 +152,27 @@ def make(tmp_path: Path) -> Iterator[Make]:
         role="scheduler",
         ranks=SpawnRanks(world_rank=0),
     )
+    with schedulers(tmp_path) as made:
+
+        def new(kind: str, layout: str, extra: dict[str, Any], model: str) -> Scheduler:
+            made.append(Scheduler(dist.group.WORLD, kind, layout, extra, model))
+            return made[-1]
+
+        yield new
+
+
+@contextmanager
+def schedulers(tmp_path: Path) -> Iterator[list[Scheduler]]:
+    """A one-rank gloo group (unless one is up) and a list for the :class:`Scheduler`
+    objects made in it: each is closed at the end, then the group destroyed (if made
+    here) and SGLang's published context reset."""
     owns = not dist.is_initialized()
     if owns:
         init = f"file://{tmp_path / 'gloo-store'}"
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     made: list[Scheduler] = []
-
-    def new(kind: str, layout: str, extra: dict[str, Any], model: str) -> Scheduler:
-        made.append(Scheduler(dist.group.WORLD, kind, layout, extra, model))
-        return made[-1]
-
     try:
-        yield new
+        yield made
     finally:
         for sched in made:
             sched.close()

@@ -31,7 +31,7 @@ from hicache.memory import HostPool
 from hicache.spec import KVSpec
 from hicache.storage.backends.file import FileConfig, FileStorage
 from hicache.storage.backends.mooncake import MooncakeStorage
-from tests.integrations.sglang.controller import TOKENS, Scheduler, pages_of
+from tests.integrations.sglang.controller import TOKENS, Scheduler, pages_of, schedulers
 from tests.integrations.sglang.pools import DIM, LAYERS, PAGE, attach, fill, host_pool
 
 MODEL_HEADS = 4  # K/V heads of the model of the TP 1 / TP 2 tests
@@ -44,34 +44,25 @@ over the fixture's extra config)."""
 def rank(tmp_path: Path) -> Iterator[Rank]:
     """Controllers of any TP rank over one file L3 (``tp_lcm_size`` 2); any not closed
     by the test are detached at the end."""
-    owns = not dist.is_initialized()
-    if owns:
-        init = f"file://{tmp_path / 'gloo-store'}"
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     extra = {"hicache_backend": "file", "file_path": str(tmp_path / "l3"), "tp_lcm_size": 2}
-    made: list[Scheduler] = []
+    with schedulers(tmp_path) as made:
 
-    def new(tp_size: int, tp_rank: int, heads: int, model: str = "heads", **more: Any) -> Scheduler:
-        reset_context()
-        publish(
-            ServerArgs(model_path="dummy", device="cpu", tp_size=tp_size),
-            role="scheduler",
-            ranks=SpawnRanks(world_rank=tp_rank),
-        )
-        cfg = {**extra, **more}
-        if cfg["hicache_backend"] != "file":
-            del cfg["file_path"]
-        made.append(Scheduler(dist.group.WORLD, "mha", "page_head", cfg, model, heads))
-        return made[-1]
+        def new(
+            tp_size: int, tp_rank: int, heads: int, model: str = "heads", **more: Any
+        ) -> Scheduler:
+            reset_context()
+            publish(
+                ServerArgs(model_path="dummy", device="cpu", tp_size=tp_size),
+                role="scheduler",
+                ranks=SpawnRanks(world_rank=tp_rank),
+            )
+            cfg = {**extra, **more}
+            if cfg["hicache_backend"] != "file":
+                del cfg["file_path"]
+            made.append(Scheduler(dist.group.WORLD, "mha", "page_head", cfg, model, heads))
+            return made[-1]
 
-    try:
         yield new
-    finally:
-        for sched in made:
-            sched.close()
-        if owns:
-            dist.destroy_process_group()
-        reset_context()
 
 
 def _kinds(page: bytes) -> tuple[bytes, bytes]:
