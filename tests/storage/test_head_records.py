@@ -45,6 +45,18 @@ def ns(layout: MemLayout, kv_heads: int = KV, head_group: int = 1) -> Namespace:
     )
 
 
+def bare_ns(**fields: object) -> Namespace:
+    """A ``page_first`` namespace built field by field (``fields`` over the defaults)."""
+    return Namespace(
+        model="m",
+        weights_fingerprint="w",
+        kv_dtype="float16",
+        layout=MemLayout.PAGE_FIRST,
+        page_size=PS,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
 def pool(layout: MemLayout, heads: int, seed: int | None = None) -> HostPool:
     spec = KVSpec(num_layers=L, num_kv_heads=heads, head_dim=D, dtype="float16")
     p = HostPool(spec, 4, PS, layout, pin_memory=False)
@@ -80,14 +92,7 @@ def test_namespace_of_head_records_drops_the_rank() -> None:
     n = ns(MemLayout.PAGE_FIRST)
     assert n.records == HEAD_RECORDS and n.tp_rank is None and n.tp_size == 1
     with pytest.raises(ValueError, match="tp_rank"):
-        Namespace(
-            model="m",
-            weights_fingerprint="w",
-            kv_dtype="float16",
-            layout=MemLayout.PAGE_FIRST,
-            page_size=PS,
-            records=HEAD_RECORDS,
-        )
+        bare_ns(records=HEAD_RECORDS)
     with pytest.raises(Exception, match="use_heads"), MemoryStorage(n) as st:
         st.batch_exists(keys(MemLayout.PAGE_FIRST))
 
@@ -315,14 +320,7 @@ def test_head_group_is_in_the_digest_only_when_not_one() -> None:
     assert two.head_group == 2 and two.digest != one.digest
     assert b'"head_group":2' in two.encode() and b"head_group" not in one.encode()
     with pytest.raises(ValueError, match='head_group=2 is invalid; must be 1 with records="page"'):
-        Namespace(
-            model="m",
-            weights_fingerprint="w",
-            kv_dtype="float16",
-            layout=MemLayout.PAGE_FIRST,
-            page_size=PS,
-            head_group=2,
-        )
+        bare_ns(head_group=2)
     assert two.for_slots(2, 1).head_group == 1
 
 
