@@ -134,3 +134,46 @@ def test_small_pages_are_staged_and_leave_the_pool_unregistered(
     for page, back in zip([0, 1, 2, 3], [3, 2, 1, 0], strict=True):
         for a, b in zip(src.page_view(page), dst.page_view(back), strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [2, 1], ids=["rank-heads", "per-head"])
+def test_head_records_of_a_ranks_heads_move_in_place(
+    mooncake_service: MooncakeProcess, group: int
+) -> None:
+    """Head records whose group is the rank's heads (the default) are the page records'
+    bytes and move zero-copy: the host pools are registered, the pages come back byte for
+    byte. One record per K/V head (a finer group) is staged: the pools stay unregistered."""
+    from hicache.heads import HeadSplit
+
+    ns = Namespace.for_spec(
+        SPEC,
+        model="m",
+        weights_fingerprint="heads-in-place",
+        layout="page_first",
+        page_size=4,
+        head_records=True,
+        head_group=group,
+    )
+    st = create_storage(
+        "mooncake",
+        namespace=ns,
+        extra_config={**mooncake_service.extra_config, "zero_copy_min_bytes": 0},
+        options=StorageOptions(timeout_s=5.0),
+    )
+    assert isinstance(st, MooncakeStorage)
+    src = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    dst = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    raw = src.buffer.view(torch.uint8).view(-1)
+    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
+    with st:
+        st.use_heads(HeadSplit(SPEC.heads, SPEC.heads))
+        keys = page_keys(ns, list(range(2000, 2016)))
+        assert st.batch_set(keys, src, [0, 1, 2, 3]).all_ok
+        assert st.batch_get(keys, dst, [3, 2, 1, 0]) == [True] * 4
+        ranges = st.registered_ranges()
+        in_place = src.buffer.data_ptr() in ranges and dst.buffer.data_ptr() in ranges
+        assert in_place == (group == SPEC.heads)
+        assert st.stats().set_pages == 4 * SPEC.heads // group  # records
+    for page, back in zip([0, 1, 2, 3], [3, 2, 1, 0], strict=True):
+        for a, b in zip(src.page_view(page), dst.page_view(back), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
