@@ -72,6 +72,7 @@ def served(
         storage_backend="file",
         storage_extra_config={"file_path": str(l3), "prefetch_threshold": 8},
         storage_prefetch_policy="wait_complete",
+        storage_tp_lcm=4,  # TP 1, 2 and 4 share the L3: one record per K/V head
     )
     with Engine(config) as engine:
         yield name, engine, config
