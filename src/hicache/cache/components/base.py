@@ -213,6 +213,18 @@ class ComponentStore(ABC):
         then a :class:`~hicache.cache.request.SlotTable` giving its slots there), or None when the model does not use this store's pool directly."""
         return None
 
+    @property
+    def scoring_top(self) -> int | None:
+        """The alternatives this store keeps per scored prompt position (scoring
+        entries), or None when it keeps none."""
+        return None
+
+    def cap(self, req: CacheRequest, wanted: Sequence[int]) -> int:
+        """How many leading tokens of ``wanted`` (what ``req`` may reuse otherwise) its
+        admission may take from the cache, as far as this store can serve them; default:
+        all. Called before the match; copies nothing."""
+        return len(wanted)
+
     def free(self, tier: Tier, ids: PageIds) -> None:
         """Return ``ids`` to the ``tier`` pool."""
         if len(ids):
@@ -266,6 +278,11 @@ class ComponentStore(ABC):
     ) -> None:
         """After a commit of ``full`` pages ending at ``last`` (``req.prefix_pages`` is
         ``full`` now; ``computed`` positions are done)."""
+
+    def late(self, req: CacheRequest, last: TreeNode, full: int) -> None:  # noqa: B027
+        """``req``'s last commit brought no new page (its ``full`` pages end at ``last``):
+        place what it learnt of them since their commit (scoring entries, whose records
+        come after the forward's commit). Default: nothing."""
 
     @abstractmethod
     def release(self, req: CacheRequest) -> None:

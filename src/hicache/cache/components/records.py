@@ -74,6 +74,10 @@ class ComponentRecords(ABC):
     """One component's L3 codec over one cache's tree (see the module docstring)."""
 
     name: ClassVar[str]
+    optional: ClassVar[bool] = False
+    """Whether a hit needs none of this component's records (scoring entries): a
+    prefetch then never waits for them or cuts its boundary by them, and reads those its
+    lookup found among the pages it reads."""
 
     def __init__(self, tree: HiRadixTree, reach: int) -> None:
         self.tree = tree
