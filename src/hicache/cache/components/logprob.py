@@ -235,6 +235,13 @@ class LogprobStore(IndexerStore):
     def _mark(self, req: CacheRequest, log: ScoreLog, last: TreeNode, full: int) -> None:
         ps = self.page_size
         comp = self.tree.component(self.name)
+        ok = [
+            (j + 1) * ps < len(log.tokens) and log.complete(j * ps + 1, (j + 1) * ps + 1)
+            for j in range(full)
+        ]
+        ends = [d for d in range(1, full) if ok[d - 1] and not ok[d]]
+        if ends:  # a node ends where the records do (the prompt's last page has none)
+            self.tree.ensure_boundary(last, full - ends[-1])
         at = 0
         for n in self.tree.path_tail(last, full):
             k = self.tree.num_pages(n)
