@@ -18,8 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.engine.front.engine import Engine
-from hicache.engine.step.scheduler import SchedulerConfig
 from tests.helpers.api_fixtures import make_engine, serve
 
 CONTEXT = list(range(300, 337))  # 37 tokens: 9 whole pages of 4
@@ -30,31 +28,13 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
     on = make_engine()
-    off = _engine_without_cache()
+    off = make_engine(disable_radix_cache=True)
     try:
         with serve(on) as url_on, serve(off) as url_off:
             yield {"on": url_on, "off": url_off}
     finally:
         on.close()
         off.close()
-
-
-def _engine_without_cache() -> Engine:
-    from hicache.config import CacheConfig
-    from hicache.engine.front.engine import EngineConfig
-    from tests.helpers.engine_fixtures import engine_model
-
-    config = EngineConfig(
-        model_path="tiny-random-llama",
-        dtype="float32",
-        device="cpu",
-        cache=CacheConfig(page_size=4, device_tokens=1024, hicache_ratio=2.0),
-        scheduler=SchedulerConfig(
-            max_running_requests=8, chunked_prefill_size=32, disable_radix_cache=True
-        ),
-        context_length=128,
-    )
-    return Engine(config, loaded=engine_model("tiny-random-llama")).start()
 
 
 def score(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
