@@ -14,12 +14,13 @@ import hashlib
 from array import array
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from hicache.cache import HiCache, ScoreAsk
 from hicache.cache.components import LogprobStore
-from hicache.cache.components.logprob import LOGPROB
+from hicache.cache.components.logprob import LOGPROB, decode_row, encode_rows
 from hicache.cache.report import check_integrity
 from hicache.config import CacheConfig, MemLayout, PrefetchConfig
 from hicache.keys import Namespace, page_keys
@@ -247,3 +248,15 @@ def test_a_plain_prefetch_is_not_cut_by_missing_entries() -> None:
         assert cold.admit(req, PROMPT) and req.cached.storage == 16
         assert storage.read() == (8, 0)
         cold.release(req)
+
+
+def test_a_row_round_trips_its_record_bit_for_bit() -> None:
+    recs = [record(PROMPT, p) for p in range(1, 5)]
+    rows = encode_rows(recs, TOP)
+    assert rows.shape == (4, SPEC.width) and rows.dtype == np.float32
+    for rec, row in zip(recs, rows, strict=True):
+        assert decode_row(row, rec.token_id, TOP) == rec
+        other = rec.top[1][0]  # another token: its logprob is its alternative's
+        got = decode_row(row, other, TOP)
+        assert got is not None and got.logprob == rec.top[1][1] and got.top == rec.top
+        assert decode_row(row, 99_999, TOP) is None

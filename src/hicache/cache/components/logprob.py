@@ -40,28 +40,32 @@ from hicache.tree import TreeNode
 from hicache.tree.components import LogprobEntries, Tier, TreeComponent
 from hicache.tree.node import page_ids
 
-__all__ = ["LOGPROB", "LogprobRecords", "LogprobStore", "decode_row", "encode_row"]
+__all__ = ["LOGPROB", "LogprobRecords", "LogprobStore", "decode_row", "encode_rows"]
 
 LOGPROB = LogprobSpec.name
 """The tree component name of the scoring entries (``"logprob"``)."""
 
 
-def encode_row(record: TokenLogprob, top: int) -> np.ndarray:
-    """The fp32 row of one slot: ``[next id, logprob, top ids.., top logprobs..]`` (ids
-    bit-cast from int32) from ``record`` (the next position's, with ``>= top``
-    alternatives, of which the first ``top`` are kept)."""
-    ids = np.frombuffer(record.top_id_bytes, dtype=np.int32)[:top]
-    values = np.frombuffer(record.top_logprob_bytes, dtype=np.float32)[:top]
-    if len(ids) < top:
-        raise ValueError(f"a record with {len(ids)} alternatives cannot fill {top}")
-    head = np.array([record.token_id], dtype=np.int32).view(np.float32)
-    return np.concatenate(
-        [head, np.array([record.logprob], dtype=np.float32), ids.view(np.float32), values]
-    )
+def encode_rows(records: Sequence[TokenLogprob], top: int) -> np.ndarray:
+    """The fp32 rows of consecutive slots, ``(len(records), 2 + 2 * top)``: each ``[next
+    id, logprob, top ids.., top logprobs..]`` (ids bit-cast from int32) from the next
+    position's record (with ``>= top`` alternatives, of which the first ``top`` are kept)."""
+    n = len(records)
+    if any(r.k < top for r in records):
+        raise ValueError(f"a record with fewer than {top} alternatives cannot fill a row")
+    rows = np.empty((n, 2 + 2 * top), dtype=np.float32)
+    rows[:, 0] = np.array([r.token_id for r in records], dtype=np.int32).view(np.float32)
+    rows[:, 1] = np.array([r.logprob for r in records], dtype=np.float32)
+    if top:
+        ids = b"".join(r.top_id_bytes[: 4 * top] for r in records)
+        values = b"".join(r.top_logprob_bytes[: 4 * top] for r in records)
+        rows[:, 2 : 2 + top] = np.frombuffer(ids, dtype=np.float32).reshape(n, top)
+        rows[:, 2 + top :] = np.frombuffer(values, dtype=np.float32).reshape(n, top)
+    return rows
 
 
 def decode_row(row: np.ndarray, token_id: int, top: int) -> TokenLogprob | None:
-    """The record of ``token_id`` from a slot's ``row`` (fp32, as :func:`encode_row`
+    """The record of ``token_id`` from a slot's ``row`` (fp32, as :func:`encode_rows`
     wrote): its logprob is the row's own when the row names ``token_id``, else the
     alternative's; None when neither holds it."""
     ids = row[2 : 2 + top].view(np.int32)
@@ -251,7 +255,7 @@ class LogprobStore(IndexerStore):
                 continue
             if hi > len(log.tokens) or not log.complete(lo, hi):
                 continue
-            rows = np.stack([encode_row(log.records[p], self.keeps) for p in range(lo, hi)])
+            rows = encode_rows([log.records[p] for p in range(lo, hi)], self.keeps)
             self._write(list(n.device), rows)
             self.tree.assign_component(self.name, n, Tier.DEVICE, n.device)
 
