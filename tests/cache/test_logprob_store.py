@@ -97,6 +97,7 @@ def serve(cache: HiCache, tokens: list[int], *, scores: ScoreAsk | None = ASK) -
             for p in range(max(pos + 1, log.ask.start), min(end + 1, len(tokens))):
                 log.records.setdefault(p, record(tokens, p))
         pos = end
+        cache.sync(wait=True)  # an engine's next step: the chunk's L2 and L3 writes land
         check_integrity(cache)
     cache.release(req, tokens)
     cache.sync(wait=True)

@@ -340,11 +340,14 @@ class HiCache(Lifecycle):
         if full <= req.prefix_pages:
             if final and req.node is not None:  # values that came after their pages
                 self.stores.late(req, req.node, req.prefix_pages)
+                if self.stores.take_added():
+                    self._l3.back_up_added(req.node)
             return
         components = self.stores.values(req, full, final)
         last = self.full.commit(req, tokens[: full * ps], components)
         self.stores.committed(req, last, full, len(tokens))
-        if components and last.host is not None:  # no backup was issued with them
+        added = self.stores.take_added()  # values placed on nodes in L2 already
+        if (components or added) and last.host is not None:  # no backup was issued with them
             self._l3.back_up_added(last)
 
     def release(

@@ -279,6 +279,13 @@ class ComponentStore(ABC):
         """After a commit of ``full`` pages ending at ``last`` (``req.prefix_pages`` is
         ``full`` now; ``computed`` positions are done)."""
 
+    def take_added(self) -> bool:
+        """Whether values were added, since the last call, at nodes whose full KV was in
+        L2 already, which no backup carries (scoring entries placed after their pages'
+        commit): the facade then copies them to L2 and writes them to L3
+        (``L3Slot.back_up_added``). Default: never."""
+        return False
+
     def late(self, req: CacheRequest, last: TreeNode, full: int) -> None:  # noqa: B027
         """``req``'s last commit brought no new page (its ``full`` pages end at ``last``):
         place what it learnt of them since their commit (scoring entries, whose records

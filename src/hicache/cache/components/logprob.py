@@ -93,6 +93,7 @@ class LogprobStore(IndexerStore):
         self.keeps = spec.top
         """Alternatives kept per slot: a request asking more recomputes its prompt."""
         self.kv = spec.kv
+        self._added = False
         config = ctx.config
         self._build_pools(spec.kv, ctx, config.device_pages, config.host_pages(ctx.kv))
 
@@ -221,22 +222,35 @@ class LogprobStore(IndexerStore):
         """A scoring request's committed path: every node without L1 entries whose L1
         pages the request's path holds and whose slots' records it has (the next
         position's, for each) gets its rows written and marked in L1; then the L2 copies
-        as the indexer's (:meth:`IndexerStore.back_up`)."""
+        as the indexer's (:meth:`IndexerStore.back_up`), unless a node marked now had its
+        full KV in L2 already (its L3 write may be past): :meth:`take_added` tells the
+        facade, which backs them up and writes them to L3."""
         part = self.part_of(req)
         assert part is not None
         part.pending = page_ids()
         log = req.scores
-        if log is not None:
-            self._mark(req, log, last, full)
-        self.back_up(last)
-
-    def late(self, req: CacheRequest, last: TreeNode, full: int) -> None:
-        """The records of the request's last pages came after their commit: place them."""
-        if req.scores is not None and self.part_of(req) is not None:
-            self._mark(req, req.scores, last, full)
+        if log is not None and self._mark(req, log, last, full):
+            self._added = True
+        else:
             self.back_up(last)
 
-    def _mark(self, req: CacheRequest, log: ScoreLog, last: TreeNode, full: int) -> None:
+    def late(self, req: CacheRequest, last: TreeNode, full: int) -> None:
+        """The records of the request's last pages came after their commit: place them
+        (as :meth:`committed`)."""
+        if req.scores is not None and self.part_of(req) is not None:
+            if self._mark(req, req.scores, last, full):
+                self._added = True
+            else:
+                self.back_up(last)
+
+    def take_added(self) -> bool:
+        added, self._added = self._added, False
+        return added
+
+    def _mark(self, req: CacheRequest, log: ScoreLog, last: TreeNode, full: int) -> bool:
+        """Write and mark the rows of the path's nodes that lack them and whose records
+        are all in; whether one of them had its full KV in L2 already."""
+        in_l2 = False
         ps = self.page_size
         comp = self.tree.component(self.name)
         ok = [
@@ -258,6 +272,8 @@ class LogprobStore(IndexerStore):
             rows = encode_rows([log.records[p] for p in range(lo, hi)], self.keeps)
             self._write(list(n.device), rows)
             self.tree.assign_component(self.name, n, Tier.DEVICE, n.device)
+            in_l2 = in_l2 or n.host is not None
+        return in_l2
 
     def held(self, req: CacheRequest) -> HeldPages | None:
         """None: the entries do not travel with a request's pages to another instance

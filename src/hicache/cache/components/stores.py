@@ -181,6 +181,11 @@ class ComponentStores:
         for s in self._stores:
             s.late(req, last, full)
 
+    def take_added(self) -> bool:
+        """Whether any store added values at nodes already in L2 (each store's flag is
+        taken: see :meth:`ComponentStore.take_added`)."""
+        return any([s.take_added() for s in self._stores])
+
     def release(self, req: CacheRequest) -> None:
         for s in self._stores:
             s.release(req)
