@@ -107,3 +107,11 @@ def test_deepseek_v32_keeps_its_indexer_keys_and_the_entries_apart() -> None:
                 g = out.prompt_logprobs[p]
                 assert g is not None and abs(g.logprob - float(ref[p - 1, ids[p]])) <= TOL
         assert_idle(e)
+
+
+def test_the_flag_is_validated() -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs_top=-1"):
+        EngineConfig(prompt_logprobs_top=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs_top=True"):
+        EngineConfig(prompt_logprobs_top=True)
+    assert EngineConfig().prompt_logprobs_top == 1
