@@ -69,6 +69,12 @@ def test_a_questions_choices_reuse_the_context_with_equal_logprobs(
     assert [computed(o) for o in got["off"]] == [n] * 4
     # the first choice computes all; the others reuse the context's 9 whole pages
     assert [computed(o) for o in got["on"]] == [n, n - 36, n - 36, n - 36]
+    # the cached positions (1..36) carry the first choice's values, bit for bit
+    first = got["on"][0]["choices"][0]["logprobs"]
+    for later in got["on"][1:]:
+        lp = later["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][: 36 + 1] == first["token_logprobs"][: 36 + 1]
+        assert lp["top_logprobs"][: 36 + 1] == first["top_logprobs"][: 36 + 1]
     for on, off in zip(got["on"], got["off"], strict=True):
         lp_on = on["choices"][0]["logprobs"]
         lp_off = off["choices"][0]["logprobs"]
