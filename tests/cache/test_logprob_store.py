@@ -261,3 +261,44 @@ def test_a_row_round_trips_its_record_bit_for_bit() -> None:
         got = decode_row(row, other, TOP)
         assert got is not None and got.logprob == rec.top[1][1] and got.top == rec.top
         assert decode_row(row, 99_999, TOP) is None
+
+
+def test_entries_are_whole_records_under_head_records() -> None:
+    """An engine's MHA namespace splits page records per K/V head; the entries have no
+    heads: one whole record per page (keyed per rank), and a cold server reads them."""
+    from hicache.heads import HeadSplit
+    from hicache.storage.backends.memory import MemoryStorage
+
+    kv = KVSpec(num_layers=1, num_kv_heads=2, head_dim=2, dtype="float32")
+    ns = Namespace.for_spec(
+        kv,
+        model="m",
+        weights_fingerprint="w",
+        layout=MemLayout.PAGE_FIRST,
+        page_size=PAGE,
+        head_records=True,
+    )
+    store = MemoryStore()
+
+    def build() -> HiCache:
+        c = HiCache(
+            config(mem_layout=MemLayout.PAGE_FIRST), CacheSpec(kv=kv, components=(SPEC,))
+        ).start()
+        storage = MemoryStorage(ns, store=store)
+        storage.use_heads(HeadSplit(2, 2))
+        c.l3.attach(storage, ns, PrefetchConfig(policy="wait_complete", prefetch_threshold=0))
+        return c
+
+    with build() as cache:
+        serve(cache, PROMPT)
+        cache.sync(wait=True)
+        assert cache.full.pages.counters.l3_backup_logprob_pages_total == 8
+        assert cache.full.pages.counters.l3_backup_logprob_pages_failed_total == 0
+    with build() as cold:
+        assert serve(cold, PROMPT) == 16  # records checked equal inside
+    with build() as plain:  # a request that does not score reads no entry
+        req = plain.open(PROMPT)
+        wait_ready(plain, req)
+        assert plain.admit(req, PROMPT) and req.cached.storage == 16
+        assert marked(plain, PROMPT, Tier.HOST) == []
+        plain.release(req)

@@ -13,6 +13,8 @@ the first choice takes one at ``logprob_start_len - 1`` (floored to a page) as b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,3 +117,28 @@ def test_the_flag_is_validated() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs_top=True"):
         EngineConfig(prompt_logprobs_top=True)
     assert EngineConfig().prompt_logprobs_top == 1
+
+
+def test_a_cold_server_answers_a_scoring_request_from_l3(tmp_path: Path) -> None:
+    """The entries go to L3 with the pages (whole records under the engine's per-head
+    namespace); a second server over the same L3 serves the next choice's context from
+    it, with the first server's values bit for bit."""
+    from tests.helpers.api_fixtures import make_engine
+
+    ctx = list(range(300, 337))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    storage = {"file_path": str(tmp_path), "prefetch_threshold": 4}
+    with make_engine(storage_backend="file", storage_extra_config=storage) as e:
+        first = e.generate([*ctx, 5, 6, 7], params, timeout=60)
+        e.call(lambda: e.core.cache.sync(wait=True)).result(timeout=30)
+        counters = e.core.cache.full.pages.counters
+        assert (
+            counters.l3_backup_logprob_pages_total == 9
+        )  # every page but the last (no next prompt token)
+        assert counters.l3_backup_logprob_pages_failed_total == 0
+    with make_engine(storage_backend="file", storage_extra_config=storage) as cold:
+        out = cold.generate([*ctx, 8, 9, 10], params, timeout=60)
+        assert out.error is None and out.cached.storage == 36
+        assert first.prompt_logprobs is not None and out.prompt_logprobs is not None
+        assert out.prompt_logprobs[: 36 + 1] == first.prompt_logprobs[: 36 + 1]
+        assert_idle(cold)

@@ -242,7 +242,9 @@ class HiCache(Lifecycle):
             wanted = tokens[: req.reusable(len(tokens))]
             if max_load is not None:  # L3 pages past L1's prefix plus the cap are no use
                 wanted = wanted[: self.full.device_prefix(wanted, tenant) + max_load]
-            req.prefetch = self._l3.tier.prefetches.start(wanted, tenant)
+            req.prefetch = self._l3.tier.prefetches.start(
+                wanted, tenant, optional=req.scores is not None
+            )
         return req
 
     def ready(self, req: CacheRequest) -> bool:

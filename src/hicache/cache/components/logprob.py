@@ -289,6 +289,7 @@ class LogprobRecords(IndexerRecords):
 
     name = LOGPROB
     optional = True
+    whole = True  # one fp32 row per token, no K/V heads to split by
 
     def __init__(self, store: LogprobStore) -> None:
         if store.host_pool is None:

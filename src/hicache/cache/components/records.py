@@ -79,6 +79,12 @@ class ComponentRecords(ABC):
     prefetch then never waits for them or cuts its boundary by them, and reads those its
     lookup found among the pages it reads."""
 
+    whole: ClassVar[bool] = False
+    """Whether a record is one per key whatever the rank's K/V head split (its payload
+    does not follow the KV's heads, as a state slot's or a scoring entry page's): under
+    ``records="head"`` it is keyed per rank (:meth:`~hicache.keys.Namespace.for_slots`)
+    and never split per head. State-slot components are whole by their pool."""
+
     def __init__(self, tree: HiRadixTree, reach: int) -> None:
         self.tree = tree
         self.reach = reach

@@ -69,6 +69,9 @@ class Prefetch:
     component_keys: dict[str, list[PageKey]] = field(default_factory=dict)
     component_first: dict[str, int] = field(default_factory=dict)
     local: dict[str, frozenset[int]] = field(default_factory=dict)
+    optional: bool = False
+    """Whether the records of optional components are looked up and read too (a scoring
+    request's prefetch: ``ComponentRecords.optional``)."""
     found: dict[str, set[int]] = field(default_factory=dict)
     """Per component, the pages whose records the lookup found (what an optional
     component's read takes: ``ComponentRecords.optional``)."""

@@ -68,6 +68,8 @@ class Reads:
         lo = p.valid_pages if inner_to else start  # boundaries considered: (lo, start + hit]
         lookups: list[ComponentLookup] = []
         for c in self._components:
+            if c.optional and not p.optional:
+                continue  # nobody asked: no lookup, no read
             keys = self._keys.of(p.key, p.tenant, c.name)
             first = max(1, lo - c.reach + 1)  # records of pages first.. may be needed
             p.component_keys[c.name] = keys
