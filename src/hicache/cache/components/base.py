@@ -164,6 +164,9 @@ class ComponentStore(ABC):
     spec_type: ClassVar[type[ComponentSpec]]
     label: ClassVar[str]
     """How integrity errors name this store's pools (``"L1 <label>"``)."""
+    optional: ClassVar[bool] = False
+    """Whether a hit needs none of this store's values (scoring entries): what a hit in
+    L1 needs, a restore's load to L1 included, ignores such a store."""
     resumes: ClassVar[bool] = False
     """Whether admission hands requests a state to resume from
     (:meth:`CacheRequest.take_resume`): a model carrying state between forwards can

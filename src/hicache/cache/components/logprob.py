@@ -85,6 +85,7 @@ class LogprobStore(IndexerStore):
 
     spec_type = LogprobSpec
     label = "logprob"
+    optional = True
 
     def __init__(self, spec: ComponentSpec, ctx: StoreContext) -> None:
         PagedStore.__init__(self, spec, ctx)

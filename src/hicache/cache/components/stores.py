@@ -144,6 +144,12 @@ class ComponentStores:
         :class:`ComponentHits`)."""
         return tuple(ComponentHits(n, h[0], h[1]) for n, h in self._hits.items())
 
+    @property
+    def needed_on_hit(self) -> bool:
+        """Whether a hit needs values of some store besides the full KV (one that is not
+        :attr:`ComponentStore.optional`)."""
+        return any(not s.optional for s in self._stores)
+
     def scoring_top(self) -> int | None:
         """The most alternatives per scored prompt position any store keeps (None: no
         store keeps scoring entries)."""

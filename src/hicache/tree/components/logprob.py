@@ -24,6 +24,7 @@ class LogprobEntries(IndexerKeys):
     """Scoring entries on the full KV's page ids (``Granularity.PAGE``), never required."""
 
     name: ClassVar[str] = "logprob"
+    optional: ClassVar[bool] = True
 
     def validator(self, *, device_only: bool) -> MatchValidator:
         """Every node may end a match: a request that does not score needs no entry, and
