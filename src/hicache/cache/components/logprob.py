@@ -151,7 +151,7 @@ class LogprobStore(IndexerStore):
     def cap(self, req: CacheRequest, wanted: Sequence[int]) -> int:
         """How many leading tokens of ``wanted`` a scoring request may take from the
         cache: the deepest page boundary ``b`` such that every page from the one holding
-        slot ``start - 2`` (the logits before its first scored position) up to ``b``
+        slot ``start - 1`` (the logits before its first scored position) up to ``b``
         holds its entries in some tier and the last slot's entry serves the prompt's
         token at ``b``; at least ``start - 1`` (no entry needed below). Copies nothing."""
         log = req.scores
