@@ -25,9 +25,11 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	$(VPY) -m pip install -q --no-deps -r requirements/nixl.txt
 	# SGLang and vLLM for their integrations' tests, each beside the venv in a folder of its
 	# own that only those tests put on sys.path (requirements/sglang.txt, vllm.txt)
-	rm -rf $(VENV)/sglang $(VENV)/vllm
+	rm -rf $(VENV)/sglang $(VENV)/vllm $(VENV)/lmeval
 	$(VPY) -m pip install -q --no-deps --target $(VENV)/sglang -r requirements/sglang.txt
 	$(VPY) -m pip install -q --no-deps --target $(VENV)/vllm -r requirements/vllm.txt
+	# lm-eval for tests/api/test_lmeval_scoring.py, likewise beside the venv (hashes checked)
+	$(VPY) -m pip install -q --no-deps --require-hashes --target $(VENV)/lmeval -r requirements/lmeval.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv

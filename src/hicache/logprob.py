@@ -76,6 +76,15 @@ class TokenLogprob:
         values = memoryview(self.top_logprob_bytes).cast("f").tolist()
         return tuple(zip(ids, values, strict=True))
 
+    def cut(self, k: int) -> TokenLogprob:
+        """This record with its first ``k`` alternatives only (itself when it holds no
+        more than ``k``)."""
+        if k >= self.k:
+            return self
+        return TokenLogprob(
+            self.token_id, self.logprob, self.top_id_bytes[: 4 * k], self.top_logprob_bytes[: 4 * k]
+        )
+
     def to_wire(self) -> list[object]:
         """This record as JSON values (see the module docstring)."""
         return [

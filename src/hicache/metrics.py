@@ -65,6 +65,9 @@ class CacheCounters:
     l3_backup_indexer_pages_total: int = 0
     """DSA indexer key pages written to L3 (``"indexer"`` records)."""
     l3_backup_indexer_pages_failed_total: int = 0
+    l3_backup_logprob_pages_total: int = 0
+    """Scoring-entry pages written to L3 (``"logprob"`` records)."""
+    l3_backup_logprob_pages_failed_total: int = 0
     prefetch_timeouts_total: int = 0
     """L3 prefetches whose request the policy let in at the prefetch's deadline with the
     lookup or the read not over (``timeout``: its computed wait; ``wait_complete``:

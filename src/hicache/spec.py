@@ -281,6 +281,44 @@ class IndexerSpec(ComponentSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LogprobSpec(ComponentSpec):
+    """What a scoring request needs of a cached prefix, kept with its pages: the
+    component ``"logprob"``. Token slot ``p`` of a page holds, from the fp32
+    ``log_softmax`` of the logits at position ``p``: the id of the prompt token that
+    followed (``p + 1``) as the request that computed it had it, that token's logprob,
+    and the ``top`` most likely tokens with their logprobs. One fp32 row of
+    :attr:`width` values per token (ids bit-cast from int32), on the full KV's page ids
+    like the indexer's keys; the engine adds it (not the model) when
+    ``prompt_logprobs_top`` >= 0."""
+
+    name: ClassVar[str] = "logprob"
+    top: int
+
+    def __post_init__(self) -> None:
+        int_at_least("top", self.top, 0)
+
+    @property
+    def width(self) -> int:
+        """fp32 values per token: next token id, its logprob, ``top`` ids, ``top`` logprobs."""
+        return 2 + 2 * self.top
+
+    @property
+    def kv(self) -> KVSpec:
+        """The pools' shape: one layer of ``(tokens, 1, width)`` fp32 (the MLA layout)."""
+        return KVSpec(
+            num_layers=1,
+            attention=AttentionKind.MLA,
+            kv_lora_rank=self.width,
+            qk_rope_head_dim=0,
+            dtype="float32",
+        )
+
+    def device_token_bytes(self, config: CacheConfig) -> float:
+        """One row for every token of the full KV's L1 pool."""
+        return float(self.kv.token_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """Everything a model caches per token, as the model side describes it: the full KV
     (``kv``: every layer of a plain model; the global layers of one whose sliding layers

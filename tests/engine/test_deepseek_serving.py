@@ -78,7 +78,7 @@ def test_greedy_through_engine_equals_transformers(variant: str) -> None:
         spec = engine.core.cache.context.spec
         assert spec.attention is AttentionKind.MLA and spec.num_layers == cfg.num_layers
         assert (spec.heads, spec.dim) == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        assert engine.core.cache.stores.names == []
+        assert engine.core.cache.stores.names == ["logprob"]  # the engine's scoring entries
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         assert_idle(engine)

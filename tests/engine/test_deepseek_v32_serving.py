@@ -60,7 +60,7 @@ def test_greedy_through_engine_equals_transformers() -> None:
         assert indexer is not None and indexer.spec == IndexerSpec(
             num_layers=cfg.num_layers, index_head_dim=16, dtype="float32"
         )
-        assert engine.core.cache.stores.names == ["indexer"]
+        assert engine.core.cache.stores.names == ["indexer", "logprob"]  # + scoring entries
         out = engine.generate(ids, GREEDY, timeout=60)
         assert out.error is None and out.output_ids == want
         assert_idle(engine)

@@ -127,7 +127,7 @@ def test_greedy_through_engine_equals_transformers(name: str) -> None:
             swa = engine.core.cache.stores.of_type(SwaStore)
             assert swa is not None
             assert swa.spec.kv.num_layers == len(cfg.sliding_layers)
-            assert engine.core.cache.stores.names == ["swa"]
+            assert engine.core.cache.stores.names == ["swa", "logprob"]  # + scoring entries
         else:
             assert engine.core.cache.context.spec.num_layers == len(cfg.kv_layers)
             assert engine.core.cache.stores.of_type(SwaStore) is None

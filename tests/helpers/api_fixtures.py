@@ -27,11 +27,13 @@ def make_engine(
     context_length: int = CONTEXT,
     max_running: int = 8,
     per_group: int | None = None,
+    disable_radix_cache: bool = False,
     **fields: Any,
 ) -> Engine:
     """A started engine over :data:`MODEL` (CPU, float32, 4-token pages, 1024 device
     tokens, 32-token prefill chunks): ``max_running`` slots, at most ``per_group`` of
-    them per group (None: the scheduler's default), other :class:`EngineConfig`
+    them per group (None: the scheduler's default), no prefix reuse with
+    ``disable_radix_cache``, other :class:`EngineConfig`
     ``fields`` as given (an L3 backend, queue bound, ...)."""
     config = EngineConfig(
         model_path=MODEL,
@@ -42,6 +44,7 @@ def make_engine(
             max_running_requests=max_running,
             chunked_prefill_size=32,
             max_running_requests_per_group=per_group,
+            disable_radix_cache=disable_radix_cache,
         ),
         context_length=context_length,
         **fields,

@@ -2,7 +2,8 @@
 on and off (issue 27).
 
 lm-eval's multiple-choice tasks send one request per choice, ``context + choice``, reading
-the choice's prompt logprobs (``logprob_start_len = len(context)``, ``max_tokens=1``). Two
+the choice's prompt logprobs (``logprob_start_len = len(context)``, ``max_tokens=1``;
+``--echo``: every position, as ``local-completions`` asks). Two
 engines in process: **on** (the radix cache) and **off** (``disable_radix_cache``), over
 ``--questions`` contexts of about ``--context`` tokens with ``--choices`` answers each, one
 request at a time, alternating for ``--rounds`` rounds (each "on" round starts cold).
@@ -78,8 +79,12 @@ def workload(
     return out
 
 
-def run_mode(engine: Any, mode: str, pairs: list[tuple[list[int], list[int]]]) -> ModeRun:
-    """Score every pair once, one request at a time; ``mode`` names the engine."""
+def run_mode(
+    engine: Any, mode: str, pairs: list[tuple[list[int], list[int]]], *, echo: bool = False
+) -> ModeRun:
+    """Score every pair once, one request at a time; ``mode`` names the engine. ``echo``:
+    every prompt position scored with one alternative (no ``logprob_start_len``: OpenAI's
+    ``echo`` + ``logprobs=1``, as lm-eval's ``local-completions`` asks)."""
     from hicache.engine.sampling import SamplingParams
 
     if mode == "on" and not engine.flush_cache():
@@ -89,7 +94,10 @@ def run_mode(engine: Any, mode: str, pairs: list[tuple[list[int], list[int]]]) -
     t0 = time.perf_counter()
     for ctx, choice in pairs:
         params = SamplingParams(
-            temperature=0, max_tokens=1, prompt_logprobs=0, logprob_start_len=len(ctx)
+            temperature=0,
+            max_tokens=1,
+            prompt_logprobs=1 if echo else 0,
+            logprob_start_len=0 if echo else len(ctx),
         )
         out = engine.generate(ctx + choice, params, timeout=600)
         if out.error is not None or out.prompt_logprobs is None:
@@ -148,6 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300, help="context tokens (about)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--rounds", type=int, default=3, help="alternating on/off rounds")
+    p.add_argument(
+        "--echo",
+        action="store_true",
+        help="score every prompt position, no logprob_start_len (lm-eval's local-completions)",
+    )
+    p.add_argument(
+        "--prompt-logprobs-top",
+        type=int,
+        default=1,
+        help="the on engine's scoring entries (alternatives kept per position; -1: none)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     for name in ("questions", "choices", "context", "page_size", "rounds"):
@@ -167,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             cache=CacheConfig(page_size=args.page_size, device_tokens=16384, hicache_ratio=2.0),
             scheduler=SchedulerConfig(disable_radix_cache=off),
+            prompt_logprobs_top=None if args.prompt_logprobs_top < 0 else args.prompt_logprobs_top,
             **kwargs,
         )
 
@@ -174,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     with Engine(config(False)) as on_engine, Engine(config(True)) as off_engine:
         engines = {"on": on_engine, "off": off_engine}
         pairs = workload(on_engine.model.tokenizer, args.questions, args.context, args.choices)
-        run_mode(on_engine, "on", pairs[: args.choices])  # warm-up, not counted
-        run_mode(off_engine, "off", pairs[: args.choices])
+        run_mode(on_engine, "on", pairs[: args.choices], echo=args.echo)  # warm-up
+        run_mode(off_engine, "off", pairs[: args.choices], echo=args.echo)
         for r in range(args.rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
-                runs[mode].append(run_mode(engines[mode], mode, pairs))
+                runs[mode].append(run_mode(engines[mode], mode, pairs, echo=args.echo))
     diffs = [compare(a, b, args.choices) for a, b in zip(runs["on"], runs["off"], strict=True)]
     summary = {
         m: {
@@ -205,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(
         f"Multiple choice: {args.questions} questions x {args.choices} choices, context"
-        f" ~{len(pairs[0][0])} tokens, page {args.page_size}; medians of {args.rounds} rounds",
+        f" ~{len(pairs[0][0])} tokens, page {args.page_size},"
+        f" {'echo (every position)' if args.echo else 'from the choice'}, scoring entries"
+        f" {args.prompt_logprobs_top if args.prompt_logprobs_top >= 0 else 'off'};"
+        f" medians of {args.rounds} rounds",
         ["cache", "wall s", "CPU s", "prompt tokens", "computed", "cached"],
         [
             [

@@ -14,6 +14,6 @@ of the cache".
 """
 
 from hicache.cache.facade import HiCache
-from hicache.cache.request import CachedTokens, CacheRequest, RequestState
+from hicache.cache.request import CachedTokens, CacheRequest, RequestState, ScoreAsk, ScoreLog
 
-__all__ = ["CacheRequest", "CachedTokens", "HiCache", "RequestState"]
+__all__ = ["CacheRequest", "CachedTokens", "HiCache", "RequestState", "ScoreAsk", "ScoreLog"]

@@ -32,7 +32,7 @@ from hicache.cache.components.stores import ComponentStores, store_type
 from hicache.cache.full_kv import FullKVStore
 from hicache.cache.full_pages import FullPages
 from hicache.cache.l3.slot import L3Slot
-from hicache.cache.request import CacheRequest, RequestState
+from hicache.cache.request import CacheRequest, RequestState, ScoreAsk, ScoreLog
 from hicache.cache.restores import Restores
 from hicache.cache.sessions import Sessions
 from hicache.cache.sync import DEFAULT_WAIT_TIMEOUT_S, CacheSync
@@ -189,6 +189,7 @@ class HiCache(Lifecycle):
         compute_last: bool = True,
         max_prefix: int | None = None,
         max_load: int | None = None,
+        scores: ScoreAsk | None = None,
     ) -> CacheRequest:
         """A handle for a request that just arrived with ``tokens``; starts its L3
         prefetch (lookup, then read into L2) so it runs while the request waits.
@@ -205,7 +206,12 @@ class HiCache(Lifecycle):
         early positions (prompt log probabilities) sets it; it still commits its pages for
         others like any request. ``max_load``: at most this many tokens of the prefix may
         be restored from L2 and L3 (whole pages; L1 hits do not count; the prefetch reads
-        no further than what L1 holds now plus this); None: no limit.
+        no further than what L1 holds now plus this); None: no limit. ``scores``: the
+        request scores its prompt (positions ``scores.start`` on, ``scores.top``
+        alternatives): when a store keeps scoring entries of that many alternatives, the
+        handle gets a :class:`~hicache.cache.request.ScoreLog` and ``max_prefix`` is
+        dropped (the entries cap the match instead, and the admission hands the cached
+        positions' records back in it); else ``max_prefix`` stands.
         """
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
@@ -217,21 +223,28 @@ class HiCache(Lifecycle):
             isinstance(max_load, bool) or not isinstance(max_load, int) or max_load < 0
         ):
             raise ValueError(f"max_load={max_load!r} is invalid; must be None or an int >= 0")
+        keep = self.stores.scoring_top() if scores is not None else None
+        if keep is not None and scores is not None and scores.top > keep:
+            keep = None  # asks more alternatives than are kept: it recomputes
         req = CacheRequest(
             tenant=tenant,
             priority=int(priority),
             cacheable=cacheable,
             compute_last=compute_last,
-            max_prefix=max_prefix,
+            max_prefix=max_prefix if keep is None else None,
             max_load=max_load,
             prompt_tokens=len(tokens),
             page_size=self.context.page_size,
         )
+        if keep is not None and scores is not None:
+            req.scores = ScoreLog(scores, keep, tokens)
         if cacheable:
             wanted = tokens[: req.reusable(len(tokens))]
             if max_load is not None:  # L3 pages past L1's prefix plus the cap are no use
                 wanted = wanted[: self.full.device_prefix(wanted, tenant) + max_load]
-            req.prefetch = self._l3.tier.prefetches.start(wanted, tenant)
+            req.prefetch = self._l3.tier.prefetches.start(
+                wanted, tenant, optional=req.scores is not None
+            )
         return req
 
     def ready(self, req: CacheRequest) -> bool:
@@ -258,6 +271,8 @@ class HiCache(Lifecycle):
             req.storage_tokens += self._l3.tier.prefetches.take(req.prefetch)
             req.prefetch = None
         wanted = tokens[: req.reusable(len(tokens))] if req.cacheable else ()
+        if wanted and req.scores is not None:  # as far as the scoring entries serve
+            wanted = wanted[: self.stores.cap(req, wanted)]
         got = self.full.admit(req, wanted, len(tokens))
         if not got.ok:
             return False
@@ -322,12 +337,19 @@ class HiCache(Lifecycle):
         self._require_admitted(req)
         ps = self.context.page_size
         full = len(tokens) // ps
-        if not req.cacheable or req.failed is not None or full <= req.prefix_pages:
+        if not req.cacheable or req.failed is not None:
+            return
+        if full <= req.prefix_pages:
+            if final and req.node is not None:  # values that came after their pages
+                self.stores.late(req, req.node, req.prefix_pages)
+                if self.stores.take_added():
+                    self._l3.back_up_added(req.node)
             return
         components = self.stores.values(req, full, final)
         last = self.full.commit(req, tokens[: full * ps], components)
         self.stores.committed(req, last, full, len(tokens))
-        if components and last.host is not None:  # no backup was issued with them
+        added = self.stores.take_added()  # values placed on nodes in L2 already
+        if (components or added) and last.host is not None:  # no backup was issued with them
             self._l3.back_up_added(last)
 
     def release(

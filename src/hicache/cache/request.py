@@ -20,12 +20,14 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hicache.cache.l3.prefetch import Prefetch
 from hicache.extras import SequenceExtras
+from hicache.logprob import TokenLogprob
 from hicache.transfer import LayerProgress, TransferError
 from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, page_ids
@@ -102,6 +104,48 @@ class FullPart:
         self.progress = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreAsk:
+    """What a scoring request asks of its prompt: the logprobs of positions ``start``
+    on (``start >= 1``; position 0 has none) with ``top`` alternatives each."""
+
+    start: int
+    top: int
+
+    def __post_init__(self) -> None:
+        if self.start < 1 or self.top < 0:
+            raise ValueError(f"{self!r} is invalid; needs start >= 1 and top >= 0")
+
+
+class ScoreLog:
+    """A scoring request's prompt logprobs as the cache sees them (its handle's
+    :attr:`CacheRequest.scores`), set when a store keeps scoring entries of at least
+    ``ask.top`` alternatives (``keep``, the store's).
+
+    ``records``: position ``p`` -> the record of prompt token ``p`` (its logprob under
+    the logits at ``p - 1``) with ``keep`` alternatives or more, from the caller (what its
+    forwards computed) and from the cache (what its cached prefix held, on admission).
+    ``limit``: at most this many leading tokens may come from the cache (None: as many as
+    the entries allow), lowered by the store when a boundary's entries cannot serve."""
+
+    __slots__ = ("ask", "keep", "limit", "records", "tokens")
+
+    def __init__(self, ask: ScoreAsk, keep: int, tokens: Sequence[int]) -> None:
+        self.ask = ask
+        self.keep = keep
+        self.tokens = tuple(tokens)
+        """The prompt (the entry at the last slot of a hit names the token after it)."""
+        self.records: dict[int, TokenLogprob] = {}
+        self.limit: int | None = None
+
+    def complete(self, first: int, end: int) -> bool:
+        """Whether positions ``[first, end)`` all have records."""
+        return all(p in self.records for p in range(first, end))
+
+    def __repr__(self) -> str:
+        return f"ScoreLog({self.ask!r}, keep={self.keep}, records={len(self.records)})"
+
+
 class RequestState(str, enum.Enum):
     """Where a handle is in its life: opened, admitted (holds pages), released."""
 
@@ -134,6 +178,7 @@ class CacheRequest:
         "prefetch",
         "priority",
         "prompt_tokens",
+        "scores",
         "state",
         "storage_tokens",
         "tenant",
@@ -183,6 +228,9 @@ class CacheRequest:
         """Stores that copied this request's hit from L2 in an admission not yet counted
         (see ``ComponentStores.component_hits``)."""
         self._counted = False
+        self.scores: ScoreLog | None = None
+        """Set when the request scores its prompt and a store keeps scoring entries
+        (:class:`ScoreLog`); its match is then capped by the entries, not ``max_prefix``."""
 
     def reusable(self, n: int) -> int:
         """How many leading tokens of an ``n``-token sequence a cached prefix may serve:

@@ -146,7 +146,7 @@ class Restores:
         cached in L1 like any. Returns the tokens whose copy started (0: none; always 0
         for a model with extra component stores, whose values a hit in L1 needs too)."""
         host = self._pages.host
-        if r.stage is not RestoreStage.HELD or r.node is None or len(self._stores):
+        if r.stage is not RestoreStage.HELD or r.node is None or self._stores.needed_on_hit:
             return 0
         if not isinstance(host, HostTier):  # pragma: no cover - a hold needs L2
             return 0

@@ -31,7 +31,7 @@ from hicache.engine.tp_fit import check_tp_fits
 from hicache.kv_events.config import KvEventsConfig
 from hicache.runner.kernels import AttentionBackend
 from hicache.storage.registry import StorageConfig, storage_config_from_args
-from hicache.validate import int_at_least, is_finite_number, require
+from hicache.validate import int_at_least, is_finite_number, is_int, require
 
 __all__ = ["EngineConfig", "config_fields"]
 
@@ -107,6 +107,14 @@ class EngineConfig:
     idle for a second after being busy, and once more this many seconds later if it is
     still idle; never twice within this many seconds; 0: never (see
     :mod:`hicache.engine.memory_trim`). A no-op where there is no glibc."""
+    prompt_logprobs_top: int | None = 1
+    """Scoring entries (:mod:`hicache.cache.components.logprob`): the cache keeps, with
+    the pages a scoring request (prompt logprobs: ``echo`` with ``logprobs``) computed,
+    each position's prompt-token logprob and this many alternatives, so that a later
+    scoring request reuses the cached prefix instead of recomputing it. A request asking
+    more alternatives recomputes its prompt as before. ``4 * (2 + 2 * top)`` bytes per
+    token of L1 (and L2). None: off. Only with one rank (``tp_size`` 1): under tensor
+    parallelism rank 0 alone computes logprobs, so it is off there. An int >= 0 or None."""
     tp_size: int = 1
     """Tensor-parallel ranks, each a process with its own model shard, cache and scheduler
     (see :mod:`hicache.engine.ranks`); 1: this process alone. On CUDA one per device (from
@@ -229,6 +237,13 @@ class EngineConfig:
                 self.storage_tp_lcm,
                 f"must be a multiple of this server's tp_size={self.tp_size}",
             )
+        top = self.prompt_logprobs_top
+        require(
+            top is None or (is_int(top) and top >= 0),
+            "prompt_logprobs_top",
+            top,
+            "must be an int >= 0, or None (off)",
+        )
         if self.attention_backend not in {b.value for b in AttentionBackend}:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is invalid; must be one of"

@@ -90,6 +90,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-total-tokens", type=int, default=16384, help="L1 size in tokens")
     c.add_argument("--device-cache-size", type=float, default=None, help="L1 size in GB")
     c.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
+    c.add_argument(
+        "--prompt-logprobs-top",
+        type=int,
+        default=1,
+        help="alternatives kept per prompt position with the cached pages for scoring"
+        " requests (echo + logprobs), so a cached prefix answers their logprobs; a request"
+        " asking more recomputes; -1: off",
+    )
     c.add_argument("--enable-hierarchical-cache", action="store_true", help="add the L2 tier")
     c.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size = ratio x L1")
     c.add_argument("--hicache-size", type=float, default=0.0, help="L2 GB per rank (overrides)")
@@ -436,6 +444,7 @@ FIELD_FLAGS = {
     "cuda_graph_max_bs": "--cuda-graph-max-bs",
     "memory_trim_interval_s": "--memory-trim-interval",
     "tp_size": "--tp-size",
+    "prompt_logprobs_top": "--prompt-logprobs-top",
     "dist_init_timeout_s": "--dist-init-timeout",
     "collective_timeout_s": "--collective-timeout",
     "nnodes": "--nnodes",
@@ -636,6 +645,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         unhealthy_after_failed_steps=a.unhealthy_after_failed_steps,
         memory_trim_interval_s=a.memory_trim_interval,
         tp_size=a.tp_size,
+        prompt_logprobs_top=None if a.prompt_logprobs_top < 0 else a.prompt_logprobs_top,
         dist_init_timeout_s=a.dist_init_timeout,
         collective_timeout_s=a.collective_timeout,
         nodes=NodeConfig(

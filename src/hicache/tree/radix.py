@@ -72,6 +72,9 @@ class HiRadixTree:
         self.page_size = page_size
         self.eviction_policy = EvictionPolicy(eviction_policy)
         self._extra = _extra_components(components)
+        self._required = tuple(c for c in self._extra if not c.optional)
+        """The extra components a match depends on (an optional one's validator accepts
+        every node)."""
         self._components: tuple[TreeComponent, ...] = (FullComponent(), *self._extra)
         store = self._store = NodeStore(page_size, self._components)
         paths = self._paths = Paths(store)
@@ -154,7 +157,7 @@ class HiRadixTree:
         With extra components the match ends at the deepest node every component accepts
         (in L1 or L2; the L1 part at the deepest node accepted with L1 values only).
         """
-        return self._matcher.match(tokens, tenant, self._extra)
+        return self._matcher.match(tokens, tenant, self._required)
 
     def match_full(self, tokens: TokenIds, tenant: str = "") -> MatchResult:
         """The longest prefix of ``tokens`` whose full KV the tree holds, in any tier,

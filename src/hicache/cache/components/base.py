@@ -164,6 +164,9 @@ class ComponentStore(ABC):
     spec_type: ClassVar[type[ComponentSpec]]
     label: ClassVar[str]
     """How integrity errors name this store's pools (``"L1 <label>"``)."""
+    optional: ClassVar[bool] = False
+    """Whether a hit needs none of this store's values (scoring entries): what a hit in
+    L1 needs, a restore's load to L1 included, ignores such a store."""
     resumes: ClassVar[bool] = False
     """Whether admission hands requests a state to resume from
     (:meth:`CacheRequest.take_resume`): a model carrying state between forwards can
@@ -212,6 +215,18 @@ class ComponentStore(ABC):
         """The L1 pool the model reads and writes during a forward (the request's part is
         then a :class:`~hicache.cache.request.SlotTable` giving its slots there), or None when the model does not use this store's pool directly."""
         return None
+
+    @property
+    def scoring_top(self) -> int | None:
+        """The alternatives this store keeps per scored prompt position (scoring
+        entries), or None when it keeps none."""
+        return None
+
+    def cap(self, req: CacheRequest, wanted: Sequence[int]) -> int:
+        """How many leading tokens of ``wanted`` (what ``req`` may reuse otherwise) its
+        admission may take from the cache, as far as this store can serve them; default:
+        all. Called before the match; copies nothing."""
+        return len(wanted)
 
     def free(self, tier: Tier, ids: PageIds) -> None:
         """Return ``ids`` to the ``tier`` pool."""
@@ -266,6 +281,18 @@ class ComponentStore(ABC):
     ) -> None:
         """After a commit of ``full`` pages ending at ``last`` (``req.prefix_pages`` is
         ``full`` now; ``computed`` positions are done)."""
+
+    def take_added(self) -> bool:
+        """Whether values were added, since the last call, at nodes whose full KV was in
+        L2 already, which no backup carries (scoring entries placed after their pages'
+        commit): the facade then copies them to L2 and writes them to L3
+        (``L3Slot.back_up_added``). Default: never."""
+        return False
+
+    def late(self, req: CacheRequest, last: TreeNode, full: int) -> None:  # noqa: B027
+        """``req``'s last commit brought no new page (its ``full`` pages end at ``last``):
+        place what it learnt of them since their commit (scoring entries, whose records
+        come after the forward's commit). Default: nothing."""
 
     @abstractmethod
     def release(self, req: CacheRequest) -> None:

@@ -18,6 +18,7 @@ full KV's: docs/architecture.md, "Hybrid models".
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -72,7 +73,7 @@ class IndexerSlots(SlotTable):
 class IndexerStore(PagedStore):
     """The indexer's keys of one cache, on the full KV's page ids (see the module doc)."""
 
-    spec_type = IndexerSpec
+    spec_type: ClassVar[type[ComponentSpec]] = IndexerSpec
     label = "indexer"
 
     def __init__(self, spec: ComponentSpec, ctx: StoreContext) -> None:
@@ -91,7 +92,7 @@ class IndexerStore(PagedStore):
     # ------------------------------------------------------------------ pools
 
     @property
-    def runner_pool(self) -> DevicePool:
+    def runner_pool(self) -> DevicePool | None:
         """The sparse layers' indexer reads and writes its keys here."""
         return self._device_pool
 

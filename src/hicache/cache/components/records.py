@@ -74,6 +74,16 @@ class ComponentRecords(ABC):
     """One component's L3 codec over one cache's tree (see the module docstring)."""
 
     name: ClassVar[str]
+    optional: ClassVar[bool] = False
+    """Whether a hit needs none of this component's records (scoring entries): a
+    prefetch then never waits for them or cuts its boundary by them, and reads those its
+    lookup found among the pages it reads."""
+
+    whole: ClassVar[bool] = False
+    """Whether a record is one per key whatever the rank's K/V head split (its payload
+    does not follow the KV's heads, as a state slot's or a scoring entry page's): under
+    ``records="head"`` it is keyed per rank (:meth:`~hicache.keys.Namespace.for_slots`)
+    and never split per head. State-slot components are whole by their pool."""
 
     def __init__(self, tree: HiRadixTree, reach: int) -> None:
         self.tree = tree

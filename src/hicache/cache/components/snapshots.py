@@ -218,8 +218,11 @@ class SnapshotStore(ComponentStore):
         last = (req.prompt_tokens - 1) // ps * ps
         step = self.track_pages * ps
         nxt = min((pos // step + 1) * step, last)
-        if req.max_prefix is not None:  # where a request capped alike resumes
-            cap = min(req.max_prefix, last) // ps * ps
+        hint = req.max_prefix
+        if hint is None and req.scores is not None and req.scores.ask.start > 1:
+            hint = req.scores.ask.start - 1  # a scoring request's cap without entries
+        if hint is not None:  # where a request capped alike resumes
+            cap = min(hint, last) // ps * ps
             if cap > pos:
                 nxt = min(nxt, cap)
         return nxt if nxt > pos else None

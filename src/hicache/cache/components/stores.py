@@ -144,6 +144,25 @@ class ComponentStores:
         :class:`ComponentHits`)."""
         return tuple(ComponentHits(n, h[0], h[1]) for n, h in self._hits.items())
 
+    @property
+    def needed_on_hit(self) -> bool:
+        """Whether a hit needs values of some store besides the full KV (one that is not
+        :attr:`ComponentStore.optional`)."""
+        return any(not s.optional for s in self._stores)
+
+    def scoring_top(self) -> int | None:
+        """The most alternatives per scored prompt position any store keeps (None: no
+        store keeps scoring entries)."""
+        tops = [t for s in self._stores if (t := s.scoring_top) is not None]
+        return max(tops) if tops else None
+
+    def cap(self, req: CacheRequest, wanted: Sequence[int]) -> int:
+        """The fewest leading tokens of ``wanted`` any store lets ``req`` reuse."""
+        n = len(wanted)
+        for s in self._stores:
+            n = min(n, s.cap(req, wanted[:n]))
+        return n
+
     def grow(self, req: CacheRequest, tokens: int, computed: int | None) -> bool:
         return all(s.grow(req, tokens, computed) for s in self._stores)
 
@@ -163,6 +182,15 @@ class ComponentStores:
     def committed(self, req: CacheRequest, last: TreeNode, full: int, computed: int) -> None:
         for s in self._stores:
             s.committed(req, last, full, computed)
+
+    def late(self, req: CacheRequest, last: TreeNode, full: int) -> None:
+        for s in self._stores:
+            s.late(req, last, full)
+
+    def take_added(self) -> bool:
+        """Whether any store added values at nodes already in L2 (each store's flag is
+        taken: see :meth:`ComponentStore.take_added`)."""
+        return any([s.take_added() for s in self._stores])
 
     def release(self, req: CacheRequest) -> None:
         for s in self._stores:

@@ -58,10 +58,11 @@ class TierKeys:
         self._previous_digests: dict[str, bytes] = {}
         """Each tenant's namespace digest under the previous key spec."""
         self.slot_components = frozenset(
-            c.name for c in components if isinstance(c.pool, StatePool)
+            c.name for c in components if isinstance(c.pool, StatePool) or c.whole
         )
-        """Components recorded a whole state slot per key: one rank's shard, per rank
-        (:meth:`~hicache.keys.Namespace.for_slots`)."""
+        """Components recorded whole per key (a state slot, or a page of a component whose
+        payload does not follow the K/V heads: ``ComponentRecords.whole``): one rank's
+        shard, per rank (:meth:`~hicache.keys.Namespace.for_slots`)."""
         for c in components:
             storage.allow_component(c.name, slots=c.name in self.slot_components)
 

@@ -69,6 +69,12 @@ class Prefetch:
     component_keys: dict[str, list[PageKey]] = field(default_factory=dict)
     component_first: dict[str, int] = field(default_factory=dict)
     local: dict[str, frozenset[int]] = field(default_factory=dict)
+    optional: bool = False
+    """Whether the records of optional components are looked up and read too (a scoring
+    request's prefetch: ``ComponentRecords.optional``)."""
+    found: dict[str, set[int]] = field(default_factory=dict)
+    """Per component, the pages whose records the lookup found (what an optional
+    component's read takes: ``ComponentRecords.optional``)."""
     reads: list[ComponentFetch] = field(default_factory=list)
     cached_to: int = 0
     """The page where the prefix the tree held at the start ends (``start_page`` unless

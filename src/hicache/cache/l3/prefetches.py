@@ -61,7 +61,8 @@ class Prefetches:
         self._counters = counters
         self._op_ids = sync.op_ids
         self._codecs = codecs
-        self._components = tuple(codecs.values())
+        self._components = tuple(c for c in codecs.values() if not c.optional)
+        """The components a hit needs (an optional one's records only ride along)."""
         self._page_size = host.page_size
         self._sync = sync
         self._reads = Reads(
@@ -82,12 +83,15 @@ class Prefetches:
 
     # ------------------------------------------------------------------ lookup
 
-    def start(self, tokens: TokenIds, tenant: str, *, any_hit: bool = False) -> Prefetch | None:
+    def start(
+        self, tokens: TokenIds, tenant: str, *, any_hit: bool = False, optional: bool = False
+    ) -> Prefetch | None:
         """Start looking up the L3 pages of ``tokens`` past what the tree holds (``any_hit``:
         a restore's, read whatever ``prefetch_threshold``); None when nothing can be fetched (no uncached whole page; with extra components, also
         when the held prefix ends on a span that is not in L2 and no held boundary past
         the valid match is left to serve). ``docs/architecture.md`` (L3) says where the
-        lookup starts and what it covers."""
+        lookup starts and what it covers. ``optional``: also look up and read the records of
+        optional components (a scoring request's entries) among the pages read."""
         if not tokens:
             return None
         key = encode_tokens(tokens)
@@ -122,6 +126,7 @@ class Prefetches:
         p = Prefetch(next(self._op_ids), key, rest, start, pin, tenant, now, now)
         p.valid_pages, p.inner_to, p.cached_to = valid, inner_to, cached_to
         p.any_hit = any_hit
+        p.optional = optional
         p.deadline = self._reads.deadline(p, len(rest) * ps)
         if p.deadline == now:
             self._counters.l3_unwaited_prefetches_total += 1

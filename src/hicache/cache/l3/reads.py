@@ -68,6 +68,8 @@ class Reads:
         lo = p.valid_pages if inner_to else start  # boundaries considered: (lo, start + hit]
         lookups: list[ComponentLookup] = []
         for c in self._components:
+            if c.optional and not p.optional:
+                continue  # nobody asked: no lookup, no read
             keys = self._keys.of(p.key, p.tenant, c.name)
             first = max(1, lo - c.reach + 1)  # records of pages first.. may be needed
             p.component_keys[c.name] = keys
@@ -168,13 +170,15 @@ class Reads:
         """The deepest boundary (a page of the prompt) every rank can use: with extra
         components, one every component serves; the same calls on every rank."""
         start = p.start_page
-        if not self._components:
-            return start + hit
         found = {f.name: {p.component_first[f.name] + i for i in f.present} for f in r.components}
+        p.found = found
+        required = [c for c in self._components if not c.optional]
+        if not required:  # none cuts the boundary (optional records ride along)
+            return start + hit
         lo = p.valid_pages if p.inner_to else start
         usable = [
             d
-            for d in usable_boundaries(self._components, lo, start + hit, p.local, found)
+            for d in usable_boundaries(required, lo, start + hit, p.local, found)
             if d > start or d <= p.inner_to  # held pages: only those with L2 full KV
         ]
         return agree_boundary(self._ranks.min, usable, start + hit)
@@ -211,7 +215,13 @@ class Reads:
         frees those reserved)."""
         reads: list[ComponentFetch] = []
         for c in self._components:
-            pages = c.reads(depth, p.local.get(c.name, ()))
+            if c.optional:  # what the lookup found among the pages read, nothing more
+                have = p.found.get(c.name, set())
+                local = p.local.get(c.name, ())
+                span = range(p.start_page + 1, p.start_page + len(host_pages) + 1)
+                pages = [j for j in span if j in have and j not in local]
+            else:
+                pages = c.reads(depth, p.local.get(c.name, ()))
             if not pages:
                 continue
             ids = c.alloc_read(pages, p.start_page, host_pages)

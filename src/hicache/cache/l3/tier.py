@@ -107,7 +107,9 @@ class L3Tier:
 class NoPrefetches:
     """The prefetches of a detached tier: none."""
 
-    def start(self, tokens: TokenIds, tenant: str, *, any_hit: bool = False) -> Prefetch | None:
+    def start(
+        self, tokens: TokenIds, tenant: str, *, any_hit: bool = False, optional: bool = False
+    ) -> Prefetch | None:
         return None
 
     def ready(self, p: Prefetch) -> bool:

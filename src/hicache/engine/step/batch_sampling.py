@@ -104,7 +104,7 @@ class BatchSampler:
             logits,
             [p.row for p in prompt],
             [p.req.prompt_ids[p.pos] for p in prompt],
-            [p.req.params.prompt_logprobs or 0 for p in prompt],
+            [_top(p.req) for p in prompt],
         )
         failed: dict[Request, str] = {}
         for p in prompt:
@@ -112,7 +112,10 @@ class BatchSampler:
             if isinstance(lp, str):
                 failed.setdefault(p.req, f"prompt logprobs failed: {lp}")
             elif p.req.prompt_logprobs is not None and p.req not in failed:
-                p.req.prompt_logprobs[p.pos] = lp
+                p.req.prompt_logprobs[p.pos] = lp.cut(p.req.params.prompt_logprobs or 0)
+                handle = p.req.cache
+                if handle is not None and handle.scores is not None:
+                    handle.scores.records[p.pos] = lp  # what the cache keeps with the pages
         return failed
 
     def draw(self, logits: torch.Tensor, reqs: list[Request]) -> Drawn:
@@ -146,6 +149,14 @@ class BatchSampler:
         if self.channel is not None:  # rank 0: every follower takes these tokens and rows
             tokens, _ = self.channel.agree_tokens(tokens, sorted(errors))
         return Drawn(tokens, errors, logprobs)
+
+
+def _top(req: Request) -> int:
+    """The alternatives to compute at ``req``'s scored positions: what it asks, and at
+    least what the cache keeps of them (its scoring entries') when it keeps them."""
+    k = req.params.prompt_logprobs or 0
+    handle = req.cache
+    return k if handle is None or handle.scores is None else max(k, handle.scores.keep)
 
 
 def _logprobs_by_row(

@@ -23,6 +23,7 @@ from hicache.engine.step.scheduler import Scheduler
 from hicache.runner.loader import LoadedModel, default_dtype, load_model
 from hicache.runner.model_runner import ModelRunner, cache_spec_of
 from hicache.runner.parallel import TPGroup
+from hicache.spec import LogprobSpec
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ def build_core(
     failure closes what was built."""
     model = load_engine_model(config, channel) if loaded is None else loaded
     spec = cache_spec_of(model.model, model.dtype)  # full KV and one spec per component
+    top = config.prompt_logprobs_top
+    if top is not None and config.tp_size == 1:  # scoring entries: the engine's, not the model's
+        spec = dataclasses.replace(spec, components=(*spec.components, LogprobSpec(top=top)))
     cache_cfg = config.cache
     if config.device_cache_gb is not None:  # every component's L1 pool counted
         token_bytes = spec.device_token_bytes(cache_cfg)

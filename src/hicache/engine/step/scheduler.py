@@ -24,7 +24,7 @@ from collections import Counter, deque
 
 import torch
 
-from hicache.cache import CachedTokens, HiCache
+from hicache.cache import CachedTokens, HiCache, ScoreAsk
 from hicache.cache.report import cache_stats
 from hicache.engine.logits import TokenLogprob
 from hicache.engine.ranks import StepChannel
@@ -115,6 +115,8 @@ class Scheduler:
                 # prompt logprobs need the logits before every scored position computed
                 max_prefix=req.params.max_prefix if self.role.computes_prompt(req) else None,
                 max_load=req.params.max_load_tokens,
+                # scoring entries, kept with the pages, may serve the prefix instead
+                scores=score_ask(req) if self.role.computes_prompt(req) else None,
             )
         except Exception as exc:
             log.exception("request %s could not be queued", req.rid)
@@ -353,6 +355,7 @@ class Scheduler:
             req.admitted_at = time.perf_counter()
         req.leave_queue()
         req.kv_len = handle.prefix_tokens
+        take_cached_logprobs(req)
         held[req.group] += 1
         if parked:
             self.ends.park(req)
@@ -502,8 +505,9 @@ class Scheduler:
         # the previous step's text and reports while this forward runs (on CUDA); a stop
         # string found now ends its request, whose token in flight is then not sampled
         self.ends.flush()
-        if wanted.prompt:
-            self._prompt_logprobs(logits, [p for p in wanted.prompt if not p.req.finished])
+        if wanted.prompt:  # not those requeued by a failed load: they read unwritten pages
+            live = [p for p in wanted.prompt if not p.req.finished and p.req in self.running]
+            self._prompt_logprobs(logits, live)
         rows = [row for row in rows if not row[1].finished]  # a failed prompt scoring ended it
         if rows:
             self._sample(logits, rows)
@@ -625,6 +629,29 @@ class Scheduler:
 
 
 __all__ = ["LPM_MAX_WAITING", "Chunk", "SchedulePolicy", "Scheduler", "SchedulerConfig"]
+
+
+def score_ask(req: Request) -> ScoreAsk | None:
+    """What ``req`` asks the cache's scoring entries for: its prompt logprobs from
+    ``logprob_start_len`` (at least position 1) with its ``prompt_logprobs``
+    alternatives; None when it asks none."""
+    k, start = req.params.prompt_logprobs, req.params.logprob_start_len
+    if not isinstance(k, int) or not isinstance(start, int) or k < 0:
+        return None  # none asked (or params that bypassed validation: its row fails)
+    return ScoreAsk(start=max(1, start), top=k)
+
+
+def take_cached_logprobs(req: Request) -> None:
+    """After an admission: the prompt logprobs of the positions its cached prefix
+    served (``1 .. kv_len``), from the records the cache handed back, cut to the
+    alternatives ``req`` asks."""
+    handle, mine = req.cache, req.prompt_logprobs
+    if handle is None or handle.scores is None or mine is None:
+        return
+    k = req.params.prompt_logprobs or 0
+    for pos, rec in handle.scores.records.items():
+        if pos <= req.kv_len and pos < len(mine) and mine[pos] is None:
+            mine[pos] = rec.cut(k)
 
 
 def _take_prefill_state(req: Request, item: PagesArrived) -> str | None:

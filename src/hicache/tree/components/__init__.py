@@ -1,5 +1,5 @@
 """Per-component node data and rules: full KV, sliding-window KV, Mamba / linear state,
-the DSA indexer's keys."""
+the DSA indexer's keys, scoring entries (prompt logprobs)."""
 
 from hicache.tree.components.base import (
     ComponentData,
@@ -13,6 +13,7 @@ from hicache.tree.components.base import (
 )
 from hicache.tree.components.full import FullComponent
 from hicache.tree.components.indexer import IndexerKeys
+from hicache.tree.components.logprob import LogprobEntries
 from hicache.tree.components.mamba import MambaState
 from hicache.tree.components.swa import SlidingWindow
 
@@ -22,6 +23,7 @@ __all__ = [
     "FullComponent",
     "Granularity",
     "IndexerKeys",
+    "LogprobEntries",
     "MambaState",
     "MatchValidator",
     "PathAccess",

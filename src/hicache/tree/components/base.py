@@ -148,6 +148,9 @@ class TreeComponent(ABC):
     """
 
     name: ClassVar[str]
+    optional: ClassVar[bool] = False
+    """Whether a match never depends on this component (its validator accepts every
+    node): the tree's match then leaves it out (scoring entries)."""
     granularity: ClassVar[Granularity] = Granularity.PAGE
     base: ClassVar[bool] = False
     """True only for the full component, whose presence is the node's lifecycle."""
