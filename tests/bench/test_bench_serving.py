@@ -65,6 +65,7 @@ def test_multiturn_json_shape_and_hits(tmp_path: Path) -> None:
     assert doc["meta"]["l1_tokens"] % 16 == 0
 
 
+@pytest.mark.matrix  # 10 s; real outputs in the history: the pd bench (test_pd_bench.py)
 def test_multiturn_real_output_goes_into_the_history(tmp_path: Path) -> None:
     """``--real-output``: round 2's prompt is round 1's prompt, the model's own output ids
     and the new user turn (by ``/generate``, whose answer carries the ids); the pairs get

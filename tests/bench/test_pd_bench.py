@@ -92,6 +92,7 @@ def _children() -> list[str]:
     return found
 
 
+@pytest.mark.matrix  # 10 s
 @pytest.mark.timeout(120)
 def test_pd_bench_reports_failed_setups_and_leaves_nothing_running(tmp_path: Path) -> None:
     require_smg()

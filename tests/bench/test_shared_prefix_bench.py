@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,20 +56,21 @@ def test_quick_run_hits_whole_system_prompts_from_round_two(tmp_path: Path) -> N
     assert all(r["counters"]["device_evicted_tokens_total"] > 0 for r in per["l1"])
     # components: full KV and recurrent snapshots, with pools and bytes per token
     last = {c["component"]: c for c in per["l1_l2"][-1]["components"]}
-    assert set(last) == {"full", "mamba"}
+    assert set(last) == {"full", "mamba", "logprob"}  # scoring entries: none asked here
     full = last["full"]
     assert full["bytes_per_token"] == full["nominal_bytes_per_token"] > 0
     assert full["held_ratio"] == 1.0
     mamba = last["mamba"]
     assert mamba["l1"]["used"] >= 1 and mamba["l2"]["used"] >= w.groups
     assert mamba["nominal_bytes_per_token"] > 0 and mamba["bytes_per_token"] > 0
-    assert per["l1"][-1]["components"][1]["l2"] is None  # no L2 without the hierarchy
+    assert last["logprob"]["l1"]["used"] == last["logprob"]["l2"]["used"] == 0
+    l1_only = {c["component"]: c for c in per["l1"][-1]["components"]}
+    assert l1_only["mamba"]["l2"] is None  # no L2 without the hierarchy
     # snapshot resumes per tier: one per resumed admission (no preemption here)
     for r in per["l1_l2"]:
-        (hits,) = r["component_hits"]
-        assert hits["component"] == "mamba"
+        hits = component_hits(r, "mamba")
         assert hits["l1"] + hits["l2"] == r["resumed_requests"]
-    assert per["l1_l2"][1]["component_hits"][0]["l2"] > 0  # round 2 resumes from L2
+    assert component_hits(per["l1_l2"][1], "mamba")["l2"] > 0  # round 2 resumes from L2
 
 
 def test_quick_gemma3_swa_pools_hold_only_the_window(tmp_path: Path) -> None:
@@ -80,7 +82,7 @@ def test_quick_gemma3_swa_pools_hold_only_the_window(tmp_path: Path) -> None:
     for r in rounds[1:]:
         assert sum(r["hit_tokens"].values()) == w.groups * w.requests_per_group * w.system_tokens
     last = {c["component"]: c for c in rounds[-1]["components"]}
-    assert set(last) == {"full", "swa"}
+    assert set(last) == {"full", "swa", "logprob"}  # scoring entries: none asked here
     swa = last["swa"]
     assert swa["l1"]["unit"] == "pages" and swa["l2"]["total"] > 0
     # the sliding layers hold far less than every token's K/V (window 6): the decoded
@@ -90,11 +92,11 @@ def test_quick_gemma3_swa_pools_hold_only_the_window(tmp_path: Path) -> None:
     assert swa["bytes_per_token"] == pytest.approx(
         swa["held_ratio"] * swa["nominal_bytes_per_token"]
     )
+    assert last["logprob"]["l1"]["used"] == last["logprob"]["l2"]["used"] == 0
     for r in rounds:
-        (hits,) = r["component_hits"]
-        assert hits["component"] == "swa"
+        hits = component_hits(r, "swa")
         assert hits["l1"] + hits["l2"] == r["resumed_requests"]
-    assert rounds[1]["component_hits"][0]["l2"] > 0  # windows loaded back from L2
+    assert component_hits(rounds[1], "swa")["l2"] > 0  # windows loaded back from L2
 
 
 def test_gemma3_reuses_system_prompts_followed_by_a_page_or_more(tmp_path: Path) -> None:
@@ -134,3 +136,9 @@ def test_quick_run_at_tp_1_and_2(tmp_path: Path) -> None:
     assert all(r["errors"] == 0 for r in one + two)
     assert [r["hit_rate"] for r in one[1:]] == [r["hit_rate"] for r in two[1:]]
     assert one[1]["hit_rate"] > 0
+
+
+def component_hits(round_: dict[str, Any], name: str) -> dict[str, Any]:
+    """The round's resume counts of component ``name``."""
+    (hits,) = [h for h in round_["component_hits"] if h["component"] == name]
+    return hits

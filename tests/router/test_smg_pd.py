@@ -201,6 +201,7 @@ def ask(url: str, path: str, body: dict[str, Any]) -> list[Any]:
     return [r.json()]
 
 
+@pytest.mark.matrix  # 20 s; PD's logprobs and n: tests/disagg/test_pd_logprobs.py, test_pd_tp.py
 def test_logprobs_and_n_behind_smg_answer_as_one_plain_server() -> None:
     """Output logprobs, prompt logprobs from ``logprob_start_len``, ``n`` = 2 and seeded
     sampling (:data:`tests.disagg.test_pd_logprobs.CASES`), streamed and not, through
