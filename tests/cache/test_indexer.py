@@ -19,7 +19,7 @@ from hicache.cache import CacheRequest, HiCache
 from hicache.cache.components import IndexerStore
 from hicache.cache.components.indexer import INDEXER
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import CacheConfig, MemLayout, PrefetchConfig
+from hicache.config import CacheConfig, MemLayout
 from hicache.keys import Namespace, page_keys
 from hicache.memory.layout import gather_pages
 from hicache.spec import CacheSpec, IndexerSpec, KVSpec
@@ -27,6 +27,7 @@ from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from hicache.tree.node import TreeNode
 from tests.helpers.kvdata import wait_ready
+from tests.helpers.l3_cache import attach_recording
 from tests.helpers.recording_storage import RecordingStorage
 
 FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -286,17 +287,15 @@ def test_keys_survive_device_host_device(layout: MemLayout) -> None:
 
 
 def namespace(layout: MemLayout) -> Namespace:
+    """What :func:`attach_recording` keys a cache of ``layout`` under."""
     return Namespace.for_spec(
         FULL, model="m", weights_fingerprint="w", layout=layout, page_size=PAGE
     )
 
 
 def attach(cache: HiCache, store: MemoryStore, layout: MemLayout) -> RecordingStorage:
-    """Attach L3 over ``store``; the storage counts the pages and records read."""
-    storage = RecordingStorage(store, namespace(layout), INDEXER)
-    policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.l3.attach(storage, namespace(layout), policy)
-    return storage
+    assert cache.context.config.mem_layout == layout
+    return attach_recording(cache, store, INDEXER)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -30,6 +30,7 @@ from hicache.spec import CacheSpec, KVSpec, LogprobSpec
 from hicache.storage.backends.memory import MemoryStore
 from hicache.tree.components import Tier
 from tests.helpers.kvdata import wait_ready
+from tests.helpers.l3_cache import attach_recording
 from tests.helpers.recording_storage import RecordingStorage
 
 FULL = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -199,16 +200,15 @@ def test_entries_survive_device_host_device(layout: MemLayout) -> None:
 
 
 def namespace(layout: MemLayout) -> Namespace:
+    """What :func:`attach_recording` keys a cache of ``layout`` under."""
     return Namespace.for_spec(
         FULL, model="m", weights_fingerprint="w", layout=layout, page_size=PAGE
     )
 
 
 def attach(cache: HiCache, store: MemoryStore, layout: MemLayout) -> RecordingStorage:
-    storage = RecordingStorage(store, namespace(layout), LOGPROB)
-    policy = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
-    cache.l3.attach(storage, namespace(layout), policy)
-    return storage
+    assert cache.context.config.mem_layout == layout
+    return attach_recording(cache, store, LOGPROB)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

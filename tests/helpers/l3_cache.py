@@ -1,6 +1,6 @@
 """A started tiny :class:`HiCache` with an L3 backend attached, for the tests that freeze,
 slow or kill the store under a cache; the in-memory backend attached to a cache the test
-made (:func:`attach_memory`)."""
+made (:func:`attach_memory`, or :func:`attach_recording` to count what reads ask)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hicache.spec import KVSpec
 from hicache.storage.backends.memory import MemoryFaults, MemoryStorage, MemoryStore
 from hicache.storage.base import StorageOptions
 from hicache.storage.registry import create_storage
+from tests.helpers.recording_storage import RecordingStorage
 
 WAIT_ALL = PrefetchConfig(policy="wait_complete", prefetch_threshold=0)
 """Every hit is read and waited for: a test's prefetch brings all L3 has."""
@@ -28,15 +29,30 @@ def attach_memory(
 ) -> None:
     """Attach the in-memory backend over ``store`` to ``cache`` (keyed under model ``"m"``,
     weights ``"w"``; ``faults`` injected), with ``prefetch``."""
+    ns = namespace_of(cache)
+    cache.l3.attach(MemoryStorage(ns, store=store, faults=faults), ns, prefetch)
+
+
+def attach_recording(cache: HiCache, store: MemoryStore, component: str) -> RecordingStorage:
+    """Attach a :class:`RecordingStorage` over ``store`` (counting full pages and
+    ``component`` records read) to ``cache``, every hit read and waited for."""
+    ns = namespace_of(cache)
+    storage = RecordingStorage(store, ns, component)
+    cache.l3.attach(storage, ns, WAIT_ALL)
+    return storage
+
+
+def namespace_of(cache: HiCache) -> Namespace:
+    """The namespace the attach helpers key ``cache``'s pages under: model ``"m"``,
+    weights ``"w"``, the cache's spec, layout and page size."""
     config = cache.context.config
-    ns = Namespace.for_spec(
+    return Namespace.for_spec(
         cache.context.spec,
         model="m",
         weights_fingerprint="w",
         layout=config.mem_layout,
         page_size=config.page_size,
     )
-    cache.l3.attach(MemoryStorage(ns, store=store, faults=faults), ns, prefetch)
 
 
 def cache_over_l3(

@@ -114,17 +114,7 @@ def test_small_pages_are_staged_and_leave_the_pool_unregistered(
     """Pages under ``zero_copy_min_bytes`` (default 256 KiB; these are 512 B) go through
     the staging arenas, one slice per record: the pool is never registered, and the pages
     come back byte for byte."""
-    st = create_storage(
-        "mooncake",
-        namespace=NS,
-        extra_config=mooncake_service.extra_config,
-        options=StorageOptions(timeout_s=5.0),
-    )
-    assert isinstance(st, MooncakeStorage)
-    src = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
-    dst = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
-    raw = src.buffer.view(torch.uint8).view(-1)
-    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
+    st, src, dst = storage_and_pools(NS, mooncake_service.extra_config)
     with st:
         keys = page_keys(NS, list(range(1000, 1016)))
         assert st.batch_set(keys, src, [0, 1, 2, 3]).all_ok
@@ -154,17 +144,8 @@ def test_head_records_of_a_ranks_heads_move_in_place(
         head_records=True,
         head_group=group,
     )
-    st = create_storage(
-        "mooncake",
-        namespace=ns,
-        extra_config={**mooncake_service.extra_config, "zero_copy_min_bytes": 0},
-        options=StorageOptions(timeout_s=5.0),
-    )
-    assert isinstance(st, MooncakeStorage)
-    src = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
-    dst = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
-    raw = src.buffer.view(torch.uint8).view(-1)
-    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
+    extra = {**mooncake_service.extra_config, "zero_copy_min_bytes": 0}
+    st, src, dst = storage_and_pools(ns, extra)
     with st:
         st.use_heads(HeadSplit(SPEC.heads, SPEC.heads))
         keys = page_keys(ns, list(range(2000, 2016)))
@@ -177,3 +158,19 @@ def test_head_records_of_a_ranks_heads_move_in_place(
     for page, back in zip([0, 1, 2, 3], [3, 2, 1, 0], strict=True):
         for a, b in zip(src.page_view(page), dst.page_view(back), strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def storage_and_pools(
+    ns: Namespace, extra: dict[str, object]
+) -> tuple[MooncakeStorage, HostPool, HostPool]:
+    """An unstarted Mooncake backend under ``ns`` (``extra`` its config), a 4-page source
+    pool of random bytes and an empty destination pool."""
+    st = create_storage(
+        "mooncake", namespace=ns, extra_config=extra, options=StorageOptions(timeout_s=5.0)
+    )
+    assert isinstance(st, MooncakeStorage)
+    src = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    dst = HostPool(SPEC, 4, 4, MemLayout.PAGE_FIRST, pin_memory=False)
+    raw = src.buffer.view(torch.uint8).view(-1)
+    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
+    return st, src, dst
