@@ -160,8 +160,8 @@ class HiCacheStorage(ABC):
         self._slot_digests: set[bytes] = set()
         """Namespaces whose records are one per key, never split per head (state slots,
         :meth:`allow_whole`)."""
-        self._heads: HeadSplit | None = None
         self._records: HeadRecords | None = None
+        """The rank's head split and record group (:meth:`use_heads`)."""
         self._stages = StageCache()
         """Staging buffers of head-record batches, reused once no call can touch them."""
         self._stats = StatsRecorder(self.name, self._options.stall_s)
@@ -257,20 +257,19 @@ class HiCacheStorage(ABC):
                 f" records={self._namespace.records!r}"
             )
         self._records = HeadRecords(heads, self._namespace.head_group)
-        self._heads = heads
         self._allow()  # slot components' records are per rank
 
     @property
     def heads(self) -> HeadSplit | None:
         """The rank's head split (:meth:`use_heads`); None under a ``"page"`` namespace."""
-        return self._heads
+        return None if self._records is None else self._records.split
 
     @property
     def writes_pages(self) -> bool:
         """Whether a :meth:`batch_set` of this rank writes any record: False only for a
         rank whose K/V heads a lower rank holds too (replicated heads) under head records.
         """
-        return self._heads is None or self._heads.writes_any
+        return self._records is None or self._records.split.writes_any
 
     def _split(self, key: PageKey | None = None) -> HeadRecords | None:
         """The rank's head records applying to ``key`` (any page key when None): None for
@@ -590,7 +589,7 @@ class HiCacheStorage(ABC):
         self._slot_digests.add(namespace.digest)
 
     def _allow(self) -> None:
-        ns, heads = self._namespace, self._heads
+        ns, heads = self._namespace, self.heads
         for s in self._salts:
             for c in self._components:
                 component = ns.with_salt(s).with_component(c)
