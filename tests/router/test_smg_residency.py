@@ -82,9 +82,7 @@ def smg(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[Smg]:
 
 @pytest.fixture(scope="module")
 def quick(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[Smg]:
-    """The pause test's smg (:data:`QUICK_HEALTH`), started with the module's: a process
-    spawned while this one's gRPC clients (the watches) stream may abort (SIGABRT) in
-    gRPC's fork handler before it execs (the spawn forks to run its ``preexec_fn``)."""
+    """The pause test's smg (:data:`QUICK_HEALTH`), started with the module's."""
     with _smg_of(pair, *QUICK_HEALTH, threshold=1) as router:
         yield router
 
@@ -93,8 +91,7 @@ def quick(pair: tuple[ServerProcess, ServerProcess]) -> Iterator[Smg]:
 def watches(
     pair: tuple[ServerProcess, ServerProcess], smg: Smg, quick: Smg
 ) -> Iterator[list[ResidencyWatch]]:
-    """A's and B's residency from their KV event streams; started after every process of
-    the module (see :func:`quick`)."""
+    """A's and B's residency from their KV event streams."""
     started = [ResidencyWatch(w.grpc_url).start() for w in pair]
     try:
         yield started

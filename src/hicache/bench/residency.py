@@ -6,9 +6,9 @@ its own, and keeps the set of block hashes the worker reports resident (L1 or L2
 is removed only when it has left both), as smg's event-driven router sees them, without
 smg. :func:`page_hashes` gives a prompt's block hashes (SGLang's event hash, unsalted), so
 :meth:`ResidencyWatch.held_pages` is the worker's longest resident prefix of a prompt, in
-pages. The routing tests and ``hicache bench routing``'s oracle read it. Start
-subprocesses before a watch or after closing it: a child forked while gRPC streams run
-can abort in gRPC's fork handlers before it execs.
+pages. The routing tests and ``hicache bench routing``'s oracle read it. Start other
+processes with :func:`hicache.services.process.popen_dying_with_parent` while a watch
+runs: a child that runs Python before it execs can abort in gRPC's fork handlers.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import IO, Any
 from hicache.services.process import (
     ServiceError,
     ServiceUnavailableError,
-    die_with_parent,
+    popen_dying_with_parent,
     stop_process,
     wait_for_port,
 )
@@ -205,7 +205,7 @@ class MooncakeService:
         if c.lease_ttl_ms is not None:
             args.append(f"--default_kv_lease_ttl={c.lease_ttl_ms}")
         out = self._master_log if self._master_log is not None else None
-        self.master = subprocess.Popen(args, stdout=out, stderr=out, preexec_fn=die_with_parent)
+        self.master = popen_dying_with_parent(args, stdout=out, stderr=out)
         if not wait_for_port(c.host, c.master_port, c.start_timeout_s, self.master):
             self.close()
             raise ServiceError(f"mooncake_master did not start on {c.master_server_address}")

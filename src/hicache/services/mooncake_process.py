@@ -26,9 +26,9 @@ from hicache.services.process import (
     LOOPBACK,
     ServiceError,
     ServiceUnavailableError,
-    die_with_parent,
     free_ports,
     freeze_process,
+    popen_dying_with_parent,
     stop_process,
 )
 
@@ -81,12 +81,8 @@ class MooncakeProcess:
                "--master-port", str(master), "--metrics-port", str(metrics),
                "--segment-size", self.segment_size]  # fmt: skip
         with open(fd, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,  # no orphan if the parent crashes
+            self.proc = popen_dying_with_parent(  # no orphan if the parent crashes
+                cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL
             )
         ready = self._read_ready(self.startup_timeout_s)
         if ready is None:

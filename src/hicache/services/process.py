@@ -2,13 +2,14 @@
 
 Every server binds 127.0.0.1 unless told otherwise; processes are stopped by PID (SIGTERM,
 then SIGKILL after a grace period). Children get ``PR_SET_PDEATHSIG`` on Linux so they die
-with the process that started them.
+with the process that started them (:func:`popen_dying_with_parent`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,17 +19,17 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "LOOPBACK",
     "LoggedProcess",
     "ServiceError",
     "ServiceUnavailableError",
-    "die_with_parent",
     "free_port",
     "free_ports",
     "freeze_process",
+    "popen_dying_with_parent",
     "stop_process",
     "wait_for_port",
 ]
@@ -77,13 +78,32 @@ def wait_for_port(
     return False
 
 
-def die_with_parent() -> None:
+def _die_with_parent() -> None:
     """``preexec_fn``: the child gets SIGTERM when its parent dies (Linux; no-op elsewhere)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
+
+
+def popen_dying_with_parent(args: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(args, **kwargs)`` whose child gets SIGTERM when this process dies.
+
+    On Linux with util-linux's ``setpriv``, the child runs as ``setpriv --pdeathsig TERM
+    -- args`` (same PID: setpriv execs ``args``). No Python runs in the child between fork
+    and exec then, so no library's fork handlers do: with a ``preexec_fn``, a child forked
+    while gRPC streams run here can abort in gRPC's handlers before it execs. Without
+    ``setpriv``, a ``preexec_fn`` sets the signal (elsewhere than Linux: none).
+    """
+    if "preexec_fn" in kwargs:
+        raise ValueError("popen_dying_with_parent sets the child's death signal itself")
+    if _SETPRIV is not None:
+        return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", "--", *args], **kwargs)
+    return subprocess.Popen(list(args), preexec_fn=_die_with_parent, **kwargs)
 
 
 def freeze_process(pid: int, timeout_s: float = 10.0) -> None:
@@ -172,13 +192,12 @@ class LoggedProcess:
         fd, name = tempfile.mkstemp(prefix=self.log_prefix, suffix=".log")
         self.log_path = Path(name)
         with open(fd, "wb") as log:
-            self.proc = subprocess.Popen(
+            self.proc = popen_dying_with_parent(
                 list(cmd),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=None if env is None else dict(env),
-                preexec_fn=die_with_parent,
             )
 
     def close(self, *, keep_log: bool = False) -> None:

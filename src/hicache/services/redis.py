@@ -25,8 +25,8 @@ from hicache.services.process import (
     LOOPBACK,
     ServiceError,
     ServiceUnavailableError,
-    die_with_parent,
     free_port,
+    popen_dying_with_parent,
     stop_process,
     wait_for_port,
 )
@@ -106,7 +106,7 @@ class RedisServer:
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(args, stdout=out, stderr=out, preexec_fn=die_with_parent)
+        self.proc = popen_dying_with_parent(args, stdout=out, stderr=out)
         if not wait_for_port(self.host, self.port, timeout_s, self.proc):
             self.close()
             raise ServiceError(f"{self.binary} did not start on {self.host}:{self.port}")
