@@ -26,7 +26,11 @@ from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
 from hicache.spec import KVSpec
 from hicache.storage import HiCacheStorage, StorageConfig, create_storage
-from hicache.storage.backends.aibrix_client import block_bytes_for, root_listing_version
+from hicache.storage.backends.aibrix_client import (
+    block_bytes_for,
+    open_manager,
+    root_listing_version,
+)
 from hicache.storage.backends.aibrix_config import AibrixConfig
 from hicache.storage.base import StorageError
 from hicache.storage.record import HEADER_SIZE
@@ -160,6 +164,31 @@ def test_the_environment_is_put_back_after_opening(tmp_path: Path) -> None:
     finally:
         del os.environ["AIBRIX_KV_CACHE_OL_SHFS_ROOT"]
     assert not Path("/elsewhere").exists()
+
+
+def test_the_probed_lookup_counts_the_leading_present_run(tmp_path: Path) -> None:
+    """A put's lookup asks for the first key alone, then the rest only if it is present:
+    the same leading run as one lookup, for every pattern of present keys (op_batch 2, so
+    the rest spans AIBrix's batches)."""
+    config = AibrixConfig.from_extra({"connector": "rocksdb", "root": str(tmp_path), "op_batch": 2})
+    m = open_manager(config, 64, timeout_s=5.0, concurrency=16)
+    try:
+        n = [f"probe-{i}" for i in range(7)]
+        stored = [n[0], n[1], n[2], n[4], n[6]]
+        assert m.put_from(stored, [bytes([i]) * 64 for i in range(len(stored))]) == 5
+        cases = [
+            ([], 0),
+            ([n[0]], 1),
+            ([n[3]], 0),
+            (n[:4], 3),
+            ([n[4], n[2], n[3], n[6]], 2),
+            ([n[3], n[0], n[1], n[2]], 0),  # the first absent: none, however many follow
+            (stored, 5),
+        ]
+        for ks, want in cases:
+            assert (m.exists_probed(ks), m.exists(ks)) == (want, want), ks
+    finally:
+        m.close()
 
 
 # -- on disk ------------------------------------------------------------------------------------

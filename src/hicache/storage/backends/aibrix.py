@@ -253,7 +253,9 @@ class AibrixStorage(ConfiguredStorage):
             m = self._opened("set", block_bytes_for(record_len), deadline)
             for part in self._chunks(len(keys)):
                 hits = self._call(
-                    "set (exists)", partial(m.exists, names[part.start : part.stop]), deadline
+                    "set (exists)",
+                    partial(m.exists_probed, names[part.start : part.stop]),
+                    deadline,
                 )
                 todo = []
                 for j, i in enumerate(part):
