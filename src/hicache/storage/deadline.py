@@ -128,6 +128,10 @@ class DeadlineRunner:
                 except BaseException as e:  # report everything to the waiter
                     fut.set_exception(e)
             finally:
+                # drop this call's references before waiting for the next: a result held
+                # here (a get's 64 MiB of records) would stay alive while the worker idles
+                # and be freed inside the next call's time
+                del job, fn, fut
                 with self._idle:
                     self._inflight -= 1
                     self._idle.notify_all()
