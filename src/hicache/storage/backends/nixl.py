@@ -29,7 +29,7 @@ from typing import ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
-from hicache.storage.backends.file import TMP_SUFFIX, FileStorage, being_written
+from hicache.storage.backends.file import TMP_SUFFIX, FileStorage, being_written, open_new
 from hicache.storage.backends.nixl_client import NixlError, PosixAgent, require_nixl
 from hicache.storage.backends.nixl_config import NixlConfig
 from hicache.storage.base import Deadline, StorageOptions
@@ -409,14 +409,13 @@ def _write_records(
     errors: list[str] = []
     tmps: dict[int, str] = {}
     fds: dict[int, int] = {}
+    tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"  # this call's temp names: tag and slot
     try:
         for j, path in enumerate(paths):
             folder, name = os.path.split(path)
-            tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+            tmp = os.path.join(folder, f".{name}.{tag}.{j}{TMP_SUFFIX}")
             try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(folder, 0o700)
-                fds[j] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                fds[j] = open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
                 tmps[j] = tmp
             except OSError as e:
                 errors.append(f"{name}: {e!r}")
