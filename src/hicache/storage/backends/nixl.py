@@ -297,7 +297,8 @@ class NixlStorage(FileStorage):
         replace: Sequence[bool],
     ) -> list[SetOutcome]:
         out = {i: SetOutcome.SKIPPED for i in idx}
-        todo = [i for i in idx if replace[i] or not os.path.isfile(self.path_str(keys[i].key))]
+        path = {i: self.path_str(keys[i].key) for i in idx}
+        todo = [i for i in idx if replace[i] or not os.path.isfile(path[i])]
         if not todo:
             return [out[i] for i in idx]
         rec = record_size(pages.payload_len)
@@ -320,7 +321,7 @@ class NixlStorage(FileStorage):
                         raw[off : off + p.nbytes] = p
                         off += p.nbytes
             ranges = self._ranges(pages, todo, arena, zero_copy, rec)
-            paths = [self.path_str(keys[i].key) for i in todo]
+            paths = [path[i] for i in todo]
             agent = self._agent
             assert agent is not None
             late = threading.Event()
