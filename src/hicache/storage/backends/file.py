@@ -45,7 +45,6 @@ __all__ = [
     "FileConfig",
     "FileStorage",
     "being_written",
-    "open_new",
 ]
 
 DEFAULT_DIR = "/tmp/hicache"
@@ -151,7 +150,7 @@ def being_written(got: int, want: int, mtime: float) -> bool:
     return got < want and time.time() - mtime < PARTIAL_GRACE_S
 
 
-def open_new(path: str, flags: int) -> int:
+def _open_new(path: str, flags: int) -> int:
     """``os.open(path, flags, 0o600)``, making the fan-out folder when it is missing (not
     made yet, or removed behind our back)."""
     try:
@@ -397,7 +396,7 @@ def _create(path: str, rec: _Record, *, fsync: bool) -> bool:
     writing nothing (not even its checksum), when it exists (a record, or one being
     written). A failed write removes the file it made."""
     try:
-        fd = open_new(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        fd = _open_new(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
     except FileExistsError:
         return False
     try:
@@ -420,7 +419,7 @@ def _replace(path: str, tmp_tail: str, rec: _Record, *, fsync: bool) -> None:
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}{tmp_tail}")
     try:
-        fd = open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+        fd = _open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
         try:
             _write_all(fd, rec.buffers())
             if fsync:

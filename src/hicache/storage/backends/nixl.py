@@ -29,7 +29,7 @@ from typing import ClassVar, TypeVar
 
 from hicache.keys import Namespace, PageKey
 from hicache.storage.arena import Arena, ArenaPool, BufferRegistry
-from hicache.storage.backends.file import TMP_SUFFIX, FileStorage, being_written, open_new
+from hicache.storage.backends.file import TMP_SUFFIX, FileStorage, being_written
 from hicache.storage.backends.nixl_client import NixlError, PosixAgent, require_nixl
 from hicache.storage.backends.nixl_config import NixlConfig
 from hicache.storage.base import Deadline, StorageOptions
@@ -416,7 +416,7 @@ def _write_records(
             folder, name = os.path.split(path)
             tmp = os.path.join(folder, f".{name}.{tag}.{j}{TMP_SUFFIX}")
             try:
-                fds[j] = open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+                fds[j] = _open_tmp(tmp)
                 tmps[j] = tmp
             except OSError as e:
                 errors.append(f"{name}: {e!r}")
@@ -458,6 +458,18 @@ def _write_records(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
     return written, errors
+
+
+def _open_tmp(path: str) -> int:
+    """Create the temp file ``path``, making its fan-out folder only when the open finds it
+    missing (never the record directory itself: a lost directory fails the write)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.dirname(path), 0o700)
+        return os.open(path, flags, 0o600)
 
 
 def _pair(
