@@ -5,13 +5,17 @@ reach of the boundaries it considers) and turns the lookup, applied with the hit
 rank agreed on, into a read: the deepest boundary every component serves on every rank
 (:func:`~hicache.cache.components.records.agree_boundary`), then L2 pages and component
 ids reserved, agreed (all-reduce(min)) and committed or aborted on every rank together,
-then the read queued on the controller. Every collective here depends on agreed values
-alone. The flow: ``docs/architecture.md`` (L3).
+then the read queued on the controller. It also says how long a lookup may wait for
+announced pages (:meth:`Reads.wait_gain`), by the rule that reads the hit. Every collective
+here depends on agreed values alone. The flow: ``docs/architecture.md`` (L3).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
+
+import torch
 
 from hicache.cache.components.records import ComponentRecords, agree_boundary, usable_boundaries
 from hicache.cache.host_tier import HostTier
@@ -20,6 +24,7 @@ from hicache.cache.l3.prefetch import ComponentFetch, Prefetch
 from hicache.cache.l3.worth import RestoreCosts
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD, PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup
+from hicache.controller.announced import ANY_GAIN, WaitGain
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import (
     ComponentLookup,
@@ -31,6 +36,9 @@ from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, page_ids
 
 __all__ = ["Reads"]
+
+_ANY_NS = 1 << 62
+"""A :class:`WaitGain`'s infinite ``per_page_s`` in the nanoseconds the ranks agree on."""
 
 
 class Reads:
@@ -95,6 +103,45 @@ class Reads:
         if not tokens or p.any_hit or not self._by_rates:
             return deadline
         return p.started if self._costs().worth_waiting(tokens) is False else deadline
+
+    def wait_gain(self, p: Prefetch) -> WaitGain:
+        """How long ``p``'s lookup may wait for announced pages, by the run it could reach
+        (:class:`~hicache.controller.announced.WaitGain`), from the rule :meth:`_worth`
+        will read the hit by: a restore's, any run; by the rates, when they decide, what
+        reading the run saves over recomputing it
+        (:meth:`~hicache.cache.l3.worth.RestoreCosts.read_gain`: a run the rates would not
+        read is not waited for, and a wait ends once the read would no longer pay); while
+        they explore an unmeasured L3, any run; else the threshold's pages. With several
+        ranks deciding by their own rates, agreed (one all-reduce(min): the smallest gain
+        of any rank, so every rank waits alike); the call is made on every rank alike
+        (``p.keys``, ``p.any_hit`` and the configuration are agreed)."""
+        if p.any_hit or not p.keys:  # no run to wait for: no pages looked up
+            return ANY_GAIN
+        ps = self._page_size
+        if not self._by_rates:
+            return WaitGain(min_pages=math.ceil(self._threshold(p) / ps))
+        costs = self._costs()
+        line = costs.read_gain()
+        if line is not None:
+            local = WaitGain(fixed_s=line[0], per_page_s=line[1] * ps)
+        elif costs.prefill is not None and costs.read is None:
+            local = ANY_GAIN  # as _worth: read (so waited for) to measure the L3
+        else:
+            local = WaitGain(min_pages=math.ceil(self._threshold(p) / ps))
+        if not self._ranks.multi or self._prefetch.announced_wait_s <= 0:
+            return local
+        per_ns = _ANY_NS if local.per_page_s == math.inf else math.floor(local.per_page_s * 1e9)
+        agreed = self._ranks.all_reduce_min(
+            torch.tensor(
+                [-local.min_pages, -math.ceil(local.fixed_s * 1e9), min(per_ns, _ANY_NS)],
+                dtype=torch.int64,
+            )
+        ).tolist()
+        return WaitGain(
+            min_pages=-agreed[0],
+            fixed_s=-agreed[1] / 1e9,
+            per_page_s=math.inf if agreed[2] >= _ANY_NS else agreed[2] / 1e9,
+        )
 
     def _worth(self, p: Prefetch, tokens: int) -> bool:
         """Whether to read the agreed hit of ``tokens`` (> 0) of ``p``: a restore's, always;
