@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,9 +18,10 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller import CompletionQueue
 from hicache.controller.announced import ANNOUNCED_POLL_S, AnnouncedWaits, Stop, WaitGain
+from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import ANNOUNCE_STUCK_S, StorageController
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
@@ -29,9 +30,11 @@ from hicache.spec import KVSpec
 from hicache.storage import MemoryFaults, MemoryStorage
 from hicache.storage.base import StorageOptions
 from hicache.storage.negative import NegativeCache
+from hicache.storage.registry import create_storage
 from hicache.tokens import encode_tokens
 from tests.helpers.kvdata import page_kv, read_device, serve, wait_ready, write_tokens
 from tests.helpers.l3_cache import cache_over_l3
+from tests.helpers.ranks import run_ranks
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -189,6 +192,40 @@ def test_the_wait_ends_when_a_read_of_the_run_would_no_longer_pay(
     (done,) = waits.poll()
     assert (done.op, done.hit, done.expired) == ("b", 0, True)
     assert len(negative) == 0
+
+
+class CountingAnnouncements(MemoryStorage):
+    """The memory backend, recording how many keys each announcement read asked."""
+
+    def __init__(self, ns: Namespace) -> None:
+        super().__init__(ns)
+        self.asked: list[int] = []
+
+    def announced_many(self, keys: Sequence[PageKey]) -> list[float]:
+        self.asked.append(len(keys))
+        return super().announced_many(keys)
+
+
+def test_announced_pages_are_asked_only_as_far_as_they_raise_the_bound() -> None:
+    """Any run worth the whole wait: the page the run stopped at alone. A gain of ``n *
+    50 - 100`` ms: 12 pages would be worth ``wait_s``, so the 7 announced after a present
+    one are asked in batches of 1, 2, 4 and the run stops growing at the first page not
+    announced (the 9th of 10)."""
+    ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                            page_size=PAGE)  # fmt: skip
+    with CountingAnnouncements(ns) as storage:
+        k = run(10)
+        land(storage, k[:1])
+        storage.announce(k[1:8], 5.0)
+        clock = Clock()
+        waits: AnnouncedWaits[str] = AnnouncedWaits(storage, None, 0.5, clock)
+        assert waits.stopped("any", k, 10, 1) is Stop.WAIT
+        assert storage.asked == [1]
+        storage.asked.clear()
+        assert waits.stopped("line", k, 10, 1, WaitGain(fixed_s=0.1, per_page_s=0.05)) is Stop.WAIT
+        assert storage.asked == [1, 2, 4, 2]  # pages 2, 3-4, 5-8, then 9-10 (9 is not)
+        (line,) = [w for w in waits.poll(closing=True) if w.op == "line"]
+        assert line.until == pytest.approx(clock.now + 8 * 0.05 - 0.1)  # a run of 8 pages
 
 
 # ---------------------------------------------------------------- two caches, one L3
@@ -452,3 +489,36 @@ def test_the_next_turn_waits_for_an_answer_the_rates_would_read(tmp_path: Path) 
         assert counter(reader, "l3_decided_read_tokens_total") == 8
         check_integrity(reader)
         check_integrity(writer)
+
+
+def _rank_asks(rank: int, n: int, out: str) -> dict[str, float]:
+    """One of two ranks, each with its own view of the rates: rank 0 recomputes at 1 s a
+    token (the 8-token answer would be worth waiting for), rank 1 at 1 ms (it would not).
+    Every rank's pages are announced and never written."""
+    prefetch = PrefetchConfig(policy="timeout", negative_ttl_s=60.0, announced_wait_s=2.0)
+    config = CacheConfig(page_size=PAGE, device_tokens=64 * PAGE, hicache_ratio=2.0,
+                         load_back_threshold=0, mem_layout="page_first")  # fmt: skip
+    with HiCache(config, MHA, ranks=RankGroup()).start() as cache:
+        ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                                page_size=PAGE, tp_size=n, tp_rank=rank)  # fmt: skip
+        storage = create_storage("file", namespace=ns, extra_config={"file_path": out})
+        tier = cache.l3.attach(storage, ns, prefetch, cache.context.ranks)
+        pin_rates(cache, [1.0 if rank == 0 else 0.001])
+        tier.controller.storage.announce(tier.keys.of(encode_tokens(CONVERSATION)), 5.0)
+        got, took = ask(cache, [*CONVERSATION, *[7] * 24])
+        return {
+            "got": got,
+            "took": took,
+            "unwaited": counter(cache, "l3_announced_unwaited_total"),
+            "waits": counter(cache, "l3_announced_waits_total"),
+        }
+
+
+def test_ranks_agree_not_to_wait_when_one_rank_would_not_read(tmp_path: Path) -> None:
+    """The ranks agree on the smallest gain (all-reduce(min)): rank 1's rates would not
+    read the announced answer, so neither rank waits for it. (Each by its own rates, rank
+    0 would wait its 2 s bound, and the hit every rank agrees on would hold both.)"""
+    r0, r1 = run_ranks(_rank_asks, 2, tmp_path)
+    for r in (r0, r1):
+        assert (r["got"], r["unwaited"], r["waits"]) == (0, 1, 0), r
+        assert r["took"] < 1.0, r
