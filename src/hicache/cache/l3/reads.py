@@ -104,31 +104,38 @@ class Reads:
             return deadline
         return p.started if self._costs().worth_waiting(tokens) is False else deadline
 
+    def _rule(self, p: Prefetch) -> tuple[WaitGain, bool]:
+        """This rank's rule for reading a hit of ``p`` and for waiting for its announced
+        pages, one line for both (:class:`~hicache.controller.announced.WaitGain`: a run of
+        ``n`` pages is read when ``gain.seconds(n) > 0``, and waited for that long at most),
+        and whether the measured rates decide it. A restore's: any run (read ahead of its
+        request, never too late). By the rates (:attr:`_by_rates`), when this rank's rates
+        are known: what reading the run saves over recomputing it
+        (:meth:`~hicache.cache.l3.worth.RestoreCosts.read_gain`); when the prefill is
+        measured but this L3's reads are not (yet, or any more): any run (the read measures
+        them). Else the threshold's pages."""
+        ps = self._page_size
+        if not p.any_hit and self._by_rates:
+            costs = self._costs()
+            line = costs.read_gain()
+            if line is not None:
+                return WaitGain(fixed_s=line[0], per_page_s=line[1] * ps), True
+            if costs.prefill is not None and costs.read is None:
+                return ANY_GAIN, False
+        return WaitGain(min_pages=math.ceil(self._threshold(p) / ps)), False
+
     def wait_gain(self, p: Prefetch) -> WaitGain:
-        """How long ``p``'s lookup may wait for announced pages, by the run it could reach
-        (:class:`~hicache.controller.announced.WaitGain`), from the rule :meth:`_worth`
-        will read the hit by: a restore's, any run; by the rates, when they decide, what
-        reading the run saves over recomputing it
-        (:meth:`~hicache.cache.l3.worth.RestoreCosts.read_gain`: a run the rates would not
-        read is not waited for, and a wait ends once the read would no longer pay); while
-        they explore an unmeasured L3, any run; else the threshold's pages. With several
+        """How long ``p``'s lookup may wait for announced pages, by the run it could reach:
+        :meth:`_rule`'s line, the one that will read the hit (a run it would not read is
+        not waited for, and a wait ends once the read would no longer pay). With several
         ranks deciding by their own rates, agreed (one all-reduce(min): the smallest gain
         of any rank, so every rank waits alike); the call is made on every rank alike
         (``p.keys``, ``p.any_hit`` and the configuration are agreed)."""
-        if p.any_hit or not p.keys:  # no run to wait for: no pages looked up
+        if not p.keys:  # no run to wait for: no pages looked up
             return ANY_GAIN
-        ps = self._page_size
-        if not self._by_rates:
-            return WaitGain(min_pages=math.ceil(self._threshold(p) / ps))
-        costs = self._costs()
-        line = costs.read_gain()
-        if line is not None:
-            local = WaitGain(fixed_s=line[0], per_page_s=line[1] * ps)
-        elif costs.prefill is not None and costs.read is None:
-            local = ANY_GAIN  # as _worth: read (so waited for) to measure the L3
-        else:
-            local = WaitGain(min_pages=math.ceil(self._threshold(p) / ps))
-        if not self._ranks.multi or self._prefetch.announced_wait_s <= 0:
+        local, _ = self._rule(p)
+        same = p.any_hit or not self._by_rates  # a rule the same on every rank
+        if same or not self._ranks.multi or self._prefetch.announced_wait_s <= 0:
             return local
         per_ns = _ANY_NS if local.per_page_s == math.inf else math.floor(local.per_page_s * 1e9)
         agreed = self._ranks.all_reduce_min(
@@ -144,21 +151,13 @@ class Reads:
         )
 
     def _worth(self, p: Prefetch, tokens: int) -> bool:
-        """Whether to read the agreed hit of ``tokens`` (> 0) of ``p``: a restore's, always;
-        by the rates (:attr:`_by_rates`) when this rank's measured rates say reading beats
-        recomputing, and when the prefill is measured but this L3's reads are not (yet, or
-        any more: the read measures them); else when it reaches the threshold. Agreed over
-        the ranks (every rank runs this with the same hit: all-reduce(min))."""
-        decided = None
-        explore = False
-        if not p.any_hit and self._by_rates:
-            costs = self._costs()
-            decided = costs.worth_reading(tokens)
-            explore = decided is None and costs.prefill is not None and costs.read is None
-        # undecided: the threshold, unless exploring (read to measure the L3's rate)
-        local = decided if decided is not None else explore or tokens >= self._threshold(p)
+        """Whether to read the agreed hit of ``tokens`` (> 0, whole pages) of ``p``: by
+        :meth:`_rule`, agreed over the ranks (every rank runs this with the same hit:
+        all-reduce(min)); counted when the rates decided."""
+        gain, decided = self._rule(p)
+        local = gain.seconds(tokens // self._page_size) > 0
         agreed = bool(self._ranks.min(int(local)))
-        if decided is not None:
+        if decided:
             if agreed:
                 self._counters.l3_decided_read_tokens_total += tokens
             else:
