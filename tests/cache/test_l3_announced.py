@@ -419,13 +419,19 @@ READ_CALL_S = 0.010
 """The reader's pinned L3 read: 10 ms a call, next to nothing a byte."""
 
 
-def by_rates(root: Path, wait_s: float) -> HiCache:
-    """A cache over the file L3 in ``root`` whose measured rates decide (``timeout``,
-    ``prefetch_threshold`` unset), misses remembered for a minute."""
-    prefetch = PrefetchConfig(policy="timeout", negative_ttl_s=60.0, announced_wait_s=wait_s)
-    extra = {"file_path": str(root)}
-    return cache_over_l3(MHA, "file", extra, StorageOptions(), prefetch, page_size=PAGE,
-                         device_pages=64)  # fmt: skip
+def over_memory(store: str, *, wait_s: float = 0.0, writer: bool = False) -> HiCache:
+    """A cache over the in-memory L3 ``store`` (a page lands whole: a file record can be
+    seen by a lookup an instant before its bytes, which a read then misses). A ``writer``
+    announces its writes, as :func:`make`'s; else its measured rates decide (``timeout``,
+    ``prefetch_threshold`` unset), misses remembered for a minute and announced pages
+    waited for ``wait_s`` at most."""
+    if writer:
+        prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0,
+                                  announced_wait_s=0.0, announce_writes=True)  # fmt: skip
+    else:
+        prefetch = PrefetchConfig(policy="timeout", negative_ttl_s=60.0, announced_wait_s=wait_s)
+    return cache_over_l3(MHA, "memory", {"store": store}, StorageOptions(), prefetch,
+                         page_size=PAGE, device_pages=64)  # fmt: skip
 
 
 def pin_rates(cache: HiCache, prefill: list[float]) -> None:
@@ -446,16 +452,15 @@ def pin_rates(cache: HiCache, prefill: list[float]) -> None:
         meter.observe(nbytes, READ_CALL_S + nbytes * 1e-12, time.monotonic())
 
 
-def test_the_next_turn_does_not_wait_for_an_answer_the_rates_would_not_read(
-    tmp_path: Path,
-) -> None:
+def test_the_next_turn_does_not_wait_for_an_answer_the_rates_would_not_read() -> None:
     """The next turn (the 8-token answer announced, then 24 new tokens) waits for its
     lookup: reading 32 tokens (10 ms) beats recomputing them (32 ms). Reading the 8 the
     lookup could find does not (10 ms against 8), so the lookup does not wait for them
     (they land 0.3 s later; it used to wait that long, then recompute). Not remembered
     missing: once landed, a turn whose prefill costs 1 s a token reads them."""
     prefill = [0.001]
-    with make(tmp_path, 0.0) as writer, by_rates(tmp_path, 2.0) as reader:
+    store = f"announced-{time.monotonic_ns()}"
+    with over_memory(store, writer=True) as writer, over_memory(store, wait_s=2.0) as reader:
         pin_rates(reader, prefill)
         end_unsynced(writer, CONVERSATION)
         stored_announcement(writer, CONVERSATION)
@@ -473,10 +478,11 @@ def test_the_next_turn_does_not_wait_for_an_answer_the_rates_would_not_read(
         check_integrity(writer)
 
 
-def test_the_next_turn_waits_for_an_answer_the_rates_would_read(tmp_path: Path) -> None:
+def test_the_next_turn_waits_for_an_answer_the_rates_would_read() -> None:
     """Recomputing at 1 s a token, the announced answer is worth the wait: the lookup
     waits until it lands (0.2 s) and the request reads it, byte for byte."""
-    with make(tmp_path, 0.0) as writer, by_rates(tmp_path, 2.0) as reader:
+    store = f"announced-{time.monotonic_ns()}"
+    with over_memory(store, writer=True) as writer, over_memory(store, wait_s=2.0) as reader:
         pin_rates(reader, [1.0])
         end_unsynced(writer, CONVERSATION)
         stored_announcement(writer, CONVERSATION)
