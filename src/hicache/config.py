@@ -297,7 +297,9 @@ class PrefetchConfig:
 
     ``announced_wait_s``: a lookup whose run stops at a page a writer announced
     (:mod:`hicache.storage.announce`) waits for it at most this long, seconds
-    (:mod:`hicache.controller.announced`; 0: announcements are not read, no wait).
+    (:mod:`hicache.controller.announced`; 0: announcements are not read, no wait), and
+    only while the rule that reads a hit (the rates, or the threshold) says a read of the
+    run it could reach would still pay.
     ``announce_writes``: at a request's end this instance announces the pages of its path
     on their way to L3 (a PD decode instance with offload does, whatever this says: its
     answers' writes land after the answers ended).

@@ -86,8 +86,12 @@ class CacheCounters:
     """L3 lookups whose run stopped at a page another writer announced, and that waited
     for it (:mod:`hicache.controller.announced`)."""
     l3_announced_waits_expired_total: int = 0
-    """Of those, the waits that ran out (``announced_wait_s``, or the announcement
-    expired) with the page still absent."""
+    """Of those, the waits that ran out (``announced_wait_s``, the announcement expired,
+    or a read of the run would no longer pay) with the page still absent."""
+    l3_announced_unwaited_total: int = 0
+    """L3 lookups whose run stopped at an announced page and that did not wait for it: by
+    the rule that reads a hit (the measured rates, or the threshold), no run it could
+    reach, the pages announced in a row included, was worth a wait."""
     l3_decided_read_tokens_total: int = 0
     """L3 hit tokens read because this rank's measured rates said reading them beats
     recomputing them (:mod:`hicache.cache.l3.worth`; hits read to measure an unmeasured

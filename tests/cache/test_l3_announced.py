@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,19 +18,23 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.cache.report import cache_stats, check_integrity
-from hicache.config import PrefetchConfig
+from hicache.config import CacheConfig, PrefetchConfig
 from hicache.controller import CompletionQueue
-from hicache.controller.announced import ANNOUNCED_POLL_S, AnnouncedWaits
+from hicache.controller.announced import ANNOUNCED_POLL_S, AnnouncedWaits, Stop, WaitGain
+from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import ANNOUNCE_STUCK_S, StorageController
 from hicache.keys import Namespace, PageKey, page_keys
 from hicache.memory import HostPool
+from hicache.rates import RateFit
 from hicache.spec import KVSpec
 from hicache.storage import MemoryFaults, MemoryStorage
 from hicache.storage.base import StorageOptions
 from hicache.storage.negative import NegativeCache
+from hicache.storage.registry import create_storage
 from hicache.tokens import encode_tokens
 from tests.helpers.kvdata import page_kv, read_device, serve, wait_ready, write_tokens
 from tests.helpers.l3_cache import cache_over_l3
+from tests.helpers.ranks import run_ranks
 
 MHA = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
 PAGE = 2
@@ -74,7 +78,7 @@ def test_an_announced_page_is_waited_for_and_found_when_it_lands(
     k = run()
     land(storage, k[:1])
     storage.announce(k[1:], 5.0)
-    assert waits.stopped("op", k, 3, 1)
+    assert waits.stopped("op", k, 3, 1) is Stop.WAIT
     assert len(waits) == 1 and waits.timeout() == pytest.approx(ANNOUNCED_POLL_S)
     clock.now += 0.1
     assert waits.poll() == [] and len(waits) == 1  # not there yet: waits on
@@ -95,7 +99,7 @@ def test_the_wait_ends_at_its_bound_and_the_miss_is_not_remembered(
     storage, negative, waits, clock = setup
     k = run()
     storage.announce(k, 5.0)  # and never written
-    assert waits.stopped("op", k, 3, 0)
+    assert waits.stopped("op", k, 3, 0) is Stop.WAIT
     clock.now += 0.499
     assert waits.poll() == []
     clock.now += 0.002
@@ -110,7 +114,7 @@ def test_an_announcement_that_expires_first_ends_the_wait_then(
     storage, _, waits, clock = setup
     k = run()
     storage.announce(k, 0.1)
-    assert waits.stopped("op", k, 3, 0)
+    assert waits.stopped("op", k, 3, 0) is Stop.WAIT
     clock.now += 0.11
     (done,) = waits.poll()
     assert (done.hit, done.expired) == (0, True)
@@ -121,7 +125,7 @@ def test_an_unannounced_miss_does_not_wait_and_is_remembered(
 ) -> None:
     _, negative, waits, _ = setup
     k = run()
-    assert not waits.stopped("op", k, 3, 0)
+    assert waits.stopped("op", k, 3, 0) is Stop.MISS
     assert len(waits) == 0 and waits.timeout() is None and k[0] in negative
 
 
@@ -131,7 +135,7 @@ def test_a_run_that_grows_to_a_page_not_announced_ends_there(
     storage, negative, waits, clock = setup
     k = run()
     storage.announce(k[:1], 5.0)
-    assert waits.stopped("op", k, 3, 0)
+    assert waits.stopped("op", k, 3, 0) is Stop.WAIT
     land(storage, k[:1])
     clock.now += 0.01
     (done,) = waits.poll()
@@ -147,11 +151,81 @@ def test_no_wait_when_waits_are_off_and_closing_ends_every_wait() -> None:
         k = run()
         storage.announce(k, 5.0)
         off: AnnouncedWaits[str] = AnnouncedWaits(storage, None, 0.0, clock)
-        assert not off.stopped("op", k, 3, 0)
+        assert off.stopped("op", k, 3, 0) is Stop.MISS
         on: AnnouncedWaits[str] = AnnouncedWaits(storage, None, 0.5, clock)
-        assert on.stopped("a", k, 3, 0) and on.stopped("b", k, 3, 0)
+        assert on.stopped("a", k, 3, 0) is on.stopped("b", k, 3, 0) is Stop.WAIT
         assert [w.op for w in on.poll(closing=True)] == ["a", "b"]
         assert len(on) == 0
+
+
+def test_a_run_not_worth_a_wait_is_not_waited_for_nor_remembered(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    """A run read from 3 pages on: one page present and one announced reach 2, no wait
+    (the announced page not remembered missing); the third announced too, it waits."""
+    storage, negative, waits, _ = setup
+    k = run()
+    land(storage, k[:1])
+    storage.announce(k[1:2], 5.0)
+    three = WaitGain(min_pages=3)
+    assert waits.stopped("op", k, 3, 1, three) is Stop.NOT_WORTH
+    assert len(waits) == 0 and len(negative) == 0
+    storage.announce(k[2:], 5.0)
+    assert waits.stopped("op", k, 3, 1, three) is Stop.WAIT
+
+
+def test_the_wait_ends_when_a_read_of_the_run_would_no_longer_pay(
+    setup: tuple[MemoryStorage, NegativeCache, AnnouncedWaits[str], Clock],
+) -> None:
+    """Reading a run of ``n`` pages saves ``n * 50 - 100`` ms: three announced pages are
+    worth 50 ms of waiting (not ``wait_s``' 500), one alone nothing."""
+    storage, negative, waits, clock = setup
+    k = run()
+    gain = WaitGain(fixed_s=0.1, per_page_s=0.05)
+    storage.announce(k[:1], 5.0)
+    assert waits.stopped("a", k, 3, 0, gain) is Stop.NOT_WORTH
+    storage.announce(k[1:], 5.0)
+    assert waits.stopped("b", k, 3, 0, gain) is Stop.WAIT
+    clock.now += 0.049
+    assert waits.poll() == []
+    clock.now += 0.002
+    (done,) = waits.poll()
+    assert (done.op, done.hit, done.expired) == ("b", 0, True)
+    assert len(negative) == 0
+
+
+class CountingAnnouncements(MemoryStorage):
+    """The memory backend, recording how many keys each announcement read asked."""
+
+    def __init__(self, ns: Namespace) -> None:
+        super().__init__(ns)
+        self.asked: list[int] = []
+
+    def announced_many(self, keys: Sequence[PageKey]) -> list[float]:
+        self.asked.append(len(keys))
+        return super().announced_many(keys)
+
+
+def test_announced_pages_are_asked_only_as_far_as_they_raise_the_bound() -> None:
+    """Any run worth the whole wait: the page the run stopped at alone. A gain of ``n *
+    50 - 100`` ms: 12 pages would be worth ``wait_s``, so the 7 announced after a present
+    one are asked in batches of 1, 2, 4 and the run stops growing at the first page not
+    announced (the 9th of 10)."""
+    ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                            page_size=PAGE)  # fmt: skip
+    with CountingAnnouncements(ns) as storage:
+        k = run(10)
+        land(storage, k[:1])
+        storage.announce(k[1:8], 5.0)
+        clock = Clock()
+        waits: AnnouncedWaits[str] = AnnouncedWaits(storage, None, 0.5, clock)
+        assert waits.stopped("any", k, 10, 1) is Stop.WAIT
+        assert storage.asked == [1]
+        storage.asked.clear()
+        assert waits.stopped("line", k, 10, 1, WaitGain(fixed_s=0.1, per_page_s=0.05)) is Stop.WAIT
+        assert storage.asked == [1, 2, 4, 2]  # pages 2, 3-4, 5-8, then 9-10 (9 is not)
+        (line,) = [w for w in waits.poll(closing=True) if w.op == "line"]
+        assert line.until == pytest.approx(clock.now + 8 * 0.05 - 0.1)  # a run of 8 pages
 
 
 # ---------------------------------------------------------------- two caches, one L3
@@ -337,3 +411,120 @@ def test_a_slow_store_delays_an_end_by_the_wait_at_most_and_a_stuck_one_not_agai
         time.sleep(0.6)
         assert storage.announced(k[1]) > 0 and storage.announced(k[2]) > 0  # landed late
         assert ctl.announce(k[:1], 5.0, 1.0)  # nothing unstored: waits again
+
+
+# ---------------------------------------------------------------- by the measured rates
+
+READ_CALL_S = 0.010
+"""The reader's pinned L3 read: 10 ms a call, next to nothing a byte."""
+
+
+def over_memory(store: str, *, wait_s: float = 0.0, writer: bool = False) -> HiCache:
+    """A cache over the in-memory L3 ``store`` (a page lands whole: a file record can be
+    seen by a lookup an instant before its bytes, which a read then misses). A ``writer``
+    announces its writes, as :func:`make`'s; else its measured rates decide (``timeout``,
+    ``prefetch_threshold`` unset), misses remembered for a minute and announced pages
+    waited for ``wait_s`` at most."""
+    if writer:
+        prefetch = PrefetchConfig(policy="wait_complete", prefetch_threshold=0,
+                                  announced_wait_s=0.0, announce_writes=True)  # fmt: skip
+    else:
+        prefetch = PrefetchConfig(policy="timeout", negative_ttl_s=60.0, announced_wait_s=wait_s)
+    return cache_over_l3(MHA, "memory", {"store": store}, StorageOptions(), prefetch,
+                         page_size=PAGE, device_pages=64)  # fmt: skip
+
+
+def pin_rates(cache: HiCache, prefill: list[float]) -> None:
+    """Pin ``cache``'s rates, which on a tiny model depend on the machine: its L3 reads
+    at :data:`READ_CALL_S` a call (fresh observations of two sizes, so the cost line has
+    that overhead), its prefill at ``prefill[0]`` seconds a token (read at each use)."""
+
+    def rate() -> RateFit:
+        s = prefill[0]
+        return RateFit(
+            observations=1, per_second=1 / s, mean_amount=1.0, overhead_s=0.0, seconds_per_unit=s
+        )
+
+    cache.measure_prefill(rate)
+    meter = cache._sync.restore_meter.storage
+    for i in range(64):
+        nbytes = 1_000 if i % 2 else 100_000
+        meter.observe(nbytes, READ_CALL_S + nbytes * 1e-12, time.monotonic())
+
+
+def test_the_next_turn_does_not_wait_for_an_answer_the_rates_would_not_read() -> None:
+    """The next turn (the 8-token answer announced, then 24 new tokens) waits for its
+    lookup: reading 32 tokens (10 ms) beats recomputing them (32 ms). Reading the 8 the
+    lookup could find does not (10 ms against 8), so the lookup does not wait for them
+    (they land 0.3 s later; it used to wait that long, then recompute). Not remembered
+    missing: once landed, a turn whose prefill costs 1 s a token reads them."""
+    prefill = [0.001]
+    store = f"announced-{time.monotonic_ns()}"
+    with over_memory(store, writer=True) as writer, over_memory(store, wait_s=2.0) as reader:
+        pin_rates(reader, prefill)
+        end_unsynced(writer, CONVERSATION)
+        stored_announcement(writer, CONVERSATION)
+        later = land_later(writer, 0.3)
+        got, took = ask(reader, [*CONVERSATION, *[7] * 24])
+        later.join()
+        assert got == 0 and took < 0.2
+        assert counter(reader, "l3_unwaited_prefetches_total") == 0  # it waited for the lookup
+        assert counter(reader, "l3_announced_waits_total") == 0
+        assert counter(reader, "l3_announced_unwaited_total") == 1
+        prefill[0] = 1.0
+        got, _ = ask(reader, [*CONVERSATION, *[7] * 24])
+        assert got == 8 and counter(reader, "l3_decided_read_tokens_total") == 8
+        check_integrity(reader)
+        check_integrity(writer)
+
+
+def test_the_next_turn_waits_for_an_answer_the_rates_would_read() -> None:
+    """Recomputing at 1 s a token, the announced answer is worth the wait: the lookup
+    waits until it lands (0.2 s) and the request reads it, byte for byte."""
+    store = f"announced-{time.monotonic_ns()}"
+    with over_memory(store, writer=True) as writer, over_memory(store, wait_s=2.0) as reader:
+        pin_rates(reader, [1.0])
+        end_unsynced(writer, CONVERSATION)
+        stored_announcement(writer, CONVERSATION)
+        later = land_later(writer, 0.2)
+        got, took = look_up(reader, [*CONVERSATION, 7, 7])
+        later.join()
+        assert got == 8 and 0.15 < took < 1.5
+        assert counter(reader, "l3_announced_waits_total") == 1
+        assert counter(reader, "l3_announced_waits_expired_total") == 0
+        assert counter(reader, "l3_decided_read_tokens_total") == 8
+        check_integrity(reader)
+        check_integrity(writer)
+
+
+def _rank_asks(rank: int, n: int, out: str) -> dict[str, float]:
+    """One of two ranks, each with its own view of the rates: rank 0 recomputes at 1 s a
+    token (the 8-token answer would be worth waiting for), rank 1 at 1 ms (it would not).
+    Every rank's pages are announced and never written."""
+    prefetch = PrefetchConfig(policy="timeout", negative_ttl_s=60.0, announced_wait_s=2.0)
+    config = CacheConfig(page_size=PAGE, device_tokens=64 * PAGE, hicache_ratio=2.0,
+                         load_back_threshold=0, mem_layout="page_first")  # fmt: skip
+    with HiCache(config, MHA, ranks=RankGroup()).start() as cache:
+        ns = Namespace.for_spec(MHA, model="m", weights_fingerprint="w", layout="page_first",
+                                page_size=PAGE, tp_size=n, tp_rank=rank)  # fmt: skip
+        storage = create_storage("file", namespace=ns, extra_config={"file_path": out})
+        tier = cache.l3.attach(storage, ns, prefetch, cache.context.ranks)
+        pin_rates(cache, [1.0 if rank == 0 else 0.001])
+        tier.controller.storage.announce(tier.keys.of(encode_tokens(CONVERSATION)), 5.0)
+        got, took = ask(cache, [*CONVERSATION, *[7] * 24])
+        return {
+            "got": got,
+            "took": took,
+            "unwaited": counter(cache, "l3_announced_unwaited_total"),
+            "waits": counter(cache, "l3_announced_waits_total"),
+        }
+
+
+def test_ranks_agree_not_to_wait_when_one_rank_would_not_read(tmp_path: Path) -> None:
+    """The ranks agree on the smallest gain (all-reduce(min)): rank 1's rates would not
+    read the announced answer, so neither rank waits for it. (Each by its own rates, rank
+    0 would wait its 2 s bound, and the hit every rank agrees on would hold both.)"""
+    r0, r1 = run_ranks(_rank_asks, 2, tmp_path)
+    for r in (r0, r1):
+        assert (r["got"], r["unwaited"], r["waits"]) == (0, 1, 0), r
+        assert r["took"] < 1.0, r

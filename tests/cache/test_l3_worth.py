@@ -71,3 +71,16 @@ def test_measured_drops_rates_older_than_max_age() -> None:
     stale = RestoreCosts.measured(meter, PREFILL, now=100.0 + DEFAULT_RATE_MAX_AGE_S + 0.001)
     assert stale.read is None and stale.lookup is None
     assert stale.worth_reading(1000) is None
+
+
+def test_the_read_gain_is_recompute_minus_restore_and_positive_where_reading_pays() -> None:
+    costs = RestoreCosts(TOKEN, read=READ, load=LOAD, prefill=PREFILL)
+    fixed, per_token = costs.read_gain() or (0.0, 0.0)
+    assert fixed == pytest.approx(0.001)  # the read's 1 ms call
+    assert per_token == pytest.approx(1e-4 - 1e-6 - 1e-7)  # prefill less read and load
+    for n in (1, 10, 11, 1000):
+        gain = n * per_token - fixed
+        assert gain == pytest.approx(costs.recompute_s(n) - costs.restore_s(n))  # type: ignore[operator]
+        assert (gain > 0) == costs.worth_reading(n)
+    assert RestoreCosts(TOKEN, read=None, prefill=PREFILL).read_gain() is None
+    assert RestoreCosts(TOKEN, read=READ, prefill=None).read_gain() is None

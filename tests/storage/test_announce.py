@@ -66,6 +66,9 @@ def test_what_one_announces_another_reads_until_it_expires(
     assert 4.0 < reader.announced(k[1]) <= 5.0
     assert reader.announced(k[2]) == 0.0  # not announced
     assert reader.batch_exists(k) == 0  # an announcement is not the page
+    many = reader.announced_many(k)  # the same, in one call
+    assert 4.0 < many[0] <= 5.0 and 4.0 < many[1] <= 5.0 and many[2] == 0.0
+    assert reader.announced_many([]) == []
     writer.announce(k[2:], 0.05)
     assert reader.announced(k[2]) > 0
     time.sleep(0.1)

@@ -41,7 +41,9 @@ class L3Lookup:
     lookup failed (the backend's reason; empty when it did not: a miss is no failure).
     ``waited``: the run stopped at an announced page (:mod:`hicache.storage.announce`) and
     the lookup waited for it; ``expired``: that wait ended at its bound with the page
-    still announced and absent. ``seconds``: how long the store took to answer the run
+    still announced and absent; ``unwaited``: the run stopped at an announced page and the
+    lookup did not wait, as no run it could reach was worth a wait
+    (:class:`~hicache.controller.announced.WaitGain`). ``seconds``: how long the store took to answer the run
     (its ``exists_run`` call; 0 when no call was made, or after an announced wait: what
     a lookup costs, :mod:`hicache.rates`)."""
 
@@ -52,6 +54,7 @@ class L3Lookup:
     error: str = ""
     waited: bool = False
     expired: bool = False
+    unwaited: bool = False
     seconds: float = 0.0
 
 

@@ -14,8 +14,9 @@ its pages quarantined); the lookup thread owns the
 rides the same queue, so forgets apply in order with lookups. Announcements
 (:mod:`hicache.storage.announce`): a third thread stores them (:meth:`StorageController.announce`
 waits for that a few milliseconds at most); a lookup whose run stops at an announced page
-waits for it, polling, at most ``announced_wait_s`` (other ops go on meanwhile) and never
-remembers that page as a miss. The flows: ``docs/architecture.md``, "Who owns asynchronous
+waits for it, polling, at most ``announced_wait_s`` and no longer than the lookup's
+:class:`~hicache.controller.announced.WaitGain` says a read of the run could pay (other ops
+go on meanwhile), and never remembers that page as a miss. The flows: ``docs/architecture.md``, "Who owns asynchronous
 results", "Failures" and "The next turn finds the previous answer".
 """
 
@@ -29,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from hicache.controller.announced import AnnouncedWaits, Waiting
+from hicache.controller.announced import ANY_GAIN, AnnouncedWaits, Stop, WaitGain, Waiting
 from hicache.controller.completions import (
     CompletionQueue,
     ComponentFound,
@@ -94,6 +95,7 @@ class _Lookup:
     components: tuple[ComponentLookup, ...]
     previous: PreviousPage | None = None
     cancel: threading.Event | None = None
+    gain: WaitGain = ANY_GAIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +200,16 @@ class StorageController(Lifecycle):
         keys: Sequence[PageKey],
         components: Sequence[ComponentLookup] = (),
         previous: PreviousPage | None = None,
+        gain: WaitGain = ANY_GAIN,
     ) -> None:
         """Queue a lookup of ``keys`` (a run from the first) and, when given, of each
         component's records within reach of the run found (:class:`ComponentLookup`); an
         :class:`L3Lookup` follows. ``previous``: the previous spec version's key of the
         first page, hashed and probed (and counted, ``StorageStats.previous``) on the
-        lookup thread when the run is empty. :meth:`cancel` before the lookup thread
-        reaches it skips the store: its record says no hit."""
+        lookup thread when the run is empty. ``gain``: how long a wait for announced
+        pages can pay, by the run it could reach (:mod:`hicache.controller.announced`).
+        :meth:`cancel` before the lookup thread reaches it skips the store: its record
+        says no hit."""
         for c in components:
             self._pool(c.name)
             if not 0 <= c.held <= c.lead <= len(c.keys) or len(c.keys) - c.lead > len(keys):
@@ -213,7 +218,7 @@ class StorageController(Lifecycle):
                     f"for a run of {len(keys)}"
                 )
         cancel = self._cancels[op_id] = threading.Event()
-        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components), previous, cancel))
+        self._prefetch_q.put(_Lookup(op_id, keys, tuple(components), previous, cancel, gain))
 
     def read(
         self,
@@ -353,8 +358,8 @@ class StorageController(Lifecycle):
 
     def _lookup(self, op: _Lookup) -> L3Lookup | None:
         """Ask the store about ``op``'s run (what the negative cache leaves of it); None
-        when the run stopped at an announced page (the lookup waits in :attr:`_waits`).
-        A lookup cancelled before this asks nothing: no hit."""
+        when the run stopped at an announced page worth waiting for (the lookup waits in
+        :attr:`_waits`). A lookup cancelled before this asks nothing: no hit."""
         if op.cancel is not None and self._cancels.get(op.op_id) is op.cancel:
             self._cancels.pop(op.op_id, None)  # the owner registers a read only after this
         if op.cancel is not None and op.cancel.is_set():
@@ -364,6 +369,7 @@ class StorageController(Lifecycle):
         hit = 0
         error = ""
         seconds = 0.0
+        unwaited = False
         try:
             if asked:
                 began = time.perf_counter()
@@ -371,12 +377,15 @@ class StorageController(Lifecycle):
                 seconds = time.perf_counter() - began
                 hit = run.present
                 error = run.why
-                if hit < asked and not run.failed and self._waits.stopped(op, op.keys, asked, hit):
-                    return None
+                if hit < asked and not run.failed:
+                    stop = self._waits.stopped(op, op.keys, asked, hit, op.gain)
+                    if stop is Stop.WAIT:
+                        return None
+                    unwaited = stop is Stop.NOT_WORTH
         except Exception as exc:  # backends fail soft already; this is a last guard
             log.exception("L3 lookup op %d failed", op.op_id)
             error = f"{type(exc).__name__}: {exc}"
-        return self._looked(op, asked, hit, error, seconds=seconds)
+        return self._looked(op, asked, hit, error, seconds=seconds, unwaited=unwaited)
 
     def _looked(
         self,
@@ -387,10 +396,12 @@ class StorageController(Lifecycle):
         *,
         waited: Waiting[_Lookup] | None = None,
         seconds: float = 0.0,
+        unwaited: bool = False,
     ) -> L3Lookup:
         """The record of lookup ``op`` whose run found ``hit`` of its ``asked`` keys
-        (``waited``: after a wait for an announced page; ``seconds``: the run's store
-        call): the previous spec's probe (no hit) and the component lookups done here."""
+        (``waited``: after a wait for an announced page; ``unwaited``: it stopped at one
+        not worth waiting for; ``seconds``: the run's store call): the previous spec's
+        probe (no hit) and the component lookups done here."""
         found: list[ComponentFound] = []
         try:
             if asked and not hit and op.previous is not None:
@@ -412,6 +423,7 @@ class StorageController(Lifecycle):
             error=error,
             waited=waited is not None,
             expired=waited is not None and waited.expired,
+            unwaited=unwaited,
             seconds=seconds,
         )
 

@@ -322,18 +322,24 @@ class HiCacheStorage(ABC):
     def announced(self, key: PageKey) -> float:
         """Seconds until the announcement of ``key`` (:meth:`announce`) expires; 0.0 when
         there is none, it expired, it cannot be read or the call failed (fail-soft)."""
+        return self.announced_many([key])[0]
+
+    def announced_many(self, keys: Sequence[PageKey]) -> list[float]:
+        """:meth:`announced` of each of ``keys``, in one call to the store."""
         self._require_started()
-        items = Announcements.empty(1)
+        if not keys:
+            return []
+        marks = [announce_key(k) for k in keys]
+        items = Announcements.empty(len(keys))
         with self._stats.timed("exists"):  # a lookup, timed as one
             got: list[MissReason | None] = self._guarded(
                 "announced",
-                1,
-                lambda: self._get([announce_key(key)], items, Deadline(self._options.timeout_s)),
+                len(keys),
+                lambda: self._get(marks, items, Deadline(self._options.timeout_s)),
                 MissReason.ERROR,
             )
-        if got[0] is not None:
-            return 0.0
-        return max(0.0, items.until(0) - time.time())
+        now = time.time()
+        return [0.0 if g is not None else max(0.0, items.until(i) - now) for i, g in enumerate(got)]
 
     def host_writes_settled(self, timeout_s: float) -> bool:
         """True once no backend call that was handed host pages is still running.

@@ -133,7 +133,7 @@ class Prefetches:
         lookups = self._reads.lookups(p, attach, len(rest))
         self._open[p.op_id] = p
         previous = self._keys.previous_page(key, tenant, start + 1) if rest else None
-        self._controller.lookup(p.op_id, rest, lookups, previous)
+        self._controller.lookup(p.op_id, rest, lookups, previous, self._reads.wait_gain(p))
         return p
 
     def _costs(self) -> RestoreCosts:
@@ -151,6 +151,7 @@ class Prefetches:
         if r.waited:
             self._counters.l3_announced_waits_total += 1
             self._counters.l3_announced_waits_expired_total += int(r.expired)
+        self._counters.l3_announced_unwaited_total += int(r.unwaited)
         if p is None:
             return
         p.looking = False

@@ -5,13 +5,17 @@ reach of the boundaries it considers) and turns the lookup, applied with the hit
 rank agreed on, into a read: the deepest boundary every component serves on every rank
 (:func:`~hicache.cache.components.records.agree_boundary`), then L2 pages and component
 ids reserved, agreed (all-reduce(min)) and committed or aborted on every rank together,
-then the read queued on the controller. Every collective here depends on agreed values
-alone. The flow: ``docs/architecture.md`` (L3).
+then the read queued on the controller. It also says how long a lookup may wait for
+announced pages (:meth:`Reads.wait_gain`), by the rule that reads the hit. Every collective
+here depends on agreed values alone. The flow: ``docs/architecture.md`` (L3).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
+
+import torch
 
 from hicache.cache.components.records import ComponentRecords, agree_boundary, usable_boundaries
 from hicache.cache.host_tier import HostTier
@@ -20,6 +24,7 @@ from hicache.cache.l3.prefetch import ComponentFetch, Prefetch
 from hicache.cache.l3.worth import RestoreCosts
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD, PrefetchConfig, PrefetchPolicy
 from hicache.controller import L3Lookup
+from hicache.controller.announced import ANY_GAIN, WaitGain
 from hicache.controller.rank_group import RankGroup
 from hicache.controller.storage_controller import (
     ComponentLookup,
@@ -31,6 +36,9 @@ from hicache.tree import TreeNode
 from hicache.tree.node import PageIds, page_ids
 
 __all__ = ["Reads"]
+
+_ANY_NS = 1 << 62
+"""A :class:`WaitGain`'s infinite ``per_page_s`` in the nanoseconds the ranks agree on."""
 
 
 class Reads:
@@ -96,22 +104,60 @@ class Reads:
             return deadline
         return p.started if self._costs().worth_waiting(tokens) is False else deadline
 
-    def _worth(self, p: Prefetch, tokens: int) -> bool:
-        """Whether to read the agreed hit of ``tokens`` (> 0) of ``p``: a restore's, always;
-        by the rates (:attr:`_by_rates`) when this rank's measured rates say reading beats
-        recomputing, and when the prefill is measured but this L3's reads are not (yet, or
-        any more: the read measures them); else when it reaches the threshold. Agreed over
-        the ranks (every rank runs this with the same hit: all-reduce(min))."""
-        decided = None
-        explore = False
+    def _rule(self, p: Prefetch) -> tuple[WaitGain, bool]:
+        """This rank's rule for reading a hit of ``p`` and for waiting for its announced
+        pages, one line for both (:class:`~hicache.controller.announced.WaitGain`: a run of
+        ``n`` pages is read when ``gain.seconds(n) > 0``, and waited for that long at most),
+        and whether the measured rates decide it. A restore's: any run (read ahead of its
+        request, never too late). By the rates (:attr:`_by_rates`), when this rank's rates
+        are known: what reading the run saves over recomputing it
+        (:meth:`~hicache.cache.l3.worth.RestoreCosts.read_gain`); when the prefill is
+        measured but this L3's reads are not (yet, or any more): any run (the read measures
+        them). Else the threshold's pages."""
+        ps = self._page_size
         if not p.any_hit and self._by_rates:
             costs = self._costs()
-            decided = costs.worth_reading(tokens)
-            explore = decided is None and costs.prefill is not None and costs.read is None
-        # undecided: the threshold, unless exploring (read to measure the L3's rate)
-        local = decided if decided is not None else explore or tokens >= self._threshold(p)
+            line = costs.read_gain()
+            if line is not None:
+                return WaitGain(fixed_s=line[0], per_page_s=line[1] * ps), True
+            if costs.prefill is not None and costs.read is None:
+                return ANY_GAIN, False
+        return WaitGain(min_pages=math.ceil(self._threshold(p) / ps)), False
+
+    def wait_gain(self, p: Prefetch) -> WaitGain:
+        """How long ``p``'s lookup may wait for announced pages, by the run it could reach:
+        :meth:`_rule`'s line, the one that will read the hit (a run it would not read is
+        not waited for, and a wait ends once the read would no longer pay). With several
+        ranks deciding by their own rates, agreed (one all-reduce(min): the smallest gain
+        of any rank, so every rank waits alike); the call is made on every rank alike
+        (``p.keys``, ``p.any_hit`` and the configuration are agreed)."""
+        if not p.keys:  # no run to wait for: no pages looked up
+            return ANY_GAIN
+        local, _ = self._rule(p)
+        same = p.any_hit or not self._by_rates  # a rule the same on every rank
+        if same or not self._ranks.multi or self._prefetch.announced_wait_s <= 0:
+            return local
+        per_ns = _ANY_NS if local.per_page_s == math.inf else math.floor(local.per_page_s * 1e9)
+        agreed = self._ranks.all_reduce_min(
+            torch.tensor(
+                [-local.min_pages, -math.ceil(local.fixed_s * 1e9), min(per_ns, _ANY_NS)],
+                dtype=torch.int64,
+            )
+        ).tolist()
+        return WaitGain(
+            min_pages=-agreed[0],
+            fixed_s=-agreed[1] / 1e9,
+            per_page_s=math.inf if agreed[2] >= _ANY_NS else agreed[2] / 1e9,
+        )
+
+    def _worth(self, p: Prefetch, tokens: int) -> bool:
+        """Whether to read the agreed hit of ``tokens`` (> 0, whole pages) of ``p``: by
+        :meth:`_rule`, agreed over the ranks (every rank runs this with the same hit:
+        all-reduce(min)); counted when the rates decided."""
+        gain, decided = self._rule(p)
+        local = gain.seconds(tokens // self._page_size) > 0
         agreed = bool(self._ranks.min(int(local)))
-        if decided is not None:
+        if decided:
             if agreed:
                 self._counters.l3_decided_read_tokens_total += tokens
             else:

@@ -5,7 +5,9 @@ read from L3 into L2 (the ``storage`` cost line over ``n * token_bytes``) and th
 back into L1 (the ``host`` line; 0 while unmeasured: it overlaps the forward layer by
 layer); waiting for a prefetch costs its lookup (the ``lookup`` line at one lookup) and
 the restore; recomputing costs ``n`` times the prefill's seconds per token (the slope of
-its cost line: a forward's fixed cost is paid whatever is loaded). A rate never
+its cost line: a forward's fixed cost is paid whatever is loaded); what a read saves
+over recomputing is a straight line in ``n`` too (:meth:`RestoreCosts.read_gain`), which
+bounds a lookup's wait for announced pages. A rate never
 measured, or last measured more than ``max_age_s`` ago, is unknown, and so is every
 answer that needs it (None): the caller then reads (to measure) and waits as configured
 (:mod:`hicache.cache.l3.reads`). Pure.
@@ -78,6 +80,22 @@ class RestoreCosts:
         if restore is None or recompute is None:
             return None
         return restore < recompute
+
+    def read_gain(self) -> tuple[float, float] | None:
+        """What reading a hit saves over recomputing it, as the line ``(fixed_s,
+        per_token_s)``: ``recompute_s(n) - restore_s(n) == n * per_token_s - fixed_s``
+        (``fixed_s >= 0``: the read's and load's fixed costs; ``per_token_s`` may be <= 0:
+        no hit pays). Positive exactly where :meth:`worth_reading` is True: the longest a
+        hit of ``n`` tokens may be waited for and still beat recomputing it. None: unknown."""
+        if self.read is None or self.prefill is None:
+            return None
+        tb = self.token_bytes
+        fixed = self.read.overhead_s
+        per_token = self.prefill.seconds_per_unit - tb * self.read.seconds_per_unit
+        if self.load is not None:
+            fixed += self.load.overhead_s
+            per_token -= tb * self.load.seconds_per_unit
+        return fixed, per_token
 
     def worth_waiting(self, tokens: int) -> bool | None:
         """Whether a request should wait for the prefetch of up to ``tokens`` (> 0): its
