@@ -123,6 +123,22 @@ def test_short_record_is_being_written_then_corrupt_and_healed(tmp_path: Path) -
         assert torch.equal(src.read_pages([0]), dst.read_pages([1]))
 
 
+def test_a_record_being_created_is_not_yet_present(tmp_path: Path) -> None:
+    """A put creates the record file (``O_EXCL``), computes its checksum, then writes it in
+    one ``writev``: the empty file in between is not counted present, or a lookup polling
+    while pages land counts a page its read then misses."""
+    ks, src = keys(3), pool(1)
+    with storage(tmp_path) as st:
+        st.batch_set(ks, src, [0, 1, 2])
+        assert st.batch_exists(ks) == 3
+        path = st.path_of(ks[1].key)
+        whole = path.read_bytes()
+        path.write_bytes(b"")  # created, not yet written
+        assert st.batch_exists(ks) == 1
+        path.write_bytes(whole)
+        assert st.batch_exists(ks) == 3
+
+
 def test_record_with_a_trailing_byte_is_corrupt(tmp_path: Path) -> None:
     """A read asks for one byte past the record (no fstat): a longer file shows."""
     ks = keys(1)

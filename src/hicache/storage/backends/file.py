@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -257,7 +258,11 @@ class FileStorage(ConfiguredStorage):
             if deadline.expired:
                 self._stats.timeout("exists", deadline.timeout_s)
                 break
-            if not os.path.isfile(self.path_str(k.key)):
+            try:  # a record being created is empty until its one writev: not there yet
+                st = os.stat(self.path_str(k.key))
+            except OSError:
+                break
+            if not (stat.S_ISREG(st.st_mode) and st.st_size):
                 break
             n += 1
         return n
