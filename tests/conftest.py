@@ -1,5 +1,6 @@
 """Shared fixtures: the L3 services (Redis, Valkey, Mooncake) live in conftest_storage."""
 
+import gc
 import os
 
 import pytest
@@ -25,3 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run is over: exit without the interpreter's last garbage collection (it walks
+    every object torch, transformers and the collected tests made; about a second)."""
+    gc.freeze()

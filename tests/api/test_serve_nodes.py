@@ -32,9 +32,13 @@ import httpx
 import pytest
 
 from hicache.bench.serverproc import ADMIN_KEY, ServerProcess
+from hicache.config import CacheConfig
+from hicache.engine.front.engine import Engine, EngineConfig
+from hicache.server.app import create_app
 from hicache.services.process import free_port
 from tests.api.test_serve_tp import rank_pids
 from tests.disagg.test_pd_tp import body, generate, through_pair
+from tests.helpers.api_fixtures import serve_app
 
 HICACHE = [sys.executable, "-m", "hicache.cli", "serve"]
 TINY = ["--model-path", "tiny-random-llama", "--device", "cpu", "--dtype", "float32"]
@@ -142,11 +146,30 @@ def l3_flags(path: Path) -> list[str]:
     ]
 
 
+@contextmanager
+def one_node(tp: int) -> Iterator[str]:
+    """A single-node engine of ``BASE``'s settings at ``tp`` ranks, served in this process
+    (the reference answers: a ``hicache serve`` process would add its start-up)."""
+    config = EngineConfig(
+        model_path="tiny-random-llama",
+        device="cpu",
+        dtype="float32",
+        tp_size=tp,
+        context_length=256,
+        cache=CacheConfig(page_size=4),
+    )
+    with (
+        Engine(config).start() as engine,
+        serve_app(create_app(engine, "tiny-random-llama")) as url,
+    ):
+        yield url
+
+
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.matrix)])
 def test_two_nodes_answer_as_one_with_an_l3(tmp_path: Path, tp: int) -> None:
     prompts = [PROMPT, [*PROMPT[:12], 90, 91, 92, 93, 94]]
-    with ServerProcess([*BASE, "--tp-size", str(tp)], startup_timeout_s=START_S) as one:
-        want = [answer(one.url, p)[0] for p in prompts]
+    with one_node(tp) as url:
+        want = [answer(url, p)[0] for p in prompts]
     flags = [*BASE, *l3_flags(tmp_path / "l3")]
     log = tmp_path / "node1.log"
     with two_nodes(flags, tp, log) as (node0, node1):

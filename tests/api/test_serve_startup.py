@@ -4,6 +4,8 @@ INFO line with the model, dtype, device, tiers and address."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -153,13 +155,31 @@ CASES = [
     ("argv", "flag", "value"), CASES, ids=[c[1] + str(i) for i, c in enumerate(CASES)]
 )
 def test_bad_flag_is_one_line(argv: list[str], flag: str, value: str) -> None:
-    r = run(*argv)
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    """Through :func:`hicache.cli.main` in this process: the same parsing, checks and
+    start-up as ``python -m hicache.cli``, less an interpreter and torch's import per case
+    (about 2 s each). A traceback would be an exception here; the process-level exit code
+    and stderr are the subprocess tests' below (port in use, CUDA, debug, the INFO line)."""
+    code, stderr = main_here(argv)
+    assert code == 2, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error:" in ln]
-    assert len(errors) == 1, r.stderr
+    assert len(errors) == 1, stderr
     assert flag in errors[0] and value in errors[0], errors[0]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in stderr
+
+
+def main_here(argv: list[str]) -> tuple[int | str | None, str]:
+    """:func:`hicache.cli.main` on ``argv`` in this process: its exit code (argparse's
+    refusals exit, 2) and what it wrote to stderr."""
+    from hicache import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code: int | str | None = cli.main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return code, err.getvalue()
 
 
 def test_cuda_without_cuda_is_refused() -> None:

@@ -18,6 +18,7 @@ import pytest
 from hicache.config import CacheConfig
 from hicache.engine.front.engine import Engine, EngineConfig
 from hicache.engine.sampling import SamplingParams
+from tests.api.test_serve_startup import main_here
 from tests.helpers.engine_fixtures import engine_model
 
 HICACHE = [sys.executable, "-m", "hicache.cli"]
@@ -122,25 +123,33 @@ def test_serve_tp2_answers_and_a_dead_rank_stops_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "needle"),
+    ("argv", "needle", "here"),
     [
-        (["--tp-size", "3"], "--tp-size 3 is invalid"),
-        (["--tp-size", "0"], "--tp-size 0 is invalid"),
-        (["--tp-size", "2", "--dist-init-timeout", "0"], "--dist-init-timeout 0"),
+        (["--tp-size", "3"], "--tp-size 3 is invalid", True),
+        (["--tp-size", "0"], "--tp-size 0 is invalid", True),
+        (["--tp-size", "2", "--dist-init-timeout", "0"], "--dist-init-timeout 0", True),
         (
             ["--tp-size", "2", "--dist-init-timeout", "0.001"],
             "--tp-size 2: rank 1 did not join the process group within 0.001 s",
+            False,
         ),
     ],
 )
-def test_bad_tp_flags_are_one_line(argv: list[str], needle: str) -> None:
-    r = subprocess.run(
-        [*HICACHE, "serve", *TINY, *argv], capture_output=True, text=True, timeout=180, env=ENV
-    )
-    assert r.returncode == 2, r.stderr
-    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and needle in errors[0], r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_tp_flags_are_one_line(argv: list[str], needle: str, here: bool) -> None:
+    """``here``: a flag refused before any rank starts, checked through
+    :func:`hicache.cli.main` in this process (as test_serve_startup's bad flags); the
+    start whose rank does not join runs as ``python -m hicache.cli``."""
+    if here:
+        code, stderr = main_here(["serve", *TINY, *argv])
+    else:
+        r = subprocess.run(
+            [*HICACHE, "serve", *TINY, *argv], capture_output=True, text=True, timeout=180, env=ENV
+        )
+        code, stderr = r.returncode, r.stderr
+    assert code == 2, stderr
+    errors = [ln for ln in stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and needle in errors[0], stderr
+    assert "Traceback" not in stderr
 
 
 def test_followers_exit_when_rank_0_dies() -> None:

@@ -16,6 +16,7 @@ over one pipe end:
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -78,6 +79,7 @@ def receiver(conn: Connection, backend: str, seed: int) -> None:
             )
     finally:
         t.close()
+        exiting()
 
 
 def _slots(pages: list[int]) -> torch.Tensor:
@@ -117,6 +119,13 @@ def prefill_server(conn: Connection, backend: str, port: int, slow: Any | None) 
             conn.recv()
     finally:
         engine.close()
+        exiting()
+
+
+def exiting() -> None:
+    """A child about to exit skips the interpreter's last garbage collection: about a
+    second of CPU walking torch's objects, which its parent waits out in ``join``."""
+    gc.freeze()
 
 
 def _first_write_paused(

@@ -115,12 +115,11 @@ MODELS = (
     "tiny-random-deepseek-v32",
 )
 SIZES = ((2, 2), (1, 2), (2, 1), (4, 2))
-CORE = {
-    ("tiny-random-llama", 2, 1, "nixl"),
-    ("tiny-random-deepseek-v2", 1, 2, "mooncake"),
-}
-"""The subset ``make test`` runs: split heads gathered on one rank, an MLA latent spread
-over two, both transports."""
+CORE = {("tiny-random-deepseek-v2", 1, 2, "mooncake")}
+"""The subset ``make test`` runs here: an MLA latent spread over two ranks. Split heads
+gathered on one rank (``tiny-random-llama``, 2 -> 1, ``nixl``), the other transport, is
+checked by :func:`test_a_prefill_rank_killed_or_paused_fails_the_decode_room_within_the_bound`
+on its pair (:func:`assert_answers_as_a_plain_server`) before it pauses a rank."""
 CASES = [
     pytest.param(m, p, d, b, marks=() if (m, p, d, b) in CORE else pytest.mark.matrix)
     for m in MODELS
@@ -150,8 +149,6 @@ def test_a_pair_at_two_tp_sizes_answers_as_a_plain_server(
 ) -> None:
     port = free_port()
     pd = ["--model-path", model, "--disaggregation-transfer-backend", backend, *FAST]
-    want = plain_answer(model)
-    assert len(want) == 8
     with servers(
         [
             *pd,
@@ -164,10 +161,20 @@ def test_a_pair_at_two_tp_sizes_answers_as_a_plain_server(
         ],
         [*pd, "--tp-size", str(decode_tp), "--disaggregation-mode", "decode"],
     ) as (prefill, decode):
-        for room, stream in ((101, False), (102, True)):
-            got = through_pair(prefill, decode, port, room, stream)
-            assert got == want, (room, stream, got, want)
-        assert open_rooms(prefill) == 0
+        assert_answers_as_a_plain_server(prefill, decode, port, model)
+
+
+def assert_answers_as_a_plain_server(
+    prefill: ServerProcess, decode: ServerProcess, port: int, model: str
+) -> None:
+    """The pair's greedy answers (rooms 101 and 102), streamed and not, are a plain TP-1
+    engine's, and the prefill instance has no room open after them."""
+    want = plain_answer(model)
+    assert len(want) == 8
+    for room, stream in ((101, False), (102, True)):
+        got = through_pair(prefill, decode, port, room, stream)
+        assert got == want, (room, stream, got, want)
+    assert open_rooms(prefill) == 0
 
 
 @pytest.mark.matrix
@@ -343,9 +350,13 @@ def test_a_prefill_rank_killed_or_paused_fails_the_decode_room_within_the_bound(
     request waits on its room: rank 0's bootstrap server answers 503 from the moment the
     rank is named gone or silent (or is gone itself), so the decode side fails the room
     within its health bound after that; a paused rank that runs again leaves the prefill
-    serving, and both sides end idle."""
+    serving, and both sides end idle.
+
+    The pair is ``make test``'s TP 2 -> 1 case of
+    :func:`test_a_pair_at_two_tp_sizes_answers_as_a_plain_server` (split heads gathered
+    on one rank, ``nixl``), whose answers are checked first: one pair started, not two."""
     port = free_port()
-    pd = ["--model-path", "tiny-random-llama", "--disaggregation-transfer-backend", "mooncake"]
+    pd = ["--model-path", "tiny-random-llama", "--disaggregation-transfer-backend", "nixl"]
     with servers(
         [
             *pd,
@@ -358,6 +369,7 @@ def test_a_prefill_rank_killed_or_paused_fails_the_decode_room_within_the_bound(
         ],
         [*pd, "--disaggregation-mode", "decode"],
     ) as (prefill, decode):
+        assert_answers_as_a_plain_server(prefill, decode, port, "tiny-random-llama")
         assert prefill.proc is not None
         rank1 = rank_pids(prefill.proc.pid)
         assert len(rank1) == 1, rank1

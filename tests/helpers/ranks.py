@@ -9,6 +9,7 @@ results come back in rank order; a rank that raises fails the caller with its tr
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import traceback
@@ -46,6 +47,9 @@ def _main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # the process exits next: skip the interpreter's last collection (about a second
+        # of CPU walking torch's objects, per rank, while the test waits on the join)
+        gc.freeze()
 
 
 def run_ranks(fn: Callable[..., Any], n: int, tmp_path: Path, *args: Any) -> list[Any]:

@@ -275,6 +275,22 @@ def _counters(workers: Sequence[ServerProcess]) -> list[dict[str, float]]:
     return [parse_metrics(httpx.get(f"{w.url}/metrics", timeout=10).text) for w in workers]
 
 
+def _counters_after(
+    workers: Sequence[ServerProcess], since: float, wait_s: float = 5.0
+) -> list[dict[str, float]]:
+    """:func:`_counters` once every worker's cache figures were published after ``since``
+    (``perf_counter`` s; ``hicache_stats_age_seconds`` tells), polled for up to
+    ``wait_s``: the engine publishes them every ``stats_interval_s``, not per request."""
+    end = time.perf_counter() + wait_s
+    while True:
+        counters = _counters(workers)
+        now = time.perf_counter()
+        ages = [c.get("hicache_stats_age_seconds") for c in counters]
+        if all(a is None or now - a > since for a in ages) or now > end:
+            return counters
+        time.sleep(0.05)
+
+
 async def _send(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], out: RequestResult
 ) -> None:
@@ -483,8 +499,7 @@ def run(spec: RoutingSpec, *, log: Any = sys.stderr) -> list[ArmRun]:
                         _run_arm(spec, requests, model, urls, workers, oracle)
                     )
                     branches = Counter(b for r in routers for b in _BRANCH.findall(r.log_text()))
-                time.sleep(1.5)  # the cache counters are the engines' published stats
-                after = _counters(workers)
+                after = _counters_after(workers, time.perf_counter())
                 run_ = ArmRun(arm, rnd, results, wall, router_branches=dict(branches))
                 for b, a in zip(before, after, strict=True):
                     run_.worker_requests.append(
