@@ -47,7 +47,8 @@ FAST: tuple[str, ...] = ()
 
 @contextmanager
 def servers(*flag_sets: list[str]) -> Iterator[list[ServerProcess]]:
-    """One ``hicache serve`` per flag set, started in parallel, all stopped on exit."""
+    """One ``hicache serve`` per flag set, started one after the other (on two cores no
+    slower than together), all stopped on exit."""
     with ExitStack() as stack:
         procs = [ServerProcess([*COMMON, *f], startup_timeout_s=180.0) for f in flag_sets]
         for p in procs:

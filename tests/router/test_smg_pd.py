@@ -47,7 +47,8 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then it runs into the f
 
 @contextmanager
 def servers(*flag_sets: list[str]) -> Iterator[list[ServerProcess]]:
-    """One ``hicache serve`` per flag set, started in parallel, all stopped on exit."""
+    """One ``hicache serve`` per flag set, started one after the other (on two cores no
+    slower than together), all stopped on exit."""
     with ExitStack() as stack:
         procs = [ServerProcess([*WORKER_FLAGS, *f], startup_timeout_s=120.0) for f in flag_sets]
         for p in procs:
