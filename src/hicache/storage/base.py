@@ -31,6 +31,7 @@ from hicache.heads import HeadSplit
 from hicache.keys import HEAD_RECORDS, Namespace, PageKey
 from hicache.memory import HostPool
 from hicache.memory.state_pool import StatePool
+from hicache.storage.allowed import AllowedNamespaces
 from hicache.storage.announce import Announcements, announce_key
 from hicache.storage.deadline import DeadlineRunner
 from hicache.storage.headio import (
@@ -153,13 +154,7 @@ class HiCacheStorage(ABC):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         self._namespace = namespace
         self._options = options or StorageOptions()
-        self._salts: set[str] = {namespace.tenant_salt}
-        self._components: set[str] = {namespace.component}
-        self._tenant_digests = {namespace.digest}
-        self._slot_components: set[str] = set()
-        self._slot_digests: set[bytes] = set()
-        """Namespaces whose records are one per key, never split per head (state slots,
-        :meth:`allow_whole`)."""
+        self._allowed = AllowedNamespaces(namespace)
         self._records: HeadRecords | None = None
         """The rank's head split and record group (:meth:`use_heads`)."""
         self._stages = StageCache()
@@ -257,7 +252,7 @@ class HiCacheStorage(ABC):
                 f" records={self._namespace.records!r}"
             )
         self._records = HeadRecords(heads, self._namespace.head_group)
-        self._allow()  # slot components' records are per rank
+        self._allowed.use_heads(heads)  # slot components' records are per rank
 
     @property
     def heads(self) -> HeadSplit | None:
@@ -276,7 +271,7 @@ class HiCacheStorage(ABC):
         page records and for keys of slot components."""
         if self._namespace.records != HEAD_RECORDS:
             return None
-        if key is not None and key.namespace_digest in self._slot_digests:
+        if key is not None and self._allowed.whole(key):
             return None
         if self._records is None:
             raise StorageError(
@@ -574,8 +569,7 @@ class HiCacheStorage(ABC):
     def allow_tenant(self, tenant_salt: str) -> None:
         """Also store and accept records of ``tenant_salt``'s namespace (this instance's
         namespace with that salt, for every allowed component), for keys chained under it."""
-        self._salts.add(tenant_salt)
-        self._allow()
+        self._allowed.allow_tenant(tenant_salt)
 
     def allow_component(self, component: str, *, slots: bool = False) -> None:
         """Also store and accept records of ``component``'s namespace (this instance's
@@ -583,34 +577,19 @@ class HiCacheStorage(ABC):
         as recurrent-state snapshots (``"mamba"``) or sliding-window pages (``"swa"``).
         ``slots``: its records are whole state slots, one per key even under head
         records."""
-        self._components.add(component)
-        if slots:
-            self._slot_components.add(component)
-        self._allow()
+        self._allowed.allow_component(component, slots=slots)
 
     def allow_whole(self, namespace: Namespace) -> None:
         """Keys of ``namespace`` (an engine's side pool's pages, say) are one record
         each, never split per head under a ``records="head"`` namespace; their records
         still carry this instance's namespace digest."""
-        self._slot_digests.add(namespace.digest)
-
-    def _allow(self) -> None:
-        ns, heads = self._namespace, self.heads
-        for s in self._salts:
-            for c in self._components:
-                component = ns.with_salt(s).with_component(c)
-                if c in self._slot_components:  # one rank's shard of whole slots
-                    if heads is not None:
-                        component = component.for_slots(heads.tp_size, heads.tp_rank)
-                    self._slot_digests.add(component.digest)
-                self._tenant_digests.add(component.digest)
+        self._allowed.allow_whole(namespace)
 
     def _digest_of(self, key: PageKey) -> bytes:
         """The namespace digest ``key``'s record must carry: the key's own when it is this
         instance's namespace or an allowed tenant's, else this instance's (so a record
         written or read under any other namespace is foreign)."""
-        d = key.namespace_digest
-        return d if d in self._tenant_digests else self._namespace.digest
+        return self._allowed.digest_of(key)
 
     def _require_started(self) -> None:
         if not self.started:
