@@ -1,10 +1,11 @@
 """Shared fixtures: the L3 services (Redis, Valkey, Mooncake) live in conftest_storage."""
 
-import gc
 import os
 
 import pytest
 import torch
+
+from hicache.lifecycle import skip_final_collection
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU tensors
@@ -29,6 +30,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The run is over: exit without the interpreter's last garbage collection (it walks
-    every object torch, transformers and the collected tests made; about a second)."""
-    gc.freeze()
+    """The run is over: exit without the interpreter's last collection."""
+    skip_final_collection()

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import importlib
 import logging
 import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
+
+from hicache.lifecycle import skip_final_collection
 
 BENCHES = {
     "tree": "hicache.bench.tree",
@@ -378,16 +379,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_and_exit() -> NoReturn:
-    """``python -m hicache.cli``: :func:`main`, then exit without the interpreter's last
-    garbage collection. That walks every object torch and transformers made (about a
-    second of CPU, each time a server or node stops); frozen, they are left to the OS,
-    which frees the memory anyway. Nothing waits on a collection by then: the engine, its
-    ranks and the services were closed by their own lifecycles, and the interpreter's
-    teardown (atexit, stream flushes) still runs."""
+    """``python -m hicache.cli``: :func:`main` (which closes the engine, its ranks and the
+    services), then exit without the interpreter's last collection."""
     try:
         code = main()
     finally:
-        gc.freeze()
+        skip_final_collection()
     raise SystemExit(code)
 
 

@@ -16,7 +16,6 @@ over one pipe end:
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from hicache.disagg.transport import Span
+from hicache.lifecycle import skip_final_collection
 from hicache.memory.device_pool import DevicePool
 from hicache.spec import KVSpec
 
@@ -79,7 +79,7 @@ def receiver(conn: Connection, backend: str, seed: int) -> None:
             )
     finally:
         t.close()
-        exiting()
+        skip_final_collection()
 
 
 def _slots(pages: list[int]) -> torch.Tensor:
@@ -119,13 +119,7 @@ def prefill_server(conn: Connection, backend: str, port: int, slow: Any | None) 
             conn.recv()
     finally:
         engine.close()
-        exiting()
-
-
-def exiting() -> None:
-    """A child about to exit skips the interpreter's last garbage collection: about a
-    second of CPU walking torch's objects, which its parent waits out in ``join``."""
-    gc.freeze()
+        skip_final_collection()
 
 
 def _first_write_paused(

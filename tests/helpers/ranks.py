@@ -9,7 +9,6 @@ results come back in rank order; a rank that raises fails the caller with its tr
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import traceback
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hicache.lifecycle import skip_final_collection
 from hicache.services.process import free_port
 
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -47,9 +47,7 @@ def _main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        # the process exits next: skip the interpreter's last collection (about a second
-        # of CPU walking torch's objects, per rank, while the test waits on the join)
-        gc.freeze()
+        skip_final_collection()  # the rank exits next; the test waits on its join
 
 
 def run_ranks(fn: Callable[..., Any], n: int, tmp_path: Path, *args: Any) -> list[Any]:

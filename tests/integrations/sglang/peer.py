@@ -8,11 +8,11 @@ HiCacheL3 through SGLang's factory, writes those pages under those keys
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 
 from hicache.integrations import pinned
+from hicache.lifecycle import skip_final_collection
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +34,5 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stdout.flush()
-    # skip the interpreter's last garbage collection: it walks every object SGLang, torch
-    # and transformers made (seconds of CPU) while the test waits for this process
-    gc.freeze()
+    skip_final_collection()  # SGLang's objects too: seconds, while the test waits
     sys.exit(code)
