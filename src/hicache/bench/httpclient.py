@@ -92,6 +92,16 @@ async def server_agreement(client: httpx.AsyncClient, url: str) -> tuple[float, 
     return seconds, steps
 
 
+def published_after(counters: Mapping[str, float], since: float, now: float) -> bool:
+    """Whether a server's cache figures in ``counters`` (:func:`parse_metrics` of its
+    ``/metrics``) were published after ``since`` (``perf_counter`` s; ``now`` is the
+    clock as they were read): the engine publishes them every ``stats_interval_s``, not
+    per request, and ``hicache_stats_age_seconds`` says how old they are. True without
+    that gauge (nothing to wait for)."""
+    age = counters.get("hicache_stats_age_seconds")
+    return age is None or now - age > since
+
+
 def parse_metrics(text: str, *, labels: bool = False) -> dict[str, float]:
     """The samples of a Prometheus text exposition (``/metrics``): by sample name summed
     over labels (``hicache_l3_read_bytes_total``, ...), or with ``labels`` each labelled

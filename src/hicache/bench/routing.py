@@ -57,7 +57,7 @@ from typing import Any
 
 import httpx
 
-from hicache.bench.httpclient import flush_cache, parse_metrics
+from hicache.bench.httpclient import flush_cache, parse_metrics, published_after
 from hicache.bench.pairs import quantile
 from hicache.bench.plot import plot_setups, print_table
 from hicache.bench.report import write_json
@@ -285,8 +285,7 @@ def _counters_after(
     while True:
         counters = _counters(workers)
         now = time.perf_counter()
-        ages = [c.get("hicache_stats_age_seconds") for c in counters]
-        if all(a is None or now - a > since for a in ages) or now > end:
+        if all(published_after(c, since, now) for c in counters) or now > end:
             return counters
         time.sleep(0.05)
 

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from hicache.bench.httpclient import (
     RequestRecord,
     flush_cache,
+    published_after,
     server_agreement,
     server_counters,
     server_ttft,
@@ -217,9 +218,8 @@ async def _counters_after(
     end = time.perf_counter() + wait_s
     while True:
         counters = await server_counters(client, url)
-        age = counters.get("hicache_stats_age_seconds")
         now = time.perf_counter()
-        if age is None or now - age > since or now > end:
+        if published_after(counters, since, now) or now > end:
             return counters
         await asyncio.sleep(0.05)
 
